@@ -1,0 +1,18 @@
+"""Configuration: typed schema (schema.py) and the loader that fills it (loader.py)."""
+
+from tessera.config.loader import build_config, config_digest, flat_dict, load_config
+from tessera.config.schema import (
+    Config,
+    ConfigError,
+    DataConfig,
+    MeshConfig,
+    ModelConfig,
+    OptimConfig,
+    ProfilerConfig,
+    RunConfig,
+)
+
+__all__ = [
+    "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig",
+    "ProfilerConfig", "RunConfig", "build_config", "config_digest", "flat_dict", "load_config",
+]

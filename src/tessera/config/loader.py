@@ -1,0 +1,211 @@
+"""Build a `Config` from base.yml, a model file, `key=value` overrides and `M_<KEY>` variables.
+
+Precedence, lowest first: `configs/base.yml` < `configs/models/<model_name>.yml` <
+`key=value` on the command line < `M_<KEY>` environment variables. Every value is coerced to
+the type the schema declares; anything wrong raises `ConfigError` with a message that names
+the key, the value and what would be accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields
+
+ENV_PREFIX = "M_"
+
+
+def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config:
+    """`argv` is `[path/to/base.yml, key=value, ...]` as given to train.py."""
+    if not argv:
+        raise ConfigError("no config file given; run e.g. `python3 train.py configs/base.yml run_name=demo`")
+    env = os.environ if env is None else env
+    base_path = Path(argv[0])
+    base = _read_yaml(base_path, "config file")
+    cli = _parse_overrides(argv[1:])
+    env_values = {k[len(ENV_PREFIX):].lower(): v for k, v in env.items() if k.startswith(ENV_PREFIX)}
+    env_values = {k: v for k, v in env_values.items() if k in all_fields()}
+
+    model_name = env_values.get("model_name", cli.get("model_name", base.get("model_name", "default")))
+    model_file = base_path.parent / "models" / f"{model_name}.yml"
+    if not model_file.is_file():
+        known = sorted(p.stem for p in (base_path.parent / "models").glob("*.yml"))
+        raise ConfigError(
+            f"model_name={model_name!r}: no file {model_file}. Known models: {', '.join(known) or 'none'}"
+        )
+    model = _read_yaml(model_file, "model file")
+    if "model_name" in model and model["model_name"] != model_name:
+        raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
+
+    merged: dict[str, Any] = {}
+    for source, values in (
+        (str(base_path), base),
+        (str(model_file), model),
+        ("the command line", cli),
+        ("the environment (M_<KEY>)", env_values),
+    ):
+        _check_known(values, source)
+        merged.update(values)
+    merged["model_name"] = model_name
+    return build_config(merged)
+
+
+def build_config(flat: Mapping[str, Any]) -> Config:
+    """Coerce and validate a flat {key: value} mapping (missing keys take schema defaults)."""
+    _check_known(flat, "the config")
+    fields = all_fields()
+    per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for name, raw in flat.items():
+        section, f = fields[name]
+        per_section[section][name] = coerce(name, raw, f)
+    cfg = Config(**{s: SECTIONS[s](**vals) for s, vals in per_section.items()})
+    validate(cfg)
+    return cfg
+
+
+def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"{what} {path} does not exist; pass a path such as configs/base.yml")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must be a mapping of key: value lines, got {type(data).__name__}")
+    return data
+
+
+def _parse_overrides(args: list[str]) -> dict[str, str]:
+    out = {}
+    for arg in args:
+        name, sep, value = arg.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"argument {arg!r} is not of the form key=value (e.g. steps=100)")
+        out[name.strip()] = value
+    return out
+
+
+def _check_known(values: Mapping[str, Any], source: str) -> None:
+    fields = all_fields()
+    for name in values:
+        if name not in fields:
+            close = difflib.get_close_matches(name, fields, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else "; see configs/base.yml for every key"
+            raise ConfigError(f"unknown config key {name!r} in {source}{hint}")
+
+
+def coerce(name: str, raw: Any, f: dataclasses.Field) -> Any:
+    """Convert `raw` (YAML value or command-line string) to the field's declared type."""
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    value = _convert(name, raw, kind)
+    choices, minimum = f.metadata["choices"], f.metadata["minimum"]
+    if choices and value not in choices:
+        raise ConfigError(f"{name}={raw!r} is not allowed; choose one of: {', '.join(repr(c) for c in choices)}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{name}={raw!r} is too small; it must be >= {minimum}")
+    return value
+
+
+def _convert(name: str, raw: Any, kind: str) -> Any:
+    bad = ConfigError(f"{name}={raw!r} is not a valid {kind}")
+    if kind == "str":
+        if isinstance(raw, (dict, list)):
+            raise bad
+        return "" if raw is None else str(raw)
+    if kind == "bool":
+        if isinstance(raw, bool):
+            return raw
+        text = str(raw).strip().lower()
+        if text in ("true", "1", "yes", "on"):
+            return True
+        if text in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{name}={raw!r} is not a valid bool; use true or false")
+    if kind == "int":
+        if isinstance(raw, bool):
+            raise bad
+        try:
+            number = float(raw)
+        except (TypeError, ValueError):
+            raise bad from None
+        if not math.isfinite(number) or number != int(number):
+            raise ConfigError(f"{name}={raw!r} must be a whole number")
+        return int(number)
+    if kind == "float":
+        if isinstance(raw, bool):
+            raise bad
+        try:
+            return float(raw)
+        except (TypeError, ValueError):
+            raise bad from None
+    if kind == "list":
+        value = raw
+        if isinstance(raw, str):
+            value = yaml.safe_load(raw) if raw.strip().startswith("[") else [s for s in raw.split(",") if s]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{name}={raw!r} must be a list of strings, e.g. {name}=[\"silu\",\"linear\"]")
+        return [v.strip() for v in value]
+    raise TypeError(f"schema field {name} has unsupported type {kind}")
+
+
+def validate(cfg: Config) -> None:
+    """Checks that involve more than one key (single-key checks happen in `coerce`)."""
+    from tessera.config.schema import ACTIVATIONS
+
+    m = cfg.model
+    scale = m.global_parameter_scale
+    if scale & (scale - 1):
+        raise ConfigError(f"global_parameter_scale={scale} must be a power of two (1, 2, 4, ..., 128, ...)")
+    if m.num_query_heads % m.num_kv_heads:
+        raise ConfigError(
+            f"query heads ({m.num_query_heads}) must be a multiple of kv heads ({m.num_kv_heads}); "
+            "change base_num_query_heads or base_num_kv_heads"
+        )
+    if not 1 <= len(m.mlp_activations) <= 2 or any(a not in ACTIVATIONS for a in m.mlp_activations):
+        raise ConfigError(
+            f"mlp_activations={m.mlp_activations} must be one or two of {', '.join(ACTIVATIONS)} "
+            "(two make a gated MLP, e.g. [\"silu\",\"linear\"])"
+        )
+    if m.enable_dropout and not 0.0 <= m.dropout_rate < 1.0:
+        raise ConfigError(f"dropout_rate={m.dropout_rate} must be in [0, 1)")
+    if m.head_dim % 2:
+        raise ConfigError(f"head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
+    for prefix in ("ici", "dcn"):
+        values = {n: getattr(cfg.mesh, n) for n in vars(cfg.mesh) if n.startswith(prefix)}
+        fills = [n for n, v in values.items() if v == -1]
+        if len(fills) > 1:
+            raise ConfigError(f"only one {prefix}_*_parallelism may be -1, but {', '.join(fills)} all are")
+        for n, v in values.items():
+            if v == 0 or v < -1:
+                raise ConfigError(f"{n}={v} must be a positive integer or -1 (fill from device count)")
+    for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
+        if getattr(cfg.mesh, n) not in (1, -1):
+            raise ConfigError(f"{n}={getattr(cfg.mesh, n)}: pipeline parallelism is not supported yet; "
+                              "use ici_fsdp_parallelism or ici_tensor_parallelism instead")
+    if cfg.mesh.ici_pipeline_parallelism == -1 or cfg.mesh.dcn_pipeline_parallelism == -1:
+        raise ConfigError("pipeline parallelism cannot be -1; leave it at 1")
+    if cfg.data.per_device_batch_size <= 0:
+        raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size} must be > 0")
+
+
+def flat_dict(cfg: Config) -> dict[str, Any]:
+    """Every key with its final value, in schema order."""
+    out = {}
+    for section in SECTIONS:
+        out.update(dataclasses.asdict(getattr(cfg, section)))
+    return out
+
+
+def config_digest(cfg: Config) -> str:
+    """Short stable hash of the final config (same keys and values -> same digest)."""
+    text = json.dumps(flat_dict(cfg), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

@@ -1,0 +1,237 @@
+"""The typed schema behind Tessera's flat config keys.
+
+Every public key lives in exactly one section dataclass below, with its type, its default
+and a one-line comment (units included). `configs/base.yml` is generated from this file
+(`python3 -m tessera.config.schema > configs/base.yml`) and a test keeps the two equal, so
+the documentation of a key and its behaviour cannot drift apart.
+
+Each component receives only its own section (`ModelConfig`, `MeshConfig`, ...); the root
+`Config` groups them and holds the values derived from several sections.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# The decoder blocks and attention kernels are listed here (not imported from the model
+# package) so that validating a config never imports JAX.
+DECODER_BLOCKS = ("llama2",)
+ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
+REMAT_POLICIES = (
+    "none",
+    "minimal",
+    "save_dot_except_mlp",
+    "save_qkv_proj",
+    "save_out_proj",
+    "qkv_proj_offloaded",
+    "minimal_offloaded",
+    "offload",
+    "full",
+)
+DTYPES = ("float32", "bfloat16", "float16")
+ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
+DATASET_TYPES = ("synthetic",)
+PROFILERS = ("", "xplane")
+
+
+def key(default: Any, doc: str, choices: tuple = (), minimum: float | None = None):
+    """A config field: its default, a one-line comment, and optionally the allowed values."""
+    meta = {"doc": doc, "choices": choices, "minimum": minimum}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    """Where a run writes and how long it lasts."""
+
+    run_name: str = key("", "name of the run; outputs go to base_output_directory/run_name (empty: a timestamped name)")
+    base_output_directory: str = key("outputs", "root folder for all runs (local path or gs://bucket/path)")
+    steps: int = key(150, "number of optimizer steps to train", minimum=1)
+    log_period: int = key(1, "print one metrics line every this many steps", minimum=1)
+    metrics_file: str = key("", "JSONL file of per-step metrics (empty: base_output_directory/run_name/metrics.jsonl)")
+    enable_tensorboard: bool = key(True, "write TensorBoard event files under base_output_directory/run_name/tensorboard")
+    init_weights_seed: int = key(0, "PRNG seed for parameter initialization and dropout")
+    report_warmup_steps: int = key(3, "steps left out of the run report's medians (compilation and warm-up)", minimum=0)
+
+
+@dataclass
+class ProfilerConfig:
+    """Trace capture."""
+
+    profiler: str = key("", "'' (off) or 'xplane' (JAX profiler trace, viewable in TensorBoard/Perfetto)", PROFILERS)
+    skip_first_n_steps_for_profiler: int = key(1, "steps to run before the trace starts (skips compilation)", minimum=0)
+    profiler_steps: int = key(5, "number of steps captured in the trace", minimum=1)
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the decoder. The base_* sizes are scaled by global_parameter_scale."""
+
+    model_name: str = key("default", "loads configs/models/<model_name>.yml over base.yml")
+    decoder_block: str = key("llama2", "decoder block family", DECODER_BLOCKS)
+    global_parameter_scale: int = key(
+        1,
+        "power of two S scaling base_* sizes: log2(S) = 3q + r; layers x2^q, emb x2^(q+[r>1]), "
+        "heads and mlp x2^(q+[r>0]) (model_name=1b global_parameter_scale=128 is ~128B params)",
+        minimum=1,
+    )
+    base_emb_dim: int = key(256, "model (embedding) width D before scaling", minimum=1)
+    base_num_query_heads: int = key(4, "attention query heads N before scaling", minimum=1)
+    base_num_kv_heads: int = key(4, "attention key/value heads K before scaling (K < N: grouped-query attention)", minimum=1)
+    head_dim: int = key(64, "width H of one attention head", minimum=1)
+    base_mlp_dim: int = key(768, "hidden width F of the MLP before scaling", minimum=1)
+    base_num_decoder_layers: int = key(4, "number of decoder blocks L before scaling", minimum=1)
+    vocab_size: int = key(512, "vocabulary size V (token ids are 0..V-1)", minimum=2)
+    mlp_activations: list = key(["silu", "linear"], "MLP activations; two entries make a gated MLP (act0(x W0) * act1(x W1))")
+    normalization_layer_epsilon: float = key(1e-5, "epsilon of RMSNorm", minimum=0.0)
+    rope_max_timescale: int = key(10000, "largest wavelength (theta) of the rotary position embedding", minimum=1)
+    logits_via_embedding: bool = key(False, "tie the output projection to the token embedding")
+    enable_dropout: bool = key(False, "apply dropout (dropout_rate) during training")
+    dropout_rate: float = key(0.0, "dropout probability after attention and MLP when enable_dropout=true", minimum=0.0)
+    use_iota_embed: bool = key(False, "embed tokens with a one-hot matmul instead of a gather (faster on some TPUs)")
+    dtype: str = key("float32", "activation (compute) dtype", DTYPES)
+    weight_dtype: str = key("float32", "parameter storage dtype (optimizer state follows it)", DTYPES)
+    logits_dot_in_fp32: bool = key(False, "compute the output-logits matmul in float32")
+    scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile)")
+    remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all)", REMAT_POLICIES)
+    attention: str = key("autoselected", "attention kernel: dot_product (reference) or the fastest fused one", ATTENTION_KINDS)
+
+    # --- derived sizes: the global_parameter_scale rule, in one place ---
+    def _scale_exponents(self) -> tuple[int, int, int]:
+        """(emb, heads_and_mlp, layers) exponents of two for global_parameter_scale."""
+        q, r = divmod(self.global_parameter_scale.bit_length() - 1, 3)
+        return q + (r > 1), q + (r > 0), q
+
+    @property
+    def emb_dim(self) -> int:
+        return self.base_emb_dim << self._scale_exponents()[0]
+
+    @property
+    def num_query_heads(self) -> int:
+        return self.base_num_query_heads << self._scale_exponents()[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.base_num_kv_heads << self._scale_exponents()[1]
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.base_mlp_dim << self._scale_exponents()[1]
+
+    @property
+    def num_decoder_layers(self) -> int:
+        return self.base_num_decoder_layers << self._scale_exponents()[2]
+
+
+@dataclass
+class MeshConfig:
+    """Device mesh. ici_* axes run inside a slice, dcn_* across slices; one of each may be -1."""
+
+    ici_data_parallelism: int = key(1, "data-parallel ways inside a slice (-1: fill from device count)")
+    ici_fsdp_parallelism: int = key(-1, "fully-sharded data-parallel ways inside a slice (-1: fill)")
+    ici_sequence_parallelism: int = key(1, "sequence (context) parallel ways inside a slice (-1: fill)")
+    ici_tensor_parallelism: int = key(1, "tensor (model) parallel ways inside a slice (-1: fill)")
+    ici_expert_parallelism: int = key(1, "expert-parallel ways inside a slice (-1: fill)")
+    ici_pipeline_parallelism: int = key(1, "pipeline stages inside a slice (only 1 is supported today)")
+    dcn_data_parallelism: int = key(-1, "data-parallel ways across slices (-1: fill from slice count)")
+    dcn_fsdp_parallelism: int = key(1, "fsdp ways across slices")
+    dcn_sequence_parallelism: int = key(1, "sequence-parallel ways across slices")
+    dcn_tensor_parallelism: int = key(1, "tensor-parallel ways across slices")
+    dcn_expert_parallelism: int = key(1, "expert-parallel ways across slices")
+    dcn_pipeline_parallelism: int = key(1, "pipeline stages across slices (only 1 is supported today)")
+    num_slices: int = key(-1, "number of slices (-1: detect from the devices)")
+    param_replication_warn_mib: float = key(
+        1.0, "report parameters larger than this (MiB) that end up fully replicated on a sharded mesh", minimum=0.0
+    )
+
+
+@dataclass
+class DataConfig:
+    """Input pipeline."""
+
+    dataset_type: str = key("synthetic", "input pipeline", DATASET_TYPES)
+    per_device_batch_size: float = key(8.0, "sequences per device per step (global batch = this x device count)", minimum=0.0)
+    max_target_length: int = key(128, "tokens per training sequence T", minimum=2)
+    reuse_example_batch: bool = key(False, "feed the first batch at every step (for speed tests)")
+    data_shuffle_seed: int = key(0, "seed of the synthetic token stream")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW, warm-up + cosine schedule, clipping and gradient accumulation."""
+
+    learning_rate: float = key(3e-3, "peak learning rate", minimum=0.0)
+    warmup_steps_fraction: float = key(0.1, "fraction of learning_rate_schedule_steps spent warming up linearly", minimum=0.0)
+    learning_rate_schedule_steps: int = key(-1, "length of the schedule in steps (-1: steps)")
+    cosine_learning_rate_final_fraction: float = key(0.1, "final learning rate as a fraction of the peak", minimum=0.0)
+    adam_b1: float = key(0.9, "AdamW beta1", minimum=0.0)
+    adam_b2: float = key(0.95, "AdamW beta2", minimum=0.0)
+    adam_eps: float = key(1e-8, "AdamW epsilon", minimum=0.0)
+    adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay", minimum=0.0)
+    gradient_clipping_threshold: float = key(1.0, "clip gradients to this global norm (0: no clipping)", minimum=0.0)
+    gradient_accumulation_steps: int = key(1, "micro-batches accumulated per optimizer step", minimum=1)
+
+
+class ConfigError(ValueError):
+    """A user error in the config: the message says which key, which value, and what to do."""
+
+
+@dataclass
+class Config:
+    """The whole config, one attribute per section. Components receive only their section."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    @property
+    def total_steps_in_schedule(self) -> int:
+        s = self.optim.learning_rate_schedule_steps
+        return self.run.steps if s == -1 else s
+
+
+SECTIONS = {
+    "run": RunConfig,
+    "profiler": ProfilerConfig,
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+}
+
+
+def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """Flat key -> (section name, dataclass field), for every public key."""
+    out = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            out[f.name] = (section, f)
+    return out
+
+
+def render_base_yml() -> str:
+    """The text of configs/base.yml: every key, its default and its comment, by section."""
+    import json
+
+    lines = [
+        "# Tessera base config: every key with its default. Generated from",
+        "# src/tessera/config/schema.py; regenerate with",
+        "#   python3 -m tessera.config.schema > configs/base.yml",
+        "# Precedence: this file < configs/models/<model_name>.yml < key=value < M_<KEY> env vars.",
+    ]
+    for section, cls in SECTIONS.items():
+        lines += ["", f"# --- {section}: {cls.__doc__.strip()}"]
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            value = json.dumps(default)  # JSON scalars and lists are valid YAML
+            choices = f.metadata["choices"]
+            extra = f" [one of: {', '.join(repr(c) for c in choices)}]" if choices else ""
+            lines.append(f"{f.name}: {value}  # {f.metadata['doc']}{extra}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,161 @@
+"""Device mesh and logical axis rules.
+
+Mesh axes, outermost first: data, stage, fsdp, sequence, tensor, expert. Their sizes come
+from `ici_*_parallelism` (inside a slice) times `dcn_*_parallelism` (across slices); one of
+each group may be -1 and is filled from the device or slice count.
+
+Parameters and activations carry logical axis names; `LOGICAL_RULES` (one entry per name)
+maps each to the mesh axes it is split over. A mesh axis of size 1, one already used by an
+earlier dimension, or one that does not divide the dimension is skipped, so the same model
+runs on any mesh; `logical_spec` is the single place that decision is made.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from tessera.config import ConfigError, MeshConfig
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
+_KEY_NAME = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "sequence": "sequence",
+             "tensor": "tensor", "expert": "expert"}
+
+# logical name -> mesh axes it may be split over (in order). Activation names start with act_
+# where the parameter of the same concept is split differently.
+LOGICAL_RULES: dict[str, tuple[str, ...]] = {
+    # activations
+    "batch": ("data", "fsdp", "expert"),
+    "length": ("sequence",),
+    "act_embed": (),
+    "act_heads": ("tensor",),
+    "act_kv_heads": ("tensor",),
+    "act_mlp": ("tensor",),
+    "act_vocab": ("tensor",),
+    # parameters
+    "layers": (),
+    "embed": ("fsdp", "sequence"),
+    "vocab": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "mlp": ("tensor",),
+    "norm": (),
+}
+
+
+def _resolve(kind: str, sizes: dict[str, int], total: int, unit: str) -> dict[str, int]:
+    """Fill a -1 entry and check that the product equals `total`."""
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    fill = [axis for axis, v in sizes.items() if v == -1]
+    if fill:
+        if total % fixed:
+            raise ConfigError(
+                f"{_describe(kind, sizes)}: the fixed factors multiply to {fixed}, which does not divide "
+                f"the {total} {unit}; change them so their product divides {total}"
+            )
+        sizes = {**sizes, fill[0]: total // fixed}
+    if math.prod(sizes.values()) != total:
+        raise ConfigError(
+            f"{_describe(kind, sizes)} = {math.prod(sizes.values())}, but there are {total} {unit}; "
+            f"make the product {total} or set one of them to -1"
+        )
+    return sizes
+
+
+def _describe(kind: str, sizes: dict[str, int]) -> str:
+    return " * ".join(f"{kind}_{_KEY_NAME[a]}_parallelism={v}" for a, v in sizes.items())
+
+
+def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
+    """(ici sizes, dcn sizes) per mesh axis after filling -1 and checking the products."""
+    if num_devices % num_slices:
+        raise ConfigError(f"{num_devices} devices cannot be split evenly into num_slices={num_slices}")
+    ici = {a: getattr(cfg, f"ici_{_KEY_NAME[a]}_parallelism") for a in MESH_AXES}
+    dcn = {a: getattr(cfg, f"dcn_{_KEY_NAME[a]}_parallelism") for a in MESH_AXES}
+    return _resolve("ici", ici, num_devices // num_slices, "devices in a slice"), _resolve(
+        "dcn", dcn, num_slices, "slices"
+    )
+
+
+def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """The device mesh for this config; ICI axes inside a slice, DCN axes across slices."""
+    devices = list(jax.devices() if devices is None else devices)
+    detected = len({getattr(d, "slice_index", 0) for d in devices})
+    num_slices = detected if cfg.num_slices == -1 else cfg.num_slices
+    ici, dcn = mesh_shape(cfg, len(devices), num_slices)
+    ici_shape, dcn_shape = tuple(ici.values()), tuple(dcn.values())
+    if num_slices > 1:
+        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, allow_split_physical_axes=True)
+    else:
+        grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+    mesh = Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    log.info("mesh %s over %d devices (%d slice(s))", dict(mesh.shape), len(devices), num_slices)
+    return mesh
+
+
+def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh_sizes: dict[str, int]) -> PartitionSpec:
+    """PartitionSpec for an array with logical axis `names` on a mesh with `mesh_sizes`."""
+    if len(names) != len(shape):
+        raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(names, shape):
+        if name is not None and name not in LOGICAL_RULES:
+            raise KeyError(f"logical axis {name!r} has no entry in LOGICAL_RULES")
+        axes = []
+        for axis in LOGICAL_RULES.get(name, ()) if name else ():
+            size = mesh_sizes.get(axis, 1)
+            if size == 1 or axis in used:
+                continue
+            if dim % (math.prod(mesh_sizes[a] for a in axes) * size):
+                continue
+            axes.append(axis)
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else tuple(axes))
+    return PartitionSpec(*spec)
+
+
+def shard_logically(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """Constrain an activation to its logical sharding on the current mesh (no-op without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(names, x.shape, dict(mesh.shape)))
+
+
+def named_shardings(mesh: Mesh, logical_tree, shape_tree):
+    """NamedShardings for a pytree of logical-name tuples and a matching pytree of shapes."""
+    sizes = dict(mesh.shape)
+    return jax.tree.map(
+        lambda names, s: NamedSharding(mesh, logical_spec(names, s.shape, sizes)),
+        logical_tree,
+        shape_tree,
+        is_leaf=lambda x: isinstance(x, tuple),
+    )
+
+
+def sharding_report(mesh: Mesh, shardings, shapes, warn_mib: float) -> tuple[list[str], list[str]]:
+    """A table (path, shape, spec) of every parameter, and warnings for large replicated ones."""
+    rows, warnings = [], []
+    sharded_mesh = any(v > 1 for v in mesh.shape.values())
+    flat_shapes = dict(jax.tree_util.tree_flatten_with_path(shapes)[0])
+    for path, sharding in jax.tree_util.tree_flatten_with_path(shardings)[0]:
+        s = flat_shapes[path]
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        rows.append(f"{name:<48} {str(tuple(s.shape)):<24} {sharding.spec}")
+        mib = np.prod(s.shape) * np.dtype(s.dtype).itemsize / 2**20
+        if sharded_mesh and sharding.is_fully_replicated and mib > warn_mib:
+            warnings.append(
+                f"parameter {name} {tuple(s.shape)} ({mib:.1f} MiB) is fully replicated on mesh "
+                f"{dict(mesh.shape)}: none of its dimensions divides by a mesh axis it may use"
+            )
+    return rows, warnings

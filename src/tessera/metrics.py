@@ -1,0 +1,127 @@
+"""FLOPs model, device peaks, per-step metrics writers and the end-of-run report.
+
+The FLOPs formula (`training_flops_per_step`) is the one used for every TFLOP/s and MFU number
+Tessera prints. It counts matrix multiplications only, forward + backward (3 x forward),
+and not the recomputation that rematerialization adds (model FLOPs, as in the PaLM paper's
+MFU). Causal attention counts the half of the score matrix that is not masked; pass
+`causal=False` to count the full matrix, which is what the reference dot-product kernel
+executes (the unit test compares that variant with XLA's own count).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from pathlib import Path
+from typing import Any
+
+from tessera.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) bf16 peak TFLOP/s per chip, from the vendors' data sheets. Matched
+# against jax's device_kind by substring, first match wins (so "h100 pcie" precedes "h100").
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("h100 pcie", 756.0),
+    ("h100", 989.0),
+    ("h200", 989.0),
+    ("gh200", 989.0),
+    ("b200", 2250.0),
+    ("a100", 312.0),
+    ("mi355x", 2516.6),
+    ("mi300x", 1307.4),
+    ("tpu v4", 275.0),
+    ("tpu v5 lite", 197.0),
+    ("tpu v5e", 197.0),
+    ("tpu v5p", 459.0),
+    ("tpu v5", 459.0),
+    ("tpu v6 lite", 918.0),
+    ("tpu v6e", 918.0),
+]
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """Peak dense bf16 TFLOP/s for a device kind, or None when the device is not in the table."""
+    kind = device_kind.lower()
+    for pattern, peak in PEAK_BF16_TFLOPS:
+        if pattern in kind:
+            return peak
+    return None
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul for every token: blocks plus the output projection."""
+    d, n, k, h, f = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
+    attention = d * n * h * 2 + d * k * h * 2  # q, o and k, v
+    mlp = d * f * (len(cfg.mlp_activations) + 1)
+    logits = d * cfg.vocab_size * (2 if cfg.use_iota_embed else 1)  # iota embedding is a matmul too
+    return cfg.num_decoder_layers * (attention + mlp) + logits
+
+
+def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: bool = True) -> float:
+    """Model FLOPs of one training step (forward + backward) on `batch` sequences of `length`."""
+    tokens = batch * length
+    dense = 2 * matmul_params(cfg) * tokens
+    # scores q.k and the weighted sum p.v: 2 matmuls of 2*T*H FLOPs per query token and head
+    attention = 4 * cfg.num_decoder_layers * cfg.num_query_heads * cfg.head_dim * length * tokens
+    if causal:
+        attention /= 2
+    return 3.0 * (dense + attention)
+
+
+class MetricsWriter:
+    """Writes each step's record to stdout (every `log_period`), a JSONL file and TensorBoard."""
+
+    def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, log_period: int):
+        metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        self._jsonl = metrics_file.open("a")
+        self._tb = None
+        if tensorboard_dir is not None:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(tensorboard_dir))
+        self.log_period = log_period
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        step = record["step"]
+        if self._tb is not None:
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"train/{name}", value, step)
+        if step % self.log_period == 0 or step == 1:
+            log.info(format_record(record))
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def format_record(r: dict[str, Any]) -> str:
+    mfu = "MFU n/a" if r.get("mfu") is None else f"MFU {100 * r['mfu']:.1f}%"
+    return (
+        f"step {r['step']:>5} | loss {r['loss']:.4f} | {r['step_seconds']:.3f} s | "
+        f"{r['tflops_per_sec_per_device']:.2f} TFLOP/s/dev | {r['tokens_per_sec_per_device']:,.0f} tok/s/dev | {mfu}"
+    )
+
+
+def run_report(records: list[dict[str, Any]], warmup_steps: int, **extra: Any) -> dict[str, Any]:
+    """Medians over the steps after warm-up (all steps if the run was shorter)."""
+    steady = records[warmup_steps:] or records
+    median = lambda name: statistics.median(r[name] for r in steady) if steady else None  # noqa: E731
+    mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
+    return {
+        "steps": len(records),
+        "steps_in_medians": len(steady),
+        "final_loss": records[-1]["loss"] if records else None,
+        "step_seconds": median("step_seconds"),
+        "tflops_per_sec_per_device": median("tflops_per_sec_per_device"),
+        "tokens_per_sec_per_device": median("tokens_per_sec_per_device"),
+        "mfu": statistics.median(mfus) if mfus else None,
+        **extra,
+    }

@@ -1,0 +1,54 @@
+"""Decoder models. `ModelDef` is the functional face of an NNX model used by the trainer:
+parameters are a plain nested dict of arrays, initialized and applied by pure functions."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from tessera.config import ModelConfig
+from tessera.models.blocks import BLOCKS
+from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder
+
+__all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDef:
+    """A model's structure without its weights: `init` makes parameters, `apply` runs them."""
+
+    cfg: ModelConfig
+    attention_kernel: str
+    graphdef: Any
+    abstract_state: Any  # nnx.State of ShapeDtypeStructs, with sharding_names metadata
+
+    def init(self, key: jax.Array) -> dict:
+        """Fresh parameters as a nested dict of arrays (call under jit to create them sharded)."""
+        model = Decoder(self.cfg, self.attention_kernel, nnx.Rngs(params=key))
+        return nnx.to_pure_dict(nnx.state(model))
+
+    def apply(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
+              packed: bool = False):
+        """Logits [B, T, V] in float32 for `tokens_bt` [B, T]."""
+        state = jax.tree.map(lambda x: x, self.abstract_state)  # a fresh State to fill
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)
+
+    def param_shapes(self) -> dict:
+        """Nested dict of ShapeDtypeStruct, the same structure as `init`'s result."""
+        return nnx.to_pure_dict(self.abstract_state)
+
+    def logical_axes(self) -> dict:
+        """Nested dict of logical axis-name tuples, one per parameter."""
+        specs = nnx.to_pure_dict(nnx.get_partition_spec(self.abstract_state))
+        return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
+def build_model(cfg: ModelConfig, attention_kernel: str = "dot_product") -> ModelDef:
+    """The structure of the model `cfg` describes; no parameter memory is allocated."""
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, attention_kernel, nnx.Rngs(params=0)))
+    graphdef, state = nnx.split(abstract)
+    return ModelDef(cfg, attention_kernel, graphdef, state)

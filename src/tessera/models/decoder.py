@@ -1,0 +1,122 @@
+"""The decoder-only language model: embedding, a stack of blocks, final norm, logits.
+
+With `scan_layers=true` the blocks' parameters are stacked on a leading `layers` axis and run
+with `jax.lax.scan` (one compiled block, fast compiles); with `false` they are separate
+modules `layers_0 ... layers_{L-1}` run in a Python loop. Both compute the same function on
+the same weights (`stack_layers`/`unstack_layers` convert between the layouts).
+
+`remat_policy` maps to a `jax.checkpoint` policy applied around each block (`REMAT_POLICIES`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from tessera.config import ModelConfig
+from tessera.mesh import shard_logically
+from tessera.models.blocks import BLOCKS
+from tessera.models.layers import Embed, RMSNorm, dropout, fan_in_std, param
+
+_cp = jax.checkpoint_policies
+_OFFLOADABLE = ["query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwo"]
+
+
+def _offload(names_saved, names_offloaded):
+    return _cp.save_and_offload_only_these_names(
+        names_which_can_be_saved=names_saved, names_which_can_be_offloaded=names_offloaded,
+        offload_src="device", offload_dst="pinned_host")
+
+
+# remat_policy -> jax.checkpoint policy; "none" means no checkpointing (keep every activation)
+# and "full" means keep nothing but the block's input.
+REMAT_POLICIES = {
+    "none": None,
+    "full": _cp.nothing_saveable,
+    "minimal": _cp.checkpoint_dots_with_no_batch_dims,
+    "save_dot_except_mlp": _cp.save_only_these_names("query_proj", "key_proj", "value_proj", "context", "out_proj"),
+    "save_qkv_proj": _cp.save_only_these_names("query_proj", "key_proj", "value_proj"),
+    "save_out_proj": _cp.save_only_these_names("out_proj"),
+    "qkv_proj_offloaded": _offload([], ["query_proj", "key_proj", "value_proj"]),
+    "minimal_offloaded": _offload([], _OFFLOADABLE),
+    "offload": _offload([], _OFFLOADABLE),
+}
+OFFLOADING_POLICIES = ("qkv_proj_offloaded", "minimal_offloaded", "offload")
+
+
+def remat(fn, policy_name: str, in_scan: bool):
+    if policy_name == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=not in_scan)
+
+
+class Decoder(nnx.Module):
+    """Token ids [B, T] -> logits [B, T, V] (float32)."""
+
+    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
+        dtype, wdtype = cfg.dtype, cfg.weight_dtype
+        block_cls = BLOCKS[cfg.decoder_block]
+        self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype, wdtype, cfg.use_iota_embed, rngs)
+        if cfg.scan_layers:
+            self.layers = _stacked_blocks(lambda r: block_cls(cfg, attention_kernel, r), cfg.num_decoder_layers, rngs)
+        else:
+            for i in range(cfg.num_decoder_layers):
+                setattr(self, f"layers_{i}", block_cls(cfg, attention_kernel, rngs))
+        self.final_norm = RMSNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, dtype, wdtype, rngs)
+        if not cfg.logits_via_embedding:
+            self.logits_dense_dv = param(rngs, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), wdtype,
+                                         fan_in_std(cfg.emb_dim))
+        self.cfg = cfg
+
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None, packed=False):
+        cfg = self.cfg
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        if segment_ids_bt is None:
+            segment_ids_bt = jnp.ones_like(tokens_bt)
+        rate = cfg.dropout_rate if cfg.enable_dropout else 0.0
+        keys = [None] * (cfg.num_decoder_layers + 1)
+        if dropout_key is not None and rate > 0:
+            keys = list(jax.random.split(dropout_key, cfg.num_decoder_layers + 1))
+
+        x = self.token_embedder(tokens_bt)
+        x = shard_logically(dropout(x, rate, keys[-1]), ("batch", "length", "act_embed"))
+        if cfg.scan_layers:
+            x = self._scan_blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed)
+        else:
+            for i in range(cfg.num_decoder_layers):
+                block = getattr(self, f"layers_{i}")
+                call = remat(lambda blk, h, k: blk(h, positions_bt, segment_ids_bt, k, packed), cfg.remat_policy, False)
+                x = call(block, x, keys[i])
+        x = self.final_norm(x)
+        if cfg.logits_via_embedding:
+            logits = self.token_embedder.attend(x, cfg.logits_dot_in_fp32)
+        else:
+            dtype = jnp.float32 if cfg.logits_dot_in_fp32 else cfg.dtype
+            logits = jnp.einsum("btd,dv->btv", x.astype(dtype), self.logits_dense_dv[...].astype(dtype))
+        return shard_logically(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
+
+    def _scan_blocks(self, x, positions_bt, segment_ids_bt, keys, packed):
+        graphdef, stacked = nnx.split(self.layers)
+        use_keys = keys[0] is not None
+
+        def body(h, layer):
+            layer_state, key = layer
+            block = nnx.merge(graphdef, layer_state)
+            return block(h, positions_bt, segment_ids_bt, key if use_keys else None, packed), None
+
+        xs = (stacked, jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32))
+        x, _ = jax.lax.scan(remat(body, self.cfg.remat_policy, True), x, xs)
+        return x
+
+
+def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs):
+    """`num_layers` independently initialized blocks with parameters stacked on axis 0."""
+
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r):
+        return make_block(r)
+
+    return make(rngs)

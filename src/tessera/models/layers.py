@@ -1,0 +1,119 @@
+"""Building blocks shared by the decoder families: norms, embeddings, rotary positions, MLP.
+
+Parameters carry logical axis names (`sharding_names`); `tessera.mesh` maps them to mesh axes.
+Eager sharding is off: parameters are placed by the trainer with `jit(out_shardings=...)`.
+
+Shapes use the suffix convention of STYLE.md: B batch, T length, D embed, N query heads,
+K kv heads, H head dim, F mlp, V vocab.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from tessera.mesh import shard_logically
+
+
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], dtype, std: float | None):
+    """A parameter with logical axis names; normal(std) init, or ones when std is None."""
+    if std is None:
+        value = jnp.ones(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+
+
+def fan_in_std(fan_in: int) -> float:
+    """LeCun normal: keeps activations at unit variance through a matmul with `fan_in` inputs."""
+    return fan_in**-0.5
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm with a learned scale (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float, dtype, weight_dtype, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), ("norm",), weight_dtype, None)
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x = x_btd.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]; also the output projection when logits are tied."""
+
+    def __init__(self, vocab: int, dim: int, dtype, weight_dtype, use_iota: bool, rngs: nnx.Rngs):
+        self.table_vd = param(rngs, (vocab, dim), ("vocab", "embed"), weight_dtype, fan_in_std(dim))
+        self.dtype, self.use_iota = dtype, use_iota
+
+    def __call__(self, tokens_bt: jax.Array) -> jax.Array:
+        table = self.table_vd[...].astype(self.dtype)
+        if self.use_iota:
+            one_hot_btv = jax.nn.one_hot(tokens_bt, table.shape[0], dtype=self.dtype)
+            return jnp.einsum("btv,vd->btd", one_hot_btv, table)
+        return jnp.take(table, tokens_bt, axis=0)
+
+    def attend(self, x_btd: jax.Array, in_fp32: bool) -> jax.Array:
+        """Tied output logits x @ table^T: [B, T, D] -> [B, T, V]."""
+        table = self.table_vd[...]
+        dtype = jnp.float32 if in_fp32 else self.dtype
+        return jnp.einsum("btd,vd->btv", x_btd.astype(dtype), table.astype(dtype))
+
+
+def rotary(x_btnh: jax.Array, positions_bt: jax.Array, max_timescale: int) -> jax.Array:
+    """Rotary position embedding, rotating the two halves of the head dimension.
+
+    The half-split layout (pairs (i, i + H/2)) is the one Hugging Face checkpoints use, so
+    converted weights need no permutation.
+    """
+    half = x_btnh.shape[-1] // 2
+    inv_freq_h = max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_bth = positions_bt[..., None].astype(jnp.float32) * inv_freq_h
+    sin, cos = jnp.sin(angle_bth)[:, :, None, :], jnp.cos(angle_bth)[:, :, None, :]
+    x = x_btnh.astype(jnp.float32)
+    first, second = x[..., :half], x[..., half:]
+    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return out.astype(x_btnh.dtype)
+
+
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": jax.nn.gelu,
+    "relu": jax.nn.relu,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "linear": lambda x: x,
+}
+
+
+class Mlp(nnx.Module):
+    """Feed-forward block: act0(x W0) [* act1(x W1)] W_out. Two activations make it gated."""
+
+    def __init__(self, dim: int, hidden: int, activations: list[str], dtype, weight_dtype, rngs: nnx.Rngs):
+        for i in range(len(activations)):  # wi_0 (gate when two activations), wi_1 (up)
+            setattr(self, f"wi_{i}", param(rngs, (dim, hidden), ("embed", "mlp"), weight_dtype, fan_in_std(dim)))
+        self.wo_fd = param(rngs, (hidden, dim), ("mlp", "embed"), weight_dtype, fan_in_std(hidden))
+        self.activations, self.dtype = tuple(activations), dtype
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        h_btf = None
+        for i, name in enumerate(self.activations):
+            w_df = getattr(self, f"wi_{i}")[...].astype(self.dtype)
+            a = ACTIVATIONS[name](jnp.einsum("btd,df->btf", x_btd, w_df))
+            h_btf = a if h_btf is None else h_btf * a
+        h_btf = checkpoint_name(shard_logically(h_btf, ("batch", "length", "act_mlp")), "mlpwi")
+        out = jnp.einsum("btf,fd->btd", h_btf, self.wo_fd[...].astype(self.dtype))
+        return checkpoint_name(out, "mlpwo")
+
+
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+    """Inverted dropout; the identity when `key` is None (evaluation) or `rate` is 0."""
+    if key is None or rate == 0.0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
