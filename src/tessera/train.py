@@ -158,7 +158,7 @@ def make_train_step(trainer: Trainer, seed: int):
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
-        stats = {"loss": loss_sum / count, "grad_norm": optax.global_norm(grads),
+        stats = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
                  "learning_rate": schedule(state["step"]), "tokens": count}
         return new_state, stats
 

@@ -23,7 +23,7 @@ def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], dtype,
         value = jnp.ones(shape, dtype)
     else:
         value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, sharding_names=names, eager_sharding=False)
+    return nnx.Param(value, out_sharding=names, eager_sharding=False)
 
 
 def fan_in_std(fan_in: int) -> float:

@@ -1,0 +1,131 @@
+"""Model behaviour: scan == loop, remat policies == none, GQA, causality, loss masking."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from tessera.config.schema import REMAT_POLICIES
+from tessera.models import build_model
+from tessera.models.attention import dot_product_attention, select_attention
+from tessera.train import loss_sums
+
+
+def _batch(cfg, seed=0, batch=2):
+    rng = np.random.default_rng(seed)
+    t = cfg.data.max_target_length + 1
+    return {"tokens": jnp.asarray(rng.integers(0, cfg.model.vocab_size, (batch, t)), jnp.int32),
+            "segment_ids": jnp.ones((batch, t), jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))}
+
+
+def _unstack(params, num_layers):
+    """Scanned layout {'layers': stacked} -> unscanned {'layers_0': ..., ...}."""
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_layers):
+        out[f"layers_{i}"] = jax.tree.map(lambda x: x[i], params["layers"])
+    return out
+
+
+def test_scan_and_loop_compute_the_same_function():
+    scanned = build_model(tiny_config(scan_layers=True).model)
+    looped = build_model(tiny_config(scan_layers=False).model)
+    params = scanned.init(jax.random.key(1))
+    tokens = _batch(tiny_config())["tokens"][:, :-1]
+    a = scanned.apply(params, tokens)
+    b = looped.apply(_unstack(params, 3), tokens)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+@pytest.mark.parametrize("scan", [True, False])
+def test_remat_policy_gives_same_gradients(policy, scan):
+    cfg = tiny_config(scan_layers=scan)
+    batch = _batch(cfg)
+
+    def grads(policy_name):
+        model = build_model(tiny_config(scan_layers=scan, remat_policy=policy_name).model)
+        params = model.init(jax.random.key(0))
+        return jax.jit(jax.grad(lambda p: loss_sums(model, p, batch, None)[0]))(params)
+
+    reference, got = grads("none"), grads(policy)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), reference, got)
+
+
+def test_grouped_query_attention_equals_repeated_kv_heads():
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(2, 7, 6, 4)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, 7, 2, 4)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, 7, 2, 4)), jnp.float32)
+    seg = jnp.ones((2, 7), jnp.int32)
+    grouped = dot_product_attention(q, k, v, seg, seg)
+    full = dot_product_attention(q, jnp.repeat(k, 3, axis=2), jnp.repeat(v, 3, axis=2), seg, seg)
+    np.testing.assert_allclose(grouped, full, rtol=1e-6, atol=1e-6)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    np.testing.assert_allclose(grouped, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_model_is_causal():
+    model = build_model(tiny_config().model)
+    params = model.init(jax.random.key(0))
+    tokens = _batch(tiny_config())["tokens"][:, :-1]
+    changed = tokens.at[:, 8:].set((tokens[:, 8:] + 1) % 96)
+    a, b = model.apply(params, tokens), model.apply(params, changed)
+    np.testing.assert_allclose(a[:, :8], b[:, :8], rtol=1e-6, atol=1e-6)
+    assert not np.allclose(a[:, 8:], b[:, 8:])
+
+
+def test_loss_shifts_targets_and_masks_padding():
+    cfg = tiny_config()
+    model = build_model(cfg.model)
+    params = model.init(jax.random.key(0))
+    batch = _batch(cfg, batch=1)
+    tokens = batch["tokens"]
+    # reference: explicit next-token cross-entropy over the first 8 targets
+    logits = model.apply(params, tokens[:, :-1])
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    ref = -sum(float(logp[0, t, tokens[0, t + 1]]) for t in range(8))
+    padded = dict(batch, segment_ids=batch["segment_ids"].at[:, 9:].set(0),
+                  tokens=tokens.at[:, 9:].set(0))
+    total, count = loss_sums(model, params, padded, None)
+    assert int(count) == 8
+    np.testing.assert_allclose(float(total), ref, rtol=1e-5)
+
+
+def test_tied_embeddings_have_no_output_matrix():
+    model = build_model(tiny_config(logits_via_embedding=True).model)
+    assert "logits_dense_dv" not in model.param_shapes()
+    params = model.init(jax.random.key(0))
+    assert model.apply(params, _batch(tiny_config())["tokens"][:, :-1]).shape == (2, 12, 96)
+
+
+def test_dropout_changes_training_outputs_only_with_a_key():
+    model = build_model(tiny_config(enable_dropout=True, dropout_rate=0.5).model)
+    params = model.init(jax.random.key(0))
+    tokens = _batch(tiny_config())["tokens"][:, :-1]
+    a = model.apply(params, tokens)
+    np.testing.assert_array_equal(a, model.apply(params, tokens))
+    b = model.apply(params, tokens, dropout_key=jax.random.key(3))
+    assert not np.allclose(a, b)
+
+
+def test_bfloat16_compute():
+    model = build_model(tiny_config(dtype="bfloat16", weight_dtype="float32").model)
+    params = model.init(jax.random.key(0))
+    assert jax.tree.leaves(params)[0].dtype == jnp.float32
+    out = model.apply(params, _batch(tiny_config())["tokens"][:, :-1])
+    assert out.dtype == jnp.float32 and bool(jnp.all(jnp.isfinite(out)))
+
+
+@pytest.mark.parametrize("requested, platform, dtype, head_dim, kernel, why", [
+    ("dot_product", "gpu", "bfloat16", 128, "dot_product", "requested"),
+    ("autoselected", "cpu", "bfloat16", 128, "dot_product", "platform 'cpu'"),
+    ("flash", "tpu", "bfloat16", 128, "dot_product", "platform 'tpu'"),
+    ("cudnn_flash_te", "gpu", "float32", 128, "dot_product", "bfloat16/float16"),
+    ("autoselected", "gpu", "bfloat16", 100, "dot_product", "multiple of 8"),
+    ("autoselected", "gpu", "bfloat16", 128, "cudnn", "cuDNN"),
+])
+def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype, head_dim, kernel, why):
+    choice = select_attention(requested, platform, dtype, head_dim)
+    assert choice.kernel == kernel and why in choice.reason
