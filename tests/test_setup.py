@@ -1,0 +1,37 @@
+"""setup.sh refuses clearly when it cannot find a usable Python (and changes nothing)."""
+
+import os
+import shutil
+import subprocess
+
+from conftest import REPO
+
+
+def _run_setup(tmp_path, env_extra, path):
+    env = {"PATH": path, "HOME": str(tmp_path), **env_extra}
+    return subprocess.run(["bash", str(REPO / "setup.sh"), f"VENV={tmp_path / 'venv'}"], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_no_python_found(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "dirname", "sort", "head", "rm", "printf"):
+        found = shutil.which(tool)
+        if found:
+            os.symlink(found, bin_dir / tool)
+    proc = _run_setup(tmp_path, {}, str(bin_dir))
+    assert proc.returncode == 1
+    assert "no Python 3.11, 3.12 or 3.13" in proc.stderr and "PYTHON=" in proc.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_unusable_python_given(tmp_path):
+    proc = _run_setup(tmp_path, {"PYTHON": "/bin/false"}, os.environ["PATH"])
+    assert proc.returncode == 1 and "not a usable Python >= 3.11" in proc.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_bad_device_argument(tmp_path):
+    proc = subprocess.run(["bash", str(REPO / "setup.sh"), "DEVICE=fpga"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "DEVICE=fpga is not one of cpu, gpu, tpu" in proc.stderr
