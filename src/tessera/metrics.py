@@ -51,10 +51,13 @@ def peak_tflops(device_kind: str) -> float | None:
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul for every token: blocks plus the output projection."""
+    """Weights that take part in a matmul for every token: blocks plus the output projection.
+    With experts (num_experts > 1) a token passes through num_experts_per_tok of them and the router."""
     d, n, k, h, f = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     attention = d * n * h * 2 + d * k * h * 2  # q, o and k, v
     mlp = d * f * (len(cfg.mlp_activations) + 1)
+    if cfg.num_experts > 1:
+        mlp = mlp * cfg.num_experts_per_tok + d * cfg.num_experts
     logits = d * cfg.vocab_size * (2 if cfg.use_iota_embed else 1)  # iota embedding is a matmul too
     return cfg.num_decoder_layers * (attention + mlp) + logits
 

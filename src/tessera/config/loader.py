@@ -177,6 +177,9 @@ def validate(cfg: Config) -> None:
         )
     if m.enable_dropout and not 0.0 <= m.dropout_rate < 1.0:
         raise ConfigError(f"dropout_rate={m.dropout_rate} must be in [0, 1)")
+    if m.num_experts_per_tok > m.num_experts:
+        raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more than num_experts={m.num_experts}; "
+                          "a token cannot be routed to more experts than there are")
     if m.head_dim % 2:
         raise ConfigError(f"head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
     for prefix in ("ici", "dcn"):

@@ -99,6 +99,9 @@ class ModelConfig:
     scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile)")
     remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all)", REMAT_POLICIES)
     attention: str = key("autoselected", "attention kernel: dot_product (reference) or the fastest fused one", ATTENTION_KINDS)
+    num_experts: int = key(1, "experts per mixture-of-experts MLP (1: dense MLP; >1 is read by the estimator only so far)",
+                           minimum=1)
+    num_experts_per_tok: int = key(1, "experts each token is routed to (top-k) when num_experts > 1", minimum=1)
 
     # --- derived sizes: the global_parameter_scale rule, in one place ---
     def _scale_exponents(self) -> tuple[int, int, int]:
@@ -176,6 +179,17 @@ class OptimConfig:
     gradient_accumulation_steps: int = key(1, "micro-batches accumulated per optimizer step", minimum=1)
 
 
+@dataclass
+class CompileConfig:
+    """Ahead-of-time compilation of the train step for a TPU topology on any host (train_compile)."""
+
+    compile_topology: str = key("", "TPU slice to AOT-compile for, e.g. v5p-256, v5e-256, v6e-256, v4-128 ('': none)")
+    compile_topology_num_slices: int = key(1, "number of such slices joined over DCN (data center network)", minimum=1)
+    compile_hbm_budget_fraction: float = key(
+        0.95, "share of a chip's HBM the compiled step may use; the rest is left to the TPU runtime", minimum=0.0
+    )
+
+
 class ConfigError(ValueError):
     """A user error in the config: the message says which key, which value, and what to do."""
 
@@ -190,6 +204,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
 
     @property
     def total_steps_in_schedule(self) -> int:
@@ -204,6 +219,7 @@ SECTIONS = {
     "mesh": MeshConfig,
     "data": DataConfig,
     "optim": OptimConfig,
+    "compile": CompileConfig,
 }
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 from tessera.models.blocks import BLOCKS
 from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder
 
@@ -49,6 +49,9 @@ class ModelDef:
 
 def build_model(cfg: ModelConfig, attention_kernel: str = "dot_product") -> ModelDef:
     """The structure of the model `cfg` describes; no parameter memory is allocated."""
+    if cfg.num_experts > 1:
+        raise ConfigError(f"num_experts={cfg.num_experts}: decoder_block={cfg.decoder_block} has a dense MLP and no "
+                          "mixture-of-experts block exists yet; set num_experts=1 (the estimator accepts MoE shapes)")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, attention_kernel, nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
     return ModelDef(cfg, attention_kernel, graphdef, state)

@@ -1,0 +1,123 @@
+"""Accelerators by name: TPU slice types (`v5p-256`) and GPUs, with the figures that the AOT
+memory check and the estimator need.
+
+Figures come from the vendors' public specifications: HBM per chip, and the one-way bandwidth
+of one ICI link (TPU) or of a GPU's NVLink port. Peak bf16 TFLOP/s comes from the single peak
+table in `tessera.metrics`.
+
+A TPU slice type counts TensorCores for v4 and v5p (two per chip: `v5p-256` is 128 chips) and
+chips for v5e and v6e (`v6e-256` is 256 chips). `tpu_slice` turns a type into the physical
+topology libtpu understands (`v5p:4x4x8`). Nothing here imports JAX.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from tessera.config import ConfigError
+from tessera.metrics import peak_tflops
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Accelerator:
+    name: str  # "v5p", "h100"
+    device_kind: str  # what jax reports as device_kind
+    hbm_bytes: int
+    link_bytes_per_s: float  # one-way bandwidth of one ICI link (TPU) or of the NVLink port (GPU)
+    cores_per_chip: int = 1  # TensorCores counted per chip in a slice type's number
+    torus_dims: int = 0  # 3 (v4, v5p), 2 (v5e, v6e), 0 for GPUs
+    max_slice_chips: int = 0
+
+    @property
+    def peak_flops(self) -> float:
+        """Dense bf16 FLOP/s of one chip."""
+        return peak_tflops(self.device_kind) * 1e12
+
+
+TPUS = {
+    "v4": Accelerator("v4", "TPU v4", 32 * GIB, 45e9, cores_per_chip=2, torus_dims=3, max_slice_chips=4096),
+    "v5p": Accelerator("v5p", "TPU v5", 95 * GIB, 90e9, cores_per_chip=2, torus_dims=3, max_slice_chips=8960),
+    "v5e": Accelerator("v5e", "TPU v5 lite", 16 * GIB, 45e9, torus_dims=2, max_slice_chips=256),
+    "v6e": Accelerator("v6e", "TPU v6 lite", 32 * GIB, 90e9, torus_dims=2, max_slice_chips=256),
+}
+GPUS = {
+    "h100": Accelerator("h100", "NVIDIA H100 80GB HBM3", 80 * 10**9, 450e9),
+    "h200": Accelerator("h200", "NVIDIA H200", 141 * 10**9, 450e9),
+    "a100": Accelerator("a100", "NVIDIA A100-SXM4-80GB", 80 * 10**9, 300e9),
+}
+_ALIASES = {"v5litepod": "v5e"}  # Google's own name for v5e slice types
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    """One TPU slice: its generation, chip count and physical shape (e.g. (4, 4, 8))."""
+
+    accelerator: Accelerator
+    name: str
+    chips: int
+    shape: tuple[int, ...]
+
+    @property
+    def topology_name(self) -> str:
+        """The name libtpu's topology API takes, e.g. "v5p:4x4x8"."""
+        return f"{self.accelerator.name}:{'x'.join(map(str, self.shape))}"
+
+    @property
+    def has_wraparound(self) -> bool:
+        """Whether the slice's ICI links close into rings (a full v5e/v6e pod, or a 3D slice of
+        at least 4x4x4 chips); collectives along a ring axis then use links in both directions
+        of two dimensions."""
+        if self.accelerator.torus_dims == 2:
+            return self.chips == self.accelerator.max_slice_chips
+        return min(self.shape) >= 4
+
+
+def tpu_slice(name: str, key: str = "compile_topology") -> TpuSlice:
+    """Parse a slice type such as "v5p-256", "v5e-256" (or "v5litepod-256"), "v6e-8", "v4-128"."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name.strip().lower())
+    if not match:
+        raise ConfigError(
+            f"{key}={name!r} is not a TPU slice type; use <generation>-<size> with a generation among "
+            f"{', '.join(TPUS)} (e.g. v5p-256, v5e-256, v6e-256, v4-128)"
+        )
+    acc = TPUS[_ALIASES.get(match.group(1), match.group(1))]
+    size = int(match.group(2))
+    chips, rest = divmod(size, acc.cores_per_chip)
+    if rest or chips < 1:
+        raise ConfigError(f"{key}={name!r}: {acc.name} slice sizes count {acc.cores_per_chip} cores per chip, "
+                          f"so the size must be a multiple of {acc.cores_per_chip}")
+    if chips > acc.max_slice_chips:
+        raise ConfigError(f"{key}={name!r}: a {acc.name} slice has at most {acc.max_slice_chips} chips; "
+                          "use several slices (compile_topology_num_slices) instead")
+    return TpuSlice(acc, name, chips, _slice_shape(acc, chips, name, key))
+
+
+def _slice_shape(acc: Accelerator, chips: int, name: str, key: str) -> tuple[int, ...]:
+    """Physical chip grid: powers of two grow the smallest (last such) dimension one doubling at
+    a time (2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...); other 3D sizes are 4x4xN."""
+    if acc.torus_dims == 3:
+        if chips >= 16 and chips % 16 == 0 and chips & (chips - 1):
+            return (4, 4, chips // 16)
+        shape, start = [2, 2, 1], 4
+    else:
+        shape, start = [1, 1], 1
+    if chips < start or chips & (chips - 1):
+        raise ConfigError(f"{key}={name!r}: {chips} chips is not a {acc.name} slice shape; use a power of two "
+                          f"number of chips (>= {start})" + (" or a multiple of 16" if acc.torus_dims == 3 else ""))
+    while math.prod(shape) < chips:
+        smallest = min(shape)
+        last = max(i for i, s in enumerate(shape) if s == smallest)
+        shape[last] *= 2
+    return tuple(shape)
+
+
+def accelerator_for_device_kind(device_kind: str) -> Accelerator | None:
+    """The table entry whose device_kind matches jax's `device.device_kind`, if any."""
+    for acc in (*TPUS.values(), *GPUS.values()):
+        if acc.device_kind.lower() == device_kind.lower():
+            return acc
+    return None

@@ -1,0 +1,222 @@
+"""Ahead-of-time compile of the real train step for a TPU topology, on any host.
+
+    python3 -m tessera.train_compile configs/base.yml compile_topology=v5p-256 [key=value ...]
+
+libtpu (installed from PyPI with requirements.txt) describes the chips of `compile_topology`
+without the hardware being present; the trainer's own `setup` and `compile_step` then build
+the mesh, shardings and step for those devices and XLA's TPU compiler compiles it. The
+compiler's memory analysis, per device, is compared with the chip's HBM: the command exits 0
+when the step fits, 3 when it does not (naming the knobs that would make it fit) and 2 on a
+config error. `LIBTPU_INIT_ARGS` flags are read by that compiler, so a recipe run with
+`EXECUTABLE=train_compile` also checks that libtpu accepts every flag it exports.
+
+A JSON report goes to base_output_directory/run_name/compile_report.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+from tessera.config import Config, ConfigError, load_config
+from tessera.hardware import GIB, TpuSlice, tpu_slice
+
+log = logging.getLogger("tessera")
+
+EXIT_DOES_NOT_FIT = 3
+
+
+@dataclasses.dataclass
+class CompileReport:
+    """What one AOT compile found, per device (bytes) unless the name says otherwise."""
+
+    topology: str
+    num_slices: int
+    num_devices: int
+    device_kind: str
+    mesh: dict
+    global_batch: int
+    compile_seconds: float
+    argument_bytes: int  # train state and batch (inputs of the step)
+    output_bytes: int
+    alias_bytes: int  # outputs written in place of donated inputs
+    temp_bytes: int  # activations and workspace
+    code_bytes: int  # the compiled program
+    peak_bytes: int  # the compiler's peak of live buffers
+    total_bytes: int  # peak + program: what must fit in HBM
+    hbm_bytes: int
+    budget_bytes: int  # hbm_bytes * compile_hbm_budget_fraction
+    compiler_error: str = ""  # the compiler's own out-of-memory message, when it refused to compile
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.budget_bytes
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "fits": self.fits}
+
+
+def topology_devices(topology: TpuSlice, num_slices: int) -> list:
+    """Compile-only devices of `num_slices` slices of `topology` (multi-slice devices carry slice_index)."""
+    # libtpu normally learns its topology from the TPU VM's metadata server; on another host
+    # these settings describe a single worker, and several compile processes may run at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
+    from jax.experimental import topologies
+
+    kwargs = {"chip_config_name": "megacore"} if topology.accelerator.cores_per_chip == 2 else {}
+    if num_slices > 1:
+        kwargs["num_slices"] = num_slices
+    try:
+        desc = topologies.get_topology_desc(topology_name=topology.topology_name, platform="tpu", **kwargs)
+    except RuntimeError as e:  # jax's error when libtpu is missing
+        raise ConfigError(f"cannot describe TPU topology {topology.name}: {e}. "
+                          "Install the dependencies with `bash setup.sh` (requirements.txt brings libtpu)") from None
+    return list(desc.devices)
+
+
+def compile_for_topology(cfg: Config) -> CompileReport:
+    """AOT-compile the train step of `cfg` for cfg.compile.compile_topology; nothing is allocated."""
+    from tessera.mesh import sharding_report
+    from tessera.train import compile_step, setup
+
+    c = cfg.compile
+    if not c.compile_topology:
+        raise ConfigError("compile_topology is empty; name the TPU slice to compile for, e.g. compile_topology=v5p-256")
+    topology = tpu_slice(c.compile_topology)
+    devices = topology_devices(topology, c.compile_topology_num_slices)
+    trainer = setup(cfg, devices)
+    _, warnings = sharding_report(trainer.mesh, trainer.state_shardings["params"], trainer.model.param_shapes(),
+                                  cfg.mesh.param_replication_warn_mib)
+    for w in warnings:
+        log.warning(w)
+    hbm = topology.accelerator.hbm_bytes
+    report = CompileReport(
+        topology=topology.name, num_slices=c.compile_topology_num_slices, num_devices=len(devices),
+        device_kind=devices[0].device_kind, mesh=dict(trainer.mesh.shape), global_batch=trainer.global_batch,
+        compile_seconds=0.0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0, code_bytes=0,
+        peak_bytes=0, total_bytes=0, hbm_bytes=hbm, budget_bytes=int(hbm * c.compile_hbm_budget_fraction),
+    )
+    start = time.perf_counter()
+    try:
+        compiled, seconds = compile_step(trainer, cfg.run.init_weights_seed)
+    except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is handled
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return _report_compiler_oom(report, trainer, str(e), time.perf_counter() - start)
+    mem = compiled.memory_analysis()
+    live = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
+    peak = max(getattr(mem, "peak_memory_in_bytes", 0), live)
+    return dataclasses.replace(
+        report, compile_seconds=round(seconds, 2), argument_bytes=mem.argument_size_in_bytes,
+        output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
+        temp_bytes=mem.temp_size_in_bytes, code_bytes=mem.generated_code_size_in_bytes, peak_bytes=peak,
+        total_bytes=peak + mem.generated_code_size_in_bytes,
+    )
+
+
+def _report_compiler_oom(report: CompileReport, trainer, message: str, seconds: float) -> CompileReport:
+    """The TPU compiler itself refuses a step that cannot fit; keep what its message tells."""
+    first_line = message.strip().splitlines()[0]
+    log.warning("the TPU compiler ran out of HBM: %s", first_line)
+    temp = _bytes_in(r"HLO temporaries \(([\d.]+)([KMGT])\)", message)
+    state = state_bytes_per_device(trainer)
+    total = state + temp if temp else max(state, report.budget_bytes + 1)
+    return dataclasses.replace(report, compile_seconds=round(seconds, 2), argument_bytes=state, temp_bytes=temp,
+                               peak_bytes=total, total_bytes=total, compiler_error=first_line)
+
+
+def _bytes_in(pattern: str, text: str) -> int:
+    match = re.search(pattern, text)
+    if not match:
+        return 0
+    return int(float(match.group(1)) * 1024 ** ("KMGT".index(match.group(2)) + 1))
+
+
+def state_bytes_per_device(trainer) -> int:
+    """Bytes of parameters and optimizer state on one device, from their shardings."""
+    import jax
+
+    shapes = jax.eval_shape(lambda p: {"params": p, "opt_state": trainer.optimizer.init(p)},
+                            trainer.model.param_shapes())
+    shardings = {k: trainer.state_shardings[k] for k in ("params", "opt_state")}
+    sizes = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize, shapes, shardings)
+    return int(sum(jax.tree.leaves(sizes)))
+
+
+def memory_table(r: CompileReport) -> str:
+    rows = [
+        ("train state + batch (arguments)", r.argument_bytes),
+        ("activations + workspace (temporaries)", r.temp_bytes),
+        ("outputs not written in place", r.output_bytes - r.alias_bytes),
+        ("compiled program", r.code_bytes),
+        ("total needed (peak live + program)", r.total_bytes),
+        (f"HBM of one {r.device_kind} chip", r.hbm_bytes),
+        ("budget (compile_hbm_budget_fraction)", r.budget_bytes),
+    ]
+    return "\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
+
+
+def not_fits_message(r: CompileReport, cfg: Config) -> str:
+    """Why the step does not fit and which knobs shrink the part that dominates."""
+    m, d, mesh = cfg.model, cfg.data, cfg.mesh
+    activations = [
+        f"per_device_batch_size (now {d.per_device_batch_size:g}) lower",
+        f"gradient_accumulation_steps (now {cfg.optim.gradient_accumulation_steps}) higher, same global batch",
+        f"remat_policy (now {m.remat_policy}) to full" if m.remat_policy != "full" else "remat_policy=full (already)",
+        f"max_target_length (now {d.max_target_length}) shorter",
+    ]
+    state = [
+        f"more chips: a bigger compile_topology (now {r.topology}) or compile_topology_num_slices "
+        f"(now {r.num_slices}) with dcn_fsdp_parallelism",
+        f"ici_tensor_parallelism (now {mesh.ici_tensor_parallelism}) higher, with ici_fsdp_parallelism=-1",
+        f"weight_dtype (now {m.weight_dtype}) bfloat16, halving parameters and optimizer state",
+    ]
+    temp_first = r.temp_bytes >= r.argument_bytes
+    first, second = (activations, state) if temp_first else (state, activations)
+    over = (r.total_bytes - r.budget_bytes) / GIB
+    compiler = f"The TPU compiler stopped with: {r.compiler_error}\n" if r.compiler_error else ""
+    return compiler + (
+        f"does not fit: the train step needs {r.total_bytes / GIB:.2f} GiB per device on {r.topology}, "
+        f"{over:.2f} GiB over the budget of {r.budget_bytes / GIB:.2f} GiB "
+        f"({cfg.compile.compile_hbm_budget_fraction:g} of {r.hbm_bytes / GIB:.1f} GiB HBM). "
+        f"The larger part is {'activations/workspace' if temp_first else 'the train state'}; turn one of:\n  - "
+        + "\n  - ".join(first + second)
+    )
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    try:
+        cfg = load_config(argv)
+        if not cfg.run.run_name:
+            cfg.run.run_name = time.strftime("compile_%Y%m%d_%H%M%S")
+        report = compile_for_topology(cfg)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    out = Path(cfg.run.base_output_directory) / cfg.run.run_name / "compile_report.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_json(), indent=2))
+    log.info("compiled for %s x%d (%d devices, mesh %s, global batch %d) in %.1f s; memory per device:\n%s",
+             report.topology, report.num_slices, report.num_devices, report.mesh, report.global_batch,
+             report.compile_seconds, memory_table(report))
+    log.info("report: %s", out)
+    if not report.fits:
+        print(not_fits_message(report, cfg), file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    log.info("fits: %.2f of %.2f GiB budget", report.total_bytes / GIB, report.budget_bytes / GIB)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

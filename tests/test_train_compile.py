@@ -1,0 +1,97 @@
+"""AOT compile for TPU topologies on this CPU host (libtpu describes the chips): slice types,
+the memory report, the does-not-fit exit with its knobs, the compiler's own refusal, and
+multi-slice meshes. Models are tiny; compiling the real recipes is benchmarks/aot_recipes.py."""
+
+import dataclasses
+import json
+
+import pytest
+
+from conftest import TINY
+from tessera.config import ConfigError, build_config
+from tessera.hardware import tpu_slice
+from tessera.train_compile import EXIT_DOES_NOT_FIT, compile_for_topology, main, not_fits_message
+
+BASE = ["configs/base.yml"]
+
+
+@pytest.mark.parametrize("name, chips, shape, libtpu_name", [
+    ("v5p-256", 128, (4, 4, 8), "v5p:4x4x8"),
+    ("v5p-8", 4, (2, 2, 1), "v5p:2x2x1"),
+    ("v4-384", 192, (4, 4, 12), "v4:4x4x12"),
+    ("v5e-256", 256, (16, 16), "v5e:16x16"),
+    ("v5litepod-16", 16, (4, 4), "v5e:4x4"),
+    ("v6e-8", 8, (2, 4), "v6e:2x4"),
+])
+def test_slice_types(name, chips, shape, libtpu_name):
+    s = tpu_slice(name)
+    assert (s.chips, s.shape, s.topology_name) == (chips, shape, libtpu_name)
+
+
+@pytest.mark.parametrize("name, message", [
+    ("v5p-3", "multiple of 2"),
+    ("v9-8", "is not a TPU slice type"),
+    ("v5e-512", "at most 256 chips"),
+    ("v6e-12", "not a v6e slice shape"),
+])
+def test_bad_slice_types_say_what_to_do(name, message):
+    with pytest.raises(ConfigError, match=message):
+        tpu_slice(name)
+
+
+def overrides(tmp_path, **extra):
+    values = {**TINY, "base_output_directory": str(tmp_path), "run_name": "aot", **extra}
+    return [*BASE, *(f"{k}={v}" for k, v in values.items())]
+
+
+@pytest.fixture(scope="module")
+def small_report():
+    cfg = build_config({**TINY, "compile_topology": "v5e-8", "dtype": "bfloat16"})
+    return cfg, compile_for_topology(cfg)
+
+
+def test_compiles_for_a_tpu_topology_and_reports_memory(small_report):
+    cfg, r = small_report
+    assert (r.num_devices, r.device_kind, r.mesh["fsdp"]) == (8, "TPU v5 lite", 8)
+    assert r.fits and 0 < r.argument_bytes < r.total_bytes < 2**30
+    assert r.hbm_bytes == 16 * 2**30 and r.budget_bytes == int(0.95 * 16 * 2**30)
+
+
+def test_not_fits_message_names_the_knobs_for_the_larger_part(small_report):
+    cfg, r = small_report
+    activations_heavy = dataclasses.replace(r, temp_bytes=10 * r.argument_bytes, budget_bytes=1)
+    text = not_fits_message(activations_heavy, cfg)
+    assert text.startswith("does not fit") and "The larger part is activations/workspace" in text
+    assert text.index("per_device_batch_size") < text.index("weight_dtype") and "remat_policy" in text
+    state_heavy = dataclasses.replace(r, temp_bytes=0, budget_bytes=1)
+    text = not_fits_message(state_heavy, cfg)
+    assert "The larger part is the train state" in text and text.index("more chips") < text.index("per_device")
+
+
+def test_exit_code_and_report_when_it_does_not_fit(tmp_path, capsys):
+    code = main(overrides(tmp_path, compile_topology="v5e-4", compile_hbm_budget_fraction=1e-6))
+    assert code == EXIT_DOES_NOT_FIT
+    assert "does not fit: the train step needs" in capsys.readouterr().err
+    report = json.loads((tmp_path / "aot" / "compile_report.json").read_text())
+    assert report["fits"] is False and report["topology"] == "v5e-4" and report["budget_bytes"] < 20000
+
+
+def test_the_compilers_own_out_of_memory_becomes_a_report(tmp_path, capsys):
+    # logits alone: 64 sequences x 1024 tokens x 131072 vocab x 4 bytes = 32 GiB per v5e chip
+    code = main(overrides(tmp_path, compile_topology="v5e-1", vocab_size=131072, per_device_batch_size=64,
+                          max_target_length=1024))
+    assert code == EXIT_DOES_NOT_FIT
+    err = capsys.readouterr().err
+    assert "The TPU compiler stopped with: RESOURCE_EXHAUSTED" in err and "per_device_batch_size (now 64)" in err
+
+
+def test_multi_slice_mesh_puts_data_parallelism_across_slices(tmp_path):
+    cfg = build_config({**TINY, "compile_topology": "v5e-4", "compile_topology_num_slices": 2,
+                        "dcn_data_parallelism": -1})
+    r = compile_for_topology(cfg)
+    assert r.num_devices == 8 and r.mesh["data"] == 2 and r.mesh["fsdp"] == 4 and r.fits
+
+
+def test_empty_topology_is_a_config_error(tmp_path, capsys):
+    assert main(overrides(tmp_path)) == 2
+    assert "compile_topology is empty" in capsys.readouterr().err
