@@ -1,0 +1,1 @@
+"""Command-line tools around the trainer: `python3 -m tessera.tools.<name>` (estimate, ...)."""

@@ -1,0 +1,276 @@
+"""Size a model and a sharding before compiling anything.
+
+    python3 -m tessera.tools.estimate llama3.1-70b per_device_batch_size=2 --hardware v5p-256
+    python3 -m tessera.tools.estimate my_model.yml ici_tensor_parallelism=4 --hardware v6e-256
+    python3 -m tessera.tools.estimate 1b global_parameter_scale=128 --hardware h100-64 --mfu 0.4
+
+Prints total and active parameters, training FLOPs per token (the trainer's own formula),
+memory per device for parameters, gradients, AdamW state and activations (per remat policy),
+and the roofline checks of seed 004 for each parallel axis in use: an axis is worth its
+communication when the arithmetic intensity (FLOPs per byte moved) it leaves is above the
+hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
+
+    FSDP    tokens per device x tensor x expert / sparsity     (sparsity = experts / experts per token)
+    expert  4 x mlp_dim / expert
+    tensor  mlp_dim / tensor
+
+Activation memory is an estimate (about +-30% against compiled steps): the tensors each remat
+policy keeps per layer, plus one layer's recomputation and its gradients, plus the logits;
+`EXECUTABLE=train_compile` gives the compiler's exact figure for a TPU topology.
+
+Active parameters count what a token multiplies through: attention, the experts it is routed
+to, embeddings and norms. The router (num_experts x emb_dim per layer) is in the total but not
+in the active count, as in seed 004's tables (it changes the 10T model's active count by 0.02%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+import sys
+from pathlib import Path
+
+import yaml
+
+from tessera.config import Config, ConfigError, ModelConfig, build_config, load_config
+from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
+from tessera.metrics import training_flops_per_step
+
+CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int
+    per_layer: int  # all experts included
+    per_expert_mlp: int
+
+
+def count_params(m: ModelConfig) -> ParamCounts:
+    d, n, k, h = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim
+    attention = d * n * h * 2 + d * k * h * 2
+    expert_mlp = d * m.mlp_dim * (len(m.mlp_activations) + 1)
+    router = d * m.num_experts if m.num_experts > 1 else 0
+    norms = 2 * d
+    embeddings = d * m.vocab_size * (1 if m.logits_via_embedding else 2) + d  # + final norm
+    per_layer = attention + m.num_experts * expert_mlp + router + norms
+    active_layer = attention + min(m.num_experts_per_tok, m.num_experts) * expert_mlp + norms
+    layers = m.num_decoder_layers
+    return ParamCounts(layers * per_layer + embeddings, layers * active_layer + embeddings, per_layer, expert_mlp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    accelerator: Accelerator
+    name: str
+    num_devices: int
+    num_slices: int
+    links: int  # ICI links (one way each) a ring collective uses; 1 for a GPU's NVLink port
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte of collective traffic at which compute and communication take equal time."""
+        return self.accelerator.peak_flops / (self.links * self.accelerator.link_bytes_per_s)
+
+
+def parse_hardware(text: str, num_slices: int = 1, ici_links: int = 0) -> Hardware:
+    """"v6e-256" (a TPU slice type) or "h100-8" (that many GPUs)."""
+    match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text.strip().lower())
+    if match and match.group(1) in GPUS:
+        count = int(match.group(2)) * num_slices
+        return Hardware(GPUS[match.group(1)], text, count, num_slices, ici_links or 1)
+    try:
+        s = tpu_slice(text, key="--hardware")
+    except ConfigError:
+        gpus = ", ".join(f"{g}-<count>" for g in GPUS)
+        raise ConfigError(f"--hardware={text!r} is neither a TPU slice type (v5p-256, v5e-256, v6e-256, v4-128) "
+                          f"nor {gpus}") from None
+    return Hardware(s.accelerator, text, s.chips * num_slices, num_slices, ici_links or (4 if s.has_wraparound else 2))
+
+
+def mesh_sizes(cfg: Config, hw: Hardware) -> dict[str, int]:
+    """Size of each mesh axis (ICI x DCN), as the trainer would build it on this hardware."""
+    from tessera.mesh import mesh_shape
+
+    ici, dcn = mesh_shape(cfg.mesh, hw.num_devices, hw.num_slices)
+    return {axis: ici[axis] * dcn[axis] for axis in ici}
+
+
+def _saved_per_token(m: ModelConfig, policy: str, tp: int) -> float:
+    """Activation elements one block keeps per token for the backward pass, beyond its input."""
+    d, f = m.emb_dim, m.mlp_dim * max(m.num_experts_per_tok, 1) / tp
+    q, kv = m.num_query_heads * m.head_dim / tp, 2 * m.num_kv_heads * m.head_dim / tp
+    acts = len(m.mlp_activations)
+    kept = {
+        "none": 2 * d + q + kv + q + d + acts * f + f + d,  # norms, q, k, v, context, out, mlp in/act, mlp out
+        "minimal": q + kv + d + acts * f + d,
+        "save_dot_except_mlp": q + kv + q + d,
+        "save_qkv_proj": q + kv,
+        "save_out_proj": d,
+    }
+    return kept.get(policy, 0.0)  # full and the offloading policies keep nothing else on the device
+
+
+def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_attention: bool) -> float:
+    """Per-device activation memory of one step under `policy`, in bytes (an estimate)."""
+    m, a = cfg.model, DTYPE_BYTES[cfg.model.dtype]
+    tp = mesh["tensor"]
+    seqs = cfg.data.per_device_batch_size * mesh["tensor"] * mesh["sequence"] * mesh["stage"]
+    tokens = seqs * cfg.data.max_target_length / mesh["sequence"]
+    scores = 0.0 if fused_attention else m.num_query_heads / tp * cfg.data.max_target_length * 6  # f32 + bf16
+    keep = _saved_per_token(m, policy, tp) * a + (scores if policy == "none" else 0.0)
+    layers = m.num_decoder_layers * tokens * (m.emb_dim * a + keep)
+    one_layer = 2 * tokens * (_saved_per_token(m, "none", tp) * a + scores)  # recompute + its gradients
+    logits = 2 * tokens * m.vocab_size / tp * 4
+    return layers + one_layer + logits
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    gathered_layer: float  # one layer's weights and gradients, whole on each FSDP device
+    activations: dict[str, float]  # remat policy -> bytes
+
+    def total(self, policy: str) -> float:
+        return self.params + self.grads + self.optimizer + self.gathered_layer + self.activations[policy]
+
+
+def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fused_attention: bool) -> Memory:
+    w = DTYPE_BYTES[cfg.model.weight_dtype]
+    m = cfg.model
+    experts = m.num_decoder_layers * m.num_experts * counts.per_expert_mlp if m.num_experts > 1 else 0
+    norms = (2 * m.num_decoder_layers + 1) * m.emb_dim  # replicated: too small to shard
+    dense_shards = mesh["fsdp"] * mesh["sequence"] * mesh["tensor"]
+    sharded = (counts.total - experts - norms) / dense_shards + experts / (dense_shards * mesh["expert"])
+    params = (sharded + norms) * w
+    gathered = 0.0
+    if mesh["fsdp"] * mesh["sequence"] > 1:
+        gathered = 2 * counts.per_layer / (mesh["tensor"] * (mesh["expert"] if m.num_experts > 1 else 1)) * w
+    policies = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full", "offload")
+    acts = {p: activation_bytes(cfg, mesh, p, fused_attention) for p in policies}
+    acts.setdefault(m.remat_policy, activation_bytes(cfg, mesh, m.remat_policy, fused_attention))
+    return Memory(params, params, 2 * params, gathered, acts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    axis: str
+    size: int
+    intensity: float
+    hardware: float
+
+    @property
+    def verdict(self) -> str:
+        if self.size == 1:
+            return "not used"
+        if self.intensity >= self.hardware:
+            return "compute-bound (ok)"
+        return "communication-bound: grow the batch or shrink this axis"
+
+
+def rooflines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[Roofline]:
+    m = cfg.model
+    sparsity = m.num_experts / m.num_experts_per_tok if m.num_experts > 1 else 1.0
+    tokens = cfg.data.per_device_batch_size * cfg.data.max_target_length
+    fsdp = tokens * mesh["tensor"] * mesh["expert"] * mesh["stage"] / sparsity
+    return [
+        Roofline("fsdp", mesh["fsdp"], fsdp, hw.intensity),
+        Roofline("expert", mesh["expert"], 4 * m.mlp_dim / mesh["expert"], hw.intensity),
+        Roofline("tensor", mesh["tensor"], m.mlp_dim / mesh["tensor"], hw.intensity),
+    ]
+
+
+def load_model_config(model: str, overrides: list[str]) -> Config:
+    """A model name from configs/models, or a path to a model YAML file, plus key=value overrides."""
+    base = CONFIGS / "base.yml"
+    if not model.endswith((".yml", ".yaml")):
+        return load_config([str(base), f"model_name={model}", *overrides], env={})
+    path = Path(model)
+    if not path.is_file():
+        raise ConfigError(f"model file {path} does not exist")
+    flat = {**yaml.safe_load(base.read_text()), **(yaml.safe_load(path.read_text()) or {})}
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"argument {item!r} is not of the form key=value")
+        flat[name] = value
+    flat["model_name"] = path.stem
+    return build_config(flat)
+
+
+def report(cfg: Config, hw: Hardware, mfu: float) -> str:
+    """The whole estimate as text."""
+    m, counts = cfg.model, count_params(cfg.model)
+    mesh = mesh_sizes(cfg, hw)
+    fused = hw.accelerator.torus_dims == 0 and m.dtype in ("bfloat16", "float16")  # cuDNN attention on GPUs
+    mem = estimate_memory(cfg, counts, mesh, fused)
+    tokens = cfg.data.max_target_length
+    flops_token = training_flops_per_step(m, 1, tokens) / tokens
+    hbm = hw.accelerator.hbm_bytes
+    lines = [
+        f"model {m.model_name}: {m.num_decoder_layers} layers, emb {m.emb_dim}, mlp {m.mlp_dim}, heads "
+        f"{m.num_query_heads}/{m.num_kv_heads} x {m.head_dim}, vocab {m.vocab_size}"
+        + (f", {m.num_experts} experts (top {m.num_experts_per_tok})" if m.num_experts > 1 else ""),
+        f"parameters: total {counts.total:.3e}, active {counts.active:.3e}",
+        f"training FLOPs per token: {flops_token:.3e} (forward + backward, sequence {tokens})",
+        f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
+        f"{hbm / GIB:.1f} GiB HBM, {hw.accelerator.peak_flops / 1e12:.0f} TFLOP/s bf16",
+        f"mesh: {', '.join(f'{k}={v}' for k, v in mesh.items() if v > 1) or 'one device'}; "
+        f"global batch {cfg.data.per_device_batch_size * hw.num_devices:g} sequences",
+        "",
+        "memory per device (GiB):",
+        f"  parameters ({m.weight_dtype})      {mem.params / GIB:8.2f}",
+        f"  gradients                  {mem.grads / GIB:8.2f}",
+        f"  AdamW state (2 moments)    {mem.optimizer / GIB:8.2f}",
+        f"  one FSDP-gathered layer    {mem.gathered_layer / GIB:8.2f}   (weights + gradients)",
+        "  activations by remat_policy" + ("" if fused else " (reference attention: scores kept in memory)"),
+    ]
+    for policy, value in mem.activations.items():
+        mark = "  <- remat_policy" if policy == m.remat_policy else ""
+        lines.append(f"    {policy:<24} {value / GIB:8.2f}   total {mem.total(policy) / GIB:8.2f}{mark}")
+    fits = mem.total(m.remat_policy) <= hbm * cfg.compile.compile_hbm_budget_fraction
+    lines += [
+        f"  -> {'fits' if fits else 'does NOT fit'} in {cfg.compile.compile_hbm_budget_fraction:g} x "
+        f"{hbm / GIB:.1f} GiB with remat_policy={m.remat_policy}",
+        "",
+        f"roofline (hardware intensity {hw.intensity:,.0f} FLOPs/byte with {hw.links} link(s) per collective):",
+    ]
+    for r in rooflines(cfg, mesh, hw):
+        value = f"{r.intensity:12,.0f}" if r.size > 1 else f"{'-':>12}"
+        lines.append(f"  {r.axis:<7} x{r.size:<5} intensity {value}   {r.verdict}")
+    if mfu:
+        rate = mfu * hw.accelerator.peak_flops / flops_token
+        lines += ["", f"at {mfu:.0%} MFU: {rate:,.0f} tokens/s per device, "
+                      f"{rate * hw.num_devices:,.0f} tokens/s in all, {mfu * hw.accelerator.peak_flops / 1e12:.0f} "
+                      "TFLOP/s per device"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m tessera.tools.estimate", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="model name (configs/models/<name>.yml) or path to a model YAML file")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides (mesh, batch, remat_policy, ...)")
+    p.add_argument("--hardware", required=True, help="TPU slice type (v6e-256, v5p-128, ...) or <gpu>-<count> (h100-8)")
+    p.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN (default 1)")
+    p.add_argument("--ici_links", type=int, default=0, help="links per collective (default: 4 on slices with "
+                   "wraparound, else 2; 1 on GPUs)")
+    p.add_argument("--mfu", type=float, default=0.0, help="also print the throughput at this MFU (e.g. 0.4)")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_model_config(args.model, args.overrides)
+        hw = parse_hardware(args.hardware, args.num_slices, args.ici_links)
+        print(report(cfg, hw, args.mfu))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,120 @@
+"""The estimator: seed 004's parameter counts, its roofline thresholds, and memory that agrees
+with what the compiler allocates."""
+
+import jax
+import pytest
+
+from conftest import REPO, tiny_config
+from tessera.config import ConfigError, build_config
+from tessera.hardware import GIB
+from tessera.models import build_model
+from tessera.tools.estimate import (
+    count_params, estimate_memory, load_model_config, main, mesh_sizes, parse_hardware, rooflines,
+)
+
+# Seed 004's example configs. It does not list vocabularies: Llama 3's 128256 for the dense
+# model and Mixtral's 32000 for the MoE models reproduce its totals.
+SEED_004 = {
+    "900B dense": (dict(base_emb_dim=16384, base_mlp_dim=131072, head_dim=256, base_num_query_heads=64,
+                        base_num_kv_heads=16, base_num_decoder_layers=128, vocab_size=128256),
+                   "9.15e+11", "9.15e+11"),
+    "700B MoE initial": (dict(base_emb_dim=8192, base_mlp_dim=24576, num_experts=16, num_experts_per_tok=2,
+                              head_dim=256, base_num_query_heads=32, base_num_kv_heads=8,
+                              base_num_decoder_layers=72, vocab_size=32000), "7.08e+11", "9.96e+10"),
+    "700B MoE final": (dict(base_emb_dim=8192, base_mlp_dim=32768, num_experts=16, num_experts_per_tok=2,
+                            head_dim=256, base_num_query_heads=128, base_num_kv_heads=8,
+                            base_num_decoder_layers=56, vocab_size=32000), "7.54e+11", "1.23e+11"),
+    "10T MoE": (dict(base_emb_dim=10240, base_mlp_dim=40960, num_experts=64, num_experts_per_tok=2, head_dim=256,
+                     base_num_query_heads=64, base_num_kv_heads=16, base_num_decoder_layers=128, vocab_size=32000),
+                "1.04e+13", "3.76e+11"),
+}
+
+
+@pytest.mark.parametrize("name", SEED_004)
+def test_seed_004_parameter_counts(name):
+    keys, total, active = SEED_004[name]
+    counts = count_params(build_config({"model_name": "1b", **keys}).model)
+    assert (f"{counts.total:.2e}", f"{counts.active:.2e}") == (total, active)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_count_matches_the_model_we_build(tied):
+    m = tiny_config(logits_via_embedding=tied).model
+    built = sum(x.size for x in jax.tree.leaves(build_model(m).param_shapes()))
+    counts = count_params(m)
+    assert counts.total == counts.active == built
+
+
+def test_hardware_intensity_matches_seed_004():
+    # Trillium: 5100 FLOPs/byte over 2 ICI links, about 2500 over 4 (a 16x16 slice with wraparound)
+    assert parse_hardware("v6e-256", ici_links=2).intensity == pytest.approx(5100)
+    full_pod = parse_hardware("v6e-256")
+    assert full_pod.links == 4 and full_pod.intensity == pytest.approx(2550)
+    assert parse_hardware("v6e-64").links == 2  # no wraparound below a full pod
+    assert parse_hardware("h100-16").num_devices == 16
+
+
+def verdicts(overrides, hardware="v6e-256", links=2):
+    cfg = build_config({"model_name": "1b", **overrides})
+    hw = parse_hardware(hardware, ici_links=links)
+    return {r.axis: r for r in rooflines(cfg, mesh_sizes(cfg, hw), hw)}
+
+
+def test_roofline_thresholds_of_seed_004():
+    dense = dict(base_emb_dim=16384, base_mlp_dim=131072, head_dim=256, base_num_query_heads=64)
+    # TP=16 needs mlp_dim > 16 x 5100 = 81600: 131072 passes, 40960 does not
+    assert verdicts({**dense, "ici_tensor_parallelism": 16})["tensor"].verdict.startswith("compute-bound")
+    assert verdicts({**dense, "base_mlp_dim": 40960, "ici_tensor_parallelism": 16})["tensor"].verdict.startswith(
+        "communication-bound")
+    # EP=16 needs 4 x mlp_dim / 16 > 5100, i.e. mlp_dim > 20400
+    moe = dict(num_experts=64, num_experts_per_tok=2, ici_expert_parallelism=16)
+    assert verdicts({**moe, "base_mlp_dim": 20480})["expert"].intensity == pytest.approx(5120)
+    assert verdicts({**moe, "base_mlp_dim": 16384})["expert"].verdict.startswith("communication-bound")
+    # FSDP with EP=16 and sparsity 32 needs more than 5100 * 32 / 16 = 10200 tokens per device
+    fsdp = verdicts({**moe, "per_device_batch_size": 5, "max_target_length": 2048})["fsdp"]
+    assert fsdp.size == 16 and fsdp.intensity == pytest.approx(5 * 2048 * 16 / 32)
+    assert not verdicts({})["expert"].size > 1 and verdicts({})["expert"].verdict == "not used"
+
+
+def test_state_memory_equals_what_the_compiler_allocates():
+    """Parameters + AdamW state per device, estimated, vs the compiled step's inputs on 8 CPU devices."""
+    from tessera.train import compile_step, setup
+
+    cfg = tiny_config(ici_fsdp_parallelism=4, ici_tensor_parallelism=2, per_device_batch_size=2, base_emb_dim=32,
+                      base_mlp_dim=48, vocab_size=128)
+    trainer = setup(cfg)
+    compiled, _ = compile_step(trainer, 0)
+    rows, length = trainer.batch_sharding.shard_shape((trainer.global_batch, cfg.data.max_target_length + 1))
+    batch = 3 * rows * length * 4  # tokens, segment ids and positions, int32
+    state = compiled.memory_analysis().argument_size_in_bytes - batch
+    hw = parse_hardware("h100-8")
+    mem = estimate_memory(cfg, count_params(cfg.model), mesh_sizes(cfg, hw), fused_attention=False)
+    assert mem.params + mem.optimizer == pytest.approx(state, rel=0.002)
+
+
+def test_activation_estimates_shrink_with_remat():
+    cfg = load_model_config("llama2-7b", ["per_device_batch_size=2", "max_target_length=2048", "dtype=bfloat16"])
+    hw = parse_hardware("v5p-128")
+    acts = estimate_memory(cfg, count_params(cfg.model), mesh_sizes(cfg, hw), False).activations
+    assert acts["none"] > acts["minimal"] > acts["save_qkv_proj"] > acts["full"] > 0
+    assert 1 * GIB < acts["full"] < 20 * GIB
+
+
+def test_cli_report_and_errors(capsys, tmp_path):
+    assert main(["llama3.1-8b", "per_device_batch_size=2", "--hardware", "v6e-256", "--mfu", "0.4"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters: total 8.030e+09" in out and "<- remat_policy" in out and "at 40% MFU" in out
+    model_file = tmp_path / "wide.yml"
+    model_file.write_text("base_emb_dim: 512\nbase_num_decoder_layers: 2\n")
+    assert main([str(model_file), "--hardware", "h100-8"]) == 0
+    assert "model wide: 2 layers, emb 512" in capsys.readouterr().out
+    assert main(["llama3.1-8b", "--hardware", "v9z-8"]) == 2
+    assert "--hardware='v9z-8' is neither" in capsys.readouterr().err
+
+
+def test_moe_keys_are_checked_and_the_dense_model_refuses_experts():
+    with pytest.raises(ConfigError, match="num_experts_per_tok=4 is more than num_experts=2"):
+        build_config({"num_experts": 2, "num_experts_per_tok": 4})
+    with pytest.raises(ConfigError, match="num_experts=8: decoder_block=llama2 has a dense MLP"):
+        build_model(build_config({"num_experts": 8, "num_experts_per_tok": 2}).model)
+    assert (REPO / "configs" / "models" / "llama3.1-8b.yml").is_file()
