@@ -1,0 +1,178 @@
+"""Run a command as a job on fresh TPU slices from a queued resource, then clean up.
+
+    python3 multihost_job.py --NUM_SLICES=2 --TPU_TYPE=v5p-256 --VERSION=v2-alpha-tpuv5 \
+        --RUN_NAME=r1 --BUCKET_NAME=my-bucket \
+        --COMMAND="bash setup.sh DEVICE=tpu && bash configs/tpu/v5p/128b.sh RUN_NAME=r1 OUTPUT_PATH=gs://my-bucket/runs"
+
+Steps, all through `gcloud`:
+1. pack `--SCRIPT_DIR` and upload it to gs://<BUCKET_NAME>/<BUCKET_DIR>/<RUN_NAME>/code.tar.gz;
+2. create the queued resource <RUN_NAME> (`--NUM_SLICES` slices of `--TPU_TYPE`) with a start-up
+   script: every worker downloads the code, runs `--COMMAND` in it, and uploads its log to
+   .../logs/<host>.log and its exit code to .../status/<host>;
+3. wait until the slices are ACTIVE and every worker has reported (or `--TIMEOUT_MINUTES`);
+4. delete the queued resource (also on failure, timeout or Ctrl-C) and exit 1 if any worker
+   failed, naming it. `--CQR_EXTRA_ARGS` is appended to the create command (e.g. `--network=mtu9k`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
+
+from tessera.tpu_vm import GcloudError, describe_slice, gcloud, pack_code, scope_flags  # noqa: E402
+
+FAILED_STATES = {"FAILED", "SUSPENDED", "SUSPENDING"}
+
+STARTUP_SCRIPT = """#!/bin/bash
+# Start-up script of Tessera job {run}: runs on every worker of every slice at boot.
+RUN_URL={run_url}
+HOST=${{TESSERA_HOST:-$(hostname)}}
+WORK_DIR=${{HOME:-/root}}/{run}
+[ -e "$WORK_DIR/.started" ] && exit 0  # a reboot does not start the job again
+mkdir -p "$WORK_DIR" && cd "$WORK_DIR" && touch .started
+{{
+  gcloud storage cp "$RUN_URL/code.tar.gz" . && tar xzf code.tar.gz && rm code.tar.gz && bash -c {command}
+}} > job.log 2>&1
+echo $? > exit_code
+gcloud storage cp job.log "$RUN_URL/logs/$HOST.log"
+gcloud storage cp exit_code "$RUN_URL/status/$HOST"
+"""
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--NUM_SLICES", type=int, default=1, help="number of slices (default 1)")
+    p.add_argument("--TPU_TYPE", required=True, help="accelerator type of each slice, e.g. v5p-256, v5litepod-256")
+    p.add_argument("--VERSION", required=True, help="TPU VM runtime version, e.g. v2-alpha-tpuv5")
+    p.add_argument("--RUN_NAME", required=True, help="name of the queued resource, its slices and the bucket folder")
+    p.add_argument("--BUCKET_NAME", required=True, help="GCS bucket for the code, logs and exit codes (no gs://)")
+    p.add_argument("--BUCKET_DIR", default="tessera-jobs", help="folder inside the bucket (default tessera-jobs)")
+    p.add_argument("--COMMAND", required=True, help="shell command run in the code folder on every worker")
+    p.add_argument("--CQR_EXTRA_ARGS", default="", help="extra flags for `queued-resources create`")
+    p.add_argument("--SCRIPT_DIR", default=".", help="local folder shipped to the workers (default: .)")
+    p.add_argument("--PROJECT", default="", help="GCP project (default: gcloud's configured one)")
+    p.add_argument("--ZONE", default="", help="zone (default: gcloud's configured one)")
+    p.add_argument("--POLL_SECONDS", type=float, default=60.0, help="seconds between status checks (default 60)")
+    p.add_argument("--TIMEOUT_MINUTES", type=float, default=0.0, help="give up and clean up after this (0: never)")
+    args = p.parse_args(argv)
+    if args.NUM_SLICES < 1:
+        p.error(f"--NUM_SLICES={args.NUM_SLICES} must be at least 1")
+    if args.BUCKET_NAME.startswith("gs://"):
+        p.error(f"--BUCKET_NAME={args.BUCKET_NAME}: give the bucket name without gs://")
+    return args
+
+
+def run_url(args: argparse.Namespace) -> str:
+    return f"gs://{args.BUCKET_NAME}/{args.BUCKET_DIR}/{args.RUN_NAME}"
+
+
+def node_names(args: argparse.Namespace) -> list[str]:
+    return [args.RUN_NAME] if args.NUM_SLICES == 1 else [f"{args.RUN_NAME}-{i}" for i in range(args.NUM_SLICES)]
+
+
+def create_command(args: argparse.Namespace, script: Path) -> list[str]:
+    nodes = ([f"--node-id={args.RUN_NAME}"] if args.NUM_SLICES == 1
+             else [f"--node-count={args.NUM_SLICES}", f"--node-prefix={args.RUN_NAME}"])
+    return ["alpha", "compute", "tpus", "queued-resources", "create", args.RUN_NAME, *nodes,
+            f"--accelerator-type={args.TPU_TYPE}", f"--runtime-version={args.VERSION}",
+            f"--metadata-from-file=startup-script={script}", *scope_flags(args.PROJECT, args.ZONE),
+            *shlex.split(args.CQR_EXTRA_ARGS)]
+
+
+def submit(args: argparse.Namespace) -> None:
+    """Upload the code and create the queued resource with the start-up script."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = pack_code(Path(args.SCRIPT_DIR), Path(tmp) / "code.tar.gz")
+        gcloud(["storage", "cp", str(archive), f"{run_url(args)}/code.tar.gz"])
+        script = Path(tmp) / "startup.sh"
+        script.write_text(STARTUP_SCRIPT.format(run=args.RUN_NAME, run_url=run_url(args),
+                                                command=shlex.quote(args.COMMAND)))
+        gcloud(create_command(args, script))
+    print(f"queued resource {args.RUN_NAME} created: {args.NUM_SLICES} x {args.TPU_TYPE}; "
+          f"logs will be in {run_url(args)}/logs/", flush=True)
+
+
+def wait_active(args: argparse.Namespace, deadline: float) -> None:
+    scope = scope_flags(args.PROJECT, args.ZONE)
+    last = ""
+    while True:
+        state = gcloud(["alpha", "compute", "tpus", "queued-resources", "describe", args.RUN_NAME,
+                        "--format=value(state.state)", *scope]).strip()
+        if state != last:
+            print(f"queued resource {args.RUN_NAME}: {state}", flush=True)
+            last = state
+        if state == "ACTIVE":
+            return
+        if state in FAILED_STATES:
+            raise GcloudError(f"queued resource {args.RUN_NAME} is {state}; see "
+                              f"`gcloud alpha compute tpus queued-resources describe {args.RUN_NAME}`")
+        _sleep_or_timeout(args, deadline)
+
+
+def wait_for_workers(args: argparse.Namespace, expected: int, deadline: float) -> dict[str, int]:
+    """Exit code of every worker, read from the bucket once all `expected` have reported."""
+    status_url = f"{run_url(args)}/status/"
+    reported = 0
+    while True:
+        try:
+            listing = gcloud(["storage", "ls", status_url]).split()
+        except GcloudError:  # nothing uploaded yet
+            listing = []
+        if len(listing) != reported:
+            reported = len(listing)
+            print(f"{reported} of {expected} worker(s) finished", flush=True)
+        if reported >= expected:
+            return {url.rsplit("/", 1)[-1]: int(gcloud(["storage", "cat", url]).strip() or 1) for url in listing}
+        _sleep_or_timeout(args, deadline)
+
+
+def _sleep_or_timeout(args: argparse.Namespace, deadline: float) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(f"--TIMEOUT_MINUTES={args.TIMEOUT_MINUTES:g} passed before the job finished")
+    time.sleep(args.POLL_SECONDS)
+
+
+def clean_up(args: argparse.Namespace) -> None:
+    print(f"deleting queued resource {args.RUN_NAME}", flush=True)
+    try:
+        gcloud(["alpha", "compute", "tpus", "queued-resources", "delete", args.RUN_NAME, "--force", "--quiet",
+                "--async", *scope_flags(args.PROJECT, args.ZONE)])
+    except GcloudError as e:
+        print(f"multihost_job: clean-up failed, delete it by hand: {e}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    deadline = time.monotonic() + args.TIMEOUT_MINUTES * 60 if args.TIMEOUT_MINUTES else float("inf")
+    try:
+        submit(args)
+    except GcloudError as e:
+        print(f"multihost_job: {e}", file=sys.stderr)
+        return 1
+    try:
+        wait_active(args, deadline)
+        scope = scope_flags(args.PROJECT, args.ZONE)
+        expected = sum(describe_slice(name, scope).num_workers for name in node_names(args))
+        codes = wait_for_workers(args, expected, deadline)
+    except (GcloudError, TimeoutError, KeyboardInterrupt) as e:
+        print(f"multihost_job: {e or 'interrupted'}", file=sys.stderr)
+        clean_up(args)
+        return 1
+    clean_up(args)
+    failed = {host: code for host, code in sorted(codes.items()) if code}
+    for host, code in failed.items():
+        print(f"multihost_job: worker {host} exited with code {code}; log {run_url(args)}/logs/{host}.log",
+              file=sys.stderr)
+    print(f"multihost_job: {len(codes) - len(failed)} of {len(codes)} worker(s) succeeded; "
+          f"logs in {run_url(args)}/logs/")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

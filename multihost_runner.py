@@ -1,0 +1,191 @@
+"""Run one command on every worker of one or more TPU VM slices, over `gcloud`.
+
+    python3 multihost_runner.py --TPU_PREFIX=my-tpu \
+        --COMMAND="bash setup.sh DEVICE=tpu && bash configs/tpu/v5p/128b.sh RUN_NAME=r1 OUTPUT_PATH=gs://b/runs"
+
+`--TPU_PREFIX` names one slice, or several slices `<prefix>-0`, `<prefix>-1`, ... that train
+together over DCN (the runner then sets the MEGASCALE_* variables libtpu uses to join them).
+Steps: find the slices (`gcloud compute tpus tpu-vm list`), copy `--SCRIPT_DIR` to
+`~/<RUN_NAME>` on every worker (`scp` + `tar`; skipped with `--USE_EXISTING_FOLDER=true`),
+run `--COMMAND` there on all workers at once (`ssh --worker=<i>`), and stream each worker's
+output to `<LOG_DIR>/<RUN_NAME>/slice<s>_worker<w>.log` (slice 0 worker 0 is echoed here too).
+When a worker fails the others are stopped, the failed ones are named with the end of their
+logs, and the exit code is 1. Stopping the local `gcloud ssh` may leave a remote process
+running; `--COMMAND="pkill -f train.py"`-style clean-up is then up to you.
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
+
+from tessera.tpu_vm import GcloudError, Slice, find_slices, gcloud, pack_code, parse_bool, scope_flags  # noqa: E402
+
+MEGASCALE_PORT = 8080
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--TPU_PREFIX", required=True, help="TPU VM name, or prefix of slices <prefix>-0, <prefix>-1, ...")
+    p.add_argument("--COMMAND", required=True, help="shell command run in the code folder on every worker")
+    p.add_argument("--SCRIPT_DIR", default=".", help="local folder copied to the workers (default: .)")
+    p.add_argument("--RUN_NAME", default="", help="folder name on the workers and for the logs "
+                   "(default: <user>-<date>-<time>; required with --USE_EXISTING_FOLDER)")
+    p.add_argument("--INTERNAL_IP", default="false", help="true: reach workers on their internal IPs "
+                   "(when running from a VM in the same network)")
+    p.add_argument("--USE_EXISTING_FOLDER", default="false", help="true: skip the copy and use ~/<RUN_NAME> as it is")
+    p.add_argument("--PROJECT", default="", help="GCP project (default: gcloud's configured one)")
+    p.add_argument("--ZONE", default="", help="zone (default: gcloud's configured one)")
+    p.add_argument("--LOG_DIR", default="logs", help="local folder for the per-worker logs (default: logs)")
+    args = p.parse_args(argv)
+    try:
+        args.INTERNAL_IP = parse_bool(args.INTERNAL_IP)
+        args.USE_EXISTING_FOLDER = parse_bool(args.USE_EXISTING_FOLDER)
+    except ValueError as e:
+        p.error(f"--INTERNAL_IP/--USE_EXISTING_FOLDER: {e}")
+    if args.USE_EXISTING_FOLDER and not args.RUN_NAME:
+        p.error("--USE_EXISTING_FOLDER=true needs --RUN_NAME: the folder ~/<RUN_NAME> to run in")
+    args.RUN_NAME = args.RUN_NAME or f"{getpass.getuser()}-{time.strftime('%Y-%m-%d-%H-%M-%S')}"
+    return args
+
+
+def ssh_base(args: argparse.Namespace, slice_name: str, worker: str) -> list[str]:
+    flags = scope_flags(args.PROJECT, args.ZONE) + (["--internal-ip"] if args.INTERNAL_IP else [])
+    return ["compute", "tpus", "tpu-vm", "ssh", slice_name, f"--worker={worker}", *flags]
+
+
+def copy_code(args: argparse.Namespace, slices: list[Slice]) -> None:
+    """Pack SCRIPT_DIR once, copy it to every worker and unpack it into ~/<RUN_NAME>."""
+    with tempfile.TemporaryDirectory() as tmp:
+        archive = pack_code(Path(args.SCRIPT_DIR), Path(tmp) / f"{args.RUN_NAME}.tar.gz")
+        flags = scope_flags(args.PROJECT, args.ZONE) + (["--internal-ip"] if args.INTERNAL_IP else [])
+        for s in slices:
+            print(f"copying {args.SCRIPT_DIR} to the {s.num_workers} worker(s) of {s.name}", flush=True)
+            gcloud(["compute", "tpus", "tpu-vm", "scp", str(archive), f"{s.name}:", "--worker=all", *flags])
+            unpack = (f"mkdir -p ~/{shlex.quote(args.RUN_NAME)} && tar xzf ~/{shlex.quote(archive.name)} "
+                      f"-C ~/{shlex.quote(args.RUN_NAME)}")
+            gcloud([*ssh_base(args, s.name, "all"), f"--command={unpack}"])
+
+
+def worker_command(args: argparse.Namespace, slices: list[Slice], slice_id: int) -> str:
+    """The command for every worker of slice `slice_id`: multi-slice variables, folder, COMMAND."""
+    env = ""
+    if len(slices) > 1:
+        coordinator = slices[0].internal_ips[0]
+        env = (f"export MEGASCALE_COORDINATOR_ADDRESS={coordinator}:{MEGASCALE_PORT} "
+               f"MEGASCALE_NUM_SLICES={len(slices)} MEGASCALE_SLICE_ID={slice_id} MEGASCALE_PORT={MEGASCALE_PORT}; ")
+    return f"{env}cd ~/{shlex.quote(args.RUN_NAME)} && {args.COMMAND}"
+
+
+class Worker:
+    """One `gcloud ... ssh --worker=<w>` process whose output goes to a log file (and maybe here)."""
+
+    def __init__(self, slice_id: int, worker: int, argv: list[str], log_path: Path, echo: bool):
+        self.slice_id, self.worker, self.log_path = slice_id, worker, log_path
+        # A session of its own: stopping the worker signals gcloud and the ssh it started.
+        self.proc = subprocess.Popen(["gcloud", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self.pump = threading.Thread(target=self._copy_output, args=(echo,), daemon=True)
+        self.pump.start()
+
+    def _copy_output(self, echo: bool) -> None:
+        with self.log_path.open("w") as log:
+            for line in self.proc.stdout:
+                log.write(line)
+                log.flush()
+                if echo:
+                    print(line, end="", flush=True)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        self.pump.join(timeout=10)
+
+    @property
+    def label(self) -> str:
+        return f"slice {self.slice_id} worker {self.worker}"
+
+    def tail(self, lines: int = 5) -> str:
+        text = self.log_path.read_text().strip().splitlines() if self.log_path.exists() else []
+        return "\n".join("      " + line for line in text[-lines:])
+
+
+def run_everywhere(args: argparse.Namespace, slices: list[Slice]) -> list[Worker]:
+    """Start COMMAND on all workers, wait; on the first failure stop the others. Returns failures."""
+    log_dir = Path(args.LOG_DIR) / args.RUN_NAME
+    log_dir.mkdir(parents=True, exist_ok=True)
+    workers = []
+    for s_id, s in enumerate(slices):
+        command = worker_command(args, slices, s_id)
+        for w in range(s.num_workers):
+            argv = [*ssh_base(args, s.name, str(w)), f"--command={command}"]
+            workers.append(Worker(s_id, w, argv, log_dir / f"slice{s_id}_worker{w}.log", echo=(s_id, w) == (0, 0)))
+    print(f"running on {len(workers)} worker(s); logs in {log_dir}/", flush=True)
+    try:
+        return wait_all(workers)
+    except KeyboardInterrupt:  # the workers run in sessions of their own and did not see Ctrl-C
+        for w in workers:
+            w.stop()
+        raise
+
+
+def wait_all(workers: list[Worker]) -> list[Worker]:
+    """Wait for every worker; after the first failure stop the rest. Returns the failed ones."""
+    failed: list[Worker] = []
+    running = list(workers)
+    while running:
+        for w in list(running):
+            if w.proc.poll() is not None:
+                running.remove(w)
+                w.pump.join()
+                if w.proc.returncode:
+                    failed.append(w)
+        if failed and running:
+            print(f"stopping the {len(running)} worker(s) still running", file=sys.stderr, flush=True)
+            for w in running:
+                w.stop()
+            break
+        time.sleep(0.1)
+    return failed
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        slices = find_slices(args.TPU_PREFIX, scope_flags(args.PROJECT, args.ZONE))
+        print(f"{len(slices)} slice(s): " + ", ".join(f"{s.name} ({s.num_workers} workers)" for s in slices))
+        if not args.USE_EXISTING_FOLDER:
+            copy_code(args, slices)
+    except GcloudError as e:
+        print(f"multihost_runner: {e}", file=sys.stderr)
+        return 1
+    try:
+        failed = run_everywhere(args, slices)
+    except KeyboardInterrupt:
+        print("multihost_runner: interrupted; the local gcloud ssh processes were stopped", file=sys.stderr)
+        return 130
+    if failed:
+        print(f"multihost_runner: {len(failed)} worker(s) failed:", file=sys.stderr)
+        for w in failed:
+            print(f"  {w.label} exited with code {w.proc.returncode} (log {w.log_path}):\n{w.tail()}", file=sys.stderr)
+        return 1
+    print(f"multihost_runner: all workers finished; logs in {Path(args.LOG_DIR) / args.RUN_NAME}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,109 @@
+"""gcloud commands for Cloud TPU VMs, shared by `multihost_runner.py` and `multihost_job.py`.
+
+Standard library only: the launchers run on a workstation that may not have Tessera's
+dependencies installed. Every call goes through the `gcloud` found on PATH (the tests put a
+fake one first), and a failed call raises `GcloudError` with the command and its output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import shlex
+import subprocess
+import tarfile
+from pathlib import Path
+
+# Never shipped to the workers: version control, local environments and run outputs.
+EXCLUDED_FROM_CODE = {".git", ".venv", "outputs", "__pycache__", ".pytest_cache", "logs"}
+
+
+class GcloudError(RuntimeError):
+    """A gcloud command failed; the message holds the command and what it printed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """One TPU slice (a TPU VM node) and the internal and external IPs of its workers."""
+
+    name: str
+    internal_ips: tuple[str, ...]
+    external_ips: tuple[str, ...]
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.internal_ips)
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = text.strip().lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    raise ValueError(f"{text!r} is not true or false")
+
+
+def scope_flags(project: str, zone: str) -> list[str]:
+    """--project/--zone when given (gcloud's configured defaults apply otherwise)."""
+    return ([f"--project={project}"] if project else []) + ([f"--zone={zone}"] if zone else [])
+
+
+def gcloud(args: list[str], capture: bool = True) -> str:
+    """Run `gcloud <args>`; returns stdout, raises GcloudError with the output on failure."""
+    proc = subprocess.run(["gcloud", *args], capture_output=capture, text=True)
+    if proc.returncode:
+        output = ((proc.stderr or "") + (proc.stdout or "")).strip() if capture else "(output above)"
+        raise GcloudError(f"`gcloud {shlex.join(args)}` failed with exit code {proc.returncode}:\n{output}")
+    return proc.stdout or ""
+
+
+def _slice_from_node(node: dict) -> Slice:
+    endpoints = node.get("networkEndpoints") or []
+    return Slice(
+        name=node["name"].rsplit("/", 1)[-1],
+        internal_ips=tuple(e.get("ipAddress", "") for e in endpoints),
+        external_ips=tuple((e.get("accessConfig") or {}).get("externalIp", "") for e in endpoints),
+    )
+
+
+def find_slices(prefix: str, scope: list[str]) -> list[Slice]:
+    """The slice named `prefix`, or else the slices `prefix-0`, `prefix-1`, ... in index order."""
+    nodes = json.loads(gcloud(["compute", "tpus", "tpu-vm", "list", "--format=json", *scope]) or "[]")
+    slices = {s.name: s for s in map(_slice_from_node, nodes)}
+    if prefix in slices:
+        return [slices[prefix]]
+    numbered = {}
+    for name, s in slices.items():
+        match = re.fullmatch(re.escape(prefix) + r"-(\d+)", name)
+        if match:
+            numbered[int(match.group(1))] = s
+    if not numbered:
+        raise GcloudError(f"no TPU VM named {prefix!r} or {prefix}-<n> in {' '.join(scope) or 'the default zone'}; "
+                          f"found: {', '.join(sorted(slices)) or 'none'}")
+    if sorted(numbered) != list(range(len(numbered))):
+        raise GcloudError(f"slices {prefix}-<n> are not numbered 0..{len(numbered) - 1}: {sorted(numbered)}")
+    return [numbered[i] for i in range(len(numbered))]
+
+
+def describe_slice(name: str, scope: list[str]) -> Slice:
+    node = json.loads(gcloud(["compute", "tpus", "tpu-vm", "describe", name, "--format=json", *scope]))
+    return _slice_from_node(node)
+
+
+def pack_code(script_dir: Path, archive: Path) -> Path:
+    """Write `script_dir` (without EXCLUDED_FROM_CODE) as a .tar.gz; returns the archive path."""
+    script_dir = script_dir.resolve()
+    if not script_dir.is_dir():
+        raise GcloudError(f"SCRIPT_DIR {script_dir} is not a directory")
+
+    def keep(info: tarfile.TarInfo):
+        return None if set(Path(info.name).parts) & EXCLUDED_FROM_CODE else info
+
+    with tarfile.open(archive, "w:gz") as tar:
+        for child in sorted(script_dir.iterdir()):
+            tar.add(child, arcname=child.name, filter=keep)
+    return archive

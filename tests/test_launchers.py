@@ -1,0 +1,157 @@
+"""multihost_runner.py and multihost_job.py against a fake `gcloud` first on PATH.
+
+The fake (tests/fake_gcloud.py) records every call and runs worker commands locally, so these
+tests check the exact gcloud commands, that the code arrives on every worker, that every
+worker runs the command, and that failures are reported with the failing worker named.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    """PATH with the fake gcloud first; returns the fake's state folder."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "gcloud_state"
+    bin_dir.mkdir()
+    gcloud = bin_dir / "gcloud"
+    gcloud.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{REPO / "tests" / "fake_gcloud.py"}" "$@"\n')
+    gcloud.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_GCLOUD_DIR", str(state))
+    return state
+
+
+def add_nodes(state: Path, names: list[str], workers: int = 2) -> None:
+    state.mkdir(exist_ok=True)
+    nodes = [{"name": f"projects/p/locations/z/nodes/{n}",
+              "networkEndpoints": [{"ipAddress": f"10.1.{i}.{w}"} for w in range(workers)]}
+             for i, n in enumerate(names)]
+    (state / "nodes.json").write_text(json.dumps(nodes))
+
+
+def calls(state: Path) -> list[list[str]]:
+    return [json.loads(line) for line in (state / "calls.jsonl").read_text().splitlines()]
+
+
+def run(script: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+@pytest.fixture
+def code_dir(tmp_path):
+    code = tmp_path / "code"
+    (code / ".git").mkdir(parents=True)
+    (code / ".git" / "HEAD").write_text("ref")
+    (code / "hello.sh").write_text("echo hello from $FAKE_SLICE/$FAKE_WORKER\n")
+    return code
+
+
+def test_runner_copies_code_and_runs_on_every_worker_of_every_slice(fake, code_dir, tmp_path):
+    add_nodes(fake, ["pod-0", "pod-1"])
+    proc = run("multihost_runner.py", "--TPU_PREFIX=pod", "--COMMAND=bash hello.sh", f"--SCRIPT_DIR={code_dir}",
+               "--RUN_NAME=r1", "--ZONE=us-east5-a", "--PROJECT=proj", "--LOG_DIR=logs", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for s in (0, 1):
+        for w in (0, 1):
+            home = fake / "workers" / f"pod-{s}" / str(w)
+            assert (home / "r1" / "hello.sh").is_file() and not (home / "r1" / ".git").exists()
+            log = (tmp_path / "logs" / "r1" / f"slice{s}_worker{w}.log").read_text()
+            assert f"hello from pod-{s}/{w}" in log
+    assert "hello from pod-0/0" in proc.stdout  # slice 0 worker 0 is echoed
+    scope = ["--project=proj", "--zone=us-east5-a"]
+    recorded = calls(fake)
+    assert recorded[0] == ["compute", "tpus", "tpu-vm", "list", "--format=json", *scope]
+    assert ["compute", "tpus", "tpu-vm", "scp", str(Path(tempfile_name(recorded))), "pod-1:", "--worker=all",
+            *scope] in recorded
+    runs = sorted(c for c in recorded if c[3] == "ssh" and c[5] != "--worker=all")
+    assert len(runs) == 4
+    expected = ("export MEGASCALE_COORDINATOR_ADDRESS=10.1.0.0:8080 MEGASCALE_NUM_SLICES=2 MEGASCALE_SLICE_ID=1 "
+                "MEGASCALE_PORT=8080; cd ~/r1 && bash hello.sh")
+    assert runs[-1] == ["compute", "tpus", "tpu-vm", "ssh", "pod-1", "--worker=1", *scope, f"--command={expected}"]
+
+
+def tempfile_name(recorded: list[list[str]]) -> str:
+    return next(c[4] for c in recorded if c[3] == "scp")
+
+
+def test_runner_names_the_failed_worker_and_exits_nonzero(fake, code_dir, tmp_path):
+    add_nodes(fake, ["solo"], workers=3)
+    command = 'if [ "$FAKE_WORKER" = 2 ]; then echo disk full >&2; exit 7; fi; sleep 30'
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", f"--SCRIPT_DIR={code_dir}",
+               "--RUN_NAME=r2", "--INTERNAL_IP=true", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "slice 0 worker 2 exited with code 7" in proc.stderr and "disk full" in proc.stderr
+    assert "worker 0 exited" not in proc.stderr  # stopped, not failed
+    single_slice = [c for c in calls(fake) if c[3] == "ssh" and c[5] == "--worker=2"][0]
+    assert "--internal-ip" in single_slice and "MEGASCALE" not in single_slice[-1]
+
+
+def test_runner_existing_folder_skips_the_copy(fake, code_dir, tmp_path):
+    add_nodes(fake, ["solo"], workers=1)
+    (fake / "workers" / "solo" / "0" / "keep").mkdir(parents=True)
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=pwd", "--USE_EXISTING_FOLDER=true",
+               "--RUN_NAME=keep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert not [c for c in calls(fake) if c[3] == "scp"]
+    needs_name = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=pwd", "--USE_EXISTING_FOLDER=true",
+                     cwd=tmp_path)
+    assert needs_name.returncode == 2 and "--RUN_NAME" in needs_name.stderr
+
+
+def test_runner_reports_unknown_slices_and_gcloud_failures(fake, code_dir, tmp_path):
+    add_nodes(fake, ["other"])
+    proc = run("multihost_runner.py", "--TPU_PREFIX=pod", "--COMMAND=true", cwd=tmp_path)
+    assert proc.returncode == 1 and "no TPU VM named 'pod'" in proc.stderr and "other" in proc.stderr
+    add_nodes(fake, ["pod"])
+    proc = run("multihost_runner.py", "--TPU_PREFIX=pod", "--COMMAND=true", f"--SCRIPT_DIR={code_dir}",
+               cwd=tmp_path, env={"FAKE_GCLOUD_FAIL_ON": "scp"})
+    assert proc.returncode == 1 and "tpu-vm scp" in proc.stderr and "injected failure" in proc.stderr
+
+
+JOB_ARGS = ["--TPU_TYPE=v5p-16", "--VERSION=v2-alpha-tpuv5", "--RUN_NAME=job1", "--BUCKET_NAME=bkt",
+            "--ZONE=z1", "--POLL_SECONDS=0.01", "--CQR_EXTRA_ARGS=--network=mtu9k --spot"]
+
+
+def test_job_creates_queued_resource_collects_logs_and_cleans_up(fake, code_dir, tmp_path):
+    proc = run("multihost_job.py", "--NUM_SLICES=2", *JOB_ARGS, "--COMMAND=bash hello.sh; echo $TESSERA_HOST",
+               f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    recorded = calls(fake)
+    assert recorded[0][:3] == ["storage", "cp", recorded[0][2]] and recorded[0][3] == "gs://bkt/tessera-jobs/job1/code.tar.gz"
+    create = next(c for c in recorded if c[3:5] == ["queued-resources", "create"])
+    script = next(a for a in create if a.startswith("--metadata-from-file=startup-script="))
+    assert create == ["alpha", "compute", "tpus", "queued-resources", "create", "job1", "--node-count=2",
+                      "--node-prefix=job1", "--accelerator-type=v5p-16", "--runtime-version=v2-alpha-tpuv5", script,
+                      "--zone=z1", "--network=mtu9k", "--spot"]
+    logs = fake / "gcs" / "bkt" / "tessera-jobs" / "job1" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == [f"job1-{s}-w{w}.log" for s in (0, 1) for w in (0, 1)]
+    assert "job1-1-w0" in (logs / "job1-1-w0.log").read_text()
+    assert recorded[-1] == ["alpha", "compute", "tpus", "queued-resources", "delete", "job1", "--force", "--quiet",
+                            "--async", "--zone=z1"]
+
+
+def test_job_names_failed_workers_and_still_cleans_up(fake, code_dir, tmp_path):
+    command = 'test "$TESSERA_HOST" != job1-w1 || exit 5'
+    proc = run("multihost_job.py", *JOB_ARGS, f"--COMMAND={command}", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "worker job1-w1 exited with code 5" in proc.stderr and "job1-w0" not in proc.stderr
+    assert "--node-id=job1" in next(c for c in calls(fake) if c[3:5] == ["queued-resources", "create"])
+    assert calls(fake)[-1][4] == "delete"
+
+
+def test_job_failed_queued_resource_is_deleted(fake, code_dir, tmp_path):
+    proc = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path,
+               env={"FAKE_GCLOUD_QR_STATE": "FAILED"})
+    assert proc.returncode == 1 and "queued resource job1 is FAILED" in proc.stderr
+    assert calls(fake)[-1][4] == "delete"
+    bad = run("multihost_job.py", *JOB_ARGS[:3], "--BUCKET_NAME=gs://bkt", "--COMMAND=true", cwd=tmp_path)
+    assert bad.returncode == 2 and "without gs://" in bad.stderr
