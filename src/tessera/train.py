@@ -1,253 +1,128 @@
 """The training loop, top to bottom: config -> mesh -> model and sharded state -> input ->
-compiled step -> loop with metrics -> report. `python3 train.py configs/base.yml key=value ...`.
+compiled step -> loop with metrics and checkpoints -> report.
+`python3 train.py configs/base.yml key=value ...`.
+
+Exit codes (also in getting_started/Checkpointing.md): 0 finished; 2 bad config or unusable
+checkpoint (nothing was written); 3 non-finite loss or gradient with on_nonfinite_loss=stop;
+143 stopped by SIGTERM after saving a checkpoint (128 + 15, the usual status of a SIGTERM).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import optax
 import yaml
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera import metrics
+from tessera.checkpointing import Checkpointer, CheckpointError, load_full_state, load_parameters
 from tessera.config import Config, ConfigError, config_digest, flat_dict, load_config
 from tessera.data import make_input
-from tessera.mesh import create_mesh, logical_spec, named_shardings, sharding_report
-from tessera.models import OFFLOADING_POLICIES, ModelDef, build_model
-from tessera.models.attention import select_attention
-from tessera.optim import learning_rate_schedule, make_optimizer
+from tessera.mesh import sharding_report
+from tessera.step import (  # noqa: F401 - re-exported: the public face of the trainer
+    Trainer, abstract_state, compile_step, create_state, device_batch, loss_sums, make_train_step, setup,
+    state_from_params,
+)
 
 log = logging.getLogger("tessera")
 
-
-@dataclasses.dataclass
-class Trainer:
-    """What the loop needs, built once from the config (see `setup`)."""
-
-    cfg: Config
-    mesh: Mesh
-    model: ModelDef
-    optimizer: optax.GradientTransformation
-    state_shardings: Any
-    batch_sharding: NamedSharding
-    global_batch: int
+EXIT_OK, EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 3, 143
 
 
-def setup(cfg: Config, devices=None) -> Trainer:
-    """Mesh, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
-    mesh = create_mesh(cfg.mesh, devices)
-    platform = mesh.devices.flat[0].platform
-    choice = select_attention(cfg.model.attention, platform, cfg.model.dtype, cfg.model.head_dim)
-    log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
-    _check_remat(cfg.model.remat_policy, mesh)
-    model = build_model(cfg.model, choice.kernel)
-    optimizer = make_optimizer(cfg.optim, cfg.total_steps_in_schedule)
+class TrainingStopped(Exception):
+    """The run ended early on purpose; `exit_code` says why."""
 
-    param_shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
-    abstract_state = jax.eval_shape(lambda p: init_state_from_params(optimizer, p), model.param_shapes())
-    replicated = NamedSharding(mesh, PartitionSpec())
-    opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, s: s, abstract_state["opt_state"], param_shardings,
-        transform_non_params=lambda _: replicated,
-    )
-    state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
-
-    global_batch = _global_batch(cfg, mesh)
-    sizes = dict(mesh.shape)
-    batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (global_batch, 1), sizes))
-    return Trainer(cfg, mesh, model, optimizer, state_shardings, batch_sharding, global_batch)
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
-def init_state_from_params(optimizer, params) -> dict:
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+class _StopSignal:
+    """Turns SIGTERM into a flag the loop checks between steps (the step in flight finishes)."""
 
+    def __init__(self):
+        self.received = False
+        self._previous = None
 
-def create_state(trainer: Trainer, seed: int) -> dict:
-    """Train state created directly in its sharded layout (never whole on one device)."""
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: leave signal handling to the caller
+            self._previous = None
+        return self
 
-    def init(key):
-        return init_state_from_params(trainer.optimizer, trainer.model.init(key))
+    def _handle(self, signum, frame):
+        log.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting")
+        self.received = True
 
-    with jax.set_mesh(trainer.mesh):
-        return jax.jit(init, out_shardings=trainer.state_shardings)(jax.random.key(seed))
-
-
-def _global_batch(cfg: Config, mesh: Mesh) -> int:
-    exact = cfg.data.per_device_batch_size * mesh.size
-    batch = int(round(exact))
-    if abs(exact - batch) > 1e-9 or batch < 1:
-        raise ConfigError(
-            f"per_device_batch_size={cfg.data.per_device_batch_size} x {mesh.size} devices = {exact:g} sequences; "
-            "the global batch must be a whole number >= 1"
-        )
-    accum = cfg.optim.gradient_accumulation_steps
-    shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-    if batch % accum or (batch // accum) % shards:
-        raise ConfigError(
-            f"global batch {batch} / gradient_accumulation_steps={accum} must be a whole number divisible by "
-            f"data*fsdp*expert={shards} (mesh {dict(mesh.shape)}); change per_device_batch_size or the mesh"
-        )
-    return batch
-
-
-def _check_remat(policy: str, mesh: Mesh) -> None:
-    if policy in OFFLOADING_POLICIES:
-        kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
-        if "pinned_host" not in kinds:
-            raise ConfigError(
-                f"remat_policy={policy} offloads activations to pinned host memory, which "
-                f"{mesh.devices.flat[0].platform} devices here do not have (memories: {sorted(kinds)}); "
-                "use remat_policy=full or minimal"
-            )
-
-
-# --------------------------------------------------------------------------- loss and step
-
-
-def loss_sums(model: ModelDef, params, batch, dropout_key):
-    """(sum of token losses, number of target tokens) for a batch of `tokens` [B, T+1].
-
-    Inputs are tokens[:, :-1] and targets tokens[:, 1:]. A target counts only if it is not
-    padding (segment id 0) and belongs to the same segment as its input token.
-    """
-    tokens, segments = batch["tokens"], batch["segment_ids"]
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    weights = (segments[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1])
-    logits = model.apply(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key)
-    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(token_loss * weights), jnp.sum(weights).astype(jnp.float32)
-
-
-def make_train_step(trainer: Trainer, seed: int):
-    """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
-    cfg, model, optimizer = trainer.cfg, trainer.model, trainer.optimizer
-    accum = cfg.optim.gradient_accumulation_steps
-    schedule = learning_rate_schedule(cfg.optim, cfg.total_steps_in_schedule)
-    use_dropout = cfg.model.enable_dropout and cfg.model.dropout_rate > 0
-
-    def summed_loss(p, b, k):
-        loss_sum, count = loss_sums(model, p, b, k)
-        return loss_sum, (loss_sum, count)
-
-    grad_fn = jax.grad(summed_loss, has_aux=True)
-
-    def step_fn(state, batch):
-        params = state["params"]
-        key = jax.random.fold_in(jax.random.key(seed + 1), state["step"]) if use_dropout else None
-        micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
-
-        def accumulate(carry, i):
-            grads, loss_sum, count = carry
-            mb = jax.tree.map(lambda x: x[i], micro)
-            g, (l, n) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, count + n), None
-
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
-        count = jnp.maximum(count, 1.0)
-        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
-        new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates), "opt_state": opt_state}
-        stats = {"loss": loss_sum / count, "grad_norm": optax.tree.norm(grads),
-                 "learning_rate": schedule(state["step"]), "tokens": count}
-        return new_state, stats
-
-    return step_fn
-
-
-def compile_step(trainer: Trainer, seed: int):
-    """AOT-compile the train step for this mesh; returns (compiled, seconds)."""
-    cfg = trainer.cfg
-    length = cfg.data.max_target_length + 1
-    batch_shapes = {k: jax.ShapeDtypeStruct((trainer.global_batch, length), jnp.int32, sharding=trainer.batch_sharding)
-                    for k in ("tokens", "segment_ids", "positions")}
-    state_shapes = jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        jax.eval_shape(lambda p: init_state_from_params(trainer.optimizer, p), trainer.model.param_shapes()),
-        trainer.state_shardings,
-    )
-    replicated = NamedSharding(trainer.mesh, PartitionSpec())
-    jitted = jax.jit(make_train_step(trainer, seed), out_shardings=(trainer.state_shardings, replicated),
-                     donate_argnums=0)
-    start = time.perf_counter()
-    with jax.set_mesh(trainer.mesh):
-        compiled = jitted.lower(state_shapes, batch_shapes).compile()
-    return compiled, time.perf_counter() - start
-
-
-def device_batch(host_batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Place a global host batch on the mesh; each device receives only its own rows."""
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host_batch.items()}
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 # --------------------------------------------------------------------------- the run
 
 
 def run(cfg: Config, devices=None) -> dict[str, Any]:
-    """Train for `cfg.run.steps` steps; returns the run report (also written as report.json)."""
+    """Train until `cfg.run.steps`; returns the run report (also written as report.json)."""
     run_dir = Path(cfg.run.base_output_directory) / cfg.run.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
     log.info("run %s -> %s (config digest %s)", cfg.run.run_name, run_dir, config_digest(cfg))
 
-    # ---- mesh, model and sharded state
+    # ---- mesh, model, shardings
     trainer = setup(cfg, devices)
     rows, warnings = sharding_report(trainer.mesh, trainer.state_shardings["params"], trainer.model.param_shapes(),
                                      cfg.mesh.param_replication_warn_mib)
     log.info("parameters (path, shape, sharding):\n  %s", "\n  ".join(rows))
     for w in warnings:
         log.warning(w)
-    state = create_state(trainer, cfg.run.init_weights_seed)
+    ckpt = None
+    if cfg.checkpoint.enable_checkpointing:
+        ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.checkpoint_dir or str(run_dir / "checkpoints"))
+    try:
+        return _train(cfg, trainer, ckpt, run_dir)
+    finally:
+        if ckpt:
+            ckpt.close()
+
+
+def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Path) -> dict[str, Any]:
+    # ---- state (fresh, loaded or resumed), input, compiled step
+    data = make_input(cfg.data, cfg.model.vocab_size, trainer.global_batch)
+    state = initial_state(trainer, ckpt, data)
+    start_step = int(jax.device_get(state["step"]))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", trainer.global_batch,
              cfg.data.max_target_length)
-
-    # ---- input and compiled step
-    data = make_input(cfg.data, cfg.model.vocab_size, trainer.global_batch)
     step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s", compile_seconds)
 
-    # ---- loop
-    device_kind = trainer.mesh.devices.flat[0].device_kind
-    peak = metrics.peak_tflops(device_kind)
-    if peak is None:
-        log.info("device kind %r is not in the peak table: MFU is reported as unknown", device_kind)
-    flops = metrics.training_flops_per_step(cfg.model, trainer.global_batch, cfg.data.max_target_length)
-    tokens_per_step = trainer.global_batch * cfg.data.max_target_length
+    # ---- loop: step, metrics, finite check, checkpoint, SIGTERM
     writer = metrics.MetricsWriter(
         Path(cfg.run.metrics_file) if cfg.run.metrics_file else run_dir / "metrics.jsonl",
-        run_dir / "tensorboard" if cfg.run.enable_tensorboard else None,
-        cfg.run.log_period,
-    )
-    profiler = _Profiler(cfg, run_dir)
-    last = time.perf_counter()
+        run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period)
+    meter, profiler, config_json = _StepMeter(cfg, trainer), _Profiler(cfg, run_dir), flat_dict(cfg)
     try:
-        for step in range(1, cfg.run.steps + 1):
-            profiler.before_step(step)
-            batch = device_batch(next(data), trainer.batch_sharding)
-            state, stats = step_fn(state, batch)
-            stats = jax.device_get(stats)
-            now = time.perf_counter()
-            seconds, last = now - last, now
-            tflops = flops / seconds / trainer.mesh.size / 1e12
-            writer.write({
-                "step": step, "loss": float(stats["loss"]), "grad_norm": float(stats["grad_norm"]),
-                "learning_rate": float(stats["learning_rate"]), "step_seconds": seconds,
-                "tflops_per_sec_per_device": tflops,
-                "tokens_per_sec_per_device": tokens_per_step / seconds / trainer.mesh.size,
-                "mfu": None if peak is None else tflops / peak,
-            })
-            profiler.after_step(step)
+        with _StopSignal() as stop:
+            for step in range(start_step + 1, cfg.run.steps + 1):
+                profiler.before_step(step)
+                state, stats = step_fn(state, device_batch(next(data), trainer.batch_sharding))
+                stats = jax.device_get(stats)
+                writer.write(meter.record(step, stats))
+                profiler.after_step(step)
+                _check_finite(cfg, step, stats, ckpt)
+                if ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stop.received):
+                    ckpt.save(step, state, data.get_state(), config_json)
+                if stop.received:
+                    _stop_after_sigterm(step, ckpt)
     finally:
         profiler.stop()
         writer.close()
@@ -255,15 +130,88 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
     # ---- report
     report = metrics.run_report(
         writer.records, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
-        device_kind=device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),
-        peak_tflops_per_device=peak, flops_per_step=flops, num_parameters=n_params, compile_seconds=compile_seconds,
-        attention_kernel=trainer.model.attention_kernel, global_batch=trainer.global_batch,
-        max_target_length=cfg.data.max_target_length,
+        device_kind=meter.device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),
+        peak_tflops_per_device=meter.peak, flops_per_step=meter.flops, num_parameters=n_params,
+        compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
+        global_batch=trainer.global_batch, max_target_length=cfg.data.max_target_length, start_step=start_step,
     )
     (run_dir / "report.json").write_text(json.dumps(report, indent=2))
-    log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
-             run_dir / "report.json")
+    if writer.records:
+        log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
+                 run_dir / "report.json")
+    else:
+        log.info("nothing to do: the run is already at step %d of %d", start_step, cfg.run.steps)
     return report
+
+
+def _stop_after_sigterm(step: int, ckpt: Checkpointer | None) -> None:
+    if ckpt is None:
+        raise TrainingStopped(f"stopped by SIGTERM after step {step} (checkpointing is off: nothing saved)",
+                              EXIT_PREEMPTED)
+    ckpt.wait()
+    raise TrainingStopped(f"stopped by SIGTERM after step {step}; checkpoint {ckpt.step_path(step)}", EXIT_PREEMPTED)
+
+
+def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data) -> dict:
+    """Resume from this run's newest checkpoint, else load_full_state_path, load_parameters_path or init."""
+    cfg = trainer.cfg.checkpoint
+    latest = ckpt.latest_step() if ckpt else None
+    if latest is not None:
+        state, data_state = ckpt.restore(latest, abstract_state(trainer))
+        if data_state:
+            data.set_state(data_state)
+        log.info("resuming from step %d: %s", latest, ckpt.step_path(latest))
+        return state
+    if cfg.load_full_state_path:
+        state = load_full_state(cfg.load_full_state_path, abstract_state(trainer))
+        step = int(jax.device_get(state["step"]))
+        data.set_state({"step": step})
+        log.info("loaded full state at step %d from %s", step, cfg.load_full_state_path)
+        return state
+    if cfg.load_parameters_path:
+        params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"])
+        log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
+        return state_from_params(trainer, params)
+    return create_state(trainer, trainer.cfg.run.init_weights_seed)
+
+
+def _check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None) -> None:
+    if bool(stats["finite"]):
+        return
+    what = f"non-finite loss ({float(stats['loss'])}) or gradient norm ({float(stats['grad_norm'])}) at step {step}"
+    if cfg.run.on_nonfinite_loss == "skip_step":
+        log.warning("%s: update skipped (on_nonfinite_loss=skip_step)", what)
+        return
+    last = ckpt.latest_step() if ckpt else None
+    where = f"last good checkpoint: step {last} at {ckpt.step_path(last)}" if last is not None else "no checkpoint yet"
+    raise TrainingStopped(
+        f"{what}; stopping without saving ({where}). Lower learning_rate, raise warmup_steps_fraction or "
+        "gradient_clipping_threshold, or set on_nonfinite_loss=skip_step", EXIT_NONFINITE)
+
+
+class _StepMeter:
+    """Turns a step's stats and wall time into a metrics record (TFLOP/s, tokens/s, MFU)."""
+
+    def __init__(self, cfg: Config, trainer: Trainer):
+        self.device_kind = trainer.mesh.devices.flat[0].device_kind
+        self.peak = metrics.peak_tflops(self.device_kind)
+        if self.peak is None:
+            log.info("device kind %r is not in the peak table: MFU is reported as unknown", self.device_kind)
+        self.flops = metrics.training_flops_per_step(cfg.model, trainer.global_batch, cfg.data.max_target_length)
+        self.tokens = trainer.global_batch * cfg.data.max_target_length
+        self.devices = trainer.mesh.size
+        self.last = time.perf_counter()
+
+    def record(self, step: int, stats: dict) -> dict:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        tflops = self.flops / seconds / self.devices / 1e12
+        return {
+            "step": step, "loss": float(stats["loss"]), "grad_norm": float(stats["grad_norm"]),
+            "learning_rate": float(stats["learning_rate"]), "step_seconds": seconds,
+            "tflops_per_sec_per_device": tflops, "tokens_per_sec_per_device": self.tokens / seconds / self.devices,
+            "mfu": None if self.peak is None else tflops / self.peak,
+        }
 
 
 class _Profiler:
@@ -293,15 +241,20 @@ class _Profiler:
 
 
 def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
+                        force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.WARNING)
     try:
         cfg = load_config(argv)
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("run_%Y%m%d_%H%M%S")
         log.info("config:\n%s", yaml.safe_dump(flat_dict(cfg), sort_keys=False).rstrip())
         run(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    except (ConfigError, CheckpointError) as e:
+        print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except TrainingStopped as e:
+        log.error("%s (exit code %d)", e, e.exit_code)
+        return e.exit_code
+    return EXIT_OK

@@ -2,6 +2,7 @@
 
 from tessera.config.loader import build_config, config_digest, flat_dict, load_config
 from tessera.config.schema import (
+    CheckpointConfig,
     Config,
     ConfigError,
     DataConfig,
@@ -13,6 +14,7 @@ from tessera.config.schema import (
 )
 
 __all__ = [
+    "CheckpointConfig",
     "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig",
     "ProfilerConfig", "RunConfig", "build_config", "config_digest", "flat_dict", "load_config",
 ]

@@ -56,6 +56,8 @@ class RunConfig:
     enable_tensorboard: bool = key(True, "write TensorBoard event files under base_output_directory/run_name/tensorboard")
     init_weights_seed: int = key(0, "PRNG seed for parameter initialization and dropout")
     report_warmup_steps: int = key(3, "steps left out of the run report's medians (compilation and warm-up)", minimum=0)
+    on_nonfinite_loss: str = key("stop", "a NaN/inf loss or gradient: 'stop' the run, or 'skip_step' (drop that update)",
+                                 ("stop", "skip_step"))
 
 
 @dataclass
@@ -180,6 +182,19 @@ class OptimConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Orbax checkpoints: periodic saves, automatic resume, parameter-only and full-state loads."""
+
+    enable_checkpointing: bool = key(True, "save checkpoints and resume from the newest one in checkpoint_dir")
+    async_checkpointing: bool = key(True, "write checkpoints in the background (the step only waits for the copy to host)")
+    checkpoint_period: int = key(100, "save every this many steps (the last step and a SIGTERM also save)", minimum=1)
+    max_num_checkpoints_to_keep: int = key(-1, "keep only the newest N complete checkpoints (-1: keep all)")
+    checkpoint_dir: str = key("", "where checkpoints go (empty: base_output_directory/run_name/checkpoints)")
+    load_parameters_path: str = key("", "start from these parameters only (a checkpoint step folder or a params checkpoint)")
+    load_full_state_path: str = key("", "start from this full state: parameters, optimizer state and step")
+
+
+@dataclass
 class CompileConfig:
     """Ahead-of-time compilation of the train step for a TPU topology on any host (train_compile)."""
 
@@ -204,6 +219,7 @@ class Config:
     mesh: MeshConfig = field(default_factory=MeshConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
 
     @property
@@ -219,6 +235,7 @@ SECTIONS = {
     "mesh": MeshConfig,
     "data": DataConfig,
     "optim": OptimConfig,
+    "checkpoint": CheckpointConfig,
     "compile": CompileConfig,
 }
 

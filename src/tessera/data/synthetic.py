@@ -17,11 +17,11 @@ BRANCHING = 4
 
 
 class SyntheticData:
-    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, start_step: int = 0):
+    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int):
         self.cfg, self.vocab_size, self.global_batch = cfg, vocab_size, global_batch
         graph_rng = np.random.default_rng([cfg.data_shuffle_seed, 0])
         self.successors = graph_rng.integers(0, vocab_size, size=(vocab_size, BRANCHING), dtype=np.int32)
-        self.step = start_step
+        self.step = 0  # batches handed out so far: the whole iterator state
 
     def batch_for_step(self, step: int) -> dict[str, np.ndarray]:
         length = self.cfg.max_target_length + 1
@@ -44,3 +44,10 @@ class SyntheticData:
         batch = self.batch_for_step(0 if self.cfg.reuse_example_batch else self.step)
         self.step += 1
         return batch
+
+    def get_state(self) -> dict:
+        """The position in the stream, saved in checkpoints (JSON)."""
+        return {"type": "synthetic", "step": self.step}
+
+    def set_state(self, state: dict) -> None:
+        self.step = int(state["step"])

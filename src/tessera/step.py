@@ -1,0 +1,207 @@
+"""The train step and the sharded state it works on.
+
+`setup` turns a config into a `Trainer` (mesh, model, optimizer, shardings) without
+allocating parameters; `create_state` makes the state directly in its sharded layout;
+`make_train_step` is the pure step function and `compile_step` compiles it ahead of time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from tessera.config import Config, ConfigError
+from tessera.mesh import create_mesh, logical_spec, named_shardings
+from tessera.models import OFFLOADING_POLICIES, ModelDef, build_model
+from tessera.models.attention import select_attention
+from tessera.optim import learning_rate_schedule, make_optimizer
+
+log = logging.getLogger("tessera")
+
+
+@dataclasses.dataclass
+class Trainer:
+    """What the loop needs, built once from the config (see `setup`)."""
+
+    cfg: Config
+    mesh: Mesh
+    model: ModelDef
+    optimizer: optax.GradientTransformation
+    state_shardings: Any
+    batch_sharding: NamedSharding
+    global_batch: int
+
+
+def setup(cfg: Config, devices=None) -> Trainer:
+    """Mesh, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
+    mesh = create_mesh(cfg.mesh, devices)
+    platform = mesh.devices.flat[0].platform
+    choice = select_attention(cfg.model.attention, platform, cfg.model.dtype, cfg.model.head_dim)
+    log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
+    _check_remat(cfg.model.remat_policy, mesh)
+    model = build_model(cfg.model, choice.kernel)
+    optimizer = make_optimizer(cfg.optim, cfg.total_steps_in_schedule)
+
+    param_shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
+    abstract_state = jax.eval_shape(lambda p: init_state_from_params(optimizer, p), model.param_shapes())
+    replicated = NamedSharding(mesh, PartitionSpec())
+    opt_shardings = optax.tree_map_params(
+        optimizer, lambda _, s: s, abstract_state["opt_state"], param_shardings,
+        transform_non_params=lambda _: replicated,
+    )
+    state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+
+    global_batch = _global_batch(cfg, mesh)
+    sizes = dict(mesh.shape)
+    batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (global_batch, 1), sizes))
+    return Trainer(cfg, mesh, model, optimizer, state_shardings, batch_sharding, global_batch)
+
+
+def init_state_from_params(optimizer, params) -> dict:
+    """A fresh train state (step 0, new optimizer state) around `params`."""
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+
+
+def create_state(trainer: Trainer, seed: int) -> dict:
+    """Train state created directly in its sharded layout (never whole on one device)."""
+
+    def init(key):
+        return init_state_from_params(trainer.optimizer, trainer.model.init(key))
+
+    with jax.set_mesh(trainer.mesh):
+        return jax.jit(init, out_shardings=trainer.state_shardings)(jax.random.key(seed))
+
+
+def _global_batch(cfg: Config, mesh: Mesh) -> int:
+    exact = cfg.data.per_device_batch_size * mesh.size
+    batch = int(round(exact))
+    if abs(exact - batch) > 1e-9 or batch < 1:
+        raise ConfigError(
+            f"per_device_batch_size={cfg.data.per_device_batch_size} x {mesh.size} devices = {exact:g} sequences; "
+            "the global batch must be a whole number >= 1"
+        )
+    accum = cfg.optim.gradient_accumulation_steps
+    shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
+    if batch % accum or (batch // accum) % shards:
+        raise ConfigError(
+            f"global batch {batch} / gradient_accumulation_steps={accum} must be a whole number divisible by "
+            f"data*fsdp*expert={shards} (mesh {dict(mesh.shape)}); change per_device_batch_size or the mesh"
+        )
+    return batch
+
+
+def _check_remat(policy: str, mesh: Mesh) -> None:
+    if policy in OFFLOADING_POLICIES:
+        kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
+        if "pinned_host" not in kinds:
+            raise ConfigError(
+                f"remat_policy={policy} offloads activations to pinned host memory, which "
+                f"{mesh.devices.flat[0].platform} devices here do not have (memories: {sorted(kinds)}); "
+                "use remat_policy=full or minimal"
+            )
+
+
+# --------------------------------------------------------------------------- loss and step
+
+
+def loss_sums(model: ModelDef, params, batch, dropout_key):
+    """(sum of token losses, number of target tokens) for a batch of `tokens` [B, T+1].
+
+    Inputs are tokens[:, :-1] and targets tokens[:, 1:]. A target counts only if it is not
+    padding (segment id 0) and belongs to the same segment as its input token.
+    """
+    tokens, segments = batch["tokens"], batch["segment_ids"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    weights = (segments[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1])
+    logits = model.apply(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key)
+    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    return jnp.sum(token_loss * weights), jnp.sum(weights).astype(jnp.float32)
+
+
+def make_train_step(trainer: Trainer, seed: int):
+    """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
+    cfg, model, optimizer = trainer.cfg, trainer.model, trainer.optimizer
+    accum = cfg.optim.gradient_accumulation_steps
+    schedule = learning_rate_schedule(cfg.optim, cfg.total_steps_in_schedule)
+    use_dropout = cfg.model.enable_dropout and cfg.model.dropout_rate > 0
+
+    def summed_loss(p, b, k):
+        loss_sum, count = loss_sums(model, p, b, k)
+        return loss_sum, (loss_sum, count)
+
+    grad_fn = jax.grad(summed_loss, has_aux=True)
+
+    def step_fn(state, batch):
+        params = state["params"]
+        key = jax.random.fold_in(jax.random.key(seed + 1), state["step"]) if use_dropout else None
+        micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+        def accumulate(carry, i):
+            grads, loss_sum, count = carry
+            mb = jax.tree.map(lambda x: x[i], micro)
+            g, (l, n) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, count + n), None
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
+        count = jnp.maximum(count, 1.0)
+        grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
+        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+        loss, grad_norm = loss_sum / count, optax.tree.norm(grads)
+        # A non-finite loss or gradient leaves parameters and optimizer state as they were, so
+        # a NaN never reaches the state (or a checkpoint); the host decides to stop or go on.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        new_state = {"step": state["step"] + 1,
+                     "params": jax.tree.map(keep, optax.apply_updates(params, updates), params),
+                     "opt_state": jax.tree.map(keep, opt_state, state["opt_state"])}
+        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]), "tokens": count,
+                 "finite": finite}
+        return new_state, stats
+
+    return step_fn
+
+
+def compile_step(trainer: Trainer, seed: int):
+    """AOT-compile the train step for this mesh; returns (compiled, seconds)."""
+    cfg = trainer.cfg
+    length = cfg.data.max_target_length + 1
+    batch_shapes = {k: jax.ShapeDtypeStruct((trainer.global_batch, length), jnp.int32, sharding=trainer.batch_sharding)
+                    for k in ("tokens", "segment_ids", "positions")}
+    state_shapes = abstract_state(trainer)
+    replicated = NamedSharding(trainer.mesh, PartitionSpec())
+    jitted = jax.jit(make_train_step(trainer, seed), out_shardings=(trainer.state_shardings, replicated),
+                     donate_argnums=0)
+    start = time.perf_counter()
+    with jax.set_mesh(trainer.mesh):
+        compiled = jitted.lower(state_shapes, batch_shapes).compile()
+    return compiled, time.perf_counter() - start
+
+
+def device_batch(host_batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Place a global host batch on the mesh; each device receives only its own rows."""
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host_batch.items()}
+
+
+def abstract_state(trainer: Trainer):
+    """ShapeDtypeStructs with shardings for the whole train state (for restores and AOT)."""
+    return jax.tree.map(
+        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+        jax.eval_shape(lambda p: init_state_from_params(trainer.optimizer, p), trainer.model.param_shapes()),
+        trainer.state_shardings,
+    )
+
+
+def state_from_params(trainer: Trainer, params) -> dict:
+    """A fresh train state around loaded parameters, created in its sharded layout."""
+    with jax.set_mesh(trainer.mesh):
+        return jax.jit(lambda p: init_state_from_params(trainer.optimizer, p), out_shardings=trainer.state_shardings,
+                       donate_argnums=0)(params)

@@ -1,0 +1,197 @@
+"""Checkpoints: resume == uninterrupted, restore on other meshes, SIGTERM/SIGKILL, bad checkpoints, NaN."""
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, tiny_config
+from tessera.config import load_config
+from tessera.checkpointing import CheckpointError, Checkpointer, load_parameters
+from tessera.train import abstract_state, run, setup
+
+TRAIN = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml")]
+
+
+def _losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+
+def _restore(ckpt_dir, step, cfg, devices=None):
+    trainer = setup(cfg, devices)
+    return Checkpointer(cfg.checkpoint, str(ckpt_dir)).restore(step, abstract_state(trainer))[0]
+
+
+def _tree_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(path.rglob("*")):
+        if f.is_file():
+            h.update(str(f.relative_to(path)).encode() + f.read_bytes())
+    return h.hexdigest()
+
+
+def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path):
+    # The interrupted run stops after 2 of 4 steps (same schedule), like a preempted job.
+    common = dict(checkpoint_period=100, enable_dropout=True, dropout_rate=0.1, learning_rate_schedule_steps=4)
+    straight = tiny_config(tmp_path / "a", steps=4, **common)
+    run(straight)
+    run(tiny_config(tmp_path / "b", steps=2, **common))
+    resumed = tiny_config(tmp_path / "b", steps=4, **common)
+    report = run(resumed)
+    assert report["start_step"] == 2 and report["steps"] == 2
+    a, b = _losses(tmp_path / "a" / "test"), _losses(tmp_path / "b" / "test")
+    assert [a[s] for s in (1, 2, 3, 4)] == [b[s] for s in (1, 2, 3, 4)]  # bitwise, CPU is deterministic
+    final_a = _restore(tmp_path / "a" / "test" / "checkpoints", 4, straight)
+    final_b = _restore(tmp_path / "b" / "test" / "checkpoints", 4, resumed)
+    jax.tree.map(np.testing.assert_array_equal, final_a, final_b)
+
+
+@pytest.mark.parametrize("mesh", ["2 data x 4 tensor", "1 device"])
+def test_restore_onto_a_different_mesh(tmp_path, mesh):
+    saved = tiny_config(tmp_path / "src", steps=2, ici_fsdp_parallelism=8)
+    run(saved)
+    cont = run(tiny_config(tmp_path / "src", steps=3, ici_fsdp_parallelism=8))
+    assert cont["start_step"] == 2
+    expected = _losses(tmp_path / "src" / "test")[3]
+    path = str(tmp_path / "src" / "test" / "checkpoints" / "2")
+    if mesh == "1 device":
+        cfg, devices = tiny_config(tmp_path / "dst", steps=3, per_device_batch_size=8, load_full_state_path=path), \
+            jax.devices()[:1]
+    else:
+        cfg, devices = tiny_config(tmp_path / "dst", steps=3, ici_data_parallelism=2, ici_fsdp_parallelism=1,
+                                   ici_tensor_parallelism=4, load_full_state_path=path), None
+    report = run(cfg, devices)
+    assert report["start_step"] == 2
+    # same weights and batch; only the order of float32 reductions differs across meshes
+    np.testing.assert_allclose(_losses(tmp_path / "dst" / "test")[3], expected, rtol=1e-5)
+
+
+def test_load_parameters_only(tmp_path):
+    cfg = tiny_config(tmp_path / "src", steps=2)
+    run(cfg)
+    path = tmp_path / "src" / "test" / "checkpoints" / "2"
+    saved = _restore(tmp_path / "src" / "test" / "checkpoints", 2, cfg)
+    fresh = tiny_config(tmp_path / "dst", steps=1, load_parameters_path=str(path))
+    params = load_parameters(str(path), abstract_state(setup(fresh))["params"])
+    jax.tree.map(np.testing.assert_array_equal, params, saved["params"])
+    assert run(fresh)["start_step"] == 0  # a fresh optimizer and step counter
+    with pytest.raises(CheckpointError, match="does not exist"):
+        load_parameters(str(tmp_path / "nowhere"), abstract_state(setup(fresh))["params"])
+
+
+def _train(tmp_path, *args, timeout=300):
+    return subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}", "per_device_batch_size=1",
+                           "max_target_length=16", "base_num_decoder_layers=2", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path):
+    assert _train(tmp_path, "steps=2").returncode == 0
+    ckpt = tmp_path / "sub" / "checkpoints"
+    before = _tree_digest(ckpt)
+    proc = _train(tmp_path, "steps=4", "base_emb_dim=128")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert str(ckpt / "2") in proc.stderr and "checkpoint has shape" in proc.stderr and "(256" in proc.stderr
+    proc = _train(tmp_path, "steps=4", "weight_dtype=bfloat16")
+    assert proc.returncode == 2 and "checkpoint has dtype float32, this config expects bfloat16" in proc.stderr
+    assert _tree_digest(ckpt) == before
+
+
+def test_missing_checkpoint_files_are_reported(tmp_path):
+    assert _train(tmp_path, "steps=2").returncode == 0
+    state_dir = tmp_path / "sub" / "checkpoints" / "2" / "state"
+    victims = [p for p in state_dir.rglob("*") if p.is_file() and "manifest" in p.name or p.suffix == ".ocdbt"]
+    victims = victims or [p for p in state_dir.rglob("*") if p.is_file() and p.stat().st_size > 1000]
+    for p in victims:
+        p.unlink()
+    proc = _train(tmp_path, "steps=4")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert str(tmp_path / "sub" / "checkpoints" / "2") in proc.stderr
+
+
+def _wait_for(predicate, timeout, interval=0.005):
+    end = time.time() + timeout
+    while time.time() < end:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def test_sigterm_saves_and_exits_with_documented_code(tmp_path):
+    cmd = [*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}", "per_device_batch_size=1",
+           "max_target_length=16", "steps=100000", "checkpoint_period=100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "sub" / "metrics.jsonl"
+    assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 240, 0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-2000:]
+    last = max(_losses(tmp_path / "sub"))
+    assert (tmp_path / "sub" / "checkpoints" / str(last)).is_dir()
+    assert "stopped by SIGTERM after step" in err
+    again = _train(tmp_path, f"steps={last + 2}", "max_target_length=16", "base_num_decoder_layers=4")
+    assert again.returncode == 0 and f"resuming from step {last}" in again.stderr
+
+
+def test_sigkill_during_async_save_never_loads_the_partial_checkpoint(tmp_path):
+    # A state of ~170 MB makes each save take long enough to be caught in the middle.
+    big = ["base_emb_dim=512", "base_mlp_dim=2048", "vocab_size=8192", "base_num_decoder_layers=2",
+           "checkpoint_period=1", "async_checkpointing=true", "per_device_batch_size=1", "max_target_length=16"]
+    for attempt in range(4):
+        out = tmp_path / f"try{attempt}"
+        proc = subprocess.Popen([*TRAIN, "run_name=sub", f"base_output_directory={out}", "steps=100000", *big],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ckpt = out / "sub" / "checkpoints"
+
+        def saving():
+            complete = [p for p in ckpt.iterdir() if p.name.isdigit()] if ckpt.exists() else []
+            partial = [p for p in ckpt.iterdir() if "tmp" in p.name] if ckpt.exists() else []
+            return bool(complete) and bool(partial)
+
+        assert _wait_for(saving, 300)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        partial = [p for p in ckpt.iterdir() if "orbax-checkpoint-tmp" in p.name]
+        if partial:
+            break
+    else:
+        pytest.fail("could not catch a save in progress in 4 attempts")
+    complete = sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit())
+    again = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={out}", f"steps={complete[-1] + 1}", *big],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"resuming from step {complete[-1]}" in again.stderr
+    assert "incomplete checkpoint" in again.stderr and partial[0].name in again.stderr
+    kept = list((out / "sub" / "checkpoints_incomplete").glob(partial[0].name + ".*"))
+    assert len(kept) == 1 and kept[0].is_dir()  # reported and set aside, never deleted
+
+
+def test_nonfinite_loss_stops_without_saving(tmp_path):
+    proc = _train(tmp_path, "steps=6", "learning_rate=1e38", "warmup_steps_fraction=0", "checkpoint_period=1",
+                  "gradient_clipping_threshold=0")
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "non-finite loss" in proc.stderr and "last good checkpoint: step" in proc.stderr
+    records = [json.loads(line) for line in (tmp_path / "sub" / "metrics.jsonl").read_text().splitlines()]
+    bad = records[-1]["step"]
+    assert not (np.isfinite(records[-1]["loss"]) and np.isfinite(records[-1]["grad_norm"]))
+    saved = sorted(int(p.name) for p in (tmp_path / "sub" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and max(saved) < bad
+
+
+def test_skip_step_keeps_the_state_finite(tmp_path):
+    proc = _train(tmp_path, "steps=4", "learning_rate=1e38", "warmup_steps_fraction=0", "gradient_clipping_threshold=0",
+                  "on_nonfinite_loss=skip_step")
+    assert proc.returncode == 0 and "update skipped" in proc.stderr
+    run_cfg = load_config([str(REPO / "configs" / "base.yml"), "per_device_batch_size=1", "max_target_length=16",
+                           "base_num_decoder_layers=2", "gradient_clipping_threshold=0"], env={})
+    state = _restore(tmp_path / "sub" / "checkpoints", 4, run_cfg)
+    assert all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(state["params"]))
