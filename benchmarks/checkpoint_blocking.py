@@ -1,0 +1,90 @@
+"""How long a training step is held up by a checkpoint save, async vs sync.
+
+Workload (fixed): Llama block, emb 1024, 6 layers, 16 heads of 64, mlp 2816, vocab 32000,
+float32 weights with AdamW state (about 1.7 GiB of train state), batch 1 x 64 tokens, one CPU
+device. For each mode the script trains 3 steps, saves, trains 3 more, and records:
+`save_call_seconds` (how long `save` blocks the loop), `step_after_save_seconds` (the next
+step, which competes with the background write when async), `median_step_seconds` (steps
+without a save), and `write_seconds` (until the checkpoint is complete on disk).
+
+    .venv/bin/python benchmarks/checkpoint_blocking.py [--out benchmarks/results/checkpoint_blocking.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+WORKLOAD = dict(base_emb_dim=1024, base_num_decoder_layers=6, base_num_query_heads=16, base_num_kv_heads=16,
+                head_dim=64, base_mlp_dim=2816, vocab_size=32000, max_target_length=64, per_device_batch_size=1,
+                remat_policy="none", scan_layers=True)
+
+
+def measure(async_save: bool, out_dir: str) -> dict:
+    import jax
+
+    from tessera.checkpointing import Checkpointer
+    from tessera.config import build_config
+    from tessera.data import make_input
+    from tessera.train import compile_step, create_state, device_batch, setup
+
+    cfg = build_config({**WORKLOAD, "async_checkpointing": async_save})
+    trainer = setup(cfg, jax.devices()[:1])
+    state = create_state(trainer, 0)
+    state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    step_fn, _ = compile_step(trainer, 0)
+    data = make_input(cfg.data, cfg.model.vocab_size, trainer.global_batch)
+    ckpt = Checkpointer(cfg.checkpoint, out_dir)
+
+    def step():
+        nonlocal state
+        start = time.perf_counter()
+        state, stats = step_fn(state, device_batch(next(data), trainer.batch_sharding))
+        jax.block_until_ready(stats)
+        return time.perf_counter() - start
+
+    plain = [step() for _ in range(3)]
+    start = time.perf_counter()
+    ckpt.save(3, state, data.get_state(), {})
+    save_call = time.perf_counter() - start
+    after = step()
+    plain += [step() for _ in range(2)]
+    ckpt.wait()
+    write = time.perf_counter() - start
+    ckpt.close()
+    return {"async_checkpointing": async_save, "state_gib": state_bytes / 2**30, "save_call_seconds": save_call,
+            "step_after_save_seconds": after, "median_step_seconds": statistics.median(plain[1:]),
+            "write_seconds": write}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "checkpoint_blocking.json"))
+    args = parser.parse_args()
+    rows = []
+    for async_save in (False, True):
+        with tempfile.TemporaryDirectory() as d:
+            rows.append(measure(async_save, d))
+    sync, asyn = rows
+    result = {
+        "benchmark": "checkpoint_blocking", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "workload": WORKLOAD,
+        "rows": rows,
+        "blocking_ratio_async_over_sync": asyn["save_call_seconds"] / sync["save_call_seconds"],
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
