@@ -60,3 +60,24 @@ def test_replication_report_flags_large_replicated_params():
     rows, warnings = sharding_report(mesh, named_shardings(mesh, logical, shapes), shapes, warn_mib=1.0)
     assert len(rows) == 2
     assert len(warnings) == 1 and "odd" in warnings[0] and "fully replicated" in warnings[0]
+
+
+def test_declared_slices_on_cpu_build_a_hybrid_mesh():
+    cfg = build_config({"num_slices": 2, "dcn_data_parallelism": 2, "ici_fsdp_parallelism": 4}).mesh
+    mesh = create_mesh(cfg)
+    assert dict(mesh.shape)["data"] == 2 and dict(mesh.shape)["fsdp"] == 4
+    devices = jax.devices()
+    # the DCN axis (data) separates the two slices; ICI axes stay inside one slice
+    first = {d.id for d in mesh.devices[0].flat}
+    assert first == {d.id for d in devices[:4]}
+
+
+def test_dcn_axes_tile_whole_slices():
+    cfg = build_config({"num_slices": 4, "dcn_fsdp_parallelism": 2, "dcn_data_parallelism": 2,
+                        "ici_fsdp_parallelism": 1, "ici_tensor_parallelism": 2}).mesh
+    mesh = create_mesh(cfg)
+    assert mesh.shape["data"] == 2 and mesh.shape["fsdp"] == 2 and mesh.shape["tensor"] == 2
+    for row in mesh.devices.reshape(2, 2, 2):  # (data, fsdp, tensor): tensor pairs are one slice
+        for pair in row:
+            ids = sorted(d.id for d in pair)
+            assert ids[1] - ids[0] == 1 and ids[0] % 2 == 0

@@ -93,13 +93,34 @@ def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) ->
     num_slices = detected if cfg.num_slices == -1 else cfg.num_slices
     ici, dcn = mesh_shape(cfg, len(devices), num_slices)
     ici_shape, dcn_shape = tuple(ici.values()), tuple(dcn.values())
-    if num_slices > 1:
-        grid = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices, allow_split_physical_axes=True)
-    else:
-        grid = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+    grid = _hybrid_grid(devices, ici_shape, dcn_shape, num_slices)
     mesh = Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
     log.info("mesh %s over %d devices (%d slice(s))", dict(mesh.shape), len(devices), num_slices)
     return mesh
+
+
+def slice_groups(devices: Sequence[jax.Device], num_slices: int) -> list[list[jax.Device]]:
+    """Devices grouped by slice: by `slice_index` (TPU multi-slice), else by process, else in
+    contiguous blocks (fake CPU devices declaring slices for tests)."""
+    for attr in ("slice_index", "process_index"):
+        keys = sorted({getattr(d, attr, 0) for d in devices})
+        if len(keys) == num_slices:
+            return [[d for d in devices if getattr(d, attr, 0) == k] for k in keys]
+    per = len(devices) // num_slices
+    return [list(devices[i * per:(i + 1) * per]) for i in range(num_slices)]
+
+
+def _hybrid_grid(devices, ici_shape: tuple[int, ...], dcn_shape: tuple[int, ...], num_slices: int) -> np.ndarray:
+    """Device array of shape ici*dcn per axis: each slice is laid out by `ici_shape` (physical
+    topology aware), and slices are tiled along the axes by `dcn_shape`."""
+    if num_slices == 1:
+        return mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+    per_slice = [mesh_utils.create_device_mesh(ici_shape, g, allow_split_physical_axes=True)
+                 for g in slice_groups(devices, num_slices)]
+    n = len(ici_shape)
+    tiled = np.stack(per_slice).reshape(dcn_shape + ici_shape)
+    tiled = tiled.transpose([axis for i in range(n) for axis in (i, n + i)])  # (dcn_0, ici_0, dcn_1, ici_1, ...)
+    return tiled.reshape([d * i for d, i in zip(dcn_shape, ici_shape)])
 
 
 def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh_sizes: dict[str, int]) -> PartitionSpec:

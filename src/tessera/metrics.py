@@ -76,11 +76,13 @@ def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: b
 class MetricsWriter:
     """Writes each step's record to stdout (every `log_period`), a JSONL file and TensorBoard."""
 
-    def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, log_period: int):
-        metrics_file.parent.mkdir(parents=True, exist_ok=True)
-        self._jsonl = metrics_file.open("a")
-        self._tb = None
-        if tensorboard_dir is not None:
+    def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, log_period: int, write_files: bool = True):
+        """`write_files=False` (processes other than 0 in a multi-process job) logs to stdout only."""
+        self._jsonl, self._tb = None, None
+        if write_files:
+            metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            self._jsonl = metrics_file.open("a")
+        if tensorboard_dir is not None and write_files:
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(str(tensorboard_dir))
@@ -89,8 +91,9 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        self._jsonl.write(json.dumps(record) + "\n")
-        self._jsonl.flush()
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
         step = record["step"]
         if self._tb is not None:
             for name, value in record.items():
@@ -100,7 +103,8 @@ class MetricsWriter:
             log.info(format_record(record))
 
     def close(self) -> None:
-        self._jsonl.close()
+        if self._jsonl is not None:
+            self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -4,6 +4,7 @@ compiled step -> loop with metrics and checkpoints -> report.
 
 Exit codes (also in getting_started/Checkpointing.md): 0 finished; 2 bad config or unusable
 checkpoint (nothing was written); 3 non-finite loss or gradient with on_nonfinite_loss=stop;
+4 multi-process start-up failed; 5 hang watchdog (no step within step_timeout_seconds);
 143 stopped by SIGTERM after saving a checkpoint (128 + 15, the usual status of a SIGTERM).
 """
 
@@ -25,6 +26,7 @@ from tessera import metrics
 from tessera.checkpointing import Checkpointer, CheckpointError, load_full_state, load_parameters
 from tessera.config import Config, ConfigError, config_digest, flat_dict, load_config
 from tessera.data import make_input
+from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize
 from tessera.mesh import sharding_report
 from tessera.step import (  # noqa: F401 - re-exported: the public face of the trainer
     Trainer, abstract_state, compile_step, create_state, device_batch, loss_sums, make_train_step, setup,
@@ -74,7 +76,8 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
     """Train until `cfg.run.steps`; returns the run report (also written as report.json)."""
     run_dir = Path(cfg.run.base_output_directory) / cfg.run.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
+    if jax.process_index() == 0:
+        (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
     log.info("run %s -> %s (config digest %s)", cfg.run.run_name, run_dir, config_digest(cfg))
 
     # ---- mesh, model, shardings
@@ -108,14 +111,16 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Pa
     # ---- loop: step, metrics, finite check, checkpoint, SIGTERM
     writer = metrics.MetricsWriter(
         Path(cfg.run.metrics_file) if cfg.run.metrics_file else run_dir / "metrics.jsonl",
-        run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period)
+        run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
+        write_files=jax.process_index() == 0)
     meter, profiler, config_json = _StepMeter(cfg, trainer), _Profiler(cfg, run_dir), flat_dict(cfg)
     try:
-        with _StopSignal() as stop:
+        with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
             for step in range(start_step + 1, cfg.run.steps + 1):
                 profiler.before_step(step)
                 state, stats = step_fn(state, device_batch(next(data), trainer.batch_sharding))
                 stats = jax.device_get(stats)
+                watchdog.beat()
                 writer.write(meter.record(step, stats))
                 profiler.after_step(step)
                 _check_finite(cfg, step, stats, ckpt)
@@ -135,7 +140,8 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Pa
         compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
         global_batch=trainer.global_batch, max_target_length=cfg.data.max_target_length, start_step=start_step,
     )
-    (run_dir / "report.json").write_text(json.dumps(report, indent=2))
+    if jax.process_index() == 0:
+        (run_dir / "report.json").write_text(json.dumps(report, indent=2))
     if writer.records:
         log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
                  run_dir / "report.json")
@@ -250,7 +256,11 @@ def main(argv: list[str]) -> int:
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("run_%Y%m%d_%H%M%S")
         log.info("config:\n%s", yaml.safe_dump(flat_dict(cfg), sort_keys=False).rstrip())
+        initialize()
         run(cfg)
+    except DistributedError as e:
+        print(f"distributed start-up error: {e}", file=sys.stderr)
+        return EXIT_DISTRIBUTED
     except (ConfigError, CheckpointError) as e:
         print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

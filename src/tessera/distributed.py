@@ -1,0 +1,172 @@
+"""Multi-process start-up on JAX's distributed runtime, and the hang watchdog.
+
+Which processes form one job is read from the environment, first match wins:
+
+1. `JAX_COORDINATOR_IP` [+ `JAX_COORDINATOR_PORT`, default 8476], `NNODES`, `NODE_RANK`
+   (GPU clusters, the validation suite, CPU tests on localhost);
+2. Slurm under `srun` (`SLURM_NTASKS` > 1): JAX's own Slurm detection;
+3. a multi-host TPU slice (`TPU_WORKER_HOSTNAMES` lists several hosts, as on TPU VMs and GKE):
+   JAX's own TPU detection.
+
+Anything else is a single process, which never initializes and never waits. Timeouts come
+from `JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS` (default 300) and
+`JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS` (default 100). A coordinator that cannot be
+reached, or a peer that never arrives, ends start-up with `DistributedError` (exit code 4)
+naming the coordinator, the processes expected and how long this one waited.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import faulthandler
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Mapping
+
+import jax
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 8476
+EXIT_DISTRIBUTED = 4  # start-up failed: coordinator unreachable or a peer never arrived
+EXIT_HANG = 5  # the watchdog saw no step finish in time
+
+
+class DistributedError(Exception):
+    """Start-up of a multi-process job failed; the message says who was expected and for how long."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """How this process joins its job. `mode` is single, env, slurm or tpu."""
+
+    mode: str
+    coordinator: str | None = None
+    num_processes: int = 1
+    process_id: int = 0
+    init_timeout: int = 300
+    heartbeat_timeout: int = 100
+
+
+def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
+    value = env.get(name, "")
+    if value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedError(f"{name}={value!r} must be a whole number") from None
+
+
+def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
+    """Read the job layout from environment variables (see the module docstring)."""
+    env = os.environ if env is None else env
+    timeouts = dict(init_timeout=_int_env(env, "JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS", 300),
+                    heartbeat_timeout=_int_env(env, "JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS", 100))
+    if env.get("JAX_COORDINATOR_IP"):
+        nodes, rank = _int_env(env, "NNODES", 1), _int_env(env, "NODE_RANK", 0)
+        if nodes < 1 or not 0 <= rank < nodes:
+            raise DistributedError(f"NODE_RANK={rank} must be in [0, NNODES={nodes})")
+        if nodes == 1:
+            return JobSpec("single", **timeouts)
+        address = f"{env['JAX_COORDINATOR_IP']}:{_int_env(env, 'JAX_COORDINATOR_PORT', DEFAULT_PORT)}"
+        return JobSpec("env", address, nodes, rank, **timeouts)
+    if _int_env(env, "SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in env:
+        return JobSpec("slurm", None, _int_env(env, "SLURM_NTASKS", 1), _int_env(env, "SLURM_PROCID", 0), **timeouts)
+    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    if len(hosts) > 1:
+        return JobSpec("tpu", None, len(hosts), _int_env(env, "TPU_WORKER_ID", 0), **timeouts)
+    return JobSpec("single", **timeouts)
+
+
+def initialize(spec: JobSpec | None = None) -> JobSpec:
+    """Join the job described by `spec` (default: from the environment); a no-op for one process."""
+    spec = job_from_env() if spec is None else spec
+    if spec.mode == "single":
+        return spec
+    log.info("joining a %d-process job (%s) as process %d, coordinator %s; waiting up to %d s",
+             spec.num_processes, spec.mode, spec.process_id, spec.coordinator or "auto-detected", spec.init_timeout)
+    # JAX aborts the whole process (no Python exception) when start-up fails, so our own timer
+    # fires first, explains, and exits with EXIT_DISTRIBUTED; JAX gets a longer deadline.
+    timer = threading.Timer(spec.init_timeout, _startup_timed_out, args=(spec, time.monotonic()))
+    timer.daemon = True
+    kwargs = dict(initialization_timeout=spec.init_timeout + 60, heartbeat_timeout_seconds=spec.heartbeat_timeout)
+    if spec.mode == "env":
+        kwargs.update(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
+                      process_id=spec.process_id)
+    timer.start()
+    try:
+        jax.distributed.initialize(**kwargs)
+    except Exception as e:  # noqa: BLE001 - every start-up failure gets the same explanation
+        raise DistributedError(_startup_message(spec, f"JAX said: {' '.join(str(e).split())[:600]}")) from None
+    finally:
+        timer.cancel()
+    log.info("joined: process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
+             jax.local_device_count(), jax.device_count())
+    return spec
+
+
+def _coordinator_reachable(address: str | None) -> str:
+    if not address:
+        return "unknown (auto-detected coordinator)"
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=2):
+            return "yes"
+    except OSError as e:
+        return f"no ({e.strerror or e})"
+
+
+def _startup_message(spec: JobSpec, detail: str) -> str:
+    return (
+        f"process {spec.process_id} of {spec.num_processes} could not join the job at coordinator "
+        f"{spec.coordinator or '(auto-detected)'} within {spec.init_timeout} s "
+        f"(JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS). Expected processes 0..{spec.num_processes - 1} "
+        f"({spec.mode} launch); coordinator port reachable from here: {_coordinator_reachable(spec.coordinator)}. "
+        "Check that every node started the same command, that NODE_RANKs are distinct, and that process 0 "
+        f"runs on the coordinator host. {detail}"
+    )
+
+
+def _startup_timed_out(spec: JobSpec, started: float) -> None:
+    waited = time.monotonic() - started
+    message = _startup_message(spec, f"Waited {waited:.0f} s; not every process arrived.")
+    print(f"distributed start-up error: {message}", file=sys.stderr, flush=True)
+    os._exit(EXIT_DISTRIBUTED)
+
+
+class HangWatchdog:
+    """Ends a process whose steps stopped: after `timeout` seconds without `beat()`, dump every
+    thread's Python stack to stderr and exit with EXIT_HANG. A timeout of 0 disables it."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self._last = timeout, time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
+
+    def __enter__(self):
+        if self.timeout > 0:
+            self._last = time.monotonic()
+            self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout:
+                print(f"hang watchdog: no training step finished in {idle:.0f} s (step_timeout_seconds="
+                      f"{self.timeout:g}); Python stacks of every thread follow, then exit code {EXIT_HANG}",
+                      file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(EXIT_HANG)
+
+    def __exit__(self, *exc):
+        self._stop.set()

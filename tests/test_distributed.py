@@ -1,0 +1,110 @@
+"""Multi-process jobs on localhost: start-up, same losses as one process, resume, failures."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, TINY, tiny_config
+from tessera.distributed import DistributedError, HangWatchdog, job_from_env
+from tessera.train import run
+
+TINY_ARGS = [f"{k}={v}" for k, v in TINY.items() if k not in ("per_device_batch_size", "steps")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(rank, port, out, *args, nodes=2, extra_env=None):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_COORDINATOR_IP="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES=str(nodes), NODE_RANK=str(rank),
+               JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS="60")
+    env.update(extra_env or {})
+    cmd = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"), "run_name=mp",
+           f"base_output_directory={out}", "per_device_batch_size=1", *TINY_ARGS, *args]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs, timeout=300):
+    results = []
+    for p in procs:
+        _, err = p.communicate(timeout=timeout)
+        results.append((p.returncode, err))
+    return results
+
+
+def test_job_layout_from_environment():
+    assert job_from_env({}).mode == "single"
+    assert job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1", "NNODES": "1", "NODE_RANK": "0"}).mode == "single"
+    spec = job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1", "JAX_COORDINATOR_PORT": "1234", "NNODES": "4",
+                         "NODE_RANK": "2", "JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS": "7"})
+    assert (spec.mode, spec.coordinator, spec.num_processes, spec.process_id, spec.init_timeout) == (
+        "env", "10.0.0.1:1234", 4, 2, 7)
+    assert job_from_env({"SLURM_NTASKS": "8", "SLURM_PROCID": "3"}).mode == "slurm"
+    assert job_from_env({"TPU_WORKER_HOSTNAMES": "a,b,c,d", "TPU_WORKER_ID": "1"}).num_processes == 4
+    assert job_from_env({"TPU_WORKER_HOSTNAMES": "localhost"}).mode == "single"
+    with pytest.raises(DistributedError, match="NODE_RANK=2 must be in"):
+        job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "2", "NODE_RANK": "2"})
+    with pytest.raises(DistributedError, match="NNODES='two' must be a whole number"):
+        job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "two"})
+
+
+def test_two_processes_match_one_process_and_resume(tmp_path):
+    reference = run(tiny_config(tmp_path / "one", steps=3, per_device_batch_size=1))
+    ref = [json.loads(line)["loss"] for line in (tmp_path / "one" / "test" / "metrics.jsonl").read_text().splitlines()]
+    port = _free_port()
+    results = _finish([_start(rank, port, tmp_path / "mp", "steps=3") for rank in (0, 1)])
+    for code, err in results:
+        assert code == 0, err[-3000:]
+    got = [json.loads(line)["loss"] for line in (tmp_path / "mp" / "mp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(got) == 3 and reference["steps"] == 3
+    # same weights, batch and math; only where the cross-process sums happen differs
+    assert got == pytest.approx(ref, rel=1e-4)
+    port = _free_port()
+    results = _finish([_start(rank, port, tmp_path / "mp", "steps=5") for rank in (0, 1)])
+    for code, err in results:
+        assert code == 0 and "resuming from step 3" in err, err[-3000:]
+
+
+def test_unreachable_coordinator_fails_clearly(tmp_path):
+    start = time.time()
+    proc = _start(1, _free_port(), tmp_path, "steps=2", extra_env={"JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS": "5"})
+    (code, err), = _finish([proc], timeout=120)
+    assert code == 4, err[-3000:]
+    assert "could not join the job" in err and "process 1 of 2" in err and "Traceback" not in err
+    assert time.time() - start < 90
+
+
+def test_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
+    port = _free_port()
+    procs = [_start(rank, port, tmp_path, "steps=100000", "step_timeout_seconds=10",
+                    "enable_checkpointing=false") for rank in (0, 1)]
+    metrics = tmp_path / "mp" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    assert metrics.exists(), procs[0].communicate(timeout=5)[1][-3000:]
+    procs[1].send_signal(signal.SIGKILL)
+    start = time.time()
+    (code, err), _ = _finish(procs, timeout=120)
+    assert code == 5, err[-3000:]
+    assert "hang watchdog" in err and time.time() - start < 60
+
+
+def test_watchdog_dumps_stacks_and_exits(tmp_path):
+    script = (f"import sys, time; sys.path.insert(0, {str(REPO / 'src')!r})\n"
+              "from tessera.distributed import HangWatchdog\n"
+              "with HangWatchdog(1.0) as w:\n    w.beat()\n    time.sleep(30)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 5 and "hang watchdog" in proc.stderr and "time.sleep" not in proc.stderr.split("\n")[0]
+    assert "File" in proc.stderr  # the Python stack dump
+    with HangWatchdog(0):  # 0 disables it
+        time.sleep(0.1)
