@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from tessera.config import load_config
-from tessera.checkpointing import CheckpointError, Checkpointer, load_parameters
+from tessera.checkpointing import CheckpointError, Checkpointer, checkpoint_directory, load_parameters
 from tessera.train import abstract_state, run, setup
 
 TRAIN = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml")]
@@ -195,3 +195,11 @@ def test_skip_step_keeps_the_state_finite(tmp_path):
                            "base_num_decoder_layers=2", "gradient_clipping_threshold=0"], env={})
     state = _restore(tmp_path / "sub" / "checkpoints", 4, run_cfg)
     assert all(bool(np.all(np.isfinite(x))) for x in jax.tree.leaves(state["params"]))
+
+
+def test_checkpoint_directory_keeps_bucket_urls():
+    cfg = tiny_config().checkpoint
+    assert checkpoint_directory(cfg, "gs://bucket/runs/", "r1") == "gs://bucket/runs/r1/checkpoints"
+    assert checkpoint_directory(cfg, "outputs", "r1") == "outputs/r1/checkpoints"
+    custom = tiny_config(checkpoint_dir="gs://other/ckpts").checkpoint
+    assert checkpoint_directory(custom, "outputs", "r1") == "gs://other/ckpts"

@@ -72,6 +72,13 @@ def _raise_on_mismatch(path, saved, expected, only_prefix: str = "") -> None:
         )
 
 
+def checkpoint_directory(cfg: CheckpointConfig, base_output_directory: str, run_name: str) -> str:
+    """`checkpoint_dir`, or base_output_directory/run_name/checkpoints; `gs://` paths stay URLs."""
+    if cfg.checkpoint_dir:
+        return cfg.checkpoint_dir
+    return f"{base_output_directory.rstrip('/')}/{run_name}/checkpoints"
+
+
 class Checkpointer:
     """Saves and restores the train state of one run under `directory`."""
 

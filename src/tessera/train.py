@@ -23,7 +23,9 @@ import numpy as np
 import yaml
 
 from tessera import metrics
-from tessera.checkpointing import Checkpointer, CheckpointError, load_full_state, load_parameters
+from tessera.checkpointing import (
+    Checkpointer, CheckpointError, checkpoint_directory, load_full_state, load_parameters,
+)
 from tessera.config import Config, ConfigError, config_digest, flat_dict, load_config
 from tessera.data import make_input
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize
@@ -89,7 +91,8 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
         log.warning(w)
     ckpt = None
     if cfg.checkpoint.enable_checkpointing:
-        ckpt = Checkpointer(cfg.checkpoint, cfg.checkpoint.checkpoint_dir or str(run_dir / "checkpoints"))
+        ckpt = Checkpointer(cfg.checkpoint, checkpoint_directory(cfg.checkpoint, cfg.run.base_output_directory,
+                                                                 cfg.run.run_name))
     try:
         return _train(cfg, trainer, ckpt, run_dir)
     finally:
