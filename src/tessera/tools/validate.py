@@ -1,0 +1,347 @@
+"""Cluster validation suite: run a training job described by a JSON file and check its speed.
+
+    python3 -m tessera.tools.validate <file.json> [--nodes host1,host2] [--dry-run]
+                                      [--model NAME] [--gpu NAME] [--out DIR]
+
+The file format is the one of the JAX training validation files for GPU clusters: `config`
+(job, container, NCCL/RCCL and XLA settings, `container_config.env_dict`), and
+`model_params.{single_node|multi_node}.<model>.<gpu>` holding train keys, `xla_flags` and
+`result_dict` (targets for `tflops_per_sec_per_gpu` and `tokens_per_sec_per_gpu`). Keys that
+start with `_` are comments; `{user-id}` becomes the current user; any `<changeme>` left
+stops the suite before anything runs. Every key either has a use (a train key, an environment
+variable, a mapped meaning) or is listed as ignored, with the reason.
+
+Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
+unusable (placeholders left, bad structure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import getpass
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+from tessera.config.schema import all_fields
+
+REPO = Path(__file__).resolve().parents[3]
+PLACEHOLDER = "<changeme>"
+# config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
+ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
+# config keys with a meaning in Tessera: key -> train key
+CONFIG_TRAIN_KEYS = {"training_steps": "steps", "enable_checkpointing": "enable_checkpointing",
+                     "log_dir": "base_output_directory"}
+# model-param keys of other trainers -> the Tessera train key with the same meaning
+ALIASES = {"sequence_length": "max_target_length", "micro_batch_size": "per_device_batch_size",
+           "tensor_parallelism": "ici_tensor_parallelism", "pipeline_parallelism": "ici_pipeline_parallelism"}
+IGNORED_WHY = {
+    "precision": "Tessera computes in `dtype`; FP8 (TE_FP8) training is not implemented",
+    "tokenizer_model": "a Hugging Face hub name; Tessera reads tokenizers from local files only",
+    "model_size": "informational (the model is defined by the base_* keys)",
+    "recompute": "Transformer Engine knob; Tessera uses remat_policy",
+    "fsdp": "Transformer Engine knob; Tessera uses ici_fsdp_parallelism",
+    "distributed_training": "implied by the node count",
+    "nic_type": "informational",
+    "data_cache_dir": "not needed with synthetic data",
+    "dataset_source": "not needed with synthetic data",
+    "nccl_ib_hca_list": "list form of nccl_ib_hca, which is the one NCCL reads",
+    "container_name": "the container engine names the container",
+}
+METRICS = {"tflops_per_sec_per_gpu": "tflops_per_sec_per_device", "tokens_per_sec_per_gpu": "tokens_per_sec_per_device"}
+
+
+class ValidationInputError(Exception):
+    """The JSON file cannot be used as it is; the message lists what to change."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything needed to run one validation: environment, train overrides, targets, notes."""
+
+    name: str
+    env: dict[str, str]
+    overrides: dict[str, str]
+    targets: dict[str, float]
+    container: dict[str, Any]
+    ignored: dict[str, str]
+    nnodes: int
+    coordinator: str
+    port: str
+
+
+def load(path: str) -> dict:
+    """The JSON without comment keys, with {user-id} resolved; refuses any <changeme> left."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValidationInputError(f"{path} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ValidationInputError(f"{path} is not valid JSON: {e}") from None
+    data = _clean(data, getpass.getuser())
+    left = list(_placeholders(data))
+    if left:
+        raise ValidationInputError(
+            f"{path} still has {len(left)} {PLACEHOLDER} value(s); set each before running:\n  " + "\n  ".join(left))
+    return data
+
+
+def _clean(node: Any, user: str) -> Any:
+    if isinstance(node, dict):
+        return {k: _clean(v, user) for k, v in node.items() if not k.startswith("_")}
+    if isinstance(node, list):
+        return [_clean(v, user) for v in node]
+    return node.replace("{user-id}", user) if isinstance(node, str) else node
+
+
+def _placeholders(node: Any, path: str = ""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _placeholders(v, f"{path}.{k}" if path else k)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _placeholders(v, f"{path}[{i}]")
+    elif isinstance(node, str) and PLACEHOLDER in node:
+        yield f"{path} = {node!r}"
+
+
+def select(data: dict, multi_node: bool, model: str | None, gpu: str | None) -> tuple[str, dict]:
+    """The `model_params.<mode>.<model>.<gpu>` entry to run."""
+    params = data.get("model_params")
+    if not isinstance(params, dict) or not params:
+        raise ValidationInputError("the file has no model_params section")
+    mode = "multi_node" if multi_node and "multi_node" in params else next(iter(params))
+    models = params[mode]
+    model = model or (next(iter(models)) if len(models) == 1 else None)
+    if model not in models:
+        raise ValidationInputError(f"choose --model from {sorted(models)} (model_params.{mode})")
+    gpus = models[model]
+    gpu = gpu or (next(iter(gpus)) if len(gpus) == 1 else None)
+    if gpu not in gpus:
+        raise ValidationInputError(f"choose --gpu from {sorted(gpus)} (model_params.{mode}.{model})")
+    return f"{mode}.{model}.{gpu}", gpus[gpu]
+
+
+def build_plan(data: dict, name: str, entry: dict) -> Plan:
+    """Map every key of `config` and of the model entry to the environment, a train key, or 'ignored'."""
+    config = dict(data.get("config", {}))
+    container = dict(config.pop("container_config", {}))
+    env = {k: str(v) for k, v in container.pop("env_dict", {}).items()}
+    overrides: dict[str, str] = {}
+    ignored: dict[str, str] = {}
+    xla_flags = [f"--{k}={v}" for k, v in entry.get("xla_flags", {}).items()]
+    train_keys = all_fields()
+    for key, value in config.items():
+        if key.startswith(ENV_PREFIXES):
+            env[key.upper()] = str(value)
+        elif key == "xla_python_client_mem_fraction":
+            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(value)
+        elif key.startswith("xla_"):
+            xla_flags.append(f"--{key}={value}")
+        elif key in CONFIG_TRAIN_KEYS:
+            overrides[CONFIG_TRAIN_KEYS[key]] = str(value)
+        elif key == "mock_data":
+            if str(value).lower() == "true":
+                overrides["dataset_type"] = "synthetic"
+        elif key == "hf_token_file":
+            env["HF_TOKEN_PATH"] = str(value)
+        elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
+            container[key] = value
+        else:
+            ignored[f"config.{key}"] = IGNORED_WHY.get(key, "not a setting Tessera has")
+    for key, value in entry.items():
+        if key in ("xla_flags", "result_dict"):
+            continue
+        target = ALIASES.get(key, key)
+        text = json.dumps(value) if isinstance(value, list) else str(value)
+        if target != key and target in entry:  # an alias next to the key it stands for
+            same = str(entry[target]) == text
+            ignored[key] = f"same as {target}" if same else f"conflicts with {target}={entry[target]}; {target} is used"
+        elif target in train_keys:
+            overrides[target] = text
+        else:
+            ignored[key] = IGNORED_WHY.get(key, "not a Tessera train key")
+    if xla_flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
+    targets = _targets(entry.get("result_dict", {}))
+    nnodes = int(container.get("nnodes", env.get("NNODES", 1)) or 1)
+    coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
+    return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
+                env.get("JAX_COORDINATOR_PORT", "8476"))
+
+
+def _targets(result_dict: dict) -> dict[str, float]:
+    out = {}
+    for key, value in result_dict.items():
+        if key not in METRICS:
+            raise ValidationInputError(f"result_dict.{key} is not a known metric; use {sorted(METRICS)}")
+        try:
+            out[key] = float(value)
+        except ValueError:
+            raise ValidationInputError(f"result_dict.{key}={value!r} is not a number") from None
+    return out
+
+
+# --------------------------------------------------------------------------- running
+
+
+def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str) -> dict[str, str]:
+    env = dict(plan.env)
+    if nnodes > 1:
+        env.update(JAX_COORDINATOR_IP=coordinator, JAX_COORDINATOR_PORT=plan.port, NNODES=str(nnodes),
+                   NODE_RANK=str(rank))
+    return env
+
+
+def train_argv(plan: Plan, run_name: str, python: str = sys.executable) -> list[str]:
+    overrides = {**plan.overrides, "run_name": run_name}
+    overrides.setdefault("base_output_directory", str(REPO / "outputs"))
+    return [python, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"),
+            *(f"{k}={v}" for k, v in overrides.items())]
+
+
+def container_engine() -> str | None:
+    """docker or podman when one is installed and its engine answers, else None."""
+    for engine in ("docker", "podman"):
+        if shutil.which(engine) and subprocess.run([engine, "info"], capture_output=True).returncode == 0:
+            return engine
+    return None
+
+
+def wrap_in_container(engine: str, plan: Plan, env: dict[str, str], argv: list[str]) -> list[str]:
+    c = plan.container
+    cmd = [engine, "run", "--rm", "--network=host", "--ipc=host", f"--shm-size={c.get('shm_size', '16G')}",
+           "-v", f"{REPO}:{REPO}", "-w", str(REPO)]
+    for device in c.get("device_list", []):
+        cmd += ["--device", device]
+    for host, inside in c.get("volume_dict", {}).items():
+        cmd += ["-v", f"{host}:{inside}"]
+    for k, v in env.items():
+        cmd += ["-e", f"{k}={v}"]
+    return cmd + [c["container_image"], "python3", *argv[1:]]
+
+
+def node_commands(plan: Plan, nodes: list[str], run_name: str, engine: str | None) -> list[tuple[str, list[str], dict]]:
+    """(host, argv, env) per node; host 'local' runs here."""
+    hosts = nodes or ["local"] * max(plan.nnodes, 1)
+    coordinator = nodes[0] if nodes else plan.coordinator
+    out = []
+    for rank, host in enumerate(hosts):
+        env = node_env(plan, rank, len(hosts), coordinator)
+        argv = train_argv(plan, run_name, "python3" if host != "local" else sys.executable)
+        if engine and plan.container.get("container_image"):
+            argv = wrap_in_container(engine, plan, env, argv)
+        if host != "local":
+            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+            argv = ["ssh", host, f"cd {shlex.quote(str(REPO))} && env {exports} {shlex.join(argv)}"]
+        out.append((host, argv, env))
+    return out
+
+
+def run_nodes(commands, log_dir: Path) -> list[int]:
+    """Start every node's command, stream each to its own log file, wait for all."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for rank, (host, argv, env) in enumerate(commands):
+        log = (log_dir / f"node{rank}.log").open("w")
+        full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
+        procs.append((subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT), log))
+        print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}")
+    codes = []
+    for proc, log in procs:
+        codes.append(proc.wait())
+        log.close()
+    return codes
+
+
+# --------------------------------------------------------------------------- checking
+
+
+def check(plan: Plan, report: dict | None, codes: list[int]) -> list[dict]:
+    """One row per check: training exit codes, then each target in result_dict."""
+    rows = [{"check": "training finished", "target": "exit code 0 on every node", "measured": str(codes),
+             "passed": all(c == 0 for c in codes) and report is not None}]
+    for metric, target in plan.targets.items():
+        value = None if report is None else report.get(METRICS[metric])
+        rows.append({"check": metric, "target": target, "measured": value,
+                     "passed": value is not None and value >= target})
+    return rows
+
+
+def write_results(rows: list[dict], plan: Plan, out_dir: Path, seconds: float) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "validation.json").write_text(json.dumps(
+        {"name": plan.name, "passed": all(r["passed"] for r in rows), "checks": rows, "ignored_keys": plan.ignored},
+        indent=2) + "\n")
+    failures = sum(not r["passed"] for r in rows)
+    cases = []
+    for r in rows:
+        message = escape(f"measured {r['measured']}, target {r['target']}", {'"': "&quot;"})
+        body = "" if r["passed"] else f'<failure message="{message}"/>'
+        cases.append(f'  <testcase classname="{escape(plan.name)}" name="{escape(r["check"])}">{body}</testcase>')
+    (out_dir / "validation.xml").write_text(
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name="tessera.validate" tests="{len(rows)}" '
+        f'failures="{failures}" time="{seconds:.1f}">\n' + "\n".join(cases) + "\n</testsuite>\n")
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'check':<26} {'target':>28} {'measured':>16}  result")
+    for r in rows:
+        measured = f"{r['measured']:.3f}" if isinstance(r["measured"], float) else str(r["measured"])
+        print(f"{r['check']:<26} {str(r['target']):>28} {measured:>16}  {'PASS' if r['passed'] else 'FAIL'}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m tessera.tools.validate", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file")
+    parser.add_argument("--nodes", default="", help="comma-separated hosts reached over ssh; the first is rank 0")
+    parser.add_argument("--dry-run", action="store_true", help="print every node's command and environment")
+    parser.add_argument("--model"), parser.add_argument("--gpu")
+    parser.add_argument("--out", help="where validation.json/.xml and node logs go (default: the run's folder)")
+    args = parser.parse_args(argv)
+    nodes = [n for n in args.nodes.split(",") if n]
+    try:
+        data = load(args.file)
+        name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
+        plan = build_plan(data, name, entry)
+    except ValidationInputError as e:
+        print(f"validation file error: {e}", file=sys.stderr)
+        return 2
+    for key, why in sorted(plan.ignored.items()):
+        print(f"ignored {key}: {why}")
+    run_name = f"validate_{Path(args.file).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
+    engine = container_engine()
+    if plan.container.get("container_image") and not engine:
+        print(f"no container engine answers here: running directly, not in {plan.container['container_image']}")
+    commands = node_commands(plan, nodes, run_name, engine)
+    if args.dry_run:
+        for rank, (host, cmd, env) in enumerate(commands):
+            print(f"\n# node {rank} ({host})")
+            print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())))
+            print(shlex.join(cmd))
+        return 0
+    run_dir = Path(plan.overrides.get("base_output_directory", REPO / "outputs")) / run_name
+    out_dir = Path(args.out) if args.out else run_dir
+    start = time.time()
+    codes = run_nodes(commands, out_dir / "logs")
+    report_path = run_dir / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    rows = check(plan, report, codes)
+    write_results(rows, plan, out_dir, time.time() - start)
+    print_table(rows)
+    passed = all(r["passed"] for r in rows)
+    print(f"{'PASS' if passed else 'FAIL'}: {plan.name}; results in {out_dir / 'validation.json'} and validation.xml")
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
