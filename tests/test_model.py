@@ -66,6 +66,18 @@ def test_grouped_query_attention_equals_repeated_kv_heads():
     np.testing.assert_allclose(grouped, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_chunked_causal_attention_equals_one_block():
+    rng = np.random.default_rng(1)
+    q = jnp.asarray(rng.normal(size=(2, 384, 4, 8)), jnp.float32)  # 3 chunks of 128 queries
+    k = jnp.asarray(rng.normal(size=(2, 384, 2, 8)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(2, 384, 2, 8)), jnp.float32)
+    seg = jnp.asarray(np.repeat([[1, 2, 3]], 128, axis=1).repeat(2, axis=0), jnp.int32)  # packed documents
+    got = dot_product_attention(q, k, v, seg, seg)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
+                                       mask=(seg[:, None, :, None] == seg[:, None, None, :]))
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_model_is_causal():
     model = build_model(tiny_config().model)
     params = model.init(jax.random.key(0))

@@ -42,25 +42,43 @@ def select_attention(requested: str, platform: str, dtype: str, head_dim: int) -
     return AttentionChoice("cudnn", f"attention={requested}: cuDNN fused attention on {platform}")
 
 
+QUERY_CHUNK = 128  # causal attention skips key blocks entirely after a chunk of this many queries
+
+
 def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs):
     """Reference causal attention with grouped kv heads; tokens attend only within their segment.
 
     Heads are moved in front of the sequence axes first, so both products are plain batched
     matmuls over (batch, kv head): measured 2x faster forward on CPU than contracting in the
-    [B, T, N, H] layout.
+    [B, T, N, H] layout. Long sequences are processed in chunks of QUERY_CHUNK queries, each
+    against only the keys up to its end, which skips the fully masked blocks of the causal
+    score matrix ((C+1)/2C of the work for C chunks).
     """
     b, t, n, h = q_btnh.shape
     kv_heads = k_bskh.shape[2]
     q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
     k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
+    chunk = QUERY_CHUNK if t == k_bskh.shape[1] and t % QUERY_CHUNK == 0 else t
+    outs = []
+    for start in range(0, t, chunk):
+        end = start + chunk
+        keys = end if chunk < t else k_bksh.shape[2]
+        outs.append(_attend(q_bkgth[:, :, :, start:end], k_bksh[:, :, :keys], v_bksh[:, :, :keys],
+                            segment_q_bt[:, start:end], segment_k_bs[:, :keys], start))
+    out_bkgth = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int):
+    """Masked softmax attention of queries at positions q_offset.. against keys 0..S-1."""
+    t, s, h = q_bkgth.shape[3], k_bksh.shape[2], q_bkgth.shape[-1]
     scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32) * h**-0.5
-    causal_ts = jnp.tril(jnp.ones((t, k_bksh.shape[2]), dtype=bool))
+    causal_ts = (jnp.arange(t)[:, None] + q_offset) >= jnp.arange(s)[None, :]
     same_segment_bts = segment_q_bt[:, :, None] == segment_k_bs[:, None, :]
     mask = causal_ts[None, None, None] & same_segment_bts[:, None, None]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
-    out_bkgth = jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh)
-    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
+    return jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh)
 
 
 class Attention(nnx.Module):
