@@ -16,6 +16,8 @@ nothing is loaded or overwritten.
 from __future__ import annotations
 
 import logging
+import re
+import sys
 import time
 from typing import Any
 
@@ -32,6 +34,33 @@ INCOMPLETE_MARKER = ".orbax-checkpoint-tmp"
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used: the message names the path and what is wrong."""
+
+
+def _drop_abandoned_read_echoes() -> None:
+    """Keep a failed read to one clear message (called before every Orbax read).
+
+    When one array of a checkpoint cannot be read, Orbax stops waiting and closes its event
+    loop while TensorStore still finishes the other reads; their completion callbacks then
+    fail with "Event loop is closed" and Python prints each as a traceback. Those are echoes
+    of the error we report, not new ones, so they are dropped; every other unraisable
+    exception still reaches the previous hook."""
+    previous = sys.unraisablehook
+    if getattr(previous, "tessera_drops_abandoned_reads", False):
+        return
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+            return
+        previous(unraisable)
+
+    hook.tessera_drops_abandoned_reads = True
+    sys.unraisablehook = hook
+
+
+def _read_error(e: Exception, message: str) -> CheckpointError:
+    detail = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", str(e))  # the spec is a page of JSON
+    return CheckpointError(f"{message} ({type(e).__name__}: {detail})")
 
 
 def _flat(tree) -> dict[str, Any]:
@@ -110,18 +139,19 @@ class Checkpointer:
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """(state, data_state) of `step`, placed with the shardings in `abstract_state`."""
         path = self.step_path(step)
+        _drop_abandoned_read_echoes()
         try:
             saved = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means an unusable checkpoint
-            raise CheckpointError(f"checkpoint {path} cannot be read ({type(e).__name__}: {e}); "
-                                  "move it away to resume from an earlier step") from None
+            raise _read_error(e, f"checkpoint {path} cannot be read; move it away to resume from an "
+                                           "earlier step") from None
         _raise_on_mismatch(path, getattr(saved, "tree", saved), abstract_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"checkpoint {path} could not be restored ({type(e).__name__}: {e}); "
-                                  "files may be missing or corrupt. Move it away to resume from an earlier step") from None
+            raise _read_error(e, f"checkpoint {path} could not be restored: files may be missing or "
+                                           "corrupt. Move it away to resume from an earlier step") from None
         return restored["state"], dict(restored["data"] or {})
 
     def wait(self) -> None:
@@ -161,10 +191,11 @@ def _state_item(path: str) -> epath.Path:
 
 def _restore_tree(path: epath.Path, target, partial: bool):
     checkpointer = ocp.PyTreeCheckpointer()
+    _drop_abandoned_read_echoes()
     try:
         saved = checkpointer.metadata(path)
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path} is not a readable Orbax checkpoint ({type(e).__name__}: {e})") from None
+        raise _read_error(e, f"{path} is not a readable Orbax checkpoint") from None
     saved_tree = getattr(saved, "item_metadata", saved)
     saved_tree = getattr(saved_tree, "tree", saved_tree)
     _raise_on_mismatch(path, saved_tree, target, only_prefix="params/" if partial else "")
@@ -173,7 +204,7 @@ def _restore_tree(path: epath.Path, target, partial: bool):
         return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
                                                                       partial_restore=partial))
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{path} could not be restored ({type(e).__name__}: {e}); files may be missing or corrupt") from None
+        raise _read_error(e, f"{path} could not be restored: files may be missing or corrupt") from None
 
 
 def load_parameters(path: str, abstract_params) -> Any:
