@@ -88,6 +88,7 @@ class MetricsWriter:
             self._tb = SummaryWriter(str(tensorboard_dir))
         self.log_period = log_period
         self.records: list[dict[str, Any]] = []
+        self.eval_records: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -101,6 +102,20 @@ class MetricsWriter:
                     self._tb.add_scalar(f"train/{name}", value, step)
         if step % self.log_period == 0 or step == 1:
             log.info(format_record(record))
+
+    def write_eval(self, record: dict[str, Any]) -> None:
+        """An evaluation record (eval_loss, eval_perplexity, ...): JSONL, TensorBoard `eval/*`, stdout."""
+        self.eval_records.append(record)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._tb is not None:
+            for name, value in record.items():
+                if name != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"eval/{name.removeprefix('eval_')}", value, record["step"])
+        log.info("eval  %5d | loss %.4f | perplexity %.2f | %d tokens in %d batches | %.1f s", record["step"],
+                 record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_batches"],
+                 record["eval_seconds"])
 
     def close(self) -> None:
         if self._jsonl is not None:

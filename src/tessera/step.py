@@ -19,6 +19,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera.config import Config, ConfigError
+from tessera.data import packs_documents
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import OFFLOADING_POLICIES, ModelDef, build_model
 from tessera.models.attention import select_attention
@@ -112,16 +113,17 @@ def _check_remat(policy: str, mesh: Mesh) -> None:
 # --------------------------------------------------------------------------- loss and step
 
 
-def loss_sums(model: ModelDef, params, batch, dropout_key):
+def loss_sums(model: ModelDef, params, batch, dropout_key, packed: bool = False):
     """(sum of token losses, number of target tokens) for a batch of `tokens` [B, T+1].
 
     Inputs are tokens[:, :-1] and targets tokens[:, 1:]. A target counts only if it is not
-    padding (segment id 0) and belongs to the same segment as its input token.
+    padding (segment id 0) and belongs to the same segment as its input token. `packed`: rows
+    hold several documents, so attention must use a kernel that honours segment ids.
     """
     tokens, segments = batch["tokens"], batch["segment_ids"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     weights = (segments[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1])
-    logits = model.apply(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key)
+    logits = model.apply(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key, packed=packed)
     token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     return jnp.sum(token_loss * weights), jnp.sum(weights).astype(jnp.float32)
 
@@ -132,9 +134,10 @@ def make_train_step(trainer: Trainer, seed: int):
     accum = cfg.optim.gradient_accumulation_steps
     schedule = learning_rate_schedule(cfg.optim, cfg.total_steps_in_schedule)
     use_dropout = cfg.model.enable_dropout and cfg.model.dropout_rate > 0
+    packed = packs_documents(cfg.data)
 
     def summed_loss(p, b, k):
-        loss_sum, count = loss_sums(model, p, b, k)
+        loss_sum, count = loss_sums(model, p, b, k, packed)
         return loss_sum, (loss_sum, count)
 
     grad_fn = jax.grad(summed_loss, has_aux=True)

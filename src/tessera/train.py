@@ -27,8 +27,9 @@ from tessera.checkpointing import (
     Checkpointer, CheckpointError, checkpoint_directory, load_full_state, load_parameters,
 )
 from tessera.config import Config, ConfigError, config_digest, flat_dict, load_config
-from tessera.data import make_input
+from tessera.data import make_input, place_batch
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize
+from tessera.evaluation import Evaluator
 from tessera.mesh import sharding_report
 from tessera.step import (  # noqa: F401 - re-exported: the public face of the trainer
     Trainer, abstract_state, compile_step, create_state, device_batch, loss_sums, make_train_step, setup,
@@ -103,6 +104,7 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
 def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Path) -> dict[str, Any]:
     # ---- state (fresh, loaded or resumed), input, compiled step
     data = make_input(cfg.data, cfg.model.vocab_size, trainer.global_batch)
+    evaluator = Evaluator(cfg, trainer) if cfg.data.eval_interval else None
     state = initial_state(trainer, ckpt, data)
     start_step = int(jax.device_get(state["step"]))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
@@ -121,12 +123,16 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Pa
         with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
             for step in range(start_step + 1, cfg.run.steps + 1):
                 profiler.before_step(step)
-                state, stats = step_fn(state, device_batch(next(data), trainer.batch_sharding))
+                state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding,
+                                                          trainer.global_batch))
                 stats = jax.device_get(stats)
                 watchdog.beat()
                 writer.write(meter.record(step, stats))
                 profiler.after_step(step)
                 _check_finite(cfg, step, stats, ckpt)
+                if evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps):
+                    writer.write_eval(evaluator.run(step, state["params"]))
+                    watchdog.beat()
                 if ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stop.received):
                     ckpt.save(step, state, data.get_state(), config_json)
                 if stop.received:
@@ -142,6 +148,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Pa
         peak_tflops_per_device=meter.peak, flops_per_step=meter.flops, num_parameters=n_params,
         compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
         global_batch=trainer.global_batch, max_target_length=cfg.data.max_target_length, start_step=start_step,
+        final_eval_loss=writer.eval_records[-1]["eval_loss"] if writer.eval_records else None,
     )
     if jax.process_index() == 0:
         (run_dir / "report.json").write_text(json.dumps(report, indent=2))

@@ -32,7 +32,8 @@ REMAT_POLICIES = (
 )
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
-DATASET_TYPES = ("synthetic",)
+DATASET_TYPES = ("synthetic", "hf", "tfds", "grain")
+TOKENIZER_TYPES = ("auto", "sentencepiece", "tiktoken", "huggingface")
 PROFILERS = ("", "xplane")
 
 
@@ -164,7 +165,37 @@ class DataConfig:
     per_device_batch_size: float = key(8.0, "sequences per device per step (global batch = this x device count)", minimum=0.0)
     max_target_length: int = key(128, "tokens per training sequence T", minimum=2)
     reuse_example_batch: bool = key(False, "feed the first batch at every step (for speed tests)")
-    data_shuffle_seed: int = key(0, "seed of the synthetic token stream")
+    data_shuffle_seed: int = key(0, "seed of the synthetic token stream and of the grain/tfds record order")
+    hf_path: str = key("", "dataset_type=hf: a file format (parquet, json, arrow, text, csv), a local dataset "
+                       "directory, or a Hugging Face Hub dataset name")
+    hf_train_files: str = key("", "training files for hf_path=<format>: comma-separated globs, e.g. /data/c4/000*.parquet")
+    hf_eval_files: str = key("", "evaluation files, as hf_train_files (empty: no eval data)")
+    hf_streaming: bool = key(True, "stream files instead of converting them to an Arrow cache first (large corpora)")
+    train_split: str = key("train", "split read for training from a dataset directory, Hub dataset or TFDS dataset")
+    eval_split: str = key("validation", "split read for evaluation from a dataset directory, Hub dataset or TFDS "
+                          "dataset")
+    dataset_name: str = key("", "dataset_type=tfds: the TFDS dataset as name/config:version, e.g. c4/en:3.1.0 "
+                            "(prepared in ArrayRecord format)")
+    dataset_path: str = key("", "dataset_type=tfds: the TFDS data directory holding dataset_name (local or gs://; "
+                            "empty: TFDS's default, ~/tensorflow_datasets)")
+    eval_dataset_name: str = key("", "dataset_type=tfds: the TFDS dataset for evaluation (empty: dataset_name)")
+    train_data_columns: list = key(["text"], "text columns, joined with a newline (a list-of-ints column is "
+                                   "taken as already tokenized)")
+    grain_train_files: str = key("", "dataset_type=grain: comma-separated globs of ArrayRecord or Parquet files")
+    grain_eval_files: str = key("", "evaluation files for dataset_type=grain, as grain_train_files")
+    grain_file_type: str = key("arrayrecord", "format of the grain files (ArrayRecord records: UTF-8 text or a JSON "
+                               "object holding train_data_columns)", ("arrayrecord", "parquet"))
+    grain_worker_count: int = key(0, "grain and tfds: processes that read and tokenize records (0: in the training "
+                                  "process)",
+                                  minimum=0)
+    tokenizer_path: str = key("", "SentencePiece .model, tiktoken BPE file, or a folder/file with tokenizer.json")
+    tokenizer_type: str = key("auto", "tokenizer kind when the path does not make it clear", TOKENIZER_TYPES)
+    add_bos: bool = key(True, "start every document with the tokenizer's begin-of-sequence token")
+    add_eos: bool = key(True, "end every document with the tokenizer's end-of-sequence token")
+    packing: bool = key(True, "pack several documents into each sequence (segment ids keep attention and loss "
+                        "inside a document); false: one document piece per sequence, padding masked")
+    eval_interval: int = key(0, "evaluate every this many steps (0: never)", minimum=0)
+    eval_steps: int = key(-1, "batches per evaluation (-1: until the eval data ends)")
 
 
 @dataclass

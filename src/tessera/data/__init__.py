@@ -1,18 +1,44 @@
 """Input pipelines. `make_input(cfg, vocab_size, global_batch)` returns an iterator of host
-batches: dicts of numpy arrays of the *global* batch shape with keys
-`tokens` [B, T+1] (inputs and shifted targets come from it), `segment_ids` [B, T+1]
-(0 marks padding) and `positions` [B, T+1]. Each iterator has `get_state()` (JSON-able, saved
-in checkpoints) and `set_state(state)`, so a resumed run continues with the next unseen batch."""
+batches: dicts of numpy arrays with keys `tokens` [B, T+1] (inputs and shifted targets come
+from it), `segment_ids` [B, T+1] (0 marks padding) and `positions` [B, T+1]. B is the global
+batch, or this process's share of it when the iterator has `process_local = True` (file-backed
+pipelines read only their share); `place_batch` puts either kind on the mesh. Each iterator has
+`get_state()` (JSON-able, saved in checkpoints) and `set_state(state)`, so a resumed run
+continues with the next unseen batch. `split="eval"` gives the evaluation stream, which ends."""
 
 from __future__ import annotations
+
+import jax
+import numpy as np
 
 from tessera.config import ConfigError, DataConfig
 from tessera.data.synthetic import SyntheticData
 
-__all__ = ["SyntheticData", "make_input"]
+__all__ = ["SyntheticData", "make_input", "packs_documents", "place_batch"]
 
 
-def make_input(cfg: DataConfig, vocab_size: int, global_batch: int):
+def packs_documents(cfg: DataConfig) -> bool:
+    """Whether rows may hold several documents (the model must then attend within segments only)."""
+    return cfg.packing and cfg.dataset_type != "synthetic"
+
+
+def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
     if cfg.dataset_type == "synthetic":
-        return SyntheticData(cfg, vocab_size, global_batch)
-    raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available; use synthetic")
+        return SyntheticData(cfg, vocab_size, global_batch, split)
+    if cfg.dataset_type == "hf":
+        from tessera.data.hf import HfData  # imports `datasets` only when used
+
+        return HfData(cfg, vocab_size, global_batch, split)
+    if cfg.dataset_type in ("grain", "tfds"):
+        from tessera.data.grain_pipeline import GrainData
+
+        return GrainData(cfg, vocab_size, global_batch, split)
+    raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available; use synthetic, hf, tfds or grain")
+
+
+def place_batch(data, host_batch: dict[str, np.ndarray], sharding, global_batch: int) -> dict[str, jax.Array]:
+    """Host batch -> global arrays on the mesh; each device receives only its own rows."""
+    if getattr(data, "process_local", False):
+        return {k: jax.make_array_from_process_local_data(sharding, v, (global_batch, *v.shape[1:]))
+                for k, v in host_batch.items()}
+    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host_batch.items()}

@@ -17,15 +17,16 @@ BRANCHING = 4
 
 
 class SyntheticData:
-    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int):
+    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
         self.cfg, self.vocab_size, self.global_batch = cfg, vocab_size, global_batch
+        self.stream = 1 if split == "train" else 2  # eval walks are drawn apart from training walks
         graph_rng = np.random.default_rng([cfg.data_shuffle_seed, 0])
         self.successors = graph_rng.integers(0, vocab_size, size=(vocab_size, BRANCHING), dtype=np.int32)
         self.step = 0  # batches handed out so far: the whole iterator state
 
     def batch_for_step(self, step: int) -> dict[str, np.ndarray]:
         length = self.cfg.max_target_length + 1
-        rng = np.random.default_rng([self.cfg.data_shuffle_seed, 1, step])
+        rng = np.random.default_rng([self.cfg.data_shuffle_seed, self.stream, step])
         choices = rng.integers(0, BRANCHING, size=(self.global_batch, length), dtype=np.int32)
         tokens = np.empty((self.global_batch, length), np.int32)
         tokens[:, 0] = rng.integers(0, self.vocab_size, size=self.global_batch)

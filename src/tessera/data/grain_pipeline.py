@@ -1,0 +1,211 @@
+"""`dataset_type=grain` (ArrayRecord or Parquet files) and `dataset_type=tfds` (a TFDS dataset)
+through Grain, deterministic and resumable.
+
+Records are read by index (`grain.MapDataset`), so the order is a pure function of the files and
+`data_shuffle_seed`: process p of n takes records p, p+n, p+2n, ... of the (shuffled) list, so
+a file count that does not divide across processes loses nothing. The training stream repeats
+(reshuffled each epoch); the eval stream is read in file order and ends. Tokenizing runs in
+`grain_worker_count` worker processes (0: in this process). The iterator state is Grain's own
+iterator state plus the tokens already used of the current document (JSON, saved in checkpoints).
+
+ArrayRecord records hold a document as UTF-8 text, or as a JSON object whose
+`train_data_columns` hold the text. Parquet files are read a row group at a time.
+
+TFDS datasets are opened with `tfds.data_source` (`dataset_name`, `dataset_path`, the split
+from `train_split`/`eval_split`): random access needs the dataset prepared in ArrayRecord
+format, which TFDS reads without TensorFlow. Nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+
+import numpy as np
+
+from tessera.config import ConfigError, DataConfig
+from tessera.data.hf import expand_files
+from tessera.data.packing import DocumentCursor, next_batch
+from tessera.data.tokenizers import check_tokenizer, load_tokenizer
+
+
+class ParquetSource:
+    """Random access to the rows of several Parquet files (`grain` data source protocol)."""
+
+    def __init__(self, files: list[str], columns: list[str], key: str):
+        import pyarrow.parquet as pq
+
+        self.files, self.columns, self._cache = files, columns, (None, None)
+        self.starts = [0]
+        for f in files:
+            try:
+                meta = pq.ParquetFile(f)
+            except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
+                raise ConfigError(f"{key}: file {f!r} cannot be read as parquet ({e}); fix or remove it") from e
+            missing = [c for c in columns if c not in meta.schema_arrow.names]
+            if missing:
+                raise ConfigError(f"train_data_columns={columns}: column(s) {missing} not in {f!r} (columns: "
+                                  f"{meta.schema_arrow.names}); set train_data_columns to one of them")
+            groups = [meta.metadata.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            self.starts += list(np.cumsum(groups) + self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int) -> dict:
+        import pyarrow.parquet as pq
+
+        group = bisect.bisect_right(self.starts, index) - 1
+        if self._cache[0] != group:
+            file, local = self._locate(group)
+            table = pq.ParquetFile(self.files[file]).read_row_group(local, columns=self.columns)
+            self._cache = (group, table.to_pylist())
+        return self._cache[1][index - self.starts[group]]
+
+    def _locate(self, group: int) -> tuple[int, int]:
+        import pyarrow.parquet as pq
+
+        for file, f in enumerate(self.files):
+            n = pq.ParquetFile(f).num_row_groups
+            if group < n:
+                return file, group
+            group -= n
+        raise IndexError(group)
+
+
+def _decode_record(record: bytes, columns: list[str]) -> dict:
+    text = record.decode("utf-8")
+    if text.startswith("{"):
+        return json.loads(text)
+    return {columns[0]: text}
+
+
+def _tfds_source(cfg: DataConfig, split: str):
+    """The `split` ('train' or 'eval') of a prepared TFDS dataset, as a random-access source."""
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.core import read_only_builder
+
+    key = "dataset_name" if split == "train" or not cfg.eval_dataset_name else "eval_dataset_name"
+    name = getattr(cfg, key)
+    split_name = cfg.train_split if split == "train" else cfg.eval_split
+    where = f"dataset_path={cfg.dataset_path!r}" if cfg.dataset_path else "TFDS's default data directory"
+    if not name:
+        raise ConfigError("dataset_type=tfds needs dataset_name (e.g. dataset_name=c4/en:3.1.0 "
+                          "dataset_path=gs://my-bucket/tensorflow_datasets)")
+    try:  # from the prepared files alone: no builder code, no download
+        builder = read_only_builder.builder_from_files(name, **({"data_dir": cfg.dataset_path} if cfg.dataset_path
+                                                                else {}))
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ConfigError(f"{key}={name!r}: not found in {where} (expected <dataset_path>/<name>/<config>/"
+                          "<version> with dataset_info.json, as TFDS writes it); check the name, version and "
+                          "dataset_path") from None
+    if builder.info.file_format != tfds.core.FileFormat.ARRAY_RECORD:
+        raise ConfigError(f"{key}={name!r} in {where} is stored as {builder.info.file_format.value}; reading it "
+                          "by index needs ArrayRecord: prepare it with `tfds build --file_format=array_record` or "
+                          "convert it with `tfds convert_format --out_file_format=array_record`")
+    try:
+        return builder.as_data_source(split=split_name)
+    except Exception as e:  # noqa: BLE001 - an unknown split, unreadable shards, ...
+        detail = str(e).splitlines()[0] if str(e) else ""
+        raise ConfigError(f"{key}={name!r} (split {split_name!r}, {where}) cannot be read: "
+                          f"{type(e).__name__}: {detail}") from None
+
+
+def _open_source(cfg: DataConfig, files_key: str, files_value: str):
+    if not files_value:
+        raise ConfigError(f"dataset_type=grain needs {files_key} (comma-separated globs of .array_record or "
+                          ".parquet files)")
+    files = expand_files(files_value, files_key)
+    if cfg.grain_file_type == "parquet":
+        return ParquetSource(files, list(cfg.train_data_columns), files_key)
+    import grain
+
+    try:
+        return grain.sources.ArrayRecordDataSource(files)
+    except Exception as e:  # array_record raises RuntimeError/ValueError on a bad file
+        raise ConfigError(f"{files_key}={files_value!r}: cannot be read as ArrayRecord ({e}); fix the files or set "
+                          "grain_file_type=parquet") from e
+
+
+class _Tokenize:
+    """Record -> token ids; a small picklable object, as Grain's worker processes need."""
+
+    def __init__(self, tokenizer, columns: list[str], add_bos: bool, add_eos: bool):
+        self.tokenizer, self.columns = tokenizer, columns
+        self.bos = [tokenizer.bos_id] if add_bos else []
+        self.eos = [tokenizer.eos_id] if add_eos else []
+
+    def __call__(self, record) -> list[int]:
+        example = record if isinstance(record, dict) else _decode_record(record, self.columns)
+        missing = [c for c in self.columns if c not in example]
+        if missing:
+            raise ConfigError(f"train_data_columns={self.columns}: column(s) {missing} not in the records "
+                              f"(keys: {sorted(example)})")
+        text = "\n".join(_text(example[c]) for c in self.columns)
+        return self.bos + self.tokenizer.encode(text) + self.eos
+
+
+def _text(value) -> str:
+    """A column's value as text (TFDS `Text` features arrive as UTF-8 bytes)."""
+    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+class GrainData:
+    """This process's rows of the global batch from Grain files or a TFDS dataset (see module doc)."""
+
+    process_local = True
+
+    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
+        import grain
+        import jax
+
+        if global_batch % jax.process_count():
+            raise ConfigError(f"global batch {global_batch} does not divide across {jax.process_count()} processes; "
+                              "change per_device_batch_size")
+        self.cfg, self.rows, self.length = cfg, global_batch // jax.process_count(), cfg.max_target_length + 1
+        if cfg.dataset_type == "tfds":
+            source = _tfds_source(cfg, split)
+            if len(source) == 0:
+                raise ConfigError(f"dataset_name={cfg.dataset_name!r}: split "
+                                  f"{cfg.train_split if split == 'train' else cfg.eval_split!r} holds no records")
+        else:
+            files_key = "grain_train_files" if split == "train" else "grain_eval_files"
+            source = _open_source(cfg, files_key, cfg.grain_train_files if split == "train" else cfg.grain_eval_files)
+            if len(source) == 0:
+                raise ConfigError(f"{files_key}: the files hold no records")
+        self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
+        check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
+        ds = grain.MapDataset.source(source)
+        if split == "train":
+            ds = ds.shuffle(seed=cfg.data_shuffle_seed)
+        ds = ds[jax.process_index()::jax.process_count()]
+        if split == "train":
+            ds = ds.repeat()
+        ds = ds.map(_Tokenize(self.tokenizer, list(cfg.train_data_columns), cfg.add_bos, cfg.add_eos))
+        iter_ds = ds.to_iter_dataset()
+        if cfg.grain_worker_count > 0:
+            from absl import flags
+
+            if not flags.FLAGS.is_parsed():  # Grain's workers read absl flags; the trainer does not parse them
+                flags.FLAGS.mark_as_parsed()
+            iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.grain_worker_count))
+        self._it = iter(iter_ds)
+        self.cursor = DocumentCursor(lambda: next(self._it), self._it.get_state)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next_batch(self.cursor, self.rows, self.length, self.cfg.packing)
+
+    def get_state(self) -> dict:
+        return {"type": self.cfg.dataset_type, **self.cursor.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        if set(state) == {"step"}:  # a full-state load from another run: start at the first record
+            return
+        if state.get("type") != self.cfg.dataset_type:
+            raise ConfigError(f"the checkpoint's data state is for dataset_type={state.get('type')!r}, not "
+                              f"{self.cfg.dataset_type}; resume with the dataset_type the run started with")
+        self._it.set_state(state["source"])
+        self.cursor.resume(int(state["offset"]))

@@ -1,0 +1,213 @@
+"""`dataset_type=hf`: text from local (or Hub) files through the Hugging Face `datasets` library.
+
+`hf_path` is a file format (`parquet`, `json`, `arrow`, `text`, `csv`) read from the globs in
+`hf_train_files` / `hf_eval_files`, a local dataset folder (`load_dataset` layout or one written
+by `save_to_disk`), or a Hub dataset name. Every source becomes an `IterableDataset` (streamed
+with `hf_streaming=true`, else converted to an Arrow cache first), split across processes with
+`split_dataset_by_node`: whole files per process when the file count divides evenly, else every
+process reads all files and keeps every n-th document, so no document is dropped or read twice.
+
+Each process builds only its rows of the global batch (`global_batch / process_count` of them,
+placed on the mesh by `tessera.data.place_batch`). The training stream restarts at its end
+(a new epoch); the eval stream ends. The iterator state (epoch, the `datasets` stream state and
+the token offset in the current document) is JSON and resumes exactly.
+"""
+
+from __future__ import annotations
+
+import codecs
+import glob
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+from tessera.config import ConfigError, DataConfig
+from tessera.data.packing import DocumentCursor, next_batch
+from tessera.data.tokenizers import check_tokenizer, load_tokenizer
+
+log = logging.getLogger("tessera")
+
+FILE_FORMATS = ("parquet", "json", "arrow", "text", "csv")
+_REMOTE = ("gs://", "s3://", "hf://", "http://", "https://")
+
+
+def expand_files(pattern_list: str, key: str) -> list[str]:
+    """Comma-separated globs -> sorted files; an empty match is an error naming the key and the glob."""
+    files = []
+    for pattern in [p.strip() for p in pattern_list.split(",") if p.strip()]:
+        if pattern.startswith(_REMOTE):
+            files.append(pattern)
+            continue
+        matched = sorted(glob.glob(os.path.expanduser(pattern)))
+        if not matched:
+            raise ConfigError(f"{key}={pattern!r} matches no files; check the path (globs like /data/c4/000*.parquet "
+                              "are allowed)")
+        files += [f for f in matched if os.path.isfile(f)]
+    return files
+
+
+def _check_readable(files: list[str], fmt: str, key: str) -> None:
+    """Fail early, naming the file, instead of deep inside a streaming read."""
+    for f in files:
+        if f.startswith(_REMOTE):
+            continue
+        try:
+            if fmt == "parquet":
+                import pyarrow.parquet as pq
+
+                pq.read_metadata(f)
+            else:
+                with open(f, "rb") as fh:
+                    head = fh.read(1 << 16)
+                if fmt in ("json", "text", "csv"):  # a character cut at the end of the sample is fine
+                    codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            raise ConfigError(f"{key}: file {f!r} cannot be read as {fmt} ({type(e).__name__}: {e}); "
+                              "fix or remove it, or change hf_path") from e
+
+
+def load_stream(cfg: DataConfig, split: str):
+    """The `datasets.IterableDataset` for `split` ('train' or 'eval'), split across processes."""
+    import datasets
+    import jax
+    from datasets.distributed import split_dataset_by_node
+
+    files_key = "hf_train_files" if split == "train" else "hf_eval_files"
+    files_value = cfg.hf_train_files if split == "train" else cfg.hf_eval_files
+    split_name = cfg.train_split if split == "train" else cfg.eval_split
+    path = cfg.hf_path
+    try:
+        if path in FILE_FORMATS:
+            if not files_value:
+                raise ConfigError(f"hf_path={path} reads files: set {files_key} (e.g. {files_key}=/data/*.{path})")
+            files = expand_files(files_value, files_key)
+            _check_readable(files, path, files_key)
+            ds = datasets.load_dataset(path, data_files=files, split="train", streaming=cfg.hf_streaming)
+        elif Path(path).expanduser().is_dir() and (Path(path).expanduser() / "dataset_dict.json").is_file():
+            ds = datasets.load_from_disk(str(Path(path).expanduser()))[split_name]
+        elif Path(path).expanduser().is_dir() and (Path(path).expanduser() / "state.json").is_file():
+            ds = datasets.load_from_disk(str(Path(path).expanduser()))
+        elif path:
+            data_files = expand_files(files_value, files_key) if files_value else None
+            ds = datasets.load_dataset(path, data_files=data_files, split=split_name, streaming=cfg.hf_streaming)
+        else:
+            raise ConfigError("dataset_type=hf needs hf_path: a file format (parquet, json, arrow, text, csv) with "
+                              "hf_train_files, or a dataset folder")
+    except ConfigError:
+        raise
+    except Exception as e:  # datasets raises FileNotFoundError, ValueError, DatasetNotFoundError, ...
+        raise ConfigError(f"hf_path={path!r} ({files_key}={files_value!r}, split {split_name!r}) could not be "
+                          f"loaded: {type(e).__name__}: {e}") from e
+    if isinstance(ds, datasets.Dataset):
+        ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
+    if jax.process_count() > 1:
+        ds = split_dataset_by_node(ds, jax.process_index(), jax.process_count())
+    return ds
+
+
+class HfData:
+    """Rows of this process's share of the global batch, from a `datasets` stream (see module doc)."""
+
+    process_local = True  # batches hold this process's rows only
+
+    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
+        import jax
+
+        self.cfg, self.split, self.length = cfg, split, cfg.max_target_length + 1
+        if global_batch % jax.process_count():
+            raise ConfigError(f"global batch {global_batch} does not divide across {jax.process_count()} processes; "
+                              "change per_device_batch_size")
+        self.rows = global_batch // jax.process_count()
+        self.ds = load_stream(cfg, split)
+        self.columns = list(cfg.train_data_columns)
+        self._check_columns()
+        self.tokenizer = None
+        if cfg.tokenizer_path or not self._pretokenized():
+            self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
+            check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
+        self.vocab_size = vocab_size
+        self.epoch = 0
+        self._restart(None)
+        self.cursor = DocumentCursor(self._next_document, self._source_state)
+
+    def _check_columns(self) -> None:
+        names = self.ds.column_names
+        if names is None:  # some streamed formats only know their columns after the first record
+            names = list(next(iter(self.ds), {}).keys())
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            raise ConfigError(f"train_data_columns={self.columns}: column(s) {missing} not in hf_path="
+                              f"{self.cfg.hf_path!r} (columns: {names}); set train_data_columns to one of them")
+
+    def _pretokenized(self) -> bool:
+        first = next(iter(self.ds), None)
+        return first is not None and all(isinstance(first[c], (list, np.ndarray)) for c in self.columns)
+
+    # ---- the document source
+    def _source_state(self) -> dict:
+        # Until the first record of a fresh iterator arrives, the `datasets` state still describes
+        # the previous iterator, so the position is the one this iterator started from.
+        stream = self._start_stream if self._fresh else self.ds.state_dict()
+        return {"epoch": self.epoch, "stream": stream}
+
+    def _restart(self, stream: dict | None) -> None:
+        if stream is not None:
+            self.ds.load_state_dict(stream)
+        self._it, self._start_stream, self._fresh = iter(self.ds), stream, True
+
+    def _next_document(self) -> list[int]:
+        try:
+            example = next(self._it)
+            self._fresh = False
+        except StopIteration:
+            if self.split != "train":
+                raise
+            self.epoch += 1
+            log.info("hf training data: epoch %d finished, starting again from the first file", self.epoch)
+            self.ds.set_epoch(self.epoch)
+            self._restart(None)
+            example = next(self._it, None)
+            self._fresh = False
+            if example is None:
+                raise ConfigError(f"hf_path={self.cfg.hf_path!r}: the training data holds no documents") from None
+        return self._tokens(example)
+
+    def _tokens(self, example: dict) -> list[int]:
+        values = [example[c] for c in self.columns]
+        if self.tokenizer is None:
+            ids = [int(t) for v in values for t in v]
+        else:
+            ids = self.tokenizer.encode("\n".join(str(v) for v in values))
+            if self.cfg.add_bos:
+                ids = [self.tokenizer.bos_id] + ids
+            if self.cfg.add_eos:
+                ids = ids + [self.tokenizer.eos_id]
+        if ids and max(ids) >= self.vocab_size:
+            raise ConfigError(f"token id {max(ids)} in hf_path={self.cfg.hf_path!r} is >= vocab_size="
+                              f"{self.vocab_size}; raise vocab_size")
+        return ids
+
+    # ---- the iterator contract
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return next_batch(self.cursor, self.rows, self.length, self.cfg.packing)
+
+    def get_state(self) -> dict:
+        return {"type": "hf", **self.cursor.get_state()}
+
+    def set_state(self, state: dict) -> None:
+        if set(state) == {"step"}:  # a full-state load from another run: only its step count is known
+            log.warning("hf data starts from its first document (the loaded state holds no hf data position)")
+            return
+        if state.get("type") != "hf":
+            raise ConfigError(f"the checkpoint's data state is for dataset_type={state.get('type')!r}, not hf; "
+                              "resume with the dataset_type the run started with")
+        source = state["source"]
+        self.epoch = int(source["epoch"])
+        self.ds.set_epoch(self.epoch)
+        self._restart(source["stream"])
+        self.cursor.resume(int(state["offset"]))

@@ -1,0 +1,136 @@
+"""Tokenizers behind one small interface: `encode(text) -> list[int]`, `vocab_size`, `bos_id`, `eos_id`.
+
+Three file kinds, chosen from `tokenizer_path` (or `tokenizer_type` when the path does not say):
+- SentencePiece: a `.model` file (or a folder holding `tokenizer.model`).
+- tiktoken-style BPE: a text file of `<base64 token> <rank>` lines (`.tiktoken`, Llama 3's
+  `tokenizer.model` is one). Two special tokens are appended after the ranks, begin and end
+  of text, as Llama 3 does; the text is split with the GPT-4-style pattern below.
+- Hugging Face: a folder with `tokenizer.json` (or the file itself), read with `tokenizers`.
+  Begin/end tokens come from `tokenizer_config.json` when present, else from common names.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from tessera.config import ConfigError
+
+# How tiktoken-style files split text before BPE (the pattern of cl100k / Llama 3 files).
+TIKTOKEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", "[BOS]", "<|startoftext|>")
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<|endoftext|>", "<eos>", "[EOS]")
+_TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ \d+\s*$")
+
+
+class Tokenizer:
+    """`encode` returns token ids without begin/end tokens (the pipeline adds them as configured)."""
+
+    def __init__(self, kind: str, vocab_size: int, bos_id: int | None, eos_id: int | None, encode_batch):
+        self.kind, self.vocab_size, self.bos_id, self.eos_id = kind, vocab_size, bos_id, eos_id
+        self._encode_batch = encode_batch
+
+    def encode(self, text: str) -> list[int]:
+        return self._encode_batch([text])[0]
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._encode_batch(texts)
+
+
+def load_tokenizer(path: str, kind: str = "auto") -> Tokenizer:
+    """The tokenizer at `path` (`tokenizer_path`); `kind` is `tokenizer_type`."""
+    if not path:
+        raise ConfigError("reading text needs tokenizer_path (a SentencePiece .model, a tiktoken BPE file or a "
+                          "folder with tokenizer.json), unless the text columns are already token ids")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"tokenizer_path={path!r} does not exist; give the path of a tokenizer file or folder")
+    kind = _detect(p) if kind == "auto" else kind
+    try:
+        return {"sentencepiece": _sentencepiece, "tiktoken": _tiktoken, "huggingface": _huggingface}[kind](p)
+    except ConfigError:
+        raise
+    except Exception as e:  # the libraries raise many kinds; all mean "not this format"
+        raise ConfigError(f"tokenizer_path={path!r} could not be read as tokenizer_type={kind}: {e}; "
+                          "check the file or set tokenizer_type") from e
+
+
+def _detect(p: Path) -> str:
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return "huggingface"
+        if (p / "tokenizer.model").is_file():
+            return _detect(p / "tokenizer.model")
+        raise ConfigError(f"tokenizer_path={str(p)!r} is a folder without tokenizer.json or tokenizer.model")
+    if p.suffix == ".json":
+        return "huggingface"
+    if p.suffix == ".tiktoken":
+        return "tiktoken"
+    with p.open("rb") as f:
+        first = f.readline(4096)
+    if _TIKTOKEN_LINE.match(first):
+        return "tiktoken"
+    if p.suffix == ".model":
+        return "sentencepiece"
+    raise ConfigError(f"tokenizer_path={str(p)!r}: cannot tell the tokenizer kind from the file; set "
+                      "tokenizer_type=sentencepiece, tiktoken or huggingface")
+
+
+def _sentencepiece(p: Path) -> Tokenizer:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(p / "tokenizer.model" if p.is_dir() else p))
+    bos, eos = sp.bos_id(), sp.eos_id()
+    return Tokenizer("sentencepiece", sp.get_piece_size(), bos if bos >= 0 else None, eos if eos >= 0 else None,
+                     lambda texts: sp.encode(texts))
+
+
+def _tiktoken(p: Path) -> Tokenizer:
+    import tiktoken
+    from tiktoken.load import load_tiktoken_bpe
+
+    ranks = load_tiktoken_bpe(str(p))
+    n = max(ranks.values()) + 1
+    specials = {"<|begin_of_text|>": n, "<|end_of_text|>": n + 1}
+    enc = tiktoken.Encoding(p.stem, pat_str=TIKTOKEN_SPLIT, mergeable_ranks=ranks, special_tokens=specials)
+    return Tokenizer("tiktoken", n + 2, n, n + 1, lambda texts: enc.encode_ordinary_batch(texts, num_threads=1))
+
+
+def _huggingface(p: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HfTokenizer
+
+    file = p / "tokenizer.json" if p.is_dir() else p
+    tok = HfTokenizer.from_file(str(file))
+    vocab = tok.get_vocab(with_added_tokens=True)
+    named = {}
+    config_file = file.parent / "tokenizer_config.json"
+    if config_file.is_file():
+        config = json.loads(config_file.read_text())
+        for which in ("bos_token", "eos_token"):
+            token = config.get(which)
+            named[which] = token.get("content") if isinstance(token, dict) else token
+    bos = _first_in(vocab, [named.get("bos_token"), *_BOS_NAMES])
+    eos = _first_in(vocab, [named.get("eos_token"), *_EOS_NAMES])
+    size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
+    return Tokenizer("huggingface", size, bos, eos,
+                     lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)])
+
+
+def _first_in(vocab: dict[str, int], names) -> int | None:
+    for name in names:
+        if name and name in vocab:
+            return vocab[name]
+    return None
+
+
+def check_tokenizer(tok: Tokenizer, path: str, vocab_size: int, add_bos: bool, add_eos: bool) -> None:
+    """The model must have room for every token id, and begin/end tokens must exist when asked for."""
+    if vocab_size < tok.vocab_size:
+        raise ConfigError(f"vocab_size={vocab_size} is smaller than the {tok.vocab_size} tokens of tokenizer_path="
+                          f"{path!r}; set vocab_size={tok.vocab_size} or more (a multiple of 128 is fastest)")
+    for flag, token_id, what in (("add_bos", tok.bos_id, "begin"), ("add_eos", tok.eos_id, "end")):
+        if token_id is None and (add_bos if flag == "add_bos" else add_eos):
+            raise ConfigError(f"{flag}=true but tokenizer_path={path!r} has no {what}-of-sequence token; "
+                              f"set {flag}=false")

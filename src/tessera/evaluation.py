@@ -1,0 +1,55 @@
+"""Evaluation during training: every `eval_interval` steps, the mean token loss over `eval_steps`
+batches of the eval stream (or all of it with `eval_steps=-1`), and its perplexity exp(loss).
+
+Every evaluation reads the same batches from the start of the eval stream, so the numbers of
+two evaluations differ only because the parameters changed. Padding rows at the end of the eval
+data carry no targets and do not count.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+
+from tessera.config import Config, ConfigError
+from tessera.data import make_input, packs_documents, place_batch
+from tessera.step import Trainer, loss_sums
+
+
+class Evaluator:
+    """Built once at start-up (so a bad eval set fails before training); `run(params)` evaluates."""
+
+    def __init__(self, cfg: Config, trainer: Trainer):
+        data = cfg.data
+        if data.eval_steps == 0 or data.eval_steps < -1:
+            raise ConfigError(f"eval_steps={data.eval_steps}: use a positive number of batches, or -1 for all of "
+                              "the eval data")
+        if data.eval_steps == -1 and data.dataset_type == "synthetic":
+            raise ConfigError("eval_steps=-1 reads the eval data to its end, but synthetic data never ends; "
+                              "set eval_steps (e.g. eval_steps=4)")
+        self.trainer, self.steps = trainer, data.eval_steps
+        self.data = make_input(data, cfg.model.vocab_size, trainer.global_batch, split="eval")
+        self.start = self.data.get_state()
+        model, packed = trainer.model, packs_documents(data)
+        self.step_fn = jax.jit(lambda params, batch: loss_sums(model, params, batch, None, packed))
+
+    def run(self, step: int, params) -> dict:
+        """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'}."""
+        start = time.perf_counter()
+        self.data.set_state(self.start)
+        loss_sum, count, batches = 0.0, 0.0, 0
+        with jax.set_mesh(self.trainer.mesh):
+            for host_batch in self.data:
+                batch = place_batch(self.data, host_batch, self.trainer.batch_sharding, self.trainer.global_batch)
+                l, n = jax.device_get(self.step_fn(params, batch))
+                loss_sum, count, batches = loss_sum + float(l), count + float(n), batches + 1
+                if batches == self.steps:
+                    break
+        if count == 0:
+            raise ConfigError("the eval data holds no target tokens (every document is shorter than 2 tokens?); "
+                              "check hf_eval_files / eval_split")
+        loss = loss_sum / count
+        return {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
+                "eval_tokens": int(count), "eval_batches": batches, "eval_seconds": time.perf_counter() - start}

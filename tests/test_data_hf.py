@@ -1,0 +1,254 @@
+"""dataset_type=hf: every file format, tokenizers, packing, padding, sharding, resume, bad input."""
+
+import base64
+import json
+
+import datasets
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import tiny_config
+from tessera.config import ConfigError
+from tessera.data import make_input
+from tessera.data.hf import load_stream
+from tessera.data.tokenizers import load_tokenizer
+
+WORDS = ("the cat dog sat ran on a mat log red big small fox jumped over lazy and then slept near old tree "
+         "house river stone bird sang").split()
+
+
+def make_docs(n=40, seed=0):
+    """Documents of 1 to 30 words (some shorter than a row, some spanning rows), no newlines."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=rng.integers(1, 30))) for _ in range(n)]
+
+
+def write_corpus(folder, docs, fmt, files=2):
+    """docs split over `files` files of format fmt; returns the hf_path and glob to read them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    parts = np.array_split(np.arange(len(docs)), files)
+    for i, idx in enumerate(parts):
+        rows = [docs[j] for j in idx]
+        path = folder / f"part{i}.{ {'text': 'txt'}.get(fmt, fmt)}"
+        if fmt == "json":
+            path.write_text("".join(json.dumps({"text": d, "n": len(d)}) + "\n" for d in rows))
+        elif fmt == "text":
+            path.write_text("".join(d + "\n" for d in rows))
+        elif fmt == "parquet":
+            pq.write_table(pa.table({"text": rows, "n": [len(d) for d in rows]}), path)
+        elif fmt == "arrow":
+            table = pa.table({"text": rows})
+            with pa.ipc.new_stream(str(path), table.schema) as w:
+                w.write_table(table)
+        elif fmt == "csv":
+            path.write_text("text\n" + "".join(f'"{d}"\n' for d in rows))
+    return fmt, str(folder / f"part*.{ {'text': 'txt'}.get(fmt, fmt)}")
+
+
+@pytest.fixture(scope="session")
+def sp_model(tmp_path_factory):
+    import sentencepiece as spm
+
+    prefix = tmp_path_factory.mktemp("sp") / "tiny"
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(make_docs(400, seed=9)), model_prefix=str(prefix),
+                                   vocab_size=80, model_type="bpe", minloglevel=2)
+    return str(prefix) + ".model"
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), make_docs(), "json")
+
+
+def hf_config(path_glob, tok, **overrides):
+    fmt, files = path_glob
+    return tiny_config(dataset_type="hf", hf_path=fmt, hf_train_files=files, tokenizer_path=tok, **overrides)
+
+
+def take(data, n):
+    return [next(data) for _ in range(n)]
+
+
+def expected_stream(docs, tok_path):
+    tok = load_tokenizer(tok_path)
+    return [t for d in docs for t in [tok.bos_id, *tok.encode(d), tok.eos_id]]
+
+
+# ---------------------------------------------------------------- formats and tokenizers
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "text", "arrow", "csv"])
+def test_every_file_format_gives_the_json_batches(fmt, tmp_path, sp_model, corpus):
+    want = take(make_input(hf_config(corpus, sp_model).data, 96, 4), 3)
+    got = take(make_input(hf_config(write_corpus(tmp_path, make_docs(), fmt), sp_model).data, 96, 4), 3)
+    for w, g in zip(want, got):
+        for k in w:
+            np.testing.assert_array_equal(g[k], w[k])
+
+
+def test_saved_dataset_folder_and_non_streaming(tmp_path, sp_model, corpus):
+    want = take(make_input(hf_config(corpus, sp_model).data, 96, 4), 2)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": make_docs()})}).save_to_disk(tmp_path / "ds")
+    folder = tiny_config(dataset_type="hf", hf_path=str(tmp_path / "ds"), tokenizer_path=sp_model).data
+    not_streamed = hf_config(corpus, sp_model, hf_streaming=False).data
+    for cfg in (folder, not_streamed):
+        got = take(make_input(cfg, 96, 4), 2)
+        np.testing.assert_array_equal(np.stack([g["tokens"] for g in got]), np.stack([w["tokens"] for w in want]))
+
+
+def _tiktoken_file(path):
+    ranks = [bytes([b]) for b in range(256)] + [b"th", b"the", b" the", b"at", b" cat"]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(ranks)))
+    return str(path)
+
+
+def _hf_tokenizer_dir(folder):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(make_docs(200), trainers.BpeTrainer(vocab_size=70, special_tokens=["<s>", "</s>"]))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_each_tokenizer_kind(tmp_path, sp_model):
+    kinds = {"sentencepiece": sp_model, "tiktoken": _tiktoken_file(tmp_path / "bpe.tiktoken"),
+             "huggingface": _hf_tokenizer_dir(tmp_path / "hf")}
+    for kind, path in kinds.items():
+        tok = load_tokenizer(path)
+        assert tok.kind == kind
+        ids = tok.encode("the cat sat on the mat")
+        assert ids and max(ids) < tok.vocab_size and None not in (tok.bos_id, tok.eos_id)
+    tik = load_tokenizer(kinds["tiktoken"])
+    assert tik.encode(" the cat") == [258, 260] and (tik.bos_id, tik.eos_id, tik.vocab_size) == (261, 262, 263)
+    # a tiktoken file without the telling suffix is recognised from its first line
+    (tmp_path / "plain").write_text((tmp_path / "bpe.tiktoken").read_text())
+    assert load_tokenizer(str(tmp_path / "plain")).kind == "tiktoken"
+
+
+def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, sp_model, corpus):
+    message = r"vocab_size=64 is smaller than the 80 tokens of tokenizer_path=.*tiny.model"
+    with pytest.raises(ConfigError, match=message):
+        make_input(hf_config(corpus, sp_model).data, 64, 4)
+
+
+# ---------------------------------------------------------------- packing, padding, sharding
+
+
+def test_packed_rows_hold_every_token_once_with_restarting_positions(sp_model, corpus):
+    batches = take(make_input(hf_config(corpus, sp_model).data, 96, 4), 4)
+    rows = [(b["tokens"][i], b["segment_ids"][i], b["positions"][i]) for b in batches for i in range(4)]
+    stream = []
+    for tokens, segments, positions in rows:
+        assert segments.min() >= 1, "packed rows are full: no padding"
+        for s in np.unique(segments):
+            where = segments == s
+            np.testing.assert_array_equal(positions[where], np.arange(where.sum()))
+        assert np.all(np.diff(segments) >= 0)
+        stream += tokens.tolist()
+    want = expected_stream(make_docs(), sp_model)
+    assert stream == want[:len(stream)]
+    assert max(int(s.max()) for _, s, _ in rows) > 1, "short documents share rows"
+
+
+def test_without_packing_one_document_piece_per_row_and_padding(sp_model, corpus):
+    batch = next(make_input(hf_config(corpus, sp_model, packing=False).data, 96, 8))
+    assert set(np.unique(batch["segment_ids"])) <= {0, 1}
+    pad = batch["segment_ids"] == 0
+    assert pad.any() and np.all(batch["tokens"][pad] == 0)
+    # padding only follows the document piece: never before it
+    assert np.all(np.diff(batch["segment_ids"], axis=1) <= 0)
+    first = load_tokenizer(sp_model).encode(make_docs()[0])
+    row0 = batch["tokens"][0][batch["segment_ids"][0] == 1].tolist()
+    assert row0 == ([1, *first, 2])[:len(row0)]
+
+
+@pytest.mark.parametrize("files", [2, 3])
+def test_processes_read_disjoint_shares_that_cover_everything(files, tmp_path, monkeypatch):
+    docs = [f"doc {i}" for i in range(12)]
+    fmt, glob = write_corpus(tmp_path, docs, "json", files=files)
+    cfg = tiny_config(dataset_type="hf", hf_path=fmt, hf_train_files=glob).data
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    shares = []
+    for rank in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda r=rank: r)
+        shares.append([r["text"] for r in load_stream(cfg, "train")])
+    assert not set(shares[0]) & set(shares[1])
+    assert sorted(shares[0] + shares[1]) == sorted(docs)
+    assert abs(len(shares[0]) - len(shares[1])) <= 1
+
+
+def test_each_process_builds_only_its_rows(monkeypatch, sp_model, corpus):
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    data = make_input(hf_config(corpus, sp_model).data, 96, 8)
+    assert next(data)["tokens"].shape == (4, 13) and data.process_local
+
+
+# ---------------------------------------------------------------- resume
+
+
+def test_resume_from_any_batch_continues_exactly(sp_model, tmp_path):
+    # few, long documents: rows end mid-document and the stream wraps into a second epoch
+    corpus = write_corpus(tmp_path, make_docs(6, seed=3), "parquet", files=2)
+    for packing in (True, False):
+        cfg = hf_config(corpus, sp_model, packing=packing).data
+        data = make_input(cfg, 96, 4)
+        states, batches = [], []
+        for _ in range(12):
+            states.append(json.loads(json.dumps(data.get_state())))
+            batches.append(next(data))
+        assert data.epoch >= 1, "the test must cross an epoch boundary"
+        for k in (0, 1, 4, 7, 10):
+            resumed = make_input(cfg, 96, 4)
+            resumed.set_state(states[k])
+            for want in batches[k:k + 2]:
+                np.testing.assert_array_equal(next(resumed)["tokens"], want["tokens"])
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_inputs_name_the_key_and_the_path(tmp_path, sp_model, corpus):
+    fmt, files = corpus
+    (tmp_path / "broken.parquet").write_bytes(b"this is not parquet")
+    (tmp_path / "latin1.json").write_bytes(b'{"text": "caf\xe9"}\n')
+    cases = [
+        (dict(hf_train_files=str(tmp_path / "none*.json")), r"hf_train_files=.*none\*\.json.* matches no files"),
+        (dict(hf_train_files=""), r"hf_path=json reads files: set hf_train_files"),
+        (dict(hf_path="parquet", hf_train_files=str(tmp_path / "broken.parquet")),
+         r"hf_train_files: file .*broken\.parquet.* cannot be read as parquet"),
+        (dict(hf_train_files=str(tmp_path / "latin1.json")), r"hf_train_files: file .*latin1\.json.* cannot be read"),
+        (dict(train_data_columns="body"), r"train_data_columns=\['body'\]: column\(s\) \['body'\] not in hf_path"),
+        (dict(tokenizer_path=str(tmp_path / "nope.model")), r"tokenizer_path=.*nope\.model.* does not exist"),
+        (dict(tokenizer_path=""), r"reading text needs tokenizer_path"),
+        (dict(hf_path=str(tmp_path / "missing_dir")), r"hf_path=.*missing_dir.* could not be loaded"),
+    ]
+    for overrides, message in cases:
+        values = dict(hf_path=fmt, hf_train_files=files, tokenizer_path=sp_model) | overrides
+        with pytest.raises(ConfigError, match=message):
+            make_input(tiny_config(dataset_type="hf", **values).data, 96, 4)
+
+
+def test_first_run_corpus_splits_docstrings_and_builds_a_tokenizer(tmp_path):
+    from tessera.data.first_run_corpus import build_corpus, docstrings, train_tokenizer
+
+    long_doc = ("Explains things. " * 20).strip()
+    assert docstrings(f'"""{long_doc}"""\ndef f():\n    """short"""\n') == [long_doc]
+    assert docstrings("def broken(:\n") == []
+    lib = tmp_path / "lib"
+    for i in range(60):
+        (lib / "pkg").mkdir(parents=True, exist_ok=True)
+        (lib / "pkg" / f"m{i}.py").write_text(f'"""Module {i}. {long_doc}"""\nclass C:\n    """{long_doc} {i}"""\n')
+    (lib / "site-packages").mkdir()
+    (lib / "site-packages" / "x.py").write_text(f'"""{long_doc}"""')
+    counts = build_corpus(lib, tmp_path / "out")
+    assert counts["train"] + counts["eval"] == 120 and 0 < counts["eval"] < 30
+    lines = (tmp_path / "out" / "eval.jsonl").read_text().splitlines()
+    assert all(json.loads(line)["text"].strip() for line in lines)
+    model = train_tokenizer(tmp_path / "out" / "train.jsonl", tmp_path / "out" / "tok", 300)
+    assert load_tokenizer(str(model)).vocab_size == 300
