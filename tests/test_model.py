@@ -1,11 +1,15 @@
 """Model behaviour: scan == loop, remat policies == none, GQA, causality, loss masking."""
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import tiny_config
+from conftest import REPO, tiny_config
+from tessera.config import ConfigError, load_config
 from tessera.config.schema import REMAT_POLICIES
 from tessera.models import build_model
 from tessera.models.attention import dot_product_attention, select_attention
@@ -141,3 +145,35 @@ def test_bfloat16_compute():
 def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype, head_dim, kernel, why):
     choice = select_attention(requested, platform, dtype, head_dim)
     assert choice.kernel == kernel and why in choice.reason
+
+
+def _llama3_reference_frequencies(head_dim, theta, factor, low, high, original):
+    """Llama 3.1's rule written branch by branch, one frequency at a time."""
+    out = []
+    for i in range(head_dim // 2):
+        freq = 1.0 / theta ** (2 * i / head_dim)
+        wavelength = 2 * math.pi / freq
+        if wavelength < original / high:
+            out.append(freq)
+        elif wavelength > original / low:
+            out.append(freq / factor)
+        else:
+            smooth = (original / wavelength - low) / (high - low)
+            out.append((1 - smooth) * freq / factor + smooth * freq)
+    return np.array(out)
+
+
+def test_llama3_rope_scaling_follows_the_published_rule():
+    from tessera.models.blocks import rope_frequencies_of
+
+    cfg = load_config([str(REPO / "configs" / "base.yml"), "model_name=llama3.1-8b"], env={}).model
+    assert cfg.rope_scaling == "llama3"
+    got = rope_frequencies_of(cfg)
+    want = _llama3_reference_frequencies(128, 500000, 8.0, 1.0, 4.0, 8192)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    plain = rope_frequencies_of(dataclasses.replace(cfg, rope_scaling="none"))
+    assert got[0] == plain[0] and np.isclose(got[-1], plain[-1] / 8)  # high kept, low divided by the factor
+    mixed = (got != plain) & ~np.isclose(got, plain / 8)
+    assert mixed.sum() > 0  # some frequencies lie between the two limits
+    with pytest.raises(ConfigError, match="rope_high_freq_factor=1.0 must be larger than rope_low_freq_factor=1.0"):
+        load_config([str(REPO / "configs" / "base.yml"), "rope_scaling=llama3", "rope_high_freq_factor=1"], env={})

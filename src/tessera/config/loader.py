@@ -177,6 +177,9 @@ def validate(cfg: Config) -> None:
         )
     if m.enable_dropout and not 0.0 <= m.dropout_rate < 1.0:
         raise ConfigError(f"dropout_rate={m.dropout_rate} must be in [0, 1)")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(f"rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "
+                          f"rope_low_freq_factor={m.rope_low_freq_factor} with rope_scaling=llama3 (Llama 3.1: 4 and 1)")
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more than num_experts={m.num_experts}; "
                           "a token cannot be routed to more experts than there are")

@@ -94,6 +94,16 @@ class ModelConfig:
     mlp_activations: list = key(["silu", "linear"], "MLP activations; two entries make a gated MLP (act0(x W0) * act1(x W1))")
     normalization_layer_epsilon: float = key(1e-5, "epsilon of RMSNorm", minimum=0.0)
     rope_max_timescale: int = key(10000, "largest wavelength (theta) of the rotary position embedding", minimum=1)
+    rope_scaling: str = key("none", "rotary frequency scaling for long context: llama3 stretches the low frequencies "
+                            "(Llama 3.1 and later)", ("none", "llama3"))
+    rope_scaling_factor: float = key(8.0, "rope_scaling=llama3: how much the lowest frequencies are divided by",
+                                     minimum=1.0)
+    rope_low_freq_factor: float = key(1.0, "rope_scaling=llama3: wavelengths longer than "
+                                      "rope_original_max_position / this are fully scaled", minimum=0.0)
+    rope_high_freq_factor: float = key(4.0, "rope_scaling=llama3: wavelengths shorter than "
+                                       "rope_original_max_position / this are left as they are", minimum=0.0)
+    rope_original_max_position: int = key(8192, "rope_scaling=llama3: the context length the model was first "
+                                          "trained with", minimum=1)
     logits_via_embedding: bool = key(False, "tie the output projection to the token embedding")
     enable_dropout: bool = key(False, "apply dropout (dropout_rate) during training")
     dropout_rate: float = key(0.0, "dropout probability after attention and MLP when enable_dropout=true", minimum=0.0)

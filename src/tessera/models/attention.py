@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -84,7 +85,7 @@ def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int):
 class Attention(nnx.Module):
     """Multi-head attention with K <= N kv heads (grouped-query), rotary positions, no biases."""
 
-    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_max_timescale: int,
+    def __init__(self, dim: int, num_heads: int, num_kv_heads: int, head_dim: int, rope_inv_freq: np.ndarray,
                  kernel: str, dtype, weight_dtype, rngs: nnx.Rngs):
         std = fan_in_std(dim)
         self.wq_dnh = param(rngs, (dim, num_heads, head_dim), ("embed", "heads", "head_dim"), weight_dtype, std)
@@ -92,15 +93,17 @@ class Attention(nnx.Module):
         self.wv_dkh = param(rngs, (dim, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim"), weight_dtype, std)
         self.wo_nhd = param(rngs, (num_heads, head_dim, dim), ("heads", "head_dim", "embed"), weight_dtype,
                             fan_in_std(num_heads * head_dim))
-        self.rope_max_timescale, self.kernel, self.dtype = rope_max_timescale, kernel, dtype
+        self.rope_inv_freq = tuple(float(f) for f in rope_inv_freq)  # static: a tuple is not an nnx state leaf
+        self.kernel, self.dtype = kernel, dtype
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, packed: bool):
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         q = checkpoint_name(jnp.einsum("btd,dnh->btnh", x_btd, w(self.wq_dnh)), "query_proj")
         k = checkpoint_name(jnp.einsum("btd,dkh->btkh", x_btd, w(self.wk_dkh)), "key_proj")
         v = checkpoint_name(jnp.einsum("btd,dkh->btkh", x_btd, w(self.wv_dkh)), "value_proj")
-        q = shard_logically(rotary(q, positions_bt, self.rope_max_timescale), ("batch", "length", "act_heads", None))
-        k = shard_logically(rotary(k, positions_bt, self.rope_max_timescale), ("batch", "length", "act_kv_heads", None))
+        inv_freq = np.asarray(self.rope_inv_freq, np.float32)
+        q = shard_logically(rotary(q, positions_bt, inv_freq), ("batch", "length", "act_heads", None))
+        k = shard_logically(rotary(k, positions_bt, inv_freq), ("batch", "length", "act_kv_heads", None))
         v = shard_logically(v, ("batch", "length", "act_kv_heads", None))
         if self.kernel == "cudnn" and not packed:
             ctx = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")

@@ -12,7 +12,16 @@ from flax import nnx
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
 from tessera.models.attention import Attention
-from tessera.models.layers import Mlp, RMSNorm, dropout
+from tessera.models.layers import Mlp, RMSNorm, dropout, rope_frequencies
+
+
+def rope_frequencies_of(cfg: ModelConfig):
+    """The rotary inverse wavelengths a config asks for (rope_max_timescale, rope_scaling)."""
+    scaling = None
+    if cfg.rope_scaling == "llama3":
+        scaling = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                   cfg.rope_original_max_position)
+    return rope_frequencies(cfg.head_dim, cfg.rope_max_timescale, scaling)
 
 
 class LlamaBlock(nnx.Module):
@@ -20,7 +29,8 @@ class LlamaBlock(nnx.Module):
     gated MLP (SwiGLU with mlp_activations=["silu","linear"]), residual connections.
 
     Differences from the reference (Touvron et al. 2023; Meta's and Hugging Face's code): rotary
-    embeddings use the half-split layout of the Hugging Face checkpoints; dropout (absent in
+    embeddings use the half-split layout of the Hugging Face checkpoints (with Llama 3.1's
+    long-context frequency scaling when rope_scaling=llama3); dropout (absent in
     the reference) can be switched on after attention and the MLP.
     """
 
@@ -28,7 +38,7 @@ class LlamaBlock(nnx.Module):
         dtype, wdtype = cfg.dtype, cfg.weight_dtype
         self.pre_attention_norm = RMSNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, dtype, wdtype, rngs)
         self.attention = Attention(cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   cfg.rope_max_timescale, attention_kernel, dtype, wdtype, rngs)
+                                   rope_frequencies_of(cfg), attention_kernel, dtype, wdtype, rngs)
         self.pre_mlp_norm = RMSNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, dtype, wdtype, rngs)
         self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, dtype, wdtype, rngs)
         self.dropout_rate = cfg.dropout_rate if cfg.enable_dropout else 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -65,15 +66,33 @@ class Embed(nnx.Module):
         return jnp.einsum("btd,vd->btv", x_btd.astype(dtype), table.astype(dtype))
 
 
-def rotary(x_btnh: jax.Array, positions_bt: jax.Array, max_timescale: int) -> jax.Array:
+def rope_frequencies(head_dim: int, max_timescale: float, llama3_scaling: tuple | None = None) -> np.ndarray:
+    """Inverse wavelengths [H/2] of the rotary embedding: max_timescale^(-i / (H/2)).
+
+    `llama3_scaling` = (factor, low_freq_factor, high_freq_factor, original_max_position), the
+    long-context rule of Llama 3.1: with r = original_max_position / wavelength (how many
+    periods fit in the original context), frequencies with r >= high_freq_factor are kept,
+    those with r <= low_freq_factor are divided by `factor`, and in between the two are mixed
+    linearly in r.
+    """
+    half = head_dim // 2
+    inv_freq = float(max_timescale) ** (-np.arange(half, dtype=np.float64) / half)
+    if llama3_scaling is not None:
+        factor, low, high, original = llama3_scaling
+        periods = original * inv_freq / (2 * np.pi)
+        keep = np.clip((periods - low) / (high - low), 0.0, 1.0)
+        inv_freq = keep * inv_freq + (1.0 - keep) * inv_freq / factor
+    return inv_freq.astype(np.float32)
+
+
+def rotary(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:
     """Rotary position embedding, rotating the two halves of the head dimension.
 
     The half-split layout (pairs (i, i + H/2)) is the one Hugging Face checkpoints use, so
-    converted weights need no permutation.
+    converted weights need no permutation. `inv_freq_h` comes from `rope_frequencies`.
     """
     half = x_btnh.shape[-1] // 2
-    inv_freq_h = max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle_bth = positions_bt[..., None].astype(jnp.float32) * inv_freq_h
+    angle_bth = positions_bt[..., None].astype(jnp.float32) * jnp.asarray(inv_freq_h)
     sin, cos = jnp.sin(angle_bth)[:, :, None, :], jnp.cos(angle_bth)[:, :, None, :]
     x = x_btnh.astype(jnp.float32)
     first, second = x[..., :half], x[..., half:]
