@@ -101,7 +101,7 @@ def test_activation_estimates_shrink_with_remat():
 
 
 def test_cli_report_and_errors(capsys, tmp_path):
-    assert main(["llama3.1-8b", "per_device_batch_size=2", "--hardware", "v6e-256", "--mfu", "0.4"]) == 0
+    assert main(["llama3.1-8b", "--hardware", "v6e-256", "per_device_batch_size=2", "--mfu", "0.4"]) == 0
     out = capsys.readouterr().out
     assert "parameters: total 8.030e+09" in out and "<- remat_policy" in out and "at 40% MFU" in out
     model_file = tmp_path / "wide.yml"

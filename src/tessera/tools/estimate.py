@@ -14,9 +14,10 @@ hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
     expert  4 x mlp_dim / expert
     tensor  mlp_dim / tensor
 
-Activation memory is an estimate (about +-30% against compiled steps): the tensors each remat
-policy keeps per layer, plus one layer's recomputation and its gradients, plus the logits;
-`EXECUTABLE=train_compile` gives the compiler's exact figure for a TPU topology.
+Activation memory is an estimate: the tensors each remat policy keeps per layer, plus one
+layer's recomputation and its gradients, plus the logits. Against the compiler's figures for
+our TPU recipes (benchmarks/results/aot_recipes.json) the total is within about 20%, in both
+directions; `EXECUTABLE=train_compile` gives the exact figure for a TPU topology.
 
 Active parameters count what a token multiplies through: attention, the experts it is routed
 to, embeddings and norms. The router (num_experts x emb_dim per layer) is in the total but not
@@ -124,7 +125,7 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     scores = 0.0 if fused_attention else m.num_query_heads / tp * cfg.data.max_target_length * 6  # f32 + bf16
     keep = _saved_per_token(m, policy, tp) * a + (scores if policy == "none" else 0.0)
     layers = m.num_decoder_layers * tokens * (m.emb_dim * a + keep)
-    one_layer = 2 * tokens * (_saved_per_token(m, "none", tp) * a + scores)  # recompute + its gradients
+    one_layer = tokens * (2 * _saved_per_token(m, "none", tp) * a + scores)  # recompute + gradients
     logits = 2 * tokens * m.vocab_size / tp * 4
     return layers + one_layer + logits
 
@@ -150,8 +151,9 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     sharded = (counts.total - experts - norms) / dense_shards + experts / (dense_shards * mesh["expert"])
     params = (sharded + norms) * w
     gathered = 0.0
-    if mesh["fsdp"] * mesh["sequence"] > 1:
-        gathered = 2 * counts.per_layer / (mesh["tensor"] * (mesh["expert"] if m.num_experts > 1 else 1)) * w
+    if mesh["fsdp"] * mesh["sequence"] > 1:  # gathered after the cast to the compute dtype
+        a = DTYPE_BYTES[m.dtype]
+        gathered = 2 * counts.per_layer / (mesh["tensor"] * (mesh["expert"] if m.num_experts > 1 else 1)) * a
     policies = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full", "offload")
     acts = {p: activation_bytes(cfg, mesh, p, fused_attention) for p in policies}
     acts.setdefault(m.remat_policy, activation_bytes(cfg, mesh, m.remat_policy, fused_attention))
@@ -261,7 +263,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--ici_links", type=int, default=0, help="links per collective (default: 4 on slices with "
                    "wraparound, else 2; 1 on GPUs)")
     p.add_argument("--mfu", type=float, default=0.0, help="also print the throughput at this MFU (e.g. 0.4)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value may come before or after the options
     try:
         cfg = load_model_config(args.model, args.overrides)
         hw = parse_hardware(args.hardware, args.num_slices, args.ici_links)

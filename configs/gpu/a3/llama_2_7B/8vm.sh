@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Recipe: Llama 2 7B on 8 A3 VMs (8 NVIDIA H100 80GB GPUs each, 64 GPUs), fully sharded data parallel
+# over all 64 GPUs, sequence length 4096, 4 sequences per GPU (global batch 256).
+# Expected performance and how it was derived: configs/gpu/a3/README.md. Flags: configs/README.md.
+#
+# Run the same command on each of the 8 VMs, with that VM's NODE_RANK (0..7) and the
+# internal IP of the VM with NODE_RANK=0 (see getting_started/GPU_multi_node.md):
+#   bash configs/gpu/a3/llama_2_7B/8vm.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs \
+#       JAX_COORDINATOR_IP=10.0.0.2 NODE_RANK=0
+#   bash configs/gpu/a3/llama_2_7B/8vm.sh DRY_RUN=1          # print what would run
+# Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+set -e
+source "$(dirname "${BASH_SOURCE[0]}")/../../../run_recipe.sh" "$@"
+
+export NNODES=8
+export XLA_FLAGS="--xla_dump_to=/tmp/xla_dump/$RUN_NAME \
+  --xla_gpu_enable_latency_hiding_scheduler=true \
+  --xla_gpu_enable_triton_gemm=false \
+  --xla_gpu_enable_command_buffer= \
+  --xla_gpu_all_reduce_combine_threshold_bytes=1073741824 \
+  --xla_gpu_all_gather_combine_threshold_bytes=1073741824 \
+  --xla_gpu_reduce_scatter_combine_threshold_bytes=1073741824 \
+  --xla_gpu_enable_pipelined_all_gather=true \
+  --xla_gpu_enable_pipelined_reduce_scatter=true \
+  --xla_gpu_enable_pipelined_all_reduce=true \
+  --xla_gpu_enable_while_loop_double_buffering=true \
+  --xla_gpu_enable_all_gather_combine_by_dim=false \
+  --xla_gpu_enable_reduce_scatter_combine_by_dim=false \
+  --xla_disable_hlo_passes=rematerialization"
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9
+export CUDA_DEVICE_MAX_CONNECTIONS=1
+export NCCL_PROTO=SIMPLE,LL,LL128
+export NCCL_LL_BUFFSIZE=-2
+export NCCL_LL128_BUFFSIZE=-2
+
+run_recipe gpu \
+  model_name=llama2-7b ici_fsdp_parallelism=-1 \
+  per_device_batch_size=4 max_target_length=4096 dtype=bfloat16 remat_policy=save_qkv_proj attention=cudnn_flash_te \
+  steps=100 log_period=10

@@ -1,0 +1,118 @@
+# Shared part of every recipe under configs/tpu and configs/gpu; recipes `source` it with
+# their arguments, export their compiler flags, then call `run_recipe`.
+#
+# Arguments are KEY=VALUE. Upper-case keys are exported as environment variables; lower-case
+# keys are config overrides appended after the recipe's own (so they win), e.g. steps=20.
+#   RUN_NAME=name      the run's name (passed as M_RUN_NAME; default <folder>_<recipe>, e.g. v5p_128b:
+#                      the same on every worker, and a second run with it resumes the first)
+#   OUTPUT_PATH=dir    base_output_directory: a local folder or gs://bucket/path (default outputs)
+#   DATASET_PATH=path  a TFDS data directory: trains with dataset_type=tfds dataset_path=path (add
+#                      dataset_name=c4/en:3.1.0 tokenizer_path=... as overrides); without it the
+#                      recipe trains on the synthetic stream
+#   PLATFORM=gce|gke   gce: TPU VMs, where rto_setup.sh tunes TCP first; gke: xpk/GKE (default gce)
+#   EXECUTABLE=train|train_compile
+#                      train (default), or AOT-compile the step for the recipe's TPU topology on
+#                      any host (no TPU needed) and check that it fits in HBM
+#   NUM_SLICES=n       slices to compile for with EXECUTABLE=train_compile (default 1)
+#   DRY_RUN=1          print the environment and the commands instead of running them
+#   PYTHON=path        interpreter (default .venv/bin/python when present, else python3)
+
+RECIPE_PATH=${BASH_SOURCE[1]}
+RECIPE_NAME=$(basename "$(dirname "$RECIPE_PATH")")_$(basename "${RECIPE_PATH%.sh}")
+REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+RECIPE_OVERRIDES=()
+
+for arg in "$@"; do
+  name=${arg%%=*}
+  if [[ "$arg" != *=* || ! "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]]; then
+    echo "$RECIPE_PATH: argument '$arg' is not KEY=VALUE (e.g. RUN_NAME=my_run OUTPUT_PATH=gs://bucket/runs)" >&2
+    exit 2
+  fi
+  if [[ "$name" =~ ^[a-z] ]]; then
+    RECIPE_OVERRIDES+=("$arg")
+  else
+    export "$arg"
+  fi
+done
+
+export RUN_NAME=${RUN_NAME:-$RECIPE_NAME}
+export M_RUN_NAME=$RUN_NAME
+OUTPUT_PATH=${OUTPUT_PATH:-outputs}
+PLATFORM=${PLATFORM:-gce}
+EXECUTABLE=${EXECUTABLE:-train}
+NUM_SLICES=${NUM_SLICES:-1}
+case "$PLATFORM" in gce|gke) ;; *) echo "$RECIPE_PATH: PLATFORM=$PLATFORM is not gce or gke" >&2; exit 2 ;; esac
+case "$EXECUTABLE" in train|train_compile) ;;
+  *) echo "$RECIPE_PATH: EXECUTABLE=$EXECUTABLE is not train or train_compile" >&2; exit 2 ;;
+esac
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x "$REPO_DIR/.venv/bin/python" ]; then PYTHON=$REPO_DIR/.venv/bin/python; else PYTHON=python3; fi
+fi
+
+# Print (DRY_RUN=1) or run one command.
+recipe_exec() {
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    printf '%q ' "$@"
+    echo
+  else
+    "$@"
+  fi
+}
+
+# run_recipe <tpu topology or "gpu"> <key=value config overrides...>
+run_recipe() {
+  local topology=$1
+  shift
+  local overrides=("$@" "base_output_directory=$OUTPUT_PATH")
+  if [ -n "${DATASET_PATH:-}" ]; then
+    overrides+=("dataset_type=tfds")
+    overrides+=("dataset_path=$DATASET_PATH")
+  fi
+  overrides+=("${RECIPE_OVERRIDES[@]}")
+
+  local cmd
+  if [ "$EXECUTABLE" = train_compile ]; then
+    if [ "$topology" = gpu ]; then
+      echo "$RECIPE_PATH: EXECUTABLE=train_compile compiles for TPU topologies; GPU recipes run EXECUTABLE=train" >&2
+      exit 2
+    fi
+    cmd=("$PYTHON" -m tessera.train_compile configs/base.yml "${overrides[@]}"
+         "compile_topology=$topology" "compile_topology_num_slices=$NUM_SLICES")
+  else
+    cmd=("$PYTHON" train.py configs/base.yml "${overrides[@]}")
+  fi
+
+  if [ "$topology" = gpu ] && [ "${NNODES:-1}" -gt 1 ] && [ "${DRY_RUN:-0}" != 1 ]; then
+    if [ -z "${JAX_COORDINATOR_IP:-}" ] || [ -z "${NODE_RANK:-}" ]; then
+      echo "$RECIPE_PATH: this recipe spans NNODES=$NNODES VMs; run it on each VM with NODE_RANK=<0..$((NNODES - 1))>" \
+           "and JAX_COORDINATOR_IP=<internal IP of the NODE_RANK=0 VM>" >&2
+      exit 2
+    fi
+    if [ ! -f "$REPO_DIR/src/tessera/distributed.py" ]; then
+      echo "$RECIPE_PATH: NNODES=$NNODES needs the multi-process start-up (src/tessera/distributed.py), which this" \
+           "version does not have yet; without it each VM would train alone. Use the 1vm recipe." >&2
+      exit 2
+    fi
+  fi
+  local var words
+  for var in LIBTPU_INIT_ARGS XLA_FLAGS; do  # one space between flags, however the recipe wrapped them
+    if [ -n "${!var:-}" ]; then
+      read -r -a words <<<"${!var}"
+      export "$var=${words[*]}"
+    fi
+  done
+  cd "$REPO_DIR"
+  if [ "${DRY_RUN:-0}" = 1 ]; then
+    echo "# dry run of $RECIPE_PATH: nothing is executed"
+    local name
+    for name in $(compgen -e | sort); do
+      if [[ "$name" =~ ^(LIBTPU_INIT_ARGS|XLA_FLAGS|XLA_PYTHON_CLIENT_.*|NCCL_.*|CUDA_.*|JAX_.*|NNODES|NODE_RANK|M_.*)$ ]]; then
+        printf 'export %s=%q\n' "$name" "${!name}"
+      fi
+    done
+  fi
+  if [ "$topology" != gpu ] && [ "$PLATFORM" = gce ] && [ "$EXECUTABLE" = train ]; then
+    if [ "$(id -u)" = 0 ]; then recipe_exec bash rto_setup.sh; else recipe_exec sudo bash rto_setup.sh; fi
+  fi
+  PYTHONPATH="$REPO_DIR/src${PYTHONPATH:+:$PYTHONPATH}" recipe_exec "${cmd[@]}"
+}

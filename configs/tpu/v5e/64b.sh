@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Recipe: the 64B member of the scaling family (model_name=1b global_parameter_scale=64: 62.8B parameters)
+# on one TPU v5e-256 slice (256 chips); PLATFORM=gce runs rto_setup.sh first.
+# Mesh: 2-way tensor parallelism (fsdp fills the rest) halves each chip's share of a gathered
+# layer and of the attention scores, which a 16 GiB v5e chip needs at this size.
+# Expected performance and how it was derived: configs/tpu/v5e/README.md. Flags: configs/README.md.
+#
+#   bash configs/tpu/v5e/64b.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke
+#   bash configs/tpu/v5e/64b.sh EXECUTABLE=train_compile      # AOT-compile for v5e-256 on any host
+#   bash configs/tpu/v5e/64b.sh DRY_RUN=1                     # print what would run
+# Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+set -e
+source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
+
+export LIBTPU_INIT_ARGS="--xla_tpu_enable_data_parallel_all_reduce_opt=true \
+  --xla_tpu_data_parallel_opt_different_sized_ops=true \
+  --xla_tpu_enable_async_collective_fusion=true \
+  --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true \
+  --xla_tpu_enable_async_collective_fusion_multiple_steps=true \
+  --xla_tpu_overlap_compute_collective_tc=true \
+  --xla_enable_async_all_gather=true"
+
+run_recipe v5e-256 \
+  model_name=1b global_parameter_scale=64 \
+  ici_tensor_parallelism=2 per_device_batch_size=0.5 max_target_length=2048 dtype=bfloat16 remat_policy=full \
+  steps=100 log_period=10

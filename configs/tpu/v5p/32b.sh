@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Recipe: the 32B member of the scaling family (model_name=1b global_parameter_scale=32: 31.7B parameters)
+# on one TPU v5p-128 slice (64 chips, 128 TensorCores); PLATFORM=gce runs rto_setup.sh first.
+# Expected performance and how it was derived: configs/tpu/v5p/README.md. Flags: configs/README.md.
+#
+#   bash configs/tpu/v5p/32b.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke
+#   bash configs/tpu/v5p/32b.sh EXECUTABLE=train_compile      # AOT-compile for v5p-128 on any host
+#   bash configs/tpu/v5p/32b.sh DRY_RUN=1                     # print what would run
+# Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+set -e
+source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
+
+export LIBTPU_INIT_ARGS="--xla_tpu_enable_data_parallel_all_reduce_opt=true \
+  --xla_tpu_data_parallel_opt_different_sized_ops=true \
+  --xla_tpu_enable_async_collective_fusion=true \
+  --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false \
+  --xla_tpu_enable_async_collective_fusion_multiple_steps=true \
+  --xla_tpu_overlap_compute_collective_tc=true \
+  --xla_enable_async_all_gather=true \
+  --xla_tpu_megacore_fusion_allow_ags=false \
+  --xla_enable_async_collective_permute=true \
+  --xla_tpu_enable_ag_backward_pipelining=true"
+
+run_recipe v5p-128 \
+  model_name=1b global_parameter_scale=32 \
+  per_device_batch_size=8 max_target_length=2048 dtype=bfloat16 remat_policy=full \
+  steps=100 log_period=10

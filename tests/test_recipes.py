@@ -1,0 +1,343 @@
+"""Recipes: every script's dry run exports the flags configs/README.md lists for it (and the
+table lists every flag used), builds a config that validates on the recipe's own device count,
+and the installed libtpu and XLA accept every flag. Also rto_setup.sh with a fake `ip`."""
+
+import math
+import os
+import re
+import shlex
+import subprocess
+import sys
+from fnmatch import fnmatch
+from pathlib import Path
+
+import jax
+import pytest
+
+from conftest import REPO
+from tessera.config import load_config
+from tessera.hardware import tpu_slice
+from tessera.mesh import mesh_shape
+
+REQUIRED = [
+    "tpu/v4/22b", "tpu/v4/52b",
+    *(f"tpu/v5e/{n}" for n in ("16b", "32b", "64b", "128b", "llama2_7b", "llama2_13b", "llama2_70b")),
+    *(f"tpu/v5p/{n}" for n in ("32b", "64b", "128b", "256b", "512b", "1024b", "llama2_7b", "llama2_70b")),
+    "tpu/v6e/llama2_7b_4096", "tpu/v6e/llama3.1_8b",
+    *(f"gpu/a3/llama_2_7B/{n}vm" for n in (1, 2, 4, 8, 16)),
+    "gpu/h100/llama3.2_3b_1gpu",
+]
+RECIPES = sorted(str(p.relative_to(REPO / "configs"))[:-3] for p in (REPO / "configs").glob("*/**/*.sh"))
+TPU = [r for r in RECIPES if r.startswith("tpu/")]
+
+
+def dry_run(recipe: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **(env or {})}
+    return subprocess.run(["bash", str(REPO / "configs" / f"{recipe}.sh"), "DRY_RUN=1", "RUN_NAME=testrun", *args],
+                          capture_output=True, text=True, env=clean, cwd="/", timeout=60)
+
+
+def parse(out: str) -> tuple[dict[str, str], list[list[str]]]:
+    """(exported variables, commands) from a dry run's output."""
+    exports, commands = {}, []
+    for line in out.splitlines():
+        if line.startswith("#") or not line.strip():
+            continue
+        words = shlex.split(line)
+        if words[0] == "export":
+            name, _, value = words[1].partition("=")
+            exports[name] = value
+        else:
+            commands.append(words)
+    return exports, commands
+
+
+def flags(value: str) -> dict[str, str]:
+    return dict(f.removeprefix("--").partition("=")[::2] for f in value.split())
+
+
+def test_every_recipe_of_the_issue_exists():
+    assert set(REQUIRED) <= set(RECIPES)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_recipe_header_and_dry_run_build_a_valid_config(recipe):
+    text = (REPO / "configs" / f"{recipe}.sh").read_text()
+    assert text.startswith("#!/usr/bin/env bash\n# Recipe: ") and "\nset -e\n" in text
+    assert f"bash configs/{recipe}.sh " in text  # an example command in the header
+    proc = dry_run(recipe, "PLATFORM=gce", "steps=7")
+    assert proc.returncode == 0, proc.stderr
+    exports, commands = parse(proc.stdout)
+    assert exports["M_RUN_NAME"] == "testrun"
+    *setup, train = commands
+    assert train[1:3] == ["train.py", "configs/base.yml"] and train[-1] == "steps=7"  # user overrides come last
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *train[3:]], env={"M_RUN_NAME": exports["M_RUN_NAME"]})
+    assert cfg.run.run_name == "testrun" and cfg.run.steps == 7
+    if recipe.startswith("tpu/"):
+        assert setup in ([["bash", "rto_setup.sh"]], [["sudo", "bash", "rto_setup.sh"]])
+        assert cfg.model.dtype == "bfloat16" and "LIBTPU_INIT_ARGS" in exports
+        devices = tpu_slice(topology(recipe)).chips
+    else:
+        assert setup == [] and "XLA_FLAGS" in exports
+        devices = 8 * int(exports["NNODES"]) if "NNODES" in exports else 1
+    mesh_shape(cfg.mesh, devices, 1)  # the mesh fits the recipe's hardware (raises otherwise)
+
+
+def topology(recipe: str) -> str:
+    text = (REPO / "configs" / f"{recipe}.sh").read_text()
+    return re.search(r"^run_recipe (\S+)", text, re.M).group(1)
+
+
+@pytest.mark.parametrize("recipe", TPU)
+def test_train_compile_and_gke_dry_runs(recipe):
+    exports, commands = parse(dry_run(recipe, "EXECUTABLE=train_compile", "NUM_SLICES=2").stdout)
+    assert len(commands) == 1  # no rto_setup.sh for a compile
+    assert commands[0][1:4] == ["-m", "tessera.train_compile", "configs/base.yml"]
+    assert commands[0][-2:] == [f"compile_topology={topology(recipe)}", "compile_topology_num_slices=2"]
+    _, commands = parse(dry_run(recipe, "PLATFORM=gke").stdout)
+    assert len(commands) == 1 and commands[0][1] == "train.py"
+
+
+def readme_rows() -> list[tuple[str, set[str], list[str]]]:
+    """(name, allowed values, recipe patterns) for each row of the two tables in configs/README.md."""
+    rows = []
+    for line in (REPO / "configs" / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 4 or not cells[0].startswith("`"):
+            continue
+        values = set(re.findall(r"`([^`]*)`", cells[1])) if cells[1] != "(empty)" else {""}
+        rows.append((cells[0].strip("`"), values, re.findall(r"`([^`]+)`", cells[3])))
+    return rows
+
+
+def recipe_settings() -> dict[str, dict[str, str]]:
+    """recipe -> {flag or variable: value} as its dry run exports them."""
+    out = {}
+    for recipe in RECIPES:
+        exports, _ = parse(dry_run(recipe).stdout)
+        settings = {k: v for k, v in exports.items() if k not in ("M_RUN_NAME", "LIBTPU_INIT_ARGS", "XLA_FLAGS")}
+        for var in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
+            settings.update(flags(exports.get(var, "")))
+        out[recipe] = settings
+    return out
+
+
+def test_flag_table_matches_the_recipes_both_ways():
+    rows, used = readme_rows(), recipe_settings()
+    assert len(rows) > 25
+    for recipe, settings in used.items():
+        for name, value in settings.items():
+            value = value.replace("testrun", "$RUN_NAME")
+            matching = [r for r in rows if r[0] == name and any(fnmatch(recipe, p) for p in r[2])]
+            assert matching, f"{recipe} sets {name}, but no row of configs/README.md lists {recipe} for it"
+            assert any(value in r[1] for r in matching), f"{recipe}: {name}={value}, README: {matching}"
+    for name, values, patterns in rows:
+        for p in patterns:
+            users = [r for r in RECIPES if fnmatch(r, p)]
+            assert users, f"configs/README.md: pattern {p} of {name} matches no recipe"
+            wrong = [r for r in users if used[r].get(name, "<unset>").replace("testrun", "$RUN_NAME") not in values]
+            assert not wrong, f"configs/README.md says {wrong} set {name} to {values}, but they do not"
+
+
+def distinct(var: str) -> list[str]:
+    return sorted({parse(dry_run(r).stdout)[0].get(var, "") for r in RECIPES} - {""})
+
+
+def test_libtpu_accepts_every_tpu_flag_and_rejects_a_wrong_one():
+    probe = ("from jax.experimental import topologies; "
+             "topologies.get_topology_desc(topology_name='v5e:2x2', platform='tpu')")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost",
+           "TPU_ACCELERATOR_TYPE": "v5litepod-4"}
+    for value in [*distinct("LIBTPU_INIT_ARGS"), "--xla_tpu_no_such_flag=true"]:
+        proc = subprocess.run([sys.executable, "-c", probe], env={**env, "LIBTPU_INIT_ARGS": value},
+                              capture_output=True, text=True, timeout=120)
+        accepted = proc.returncode == 0
+        assert accepted == ("no_such" not in value), f"LIBTPU_INIT_ARGS={value}: {proc.stderr[-500:]}"
+
+
+def test_xla_accepts_every_gpu_flag_and_rejects_a_wrong_one():
+    probe = "import jax; jax.devices()"
+    for value in [*distinct("XLA_FLAGS"), "--xla_gpu_no_such_flag=true"]:
+        proc = subprocess.run([sys.executable, "-c", probe], env={**os.environ, "JAX_PLATFORMS": "cpu",
+                              "XLA_FLAGS": value}, capture_output=True, text=True, timeout=120)
+        assert (proc.returncode == 0) == ("no_such" not in value), f"XLA_FLAGS={value}: {proc.stderr[-500:]}"
+
+
+def test_default_run_name_is_the_same_on_every_worker():
+    clean = {"PATH": os.environ["PATH"]}
+    names = {subprocess.run(["bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), "DRY_RUN=1"], env=clean,
+                            capture_output=True, text=True, timeout=60).stdout.count("M_RUN_NAME=v5p_128b")
+             for _ in range(2)}
+    assert names == {1}
+
+
+def test_recipe_arguments_are_checked():
+    proc = dry_run("tpu/v5e/16b", "oops")
+    assert proc.returncode == 2 and "'oops' is not KEY=VALUE" in proc.stderr
+    assert dry_run("tpu/v5e/16b", "PLATFORM=aws").returncode == 2
+    assert "EXECUTABLE=bogus is not train or train_compile" in dry_run("tpu/v5e/16b", "EXECUTABLE=bogus").stderr
+    gpu_compile = dry_run("gpu/h100/llama3.2_3b_1gpu", "EXECUTABLE=train_compile")
+    assert gpu_compile.returncode == 2 and "GPU recipes run EXECUTABLE=train" in gpu_compile.stderr
+    with_data = dry_run("tpu/v5e/16b", "DATASET_PATH=gs://b/data", "dataset_name=c4/en:3.1.0")
+    _, commands = parse(with_data.stdout)
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]], env={})
+    assert (cfg.data.dataset_type, cfg.data.dataset_path, cfg.data.dataset_name) == ("tfds", "gs://b/data",
+                                                                                     "c4/en:3.1.0")
+
+
+def test_multi_vm_gpu_recipe_needs_its_coordinator():
+    script = str(REPO / "configs" / "gpu" / "a3" / "llama_2_7B" / "2vm.sh")
+    proc = subprocess.run(["bash", script, "RUN_NAME=t", "PYTHON=false"], capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"]}, timeout=60)
+    assert proc.returncode == 2 and "NODE_RANK=<0..1>" in proc.stderr and "JAX_COORDINATOR_IP" in proc.stderr
+    if not (REPO / "src" / "tessera" / "distributed.py").is_file():
+        proc = subprocess.run(["bash", script, "RUN_NAME=t", "PYTHON=false", "NODE_RANK=1", "JAX_COORDINATOR_IP=10.0.0.2"],
+                              capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, timeout=60)
+        assert proc.returncode == 2 and "each VM would train alone" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- rto_setup.sh
+
+ROUTES = "default via 10.128.0.1 dev ens4 proto dhcp src 10.128.0.9 metric 100\n10.128.0.1 dev ens4 proto dhcp scope link\n"
+
+
+@pytest.fixture
+def fake_net(tmp_path):
+    """A fake `ip` that keeps its routes in a file and a fake `id`, first on PATH."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (tmp_path / "routes").write_text(ROUTES)
+    (bin_dir / "ip").write_text(f"""#!/bin/bash
+echo "$*" >> {tmp_path}/ip_calls
+if [ "$1 $2 $3" = "-4 route show" ]; then cat {tmp_path}/routes; exit 0; fi
+if [ "$1 $2" = "route change" ]; then
+  shift 2; args="$*"; base="${{args% rto_min *}}"
+  grep -v -F -x "$base" {tmp_path}/routes > {tmp_path}/routes.new || true
+  echo "$args" >> {tmp_path}/routes.new; mv {tmp_path}/routes.new {tmp_path}/routes; exit 0
+fi
+exit 1
+""")
+    (bin_dir / "id").write_text('#!/bin/sh\necho "${FAKE_UID:-0}"\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    return tmp_path, {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+
+
+def rto(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "rto_setup.sh"), *args], capture_output=True, text=True, env=env,
+                          timeout=60)
+
+
+def test_rto_setup_changes_each_route_once(fake_net):
+    folder, env = fake_net
+    first = rto(env)
+    assert first.returncode == 0, first.stderr
+    changes = [c for c in (folder / "ip_calls").read_text().splitlines() if c.startswith("route change")]
+    assert changes == ["route change default via 10.128.0.1 dev ens4 proto dhcp src 10.128.0.9 metric 100 rto_min 5ms",
+                       "route change 10.128.0.1 dev ens4 proto dhcp scope link rto_min 5ms"]
+    again = rto(env)
+    assert again.returncode == 0 and "changed 0 route(s); 2 already had rto_min 5ms" in again.stdout
+    assert len([c for c in (folder / "ip_calls").read_text().splitlines() if c.startswith("route change")]) == 2
+
+
+def test_rto_setup_dry_run_and_root_check(fake_net):
+    folder, env = fake_net
+    dry = rto({**env, "FAKE_UID": "1000"}, "DRY_RUN=1")
+    assert dry.returncode == 0 and dry.stdout.count("would run: ip route change") == 2
+    assert "route change" not in (folder / "ip_calls").read_text()
+    refused = rto({**env, "FAKE_UID": "1000"})
+    assert refused.returncode == 1 and "needs root" in refused.stderr and "sudo bash rto_setup.sh" in refused.stderr
+    assert rto(env, "RTO_MIN=fast").returncode == 2
+
+
+# ---------------------------------------------------------------------------- docs
+
+DOCS = [REPO / "README.md", REPO / "configs" / "README.md", *sorted((REPO / "getting_started").glob("*.md")),
+        *sorted((REPO / "configs").glob("*/*/README.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(REPO)))
+def test_docs_point_only_at_files_that_exist(doc):
+    text = doc.read_text()
+    for script in re.findall(r"(?<![\w{])(configs/[\w./-]+\.sh)", text):
+        assert (REPO / script).is_file(), f"{doc.name} mentions {script}, which does not exist"
+    for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if not link.startswith(("http://", "https://")):
+            assert (doc.parent / link).exists(), f"{doc.name} links to {link}, which does not exist"
+
+
+def test_dockerfile_copies_files_that_exist():
+    lines = (REPO / "getting_started" / "Dockerfile").read_text().splitlines()
+    copies = [line.split()[1:-1] for line in lines if line.startswith("COPY ")]
+    assert copies and all((REPO / src.rstrip("/")).exists() for sources in copies for src in sources)
+    assert any("bash setup.sh DEVICE=" in line for line in lines)
+
+
+# ---------------------------------------------------------------------------- expected performance
+
+GENERATIONS = sorted({r.split("/")[1] for r in TPU})
+
+
+def target_rows(readme: Path) -> dict[str, dict[str, str]]:
+    """recipe file name -> {column: cell} for the table of a configs/tpu/<gen>/README.md."""
+    header, rows = None, {}
+    for line in readme.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[0] == "recipe":
+            header = cells
+        elif header and len(cells) == len(header) and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = dict(zip(header, cells))
+    return rows
+
+
+@pytest.mark.parametrize("gen", GENERATIONS)
+def test_tpu_readme_targets_follow_from_the_recipes(gen):
+    """Each generation's README lists every recipe, and its FLOPs, rates and step times are what
+    the recipe's own config gives at the stated MFU (so a changed recipe must update them)."""
+    from tessera.metrics import training_flops_per_step
+
+    rows = target_rows(REPO / "configs" / "tpu" / gen / "README.md")
+    assert set(rows) == {f"{r.split('/')[-1]}.sh" for r in TPU if r.startswith(f"tpu/{gen}/")}
+    for name, row in rows.items():
+        recipe = f"tpu/{gen}/{name[:-3]}"
+        _, commands = parse(dry_run(recipe, "PLATFORM=gke").stdout)
+        cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]], env={})
+        s = tpu_slice(topology(recipe))
+        length = cfg.data.max_target_length
+        flops = training_flops_per_step(cfg.model, 1, length) / length
+        mfu = float(row["target MFU"].rstrip("%")) / 100
+        tokens_per_s = mfu * s.accelerator.peak_flops / flops
+        batch = round(cfg.data.per_device_batch_size * s.chips)
+        assert row["slice (chips)"] == f"{s.name} ({s.chips})", recipe
+        assert row["global batch"] == f"{batch} x {length}", recipe
+        assert float(row["FLOPs per token"]) == pytest.approx(flops, rel=5e-3), recipe
+        assert float(row["TFLOP/s per chip"]) == pytest.approx(mfu * s.accelerator.peak_flops / 1e12, abs=0.5)
+        assert float(row["tokens/s per chip"].replace(",", "")) == pytest.approx(tokens_per_s, rel=5e-3), recipe
+        step = batch * length / (tokens_per_s * s.chips)
+        assert float(row["step time"].removesuffix(" s")) == pytest.approx(step, rel=5e-3, abs=0.006), recipe
+
+
+@pytest.mark.parametrize("recipe", TPU)
+def test_tpu_recipe_shards_its_parameters_over_the_whole_slice(recipe):
+    """Parameters split over every mesh axis but `data` (which holds copies by design): a width
+    that no axis divides would fall back to replication and blow HBM up (a 52B model with
+    192-way FSDP gathers every weight on every chip). Checked from shapes alone, no compile."""
+    from tessera.mesh import logical_spec
+    from tessera.models import build_model
+
+    _, commands = parse(dry_run(recipe, "PLATFORM=gke").stdout)
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]], env={})
+    ici, _ = mesh_shape(cfg.mesh, tpu_slice(topology(recipe)).chips, 1)
+    model = build_model(cfg.model)
+    shapes = jax.tree.leaves(model.param_shapes())
+    names = jax.tree.leaves(model.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
+    total = per_device = 0
+    for s, n in zip(shapes, names, strict=True):
+        spec = logical_spec(n, s.shape, ici)
+        split = [math.prod(ici[a] for a in ((p,) if isinstance(p, str) else p)) if p else 1 for p in spec]
+        total += math.prod(s.shape)
+        per_device += math.prod(d // k for d, k in zip(s.shape, split))
+    shards = math.prod(size for axis, size in ici.items() if axis != "data")
+    assert per_device <= 1.02 * total / shards, (
+        f"{recipe}: {per_device / 1e9:.2f}B parameters per device, but {total / 1e9:.1f}B over {shards} shards "
+        f"(mesh {ici}) should be {total / shards / 1e9:.2f}B: some are replicated")
