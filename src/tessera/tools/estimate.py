@@ -16,8 +16,9 @@ hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
 
 Activation memory is an estimate: the tensors each remat policy keeps per layer, plus one
 layer's recomputation and its gradients, plus the logits. Against the compiler's figures for
-our TPU recipes (benchmarks/results/aot_recipes.json) the total is within about 20%, in both
-directions; `EXECUTABLE=train_compile` gives the exact figure for a TPU topology.
+our TPU recipes (benchmarks/results/aot_recipes.json) the total ranges from about 15% below
+to 35% above (the overestimates are largest for the 8B-16B models);
+`EXECUTABLE=train_compile` gives the exact figure for a TPU topology.
 
 Active parameters count what a token multiplies through: attention, the experts it is routed
 to, embeddings and norms. The router (num_experts x emb_dim per layer) is in the total but not
