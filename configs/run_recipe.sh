@@ -88,11 +88,6 @@ run_recipe() {
            "and JAX_COORDINATOR_IP=<internal IP of the NODE_RANK=0 VM>" >&2
       exit 2
     fi
-    if [ ! -f "$REPO_DIR/src/tessera/distributed.py" ]; then
-      echo "$RECIPE_PATH: NNODES=$NNODES needs the multi-process start-up (src/tessera/distributed.py), which this" \
-           "version does not have yet; without it each VM would train alone. Use the 1vm recipe." >&2
-      exit 2
-    fi
   fi
   local var words
   for var in LIBTPU_INIT_ARGS XLA_FLAGS; do  # one space between flags, however the recipe wrapped them

@@ -37,7 +37,8 @@ class ParquetSource:
 
         self.files, self.columns, self._cache = files, columns, (None, None)
         self.starts = [0]
-        for f in files:
+        self.groups: list[tuple[int, int]] = []  # global row group -> (file, row group in that file)
+        for file, f in enumerate(files):
             try:
                 meta = pq.ParquetFile(f)
             except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...
@@ -48,6 +49,7 @@ class ParquetSource:
                                   f"{meta.schema_arrow.names}); set train_data_columns to one of them")
             groups = [meta.metadata.row_group(i).num_rows for i in range(meta.num_row_groups)]
             self.starts += list(np.cumsum(groups) + self.starts[-1])
+            self.groups += [(file, i) for i in range(meta.num_row_groups)]
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -57,20 +59,10 @@ class ParquetSource:
 
         group = bisect.bisect_right(self.starts, index) - 1
         if self._cache[0] != group:
-            file, local = self._locate(group)
+            file, local = self.groups[group]
             table = pq.ParquetFile(self.files[file]).read_row_group(local, columns=self.columns)
             self._cache = (group, table.to_pylist())
         return self._cache[1][index - self.starts[group]]
-
-    def _locate(self, group: int) -> tuple[int, int]:
-        import pyarrow.parquet as pq
-
-        for file, f in enumerate(self.files):
-            n = pq.ParquetFile(f).num_row_groups
-            if group < n:
-                return file, group
-            group -= n
-        raise IndexError(group)
 
 
 def _decode_record(record: bytes, columns: list[str]) -> dict:
