@@ -164,7 +164,7 @@ def _llama3_reference_frequencies(head_dim, theta, factor, low, high, original):
 
 
 def test_llama3_rope_scaling_follows_the_published_rule():
-    from tessera.models.blocks import rope_frequencies_of
+    from tessera.models.attention import rope_frequencies_of
 
     cfg = load_config([str(REPO / "configs" / "base.yml"), "model_name=llama3.1-8b"], env={}).model
     assert cfg.rope_scaling == "llama3"

@@ -40,6 +40,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "act_kv_heads": ("tensor",),
     "act_mlp": ("tensor",),
     "act_vocab": ("tensor",),
+    "act_exp": ("expert",),
+    "act_batch_no_exp": ("data", "fsdp"),
     # parameters
     "layers": (),
     "embed": ("fsdp", "sequence"),
@@ -49,6 +51,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "head_dim": (),
     "mlp": ("tensor",),
     "norm": (),
+    "exp": ("expert",),
 }
 
 

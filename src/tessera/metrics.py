@@ -126,9 +126,13 @@ class MetricsWriter:
 
 def format_record(r: dict[str, Any]) -> str:
     mfu = "MFU n/a" if r.get("mfu") is None else f"MFU {100 * r['mfu']:.1f}%"
+    moe = ""
+    if "moe_dropped_fraction" in r:
+        moe = f" | router loss {r['moe_load_balance_loss']:.3f} | dropped {100 * r['moe_dropped_fraction']:.1f}% tokens"
     return (
         f"step {r['step']:>5} | loss {r['loss']:.4f} | {r['step_seconds']:.3f} s | "
         f"{r['tflops_per_sec_per_device']:.2f} TFLOP/s/dev | {r['tokens_per_sec_per_device']:,.0f} tok/s/dev | {mfu}"
+        + moe
     )
 
 

@@ -114,18 +114,25 @@ def _check_remat(policy: str, mesh: Mesh) -> None:
 
 
 def loss_sums(model: ModelDef, params, batch, dropout_key, packed: bool = False):
-    """(sum of token losses, number of target tokens) for a batch of `tokens` [B, T+1].
+    """(sum of token losses, number of target tokens) for a batch (see `loss_terms`)."""
+    return loss_terms(model, params, batch, dropout_key, packed)[:2]
+
+
+def loss_terms(model: ModelDef, params, batch, dropout_key, packed: bool = False):
+    """(sum of token losses, number of target tokens, aux) for a batch of `tokens` [B, T+1].
 
     Inputs are tokens[:, :-1] and targets tokens[:, 1:]. A target counts only if it is not
     padding (segment id 0) and belongs to the same segment as its input token. `packed`: rows
-    hold several documents, so attention must use a kernel that honours segment ids.
+    hold several documents, so attention must use a kernel that honours segment ids. `aux`:
+    the model's auxiliary scalars (MoE load-balancing loss and dropped-token fraction).
     """
     tokens, segments = batch["tokens"], batch["segment_ids"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     weights = (segments[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1])
-    logits = model.apply(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key, packed=packed)
+    logits, aux = model.apply_with_aux(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key,
+                                       packed=packed)
     token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(token_loss * weights), jnp.sum(weights).astype(jnp.float32)
+    return jnp.sum(token_loss * weights), jnp.sum(weights).astype(jnp.float32), aux
 
 
 def make_train_step(trainer: Trainer, seed: int):
@@ -136,9 +143,13 @@ def make_train_step(trainer: Trainer, seed: int):
     use_dropout = cfg.model.enable_dropout and cfg.model.dropout_rate > 0
     packed = packs_documents(cfg.data)
 
+    aux_weight = cfg.model.load_balance_loss_weight
+
     def summed_loss(p, b, k):
-        loss_sum, count = loss_sums(model, p, b, k, packed)
-        return loss_sum, (loss_sum, count)
+        loss_sum, count, aux = loss_terms(model, p, b, k, packed)
+        # the router's load-balancing loss, weighted like one more per-token loss term
+        objective = loss_sum + aux_weight * aux.get("moe_load_balance_loss", 0.0) * count
+        return objective, (loss_sum, count, aux)
 
     grad_fn = jax.grad(summed_loss, has_aux=True)
 
@@ -150,11 +161,11 @@ def make_train_step(trainer: Trainer, seed: int):
         def accumulate(carry, i):
             grads, loss_sum, count = carry
             mb = jax.tree.map(lambda x: x[i], micro)
-            g, (l, n) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, count + n), None
+            g, (l, n, aux) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
+            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, count + n), aux
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss_sum, count), _ = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
+        (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         updates, opt_state = optimizer.update(grads, state["opt_state"], params)
@@ -167,7 +178,7 @@ def make_train_step(trainer: Trainer, seed: int):
                      "params": jax.tree.map(keep, optax.apply_updates(params, updates), params),
                      "opt_state": jax.tree.map(keep, opt_state, state["opt_state"])}
         stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]), "tokens": count,
-                 "finite": finite}
+                 "finite": finite, **jax.tree.map(jnp.mean, auxes)}
         return new_state, stats
 
     return step_fn

@@ -185,6 +185,7 @@ def validate(cfg: Config) -> None:
                           "a token cannot be routed to more experts than there are")
     if m.head_dim % 2:
         raise ConfigError(f"head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
+    _validate_family(m)
     for prefix in ("ici", "dcn"):
         values = {n: getattr(cfg.mesh, n) for n in vars(cfg.mesh) if n.startswith(prefix)}
         fills = [n for n, v in values.items() if v == -1]
@@ -201,6 +202,18 @@ def validate(cfg: Config) -> None:
         raise ConfigError("pipeline parallelism cannot be -1; leave it at 1")
     if cfg.data.per_device_batch_size <= 0:
         raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size} must be > 0")
+
+
+def _validate_family(m) -> None:
+    """Checks of the keys particular to some decoder block families."""
+    if m.decoder_block == "gemma2" and m.num_decoder_layers % 2:
+        raise ConfigError(f"decoder_block=gemma2 needs an even number of layers (local and global alternate), "
+                          f"not {m.num_decoder_layers}; change base_num_decoder_layers")
+    if m.fused_qkv and m.num_kv_heads != m.num_query_heads:
+        raise ConfigError(f"fused_qkv=true needs multi-head attention (kv heads = query heads), but there are "
+                          f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
+    if m.capacity_factor != -1 and m.capacity_factor <= 0:
+        raise ConfigError(f"capacity_factor={m.capacity_factor} must be > 0, or -1 for no capacity limit")
 
 
 def flat_dict(cfg: Config) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from typing import Any
 
 # The decoder blocks and attention kernels are listed here (not imported from the model
 # package) so that validating a config never imports JAX.
-DECODER_BLOCKS = ("llama2",)
+DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3")
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
 REMAT_POLICIES = (
     "none",
@@ -114,9 +114,25 @@ class ModelConfig:
     scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile)")
     remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all)", REMAT_POLICIES)
     attention: str = key("autoselected", "attention kernel: dot_product (reference) or the fastest fused one", ATTENTION_KINDS)
-    num_experts: int = key(1, "experts per mixture-of-experts MLP (1: dense MLP; >1 is read by the estimator only so far)",
-                           minimum=1)
+    sliding_window_size: int = key(0, "sliding-window attention: a query sees its own and the W-1 previous positions "
+                                   "(0: all previous; mistral, and gemma2's local layers)", minimum=0)
+    query_pre_attn_scalar: float = key(0.0, "attention scores are scaled by this**-0.5 (0: head_dim**-0.5)", minimum=0.0)
+    attn_logits_soft_cap: float = key(0.0, "squash attention scores with c*tanh(s/c) (0: off; gemma2: 50)", minimum=0.0)
+    final_logits_soft_cap: float = key(0.0, "squash output logits with c*tanh(l/c) (0: off; gemma2: 30)", minimum=0.0)
+    fused_qkv: bool = key(False, "one fused query/key/value projection [emb, 3, heads, head_dim] (multi-head attention "
+                          "only: kv heads = query heads); same results as three")
+    trainable_position_size: int = key(0, "gpt3: rows of the learned position-embedding table (the longest sequence); "
+                                       "0: fixed sinusoidal positions", minimum=0)
+    num_experts: int = key(1, "experts per mixture-of-experts MLP (decoder_block=mixtral; 1: dense MLP)", minimum=1)
     num_experts_per_tok: int = key(1, "experts each token is routed to (top-k) when num_experts > 1", minimum=1)
+    capacity_factor: float = key(-1.0, "MoE capacity routing: an expert takes at most capacity_factor x its fair share "
+                                 "(k*T/E) of a sequence's tokens, the others skip it (dropped); -1: no limit")
+    sparse_matmul: bool = key(False, "dropless MoE: sort token copies by expert and run grouped (ragged) matmuls; "
+                              "capacity_factor is not used")
+    megablox: bool = key(False, "dropless MoE, as sparse_matmul (the key MaxText recipes use; runs jax.lax.ragged_dot, "
+                         "XLA's grouped matmul)")
+    load_balance_loss_weight: float = key(0.01, "weight of the MoE router's load-balancing loss in the training loss "
+                                          "(Mixtral: 0.02)", minimum=0.0)
 
     # --- derived sizes: the global_parameter_scale rule, in one place ---
     def _scale_exponents(self) -> tuple[int, int, int]:

@@ -10,8 +10,8 @@ import jax
 from flax import nnx
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.models.blocks import BLOCKS
 from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder
+from tessera.models.registry import BLOCKS
 
 __all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model"]
 
@@ -33,6 +33,11 @@ class ModelDef:
     def apply(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
               packed: bool = False):
         """Logits [B, T, V] in float32 for `tokens_bt` [B, T]."""
+        return self.apply_with_aux(params, tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)[0]
+
+    def apply_with_aux(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
+                       packed: bool = False):
+        """(logits, aux): aux holds the layer-averaged auxiliary scalars (MoE losses; {} for dense models)."""
         state = jax.tree.map(lambda x: x, self.abstract_state)  # a fresh State to fill
         nnx.replace_by_pure_dict(state, params)
         return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)
@@ -49,9 +54,13 @@ class ModelDef:
 
 def build_model(cfg: ModelConfig, attention_kernel: str = "dot_product") -> ModelDef:
     """The structure of the model `cfg` describes; no parameter memory is allocated."""
-    if cfg.num_experts > 1:
-        raise ConfigError(f"num_experts={cfg.num_experts}: decoder_block={cfg.decoder_block} has a dense MLP and no "
-                          "mixture-of-experts block exists yet; set num_experts=1 (the estimator accepts MoE shapes)")
+    moe = cfg.decoder_block == "mixtral"
+    if cfg.num_experts > 1 and not moe:
+        raise ConfigError(f"num_experts={cfg.num_experts}: decoder_block={cfg.decoder_block} has a dense MLP; use "
+                          "decoder_block=mixtral for a mixture of experts, or set num_experts=1")
+    if moe and cfg.num_experts < 2:
+        raise ConfigError("decoder_block=mixtral needs num_experts >= 2 (and num_experts_per_tok); e.g. num_experts=8 "
+                          "num_experts_per_tok=2")
     abstract = nnx.eval_shape(lambda: Decoder(cfg, attention_kernel, nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
     return ModelDef(cfg, attention_kernel, graphdef, state)

@@ -1,7 +1,10 @@
-"""Decoder blocks, one class per family, and the registry that maps `decoder_block` to them.
+"""What every decoder block family shares: the block interface and the norms it may use.
 
-A block is built from a `ModelConfig` and called as
-`block(x_btd, positions_bt, segment_ids_bt, dropout_key, packed) -> x_btd`.
+A block is built as `Family(cfg, attention_kernel, rngs)` and called as
+`block(x_btd, positions_bt, segment_ids_bt, dropout_key, packed) -> (x_btd, aux)`, where
+`aux` is a dict of scalars the decoder sums over layers (the mixture-of-experts losses;
+empty for dense blocks). Class attributes tell the decoder what surrounds the blocks of a
+family; the registry of families is `tessera.models.registry.BLOCKS`.
 """
 
 from __future__ import annotations
@@ -11,47 +14,35 @@ from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
-from tessera.models.attention import Attention
-from tessera.models.layers import Mlp, RMSNorm, dropout, rope_frequencies
+from tessera.models.layers import LayerNorm, RMSNorm, dropout
 
 
-def rope_frequencies_of(cfg: ModelConfig):
-    """The rotary inverse wavelengths a config asks for (rope_max_timescale, rope_scaling)."""
-    scaling = None
-    if cfg.rope_scaling == "llama3":
-        scaling = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                   cfg.rope_original_max_position)
-    return rope_frequencies(cfg.head_dim, cfg.rope_max_timescale, scaling)
+class Block(nnx.Module):
+    """Base class of the decoder block families (defaults are Llama's)."""
+
+    layers_per_block = 1  # decoder layers in one block (Gemma 2 pairs a local and a global layer)
+    norm = "rms"  # kind of every norm of the family, the final one included: rms | rms_zero_centered | layer
+    scale_embeddings = False  # multiply token embeddings by sqrt(emb_dim) (Gemma)
+    absolute_positions = False  # add position embeddings to the tokens instead of rotating q and k (GPT-3)
 
 
-class LlamaBlock(nnx.Module):
-    """Llama 2 / Llama 3.x block: pre-RMSNorm, grouped-query attention with rotary positions,
-    gated MLP (SwiGLU with mlp_activations=["silu","linear"]), residual connections.
-
-    Differences from the reference (Touvron et al. 2023; Meta's and Hugging Face's code): rotary
-    embeddings use the half-split layout of the Hugging Face checkpoints (with Llama 3.1's
-    long-context frequency scaling when rope_scaling=llama3); dropout (absent in
-    the reference) can be switched on after attention and the MLP.
-    """
-
-    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
-        dtype, wdtype = cfg.dtype, cfg.weight_dtype
-        self.pre_attention_norm = RMSNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, dtype, wdtype, rngs)
-        self.attention = Attention(cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   rope_frequencies_of(cfg), attention_kernel, dtype, wdtype, rngs)
-        self.pre_mlp_norm = RMSNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, dtype, wdtype, rngs)
-        self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, dtype, wdtype, rngs)
-        self.dropout_rate = cfg.dropout_rate if cfg.enable_dropout else 0.0
-
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool):
-        keys = (None, None) if dropout_key is None else tuple(jax.random.split(dropout_key))
-        h = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed)
-        x_btd = x_btd + dropout(h, self.dropout_rate, keys[0])
-        h = self.mlp(self.pre_mlp_norm(x_btd))
-        x_btd = x_btd + dropout(h, self.dropout_rate, keys[1])
-        return shard_logically(x_btd, ("batch", "length", "act_embed"))
+def make_norm(kind: str, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
+    """A norm of `kind` (see Block.norm) over emb_dim, with the config's epsilon and dtypes."""
+    args = (cfg.emb_dim, cfg.normalization_layer_epsilon, cfg.dtype, cfg.weight_dtype, rngs)
+    if kind == "layer":
+        return LayerNorm(*args)
+    return RMSNorm(*args, zero_centered=kind == "rms_zero_centered")
 
 
-BLOCKS: dict[str, type[nnx.Module]] = {
-    "llama2": LlamaBlock,
-}
+def dropout_keys(dropout_key, n: int) -> tuple:
+    """`n` keys for the dropout sites of one block (all None when dropout is off)."""
+    return (None,) * n if dropout_key is None else tuple(jax.random.split(dropout_key, n))
+
+
+def residual(x_btd, h_btd, rate: float, key):
+    """x + dropout(h), sharded as a residual-stream activation."""
+    return shard_logically(x_btd + dropout(h_btd, rate, key), ("batch", "length", "act_embed"))
+
+
+def dropout_rate(cfg: ModelConfig) -> float:
+    return cfg.dropout_rate if cfg.enable_dropout else 0.0

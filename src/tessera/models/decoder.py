@@ -1,5 +1,9 @@
 """The decoder-only language model: embedding, a stack of blocks, final norm, logits.
 
+The block family (`decoder_block`, see `tessera.models.registry`) decides the block and,
+through its class attributes, the final norm, whether embeddings are scaled and whether
+positions are added to them.
+
 With `scan_layers=true` the blocks' parameters are stacked on a leading `layers` axis and run
 with `jax.lax.scan` (one compiled block, fast compiles); with `false` they are separate
 modules `layers_0 ... layers_{L-1}` run in a Python loop. Both compute the same function on
@@ -16,8 +20,9 @@ from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
-from tessera.models.blocks import BLOCKS
-from tessera.models.layers import Embed, RMSNorm, dropout, fan_in_std, param
+from tessera.models.blocks import make_norm
+from tessera.models.layers import Embed, dropout, fan_in_std, param, sinusoidal_positions, soft_cap
+from tessera.models.registry import BLOCKS
 
 _cp = jax.checkpoint_policies
 _OFFLOADABLE = ["query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwo"]
@@ -52,22 +57,27 @@ def remat(fn, policy_name: str, in_scan: bool):
 
 
 class Decoder(nnx.Module):
-    """Token ids [B, T] -> logits [B, T, V] (float32)."""
+    """Token ids [B, T] -> (logits [B, T, V] float32, aux): aux holds the blocks' auxiliary
+    scalars (mixture-of-experts losses) averaged over blocks; empty for dense families."""
 
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
         dtype, wdtype = cfg.dtype, cfg.weight_dtype
         block_cls = BLOCKS[cfg.decoder_block]
+        self.num_blocks = cfg.num_decoder_layers // block_cls.layers_per_block
         self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype, wdtype, cfg.use_iota_embed, rngs)
+        if block_cls.absolute_positions and cfg.trainable_position_size:
+            self.position_embedder_pd = param(rngs, (cfg.trainable_position_size, cfg.emb_dim), (None, "embed"),
+                                              wdtype, fan_in_std(cfg.emb_dim))
         if cfg.scan_layers:
-            self.layers = _stacked_blocks(lambda r: block_cls(cfg, attention_kernel, r), cfg.num_decoder_layers, rngs)
+            self.layers = _stacked_blocks(lambda r: block_cls(cfg, attention_kernel, r), self.num_blocks, rngs)
         else:
-            for i in range(cfg.num_decoder_layers):
+            for i in range(self.num_blocks):
                 setattr(self, f"layers_{i}", block_cls(cfg, attention_kernel, rngs))
-        self.final_norm = RMSNorm(cfg.emb_dim, cfg.normalization_layer_epsilon, dtype, wdtype, rngs)
+        self.final_norm = make_norm(block_cls.norm, cfg, rngs)
         if not cfg.logits_via_embedding:
             self.logits_dense_dv = param(rngs, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), wdtype,
                                          fan_in_std(cfg.emb_dim))
-        self.cfg = cfg
+        self.cfg, self.block_cls = cfg, block_cls
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None, packed=False):
         cfg = self.cfg
@@ -76,26 +86,42 @@ class Decoder(nnx.Module):
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
         rate = cfg.dropout_rate if cfg.enable_dropout else 0.0
-        keys = [None] * (cfg.num_decoder_layers + 1)
+        keys = [None] * (self.num_blocks + 1)
         if dropout_key is not None and rate > 0:
-            keys = list(jax.random.split(dropout_key, cfg.num_decoder_layers + 1))
+            keys = list(jax.random.split(dropout_key, self.num_blocks + 1))
 
-        x = self.token_embedder(tokens_bt)
-        x = shard_logically(dropout(x, rate, keys[-1]), ("batch", "length", "act_embed"))
+        x = shard_logically(dropout(self.embed(tokens_bt, positions_bt), rate, keys[-1]),
+                            ("batch", "length", "act_embed"))
         if cfg.scan_layers:
-            x = self._scan_blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed)
+            x, aux = self._scan_blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed)
         else:
-            for i in range(cfg.num_decoder_layers):
+            auxes = []
+            for i in range(self.num_blocks):
                 block = getattr(self, f"layers_{i}")
                 call = remat(lambda blk, h, k: blk(h, positions_bt, segment_ids_bt, k, packed), cfg.remat_policy, False)
-                x = call(block, x, keys[i])
+                x, block_aux = call(block, x, keys[i])
+                auxes.append(block_aux)
+            aux = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)
         x = self.final_norm(x)
         if cfg.logits_via_embedding:
             logits = self.token_embedder.attend(x, cfg.logits_dot_in_fp32)
         else:
             dtype = jnp.float32 if cfg.logits_dot_in_fp32 else cfg.dtype
             logits = jnp.einsum("btd,dv->btv", x.astype(dtype), self.logits_dense_dv[...].astype(dtype))
-        return shard_logically(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
+        logits = soft_cap(logits.astype(jnp.float32), cfg.final_logits_soft_cap)
+        return shard_logically(logits, ("batch", "length", "act_vocab")), aux
+
+    def embed(self, tokens_bt, positions_bt):
+        """Token embeddings, scaled (Gemma) or with position embeddings added (GPT-3)."""
+        x = self.token_embedder(tokens_bt)
+        if self.block_cls.scale_embeddings:
+            x = x * jnp.asarray(self.cfg.emb_dim**0.5, x.dtype)
+        if self.block_cls.absolute_positions:
+            if self.cfg.trainable_position_size:
+                x = x + jnp.take(self.position_embedder_pd[...].astype(x.dtype), positions_bt, axis=0)
+            else:
+                x = x + sinusoidal_positions(positions_bt, self.cfg.emb_dim).astype(x.dtype)
+        return x
 
     def _scan_blocks(self, x, positions_bt, segment_ids_bt, keys, packed):
         graphdef, stacked = nnx.split(self.layers)
@@ -104,11 +130,11 @@ class Decoder(nnx.Module):
         def body(h, layer):
             layer_state, key = layer
             block = nnx.merge(graphdef, layer_state)
-            return block(h, positions_bt, segment_ids_bt, key if use_keys else None, packed), None
+            return block(h, positions_bt, segment_ids_bt, key if use_keys else None, packed)
 
         xs = (stacked, jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32))
-        x, _ = jax.lax.scan(remat(body, self.cfg.remat_policy, True), x, xs)
-        return x
+        x, aux = jax.lax.scan(remat(body, self.cfg.remat_policy, True), x, xs)
+        return x, jax.tree.map(jnp.mean, aux)
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs):

@@ -18,10 +18,11 @@ from jax.ad_checkpoint import checkpoint_name
 from tessera.mesh import shard_logically
 
 
-def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str, ...], dtype, std: float | None):
-    """A parameter with logical axis names; normal(std) init, or ones when std is None."""
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype, std: float | None,
+          fill: float = 1.0):
+    """A parameter with logical axis names; normal(std) init, or the constant `fill` when std is None."""
     if std is None:
-        value = jnp.ones(shape, dtype)
+        value = jnp.full(shape, fill, dtype)
     else:
         value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     return nnx.Param(value, out_sharding=names, eager_sharding=False)
@@ -33,16 +34,36 @@ def fan_in_std(fan_in: int) -> float:
 
 
 class RMSNorm(nnx.Module):
-    """Root-mean-square norm with a learned scale (no bias, no mean subtraction)."""
+    """Root-mean-square norm with a learned scale (no bias, no mean subtraction).
 
-    def __init__(self, dim: int, eps: float, dtype, weight_dtype, rngs: nnx.Rngs):
-        self.scale = param(rngs, (dim,), ("norm",), weight_dtype, None)
-        self.eps, self.dtype = eps, dtype
+    `zero_centered=True` stores the scale as an offset from one (x * (1 + scale), initialized
+    to zero), the layout of Gemma checkpoints, so converted weights are used bit for bit.
+    """
+
+    def __init__(self, dim: int, eps: float, dtype, weight_dtype, rngs: nnx.Rngs, zero_centered: bool = False):
+        self.scale = param(rngs, (dim,), ("norm",), weight_dtype, None, fill=0.0 if zero_centered else 1.0)
+        self.eps, self.dtype, self.zero_centered = eps, dtype, zero_centered
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         x = x_btd.astype(jnp.float32)
         x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
+        scale = self.scale[...].astype(jnp.float32)
+        return (x * (1.0 + scale if self.zero_centered else scale)).astype(self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """Layer norm with a learned scale and bias (mean and variance over the last axis)."""
+
+    def __init__(self, dim: int, eps: float, dtype, weight_dtype, rngs: nnx.Rngs):
+        self.scale = param(rngs, (dim,), ("norm",), weight_dtype, None)
+        self.bias = param(rngs, (dim,), ("norm",), weight_dtype, None, fill=0.0)
+        self.eps, self.dtype = eps, dtype
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        x = x_btd.astype(jnp.float32)
+        centered = x - jnp.mean(x, axis=-1, keepdims=True)
+        x = centered * jax.lax.rsqrt(jnp.mean(centered * centered, axis=-1, keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)).astype(self.dtype)
 
 
 class Embed(nnx.Module):
@@ -102,7 +123,7 @@ def rotary(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -
 
 ACTIVATIONS = {
     "silu": jax.nn.silu,
-    "gelu": jax.nn.gelu,
+    "gelu": jax.nn.gelu,  # the tanh approximation, as GPT-2/3 and Gemma use
     "relu": jax.nn.relu,
     "tanh": jnp.tanh,
     "sigmoid": jax.nn.sigmoid,
@@ -111,23 +132,47 @@ ACTIVATIONS = {
 
 
 class Mlp(nnx.Module):
-    """Feed-forward block: act0(x W0) [* act1(x W1)] W_out. Two activations make it gated."""
+    """Feed-forward block: act0(x W0) [* act1(x W1)] W_out. Two activations make it gated.
 
-    def __init__(self, dim: int, hidden: int, activations: list[str], dtype, weight_dtype, rngs: nnx.Rngs):
+    `use_bias` adds a bias after every projection (GPT-3 style)."""
+
+    def __init__(self, dim: int, hidden: int, activations: list[str], dtype, weight_dtype, rngs: nnx.Rngs,
+                 use_bias: bool = False):
         for i in range(len(activations)):  # wi_0 (gate when two activations), wi_1 (up)
             setattr(self, f"wi_{i}", param(rngs, (dim, hidden), ("embed", "mlp"), weight_dtype, fan_in_std(dim)))
+            if use_bias:
+                setattr(self, f"bi_{i}", param(rngs, (hidden,), ("mlp",), weight_dtype, None, fill=0.0))
         self.wo_fd = param(rngs, (hidden, dim), ("mlp", "embed"), weight_dtype, fan_in_std(hidden))
-        self.activations, self.dtype = tuple(activations), dtype
+        if use_bias:
+            self.bo_d = param(rngs, (dim,), ("norm",), weight_dtype, None, fill=0.0)
+        self.activations, self.dtype, self.use_bias = tuple(activations), dtype, use_bias
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         h_btf = None
         for i, name in enumerate(self.activations):
-            w_df = getattr(self, f"wi_{i}")[...].astype(self.dtype)
-            a = ACTIVATIONS[name](jnp.einsum("btd,df->btf", x_btd, w_df))
+            a = jnp.einsum("btd,df->btf", x_btd, getattr(self, f"wi_{i}")[...].astype(self.dtype))
+            if self.use_bias:
+                a = a + getattr(self, f"bi_{i}")[...].astype(self.dtype)
+            a = ACTIVATIONS[name](a)
             h_btf = a if h_btf is None else h_btf * a
         h_btf = checkpoint_name(shard_logically(h_btf, ("batch", "length", "act_mlp")), "mlpwi")
         out = jnp.einsum("btf,fd->btd", h_btf, self.wo_fd[...].astype(self.dtype))
+        if self.use_bias:
+            out = out + self.bo_d[...].astype(self.dtype)
         return checkpoint_name(out, "mlpwo")
+
+
+def soft_cap(x: jax.Array, cap: float) -> jax.Array:
+    """cap * tanh(x / cap): keeps values in (-cap, cap), near the identity for |x| << cap. 0: off."""
+    return x if not cap else cap * jnp.tanh(x / cap)
+
+
+def sinusoidal_positions(positions_bt: jax.Array, dim: int, max_timescale: float = 10000.0) -> jax.Array:
+    """Fixed position embeddings [B, T, D] (sin on the first half of D, cos on the second)."""
+    half = dim // 2
+    inv_freq = max_timescale ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle_bth = positions_bt[..., None].astype(jnp.float32) * inv_freq
+    return jnp.concatenate([jnp.sin(angle_bth), jnp.cos(angle_bth)], axis=-1)
 
 
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:

@@ -53,12 +53,16 @@ class ParamCounts:
 
 
 def count_params(m: ModelConfig) -> ParamCounts:
+    """Parameter counts of the model `m` describes, equal to the built model's (tested per family)."""
     d, n, k, h = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim
-    attention = d * n * h * 2 + d * k * h * 2
-    expert_mlp = d * m.mlp_dim * (len(m.mlp_activations) + 1)
+    biased, layer_norm = m.decoder_block == "gpt3", m.decoder_block == "gpt3"
+    attention = d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + d if biased else 0)
+    expert_mlp = d * m.mlp_dim * (len(m.mlp_activations) + 1) + ((len(m.mlp_activations) * m.mlp_dim + d) if biased else 0)
     router = d * m.num_experts if m.num_experts > 1 else 0
-    norms = 2 * d
-    embeddings = d * m.vocab_size * (1 if m.logits_via_embedding else 2) + d  # + final norm
+    norm = 2 * d if layer_norm else d
+    norms = norm * (4 if m.decoder_block == "gemma2" else 2)
+    positions = m.trainable_position_size * d if m.decoder_block == "gpt3" else 0
+    embeddings = d * m.vocab_size * (1 if m.logits_via_embedding else 2) + norm + positions  # + final norm
     per_layer = attention + m.num_experts * expert_mlp + router + norms
     active_layer = attention + min(m.num_experts_per_tok, m.num_experts) * expert_mlp + norms
     layers = m.num_decoder_layers

@@ -1,0 +1,73 @@
+"""Gemma and Gemma 2 decoder blocks (`decoder_block=gemma`, `decoder_block=gemma2`).
+
+Gemma (Gemma Team 2024) is the Llama block with: RMSNorm scales stored as an offset from one
+(x * (1 + scale)); token embeddings multiplied by sqrt(emb_dim); GeGLU MLP
+(mlp_activations=["gelu","linear"], tanh-approximated GELU); output logits tied to the
+embedding; multi-query attention in the 2B model and head_dim 256.
+
+Gemma 2 (Gemma Team 2024b) adds: a norm after attention and after the MLP as well as before
+them (four per layer); layers alternating between local sliding-window attention
+(`sliding_window_size`, 4096) and global attention, the local one first; attention scores
+scaled by query_pre_attn_scalar**-0.5 and soft-capped (attn_logits_soft_cap, 50); final
+logits soft-capped (final_logits_soft_cap, 30). One Gemma 2 block holds a local and a global
+layer, so `num_decoder_layers` must be even and a scanned stack scans over pairs.
+
+Where they differ from the references (the Hugging Face `transformers` implementations, which
+the parity tests compare against): the embedding scale is applied in the compute dtype as
+there, but soft-capping makes cuDNN's fused attention inapplicable, so Gemma 2 always runs the
+reference attention kernel; dropout, absent in the references, can be switched on.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from tessera.config import ModelConfig
+from tessera.models.attention import Attention
+from tessera.models.blocks import Block, dropout_keys, dropout_rate, make_norm, residual
+from tessera.models.layers import Mlp
+from tessera.models.llama import LlamaBlock
+
+
+class GemmaBlock(LlamaBlock):
+    """Llama's block with Gemma's norms; the decoder scales the embeddings."""
+
+    norm = "rms_zero_centered"
+    scale_embeddings = True
+
+
+class Gemma2Layer(nnx.Module):
+    """x + post_norm(attention(pre_norm(x))), then x + post_norm(mlp(pre_norm(x)))."""
+
+    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, sliding_window: int):
+        norm = Gemma2Block.norm
+        self.pre_attention_norm = make_norm(norm, cfg, rngs)
+        self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=sliding_window)
+        self.post_attention_norm = make_norm(norm, cfg, rngs)
+        self.pre_mlp_norm = make_norm(norm, cfg, rngs)
+        self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs)
+        self.post_mlp_norm = make_norm(norm, cfg, rngs)
+        self.dropout_rate = dropout_rate(cfg)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, keys, packed: bool):
+        h = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed)
+        x_btd = residual(x_btd, self.post_attention_norm(h), self.dropout_rate, keys[0])
+        h = self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x_btd)))
+        return residual(x_btd, h, self.dropout_rate, keys[1])
+
+
+class Gemma2Block(Block):
+    """A local (sliding-window) layer followed by a global layer."""
+
+    layers_per_block = 2
+    norm = "rms_zero_centered"
+    scale_embeddings = True
+
+    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
+        self.local_layer = Gemma2Layer(cfg, attention_kernel, rngs, cfg.sliding_window_size)
+        self.global_layer = Gemma2Layer(cfg, attention_kernel, rngs, 0)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool):
+        keys = dropout_keys(dropout_key, 4)
+        x_btd = self.local_layer(x_btd, positions_bt, segment_ids_bt, keys[:2], packed)
+        return self.global_layer(x_btd, positions_bt, segment_ids_bt, keys[2:], packed), {}

@@ -1,0 +1,20 @@
+"""`decoder_block` -> block family. Adding a family: a module with its block class (see
+`tessera.models.blocks.Block`), an entry here and in `tessera.config.schema.DECODER_BLOCKS`,
+and model files under configs/models/."""
+
+from __future__ import annotations
+
+from tessera.models.blocks import Block
+from tessera.models.gemma import Gemma2Block, GemmaBlock
+from tessera.models.gpt3 import Gpt3Block
+from tessera.models.llama import LlamaBlock, MistralBlock
+from tessera.models.mixtral import MixtralBlock
+
+BLOCKS: dict[str, type[Block]] = {
+    "llama2": LlamaBlock,
+    "mistral": MistralBlock,
+    "mixtral": MixtralBlock,
+    "gemma": GemmaBlock,
+    "gemma2": Gemma2Block,
+    "gpt3": Gpt3Block,
+}
