@@ -4,43 +4,53 @@
 #   bash setup.sh                  # CPU build of JAX
 #   bash setup.sh DEVICE=gpu       # NVIDIA GPUs (CUDA 12 wheels)
 #   bash setup.sh DEVICE=tpu       # Cloud TPU VMs (libtpu)
+#   bash setup.sh HF_REFERENCE=1   # also the Hugging Face reference env for the parity tests
 #
 # Settings (as KEY=VALUE arguments or environment variables):
 #   DEVICE=cpu|gpu|tpu  which JAX build to install (default cpu)
 #   MODE=stable         released packages from PyPI (the only mode today)
 #   VENV=.venv          where the virtual environment lives
 #   PYTHON=/path/python use this interpreter instead of searching for one (needs >= 3.11)
+#   HF_REFERENCE=0|1    1 also installs requirements-hf.txt (PyTorch CPU + transformers) into
+#                       HF_VENV, a second venv that the parity tests and check_logits call as a
+#                       subprocess (default 0). Prefers Python 3.11, whose PyTorch CPU build is
+#                       on disk on our dev/CI machines; elsewhere set TORCH_INDEX_URL too.
+#   HF_VENV=.venv-hf    where the reference environment lives
+#   TORCH_INDEX_URL=url with HF_REFERENCE=1: install torch from this index first (a CPU wheel
+#                       index avoids a multi-GB CUDA build)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 for arg in "$@"; do
   case "$arg" in
-    DEVICE=*|MODE=*|VENV=*|PYTHON=*) export "$arg" ;;
-    *) echo "setup.sh: unknown argument '$arg' (expected DEVICE=cpu|gpu|tpu, MODE=stable, VENV=dir, PYTHON=path)" >&2; exit 2 ;;
+    DEVICE=*|MODE=*|VENV=*|PYTHON=*|HF_REFERENCE=*|HF_VENV=*|TORCH_INDEX_URL=*) export "$arg" ;;
+    *) echo "setup.sh: unknown argument '$arg' (expected DEVICE=cpu|gpu|tpu, MODE=stable, VENV=dir, PYTHON=path, HF_REFERENCE=0|1, HF_VENV=dir, TORCH_INDEX_URL=url)" >&2; exit 2 ;;
   esac
 done
 DEVICE=${DEVICE:-cpu}
 MODE=${MODE:-stable}
 VENV=${VENV:-.venv}
+HF_REFERENCE=${HF_REFERENCE:-0}
+HF_VENV=${HF_VENV:-.venv-hf}
 case "$DEVICE" in cpu|gpu|tpu) ;; *) echo "setup.sh: DEVICE=$DEVICE is not one of cpu, gpu, tpu" >&2; exit 2 ;; esac
 case "$MODE" in stable) ;; *) echo "setup.sh: MODE=$MODE is not supported; use MODE=stable" >&2; exit 2 ;; esac
+case "$HF_REFERENCE" in 0|1) ;; *) echo "setup.sh: HF_REFERENCE=$HF_REFERENCE is not one of 0, 1" >&2; exit 2 ;; esac
 
 # Print "major.minor" of a working interpreter with venv support, or nothing.
 py_version() {
   "$1" -c 'import sys, venv, ensurepip; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
 }
 
-# Find a Python >= 3.11, preferring 3.12 (the newest JAX releases need it), then 3.13, then 3.11.
+# Find a Python of one of the given versions, in the order given (on PATH and in pyenv).
 find_python() {
-  local candidates=() c v
-  [ -n "${PYTHON:-}" ] && { echo "$PYTHON"; return; }
+  local candidates=() c v want
   for c in python3.12 python3.13 python3.11 python3; do
     command -v "$c" >/dev/null 2>&1 && candidates+=("$(command -v "$c")")
   done
   if command -v pyenv >/dev/null 2>&1; then
     for c in "$(pyenv root)"/versions/3.1[1-3]*/bin/python3; do [ -x "$c" ] && candidates+=("$c"); done
   fi
-  for want in 3.12 3.13 3.11; do
+  for want in "$@"; do
     for c in "${candidates[@]}"; do
       v=$(py_version "$c")
       [ "$v" = "$want" ] && { echo "$c"; return; }
@@ -48,10 +58,51 @@ find_python() {
   done
 }
 
+# The Hugging Face reference environment (HF_REFERENCE=1): PyTorch + transformers in $HF_VENV,
+# its own interpreter, so that torch never has to match the main venv's Python.
+install_hf_reference() {
+  local start=$SECONDS py v hfpip torch_req versions
+  v=$(py_version "$HF_VENV/bin/python")
+  case "$v" in
+    3.11|3.12|3.13) echo "setup.sh: reusing $HF_VENV ($("$HF_VENV/bin/python" --version))" ;;
+    *)
+      # Prefer 3.11: on our dev/CI machines PyTorch's CPU build lies on disk for it.
+      py=$(find_python 3.11 3.12 3.13)
+      if [ -z "$py" ]; then
+        echo "setup.sh: HF_REFERENCE=1 needs a Python 3.11, 3.12 or 3.13 with the venv module; none was found." >&2
+        echo "  Install one (e.g. 'pyenv install 3.11' or 'apt install python3.11-venv') and re-run." >&2
+        exit 1
+      fi
+      v=$(py_version "$py")
+      echo "setup.sh: creating $HF_VENV with $py (Python $v)"
+      rm -rf "$HF_VENV"
+      "$py" -m venv "$HF_VENV"
+      ;;
+  esac
+  if [ "$v" != 3.11 ] && [ -z "${TORCH_INDEX_URL:-}" ]; then
+    echo "setup.sh: note: $HF_VENV uses Python $v; if pip starts downloading a multi-GB CUDA build of torch," \
+      "stop it and set TORCH_INDEX_URL to a CPU wheel index"
+  fi
+  hfpip=("$HF_VENV/bin/python" -m pip --disable-pip-version-check)
+  "${hfpip[@]}" install -q --upgrade pip
+  if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    torch_req=$(sed -n 's/^\(torch[=<>!~][^ #]*\).*/\1/p' requirements-hf.txt)
+    "${hfpip[@]}" install -q --index-url "$TORCH_INDEX_URL" "$torch_req"
+  fi
+  "${hfpip[@]}" install -q -r requirements-hf.txt
+  if ! versions=$("$HF_VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'); then
+    echo "setup.sh: $HF_VENV was installed but 'import torch, transformers' fails (see above)." >&2
+    echo "  Delete it and re-run 'bash setup.sh HF_REFERENCE=1', or point TESSERA_HF_PYTHON at a Python with both." >&2
+    exit 1
+  fi
+  echo "setup.sh: Hugging Face reference ready in $HF_VENV ($versions, $("$HF_VENV/bin/python" --version)); took $((SECONDS - start)) s."
+}
+
 if [ -x "$VENV/bin/python" ] && [ -n "$(py_version "$VENV/bin/python")" ]; then
   echo "setup.sh: reusing $VENV ($("$VENV/bin/python" --version))"
 else
-  PY=$(find_python)
+  # Prefer 3.12 (the newest JAX releases need it), then 3.13, then 3.11.
+  PY=${PYTHON:-$(find_python 3.12 3.13 3.11)}
   if [ -z "$PY" ]; then
     echo "setup.sh: no Python 3.11, 3.12 or 3.13 with the venv module was found." >&2
     echo "  Install Python 3.12 (e.g. 'pyenv install 3.12', 'apt install python3.12-venv' or python.org)" >&2
@@ -80,5 +131,6 @@ esac
 "${PIP[@]}" install -q --no-deps -e .
 
 echo "setup.sh: done (DEVICE=$DEVICE, jax $JAX_VERSION, $("$VENV/bin/python" --version))."
+if [ "$HF_REFERENCE" = 1 ]; then install_hf_reference; fi
 echo "  Train the tiny model:  $VENV/bin/python train.py configs/base.yml run_name=demo"
 echo "  Run the tests:         $VENV/bin/python -m pytest -q tests"

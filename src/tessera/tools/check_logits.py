@@ -1,0 +1,124 @@
+"""Compare Tessera's logits with the Hugging Face implementation's on the same tokens.
+
+    python3 -m tessera.tools.check_logits <hf_dir> <tessera_checkpoint> model_name=<name> [key=value ...]
+        [--tokens 1,2,3,...] [--max-abs-diff 1e-3] [--max-kl 1e-4]
+
+The Hugging Face side runs `transformers` on the CPU in float32, in the reference interpreter
+(`bash setup.sh HF_REFERENCE=1`, or TESSERA_HF_PYTHON); the Tessera side restores the
+checkpoint's parameters (a training step folder or one written by `tools.convert`) and runs
+the model the config describes. Without --tokens, 32 token ids are drawn from the vocabulary
+with a fixed seed. One line per position: max |logit difference| and KL(p_hf || p_tessera) in
+nats. Exit 0 when both stay under their thresholds at every position, 1 when not, 2 on bad
+input.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tessera.config import Config, ConfigError
+from tessera.tools import hf_env
+from tessera.tools.estimate import load_model_config
+from tessera.tools.hf_layouts import config_from_hf
+
+USAGE = ("usage: python3 -m tessera.tools.check_logits <hf_dir> <tessera_checkpoint> model_name=<name> [key=value ...] "
+         "[--tokens 1,2,3] [--max-abs-diff 1e-3] [--max-kl 1e-4]")
+
+
+def tessera_logits(cfg: Config, checkpoint: str, tokens_bt: np.ndarray) -> np.ndarray:
+    """Logits [B, T, V] of the checkpoint's parameters for `tokens_bt`, on one device."""
+    import jax
+
+    from tessera.checkpointing import CheckpointError, load_parameters
+    from tessera.models import build_model
+
+    model = build_model(cfg.model)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), model.param_shapes())
+    try:
+        params = load_parameters(checkpoint, abstract)
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+    return np.asarray(jax.jit(model.apply)(params, tokens_bt))
+
+
+def compare(ours_tv: np.ndarray, ref_tv: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per position: max |difference| and KL(softmax(ref) || softmax(ours)) in nats."""
+    def log_softmax(x):
+        x = x.astype(np.float64)
+        x = x - x.max(axis=-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+    lp_ref, lp_ours = log_softmax(ref_tv), log_softmax(ours_tv)
+    kl = np.sum(np.exp(lp_ref) * (lp_ref - lp_ours), axis=-1)
+    return np.abs(ours_tv.astype(np.float64) - ref_tv).max(axis=-1), kl
+
+
+def _option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
+    if name not in argv:
+        return default, argv
+    i = argv.index(name)
+    if i + 1 >= len(argv):
+        raise ConfigError(f"{name} needs a value")
+    return argv[i + 1], argv[:i] + argv[i + 2:]
+
+
+def _tokens(text: str, vocab: int) -> np.ndarray:
+    if not text:
+        return np.random.default_rng(0).integers(0, vocab, size=(1, 32)).astype(np.int32)
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ConfigError(f"--tokens {text!r} must be comma-separated token ids, e.g. --tokens 1,306,4658") from None
+    if not ids or min(ids) < 0 or max(ids) >= vocab:
+        raise ConfigError(f"--tokens must be 1 or more ids in [0, {vocab}); got {text!r}")
+    return np.asarray([ids], np.int32)
+
+
+def run(argv: list[str]) -> int:
+    tokens_text, argv = _option(argv, "--tokens", "")
+    max_abs, argv = _option(argv, "--max-abs-diff", "1e-3")
+    max_kl, argv = _option(argv, "--max-kl", "1e-4")
+    positional = [a for a in argv if "=" not in a]
+    overrides = [a for a in argv if "=" in a]
+    if len(positional) != 2:
+        print(USAGE, file=sys.stderr)
+        return 2
+    hf_dir, checkpoint = Path(positional[0]), positional[1]
+    if not (hf_dir / "config.json").is_file():
+        raise ConfigError(f"{hf_dir} has no config.json; pass a Hugging Face model folder")
+    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model_name=")), "default")
+    cfg = load_model_config(model, [o for o in overrides if not o.startswith("model_name=")])
+    from tessera.tools.convert import check_same_model
+
+    check_same_model(cfg, json.loads((hf_dir / "config.json").read_text()))
+    tokens = _tokens(tokens_text, cfg.model.vocab_size)
+    ref = hf_env.reference_logits(hf_dir, tokens)
+    ours = tessera_logits(cfg, checkpoint, tokens)
+    diff, kl = compare(ours[0], ref[0])
+    print(f"{'pos':>5} {'token':>8} {'max_abs_diff':>14} {'kl_nats':>12}")
+    for t, (tok, d, k) in enumerate(zip(tokens[0], diff, kl)):
+        print(f"{t:>5} {tok:>8} {d:>14.3e} {k:>12.3e}")
+    ok = bool(diff.max() <= float(max_abs) and kl.max() <= float(max_kl))
+    print(f"max abs diff {diff.max():.3e} (threshold {float(max_abs):g}), max KL {kl.max():.3e} nats "
+          f"(threshold {float(max_kl):g}): {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return run(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except hf_env.ReferenceUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

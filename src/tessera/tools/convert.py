@@ -1,0 +1,155 @@
+"""Convert checkpoints between Hugging Face (config.json + safetensors) and Tessera (Orbax).
+
+    python3 -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=mistral-7b [key=value ...]
+    python3 -m tessera.tools.convert tessera-to-hf <checkpoint> <out_dir> model_name=mistral-7b [key=value ...]
+
+hf-to-tessera reads `config.json` and the safetensors files (one file or a sharded set with
+`model.safetensors.index.json`), checks that the Tessera config describes the same model
+(every differing key is listed with the value to set), and writes an Orbax checkpoint holding
+{"params": ...} in the layout the config asks for (`scan_layers` true or false) and in
+`weight_dtype`. Train from it with `load_parameters_path=<out_dir>`. Memory stays bounded:
+tensors are read one at a time and written into memory-mapped scratch files (deleted at the
+end), so the model is never held in RAM, let alone twice.
+
+tessera-to-hf restores one parameter at a time from a Tessera checkpoint (a training step
+folder or a converted one) and writes safetensors shards of at most `--max-shard-size` bytes
+plus `config.json`. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
+bit, when weight_dtype is the checkpoint's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from tessera.config import Config, ConfigError
+from tessera.tools import hf_checkpoint
+from tessera.tools.estimate import load_model_config
+from tessera.tools.hf_layouts import as_overrides, config_from_hf, layout_for
+
+USAGE = (
+    "usage: python3 -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=<name> [key=value ...]\n"
+    "       python3 -m tessera.tools.convert tessera-to-hf <checkpoint> <out_dir> model_name=<name> [key=value ...]"
+    " [--max-shard-size BYTES]"
+)
+# Hugging Face tensors that are buffers or duplicates, never parameters.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+
+
+def check_same_model(cfg: Config, hf_config: dict) -> None:
+    """ConfigError listing every model key where the config and the checkpoint disagree."""
+    from tessera.config import build_config
+
+    wanted = config_from_hf(hf_config)
+    expected = build_config(wanted).model
+    sized = {"base_emb_dim": "emb_dim", "base_num_query_heads": "num_query_heads", "base_num_kv_heads": "num_kv_heads",
+             "base_mlp_dim": "mlp_dim", "base_num_decoder_layers": "num_decoder_layers"}
+    problems = []
+    for name in wanted:
+        if name == "global_parameter_scale":
+            continue
+        attr = sized.get(name, name)
+        ours, theirs = getattr(cfg.model, attr), getattr(expected, attr)
+        if ours != theirs:
+            problems.append(f"  {attr}: checkpoint {theirs!r}, config {ours!r}  (set {as_overrides({name: wanted[name]})[0]})")
+    if problems:
+        raise ConfigError("the checkpoint's config.json describes another model than the Tessera config:\n"
+                          + "\n".join(problems))
+
+
+def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
+    """Write the Hugging Face checkpoint in `hf_dir` as a Tessera params checkpoint in `out_dir`."""
+    reader = hf_checkpoint.Reader(hf_dir)
+    check_same_model(cfg, reader.config)
+    if out_dir.exists():
+        raise ConfigError(f"{out_dir} already exists; choose a new output folder (nothing was written)")
+    m = cfg.model
+    layout = layout_for(m)
+    targets = hf_checkpoint.param_targets(cfg)  # our path -> ShapeDtypeStruct
+    scratch = out_dir.parent / f".{out_dir.name}.scratch"
+    shutil.rmtree(scratch, ignore_errors=True)
+    arrays = hf_checkpoint.ScratchArrays(scratch, targets)
+    used: set[str] = set()
+    jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
+    try:
+        for rule, prefix, index, fmt in tqdm(jobs, desc="hf-to-tessera", unit="tensor", file=sys.stderr):
+            names = [fmt(n) for n in rule.hf]
+            values = rule.to_ours(*(reader.get(n) for n in names))
+            used.update(names)
+            for path, value in zip(rule.ours, values):
+                arrays.put(prefix + path, index, value)
+        _check_all_used(reader.names, used, m.logits_via_embedding)
+        arrays.check_complete()
+        hf_checkpoint.save_params(out_dir, arrays.tree())
+    finally:
+        arrays.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+    return out_dir
+
+
+def _check_all_used(names, used: set[str], tied: bool) -> None:
+    left = [n for n in names if n not in used and not n.endswith(IGNORED_SUFFIXES)
+            and not (tied and n == "lm_head.weight")]
+    if left:
+        shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        raise ConfigError(f"{len(left)} tensors of the checkpoint have no place in this Tessera model: {shown}; "
+                          "is model_name (or decoder_block) the right family?")
+
+
+def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: int) -> Path:
+    """Write a Tessera checkpoint's parameters as a Hugging Face checkpoint in `out_dir`."""
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise ConfigError(f"{out_dir} is not empty; choose a new output folder (nothing was written)")
+    m = cfg.model
+    layout = layout_for(m)
+    source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
+    writer = hf_checkpoint.ShardWriter(out_dir, max_shard_size)
+    jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
+    for rule, prefix, index, fmt in tqdm(jobs, desc="tessera-to-hf", unit="tensor", file=sys.stderr):
+        values = rule.to_hf(*(source.get(prefix + path, index) for path in rule.ours))
+        for name, value in zip(rule.hf, values):
+            writer.add(fmt(name), value)
+    writer.close()
+    (out_dir / "config.json").write_text(json.dumps(hf_checkpoint.hf_config(m), indent=2) + "\n")
+    return out_dir
+
+
+def main(argv: list[str]) -> int:
+    try:
+        return _run(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(argv: list[str]) -> int:
+    max_shard = 5 * 2**30
+    if "--max-shard-size" in argv:
+        i = argv.index("--max-shard-size")
+        if i + 1 >= len(argv) or not argv[i + 1].isdigit():
+            raise ConfigError("--max-shard-size needs a number of bytes, e.g. --max-shard-size 5000000000")
+        max_shard, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
+    positional = [a for a in argv if "=" not in a]
+    overrides = [a for a in argv if "=" in a]
+    if len(positional) != 3 or positional[0] not in ("hf-to-tessera", "tessera-to-hf"):
+        print(USAGE, file=sys.stderr)
+        return 2
+    command, source, out = positional
+    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model_name=")), "default")
+    cfg = load_model_config(model, [o for o in overrides if not o.startswith("model_name=")])
+    if command == "hf-to-tessera":
+        done = hf_to_tessera(Path(source), Path(out), cfg)
+        print(f"wrote {done} (train from it with load_parameters_path={done})")
+    else:
+        done = tessera_to_hf(source, Path(out), cfg, max_shard)
+        print(f"wrote {done} (config.json and safetensors)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

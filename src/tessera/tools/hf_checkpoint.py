@@ -1,0 +1,238 @@
+"""The file-level pieces of checkpoint conversion (see `tessera.tools.convert`): reading
+Hugging Face safetensors one tensor at a time, filling memory-mapped scratch arrays, restoring
+Tessera parameters one at a time, writing safetensors shards, and writing `config.json`."""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from tessera.config import Config, ConfigError, ModelConfig
+from tessera.tools.hf_layouts import HF_MODEL_TYPES, Layout, Rule
+
+
+class Reader:
+    """Tensors of a Hugging Face checkpoint folder, read lazily by name."""
+
+    def __init__(self, hf_dir: Path):
+        if not (hf_dir / "config.json").is_file():
+            raise ConfigError(f"{hf_dir} has no config.json; pass a Hugging Face model folder "
+                              "(config.json + *.safetensors)")
+        try:
+            self.config = json.loads((hf_dir / "config.json").read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{hf_dir / 'config.json'} is not valid JSON: {e}") from None
+        index = hf_dir / "model.safetensors.index.json"
+        if index.is_file():
+            files = {n: hf_dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+        elif (hf_dir / "model.safetensors").is_file():
+            with safe_open(hf_dir / "model.safetensors", "np") as f:
+                files = {n: hf_dir / "model.safetensors" for n in f.keys()}
+        else:
+            raise ConfigError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json "
+                              "(PyTorch .bin checkpoints are not read; save the model with safe_serialization=True)")
+        missing = sorted({str(p) for p in files.values() if not p.is_file()})
+        if missing:
+            raise ConfigError(f"the checkpoint index names files that do not exist: {', '.join(missing)}")
+        self._files = files
+        self._aliases = {n: n for n in files}
+        if self.config.get("model_type") == "gpt2":  # Hub GPT-2 checkpoints leave out the "transformer." prefix
+            self._aliases.update({f"transformer.{n}": n for n in files if not n.startswith(("transformer.", "lm_head"))})
+        self._open: dict[Path, Any] = {}
+
+    @property
+    def names(self) -> list[str]:
+        actual_to_alias = {v: k for k, v in self._aliases.items()}
+        return [actual_to_alias[n] for n in self._files]
+
+    def get(self, name: str) -> np.ndarray:
+        actual = self._aliases.get(name)
+        if actual is None:
+            raise ConfigError(f"the checkpoint has no tensor {name!r}; is model_name (or decoder_block) right?")
+        path = self._files[actual]
+        if path not in self._open:
+            self._open[path] = safe_open(path, "np")
+        return self._open[path].get_tensor(actual)
+
+
+def param_targets(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
+    """Our parameter path ("layers/attention/wq_dnh") -> its shape and dtype, for `cfg`."""
+    from tessera.models import build_model
+
+    shapes = build_model(cfg.model).param_shapes()
+    flat = jax.tree_util.tree_flatten_with_path(shapes)[0]
+    return {"/".join(str(k.key) for k in path): leaf for path, leaf in flat}
+
+
+def expand(layout: Layout, num_layers: int, scanned: bool) -> list[tuple[Rule, str, int | None, Any]]:
+    """(rule, our path prefix, stacked index, hf-name formatter) jobs, rule by rule over layers."""
+    jobs: list[tuple[Rule, str, int | None, Any]] = [(r, "", None, lambda n: n) for r in layout.model_rules]
+    for rule in layout.layer_rules:
+        for i in range(num_layers):
+            prefix, index = layout.layer_prefix(i, scanned)
+            jobs.append((rule, prefix, index, lambda n, i=i: layout.hf_layer.format(i=i) + n))
+    return jobs
+
+
+def _nest(flat: dict[str, Any]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+class ScratchArrays:
+    """Our parameters as memory-mapped files, filled tensor by tensor (RAM stays bounded)."""
+
+    def __init__(self, scratch: Path, targets: dict[str, jax.ShapeDtypeStruct]):
+        self.scratch, self.targets = scratch, targets
+        self.arrays: dict[str, np.memmap] = {}
+        self.filled: dict[str, int] = {}
+
+    def put(self, path: str, index: int | None, value: np.ndarray) -> None:
+        target = self.targets.get(path)
+        if target is None:
+            raise ConfigError(f"converted tensor {path} has no parameter in this model; is model_name right?")
+        shape = target.shape if index is None else target.shape[1:]
+        if tuple(value.shape) != tuple(shape):
+            raise ConfigError(f"{path}: the checkpoint gives shape {tuple(value.shape)}, the model needs {tuple(shape)}")
+        if path not in self.arrays:
+            self.scratch.mkdir(parents=True, exist_ok=True)
+            self.arrays[path] = np.memmap(self.scratch / f"{len(self.arrays)}.bin", dtype=np.dtype(target.dtype),
+                                          mode="w+", shape=target.shape)
+        dest = self.arrays[path]
+        if index is None:
+            dest[...] = value.astype(dest.dtype)
+        else:
+            dest[index] = value.astype(dest.dtype)
+        self.filled[path] = self.filled.get(path, 0) + (1 if index is not None else target.shape[0] if target.shape else 1)
+
+    def check_complete(self) -> None:
+        missing = [p for p, t in self.targets.items() if self.filled.get(p, 0) < (t.shape[0] if t.shape else 1)]
+        if missing:
+            raise ConfigError(f"the checkpoint left {len(missing)} parameters unset: {', '.join(missing[:8])}")
+
+    def tree(self) -> dict:
+        return _nest(self.arrays)
+
+    def close(self) -> None:
+        for a in self.arrays.values():
+            a.flush()
+        self.arrays.clear()
+
+
+def save_params(out_dir: Path, params: dict) -> None:
+    """An Orbax checkpoint holding {"params": ...}: what load_parameters_path accepts."""
+    ocp.PyTreeCheckpointer().save(out_dir.absolute(), {"params": params})
+
+
+class ParamSource:
+    """Parameters of a Tessera checkpoint, restored one at a time (the last few are kept)."""
+
+    def __init__(self, checkpoint: str, targets: dict[str, jax.ShapeDtypeStruct], keep: int = 4):
+        from tessera.checkpointing import _raise_on_mismatch, _state_item
+
+        self.path, self.targets, self.keep = _state_item(checkpoint), targets, keep
+        self.checkpointer = ocp.PyTreeCheckpointer()
+        saved = self.checkpointer.metadata(self.path)
+        saved = getattr(getattr(saved, "item_metadata", saved), "tree", getattr(saved, "item_metadata", saved))
+        _raise_on_mismatch(self.path, saved, {"params": _nest(targets)}, only_prefix="params/")
+        self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
+
+    def get(self, path: str, index: int | None) -> np.ndarray:
+        if path not in self.cache:
+            item = {"params": _nest({path: self.targets[path]})}
+            args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+            restored = self.checkpointer.restore(self.path, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True))
+            value = restored["params"]
+            for key in path.split("/"):
+                value = value[key]
+            self.cache[path] = np.asarray(value)
+            while len(self.cache) > self.keep:
+                self.cache.popitem(last=False)
+        value = self.cache[path]
+        return value if index is None else value[index]
+
+
+class ShardWriter:
+    """safetensors shards of at most `max_bytes` each, named and indexed as Hugging Face does."""
+
+    def __init__(self, out_dir: Path, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.current: dict[str, np.ndarray] = {}
+        self.size, self.shards, self.weight_map, self.total = 0, [], {}, 0
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        if self.current and self.size + value.nbytes > self.max_bytes:
+            self._flush()
+        self.current[name] = np.ascontiguousarray(value)
+        self.size += value.nbytes
+        self.total += value.nbytes
+
+    def _flush(self) -> None:
+        path = self.out_dir / f".shard-{len(self.shards)}.safetensors"
+        save_file(self.current, path, metadata={"format": "pt"})
+        self.shards.append((path, list(self.current)))
+        self.current, self.size = {}, 0
+
+    def close(self) -> None:
+        if self.current:
+            self._flush()
+        n = len(self.shards)
+        for k, (path, names) in enumerate(self.shards):
+            final = "model.safetensors" if n == 1 else f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(self.out_dir / final)
+            self.weight_map.update({name: final for name in names})
+        if n > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
+            (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def hf_config(m: ModelConfig) -> dict[str, Any]:
+    """A transformers `config.json` for the model `m` describes (inverse of config_from_hf)."""
+    model_type = {v: k for k, v in HF_MODEL_TYPES.items()}[m.decoder_block]
+    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
+            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel"}[model_type]
+    dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
+    if model_type == "gpt2":
+        return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
+                "n_layer": m.num_decoder_layers, "n_inner": m.mlp_dim, "n_positions": m.trainable_position_size,
+                "vocab_size": m.vocab_size, "layer_norm_epsilon": m.normalization_layer_epsilon,
+                "activation_function": "gelu_new", "tie_word_embeddings": True, "torch_dtype": dtype}
+    config = {
+        "architectures": [arch], "model_type": model_type, "hidden_size": m.emb_dim, "intermediate_size": m.mlp_dim,
+        "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
+        "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
+        "rope_theta": float(m.rope_max_timescale), "tie_word_embeddings": m.logits_via_embedding, "torch_dtype": dtype,
+        "max_position_embeddings": max(8192, m.rope_original_max_position), "hidden_act": m.mlp_activations[0],
+    }
+    if m.rope_scaling == "llama3":
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
+                                  "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                                  "original_max_position_embeddings": m.rope_original_max_position}
+    if model_type in ("gemma", "gemma2"):
+        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    if model_type in ("mistral", "mixtral", "gemma2"):
+        config["sliding_window"] = m.sliding_window_size or None
+    if model_type == "mixtral":
+        config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok)
+    if model_type == "gemma2":
+        config.update(query_pre_attn_scalar=int(m.query_pre_attn_scalar or m.head_dim),
+                      attn_logit_softcapping=m.attn_logits_soft_cap or None,
+                      final_logit_softcapping=m.final_logits_soft_cap or None)
+    return config
+

@@ -1,0 +1,122 @@
+"""The Hugging Face reference interpreter, seen from the main venv.
+
+PyTorch and transformers live in their own interpreter (`bash setup.sh HF_REFERENCE=1` makes
+.venv-hf; requirements-hf.txt lists it), so the parity tests and check_logits call
+`hf_reference.py` as a subprocess and exchange .npz files. This module imports only the
+standard library and numpy: importing it never needs torch.
+
+    python = reference_python()          # None when no reference is installed
+    make_tiny("llama3", tmp / "llama3")  # a tiny random HF checkpoint
+    logits_btv = reference_logits(tmp / "llama3", input_ids_bt, attention_mask_bt)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+SCRIPT = Path(__file__).resolve().with_name("hf_reference.py")
+HF_VENV = ".venv-hf"
+ENV_PYTHON = "TESSERA_HF_PYTHON"
+
+
+class ReferenceUnavailable(RuntimeError):
+    """No interpreter with torch and transformers was found."""
+
+    def __init__(self, detail: str = "no Python with torch and transformers was found"):
+        super().__init__(
+            f"Hugging Face reference unavailable: {detail}. Install it with "
+            f"`bash setup.sh HF_REFERENCE=1` (creates {HF_VENV}/ beside setup.sh), or set "
+            f"{ENV_PYTHON}=/path/to/python of an interpreter with torch and transformers.")
+
+
+def _repo_roots() -> list[Path]:
+    """Folders holding setup.sh: above this file (a source checkout), then the working dir."""
+    starts = [SCRIPT.parent, Path.cwd()]
+    roots = []
+    for start in starts:
+        for folder in (start, *start.parents):
+            if (folder / "setup.sh").is_file() and folder not in roots:
+                roots.append(folder)
+                break
+    return roots
+
+
+def reference_python() -> str | None:
+    """The interpreter that has torch and transformers, or None.
+
+    Order: $TESSERA_HF_PYTHON (must exist), <repo>/.venv-hf/bin/python, this interpreter if
+    it can import both.
+    """
+    configured = os.environ.get(ENV_PYTHON)
+    if configured:
+        if not Path(configured).exists():
+            raise ReferenceUnavailable(f"{ENV_PYTHON}={configured} does not exist")
+        return configured
+    for root in _repo_roots():
+        python = root / HF_VENV / "bin" / "python"
+        if python.exists():
+            return str(python)
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+        return sys.executable
+    return None
+
+
+def run_reference(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Runs `hf_reference.py *args` in the reference interpreter; raises with its stderr tail."""
+    python = reference_python()
+    if python is None:
+        raise ReferenceUnavailable()
+    cmd = [python, str(SCRIPT), *map(str, args)]
+    # The reference interpreter must not see the main venv's paths; it never needs a hub.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"Hugging Face reference timed out after {timeout:.0f} s: {' '.join(cmd)}") from e
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-30:])
+        raise RuntimeError(
+            f"Hugging Face reference failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+    return proc
+
+
+def make_tiny(family: str, out_dir: str | Path, seed: int = 0,
+              max_shard_size: str | None = None) -> Path:
+    """Saves a tiny random float32 HF checkpoint of `family` (llama2, llama3, mistral, mixtral,
+    gemma, gemma2, gpt2) to `out_dir`; a small `max_shard_size` ("20KB") shards it."""
+    args = ["tiny", family, str(out_dir), "--seed", str(seed)]
+    if max_shard_size:
+        args += ["--max-shard-size", max_shard_size]
+    run_reference(*args)
+    return Path(out_dir)
+
+
+def reference_outputs(hf_dir: str | Path, input_ids, attention_mask=None,
+                      position_ids=None) -> dict[str, np.ndarray]:
+    """All arrays the reference returns: `logits` [B, T, V] float32, and for MoE models
+    `router_logits` [layers, B*T, E]. Inputs are [B, T] integer arrays."""
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    with tempfile.TemporaryDirectory(prefix="tessera-hf-") as tmp:
+        in_npz, out_npz = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
+        np.savez(in_npz, **{k: np.asarray(v, np.int64) for k, v in inputs.items() if v is not None})
+        run_reference("logits", str(hf_dir), str(in_npz), str(out_npz))
+        with np.load(out_npz) as out:
+            return {k: out[k] for k in out.files}
+
+
+def reference_logits(hf_dir: str | Path, input_ids, attention_mask=None,
+                     position_ids=None) -> np.ndarray:
+    """Logits [B, T, V] float32 of the HF checkpoint in `hf_dir` (eager attention, no cache).
+
+    input_ids, attention_mask, position_ids: [B, T]. Without position_ids every row uses
+    0..T-1 whatever the padding; logits at padded positions carry no meaning.
+    """
+    return reference_outputs(hf_dir, input_ids, attention_mask, position_ids)["logits"]

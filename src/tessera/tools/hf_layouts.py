@@ -1,0 +1,220 @@
+"""How Hugging Face checkpoints map onto Tessera's parameters and config keys, per family.
+
+`config_from_hf(hf_config)` turns a `config.json` into Tessera model keys; `layout_for(cfg)`
+gives the tensor rules of a family. A `Rule` links one or more Hugging Face tensors to one or
+more Tessera parameters with a function each way; both directions are exact (transposes,
+reshapes and stacking only), so a round trip gives the same bytes.
+
+Tessera paths are written relative to the model ("token_embedder/table_vd") or, for layer
+rules, relative to one decoder layer ("attention/wq_dnh"); `layer_prefix` places a layer in
+the parameter tree (a scanned stack, unscanned `layers_<b>`, and Gemma 2's local/global pairs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Callable
+
+import numpy as np
+
+from tessera.config import ConfigError, ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    ours: tuple[str, ...]  # Tessera parameter paths
+    hf: tuple[str, ...]  # Hugging Face tensor names ({i}: layer index)
+    to_ours: Callable[..., tuple[np.ndarray, ...]]  # hf arrays -> ours arrays
+    to_hf: Callable[..., tuple[np.ndarray, ...]]  # ours arrays -> hf arrays
+
+
+def same(ours: str, hf: str) -> Rule:
+    return Rule((ours,), (hf,), lambda a: (a,), lambda a: (a,))
+
+
+def linear(ours: str, hf: str, shape: tuple[int, ...]) -> Rule:
+    """A torch Linear weight [out, in] <-> ours [in, ...] = weight.T reshaped to `shape`."""
+    return Rule((ours,), (hf,), lambda w: (np.ascontiguousarray(w.T).reshape(shape),),
+                lambda w: (np.ascontiguousarray(w.reshape(shape[0], -1).T),))
+
+
+def linear_out(ours: str, hf: str, shape: tuple[int, ...]) -> Rule:
+    """An output projection [out, in...] whose inputs are several of our axes (heads, head_dim)."""
+    return Rule((ours,), (hf,), lambda w: (np.ascontiguousarray(w.T).reshape(shape),),
+                lambda w: (np.ascontiguousarray(w.reshape(-1, shape[-1]).T),))
+
+
+def reshaped(ours: str, hf: str, shape: tuple[int, ...], hf_shape: tuple[int, ...]) -> Rule:
+    """Same element order, other shape (GPT-2's Conv1D weights are already [in, out])."""
+    return Rule((ours,), (hf,), lambda w: (w.reshape(shape),), lambda w: (w.reshape(hf_shape),))
+
+
+def experts(ours: str, hf: str, m: ModelConfig, shape: tuple[int, int]) -> Rule:
+    """E per-expert torch Linear weights [out, in] <-> ours [E, in, out]."""
+    names = tuple(hf.replace("{e}", str(e)) for e in range(m.num_experts))
+    return Rule((ours,), names, lambda *ws: (np.stack([np.ascontiguousarray(w.T) for w in ws]),),
+                lambda w: tuple(np.ascontiguousarray(x.T) for x in w))
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    model_rules: list[Rule]
+    layer_rules: list[Rule]
+    hf_layer: str  # prefix of layer i's tensors, e.g. "model.layers.{i}."
+    layers_per_block: int = 1
+
+    def layer_prefix(self, i: int, scanned: bool) -> tuple[str, int | None]:
+        """(our path prefix, index in the stacked axis or None) of Hugging Face layer i."""
+        block, sub = divmod(i, self.layers_per_block)
+        inner = ("local_layer/", "global_layer/")[sub] if self.layers_per_block == 2 else ""
+        return ("layers/" + inner, block) if scanned else (f"layers_{block}/" + inner, None)
+
+
+def _llama_like(m: ModelConfig, family: str) -> Layout:
+    d, n, k, h, f = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+    model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
+    if not m.logits_via_embedding:
+        model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
+    layer = [
+        linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h)),
+        linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h)),
+        linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h)),
+        linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
+        same("pre_attention_norm/scale", "input_layernorm.weight"),
+    ]
+    if family == "mixtral":
+        layer += [
+            linear("mlp/router_de", "block_sparse_moe.gate.weight", (d, m.num_experts)),
+            experts("mlp/wi_0", "block_sparse_moe.experts.{e}.w1.weight", m, (d, f)),
+            experts("mlp/wi_1", "block_sparse_moe.experts.{e}.w3.weight", m, (d, f)),
+            experts("mlp/wo_efd", "block_sparse_moe.experts.{e}.w2.weight", m, (f, d)),
+        ]
+    else:
+        layer += [linear("mlp/wi_0", "mlp.gate_proj.weight", (d, f)), linear("mlp/wi_1", "mlp.up_proj.weight", (d, f)),
+                  linear("mlp/wo_fd", "mlp.down_proj.weight", (f, d))]
+    if family == "gemma2":
+        layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
+                  same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"),
+                  same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
+    else:
+        layer.append(same("pre_mlp_norm/scale", "post_attention_layernorm.weight"))
+    return Layout(model, layer, "model.layers.{i}.", 2 if family == "gemma2" else 1)
+
+
+def _gpt2(m: ModelConfig) -> Layout:
+    d, n, h, f = m.emb_dim, m.num_query_heads, m.head_dim, m.mlp_dim
+    model = [same("token_embedder/table_vd", "transformer.wte.weight"),
+             same("final_norm/scale", "transformer.ln_f.weight"), same("final_norm/bias", "transformer.ln_f.bias")]
+    if m.trainable_position_size:
+        model.append(same("position_embedder_pd", "transformer.wpe.weight"))
+    if m.fused_qkv:
+        qkv = [reshaped("attention/wqkv_dcnh", "attn.c_attn.weight", (d, 3, n, h), (d, 3 * n * h)),
+               reshaped("attention/bqkv_cnh", "attn.c_attn.bias", (3, n, h), (3 * n * h,))]
+    else:
+        names_w = ("attention/wq_dnh", "attention/wk_dkh", "attention/wv_dkh")
+        names_b = ("attention/bq_nh", "attention/bk_kh", "attention/bv_kh")
+        qkv = [Rule(names_w, ("attn.c_attn.weight",), lambda w: tuple(w.reshape(d, 3, n, h)[:, j] for j in range(3)),
+                    lambda *ws: (np.stack(ws, axis=1).reshape(d, 3 * n * h),)),
+               Rule(names_b, ("attn.c_attn.bias",), lambda b: tuple(b.reshape(3, n, h)),
+                    lambda *bs: (np.stack(bs).reshape(-1),))]
+    layer = qkv + [
+        reshaped("attention/wo_nhd", "attn.c_proj.weight", (n, h, d), (n * h, d)),
+        same("attention/bo_d", "attn.c_proj.bias"),
+        same("pre_attention_norm/scale", "ln_1.weight"), same("pre_attention_norm/bias", "ln_1.bias"),
+        same("pre_mlp_norm/scale", "ln_2.weight"), same("pre_mlp_norm/bias", "ln_2.bias"),
+        same("mlp/wi_0", "mlp.c_fc.weight"), same("mlp/bi_0", "mlp.c_fc.bias"),
+        same("mlp/wo_fd", "mlp.c_proj.weight"), same("mlp/bo_d", "mlp.c_proj.bias"),
+    ]
+    return Layout(model, layer, "transformer.h.{i}.")
+
+
+def layout_for(m: ModelConfig) -> Layout:
+    """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
+    if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2"):
+        return _llama_like(m, m.decoder_block)
+    if m.decoder_block == "gpt3":
+        return _gpt2(m)
+    raise ConfigError(f"decoder_block={m.decoder_block} has no Hugging Face layout")
+
+
+# --------------------------------------------------------------------------- config.json
+
+HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
+                  "gpt2": "gpt3"}
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+
+def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Tessera model keys (global_parameter_scale=1) describing the model of a config.json."""
+    kind = hf.get("model_type")
+    if kind not in HF_MODEL_TYPES:
+        raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+    if kind == "gpt2":
+        return _gpt2_keys(hf)
+    heads = hf["num_attention_heads"]
+    keys = {
+        "decoder_block": HF_MODEL_TYPES[kind], "global_parameter_scale": 1, "base_emb_dim": hf["hidden_size"],
+        "base_num_query_heads": heads, "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "base_mlp_dim": hf["intermediate_size"],
+        "base_num_decoder_layers": hf["num_hidden_layers"], "vocab_size": hf["vocab_size"],
+        "normalization_layer_epsilon": hf["rms_norm_eps"], "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
+        "mlp_activations": [_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"), "linear"],
+        "sliding_window_size": hf.get("sliding_window") or 0, **_rope_keys(hf),
+    }
+    if kind == "gemma":
+        keys["mlp_activations"] = ["gelu", "linear"]  # transformers' Gemma always uses the tanh GELU
+    if kind == "mixtral":
+        keys.update(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"])
+    if kind == "gemma2":
+        keys.update(query_pre_attn_scalar=hf.get("query_pre_attn_scalar") or 0,
+                    attn_logits_soft_cap=hf.get("attn_logit_softcapping") or 0.0,
+                    final_logits_soft_cap=hf.get("final_logit_softcapping") or 0.0)
+    return keys
+
+
+def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    d, heads = hf["n_embd"], hf["n_head"]
+    return {
+        "decoder_block": "gpt3", "global_parameter_scale": 1, "base_emb_dim": d, "base_num_query_heads": heads,
+        "base_num_kv_heads": heads, "head_dim": d // heads, "base_mlp_dim": hf.get("n_inner") or 4 * d,
+        "base_num_decoder_layers": hf["n_layer"], "vocab_size": hf["vocab_size"],
+        "normalization_layer_epsilon": hf["layer_norm_epsilon"], "logits_via_embedding": True,
+        "mlp_activations": [_activation(hf.get("activation_function", "gelu_new"))],
+        "trainable_position_size": hf["n_positions"],
+    }
+
+
+def _activation(name: str) -> str:
+    if name in GELU_TANH:
+        return "gelu"
+    if name in ("silu", "swish", "relu"):
+        return "relu" if name == "relu" else "silu"
+    raise ConfigError(f"activation {name!r} of this checkpoint has no Tessera equivalent (we have silu, relu and the "
+                      "tanh-approximated gelu)")
+
+
+def _rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params:  # per-layer-type parameters; all layer types share them in these families
+        params = params["full_attention"]
+    scaling = hf.get("rope_scaling") or params
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    keys: dict[str, Any] = {"rope_max_timescale": int(theta), "rope_scaling": "none"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "llama3":
+        keys.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
+                    rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                    rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                    rope_original_max_position=int(scaling["original_max_position_embeddings"]))
+    elif rope_type != "default":
+        raise ConfigError(f"rope scaling type {rope_type!r} of this checkpoint is not supported (default and llama3 are)")
+    return keys
+
+
+def as_overrides(keys: dict[str, Any]) -> list[str]:
+    """`key=value` arguments (as on a command line) for config_from_hf's keys."""
+    def text(v):
+        return json.dumps(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
+
+    return [f"{k}={text(v)}" for k, v in keys.items()]

@@ -1,0 +1,208 @@
+"""Hugging Face reference side of the parity checks: tiny random checkpoints and their logits.
+
+Run BY THE REFERENCE INTERPRETER (.venv-hf, see requirements-hf.txt), never imported by
+Tessera: it imports only the standard library, numpy, torch, transformers and safetensors.
+It lives in the package only so that it ships with it; `tessera.tools.hf_env` calls it.
+
+    python hf_reference.py tiny FAMILY OUT_DIR [--seed N] [--max-shard-size 20KB]
+    python hf_reference.py logits HF_DIR IN_NPZ OUT_NPZ
+    python hf_reference.py info HF_DIR
+
+`tiny` writes a plain Hugging Face checkpoint (config.json + safetensors, sharded with an
+index when --max-shard-size is small) of a float32 model with small, unequal sizes (hidden 24,
+4 query heads of head_dim 8, 2 kv heads, MLP 40, vocab 97) so that mixed-up dimensions fail,
+and weights of std ~0.2 plus seeded noise on every parameter (norm scales and biases too) so
+that differences are not hidden by near-zero activations.
+
+`logits` reads `input_ids` [B, T] and optional `attention_mask` / `position_ids` [B, T] from
+IN_NPZ and writes `logits` float32 [B, T, V] (and, for MoE models, `router_logits`
+[layers, B*T, E]) to OUT_NPZ. It runs eager attention in eval mode without a KV cache. Without
+a cache, transformers treats `position_ids` that restart (and no attention_mask) as packed
+sequences and masks across them; when position_ids is omitted it uses 0..T-1 for every row,
+whatever the padding. Logits at padded positions are not meaningful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # local folders only; read when the hub is imported
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+# Shared tiny sizes: small and pairwise different, with head_dim * heads != hidden.
+VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, MAX_POS = 97, 24, 4, 2, 8, 40, 2, 64
+INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
+NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
+SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
+FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2")
+
+
+def _decoder_kwargs(**overrides) -> dict:
+    """Llama-style config keys shared by the RoPE families."""
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS, rms_norm_eps=1e-5, initializer_range=INIT_STD,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    kwargs.update(overrides)
+    return kwargs
+
+
+def _llama3_rope() -> dict:
+    # head_dim 8 at theta 500000 has wavelengths 6.3, 167, 4443 and 1.2e5 tokens. With an
+    # original context of 256 (high-freq cut 256/4 = 64, low-freq cut 256/1 = 256) they hit
+    # all three llama3 branches: kept, smoothed, divided by the factor.
+    return {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+
+
+def _config(family: str):
+    """Returns (model class, config) of one tiny family."""
+    t = transformers
+    if family == "llama2":
+        return t.LlamaForCausalLM, t.LlamaConfig(**_decoder_kwargs())
+    if family == "llama3":
+        # max_position_embeddings must exceed the original context (transformers warns otherwise)
+        return t.LlamaForCausalLM, t.LlamaConfig(
+            **_decoder_kwargs(rope_parameters=_llama3_rope(), max_position_embeddings=512))
+    if family == "mistral":
+        return t.MistralForCausalLM, t.MistralConfig(**_decoder_kwargs(sliding_window=SLIDING_WINDOW))
+    if family == "mixtral":
+        return t.MixtralForCausalLM, t.MixtralConfig(**_decoder_kwargs(
+            sliding_window=None, num_local_experts=4, num_experts_per_tok=2))
+    if family == "gemma":
+        # Gemma reads `hidden_act`, Gemma 2 `hidden_activation` (transformers 5.23)
+        return t.GemmaForCausalLM, t.GemmaConfig(**_decoder_kwargs(
+            hidden_act="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True))
+    if family == "gemma2":
+        return t.Gemma2ForCausalLM, t.Gemma2Config(**_decoder_kwargs(
+            num_hidden_layers=4, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
+            tie_word_embeddings=True, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
+            attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    if family == "gpt2":
+        return t.GPT2LMHeadModel, t.GPT2Config(
+            vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+            n_inner=MLP, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+            initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+
+
+def _shard_index(out_dir: Path) -> Path:
+    return out_dir / "model.safetensors.index.json"
+
+
+def make_tiny(family: str, out_dir: Path, seed: int, max_shard_size: str | None) -> None:
+    """Builds the tiny random float32 model of `family` and saves it to `out_dir`."""
+    torch.manual_seed(seed)
+    model_cls, config = _config(family)
+    model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32).eval()
+    noise = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():  # tied weights appear once
+            param.add_(NOISE_STD * torch.randn(param.shape, generator=noise, dtype=param.dtype))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)
+    if max_shard_size:
+        from transformers.utils.hub import convert_file_size_to_int
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        if total > convert_file_size_to_int(max_shard_size) and not _shard_index(out_dir).exists():
+            raise RuntimeError(f"{family}: {total} bytes of parameters with max_shard_size={max_shard_size} "
+                               f"but save_pretrained wrote no {_shard_index(out_dir).name} in {out_dir}")
+    files = sorted(p.name for p in out_dir.glob("*.safetensors"))
+    print(f"{family}: {model_cls.__name__}, {sum(p.numel() for p in model.parameters())} parameters, "
+          f"{len(files)} safetensors file(s) in {out_dir}")
+
+
+def _check_checkpoint(hf_dir: Path) -> None:
+    if not (hf_dir / "config.json").is_file():
+        raise SystemExit(f"{hf_dir} has no config.json: not a Hugging Face checkpoint folder "
+                         f"(make one with: hf_reference.py tiny FAMILY {hf_dir})")
+
+
+def reference_logits(hf_dir: Path, in_npz: Path, out_npz: Path) -> None:
+    """Runs the checkpoint in `hf_dir` on the inputs of `in_npz`; writes logits to `out_npz`."""
+    _check_checkpoint(hf_dir)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        hf_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    with np.load(in_npz) as inputs:
+        kwargs = {key: torch.from_numpy(inputs[key].astype(np.int64))
+                  for key in ("input_ids", "attention_mask", "position_ids") if key in inputs}
+    if "input_ids" not in kwargs:
+        raise ValueError(f"{in_npz} has no input_ids (keys: {sorted(np.load(in_npz).keys())})")
+    is_moe = getattr(model.config, "num_local_experts", None) is not None
+    if is_moe:
+        kwargs["output_router_logits"] = True
+    with torch.no_grad():
+        out = model(**kwargs, use_cache=False)
+    arrays = {"logits": out.logits.float().numpy()}
+    if is_moe and getattr(out, "router_logits", None):
+        arrays["router_logits"] = torch.stack([r.float() for r in out.router_logits]).numpy()
+    np.savez(out_npz, **arrays)
+    print(", ".join(f"{k} {v.shape}" for k, v in arrays.items()))
+
+
+def checkpoint_tensors(hf_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Tensor name -> (shape, dtype) as stored in the safetensors files of `hf_dir`."""
+    from safetensors import safe_open
+    index = _shard_index(hf_dir)
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    tensors = {}
+    for name in files:
+        with safe_open(hf_dir / name, framework="np") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                tensors[key] = (tuple(sl.get_shape()), sl.get_dtype())
+    return tensors
+
+
+def info(hf_dir: Path) -> None:
+    """Prints model_type and the checkpoint's tensor names with shapes."""
+    _check_checkpoint(hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    print(f"model_type: {config.get('model_type')}  architectures: {config.get('architectures')}")
+    for key, (shape, dtype) in sorted(checkpoint_tensors(hf_dir).items()):
+        print(f"  {key:60s} {list(shape)} {dtype}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("tiny", help="save a tiny random checkpoint of one family")
+    p.add_argument("family", choices=FAMILIES)
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-shard-size", default=None, help='e.g. "20KB" for a sharded checkpoint')
+    p = sub.add_parser("logits", help="logits of a checkpoint on input_ids from an .npz")
+    p.add_argument("hf_dir", type=Path)
+    p.add_argument("in_npz", type=Path)
+    p.add_argument("out_npz", type=Path)
+    p = sub.add_parser("info", help="model_type and tensor names/shapes of a checkpoint")
+    p.add_argument("hf_dir", type=Path)
+    args = parser.parse_args(argv)
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    if args.command == "tiny":
+        make_tiny(args.family, args.out_dir, args.seed, args.max_shard_size)
+    elif args.command == "logits":
+        reference_logits(args.hf_dir, args.in_npz, args.out_npz)
+    else:
+        info(args.hf_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Hugging Face checkpoints: conversion both ways, and our logits against `transformers`.
+
+Tiny random models are built and run by the transformers implementation in the reference
+interpreter (`bash setup.sh HF_REFERENCE=1`; see tessera.tools.hf_env). Without it these
+tests skip, except in CI (CI or TESSERA_REQUIRE_HF_REFERENCE set), where they fail.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from conftest import REPO
+
+from tessera.checkpointing import load_parameters
+from tessera.models import build_model
+from tessera.tools import hf_env
+from tessera.tools.check_logits import compare
+from tessera.tools.convert import hf_to_tessera, tessera_to_hf
+from tessera.tools.estimate import load_model_config
+from tessera.tools.hf_checkpoint import Reader, hf_config
+from tessera.tools.hf_layouts import as_overrides, config_from_hf
+
+ATOL = 1e-4  # float32 on both sides; measured differences are ~4e-6 on logits of magnitude ~5
+
+
+def _require_reference():
+    if hf_env.reference_python() is None:
+        if os.environ.get("CI") or os.environ.get("TESSERA_REQUIRE_HF_REFERENCE"):
+            pytest.fail(str(hf_env.ReferenceUnavailable()))
+        pytest.skip(str(hf_env.ReferenceUnavailable()))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    """family -> a tiny random HF checkpoint folder (sharded into several files), built once."""
+    _require_reference()
+    made = {}
+
+    def get(family, seed=0):
+        if (family, seed) not in made:
+            out = tmp_path_factory.mktemp(f"hf_{family}_{seed}")
+            made[family, seed] = hf_env.make_tiny(family, out / "model", seed=seed, max_shard_size="20KB")
+        return made[family, seed]
+
+    return get
+
+
+def _config(hf_dir, *extra):
+    keys = config_from_hf(json.loads((hf_dir / "config.json").read_text()))
+    return load_model_config("default", [*as_overrides(keys), "attention=dot_product", *extra])
+
+
+def _restore(cfg, path):
+    model = build_model(cfg.model)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), model.param_shapes())
+    return model, load_parameters(str(path), abstract)
+
+
+def _padded_batch(vocab):
+    tokens = np.random.default_rng(0).integers(3, vocab, size=(2, 9)).astype(np.int32)
+    mask = np.ones((2, 9), np.int32)
+    mask[1, 6:] = 0  # the second row ends in 3 padding tokens
+    return tokens, mask
+
+
+CASES = {
+    "llama2": ("llama2", ()),
+    "llama2-unscanned": ("llama2", ("scan_layers=false",)),
+    "llama3-rope-scaling": ("llama3", ()),
+    "mistral-sliding-window": ("mistral", ()),
+    "mixtral-dropless": ("mixtral", ("sparse_matmul=true",)),
+    "mixtral-capacity": ("mixtral", ("capacity_factor=-1",)),
+    "gemma": ("gemma", ()),
+    "gemma2": ("gemma2", ()),
+    "gemma2-unscanned": ("gemma2", ("scan_layers=false",)),
+    "gpt2-fused-qkv": ("gpt2", ("fused_qkv=true",)),
+    "gpt2-unfused-unscanned": ("gpt2", ("fused_qkv=false", "scan_layers=false")),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(case, hf_model, tmp_path):
+    family, extra = CASES[case]
+    hf_dir = hf_model(family)
+    cfg = _config(hf_dir, *extra)
+    hf_to_tessera(hf_dir, tmp_path / "converted", cfg)
+    model, params = _restore(cfg, tmp_path / "converted")
+    tokens, mask = _padded_batch(cfg.model.vocab_size)
+    ours = np.asarray(model.apply(params, tokens, None, mask))  # padding: segment id 0
+    ref = hf_env.reference_logits(hf_dir, tokens, mask)
+    real = mask.astype(bool)
+    assert np.abs(ref[real]).max() > 1.0  # logits big enough for the tolerance to mean something
+    np.testing.assert_allclose(ours[real], ref[real], rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize("family,extra", [("llama3", ("scan_layers=true",)), ("gemma2", ("scan_layers=false",)),
+                                          ("mixtral", ()), ("gpt2", ("fused_qkv=false",))])
+def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
+    hf_dir = hf_model(family)
+    cfg = _config(hf_dir, *extra)
+    hf_to_tessera(hf_dir, tmp_path / "tessera", cfg)
+    tessera_to_hf(str(tmp_path / "tessera"), tmp_path / "back", cfg, max_shard_size=30_000)
+    original, back = Reader(hf_dir), Reader(tmp_path / "back")
+    assert sorted(back.names) == sorted(n for n in original.names if n != "lm_head.weight" or not cfg.model.logits_via_embedding)
+    assert len(list((tmp_path / "back").glob("model-*-of-*.safetensors"))) > 1  # sharded, with an index
+    for name in back.names:
+        a, b = original.get(name), back.get(name)
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
+    # the written config.json describes the same model, and transformers loads what we wrote
+    assert config_from_hf(json.loads((tmp_path / "back" / "config.json").read_text())) == config_from_hf(original.config)
+    if family not in ("gemma2", "mixtral"):  # the two richest configs; each check costs two reference runs
+        return
+    tokens, _ = _padded_batch(cfg.model.vocab_size)
+    np.testing.assert_array_equal(hf_env.reference_logits(tmp_path / "back", tokens),
+                                  hf_env.reference_logits(hf_dir, tokens))
+
+
+def test_hf_config_round_trips_every_model_file():
+    for name in ("llama2-7b", "llama3.1-8b", "mistral-7b", "mixtral-8x7b", "gemma-7b", "gemma2-9b", "gemma2-27b"):
+        m = load_model_config(name, []).model
+        keys = config_from_hf(hf_config(m))
+        rebuilt = load_model_config("default", as_overrides(keys)).model
+        for key in keys:
+            if key != "global_parameter_scale" and not key.startswith("base_"):
+                assert getattr(rebuilt, key) == getattr(m, key), (name, key)
+        assert (rebuilt.emb_dim, rebuilt.num_decoder_layers, rebuilt.mlp_dim) == (m.emb_dim, m.num_decoder_layers,
+                                                                                  m.mlp_dim)
+
+
+def _cli(*args, timeout=300):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+
+
+def test_convert_cli_then_train_and_check_logits(hf_model, tmp_path):
+    hf_dir = hf_model("mistral")
+    keys = as_overrides(config_from_hf(json.loads((hf_dir / "config.json").read_text())))
+    out = tmp_path / "ckpt"
+    proc = _cli("-m", "tessera.tools.convert", "hf-to-tessera", str(hf_dir), str(out), *keys)
+    assert proc.returncode == 0, proc.stderr
+    assert f"load_parameters_path={out}" in proc.stdout
+    # the trainer starts from it
+    train = _cli("train.py", "configs/base.yml", *keys, f"load_parameters_path={out}", "steps=1", "max_target_length=16",
+                 "per_device_batch_size=1", f"base_output_directory={tmp_path}", "run_name=from_hf",
+                 "enable_checkpointing=false", "enable_tensorboard=false")
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert "loaded parameters" in (train.stdout + train.stderr).lower()
+    # the logits checker passes on the converted model ...
+    check = _cli("-m", "tessera.tools.check_logits", str(hf_dir), str(out), *keys, "--tokens", "5,17,3,88,42,9,61")
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "PASS" in check.stdout and check.stdout.count("e-") >= 14  # 7 positions x (diff, KL)
+    # ... and fails against another model's weights (same shapes, other seed)
+    other = hf_model("mistral", seed=1)
+    other_out = tmp_path / "other"
+    hf_to_tessera(other, other_out, _config(other))
+    check = _cli("-m", "tessera.tools.check_logits", str(hf_dir), str(other_out), *keys, "--tokens", "5,17,3")
+    assert check.returncode == 1 and "FAIL" in check.stdout
+
+
+def test_convert_refuses_a_mismatched_config_and_keeps_outputs(hf_model, tmp_path):
+    hf_dir = hf_model("gemma")
+    proc = _cli("-m", "tessera.tools.convert", "hf-to-tessera", str(hf_dir), str(tmp_path / "out"), "model_name=default")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "describes another model" in proc.stderr and "set base_emb_dim=24" in proc.stderr
+    assert "set decoder_block=gemma" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "exists").mkdir()
+    (tmp_path / "exists" / "keep.txt").write_text("data")
+    keys = as_overrides(config_from_hf(json.loads((hf_dir / "config.json").read_text())))
+    proc = _cli("-m", "tessera.tools.convert", "hf-to-tessera", str(hf_dir), str(tmp_path / "exists"), *keys)
+    assert proc.returncode == 2 and "already exists" in proc.stderr
+    assert (tmp_path / "exists" / "keep.txt").read_text() == "data"
+    proc = _cli("-m", "tessera.tools.convert", "hf-to-tessera", str(tmp_path / "nowhere"), str(tmp_path / "o2"), *keys)
+    assert proc.returncode == 2 and "has no config.json" in proc.stderr
+
+
+def test_convert_names_tensors_that_do_not_fit(hf_model, tmp_path):
+    """A checkpoint whose config agrees but whose tensors are missing or extra fails by name."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    hf_dir = hf_model("llama2")
+    broken = tmp_path / "broken"
+    shutil.copytree(hf_dir, broken)
+    index = json.loads((broken / "model.safetensors.index.json").read_text())
+    index["weight_map"]["model.layers.0.extra.weight"] = "extra.safetensors"
+    save_file({"model.layers.0.extra.weight": np.zeros((2,), np.float32)}, broken / "extra.safetensors")
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(Exception, match="have no place in this Tessera model: model.layers.0.extra.weight"):
+        hf_to_tessera(broken, tmp_path / "out", _config(hf_dir))
+    del index["weight_map"]["model.layers.1.mlp.up_proj.weight"]
+    (broken / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(Exception, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
+        hf_to_tessera(broken, tmp_path / "out2", _config(hf_dir))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def test_compare_reports_kl_and_difference():
+    ref = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
+    diff, kl = compare(ref, ref)
+    assert np.all(diff == 0) and np.allclose(kl, 0)
+    shifted = ref + 3.0  # softmax is shift-invariant: same distribution, large raw difference
+    diff, kl = compare(shifted, ref)
+    np.testing.assert_allclose(diff, 3.0)
+    np.testing.assert_allclose(kl, 0, atol=1e-12)
+    other = np.log(np.array([[0.25, 0.5, 0.25], [0.1, 0.1, 0.8]]))
+    _, kl = compare(other, ref)
+    np.testing.assert_allclose(kl[0], 0.5 * np.log(2) + 0.25 * np.log(0.5), rtol=1e-12)
