@@ -1,0 +1,150 @@
+"""Block families: scan == loop and parameter counts for each, fused QKV, sliding windows,
+mixture-of-experts routing (dropless == capacity, dropped tokens, expert parallelism)."""
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from tessera.config import ConfigError
+from tessera.metrics import format_record
+from tessera.models import build_model
+from tessera.tools.estimate import count_params
+from tessera.train import run
+
+FAMILIES = {
+    "mistral": dict(decoder_block="mistral", sliding_window_size=4),
+    "mixtral": dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2),
+    "gemma": dict(decoder_block="gemma", mlp_activations=["gelu", "linear"], logits_via_embedding=True),
+    "gemma2": dict(decoder_block="gemma2", base_num_decoder_layers=4, sliding_window_size=4, attn_logits_soft_cap=5.0,
+                   final_logits_soft_cap=3.0, query_pre_attn_scalar=10.0, mlp_activations=["gelu", "linear"],
+                   logits_via_embedding=True),
+    "gpt3": dict(decoder_block="gpt3", mlp_activations=["gelu"], base_num_kv_heads=4, trainable_position_size=16,
+                 logits_via_embedding=True),
+    "gpt3-sinusoidal": dict(decoder_block="gpt3", mlp_activations=["gelu"], base_num_kv_heads=4, fused_qkv=True),
+}
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
+
+
+def _unstack(params, num_blocks):
+    out = {k: v for k, v in params.items() if k != "layers"}
+    for i in range(num_blocks):
+        out[f"layers_{i}"] = jax.tree.map(lambda x: x[i], params["layers"])
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_scan_equals_loop_and_counts_match_the_estimator(family):
+    keys = FAMILIES[family]
+    scanned = build_model(tiny_config(**keys).model)
+    looped = build_model(tiny_config(scan_layers=False, **keys).model)
+    params = scanned.init(jax.random.key(1))
+    blocks = jax.tree.leaves(params["layers"])[0].shape[0]
+    a, b = scanned.apply(params, TOKENS), looped.apply(_unstack(params, blocks), TOKENS)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert np.isfinite(a).all() and a.std() > 0.1
+    n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    assert n == count_params(scanned.cfg).total
+
+
+def test_soft_caps_bound_the_logits():
+    model = build_model(tiny_config(**FAMILIES["gemma2"]).model)
+    logits = model.apply(model.init(jax.random.key(0)), TOKENS)
+    assert float(jnp.abs(logits).max()) < 3.0
+
+
+@pytest.mark.parametrize("family", ["gpt3", "llama2"])
+def test_fused_qkv_equals_separate_projections(family):
+    keys = {**FAMILIES.get(family, {}), "base_num_kv_heads": 4}
+    separate = build_model(tiny_config(**keys).model)
+    fused = build_model(tiny_config(fused_qkv=True, **keys).model)
+    params = separate.init(jax.random.key(2))
+    att = params["layers"]["attention"]
+    fused_att = {k: v for k, v in att.items() if k in ("wo_nhd", "bo_d")}
+    fused_att["wqkv_dcnh"] = jnp.stack([att["wq_dnh"], att["wk_dkh"], att["wv_dkh"]], axis=2)  # [L, D, 3, N, H]
+    if "bq_nh" in att:
+        att["bq_nh"] = att["bq_nh"] + 0.1  # non-zero biases, so they are checked too
+        fused_att["bqkv_cnh"] = jnp.stack([att["bq_nh"], att["bk_kh"], att["bv_kh"]], axis=1)
+    fused_params = {**params, "layers": {**params["layers"], "attention": fused_att}}
+    assert set(jax.tree.leaves(jax.tree.map(jnp.shape, fused.param_shapes()))) == set(
+        jax.tree.leaves(jax.tree.map(jnp.shape, fused_params)))
+    np.testing.assert_allclose(fused.apply(fused_params, TOKENS), separate.apply(params, TOKENS), rtol=1e-6, atol=1e-6)
+
+
+def test_fused_qkv_needs_multi_head_attention():
+    with pytest.raises(ConfigError, match="fused_qkv=true needs multi-head attention"):
+        tiny_config(fused_qkv=True)  # TINY has 4 query and 2 kv heads
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma2"])
+def test_sliding_window_limits_what_a_token_sees(family):
+    """One layer (gemma2: its local layer decides), window 4: a changed token at position 2
+    changes positions 2..5 only."""
+    keys = {**FAMILIES[family], "base_num_decoder_layers": 1 if family == "mistral" else 2}
+    model = build_model(tiny_config(**keys).model)
+    params = model.init(jax.random.key(3))
+    if family == "gemma2":
+        glob = params["layers"]["global_layer"]
+        glob["attention"]["wv_dkh"] = jnp.zeros_like(glob["attention"]["wv_dkh"])  # the global layer adds nothing
+    changed = TOKENS.at[:, 2].set((TOKENS[:, 2] + 1) % 96)
+    moved = np.abs(np.asarray(model.apply(params, changed) - model.apply(params, TOKENS))).max(axis=(0, 2))
+    assert (moved[:2] == 0).all() and (moved[2:6] > 1e-4).all() and (moved[6:] == 0).all(), moved
+
+
+MOE = FAMILIES["mixtral"]
+
+
+def test_dropless_equals_capacity_routing_without_drops():
+    dropless = build_model(tiny_config(sparse_matmul=True, **MOE).model)
+    capacity = build_model(tiny_config(capacity_factor=-1, **MOE).model)
+    params = dropless.init(jax.random.key(4))
+
+    def loss(model, p):
+        logits, aux = model.apply_with_aux(p, TOKENS)
+        return jnp.mean(logits**2) + aux["moe_load_balance_loss"], aux
+
+    (la, aux_a), ga = jax.value_and_grad(lambda p: loss(dropless, p), has_aux=True)(params)
+    (lb, aux_b), gb = jax.value_and_grad(lambda p: loss(capacity, p), has_aux=True)(params)
+    np.testing.assert_allclose(la, lb, rtol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), ga, gb)
+    assert float(aux_a["moe_dropped_fraction"]) == float(aux_b["moe_dropped_fraction"]) == 0.0
+    # a small capacity drops tokens, says how many, and changes the output
+    small = build_model(tiny_config(capacity_factor=0.5, **MOE).model)
+    logits, aux = small.apply_with_aux(params, TOKENS)
+    assert 0.4 <= float(aux["moe_dropped_fraction"]) < 1.0  # half the slots there are routed copies, or fewer
+    assert not np.allclose(logits, dropless.apply(params, TOKENS), atol=1e-3)
+
+
+def _moe_losses(tmp_path, name, num_devices, **overrides):
+    cfg = tiny_config(tmp_path / name, per_device_batch_size=8 / num_devices, steps=2, enable_checkpointing=False,
+                      **MOE, **overrides)
+    run(cfg, jax.devices()[:num_devices])
+    records = [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
+    return records
+
+
+@pytest.mark.parametrize("routing", [dict(capacity_factor=1.0), dict(sparse_matmul=True)])
+def test_expert_parallel_gives_the_same_losses_as_one_device(routing, tmp_path):
+    one = _moe_losses(tmp_path, "one", 1, **routing)
+    ep = _moe_losses(tmp_path, "ep", 8, ici_expert_parallelism=4, ici_fsdp_parallelism=2, **routing)
+    for key in ("loss", "moe_load_balance_loss", "moe_dropped_fraction"):
+        a, b = np.array([r[key] for r in one]), np.array([r[key] for r in ep])
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
+    if "capacity_factor" in routing:
+        assert all(r["moe_dropped_fraction"] > 0 for r in one)  # capacity 1.0 on random routing drops some
+        assert "dropped" in format_record(one[0])
+
+
+@pytest.mark.parametrize("keys,message", [
+    (dict(decoder_block="gemma2", base_num_decoder_layers=3), "gemma2 needs an even number of layers"),
+    (dict(num_experts=4, num_experts_per_tok=2), "decoder_block=llama2 has a dense MLP"),
+    (dict(decoder_block="mixtral"), "mixtral needs num_experts >= 2"),
+    (dict(decoder_block="mixtral", num_experts=4, capacity_factor=0), "capacity_factor=0.0 must be > 0"),
+])
+def test_family_config_errors(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        build_model(tiny_config(**keys).model)
