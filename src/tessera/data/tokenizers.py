@@ -1,4 +1,5 @@
-"""Tokenizers behind one small interface: `encode(text) -> list[int]`, `vocab_size`, `bos_id`, `eos_id`.
+"""Tokenizers behind one small interface: `encode(text) -> list[int]`, `decode(ids) -> str`, `vocab_size`,
+`bos_id`, `eos_id`.
 
 Three file kinds, chosen from `tokenizer_path` (or `tokenizer_type` when the path does not say):
 - SentencePiece: a `.model` file (or a folder holding `tokenizer.model`).
@@ -28,15 +29,19 @@ _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ \d+\s*$")
 class Tokenizer:
     """`encode` returns token ids without begin/end tokens (the pipeline adds them as configured)."""
 
-    def __init__(self, kind: str, vocab_size: int, bos_id: int | None, eos_id: int | None, encode_batch):
+    def __init__(self, kind: str, vocab_size: int, bos_id: int | None, eos_id: int | None, encode_batch, decode):
         self.kind, self.vocab_size, self.bos_id, self.eos_id = kind, vocab_size, bos_id, eos_id
-        self._encode_batch = encode_batch
+        self._encode_batch, self._decode = encode_batch, decode
 
     def encode(self, text: str) -> list[int]:
         return self._encode_batch([text])[0]
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._encode_batch(texts)
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids (generated text, see tessera.decode)."""
+        return self._decode(list(ids))
 
 
 def load_tokenizer(path: str, kind: str = "auto") -> Tokenizer:
@@ -84,7 +89,7 @@ def _sentencepiece(p: Path) -> Tokenizer:
     sp = spm.SentencePieceProcessor(model_file=str(p / "tokenizer.model" if p.is_dir() else p))
     bos, eos = sp.bos_id(), sp.eos_id()
     return Tokenizer("sentencepiece", sp.get_piece_size(), bos if bos >= 0 else None, eos if eos >= 0 else None,
-                     lambda texts: sp.encode(texts))
+                     lambda texts: sp.encode(texts), sp.decode)
 
 
 def _tiktoken(p: Path) -> Tokenizer:
@@ -95,7 +100,8 @@ def _tiktoken(p: Path) -> Tokenizer:
     n = max(ranks.values()) + 1
     specials = {"<|begin_of_text|>": n, "<|end_of_text|>": n + 1}
     enc = tiktoken.Encoding(p.stem, pat_str=TIKTOKEN_SPLIT, mergeable_ranks=ranks, special_tokens=specials)
-    return Tokenizer("tiktoken", n + 2, n, n + 1, lambda texts: enc.encode_ordinary_batch(texts, num_threads=1))
+    return Tokenizer("tiktoken", n + 2, n, n + 1, lambda texts: enc.encode_ordinary_batch(texts, num_threads=1),
+                     enc.decode)
 
 
 def _huggingface(p: Path) -> Tokenizer:
@@ -115,7 +121,7 @@ def _huggingface(p: Path) -> Tokenizer:
     eos = _first_in(vocab, [named.get("eos_token"), *_EOS_NAMES])
     size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
     return Tokenizer("huggingface", size, bos, eos,
-                     lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)])
+                     lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)], tok.decode)
 
 
 def _first_in(vocab: dict[str, int], names) -> int | None:

@@ -16,7 +16,7 @@ from tessera.models.registry import BLOCKS
 __all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model"]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static argument of jitted functions
 class ModelDef:
     """A model's structure without its weights: `init` makes parameters, `apply` runs them."""
 
@@ -38,9 +38,21 @@ class ModelDef:
     def apply_with_aux(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
                        packed: bool = False):
         """(logits, aux): aux holds the layer-averaged auxiliary scalars (MoE losses; {} for dense models)."""
+        return self._module(params)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """An empty KV cache for decoding `batch` rows of up to `max_len` tokens (prompt included)."""
+        return nnx.merge(self.graphdef, self.abstract_state).init_cache(batch, max_len)
+
+    def apply_cached(self, params: dict, tokens_bt, positions_bt, segment_ids_bt, cache: dict):
+        """(logits [B, T, V], cache): decode T tokens per row against `cache` (from `init_cache`),
+        first the (left-padded, segment id 0) prompt, then one token per call."""
+        return self._module(params).call_cached(tokens_bt, positions_bt, segment_ids_bt, cache)
+
+    def _module(self, params: dict):
         state = jax.tree.map(lambda x: x, self.abstract_state)  # a fresh State to fill
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self.graphdef, state)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)
+        return nnx.merge(self.graphdef, state)
 
     def param_shapes(self) -> dict:
         """Nested dict of ShapeDtypeStruct, the same structure as `init`'s result."""

@@ -6,6 +6,9 @@ the fastest fused kernel the device has: on NVIDIA GPUs cuDNN's fused attention 
 `jax.nn.dot_product_attention(implementation="cudnn")`. Where no fused kernel applies (CPU,
 TPU in this version, an unsupported dtype or head size, packed segments) the reference runs
 and `select_attention` says why, once, in the log.
+
+Decoding with a KV cache (`Attention.attend_cached`, see `tessera.models.kv_cache`) always
+runs the reference math, masked by the cached keys' positions instead of their indices.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
+from tessera.models.kv_cache import KVCache, active_cache
 from tessera.models.layers import fan_in_std, param, rope_frequencies, rotary, soft_cap
 from tessera.mesh import shard_logically
 
@@ -96,15 +100,30 @@ def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int, 
             window: int):
     """Masked softmax attention of queries at index q_offset.. against keys at index 0..S-1."""
     t, s = q_bkgth.shape[3], k_bksh.shape[2]
-    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32) * scale
-    scores = soft_cap(scores, cap)
     distance_ts = (jnp.arange(t)[:, None] + q_offset) - jnp.arange(s)[None, :]
     visible_ts = (distance_ts >= 0) & ((distance_ts < window) if window else True)
     same_segment_bts = segment_q_bt[:, :, None] == segment_k_bs[:, None, :]
-    mask = visible_ts[None, None, None] & same_segment_bts[:, None, None]
-    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    return _softmax_attend(q_bkgth, k_bksh, v_bksh, visible_ts[None] & same_segment_bts, scale, cap)
+
+
+def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float):
+    """Scaled (and soft-capped) scores, masked by `mask_bts`, float32 softmax, weighted values."""
+    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32) * scale
+    scores = soft_cap(scores, cap)
+    scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
     return jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh)
+
+
+def masked_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale: float, logits_soft_cap: float = 0.0):
+    """Attention of queries [B, T, N, H] over keys and values [B, S, K, H] where `mask_bts`
+    [B, T, S] allows it (decoding over a KV cache; a query that sees nothing gets the mean value)."""
+    b, t, n, h = q_btnh.shape
+    kv_heads = k_bskh.shape[2]
+    q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
+    out_bkgth = _softmax_attend(q_bkgth, k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3), mask_bts,
+                                scale, logits_soft_cap)
+    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
 class Attention(nnx.Module):
@@ -174,6 +193,12 @@ class Attention(nnx.Module):
         return checkpoint_name(out, "out_proj")
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, packed: bool):
+        cached = active_cache(self)  # inside `cached_attention`: decoding with a KV cache
+        if cached is not None:
+            cache, record = cached
+            out_btd, cache = self.attend_cached(x_btd, positions_bt, segment_ids_bt, cache)
+            record(cache)
+            return out_btd
         q, k, v = self.project_qkv(x_btd, positions_bt)
         if self.kernel == "cudnn" and not packed:
             window = (self.window - 1, 0) if self.window else None
@@ -183,3 +208,12 @@ class Attention(nnx.Module):
             ctx = dot_product_attention(q, k, v, segment_ids_bt, segment_ids_bt, scale=self.scale,
                                         logits_soft_cap=self.logits_soft_cap, window=self.window)
         return self.output(ctx)
+
+    def attend_cached(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache):
+        """(output [B, T, D], updated cache): the T new keys and values are written into the cache
+        at its index, then the queries attend over the whole cache, masked by position."""
+        q, k, v = self.project_qkv(x_btd, positions_bt)
+        cache = cache.write(k, v, positions_bt, segment_ids_bt)
+        ctx = masked_attention(q, cache.k_bskh, cache.v_bskh, cache.mask(positions_bt, segment_ids_bt, self.window),
+                               scale=self.scale, logits_soft_cap=self.logits_soft_cap)
+        return self.output(ctx), cache

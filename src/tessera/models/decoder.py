@@ -7,9 +7,13 @@ positions are added to them.
 With `scan_layers=true` the blocks' parameters are stacked on a leading `layers` axis and run
 with `jax.lax.scan` (one compiled block, fast compiles); with `false` they are separate
 modules `layers_0 ... layers_{L-1}` run in a Python loop. Both compute the same function on
-the same weights (`stack_layers`/`unstack_layers` convert between the layouts).
+the same weights (stacked along axis 0 or split; `tessera.tools.convert` writes either layout).
 
 `remat_policy` maps to a `jax.checkpoint` policy applied around each block (`REMAT_POLICIES`).
+
+`init_cache` and `call_cached` decode with a KV cache: the same blocks run with their attention
+switched to the cache (`tessera.models.kv_cache.cached_attention`), one cache per attention
+module, stacked like the parameters when the layers are scanned.
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
+from tessera.models.attention import Attention
 from tessera.models.blocks import make_norm
+from tessera.models.kv_cache import KVCache, cached_attention
 from tessera.models.layers import Embed, dropout, fan_in_std, param, sinusoidal_positions, soft_cap
 from tessera.models.registry import BLOCKS
 
@@ -102,14 +108,19 @@ class Decoder(nnx.Module):
                 x, block_aux = call(block, x, keys[i])
                 auxes.append(block_aux)
             aux = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)
-        x = self.final_norm(x)
+        return self.logits(x), aux
+
+    def logits(self, x_btd):
+        """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32."""
+        cfg = self.cfg
+        x = self.final_norm(x_btd)
         if cfg.logits_via_embedding:
             logits = self.token_embedder.attend(x, cfg.logits_dot_in_fp32)
         else:
             dtype = jnp.float32 if cfg.logits_dot_in_fp32 else cfg.dtype
             logits = jnp.einsum("btd,dv->btv", x.astype(dtype), self.logits_dense_dv[...].astype(dtype))
         logits = soft_cap(logits.astype(jnp.float32), cfg.final_logits_soft_cap)
-        return shard_logically(logits, ("batch", "length", "act_vocab")), aux
+        return shard_logically(logits, ("batch", "length", "act_vocab"))
 
     def embed(self, tokens_bt, positions_bt):
         """Token embeddings, scaled (Gemma) or with position embeddings added (GPT-3)."""
@@ -135,6 +146,47 @@ class Decoder(nnx.Module):
         xs = (stacked, jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32))
         x, aux = jax.lax.scan(remat(body, self.cfg.remat_policy, True), x, xs)
         return x, jax.tree.map(jnp.mean, aux)
+
+    # ---- decoding with a KV cache (see tessera.models.kv_cache)
+
+    def init_cache(self, batch: int, max_len: int) -> dict:
+        """Empty caches of `max_len` slots for every attention module, laid out as the blocks are:
+        {"layers": {path: KVCache stacked over blocks}} or {"layers_i": {path: KVCache}}."""
+        cfg = self.cfg
+        paths = list(attention_modules(self.layers if cfg.scan_layers else self.layers_0))
+
+        def block_cache(stack: tuple[int, ...]) -> dict:
+            return {p: KVCache.empty(batch, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, stack) for p in paths}
+
+        if cfg.scan_layers:
+            return {"layers": block_cache((self.num_blocks,))}
+        return {f"layers_{i}": block_cache(()) for i in range(self.num_blocks)}
+
+    def call_cached(self, tokens_bt, positions_bt, segment_ids_bt, cache: dict):
+        """(logits [B, T, V], updated cache): the T tokens attend over the cache and are added
+        to it. Segment id 0 marks left padding. No dropout; MoE auxiliary losses are dropped."""
+        x = self.embed(tokens_bt, positions_bt)
+
+        def run_block(block, h, block_cache):
+            with cached_attention(attention_modules(block), block_cache) as updated:
+                h, _ = block(h, positions_bt, segment_ids_bt, None, False)
+            return h, updated
+
+        if self.cfg.scan_layers:
+            graphdef, stacked = nnx.split(self.layers)
+            body = lambda h, xs: run_block(nnx.merge(graphdef, xs[0]), h, xs[1])  # noqa: E731
+            x, layers_cache = jax.lax.scan(body, x, (stacked, cache["layers"]))
+            return self.logits(x), {"layers": layers_cache}
+        new_cache = {}
+        for i in range(self.num_blocks):
+            name = f"layers_{i}"
+            x, new_cache[name] = run_block(getattr(self, name), x, cache[name])
+        return self.logits(x), new_cache
+
+
+def attention_modules(block: nnx.Module) -> dict[str, Attention]:
+    """{"local_layer/attention": module, ...}: the attention modules of one block, by path."""
+    return {"/".join(map(str, path)): node for path, node in nnx.iter_graph(block) if isinstance(node, Attention)}
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs):

@@ -1,0 +1,222 @@
+"""Text generation from a checkpoint, with a KV cache.
+
+    python3 -m tessera.decode configs/base.yml load_parameters_path=outputs/demo/checkpoints/100 \\
+        tokenizer_path=<tokenizer> [model keys ...] --prompt "Once upon a time" --max_new_tokens 32
+
+`key=value` arguments build the config as for training (the model keys must be those the
+checkpoint was trained with); `--flags` choose what to generate (see `parse_args`). Prompts
+of different lengths are decoded together, left-padded: one call writes the prompts into the
+KV cache (prefill), then each call adds one token per row. Sampling is greedy at
+--temperature 0 (the default), else from softmax(logits / temperature) over the --top_k most
+likely tokens (0: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
+
+Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated).
+See getting_started/Decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tessera.checkpointing import CheckpointError, load_parameters
+from tessera.config import Config, ConfigError, load_config
+from tessera.data.tokenizers import Tokenizer, check_tokenizer, load_tokenizer
+from tessera.mesh import create_mesh, named_shardings
+from tessera.models import BLOCKS, ModelDef, build_model
+
+log = logging.getLogger("tessera")
+
+EXIT_OK, EXIT_USER_ERROR = 0, 2
+
+
+# ---- sampling and the decoding loop
+
+def sample(logits_bv, key, temperature: float, top_k: int):
+    """Next token ids [B] from logits [B, V]: the argmax when temperature == 0, else a draw from
+    softmax(logits / temperature) restricted to the top_k largest logits (top_k=0: all)."""
+    if temperature == 0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits_bv = logits_bv / temperature
+    if top_k:
+        kth_b1 = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
+        logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
+    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+
+
+def left_padded(prompts: list[list[int]]):
+    """(tokens, positions, segment ids), each int32 [B, P]: prompts right-aligned, padding with
+    segment id 0; positions count each prompt's tokens from 0."""
+    width = max(len(p) for p in prompts)
+    tokens, positions, segments = (np.zeros((len(prompts), width), np.int32) for _ in range(3))
+    for row, prompt in enumerate(prompts):
+        start = width - len(prompt)
+        tokens[row, start:], positions[row, start:], segments[row, start:] = prompt, np.arange(len(prompt)), 1
+    return tokens, positions, segments
+
+
+@functools.partial(jax.jit, static_argnames=("model", "temperature", "top_k"), donate_argnames="cache")
+def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key, *, model: ModelDef, temperature: float,
+                 top_k: int):
+    """(next tokens [B], their logits [B, V], cache) after the tokens [B, T] (the prompt, then one token)."""
+    logits_btv, cache = model.apply_cached(params, tokens_bt, positions_bt, segment_ids_bt, cache)
+    return sample(logits_btv[:, -1], key, temperature, top_k), logits_btv[:, -1], cache
+
+
+def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False):
+    """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
+    produces it. With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
+    row being the distribution the i-th new token was drawn from."""
+    if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
+        raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    table = model.cfg.trainable_position_size if BLOCKS[model.cfg.decoder_block].absolute_positions else 0
+    if table and lengths.max() + max_new_tokens > table:
+        raise ValueError(f"{lengths.max()} prompt tokens + {max_new_tokens} new tokens exceed the "
+                         f"trainable_position_size={table} positions this model has embeddings for")
+
+    step = functools.partial(_decode_step, model=model, temperature=temperature, top_k=top_k)
+    tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts)
+    cache = model.init_cache(len(prompts), tokens_bt.shape[1] + max_new_tokens)
+    key = jax.random.key(seed)
+    new_tokens, new_logits, done = [], [], np.zeros(len(prompts), bool)
+    for i in range(max_new_tokens):
+        token_b, logits_bv, cache = step(params, tokens_bt, positions_bt, segment_ids_bt, cache,
+                                         jax.random.fold_in(key, i))
+        token_b = np.asarray(token_b)
+        new_tokens.append(np.where(done, -1, token_b))  # -1: the row had already stopped
+        if return_logits:
+            new_logits.append(np.asarray(logits_bv))
+        if eos_id is not None:
+            done |= token_b == eos_id
+            if done.all():
+                break
+        tokens_bt, positions_bt = token_b[:, None], (lengths + i)[:, None]
+        segment_ids_bt = np.ones_like(tokens_bt)
+    out = [[int(t) for t in row if t >= 0] for row in np.stack(new_tokens, axis=1)]
+    if not return_logits:
+        return out
+    return out, [np.stack(new_logits, axis=1)[row, :len(toks)] for row, toks in enumerate(out)]
+
+
+# ---- command line
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """(decoding flags, config arguments): `--flag value` pairs are ours, the rest (the config
+    file and key=value overrides) go to `load_config`."""
+    parser = argparse.ArgumentParser(
+        prog="python3 -m tessera.decode", allow_abbrev=False,
+        usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
+              "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]")
+    parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
+    parser.add_argument("--tokens", action="append", default=[], type=_token_ids,
+                        help="token ids to continue, comma-separated (repeat for a batch); no tokenizer needed")
+    parser.add_argument("--max_new_tokens", type=int, default=32, help="tokens to generate per prompt")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
+    parser.add_argument("--top_k", type=int, default=0, help="sample among the K most likely tokens (0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
+    parser.add_argument("--eos_id", type=int, default=None, help="stop a row at this token (default: the "
+                        "tokenizer's end-of-sequence token; none with --tokens)")
+    flags, rest = parser.parse_known_args(argv)
+    unknown = [a for a in rest if a.startswith("--")]
+    if unknown:
+        parser.error(f"unknown flag {unknown[0]}; config keys are given as key=value")
+    if flags.max_new_tokens < 1 or flags.temperature < 0 or flags.top_k < 0:
+        parser.error("--max_new_tokens must be >= 1, --temperature >= 0 and --top_k >= 0")
+    return flags, rest
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+
+
+def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | None, list[list[int]]]:
+    """The tokenizer (None with --tokens) and the prompts as token ids, checked against the config."""
+    if bool(flags.prompt) == bool(flags.tokens):
+        raise ConfigError("give the prompts as --prompt TEXT (with tokenizer_path=...) or as --tokens 1,2,3, "
+                          "not both and not neither")
+    tokenizer = None
+    prompts = flags.tokens
+    if flags.prompt:
+        tokenizer = load_tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
+        check_tokenizer(tokenizer, cfg.data.tokenizer_path, cfg.model.vocab_size, cfg.data.add_bos, False)
+        bos = [tokenizer.bos_id] if cfg.data.add_bos else []
+        prompts = [bos + ids for ids in tokenizer.encode_batch(flags.prompt)]
+    vocab, limit = cfg.model.vocab_size, cfg.data.max_target_length
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ConfigError(f"prompt {i + 1} is empty; give at least one token")
+        if not all(0 <= t < vocab for t in prompt):
+            raise ConfigError(f"prompt {i + 1} has token ids outside [0, vocab_size={vocab}): {prompt}")
+        if len(prompt) + flags.max_new_tokens > limit:
+            raise ConfigError(f"prompt {i + 1} has {len(prompt)} tokens + --max_new_tokens {flags.max_new_tokens} = "
+                              f"{len(prompt) + flags.max_new_tokens}, more than max_target_length={limit} (the "
+                              "sequence length the model was trained for); shorten the prompt, lower "
+                              f"--max_new_tokens or set max_target_length={len(prompt) + flags.max_new_tokens}")
+    return tokenizer, prompts
+
+
+def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
+    """The model and its parameters from load_parameters_path, sharded over `mesh`."""
+    path = cfg.checkpoint.load_parameters_path
+    model = build_model(cfg.model, "dot_product")  # the cached path always runs the reference attention
+    shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            model.param_shapes(), shardings)
+    params = load_parameters(path, abstract)
+    log.info("loaded parameters from %s", path)
+    return model, params
+
+
+def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
+    """Generate for the flags' prompts and print the results; returns the new tokens per prompt."""
+    if not cfg.checkpoint.load_parameters_path:
+        raise ConfigError("decoding needs load_parameters_path=<checkpoint step folder> (e.g. "
+                          "outputs/demo/checkpoints/100) and the model keys it was trained with")
+    tokenizer, prompts = encode_prompts(cfg, flags)
+    mesh = create_mesh(cfg.mesh)
+    model, params = load_model(cfg, mesh)
+    eos_id = flags.eos_id if flags.eos_id is not None else tokenizer.eos_id if tokenizer else None
+    start = time.perf_counter()
+    with jax.set_mesh(mesh):
+        outputs = generate(model, params, prompts, flags.max_new_tokens, flags.temperature, flags.top_k,
+                           flags.seed, eos_id)
+    seconds = time.perf_counter() - start
+    count = sum(len(o) for o in outputs)
+    log.info("generated %d tokens for %d prompt(s) in %.2f s (compilation included)", count, len(prompts), seconds)
+    for i, (prompt, new) in enumerate(zip(prompts, outputs)):
+        if tokenizer is None:
+            print(" ".join(map(str, new)))
+        else:  # prompt and continuation decoded together, so that the spacing between them is right
+            text = tokenizer.decode([t for t in prompt + new if t not in (tokenizer.bos_id, eos_id)])
+            print(("\n" if i else "") + text)
+    return outputs
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr, force=True)
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.WARNING)
+    flags, config_args = parse_args(argv)
+    try:
+        decode(load_config(config_args), flags)
+    except (ConfigError, CheckpointError) as e:
+        print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,174 @@
+"""Decoding with a KV cache: cached generation equals full recomputation for every block family;
+sampling; the command line."""
+
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY, tiny_config
+from tessera.checkpointing import Checkpointer
+from tessera.decode import generate, main, sample
+from tessera.models import build_model
+
+PROMPTS = [[5, 17, 3, 88, 41, 9], [60, 2, 33]]  # different lengths: the second is left-padded
+NEW_TOKENS = 5  # 6 + 5 tokens fit max_target_length=12 of the tiny config
+
+FAMILIES = {
+    "llama2 scanned": dict(),
+    "llama2 loop": dict(scan_layers=False),
+    "mistral window 3": dict(decoder_block="mistral", sliding_window_size=3),
+    "mixtral dropless": dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, sparse_matmul=True),
+    "gemma": dict(decoder_block="gemma", logits_via_embedding=True, mlp_activations=["gelu", "linear"]),
+    "gemma2": dict(decoder_block="gemma2", base_num_decoder_layers=2, sliding_window_size=3, attn_logits_soft_cap=2.0,
+                   final_logits_soft_cap=3.0, query_pre_attn_scalar=10.0, logits_via_embedding=True),
+    "gpt3": dict(decoder_block="gpt3", fused_qkv=True, base_num_kv_heads=4, trainable_position_size=16,
+                 mlp_activations=["gelu"], logits_via_embedding=True),
+}
+
+
+def _model(**overrides):
+    """A tiny float32 model with random weights (numpy draws: much faster on CPU than `init`)."""
+    model = build_model(tiny_config(dtype="float32", **overrides).model)
+    rng = np.random.default_rng(3)
+    params = jax.tree.map(lambda s: (0.3 * rng.standard_normal(s.shape)).astype(s.dtype), model.param_shapes())
+    return model, params
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _model()
+
+
+def full_recomputation(model, params, prompts, new_tokens):
+    """Greedy decoding by re-running the whole model on each row's sequence at every step.
+
+    Rows are laid out from index 0 (no padding) in one buffer; causal attention makes the slots
+    after a row's current token irrelevant to its logits."""
+    apply = jax.jit(model.apply)
+    tokens = np.zeros((len(prompts), max(map(len, prompts)) + new_tokens), np.int32)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = prompt
+    out_tokens, out_logits = [[] for _ in prompts], [[] for _ in prompts]
+    for i in range(new_tokens):
+        logits = np.asarray(apply(params, tokens))
+        for row, prompt in enumerate(prompts):
+            last = len(prompt) + i - 1
+            out_logits[row].append(logits[row, last])
+            out_tokens[row].append(int(np.argmax(logits[row, last])))
+            tokens[row, last + 1] = out_tokens[row][-1]
+    return out_tokens, [np.stack(r) for r in out_logits]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cached_decoding_equals_full_recomputation(family):
+    model, params = _model(**FAMILIES[family])
+    tokens, logits = generate(model, params, PROMPTS, NEW_TOKENS, return_logits=True)
+    want_tokens, want_logits = full_recomputation(model, params, PROMPTS, NEW_TOKENS)
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_stops_rows_at_eos(llama):
+    model, params = llama
+    free = generate(model, params, PROMPTS, NEW_TOKENS)
+    eos = free[1][1]  # the second row's second token: that row stops there
+    stopped = generate(model, params, PROMPTS, NEW_TOKENS, eos_id=eos)
+    assert stopped[1] == free[1][:2]
+    first = free[0][:free[0].index(eos) + 1] if eos in free[0] else free[0]
+    assert stopped[0] == first
+
+
+def test_sampling_is_reproducible_and_stays_in_the_top_k(llama):
+    logits_bv = 3.0 * jax.random.normal(jax.random.key(0), (4, 96))
+    draws = np.asarray(jax.vmap(lambda k: sample(logits_bv, k, 1.5, 5))(jax.random.split(jax.random.key(1), 200)))
+    top5 = np.argsort(-np.asarray(logits_bv), axis=-1)[:, :5]
+    for row in range(4):
+        assert set(draws[:, row]) <= set(top5[row])
+        assert len(set(draws[:, row])) > 1  # a draw, not the argmax
+    np.testing.assert_array_equal(sample(logits_bv, jax.random.key(1), 0.0, 5), np.argmax(logits_bv, axis=-1))
+
+    model, params = llama
+    a, logits = generate(model, params, PROMPTS, NEW_TOKENS, temperature=1.0, top_k=3, seed=7, return_logits=True)
+    assert generate(model, params, PROMPTS, NEW_TOKENS, temperature=1.0, top_k=3, seed=7) == a
+    assert generate(model, params, PROMPTS, NEW_TOKENS, temperature=1.0, top_k=3, seed=8) != a
+    for row_tokens, row_logits in zip(a, logits):
+        for token, step_logits in zip(row_tokens, row_logits):
+            assert token in np.argsort(-step_logits)[:3]
+
+
+# ---- the command line
+
+CONFIG_ARGS = [str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in TINY.items()), "dtype=float32"]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(llama, tmp_path_factory):
+    """A checkpoint step folder of the tiny Llama as training writes it (only params in `state`),
+    and the tokens greedy decoding generates from it."""
+    model, params = llama
+    directory = tmp_path_factory.mktemp("ckpt") / "checkpoints"
+    saver = Checkpointer(tiny_config().checkpoint, str(directory))
+    saver.save(1, {"params": params}, {}, {})
+    saver.close()
+    return str(directory / "1"), generate(model, params, PROMPTS, NEW_TOKENS)
+
+
+def test_decode_py_prints_generated_tokens(checkpoint):
+    path, want = checkpoint
+    cmd = [sys.executable, str(REPO / "decode.py"), *CONFIG_ARGS, f"load_parameters_path={path}",
+           "--tokens", ",".join(map(str, PROMPTS[0])), "--tokens", ",".join(map(str, PROMPTS[1])),
+           "--max_new_tokens", str(NEW_TOKENS)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = [[int(t) for t in line.split()] for line in proc.stdout.splitlines()]
+    assert printed == want  # on 8 devices with sharded parameters, as in-process on one
+    assert f"generated {2 * NEW_TOKENS} tokens for 2 prompt(s)" in proc.stderr
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path):
+    cmd = [sys.executable, "-m", "tessera.decode", *CONFIG_ARGS, f"load_parameters_path={tmp_path / 'nope'}",
+           "--tokens", "1,2,3", "--max_new_tokens", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert f"checkpoint error: checkpoint path {tmp_path / 'nope'} does not exist" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _hf_tokenizer(folder):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    words = "the cat sat on a mat and a dog ran to the park".split()
+    tok.train_from_iterator([" ".join(words[i:] + words[:i]) for i in range(len(words))],
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<s>", "</s>"]))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
+    path, _ = checkpoint
+    tokenizer = _hf_tokenizer(tmp_path / "tok")
+    args = [*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={tokenizer}"]
+    assert main([*args, "--prompt", "the cat sat", "--max_new_tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("the cat sat")
+
+    errors = {
+        "no tokenizer": ([*CONFIG_ARGS, f"load_parameters_path={path}", "--prompt", "the cat"],
+                         "config error: reading text needs tokenizer_path"),
+        "missing tokenizer": ([*args, f"tokenizer_path={tmp_path / 'none'}", "--prompt", "the"],
+                              "does not exist; give the path of a tokenizer"),
+        "too long": ([*args, "--tokens", ",".join(["7"] * 10), "--max_new_tokens", "3"],
+                     "prompt 1 has 10 tokens + --max_new_tokens 3 = 13, more than max_target_length=12"),
+        "no checkpoint": ([*CONFIG_ARGS, "--tokens", "1,2"], "decoding needs load_parameters_path="),
+        "bad token": ([*args, "--tokens", "1,96"], "token ids outside [0, vocab_size=96)"),
+    }
+    for name, (argv, message) in errors.items():
+        assert main(argv) == 2, name
+        err = capsys.readouterr().err
+        assert message in err, (name, err)
