@@ -2,11 +2,14 @@
 tokenizer_path=PATH [key=value ...] --prompt "text" [--max_new_tokens N ...]` (getting_started/Decode.md)."""
 
 import sys
+from pathlib import Path
 
-from train import _use_cpu_on_hosts_without_accelerators  # same device choice as training; puts src/ on the path
+sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # also works without `pip install -e .`
 
 if __name__ == "__main__":
-    _use_cpu_on_hosts_without_accelerators()
+    from tessera.platforms import use_cpu_on_hosts_without_accelerators
+
+    use_cpu_on_hosts_without_accelerators()
     from tessera.decode import main
 
     sys.exit(main(sys.argv[1:]))

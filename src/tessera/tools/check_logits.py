@@ -121,4 +121,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from tessera.platforms import use_cpu_on_hosts_without_accelerators
+
+    use_cpu_on_hosts_without_accelerators()
     sys.exit(main(sys.argv[1:]))

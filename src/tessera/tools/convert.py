@@ -8,12 +8,13 @@ hf-to-tessera reads `config.json` and the safetensors files (one file or a shard
 (every differing key is listed with the value to set), and writes an Orbax checkpoint holding
 {"params": ...} in the layout the config asks for (`scan_layers` true or false) and in
 `weight_dtype`. Train from it with `load_parameters_path=<out_dir>`. Memory stays bounded:
-tensors are read one at a time and written into memory-mapped scratch files (deleted at the
-end), so the model is never held in RAM, let alone twice.
+tensors are read one at a time into memory-mapped scratch files (deleted at the end); Orbax
+then writes them, copying about one model's worth at its peak, never two (measured on a
+1.35 GB float32 Llama: 1.9 GB peak anonymous memory, of which ~0.5 GB is Python and JAX).
 
 tessera-to-hf restores one parameter at a time from a Tessera checkpoint (a training step
 folder or a converted one) and writes safetensors shards of at most `--max-shard-size` bytes
-plus `config.json`. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
+plus `config.json`; RAM holds one shard being assembled plus one restored parameter. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
 bit, when weight_dtype is the checkpoint's dtype.
 """
 
@@ -152,4 +153,7 @@ def _run(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from tessera.platforms import use_cpu_on_hosts_without_accelerators
+
+    use_cpu_on_hosts_without_accelerators()
     sys.exit(main(sys.argv[1:]))

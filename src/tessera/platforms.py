@@ -1,0 +1,22 @@
+"""Device choice before JAX starts its backends (this module imports nothing heavy)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+
+def use_cpu_on_hosts_without_accelerators() -> None:
+    """libtpu (installed for ahead-of-time TPU compiles) probes for TPU chips, noisily, on every
+    host. Where no TPU, NVIDIA or AMD device exists, go straight to the CPU; an explicit
+    JAX_PLATFORMS always wins. Works before or after `import jax`, not after JAX has started."""
+    if "JAX_PLATFORMS" in os.environ:
+        return
+    devices = [p for pattern in ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/kfd")
+               for p in glob.glob(pattern)]
+    if devices:
+        return
+    os.environ["JAX_PLATFORMS"] = "cpu"
+    if "jax" in sys.modules:  # the config read the environment at import time
+        sys.modules["jax"].config.update("jax_platforms", "cpu")
