@@ -62,6 +62,7 @@ def select_attention(requested: str, platform: str, dtype: str, head_dim: int,
 
 
 QUERY_CHUNK = 128  # causal attention skips key blocks entirely after a chunk of this many queries
+MAX_CHUNKS = 16  # longer sequences use larger chunks, so the compiled program stays small
 
 
 def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *, scale: float | None = None,
@@ -74,7 +75,8 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
 
     Heads are moved in front of the sequence axes first, so both products are plain batched
     matmuls over (batch, kv head): measured 2x faster forward on CPU than contracting in the
-    [B, T, N, H] layout. Long sequences are processed in chunks of QUERY_CHUNK queries, each
+    [B, T, N, H] layout. Long sequences are processed in chunks of QUERY_CHUNK queries (at most
+    MAX_CHUNKS chunks; longer sequences get longer chunks, which keeps compiles short), each
     against only the keys it can see (up to its end, and from its start - window on), which
     skips the fully masked blocks of the score matrix ((C+1)/2C of the work for C chunks).
     """
@@ -82,7 +84,8 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     kv_heads = k_bskh.shape[2]
     q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
     k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
-    chunk = QUERY_CHUNK if t == k_bskh.shape[1] and t % QUERY_CHUNK == 0 else t
+    chunk = max(QUERY_CHUNK, t // MAX_CHUNKS)
+    chunk = chunk if t == k_bskh.shape[1] and t % chunk == 0 else t
     mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window)
     outs = []
     for start in range(0, t, chunk):
