@@ -83,8 +83,23 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def reference_logits(hf_model):
+    """family -> the reference's logits for _padded_batch (one reference run per family)."""
+    done = {}
+
+    def get(family):
+        if family not in done:
+            hf_dir = hf_model(family)
+            vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
+            done[family] = hf_env.reference_logits(hf_dir, *_padded_batch(vocab))
+        return done[family]
+
+    return get
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_transformers(case, hf_model, tmp_path):
+def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
     family, extra = CASES[case]
     hf_dir = hf_model(family)
     cfg = _config(hf_dir, *extra)
@@ -92,7 +107,7 @@ def test_logits_match_transformers(case, hf_model, tmp_path):
     model, params = _restore(cfg, tmp_path / "converted")
     tokens, mask = _padded_batch(cfg.model.vocab_size)
     ours = np.asarray(model.apply(params, tokens, None, mask))  # padding: segment id 0
-    ref = hf_env.reference_logits(hf_dir, tokens, mask)
+    ref = reference_logits(family)
     real = mask.astype(bool)
     assert np.abs(ref[real]).max() > 1.0  # logits big enough for the tolerance to mean something
     np.testing.assert_allclose(ours[real], ref[real], rtol=0, atol=ATOL)
