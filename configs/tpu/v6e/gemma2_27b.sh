@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Recipe: Gemma 2 27B at sequence length 8192 (27.2B parameters)
+# on one TPU v6e-256 slice (256 chips); PLATFORM=gce runs rto_setup.sh first.
+# Mesh: 2-way tensor parallelism splits the attention scores and the 256000-token logits of
+# a sequence over two chips; with FSDP alone and one sequence per chip the estimator
+# (tessera.tools.estimate) puts the step at 39 GiB per chip.
+# Expected performance and how it was derived: configs/tpu/v6e/README.md. Flags: configs/README.md.
+#
+#   bash configs/tpu/v6e/gemma2_27b.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke
+#   bash configs/tpu/v6e/gemma2_27b.sh EXECUTABLE=train_compile      # AOT-compile for v6e-256 on any host
+#   bash configs/tpu/v6e/gemma2_27b.sh DRY_RUN=1                     # print what would run
+# Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+set -e
+source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
+
+export LIBTPU_INIT_ARGS="--xla_tpu_enable_data_parallel_all_reduce_opt=true \
+  --xla_tpu_data_parallel_opt_different_sized_ops=true \
+  --xla_tpu_enable_async_collective_fusion=true \
+  --xla_tpu_enable_async_collective_fusion_fuse_all_gather=false \
+  --xla_tpu_enable_async_collective_fusion_multiple_steps=true \
+  --xla_tpu_overlap_compute_collective_tc=true \
+  --xla_enable_async_all_gather=true"
+
+run_recipe v6e-256 \
+  model_name=gemma2-27b \
+  ici_tensor_parallelism=2 per_device_batch_size=0.5 max_target_length=8192 dtype=bfloat16 remat_policy=full \
+  steps=100 log_period=10
