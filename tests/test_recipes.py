@@ -21,9 +21,9 @@ from tessera.mesh import mesh_shape
 
 REQUIRED = [
     "tpu/v4/22b", "tpu/v4/52b",
-    *(f"tpu/v5e/{n}" for n in ("16b", "32b", "64b", "128b", "llama2_7b", "llama2_13b", "llama2_70b")),
-    *(f"tpu/v5p/{n}" for n in ("32b", "64b", "128b", "256b", "512b", "1024b", "llama2_7b", "llama2_70b")),
-    "tpu/v6e/llama2_7b_4096", "tpu/v6e/llama3.1_8b",
+    *(f"tpu/v5e/{n}" for n in ("16b", "32b", "64b", "128b", "llama2_7b", "llama2_13b", "llama2_70b", "gpt3_175b")),
+    *(f"tpu/v5p/{n}" for n in ("32b", "64b", "128b", "256b", "512b", "1024b", "llama2_7b", "llama2_70b", "gpt3_175b")),
+    *(f"tpu/v6e/{n}" for n in ("llama2_7b_4096", "llama3.1_8b", "mixtral_8x7b", "gemma2_9b", "gemma2_27b", "gpt3_175b")),
     *(f"gpu/a3/llama_2_7B/{n}vm" for n in (1, 2, 4, 8, 16)),
     "gpu/h100/llama3.2_3b_1gpu",
 ]
