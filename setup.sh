@@ -1,39 +1,48 @@
 #!/usr/bin/env bash
 # Install Tessera into a virtual environment (.venv by default). Safe to re-run.
 #
-#   bash setup.sh                  # CPU build of JAX
-#   bash setup.sh DEVICE=gpu       # NVIDIA GPUs (CUDA 12 wheels)
-#   bash setup.sh DEVICE=tpu       # Cloud TPU VMs (libtpu)
+#   bash setup.sh                  # CPU build of JAX, exact versions from locks/cpu.txt
+#   bash setup.sh DEVICE=gpu       # NVIDIA GPUs (CUDA 12 wheels), locks/gpu.txt
+#   bash setup.sh DEVICE=tpu       # Cloud TPU VMs (libtpu), locks/tpu.txt
 #   bash setup.sh HF_REFERENCE=1   # also the Hugging Face reference env for the parity tests
+#   bash setup.sh MODE=latest      # newest releases within requirements*.txt instead of the lock
+#   bash setup.sh lock             # refresh locks/*.txt from requirements*.txt (maintainers), then exit
 #
 # Settings (as KEY=VALUE arguments or environment variables):
 #   DEVICE=cpu|gpu|tpu  which JAX build to install (default cpu)
-#   MODE=stable         released packages from PyPI (the only mode today)
+#   MODE=locked|latest  locked (default; 'stable' is the same): the exact versions CI tested, from
+#                       locks/<DEVICE>.txt. latest: resolve the ranges in requirements*.txt anew
 #   VENV=.venv          where the virtual environment lives
 #   PYTHON=/path/python use this interpreter instead of searching for one (needs >= 3.11)
-#   HF_REFERENCE=0|1    1 also installs requirements-hf.txt (PyTorch CPU + transformers) into
-#                       HF_VENV, a second venv that the parity tests and check_logits call as a
-#                       subprocess (default 0). Prefers Python 3.11, whose PyTorch CPU build is
+#   HF_REFERENCE=0|1    1 also installs locks/hf.txt (transformers) and torch (requirements-hf.txt)
+#                       into HF_VENV, a second venv that the parity tests and check_logits call as
+#                       a subprocess (default 0). Prefers Python 3.11, whose PyTorch CPU build is
 #                       on disk on our dev/CI machines; elsewhere set TORCH_INDEX_URL too.
 #   HF_VENV=.venv-hf    where the reference environment lives
-#   TORCH_INDEX_URL=url with HF_REFERENCE=1: install torch from this index first (a CPU wheel
-#                       index avoids a multi-GB CUDA build)
+#   TORCH_INDEX_URL=url with HF_REFERENCE=1: install torch from this index (a CPU wheel index
+#                       avoids a multi-GB CUDA build)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
+COMMAND=install
 for arg in "$@"; do
   case "$arg" in
     DEVICE=*|MODE=*|VENV=*|PYTHON=*|HF_REFERENCE=*|HF_VENV=*|TORCH_INDEX_URL=*) export "$arg" ;;
-    *) echo "setup.sh: unknown argument '$arg' (expected DEVICE=cpu|gpu|tpu, MODE=stable, VENV=dir, PYTHON=path, HF_REFERENCE=0|1, HF_VENV=dir, TORCH_INDEX_URL=url)" >&2; exit 2 ;;
+    lock) COMMAND=lock ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "setup.sh: unknown argument '$arg' (expected DEVICE=cpu|gpu|tpu, MODE=locked|latest, VENV=dir, PYTHON=path, HF_REFERENCE=0|1, HF_VENV=dir, TORCH_INDEX_URL=url, or 'lock'; see bash setup.sh --help)" >&2; exit 2 ;;
   esac
 done
 DEVICE=${DEVICE:-cpu}
-MODE=${MODE:-stable}
+MODE=${MODE:-locked}
+[ "$MODE" = stable ] && MODE=locked
 VENV=${VENV:-.venv}
 HF_REFERENCE=${HF_REFERENCE:-0}
 HF_VENV=${HF_VENV:-.venv-hf}
 case "$DEVICE" in cpu|gpu|tpu) ;; *) echo "setup.sh: DEVICE=$DEVICE is not one of cpu, gpu, tpu" >&2; exit 2 ;; esac
-case "$MODE" in stable) ;; *) echo "setup.sh: MODE=$MODE is not supported; use MODE=stable" >&2; exit 2 ;; esac
+case "$MODE" in locked|latest) ;; *) echo "setup.sh: MODE=$MODE is not one of locked, latest" >&2; exit 2 ;; esac
+UV_VERSION=0.13.9   # the resolver that writes locks/*.txt (bash setup.sh lock)
+START=$SECONDS
 case "$HF_REFERENCE" in 0|1) ;; *) echo "setup.sh: HF_REFERENCE=$HF_REFERENCE is not one of 0, 1" >&2; exit 2 ;; esac
 
 # Print "major.minor" of a working interpreter with venv support, or nothing.
@@ -85,11 +94,19 @@ install_hf_reference() {
   fi
   hfpip=("$HF_VENV/bin/python" -m pip --disable-pip-version-check)
   "${hfpip[@]}" install -q --upgrade pip
+  torch_req=$(sed -n 's/^\(torch[=<>!~][^ #]*\).*/\1/p' requirements-hf.txt)
   if [ -n "${TORCH_INDEX_URL:-}" ]; then
-    torch_req=$(sed -n 's/^\(torch[=<>!~][^ #]*\).*/\1/p' requirements-hf.txt)
     "${hfpip[@]}" install -q --index-url "$TORCH_INDEX_URL" "$torch_req"
+  else
+    "${hfpip[@]}" install -q "$torch_req"
   fi
-  "${hfpip[@]}" install -q -r requirements-hf.txt
+  # torch is pinned in requirements-hf.txt and left out of locks/hf.txt (the lock would otherwise
+  # carry the CUDA build's nvidia-* wheels); everything else is locked.
+  if [ "$MODE" = locked ]; then
+    "${hfpip[@]}" install -q -r locks/hf.txt
+  else
+    "${hfpip[@]}" install -q --upgrade -r requirements-hf.txt
+  fi
   if ! versions=$("$HF_VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'); then
     echo "setup.sh: $HF_VENV was installed but 'import torch, transformers' fails (see above)." >&2
     echo "  Delete it and re-run 'bash setup.sh HF_REFERENCE=1', or point TESSERA_HF_PYTHON at a Python with both." >&2
@@ -97,6 +114,39 @@ install_hf_reference() {
   fi
   echo "setup.sh: Hugging Face reference ready in $HF_VENV ($versions, $("$HF_VENV/bin/python" --version)); took $((SECONDS - start)) s."
 }
+
+# bash setup.sh lock: resolve requirements*.txt with uv (pinned above) into locks/*.txt. The locks
+# are universal (every platform, Python >= 3.11, with environment markers where versions differ).
+refresh_locks() {
+  local py uv flavour src cuda_only args tmp
+  py=$(find_python 3.12 3.13 3.11)
+  [ -z "$py" ] && { echo "setup.sh lock: no Python 3.11-3.13 found to run uv" >&2; exit 1; }
+  tmp=$(mktemp -d)
+  LOCK_TMP=$tmp
+  trap 'rm -rf "$LOCK_TMP"' EXIT
+  "$py" -m venv "$tmp/uv"
+  "$tmp/uv/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"
+  uv=("$tmp/uv/bin/uv" pip compile --quiet --universal --python-version 3.11 --no-config
+      --custom-compile-command "bash setup.sh lock")
+  mkdir -p locks
+  for flavour in cpu gpu tpu; do
+    src=requirements.txt
+    [ "$flavour" != cpu ] && src=requirements-$flavour.txt
+    "${uv[@]}" "$src" -o "locks/$flavour.txt"
+    echo "setup.sh lock: locks/$flavour.txt <- $src ($(grep -c '^[A-Za-z]' "locks/$flavour.txt") packages)"
+  done
+  # hf: torch stays pinned in requirements-hf.txt and is installed on its own (a CPU build); the
+  # packages only its CUDA build needs are left out of the lock.
+  "${uv[@]}" requirements-hf.txt -o "$tmp/hf.txt"
+  args=(--no-emit-package torch)
+  for cuda_only in $(grep -oE '^(nvidia-[a-z0-9-]+|cuda-[a-z-]+|triton)==' "$tmp/hf.txt" | tr -d '='); do
+    args+=(--no-emit-package "$cuda_only")
+  done
+  "${uv[@]}" requirements-hf.txt "${args[@]}" -o locks/hf.txt
+  echo "setup.sh lock: locks/hf.txt <- requirements-hf.txt ($(grep -c '^[A-Za-z]' locks/hf.txt) packages; torch from requirements-hf.txt)"
+  echo "setup.sh lock: done; run the tests, then commit requirements*.txt and locks/ together."
+}
+if [ "$COMMAND" = lock ]; then refresh_locks; exit 0; fi
 
 if [ -x "$VENV/bin/python" ] && [ -n "$(py_version "$VENV/bin/python")" ]; then
   echo "setup.sh: reusing $VENV ($("$VENV/bin/python" --version))"
@@ -122,15 +172,28 @@ fi
 
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
-"${PIP[@]}" install -q -r requirements.txt
-JAX_VERSION=$("$VENV/bin/python" -c 'import jax; print(jax.__version__)')
-case "$DEVICE" in
-  gpu) "${PIP[@]}" install -q "jax[cuda12]==$JAX_VERSION" ;;
-  tpu) "${PIP[@]}" install -q "jax[tpu]==$JAX_VERSION" ;;
-esac
+if [ "$MODE" = locked ]; then
+  echo "setup.sh: installing the locked versions from locks/$DEVICE.txt (MODE=latest resolves the ranges instead)"
+  "${PIP[@]}" install -q -r "locks/$DEVICE.txt"
+else
+  ranges=requirements.txt
+  [ "$DEVICE" != cpu ] && ranges=requirements-$DEVICE.txt
+  echo "setup.sh: MODE=latest: resolving the newest releases within $ranges (not what CI tested)"
+  "${PIP[@]}" install -q --upgrade -r "$ranges"
+fi
 "${PIP[@]}" install -q --no-deps -e .
-
-echo "setup.sh: done (DEVICE=$DEVICE, jax $JAX_VERSION, $("$VENV/bin/python" --version))."
+printf 'DEVICE=%s\nMODE=%s\n' "$DEVICE" "$MODE" > "$VENV/tessera-setup.txt"   # read by tessera.doctor
+JAX_VERSION=$("$VENV/bin/python" -c 'import jax; print(jax.__version__)')
+echo "setup.sh: installed (DEVICE=$DEVICE, MODE=$MODE, jax $JAX_VERSION, $("$VENV/bin/python" --version)); took $((SECONDS - START)) s."
 if [ "$HF_REFERENCE" = 1 ]; then install_hf_reference; fi
+
+# The doctor checks versions against the lock, the devices JAX sees and known-bad combinations.
+status=0
+"$VENV/bin/python" -m tessera.doctor --quiet || status=$?
+echo "  Details:               $VENV/bin/python -m tessera.doctor"
 echo "  Train the tiny model:  $VENV/bin/python train.py configs/base.yml run_name=demo"
 echo "  Run the tests:         $VENV/bin/python -m pytest -q tests"
+echo "setup.sh: done in $((SECONDS - START)) s."
+# A doctor verdict of 'problems' does not fail the install of a CPU-only machine asked for
+# DEVICE=gpu|tpu (a login host may prepare an environment for another machine); it is printed.
+exit 0
