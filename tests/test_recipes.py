@@ -60,6 +60,19 @@ def test_every_recipe_of_the_issue_exists():
     assert set(REQUIRED) <= set(RECIPES)
 
 
+@pytest.mark.parametrize("recipe", TPU)
+def test_tpu_recipes_take_their_flags_from_the_generation_include(recipe):
+    """One LIBTPU_INIT_ARGS block per generation (configs/tpu/<gen>/flags.inc), none in a recipe."""
+    text = (REPO / "configs" / f"{recipe}.sh").read_text()
+    assert "LIBTPU_INIT_ARGS=" not in text
+    assert 'source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"' in text
+    include = REPO / "configs" / recipe.rsplit("/", 1)[0] / "flags.inc"
+    assert include.read_text().count("export LIBTPU_INIT_ARGS=") == 1
+    exports, _ = parse(dry_run(recipe).stdout)
+    declared = re.search(r'LIBTPU_INIT_ARGS="([^"]*)"', include.read_text()).group(1).replace("\\\n", " ")
+    assert flags(exports["LIBTPU_INIT_ARGS"]) == flags(declared) != {}
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_header_and_dry_run_build_a_valid_config(recipe):
     text = (REPO / "configs" / f"{recipe}.sh").read_text()

@@ -10,7 +10,7 @@
 set -e
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 
-export LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=true"
+source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"   # LIBTPU_INIT_ARGS of every v4 recipe
 
 run_recipe v4-128 \
   model_name=1b base_emb_dim=6144 base_num_query_heads=48 base_num_kv_heads=48 base_mlp_dim=16384 base_num_decoder_layers=48 \

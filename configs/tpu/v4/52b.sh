@@ -11,7 +11,7 @@
 set -e
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 
-export LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=true"
+source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"   # LIBTPU_INIT_ARGS of every v4 recipe
 
 run_recipe v4-384 \
   model_name=1b base_emb_dim=8192 base_num_query_heads=64 base_num_kv_heads=64 base_mlp_dim=22016 base_num_decoder_layers=64 \

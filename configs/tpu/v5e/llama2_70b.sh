@@ -12,13 +12,7 @@
 set -e
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 
-export LIBTPU_INIT_ARGS="--xla_tpu_enable_data_parallel_all_reduce_opt=true \
-  --xla_tpu_data_parallel_opt_different_sized_ops=true \
-  --xla_tpu_enable_async_collective_fusion=true \
-  --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true \
-  --xla_tpu_enable_async_collective_fusion_multiple_steps=true \
-  --xla_tpu_overlap_compute_collective_tc=true \
-  --xla_enable_async_all_gather=true"
+source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"   # LIBTPU_INIT_ARGS of every v5e recipe
 
 run_recipe v5e-256 \
   model_name=llama2-70b \
