@@ -172,3 +172,10 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         assert main(argv) == 2, name
         err = capsys.readouterr().err
         assert message in err, (name, err)
+
+
+def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["configs/base.yml", "load_parameters_path=x", "--tokens", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: config file {tmp_path / 'configs' / 'base.yml'} does not exist" in err

@@ -118,3 +118,31 @@ def test_moe_keys_are_checked_and_the_dense_model_refuses_experts():
     with pytest.raises(ConfigError, match="num_experts=8: decoder_block=llama2 has a dense MLP"):
         build_model(build_config({"num_experts": 8, "num_experts_per_tok": 2}).model)
     assert (REPO / "configs" / "models" / "llama3.1-8b.yml").is_file()
+
+
+def test_sequence_length_is_the_configs_and_is_printed(capsys, tmp_path):
+    assert main(["llama3.1-70b", "--hardware", "v5p-256"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert first.startswith("sequence length 128 tokens: the max_target_length default of configs/base.yml")
+    assert "pass max_target_length=" in first
+    assert main(["llama3.1-70b", "max_target_length=8192", "--hardware", "v5p-256"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sequence length 8192 tokens (max_target_length from the command line)")
+    assert "(forward + backward, sequence 8192)" in out
+    model_file = tmp_path / "long.yml"
+    model_file.write_text("base_emb_dim: 256\nmax_target_length: 4096\n")
+    assert main([str(model_file), "--hardware", "v5p-8"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("sequence length 4096 tokens (max_target_length of the model config)")
+    assert "sequence 4096)" in out
+
+
+def test_only_key_value_arguments_start_from_the_default_model(capsys):
+    assert main(["base_emb_dim=16384", "base_num_decoder_layers=2", "--hardware", "v5p-8"]) == 0
+    assert "model default: 2 layers, emb 16384" in capsys.readouterr().out
+    assert main(["--hardware", "v6e-256", "model_name=llama3.1-8b", "max_target_length=8192"]) == 0
+    out = capsys.readouterr().out
+    assert "model llama3.1-8b: 32 layers" in out and out.startswith("sequence length 8192 tokens")
+    assert load_model_config(None, ["model_name=llama2-7b"]).model.model_name == "llama2-7b"
+    assert load_model_config(None, ["vocab_size=1000"]).model.vocab_size == 1000

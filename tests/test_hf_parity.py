@@ -191,7 +191,7 @@ def test_convert_refuses_a_mismatched_config_and_keeps_outputs(hf_model, tmp_pat
     assert proc.returncode == 2 and "already exists" in proc.stderr
     assert (tmp_path / "exists" / "keep.txt").read_text() == "data"
     proc = _cli("-m", "tessera.tools.convert", "hf-to-tessera", str(tmp_path / "nowhere"), str(tmp_path / "o2"), *keys)
-    assert proc.returncode == 2 and "has no config.json" in proc.stderr
+    assert proc.returncode == 2 and f"Hugging Face folder {tmp_path / 'nowhere'} does not exist" in proc.stderr
 
 
 def test_convert_names_tensors_that_do_not_fit(hf_model, tmp_path):

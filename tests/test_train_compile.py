@@ -4,11 +4,14 @@ multi-slice meshes. Models are tiny; compiling the real recipes is benchmarks/ao
 
 import dataclasses
 import json
+import logging
+import re
 
 import pytest
 
 from conftest import TINY
 from tessera.config import ConfigError, build_config
+from tessera import train_compile
 from tessera.hardware import tpu_slice
 from tessera.train_compile import EXIT_DOES_NOT_FIT, compile_for_topology, main, not_fits_message
 
@@ -68,9 +71,12 @@ def test_not_fits_message_names_the_knobs_for_the_larger_part(small_report):
     assert "The larger part is the train state" in text and text.index("more chips") < text.index("per_device")
 
 
-def test_exit_code_and_report_when_it_does_not_fit(tmp_path, capsys):
+def test_exit_code_and_report_when_it_does_not_fit(tmp_path, capsys, caplog, monkeypatch):
+    monkeypatch.setattr(train_compile, "HEARTBEAT_SECONDS", 0.05)  # a line while the compiler works
+    caplog.set_level(logging.INFO, logger="tessera")
     code = main(overrides(tmp_path, compile_topology="v5e-4", compile_hbm_budget_fraction=1e-6))
     assert code == EXIT_DOES_NOT_FIT
+    assert any(re.fullmatch(r"compiling for v5e-4: \d+s elapsed", r.getMessage()) for r in caplog.records)
     assert "does not fit: the train step needs" in capsys.readouterr().err
     report = json.loads((tmp_path / "aot" / "compile_report.json").read_text())
     assert report["fits"] is False and report["topology"] == "v5e-4" and report["budget_bytes"] < 20000
@@ -95,3 +101,9 @@ def test_multi_slice_mesh_puts_data_parallelism_across_slices(tmp_path):
 def test_empty_topology_is_a_config_error(tmp_path, capsys):
     assert main(overrides(tmp_path)) == 2
     assert "compile_topology is empty" in capsys.readouterr().err
+
+
+def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["nope.yml", "compile_topology=v5e-4"]) == 2
+    assert f"error: config file {tmp_path / 'nope.yml'} does not exist" in capsys.readouterr().err

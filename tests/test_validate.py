@@ -1,14 +1,17 @@
 """Validation suite: placeholders refused, every key mapped or reported, real CPU runs pass and fail."""
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
 from conftest import REPO
-from tessera.tools.validate import ValidationInputError, build_plan, load, main, node_commands, select
+from tessera.tools import validate
+from tessera.tools.validate import ValidationInputError, build_plan, load, main, node_commands, over_ssh, select
 
 AMD = sorted((REPO / "configs" / "gpu" / "amd").glob("*.json"))
 CPU = str(REPO / "configs" / "cpu" / "validate_tiny.json")
@@ -70,6 +73,7 @@ def test_dry_run_prints_each_node(tmp_path, capsys):
     assert [c[0] for c in commands] == ["h1", "h2"]
     assert commands[1][2]["NODE_RANK"] == "1" and commands[1][2]["JAX_COORDINATOR_IP"] == "h1"
     assert commands[1][1][0] == "ssh" and "NODE_RANK=1" in commands[1][1][2]
+    assert f" {sys.executable} " in commands[1][1][2] and " python3 " not in commands[1][1][2]
     assert main([path, "--nodes", "h1,h2", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "# node 1 (h2)" in out and "export NODE_RANK=1" in out
@@ -88,3 +92,57 @@ def test_cpu_file_end_to_end(gpu, code, tmp_path):
     xml = (tmp_path / "validation.xml").read_text()
     assert f'failures="{0 if code == 0 else 1}"' in xml
     assert ("PASS" if code == 0 else "FAIL") in proc.stdout
+
+
+FAKE_SSH = """#!/bin/bash
+# fake ssh: `ssh HOST COMMAND` records HOST and runs COMMAND here with bash, with a `python3`
+# first on PATH that fails: a remote host's bare python3 is not the project's interpreter.
+echo "$1" >> "$FAKE_SSH_HOSTS"
+PATH="$FAKE_BIN:$PATH" exec bash -c "$2"
+"""
+TRAP_PYTHON = """#!/bin/sh
+echo "bare python3 was run on the remote host" >&2
+exit 97
+"""
+
+
+@pytest.mark.slow
+def test_remote_nodes_run_the_suites_interpreter(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("ssh", FAKE_SSH), ("python3", TRAP_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    data = json.loads(open(CPU).read())
+    data["config"]["training_steps"] = "3"
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps(data))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_BIN": str(bin_dir),
+           "FAKE_SSH_HOSTS": str(tmp_path / "hosts")}
+    proc = subprocess.run([sys.executable, "-m", "tessera.tools.validate", str(short), "--gpu", "cpu", "--nodes",
+                           "fakehost", "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO,
+                          env=env, timeout=600)
+    log = (tmp_path / "out" / "logs" / "node0.log").read_text()
+    assert proc.returncode == 0, proc.stdout[-2000:] + log[-2000:]
+    assert (tmp_path / "hosts").read_text().split() == ["fakehost"] and "bare python3" not in log
+    assert "step     3 | loss" in log
+
+
+def test_a_host_without_the_interpreter_says_so():
+    cmd = over_ssh("h1", {"NODE_RANK": "1"}, ["/nowhere/bin/python", "train.py"])
+    proc = subprocess.run(["bash", "-c", cmd[2]], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "tessera.validate: /nowhere/bin/python is missing on h1" in proc.stderr and "bash setup.sh" in proc.stderr
+
+
+def test_progress_lines_while_nodes_train(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(validate, "PROGRESS_SECONDS", 0.1)
+    log = tmp_path / "node0.log"
+    log.write_text("I attention kernel: dot_product\n10:00:01 I step     3 | loss 5.1 | 0.2 s\n")
+    procs = [subprocess.Popen(["sleep", "0.6"]), subprocess.Popen(["sh", "-c", "exit 4"])]
+    start = time.monotonic()
+    assert validate.wait_for_nodes(procs, log, "8") == [0, 4]
+    assert time.monotonic() - start >= 0.5
+    lines = capsys.readouterr().out.splitlines()
+    assert lines and re.fullmatch(r"training: 0s elapsed, step 3/8 on node 0, [12] of 2 node\(s\) running", lines[0])
+    assert validate.last_step_logged(tmp_path / "none.log") == 0

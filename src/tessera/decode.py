@@ -11,7 +11,7 @@ KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 likely tokens (0: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
 
 Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated).
-See getting_started/Decode.md.
+See getting_started/Decode.md. JAX is imported only once decoding starts, so that --help is instant.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ import functools
 import logging
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from tessera.checkpointing import CheckpointError, load_parameters
 from tessera.config import Config, ConfigError, load_config
-from tessera.data.tokenizers import Tokenizer, check_tokenizer, load_tokenizer
-from tessera.mesh import create_mesh, named_shardings
-from tessera.models import BLOCKS, ModelDef, build_model
+from tessera.tools.cli import UsageError, config_epilog, resolve_config_file
+
+if TYPE_CHECKING:
+    from tessera.data.tokenizers import Tokenizer
+    from tessera.models import ModelDef
 
 log = logging.getLogger("tessera")
 
@@ -42,6 +42,9 @@ EXIT_OK, EXIT_USER_ERROR = 0, 2
 def sample(logits_bv, key, temperature: float, top_k: int):
     """Next token ids [B] from logits [B, V]: the argmax when temperature == 0, else a draw from
     softmax(logits / temperature) restricted to the top_k largest logits (top_k=0: all)."""
+    import jax
+    import jax.numpy as jnp
+
     if temperature == 0:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     logits_bv = logits_bv / temperature
@@ -62,7 +65,6 @@ def left_padded(prompts: list[list[int]]):
     return tokens, positions, segments
 
 
-@functools.partial(jax.jit, static_argnames=("model", "temperature", "top_k"), donate_argnames="cache")
 def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key, *, model: ModelDef, temperature: float,
                  top_k: int):
     """(next tokens [B], their logits [B, V], cache) after the tokens [B, T] (the prompt, then one token)."""
@@ -70,11 +72,22 @@ def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key, *,
     return sample(logits_btv[:, -1], key, temperature, top_k), logits_btv[:, -1], cache
 
 
+@functools.cache
+def _jitted_decode_step():
+    import jax
+
+    return jax.jit(_decode_step, static_argnames=("model", "temperature", "top_k"), donate_argnames="cache")
+
+
 def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False):
     """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
     produces it. With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
     row being the distribution the i-th new token was drawn from."""
+    import jax
+
+    from tessera.models import BLOCKS
+
     if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
         raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -83,7 +96,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
         raise ValueError(f"{lengths.max()} prompt tokens + {max_new_tokens} new tokens exceed the "
                          f"trainable_position_size={table} positions this model has embeddings for")
 
-    step = functools.partial(_decode_step, model=model, temperature=temperature, top_k=top_k)
+    step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k)
     tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts)
     cache = model.init_cache(len(prompts), tokens_bt.shape[1] + max_new_tokens)
     key = jax.random.key(seed)
@@ -113,9 +126,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(decoding flags, config arguments): `--flag value` pairs are ours, the rest (the config
     file and key=value overrides) go to `load_config`."""
     parser = argparse.ArgumentParser(
-        prog="python3 -m tessera.decode", allow_abbrev=False,
+        prog="python3 -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
-              "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]")
+              "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]\n"
+              "       python3 decode.py ... (the same)",
+        description="Generate text from a checkpoint. key=value arguments build the config as for training: "
+                    "give the model keys the checkpoint was trained with.",
+        epilog=config_epilog(("load_parameters_path", "tokenizer_path", "model_name", "max_target_length",
+                              "add_bos", "ici_tensor_parallelism"), ("getting_started/Decode.md",)))
     parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
     parser.add_argument("--tokens", action="append", default=[], type=_token_ids,
                         help="token ids to continue, comma-separated (repeat for a batch); no tokenizer needed")
@@ -143,6 +161,8 @@ def _token_ids(text: str) -> list[int]:
 
 def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | None, list[list[int]]]:
     """The tokenizer (None with --tokens) and the prompts as token ids, checked against the config."""
+    from tessera.data.tokenizers import check_tokenizer, load_tokenizer
+
     if bool(flags.prompt) == bool(flags.tokens):
         raise ConfigError("give the prompts as --prompt TEXT (with tokenizer_path=...) or as --tokens 1,2,3, "
                           "not both and not neither")
@@ -169,6 +189,12 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
 
 def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     """The model and its parameters from load_parameters_path, sharded over `mesh`."""
+    import jax
+
+    from tessera.checkpointing import load_parameters
+    from tessera.mesh import named_shardings
+    from tessera.models import build_model
+
     path = cfg.checkpoint.load_parameters_path
     model = build_model(cfg.model, "dot_product")  # the cached path always runs the reference attention
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
@@ -181,6 +207,10 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
 
 def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
     """Generate for the flags' prompts and print the results; returns the new tokens per prompt."""
+    import jax
+
+    from tessera.mesh import create_mesh
+
     if not cfg.checkpoint.load_parameters_path:
         raise ConfigError("decoding needs load_parameters_path=<checkpoint step folder> (e.g. "
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
@@ -205,13 +235,18 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
 
 
 def main(argv: list[str]) -> int:
+    flags, config_args = parse_args(argv)  # --help ends here, before JAX is imported
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr, force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    flags, config_args = parse_args(argv)
+    from tessera.checkpointing import CheckpointError
+
     try:
-        decode(load_config(config_args), flags)
+        decode(load_config(resolve_config_file(config_args)), flags)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
     except (ConfigError, CheckpointError) as e:
         print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -258,6 +258,9 @@ class _Profiler:
 
 
 def main(argv: list[str]) -> int:
+    from tessera.tools.cli import exit_if_help, train_help
+
+    exit_if_help(argv, train_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
                         force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -279,3 +282,7 @@ def main(argv: list[str]) -> int:
         log.error("%s (exit code %d)", e, e.exit_code)
         return e.exit_code
     return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -10,7 +10,8 @@ when the step fits, 3 when it does not (naming the knobs that would make it fit)
 config error. `LIBTPU_INIT_ARGS` flags are read by that compiler, so a recipe run with
 `EXECUTABLE=train_compile` also checks that libtpu accepts every flag it exports.
 
-A JSON report goes to base_output_directory/run_name/compile_report.json.
+A JSON report goes to base_output_directory/run_name/compile_report.json. While XLA compiles
+(minutes for a large model) a line says every HEARTBEAT_SECONDS how long it has been running.
 """
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ from pathlib import Path
 
 from tessera.config import Config, ConfigError, load_config
 from tessera.hardware import GIB, TpuSlice, tpu_slice
+from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
 
 log = logging.getLogger("tessera")
 
 EXIT_DOES_NOT_FIT = 3
+HEARTBEAT_SECONDS = 30.0
+HELP_KEYS = ("compile_topology", "compile_topology_num_slices", "compile_hbm_budget_fraction", "model_name",
+             "per_device_batch_size", "max_target_length", "dtype", "remat_policy", "ici_tensor_parallelism",
+             "dcn_fsdp_parallelism")
 
 
 @dataclasses.dataclass
@@ -105,9 +111,12 @@ def compile_for_topology(cfg: Config) -> CompileReport:
         compile_seconds=0.0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0, code_bytes=0,
         peak_bytes=0, total_bytes=0, hbm_bytes=hbm, budget_bytes=int(hbm * c.compile_hbm_budget_fraction),
     )
+    log.info("lowering and compiling the train step for %s (%d devices); XLA's TPU compiler can take minutes",
+             topology.name, len(devices))
     start = time.perf_counter()
     try:
-        compiled, seconds = compile_step(trainer, cfg.run.init_weights_seed)
+        with Heartbeat(f"compiling for {topology.name}", HEARTBEAT_SECONDS, emit=log.info):
+            compiled, seconds = compile_step(trainer, cfg.run.init_weights_seed)
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is handled
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -193,16 +202,26 @@ def not_fits_message(r: CompileReport, cfg: Config) -> str:
     )
 
 
+def compile_help() -> str:
+    return help_text(
+        "python3 -m tessera.train_compile configs/base.yml compile_topology=v5p-256 [key=value ...]",
+        "Compile the real train step for a TPU topology on this host (no TPU needed) and compare the\n"
+        "compiler's memory per chip with its HBM. Exit 0: fits; 3: does not fit (the message lists the\n"
+        "knobs); 2: config error. The report goes to base_output_directory/run_name/compile_report.json.",
+        keys=HELP_KEYS, docs=("getting_started/AOT_compile.md",))
+
+
 def main(argv: list[str]) -> int:
+    exit_if_help(argv, compile_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
-        cfg = load_config(argv)
+        cfg = load_config(resolve_config_file(argv))
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("compile_%Y%m%d_%H%M%S")
         report = compile_for_topology(cfg)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
+    except (ConfigError, UsageError) as e:
+        print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)
         return 2
     out = Path(cfg.run.base_output_directory) / cfg.run.run_name / "compile_report.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,5 +1,45 @@
-"""`python3 -m tessera.config > configs/base.yml` regenerates base.yml from the schema."""
+"""Print a config without running anything.
 
+    python3 -m tessera.config configs/base.yml model_name=llama3.1-8b steps=10   # the resolved config
+    python3 -m tessera.config > configs/base.yml                                  # regenerate base.yml
+
+With arguments (as given to train.py): the config the trainer would run, every key after the
+model file, the key=value arguments and the M_<KEY> environment variables, as flat YAML.
+Without: configs/base.yml as generated from the schema, every key with its default and comment.
+"""
+
+import sys
+
+import yaml
+
+from tessera.config import ConfigError, flat_dict, load_config
 from tessera.config.schema import render_base_yml
+from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_config_file
 
-print(render_base_yml(), end="")
+
+def config_help() -> str:
+    return help_text(
+        "python3 -m tessera.config [configs/base.yml [key=value ...]]",
+        "With a config file and key=value arguments (as given to train.py): print the resolved config,\n"
+        "after configs/models/<model_name>.yml, the arguments and M_<KEY> environment variables, without\n"
+        "training. Without arguments: print configs/base.yml as generated from the schema\n"
+        "(`python3 -m tessera.config > configs/base.yml` regenerates it). Exit 2 on a config error.",
+        docs=("configs/base.yml (every key, its default and comment)", "README.md#configuration"))
+
+
+def main(argv: list[str]) -> int:
+    exit_if_help(argv, config_help)
+    if not argv:
+        print(render_base_yml(), end="")
+        return 0
+    try:
+        cfg = load_config(resolve_config_file(argv))
+    except (ConfigError, UsageError) as e:
+        print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)
+        return 2
+    print(yaml.safe_dump(flat_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

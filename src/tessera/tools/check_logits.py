@@ -9,7 +9,7 @@ checkpoint's parameters (a training step folder or one written by `tools.convert
 the model the config describes. Without --tokens, 32 token ids are drawn from the vocabulary
 with a fixed seed. One line per position: max |logit difference| and KL(p_hf || p_tessera) in
 nats. Exit 0 when both stay under their thresholds at every position, 1 when not, 2 on bad
-input.
+input. Relative paths are read from the working directory.
 """
 
 from __future__ import annotations
@@ -22,11 +22,12 @@ import numpy as np
 
 from tessera.config import Config, ConfigError
 from tessera.tools import hf_env
+from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_path, split_overrides, take_options
 from tessera.tools.estimate import load_model_config
-from tessera.tools.hf_layouts import config_from_hf
 
-USAGE = ("usage: python3 -m tessera.tools.check_logits <hf_dir> <tessera_checkpoint> model_name=<name> [key=value ...] "
+USAGE = ("python3 -m tessera.tools.check_logits <hf_dir> <tessera_checkpoint> model_name=<name> [key=value ...] "
          "[--tokens 1,2,3] [--max-abs-diff 1e-3] [--max-kl 1e-4]")
+OPTIONS = {"--tokens": "", "--max-abs-diff": "1e-3", "--max-kl": "1e-4"}
 
 
 def tessera_logits(cfg: Config, checkpoint: str, tokens_bt: np.ndarray) -> np.ndarray:
@@ -58,15 +59,6 @@ def compare(ours_tv: np.ndarray, ref_tv: np.ndarray) -> tuple[np.ndarray, np.nda
     return np.abs(ours_tv.astype(np.float64) - ref_tv).max(axis=-1), kl
 
 
-def _option(argv: list[str], name: str, default: str) -> tuple[str, list[str]]:
-    if name not in argv:
-        return default, argv
-    i = argv.index(name)
-    if i + 1 >= len(argv):
-        raise ConfigError(f"{name} needs a value")
-    return argv[i + 1], argv[:i] + argv[i + 2:]
-
-
 def _tokens(text: str, vocab: int) -> np.ndarray:
     if not text:
         return np.random.default_rng(0).integers(0, vocab, size=(1, 32)).astype(np.int32)
@@ -79,43 +71,57 @@ def _tokens(text: str, vocab: int) -> np.ndarray:
     return np.asarray([ids], np.int32)
 
 
+def check_logits_help() -> str:
+    return help_text(
+        USAGE,
+        "Compare Tessera's logits with those of Hugging Face transformers (CPU, float32, the reference\n"
+        "environment of `bash setup.sh HF_REFERENCE=1`) on the same tokens. Exit 0 when every position\n"
+        "stays under both thresholds, 1 when not, 2 on bad input.",
+        options=[("--tokens 1,2,3", "token ids to compare on (default: 32 ids drawn with a fixed seed)"),
+                 ("--max-abs-diff X", "largest |logit difference| allowed (default 1e-3)"),
+                 ("--max-kl X", "largest KL(p_hf || p_tessera) in nats allowed (default 1e-4)")],
+        keys=("model_name", "weight_dtype"), docs=("getting_started/Models.md",))
+
+
 def run(argv: list[str]) -> int:
-    tokens_text, argv = _option(argv, "--tokens", "")
-    max_abs, argv = _option(argv, "--max-abs-diff", "1e-3")
-    max_kl, argv = _option(argv, "--max-kl", "1e-4")
-    positional = [a for a in argv if "=" not in a]
-    overrides = [a for a in argv if "=" in a]
+    options, args = take_options(argv, OPTIONS)
+    max_abs, max_kl = _threshold(options, "--max-abs-diff"), _threshold(options, "--max-kl")
+    positional, overrides = split_overrides(args)
     if len(positional) != 2:
-        print(USAGE, file=sys.stderr)
-        return 2
-    hf_dir, checkpoint = Path(positional[0]), positional[1]
+        raise UsageError(f"give a Hugging Face folder and a Tessera checkpoint (got {positional})\nusage: {USAGE}")
+    hf_dir = Path(resolve_path(positional[0], "Hugging Face folder"))
+    checkpoint = resolve_path(positional[1], "checkpoint")
     if not (hf_dir / "config.json").is_file():
         raise ConfigError(f"{hf_dir} has no config.json; pass a Hugging Face model folder")
-    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model_name=")), "default")
-    cfg = load_model_config(model, [o for o in overrides if not o.startswith("model_name=")])
+    cfg = load_model_config(None, overrides)
     from tessera.tools.convert import check_same_model
 
     check_same_model(cfg, json.loads((hf_dir / "config.json").read_text()))
-    tokens = _tokens(tokens_text, cfg.model.vocab_size)
+    tokens = _tokens(options["--tokens"], cfg.model.vocab_size)
     ref = hf_env.reference_logits(hf_dir, tokens)
     ours = tessera_logits(cfg, checkpoint, tokens)
     diff, kl = compare(ours[0], ref[0])
     print(f"{'pos':>5} {'token':>8} {'max_abs_diff':>14} {'kl_nats':>12}")
     for t, (tok, d, k) in enumerate(zip(tokens[0], diff, kl)):
         print(f"{t:>5} {tok:>8} {d:>14.3e} {k:>12.3e}")
-    ok = bool(diff.max() <= float(max_abs) and kl.max() <= float(max_kl))
-    print(f"max abs diff {diff.max():.3e} (threshold {float(max_abs):g}), max KL {kl.max():.3e} nats "
-          f"(threshold {float(max_kl):g}): {'PASS' if ok else 'FAIL'}")
+    ok = bool(diff.max() <= max_abs and kl.max() <= max_kl)
+    print(f"max abs diff {diff.max():.3e} (threshold {max_abs:g}), max KL {kl.max():.3e} nats "
+          f"(threshold {max_kl:g}): {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
+def _threshold(options: dict[str, str], name: str) -> float:
+    try:
+        return float(options[name])
+    except ValueError:
+        raise UsageError(f"{name} {options[name]!r} is not a number; e.g. {name} {OPTIONS[name]}") from None
+
+
 def main(argv: list[str]) -> int:
+    exit_if_help(argv, check_logits_help)
     try:
         return run(argv)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except hf_env.ReferenceUnavailable as e:
+    except (ConfigError, UsageError, hf_env.ReferenceUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -15,7 +15,8 @@ then writes them, copying about one model's worth at its peak, never two (measur
 tessera-to-hf restores one parameter at a time from a Tessera checkpoint (a training step
 folder or a converted one) and writes safetensors shards of at most `--max-shard-size` bytes
 plus `config.json`; RAM holds one shard being assembled plus one restored parameter. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
-bit, when weight_dtype is the checkpoint's dtype.
+bit, when weight_dtype is the checkpoint's dtype. Relative paths are read from the working
+directory; a checkpoint may also be a gs:// URL.
 """
 
 from __future__ import annotations
@@ -25,19 +26,19 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 from tqdm import tqdm
 
 from tessera.config import Config, ConfigError
-from tessera.tools import hf_checkpoint
+from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_path, split_overrides, take_options
 from tessera.tools.estimate import load_model_config
 from tessera.tools.hf_layouts import as_overrides, config_from_hf, layout_for
 
 USAGE = (
-    "usage: python3 -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=<name> [key=value ...]\n"
+    "python3 -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=<name> [key=value ...]\n"
     "       python3 -m tessera.tools.convert tessera-to-hf <checkpoint> <out_dir> model_name=<name> [key=value ...]"
     " [--max-shard-size BYTES]"
 )
+OPTIONS = {"--max-shard-size": str(5 * 2**30)}
 # Hugging Face tensors that are buffers or duplicates, never parameters.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 
@@ -65,6 +66,8 @@ def check_same_model(cfg: Config, hf_config: dict) -> None:
 
 def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
     """Write the Hugging Face checkpoint in `hf_dir` as a Tessera params checkpoint in `out_dir`."""
+    from tessera.tools import hf_checkpoint  # JAX and Orbax: imported when converting, not for --help
+
     reader = hf_checkpoint.Reader(hf_dir)
     check_same_model(cfg, reader.config)
     if out_dir.exists():
@@ -104,6 +107,8 @@ def _check_all_used(names, used: set[str], tied: bool) -> None:
 
 def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: int) -> Path:
     """Write a Tessera checkpoint's parameters as a Hugging Face checkpoint in `out_dir`."""
+    from tessera.tools import hf_checkpoint
+
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"{out_dir} is not empty; choose a new output folder (nothing was written)")
     m = cfg.model
@@ -120,34 +125,40 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
     return out_dir
 
 
+def convert_help() -> str:
+    return help_text(
+        USAGE,
+        "Convert a Hugging Face checkpoint (config.json + safetensors) to a Tessera one, or back. The\n"
+        "model keys must describe the checkpoint's model: hf-to-tessera lists each key that differs.",
+        options=[("--max-shard-size BYTES", "tessera-to-hf: largest safetensors file to write (default 5 GiB)")],
+        keys=("model_name", "scan_layers", "weight_dtype"), docs=("getting_started/Models.md",))
+
+
 def main(argv: list[str]) -> int:
+    exit_if_help(argv, convert_help)
     try:
         return _run(argv)
-    except ConfigError as e:
+    except (ConfigError, UsageError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
 
 def _run(argv: list[str]) -> int:
-    max_shard = 5 * 2**30
-    if "--max-shard-size" in argv:
-        i = argv.index("--max-shard-size")
-        if i + 1 >= len(argv) or not argv[i + 1].isdigit():
-            raise ConfigError("--max-shard-size needs a number of bytes, e.g. --max-shard-size 5000000000")
-        max_shard, argv = int(argv[i + 1]), argv[:i] + argv[i + 2:]
-    positional = [a for a in argv if "=" not in a]
-    overrides = [a for a in argv if "=" in a]
+    options, args = take_options(argv, OPTIONS)
+    if not options["--max-shard-size"].isdigit():
+        raise UsageError("--max-shard-size needs a number of bytes, e.g. --max-shard-size 5000000000")
+    positional, overrides = split_overrides(args)
     if len(positional) != 3 or positional[0] not in ("hf-to-tessera", "tessera-to-hf"):
-        print(USAGE, file=sys.stderr)
-        return 2
+        raise UsageError(f"give hf-to-tessera or tessera-to-hf, then two folders (got {positional})\nusage: {USAGE}")
     command, source, out = positional
-    model = next((o.split("=", 1)[1] for o in overrides if o.startswith("model_name=")), "default")
-    cfg = load_model_config(model, [o for o in overrides if not o.startswith("model_name=")])
+    what = "Hugging Face folder" if command == "hf-to-tessera" else "checkpoint"
+    source, out = resolve_path(source, what), resolve_path(out, "output folder", must_exist=False)
+    cfg = load_model_config(None, overrides)
     if command == "hf-to-tessera":
         done = hf_to_tessera(Path(source), Path(out), cfg)
         print(f"wrote {done} (train from it with load_parameters_path={done})")
     else:
-        done = tessera_to_hf(source, Path(out), cfg, max_shard)
+        done = tessera_to_hf(source, Path(out), cfg, int(options["--max-shard-size"]))
         print(f"wrote {done} (config.json and safetensors)")
     return 0
 

@@ -3,6 +3,12 @@
     python3 -m tessera.tools.estimate llama3.1-70b per_device_batch_size=2 --hardware v5p-256
     python3 -m tessera.tools.estimate my_model.yml ici_tensor_parallelism=4 --hardware v6e-256
     python3 -m tessera.tools.estimate 1b global_parameter_scale=128 --hardware h100-64 --mfu 0.4
+    python3 -m tessera.tools.estimate base_emb_dim=4096 base_num_decoder_layers=32 --hardware v5e-256
+
+With only key=value arguments the model starts from `model_name` among them, else `default`.
+Sequences are `max_target_length` tokens long, as in training; the first line of the report
+says which length was used and where it came from (the base.yml default is 128, far shorter
+than a large model's runs: pass max_target_length=... for real numbers).
 
 Prints total and active parameters, training FLOPs per token (the trainer's own formula),
 memory per device for parameters, gradients, AdamW state and activations (per remat policy),
@@ -29,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import re
 import sys
 from pathlib import Path
@@ -37,8 +42,10 @@ from pathlib import Path
 import yaml
 
 from tessera.config import Config, ConfigError, ModelConfig, build_config, load_config
+from tessera.config.schema import all_fields
 from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
+from tessera.tools.cli import config_epilog
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -193,9 +200,14 @@ def rooflines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[Roofline]
     ]
 
 
-def load_model_config(model: str, overrides: list[str]) -> Config:
-    """A model name from configs/models, or a path to a model YAML file, plus key=value overrides."""
+def load_model_config(model: str | None, overrides: list[str]) -> Config:
+    """A model name from configs/models, or a path to a model YAML file, plus key=value overrides.
+    With no model, the `model_name=` among the overrides, else the default model."""
     base = CONFIGS / "base.yml"
+    if model is None:
+        names = [o.partition("=")[2] for o in overrides if o.partition("=")[0].strip() == "model_name"]
+        model = names[-1] if names else "default"
+        overrides = [o for o in overrides if o.partition("=")[0].strip() != "model_name"]
     if not model.endswith((".yml", ".yaml")):
         return load_config([str(base), f"model_name={model}", *overrides], env={})
     path = Path(model)
@@ -211,8 +223,19 @@ def load_model_config(model: str, overrides: list[str]) -> Config:
     return build_config(flat)
 
 
-def report(cfg: Config, hw: Hardware, mfu: float) -> str:
-    """The whole estimate as text."""
+def sequence_note(cfg: Config, overrides: list[str]) -> str:
+    """Which sequence length the estimate uses and where it comes from."""
+    length = cfg.data.max_target_length
+    if any(o.partition("=")[0].strip() == "max_target_length" for o in overrides):
+        return f"sequence length {length} tokens (max_target_length from the command line)"
+    if length != all_fields()["max_target_length"][1].default:
+        return f"sequence length {length} tokens (max_target_length of the model config)"
+    return (f"sequence length {length} tokens: the max_target_length default of configs/base.yml, not this model's "
+            "context; pass max_target_length=<your run's> (e.g. 8192) for the numbers of your run")
+
+
+def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
+    """The whole estimate as text; `sequence` (see sequence_note) comes first."""
     m, counts = cfg.model, count_params(cfg.model)
     mesh = mesh_sizes(cfg, hw)
     fused = hw.accelerator.torus_dims == 0 and m.dtype in ("bfloat16", "float16")  # cuDNN attention on GPUs
@@ -221,6 +244,7 @@ def report(cfg: Config, hw: Hardware, mfu: float) -> str:
     flops_token = training_flops_per_step(m, 1, tokens) / tokens
     hbm = hw.accelerator.hbm_bytes
     lines = [
+        sequence or f"sequence length {tokens} tokens (max_target_length)",
         f"model {m.model_name}: {m.num_decoder_layers} layers, emb {m.emb_dim}, mlp {m.mlp_dim}, heads "
         f"{m.num_query_heads}/{m.num_kv_heads} x {m.head_dim}, vocab {m.vocab_size}"
         + (f", {m.num_experts} experts (top {m.num_experts_per_tok})" if m.num_experts > 1 else ""),
@@ -260,8 +284,14 @@ def report(cfg: Config, hw: Hardware, mfu: float) -> str:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="python3 -m tessera.tools.estimate", description=__doc__.split("\n\n")[0])
-    p.add_argument("model", help="model name (configs/models/<name>.yml) or path to a model YAML file")
+    p = argparse.ArgumentParser(
+        prog="python3 -m tessera.tools.estimate", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=config_epilog(("model_name", "per_device_batch_size", "max_target_length", "remat_policy", "dtype",
+                              "ici_tensor_parallelism", "ici_expert_parallelism", "global_parameter_scale"),
+                             ("getting_started/AOT_compile.md#estimating-first",)))
+    p.add_argument("model", nargs="?", help="model name (configs/models/<name>.yml) or path to a model YAML file "
+                   "(default: model_name=... among the overrides, else the default model)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides (mesh, batch, remat_policy, ...)")
     p.add_argument("--hardware", required=True, help="TPU slice type (v6e-256, v5p-128, ...) or <gpu>-<count> (h100-8)")
     p.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN (default 1)")
@@ -269,10 +299,13 @@ def main(argv: list[str]) -> int:
                    "wraparound, else 2; 1 on GPUs)")
     p.add_argument("--mfu", type=float, default=0.0, help="also print the throughput at this MFU (e.g. 0.4)")
     args = p.parse_intermixed_args(argv)  # key=value may come before or after the options
+    model, overrides = args.model, args.overrides
+    if model is not None and "=" in model:  # only key=value arguments: no model named
+        model, overrides = None, [model, *overrides]
     try:
-        cfg = load_model_config(args.model, args.overrides)
+        cfg = load_model_config(model, overrides)
         hw = parse_hardware(args.hardware, args.num_slices, args.ici_links)
-        print(report(cfg, hw, args.mfu))
+        print(report(cfg, hw, args.mfu, sequence_note(cfg, overrides)))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,11 @@ start with `_` are comments; `{user-id}` becomes the current user; any `<changem
 stops the suite before anything runs. Every key either has a use (a train key, an environment
 variable, a mapped meaning) or is listed as ignored, with the reason.
 
+Every node runs train.py with the interpreter that runs this suite (sys.executable): over ssh,
+the same path in the same repository folder, so every host needs the repository at the same
+path, set up the same way (`bash setup.sh`). While training runs, node 0's progress shows as
+a bar on a terminal, else as a line every PROGRESS_SECONDS. See getting_started/Validation.md.
+
 Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
 unusable (placeholders left, bad structure).
 """
@@ -22,6 +27,7 @@ import dataclasses
 import getpass
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -32,8 +38,10 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 from tessera.config.schema import all_fields
+from tessera.tools.cli import Heartbeat, UsageError, resolve_path
 
 REPO = Path(__file__).resolve().parents[3]
+PROGRESS_SECONDS = 30.0
 PLACEHOLDER = "<changeme>"
 # config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
 ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
@@ -201,10 +209,10 @@ def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str) -> dict[str, 
     return env
 
 
-def train_argv(plan: Plan, run_name: str, python: str = sys.executable) -> list[str]:
+def train_argv(plan: Plan, run_name: str) -> list[str]:
     overrides = {**plan.overrides, "run_name": run_name}
     overrides.setdefault("base_output_directory", str(REPO / "outputs"))
-    return [python, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"),
+    return [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"),
             *(f"{k}={v}" for k, v in overrides.items())]
 
 
@@ -229,37 +237,83 @@ def wrap_in_container(engine: str, plan: Plan, env: dict[str, str], argv: list[s
     return cmd + [c["container_image"], "python3", *argv[1:]]
 
 
+def over_ssh(host: str, env: dict[str, str], argv: list[str]) -> list[str]:
+    """ssh argv running `argv` on `host` from the repository's folder (the same path as here);
+    when argv[0] (the interpreter, or the container engine) is missing there, the node's log says so."""
+    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    missing = (f"tessera.validate: {argv[0]} is missing on {host}; every host needs the repository at {REPO} "
+               "set up as on the host that runs the suite (bash setup.sh)")
+    script = (f"cd {shlex.quote(str(REPO))} || exit 2; "
+              f"command -v {shlex.quote(argv[0])} >/dev/null || {{ echo {shlex.quote(missing)} >&2; exit 2; }}; "
+              f"exec env {exports} {shlex.join(argv)}")
+    return ["ssh", host, script]
+
+
 def node_commands(plan: Plan, nodes: list[str], run_name: str, engine: str | None) -> list[tuple[str, list[str], dict]]:
-    """(host, argv, env) per node; host 'local' runs here."""
+    """(host, argv, env) per node; host 'local' runs here. Every node runs this interpreter (sys.executable)."""
     hosts = nodes or ["local"] * max(plan.nnodes, 1)
     coordinator = nodes[0] if nodes else plan.coordinator
     out = []
     for rank, host in enumerate(hosts):
         env = node_env(plan, rank, len(hosts), coordinator)
-        argv = train_argv(plan, run_name, "python3" if host != "local" else sys.executable)
+        argv = train_argv(plan, run_name)
         if engine and plan.container.get("container_image"):
             argv = wrap_in_container(engine, plan, env, argv)
         if host != "local":
-            exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-            argv = ["ssh", host, f"cd {shlex.quote(str(REPO))} && env {exports} {shlex.join(argv)}"]
+            argv = over_ssh(host, env, argv)
         out.append((host, argv, env))
     return out
 
 
-def run_nodes(commands, log_dir: Path) -> list[int]:
+def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
     """Start every node's command, stream each to its own log file, wait for all."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs = []
+    procs, logs = [], []
     for rank, (host, argv, env) in enumerate(commands):
-        log = (log_dir / f"node{rank}.log").open("w")
+        logs.append((log_dir / f"node{rank}.log").open("w"))
         full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
-        procs.append((subprocess.Popen(argv, env=full_env, stdout=log, stderr=subprocess.STDOUT), log))
-        print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}")
-    codes = []
-    for proc, log in procs:
-        codes.append(proc.wait())
-        log.close()
-    return codes
+        procs.append(subprocess.Popen(argv, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT))
+        print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}", flush=True)
+    try:
+        return wait_for_nodes(procs, log_dir / "node0.log", steps)
+    finally:
+        for log in logs:
+            log.close()
+
+
+def wait_for_nodes(procs: list[subprocess.Popen], node0_log: Path, steps: str) -> list[int]:
+    """Exit codes of every node; meanwhile the steps node 0 has logged, as a bar on a terminal,
+    else in a line every PROGRESS_SECONDS."""
+    if sys.stdout.isatty():
+        from tqdm import tqdm
+
+        total = int(steps) if steps.isdigit() else None
+        with tqdm(total=total, unit="step", desc="training (node 0)", file=sys.stdout) as bar:
+            while any(p.poll() is None for p in procs):
+                bar.update(max(0, last_step_logged(node0_log) - bar.n))
+                time.sleep(1.0)
+            bar.update(max(0, last_step_logged(node0_log) - bar.n))
+    else:
+        def detail() -> str:
+            running = sum(p.poll() is None for p in procs)
+            return f"step {last_step_logged(node0_log)}/{steps} on node 0, {running} of {len(procs)} node(s) running"
+
+        with Heartbeat("training", PROGRESS_SECONDS, detail):
+            for p in procs:
+                p.wait()
+    return [p.wait() for p in procs]
+
+
+def last_step_logged(log_file: Path, tail_bytes: int = 65536) -> int:
+    """The last step line (`step   100 | loss ...`) in the end of a trainer's log; 0 before the first."""
+    try:
+        with log_file.open("rb") as f:
+            f.seek(max(0, log_file.stat().st_size - tail_bytes))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return 0
+    steps = re.findall(r"\bstep\s+(\d+) \| loss", text)
+    return int(steps[-1]) if steps else 0
 
 
 # --------------------------------------------------------------------------- checking
@@ -299,26 +353,33 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['check']:<26} {str(r['target']):>28} {measured:>16}  {'PASS' if r['passed'] else 'FAIL'}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python3 -m tessera.tools.validate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("file")
+    parser.add_argument("file", help="the validation JSON file (relative to the working directory)")
     parser.add_argument("--nodes", default="", help="comma-separated hosts reached over ssh; the first is rank 0")
     parser.add_argument("--dry-run", action="store_true", help="print every node's command and environment")
-    parser.add_argument("--model"), parser.add_argument("--gpu")
+    parser.add_argument("--model", help="which model_params.<mode>.<model> to run (needed when there are several)")
+    parser.add_argument("--gpu", help="which model_params.<mode>.<model>.<gpu> to run (needed when there are several)")
     parser.add_argument("--out", help="where validation.json/.xml and node logs go (default: the run's folder)")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     nodes = [n for n in args.nodes.split(",") if n]
     try:
-        data = load(args.file)
+        path = resolve_path(args.file, "validation file")
+        out = resolve_path(args.out, "--out folder", must_exist=False) if args.out else None
+        data = load(path)
         name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
         plan = build_plan(data, name, entry)
-    except ValidationInputError as e:
-        print(f"validation file error: {e}", file=sys.stderr)
+    except (ValidationInputError, UsageError) as e:
+        print(f"{'validation file ' if isinstance(e, ValidationInputError) else ''}error: {e}", file=sys.stderr)
         return 2
     for key, why in sorted(plan.ignored.items()):
         print(f"ignored {key}: {why}")
-    run_name = f"validate_{Path(args.file).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
+    run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
     engine = container_engine()
     if plan.container.get("container_image") and not engine:
         print(f"no container engine answers here: running directly, not in {plan.container['container_image']}")
@@ -330,9 +391,9 @@ def main(argv: list[str] | None = None) -> int:
             print(shlex.join(cmd))
         return 0
     run_dir = Path(plan.overrides.get("base_output_directory", REPO / "outputs")) / run_name
-    out_dir = Path(args.out) if args.out else run_dir
+    out_dir = Path(out) if out else run_dir
     start = time.time()
-    codes = run_nodes(commands, out_dir / "logs")
+    codes = run_nodes(commands, out_dir / "logs", plan.overrides.get("steps", str(all_fields()["steps"][1].default)))
     report_path = run_dir / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     rows = check(plan, report, codes)

@@ -1,0 +1,182 @@
+"""What Tessera's command lines share: `--help` text, `--option value` pairs, paths typed as
+arguments, and progress lines during long work that prints nothing of its own.
+
+This module imports nothing heavy (no JAX, no NumPy), so that `--help` answers at once and
+never starts a device backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+HELP_FLAGS = ("-h", "--help")
+EXIT_OK = 0
+TRAIN_KEYS = ("run_name", "model_name", "steps", "per_device_batch_size", "max_target_length", "learning_rate",
+              "dataset_type", "dtype", "remat_policy", "ici_fsdp_parallelism", "ici_tensor_parallelism",
+              "base_output_directory", "checkpoint_period", "load_parameters_path")
+
+
+class UsageError(Exception):
+    """The command line cannot be used as typed; the message says what to change (exit code 2)."""
+
+
+# --------------------------------------------------------------------------- help
+
+
+def wants_help(argv: Sequence[str]) -> bool:
+    return any(arg in HELP_FLAGS for arg in argv)
+
+
+def key_lines(names: Iterable[str]) -> list[str]:
+    """`  name=default  comment` for each config key, from the schema that generates configs/base.yml."""
+    from tessera.config.schema import all_fields
+
+    fields = all_fields()
+    rows = []
+    for name in names:
+        f = fields[name][1]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        rows.append((f"{name}={default}", f.metadata["doc"]))
+    width = max(len(left) for left, _ in rows)
+    return [f"  {left:<{width}}  {doc}" for left, doc in rows]
+
+
+def help_text(usage: str, about: str, options: Sequence[tuple[str, str]] = (), keys: Sequence[str] = (),
+              docs: Sequence[str] = ()) -> str:
+    """The --help page: usage, what the command does, its options, its most-used config keys (one
+    line each) and the files that document the rest."""
+    parts = [f"usage: {usage}", "", about.strip()]
+    if options:
+        width = max(len(flag) for flag, _ in options)
+        parts += ["", "options:", *(f"  {flag:<{width}}  {text}" for flag, text in options)]
+    return "\n".join(parts) + "\n\n" + config_epilog(keys, docs)
+
+
+def config_epilog(keys: Sequence[str], docs: Sequence[str]) -> str:
+    """The most-used config keys (one line each) and the files that document the rest; also the
+    epilog of the commands whose help argparse writes."""
+    parts = []
+    if keys:
+        parts += ["most-used config keys (key=value; every key, its default and comment: configs/base.yml):",
+                  *key_lines(keys), ""]
+    if docs:
+        parts += ["documentation: " + ", ".join(docs)]
+    return "\n".join(parts) + "\n"
+
+
+def train_help() -> str:
+    """--help of `train.py` and `tessera.train.main` (here, so that it needs no JAX)."""
+    return help_text(
+        "python3 train.py configs/base.yml [key=value ...]",
+        "Train a decoder LLM. The YAML file gives every key; configs/models/<model_name>.yml, then\n"
+        "key=value arguments, then M_<KEY> environment variables override it, later wins. The same\n"
+        "command again resumes from the run's newest checkpoint. `python3 -m tessera.config` with the\n"
+        "same arguments prints the resolved config without training.",
+        keys=TRAIN_KEYS, docs=("README.md", "getting_started/First_run.md", "getting_started/Checkpointing.md"))
+
+
+def exit_if_help(argv: Sequence[str], text: Callable[[], str]) -> None:
+    """Print `text()` and exit 0 when argv asks for help."""
+    if wants_help(argv):
+        print(text(), end="")
+        raise SystemExit(EXIT_OK)
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def take_options(argv: Sequence[str], defaults: dict[str, str]) -> tuple[dict[str, str], list[str]]:
+    """(the value of each `--option value` or `--option=value` in `defaults`, the other arguments).
+    An option without a value, or one not in `defaults`, is a UsageError."""
+    values, rest = dict(defaults), []
+    args = list(argv)
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--"):
+            rest.append(arg)
+            continue
+        name, sep, value = arg.partition("=")
+        if name not in defaults:
+            raise UsageError(f"unknown option {name}; the options are {', '.join(defaults)} "
+                             "(config keys are given as key=value)")
+        if not sep:
+            if not args or args[0].startswith("--"):
+                raise UsageError(f"{name} needs a value, e.g. {name} {defaults[name] or 'VALUE'}")
+            value = args.pop(0)
+        values[name] = value
+    return values, rest
+
+
+def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(positional arguments, key=value overrides)."""
+    return [a for a in args if "=" not in a], [a for a in args if "=" in a]
+
+
+def resolve_path(text: str, what: str, must_exist: bool = True) -> str:
+    """`text` as typed, made absolute against the working directory (URLs such as gs://... are
+    kept as they are). UsageError naming the resolved path when `must_exist` and nothing is there."""
+    if "://" in text:
+        return text
+    path = Path(os.path.abspath(Path(text).expanduser()))
+    if must_exist and not path.exists():
+        typed = "" if Path(text).is_absolute() else f" ({text!r} from the working directory {Path.cwd()})"
+        raise UsageError(f"{what} {path} does not exist{typed}; check the path")
+    return str(path)
+
+
+def resolve_config_file(args: Sequence[str]) -> list[str]:
+    """`args` of load_config (a YAML file, then key=value) with the file resolved as by `resolve_path`."""
+    args = list(args)
+    if args and "=" not in args[0] and not args[0].startswith("-"):
+        args[0] = resolve_path(args[0], "config file")
+    return args
+
+
+# --------------------------------------------------------------------------- progress
+
+
+def format_seconds(seconds: float) -> str:
+    """45s, 2m05s, 1h02m."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+class Heartbeat:
+    """While a `with` block runs, says every `period` seconds how long it has been running:
+    `<what>: 2m30s elapsed[, <detail()>]`, from a background thread that stops with the block.
+    These are log lines, not a bar: they read the same on a terminal and in a log file."""
+
+    def __init__(self, what: str, period: float = 30.0, detail: Callable[[], str] | None = None,
+                 emit: Callable[[str], None] | None = None):
+        self.what, self.period, self.detail = what, period, detail
+        self.emit = emit or (lambda line: print(line, flush=True))
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="tessera-heartbeat", daemon=True)
+        self.start = 0.0
+
+    def __enter__(self) -> Heartbeat:
+        self.start = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def line(self) -> str:
+        text = f"{self.what}: {format_seconds(time.monotonic() - self.start)} elapsed"
+        extra = self.detail() if self.detail else ""
+        return f"{text}, {extra}" if extra else text
+
+    def _beat(self) -> None:
+        while not self._done.wait(self.period):
+            self.emit(self.line())

@@ -1,0 +1,131 @@
+"""Every entry point answers --help and -h at once (usage, its most-used keys, the files that
+document the rest; exit 0; JAX never imported), and the shared command-line helpers: options,
+paths relative to the working directory, progress lines."""
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import REPO, TINY
+from tessera.tools.cli import Heartbeat, UsageError, format_seconds, resolve_path, take_options
+
+ENTRY_POINTS = {
+    "train.py": ["train.py"],
+    "decode.py": ["decode.py"],
+    "tessera.decode": ["-m", "tessera.decode"],
+    "tessera.train_compile": ["-m", "tessera.train_compile"],
+    "tessera.tools.convert": ["-m", "tessera.tools.convert"],
+    "tessera.tools.check_logits": ["-m", "tessera.tools.check_logits"],
+    "tessera.tools.validate": ["-m", "tessera.tools.validate"],
+    "tessera.tools.estimate": ["-m", "tessera.tools.estimate"],
+    "tessera.config": ["-m", "tessera.config"],
+}
+DOCUMENTS = re.compile(r"(?:getting_started/[\w.-]+\.md|configs/base\.yml|README\.md)")
+
+
+def _run(args, cwd=REPO, **env):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **env}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+@pytest.mark.parametrize("name", ENTRY_POINTS)
+def test_help_without_jax(name, flag):
+    proc = _run(["-X", "importtime", *ENTRY_POINTS[name], flag])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage:"), proc.stdout[:300]
+    named = DOCUMENTS.findall(proc.stdout)
+    assert named, f"{name} --help names no guide or configs/base.yml"
+    for document in named:
+        assert (REPO / document).is_file(), document
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert "jax" not in imported, f"{name} {flag} imported JAX"
+
+
+def test_train_main_answers_help_first(capsys):
+    from tessera.train import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["configs/base.yml", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and out.startswith("usage: python3 train.py")
+    assert "steps=150" in out and "per_device_batch_size=" in out  # keys with their defaults
+
+
+def test_options_of_convert_and_check_logits():
+    defaults = {"--tokens": "", "--max-kl": "1e-4"}
+    values, rest = take_options(["hf", "--tokens", "1,2", "ckpt", "--max-kl=0.1", "model_name=x"], defaults)
+    assert values == {"--tokens": "1,2", "--max-kl": "0.1"} and rest == ["hf", "ckpt", "model_name=x"]
+    assert take_options(["a"], defaults) == (defaults, ["a"])
+    with pytest.raises(UsageError, match="unknown option --max_kl; the options are --tokens, --max-kl"):
+        take_options(["--max_kl", "1"], defaults)
+    with pytest.raises(UsageError, match="--tokens needs a value"):
+        take_options(["a", "--tokens"], defaults)
+
+
+def test_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ckpt").mkdir()
+    assert resolve_path("ckpt", "checkpoint") == str(tmp_path / "ckpt")
+    assert resolve_path("sub/../ckpt", "checkpoint") == str(tmp_path / "ckpt")
+    assert resolve_path("gs://bucket/ckpt", "checkpoint") == "gs://bucket/ckpt"
+    assert resolve_path("new_out", "output folder", must_exist=False) == str(tmp_path / "new_out")
+    with pytest.raises(UsageError, match=f"checkpoint {tmp_path / 'nope'} does not exist"):
+        resolve_path("nope", "checkpoint")
+
+
+def test_convert_with_relative_paths(tmp_path):
+    """Orbax needs absolute paths: relative ones typed by a user are resolved first."""
+    from tessera.config import build_config
+    from tessera.models import build_model
+    from tessera.tools import hf_checkpoint
+
+    model = build_model(build_config(TINY).model)
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), model.param_shapes())
+    hf_checkpoint.save_params(tmp_path / "ckpt", params)
+    keys = [f"{k}={v}" for k, v in TINY.items()]
+    proc = _run(["-m", "tessera.tools.convert", "tessera-to-hf", "ckpt", "hf_out", *keys], cwd=tmp_path,
+                JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "hf_out" / "config.json").is_file() and str(tmp_path / "hf_out") in proc.stdout
+    proc = _run(["-m", "tessera.tools.convert", "tessera-to-hf", "missing", "out2", *keys], cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"checkpoint {tmp_path / 'missing'} does not exist" in proc.stderr
+
+
+def test_bad_command_lines_exit_2_without_traceback(tmp_path):
+    cases = {
+        ("-m", "tessera.tools.convert", "hf-to-tessera", "only_one"): "give hf-to-tessera or tessera-to-hf",
+        ("-m", "tessera.tools.check_logits", "a", "b", "--max-kl", "x"): "--max-kl 'x' is not a number",
+        ("-m", "tessera.tools.check_logits", "nowhere", "b"): f"Hugging Face folder {tmp_path / 'nowhere'} does not",
+        ("-m", "tessera.tools.validate", "none.json"): f"validation file {tmp_path / 'none.json'} does not exist",
+        ("-m", "tessera.config", "none.yml"): f"config file {tmp_path / 'none.yml'} does not exist",
+    }
+    for args, message in cases.items():
+        proc = _run(args, cwd=tmp_path)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, (args, proc.stderr)
+
+
+def test_config_prints_the_resolved_config_or_base_yml():
+    proc = _run(["-m", "tessera.config", "configs/base.yml", "model_name=llama3.1-8b", "steps=7"], M_RUN_NAME="r1")
+    assert proc.returncode == 0, proc.stderr
+    assert "steps: 7\n" in proc.stdout and "run_name: r1\n" in proc.stdout and "base_emb_dim: 4096\n" in proc.stdout
+    assert _run(["-m", "tessera.config"]).stdout == (REPO / "configs" / "base.yml").read_text()
+
+
+def test_heartbeat_says_how_long_until_the_block_ends():
+    lines = []
+    with Heartbeat("compiling", period=0.05, detail=lambda: "step 3/8", emit=lines.append):
+        time.sleep(0.4)
+    count = len(lines)
+    assert count >= 2 and lines[0] == "compiling: 0s elapsed, step 3/8"
+    time.sleep(0.2)
+    assert len(lines) == count  # the thread stopped with the block
+    assert [format_seconds(s) for s in (45, 125, 3720)] == ["45s", "2m05s", "1h02m"]
