@@ -1,4 +1,4 @@
-"""The estimator: seed 004's parameter counts, its roofline thresholds, and memory that agrees
+"""The estimator: the public TPU sizing guide's parameter counts, its roofline thresholds, and memory that agrees
 with what the compiler allocates."""
 
 import jax
@@ -12,7 +12,7 @@ from tessera.tools.estimate import (
     count_params, estimate_memory, load_model_config, main, mesh_sizes, parse_hardware, rooflines,
 )
 
-# Seed 004's example configs. It does not list vocabularies: Llama 3's 128256 for the dense
+# The public TPU sizing guide's example configs. It does not list vocabularies: Llama 3's 128256 for the dense
 # model and Mixtral's 32000 for the MoE models reproduce its totals.
 SEED_004 = {
     "900B dense": (dict(base_emb_dim=16384, base_mlp_dim=131072, head_dim=256, base_num_query_heads=64,

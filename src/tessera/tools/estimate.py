@@ -12,7 +12,7 @@ than a large model's runs: pass max_target_length=... for real numbers).
 
 Prints total and active parameters, training FLOPs per token (the trainer's own formula),
 memory per device for parameters, gradients, AdamW state and activations (per remat policy),
-and the roofline checks of seed 004 for each parallel axis in use: an axis is worth its
+and the roofline checks of the public TPU sizing guide for each parallel axis in use: an axis is worth its
 communication when the arithmetic intensity (FLOPs per byte moved) it leaves is above the
 hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
 
@@ -28,7 +28,7 @@ to 35% above (the overestimates are largest for the 8B-16B models);
 
 Active parameters count what a token multiplies through: attention, the experts it is routed
 to, embeddings and norms. The router (num_experts x emb_dim per layer) is in the total but not
-in the active count, as in seed 004's tables (it changes the 10T model's active count by 0.02%).
+in the active count, as in the public TPU sizing guide's tables (it changes the 10T model's active count by 0.02%).
 """
 
 from __future__ import annotations
