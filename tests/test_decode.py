@@ -3,6 +3,7 @@ sampling; the command line."""
 
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from conftest import REPO, TINY, tiny_config
 from tessera.checkpointing import Checkpointer
 from tessera.decode import generate, main, sample
-from tessera.models import build_model
+from tessera.models import BLOCKS, build_model, kv_cache
+from tessera.step import loss_sums
 
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60, 2, 33]]  # different lengths: the second is left-padded
 NEW_TOKENS = 5  # 6 + 5 tokens fit max_target_length=12 of the tiny config
@@ -70,6 +72,55 @@ def test_cached_decoding_equals_full_recomputation(family):
     assert tokens == want_tokens
     for got, want in zip(logits, want_logits):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def _unstack(params, num_blocks):
+    """Scanned parameters {'layers': stacked} -> unrolled {'layers_0': ..., ...}."""
+    out = {k: v for k, v in params.items() if k != "layers"}
+    out.update({f"layers_{i}": jax.tree.map(lambda x: x[i], params["layers"]) for i in range(num_blocks)})
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama2 scanned", "gemma2"])
+def test_scanned_and_unrolled_layers_decode_the_same_tokens(family):
+    """The same weights, stacked or split: the caches are laid out like them (stacked on a
+    leading layers axis, or one per block; a Gemma 2 block carries a pair) and decode alike."""
+    scanned, params = _model(**FAMILIES[family])
+    unrolled = build_model(tiny_config(dtype="float32", scan_layers=False, **FAMILIES[family]).model)
+    blocks = scanned.cfg.num_decoder_layers // BLOCKS[scanned.cfg.decoder_block].layers_per_block
+    stacked_cache, loop_cache = scanned.init_cache(2, 8), unrolled.init_cache(2, 8)
+    assert len(loop_cache) == blocks
+    assert jax.tree.structure(stacked_cache) == jax.tree.structure(loop_cache[0])
+    assert all(leaf.shape[0] == blocks for leaf in jax.tree.leaves(stacked_cache))
+
+    tokens, logits = generate(scanned, params, PROMPTS, NEW_TOKENS, return_logits=True)
+    loop_tokens, loop_logits = generate(unrolled, _unstack(params, blocks), PROMPTS, NEW_TOKENS, return_logits=True)
+    assert loop_tokens == tokens
+    for got, want in zip(loop_logits, logits):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_training_holds_no_cache_state(llama):
+    """The cache is an argument: no module keeps decoding state, the training program takes
+    exactly the parameters and the batch and writes no cache, and only decoding calls carry a
+    cache in and out."""
+    for name, module in sys.modules.items():
+        if name.startswith("tessera.models"):
+            assert not [k for k, v in vars(module).items() if isinstance(v, threading.local)], name
+    assert {k for k, v in vars(kv_cache).items() if getattr(v, "__module__", None) == kv_cache.__name__} == {"KVCache"}
+
+    model, params = llama
+    batch = {k: jax.ShapeDtypeStruct((2, 13), np.int32) for k in ("tokens", "segment_ids", "positions")}
+    train = jax.make_jaxpr(jax.grad(lambda p, b: loss_sums(model, p, b, None)[0]))(params, batch)
+    assert len(train.jaxpr.invars) == len(jax.tree.leaves(params)) + 3
+    assert len(train.jaxpr.outvars) == len(jax.tree.leaves(params))
+    assert "dynamic_update_slice" not in str(train)  # the cache write
+
+    cache = model.init_cache(2, 8)
+    step = jax.make_jaxpr(lambda p, t, c: model.apply(p, t, t, t, kv_cache=c))
+    decode = step(params, jax.ShapeDtypeStruct((2, 1), np.int32), cache)
+    assert len(decode.jaxpr.invars) == len(jax.tree.leaves(params)) + 1 + len(jax.tree.leaves(cache))
+    assert len(decode.jaxpr.outvars) == 1 + len(jax.tree.leaves(cache))
 
 
 def test_generation_stops_rows_at_eos(llama):
@@ -134,7 +185,7 @@ def test_missing_checkpoint_is_a_one_line_error(tmp_path):
            "--tokens", "1,2,3", "--max_new_tokens", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert f"checkpoint error: checkpoint path {tmp_path / 'nope'} does not exist" in proc.stderr
+    assert f"checkpoint error: load_parameters_path={tmp_path / 'nope'} does not exist" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

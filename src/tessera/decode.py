@@ -68,7 +68,7 @@ def left_padded(prompts: list[list[int]]):
 def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key, *, model: ModelDef, temperature: float,
                  top_k: int):
     """(next tokens [B], their logits [B, V], cache) after the tokens [B, T] (the prompt, then one token)."""
-    logits_btv, cache = model.apply_cached(params, tokens_bt, positions_bt, segment_ids_bt, cache)
+    logits_btv, cache = model.apply(params, tokens_bt, positions_bt, segment_ids_bt, kv_cache=cache)
     return sample(logits_btv[:, -1], key, temperature, top_k), logits_btv[:, -1], cache
 
 

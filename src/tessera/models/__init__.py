@@ -10,7 +10,7 @@ import jax
 from flax import nnx
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder
+from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder, init_cache
 from tessera.models.registry import BLOCKS
 
 __all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model"]
@@ -31,23 +31,22 @@ class ModelDef:
         return nnx.to_pure_dict(nnx.state(model))
 
     def apply(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
-              packed: bool = False):
-        """Logits [B, T, V] in float32 for `tokens_bt` [B, T]."""
-        return self.apply_with_aux(params, tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)[0]
+              packed: bool = False, kv_cache=None):
+        """Logits [B, T, V] in float32 for `tokens_bt` [B, T]. Decoding passes `kv_cache` (from
+        `init_cache`) and gets (logits, updated kv_cache): first the (left-padded, segment id 0)
+        prompt, then one token per call (see `Decoder.__call__`)."""
+        if kv_cache is None:
+            return self.apply_with_aux(params, tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)[0]
+        return self._module(params)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed, kv_cache)
 
     def apply_with_aux(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
                        packed: bool = False):
         """(logits, aux): aux holds the layer-averaged auxiliary scalars (MoE losses; {} for dense models)."""
         return self._module(params)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)
 
-    def init_cache(self, batch: int, max_len: int) -> dict:
+    def init_cache(self, batch: int, max_len: int):
         """An empty KV cache for decoding `batch` rows of up to `max_len` tokens (prompt included)."""
-        return nnx.merge(self.graphdef, self.abstract_state).init_cache(batch, max_len)
-
-    def apply_cached(self, params: dict, tokens_bt, positions_bt, segment_ids_bt, cache: dict):
-        """(logits [B, T, V], cache): decode T tokens per row against `cache` (from `init_cache`),
-        first the (left-padded, segment id 0) prompt, then one token per call."""
-        return self._module(params).call_cached(tokens_bt, positions_bt, segment_ids_bt, cache)
+        return init_cache(self.cfg, batch, max_len)
 
     def _module(self, params: dict):
         state = jax.tree.map(lambda x: x, self.abstract_state)  # a fresh State to fill

@@ -7,8 +7,9 @@ the fastest fused kernel the device has: on NVIDIA GPUs cuDNN's fused attention 
 TPU in this version, an unsupported dtype or head size, packed segments) the reference runs
 and `select_attention` says why, once, in the log.
 
-Decoding with a KV cache (`Attention.attend_cached`, see `tessera.models.kv_cache`) always
-runs the reference math, masked by the cached keys' positions instead of their indices.
+Decoding passes a KV cache (`tessera.models.kv_cache`) to `Attention.__call__`: the new keys
+and values are written into it and the queries attend over all of it, always with the
+reference math, masked by the cached keys' positions instead of their indices.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
-from tessera.models.kv_cache import KVCache, active_cache
+from tessera.models.kv_cache import KVCache
 from tessera.models.layers import fan_in_std, param, rope_frequencies, rotary, soft_cap
 from tessera.mesh import shard_logically
 
@@ -195,28 +196,22 @@ class Attention(nnx.Module):
             out = out + self.bo_d[...].astype(self.dtype)
         return checkpoint_name(out, "out_proj")
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, packed: bool):
-        cached = active_cache(self)  # inside `cached_attention`: decoding with a KV cache
-        if cached is not None:
-            cache, record = cached
-            out_btd, cache = self.attend_cached(x_btd, positions_bt, segment_ids_bt, cache)
-            record(cache)
-            return out_btd
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, packed: bool, kv_cache: KVCache | None = None):
+        """(output [B, T, D], kv_cache). Without a cache (training) the T tokens attend causally
+        to each other and the returned cache is None. With one (decoding) their keys and values
+        are written into it at its index, the queries attend over the whole cache, masked by
+        position, and the updated cache is returned."""
         q, k, v = self.project_qkv(x_btd, positions_bt)
-        if self.kernel == "cudnn" and not packed:
+        if kv_cache is not None:
+            kv_cache = kv_cache.write(k, v, positions_bt, segment_ids_bt)
+            ctx = masked_attention(q, kv_cache.k_bskh, kv_cache.v_bskh,
+                                   kv_cache.mask(positions_bt, segment_ids_bt, self.window), scale=self.scale,
+                                   logits_soft_cap=self.logits_soft_cap)
+        elif self.kernel == "cudnn" and not packed:
             window = (self.window - 1, 0) if self.window else None
             ctx = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=True, local_window_size=window,
                                                implementation="cudnn")
         else:
             ctx = dot_product_attention(q, k, v, segment_ids_bt, segment_ids_bt, scale=self.scale,
                                         logits_soft_cap=self.logits_soft_cap, window=self.window)
-        return self.output(ctx)
-
-    def attend_cached(self, x_btd, positions_bt, segment_ids_bt, cache: KVCache):
-        """(output [B, T, D], updated cache): the T new keys and values are written into the cache
-        at its index, then the queries attend over the whole cache, masked by position."""
-        q, k, v = self.project_qkv(x_btd, positions_bt)
-        cache = cache.write(k, v, positions_bt, segment_ids_bt)
-        ctx = masked_attention(q, cache.k_bskh, cache.v_bskh, cache.mask(positions_bt, segment_ids_bt, self.window),
-                               scale=self.scale, logits_soft_cap=self.logits_soft_cap)
-        return self.output(ctx), cache
+        return self.output(ctx), kv_cache

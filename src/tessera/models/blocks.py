@@ -1,10 +1,12 @@
 """What every decoder block family shares: the block interface and the norms it may use.
 
 A block is built as `Family(cfg, attention_kernel, rngs)` and called as
-`block(x_btd, positions_bt, segment_ids_bt, dropout_key, packed) -> (x_btd, aux)`, where
-`aux` is a dict of scalars the decoder sums over layers (the mixture-of-experts losses;
-empty for dense blocks). Class attributes tell the decoder what surrounds the blocks of a
-family; the registry of families is `tessera.models.registry.BLOCKS`.
+`block(x_btd, positions_bt, segment_ids_bt, dropout_key, packed, kv_cache=None) -> (x_btd, aux,
+kv_cache)`, where `aux` is a dict of scalars the decoder averages over layers (the
+mixture-of-experts losses; empty for dense blocks) and `kv_cache` is the block's cache
+(`empty_cache`) when decoding, passed to its attention and returned updated; None in training.
+Class attributes tell the decoder what surrounds the blocks of a family; the registry of
+families is `tessera.models.registry.BLOCKS`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
+from tessera.models.kv_cache import KVCache
 from tessera.models.layers import LayerNorm, RMSNorm, dropout
 
 
@@ -24,6 +27,12 @@ class Block(nnx.Module):
     norm = "rms"  # kind of every norm of the family, the final one included: rms | rms_zero_centered | layer
     scale_embeddings = False  # multiply token embeddings by sqrt(emb_dim) (Gemma)
     absolute_positions = False  # add position embeddings to the tokens instead of rotating q and k (GPT-3)
+
+    @classmethod
+    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
+        """The KV cache one block decodes with (a block with one attention layer: one `KVCache`);
+        `layers=(L,)` stacks L of them for a scanned stack."""
+        return KVCache.empty(batch, length, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, layers)
 
 
 def make_norm(kind: str, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:

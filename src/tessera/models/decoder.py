@@ -11,9 +11,10 @@ the same weights (stacked along axis 0 or split; `tessera.tools.convert` writes 
 
 `remat_policy` maps to a `jax.checkpoint` policy applied around each block (`REMAT_POLICIES`).
 
-`init_cache` and `call_cached` decode with a KV cache: the same blocks run with their attention
-switched to the cache (`tessera.models.kv_cache.cached_attention`), one cache per attention
-module, stacked like the parameters when the layers are scanned.
+Decoding passes a KV cache (`init_cache`, `tessera.models.kv_cache`) to the same call: each
+block gets its own cache, hands it to its attention and returns it updated; the decoder
+returns the new cache in place of `aux`. With scanned layers the caches are stacked like the
+parameters and scanned with them. Training passes none, and its program holds no cache.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
-from tessera.models.attention import Attention
 from tessera.models.blocks import make_norm
-from tessera.models.kv_cache import KVCache, cached_attention
 from tessera.models.layers import Embed, dropout, fan_in_std, param, sinusoidal_positions, soft_cap
 from tessera.models.registry import BLOCKS
 
@@ -64,7 +63,8 @@ def remat(fn, policy_name: str, in_scan: bool):
 
 class Decoder(nnx.Module):
     """Token ids [B, T] -> (logits [B, T, V] float32, aux): aux holds the blocks' auxiliary
-    scalars (mixture-of-experts losses) averaged over blocks; empty for dense families."""
+    scalars (mixture-of-experts losses) averaged over blocks; empty for dense families.
+    With `kv_cache`: (logits, updated kv_cache) instead (see `__call__`)."""
 
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
         dtype, wdtype = cfg.dtype, cfg.weight_dtype
@@ -85,7 +85,13 @@ class Decoder(nnx.Module):
                                          fan_in_std(cfg.emb_dim))
         self.cfg, self.block_cls = cfg, block_cls
 
-    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None, packed=False):
+    def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None, packed=False,
+                 kv_cache=None):
+        """(logits, aux) for tokens [B, T] at positions [B, T] (default 0..T-1) in segments [B, T]
+        (default all 1). Decoding passes `kv_cache` (from `init_cache`) and gets (logits, updated
+        kv_cache): the T tokens of each row attend over the cache and are added to it; segment id
+        0 marks left padding, and positions continue each row's count (the prompt, then one token
+        per call). Decoding runs without dropout or rematerialization."""
         cfg = self.cfg
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
@@ -98,17 +104,9 @@ class Decoder(nnx.Module):
 
         x = shard_logically(dropout(self.embed(tokens_bt, positions_bt), rate, keys[-1]),
                             ("batch", "length", "act_embed"))
-        if cfg.scan_layers:
-            x, aux = self._scan_blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed)
-        else:
-            auxes = []
-            for i in range(self.num_blocks):
-                block = getattr(self, f"layers_{i}")
-                call = remat(lambda blk, h, k: blk(h, positions_bt, segment_ids_bt, k, packed), cfg.remat_policy, False)
-                x, block_aux = call(block, x, keys[i])
-                auxes.append(block_aux)
-            aux = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)
-        return self.logits(x), aux
+        blocks = self._scan_blocks if cfg.scan_layers else self._loop_blocks
+        x, aux, kv_cache = blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed, kv_cache)
+        return (self.logits(x), aux) if kv_cache is None else (self.logits(x), kv_cache)
 
     def logits(self, x_btd):
         """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32."""
@@ -134,59 +132,47 @@ class Decoder(nnx.Module):
                 x = x + sinusoidal_positions(positions_bt, self.cfg.emb_dim).astype(x.dtype)
         return x
 
-    def _scan_blocks(self, x, positions_bt, segment_ids_bt, keys, packed):
+    def _loop_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
+        """(x, aux averaged over blocks, kv_cache as a tuple of the blocks' caches or None)."""
+        policy = self.cfg.remat_policy if kv_cache is None else "none"
+        auxes, caches = [], []
+        for i in range(self.num_blocks):
+            call = remat(lambda blk, h, k, c: blk(h, positions_bt, segment_ids_bt, k, packed, c), policy, False)
+            x, block_aux, block_cache = call(getattr(self, f"layers_{i}"), x, keys[i],
+                                             None if kv_cache is None else kv_cache[i])
+            auxes.append(block_aux)
+            caches.append(block_cache)
+        aux = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)
+        return x, aux, None if kv_cache is None else tuple(caches)
+
+    def _scan_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
+        """(x, aux averaged over blocks, kv_cache stacked over blocks or None): the blocks'
+        parameters, dropout keys and caches are scanned over together."""
         graphdef, stacked = nnx.split(self.layers)
         use_keys = keys[0] is not None
 
         def body(h, layer):
-            layer_state, key = layer
+            layer_state, key, layer_cache = layer
             block = nnx.merge(graphdef, layer_state)
-            return block(h, positions_bt, segment_ids_bt, key if use_keys else None, packed)
+            h, aux, layer_cache = block(h, positions_bt, segment_ids_bt, key if use_keys else None, packed,
+                                        layer_cache)
+            return h, (aux, layer_cache)
 
-        xs = (stacked, jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32))
-        x, aux = jax.lax.scan(remat(body, self.cfg.remat_policy, True), x, xs)
-        return x, jax.tree.map(jnp.mean, aux)
-
-    # ---- decoding with a KV cache (see tessera.models.kv_cache)
-
-    def init_cache(self, batch: int, max_len: int) -> dict:
-        """Empty caches of `max_len` slots for every attention module, laid out as the blocks are:
-        {"layers": {path: KVCache stacked over blocks}} or {"layers_i": {path: KVCache}}."""
-        cfg = self.cfg
-        paths = list(attention_modules(self.layers if cfg.scan_layers else self.layers_0))
-
-        def block_cache(stack: tuple[int, ...]) -> dict:
-            return {p: KVCache.empty(batch, max_len, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, stack) for p in paths}
-
-        if cfg.scan_layers:
-            return {"layers": block_cache((self.num_blocks,))}
-        return {f"layers_{i}": block_cache(()) for i in range(self.num_blocks)}
-
-    def call_cached(self, tokens_bt, positions_bt, segment_ids_bt, cache: dict):
-        """(logits [B, T, V], updated cache): the T tokens attend over the cache and are added
-        to it. Segment id 0 marks left padding. No dropout; MoE auxiliary losses are dropped."""
-        x = self.embed(tokens_bt, positions_bt)
-
-        def run_block(block, h, block_cache):
-            with cached_attention(attention_modules(block), block_cache) as updated:
-                h, _ = block(h, positions_bt, segment_ids_bt, None, False)
-            return h, updated
-
-        if self.cfg.scan_layers:
-            graphdef, stacked = nnx.split(self.layers)
-            body = lambda h, xs: run_block(nnx.merge(graphdef, xs[0]), h, xs[1])  # noqa: E731
-            x, layers_cache = jax.lax.scan(body, x, (stacked, cache["layers"]))
-            return self.logits(x), {"layers": layers_cache}
-        new_cache = {}
-        for i in range(self.num_blocks):
-            name = f"layers_{i}"
-            x, new_cache[name] = run_block(getattr(self, name), x, cache[name])
-        return self.logits(x), new_cache
+        xs = (stacked, jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32), kv_cache)
+        policy = self.cfg.remat_policy if kv_cache is None else "none"
+        x, (aux, kv_cache) = jax.lax.scan(remat(body, policy, True), x, xs)
+        return x, jax.tree.map(jnp.mean, aux), kv_cache
 
 
-def attention_modules(block: nnx.Module) -> dict[str, Attention]:
-    """{"local_layer/attention": module, ...}: the attention modules of one block, by path."""
-    return {"/".join(map(str, path)): node for path, node in nnx.iter_graph(block) if isinstance(node, Attention)}
+def init_cache(cfg: ModelConfig, batch: int, max_len: int):
+    """An empty KV cache for `Decoder(cfg)` decoding `batch` rows of up to `max_len` tokens: one
+    cache per block (`Block.empty_cache`), laid out as the parameters are: stacked on a leading
+    layers axis when scan_layers=true, else a tuple with one entry per block."""
+    block_cls = BLOCKS[cfg.decoder_block]
+    num_blocks = cfg.num_decoder_layers // block_cls.layers_per_block
+    if cfg.scan_layers:
+        return block_cls.empty_cache(cfg, batch, max_len, (num_blocks,))
+    return tuple(block_cls.empty_cache(cfg, batch, max_len) for _ in range(num_blocks))
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs):

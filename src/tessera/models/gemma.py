@@ -10,7 +10,8 @@ them (four per layer); layers alternating between local sliding-window attention
 (`sliding_window_size`, 4096) and global attention, the local one first; attention scores
 scaled by query_pre_attn_scalar**-0.5 and soft-capped (attn_logits_soft_cap, 50); final
 logits soft-capped (final_logits_soft_cap, 30). One Gemma 2 block holds a local and a global
-layer, so `num_decoder_layers` must be even and a scanned stack scans over pairs.
+layer, so `num_decoder_layers` must be even and a scanned stack scans over pairs; when
+decoding, a block's KV cache is the pair (local layer's cache, global layer's cache).
 
 Where they differ from the references (the Hugging Face `transformers` implementations, which
 the parity tests compare against): the embedding scale is applied in the compute dtype as
@@ -49,11 +50,12 @@ class Gemma2Layer(nnx.Module):
         self.post_mlp_norm = make_norm(norm, cfg, rngs)
         self.dropout_rate = dropout_rate(cfg)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, keys, packed: bool):
-        h = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed)
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, keys, packed: bool, kv_cache=None):
+        """(x_btd, kv_cache): the layer's output and its updated cache (None without one)."""
+        h, kv_cache = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed, kv_cache)
         x_btd = residual(x_btd, self.post_attention_norm(h), self.dropout_rate, keys[0])
         h = self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x_btd)))
-        return residual(x_btd, h, self.dropout_rate, keys[1])
+        return residual(x_btd, h, self.dropout_rate, keys[1]), kv_cache
 
 
 class Gemma2Block(Block):
@@ -67,7 +69,15 @@ class Gemma2Block(Block):
         self.local_layer = Gemma2Layer(cfg, attention_kernel, rngs, cfg.sliding_window_size)
         self.global_layer = Gemma2Layer(cfg, attention_kernel, rngs, 0)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool):
+    @classmethod
+    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
+        """(local layer's cache, global layer's cache)."""
+        one = super().empty_cache
+        return one(cfg, batch, length, layers), one(cfg, batch, length, layers)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
         keys = dropout_keys(dropout_key, 4)
-        x_btd = self.local_layer(x_btd, positions_bt, segment_ids_bt, keys[:2], packed)
-        return self.global_layer(x_btd, positions_bt, segment_ids_bt, keys[2:], packed), {}
+        local_cache, global_cache = (None, None) if kv_cache is None else kv_cache
+        x_btd, local_cache = self.local_layer(x_btd, positions_bt, segment_ids_bt, keys[:2], packed, local_cache)
+        x_btd, global_cache = self.global_layer(x_btd, positions_bt, segment_ids_bt, keys[2:], packed, global_cache)
+        return x_btd, {}, None if kv_cache is None else (local_cache, global_cache)

@@ -37,9 +37,9 @@ class Gpt3Block(Block):
                        use_bias=True)
         self.dropout_rate = dropout_rate(cfg)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool):
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
         keys = dropout_keys(dropout_key, 2)
-        h = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed)
+        h, kv_cache = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed, kv_cache)
         x_btd = residual(x_btd, h, self.dropout_rate, keys[0])
         h = self.mlp(self.pre_mlp_norm(x_btd))
-        return residual(x_btd, h, self.dropout_rate, keys[1]), {}
+        return residual(x_btd, h, self.dropout_rate, keys[1]), {}, kv_cache

@@ -1,9 +1,9 @@
-"""The key/value cache for decoding, and the switch that makes attention use it.
+"""The key/value cache for decoding: one attention layer's keys and values so far.
 
-Each attention module gets a `KVCache` of S slots: the keys and values it has already
-computed, with the position and segment id of every slot. Decoding writes a prompt into the
-cache in one call (prefill), then one token per call; each call's queries attend over the
-whole cache, masked by position rather than by index:
+Each attention layer decoding with a cache gets a `KVCache` of S slots: the keys and values it
+has already computed, with the position and segment id of every slot. Decoding writes a prompt
+into the cache in one call (prefill), then one token per call; each call's queries attend over
+the whole cache, masked by position rather than by index:
 
     key position <= query position, query position - key position < window (when window > 0),
     and the same segment id (0 marks empty slots and left padding; real tokens have 1).
@@ -13,20 +13,15 @@ For tokens stored in order this is the training mask (causal, window, same segme
 the whole sequence. Prompts of different lengths share one batch by left padding: pad tokens
 have segment id 0, so real tokens never see them; each row's real tokens have positions 0, 1, ...
 
-The cache is a pytree of arrays passed into and returned from each call (no mutable module
-state), so it composes with `jit` and with the scanned layer stack (caches stacked on a leading
-layers axis, scanned with the parameters). Blocks need no cached variant: inside
-`cached_attention(modules, caches)` every listed `Attention` adds its new keys and values to
-its cache and attends over all of it (`Attention.attend_cached`); the updated caches are
-collected by module path.
+The cache is an argument, not state: `Decoder.__call__(..., kv_cache=...)` hands each block
+its layer's cache, the block hands it to its attention, and the updated caches come back as
+return values (stacked on a leading layers axis when the layers are scanned, carried through
+`jax.lax.scan` like the parameters). Training passes no cache, so its program has no cache in it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import threading
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +30,7 @@ from tessera.mesh import shard_logically
 
 
 class KVCache(NamedTuple):
-    """One attention module's cache of S slots (arrays may carry a leading layers axis)."""
+    """One attention layer's cache of S slots (arrays may carry a leading layers axis)."""
 
     k_bskh: jax.Array  # keys [B, S, K, H], rotary positions applied
     v_bskh: jax.Array  # values [B, S, K, H]
@@ -69,39 +64,3 @@ class KVCache(NamedTuple):
         if window:
             visible &= distance_bts < window
         return visible & (segment_ids_bt[:, :, None] == self.segment_ids_bs[:, None, :])
-
-
-class _Active(threading.local):
-    calls: dict | None = None  # id(attention module) -> (path, cache in, dict of caches out)
-
-
-_ACTIVE = _Active()
-
-
-@contextlib.contextmanager
-def cached_attention(modules: dict[str, object], caches: dict[str, KVCache]):
-    """While active, each module of `modules` ({path: Attention}) attends over `caches[path]`;
-    yields a dict that, once the block has run, holds each module's updated cache by path."""
-    if set(modules) != set(caches):
-        raise ValueError(f"cache entries {sorted(caches)} do not match the attention modules {sorted(modules)}")
-    if _ACTIVE.calls is not None:
-        raise RuntimeError("cached_attention is already active (nested decoding calls are not supported)")
-    updated: dict[str, KVCache] = {}
-    _ACTIVE.calls = {id(m): (path, caches[path], updated) for path, m in modules.items()}
-    try:
-        yield updated
-    finally:
-        _ACTIVE.calls = None
-    missing = sorted(set(modules) - set(updated))
-    if missing:
-        raise RuntimeError(f"attention modules {missing} were not called while decoding with a cache")
-
-
-def active_cache(module) -> tuple[KVCache, Callable[[KVCache], None]] | None:
-    """(its cache, a function to record the updated cache) when `module` should attend over a
-    cache, else None."""
-    calls = _ACTIVE.calls
-    if calls is None or id(module) not in calls:
-        return None
-    path, cache, updated = calls[id(module)]
-    return cache, functools.partial(updated.__setitem__, path)

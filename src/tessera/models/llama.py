@@ -36,12 +36,12 @@ class LlamaBlock(Block):
     def make_mlp(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         return Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs)
 
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool):
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
         keys = dropout_keys(dropout_key, 2)
-        h = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed)
+        h, kv_cache = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed, kv_cache)
         x_btd = residual(x_btd, h, self.dropout_rate, keys[0])
         h, aux = self.call_mlp(self.pre_mlp_norm(x_btd))
-        return residual(x_btd, h, self.dropout_rate, keys[1]), aux
+        return residual(x_btd, h, self.dropout_rate, keys[1]), aux, kv_cache
 
     def call_mlp(self, x_btd):
         return self.mlp(x_btd), {}
