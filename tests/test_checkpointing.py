@@ -15,7 +15,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from tessera.config import load_config
-from tessera.checkpointing import CheckpointError, Checkpointer, checkpoint_directory, load_parameters
+from tessera.checkpointing import CheckpointError, Checkpointer, checkpoint_directory, load_full_state, load_parameters
 from tessera.train import abstract_state, run, setup
 
 TRAIN = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml")]
@@ -85,6 +85,35 @@ def test_load_parameters_only(tmp_path):
     assert run(fresh)["start_step"] == 0  # a fresh optimizer and step counter
     with pytest.raises(CheckpointError, match="does not exist"):
         load_parameters(str(tmp_path / "nowhere"), abstract_state(setup(fresh))["params"])
+
+
+def test_load_paths_without_a_checkpoint_say_so(tmp_path):
+    cfg = tiny_config(tmp_path, steps=2, checkpoint_period=1)
+    run(cfg)
+    abstract = abstract_state(setup(cfg))
+    run_dir, ckpts = tmp_path / "test", tmp_path / "test" / "checkpoints"
+    with pytest.raises(CheckpointError, match=f"^load_parameters_path={ckpts}/150 does not exist; "
+                                               f"point it at a step folder such as {ckpts}/2$"):
+        load_parameters(str(ckpts / "150"), abstract["params"])
+    for folder in (run_dir, ckpts):  # a run folder or the checkpoints folder instead of a step folder
+        with pytest.raises(CheckpointError) as e:
+            load_full_state(str(folder), abstract)
+        assert str(e.value) == (f"load_full_state_path={folder} holds no checkpoint (no state item, no Orbax "
+                                f"metadata); point it at a step folder such as {ckpts}/2")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="holds no checkpoint .* such as outputs/<run_name>/checkpoints/<step>"):
+        load_parameters(str(tmp_path / "empty"), abstract["params"])
+    with pytest.raises(CheckpointError, match=f"^checkpoint {tmp_path}/nowhere does not exist"):
+        load_parameters(str(tmp_path / "nowhere"), abstract["params"], key=None)
+
+
+def test_relative_load_path_is_reported_resolved_and_writes_nothing(tmp_path):
+    proc = subprocess.run([*TRAIN, "run_name=ft", "load_parameters_path=outputs/demo/checkpoints/150"],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert (f"checkpoint error: load_parameters_path={tmp_path}/outputs/demo/checkpoints/150 does not exist"
+            in proc.stderr)
+    assert "does not match" not in proc.stderr and not (tmp_path / "outputs").exists()
 
 
 def _train(tmp_path, *args, timeout=300):

@@ -1,5 +1,6 @@
 """Config: every shipped YAML validates; precedence; clear errors for bad input."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -8,7 +9,7 @@ import pytest
 
 from conftest import REPO
 from tessera.config import ConfigError, build_config, load_config
-from tessera.config.schema import DECODER_BLOCKS, REMAT_POLICIES, render_base_yml
+from tessera.config.schema import DECODER_BLOCKS, REMAT_POLICIES, all_fields, path_keys, render_base_yml
 from tessera.models import BLOCKS
 from tessera.models import REMAT_POLICIES as MODEL_REMAT_POLICIES
 
@@ -108,3 +109,106 @@ def test_cli_user_error_has_no_traceback(tmp_path):
 def test_schema_lists_match_implementations():
     assert set(DECODER_BLOCKS) == set(BLOCKS)
     assert set(REMAT_POLICIES) == set(MODEL_REMAT_POLICIES)
+
+
+def test_relative_paths_are_resolved_against_the_working_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config([BASE, "load_parameters_path=outputs/demo/checkpoints/150", "tokenizer_path=../tok.model",
+                       "metrics_file=./m.jsonl", "checkpoint_dir=gs://bucket/ckpts", "dataset_path="], env={})
+    assert cfg.run.base_output_directory == str(tmp_path / "outputs")  # the default of base.yml
+    assert cfg.checkpoint.load_parameters_path == str(tmp_path / "outputs" / "demo" / "checkpoints" / "150")
+    assert cfg.data.tokenizer_path == str(tmp_path.parent / "tok.model")
+    assert cfg.run.metrics_file == str(tmp_path / "m.jsonl")
+    assert cfg.checkpoint.checkpoint_dir == "gs://bucket/ckpts"  # URLs are kept
+    assert cfg.data.dataset_path == "" and cfg.checkpoint.load_full_state_path == ""  # empty stays empty
+    assert build_config({}).run.base_output_directory == str(tmp_path / "outputs")  # schema defaults too
+
+
+def test_glob_lists_are_resolved_per_entry(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = build_config({"hf_train_files": "a/*.json, /data/b-*.json,gs://bucket/c*.json,",
+                        "grain_eval_files": "eval/*.arrayrecord"})
+    assert cfg.data.hf_train_files == f"{tmp_path}/a/*.json,/data/b-*.json,gs://bucket/c*.json"
+    assert cfg.data.grain_eval_files == f"{tmp_path}/eval/*.arrayrecord"
+
+
+def test_hf_path_is_resolved_only_when_it_is_local(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_dataset").mkdir()
+    (tmp_path / "parquet").mkdir()  # a format name stays a format name
+    hf_path = lambda value: build_config({"hf_path": value}).data.hf_path  # noqa: E731
+    assert hf_path("my_dataset") == str(tmp_path / "my_dataset")
+    assert hf_path("./not_yet") == str(tmp_path / "not_yet")
+    assert hf_path("parquet") == "parquet"
+    assert hf_path("allenai/c4") == "allenai/c4"  # a Hub dataset name
+    assert hf_path("hf://datasets/x/y") == "hf://datasets/x/y"
+
+
+def test_every_path_key_is_marked():
+    """One list of path keys (the `path=` of the schema); a new key named like a path must join it."""
+    suffixes = ("_path", "_dir", "_directory", "_file", "_files")
+    looks_like_a_path = {name for name, (_, f) in all_fields().items() if f.type in ("str", str) and name.endswith(suffixes)}
+    assert looks_like_a_path <= set(path_keys()), looks_like_a_path - set(path_keys())
+    assert "hf_path" in path_keys() and "[path]" in (REPO / "configs" / "base.yml").read_text()
+
+
+# --------------------------------------------------------------------------- issue 13: where a bad value was set
+
+
+def _config_folder(tmp_path, base_edit=("", ""), model_text="head_dim: 6\n"):
+    """A copy of configs/base.yml (one line edited) next to models/mine.yml."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.yml").write_text(model_text)
+    (tmp_path / "base.yml").write_text((REPO / "configs" / "base.yml").read_text().replace(*base_edit))
+    return str(tmp_path / "base.yml")
+
+
+@pytest.mark.parametrize("where, source", [
+    ("env", "(from the environment variable M_STEPS)"),
+    ("cli", "(from the command line)"),
+    ("model", "models/mine.yml)"),
+    ("base", "base.yml)"),
+])
+def test_a_bad_value_names_where_it_was_set(tmp_path, where, source):
+    base = _config_folder(tmp_path, ("steps: 150", "steps: abc") if where == "base" else ("", ""),
+                          "steps: abc\n" if where == "model" else "head_dim: 6\n")
+    argv = [base, "model_name=mine"] + (["steps=abc"] if where == "cli" else [])
+    with pytest.raises(ConfigError) as e:
+        load_config(argv, env={"M_STEPS": "abc"} if where == "env" else {})
+    assert str(e.value).startswith("steps='abc' is not a valid int") and str(e.value).endswith(source), str(e.value)
+
+
+def test_an_error_about_several_keys_names_each_source():
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "ici_fsdp_parallelism=-1"], env={"M_ICI_DATA_PARALLELISM": "-1"})
+    assert str(e.value).endswith("(ici_data_parallelism from the environment variable M_ICI_DATA_PARALLELISM; "
+                                 "ici_fsdp_parallelism from the command line)"), str(e.value)
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["run_name=<changeme>"], {}, "run_name='<changeme>' is a placeholder; set it, e.g. run_name=my_run "
+                                  "(from the command line)"),
+    ([], {"M_RUN_NAME": "<changeme>"}, "run_name='<changeme>' is a placeholder; set it, e.g. run_name=my_run "
+                                       "(from the environment variable M_RUN_NAME)"),
+    (["hf_train_files=/data/<changeme>/*.json"], {}, "hf_train_files='/data/<changeme>/*.json' is a placeholder"),
+    (["steps=<changeme>"], {}, "steps='<changeme>' is a placeholder"),  # before its type is checked
+    (["model_name=<changeme>"], {}, "model_name='<changeme>' is a placeholder"),  # before a model file is looked for
+    (["mlp_activations=[\"<changeme>\"]"], {}, "mlp_activations='[\"<changeme>\"]' is a placeholder"),
+])
+def test_placeholders_are_refused_from_every_source(argv, env, message):
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, *argv], env=env)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_train_py_names_the_variable_and_refuses_placeholders_before_anything_runs(tmp_path):
+    for env, message in [({"M_STEPS": "abc"}, "config error: steps='abc' is not a valid int (from the environment "
+                                              "variable M_STEPS)"),
+                         ({"M_RUN_NAME": "<changeme>"}, "config error: run_name='<changeme>' is a placeholder; set it, "
+                                                        "e.g. run_name=my_run (from the environment variable "
+                                                        "M_RUN_NAME)")]:
+        proc = subprocess.run([sys.executable, str(REPO / "train.py"), BASE], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120, env={**os.environ, **env})
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.splitlines()[-1] == message
+    assert list(tmp_path.iterdir()) == []  # no outputs/<changeme>/, nothing at all

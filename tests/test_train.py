@@ -8,9 +8,12 @@ import jax
 import numpy as np
 import pytest
 
+import tessera.train
 from conftest import REPO, tiny_config
+from tessera.checkpointing import CheckpointError
+from tessera.config import ConfigError, load_config
 from tessera.metrics import peak_tflops, run_report, training_flops_per_step
-from tessera.train import compile_step, run, setup
+from tessera.train import compile_step, format_changed_keys, run, setup
 
 MESHES = {
     "1 device": (1, {}),
@@ -109,3 +112,37 @@ def test_train_py_end_to_end(tmp_path):
     assert list((run_dir / "profile").rglob("*.xplane.pb"))
     assert (run_dir / "config.yml").is_file()
     assert "step     4 | loss" in proc.stderr
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(dataset_type="hf", hf_path="json", hf_train_files="nowhere/*.json"), ConfigError),  # data
+    (dict(ici_fsdp_parallelism=1, ici_tensor_parallelism=3), ConfigError),  # mesh
+    (dict(load_parameters_path="nowhere/checkpoints/150"), CheckpointError),  # starting state
+])
+def test_a_run_that_fails_at_start_writes_nothing(tmp_path, monkeypatch, bad, error):
+    monkeypatch.chdir(tmp_path)  # the relative paths above are resolved against it
+    with pytest.raises(error):
+        run(tiny_config(tmp_path / "out", **bad))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_finished_run_is_not_compiled_again(tmp_path, monkeypatch, caplog):
+    run(tiny_config(tmp_path, steps=2))
+    report = (tmp_path / "test" / "report.json").read_text()
+
+    def no_compile(*args):
+        raise AssertionError("a finished run must not compile the train step")
+
+    monkeypatch.setattr(tessera.train, "compile_step", no_compile)
+    with caplog.at_level("INFO", logger="tessera"):
+        again = run(tiny_config(tmp_path, steps=2))
+    assert again["steps"] == 0 and again["start_step"] == 2
+    assert "nothing to do: the run is already at step 2 of 2" in caplog.text
+    assert (tmp_path / "test" / "report.json").read_text() == report  # the first run's report is kept
+
+
+def test_start_up_log_shows_only_the_keys_that_differ_from_base_yml():
+    base = str(REPO / "configs" / "base.yml")
+    assert format_changed_keys(load_config([base, "run_name=demo"], env={})) == "run_name=demo"
+    cfg = load_config([base, "run_name=d", "steps=7", "mlp_activations=gelu"], env={})
+    assert format_changed_keys(cfg) == 'run_name=d, steps=7, mlp_activations=["gelu"]'

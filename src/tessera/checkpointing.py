@@ -10,7 +10,10 @@ says so in the log: they are never loaded and never deleted.
 
 Before restoring, the checkpoint's own metadata is compared with the state the current config
 expects; any difference (missing or extra arrays, shapes, dtypes) is reported by path and
-nothing is loaded or overwritten.
+nothing is loaded or overwritten. A path to load from that does not exist, or holds no
+checkpoint (e.g. a run folder instead of a step folder), is reported as such, with a step folder
+to use when there is one nearby. Paths arrive absolute: the config layer resolves them, and
+Orbax refuses relative ones.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tessera.config import CheckpointConfig
 log = logging.getLogger(__name__)
 
 INCOMPLETE_MARKER = ".orbax-checkpoint-tmp"
+PYTREE_METADATA_FILE = "_METADATA"  # what Orbax writes in every complete PyTree item (the tree and its arrays)
 
 
 class CheckpointError(Exception):
@@ -109,7 +113,8 @@ def checkpoint_directory(cfg: CheckpointConfig, base_output_directory: str, run_
 
 
 class Checkpointer:
-    """Saves and restores the train state of one run under `directory`."""
+    """Saves and restores the train state of one run under `directory`, which is created by the
+    first save (a run that fails before it leaves no empty checkpoint folder behind)."""
 
     def __init__(self, cfg: CheckpointConfig, directory: str):
         self.cfg, self.directory = cfg, epath.Path(directory)
@@ -118,7 +123,7 @@ class Checkpointer:
             max_to_keep=None if cfg.max_num_checkpoints_to_keep < 1 else cfg.max_num_checkpoints_to_keep,
             enable_async_checkpointing=cfg.async_checkpointing,
             cleanup_tmp_directories=False,
-            create=True,
+            create=False,
         )
         handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                     "config": ocp.JsonCheckpointHandler()}
@@ -179,39 +184,71 @@ def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
     return moved
 
 
-def _state_item(path: str) -> epath.Path:
-    """Accept a step folder (with a `state` item) or the item folder itself."""
+def _state_item(path: str, key: str | None = None) -> epath.Path:
+    """The `state` item of a step folder, or `path` itself when it is an item (a converted
+    checkpoint). CheckpointError naming `key=path` when nothing loadable is there."""
     p = epath.Path(path)
+    label = _label(key, p)
     if not p.exists():
-        raise CheckpointError(f"checkpoint path {p} does not exist")
+        raise CheckpointError(f"{label} does not exist; {_step_folder_hint(p)}")
     if INCOMPLETE_MARKER in p.name:
-        raise CheckpointError(f"checkpoint path {p} is an incomplete (interrupted) save; use a complete step folder")
-    return p / "state" if (p / "state").exists() else p
+        raise CheckpointError(f"{label} is an incomplete (interrupted) save; use a complete step folder")
+    item = p / "state" if (p / "state").exists() else p
+    if not (item / PYTREE_METADATA_FILE).exists():
+        raise CheckpointError(f"{label} holds no checkpoint (no state item, no Orbax metadata); "
+                              f"{_step_folder_hint(p)}")
+    return item
 
 
-def _restore_tree(path: epath.Path, target, partial: bool):
-    checkpointer = ocp.PyTreeCheckpointer()
+def _label(key: str | None, path: epath.Path) -> str:
+    """How errors name a path: `load_parameters_path=/abs/path`, or `checkpoint /abs/path` without a key."""
+    return f"{key}={path}" if key else f"checkpoint {path}"
+
+
+def _step_folder_hint(p: epath.Path) -> str:
+    """'point it at a step folder such as ...', naming a real step folder near `p` when there is one."""
+    for folder in (p, p / "checkpoints", p.parent):
+        if not folder.is_dir():
+            continue
+        steps = sorted(int(c.name) for c in folder.iterdir() if c.name.isdigit() and c != p)
+        if steps:
+            return f"point it at a step folder such as {folder / str(steps[-1])}"
+    return "point it at a step folder such as outputs/<run_name>/checkpoints/<step>"
+
+
+def saved_tree(path: str, key: str | None = None) -> tuple[epath.Path, Any]:
+    """(the item folder, the metadata tree of the arrays saved in it) for a step folder or a
+    {"params": ...} checkpoint; CheckpointError naming `key=path` when there is nothing to read."""
+    item = _state_item(path, key)
     _drop_abandoned_read_echoes()
-    try:
-        saved = checkpointer.metadata(path)
+    try:  # the handler, not a Checkpointer: that would look for (and warn about) step metadata an item lacks
+        saved = ocp.PyTreeCheckpointHandler().metadata(item)
     except Exception as e:  # noqa: BLE001
-        raise _read_error(e, f"{path} is not a readable Orbax checkpoint") from None
-    saved_tree = getattr(saved, "item_metadata", saved)
-    saved_tree = getattr(saved_tree, "tree", saved_tree)
-    _raise_on_mismatch(path, saved_tree, target, only_prefix="params/" if partial else "")
+        raise _read_error(e, f"{_label(key, item)} is not a readable Orbax checkpoint") from None
+    return item, getattr(saved, "tree", saved)
+
+
+def _restore_tree(path: str, key: str | None, target, partial: bool):
+    item, tree = saved_tree(path, key)
+    label = _label(key, item)
+    if partial and "params" not in tree:
+        raise CheckpointError(f"{label} holds no parameters (its tree has {', '.join(map(str, tree))}); "
+                              "point it at a training step folder or a converted checkpoint")
+    _raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "")
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
     try:
-        return checkpointer.restore(path, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                                                      partial_restore=partial))
+        return ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=partial))
     except Exception as e:  # noqa: BLE001
-        raise _read_error(e, f"{path} could not be restored: files may be missing or corrupt") from None
+        raise _read_error(e, f"{label} could not be restored: files may be missing or corrupt") from None
 
 
-def load_parameters(path: str, abstract_params) -> Any:
-    """Parameters only, from a Tessera checkpoint step or a checkpoint holding {"params": ...}."""
-    return _restore_tree(_state_item(path), {"params": abstract_params}, partial=True)["params"]
+def load_parameters(path: str, abstract_params, key: str | None = "load_parameters_path") -> Any:
+    """Parameters only, from a Tessera checkpoint step or a checkpoint holding {"params": ...}.
+    `key` names the path in errors (None: "checkpoint <path>")."""
+    return _restore_tree(path, key, {"params": abstract_params}, partial=True)["params"]
 
 
-def load_full_state(path: str, abstract_state) -> Any:
+def load_full_state(path: str, abstract_state, key: str | None = "load_full_state_path") -> Any:
     """Parameters, optimizer state and step from a Tessera checkpoint step folder."""
-    return _restore_tree(_state_item(path), abstract_state, partial=False)
+    return _restore_tree(path, key, abstract_state, partial=False)

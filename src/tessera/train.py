@@ -26,7 +26,7 @@ from tessera import metrics
 from tessera.checkpointing import (
     Checkpointer, CheckpointError, checkpoint_directory, load_full_state, load_parameters,
 )
-from tessera.config import Config, ConfigError, config_digest, flat_dict, load_config
+from tessera.config import Config, ConfigError, changed_keys, config_digest, flat_dict, load_config
 from tessera.data import make_input, place_batch
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize
 from tessera.evaluation import Evaluator
@@ -76,40 +76,70 @@ class _StopSignal:
 
 
 def run(cfg: Config, devices=None) -> dict[str, Any]:
-    """Train until `cfg.run.steps`; returns the run report (also written as report.json)."""
-    run_dir = Path(cfg.run.base_output_directory) / cfg.run.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0:
-        (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
-    log.info("run %s -> %s (config digest %s)", cfg.run.run_name, run_dir, config_digest(cfg))
+    """Train until `cfg.run.steps`; returns the run report (also written as report.json).
 
+    Nothing is written until the mesh, the input pipeline and the starting state are known good:
+    a run that fails before its first step leaves no run folder behind."""
     # ---- mesh, model, shardings
     trainer = setup(cfg, devices)
-    rows, warnings = sharding_report(trainer.mesh, trainer.state_shardings["params"], trainer.model.param_shapes(),
-                                     cfg.mesh.param_replication_warn_mib)
-    log.info("parameters (path, shape, sharding):\n  %s", "\n  ".join(rows))
-    for w in warnings:
-        log.warning(w)
     ckpt = None
     if cfg.checkpoint.enable_checkpointing:
         ckpt = Checkpointer(cfg.checkpoint, checkpoint_directory(cfg.checkpoint, cfg.run.base_output_directory,
                                                                  cfg.run.run_name))
     try:
-        return _train(cfg, trainer, ckpt, run_dir)
+        # a finished run stops here, before reading its checkpoint or compiling anything
+        done = _nothing_to_do(cfg, ckpt.latest_step() if ckpt else None)
+        if done is not None:
+            return done
+        _log_shardings(cfg, trainer)
+        return _train(cfg, trainer, ckpt)
     finally:
         if ckpt:
             ckpt.close()
 
 
-def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Path) -> dict[str, Any]:
-    # ---- state (fresh, loaded or resumed), input, compiled step
+def _log_shardings(cfg: Config, trainer: Trainer) -> None:
+    """The table of parameters (path, shape, sharding), and large parameters left replicated."""
+    rows, warnings = sharding_report(trainer.mesh, trainer.state_shardings["params"], trainer.model.param_shapes(),
+                                     cfg.mesh.param_replication_warn_mib)
+    log.info("parameters (path, shape, sharding):\n  %s", "\n  ".join(rows))
+    for w in warnings:
+        log.warning(w)
+
+
+def _nothing_to_do(cfg: Config, step: int | None) -> dict[str, Any] | None:
+    """An empty report (and a log line) when the run is already at `steps`; None otherwise."""
+    if step is None or step < cfg.run.steps:
+        return None
+    log.info("nothing to do: the run is already at step %d of %d", step, cfg.run.steps)
+    return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name, start_step=step)
+
+
+def _create_run_folder(cfg: Config) -> Path:
+    """base_output_directory/run_name with the full final config in config.yml."""
+    run_dir = Path(cfg.run.base_output_directory) / cfg.run.run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0:
+        (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
+    log.info("run %s -> %s (full config in config.yml, digest %s)", cfg.run.run_name, run_dir, config_digest(cfg))
+    return run_dir
+
+
+def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str, Any]:
+    # ---- input and state (fresh, loaded or resumed): their errors come before anything is written
     data = make_input(cfg.data, cfg.model.vocab_size, trainer.global_batch)
     evaluator = Evaluator(cfg, trainer) if cfg.data.eval_interval else None
     state = initial_state(trainer, ckpt, data)
     start_step = int(jax.device_get(state["step"]))
+    done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
+    if done is not None:
+        return done
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", trainer.global_batch,
              cfg.data.max_target_length)
+
+    # ---- run folder, compiled step
+    run_dir = _create_run_folder(cfg)
     step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s", compile_seconds)
 
@@ -140,8 +170,12 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Pa
     finally:
         profiler.stop()
         writer.close()
+    return _write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step)
 
-    # ---- report
+
+def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: _StepMeter, run_dir: Path,
+                  n_params: int, compile_seconds: float, start_step: int) -> dict[str, Any]:
+    """The run report: logged, written as report.json (process 0) and returned."""
     report = metrics.run_report(
         writer.records, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
         device_kind=meter.device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),
@@ -152,11 +186,8 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, run_dir: Pa
     )
     if jax.process_index() == 0:
         (run_dir / "report.json").write_text(json.dumps(report, indent=2))
-    if writer.records:
-        log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
-                 run_dir / "report.json")
-    else:
-        log.info("nothing to do: the run is already at step %d of %d", start_step, cfg.run.steps)
+    log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
+             run_dir / "report.json")
     return report
 
 
@@ -179,13 +210,14 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data) -> dict:
         log.info("resuming from step %d: %s", latest, ckpt.step_path(latest))
         return state
     if cfg.load_full_state_path:
-        state = load_full_state(cfg.load_full_state_path, abstract_state(trainer))
+        state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path")
         step = int(jax.device_get(state["step"]))
         data.set_state({"step": step})
         log.info("loaded full state at step %d from %s", step, cfg.load_full_state_path)
         return state
     if cfg.load_parameters_path:
-        params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"])
+        params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"],
+                                 key="load_parameters_path")
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
         return state_from_params(trainer, params)
     return create_state(trainer, trainer.cfg.run.init_weights_seed)
@@ -257,6 +289,12 @@ class _Profiler:
             log.info("profile written to %s", self.dir)
 
 
+def format_changed_keys(cfg: Config) -> str:
+    """`key=value, ...` for the keys that differ from configs/base.yml (the full config goes to config.yml)."""
+    changed = changed_keys(cfg)
+    return ", ".join(f"{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in changed.items()) or "none"
+
+
 def main(argv: list[str]) -> int:
     from tessera.tools.cli import exit_if_help, train_help
 
@@ -267,9 +305,11 @@ def main(argv: list[str]) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:
         cfg = load_config(argv)
+        from tessera.gpu_tuning import apply_gpu_tuning  # before any device use: JAX reads these at start-up
+        apply_gpu_tuning(cfg.gpu)
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("run_%Y%m%d_%H%M%S")
-        log.info("config:\n%s", yaml.safe_dump(flat_dict(cfg), sort_keys=False).rstrip())
+        log.info("config (differs from base.yml): %s", format_changed_keys(cfg))
         initialize()
         run(cfg)
     except DistributedError as e:

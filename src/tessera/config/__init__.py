@@ -1,6 +1,6 @@
 """Configuration: typed schema (schema.py) and the loader that fills it (loader.py)."""
 
-from tessera.config.loader import build_config, config_digest, flat_dict, load_config
+from tessera.config.loader import absolute_path, build_config, changed_keys, config_digest, flat_dict, load_config
 from tessera.config.schema import (
     CheckpointConfig,
     Config,
@@ -16,5 +16,6 @@ from tessera.config.schema import (
 __all__ = [
     "CheckpointConfig",
     "Config", "ConfigError", "DataConfig", "MeshConfig", "ModelConfig", "OptimConfig",
-    "ProfilerConfig", "RunConfig", "build_config", "config_digest", "flat_dict", "load_config",
+    "ProfilerConfig", "RunConfig", "absolute_path", "build_config", "changed_keys", "config_digest", "flat_dict",
+    "load_config",
 ]

@@ -3,7 +3,10 @@
 Precedence, lowest first: `configs/base.yml` < `configs/models/<model_name>.yml` <
 `key=value` on the command line < `M_<KEY>` environment variables. Every value is coerced to
 the type the schema declares; anything wrong raises `ConfigError` with a message that names
-the key, the value and what would be accepted.
+the key, the value, where the value was set and what would be accepted. A value holding the
+`<changeme>` placeholder (left in recipes and validation files for the user) is refused.
+Path keys (marked `path=` in the schema) are made absolute against the working directory here,
+once (`resolve_paths`); URLs such as gs://... are kept.
 """
 
 from __future__ import annotations
@@ -14,49 +17,82 @@ import hashlib
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
 
-from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields
+from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
 
 ENV_PREFIX = "M_"
+PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
 
 
 def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config:
-    """`argv` is `[path/to/base.yml, key=value, ...]` as given to train.py."""
+    """`argv` is `[path/to/base.yml, key=value, ...]` as given to train.py. An error about a value
+    says where the value was set: base.yml, the model file, the command line or an M_<KEY> variable."""
     if not argv:
         raise ConfigError("no config file given; run e.g. `python3 train.py configs/base.yml run_name=demo`")
     env = os.environ if env is None else env
     base_path = Path(argv[0])
-    base = _read_yaml(base_path, "config file")
-    cli = _parse_overrides(argv[1:])
-    env_values = {k[len(ENV_PREFIX):].lower(): v for k, v in env.items() if k.startswith(ENV_PREFIX)}
-    env_values = {k: v for k, v in env_values.items() if k in all_fields()}
-
-    model_name = env_values.get("model_name", cli.get("model_name", base.get("model_name", "default")))
+    # (source, values), lowest precedence first; the model file goes second once model_name is known
+    layers = [(str(base_path), _read_yaml(base_path, "config file")),
+              ("the command line", _parse_overrides(argv[1:])), *_env_layers(env)]
+    for source, values in layers:
+        _check_known(values, source)
+    _refuse_placeholders(layers)  # before model_name chooses a file
+    model_name = _merge(layers).get("model_name", "default")
     model_file = base_path.parent / "models" / f"{model_name}.yml"
     if not model_file.is_file():
         known = sorted(p.stem for p in (base_path.parent / "models").glob("*.yml"))
-        raise ConfigError(
-            f"model_name={model_name!r}: no file {model_file}. Known models: {', '.join(known) or 'none'}"
-        )
+        raise ConfigError(_name_sources(
+            f"model_name={model_name!r}: no file {model_file}. Known models: {', '.join(known) or 'none'}", layers))
     model = _read_yaml(model_file, "model file")
     if "model_name" in model and model["model_name"] != model_name:
         raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
+    _check_known(model, str(model_file))
+    layers.insert(1, (str(model_file), model))
+    _refuse_placeholders(layers)
+    try:
+        return build_config(_merge(layers))
+    except ConfigError as e:
+        raise ConfigError(_name_sources(str(e), layers)) from None
 
-    merged: dict[str, Any] = {}
-    for source, values in (
-        (str(base_path), base),
-        (str(model_file), model),
-        ("the command line", cli),
-        ("the environment (M_<KEY>)", env_values),
-    ):
-        _check_known(values, source)
-        merged.update(values)
-    merged["model_name"] = model_name
-    return build_config(merged)
+
+def _env_layers(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+    """One layer per M_<KEY> variable that names a config key (other M_ variables are not ours)."""
+    fields = all_fields()
+    return [(f"the environment variable {name}", {name[len(ENV_PREFIX):].lower(): value})
+            for name, value in sorted(env.items())
+            if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in fields]
+
+
+def _merge(layers: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    return {key: value for _, values in layers for key, value in values.items()}
+
+
+def _name_sources(message: str, layers: list[tuple[str, dict[str, Any]]]) -> str:
+    """`message` followed by where the keys it names (as `key=` or a snake_case key) were set."""
+    where = {key: source for source, values in layers for key in values}
+    found = re.findall(r"\b([a-z][a-z0-9_]*)(=?)", message)
+    keys = list(dict.fromkeys(k for k, eq in found if k in where and (eq or "_" in k)))
+    if len(keys) <= 1:
+        return f"{message} (from {where[keys[0]]})" if keys else message
+    by_source: dict[str, list[str]] = {}
+    for k in keys:
+        by_source.setdefault(where[k], []).append(k)
+    parts = [" and ".join(ks) + f" from {source}" for source, ks in by_source.items()]
+    return f"{message} ({'; '.join(parts)})"
+
+
+def _refuse_placeholders(layers: list[tuple[str, dict[str, Any]]]) -> None:
+    """No value (a string, or a list of strings) may still hold the `<changeme>` placeholder."""
+    for key, value in _merge(layers).items():
+        if any(PLACEHOLDER in str(v) for v in (value if isinstance(value, list) else [value])):
+            fix = "set it, e.g. run_name=my_run" if key == "run_name" else \
+                f"set it to a real value (configs/base.yml describes {key})"
+            raise ConfigError(_name_sources(f"{key}={value!r} is a placeholder; {fix}", layers))
 
 
 def build_config(flat: Mapping[str, Any]) -> Config:
@@ -68,8 +104,41 @@ def build_config(flat: Mapping[str, Any]) -> Config:
         section, f = fields[name]
         per_section[section][name] = coerce(name, raw, f)
     cfg = Config(**{s: SECTIONS[s](**vals) for s, vals in per_section.items()})
+    resolve_paths(cfg)
     validate(cfg)
     return cfg
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def absolute_path(text: str) -> str:
+    """`text` made absolute against the working directory (`~` expanded, `..` folded); a URL
+    (anything with "://", e.g. gs://bucket/runs) and an empty value are kept as they are."""
+    if not text or "://" in text:
+        return text
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def _is_local(text: str) -> bool:
+    """hf_path names a local file or folder (not a format such as parquet, nor a Hub dataset)."""
+    if text in HF_FILE_FORMATS or "://" in text:
+        return False
+    return text.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(text))
+
+
+def resolve_paths(cfg: Config) -> None:
+    """Make every path key of `cfg` absolute, in place (see `PATH_KINDS` in schema.py): the one
+    place where relative paths are resolved, against the working directory of this process."""
+    fields = all_fields()
+    for name, kind in path_keys().items():
+        section = getattr(cfg, fields[name][0])
+        value = getattr(section, name)
+        if kind == "globs":
+            value = ",".join(absolute_path(p.strip()) for p in value.split(",") if p.strip())
+        elif kind == "path" or _is_local(value):
+            value = absolute_path(value)
+        setattr(section, name, value)
 
 
 def _read_yaml(path: Path, what: str) -> dict[str, Any]:
@@ -222,6 +291,12 @@ def flat_dict(cfg: Config) -> dict[str, Any]:
     for section in SECTIONS:
         out.update(dataclasses.asdict(getattr(cfg, section)))
     return out
+
+
+def changed_keys(cfg: Config) -> dict[str, Any]:
+    """The keys whose final value differs from the schema default (= configs/base.yml), in schema order."""
+    defaults = flat_dict(build_config({}))
+    return {k: v for k, v in flat_dict(cfg).items() if v != defaults[k]}
 
 
 def config_digest(cfg: Config) -> str:

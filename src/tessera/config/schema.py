@@ -2,8 +2,12 @@
 
 Every public key lives in exactly one section dataclass below, with its type, its default
 and a one-line comment (units included). `configs/base.yml` is generated from this file
-(`python3 -m tessera.config.schema > configs/base.yml`) and a test keeps the two equal, so
+(`python3 -m tessera.config > configs/base.yml`) and a test keeps the two equal, so
 the documentation of a key and its behaviour cannot drift apart.
+
+Keys that hold local paths carry `path=` (see `PATH_KINDS`): the loader makes them absolute
+against the working directory when it builds the config, so nothing past the config ever sees
+a relative path (Orbax refuses them) and the run writes where the command was typed.
 
 Each component receives only its own section (`ModelConfig`, `MeshConfig`, ...); the root
 `Config` groups them and holds the values derived from several sections.
@@ -35,11 +39,22 @@ ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
 DATASET_TYPES = ("synthetic", "hf", "tfds", "grain")
 TOKENIZER_TYPES = ("auto", "sentencepiece", "tiktoken", "huggingface")
 PROFILERS = ("", "xplane")
+HF_FILE_FORMATS = ("parquet", "json", "arrow", "text", "csv")  # hf_path values that name a format, not a folder
+
+# How the loader resolves a path key against the working directory (URLs, anything with "://",
+# and empty values are kept as they are):
+#   "path": one local path; "globs": comma-separated paths or globs, each resolved;
+#   "local_or_name": hf_path, resolved only when it is a local file or folder (it exists, or it
+#   starts with /, ./, ../ or ~); a format name (parquet, ...) or a Hub name (org/dataset) is kept.
+PATH_KINDS = ("path", "globs", "local_or_name")
 
 
-def key(default: Any, doc: str, choices: tuple = (), minimum: float | None = None):
-    """A config field: its default, a one-line comment, and optionally the allowed values."""
-    meta = {"doc": doc, "choices": choices, "minimum": minimum}
+def key(default: Any, doc: str, choices: tuple = (), minimum: float | None = None, path: str = ""):
+    """A config field: its default, a one-line comment, optionally the allowed values, and for a key
+    that holds local paths its `path` kind (one of PATH_KINDS)."""
+    if path not in ("", *PATH_KINDS):
+        raise ValueError(f"path={path!r} must be one of {PATH_KINDS}")
+    meta = {"doc": doc, "choices": choices, "minimum": minimum, "path": path}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -50,10 +65,12 @@ class RunConfig:
     """Where a run writes and how long it lasts."""
 
     run_name: str = key("", "name of the run; outputs go to base_output_directory/run_name (empty: a timestamped name)")
-    base_output_directory: str = key("outputs", "root folder for all runs (local path or gs://bucket/path)")
+    base_output_directory: str = key("outputs", "root folder for all runs (local path or gs://bucket/path)",
+                                     path="path")
     steps: int = key(150, "number of optimizer steps to train", minimum=1)
     log_period: int = key(1, "print one metrics line every this many steps", minimum=1)
-    metrics_file: str = key("", "JSONL file of per-step metrics (empty: base_output_directory/run_name/metrics.jsonl)")
+    metrics_file: str = key("", "JSONL file of per-step metrics (empty: base_output_directory/run_name/metrics.jsonl)",
+                            path="path")
     enable_tensorboard: bool = key(True, "write TensorBoard event files under base_output_directory/run_name/tensorboard")
     init_weights_seed: int = key(0, "PRNG seed for parameter initialization and dropout")
     report_warmup_steps: int = key(3, "steps left out of the run report's medians (compilation and warm-up)", minimum=0)
@@ -193,9 +210,11 @@ class DataConfig:
     reuse_example_batch: bool = key(False, "feed the first batch at every step (for speed tests)")
     data_shuffle_seed: int = key(0, "seed of the synthetic token stream and of the grain/tfds record order")
     hf_path: str = key("", "dataset_type=hf: a file format (parquet, json, arrow, text, csv), a local dataset "
-                       "directory, or a Hugging Face Hub dataset name")
-    hf_train_files: str = key("", "training files for hf_path=<format>: comma-separated globs, e.g. /data/c4/000*.parquet")
-    hf_eval_files: str = key("", "evaluation files, as hf_train_files (empty: no eval data)")
+                       "directory, or a Hugging Face Hub dataset name (taken as local, and resolved, when it exists "
+                       "or starts with /, ./, ../ or ~)", path="local_or_name")
+    hf_train_files: str = key("", "training files for hf_path=<format>: comma-separated globs, e.g. /data/c4/000*.parquet",
+                              path="globs")
+    hf_eval_files: str = key("", "evaluation files, as hf_train_files (empty: no eval data)", path="globs")
     hf_streaming: bool = key(True, "stream files instead of converting them to an Arrow cache first (large corpora)")
     train_split: str = key("train", "split read for training from a dataset directory, Hub dataset or TFDS dataset")
     eval_split: str = key("validation", "split read for evaluation from a dataset directory, Hub dataset or TFDS "
@@ -203,18 +222,20 @@ class DataConfig:
     dataset_name: str = key("", "dataset_type=tfds: the TFDS dataset as name/config:version, e.g. c4/en:3.1.0 "
                             "(prepared in ArrayRecord format)")
     dataset_path: str = key("", "dataset_type=tfds: the TFDS data directory holding dataset_name (local or gs://; "
-                            "empty: TFDS's default, ~/tensorflow_datasets)")
+                            "empty: TFDS's default, ~/tensorflow_datasets)", path="path")
     eval_dataset_name: str = key("", "dataset_type=tfds: the TFDS dataset for evaluation (empty: dataset_name)")
     train_data_columns: list = key(["text"], "text columns, joined with a newline (a list-of-ints column is "
                                    "taken as already tokenized)")
-    grain_train_files: str = key("", "dataset_type=grain: comma-separated globs of ArrayRecord or Parquet files")
-    grain_eval_files: str = key("", "evaluation files for dataset_type=grain, as grain_train_files")
+    grain_train_files: str = key("", "dataset_type=grain: comma-separated globs of ArrayRecord or Parquet files",
+                                  path="globs")
+    grain_eval_files: str = key("", "evaluation files for dataset_type=grain, as grain_train_files", path="globs")
     grain_file_type: str = key("arrayrecord", "format of the grain files (ArrayRecord records: UTF-8 text or a JSON "
                                "object holding train_data_columns)", ("arrayrecord", "parquet"))
     grain_worker_count: int = key(0, "grain and tfds: processes that read and tokenize records (0: in the training "
                                   "process)",
                                   minimum=0)
-    tokenizer_path: str = key("", "SentencePiece .model, tiktoken BPE file, or a folder/file with tokenizer.json")
+    tokenizer_path: str = key("", "SentencePiece .model, tiktoken BPE file, or a folder/file with tokenizer.json",
+                               path="path")
     tokenizer_type: str = key("auto", "tokenizer kind when the path does not make it clear", TOKENIZER_TYPES)
     add_bos: bool = key(True, "start every document with the tokenizer's begin-of-sequence token")
     add_eos: bool = key(True, "end every document with the tokenizer's end-of-sequence token")
@@ -248,9 +269,12 @@ class CheckpointConfig:
     async_checkpointing: bool = key(True, "write checkpoints in the background (the step only waits for the copy to host)")
     checkpoint_period: int = key(100, "save every this many steps (the last step and a SIGTERM also save)", minimum=1)
     max_num_checkpoints_to_keep: int = key(-1, "keep only the newest N complete checkpoints (-1: keep all)")
-    checkpoint_dir: str = key("", "where checkpoints go (empty: base_output_directory/run_name/checkpoints)")
-    load_parameters_path: str = key("", "start from these parameters only (a checkpoint step folder or a params checkpoint)")
-    load_full_state_path: str = key("", "start from this full state: parameters, optimizer state and step")
+    checkpoint_dir: str = key("", "where checkpoints go (empty: base_output_directory/run_name/checkpoints)",
+                               path="path")
+    load_parameters_path: str = key("", "start from these parameters only (a checkpoint step folder or a params "
+                                     "checkpoint)", path="path")
+    load_full_state_path: str = key("", "start from this full state: parameters, optimizer state and step "
+                                     "(a checkpoint step folder)", path="path")
 
 
 @dataclass
@@ -262,6 +286,33 @@ class CompileConfig:
     compile_hbm_budget_fraction: float = key(
         0.95, "share of a chip's HBM the compiled step may use; the rest is left to the TPU runtime", minimum=0.0
     )
+
+
+OPTIMIZATION_LEVELS = ("", "O0", "O1")
+
+
+@dataclass
+class GpuConfig:
+    """GPU compiler and memory settings, set before JAX starts (gpu_tuning.py); the defaults change nothing."""
+
+    optimization_level: str = key("", "JAX's optimization level (JAX_OPTIMIZATION_LEVEL); O1 turns on XLA's GPU bundle: "
+                                  "latency-hiding scheduler, pipelined collectives, loop double buffering "
+                                  "('': JAX's default)", OPTIMIZATION_LEVELS)
+    enable_pgle: bool = key(False, "JAX's automatic profile-guided latency estimator: profile the first "
+                            "pgle_profiling_runs calls of each jitted function, then recompile it with the measured "
+                            "times (not the AOT-compiled train step: use pgle_profile_path)")
+    pgle_profiling_runs: int = key(3, "enable_pgle: calls profiled before the recompile", minimum=1)
+    pgle_profile_path: str = key("", "PGLE profile from an earlier run (.pb/.pbtxt file, or a folder of "
+                                 "<fingerprint>.pb), passed to XLA as --xla_gpu_pgle_profile_file_or_directory_path",
+                                 path="path")
+    xla_python_client_mem_fraction: float = key(0.0, "share of each GPU's memory JAX takes at start-up, in (0, 1] "
+                                                "(sets XLA_PYTHON_CLIENT_MEM_FRACTION; 0: leave it, JAX's default "
+                                                "is 0.75)", minimum=0.0)
+
+    def __post_init__(self):
+        from tessera.gpu_tuning import check_gpu_config  # checks that choices/minimum cannot express
+
+        check_gpu_config(self)
 
 
 class ConfigError(ValueError):
@@ -280,6 +331,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
 
     @property
     def total_steps_in_schedule(self) -> int:
@@ -296,7 +348,13 @@ SECTIONS = {
     "optim": OptimConfig,
     "checkpoint": CheckpointConfig,
     "compile": CompileConfig,
+    "gpu": GpuConfig,
 }
+
+
+def path_keys() -> dict[str, str]:
+    """Flat key -> path kind (PATH_KINDS), for every key that holds local paths."""
+    return {name: f.metadata["path"] for name, (_, f) in all_fields().items() if f.metadata["path"]}
 
 
 def all_fields() -> dict[str, tuple[str, dataclasses.Field]]:
@@ -315,8 +373,10 @@ def render_base_yml() -> str:
     lines = [
         "# Tessera base config: every key with its default. Generated from",
         "# src/tessera/config/schema.py; regenerate with",
-        "#   python3 -m tessera.config.schema > configs/base.yml",
+        "#   python3 -m tessera.config > configs/base.yml",
         "# Precedence: this file < configs/models/<model_name>.yml < key=value < M_<KEY> env vars.",
+        "# Keys marked [path] take local paths or URLs (gs://...). A relative path is resolved against the",
+        "# working directory when the config is loaded (outputs -> $PWD/outputs); URLs are kept as they are.",
     ]
     for section, cls in SECTIONS.items():
         lines += ["", f"# --- {section}: {cls.__doc__.strip()}"]
@@ -325,5 +385,6 @@ def render_base_yml() -> str:
             value = json.dumps(default)  # JSON scalars and lists are valid YAML
             choices = f.metadata["choices"]
             extra = f" [one of: {', '.join(repr(c) for c in choices)}]" if choices else ""
+            extra += " [path]" if f.metadata["path"] else ""
             lines.append(f"{f.name}: {value}  # {f.metadata['doc']}{extra}")
     return "\n".join(lines) + "\n"

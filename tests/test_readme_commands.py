@@ -1,0 +1,112 @@
+"""The README's and the guides' commands, run as printed from a fresh working directory.
+
+A copy of train.py, decode.py and configs/ goes into an empty folder (the package itself comes
+from the install, as after `bash setup.sh`); each command is parsed out of the Markdown, so a
+test breaks when a document changes, and runs there with `.venv/bin/python` mapped to this
+interpreter. Relative paths (the default `outputs/` folder, `load_parameters_path=outputs/...`,
+the converter's folders) therefore resolve against that folder, as on a user's machine.
+"""
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+PYTHON = ".venv/bin/python"
+
+
+def doc_commands(doc: str) -> list[list[str]]:
+    """Every command of the ```bash blocks of `doc`, continuation lines joined and comments dropped."""
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / doc).read_text(), flags=re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [argv for argv in (shlex.split(line, comments=True) for line in lines) if argv]
+
+
+def doc_command(doc: str, start: str, containing: str = "") -> list[str]:
+    """The first command of `doc` that starts with `start` and contains `containing`."""
+    for argv in doc_commands(doc):
+        text = " ".join(argv)
+        if text.startswith(start) and containing in text:
+            return argv
+    raise AssertionError(f"{doc} no longer prints a command starting with {start!r} containing {containing!r}")
+
+
+def quick_start_command() -> list[str]:
+    section = (REPO / "README.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    line = next(line for line in section.splitlines() if line.startswith(f"{PYTHON} train.py"))
+    return shlex.split(line, comments=True)
+
+
+def run_in(cwd: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """`argv` as a user would type it in `cwd`: one CPU device, no M_<KEY> variables of ours."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    argv = [sys.executable if a == PYTHON else a for a in argv]
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """A fresh folder after the quick start's training command: (folder, the finished process)."""
+    cwd = tmp_path_factory.mktemp("fresh_machine")
+    for name in ("train.py", "decode.py"):
+        shutil.copy(REPO / name, cwd / name)
+    shutil.copytree(REPO / "configs", cwd / "configs")
+    return cwd, run_in(cwd, quick_start_command())
+
+
+def test_quick_start_trains_into_outputs_demo(demo):
+    cwd, proc = demo
+    assert quick_start_command()[:4] == [PYTHON, "train.py", "configs/base.yml", "run_name=demo"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir = cwd / "outputs" / "demo"
+    assert (run_dir / "report.json").is_file() and (run_dir / "config.yml").is_file()
+    assert (run_dir / "checkpoints" / "150" / "state").is_dir()
+    assert "Traceback" not in proc.stderr and "Metadata file does not exist" not in proc.stderr
+    assert "config (differs from base.yml): run_name=demo\n" in proc.stderr
+
+
+def test_quick_start_again_has_nothing_to_do(demo):
+    cwd, _ = demo
+    report = (cwd / "outputs" / "demo" / "report.json").read_text()
+    proc = run_in(cwd, quick_start_command())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do: the run is already at step 150 of 150" in proc.stderr
+    assert "train step compiled" not in proc.stderr
+    assert (cwd / "outputs" / "demo" / "report.json").read_text() == report
+
+
+def _decode(cwd: Path, checkpoint: str) -> list[str]:
+    argv = doc_command("getting_started/Decode.md", f"{PYTHON} decode.py", "load_parameters_path=outputs/demo")
+    argv = [f"load_parameters_path={checkpoint}" if a.startswith("load_parameters_path=") else a for a in argv]
+    proc = run_in(cwd, argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.split()
+
+
+def test_decode_guide_command(demo):
+    cwd, _ = demo
+    tokens = _decode(cwd, "outputs/demo/checkpoints/150")  # as printed: a relative step folder
+    assert len(tokens) == 16 and all(t.isdigit() for t in tokens)
+
+
+def test_convert_round_trip_with_relative_folders(demo):
+    """tessera-to-hf, then hf-to-tessera, as Models.md prints them (module and subcommand), with
+    the demo's relative folders; the converted checkpoint decodes to the same tokens."""
+    cwd, _ = demo
+    for subcommand, source, target in (("tessera-to-hf", "outputs/demo/checkpoints/150", "demo-hf"),
+                                       ("hf-to-tessera", "demo-hf", "demo-tessera")):
+        program = doc_command("getting_started/Models.md", f"{PYTHON} -m tessera.tools.convert {subcommand}")[:4]
+        proc = run_in(cwd, [*program, source, target, "model_name=default"])
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (cwd / "demo-hf" / "config.json").is_file()
+    assert _decode(cwd, "demo-tessera") == _decode(cwd, "outputs/demo/checkpoints/150")
