@@ -11,9 +11,9 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from conftest import tiny_config
 from tessera.config import ConfigError
-from tessera.data import make_input
+from tessera.data import DataError, make_input
 from tessera.train import run
-from test_data_hf import make_docs, sp_model  # noqa: F401 - sp_model is a fixture
+from test_data_hf import damage_row_group, make_docs, sp_model  # noqa: F401 - sp_model is a fixture
 
 
 def write_records(folder, docs, files=2, as_json=False, fmt="arrayrecord"):
@@ -97,6 +97,19 @@ def test_bad_grain_inputs(tmp_path, sp_model):  # noqa: F811
     for files, message in cases:
         with pytest.raises(ConfigError, match=message):
             make_input(grain_config(files, sp_model).data, 96, 4)
+
+
+def test_damaged_or_empty_parquet_is_named(tmp_path, sp_model):  # noqa: F811
+    files = write_records(tmp_path, make_docs(30), fmt="parquet")  # row groups of 3 documents
+    damage_row_group(tmp_path / "part1.parquet", 2)
+    data = make_input(grain_config(files, sp_model, grain_file_type="parquet", data_shuffle_seed=0).data, 96, 4)
+    with pytest.raises(DataError, match=r"grain_train_files: file .*part1\.parquet' is damaged: row group 2 "
+                                        r"\(counting from 0\) cannot be read .*leave it out of grain_train_files"):
+        for _ in range(100):  # the damaged row group comes up within the first epoch
+            next(data)
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(DataError, match=r"grain_train_files: file .*empty\.parquet' holds no records"):
+        make_input(grain_config(str(tmp_path / "empty.parquet"), sp_model, grain_file_type="parquet").data, 96, 4)
 
 
 def test_trainer_checkpoint_resumes_grain_at_the_next_unseen_batch(tmp_path, sp_model):  # noqa: F811

@@ -2,6 +2,8 @@
 
 import base64
 import json
+import subprocess
+import sys
 
 import datasets
 import jax
@@ -10,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import tiny_config
+from conftest import REPO, TINY, tiny_config
 from tessera.config import ConfigError
-from tessera.data import make_input
+from tessera.data import DataError, make_input
 from tessera.data.hf import load_stream
 from tessera.data.tokenizers import load_tokenizer
 
@@ -252,3 +254,75 @@ def test_first_run_corpus_splits_docstrings_and_builds_a_tokenizer(tmp_path):
     assert all(json.loads(line)["text"].strip() for line in lines)
     model = train_tokenizer(tmp_path / "out" / "train.jsonl", tmp_path / "out" / "tok", 300)
     assert load_tokenizer(str(model)).vocab_size == 300
+
+
+# ---------------------------------------------------------------- damaged or empty data: one message, exit code 2
+
+
+def damage_row_group(path, group):
+    """Overwrite the pages of row group `group` of a Parquet file, leaving its footer intact."""
+    column = pq.read_metadata(path).row_group(group).column(0)
+    start = min(o for o in (column.dictionary_page_offset, column.data_page_offset) if o is not None)
+    data = bytearray(path.read_bytes())
+    for i in range(start + 8, start + column.total_compressed_size - 8, 3):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(Exception):  # the damage must be real for the tests below to mean anything
+        pq.ParquetFile(path).read_row_group(group)
+
+
+def train_on(tmp_path, fmt, files, tok, steps=40):
+    """train.py as a user runs it, on hf files; a good first file lasts about 8 steps."""
+    args = [f"{k}={v}" for k, v in TINY.items() if k != "steps"]
+    cmd = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"), "run_name=bad",
+           f"base_output_directory={tmp_path / 'out'}", "enable_checkpointing=false", "dataset_type=hf",
+           f"hf_path={fmt}", f"hf_train_files={files}", f"tokenizer_path={tok}", f"steps={steps}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+
+
+def assert_one_message(proc, message):
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert message in proc.stderr.splitlines()[-1], proc.stderr[-3000:]
+
+
+def test_damaged_parquet_found_mid_run_names_the_file_and_row_group(tmp_path, sp_model):
+    write_corpus(tmp_path, make_docs(80), "parquet")  # part0 (40 documents, good) is read first
+    pq.write_table(pa.table({"text": make_docs(40, seed=1)}), tmp_path / "part1.parquet", row_group_size=10)
+    damage_row_group(tmp_path / "part1.parquet", 1)
+    proc = train_on(tmp_path, "parquet", tmp_path / "part*.parquet", sp_model)
+    assert_one_message(proc, f"hf_train_files: file '{tmp_path / 'part1.parquet'}' is damaged: row group 1 (of 4, "
+                             "counting from 0) cannot be read")
+    assert "Re-create the file, or leave it out of hf_train_files" in proc.stderr
+    assert "step     1 |" in proc.stderr  # found while training, not when opening
+
+
+def test_malformed_json_line_names_the_file_and_line(tmp_path, sp_model):
+    docs = make_docs(80)
+    write_corpus(tmp_path, docs, "json")
+    lines = (tmp_path / "part1.json").read_text().splitlines()
+    lines[2] = lines[2][:-5]  # a record cut short
+    (tmp_path / "part1.json").write_text("\n".join(lines) + "\n")
+    proc = train_on(tmp_path, "json", tmp_path / "part*.json", sp_model)
+    assert_one_message(proc, f"hf_train_files: file '{tmp_path / 'part1.json'}' is damaged: line 3 is not valid JSON")
+    assert "Failed to load JSON" not in proc.stderr  # the datasets library's own log line is not repeated
+
+
+def test_empty_text_corpus_says_the_files_hold_no_records(tmp_path, sp_model):
+    (tmp_path / "empty.txt").write_text("")
+    proc = train_on(tmp_path, "text", tmp_path / "empty.txt", sp_model, steps=1)
+    assert_one_message(proc, f"hf_train_files='{tmp_path / 'empty.txt'}': file '{tmp_path / 'empty.txt'}' holds no "
+                             "records (hf_path=text: one document per line); add documents or point hf_train_files "
+                             "at files that have some")
+    assert "train_data_columns" not in proc.stderr.splitlines()[-1]
+
+
+def test_damage_is_named_when_not_streaming_and_for_every_format(tmp_path, sp_model):
+    fmt, files = write_corpus(tmp_path / "p", make_docs(), "parquet")
+    damage_row_group(tmp_path / "p" / "part1.parquet", 0)
+    with pytest.raises(DataError, match=r"file .*part1\.parquet' is damaged: row group 0 \(of 1"):
+        make_input(hf_config((fmt, files), sp_model, hf_streaming=False).data, 96, 4)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "a.txt").write_bytes(b"the cat sat\n" * 7000 + b"caf\xe9\n")  # past the 64 KiB read at open
+    with pytest.raises(DataError, match=r"a\.txt' is damaged: line 7001 is not UTF-8 text"):
+        data = make_input(hf_config(("text", str(tmp_path / "t" / "a.txt")), sp_model).data, 96, 4)
+        take(data, 5)

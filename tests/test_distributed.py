@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -102,9 +103,13 @@ def test_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
 def test_watchdog_dumps_stacks_and_exits(tmp_path):
     script = (f"import sys, time; sys.path.insert(0, {str(REPO / 'src')!r})\n"
               "from tessera.distributed import HangWatchdog\n"
-              "with HangWatchdog(1.0) as w:\n    w.beat()\n    time.sleep(30)\n")
+              "with HangWatchdog(0.2) as w:\n    w.beat()\n    time.sleep(30)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 5 and "hang watchdog" in proc.stderr and "time.sleep" not in proc.stderr.split("\n")[0]
+    first = proc.stderr.split("\n")[0]
+    assert proc.returncode == 5 and "hang watchdog" in first and "time.sleep" not in first
+    # the real time waited (0.2 s timeout, checked every 0.05 s), not a rounded "0 s"
+    waited = float(re.search(r"no training step finished in ([0-9.]+) s \(step_timeout_seconds=0.2\)", first)[1])
+    assert 0.2 <= waited < 5, first
     assert "File" in proc.stderr  # the Python stack dump
     with HangWatchdog(0):  # 0 disables it
         time.sleep(0.1)

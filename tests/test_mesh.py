@@ -1,13 +1,20 @@
 """Mesh construction, -1 filling, clear product errors, logical specs, replication report."""
 
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from conftest import tiny_config
-from tessera.config import ConfigError, build_config
-from tessera.mesh import LOGICAL_RULES, create_mesh, logical_spec, named_shardings, sharding_report
+from conftest import REPO, tiny_config
+from tessera.config import ConfigError, build_config, load_config
+from tessera.mesh import (
+    LOGICAL_RULES, MESH_AXES, check_divides, create_mesh, logical_spec, named_shardings, sharding_report,
+)
+from tessera.models import build_model
 
 
 def test_fill_minus_one_from_device_count():
@@ -47,19 +54,58 @@ def test_logical_spec_rules():
 
 
 def test_every_rule_names_real_mesh_axes():
-    from tessera.mesh import MESH_AXES
-
     for name, axes in LOGICAL_RULES.items():
         assert set(axes) <= set(MESH_AXES), name
 
 
 def test_replication_report_flags_large_replicated_params():
     mesh = create_mesh(tiny_config().mesh)  # 8-way fsdp
-    shapes = {"ok": jax.ShapeDtypeStruct((1024, 512), np.float32), "odd": jax.ShapeDtypeStruct((1023, 511), np.float32)}
-    logical = {"ok": ("embed", "mlp"), "odd": ("embed", "mlp")}
-    rows, warnings = sharding_report(mesh, named_shardings(mesh, logical, shapes), shapes, warn_mib=1.0)
-    assert len(rows) == 2
+    shapes = {"ok": jax.ShapeDtypeStruct((1024, 512), np.float32), "odd": jax.ShapeDtypeStruct((1023, 511), np.float32),
+              "norm": jax.ShapeDtypeStruct((1023, 511), np.float32)}
+    logical = {"ok": ("embed", "mlp"), "odd": ("embed", "mlp"), "norm": ("layers", "norm")}
+    shardings = named_shardings(mesh, logical, shapes)
+    rows, warnings = sharding_report(mesh, shardings, shapes, warn_mib=1.0, logical_axes=logical)
+    assert len(rows) == 3
+    # the norm is replicated by its rule (no warning); "odd" because 1023 does not divide by fsdp=8
     assert len(warnings) == 1 and "odd" in warnings[0] and "fully replicated" in warnings[0]
+    assert "embed 1023 does not divide by fsdp=8" in warnings[0]
+    # without the logical names the cause is unknown: every large replicated parameter is listed
+    assert len(sharding_report(mesh, shardings, shapes, warn_mib=1.0)[1]) == 2
+
+
+def test_gpt3_175b_on_v5e_256_has_no_replication_warnings():
+    # configs/tpu/v5e/gpt3_175b.sh: 32-way fsdp x 8-way tensor. Its norm scales and biases, [96 layers,
+    # 12288] (2.2 MiB in bfloat16), are replicated by the `norm` rule on purpose: not worth a warning.
+    cfg = load_config([str(REPO / "configs" / "base.yml"), "model_name=gpt3-175b", "weight_dtype=bfloat16",
+                       "ici_tensor_parallelism=8"], env={})
+    model = build_model(cfg.model)
+    sizes = {"data": 1, "stage": 1, "fsdp": 32, "sequence": 1, "tensor": 8, "expert": 1}
+    mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
+    rows, warnings = sharding_report(mesh, shardings, model.param_shapes(), cfg.mesh.param_replication_warn_mib,
+                                     logical_axes=model.logical_axes())
+    assert any("pre_mlp_norm/scale" in r and "(96, 12288)" in r for r in rows) and warnings == []
+
+
+def test_tensor_axis_must_divide_query_heads_and_mlp_but_not_kv_heads():
+    sizes = {"data": 1, "stage": 1, "fsdp": 1, "sequence": 1, "tensor": 4, "expert": 1}
+    check_divides(("embed", "kv_heads", "head_dim"), (24, 2, 6), sizes)  # GQA: 2 kv heads on 4 ways is fine
+    with pytest.raises(ConfigError, match=r"tensor axis .* is 4, which does not divide the 6 attention query heads"):
+        check_divides(("embed", "heads", "head_dim"), (24, 6, 6), sizes)
+    with pytest.raises(ConfigError, match=r"does not divide the 42 MLP width \(mlp_dim\).*ici_tensor_parallelism=3"):
+        check_divides(("layers", "embed", "mlp"), (3, 24, 42), sizes)
+
+
+def test_train_py_refuses_more_tensor_ways_than_heads(tmp_path):
+    # 4 query heads on an 8-way tensor axis: refused before compiling, exit code 2, no traceback
+    cmd = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"), "run_name=tp",
+           f"base_output_directory={tmp_path}", "ici_tensor_parallelism=8", "ici_fsdp_parallelism=1",
+           "base_num_query_heads=4", "base_num_kv_heads=4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert ("config error: the mesh's tensor axis (ici_tensor_parallelism * dcn_tensor_parallelism) is 8, which does "
+            "not divide the 4 attention query heads (num_query_heads)") in proc.stderr
+    assert "e.g. ici_tensor_parallelism=4" in proc.stderr and "compiled" not in proc.stderr
 
 
 def test_declared_slices_on_cpu_build_a_hybrid_mesh():

@@ -161,7 +161,8 @@ class HangWatchdog:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
             idle = time.monotonic() - self._last
             if idle > self.timeout:
-                print(f"hang watchdog: no training step finished in {idle:.0f} s (step_timeout_seconds="
+                waited = f"{idle:.1f}" if idle < 100 else f"{idle:.0f}"  # sub-second timeouts show as 0.3, not 0
+                print(f"hang watchdog: no training step finished in {waited} s (step_timeout_seconds="
                       f"{self.timeout:g}); Python stacks of every thread follow, then exit code {EXIT_HANG}",
                       file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

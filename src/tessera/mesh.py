@@ -7,7 +7,9 @@ each group may be -1 and is filled from the device or slice count.
 Parameters and activations carry logical axis names; `LOGICAL_RULES` (one entry per name)
 maps each to the mesh axes it is split over. A mesh axis of size 1, one already used by an
 earlier dimension, or one that does not divide the dimension is skipped, so the same model
-runs on any mesh; `logical_spec` is the single place that decision is made.
+runs on any mesh; `logical_spec` is the single place that decision is made. The exceptions are
+the `MUST_DIVIDE` dimensions (query heads, MLP width): a tensor axis that does not divide them
+is refused before anything is compiled, as it would silently replicate those weights.
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "norm": (),
     "exp": ("expert",),
 }
+
+# Logical dimensions the mesh axes of their rule must divide. Left whole, the attention or MLP
+# weights and their compute would be copied to every device of the axis, which is never what a
+# tensor-parallel config means. kv_heads is not here: with grouped-query attention fewer kv heads
+# than tensor ways is normal (each is then replicated over a few devices).
+MUST_DIVIDE = {"heads": "attention query heads (num_query_heads)", "mlp": "MLP width (mlp_dim)"}
 
 
 def _resolve(kind: str, sizes: dict[str, int], total: int, unit: str) -> dict[str, int]:
@@ -157,29 +165,59 @@ def shard_logically(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
 
 
 def named_shardings(mesh: Mesh, logical_tree, shape_tree):
-    """NamedShardings for a pytree of logical-name tuples and a matching pytree of shapes."""
+    """NamedShardings for a pytree of logical-name tuples and a matching pytree of shapes.
+    Raises ConfigError when a mesh axis does not divide a `MUST_DIVIDE` dimension."""
     sizes = dict(mesh.shape)
-    return jax.tree.map(
-        lambda names, s: NamedSharding(mesh, logical_spec(names, s.shape, sizes)),
-        logical_tree,
-        shape_tree,
-        is_leaf=lambda x: isinstance(x, tuple),
-    )
+
+    def sharding(names, s):
+        check_divides(names, s.shape, sizes)
+        return NamedSharding(mesh, logical_spec(names, s.shape, sizes))
+
+    return jax.tree.map(sharding, logical_tree, shape_tree, is_leaf=lambda x: isinstance(x, tuple))
 
 
-def sharding_report(mesh: Mesh, shardings, shapes, warn_mib: float) -> tuple[list[str], list[str]]:
-    """A table (path, shape, spec) of every parameter, and warnings for large replicated ones."""
+def check_divides(names: Sequence[str | None], shape: Sequence[int], mesh_sizes: dict[str, int]) -> None:
+    """Refuse a mesh whose axes would leave a `MUST_DIVIDE` dimension whole (see there)."""
+    for name, dim in zip(names, shape):
+        for axis in LOGICAL_RULES.get(name, ()) if name in MUST_DIVIDE else ():
+            ways = mesh_sizes.get(axis, 1)
+            if dim % ways:
+                key = _KEY_NAME[axis]
+                best = max(d for d in range(1, ways) if dim % d == 0)
+                raise ConfigError(
+                    f"the mesh's {axis} axis (ici_{key}_parallelism * dcn_{key}_parallelism) is {ways}, which does "
+                    f"not divide the {dim} {MUST_DIVIDE[name]}: their weights would be copied whole to every device "
+                    f"of that axis. Make it a divisor of {dim}, e.g. ici_{key}_parallelism={best}, or change the model")
+
+
+def sharding_report(mesh: Mesh, shardings, shapes, warn_mib: float, logical_axes=None) -> tuple[list[str], list[str]]:
+    """A table (path, shape, spec) of every parameter, and a warning for each one larger than
+    `warn_mib` MiB left fully replicated because its dimensions do not divide the mesh axes its
+    logical names may use. Parameters the rules replicate on purpose (norm scales and biases of
+    width D: `norm` maps to no axis) are not reported. Without `logical_axes` (the pytree of
+    logical-name tuples) the cause is unknown and every large replicated parameter is reported."""
     rows, warnings = [], []
-    sharded_mesh = any(v > 1 for v in mesh.shape.values())
+    sizes = dict(mesh.shape)
     flat_shapes = dict(jax.tree_util.tree_flatten_with_path(shapes)[0])
+    flat_names = {} if logical_axes is None else dict(
+        jax.tree_util.tree_flatten_with_path(logical_axes, is_leaf=lambda x: isinstance(x, tuple))[0])
     for path, sharding in jax.tree_util.tree_flatten_with_path(shardings)[0]:
         s = flat_shapes[path]
         name = jax.tree_util.keystr(path, simple=True, separator="/")
         rows.append(f"{name:<48} {str(tuple(s.shape)):<24} {sharding.spec}")
         mib = np.prod(s.shape) * np.dtype(s.dtype).itemsize / 2**20
-        if sharded_mesh and sharding.is_fully_replicated and mib > warn_mib:
-            warnings.append(
-                f"parameter {name} {tuple(s.shape)} ({mib:.1f} MiB) is fully replicated on mesh "
-                f"{dict(mesh.shape)}: none of its dimensions divides by a mesh axis it may use"
-            )
+        if not sharding.is_fully_replicated or mib <= warn_mib or all(v == 1 for v in sizes.values()):
+            continue
+        cause = (_replication_cause(flat_names[path], s.shape, sizes) if flat_names
+                 else "no mesh axis splits any of its dimensions")
+        if cause:
+            warnings.append(f"parameter {name} {tuple(s.shape)} ({mib:.1f} MiB) is fully replicated on mesh "
+                            f"{sizes}: {cause}")
     return rows, warnings
+
+
+def _replication_cause(names: Sequence[str | None], shape: Sequence[int], sizes: dict[str, int]) -> str | None:
+    """Why a parameter its rules would shard ended up replicated; None when the rules replicate it."""
+    misses = [f"{name} {dim} does not divide by {axis}={sizes[axis]}" for name, dim in zip(names, shape) if name
+              for axis in LOGICAL_RULES[name] if sizes.get(axis, 1) > 1 and dim % sizes[axis]]
+    return "; ".join(misses) + "; pad that dimension or choose mesh sizes that divide it" if misses else None

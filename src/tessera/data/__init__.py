@@ -4,7 +4,9 @@ from it), `segment_ids` [B, T+1] (0 marks padding) and `positions` [B, T+1]. B i
 batch, or this process's share of it when the iterator has `process_local = True` (file-backed
 pipelines read only their share); `place_batch` puts either kind on the mesh. Each iterator has
 `get_state()` (JSON-able, saved in checkpoints) and `set_state(state)`, so a resumed run
-continues with the next unseen batch. `split="eval"` gives the evaluation stream, which ends."""
+continues with the next unseen batch. `split="eval"` gives the evaluation stream, which ends.
+Data that cannot be used (a damaged file, no records), found when opening or in the middle of
+a run, raises `DataError` (a `ConfigError`: exit code 2) naming the file and what to do."""
 
 from __future__ import annotations
 
@@ -12,9 +14,10 @@ import jax
 import numpy as np
 
 from tessera.config import ConfigError, DataConfig
+from tessera.data.errors import DataError
 from tessera.data.synthetic import SyntheticData
 
-__all__ = ["SyntheticData", "make_input", "packs_documents", "place_batch"]
+__all__ = ["DataError", "SyntheticData", "make_input", "packs_documents", "place_batch"]
 
 
 def packs_documents(cfg: DataConfig) -> bool:

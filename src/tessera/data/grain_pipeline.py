@@ -24,6 +24,7 @@ import json
 import numpy as np
 
 from tessera.config import ConfigError, DataConfig
+from tessera.data.errors import brief, damaged_file, no_records
 from tessera.data.hf import expand_files
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
@@ -35,7 +36,7 @@ class ParquetSource:
     def __init__(self, files: list[str], columns: list[str], key: str):
         import pyarrow.parquet as pq
 
-        self.files, self.columns, self._cache = files, columns, (None, None)
+        self.files, self.columns, self.key, self._cache = files, columns, key, (None, None)
         self.starts = [0]
         self.groups: list[tuple[int, int]] = []  # global row group -> (file, row group in that file)
         for file, f in enumerate(files):
@@ -60,7 +61,11 @@ class ParquetSource:
         group = bisect.bisect_right(self.starts, index) - 1
         if self._cache[0] != group:
             file, local = self.groups[group]
-            table = pq.ParquetFile(self.files[file]).read_row_group(local, columns=self.columns)
+            try:
+                table = pq.ParquetFile(self.files[file]).read_row_group(local, columns=self.columns)
+            except Exception as e:  # noqa: BLE001 - pyarrow raises OSError, ArrowInvalid, ...
+                raise damaged_file(self.key, self.files[file],
+                                   f"row group {local} (counting from 0) cannot be read ({brief(e)})") from None
             self._cache = (group, table.to_pylist())
         return self._cache[1][index - self.starts[group]]
 
@@ -164,7 +169,7 @@ class GrainData:
             files_key = "grain_train_files" if split == "train" else "grain_eval_files"
             source = _open_source(cfg, files_key, cfg.grain_train_files if split == "train" else cfg.grain_eval_files)
             if len(source) == 0:
-                raise ConfigError(f"{files_key}: the files hold no records")
+                raise no_records(files_key, expand_files(getattr(cfg, files_key), files_key))
         self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
         check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
         ds = grain.MapDataset.source(source)

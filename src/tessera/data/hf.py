@@ -24,20 +24,19 @@ from pathlib import Path
 import numpy as np
 
 from tessera.config import ConfigError, DataConfig
+from tessera.config.schema import HF_FILE_FORMATS as FILE_FORMATS
+from tessera.data.errors import REMOTE_PREFIXES, DataError, no_records, read_failure
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
 
 log = logging.getLogger("tessera")
-
-FILE_FORMATS = ("parquet", "json", "arrow", "text", "csv")
-_REMOTE = ("gs://", "s3://", "hf://", "http://", "https://")
 
 
 def expand_files(pattern_list: str, key: str) -> list[str]:
     """Comma-separated globs -> sorted files; an empty match is an error naming the key and the glob."""
     files = []
     for pattern in [p.strip() for p in pattern_list.split(",") if p.strip()]:
-        if pattern.startswith(_REMOTE):
+        if pattern.startswith(REMOTE_PREFIXES):
             files.append(pattern)
             continue
         matched = sorted(glob.glob(os.path.expanduser(pattern)))
@@ -51,7 +50,7 @@ def expand_files(pattern_list: str, key: str) -> list[str]:
 def _check_readable(files: list[str], fmt: str, key: str) -> None:
     """Fail early, naming the file, instead of deep inside a streaming read."""
     for f in files:
-        if f.startswith(_REMOTE):
+        if f.startswith(REMOTE_PREFIXES):
             continue
         try:
             if fmt == "parquet":
@@ -68,22 +67,28 @@ def _check_readable(files: list[str], fmt: str, key: str) -> None:
                               "fix or remove it, or change hf_path") from e
 
 
+def files_setting(cfg: DataConfig, split: str) -> tuple[str, str]:
+    """(key, value) of the file globs of `split`: hf_train_files or hf_eval_files."""
+    return ("hf_train_files", cfg.hf_train_files) if split == "train" else ("hf_eval_files", cfg.hf_eval_files)
+
+
 def load_stream(cfg: DataConfig, split: str):
     """The `datasets.IterableDataset` for `split` ('train' or 'eval'), split across processes."""
     import datasets
     import jax
     from datasets.distributed import split_dataset_by_node
 
-    files_key = "hf_train_files" if split == "train" else "hf_eval_files"
-    files_value = cfg.hf_train_files if split == "train" else cfg.hf_eval_files
+    files_key, files_value = files_setting(cfg, split)
     split_name = cfg.train_split if split == "train" else cfg.eval_split
-    path = cfg.hf_path
+    path, files = cfg.hf_path, []
     try:
         if path in FILE_FORMATS:
             if not files_value:
                 raise ConfigError(f"hf_path={path} reads files: set {files_key} (e.g. {files_key}=/data/*.{path})")
             files = expand_files(files_value, files_key)
             _check_readable(files, path, files_key)
+            # the json reader logs its own error before raising; the DataError below says it once
+            logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
             ds = datasets.load_dataset(path, data_files=files, split="train", streaming=cfg.hf_streaming)
         elif Path(path).expanduser().is_dir() and (Path(path).expanduser() / "dataset_dict.json").is_file():
             ds = datasets.load_from_disk(str(Path(path).expanduser()))[split_name]
@@ -98,6 +103,8 @@ def load_stream(cfg: DataConfig, split: str):
     except ConfigError:
         raise
     except Exception as e:  # datasets raises FileNotFoundError, ValueError, DatasetNotFoundError, ...
+        if files:  # the files were found and opened: reading them failed (hf_streaming=false reads them all)
+            raise read_failure(e, files, path, f"{files_key}={files_value!r}") from None
         raise ConfigError(f"hf_path={path!r} ({files_key}={files_value!r}, split {split_name!r}) could not be "
                           f"loaded: {type(e).__name__}: {e}") from e
     if isinstance(ds, datasets.Dataset):
@@ -121,10 +128,17 @@ class HfData:
                               "change per_device_batch_size")
         self.rows = global_batch // jax.process_count()
         self.ds = load_stream(cfg, split)
+        self.files_key, files_value = files_setting(cfg, split)
+        self.files = expand_files(files_value, self.files_key) if cfg.hf_path in FILE_FORMATS else []
+        self.setting = f"{self.files_key}={files_value!r}" if self.files else f"hf_path={cfg.hf_path!r}"
         self.columns = list(cfg.train_data_columns)
-        self._check_columns()
+        try:
+            first = self._next_record(iter(self.ds))
+        except StopIteration:
+            raise self._no_records() from None
+        self._check_columns(first)
         self.tokenizer = None
-        if cfg.tokenizer_path or not self._pretokenized():
+        if cfg.tokenizer_path or not all(isinstance(first[c], (list, np.ndarray)) for c in self.columns):
             self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
             check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
         self.vocab_size = vocab_size
@@ -132,18 +146,36 @@ class HfData:
         self._restart(None)
         self.cursor = DocumentCursor(self._next_document, self._source_state)
 
-    def _check_columns(self) -> None:
+    def _check_columns(self, first: dict) -> None:
         names = self.ds.column_names
         if names is None:  # some streamed formats only know their columns after the first record
-            names = list(next(iter(self.ds), {}).keys())
+            names = list(first)
         missing = [c for c in self.columns if c not in names]
         if missing:
             raise ConfigError(f"train_data_columns={self.columns}: column(s) {missing} not in hf_path="
                               f"{self.cfg.hf_path!r} (columns: {names}); set train_data_columns to one of them")
 
-    def _pretokenized(self) -> bool:
-        first = next(iter(self.ds), None)
-        return first is not None and all(isinstance(first[c], (list, np.ndarray)) for c in self.columns)
+    def _no_records(self) -> DataError:
+        import jax
+
+        share = ""
+        if jax.process_count() > 1:
+            share = f" (the share of process {jax.process_index()} of {jax.process_count()})"
+        if self.files:
+            one_per_line = " (hf_path=text: one document per line)" if self.cfg.hf_path == "text" else ""
+            return no_records(self.setting, self.files, share + one_per_line)
+        return DataError(f"{self.setting} holds no records{share} in split "
+                         f"{self.cfg.train_split if self.split == 'train' else self.cfg.eval_split!r}; check hf_path "
+                         "and the split")
+
+    def _next_record(self, it) -> dict:
+        """next(it); a failing read (e.g. a damaged file) becomes one DataError naming the file."""
+        try:
+            return next(it)
+        except StopIteration:
+            raise
+        except Exception as e:  # noqa: BLE001 - pyarrow, datasets and fsspec raise many kinds
+            raise read_failure(e, self.files, self.cfg.hf_path, self.setting) from None
 
     # ---- the document source
     def _source_state(self) -> dict:
@@ -159,8 +191,7 @@ class HfData:
 
     def _next_document(self) -> list[int]:
         try:
-            example = next(self._it)
-            self._fresh = False
+            example = self._next_record(self._it)
         except StopIteration:
             if self.split != "train":
                 raise
@@ -168,10 +199,11 @@ class HfData:
             log.info("hf training data: epoch %d finished, starting again from the first file", self.epoch)
             self.ds.set_epoch(self.epoch)
             self._restart(None)
-            example = next(self._it, None)
-            self._fresh = False
-            if example is None:
-                raise ConfigError(f"hf_path={self.cfg.hf_path!r}: the training data holds no documents") from None
+            try:
+                example = self._next_record(self._it)
+            except StopIteration:
+                raise self._no_records() from None
+        self._fresh = False
         return self._tokens(example)
 
     def _tokens(self, example: dict) -> list[int]:

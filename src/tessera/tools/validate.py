@@ -37,12 +37,13 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from tessera.config.schema import all_fields
+from tessera.config.loader import PLACEHOLDER, build_config
+from tessera.config.schema import ConfigError, GpuConfig, all_fields
+from tessera.gpu_tuning import effective_settings
 from tessera.tools.cli import Heartbeat, UsageError, resolve_path
 
 REPO = Path(__file__).resolve().parents[3]
 PROGRESS_SECONDS = 30.0
-PLACEHOLDER = "<changeme>"
 # config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
 ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
 # config keys with a meaning in Tessera: key -> train key
@@ -64,6 +65,7 @@ IGNORED_WHY = {
     "nccl_ib_hca_list": "list form of nccl_ib_hca, which is the one NCCL reads",
     "container_name": "the container engine names the container",
 }
+GPU_KEYS = {f.name for f in dataclasses.fields(GpuConfig)}  # train keys of the gpu section, also read from `config`
 METRICS = {"tflops_per_sec_per_gpu": "tflops_per_sec_per_device", "tokens_per_sec_per_gpu": "tokens_per_sec_per_device"}
 
 
@@ -84,6 +86,7 @@ class Plan:
     nnodes: int
     coordinator: str
     port: str
+    tuning: dict[str, str] = dataclasses.field(default_factory=dict)  # optimization level, PGLE, memory fraction
 
 
 def load(path: str) -> dict:
@@ -150,8 +153,8 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     for key, value in config.items():
         if key.startswith(ENV_PREFIXES):
             env[key.upper()] = str(value)
-        elif key == "xla_python_client_mem_fraction":
-            env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = str(value)
+        elif key in GPU_KEYS:  # xla_python_client_mem_fraction, optimization_level, ...: the trainer applies them
+            overrides[key] = str(value)
         elif key.startswith("xla_"):
             xla_flags.append(f"--{key}={value}")
         elif key in CONFIG_TRAIN_KEYS:
@@ -183,7 +186,21 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     nnodes = int(container.get("nnodes", env.get("NNODES", 1)) or 1)
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
     return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
-                env.get("JAX_COORDINATOR_PORT", "8476"))
+                env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env))
+
+
+def gpu_tuning(overrides: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """The optimization level, PGLE settings and memory fraction the run will use (keys over the
+    file's environment, as the trainer applies them); a bad value stops the suite here."""
+    try:
+        gpu = build_config({k: v for k, v in overrides.items() if k in GPU_KEYS}).gpu
+    except ConfigError as e:
+        raise ValidationInputError(str(e)) from None
+    return effective_settings(gpu, env)
+
+
+def tuning_line(plan: Plan) -> str:
+    return "gpu tuning: " + ", ".join(f"{k}={v}" for k, v in plan.tuning.items())
 
 
 def _targets(result_dict: dict) -> dict[str, float]:
@@ -333,17 +350,20 @@ def check(plan: Plan, report: dict | None, codes: list[int]) -> list[dict]:
 def write_results(rows: list[dict], plan: Plan, out_dir: Path, seconds: float) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "validation.json").write_text(json.dumps(
-        {"name": plan.name, "passed": all(r["passed"] for r in rows), "checks": rows, "ignored_keys": plan.ignored},
-        indent=2) + "\n")
+        {"name": plan.name, "passed": all(r["passed"] for r in rows), "checks": rows, "gpu_tuning": plan.tuning,
+         "ignored_keys": plan.ignored}, indent=2) + "\n")
     failures = sum(not r["passed"] for r in rows)
     cases = []
     for r in rows:
         message = escape(f"measured {r['measured']}, target {r['target']}", {'"': "&quot;"})
         body = "" if r["passed"] else f'<failure message="{message}"/>'
         cases.append(f'  <testcase classname="{escape(plan.name)}" name="{escape(r["check"])}">{body}</testcase>')
+    quote = {'"': "&quot;"}
+    properties = [f'    <property name="{escape(k)}" value="{escape(v, quote)}"/>' for k, v in plan.tuning.items()]
     (out_dir / "validation.xml").write_text(
         f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name="tessera.validate" tests="{len(rows)}" '
-        f'failures="{failures}" time="{seconds:.1f}">\n' + "\n".join(cases) + "\n</testsuite>\n")
+        f'failures="{failures}" time="{seconds:.1f}">\n  <properties>\n' + "\n".join(properties)
+        + "\n  </properties>\n" + "\n".join(cases) + "\n</testsuite>\n")
 
 
 def print_table(rows: list[dict]) -> None:
@@ -379,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for key, why in sorted(plan.ignored.items()):
         print(f"ignored {key}: {why}")
+    print(tuning_line(plan))
     run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
     engine = container_engine()
     if plan.container.get("container_image") and not engine:
@@ -398,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     rows = check(plan, report, codes)
     write_results(rows, plan, out_dir, time.time() - start)
+    print(tuning_line(plan))
     print_table(rows)
     passed = all(r["passed"] for r in rows)
     print(f"{'PASS' if passed else 'FAIL'}: {plan.name}; results in {out_dir / 'validation.json'} and validation.xml")
