@@ -2,6 +2,7 @@
 table lists every flag used), builds a config that validates on the recipe's own device count,
 and the installed libtpu and XLA accept every flag. Also rto_setup.sh with a fake `ip`."""
 
+import dataclasses
 import math
 import os
 import re
@@ -16,6 +17,7 @@ import pytest
 
 from conftest import REPO
 from tessera.config import load_config
+from tessera.config.schema import GpuConfig
 from tessera.hardware import tpu_slice
 from tessera.mesh import mesh_shape
 
@@ -25,10 +27,12 @@ REQUIRED = [
     *(f"tpu/v5p/{n}" for n in ("32b", "64b", "128b", "256b", "512b", "1024b", "llama2_7b", "llama2_70b", "gpt3_175b")),
     *(f"tpu/v6e/{n}" for n in ("llama2_7b_4096", "llama3.1_8b", "mixtral_8x7b", "gemma2_9b", "gemma2_27b", "gpt3_175b")),
     *(f"gpu/a3/llama_2_7B/{n}vm" for n in (1, 2, 4, 8, 16)),
-    "gpu/h100/llama3.2_3b_1gpu",
+    "gpu/h100/llama3.2_3b_1gpu", "gpu/h200/llama3.1_8b_1vm", "gpu/b200/llama3.1_8b_1vm", "gpu/a3/llama3.1_70b_tp8_4vm",
 ]
 RECIPES = sorted(str(p.relative_to(REPO / "configs"))[:-3] for p in (REPO / "configs").glob("*/**/*.sh"))
 TPU = [r for r in RECIPES if r.startswith("tpu/")]
+GPU = [r for r in RECIPES if r.startswith("gpu/")]
+GPU_KEYS = {f.name for f in dataclasses.fields(GpuConfig)}  # config keys that configs/README.md tabulates too
 
 
 def dry_run(recipe: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -124,13 +128,15 @@ def readme_rows() -> list[tuple[str, set[str], list[str]]]:
 
 
 def recipe_settings() -> dict[str, dict[str, str]]:
-    """recipe -> {flag or variable: value} as its dry run exports them."""
+    """recipe -> {flag, variable or GPU config key: value} as its dry run exports them or passes them to train.py."""
     out = {}
     for recipe in RECIPES:
-        exports, _ = parse(dry_run(recipe).stdout)
+        exports, commands = parse(dry_run(recipe).stdout)
         settings = {k: v for k, v in exports.items() if k not in ("M_RUN_NAME", "LIBTPU_INIT_ARGS", "XLA_FLAGS")}
         for var in ("LIBTPU_INIT_ARGS", "XLA_FLAGS"):
             settings.update(flags(exports.get(var, "")))
+        arguments = dict(a.partition("=")[::2] for a in commands[-1][3:])
+        settings.update({k: v for k, v in arguments.items() if k in GPU_KEYS})
         out[recipe] = settings
     return out
 
@@ -273,6 +279,8 @@ DOCS = [REPO / "README.md", REPO / "configs" / "README.md", *sorted((REPO / "get
 def test_docs_point_only_at_files_that_exist(doc):
     text = doc.read_text()
     for script in re.findall(r"(?<![\w{])(configs/[\w./-]+\.sh)", text):
+        if "..." in script:  # a placeholder, as in README's "a recipe (`bash configs/...sh`)"
+            continue
         assert (REPO / script).is_file(), f"{doc.name} mentions {script}, which does not exist"
     for link in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
         if not link.startswith(("http://", "https://")):
@@ -327,6 +335,38 @@ def test_tpu_readme_targets_follow_from_the_recipes(gen):
         assert float(row["TFLOP/s per chip"]) == pytest.approx(mfu * s.accelerator.peak_flops / 1e12, abs=0.5)
         assert float(row["tokens/s per chip"].replace(",", "")) == pytest.approx(tokens_per_s, rel=5e-3), recipe
         step = batch * length / (tokens_per_s * s.chips)
+        assert float(row["step time"].removesuffix(" s")) == pytest.approx(step, rel=5e-3, abs=0.006), recipe
+
+
+GPU_KINDS = {"a3": "NVIDIA H100 80GB HBM3", "h100": "NVIDIA H100 80GB HBM3", "h200": "NVIDIA H200", "b200": "NVIDIA B200"}
+
+
+@pytest.mark.parametrize("system", sorted({r.split("/")[1] for r in GPU}))
+def test_gpu_readme_targets_follow_from_the_recipes(system):
+    """Each GPU system's README has one row per recipe, and its figures are what the recipe's own
+    config, the GPU's peak (tessera.metrics) and the stated MFU give: derived, not measured, so a
+    changed recipe must update them."""
+    from tessera.metrics import peak_tflops, training_flops_per_step
+
+    rows = target_rows(REPO / "configs" / "gpu" / system / "README.md")
+    recipes = [r for r in GPU if r.startswith(f"gpu/{system}/")]
+    assert set(rows) == {f"{r.removeprefix(f'gpu/{system}/')}.sh" for r in recipes}
+    peak = peak_tflops(GPU_KINDS[system]) * 1e12
+    for name, row in rows.items():
+        recipe = f"gpu/{system}/{name[:-3]}"
+        exports, commands = parse(dry_run(recipe).stdout)
+        cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]], env={})
+        gpus = 8 * int(exports.get("NNODES", "0")) or 1
+        length = cfg.data.max_target_length
+        flops = training_flops_per_step(cfg.model, 1, length) / length
+        mfu = float(row["target MFU"].rstrip("%")) / 100
+        tokens_per_s = mfu * peak / flops
+        batch = round(cfg.data.per_device_batch_size * gpus)
+        assert row["GPUs"] == str(gpus) and row["global batch"] == f"{batch} x {length}", recipe
+        assert float(row["FLOPs per token"]) == pytest.approx(flops, rel=5e-3), recipe
+        assert float(row["TFLOP/s per GPU"]) == pytest.approx(mfu * peak / 1e12, abs=0.5), recipe
+        assert float(row["tokens/s per GPU"].replace(",", "")) == pytest.approx(tokens_per_s, rel=5e-3), recipe
+        step = batch * length / (tokens_per_s * gpus)
         assert float(row["step time"].removesuffix(" s")) == pytest.approx(step, rel=5e-3, abs=0.006), recipe
 
 

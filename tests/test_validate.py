@@ -50,7 +50,10 @@ def test_every_key_is_used_or_reported(path, tmp_path):
     xla = plan.env["XLA_FLAGS"]
     for flag, value in entry["xla_flags"].items():
         assert f"--{flag}={value}" in xla
-    assert plan.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == data["config"]["xla_python_client_mem_fraction"]
+    fraction = data["config"]["xla_python_client_mem_fraction"]  # a train key: the trainer checks and applies it
+    assert plan.overrides["xla_python_client_mem_fraction"] == fraction and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in plan.env
+    assert plan.tuning == {"optimization_level": "default", "enable_pgle": "false", "pgle_profiling_runs": "-",
+                           "pgle_profile_path": "-", "xla_python_client_mem_fraction": fraction}
     assert plan.env["JAX_COORDINATOR_PORT"] == "1234"
     assert plan.overrides["steps"] == data["config"]["training_steps"]
     assert plan.overrides["base_emb_dim"] == entry["base_emb_dim"]
@@ -92,6 +95,10 @@ def test_cpu_file_end_to_end(gpu, code, tmp_path):
     xml = (tmp_path / "validation.xml").read_text()
     assert f'failures="{0 if code == 0 else 1}"' in xml
     assert ("PASS" if code == 0 else "FAIL") in proc.stdout
+    assert result["gpu_tuning"]["optimization_level"] == "default" and result["gpu_tuning"]["enable_pgle"] == "false"
+    assert result["gpu_tuning"]["xla_python_client_mem_fraction"] == "0.5"  # config.xla_python_client_mem_fraction
+    assert '<property name="optimization_level" value="default"/>' in xml
+    assert "gpu tuning: optimization_level=default, enable_pgle=false" in proc.stdout
 
 
 FAKE_SSH = """#!/bin/bash
@@ -146,3 +153,40 @@ def test_progress_lines_while_nodes_train(tmp_path, monkeypatch, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines and re.fullmatch(r"training: 0s elapsed, step 3/8 on node 0, [12] of 2 node\(s\) running", lines[0])
     assert validate.last_step_logged(tmp_path / "none.log") == 0
+
+
+def _tuned(tmp_path, **entry_keys):
+    """The CPU file with `entry_keys` added to its cpu entry."""
+    data = json.loads(open(CPU).read())
+    data["model_params"]["single_node"]["default"]["cpu"].update(entry_keys)
+    path = tmp_path / "tuned.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_optimization_level_and_pgle_are_reported(tmp_path, capsys):
+    """The settings each run uses go into validation.json, the JUnit properties and the printed lines."""
+    profile = tmp_path / "pgle.pb"
+    profile.write_bytes(b"")
+    path = _tuned(tmp_path, optimization_level="O1", enable_pgle="true", pgle_profiling_runs="2",
+                  pgle_profile_path=str(profile))
+    data = load(path)
+    plan = build_plan(data, *select(data, False, None, "cpu"))
+    assert plan.overrides["optimization_level"] == "O1" and plan.overrides["enable_pgle"] == "true"
+    assert plan.tuning == {"optimization_level": "O1", "enable_pgle": "true", "pgle_profiling_runs": "2",
+                           "pgle_profile_path": str(profile), "xla_python_client_mem_fraction": "0.5"}
+    validate.write_results([{"check": "training finished", "target": "0", "measured": "[0]", "passed": True}],
+                           plan, tmp_path / "out", 1.0)
+    assert json.loads((tmp_path / "out" / "validation.json").read_text())["gpu_tuning"] == plan.tuning
+    xml = (tmp_path / "out" / "validation.xml").read_text()
+    assert '<property name="optimization_level" value="O1"/>' in xml
+    assert '<property name="pgle_profiling_runs" value="2"/>' in xml
+    assert main([path, "--gpu", "cpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu tuning: optimization_level=O1, enable_pgle=true, pgle_profiling_runs=2" in out
+    assert "optimization_level=O1" in out.splitlines()[-1]  # passed to train.py as a key
+
+
+def test_a_bad_gpu_setting_stops_the_suite(tmp_path, capsys):
+    assert main([_tuned(tmp_path, xla_python_client_mem_fraction="1.5"), "--gpu", "cpu", "--dry-run"]) == 2
+    assert "xla_python_client_mem_fraction=1.5 must be in (0, 1]" in capsys.readouterr().err

@@ -106,12 +106,21 @@ def apply_gpu_tuning(gpu: GpuConfig, environ: MutableMapping[str, str] | None = 
             jax.config.update("jax_enable_pgle", True)
             jax.config.update("jax_pgle_profiling_runs", gpu.pgle_profiling_runs)
     settings = effective_settings(gpu, environ)
-    log.info("gpu tuning: %s", ", ".join(f"{k}={v}" for k, v in settings.items()))
+    # One line when something is tuned or a GPU may be used; a plain CPU run stays quiet.
+    tuned = changes or any(v not in ("-", "false") and not v.startswith("default") for v in settings.values())
+    (log.info if tuned or _gpu_present() else log.debug)(
+        "gpu tuning: %s", ", ".join(f"{k}={v}" for k, v in settings.items()))
     lhs = settings["optimization_level"] == "O1" or f"{LHS_FLAG}=true" in environ.get("XLA_FLAGS", "").split()
     if (settings["enable_pgle"] == "true" or settings["pgle_profile_path"] != "-") and not lhs:
         log.warning("gpu tuning: PGLE feeds XLA's latency-hiding scheduler, which is off here; set "
                     "optimization_level=O1 (or %s=true in XLA_FLAGS) or the profile is not used", LHS_FLAG)
     return settings
+
+
+def _gpu_present() -> bool:
+    import glob
+
+    return bool(glob.glob("/dev/nvidia[0-9]*") or glob.glob("/dev/kfd"))
 
 
 # --------------------------------------------------------------------------- PGLE profiles
