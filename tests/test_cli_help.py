@@ -25,6 +25,8 @@ ENTRY_POINTS = {
     "tessera.tools.validate": ["-m", "tessera.tools.validate"],
     "tessera.tools.estimate": ["-m", "tessera.tools.estimate"],
     "tessera.config": ["-m", "tessera.config"],
+    "tessera.doctor": ["-m", "tessera.doctor"],
+    "tessera.gpu_tuning": ["-m", "tessera.gpu_tuning"],
 }
 DOCUMENTS = re.compile(r"(?:getting_started/[\w.-]+\.md|configs/base\.yml|README\.md)")
 

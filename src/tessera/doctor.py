@@ -149,7 +149,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python3 -m tessera.doctor",
         description="Check this installation: versions against the lock, devices, known-bad combinations. "
-                    "Exit 0 healthy, 1 problems found (each with the command that fixes it).")
+                    "Exit 0 healthy, 1 problems found (each with the command that fixes it).",
+        epilog="The install and the locks are described in README.md (Install); setup.sh runs this last.")
     parser.add_argument("--device", choices=("cpu", "gpu", "tpu"),
                         help="the flavour to check against (default: what setup.sh installed, else cpu)")
     parser.add_argument("--lock", type=Path, help="lock file to compare with (default: locks/<device>.txt)")
