@@ -24,24 +24,16 @@ source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 #     0.9; NCCL_NVLS_ENABLE=1 lets all-gathers and reductions over NVSwitch use them;
 #   - an HLO dump, to check that the matmuls were rewritten (getting_started/GPU_performance.md).
 export NNODES=4
+source "$(dirname "${BASH_SOURCE[0]}")/../shared_flags.inc"   # GPU_SHARED_XLA_FLAGS and the NCCL settings
 export XLA_FLAGS="--xla_dump_to=/tmp/xla_dump/$RUN_NAME \
   --xla_gpu_multi_streamed_windowed_einsum=true \
   --xla_gpu_threshold_for_windowed_einsum_mib=0 \
   --xla_gpu_enable_nccl_user_buffers=true \
-  --xla_gpu_enable_triton_gemm=false \
   --xla_gpu_enable_command_buffer= \
-  --xla_gpu_all_reduce_combine_threshold_bytes=1073741824 \
-  --xla_gpu_all_gather_combine_threshold_bytes=1073741824 \
-  --xla_gpu_reduce_scatter_combine_threshold_bytes=1073741824 \
-  --xla_gpu_enable_all_gather_combine_by_dim=false \
-  --xla_gpu_enable_reduce_scatter_combine_by_dim=false \
-  --xla_disable_hlo_passes=rematerialization"
+  $GPU_SHARED_XLA_FLAGS"
 export XLA_PYTHON_CLIENT_COLLECTIVE_MEM_SIZE_MB=2048
 export CUDA_DEVICE_MAX_CONNECTIONS=1
 export NCCL_NVLS_ENABLE=1
-export NCCL_PROTO=SIMPLE,LL,LL128
-export NCCL_LL_BUFFSIZE=-2
-export NCCL_LL128_BUFFSIZE=-2
 
 run_recipe gpu \
   model_name=llama3.1-70b ici_tensor_parallelism=8 ici_fsdp_parallelism=-1 \

@@ -16,18 +16,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 # the scheduler and pipelined collectives; the other flags are outside that bundle (see
 # configs/gpu/a3/llama_2_7B/a3_llama2_7b.inc for why each stays).
 export NNODES=1
+source "$(dirname "${BASH_SOURCE[0]}")/../shared_flags.inc"   # GPU_SHARED_XLA_FLAGS and the NCCL settings
 export XLA_FLAGS="--xla_gpu_enable_command_buffer= \
-  --xla_gpu_enable_triton_gemm=false \
-  --xla_gpu_all_reduce_combine_threshold_bytes=1073741824 \
-  --xla_gpu_all_gather_combine_threshold_bytes=1073741824 \
-  --xla_gpu_reduce_scatter_combine_threshold_bytes=1073741824 \
-  --xla_gpu_enable_all_gather_combine_by_dim=false \
-  --xla_gpu_enable_reduce_scatter_combine_by_dim=false \
-  --xla_disable_hlo_passes=rematerialization"
+  $GPU_SHARED_XLA_FLAGS"
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-export NCCL_PROTO=SIMPLE,LL,LL128
-export NCCL_LL_BUFFSIZE=-2
-export NCCL_LL128_BUFFSIZE=-2
 
 run_recipe gpu \
   model_name=llama3.1-8b ici_fsdp_parallelism=-1 \
