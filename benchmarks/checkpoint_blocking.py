@@ -35,21 +35,21 @@ def measure(async_save: bool, out_dir: str) -> dict:
 
     from tessera.checkpointing import Checkpointer
     from tessera.config import build_config
-    from tessera.data import make_input
-    from tessera.train import compile_step, create_state, device_batch, setup
+    from tessera.data import make_input, place_batch
+    from tessera.step import compile_step, create_state, setup
 
     cfg = build_config({**WORKLOAD, "async_checkpointing": async_save})
     trainer = setup(cfg, jax.devices()[:1])
     state = create_state(trainer, 0)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
     step_fn, _ = compile_step(trainer, 0)
-    data = make_input(cfg.data, cfg.model.vocab_size, trainer.global_batch)
+    data = make_input(cfg.data, cfg.model.vocab_size, trainer.plan.global_batch)
     ckpt = Checkpointer(cfg.checkpoint, out_dir)
 
     def step():
         nonlocal state
         start = time.perf_counter()
-        state, stats = step_fn(state, device_batch(next(data), trainer.batch_sharding))
+        state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding, trainer.plan.global_batch))
         jax.block_until_ready(stats)
         return time.perf_counter() - start
 

@@ -13,7 +13,7 @@ from tessera.config import ConfigError, load_config
 from tessera.config.schema import REMAT_POLICIES
 from tessera.models import build_model
 from tessera.models.attention import dot_product_attention, select_attention
-from tessera.train import loss_sums
+from tessera.step import loss_sums
 
 
 def _batch(cfg, seed=0, batch=2):

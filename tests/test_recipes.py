@@ -346,7 +346,8 @@ def test_gpu_readme_targets_follow_from_the_recipes(system):
     """Each GPU system's README has one row per recipe, and its figures are what the recipe's own
     config, the GPU's peak (tessera.metrics) and the stated MFU give: derived, not measured, so a
     changed recipe must update them."""
-    from tessera.metrics import peak_tflops, training_flops_per_step
+    from tessera.hardware import peak_tflops
+    from tessera.metrics import training_flops_per_step
 
     rows = target_rows(REPO / "configs" / "gpu" / system / "README.md")
     recipes = [r for r in GPU if r.startswith(f"gpu/{system}/")]

@@ -13,26 +13,20 @@ import time
 
 import jax
 
-from tessera.config import Config, ConfigError
-from tessera.data import make_input, packs_documents, place_batch
+from tessera.config import ConfigError, DataConfig
+from tessera.data import make_input, place_batch
 from tessera.step import Trainer, loss_sums
 
 
 class Evaluator:
-    """Built once at start-up (so a bad eval set fails before training); `run(params)` evaluates."""
+    """Built once at start-up (so a bad eval set fails before training); `run(params)` evaluates.
+    `eval_steps` was checked with the rest of the config (`tessera.config.loader.validate`)."""
 
-    def __init__(self, cfg: Config, trainer: Trainer):
-        data = cfg.data
-        if data.eval_steps == 0 or data.eval_steps < -1:
-            raise ConfigError(f"eval_steps={data.eval_steps}: use a positive number of batches, or -1 for all of "
-                              "the eval data")
-        if data.eval_steps == -1 and data.dataset_type == "synthetic":
-            raise ConfigError("eval_steps=-1 reads the eval data to its end, but synthetic data never ends; "
-                              "set eval_steps (e.g. eval_steps=4)")
-        self.trainer, self.steps = trainer, data.eval_steps
-        self.data = make_input(data, cfg.model.vocab_size, trainer.global_batch, split="eval")
+    def __init__(self, cfg: DataConfig, trainer: Trainer):
+        self.trainer, self.steps = trainer, cfg.eval_steps
+        self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.global_batch, split="eval")
         self.start = self.data.get_state()
-        model, packed = trainer.model, packs_documents(data)
+        model, packed = trainer.model, trainer.plan.packed
         self.step_fn = jax.jit(lambda params, batch: loss_sums(model, params, batch, None, packed))
 
     def run(self, step: int, params) -> dict:
@@ -42,7 +36,8 @@ class Evaluator:
         loss_sum, count, batches = 0.0, 0.0, 0
         with jax.set_mesh(self.trainer.mesh):
             for host_batch in self.data:
-                batch = place_batch(self.data, host_batch, self.trainer.batch_sharding, self.trainer.global_batch)
+                batch = place_batch(self.data, host_batch, self.trainer.batch_sharding,
+                                    self.trainer.plan.global_batch)
                 l, n = jax.device_get(self.step_fn(params, batch))
                 loss_sum, count, batches = loss_sum + float(l), count + float(n), batches + 1
                 if batches == self.steps:

@@ -1,9 +1,9 @@
 """Accelerators by name: TPU slice types (`v5p-256`) and GPUs, with the figures that the AOT
 memory check and the estimator need.
 
-Figures come from the vendors' public specifications: HBM per chip, and the one-way bandwidth
-of one ICI link (TPU) or of a GPU's NVLink port. Peak bf16 TFLOP/s comes from the single peak
-table in `tessera.metrics`.
+Figures come from the vendors' public specifications: HBM per chip, the one-way bandwidth of
+one ICI link (TPU) or of a GPU's NVLink port, and peak dense bf16 TFLOP/s (`PEAK_BF16_TFLOPS`,
+the one table behind every MFU figure).
 
 A TPU slice type counts TensorCores for v4 and v5p (two per chip: `v5p-256` is 128 chips) and
 chips for v5e and v6e (`v6e-256` is 256 chips). `tpu_slice` turns a type into the physical
@@ -17,9 +17,37 @@ import math
 import re
 
 from tessera.config import ConfigError
-from tessera.metrics import peak_tflops
 
 GIB = 2**30
+
+# Dense (no sparsity) bf16 peak TFLOP/s per chip, from the vendors' data sheets. Matched
+# against jax's device_kind by substring, first match wins (so "h100 pcie" precedes "h100").
+PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
+    ("h100 pcie", 756.0),
+    ("h100", 989.0),
+    ("h200", 989.0),
+    ("gh200", 989.0),
+    ("b200", 2250.0),
+    ("a100", 312.0),
+    ("mi355x", 2516.6),
+    ("mi300x", 1307.4),
+    ("tpu v4", 275.0),
+    ("tpu v5 lite", 197.0),
+    ("tpu v5e", 197.0),
+    ("tpu v5p", 459.0),
+    ("tpu v5", 459.0),
+    ("tpu v6 lite", 918.0),
+    ("tpu v6e", 918.0),
+]
+
+
+def peak_tflops(device_kind: str) -> float | None:
+    """Peak dense bf16 TFLOP/s for a device kind, or None when the device is not in the table."""
+    kind = device_kind.lower()
+    for pattern, peak in PEAK_BF16_TFLOPS:
+        if pattern in kind:
+            return peak
+    return None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""FLOPs model, device peaks, per-step metrics writers and the end-of-run report.
+"""FLOPs model, per-step metrics writers and the end-of-run report (device peaks: `tessera.hardware`).
 
 The FLOPs formula (`training_flops_per_step`) is the one used for every TFLOP/s and MFU number
 Tessera prints. It counts matrix multiplications only, forward + backward (3 x forward),
@@ -19,35 +19,6 @@ from typing import Any
 from tessera.config import ModelConfig
 
 log = logging.getLogger(__name__)
-
-# Dense (no sparsity) bf16 peak TFLOP/s per chip, from the vendors' data sheets. Matched
-# against jax's device_kind by substring, first match wins (so "h100 pcie" precedes "h100").
-PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
-    ("h100 pcie", 756.0),
-    ("h100", 989.0),
-    ("h200", 989.0),
-    ("gh200", 989.0),
-    ("b200", 2250.0),
-    ("a100", 312.0),
-    ("mi355x", 2516.6),
-    ("mi300x", 1307.4),
-    ("tpu v4", 275.0),
-    ("tpu v5 lite", 197.0),
-    ("tpu v5e", 197.0),
-    ("tpu v5p", 459.0),
-    ("tpu v5", 459.0),
-    ("tpu v6 lite", 918.0),
-    ("tpu v6e", 918.0),
-]
-
-
-def peak_tflops(device_kind: str) -> float | None:
-    """Peak dense bf16 TFLOP/s for a device kind, or None when the device is not in the table."""
-    kind = device_kind.lower()
-    for pattern, peak in PEAK_BF16_TFLOPS:
-        if pattern in kind:
-            return peak
-    return None
 
 
 def matmul_params(cfg: ModelConfig) -> int:

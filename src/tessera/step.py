@@ -1,8 +1,10 @@
 """The train step and the sharded state it works on.
 
-`setup` turns a config into a `Trainer` (mesh, model, optimizer, shardings) without
-allocating parameters; `create_state` makes the state directly in its sharded layout;
-`make_train_step` is the pure step function and `compile_step` compiles it ahead of time.
+`setup` turns a config into a `Trainer` (mesh, model, optimizer, shardings and the `RunPlan` of
+values derived from the config and the mesh shape) without allocating parameters; `create_state`
+makes the state directly in its sharded layout; `make_train_step` is the pure step function and
+`compile_step` compiles it ahead of time. Below `setup` nothing sees the root config: the
+`Trainer` carries the model and optimizer (each built from its own section) and the plan.
 """
 
 from __future__ import annotations
@@ -14,12 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera.config import Config, ConfigError
-from tessera.data import packs_documents
+from tessera.config.derived import RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import OFFLOADING_POLICIES, ModelDef, build_model
 from tessera.models.attention import select_attention
@@ -32,24 +33,25 @@ log = logging.getLogger("tessera")
 class Trainer:
     """What the loop needs, built once from the config (see `setup`)."""
 
-    cfg: Config
     mesh: Mesh
-    model: ModelDef
+    model: ModelDef  # model.cfg: the model section
     optimizer: optax.GradientTransformation
+    schedule: optax.Schedule  # the optimizer's learning rate by step (reported with each step)
     state_shardings: Any
     batch_sharding: NamedSharding
-    global_batch: int
+    plan: RunPlan  # global batch, micro-batches, dropout, packing, paths
 
 
 def setup(cfg: Config, devices=None) -> Trainer:
-    """Mesh, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
+    """Mesh, plan, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
     mesh = create_mesh(cfg.mesh, devices)
+    plan = plan_run(cfg, dict(mesh.shape))
     platform = mesh.devices.flat[0].platform
     choice = select_attention(cfg.model.attention, platform, cfg.model.dtype, cfg.model.head_dim)
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     _check_remat(cfg.model.remat_policy, mesh)
     model = build_model(cfg.model, choice.kernel)
-    optimizer = make_optimizer(cfg.optim, cfg.total_steps_in_schedule)
+    optimizer = make_optimizer(cfg.optim, plan.schedule_steps)
 
     param_shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract_state = jax.eval_shape(lambda p: init_state_from_params(optimizer, p), model.param_shapes())
@@ -60,10 +62,9 @@ def setup(cfg: Config, devices=None) -> Trainer:
     )
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
 
-    global_batch = _global_batch(cfg, mesh)
-    sizes = dict(mesh.shape)
-    batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (global_batch, 1), sizes))
-    return Trainer(cfg, mesh, model, optimizer, state_shardings, batch_sharding, global_batch)
+    batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (plan.global_batch, 1), dict(mesh.shape)))
+    schedule = learning_rate_schedule(cfg.optim, plan.schedule_steps)
+    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan)
 
 
 def init_state_from_params(optimizer, params) -> dict:
@@ -79,24 +80,6 @@ def create_state(trainer: Trainer, seed: int) -> dict:
 
     with jax.set_mesh(trainer.mesh):
         return jax.jit(init, out_shardings=trainer.state_shardings)(jax.random.key(seed))
-
-
-def _global_batch(cfg: Config, mesh: Mesh) -> int:
-    exact = cfg.data.per_device_batch_size * mesh.size
-    batch = int(round(exact))
-    if abs(exact - batch) > 1e-9 or batch < 1:
-        raise ConfigError(
-            f"per_device_batch_size={cfg.data.per_device_batch_size} x {mesh.size} devices = {exact:g} sequences; "
-            "the global batch must be a whole number >= 1"
-        )
-    accum = cfg.optim.gradient_accumulation_steps
-    shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-    if batch % accum or (batch // accum) % shards:
-        raise ConfigError(
-            f"global batch {batch} / gradient_accumulation_steps={accum} must be a whole number divisible by "
-            f"data*fsdp*expert={shards} (mesh {dict(mesh.shape)}); change per_device_batch_size or the mesh"
-        )
-    return batch
 
 
 def _check_remat(policy: str, mesh: Mesh) -> None:
@@ -137,13 +120,9 @@ def loss_terms(model: ModelDef, params, batch, dropout_key, packed: bool = False
 
 def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
-    cfg, model, optimizer = trainer.cfg, trainer.model, trainer.optimizer
-    accum = cfg.optim.gradient_accumulation_steps
-    schedule = learning_rate_schedule(cfg.optim, cfg.total_steps_in_schedule)
-    use_dropout = cfg.model.enable_dropout and cfg.model.dropout_rate > 0
-    packed = packs_documents(cfg.data)
-
-    aux_weight = cfg.model.load_balance_loss_weight
+    model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
+    accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
+    aux_weight = model.cfg.load_balance_loss_weight
 
     def summed_loss(p, b, k):
         loss_sum, count, aux = loss_terms(model, p, b, k, packed)
@@ -186,9 +165,8 @@ def make_train_step(trainer: Trainer, seed: int):
 
 def compile_step(trainer: Trainer, seed: int):
     """AOT-compile the train step for this mesh; returns (compiled, seconds)."""
-    cfg = trainer.cfg
-    length = cfg.data.max_target_length + 1
-    batch_shapes = {k: jax.ShapeDtypeStruct((trainer.global_batch, length), jnp.int32, sharding=trainer.batch_sharding)
+    shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
+    batch_shapes = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
                     for k in ("tokens", "segment_ids", "positions")}
     state_shapes = abstract_state(trainer)
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
@@ -198,11 +176,6 @@ def compile_step(trainer: Trainer, seed: int):
     with jax.set_mesh(trainer.mesh):
         compiled = jitted.lower(state_shapes, batch_shapes).compile()
     return compiled, time.perf_counter() - start
-
-
-def device_batch(host_batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """Place a global host batch on the mesh; each device receives only its own rows."""
-    return {k: jax.make_array_from_callback(v.shape, sharding, lambda idx, v=v: v[idx]) for k, v in host_batch.items()}
 
 
 def abstract_state(trainer: Trainer):

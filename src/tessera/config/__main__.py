@@ -13,6 +13,7 @@ import sys
 import yaml
 
 from tessera.config import ConfigError, flat_dict, load_config
+from tessera.config.loader import validate_for_build
 from tessera.config.schema import render_base_yml
 from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_config_file
 
@@ -34,6 +35,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         cfg = load_config(resolve_config_file(argv))
+        validate_for_build(cfg.model)
     except (ConfigError, UsageError) as e:
         print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)
         return 2

@@ -17,12 +17,7 @@ from tessera.config import ConfigError, DataConfig
 from tessera.data.errors import DataError
 from tessera.data.synthetic import SyntheticData
 
-__all__ = ["DataError", "SyntheticData", "make_input", "packs_documents", "place_batch"]
-
-
-def packs_documents(cfg: DataConfig) -> bool:
-    """Whether rows may hold several documents (the model must then attend within segments only)."""
-    return cfg.packing and cfg.dataset_type != "synthetic"
+__all__ = ["DataError", "SyntheticData", "make_input", "place_batch"]
 
 
 def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):

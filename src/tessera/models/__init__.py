@@ -9,7 +9,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from tessera.config import ConfigError, ModelConfig
+from tessera.config import ModelConfig
+from tessera.config.loader import validate_for_build
 from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder, init_cache
 from tessera.models.registry import BLOCKS
 
@@ -65,13 +66,7 @@ class ModelDef:
 
 def build_model(cfg: ModelConfig, attention_kernel: str = "dot_product") -> ModelDef:
     """The structure of the model `cfg` describes; no parameter memory is allocated."""
-    moe = cfg.decoder_block == "mixtral"
-    if cfg.num_experts > 1 and not moe:
-        raise ConfigError(f"num_experts={cfg.num_experts}: decoder_block={cfg.decoder_block} has a dense MLP; use "
-                          "decoder_block=mixtral for a mixture of experts, or set num_experts=1")
-    if moe and cfg.num_experts < 2:
-        raise ConfigError("decoder_block=mixtral needs num_experts >= 2 (and num_experts_per_tok); e.g. num_experts=8 "
-                          "num_experts_per_tok=2")
+    validate_for_build(cfg)
     abstract = nnx.eval_shape(lambda: Decoder(cfg, attention_kernel, nnx.Rngs(params=0)))
     graphdef, state = nnx.split(abstract)
     return ModelDef(cfg, attention_kernel, graphdef, state)

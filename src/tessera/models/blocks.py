@@ -51,7 +51,3 @@ def dropout_keys(dropout_key, n: int) -> tuple:
 def residual(x_btd, h_btd, rate: float, key):
     """x + dropout(h), sharded as a residual-stream activation."""
     return shard_logically(x_btd + dropout(h_btd, rate, key), ("batch", "length", "act_embed"))
-
-
-def dropout_rate(cfg: ModelConfig) -> float:
-    return cfg.dropout_rate if cfg.enable_dropout else 0.0

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from tessera.config import ModelConfig
+from tessera.config.derived import dropout_rate
 from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
 from tessera.models.layers import Embed, dropout, fan_in_std, param, sinusoidal_positions, soft_cap
@@ -97,7 +98,7 @@ class Decoder(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
-        rate = cfg.dropout_rate if cfg.enable_dropout else 0.0
+        rate = dropout_rate(cfg)
         keys = [None] * (self.num_blocks + 1)
         if dropout_key is not None and rate > 0:
             keys = list(jax.random.split(dropout_key, self.num_blocks + 1))

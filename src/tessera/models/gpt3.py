@@ -17,8 +17,9 @@ from __future__ import annotations
 from flax import nnx
 
 from tessera.config import ModelConfig
+from tessera.config.derived import dropout_rate
 from tessera.models.attention import Attention
-from tessera.models.blocks import Block, dropout_keys, dropout_rate, make_norm, residual
+from tessera.models.blocks import Block, dropout_keys, make_norm, residual
 from tessera.models.layers import Mlp
 
 

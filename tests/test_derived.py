@@ -1,0 +1,43 @@
+"""The values derived from (config, mesh shape) in one place: `tessera.config.derived.plan_run`."""
+
+from pathlib import Path
+
+import pytest
+
+from tessera.config import ConfigError, build_config
+from tessera.config.derived import plan_run
+
+MESH_8 = {"data": 2, "stage": 1, "fsdp": 4, "sequence": 1, "tensor": 1, "expert": 1}
+
+
+def test_plan_derives_batch_tokens_schedule_and_paths(tmp_path):
+    cfg = build_config({"per_device_batch_size": 1.5, "gradient_accumulation_steps": 3, "max_target_length": 7,
+                        "steps": 11, "base_output_directory": str(tmp_path), "run_name": "r"})
+    plan = plan_run(cfg, {**MESH_8, "data": 1, "fsdp": 2, "tensor": 4})
+    assert (plan.num_devices, plan.global_batch, plan.micro_batches) == (8, 12, 3)
+    assert plan.tokens_per_step == 12 * 7 and plan.max_target_length == 7 and plan.schedule_steps == 11
+    assert plan.run_dir == tmp_path / "r" and plan.metrics_path == tmp_path / "r" / "metrics.jsonl"
+    assert plan.checkpoint_dir == f"{tmp_path}/r/checkpoints"
+    assert not plan.dropout_on and not plan.packed  # defaults: dropout off, synthetic data is never packed
+
+
+def test_plan_takes_the_keys_that_override_derived_values(tmp_path):
+    cfg = build_config({"learning_rate_schedule_steps": 40, "metrics_file": str(tmp_path / "m.jsonl"),
+                        "checkpoint_dir": "gs://b/ckpt", "enable_dropout": True, "dropout_rate": 0.1,
+                        "dataset_type": "hf", "per_device_batch_size": 1})
+    plan = plan_run(cfg, MESH_8)
+    assert plan.schedule_steps == 40 and plan.metrics_path == Path(tmp_path / "m.jsonl")
+    assert plan.checkpoint_dir == "gs://b/ckpt" and plan.dropout_on and plan.packed
+    off = plan_run(build_config({"enable_dropout": True, "dropout_rate": 0.0, "per_device_batch_size": 1}), MESH_8)
+    assert not off.dropout_on
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"per_device_batch_size": 0.3}, r"per_device_batch_size=0.3 x 8 devices = 2.4 sequences; .* whole number >= 1"),
+    ({"per_device_batch_size": 1, "gradient_accumulation_steps": 2},
+     r"global batch 8 / gradient_accumulation_steps=2 must be a whole number divisible by data\*fsdp\*expert=8 "
+     r"\(mesh \{'data': 2, 'stage': 1, 'fsdp': 4"),
+])
+def test_plan_errors_quote_the_numbers(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        plan_run(build_config(keys), MESH_8)
