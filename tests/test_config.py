@@ -3,7 +3,6 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -212,3 +211,54 @@ def test_train_py_names_the_variable_and_refuses_placeholders_before_anything_ru
         assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         assert proc.stderr.splitlines()[-1] == message
     assert list(tmp_path.iterdir()) == []  # no outputs/<changeme>/, nothing at all
+
+
+@pytest.mark.parametrize("keys, message", [
+    ({"num_experts": 8, "num_experts_per_tok": 2}, "num_experts=8: decoder_block=llama2 has a dense MLP"),
+    ({"decoder_block": "mixtral"}, "decoder_block=mixtral needs num_experts >= 2"),
+    ({"eval_interval": 5, "eval_steps": 0}, "eval_steps=0: use a positive number of batches, or -1"),
+    ({"eval_interval": 5, "eval_steps": -3}, "eval_steps=-3: use a positive number of batches, or -1"),
+    ({"eval_interval": 5}, "eval_steps=-1 reads the eval data to its end, but synthetic data never ends"),
+])
+def test_model_and_eval_keys_are_checked_before_any_model_is_built(keys, message, capsys):
+    """`python3 -m tessera.config` and train_compile refuse them with exit code 2 from the config
+    alone; eval_steps fails in build_config, the expert count (which the estimator may size on
+    any block family) in `validate_for_build`."""
+    from tessera import train_compile
+    from tessera.config.__main__ import main as config_main
+    from tessera.config.loader import validate_for_build
+
+    with pytest.raises(ConfigError, match=message):
+        validate_for_build(build_config(keys).model)
+    argv = [BASE, *(f"{k}={v}" for k, v in keys.items())]
+    assert config_main(argv) == 2 and message in capsys.readouterr().err
+    assert train_compile.main([*argv, "compile_topology=v5p-8"]) == 2 and message in capsys.readouterr().err
+
+
+def test_eval_steps_is_not_checked_while_evaluation_is_off():
+    assert build_config({"eval_interval": 0, "eval_steps": 0}).data.eval_steps == 0
+    assert build_config({"eval_interval": 3, "eval_steps": 2}).data.eval_steps == 2
+
+
+# --------------------------------------------------------------------------- every problem in one error
+
+
+def test_every_unknown_key_and_bad_value_is_reported_in_one_error():
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "per_device_batch_siz=4", "stepz=3", "steps=abc", "scan_layers=maybe"],
+                    env={"M_DTYPE": "float8"})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "5 problems in the config:"
+    assert lines[1].startswith("  unknown config key 'per_device_batch_siz' in the command line; did you mean")
+    assert lines[2].startswith("  unknown config key 'stepz' in the command line; did you mean steps")
+    assert "  steps='abc' is not a valid int (from the command line)" in lines
+    assert "  scan_layers='maybe' is not a valid bool; use true or false (from the command line)" in lines
+    assert any(line.startswith("  dtype='float8' is not allowed") and
+               line.endswith("(from the environment variable M_DTYPE)") for line in lines)
+
+
+def test_config_errors_exit_2(capsys):
+    from tessera.config.__main__ import main
+
+    assert main([BASE, "stepz=3", "steps=abc"]) == 2
+    assert capsys.readouterr().err.startswith("config error: 2 problems in the config:")

@@ -21,6 +21,9 @@ DOCS = sorted({REPO / "README.md", *(REPO / "getting_started").glob("*.md"), *(R
 EXCEPTIONS = (
     "python3 multihost_runner.py",  # standard library only (checked below): any Python 3 on a workstation
     "python3 multihost_job.py",  # the same
+    "python3 -m MaxText.train",  # MaxText's own commands, quoted for comparison in Coming_from_MaxText.md
+    "python3 -m MaxText.train_compile",
+    "python3 -m MaxText.decode",
 )
 BARE = re.compile(r"(python3?|tensorboard)\s+\S")
 ENV_PREFIX = re.compile(r"""^(?:[A-Za-z_][A-Za-z0-9_]*=(?:"[^"]*"|'[^']*'|\S*)\s+)+""")

@@ -78,13 +78,13 @@ def test_roofline_thresholds_of_seed_004():
 
 def test_state_memory_equals_what_the_compiler_allocates():
     """Parameters + AdamW state per device, estimated, vs the compiled step's inputs on 8 CPU devices."""
-    from tessera.train import compile_step, setup
+    from tessera.step import compile_step, setup
 
     cfg = tiny_config(ici_fsdp_parallelism=4, ici_tensor_parallelism=2, per_device_batch_size=2, base_emb_dim=32,
                       base_mlp_dim=48, vocab_size=128)
     trainer = setup(cfg)
     compiled, _ = compile_step(trainer, 0)
-    rows, length = trainer.batch_sharding.shard_shape((trainer.global_batch, cfg.data.max_target_length + 1))
+    rows, length = trainer.batch_sharding.shard_shape((trainer.plan.global_batch, cfg.data.max_target_length + 1))
     batch = 3 * rows * length * 4  # tokens, segment ids and positions, int32
     state = compiled.memory_analysis().argument_size_in_bytes - batch
     hw = parse_hardware("h100-8")
@@ -146,3 +146,24 @@ def test_only_key_value_arguments_start_from_the_default_model(capsys):
     assert "model llama3.1-8b: 32 layers" in out and out.startswith("sequence length 8192 tokens")
     assert load_model_config(None, ["model_name=llama2-7b"]).model.model_name == "llama2-7b"
     assert load_model_config(None, ["vocab_size=1000"]).model.vocab_size == 1000
+
+
+# Published totals of the model files: the parameter count of the released weights as the Hugging Face model page
+# shows it (safetensors total), or, for MaxText's Paxml-sized GPT-3 models that have no released weights, the size
+# their name states (rounded as the name is).
+PUBLISHED_TOTALS = {
+    "gemma-2b": (2_506_172_416, 0),       # google/gemma-2b: 2.51B
+    "gemma2-2b": (2_614_341_888, 0),      # google/gemma-2-2b: 2.61B
+    "llama3-8b": (8_030_261_248, 0),      # meta-llama/Meta-Llama-3-8B: 8.03B
+    "llama3-70b": (70_553_706_496, 0),    # meta-llama/Meta-Llama-3-70B: 70.6B
+    "llama3-405b": (405_853_388_800, 0),  # meta-llama/Llama-3.1-405B (the Llama 3 paper's 405B): 406B
+    "llama3.3-70b": (70_553_706_496, 0),  # meta-llama/Llama-3.3-70B-Instruct: 70.6B
+    "gpt3-6b": (6e9, 0.1),                # MaxText's gpt3-6b: "6b" (5.6B; the name rounds up)
+    "gpt3-22b": (22e9, 0.01),             # MaxText's gpt3-22b: "22b"
+}
+
+
+@pytest.mark.parametrize("model", PUBLISHED_TOTALS)
+def test_model_files_have_their_published_parameter_counts(model):
+    total, tolerance = PUBLISHED_TOTALS[model]
+    assert count_params(load_model_config(model, []).model).total == pytest.approx(total, rel=tolerance)

@@ -12,7 +12,6 @@ once (`resolve_paths`); URLs such as gs://... are kept.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import math
@@ -23,7 +22,8 @@ from typing import Any, Mapping
 
 import yaml
 
-from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
+from tessera.config.maxtext import maxtext_keys, translate
+from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, ModelConfig, all_fields, path_keys
 
 ENV_PREFIX = "M_"
 PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
@@ -37,32 +37,43 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     env = os.environ if env is None else env
     base_path = Path(argv[0])
     # (source, values), lowest precedence first; the model file goes second once model_name is known
-    layers = [(str(base_path), _read_yaml(base_path, "config file")),
-              ("the command line", _parse_overrides(argv[1:])), *_env_layers(env)]
-    for source, values in layers:
-        _check_known(values, source)
-    _refuse_placeholders(layers)  # before model_name chooses a file
+    errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
+    layers = [(source, _check_known(values, source, errors)) for source, values in (
+        (str(base_path), _read_yaml(base_path, "config file")),
+        ("the command line", _parse_overrides(argv[1:])), *_env_layers(env))]
+    _refuse_placeholders(layers, errors)  # before model_name chooses a file
     model_name = _merge(layers).get("model_name", "default")
+    if _is_placeholder(model_name):
+        _raise_all(errors)  # no model file to read
     model_file = base_path.parent / "models" / f"{model_name}.yml"
     if not model_file.is_file():
         known = sorted(p.stem for p in (base_path.parent / "models").glob("*.yml"))
-        raise ConfigError(_name_sources(
-            f"model_name={model_name!r}: no file {model_file}. Known models: {', '.join(known) or 'none'}", layers))
+        _raise_all(errors + [_name_sources(
+            f"model_name={model_name!r}: no file {model_file}. Known models: {', '.join(known) or 'none'}", layers)])
     model = _read_yaml(model_file, "model file")
     if "model_name" in model and model["model_name"] != model_name:
         raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
-    _check_known(model, str(model_file))
-    layers.insert(1, (str(model_file), model))
-    _refuse_placeholders(layers)
-    try:
-        return build_config(_merge(layers))
-    except ConfigError as e:
-        raise ConfigError(_name_sources(str(e), layers)) from None
+    layers.insert(1, (str(model_file), _check_known(model, str(model_file), errors)))
+    _refuse_placeholders(layers, errors)
+    build_errors: list[str] = []
+    cfg = _build({k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}, build_errors)
+    _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
+    return cfg
+
+
+def _raise_all(errors: list[str]) -> None:
+    """One ConfigError listing every problem (each on its own line), if there is any."""
+    errors = list(dict.fromkeys(errors))
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} problems in the config:\n  " + "\n  ".join(errors))
 
 
 def _env_layers(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
-    """One layer per M_<KEY> variable that names a config key (other M_ variables are not ours)."""
-    fields = all_fields()
+    """One layer per M_<KEY> variable that names a config key or a MaxText key (other M_ variables
+    are not ours)."""
+    fields = {*all_fields(), *maxtext_keys()}
     return [(f"the environment variable {name}", {name[len(ENV_PREFIX):].lower(): value})
             for name, value in sorted(env.items())
             if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in fields]
@@ -86,26 +97,48 @@ def _name_sources(message: str, layers: list[tuple[str, dict[str, Any]]]) -> str
     return f"{message} ({'; '.join(parts)})"
 
 
-def _refuse_placeholders(layers: list[tuple[str, dict[str, Any]]]) -> None:
+def _refuse_placeholders(layers: list[tuple[str, dict[str, Any]]], errors: list[str]) -> None:
     """No value (a string, or a list of strings) may still hold the `<changeme>` placeholder."""
     for key, value in _merge(layers).items():
-        if any(PLACEHOLDER in str(v) for v in (value if isinstance(value, list) else [value])):
+        if _is_placeholder(value):
             fix = "set it, e.g. run_name=my_run" if key == "run_name" else \
                 f"set it to a real value (configs/base.yml describes {key})"
-            raise ConfigError(_name_sources(f"{key}={value!r} is a placeholder; {fix}", layers))
+            errors.append(_name_sources(f"{key}={value!r} is a placeholder; {fix}", layers))
+
+
+def _is_placeholder(value: Any) -> bool:
+    return any(PLACEHOLDER in str(v) for v in (value if isinstance(value, list) else [value]))
 
 
 def build_config(flat: Mapping[str, Any]) -> Config:
-    """Coerce and validate a flat {key: value} mapping (missing keys take schema defaults)."""
-    _check_known(flat, "the config")
+    """Coerce and validate a flat {key: value} mapping (missing keys take schema defaults; MaxText's
+    aliases are renamed). Every unknown key and bad value is reported in one ConfigError."""
+    errors: list[str] = []
+    cfg = _build(_check_known(flat, "the config", errors), errors)
+    _raise_all(errors)
+    return cfg
+
+
+def _build(flat: Mapping[str, Any], errors: list[str]) -> Config | None:
+    """The config from known keys, or None with a line in `errors` per bad value (the checks of
+    several keys, `validate`, run only once every value is good)."""
     fields = all_fields()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for name, raw in flat.items():
         section, f = fields[name]
-        per_section[section][name] = coerce(name, raw, f)
-    cfg = Config(**{s: SECTIONS[s](**vals) for s, vals in per_section.items()})
-    resolve_paths(cfg)
-    validate(cfg)
+        try:
+            per_section[section][name] = coerce(name, raw, f)
+        except ConfigError as e:
+            errors.append(str(e))
+    if errors:
+        return None
+    try:
+        cfg = Config(**{s: SECTIONS[s](**vals) for s, vals in per_section.items()})
+        resolve_paths(cfg)
+        validate(cfg)
+    except ConfigError as e:
+        errors.append(str(e))
+        return None
     return cfg
 
 
@@ -163,13 +196,10 @@ def _parse_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
-def _check_known(values: Mapping[str, Any], source: str) -> None:
-    fields = all_fields()
-    for name in values:
-        if name not in fields:
-            close = difflib.get_close_matches(name, fields, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else "; see configs/base.yml for every key"
-            raise ConfigError(f"unknown config key {name!r} in {source}{hint}")
+def _check_known(values: Mapping[str, Any], source: str, errors: list[str]) -> dict[str, Any]:
+    """`values` with MaxText's aliases renamed and its keys without effect dropped (maxtext.py); a
+    line in `errors` for each unknown key (with its 3 closest keys) and each refused MaxText key."""
+    return translate(values, source, all_fields(), errors)
 
 
 def coerce(name: str, raw: Any, f: dataclasses.Field) -> Any:
@@ -271,6 +301,19 @@ def validate(cfg: Config) -> None:
         raise ConfigError("pipeline parallelism cannot be -1; leave it at 1")
     if cfg.data.per_device_batch_size <= 0:
         raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size} must be > 0")
+    _validate_eval(cfg.data)
+
+
+def _validate_eval(d) -> None:
+    """eval_steps, when evaluation is on (eval_interval > 0)."""
+    if not d.eval_interval:
+        return
+    if d.eval_steps == 0 or d.eval_steps < -1:
+        raise ConfigError(f"eval_steps={d.eval_steps}: use a positive number of batches, or -1 for all of "
+                          "the eval data")
+    if d.eval_steps == -1 and d.dataset_type == "synthetic":
+        raise ConfigError("eval_steps=-1 reads the eval data to its end, but synthetic data never ends; "
+                          "set eval_steps (e.g. eval_steps=4)")
 
 
 def _validate_family(m) -> None:
@@ -283,6 +326,19 @@ def _validate_family(m) -> None:
                           f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
     if m.capacity_factor != -1 and m.capacity_factor <= 0:
         raise ConfigError(f"capacity_factor={m.capacity_factor} must be > 0, or -1 for no capacity limit")
+
+
+def validate_for_build(m: ModelConfig) -> None:
+    """Checks for a model that is to be built, not only sized: `build_model`, `python3 -m
+    tessera.config` and train_compile run them before any model exists (the estimator does not:
+    it sizes any expert count on any block family)."""
+    moe = m.decoder_block == "mixtral"
+    if m.num_experts > 1 and not moe:
+        raise ConfigError(f"num_experts={m.num_experts}: decoder_block={m.decoder_block} has a dense MLP; use "
+                          "decoder_block=mixtral for a mixture of experts, or set num_experts=1")
+    if moe and m.num_experts < 2:
+        raise ConfigError("decoder_block=mixtral needs num_experts >= 2 (and num_experts_per_tok); e.g. num_experts=8 "
+                          "num_experts_per_tok=2")
 
 
 def flat_dict(cfg: Config) -> dict[str, Any]:

@@ -387,4 +387,6 @@ def render_base_yml() -> str:
             extra = f" [one of: {', '.join(repr(c) for c in choices)}]" if choices else ""
             extra += " [path]" if f.metadata["path"] else ""
             lines.append(f"{f.name}: {value}  # {f.metadata['doc']}{extra}")
-    return "\n".join(lines) + "\n"
+    from tessera.config.maxtext import render_aliases
+
+    return "\n".join(lines + render_aliases()) + "\n"

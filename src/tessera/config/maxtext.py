@@ -1,0 +1,293 @@
+"""MaxText's config keys that are not Tessera keys: what the loader does with each.
+
+MaxText users' commands should run unchanged where Tessera has the feature, and fail with a
+reason where it does not. Every MaxText key falls in one of four groups:
+
+- the same name (most keys: `steps`, `per_device_batch_size`, `ici_fsdp_parallelism`, ...):
+  nothing to do, they are schema keys;
+- `ALIASES`: another spelling of a key we have; the loader renames it and logs that once;
+- `ACCEPTED`: a setting Tessera takes from elsewhere (`hardware`: the devices JAX sees); the
+  value is checked, logged and has no effect;
+- `REFUSED`: a feature Tessera does not implement. A value that leaves the feature off (the
+  `off` values, MaxText's defaults) is accepted and logged; any other value is refused with
+  what the key does in MaxText and what to use in Tessera.
+
+getting_started/Coming_from_MaxText.md explains the same groups in prose (a test keeps it
+mentioning every refused key). This module imports nothing from JAX.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+log = logging.getLogger("tessera")
+
+# alias -> (our key, whose spelling it is). The GPU validation files' spellings are here too, so
+# that tools/validate.py and train.py share one mapping.
+ALIASES = {
+    "ici_context_parallelism": ("ici_sequence_parallelism", "MaxText's"),
+    "dcn_context_parallelism": ("dcn_sequence_parallelism", "MaxText's"),
+    "sequence_length": ("max_target_length", "the GPU validation files'"),
+    "micro_batch_size": ("per_device_batch_size", "the GPU validation files'"),
+    "tensor_parallelism": ("ici_tensor_parallelism", "the GPU validation files'"),
+    "pipeline_parallelism": ("ici_pipeline_parallelism", "the GPU validation files'"),
+}
+
+# key -> (allowed values, why it has no effect)
+ACCEPTED = {
+    "hardware": (("tpu", "gpu", "cpu", "gpu_multiprocess"),
+                 "Tessera uses the platform of the devices JAX sees at start-up; detection wins over this key"),
+}
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A MaxText key Tessera lacks: `off` values (lower-case text) mean the feature is off and are
+    accepted; `why` says what the key does in MaxText and what to use in Tessera."""
+
+    why: str
+    off: tuple[str, ...] = ()
+
+
+_QUANT = "; Tessera trains in dtype/weight_dtype (bfloat16 or float32) and has no quantization"
+_PIPE = "; pipeline parallelism is not implemented: use ici_fsdp_parallelism or ici_tensor_parallelism"
+_INFER = "; Tessera's decode.py samples greedily from a prompt and has no such setting"
+_SPLASH = "; Tessera's flash attention chooses its own block sizes"
+_REMAT = ("with remat_policy=custom, MaxText's per-tensor choice (device, offload or remat) for this activation; "
+          "Tessera: pick one of the named remat_policy values, e.g. save_qkv_proj or qkv_proj_offloaded")
+_GCP = "; Tessera writes metrics.jsonl and TensorBoard files under base_output_directory (a gs:// path works)"
+
+REFUSED = {
+    # quantization
+    "quantization": Refused("int8/fp8/aqt quantized matmuls in training" + _QUANT, ("",)),
+    "quantize_kvcache": Refused("int8 key/value cache for decoding" + _QUANT, ("false", "0")),
+    "kv_quant_axis": Refused("which axes the quantized key/value cache is scaled over" + _QUANT,
+                             ("heads_and_dkv", "")),
+    "kv_quant_dtype": Refused("dtype of the quantized key/value cache (int8 or int4)" + _QUANT, ("int8",)),
+    "checkpoint_is_quantized": Refused("the checkpoint to load holds quantized weights" + _QUANT, ("false", "0")),
+    "quantization_local_shard_count": Refused("shards of the quantization range search" + _QUANT, ("-1",)),
+    "quant_cfg_path": Refused("file of per-layer quantization settings" + _QUANT, ("",)),
+    "save_quantized_params_path": Refused("where to write quantized weights" + _QUANT, ("",)),
+    "use_qwix_quantization": Refused("quantize with the Qwix library" + _QUANT, ("false", "0")),
+    "replicate_quant_scale": Refused("replicate quantization scales across devices" + _QUANT, ("false", "0")),
+    # mesh axes Tessera does not have
+    "ici_autoregressive_parallelism": Refused(
+        "a mesh axis that shards heads for decoding; Tessera has no such axis: use ici_tensor_parallelism", ("1",)),
+    "dcn_autoregressive_parallelism": Refused(
+        "as ici_autoregressive_parallelism, across slices; use dcn_tensor_parallelism", ("1",)),
+    "ici_tensor_sequence_parallelism": Refused(
+        "a mesh axis sharding both tensor and sequence dimensions; use ici_tensor_parallelism and "
+        "ici_sequence_parallelism", ("1",)),
+    "dcn_tensor_sequence_parallelism": Refused("as ici_tensor_sequence_parallelism, across slices", ("1",)),
+    "ici_tensor_transpose_parallelism": Refused(
+        "a second tensor-parallel axis with transposed weight sharding; use ici_tensor_parallelism", ("1",)),
+    "dcn_tensor_transpose_parallelism": Refused("as ici_tensor_transpose_parallelism, across slices", ("1",)),
+    "ici_fsdp_transpose_parallelism": Refused(
+        "a second fsdp axis sharding the MLP dimension; use ici_fsdp_parallelism", ("1",)),
+    "dcn_fsdp_transpose_parallelism": Refused("as ici_fsdp_transpose_parallelism, across slices", ("1",)),
+    "ici_context_autoregressive_parallelism": Refused(
+        "a context axis for decoding; use ici_sequence_parallelism for training", ("1",)),
+    "mesh_axes": Refused("the names and order of the mesh axes; Tessera's mesh is fixed (see mesh.py)"),
+    "logical_axis_rules": Refused("the table from logical to mesh axes; Tessera's is LOGICAL_RULES in mesh.py"),
+    "data_sharding": Refused("mesh axes the batch is split over; Tessera splits it over data, fsdp and expert"),
+    "custom_mesh": Refused("a hand-made device order for some TPU slices; Tessera uses JAX's device mesh", ("",)),
+    "allow_split_physical_axes": Refused("let one mesh axis span parts of physical axes; not in Tessera",
+                                         ("false", "0")),
+    "context_parallel_load_balance": Refused(
+        "reorder the sequence so causal attention work is even across context shards; not in Tessera",
+        ("false", "0")),
+    # pipeline parallelism
+    "num_layers_per_pipeline_stage": Refused("layers in one pipeline stage" + _PIPE, ("1",)),
+    "num_pipeline_microbatches": Refused("micro-batches in flight in the pipeline" + _PIPE, ("-1",)),
+    "num_pipeline_repeats": Refused("circular pipeline repeats" + _PIPE, ("-1",)),
+    "pipeline_parallel_layers": Refused("layers run by the pipeline" + _PIPE, ("-1",)),
+    "pipeline_fsdp_ag_once": Refused("gather fsdp weights once per pipeline step" + _PIPE, ("false", "0")),
+    "scan_pipeline_iterations": Refused("scan over pipeline iterations" + _PIPE, ("true", "1")),
+    # optimizer
+    "opt_type": Refused("optimizer choice (adamw, adam_pax, sgd, adafactor, muon); Tessera has AdamW only "
+                        "(adam_b1, adam_b2, adam_eps, adam_weight_decay)", ("adamw",)),
+    "adam_eps_root": Refused("epsilon inside the square root of Adam's denominator; Tessera's AdamW uses "
+                             "adam_eps only", ("0", "0.0")),
+    "mu_dtype": Refused("dtype of Adam's first moment; in Tessera the optimizer state follows weight_dtype", ("",)),
+    "optimizer_memory_host_offload": Refused("keep optimizer state in host memory; not in Tessera",
+                                             ("false", "0")),
+    "param_memory_host_offload": Refused("keep parameters in host memory; not in Tessera", ("false", "0")),
+    # model variants
+    "fused_mlp": Refused("one matmul for the MLP's gate and up projections; not in Tessera (fused_qkv is)",
+                         ("false", "0")),
+    "normalize_embedding_logits": Refused(
+        "divide logits by sqrt(emb_dim) when logits_via_embedding=true; Tessera's families fix this themselves",
+        ("true", "1")),
+    "use_untrainable_positional_embedding": Refused(
+        "add fixed sinusoidal positions to the embeddings; Tessera's gpt3 family uses them when "
+        "trainable_position_size=0", ("false", "0")),
+    "param_scan_axis": Refused("which axis of the stacked parameters is the layer axis; Tessera's is fixed",
+                               ("1",)),
+    "float32_qk_product": Refused("compute query-key scores in float32; Tessera's attention kernels choose",
+                                  ("false", "0")),
+    "float32_logits": Refused("attention logits in float32; Tessera's attention kernels choose", ("false", "0")),
+    "use_qk_norm": Refused("RMSNorm on queries and keys (Qwen3, Gemma 3); no Tessera family has it",
+                           ("false", "0")),
+    "use_post_attn_norm": Refused("a norm after attention (Gemma 3); use decoder_block=gemma2", ("false", "0")),
+    "use_post_ffw_norm": Refused("a norm after the MLP (Gemma 3); use decoder_block=gemma2", ("false", "0")),
+    "inhomogeneous_layer_cycle_interval": Refused(
+        "repeat pattern of layer kinds (Llama 4); not in Tessera", ("1",)),
+    "record_internal_nn_metrics": Refused("log activation statistics from inside the model; not in Tessera",
+                                          ("0", "false")),
+    # activation checkpointing with remat_policy=custom
+    **{name: Refused(_REMAT, ("remat", "device")) for name in (
+        "decoder_layer_input", "context", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "query_proj", "key_proj",
+        "value_proj", "out_proj")},
+    # splash attention block sizes (TPU)
+    **{name: Refused("a splash attention (TPU flash kernel) block size" + _SPLASH, ("512",)) for name in (
+        "sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
+        "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")},
+    "sa_use_fused_bwd_kernel": Refused("splash attention's fused backward kernel" + _SPLASH, ("false", "0")),
+    "sa_q_layout": Refused("splash attention's query layout" + _SPLASH, ("head_dim_minor",)),
+    "sa_k_layout": Refused("splash attention's key layout" + _SPLASH, ("head_dim_minor",)),
+    "sa_v_layout": Refused("splash attention's value layout" + _SPLASH, ("head_dim_minor",)),
+    # input pipeline
+    "enable_data_shuffling": Refused(
+        "shuffle the training records; Tessera's grain and tfds pipelines always shuffle with data_shuffle_seed",
+        ("true", "1")),
+    "expansion_factor_real_data": Refused("let only some hosts read data; every Tessera host reads its share",
+                                          ("-1",)),
+    "eval_per_device_batch_size": Refused("a separate batch size for evaluation; Tessera evaluates with "
+                                          "per_device_batch_size", ("0", "0.0")),
+    "max_corpus_chars": Refused("characters read to train a tokenizer; Tessera does not train tokenizers"),
+    "hf_data_dir": Refused("data_dir of a Hugging Face dataset; use hf_path (a local folder or Hub name)", ("",)),
+    "hf_data_files": Refused("files of a Hugging Face dataset (older MaxText); use hf_train_files", ("",)),
+    "hf_access_token": Refused("a Hugging Face token on the command line; set HF_TOKEN in the environment",
+                               ("",)),
+    "hf_eval_split": Refused("split of the Hugging Face eval data; use eval_split", ("",)),
+    "tokenize_train_data": Refused("tokenize the training column; Tessera tokenizes text columns and takes "
+                                   "list-of-ints columns as already tokenized", ("true", "1")),
+    "tokenize_eval_data": Refused("as tokenize_train_data, for evaluation data", ("true", "1")),
+    # checkpointing
+    "enable_single_replica_ckpt_restoring": Refused(
+        "one replica reads a checkpoint and broadcasts it; every Tessera host reads its own shards",
+        ("false", "0")),
+    "force_unroll": Refused("unroll the layers when writing a parameter-only checkpoint; not in Tessera",
+                            ("false", "0")),
+    "enable_emergency_checkpoint": Refused("local in-memory checkpoints for fast restarts; not in Tessera: "
+                                           "use checkpoint_period", ("false", "0")),
+    "local_checkpoint_directory": Refused("folder of emergency checkpoints; not in Tessera", ("",)),
+    "local_checkpoint_period": Refused("steps between emergency checkpoints; not in Tessera", ("0",)),
+    "checkpoint_storage_use_ocdbt": Refused("Orbax's OCDBT storage; Tessera uses Orbax's defaults", ("true", "1")),
+    "checkpoint_storage_use_zarr3": Refused("Orbax's zarr3 storage; Tessera uses Orbax's defaults", ("true", "1")),
+    "enable_checkpoint_cloud_logger": Refused("log checkpoint events to Cloud Logging" + _GCP, ("false", "0")),
+    "enable_checkpoint_standard_logger": Refused("log checkpoint events as JSON" + _GCP, ("false", "0")),
+    # ahead-of-time compilation
+    "compiled_trainstep_file": Refused(
+        "save the AOT-compiled train step to a file and load it in train.py; Tessera's train_compile only "
+        "checks that the step compiles and fits, train.py compiles again", ("",)),
+    # metrics, profiling and cloud services
+    "gcs_metrics": Refused("write metrics to GCS" + _GCP, ("false", "0")),
+    "save_config_to_gcs": Refused("write the config to GCS; Tessera logs the changed keys at start-up",
+                                  ("false", "0")),
+    "upload_all_profiler_results": Refused("upload every host's trace; Tessera's profiler writes host 0's",
+                                           ("false", "0")),
+    "use_vertex_tensorboard": Refused("Vertex AI TensorBoard" + _GCP, ("false", "0")),
+    "vertex_tensorboard_project": Refused("Vertex AI TensorBoard project" + _GCP, ("",)),
+    "vertex_tensorboard_region": Refused("Vertex AI TensorBoard region" + _GCP, ("",)),
+    "enable_goodput_recording": Refused("record goodput with Google's ml-goodput library" + _GCP,
+                                        ("false", "0")),
+    "monitor_goodput": Refused("upload goodput to Cloud Monitoring" + _GCP, ("false", "0")),
+    "collect_stack_trace": Refused("dump stacks periodically; Tessera dumps them when a step exceeds "
+                                   "step_timeout_seconds", ("false", "0")),
+    "stack_trace_to_cloud": Refused("send stack dumps to Cloud Logging; see step_timeout_seconds", ("false", "0")),
+    "stack_trace_interval_seconds": Refused("seconds between stack dumps; see step_timeout_seconds"),
+    "max_checkify": Refused("extra runtime checks with jax.checkify; not in Tessera", ("false", "0")),
+    "jax_cache_dir": Refused("JAX's persistent compilation cache folder; set JAX_COMPILATION_CACHE_DIR in the "
+                             "environment instead"),
+    "dump_hlo": Refused("write the compiled HLO; set XLA_FLAGS=--xla_dump_to=DIR instead", ("false", "0")),
+    "target_eval_loss": Refused("stop once the eval loss is below this; Tessera runs `steps` steps",
+                                ("0", "0.0")),
+    "enable_single_controller": Refused("Pathways single-controller mode; not in Tessera", ("false", "0")),
+    "skip_jax_distributed_system": Refused("do not call jax.distributed.initialize; Tessera initializes when "
+                                           "more than one process runs", ("false", "0")),
+    # decoding and inference
+    **{name: Refused("a decoding or inference-benchmark setting" + _INFER) for name in (
+        "max_prefill_predict_length", "prompt", "load_from_prefill_dir", "prefill_cache_dir",
+        "autoregressive_decode_assert", "decode_sampling_strategy", "decode_sampling_nucleus_p",
+        "decode_sampling_top_k", "decode_sampling_temperature", "inference_microbenchmark_prefill_lengths",
+        "inference_microbenchmark_stages", "inference_microbenchmark_loop_iters",
+        "inference_microbenchmark_log_file_path", "prefill_key_axis_order", "prefill_value_axis_order",
+        "ar_key_axis_order", "ar_value_axis_order", "use_ragged_attention", "ragged_block_size",
+        "enable_model_warmup")},
+}
+
+
+def render_aliases() -> list[str]:
+    """The comment block base.yml ends with: every other key name the loader accepts."""
+    lines = ["", "# --- Aliases: other trainers' names for the keys above, accepted and logged when used"]
+    lines += [f"# {alias} -> {target}  ({whose} name)" for alias, (target, whose) in ALIASES.items()]
+    lines += [f"# {name} [one of: {', '.join(choices)}]: accepted; {why}" for name, (choices, why) in ACCEPTED.items()]
+    lines += ["# MaxText keys Tessera does not implement are refused with a reason (left at MaxText's default, off,",
+              "# they are ignored): see src/tessera/config/maxtext.py and getting_started/Coming_from_MaxText.md"]
+    return lines
+
+
+def is_off(refused: Refused, value) -> bool:
+    """`value` (YAML value or command-line text) leaves the refused feature off."""
+    text = "" if value is None else str(value).strip().lower()
+    return text in refused.off
+
+
+def maxtext_keys() -> set[str]:
+    """Every non-schema key the loader knows (aliased, accepted or refused)."""
+    return set(ALIASES) | set(ACCEPTED) | set(REFUSED)
+
+
+def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any], errors: list[str]) -> dict:
+    """`values` (one layer of the config, set in `source`) with aliases renamed to our keys and
+    keys without effect dropped; one line in `errors` per unknown key, refused MaxText key, bad
+    `hardware` value or alias that disagrees with its key in the same layer."""
+    out = {}
+    for name, value in values.items():
+        if name in fields:
+            out[name] = value
+        elif name in ALIASES:
+            target, whose = ALIASES[name]
+            if target in values and str(values[target]) != str(value):
+                errors.append(f"{name}={value!r} ({whose} name for {target}) disagrees with "
+                              f"{target}={values[target]!r} in {source}; set only {target}")
+                continue
+            _log_once(f"{name}={value} is {whose} name for {target}; using that")
+            out[target] = value
+        elif name in ACCEPTED:
+            choices, why = ACCEPTED[name]
+            if str(value).strip().lower() in choices:
+                _log_once(f"{name}={value} has no effect: {why}")
+            else:
+                errors.append(f"{name}={value!r} is not allowed; choose one of: {', '.join(map(repr, choices))} "
+                              f"(from {source})")
+        elif name in REFUSED:
+            if is_off(REFUSED[name], value):
+                _log_once(f"{name}={value!r} is MaxText's setting with the feature off, as in Tessera; ignored")
+            else:
+                errors.append(f"{name}={value!r} is a MaxText key Tessera does not implement: "
+                              f"{REFUSED[name].why} (from {source})")
+        else:
+            errors.append(unknown_key(name, source, fields))
+    return out
+
+
+def unknown_key(name: str, source: str, fields: Mapping[str, Any]) -> str:
+    """The error line for an unknown key: its 3 closest keys (an alias shows the key it stands for)."""
+    close = difflib.get_close_matches(name, [*fields, *ALIASES, *ACCEPTED], n=3, cutoff=0.5)
+    shown = [f"{c} (= {ALIASES[c][0]})" if c in ALIASES else c for c in close]
+    hint = f"; did you mean {', '.join(shown)}?" if close else "; see configs/base.yml for every key"
+    return f"unknown config key {name!r} in {source}{hint}"
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        log.info(message)

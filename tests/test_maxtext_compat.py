@@ -1,0 +1,78 @@
+"""MaxText's keys: aliases are renamed and logged, `hardware` is accepted, missing features are refused with a reason."""
+
+import json
+import logging
+
+import pytest
+
+from conftest import REPO
+from tessera.config import ConfigError, load_config
+from tessera.config import maxtext
+from tessera.config.schema import all_fields
+from tessera.tools import validate
+
+BASE = str(REPO / "configs" / "base.yml")
+GUIDE = REPO / "getting_started" / "Coming_from_MaxText.md"
+
+
+def test_tables_name_only_keys_we_lack_and_aliases_name_keys_we_have():
+    fields = all_fields()
+    assert not maxtext.maxtext_keys() & set(fields), "a schema key is also aliased, accepted or refused"
+    assert {target for target, _ in maxtext.ALIASES.values()} <= set(fields)
+    assert not set(maxtext.ALIASES) & set(maxtext.REFUSED) | set(maxtext.ACCEPTED) & set(maxtext.REFUSED)
+    assert validate.ALIASES == {a: t for a, (t, _) in maxtext.ALIASES.items()}  # one mapping
+
+
+def test_the_guide_mentions_every_maxtext_key():
+    text = GUIDE.read_text()
+    missing = [k for k in sorted(maxtext.maxtext_keys()) if f"`{k}`" not in text]
+    assert not missing, f"getting_started/Coming_from_MaxText.md does not mention {missing}"
+
+
+def test_alias_is_renamed_and_logged_once(caplog):
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        cfg = load_config([BASE, "ici_context_parallelism=2", "ici_fsdp_parallelism=4"], env={})
+        load_config([BASE, "ici_context_parallelism=2"], env={"M_DCN_CONTEXT_PARALLELISM": "1"})
+    assert cfg.mesh.ici_sequence_parallelism == 2
+    message = "ici_context_parallelism=2 is MaxText's name for ici_sequence_parallelism; using that"
+    assert caplog.text.count(message) == 1
+
+
+def test_alias_that_disagrees_with_its_key_is_refused():
+    with pytest.raises(ConfigError, match="disagrees with ici_sequence_parallelism='1'"):
+        load_config([BASE, "ici_context_parallelism=2", "ici_sequence_parallelism=1"], env={})
+    cfg = load_config([BASE, "ici_context_parallelism=2"], env={"M_ICI_SEQUENCE_PARALLELISM": "1"})
+    assert cfg.mesh.ici_sequence_parallelism == 1  # the environment is applied after the command line
+
+
+def test_hardware_is_accepted_and_checked():
+    load_config([BASE, "hardware=gpu_multiprocess"], env={})
+    with pytest.raises(ConfigError, match="hardware='tpu7' is not allowed; choose one of: 'tpu', 'gpu'"):
+        load_config([BASE, "hardware=tpu7"], env={})
+
+
+def test_missing_feature_is_refused_with_a_reason_unless_off():
+    load_config([BASE, "quantization=", "quantize_kvcache=false", "opt_type=adamw"], env={})
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "quantization=int8", "ici_autoregressive_parallelism=2"], env={"M_OPT_TYPE": "sgd"})
+    msg = str(e.value)
+    assert msg.startswith("3 problems in the config:") and "unknown" not in msg
+    assert "quantization='int8' is a MaxText key Tessera does not implement: int8/fp8/aqt" in msg
+    assert "use ici_tensor_parallelism (from the command line)" in msg
+    assert "AdamW only" in msg and "(from the environment variable M_OPT_TYPE)" in msg
+
+
+def test_a_typo_of_an_alias_suggests_it_and_our_key():
+    with pytest.raises(ConfigError, match=r"did you mean .*ici_context_parallelism \(= ici_sequence_parallelism\)"):
+        load_config([BASE, "ici_context_paralelism=2"], env={})
+
+
+def test_every_validation_file_key_has_a_meaning():
+    """Each model_params key of the GPU validation files is a train key, an alias, a MaxText key or explained."""
+    known = set(all_fields()) | maxtext.maxtext_keys() | set(validate.IGNORED_WHY) | {"xla_flags", "result_dict"}
+    for path in sorted((REPO / "configs" / "gpu").glob("*/*.json")):
+        for models in json.loads(path.read_text())["model_params"].values():
+            for gpus in models.values():
+                for entry in gpus.values():
+                    assert not set(entry) - known, f"{path.name}: {sorted(set(entry) - known)}"
