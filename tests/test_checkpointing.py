@@ -3,6 +3,7 @@
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,8 +16,10 @@ import pytest
 
 from conftest import REPO, tiny_config
 from tessera.config import load_config
-from tessera.checkpointing import CheckpointError, Checkpointer, checkpoint_directory, load_full_state, load_parameters
-from tessera.train import abstract_state, run, setup
+from tessera.checkpointing import CheckpointError, Checkpointer, load_full_state, load_parameters
+from tessera.config.derived import checkpoint_directory
+from tessera.step import abstract_state, setup
+from tessera.train import run
 
 TRAIN = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml")]
 
@@ -232,3 +235,16 @@ def test_checkpoint_directory_keeps_bucket_urls():
     assert checkpoint_directory(cfg, "outputs", "r1") == "outputs/r1/checkpoints"
     custom = tiny_config(checkpoint_dir="gs://other/ckpts").checkpoint
     assert checkpoint_directory(custom, "outputs", "r1") == "gs://other/ckpts"
+
+
+def test_exit_code_table_lists_every_code_the_trainer_returns():
+    import tessera.distributed
+    import tessera.train
+
+    text = (REPO / "getting_started" / "Checkpointing.md").read_text()
+    table = text[text.index("## Exit codes"):].split("\n## ")[0]
+    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
+    constants = {name: int(value) for module in (tessera.train, tessera.distributed)
+                 for name, value in vars(module).items() if name.startswith("EXIT_")}
+    assert documented == set(constants.values()), (documented, constants)
+    assert {0, 2, 3, 4, 5, 6, 130, 143} <= documented

@@ -113,3 +113,30 @@ def test_watchdog_dumps_stacks_and_exits(tmp_path):
     assert "File" in proc.stderr  # the Python stack dump
     with HangWatchdog(0):  # 0 disables it
         time.sleep(0.1)
+
+
+def test_sigterm_to_one_process_stops_the_whole_job_at_the_same_step(tmp_path):
+    port = _free_port()
+    procs = [_start(rank, port, tmp_path, "steps=100000", "checkpoint_period=100000", "step_timeout_seconds=60")
+             for rank in (0, 1)]
+    metrics = tmp_path / "mp" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.1)
+    assert metrics.exists(), procs[0].communicate(timeout=5)[1][-3000:]
+    procs[1].send_signal(signal.SIGTERM)  # only process 1, as when one VM of a job is preempted
+    start = time.time()
+    results = _finish(procs, timeout=120)
+    seconds = time.time() - start
+    steps = []
+    for rank, (code, err) in enumerate(results):
+        assert code == 143, err[-3000:]
+        assert "Traceback" not in err
+        steps.append(int(re.search(r"stopped by SIGTERM.* after step (\d+); checkpoint", err)[1]))
+    assert "sent to another process" in results[0][1] and "sent to another process" not in results[1][1]
+    assert steps[0] == steps[1] and (tmp_path / "mp" / "checkpoints" / str(steps[0])).is_dir()
+    assert seconds < 60
+    print(f"SIGTERM to process 1: both saved step {steps[0]}, stopped in {seconds:.1f} s")
+    port = _free_port()
+    for code, err in _finish([_start(rank, port, tmp_path, f"steps={steps[0] + 1}") for rank in (0, 1)]):
+        assert code == 0 and f"resuming from step {steps[0]}" in err, err[-3000:]

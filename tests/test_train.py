@@ -12,8 +12,10 @@ import tessera.train
 from conftest import REPO, tiny_config
 from tessera.checkpointing import CheckpointError
 from tessera.config import ConfigError, load_config
-from tessera.metrics import peak_tflops, run_report, training_flops_per_step
-from tessera.train import compile_step, format_changed_keys, run, setup
+from tessera.hardware import peak_tflops
+from tessera.metrics import run_report, training_flops_per_step
+from tessera.step import compile_step, setup
+from tessera.train import format_changed_keys, run
 
 MESHES = {
     "1 device": (1, {}),
@@ -66,11 +68,11 @@ def test_flops_formula_matches_xla_cost_analysis():
     compiled, _ = compile_step(trainer, 0)
     cost = compiled.cost_analysis()
     xla_flops = (cost[0] if isinstance(cost, list) else cost)["flops"]
-    ours = training_flops_per_step(cfg.model, trainer.global_batch, cfg.data.max_target_length, causal=False)
+    ours = training_flops_per_step(cfg.model, trainer.plan.global_batch, cfg.data.max_target_length, causal=False)
     # Ours counts matmuls only; XLA also counts elementwise work (norms, softmax, AdamW),
     # about 2% at these sizes. So: ours <= XLA <= 1.05 x ours.
     assert ours <= xla_flops <= 1.05 * ours, (ours, xla_flops)
-    causal = training_flops_per_step(cfg.model, trainer.global_batch, cfg.data.max_target_length)
+    causal = training_flops_per_step(cfg.model, trainer.plan.global_batch, cfg.data.max_target_length)
     assert causal < ours
 
 
@@ -146,3 +148,52 @@ def test_start_up_log_shows_only_the_keys_that_differ_from_base_yml():
     assert format_changed_keys(load_config([base, "run_name=demo"], env={})) == "run_name=demo"
     cfg = load_config([base, "run_name=d", "steps=7", "mlp_activations=gelu"], env={})
     assert format_changed_keys(cfg) == 'run_name=d, steps=7, mlp_activations=["gelu"]'
+
+
+def test_trainer_and_train_compile_pass_logical_axes_to_the_sharding_report(monkeypatch):
+    # Without the logical axes every large replicated parameter is reported, including norm scales
+    # the rules replicate on purpose (tests/test_mesh.py checks the report itself on gpt3-175b/v5e).
+    import tessera.mesh
+    from tessera import train_compile
+
+    seen = []
+
+    class Reported(Exception):
+        pass
+
+    def spy(mesh, shardings, shapes, warn_mib, logical_axes=None):
+        seen.append(logical_axes)
+        raise Reported  # stop before compiling
+
+    cfg = tiny_config(compile_topology="v5e-4")
+    trainer = setup(cfg)
+    monkeypatch.setattr(tessera.train, "sharding_report", spy)
+    monkeypatch.setattr(tessera.mesh, "sharding_report", spy)
+    for call in (lambda: tessera.train._log_shardings(cfg, trainer), lambda: train_compile.compile_for_topology(cfg)):
+        with pytest.raises(Reported):
+            call()
+    assert seen == [trainer.model.logical_axes()] * 2
+
+
+@pytest.mark.parametrize("error, code, line", [
+    ("DataError", 2, "data error: file x.parquet is damaged"),
+    ("ConfigError", 2, "config error: file x.parquet is damaged"),
+    ("CheckpointError", 2, "checkpoint error: file x.parquet is damaged"),
+    ("CheckpointSaveError", 6, "checkpoint save error: file x.parquet is damaged (exit code 6)"),
+    ("KeyboardInterrupt", 130, "interrupted (Ctrl-C) outside the training loop"),
+])
+def test_main_maps_each_failure_to_one_line_and_its_exit_code(monkeypatch, capsys, error, code, line):
+    import tessera.checkpointing
+    import tessera.data
+
+    kinds = {"DataError": tessera.data.DataError, "ConfigError": ConfigError, "CheckpointError": CheckpointError,
+             "CheckpointSaveError": tessera.checkpointing.CheckpointSaveError, "KeyboardInterrupt": KeyboardInterrupt}
+
+    def fail(cfg):
+        raise kinds[error]("file x.parquet is damaged")
+
+    monkeypatch.setattr(tessera.train, "run", fail)
+    monkeypatch.setattr(tessera.train, "initialize", lambda: None)
+    assert tessera.train.main([str(REPO / "configs" / "base.yml"), "run_name=x"]) == code
+    err = capsys.readouterr().err
+    assert line in err and "Traceback" not in err

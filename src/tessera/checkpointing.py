@@ -6,7 +6,14 @@ and `config` (the final flat config, JSON). Orbax writes a step into a temporary
 renames it (or, on GCS, writes `commit_success.txt`) only when every file is complete, so a
 save cut short by SIGKILL leaves a `*.orbax-checkpoint-tmp*` folder that is never listed as
 a step. At start-up `Checkpointer` moves such folders to `<checkpoint_dir>_incomplete/` and
-says so in the log: they are never loaded and never deleted.
+says so in the log: they are never loaded and never deleted. A save that fails (disk full)
+raises CheckpointSaveError at that save, or for an async save at the next save, check, wait or
+close; its partial folder is set aside the same way and earlier steps stay loadable.
+
+A step whose files are damaged (`state/_METADATA` missing, an array file truncated) is reported
+as damaged, naming the earlier step the run resumes from once it is moved away. Orbax's event
+loops are made to cancel and await their pending reads and writes before closing, so a failed
+read or write is one error, not a page of abandoned-task tracebacks.
 
 Before restoring, the checkpoint's own metadata is compared with the state the current config
 expects; any difference (missing or extra arrays, shapes, dtypes) is reported by path and
@@ -18,9 +25,12 @@ Orbax refuses relative ones.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import re
-import sys
+import shutil
 import time
 from typing import Any
 
@@ -28,7 +38,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from tessera.config import CheckpointConfig
+from tessera.config import CheckpointConfig, ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -40,31 +50,44 @@ class CheckpointError(Exception):
     """A checkpoint that cannot be used: the message names the path and what is wrong."""
 
 
-def _drop_abandoned_read_echoes() -> None:
-    """Keep a failed read to one clear message (called before every Orbax read).
+class _TidyEventLoop(asyncio.SelectorEventLoop):
+    """An event loop that, when closed, first cancels the tasks still pending and lets them end.
 
-    When one array of a checkpoint cannot be read, Orbax stops waiting and closes its event
-    loop while TensorStore still finishes the other reads; their completion callbacks then
-    fail with "Event loop is closed" and Python prints each as a traceback. Those are echoes
-    of the error we report, not new ones, so they are dropped; every other unraisable
-    exception still reaches the previous hook."""
-    previous = sys.unraisablehook
-    if getattr(previous, "tessera_drops_abandoned_reads", False):
-        return
+    Orbax runs each read or write in a fresh loop and closes it as soon as the first array
+    fails (a truncated file, a full disk), while the other arrays' tasks are still pending.
+    Python then reports every abandoned task at garbage collection ("Task was destroyed",
+    "_GatheringFuture exception was never retrieved", "Exception ignored in: <coroutine ...>").
+    Cancelling and awaiting them before the close ends them quietly, and the one error that
+    caused it reaches us alone."""
 
-    def hook(unraisable):
-        exc = unraisable.exc_value
-        if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
-            return
-        previous(unraisable)
+    def close(self) -> None:
+        if not self.is_closed() and not self.is_running():
+            pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
 
-    hook.tessera_drops_abandoned_reads = True
-    sys.unraisablehook = hook
+
+class _TidyEventLoopPolicy(asyncio.DefaultEventLoopPolicy):
+    _loop_factory = _TidyEventLoop
+
+
+def _use_tidy_event_loops() -> None:
+    """Make new event loops `_TidyEventLoop`s (called before every Orbax read and write)."""
+    if not isinstance(asyncio.get_event_loop_policy(), _TidyEventLoopPolicy):
+        asyncio.set_event_loop_policy(_TidyEventLoopPolicy())
 
 
 def _read_error(e: Exception, message: str) -> CheckpointError:
-    detail = re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", str(e))  # the spec is a page of JSON
-    return CheckpointError(f"{message} ({type(e).__name__}: {detail})")
+    """`message (<the array, when known>: <what TensorStore said>)`, without the page-long spec."""
+    arrays = re.findall(r"'path': '([^'/]+)/'", str(e))  # the innermost path of the spec is the array
+    cause = e.__cause__ if e.__cause__ is not None and arrays else e
+    detail = str(cause).split(" See full TensorStore details")[0]
+    detail = " ".join(re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", detail).split())[:400]
+    where = f"array {arrays[-1]}: " if arrays else ""
+    return CheckpointError(f"{message} ({where}{type(cause).__name__}: {detail})")
 
 
 def _flat(tree) -> dict[str, Any]:
@@ -105,20 +128,23 @@ def _raise_on_mismatch(path, saved, expected, only_prefix: str = "") -> None:
         )
 
 
-def checkpoint_directory(cfg: CheckpointConfig, base_output_directory: str, run_name: str) -> str:
-    """`checkpoint_dir`, or base_output_directory/run_name/checkpoints; `gs://` paths stay URLs."""
-    if cfg.checkpoint_dir:
-        return cfg.checkpoint_dir
-    return f"{base_output_directory.rstrip('/')}/{run_name}/checkpoints"
+class CheckpointSaveError(Exception):
+    """Saving a checkpoint failed (a full disk, lost permissions): the run must stop (EXIT_SAVE_FAILED)."""
 
 
 class Checkpointer:
     """Saves and restores the train state of one run under `directory`, which is created by the
-    first save (a run that fails before it leaves no empty checkpoint folder behind)."""
+    first save (a run that fails before it leaves no empty checkpoint folder behind).
+
+    A save that fails, in the foreground or in the background (its error surfaces at the next
+    `save`, `check`, `wait` or `close`), raises CheckpointSaveError naming the step, the folder
+    and its free space; its partial folder is set aside like an interrupted save's."""
 
     def __init__(self, cfg: CheckpointConfig, directory: str):
         self.cfg, self.directory = cfg, epath.Path(directory)
         self.incomplete = set_aside_incomplete(self.directory)
+        _quiet_orbax_error_logs()
+        self._saving: int | None = None  # the step whose (async) save was started last
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if cfg.max_num_checkpoints_to_keep < 1 else cfg.max_num_checkpoints_to_keep,
             enable_async_checkpointing=cfg.async_checkpointing,
@@ -139,32 +165,105 @@ class Checkpointer:
         """Start saving `step` (returns once arrays are copied to host when async)."""
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
-        self.manager.save(step, args=args, force=True)
+        _use_tidy_event_loops()
+        with self._failing_save(self._saving):  # the previous save's error surfaces here, before this one starts
+            self.manager.wait_until_finished()
+        self._saving = step
+        with self._failing_save(step):
+            self.manager.save(step, args=args, force=True)
+
+    def check(self) -> None:
+        """Raise CheckpointSaveError if a background save has already failed (never waits)."""
+        with self._failing_save(self._saving):
+            self.manager.check_for_errors()
+
+    def wait(self) -> None:
+        with self._failing_save(self._saving):
+            self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int | None):
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failed write loses the step: report it as one error
+            self._saving = None
+            raise self._save_error(step, e) from None
+
+    def _save_error(self, step: int | None, e: Exception) -> CheckpointSaveError:
+        moved = set_aside_incomplete(self.directory)
+        last = self.manager.reload() or self.latest_step()
+        code = re.search(r"os_error_code='(\d+)'", str(e))
+        detail = " ".join(str(e).split())
+        detail = os.strerror(int(code[1])) if code else f"{type(e).__name__}: {detail[:300]}"
+        return CheckpointSaveError(
+            f"saving checkpoint step {step} to {self.directory} failed: {detail} (free space there: "
+            f"{_free_space(self.directory)}). "
+            + (f"The partial save was moved to {moved[0]}. " if moved else "")
+            + (f"The last complete checkpoint is step {last} ({self.step_path(last)}); " if last is not None
+               else "No complete checkpoint was saved; ")
+            + "free some space (or fix the folder's permissions) and run the same command again to resume")
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """(state, data_state) of `step`, placed with the shardings in `abstract_state`."""
         path = self.step_path(step)
-        _drop_abandoned_read_echoes()
+        _use_tidy_event_loops()
+        if not (path / "state" / PYTREE_METADATA_FILE).exists():
+            raise self._damaged(step, f"is damaged: its file state/{PYTREE_METADATA_FILE} is missing")
         try:
             saved = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means an unusable checkpoint
-            raise _read_error(e, f"checkpoint {path} cannot be read; move it away to resume from an "
-                                           "earlier step") from None
+            raise _read_error(e, str(self._damaged(step, "cannot be read"))) from None
         _raise_on_mismatch(path, getattr(saved, "tree", saved), abstract_state)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
-            raise _read_error(e, f"checkpoint {path} could not be restored: files may be missing or "
-                                           "corrupt. Move it away to resume from an earlier step") from None
+            raise _read_error(e, str(self._damaged(step, "could not be restored: files may be missing or corrupt"))
+                              ) from None
         return restored["state"], dict(restored["data"] or {})
 
-    def wait(self) -> None:
-        self.manager.wait_until_finished()
+    def _damaged(self, step: int, what: str) -> CheckpointError:
+        """'checkpoint <path> <what>. Move it away ... to resume from step <earlier>' (or to start afresh)."""
+        path = self.step_path(step)
+        earlier = [s for s in self.manager.all_steps() if s < step]
+        then = f"to resume from step {max(earlier)}" if earlier else "to start this run from step 0"
+        return CheckpointError(f"checkpoint {path} {what}. Move it away (e.g. mv {path} {path}.damaged) {then}")
 
-    def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+
+def _free_space(directory: epath.Path) -> str:
+    """'1.2 GiB of 50.0 GiB' for the nearest existing folder at or above `directory`."""
+    path = directory
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        usage = shutil.disk_usage(str(path))
+    except (OSError, TypeError, ValueError):  # a bucket has no disk usage
+        return "unknown"
+    return f"{_size(usage.free)} of {_size(usage.total)}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class _OrbaxErrorLogs(logging.Filter):
+    """Drops Orbax's own ERROR log records (each with a traceback) about a failed save or read:
+    every such failure also reaches Checkpointer as an exception and is reported once, by us."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def _quiet_orbax_error_logs() -> None:
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxErrorLogs) for f in absl_logger.filters):
+        absl_logger.addFilter(_OrbaxErrorLogs())
 
 
 def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
@@ -194,6 +293,9 @@ def _state_item(path: str, key: str | None = None) -> epath.Path:
     if INCOMPLETE_MARKER in p.name:
         raise CheckpointError(f"{label} is an incomplete (interrupted) save; use a complete step folder")
     item = p / "state" if (p / "state").exists() else p
+    if item != p and not (item / PYTREE_METADATA_FILE).exists():
+        raise CheckpointError(f"{label} is damaged: its file state/{PYTREE_METADATA_FILE} is missing; "
+                              f"{_step_folder_hint(p)}")
     if not (item / PYTREE_METADATA_FILE).exists():
         raise CheckpointError(f"{label} holds no checkpoint (no state item, no Orbax metadata); "
                               f"{_step_folder_hint(p)}")
@@ -220,7 +322,7 @@ def saved_tree(path: str, key: str | None = None) -> tuple[epath.Path, Any]:
     """(the item folder, the metadata tree of the arrays saved in it) for a step folder or a
     {"params": ...} checkpoint; CheckpointError naming `key=path` when there is nothing to read."""
     item = _state_item(path, key)
-    _drop_abandoned_read_echoes()
+    _use_tidy_event_loops()
     try:  # the handler, not a Checkpointer: that would look for (and warn about) step metadata an item lacks
         saved = ocp.PyTreeCheckpointHandler().metadata(item)
     except Exception as e:  # noqa: BLE001
@@ -252,3 +354,28 @@ def load_parameters(path: str, abstract_params, key: str | None = "load_paramete
 def load_full_state(path: str, abstract_state, key: str | None = "load_full_state_path") -> Any:
     """Parameters, optimizer state and step from a Tessera checkpoint step folder."""
     return _restore_tree(path, key, abstract_state, partial=False)
+
+
+def check_writable(path: str, key: str) -> None:
+    """ConfigError naming `key=path` unless a file can be created in folder `path`. The probe
+    (and every folder it had to create) is removed again, so nothing is left behind either way.
+    Bucket URLs are not probed: their permissions show at the first write."""
+    if "://" in path:
+        return
+    folder, created = epath.Path(path), []
+    probe = folder / f".tessera-write-probe-{os.getpid()}"
+    try:
+        for p in reversed([p for p in (folder, *folder.parents) if not p.exists()]):
+            p.mkdir()
+            created.append(p)
+        probe.write_text("")
+    except OSError as e:
+        blocker = next((p for p in folder.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else f"{e.strerror or e}"
+        raise ConfigError(f"{key}={path} cannot be written: {why}; choose another {key} or fix its "
+                          f"permissions (free space there: {_free_space(folder)})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+            for p in reversed(created):
+                p.rmdir()

@@ -10,7 +10,8 @@ KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 --temperature 0 (the default), else from softmax(logits / temperature) over the --top_k most
 likely tokens (0: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
 
-Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated).
+Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated);
+130 interrupted by Ctrl-C (no traceback; decoding writes no files, so nothing is left half-written).
 See getting_started/Decode.md. JAX is imported only once decoding starts, so that --help is instant.
 """
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tessera")
 
-EXIT_OK, EXIT_USER_ERROR = 0, 2
+EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 2, 130
 
 
 # ---- sampling and the decoding loop
@@ -250,6 +251,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK
 
 

@@ -139,6 +139,49 @@ def _startup_timed_out(spec: JobSpec, started: float) -> None:
     os._exit(EXIT_DISTRIBUTED)
 
 
+# A stop (SIGTERM, Ctrl-C) that reaches some processes of a job must stop all of them after the
+# same step, because saving is collective. The first signalled process publishes "stop after
+# step S+1" (S: its last finished step) in the coordinator's key-value store; later writers keep
+# the first value; every process reads the key after each step (one RPC, ~0.3 ms on localhost).
+# One step of slack is enough: each step ends with cross-process collectives, so no process can
+# finish step S+1 before the publisher, which published before starting S+1, has started it.
+STOP_KEY = "tessera/stop_after_step"
+STOP_SLACK_STEPS = 1
+
+
+def _kv_client():
+    from jax._src.distributed import global_state  # the runtime's client; None in a single process
+
+    return global_state.client
+
+
+def request_stop(step: int, signum: int) -> tuple[int, int]:
+    """Ask every process to stop after `step + STOP_SLACK_STEPS`; returns the agreed (step, signal),
+    which is an earlier request's when another process published first."""
+    client = _kv_client()
+    try:
+        client.key_value_set(STOP_KEY, f"{step + STOP_SLACK_STEPS}:{signum}")
+    except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another process asked first and its step wins
+        pass
+    return _parse_stop(client.blocking_key_value_get(STOP_KEY, 60_000))
+
+
+def stop_requested() -> tuple[int, int] | None:
+    """(step, signal) when some process asked the job to stop, else None (never waits)."""
+    client = _kv_client()
+    if client is None:
+        return None
+    try:
+        return _parse_stop(client.key_value_try_get(STOP_KEY))
+    except Exception:  # noqa: BLE001 - NOT_FOUND: nobody asked
+        return None
+
+
+def _parse_stop(value: str) -> tuple[int, int]:
+    step, signum = value.split(":")
+    return int(step), int(signum)
+
+
 class HangWatchdog:
     """Ends a process whose steps stopped: after `timeout` seconds without `beat()`, dump every
     thread's Python stack to stderr and exit with EXIT_HANG. A timeout of 0 disables it."""

@@ -2,16 +2,18 @@
 compiled step -> loop with metrics and checkpoints -> report.
 `python3 train.py configs/base.yml key=value ...`.
 
-Exit codes (also in getting_started/Checkpointing.md): 0 finished; 2 bad config or unusable
-checkpoint (nothing was written); 3 non-finite loss or gradient with on_nonfinite_loss=stop;
-4 multi-process start-up failed; 5 hang watchdog (no step within step_timeout_seconds);
-143 stopped by SIGTERM after saving a checkpoint (128 + 15, the usual status of a SIGTERM).
+Exit codes (the table is in getting_started/Checkpointing.md): 0 finished; 2 bad config, input
+data, output folder or checkpoint (earlier checkpoints are kept); 3 non-finite loss or gradient
+with on_nonfinite_loss=stop; 4 multi-process start-up failed; 5 hang watchdog (no step within
+step_timeout_seconds); 6 a checkpoint could not be saved (disk full, permissions); 130 stopped by
+SIGINT (Ctrl-C) and 143 by SIGTERM, after saving a checkpoint (128 + the signal's number).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -24,21 +26,22 @@ import yaml
 
 from tessera import metrics
 from tessera.checkpointing import (
-    Checkpointer, CheckpointError, checkpoint_directory, load_full_state, load_parameters,
+    Checkpointer, CheckpointError, CheckpointSaveError, check_writable, load_full_state, load_parameters,
 )
-from tessera.config import Config, ConfigError, changed_keys, config_digest, flat_dict, load_config
-from tessera.data import make_input, place_batch
-from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize
+from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, config_digest, flat_dict, load_config
+from tessera.data import DataError, make_input, place_batch
+from tessera.distributed import (
+    EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, request_stop, stop_requested,
+)
 from tessera.evaluation import Evaluator
 from tessera.mesh import sharding_report
-from tessera.step import (  # noqa: F401 - re-exported: the public face of the trainer
-    Trainer, abstract_state, compile_step, create_state, device_batch, loss_sums, make_train_step, setup,
-    state_from_params,
-)
+from tessera.hardware import peak_tflops
+from tessera.step import Trainer, abstract_state, compile_step, create_state, setup, state_from_params
 
 log = logging.getLogger("tessera")
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_PREEMPTED = 0, 2, 3, 143
+EXIT_OK, EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_SAVE_FAILED = 0, 2, 3, 6
+EXIT_INTERRUPTED, EXIT_PREEMPTED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143
 
 
 class TrainingStopped(Exception):
@@ -50,26 +53,51 @@ class TrainingStopped(Exception):
 
 
 class _StopSignal:
-    """Turns SIGTERM into a flag the loop checks between steps (the step in flight finishes)."""
+    """SIGTERM or SIGINT (Ctrl-C) -> a flag the loop checks between steps: the step in flight
+    finishes, it is saved, and the run exits with 128 + the signal's number. A second signal
+    stops at once (same exit code, no traceback); an async save still in flight is then left
+    as a temporary folder, which the next start sets aside and never loads.
+
+    In a multi-process job the signalled process publishes the step to stop after, and every
+    process checks for it after each step (distributed.request_stop / stop_requested), so all of
+    them save the same step together even when only one was signalled."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.received = False
-        self._previous = None
+        self.signum: int | None = None  # the signal this process received
+        self.stop_at: tuple[int, int] | None = None  # (step, signal) the whole job stops after
+        self._previous = {}
 
     def __enter__(self):
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: leave signal handling to the caller
-            self._previous = None
+        for signum in self.SIGNALS:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread: leave signal handling to the caller
+                pass
         return self
 
     def _handle(self, signum, frame):
-        log.warning("SIGTERM received: finishing this step, then saving a checkpoint and exiting")
-        self.received = True
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            print(f"{name} received again: stopping now, without waiting for a save in flight (an unfinished "
+                  f"save is set aside at the next start; exit code {128 + signum})", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        log.warning("%s received: finishing this step, then saving a checkpoint and exiting "
+                    "(send it again to stop at once)", name)
+        self.signum = signum
+
+    def stop_after(self, step: int) -> bool:
+        """True when the job should save `step` and stop (checked after every step)."""
+        if self.stop_at is None and jax.process_count() == 1:
+            self.stop_at = (step, self.signum) if self.signum is not None else None
+        elif self.stop_at is None:
+            self.stop_at = request_stop(step, self.signum) if self.signum is not None else stop_requested()
+        return self.stop_at is not None and step >= self.stop_at[0]
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
 
 
 # --------------------------------------------------------------------------- the run
@@ -82,10 +110,9 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
     a run that fails before its first step leaves no run folder behind."""
     # ---- mesh, model, shardings
     trainer = setup(cfg, devices)
-    ckpt = None
-    if cfg.checkpoint.enable_checkpointing:
-        ckpt = Checkpointer(cfg.checkpoint, checkpoint_directory(cfg.checkpoint, cfg.run.base_output_directory,
-                                                                 cfg.run.run_name))
+    ckpt_dir = trainer.plan.checkpoint_dir
+    _check_output_folders(cfg, ckpt_dir)
+    ckpt = Checkpointer(cfg.checkpoint, ckpt_dir) if cfg.checkpoint.enable_checkpointing else None
     try:
         # a finished run stops here, before reading its checkpoint or compiling anything
         done = _nothing_to_do(cfg, ckpt.latest_step() if ckpt else None)
@@ -98,10 +125,20 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
             ckpt.close()
 
 
+def _check_output_folders(cfg: Config, ckpt_dir: str) -> None:
+    """ConfigError now, before anything is compiled, for an output folder that cannot be written
+    (a parent that is a file, no permission); the probe leaves nothing behind."""
+    check_writable(str(Path(cfg.run.base_output_directory) / cfg.run.run_name), "base_output_directory")
+    if cfg.checkpoint.enable_checkpointing:
+        check_writable(ckpt_dir, "checkpoint_dir" if cfg.checkpoint.checkpoint_dir else "base_output_directory")
+    if cfg.run.metrics_file:
+        check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file")
+
+
 def _log_shardings(cfg: Config, trainer: Trainer) -> None:
     """The table of parameters (path, shape, sharding), and large parameters left replicated."""
     rows, warnings = sharding_report(trainer.mesh, trainer.state_shardings["params"], trainer.model.param_shapes(),
-                                     cfg.mesh.param_replication_warn_mib)
+                                     cfg.mesh.param_replication_warn_mib, logical_axes=trainer.model.logical_axes())
     log.info("parameters (path, shape, sharding):\n  %s", "\n  ".join(rows))
     for w in warnings:
         log.warning(w)
@@ -115,9 +152,8 @@ def _nothing_to_do(cfg: Config, step: int | None) -> dict[str, Any] | None:
     return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name, start_step=step)
 
 
-def _create_run_folder(cfg: Config) -> Path:
-    """base_output_directory/run_name with the full final config in config.yml."""
-    run_dir = Path(cfg.run.base_output_directory) / cfg.run.run_name
+def _create_run_folder(cfg: Config, run_dir: Path) -> Path:
+    """`run_dir` (base_output_directory/run_name) with the full final config in config.yml."""
     run_dir.mkdir(parents=True, exist_ok=True)
     if jax.process_index() == 0:
         (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
@@ -127,34 +163,33 @@ def _create_run_folder(cfg: Config) -> Path:
 
 def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str, Any]:
     # ---- input and state (fresh, loaded or resumed): their errors come before anything is written
-    data = make_input(cfg.data, cfg.model.vocab_size, trainer.global_batch)
-    evaluator = Evaluator(cfg, trainer) if cfg.data.eval_interval else None
-    state = initial_state(trainer, ckpt, data)
+    plan = trainer.plan
+    data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch)
+    evaluator = Evaluator(cfg.data, trainer) if cfg.data.eval_interval else None
+    state = initial_state(trainer, ckpt, data, cfg.checkpoint, cfg.run.init_weights_seed)
     start_step = int(jax.device_get(state["step"]))
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-    log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", trainer.global_batch,
-             cfg.data.max_target_length)
+    log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", plan.global_batch,
+             plan.max_target_length)
 
     # ---- run folder, compiled step
-    run_dir = _create_run_folder(cfg)
+    run_dir = _create_run_folder(cfg, plan.run_dir)
     step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s", compile_seconds)
 
     # ---- loop: step, metrics, finite check, checkpoint, SIGTERM
     writer = metrics.MetricsWriter(
-        Path(cfg.run.metrics_file) if cfg.run.metrics_file else run_dir / "metrics.jsonl",
-        run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
+        plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
         write_files=jax.process_index() == 0)
-    meter, profiler, config_json = _StepMeter(cfg, trainer), _Profiler(cfg, run_dir), flat_dict(cfg)
+    meter, profiler, config_json = _StepMeter(trainer), _Profiler(cfg, run_dir), flat_dict(cfg)
     try:
         with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
             for step in range(start_step + 1, cfg.run.steps + 1):
                 profiler.before_step(step)
-                state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding,
-                                                          trainer.global_batch))
+                state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding, plan.global_batch))
                 stats = jax.device_get(stats)
                 watchdog.beat()
                 writer.write(meter.record(step, stats))
@@ -163,10 +198,13 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
                 if evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps):
                     writer.write_eval(evaluator.run(step, state["params"]))
                     watchdog.beat()
-                if ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stop.received):
-                    ckpt.save(step, state, data.get_state(), config_json)
-                if stop.received:
-                    _stop_after_sigterm(step, ckpt)
+                stopping = stop.stop_after(step)
+                if ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stopping):
+                    ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
+                elif ckpt:
+                    ckpt.check()  # a background save that failed stops the run now, not at the next save
+                if stopping:
+                    _stop_after_signal(step, stop, ckpt)
     finally:
         profiler.stop()
         writer.close()
@@ -181,7 +219,7 @@ def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, 
         device_kind=meter.device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),
         peak_tflops_per_device=meter.peak, flops_per_step=meter.flops, num_parameters=n_params,
         compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
-        global_batch=trainer.global_batch, max_target_length=cfg.data.max_target_length, start_step=start_step,
+        global_batch=trainer.plan.global_batch, max_target_length=trainer.plan.max_target_length, start_step=start_step,
         final_eval_loss=writer.eval_records[-1]["eval_loss"] if writer.eval_records else None,
     )
     if jax.process_index() == 0:
@@ -191,17 +229,19 @@ def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, 
     return report
 
 
-def _stop_after_sigterm(step: int, ckpt: Checkpointer | None) -> None:
+def _stop_after_signal(step: int, stop: _StopSignal, ckpt: Checkpointer | None) -> None:
+    signum = stop.stop_at[1]
+    name = signal.Signals(signum).name + ("" if stop.signum else " (sent to another process of this job)")
     if ckpt is None:
-        raise TrainingStopped(f"stopped by SIGTERM after step {step} (checkpointing is off: nothing saved)",
-                              EXIT_PREEMPTED)
+        raise TrainingStopped(f"stopped by {name} after step {step} (checkpointing is off: nothing saved)",
+                              128 + signum)
     ckpt.wait()
-    raise TrainingStopped(f"stopped by SIGTERM after step {step}; checkpoint {ckpt.step_path(step)}", EXIT_PREEMPTED)
+    raise TrainingStopped(f"stopped by {name} after step {step}; checkpoint {ckpt.step_path(step)}", 128 + signum)
 
 
-def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data) -> dict:
-    """Resume from this run's newest checkpoint, else load_full_state_path, load_parameters_path or init."""
-    cfg = trainer.cfg.checkpoint
+def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: CheckpointConfig, seed: int) -> dict:
+    """Resume from this run's newest checkpoint, else load_full_state_path, load_parameters_path or
+    init from `seed` (init_weights_seed)."""
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
         state, data_state = ckpt.restore(latest, abstract_state(trainer))
@@ -220,7 +260,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data) -> dict:
                                  key="load_parameters_path")
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
         return state_from_params(trainer, params)
-    return create_state(trainer, trainer.cfg.run.init_weights_seed)
+    return create_state(trainer, seed)
 
 
 def _check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None) -> None:
@@ -240,14 +280,15 @@ def _check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None
 class _StepMeter:
     """Turns a step's stats and wall time into a metrics record (TFLOP/s, tokens/s, MFU)."""
 
-    def __init__(self, cfg: Config, trainer: Trainer):
+    def __init__(self, trainer: Trainer):
+        plan = trainer.plan
         self.device_kind = trainer.mesh.devices.flat[0].device_kind
-        self.peak = metrics.peak_tflops(self.device_kind)
+        self.peak = peak_tflops(self.device_kind)
         if self.peak is None:
             log.info("device kind %r is not in the peak table: MFU is reported as unknown", self.device_kind)
-        self.flops = metrics.training_flops_per_step(cfg.model, trainer.global_batch, cfg.data.max_target_length)
-        self.tokens = trainer.global_batch * cfg.data.max_target_length
-        self.devices = trainer.mesh.size
+        self.flops = metrics.training_flops_per_step(trainer.model.cfg, plan.global_batch, plan.max_target_length)
+        self.tokens = plan.tokens_per_step
+        self.devices = plan.num_devices
         self.last = time.perf_counter()
 
     def record(self, step: int, stats: dict) -> dict:
@@ -316,11 +357,19 @@ def main(argv: list[str]) -> int:
         print(f"distributed start-up error: {e}", file=sys.stderr)
         return EXIT_DISTRIBUTED
     except (ConfigError, CheckpointError) as e:
-        print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
+        kind = "data" if isinstance(e, DataError) else "config" if isinstance(e, ConfigError) else "checkpoint"
+        print(f"{kind} error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except CheckpointSaveError as e:
+        print(f"checkpoint save error: {e} (exit code {EXIT_SAVE_FAILED})", file=sys.stderr)
+        return EXIT_SAVE_FAILED
     except TrainingStopped as e:
         log.error("%s (exit code %d)", e, e.exit_code)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, compile, the final save)
+        print(f"interrupted (Ctrl-C) outside the training loop: no new checkpoint (exit code {EXIT_INTERRUPTED}); "
+              "an unfinished save is set aside at the next start", file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_OK
 
 

@@ -24,9 +24,10 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 
 from tessera.config import Config, ConfigError, load_config
+from tessera.config.derived import run_dir
+from tessera.config.loader import validate_for_build
 from tessera.hardware import GIB, TpuSlice, tpu_slice
 from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
 
@@ -92,7 +93,7 @@ def topology_devices(topology: TpuSlice, num_slices: int) -> list:
 def compile_for_topology(cfg: Config) -> CompileReport:
     """AOT-compile the train step of `cfg` for cfg.compile.compile_topology; nothing is allocated."""
     from tessera.mesh import sharding_report
-    from tessera.train import compile_step, setup
+    from tessera.step import compile_step, setup
 
     c = cfg.compile
     if not c.compile_topology:
@@ -101,13 +102,13 @@ def compile_for_topology(cfg: Config) -> CompileReport:
     devices = topology_devices(topology, c.compile_topology_num_slices)
     trainer = setup(cfg, devices)
     _, warnings = sharding_report(trainer.mesh, trainer.state_shardings["params"], trainer.model.param_shapes(),
-                                  cfg.mesh.param_replication_warn_mib)
+                                  cfg.mesh.param_replication_warn_mib, logical_axes=trainer.model.logical_axes())
     for w in warnings:
         log.warning(w)
     hbm = topology.accelerator.hbm_bytes
     report = CompileReport(
         topology=topology.name, num_slices=c.compile_topology_num_slices, num_devices=len(devices),
-        device_kind=devices[0].device_kind, mesh=dict(trainer.mesh.shape), global_batch=trainer.global_batch,
+        device_kind=devices[0].device_kind, mesh=dict(trainer.mesh.shape), global_batch=trainer.plan.global_batch,
         compile_seconds=0.0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0, code_bytes=0,
         peak_bytes=0, total_bytes=0, hbm_bytes=hbm, budget_bytes=int(hbm * c.compile_hbm_budget_fraction),
     )
@@ -217,15 +218,24 @@ def main(argv: list[str]) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         cfg = load_config(resolve_config_file(argv))
+        validate_for_build(cfg.model)
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("compile_%Y%m%d_%H%M%S")
+        from tessera.checkpointing import check_writable  # the report's folder: checked before compiling
+
+        check_writable(str(run_dir(cfg.run)), "base_output_directory")
         report = compile_for_topology(cfg)
     except (ConfigError, UsageError) as e:
         print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)
         return 2
-    out = Path(cfg.run.base_output_directory) / cfg.run.run_name / "compile_report.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report.to_json(), indent=2))
+    out = run_dir(cfg.run) / "compile_report.json"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report.to_json(), indent=2))
+    except OSError as e:  # e.g. the disk filled up while XLA compiled
+        print(f"error: cannot write {out}: {e.strerror or e}; free some space there and compile again",
+              file=sys.stderr)
+        return 2
     log.info("compiled for %s x%d (%d devices, mesh %s, global batch %d) in %.1f s; memory per device:\n%s",
              report.topology, report.num_slices, report.num_devices, report.mesh, report.global_batch,
              report.compile_seconds, memory_table(report))

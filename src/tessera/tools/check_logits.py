@@ -9,7 +9,7 @@ checkpoint's parameters (a training step folder or one written by `tools.convert
 the model the config describes. Without --tokens, 32 token ids are drawn from the vocabulary
 with a fixed seed. One line per position: max |logit difference| and KL(p_hf || p_tessera) in
 nats. Exit 0 when both stay under their thresholds at every position, 1 when not, 2 on bad
-input. Relative paths are read from the working directory.
+input, 130 on Ctrl-C. Relative paths are read from the working directory.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def tessera_logits(cfg: Config, checkpoint: str, tokens_bt: np.ndarray) -> np.nd
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), model.param_shapes())
     try:
-        params = load_parameters(checkpoint, abstract)
+        params = load_parameters(checkpoint, abstract, key=None)  # errors name `checkpoint <path>`
     except CheckpointError as e:
         raise ConfigError(str(e)) from None
     return np.asarray(jax.jit(model.apply)(params, tokens_bt))
@@ -124,6 +124,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, UsageError, hf_env.ReferenceUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # it writes nothing, so there is nothing to clean up
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

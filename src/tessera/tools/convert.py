@@ -81,7 +81,8 @@ def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
     used: set[str] = set()
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
     try:
-        for rule, prefix, index, fmt in tqdm(jobs, desc="hf-to-tessera", unit="tensor", file=sys.stderr):
+        for rule, prefix, index, fmt in tqdm(jobs, desc="hf-to-tessera", unit="tensor", file=sys.stderr,
+                                        disable=None):
             names = [fmt(n) for n in rule.hf]
             values = rule.to_ours(*(reader.get(n) for n in names))
             used.update(names)
@@ -116,7 +117,8 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
     source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
     writer = hf_checkpoint.ShardWriter(out_dir, max_shard_size)
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
-    for rule, prefix, index, fmt in tqdm(jobs, desc="tessera-to-hf", unit="tensor", file=sys.stderr):
+    for rule, prefix, index, fmt in tqdm(jobs, desc="tessera-to-hf", unit="tensor", file=sys.stderr,
+                                        disable=None):
         values = rule.to_hf(*(source.get(prefix + path, index) for path in rule.ours))
         for name, value in zip(rule.hf, values):
             writer.add(fmt(name), value)
@@ -136,11 +138,17 @@ def convert_help() -> str:
 
 def main(argv: list[str]) -> int:
     exit_if_help(argv, convert_help)
+    from tessera.checkpointing import CheckpointError
+
     try:
         return _run(argv)
-    except (ConfigError, UsageError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, UsageError, CheckpointError) as e:
+        print(f"{'checkpoint ' if isinstance(e, CheckpointError) else ''}error: {e}", file=sys.stderr)
         return 2
+    except (OSError, KeyboardInterrupt) as e:  # a full disk mid-write, Ctrl-C: the output is incomplete
+        what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"writing failed: {e}"
+        print(f"error: {what}; the output folder is incomplete: delete it and convert again", file=sys.stderr)
+        return 130 if isinstance(e, KeyboardInterrupt) else 2
 
 
 def _run(argv: list[str]) -> int:
@@ -154,6 +162,9 @@ def _run(argv: list[str]) -> int:
     what = "Hugging Face folder" if command == "hf-to-tessera" else "checkpoint"
     source, out = resolve_path(source, what), resolve_path(out, "output folder", must_exist=False)
     cfg = load_model_config(None, overrides)
+    from tessera.checkpointing import check_writable  # before reading gigabytes: a parent that is a file, no permission
+
+    check_writable(out, "output folder")
     if command == "hf-to-tessera":
         done = hf_to_tessera(Path(source), Path(out), cfg)
         print(f"wrote {done} (train from it with load_parameters_path={done})")

@@ -5,6 +5,7 @@ Tessera parameters one at a time, writing safetensors shards, and writing `confi
 from __future__ import annotations
 
 import json
+import logging
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -139,19 +140,32 @@ def save_params(out_dir: Path, params: dict) -> None:
     Orbax copies the arrays while it writes them. Without OCDBT (one folder per array) that is
     about one model's worth of RAM at peak; with OCDBT it measured 1.6 models' worth."""
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
-    ocp.Checkpointer(handler).save(out_dir.absolute(), args=ocp.args.PyTreeSave({"params": params}))
+    absl_logger, quiet = logging.getLogger("absl"), _NoOcdbtMergeWarning()
+    absl_logger.addFilter(quiet)
+    try:
+        ocp.Checkpointer(handler).save(out_dir.absolute(), args=ocp.args.PyTreeSave({"params": params}))
+    finally:
+        absl_logger.removeFilter(quiet)
+
+
+class _NoOcdbtMergeWarning(logging.Filter):
+    """Drops Orbax's "Skipping merge of OCDBT checkpoints" warning: save_params writes without
+    OCDBT on purpose, so there is nothing to merge."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Skipping merge of OCDBT checkpoints" not in str(record.msg)
 
 
 class ParamSource:
     """Parameters of a Tessera checkpoint, restored one at a time (the last few are kept)."""
 
     def __init__(self, checkpoint: str, targets: dict[str, jax.ShapeDtypeStruct], keep: int = 4):
-        from tessera.checkpointing import _raise_on_mismatch, _state_item
+        from tessera.checkpointing import _raise_on_mismatch, saved_tree
 
-        self.path, self.targets, self.keep = _state_item(checkpoint), targets, keep
+        # saved_tree reads the item's own metadata: no "Metadata file does not exist" warning
+        self.path, saved = saved_tree(checkpoint, key=None)
+        self.targets, self.keep = targets, keep
         self.checkpointer = ocp.PyTreeCheckpointer()
-        saved = self.checkpointer.metadata(self.path)
-        saved = getattr(getattr(saved, "item_metadata", saved), "tree", getattr(saved, "item_metadata", saved))
         _raise_on_mismatch(self.path, saved, {"params": _nest(targets)}, only_prefix="params/")
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
 

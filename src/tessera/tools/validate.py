@@ -17,7 +17,8 @@ path, set up the same way (`bash setup.sh`). While training runs, node 0's progr
 a bar on a terminal, else as a line every PROGRESS_SECONDS. See getting_started/Validation.md.
 
 Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
-unusable (placeholders left, bad structure).
+unusable (placeholders left, bad structure) or the output folder cannot be written, 130 Ctrl-C
+(local nodes get it too: they save a checkpoint and stop; their logs say where).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from typing import Any
 from xml.sax.saxutils import escape
 
 from tessera.config.loader import PLACEHOLDER, build_config
+from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
+from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings
 from tessera.tools.cli import Heartbeat, UsageError, resolve_path
@@ -49,13 +52,14 @@ ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_
 # config keys with a meaning in Tessera: key -> train key
 CONFIG_TRAIN_KEYS = {"training_steps": "steps", "enable_checkpointing": "enable_checkpointing",
                      "log_dir": "base_output_directory"}
-# model-param keys of other trainers -> the Tessera train key with the same meaning
-ALIASES = {"sequence_length": "max_target_length", "micro_batch_size": "per_device_batch_size",
-           "tensor_parallelism": "ici_tensor_parallelism", "pipeline_parallelism": "ici_pipeline_parallelism"}
+# model-param keys of other trainers -> the Tessera train key with the same meaning (the loader's table)
+ALIASES = {alias: target for alias, (target, _) in KEY_ALIASES.items()}
 IGNORED_WHY = {
     "precision": "Tessera computes in `dtype`; FP8 (TE_FP8) training is not implemented",
     "tokenizer_model": "a Hugging Face hub name; Tessera reads tokenizers from local files only",
     "model_size": "informational (the model is defined by the base_* keys)",
+    "batch_size": "the global batch of other trainers; Tessera's is per_device_batch_size x devices (x "
+                  "gradient_accumulation_steps), which micro_batch_size or per_device_batch_size sets",
     "recompute": "Transformer Engine knob; Tessera uses remat_policy",
     "fsdp": "Transformer Engine knob; Tessera uses ici_fsdp_parallelism",
     "distributed_training": "implied by the node count",
@@ -179,7 +183,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         elif target in train_keys:
             overrides[target] = text
         else:
-            ignored[key] = IGNORED_WHY.get(key, "not a Tessera train key")
+            ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
     targets = _targets(entry.get("result_dict", {}))
@@ -187,6 +191,16 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
     return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
                 env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env))
+
+
+def _maxtext_why(key: str, value: Any) -> str:
+    """Why a model-param key that is not a Tessera train key is left out (MaxText keys: the loader's reason)."""
+    if key in ACCEPTED:
+        return ACCEPTED[key][1]
+    if key in REFUSED:
+        off = " (off here, as in Tessera)" if is_off(REFUSED[key], value) else ""
+        return f"MaxText key{off}: {REFUSED[key].why}"
+    return "not a Tessera train key"
 
 
 def gpu_tuning(overrides: dict[str, str], env: dict[str, str]) -> dict[str, str]:
@@ -414,7 +428,16 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(plan.overrides.get("base_output_directory", REPO / "outputs")) / run_name
     out_dir = Path(out) if out else run_dir
     start = time.time()
-    codes = run_nodes(commands, out_dir / "logs", plan.overrides.get("steps", str(all_fields()["steps"][1].default)))
+    try:
+        codes = run_nodes(commands, out_dir / "logs",
+                          plan.overrides.get("steps", str(all_fields()["steps"][1].default)))
+    except OSError as e:  # e.g. --out under a file: found when the log folder is made, before any node starts
+        print(f"error: cannot write node logs under {out_dir}: {e.strerror or e}; choose another --out",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted (Ctrl-C); node logs in {out_dir / 'logs'}", file=sys.stderr)
+        return 130
     report_path = run_dir / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     rows = check(plan, report, codes)
