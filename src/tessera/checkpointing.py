@@ -359,14 +359,19 @@ def load_full_state(path: str, abstract_state, key: str | None = "load_full_stat
 def check_writable(path: str, key: str) -> None:
     """ConfigError naming `key=path` unless a file can be created in folder `path`. The probe
     (and every folder it had to create) is removed again, so nothing is left behind either way.
-    Bucket URLs are not probed: their permissions show at the first write."""
-    if "://" in path:
+    Bucket URLs are not probed: their permissions show at the first write. In a multi-process
+    job only process 0 probes: processes creating and removing the same folders at once would
+    trip over each other (the others write into the same folders at the first save)."""
+    if "://" in path or jax.process_index() != 0:
         return
     folder, created = epath.Path(path), []
     probe = folder / f".tessera-write-probe-{os.getpid()}"
     try:
         for p in reversed([p for p in (folder, *folder.parents) if not p.exists()]):
-            p.mkdir()
+            try:
+                p.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: theirs to keep
+                continue
             created.append(p)
         probe.write_text("")
     except OSError as e:
