@@ -63,6 +63,13 @@ def test_missing_feature_is_refused_with_a_reason_unless_off():
     assert "AdamW only" in msg and "(from the environment variable M_OPT_TYPE)" in msg
 
 
+def test_custom_remat_takes_maxtexts_per_tensor_keys():
+    cfg = load_config([BASE, "remat_policy=custom", "query_proj=offload", "mlpwi_0=device"], env={}).model
+    assert (cfg.query_proj, cfg.mlpwi_0, cfg.decoder_layer_input, cfg.mlpwo) == ("offload", "device", "device", "remat")
+    with pytest.raises(ConfigError, match="mlpwo='keep' is not allowed; choose one of: 'remat', 'device', 'offload'"):
+        load_config([BASE, "remat_policy=custom", "mlpwo=keep"], env={})
+
+
 def test_a_typo_of_an_alias_suggests_it_and_our_key():
     with pytest.raises(ConfigError, match=r"did you mean .*ici_context_parallelism \(= ici_sequence_parallelism\)"):
         load_config([BASE, "ici_context_paralelism=2"], env={})

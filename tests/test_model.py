@@ -42,6 +42,11 @@ def test_scan_and_loop_compute_the_same_function():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+# remat_policy=custom: every choice on some of MaxText's per-tensor keys
+_CUSTOM = dict(decoder_layer_input="offload", query_proj="device", value_proj="offload", out_proj="device",
+               mlpwi_0="device", mlpwi="offload", mlpwo="device")
+
+
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 @pytest.mark.parametrize("scan", [True, False])
 def test_remat_policy_gives_same_gradients(policy, scan):
@@ -49,7 +54,8 @@ def test_remat_policy_gives_same_gradients(policy, scan):
     batch = _batch(cfg)
 
     def grads(policy_name):
-        model = build_model(tiny_config(scan_layers=scan, remat_policy=policy_name).model)
+        custom = _CUSTOM if policy_name == "custom" else {}
+        model = build_model(tiny_config(scan_layers=scan, remat_policy=policy_name, **custom).model)
         params = model.init(jax.random.key(0))
         return jax.jit(jax.grad(lambda p: loss_sums(model, p, batch, None)[0]))(params)
 
@@ -177,3 +183,50 @@ def test_llama3_rope_scaling_follows_the_published_rule():
     assert mixed.sum() > 0  # some frequencies lie between the two limits
     with pytest.raises(ConfigError, match="rope_high_freq_factor=1.0 must be larger than rope_low_freq_factor=1.0"):
         load_config([str(REPO / "configs" / "base.yml"), "rope_scaling=llama3", "rope_high_freq_factor=1"], env={})
+
+
+def test_fused_mlp_equals_two_projections():
+    batch = _batch(tiny_config())
+    unfused = build_model(tiny_config().model)
+    fused = build_model(tiny_config(fused_mlp=True).model)
+    params = unfused.init(jax.random.key(0))
+    mlp = params["layers"]["mlp"]
+    fused_mlp = {"wi_dcf": jnp.stack([mlp["wi_0"], mlp["wi_1"]], axis=-2), "wo_fd": mlp["wo_fd"]}
+    fused_params = dict(params, layers=dict(params["layers"], mlp=fused_mlp))
+    assert jax.tree.map(jnp.shape, fused.param_shapes()) == jax.tree.map(jnp.shape, fused_params)
+    tokens = batch["tokens"][:, :-1]
+    np.testing.assert_allclose(fused.apply(fused_params, tokens), unfused.apply(params, tokens), rtol=1e-6, atol=1e-6)
+    mean_loss = lambda model, p: jnp.divide(*loss_sums(model, p, batch, None))  # noqa: E731  (as the train step)
+    grad = lambda model, p: jax.grad(lambda q: mean_loss(model, q))(p)  # noqa: E731
+    got, want = grad(fused, fused_params), grad(unfused, params)
+    want_mlp = want["layers"]["mlp"]
+    want["layers"]["mlp"] = {"wi_dcf": jnp.stack([want_mlp["wi_0"], want_mlp["wi_1"]], axis=-2),
+                             "wo_fd": want_mlp["wo_fd"]}
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, want)
+    with pytest.raises(ConfigError, match=r"fused_mlp=true fuses the gate and up .* set fused_mlp=false"):
+        tiny_config(fused_mlp=True, mlp_activations=["gelu"])
+    # the Hugging Face converter stacks gate_proj and up_proj into wi_dcf, exactly both ways
+    from tessera.tools.hf_layouts import layout_for
+
+    rule = next(r for r in layout_for(fused.cfg).layer_rules if r.ours == ("mlp/wi_dcf",))
+    gate, up = np.arange(40 * 24.0).reshape(40, 24), -np.arange(40 * 24.0).reshape(40, 24)
+    (w,) = rule.to_ours(gate, up)
+    assert w.shape == (24, 2, 40) and np.array_equal(w[:, 0], gate.T) and np.array_equal(w[:, 1], up.T)
+    assert all(np.array_equal(a, b) for a, b in zip(rule.to_hf(w), (gate, up)))
+
+
+def test_vocab_tiling_gives_same_loss_and_gradients():
+    batch = _batch(tiny_config())
+    batch["segment_ids"] = batch["segment_ids"].at[1, 9:].set(0)  # some padding: weights matter
+
+    def loss_and_grads(tiles):
+        model = build_model(tiny_config(num_vocab_tiling=tiles).model)
+        return jax.jit(jax.value_and_grad(lambda p: jnp.divide(*loss_sums(model, p, batch, None))))(
+            model.init(jax.random.key(0)))
+
+    (want_loss, want), (got_loss, got) = loss_and_grads(1), loss_and_grads(3)
+    np.testing.assert_allclose(got_loss, want_loss, rtol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), got, want)
+    with pytest.raises(ConfigError, match=r"num_vocab_tiling=5 must divide .* per_device_batch_size=1 x "
+                                          r"max_target_length=12 / gradient_accumulation_steps=1 = 12"):
+        tiny_config(num_vocab_tiling=5)

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tessera.config import Config, ConfigError
 from tessera.config.derived import RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
-from tessera.models import OFFLOADING_POLICIES, ModelDef, build_model
+from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention import select_attention
 from tessera.optim import learning_rate_schedule, make_optimizer
 
@@ -49,7 +49,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     platform = mesh.devices.flat[0].platform
     choice = select_attention(cfg.model.attention, platform, cfg.model.dtype, cfg.model.head_dim)
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
-    _check_remat(cfg.model.remat_policy, mesh)
+    _check_remat(cfg.model, mesh)
     model = build_model(cfg.model, choice.kernel)
     optimizer = make_optimizer(cfg.optim, plan.schedule_steps)
 
@@ -82,8 +82,9 @@ def create_state(trainer: Trainer, seed: int) -> dict:
         return jax.jit(init, out_shardings=trainer.state_shardings)(jax.random.key(seed))
 
 
-def _check_remat(policy: str, mesh: Mesh) -> None:
-    if policy in OFFLOADING_POLICIES:
+def _check_remat(m, mesh: Mesh) -> None:
+    policy = m.remat_policy
+    if offloads_to_host(m):
         kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
         if "pinned_host" not in kinds:
             raise ConfigError(
@@ -112,10 +113,38 @@ def loss_terms(model: ModelDef, params, batch, dropout_key, packed: bool = False
     tokens, segments = batch["tokens"], batch["segment_ids"]
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     weights = (segments[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1])
-    logits, aux = model.apply_with_aux(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key,
+    x_btd, aux = model.hidden_with_aux(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key,
                                        packed=packed)
-    token_loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-    return jnp.sum(token_loss * weights), jnp.sum(weights).astype(jnp.float32), aux
+    loss_sum = cross_entropy_sum(lambda x: model.logits(params, x), x_btd, targets, weights,
+                                 model.cfg.num_vocab_tiling)
+    return loss_sum, jnp.sum(weights).astype(jnp.float32), aux
+
+
+def cross_entropy_sum(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
+    """sum(weights * cross-entropy(logits_fn(x), targets)) over the tokens of x [B, T, D].
+
+    tiles > 1 (num_vocab_tiling): the B*T tokens are split into `tiles` chunks (token j goes to
+    chunk j mod tiles, so every chunk keeps the batch's sharding) and a scan computes one chunk's
+    logits and loss at a time, recomputing them in the backward pass: logits [B, T, V] never
+    exist at once. `logits_fn` maps [B', T', D] -> [B', T', V]."""
+
+    def chunk(x, t, w):
+        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_fn(x), t) * w)
+
+    if tiles == 1:
+        return chunk(x_btd, targets_bt, weights_bt)
+    b, t, d = x_btd.shape
+    if (b * t) % tiles:
+        raise ConfigError(f"num_vocab_tiling={tiles} does not divide the {b} x {t} = {b * t} tokens of the batch; "
+                          "change num_vocab_tiling")
+    # [B, T, ...] -> [tiles, B*T/tiles, 1, ...]: chunk i holds the tokens j with j % tiles == i
+    split = lambda a: jnp.moveaxis(a.reshape(b * t // tiles, tiles, 1, *a.shape[2:]), 1, 0)  # noqa: E731
+
+    def body(total, xs):
+        return total + jax.checkpoint(chunk)(*xs), None
+
+    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_btd), split(targets_bt), split(weights_bt)))
+    return total
 
 
 def make_train_step(trainer: Trainer, seed: int):

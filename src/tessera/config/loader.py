@@ -302,6 +302,17 @@ def validate(cfg: Config) -> None:
     if cfg.data.per_device_batch_size <= 0:
         raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size} must be > 0")
     _validate_eval(cfg.data)
+    _validate_vocab_tiling(cfg)
+
+
+def _validate_vocab_tiling(cfg: Config) -> None:
+    """num_vocab_tiling splits the tokens one device holds in a forward pass into equal chunks."""
+    tiles, d, accum = cfg.model.num_vocab_tiling, cfg.data, cfg.optim.gradient_accumulation_steps
+    tokens = d.per_device_batch_size * d.max_target_length / accum
+    if tiles > 1 and (tokens != int(tokens) or int(tokens) % tiles):
+        raise ConfigError(f"num_vocab_tiling={tiles} must divide the tokens per device of one forward pass: "
+                          f"per_device_batch_size={d.per_device_batch_size:g} x max_target_length={d.max_target_length}"
+                          f" / gradient_accumulation_steps={accum} = {tokens:g}; change num_vocab_tiling")
 
 
 def _validate_eval(d) -> None:
@@ -324,6 +335,12 @@ def _validate_family(m) -> None:
     if m.fused_qkv and m.num_kv_heads != m.num_query_heads:
         raise ConfigError(f"fused_qkv=true needs multi-head attention (kv heads = query heads), but there are "
                           f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
+    if m.fused_mlp and len(m.mlp_activations) != 2:
+        raise ConfigError(f"fused_mlp=true fuses the gate and up projections of a gated MLP, but mlp_activations="
+                          f"{m.mlp_activations} has one activation (no gate); set fused_mlp=false")
+    if m.fused_mlp and m.decoder_block == "mixtral":
+        raise ConfigError("fused_mlp=true applies to dense MLPs; decoder_block=mixtral's experts keep separate "
+                          "gate and up projections; set fused_mlp=false")
     if m.capacity_factor != -1 and m.capacity_factor <= 0:
         raise ConfigError(f"capacity_factor={m.capacity_factor} must be > 0, or -1 for no capacity limit")
 

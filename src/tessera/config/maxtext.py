@@ -56,8 +56,6 @@ _QUANT = "; Tessera trains in dtype/weight_dtype (bfloat16 or float32) and has n
 _PIPE = "; pipeline parallelism is not implemented: use ici_fsdp_parallelism or ici_tensor_parallelism"
 _INFER = "; Tessera's decode.py samples greedily from a prompt and has no such setting"
 _SPLASH = "; Tessera's flash attention chooses its own block sizes"
-_REMAT = ("with remat_policy=custom, MaxText's per-tensor choice (device, offload or remat) for this activation; "
-          "Tessera: pick one of the named remat_policy values, e.g. save_qkv_proj or qkv_proj_offloaded")
 _GCP = "; Tessera writes metrics.jsonl and TensorBoard files under base_output_directory (a gs:// path works)"
 
 REFUSED = {
@@ -116,8 +114,6 @@ REFUSED = {
                                              ("false", "0")),
     "param_memory_host_offload": Refused("keep parameters in host memory; not in Tessera", ("false", "0")),
     # model variants
-    "fused_mlp": Refused("one matmul for the MLP's gate and up projections; not in Tessera (fused_qkv is)",
-                         ("false", "0")),
     "normalize_embedding_logits": Refused(
         "divide logits by sqrt(emb_dim) when logits_via_embedding=true; Tessera's families fix this themselves",
         ("true", "1")),
@@ -137,10 +133,6 @@ REFUSED = {
         "repeat pattern of layer kinds (Llama 4); not in Tessera", ("1",)),
     "record_internal_nn_metrics": Refused("log activation statistics from inside the model; not in Tessera",
                                           ("0", "false")),
-    # activation checkpointing with remat_policy=custom
-    **{name: Refused(_REMAT, ("remat", "device")) for name in (
-        "decoder_layer_input", "context", "mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo", "query_proj", "key_proj",
-        "value_proj", "out_proj")},
     # splash attention block sizes (TPU)
     **{name: Refused("a splash attention (TPU flash kernel) block size" + _SPLASH, ("512",)) for name in (
         "sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",

@@ -27,13 +27,19 @@ REMAT_POLICIES = (
     "none",
     "minimal",
     "save_dot_except_mlp",
+    "save_dot_except_mlpwi",
     "save_qkv_proj",
     "save_out_proj",
     "qkv_proj_offloaded",
     "minimal_offloaded",
     "offload",
     "full",
+    "custom",
 )
+# remat_policy=custom: each named activation is rematerialized, kept on the device or offloaded to host
+REMAT_TENSORS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
+                 "mlpwi_0", "mlpwi_1", "mlpwo")
+REMAT_CHOICES = ("remat", "device", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
 DATASET_TYPES = ("synthetic", "hf", "tfds", "grain")
@@ -127,9 +133,24 @@ class ModelConfig:
     use_iota_embed: bool = key(False, "embed tokens with a one-hot matmul instead of a gather (faster on some TPUs)")
     dtype: str = key("float32", "activation (compute) dtype", DTYPES)
     weight_dtype: str = key("float32", "parameter storage dtype (optimizer state follows it)", DTYPES)
+    num_vocab_tiling: int = key(1, "compute the output logits and cross-entropy in this many chunks of the tokens, "
+                                "recomputed in the backward pass: the [tokens, vocab] logits never exist at once",
+                                minimum=1)
     logits_dot_in_fp32: bool = key(False, "compute the output-logits matmul in float32")
     scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile)")
-    remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all)", REMAT_POLICIES)
+    remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all; "
+                            "'custom': the per-tensor keys below)", REMAT_POLICIES)
+    decoder_layer_input: str = key("device", "remat_policy=custom: a block's input [B, T, D]", REMAT_CHOICES)
+    query_proj: str = key("remat", "remat_policy=custom: the query projection [B, T, N, H]", REMAT_CHOICES)
+    key_proj: str = key("remat", "remat_policy=custom: the key projection [B, T, K, H]", REMAT_CHOICES)
+    value_proj: str = key("remat", "remat_policy=custom: the value projection [B, T, K, H]", REMAT_CHOICES)
+    context: str = key("remat", "remat_policy=custom: the attention output before its projection [B, T, N, H]",
+                       REMAT_CHOICES)
+    out_proj: str = key("remat", "remat_policy=custom: the attention output projection [B, T, D]", REMAT_CHOICES)
+    mlpwi: str = key("remat", "remat_policy=custom: the MLP's activated (gated) hidden layer [B, T, F]", REMAT_CHOICES)
+    mlpwi_0: str = key("remat", "remat_policy=custom: the MLP's first input projection [B, T, F]", REMAT_CHOICES)
+    mlpwi_1: str = key("remat", "remat_policy=custom: the MLP's second (up) projection [B, T, F]", REMAT_CHOICES)
+    mlpwo: str = key("remat", "remat_policy=custom: the MLP output projection [B, T, D]", REMAT_CHOICES)
     attention: str = key("autoselected", "attention kernel: dot_product (reference) or the fastest fused one", ATTENTION_KINDS)
     sliding_window_size: int = key(0, "sliding-window attention: a query sees its own and the W-1 previous positions "
                                    "(0: all previous; mistral, and gemma2's local layers)", minimum=0)
@@ -138,6 +159,8 @@ class ModelConfig:
     final_logits_soft_cap: float = key(0.0, "squash output logits with c*tanh(l/c) (0: off; gemma2: 30)", minimum=0.0)
     fused_qkv: bool = key(False, "one fused query/key/value projection [emb, 3, heads, head_dim] (multi-head attention "
                           "only: kv heads = query heads); same results as three")
+    fused_mlp: bool = key(False, "one fused gate/up projection [emb, 2, mlp] for gated MLPs (two mlp_activations; "
+                          "dense blocks only); same results as two")
     trainable_position_size: int = key(0, "gpt3: rows of the learned position-embedding table (the longest sequence); "
                                        "0: fixed sinusoidal positions", minimum=0)
     num_experts: int = key(1, "experts per mixture-of-experts MLP (decoder_block=mixtral; 1: dense MLP)", minimum=1)

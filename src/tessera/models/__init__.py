@@ -11,10 +11,10 @@ from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.config.loader import validate_for_build
-from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder, init_cache
+from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder, init_cache, offloads_to_host  # noqa: F401
 from tessera.models.registry import BLOCKS
 
-__all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model"]
+__all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model", "offloads_to_host"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static argument of jitted functions
@@ -44,6 +44,15 @@ class ModelDef:
                        packed: bool = False):
         """(logits, aux): aux holds the layer-averaged auxiliary scalars (MoE losses; {} for dense models)."""
         return self._module(params)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)
+
+    def hidden_with_aux(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
+                        packed: bool = False):
+        """(x [B, T, D], aux): the last block's output, before the final norm and `logits`."""
+        return self._module(params).hidden(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)[:2]
+
+    def logits(self, params: dict, x_btd):
+        """Final norm and output projection of `hidden_with_aux`'s x: [B, T, D] -> [B, T, V] float32."""
+        return self._module(params).logits(x_btd)
 
     def init_cache(self, batch: int, max_len: int):
         """An empty KV cache for decoding `batch` rows of up to `max_len` tokens (prompt included)."""

@@ -9,7 +9,9 @@ with `jax.lax.scan` (one compiled block, fast compiles); with `false` they are s
 modules `layers_0 ... layers_{L-1}` run in a Python loop. Both compute the same function on
 the same weights (stacked along axis 0 or split; `tessera.tools.convert` writes either layout).
 
-`remat_policy` maps to a `jax.checkpoint` policy applied around each block (`REMAT_POLICIES`).
+`remat_policy` maps to a `jax.checkpoint` policy applied around each block (`REMAT_POLICIES`;
+remat_policy=custom builds one from the per-tensor keys, `custom_policy`). A block's input is
+named decoder_layer_input for those keys.
 
 Decoding passes a KV cache (`init_cache`, `tessera.models.kv_cache`) to the same call: each
 block gets its own cache, hands it to its attention and returns it updated; the decoder
@@ -19,12 +21,16 @@ parameters and scanned with them. Training passes none, and its program holds no
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
 from tessera.config.derived import dropout_rate
+from tessera.config.schema import REMAT_TENSORS
 from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
 from tessera.models.layers import Embed, dropout, fan_in_std, param, sinusoidal_positions, soft_cap
@@ -32,6 +38,7 @@ from tessera.models.registry import BLOCKS
 
 _cp = jax.checkpoint_policies
 _OFFLOADABLE = ["query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwo"]
+_ATTENTION_DOTS = ("query_proj", "key_proj", "value_proj", "context", "out_proj")
 
 
 def _offload(names_saved, names_offloaded):
@@ -41,25 +48,49 @@ def _offload(names_saved, names_offloaded):
 
 
 # remat_policy -> jax.checkpoint policy; "none" means no checkpointing (keep every activation)
-# and "full" means keep nothing but the block's input.
+# and "full" means keep nothing but the block's input; "custom" is built by `custom_policy`.
 REMAT_POLICIES = {
     "none": None,
     "full": _cp.nothing_saveable,
     "minimal": _cp.checkpoint_dots_with_no_batch_dims,
-    "save_dot_except_mlp": _cp.save_only_these_names("query_proj", "key_proj", "value_proj", "context", "out_proj"),
+    "save_dot_except_mlp": _cp.save_only_these_names(*_ATTENTION_DOTS),
+    "save_dot_except_mlpwi": _cp.save_only_these_names(*_ATTENTION_DOTS, "mlpwo"),
     "save_qkv_proj": _cp.save_only_these_names("query_proj", "key_proj", "value_proj"),
     "save_out_proj": _cp.save_only_these_names("out_proj"),
     "qkv_proj_offloaded": _offload([], ["query_proj", "key_proj", "value_proj"]),
     "minimal_offloaded": _offload([], _OFFLOADABLE),
     "offload": _offload([], _OFFLOADABLE),
+    "custom": None,
 }
 OFFLOADING_POLICIES = ("qkv_proj_offloaded", "minimal_offloaded", "offload")
 
 
-def remat(fn, policy_name: str, in_scan: bool):
-    if policy_name == "none":
+def custom_choices(cfg: ModelConfig) -> dict[str, str]:
+    """remat_policy=custom: {activation name: remat | device | offload} from the per-tensor keys."""
+    return {name: getattr(cfg, name) for name in REMAT_TENSORS}
+
+
+def offloads_to_host(cfg: ModelConfig) -> bool:
+    """Whether the remat policy moves activations to pinned host memory."""
+    return cfg.remat_policy in OFFLOADING_POLICIES or (
+        cfg.remat_policy == "custom" and "offload" in custom_choices(cfg).values())
+
+
+def custom_policy(cfg: ModelConfig):
+    """The jax.checkpoint policy of remat_policy=custom: names set to `device` are kept, those set
+    to `offload` are moved to host memory, the others are recomputed in the backward pass."""
+    choices = custom_choices(cfg)
+    keep = [n for n, c in choices.items() if c == "device"]
+    offload = [n for n, c in choices.items() if c == "offload"]
+    return _offload(keep, offload) if offload else _cp.save_only_these_names(*keep)
+
+
+def remat(fn, cfg: ModelConfig, in_scan: bool):
+    """`fn` checkpointed with the policy of cfg.remat_policy (unchanged for `none`)."""
+    if cfg.remat_policy == "none":
         return fn
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=not in_scan)
+    policy = custom_policy(cfg) if cfg.remat_policy == "custom" else REMAT_POLICIES[cfg.remat_policy]
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
 class Decoder(nnx.Module):
@@ -93,6 +124,12 @@ class Decoder(nnx.Module):
         kv_cache): the T tokens of each row attend over the cache and are added to it; segment id
         0 marks left padding, and positions continue each row's count (the prompt, then one token
         per call). Decoding runs without dropout or rematerialization."""
+        x, aux, kv_cache = self.hidden(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed, kv_cache)
+        return (self.logits(x), aux) if kv_cache is None else (self.logits(x), kv_cache)
+
+    def hidden(self, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None, packed=False,
+               kv_cache=None):
+        """(x [B, T, D] before the final norm, aux, kv_cache): `__call__` without the logits."""
         cfg = self.cfg
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
@@ -106,11 +143,11 @@ class Decoder(nnx.Module):
         x = shard_logically(dropout(self.embed(tokens_bt, positions_bt), rate, keys[-1]),
                             ("batch", "length", "act_embed"))
         blocks = self._scan_blocks if cfg.scan_layers else self._loop_blocks
-        x, aux, kv_cache = blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed, kv_cache)
-        return (self.logits(x), aux) if kv_cache is None else (self.logits(x), kv_cache)
+        return blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed, kv_cache)
 
     def logits(self, x_btd):
-        """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32."""
+        """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32 (the loss calls it
+        on chunks of the tokens with num_vocab_tiling > 1)."""
         cfg = self.cfg
         x = self.final_norm(x_btd)
         if cfg.logits_via_embedding:
@@ -135,10 +172,11 @@ class Decoder(nnx.Module):
 
     def _loop_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
         """(x, aux averaged over blocks, kv_cache as a tuple of the blocks' caches or None)."""
-        policy = self.cfg.remat_policy if kv_cache is None else "none"
+        cfg = self.cfg if kv_cache is None else dataclasses.replace(self.cfg, remat_policy="none")
         auxes, caches = [], []
         for i in range(self.num_blocks):
-            call = remat(lambda blk, h, k, c: blk(h, positions_bt, segment_ids_bt, k, packed, c), policy, False)
+            call = remat(lambda blk, h, k, c: blk(checkpoint_name(h, "decoder_layer_input"), positions_bt,
+                                                  segment_ids_bt, k, packed, c), cfg, False)
             x, block_aux, block_cache = call(getattr(self, f"layers_{i}"), x, keys[i],
                                              None if kv_cache is None else kv_cache[i])
             auxes.append(block_aux)
@@ -155,13 +193,13 @@ class Decoder(nnx.Module):
         def body(h, layer):
             layer_state, key, layer_cache = layer
             block = nnx.merge(graphdef, layer_state)
-            h, aux, layer_cache = block(h, positions_bt, segment_ids_bt, key if use_keys else None, packed,
-                                        layer_cache)
+            h, aux, layer_cache = block(checkpoint_name(h, "decoder_layer_input"), positions_bt, segment_ids_bt,
+                                        key if use_keys else None, packed, layer_cache)
             return h, (aux, layer_cache)
 
         xs = (stacked, jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32), kv_cache)
-        policy = self.cfg.remat_policy if kv_cache is None else "none"
-        x, (aux, kv_cache) = jax.lax.scan(remat(body, policy, True), x, xs)
+        cfg = self.cfg if kv_cache is None else dataclasses.replace(self.cfg, remat_policy="none")
+        x, (aux, kv_cache) = jax.lax.scan(remat(body, cfg, True), x, xs)
         return x, jax.tree.map(jnp.mean, aux), kv_cache
 
 

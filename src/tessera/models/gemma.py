@@ -47,7 +47,8 @@ class Gemma2Layer(nnx.Module):
         self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=sliding_window)
         self.post_attention_norm = make_norm(norm, cfg, rngs)
         self.pre_mlp_norm = make_norm(norm, cfg, rngs)
-        self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs)
+        self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
+                       fused=cfg.fused_mlp)
         self.post_mlp_norm = make_norm(norm, cfg, rngs)
         self.dropout_rate = dropout_rate(cfg)
 

@@ -134,26 +134,43 @@ ACTIVATIONS = {
 class Mlp(nnx.Module):
     """Feed-forward block: act0(x W0) [* act1(x W1)] W_out. Two activations make it gated.
 
-    `use_bias` adds a bias after every projection (GPT-3 style)."""
+    `use_bias` adds a bias after every projection (GPT-3 style). `fused` (gated only) stores
+    W0 and W1 as one [D, 2, F] weight `wi_dcf` (wi_dcf[:, i] is wi_i) run as one matmul.
+    The pre-activation projections are named mlpwi_0 and mlpwi_1 for rematerialization, their
+    gated product mlpwi and the output mlpwo."""
 
     def __init__(self, dim: int, hidden: int, activations: list[str], dtype, weight_dtype, rngs: nnx.Rngs,
-                 use_bias: bool = False):
-        for i in range(len(activations)):  # wi_0 (gate when two activations), wi_1 (up)
-            setattr(self, f"wi_{i}", param(rngs, (dim, hidden), ("embed", "mlp"), weight_dtype, fan_in_std(dim)))
+                 use_bias: bool = False, fused: bool = False):
+        n = len(activations)
+        if fused:
+            self.wi_dcf = param(rngs, (dim, n, hidden), ("embed", None, "mlp"), weight_dtype, fan_in_std(dim))
             if use_bias:
-                setattr(self, f"bi_{i}", param(rngs, (hidden,), ("mlp",), weight_dtype, None, fill=0.0))
+                self.bi_cf = param(rngs, (n, hidden), (None, "mlp"), weight_dtype, None, fill=0.0)
+        else:
+            for i in range(n):  # wi_0 (gate when two activations), wi_1 (up)
+                setattr(self, f"wi_{i}", param(rngs, (dim, hidden), ("embed", "mlp"), weight_dtype, fan_in_std(dim)))
+                if use_bias:
+                    setattr(self, f"bi_{i}", param(rngs, (hidden,), ("mlp",), weight_dtype, None, fill=0.0))
         self.wo_fd = param(rngs, (hidden, dim), ("mlp", "embed"), weight_dtype, fan_in_std(hidden))
         if use_bias:
             self.bo_d = param(rngs, (dim,), ("norm",), weight_dtype, None, fill=0.0)
-        self.activations, self.dtype, self.use_bias = tuple(activations), dtype, use_bias
+        self.activations, self.dtype, self.use_bias, self.fused = tuple(activations), dtype, use_bias, fused
+
+    def project_in(self, x_btd: jax.Array) -> list[jax.Array]:
+        """The input projections x W_i (+ b_i), one [B, T, F] per activation."""
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        if self.fused:
+            h_btcf = jnp.einsum("btd,dcf->btcf", x_btd, w(self.wi_dcf))
+            if self.use_bias:
+                h_btcf = h_btcf + w(self.bi_cf)
+            return [h_btcf[:, :, i] for i in range(len(self.activations))]
+        outs = [jnp.einsum("btd,df->btf", x_btd, w(getattr(self, f"wi_{i}"))) for i in range(len(self.activations))]
+        return [o + w(getattr(self, f"bi_{i}")) for i, o in enumerate(outs)] if self.use_bias else outs
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         h_btf = None
-        for i, name in enumerate(self.activations):
-            a = jnp.einsum("btd,df->btf", x_btd, getattr(self, f"wi_{i}")[...].astype(self.dtype))
-            if self.use_bias:
-                a = a + getattr(self, f"bi_{i}")[...].astype(self.dtype)
-            a = ACTIVATIONS[name](a)
+        for i, (name, a) in enumerate(zip(self.activations, self.project_in(x_btd))):
+            a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
             h_btf = a if h_btf is None else h_btf * a
         h_btf = checkpoint_name(shard_logically(h_btf, ("batch", "length", "act_mlp")), "mlpwi")
         out = jnp.einsum("btf,fd->btd", h_btf, self.wo_fd[...].astype(self.dtype))

@@ -50,6 +50,12 @@ def reshaped(ours: str, hf: str, shape: tuple[int, ...], hf_shape: tuple[int, ..
     return Rule((ours,), (hf,), lambda w: (w.reshape(shape),), lambda w: (w.reshape(hf_shape),))
 
 
+def fused_linear(ours: str, hfs: tuple[str, ...]) -> Rule:
+    """Torch Linear weights [out, in] <-> ours [in, len(hfs), out], stacked on axis 1 (fused_mlp)."""
+    return Rule((ours,), hfs, lambda *ws: (np.stack([w.T for w in ws], axis=1),),
+                lambda w: tuple(np.ascontiguousarray(w[:, i].T) for i in range(w.shape[1])))
+
+
 def experts(ours: str, hf: str, m: ModelConfig, shape: tuple[int, int]) -> Rule:
     """E per-expert torch Linear weights [out, in] <-> ours [E, in, out]."""
     names = tuple(hf.replace("{e}", str(e)) for e in range(m.num_experts))
@@ -90,6 +96,9 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
             experts("mlp/wi_1", "block_sparse_moe.experts.{e}.w3.weight", m, (d, f)),
             experts("mlp/wo_efd", "block_sparse_moe.experts.{e}.w2.weight", m, (f, d)),
         ]
+    elif m.fused_mlp:
+        layer += [fused_linear("mlp/wi_dcf", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+                  linear("mlp/wo_fd", "mlp.down_proj.weight", (f, d))]
     else:
         layer += [linear("mlp/wi_0", "mlp.gate_proj.weight", (d, f)), linear("mlp/wi_1", "mlp.up_proj.weight", (d, f)),
                   linear("mlp/wo_fd", "mlp.down_proj.weight", (f, d))]
