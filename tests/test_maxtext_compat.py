@@ -9,6 +9,7 @@ from conftest import REPO
 from tessera.config import ConfigError, load_config
 from tessera.config import maxtext
 from tessera.config.schema import all_fields
+from tessera.mesh import mesh_shape
 from tessera.tools import validate
 
 BASE = str(REPO / "configs" / "base.yml")
@@ -83,3 +84,18 @@ def test_every_validation_file_key_has_a_meaning():
             for gpus in models.values():
                 for entry in gpus.values():
                     assert not set(entry) - known, f"{path.name}: {sorted(set(entry) - known)}"
+
+
+def test_fsdp_transpose_folds_into_the_fsdp_axis(caplog):
+    # MaxText's v6e Gemma recipes: ici_fsdp_transpose_parallelism=256 with ici_fsdp_parallelism=-1
+    cfg = load_config([BASE, "ici_fsdp_transpose_parallelism=256", "ici_fsdp_parallelism=-1"], env={})
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        ici, dcn = mesh_shape(cfg.mesh, 256, 1)
+    assert ici["fsdp"] == 256 and all(v == 1 for a, v in ici.items() if a != "fsdp")
+    assert "folded into the fsdp axis" in caplog.text
+    cfg = load_config([BASE, "ici_fsdp_transpose_parallelism=2", "ici_tensor_parallelism=2",
+                       "dcn_fsdp_transpose_parallelism=2", "dcn_data_parallelism=1"], env={})
+    ici, dcn = mesh_shape(cfg.mesh, 64, 2)
+    assert (ici["fsdp"], ici["tensor"], dcn["fsdp"]) == (16, 2, 2)
+    with pytest.raises(ConfigError, match="fsdp_transpose_parallelism=3"):
+        mesh_shape(load_config([BASE, "ici_fsdp_transpose_parallelism=3"], env={}).mesh, 8, 1)

@@ -14,7 +14,7 @@ from tessera.checkpointing import CheckpointError
 from tessera.config import ConfigError, load_config
 from tessera.hardware import peak_tflops
 from tessera.metrics import run_report, training_flops_per_step
-from tessera.step import compile_step, setup
+from tessera.step import abstract_state, compile_step, setup
 from tessera.train import format_changed_keys, run
 
 MESHES = {
@@ -23,6 +23,9 @@ MESHES = {
     "2 data x 4 fsdp": (8, dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)),
     "2 fsdp x 4 tensor": (8, dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=4)),
     "2 data x 2 fsdp x 2 sequence": (8, dict(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_sequence_parallelism=2)),
+    "8 data, ZeRO-1": (8, dict(ici_data_parallelism=8, ici_fsdp_parallelism=1, shard_optimizer_over_data=True)),
+    "2 data x 4 fsdp, ZeRO-1": (8, dict(ici_data_parallelism=2, ici_fsdp_parallelism=4,
+                                        shard_optimizer_over_data=True)),
 }
 
 
@@ -53,6 +56,33 @@ def test_same_losses_on_every_mesh(mesh, reference_losses, tmp_path):
 def test_gradient_accumulation_equals_one_big_batch(reference_losses, tmp_path):
     losses = _losses(tmp_path, "acc", 1, gradient_accumulation_steps=4)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
+
+
+def _state_bytes_per_device(trainer, part):
+    shapes = abstract_state(trainer)[part]
+    return sum(np.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
+               for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.state_shardings[part])))
+
+
+def test_zero1_splits_the_optimizer_state_over_data_and_not_the_parameters():
+    mesh = dict(ici_data_parallelism=4, ici_fsdp_parallelism=2)
+    plain = setup(tiny_config(**mesh), jax.devices())
+    zero1 = setup(tiny_config(**mesh, shard_optimizer_over_data=True), jax.devices())
+    assert _state_bytes_per_device(zero1, "params") == _state_bytes_per_device(plain, "params")
+    # every matrix of AdamW's two moments is split 4 more ways; only small vectors (norm scales)
+    # and scalars, whose dimensions data does not divide after fsdp, may stay as they were
+    shapes = jax.tree.leaves(abstract_state(plain)["opt_state"])
+    split = [sh.shard_shape(s.shape) for s, sh in zip(shapes, jax.tree.leaves(zero1.state_shardings["opt_state"]))]
+    whole = [sh.shard_shape(s.shape) for s, sh in zip(shapes, jax.tree.leaves(plain.state_shardings["opt_state"]))]
+    matrices = [(np.prod(a), np.prod(b)) for a, b, s in zip(split, whole, shapes) if len(s.shape) >= 2]
+    assert matrices and all(a * 4 == b for a, b in matrices)
+    assert _state_bytes_per_device(zero1, "opt_state") < 0.3 * _state_bytes_per_device(plain, "opt_state")
+    for spec in (s.spec for s in jax.tree.leaves(zero1.state_shardings["params"])):
+        assert "data" not in jax.tree.leaves(tuple(spec))
+    # the compiler agrees: the step's arguments (state + batch) shrink by 3/4 of the moments
+    args = [compile_step(t, 0)[0].memory_analysis().argument_size_in_bytes for t in (plain, zero1)]
+    saved = _state_bytes_per_device(plain, "opt_state") - _state_bytes_per_device(zero1, "opt_state")
+    assert args[0] - args[1] == saved
 
 
 def test_training_reduces_loss(tmp_path):

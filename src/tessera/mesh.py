@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 _KEY_NAME = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "sequence": "sequence",
-             "tensor": "tensor", "expert": "expert"}
+             "tensor": "tensor", "expert": "expert", "fsdp_transpose": "fsdp_transpose"}
 
 # logical name -> mesh axes it may be split over (in order). Activation names start with act_
 # where the parameter of the same concept is split differently.
@@ -90,11 +90,23 @@ def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int) -> tuple[dict
     """(ici sizes, dcn sizes) per mesh axis after filling -1 and checking the products."""
     if num_devices % num_slices:
         raise ConfigError(f"{num_devices} devices cannot be split evenly into num_slices={num_slices}")
-    ici = {a: getattr(cfg, f"ici_{_KEY_NAME[a]}_parallelism") for a in MESH_AXES}
-    dcn = {a: getattr(cfg, f"dcn_{_KEY_NAME[a]}_parallelism") for a in MESH_AXES}
-    return _resolve("ici", ici, num_devices // num_slices, "devices in a slice"), _resolve(
-        "dcn", dcn, num_slices, "slices"
-    )
+    ici = {a: getattr(cfg, f"ici_{_KEY_NAME[a]}_parallelism") for a in (*MESH_AXES, "fsdp_transpose")}
+    dcn = {a: getattr(cfg, f"dcn_{_KEY_NAME[a]}_parallelism") for a in (*MESH_AXES, "fsdp_transpose")}
+    ici = _resolve("ici", ici, num_devices // num_slices, "devices in a slice")
+    dcn = _resolve("dcn", dcn, num_slices, "slices")
+    return _fold_fsdp_transpose("ici", ici), _fold_fsdp_transpose("dcn", dcn)
+
+
+def _fold_fsdp_transpose(kind: str, sizes: dict[str, int]) -> dict[str, int]:
+    """MaxText's fsdp_transpose axis merged into fsdp. MaxText splits a weight's embed dimension
+    over fsdp and its MLP/heads dimension over fsdp_transpose; Tessera splits the embed dimension
+    over the whole fsdp axis instead: the same bytes per device and the same gather volume per
+    weight, and the batch is split over both either way, so a separate axis buys nothing here."""
+    ways = sizes.pop("fsdp_transpose")
+    if ways > 1:
+        log.info("%s_fsdp_transpose_parallelism=%d is folded into the fsdp axis: %s_fsdp_parallelism %d x %d = %d",
+                 kind, ways, kind, sizes["fsdp"], ways, sizes["fsdp"] * ways)
+    return {**sizes, "fsdp": sizes["fsdp"] * ways}
 
 
 def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from typing import Any
 
@@ -56,8 +57,12 @@ def setup(cfg: Config, devices=None) -> Trainer:
     param_shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract_state = jax.eval_shape(lambda p: init_state_from_params(optimizer, p), model.param_shapes())
     replicated = NamedSharding(mesh, PartitionSpec())
+    state_param_shardings = param_shardings
+    if cfg.optim.shard_optimizer_over_data:
+        state_param_shardings = jax.tree.map(lambda sh, s: over_data(sh, s.shape), param_shardings,
+                                             model.param_shapes())
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, s: s, abstract_state["opt_state"], param_shardings,
+        optimizer, lambda _, s: s, abstract_state["opt_state"], state_param_shardings,
         transform_non_params=lambda _: replicated,
     )
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
@@ -65,6 +70,22 @@ def setup(cfg: Config, devices=None) -> Trainer:
     batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (plan.global_batch, 1), dict(mesh.shape)))
     schedule = learning_rate_schedule(cfg.optim, plan.schedule_steps)
     return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan)
+
+
+def over_data(sharding: NamedSharding, shape) -> NamedSharding:
+    """`sharding` with the mesh's `data` axis added to the first dimension it divides (in front of the
+    axes already there, as data is the outermost mesh axis): how shard_optimizer_over_data (ZeRO-1) splits an optimizer-state leaf
+    whose parameter is replicated over `data`. A leaf no dimension of which divides stays as it is."""
+    mesh, ways = sharding.mesh, sharding.mesh.shape["data"]
+    spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
+    if ways == 1 or any("data" in (a if isinstance(a, tuple) else (a,)) for a in spec):
+        return sharding
+    for i, (axes, dim) in enumerate(zip(spec, shape)):
+        axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+        if dim % (math.prod(mesh.shape[a] for a in axes) * ways) == 0:
+            spec[i] = ("data", *axes) if axes else "data"
+            return NamedSharding(mesh, PartitionSpec(*spec))
+    return sharding
 
 
 def init_state_from_params(optimizer, params) -> dict:

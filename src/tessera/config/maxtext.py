@@ -83,9 +83,6 @@ REFUSED = {
     "ici_tensor_transpose_parallelism": Refused(
         "a second tensor-parallel axis with transposed weight sharding; use ici_tensor_parallelism", ("1",)),
     "dcn_tensor_transpose_parallelism": Refused("as ici_tensor_transpose_parallelism, across slices", ("1",)),
-    "ici_fsdp_transpose_parallelism": Refused(
-        "a second fsdp axis sharding the MLP dimension; use ici_fsdp_parallelism", ("1",)),
-    "dcn_fsdp_transpose_parallelism": Refused("as ici_fsdp_transpose_parallelism, across slices", ("1",)),
     "ici_context_autoregressive_parallelism": Refused(
         "a context axis for decoding; use ici_sequence_parallelism for training", ("1",)),
     "mesh_axes": Refused("the names and order of the mesh axes; Tessera's mesh is fixed (see mesh.py)"),

@@ -209,12 +209,15 @@ class MeshConfig:
     ici_fsdp_parallelism: int = key(-1, "fully-sharded data-parallel ways inside a slice (-1: fill)")
     ici_sequence_parallelism: int = key(1, "sequence (context) parallel ways inside a slice (-1: fill)")
     ici_tensor_parallelism: int = key(1, "tensor (model) parallel ways inside a slice (-1: fill)")
+    ici_fsdp_transpose_parallelism: int = key(1, "MaxText's second fsdp axis; Tessera folds it into the fsdp axis "
+                                              "(fsdp ways = ici_fsdp x this; -1: fill)")
     ici_expert_parallelism: int = key(1, "expert-parallel ways inside a slice (-1: fill)")
     ici_pipeline_parallelism: int = key(1, "pipeline stages inside a slice (only 1 is supported today)")
     dcn_data_parallelism: int = key(-1, "data-parallel ways across slices (-1: fill from slice count)")
     dcn_fsdp_parallelism: int = key(1, "fsdp ways across slices")
     dcn_sequence_parallelism: int = key(1, "sequence-parallel ways across slices")
     dcn_tensor_parallelism: int = key(1, "tensor-parallel ways across slices")
+    dcn_fsdp_transpose_parallelism: int = key(1, "as ici_fsdp_transpose_parallelism, across slices (folded into fsdp)")
     dcn_expert_parallelism: int = key(1, "expert-parallel ways across slices")
     dcn_pipeline_parallelism: int = key(1, "pipeline stages across slices (only 1 is supported today)")
     num_slices: int = key(-1, "number of slices (-1: detect from the devices)")
@@ -282,6 +285,8 @@ class OptimConfig:
     adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay", minimum=0.0)
     gradient_clipping_threshold: float = key(1.0, "clip gradients to this global norm (0: no clipping)", minimum=0.0)
     gradient_accumulation_steps: int = key(1, "micro-batches accumulated per optimizer step", minimum=1)
+    shard_optimizer_over_data: bool = key(False, "ZeRO-1: split the optimizer state over the data axis as well "
+                                          "(parameters stay replicated there); less state memory per device")
 
 
 @dataclass
