@@ -73,9 +73,10 @@ def setup(cfg: Config, devices=None) -> Trainer:
 
 
 def over_data(sharding: NamedSharding, shape) -> NamedSharding:
-    """`sharding` with the mesh's `data` axis added to the first dimension it divides (in front of the
-    axes already there, as data is the outermost mesh axis): how shard_optimizer_over_data (ZeRO-1) splits an optimizer-state leaf
-    whose parameter is replicated over `data`. A leaf no dimension of which divides stays as it is."""
+    """`sharding` with the mesh's `data` axis added to the first dimension it divides, in front of
+    the axes already there (data is the outermost mesh axis): how shard_optimizer_over_data
+    (ZeRO-1) splits an optimizer-state leaf whose parameter is replicated over `data`. A leaf
+    no dimension of which divides stays as it is."""
     mesh, ways = sharding.mesh, sharding.mesh.shape["data"]
     spec = list(sharding.spec) + [None] * (len(shape) - len(sharding.spec))
     if ways == 1 or any("data" in (a if isinstance(a, tuple) else (a,)) for a in spec):
