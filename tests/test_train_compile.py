@@ -25,6 +25,7 @@ BASE = ["configs/base.yml"]
     ("v5e-256", 256, (16, 16), "v5e:16x16"),
     ("v5litepod-16", 16, (4, 4), "v5e:4x4"),
     ("v6e-8", 8, (2, 4), "v6e:2x4"),
+    ("tpu7x-16", 8, (2, 2, 2), "tpu7x:2x2x2"),
 ])
 def test_slice_types(name, chips, shape, libtpu_name):
     s = tpu_slice(name)
@@ -107,3 +108,11 @@ def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, 
     monkeypatch.chdir(tmp_path)
     assert main(["nope.yml", "compile_topology=v5e-4"]) == 2
     assert f"error: config file {tmp_path / 'nope.yml'} does not exist" in capsys.readouterr().err
+
+
+def test_tpu7x_compiles_with_two_devices_per_chip():
+    # Ironwood: JAX sees each chip's two chiplets as devices, each with half the chip's 192 GiB
+    cfg = build_config({**TINY, "compile_topology": "tpu7x-16", "dtype": "bfloat16"})
+    r = compile_for_topology(cfg)
+    assert (r.num_devices, r.device_kind, r.mesh["fsdp"]) == (16, "TPU7x", 16)
+    assert r.hbm_bytes == 96 * 2**30 and r.fits and r.total_bytes > 0

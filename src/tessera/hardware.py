@@ -5,9 +5,14 @@ Figures come from the vendors' public specifications: HBM per chip, the one-way 
 one ICI link (TPU) or of a GPU's NVLink port, and peak dense bf16 TFLOP/s (`PEAK_BF16_TFLOPS`,
 the one table behind every MFU figure).
 
-A TPU slice type counts TensorCores for v4 and v5p (two per chip: `v5p-256` is 128 chips) and
-chips for v5e and v6e (`v6e-256` is 256 chips). `tpu_slice` turns a type into the physical
-topology libtpu understands (`v5p:4x4x8`). Nothing here imports JAX.
+A TPU slice type counts TensorCores for v4, v5p and TPU7x (two per chip: `v5p-256` is 128
+chips) and chips for v5e and v6e (`v6e-256` is 256 chips). `tpu_slice` turns a type into the
+physical topology libtpu understands (`v5p:4x4x8`). Nothing here imports JAX.
+
+Figures are per JAX device. That is one chip everywhere except TPU7x (Ironwood), whose two
+chiplets JAX sees as two devices, each with half the chip's HBM and compute (Google's TPU7x
+page: 192 GiB HBM, 2,307 dense bf16 TFLOP/s, 1,200 GB/s bidirectional ICI per chip, two
+TensorCores; `tpu7x-16` is 8 chips, 16 devices).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from tessera.config import ConfigError
 
 GIB = 2**30
 
-# Dense (no sparsity) bf16 peak TFLOP/s per chip, from the vendors' data sheets. Matched
+# Dense (no sparsity) bf16 peak TFLOP/s per device, from the vendors' data sheets. Matched
 # against jax's device_kind by substring, first match wins (so "h100 pcie" precedes "h100").
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
     ("h100 pcie", 756.0),
@@ -38,6 +43,7 @@ PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
     ("tpu v5", 459.0),
     ("tpu v6 lite", 918.0),
     ("tpu v6e", 918.0),
+    ("tpu7x", 1153.5),  # half of a chip's 2,307: each of its two chiplets is a device
 ]
 
 
@@ -54,15 +60,16 @@ def peak_tflops(device_kind: str) -> float | None:
 class Accelerator:
     name: str  # "v5p", "h100"
     device_kind: str  # what jax reports as device_kind
-    hbm_bytes: int
-    link_bytes_per_s: float  # one-way bandwidth of one ICI link (TPU) or of the NVLink port (GPU)
+    hbm_bytes: int  # of one device
+    link_bytes_per_s: float  # one-way bandwidth of one ICI link (TPU) or of the NVLink port (GPU), per device
     cores_per_chip: int = 1  # TensorCores counted per chip in a slice type's number
+    devices_per_chip: int = 1  # JAX devices per chip (2 for TPU7x's chiplets)
     torus_dims: int = 0  # 3 (v4, v5p), 2 (v5e, v6e), 0 for GPUs
     max_slice_chips: int = 0
 
     @property
     def peak_flops(self) -> float:
-        """Dense bf16 FLOP/s of one chip."""
+        """Dense bf16 FLOP/s of one device."""
         return peak_tflops(self.device_kind) * 1e12
 
 
@@ -71,6 +78,9 @@ TPUS = {
     "v5p": Accelerator("v5p", "TPU v5", 95 * GIB, 90e9, cores_per_chip=2, torus_dims=3, max_slice_chips=8960),
     "v5e": Accelerator("v5e", "TPU v5 lite", 16 * GIB, 45e9, torus_dims=2, max_slice_chips=256),
     "v6e": Accelerator("v6e", "TPU v6 lite", 32 * GIB, 90e9, torus_dims=2, max_slice_chips=256),
+    # per device: half a chip (v5p's per-chip ICI bandwidth, shared by the two chiplets)
+    "tpu7x": Accelerator("tpu7x", "TPU7x", 96 * GIB, 45e9, cores_per_chip=2, devices_per_chip=2, torus_dims=3,
+                         max_slice_chips=9216),
 }
 GPUS = {
     "h100": Accelerator("h100", "NVIDIA H100 80GB HBM3", 80 * 10**9, 450e9),
@@ -90,6 +100,11 @@ class TpuSlice:
     shape: tuple[int, ...]
 
     @property
+    def devices(self) -> int:
+        """JAX devices in the slice."""
+        return self.chips * self.accelerator.devices_per_chip
+
+    @property
     def topology_name(self) -> str:
         """The name libtpu's topology API takes, e.g. "v5p:4x4x8"."""
         return f"{self.accelerator.name}:{'x'.join(map(str, self.shape))}"
@@ -105,12 +120,12 @@ class TpuSlice:
 
 
 def tpu_slice(name: str, key: str = "compile_topology") -> TpuSlice:
-    """Parse a slice type such as "v5p-256", "v5e-256" (or "v5litepod-256"), "v6e-8", "v4-128"."""
-    match = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e)-(\d+)", name.strip().lower())
+    """Parse a slice type such as "v5p-256", "v5e-256" (or "v5litepod-256"), "v6e-8", "v4-128", "tpu7x-16"."""
+    match = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e|tpu7x)-(\d+)", name.strip().lower())
     if not match:
         raise ConfigError(
             f"{key}={name!r} is not a TPU slice type; use <generation>-<size> with a generation among "
-            f"{', '.join(TPUS)} (e.g. v5p-256, v5e-256, v6e-256, v4-128)"
+            f"{', '.join(TPUS)} (e.g. v5p-256, v5e-256, v6e-256, v4-128, tpu7x-16)"
         )
     acc = TPUS[_ALIASES.get(match.group(1), match.group(1))]
     size = int(match.group(2))

@@ -79,7 +79,9 @@ def topology_devices(topology: TpuSlice, num_slices: int) -> list:
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", topology.name)
     from jax.experimental import topologies
 
-    kwargs = {"chip_config_name": "megacore"} if topology.accelerator.cores_per_chip == 2 else {}
+    acc = topology.accelerator
+    # v4 and v5p: one device per chip (megacore); TPU7x: one device per chiplet, libtpu's default
+    kwargs = {"chip_config_name": "megacore"} if acc.cores_per_chip == 2 and acc.devices_per_chip == 1 else {}
     if num_slices > 1:
         kwargs["num_slices"] = num_slices
     try:
@@ -169,7 +171,7 @@ def memory_table(r: CompileReport) -> str:
         ("outputs not written in place", r.output_bytes - r.alias_bytes),
         ("compiled program", r.code_bytes),
         ("total needed (peak live + program)", r.total_bytes),
-        (f"HBM of one {r.device_kind} chip", r.hbm_bytes),
+        (f"HBM of one {r.device_kind} device", r.hbm_bytes),
         ("budget (compile_hbm_budget_fraction)", r.budget_bytes),
     ]
     return "\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)

@@ -102,7 +102,7 @@ def parse_hardware(text: str, num_slices: int = 1, ici_links: int = 0) -> Hardwa
         gpus = ", ".join(f"{g}-<count>" for g in GPUS)
         raise ConfigError(f"--hardware={text!r} is neither a TPU slice type (v5p-256, v5e-256, v6e-256, v4-128) "
                           f"nor {gpus}") from None
-    return Hardware(s.accelerator, text, s.chips * num_slices, num_slices, ici_links or (4 if s.has_wraparound else 2))
+    return Hardware(s.accelerator, text, s.devices * num_slices, num_slices, ici_links or (4 if s.has_wraparound else 2))
 
 
 def mesh_sizes(cfg: Config, hw: Hardware) -> dict[str, int]:
