@@ -44,11 +44,23 @@ def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: b
     return 3.0 * (dense + attention)
 
 
-class MetricsWriter:
-    """Writes each step's record to stdout (every `log_period`), a JSONL file and TensorBoard."""
+UPLOAD_EVERY = 100  # gcs_metrics: records per uploaded file
 
-    def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, log_period: int, write_files: bool = True):
-        """`write_files=False` (processes other than 0 in a multi-process job) logs to stdout only."""
+
+class MetricsWriter:
+    """Writes each step's record to stdout (every `log_period`), a JSONL file and TensorBoard,
+    and with `upload_dir` (gcs_metrics) also to a bucket."""
+
+    def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, log_period: int, write_files: bool = True,
+                 upload_dir: str = ""):
+        """`write_files=False` (processes other than 0 in a multi-process job) logs to stdout only.
+        `upload_dir` (a URL, e.g. gs://bucket/runs/r1/metrics): every UPLOAD_EVERY records, and at
+        `close`, the records since the last upload are written there as one new file,
+        metrics_<first step>_<last step>.jsonl, through etils' file layer (the one Orbax uses).
+        Object stores cannot append, so each file is written once; a failed upload is logged and
+        its records go with the next one (the local file has them all the while)."""
+        self._upload_dir = upload_dir if write_files else ""
+        self._pending: list[dict[str, Any]] = []
         self._jsonl, self._tb = None, None
         if write_files:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
@@ -63,9 +75,7 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
+        self._append(record)
         step = record["step"]
         if self._tb is not None:
             for name, value in record.items():
@@ -77,9 +87,7 @@ class MetricsWriter:
     def write_eval(self, record: dict[str, Any]) -> None:
         """An evaluation record (eval_loss, eval_perplexity, ...): JSONL, TensorBoard `eval/*`, stdout."""
         self.eval_records.append(record)
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
+        self._append(record)
         if self._tb is not None:
             for name, value in record.items():
                 if name != "step" and isinstance(value, (int, float)):
@@ -88,7 +96,32 @@ class MetricsWriter:
                  record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_batches"],
                  record["eval_seconds"])
 
+    def _append(self, record: dict[str, Any]) -> None:
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._upload_dir:
+            self._pending.append(record)
+            if len(self._pending) >= UPLOAD_EVERY:
+                self._upload()
+
+    def _upload(self) -> None:
+        if not self._pending:
+            return
+        from etils import epath
+
+        steps = [r["step"] for r in self._pending]
+        target = epath.Path(self._upload_dir) / f"metrics_{min(steps):08d}_{max(steps):08d}.jsonl"
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text("".join(json.dumps(r) + "\n" for r in self._pending))
+        except Exception as e:  # noqa: BLE001 - any storage error: keep the records, retry with the next upload
+            log.warning("gcs_metrics: could not write %s (%s); its records go with the next upload", target, e)
+            return
+        self._pending = []
+
     def close(self) -> None:
+        self._upload()
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:

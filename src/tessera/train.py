@@ -29,6 +29,7 @@ from tessera.checkpointing import (
     Checkpointer, CheckpointError, CheckpointSaveError, check_writable, load_full_state, load_parameters,
 )
 from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, config_digest, flat_dict, load_config
+from tessera.config.derived import remote_run_dir, run_dir
 from tessera.data import DataError, make_input, place_batch
 from tessera.distributed import (
     EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, request_stop, stop_requested,
@@ -128,7 +129,7 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
 def _check_output_folders(cfg: Config, ckpt_dir: str) -> None:
     """ConfigError now, before anything is compiled, for an output folder that cannot be written
     (a parent that is a file, no permission); the probe leaves nothing behind."""
-    check_writable(str(Path(cfg.run.base_output_directory) / cfg.run.run_name), "base_output_directory")
+    check_writable(str(run_dir(cfg.run)), "base_output_directory")
     if cfg.checkpoint.enable_checkpointing:
         check_writable(ckpt_dir, "checkpoint_dir" if cfg.checkpoint.checkpoint_dir else "base_output_directory")
     if cfg.run.metrics_file:
@@ -155,6 +156,11 @@ def _nothing_to_do(cfg: Config, step: int | None) -> dict[str, Any] | None:
 def _create_run_folder(cfg: Config, run_dir: Path) -> Path:
     """`run_dir` (base_output_directory/run_name) with the full final config in config.yml."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if remote_run_dir(cfg.run):
+        log.info("base_output_directory is a URL (run folder %s): config.yml, TensorBoard, the report and metrics.jsonl "
+                 "are kept locally in %s; %s", remote_run_dir(cfg.run), run_dir,
+                 "the metrics also go to the run folder's metrics/ (gcs_metrics=true)" if cfg.run.gcs_metrics
+                 else "set gcs_metrics=true to write the metrics to the run folder too")
     if jax.process_index() == 0:
         (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
     log.info("run %s -> %s (full config in config.yml, digest %s)", cfg.run.run_name, run_dir, config_digest(cfg))
@@ -183,7 +189,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     # ---- loop: step, metrics, finite check, checkpoint, SIGTERM
     writer = metrics.MetricsWriter(
         plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
-        write_files=jax.process_index() == 0)
+        write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir)
     meter, profiler, config_json = _StepMeter(trainer), _Profiler(cfg, run_dir), flat_dict(cfg)
     try:
         with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:

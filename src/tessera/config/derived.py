@@ -30,8 +30,9 @@ class RunPlan:
     schedule_steps: int  # length of the learning-rate schedule (learning_rate_schedule_steps, -1: steps)
     dropout_on: bool  # the train step draws dropout keys
     packed: bool  # rows may hold several documents (attention stays within segments)
-    run_dir: Path  # base_output_directory/run_name: config.yml, metrics, report, profile
+    run_dir: Path  # base_output_directory/run_name: config.yml, metrics, report, profile (local, see run_dir())
     metrics_path: Path  # metrics_file, or run_dir/metrics.jsonl
+    metrics_upload_dir: str  # gcs_metrics with a URL base: base_output_directory/run_name/metrics, else ""
     checkpoint_dir: str  # checkpoint_dir, or base_output_directory/run_name/checkpoints (URLs kept)
 
 
@@ -45,6 +46,8 @@ def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
         tokens_per_step=batch * length, schedule_steps=cfg.total_steps_in_schedule,
         dropout_on=dropout_rate(cfg.model) > 0, packed=packs_documents(cfg.data), run_dir=run_dir(cfg.run),
         metrics_path=Path(cfg.run.metrics_file) if cfg.run.metrics_file else run_dir(cfg.run) / "metrics.jsonl",
+        metrics_upload_dir=f"{remote_run_dir(cfg.run)}/metrics" if cfg.run.gcs_metrics and remote_run_dir(cfg.run)
+        else "",
         checkpoint_dir=checkpoint_directory(cfg.checkpoint, cfg.run.base_output_directory, cfg.run.run_name),
     )
 
@@ -80,8 +83,18 @@ def packs_documents(cfg: DataConfig) -> bool:
 
 
 def run_dir(cfg: RunConfig) -> Path:
-    """base_output_directory/run_name: where a run (or an AOT compile) writes its files."""
+    """base_output_directory/run_name: the local folder where a run (or an AOT compile) writes
+    its files. With a URL base (gs://...) only checkpoints (and, with gcs_metrics, the metrics)
+    go there; the other files stay local, in outputs/run_name under the working directory."""
+    if remote_run_dir(cfg):
+        return Path.cwd() / "outputs" / cfg.run_name
     return Path(cfg.base_output_directory) / cfg.run_name
+
+
+def remote_run_dir(cfg: RunConfig) -> str:
+    """base_output_directory/run_name when the base is a URL (gs://bucket/runs), else ""."""
+    base = cfg.base_output_directory
+    return f"{base.rstrip('/')}/{cfg.run_name}" if "://" in base else ""
 
 
 def checkpoint_directory(cfg: CheckpointConfig, base_output_directory: str, run_name: str) -> str:

@@ -56,7 +56,8 @@ _QUANT = "; Tessera trains in dtype/weight_dtype (bfloat16 or float32) and has n
 _PIPE = "; pipeline parallelism is not implemented: use ici_fsdp_parallelism or ici_tensor_parallelism"
 _INFER = "; Tessera's decode.py samples greedily from a prompt and has no such setting"
 _SPLASH = "; Tessera's flash attention chooses its own block sizes"
-_GCP = "; Tessera writes metrics.jsonl and TensorBoard files under base_output_directory (a gs:// path works)"
+_GCP = ("; Tessera keeps metrics.jsonl, TensorBoard files and the report in the run folder (with a gs:// "
+        "base_output_directory, gcs_metrics=true writes the metrics there)")
 
 REFUSED = {
     # quantization
@@ -174,7 +175,6 @@ REFUSED = {
         "save the AOT-compiled train step to a file and load it in train.py; Tessera's train_compile only "
         "checks that the step compiles and fits, train.py compiles again", ("",)),
     # metrics, profiling and cloud services
-    "gcs_metrics": Refused("write metrics to GCS" + _GCP, ("false", "0")),
     "save_config_to_gcs": Refused("write the config to GCS; Tessera logs the changed keys at start-up",
                                   ("false", "0")),
     "upload_all_profiler_results": Refused("upload every host's trace; Tessera's profiler writes host 0's",

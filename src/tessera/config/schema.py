@@ -78,6 +78,8 @@ class RunConfig:
     metrics_file: str = key("", "JSONL file of per-step metrics (empty: base_output_directory/run_name/metrics.jsonl)",
                             path="path")
     enable_tensorboard: bool = key(True, "write TensorBoard event files under base_output_directory/run_name/tensorboard")
+    gcs_metrics: bool = key(False, "with a gs:// base_output_directory: also write the metrics there, as "
+                            "run_name/metrics/metrics_<first>_<last>.jsonl files (the local copy stays)")
     init_weights_seed: int = key(0, "PRNG seed for parameter initialization and dropout")
     report_warmup_steps: int = key(3, "steps left out of the run report's medians (compilation and warm-up)", minimum=0)
     step_timeout_seconds: float = key(1800.0, "hang watchdog: dump stacks and exit (code 5) when no step finishes "

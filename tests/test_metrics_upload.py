@@ -1,0 +1,121 @@
+"""gcs_metrics: metrics written under a gs:// base through etils' file layer (a local folder
+stands in for the bucket: fsspec's `gs` protocol is pointed at it), and where the other run
+files go when the base is a URL."""
+
+import json
+import logging
+from pathlib import Path
+
+import fsspec
+import jax
+import pytest
+from etils.epath import backend as epath_backend
+from fsspec.implementations.local import LocalFileSystem
+
+from conftest import tiny_config
+from tessera import metrics
+from tessera.config.derived import plan_run, remote_run_dir, run_dir
+from tessera.train import run
+
+
+class FolderBucket(LocalFileSystem):
+    """gs://bucket/key stored as <root>/bucket/key; set `root` before use."""
+
+    protocol = ("gs", "gcs")
+    root = Path("/nonexistent")
+    fail = False
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        for prefix in ("gs://", "gcs://"):
+            if path.startswith(prefix):
+                return str(cls.root / path[len(prefix):])
+        return super()._strip_protocol(path)
+
+    def open(self, path, mode="rb", **kwargs):
+        if self.fail and "w" in mode:
+            raise OSError("503 service unavailable")
+        return super().open(path, mode, **kwargs)
+
+
+def _point_gs_at(implementation):
+    for name in ("gs", "gcs"):  # etils asks fsspec for "gcs"
+        fsspec.register_implementation(name, implementation, clobber=True)
+    epath_backend.fsspec_backend._get_filesystem.cache_clear()  # etils caches the filesystem
+
+
+@pytest.fixture
+def bucket(tmp_path, monkeypatch):
+    monkeypatch.setattr(FolderBucket, "root", tmp_path / "bucket-store")
+    FolderBucket.clear_instance_cache()
+    _point_gs_at(FolderBucket)
+    yield tmp_path / "bucket-store"
+    _point_gs_at("gcsfs.GCSFileSystem")
+    FolderBucket.clear_instance_cache()
+
+
+def _record(step):
+    return {"step": step, "loss": 1.0 / step, "step_seconds": 0.1, "tflops_per_sec_per_device": 0.0,
+            "tokens_per_sec_per_device": 0.0, "mfu": None}
+
+
+def test_records_are_uploaded_in_whole_files_and_at_close(bucket, tmp_path):
+    writer = metrics.MetricsWriter(tmp_path / "local" / "metrics.jsonl", None, log_period=1000,
+                                   upload_dir="gs://runs/r1/metrics")
+    for step in range(1, metrics.UPLOAD_EVERY + 31):
+        writer.write(_record(step))
+    uploaded = sorted((bucket / "runs" / "r1" / "metrics").iterdir())
+    assert [p.name for p in uploaded] == [f"metrics_00000001_{metrics.UPLOAD_EVERY:08d}.jsonl"]
+    writer.close()
+    uploaded = sorted((bucket / "runs" / "r1" / "metrics").iterdir())
+    assert len(uploaded) == 2
+    steps = [json.loads(line)["step"] for p in uploaded for line in p.read_text().splitlines()]
+    assert steps == list(range(1, metrics.UPLOAD_EVERY + 31))
+    local = [json.loads(line)["step"] for line in (tmp_path / "local" / "metrics.jsonl").read_text().splitlines()]
+    assert local == steps  # the local copy has them all too
+
+
+def test_a_failed_upload_keeps_its_records_for_the_next(bucket, tmp_path, caplog, monkeypatch):
+    writer = metrics.MetricsWriter(tmp_path / "metrics.jsonl", None, log_period=1000, upload_dir="gs://runs/r2/m")
+    monkeypatch.setattr(FolderBucket, "fail", True)
+    with caplog.at_level(logging.WARNING):
+        for step in range(1, metrics.UPLOAD_EVERY + 1):
+            writer.write(_record(step))
+    assert "could not write gs://runs/r2/m/metrics_00000001" in caplog.text
+    monkeypatch.setattr(FolderBucket, "fail", False)
+    writer.write(_record(metrics.UPLOAD_EVERY + 1))
+    writer.close()
+    files = list((bucket / "runs" / "r2" / "m").iterdir())
+    assert [f.name for f in files] == [f"metrics_00000001_{metrics.UPLOAD_EVERY + 1:08d}.jsonl"]
+    assert len(files[0].read_text().splitlines()) == metrics.UPLOAD_EVERY + 1
+
+
+def test_a_url_base_keeps_run_files_local_and_uploads_metrics_only_when_asked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    shape = {"data": 1, "fsdp": 1, "expert": 1}
+    cfg = tiny_config(base_output_directory="gs://bucket/runs", run_name="r3", gcs_metrics=True)
+    plan = plan_run(cfg, shape)
+    assert remote_run_dir(cfg.run) == "gs://bucket/runs/r3"
+    assert plan.run_dir == tmp_path / "outputs" / "r3" == run_dir(cfg.run)
+    assert plan.metrics_upload_dir == "gs://bucket/runs/r3/metrics"
+    assert plan.checkpoint_dir == "gs://bucket/runs/r3/checkpoints"
+    assert plan_run(tiny_config(base_output_directory="gs://bucket/runs", run_name="r3"), shape).metrics_upload_dir == ""
+    local = tiny_config(tmp_path, gcs_metrics=True)  # a local base: the metrics are there already
+    assert plan_run(local, shape).metrics_upload_dir == "" and remote_run_dir(local.run) == ""
+
+
+def test_a_run_with_a_gs_base_writes_its_metrics_to_the_bucket(bucket, tmp_path, monkeypatch, caplog):
+    monkeypatch.chdir(tmp_path)
+    cfg = tiny_config(base_output_directory="gs://bucket/runs", run_name="r4", gcs_metrics=True, steps=3,
+                      enable_checkpointing=False, enable_tensorboard=False)
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        report = run(cfg, jax.devices()[:1])
+    assert report["steps"] == 3
+    uploaded = list((bucket / "bucket" / "runs" / "r4" / "metrics").iterdir())
+    assert [p.name for p in uploaded] == ["metrics_00000001_00000003.jsonl"]
+    losses = [json.loads(line)["loss"] for line in uploaded[0].read_text().splitlines()]
+    local = tmp_path / "outputs" / "r4"
+    assert losses == [json.loads(line)["loss"] for line in (local / "metrics.jsonl").read_text().splitlines()]
+    assert (local / "report.json").is_file() and not (tmp_path / "gs:").exists()
+    assert "base_output_directory is a URL" in caplog.text
