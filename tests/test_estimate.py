@@ -100,6 +100,37 @@ def test_activation_estimates_shrink_with_remat():
     assert 1 * GIB < acts["full"] < 20 * GIB
 
 
+def test_zero1_state_estimate_equals_what_the_compiler_allocates():
+    """As above, with shard_optimizer_over_data on a data x fsdp mesh: AdamW's moments split over data."""
+    from tessera.step import compile_step, setup
+
+    cfg = tiny_config(ici_data_parallelism=2, ici_fsdp_parallelism=4, per_device_batch_size=2, base_emb_dim=32,
+                      base_mlp_dim=64, vocab_size=128, shard_optimizer_over_data=True)
+    trainer = setup(cfg)
+    compiled, _ = compile_step(trainer, 0)
+    rows, length = trainer.batch_sharding.shard_shape((trainer.plan.global_batch, cfg.data.max_target_length + 1))
+    state = compiled.memory_analysis().argument_size_in_bytes - 3 * rows * length * 4
+    mem = estimate_memory(cfg, count_params(cfg.model), mesh_sizes(cfg, parse_hardware("h100-8")), False)
+    assert mem.optimizer == mem.params  # 2 moments / 2 data ways
+    assert mem.params + mem.optimizer == pytest.approx(state, rel=0.01)
+
+
+def test_named_remat_policies_have_their_own_activation_estimates():
+    cfg = load_model_config("llama2-7b", ["per_device_batch_size=2", "max_target_length=2048", "dtype=bfloat16"])
+    mesh = mesh_sizes(cfg, parse_hardware("v5p-128"))
+
+    def acts(policy, **custom):
+        c = load_model_config("llama2-7b", ["per_device_batch_size=2", "max_target_length=2048", "dtype=bfloat16",
+                                            f"remat_policy={policy}", *(f"{k}={v}" for k, v in custom.items())])
+        return estimate_memory(c, count_params(c.model), mesh, False).activations[policy]
+
+    assert acts("minimal") > acts("save_dot_except_mlpwi") > acts("save_dot_except_mlp") > acts("full")
+    # custom: the tensors set to `device` are what a named policy keeps
+    assert acts("custom", query_proj="device", key_proj="device", value_proj="device") == acts("save_qkv_proj")
+    assert acts("custom") == acts("full")  # every tensor `remat` (the default)
+    assert acts("custom", decoder_layer_input="offload") < acts("full")
+
+
 def test_cli_report_and_errors(capsys, tmp_path):
     assert main(["llama3.1-8b", "--hardware", "v6e-256", "per_device_batch_size=2", "--mfu", "0.4"]) == 0
     out = capsys.readouterr().out

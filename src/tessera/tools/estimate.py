@@ -122,9 +122,14 @@ def _saved_per_token(m: ModelConfig, policy: str, tp: int) -> float:
         "none": 2 * d + q + kv + q + d + acts * f + f + d,  # norms, q, k, v, context, out, mlp in/act, mlp out
         "minimal": q + kv + d + acts * f + d,
         "save_dot_except_mlp": q + kv + q + d,
+        "save_dot_except_mlpwi": q + kv + q + d + d,
         "save_qkv_proj": q + kv,
         "save_out_proj": d,
     }
+    if policy == "custom":  # the named tensors set to `device` (the block input is counted by the caller)
+        named = {"query_proj": q, "key_proj": kv / 2, "value_proj": kv / 2, "context": q, "out_proj": d,
+                 "mlpwi": f, "mlpwi_0": f, "mlpwi_1": f, "mlpwo": d}
+        return sum(size for name, size in named.items() if getattr(m, name) == "device")
     return kept.get(policy, 0.0)  # full and the offloading policies keep nothing else on the device
 
 
@@ -136,7 +141,8 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     tokens = seqs * cfg.data.max_target_length / mesh["sequence"]
     scores = 0.0 if fused_attention else m.num_query_heads / tp * cfg.data.max_target_length * 6  # f32 + bf16
     keep = _saved_per_token(m, policy, tp) * a + (scores if policy == "none" else 0.0)
-    layers = m.num_decoder_layers * tokens * (m.emb_dim * a + keep)
+    offloaded_input = policy == "custom" and m.decoder_layer_input == "offload"
+    layers = m.num_decoder_layers * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
     one_layer = tokens * (2 * _saved_per_token(m, "none", tp) * a + scores)  # recompute + gradients
     logits = 2 * tokens * m.vocab_size / tp * 4
     return layers + one_layer + logits
@@ -166,10 +172,12 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     if mesh["fsdp"] * mesh["sequence"] > 1:  # gathered after the cast to the compute dtype
         a = DTYPE_BYTES[m.dtype]
         gathered = 2 * counts.per_layer / (mesh["tensor"] * (mesh["expert"] if m.num_experts > 1 else 1)) * a
-    policies = ("none", "minimal", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj", "full", "offload")
+    policies = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
+                "full", "offload")
     acts = {p: activation_bytes(cfg, mesh, p, fused_attention) for p in policies}
     acts.setdefault(m.remat_policy, activation_bytes(cfg, mesh, m.remat_policy, fused_attention))
-    return Memory(params, params, 2 * params, gathered, acts)
+    zero1 = mesh["data"] if cfg.optim.shard_optimizer_over_data else 1  # ZeRO-1 splits AdamW's moments over data
+    return Memory(params, params, 2 * params / zero1, gathered, acts)
 
 
 @dataclasses.dataclass(frozen=True)
