@@ -72,6 +72,7 @@ CASES = {
     "llama2": ("llama2", ()),
     "llama2-unscanned": ("llama2", ("scan_layers=false",)),
     "llama3-rope-scaling": ("llama3", ()),
+    "llama3-fused-mlp": ("llama3", ("fused_mlp=true",)),
     "mistral-sliding-window": ("mistral", ()),
     "mixtral-dropless": ("mixtral", ("sparse_matmul=true",)),
     "mixtral-capacity": ("mixtral", ("capacity_factor=-1",)),
@@ -113,7 +114,8 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
     np.testing.assert_allclose(ours[real], ref[real], rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("family,extra", [("llama3", ("scan_layers=true",)), ("gemma2", ("scan_layers=false",)),
+@pytest.mark.parametrize("family,extra", [("llama3", ("scan_layers=true",)), ("llama3", ("fused_mlp=true",)),
+                                          ("gemma2", ("scan_layers=false",)),
                                           ("mixtral", ()), ("gpt2", ("fused_qkv=false",))])
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)
