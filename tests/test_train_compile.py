@@ -116,3 +116,14 @@ def test_tpu7x_compiles_with_two_devices_per_chip():
     r = compile_for_topology(cfg)
     assert (r.num_devices, r.device_kind, r.mesh["fsdp"]) == (16, "TPU7x", 16)
     assert r.hbm_bytes == 96 * 2**30 and r.fits and r.total_bytes > 0
+
+
+def test_compiled_trainstep_file_holds_a_loadable_executable(tmp_path):
+    # MaxText's key: the compiled step pickled as serialize_executable's (payload, in_tree, out_tree)
+    import pickle
+
+    target = tmp_path / "steps" / "compiled.pickle"
+    cfg = build_config({**TINY, "compile_topology": "v5e-4", "compiled_trainstep_file": str(target)})
+    assert compile_for_topology(cfg).fits
+    payload, in_tree, out_tree = pickle.loads(target.read_bytes())
+    assert len(payload) > 1000 and in_tree.num_leaves > 3 and out_tree.num_leaves > 3

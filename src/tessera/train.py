@@ -161,6 +161,9 @@ def _create_run_folder(cfg: Config, run_dir: Path) -> Path:
                  "are kept locally in %s; %s", remote_run_dir(cfg.run), run_dir,
                  "the metrics also go to the run folder's metrics/ (gcs_metrics=true)" if cfg.run.gcs_metrics
                  else "set gcs_metrics=true to write the metrics to the run folder too")
+    if cfg.compile.compiled_trainstep_file:
+        log.info("compiled_trainstep_file=%s is written by train_compile; train.py compiles its own step",
+                 cfg.compile.compiled_trainstep_file)
     if jax.process_index() == 0:
         (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
     log.info("run %s -> %s (full config in config.yml, digest %s)", cfg.run.run_name, run_dir, config_digest(cfg))

@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import time
+from pathlib import Path
 
 from tessera.config import Config, ConfigError, load_config
 from tessera.config.derived import run_dir
@@ -92,6 +93,24 @@ def topology_devices(topology: TpuSlice, num_slices: int) -> list:
     return list(desc.devices)
 
 
+def save_compiled(compiled, path: str) -> None:
+    """The compiled step as MaxText's compiled_trainstep_file holds it: a pickle of
+    jax.experimental.serialize_executable.serialize's (payload, in_tree, out_tree), which
+    `deserialize_and_load` turns back into an executable on a host with that topology's devices."""
+    import pickle
+
+    from jax.experimental.serialize_executable import serialize
+
+    target = Path(path)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(pickle.dumps(serialize(compiled)))
+    except OSError as e:
+        raise ConfigError(f"compiled_trainstep_file={path} cannot be written: {e.strerror or e}; choose another "
+                          "path or free some space there") from None
+    log.info("compiled step saved to %s (%.1f MiB)", target, target.stat().st_size / 2**20)
+
+
 def compile_for_topology(cfg: Config) -> CompileReport:
     """AOT-compile the train step of `cfg` for cfg.compile.compile_topology; nothing is allocated."""
     from tessera.mesh import sharding_report
@@ -120,6 +139,8 @@ def compile_for_topology(cfg: Config) -> CompileReport:
     try:
         with Heartbeat(f"compiling for {topology.name}", HEARTBEAT_SECONDS, emit=log.info):
             compiled, seconds = compile_step(trainer, cfg.run.init_weights_seed)
+        if c.compiled_trainstep_file:
+            save_compiled(compiled, c.compiled_trainstep_file)
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is handled
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

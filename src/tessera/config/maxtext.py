@@ -171,9 +171,6 @@ REFUSED = {
     "enable_checkpoint_cloud_logger": Refused("log checkpoint events to Cloud Logging" + _GCP, ("false", "0")),
     "enable_checkpoint_standard_logger": Refused("log checkpoint events as JSON" + _GCP, ("false", "0")),
     # ahead-of-time compilation
-    "compiled_trainstep_file": Refused(
-        "save the AOT-compiled train step to a file and load it in train.py; Tessera's train_compile only "
-        "checks that the step compiles and fits, train.py compiles again", ("",)),
     # metrics, profiling and cloud services
     "save_config_to_gcs": Refused("write the config to GCS; Tessera logs the changed keys at start-up",
                                   ("false", "0")),

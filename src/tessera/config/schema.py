@@ -316,6 +316,9 @@ class CompileConfig:
     compile_hbm_budget_fraction: float = key(
         0.95, "share of a chip's HBM the compiled step may use; the rest is left to the TPU runtime", minimum=0.0
     )
+    compiled_trainstep_file: str = key("", "train_compile: also save the compiled step to this file (pickled "
+                                       "jax serialize_executable payload, as MaxText); train.py compiles its own",
+                                       path="path")
 
 
 OPTIMIZATION_LEVELS = ("", "O0", "O1")
