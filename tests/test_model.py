@@ -149,8 +149,30 @@ def test_bfloat16_compute():
     ("autoselected", "gpu", "bfloat16", 128, "cudnn", "cuDNN"),
 ])
 def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype, head_dim, kernel, why):
-    choice = select_attention(requested, platform, dtype, head_dim)
+    m = tiny_config(attention=requested, dtype=dtype, head_dim=head_dim).model
+    choice = select_attention(m, platform)
     assert choice.kernel == kernel and why in choice.reason
+
+
+@pytest.mark.parametrize("model_file", sorted(p.stem for p in (REPO / "configs" / "models").glob("*.yml")))
+def test_every_family_gets_a_kernel_that_has_its_features(model_file, monkeypatch, caplog):
+    """Through `setup`, as a bf16 run on GPUs goes: a family whose attention soft-caps its scores
+    (Gemma 2) must not get cuDNN's fused attention, which has no soft cap; the others get it."""
+    import logging
+
+    from tessera.step import setup
+
+    cfg = load_config([str(REPO / "configs" / "base.yml"), f"model_name={model_file}", "dtype=bfloat16",
+                       "base_num_decoder_layers=2", "per_device_batch_size=1"], env={})
+    monkeypatch.setattr("tessera.step.device_platform", lambda mesh: "gpu")
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        trainer = setup(cfg, jax.devices()[:1])
+    chosen = [r.getMessage() for r in caplog.records if r.getMessage().startswith("attention kernel:")]
+    assert len(chosen) == 1
+    if cfg.model.attn_logits_soft_cap:
+        assert "dot_product (attn_logits_soft_cap" in chosen[0] and trainer.model.attention_kernel == "dot_product"
+    else:
+        assert chosen[0].startswith("attention kernel: cudnn") and trainer.model.attention_kernel == "cudnn"
 
 
 def _llama3_reference_frequencies(head_dim, theta, factor, low, high, original):

@@ -47,8 +47,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     """Mesh, plan, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
     mesh = create_mesh(cfg.mesh, devices)
     plan = plan_run(cfg, dict(mesh.shape))
-    platform = mesh.devices.flat[0].platform
-    choice = select_attention(cfg.model.attention, platform, cfg.model.dtype, cfg.model.head_dim)
+    choice = select_attention(cfg.model, device_platform(mesh))
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     _check_remat(cfg.model, mesh)
     model = build_model(cfg.model, choice.kernel)
@@ -87,6 +86,11 @@ def over_data(sharding: NamedSharding, shape) -> NamedSharding:
             spec[i] = ("data", *axes) if axes else "data"
             return NamedSharding(mesh, PartitionSpec(*spec))
     return sharding
+
+
+def device_platform(mesh: Mesh) -> str:
+    """"cpu", "gpu", "tpu", ...: the platform of the mesh's devices (kernels are chosen for it)."""
+    return mesh.devices.flat[0].platform
 
 
 def init_state_from_params(optimizer, params) -> dict:

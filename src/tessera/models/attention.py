@@ -45,9 +45,13 @@ class AttentionChoice(NamedTuple):
     reason: str
 
 
-def select_attention(requested: str, platform: str, dtype: str, head_dim: int,
-                     logits_soft_cap: float = 0.0) -> AttentionChoice:
-    """Pick the attention kernel for `requested` on `platform` ("cpu", "gpu", "tpu", ...)."""
+def select_attention(m: ModelConfig, platform: str) -> AttentionChoice:
+    """Pick the attention kernel for model config `m` on `platform` ("cpu", "gpu", "tpu", ...).
+
+    It takes the whole model config, so that every feature a family's attention has (score soft
+    caps, windows, head size, dtype) is checked against the kernel: a kernel that would ignore
+    one is never chosen."""
+    requested, dtype, head_dim, logits_soft_cap = m.attention, m.dtype, m.head_dim, m.attn_logits_soft_cap
     if requested == "dot_product":
         return AttentionChoice("dot_product", "attention=dot_product requested")
     if logits_soft_cap:

@@ -15,8 +15,9 @@ decoding, a block's KV cache is the pair (local layer's cache, global layer's ca
 
 Where they differ from the references (the Hugging Face `transformers` implementations, which
 the parity tests compare against): the embedding scale is applied in the compute dtype as
-there, but soft-capping makes cuDNN's fused attention inapplicable, so Gemma 2 always runs the
-reference attention kernel; dropout, absent in the references, can be switched on.
+there; cuDNN's fused attention has no score soft cap, so `select_attention` (which sees
+attn_logits_soft_cap) gives Gemma 2 the reference attention kernel on GPUs; dropout, absent
+in the references, can be switched on.
 """
 
 from __future__ import annotations
