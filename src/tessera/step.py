@@ -47,7 +47,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     """Mesh, plan, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
     mesh = create_mesh(cfg.mesh, devices)
     plan = plan_run(cfg, dict(mesh.shape))
-    choice = select_attention(cfg.model, device_platform(mesh))
+    choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape))
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     _check_remat(cfg.model, mesh)
     model = build_model(cfg.model, choice.kernel)
@@ -198,19 +198,26 @@ def make_train_step(trainer: Trainer, seed: int):
             g, (l, n, aux) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
             return (jax.tree.map(jnp.add, grads, g), loss_sum + l, count + n), aux
 
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
+        if accum == 1:  # no accumulation loop: one pass, nothing to add up
+            grads, (loss_sum, count, auxes) = grad_fn(params, batch, None if key is None else jax.random.fold_in(key, 0))
+        else:
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
         count = jnp.maximum(count, 1.0)
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
-        updates, opt_state = optimizer.update(grads, state["opt_state"], params)
         loss, grad_norm = loss_sum / count, optax.tree.norm(grads)
         # A non-finite loss or gradient leaves parameters and optimizer state as they were, so
         # a NaN never reaches the state (or a checkpoint); the host decides to stop or go on.
+        # The update runs under a cond: no second pass over the state to select old or new.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        new_state = {"step": state["step"] + 1,
-                     "params": jax.tree.map(keep, optax.apply_updates(params, updates), params),
-                     "opt_state": jax.tree.map(keep, opt_state, state["opt_state"])}
+
+        def update(operands):
+            p, opt = operands
+            updates, opt = optimizer.update(grads, opt, p)
+            return optax.apply_updates(p, updates), opt
+
+        new_params, new_opt = jax.lax.cond(finite, update, lambda operands: operands, (params, state["opt_state"]))
+        new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
         stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]), "tokens": count,
                  "finite": finite, **jax.tree.map(jnp.mean, auxes)}
         return new_state, stats

@@ -194,21 +194,37 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
         plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
         write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir)
     meter, profiler, config_json = _StepMeter(trainer), _Profiler(cfg, run_dir), flat_dict(cfg)
+    pending: list[tuple[int, Any]] = []  # dispatched steps whose stats the host has not read yet
+
+    def finish_pending(keep: int = 0) -> None:
+        """Read the stats of all but the newest `keep` pending steps: write their records and check
+        them (a non-finite step stops the run here, see _check_finite)."""
+        while len(pending) > keep:
+            done, stats = pending.pop(0)
+            stats = jax.device_get(stats)  # waits for that step only
+            watchdog.beat()
+            writer.write(meter.record(done, stats))
+            profiler.after_step(done)
+            _check_finite(cfg, done, stats, ckpt)
+
     try:
         with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
             for step in range(start_step + 1, cfg.run.steps + 1):
                 profiler.before_step(step)
                 state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding, plan.global_batch))
-                stats = jax.device_get(stats)
-                watchdog.beat()
-                writer.write(meter.record(step, stats))
-                profiler.after_step(step)
-                _check_finite(cfg, step, stats, ckpt)
-                if evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps):
+                # The step runs on the device while the host reads the previous step's stats and
+                # prepares the next batch: metrics are logged one step late (METRICS_LAG).
+                pending.append((step, stats))
+                finish_pending(keep=METRICS_LAG)
+                evaluating = evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps)
+                stopping = stop.stop_after(step)
+                saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stopping)
+                if evaluating or saving or stopping or step == cfg.run.steps:
+                    finish_pending()  # a non-finite step stops the run before anything is evaluated or saved
+                if evaluating:
                     writer.write_eval(evaluator.run(step, state["params"]))
                     watchdog.beat()
-                stopping = stop.stop_after(step)
-                if ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stopping):
+                if saving:
                     ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
                 elif ckpt:
                     ckpt.check()  # a background save that failed stops the run now, not at the next save
@@ -218,6 +234,12 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
         profiler.stop()
         writer.close()
     return _write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step)
+
+
+# Steps whose stats the loop leaves unread while the next step runs: 1 keeps the device busy (the
+# host never waits for a step before dispatching the next); 0 reads each step's stats before the
+# next is dispatched (the old loop; benchmarks/host_overhead.py compares the two).
+METRICS_LAG = 1
 
 
 def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: _StepMeter, run_dir: Path,
