@@ -48,6 +48,7 @@ def compile_recipe(recipe: Path, out_dir: Path) -> dict:
         "state_bytes": r["argument_bytes"], "temp_bytes": r["temp_bytes"], "hbm_bytes": r["hbm_bytes"],
         "budget_bytes": r["budget_bytes"], "gib_per_device": round(r["total_bytes"] / GIB, 2),
         "hbm_gib": round(r["hbm_bytes"] / GIB, 2), "fits": r["fits"],
+        "attention_kernel": r.get("attention_kernel", ""), "custom_calls": r.get("custom_calls", {}),
     }
 
 

@@ -143,14 +143,14 @@ def test_bfloat16_compute():
 @pytest.mark.parametrize("requested, platform, dtype, head_dim, kernel, why", [
     ("dot_product", "gpu", "bfloat16", 128, "dot_product", "requested"),
     ("autoselected", "cpu", "bfloat16", 128, "dot_product", "platform 'cpu'"),
-    ("flash", "tpu", "bfloat16", 128, "dot_product", "platform 'tpu'"),
+    ("flash", "tpu", "bfloat16", 128, "splash", "Pallas splash attention on TPU"),
     ("cudnn_flash_te", "gpu", "float32", 128, "dot_product", "bfloat16/float16"),
     ("autoselected", "gpu", "bfloat16", 100, "dot_product", "multiple of 8"),
     ("autoselected", "gpu", "bfloat16", 128, "cudnn", "cuDNN"),
 ])
 def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype, head_dim, kernel, why):
-    m = tiny_config(attention=requested, dtype=dtype, head_dim=head_dim).model
-    choice = select_attention(m, platform)
+    cfg = tiny_config(attention=requested, dtype=dtype, head_dim=head_dim, max_target_length=256)
+    choice = select_attention(cfg.model, platform, cfg.data.max_target_length)
     assert choice.kernel == kernel and why in choice.reason
 
 

@@ -62,6 +62,8 @@ class CompileReport:
     hbm_bytes: int
     budget_bytes: int  # hbm_bytes * compile_hbm_budget_fraction
     compiler_error: str = ""  # the compiler's own out-of-memory message, when it refused to compile
+    attention_kernel: str = ""  # the attention kernel compiled into the step (select_attention's choice)
+    custom_calls: dict = dataclasses.field(default_factory=dict)  # custom-call target -> count in the program
 
     @property
     def fits(self) -> bool:
@@ -132,6 +134,7 @@ def compile_for_topology(cfg: Config) -> CompileReport:
         device_kind=devices[0].device_kind, mesh=dict(trainer.mesh.shape), global_batch=trainer.plan.global_batch,
         compile_seconds=0.0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0, code_bytes=0,
         peak_bytes=0, total_bytes=0, hbm_bytes=hbm, budget_bytes=int(hbm * c.compile_hbm_budget_fraction),
+        attention_kernel=trainer.model.attention_kernel,
     )
     log.info("lowering and compiling the train step for %s (%d devices); XLA's TPU compiler can take minutes",
              topology.name, len(devices))
@@ -146,6 +149,8 @@ def compile_for_topology(cfg: Config) -> CompileReport:
             raise
         return _report_compiler_oom(report, trainer, str(e), time.perf_counter() - start)
     mem = compiled.memory_analysis()
+    targets = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
+    report.custom_calls = {t: targets.count(t) for t in sorted(set(targets))}
     live = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     peak = max(getattr(mem, "peak_memory_in_bytes", 0), live)
     return dataclasses.replace(
@@ -195,7 +200,9 @@ def memory_table(r: CompileReport) -> str:
         (f"HBM of one {r.device_kind} device", r.hbm_bytes),
         ("budget (compile_hbm_budget_fraction)", r.budget_bytes),
     ]
-    return "\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
+    kernels = ", ".join(f"{t} x{n}" for t, n in r.custom_calls.items()) or "none"
+    return ("\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
+            + f"\n  attention kernel: {r.attention_kernel or 'unknown'}; custom calls in the program: {kernels}")
 
 
 def not_fits_message(r: CompileReport, cfg: Config) -> str:

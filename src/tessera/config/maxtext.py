@@ -55,7 +55,6 @@ class Refused:
 _QUANT = "; Tessera trains in dtype/weight_dtype (bfloat16 or float32) and has no quantization"
 _PIPE = "; pipeline parallelism is not implemented: use ici_fsdp_parallelism or ici_tensor_parallelism"
 _INFER = "; Tessera's decode.py samples greedily from a prompt and has no such setting"
-_SPLASH = "; Tessera's flash attention chooses its own block sizes"
 _GCP = ("; Tessera keeps metrics.jsonl, TensorBoard files and the report in the run folder (with a gs:// "
         "base_output_directory, gcs_metrics=true writes the metrics there)")
 
@@ -131,14 +130,6 @@ REFUSED = {
         "repeat pattern of layer kinds (Llama 4); not in Tessera", ("1",)),
     "record_internal_nn_metrics": Refused("log activation statistics from inside the model; not in Tessera",
                                           ("0", "false")),
-    # splash attention block sizes (TPU)
-    **{name: Refused("a splash attention (TPU flash kernel) block size" + _SPLASH, ("512",)) for name in (
-        "sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
-        "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")},
-    "sa_use_fused_bwd_kernel": Refused("splash attention's fused backward kernel" + _SPLASH, ("false", "0")),
-    "sa_q_layout": Refused("splash attention's query layout" + _SPLASH, ("head_dim_minor",)),
-    "sa_k_layout": Refused("splash attention's key layout" + _SPLASH, ("head_dim_minor",)),
-    "sa_v_layout": Refused("splash attention's value layout" + _SPLASH, ("head_dim_minor",)),
     # input pipeline
     "enable_data_shuffling": Refused(
         "shuffle the training records; Tessera's grain and tfds pipelines always shuffle with data_shuffle_seed",

@@ -22,6 +22,7 @@ from typing import Any
 # The decoder blocks and attention kernels are listed here (not imported from the model
 # package) so that validating a config never imports JAX.
 DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3")
+SA_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
 REMAT_POLICIES = (
     "none",
@@ -154,6 +155,20 @@ class ModelConfig:
     mlpwi_1: str = key("remat", "remat_policy=custom: the MLP's second (up) projection [B, T, F]", REMAT_CHOICES)
     mlpwo: str = key("remat", "remat_policy=custom: the MLP output projection [B, T, D]", REMAT_CHOICES)
     attention: str = key("autoselected", "attention kernel: dot_product (reference) or the fastest fused one", ATTENTION_KINDS)
+    sa_block_q: int = key(0, "splash attention (TPU flash kernel) query block; 0: the largest of 512, 256, 128 that "
+                          "divides max_target_length", minimum=0)
+    sa_block_kv: int = key(0, "splash attention key/value block (0: auto, as sa_block_q)", minimum=0)
+    sa_block_kv_compute: int = key(0, "splash attention key/value compute block (0: auto, as sa_block_q)", minimum=0)
+    sa_block_q_dkv: int = key(0, "splash attention query block of the dK/dV backward kernel (0: auto)", minimum=0)
+    sa_block_kv_dkv: int = key(0, "splash attention key/value block of the dK/dV backward kernel (0: auto)", minimum=0)
+    sa_block_kv_dkv_compute: int = key(0, "splash attention key/value compute block of the dK/dV kernel (0: auto)",
+                                       minimum=0)
+    sa_block_q_dq: int = key(0, "splash attention query block of the dQ backward kernel (0: auto)", minimum=0)
+    sa_block_kv_dq: int = key(0, "splash attention key/value block of the dQ backward kernel (0: auto)", minimum=0)
+    sa_use_fused_bwd_kernel: bool = key(False, "splash attention: one fused backward kernel for dQ, dK and dV")
+    sa_q_layout: str = key("HEAD_DIM_MINOR", "splash attention query layout in memory", SA_LAYOUTS)
+    sa_k_layout: str = key("HEAD_DIM_MINOR", "splash attention key layout in memory", SA_LAYOUTS)
+    sa_v_layout: str = key("HEAD_DIM_MINOR", "splash attention value layout in memory", SA_LAYOUTS)
     sliding_window_size: int = key(0, "sliding-window attention: a query sees its own and the W-1 previous positions "
                                    "(0: all previous; mistral, and gemma2's local layers)", minimum=0)
     query_pre_attn_scalar: float = key(0.0, "attention scores are scaled by this**-0.5 (0: head_dim**-0.5)", minimum=0.0)

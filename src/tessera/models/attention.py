@@ -2,10 +2,12 @@
 
 `attention=dot_product` is the reference: explicit scores, a causal + same-segment mask and a
 float32 softmax; it runs on any device. `flash`, `cudnn_flash_te` and `autoselected` ask for
-the fastest fused kernel the device has: on NVIDIA GPUs cuDNN's fused attention through
-`jax.nn.dot_product_attention(implementation="cudnn")`. Where no fused kernel applies (CPU,
-TPU in this version, an unsupported dtype or head size, packed segments) the reference runs
-and `select_attention` says why, once, in the log.
+the fastest fused kernel the device has: on TPUs Pallas splash attention (`splash.py`: every
+feature of the reference, packed segments included); on NVIDIA GPUs cuDNN's fused attention
+through `jax.nn.dot_product_attention(implementation="cudnn")`, except for soft-capped scores
+(Gemma 2), which cuDNN cannot apply. Where no fused kernel applies (CPU, an unsupported dtype,
+head size or sequence length, a sequence-sharded mesh for splash, packed segments for cuDNN)
+the reference runs and `select_attention` says why, once, in the log.
 
 Decoding passes a KV cache (`tessera.models.kv_cache`) to `Attention.__call__`: the new keys
 and values are written into it and the queries attend over all of it, always with the
@@ -41,19 +43,31 @@ def rope_frequencies_of(cfg: ModelConfig) -> np.ndarray:
 
 
 class AttentionChoice(NamedTuple):
-    kernel: str  # "dot_product" or "cudnn"
+    kernel: str  # "dot_product", "cudnn" or "splash" ("splash_interpret": splash in Pallas' interpreter, for tests)
     reason: str
 
 
-def select_attention(m: ModelConfig, platform: str) -> AttentionChoice:
-    """Pick the attention kernel for model config `m` on `platform` ("cpu", "gpu", "tpu", ...).
+def select_attention(m: ModelConfig, platform: str, length: int | None = None,
+                     mesh_shape: dict[str, int] | None = None) -> AttentionChoice:
+    """Pick the attention kernel for model config `m` on `platform` ("cpu", "gpu", "tpu", ...),
+    for sequences of `length` tokens on a mesh of `mesh_shape`.
 
     It takes the whole model config, so that every feature a family's attention has (score soft
     caps, windows, head size, dtype) is checked against the kernel: a kernel that would ignore
-    one is never chosen."""
+    one is never chosen. On TPU, splash attention has them all; its block sizes (sa_block_*)
+    are checked against `length` here (ConfigError)."""
     requested, dtype, head_dim, logits_soft_cap = m.attention, m.dtype, m.head_dim, m.attn_logits_soft_cap
     if requested == "dot_product":
         return AttentionChoice("dot_product", "attention=dot_product requested")
+    if platform == "tpu":
+        from tessera.models import splash
+
+        why = splash.unsupported(m, length or 0, mesh_shape)
+        if why:
+            return AttentionChoice("dot_product", why)
+        blocks = splash.block_sizes(m, length)
+        return AttentionChoice("splash", f"attention={requested}: Pallas splash attention on TPU "
+                                         f"(blocks q {blocks.block_q}, kv {blocks.block_kv})")
     if logits_soft_cap:
         return AttentionChoice("dot_product", f"attn_logits_soft_cap={logits_soft_cap:g} needs the reference kernel "
                                               "(no fused kernel here caps scores)")
@@ -168,6 +182,7 @@ class Attention(nnx.Module):
         self.kernel, self.dtype, self.fused, self.use_bias = kernel, cfg.dtype, cfg.fused_qkv, use_bias
         self.scale = float(cfg.query_pre_attn_scalar or h) ** -0.5
         self.logits_soft_cap, self.window = cfg.attn_logits_soft_cap, sliding_window
+        self.cfg = cfg  # static: splash attention reads its block sizes from it
 
     def project_qkv(self, x_btd, positions_bt):
         """Query [B, T, N, H], key and value [B, T, K, H], with rotary positions applied."""
@@ -211,6 +226,13 @@ class Attention(nnx.Module):
             ctx = masked_attention(q, kv_cache.k_bskh, kv_cache.v_bskh,
                                    kv_cache.mask(positions_bt, segment_ids_bt, self.window), scale=self.scale,
                                    logits_soft_cap=self.logits_soft_cap)
+        elif self.kernel.startswith("splash"):
+            from tessera.models import splash
+
+            ctx = splash.splash_attention(q, k, v, segment_ids_bt, scale=self.scale,
+                                          logits_soft_cap=self.logits_soft_cap, window=self.window,
+                                          blocks=splash.block_sizes(self.cfg, q.shape[1]),
+                                          interpret=self.kernel == "splash_interpret")
         elif self.kernel == "cudnn" and not packed:
             window = (self.window - 1, 0) if self.window else None
             ctx = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=True, local_window_size=window,

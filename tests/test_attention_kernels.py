@@ -1,0 +1,117 @@
+"""Splash attention (the TPU flash kernel) against the reference attention, run in Pallas'
+interpreter on CPU: outputs and gradients for every feature the model families use, sharded
+under a mesh, and in a whole model; the kernel choice per platform; AOT for a TPU topology."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_config
+from tessera.config import ConfigError, build_config
+from tessera.models import build_model
+from tessera.models.attention import dot_product_attention, select_attention
+from tessera.models.splash import block_sizes, splash_attention
+
+T, H = 256, 64  # the smallest sequence with two 128-token blocks
+# float32 in the interpreter: the kernel's online softmax sums in another order than the
+# reference's one-pass softmax; measured differences are ~1e-6, the bound leaves room
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+CASES = {  # name: (query heads, kv heads, window, soft cap, scale, packed)
+    "causal": (4, 4, 0, 0.0, H**-0.5, False),
+    "grouped-query": (4, 2, 0, 0.0, H**-0.5, False),
+    "sliding-window": (2, 2, 100, 0.0, H**-0.5, False),
+    "soft-cap": (2, 1, 0, 5.0, H**-0.5, False),
+    "query_pre_attn_scalar": (2, 2, 0, 0.0, 144**-0.5, False),
+    "packed-segments": (4, 2, 0, 0.0, H**-0.5, True),
+    "gemma2-local": (4, 2, 128, 50.0, 256**-0.5, True),
+}
+
+
+def _inputs(n, k, packed, batch=2):
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (batch, T, n, H), jnp.float32)
+    kk = jax.random.normal(keys[1], (batch, T, k, H), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, T, k, H), jnp.float32)
+    seg = np.ones((batch, T), np.int32)
+    if packed:  # three documents in row 0, then padding (segment 0); two in row 1
+        seg[0, 90:200], seg[0, 200:], seg[1, 131:] = 2, 0, 3
+    return q, kk, v, jnp.asarray(seg)
+
+
+def _blocks():
+    return block_sizes(tiny_config(max_target_length=T).model, T)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_splash_matches_the_reference_in_outputs_and_gradients(case):
+    n, k, window, cap, scale, packed = CASES[case]
+    q, kk, v, seg = _inputs(n, k, packed)
+    ref = lambda q, kk, v: dot_product_attention(q, kk, v, seg, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
+                                                 window=window)
+    ours = lambda q, kk, v: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
+                                             window=window, blocks=_blocks(), interpret=True)
+    np.testing.assert_allclose(ours(q, kk, v), ref(q, kk, v), **TOL)
+    weights = jax.random.normal(jax.random.key(1), q.shape)  # a loss that weighs every output
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=(0, 1, 2))(q, kk, v) for f in (ours, ref)]
+    for g_ours, g_ref, name in zip(*grads, "qkv"):
+        np.testing.assert_allclose(g_ours, g_ref, err_msg=f"d{name}", **TOL)
+
+
+def test_splash_under_a_mesh_splits_batch_and_heads():
+    q, kk, v, seg = _inputs(4, 2, True, batch=4)
+    mesh = jax.make_mesh((2, 1, 2, 1, 2, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    ref = dot_product_attention(q, kk, v, seg, seg, scale=H**-0.5)
+    with jax.set_mesh(mesh):
+        out = jax.jit(lambda *a: splash_attention(*a, scale=H**-0.5, blocks=_blocks(), interpret=True))(q, kk, v, seg)
+    np.testing.assert_allclose(out, ref, **TOL)
+
+
+def test_a_model_with_splash_attention_equals_the_reference():
+    cfg = tiny_config(max_target_length=T, base_num_decoder_layers=2, base_num_kv_heads=2)
+    tokens = jax.random.randint(jax.random.key(2), (2, T), 0, cfg.model.vocab_size)
+    ref_model, splash_model = (build_model(cfg.model, kernel) for kernel in ("dot_product", "splash_interpret"))
+    params = ref_model.init(jax.random.key(0))
+
+    def loss(model, p):
+        return jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])
+
+    np.testing.assert_allclose(loss(splash_model, params), loss(ref_model, params), rtol=1e-5)
+    g_ref, g_splash = (jax.grad(lambda p, m=m: loss(m, p))(params) for m in (ref_model, splash_model))
+    for a, b in zip(jax.tree.leaves(g_splash), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides, kernel, why", [
+    (dict(attention="flash", max_target_length=2048), "splash", "splash attention"),
+    (dict(attention="autoselected", max_target_length=1024, attn_logits_soft_cap=50.0), "splash", "splash"),
+    (dict(attention="flash", max_target_length=1000), "dot_product", "multiple of 128"),
+    (dict(attention="dot_product", max_target_length=2048), "dot_product", "requested"),
+])
+def test_tpu_gets_splash_where_it_can_serve(overrides, kernel, why):
+    cfg = tiny_config(**overrides)
+    choice = select_attention(cfg.model, "tpu", cfg.data.max_target_length, {"sequence": 1})
+    assert choice.kernel == kernel and why in choice.reason
+    seq = select_attention(cfg.model, "tpu", cfg.data.max_target_length, {"sequence": 2})
+    assert seq.kernel == "dot_product"
+
+
+def test_block_sizes_are_checked_against_the_sequence():
+    assert block_sizes(tiny_config(sa_block_q=1024).model, 2048).block_q == 1024
+    with pytest.raises(ConfigError, match="sa_block_kv_dq=384.*divide the sequence length 2048"):
+        block_sizes(tiny_config(sa_block_q=1024, sa_block_kv_dq=384).model, 2048)
+    auto = block_sizes(tiny_config().model, 640)
+    assert auto.block_q == auto.block_kv_dq == 128  # 640 = 5 x 128: 512 and 256 do not divide it
+    assert block_sizes(tiny_config().model, 4096).block_q == 512
+
+
+def test_aot_compile_for_tpu_runs_the_splash_kernel():
+    from tessera.train_compile import compile_for_topology
+
+    cfg = build_config({"compile_topology": "v5e-4", "dtype": "bfloat16", "attention": "flash",
+                        "max_target_length": 256, "base_num_decoder_layers": 2, "per_device_batch_size": 1})
+    report = compile_for_topology(cfg)
+    assert report.fits and report.attention_kernel == "splash"
+    assert report.custom_calls.get("tpu_custom_call", 0) >= 3  # forward, dK/dV and dQ kernels
