@@ -3,6 +3,7 @@ mixture-of-experts routing (dropless == capacity, dropped tokens, expert paralle
 
 import json
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -148,3 +149,25 @@ def test_expert_parallel_gives_the_same_losses_as_one_device(routing, tmp_path):
 def test_family_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message):
         build_model(tiny_config(**keys).model)
+
+
+@pytest.mark.parametrize("dropless", [False, True])
+def test_moe_blocks_name_their_mlp_tensors_for_custom_remat(dropless):
+    """remat_policy=custom's mlpwi* keys reach the experts (the names are in the program) and
+    keeping or recomputing them gives the gradients of remat_policy=none."""
+    from tessera.step import loss_sums
+
+    def model_and_grads(**extra):
+        cfg = tiny_config(**MOE, sparse_matmul=dropless, **extra)
+        model = build_model(cfg.model)
+        params = model.init(jax.random.key(0))
+        batch = {"tokens": jax.random.randint(jax.random.key(1), (2, 17), 0, cfg.model.vocab_size),
+                 "segment_ids": jnp.ones((2, 17), jnp.int32), "positions": jnp.tile(jnp.arange(17), (2, 1))}
+        loss = lambda p: loss_sums(model, p, batch, None)[0]  # noqa: E731
+        return jax.make_jaxpr(loss)(params), jax.jit(jax.grad(loss))(params)
+
+    jaxpr, custom = model_and_grads(remat_policy="custom", mlpwi="device", mlpwi_0="offload", mlpwo="device")
+    for name in ("mlpwi", "mlpwi_0", "mlpwi_1", "mlpwo"):
+        assert re.search(rf"name={name}\b(?!_)", str(jaxpr)), name
+    _, none = model_and_grads(remat_policy="none")
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), none, custom)

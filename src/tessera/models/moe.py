@@ -78,9 +78,10 @@ class MoeMlp(nnx.Module):
         """The gated MLP of every expert on `h`, an [E, ..., D] buffer (einsum spec `contract`)."""
         out = None
         for i, name in enumerate(self.cfg.mlp_activations):
-            a = ACTIVATIONS[name](jnp.einsum(contract, h, getattr(self, f"wi_{i}")[...].astype(self.dtype)))
+            a = jnp.einsum(contract, h, getattr(self, f"wi_{i}")[...].astype(self.dtype))
+            a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
             out = a if out is None else out * a
-        return out
+        return checkpoint_name(out, "mlpwi")  # names as the dense MLP's, for remat_policy=custom
 
     def capacity_experts(self, x_btd, experts_btk, weights_btk):
         b, t, _ = x_btd.shape
@@ -113,8 +114,9 @@ class MoeMlp(nnx.Module):
         h = None
         for i, name in enumerate(self.cfg.mlp_activations):
             w_edf = getattr(self, f"wi_{i}")[...].astype(self.dtype)
-            a = ACTIVATIONS[name](jax.lax.ragged_dot(x_sorted, w_edf, group_sizes))
+            a = ACTIVATIONS[name](checkpoint_name(jax.lax.ragged_dot(x_sorted, w_edf, group_sizes), f"mlpwi_{i}"))
             h = a if h is None else h * a
+        h = checkpoint_name(h, "mlpwi")
         out_sorted = jax.lax.ragged_dot(h, self.wo_efd[...].astype(self.dtype), group_sizes)
         out_copies = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(b, t, k, d)
         return jnp.einsum("btkd,btk->btd", out_copies, weights_btk.astype(self.dtype))
