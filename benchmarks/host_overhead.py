@@ -2,10 +2,11 @@
 the next (METRICS_LAG=0, the old loop) against the one that reads them one step late
 (METRICS_LAG=1, the default), on a model so small that the device work is negligible.
 
-    .venv/bin/python benchmarks/host_overhead.py [--rounds 3] [--steps 60] [--out benchmarks/results/host_overhead.json]
+    .venv/bin/python benchmarks/host_overhead.py [--rounds 3] [--steps 200] [--out benchmarks/results/host_overhead.json]
 
-Workload (fixed): Tessera's default tiny model (emb 256, 4 layers, vocab 512), sequence 128,
-batch 8, float32, synthetic data, one CPU device, no checkpoints or TensorBoard. Each round
+Workload (fixed): one Llama block of width 64 (4 heads of 16, MLP 128), vocab 256, sequence
+32, batch 1, float32, synthetic data, one CPU device, no checkpoints or TensorBoard: the step's
+own compute is a few hundred microseconds, so the time per step is mostly the host's. Each round
 runs the real trainer (`tessera.train.run`) once per mode, alternating, and takes the median
 step time after warm-up from its report; the result is each mode's median over rounds and the
 ratio lag-1 / lag-0 (below 1: the one-step-late loop is faster). On CPU the "device" is the
@@ -29,14 +30,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-WORKLOAD = dict(max_target_length=128, per_device_batch_size=8, dataset_type="synthetic", enable_checkpointing=False,
-                enable_tensorboard=False, report_warmup_steps=5, log_period=1000)
+WORKLOAD = dict(base_emb_dim=64, base_mlp_dim=128, base_num_decoder_layers=1, base_num_query_heads=4,
+                base_num_kv_heads=4, head_dim=16, vocab_size=256, max_target_length=32, per_device_batch_size=1,
+                dataset_type="synthetic", enable_checkpointing=False, enable_tensorboard=False, report_warmup_steps=10,
+                log_period=1000)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "host_overhead.json"))
     args = parser.parse_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
