@@ -46,6 +46,8 @@ def test_logical_spec_rules():
     sizes = {"data": 2, "fsdp": 2, "tensor": 2, "sequence": 1, "expert": 1, "stage": 1}
     assert logical_spec(("embed", "mlp"), (8, 6), sizes) == P("fsdp", "tensor")
     assert logical_spec(("batch", "length", "act_embed"), (8, 5, 3), sizes) == P(("data", "fsdp"), None, None)
+    # the residual stream is split over tensor where it divides (sequence-parallel style)
+    assert logical_spec(("batch", "length", "act_embed"), (8, 5, 4), sizes) == P(("data", "fsdp"), None, "tensor")
     # a dimension that does not divide keeps only the axes that do, and an axis is used once
     assert logical_spec(("embed", "mlp"), (7, 6), sizes) == P(None, "tensor")
     assert logical_spec(("heads", "mlp"), (4, 4), sizes) == P("tensor", None)

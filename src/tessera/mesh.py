@@ -37,7 +37,11 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # activations
     "batch": ("data", "fsdp", "expert"),
     "length": ("sequence",),
-    "act_embed": (),
+    # the residual stream [B, T, D] between blocks is split over tensor too, as in Megatron's
+    # sequence parallelism: gathered before the projections, reduce-scattered after them. Left
+    # whole, every tensor-parallel device keeps all of it: MaxText's v5p 128B config (tensor 8)
+    # needed 97 GiB per chip that way, 68 GiB split (benchmarks/README.md)
+    "act_embed": ("tensor",),
     "act_heads": ("tensor",),
     "act_kv_heads": ("tensor",),
     "act_mlp": ("tensor",),
