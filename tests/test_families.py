@@ -140,6 +140,18 @@ def test_expert_parallel_gives_the_same_losses_as_one_device(routing, tmp_path):
         assert "dropped" in format_record(one[0])
 
 
+@pytest.mark.parametrize("mesh", [dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),
+                                  dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)])
+def test_dropless_per_shard_gives_the_same_losses_as_one_device(mesh, tmp_path):
+    """Without an expert axis each device sorts only its own tokens (shard_map); with the MLP
+    width split over tensor the partial outputs are summed. Same losses as one device."""
+    one = _moe_losses(tmp_path, "one", 1, sparse_matmul=True)
+    sharded = _moe_losses(tmp_path, "sharded", 8, sparse_matmul=True, **mesh)
+    for key in ("loss", "moe_load_balance_loss"):
+        a, b = np.array([r[key] for r in one]), np.array([r[key] for r in sharded])
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
+
+
 @pytest.mark.parametrize("keys,message", [
     (dict(decoder_block="gemma2", base_num_decoder_layers=3), "gemma2 needs an even number of layers"),
     (dict(num_experts=4, num_experts_per_tok=2), "decoder_block=llama2 has a dense MLP"),

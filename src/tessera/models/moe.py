@@ -12,7 +12,8 @@ Two ways to run the experts, with the same result when nothing is dropped (teste
   each device computes only its experts and XLA moves tokens with all-to-alls.
 - dropless (`sparse_matmul=true` or `megablox=true`): token copies are sorted by expert and
   each expert multiplies exactly its tokens with a grouped matmul (`jax.lax.ragged_dot`); no
-  capacity, no padding, no dropped tokens.
+  capacity, no padding, no dropped tokens. On a mesh without an expert axis each device sorts
+  only its own tokens (see `dropless_experts`); with one, the whole batch's copies are sorted.
 
 The router adds a load-balancing loss, E * sum_e c_e * p_e (c_e: token copies routed to
 expert e per token, p_e: mean router probability of e), as in Switch Transformer and with
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
@@ -105,6 +107,37 @@ class MoeMlp(nnx.Module):
         return out_btd, dropped
 
     def dropless_experts(self, x_btd, experts_btk, weights_btk):
+        """Dropless routing. Without expert parallelism each device sorts and groups only its own
+        tokens (inside shard_map: batch split over data/fsdp, expert weights gathered, their MLP
+        width split over tensor with a psum of the output), so no device ever holds the token
+        copies of the global batch. With an expert axis the copies of the whole batch are sorted
+        together (per-shard exchange over the expert axis is not implemented yet)."""
+        mesh = jax.sharding.get_abstract_mesh()
+        sizes = {} if mesh.empty else dict(mesh.shape)
+        batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+        shards = math.prod(sizes.get(a, 1) for a in batch)
+        if not batch or sizes.get("expert", 1) > 1 or sizes.get("sequence", 1) > 1 or x_btd.shape[0] % shards:
+            return self._dropless(x_btd, experts_btk, weights_btk, self._expert_weights())
+        tp = sizes.get("tensor", 1)
+        tensor = "tensor" if tp > 1 and self.cfg.mlp_dim % tp == 0 else None
+        rows = P(batch if len(batch) > 1 else batch[0], None, None)
+        wi_spec, wo_spec = P(None, None, tensor), P(None, tensor, None)
+
+        def local(x, experts, weights, wis, wo):
+            out = self._dropless(x, experts, weights, (wis, wo))
+            return jax.lax.psum(out, "tensor") if tensor else out
+
+        wis, wo = self._expert_weights()
+        return jax.shard_map(local, in_specs=(rows, rows, rows, [wi_spec] * len(wis), wo_spec), out_specs=rows,
+                             check_vma=False)(x_btd, experts_btk, weights_btk, wis, wo)
+
+    def _expert_weights(self):
+        """([wi_0, wi_1, ...] as [E, D, F], wo [E, F, D]) in the compute dtype."""
+        wis = [getattr(self, f"wi_{i}")[...].astype(self.dtype) for i in range(len(self.cfg.mlp_activations))]
+        return wis, self.wo_efd[...].astype(self.dtype)
+
+    def _dropless(self, x_btd, experts_btk, weights_btk, weights):
+        wis, wo_efd = weights
         b, t, d = x_btd.shape
         k, e = self.cfg.num_experts_per_tok, self.cfg.num_experts
         flat_experts = experts_btk.reshape(-1)  # token copy i*k + j: token i's j-th expert
@@ -112,11 +145,10 @@ class MoeMlp(nnx.Module):
         x_sorted = x_btd.reshape(b * t, d)[order // k]
         group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
         h = None
-        for i, name in enumerate(self.cfg.mlp_activations):
-            w_edf = getattr(self, f"wi_{i}")[...].astype(self.dtype)
+        for i, (name, w_edf) in enumerate(zip(self.cfg.mlp_activations, wis)):
             a = ACTIVATIONS[name](checkpoint_name(jax.lax.ragged_dot(x_sorted, w_edf, group_sizes), f"mlpwi_{i}"))
             h = a if h is None else h * a
         h = checkpoint_name(h, "mlpwi")
-        out_sorted = jax.lax.ragged_dot(h, self.wo_efd[...].astype(self.dtype), group_sizes)
+        out_sorted = jax.lax.ragged_dot(h, wo_efd, group_sizes)
         out_copies = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(b, t, k, d)
         return jnp.einsum("btkd,btk->btd", out_copies, weights_btk.astype(self.dtype))
