@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO, TINY, tiny_config
-from tessera.distributed import DistributedError, HangWatchdog, job_from_env
+from tessera.distributed import DistributedError, HangWatchdog, job_from_env, wait_for_all
 from tessera.train import run
 
 TINY_ARGS = [f"{k}={v}" for k, v in TINY.items() if k not in ("per_device_batch_size", "steps")]
@@ -140,3 +140,32 @@ def test_sigterm_to_one_process_stops_the_whole_job_at_the_same_step(tmp_path):
     port = _free_port()
     for code, err in _finish([_start(rank, port, tmp_path, f"steps={steps[0] + 1}") for rank in (0, 1)]):
         assert code == 0 and f"resuming from step {steps[0]}" in err, err[-3000:]
+
+
+_MEET = """
+import os, sys, time
+sys.path.insert(0, {src!r})
+import jax
+from tessera.distributed import DistributedError, wait_for_all
+jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id={rank}, initialization_timeout=60)
+if {rank} == 1:
+    time.sleep(8)  # does not reach the barrier in time
+    os._exit(0)
+try:
+    wait_for_all("nobody", 2, "a point process 1 never reaches")
+except DistributedError as e:
+    print(e, file=sys.stderr, flush=True)
+    os._exit(3)
+os._exit(0)
+"""
+
+
+def test_a_process_that_never_arrives_is_a_clear_distributed_error():
+    wait_for_all("single", 0.01, "anything")  # one process: returns at once
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    procs = [subprocess.Popen([sys.executable, "-c", _MEET.format(src=str(REPO / "src"), port=port, rank=rank)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    (code, err), _ = _finish(procs, timeout=120)
+    assert code == 3 and "process 0 of 2 waited 2 s for the other processes to reach a point " \
+        "process 1 never reaches" in err, err[-3000:]

@@ -60,6 +60,17 @@ class _TidyEventLoop(asyncio.SelectorEventLoop):
     Cancelling and awaiting them before the close ends them quietly, and the one error that
     caused it reaches us alone."""
 
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        """A TensorStore thread may complete a read after Orbax closed this loop (a race seen
+        when a damaged checkpoint fails one array while others are still in flight): nobody
+        awaits that result any more, so it is dropped instead of printing a traceback."""
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        except RuntimeError:
+            if self.is_closed():
+                return None
+            raise
+
     def close(self) -> None:
         if not self.is_closed() and not self.is_running():
             pending = [t for t in asyncio.all_tasks(self) if not t.done()]

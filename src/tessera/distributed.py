@@ -155,6 +155,29 @@ def _kv_client():
     return global_state.client
 
 
+def wait_for_all(name: str, timeout: float, what: str) -> None:
+    """Block until every process of the job reaches the point `name` (a no-op for one process).
+
+    JAX's CPU collectives (gloo) set up their connections at the first collective and give up
+    after a fixed 30 s when a process arrives later than that (a slow start on a loaded host);
+    on accelerators a late process is simply waited for. Meeting first at the coordinator's
+    barrier, which waits `timeout` seconds (0: an hour), makes every process enter the next
+    collective together, and a process that never comes is named in one clear error."""
+    from jax._src.distributed import global_state  # not jax.process_index(): it would wait for every backend
+
+    client = global_state.client
+    if client is None:
+        return
+    seconds = timeout if timeout > 0 else 3600.0
+    try:
+        client.wait_at_barrier(f"tessera/{name}", int(seconds * 1000))
+    except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED and the like from the coordinator
+        raise DistributedError(
+            f"process {global_state.process_id} of {global_state.num_processes} waited {seconds:.0f} s for the "
+            f"other processes to reach {what}, and not all did (step_timeout_seconds). Look at the other processes' logs for an "
+            f"error or a stall before that point. JAX said: {' '.join(str(e).split())[:400]}") from None
+
+
 def request_stop(step: int, signum: int) -> tuple[int, int]:
     """Ask every process to stop after `step + STOP_SLACK_STEPS`; returns the agreed (step, signal),
     which is an earlier request's when another process published first."""

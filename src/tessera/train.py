@@ -33,10 +33,11 @@ from tessera.config.derived import remote_run_dir, run_dir
 from tessera.data import DataError, make_input, place_batch
 from tessera.distributed import (
     EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, request_stop, stop_requested,
+    wait_for_all,
 )
 from tessera.evaluation import Evaluator
+from tessera.loop_records import Profiler, StepMeter
 from tessera.mesh import sharding_report
-from tessera.hardware import peak_tflops
 from tessera.step import Trainer, abstract_state, compile_step, create_state, setup, state_from_params
 
 log = logging.getLogger("tessera")
@@ -113,6 +114,7 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
     trainer = setup(cfg, devices)
     ckpt_dir = trainer.plan.checkpoint_dir
     _check_output_folders(cfg, ckpt_dir)
+    wait_for_all("setup", cfg.run.step_timeout_seconds, "the checkpoint manager (its first collective)")
     ckpt = Checkpointer(cfg.checkpoint, ckpt_dir) if cfg.checkpoint.enable_checkpointing else None
     try:
         # a finished run stops here, before reading its checkpoint or compiling anything
@@ -188,39 +190,28 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     run_dir = _create_run_folder(cfg, plan.run_dir)
     step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s", compile_seconds)
+    wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
     # ---- loop: step, metrics, finite check, checkpoint, SIGTERM
     writer = metrics.MetricsWriter(
         plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
         write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir)
-    meter, profiler, config_json = _StepMeter(trainer), _Profiler(cfg, run_dir), flat_dict(cfg)
-    pending: list[tuple[int, Any]] = []  # dispatched steps whose stats the host has not read yet
-
-    def finish_pending(keep: int = 0) -> None:
-        """Read the stats of all but the newest `keep` pending steps: write their records and check
-        them (a non-finite step stops the run here, see _check_finite)."""
-        while len(pending) > keep:
-            done, stats = pending.pop(0)
-            stats = jax.device_get(stats)  # waits for that step only
-            watchdog.beat()
-            writer.write(meter.record(done, stats))
-            profiler.after_step(done)
-            _check_finite(cfg, done, stats, ckpt)
-
+    meter, profiler, config_json = StepMeter(trainer), Profiler(cfg, run_dir), flat_dict(cfg)
     try:
         with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
+            stats_reader = _StatsReader(cfg, writer, meter, profiler, watchdog, ckpt)
             for step in range(start_step + 1, cfg.run.steps + 1):
                 profiler.before_step(step)
                 state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding, plan.global_batch))
                 # The step runs on the device while the host reads the previous step's stats and
                 # prepares the next batch: metrics are logged one step late (METRICS_LAG).
-                pending.append((step, stats))
-                finish_pending(keep=METRICS_LAG)
+                stats_reader.add(step, stats)
+                stats_reader.finish(keep=METRICS_LAG)
                 evaluating = evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps)
                 stopping = stop.stop_after(step)
                 saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stopping)
                 if evaluating or saving or stopping or step == cfg.run.steps:
-                    finish_pending()  # a non-finite step stops the run before anything is evaluated or saved
+                    stats_reader.finish()  # a non-finite step stops the run before anything is evaluated or saved
                 if evaluating:
                     writer.write_eval(evaluator.run(step, state["params"]))
                     watchdog.beat()
@@ -242,7 +233,31 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
 METRICS_LAG = 1
 
 
-def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: _StepMeter, run_dir: Path,
+class _StatsReader:
+    """The stats of dispatched steps the host has not read yet, read in step order: each becomes
+    a metrics record, and a non-finite one stops the run (see _check_finite)."""
+
+    def __init__(self, cfg: Config, writer: metrics.MetricsWriter, meter: StepMeter, profiler: Profiler,
+                 watchdog: HangWatchdog, ckpt: Checkpointer | None):
+        self.cfg, self.writer, self.meter, self.profiler, self.watchdog, self.ckpt = (
+            cfg, writer, meter, profiler, watchdog, ckpt)
+        self.pending: list[tuple[int, Any]] = []
+
+    def add(self, step: int, stats) -> None:
+        self.pending.append((step, stats))
+
+    def finish(self, keep: int = 0) -> None:
+        """Read all but the newest `keep` pending steps."""
+        while len(self.pending) > keep:
+            step, stats = self.pending.pop(0)
+            stats = jax.device_get(stats)  # waits for that step only
+            self.watchdog.beat()
+            self.writer.write(self.meter.record(step, stats))
+            self.profiler.after_step(step)
+            _check_finite(self.cfg, step, stats, self.ckpt)
+
+
+def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: StepMeter, run_dir: Path,
                   n_params: int, compile_seconds: float, start_step: int) -> dict[str, Any]:
     """The run report: logged, written as report.json (process 0) and returned."""
     report = metrics.run_report(
@@ -306,59 +321,6 @@ def _check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None
     raise TrainingStopped(
         f"{what}; stopping without saving ({where}). Lower learning_rate, raise warmup_steps_fraction or "
         "gradient_clipping_threshold, or set on_nonfinite_loss=skip_step", EXIT_NONFINITE)
-
-
-class _StepMeter:
-    """Turns a step's stats and wall time into a metrics record (TFLOP/s, tokens/s, MFU)."""
-
-    def __init__(self, trainer: Trainer):
-        plan = trainer.plan
-        self.device_kind = trainer.mesh.devices.flat[0].device_kind
-        self.peak = peak_tflops(self.device_kind)
-        if self.peak is None:
-            log.info("device kind %r is not in the peak table: MFU is reported as unknown", self.device_kind)
-        self.flops = metrics.training_flops_per_step(trainer.model.cfg, plan.global_batch, plan.max_target_length)
-        self.tokens = plan.tokens_per_step
-        self.devices = plan.num_devices
-        self.last = time.perf_counter()
-
-    def record(self, step: int, stats: dict) -> dict:
-        now = time.perf_counter()
-        seconds, self.last = now - self.last, now
-        tflops = self.flops / seconds / self.devices / 1e12
-        return {
-            "step": step, "loss": float(stats["loss"]), "grad_norm": float(stats["grad_norm"]),
-            "learning_rate": float(stats["learning_rate"]), "step_seconds": seconds,
-            "tflops_per_sec_per_device": tflops, "tokens_per_sec_per_device": self.tokens / seconds / self.devices,
-            "mfu": None if self.peak is None else tflops / self.peak,
-            **{k: float(v) for k, v in stats.items() if k.startswith("moe_")},  # router loss, dropped tokens
-        }
-
-
-class _Profiler:
-    """Captures an xplane trace of `profiler_steps` steps after `skip_first_n_steps_for_profiler`."""
-
-    def __init__(self, cfg: Config, run_dir: Path):
-        p = cfg.profiler
-        self.enabled = p.profiler == "xplane"
-        self.first = p.skip_first_n_steps_for_profiler + 1
-        self.last = self.first + p.profiler_steps - 1
-        self.dir, self.active = run_dir / "profile", False
-
-    def before_step(self, step: int) -> None:
-        if self.enabled and step == self.first:
-            jax.profiler.start_trace(str(self.dir))
-            self.active = True
-
-    def after_step(self, step: int) -> None:
-        if self.active and step == self.last:
-            self.stop()
-
-    def stop(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
-            log.info("profile written to %s", self.dir)
 
 
 def format_changed_keys(cfg: Config) -> str:
