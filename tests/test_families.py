@@ -132,7 +132,7 @@ def _moe_losses(tmp_path, name, num_devices, **overrides):
 def test_expert_parallel_gives_the_same_losses_as_one_device(routing, tmp_path):
     one = _moe_losses(tmp_path, "one", 1, **routing)
     ep = _moe_losses(tmp_path, "ep", 8, ici_expert_parallelism=4, ici_fsdp_parallelism=2, **routing)
-    for key in ("loss", "moe_load_balance_loss", "moe_dropped_fraction"):
+    for key in ("loss", "grad_norm", "moe_load_balance_loss", "moe_dropped_fraction"):
         a, b = np.array([r[key] for r in one]), np.array([r[key] for r in ep])
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
     if "capacity_factor" in routing:
@@ -183,3 +183,41 @@ def test_moe_blocks_name_their_mlp_tensors_for_custom_remat(dropless):
         assert re.search(rf"name={name}\b(?!_)", str(jaxpr)), name
     _, none = model_and_grads(remat_policy="none")
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), none, custom)
+
+
+def test_expert_parallelism_splits_the_weights_without_an_expert_dimension():
+    from tessera.step import setup
+
+    trainer = setup(tiny_config(**MOE, sparse_matmul=True, ici_expert_parallelism=4, ici_fsdp_parallelism=2))
+    specs = jax.tree.map(lambda s: s.spec, trainer.state_shardings["params"])
+    assert specs["layers"]["attention"]["wq_dnh"] == jax.sharding.PartitionSpec(None, ("fsdp", "expert"), None, None)
+    assert specs["token_embedder"]["table_vd"] == jax.sharding.PartitionSpec(None, ("fsdp", "expert"))
+    # expert weights: experts over expert, their embed dimension over fsdp only
+    assert specs["layers"]["mlp"]["wi_0"] == jax.sharding.PartitionSpec(None, "expert", "fsdp", None)
+
+
+def test_dropless_expert_parallel_moves_tokens_with_all_to_all():
+    """The compiled expert-parallel step exchanges token rows over the expert axis (all-to-all
+    on CPU, where XLA has no ragged all-to-all) instead of gathering the whole batch."""
+    from tessera.step import compile_step, setup
+
+    trainer = setup(tiny_config(**MOE, sparse_matmul=True, ici_expert_parallelism=4, ici_fsdp_parallelism=2,
+                                per_device_batch_size=1))
+    text = compile_step(trainer, 0)[0].as_text()
+    assert "all-to-all" in text
+
+
+def test_ragged_buffer_factor_bounds_the_receive_buffer_and_reports_drops(tmp_path):
+    """ragged_buffer_factor=0.5 gives each expert shard room for half the copies it receives on
+    average: some are dropped, and the step says how many; factor 4 on a 4-way expert axis is the
+    worst case, so nothing is dropped and the losses equal one device's."""
+    mesh = dict(ici_expert_parallelism=4, ici_fsdp_parallelism=2)
+    one = _moe_losses(tmp_path, "one", 1, sparse_matmul=True)
+    roomy = _moe_losses(tmp_path, "roomy", 8, sparse_matmul=True, ragged_buffer_factor=4, **mesh)
+    tight = _moe_losses(tmp_path, "tight", 8, sparse_matmul=True, ragged_buffer_factor=0.5, **mesh)
+    np.testing.assert_allclose([r["loss"] for r in roomy], [r["loss"] for r in one], rtol=1e-4)
+    assert all(r["moe_dropped_fraction"] == 0 for r in roomy)
+    assert all(0.5 <= r["moe_dropped_fraction"] < 1 for r in tight)
+    assert all(np.isfinite(r["loss"]) for r in tight) and tight[0]["loss"] != one[0]["loss"]
+    with pytest.raises(ConfigError, match="ragged_buffer_factor=0.0 must be > 0"):
+        build_model(tiny_config(**MOE, ragged_buffer_factor=0).model)

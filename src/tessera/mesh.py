@@ -50,7 +50,10 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "act_batch_no_exp": ("data", "fsdp"),
     # parameters
     "layers": (),
-    "embed": ("fsdp", "sequence"),
+    # over expert too: with expert parallelism the attention and embedding weights, which have
+    # no expert dimension, are split over it as over fsdp instead of copied to every device of
+    # it (expert weights use that axis for their expert dimension first)
+    "embed": ("fsdp", "sequence", "expert"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),

@@ -64,6 +64,7 @@ class CompileReport:
     compiler_error: str = ""  # the compiler's own out-of-memory message, when it refused to compile
     attention_kernel: str = ""  # the attention kernel compiled into the step (select_attention's choice)
     custom_calls: dict = dataclasses.field(default_factory=dict)  # custom-call target -> count in the program
+    collectives: dict = dataclasses.field(default_factory=dict)  # collective op (all-reduce, ...) -> count
 
     @property
     def fits(self) -> bool:
@@ -151,6 +152,8 @@ def compile_for_topology(cfg: Config) -> CompileReport:
     mem = compiled.memory_analysis()
     targets = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
     report.custom_calls = {t: targets.count(t) for t in sorted(set(targets))}
+    ops = COLLECTIVE_OP.findall(compiled.as_text())
+    report.collectives = {op: ops.count(op) for op in sorted(set(ops))}
     live = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     peak = max(getattr(mem, "peak_memory_in_bytes", 0), live)
     return dataclasses.replace(
@@ -190,6 +193,11 @@ def state_bytes_per_device(trainer) -> int:
     return int(sum(jax.tree.leaves(sizes)))
 
 
+# a collective instruction in compiled HLO text: `... = bf16[..] all-to-all(...)`, async ones as `-start`
+COLLECTIVE_OP = re.compile(r" (ragged-all-to-all|all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute)"
+                           r"(?:-start)?\(")
+
+
 def memory_table(r: CompileReport) -> str:
     rows = [
         ("train state + batch (arguments)", r.argument_bytes),
@@ -202,7 +210,8 @@ def memory_table(r: CompileReport) -> str:
     ]
     kernels = ", ".join(f"{t} x{n}" for t, n in r.custom_calls.items()) or "none"
     return ("\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
-            + f"\n  attention kernel: {r.attention_kernel or 'unknown'}; custom calls in the program: {kernels}")
+            + f"\n  attention kernel: {r.attention_kernel or 'unknown'}; custom calls in the program: {kernels}"
+            + "\n  collectives in the program: " + (", ".join(f"{op} x{n}" for op, n in r.collectives.items()) or "none"))
 
 
 def not_fits_message(r: CompileReport, cfg: Config) -> str:

@@ -343,6 +343,9 @@ def _validate_family(m) -> None:
                           "gate and up projections; set fused_mlp=false")
     if m.capacity_factor != -1 and m.capacity_factor <= 0:
         raise ConfigError(f"capacity_factor={m.capacity_factor} must be > 0, or -1 for no capacity limit")
+    if m.ragged_buffer_factor != -1 and m.ragged_buffer_factor <= 0:
+        raise ConfigError(f"ragged_buffer_factor={m.ragged_buffer_factor} must be > 0, or -1 for a buffer with room "
+                          "for every token copy")
 
 
 def validate_for_build(m: ModelConfig) -> None:

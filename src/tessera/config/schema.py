@@ -188,6 +188,9 @@ class ModelConfig:
                               "capacity_factor is not used")
     megablox: bool = key(False, "dropless MoE, as sparse_matmul (the key MaxText recipes use; runs jax.lax.ragged_dot, "
                          "XLA's grouped matmul)")
+    ragged_buffer_factor: float = key(-1.0, "dropless MoE with an expert axis: each device's buffer for the token "
+                                      "copies it receives holds ragged_buffer_factor x its own copies; the excess "
+                                      "is dropped (reported); -1: room for every copy (never drops)")
     load_balance_loss_weight: float = key(0.01, "weight of the MoE router's load-balancing loss in the training loss "
                                           "(Mixtral: 0.02)", minimum=0.0)
 

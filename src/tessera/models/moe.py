@@ -12,8 +12,9 @@ Two ways to run the experts, with the same result when nothing is dropped (teste
   each device computes only its experts and XLA moves tokens with all-to-alls.
 - dropless (`sparse_matmul=true` or `megablox=true`): token copies are sorted by expert and
   each expert multiplies exactly its tokens with a grouped matmul (`jax.lax.ragged_dot`); no
-  capacity, no padding, no dropped tokens. On a mesh without an expert axis each device sorts
-  only its own tokens (see `dropless_experts`); with one, the whole batch's copies are sorted.
+  capacity, no padding, no dropped tokens. Each device sorts only its own tokens; with an
+  expert axis it sends each expert shard its copies and gets the results back (see
+  `dropless_experts`).
 
 The router adds a load-balancing loss, E * sum_e c_e * p_e (c_e: token copies routed to
 expert e per token, p_e: mean router probability of e), as in Switch Transformer and with
@@ -64,8 +65,7 @@ class MoeMlp(nnx.Module):
         weights_btk = jax.nn.softmax(top_logits_btk, axis=-1)  # = softmax over all, renormalized over the top k
         aux = {"moe_load_balance_loss": self.load_balance_loss(logits_bte, experts_btk)}
         if self.dropless:
-            out_btd = self.dropless_experts(x_btd, experts_btk, weights_btk)
-            aux["moe_dropped_fraction"] = jnp.zeros((), jnp.float32)
+            out_btd, aux["moe_dropped_fraction"] = self.dropless_experts(x_btd, experts_btk, weights_btk)
         else:
             out_btd, aux["moe_dropped_fraction"] = self.capacity_experts(x_btd, experts_btk, weights_btk)
         return checkpoint_name(out_btd, "mlpwo"), aux
@@ -107,28 +107,41 @@ class MoeMlp(nnx.Module):
         return out_btd, dropped
 
     def dropless_experts(self, x_btd, experts_btk, weights_btk):
-        """Dropless routing. Without expert parallelism each device sorts and groups only its own
-        tokens (inside shard_map: batch split over data/fsdp, expert weights gathered, their MLP
-        width split over tensor with a psum of the output), so no device ever holds the token
-        copies of the global batch. With an expert axis the copies of the whole batch are sorted
-        together (per-shard exchange over the expert axis is not implemented yet)."""
+        """(output, fraction of token copies dropped: 0 unless ragged_buffer_factor > 0).
+
+        Dropless routing inside shard_map, so no device ever holds the token copies of the
+        global batch: the batch is split over data/fsdp/expert, the experts over `expert`, their
+        MLP width over `tensor` (partial outputs summed with a psum).
+
+        Without an expert axis each device sorts and groups only its own tokens against all
+        experts (gathered). With one, each device sorts its token copies by expert, sends each
+        expert shard its rows (`_ragged_exchange`), groups what it received by local expert for the
+        grouped matmuls, and sends the results back the same way. A sequence axis, or a batch
+        the mesh does not divide, falls back to sorting the whole batch's copies together."""
         mesh = jax.sharding.get_abstract_mesh()
         sizes = {} if mesh.empty else dict(mesh.shape)
-        batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
+        ep, e = sizes.get("expert", 1), self.cfg.num_experts
+        batch = tuple(a for a in ("data", "fsdp", "expert") if sizes.get(a, 1) > 1)
         shards = math.prod(sizes.get(a, 1) for a in batch)
-        if not batch or sizes.get("expert", 1) > 1 or sizes.get("sequence", 1) > 1 or x_btd.shape[0] % shards:
-            return self._dropless(x_btd, experts_btk, weights_btk, self._expert_weights())
+        if not batch or sizes.get("sequence", 1) > 1 or x_btd.shape[0] % shards or e % ep:
+            return self._dropless(x_btd, experts_btk, weights_btk, self._expert_weights()), jnp.zeros((), jnp.float32)
         tp = sizes.get("tensor", 1)
         tensor = "tensor" if tp > 1 and self.cfg.mlp_dim % tp == 0 else None
+        experts = "expert" if ep > 1 else None
         rows = P(batch if len(batch) > 1 else batch[0], None, None)
-        wi_spec, wo_spec = P(None, None, tensor), P(None, tensor, None)
+        wi_spec, wo_spec = P(experts, None, tensor), P(experts, tensor, None)
+        ragged = not mesh.empty and mesh.abstract_device is not None and mesh.abstract_device.platform != "cpu"
 
-        def local(x, experts, weights, wis, wo):
-            out = self._dropless(x, experts, weights, (wis, wo))
-            return jax.lax.psum(out, "tensor") if tensor else out
+        def local(x, experts_btk, weights_btk, wis, wo):
+            if experts:
+                out, dropped = self._dropless_expert_parallel(x, experts_btk, weights_btk, (wis, wo), ep, ragged)
+                dropped = jax.lax.pmean(dropped, batch)  # every device holds as many copies
+            else:
+                out, dropped = self._dropless(x, experts_btk, weights_btk, (wis, wo)), jnp.zeros((), jnp.float32)
+            return (jax.lax.psum(out, "tensor") if tensor else out), dropped
 
         wis, wo = self._expert_weights()
-        return jax.shard_map(local, in_specs=(rows, rows, rows, [wi_spec] * len(wis), wo_spec), out_specs=rows,
+        return jax.shard_map(local, in_specs=(rows, rows, rows, [wi_spec] * len(wis), wo_spec), out_specs=(rows, P()),
                              check_vma=False)(x_btd, experts_btk, weights_btk, wis, wo)
 
     def _expert_weights(self):
@@ -136,19 +149,103 @@ class MoeMlp(nnx.Module):
         wis = [getattr(self, f"wi_{i}")[...].astype(self.dtype) for i in range(len(self.cfg.mlp_activations))]
         return wis, self.wo_efd[...].astype(self.dtype)
 
-    def _dropless(self, x_btd, experts_btk, weights_btk, weights):
-        wis, wo_efd = weights
+    def _sort_copies(self, x_btd, experts_btk):
+        """(rows [B*T*k, D] sorted by expert, their order, rows per expert [E])."""
         b, t, d = x_btd.shape
         k, e = self.cfg.num_experts_per_tok, self.cfg.num_experts
         flat_experts = experts_btk.reshape(-1)  # token copy i*k + j: token i's j-th expert
         order = jnp.argsort(flat_experts, stable=True)
-        x_sorted = x_btd.reshape(b * t, d)[order // k]
-        group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
+        return x_btd.reshape(b * t, d)[order // k], order, jnp.bincount(flat_experts, length=e).astype(jnp.int32)
+
+    def _combine(self, out_sorted, order, weights_btk):
+        """The expert outputs of the sorted copies back in token order, mixed by the router weights."""
+        b, t, k = weights_btk.shape
+        out_copies = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(b, t, k, -1)
+        return jnp.einsum("btkd,btk->btd", out_copies, weights_btk.astype(self.dtype))
+
+    def _grouped_mlp(self, rows, group_sizes, weights):
+        """The gated MLP of expert g on its consecutive rows (`group_sizes[g]` of them), as grouped
+        matmuls; rows past the groups' total come out zero."""
+        wis, wo_efd = weights
         h = None
         for i, (name, w_edf) in enumerate(zip(self.cfg.mlp_activations, wis)):
-            a = ACTIVATIONS[name](checkpoint_name(jax.lax.ragged_dot(x_sorted, w_edf, group_sizes), f"mlpwi_{i}"))
+            a = ACTIVATIONS[name](checkpoint_name(jax.lax.ragged_dot(rows, w_edf, group_sizes), f"mlpwi_{i}"))
             h = a if h is None else h * a
-        h = checkpoint_name(h, "mlpwi")
-        out_sorted = jax.lax.ragged_dot(h, wo_efd, group_sizes)
-        out_copies = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(b, t, k, d)
-        return jnp.einsum("btkd,btk->btd", out_copies, weights_btk.astype(self.dtype))
+        return jax.lax.ragged_dot(checkpoint_name(h, "mlpwi"), wo_efd, group_sizes)
+
+    def _dropless(self, x_btd, experts_btk, weights_btk, weights):
+        x_sorted, order, group_sizes = self._sort_copies(x_btd, experts_btk)
+        return self._combine(self._grouped_mlp(x_sorted, group_sizes, weights), order, weights_btk)
+
+    def _dropless_expert_parallel(self, x_btd, experts_btk, weights_btk, weights, ep: int, ragged: bool):
+        """One device's part of dropless routing over an expert axis of `ep` devices, each holding
+        E/ep consecutive experts (inside shard_map; see `dropless_experts`). Returns (output,
+        the fraction of this device's token copies dropped for want of buffer room).
+
+        Its C = B*T*k token copies, sorted by expert, go in `ep` consecutive runs, one per expert
+        shard. A shard stacks the runs it receives source by source in a buffer of
+        `receive_buffer_rows` rows, groups them by its local experts for the grouped matmuls,
+        and returns each run to where it came from. Every device knows every run's length (an
+        all-gather of the counts), so senders and receivers agree on where each run lands and
+        on how much of it fits; the part of a run past the buffer's end is dropped (only with
+        ragged_buffer_factor > 0) and those copies add nothing to their token's output."""
+        e_local = self.cfg.num_experts // ep
+        x_sorted, order, counts = self._sort_copies(x_btd, experts_btk)
+        c = x_sorted.shape[0]
+        rows = self.receive_buffer_rows(c, ep)
+        me = jax.lax.axis_index("expert")
+        all_counts = jax.lax.all_gather(counts.reshape(ep, e_local), "expert")  # [source, destination, local expert]
+        runs = all_counts.sum(axis=2)  # [source, destination] rows
+        starts = jnp.cumsum(runs, axis=0) - runs  # where each run starts in its destination's buffer
+        kept = jnp.clip(rows - starts, 0, runs)  # how much of it fits
+        offsets = jnp.cumsum(runs, axis=1) - runs  # [source, destination]: where the source's run starts in its copies
+        send_offsets = offsets[me]
+        exchange = _ragged_exchange if ragged else _padded_exchange
+        received = exchange(x_sorted, kept[me], send_offsets, kept[:, me], starts[:, me], starts[me], rows, c)
+        # the buffer's rows are source-major, each source's run sorted by local expert: regroup by expert
+        ends = jnp.minimum(jnp.cumsum(all_counts[:, me], axis=1), kept[:, me, None])  # [source, local expert]
+        row = jnp.arange(rows)
+        source = jnp.searchsorted(jnp.cumsum(kept[:, me]), row, side="right")  # ep: past every run
+        in_run = row - starts[jnp.minimum(source, ep - 1), me]
+        expert = jnp.sum(in_run[:, None] >= ends[jnp.minimum(source, ep - 1)], axis=1)
+        expert = jnp.where(source < ep, expert, e_local)  # e_local: an empty row, sorted last
+        by_expert = jnp.argsort(expert, stable=True)
+        group_sizes = jnp.sum(jnp.diff(ends, axis=1, prepend=0), axis=0).astype(jnp.int32)
+        out = self._grouped_mlp(received[by_expert], group_sizes, weights)
+        out = jnp.zeros_like(out).at[by_expert].set(out)
+        # back: the part of source i's run I kept returns to where source i keeps its run for me
+        out_sorted = exchange(out, kept[:, me], starts[:, me], kept[me], send_offsets, offsets[:, me], c, c)
+        dropped = (c - jnp.sum(kept[me])) / c
+        return self._combine(out_sorted, order, weights_btk), dropped
+
+    def receive_buffer_rows(self, copies: int, ep: int) -> int:
+        """Rows of the buffer a device receives token copies into, when each of the `ep` devices
+        of the expert axis sends `copies`: all of them at worst (ragged_buffer_factor=-1), else
+        ragged_buffer_factor x `copies`, the average (at most the worst case)."""
+        factor = self.cfg.ragged_buffer_factor
+        return ep * copies if factor <= 0 else min(ep * copies, max(1, math.ceil(factor * copies)))
+
+def _ragged_exchange(rows, send, send_offsets, recv, recv_offsets, dest_offsets, out_rows, run_rows):
+    """Over the `expert` axis: my `send[j]` rows at `send_offsets[j]` of `rows` go to device j,
+    landing at `dest_offsets[j]` of its [out_rows, D] result; I receive `recv[i]` rows from
+    device i at `recv_offsets[i]`; no run is longer than `run_rows`. Only the rows sent cross
+    the network (XLA's ragged all-to-all; TPU and GPU, not XLA:CPU)."""
+    del recv_offsets, run_rows  # where received runs land is set by the senders' dest_offsets
+    out = jnp.zeros((out_rows, rows.shape[1]), rows.dtype)
+    return jax.lax.ragged_all_to_all(rows, out, send_offsets.astype(jnp.int32), send.astype(jnp.int32),
+                                     dest_offsets.astype(jnp.int32), recv.astype(jnp.int32), axis_name="expert")
+
+
+def _padded_exchange(rows, send, send_offsets, recv, recv_offsets, dest_offsets, out_rows, run_rows):
+    """`_ragged_exchange` with a dense all-to-all, each run padded to `run_rows`: for XLA:CPU,
+    which has no ragged all-to-all. The same result, but it moves every run at its longest
+    possible length, so accelerators use the ragged one."""
+    del dest_offsets  # a dense all-to-all puts device i's run in slot i; recv_offsets says where that is
+    n, d = rows.shape
+    r = jnp.arange(run_rows)
+    take = send_offsets[:, None] + r[None, :]  # [destination, slot]
+    runs = jnp.where((r[None, :] < send[:, None])[..., None], rows[jnp.clip(take, 0, n - 1)], 0)
+    got = jax.lax.all_to_all(runs, "expert", split_axis=0, concat_axis=0, tiled=False)  # [source, slot, D]
+    # place source i's first recv[i] rows at recv_offsets[i] of the result
+    pos = jnp.where(r[None, :] < recv[:, None], recv_offsets[:, None] + r[None, :], out_rows)  # out_rows: dropped
+    return jnp.zeros((out_rows, d), rows.dtype).at[pos.reshape(-1)].set(got.reshape(-1, d), mode="drop")
