@@ -221,3 +221,25 @@ def test_ragged_buffer_factor_bounds_the_receive_buffer_and_reports_drops(tmp_pa
     assert all(np.isfinite(r["loss"]) for r in tight) and tight[0]["loss"] != one[0]["loss"]
     with pytest.raises(ConfigError, match="ragged_buffer_factor=0.0 must be > 0"):
         build_model(tiny_config(**MOE, ragged_buffer_factor=0).model)
+
+
+def test_megablox_kernel_equals_ragged_dot_in_values_and_gradients():
+    """The Pallas grouped matmul (in its interpreter here; on TPUs with megablox=true) against
+    XLA's ragged_dot: rows not a multiple of its 128-row tile, an empty group, rows past the
+    groups' total (zero in both)."""
+    from tessera.models.moe import grouped_matmul
+
+    lhs = jax.random.normal(jax.random.key(0), (150, 128))
+    rhs = jax.random.normal(jax.random.key(1), (4, 128, 256))
+    sizes = jnp.array([50, 0, 61, 29], jnp.int32)  # 140 of 150 rows
+    probe = jax.random.normal(jax.random.key(2), (150, 256))
+
+    def loss(kernel, l, r):
+        return jnp.sum(grouped_matmul(l, r, sizes, kernel) * probe)
+
+    ref, got = grouped_matmul(lhs, rhs, sizes, "ragged_dot"), grouped_matmul(lhs, rhs, sizes, "megablox_interpret")
+    np.testing.assert_allclose(got, ref, atol=1e-3)
+    assert not np.any(got[140:])
+    for a, b in zip(jax.grad(lambda l, r: loss("megablox_interpret", l, r), (0, 1))(lhs, rhs),
+                    jax.grad(lambda l, r: loss("ragged_dot", l, r), (0, 1))(lhs, rhs)):
+        np.testing.assert_allclose(a, b, atol=1e-3)

@@ -138,3 +138,18 @@ def test_dropless_expert_parallelism_exchanges_tokens_with_ragged_all_to_all_on_
     r = compile_for_topology(cfg)
     assert r.fits and r.collectives.get("ragged-all-to-all", 0) >= 2, r.collectives
     assert "collectives in the program:" in train_compile.memory_table(r)
+
+
+def test_megablox_runs_the_pallas_grouped_matmul_on_tpu():
+    # widths that are multiples of the kernel's 128 tile; XLA's own grouped matmul otherwise
+    from tessera.step import compile_step, setup
+    from tessera.train_compile import topology_devices
+
+    programs = {}
+    for megablox in (False, True):
+        cfg = build_config({**TINY, "decoder_block": "mixtral", "num_experts": 4, "num_experts_per_tok": 2,
+                            "sparse_matmul": True, "megablox": megablox, "dtype": "bfloat16", "base_emb_dim": 128,
+                            "base_mlp_dim": 256, "ici_expert_parallelism": 4, "ici_fsdp_parallelism": 2})
+        programs[megablox] = compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text()
+    assert "%ragged-dot" in programs[False] and "%gmm" not in programs[False]
+    assert "%gmm" in programs[True] and "%tgmm" in programs[True] and "%ragged-dot" not in programs[True]

@@ -186,8 +186,8 @@ class ModelConfig:
                                  "(k*T/E) of a sequence's tokens, the others skip it (dropped); -1: no limit")
     sparse_matmul: bool = key(False, "dropless MoE: sort token copies by expert and run grouped (ragged) matmuls; "
                               "capacity_factor is not used")
-    megablox: bool = key(False, "dropless MoE, as sparse_matmul (the key MaxText recipes use; runs jax.lax.ragged_dot, "
-                         "XLA's grouped matmul)")
+    megablox: bool = key(False, "dropless MoE, as sparse_matmul, with the grouped matmuls in the Pallas megablox "
+                         "kernel on TPUs (widths multiples of 128); elsewhere jax.lax.ragged_dot")
     ragged_buffer_factor: float = key(-1.0, "dropless MoE with an expert axis: each device's buffer for the token "
                                       "copies it receives holds ragged_buffer_factor x its own copies; the excess "
                                       "is dropped (reported); -1: room for every copy (never drops)")

@@ -11,10 +11,11 @@ Two ways to run the experts, with the same result when nothing is dropped (teste
   later ones. Buffers are sharded over the `expert` mesh axis, so with expert parallelism
   each device computes only its experts and XLA moves tokens with all-to-alls.
 - dropless (`sparse_matmul=true` or `megablox=true`): token copies are sorted by expert and
-  each expert multiplies exactly its tokens with a grouped matmul (`jax.lax.ragged_dot`); no
-  capacity, no padding, no dropped tokens. Each device sorts only its own tokens; with an
-  expert axis it sends each expert shard its copies and gets the results back (see
-  `dropless_experts`).
+  each expert multiplies exactly its tokens with a grouped matmul (`jax.lax.ragged_dot`; with
+  `megablox=true` on TPUs, the Pallas megablox kernel): no capacity, no padding, no dropped
+  tokens. Each device sorts only its own tokens; with an expert axis it sends each expert
+  shard its copies and gets the results back (see `dropless_experts`), into a buffer that
+  `ragged_buffer_factor` may bound (then copies past its end are dropped and counted).
 
 The router adds a load-balancing loss, E * sum_e c_e * p_e (c_e: token copies routed to
 expert e per token, p_e: mean router probability of e), as in Switch Transformer and with
@@ -25,6 +26,7 @@ layers and the train step adds `load_balance_loss_weight` times it to the loss.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
@@ -36,6 +38,8 @@ from jax.sharding import PartitionSpec as P
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
 from tessera.models.layers import ACTIVATIONS, fan_in_std, param
+
+log = logging.getLogger(__name__)
 
 
 def expert_capacity(tokens: int, cfg: ModelConfig) -> int:
@@ -165,13 +169,14 @@ class MoeMlp(nnx.Module):
 
     def _grouped_mlp(self, rows, group_sizes, weights):
         """The gated MLP of expert g on its consecutive rows (`group_sizes[g]` of them), as grouped
-        matmuls; rows past the groups' total come out zero."""
+        matmuls (`grouped_matmul`); rows past the groups' total come out zero."""
         wis, wo_efd = weights
+        kernel = grouped_matmul_kernel(self.cfg)
         h = None
         for i, (name, w_edf) in enumerate(zip(self.cfg.mlp_activations, wis)):
-            a = ACTIVATIONS[name](checkpoint_name(jax.lax.ragged_dot(rows, w_edf, group_sizes), f"mlpwi_{i}"))
+            a = ACTIVATIONS[name](checkpoint_name(grouped_matmul(rows, w_edf, group_sizes, kernel), f"mlpwi_{i}"))
             h = a if h is None else h * a
-        return jax.lax.ragged_dot(checkpoint_name(h, "mlpwi"), wo_efd, group_sizes)
+        return grouped_matmul(checkpoint_name(h, "mlpwi"), wo_efd, group_sizes, kernel)
 
     def _dropless(self, x_btd, experts_btk, weights_btk, weights):
         x_sorted, order, group_sizes = self._sort_copies(x_btd, experts_btk)
@@ -224,6 +229,42 @@ class MoeMlp(nnx.Module):
         ragged_buffer_factor x `copies`, the average (at most the worst case)."""
         factor = self.cfg.ragged_buffer_factor
         return ep * copies if factor <= 0 else min(ep * copies, max(1, math.ceil(factor * copies)))
+
+def grouped_matmul_kernel(cfg: ModelConfig) -> str:
+    """"megablox" (the Pallas grouped matmul made for TPUs) when `megablox=true` and the mesh is
+    of TPUs, else "ragged_dot" (XLA's grouped matmul, any device), as MaxText chooses."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    platform = device.platform if device is not None else jax.default_backend()
+    return "megablox" if cfg.megablox and platform == "tpu" else "ragged_dot"
+
+
+MEGABLOX_TILE = 128  # rows, contraction and output columns per tile of the Pallas kernel
+
+
+def grouped_matmul(lhs_md, rhs_gdn, group_sizes, kernel: str):
+    """lhs rows [sum(group_sizes[:g]), sum(group_sizes[:g+1])) times rhs[g], for each group g;
+    rows past the groups' total are zero. `kernel`: "ragged_dot", "megablox", or
+    "megablox_interpret" (the Pallas kernel in its interpreter, to test it on a CPU)."""
+    m, (k, n) = lhs_md.shape[0], rhs_gdn.shape[1:]
+    if kernel != "ragged_dot" and (k % MEGABLOX_TILE or n % MEGABLOX_TILE):
+        # the backward pass runs the kernel with k and n swapped, so one tile must fit both
+        log.info("megablox=true: a grouped matmul of width %d x %d runs jax.lax.ragged_dot (the Pallas kernel "
+                 "needs both multiples of %d)", k, n, MEGABLOX_TILE)
+        kernel = "ragged_dot"
+    if kernel == "ragged_dot":
+        return jax.lax.ragged_dot(lhs_md, rhs_gdn, group_sizes)
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+    rows = -(-m // MEGABLOX_TILE) * MEGABLOX_TILE  # the kernel tiles rows only in whole tiles
+    tiling = (MEGABLOX_TILE,) * 3
+    # the kernel leaves rows of no group unwritten, forward and backward: zero them both ways
+    grouped = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
+    lhs_md = jnp.where(grouped, lhs_md, 0)
+    out = megablox.gmm(jnp.pad(lhs_md, ((0, rows - m), (0, 0))), rhs_gdn, group_sizes.astype(jnp.int32),
+                       lhs_md.dtype, tiling, None, None, False, kernel == "megablox_interpret")[:m]
+    return jnp.where(grouped, out, 0)
+
 
 def _ragged_exchange(rows, send, send_offsets, recv, recv_offsets, dest_offsets, out_rows, run_rows):
     """Over the `expert` axis: my `send[j]` rows at `send_offsets[j]` of `rows` go to device j,
