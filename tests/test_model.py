@@ -252,3 +252,43 @@ def test_vocab_tiling_gives_same_loss_and_gradients():
     with pytest.raises(ConfigError, match=r"num_vocab_tiling=5 must divide .* per_device_batch_size=1 x "
                                           r"max_target_length=12 / gradient_accumulation_steps=1 = 12"):
         tiny_config(num_vocab_tiling=5)
+
+
+def test_bfloat16_projections_take_the_weight_gradient_in_float32_on_cpu():
+    """On XLA:CPU a bfloat16 weight gradient is computed from float32 copies (its plain bf16
+    dot is slow): the input gradient is the einsum's own, the weight gradient is the float32
+    product rounded once, and elsewhere the values are the einsum's."""
+    from tessera.models.layers import project
+
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(ks[0], (2, 7, 24), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (24, 40), jnp.bfloat16)
+    g = jax.random.normal(ks[2], (2, 7, 40), jnp.bfloat16)
+    out, vjp = jax.vjp(lambda x_, w_: project("btd,df->btf", x_, w_), x, w)
+    ref_out, ref_vjp = jax.vjp(lambda x_, w_: jnp.einsum("btd,df->btf", x_, w_), x, w)
+    np.testing.assert_array_equal(out, ref_out)
+    dx, dw = vjp(g)
+    np.testing.assert_array_equal(dx, ref_vjp(g)[0])
+    exact = jnp.einsum("btd,btf->df", x.astype(jnp.float32), g.astype(jnp.float32))
+    np.testing.assert_array_equal(dw, exact.astype(jnp.bfloat16))
+    assert dw.dtype == jnp.bfloat16
+    # float32 operands: the einsum itself
+    out32, vjp32 = jax.vjp(lambda x_, w_: project("btd,df->btf", x_, w_), x.astype(jnp.float32), w.astype(jnp.float32))
+    np.testing.assert_array_equal(vjp32(g.astype(jnp.float32))[1], exact)
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "save_dot_except_mlp", "custom"])
+def test_bfloat16_training_gradients_follow_float32(policy):
+    """The tiny model's bfloat16 gradient (float32 weight gradients on CPU, see `project`)
+    stays close to float32's under each kind of remat policy."""
+    custom = _CUSTOM if policy == "custom" else {}
+    batch = _batch(tiny_config())
+    grads = {}
+    for dtype in ("float32", "bfloat16"):
+        model = build_model(tiny_config(dtype=dtype, remat_policy=policy, **custom).model)
+        params = model.init(jax.random.key(0))
+        step = jax.jit(jax.grad(lambda p: loss_sums(model, p, batch, None)[0]))
+        grads[dtype] = step(params)
+    for a, b in zip(jax.tree.leaves(grads["float32"]), jax.tree.leaves(grads["bfloat16"])):
+        assert np.all(np.isfinite(b))
+        np.testing.assert_allclose(b, a, rtol=0.1, atol=0.05 * float(np.max(np.abs(a))) + 1e-6)

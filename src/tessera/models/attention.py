@@ -27,7 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
 from tessera.models.kv_cache import KVCache
-from tessera.models.layers import fan_in_std, param, rope_frequencies, rotary, soft_cap
+from tessera.models.layers import fan_in_std, param, project, rope_frequencies, rotary, soft_cap
 from tessera.mesh import shard_logically
 
 log = logging.getLogger(__name__)
@@ -130,11 +130,11 @@ def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int, 
 
 def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float):
     """Scaled (and soft-capped) scores, masked by `mask_bts`, float32 softmax, weighted values."""
-    scores = jnp.einsum("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32) * scale
+    scores = project("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32) * scale
     scores = soft_cap(scores, cap)
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
-    return jnp.einsum("bkgts,bksh->bkgth", probs, v_bksh)
+    return project("bkgts,bksh->bkgth", probs, v_bksh)
 
 
 def masked_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale: float, logits_soft_cap: float = 0.0):
@@ -188,14 +188,14 @@ class Attention(nnx.Module):
         """Query [B, T, N, H], key and value [B, T, K, H], with rotary positions applied."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         if self.fused:
-            qkv = jnp.einsum("btd,dcnh->btcnh", x_btd, w(self.wqkv_dcnh))
+            qkv = project("btd,dcnh->btcnh", x_btd, w(self.wqkv_dcnh))
             if self.use_bias:
                 qkv = qkv + w(self.bqkv_cnh)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
-            q = jnp.einsum("btd,dnh->btnh", x_btd, w(self.wq_dnh))
-            k = jnp.einsum("btd,dkh->btkh", x_btd, w(self.wk_dkh))
-            v = jnp.einsum("btd,dkh->btkh", x_btd, w(self.wv_dkh))
+            q = project("btd,dnh->btnh", x_btd, w(self.wq_dnh))
+            k = project("btd,dkh->btkh", x_btd, w(self.wk_dkh))
+            v = project("btd,dkh->btkh", x_btd, w(self.wv_dkh))
             if self.use_bias:
                 q, k, v = q + w(self.bq_nh), k + w(self.bk_kh), v + w(self.bv_kh)
         q, k, v = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
@@ -210,7 +210,7 @@ class Attention(nnx.Module):
     def output(self, ctx_btnh):
         """The output projection of the attention context [B, T, N, H] -> [B, T, D]."""
         ctx = checkpoint_name(shard_logically(ctx_btnh, ("batch", "length", "act_heads", None)), "context")
-        out = jnp.einsum("btnh,nhd->btd", ctx, self.wo_nhd[...].astype(self.dtype))
+        out = project("btnh,nhd->btd", ctx, self.wo_nhd[...].astype(self.dtype))
         if self.use_bias:
             out = out + self.bo_d[...].astype(self.dtype)
         return checkpoint_name(out, "out_proj")

@@ -33,7 +33,7 @@ from tessera.config.derived import dropout_rate
 from tessera.config.schema import REMAT_TENSORS
 from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
-from tessera.models.layers import Embed, dropout, fan_in_std, param, sinusoidal_positions, soft_cap
+from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
 from tessera.models.registry import BLOCKS
 
 _cp = jax.checkpoint_policies
@@ -154,7 +154,7 @@ class Decoder(nnx.Module):
             logits = self.token_embedder.attend(x, cfg.logits_dot_in_fp32)
         else:
             dtype = jnp.float32 if cfg.logits_dot_in_fp32 else cfg.dtype
-            logits = jnp.einsum("btd,dv->btv", x.astype(dtype), self.logits_dense_dv[...].astype(dtype))
+            logits = project("btd,dv->btv", x.astype(dtype), self.logits_dense_dv[...].astype(dtype))
         logits = soft_cap(logits.astype(jnp.float32), cfg.final_logits_soft_cap)
         return shard_logically(logits, ("batch", "length", "act_vocab"))
 

@@ -9,6 +9,8 @@ K kv heads, H head dim, F mlp, V vocab.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,47 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tessera.mesh import shard_logically
+
+
+def project(spec: str, x, w, preferred_element_type=None):
+    """`jnp.einsum(spec, x, w)`: activations x times a weight w (or, in attention, keys and
+    values), both in the compute dtype.
+
+    On XLA:CPU with bfloat16 operands the gradient of w (x^T times the output's gradient,
+    contracting the batch and length axes of both) is computed from float32 copies: XLA:CPU
+    leaves that product outside its YNNPACK matmul fusion, and its plain bfloat16 dot is several
+    times slower than the float32 one (benchmarks/README.md, cpu_llama). It is the same product,
+    rounded once to bfloat16 at the end instead of accumulated in it. Elsewhere, and in float32,
+    this is exactly the einsum."""
+    if x.dtype != jnp.bfloat16 or _platform() != "cpu":
+        return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
+    return _project_f32_weight_grad(spec, preferred_element_type, x, w)
+
+
+def _platform() -> str:
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _project_f32_weight_grad(spec, preferred, x, w):
+    return jnp.einsum(spec, x, w, preferred_element_type=preferred)
+
+
+def _project_fwd(spec, preferred, x, w):
+    return _project_f32_weight_grad(spec, preferred, x, w), (x, w)
+
+
+def _project_bwd(spec, preferred, residuals, g):
+    x, w = residuals
+    dx = jax.vjp(lambda x_: jnp.einsum(spec, x_, w, preferred_element_type=preferred), x)[1](g)[0]
+    dw = jax.vjp(lambda w_: jnp.einsum(spec, x.astype(jnp.float32), w_), w.astype(jnp.float32))[1](
+        g.astype(jnp.float32))[0]
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+_project_f32_weight_grad.defvjp(_project_fwd, _project_bwd)
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype, std: float | None,
@@ -84,7 +127,7 @@ class Embed(nnx.Module):
         """Tied output logits x @ table^T: [B, T, D] -> [B, T, V]."""
         table = self.table_vd[...]
         dtype = jnp.float32 if in_fp32 else self.dtype
-        return jnp.einsum("btd,vd->btv", x_btd.astype(dtype), table.astype(dtype))
+        return project("btd,vd->btv", x_btd.astype(dtype), table.astype(dtype))
 
 
 def rope_frequencies(head_dim: int, max_timescale: float, llama3_scaling: tuple | None = None) -> np.ndarray:
@@ -160,11 +203,11 @@ class Mlp(nnx.Module):
         """The input projections x W_i (+ b_i), one [B, T, F] per activation."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         if self.fused:
-            h_btcf = jnp.einsum("btd,dcf->btcf", x_btd, w(self.wi_dcf))
+            h_btcf = project("btd,dcf->btcf", x_btd, w(self.wi_dcf))
             if self.use_bias:
                 h_btcf = h_btcf + w(self.bi_cf)
             return [h_btcf[:, :, i] for i in range(len(self.activations))]
-        outs = [jnp.einsum("btd,df->btf", x_btd, w(getattr(self, f"wi_{i}"))) for i in range(len(self.activations))]
+        outs = [project("btd,df->btf", x_btd, w(getattr(self, f"wi_{i}"))) for i in range(len(self.activations))]
         return [o + w(getattr(self, f"bi_{i}")) for i, o in enumerate(outs)] if self.use_bias else outs
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -173,7 +216,7 @@ class Mlp(nnx.Module):
             a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
             h_btf = a if h_btf is None else h_btf * a
         h_btf = checkpoint_name(shard_logically(h_btf, ("batch", "length", "act_mlp")), "mlpwi")
-        out = jnp.einsum("btf,fd->btd", h_btf, self.wo_fd[...].astype(self.dtype))
+        out = project("btf,fd->btd", h_btf, self.wo_fd[...].astype(self.dtype))
         if self.use_bias:
             out = out + self.bo_d[...].astype(self.dtype)
         return checkpoint_name(out, "mlpwo")
