@@ -174,8 +174,8 @@ def wait_for_all(name: str, timeout: float, what: str) -> None:
     except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED and the like from the coordinator
         raise DistributedError(
             f"process {global_state.process_id} of {global_state.num_processes} waited {seconds:.0f} s for the "
-            f"other processes to reach {what}, and not all did (step_timeout_seconds). Look at the other processes' logs for an "
-            f"error or a stall before that point. JAX said: {' '.join(str(e).split())[:400]}") from None
+            f"other processes to reach {what}, and not all did (step_timeout_seconds). Look at the other "
+            f"processes' logs for an error or a stall before that point. JAX said: {' '.join(str(e).split())[:400]}") from None
 
 
 def request_stop(step: int, signum: int) -> tuple[int, int]:

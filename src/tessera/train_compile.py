@@ -209,9 +209,10 @@ def memory_table(r: CompileReport) -> str:
         ("budget (compile_hbm_budget_fraction)", r.budget_bytes),
     ]
     kernels = ", ".join(f"{t} x{n}" for t, n in r.custom_calls.items()) or "none"
+    collectives = ", ".join(f"{op} x{n}" for op, n in r.collectives.items()) or "none"
     return ("\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
             + f"\n  attention kernel: {r.attention_kernel or 'unknown'}; custom calls in the program: {kernels}"
-            + "\n  collectives in the program: " + (", ".join(f"{op} x{n}" for op, n in r.collectives.items()) or "none"))
+            + f"\n  collectives in the program: {collectives}")
 
 
 def not_fits_message(r: CompileReport, cfg: Config) -> str:

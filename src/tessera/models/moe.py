@@ -230,6 +230,7 @@ class MoeMlp(nnx.Module):
         factor = self.cfg.ragged_buffer_factor
         return ep * copies if factor <= 0 else min(ep * copies, max(1, math.ceil(factor * copies)))
 
+
 def grouped_matmul_kernel(cfg: ModelConfig) -> str:
     """"megablox" (the Pallas grouped matmul made for TPUs) when `megablox=true` and the mesh is
     of TPUs, else "ragged_dot" (XLA's grouped matmul, any device), as MaxText chooses."""
