@@ -175,6 +175,15 @@ def logical_spec(names: Sequence[str | None], shape: Sequence[int], mesh_sizes: 
     return PartitionSpec(*spec)
 
 
+def traced_platform() -> str:
+    """"cpu", "gpu", "tpu", ...: the platform of the devices the function being traced is
+    compiled for (the current mesh's, so an AOT compile for a TPU topology on a CPU host says
+    "tpu"); without a mesh, JAX's default backend. Kernels that differ by platform ask here."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return device.platform if device is not None else jax.default_backend()
+
+
 def shard_logically(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
     """Constrain an activation to its logical sharding on the current mesh (no-op without one)."""
     mesh = jax.sharding.get_abstract_mesh()

@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from tessera.mesh import shard_logically
+from tessera.mesh import shard_logically, traced_platform
 
 
 def project(spec: str, x, w, preferred_element_type=None):
@@ -30,15 +30,9 @@ def project(spec: str, x, w, preferred_element_type=None):
     times slower than the float32 one (benchmarks/README.md, cpu_llama). It is the same product,
     rounded once to bfloat16 at the end instead of accumulated in it. Elsewhere, and in float32,
     this is exactly the einsum."""
-    if x.dtype != jnp.bfloat16 or _platform() != "cpu":
+    if x.dtype != jnp.bfloat16 or traced_platform() != "cpu":
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     return _project_f32_weight_grad(spec, preferred_element_type, x, w)
-
-
-def _platform() -> str:
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else mesh.abstract_device
-    return device.platform if device is not None else jax.default_backend()
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

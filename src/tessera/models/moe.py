@@ -36,7 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from tessera.config import ModelConfig
-from tessera.mesh import shard_logically
+from tessera.mesh import shard_logically, traced_platform
 from tessera.models.layers import ACTIVATIONS, fan_in_std, param
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class MoeMlp(nnx.Module):
         experts = "expert" if ep > 1 else None
         rows = P(batch if len(batch) > 1 else batch[0], None, None)
         wi_spec, wo_spec = P(experts, None, tensor), P(experts, tensor, None)
-        ragged = not mesh.empty and mesh.abstract_device is not None and mesh.abstract_device.platform != "cpu"
+        ragged = traced_platform() != "cpu"  # XLA:CPU has no ragged all-to-all
 
         def local(x, experts_btk, weights_btk, wis, wo):
             if experts:
@@ -234,10 +234,7 @@ class MoeMlp(nnx.Module):
 def grouped_matmul_kernel(cfg: ModelConfig) -> str:
     """"megablox" (the Pallas grouped matmul made for TPUs) when `megablox=true` and the mesh is
     of TPUs, else "ragged_dot" (XLA's grouped matmul, any device), as MaxText chooses."""
-    mesh = jax.sharding.get_abstract_mesh()
-    device = None if mesh.empty else mesh.abstract_device
-    platform = device.platform if device is not None else jax.default_backend()
-    return "megablox" if cfg.megablox and platform == "tpu" else "ragged_dot"
+    return "megablox" if cfg.megablox and traced_platform() == "tpu" else "ragged_dot"
 
 
 MEGABLOX_TILE = 128  # rows, contraction and output columns per tile of the Pallas kernel
