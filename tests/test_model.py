@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -254,27 +255,74 @@ def test_vocab_tiling_gives_same_loss_and_gradients():
         tiny_config(num_vocab_tiling=5)
 
 
-def test_bfloat16_projections_take_the_weight_gradient_in_float32_on_cpu():
-    """On XLA:CPU a bfloat16 weight gradient is computed from float32 copies (its plain bf16
-    dot is slow): the input gradient is the einsum's own, the weight gradient is the float32
-    product rounded once, and elsewhere the values are the einsum's."""
+def test_bfloat16_projections_multiply_in_float32_on_cpu():
+    """On XLA:CPU bfloat16 operands are multiplied as float32 copies (its bfloat16 matmul is
+    slower): output, input gradient and weight gradient are the float32 products of the
+    bfloat16 values, each rounded once to bfloat16."""
     from tessera.models.layers import project
 
     ks = jax.random.split(jax.random.key(0), 3)
     x = jax.random.normal(ks[0], (2, 7, 24), jnp.bfloat16)
     w = jax.random.normal(ks[1], (24, 40), jnp.bfloat16)
     g = jax.random.normal(ks[2], (2, 7, 40), jnp.bfloat16)
+    x32, w32, g32 = (a.astype(jnp.float32) for a in (x, w, g))
     out, vjp = jax.vjp(lambda x_, w_: project("btd,df->btf", x_, w_), x, w)
-    ref_out, ref_vjp = jax.vjp(lambda x_, w_: jnp.einsum("btd,df->btf", x_, w_), x, w)
-    np.testing.assert_array_equal(out, ref_out)
+    assert out.dtype == jnp.bfloat16
+    rounded = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
+    np.testing.assert_allclose(np.asarray(out, np.float32), rounded(jnp.einsum("btd,df->btf", x32, w32)), rtol=1e-2)
     dx, dw = vjp(g)
-    np.testing.assert_array_equal(dx, ref_vjp(g)[0])
-    exact = jnp.einsum("btd,btf->df", x.astype(jnp.float32), g.astype(jnp.float32))
-    np.testing.assert_array_equal(dw, exact.astype(jnp.bfloat16))
-    assert dw.dtype == jnp.bfloat16
-    # float32 operands: the einsum itself
-    out32, vjp32 = jax.vjp(lambda x_, w_: project("btd,df->btf", x_, w_), x.astype(jnp.float32), w.astype(jnp.float32))
-    np.testing.assert_array_equal(vjp32(g.astype(jnp.float32))[1], exact)
+    assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(dx, np.float32), rounded(jnp.einsum("btf,df->btd", g32, w32)), rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(dw, np.float32), rounded(jnp.einsum("btd,btf->df", x32, g32)), rtol=1e-2)
+    # what the float32 accumulation buys: the bfloat16 result is within one rounding of the exact product
+    exact = np.einsum("btd,btf->df", np.asarray(x32, np.float64), np.asarray(g32, np.float64))
+    np.testing.assert_allclose(np.asarray(dw, np.float64), exact, rtol=2**-8, atol=1e-6)
+    # preferred_element_type=float32 (attention's scores): the float32 product, not rounded
+    scores = project("btd,df->btf", x, w, preferred_element_type=jnp.float32)
+    assert scores.dtype == jnp.float32
+    np.testing.assert_allclose(scores, jnp.einsum("btd,df->btf", x32, w32), rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec, shapes", [
+    ("btd,df->btf", [(2, 9, 16), (16, 40)]),  # x smaller than the output: x^T g
+    ("btf,fd->btd", [(2, 9, 40), (40, 16)]),  # output smaller: g^T x, result transposed to w's order
+    ("btd,dnh->btnh", [(2, 9, 16), (16, 4, 8)]),  # w with two output axes
+    ("btnh,nhd->btd", [(2, 9, 4, 8), (4, 8, 16)]),  # w with two contracted axes
+    ("bkgth,bksh->bkgts", [(2, 3, 2, 5, 8), (2, 3, 7, 8)]),  # attention scores: batch axes b, k
+    ("bkgts,bksh->bkgth", [(2, 3, 2, 5, 7), (2, 3, 7, 8)]),  # attention's weighted values
+    ("btd,de->bt", [(2, 9, 16), (16, 6)]),  # an axis of w only: the plain gradient
+])
+def test_cpu_projection_gradients_equal_the_einsums(spec, shapes):
+    """float32 on XLA:CPU: `project`'s output and both gradients equal the einsum's for every
+    layout of the weight gradient (`_canonical_operand_grad`), including its fallback."""
+    from tessera.models.layers import project
+
+    kx, kw, kg = jax.random.split(jax.random.key(1), 3)
+    x, w = jax.random.normal(kx, shapes[0]), jax.random.normal(kw, shapes[1])
+    out, vjp = jax.vjp(lambda x_, w_: project(spec, x_, w_), x, w)
+    ref_out, ref_vjp = jax.vjp(lambda x_, w_: jnp.einsum(spec, x_, w_), x, w)
+    np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-5)
+    g = jax.random.normal(kg, out.shape)
+    for got, want in zip(vjp(g), ref_vjp(g)):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_cpu_weight_gradients_run_in_ynnpack_fusions():
+    """The point of `_canonical_operand_grad`: in the compiled gradient of a projection on
+    XLA:CPU no matmul is left as a plain `dot` (outside YNNPACK), while the einsum's own
+    gradient leaves the weight gradient as one."""
+    from tessera.models.layers import project
+
+    x, w = jnp.ones((4, 128, 256)), jnp.ones((256, 384))
+
+    def plain_dots(fn):
+        hlo = jax.jit(jax.grad(lambda x_, w_: jnp.sum(fn(x_, w_) ** 2), argnums=(0, 1))).lower(x, w).compile().as_text()
+        entry = hlo[hlo.index("ENTRY"):]
+        return len(re.findall(r"= f32\[[\d,]*\]\S* dot\(", entry))
+
+    assert plain_dots(lambda x_, w_: jnp.einsum("btd,df->btf", x_, w_)) >= 1
+    assert plain_dots(lambda x_, w_: project("btd,df->btf", x_, w_)) == 0
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "save_dot_except_mlp", "custom"])

@@ -24,35 +24,75 @@ def project(spec: str, x, w, preferred_element_type=None):
     """`jnp.einsum(spec, x, w)`: activations x times a weight w (or, in attention, keys and
     values), both in the compute dtype.
 
-    On XLA:CPU with bfloat16 operands the gradient of w (x^T times the output's gradient,
-    contracting the batch and length axes of both) is computed from float32 copies: XLA:CPU
-    leaves that product outside its YNNPACK matmul fusion, and its plain bfloat16 dot is several
-    times slower than the float32 one (benchmarks/README.md, cpu_llama). It is the same product,
-    rounded once to bfloat16 at the end instead of accumulated in it. Elsewhere, and in float32,
-    this is exactly the einsum."""
-    if x.dtype != jnp.bfloat16 or traced_platform() != "cpu":
+    Elsewhere than on XLA:CPU this is exactly the einsum. On XLA:CPU (benchmarks/README.md,
+    cpu_llama, has the measurements):
+    - the gradient of w (x^T times the output's gradient, contracting the batch and length
+      axes of both) is one matmul with its operands laid out the way XLA:CPU's YNNPACK fusion
+      takes them (`_canonical_operand_grad`); left to itself XLA transposes the larger operand
+      inside an elementwise fusion and runs the product as a plain dot, outside YNNPACK;
+    - bfloat16 operands are multiplied as float32 copies and the result rounded to bfloat16
+      (or to `preferred_element_type`): XLA:CPU's bfloat16 matmul is slower than its float32
+      one. The products of bfloat16 values are exact in float32, so this is a bfloat16 matmul
+      that accumulates in float32, as a TPU's matrix unit does."""
+    if traced_platform() != "cpu":
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
-    return _project_f32_weight_grad(spec, preferred_element_type, x, w)
+    return _project_cpu(spec, preferred_element_type, x, w)
+
+
+def _widened(a):
+    return a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _project_f32_weight_grad(spec, preferred, x, w):
-    return jnp.einsum(spec, x, w, preferred_element_type=preferred)
+def _project_cpu(spec, preferred, x, w):
+    out = jnp.einsum(spec, _widened(x), _widened(w), preferred_element_type=preferred)
+    return out.astype(preferred or jnp.result_type(x, w))
 
 
 def _project_fwd(spec, preferred, x, w):
-    return _project_f32_weight_grad(spec, preferred, x, w), (x, w)
+    return _project_cpu(spec, preferred, x, w), (x, w)
 
 
 def _project_bwd(spec, preferred, residuals, g):
     x, w = residuals
-    dx = jax.vjp(lambda x_: jnp.einsum(spec, x_, w, preferred_element_type=preferred), x)[1](g)[0]
-    dw = jax.vjp(lambda w_: jnp.einsum(spec, x.astype(jnp.float32), w_), w.astype(jnp.float32))[1](
-        g.astype(jnp.float32))[0]
+    dx = jax.vjp(lambda x_: jnp.einsum(spec, x_, _widened(w)), _widened(x))[1](_widened(g))[0]
+    dw = _canonical_operand_grad(spec, _widened(x), _widened(w), _widened(g))
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 
-_project_f32_weight_grad.defvjp(_project_fwd, _project_bwd)
+_project_cpu.defvjp(_project_fwd, _project_bwd)
+
+
+def _canonical_operand_grad(spec: str, x, w, g):
+    """The gradient of w in `einsum(spec, x, w)` given the output's gradient g, as one batched
+    matmul [batch, M, K] x [batch, K, N] with both operands row-major (XLA:CPU's YNNPACK fusion
+    takes no other layout). w's axes are batch axes (in x, w and the output), axes it shares
+    with x only (contracted in the forward product) and axes it shares with the output only;
+    the gradient contracts the axes x shares with the output only. Of x and g, the one with
+    fewer elements is transposed into place (an optimization barrier keeps XLA from folding the
+    transpose back into the dot); the result, the size of w, is transposed to w's order."""
+    inputs, out = spec.split("->")
+    xs, ws = inputs.split(",")
+    batch = "".join(c for c in ws if c in xs and c in out)
+    from_x = "".join(c for c in ws if c in xs and c not in out)
+    from_g = "".join(c for c in ws if c in out and c not in xs)
+    summed = "".join(c for c in xs if c in out and c not in ws)
+    if len(batch + from_x + from_g) != len(ws) or len(batch + from_x + summed) != len(xs):
+        # an axis of one operand only (summed away in the forward product): the plain gradient
+        return jax.vjp(lambda w_: jnp.einsum(spec, x, w_), w)[1](g)[0]
+
+    def arranged(a, have: str, want: str):
+        if have == want:
+            return a
+        return jax.lax.optimization_barrier(jnp.transpose(a, [have.index(c) for c in want]))
+
+    if x.size <= g.size:  # x^T g: [batch, from_x, summed] x [batch, summed, from_g]
+        lhs_axes, rhs_axes = batch + from_x + summed, batch + summed + from_g
+        lhs, rhs = arranged(x, xs, lhs_axes), arranged(g, out, rhs_axes)
+    else:  # g^T x: [batch, from_g, summed] x [batch, summed, from_x]
+        lhs_axes, rhs_axes = batch + from_g + summed, batch + summed + from_x
+        lhs, rhs = arranged(g, out, lhs_axes), arranged(x, xs, rhs_axes)
+    return jnp.einsum(f"{lhs_axes},{rhs_axes}->{ws}", lhs, rhs)
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype, std: float | None,
