@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import logging
 import os
 import re
 import signal
@@ -273,3 +274,30 @@ def test_a_late_completion_on_a_closed_orbax_loop_is_dropped_quietly():
     open_loop = _TidyEventLoop()  # an open loop still schedules as usual
     assert open_loop.call_soon_threadsafe(lambda: None) is not None
     open_loop.close()
+
+
+def test_abandoned_storage_failures_are_not_echoed(caplog):
+    """A full disk fails every array's write; Orbax raises the first (the trainer reports it) and
+    the others end as finished tasks nobody retrieves. Their echoes are dropped at garbage
+    collection; an unretrieved exception of any other kind is still reported."""
+    import asyncio
+    import gc
+    from tessera.checkpointing import _TidyEventLoop
+
+    async def fails(exc):
+        raise exc
+
+    def abandon(exc):
+        loop = _TidyEventLoop()
+        task = loop.create_task(fails(exc))
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert task.done()
+        loop.close()
+        del task
+        gc.collect()
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        abandon(ValueError('RESOURCE_EXHAUSTED: Error writing "opt_state.mu" ... No space left on device'))
+        assert not [r for r in caplog.records if r.name == "asyncio"]
+        abandon(KeyError("a bug"))
+        assert any("never retrieved" in r.getMessage() for r in caplog.records if r.name == "asyncio")

@@ -83,7 +83,7 @@ def test_unknown_key_names_closest_keys():
     ("base_num_kv_heads=3", "must be a multiple of kv heads"),
     ("ici_fsdp_parallelism=-1 ici_data_parallelism=-1", "only one ici_*_parallelism may be -1"),
     ("model_name=llama9", "Known models:"),
-    ("ici_pipeline_parallelism=2", "pipeline parallelism is not supported"),
+    ("num_pipeline_repeats=0", "num_pipeline_repeats=0 must be a positive integer or -1"),
     ("mlp_activations=[\"swish\"]", "must be one or two of"),
     ("steps", "not of the form key=value"),
 ])

@@ -93,16 +93,22 @@ def test_recipe_header_and_dry_run_build_a_valid_config(recipe):
     if recipe.startswith("tpu/"):
         assert setup in ([["bash", "rto_setup.sh"]], [["sudo", "bash", "rto_setup.sh"]])
         assert cfg.model.dtype == "bfloat16" and "LIBTPU_INIT_ARGS" in exports
-        devices = tpu_slice(topology(recipe)).chips
+        devices = tpu_slice(topology(recipe)).chips * slices(recipe)
     else:
         assert setup == [] and "XLA_FLAGS" in exports
         devices = 8 * int(exports["NNODES"]) if "NNODES" in exports else 1
-    mesh_shape(cfg.mesh, devices, 1)  # the mesh fits the recipe's hardware (raises otherwise)
+    mesh_shape(cfg.mesh, devices, slices(recipe))  # the mesh fits the recipe's hardware (raises otherwise)
 
 
 def topology(recipe: str) -> str:
     text = (REPO / "configs" / f"{recipe}.sh").read_text()
     return re.search(r"^run_recipe (\S+)", text, re.M).group(1)
+
+
+def slices(recipe: str) -> int:
+    """The slices a recipe is made for: its NUM_SLICES default (1 when it sets none)."""
+    found = re.search(r"^NUM_SLICES=\$\{NUM_SLICES:-(\d+)\}", (REPO / "configs" / f"{recipe}.sh").read_text(), re.M)
+    return int(found.group(1)) if found else 1
 
 
 @pytest.mark.parametrize("recipe", TPU)
@@ -323,18 +329,19 @@ def test_tpu_readme_targets_follow_from_the_recipes(gen):
         recipe = f"tpu/{gen}/{name[:-3]}"
         _, commands = parse(dry_run(recipe, "PLATFORM=gke").stdout)
         cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]], env={})
-        s = tpu_slice(topology(recipe))
+        s, n = tpu_slice(topology(recipe)), slices(recipe)
+        chips = s.chips * n
         length = cfg.data.max_target_length
         flops = training_flops_per_step(cfg.model, 1, length) / length
         mfu = float(row["target MFU"].rstrip("%")) / 100
         tokens_per_s = mfu * s.accelerator.peak_flops / flops
-        batch = round(cfg.data.per_device_batch_size * s.chips)
-        assert row["slice (chips)"] == f"{s.name} ({s.chips})", recipe
+        batch = round(cfg.data.per_device_batch_size * chips)
+        assert row["slice (chips)"] == (f"{n} x {s.name} ({chips})" if n > 1 else f"{s.name} ({chips})"), recipe
         assert row["global batch"] == f"{batch} x {length}", recipe
         assert float(row["FLOPs per token"]) == pytest.approx(flops, rel=5e-3), recipe
         assert float(row["TFLOP/s per chip"]) == pytest.approx(mfu * s.accelerator.peak_flops / 1e12, abs=0.5)
         assert float(row["tokens/s per chip"].replace(",", "")) == pytest.approx(tokens_per_s, rel=5e-3), recipe
-        step = batch * length / (tokens_per_s * s.chips)
+        step = batch * length / (tokens_per_s * chips)
         assert float(row["step time"].removesuffix(" s")) == pytest.approx(step, rel=5e-3, abs=0.006), recipe
 
 
@@ -379,10 +386,14 @@ def test_tpu_recipe_shards_its_parameters_over_the_whole_slice(recipe):
     from tessera.mesh import logical_spec
     from tessera.models import build_model
 
+    from tessera.config.derived import plan_run
+
     _, commands = parse(dry_run(recipe, "PLATFORM=gke").stdout)
     cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]], env={})
-    ici, _ = mesh_shape(cfg.mesh, tpu_slice(topology(recipe)).chips, 1)
-    model = build_model(cfg.model)
+    n = slices(recipe)
+    ici, dcn = mesh_shape(cfg.mesh, tpu_slice(topology(recipe)).chips * n, n)
+    ici = {axis: size * dcn[axis] for axis, size in ici.items()}  # the whole mesh
+    model = build_model(cfg.model, pipeline=plan_run(cfg, ici).pipeline)
     shapes = jax.tree.leaves(model.param_shapes())
     names = jax.tree.leaves(model.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))
     total = per_device = 0

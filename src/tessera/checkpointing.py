@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import re
 import shutil
@@ -36,6 +37,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 from etils import epath
 
 from tessera.config import CheckpointConfig, ConfigError
@@ -71,6 +73,17 @@ class _TidyEventLoop(asyncio.SelectorEventLoop):
                 return None
             raise
 
+    def call_exception_handler(self, context) -> None:
+        """When the disk fills up, every array's write fails: Orbax raises the first failure (which
+        the trainer reports) and the others end as finished tasks nobody asks for. Python would print
+        each at garbage collection ("Task exception was never retrieved") with its traceback; those
+        echoes of the reported storage error are dropped. Anything else is reported as usual."""
+        exc = context.get("exception")
+        if "never retrieved" in str(context.get("message", "")) and _is_storage_error(exc):
+            log.debug("dropped a repeated storage error of an abandoned Orbax task: %s", exc)
+            return
+        super().call_exception_handler(context)
+
     def close(self) -> None:
         if not self.is_closed() and not self.is_running():
             pending = [t for t in asyncio.all_tasks(self) if not t.done()]
@@ -79,6 +92,13 @@ class _TidyEventLoop(asyncio.SelectorEventLoop):
             if pending:
                 self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         super().close()
+
+
+def _is_storage_error(exc) -> bool:
+    """A failed TensorStore read or write (full disk, missing or truncated file)."""
+    text = str(exc)
+    return isinstance(exc, OSError) or (isinstance(exc, ValueError) and any(
+        s in text for s in ("RESOURCE_EXHAUSTED", "Error writing", "Error reading", "No space left")))
 
 
 class _TidyEventLoopPolicy(asyncio.DefaultEventLoopPolicy):
@@ -101,16 +121,52 @@ def _read_error(e: Exception, message: str) -> CheckpointError:
     return CheckpointError(f"{message} ({where}{type(cause).__name__}: {detail})")
 
 
+def _path_key(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
 def _flat(tree) -> dict[str, Any]:
     """{"params/layers/mlp/wi_0": leaf, ...} for arrays, ShapeDtypeStructs or Orbax metadata."""
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
-    out = {}
-    for path, leaf in leaves:
-        if leaf is None:
-            continue
-        parts = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
-        out["/".join(parts)] = leaf
-    return out
+    return {_path_key(path): leaf for path, leaf in leaves if leaf is not None}
+
+
+def _restacked(saved, expected):
+    """(target, finish) for restoring `saved` into `expected` when they differ only in how the
+    decoder's stacked blocks are laid out: [L, ...] (plain or GPipe) against [R, L/R, ...]
+    (circular pipelining, `tessera.models.pipeline`), the same layers in the same order. Such
+    arrays are read in their saved shape (split as `expected` splits the other axes) and
+    `finish` reshapes them into `expected`'s shape and sharding; everything else is unchanged."""
+    have, moved = _flat(saved), []
+
+    def adapt(path, want):
+        key = _path_key(path)
+        h = have.get(key)
+        if h is None or not hasattr(want, "sharding") or "layers" not in key.split("/"):
+            return want
+        hs, ws = tuple(h.shape), tuple(want.shape)
+        for a, b in ((1, 2), (2, 1)):  # leading axes [L] saved, [R, L/R] wanted, or the other way round
+            if hs != ws and len(hs) - a == len(ws) - b and hs[a:] == ws[b:] and math.prod(hs[:a]) == math.prod(ws[:b]):
+                spec = tuple(want.sharding.spec) + (None,) * (len(ws) - len(want.sharding.spec))
+                moved.append(f"{key} {hs} -> {ws}")
+                return jax.ShapeDtypeStruct(hs, want.dtype, sharding=NamedSharding(
+                    want.sharding.mesh, PartitionSpec(*([None] * a), *spec[b:])))
+        return want
+
+    target = jax.tree_util.tree_map_with_path(adapt, expected)
+    if moved:
+        log.info("checkpoint: %d stacked-layer array(s) saved with another pipeline layout are reshaped on restore "
+                 "(e.g. %s)", len(moved), moved[0])
+
+    def finish(restored):
+        def fit(x, want):
+            if not hasattr(want, "sharding") or tuple(x.shape) == tuple(want.shape):
+                return x
+            return jax.jit(lambda a: a.reshape(want.shape), out_shardings=want.sharding)(x)
+
+        return jax.tree.map(fit, restored, expected)
+
+    return target, finish
 
 
 def describe_mismatch(saved, expected, only_prefix: str = "") -> list[str]:
@@ -230,14 +286,15 @@ class Checkpointer:
             saved = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means an unusable checkpoint
             raise _read_error(e, str(self._damaged(step, "cannot be read"))) from None
-        _raise_on_mismatch(path, getattr(saved, "tree", saved), abstract_state)
+        target, finish = _restacked(getattr(saved, "tree", saved), abstract_state)
+        _raise_on_mismatch(path, getattr(saved, "tree", saved), target)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
             raise _read_error(e, str(self._damaged(step, "could not be restored: files may be missing or corrupt"))
                               ) from None
-        return restored["state"], dict(restored["data"] or {})
+        return finish(restored["state"]), dict(restored["data"] or {})
 
     def _damaged(self, step: int, what: str) -> CheckpointError:
         """'checkpoint <path> <what>. Move it away ... to resume from step <earlier>' (or to start afresh)."""
@@ -347,11 +404,12 @@ def _restore_tree(path: str, key: str | None, target, partial: bool):
     if partial and "params" not in tree:
         raise CheckpointError(f"{label} holds no parameters (its tree has {', '.join(map(str, tree))}); "
                               "point it at a training step folder or a converted checkpoint")
+    target, finish = _restacked(tree, target)
     _raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "")
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
     try:
-        return ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
-            item=target, restore_args=restore_args, partial_restore=partial))
+        return finish(ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=partial)))
     except Exception as e:  # noqa: BLE001
         raise _read_error(e, f"{label} could not be restored: files may be missing or corrupt") from None
 

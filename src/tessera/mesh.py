@@ -48,8 +48,9 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "act_vocab": ("tensor",),
     "act_exp": ("expert",),
     "act_batch_no_exp": ("data", "fsdp"),
-    # parameters
-    "layers": (),
+    # parameters: stacked blocks are split over the pipeline stages (tessera.models.pipeline)
+    "layers": ("stage",),
+    "pipeline_repeats": (),
     # over expert too: with expert parallelism the attention and embedding weights, which have
     # no expert dimension, are split over it as over fsdp instead of copied to every device of
     # it (expert weights use that axis for their expert dimension first)

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera.config import Config, ConfigError
-from tessera.config.derived import RunPlan, plan_run
+from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention import select_attention
@@ -50,7 +50,9 @@ def setup(cfg: Config, devices=None) -> Trainer:
     choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape))
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     _check_remat(cfg.model, mesh)
-    model = build_model(cfg.model, choice.kernel)
+    if plan.pipeline is not None:
+        log.info("pipeline: %s", plan.pipeline.describe(LAYERS_PER_BLOCK.get(cfg.model.decoder_block, 1)))
+    model = build_model(cfg.model, choice.kernel, plan.pipeline)
     optimizer = make_optimizer(cfg.optim, plan.schedule_steps)
 
     param_shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())

@@ -65,6 +65,7 @@ class CompileReport:
     attention_kernel: str = ""  # the attention kernel compiled into the step (select_attention's choice)
     custom_calls: dict = dataclasses.field(default_factory=dict)  # custom-call target -> count in the program
     collectives: dict = dataclasses.field(default_factory=dict)  # collective op (all-reduce, ...) -> count
+    pipeline: dict = dataclasses.field(default_factory=dict)  # stages, repeats, microbatches, bubble (if pipelined)
 
     @property
     def fits(self) -> bool:
@@ -136,6 +137,8 @@ def compile_for_topology(cfg: Config) -> CompileReport:
         compile_seconds=0.0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0, code_bytes=0,
         peak_bytes=0, total_bytes=0, hbm_bytes=hbm, budget_bytes=int(hbm * c.compile_hbm_budget_fraction),
         attention_kernel=trainer.model.attention_kernel,
+        pipeline={} if trainer.plan.pipeline is None else {
+            **dataclasses.asdict(trainer.plan.pipeline), "bubble": round(trainer.plan.pipeline.bubble, 4)},
     )
     log.info("lowering and compiling the train step for %s (%d devices); XLA's TPU compiler can take minutes",
              topology.name, len(devices))
@@ -212,7 +215,10 @@ def memory_table(r: CompileReport) -> str:
     collectives = ", ".join(f"{op} x{n}" for op, n in r.collectives.items()) or "none"
     return ("\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
             + f"\n  attention kernel: {r.attention_kernel or 'unknown'}; custom calls in the program: {kernels}"
-            + f"\n  collectives in the program: {collectives}")
+            + f"\n  collectives in the program: {collectives}"
+            + ("" if not r.pipeline else
+               f"\n  pipeline: {r.pipeline['stages']} stages x {r.pipeline['repeats']} repeat(s), "
+               f"{r.pipeline['microbatches']} microbatches, bubble {100 * r.pipeline['bubble']:.1f}%"))
 
 
 def not_fits_message(r: CompileReport, cfg: Config) -> str:

@@ -34,11 +34,13 @@ class RunPlan:
     metrics_path: Path  # metrics_file, or run_dir/metrics.jsonl
     metrics_upload_dir: str  # gcs_metrics with a URL base: base_output_directory/run_name/metrics, else ""
     checkpoint_dir: str  # checkpoint_dir, or base_output_directory/run_name/checkpoints (URLs kept)
+    pipeline: PipelineLayout | None = None  # stages, repeats, microbatches when the mesh has a stage axis
 
 
 def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
     """Every value that depends on the config and the mesh shape; ConfigError if they disagree."""
     batch = global_batch(cfg.data.per_device_batch_size, cfg.optim.gradient_accumulation_steps, mesh_shape)
+    pipeline = pipeline_layout(cfg, mesh_shape, batch // cfg.optim.gradient_accumulation_steps)
     length = cfg.data.max_target_length
     return RunPlan(
         num_devices=math.prod(mesh_shape.values()), global_batch=batch,
@@ -49,6 +51,7 @@ def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
         metrics_upload_dir=f"{remote_run_dir(cfg.run)}/metrics" if cfg.run.gcs_metrics and remote_run_dir(cfg.run)
         else "",
         checkpoint_dir=checkpoint_directory(cfg.checkpoint, cfg.run.base_output_directory, cfg.run.run_name),
+        pipeline=pipeline,
     )
 
 
@@ -70,6 +73,82 @@ def global_batch(per_device_batch_size: float, accumulation_steps: int, mesh_sha
             f"by data*fsdp*expert={shards} (mesh {dict(mesh_shape)}); change per_device_batch_size or the mesh"
         )
     return batch
+
+
+# decoder layers in one block of the families whose block is not one layer (a test keeps this
+# equal to the block classes' `layers_per_block`; the config side never imports the models)
+LAYERS_PER_BLOCK = {"gemma2": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineLayout:
+    """How the decoder is pipelined over the `stage` mesh axis (see `tessera.models.pipeline`)."""
+
+    stages: int  # S: ici_pipeline_parallelism x dcn_pipeline_parallelism
+    repeats: int  # R: groups per stage (circular pipelining when > 1)
+    blocks_per_stage: int  # blocks in one group (a block is LAYERS_PER_BLOCK layers)
+    microbatches: int  # M: pieces of each (gradient-accumulation) batch
+    microbatch_rows: int  # sequences in one microbatch
+
+    @property
+    def iterations(self) -> int:
+        """Schedule length: every stage does M*R items, the last starts S - 1 iterations late."""
+        return self.microbatches * self.repeats + self.stages - 1
+
+    @property
+    def bubble(self) -> float:
+        """Fraction of the iterations a stage idles: (S - 1) / (M*R + S - 1)."""
+        return (self.stages - 1) / self.iterations
+
+    def describe(self, layers_per_block: int = 1) -> str:
+        per_stage = self.blocks_per_stage * layers_per_block
+        kind = f"circular, {self.repeats} repeats" if self.repeats > 1 else "GPipe"
+        return (f"{self.stages} stages ({kind}), {per_stage} layer(s) per stage group, {self.microbatches} microbatches "
+                f"of {self.microbatch_rows} sequences; bubble (S-1)/(M*R+S-1) = {self.stages - 1}/{self.iterations} "
+                f"= {100 * self.bubble:.1f}% of the iterations")
+
+
+def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> PipelineLayout | None:
+    """The pipeline of a mesh with a stage axis (None without one), for batches of `rows`
+    sequences (the global batch over gradient_accumulation_steps). ConfigError when the layers
+    do not split into stages x repeats groups or the batch not into microbatches."""
+    stages, mesh, m = mesh_shape.get("stage", 1), cfg.mesh, cfg.model
+    if stages == 1:
+        return None
+    per_block = LAYERS_PER_BLOCK.get(m.decoder_block, 1)
+    layers, repeats, per_stage = m.num_decoder_layers, mesh.num_pipeline_repeats, mesh.num_layers_per_pipeline_stage
+    if repeats == -1 and per_stage == -1:
+        repeats = 1
+    if repeats == -1:
+        repeats = max(1, layers // (stages * per_stage))
+    if per_stage == -1:
+        per_stage = max(1, layers // (stages * repeats))
+    if stages * repeats * per_stage != layers or per_stage % per_block:
+        unit = f" and a stage group must hold whole blocks of {per_block} layers ({m.decoder_block})" \
+            if per_block > 1 else ""
+        raise ConfigError(
+            f"num_decoder_layers={layers} must equal pipeline stages {stages} x num_pipeline_repeats {repeats} x "
+            f"num_layers_per_pipeline_stage {per_stage} = {stages * repeats * per_stage}{unit}; change "
+            "num_pipeline_repeats / num_layers_per_pipeline_stage (or the stage count)")
+    shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
+    micro = mesh.num_pipeline_microbatches
+    if micro == -1:
+        fits = [k * stages for k in (4, 2, 1) if rows % (k * stages * shards) == 0]
+        if not fits:
+            raise ConfigError(
+                f"the batch of {rows} sequences cannot be cut into {stages} pipeline microbatches (one per stage at "
+                f"least) that each split over data*fsdp*expert={shards} devices; raise per_device_batch_size so the "
+                f"batch is a multiple of {stages * shards}, or set num_pipeline_microbatches")
+        micro = fits[0]
+    if micro < stages:
+        raise ConfigError(f"num_pipeline_microbatches={micro} is fewer than the {stages} pipeline stages: every stage "
+                          f"needs a microbatch of its own; use at least {stages}")
+    if rows % micro or (rows // micro) % shards:
+        raise ConfigError(
+            f"the batch of {rows} sequences cannot be cut into num_pipeline_microbatches={micro} microbatches that "
+            f"each split over data*fsdp*expert={shards} devices ({rows} must be a multiple of {micro * shards}); "
+            "change num_pipeline_microbatches or per_device_batch_size")
+    return PipelineLayout(stages, repeats, per_stage // per_block, micro, rows // micro)
 
 
 def dropout_rate(cfg: ModelConfig) -> float:

@@ -294,11 +294,11 @@ def validate(cfg: Config) -> None:
             if v == 0 or v < -1:
                 raise ConfigError(f"{n}={v} must be a positive integer or -1 (fill from device count)")
     for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
-        if getattr(cfg.mesh, n) not in (1, -1):
-            raise ConfigError(f"{n}={getattr(cfg.mesh, n)}: pipeline parallelism is not supported yet; "
-                              "use ici_fsdp_parallelism or ici_tensor_parallelism instead")
-    if cfg.mesh.ici_pipeline_parallelism == -1 or cfg.mesh.dcn_pipeline_parallelism == -1:
-        raise ConfigError("pipeline parallelism cannot be -1; leave it at 1")
+        if getattr(cfg.mesh, n) == -1:
+            raise ConfigError(f"{n} cannot be -1: the stage count must be chosen (1: no pipelining)")
+    for n in ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layers_per_pipeline_stage"):
+        if getattr(cfg.mesh, n) == 0 or getattr(cfg.mesh, n) < -1:
+            raise ConfigError(f"{n}={getattr(cfg.mesh, n)} must be a positive integer or -1 (derived)")
     if cfg.data.per_device_batch_size <= 0:
         raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size} must be > 0")
     _validate_eval(cfg.data)

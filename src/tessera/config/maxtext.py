@@ -53,7 +53,7 @@ class Refused:
 
 
 _QUANT = "; Tessera trains in dtype/weight_dtype (bfloat16 or float32) and has no quantization"
-_PIPE = "; pipeline parallelism is not implemented: use ici_fsdp_parallelism or ici_tensor_parallelism"
+_PIPE = "; Tessera pipelines every decoder layer (ici/dcn_pipeline_parallelism, num_pipeline_repeats)"
 _INFER = "; Tessera's decode.py samples greedily from a prompt and has no such setting"
 _GCP = ("; Tessera keeps metrics.jsonl, TensorBoard files and the report in the run folder (with a gs:// "
         "base_output_directory, gcs_metrics=true writes the metrics there)")
@@ -95,11 +95,9 @@ REFUSED = {
         "reorder the sequence so causal attention work is even across context shards; not in Tessera",
         ("false", "0")),
     # pipeline parallelism
-    "num_layers_per_pipeline_stage": Refused("layers in one pipeline stage" + _PIPE, ("1",)),
-    "num_pipeline_microbatches": Refused("micro-batches in flight in the pipeline" + _PIPE, ("-1",)),
-    "num_pipeline_repeats": Refused("circular pipeline repeats" + _PIPE, ("-1",)),
     "pipeline_parallel_layers": Refused("layers run by the pipeline" + _PIPE, ("-1",)),
-    "pipeline_fsdp_ag_once": Refused("gather fsdp weights once per pipeline step" + _PIPE, ("false", "0")),
+    "pipeline_fsdp_ag_once": Refused("gather fsdp weights once per pipeline step (the compiler decides when "
+                                     "Tessera's are gathered)" + _PIPE, ("false", "0")),
     "scan_pipeline_iterations": Refused("scan over pipeline iterations" + _PIPE, ("true", "1")),
     # optimizer
     "opt_type": Refused("optimizer choice (adamw, adam_pax, sgd, adafactor, muon); Tessera has AdamW only "

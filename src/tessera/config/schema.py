@@ -232,14 +232,23 @@ class MeshConfig:
     ici_fsdp_transpose_parallelism: int = key(1, "MaxText's second fsdp axis; Tessera folds it into the fsdp axis "
                                               "(fsdp ways = ici_fsdp x this; -1: fill)")
     ici_expert_parallelism: int = key(1, "expert-parallel ways inside a slice (-1: fill)")
-    ici_pipeline_parallelism: int = key(1, "pipeline stages inside a slice (only 1 is supported today)")
+    ici_pipeline_parallelism: int = key(1, "pipeline stages inside a slice (the decoder's layers are split over "
+                                        "them; see num_pipeline_microbatches)")
     dcn_data_parallelism: int = key(-1, "data-parallel ways across slices (-1: fill from slice count)")
     dcn_fsdp_parallelism: int = key(1, "fsdp ways across slices")
     dcn_sequence_parallelism: int = key(1, "sequence-parallel ways across slices")
     dcn_tensor_parallelism: int = key(1, "tensor-parallel ways across slices")
     dcn_fsdp_transpose_parallelism: int = key(1, "as ici_fsdp_transpose_parallelism, across slices (folded into fsdp)")
     dcn_expert_parallelism: int = key(1, "expert-parallel ways across slices")
-    dcn_pipeline_parallelism: int = key(1, "pipeline stages across slices (only 1 is supported today)")
+    dcn_pipeline_parallelism: int = key(1, "pipeline stages across slices (stages = ici x dcn pipeline parallelism)")
+    num_pipeline_microbatches: int = key(
+        -1, "microbatches the batch is cut into when pipelining, at least the stage count (-1: 4, 2 or 1 times the "
+        "stages, the first that leaves each microbatch divisible over the batch axes)")
+    num_pipeline_repeats: int = key(
+        -1, "circular pipelining: times a microbatch goes round the stages, each stage holding this many "
+        "non-adjacent groups of layers (-1: from num_layers_per_pipeline_stage, else 1, plain GPipe)")
+    num_layers_per_pipeline_stage: int = key(
+        -1, "decoder layers in one group of a stage; layers = stages x repeats x this (-1: from num_pipeline_repeats)")
     num_slices: int = key(-1, "number of slices (-1: detect from the devices)")
     param_replication_warn_mib: float = key(
         1.0, "report parameters larger than this (MiB) that end up fully replicated on a sharded mesh", minimum=0.0

@@ -10,6 +10,7 @@ import jax
 from flax import nnx
 
 from tessera.config import ModelConfig
+from tessera.config.derived import PipelineLayout
 from tessera.config.loader import validate_for_build
 from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder, init_cache, offloads_to_host  # noqa: F401
 from tessera.models.registry import BLOCKS
@@ -25,10 +26,11 @@ class ModelDef:
     attention_kernel: str
     graphdef: Any
     abstract_state: Any  # nnx.State of ShapeDtypeStructs, with sharding_names metadata
+    pipeline: PipelineLayout | None = None  # blocks split over the stage mesh axis (tessera.models.pipeline)
 
     def init(self, key: jax.Array) -> dict:
         """Fresh parameters as a nested dict of arrays (call under jit to create them sharded)."""
-        model = Decoder(self.cfg, self.attention_kernel, nnx.Rngs(params=key))
+        model = Decoder(self.cfg, self.attention_kernel, nnx.Rngs(params=key), self.pipeline)
         return nnx.to_pure_dict(nnx.state(model))
 
     def apply(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
@@ -73,9 +75,11 @@ class ModelDef:
         return jax.tree.map(tuple, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
 
 
-def build_model(cfg: ModelConfig, attention_kernel: str = "dot_product") -> ModelDef:
-    """The structure of the model `cfg` describes; no parameter memory is allocated."""
+def build_model(cfg: ModelConfig, attention_kernel: str = "dot_product", pipeline: PipelineLayout | None = None
+                ) -> ModelDef:
+    """The structure of the model `cfg` describes; no parameter memory is allocated. `pipeline`
+    (from the run plan of a mesh with a stage axis) splits the blocks over the stages."""
     validate_for_build(cfg)
-    abstract = nnx.eval_shape(lambda: Decoder(cfg, attention_kernel, nnx.Rngs(params=0)))
+    abstract = nnx.eval_shape(lambda: Decoder(cfg, attention_kernel, nnx.Rngs(params=0), pipeline))
     graphdef, state = nnx.split(abstract)
-    return ModelDef(cfg, attention_kernel, graphdef, state)
+    return ModelDef(cfg, attention_kernel, graphdef, state, pipeline)

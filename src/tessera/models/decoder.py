@@ -13,6 +13,10 @@ the same weights (stacked along axis 0 or split; `tessera.tools.convert` writes 
 remat_policy=custom builds one from the per-tensor keys, `custom_policy`). A block's input is
 named decoder_layer_input for those keys.
 
+With a `PipelineLayout` (a mesh with a `stage` axis) the blocks are always stacked, split
+over the stages and run by `tessera.models.pipeline` (scan_layers then decides whether a stage
+scans its layers or unrolls them); with more than one repeat their leading axes are [R, L/R].
+
 Decoding passes a KV cache (`init_cache`, `tessera.models.kv_cache`) to the same call: each
 block gets its own cache, hands it to its attention and returns it updated; the decoder
 returns the new cache in place of `aux`. With scanned layers the caches are stacked like the
@@ -29,11 +33,12 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
-from tessera.config.derived import dropout_rate
+from tessera.config.derived import PipelineLayout, dropout_rate
 from tessera.config.schema import REMAT_TENSORS
 from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
 from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
+from tessera.models.pipeline import run_pipeline, stacked_shape
 from tessera.models.registry import BLOCKS
 
 _cp = jax.checkpoint_policies
@@ -98,7 +103,7 @@ class Decoder(nnx.Module):
     scalars (mixture-of-experts losses) averaged over blocks; empty for dense families.
     With `kv_cache`: (logits, updated kv_cache) instead (see `__call__`)."""
 
-    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, pipeline: PipelineLayout | None = None):
         dtype, wdtype = cfg.dtype, cfg.weight_dtype
         block_cls = BLOCKS[cfg.decoder_block]
         self.num_blocks = cfg.num_decoder_layers // block_cls.layers_per_block
@@ -106,8 +111,14 @@ class Decoder(nnx.Module):
         if block_cls.absolute_positions and cfg.trainable_position_size:
             self.position_embedder_pd = param(rngs, (cfg.trainable_position_size, cfg.emb_dim), (None, "embed"),
                                               wdtype, fan_in_std(cfg.emb_dim))
-        if cfg.scan_layers:
+        if cfg.scan_layers or pipeline is not None:
             self.layers = _stacked_blocks(lambda r: block_cls(cfg, attention_kernel, r), self.num_blocks, rngs)
+            lead = stacked_shape(pipeline, self.num_blocks)
+            if len(lead) > 1:  # circular pipelining: [L, ...] -> [R, L/R, ...], the same order flattened
+                for _, var in nnx.iter_graph(self.layers):
+                    if isinstance(var, nnx.Param):
+                        var.set_value(var.get_value().reshape(*lead, *var.get_value().shape[1:]))
+                        var.set_metadata(out_sharding=("pipeline_repeats", *var.get_metadata()["out_sharding"]))
         else:
             for i in range(self.num_blocks):
                 setattr(self, f"layers_{i}", block_cls(cfg, attention_kernel, rngs))
@@ -115,7 +126,7 @@ class Decoder(nnx.Module):
         if not cfg.logits_via_embedding:
             self.logits_dense_dv = param(rngs, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), wdtype,
                                          fan_in_std(cfg.emb_dim))
-        self.cfg, self.block_cls = cfg, block_cls
+        self.cfg, self.block_cls, self.pipeline = cfg, block_cls, pipeline
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None, packed=False,
                  kv_cache=None):
@@ -142,7 +153,10 @@ class Decoder(nnx.Module):
 
         x = shard_logically(dropout(self.embed(tokens_bt, positions_bt), rate, keys[-1]),
                             ("batch", "length", "act_embed"))
-        blocks = self._scan_blocks if cfg.scan_layers else self._loop_blocks
+        if self.pipeline is not None:
+            blocks = self._pipeline_blocks if kv_cache is None else self._scan_blocks
+        else:
+            blocks = self._scan_blocks if cfg.scan_layers else self._loop_blocks
         return blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed, kv_cache)
 
     def logits(self, x_btd):
@@ -186,8 +200,12 @@ class Decoder(nnx.Module):
 
     def _scan_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
         """(x, aux averaged over blocks, kv_cache stacked over blocks or None): the blocks'
-        parameters, dropout keys and caches are scanned over together."""
+        parameters, dropout keys and caches are scanned over together (a pipelined model's
+        [R, L/R] stack is flattened first: decoding runs its blocks one after another)."""
         graphdef, stacked = nnx.split(self.layers)
+        stacked = jax.tree.map(lambda a: a.reshape(self.num_blocks, *a.shape[len(stacked_shape(self.pipeline,
+                                                                                                self.num_blocks)):]),
+                               stacked)
         use_keys = keys[0] is not None
 
         def body(h, layer):
@@ -201,6 +219,44 @@ class Decoder(nnx.Module):
         cfg = self.cfg if kv_cache is None else dataclasses.replace(self.cfg, remat_policy="none")
         x, (aux, kv_cache) = jax.lax.scan(remat(body, cfg, True), x, xs)
         return x, jax.tree.map(jnp.mean, aux), kv_cache
+
+    def _pipeline_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
+        """(x, aux averaged over blocks and microbatches, None): the blocks run by the pipeline
+        schedule over the `stage` mesh axis (`tessera.models.pipeline`); each stage runs its
+        group of blocks scanned (scan_layers=true) or unrolled, under the remat policy. Without
+        a mesh whose stage axis matches (a model applied outside the trainer), or for a batch
+        the microbatches do not divide, the same blocks run one after another."""
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty or dict(mesh.shape).get("stage", 1) != self.pipeline.stages \
+                or x.shape[0] % self.pipeline.microbatches:  # (a batch the microbatches do not divide)
+            return self._scan_blocks(x, positions_bt, segment_ids_bt, keys, packed, kv_cache)
+        graphdef, stacked = nnx.split(self.layers)
+        use_keys = keys[0] is not None
+        cfg = self.cfg
+
+        def one_block(h, layer_state, key, pos, seg):
+            block = nnx.merge(graphdef, layer_state)
+            h, aux, _ = block(checkpoint_name(h, "decoder_layer_input"), pos, seg, key if use_keys else None, packed,
+                              None)
+            return h, aux
+
+        def run_group(group, h, pos, seg, group_keys):
+            if cfg.scan_layers:
+                def body(h, layer):
+                    return remat(lambda h_, l_: one_block(h_, l_[0], l_[1], pos, seg), cfg, True)(h, layer)
+
+                h, aux = jax.lax.scan(body, h, (group, group_keys))
+                return h, jax.tree.map(jnp.mean, aux)
+            auxes = []
+            for i in range(self.pipeline.blocks_per_stage):
+                call = remat(lambda h_, l_, k_: one_block(h_, l_, k_, pos, seg), cfg, False)
+                h, aux = call(h, jax.tree.map(lambda a: a[i], group), group_keys[i])
+                auxes.append(aux)
+            return h, jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)
+
+        key_stack = jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32)
+        x, aux = run_pipeline(self.pipeline, run_group, stacked, key_stack, use_keys, x, positions_bt, segment_ids_bt)
+        return x, aux, None
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int):

@@ -42,6 +42,7 @@ from pathlib import Path
 import yaml
 
 from tessera.config import Config, ConfigError, ModelConfig, build_config, load_config
+from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout
 from tessera.config.schema import all_fields
 from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
@@ -142,10 +143,13 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     scores = 0.0 if fused_attention else m.num_query_heads / tp * cfg.data.max_target_length * 6  # f32 + bf16
     keep = _saved_per_token(m, policy, tp) * a + (scores if policy == "none" else 0.0)
     offloaded_input = policy == "custom" and m.decoder_layer_input == "offload"
-    layers = m.num_decoder_layers * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
+    # a pipeline stage keeps its own layers' activations (of every microbatch) and three
+    # microbatch buffers the size of the whole batch's residual stream (inputs, outputs, loop-back)
+    layers = m.num_decoder_layers / mesh["stage"] * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
+    buffers = 3 * tokens * m.emb_dim * a if mesh["stage"] > 1 else 0.0
     one_layer = tokens * (2 * _saved_per_token(m, "none", tp) * a + scores)  # recompute + gradients
     logits = 2 * tokens * m.vocab_size / tp * 4
-    return layers + one_layer + logits
+    return layers + buffers + one_layer + logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +168,13 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     w = DTYPE_BYTES[cfg.model.weight_dtype]
     m = cfg.model
     experts = m.num_decoder_layers * m.num_experts * counts.per_expert_mlp if m.num_experts > 1 else 0
-    norms = (2 * m.num_decoder_layers + 1) * m.emb_dim  # replicated: too small to shard
+    layer_norms, final_norm = 2 * m.num_decoder_layers * m.emb_dim, m.emb_dim  # replicated: too small to shard
     dense_shards = mesh["fsdp"] * mesh["sequence"] * mesh["tensor"]
-    sharded = (counts.total - experts - norms) / dense_shards + experts / (dense_shards * mesh["expert"])
-    params = (sharded + norms) * w
+    stage = mesh["stage"]  # pipeline stages split the layers (not the embeddings)
+    dense_layers = m.num_decoder_layers * counts.per_layer - experts - layer_norms
+    other = counts.total - m.num_decoder_layers * counts.per_layer - final_norm
+    sharded = (other + dense_layers / stage) / dense_shards + experts / (dense_shards * mesh["expert"] * stage)
+    params = (sharded + layer_norms / stage + final_norm) * w
     gathered = 0.0
     if mesh["fsdp"] * mesh["sequence"] > 1:  # gathered after the cast to the compute dtype
         a = DTYPE_BYTES[m.dtype]
@@ -201,11 +208,23 @@ def rooflines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[Roofline]
     sparsity = m.num_experts / m.num_experts_per_tok if m.num_experts > 1 else 1.0
     tokens = cfg.data.per_device_batch_size * cfg.data.max_target_length
     fsdp = tokens * mesh["tensor"] * mesh["expert"] * mesh["stage"] / sparsity
-    return [
+    lines = [
         Roofline("fsdp", mesh["fsdp"], fsdp, hw.intensity),
         Roofline("expert", mesh["expert"], 4 * m.mlp_dim / mesh["expert"], hw.intensity),
         Roofline("tensor", mesh["tensor"], m.mlp_dim / mesh["tensor"], hw.intensity),
     ]
+    if mesh["stage"] > 1:  # a stage's FLOPs per token against the activation bytes it passes on per token
+        layout = pipeline_plan(cfg, mesh, hw)
+        flops = training_flops_per_step(m, 1, cfg.data.max_target_length) / cfg.data.max_target_length
+        sent = 2 * layout.repeats * m.emb_dim * DTYPE_BYTES[m.dtype]  # forward activation + backward gradient
+        lines.append(Roofline("stage", mesh["stage"], flops / mesh["stage"] / sent, hw.intensity))
+    return lines
+
+
+def pipeline_plan(cfg: Config, mesh: dict[str, int], hw: Hardware):
+    """The trainer's pipeline layout for this mesh and batch (None without a stage axis)."""
+    rows = round(cfg.data.per_device_batch_size * hw.num_devices) // cfg.optim.gradient_accumulation_steps
+    return pipeline_layout(cfg, mesh, rows)
 
 
 def load_model_config(model: str | None, overrides: list[str]) -> Config:
@@ -246,7 +265,9 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     """The whole estimate as text; `sequence` (see sequence_note) comes first."""
     m, counts = cfg.model, count_params(cfg.model)
     mesh = mesh_sizes(cfg, hw)
-    fused = hw.accelerator.torus_dims == 0 and m.dtype in ("bfloat16", "float16")  # cuDNN attention on GPUs
+    # fused attention keeps no score matrix: cuDNN on GPUs (16-bit), splash on TPUs (flash / autoselected)
+    fused = (m.dtype in ("bfloat16", "float16")) if hw.accelerator.torus_dims == 0 \
+        else m.attention in ("flash", "autoselected")
     mem = estimate_memory(cfg, counts, mesh, fused)
     tokens = cfg.data.max_target_length
     flops_token = training_flops_per_step(m, 1, tokens) / tokens
@@ -282,11 +303,19 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     ]
     for r in rooflines(cfg, mesh, hw):
         value = f"{r.intensity:12,.0f}" if r.size > 1 else f"{'-':>12}"
-        lines.append(f"  {r.axis:<7} x{r.size:<5} intensity {value}   {r.verdict}")
+        verdict = r.verdict
+        if r.axis == "stage" and cfg.mesh.dcn_pipeline_parallelism > 1:
+            verdict = "over DCN: compare with the DCN's FLOPs per byte (peak / DCN bytes/s per chip)"
+        lines.append(f"  {r.axis:<7} x{r.size:<5} intensity {value}   {verdict}")
+    layout = pipeline_plan(cfg, mesh, hw)
+    if layout is not None:
+        lines += ["", f"pipeline: {layout.describe(LAYERS_PER_BLOCK.get(m.decoder_block, 1))}"]
     if mfu:
-        rate = mfu * hw.accelerator.peak_flops / flops_token
-        lines += ["", f"at {mfu:.0%} MFU: {rate:,.0f} tokens/s per device, "
-                      f"{rate * hw.num_devices:,.0f} tokens/s in all, {mfu * hw.accelerator.peak_flops / 1e12:.0f} "
+        busy = 1.0 - (layout.bubble if layout is not None else 0.0)
+        rate = mfu * busy * hw.accelerator.peak_flops / flops_token
+        bubble = f" ({mfu:.1%} outside the pipeline bubble x {busy:.3f} busy = {mfu * busy:.1%})" if layout else ""
+        lines += ["", f"at {f'{mfu * busy:.1%}' if layout else f'{mfu:.0%}'} MFU{bubble}: {rate:,.0f} tokens/s per device, "
+                      f"{rate * hw.num_devices:,.0f} tokens/s in all, {mfu * busy * hw.accelerator.peak_flops / 1e12:.0f} "
                       "TFLOP/s per device"]
     return "\n".join(lines)
 

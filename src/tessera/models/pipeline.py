@@ -1,0 +1,114 @@
+"""Pipeline parallelism: the decoder's blocks split over the `stage` mesh axis.
+
+Each of the S stages holds R groups of B consecutive blocks (B = blocks per stage, R =
+`num_pipeline_repeats`); group r of stage s is the model's chunk r*S + s, so a microbatch goes
+round the ring of stages R times (circular pipelining when R > 1, GPipe when R = 1). The
+batch is cut into M microbatches (`num_pipeline_microbatches`, rows interleaved so every
+microbatch keeps the batch's data/fsdp split). The schedule runs M*R + S - 1 iterations; at
+iteration t stage s works on item k = t - s (microbatch k mod M, repeat k div M) when
+0 <= k < M*R and idles otherwise (the bubble: (S - 1) / (M*R + S - 1) of the iterations).
+After each iteration every stage hands its output to the next with one collective permute
+(in a circular pipeline the last stage's goes back to stage 0). Stage 0 takes a fresh microbatch in repeat 0 and in
+later repeats the output of the last stage's previous repeat, kept in a buffer of M
+microbatches because it arrives M - S iterations before it is needed (M >= S is required).
+
+The loop runs inside `shard_map`, manual over `stage` only: data, fsdp, tensor and expert
+splits inside a stage are left to the compiler as everywhere else, and the blocks' own
+kernels (splash attention, dropless MoE) nest their own `shard_map` as usual.
+
+Parameters. With R = 1 the stacked blocks keep the layout of `scan_layers=true`, [L, ...],
+their first axis split over `stage`, so a checkpoint moves between pipelined and plain runs
+unchanged. With R > 1 they are stored [R, L/R, ...]: flattening the first two axes gives back
+the plain order, and splitting the second over `stage` gives stage s exactly its R groups.
+`tessera.checkpointing` reshapes between the two on restore.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from tessera.config.derived import PipelineLayout
+
+__all__ = ["PipelineLayout", "run_pipeline", "stacked_shape"]
+
+
+def stacked_shape(layout: PipelineLayout | None, num_blocks: int) -> tuple[int, ...]:
+    """The leading axes of the stacked block parameters: (L,) or (R, L/R) when circular."""
+    if layout is None or layout.repeats == 1:
+        return (num_blocks,)
+    return (layout.repeats, num_blocks // layout.repeats)
+
+
+def _microbatches(a, m: int):
+    """[B, ...] -> [M, B/M, ...]; microbatch i holds rows i, i + M, ... (keeps the batch split)."""
+    return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
+
+
+def _whole_batch(a):
+    """The inverse of `_microbatches`: [M, B/M, ...] -> [B, ...]."""
+    return jnp.swapaxes(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
+
+
+def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: bool, x, positions, segments):
+    """(x after every block [B, T, D], aux averaged over blocks and microbatches).
+
+    `run_group(group_params, h, positions, segments, group_keys) -> (h, aux)` runs one group of
+    `layout.blocks_per_stage` blocks (their parameters stacked on axis 0) on one microbatch.
+    `stacked`: the blocks' parameters, leading axes `stacked_shape`; `keys`: dropout keys [L]
+    (`use_keys`; else placeholders [L] that `run_group` ignores)."""
+    s_, r_, b_, m_ = layout.stages, layout.repeats, layout.blocks_per_stage, layout.microbatches
+    items, iterations = m_ * r_, layout.iterations
+    # [R, S, B, ...] views whose stage axis is the one split over `stage`
+    grouped = jax.tree.map(lambda a: a.reshape(r_, s_, b_, *a.shape[1 if r_ == 1 else 2:]), stacked)
+    grouped_keys = keys.reshape(r_, s_, b_, *keys.shape[1:])
+    xs, pos, seg = (_microbatches(a, m_) for a in (x, positions, segments))
+    # each stage hands its output to the next; only a circular pipeline sends the last stage's back to stage 0
+    ring = [(i, (i + 1) % s_) for i in range(s_ if r_ > 1 else s_ - 1)]
+
+    def local(params, group_keys, xs, pos, seg):
+        params = jax.tree.map(lambda a: a[:, 0], params)  # [R, B, ...]: this stage's groups
+        group_keys = group_keys[:, 0]
+        stage = jax.lax.axis_index("stage")
+        aux_shape = jax.eval_shape(lambda: run_group(jax.tree.map(lambda a: a[0], params), xs[0], pos[0], seg[0],
+                                                     group_keys[0])[1])
+        zeros_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape)
+
+        def iteration(carry, t):
+            previous, loop_back, outputs, aux_sum = carry
+            received = jax.lax.ppermute(previous, "stage", ring)
+            if r_ > 1:  # stage 0 keeps what the last stage finished, for that microbatch's next repeat
+                done = t - s_  # the item the last stage finished one iteration ago
+                keep = (stage == 0) & (done >= 0) & (done < items - m_)
+                slot = jnp.clip(done, 0, items - 1) % m_
+                loop_back = loop_back.at[slot].set(jnp.where(keep, received, loop_back[slot]))
+            k = t - stage
+            valid = (k >= 0) & (k < items)
+            k = jnp.clip(k, 0, items - 1)
+            mb, repeat = k % m_, k // m_
+            first = xs[mb] if r_ == 1 else jnp.where(repeat == 0, xs[mb], loop_back[mb])
+            h = jnp.where(stage == 0, first, received)
+            group = jax.tree.map(lambda a: a[repeat], params)
+            step_keys = group_keys[repeat]
+            if use_keys:  # the same block draws a different mask for each microbatch
+                step_keys = jax.vmap(lambda key: jax.random.fold_in(key, mb))(step_keys)
+            h, aux = run_group(group, h, pos[mb], seg[mb], step_keys)
+            last = valid & (stage == s_ - 1) & (repeat == r_ - 1)
+            outputs = outputs.at[mb].set(jnp.where(last, h, outputs[mb]))
+            aux_sum = jax.tree.map(lambda total, v: total + jnp.where(valid, v, 0.0), aux_sum, aux)
+            return (h, loop_back, outputs, aux_sum), None
+
+        start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs) if r_ > 1 else jnp.zeros((), xs.dtype),
+                 jnp.zeros_like(xs), zeros_aux)
+        (_, _, outputs, aux_sum), _ = jax.lax.scan(iteration, start, jnp.arange(iterations))
+        # every item passes every stage once: the mean over all blocks and microbatches
+        aux = jax.tree.map(lambda v: jax.lax.psum(v, "stage") / (items * s_), aux_sum)
+        return outputs[None], aux
+
+    stage_split = P(None, "stage")
+    outputs, aux = jax.shard_map(
+        local, in_specs=(jax.tree.map(lambda _: stage_split, grouped), stage_split, P(), P(), P()),
+        out_specs=(P("stage"), P()), axis_names={"stage"}, check_vma=False,
+    )(grouped, grouped_keys, xs, pos, seg)
+    return _whole_batch(outputs[s_ - 1]), aux
