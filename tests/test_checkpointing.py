@@ -190,9 +190,11 @@ def test_sigkill_during_async_save_never_loads_the_partial_checkpoint(tmp_path):
             partial = [p for p in ckpt.iterdir() if "tmp" in p.name] if ckpt.exists() else []
             return bool(complete) and bool(partial)
 
-        assert _wait_for(saving, 300)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        try:
+            assert _wait_for(saving, 300), "no save was seen in progress within 300 s"
+        finally:  # never leave the trainer running (it would fill the disk with checkpoints)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
         partial = [p for p in ckpt.iterdir() if "orbax-checkpoint-tmp" in p.name]
         if partial:
             break

@@ -58,11 +58,14 @@ def test_every_key_is_used_or_reported(path, tmp_path):
     assert plan.overrides["steps"] == data["config"]["training_steps"]
     assert plan.overrides["base_emb_dim"] == entry["base_emb_dim"]
     assert plan.overrides["mlp_activations"] == '["silu", "linear"]'
-    assert "precision" in plan.ignored and "tokenizer_model" in plan.ignored
+    assert "tokenizer_model" in plan.ignored
+    if entry.get("precision") == "TE_FP8":  # Transformer Engine's fp8 training -> quantization=fp8 (qwix)
+        assert plan.overrides["quantization"] == "fp8" and "precision" not in plan.ignored
     if "nccl_proto" in data["config"]:
         assert plan.env["NCCL_PROTO"] == data["config"]["nccl_proto"]
     accounted = set(plan.overrides) | set(plan.ignored) | {"xla_flags", "result_dict"}
-    aliases = {"sequence_length": "max_target_length", "micro_batch_size": "per_device_batch_size"}
+    aliases = {"sequence_length": "max_target_length", "micro_batch_size": "per_device_batch_size",
+               "precision": "quantization"}
     for key in entry:
         assert key in accounted or aliases.get(key) in accounted, key
     assert "{user-id}" not in json.dumps(plan.env)

@@ -25,6 +25,7 @@ from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention import select_attention
+from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer
 
 log = logging.getLogger("tessera")
@@ -50,6 +51,10 @@ def setup(cfg: Config, devices=None) -> Trainer:
     choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape))
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     _check_remat(cfg.model, mesh)
+    check_quantization(cfg.model.quantization, mesh.devices.flat[0].device_kind, device_platform(mesh))
+    if cfg.model.quantization and cfg.model.sparse_matmul and cfg.model.num_experts > 1:
+        log.info("quantization=%s: the dropless experts' grouped matmuls stay in %s (not quantized yet)",
+                 cfg.model.quantization, cfg.model.dtype)
     if plan.pipeline is not None:
         log.info("pipeline: %s", plan.pipeline.describe(LAYERS_PER_BLOCK.get(cfg.model.decoder_block, 1)))
     model = build_model(cfg.model, choice.kernel, plan.pipeline)

@@ -66,6 +66,8 @@ class CompileReport:
     custom_calls: dict = dataclasses.field(default_factory=dict)  # custom-call target -> count in the program
     collectives: dict = dataclasses.field(default_factory=dict)  # collective op (all-reduce, ...) -> count
     pipeline: dict = dataclasses.field(default_factory=dict)  # stages, repeats, microbatches, bubble (if pipelined)
+    quantization: str = ""  # quantized training mode ('' off)
+    low_precision_dots: dict = dataclasses.field(default_factory=dict)  # operand type (s8, f8e4m3fn, ...) -> dots
 
     @property
     def fits(self) -> bool:
@@ -137,6 +139,7 @@ def compile_for_topology(cfg: Config) -> CompileReport:
         compile_seconds=0.0, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0, code_bytes=0,
         peak_bytes=0, total_bytes=0, hbm_bytes=hbm, budget_bytes=int(hbm * c.compile_hbm_budget_fraction),
         attention_kernel=trainer.model.attention_kernel,
+        quantization=cfg.model.quantization,
         pipeline={} if trainer.plan.pipeline is None else {
             **dataclasses.asdict(trainer.plan.pipeline), "bubble": round(trainer.plan.pipeline.bubble, 4)},
     )
@@ -157,6 +160,7 @@ def compile_for_topology(cfg: Config) -> CompileReport:
     report.custom_calls = {t: targets.count(t) for t in sorted(set(targets))}
     ops = COLLECTIVE_OP.findall(compiled.as_text())
     report.collectives = {op: ops.count(op) for op in sorted(set(ops))}
+    report.low_precision_dots = low_precision_dots(compiled.as_text())
     live = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     peak = max(getattr(mem, "peak_memory_in_bytes", 0), live)
     return dataclasses.replace(
@@ -196,6 +200,26 @@ def state_bytes_per_device(trainer) -> int:
     return int(sum(jax.tree.leaves(sizes)))
 
 
+# element types of quantized matmul operands in HLO text (int8 and smaller, float8)
+_LOW_PRECISION = ("s8", "u8", "s4", "u4", "f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3b11fnuz", "f8e4m3fnuz", "f8e5m2fnuz")
+
+
+def low_precision_dots(hlo: str) -> dict[str, int]:
+    """{operand type: count} of the dot and convolution instructions of an HLO text whose first
+    operand is an 8-bit or smaller type (int8, float8): the quantized matmuls the program runs."""
+    types, counts = {}, {}
+    for line in hlo.splitlines():
+        head = re.match(r"^\s*(?:ROOT )?%([\w.-]+) = (\w+)\[", line)
+        if not head:
+            continue
+        types[head.group(1)] = head.group(2)
+        op = re.search(r"\s(dot|convolution)\(%([\w.-]+)", line)
+        if op and types.get(op.group(2)) in _LOW_PRECISION:
+            kind = types[op.group(2)]
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 # a collective instruction in compiled HLO text: `... = bf16[..] all-to-all(...)`, async ones as `-start`
 COLLECTIVE_OP = re.compile(r" (ragged-all-to-all|all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute)"
                            r"(?:-start)?\(")
@@ -216,6 +240,9 @@ def memory_table(r: CompileReport) -> str:
     return ("\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
             + f"\n  attention kernel: {r.attention_kernel or 'unknown'}; custom calls in the program: {kernels}"
             + f"\n  collectives in the program: {collectives}"
+            + ("" if not r.quantization else
+               f"\n  quantization={r.quantization}: low-precision dots in the program: "
+               + (", ".join(f"{t} x{n}" for t, n in r.low_precision_dots.items()) or "none"))
             + ("" if not r.pipeline else
                f"\n  pipeline: {r.pipeline['stages']} stages x {r.pipeline['repeats']} repeat(s), "
                f"{r.pipeline['microbatches']} microbatches, bubble {100 * r.pipeline['bubble']:.1f}%"))

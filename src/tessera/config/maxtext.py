@@ -52,7 +52,8 @@ class Refused:
     off: tuple[str, ...] = ()
 
 
-_QUANT = "; Tessera trains in dtype/weight_dtype (bfloat16 or float32) and has no quantization"
+_QUANT = ("; Tessera quantizes the training matmuls (quantization=int8|fp8|fp8_full, on qwix) but not the KV cache "
+          "or checkpoints yet")
 _PIPE = "; Tessera pipelines every decoder layer (ici/dcn_pipeline_parallelism, num_pipeline_repeats)"
 _INFER = "; Tessera's decode.py samples greedily from a prompt and has no such setting"
 _GCP = ("; Tessera keeps metrics.jsonl, TensorBoard files and the report in the run folder (with a gs:// "
@@ -60,7 +61,6 @@ _GCP = ("; Tessera keeps metrics.jsonl, TensorBoard files and the report in the 
 
 REFUSED = {
     # quantization
-    "quantization": Refused("int8/fp8/aqt quantized matmuls in training" + _QUANT, ("",)),
     "quantize_kvcache": Refused("int8 key/value cache for decoding" + _QUANT, ("false", "0")),
     "kv_quant_axis": Refused("which axes the quantized key/value cache is scaled over" + _QUANT,
                              ("heads_and_dkv", "")),
@@ -69,7 +69,8 @@ REFUSED = {
     "quantization_local_shard_count": Refused("shards of the quantization range search" + _QUANT, ("-1",)),
     "quant_cfg_path": Refused("file of per-layer quantization settings" + _QUANT, ("",)),
     "save_quantized_params_path": Refused("where to write quantized weights" + _QUANT, ("",)),
-    "use_qwix_quantization": Refused("quantize with the Qwix library" + _QUANT, ("false", "0")),
+    "use_qwix_quantization": Refused("quantize with the Qwix library (Tessera's quantization always does)" + _QUANT,
+                                     ("false", "0", "true", "1")),
     "replicate_quant_scale": Refused("replicate quantization scales across devices" + _QUANT, ("false", "0")),
     # mesh axes Tessera does not have
     "ici_autoregressive_parallelism": Refused(

@@ -42,6 +42,7 @@ REMAT_TENSORS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", 
                  "mlpwi_0", "mlpwi_1", "mlpwo")
 REMAT_CHOICES = ("remat", "device", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZATION_MODES = ("", "int8", "fp8", "fp8_full")  # tessera.models.quantization.MODES
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
 DATASET_TYPES = ("synthetic", "hf", "tfds", "grain")
 TOKENIZER_TYPES = ("auto", "sentencepiece", "tiktoken", "huggingface")
@@ -140,6 +141,10 @@ class ModelConfig:
                                 "recomputed in the backward pass: the [tokens, vocab] logits never exist at once",
                                 minimum=1)
     logits_dot_in_fp32: bool = key(False, "compute the output-logits matmul in float32")
+    quantization: str = key(
+        "", "quantized training of the dense projections, on qwix: '' off; int8 (per-channel int8 forward and "
+        "gradients); fp8 (e4m3 forward, e5m2 gradients); fp8_full (fp8, the output logits too)",
+        QUANTIZATION_MODES)
     scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile)")
     remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all; "
                             "'custom': the per-tensor keys below)", REMAT_POLICIES)

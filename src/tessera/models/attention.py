@@ -188,14 +188,14 @@ class Attention(nnx.Module):
         """Query [B, T, N, H], key and value [B, T, K, H], with rotary positions applied."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         if self.fused:
-            qkv = project("btd,dcnh->btcnh", x_btd, w(self.wqkv_dcnh))
+            qkv = project("btd,dcnh->btcnh", x_btd, w(self.wqkv_dcnh), quantization=self.cfg.quantization)
             if self.use_bias:
                 qkv = qkv + w(self.bqkv_cnh)
             q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         else:
-            q = project("btd,dnh->btnh", x_btd, w(self.wq_dnh))
-            k = project("btd,dkh->btkh", x_btd, w(self.wk_dkh))
-            v = project("btd,dkh->btkh", x_btd, w(self.wv_dkh))
+            q = project("btd,dnh->btnh", x_btd, w(self.wq_dnh), quantization=self.cfg.quantization)
+            k = project("btd,dkh->btkh", x_btd, w(self.wk_dkh), quantization=self.cfg.quantization)
+            v = project("btd,dkh->btkh", x_btd, w(self.wv_dkh), quantization=self.cfg.quantization)
             if self.use_bias:
                 q, k, v = q + w(self.bq_nh), k + w(self.bk_kh), v + w(self.bv_kh)
         q, k, v = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
@@ -210,7 +210,7 @@ class Attention(nnx.Module):
     def output(self, ctx_btnh):
         """The output projection of the attention context [B, T, N, H] -> [B, T, D]."""
         ctx = checkpoint_name(shard_logically(ctx_btnh, ("batch", "length", "act_heads", None)), "context")
-        out = project("btnh,nhd->btd", ctx, self.wo_nhd[...].astype(self.dtype))
+        out = project("btnh,nhd->btd", ctx, self.wo_nhd[...].astype(self.dtype), quantization=self.cfg.quantization)
         if self.use_bias:
             out = out + self.bo_d[...].astype(self.dtype)
         return checkpoint_name(out, "out_proj")

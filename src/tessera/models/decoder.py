@@ -168,7 +168,8 @@ class Decoder(nnx.Module):
             logits = self.token_embedder.attend(x, cfg.logits_dot_in_fp32)
         else:
             dtype = jnp.float32 if cfg.logits_dot_in_fp32 else cfg.dtype
-            logits = project("btd,dv->btv", x.astype(dtype), self.logits_dense_dv[...].astype(dtype))
+            logits = project("btd,dv->btv", x.astype(dtype), self.logits_dense_dv[...].astype(dtype),
+                             quantization=cfg.quantization if cfg.quantization == "fp8_full" else "")
         logits = soft_cap(logits.astype(jnp.float32), cfg.final_logits_soft_cap)
         return shard_logically(logits, ("batch", "length", "act_vocab"))
 

@@ -18,11 +18,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tessera.mesh import shard_logically, traced_platform
+from tessera.models.quantization import einsum as quantized_einsum
 
 
-def project(spec: str, x, w, preferred_element_type=None):
+def project(spec: str, x, w, preferred_element_type=None, quantization: str = ""):
     """`jnp.einsum(spec, x, w)`: activations x times a weight w (or, in attention, keys and
-    values), both in the compute dtype.
+    values), both in the compute dtype. `quantization` (int8, fp8, fp8_full) runs the product
+    quantized (`tessera.models.quantization`, on qwix); "" leaves it as it is.
 
     Elsewhere than on XLA:CPU this is exactly the einsum. On XLA:CPU (benchmarks/README.md,
     cpu_llama, has the measurements):
@@ -34,6 +36,9 @@ def project(spec: str, x, w, preferred_element_type=None):
       (or to `preferred_element_type`): XLA:CPU's bfloat16 matmul is slower than its float32
       one. The products of bfloat16 values are exact in float32, so this is a bfloat16 matmul
       that accumulates in float32, as a TPU's matrix unit does."""
+    if quantization:
+        out = quantized_einsum(spec, x, w, quantization)
+        return out if preferred_element_type is None else out.astype(preferred_element_type)
     if traced_platform() != "cpu":
         return jnp.einsum(spec, x, w, preferred_element_type=preferred_element_type)
     return _project_cpu(spec, preferred_element_type, x, w)
@@ -217,7 +222,7 @@ class Mlp(nnx.Module):
     gated product mlpwi and the output mlpwo."""
 
     def __init__(self, dim: int, hidden: int, activations: list[str], dtype, weight_dtype, rngs: nnx.Rngs,
-                 use_bias: bool = False, fused: bool = False):
+                 use_bias: bool = False, fused: bool = False, quantization: str = ""):
         n = len(activations)
         if fused:
             self.wi_dcf = param(rngs, (dim, n, hidden), ("embed", None, "mlp"), weight_dtype, fan_in_std(dim))
@@ -232,16 +237,18 @@ class Mlp(nnx.Module):
         if use_bias:
             self.bo_d = param(rngs, (dim,), ("norm",), weight_dtype, None, fill=0.0)
         self.activations, self.dtype, self.use_bias, self.fused = tuple(activations), dtype, use_bias, fused
+        self.quantization = quantization
 
     def project_in(self, x_btd: jax.Array) -> list[jax.Array]:
         """The input projections x W_i (+ b_i), one [B, T, F] per activation."""
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         if self.fused:
-            h_btcf = project("btd,dcf->btcf", x_btd, w(self.wi_dcf))
+            h_btcf = project("btd,dcf->btcf", x_btd, w(self.wi_dcf), quantization=self.quantization)
             if self.use_bias:
                 h_btcf = h_btcf + w(self.bi_cf)
             return [h_btcf[:, :, i] for i in range(len(self.activations))]
-        outs = [project("btd,df->btf", x_btd, w(getattr(self, f"wi_{i}"))) for i in range(len(self.activations))]
+        outs = [project("btd,df->btf", x_btd, w(getattr(self, f"wi_{i}")), quantization=self.quantization)
+                for i in range(len(self.activations))]
         return [o + w(getattr(self, f"bi_{i}")) for i, o in enumerate(outs)] if self.use_bias else outs
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
@@ -250,7 +257,7 @@ class Mlp(nnx.Module):
             a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
             h_btf = a if h_btf is None else h_btf * a
         h_btf = checkpoint_name(shard_logically(h_btf, ("batch", "length", "act_mlp")), "mlpwi")
-        out = project("btf,fd->btd", h_btf, self.wo_fd[...].astype(self.dtype))
+        out = project("btf,fd->btd", h_btf, self.wo_fd[...].astype(self.dtype), quantization=self.quantization)
         if self.use_bias:
             out = out + self.bo_d[...].astype(self.dtype)
         return checkpoint_name(out, "mlpwo")

@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically, traced_platform
 from tessera.models.layers import ACTIVATIONS, fan_in_std, param
+from tessera.models.quantization import einsum as quantized_einsum
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class MoeMlp(nnx.Module):
         """The gated MLP of every expert on `h`, an [E, ..., D] buffer (einsum spec `contract`)."""
         out = None
         for i, name in enumerate(self.cfg.mlp_activations):
-            a = jnp.einsum(contract, h, getattr(self, f"wi_{i}")[...].astype(self.dtype))
+            a = quantized_einsum(contract, h, getattr(self, f"wi_{i}")[...].astype(self.dtype), self.cfg.quantization)
             a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
             out = a if out is None else out * a
         return checkpoint_name(out, "mlpwi")  # names as the dense MLP's, for remat_policy=custom
@@ -106,7 +107,7 @@ class MoeMlp(nnx.Module):
         buffers_becd = shard_logically(buffers_becd, ("act_batch_no_exp", "act_exp", None, "act_embed"))
         h_becf = self.expert_mlp(buffers_becd, "becd,edf->becf")
         h_becf = shard_logically(h_becf, ("act_batch_no_exp", "act_exp", None, "act_mlp"))
-        out_becd = jnp.einsum("becf,efd->becd", h_becf, self.wo_efd[...].astype(self.dtype))
+        out_becd = quantized_einsum("becf,efd->becd", h_becf, self.wo_efd[...].astype(self.dtype), self.cfg.quantization)
         out_btd = jnp.einsum("becd,btec->btd", out_becd, combine_btec.astype(self.dtype))
         return out_btd, dropped
 

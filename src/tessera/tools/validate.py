@@ -55,7 +55,7 @@ CONFIG_TRAIN_KEYS = {"training_steps": "steps", "enable_checkpointing": "enable_
 # model-param keys of other trainers -> the Tessera train key with the same meaning (the loader's table)
 ALIASES = {alias: target for alias, (target, _) in KEY_ALIASES.items()}
 IGNORED_WHY = {
-    "precision": "Tessera computes in `dtype`; FP8 (TE_FP8) training is not implemented",
+    "precision": "Tessera computes in `dtype`; only TE_FP8 has a counterpart (quantization=fp8)",
     "tokenizer_model": "a Hugging Face hub name; Tessera reads tokenizers from local files only",
     "model_size": "informational (the model is defined by the base_* keys)",
     "batch_size": "the global batch of other trainers; Tessera's is per_device_batch_size x devices (x "
@@ -69,6 +69,8 @@ IGNORED_WHY = {
     "nccl_ib_hca_list": "list form of nccl_ib_hca, which is the one NCCL reads",
     "container_name": "the container engine names the container",
 }
+# model_params precision values that mean float8 training (Transformer Engine): quantization=fp8, on qwix
+FP8_PRECISIONS = ("TE_FP8", "FP8")
 GPU_KEYS = {f.name for f in dataclasses.fields(GpuConfig)}  # train keys of the gpu section, also read from `config`
 METRICS = {"tflops_per_sec_per_gpu": "tflops_per_sec_per_device", "tokens_per_sec_per_gpu": "tokens_per_sec_per_device"}
 
@@ -175,6 +177,8 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     for key, value in entry.items():
         if key in ("xla_flags", "result_dict"):
             continue
+        if key == "precision" and str(value).upper() in FP8_PRECISIONS and not entry.get("quantization"):
+            continue  # mapped after this loop
         target = ALIASES.get(key, key)
         text = json.dumps(value) if isinstance(value, list) else str(value)
         if target != key and target in entry:  # an alias next to the key it stands for
@@ -184,6 +188,8 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             overrides[target] = text
         else:
             ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
+    if str(entry.get("precision", "")).upper() in FP8_PRECISIONS and not entry.get("quantization"):
+        overrides["quantization"] = "fp8"  # Transformer Engine's fp8 recipe: e4m3 forward, e5m2 gradients
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
     targets = _targets(entry.get("result_dict", {}))

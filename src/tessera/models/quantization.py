@@ -1,0 +1,93 @@
+"""Quantized training of the dense projections, on Google's qwix library.
+
+`quantization` (MaxText's values) picks what the projections' matmuls run in; master weights,
+gradients and optimizer state stay in `weight_dtype`, and everything outside these matmuls
+(norms, attention's score and value products, softmax, the loss) is unchanged.
+
+| mode | forward operands | backward: incoming gradients | output logits |
+| --- | --- | --- | --- |
+| `int8` | int8, absmax scale per channel | int8, per channel | not quantized |
+| `fp8` | float8 e4m3, per channel | float8 e5m2 (the wider range gradients need) | not quantized |
+| `fp8_full` | as fp8 | as fp8 | quantized too |
+
+Quantized are the attention's q/k/v/output projections, the MLP's and the experts' input and
+output projections under capacity routing; dropless MoE's grouped matmuls stay in the compute
+dtype (their quantized form is not wired yet). Each projection is qwix's quantized-training
+dot product (`dot_general_qt`): it quantizes both operands with their own scales (the
+contracting axis reduced, every other axis keeping its own scale: per channel), multiplies
+in the quantized type with int32 (int8) or float32 (fp8) accumulation, rescales, and in the
+backward pass quantizes the incoming gradient the same way for both products; gradients reach
+the float weights straight through the rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax.numpy as jnp
+
+from tessera.config import ConfigError
+from tessera.config.schema import QUANTIZATION_MODES
+
+log = logging.getLogger("tessera")
+
+MODES = QUANTIZATION_MODES
+# NVIDIA GPUs with float8 matrix units (Ada, Hopper, Blackwell): a substring of the device kind
+_FP8_GPUS = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "GB200", "L4", "L40")
+
+
+def library() -> str:
+    """"qwix <version>", for log lines and reports."""
+    import qwix
+
+    return f"qwix {qwix.__version__}"
+
+
+@functools.cache
+def _config(mode: str):
+    from qwix._src.core.dot_general_qt import DotGeneralQtConfig
+
+    if mode == "int8":
+        fwd = bwd = jnp.int8
+    elif mode in ("fp8", "fp8_full"):
+        fwd, bwd = jnp.float8_e4m3fn, jnp.float8_e5m2
+    else:
+        raise ValueError(f"quantization={mode!r} is not one of {MODES}")
+    return DotGeneralQtConfig(lhs_qtype=fwd, rhs_qtype=fwd, dlhs_grad_qtype=bwd, drhs_grad_qtype=bwd)
+
+
+@functools.cache
+def dot_general(mode: str):
+    """A `jax.lax.dot_general` replacement that computes in `mode` (for jnp.einsum's
+    `_dot_general`): qwix's quantized-training dot product with the mode's types."""
+    from qwix._src.core.dot_general_qt import dot_general_qt
+
+    config = _config(mode)
+
+    def quantized(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
+        out = dot_general_qt(lhs, rhs, dimension_numbers, config)
+        return out if preferred_element_type is None else out.astype(preferred_element_type)
+
+    return quantized
+
+
+def einsum(spec: str, x, w, mode: str):
+    """jnp.einsum(spec, x, w) with the matmul quantized as `mode` says (a no-op for "")."""
+    if not mode:
+        return jnp.einsum(spec, x, w)
+    return jnp.einsum(spec, x, w, _dot_general=dot_general(mode))
+
+
+def check_platform(mode: str, device_kind: str, platform: str) -> None:
+    """ConfigError when the devices cannot run `mode`; a log line saying what implements it."""
+    if not mode:
+        return
+    if mode.startswith("fp8") and platform == "gpu" and not any(g in device_kind for g in _FP8_GPUS):
+        raise ConfigError(
+            f"quantization={mode}: {device_kind} has no float8 matrix units (they start with NVIDIA Ada and "
+            "Hopper: L4, L40, H100, H200, B200); use quantization=int8 or leave it empty")
+    where = {"cpu": "XLA:CPU emulates the low-precision products (correct, not faster)",
+             "gpu": "cuBLASLt's low-precision GEMMs through XLA",
+             "tpu": "the TPU's matrix units through XLA"}.get(platform, platform)
+    log.info("quantization=%s: projections quantized by %s; %s", mode, library(), where)
