@@ -195,15 +195,42 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     from tessera.checkpointing import load_parameters
     from tessera.mesh import named_shardings
     from tessera.models import build_model
+    from tessera.models.quantization import dequantize_params, quantized_abstract
 
     path = cfg.checkpoint.load_parameters_path
     model = build_model(cfg.model, "dot_product")  # the cached path always runs the reference attention
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
-    params = load_parameters(path, abstract)
-    log.info("loaded parameters from %s", path)
+    if cfg.checkpoint.checkpoint_is_quantized:
+        stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization))
+        params = jax.jit(lambda t: dequantize_params(t, abstract), out_shardings=shardings)(stored)
+        log.info("loaded quantized parameters (%s) from %s, dequantized to %s", cfg.model.quantization, path,
+                 cfg.model.weight_dtype)
+    else:
+        params = load_parameters(path, abstract)
+        log.info("loaded parameters from %s", path)
+    if cfg.checkpoint.save_quantized_params_path:
+        save_quantized(params, cfg.model.quantization, cfg.checkpoint.save_quantized_params_path)
     return model, params
+
+
+def save_quantized(params, mode: str, path: str) -> None:
+    """Write `params` quantized (`tessera.models.quantization.quantize_params`) as an Orbax
+    checkpoint holding {"params": ...}: what load_parameters_path with checkpoint_is_quantized=true reads."""
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    from tessera.models.quantization import quantize_params
+
+    target = epath.Path(path)
+    if target.exists():
+        raise ConfigError(f"save_quantized_params_path={path} exists already; choose a new folder (nothing was "
+                          "written)")
+    tree = {"params": jax.jit(lambda p: quantize_params(p, mode))(params)}
+    ocp.PyTreeCheckpointer().save(target, tree)
+    log.info("wrote the parameters quantized (%s) to %s", mode, path)
 
 
 def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:

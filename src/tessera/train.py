@@ -302,6 +302,9 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: Checkp
         log.info("loaded full state at step %d from %s", step, cfg.load_full_state_path)
         return state
     if cfg.load_parameters_path:
+        if cfg.checkpoint_is_quantized:
+            raise ConfigError("checkpoint_is_quantized=true is for decode.py (quantized weights are dequantized for "
+                              "decoding); train from the float checkpoint the quantized one was written from")
         params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"],
                                  key="load_parameters_path")
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)

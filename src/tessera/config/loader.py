@@ -301,6 +301,11 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{n}={getattr(cfg.mesh, n)} must be a positive integer or -1 (derived)")
     if cfg.data.per_device_batch_size <= 0:
         raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size} must be > 0")
+    if cfg.checkpoint.save_quantized_params_path and not cfg.model.quantization:
+        raise ConfigError("save_quantized_params_path needs quantization=int8, fp8 or fp8_full (the stored type)")
+    if cfg.checkpoint.checkpoint_is_quantized and not (cfg.model.quantization and cfg.checkpoint.load_parameters_path):
+        raise ConfigError("checkpoint_is_quantized=true needs load_parameters_path=<the quantized checkpoint> and the "
+                          "quantization=int8|fp8|fp8_full it was written with")
     _validate_eval(cfg.data)
     _validate_vocab_tiling(cfg)
 

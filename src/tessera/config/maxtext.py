@@ -52,8 +52,8 @@ class Refused:
     off: tuple[str, ...] = ()
 
 
-_QUANT = ("; Tessera quantizes the training matmuls (quantization=int8|fp8|fp8_full, on qwix) but not the KV cache "
-          "or checkpoints yet")
+_QUANT = ("; Tessera quantizes the training matmuls (quantization), the KV cache (quantize_kvcache) and "
+          "checkpoints for decoding (save_quantized_params_path, checkpoint_is_quantized), on qwix, without this setting")
 _PIPE = "; Tessera pipelines every decoder layer (ici/dcn_pipeline_parallelism, num_pipeline_repeats)"
 _INFER = "; Tessera's decode.py samples greedily from a prompt and has no such setting"
 _GCP = ("; Tessera keeps metrics.jsonl, TensorBoard files and the report in the run folder (with a gs:// "
@@ -61,14 +61,8 @@ _GCP = ("; Tessera keeps metrics.jsonl, TensorBoard files and the report in the 
 
 REFUSED = {
     # quantization
-    "quantize_kvcache": Refused("int8 key/value cache for decoding" + _QUANT, ("false", "0")),
-    "kv_quant_axis": Refused("which axes the quantized key/value cache is scaled over" + _QUANT,
-                             ("heads_and_dkv", "")),
-    "kv_quant_dtype": Refused("dtype of the quantized key/value cache (int8 or int4)" + _QUANT, ("int8",)),
-    "checkpoint_is_quantized": Refused("the checkpoint to load holds quantized weights" + _QUANT, ("false", "0")),
     "quantization_local_shard_count": Refused("shards of the quantization range search" + _QUANT, ("-1",)),
     "quant_cfg_path": Refused("file of per-layer quantization settings" + _QUANT, ("",)),
-    "save_quantized_params_path": Refused("where to write quantized weights" + _QUANT, ("",)),
     "use_qwix_quantization": Refused("quantize with the Qwix library (Tessera's quantization always does)" + _QUANT,
                                      ("false", "0", "true", "1")),
     "replicate_quant_scale": Refused("replicate quantization scales across devices" + _QUANT, ("false", "0")),

@@ -145,6 +145,11 @@ class ModelConfig:
         "", "quantized training of the dense projections, on qwix: '' off; int8 (per-channel int8 forward and "
         "gradients); fp8 (e4m3 forward, e5m2 gradients); fp8_full (fp8, the output logits too)",
         QUANTIZATION_MODES)
+    quantize_kvcache: bool = key(False, "decoding: store the KV cache quantized (kv_quant_dtype, scaled over kv_quant_axis)")
+    kv_quant_axis: str = key("heads_and_dkv", "quantized KV cache: one scale per slot and kv head (dkv: reduced over "
+                             "the head dimension) or per slot (heads_and_dkv: over heads and head dimension)",
+                             ("dkv", "heads_and_dkv"))
+    kv_quant_dtype: str = key("int8", "quantized KV cache: the stored type", ("int8", "int4"))
     scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile)")
     remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all; "
                             "'custom': the per-tensor keys below)", REMAT_POLICIES)
@@ -335,6 +340,10 @@ class CheckpointConfig:
                                path="path")
     load_parameters_path: str = key("", "start from these parameters only (a checkpoint step folder or a params "
                                      "checkpoint)", path="path")
+    checkpoint_is_quantized: bool = key(False, "decoding: load_parameters_path holds weights in quantized form "
+                                        "(written by decode.py save_quantized_params_path=...)")
+    save_quantized_params_path: str = key("", "decoding: also write the loaded weights quantized (as `quantization` "
+                                          "says: int8 or float8) to this folder", path="path")
     load_full_state_path: str = key("", "start from this full state: parameters, optimizer state and step "
                                      "(a checkpoint step folder)", path="path")
 

@@ -223,7 +223,7 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x_btd, positions_bt)
         if kv_cache is not None:
             kv_cache = kv_cache.write(k, v, positions_bt, segment_ids_bt)
-            ctx = masked_attention(q, kv_cache.k_bskh, kv_cache.v_bskh,
+            ctx = masked_attention(q, kv_cache.keys(q.dtype), kv_cache.values(q.dtype),
                                    kv_cache.mask(positions_bt, segment_ids_bt, self.window), scale=self.scale,
                                    logits_soft_cap=self.logits_soft_cap)
         elif self.kernel.startswith("splash"):

@@ -32,7 +32,8 @@ class Block(nnx.Module):
     def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
         """The KV cache one block decodes with (a block with one attention layer: one `KVCache`);
         `layers=(L,)` stacks L of them for a scanned stack."""
-        return KVCache.empty(batch, length, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, layers)
+        return KVCache.empty(batch, length, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, layers,
+                             cfg.kv_quant_dtype if cfg.quantize_kvcache else "", cfg.kv_quant_axis)
 
 
 def make_norm(kind: str, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:

@@ -13,6 +13,12 @@ For tokens stored in order this is the training mask (causal, window, same segme
 the whole sequence. Prompts of different lengths share one batch by left padding: pad tokens
 have segment id 0, so real tokens never see them; each row's real tokens have positions 0, 1, ...
 
+`quantize_kvcache=true` stores keys and values quantized (qwix): `kv_quant_dtype` int8 or int4,
+with one absmax scale per slot and kv head (`kv_quant_axis=dkv`: reduced over the head
+dimension) or per slot (`heads_and_dkv`: over heads and head dimension). Attention reads them
+back dequantized (`keys`, `values`); the prompt's own keys are quantized too, so prefill and
+each decoded token see the same stored values.
+
 The cache is an argument, not state: `Decoder.__call__(..., kv_cache=...)` hands each block
 its layer's cache, the block hands it to its attention, and the updated caches come back as
 return values (stacked on a leading layers axis when the layers are scanned, carried through
@@ -29,33 +35,74 @@ import jax.numpy as jnp
 from tessera.mesh import shard_logically
 
 
+KV_QUANT_TYPES = {"int8": jnp.int8, "int4": jnp.int4}
+# kv_quant_axis -> the axes of [B, S, K, H] that keep their own scale (the others are reduced)
+KV_QUANT_SCALE_AXES = {"dkv": (0, 1, 2), "heads_and_dkv": (0, 1)}
+
+
 class KVCache(NamedTuple):
     """One attention layer's cache of S slots (arrays may carry a leading layers axis)."""
 
-    k_bskh: jax.Array  # keys [B, S, K, H], rotary positions applied
+    k_bskh: jax.Array  # keys [B, S, K, H], rotary positions applied (int8/int4 when quantized)
     v_bskh: jax.Array  # values [B, S, K, H]
     positions_bs: jax.Array  # int32 [B, S]: position of each key
     segment_ids_bs: jax.Array  # int32 [B, S]: 0 for empty slots and padding (never seen by real tokens)
     index: jax.Array  # int32 []: the next slot to write, the same for every row
+    k_scale: jax.Array  # float32 [B, S, K or 1, 1] when quantized, else an empty [0]
+    v_scale: jax.Array
 
     @classmethod
-    def empty(cls, batch: int, length: int, kv_heads: int, head_dim: int, dtype, layers: tuple[int, ...] = ()):
-        """A cache with no keys yet; `layers=(L,)` stacks L of them for a scanned stack."""
-        kv = lambda: jnp.zeros((*layers, batch, length, kv_heads, head_dim), dtype)  # noqa: E731
+    def empty(cls, batch: int, length: int, kv_heads: int, head_dim: int, dtype, layers: tuple[int, ...] = (),
+              quant_dtype: str = "", quant_axis: str = "heads_and_dkv"):
+        """A cache with no keys yet; `layers=(L,)` stacks L of them for a scanned stack.
+        `quant_dtype` (int8, int4) stores keys and values quantized, scaled over `quant_axis`."""
+        store = KV_QUANT_TYPES[quant_dtype] if quant_dtype else dtype
+        kv = lambda: jnp.zeros((*layers, batch, length, kv_heads, head_dim), store)  # noqa: E731
         ids = lambda: jnp.zeros((*layers, batch, length), jnp.int32)  # noqa: E731
-        return cls(kv(), kv(), ids(), ids(), jnp.zeros(layers, jnp.int32))
+        scale_heads = kv_heads if quant_axis == "dkv" else 1
+        scale = (lambda: jnp.ones((*layers, batch, length, scale_heads, 1), jnp.float32)) if quant_dtype \
+            else (lambda: jnp.zeros((*layers, 0), jnp.float32))
+        return cls(kv(), kv(), ids(), ids(), jnp.zeros(layers, jnp.int32), scale(), scale())
+
+    @property
+    def quantized(self) -> bool:
+        return jnp.issubdtype(self.k_bskh.dtype, jnp.integer)
 
     def write(self, k_btkh, v_btkh, positions_bt, segment_ids_bt) -> KVCache:
         """The cache with T new keys stored at slots index .. index+T-1 (the caller sizes the
         cache: past the end, `dynamic_update_slice` would move the write back and overwrite)."""
         i = self.index
+        k_scale, v_scale = self.k_scale, self.v_scale
+        if self.quantized:
+            import qwix
+
+            axes = (0, 1, 2) if self.k_scale.shape[-2] == k_btkh.shape[2] else (0, 1)  # dkv, heads_and_dkv
+            qk, qv = (qwix.quantize(a, self.k_bskh.dtype, channelwise_axes=axes, scale_dtype=jnp.float32)
+                      for a in (k_btkh, v_btkh))
+            k_btkh, v_btkh = qk.qvalue, qv.qvalue
+            k_scale = jax.lax.dynamic_update_slice(k_scale, qk.scale.reshape(*qk.scale.shape[:2], -1, 1),
+                                                   (0, i, 0, 0))
+            v_scale = jax.lax.dynamic_update_slice(v_scale, qv.scale.reshape(*qv.scale.shape[:2], -1, 1),
+                                                   (0, i, 0, 0))
         k = jax.lax.dynamic_update_slice(self.k_bskh, k_btkh.astype(self.k_bskh.dtype), (0, i, 0, 0))
         v = jax.lax.dynamic_update_slice(self.v_bskh, v_btkh.astype(self.v_bskh.dtype), (0, i, 0, 0))
         names = ("batch", None, "act_kv_heads", None)
         positions = jax.lax.dynamic_update_slice(self.positions_bs, positions_bt.astype(jnp.int32), (0, i))
         segments = jax.lax.dynamic_update_slice(self.segment_ids_bs, segment_ids_bt.astype(jnp.int32), (0, i))
         return KVCache(shard_logically(k, names), shard_logically(v, names), positions, segments,
-                       i + k_btkh.shape[1])
+                       i + k_btkh.shape[1], k_scale, v_scale)
+
+    def keys(self, dtype) -> jax.Array:
+        """The cached keys [B, S, K, H] in `dtype` (dequantized when stored quantized)."""
+        return self._read(self.k_bskh, self.k_scale, dtype)
+
+    def values(self, dtype) -> jax.Array:
+        return self._read(self.v_bskh, self.v_scale, dtype)
+
+    def _read(self, stored, scale, dtype):
+        if not self.quantized:
+            return stored.astype(dtype)
+        return (stored.astype(jnp.float32) * scale).astype(dtype)
 
     def mask(self, positions_bt, segment_ids_bt, window: int) -> jax.Array:
         """[B, T, S]: which cached keys each query sees (see the module docstring)."""

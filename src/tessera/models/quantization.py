@@ -91,3 +91,75 @@ def check_platform(mode: str, device_kind: str, platform: str) -> None:
              "gpu": "cuBLASLt's low-precision GEMMs through XLA",
              "tpu": "the TPU's matrix units through XLA"}.get(platform, platform)
     log.info("quantization=%s: projections quantized by %s; %s", mode, library(), where)
+
+
+# ---------------------------------------------------------------------------- quantized checkpoints
+# A quantized checkpoint holds, for every weight of rank >= 2, {"qvalue": int8 or float8, "scale":
+# float32} with one absmax scale per row of its last axis (every other axis keeps its own scales);
+# vectors (norm scales, biases) stay as they are. `decode.py save_quantized_params_path=...`
+# writes one; `checkpoint_is_quantized=true` reads it back, dequantized to the weights' dtype.
+
+_STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8_full": jnp.float8_e4m3fn}
+
+
+def storage_type(mode: str):
+    """The type quantized weights are stored in for `mode` (int8, or float8 e4m3 for the fp8 modes)."""
+    if mode not in _STORAGE:
+        raise ConfigError(f"quantized checkpoints need quantization=int8, fp8 or fp8_full (it is {mode!r}): it "
+                          "decides the stored type")
+    return _STORAGE[mode]
+
+
+def _quantizable(shape) -> bool:
+    return len(shape) >= 2
+
+
+def quantize_params(params, mode: str):
+    """The parameters in a quantized checkpoint's form (see above)."""
+    import jax
+    import qwix
+
+    qtype = storage_type(mode)
+
+    def one(w):
+        if not _quantizable(w.shape):
+            return w
+        q = qwix.quantize(w.astype(jnp.float32), qtype, channelwise_axes=tuple(range(w.ndim - 1)),
+                          scale_dtype=jnp.float32)
+        return {"qvalue": q.qvalue, "scale": q.scale}
+
+    return jax.tree.map(one, params)
+
+
+def quantized_abstract(abstract_params, mode: str):
+    """ShapeDtypeStructs of `quantize_params`'s result, with the weights' shardings (the scale
+    keeps the weight's sharding but for its last axis, which it reduces to 1)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    qtype = storage_type(mode)
+
+    def one(s):
+        if not _quantizable(s.shape):
+            return s
+        sharding = getattr(s, "sharding", None)
+        scale_sharding = None
+        if isinstance(sharding, NamedSharding):
+            spec = (tuple(sharding.spec) + (None,) * len(s.shape))[:len(s.shape) - 1]
+            scale_sharding = NamedSharding(sharding.mesh, PartitionSpec(*spec, None))
+        return {"qvalue": jax.ShapeDtypeStruct(s.shape, qtype, sharding=sharding),
+                "scale": jax.ShapeDtypeStruct((*s.shape[:-1], 1), jnp.float32, sharding=scale_sharding)}
+
+    return jax.tree.map(one, abstract_params)
+
+
+def dequantize_params(tree, abstract_params):
+    """The float parameters (each in its abstract dtype) of a quantized checkpoint's tree."""
+    import jax
+
+    def one(s, stored):
+        if not _quantizable(s.shape):
+            return stored
+        return (stored["qvalue"].astype(jnp.float32) * stored["scale"]).astype(s.dtype)
+
+    return jax.tree.map(one, abstract_params, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
