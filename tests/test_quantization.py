@@ -35,20 +35,21 @@ def _lowered_dots(mode: str, **overrides) -> Counter:
     return Counter(re.findall(r"stablehlo.dot_general.*?\(tensor<(?:\d+x)*(\w+)>, tensor<(?:\d+x)*(\w+)>\)", text))
 
 
-@pytest.mark.parametrize("mode", ["int8", "fp8", "fp8_full"])
+@pytest.mark.parametrize("mode", ["int8", "fp8", "fp8_full", "nanoo_fp8"])
 def test_the_step_runs_the_projections_quantized(mode):
     """The lowered step: every projection's forward product and both gradient products take
     int8 operands (int8) or float8 e4m3 with e5m2 gradients (fp8); the logits too with
     fp8_full; attention's own products and the float32 reference stay float32."""
     dots = _lowered_dots(mode)
-    low = {types: n for types, n in dots.items() if any(t in ("i8", "f8E4M3FN", "f8E5M2") for t in types)}
+    fwd, bwd = ("f8E4M3FNUZ", "f8E5M2FNUZ") if mode == "nanoo_fp8" else ("f8E4M3FN", "f8E5M2")
+    low = {types: n for types, n in dots.items() if any(t in ("i8", fwd, bwd) for t in types)}
     logits = 3 if mode == "fp8_full" else 0
     assert sum(low.values()) == PROJECTION_DOTS + logits, dots
     if mode == "int8":
         assert set(low) == {("i8", "i8")}
     else:  # forward e4m3 x e4m3; each gradient product takes the e5m2 gradient and an e4m3 residual
-        assert low[("f8E4M3FN", "f8E4M3FN")] == 7 + logits // 3
-        assert sum(n for (a, b), n in low.items() if "f8E5M2" in (a, b)) == 14 + 2 * logits // 3
+        assert low[(fwd, fwd)] == 7 + logits // 3
+        assert sum(n for (a, b), n in low.items() if bwd in (a, b)) == 14 + 2 * logits // 3
     assert all(t == "f32" for types in set(dots) - set(low) for t in types)  # attention products, loss
     assert not [t for t in _lowered_dots("") if set(t) != {"f32"}]
 
@@ -118,10 +119,15 @@ def test_quantized_state_keeps_float32_master_weights():
 def test_bad_modes_and_devices_are_refused():
     with pytest.raises(ConfigError, match=r"quantization.*choose one of"):
         tiny_config(quantization="int4")
-    with pytest.raises(ConfigError, match=r"NVIDIA A100-SXM4-80GB has no float8 matrix units"):
+    with pytest.raises(ConfigError, match=r"NVIDIA A100-SXM4-80GB has no OCP float8 matrix units"):
         check_platform("fp8", "NVIDIA A100-SXM4-80GB", "gpu")
     check_platform("int8", "NVIDIA A100-SXM4-80GB", "gpu")
     check_platform("fp8_full", "NVIDIA H100 80GB HBM3", "gpu")
+    with pytest.raises(ConfigError, match=r"use quantization=nanoo_fp8, its own float8 format"):
+        check_platform("fp8", "AMD Instinct MI300X", "gpu")
+    check_platform("nanoo_fp8", "AMD Instinct MI300X", "gpu")
+    with pytest.raises(ConfigError, match=r"nanoo_fp8 is AMD MI300's float8 format, which NVIDIA H100"):
+        check_platform("nanoo_fp8", "NVIDIA H100 80GB HBM3", "gpu")
 
 
 # ---------------------------------------------------------------------------- quantized KV cache
@@ -217,7 +223,7 @@ def test_quantized_checkpoint_round_trip_decodes_like_the_float_one(mode, stored
 def test_quantized_checkpoint_keys_are_checked():
     from tessera.models.quantization import storage_type
 
-    with pytest.raises(ConfigError, match=r"quantized checkpoints need quantization=int8, fp8 or fp8_full"):
+    with pytest.raises(ConfigError, match=r"quantized checkpoints need quantization=int8, fp8, fp8_full or nanoo_fp8"):
         storage_type("")
     with pytest.raises(ConfigError, match=r"save_quantized_params_path needs quantization"):
         tiny_config(save_quantized_params_path="q")

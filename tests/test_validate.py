@@ -60,7 +60,8 @@ def test_every_key_is_used_or_reported(path, tmp_path):
     assert plan.overrides["mlp_activations"] == '["silu", "linear"]'
     assert "tokenizer_model" in plan.ignored
     if entry.get("precision") == "TE_FP8":  # Transformer Engine's fp8 training -> quantization=fp8 (qwix)
-        assert plan.overrides["quantization"] == "fp8" and "precision" not in plan.ignored
+        want = "nanoo_fp8" if plan.name.rsplit(".", 1)[-1].startswith("mi300") else "fp8"  # AMD MI300: fnuz fp8
+        assert plan.overrides["quantization"] == want and "precision" not in plan.ignored
     if "nccl_proto" in data["config"]:
         assert plan.env["NCCL_PROTO"] == data["config"]["nccl_proto"]
     accounted = set(plan.overrides) | set(plan.ignored) | {"xla_flags", "result_dict"}
@@ -83,6 +84,8 @@ def test_dry_run_prints_each_node(tmp_path, capsys):
     assert main([path, "--nodes", "h1,h2", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "# node 1 (h2)" in out and "export NODE_RANK=1" in out
+    # the file's precision TE_FP8 runs as quantization=fp8, and the suite says what implements it
+    assert "quantization: training matmuls in nanoo_fp8, implemented by qwix " in out  # an MI300X file
 
 
 @pytest.mark.parametrize("gpu, code", [("cpu", 0), ("cpu-unreachable", 1)])

@@ -42,7 +42,7 @@ REMAT_TENSORS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", 
                  "mlpwi_0", "mlpwi_1", "mlpwo")
 REMAT_CHOICES = ("remat", "device", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
-QUANTIZATION_MODES = ("", "int8", "fp8", "fp8_full")  # tessera.models.quantization.MODES
+QUANTIZATION_MODES = ("", "int8", "fp8", "fp8_full", "nanoo_fp8")  # tessera.models.quantization.MODES
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
 DATASET_TYPES = ("synthetic", "hf", "tfds", "grain")
 TOKENIZER_TYPES = ("auto", "sentencepiece", "tiktoken", "huggingface")
@@ -143,7 +143,8 @@ class ModelConfig:
     logits_dot_in_fp32: bool = key(False, "compute the output-logits matmul in float32")
     quantization: str = key(
         "", "quantized training of the dense projections, on qwix: '' off; int8 (per-channel int8 forward and "
-        "gradients); fp8 (e4m3 forward, e5m2 gradients); fp8_full (fp8, the output logits too)",
+        "gradients); fp8 (e4m3 forward, e5m2 gradients); fp8_full (fp8, the output logits too); nanoo_fp8 (as fp8 "
+        "in AMD MI300's e4m3fnuz / e5m2fnuz formats)",
         QUANTIZATION_MODES)
     quantize_kvcache: bool = key(False, "decoding: store the KV cache quantized (kv_quant_dtype, scaled over kv_quant_axis)")
     kv_quant_axis: str = key("heads_and_dkv", "quantized KV cache: one scale per slot and kv head (dkv: reduced over "

@@ -9,6 +9,7 @@ gradients and optimizer state stay in `weight_dtype`, and everything outside the
 | `int8` | int8, absmax scale per channel | int8, per channel | not quantized |
 | `fp8` | float8 e4m3, per channel | float8 e5m2 (the wider range gradients need) | not quantized |
 | `fp8_full` | as fp8 | as fp8 | quantized too |
+| `nanoo_fp8` | float8 e4m3fnuz (AMD MI300's format) | float8 e5m2fnuz | not quantized |
 
 Quantized are the attention's q/k/v/output projections, the MLP's and the experts' input and
 output projections under capacity routing; dropless MoE's grouped matmuls stay in the compute
@@ -33,8 +34,10 @@ from tessera.config.schema import QUANTIZATION_MODES
 log = logging.getLogger("tessera")
 
 MODES = QUANTIZATION_MODES
-# NVIDIA GPUs with float8 matrix units (Ada, Hopper, Blackwell): a substring of the device kind
-_FP8_GPUS = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "GB200", "L4", "L40")
+# GPUs whose matrix units take OCP float8 (e4m3fn/e5m2): NVIDIA Ada, Hopper, Blackwell, AMD MI350
+# (a substring of the device kind); AMD MI300/MI325 take the fnuz variants instead (nanoo_fp8)
+_FP8_GPUS = ("H100", "H200", "H800", "H20", "GH200", "B100", "B200", "GB200", "L4", "L40", "MI350", "MI355")
+_FNUZ_GPUS = ("MI300", "MI325")
 
 
 def library() -> str:
@@ -52,6 +55,8 @@ def _config(mode: str):
         fwd = bwd = jnp.int8
     elif mode in ("fp8", "fp8_full"):
         fwd, bwd = jnp.float8_e4m3fn, jnp.float8_e5m2
+    elif mode == "nanoo_fp8":
+        fwd, bwd = jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz
     else:
         raise ValueError(f"quantization={mode!r} is not one of {MODES}")
     return DotGeneralQtConfig(lhs_qtype=fwd, rhs_qtype=fwd, dlhs_grad_qtype=bwd, drhs_grad_qtype=bwd)
@@ -84,9 +89,14 @@ def check_platform(mode: str, device_kind: str, platform: str) -> None:
     if not mode:
         return
     if mode.startswith("fp8") and platform == "gpu" and not any(g in device_kind for g in _FP8_GPUS):
+        fnuz = any(g in device_kind for g in _FNUZ_GPUS)
         raise ConfigError(
-            f"quantization={mode}: {device_kind} has no float8 matrix units (they start with NVIDIA Ada and "
-            "Hopper: L4, L40, H100, H200, B200); use quantization=int8 or leave it empty")
+            f"quantization={mode}: {device_kind} has no OCP float8 matrix units (they start with NVIDIA Ada and "
+            "Hopper: L4, L40, H100, H200, B200; AMD MI350); "
+            + ("use quantization=nanoo_fp8, its own float8 format" if fnuz else "use quantization=int8 or leave it empty"))
+    if mode == "nanoo_fp8" and platform in ("gpu", "tpu") and not any(g in device_kind for g in _FNUZ_GPUS):
+        raise ConfigError(f"quantization=nanoo_fp8 is AMD MI300's float8 format, which {device_kind} does not run; "
+                          "use quantization=fp8 (or int8)")
     where = {"cpu": "XLA:CPU emulates the low-precision products (correct, not faster)",
              "gpu": "cuBLASLt's low-precision GEMMs through XLA",
              "tpu": "the TPU's matrix units through XLA"}.get(platform, platform)
@@ -99,14 +109,15 @@ def check_platform(mode: str, device_kind: str, platform: str) -> None:
 # vectors (norm scales, biases) stay as they are. `decode.py save_quantized_params_path=...`
 # writes one; `checkpoint_is_quantized=true` reads it back, dequantized to the weights' dtype.
 
-_STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8_full": jnp.float8_e4m3fn}
+_STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8_full": jnp.float8_e4m3fn,
+            "nanoo_fp8": jnp.float8_e4m3fnuz}
 
 
 def storage_type(mode: str):
     """The type quantized weights are stored in for `mode` (int8, or float8 e4m3 for the fp8 modes)."""
     if mode not in _STORAGE:
-        raise ConfigError(f"quantized checkpoints need quantization=int8, fp8 or fp8_full (it is {mode!r}): it "
-                          "decides the stored type")
+        raise ConfigError(f"quantized checkpoints need quantization=int8, fp8, fp8_full or nanoo_fp8 (it is {mode!r}): "
+                          "it decides the stored type")
     return _STORAGE[mode]
 
 

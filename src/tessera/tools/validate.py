@@ -189,7 +189,9 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         else:
             ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
     if str(entry.get("precision", "")).upper() in FP8_PRECISIONS and not entry.get("quantization"):
-        overrides["quantization"] = "fp8"  # Transformer Engine's fp8 recipe: e4m3 forward, e5m2 gradients
+        # Transformer Engine's fp8 recipe: e4m3 forward, e5m2 gradients; AMD MI300/MI325 use the fnuz formats
+        amd_fnuz = name.rsplit(".", 1)[-1].lower().startswith(("mi300", "mi325"))
+        overrides["quantization"] = "nanoo_fp8" if amd_fnuz else "fp8"
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
     targets = _targets(entry.get("result_dict", {}))
@@ -221,6 +223,23 @@ def gpu_tuning(overrides: dict[str, str], env: dict[str, str]) -> dict[str, str]
 
 def tuning_line(plan: Plan) -> str:
     return "gpu tuning: " + ", ".join(f"{k}={v}" for k, v in plan.tuning.items())
+
+
+def quantization_line(plan: Plan) -> str:
+    """What the run quantizes and which library does it ("" when nothing is quantized)."""
+    mode = plan.overrides.get("quantization", "")
+    kv = plan.overrides.get("quantize_kvcache", "false").lower() in ("true", "1")
+    if not mode and not kv:
+        return ""
+    from tessera.models.quantization import library
+
+    what = [f"training matmuls in {mode}"] if mode else []
+    if kv:
+        what.append(f"KV cache in {plan.overrides.get('kv_quant_dtype', 'int8')}")
+    hardware = {"fp8": "OCP float8 GEMMs: NVIDIA Ada, Hopper, Blackwell or AMD MI350",
+                "fp8_full": "OCP float8 GEMMs: NVIDIA Ada, Hopper, Blackwell or AMD MI350",
+                "nanoo_fp8": "AMD MI300's fnuz float8 GEMMs", "int8": "int8 GEMMs through XLA"}.get(mode, "XLA")
+    return f"quantization: {', '.join(what)}, implemented by {library()} ({hardware})"
 
 
 def _targets(result_dict: dict) -> dict[str, float]:
@@ -420,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, why in sorted(plan.ignored.items()):
         print(f"ignored {key}: {why}")
     print(tuning_line(plan))
+    if quantization_line(plan):
+        print(quantization_line(plan))
     run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
     engine = container_engine()
     if plan.container.get("container_image") and not engine:
