@@ -63,6 +63,26 @@ def test_capacity_routed_experts_are_quantized_too():
     assert all(t in ("i8", "f32") for types in dots for t in types)
 
 
+def test_dropless_experts_run_quantized_grouped_matmuls():
+    """Dropless routing: the experts' grouped matmuls are qwix's quantized ragged dots. JAX
+    lowers a ragged dot on CPU to dense products over the expert groups (operands with the
+    4 experts leading), which must all take int8 operands, forward and backward."""
+    def grouped(mode):
+        trainer = setup(tiny_config(quantization=mode, decoder_block="mixtral", num_experts=4, num_experts_per_tok=2,
+                                    sparse_matmul=True), jax.devices()[:1])
+        shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
+                 for k in ("tokens", "segment_ids", "positions")}
+        with jax.set_mesh(trainer.mesh):
+            text = jax.jit(make_train_step(trainer, 0)).lower(abstract_state(trainer), batch).as_text()
+        types = re.findall(r"stablehlo.dot_general.*?\(tensor<([^>]*)>, tensor<([^>]*)>\)", text)
+        return [(a.rsplit("x", 1)[1], b.rsplit("x", 1)[1]) for a, b in types if a.startswith("4x") and b.startswith("4x")]
+
+    plain, quantized = grouped(""), grouped("int8")
+    assert len(quantized) == len(plain) >= 6 and {t for types in plain for t in types} == {"f32"}
+    assert all(types == ("i8", "i8") for types in quantized), quantized
+
+
 def test_xla_cpu_keeps_the_int8_products_in_int8():
     """XLA:CPU runs int8 x int8 -> int32 dots as such (it emulates float8 ones in float32, so
     for fp8 only the lowered program shows them; a TPU compile keeps them, see Quantization.md)."""

@@ -52,9 +52,9 @@ def setup(cfg: Config, devices=None) -> Trainer:
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     _check_remat(cfg.model, mesh)
     check_quantization(cfg.model.quantization, mesh.devices.flat[0].device_kind, device_platform(mesh))
-    if cfg.model.quantization and cfg.model.sparse_matmul and cfg.model.num_experts > 1:
-        log.info("quantization=%s: the dropless experts' grouped matmuls stay in %s (not quantized yet)",
-                 cfg.model.quantization, cfg.model.dtype)
+    if cfg.model.quantization and cfg.model.megablox and cfg.model.num_experts > 1:
+        log.info("quantization=%s: the experts' grouped matmuls run qwix's quantized ragged dot, not the Pallas "
+                 "megablox kernel", cfg.model.quantization)
     if plan.pipeline is not None:
         log.info("pipeline: %s", plan.pipeline.describe(LAYERS_PER_BLOCK.get(cfg.model.decoder_block, 1)))
     model = build_model(cfg.model, choice.kernel, plan.pipeline)

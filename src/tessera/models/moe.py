@@ -39,6 +39,7 @@ from tessera.config import ModelConfig
 from tessera.mesh import shard_logically, traced_platform
 from tessera.models.layers import ACTIVATIONS, fan_in_std, param
 from tessera.models.quantization import einsum as quantized_einsum
+from tessera.models.quantization import ragged_dot as quantized_ragged_dot
 
 log = logging.getLogger(__name__)
 
@@ -175,9 +176,10 @@ class MoeMlp(nnx.Module):
         kernel = grouped_matmul_kernel(self.cfg)
         h = None
         for i, (name, w_edf) in enumerate(zip(self.cfg.mlp_activations, wis)):
-            a = ACTIVATIONS[name](checkpoint_name(grouped_matmul(rows, w_edf, group_sizes, kernel), f"mlpwi_{i}"))
+            a = grouped_matmul(rows, w_edf, group_sizes, kernel, self.cfg.quantization)
+            a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
             h = a if h is None else h * a
-        return grouped_matmul(checkpoint_name(h, "mlpwi"), wo_efd, group_sizes, kernel)
+        return grouped_matmul(checkpoint_name(h, "mlpwi"), wo_efd, group_sizes, kernel, self.cfg.quantization)
 
     def _dropless(self, x_btd, experts_btk, weights_btk, weights):
         x_sorted, order, group_sizes = self._sort_copies(x_btd, experts_btk)
@@ -241,10 +243,13 @@ def grouped_matmul_kernel(cfg: ModelConfig) -> str:
 MEGABLOX_TILE = 128  # rows, contraction and output columns per tile of the Pallas kernel
 
 
-def grouped_matmul(lhs_md, rhs_gdn, group_sizes, kernel: str):
+def grouped_matmul(lhs_md, rhs_gdn, group_sizes, kernel: str, quantization: str = ""):
     """lhs rows [sum(group_sizes[:g]), sum(group_sizes[:g+1])) times rhs[g], for each group g;
     rows past the groups' total are zero. `kernel`: "ragged_dot", "megablox", or
-    "megablox_interpret" (the Pallas kernel in its interpreter, to test it on a CPU)."""
+    "megablox_interpret" (the Pallas kernel in its interpreter, to test it on a CPU).
+    `quantization` (int8, fp8, ...): qwix's quantized ragged dot, whatever the kernel."""
+    if quantization:
+        return quantized_ragged_dot(lhs_md, rhs_gdn, group_sizes, quantization)
     m, (k, n) = lhs_md.shape[0], rhs_gdn.shape[1:]
     if kernel != "ragged_dot" and (k % MEGABLOX_TILE or n % MEGABLOX_TILE):
         # the backward pass runs the kernel with k and n swapped, so one tile must fit both

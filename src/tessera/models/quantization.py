@@ -12,9 +12,9 @@ gradients and optimizer state stay in `weight_dtype`, and everything outside the
 | `nanoo_fp8` | float8 e4m3fnuz (AMD MI300's format) | float8 e5m2fnuz | not quantized |
 
 Quantized are the attention's q/k/v/output projections, the MLP's and the experts' input and
-output projections under capacity routing; dropless MoE's grouped matmuls stay in the compute
-dtype (their quantized form is not wired yet). Each projection is qwix's quantized-training
-dot product (`dot_general_qt`): it quantizes both operands with their own scales (the
+output projections (capacity routing's einsums; dropless routing's grouped matmuls run qwix's
+quantized ragged dot, also with `megablox=true`, in place of the Pallas kernel). Each projection
+is qwix's quantized-training dot product (`dot_general_qt`): it quantizes both operands with their own scales (the
 contracting axis reduced, every other axis keeping its own scale: per channel), multiplies
 in the quantized type with int32 (int8) or float32 (fp8) accumulation, rescales, and in the
 backward pass quantizes the incoming gradient the same way for both products; gradients reach
@@ -75,6 +75,17 @@ def dot_general(mode: str):
         return out if preferred_element_type is None else out.astype(preferred_element_type)
 
     return quantized
+
+
+def ragged_dot(lhs, rhs, group_sizes, mode: str):
+    """jax.lax.ragged_dot (dropless MoE's grouped matmul) quantized as `mode` says: qwix's
+    quantized-training ragged dot with the mode's forward and gradient types."""
+    from qwix._src.core.ragged_dot_qt import RaggedDotQtConfig, ragged_dot_qt
+
+    c = _config(mode)
+    config = RaggedDotQtConfig(lhs_qtype=c.lhs_qtype, rhs_qtype=c.rhs_qtype, dlhs_grad_qtype=c.dlhs_grad_qtype,
+                               drhs_grad_qtype=c.drhs_grad_qtype)
+    return ragged_dot_qt(lhs, rhs, group_sizes, config)
 
 
 def einsum(spec: str, x, w, mode: str):
