@@ -54,12 +54,16 @@ def test_hardware_is_accepted_and_checked():
 
 
 def test_missing_feature_is_refused_with_a_reason_unless_off():
-    load_config([BASE, "quantization=", "quantize_kvcache=false", "opt_type=adamw"], env={})
+    load_config([BASE, "quant_cfg_path=", "replicate_quant_scale=false", "opt_type=adamw"], env={})
     with pytest.raises(ConfigError) as e:
-        load_config([BASE, "quantization=int8", "ici_autoregressive_parallelism=2"], env={"M_OPT_TYPE": "sgd"})
+        load_config([BASE, "quant_cfg_path=layers.yml", "ici_autoregressive_parallelism=2"], env={"M_OPT_TYPE": "sgd"})
     msg = str(e.value)
     assert msg.startswith("3 problems in the config:") and "unknown" not in msg
-    assert "quantization='int8' is a MaxText key Tessera does not implement: int8/fp8/aqt" in msg
+    assert ("quant_cfg_path='layers.yml' is a MaxText key Tessera does not implement: file of per-layer "
+            "quantization settings") in msg
+    # MaxText's quantization keys that Tessera implements now load as its own
+    cfg = load_config([BASE, "quantization=int8", "quantize_kvcache=true", "kv_quant_axis=dkv"], env={})
+    assert (cfg.model.quantization, cfg.model.quantize_kvcache, cfg.model.kv_quant_axis) == ("int8", True, "dkv")
     assert "use ici_tensor_parallelism (from the command line)" in msg
     assert "AdamW only" in msg and "(from the environment variable M_OPT_TYPE)" in msg
 
