@@ -28,6 +28,13 @@ FAMILIES = {
                    final_logits_soft_cap=3.0, query_pre_attn_scalar=10.0, logits_via_embedding=True),
     "gpt3": dict(decoder_block="gpt3", fused_qkv=True, base_num_kv_heads=4, trainable_position_size=16,
                  mlp_activations=["gelu"], logits_via_embedding=True),
+    "qwen3": dict(decoder_block="qwen3"),
+    "qwen3_moe dropless": dict(decoder_block="qwen3_moe", num_experts=8, num_experts_per_tok=3, sparse_matmul=True),
+    # 7 layers: one 6-layer pattern (its sixth layer global) and a tail block of one local layer
+    "gemma3": dict(decoder_block="gemma3", base_num_decoder_layers=7, sliding_window_size=3, query_pre_attn_scalar=10.0,
+                   logits_via_embedding=True, rope_scaling="linear", local_rope_max_timescale=100),
+    "gemma3 loop": dict(decoder_block="gemma3", base_num_decoder_layers=7, sliding_window_size=3, scan_layers=False,
+                        logits_via_embedding=True),
 }
 
 

@@ -191,10 +191,31 @@ PUBLISHED_TOTALS = {
     "llama3.3-70b": (70_553_706_496, 0),  # meta-llama/Llama-3.3-70B-Instruct: 70.6B
     "gpt3-6b": (6e9, 0.1),                # MaxText's gpt3-6b: "6b" (5.6B; the name rounds up)
     "gpt3-22b": (22e9, 0.01),             # MaxText's gpt3-22b: "22b"
+    # Qwen3 model cards (Hugging Face Qwen/<name>, "Number of Parameters"), rounded as the cards round them
+    "qwen3-8b": (8.2e9, 0.005),           # Qwen/Qwen3-8B: 8.2B
+    "qwen3-32b": (32.8e9, 0.005),         # Qwen/Qwen3-32B: 32.8B
+    "qwen3-30b-a3b": (30.5e9, 0.005),     # Qwen/Qwen3-30B-A3B: 30.5B in total
+    "qwen3-235b-a22b": (235e9, 0.005),    # Qwen/Qwen3-235B-A22B: 235B in total
+    # Gemma 3 technical report (Gemma Team 2025), Table 1: embedding + non-embedding parameters of the
+    # language model (the vision encoder, 417M in 4B-27B, is not part of the text model)
+    "gemma3-4b": (675e6 + 3_209e6, 0.001),
+    "gemma3-12b": (1_012e6 + 10_759e6, 0.001),
+    "gemma3-27b": (1_416e6 + 25_600e6, 0.001),
+}
+# Active parameters per token of the mixture-of-experts model files, from the same sources.
+PUBLISHED_ACTIVE = {
+    "qwen3-30b-a3b": (3.3e9, 0.02),      # 3.3B activated (ours: 3.34B)
+    "qwen3-235b-a22b": (22e9, 0.01),     # 22B activated (ours: 22.14B)
 }
 
 
 @pytest.mark.parametrize("model", PUBLISHED_TOTALS)
 def test_model_files_have_their_published_parameter_counts(model):
     total, tolerance = PUBLISHED_TOTALS[model]
-    assert count_params(load_model_config(model, []).model).total == pytest.approx(total, rel=tolerance)
+    counts = count_params(load_model_config(model, []).model)
+    assert counts.total == pytest.approx(total, rel=tolerance)
+    if model in PUBLISHED_ACTIVE:
+        active, tolerance = PUBLISHED_ACTIVE[model]
+        assert counts.active == pytest.approx(active, rel=tolerance)
+    else:
+        assert counts.active == counts.total

@@ -27,6 +27,12 @@ FAMILIES = {
     "gpt3": dict(decoder_block="gpt3", mlp_activations=["gelu"], base_num_kv_heads=4, trainable_position_size=16,
                  logits_via_embedding=True),
     "gpt3-sinusoidal": dict(decoder_block="gpt3", mlp_activations=["gelu"], base_num_kv_heads=4, fused_qkv=True),
+    "qwen3": dict(decoder_block="qwen3"),
+    "qwen3_moe": dict(decoder_block="qwen3_moe", num_experts=8, num_experts_per_tok=3, norm_topk_prob=False),
+    # 8 layers: one 6-layer pattern and a tail of 2 local layers
+    "gemma3": dict(decoder_block="gemma3", base_num_decoder_layers=8, sliding_window_size=4, query_pre_attn_scalar=10.0,
+                   mlp_activations=["gelu", "linear"], logits_via_embedding=True, rope_scaling="linear",
+                   rope_scaling_factor=8.0, rope_max_timescale=1_000_000),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
 
@@ -120,9 +126,9 @@ def test_dropless_equals_capacity_routing_without_drops():
     assert not np.allclose(logits, dropless.apply(params, TOKENS), atol=1e-3)
 
 
-def _moe_losses(tmp_path, name, num_devices, **overrides):
+def _moe_losses(tmp_path, name, num_devices, family=MOE, **overrides):
     cfg = tiny_config(tmp_path / name, per_device_batch_size=8 / num_devices, steps=2, enable_checkpointing=False,
-                      **MOE, **overrides)
+                      **family, **overrides)
     run(cfg, jax.devices()[:num_devices])
     records = [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
     return records
@@ -138,6 +144,18 @@ def test_expert_parallel_gives_the_same_losses_as_one_device(routing, tmp_path):
     if "capacity_factor" in routing:
         assert all(r["moe_dropped_fraction"] > 0 for r in one)  # capacity 1.0 on random routing drops some
         assert "dropped" in format_record(one[0])
+
+
+def test_qwen3_moe_expert_parallel_gives_the_same_losses_as_one_device(tmp_path):
+    """Fine-grained experts (8, 3 per token, unnormalized weights) dropless over expert=4 x fsdp=2;
+    the router statistics reach the metrics as Mixtral's do."""
+    family = FAMILIES["qwen3_moe"]
+    one = _moe_losses(tmp_path, "one", 1, family, sparse_matmul=True)
+    ep = _moe_losses(tmp_path, "ep", 8, family, sparse_matmul=True, ici_expert_parallelism=4, ici_fsdp_parallelism=2)
+    for key in ("loss", "grad_norm", "moe_load_balance_loss", "moe_dropped_fraction"):
+        a, b = np.array([r[key] for r in one]), np.array([r[key] for r in ep])
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
+    assert all(r["moe_load_balance_loss"] > 0 for r in ep) and "router loss" in format_record(one[0])
 
 
 @pytest.mark.parametrize("mesh", [dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),

@@ -81,6 +81,12 @@ CASES = {
     "gemma2-unscanned": ("gemma2", ("scan_layers=false",)),
     "gpt2-fused-qkv": ("gpt2", ("fused_qkv=true",)),
     "gpt2-unfused-unscanned": ("gpt2", ("fused_qkv=false", "scan_layers=false")),
+    "qwen3": ("qwen3", ()),
+    "qwen3-unscanned": ("qwen3", ("scan_layers=false",)),
+    "qwen3_moe-dropless": ("qwen3_moe", ("sparse_matmul=true",)),
+    "qwen3_moe-capacity": ("qwen3_moe", ("capacity_factor=-1",)),
+    "gemma3": ("gemma3", ()),
+    "gemma3-unscanned": ("gemma3", ("scan_layers=false",)),
 }
 
 
@@ -116,7 +122,8 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
 
 @pytest.mark.parametrize("family,extra", [("llama3", ("scan_layers=true",)), ("llama3", ("fused_mlp=true",)),
                                           ("gemma2", ("scan_layers=false",)),
-                                          ("mixtral", ()), ("gpt2", ("fused_qkv=false",))])
+                                          ("mixtral", ()), ("gpt2", ("fused_qkv=false",)), ("qwen3", ()),
+                                          ("qwen3_moe", ()), ("gemma3", ()), ("gemma3", ("scan_layers=false",))])
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)
     cfg = _config(hf_dir, *extra)

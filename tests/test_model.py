@@ -163,8 +163,9 @@ def test_every_family_gets_a_kernel_that_has_its_features(model_file, monkeypatc
 
     from tessera.step import setup
 
+    layers = 6 if model_file.startswith("gemma3") else 2  # gemma3: one whole 5-local/1-global pattern at least
     cfg = load_config([str(REPO / "configs" / "base.yml"), f"model_name={model_file}", "dtype=bfloat16",
-                       "base_num_decoder_layers=2", "per_device_batch_size=1"], env={})
+                       f"base_num_decoder_layers={layers}", "per_device_batch_size=1"], env={})
     monkeypatch.setattr("tessera.step.device_platform", lambda mesh: "gpu")
     with caplog.at_level(logging.INFO, logger="tessera"):
         trainer = setup(cfg, jax.devices()[:1])

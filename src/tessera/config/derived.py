@@ -77,7 +77,7 @@ def global_batch(per_device_batch_size: float, accumulation_steps: int, mesh_sha
 
 # decoder layers in one block of the families whose block is not one layer (a test keeps this
 # equal to the block classes' `layers_per_block`; the config side never imports the models)
-LAYERS_PER_BLOCK = {"gemma2": 2}
+LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6}
 
 
 @dataclasses.dataclass(frozen=True)

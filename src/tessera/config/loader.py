@@ -23,7 +23,8 @@ from typing import Any, Mapping
 import yaml
 
 from tessera.config.maxtext import maxtext_keys, translate
-from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, ModelConfig, all_fields, path_keys
+from tessera.config.schema import (HF_FILE_FORMATS, MOE_BLOCKS, SECTIONS, Config, ConfigError, ModelConfig, all_fields,
+                                   path_keys)
 
 ENV_PREFIX = "M_"
 PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
@@ -337,15 +338,18 @@ def _validate_family(m) -> None:
     if m.decoder_block == "gemma2" and m.num_decoder_layers % 2:
         raise ConfigError(f"decoder_block=gemma2 needs an even number of layers (local and global alternate), "
                           f"not {m.num_decoder_layers}; change base_num_decoder_layers")
+    if m.decoder_block == "gemma3" and m.num_decoder_layers < 6:
+        raise ConfigError(f"decoder_block=gemma3 needs at least 6 layers (one pattern of 5 local and 1 global layer), "
+                          f"not {m.num_decoder_layers}; change base_num_decoder_layers")
     if m.fused_qkv and m.num_kv_heads != m.num_query_heads:
         raise ConfigError(f"fused_qkv=true needs multi-head attention (kv heads = query heads), but there are "
                           f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
     if m.fused_mlp and len(m.mlp_activations) != 2:
         raise ConfigError(f"fused_mlp=true fuses the gate and up projections of a gated MLP, but mlp_activations="
                           f"{m.mlp_activations} has one activation (no gate); set fused_mlp=false")
-    if m.fused_mlp and m.decoder_block == "mixtral":
-        raise ConfigError("fused_mlp=true applies to dense MLPs; decoder_block=mixtral's experts keep separate "
-                          "gate and up projections; set fused_mlp=false")
+    if m.fused_mlp and m.decoder_block in MOE_BLOCKS:
+        raise ConfigError(f"fused_mlp=true applies to dense MLPs; decoder_block={m.decoder_block}'s experts keep "
+                          "separate gate and up projections; set fused_mlp=false")
     if m.capacity_factor != -1 and m.capacity_factor <= 0:
         raise ConfigError(f"capacity_factor={m.capacity_factor} must be > 0, or -1 for no capacity limit")
     if m.ragged_buffer_factor != -1 and m.ragged_buffer_factor <= 0:
@@ -357,13 +361,13 @@ def validate_for_build(m: ModelConfig) -> None:
     """Checks for a model that is to be built, not only sized: `build_model`, `python3 -m
     tessera.config` and train_compile run them before any model exists (the estimator does not:
     it sizes any expert count on any block family)."""
-    moe = m.decoder_block == "mixtral"
+    moe = m.decoder_block in MOE_BLOCKS
     if m.num_experts > 1 and not moe:
         raise ConfigError(f"num_experts={m.num_experts}: decoder_block={m.decoder_block} has a dense MLP; use "
-                          "decoder_block=mixtral for a mixture of experts, or set num_experts=1")
+                          f"a mixture-of-experts family ({', '.join(MOE_BLOCKS)}), or set num_experts=1")
     if moe and m.num_experts < 2:
-        raise ConfigError("decoder_block=mixtral needs num_experts >= 2 (and num_experts_per_tok); e.g. num_experts=8 "
-                          "num_experts_per_tok=2")
+        raise ConfigError(f"decoder_block={m.decoder_block} needs num_experts >= 2 (and num_experts_per_tok); e.g. "
+                          "num_experts=8 num_experts_per_tok=2")
 
 
 def flat_dict(cfg: Config) -> dict[str, Any]:

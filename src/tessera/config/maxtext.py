@@ -115,10 +115,10 @@ REFUSED = {
     "float32_qk_product": Refused("compute query-key scores in float32; Tessera's attention kernels choose",
                                   ("false", "0")),
     "float32_logits": Refused("attention logits in float32; Tessera's attention kernels choose", ("false", "0")),
-    "use_qk_norm": Refused("RMSNorm on queries and keys (Qwen3, Gemma 3); no Tessera family has it",
-                           ("false", "0")),
-    "use_post_attn_norm": Refused("a norm after attention (Gemma 3); use decoder_block=gemma2", ("false", "0")),
-    "use_post_ffw_norm": Refused("a norm after the MLP (Gemma 3); use decoder_block=gemma2", ("false", "0")),
+    "use_qk_norm": Refused("RMSNorm on queries and keys; in Tessera a family has it or not: use "
+                           "decoder_block=qwen3, qwen3_moe or gemma3", ("false", "0")),
+    "use_post_attn_norm": Refused("a norm after attention; use decoder_block=gemma2 or gemma3", ("false", "0")),
+    "use_post_ffw_norm": Refused("a norm after the MLP; use decoder_block=gemma2 or gemma3", ("false", "0")),
     "inhomogeneous_layer_cycle_interval": Refused(
         "repeat pattern of layer kinds (Llama 4); not in Tessera", ("1",)),
     "record_internal_nn_metrics": Refused("log activation statistics from inside the model; not in Tessera",

@@ -21,7 +21,8 @@ from typing import Any
 
 # The decoder blocks and attention kernels are listed here (not imported from the model
 # package) so that validating a config never imports JAX.
-DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3")
+DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3", "qwen3_moe", "gemma3")
+MOE_BLOCKS = ("mixtral", "qwen3_moe")  # families whose MLP is a mixture of experts (num_experts >= 2)
 SA_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
 REMAT_POLICIES = (
@@ -122,15 +123,19 @@ class ModelConfig:
     normalization_layer_epsilon: float = key(1e-5, "epsilon of RMSNorm", minimum=0.0)
     rope_max_timescale: int = key(10000, "largest wavelength (theta) of the rotary position embedding", minimum=1)
     rope_scaling: str = key("none", "rotary frequency scaling for long context: llama3 stretches the low frequencies "
-                            "(Llama 3.1 and later)", ("none", "llama3"))
-    rope_scaling_factor: float = key(8.0, "rope_scaling=llama3: how much the lowest frequencies are divided by",
-                                     minimum=1.0)
+                            "(Llama 3.1 and later); linear divides every frequency by rope_scaling_factor (gemma3's "
+                            "global layers)", ("none", "llama3", "linear"))
+    rope_scaling_factor: float = key(8.0, "rope_scaling=llama3: how much the lowest frequencies are divided by; "
+                                     "linear: how much every frequency is divided by", minimum=1.0)
     rope_low_freq_factor: float = key(1.0, "rope_scaling=llama3: wavelengths longer than "
                                       "rope_original_max_position / this are fully scaled", minimum=0.0)
     rope_high_freq_factor: float = key(4.0, "rope_scaling=llama3: wavelengths shorter than "
                                        "rope_original_max_position / this are left as they are", minimum=0.0)
     rope_original_max_position: int = key(8192, "rope_scaling=llama3: the context length the model was first "
                                           "trained with", minimum=1)
+    local_rope_max_timescale: int = key(10000, "gemma3: rotary theta of the local (sliding-window) layers, which "
+                                        "rope_scaling leaves unscaled (the global layers use rope_max_timescale)",
+                                        minimum=1)
     logits_via_embedding: bool = key(False, "tie the output projection to the token embedding")
     enable_dropout: bool = key(False, "apply dropout (dropout_rate) during training")
     dropout_rate: float = key(0.0, "dropout probability after attention and MLP when enable_dropout=true", minimum=0.0)
@@ -191,8 +196,11 @@ class ModelConfig:
                           "dense blocks only); same results as two")
     trainable_position_size: int = key(0, "gpt3: rows of the learned position-embedding table (the longest sequence); "
                                        "0: fixed sinusoidal positions", minimum=0)
-    num_experts: int = key(1, "experts per mixture-of-experts MLP (decoder_block=mixtral; 1: dense MLP)", minimum=1)
+    num_experts: int = key(1, "experts per mixture-of-experts MLP (decoder_block=mixtral or qwen3_moe; 1: dense MLP)",
+                           minimum=1)
     num_experts_per_tok: int = key(1, "experts each token is routed to (top-k) when num_experts > 1", minimum=1)
+    norm_topk_prob: bool = key(True, "MoE: renormalize the chosen experts' router probabilities to sum to one "
+                               "(Mixtral, Qwen3-MoE); false: weight each expert by its softmax probability over all")
     capacity_factor: float = key(-1.0, "MoE capacity routing: an expert takes at most capacity_factor x its fair share "
                                  "(k*T/E) of a sequence's tokens, the others skip it (dropped); -1: no limit")
     sparse_matmul: bool = key(False, "dropless MoE: sort token copies by expert and run grouped (ragged) matmuls; "

@@ -27,19 +27,21 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
 from tessera.models.kv_cache import KVCache
-from tessera.models.layers import fan_in_std, param, project, rope_frequencies, rotary, soft_cap
+from tessera.models.layers import RMSNorm, fan_in_std, param, project, rope_frequencies, rotary, soft_cap
 from tessera.mesh import shard_logically
 
 log = logging.getLogger(__name__)
 
 
-def rope_frequencies_of(cfg: ModelConfig) -> np.ndarray:
-    """The rotary inverse wavelengths a config asks for (rope_max_timescale, rope_scaling)."""
-    scaling = None
-    if cfg.rope_scaling == "llama3":
-        scaling = (cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
-                   cfg.rope_original_max_position)
-    return rope_frequencies(cfg.head_dim, cfg.rope_max_timescale, scaling)
+def rope_frequencies_of(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+    """The rotary inverse wavelengths a config asks for (rope_max_timescale, rope_scaling);
+    `local`: those of gemma3's sliding-window layers (local_rope_max_timescale, never scaled)."""
+    if local:
+        return rope_frequencies(cfg.head_dim, cfg.local_rope_max_timescale)
+    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_max_timescale, (
+        cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+        cfg.rope_original_max_position) if cfg.rope_scaling == "llama3" else None)
+    return inv_freq / np.float32(cfg.rope_scaling_factor) if cfg.rope_scaling == "linear" else inv_freq
 
 
 class AttentionChoice(NamedTuple):
@@ -152,14 +154,17 @@ class Attention(nnx.Module):
     """Multi-head attention with K <= N kv heads (grouped-query).
 
     Options a block family picks: rotary positions (`use_rope`) or none (positions added to
-    the embeddings instead), biases on every projection (`use_bias`), a sliding window.
+    the embeddings instead), biases on every projection (`use_bias`), a sliding window,
+    an RMSNorm over each query and key head before the rotation (`qk_norm`: the norm kind,
+    "rms" in Qwen3, "rms_zero_centered" in Gemma 3; "" none) and the rotary frequencies of
+    gemma3's local layers (`local_rope`).
     From the config: `fused_qkv` (one [D, 3, N, H] projection; needs K == N),
     `query_pre_attn_scalar` (scores scaled by its inverse square root instead of head_dim's)
     and `attn_logits_soft_cap`.
     """
 
     def __init__(self, cfg: ModelConfig, kernel: str, rngs: nnx.Rngs, *, sliding_window: int = 0,
-                 use_bias: bool = False, use_rope: bool = True):
+                 use_bias: bool = False, use_rope: bool = True, qk_norm: str = "", local_rope: bool = False):
         d, n, k, h, wdtype = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
         std = fan_in_std(d)
         if cfg.fused_qkv:
@@ -177,8 +182,13 @@ class Attention(nnx.Module):
                 self.bk_kh = param(rngs, (k, h), ("kv_heads", "head_dim"), wdtype, None, fill=0.0)
                 self.bv_kh = param(rngs, (k, h), ("kv_heads", "head_dim"), wdtype, None, fill=0.0)
             self.bo_d = param(rngs, (d,), ("norm",), wdtype, None, fill=0.0)
+        if qk_norm:
+            norm_args = (h, cfg.normalization_layer_epsilon, cfg.dtype, wdtype, rngs)
+            self.query_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
+            self.key_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
+        self.qk_norm = bool(qk_norm)
         # static: tuples are not nnx state leaves
-        self.rope_inv_freq = tuple(float(f) for f in rope_frequencies_of(cfg)) if use_rope else ()
+        self.rope_inv_freq = tuple(float(f) for f in rope_frequencies_of(cfg, local_rope)) if use_rope else ()
         self.kernel, self.dtype, self.fused, self.use_bias = kernel, cfg.dtype, cfg.fused_qkv, use_bias
         self.scale = float(cfg.query_pre_attn_scalar or h) ** -0.5
         self.logits_soft_cap, self.window = cfg.attn_logits_soft_cap, sliding_window
@@ -199,6 +209,8 @@ class Attention(nnx.Module):
             if self.use_bias:
                 q, k, v = q + w(self.bq_nh), k + w(self.bk_kh), v + w(self.bv_kh)
         q, k, v = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
+        if self.qk_norm:
+            q, k = self.query_norm(q), self.key_norm(k)
         if self.rope_inv_freq:
             inv_freq = np.asarray(self.rope_inv_freq, np.float32)
             q, k = rotary(q, positions_bt, inv_freq), rotary(k, positions_bt, inv_freq)

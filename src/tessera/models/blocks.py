@@ -27,6 +27,7 @@ class Block(nnx.Module):
     norm = "rms"  # kind of every norm of the family, the final one included: rms | rms_zero_centered | layer
     scale_embeddings = False  # multiply token embeddings by sqrt(emb_dim) (Gemma)
     absolute_positions = False  # add position embeddings to the tokens instead of rotating q and k (GPT-3)
+    qk_norm = ""  # norm kind applied to each query and key head before the rotation ("": none; Qwen3, Gemma 3)
 
     @classmethod
     def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):

@@ -106,7 +106,10 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, pipeline: PipelineLayout | None = None):
         dtype, wdtype = cfg.dtype, cfg.weight_dtype
         block_cls = BLOCKS[cfg.decoder_block]
-        self.num_blocks = cfg.num_decoder_layers // block_cls.layers_per_block
+        self.num_blocks, tail = divmod(cfg.num_decoder_layers, block_cls.layers_per_block)
+        if tail:  # gemma3: the layers after the last whole pattern (validated: no other family has one)
+            self.tail = block_cls(cfg, attention_kernel, rngs, num_layers=tail)
+        self.tail_layers = tail
         self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype, wdtype, cfg.use_iota_embed, rngs)
         if block_cls.absolute_positions and cfg.trainable_position_size:
             self.position_embedder_pd = param(rngs, (cfg.trainable_position_size, cfg.emb_dim), (None, "embed"),
@@ -147,9 +150,9 @@ class Decoder(nnx.Module):
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
         rate = dropout_rate(cfg)
-        keys = [None] * (self.num_blocks + 1)
+        keys = [None] * (self.num_blocks + 2)  # blocks, tail, embedding
         if dropout_key is not None and rate > 0:
-            keys = list(jax.random.split(dropout_key, self.num_blocks + 1))
+            keys = list(jax.random.split(dropout_key, self.num_blocks + 2))
 
         x = shard_logically(dropout(self.embed(tokens_bt, positions_bt), rate, keys[-1]),
                             ("batch", "length", "act_embed"))
@@ -157,7 +160,16 @@ class Decoder(nnx.Module):
             blocks = self._pipeline_blocks if kv_cache is None else self._scan_blocks
         else:
             blocks = self._scan_blocks if cfg.scan_layers else self._loop_blocks
-        return blocks(x, positions_bt, segment_ids_bt, keys[:-1], packed, kv_cache)
+        if not self.tail_layers:
+            return blocks(x, positions_bt, segment_ids_bt, keys[:-2], packed, kv_cache)
+        # a tail block (gemma3): the cache is (the blocks' caches, the tail's); the tail is dense, no aux
+        block_cache, tail_cache = (None, None) if kv_cache is None else kv_cache
+        x, aux, block_cache = blocks(x, positions_bt, segment_ids_bt, keys[:-2], packed, block_cache)
+        run_cfg = cfg if kv_cache is None else dataclasses.replace(cfg, remat_policy="none")
+        call = remat(lambda blk, h, k, c: blk(checkpoint_name(h, "decoder_layer_input"), positions_bt, segment_ids_bt,
+                                              k, packed, c), run_cfg, False)
+        x, _, tail_cache = call(self.tail, x, keys[-2], tail_cache)
+        return x, aux, None if kv_cache is None else (block_cache, tail_cache)
 
     def logits(self, x_btd):
         """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32 (the loss calls it
@@ -263,12 +275,16 @@ class Decoder(nnx.Module):
 def init_cache(cfg: ModelConfig, batch: int, max_len: int):
     """An empty KV cache for `Decoder(cfg)` decoding `batch` rows of up to `max_len` tokens: one
     cache per block (`Block.empty_cache`), laid out as the parameters are: stacked on a leading
-    layers axis when scan_layers=true, else a tuple with one entry per block."""
+    layers axis when scan_layers=true, else a tuple with one entry per block; with a tail block
+    (gemma3), the pair (that, the tail's cache)."""
     block_cls = BLOCKS[cfg.decoder_block]
-    num_blocks = cfg.num_decoder_layers // block_cls.layers_per_block
+    num_blocks, tail = divmod(cfg.num_decoder_layers, block_cls.layers_per_block)
     if cfg.scan_layers:
-        return block_cls.empty_cache(cfg, batch, max_len, (num_blocks,))
-    return tuple(block_cls.empty_cache(cfg, batch, max_len) for _ in range(num_blocks))
+        cache = block_cls.empty_cache(cfg, batch, max_len, (num_blocks,))
+    else:
+        cache = tuple(block_cls.empty_cache(cfg, batch, max_len) for _ in range(num_blocks))
+    # a tail block (gemma3's layers after the last whole pattern) has a cache of its own
+    return (cache, block_cls.empty_cache(cfg, batch, max_len, num_layers=tail)) if tail else cache
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs):

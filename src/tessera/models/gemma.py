@@ -1,4 +1,4 @@
-"""Gemma and Gemma 2 decoder blocks (`decoder_block=gemma`, `decoder_block=gemma2`).
+"""Gemma, Gemma 2 and Gemma 3 decoder blocks (`decoder_block=gemma`, `gemma2`, `gemma3`).
 
 Gemma (Gemma Team 2024) is the Llama block with: RMSNorm scales stored as an offset from one
 (x * (1 + scale)); token embeddings multiplied by sqrt(emb_dim); GeGLU MLP
@@ -12,6 +12,13 @@ scaled by query_pre_attn_scalar**-0.5 and soft-capped (attn_logits_soft_cap, 50)
 logits soft-capped (final_logits_soft_cap, 30). One Gemma 2 block holds a local and a global
 layer, so `num_decoder_layers` must be even and a scanned stack scans over pairs; when
 decoding, a block's KV cache is the pair (local layer's cache, global layer's cache).
+
+Gemma 3 (Gemma Team 2025; text only) keeps Gemma 2's four norms per layer and drops its soft
+caps; it adds an RMSNorm (Gemma's 1 + scale) on each query and key head before the rotation,
+and repeats five local layers (sliding window 1024 in 4B-27B, rotary theta
+`local_rope_max_timescale` 10k) and one global layer (theta `rope_max_timescale` 1M, with
+linear rope scaling by 8 in 4B-27B). A block is one 6-layer pattern; the decoder runs the
+layers left over (34 = 5 x 6 + 4 in Gemma 3 4B) as a tail block of local layers.
 
 Where they differ from the references (the Hugging Face `transformers` implementations, which
 the parity tests compare against): the embedding scale is applied in the compute dtype as
@@ -40,12 +47,16 @@ class GemmaBlock(LlamaBlock):
 
 
 class Gemma2Layer(nnx.Module):
-    """x + post_norm(attention(pre_norm(x))), then x + post_norm(mlp(pre_norm(x)))."""
+    """x + post_norm(attention(pre_norm(x))), then x + post_norm(mlp(pre_norm(x))). Gemma 3's
+    layers add a norm on each query and key head (`qk_norm`) and, when local, their own rotary
+    frequencies (`local_rope`)."""
 
-    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, sliding_window: int):
+    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, sliding_window: int,
+                 qk_norm: str = "", local_rope: bool = False):
         norm = Gemma2Block.norm
         self.pre_attention_norm = make_norm(norm, cfg, rngs)
-        self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=sliding_window)
+        self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=sliding_window, qk_norm=qk_norm,
+                                   local_rope=local_rope)
         self.post_attention_norm = make_norm(norm, cfg, rngs)
         self.pre_mlp_norm = make_norm(norm, cfg, rngs)
         self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
@@ -84,3 +95,42 @@ class Gemma2Block(Block):
         x_btd, local_cache = self.local_layer(x_btd, positions_bt, segment_ids_bt, keys[:2], packed, local_cache)
         x_btd, global_cache = self.global_layer(x_btd, positions_bt, segment_ids_bt, keys[2:], packed, global_cache)
         return x_btd, {}, None if kv_cache is None else (local_cache, global_cache)
+
+
+GEMMA3_PATTERN = 6  # Gemma 3: five local layers, then one global layer
+
+
+class Gemma3Block(Block):
+    """Gemma 3's repeating pattern: layers layer_0 .. layer_4 local (sliding window, rotary theta
+    local_rope_max_timescale), layer_5 global (rope_max_timescale with rope_scaling). A model
+    whose layer count is not a multiple of 6 ends in a shorter block of local layers (the
+    decoder's `tail`), as the first layers of the pattern: Gemma 3 4B's 34 layers are 5 blocks
+    and a tail of 4."""
+
+    layers_per_block = GEMMA3_PATTERN
+    norm = "rms_zero_centered"
+    scale_embeddings = True
+    qk_norm = "rms_zero_centered"
+
+    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, num_layers: int = GEMMA3_PATTERN):
+        for j in range(num_layers):
+            local = j < GEMMA3_PATTERN - 1
+            setattr(self, f"layer_{j}", Gemma2Layer(cfg, attention_kernel, rngs, cfg.sliding_window_size if local else 0,
+                                                    qk_norm=self.qk_norm, local_rope=local))
+        self.num_layers = num_layers
+
+    @classmethod
+    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = (),
+                    num_layers: int = GEMMA3_PATTERN):
+        """One cache per layer of the block, as a tuple."""
+        one = super().empty_cache
+        return tuple(one(cfg, batch, length, layers) for _ in range(num_layers))
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
+        keys = dropout_keys(dropout_key, 2 * self.num_layers)
+        caches = []
+        for j in range(self.num_layers):
+            x_btd, cache = getattr(self, f"layer_{j}")(x_btd, positions_bt, segment_ids_bt, keys[2 * j:2 * j + 2],
+                                                       packed, None if kv_cache is None else kv_cache[j])
+            caches.append(cache)
+        return x_btd, {}, None if kv_cache is None else tuple(caches)

@@ -29,7 +29,8 @@ class LlamaBlock(Block):
 
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
         self.pre_attention_norm = make_norm(self.norm, cfg, rngs)
-        self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=cfg.sliding_window_size)
+        self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=cfg.sliding_window_size,
+                                   qk_norm=self.qk_norm)
         self.pre_mlp_norm = make_norm(self.norm, cfg, rngs)
         self.mlp = self.make_mlp(cfg, rngs)
         self.dropout_rate = dropout_rate(cfg)

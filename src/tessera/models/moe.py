@@ -1,5 +1,6 @@
 """Sparse mixture-of-experts MLP: a router picks `num_experts_per_tok` of `num_experts`
-gated MLPs per token and mixes their outputs with the renormalized router probabilities.
+gated MLPs per token and mixes their outputs with the router probabilities, renormalized over
+the chosen experts (`norm_topk_prob=true`: Mixtral, Qwen3-MoE) or not.
 
 Two ways to run the experts, with the same result when nothing is dropped (tested):
 
@@ -68,7 +69,10 @@ class MoeMlp(nnx.Module):
         cfg = self.cfg
         logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32))
         top_logits_btk, experts_btk = jax.lax.top_k(logits_bte, cfg.num_experts_per_tok)
-        weights_btk = jax.nn.softmax(top_logits_btk, axis=-1)  # = softmax over all, renormalized over the top k
+        if cfg.norm_topk_prob:
+            weights_btk = jax.nn.softmax(top_logits_btk, axis=-1)  # = softmax over all, renormalized over the top k
+        else:  # the chosen experts' probabilities under the softmax over all experts
+            weights_btk = jnp.exp(top_logits_btk - jax.nn.logsumexp(logits_bte, axis=-1, keepdims=True))
         aux = {"moe_load_balance_loss": self.load_balance_loss(logits_bte, experts_btk)}
         if self.dropless:
             out_btd, aux["moe_dropped_fraction"] = self.dropless_experts(x_btd, experts_btk, weights_btk)

@@ -5,10 +5,11 @@ and model files under configs/models/."""
 from __future__ import annotations
 
 from tessera.models.blocks import Block
-from tessera.models.gemma import Gemma2Block, GemmaBlock
+from tessera.models.gemma import Gemma2Block, Gemma3Block, GemmaBlock
 from tessera.models.gpt3 import Gpt3Block
 from tessera.models.llama import LlamaBlock, MistralBlock
 from tessera.models.mixtral import MixtralBlock
+from tessera.models.qwen3 import Qwen3Block, Qwen3MoeBlock
 
 BLOCKS: dict[str, type[Block]] = {
     "llama2": LlamaBlock,
@@ -17,4 +18,7 @@ BLOCKS: dict[str, type[Block]] = {
     "gemma": GemmaBlock,
     "gemma2": Gemma2Block,
     "gpt3": Gpt3Block,
+    "qwen3": Qwen3Block,
+    "qwen3_moe": Qwen3MoeBlock,
+    "gemma3": Gemma3Block,
 }

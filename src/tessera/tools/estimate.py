@@ -68,7 +68,8 @@ def count_params(m: ModelConfig) -> ParamCounts:
     expert_mlp = d * m.mlp_dim * (len(m.mlp_activations) + 1) + ((len(m.mlp_activations) * m.mlp_dim + d) if biased else 0)
     router = d * m.num_experts if m.num_experts > 1 else 0
     norm = 2 * d if layer_norm else d
-    norms = norm * (4 if m.decoder_block == "gemma2" else 2)
+    norms = norm * (4 if m.decoder_block in ("gemma2", "gemma3") else 2)
+    norms += 2 * h if m.decoder_block in ("qwen3", "qwen3_moe", "gemma3") else 0  # per-head q and k norms
     positions = m.trainable_position_size * d if m.decoder_block == "gpt3" else 0
     embeddings = d * m.vocab_size * (1 if m.logits_via_embedding else 2) + norm + positions  # + final norm
     per_layer = attention + m.num_experts * expert_mlp + router + norms

@@ -224,7 +224,8 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     """A transformers `config.json` for the model `m` describes (inverse of config_from_hf)."""
     model_type = {v: k for k, v in HF_MODEL_TYPES.items()}[m.decoder_block]
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel"}[model_type]
+            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
         return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
@@ -242,15 +243,32 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
                                   "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
                                   "original_max_position_embeddings": m.rope_original_max_position}
-    if model_type in ("gemma", "gemma2"):
+    elif m.rope_scaling == "linear":
+        config["rope_scaling"] = {"rope_type": "linear", "factor": m.rope_scaling_factor}
+    if model_type in ("gemma", "gemma2", "gemma3_text"):
         config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
-    if model_type in ("mistral", "mixtral", "gemma2"):
+    if model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
         config["sliding_window"] = m.sliding_window_size or None
     if model_type == "mixtral":
         config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok)
-    if model_type == "gemma2":
+    if model_type in ("qwen3", "qwen3_moe"):
+        config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen3_moe":  # every layer is an expert layer; intermediate_size (dense layers) is unused
+        config.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                      moe_intermediate_size=m.mlp_dim, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=[])
+    if model_type in ("gemma2", "gemma3_text"):
         config.update(query_pre_attn_scalar=int(m.query_pre_attn_scalar or m.head_dim),
                       attn_logit_softcapping=m.attn_logits_soft_cap or None,
                       final_logit_softcapping=m.final_logits_soft_cap or None)
+    if model_type == "gemma3_text":
+        del config["rope_theta"]
+        glob = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
+        if m.rope_scaling == "linear":
+            glob.update(rope_type="linear", factor=m.rope_scaling_factor)
+        config["rope_parameters"] = {"full_attention": glob, "sliding_attention": {
+            "rope_type": "default", "rope_theta": float(m.local_rope_max_timescale)}}
+        config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                 for i in range(m.num_decoder_layers)]
     return config
 

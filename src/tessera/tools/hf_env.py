@@ -90,7 +90,7 @@ def run_reference(*args: str, timeout: float = 600) -> subprocess.CompletedProce
 
 def make_tiny(family: str, out_dir: str | Path, seed: int = 0,
               max_shard_size: str | None = None) -> Path:
-    """Saves a tiny random float32 HF checkpoint of `family` (llama2, llama3, mistral, mixtral,
+    """Saves a tiny random float32 HF checkpoint of `family` (see hf_reference.FAMILIES: llama2, llama3, mistral, mixtral,
     gemma, gemma2, gpt2) to `out_dir`; a small `max_shard_size` ("20KB") shards it."""
     args = ["tiny", family, str(out_dir), "--seed", str(seed)]
     if max_shard_size:

@@ -19,6 +19,7 @@ from typing import Any, Callable
 import numpy as np
 
 from tessera.config import ConfigError, ModelConfig
+from tessera.config.derived import LAYERS_PER_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +70,17 @@ class Layout:
     layer_rules: list[Rule]
     hf_layer: str  # prefix of layer i's tensors, e.g. "model.layers.{i}."
     layers_per_block: int = 1
+    num_layers: int = 0  # layers of the model (gemma3: those past the last whole block are the `tail` block's)
 
     def layer_prefix(self, i: int, scanned: bool) -> tuple[str, int | None]:
         """(our path prefix, index in the stacked axis or None) of Hugging Face layer i."""
         block, sub = divmod(i, self.layers_per_block)
-        inner = ("local_layer/", "global_layer/")[sub] if self.layers_per_block == 2 else ""
+        if self.layers_per_block == 2:
+            inner = ("local_layer/", "global_layer/")[sub]
+        else:
+            inner = f"layer_{sub}/" if self.layers_per_block > 1 else ""
+        if self.layers_per_block > 1 and block == self.num_layers // self.layers_per_block:
+            return "tail/" + inner, None
         return ("layers/" + inner, block) if scanned else (f"layers_{block}/" + inner, None)
 
 
@@ -89,7 +96,17 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
         linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
         same("pre_attention_norm/scale", "input_layernorm.weight"),
     ]
-    if family == "mixtral":
+    if family in ("qwen3", "qwen3_moe", "gemma3"):
+        layer += [same("attention/query_norm/scale", "self_attn.q_norm.weight"),
+                  same("attention/key_norm/scale", "self_attn.k_norm.weight")]
+    if family == "qwen3_moe":
+        layer += [
+            linear("mlp/router_de", "mlp.gate.weight", (d, m.num_experts)),
+            experts("mlp/wi_0", "mlp.experts.{e}.gate_proj.weight", m, (d, f)),
+            experts("mlp/wi_1", "mlp.experts.{e}.up_proj.weight", m, (d, f)),
+            experts("mlp/wo_efd", "mlp.experts.{e}.down_proj.weight", m, (f, d)),
+        ]
+    elif family == "mixtral":
         layer += [
             linear("mlp/router_de", "block_sparse_moe.gate.weight", (d, m.num_experts)),
             experts("mlp/wi_0", "block_sparse_moe.experts.{e}.w1.weight", m, (d, f)),
@@ -102,13 +119,13 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
     else:
         layer += [linear("mlp/wi_0", "mlp.gate_proj.weight", (d, f)), linear("mlp/wi_1", "mlp.up_proj.weight", (d, f)),
                   linear("mlp/wo_fd", "mlp.down_proj.weight", (f, d))]
-    if family == "gemma2":
+    if family in ("gemma2", "gemma3"):
         layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
                   same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"),
                   same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
     else:
         layer.append(same("pre_mlp_norm/scale", "post_attention_layernorm.weight"))
-    return Layout(model, layer, "model.layers.{i}.", 2 if family == "gemma2" else 1)
+    return Layout(model, layer, "model.layers.{i}.", LAYERS_PER_BLOCK.get(family, 1), m.num_decoder_layers)
 
 
 def _gpt2(m: ModelConfig) -> Layout:
@@ -140,7 +157,7 @@ def _gpt2(m: ModelConfig) -> Layout:
 
 def layout_for(m: ModelConfig) -> Layout:
     """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
-    if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2"):
+    if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gemma3"):
         return _llama_like(m, m.decoder_block)
     if m.decoder_block == "gpt3":
         return _gpt2(m)
@@ -150,7 +167,7 @@ def layout_for(m: ModelConfig) -> Layout:
 # --------------------------------------------------------------------------- config.json
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
-                  "gpt2": "gpt3"}
+                  "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3"}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
@@ -175,10 +192,54 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         keys["mlp_activations"] = ["gelu", "linear"]  # transformers' Gemma always uses the tanh GELU
     if kind == "mixtral":
         keys.update(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"])
-    if kind == "gemma2":
+    if kind in ("qwen3", "qwen3_moe"):
+        _refuse_qwen3_variants(hf)
+        keys["sliding_window_size"] = 0  # a window given with use_sliding_window=false is not used
+    if kind == "qwen3_moe":
+        keys.update(num_experts=hf.get("num_experts") or hf["num_local_experts"],
+                    num_experts_per_tok=hf["num_experts_per_tok"], base_mlp_dim=hf["moe_intermediate_size"],
+                    norm_topk_prob=bool(hf.get("norm_topk_prob")))
+    if kind in ("gemma2", "gemma3_text"):
         keys.update(query_pre_attn_scalar=hf.get("query_pre_attn_scalar") or 0,
                     attn_logits_soft_cap=hf.get("attn_logit_softcapping") or 0.0,
                     final_logits_soft_cap=hf.get("final_logit_softcapping") or 0.0)
+    if kind == "gemma3_text":
+        keys.update(_gemma3_keys(hf))
+    return keys
+
+
+def _refuse_qwen3_variants(hf: dict[str, Any]) -> None:
+    """Qwen3 options no released model uses and Tessera does not build."""
+    if hf.get("use_sliding_window"):
+        raise ConfigError("this Qwen3 checkpoint sets use_sliding_window=true (sliding-window layers); Tessera's qwen3 "
+                          "families build full attention only, as every released Qwen3 model uses")
+    if hf.get("model_type") == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+        raise ConfigError("this Qwen3-MoE checkpoint has dense MLP layers between expert layers (mlp_only_layers / "
+                          "decoder_sparse_step); Tessera's qwen3_moe has experts in every layer")
+
+
+def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's per-layer-type rotary settings, and a check of its 5 local : 1 global pattern."""
+    layers = hf["num_hidden_layers"]
+    expected = ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["gemma3"] == 0 else "sliding_attention"
+                for i in range(layers)]
+    if hf.get("layer_types") and list(hf["layer_types"]) != expected:
+        raise ConfigError("this Gemma 3 checkpoint's layer_types are not the 5 local : 1 global pattern Tessera's "
+                          "gemma3 builds")
+    params = hf.get("rope_parameters") or {}
+    local = params.get("sliding_attention", {})
+    glob = params.get("full_attention", {})
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"Gemma 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
+    keys: dict[str, Any] = {"local_rope_max_timescale": int(local.get("rope_theta", hf.get("rope_local_base_freq",
+                                                                                          10000.0))),
+                            "rope_max_timescale": int(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+                            "rope_scaling": "none"}
+    kind = glob.get("rope_type", "default")
+    if kind == "linear":
+        keys.update(rope_scaling="linear", rope_scaling_factor=float(glob["factor"]))
+    elif kind != "default":
+        raise ConfigError(f"Gemma 3 global layers with rope_type={kind!r} are not supported (default and linear are)")
     return keys
 
 
@@ -205,6 +266,8 @@ def _activation(name: str) -> str:
 
 def _rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
     params = hf.get("rope_parameters") or {}
+    if hf.get("model_type") == "gemma3_text":  # per layer type: see _gemma3_keys
+        return {}
     if "full_attention" in params:  # per-layer-type parameters; all layer types share them in these families
         params = params["full_attention"]
     scaling = hf.get("rope_scaling") or params
@@ -216,8 +279,11 @@ def _rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
                     rope_low_freq_factor=float(scaling["low_freq_factor"]),
                     rope_high_freq_factor=float(scaling["high_freq_factor"]),
                     rope_original_max_position=int(scaling["original_max_position_embeddings"]))
+    elif rope_type == "linear":
+        keys.update(rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
     elif rope_type != "default":
-        raise ConfigError(f"rope scaling type {rope_type!r} of this checkpoint is not supported (default and llama3 are)")
+        raise ConfigError(f"rope scaling type {rope_type!r} of this checkpoint is not supported (default, linear and "
+                          "llama3 are)")
     return keys
 
 

@@ -41,7 +41,7 @@ VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, MAX_POS = 97, 24, 4, 2, 8
 INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
-FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2")
+FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3")
 
 
 def _decoder_kwargs(**overrides) -> dict:
@@ -88,6 +88,19 @@ def _config(family: str):
             num_hidden_layers=4, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
             tie_word_embeddings=True, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
             attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    if family == "qwen3":
+        return t.Qwen3ForCausalLM, t.Qwen3Config(**_decoder_kwargs(rms_norm_eps=1e-6))
+    if family == "qwen3_moe":
+        # fine-grained: 8 experts narrower (16) than the dense width (40, unused), 3 chosen per token
+        return t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**_decoder_kwargs(
+            rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True))
+    if family == "gemma3":
+        # 8 layers: one 5-local/1-global pattern and 2 more local layers; global rotary with linear scaling
+        return t.Gemma3ForCausalLM, t.Gemma3TextConfig(**_decoder_kwargs(
+            num_hidden_layers=8, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, tie_word_embeddings=True,
+            sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
     if family == "gpt2":
         return t.GPT2LMHeadModel, t.GPT2Config(
             vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
