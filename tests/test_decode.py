@@ -18,6 +18,12 @@ from tessera.step import loss_sums
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60, 2, 33]]  # different lengths: the second is left-padded
 NEW_TOKENS = 5  # 6 + 5 tokens fit max_target_length=12 of the tiny config
 
+# MLA (latent 12, rotary 16), YaRN, one dense layer below two expert layers (groups, shared expert, bias)
+DEEPSEEK = dict(decoder_block="deepseek", base_num_decoder_layers=3, first_num_dense_layers=1, head_dim=24, q_lora_rank=20,
+                kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=10, num_experts=8,
+                num_experts_per_tok=3, n_routing_groups=4, topk_routing_group=2, shared_experts=1,
+                routed_score_func="sigmoid", routed_bias=True, sparse_matmul=True, rope_scaling="yarn",
+                rope_scaling_factor=4.0, rope_original_max_position=1024)
 FAMILIES = {
     "llama2 scanned": dict(),
     "llama2 loop": dict(scan_layers=False),
@@ -35,6 +41,8 @@ FAMILIES = {
                    logits_via_embedding=True, rope_scaling="linear", local_rope_max_timescale=100),
     "gemma3 loop": dict(decoder_block="gemma3", base_num_decoder_layers=7, sliding_window_size=3, scan_layers=False,
                         logits_via_embedding=True),
+    "deepseek": dict(DEEPSEEK),
+    "deepseek loop": dict(DEEPSEEK, scan_layers=False, q_lora_rank=0),
 }
 
 
@@ -79,6 +87,17 @@ def test_cached_decoding_equals_full_recomputation(family):
     assert tokens == want_tokens
     for got, want in zip(logits, want_logits):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_caches_the_compressed_latent():
+    """MLA's cache holds, per token and layer, the latent (kv_lora_rank) and the shared rotary key
+    (qk_rope_head_dim): 12 + 16 numbers here, not 2 x heads x head_dim of expanded keys and values."""
+    model, _ = _model(**DEEPSEEK)
+    cache = model.init_cache(2, 8)
+    assert set(cache) == {"dense_layers", "layers"}
+    for segment, layers in (("dense_layers", 1), ("layers", 2)):
+        assert cache[segment].k_bskh.shape == (layers, 2, 8, 1, 12)
+        assert cache[segment].v_bskh.shape == (layers, 2, 8, 1, 16)
 
 
 def _unstack(params, num_blocks):

@@ -201,11 +201,15 @@ PUBLISHED_TOTALS = {
     "gemma3-4b": (675e6 + 3_209e6, 0.001),
     "gemma3-12b": (1_012e6 + 10_759e6, 0.001),
     "gemma3-27b": (1_416e6 + 25_600e6, 0.001),
+    # DeepSeek-V3 technical report (DeepSeek-AI 2024), abstract: 671B total parameters (the main model;
+    # the Hugging Face checkpoint's 685B adds the 14B multi-token-prediction module, not built here)
+    "deepseek-v3": (671e9, 0.001),
 }
 # Active parameters per token of the mixture-of-experts model files, from the same sources.
 PUBLISHED_ACTIVE = {
     "qwen3-30b-a3b": (3.3e9, 0.02),      # 3.3B activated (ours: 3.34B)
     "qwen3-235b-a22b": (22e9, 0.01),     # 22B activated (ours: 22.14B)
+    "deepseek-v3": (37e9, 0.015),        # 37B activated for each token (ours: 37.45B)
 }
 
 

@@ -30,6 +30,15 @@ FAMILIES = {
     "qwen3": dict(decoder_block="qwen3"),
     "qwen3_moe": dict(decoder_block="qwen3_moe", num_experts=8, num_experts_per_tok=3, norm_topk_prob=False),
     # 8 layers: one 6-layer pattern and a tail of 2 local layers
+    # MLA with a low-rank query, YaRN, 1 dense layer and 2 expert layers (8 experts in 4 groups, shared expert, bias)
+    "deepseek": dict(decoder_block="deepseek", base_num_decoder_layers=3, first_num_dense_layers=1, head_dim=24,
+                     q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=10,
+                     base_moe_mlp_dim=24, num_experts=8, num_experts_per_tok=3, n_routing_groups=4, topk_routing_group=2,
+                     shared_experts=1, routed_score_func="sigmoid", routed_scaling_factor=2.5, routed_bias=True,
+                     rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_position=1024),
+    "deepseek-full-rank-query": dict(decoder_block="deepseek", base_num_decoder_layers=2, head_dim=24,
+                                     kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=10,
+                                     num_experts=4, num_experts_per_tok=2, routed_score_func="sigmoid"),
     "gemma3": dict(decoder_block="gemma3", base_num_decoder_layers=8, sliding_window_size=4, query_pre_attn_scalar=10.0,
                    mlp_activations=["gelu", "linear"], logits_via_embedding=True, rope_scaling="linear",
                    rope_scaling_factor=8.0, rope_max_timescale=1_000_000),
@@ -37,10 +46,13 @@ FAMILIES = {
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
 
 
-def _unstack(params, num_blocks):
-    out = {k: v for k, v in params.items() if k != "layers"}
-    for i in range(num_blocks):
-        out[f"layers_{i}"] = jax.tree.map(lambda x: x[i], params["layers"])
+def _unstack(params, num_blocks=None):
+    """Stacked segments (layers, deepseek's dense_layers) -> <segment>_0, <segment>_1, ..."""
+    out = {k: v for k, v in params.items() if k not in ("layers", "dense_layers")}
+    for segment in ("layers", "dense_layers"):
+        if segment in params:
+            for i in range(jax.tree.leaves(params[segment])[0].shape[0]):
+                out[f"{segment}_{i}"] = jax.tree.map(lambda x: x[i], params[segment])
     return out
 
 
@@ -127,8 +139,8 @@ def test_dropless_equals_capacity_routing_without_drops():
 
 
 def _moe_losses(tmp_path, name, num_devices, family=MOE, **overrides):
-    cfg = tiny_config(tmp_path / name, per_device_batch_size=8 / num_devices, steps=2, enable_checkpointing=False,
-                      **family, **overrides)
+    cfg = tiny_config(tmp_path / name, per_device_batch_size=8 / num_devices, enable_checkpointing=False,
+                      **{"steps": 2, **family, **overrides})
     run(cfg, jax.devices()[:num_devices])
     records = [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
     return records
@@ -156,6 +168,43 @@ def test_qwen3_moe_expert_parallel_gives_the_same_losses_as_one_device(tmp_path)
         a, b = np.array([r[key] for r in one]), np.array([r[key] for r in ep])
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
     assert all(r["moe_load_balance_loss"] > 0 for r in ep) and "router loss" in format_record(one[0])
+
+
+def test_deepseek_expert_parallel_gives_the_same_losses_as_one_device(tmp_path):
+    """MLA, a dense layer, grouped sigmoid routing with the balancing bias and a shared expert, dropless
+    over expert=4 x fsdp=2: the same losses, router statistics and (moved) biases as one device."""
+    family = FAMILIES["deepseek"]
+    one = _moe_losses(tmp_path, "one", 1, family, sparse_matmul=True, steps=3)
+    ep = _moe_losses(tmp_path, "ep", 8, family, sparse_matmul=True, steps=3, ici_expert_parallelism=4,
+                     ici_fsdp_parallelism=2)
+    for key in ("loss", "grad_norm", "moe_load_balance_loss", "moe_dropped_fraction"):
+        a, b = np.array([r[key] for r in one]), np.array([r[key] for r in ep])
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
+    assert not any(k.startswith("per_layer") for k in one[0])  # the loads move the biases; they are not logged
+
+
+def test_routed_bias_moves_towards_balance_after_each_step():
+    """After a step every expert layer's bias moved by exactly routed_bias_update_rate towards balance
+    (down for an expert that took more than its share of the token copies, up for one that took less),
+    untouched by AdamW's update and weight decay; without routed_bias there is no bias."""
+    from tessera.models.moe import PER_LAYER_LOAD
+    from tessera.step import create_state, loss_terms, make_train_step, setup
+
+    cfg = tiny_config(**FAMILIES["deepseek"], routed_bias_update_rate=0.01, adam_weight_decay=0.5, learning_rate=0.1)
+    trainer = setup(cfg, jax.devices()[:1])
+    state = create_state(trainer, 0)
+    shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
+    batch = {"tokens": jax.random.randint(jax.random.key(1), shape, 0, cfg.model.vocab_size),
+             "segment_ids": jnp.ones(shape, jnp.int32), "positions": jnp.tile(jnp.arange(shape[1]), (shape[0], 1))}
+    loads = loss_terms(trainer.model, state["params"], batch, None)[2][PER_LAYER_LOAD]  # [2 expert layers, 8]
+    assert loads.shape == (2, 8) and np.allclose(jnp.mean(loads, axis=1), 1.0)  # fair share = 1
+    before = state["params"]["layers"]["mlp"]["routed_bias_e"]
+    new_state, stats = jax.jit(make_train_step(trainer, 0))(state, batch)
+    moved = new_state["params"]["layers"]["mlp"]["routed_bias_e"] - before
+    np.testing.assert_allclose(moved, 0.01 * np.sign(1.0 - np.asarray(loads)), atol=1e-7)
+    assert (moved != 0).any() and PER_LAYER_LOAD not in stats
+    plain = build_model(tiny_config(**{**FAMILIES["deepseek"], "routed_bias": False}).model).param_shapes()
+    assert "routed_bias_e" not in plain["layers"]["mlp"]
 
 
 @pytest.mark.parametrize("mesh", [dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),

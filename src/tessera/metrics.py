@@ -23,22 +23,37 @@ log = logging.getLogger(__name__)
 
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul for every token: blocks plus the output projection.
-    With experts (num_experts > 1) a token passes through num_experts_per_tok of them and the router."""
+    With experts (num_experts > 1) a token passes through num_experts_per_tok of them, the shared
+    experts and the router; deepseek's first layers are dense and its attention is MLA."""
     d, n, k, h, f = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
-    attention = d * n * h * 2 + d * k * h * 2  # q, o and k, v
-    mlp = d * f * (len(cfg.mlp_activations) + 1)
+    gated = len(cfg.mlp_activations) + 1
+    attention = mla_matmul_params(cfg) if cfg.decoder_block == "deepseek" else d * n * h * 2 + d * k * h * 2
+    dense_mlp = d * f * gated
+    mlp = dense_mlp
     if cfg.num_experts > 1:
-        mlp = mlp * cfg.num_experts_per_tok + d * cfg.num_experts
+        expert = d * cfg.expert_mlp_dim * gated
+        mlp = expert * (cfg.num_experts_per_tok + cfg.shared_experts) + d * cfg.num_experts
+    dense = cfg.first_num_dense_layers if cfg.decoder_block == "deepseek" else 0
     logits = d * cfg.vocab_size * (2 if cfg.use_iota_embed else 1)  # iota embedding is a matmul too
-    return cfg.num_decoder_layers * (attention + mlp) + logits
+    return (cfg.num_decoder_layers - dense) * (attention + mlp) + dense * (attention + dense_mlp) + logits
+
+
+def mla_matmul_params(cfg: ModelConfig) -> int:
+    """Multi-head latent attention's projection weights (tessera.models.mla), norms left out."""
+    d, n, hq, hv, r, rq = cfg.emb_dim, cfg.num_query_heads, cfg.head_dim, cfg.v_head_dim, cfg.kv_lora_rank, \
+        cfg.q_lora_rank
+    query = d * rq + rq * n * hq if rq else d * n * hq
+    return query + d * (r + cfg.qk_rope_head_dim) + r * n * (cfg.qk_nope_head_dim + hv) + n * hv * d
 
 
 def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: bool = True) -> float:
     """Model FLOPs of one training step (forward + backward) on `batch` sequences of `length`."""
     tokens = batch * length
     dense = 2 * matmul_params(cfg) * tokens
-    # scores q.k and the weighted sum p.v: 2 matmuls of 2*T*H FLOPs per query token and head
-    attention = 4 * cfg.num_decoder_layers * cfg.num_query_heads * cfg.head_dim * length * tokens
+    # scores q.k and the weighted sum p.v: 2*T*H FLOPs each per query token and head (H: the
+    # query/key width, then the value width, which MLA makes narrower)
+    value_dim = cfg.v_head_dim if cfg.decoder_block == "deepseek" else cfg.head_dim
+    attention = 2 * cfg.num_decoder_layers * cfg.num_query_heads * (cfg.head_dim + value_dim) * length * tokens
     if causal:
         attention /= 2
     return 3.0 * (dense + attention)

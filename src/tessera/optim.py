@@ -28,7 +28,8 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Clip (if enabled) then AdamW. Weight decay applies to matrices only, not norms' scales."""
+    """Clip (if enabled) then AdamW. Weight decay applies to matrices only, not norms' scales or
+    routing biases (their gradient is zero, so AdamW leaves them as they are)."""
     adamw = optax.adamw(
         learning_rate=learning_rate_schedule(cfg, total_steps),
         b1=cfg.adam_b1,
@@ -42,7 +43,10 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     return adamw
 
 
+NO_DECAY = ("scale", "routed_bias_e")  # norm scales; MoE choice biases (moved by the train step, not by AdamW)
+
+
 def _decay_mask(params):
-    """True for weights that decay: everything except normalization scales."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: not any(getattr(k, "key", None) == "scale" for k in path),
-                                            params)
+    """True for weights that decay: everything except normalization scales and routing biases."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: not any(getattr(k, "key", None) in NO_DECAY for k in path), params)

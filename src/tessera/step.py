@@ -25,6 +25,7 @@ from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention import select_attention
+from tessera.models.moe import PER_LAYER_LOAD, update_routed_bias
 from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer
 
@@ -184,7 +185,7 @@ def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
-    aux_weight = model.cfg.load_balance_loss_weight
+    aux_weight, bias_rate = model.cfg.load_balance_loss_weight, model.cfg.routed_bias_update_rate
 
     def summed_loss(p, b, k):
         loss_sum, count, aux = loss_terms(model, p, b, k, packed)
@@ -211,6 +212,9 @@ def make_train_step(trainer: Trainer, seed: int):
             zeros = jax.tree.map(jnp.zeros_like, params)
             (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
         count = jnp.maximum(count, 1.0)
+        loads = auxes.pop(PER_LAYER_LOAD, None)  # MoE expert loads per layer (routed_bias)
+        if loads is not None and accum > 1:
+            loads = jnp.mean(loads, axis=0)  # over the microbatches
         grads = jax.tree.map(lambda g: (g / count).astype(g.dtype), grads)
         loss, grad_norm = loss_sum / count, optax.tree.norm(grads)
         # A non-finite loss or gradient leaves parameters and optimizer state as they were, so
@@ -221,7 +225,10 @@ def make_train_step(trainer: Trainer, seed: int):
         def update(operands):
             p, opt = operands
             updates, opt = optimizer.update(grads, opt, p)
-            return optax.apply_updates(p, updates), opt
+            p = optax.apply_updates(p, updates)
+            if loads is not None:  # auxiliary-loss-free balancing: the choice biases move after the update
+                p = update_routed_bias(p, loads, bias_rate)
+            return p, opt
 
         new_params, new_opt = jax.lax.cond(finite, update, lambda operands: operands, (params, state["opt_state"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}

@@ -116,7 +116,13 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
     if stages == 1:
         return None
     per_block = LAYERS_PER_BLOCK.get(m.decoder_block, 1)
-    layers, repeats, per_stage = m.num_decoder_layers, mesh.num_pipeline_repeats, mesh.num_layers_per_pipeline_stage
+    if m.routed_bias:
+        raise ConfigError("routed_bias (auxiliary-loss-free MoE balancing) is not supported with pipeline parallelism "
+                          "yet: the expert loads are not gathered across stages; set routed_bias=false or "
+                          "ici/dcn_pipeline_parallelism=1")
+    # deepseek's dense layers run below the pipeline; only the expert layers are split over stages
+    dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
+    layers, repeats, per_stage = m.num_decoder_layers - dense, mesh.num_pipeline_repeats, mesh.num_layers_per_pipeline_stage
     if repeats == -1 and per_stage == -1:
         repeats = 1
     if repeats == -1:

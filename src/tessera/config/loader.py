@@ -341,6 +341,17 @@ def _validate_family(m) -> None:
     if m.decoder_block == "gemma3" and m.num_decoder_layers < 6:
         raise ConfigError(f"decoder_block=gemma3 needs at least 6 layers (one pattern of 5 local and 1 global layer), "
                           f"not {m.num_decoder_layers}; change base_num_decoder_layers")
+    if m.decoder_block == "deepseek":
+        _validate_deepseek(m)
+    elif m.first_num_dense_layers:
+        raise ConfigError(f"first_num_dense_layers={m.first_num_dense_layers} applies to decoder_block=deepseek only")
+    if m.n_routing_groups > 1:
+        if m.num_experts % m.n_routing_groups or not 1 <= m.topk_routing_group <= m.n_routing_groups:
+            raise ConfigError(f"n_routing_groups={m.n_routing_groups} must divide num_experts={m.num_experts}, and "
+                              f"topk_routing_group={m.topk_routing_group} must be between 1 and it")
+        if m.num_experts_per_tok > m.topk_routing_group * m.num_experts // m.n_routing_groups:
+            raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more experts than the "
+                              f"topk_routing_group={m.topk_routing_group} groups a token may use hold")
     if m.fused_qkv and m.num_kv_heads != m.num_query_heads:
         raise ConfigError(f"fused_qkv=true needs multi-head attention (kv heads = query heads), but there are "
                           f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
@@ -355,6 +366,19 @@ def _validate_family(m) -> None:
     if m.ragged_buffer_factor != -1 and m.ragged_buffer_factor <= 0:
         raise ConfigError(f"ragged_buffer_factor={m.ragged_buffer_factor} must be > 0, or -1 for a buffer with room "
                           "for every token copy")
+
+
+def _validate_deepseek(m) -> None:
+    """Multi-head latent attention's widths and the dense layers below the experts."""
+    width = m.qk_nope_head_dim + m.qk_rope_head_dim
+    if m.head_dim != width:
+        raise ConfigError(f"decoder_block=deepseek: head_dim={m.head_dim} must be qk_nope_head_dim + qk_rope_head_dim "
+                          f"= {width} (the query/key width attention kernels see); set head_dim={width}")
+    if m.qk_rope_head_dim % 2:
+        raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary positions turn pairs)")
+    if m.first_num_dense_layers >= m.num_decoder_layers:
+        raise ConfigError(f"first_num_dense_layers={m.first_num_dense_layers} leaves no expert layer of the "
+                          f"{m.num_decoder_layers}; use fewer")
 
 
 def validate_for_build(m: ModelConfig) -> None:

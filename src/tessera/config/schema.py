@@ -21,8 +21,8 @@ from typing import Any
 
 # The decoder blocks and attention kernels are listed here (not imported from the model
 # package) so that validating a config never imports JAX.
-DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3", "qwen3_moe", "gemma3")
-MOE_BLOCKS = ("mixtral", "qwen3_moe")  # families whose MLP is a mixture of experts (num_experts >= 2)
+DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3", "qwen3_moe", "gemma3", "deepseek")
+MOE_BLOCKS = ("mixtral", "qwen3_moe", "deepseek")  # families whose MLP is a mixture of experts (num_experts >= 2)
 SA_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
 REMAT_POLICIES = (
@@ -124,15 +124,22 @@ class ModelConfig:
     rope_max_timescale: int = key(10000, "largest wavelength (theta) of the rotary position embedding", minimum=1)
     rope_scaling: str = key("none", "rotary frequency scaling for long context: llama3 stretches the low frequencies "
                             "(Llama 3.1 and later); linear divides every frequency by rope_scaling_factor (gemma3's "
-                            "global layers)", ("none", "llama3", "linear"))
+                            "global layers); yarn: YaRN as DeepSeek-V3 uses it (beta_fast, beta_slow, mscale)",
+                            ("none", "llama3", "linear", "yarn"))
     rope_scaling_factor: float = key(8.0, "rope_scaling=llama3: how much the lowest frequencies are divided by; "
                                      "linear: how much every frequency is divided by", minimum=1.0)
     rope_low_freq_factor: float = key(1.0, "rope_scaling=llama3: wavelengths longer than "
                                       "rope_original_max_position / this are fully scaled", minimum=0.0)
     rope_high_freq_factor: float = key(4.0, "rope_scaling=llama3: wavelengths shorter than "
                                        "rope_original_max_position / this are left as they are", minimum=0.0)
-    rope_original_max_position: int = key(8192, "rope_scaling=llama3: the context length the model was first "
+    rope_original_max_position: int = key(8192, "rope_scaling=llama3 or yarn: the context length the model was first "
                                           "trained with", minimum=1)
+    beta_fast: float = key(32.0, "rope_scaling=yarn: frequencies that turn more than this many times in the original "
+                           "context are kept", minimum=0.0)
+    beta_slow: float = key(1.0, "rope_scaling=yarn: frequencies that turn fewer times than this are divided by "
+                           "rope_scaling_factor (those between are mixed)", minimum=0.0)
+    mscale: float = key(1.0, "rope_scaling=yarn: attention scores are multiplied by (0.1 * mscale * "
+                        "ln(rope_scaling_factor) + 1)^2 (DeepSeek's mscale_all_dim)", minimum=0.0)
     local_rope_max_timescale: int = key(10000, "gemma3: rotary theta of the local (sliding-window) layers, which "
                                         "rope_scaling leaves unscaled (the global layers use rope_max_timescale)",
                                         minimum=1)
@@ -199,6 +206,32 @@ class ModelConfig:
     num_experts: int = key(1, "experts per mixture-of-experts MLP (decoder_block=mixtral or qwen3_moe; 1: dense MLP)",
                            minimum=1)
     num_experts_per_tok: int = key(1, "experts each token is routed to (top-k) when num_experts > 1", minimum=1)
+    base_moe_mlp_dim: int = key(0, "hidden width of one expert before scaling (0: base_mlp_dim); deepseek's dense "
+                                "layers use base_mlp_dim", minimum=0)
+    first_num_dense_layers: int = key(0, "deepseek: this many layers at the bottom have a dense MLP (base_mlp_dim) "
+                                      "instead of experts", minimum=0)
+    shared_experts: int = key(0, "deepseek: experts every token goes through (one dense MLP shared_experts x the "
+                              "expert width wide), added to the routed experts' output", minimum=0)
+    routed_score_func: str = key("softmax", "MoE router scores: softmax over the experts (Mixtral, Qwen3) or an "
+                                 "independent sigmoid per expert (DeepSeek-V3)", ("softmax", "sigmoid"))
+    routed_scaling_factor: float = key(1.0, "MoE: the routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)",
+                                       minimum=0.0)
+    routed_bias: bool = key(False, "MoE: a per-expert bias added to the router scores to choose the experts (not to "
+                            "weight them), moved after every step towards balance instead of a load-balancing loss "
+                            "(DeepSeek-V3's auxiliary-loss-free balancing)")
+    routed_bias_update_rate: float = key(0.001, "routed_bias: how far each step moves an expert's bias: down when it "
+                                         "took more than its share of the tokens, up when less", minimum=0.0)
+    n_routing_groups: int = key(-1, "MoE: experts split into this many groups, and a token's experts come from its "
+                                "topk_routing_group best groups (scored by their two best experts); -1: no groups")
+    topk_routing_group: int = key(-1, "MoE with n_routing_groups: groups a token may take experts from")
+    q_lora_rank: int = key(0, "deepseek (multi-head latent attention): rank of the low-rank query projection "
+                           "(0: a full-rank query projection)", minimum=0)
+    kv_lora_rank: int = key(512, "deepseek: width of the compressed key/value latent (what the KV cache stores)",
+                            minimum=1)
+    qk_nope_head_dim: int = key(128, "deepseek: per-head query/key width without rotary positions", minimum=1)
+    qk_rope_head_dim: int = key(64, "deepseek: per-head query/key width with rotary positions (the key part is "
+                                "shared by all heads)", minimum=2)
+    v_head_dim: int = key(128, "deepseek: per-head value width", minimum=1)
     norm_topk_prob: bool = key(True, "MoE: renormalize the chosen experts' router probabilities to sum to one "
                                "(Mixtral, Qwen3-MoE); false: weight each expert by its softmax probability over all")
     capacity_factor: float = key(-1.0, "MoE capacity routing: an expert takes at most capacity_factor x its fair share "
@@ -234,6 +267,11 @@ class ModelConfig:
     @property
     def mlp_dim(self) -> int:
         return self.base_mlp_dim << self._scale_exponents()[1]
+
+    @property
+    def expert_mlp_dim(self) -> int:
+        """Hidden width of one expert: base_moe_mlp_dim scaled as mlp_dim, or mlp_dim itself."""
+        return self.base_moe_mlp_dim << self._scale_exponents()[1] if self.base_moe_mlp_dim else self.mlp_dim
 
     @property
     def num_decoder_layers(self) -> int:

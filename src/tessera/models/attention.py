@@ -27,18 +27,24 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
 from tessera.models.kv_cache import KVCache
-from tessera.models.layers import RMSNorm, fan_in_std, param, project, rope_frequencies, rotary, soft_cap
+from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rope_frequencies, rotary, soft_cap,
+                                   yarn_frequencies)
 from tessera.mesh import shard_logically
 
 log = logging.getLogger(__name__)
 
 
-def rope_frequencies_of(cfg: ModelConfig, local: bool = False) -> np.ndarray:
-    """The rotary inverse wavelengths a config asks for (rope_max_timescale, rope_scaling);
-    `local`: those of gemma3's sliding-window layers (local_rope_max_timescale, never scaled)."""
+def rope_frequencies_of(cfg: ModelConfig, local: bool = False, rotary_dim: int = 0) -> np.ndarray:
+    """The rotary inverse wavelengths a config asks for (rope_max_timescale, rope_scaling) for
+    heads of `rotary_dim` (default head_dim); `local`: those of gemma3's sliding-window layers
+    (local_rope_max_timescale, never scaled)."""
+    dim = rotary_dim or cfg.head_dim
     if local:
-        return rope_frequencies(cfg.head_dim, cfg.local_rope_max_timescale)
-    inv_freq = rope_frequencies(cfg.head_dim, cfg.rope_max_timescale, (
+        return rope_frequencies(dim, cfg.local_rope_max_timescale)
+    if cfg.rope_scaling == "yarn":
+        return yarn_frequencies(dim, cfg.rope_max_timescale, cfg.rope_scaling_factor, cfg.rope_original_max_position,
+                                cfg.beta_fast, cfg.beta_slow)
+    inv_freq = rope_frequencies(dim, cfg.rope_max_timescale, (
         cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
         cfg.rope_original_max_position) if cfg.rope_scaling == "llama3" else None)
     return inv_freq / np.float32(cfg.rope_scaling_factor) if cfg.rope_scaling == "linear" else inv_freq
@@ -117,7 +123,7 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
                             v_bksh[:, :, keys_start:keys_end], segment_q_bt[:, start:end],
                             segment_k_bs[:, keys_start:keys_end], start - keys_start, *mask_args))
     out_bkgth = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
-    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)  # values may be narrower than q and k (MLA)
 
 
 def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int, scale: float, cap: float,
@@ -147,7 +153,7 @@ def masked_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale: float, logits_s
     q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
     out_bkgth = _softmax_attend(q_bkgth, k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3), mask_bts,
                                 scale, logits_soft_cap)
-    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)
 
 
 class Attention(nnx.Module):
@@ -238,7 +244,13 @@ class Attention(nnx.Module):
             ctx = masked_attention(q, kv_cache.keys(q.dtype), kv_cache.values(q.dtype),
                                    kv_cache.mask(positions_bt, segment_ids_bt, self.window), scale=self.scale,
                                    logits_soft_cap=self.logits_soft_cap)
-        elif self.kernel.startswith("splash"):
+        else:
+            ctx = self.attend(q, k, v, segment_ids_bt, packed)
+        return self.output(ctx), kv_cache
+
+    def attend(self, q, k, v, segment_ids_bt, packed: bool):
+        """Causal attention of the T tokens among themselves with the chosen kernel: context [B, T, N, Hv]."""
+        if self.kernel.startswith("splash"):
             from tessera.models import splash
 
             ctx = splash.splash_attention(q, k, v, segment_ids_bt, scale=self.scale,
@@ -252,4 +264,4 @@ class Attention(nnx.Module):
         else:
             ctx = dot_product_attention(q, k, v, segment_ids_bt, segment_ids_bt, scale=self.scale,
                                         logits_soft_cap=self.logits_soft_cap, window=self.window)
-        return self.output(ctx), kv_cache
+        return ctx

@@ -30,6 +30,12 @@ class Block(nnx.Module):
     qk_norm = ""  # norm kind applied to each query and key head before the rotation ("": none; Qwen3, Gemma 3)
 
     @classmethod
+    def prefix_blocks(cls, cfg: ModelConfig) -> tuple[int, type | None]:
+        """(count, block class) of the blocks of another kind below this family's (deepseek's dense
+        layers); the decoder stacks them separately. (0, None): none."""
+        return 0, None
+
+    @classmethod
     def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
         """The KV cache one block decodes with (a block with one attention layer: one `KVCache`);
         `layers=(L,)` stacks L of them for a scanned stack."""

@@ -106,10 +106,17 @@ class Decoder(nnx.Module):
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, pipeline: PipelineLayout | None = None):
         dtype, wdtype = cfg.dtype, cfg.weight_dtype
         block_cls = BLOCKS[cfg.decoder_block]
-        self.num_blocks, tail = divmod(cfg.num_decoder_layers, block_cls.layers_per_block)
+        prefix, prefix_cls = block_cls.prefix_blocks(cfg)
+        self.num_blocks, tail = divmod(cfg.num_decoder_layers - prefix, block_cls.layers_per_block)
+        if prefix:  # deepseek: the dense layers below the expert layers, a stack (or list) of their own
+            if cfg.scan_layers or pipeline is not None:
+                self.dense_layers = _stacked_blocks(lambda r: prefix_cls(cfg, attention_kernel, r), prefix, rngs)
+            else:
+                for i in range(prefix):
+                    setattr(self, f"dense_layers_{i}", prefix_cls(cfg, attention_kernel, rngs))
         if tail:  # gemma3: the layers after the last whole pattern (validated: no other family has one)
             self.tail = block_cls(cfg, attention_kernel, rngs, num_layers=tail)
-        self.tail_layers = tail
+        self.prefix_blocks, self.tail_layers = prefix, tail
         self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype, wdtype, cfg.use_iota_embed, rngs)
         if block_cls.absolute_positions and cfg.trainable_position_size:
             self.position_embedder_pd = param(rngs, (cfg.trainable_position_size, cfg.emb_dim), (None, "embed"),
@@ -150,9 +157,10 @@ class Decoder(nnx.Module):
         if segment_ids_bt is None:
             segment_ids_bt = jnp.ones_like(tokens_bt)
         rate = dropout_rate(cfg)
-        keys = [None] * (self.num_blocks + 2)  # blocks, tail, embedding
+        n, p = self.num_blocks, self.prefix_blocks
+        keys = [None] * (p + n + 2)  # dense prefix, blocks, tail, embedding
         if dropout_key is not None and rate > 0:
-            keys = list(jax.random.split(dropout_key, self.num_blocks + 2))
+            keys = list(jax.random.split(dropout_key, p + n + 2))
 
         x = shard_logically(dropout(self.embed(tokens_bt, positions_bt), rate, keys[-1]),
                             ("batch", "length", "act_embed"))
@@ -160,16 +168,22 @@ class Decoder(nnx.Module):
             blocks = self._pipeline_blocks if kv_cache is None else self._scan_blocks
         else:
             blocks = self._scan_blocks if cfg.scan_layers else self._loop_blocks
-        if not self.tail_layers:
-            return blocks(x, positions_bt, segment_ids_bt, keys[:-2], packed, kv_cache)
-        # a tail block (gemma3): the cache is (the blocks' caches, the tail's); the tail is dense, no aux
-        block_cache, tail_cache = (None, None) if kv_cache is None else kv_cache
-        x, aux, block_cache = blocks(x, positions_bt, segment_ids_bt, keys[:-2], packed, block_cache)
-        run_cfg = cfg if kv_cache is None else dataclasses.replace(cfg, remat_policy="none")
-        call = remat(lambda blk, h, k, c: blk(checkpoint_name(h, "decoder_layer_input"), positions_bt, segment_ids_bt,
-                                              k, packed, c), run_cfg, False)
-        x, _, tail_cache = call(self.tail, x, keys[-2], tail_cache)
-        return x, aux, None if kv_cache is None else (block_cache, tail_cache)
+        if not p and not self.tail_layers:
+            return blocks(x, positions_bt, segment_ids_bt, keys[:n], packed, kv_cache)
+        # a dense prefix (deepseek) or a tail block (gemma3): the cache is {segment: its caches};
+        # both are dense (no aux)
+        caches = {} if kv_cache is None else dict(kv_cache)
+        if p:
+            run = self._scan_blocks if cfg.scan_layers or self.pipeline is not None else self._loop_blocks
+            x, _, caches["dense_layers"] = run(x, positions_bt, segment_ids_bt, keys[:p], packed,
+                                               caches.get("dense_layers"), "dense_layers", p)
+        x, aux, caches["layers"] = blocks(x, positions_bt, segment_ids_bt, keys[p:p + n], packed, caches.get("layers"))
+        if self.tail_layers:
+            run_cfg = cfg if kv_cache is None else dataclasses.replace(cfg, remat_policy="none")
+            call = remat(lambda blk, h, k, c: blk(checkpoint_name(h, "decoder_layer_input"), positions_bt,
+                                                  segment_ids_bt, k, packed, c), run_cfg, False)
+            x, _, caches["tail"] = call(self.tail, x, keys[-2], caches.get("tail"))
+        return x, aux, None if kv_cache is None else caches
 
     def logits(self, x_btd):
         """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32 (the loss calls it
@@ -197,28 +211,29 @@ class Decoder(nnx.Module):
                 x = x + sinusoidal_positions(positions_bt, self.cfg.emb_dim).astype(x.dtype)
         return x
 
-    def _loop_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
-        """(x, aux averaged over blocks, kv_cache as a tuple of the blocks' caches or None)."""
+    def _loop_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache, name="layers", count=None):
+        """(x, aux averaged over blocks, kv_cache as a tuple of the blocks' caches or None) of the
+        blocks `<name>_0 ...`."""
         cfg = self.cfg if kv_cache is None else dataclasses.replace(self.cfg, remat_policy="none")
         auxes, caches = [], []
-        for i in range(self.num_blocks):
+        for i in range(self.num_blocks if count is None else count):
             call = remat(lambda blk, h, k, c: blk(checkpoint_name(h, "decoder_layer_input"), positions_bt,
                                                   segment_ids_bt, k, packed, c), cfg, False)
-            x, block_aux, block_cache = call(getattr(self, f"layers_{i}"), x, keys[i],
+            x, block_aux, block_cache = call(getattr(self, f"{name}_{i}"), x, keys[i],
                                              None if kv_cache is None else kv_cache[i])
             auxes.append(block_aux)
             caches.append(block_cache)
-        aux = jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)
+        aux = reduce_aux(jax.tree.map(lambda *v: jnp.stack(v), *auxes))
         return x, aux, None if kv_cache is None else tuple(caches)
 
-    def _scan_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
+    def _scan_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache, name="layers", count=None):
         """(x, aux averaged over blocks, kv_cache stacked over blocks or None): the blocks'
         parameters, dropout keys and caches are scanned over together (a pipelined model's
         [R, L/R] stack is flattened first: decoding runs its blocks one after another)."""
-        graphdef, stacked = nnx.split(self.layers)
-        stacked = jax.tree.map(lambda a: a.reshape(self.num_blocks, *a.shape[len(stacked_shape(self.pipeline,
-                                                                                                self.num_blocks)):]),
-                               stacked)
+        count = self.num_blocks if count is None else count
+        graphdef, stacked = nnx.split(getattr(self, name))
+        lead = len(stacked_shape(self.pipeline, count)) if name == "layers" else 1
+        stacked = jax.tree.map(lambda a: a.reshape(count, *a.shape[lead:]), stacked)
         use_keys = keys[0] is not None
 
         def body(h, layer):
@@ -231,7 +246,7 @@ class Decoder(nnx.Module):
         xs = (stacked, jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32), kv_cache)
         cfg = self.cfg if kv_cache is None else dataclasses.replace(self.cfg, remat_policy="none")
         x, (aux, kv_cache) = jax.lax.scan(remat(body, cfg, True), x, xs)
-        return x, jax.tree.map(jnp.mean, aux), kv_cache
+        return x, reduce_aux(aux), kv_cache
 
     def _pipeline_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
         """(x, aux averaged over blocks and microbatches, None): the blocks run by the pipeline
@@ -272,19 +287,36 @@ class Decoder(nnx.Module):
         return x, aux, None
 
 
+def reduce_aux(stacked: dict) -> dict:
+    """Blocks' aux values stacked over blocks -> their means, except the per-layer entries
+    ("per_layer/..."), which stay stacked (one row per block)."""
+    return {k: v if k.startswith("per_layer/") else jnp.mean(v) for k, v in stacked.items()}
+
+
 def init_cache(cfg: ModelConfig, batch: int, max_len: int):
     """An empty KV cache for `Decoder(cfg)` decoding `batch` rows of up to `max_len` tokens: one
     cache per block (`Block.empty_cache`), laid out as the parameters are: stacked on a leading
-    layers axis when scan_layers=true, else a tuple with one entry per block; with a tail block
-    (gemma3), the pair (that, the tail's cache)."""
+    layers axis when scan_layers=true, else a tuple with one entry per block; with a dense prefix
+    (deepseek) or a tail block (gemma3), a dict of those per segment ("dense_layers", "layers",
+    "tail")."""
     block_cls = BLOCKS[cfg.decoder_block]
-    num_blocks, tail = divmod(cfg.num_decoder_layers, block_cls.layers_per_block)
-    if cfg.scan_layers:
-        cache = block_cls.empty_cache(cfg, batch, max_len, (num_blocks,))
-    else:
-        cache = tuple(block_cls.empty_cache(cfg, batch, max_len) for _ in range(num_blocks))
-    # a tail block (gemma3's layers after the last whole pattern) has a cache of its own
-    return (cache, block_cls.empty_cache(cfg, batch, max_len, num_layers=tail)) if tail else cache
+    prefix, prefix_cls = block_cls.prefix_blocks(cfg)
+    num_blocks, tail = divmod(cfg.num_decoder_layers - prefix, block_cls.layers_per_block)
+
+    def stack(cls, count):
+        if cfg.scan_layers:
+            return cls.empty_cache(cfg, batch, max_len, (count,))
+        return tuple(cls.empty_cache(cfg, batch, max_len) for _ in range(count))
+
+    if not prefix and not tail:
+        return stack(block_cls, num_blocks)
+    # a dense prefix (deepseek) or a tail block (gemma3's layers after the last whole pattern)
+    caches = {"layers": stack(block_cls, num_blocks)}
+    if prefix:
+        caches["dense_layers"] = stack(prefix_cls, prefix)
+    if tail:
+        caches["tail"] = block_cls.empty_cache(cfg, batch, max_len, num_layers=tail)
+    return caches
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs):

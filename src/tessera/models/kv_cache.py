@@ -53,16 +53,17 @@ class KVCache(NamedTuple):
 
     @classmethod
     def empty(cls, batch: int, length: int, kv_heads: int, head_dim: int, dtype, layers: tuple[int, ...] = (),
-              quant_dtype: str = "", quant_axis: str = "heads_and_dkv"):
+              quant_dtype: str = "", quant_axis: str = "heads_and_dkv", value_dim: int = 0):
         """A cache with no keys yet; `layers=(L,)` stacks L of them for a scanned stack.
-        `quant_dtype` (int8, int4) stores keys and values quantized, scaled over `quant_axis`."""
+        `quant_dtype` (int8, int4) stores keys and values quantized, scaled over `quant_axis`.
+        `value_dim`: values narrower or wider than keys (MLA caches its latent and rotary key)."""
         store = KV_QUANT_TYPES[quant_dtype] if quant_dtype else dtype
-        kv = lambda: jnp.zeros((*layers, batch, length, kv_heads, head_dim), store)  # noqa: E731
+        kv = lambda h=head_dim: jnp.zeros((*layers, batch, length, kv_heads, h), store)  # noqa: E731
         ids = lambda: jnp.zeros((*layers, batch, length), jnp.int32)  # noqa: E731
         scale_heads = kv_heads if quant_axis == "dkv" else 1
         scale = (lambda: jnp.ones((*layers, batch, length, scale_heads, 1), jnp.float32)) if quant_dtype \
             else (lambda: jnp.zeros((*layers, 0), jnp.float32))
-        return cls(kv(), kv(), ids(), ids(), jnp.zeros(layers, jnp.int32), scale(), scale())
+        return cls(kv(), kv(value_dim or head_dim), ids(), ids(), jnp.zeros(layers, jnp.int32), scale(), scale())
 
     @property
     def quantized(self) -> bool:

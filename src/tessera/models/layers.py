@@ -10,6 +10,7 @@ K kv heads, H head dim, F mlp, V vocab.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -186,6 +187,29 @@ def rope_frequencies(head_dim: int, max_timescale: float, llama3_scaling: tuple 
         keep = np.clip((periods - low) / (high - low), 0.0, 1.0)
         inv_freq = keep * inv_freq + (1.0 - keep) * inv_freq / factor
     return inv_freq.astype(np.float32)
+
+
+def yarn_frequencies(rotary_dim: int, max_timescale: float, factor: float, original_max_position: int,
+                     beta_fast: float, beta_slow: float) -> np.ndarray:
+    """Inverse wavelengths [rotary_dim/2] of YaRN (Peng et al. 2023) as DeepSeek-V3 uses it:
+    frequencies that turn more than `beta_fast` times within the original context are kept,
+    those turning fewer than `beta_slow` times are divided by `factor`, and between the two
+    (dimension indices rounded outwards) the two are mixed linearly by dimension index."""
+    half = rotary_dim // 2
+    inv_freq = float(max_timescale) ** (-np.arange(half, dtype=np.float64) / half)
+
+    def dimension_turning(turns: float) -> float:  # the (fractional) dimension index turning `turns` times
+        return rotary_dim * math.log(original_max_position / (turns * 2 * math.pi)) / (2 * math.log(max_timescale))
+
+    low = max(math.floor(dimension_turning(beta_fast)), 0)
+    high = min(math.ceil(dimension_turning(beta_slow)), rotary_dim - 1)
+    ramp = np.clip((np.arange(half) - low) / ((high - low) or 0.001), 0.0, 1.0)  # 0: kept, 1: divided
+    return (inv_freq * (1.0 - ramp) + inv_freq / factor * ramp).astype(np.float32)
+
+
+def yarn_score_scale(factor: float, mscale: float) -> float:
+    """YaRN's multiplier of the attention scores: (0.1 * mscale * ln(factor) + 1)^2 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else (0.1 * mscale * math.log(factor) + 1.0) ** 2
 
 
 def rotary(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:

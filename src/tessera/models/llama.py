@@ -29,11 +29,13 @@ class LlamaBlock(Block):
 
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
         self.pre_attention_norm = make_norm(self.norm, cfg, rngs)
-        self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=cfg.sliding_window_size,
-                                   qk_norm=self.qk_norm)
+        self.attention = self.make_attention(cfg, attention_kernel, rngs)
         self.pre_mlp_norm = make_norm(self.norm, cfg, rngs)
         self.mlp = self.make_mlp(cfg, rngs)
         self.dropout_rate = dropout_rate(cfg)
+
+    def make_attention(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs) -> nnx.Module:
+        return Attention(cfg, attention_kernel, rngs, sliding_window=cfg.sliding_window_size, qk_norm=self.qk_norm)
 
     def make_mlp(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
         return Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,

@@ -38,11 +38,33 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically, traced_platform
-from tessera.models.layers import ACTIVATIONS, fan_in_std, param
+from tessera.models.layers import ACTIVATIONS, Mlp, fan_in_std, param
 from tessera.models.quantization import einsum as quantized_einsum
 from tessera.models.quantization import ragged_dot as quantized_ragged_dot
 
 log = logging.getLogger(__name__)
+
+# aux key of each MoE layer's expert loads [E] (copies per expert / fair share): the decoder
+# stacks it over layers instead of averaging, and the train step moves routed_bias with it
+PER_LAYER_LOAD = "per_layer/moe_expert_load"
+
+
+def update_routed_bias(params: dict, loads_le, rate: float) -> dict:
+    """`params` with every MoE layer's routed_bias moved by `rate` towards balance: down where
+    the layer's expert took more than its fair share of the token copies (load > 1), up where
+    less. `loads_le` [L, E]: the layers' loads (PER_LAYER_LOAD), in the order of the stacked
+    `layers` (scan_layers=true) or of `layers_0 ... layers_{L-1}`."""
+    step = lambda bias, load: bias + rate * jnp.sign(1.0 - load).astype(bias.dtype)  # noqa: E731
+    if "layers" in params:
+        layers = params["layers"]
+        mlp = {**layers["mlp"], "routed_bias_e": step(layers["mlp"]["routed_bias_e"], loads_le)}
+        return {**params, "layers": {**layers, "mlp": mlp}}
+    out = dict(params)
+    for i in range(loads_le.shape[0]):
+        layer = params[f"layers_{i}"]
+        out[f"layers_{i}"] = {**layer, "mlp": {**layer["mlp"], "routed_bias_e": step(layer["mlp"]["routed_bias_e"],
+                                                                                      loads_le[i])}}
+    return out
 
 
 def expert_capacity(tokens: int, cfg: ModelConfig) -> int:
@@ -54,36 +76,70 @@ def expert_capacity(tokens: int, cfg: ModelConfig) -> int:
 
 
 class MoeMlp(nnx.Module):
-    """Router [D, E] and E gated MLPs ([E, D, F] in, [E, F, D] out)."""
+    """Router [D, E] and E gated MLPs ([E, D, F] in, [E, F, D] out); with `shared_experts`, a
+    dense gated MLP every token goes through; with `routed_bias`, a per-expert choice bias [E]."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
-        d, f, e, wdtype = cfg.emb_dim, cfg.mlp_dim, cfg.num_experts, cfg.weight_dtype
+        d, f, e, wdtype = cfg.emb_dim, cfg.expert_mlp_dim, cfg.num_experts, cfg.weight_dtype
         self.router_de = param(rngs, (d, e), ("embed", None), wdtype, fan_in_std(d))
+        if cfg.routed_bias:  # moved by the train step (auxiliary-loss-free balancing), never by gradients
+            self.routed_bias_e = param(rngs, (e,), (None,), jnp.float32, None, fill=0.0)
         for i in range(len(cfg.mlp_activations)):
             setattr(self, f"wi_{i}", param(rngs, (e, d, f), ("exp", "embed", "mlp"), wdtype, fan_in_std(d)))
         self.wo_efd = param(rngs, (e, f, d), ("exp", "mlp", "embed"), wdtype, fan_in_std(f))
+        if cfg.shared_experts:
+            self.shared = Mlp(d, cfg.shared_experts * f, cfg.mlp_activations, cfg.dtype, wdtype, rngs,
+                              quantization=cfg.quantization)
         self.cfg, self.dtype = cfg, cfg.dtype
         self.dropless = cfg.sparse_matmul or cfg.megablox
 
     def __call__(self, x_btd):
-        cfg = self.cfg
-        logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32))
-        top_logits_btk, experts_btk = jax.lax.top_k(logits_bte, cfg.num_experts_per_tok)
-        if cfg.norm_topk_prob:
-            weights_btk = jax.nn.softmax(top_logits_btk, axis=-1)  # = softmax over all, renormalized over the top k
-        else:  # the chosen experts' probabilities under the softmax over all experts
-            weights_btk = jnp.exp(top_logits_btk - jax.nn.logsumexp(logits_bte, axis=-1, keepdims=True))
-        aux = {"moe_load_balance_loss": self.load_balance_loss(logits_bte, experts_btk)}
+        experts_btk, weights_btk, aux = self.route(x_btd)
         if self.dropless:
             out_btd, aux["moe_dropped_fraction"] = self.dropless_experts(x_btd, experts_btk, weights_btk)
         else:
             out_btd, aux["moe_dropped_fraction"] = self.capacity_experts(x_btd, experts_btk, weights_btk)
+        if self.cfg.shared_experts:
+            out_btd = out_btd + self.shared(x_btd)
         return checkpoint_name(out_btd, "mlpwo"), aux
 
-    def load_balance_loss(self, logits_bte, experts_btk):
+    def route(self, x_btd):
+        """(experts_btk, weights_btk, aux): each token's top-k experts and their weights.
+
+        Scores are the softmax of the router logits, or their sigmoids (`routed_score_func`).
+        Experts are chosen on the scores plus `routed_bias` (when on), only from the token's
+        best `topk_routing_group` of `n_routing_groups` groups (a group scores the sum of its two
+        best); they are weighted by their scores, renormalized to sum to one (`norm_topk_prob`)
+        and multiplied by `routed_scaling_factor`."""
+        cfg, e = self.cfg, self.cfg.num_experts
+        logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32))
+        sigmoid = cfg.routed_score_func == "sigmoid"
+        scores_bte = jax.nn.sigmoid(logits_bte) if sigmoid else jax.nn.softmax(logits_bte, axis=-1)
+        choice_bte = scores_bte
+        if cfg.routed_bias:
+            choice_bte = choice_bte + jax.lax.stop_gradient(self.routed_bias_e[...])
+        if cfg.n_routing_groups > 1:
+            groups = choice_bte.reshape(*choice_bte.shape[:2], cfg.n_routing_groups, e // cfg.n_routing_groups)
+            group_score_btg = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)
+            _, best_btg = jax.lax.top_k(group_score_btg, cfg.topk_routing_group)
+            allowed_btg = jnp.sum(jax.nn.one_hot(best_btg, cfg.n_routing_groups, dtype=jnp.bool_), axis=2) > 0
+            allowed_bte = jnp.repeat(allowed_btg, e // cfg.n_routing_groups, axis=-1)
+            choice_bte = jnp.where(allowed_bte, choice_bte, -jnp.inf)
+        _, experts_btk = jax.lax.top_k(choice_bte, cfg.num_experts_per_tok)
+        weights_btk = jnp.take_along_axis(scores_bte, experts_btk, axis=-1)
+        if cfg.norm_topk_prob:
+            weights_btk = weights_btk / (jnp.sum(weights_btk, axis=-1, keepdims=True) + (1e-20 if sigmoid else 0.0))
+        weights_btk = weights_btk * cfg.routed_scaling_factor
+        probs_bte = scores_bte / jnp.sum(scores_bte, axis=-1, keepdims=True) if sigmoid else scores_bte
+        aux = {"moe_load_balance_loss": self.load_balance_loss(probs_bte, experts_btk)}
+        if cfg.routed_bias:  # each expert's share of the token copies, for the bias update (per layer)
+            aux[PER_LAYER_LOAD] = jnp.mean(jax.nn.one_hot(experts_btk, e, dtype=jnp.float32), axis=(0, 1, 2)) * e
+        return experts_btk, weights_btk, aux
+
+    def load_balance_loss(self, probs_bte, experts_btk):
         e = self.cfg.num_experts
         copies_per_token_e = jnp.sum(jnp.mean(jax.nn.one_hot(experts_btk, e, dtype=jnp.float32), axis=(0, 1)), axis=0)
-        mean_prob_e = jnp.mean(jax.nn.softmax(logits_bte, axis=-1), axis=(0, 1))
+        mean_prob_e = jnp.mean(probs_bte, axis=(0, 1))
         return e * jnp.sum(copies_per_token_e * mean_prob_e)
 
     def expert_mlp(self, h, contract: str):
@@ -136,7 +192,7 @@ class MoeMlp(nnx.Module):
         if not batch or sizes.get("sequence", 1) > 1 or x_btd.shape[0] % shards or e % ep:
             return self._dropless(x_btd, experts_btk, weights_btk, self._expert_weights()), jnp.zeros((), jnp.float32)
         tp = sizes.get("tensor", 1)
-        tensor = "tensor" if tp > 1 and self.cfg.mlp_dim % tp == 0 else None
+        tensor = "tensor" if tp > 1 and self.cfg.expert_mlp_dim % tp == 0 else None
         experts = "expert" if ep > 1 else None
         rows = P(batch if len(batch) > 1 else batch[0], None, None)
         wi_spec, wo_spec = P(experts, None, tensor), P(experts, tensor, None)

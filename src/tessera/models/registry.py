@@ -5,6 +5,7 @@ and model files under configs/models/."""
 from __future__ import annotations
 
 from tessera.models.blocks import Block
+from tessera.models.deepseek import DeepseekBlock
 from tessera.models.gemma import Gemma2Block, Gemma3Block, GemmaBlock
 from tessera.models.gpt3 import Gpt3Block
 from tessera.models.llama import LlamaBlock, MistralBlock
@@ -21,4 +22,5 @@ BLOCKS: dict[str, type[Block]] = {
     "qwen3": Qwen3Block,
     "qwen3_moe": Qwen3MoeBlock,
     "gemma3": Gemma3Block,
+    "deepseek": DeepseekBlock,
 }

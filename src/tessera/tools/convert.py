@@ -22,6 +22,8 @@ directory; a checkpoint may also be a gs:// URL.
 from __future__ import annotations
 
 import json
+import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -32,6 +34,8 @@ from tessera.config import Config, ConfigError
 from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_path, split_overrides, take_options
 from tessera.tools.estimate import load_model_config
 from tessera.tools.hf_layouts import as_overrides, config_from_hf, layout_for
+
+log = logging.getLogger(__name__)
 
 USAGE = (
     "python3 -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=<name> [key=value ...]\n"
@@ -88,6 +92,7 @@ def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
             used.update(names)
             for path, value in zip(rule.ours, values):
                 arrays.put(prefix + path, index, value)
+        used.update(_mtp_tensors(reader.names, m))
         _check_all_used(reader.names, used, m.logits_via_embedding)
         arrays.check_complete()
         hf_checkpoint.save_params(out_dir, arrays.tree())
@@ -95,6 +100,17 @@ def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
         arrays.close()
         shutil.rmtree(scratch, ignore_errors=True)
     return out_dir
+
+
+def _mtp_tensors(names, m) -> list[str]:
+    """DeepSeek-V3's multi-token-prediction layers (stored after the last decoder layer), which
+    Tessera does not build: left out of the conversion, with a log line."""
+    if m.decoder_block != "deepseek":
+        return []
+    mtp = [n for n in names if (hit := re.match(r"model\.layers\.(\d+)\.", n)) and int(hit.group(1)) >= m.num_decoder_layers]
+    if mtp:
+        log.info("left out %d tensors of DeepSeek's multi-token-prediction layers (not built by Tessera)", len(mtp))
+    return mtp
 
 
 def _check_all_used(names, used: set[str], tied: bool) -> None:

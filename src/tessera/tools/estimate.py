@@ -45,7 +45,7 @@ from tessera.config import Config, ConfigError, ModelConfig, build_config, load_
 from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout
 from tessera.config.schema import all_fields
 from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
-from tessera.metrics import training_flops_per_step
+from tessera.metrics import mla_matmul_params, training_flops_per_step
 from tessera.tools.cli import config_epilog
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -56,26 +56,41 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class ParamCounts:
     total: int
     active: int
-    per_layer: int  # all experts included
+    per_layer: int  # all experts included (deepseek: an expert layer's)
     per_expert_mlp: int
+    layers_total: int = 0  # every decoder layer's parameters (deepseek's dense layers included)
+    expert_layers: int = 0  # layers with experts
 
 
 def count_params(m: ModelConfig) -> ParamCounts:
-    """Parameter counts of the model `m` describes, equal to the built model's (tested per family)."""
+    """Parameter counts of the model `m` describes, equal to the built model's (tested per family).
+    For deepseek, `per_layer` is an expert layer's; its dense layers are counted apart."""
     d, n, k, h = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim
     biased, layer_norm = m.decoder_block == "gpt3", m.decoder_block == "gpt3"
-    attention = d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + d if biased else 0)
-    expert_mlp = d * m.mlp_dim * (len(m.mlp_activations) + 1) + ((len(m.mlp_activations) * m.mlp_dim + d) if biased else 0)
-    router = d * m.num_experts if m.num_experts > 1 else 0
+    attention = mla_params(m) if m.decoder_block == "deepseek" else \
+        d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + d if biased else 0)
+    gated = len(m.mlp_activations) + 1
+    f = m.expert_mlp_dim
+    expert_mlp = d * f * gated + ((len(m.mlp_activations) * f + d) if biased else 0)
+    router = d * m.num_experts + (m.num_experts if m.routed_bias else 0) if m.num_experts > 1 else 0
+    shared = d * f * m.shared_experts * gated
     norm = 2 * d if layer_norm else d
     norms = norm * (4 if m.decoder_block in ("gemma2", "gemma3") else 2)
     norms += 2 * h if m.decoder_block in ("qwen3", "qwen3_moe", "gemma3") else 0  # per-head q and k norms
     positions = m.trainable_position_size * d if m.decoder_block == "gpt3" else 0
     embeddings = d * m.vocab_size * (1 if m.logits_via_embedding else 2) + norm + positions  # + final norm
-    per_layer = attention + m.num_experts * expert_mlp + router + norms
-    active_layer = attention + min(m.num_experts_per_tok, m.num_experts) * expert_mlp + norms
-    layers = m.num_decoder_layers
-    return ParamCounts(layers * per_layer + embeddings, layers * active_layer + embeddings, per_layer, expert_mlp)
+    per_layer = attention + m.num_experts * expert_mlp + shared + router + norms
+    active_layer = attention + min(m.num_experts_per_tok, m.num_experts) * expert_mlp + shared + norms
+    dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
+    dense_total = dense * (attention + d * m.mlp_dim * gated + norms)
+    layers = m.num_decoder_layers - dense
+    return ParamCounts(layers * per_layer + dense_total + embeddings, layers * active_layer + dense_total + embeddings,
+                       per_layer, expert_mlp, layers * per_layer + dense_total, layers if m.num_experts > 1 else 0)
+
+
+def mla_params(m: ModelConfig) -> int:
+    """Multi-head latent attention's weights (tessera.models.mla), its latent norms included."""
+    return mla_matmul_params(m) + m.kv_lora_rank + m.q_lora_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +183,12 @@ class Memory:
 def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fused_attention: bool) -> Memory:
     w = DTYPE_BYTES[cfg.model.weight_dtype]
     m = cfg.model
-    experts = m.num_decoder_layers * m.num_experts * counts.per_expert_mlp if m.num_experts > 1 else 0
+    experts = counts.expert_layers * m.num_experts * counts.per_expert_mlp
     layer_norms, final_norm = 2 * m.num_decoder_layers * m.emb_dim, m.emb_dim  # replicated: too small to shard
     dense_shards = mesh["fsdp"] * mesh["sequence"] * mesh["tensor"]
     stage = mesh["stage"]  # pipeline stages split the layers (not the embeddings)
-    dense_layers = m.num_decoder_layers * counts.per_layer - experts - layer_norms
-    other = counts.total - m.num_decoder_layers * counts.per_layer - final_norm
+    dense_layers = counts.layers_total - experts - layer_norms
+    other = counts.total - counts.layers_total - final_norm
     sharded = (other + dense_layers / stage) / dense_shards + experts / (dense_shards * mesh["expert"] * stage)
     params = (sharded + layer_norms / stage + final_norm) * w
     gathered = 0.0

@@ -76,8 +76,8 @@ def param_targets(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
 def expand(layout: Layout, num_layers: int, scanned: bool) -> list[tuple[Rule, str, int | None, Any]]:
     """(rule, our path prefix, stacked index, hf-name formatter) jobs, rule by rule over layers."""
     jobs: list[tuple[Rule, str, int | None, Any]] = [(r, "", None, lambda n: n) for r in layout.model_rules]
-    for rule in layout.layer_rules:
-        for i in range(num_layers):
+    for i in range(num_layers):
+        for rule in layout.rules_for(i):
             prefix, index = layout.layer_prefix(i, scanned)
             jobs.append((rule, prefix, index, lambda n, i=i: layout.hf_layer.format(i=i) + n))
     return jobs
@@ -223,6 +223,8 @@ class ShardWriter:
 def hf_config(m: ModelConfig) -> dict[str, Any]:
     """A transformers `config.json` for the model `m` describes (inverse of config_from_hf)."""
     model_type = {v: k for k, v in HF_MODEL_TYPES.items()}[m.decoder_block]
+    if model_type == "deepseek_v3":
+        return _deepseek_config(m)
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[model_type]
@@ -272,3 +274,28 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
                                  for i in range(m.num_decoder_layers)]
     return config
 
+
+
+def _deepseek_config(m: ModelConfig) -> dict[str, Any]:
+    """config.json of a deepseek model (DeepSeek-V3's keys; rotary dimensions interleaved, as its checkpoints)."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
+    if m.rope_scaling == "yarn":
+        rope.update(rope_type="yarn", factor=m.rope_scaling_factor, beta_fast=m.beta_fast, beta_slow=m.beta_slow,
+                    mscale=m.mscale, mscale_all_dim=m.mscale,
+                    original_max_position_embeddings=m.rope_original_max_position)
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": m.emb_dim,
+        "intermediate_size": m.mlp_dim, "moe_intermediate_size": m.expert_mlp_dim,
+        "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads,
+        "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
+        "tie_word_embeddings": m.logits_via_embedding, "hidden_act": m.mlp_activations[0],
+        "torch_dtype": "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype,
+        "max_position_embeddings": max(8192, m.rope_original_max_position * int(m.rope_scaling_factor)),
+        "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "n_routed_experts": m.num_experts,
+        "num_experts_per_tok": m.num_experts_per_tok, "n_shared_experts": m.shared_experts,
+        "first_k_dense_replace": m.first_num_dense_layers, "norm_topk_prob": m.norm_topk_prob,
+        "routed_scaling_factor": m.routed_scaling_factor, "n_group": max(m.n_routing_groups, 1),
+        "topk_group": max(m.topk_routing_group, 1), "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+        "rope_interleave": True, "rope_parameters": rope, "num_nextn_predict_layers": 0,
+    }

@@ -71,15 +71,24 @@ class Layout:
     hf_layer: str  # prefix of layer i's tensors, e.g. "model.layers.{i}."
     layers_per_block: int = 1
     num_layers: int = 0  # layers of the model (gemma3: those past the last whole block are the `tail` block's)
+    prefix_layers: int = 0  # deepseek: the first layers are dense, stacked as `dense_layers`
+    prefix_rules: list[Rule] = dataclasses.field(default_factory=list)
+
+    def rules_for(self, i: int) -> list[Rule]:
+        """The tensor rules of Hugging Face layer i."""
+        return self.prefix_rules if i < self.prefix_layers else self.layer_rules
 
     def layer_prefix(self, i: int, scanned: bool) -> tuple[str, int | None]:
         """(our path prefix, index in the stacked axis or None) of Hugging Face layer i."""
+        if i < self.prefix_layers:
+            return ("dense_layers/", i) if scanned else (f"dense_layers_{i}/", None)
+        i -= self.prefix_layers
         block, sub = divmod(i, self.layers_per_block)
         if self.layers_per_block == 2:
             inner = ("local_layer/", "global_layer/")[sub]
         else:
             inner = f"layer_{sub}/" if self.layers_per_block > 1 else ""
-        if self.layers_per_block > 1 and block == self.num_layers // self.layers_per_block:
+        if self.layers_per_block > 1 and block == (self.num_layers - self.prefix_layers) // self.layers_per_block:
             return "tail/" + inner, None
         return ("layers/" + inner, block) if scanned else (f"layers_{block}/" + inner, None)
 
@@ -155,19 +164,80 @@ def _gpt2(m: ModelConfig) -> Layout:
     return Layout(model, layer, "transformer.h.{i}.")
 
 
+def _rope_order(hr: int) -> np.ndarray:
+    """Our rotary dimension j holds DeepSeek's interleaved dimension order[j]: evens, then odds."""
+    return np.concatenate([np.arange(0, hr, 2), np.arange(1, hr, 2)])
+
+
+def _rope_last(w: np.ndarray, hr: int, inverse: bool = False) -> np.ndarray:
+    """w with the last `hr` entries of its last axis reordered (`_rope_order`), or put back."""
+    order = _rope_order(hr)
+    if inverse:
+        order = np.argsort(order)
+    return np.concatenate([w[..., :-hr], w[..., -hr:][..., order]], axis=-1)
+
+
+def _mla_linear(ours: str, hf: str, shape: tuple[int, ...], hr: int) -> Rule:
+    """A torch Linear [out, in] whose outputs end (per head, or in all) in interleaved rotary dims."""
+    return Rule((ours,), (hf,), lambda w: (_rope_last(np.ascontiguousarray(w.T).reshape(shape), hr),),
+                lambda w: (np.ascontiguousarray(_rope_last(w, hr, inverse=True).reshape(shape[0], -1).T),))
+
+
+def _deepseek(m: ModelConfig) -> Layout:
+    d, n, f = m.emb_dim, m.num_query_heads, m.expert_mlp_dim
+    hn, hr, hv, r, rq = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.q_lora_rank
+    model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
+    if not m.logits_via_embedding:
+        model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
+    if rq:
+        query = [linear("attention/wq_a_dr", "self_attn.q_a_proj.weight", (d, rq)),
+                 same("attention/q_norm/scale", "self_attn.q_a_layernorm.weight"),
+                 _mla_linear("attention/wq_b_rnh", "self_attn.q_b_proj.weight", (rq, n, hn + hr), hr)]
+    else:
+        query = [_mla_linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, hn + hr), hr)]
+    common = query + [
+        _mla_linear("attention/wkv_a_dr", "self_attn.kv_a_proj_with_mqa.weight", (d, r + hr), hr),
+        same("attention/kv_norm/scale", "self_attn.kv_a_layernorm.weight"),
+        linear("attention/wkv_b_rnh", "self_attn.kv_b_proj.weight", (r, n, hn + hv)),
+        linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, hv, d)),
+        same("pre_attention_norm/scale", "input_layernorm.weight"),
+        same("pre_mlp_norm/scale", "post_attention_layernorm.weight"),
+    ]
+    dense = common + [linear("mlp/wi_0", "mlp.gate_proj.weight", (d, m.mlp_dim)),
+                      linear("mlp/wi_1", "mlp.up_proj.weight", (d, m.mlp_dim)),
+                      linear("mlp/wo_fd", "mlp.down_proj.weight", (m.mlp_dim, d))]
+    moe = common + [
+        linear("mlp/router_de", "mlp.gate.weight", (d, m.num_experts)),
+        experts("mlp/wi_0", "mlp.experts.{e}.gate_proj.weight", m, (d, f)),
+        experts("mlp/wi_1", "mlp.experts.{e}.up_proj.weight", m, (d, f)),
+        experts("mlp/wo_efd", "mlp.experts.{e}.down_proj.weight", m, (f, d)),
+    ]
+    if m.routed_bias:
+        moe.append(same("mlp/routed_bias_e", "mlp.gate.e_score_correction_bias"))
+    if m.shared_experts:
+        fs = m.shared_experts * f
+        moe += [linear("mlp/shared/wi_0", "mlp.shared_experts.gate_proj.weight", (d, fs)),
+                linear("mlp/shared/wi_1", "mlp.shared_experts.up_proj.weight", (d, fs)),
+                linear("mlp/shared/wo_fd", "mlp.shared_experts.down_proj.weight", (fs, d))]
+    return Layout(model, moe, "model.layers.{i}.", 1, m.num_decoder_layers, m.first_num_dense_layers, dense)
+
+
 def layout_for(m: ModelConfig) -> Layout:
     """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
     if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gemma3"):
         return _llama_like(m, m.decoder_block)
     if m.decoder_block == "gpt3":
         return _gpt2(m)
+    if m.decoder_block == "deepseek":
+        return _deepseek(m)
     raise ConfigError(f"decoder_block={m.decoder_block} has no Hugging Face layout")
 
 
 # --------------------------------------------------------------------------- config.json
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
-                  "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3"}
+                  "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
+                  "deepseek_v3": "deepseek"}
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
@@ -178,6 +248,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
     if kind == "gpt2":
         return _gpt2_keys(hf)
+    if kind == "deepseek_v3":
+        return _deepseek_keys(hf)
     heads = hf["num_attention_heads"]
     keys = {
         "decoder_block": HF_MODEL_TYPES[kind], "global_parameter_scale": 1, "base_emb_dim": hf["hidden_size"],
@@ -240,6 +312,48 @@ def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(rope_scaling="linear", rope_scaling_factor=float(glob["factor"]))
     elif kind != "default":
         raise ConfigError(f"Gemma 3 global layers with rope_type={kind!r} are not supported (default and linear are)")
+    return keys
+
+
+def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    heads = hf["num_attention_heads"]
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError("this DeepSeek checkpoint routes with scoring_func/topk_method other than DeepSeek-V3's "
+                          "sigmoid / noaux_tc, which is what Tessera's deepseek builds")
+    keys = {
+        "decoder_block": "deepseek", "global_parameter_scale": 1, "base_emb_dim": hf["hidden_size"],
+        "base_num_query_heads": heads, "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], "base_mlp_dim": hf["intermediate_size"],
+        "base_moe_mlp_dim": hf["moe_intermediate_size"], "base_num_decoder_layers": hf["num_hidden_layers"],
+        "vocab_size": hf["vocab_size"], "normalization_layer_epsilon": hf["rms_norm_eps"],
+        "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
+        "mlp_activations": [_activation(hf.get("hidden_act") or "silu"), "linear"], "sliding_window_size": 0,
+        "q_lora_rank": hf.get("q_lora_rank") or 0, "kv_lora_rank": hf["kv_lora_rank"],
+        "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
+        "v_head_dim": hf["v_head_dim"], "num_experts": hf["n_routed_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"], "shared_experts": hf.get("n_shared_experts") or 0,
+        "first_num_dense_layers": hf.get("first_k_dense_replace", 0), "norm_topk_prob": bool(hf.get("norm_topk_prob")),
+        "routed_score_func": "sigmoid", "routed_bias": True,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "n_routing_groups": hf["n_group"] if (hf.get("n_group") or 1) > 1 else -1,
+        "topk_routing_group": hf["topk_group"] if (hf.get("n_group") or 1) > 1 else -1,
+    }
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    keys["rope_max_timescale"] = int(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "yarn":
+        mscale, all_dims = params.get("mscale") or 0, params.get("mscale_all_dim") or 0
+        if mscale != all_dims or not mscale:
+            raise ConfigError(f"this checkpoint's YaRN has mscale={mscale} and mscale_all_dim={all_dims}; Tessera's "
+                              "deepseek supports DeepSeek-V3's equal, non-zero pair (rotary scale 1)")
+        keys.update(rope_scaling="yarn", rope_scaling_factor=float(params["factor"]),
+                    rope_original_max_position=int(params["original_max_position_embeddings"]),
+                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                    mscale=float(mscale))
+    elif kind == "default":
+        keys["rope_scaling"] = "none"
+    else:
+        raise ConfigError(f"DeepSeek rope_type {kind!r} is not supported (default and yarn are)")
     return keys
 
 

@@ -41,7 +41,8 @@ VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, MAX_POS = 97, 24, 4, 2, 8
 INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
-FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3")
+FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3",
+            "deepseek")
 
 
 def _decoder_kwargs(**overrides) -> dict:
@@ -101,6 +102,21 @@ def _config(family: str):
             sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
+    if family == "deepseek":
+        # MLA (query rank 20, latent 12, per head 6 + 16 rotary query/key and 10 value dims); YaRN x4 over an
+        # original context of 1024, where the 8 rotary frequencies fall in all three of YaRN's regimes (index 0
+        # kept, 1..5 mixed, 6..7 divided); 1 dense layer, then 2 layers of 8 experts in 4 groups (2 allowed
+        # per token, 3 experts chosen) plus a shared expert
+        kwargs = _decoder_kwargs(
+            num_hidden_layers=3, num_key_value_heads=HEADS, rms_norm_eps=1e-6, moe_intermediate_size=12,
+            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
+            routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True, q_lora_rank=20,
+            kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=16, v_head_dim=10, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0})
+        del kwargs["head_dim"]
+        return t.DeepseekV3ForCausalLM, t.DeepseekV3Config(**kwargs)
     if family == "gpt2":
         return t.GPT2LMHeadModel, t.GPT2Config(
             vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
@@ -122,6 +138,9 @@ def make_tiny(family: str, out_dir: Path, seed: int, max_shard_size: str | None)
     with torch.no_grad():
         for param in model.parameters():  # tied weights appear once
             param.add_(NOISE_STD * torch.randn(param.shape, generator=noise, dtype=param.dtype))
+        for name, buffer in model.named_buffers():  # DeepSeek's routing biases are buffers (zero at init)
+            if name.endswith("e_score_correction_bias"):
+                buffer.add_(NOISE_STD * torch.randn(buffer.shape, generator=noise, dtype=buffer.dtype))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(out_dir, safe_serialization=True, **save_kwargs)

@@ -1,0 +1,109 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2, DeepSeek-V3), used by `decoder_block=deepseek`.
+
+Keys and values of every head come from one compressed latent per token: x [B, T, D] ->
+latent [B, T, R] (`kv_lora_rank`, RMS-normalized) -> per head a key part without positions
+[Hn] (`qk_nope_head_dim`) and a value [Hv] (`v_head_dim`). A second, small projection of x
+gives one rotary key part [Hr] (`qk_rope_head_dim`) that all heads share. Queries are
+[Hn + Hr] per head, from x directly or through a low-rank bottleneck of `q_lora_rank`
+(RMS-normalized). Scores are q . [k_nope, k_rope] scaled by (Hn + Hr)^-0.5, times YaRN's
+(0.1 mscale ln(factor) + 1)^2 with rope_scaling=yarn.
+
+Decoding caches what MLA is designed to cache: the normalized latent [R] and the rotated
+shared key part [Hr] per token (576 numbers per token and layer in DeepSeek-V3, against
+2 x 128 heads x 192 for the expanded keys and values). They go in the `KVCache`'s two
+arrays (keys: the latent, values: the rotary part, one "head" each); each step expands the
+cached latents through the up-projection again.
+
+Where it differs from the reference (Hugging Face `DeepseekV3Attention`, which the parity
+tests compare against): DeepSeek's checkpoints store the rotary dimensions interleaved in
+pairs and rotate each pair (`rope_interleave`); we rotate the two halves, so the converter
+reorders the rotary output columns of the query and latent projections (even dimensions
+first, then odd), which makes the rotated vectors, and so the scores, the same. A fused
+kernel (splash, cuDNN) gets the values padded with zeros to the query/key width and its
+output cut back; the decode path expands cached latents instead of absorbing the
+up-projection into the queries (the same numbers, more work per step).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from tessera.config import ModelConfig
+from tessera.mesh import shard_logically
+from tessera.models.attention import Attention, masked_attention, rope_frequencies_of
+from tessera.models.kv_cache import KVCache
+from tessera.models.layers import RMSNorm, fan_in_std, param, project, rotary, yarn_score_scale
+
+
+class MlaAttention(Attention):
+    """Multi-head latent attention; `Attention`'s kernels and output projection."""
+
+    def __init__(self, cfg: ModelConfig, kernel: str, rngs: nnx.Rngs):
+        d, n, wdtype = cfg.emb_dim, cfg.num_query_heads, cfg.weight_dtype
+        hn, hr, hv, r, rq = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+        norm_args = (cfg.normalization_layer_epsilon, cfg.dtype, wdtype, rngs)
+        if rq:
+            self.wq_a_dr = param(rngs, (d, rq), ("embed", None), wdtype, fan_in_std(d))
+            self.q_norm = RMSNorm(rq, *norm_args)
+            self.wq_b_rnh = param(rngs, (rq, n, hn + hr), (None, "heads", "head_dim"), wdtype, fan_in_std(rq))
+        else:
+            self.wq_dnh = param(rngs, (d, n, hn + hr), ("embed", "heads", "head_dim"), wdtype, fan_in_std(d))
+        self.wkv_a_dr = param(rngs, (d, r + hr), ("embed", None), wdtype, fan_in_std(d))
+        self.kv_norm = RMSNorm(r, *norm_args)
+        self.wkv_b_rnh = param(rngs, (r, n, hn + hv), (None, "heads", "head_dim"), wdtype, fan_in_std(r))
+        self.wo_nhd = param(rngs, (n, hv, d), ("heads", "head_dim", "embed"), wdtype, fan_in_std(n * hv))
+        self.rope_inv_freq = tuple(float(f) for f in rope_frequencies_of(cfg, rotary_dim=hr))
+        score_scale = yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale) if cfg.rope_scaling == "yarn" else 1.0
+        self.scale = (hn + hr) ** -0.5 * score_scale
+        self.kernel, self.dtype, self.fused, self.use_bias, self.qk_norm = kernel, cfg.dtype, False, False, False
+        self.logits_soft_cap, self.window, self.cfg = 0.0, 0, cfg
+        self.dims = (hn, hr, hv, r)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, packed: bool, kv_cache: KVCache | None = None):
+        """(output [B, T, D], kv_cache): as `Attention.__call__`, caching the latent and rotary key."""
+        hn, hr, hv, r = self.dims
+        w = lambda p: p[...].astype(self.dtype)  # noqa: E731
+        quant = self.cfg.quantization
+        inv_freq = np.asarray(self.rope_inv_freq, np.float32)
+        if hasattr(self, "wq_a_dr"):
+            q = project("btr,rnh->btnh", self.q_norm(project("btd,dr->btr", x_btd, w(self.wq_a_dr), quantization=quant)),
+                        w(self.wq_b_rnh), quantization=quant)
+        else:
+            q = project("btd,dnh->btnh", x_btd, w(self.wq_dnh), quantization=quant)
+        q = jnp.concatenate([q[..., :hn], rotary(q[..., hn:], positions_bt, inv_freq)], axis=-1)
+        q = shard_logically(checkpoint_name(q, "query_proj"), ("batch", "length", "act_heads", None))
+        kv = project("btd,dr->btr", x_btd, w(self.wkv_a_dr), quantization=quant)
+        latent_btr = self.kv_norm(kv[..., :r])
+        k_rope_bth = rotary(kv[..., None, r:], positions_bt, inv_freq)[:, :, 0]
+        if kv_cache is not None:
+            kv_cache = kv_cache.write(latent_btr[:, :, None], k_rope_bth[:, :, None], positions_bt, segment_ids_bt)
+            latent_btr, k_rope_bth = kv_cache.keys(q.dtype)[:, :, 0], kv_cache.values(q.dtype)[:, :, 0]
+        k, v = self.expand(latent_btr, k_rope_bth)
+        if kv_cache is not None:
+            ctx = masked_attention(q, k, v, kv_cache.mask(positions_bt, segment_ids_bt, 0), scale=self.scale)
+        else:
+            ctx = self.attend(q, k, v, segment_ids_bt, packed)
+        return self.output(ctx), kv_cache
+
+    def expand(self, latent_bsr, k_rope_bsh):
+        """Keys [B, S, N, Hn + Hr] and values [B, S, N, Hv] of every head from the latents."""
+        hn = self.dims[0]
+        kv = project("bsr,rnh->bsnh", latent_bsr, self.wkv_b_rnh[...].astype(self.dtype),
+                     quantization=self.cfg.quantization)
+        k_rope = jnp.broadcast_to(k_rope_bsh[:, :, None, :], (*kv.shape[:3], k_rope_bsh.shape[-1]))
+        k = jnp.concatenate([kv[..., :hn], k_rope.astype(kv.dtype)], axis=-1)
+        k = shard_logically(checkpoint_name(k, "key_proj"), ("batch", "length", "act_heads", None))
+        v = shard_logically(checkpoint_name(kv[..., hn:], "value_proj"), ("batch", "length", "act_heads", None))
+        return k, v
+
+    def attend(self, q, k, v, segment_ids_bt, packed: bool):
+        """The chosen kernel; a fused one gets values padded to the query/key width (zeros) and
+        its output cut back to the value width."""
+        width, hv = q.shape[-1], v.shape[-1]
+        if self.kernel == "dot_product" or hv == width:
+            return super().attend(q, k, v, segment_ids_bt, packed)
+        padded = jnp.pad(v, [(0, 0)] * 3 + [(0, width - hv)])
+        return super().attend(q, k, padded, segment_ids_bt, packed)[..., :hv]
