@@ -181,6 +181,9 @@ def test_deepseek_expert_parallel_gives_the_same_losses_as_one_device(tmp_path):
         a, b = np.array([r[key] for r in one]), np.array([r[key] for r in ep])
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
     assert not any(k.startswith("per_layer") for k in one[0])  # the loads move the biases; they are not logged
+    assert all(r["moe_max_expert_load"] >= 1.0 for r in one) and "busiest expert" in format_record(one[0])
+    np.testing.assert_allclose([r["moe_max_expert_load"] for r in ep], [r["moe_max_expert_load"] for r in one],
+                               rtol=1e-5)
 
 
 def test_routed_bias_moves_towards_balance_after_each_step():

@@ -148,6 +148,8 @@ def format_record(r: dict[str, Any]) -> str:
     moe = ""
     if "moe_dropped_fraction" in r:
         moe = f" | router loss {r['moe_load_balance_loss']:.3f} | dropped {100 * r['moe_dropped_fraction']:.1f}% tokens"
+    if "moe_max_expert_load" in r:  # routed_bias: the balancing the bias updates aim at
+        moe += f" | busiest expert {r['moe_max_expert_load']:.2f}x its share"
     return (
         f"step {r['step']:>5} | loss {r['loss']:.4f} | {r['step_seconds']:.3f} s | "
         f"{r['tflops_per_sec_per_device']:.2f} TFLOP/s/dev | {r['tokens_per_sec_per_device']:,.0f} tok/s/dev | {mfu}"

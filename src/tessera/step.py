@@ -234,6 +234,8 @@ def make_train_step(trainer: Trainer, seed: int):
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
         stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]), "tokens": count,
                  "finite": finite, **jax.tree.map(jnp.mean, auxes)}
+        if loads is not None:  # how far the most loaded expert is above its fair share (1: balanced), layer mean
+            stats["moe_max_expert_load"] = jnp.mean(jnp.max(loads, axis=-1))
         return new_state, stats
 
     return step_fn

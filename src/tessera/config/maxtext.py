@@ -30,6 +30,8 @@ log = logging.getLogger("tessera")
 ALIASES = {
     "ici_context_parallelism": ("ici_sequence_parallelism", "MaxText's"),
     "dcn_context_parallelism": ("dcn_sequence_parallelism", "MaxText's"),
+    "rope_factor": ("rope_scaling_factor", "MaxText's (rope_type=yarn models)"),
+    "original_max_position_embeddings": ("rope_original_max_position", "MaxText's"),
     "sequence_length": ("max_target_length", "the GPU validation files'"),
     "micro_batch_size": ("per_device_batch_size", "the GPU validation files'"),
     "tensor_parallelism": ("ici_tensor_parallelism", "the GPU validation files'"),

@@ -48,12 +48,14 @@ class MlaAttention(Attention):
         if rq:
             self.wq_a_dr = param(rngs, (d, rq), ("embed", None), wdtype, fan_in_std(d))
             self.q_norm = RMSNorm(rq, *norm_args)
-            self.wq_b_rnh = param(rngs, (rq, n, hn + hr), (None, "heads", "head_dim"), wdtype, fan_in_std(rq))
+            # the rank axes are split like the embedding (over fsdp): left whole, these two up-projections
+            # would be copied on every fsdp/expert device (0.8B parameters per chip in DeepSeek-V3)
+            self.wq_b_rnh = param(rngs, (rq, n, hn + hr), ("embed", "heads", "head_dim"), wdtype, fan_in_std(rq))
         else:
             self.wq_dnh = param(rngs, (d, n, hn + hr), ("embed", "heads", "head_dim"), wdtype, fan_in_std(d))
         self.wkv_a_dr = param(rngs, (d, r + hr), ("embed", None), wdtype, fan_in_std(d))
         self.kv_norm = RMSNorm(r, *norm_args)
-        self.wkv_b_rnh = param(rngs, (r, n, hn + hv), (None, "heads", "head_dim"), wdtype, fan_in_std(r))
+        self.wkv_b_rnh = param(rngs, (r, n, hn + hv), ("embed", "heads", "head_dim"), wdtype, fan_in_std(r))
         self.wo_nhd = param(rngs, (n, hv, d), ("heads", "head_dim", "embed"), wdtype, fan_in_std(n * hv))
         self.rope_inv_freq = tuple(float(f) for f in rope_frequencies_of(cfg, rotary_dim=hr))
         score_scale = yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale) if cfg.rope_scaling == "yarn" else 1.0
