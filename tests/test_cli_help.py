@@ -24,6 +24,7 @@ ENTRY_POINTS = {
     "tessera.tools.check_logits": ["-m", "tessera.tools.check_logits"],
     "tessera.tools.validate": ["-m", "tessera.tools.validate"],
     "tessera.tools.estimate": ["-m", "tessera.tools.estimate"],
+    "tessera.tools.plan": ["-m", "tessera.tools.plan"],
     "tessera.config": ["-m", "tessera.config"],
     "tessera.doctor": ["-m", "tessera.doctor"],
     "tessera.gpu_tuning": ["-m", "tessera.gpu_tuning"],

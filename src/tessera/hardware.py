@@ -164,3 +164,21 @@ def accelerator_for_device_kind(device_kind: str) -> Accelerator | None:
         if acc.device_kind.lower() == device_kind.lower():
             return acc
     return None
+
+
+# Data-center network (DCN) bandwidth of one device, one way, in bytes/s: what a collective across slices (TPU) or
+# across nodes (GPU) can use per device. The planner (tessera.tools.plan) compares an axis split over DCN with it.
+#   v5e: Google's v5e page: 2 x 100 Gbps NICs per host of 8 chips (6.4 Tbps per 256-chip pod) -> 25 Gbps per chip
+#   v6e: Google's v6e page: 4 x 200 Gbps NICs per host of 8 chips (25.6 Tbps per pod) -> 100 Gbps per chip
+#   v5p: Google's v5p page: "Data center network (DCN) bandwidth per chip: 50 Gbps"
+#   v4: an assumption (no per-chip figure published): v5p's 50 Gbps
+#   tpu7x: an assumption (no per-chip figure published): v6e's 100 Gbps per chip, shared by its two devices
+#   h100, h200: NVIDIA's DGX H100/H200 design: one 400 Gb/s InfiniBand NIC per GPU (a cloud VM may have less:
+#               Google's A3 has 4 x 200 Gbps for 8 GPUs)
+#   a100: NVIDIA's DGX A100 design: one 200 Gb/s HDR InfiniBand NIC per GPU
+DCN_BYTES_PER_S = {
+    "v4": 50e9 / 8, "v5e": 25e9 / 8, "v5p": 50e9 / 8, "v6e": 100e9 / 8, "tpu7x": 100e9 / 8 / 2,
+    "h100": 400e9 / 8, "h200": 400e9 / 8, "a100": 200e9 / 8,
+}
+# GPUs joined by NVLink in one node (HGX/DGX boards of 8); the planner treats nodes as it treats TPU slices
+GPUS_PER_NODE = 8

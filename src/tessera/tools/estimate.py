@@ -22,8 +22,8 @@ hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
 
 Activation memory is an estimate: the tensors each remat policy keeps per layer, plus one
 layer's recomputation and its gradients, plus the logits. Against the compiler's figures for
-our TPU recipes (benchmarks/results/aot_recipes.json) the total ranges from about 15% below
-to 35% above (the overestimates are largest for the 8B-16B models);
+our 28 TPU recipes (benchmarks/results/aot_recipes.json, 2026-11-24) the total ranges from 25%
+below (v5p/512b) to 32% above (v6e/gemma2_27b), 19 of them within 15%;
 `EXECUTABLE=train_compile` gives the exact figure for a TPU topology.
 
 Active parameters count what a token multiplies through: attention, the experts it is routed
@@ -197,8 +197,12 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
         gathered = 2 * counts.per_layer / (mesh["tensor"] * (mesh["expert"] if m.num_experts > 1 else 1)) * a
     policies = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
                 "full", "offload")
-    acts = {p: activation_bytes(cfg, mesh, p, fused_attention) for p in policies}
-    acts.setdefault(m.remat_policy, activation_bytes(cfg, mesh, m.remat_policy, fused_attention))
+    # tessera.mesh splits the residual stream over `tensor` (act_embed) as well as heads and MLP: a
+    # tensor-parallel chip keeps 1/tp of the activations of tp times the sequences, the bytes of a
+    # chip without tensor parallelism
+    act_mesh = {**mesh, "tensor": 1}
+    acts = {p: activation_bytes(cfg, act_mesh, p, fused_attention) for p in policies}
+    acts.setdefault(m.remat_policy, activation_bytes(cfg, act_mesh, m.remat_policy, fused_attention))
     zero1 = mesh["data"] if cfg.optim.shard_optimizer_over_data else 1  # ZeRO-1 splits AdamW's moments over data
     return Memory(params, params, 2 * params / zero1, gathered, acts)
 

@@ -1,0 +1,105 @@
+"""Every TPU recipe next to the plan's choice for the same model, sequence and batch (no compile).
+
+    .venv/bin/python benchmarks/plan_recipes.py            # writes benchmarks/results/plan_recipes.json
+    .venv/bin/python benchmarks/plan_recipes.py v6e v5p/deepseek   # only recipes whose path contains these
+
+For each configs/tpu/*/*.sh the recipe's own training command (its dry run) gives the config.
+The recipe's mesh and remat policy are scored as `tessera.tools.plan` scores a candidate
+(memory from the estimator, each axis' roofline, the estimated MFU); then the plan searches
+every mesh and remat policy at the recipe's tokens per device (a recipe's batch is a training
+choice, so it is held fixed). A row says whether the plan's first choice is the recipe's mesh,
+and if not, both scores. Estimates only: benchmarks/aot_recipes.py gives the compiler's memory.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "src"))
+RESULTS = REPO / "benchmarks" / "results" / "plan_recipes.json"
+MESH_KEYS = ("parallelism", "per_device_batch_size", "remat_policy", "num_pipeline_repeats", "compile_topology")
+
+
+def recipe_args(recipe: Path) -> list[str]:
+    """The key=value arguments of the recipe's train.py command (its dry run)."""
+    out = subprocess.run(["bash", str(recipe), "DRY_RUN=1", "RUN_NAME=plan", "PLATFORM=gke"], capture_output=True,
+                         text=True, cwd="/", timeout=60, check=True).stdout
+    for line in out.splitlines():
+        words = shlex.split(line) if line.strip() and not line.startswith("#") else []
+        if len(words) > 2 and words[1] == "train.py":
+            return [w for w in words[3:] if "=" in w]
+    raise RuntimeError(f"{recipe}: no train.py command in its dry run")
+
+
+def compare(recipe: Path) -> dict:
+    import re
+
+    from tessera.config import load_config
+    from tessera.tools import plan
+    from tessera.tools.estimate import count_params, mesh_sizes, parse_hardware
+
+    text = recipe.read_text()
+    topology = re.search(r"^run_recipe (\S+)", text, re.M).group(1)
+    found = re.search(r"^NUM_SLICES=\$\{NUM_SLICES:-(\d+)\}", text, re.M)
+    hw = parse_hardware(topology, int(found.group(1)) if found else 1)
+    args = recipe_args(recipe)
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *args], env={})
+    tokens = round(cfg.data.per_device_batch_size * cfg.data.max_target_length)
+    sizes = mesh_sizes(cfg, hw)
+    ici = {a: getattr(cfg.mesh, f"ici_{plan.KEY[a]}_parallelism") for a in plan.ICI_AXES}
+    ici = {a: (v if v > 0 else sizes[a] // max(1, getattr(cfg.mesh, f"dcn_{plan.KEY[a]}_parallelism", 1)))
+           for a, v in ici.items()}
+    dcn = {a: getattr(cfg.mesh, f"dcn_{plan.KEY[a]}_parallelism") for a in plan.DCN_AXES}
+    own_mesh = plan.Mesh(ici, {a: max(v, 1) for a, v in dcn.items()})
+    own = [c for c in plan.mesh_candidates(cfg, count_params(cfg.model), hw, own_mesh, [tokens])
+           if c.remat == cfg.model.remat_policy and c.repeats == max(cfg.mesh.num_pipeline_repeats, 1)]
+    if not own:  # a remat policy the plan does not try: score the recipe's mesh with its closest (full)
+        own = [c for c in plan.mesh_candidates(cfg, count_params(cfg.model), hw, own_mesh, [tokens])
+               if c.remat == "full"]
+    ranked = plan.plan(cfg, hw, tokens)
+    best = ranked[0]
+    row = {"recipe": str(recipe.relative_to(REPO)), "hardware": hw.name, "slices": hw.num_slices,
+           "tokens_per_device": tokens, "recipe_mesh": own_mesh.describe(), "recipe_remat": cfg.model.remat_policy,
+           "plan_mesh": plan.describe(best), "plan_remat": best.remat,
+           "same_mesh": best.mesh.sizes == own_mesh.sizes}
+    for name, c in (("recipe", own[0] if own else None), ("plan", best)):
+        if c is not None:
+            b = c.binding
+            row[f"{name}_gib"] = round(c.memory / 2**30, 2)
+            row[f"{name}_fits"] = c.fits
+            row[f"{name}_mfu"] = round(c.mfu, 4)
+            row[f"{name}_binding"] = f"{b.axis} {b.ratio:.2f}x" if b else "none"
+    return row
+
+
+def main(filters: list[str]) -> int:
+    import logging
+    import os
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    logging.basicConfig(level=logging.WARNING)
+    recipes = sorted((REPO / "configs" / "tpu").glob("*/*.sh"))
+    recipes = [r for r in recipes if not filters or any(f in str(r) for f in filters)]
+    rows = []
+    for recipe in recipes:
+        start = time.perf_counter()
+        row = compare(recipe)
+        rows.append(row)
+        print(f"{row['recipe']:<36} recipe {row['recipe_mesh']:<34} {row.get('recipe_gib', '-'):>7} GiB "
+              f"{100 * row.get('recipe_mfu', 0):5.1f}% | plan {row['plan_mesh']:<34} {row['plan_remat']:<20} "
+              f"{row['plan_gib']:>7} GiB {100 * row['plan_mfu']:5.1f}%  ({time.perf_counter() - start:.1f} s)",
+              flush=True)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,712 @@
+"""From a model and a slice to the mesh, remat policy and batch that should train it fastest.
+
+    python3 -m tessera.tools.plan llama3.1-8b max_target_length=2048 --hardware v6e-256
+    python3 -m tessera.tools.plan my_model.yml weight_dtype=bfloat16 --hardware v6e-256 --slices 16 \
+        --tokens-per-device 2048
+    python3 -m tessera.tools.plan llama3.1-70b max_target_length=4096 --hardware h100-64
+    python3 -m tessera.tools.plan llama3.1-8b max_target_length=2048 --hardware v6e-256 --top 2 --compile
+
+Enumerates meshes (data, fsdp, tensor, expert and pipeline ways inside a slice; data, fsdp and
+pipeline ways across slices), remat policies and per-device batches, scores each with the
+estimator (tessera.tools.estimate) and prints the best `--top` of them, ranked, with one or two
+sentences on the winner. `--compile` then AOT-compiles those on the real TPU topology, one at a
+time, moves each one's batch to the largest the compiler fits, and writes a recipe script and a
+JSON report (TPU only).
+
+Enumeration keeps only sizes that split the model evenly: tensor ways divide the query heads,
+the kv heads and mlp_dim; expert ways divide num_experts; fsdp x expert ways divide emb_dim;
+pipeline stages satisfy the trainer's own pipeline layout (`derived.pipeline_layout`), and the
+global batch splits over data x fsdp x expert (`derived.global_batch`). Tensor and expert ways
+stay inside a slice (their collectives run at every layer); sequence parallelism is not tried.
+Pipelines are tried as GPipe and as circular with one layer per group.
+
+Memory per chip is the estimator's (`estimate_memory`).
+
+Each parallel axis is scored with the public TPU sizing guide's arithmetic intensity (FLOPs per
+byte it makes a chip communicate), tokens T per device, sparsity s = experts / experts per token:
+
+    fsdp    T x tensor x expert x stages / s       (the estimator's rooflines)
+    expert  4 x mlp_dim / expert
+    tensor  mlp_dim / tensor
+    stage   a stage's FLOPs per token / the activation bytes it passes on per token
+    data    3 x T x fsdp x tensor x expert x stages / (s x bytes per gradient)   (one all-reduce of the
+            gradient shard per step: 2 x its bytes, against 6 x active parameters x T FLOPs)
+
+against the hardware's: peak FLOP/s / the bandwidth the axis can use. Inside a TPU slice that is
+links x one ICI link's bandwidth. Axes are laid out as nested tiles of the chip grid, innermost
+first (tensor, expert, sequence, fsdp, stage, data: the guide's "8x8 ring of 2x2 subrings" for
+TP=4 on a 16x16 pod); per grid dimension an axis spans it gets 2 links when it closes a ring
+through the slice's wraparound and 1 otherwise. So on v6e-256 a 256-way axis has 4 links
+(2,550 FLOPs/byte), a 16-way axis inside one 16x16 dimension 2 (5,100), as in the guide. This
+layout is the guide's; tessera.mesh takes the device order from jax's mesh_utils, which may
+place axes differently. Across slices an axis uses DCN (`hardware.DCN_BYTES_PER_S` per chip); a
+collective over an axis with i ways inside each slice and d across sends 1/i of its bytes over
+DCN, so its DCN intensity is i x the formula above. GPUs are nodes of `GPUS_PER_NODE` joined by
+NVLink (the port's bandwidth) and a network between nodes; the mesh's axes are placed in
+tessera.mesh's order (expert innermost) and an axis that leaves a node uses the network.
+
+The MFU figure is an estimate, a simple function of three numbers:
+
+    MFU = BASE_MFU x min(1, r) x (1 - bubble) x 3 / (3 + recomputed)
+
+r is the binding axis' intensity over the hardware's (below 1 the step waits for that axis in
+proportion), bubble the pipeline's idle fraction (S-1)/(M*R+S-1), and `recomputed` the share of
+the forward matmul FLOPs the remat policy computes again (1 for full, 0 for none; a forward
+pass is a third of a training step's FLOPs). BASE_MFU (0.6) is an assumed ceiling for a
+compute-bound step; the guide's measured runs reached 26-50%. Ties (every axis compute-bound)
+go to the candidate with more headroom r, then more tokens per device, then less memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator
+
+from tessera.config import Config, ConfigError
+from tessera.config.derived import global_batch, pipeline_layout
+from tessera.hardware import DCN_BYTES_PER_S, GIB, GPUS_PER_NODE, tpu_slice
+from tessera.tools.cli import config_epilog
+from tessera.tools.estimate import (
+    CONFIGS, DTYPE_BYTES, Hardware, ParamCounts, count_params, estimate_memory, load_model_config,
+    parse_hardware, rooflines, sequence_note,
+)
+
+BASE_MFU = 0.6
+REMAT_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "none")
+ICI_AXES = ("data", "stage", "fsdp", "tensor", "expert")
+DCN_AXES = ("data", "stage", "fsdp")
+TILE_ORDER = ("tensor", "expert", "sequence", "fsdp", "stage", "data")  # TPU: innermost tile first
+GPU_ORDER = ("expert", "tensor", "sequence", "fsdp", "stage", "data")  # tessera.mesh's order, innermost first
+KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "tensor": "tensor", "expert": "expert"}
+MAX_GLOBAL_TOKENS = 2**24  # 16.8M tokens per step: the largest global batch tried without --tokens-per-device
+
+
+# --------------------------------------------------------------------------- candidates
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+    ici: dict[str, int]  # ways per axis inside a slice (a GPU node)
+    dcn: dict[str, int]  # ways per axis across slices (nodes)
+    gpu: bool = False  # one grid over every GPU (ici and dcn: the parts inside and across nodes)
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        """Each mesh axis' total ways, as estimate.mesh_sizes gives them."""
+        axes = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
+        return {a: self.ici.get(a, 1) * self.dcn.get(a, 1) for a in axes}
+
+    def keys(self) -> list[str]:
+        """key=value overrides that build this mesh (GPUs: one ICI mesh over every GPU, as the GPU recipes)."""
+        if self.gpu:
+            return [f"ici_{KEY[a]}_parallelism={self.sizes[a]}" for a in ICI_AXES] + ["ici_sequence_parallelism=1"]
+        ici = [f"ici_{KEY[a]}_parallelism={self.ici.get(a, 1)}" for a in ICI_AXES] + ["ici_sequence_parallelism=1"]
+        return ici + [f"dcn_{KEY[a]}_parallelism={self.dcn.get(a, 1)}" for a in DCN_AXES]
+
+    def describe(self) -> str:
+        inner = " x ".join(f"{a} {n}" for a, n in self.ici.items() if n > 1) or "one device"
+        outer = " x ".join(f"{a} {n}" for a, n in self.dcn.items() if n > 1)
+        return inner + (f" | {'nodes' if self.gpu else 'dcn'} {outer}" if outer else "")
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """One parallel axis' roofline: its intensity against the hardware's over the link it uses."""
+
+    axis: str
+    ways: int
+    intensity: float  # FLOPs per byte this axis makes a chip communicate over `link`
+    hardware: float  # peak FLOP/s / bytes/s of that link
+    link: str  # "ici x4", "dcn", "nvlink", "network"
+
+    @property
+    def ratio(self) -> float:
+        return self.intensity / self.hardware
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    mesh: Mesh
+    repeats: int  # pipeline repeats (1: GPipe)
+    remat: str
+    per_device_batch: float  # sequences per device (per_device_batch_size)
+    tokens_per_device: int
+    memory: float  # bytes per chip
+    budget: float  # bytes per chip the step may use
+    axes: tuple[Axis, ...]
+    bubble: float
+    mfu: float
+    compiled: bool = False  # memory is the compiler's, not the estimate
+
+    @property
+    def fits(self) -> bool:
+        return self.memory <= self.budget
+
+    @property
+    def binding(self) -> Axis | None:
+        return min(self.axes, key=lambda a: a.ratio) if self.axes else None
+
+    def rank_key(self) -> tuple:
+        return (self.fits, *self.roofline_key())
+
+    def roofline_key(self) -> tuple:
+        """Estimated MFU, then headroom above the roofline, more tokens per device, less memory."""
+        headroom = min(self.binding.ratio, 1e6) if self.binding else 1e6
+        return (round(self.mfu, 4), round(headroom, 3), self.tokens_per_device, -self.memory)
+
+    def tokens_needed(self) -> int:
+        """Tokens per device at which the binding axis reaches its roofline, when it is fsdp or data (their
+        intensity grows with the batch); 0 otherwise."""
+        b = self.binding
+        return math.ceil(self.tokens_per_device / b.ratio) if b and b.axis in ("fsdp", "data") else 0
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def tensor_ok(m, t: int) -> bool:
+    return m.num_query_heads % t == 0 and m.num_kv_heads % t == 0 and m.mlp_dim % t == 0
+
+
+def ici_meshes(cfg: Config, devices: int) -> Iterator[dict[str, int]]:
+    """Every split of one slice's devices over ICI_AXES that keeps the model's dimensions whole."""
+    m = cfg.model
+    experts = m.num_experts if m.num_experts > 1 else 1
+    for t in (t for t in divisors(devices) if tensor_ok(m, t)):
+        for e in (e for e in divisors(devices // t) if experts % e == 0):
+            for s in (s for s in divisors(devices // (t * e)) if m.num_decoder_layers % s == 0):
+                rest = devices // (t * e * s)
+                for f in divisors(rest):
+                    yield {"data": rest // f, "stage": s, "fsdp": f, "tensor": t, "expert": e}
+
+
+def dcn_meshes(slices: int) -> Iterator[dict[str, int]]:
+    for d, s in itertools.product(divisors(slices), repeat=2):
+        if slices % (d * s) == 0:
+            yield {"data": d, "stage": s, "fsdp": slices // (d * s)}
+
+
+def gpu_split(sizes: dict[str, int]) -> Mesh:
+    """A GPU mesh (one grid in tessera.mesh's order) as the part of each axis inside a node and across nodes."""
+    ici, dcn, inner = {}, {}, 1
+    for axis in GPU_ORDER:
+        n = sizes.get(axis, 1)
+        inside = math.gcd(n, max(1, GPUS_PER_NODE // inner))
+        ici[axis], dcn[axis], inner = inside, n // inside, inner * n
+    return Mesh({a: ici.get(a, 1) for a in ICI_AXES}, {a: dcn.get(a, 1) for a in ICI_AXES}, gpu=True)
+
+
+def meshes(cfg: Config, hw: Hardware) -> Iterator[Mesh]:
+    gpu = hw.accelerator.torus_dims == 0
+    if gpu:  # one grid over every GPU; where each axis runs follows from its place in it
+        for sizes in ici_meshes(cfg, hw.num_devices):
+            yield gpu_split(sizes)
+        return
+    for ici in ici_meshes(cfg, hw.num_devices // hw.num_slices):
+        for dcn in dcn_meshes(hw.num_slices):
+            yield Mesh(ici, dcn)
+
+
+def mesh_config(cfg: Config, mesh: Mesh, repeats: int, per_device_batch: float) -> Config:
+    """`cfg` with this mesh and batch (the sections are copied, `cfg` is left as it was)."""
+    sizes = {**{f"ici_{KEY[a]}_parallelism": mesh.ici.get(a, 1) for a in ICI_AXES},
+             **{f"dcn_{KEY[a]}_parallelism": mesh.dcn.get(a, 1) for a in ICI_AXES}}
+    if mesh.gpu:
+        sizes = {**{k: 1 for k in sizes}, **{f"ici_{KEY[a]}_parallelism": mesh.sizes[a] for a in ICI_AXES}}
+    return dataclasses.replace(
+        cfg, mesh=dataclasses.replace(cfg.mesh, ici_sequence_parallelism=1, dcn_sequence_parallelism=1,
+                                      ici_fsdp_transpose_parallelism=1, dcn_fsdp_transpose_parallelism=1,
+                                      num_pipeline_repeats=repeats, num_layers_per_pipeline_stage=-1, **sizes),
+        data=dataclasses.replace(cfg.data, per_device_batch_size=per_device_batch))
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def ici_links(shape: tuple[int, ...], wraps: bool, ici: dict[str, int]) -> dict[str, int]:
+    """ICI links each axis' collectives use: axes tile the chip grid innermost first (TILE_ORDER);
+    per grid dimension an axis spans, 2 links if it closes a ring through the wraparound, else 1."""
+    remaining, links = list(shape), {}
+    for axis in TILE_ORDER:
+        ways = ici.get(axis, 1)
+        if ways == 1:
+            continue
+        extent = [1] * len(shape)
+        for p in sorted(_prime_factors(ways), reverse=True):
+            free = [d for d in range(len(shape)) if (remaining[d] // extent[d]) % p == 0]
+            if not free:  # does not tile the grid: a ring on a line, one link
+                extent = None
+                break
+            extent[max(free, key=lambda d: remaining[d] // extent[d])] *= p
+        if extent is None:
+            links[axis] = 1
+            continue
+        links[axis] = sum((2 if wraps and e == remaining[d] else 1) for d, e in enumerate(extent) if e > 1)
+        remaining = [r // e for r, e in zip(remaining, extent)]
+    return links
+
+
+def _prime_factors(n: int) -> list[int]:
+    factors, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return factors
+
+
+def axis_intensities(cfg: Config, mesh: dict[str, int], hw: Hardware) -> dict[str, float]:
+    """FLOPs per byte communicated, per axis in use (the formulas of the module docstring)."""
+    m = cfg.model
+    values = {r.axis: r.intensity for r in rooflines(cfg, mesh, hw) if r.size > 1}
+    if mesh["data"] > 1:
+        sparsity = m.num_experts / m.num_experts_per_tok if m.num_experts > 1 else 1.0
+        tokens = cfg.data.per_device_batch_size * cfg.data.max_target_length
+        shards = mesh["fsdp"] * mesh["tensor"] * mesh["expert"] * mesh["stage"]
+        values["data"] = 3 * tokens * shards / (sparsity * DTYPE_BYTES[m.weight_dtype])
+    return values
+
+
+def score_axes(cfg: Config, mesh: Mesh, hw: Hardware) -> tuple[Axis, ...]:
+    """Each axis in use against the link it runs over; the DCN part of an axis on its own line."""
+    acc, gpu = hw.accelerator, hw.accelerator.torus_dims == 0
+    if gpu:
+        links = {a: 1 for a in ICI_AXES}
+    else:
+        s = tpu_slice(hw.name, key="--hardware")
+        links = ici_links(s.shape, s.has_wraparound, mesh.ici)
+    dcn_hw = acc.peak_flops / DCN_BYTES_PER_S[acc.name]
+    lines = []
+    for axis, value in axis_intensities(cfg, mesh.sizes, hw).items():
+        inside, outside = mesh.ici.get(axis, 1), mesh.dcn.get(axis, 1)
+        if inside > 1:
+            bw = links[axis] * acc.link_bytes_per_s
+            lines.append(Axis(axis, inside, value, acc.peak_flops / bw, "nvlink" if gpu else f"ici x{links[axis]}"))
+        if outside > 1:
+            lines.append(Axis(axis, outside, value * inside, dcn_hw, "network" if gpu else "dcn"))
+    return tuple(lines)
+
+
+def recomputed_share(cfg: Config, policy: str) -> float:
+    """Share of a layer's forward matmul FLOPs that `policy` computes again in the backward pass."""
+    m = cfg.model
+    d, h, length = m.emb_dim, m.head_dim, cfg.data.max_target_length
+    qkv = d * (m.num_query_heads + 2 * m.num_kv_heads) * h
+    out = m.num_query_heads * h * d
+    scores = m.num_query_heads * h * length  # causal: half of 2 x T x heads x head_dim per token
+    mlp = d * m.mlp_dim * (len(m.mlp_activations) + 1) * max(1, min(m.num_experts_per_tok, m.num_experts))
+    total = qkv + out + scores + mlp
+    again = {"none": 0.0, "minimal": 0.0, "save_dot_except_mlp": mlp, "save_qkv_proj": total - qkv,
+             "full": total}
+    return again[policy] / total
+
+
+def estimate_mfu(axes: tuple[Axis, ...], bubble: float, recomputed: float) -> float:
+    ratio = min((a.ratio for a in axes), default=1e6)
+    return BASE_MFU * min(1.0, ratio) * (1.0 - bubble) * 3 / (3 + recomputed)
+
+
+def fused_attention(cfg: Config, hw: Hardware) -> bool:
+    """The estimator's rule: cuDNN on GPUs (16-bit), splash on TPUs (flash / autoselected)."""
+    if hw.accelerator.torus_dims == 0:
+        return cfg.model.dtype in ("bfloat16", "float16")
+    return cfg.model.attention in ("flash", "autoselected")
+
+
+# --------------------------------------------------------------------------- search
+
+
+def token_options(cfg: Config, hw: Hardware, tokens_per_device: int) -> list[int]:
+    """Tokens per device to try, ascending: the one asked for, else powers of two times the sequence
+    length from 1/128 of a sequence up to MAX_GLOBAL_TOKENS over all devices."""
+    if tokens_per_device:
+        return [tokens_per_device]
+    length = cfg.data.max_target_length
+    most = max(MAX_GLOBAL_TOKENS // hw.num_devices, length)
+    sizes = (length * 2**i for i in range(-7, 8))
+    return [int(t) for t in sizes if 1 <= t <= most and t == int(t)]
+
+
+def pipeline_repeats(cfg: Config, stages: int) -> list[int]:
+    """GPipe (1 repeat) and circular with one block per group."""
+    return [1] if stages == 1 else sorted({1, max(1, cfg.model.num_decoder_layers // stages)})
+
+
+def layout_or_none(cfg: Config, mesh: Mesh):
+    """(pipeline layout or None) when this batch and mesh are valid for the trainer, else raises ConfigError."""
+    rows = global_batch(cfg.data.per_device_batch_size, 1, mesh.sizes)
+    return pipeline_layout(cfg, mesh.sizes, rows)
+
+
+def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, tokens: list[int]) -> list[Candidate]:
+    """Per remat policy and pipeline schedule: the largest batch that fits (else the smallest tried)."""
+    fused = fused_attention(cfg, hw)
+    budget = hw.accelerator.hbm_bytes * cfg.compile.compile_hbm_budget_fraction
+    found: dict[tuple[int, str], Candidate] = {}
+    for repeats in pipeline_repeats(cfg, mesh.sizes["stage"]):
+        for t in tokens:
+            c = mesh_config(cfg, mesh, repeats, t / cfg.data.max_target_length)
+            try:
+                layout = layout_or_none(c, mesh)
+            except ConfigError:
+                continue
+            mem, axes = estimate_memory(c, counts, mesh.sizes, fused), score_axes(c, mesh, hw)
+            bubble = layout.bubble if layout else 0.0
+            for policy in REMAT_POLICIES:
+                cand = Candidate(mesh, repeats, policy, c.data.per_device_batch_size, t, mem.total(policy), budget,
+                                 axes, bubble, estimate_mfu(axes, bubble, recomputed_share(c, policy)))
+                if cand.fits or (repeats, policy) not in found:
+                    found[(repeats, policy)] = cand
+    return list(found.values())
+
+
+def search(cfg: Config, hw: Hardware, tokens_per_device: int = 0) -> list[Candidate]:
+    """Every mesh's candidates (per remat policy and pipeline schedule), best first (fitting ones before the
+    others, which come smallest first)."""
+    m, counts = cfg.model, count_params(cfg.model)
+    tokens = token_options(cfg, hw, tokens_per_device)
+    found = []
+    for mesh in meshes(cfg, hw):
+        sizes = mesh.sizes
+        if m.emb_dim % (sizes["fsdp"] * sizes["expert"]):
+            continue  # the embedding dimension would not split: those weights would be copied, not sharded
+        found += mesh_candidates(cfg, counts, hw, mesh, tokens)
+    fitting = sorted((c for c in found if c.fits), key=Candidate.rank_key, reverse=True)
+    return fitting + sorted((c for c in found if not c.fits), key=lambda c: c.memory)
+
+
+def plan(cfg: Config, hw: Hardware, tokens_per_device: int = 0) -> list[Candidate]:
+    """The best candidate of each mesh and pipeline schedule, best first; when none fits, smallest first."""
+    return best_per_mesh(search(cfg, hw, tokens_per_device))
+
+
+def best_per_mesh(ranked: list[Candidate]) -> list[Candidate]:
+    seen, out = set(), []
+    for c in ranked:
+        key = (c.mesh.describe(), c.repeats)
+        if key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+# --------------------------------------------------------------------------- output
+
+
+def describe(c: Candidate) -> str:
+    pipe = f", {c.repeats} repeats" if c.repeats > 1 else ""
+    return f"{c.mesh.describe()}{pipe}"
+
+
+def binding_text(c: Candidate) -> str:
+    b = c.binding
+    if b is None:
+        return "none (one device)"
+    return f"{b.axis} {b.intensity:,.0f} / {b.hardware:,.0f} ({b.link})"
+
+
+def table(cands: list[Candidate]) -> str:
+    head = f"{'#':>2}  {'mesh':<52} {'remat':<20} {'batch/dev':>9} {'tokens/dev':>10} {'GiB/chip':>9}  " \
+           f"{'binding axis: intensity / hardware':<38} {'MFU est':>7}"
+    rows = [head]
+    for i, c in enumerate(cands, 1):
+        gib = f"{c.memory / GIB:.2f}" + ("" if c.fits else "!") + ("*" if c.compiled else "")
+        rows.append(f"{i:>2}  {describe(c):<52} {c.remat:<20} {c.per_device_batch:>9g} {c.tokens_per_device:>10,} "
+                    f"{gib:>9}  {binding_text(c):<38} {c.mfu:>6.1%}")
+    return "\n".join(rows)
+
+
+def explain(winner: Candidate, runner_up: Candidate | None) -> str:
+    """One or two sentences: why the winner ranks first."""
+    b = winner.binding
+    if b is None:
+        why = "it needs no communication"
+    elif b.ratio >= 1:
+        why = (f"every axis leaves more FLOPs per byte than its link needs (the closest: {b.axis}, "
+               f"{b.intensity:,.0f} against {b.hardware:,.0f} on {b.link}, {b.ratio:.1f}x)")
+    else:
+        needed = winner.tokens_needed()
+        why = (f"its binding axis, {b.axis}, is the least communication-bound on offer ({b.intensity:,.0f} "
+               f"against {b.hardware:,.0f} FLOPs/byte on {b.link}, {b.ratio:.2f}x"
+               + (f"; compute-bound from {needed:,} tokens per device)" if needed else ")"))
+    bubble = f", a {winner.bubble:.1%} pipeline bubble" if winner.bubble else ""
+    first = (f"{describe(winner)} with remat_policy={winner.remat} at {winner.tokens_per_device:,} tokens per device "
+             f"ranks first: {why}{bubble}, and it needs {winner.memory / GIB:.1f} of {winner.budget / GIB:.1f} GiB "
+             f"per chip.")
+    if runner_up is None:
+        return first
+    return first + f" Next: {describe(runner_up)} ({runner_up.remat}), {_lost(winner, runner_up)}."
+
+
+def _lost(w: Candidate, r: Candidate) -> str:
+    if not r.fits:
+        return f"which needs {r.memory / GIB:.1f} GiB per chip"
+    if round(r.mfu, 4) < round(w.mfu, 4):
+        rb = r.binding
+        reason = f"binding axis {rb.axis} at {rb.ratio:.2f}x" if rb and rb.ratio < 1 else \
+            f"remat {r.remat}" if r.remat != w.remat else f"bubble {r.bubble:.1%}" if r.bubble else "its remat"
+        return f"estimated {r.mfu:.1%} MFU ({reason})"
+    if r.binding and w.binding and round(r.binding.ratio, 3) < round(w.binding.ratio, 3):
+        return f"same estimate but less headroom ({r.binding.axis} at {r.binding.ratio:.2f}x)"
+    if r.tokens_per_device < w.tokens_per_device:
+        return f"same estimate at a smaller batch ({r.tokens_per_device:,} tokens per device)"
+    return f"same estimate with more memory ({r.memory / GIB:.1f} GiB)"
+
+
+def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_per_device: int) -> str:
+    """By how much the smallest candidate misses the budget and what would make it fit."""
+    small = ranked[0]  # the smallest of all, when none fits
+    ideal = max(ranked, key=Candidate.roofline_key)
+    c = mesh_config(cfg, small.mesh, small.repeats, small.per_device_batch)
+    mem = estimate_memory(c, count_params(c.model), small.mesh.sizes, fused_attention(c, hw))
+    state = mem.params + mem.grads + mem.optimizer + mem.gathered_layer
+    acts = small.memory - state
+    more = 2 ** math.ceil(math.log2(max(2.0, state / max(small.budget - acts, small.budget * 0.05))))
+    hints = [f"more chips: the {state / GIB:.1f} GiB of parameters, gradients, AdamW state and gathered layer "
+             f"shrink with the chips they are split over; about {more}x the chips (--slices {more * hw.num_slices})"]
+    if c.model.weight_dtype == "float32":
+        saved = (mem.params + mem.grads + mem.optimizer) / 2
+        hints.append(f"weight_dtype=bfloat16: halves parameters, gradients and AdamW state "
+                     f"({saved / GIB:.1f} GiB less)")
+    hints.append(f"offload: the {acts / GIB:.1f} GiB of activations to host memory (remat_policy=custom "
+                 "decoder_layer_input=offload), or the optimizer state (not modelled here)")
+    if tokens_per_device:
+        hints.append(f"fewer tokens per device than {tokens_per_device:,}")
+    hints.append(f"with the memory, the rooflines' choice: {describe(ideal)}, remat {ideal.remat} "
+                 f"({ideal.mfu:.1%} MFU estimated, binding {binding_text(ideal)}, "
+                 f"{ideal.memory / GIB:.1f} GiB per chip)")
+    return (f"{c.model.model_name} does not fit on {hw.name} x{hw.num_slices} at any mesh tried: the smallest "
+            f"needs {small.memory / GIB:.1f} GiB per chip ({describe(small)}, remat {small.remat}, "
+            f"{small.tokens_per_device:,} tokens per device), {(small.memory - small.budget) / GIB:.1f} GiB over the "
+            f"budget of {small.budget / GIB:.1f} GiB ({cfg.compile.compile_hbm_budget_fraction:g} of "
+            f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM). What would fit:\n  - " + "\n  - ".join(hints))
+
+
+def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
+    m, counts = cfg.model, count_params(cfg.model)
+    links = "ICI links per axis from the slice shape; DCN between slices" if hw.accelerator.torus_dims \
+        else f"NVLink inside nodes of {GPUS_PER_NODE}, the network between them (compile confirmation is TPU-only)"
+    return "\n".join([
+        sequence,
+        f"model {m.model_name}: {counts.total:.3e} parameters ({counts.active:.3e} active), {m.num_decoder_layers} "
+        f"layers, emb {m.emb_dim}, mlp {m.mlp_dim}, heads {m.num_query_heads}/{m.num_kv_heads}"
+        + (f", {m.num_experts} experts (top {m.num_experts_per_tok})" if m.num_experts > 1 else ""),
+        f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
+        f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM; {links}",
+    ])
+
+
+# --------------------------------------------------------------------------- --compile (TPU)
+
+
+def model_overrides(model: str | None, overrides: list[str]) -> list[str]:
+    """The model as train_compile's key=value arguments: model_name=..., or a model file's keys."""
+    if model is None:
+        return list(overrides)
+    if not model.endswith((".yml", ".yaml")):
+        return [f"model_name={model}", *overrides]
+    import yaml
+
+    keys = yaml.safe_load(Path(model).read_text()) or {}
+    return [f"{k}={v}" for k, v in keys.items()] + list(overrides)
+
+
+def libtpu_flags(generation: str) -> str:
+    """LIBTPU_INIT_ARGS of configs/tpu/<generation>/flags.inc, as the recipes export them."""
+    inc = CONFIGS / "tpu" / generation / "flags.inc"
+    if not inc.is_file():
+        return ""
+    out = subprocess.run(["bash", "-c", f'source "{inc}" && echo "$LIBTPU_INIT_ARGS"'], capture_output=True, text=True)
+    return " ".join(out.stdout.split())
+
+
+def run_args(c: Candidate, cfg: Config) -> list[str]:
+    """The overrides a recipe gives train_compile / train.py for this candidate."""
+    stages = c.mesh.sizes["stage"]
+    pipe = [f"num_pipeline_repeats={c.repeats}"] if stages > 1 else []
+    return [*c.mesh.keys(), *pipe, f"per_device_batch_size={c.per_device_batch:g}",
+            f"max_target_length={cfg.data.max_target_length}", f"remat_policy={c.remat}"]
+
+
+def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str) -> dict:
+    """One train_compile subprocess (its progress lines passed on); its compile report, {} if it failed."""
+    name = f"plan_{abs(hash((label, c.per_device_batch))) % 10**8}"
+    cmd = [sys.executable, "-m", "tessera.train_compile", str(CONFIGS / "base.yml"), *base, *run_args(c, cfg),
+           f"compile_topology={hw.name}", f"compile_topology_num_slices={hw.num_slices}", f"run_name={name}",
+           f"base_output_directory={out_dir}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "LIBTPU_INIT_ARGS": libtpu_flags(hw.accelerator.name),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(CONFIGS.parent / "src"), os.environ.get("PYTHONPATH")) if p)}
+    print(f"compiling {label}: {describe(c)}, {c.remat}, per_device_batch_size={c.per_device_batch:g}", flush=True)
+    start, tail = time.monotonic(), []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            tail = (tail + [line.rstrip()])[-5:]
+            if "elapsed" in line or "error" in line.lower():
+                print("  " + line.rstrip(), flush=True)
+    report = out_dir / name / "compile_report.json"
+    if not report.is_file():
+        print("  failed:\n    " + "\n    ".join(tail), flush=True)
+        return {}
+    r = json.loads(report.read_text())
+    print(f"  {r['total_bytes'] / GIB:.2f} GiB per chip ({'fits' if r['fits'] else 'does NOT fit'} in "
+          f"{r['budget_bytes'] / GIB:.1f}), {time.monotonic() - start:.0f} s", flush=True)
+    return r
+
+
+def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str) -> Candidate | None:
+    """c with the compiler's memory, its batch moved to the largest that fits: the compiler's temporaries are
+    scaled with the batch to predict it, then that batch is compiled (and one step down if it does not fit)."""
+    r = aot_compile(base, c, cfg, hw, out_dir, label)
+    if not r:
+        return None
+    length, budget = cfg.data.max_target_length, r["budget_bytes"]
+    options = token_options(cfg, hw, 0)
+    fixed = r["total_bytes"] - r["temp_bytes"]
+    fits = [t for t in options if fixed + r["temp_bytes"] * t / c.tokens_per_device <= budget]
+    target = max(fits, default=options[0])
+    if target != c.tokens_per_device:
+        moved = rescore(cfg, hw, c, target)
+        r2 = aot_compile(base, moved, cfg, hw, out_dir, label + " (batch moved)") if moved else {}
+        if r2 and r2["fits"]:
+            return dataclasses.replace(moved, memory=r2["total_bytes"], compiled=True)
+        if not r["fits"] and options.index(target) > 0:
+            return fit_batch(base, rescore(cfg, hw, c, options[options.index(target) - 1]), cfg, hw, out_dir, label)
+    return dataclasses.replace(c, memory=r["total_bytes"], compiled=True) if r["fits"] else None
+
+
+def rescore(cfg: Config, hw: Hardware, c: Candidate, tokens: int) -> Candidate | None:
+    """The candidate's mesh and remat at another batch (None when that batch does not split over the mesh)."""
+    found = mesh_candidates(cfg, count_params(cfg.model), hw, c.mesh, [tokens])
+    same = [x for x in found if x.repeats == c.repeats and x.remat == c.remat]
+    return dataclasses.replace(same[0], budget=c.budget) if same else None
+
+
+def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list[str]) -> None:
+    gen = hw.accelerator.name
+    chosen = [*run_args(c, cfg), f"dtype={cfg.model.dtype}"]
+    base = [b for b in base if b.partition("=")[0] not in {k.partition("=")[0] for k in chosen}]
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# Recipe written by tessera.tools.plan: {cfg.model.model_name} on {hw.name} x{hw.num_slices}.",
+        f"# Mesh {describe(c)}, remat {c.remat}, {c.tokens_per_device:,} tokens per device; "
+        f"the TPU compiler's memory: {c.memory / GIB:.2f} GiB per chip; estimated MFU {c.mfu:.1%}.",
+        f"#   bash {path.relative_to(CONFIGS.parent) if path.is_relative_to(CONFIGS.parent) else path} "
+        "RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke",
+        "# Settings (KEY=VALUE) are described in configs/run_recipe.sh.",
+        "set -e",
+        'source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"' if path.parent.parent.parent == CONFIGS
+        else f'source "{CONFIGS / "run_recipe.sh"}" "$@"',
+        "",
+        f'source "{CONFIGS / "tpu" / gen / "flags.inc"}"   # LIBTPU_INIT_ARGS of every {gen} recipe'
+        if path.parent != CONFIGS / "tpu" / gen else
+        f'source "$(dirname "${{BASH_SOURCE[0]}}")/flags.inc"   # LIBTPU_INIT_ARGS of every {gen} recipe',
+        f"export NUM_SLICES=${{NUM_SLICES:-{hw.num_slices}}}" if hw.num_slices > 1 else "",
+        "",
+        f"run_recipe {hw.name} \\",
+        "  " + " ".join(base) + " \\",
+        "  " + " ".join(chosen) + " \\",
+        "  steps=100 log_period=10",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(line for line in lines if line is not None) + "\n")
+    path.chmod(0o755)
+
+
+def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
+    """--compile: one AOT compile at a time of each candidate, then the recipe and the JSON report."""
+    if hw.accelerator.torus_dims == 0:
+        raise ConfigError("--compile confirms plans with libtpu's TPU compiler only; GPU plans stay estimates")
+    base = model_overrides(args.model, args.overrides)
+    confirmed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, c in enumerate(cands, 1):
+            done = fit_batch(base, c, cfg, hw, Path(tmp), f"{i}/{len(cands)}")
+            if done:
+                confirmed.append(done)
+    if not confirmed:
+        raise ConfigError("the compiler fits none of the top candidates; see the messages above")
+    confirmed.sort(key=Candidate.rank_key, reverse=True)
+    print("\nconfirmed by the TPU compiler (* = compiler's memory):\n" + table(confirmed))
+    name = re.sub(r"[^a-z0-9_.]+", "_", cfg.model.model_name.lower())
+    recipe = Path(args.output) if args.output else CONFIGS / "tpu" / hw.accelerator.name / f"plan_{name}.sh"
+    write_recipe(recipe.resolve(), confirmed[0], cfg, hw, base)
+    report = recipe.with_suffix(".json")
+    report.write_text(json.dumps({"model": base, "hardware": hw.name, "slices": hw.num_slices, "candidates": [
+        {"mesh": x.mesh.keys(), "repeats": x.repeats, "remat": x.remat, "per_device_batch_size": x.per_device_batch,
+         "tokens_per_device": x.tokens_per_device, "gib_per_chip": round(x.memory / GIB, 2),
+         "binding": binding_text(x), "mfu_estimate": round(x.mfu, 4)} for x in confirmed]}, indent=2) + "\n")
+    print(f"wrote {recipe} and {report}")
+    return 0
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python3 -m tessera.tools.plan", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=config_epilog(("model_name", "max_target_length", "dtype", "weight_dtype", "attention",
+                              "compile_hbm_budget_fraction"), ("getting_started/Plan.md",)))
+    p.add_argument("model", nargs="?", help="model name (configs/models/<name>.yml) or path to a model YAML file "
+                   "(default: model_name=... among the overrides, else the default model)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides (max_target_length, weight_dtype, ...); "
+                   "mesh, batch and remat keys are what the plan chooses")
+    p.add_argument("--hardware", required=True, help="TPU slice type (v6e-256, v5p-128, ...) or <gpu>-<count> (h100-8)")
+    p.add_argument("--slices", type=int, default=1, help="TPU slices joined over DCN (GPUs: that many times the "
+                   "count; default 1)")
+    p.add_argument("--tokens-per-device", type=int, default=0, help="fix the batch at this many tokens per device "
+                   "(default: the largest that fits, up to 16.8M tokens per step)")
+    p.add_argument("--top", type=int, default=5, help="rows of the ranked table, and candidates --compile tries")
+    p.add_argument("--compile", action="store_true", help="AOT-compile the top candidates for the TPU topology, "
+                   "fit the batch to the compiler's memory, write a recipe and a JSON report")
+    p.add_argument("--output", default="", help="with --compile: the recipe to write (default configs/tpu/<gen>/"
+                   "plan_<model>.sh); the JSON report goes next to it")
+    args = p.parse_intermixed_args(argv)
+    if args.model is not None and "=" in args.model:  # only key=value arguments: no model named
+        args.model, args.overrides = None, [args.model, *args.overrides]
+    return args
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    try:
+        if args.slices < 1 or args.top < 1 or args.tokens_per_device < 0:
+            raise ConfigError("--slices and --top must be at least 1 and --tokens-per-device at least 0")
+        cfg = load_model_config(args.model, args.overrides)
+        hw = parse_hardware(args.hardware, args.slices)
+        print(report_header(cfg, hw, sequence_note(cfg, args.overrides)), flush=True)
+        ranked = search(cfg, hw, args.tokens_per_device)
+        if not ranked:
+            raise ConfigError(f"no mesh of {hw.num_devices} devices splits this model evenly with a whole global "
+                              "batch; change --tokens-per-device or the device count")
+        shown = best_per_mesh(ranked)
+        if not ranked[0].fits:
+            print("\nnothing fits; the smallest candidates (! = over the memory budget):\n" + table(shown[:args.top]))
+            raise ConfigError(no_fit_message(cfg, hw, ranked, args.tokens_per_device))
+        ranked = shown
+        print("\n" + table(ranked[:args.top]))
+        print("\n" + explain(ranked[0], ranked[1] if len(ranked) > 1 else None))
+        if args.compile:
+            return compile_top(cfg, hw, ranked[:args.top], args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,181 @@
+"""The planner (tessera.tools.plan): the public TPU sizing guide's worked examples from the estimator alone (no
+compile), GPU planning, the no-fit error, divisibility of every mesh it tries, and its command line."""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+from test_estimate import SEED_004
+from tessera.hardware import DCN_BYTES_PER_S, GIB, GPUS
+from tessera.tools.estimate import count_params, load_model_config, parse_hardware
+from tessera.tools.plan import (
+    BASE_MFU, DCN_AXES, ICI_AXES, Mesh, ici_links, main, mesh_candidates, plan, search,
+)
+
+RUN = ["max_target_length=2048", "dtype=bfloat16", "attention=flash"]  # the guide's runs: splash attention, bf16
+
+
+def guide_model(name, *overrides):
+    keys, _, _ = SEED_004[name]
+    return load_model_config("1b", [*(f"{k}={v}" for k, v in keys.items()), *RUN, *overrides])
+
+
+def candidate(cfg, hw, tokens, ici, dcn=None, repeats=1, remat="full"):
+    """The planner's score of one mesh at one batch."""
+    mesh = Mesh({**{a: 1 for a in ICI_AXES}, **ici}, {**{a: 1 for a in DCN_AXES}, **(dcn or {})})
+    found = mesh_candidates(cfg, count_params(cfg.model), hw, mesh, [tokens])
+    return next(c for c in found if c.repeats == repeats and c.remat == remat)
+
+
+def test_links_follow_the_slice_shape():
+    """The guide's 2 vs 4 ICI links on a 16x16 v6e pod: a 256-way axis closes rings in both dimensions."""
+    assert ici_links((16, 16), True, {"fsdp": 256}) == {"fsdp": 4}
+    assert ici_links((16, 16), True, {"tensor": 16, "fsdp": 16}) == {"tensor": 2, "fsdp": 4}
+    # TP=4 as 2x2 sub-rings inside an 8x8 ring (the guide's custom mesh for its 10T model)
+    assert ici_links((16, 16), True, {"tensor": 4, "expert": 64}) == {"tensor": 2, "expert": 4}
+    assert ici_links((8, 8), False, {"fsdp": 64}) == {"fsdp": 2}  # v6e-64: no wraparound
+    assert ici_links((4, 4, 8), True, {"fsdp": 128}) == {"fsdp": 6}  # v5p-256: a 3D torus
+
+
+def test_900b_dense_picks_tensor_parallelism_16():
+    """The guide: TP=16 needs mlp_dim > 16 x 5,100 = 81,600; the 900B model has 131,072."""
+    hw = parse_hardware("v6e-256")
+    cfg = guide_model("900B dense", "weight_dtype=bfloat16")
+    best = plan(cfg, hw)[0]
+    assert best.fits and best.mesh.sizes["tensor"] == 16 and best.mesh.sizes["fsdp"] == 16
+    tensor = next(a for a in best.axes if a.axis == "tensor")
+    assert (tensor.intensity, tensor.hardware) == (131072 / 16, pytest.approx(5100))
+    narrow = guide_model("900B dense", "weight_dtype=bfloat16", "base_mlp_dim=65536")
+    tp16 = candidate(narrow, hw, 256, {"fsdp": 16, "tensor": 16})
+    assert tp16.binding.axis == "tensor" and tp16.binding.ratio < 1  # 65,536 / 16 = 4,096 < 5,100
+
+
+def test_900b_dense_in_float32_does_not_fit_one_pod(capsys):
+    keys = [f"{k}={v}" for k, v in SEED_004["900B dense"][0].items()]
+    assert main(["1b", *keys, *RUN, "--hardware", "v6e-256", "--top", "3"]) == 2
+    out, err = capsys.readouterr()
+    assert "nothing fits; the smallest candidates" in out and "fsdp 16 x tensor 16" in out  # a table, not empty
+    assert "does not fit on v6e-256 x1" in err and "GiB over the budget of 30.4 GiB" in err
+    over = float(err.split("GiB per chip (")[0].rsplit("needs ", 1)[1])
+    assert 50 < over < 60  # 55 GiB of float32 parameters, gradients and AdamW state per chip alone
+    assert "--slices 2" in err and "weight_dtype=bfloat16" in err and "offload" in err
+
+
+@pytest.mark.parametrize("experts, needed", [(16, 20400), (32, 40800)])
+def test_700b_moe_pure_fsdp_needs_sparsity_times_the_hardware_intensity(experts, needed):
+    """Pure FSDP on a full v6e pod (4 links, 2,550 FLOPs/byte) needs tokens per device / sparsity above it:
+    the guide's example at sparsity 16 needs more than 40k tokens (2,550 x 16 = 40,800); the 700B model itself
+    (16 experts, top 2: sparsity 8) needs 20,400, and at the guide's 8k tokens per device is FSDP-bound."""
+    hw = parse_hardware("v6e-256")
+    cfg = guide_model("700B MoE final", f"num_experts={experts}", "weight_dtype=bfloat16")
+    at_guide_batch = candidate(cfg, hw, 8192, {"fsdp": 256})
+    assert at_guide_batch.binding.axis == "fsdp" and at_guide_batch.binding.hardware == pytest.approx(2550)
+    assert at_guide_batch.tokens_needed() == needed
+    below, above = (candidate(cfg, hw, t, {"fsdp": 256}).binding for t in (needed // 2048 * 2048, 40960 + 2048))
+    assert below.ratio < 1 <= above.ratio
+
+
+def test_10t_moe_on_16_pods_needs_pipelining_over_dcn():
+    """At 2k tokens per device across 16 v6e pods, FSDP or data parallelism over DCN is DCN-bound; pipelining
+    over DCN with expert x tensor inside the pod (the guide's EP 64, TP 4, PP 16) is compute-bound on every axis."""
+    hw = parse_hardware("v6e-256", num_slices=16)
+    cfg = guide_model("10T MoE", "weight_dtype=bfloat16")
+    ranked = search(cfg, hw, tokens_per_device=2048)
+    dcn_hw = hw.accelerator.peak_flops / DCN_BYTES_PER_S["v6e"]
+    assert dcn_hw == pytest.approx(73440)  # 918 TFLOP/s over 100 Gb/s of DCN per chip
+    for c in ranked:  # fsdp over DCN: 2048 x 256 / 32 = 16,384 (0.22x); data: 1.5 x that with bf16 gradients
+        if c.mesh.dcn["stage"] == 1:
+            assert min(a.ratio for a in c.axes if a.link == "dcn") < 0.34 and c.mfu < 0.34 * BASE_MFU
+    guide = candidate(cfg, hw, 2048, {"tensor": 4, "expert": 64}, {"stage": 16}, repeats=8)
+    assert min(a.ratio for a in guide.axes) >= 1
+    assert {a.axis: a.link for a in guide.axes} == {"expert": "ici x4", "tensor": "ici x2", "stage": "dcn"}
+    no_fsdp = [c for c in ranked if c.mesh.dcn["stage"] == 16 and c.mesh.sizes["fsdp"] == 1 and c.remat == "full"]
+    assert guide.mfu == max(c.mfu for c in no_fsdp)  # tied with EP 32 x TP 8, ahead of the rest
+    tp16 = candidate(cfg, hw, 2048, {"tensor": 16, "expert": 16}, {"stage": 16}, repeats=8)
+    assert tp16.binding.axis == "tensor" and tp16.binding.ratio < 0.6 and tp16.mfu < guide.mfu
+    assert max(ranked, key=lambda c: c.roofline_key()).mesh.dcn["stage"] > 1
+
+
+def test_gpu_plan_uses_nvlink_inside_a_node_and_the_network_across(capsys):
+    hw = parse_hardware("h100-64")
+    cfg = load_model_config("llama3.1-70b", ["max_target_length=4096", "dtype=bfloat16"])
+    ranked = plan(cfg, hw)
+    assert ranked[0].fits and ranked[0].mfu > 0.4
+    h100 = GPUS["h100"]
+    for c in ranked[:20]:
+        assert c.mesh.sizes["tensor"] <= 8  # tensor parallelism stays on NVLink
+        for a in c.axes:
+            bandwidth = h100.link_bytes_per_s if a.link == "nvlink" else DCN_BYTES_PER_S["h100"]
+            assert a.link in ("nvlink", "network") and a.hardware == pytest.approx(h100.peak_flops / bandwidth)
+    assert main(["llama3.1-8b", *RUN, "--hardware", "h100-8", "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "NVLink inside nodes of 8" in out and "compile confirmation is TPU-only" in out and "nvlink" in out
+
+
+def test_every_mesh_splits_the_model_evenly():
+    """Heads 12, kv heads 4, mlp 1,536, 6 experts, 6 layers on a v5e-64: only divisors that keep them whole."""
+    cfg = load_model_config("1b", ["base_emb_dim=768", "base_num_query_heads=12", "base_num_kv_heads=4",
+                                   "head_dim=64", "base_mlp_dim=1536", "num_experts=6", "num_experts_per_tok=2",
+                                   "base_num_decoder_layers=6", "max_target_length=1024"])
+    found = search(cfg, parse_hardware("v5e-64"))
+    m = cfg.model
+    assert found and {c.mesh.sizes["tensor"] for c in found} == {1, 2, 4}
+    assert {c.mesh.sizes["expert"] for c in found} == {1, 2}  # 6 experts over a power-of-two slice
+    for c in found:
+        s = c.mesh.sizes
+        assert math.prod(s.values()) == 64
+        assert m.num_query_heads % s["tensor"] == m.num_kv_heads % s["tensor"] == m.mlp_dim % s["tensor"] == 0
+        assert m.num_experts % s["expert"] == 0 and m.num_decoder_layers % s["stage"] == 0
+        assert m.emb_dim % (s["fsdp"] * s["expert"]) == 0
+        assert (c.per_device_batch * 64) % (s["data"] * s["fsdp"] * s["expert"]) == 0
+
+
+def test_explains_the_winner(capsys):
+    assert main(["llama3.1-8b", *RUN, "--hardware", "v6e-256", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.lstrip().startswith("#  mesh"))
+    assert all(lines[header + k].lstrip().startswith(str(k)) for k in (1, 2, 3))
+    assert "ranks first:" in out and "GiB per chip" in out and " Next: " in out
+
+
+def _run(args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    return subprocess.run([sys.executable, "-m", "tessera.tools.plan", *args], capture_output=True, text=True,
+                          cwd=cwd, env=env, timeout=120)
+
+
+def test_cli_from_a_subprocess_with_a_relative_model_file(tmp_path):
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "small.yml").write_text("base_emb_dim: 1024\nbase_num_decoder_layers: 8\n"
+                                                   "base_mlp_dim: 4096\nbase_num_query_heads: 8\n")
+    proc = _run(["models/small.yml", "max_target_length=1024", "--hardware", "v5e-16", "--top", "2"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "model small:" in proc.stdout and "ranks first:" in proc.stdout
+    missing = _run(["models/none.yml", "--hardware", "v5e-16"], tmp_path)
+    assert missing.returncode == 2 and "config error: model file models/none.yml does not exist" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    bad = _run(["llama3.1-8b", "--hardware", "v9z-8"], tmp_path)
+    assert bad.returncode == 2 and "neither a TPU slice type" in bad.stderr and "Traceback" not in bad.stderr
+    helped = _run(["--help"], tmp_path)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: python3 -m tessera.tools.plan")
+    assert "--tokens-per-device" in helped.stdout and "getting_started/Plan.md" in helped.stdout
+    assert (REPO / "getting_started" / "Plan.md").is_file()
+
+
+def test_the_chosen_overrides_build_the_chosen_mesh():
+    """What a written recipe passes to train.py builds the mesh, batch and remat the plan scored."""
+    from tessera.config import load_config
+    from tessera.tools.estimate import mesh_sizes
+    from tessera.tools.plan import run_args
+
+    hw = parse_hardware("v5e-16", num_slices=2)
+    cfg = load_model_config("llama2-7b", ["max_target_length=1024", "dtype=bfloat16"])
+    for c in plan(cfg, hw)[:5]:
+        built = load_config([str(REPO / "configs" / "base.yml"), "model_name=llama2-7b", *run_args(c, cfg)], env={})
+        assert mesh_sizes(built, hw) == c.mesh.sizes
+        assert built.data.per_device_batch_size == c.per_device_batch and built.model.remat_policy == c.remat
