@@ -42,6 +42,7 @@ def compare(recipe: Path) -> dict:
 
     from tessera.config import load_config
     from tessera.tools import plan
+    from tessera.tools.plan_report import describe
     from tessera.tools.estimate import count_params, mesh_sizes, parse_hardware
 
     text = recipe.read_text()
@@ -66,7 +67,7 @@ def compare(recipe: Path) -> dict:
     best = ranked[0]
     row = {"recipe": str(recipe.relative_to(REPO)), "hardware": hw.name, "slices": hw.num_slices,
            "tokens_per_device": tokens, "recipe_mesh": own_mesh.describe(), "recipe_remat": cfg.model.remat_policy,
-           "plan_mesh": plan.describe(best), "plan_remat": best.remat,
+           "plan_mesh": describe(best), "plan_remat": best.remat,
            "same_mesh": best.mesh.sizes == own_mesh.sizes}
     for name, c in (("recipe", own[0] if own else None), ("plan", best)):
         if c is not None:

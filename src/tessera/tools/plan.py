@@ -62,23 +62,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import math
-import os
-import re
-import subprocess
 import sys
-import tempfile
-import time
-from pathlib import Path
 from typing import Iterator
 
 from tessera.config import Config, ConfigError
 from tessera.config.derived import global_batch, pipeline_layout
-from tessera.hardware import DCN_BYTES_PER_S, GIB, GPUS_PER_NODE, tpu_slice
+from tessera.hardware import DCN_BYTES_PER_S, GPUS_PER_NODE, tpu_slice
 from tessera.tools.cli import config_epilog
 from tessera.tools.estimate import (
-    CONFIGS, DTYPE_BYTES, Hardware, ParamCounts, count_params, estimate_memory, load_model_config,
+    DTYPE_BYTES, Hardware, ParamCounts, count_params, estimate_memory, load_model_config,
     parse_hardware, rooflines, sequence_note,
 )
 
@@ -403,253 +396,12 @@ def best_per_mesh(ranked: list[Candidate]) -> list[Candidate]:
     return out
 
 
-# --------------------------------------------------------------------------- output
-
-
-def describe(c: Candidate) -> str:
-    pipe = f", {c.repeats} repeats" if c.repeats > 1 else ""
-    return f"{c.mesh.describe()}{pipe}"
-
-
-def binding_text(c: Candidate) -> str:
-    b = c.binding
-    if b is None:
-        return "none (one device)"
-    return f"{b.axis} {b.intensity:,.0f} / {b.hardware:,.0f} ({b.link})"
-
-
-def table(cands: list[Candidate]) -> str:
-    head = f"{'#':>2}  {'mesh':<52} {'remat':<20} {'batch/dev':>9} {'tokens/dev':>10} {'GiB/chip':>9}  " \
-           f"{'binding axis: intensity / hardware':<38} {'MFU est':>7}"
-    rows = [head]
-    for i, c in enumerate(cands, 1):
-        gib = f"{c.memory / GIB:.2f}" + ("" if c.fits else "!") + ("*" if c.compiled else "")
-        rows.append(f"{i:>2}  {describe(c):<52} {c.remat:<20} {c.per_device_batch:>9g} {c.tokens_per_device:>10,} "
-                    f"{gib:>9}  {binding_text(c):<38} {c.mfu:>6.1%}")
-    return "\n".join(rows)
-
-
-def explain(winner: Candidate, runner_up: Candidate | None) -> str:
-    """One or two sentences: why the winner ranks first."""
-    b = winner.binding
-    if b is None:
-        why = "it needs no communication"
-    elif b.ratio >= 1:
-        why = (f"every axis leaves more FLOPs per byte than its link needs (the closest: {b.axis}, "
-               f"{b.intensity:,.0f} against {b.hardware:,.0f} on {b.link}, {b.ratio:.1f}x)")
-    else:
-        needed = winner.tokens_needed()
-        why = (f"its binding axis, {b.axis}, is the least communication-bound on offer ({b.intensity:,.0f} "
-               f"against {b.hardware:,.0f} FLOPs/byte on {b.link}, {b.ratio:.2f}x"
-               + (f"; compute-bound from {needed:,} tokens per device)" if needed else ")"))
-    bubble = f", a {winner.bubble:.1%} pipeline bubble" if winner.bubble else ""
-    first = (f"{describe(winner)} with remat_policy={winner.remat} at {winner.tokens_per_device:,} tokens per device "
-             f"ranks first: {why}{bubble}, and it needs {winner.memory / GIB:.1f} of {winner.budget / GIB:.1f} GiB "
-             f"per chip.")
-    if runner_up is None:
-        return first
-    return first + f" Next: {describe(runner_up)} ({runner_up.remat}), {_lost(winner, runner_up)}."
-
-
-def _lost(w: Candidate, r: Candidate) -> str:
-    if not r.fits:
-        return f"which needs {r.memory / GIB:.1f} GiB per chip"
-    if round(r.mfu, 4) < round(w.mfu, 4):
-        rb = r.binding
-        reason = f"binding axis {rb.axis} at {rb.ratio:.2f}x" if rb and rb.ratio < 1 else \
-            f"remat {r.remat}" if r.remat != w.remat else f"bubble {r.bubble:.1%}" if r.bubble else "its remat"
-        return f"estimated {r.mfu:.1%} MFU ({reason})"
-    if r.binding and w.binding and round(r.binding.ratio, 3) < round(w.binding.ratio, 3):
-        return f"same estimate but less headroom ({r.binding.axis} at {r.binding.ratio:.2f}x)"
-    if r.tokens_per_device < w.tokens_per_device:
-        return f"same estimate at a smaller batch ({r.tokens_per_device:,} tokens per device)"
-    return f"same estimate with more memory ({r.memory / GIB:.1f} GiB)"
-
-
-def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_per_device: int) -> str:
-    """By how much the smallest candidate misses the budget and what would make it fit."""
-    small = ranked[0]  # the smallest of all, when none fits
-    ideal = max(ranked, key=Candidate.roofline_key)
-    c = mesh_config(cfg, small.mesh, small.repeats, small.per_device_batch)
-    mem = estimate_memory(c, count_params(c.model), small.mesh.sizes, fused_attention(c, hw))
-    state = mem.params + mem.grads + mem.optimizer + mem.gathered_layer
-    acts = small.memory - state
-    more = 2 ** math.ceil(math.log2(max(2.0, state / max(small.budget - acts, small.budget * 0.05))))
-    hints = [f"more chips: the {state / GIB:.1f} GiB of parameters, gradients, AdamW state and gathered layer "
-             f"shrink with the chips they are split over; about {more}x the chips (--slices {more * hw.num_slices})"]
-    if c.model.weight_dtype == "float32":
-        saved = (mem.params + mem.grads + mem.optimizer) / 2
-        hints.append(f"weight_dtype=bfloat16: halves parameters, gradients and AdamW state "
-                     f"({saved / GIB:.1f} GiB less)")
-    hints.append(f"offload: the {acts / GIB:.1f} GiB of activations to host memory (remat_policy=custom "
-                 "decoder_layer_input=offload), or the optimizer state (not modelled here)")
-    if tokens_per_device:
-        hints.append(f"fewer tokens per device than {tokens_per_device:,}")
-    hints.append(f"with the memory, the rooflines' choice: {describe(ideal)}, remat {ideal.remat} "
-                 f"({ideal.mfu:.1%} MFU estimated, binding {binding_text(ideal)}, "
-                 f"{ideal.memory / GIB:.1f} GiB per chip)")
-    return (f"{c.model.model_name} does not fit on {hw.name} x{hw.num_slices} at any mesh tried: the smallest "
-            f"needs {small.memory / GIB:.1f} GiB per chip ({describe(small)}, remat {small.remat}, "
-            f"{small.tokens_per_device:,} tokens per device), {(small.memory - small.budget) / GIB:.1f} GiB over the "
-            f"budget of {small.budget / GIB:.1f} GiB ({cfg.compile.compile_hbm_budget_fraction:g} of "
-            f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM). What would fit:\n  - " + "\n  - ".join(hints))
-
-
-def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
-    m, counts = cfg.model, count_params(cfg.model)
-    links = "ICI links per axis from the slice shape; DCN between slices" if hw.accelerator.torus_dims \
-        else f"NVLink inside nodes of {GPUS_PER_NODE}, the network between them (compile confirmation is TPU-only)"
-    return "\n".join([
-        sequence,
-        f"model {m.model_name}: {counts.total:.3e} parameters ({counts.active:.3e} active), {m.num_decoder_layers} "
-        f"layers, emb {m.emb_dim}, mlp {m.mlp_dim}, heads {m.num_query_heads}/{m.num_kv_heads}"
-        + (f", {m.num_experts} experts (top {m.num_experts_per_tok})" if m.num_experts > 1 else ""),
-        f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
-        f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM; {links}",
-    ])
-
-
-# --------------------------------------------------------------------------- --compile (TPU)
-
-
-def model_overrides(model: str | None, overrides: list[str]) -> list[str]:
-    """The model as train_compile's key=value arguments: model_name=..., or a model file's keys."""
-    if model is None:
-        return list(overrides)
-    if not model.endswith((".yml", ".yaml")):
-        return [f"model_name={model}", *overrides]
-    import yaml
-
-    keys = yaml.safe_load(Path(model).read_text()) or {}
-    return [f"{k}={v}" for k, v in keys.items()] + list(overrides)
-
-
-def libtpu_flags(generation: str) -> str:
-    """LIBTPU_INIT_ARGS of configs/tpu/<generation>/flags.inc, as the recipes export them."""
-    inc = CONFIGS / "tpu" / generation / "flags.inc"
-    if not inc.is_file():
-        return ""
-    out = subprocess.run(["bash", "-c", f'source "{inc}" && echo "$LIBTPU_INIT_ARGS"'], capture_output=True, text=True)
-    return " ".join(out.stdout.split())
-
-
 def run_args(c: Candidate, cfg: Config) -> list[str]:
     """The overrides a recipe gives train_compile / train.py for this candidate."""
     stages = c.mesh.sizes["stage"]
     pipe = [f"num_pipeline_repeats={c.repeats}"] if stages > 1 else []
     return [*c.mesh.keys(), *pipe, f"per_device_batch_size={c.per_device_batch:g}",
             f"max_target_length={cfg.data.max_target_length}", f"remat_policy={c.remat}"]
-
-
-def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str) -> dict:
-    """One train_compile subprocess (its progress lines passed on); its compile report, {} if it failed."""
-    name = f"plan_{abs(hash((label, c.per_device_batch))) % 10**8}"
-    cmd = [sys.executable, "-m", "tessera.train_compile", str(CONFIGS / "base.yml"), *base, *run_args(c, cfg),
-           f"compile_topology={hw.name}", f"compile_topology_num_slices={hw.num_slices}", f"run_name={name}",
-           f"base_output_directory={out_dir}"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "LIBTPU_INIT_ARGS": libtpu_flags(hw.accelerator.name),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(CONFIGS.parent / "src"), os.environ.get("PYTHONPATH")) if p)}
-    print(f"compiling {label}: {describe(c)}, {c.remat}, per_device_batch_size={c.per_device_batch:g}", flush=True)
-    start, tail = time.monotonic(), []
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        for line in proc.stdout:
-            tail = (tail + [line.rstrip()])[-5:]
-            if "elapsed" in line or "error" in line.lower():
-                print("  " + line.rstrip(), flush=True)
-    report = out_dir / name / "compile_report.json"
-    if not report.is_file():
-        print("  failed:\n    " + "\n    ".join(tail), flush=True)
-        return {}
-    r = json.loads(report.read_text())
-    print(f"  {r['total_bytes'] / GIB:.2f} GiB per chip ({'fits' if r['fits'] else 'does NOT fit'} in "
-          f"{r['budget_bytes'] / GIB:.1f}), {time.monotonic() - start:.0f} s", flush=True)
-    return r
-
-
-def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str) -> Candidate | None:
-    """c with the compiler's memory, its batch moved to the largest that fits: the compiler's temporaries are
-    scaled with the batch to predict it, then that batch is compiled (and one step down if it does not fit)."""
-    r = aot_compile(base, c, cfg, hw, out_dir, label)
-    if not r:
-        return None
-    length, budget = cfg.data.max_target_length, r["budget_bytes"]
-    options = token_options(cfg, hw, 0)
-    fixed = r["total_bytes"] - r["temp_bytes"]
-    fits = [t for t in options if fixed + r["temp_bytes"] * t / c.tokens_per_device <= budget]
-    target = max(fits, default=options[0])
-    if target != c.tokens_per_device:
-        moved = rescore(cfg, hw, c, target)
-        r2 = aot_compile(base, moved, cfg, hw, out_dir, label + " (batch moved)") if moved else {}
-        if r2 and r2["fits"]:
-            return dataclasses.replace(moved, memory=r2["total_bytes"], compiled=True)
-        if not r["fits"] and options.index(target) > 0:
-            return fit_batch(base, rescore(cfg, hw, c, options[options.index(target) - 1]), cfg, hw, out_dir, label)
-    return dataclasses.replace(c, memory=r["total_bytes"], compiled=True) if r["fits"] else None
-
-
-def rescore(cfg: Config, hw: Hardware, c: Candidate, tokens: int) -> Candidate | None:
-    """The candidate's mesh and remat at another batch (None when that batch does not split over the mesh)."""
-    found = mesh_candidates(cfg, count_params(cfg.model), hw, c.mesh, [tokens])
-    same = [x for x in found if x.repeats == c.repeats and x.remat == c.remat]
-    return dataclasses.replace(same[0], budget=c.budget) if same else None
-
-
-def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list[str]) -> None:
-    gen = hw.accelerator.name
-    chosen = [*run_args(c, cfg), f"dtype={cfg.model.dtype}"]
-    base = [b for b in base if b.partition("=")[0] not in {k.partition("=")[0] for k in chosen}]
-    lines = [
-        "#!/usr/bin/env bash",
-        f"# Recipe written by tessera.tools.plan: {cfg.model.model_name} on {hw.name} x{hw.num_slices}.",
-        f"# Mesh {describe(c)}, remat {c.remat}, {c.tokens_per_device:,} tokens per device; "
-        f"the TPU compiler's memory: {c.memory / GIB:.2f} GiB per chip; estimated MFU {c.mfu:.1%}.",
-        f"#   bash {path.relative_to(CONFIGS.parent) if path.is_relative_to(CONFIGS.parent) else path} "
-        "RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke",
-        "# Settings (KEY=VALUE) are described in configs/run_recipe.sh.",
-        "set -e",
-        'source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"' if path.parent.parent.parent == CONFIGS
-        else f'source "{CONFIGS / "run_recipe.sh"}" "$@"',
-        "",
-        f'source "{CONFIGS / "tpu" / gen / "flags.inc"}"   # LIBTPU_INIT_ARGS of every {gen} recipe'
-        if path.parent != CONFIGS / "tpu" / gen else
-        f'source "$(dirname "${{BASH_SOURCE[0]}}")/flags.inc"   # LIBTPU_INIT_ARGS of every {gen} recipe',
-        f"export NUM_SLICES=${{NUM_SLICES:-{hw.num_slices}}}" if hw.num_slices > 1 else "",
-        "",
-        f"run_recipe {hw.name} \\",
-        "  " + " ".join(base) + " \\",
-        "  " + " ".join(chosen) + " \\",
-        "  steps=100 log_period=10",
-    ]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(line for line in lines if line is not None) + "\n")
-    path.chmod(0o755)
-
-
-def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
-    """--compile: one AOT compile at a time of each candidate, then the recipe and the JSON report."""
-    if hw.accelerator.torus_dims == 0:
-        raise ConfigError("--compile confirms plans with libtpu's TPU compiler only; GPU plans stay estimates")
-    base = model_overrides(args.model, args.overrides)
-    confirmed = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, c in enumerate(cands, 1):
-            done = fit_batch(base, c, cfg, hw, Path(tmp), f"{i}/{len(cands)}")
-            if done:
-                confirmed.append(done)
-    if not confirmed:
-        raise ConfigError("the compiler fits none of the top candidates; see the messages above")
-    confirmed.sort(key=Candidate.rank_key, reverse=True)
-    print("\nconfirmed by the TPU compiler (* = compiler's memory):\n" + table(confirmed))
-    name = re.sub(r"[^a-z0-9_.]+", "_", cfg.model.model_name.lower())
-    recipe = Path(args.output) if args.output else CONFIGS / "tpu" / hw.accelerator.name / f"plan_{name}.sh"
-    write_recipe(recipe.resolve(), confirmed[0], cfg, hw, base)
-    report = recipe.with_suffix(".json")
-    report.write_text(json.dumps({"model": base, "hardware": hw.name, "slices": hw.num_slices, "candidates": [
-        {"mesh": x.mesh.keys(), "repeats": x.repeats, "remat": x.remat, "per_device_batch_size": x.per_device_batch,
-         "tokens_per_device": x.tokens_per_device, "gib_per_chip": round(x.memory / GIB, 2),
-         "binding": binding_text(x), "mfu_estimate": round(x.mfu, 4)} for x in confirmed]}, indent=2) + "\n")
-    print(f"wrote {recipe} and {report}")
-    return 0
 
 
 # --------------------------------------------------------------------------- command line
@@ -682,6 +434,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> int:
+    from tessera.tools.plan_report import explain, no_fit_message, report_header, table
+
     args = parse_args(argv)
     try:
         if args.slices < 1 or args.top < 1 or args.tokens_per_device < 0:
@@ -701,6 +455,8 @@ def main(argv: list[str]) -> int:
         print("\n" + table(ranked[:args.top]))
         print("\n" + explain(ranked[0], ranked[1] if len(ranked) > 1 else None))
         if args.compile:
+            from tessera.tools.plan_compile import compile_top
+
             return compile_top(cfg, hw, ranked[:args.top], args)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -1,0 +1,158 @@
+"""`tessera.tools.plan --compile`: confirm the plan's best candidates with the TPU compiler.
+
+For each candidate, one at a time: `tessera.train_compile` in a subprocess with the generation's
+`configs/tpu/<gen>/flags.inc` (as the recipes run it), its heartbeat lines passed on; the
+compiler's memory replaces the estimate and the batch moves to the largest predicted to fit,
+which is compiled too. The best confirmed candidate becomes a recipe script shaped like
+configs/tpu/*/*.sh and a JSON report. TPU only (libtpu compiles for a topology on any host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tessera.config import Config, ConfigError
+from tessera.hardware import GIB
+from tessera.tools.estimate import CONFIGS, Hardware, count_params
+from tessera.tools.plan import Candidate, mesh_candidates, run_args, token_options
+from tessera.tools.plan_report import binding_text, describe, table
+
+
+def model_overrides(model: str | None, overrides: list[str]) -> list[str]:
+    """The model as train_compile's key=value arguments: model_name=..., or a model file's keys."""
+    if model is None:
+        return list(overrides)
+    if not model.endswith((".yml", ".yaml")):
+        return [f"model_name={model}", *overrides]
+    import yaml
+
+    keys = yaml.safe_load(Path(model).read_text()) or {}
+    return [f"{k}={v}" for k, v in keys.items()] + list(overrides)
+
+
+def libtpu_flags(generation: str) -> str:
+    """LIBTPU_INIT_ARGS of configs/tpu/<generation>/flags.inc, as the recipes export them."""
+    inc = CONFIGS / "tpu" / generation / "flags.inc"
+    if not inc.is_file():
+        return ""
+    out = subprocess.run(["bash", "-c", f'source "{inc}" && echo "$LIBTPU_INIT_ARGS"'], capture_output=True, text=True)
+    return " ".join(out.stdout.split())
+
+
+def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str) -> dict:
+    """One train_compile subprocess (its progress lines passed on); its compile report, {} if it failed."""
+    name = f"plan_{abs(hash((label, c.per_device_batch))) % 10**8}"
+    cmd = [sys.executable, "-m", "tessera.train_compile", str(CONFIGS / "base.yml"), *base, *run_args(c, cfg),
+           f"compile_topology={hw.name}", f"compile_topology_num_slices={hw.num_slices}", f"run_name={name}",
+           f"base_output_directory={out_dir}"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "LIBTPU_INIT_ARGS": libtpu_flags(hw.accelerator.name),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(CONFIGS.parent / "src"), os.environ.get("PYTHONPATH")) if p)}
+    print(f"compiling {label}: {describe(c)}, {c.remat}, per_device_batch_size={c.per_device_batch:g}", flush=True)
+    start, tail = time.monotonic(), []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            tail = (tail + [line.rstrip()])[-5:]
+            if "elapsed" in line or "error" in line.lower():
+                print("  " + line.rstrip(), flush=True)
+    report = out_dir / name / "compile_report.json"
+    if not report.is_file():
+        print("  failed:\n    " + "\n    ".join(tail), flush=True)
+        return {}
+    r = json.loads(report.read_text())
+    print(f"  {r['total_bytes'] / GIB:.2f} GiB per chip ({'fits' if r['fits'] else 'does NOT fit'} in "
+          f"{r['budget_bytes'] / GIB:.1f}), {time.monotonic() - start:.0f} s", flush=True)
+    return r
+
+
+def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str) -> Candidate | None:
+    """c with the compiler's memory, its batch moved to the largest that fits: the compiler's temporaries are
+    scaled with the batch to predict it, then that batch is compiled (and one step down if it does not fit)."""
+    r = aot_compile(base, c, cfg, hw, out_dir, label)
+    if not r:
+        return None
+    length, budget = cfg.data.max_target_length, r["budget_bytes"]
+    options = token_options(cfg, hw, 0)
+    fixed = r["total_bytes"] - r["temp_bytes"]
+    fits = [t for t in options if fixed + r["temp_bytes"] * t / c.tokens_per_device <= budget]
+    target = max(fits, default=options[0])
+    if target != c.tokens_per_device:
+        moved = rescore(cfg, hw, c, target)
+        r2 = aot_compile(base, moved, cfg, hw, out_dir, label + " (batch moved)") if moved else {}
+        if r2 and r2["fits"]:
+            return dataclasses.replace(moved, memory=r2["total_bytes"], compiled=True)
+        if not r["fits"] and options.index(target) > 0:
+            return fit_batch(base, rescore(cfg, hw, c, options[options.index(target) - 1]), cfg, hw, out_dir, label)
+    return dataclasses.replace(c, memory=r["total_bytes"], compiled=True) if r["fits"] else None
+
+
+def rescore(cfg: Config, hw: Hardware, c: Candidate, tokens: int) -> Candidate | None:
+    """The candidate's mesh and remat at another batch (None when that batch does not split over the mesh)."""
+    found = mesh_candidates(cfg, count_params(cfg.model), hw, c.mesh, [tokens])
+    same = [x for x in found if x.repeats == c.repeats and x.remat == c.remat]
+    return dataclasses.replace(same[0], budget=c.budget) if same else None
+
+
+def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list[str]) -> None:
+    gen = hw.accelerator.name
+    chosen = [*run_args(c, cfg), f"dtype={cfg.model.dtype}"]
+    base = [b for b in base if b.partition("=")[0] not in {k.partition("=")[0] for k in chosen}]
+    lines = [
+        "#!/usr/bin/env bash",
+        f"# Recipe written by tessera.tools.plan: {cfg.model.model_name} on {hw.name} x{hw.num_slices}.",
+        f"# Mesh {describe(c)}, remat {c.remat}, {c.tokens_per_device:,} tokens per device; "
+        f"the TPU compiler's memory: {c.memory / GIB:.2f} GiB per chip; estimated MFU {c.mfu:.1%}.",
+        f"#   bash {path.relative_to(CONFIGS.parent) if path.is_relative_to(CONFIGS.parent) else path} "
+        "RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke",
+        "# Settings (KEY=VALUE) are described in configs/run_recipe.sh.",
+        "set -e",
+        'source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"' if path.parent.parent.parent == CONFIGS
+        else f'source "{CONFIGS / "run_recipe.sh"}" "$@"',
+        "",
+        f'source "{CONFIGS / "tpu" / gen / "flags.inc"}"   # LIBTPU_INIT_ARGS of every {gen} recipe'
+        if path.parent != CONFIGS / "tpu" / gen else
+        f'source "$(dirname "${{BASH_SOURCE[0]}}")/flags.inc"   # LIBTPU_INIT_ARGS of every {gen} recipe',
+        f"export NUM_SLICES=${{NUM_SLICES:-{hw.num_slices}}}" if hw.num_slices > 1 else "",
+        "",
+        f"run_recipe {hw.name} \\",
+        "  " + " ".join(base) + " \\",
+        "  " + " ".join(chosen) + " \\",
+        "  steps=100 log_period=10",
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(line for line in lines if line is not None) + "\n")
+    path.chmod(0o755)
+
+
+def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
+    """--compile: one AOT compile at a time of each candidate, then the recipe and the JSON report."""
+    if hw.accelerator.torus_dims == 0:
+        raise ConfigError("--compile confirms plans with libtpu's TPU compiler only; GPU plans stay estimates")
+    base = model_overrides(args.model, args.overrides)
+    confirmed = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, c in enumerate(cands, 1):
+            done = fit_batch(base, c, cfg, hw, Path(tmp), f"{i}/{len(cands)}")
+            if done:
+                confirmed.append(done)
+    if not confirmed:
+        raise ConfigError("the compiler fits none of the top candidates; see the messages above")
+    confirmed.sort(key=Candidate.rank_key, reverse=True)
+    print("\nconfirmed by the TPU compiler (* = compiler's memory):\n" + table(confirmed))
+    name = re.sub(r"[^a-z0-9_.]+", "_", cfg.model.model_name.lower())
+    recipe = Path(args.output) if args.output else CONFIGS / "tpu" / hw.accelerator.name / f"plan_{name}.sh"
+    write_recipe(recipe.resolve(), confirmed[0], cfg, hw, base)
+    report = recipe.with_suffix(".json")
+    report.write_text(json.dumps({"model": base, "hardware": hw.name, "slices": hw.num_slices, "candidates": [
+        {"mesh": x.mesh.keys(), "repeats": x.repeats, "remat": x.remat, "per_device_batch_size": x.per_device_batch,
+         "tokens_per_device": x.tokens_per_device, "gib_per_chip": round(x.memory / GIB, 2),
+         "binding": binding_text(x), "mfu_estimate": round(x.mfu, 4)} for x in confirmed]}, indent=2) + "\n")
+    print(f"wrote {recipe} and {report}")
+    return 0

@@ -1,0 +1,114 @@
+"""What `tessera.tools.plan` prints: the ranked table, the explanation of the winner, and the
+message when nothing fits (how far over the budget, and what would fit)."""
+
+from __future__ import annotations
+
+import math
+
+from tessera.config import Config
+from tessera.hardware import GIB, GPUS_PER_NODE
+from tessera.tools.estimate import Hardware, count_params, estimate_memory
+from tessera.tools.plan import Candidate, fused_attention, mesh_config
+
+
+def describe(c: Candidate) -> str:
+    pipe = f", {c.repeats} repeats" if c.repeats > 1 else ""
+    return f"{c.mesh.describe()}{pipe}"
+
+
+def binding_text(c: Candidate) -> str:
+    b = c.binding
+    if b is None:
+        return "none (one device)"
+    return f"{b.axis} {b.intensity:,.0f} / {b.hardware:,.0f} ({b.link})"
+
+
+def table(cands: list[Candidate]) -> str:
+    head = f"{'#':>2}  {'mesh':<52} {'remat':<20} {'batch/dev':>9} {'tokens/dev':>10} {'GiB/chip':>9}  " \
+           f"{'binding axis: intensity / hardware':<38} {'MFU est':>7}"
+    rows = [head]
+    for i, c in enumerate(cands, 1):
+        gib = f"{c.memory / GIB:.2f}" + ("" if c.fits else "!") + ("*" if c.compiled else "")
+        rows.append(f"{i:>2}  {describe(c):<52} {c.remat:<20} {c.per_device_batch:>9g} {c.tokens_per_device:>10,} "
+                    f"{gib:>9}  {binding_text(c):<38} {c.mfu:>6.1%}")
+    return "\n".join(rows)
+
+
+def explain(winner: Candidate, runner_up: Candidate | None) -> str:
+    """One or two sentences: why the winner ranks first."""
+    b = winner.binding
+    if b is None:
+        why = "it needs no communication"
+    elif b.ratio >= 1:
+        why = (f"every axis leaves more FLOPs per byte than its link needs (the closest: {b.axis}, "
+               f"{b.intensity:,.0f} against {b.hardware:,.0f} on {b.link}, {b.ratio:.1f}x)")
+    else:
+        needed = winner.tokens_needed()
+        why = (f"its binding axis, {b.axis}, is the least communication-bound on offer ({b.intensity:,.0f} "
+               f"against {b.hardware:,.0f} FLOPs/byte on {b.link}, {b.ratio:.2f}x"
+               + (f"; compute-bound from {needed:,} tokens per device)" if needed else ")"))
+    bubble = f", a {winner.bubble:.1%} pipeline bubble" if winner.bubble else ""
+    first = (f"{describe(winner)} with remat_policy={winner.remat} at {winner.tokens_per_device:,} tokens per device "
+             f"ranks first: {why}{bubble}, and it needs {winner.memory / GIB:.1f} of {winner.budget / GIB:.1f} GiB "
+             f"per chip.")
+    if runner_up is None:
+        return first
+    return first + f" Next: {describe(runner_up)} ({runner_up.remat}), {_lost(winner, runner_up)}."
+
+
+def _lost(w: Candidate, r: Candidate) -> str:
+    if not r.fits:
+        return f"which needs {r.memory / GIB:.1f} GiB per chip"
+    if round(r.mfu, 4) < round(w.mfu, 4):
+        rb = r.binding
+        reason = f"binding axis {rb.axis} at {rb.ratio:.2f}x" if rb and rb.ratio < 1 else \
+            f"remat {r.remat}" if r.remat != w.remat else f"bubble {r.bubble:.1%}" if r.bubble else "its remat"
+        return f"estimated {r.mfu:.1%} MFU ({reason})"
+    if r.binding and w.binding and round(r.binding.ratio, 3) < round(w.binding.ratio, 3):
+        return f"same estimate but less headroom ({r.binding.axis} at {r.binding.ratio:.2f}x)"
+    if r.tokens_per_device < w.tokens_per_device:
+        return f"same estimate at a smaller batch ({r.tokens_per_device:,} tokens per device)"
+    return f"same estimate with more memory ({r.memory / GIB:.1f} GiB)"
+
+
+def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_per_device: int) -> str:
+    """By how much the smallest candidate misses the budget and what would make it fit."""
+    small = ranked[0]  # the smallest of all, when none fits
+    ideal = max(ranked, key=Candidate.roofline_key)
+    c = mesh_config(cfg, small.mesh, small.repeats, small.per_device_batch)
+    mem = estimate_memory(c, count_params(c.model), small.mesh.sizes, fused_attention(c, hw))
+    state = mem.params + mem.grads + mem.optimizer + mem.gathered_layer
+    acts = small.memory - state
+    more = 2 ** math.ceil(math.log2(max(2.0, state / max(small.budget - acts, small.budget * 0.05))))
+    hints = [f"more chips: the {state / GIB:.1f} GiB of parameters, gradients, AdamW state and gathered layer "
+             f"shrink with the chips they are split over; about {more}x the chips (--slices {more * hw.num_slices})"]
+    if c.model.weight_dtype == "float32":
+        saved = (mem.params + mem.grads + mem.optimizer) / 2
+        hints.append(f"weight_dtype=bfloat16: halves parameters, gradients and AdamW state "
+                     f"({saved / GIB:.1f} GiB less)")
+    hints.append(f"offload: the {acts / GIB:.1f} GiB of activations to host memory (remat_policy=custom "
+                 "decoder_layer_input=offload), or the optimizer state (not modelled here)")
+    if tokens_per_device:
+        hints.append(f"fewer tokens per device than {tokens_per_device:,}")
+    hints.append(f"with the memory, the rooflines' choice: {describe(ideal)}, remat {ideal.remat} "
+                 f"({ideal.mfu:.1%} MFU estimated, binding {binding_text(ideal)}, "
+                 f"{ideal.memory / GIB:.1f} GiB per chip)")
+    return (f"{c.model.model_name} does not fit on {hw.name} x{hw.num_slices} at any mesh tried: the smallest "
+            f"needs {small.memory / GIB:.1f} GiB per chip ({describe(small)}, remat {small.remat}, "
+            f"{small.tokens_per_device:,} tokens per device), {(small.memory - small.budget) / GIB:.1f} GiB over the "
+            f"budget of {small.budget / GIB:.1f} GiB ({cfg.compile.compile_hbm_budget_fraction:g} of "
+            f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM). What would fit:\n  - " + "\n  - ".join(hints))
+
+
+def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
+    m, counts = cfg.model, count_params(cfg.model)
+    links = "ICI links per axis from the slice shape; DCN between slices" if hw.accelerator.torus_dims \
+        else f"NVLink inside nodes of {GPUS_PER_NODE}, the network between them (compile confirmation is TPU-only)"
+    return "\n".join([
+        sequence,
+        f"model {m.model_name}: {counts.total:.3e} parameters ({counts.active:.3e} active), {m.num_decoder_layers} "
+        f"layers, emb {m.emb_dim}, mlp {m.mlp_dim}, heads {m.num_query_heads}/{m.num_kv_heads}"
+        + (f", {m.num_experts} experts (top {m.num_experts_per_tok})" if m.num_experts > 1 else ""),
+        f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
+        f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM; {links}",
+    ])
