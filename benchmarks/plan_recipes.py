@@ -37,39 +37,36 @@ def recipe_args(recipe: Path) -> list[str]:
     raise RuntimeError(f"{recipe}: no train.py command in its dry run")
 
 
-def compare(recipe: Path) -> dict:
+def recipe_config(recipe: Path):
+    """(config, hardware) of a recipe: its train.py arguments on its slice(s)."""
     import re
 
     from tessera.config import load_config
-    from tessera.tools import plan
-    from tessera.tools.plan_report import describe
-    from tessera.tools.estimate import count_params, mesh_sizes, parse_hardware
+    from tessera.tools.estimate import parse_hardware
 
     text = recipe.read_text()
     topology = re.search(r"^run_recipe (\S+)", text, re.M).group(1)
     found = re.search(r"^NUM_SLICES=\$\{NUM_SLICES:-(\d+)\}", text, re.M)
     hw = parse_hardware(topology, int(found.group(1)) if found else 1)
-    args = recipe_args(recipe)
-    cfg = load_config([str(REPO / "configs" / "base.yml"), *args], env={})
+    return load_config([str(REPO / "configs" / "base.yml"), *recipe_args(recipe)], env={}), hw
+
+
+def compare(recipe: Path) -> dict:
+    from tessera.tools import plan
+    from tessera.tools.plan_report import describe
+
+    cfg, hw = recipe_config(recipe)
     tokens = round(cfg.data.per_device_batch_size * cfg.data.max_target_length)
-    sizes = mesh_sizes(cfg, hw)
-    ici = {a: getattr(cfg.mesh, f"ici_{plan.KEY[a]}_parallelism") for a in plan.ICI_AXES}
-    ici = {a: (v if v > 0 else sizes[a] // max(1, getattr(cfg.mesh, f"dcn_{plan.KEY[a]}_parallelism", 1)))
-           for a, v in ici.items()}
-    dcn = {a: getattr(cfg.mesh, f"dcn_{plan.KEY[a]}_parallelism") for a in plan.DCN_AXES}
-    own_mesh = plan.Mesh(ici, {a: max(v, 1) for a, v in dcn.items()})
-    own = [c for c in plan.mesh_candidates(cfg, count_params(cfg.model), hw, own_mesh, [tokens])
-           if c.remat == cfg.model.remat_policy and c.repeats == max(cfg.mesh.num_pipeline_repeats, 1)]
-    if not own:  # a remat policy the plan does not try: score the recipe's mesh with its closest (full)
-        own = [c for c in plan.mesh_candidates(cfg, count_params(cfg.model), hw, own_mesh, [tokens])
-               if c.remat == "full"]
-    ranked = plan.plan(cfg, hw, tokens)
-    best = ranked[0]
+    own = plan.own_candidates(cfg, hw)
+    fitting = [c for c in own.values() if c.fits]
+    own_best = max(fitting, key=plan.Candidate.roofline_key) if fitting else None
+    best = plan.plan(cfg, hw, tokens)[0]
+    mesh = plan.config_mesh(cfg, hw)
     row = {"recipe": str(recipe.relative_to(REPO)), "hardware": hw.name, "slices": hw.num_slices,
-           "tokens_per_device": tokens, "recipe_mesh": own_mesh.describe(), "recipe_remat": cfg.model.remat_policy,
-           "plan_mesh": describe(best), "plan_remat": best.remat,
-           "same_mesh": best.mesh.sizes == own_mesh.sizes}
-    for name, c in (("recipe", own[0] if own else None), ("plan", best)):
+           "tokens_per_device": tokens, "recipe_mesh": mesh.describe(), "recipe_remat": cfg.model.remat_policy,
+           "plan_mesh": describe(best), "plan_remat": best.remat, "same_mesh": best.mesh.sizes == mesh.sizes,
+           "recipe_mesh_best_remat": own_best.remat if own_best else None}
+    for name, c in (("recipe", own.get(cfg.model.remat_policy)), ("plan", best), ("recipe_mesh_best", own_best)):
         if c is not None:
             b = c.binding
             row[f"{name}_gib"] = round(c.memory / 2**30, 2)

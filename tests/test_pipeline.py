@@ -186,3 +186,12 @@ def test_estimator_splits_layers_over_stages_and_counts_the_bubble():
     assert estimate_memory(piped, counts, mesh, True).params == pytest.approx(want)
     plain = estimate_memory(piped, counts, {**mesh, "stage": 1}, True).params
     assert want < 0.55 * plain  # the layers are most of the model
+    # the backward pass recomputes one layer of one microbatch (of the layout's 8), not of the stage's batch
+    from tessera.tools.estimate import _saved_per_token, activation_bytes
+
+    acts = estimate_memory(piped, counts, mesh, True).activations["full"]
+    assert acts == pytest.approx(activation_bytes(piped, mesh, "full", True, microbatches=8))
+    tokens = 4 * 2 * 2048  # 4 sequences per device over 2 stages: a stage holds 8
+    one_layer = tokens * 2 * _saved_per_token(m, "none", 1) * 2
+    whole = activation_bytes(piped, mesh, "full", True, microbatches=1)
+    assert whole - acts == pytest.approx(one_layer * (1 - 1 / 8))

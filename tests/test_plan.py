@@ -13,7 +13,7 @@ from test_estimate import SEED_004
 from tessera.hardware import DCN_BYTES_PER_S, GIB, GPUS
 from tessera.tools.estimate import count_params, load_model_config, parse_hardware
 from tessera.tools.plan import (
-    BASE_MFU, DCN_AXES, ICI_AXES, Mesh, ici_links, main, mesh_candidates, plan, search,
+    BASE_MFU, DCN_AXES, ICI_AXES, TENSOR_MFU, Mesh, executed_ratio, ici_links, main, mesh_candidates, plan, search,
 )
 
 RUN = ["max_target_length=2048", "dtype=bfloat16", "attention=flash"]  # the guide's runs: splash attention, bf16
@@ -93,8 +93,14 @@ def test_10t_moe_on_16_pods_needs_pipelining_over_dcn():
     guide = candidate(cfg, hw, 2048, {"tensor": 4, "expert": 64}, {"stage": 16}, repeats=8)
     assert min(a.ratio for a in guide.axes) >= 1
     assert {a.axis: a.link for a in guide.axes} == {"expert": "ici x4", "tensor": "ici x2", "stage": "dcn"}
-    no_fsdp = [c for c in ranked if c.mesh.dcn["stage"] == 16 and c.mesh.sizes["fsdp"] == 1 and c.remat == "full"]
-    assert guide.mfu == max(c.mfu for c in no_fsdp)  # tied with EP 32 x TP 8, ahead of the rest
+    pp16 = [c for c in ranked if c.mesh.dcn["stage"] == 16 and c.mesh.sizes["fsdp"] == 1 and c.remat == "full"]
+    sharded = [c for c in pp16 if c.mesh.sizes["data"] == 1]  # each pod's weights split 256 ways, as the guide's
+    assert guide.mfu == max(c.mfu for c in sharded)  # tied with EP 32 x TP 8, ahead of the rest
+    # without tensor parallelism (a 0.6 rather than 0.5 ceiling) the pod must copy the weights over a data axis:
+    # 4.7x the guide mesh's memory at least
+    for c in pp16:
+        if c.mfu > guide.mfu:
+            assert c.mesh.sizes["tensor"] == 1 and c.mesh.sizes["data"] >= 8 and c.memory > 4.7 * guide.memory
     tp16 = candidate(cfg, hw, 2048, {"tensor": 16, "expert": 16}, {"stage": 16}, repeats=8)
     assert tp16.binding.axis == "tensor" and tp16.binding.ratio < 0.6 and tp16.mfu < guide.mfu
     assert max(ranked, key=lambda c: c.roofline_key()).mesh.dcn["stage"] > 1
@@ -179,3 +185,25 @@ def test_the_chosen_overrides_build_the_chosen_mesh():
         built = load_config([str(REPO / "configs" / "base.yml"), "model_name=llama2-7b", *run_args(c, cfg)], env={})
         assert mesh_sizes(built, hw) == c.mesh.sizes
         assert built.data.per_device_batch_size == c.per_device_batch and built.model.remat_policy == c.remat
+
+
+def test_mfu_model_charges_tensor_parallelism_and_capacity_routing():
+    """The TPU recipes' READMEs' assumptions: 60% of peak for a compute-bound step, 50% with a tensor axis, times
+    3 / (3 + recomputed); capacity routing executes its padded slots and one-hot dispatch/combine matmuls too
+    (Mixtral 8x7B at 4096 tokens, capacity 1.25: 1.41 times the counted FLOPs, as configs/tpu/v6e/README.md
+    derives by hand); dropless routing executes what is counted."""
+    hw = parse_hardware("v6e-256")
+    cfg = load_model_config("llama2-70b", ["max_target_length=2048", "dtype=bfloat16"])
+    fsdp = candidate(cfg, hw, 4096, {"fsdp": 256})
+    tensor = candidate(cfg, hw, 4096, {"fsdp": 64, "tensor": 4})
+    assert min(a.ratio for a in fsdp.axes + tensor.axes) > 1  # both compute-bound: only the base differs
+    assert fsdp.mfu == pytest.approx(BASE_MFU * 0.75) and tensor.mfu == pytest.approx(TENSOR_MFU * 0.75)
+    assert candidate(cfg, hw, 4096, {"fsdp": 256}, remat="minimal").mfu == pytest.approx(BASE_MFU)
+    mixtral = ["max_target_length=4096", "dtype=bfloat16", "capacity_factor=1.25"]
+    capacity = load_model_config("mixtral-8x7b", [*mixtral, "sparse_matmul=false"])
+    assert executed_ratio(capacity) == pytest.approx(1.41, abs=0.005)
+    assert executed_ratio(load_model_config("mixtral-8x7b", [*mixtral, "sparse_matmul=true"])) == 1.0
+    assert executed_ratio(cfg) == 1.0
+    mesh = {"fsdp": 64, "expert": 4}
+    assert candidate(capacity, hw, 8192, mesh).mfu * executed_ratio(capacity) == pytest.approx(
+        candidate(load_model_config("mixtral-8x7b", [*mixtral, "sparse_matmul=true"]), hw, 8192, mesh).mfu)

@@ -320,8 +320,12 @@ def target_rows(readme: Path) -> dict[str, dict[str, str]]:
 @pytest.mark.parametrize("gen", GENERATIONS)
 def test_tpu_readme_targets_follow_from_the_recipes(gen):
     """Each generation's README lists every recipe, and its FLOPs, rates and step times are what
-    the recipe's own config gives at the stated MFU (so a changed recipe must update them)."""
+    the recipe's own config gives at the stated MFU (so a changed recipe must update them). The
+    stated MFU is tessera.tools.plan's estimate for the recipe's mesh, batch and remat policy: the
+    READMEs and the planner make the same assumptions."""
     from tessera.metrics import training_flops_per_step
+    from tessera.tools.estimate import parse_hardware
+    from tessera.tools.plan import own_candidates
 
     rows = target_rows(REPO / "configs" / "tpu" / gen / "README.md")
     assert set(rows) == {f"{r.split('/')[-1]}.sh" for r in TPU if r.startswith(f"tpu/{gen}/")}
@@ -334,6 +338,8 @@ def test_tpu_readme_targets_follow_from_the_recipes(gen):
         length = cfg.data.max_target_length
         flops = training_flops_per_step(cfg.model, 1, length) / length
         mfu = float(row["target MFU"].rstrip("%")) / 100
+        planned = own_candidates(cfg, parse_hardware(s.name, n))[cfg.model.remat_policy]
+        assert mfu == pytest.approx(planned.mfu, abs=5e-4), (recipe, planned.mfu)
         tokens_per_s = mfu * s.accelerator.peak_flops / flops
         batch = round(cfg.data.per_device_batch_size * chips)
         assert row["slice (chips)"] == (f"{n} x {s.name} ({chips})" if n > 1 else f"{s.name} ({chips})"), recipe

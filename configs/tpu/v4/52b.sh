@@ -15,5 +15,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"   # LIBTPU_INIT_ARGS of every 
 
 run_recipe v4-384 \
   model_name=1b base_emb_dim=8192 base_num_query_heads=64 base_num_kv_heads=64 base_mlp_dim=22016 base_num_decoder_layers=64 \
-  ici_data_parallelism=-1 ici_fsdp_parallelism=64 per_device_batch_size=1 max_target_length=2048 dtype=bfloat16 remat_policy=full \
+  ici_data_parallelism=-1 ici_fsdp_parallelism=64 per_device_batch_size=1 max_target_length=2048 dtype=bfloat16 remat_policy=save_qkv_proj \
   steps=100 log_period=10

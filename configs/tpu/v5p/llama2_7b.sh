@@ -14,5 +14,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"   # LIBTPU_INIT_ARGS of every 
 
 run_recipe v5p-128 \
   model_name=llama2-7b \
-  per_device_batch_size=8 max_target_length=2048 dtype=bfloat16 remat_policy=full \
+  per_device_batch_size=8 max_target_length=2048 dtype=bfloat16 remat_policy=minimal \
   steps=100 log_period=10

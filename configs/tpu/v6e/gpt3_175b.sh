@@ -17,5 +17,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"   # LIBTPU_INIT_ARGS of every 
 
 run_recipe v6e-256 \
   model_name=gpt3-175b \
-  ici_tensor_parallelism=4 per_device_batch_size=0.5 max_target_length=2048 dtype=bfloat16 remat_policy=full \
+  ici_tensor_parallelism=4 per_device_batch_size=0.5 max_target_length=2048 dtype=bfloat16 remat_policy=save_dot_except_mlp \
   steps=100 log_period=10

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Recipe: Mixtral 8x7B at sequence length 4096 (46.7B parameters, 12.9B active per token)
 # on one TPU v6e-256 slice (256 chips); PLATFORM=gce runs rto_setup.sh first.
-# Routing: capacity routing (capacity_factor=1.25, sparse_matmul=false) instead of the model
-# file's dropless routing: AOT-compiled, capacity needs 13.21 GiB per chip and dropless
-# (sparse_matmul=true, each device sorting its own tokens) 14.62.
-# Mesh: 2-way tensor parallelism, so the 8 experts of a layer gathered by FSDP are half as
-# large and FSDP has twice the tokens per gather.
+# Routing: the model file's dropless routing over 4-way expert parallelism (2 experts per chip;
+# token copies exchanged with ragged all-to-alls, worst-case receive buffer: nothing dropped),
+# FSDP over the other 64 ways, remat_policy=save_qkv_proj: 24.57 GiB per chip (AOT). The mesh
+# is the one `tessera.tools.plan mixtral-8x7b max_target_length=4096 dtype=bfloat16
+# --hardware v6e-256 --tokens-per-device 8192` ranks first (see configs/tpu/v6e/README.md).
 # Expected performance and how it was derived: configs/tpu/v6e/README.md. Flags: configs/README.md.
 #
 #   bash configs/tpu/v6e/mixtral_8x7b.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke
@@ -18,6 +18,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"   # LIBTPU_INIT_ARGS of every v6e recipe
 
 run_recipe v6e-256 \
-  model_name=mixtral-8x7b sparse_matmul=false capacity_factor=1.25 \
-  ici_tensor_parallelism=2 per_device_batch_size=2 max_target_length=4096 dtype=bfloat16 remat_policy=full \
+  model_name=mixtral-8x7b \
+  ici_expert_parallelism=4 per_device_batch_size=2 max_target_length=4096 dtype=bfloat16 remat_policy=save_qkv_proj \
   steps=100 log_period=10

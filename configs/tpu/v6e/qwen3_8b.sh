@@ -14,5 +14,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/flags.inc"   # LIBTPU_INIT_ARGS of every 
 
 run_recipe v6e-256 \
   model_name=qwen3-8b \
-  per_device_batch_size=2 max_target_length=4096 dtype=bfloat16 remat_policy=full \
+  per_device_batch_size=2 max_target_length=4096 dtype=bfloat16 remat_policy=save_dot_except_mlp \
   steps=100 log_period=10

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import sys
 from pathlib import Path
@@ -88,6 +89,14 @@ def count_params(m: ModelConfig) -> ParamCounts:
                        per_layer, expert_mlp, layers * per_layer + dense_total, layers if m.num_experts > 1 else 0)
 
 
+def token_mlp_width(m: ModelConfig) -> int:
+    """Hidden units of the MLPs one token passes through in a (main-stack) layer: its experts' (and the
+    shared experts') for a MoE model, mlp_dim for a dense one."""
+    if m.num_experts > 1:
+        return m.expert_mlp_dim * (min(m.num_experts_per_tok, m.num_experts) + m.shared_experts)
+    return m.mlp_dim
+
+
 def mla_params(m: ModelConfig) -> int:
     """Multi-head latent attention's weights (tessera.models.mla), its latent norms included."""
     return mla_matmul_params(m) + m.kv_lora_rank + m.q_lora_rank
@@ -132,7 +141,7 @@ def mesh_sizes(cfg: Config, hw: Hardware) -> dict[str, int]:
 
 def _saved_per_token(m: ModelConfig, policy: str, tp: int) -> float:
     """Activation elements one block keeps per token for the backward pass, beyond its input."""
-    d, f = m.emb_dim, m.mlp_dim * max(m.num_experts_per_tok, 1) / tp
+    d, f = m.emb_dim, token_mlp_width(m) / tp
     q, kv = m.num_query_heads * m.head_dim / tp, 2 * m.num_kv_heads * m.head_dim / tp
     acts = len(m.mlp_activations)
     kept = {
@@ -150,8 +159,10 @@ def _saved_per_token(m: ModelConfig, policy: str, tp: int) -> float:
     return kept.get(policy, 0.0)  # full and the offloading policies keep nothing else on the device
 
 
-def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_attention: bool) -> float:
-    """Per-device activation memory of one step under `policy`, in bytes (an estimate)."""
+def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_attention: bool,
+                     microbatches: int = 1) -> float:
+    """Per-device activation memory of one step under `policy`, in bytes (an estimate). With pipeline
+    stages, `microbatches` is the layout's M: the backward pass recomputes one layer of one microbatch."""
     m, a = cfg.model, DTYPE_BYTES[cfg.model.dtype]
     tp = mesh["tensor"]
     seqs = cfg.data.per_device_batch_size * mesh["tensor"] * mesh["sequence"] * mesh["stage"]
@@ -163,7 +174,7 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     # microbatch buffers the size of the whole batch's residual stream (inputs, outputs, loop-back)
     layers = m.num_decoder_layers / mesh["stage"] * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
     buffers = 3 * tokens * m.emb_dim * a if mesh["stage"] > 1 else 0.0
-    one_layer = tokens * (2 * _saved_per_token(m, "none", tp) * a + scores)  # recompute + gradients
+    one_layer = tokens / microbatches * (2 * _saved_per_token(m, "none", tp) * a + scores)  # recompute + gradients
     logits = 2 * tokens * m.vocab_size / tp * 4
     return layers + buffers + one_layer + logits
 
@@ -201,10 +212,23 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     # tensor-parallel chip keeps 1/tp of the activations of tp times the sequences, the bytes of a
     # chip without tensor parallelism
     act_mesh = {**mesh, "tensor": 1}
-    acts = {p: activation_bytes(cfg, act_mesh, p, fused_attention) for p in policies}
-    acts.setdefault(m.remat_policy, activation_bytes(cfg, act_mesh, m.remat_policy, fused_attention))
+    micro = _microbatches(cfg, mesh)
+    acts = {p: activation_bytes(cfg, act_mesh, p, fused_attention, micro) for p in policies}
+    acts.setdefault(m.remat_policy, activation_bytes(cfg, act_mesh, m.remat_policy, fused_attention, micro))
     zero1 = mesh["data"] if cfg.optim.shard_optimizer_over_data else 1  # ZeRO-1 splits AdamW's moments over data
     return Memory(params, params, 2 * params / zero1, gathered, acts)
+
+
+def _microbatches(cfg: Config, mesh: dict[str, int]) -> int:
+    """The pipeline layout's microbatches for this mesh and batch (1 without stages or when it has none)."""
+    if mesh["stage"] == 1:
+        return 1
+    rows = round(cfg.data.per_device_batch_size * math.prod(mesh.values())) // cfg.optim.gradient_accumulation_steps
+    try:
+        layout = pipeline_layout(cfg, mesh, rows)
+    except ConfigError:
+        return 1
+    return layout.microbatches if layout else 1
 
 
 @dataclasses.dataclass(frozen=True)

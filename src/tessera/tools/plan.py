@@ -14,7 +14,7 @@ time, moves each one's batch to the largest the compiler fits, and writes a reci
 JSON report (TPU only).
 
 Enumeration keeps only sizes that split the model evenly: tensor ways divide the query heads,
-the kv heads and mlp_dim; expert ways divide num_experts; fsdp x expert ways divide emb_dim;
+the kv heads, mlp_dim and the expert width; expert ways divide num_experts; fsdp x expert ways divide emb_dim;
 pipeline stages satisfy the trainer's own pipeline layout (`derived.pipeline_layout`), and the
 global batch splits over data x fsdp x expert (`derived.global_batch`). Tensor and expert ways
 stay inside a slice (their collectives run at every layer); sequence parallelism is not tried.
@@ -45,16 +45,22 @@ DCN, so its DCN intensity is i x the formula above. GPUs are nodes of `GPUS_PER_
 NVLink (the port's bandwidth) and a network between nodes; the mesh's axes are placed in
 tessera.mesh's order (expert innermost) and an axis that leaves a node uses the network.
 
-The MFU figure is an estimate, a simple function of three numbers:
+The MFU figure is an estimate, a simple function of five numbers:
 
-    MFU = BASE_MFU x min(1, r) x (1 - bubble) x 3 / (3 + recomputed)
+    MFU = base x min(1, r) x (1 - bubble) x 3 / (3 + recomputed) / executed
 
 r is the binding axis' intensity over the hardware's (below 1 the step waits for that axis in
-proportion), bubble the pipeline's idle fraction (S-1)/(M*R+S-1), and `recomputed` the share of
-the forward matmul FLOPs the remat policy computes again (1 for full, 0 for none; a forward
-pass is a third of a training step's FLOPs). BASE_MFU (0.6) is an assumed ceiling for a
-compute-bound step; the guide's measured runs reached 26-50%. Ties (every axis compute-bound)
-go to the candidate with more headroom r, then more tokens per device, then less memory.
+proportion), bubble the pipeline's idle fraction (S-1)/(M*R+S-1), `recomputed` the share of the
+forward matmul FLOPs the remat policy computes again (1 for full, 0 for none; a forward pass is
+a third of a training step's FLOPs), and `executed` what capacity-routed MoE layers compute
+beyond the counted FLOPs (padded expert slots, one-hot dispatch and combine; 1 otherwise).
+`base` is an assumed ceiling for a compute-bound step, the one the TPU recipes' READMEs derive
+their targets from: BASE_MFU (0.6), or TENSOR_MFU (0.5) with a tensor axis, whose per-layer
+activation all-reduces sit partly on the critical path even above their roofline (a recipe's
+target is this formula for its own mesh and remat policy). The guide's measured runs reached
+26-50%. Estimates within half a point are ties; they go to the candidate with fewer pipeline
+stages (no bubble, no stage buffers), then more headroom r, then more tokens per device, then
+less memory.
 """
 
 from __future__ import annotations
@@ -69,13 +75,16 @@ from typing import Iterator
 from tessera.config import Config, ConfigError
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.hardware import DCN_BYTES_PER_S, GPUS_PER_NODE, tpu_slice
+from tessera.metrics import training_flops_per_step
+from tessera.models.moe import expert_capacity
 from tessera.tools.cli import config_epilog
 from tessera.tools.estimate import (
-    DTYPE_BYTES, Hardware, ParamCounts, count_params, estimate_memory, load_model_config,
-    parse_hardware, rooflines, sequence_note,
+    DTYPE_BYTES, Hardware, ParamCounts, count_params, estimate_memory, load_model_config, mesh_sizes,
+    parse_hardware, rooflines, sequence_note, token_mlp_width,
 )
 
-BASE_MFU = 0.6
+BASE_MFU = 0.6  # a compute-bound step's share of peak (the recipes' READMEs' assumption)
+TENSOR_MFU = 0.5  # the same with tensor parallelism: part of its all-reduces stays exposed
 REMAT_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "none")
 ICI_AXES = ("data", "stage", "fsdp", "tensor", "expert")
 DCN_AXES = ("data", "stage", "fsdp")
@@ -154,9 +163,11 @@ class Candidate:
         return (self.fits, *self.roofline_key())
 
     def roofline_key(self) -> tuple:
-        """Estimated MFU, then headroom above the roofline, more tokens per device, less memory."""
+        """Estimated MFU to half a point (the model is not finer than that: closer estimates tie), then fewer
+        pipeline stages, headroom above the roofline, more tokens per device, less memory."""
         headroom = min(self.binding.ratio, 1e6) if self.binding else 1e6
-        return (round(self.mfu, 4), round(headroom, 3), self.tokens_per_device, -self.memory)
+        return (round(self.mfu * 200), -self.mesh.sizes["stage"], round(headroom, 3), self.tokens_per_device,
+                -self.memory)
 
     def tokens_needed(self) -> int:
         """Tokens per device at which the binding axis reaches its roofline, when it is fsdp or data (their
@@ -170,7 +181,7 @@ def divisors(n: int) -> list[int]:
 
 
 def tensor_ok(m, t: int) -> bool:
-    return m.num_query_heads % t == 0 and m.num_kv_heads % t == 0 and m.mlp_dim % t == 0
+    return m.num_query_heads % t == 0 and m.num_kv_heads % t == 0 and m.mlp_dim % t == 0 and m.expert_mlp_dim % t == 0
 
 
 def ici_meshes(cfg: Config, devices: int) -> Iterator[dict[str, int]]:
@@ -300,16 +311,34 @@ def recomputed_share(cfg: Config, policy: str) -> float:
     qkv = d * (m.num_query_heads + 2 * m.num_kv_heads) * h
     out = m.num_query_heads * h * d
     scores = m.num_query_heads * h * length  # causal: half of 2 x T x heads x head_dim per token
-    mlp = d * m.mlp_dim * (len(m.mlp_activations) + 1) * max(1, min(m.num_experts_per_tok, m.num_experts))
+    mlp = d * token_mlp_width(m) * (len(m.mlp_activations) + 1)
     total = qkv + out + scores + mlp
     again = {"none": 0.0, "minimal": 0.0, "save_dot_except_mlp": mlp, "save_qkv_proj": total - qkv,
              "full": total}
     return again[policy] / total
 
 
-def estimate_mfu(axes: tuple[Axis, ...], bubble: float, recomputed: float) -> float:
+def executed_ratio(cfg: Config) -> float:
+    """FLOPs a step executes over those MFU counts, beyond recomputation: 1, or for capacity routing (MoE without
+    sparse_matmul / megablox) the padded expert slots (capacity_factor x the routed copies) and the one-hot
+    dispatch and combine matmuls (2 x 2 x experts x slots x emb_dim per token)."""
+    m, length = cfg.model, cfg.data.max_target_length
+    if m.num_experts <= 1 or m.sparse_matmul or m.megablox:
+        return 1.0
+    counted = training_flops_per_step(m, 1, length) / length / 3  # forward FLOPs per token
+    k = min(m.num_experts_per_tok, m.num_experts)
+    routed = 2 * k * count_params(m).per_expert_mlp  # the chosen experts' forward FLOPs per token
+    slots = expert_capacity(length, m)  # per expert and sequence
+    padding = routed * (m.num_experts * slots / (k * length) - 1)
+    dispatch = 4 * m.num_experts * slots * m.emb_dim
+    layers = (m.num_decoder_layers - (m.first_num_dense_layers if m.decoder_block == "deepseek" else 0))
+    return 1.0 + layers * (padding + dispatch) / counted
+
+
+def estimate_mfu(axes: tuple[Axis, ...], bubble: float, recomputed: float, executed: float = 1.0) -> float:
     ratio = min((a.ratio for a in axes), default=1e6)
-    return BASE_MFU * min(1.0, ratio) * (1.0 - bubble) * 3 / (3 + recomputed)
+    base = TENSOR_MFU if any(a.axis == "tensor" for a in axes) else BASE_MFU
+    return base * min(1.0, ratio) * (1.0 - bubble) * 3 / (3 + recomputed) / executed
 
 
 def fused_attention(cfg: Config, hw: Hardware) -> bool:
@@ -344,12 +373,14 @@ def layout_or_none(cfg: Config, mesh: Mesh):
     return pipeline_layout(cfg, mesh.sizes, rows)
 
 
-def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, tokens: list[int]) -> list[Candidate]:
-    """Per remat policy and pipeline schedule: the largest batch that fits (else the smallest tried)."""
-    fused = fused_attention(cfg, hw)
+def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, tokens: list[int],
+                    repeats_tried: list[int] | None = None) -> list[Candidate]:
+    """Per remat policy and pipeline schedule (`pipeline_repeats` unless given): the largest batch that fits (else
+    the smallest tried)."""
+    fused, executed = fused_attention(cfg, hw), executed_ratio(cfg)
     budget = hw.accelerator.hbm_bytes * cfg.compile.compile_hbm_budget_fraction
     found: dict[tuple[int, str], Candidate] = {}
-    for repeats in pipeline_repeats(cfg, mesh.sizes["stage"]):
+    for repeats in repeats_tried or pipeline_repeats(cfg, mesh.sizes["stage"]):
         for t in tokens:
             c = mesh_config(cfg, mesh, repeats, t / cfg.data.max_target_length)
             try:
@@ -360,10 +391,32 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
             bubble = layout.bubble if layout else 0.0
             for policy in REMAT_POLICIES:
                 cand = Candidate(mesh, repeats, policy, c.data.per_device_batch_size, t, mem.total(policy), budget,
-                                 axes, bubble, estimate_mfu(axes, bubble, recomputed_share(c, policy)))
+                                 axes, bubble, estimate_mfu(axes, bubble, recomputed_share(c, policy), executed))
                 if cand.fits or (repeats, policy) not in found:
                     found[(repeats, policy)] = cand
     return list(found.values())
+
+
+def config_mesh(cfg: Config, hw: Hardware) -> Mesh:
+    """The mesh `cfg` asks for on `hw` (-1 entries filled in as tessera.mesh fills them)."""
+    sizes = mesh_sizes(cfg, hw)
+    dcn = {a: max(1, getattr(cfg.mesh, f"dcn_{KEY[a]}_parallelism")) for a in ICI_AXES}
+    ici = {a: sizes[a] // dcn[a] for a in ICI_AXES}
+    if hw.accelerator.torus_dims == 0:
+        return gpu_split(sizes)
+    return Mesh(ici, {a: dcn[a] for a in DCN_AXES})
+
+
+def own_candidates(cfg: Config, hw: Hardware) -> dict[str, Candidate]:
+    """The plan's score of the mesh, batch and pipeline schedule `cfg` already has (a recipe's, say), per remat
+    policy the plan tries (and `cfg`'s own policy, scored as full when the plan does not model it)."""
+    mesh = config_mesh(cfg, hw)
+    tokens = round(cfg.data.per_device_batch_size * cfg.data.max_target_length)
+    repeats = max(cfg.mesh.num_pipeline_repeats, 1) if mesh.sizes["stage"] > 1 else 1
+    found = {c.remat: c for c in mesh_candidates(cfg, count_params(cfg.model), hw, mesh, [tokens], [repeats])}
+    if found:
+        found.setdefault(cfg.model.remat_policy, found["full"])
+    return found
 
 
 def search(cfg: Config, hw: Hardware, tokens_per_device: int = 0) -> list[Candidate]:
