@@ -140,6 +140,23 @@ def test_dropless_expert_parallelism_exchanges_tokens_with_ragged_all_to_all_on_
     assert "collectives in the program:" in train_compile.memory_table(r)
 
 
+def test_capacity_routing_over_an_expert_axis_does_not_gather_the_global_batch():
+    # XLA's partitioner, left to itself, gathered every token of the global batch (and its dispatch masks) on
+    # each chip for capacity routing over fsdp x expert (Mixtral 8x7B on a v6e-256: 82 GiB per chip; 169 MiB of
+    # temporaries here). An expert group's rows are about a sixteenth of the global batch's activations.
+    from tessera.step import compile_step, setup
+    from tessera.train_compile import topology_devices
+
+    cfg = build_config({**TINY, "decoder_block": "mixtral", "num_experts": 8, "num_experts_per_tok": 2,
+                        "capacity_factor": 1.25, "dtype": "bfloat16", "base_emb_dim": 512, "base_mlp_dim": 1024,
+                        "max_target_length": 1024, "per_device_batch_size": 1, "remat_policy": "full",
+                        "ici_expert_parallelism": 4, "ici_fsdp_parallelism": 16})
+    trainer = setup(cfg, topology_devices(tpu_slice("v6e-64"), 1))
+    temp = compile_step(trainer, 0)[0].memory_analysis().temp_size_in_bytes
+    global_batch_activations = trainer.plan.global_batch * 1024 * 512 * 2  # [64, 1024, 512] in bfloat16: 64 MiB
+    assert temp < global_batch_activations / 2, temp / 2**20
+
+
 def test_megablox_runs_the_pallas_grouped_matmul_on_tpu():
     # widths that are multiples of the kernel's 128 tile; XLA's own grouped matmul otherwise
     from tessera.step import compile_step, setup
