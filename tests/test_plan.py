@@ -71,7 +71,7 @@ def test_700b_moe_pure_fsdp_needs_sparsity_times_the_hardware_intensity(experts,
     the guide's example at sparsity 16 needs more than 40k tokens (2,550 x 16 = 40,800); the 700B model itself
     (16 experts, top 2: sparsity 8) needs 20,400, and at the guide's 8k tokens per device is FSDP-bound."""
     hw = parse_hardware("v6e-256")
-    cfg = guide_model("700B MoE final", f"num_experts={experts}", "weight_dtype=bfloat16")
+    cfg = guide_model("700B MoE final", f"num_experts={experts}", "weight_dtype=bfloat16", "sparse_matmul=true")
     at_guide_batch = candidate(cfg, hw, 8192, {"fsdp": 256})
     assert at_guide_batch.binding.axis == "fsdp" and at_guide_batch.binding.hardware == pytest.approx(2550)
     assert at_guide_batch.tokens_needed() == needed
@@ -81,9 +81,10 @@ def test_700b_moe_pure_fsdp_needs_sparsity_times_the_hardware_intensity(experts,
 
 def test_10t_moe_on_16_pods_needs_pipelining_over_dcn():
     """At 2k tokens per device across 16 v6e pods, FSDP or data parallelism over DCN is DCN-bound; pipelining
-    over DCN with expert x tensor inside the pod (the guide's EP 64, TP 4, PP 16) is compute-bound on every axis."""
+    over DCN with expert x tensor inside the pod (the guide's EP 64, TP 4, PP 16) is compute-bound on every axis.
+    The guide's MoE runs route dropless (MaxText's megablox): sparse_matmul=true."""
     hw = parse_hardware("v6e-256", num_slices=16)
-    cfg = guide_model("10T MoE", "weight_dtype=bfloat16")
+    cfg = guide_model("10T MoE", "weight_dtype=bfloat16", "sparse_matmul=true")
     ranked = search(cfg, hw, tokens_per_device=2048)
     dcn_hw = hw.accelerator.peak_flops / DCN_BYTES_PER_S["v6e"]
     assert dcn_hw == pytest.approx(73440)  # 918 TFLOP/s over 100 Gb/s of DCN per chip
@@ -187,7 +188,7 @@ def test_the_chosen_overrides_build_the_chosen_mesh():
         assert built.data.per_device_batch_size == c.per_device_batch and built.model.remat_policy == c.remat
 
 
-def test_mfu_model_charges_tensor_parallelism_and_capacity_routing():
+def test_mfu_model_charges_tensor_parallelism_and_capacity_routing(capsys):
     """The TPU recipes' READMEs' assumptions: 60% of peak for a compute-bound step, 50% with a tensor axis, times
     3 / (3 + recomputed); capacity routing executes its padded slots and one-hot dispatch/combine matmuls too
     (Mixtral 8x7B at 4096 tokens, capacity 1.25: 1.41 times the counted FLOPs, as configs/tpu/v6e/README.md
@@ -199,6 +200,9 @@ def test_mfu_model_charges_tensor_parallelism_and_capacity_routing():
     assert min(a.ratio for a in fsdp.axes + tensor.axes) > 1  # both compute-bound: only the base differs
     assert fsdp.mfu == pytest.approx(BASE_MFU * 0.75) and tensor.mfu == pytest.approx(TENSOR_MFU * 0.75)
     assert candidate(cfg, hw, 4096, {"fsdp": 256}, remat="minimal").mfu == pytest.approx(BASE_MFU)
+    keys = [f"{k}={v}" for k, v in SEED_004["10T MoE"][0].items()]  # base.yml's routing: no capacity limit
+    assert main(["1b", *keys, *RUN, "--hardware", "v6e-256", "--slices", "16", "--top", "1"]) in (0, 2)
+    assert "computes 28.15x the FLOPs MFU counts" in capsys.readouterr().out  # every expert takes every token
     mixtral = ["max_target_length=4096", "dtype=bfloat16", "capacity_factor=1.25"]
     capacity = load_model_config("mixtral-8x7b", [*mixtral, "sparse_matmul=false"])
     assert executed_ratio(capacity) == pytest.approx(1.41, abs=0.005)

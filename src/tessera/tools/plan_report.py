@@ -8,7 +8,7 @@ import math
 from tessera.config import Config
 from tessera.hardware import GIB, GPUS_PER_NODE
 from tessera.tools.estimate import Hardware, count_params, estimate_memory
-from tessera.tools.plan import Candidate, fused_attention, mesh_config
+from tessera.tools.plan import Candidate, executed_ratio, fused_attention, mesh_config
 
 
 def describe(c: Candidate) -> str:
@@ -111,4 +111,17 @@ def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
         + (f", {m.num_experts} experts (top {m.num_experts_per_tok})" if m.num_experts > 1 else ""),
         f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
         f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM; {links}",
+        *routing_note(cfg),
     ])
+
+
+def routing_note(cfg: Config) -> list[str]:
+    """A line when capacity routing makes the step compute more than MFU counts (every estimate is divided)."""
+    executed = executed_ratio(cfg)
+    if executed < 1.005:
+        return []
+    limit = "no capacity limit: every expert takes every token's slot" if cfg.model.capacity_factor <= 0 else \
+        f"capacity_factor={cfg.model.capacity_factor:g}"
+    return [f"routing: capacity routing ({limit}) computes {executed:.2f}x the FLOPs MFU counts (padded expert slots, "
+            "one-hot dispatch and combine); the estimates below are divided by that. sparse_matmul=true routes "
+            "dropless and computes only the chosen experts"]
