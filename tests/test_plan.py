@@ -13,7 +13,7 @@ from test_estimate import SEED_004
 from tessera.hardware import DCN_BYTES_PER_S, GIB, GPUS
 from tessera.tools.estimate import count_params, load_model_config, parse_hardware
 from tessera.tools.plan import (
-    BASE_MFU, DCN_AXES, ICI_AXES, TENSOR_MFU, Mesh, executed_ratio, ici_links, main, mesh_candidates, plan, search,
+    BASE_MFU, DCN_AXES, ICI_AXES, TENSOR_MFU, Candidate, Mesh, executed_ratio, ici_links, main, mesh_candidates, plan, search,
 )
 
 RUN = ["max_target_length=2048", "dtype=bfloat16", "attention=flash"]  # the guide's runs: splash attention, bf16
@@ -211,3 +211,33 @@ def test_mfu_model_charges_tensor_parallelism_and_capacity_routing(capsys):
     mesh = {"fsdp": 64, "expert": 4}
     assert candidate(capacity, hw, 8192, mesh).mfu * executed_ratio(capacity) == pytest.approx(
         candidate(load_model_config("mixtral-8x7b", [*mixtral, "sparse_matmul=true"]), hw, 8192, mesh).mfu)
+
+
+def test_compile_confirms_on_the_tpu_compiler_and_writes_a_runnable_recipe(tmp_path):
+    """--compile end to end, as a user runs it (relative model file and --output): the TPU compiler's memory
+    replaces the estimate, the batch asked for stays, and the recipe's dry run trains the chosen configuration."""
+    import json
+
+    from tessera.tools.plan_compile import heavier_policies
+
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny.yml").write_text(
+        "base_emb_dim: 256\nbase_num_decoder_layers: 2\nbase_mlp_dim: 512\nbase_num_query_heads: 4\n"
+        "base_num_kv_heads: 4\nhead_dim: 64\nvocab_size: 1024\n")
+    proc = _run(["models/tiny.yml", "max_target_length=256", "dtype=bfloat16", "--hardware", "v5e-4",
+                 "--tokens-per-device", "512", "--top", "1", "--compile", "--output", "recipes/tiny.sh"], tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "compiling 1/1:" in proc.stdout and "confirmed by the TPU compiler" in proc.stdout
+    report = json.loads((tmp_path / "recipes" / "tiny.json").read_text())
+    best = report["candidates"][0]
+    assert best["tokens_per_device"] == 512 and 0 < best["gib_per_chip"] < 16 * 0.95
+    recipe = tmp_path / "recipes" / "tiny.sh"
+    assert os.access(recipe, os.X_OK)
+    dry = subprocess.run(["bash", "recipes/tiny.sh", "DRY_RUN=1", "PLATFORM=gke"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    command = next(line for line in dry.stdout.splitlines() if " train.py " in line)
+    for key in (*best["mesh"], f"remat_policy={best['remat']}", "per_device_batch_size=2", "base_emb_dim=256"):
+        assert key in command.split(), key
+    fallback = Candidate(Mesh({}, {}), 1, "minimal", 1, 1, 0, 0, (), 0.0, 0.0)
+    assert heavier_policies(fallback) == ["save_dot_except_mlp", "save_qkv_proj", "full"]

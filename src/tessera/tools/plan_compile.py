@@ -3,7 +3,8 @@
 For each candidate, one at a time: `tessera.train_compile` in a subprocess with the generation's
 `configs/tpu/<gen>/flags.inc` (as the recipes run it), its heartbeat lines passed on; the
 compiler's memory replaces the estimate and the batch moves to the largest predicted to fit,
-which is compiled too. The best confirmed candidate becomes a recipe script shaped like
+which is compiled too (a --tokens-per-device plan keeps its batch). A candidate the compiler
+does not fit at any batch falls back to the same mesh with the next remat policy that keeps less. The best confirmed candidate becomes a recipe script shaped like
 configs/tpu/*/*.sh and a JSON report. TPU only (libtpu compiles for a topology on any host).
 """
 
@@ -22,7 +23,7 @@ from pathlib import Path
 from tessera.config import Config, ConfigError
 from tessera.hardware import GIB
 from tessera.tools.estimate import CONFIGS, Hardware, count_params
-from tessera.tools.plan import Candidate, mesh_candidates, run_args, token_options
+from tessera.tools.plan import REMAT_POLICIES, Candidate, mesh_candidates, run_args, token_options
 from tessera.tools.plan_report import binding_text, describe, table
 
 
@@ -72,12 +73,39 @@ def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_di
     return r
 
 
-def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str) -> Candidate | None:
-    """c with the compiler's memory, its batch moved to the largest that fits: the compiler's temporaries are
-    scaled with the batch to predict it, then that batch is compiled (and one step down if it does not fit)."""
+def heavier_policies(c: Candidate) -> list[str]:
+    """The remat policies that keep less than c's, nearest first (the fallback when c does not fit)."""
+    return list(REMAT_POLICIES[:REMAT_POLICIES.index(c.remat)])[::-1]
+
+
+def confirm(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str,
+            move_batch: bool) -> Candidate | None:
+    """c confirmed by the compiler (its batch moved when `move_batch`); when the compiler says it does not fit,
+    the same mesh and batch with the next remat policy that keeps less, until one fits."""
+    for policy in [c.remat, *heavier_policies(c)]:
+        if policy != c.remat:
+            same = [x for x in mesh_candidates(cfg, count_params(cfg.model), hw, c.mesh, [c.tokens_per_device],
+                                               [c.repeats]) if x.remat == policy]
+            if not same:
+                continue
+            print(f"  trying remat_policy={policy} on the same mesh", flush=True)
+            c = dataclasses.replace(same[0], budget=c.budget)
+        done = fit_batch(base, c, cfg, hw, out_dir, label, move_batch)
+        if done:
+            return done
+    return None
+
+
+def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str,
+              move_batch: bool = True) -> Candidate | None:
+    """c with the compiler's memory, its batch moved to the largest that fits (unless `move_batch` is false: a
+    --tokens-per-device plan keeps its batch): the compiler's temporaries are scaled with the batch to predict
+    it, then that batch is compiled (and one step down if it does not fit)."""
     r = aot_compile(base, c, cfg, hw, out_dir, label)
     if not r:
         return None
+    if not move_batch:
+        return dataclasses.replace(c, memory=r["total_bytes"], compiled=True) if r["fits"] else None
     length, budget = cfg.data.max_target_length, r["budget_bytes"]
     options = token_options(cfg, hw, 0)
     fixed = r["total_bytes"] - r["temp_bytes"]
@@ -89,7 +117,8 @@ def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, labe
         if r2 and r2["fits"]:
             return dataclasses.replace(moved, memory=r2["total_bytes"], compiled=True)
         if not r["fits"] and options.index(target) > 0:
-            return fit_batch(base, rescore(cfg, hw, c, options[options.index(target) - 1]), cfg, hw, out_dir, label)
+            smaller = rescore(cfg, hw, c, options[options.index(target) - 1])
+            return fit_batch(base, smaller, cfg, hw, out_dir, label) if smaller else None
     return dataclasses.replace(c, memory=r["total_bytes"], compiled=True) if r["fits"] else None
 
 
@@ -139,7 +168,7 @@ def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
     confirmed = []
     with tempfile.TemporaryDirectory() as tmp:
         for i, c in enumerate(cands, 1):
-            done = fit_batch(base, c, cfg, hw, Path(tmp), f"{i}/{len(cands)}")
+            done = confirm(base, c, cfg, hw, Path(tmp), f"{i}/{len(cands)}", move_batch=not args.tokens_per_device)
             if done:
                 confirmed.append(done)
     if not confirmed:
