@@ -75,8 +75,6 @@ from typing import Iterator
 from tessera.config import Config, ConfigError
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.hardware import DCN_BYTES_PER_S, GPUS_PER_NODE, tpu_slice
-from tessera.metrics import training_flops_per_step
-from tessera.models.moe import expert_capacity
 from tessera.tools.cli import config_epilog
 from tessera.tools.estimate import (
     DTYPE_BYTES, Hardware, ParamCounts, count_params, estimate_memory, load_model_config, mesh_sizes,
@@ -325,6 +323,9 @@ def executed_ratio(cfg: Config) -> float:
     m, length = cfg.model, cfg.data.max_target_length
     if m.num_experts <= 1 or m.sparse_matmul or m.megablox:
         return 1.0
+    from tessera.metrics import training_flops_per_step  # imported here: `--help` runs without jax
+    from tessera.models.moe import expert_capacity
+
     counted = training_flops_per_step(m, 1, length) / length / 3  # forward FLOPs per token
     k = min(m.num_experts_per_tok, m.num_experts)
     routed = 2 * k * count_params(m).per_expert_mlp  # the chosen experts' forward FLOPs per token
