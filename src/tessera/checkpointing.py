@@ -212,6 +212,7 @@ class Checkpointer:
         self.incomplete = set_aside_incomplete(self.directory)
         _quiet_orbax_error_logs()
         self._saving: int | None = None  # the step whose (async) save was started last
+        self._failed = False  # a save failed (its partial folder is set aside again at close)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if cfg.max_num_checkpoints_to_keep < 1 else cfg.max_num_checkpoints_to_keep,
             enable_async_checkpointing=cfg.async_checkpointing,
@@ -253,13 +254,15 @@ class Checkpointer:
             self.wait()
         finally:
             self.manager.close()
+            if self._failed:  # a writer thread of the failed save may have re-created its folder after it was
+                set_aside_incomplete(self.directory)  # set aside; closing the manager has joined them all
 
     @contextlib.contextmanager
     def _failing_save(self, step: int | None):
         try:
             yield
         except Exception as e:  # noqa: BLE001 - any failed write loses the step: report it as one error
-            self._saving = None
+            self._saving, self._failed = None, True
             raise self._save_error(step, e) from None
 
     def _save_error(self, step: int | None, e: Exception) -> CheckpointSaveError:
