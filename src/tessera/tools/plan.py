@@ -326,14 +326,14 @@ def executed_ratio(cfg: Config) -> float:
     from tessera.metrics import training_flops_per_step  # imported here: `--help` runs without jax
     from tessera.models.moe import expert_capacity
 
+    counts = count_params(m)
     counted = training_flops_per_step(m, 1, length) / length / 3  # forward FLOPs per token
     k = min(m.num_experts_per_tok, m.num_experts)
-    routed = 2 * k * count_params(m).per_expert_mlp  # the chosen experts' forward FLOPs per token
+    routed = 2 * k * counts.per_expert_mlp  # the chosen experts' forward FLOPs per token
     slots = expert_capacity(length, m)  # per expert and sequence
     padding = routed * (m.num_experts * slots / (k * length) - 1)
     dispatch = 4 * m.num_experts * slots * m.emb_dim
-    layers = (m.num_decoder_layers - (m.first_num_dense_layers if m.decoder_block == "deepseek" else 0))
-    return 1.0 + layers * (padding + dispatch) / counted
+    return 1.0 + counts.expert_layers * (padding + dispatch) / counted
 
 
 def estimate_mfu(axes: tuple[Axis, ...], bubble: float, recomputed: float, executed: float = 1.0) -> float:
@@ -401,11 +401,10 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
 def config_mesh(cfg: Config, hw: Hardware) -> Mesh:
     """The mesh `cfg` asks for on `hw` (-1 entries filled in as tessera.mesh fills them)."""
     sizes = mesh_sizes(cfg, hw)
-    dcn = {a: max(1, getattr(cfg.mesh, f"dcn_{KEY[a]}_parallelism")) for a in ICI_AXES}
-    ici = {a: sizes[a] // dcn[a] for a in ICI_AXES}
     if hw.accelerator.torus_dims == 0:
         return gpu_split(sizes)
-    return Mesh(ici, {a: dcn[a] for a in DCN_AXES})
+    dcn = {a: max(1, getattr(cfg.mesh, f"dcn_{KEY[a]}_parallelism")) for a in ICI_AXES}
+    return Mesh({a: sizes[a] // dcn[a] for a in ICI_AXES}, {a: dcn[a] for a in DCN_AXES})
 
 
 def own_candidates(cfg: Config, hw: Hardware) -> dict[str, Candidate]:
