@@ -25,7 +25,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Mapping
+from typing import Mapping, NoReturn
 
 import jax
 
@@ -228,12 +228,25 @@ class HangWatchdog:
             idle = time.monotonic() - self._last
             if idle > self.timeout:
                 waited = f"{idle:.1f}" if idle < 100 else f"{idle:.0f}"  # sub-second timeouts show as 0.3, not 0
-                print(f"hang watchdog: no training step finished in {waited} s (step_timeout_seconds="
-                      f"{self.timeout:g}); Python stacks of every thread follow, then exit code {EXIT_HANG}",
-                      file=sys.stderr, flush=True)
-                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                sys.stderr.flush()
-                os._exit(EXIT_HANG)
+                self._end(f"no training step finished in {waited} s (step_timeout_seconds={self.timeout:g}); "
+                          "Python stacks of every thread follow", stacks=True)
+
+    def fail(self, reason: str) -> NoReturn:
+        """End the process now, as when the watchdog fires, for a step of a multi-process job that
+        failed instead of hanging (a collective whose peer is gone raises on some runs and blocks on
+        others). Leaving normally would run JAX's shutdown barrier, which waits for the lost process
+        until the heartbeat timeout and then aborts the process (SIGABRT, no exit code of ours)."""
+        self._end(reason, stacks=False)
+
+    @staticmethod
+    def _end(reason: str, stacks: bool) -> NoReturn:
+        then = ", then" if stacks else ";"
+        print(f"hang watchdog: {reason}{then} exit code {EXIT_HANG}", file=sys.stderr, flush=True)
+        if stacks:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_HANG)
 
     def __exit__(self, *exc):
         self._stop.set()

@@ -5,7 +5,7 @@ compiled step -> loop with metrics and checkpoints -> report.
 Exit codes (the table is in getting_started/Checkpointing.md): 0 finished; 2 bad config, input
 data, output folder or checkpoint (earlier checkpoints are kept); 3 non-finite loss or gradient
 with on_nonfinite_loss=stop; 4 multi-process start-up failed; 5 hang watchdog (no step within
-step_timeout_seconds); 6 a checkpoint could not be saved (disk full, permissions); 130 stopped by
+step_timeout_seconds, or a multi-process step failed in a collective); 6 a checkpoint could not be saved (disk full, permissions); 130 stopped by
 SIGINT (Ctrl-C) and 143 by SIGTERM, after saving a checkpoint (128 + the signal's number).
 """
 
@@ -200,31 +200,48 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     try:
         with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
             stats_reader = _StatsReader(cfg, writer, meter, profiler, watchdog, ckpt)
-            for step in range(start_step + 1, cfg.run.steps + 1):
-                profiler.before_step(step)
-                state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding, plan.global_batch))
-                # The step runs on the device while the host reads the previous step's stats and
-                # prepares the next batch: metrics are logged one step late (METRICS_LAG).
-                stats_reader.add(step, stats)
-                stats_reader.finish(keep=METRICS_LAG)
-                evaluating = evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps)
-                stopping = stop.stop_after(step)
-                saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stopping)
-                if evaluating or saving or stopping or step == cfg.run.steps:
-                    stats_reader.finish()  # a non-finite step stops the run before anything is evaluated or saved
-                if evaluating:
-                    writer.write_eval(evaluator.run(step, state["params"]))
-                    watchdog.beat()
-                if saving:
-                    ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
-                elif ckpt:
-                    ckpt.check()  # a background save that failed stops the run now, not at the next save
-                if stopping:
-                    _stop_after_signal(step, stop, ckpt)
+            step = start_step
+            try:
+                for step in range(start_step + 1, cfg.run.steps + 1):
+                    profiler.before_step(step)
+                    batch = place_batch(data, next(data), trainer.batch_sharding, plan.global_batch)
+                    state, stats = step_fn(state, batch)
+                    # The step runs on the device while the host reads the previous step's stats and
+                    # prepares the next batch: metrics are logged one step late (METRICS_LAG).
+                    stats_reader.add(step, stats)
+                    stats_reader.finish(keep=METRICS_LAG)
+                    evaluating = evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps)
+                    stopping = stop.stop_after(step)
+                    saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps
+                                       or stopping)
+                    if evaluating or saving or stopping or step == cfg.run.steps:
+                        stats_reader.finish()  # a non-finite step stops the run before anything is evaluated or saved
+                    if evaluating:
+                        writer.write_eval(evaluator.run(step, state["params"]))
+                        watchdog.beat()
+                    if saving:
+                        ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
+                    elif ckpt:
+                        ckpt.check()  # a background save that failed stops the run now, not at the next save
+                    if stopping:
+                        _stop_after_signal(step, stop, ckpt)
+            except jax.errors.JaxRuntimeError as e:
+                if jax.process_count() == 1:
+                    raise
+                watchdog.fail(_failed_step_message(step, e))
     finally:
         profiler.stop()
         writer.close()
     return _write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step)
+
+
+def _failed_step_message(step: int, error: Exception) -> str:
+    """What the survivors of a multi-process job say when a step raises instead of hanging."""
+    said = " ".join(str(error).split())[:400]
+    return (f"step {step} of this {jax.process_count()}-process job failed on the device or in a collective "
+            f"(JAX said: {said}). Most often another process of the job died or lost its network: its log says "
+            "why. Ending this process now rather than in JAX's shutdown barrier, which would wait for the lost "
+            "process and then abort")
 
 
 # Steps whose stats the loop leaves unread while the next step runs: 1 keeps the device busy (the
