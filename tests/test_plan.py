@@ -10,11 +10,10 @@ import pytest
 
 from conftest import REPO
 from test_estimate import SEED_004
-from tessera.hardware import DCN_BYTES_PER_S, GIB, GPUS
+from tessera.hardware import DCN_BYTES_PER_S, GPUS
 from tessera.tools.estimate import count_params, load_model_config, parse_hardware
-from tessera.tools.plan import (
-    BASE_MFU, DCN_AXES, ICI_AXES, TENSOR_MFU, Candidate, Mesh, executed_ratio, ici_links, main, mesh_candidates, plan, search,
-)
+from tessera.tools.plan import DCN_AXES, ICI_AXES, Candidate, Mesh, main, mesh_candidates, plan, search
+from tessera.tools.plan_model import BASE_MFU, TENSOR_MFU, executed_ratio, ici_links
 
 RUN = ["max_target_length=2048", "dtype=bfloat16", "attention=flash"]  # the guide's runs: splash attention, bf16
 
