@@ -84,31 +84,12 @@ def test_unreachable_coordinator_fails_clearly(tmp_path):
     assert time.time() - start < 90
 
 
-def test_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
+def _kill_process_1_after_two_steps(tmp_path, step_timeout: int, extra_env=None) -> tuple[int, str, float]:
+    """Start a 2-process job, SIGKILL process 1 once two steps are logged; process 0's exit code,
+    stderr and seconds from the kill to its exit."""
     port = _free_port()
-    procs = [_start(rank, port, tmp_path, "steps=100000", "step_timeout_seconds=10",
-                    "enable_checkpointing=false") for rank in (0, 1)]
-    metrics = tmp_path / "mp" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        time.sleep(0.2)
-    assert metrics.exists(), procs[0].communicate(timeout=5)[1][-3000:]
-    procs[1].send_signal(signal.SIGKILL)
-    start = time.time()
-    (code, err), _ = _finish(procs, timeout=120)
-    assert code == 5, err[-3000:]
-    assert "hang watchdog" in err and time.time() - start < 60
-
-
-def test_a_collective_that_raises_after_a_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
-    # A collective whose peer is killed blocks on most runs (the test above) and raises on others
-    # (gloo: "Connection reset by peer"). XLA:CPU's collective timeout makes it raise on every run.
-    # Leaving normally would then wait in JAX's shutdown barrier for the dead process until the
-    # heartbeat timeout (100 s) and abort (SIGABRT, exit -6): what CI once saw in the test above.
-    port = _free_port()
-    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=3"}
-    procs = [_start(rank, port, tmp_path, "steps=100000", "step_timeout_seconds=90", "enable_checkpointing=false",
-                    extra_env=flags) for rank in (0, 1)]
+    procs = [_start(rank, port, tmp_path, "steps=100000", f"step_timeout_seconds={step_timeout}",
+                    "enable_checkpointing=false", extra_env=extra_env) for rank in (0, 1)]
     metrics = tmp_path / "mp" / "metrics.jsonl"
     deadline = time.time() + 240
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
@@ -117,11 +98,27 @@ def test_a_collective_that_raises_after_a_lost_peer_ends_the_survivor_with_the_w
     procs[1].send_signal(signal.SIGKILL)
     start = time.time()
     (code, err), _ = _finish(procs, timeout=150)
+    return code, err, time.time() - start
+
+
+def test_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
+    code, err, seconds = _kill_process_1_after_two_steps(tmp_path, step_timeout=10)
+    assert code == 5, err[-3000:]
+    assert "hang watchdog" in err and seconds < 60
+
+
+def test_a_collective_that_raises_after_a_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
+    # A collective whose peer is killed blocks on most runs (the test above) and raises on others
+    # (gloo: "Connection reset by peer"). XLA:CPU's collective timeout makes it raise on every run.
+    # Leaving normally would then wait in JAX's shutdown barrier for the dead process until the
+    # heartbeat timeout (100 s) and abort (SIGABRT, exit -6): what CI once saw in the test above.
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=3"}
+    code, err, seconds = _kill_process_1_after_two_steps(tmp_path, step_timeout=90, extra_env=flags)
     assert code == 5, err[-3000:]
     line = next(line for line in err.splitlines() if line.startswith("hang watchdog:"))
     assert re.search(r"step \d+ of this 2-process job failed on the device or in a collective \(JAX said: .+\)", line)
     assert line.endswith("exit code 5") and "Traceback" not in err
-    assert time.time() - start < 60  # well before the watchdog's 90 s: the error ended it
+    assert seconds < 60  # well before the watchdog's 90 s: the error ended it
 
 
 def test_watchdog_dumps_stacks_and_exits(tmp_path):
