@@ -5,8 +5,9 @@ compiled step -> loop with metrics and checkpoints -> report.
 Exit codes (the table is in getting_started/Checkpointing.md): 0 finished; 2 bad config, input
 data, output folder or checkpoint (earlier checkpoints are kept); 3 non-finite loss or gradient
 with on_nonfinite_loss=stop; 4 multi-process start-up failed; 5 hang watchdog (no step within
-step_timeout_seconds, or a multi-process step failed in a collective); 6 a checkpoint could not be saved (disk full, permissions); 130 stopped by
-SIGINT (Ctrl-C) and 143 by SIGTERM, after saving a checkpoint (128 + the signal's number).
+step_timeout_seconds, or a multi-process step failed in a collective); 6 a checkpoint could not be
+saved (disk full, permissions); 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM, after saving a
+checkpoint (128 + the signal's number).
 """
 
 from __future__ import annotations
@@ -197,38 +198,35 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
         plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
         write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir)
     meter, profiler, config_json = StepMeter(trainer), Profiler(cfg, run_dir), flat_dict(cfg)
+    step = start_step
     try:
         with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
             stats_reader = _StatsReader(cfg, writer, meter, profiler, watchdog, ckpt)
-            step = start_step
-            try:
-                for step in range(start_step + 1, cfg.run.steps + 1):
-                    profiler.before_step(step)
-                    batch = place_batch(data, next(data), trainer.batch_sharding, plan.global_batch)
-                    state, stats = step_fn(state, batch)
-                    # The step runs on the device while the host reads the previous step's stats and
-                    # prepares the next batch: metrics are logged one step late (METRICS_LAG).
-                    stats_reader.add(step, stats)
-                    stats_reader.finish(keep=METRICS_LAG)
-                    evaluating = evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps)
-                    stopping = stop.stop_after(step)
-                    saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps
-                                       or stopping)
-                    if evaluating or saving or stopping or step == cfg.run.steps:
-                        stats_reader.finish()  # a non-finite step stops the run before anything is evaluated or saved
-                    if evaluating:
-                        writer.write_eval(evaluator.run(step, state["params"]))
-                        watchdog.beat()
-                    if saving:
-                        ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
-                    elif ckpt:
-                        ckpt.check()  # a background save that failed stops the run now, not at the next save
-                    if stopping:
-                        _stop_after_signal(step, stop, ckpt)
-            except jax.errors.JaxRuntimeError as e:
-                if jax.process_count() == 1:
-                    raise
-                watchdog.fail(_failed_step_message(step, e))
+            for step in range(start_step + 1, cfg.run.steps + 1):
+                profiler.before_step(step)
+                state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding, plan.global_batch))
+                # The step runs on the device while the host reads the previous step's stats and
+                # prepares the next batch: metrics are logged one step late (METRICS_LAG).
+                stats_reader.add(step, stats)
+                stats_reader.finish(keep=METRICS_LAG)
+                evaluating = evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps)
+                stopping = stop.stop_after(step)
+                saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stopping)
+                if evaluating or saving or stopping or step == cfg.run.steps:
+                    stats_reader.finish()  # a non-finite step stops the run before anything is evaluated or saved
+                if evaluating:
+                    writer.write_eval(evaluator.run(step, state["params"]))
+                    watchdog.beat()
+                if saving:
+                    ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
+                elif ckpt:
+                    ckpt.check()  # a background save that failed stops the run now, not at the next save
+                if stopping:
+                    _stop_after_signal(step, stop, ckpt)
+    except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
+        if jax.process_count() == 1:
+            raise
+        watchdog.fail(_failed_step_message(step, e))
     finally:
         profiler.stop()
         writer.close()
