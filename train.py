@@ -12,6 +12,9 @@ if __name__ == "__main__":
     from tessera.platforms import use_cpu_on_hosts_without_accelerators
 
     use_cpu_on_hosts_without_accelerators()
+    from tessera.host_malloc import reexec
+
+    reexec()  # CPU runs: start again with mimalloc preloaded (each step's buffers stay mapped)
     from tessera.train import main
 
     sys.exit(main(sys.argv[1:]))

@@ -11,7 +11,9 @@ Extra key=value arguments override trainer settings (e.g. remat_policy=full) but
 workload's shapes. The JSON holds, per dtype, the trainer's medians and their ratio to the
 FLOP/s of a large float32 matmul measured in the same process (the fraction of the practical
 peak), and bf16's speed relative to f32, next to the same ratio for the matmul alone (the
-backend's bfloat16 matmul against its float32 one: what bf16 compute can gain at most here).
+backend's bfloat16 matmul against its float32 one: what bf16 compute can gain at most here), and
+the host allocator the process ran with (`host_malloc`: mimalloc, as train.py uses on CPU, or
+`system` with TESSERA_HOST_MALLOC=system, the baseline before it).
 It says what it is doing as it goes: each phase, then the trainer's line per step (about six
 minutes in all on 2 cores).
 """
@@ -45,7 +47,6 @@ TUNED = dict(remat_policy="none", scan_layers=False, attention="dot_product", en
 def matmul_tflops(n: int = 2048, repeats: int = 10, dtype: str = "float32") -> float:
     """Median TFLOP/s of an n x n x n matmul in `dtype` (inputs and output) on the default device."""
     import jax
-    import jax.numpy as jnp
 
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
@@ -76,6 +77,9 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_llama.json"))
     args, overrides = parser.parse_known_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from tessera import host_malloc
+
+    host_malloc.reexec()  # as train.py does: mimalloc preloaded unless TESSERA_HOST_MALLOC=system
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("tessera").setLevel(logging.INFO)  # the trainer's line per step
 
@@ -87,6 +91,7 @@ def main() -> None:
     if clash:
         parser.error(f"these keys define the fixed workload and cannot be overridden: {sorted(clash)}")
     dtypes = [settings.pop("dtype")] if "dtype" in settings else ["float32", "bfloat16"]
+    phase(f"host malloc: {host_malloc.describe()}")
     peak_before = measured_peak("before")
     # the backend's own bfloat16 matmul against its float32 one: the most bf16 compute can gain here
     bf16_before = measured_peak("before", "bfloat16") if "bfloat16" in dtypes else None
@@ -117,6 +122,7 @@ def main() -> None:
         "workload": WORKLOAD,
         "settings": settings,
         "steps": args.steps,
+        "host_malloc": host_malloc.in_use(),
         "flops_per_step": next(iter(reports.values()))["flops_per_step"],
         "matmul_tflops_per_sec": peak,
         "matmul_tflops_per_sec_before_after": [peak_before, peak_after],

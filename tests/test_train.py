@@ -144,6 +144,8 @@ def test_train_py_end_to_end(tmp_path):
     assert list((run_dir / "profile").rglob("*.xplane.pb"))
     assert (run_dir / "config.yml").is_file()
     assert "step     4 | loss" in proc.stderr
+    # a CPU run restarts itself with mimalloc preloaded (Linux; the lock installs cmeel-mimalloc there)
+    assert f"host malloc: {'mimalloc' if sys.platform == 'linux' else 'system'}" in proc.stderr
 
 
 @pytest.mark.parametrize("bad, error", [

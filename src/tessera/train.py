@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import yaml
 
-from tessera import metrics
+from tessera import host_malloc, metrics
 from tessera.checkpointing import (
     Checkpointer, CheckpointError, CheckpointSaveError, check_writable, load_full_state, load_parameters,
 )
@@ -362,6 +362,7 @@ def main(argv: list[str]) -> int:
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("run_%Y%m%d_%H%M%S")
         log.info("config (differs from base.yml): %s", format_changed_keys(cfg))
+        log.info("host malloc: %s", host_malloc.describe())
         initialize()
         run(cfg)
     except DistributedError as e:
