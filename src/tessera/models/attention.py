@@ -27,8 +27,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
 from tessera.models.kv_cache import KVCache
-from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rope_frequencies, rotary, soft_cap,
-                                   yarn_frequencies)
+from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rope_frequencies, rotary_tables, rotate,
+                                   soft_cap, yarn_frequencies)
 from tessera.mesh import shard_logically
 
 log = logging.getLogger(__name__)
@@ -218,8 +218,8 @@ class Attention(nnx.Module):
         if self.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
         if self.rope_inv_freq:
-            inv_freq = np.asarray(self.rope_inv_freq, np.float32)
-            q, k = rotary(q, positions_bt, inv_freq), rotary(k, positions_bt, inv_freq)
+            tables = rotary_tables(positions_bt, np.asarray(self.rope_inv_freq, np.float32))
+            q, k = rotate(q, tables), rotate(k, tables)
         q = shard_logically(q, ("batch", "length", "act_heads", None))
         k = shard_logically(k, ("batch", "length", "act_kv_heads", None))
         v = shard_logically(v, ("batch", "length", "act_kv_heads", None))

@@ -35,7 +35,7 @@ from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
 from tessera.models.attention import Attention, masked_attention, rope_frequencies_of
 from tessera.models.kv_cache import KVCache
-from tessera.models.layers import RMSNorm, fan_in_std, param, project, rotary, yarn_score_scale
+from tessera.models.layers import RMSNorm, fan_in_std, param, project, rotary_tables, rotate, yarn_score_scale
 
 
 class MlaAttention(Attention):
@@ -69,17 +69,17 @@ class MlaAttention(Attention):
         hn, hr, hv, r = self.dims
         w = lambda p: p[...].astype(self.dtype)  # noqa: E731
         quant = self.cfg.quantization
-        inv_freq = np.asarray(self.rope_inv_freq, np.float32)
+        tables = rotary_tables(positions_bt, np.asarray(self.rope_inv_freq, np.float32))
         if hasattr(self, "wq_a_dr"):
             q = project("btr,rnh->btnh", self.q_norm(project("btd,dr->btr", x_btd, w(self.wq_a_dr), quantization=quant)),
                         w(self.wq_b_rnh), quantization=quant)
         else:
             q = project("btd,dnh->btnh", x_btd, w(self.wq_dnh), quantization=quant)
-        q = jnp.concatenate([q[..., :hn], rotary(q[..., hn:], positions_bt, inv_freq)], axis=-1)
+        q = jnp.concatenate([q[..., :hn], rotate(q[..., hn:], tables)], axis=-1)
         q = shard_logically(checkpoint_name(q, "query_proj"), ("batch", "length", "act_heads", None))
         kv = project("btd,dr->btr", x_btd, w(self.wkv_a_dr), quantization=quant)
         latent_btr = self.kv_norm(kv[..., :r])
-        k_rope_bth = rotary(kv[..., None, r:], positions_bt, inv_freq)[:, :, 0]
+        k_rope_bth = rotate(kv[..., None, r:], tables)[:, :, 0]
         if kv_cache is not None:
             kv_cache = kv_cache.write(latent_btr[:, :, None], k_rope_bth[:, :, None], positions_bt, segment_ids_bt)
             latent_btr, k_rope_bth = kv_cache.keys(q.dtype)[:, :, 0], kv_cache.values(q.dtype)[:, :, 0]
