@@ -29,7 +29,7 @@ from tessera.config import ModelConfig
 from tessera.models.kv_cache import KVCache
 from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rope_frequencies, rotary_tables, rotate,
                                    soft_cap, yarn_frequencies)
-from tessera.mesh import shard_logically
+from tessera.mesh import shard_logically, traced_platform
 
 log = logging.getLogger(__name__)
 
@@ -106,20 +106,31 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     MAX_CHUNKS chunks; longer sequences get longer chunks, which keeps compiles short), each
     against only the keys it can see (up to its end, and from its start - window on), which
     skips the fully masked blocks of the score matrix ((C+1)/2C of the work for C chunks).
+
+    On XLA:CPU, bfloat16 queries, keys and values are widened to float32 once, before the
+    chunks: `project` multiplies float32 copies there anyway, and this way the gradients of keys
+    and values, sums over the chunks, add up in float32 and are rounded once, and the queries'
+    gradient is put together from its chunks without conversions (left in bfloat16, those sums
+    and conversions took 240 ms of a 2.8 s step of `benchmarks/cpu_llama.py`). The forward pass
+    is unchanged: probabilities and outputs are rounded to the compute dtype as before.
     """
     b, t, n, h = q_btnh.shape
     kv_heads = k_bskh.shape[2]
+    dtype = q_btnh.dtype
+    if dtype == jnp.bfloat16 and traced_platform() == "cpu":
+        q_btnh, k_bskh, v_bskh = (a.astype(jnp.float32) for a in (q_btnh, k_bskh, v_bskh))
     q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
     k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
     chunk = max(QUERY_CHUNK, t // MAX_CHUNKS)
     chunk = chunk if t == k_bskh.shape[1] and t % chunk == 0 else t
-    mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window)
+    mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window, dtype)
     outs = []
-    for start in range(0, t, chunk):
+    # split, not sliced: the gradient of a split is one concatenation (of slices, a sum of padded copies)
+    for start, q_chunk in zip(range(0, t, chunk), jnp.split(q_bkgth, t // chunk, axis=3)):
         end = start + chunk
         keys_end = end if chunk < t else k_bksh.shape[2]
         keys_start = max(0, start - window + 1) if window and chunk < t else 0
-        outs.append(_attend(q_bkgth[:, :, :, start:end], k_bksh[:, :, keys_start:keys_end],
+        outs.append(_attend(q_chunk, k_bksh[:, :, keys_start:keys_end],
                             v_bksh[:, :, keys_start:keys_end], segment_q_bt[:, start:end],
                             segment_k_bs[:, keys_start:keys_end], start - keys_start, *mask_args))
     out_bkgth = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
@@ -127,22 +138,24 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
 
 
 def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int, scale: float, cap: float,
-            window: int):
+            window: int, dtype):
     """Masked softmax attention of queries at index q_offset.. against keys at index 0..S-1."""
     t, s = q_bkgth.shape[3], k_bksh.shape[2]
     distance_ts = (jnp.arange(t)[:, None] + q_offset) - jnp.arange(s)[None, :]
     visible_ts = (distance_ts >= 0) & ((distance_ts < window) if window else True)
     same_segment_bts = segment_q_bt[:, :, None] == segment_k_bs[:, None, :]
-    return _softmax_attend(q_bkgth, k_bksh, v_bksh, visible_ts[None] & same_segment_bts, scale, cap)
+    return _softmax_attend(q_bkgth, k_bksh, v_bksh, visible_ts[None] & same_segment_bts, scale, cap, dtype)
 
 
-def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float):
-    """Scaled (and soft-capped) scores, masked by `mask_bts`, float32 softmax, weighted values."""
+def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float, dtype=None):
+    """Scaled (and soft-capped) scores, masked by `mask_bts`, float32 softmax, weighted values;
+    probabilities and output in `dtype` (default: the queries' dtype)."""
+    dtype = dtype or q_bkgth.dtype
     scores = project("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32) * scale
     scores = soft_cap(scores, cap)
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bksh.dtype)
-    return project("bkgts,bksh->bkgth", probs, v_bksh)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    return project("bkgts,bksh->bkgth", probs, v_bksh).astype(dtype)
 
 
 def masked_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale: float, logits_soft_cap: float = 0.0):
