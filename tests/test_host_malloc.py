@@ -93,3 +93,30 @@ def test_a_bad_allocator_name_stops_train_py_with_one_line_and_exit_code_2(tmp_p
     assert proc.stderr.strip() == ("config error: TESSERA_HOST_MALLOC='tcmalloc' is not one of mimalloc, system "
                                    "(unset it for mimalloc, the default on CPU runs)")
     assert not list(tmp_path.iterdir())
+
+
+def test_python_m_tessera_train_goes_through_the_same_restart(tmp_path):
+    """`python3 -m tessera.train` restarts itself as train.py does (a bad allocator name proves it reached
+    the restart: one line, exit code 2, before any config is read)."""
+    proc = subprocess.run([sys.executable, "-m", "tessera.train", str(REPO / "configs" / "base.yml")],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "TESSERA_HOST_MALLOC": "tcmalloc",
+                               "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("config error: TESSERA_HOST_MALLOC='tcmalloc'")
+
+
+@linux_only
+def test_the_log_line_says_why_a_process_runs_on_the_system_allocator(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.delenv("TESSERA_HOST_MALLOC", raising=False)
+    monkeypatch.delenv("_TESSERA_HOST_MALLOC_PRELOADED", raising=False)
+    monkeypatch.setattr(host_malloc, "in_use", lambda: "system")  # as if the library were not mapped
+    monkeypatch.setattr(host_malloc, "_reexec_called", False)
+    assert host_malloc.describe() == ("system; this process did not restart itself with it "
+                                      "(train.py and python3 -m tessera.train do)")
+    monkeypatch.setattr(host_malloc, "_reexec_called", True)  # restarted, yet not mapped: the loader refused it
+    assert host_malloc.describe() == (f"system; {host_malloc.library()} was not loaded; "
+                                      "see the loader's message at start-up")
+    monkeypatch.setenv("TESSERA_HOST_MALLOC", "system")
+    assert host_malloc.describe() == "system; TESSERA_HOST_MALLOC=system"

@@ -41,6 +41,7 @@ DEFAULTS = {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_THP": "0"}
 # Set by the process that restarts itself, read (and removed) by the restarted one.
 _PRELOADED_VAR = "_TESSERA_HOST_MALLOC_PRELOADED"
 _PREVIOUS_PRELOAD_VAR = "_TESSERA_HOST_MALLOC_PREVIOUS_LD_PRELOAD"
+_reexec_called = False  # whether this process went through `reexec` (describe says so when it did not)
 
 
 class HostMallocError(ValueError):
@@ -94,6 +95,8 @@ def reexec() -> None:
     """Start this command again with mimalloc preloaded when `plan` says so (see the module
     docstring); in the restarted process, put LD_PRELOAD back. Call it before importing JAX. A bad
     TESSERA_HOST_MALLOC ends the process with exit code 2 and one line."""
+    global _reexec_called
+    _reexec_called = True
     if _PRELOADED_VAR in os.environ:
         previous = os.environ.pop(_PREVIOUS_PRELOAD_VAR, "")
         if previous:
@@ -134,6 +137,8 @@ def describe() -> str:
         env, why = plan(dict(os.environ))
     except HostMallocError as e:
         env, why = None, str(e)
-    if env is not None:  # it would be preloaded, yet is not mapped: the dynamic loader refused it
+    if env is not None and not _reexec_called:  # started some other way than through train.py
+        why = "this process did not restart itself with it (train.py and python3 -m tessera.train do)"
+    elif env is not None:  # it would be preloaded, yet is not mapped: the dynamic loader refused it
         why = f"{env[_PRELOADED_VAR]} was not loaded; see the loader's message at start-up"
     return f"system; {why}"

@@ -385,5 +385,11 @@ def main(argv: list[str]) -> int:
     return EXIT_OK
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python3 -m tessera.train: as train.py at the repository's root
+    from tessera.platforms import use_cpu_on_hosts_without_accelerators
+    from tessera.tools.cli import exit_if_help, train_help
+
+    exit_if_help(sys.argv[1:], train_help)
+    use_cpu_on_hosts_without_accelerators()
+    host_malloc.reexec()  # JAX is imported but has not started: restarting the process is still clean
     sys.exit(main(sys.argv[1:]))
