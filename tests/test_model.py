@@ -351,6 +351,20 @@ def test_cpu_weight_gradients_run_in_ynnpack_fusions():
     assert plain_dots(lambda x_, w_: project("btd,df->btf", x_, w_)) == 0
 
 
+def test_cpu_weight_gradient_transposes_the_small_result_not_the_large_activation():
+    """The MLP's down projection (x [B, T, F] larger than its output [B, T, D]): the weight
+    gradient is g^T x, made as [D, F] and transposed to w's [F, D]. XLA:CPU must not swap the
+    operands to make [F, D] directly, which transposed all of x ([F, B*T]) in every layer."""
+    from tessera.models.layers import project
+
+    x, w = jnp.ones((4, 128, 384)), jnp.ones((384, 96))
+    hlo = jax.jit(jax.grad(lambda x_, w_: jnp.sum(project("btf,fd->btd", x_, w_) ** 2), argnums=(0, 1))
+                  ).lower(x, w).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert not re.findall(r"= f32\[384,512\]", entry), "x was transposed for the weight gradient"
+    assert re.findall(r"= f32\[96,384\]", entry)  # the product in the matmul's order, then transposed
+
+
 @pytest.mark.parametrize("policy", ["none", "full", "save_dot_except_mlp", "custom"])
 def test_bfloat16_training_gradients_follow_float32(policy):
     """The tiny model's bfloat16 gradient (float32 weight gradients on CPU, see `project`)

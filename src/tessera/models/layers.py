@@ -93,12 +93,17 @@ def _canonical_operand_grad(spec: str, x, w, g):
         return jax.lax.optimization_barrier(jnp.transpose(a, [have.index(c) for c in want]))
 
     if x.size <= g.size:  # x^T g: [batch, from_x, summed] x [batch, summed, from_g]
-        lhs_axes, rhs_axes = batch + from_x + summed, batch + summed + from_g
+        lhs_axes, rhs_axes, product = batch + from_x + summed, batch + summed + from_g, batch + from_x + from_g
         lhs, rhs = arranged(x, xs, lhs_axes), arranged(g, out, rhs_axes)
     else:  # g^T x: [batch, from_g, summed] x [batch, summed, from_x]
-        lhs_axes, rhs_axes = batch + from_g + summed, batch + summed + from_x
+        lhs_axes, rhs_axes, product = batch + from_g + summed, batch + summed + from_x, batch + from_g + from_x
         lhs, rhs = arranged(g, out, lhs_axes), arranged(x, xs, rhs_axes)
-    return jnp.einsum(f"{lhs_axes},{rhs_axes}->{ws}", lhs, rhs)
+    # the product in the order the matmul makes it, then (when w's order differs) transposed behind a
+    # barrier: else XLA swaps the operands to produce w's order directly, transposing the larger one
+    grad = jnp.einsum(f"{lhs_axes},{rhs_axes}->{product}", lhs, rhs)
+    if product == ws:
+        return grad
+    return jnp.transpose(jax.lax.optimization_barrier(grad), [product.index(c) for c in ws])
 
 
 def param(rngs: nnx.Rngs, shape: tuple[int, ...], names: tuple[str | None, ...], dtype, std: float | None,
