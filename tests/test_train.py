@@ -229,3 +229,31 @@ def test_main_maps_each_failure_to_one_line_and_its_exit_code(monkeypatch, capsy
     assert tessera.train.main([str(REPO / "configs" / "base.yml"), "run_name=x"]) == code
     err = capsys.readouterr().err
     assert line in err and "Traceback" not in err
+
+
+def test_gradient_clipping_equals_optax_and_keeps_its_state():
+    """tessera.optim.clip_by_global_norm against optax's: bit-identical below the threshold, the
+    same up to the last bit above it, with or without the step's own norm passed in, and the
+    same (empty) state, so checkpoints of the optimizer state keep their structure."""
+    import jax.numpy as jnp
+    import optax
+
+    from tessera.optim import clip_by_global_norm
+
+    rng = np.random.default_rng(0)
+    grads = {"w": jnp.asarray(rng.normal(size=(64, 32)), jnp.float32),
+             "b": jnp.asarray(rng.normal(size=7), jnp.float32)}
+    norm = optax.tree.norm(grads)
+    ours, theirs = clip_by_global_norm, optax.clip_by_global_norm
+    assert jax.tree.structure(ours(1.0).init(grads)) == jax.tree.structure(theirs(1.0).init(grads))
+    for max_norm in (float(norm) * 2, float(norm) / 3):  # not clipped, clipped
+        want, _ = theirs(max_norm).update(grads, theirs(max_norm).init(grads))
+        for got, _ in (ours(max_norm).update(grads, optax.EmptyState()),
+                       ours(max_norm).update(grads, optax.EmptyState(), global_norm=norm)):
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+                if max_norm > float(norm):
+                    np.testing.assert_array_equal(a, b)
+                else:
+                    np.testing.assert_allclose(a, b, rtol=2e-7, atol=0)
+    clipped, _ = ours(float(norm) / 3).update(grads, optax.EmptyState())
+    np.testing.assert_allclose(float(optax.tree.norm(clipped)), float(norm) / 3, rtol=1e-6)

@@ -224,7 +224,7 @@ def make_train_step(trainer: Trainer, seed: int):
 
         def update(operands):
             p, opt = operands
-            updates, opt = optimizer.update(grads, opt, p)
+            updates, opt = optimizer.update(grads, opt, p, global_norm=grad_norm)  # the clip's norm
             p = optax.apply_updates(p, updates)
             if loads is not None:  # auxiliary-loss-free balancing: the choice biases move after the update
                 p = update_routed_bias(p, loads, bias_rate)
