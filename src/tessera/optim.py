@@ -64,7 +64,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
         del params, extra_args
         norm = optax.tree.norm(updates) if global_norm is None else global_norm
         scale = jnp.where(norm < max_norm, jnp.ones_like(norm), max_norm / norm)
-        return jax.tree.map(lambda g: (g * scale.astype(g.dtype)).astype(g.dtype), updates), state
+        return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
 
     return optax.GradientTransformationExtraArgs(init, update)
 

@@ -386,10 +386,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":  # python3 -m tessera.train: as train.py at the repository's root
-    from tessera.platforms import use_cpu_on_hosts_without_accelerators
-    from tessera.tools.cli import exit_if_help, train_help
+    from tessera.tools.cli import prepare_training_process
 
-    exit_if_help(sys.argv[1:], train_help)
-    use_cpu_on_hosts_without_accelerators()
-    host_malloc.reexec()  # JAX is imported but has not started: restarting the process is still clean
+    prepare_training_process(sys.argv[1:])  # JAX is imported but has not started: a restart is still clean
     sys.exit(main(sys.argv[1:]))

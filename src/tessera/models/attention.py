@@ -147,10 +147,9 @@ def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int, 
     return _softmax_attend(q_bkgth, k_bksh, v_bksh, visible_ts[None] & same_segment_bts, scale, cap, dtype)
 
 
-def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float, dtype=None):
+def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float, dtype):
     """Scaled (and soft-capped) scores, masked by `mask_bts`, float32 softmax, weighted values;
-    probabilities and output in `dtype` (default: the queries' dtype)."""
-    dtype = dtype or q_bkgth.dtype
+    probabilities and output in `dtype` (the compute dtype)."""
     scores = project("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32) * scale
     scores = soft_cap(scores, cap)
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
@@ -165,7 +164,7 @@ def masked_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale: float, logits_s
     kv_heads = k_bskh.shape[2]
     q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
     out_bkgth = _softmax_attend(q_bkgth, k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3), mask_bts,
-                                scale, logits_soft_cap)
+                                scale, logits_soft_cap, q_btnh.dtype)
     return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)
 
 

@@ -218,7 +218,8 @@ def yarn_score_scale(factor: float, mscale: float) -> float:
 
 
 def rotary_tables(positions_bt: jax.Array, inv_freq_h: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """(sin, cos) [B, T, 1, H/2] in float32 of the rotary angles positions x inverse wavelengths.
+    """(sin, cos) [B, T, 1, H/2] in float32 of the rotary angles: positions times the inverse
+    wavelengths `inv_freq_h` (from `rope_frequencies`).
 
     The two tables are materialized (behind an optimization barrier) rather than left for XLA to
     fuse into their consumers: fused, every element of the rotated [B, T, N, H] tensor, and of its
@@ -233,23 +234,15 @@ def rotary_tables(positions_bt: jax.Array, inv_freq_h: np.ndarray) -> tuple[jax.
 
 
 def rotate(x_btnh: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Rotates the two halves of the head dimension of `x_btnh` by `rotary_tables`' angles."""
+    """Rotary position embedding: rotates the two halves of the head dimension of `x_btnh` by
+    `rotary_tables`' angles. The half-split layout (pairs (i, i + H/2)) is the one Hugging Face
+    checkpoints use, so converted weights need no permutation."""
     sin, cos = tables
     half = x_btnh.shape[-1] // 2
     x = x_btnh.astype(jnp.float32)
     first, second = x[..., :half], x[..., half:]
     out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
     return out.astype(x_btnh.dtype)
-
-
-def rotary(x_btnh: jax.Array, positions_bt: jax.Array, inv_freq_h: np.ndarray) -> jax.Array:
-    """Rotary position embedding, rotating the two halves of the head dimension.
-
-    The half-split layout (pairs (i, i + H/2)) is the one Hugging Face checkpoints use, so
-    converted weights need no permutation. `inv_freq_h` comes from `rope_frequencies`. Several
-    tensors at the same positions share one `rotary_tables` with `rotate`.
-    """
-    return rotate(x_btnh, rotary_tables(positions_bt, inv_freq_h))
 
 
 ACTIVATIONS = {

@@ -80,6 +80,18 @@ def train_help() -> str:
         keys=TRAIN_KEYS, docs=("README.md", "getting_started/First_run.md", "getting_started/Checkpointing.md"))
 
 
+def prepare_training_process(argv: Sequence[str]) -> None:
+    """What `train.py` and `python3 -m tessera.train` do before JAX starts: answer --help (instant,
+    no device probing), go to the CPU on hosts without accelerators, and on the CPU start again
+    with mimalloc preloaded (`tessera.host_malloc`; a bad TESSERA_HOST_MALLOC exits 2)."""
+    exit_if_help(argv, train_help)
+    from tessera.host_malloc import reexec
+    from tessera.platforms import use_cpu_on_hosts_without_accelerators
+
+    use_cpu_on_hosts_without_accelerators()
+    reexec()
+
+
 def exit_if_help(argv: Sequence[str], text: Callable[[], str]) -> None:
     """Print `text()` and exit 0 when argv asks for help."""
     if wants_help(argv):
