@@ -257,3 +257,78 @@ def test_gradient_clipping_equals_optax_and_keeps_its_state():
                     np.testing.assert_allclose(a, b, rtol=2e-7, atol=0)
     clipped, _ = ours(float(norm) / 3).update(grads, optax.EmptyState())
     np.testing.assert_allclose(float(optax.tree.norm(clipped)), float(norm) / 3, rtol=1e-6)
+
+
+def _one_step_inputs(**overrides):
+    """(config, trainer on one device, initial state, a batch with padding) for the tiny model."""
+    import jax.numpy as jnp
+
+    from tessera.step import create_state
+
+    cfg = tiny_config(**overrides)
+    trainer = setup(cfg, jax.devices()[:1])
+    t = trainer.plan.max_target_length + 1
+    rng = np.random.default_rng(0)
+    segments = np.ones((trainer.plan.global_batch, t), np.int32)
+    segments[0, t // 2:] = 0  # padding: the mean is over fewer tokens than the batch holds
+    batch = {"tokens": jnp.asarray(rng.integers(0, cfg.model.vocab_size, segments.shape), jnp.int32),
+             "segment_ids": jnp.asarray(segments),
+             "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segments.shape)}
+    return cfg, trainer, create_state(trainer, 0), batch
+
+
+@pytest.mark.parametrize("clip", [0.0, 2.0])  # no clipping; clipped (the first gradient norm is about 10)
+def test_train_step_equals_the_textbook_update(clip):
+    """One train step against the update written out plainly: gradient of the summed loss
+    divided by the token count, its global norm, optax's clip and AdamW on the divided
+    gradient. The step forms the mean inside the update (x 1/count) and the norm as the sum's
+    norm x 1/count; both agree with the plain form up to float32 rounding."""
+    import optax
+
+    from tessera.step import loss_sums, make_train_step
+
+    cfg, trainer, state, batch = _one_step_inputs(gradient_clipping_threshold=clip)
+    new_state, stats = jax.jit(make_train_step(trainer, 0))(state, batch)
+
+    params = state["params"]
+    loss_sum, count = loss_sums(trainer.model, params, batch, None)
+    assert 0 < float(count) < batch["tokens"].size  # the padding is left out of the mean
+    grads = jax.grad(lambda p: loss_sums(trainer.model, p, batch, None)[0])(params)
+    mean = jax.tree.map(lambda g: g / count, grads)
+    o = cfg.optim
+    no_decay = lambda p: jax.tree_util.tree_map_with_path(  # noqa: E731
+        lambda path, _: getattr(path[-1], "key", None) != "scale", p)
+    plain = optax.adamw(trainer.schedule, b1=o.adam_b1, b2=o.adam_b2, eps=o.adam_eps,
+                        weight_decay=o.adam_weight_decay, mask=no_decay)
+    if clip:
+        plain = optax.chain(optax.clip_by_global_norm(clip), plain)
+    updates, plain_state = plain.update(mean, plain.init(params), params)
+    want = optax.apply_updates(params, updates)
+    np.testing.assert_allclose(float(stats["grad_norm"]), float(optax.tree.norm(mean)), rtol=1e-6)
+    assert float(stats["grad_norm"]) > 2 * clip  # the clipped case does clip
+    np.testing.assert_allclose(float(stats["loss"]), float(loss_sum / count), rtol=1e-6)
+    # AdamW's step does not change when every gradient is scaled alike, so the moments (the
+    # first is 0.1 x the mean, clipped gradient) are what show the mean and the clip.
+    moments = [leaf for leaf in jax.tree.leaves(new_state["opt_state"]) if np.ndim(leaf)]
+    plain_moments = [leaf for leaf in jax.tree.leaves(plain_state) if np.ndim(leaf)]
+    assert len(moments) == len(plain_moments) == 2 * len(jax.tree.leaves(params))
+    for got, expected in zip(moments, plain_moments):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * float(np.max(np.abs(expected))))
+    # The first update is lr * g / (|g| + eps): entries of g near zero (cancellations) amplify
+    # the float32 rounding of a gradient computed in another program.
+    lr = float(trainer.schedule(0))
+    for got, expected, before in zip(*map(jax.tree.leaves, (new_state["params"], want, params))):
+        np.testing.assert_allclose(got - before, expected - before, rtol=1e-4, atol=1e-3 * lr)
+
+
+def test_train_step_does_not_divide_the_gradients_in_a_pass_of_their_own():
+    """XLA:CPU does not duplicate a divide into its consumers, so g / count over every gradient
+    was a pass of its own (55 ms of a 2.5 s step of benchmarks/cpu_llama.py): the compiled step
+    must hold no array-sized fusion of the step's own division."""
+    import re
+
+    trainer = _one_step_inputs()[1]
+    hlo = compile_step(trainer, 0)[0].as_text()
+    assert re.findall(r"op_name=\"jit\(step_fn\)/cond/", hlo)  # the pattern below can match
+    divides = re.findall(r"= f32\[[\d,]+\]\S* fusion\([^\n]*op_name=\"jit\(step_fn\)/div\"", hlo)
+    assert not divides, divides
