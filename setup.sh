@@ -45,6 +45,19 @@ UV_VERSION=0.13.9   # the resolver that writes locks/*.txt (bash setup.sh lock)
 START=$SECONDS
 case "$HF_REFERENCE" in 0|1) ;; *) echo "setup.sh: HF_REFERENCE=$HF_REFERENCE is not one of 0, 1" >&2; exit 2 ;; esac
 
+# A fresh environment takes about 2 GB for DEVICE=cpu or tpu, 6 GB for gpu (CUDA wheels), and the
+# reference environment (HF_REFERENCE=1) 1.5 GB: stop before a half-written one on a short disk.
+# check_free_space DIR GB WHAT
+check_free_space() {
+  local free_kb
+  free_kb=$(df -Pk "$1" 2>/dev/null | awk 'NR == 2 {print $4}')
+  if [ -n "$free_kb" ] && [ "$free_kb" -lt $(($2 * 1024 * 1024)) ]; then
+    echo "setup.sh: only $((free_kb / 1024)) MB free on the disk of $1; $3 needs about $2 GB." >&2
+    echo "  Free some space, or put it on another disk (VENV=/path or HF_VENV=/path), and re-run." >&2
+    exit 1
+  fi
+}
+
 # Print "major.minor" of a working interpreter with venv support, or nothing.
 py_version() {
   "$1" -c 'import sys, venv, ensurepip; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
@@ -76,6 +89,7 @@ install_hf_reference() {
     3.11|3.12|3.13) echo "setup.sh: reusing $HF_VENV ($("$HF_VENV/bin/python" --version))" ;;
     *)
       # Prefer 3.11: on our dev/CI machines PyTorch's CPU build lies on disk for it.
+      check_free_space "$(dirname "$HF_VENV")" 2 "the reference environment in $HF_VENV"
       py=$(find_python 3.11 3.12 3.13)
       if [ -z "$py" ]; then
         echo "setup.sh: HF_REFERENCE=1 needs a Python 3.11, 3.12 or 3.13 with the venv module; none was found." >&2
@@ -165,6 +179,8 @@ else
     exit 1
   fi
   [ "$v" = "3.11" ] && echo "setup.sh: note: using Python 3.11; the newest JAX releases need 3.12, so an older JAX is installed"
+  need_gb=3; [ "$DEVICE" = gpu ] && need_gb=8
+  check_free_space "$(dirname "$VENV")" "$need_gb" "a fresh DEVICE=$DEVICE environment in $VENV"
   echo "setup.sh: creating $VENV with $PY (Python $v)"
   rm -rf "$VENV"
   "$PY" -m venv "$VENV"

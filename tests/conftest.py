@@ -36,3 +36,22 @@ def tiny_config(tmp_path=None, **overrides):
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == 8, "tests need 8 fake CPU devices (XLA_FLAGS set in conftest.py)"
+
+
+# The suite writes checkpoints, data and compiled programs under the temporary directory (about
+# 300 MB at its peak; a passing test's tmp_path is deleted when it ends, see pyproject.toml).
+NEEDS_FREE_BYTES = 1 << 30
+
+
+def pytest_sessionstart(session):
+    """Stop at once, with one line, when the temporary directory's disk is nearly full: otherwise
+    every test that writes fails on its own with "No space left on device"."""
+    import shutil
+    import tempfile
+
+    tmp = tempfile.gettempdir()
+    free = shutil.disk_usage(tmp).free
+    if free < NEEDS_FREE_BYTES:
+        pytest.exit(f"only {free >> 20} MB free on the disk of {tmp}; the tests need about {NEEDS_FREE_BYTES >> 30} GB "
+                    "there. Free some space (old pytest-of-* folders, for one) or set TMPDIR to another disk.",
+                    returncode=4)

@@ -35,3 +35,16 @@ def test_unusable_python_given(tmp_path):
 def test_bad_device_argument(tmp_path):
     proc = subprocess.run(["bash", str(REPO / "setup.sh"), "DEVICE=fpga"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "DEVICE=fpga is not one of cpu, gpu, tpu" in proc.stderr
+
+
+def test_short_disk_stops_before_creating_the_environment(tmp_path):
+    # a df that reports 100 MB free on every disk
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "df").write_text("#!/bin/sh\necho 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+                                "echo '/dev/x 1000000 900000 102400 90% /'\n")
+    (bin_dir / "df").chmod(0o755)
+    proc = _run_setup(tmp_path, {}, f"{bin_dir}:{os.environ['PATH']}")
+    assert proc.returncode == 1, proc.stderr
+    assert "only 100 MB free" in proc.stderr and "needs about 3 GB" in proc.stderr and "VENV=" in proc.stderr
+    assert not (tmp_path / "venv").exists()
