@@ -281,34 +281,6 @@ def test_vocab_tiling_gives_same_loss_and_gradients():
         tiny_config(num_vocab_tiling=5)
 
 
-def test_bfloat16_projections_multiply_in_float32_on_cpu():
-    """On XLA:CPU bfloat16 operands are multiplied as float32 copies (its bfloat16 matmul is
-    slower): output, input gradient and weight gradient are the float32 products of the
-    bfloat16 values, each rounded once to bfloat16."""
-    from tessera.models.layers import project
-
-    ks = jax.random.split(jax.random.key(0), 3)
-    x = jax.random.normal(ks[0], (2, 7, 24), jnp.bfloat16)
-    w = jax.random.normal(ks[1], (24, 40), jnp.bfloat16)
-    g = jax.random.normal(ks[2], (2, 7, 40), jnp.bfloat16)
-    x32, w32, g32 = (a.astype(jnp.float32) for a in (x, w, g))
-    out, vjp = jax.vjp(lambda x_, w_: project("btd,df->btf", x_, w_), x, w)
-    assert out.dtype == jnp.bfloat16
-    rounded = lambda a: np.asarray(a.astype(jnp.bfloat16).astype(jnp.float32))  # noqa: E731
-    np.testing.assert_allclose(np.asarray(out, np.float32), rounded(jnp.einsum("btd,df->btf", x32, w32)), rtol=1e-2)
-    dx, dw = vjp(g)
-    assert (dx.dtype, dw.dtype) == (jnp.bfloat16, jnp.bfloat16)
-    np.testing.assert_allclose(np.asarray(dx, np.float32), rounded(jnp.einsum("btf,df->btd", g32, w32)), rtol=1e-2)
-    np.testing.assert_allclose(np.asarray(dw, np.float32), rounded(jnp.einsum("btd,btf->df", x32, g32)), rtol=1e-2)
-    # what the float32 accumulation buys: the bfloat16 result is within one rounding of the exact product
-    exact = np.einsum("btd,btf->df", np.asarray(x32, np.float64), np.asarray(g32, np.float64))
-    np.testing.assert_allclose(np.asarray(dw, np.float64), exact, rtol=2**-8, atol=1e-6)
-    # preferred_element_type=float32 (attention's scores): the float32 product, not rounded
-    scores = project("btd,df->btf", x, w, preferred_element_type=jnp.float32)
-    assert scores.dtype == jnp.float32
-    np.testing.assert_allclose(scores, jnp.einsum("btd,df->btf", x32, w32), rtol=1e-6, atol=1e-5)
-
-
 @pytest.mark.parametrize("spec, shapes", [
     ("btd,df->btf", [(2, 9, 16), (16, 40)]),  # x smaller than the output: x^T g
     ("btf,fd->btd", [(2, 9, 40), (40, 16)]),  # output smaller: g^T x, result transposed to w's order
@@ -367,8 +339,7 @@ def test_cpu_weight_gradient_transposes_the_small_result_not_the_large_activatio
 
 @pytest.mark.parametrize("policy", ["none", "full", "save_dot_except_mlp", "custom"])
 def test_bfloat16_training_gradients_follow_float32(policy):
-    """The tiny model's bfloat16 gradient (float32 weight gradients on CPU, see `project`)
-    stays close to float32's under each kind of remat policy."""
+    """The tiny model's bfloat16 gradient stays close to float32's under each kind of remat policy."""
     custom = _CUSTOM if policy == "custom" else {}
     batch = _batch(tiny_config())
     grads = {}

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from tessera import cpu_matmul
 from tessera.config import Config, ConfigError
 from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
@@ -51,6 +52,9 @@ def setup(cfg: Config, devices=None) -> Trainer:
     plan = plan_run(cfg, dict(mesh.shape))
     choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape))
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
+    bf16_matmul = cpu_matmul.decision()  # checks TESSERA_CPU_BF16_MATMUL on every platform
+    if device_platform(mesh) == "cpu" and cfg.model.dtype == "bfloat16":
+        log.info("bfloat16 matmuls on CPU: %s (%s)", *bf16_matmul)
     _check_remat(cfg.model, mesh)
     check_quantization(cfg.model.quantization, mesh.devices.flat[0].device_kind, device_platform(mesh))
     if cfg.model.quantization and cfg.model.megablox and cfg.model.num_experts > 1:

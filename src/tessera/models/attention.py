@@ -108,11 +108,13 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     skips the fully masked blocks of the score matrix ((C+1)/2C of the work for C chunks).
 
     On XLA:CPU, bfloat16 queries, keys and values are widened to float32 once, before the
-    chunks: `project` multiplies float32 copies there anyway, and this way the gradients of keys
-    and values, sums over the chunks, add up in float32 and are rounded once, and the queries'
-    gradient is put together from its chunks without conversions (left in bfloat16, those sums
-    and conversions took 240 ms of a 2.8 s step of `benchmarks/cpu_llama.py`). The forward pass
-    is unchanged: probabilities and outputs are rounded to the compute dtype as before.
+    chunks: this way the gradients of keys and values, sums over the chunks, add up in float32
+    and are rounded once, and the queries' gradient is put together from its chunks without
+    conversions (left in bfloat16, those sums and conversions took 240 ms of a 2.8 s step of
+    `benchmarks/cpu_llama.py`, on a CPU whose bfloat16 matmul is slower than its float32 one).
+    On a CPU that multiplies bfloat16 natively (`tessera.cpu_matmul`) keeping them in bfloat16
+    was not faster either (1.07 against 1.02 s a step), so they are widened there too. The
+    forward pass is unchanged: probabilities and outputs are rounded to the compute dtype.
     """
     b, t, n, h = q_btnh.shape
     kv_heads = k_bskh.shape[2]

@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from tessera.cpu_matmul import bf16_matmul
 from tessera.mesh import shard_logically, traced_platform
 from tessera.models.quantization import einsum as quantized_einsum
 
@@ -33,10 +34,13 @@ def project(spec: str, x, w, preferred_element_type=None, quantization: str = ""
       axes of both) is one matmul with its operands laid out the way XLA:CPU's YNNPACK fusion
       takes them (`_canonical_operand_grad`); left to itself XLA transposes the larger operand
       inside an elementwise fusion and runs the product as a plain dot, outside YNNPACK;
-    - bfloat16 operands are multiplied as float32 copies and the result rounded to bfloat16
-      (or to `preferred_element_type`): XLA:CPU's bfloat16 matmul is slower than its float32
-      one. The products of bfloat16 values are exact in float32, so this is a bfloat16 matmul
-      that accumulates in float32, as a TPU's matrix unit does."""
+    - bfloat16 operands go into the matmul as they are when the CPU has a bfloat16 dot-product
+      instruction, and are multiplied as float32 copies (the result rounded to bfloat16, or to
+      `preferred_element_type`) when it has none, where XLA:CPU's bfloat16 matmul is slower
+      than its float32 one (`tessera.cpu_matmul` decides, once per process). The products of
+      bfloat16 values are exact in float32 and both ways accumulate in float32, so either is a
+      bfloat16 matmul that accumulates in float32, as a TPU's matrix unit does. A product of
+      bfloat16 with float32 (attention's score gradient) always widens the bfloat16 side."""
     if quantization:
         out = quantized_einsum(spec, x, w, quantization)
         return out if preferred_element_type is None else out.astype(preferred_element_type)
@@ -45,13 +49,18 @@ def project(spec: str, x, w, preferred_element_type=None, quantization: str = ""
     return _project_cpu(spec, preferred_element_type, x, w)
 
 
-def _widened(a):
-    return a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a
+def _matmul_operands(*arrays):
+    """The operands as XLA:CPU should multiply them: as they are when all are bfloat16 and the
+    CPU multiplies bfloat16 natively (or none is bfloat16); else bfloat16 ones as float32 copies."""
+    bf16, dtypes = jnp.dtype(jnp.bfloat16), {jnp.dtype(a.dtype) for a in arrays}
+    if bf16 not in dtypes or (dtypes == {bf16} and bf16_matmul() == "native"):
+        return arrays
+    return tuple(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a for a in arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _project_cpu(spec, preferred, x, w):
-    out = jnp.einsum(spec, _widened(x), _widened(w), preferred_element_type=preferred)
+    out = jnp.einsum(spec, *_matmul_operands(x, w), preferred_element_type=preferred)
     return out.astype(preferred or jnp.result_type(x, w))
 
 
@@ -60,10 +69,10 @@ def _project_fwd(spec, preferred, x, w):
 
 
 def _project_bwd(spec, preferred, residuals, g):
-    x, w = residuals
-    dx = jax.vjp(lambda x_: jnp.einsum(spec, x_, _widened(w)), _widened(x))[1](_widened(g))[0]
-    dw = _canonical_operand_grad(spec, _widened(x), _widened(w), _widened(g))
-    return dx.astype(x.dtype), dw.astype(w.dtype)
+    x, w, g = _matmul_operands(*residuals, g)
+    dx = jax.vjp(lambda x_: jnp.einsum(spec, x_, w), x)[1](g)[0]
+    dw = _canonical_operand_grad(spec, x, w, g)
+    return dx.astype(residuals[0].dtype), dw.astype(residuals[1].dtype)
 
 
 _project_cpu.defvjp(_project_fwd, _project_bwd)
