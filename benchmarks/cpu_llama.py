@@ -11,7 +11,10 @@ Extra key=value arguments override trainer settings (e.g. remat_policy=full) but
 workload's shapes. The JSON holds, per dtype, the trainer's medians and their ratio to the
 FLOP/s of a large float32 matmul measured in the same process (the fraction of the practical
 peak), and bf16's speed relative to f32, next to the same ratio for the matmul alone (the
-backend's bfloat16 matmul against its float32 one: what bf16 compute can gain at most here), and
+backend's bfloat16 matmul against its float32 one: what bf16 compute can gain at most here), each
+dtype's fraction of its own matmul's peak (`fraction_of_own_dtype_matmul_peak`: bfloat16's matmul
+is twice as fast as float32's on a CPU with a bfloat16 dot product), how the trainer multiplied
+bfloat16 operands (`cpu_bf16_matmul`: native or float32 copies, `tessera.cpu_matmul`), and
 the host allocator the process ran with (`host_malloc`: mimalloc, as train.py uses on CPU, or
 `system` with TESSERA_HOST_MALLOC=system, the baseline before it).
 It says what it is doing as it goes: each phase, then the trainer's line per step (about two
@@ -77,7 +80,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_llama.json"))
     args, overrides = parser.parse_known_args()
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from tessera import host_malloc
+    from tessera import cpu_matmul, host_malloc
 
     host_malloc.reexec()  # as train.py does: mimalloc preloaded unless TESSERA_HOST_MALLOC=system
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
@@ -92,6 +95,7 @@ def main() -> None:
         parser.error(f"these keys define the fixed workload and cannot be overridden: {sorted(clash)}")
     dtypes = [settings.pop("dtype")] if "dtype" in settings else ["float32", "bfloat16"]
     phase(f"host malloc: {host_malloc.describe()}")
+    phase("bfloat16 matmuls: %s (%s)" % cpu_matmul.decision())
     peak_before = measured_peak("before")
     # the backend's own bfloat16 matmul against its float32 one: the most bf16 compute can gain here
     bf16_before = measured_peak("before", "bfloat16") if "bfloat16" in dtypes else None
@@ -107,12 +111,16 @@ def main() -> None:
     peak_after = measured_peak("after")
     peak = max(peak_before, peak_after)
     bf16_peak = max(bf16_before, measured_peak("after", "bfloat16")) if bf16_before is not None else None
+    own_peak = {"float32": peak, "bfloat16": bf16_peak}
     runs = {dtype: {
         "step_seconds": r["step_seconds"],
         "tokens_per_sec": r["tokens_per_sec_per_device"],
         "train_tflops_per_sec": r["tflops_per_sec_per_device"],
         "compile_seconds": r["compile_seconds"],
         "fraction_of_matmul_peak": r["tflops_per_sec_per_device"] / peak,
+        # against the matmul of the run's own compute dtype (bfloat16's is twice float32's on a CPU
+        # with a bfloat16 dot product)
+        "fraction_of_own_dtype_matmul_peak": r["tflops_per_sec_per_device"] / own_peak[dtype],
         "final_loss": r["final_loss"],
     } for dtype, r in reports.items()}
     result = {
@@ -123,6 +131,7 @@ def main() -> None:
         "settings": settings,
         "steps": args.steps,
         "host_malloc": host_malloc.in_use(),
+        "cpu_bf16_matmul": cpu_matmul.bf16_matmul(),  # how the trainer multiplies bfloat16 operands here
         "flops_per_step": next(iter(reports.values()))["flops_per_step"],
         "matmul_tflops_per_sec": peak,
         "matmul_tflops_per_sec_before_after": [peak_before, peak_after],
@@ -134,7 +143,9 @@ def main() -> None:
     if len(runs) == 2:
         result["bfloat16_speed_over_float32"] = runs["float32"]["step_seconds"] / runs["bfloat16"]["step_seconds"]
     for dtype, r in runs.items():
-        phase(f"{dtype}: {r['step_seconds']:.2f} s/step, {r['fraction_of_matmul_peak']:.2f} of the matmul peak")
+        own = "" if dtype == "float32" else f", {r['fraction_of_own_dtype_matmul_peak']:.2f} of the {dtype} matmul's"
+        phase(f"{dtype}: {r['step_seconds']:.2f} s/step, {r['fraction_of_matmul_peak']:.2f} of the (float32) "
+              f"matmul peak{own}")
     if bf16_peak is not None:
         phase(f"bfloat16 matmul at {bf16_peak / peak:.2f} x the float32 matmul's speed")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
