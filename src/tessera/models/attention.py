@@ -113,7 +113,8 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     conversions (left in bfloat16, those sums and conversions took 240 ms of a 2.8 s step of
     `benchmarks/cpu_llama.py`, on a CPU whose bfloat16 matmul is slower than its float32 one).
     On a CPU that multiplies bfloat16 natively (`tessera.cpu_matmul`) keeping them in bfloat16
-    was not faster either (1.07 against 1.02 s a step), so they are widened there too. The
+    was not faster either (alternating runs: 1.02 and 1.02 s a step against 0.99 and 1.09 s),
+    so they are widened there too. The
     forward pass is unchanged: probabilities and outputs are rounded to the compute dtype.
     """
     b, t, n, h = q_btnh.shape
