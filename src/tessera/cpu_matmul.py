@@ -18,8 +18,10 @@ once, so both are the same bfloat16 matmul up to the order of the float32 additi
     TESSERA_CPU_BF16_MATMUL=native    bfloat16 operands straight into the matmul
     TESSERA_CPU_BF16_MATMUL=float32   float32 copies of bfloat16 operands, the result rounded
 
-Accelerators (TPU, GPU) are not affected: their matrix units take bfloat16 directly.
-Nothing here imports JAX.
+Each process decides for its own CPU. A multi-process CPU job over hosts of different CPU
+models should set the variable to the same value everywhere, so every process compiles the
+same program. Accelerators (TPU, GPU) are not affected: their matrix units take bfloat16
+directly. Nothing here imports JAX.
 """
 
 from __future__ import annotations
