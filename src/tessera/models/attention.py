@@ -112,9 +112,15 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     and are rounded once, and the queries' gradient is put together from its chunks without
     conversions (left in bfloat16, those sums and conversions took 240 ms of a 2.8 s step of
     `benchmarks/cpu_llama.py`, on a CPU whose bfloat16 matmul is slower than its float32 one).
-    On a CPU that multiplies bfloat16 natively (`tessera.cpu_matmul`) keeping them in bfloat16
-    was not faster either (alternating runs: 1.02 and 1.02 s a step against 0.99 and 1.09 s),
-    so they are widened there too. The
+    On a CPU that multiplies bfloat16 natively (`tessera.cpu_matmul`) they are widened too.
+    Measured on `benchmarks/cpu_llama.py`'s bfloat16 step, alternating: on an AMD EPYC with
+    AVX512-BF16, keeping them in bfloat16 was no faster (1.02 and 1.02 s against 0.99 and
+    1.09 s); on an Intel Xeon with AMX, bfloat16 copies taken inside each chunk made the step
+    about 3% faster (1.19 and 1.15 s against 1.20 and 1.22 s) but rounded each chunk's part of
+    the key and value gradients (26% further from float32 than the queries' gradient; the test
+    `test_bfloat16_chunked_attention_adds_key_and_value_gradients_over_chunks_in_float32`
+    refuses that). Keeping those sums in float32 around bfloat16 products would need a
+    backward pass of attention's own. The
     forward pass is unchanged: probabilities and outputs are rounded to the compute dtype.
     """
     b, t, n, h = q_btnh.shape
