@@ -13,7 +13,7 @@ FLOP/s of a large float32 matmul measured in the same process (the fraction of t
 peak), and bf16's speed relative to f32, next to the same ratio for the matmul alone (the
 backend's bfloat16 matmul against its float32 one: what bf16 compute can gain at most here), each
 dtype's fraction of its own matmul's peak (`fraction_of_own_dtype_matmul_peak`: bfloat16's matmul
-is twice as fast as float32's on a CPU with a bfloat16 dot product), how the trainer multiplied
+is two to five times as fast as float32's on a CPU with a bfloat16 dot product), how the trainer multiplied
 bfloat16 operands (`cpu_bf16_matmul`: native or float32 copies, `tessera.cpu_matmul`), and
 the host allocator the process ran with (`host_malloc`: mimalloc, as train.py uses on CPU, or
 `system` with TESSERA_HOST_MALLOC=system, the baseline before it).
@@ -118,7 +118,7 @@ def main() -> None:
         "train_tflops_per_sec": r["tflops_per_sec_per_device"],
         "compile_seconds": r["compile_seconds"],
         "fraction_of_matmul_peak": r["tflops_per_sec_per_device"] / peak,
-        # against the matmul of the run's own compute dtype (bfloat16's is twice float32's on a CPU
+        # against the matmul of the run's own compute dtype (bfloat16's is two to five times float32's on a CPU
         # with a bfloat16 dot product)
         "fraction_of_own_dtype_matmul_peak": r["tflops_per_sec_per_device"] / own_peak[dtype],
         "final_loss": r["final_loss"],

@@ -1,16 +1,18 @@
 """How bfloat16 matmuls run on XLA:CPU: natively, or as float32 copies of their operands.
 
 Why a choice. XLA:CPU runs a bfloat16 x bfloat16 matmul through its YNNPACK library. On a CPU
-with a bfloat16 dot-product instruction (x86 AVX512-BF16 or AMX-BF16) that matmul is about twice
-as fast as the float32 one: measured on `benchmarks/cpu_llama.py`'s 2048^3 matmul on an AMD EPYC
-with avx512_bf16, 0.95 against 0.48 TFLOP/s. Without one, the library widens the operands itself
+with a bfloat16 dot-product instruction (x86 AVX512-BF16 or AMX-BF16) that matmul is two to five
+times as fast as the float32 one: measured on `benchmarks/cpu_llama.py`'s 2048^3 matmul, 0.95
+against 0.48 TFLOP/s on an AMD EPYC with avx512_bf16, 1.60 against 0.30 on an Intel Xeon with
+AMX. Without one, the library widens the operands itself
 and the bfloat16 matmul is slower than the float32 one (0.76-0.84x on the earlier reference
 machines, Intel and AMD hosts without the instruction). There the fastest bfloat16 matmul is the
 float32 matmul of float32 copies. Both accumulate in float32 and round the result to bfloat16
 once, so both are the same bfloat16 matmul up to the order of the float32 additions.
 
-`tessera.models.layers.project` (every projection, and attention's two products) asks
-`bf16_matmul()` when it traces a bfloat16 product for XLA:CPU. The answer:
+`tessera.models.layers.project` (every projection) asks `bf16_matmul()` when it traces a product
+of bfloat16 operands only for XLA:CPU. (Attention's products do not ask: on XLA:CPU their queries,
+keys and values are float32, see `tessera.models.attention.dot_product_attention`.) The answer:
 
     TESSERA_CPU_BF16_MATMUL=auto      the default: "native" when the host CPU advertises
                                       avx512_bf16 or amx_bf16 (Linux: /proc/cpuinfo's flags),

@@ -120,8 +120,8 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     the key and value gradients (26% further from float32 than the queries' gradient; the test
     `test_bfloat16_chunked_attention_adds_key_and_value_gradients_over_chunks_in_float32`
     refuses that). Keeping those sums in float32 around bfloat16 products would need a
-    backward pass of attention's own. The
-    forward pass is unchanged: probabilities and outputs are rounded to the compute dtype.
+    backward pass of attention's own. The forward pass is unchanged: probabilities and outputs
+    are rounded to the compute dtype.
     """
     b, t, n, h = q_btnh.shape
     kv_heads = k_bskh.shape[2]

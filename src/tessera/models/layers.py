@@ -40,7 +40,8 @@ def project(spec: str, x, w, preferred_element_type=None, quantization: str = ""
       than its float32 one (`tessera.cpu_matmul` decides, once per process). The products of
       bfloat16 values are exact in float32 and both ways accumulate in float32, so either is a
       bfloat16 matmul that accumulates in float32, as a TPU's matrix unit does. A product of
-      bfloat16 with float32 (attention's score gradient) always widens the bfloat16 side."""
+      bfloat16 with float32 (attention's, whose queries, keys and values are float32 on
+      XLA:CPU) always widens the bfloat16 side."""
     if quantization:
         out = quantized_einsum(spec, x, w, quantization)
         return out if preferred_element_type is None else out.astype(preferred_element_type)
