@@ -70,6 +70,10 @@ def test_not_fits_message_names_the_knobs_for_the_larger_part(small_report):
     state_heavy = dataclasses.replace(r, temp_bytes=0, budget_bytes=1)
     text = not_fits_message(state_heavy, cfg)
     assert "The larger part is the train state" in text and text.index("more chips") < text.index("per_device")
+    assert "weight_dtype (now float32) bfloat16" in text
+    bf16_weights = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weight_dtype="bfloat16"))
+    text = not_fits_message(state_heavy, bf16_weights)  # a knob already turned is not offered again
+    assert "weight_dtype=bfloat16 (already)" in text and "(now bfloat16) bfloat16" not in text
 
 
 def test_exit_code_and_report_when_it_does_not_fit(tmp_path, capsys, caplog, monkeypatch):

@@ -261,7 +261,8 @@ def not_fits_message(r: CompileReport, cfg: Config) -> str:
         f"more chips: a bigger compile_topology (now {r.topology}) or compile_topology_num_slices "
         f"(now {r.num_slices}) with dcn_fsdp_parallelism",
         f"ici_tensor_parallelism (now {mesh.ici_tensor_parallelism}) higher, with ici_fsdp_parallelism=-1",
-        f"weight_dtype (now {m.weight_dtype}) bfloat16, halving parameters and optimizer state",
+        f"weight_dtype (now {m.weight_dtype}) bfloat16, halving parameters and optimizer state"
+        if m.weight_dtype != "bfloat16" else "weight_dtype=bfloat16 (already)",
     ]
     temp_first = r.temp_bytes >= r.argument_bytes
     first, second = (activations, state) if temp_first else (state, activations)
