@@ -1,5 +1,6 @@
 """Config: every shipped YAML validates; precedence; clear errors for bad input."""
 
+import math
 import os
 import subprocess
 import sys
@@ -262,3 +263,183 @@ def test_config_errors_exit_2(capsys):
 
     assert main([BASE, "stepz=3", "steps=abc"]) == 2
     assert capsys.readouterr().err.startswith("config error: 2 problems in the config:")
+
+
+# --------------------------------------------------------------------------- bad input: files and values
+
+
+def _config_error(argv: list[str]) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(argv, env={})
+    return str(e.value)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfebad", "is not UTF-8 text (byte 0xff at offset 0); it must be a YAML file of key: value lines"),
+    (b"", "is empty (no key: value lines); start from a copy of configs/base.yml"),
+    (b"# only a comment\n", "is empty (no key: value lines)"),
+    (b"- steps\n- 3\n", "must be a mapping of key: value lines, got list"),
+    (b"just words\n", "must be a mapping of key: value lines, got str"),
+    (b"steps: [1\n", "is not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>' (while "
+                     "parsing a flow sequence started at line 1); correct the file there"),
+])
+def test_a_bad_config_file_gets_its_own_one_line_error(tmp_path, content, message):
+    path = tmp_path / "my.yml"
+    path.write_bytes(content)
+    msg = _config_error([str(path), "run_name=x"])
+    assert msg == f"config file {path} {message}" or msg.startswith(f"config file {path} {message}"), msg
+    assert "\n" not in msg and "model" not in msg  # not hidden behind the model file lookup
+
+
+def test_an_unreadable_config_file_is_a_config_error(tmp_path, monkeypatch):
+    path = tmp_path / "my.yml"
+    path.write_text("steps: 3\n")
+    real_read_text = type(path).read_text
+
+    def refuse(self, *args, **kwargs):  # chmod 000 does not stop root, so refuse the read itself
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real_read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(path), "read_text", refuse)
+    assert _config_error([str(path)]) == f"config file {path} cannot be read (Permission denied); check its permissions"
+
+
+def test_a_directory_given_as_the_config_file_is_named_as_one(tmp_path):
+    assert _config_error([str(REPO / "configs"), "run_name=x"]) == (
+        f"config file {REPO / 'configs'} is a directory; a config file is expected, e.g. {REPO / 'configs' / 'base.yml'}")
+    assert _config_error([str(tmp_path)]) == (
+        f"config file {tmp_path} is a directory; a config file is expected, e.g. configs/base.yml")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["/tmp/bin.yml"], "config error: config file /tmp/bin.yml is not UTF-8 text (byte 0xff at offset 0)"),
+    (["configs"], "config error: config file configs is a directory; a config file is expected, e.g. "
+                  "configs/base.yml"),
+    (["configs/base.yml", "steps=99999999999999999999999"], "config error: steps='99999999999999999999999' is out "
+                                                            "of range; an integer key takes whole numbers from"),
+])
+def test_train_py_turns_bad_input_into_one_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    args = [str(tmp_path / "bin.yml") if a == "/tmp/bin.yml" else a for a in args]
+    message = message.replace("/tmp/bin.yml", str(tmp_path / "bin.yml"))
+    (tmp_path / "bin.yml").write_bytes(b"\xff\xfebad")
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *args, "run_name=x"], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].startswith(message), proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("train_data_columns=[text", "train_data_columns='[text' is not a valid list (expected ',' or ']', but got "
+                                 "'<stream end>'); write it as train_data_columns=[\"a\",\"b\"] or "
+                                 "train_data_columns=a,b (from the command line)"),
+    ("mlp_activations=[silu, [linear", "mlp_activations='[silu, [linear' is not a valid list"),
+    ("mlp_activations=[a: b, c: d", "mlp_activations='[a: b, c: d' is not a valid list"),
+])
+def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
+    assert _config_error([BASE, arg]).startswith(message)
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("steps=99999999999999999999999", "steps='99999999999999999999999' is out of range; an integer key takes "
+                                      "whole numbers from -9223372036854775808 to 9223372036854775807"),
+    ("init_weights_seed=9223372036854775808", "init_weights_seed='9223372036854775808' is out of range"),
+    ("init_weights_seed=-9223372036854775809", "init_weights_seed='-9223372036854775809' is out of range"),
+    ("data_shuffle_seed=1e30", "data_shuffle_seed='1e30' is out of range"),
+    ("steps=3000000000", "steps='3000000000' is too large; it must be <= 2147483647"),
+    ("learning_rate_schedule_steps=2147483648", "learning_rate_schedule_steps='2147483648' is too large"),
+    ("steps=nan", "steps='nan' must be a whole number"),
+    ("steps=inf", "steps='inf' must be a whole number"),
+    ("steps=10.000000000000000001", "steps='10.000000000000000001' must be a whole number"),  # float says 10.0
+])
+def test_integer_keys_are_exact_and_within_range(arg, message):
+    assert _config_error([BASE, arg]).startswith(message)
+
+
+def test_integer_keys_never_go_through_float(tmp_path):
+    big = 2**63 - 1  # float(big) is 2**63, out of range; exact parsing keeps it
+    cfg = load_config([BASE, f"init_weights_seed={big}", f"data_shuffle_seed={-2**63}", "steps=2147483647",
+                       "checkpoint_period=1e3", "log_period=+7"], env={})
+    assert (cfg.run.init_weights_seed, cfg.data.data_shuffle_seed) == (big, -2**63)
+    assert (cfg.run.steps, cfg.checkpoint.checkpoint_period, cfg.run.log_period) == (2147483647, 1000, 7)
+    assert all(type(v) is int for v in (cfg.run.init_weights_seed, cfg.run.steps, cfg.checkpoint.checkpoint_period))
+    path = tmp_path / "big.yml"  # a YAML integer from a file, too
+    path.write_text("steps: 99999999999999999999999\n")
+    assert _config_error([str(path)]).startswith("steps=99999999999999999999999 is out of range")
+
+
+FLOAT_KEYS = sorted(n for n, (_, f) in all_fields().items() if f.type in ("float", float))
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "NaN"])
+@pytest.mark.parametrize("name", ["learning_rate", "per_device_batch_size", "capacity_factor", "adam_eps"])
+def test_non_finite_floats_are_refused(name, value):
+    assert _config_error([BASE, f"{name}={value}"]).startswith(f"{name}={value!r} must be a finite number (not nan or inf)")
+
+
+def test_every_float_key_refuses_nan_and_inf(tmp_path):
+    assert len(FLOAT_KEYS) > 20 and "learning_rate" in FLOAT_KEYS
+    path = tmp_path / "nan.yml"  # YAML's own .nan and .inf, from a file
+    path.write_text("".join(f"{n}: {'.nan' if i % 2 else '.inf'}\n" for i, n in enumerate(FLOAT_KEYS)))
+    lines = _config_error([str(path)]).splitlines()
+    assert lines[0] == f"{len(FLOAT_KEYS)} problems in the config:"
+    for i, n in enumerate(FLOAT_KEYS):
+        assert f"  {n}={math.nan if i % 2 else math.inf} must be a finite number (not nan or inf) (from {path})" in lines
+
+
+@pytest.mark.parametrize("value, message", [
+    ("2", "compile_hbm_budget_fraction=2 must be in (0, 1]: the share of a chip's HBM the compiled step may use, "
+          "e.g. 0.95 (from the command line)"),
+    ("1.0001", "compile_hbm_budget_fraction=1.0001 must be in (0, 1]"),
+    ("0", "compile_hbm_budget_fraction=0 must be in (0, 1]"),
+    ("-0.5", "compile_hbm_budget_fraction='-0.5' is too small; it must be >= 0.0"),
+    ("1", None), ("0.5", None), ("1e-6", None),
+])
+def test_compile_hbm_budget_fraction_is_in_0_1(value, message):
+    if message is None:
+        cfg = load_config([BASE, f"compile_hbm_budget_fraction={value}"], env={})
+        assert cfg.compile.compile_hbm_budget_fraction == float(value)
+    else:
+        assert _config_error([BASE, f"compile_hbm_budget_fraction={value}"]).startswith(message)
+
+
+@pytest.mark.parametrize("value, ok", [("0", False), ("-2", False), ("-1", True), ("1", True), ("5", True)])
+def test_max_num_checkpoints_to_keep_is_minus_1_or_positive(value, ok):
+    if ok:
+        assert load_config([BASE, f"max_num_checkpoints_to_keep={value}"], env={}).checkpoint \
+            .max_num_checkpoints_to_keep == int(value)
+    else:
+        assert _config_error([BASE, f"max_num_checkpoints_to_keep={value}"]) == (
+            f"max_num_checkpoints_to_keep={value} is not allowed; use -1 to keep every checkpoint, or N >= 1 to keep "
+            "the newest N (from the command line)")
+
+
+# --------------------------------------------------------------------------- model files beside the config or in configs/models
+
+
+def test_a_config_file_outside_configs_finds_the_repository_models(tmp_path):
+    path = tmp_path / "my.yml"
+    path.write_text((REPO / "configs" / "base.yml").read_text())
+    assert load_config([str(path), "run_name=x"], env={}).model.model_name == "default"
+    assert load_config([str(path), "model_name=llama3.1-8b"], env={}).model.emb_dim == 4096
+    (tmp_path / "models").mkdir()  # a models/ folder beside the config without that model: still the repository's
+    (tmp_path / "models" / "mine.yml").write_text("base_emb_dim: 48\n")
+    assert load_config([str(path), "model_name=llama3.1-8b"], env={}).model.emb_dim == 4096
+    assert load_config([str(path), "model_name=mine"], env={}).model.base_emb_dim == 48
+    (tmp_path / "models" / "1b.yml").write_text("base_emb_dim: 40\n")  # the file beside the config wins
+    assert load_config([str(path), "model_name=1b"], env={}).model.base_emb_dim == 40
+
+
+def test_an_unknown_model_lists_the_folders_searched_and_the_known_names(tmp_path):
+    path = tmp_path / "my.yml"
+    path.write_text("steps: 3\n")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.yml").write_text("base_emb_dim: 48\n")
+    msg = _config_error([str(path), "model_name=llama9"])
+    known = ", ".join(sorted({*MODELS, "mine"}))
+    assert msg == (f"model_name='llama9': no file llama9.yml in {tmp_path / 'models'} or {REPO / 'configs' / 'models'}"
+                   f". Known models: {known} (from the command line)")
+    assert _config_error([BASE, "model_name=llama9"]) == (  # configs/models searched once
+        f"model_name='llama9': no file llama9.yml in {REPO / 'configs' / 'models'}. Known models: {', '.join(MODELS)} "
+        "(from the command line)")

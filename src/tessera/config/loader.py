@@ -5,6 +5,8 @@ Precedence, lowest first: `configs/base.yml` < `configs/models/<model_name>.yml`
 the type the schema declares; anything wrong raises `ConfigError` with a message that names
 the key, the value, where the value was set and what would be accepted. A value holding the
 `<changeme>` placeholder (left in recipes and validation files for the user) is refused.
+The model file is looked for in the `models/` folder beside the config file, then in the
+repository's own `configs/models/` (so a copy of base.yml anywhere still finds every model).
 Path keys (marked `path=` in the schema) are made absolute against the working directory here,
 once (`resolve_paths`); URLs such as gs://... are kept.
 """
@@ -12,6 +14,7 @@ once (`resolve_paths`); URLs such as gs://... are kept.
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import hashlib
 import json
 import math
@@ -28,6 +31,8 @@ from tessera.config.schema import (HF_FILE_FORMATS, MOE_BLOCKS, SECTIONS, Config
 
 ENV_PREFIX = "M_"
 PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
+REPO_MODELS = Path(__file__).resolve().parents[3] / "configs" / "models"  # the repository's own model files
+INT_RANGE = (-2**63, 2**63 - 1)  # int64: what an integer key may hold (JAX and NumPy take no wider integer)
 
 
 def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config:
@@ -40,17 +45,19 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     # (source, values), lowest precedence first; the model file goes second once model_name is known
     errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
     layers = [(source, _check_known(values, source, errors)) for source, values in (
-        (str(base_path), _read_yaml(base_path, "config file")),
+        (str(base_path), _read_yaml(base_path, "config file", empty_ok=False)),
         ("the command line", _parse_overrides(argv[1:])), *_env_layers(env))]
     _refuse_placeholders(layers, errors)  # before model_name chooses a file
     model_name = _merge(layers).get("model_name", "default")
     if _is_placeholder(model_name):
         _raise_all(errors)  # no model file to read
-    model_file = base_path.parent / "models" / f"{model_name}.yml"
-    if not model_file.is_file():
-        known = sorted(p.stem for p in (base_path.parent / "models").glob("*.yml"))
+    folders = model_folders(base_path)
+    model_file = next((d / f"{model_name}.yml" for d in folders if (d / f"{model_name}.yml").is_file()), None)
+    if model_file is None:
+        known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
         _raise_all(errors + [_name_sources(
-            f"model_name={model_name!r}: no file {model_file}. Known models: {', '.join(known) or 'none'}", layers)])
+            f"model_name={model_name!r}: no file {model_name}.yml in {' or '.join(str(d) for d in folders)}. "
+            f"Known models: {', '.join(known) or 'none'}", layers)])
     model = _read_yaml(model_file, "model file")
     if "model_name" in model and model["model_name"] != model_name:
         raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
@@ -60,6 +67,16 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     cfg = _build({k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}, build_errors)
     _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
     return cfg
+
+
+def model_folders(base_path: Path) -> list[Path]:
+    """Where `model_name` files are looked for, first match wins: the `models/` folder beside the
+    config file, then the repository's configs/models/ (once, when they are the same folder)."""
+    folders: list[Path] = []
+    for folder in (base_path.parent / "models", REPO_MODELS):
+        if not any(os.path.realpath(folder) == os.path.realpath(f) for f in folders):
+            folders.append(folder)
+    return folders
 
 
 def _raise_all(errors: list[str]) -> None:
@@ -175,15 +192,38 @@ def resolve_paths(cfg: Config) -> None:
         setattr(section, name, value)
 
 
-def _read_yaml(path: Path, what: str) -> dict[str, Any]:
+def _read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
+    """The `key: value` mapping of a YAML file; a ConfigError (one line) for a file that is missing, a
+    directory, unreadable, not UTF-8, not YAML or not a mapping, and without `empty_ok` for one with no key."""
+    if path.is_dir():
+        example = path / "base.yml" if (path / "base.yml").is_file() else "configs/base.yml"
+        raise ConfigError(f"{what} {path} is a directory; a config file is expected, e.g. {example}")
     if not path.is_file():
-        raise ConfigError(f"{what} {path} does not exist; pass a path such as configs/base.yml")
+        state = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"{what} {path} {state}; pass a path such as configs/base.yml")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "it must be a YAML file of key: value lines such as configs/base.yml") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read ({e.strerror or e}); check its permissions") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{what} {path} is not valid YAML: {e}") from None
+        mark, start = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        if start and getattr(e, "context", None):
+            problem += f" ({e.context} started at line {start.line + 1})"
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}; correct the file there") from None
+    if data is None:
+        if empty_ok:
+            return {}
+        raise ConfigError(f"{what} {path} is empty (no key: value lines); start from a copy of configs/base.yml")
     if not isinstance(data, dict):
-        raise ConfigError(f"{what} {path} must be a mapping of key: value lines, got {type(data).__name__}")
+        raise ConfigError(f"{what} {path} must be a mapping of key: value lines, got {type(data).__name__}; "
+                          "start from a copy of configs/base.yml")
     return data
 
 
@@ -212,6 +252,8 @@ def coerce(name: str, raw: Any, f: dataclasses.Field) -> Any:
         raise ConfigError(f"{name}={raw!r} is not allowed; choose one of: {', '.join(repr(c) for c in choices)}")
     if minimum is not None and value < minimum:
         raise ConfigError(f"{name}={raw!r} is too small; it must be >= {minimum}")
+    if f.metadata.get("maximum") is not None and value > f.metadata["maximum"]:
+        raise ConfigError(f"{name}={raw!r} is too large; it must be <= {f.metadata['maximum']}")
     return value
 
 
@@ -230,27 +272,41 @@ def _convert(name: str, raw: Any, kind: str) -> Any:
         if text in ("false", "0", "no", "off"):
             return False
         raise ConfigError(f"{name}={raw!r} is not a valid bool; use true or false")
-    if kind == "int":
-        if isinstance(raw, bool):
+    if kind == "int":  # exact (decimal, never float): 1e3 is 1000, 99999999999999999999999 is refused
+        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
             raise bad
         try:
-            number = float(raw)
-        except (TypeError, ValueError):
+            number = decimal.Decimal(raw)
+        except decimal.InvalidOperation:
             raise bad from None
-        if not math.isfinite(number) or number != int(number):
+        if not number.is_finite() or number != number.to_integral_value():
             raise ConfigError(f"{name}={raw!r} must be a whole number")
+        if not INT_RANGE[0] <= number <= INT_RANGE[1]:
+            raise ConfigError(f"{name}={raw!r} is out of range; an integer key takes whole numbers from "
+                              f"{INT_RANGE[0]} to {INT_RANGE[1]}")
         return int(number)
     if kind == "float":
         if isinstance(raw, bool):
             raise bad
         try:
-            return float(raw)
+            number = float(raw)
+        except OverflowError:  # an integer beyond 1.8e308
+            number = math.inf
         except (TypeError, ValueError):
             raise bad from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{name}={raw!r} must be a finite number (not nan or inf)")
+        return number
     if kind == "list":
         value = raw
-        if isinstance(raw, str):
-            value = yaml.safe_load(raw) if raw.strip().startswith("[") else [s for s in raw.split(",") if s]
+        if isinstance(raw, str) and raw.strip().startswith("["):
+            try:
+                value = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{name}={raw!r} is not a valid list ({getattr(e, 'problem', None) or 'bad YAML'}); "
+                                  f"write it as {name}=[\"a\",\"b\"] or {name}=a,b") from None
+        elif isinstance(raw, str):
+            value = [s for s in raw.split(",") if s]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}={raw!r} must be a list of strings, e.g. {name}=[\"silu\",\"linear\"]")
         return [v.strip() for v in value]
@@ -307,6 +363,14 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.checkpoint_is_quantized and not (cfg.model.quantization and cfg.checkpoint.load_parameters_path):
         raise ConfigError("checkpoint_is_quantized=true needs load_parameters_path=<the quantized checkpoint> and the "
                           "quantization=int8|fp8|fp8_full it was written with")
+    keep = cfg.checkpoint.max_num_checkpoints_to_keep
+    if keep == 0 or keep < -1:
+        raise ConfigError(f"max_num_checkpoints_to_keep={keep} is not allowed; use -1 to keep every checkpoint, "
+                          "or N >= 1 to keep the newest N")
+    fraction = cfg.compile.compile_hbm_budget_fraction
+    if not 0.0 < fraction <= 1.0:
+        raise ConfigError(f"compile_hbm_budget_fraction={fraction:g} must be in (0, 1]: the share of a chip's HBM the "
+                          "compiled step may use, e.g. 0.95")
     _validate_eval(cfg.data)
     _validate_vocab_tiling(cfg)
 

@@ -56,14 +56,18 @@ HF_FILE_FORMATS = ("parquet", "json", "arrow", "text", "csv")  # hf_path values 
 #   "local_or_name": hf_path, resolved only when it is a local file or folder (it exists, or it
 #   starts with /, ./, ../ or ~); a format name (parquet, ...) or a Hub name (org/dataset) is kept.
 PATH_KINDS = ("path", "globs", "local_or_name")
+# Step counts reach jitted code as int32 (JAX's default integer; the optimizer's step counter is one).
+MAX_STEPS = 2**31 - 1
 
 
-def key(default: Any, doc: str, choices: tuple = (), minimum: float | None = None, path: str = ""):
-    """A config field: its default, a one-line comment, optionally the allowed values, and for a key
-    that holds local paths its `path` kind (one of PATH_KINDS)."""
+def key(default: Any, doc: str, choices: tuple = (), minimum: float | None = None, path: str = "",
+        maximum: float | None = None):
+    """A config field: its default, a one-line comment, optionally the allowed values or range
+    (`minimum`, `maximum`, both included), and for a key that holds local paths its `path` kind
+    (one of PATH_KINDS)."""
     if path not in ("", *PATH_KINDS):
         raise ValueError(f"path={path!r} must be one of {PATH_KINDS}")
-    meta = {"doc": doc, "choices": choices, "minimum": minimum, "path": path}
+    meta = {"doc": doc, "choices": choices, "minimum": minimum, "maximum": maximum, "path": path}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=meta)
     return field(default=default, metadata=meta)
@@ -76,7 +80,7 @@ class RunConfig:
     run_name: str = key("", "name of the run; outputs go to base_output_directory/run_name (empty: a timestamped name)")
     base_output_directory: str = key("outputs", "root folder for all runs (local path or gs://bucket/path)",
                                      path="path")
-    steps: int = key(150, "number of optimizer steps to train", minimum=1)
+    steps: int = key(150, "number of optimizer steps to train", minimum=1, maximum=MAX_STEPS)
     log_period: int = key(1, "print one metrics line every this many steps", minimum=1)
     metrics_file: str = key("", "JSONL file of per-step metrics (empty: base_output_directory/run_name/metrics.jsonl)",
                             path="path")
@@ -363,7 +367,7 @@ class OptimConfig:
 
     learning_rate: float = key(3e-3, "peak learning rate", minimum=0.0)
     warmup_steps_fraction: float = key(0.1, "fraction of learning_rate_schedule_steps spent warming up linearly", minimum=0.0)
-    learning_rate_schedule_steps: int = key(-1, "length of the schedule in steps (-1: steps)")
+    learning_rate_schedule_steps: int = key(-1, "length of the schedule in steps (-1: steps)", maximum=MAX_STEPS)
     cosine_learning_rate_final_fraction: float = key(0.1, "final learning rate as a fraction of the peak", minimum=0.0)
     adam_b1: float = key(0.9, "AdamW beta1", minimum=0.0)
     adam_b2: float = key(0.95, "AdamW beta2", minimum=0.0)
