@@ -52,6 +52,17 @@ def test_deleted_metadata_is_a_damaged_checkpoint_not_a_config_mismatch(tmp_path
     assert again.returncode == 0 and "resuming from step 1" in again.stderr, again.stderr[-3000:]
 
 
+def test_an_empty_step_folder_past_the_last_step_is_not_a_finished_run(tmp_path):
+    assert _train(tmp_path, "steps=2").returncode == 0
+    empty = tmp_path / "sub" / "checkpoints" / "8"
+    empty.mkdir()  # e.g. a copy that was cut short
+    proc = _train(tmp_path, "steps=6")  # 8 >= 6: without the check this said "nothing to do" and exited 0
+    assert proc.returncode == 2 and "nothing to do" not in proc.stderr, proc.stderr[-3000:]
+    _no_echoes(proc.stderr)
+    assert (f"checkpoint error: checkpoint {empty} is damaged: its file state/_METADATA is missing. "
+            f"Move it away (e.g. mv {empty} {empty}.damaged) to resume from step 2") in proc.stderr
+
+
 def test_output_folder_under_a_file_is_refused_before_compiling(tmp_path):
     (tmp_path / "file").write_text("not a folder")
     proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/file/out", "steps=1"],
@@ -98,6 +109,35 @@ def test_disk_full_stops_at_once_and_keeps_the_last_checkpoint(small_disk, async
     subprocess.run(["mount", "-o", "remount,size=200M", str(small_disk)], check=True)  # free space
     again = subprocess.run([*cmd, "steps=2"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "resuming from step 1" in again.stderr, again.stderr[-3000:]
+
+
+def test_a_background_save_that_failed_is_reported_by_the_next_check(small_disk):
+    """The loop calls check() after each step it does not save: a failed async save surfaces there,
+    not only at the next save, which can be checkpoint_period steps later."""
+    import jax
+    import jax.numpy as jnp
+    from conftest import tiny_config
+
+    from tessera.checkpointing import Checkpointer, CheckpointSaveError
+
+    ckpt = Checkpointer(tiny_config(async_checkpointing=True).checkpoint, str(small_disk / "ckpts"))
+    # 20 MiB of random values (which do not compress): one save fits the 30 MiB disk, two do not
+    state = {"w": jax.random.normal(jax.random.key(0), (5 * 2**20,), jnp.float32)}
+    ckpt.save(1, state, {}, {})
+    ckpt.save(2, state, {}, {})  # waits for step 1, then fails in the background
+    errors = []
+
+    def check_failed() -> bool:
+        try:
+            ckpt.check()
+        except CheckpointSaveError as e:
+            errors.append(str(e))
+        return bool(errors)
+
+    assert _wait_for(check_failed, 60, 0.05), "check() never reported the failed background save"
+    assert errors[0].startswith(f"saving checkpoint step 2 to {small_disk / 'ckpts'} failed: No space left on device")
+    assert "The last complete checkpoint is step 1" in errors[0]
+    ckpt.close()  # the error was reported once; closing does not raise it again
 
 
 def _start_and_wait_for_steps(out: Path, *args, steps=3):

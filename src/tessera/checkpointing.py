@@ -244,6 +244,16 @@ class Checkpointer:
         """Raise CheckpointSaveError if a background save has already failed (never waits)."""
         with self._failing_save(self._saving):
             self.manager.check_for_errors()
+            if self._finalize_failed():  # its thread has ended: joining it returns at once and raises
+                self.manager.wait_until_finished()
+
+    def _finalize_failed(self) -> bool:
+        """True when the manager's background finalize thread has ended with an error. Orbax keeps that
+        error on the thread and raises it only from wait_until_finished: check_for_errors looks at the
+        async checkpointer, whose error the finalize thread has already taken (orbax 0.12)."""
+        ref = getattr(self.manager, "_finalize_thread", None)
+        thread = ref.map(lambda t: t) if ref is not None else None
+        return thread is not None and not thread.is_alive() and getattr(thread, "exception", None) is not None
 
     def wait(self) -> None:
         with self._failing_save(self._saving):
@@ -283,8 +293,7 @@ class Checkpointer:
         """(state, data_state) of `step`, placed with the shardings in `abstract_state`."""
         path = self.step_path(step)
         _use_tidy_event_loops()
-        if not (path / "state" / PYTREE_METADATA_FILE).exists():
-            raise self._damaged(step, f"is damaged: its file state/{PYTREE_METADATA_FILE} is missing")
+        self.check_complete(step)
         try:
             saved = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means an unusable checkpoint
@@ -298,6 +307,12 @@ class Checkpointer:
             raise _read_error(e, str(self._damaged(step, "could not be restored: files may be missing or corrupt"))
                               ) from None
         return finish(restored["state"]), dict(restored["data"] or {})
+
+    def check_complete(self, step: int) -> None:
+        """CheckpointError unless step's folder holds a saved state (an empty or half-copied folder
+        named like a step is not a checkpoint, even though Orbax lists it as one)."""
+        if not (self.step_path(step) / "state" / PYTREE_METADATA_FILE).exists():
+            raise self._damaged(step, f"is damaged: its file state/{PYTREE_METADATA_FILE} is missing")
 
     def _damaged(self, step: int, what: str) -> CheckpointError:
         """'checkpoint <path> <what>. Move it away ... to resume from step <earlier>' (or to start afresh)."""

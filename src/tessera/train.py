@@ -119,7 +119,10 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
     ckpt = Checkpointer(cfg.checkpoint, ckpt_dir) if cfg.checkpoint.enable_checkpointing else None
     try:
         # a finished run stops here, before reading its checkpoint or compiling anything
-        done = _nothing_to_do(cfg, ckpt.latest_step() if ckpt else None)
+        latest = ckpt.latest_step() if ckpt else None
+        if latest is not None and latest >= cfg.run.steps:
+            ckpt.check_complete(latest)  # a step folder with nothing in it is not a finished run
+        done = _nothing_to_do(cfg, latest)
         if done is not None:
             return done
         _log_shardings(cfg, trainer)
