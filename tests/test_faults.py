@@ -71,6 +71,11 @@ def test_output_folder_under_a_file_is_refused_before_compiling(tmp_path):
     _no_echoes(proc.stderr)
     assert (f"config error: base_output_directory={tmp_path}/file/out/sub cannot be written: {tmp_path}/file is a "
             "file, not a folder") in proc.stderr and "compiled" not in proc.stderr
+    proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/out", "steps=1",
+                           f"metrics_file={tmp_path}"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists(), proc.stderr[-3000:]
+    _no_echoes(proc.stderr)
+    assert f"config error: metrics_file={tmp_path} is a folder; give the path of a file" in proc.stderr
     ckpt_dir = tmp_path / "ok" / "ckpts"  # a probe that succeeds leaves nothing either (no run folder yet)
     proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/ok", f"checkpoint_dir={ckpt_dir}",
                            "load_parameters_path=/nowhere"], capture_output=True, text=True, timeout=300)
@@ -160,6 +165,23 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path):
                                                                           str(last)).is_dir()
     again = _train(tmp_path, f"steps={last + 1}")
     assert again.returncode == 0 and f"resuming from step {last}" in again.stderr, again.stderr[-3000:]
+
+
+def test_sigterm_before_the_first_step_is_one_line_and_exit_143(tmp_path):
+    proc = subprocess.Popen([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}", "steps=3"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # the config line comes before the mesh, the state and the compile
+        seen.append(line)
+        if "config (differs from base.yml)" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(seen) + rest
+    assert proc.returncode == 143, err[-3000:]
+    _no_echoes(err)
+    assert "stopped by SIGTERM outside the training loop: no new checkpoint (exit code 143)" in err
+    assert not (tmp_path / "sub" / "checkpoints").exists()
 
 
 def test_second_ctrl_c_stops_now_and_never_loads_a_half_written_save(tmp_path):

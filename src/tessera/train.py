@@ -7,7 +7,8 @@ data, output folder or checkpoint (earlier checkpoints are kept); 3 non-finite l
 with on_nonfinite_loss=stop; 4 multi-process start-up failed; 5 hang watchdog (no step within
 step_timeout_seconds, or a multi-process step failed in a collective); 6 a checkpoint could not be
 saved (disk full, permissions); 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM, after saving a
-checkpoint (128 + the signal's number).
+checkpoint (128 + the signal's number; outside the training loop, at start-up or while compiling,
+they stop with one line and no new checkpoint).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,6 +55,14 @@ class TrainingStopped(Exception):
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class _TerminatedOutsideLoop(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
+    """SIGTERM while no training loop runs (start-up, compilation, the final save): stop with a line."""
+
+
+def _terminate_outside_loop(signum, frame):
+    raise _TerminatedOutsideLoop()
 
 
 class _StopSignal:
@@ -139,6 +149,9 @@ def _check_output_folders(cfg: Config, ckpt_dir: str) -> None:
     if cfg.checkpoint.enable_checkpointing:
         check_writable(ckpt_dir, "checkpoint_dir" if cfg.checkpoint.checkpoint_dir else "base_output_directory")
     if cfg.run.metrics_file:
+        if Path(cfg.run.metrics_file).is_dir():
+            raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a folder; give the path of a file, e.g. "
+                              f"{Path(cfg.run.metrics_file) / 'metrics.jsonl'}")
         check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file")
 
 
@@ -358,6 +371,8 @@ def main(argv: list[str]) -> int:
                         force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
+    if threading.current_thread() is threading.main_thread():  # the loop's _StopSignal takes over while it runs
+        signal.signal(signal.SIGTERM, _terminate_outside_loop)
     try:
         cfg = load_config(argv)
         from tessera.gpu_tuning import apply_gpu_tuning  # before any device use: JAX reads these at start-up
@@ -385,6 +400,10 @@ def main(argv: list[str]) -> int:
         print(f"interrupted (Ctrl-C) outside the training loop: no new checkpoint (exit code {EXIT_INTERRUPTED}); "
               "an unfinished save is set aside at the next start", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _TerminatedOutsideLoop:
+        print(f"stopped by SIGTERM outside the training loop: no new checkpoint (exit code {EXIT_PREEMPTED}); "
+              "an unfinished save is set aside at the next start", file=sys.stderr)
+        return EXIT_PREEMPTED
     return EXIT_OK
 
 
