@@ -316,6 +316,24 @@ def test_empty_text_corpus_says_the_files_hold_no_records(tmp_path, sp_model):
     assert "train_data_columns" not in proc.stderr.splitlines()[-1]
 
 
+@pytest.mark.parametrize("fmt,name,content,streaming", [
+    ("json", "empty.jsonl", b"", True), ("json", "blank.jsonl", b"\n\n", False), ("csv", "header.csv", b"text\n", True),
+    ("parquet", "none.parquet", None, True), ("parquet", "none.parquet", None, False),
+])
+def test_empty_files_of_every_format_hold_no_records(tmp_path, sp_model, fmt, name, content, streaming):
+    """The readers fail on empty files in their own words (StopIteration, 'BatchSize must be greater
+    than 0'); the message says what is wrong with the files instead."""
+    path = tmp_path / name
+    if content is None:
+        pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+    else:
+        path.write_bytes(content)
+    with pytest.raises(DataError) as e:
+        make_input(hf_config((fmt, str(path)), sp_model, hf_streaming=streaming).data, 96, 4)
+    assert str(e.value) == (f"hf_train_files={str(path)!r}: file {str(path)!r} holds no records; add documents or "
+                            "point hf_train_files at files that have some")
+
+
 def test_damage_is_named_when_not_streaming_and_for_every_format(tmp_path, sp_model):
     fmt, files = write_corpus(tmp_path / "p", make_docs(), "parquet")
     damage_row_group(tmp_path / "p" / "part1.parquet", 0)

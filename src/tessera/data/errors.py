@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 from tessera.config import ConfigError
 
@@ -47,6 +48,8 @@ def read_failure(error: Exception, files: list[str], fmt: str, setting: str) -> 
     what = brief(error)
     key = setting.partition("=")[0]
     local = [f for f in files if not f.startswith(REMOTE_PREFIXES)]
+    if local and len(local) == len(files) and all(_holds_no_records(f, fmt) for f in local):
+        return no_records(setting, files)  # the readers fail on empty files (StopIteration, "BatchSize ... 0")
     if fmt in _FINDERS and local:
         log.info("reading %s failed (%s); checking its %d local file(s) one by one", key, what, len(local))
         for path in local:
@@ -60,6 +63,25 @@ def read_failure(error: Exception, files: list[str], fmt: str, setting: str) -> 
                          "records whose columns or types differ between files, or remote files that cannot be reached")
     return DataError(f"reading {setting} failed ({what}); its files cannot be checked one by one here (remote, or "
                      "not a file format): check them, then re-create or leave out the damaged one")
+
+
+def _holds_no_records(path: str, fmt: str) -> bool:
+    """True for a file that is empty: no bytes, only blank lines (JSON lines, text), a header
+    line alone (CSV) or no rows (parquet). False when that cannot be told (unreadable, other formats)."""
+    try:
+        if os.path.getsize(path) == 0:
+            return True
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.ParquetFile(path).metadata.num_rows == 0
+        if fmt in ("json", "text", "csv"):
+            with open(path, "rb") as f:
+                lines = [line for line in f if line.strip()]
+            return len(lines) <= (1 if fmt == "csv" else 0)
+    except Exception:  # noqa: BLE001 - unreadable or damaged: not "empty"; the damage checks say what it is
+        return False
+    return False
 
 
 def damaged_file(key: str, path: str, spot: str) -> DataError:

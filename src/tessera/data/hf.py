@@ -87,8 +87,9 @@ def load_stream(cfg: DataConfig, split: str):
                 raise ConfigError(f"hf_path={path} reads files: set {files_key} (e.g. {files_key}=/data/*.{path})")
             files = expand_files(files_value, files_key)
             _check_readable(files, path, files_key)
-            # the json reader logs its own error before raising; the DataError below says it once
-            logging.getLogger("datasets.packaged_modules.json.json").setLevel(logging.CRITICAL)
+            # the json and parquet readers log their own error before raising; the DataError below says it once
+            for reader in ("json.json", "parquet.parquet"):
+                logging.getLogger(f"datasets.packaged_modules.{reader}").setLevel(logging.CRITICAL)
             ds = datasets.load_dataset(path, data_files=files, split="train", streaming=cfg.hf_streaming)
         elif Path(path).expanduser().is_dir() and (Path(path).expanduser() / "dataset_dict.json").is_file():
             ds = datasets.load_from_disk(str(Path(path).expanduser()))[split_name]
