@@ -223,3 +223,40 @@ def test_model_files_have_their_published_parameter_counts(model):
         assert counts.active == pytest.approx(active, rel=tolerance)
     else:
         assert counts.active == counts.total
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--hardware", "v5p-128", "--num_slices", "0"], "--num_slices=0: give at least 1"),
+    (["--hardware", "v5p-128", "--num_slices", "-1"], "--num_slices=-1: give at least 1"),
+    (["--hardware", "h100-0"], "--hardware='h100-0' has no GPUs; give the count after the name, e.g. h100-8"),
+    (["--hardware", "v5p-128", "--mfu", "7"], "--mfu=7: give a fraction above 0 and at most 1"),
+    (["--hardware", "v5p-128", "--mfu", "0"], "--mfu=0: give a fraction above 0 and at most 1"),
+    (["--hardware", "v5p-128", "--mfu", "-0.4"], "--mfu=-0.4: give a fraction above 0 and at most 1"),
+    (["--hardware", "v5p-128", "--ici_links", "0"], "--ici_links=0: give at least 1"),
+    (["--hardware", "v5p-128", "--ici_links", "-2"], "--ici_links=-2: give at least 1"),
+])
+def test_impossible_hardware_options_are_one_config_error(args, message, capsys):
+    assert main(["llama3-8b", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"config error: {message}")
+    assert captured.err.count("\n") == 1 and captured.out == ""  # one line, no report (no "at 700% MFU")
+
+
+def test_option_bounds_are_inclusive(capsys):
+    assert main(["llama3-8b", "--hardware", "v5p-128", "--mfu", "1", "--ici_links", "1", "--num_slices", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "at 100% MFU" in out and "with 1 link(s) per collective" in out
+
+
+def test_a_model_file_that_is_not_yaml_is_the_loaders_config_error(capsys, tmp_path):
+    broken = tmp_path / "broken.yml"
+    broken.write_text("base_emb_dim: [1\n")
+    assert main([str(broken), "--hardware", "v5p-128"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: model file {broken} is not valid YAML") and err.count("\n") == 1
+    listed = tmp_path / "listed.yml"
+    listed.write_text("[1, 2]\n")
+    assert main([str(listed), "--hardware", "v5p-128"]) == 2
+    err = capsys.readouterr().err  # the loader's own words (tessera.config), one line
+    assert err.startswith(f"config error: model file {listed} must be a mapping of key: value lines") and \
+        err.count("\n") == 1

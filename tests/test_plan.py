@@ -240,3 +240,24 @@ def test_compile_confirms_on_the_tpu_compiler_and_writes_a_runnable_recipe(tmp_p
         assert key in command.split(), key
     fallback = Candidate(Mesh({}, {}), 1, "minimal", 1, 1, 0, 0, (), 0.0, 0.0)
     assert heavier_policies(fallback) == ["save_dot_except_mlp", "save_qkv_proj", "full"]
+
+
+def test_a_gpu_count_of_zero_is_a_config_error(capsys):
+    assert main(["llama3-8b", "--hardware", "h100-0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "config error: --hardware='h100-0' has no GPUs; give the count after the name, e.g. h100-8\n"
+
+
+def test_compile_output_that_cannot_be_written_is_refused_before_compiling(tmp_path, capsys):
+    compile_to = ["default", "--hardware", "v5p-8", "--top", "1", "--compile", "--output"]
+    (tmp_path / "X").write_text("a file, not a folder")
+    assert main([*compile_to, str(tmp_path / "X" / "x.sh")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"config error: --output={tmp_path / 'X' / 'x.sh'} cannot be written: {tmp_path / 'X'} "
+                            "is a file, not a folder; choose another --output\n")
+    assert "compiling" not in captured.out and captured.out == ""  # refused before the search and any compile
+    (tmp_path / "d" / "x.json").mkdir(parents=True)  # the JSON report's place is taken by a folder
+    assert main([*compile_to, str(tmp_path / "d" / "x.sh")]) == 2
+    assert f"cannot be written: {tmp_path / 'd' / 'x.json'} is a folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["X", "d"] and list((tmp_path / "d").iterdir()) == [
+        tmp_path / "d" / "x.json"]

@@ -174,3 +174,22 @@ def test_megablox_runs_the_pallas_grouped_matmul_on_tpu():
         programs[megablox] = compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text()
     assert "%ragged-dot" in programs[False] and "%gmm" not in programs[False]
     assert "%gmm" in programs[True] and "%tgmm" in programs[True] and "%ragged-dot" not in programs[True]
+
+
+def test_compiled_trainstep_file_under_a_file_is_refused_before_compiling(tmp_path, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="tessera")
+    (tmp_path / "file").write_text("not a folder")
+    target = tmp_path / "file" / "steps" / "compiled.pickle"
+    assert main(overrides(tmp_path, compile_topology="v5e-4", compiled_trainstep_file=target)) == 2
+    assert capsys.readouterr().err == (f"config error: compiled_trainstep_file={target} cannot be written: "
+                                       f"{tmp_path / 'file'} is a file, not a folder; choose another path\n")
+    assert not any("compiling" in r.getMessage() for r in caplog.records)
+    assert not (tmp_path / "aot").exists()
+
+
+def test_unwritable_file_names_what_is_in_the_way(tmp_path):
+    (tmp_path / "taken").mkdir()
+    assert train_compile.unwritable_file(str(tmp_path / "taken")) == f"{tmp_path / 'taken'} is a folder"
+    assert train_compile.unwritable_file(str(tmp_path / "new" / "deeper" / "c.pickle")) == ""
+    assert not (tmp_path / "new").exists()  # nothing is created by the check
+    assert train_compile.unwritable_file("gs://bucket/c.pickle") == ""

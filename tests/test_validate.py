@@ -196,3 +196,47 @@ def test_optimization_level_and_pgle_are_reported(tmp_path, capsys):
 def test_a_bad_gpu_setting_stops_the_suite(tmp_path, capsys):
     assert main([_tuned(tmp_path, xla_python_client_mem_fraction="1.5"), "--gpu", "cpu", "--dry-run"]) == 2
     assert "xla_python_client_mem_fraction=1.5 must be in (0, 1]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1, 2]", "holds a JSON array at the top; a validation file is an object with config and model_params sections"),
+    ('"text"', "holds a JSON string at the top; a validation file is an object"),
+])
+def test_a_file_that_is_not_a_json_object_is_one_line(content, message, tmp_path, capsys):
+    path = tmp_path / "v.json"
+    path.write_text(content)
+    assert main([str(path), "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(f"validation file error: {path} {message}")
+
+
+def test_a_folder_given_as_the_file_is_one_line(tmp_path, capsys):
+    assert main([str(tmp_path), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"validation file error: {tmp_path} is a folder; give the validation JSON file in it\n"
+    assert captured.out == ""
+
+
+def test_a_section_that_is_not_an_object_is_named(tmp_path, capsys):
+    data = json.loads(open(CPU).read())
+    data["model_params"]["single_node"]["default"] = ["cpu"]
+    path = tmp_path / "nested.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--dry-run"]) == 2
+    assert capsys.readouterr().err == ("validation file error: model_params.single_node.default is a JSON array; "
+                                       "it must be an object of name: value\n")
+
+
+def test_a_train_value_the_trainer_refuses_stops_the_dry_run(tmp_path, capsys):
+    """The train keys go through train.py's own config loader before anything is printed or run."""
+    data = json.loads(open(CPU).read())
+    data["config"]["training_steps"] = "ten"
+    path = tmp_path / "ten.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("validation file error: train.py would refuse the train keys of "
+                                   "single_node.default.cpu: steps='ten'") and captured.err.count("\n") == 1
+    assert captured.out == ""
+    assert main([_tuned(tmp_path, remat_policy="sometimes"), "--gpu", "cpu", "--dry-run"]) == 2
+    assert "remat_policy" in capsys.readouterr().err
+    assert main([CPU, "--gpu", "cpu", "--dry-run"]) == 0  # the shipped file passes the same check

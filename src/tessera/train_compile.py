@@ -99,6 +99,31 @@ def topology_devices(topology: TpuSlice, num_slices: int) -> list:
     return list(desc.devices)
 
 
+def unwritable_file(path: str) -> str:
+    """Why a file could not be written at `path` (its missing folders made on the way), or "" when nothing
+    in the way shows before writing: a folder at `path`, a file where a folder should be, no write permission.
+    Nothing is created. Bucket URLs are not checked."""
+    if "://" in path:
+        return ""
+    target = Path(os.path.abspath(path))
+    if target.is_dir():
+        return f"{target} is a folder"
+    existing = next(p for p in target.parents if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if target.exists() and not os.access(target, os.W_OK) or not target.exists() and \
+            not os.access(existing, os.W_OK | os.X_OK):
+        return f"permission denied in {existing}"
+    return ""
+
+
+def check_compiled_file(path: str) -> None:
+    """Before compiling: ConfigError when compiled_trainstep_file cannot be written (save_compiled's message)."""
+    why = unwritable_file(path) if path else ""
+    if why:
+        raise ConfigError(f"compiled_trainstep_file={path} cannot be written: {why}; choose another path")
+
+
 def save_compiled(compiled, path: str) -> None:
     """The compiled step as MaxText's compiled_trainstep_file holds it: a pickle of
     jax.experimental.serialize_executable.serialize's (payload, in_tree, out_tree), which
@@ -298,6 +323,7 @@ def main(argv: list[str]) -> int:
         from tessera.checkpointing import check_writable  # the report's folder: checked before compiling
 
         check_writable(str(run_dir(cfg.run)), "base_output_directory")
+        check_compiled_file(cfg.compile.compiled_trainstep_file)
         report = compile_for_topology(cfg)
     except (ConfigError, UsageError) as e:
         print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)

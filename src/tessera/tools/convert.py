@@ -128,16 +128,24 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"{out_dir} is not empty; choose a new output folder (nothing was written)")
+    from tessera.checkpointing import CheckpointError
+
     m = cfg.model
     layout = layout_for(m)
     source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
+    made = not out_dir.exists()
     writer = hf_checkpoint.ShardWriter(out_dir, max_shard_size)
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
-    for rule, prefix, index, fmt in tqdm(jobs, desc="tessera-to-hf", unit="tensor", file=sys.stderr,
-                                        disable=None):
-        values = rule.to_hf(*(source.get(prefix + path, index) for path in rule.ours))
-        for name, value in zip(rule.hf, values):
-            writer.add(fmt(name), value)
+    try:
+        for rule, prefix, index, fmt in tqdm(jobs, desc="tessera-to-hf", unit="tensor", file=sys.stderr,
+                                            disable=None):
+            values = rule.to_hf(*(source.get(prefix + path, index) for path in rule.ours))
+            for name, value in zip(rule.hf, values):
+                writer.add(fmt(name), value)
+    except (CheckpointError, ConfigError):  # a damaged checkpoint: leave no half-written output behind
+        if made:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        raise
     writer.close()
     (out_dir / "config.json").write_text(json.dumps(hf_checkpoint.hf_config(m), indent=2) + "\n")
     return out_dir

@@ -40,10 +40,9 @@ import re
 import sys
 from pathlib import Path
 
-import yaml
-
 from tessera.config import Config, ConfigError, ModelConfig, build_config, load_config
 from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout
+from tessera.config.loader import _read_yaml
 from tessera.config.schema import all_fields
 from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
 from tessera.metrics import mla_matmul_params, training_flops_per_step
@@ -120,6 +119,9 @@ def parse_hardware(text: str, num_slices: int = 1, ici_links: int = 0) -> Hardwa
     """"v6e-256" (a TPU slice type) or "h100-8" (that many GPUs)."""
     match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text.strip().lower())
     if match and match.group(1) in GPUS:
+        if int(match.group(2)) < 1:
+            raise ConfigError(f"--hardware={text!r} has no GPUs; give the count after the name, e.g. "
+                              f"{match.group(1)}-8")
         count = int(match.group(2)) * num_slices
         return Hardware(GPUS[match.group(1)], text, count, num_slices, ici_links or 1)
     try:
@@ -284,7 +286,7 @@ def load_model_config(model: str | None, overrides: list[str]) -> Config:
     path = Path(model)
     if not path.is_file():
         raise ConfigError(f"model file {path} does not exist")
-    flat = {**yaml.safe_load(base.read_text()), **(yaml.safe_load(path.read_text()) or {})}
+    flat = {**_read_yaml(base, "config file"), **_read_yaml(path, "model file")}  # the loader's YAML errors
     for item in overrides:
         name, sep, value = item.partition("=")
         if not sep:
@@ -364,6 +366,17 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     return "\n".join(lines)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """ConfigError for option values no hardware has: fewer than one slice or link, an MFU outside (0, 1]."""
+    if args.num_slices < 1:
+        raise ConfigError(f"--num_slices={args.num_slices}: give at least 1 (the slices joined over DCN)")
+    if args.ici_links is not None and args.ici_links < 1:
+        raise ConfigError(f"--ici_links={args.ici_links}: give at least 1 (the ICI links a collective uses), "
+                          "or leave it out for the slice's own")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ConfigError(f"--mfu={args.mfu:g}: give a fraction above 0 and at most 1, e.g. --mfu 0.4 for 40%")
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
         prog="python3 -m tessera.tools.estimate", description=__doc__.split("\n\n")[0],
@@ -376,17 +389,19 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="key=value config overrides (mesh, batch, remat_policy, ...)")
     p.add_argument("--hardware", required=True, help="TPU slice type (v6e-256, v5p-128, ...) or <gpu>-<count> (h100-8)")
     p.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN (default 1)")
-    p.add_argument("--ici_links", type=int, default=0, help="links per collective (default: 4 on slices with "
-                   "wraparound, else 2; 1 on GPUs)")
-    p.add_argument("--mfu", type=float, default=0.0, help="also print the throughput at this MFU (e.g. 0.4)")
+    p.add_argument("--ici_links", type=int, default=None, help="links per collective, at least 1 (default: 4 on "
+                   "slices with wraparound, else 2; 1 on GPUs)")
+    p.add_argument("--mfu", type=float, default=None, help="also print the throughput at this MFU, above 0 and at "
+                   "most 1 (e.g. 0.4)")
     args = p.parse_intermixed_args(argv)  # key=value may come before or after the options
     model, overrides = args.model, args.overrides
     if model is not None and "=" in model:  # only key=value arguments: no model named
         model, overrides = None, [model, *overrides]
     try:
+        check_options(args)
         cfg = load_model_config(model, overrides)
-        hw = parse_hardware(args.hardware, args.num_slices, args.ici_links)
-        print(report(cfg, hw, args.mfu, sequence_note(cfg, overrides)))
+        hw = parse_hardware(args.hardware, args.num_slices, args.ici_links or 0)
+        print(report(cfg, hw, args.mfu or 0.0, sequence_note(cfg, overrides)))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

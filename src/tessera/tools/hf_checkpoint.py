@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from tessera.config import Config, ConfigError, ModelConfig
@@ -33,10 +33,13 @@ class Reader:
             raise ConfigError(f"{hf_dir / 'config.json'} is not valid JSON: {e}") from None
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
-            files = {n: hf_dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+            try:
+                files = {n: hf_dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+            except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+                raise ConfigError(f"{index} is not a safetensors index (JSON with a weight_map of tensor name -> "
+                                  f"file): {type(e).__name__}: {e}; save the model again") from None
         elif (hf_dir / "model.safetensors").is_file():
-            with safe_open(hf_dir / "model.safetensors", "np") as f:
-                files = {n: hf_dir / "model.safetensors" for n in f.keys()}
+            files = {n: hf_dir / "model.safetensors" for n in _open(hf_dir / "model.safetensors").keys()}
         else:
             raise ConfigError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json "
                               "(PyTorch .bin checkpoints are not read; save the model with safe_serialization=True)")
@@ -60,8 +63,23 @@ class Reader:
             raise ConfigError(f"the checkpoint has no tensor {name!r}; is model_name (or decoder_block) right?")
         path = self._files[actual]
         if path not in self._open:
-            self._open[path] = safe_open(path, "np")
-        return self._open[path].get_tensor(actual)
+            self._open[path] = _open(path)
+        try:
+            return self._open[path].get_tensor(actual)
+        except SafetensorError as e:
+            raise _damaged(path, e) from None
+
+
+def _open(path: Path):
+    """safe_open, with a damaged (truncated, overwritten) file as one ConfigError naming it."""
+    try:
+        return safe_open(path, "np")
+    except SafetensorError as e:
+        raise _damaged(path, e) from None
+
+
+def _damaged(path: Path, e: Exception) -> ConfigError:
+    return ConfigError(f"{path} is damaged (truncated or not a safetensors file: {e}); download or save it again")
 
 
 def param_targets(cfg: Config) -> dict[str, jax.ShapeDtypeStruct]:
@@ -173,8 +191,14 @@ class ParamSource:
         if path not in self.cache:
             item = {"params": _nest({path: self.targets[path]})}
             args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
-            restored = self.checkpointer.restore(self.path, args=ocp.args.PyTreeRestore(
-                item=item, restore_args=args, partial_restore=True))
+            try:
+                restored = self.checkpointer.restore(self.path, args=ocp.args.PyTreeRestore(
+                    item=item, restore_args=args, partial_restore=True))
+            except Exception as e:  # noqa: BLE001 - a truncated or missing array file: the trainer's one line
+                from tessera.checkpointing import _read_error
+
+                raise _read_error(e, f"checkpoint {self.path} could not be restored: files may be missing or "
+                                     "corrupt") from None
             value = restored["params"]
             for key in path.split("/"):
                 value = value[key]

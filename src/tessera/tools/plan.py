@@ -333,6 +333,10 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--slices and --top must be at least 1 and --tokens-per-device at least 0")
         cfg = load_model_config(args.model, args.overrides)
         hw = parse_hardware(args.hardware, args.slices)
+        if args.compile and hw.accelerator.torus_dims:  # the recipe's folder, before minutes of compiling
+            from tessera.tools.plan_compile import check_output
+
+            check_output(cfg, hw, args.output)
         print(report_header(cfg, hw, sequence_note(cfg, args.overrides)), flush=True)
         ranked = search(cfg, hw, args.tokens_per_device)
         if not ranked:

@@ -160,6 +160,22 @@ def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list
     path.chmod(0o755)
 
 
+def recipe_path(cfg: Config, hw: Hardware, output: str) -> Path:
+    """The recipe --compile writes: --output, else configs/tpu/<gen>/plan_<model>.sh."""
+    name = re.sub(r"[^a-z0-9_.]+", "_", cfg.model.model_name.lower())
+    return Path(output) if output else CONFIGS / "tpu" / hw.accelerator.name / f"plan_{name}.sh"
+
+
+def check_output(cfg: Config, hw: Hardware, output: str) -> None:
+    """Before any compile: ConfigError when the recipe or its JSON report could not be written."""
+    from tessera.train_compile import unwritable_file
+
+    recipe = recipe_path(cfg, hw, output)
+    why = unwritable_file(str(recipe)) or unwritable_file(str(recipe.with_suffix(".json")))
+    if why:
+        raise ConfigError(f"--output={recipe} cannot be written: {why}; choose another --output")
+
+
 def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
     """--compile: one AOT compile at a time of each candidate, then the recipe and the JSON report."""
     if hw.accelerator.torus_dims == 0:
@@ -175,8 +191,7 @@ def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
         raise ConfigError("the compiler fits none of the top candidates; see the messages above")
     confirmed.sort(key=Candidate.rank_key, reverse=True)
     print("\nconfirmed by the TPU compiler (* = compiler's memory):\n" + table(confirmed))
-    name = re.sub(r"[^a-z0-9_.]+", "_", cfg.model.model_name.lower())
-    recipe = Path(args.output) if args.output else CONFIGS / "tpu" / hw.accelerator.name / f"plan_{name}.sh"
+    recipe = recipe_path(cfg, hw, args.output)
     write_recipe(recipe.resolve(), confirmed[0], cfg, hw, base)
     report = recipe.with_suffix(".json")
     report.write_text(json.dumps({"model": base, "hardware": hw.name, "slices": hw.num_slices, "candidates": [

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from tessera.config.loader import PLACEHOLDER, build_config
+from tessera.config.loader import PLACEHOLDER, build_config, load_config
 from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
 from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
@@ -101,14 +101,32 @@ def load(path: str) -> dict:
         data = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise ValidationInputError(f"{path} does not exist") from None
-    except json.JSONDecodeError as e:
+    except IsADirectoryError:
+        raise ValidationInputError(f"{path} is a folder; give the validation JSON file in it") from None
+    except OSError as e:
+        raise ValidationInputError(f"{path} cannot be read: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValidationInputError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValidationInputError(f"{path} holds a JSON {_json_type(data)} at the top; a validation file is an "
+                                   "object with config and model_params sections")
     data = _clean(data, getpass.getuser())
     left = list(_placeholders(data))
     if left:
         raise ValidationInputError(
             f"{path} still has {len(left)} {PLACEHOLDER} value(s); set each before running:\n  " + "\n  ".join(left))
     return data
+
+
+def _json_type(value: Any) -> str:
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
+
+
+def _section(node: Any, where: str) -> dict:
+    """`node` when it is a JSON object, else ValidationInputError naming `where` in the file."""
+    if not isinstance(node, dict):
+        raise ValidationInputError(f"{where} is a JSON {_json_type(node)}; it must be an object of name: value")
+    return node
 
 
 def _clean(node: Any, user: str) -> Any:
@@ -136,22 +154,23 @@ def select(data: dict, multi_node: bool, model: str | None, gpu: str | None) -> 
     if not isinstance(params, dict) or not params:
         raise ValidationInputError("the file has no model_params section")
     mode = "multi_node" if multi_node and "multi_node" in params else next(iter(params))
-    models = params[mode]
+    models = _section(params[mode], f"model_params.{mode}")
     model = model or (next(iter(models)) if len(models) == 1 else None)
     if model not in models:
         raise ValidationInputError(f"choose --model from {sorted(models)} (model_params.{mode})")
-    gpus = models[model]
+    gpus = _section(models[model], f"model_params.{mode}.{model}")
     gpu = gpu or (next(iter(gpus)) if len(gpus) == 1 else None)
     if gpu not in gpus:
         raise ValidationInputError(f"choose --gpu from {sorted(gpus)} (model_params.{mode}.{model})")
-    return f"{mode}.{model}.{gpu}", gpus[gpu]
+    _section(data.get("config", {}), "config")
+    return f"{mode}.{model}.{gpu}", _section(gpus[gpu], f"model_params.{mode}.{model}.{gpu}")
 
 
 def build_plan(data: dict, name: str, entry: dict) -> Plan:
     """Map every key of `config` and of the model entry to the environment, a train key, or 'ignored'."""
     config = dict(data.get("config", {}))
-    container = dict(config.pop("container_config", {}))
-    env = {k: str(v) for k, v in container.pop("env_dict", {}).items()}
+    container = dict(_section(config.pop("container_config", {}), "config.container_config"))
+    env = {k: str(v) for k, v in _section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
     overrides: dict[str, str] = {}
     ignored: dict[str, str] = {}
     xla_flags = [f"--{k}={v}" for k, v in entry.get("xla_flags", {}).items()]
@@ -209,6 +228,15 @@ def _maxtext_why(key: str, value: Any) -> str:
         off = " (off here, as in Tessera)" if is_off(REFUSED[key], value) else ""
         return f"MaxText key{off}: {REFUSED[key].why}"
     return "not a Tessera train key"
+
+
+def check_train_keys(plan: Plan, run_name: str, env: dict[str, str]) -> None:
+    """The train keys through train.py's own config loader (with the run's M_<KEY> variables in `env`), so that
+    a value the trainer refuses stops the suite here, dry run included, with the loader's message."""
+    try:
+        load_config(train_argv(plan, run_name)[2:], env=env)
+    except ConfigError as e:
+        raise ValidationInputError(f"train.py would refuse the train keys of {plan.name}: {e}") from None
 
 
 def gpu_tuning(overrides: dict[str, str], env: dict[str, str]) -> dict[str, str]:
@@ -433,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
         data = load(path)
         name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
         plan = build_plan(data, name, entry)
+        run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
+        check_train_keys(plan, run_name, plan.env if nodes else {**os.environ, **plan.env})
     except (ValidationInputError, UsageError) as e:
         print(f"{'validation file ' if isinstance(e, ValidationInputError) else ''}error: {e}", file=sys.stderr)
         return 2
@@ -441,7 +471,6 @@ def main(argv: list[str] | None = None) -> int:
     print(tuning_line(plan))
     if quantization_line(plan):
         print(quantization_line(plan))
-    run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
     engine = container_engine()
     if plan.container.get("container_image") and not engine:
         print(f"no container engine answers here: running directly, not in {plan.container['container_image']}")

@@ -1,0 +1,73 @@
+"""tessera.tools.convert on damaged inputs, without the Hugging Face reference interpreter: a tiny Tessera
+checkpoint written here (and its Hugging Face form, converted by the tool) with one file truncated is one
+error line naming the file, exit 2, and no output left behind."""
+
+import os
+
+import numpy as np
+import pytest
+
+from tessera.tools import hf_checkpoint
+from tessera.tools.convert import main
+from tessera.tools.estimate import load_model_config
+
+KEYS = ["model_name=default", "base_emb_dim=24", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=6",
+        "base_mlp_dim=40", "base_num_decoder_layers=2", "vocab_size=96"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """(a Tessera params checkpoint of the tiny model, the same converted to a Hugging Face folder)."""
+    root = tmp_path_factory.mktemp("convert")
+    targets = hf_checkpoint.param_targets(load_model_config(None, KEYS))
+    rng = np.random.default_rng(0)  # random values: the array files are large enough to cut in half
+    params = hf_checkpoint._nest({k: rng.standard_normal(t.shape).astype(t.dtype) for k, t in targets.items()})
+    hf_checkpoint.save_params(root / "tessera", params)
+    assert main(["tessera-to-hf", str(root / "tessera"), str(root / "hf"), *KEYS]) == 0
+    return root / "tessera", root / "hf"
+
+
+def _truncated_copy(src, dst, name):
+    import shutil
+
+    shutil.copytree(src, dst)
+    victim = dst / name
+    os.truncate(victim, victim.stat().st_size // 2)
+    return victim
+
+
+def test_a_truncated_tessera_array_file_is_one_checkpoint_error(checkpoints, tmp_path, capsys):
+    ckpt, _ = checkpoints
+    capsys.readouterr()
+    victim = _truncated_copy(ckpt, tmp_path / "ckpt", "params.token_embedder.table_vd/0.0")
+    assert main(["tessera-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), *KEYS]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"checkpoint error: checkpoint {tmp_path / 'ckpt'} could not be restored: files may be "
+                          "missing or corrupt (")
+    assert str(victim) in err and "Truncated" in err and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()  # no half-written Hugging Face folder left behind
+
+
+def test_a_truncated_safetensors_file_is_one_error_naming_it(checkpoints, tmp_path, capsys):
+    _, hf = checkpoints
+    capsys.readouterr()
+    victim = _truncated_copy(hf, tmp_path / "hf", "model.safetensors")
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "out"), *KEYS]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {victim} is damaged (truncated or not a safetensors file: ")
+    assert err.endswith("; download or save it again\n") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_shard_is_named_when_it_is_read(checkpoints, tmp_path, capsys):
+    """A sharded checkpoint opens its files only when a tensor is read: the damaged shard is still named."""
+    ckpt, _ = checkpoints
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "sharded"), *KEYS, "--max-shard-size", "20000"]) == 0
+    shards = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(shards) > 1
+    os.truncate(shards[-1], shards[-1].stat().st_size // 2)
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(tmp_path / "sharded"), str(tmp_path / "out"), *KEYS]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {shards[-1]} is damaged (truncated") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
