@@ -363,6 +363,11 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.checkpoint_is_quantized and not (cfg.model.quantization and cfg.checkpoint.load_parameters_path):
         raise ConfigError("checkpoint_is_quantized=true needs load_parameters_path=<the quantized checkpoint> and the "
                           "quantization=int8|fp8|fp8_full it was written with")
+    for name in ("adam_b1", "adam_b2"):
+        beta = getattr(cfg.optim, name)
+        if beta >= 1.0:
+            raise ConfigError(f"{name}={beta:g} must be below 1: it is AdamW's decay of a moment average (1 would never "
+                              "update it, and the bias correction would divide by zero); e.g. 0.9 or 0.95")
     keep = cfg.checkpoint.max_num_checkpoints_to_keep
     if keep == 0 or keep < -1:
         raise ConfigError(f"max_num_checkpoints_to_keep={keep} is not allowed; use -1 to keep every checkpoint, "

@@ -366,7 +366,8 @@ class OptimConfig:
     """AdamW, warm-up + cosine schedule, clipping and gradient accumulation."""
 
     learning_rate: float = key(3e-3, "peak learning rate", minimum=0.0)
-    warmup_steps_fraction: float = key(0.1, "fraction of learning_rate_schedule_steps spent warming up linearly", minimum=0.0)
+    warmup_steps_fraction: float = key(0.1, "fraction of learning_rate_schedule_steps spent warming up linearly",
+                                         minimum=0.0, maximum=1.0)
     learning_rate_schedule_steps: int = key(-1, "length of the schedule in steps (-1: steps)", maximum=MAX_STEPS)
     cosine_learning_rate_final_fraction: float = key(0.1, "final learning rate as a fraction of the peak", minimum=0.0)
     adam_b1: float = key(0.9, "AdamW beta1", minimum=0.0)
