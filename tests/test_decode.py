@@ -1,6 +1,7 @@
 """Decoding with a KV cache: cached generation equals full recomputation for every block family;
 sampling; the command line."""
 
+import signal
 import subprocess
 import sys
 import threading
@@ -204,6 +205,24 @@ def test_decode_py_prints_generated_tokens(checkpoint):
     printed = [[int(t) for t in line.split()] for line in proc.stdout.splitlines()]
     assert printed == want  # on 8 devices with sharded parameters, as in-process on one
     assert f"generated {2 * NEW_TOKENS} tokens for 2 prompt(s)" in proc.stderr
+
+
+def test_sigterm_stops_decoding_with_one_line_and_exit_143(checkpoint):
+    path, _ = checkpoint
+    long = [a for a in CONFIG_ARGS if not a.startswith("max_target_length=")] + ["max_target_length=2048"]
+    cmd = [sys.executable, str(REPO / "decode.py"), *long, f"load_parameters_path={path}",
+           "--tokens", ",".join(map(str, PROMPTS[0])), "--max_new_tokens", "2000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:  # parameters loaded: the handler is in place, generation has not finished
+        seen.append(line)
+        if "loaded parameters from" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(seen) + rest
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopped by SIGTERM (exit code 143)" in err and "Traceback" not in err
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):

@@ -11,7 +11,8 @@ KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 likely tokens (0: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
 
 Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated);
-130 interrupted by Ctrl-C (no traceback; decoding writes no files, so nothing is left half-written).
+130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback; decoding writes no
+files, so nothing is left half-written).
 See getting_started/Decode.md. JAX is imported only once decoding starts, so that --help is instant.
 """
 
@@ -20,7 +21,9 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -35,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tessera")
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 2, 130, 143
 
 
 # ---- sampling and the decoding loop
@@ -262,8 +265,18 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
     return outputs
 
 
+class _Terminated(BaseException):  # like KeyboardInterrupt: no `except Exception` on the way swallows it
+    """SIGTERM: decoding stops with one line (nothing to save)."""
+
+
+def _terminate(signum, frame):
+    raise _Terminated()
+
+
 def main(argv: list[str]) -> int:
     flags, config_args = parse_args(argv)  # --help ends here, before JAX is imported
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminate)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr, force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
@@ -281,6 +294,9 @@ def main(argv: list[str]) -> int:
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except _Terminated:
+        print(f"stopped by SIGTERM (exit code {EXIT_TERMINATED})", file=sys.stderr)
+        return EXIT_TERMINATED
     return EXIT_OK
 
 
