@@ -83,6 +83,20 @@ def test_output_folder_under_a_file_is_refused_before_compiling(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
+def test_a_bucket_that_cannot_be_reached_is_one_line_before_compiling(tmp_path):
+    """No network here (nor credentials): the bucket clients retry for about 50 s, logging a traceback
+    per retry, then raised from deep inside Orbax. Now: one line, exit 2, nothing compiled."""
+    url = "gs://tessera-test-no-such-bucket/runs"
+    proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={url}", "steps=1"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    _no_echoes(proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith(f"config error: base_output_directory={url}/sub/checkpoints "
+                                                     "cannot be reached (")
+    assert "check the network, the bucket name and the credentials" in errors[0] and "compiled" not in proc.stderr
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 30 MiB tmpfs: one checkpoint of the 2-layer model (21 MB) fits, a second does not."""

@@ -369,11 +369,38 @@ def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
     return moved
 
 
+# loggers of the bucket clients, which log each failed retry with its traceback before raising
+_STORAGE_LOGGERS = ("gcsfs", "fsspec", "google", "google.auth", "urllib3", "aiohttp")
+
+
+def remote_exists(path: str, key: str, error=ConfigError) -> bool:
+    """Whether a bucket URL exists, or `error` (one line naming `key=path`) when the bucket cannot be
+    reached: no network, no credentials, no permission. The clients' own retry logs are held back."""
+    loggers = [logging.getLogger(name) for name in _STORAGE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        return epath.Path(path).exists()
+    except Exception as e:  # noqa: BLE001 - DNS, auth and permission errors come in many types
+        raise error(f"{key}={path} cannot be reached ({_read_error_detail(e)}); check the network, the bucket name "
+                    "and the credentials (gcloud auth application-default login)") from None
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _read_error_detail(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+
+
 def _state_item(path: str, key: str | None = None) -> epath.Path:
     """The `state` item of a step folder, or `path` itself when it is an item (a converted
     checkpoint). CheckpointError naming `key=path` when nothing loadable is there."""
     p = epath.Path(path)
     label = _label(key, p)
+    if "://" in path:
+        remote_exists(path, key or "checkpoint", CheckpointError)
     if not p.exists():
         raise CheckpointError(f"{label} does not exist; {_step_folder_hint(p)}")
     if INCOMPLETE_MARKER in p.name:
@@ -446,10 +473,14 @@ def load_full_state(path: str, abstract_state, key: str | None = "load_full_stat
 def check_writable(path: str, key: str) -> None:
     """ConfigError naming `key=path` unless a file can be created in folder `path`. The probe
     (and every folder it had to create) is removed again, so nothing is left behind either way.
-    Bucket URLs are not probed: their permissions show at the first write. In a multi-process
+    A bucket URL is only checked to be reachable (`remote_exists`): its write permission shows at
+    the first save. In a multi-process
     job only process 0 probes: processes creating and removing the same folders at once would
     trip over each other (the others write into the same folders at the first save)."""
-    if "://" in path or jax.process_index() != 0:
+    if jax.process_index() != 0:
+        return
+    if "://" in path:
+        remote_exists(path, key)  # reachable; write permission shows at the first save
         return
     folder, created = epath.Path(path), []
     probe = folder / f".tessera-write-probe-{os.getpid()}"
