@@ -4,6 +4,7 @@ paths relative to the working directory, progress lines."""
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY
-from tessera.tools.cli import Heartbeat, UsageError, format_seconds, resolve_path, take_options
+from tessera.tools.cli import Heartbeat, UsageError, format_seconds, resolve_path, sigterm_raises, take_options
 
 ENTRY_POINTS = {
     "train.py": ["train.py"],
@@ -132,3 +133,16 @@ def test_heartbeat_says_how_long_until_the_block_ends():
     time.sleep(0.2)
     assert len(lines) == count  # the thread stopped with the block
     assert [format_seconds(s) for s in (45, 125, 3720)] == ["45s", "2m05s", "1h02m"]
+
+
+
+def test_sigterm_raises_only_inside_its_block_and_restores_the_previous_handler():
+    class Stop(BaseException):
+        pass
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Stop):
+        with sigterm_raises(Stop):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler interrupts this at once
+    assert signal.getsignal(signal.SIGTERM) is before

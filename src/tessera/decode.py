@@ -21,16 +21,14 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
-import signal
 import sys
-import threading
 import time
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tessera.config import Config, ConfigError, load_config
-from tessera.tools.cli import UsageError, config_epilog, resolve_config_file
+from tessera.tools.cli import UsageError, config_epilog, resolve_config_file, sigterm_raises
 
 if TYPE_CHECKING:
     from tessera.data.tokenizers import Tokenizer
@@ -269,14 +267,13 @@ class _Terminated(BaseException):  # like KeyboardInterrupt: no `except Exceptio
     """SIGTERM: decoding stops with one line (nothing to save)."""
 
 
-def _terminate(signum, frame):
-    raise _Terminated()
-
-
 def main(argv: list[str]) -> int:
     flags, config_args = parse_args(argv)  # --help ends here, before JAX is imported
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _terminate)
+    with sigterm_raises(_Terminated):
+        return _main(flags, config_args)
+
+
+def _main(flags: argparse.Namespace, config_args: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr, force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)

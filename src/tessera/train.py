@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -59,10 +58,6 @@ class TrainingStopped(Exception):
 
 class _TerminatedOutsideLoop(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
     """SIGTERM while no training loop runs (start-up, compilation, the final save): stop with a line."""
-
-
-def _terminate_outside_loop(signum, frame):
-    raise _TerminatedOutsideLoop()
 
 
 class _StopSignal:
@@ -364,15 +359,18 @@ def format_changed_keys(cfg: Config) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from tessera.tools.cli import exit_if_help, train_help
+    from tessera.tools.cli import exit_if_help, sigterm_raises, train_help
 
     exit_if_help(argv, train_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
                         force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    if threading.current_thread() is threading.main_thread():  # the loop's _StopSignal takes over while it runs
-        signal.signal(signal.SIGTERM, _terminate_outside_loop)
+    with sigterm_raises(_TerminatedOutsideLoop):  # the loop's _StopSignal takes over while it runs
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     try:
         cfg = load_config(argv)
         from tessera.gpu_tuning import apply_gpu_tuning  # before any device use: JAX reads these at start-up

@@ -7,8 +7,10 @@ never starts a device backend.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -90,6 +92,25 @@ def prepare_training_process(argv: Sequence[str]) -> None:
 
     use_cpu_on_hosts_without_accelerators()
     reexec()
+
+
+@contextlib.contextmanager
+def sigterm_raises(exc_type: type[BaseException]):
+    """While the block runs, SIGTERM raises `exc_type` in the main thread (so a command can stop with
+    one line and exit 143 instead of dying silently); the previous handler comes back after. Off the
+    main thread, where Python cannot set handlers, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise exc_type()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def exit_if_help(argv: Sequence[str], text: Callable[[], str]) -> None:
