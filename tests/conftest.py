@@ -55,3 +55,19 @@ def pytest_sessionstart(session):
         pytest.exit(f"only {free >> 20} MB free on the disk of {tmp}; the tests need about {NEEDS_FREE_BYTES >> 30} GB "
                     "there. Free some space (old pytest-of-* folders, for one) or set TMPDIR to another disk.",
                     returncode=4)
+
+
+def sigterm_after_line(cmd, marker: str, **popen) -> tuple[int, str]:
+    """Start `cmd`, wait for a stderr line holding `marker`, send SIGTERM; (exit code, whole stderr)."""
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if marker in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=120)
+    return proc.returncode, "".join(seen) + rest

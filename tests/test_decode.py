@@ -1,7 +1,6 @@
 """Decoding with a KV cache: cached generation equals full recomputation for every block family;
 sampling; the command line."""
 
-import signal
 import subprocess
 import sys
 import threading
@@ -10,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, tiny_config
+from conftest import REPO, TINY, sigterm_after_line, tiny_config
 from tessera.checkpointing import Checkpointer
 from tessera.decode import generate, main, sample
 from tessera.models import BLOCKS, build_model, kv_cache
@@ -212,16 +211,9 @@ def test_sigterm_stops_decoding_with_one_line_and_exit_143(checkpoint):
     long = [a for a in CONFIG_ARGS if not a.startswith("max_target_length=")] + ["max_target_length=2048"]
     cmd = [sys.executable, str(REPO / "decode.py"), *long, f"load_parameters_path={path}",
            "--tokens", ",".join(map(str, PROMPTS[0])), "--max_new_tokens", "2000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = []
-    for line in proc.stderr:  # parameters loaded: the handler is in place, generation has not finished
-        seen.append(line)
-        if "loaded parameters from" in line:
-            break
-    proc.send_signal(signal.SIGTERM)
-    _, rest = proc.communicate(timeout=120)
-    err = "".join(seen) + rest
-    assert proc.returncode == 143, err[-3000:]
+    # parameters loaded: the handler is in place, generation has not finished
+    code, err = sigterm_after_line(cmd, "loaded parameters from")
+    assert code == 143, err[-3000:]
     assert "stopped by SIGTERM (exit code 143)" in err and "Traceback" not in err
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import sigterm_after_line
 from test_checkpointing import TRAIN, _losses, _train, _wait_for
 
 ECHOES = ("Traceback", "Exception ignored", "never retrieved", "Task was destroyed")
@@ -182,17 +183,10 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path):
 
 
 def test_sigterm_before_the_first_step_is_one_line_and_exit_143(tmp_path):
-    proc = subprocess.Popen([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}", "steps=3"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    seen = []
-    for line in proc.stderr:  # the config line comes before the mesh, the state and the compile
-        seen.append(line)
-        if "config (differs from base.yml)" in line:
-            break
-    proc.send_signal(signal.SIGTERM)
-    _, rest = proc.communicate(timeout=120)
-    err = "".join(seen) + rest
-    assert proc.returncode == 143, err[-3000:]
+    # the config line comes before the mesh, the state and the compile
+    code, err = sigterm_after_line([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}", "steps=3"],
+                                   "config (differs from base.yml)")
+    assert code == 143, err[-3000:]
     _no_echoes(err)
     assert "stopped by SIGTERM outside the training loop: no new checkpoint (exit code 143)" in err
     assert not (tmp_path / "sub" / "checkpoints").exists()

@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from etils import epath
 
 from tessera.config import CheckpointConfig, ConfigError
+from tessera.data.errors import brief
 
 log = logging.getLogger(__name__)
 
@@ -383,15 +384,11 @@ def remote_exists(path: str, key: str, error=ConfigError) -> bool:
     try:
         return epath.Path(path).exists()
     except Exception as e:  # noqa: BLE001 - DNS, auth and permission errors come in many types
-        raise error(f"{key}={path} cannot be reached ({_read_error_detail(e)}); check the network, the bucket name "
+        raise error(f"{key}={path} cannot be reached ({brief(e)}); check the network, the bucket name "
                     "and the credentials (gcloud auth application-default login)") from None
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
-
-
-def _read_error_detail(e: Exception) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
 def _state_item(path: str, key: str | None = None) -> epath.Path:
