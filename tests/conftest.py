@@ -1,5 +1,6 @@
 """Test set-up: CPU only, 8 fake devices. Must run before JAX is imported anywhere."""
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -36,6 +37,19 @@ def tiny_config(tmp_path=None, **overrides):
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == 8, "tests need 8 fake CPU devices (XLA_FLAGS set in conftest.py)"
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers_restored():
+    """An in-process `main()` (train, decode) installs a root log handler on the stream of that test's
+    captured stderr, which pytest closes when the test ends: later tests' log lines would hit a closed
+    file ("--- Logging error ---" in their stderr). Each test ends with the root handlers it started with."""
+    root = logging.getLogger()
+    before, level = list(root.handlers), root.level
+    yield
+    for handler in [h for h in root.handlers if h not in before]:
+        root.removeHandler(handler)
+    root.setLevel(level)
 
 
 # The suite writes checkpoints, data and compiled programs under the temporary directory (about
