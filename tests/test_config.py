@@ -227,7 +227,7 @@ def test_model_and_eval_keys_are_checked_before_any_model_is_built(keys, message
     any block family) in `validate_for_build`."""
     from tessera import train_compile
     from tessera.config.__main__ import main as config_main
-    from tessera.config.loader import validate_for_build
+    from tessera.config.checks import validate_for_build
 
     with pytest.raises(ConfigError, match=message):
         validate_for_build(build_config(keys).model)

@@ -20,7 +20,7 @@ from tessera.step import Trainer, loss_sums
 
 class Evaluator:
     """Built once at start-up (so a bad eval set fails before training); `run(params)` evaluates.
-    `eval_steps` was checked with the rest of the config (`tessera.config.loader.validate`)."""
+    `eval_steps` was checked with the rest of the config (`tessera.config.checks.validate`)."""
 
     def __init__(self, cfg: DataConfig, trainer: Trainer):
         self.trainer, self.steps = trainer, cfg.eval_steps

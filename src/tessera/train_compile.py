@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tessera.config import Config, ConfigError, load_config
 from tessera.config.derived import run_dir
-from tessera.config.loader import validate_for_build
+from tessera.config.checks import validate_for_build
 from tessera.hardware import GIB, TpuSlice, tpu_slice
 from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
 

@@ -13,7 +13,7 @@ import sys
 import yaml
 
 from tessera.config import ConfigError, flat_dict, load_config
-from tessera.config.loader import validate_for_build
+from tessera.config.checks import validate_for_build
 from tessera.config.schema import render_base_yml
 from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_config_file
 

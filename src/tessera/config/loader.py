@@ -25,9 +25,9 @@ from typing import Any, Mapping
 
 import yaml
 
+from tessera.config.checks import validate
 from tessera.config.maxtext import maxtext_keys, translate
-from tessera.config.schema import (HF_FILE_FORMATS, MOE_BLOCKS, SECTIONS, Config, ConfigError, ModelConfig, all_fields,
-                                   path_keys)
+from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
 
 ENV_PREFIX = "M_"
 PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
@@ -45,7 +45,7 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     # (source, values), lowest precedence first; the model file goes second once model_name is known
     errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
     layers = [(source, _check_known(values, source, errors)) for source, values in (
-        (str(base_path), _read_yaml(base_path, "config file", empty_ok=False)),
+        (str(base_path), read_yaml(base_path, "config file", empty_ok=False)),
         ("the command line", _parse_overrides(argv[1:])), *_env_layers(env))]
     _refuse_placeholders(layers, errors)  # before model_name chooses a file
     model_name = _merge(layers).get("model_name", "default")
@@ -58,7 +58,7 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
         _raise_all(errors + [_name_sources(
             f"model_name={model_name!r}: no file {model_name}.yml in {' or '.join(str(d) for d in folders)}. "
             f"Known models: {', '.join(known) or 'none'}", layers)])
-    model = _read_yaml(model_file, "model file")
+    model = read_yaml(model_file, "model file")
     if "model_name" in model and model["model_name"] != model_name:
         raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
     layers.insert(1, (str(model_file), _check_known(model, str(model_file), errors)))
@@ -192,7 +192,7 @@ def resolve_paths(cfg: Config) -> None:
         setattr(section, name, value)
 
 
-def _read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
+def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
     """The `key: value` mapping of a YAML file; a ConfigError (one line) for a file that is missing, a
     directory, unreadable, not UTF-8, not YAML or not a mapping, and without `empty_ok` for one with no key."""
     if path.is_dir():
@@ -311,156 +311,6 @@ def _convert(name: str, raw: Any, kind: str) -> Any:
             raise ConfigError(f"{name}={raw!r} must be a list of strings, e.g. {name}=[\"silu\",\"linear\"]")
         return [v.strip() for v in value]
     raise TypeError(f"schema field {name} has unsupported type {kind}")
-
-
-def validate(cfg: Config) -> None:
-    """Checks that involve more than one key (single-key checks happen in `coerce`)."""
-    from tessera.config.schema import ACTIVATIONS
-
-    m = cfg.model
-    scale = m.global_parameter_scale
-    if scale & (scale - 1):
-        raise ConfigError(f"global_parameter_scale={scale} must be a power of two (1, 2, 4, ..., 128, ...)")
-    if m.num_query_heads % m.num_kv_heads:
-        raise ConfigError(
-            f"query heads ({m.num_query_heads}) must be a multiple of kv heads ({m.num_kv_heads}); "
-            "change base_num_query_heads or base_num_kv_heads"
-        )
-    if not 1 <= len(m.mlp_activations) <= 2 or any(a not in ACTIVATIONS for a in m.mlp_activations):
-        raise ConfigError(
-            f"mlp_activations={m.mlp_activations} must be one or two of {', '.join(ACTIVATIONS)} "
-            "(two make a gated MLP, e.g. [\"silu\",\"linear\"])"
-        )
-    if m.enable_dropout and not 0.0 <= m.dropout_rate < 1.0:
-        raise ConfigError(f"dropout_rate={m.dropout_rate} must be in [0, 1)")
-    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        raise ConfigError(f"rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "
-                          f"rope_low_freq_factor={m.rope_low_freq_factor} with rope_scaling=llama3 (Llama 3.1: 4 and 1)")
-    if m.num_experts_per_tok > m.num_experts:
-        raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more than num_experts={m.num_experts}; "
-                          "a token cannot be routed to more experts than there are")
-    if m.head_dim % 2:
-        raise ConfigError(f"head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
-    _validate_family(m)
-    for prefix in ("ici", "dcn"):
-        values = {n: getattr(cfg.mesh, n) for n in vars(cfg.mesh) if n.startswith(prefix)}
-        fills = [n for n, v in values.items() if v == -1]
-        if len(fills) > 1:
-            raise ConfigError(f"only one {prefix}_*_parallelism may be -1, but {', '.join(fills)} all are")
-        for n, v in values.items():
-            if v == 0 or v < -1:
-                raise ConfigError(f"{n}={v} must be a positive integer or -1 (fill from device count)")
-    for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
-        if getattr(cfg.mesh, n) == -1:
-            raise ConfigError(f"{n} cannot be -1: the stage count must be chosen (1: no pipelining)")
-    for n in ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layers_per_pipeline_stage"):
-        if getattr(cfg.mesh, n) == 0 or getattr(cfg.mesh, n) < -1:
-            raise ConfigError(f"{n}={getattr(cfg.mesh, n)} must be a positive integer or -1 (derived)")
-    if cfg.data.per_device_batch_size <= 0:
-        raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size} must be > 0")
-    if cfg.checkpoint.save_quantized_params_path and not cfg.model.quantization:
-        raise ConfigError("save_quantized_params_path needs quantization=int8, fp8 or fp8_full (the stored type)")
-    if cfg.checkpoint.checkpoint_is_quantized and not (cfg.model.quantization and cfg.checkpoint.load_parameters_path):
-        raise ConfigError("checkpoint_is_quantized=true needs load_parameters_path=<the quantized checkpoint> and the "
-                          "quantization=int8|fp8|fp8_full it was written with")
-    for name in ("adam_b1", "adam_b2"):
-        beta = getattr(cfg.optim, name)
-        if beta >= 1.0:
-            raise ConfigError(f"{name}={beta:g} must be below 1: it is AdamW's decay of a moment average (1 would never "
-                              "update it, and the bias correction would divide by zero); e.g. 0.9 or 0.95")
-    keep = cfg.checkpoint.max_num_checkpoints_to_keep
-    if keep == 0 or keep < -1:
-        raise ConfigError(f"max_num_checkpoints_to_keep={keep} is not allowed; use -1 to keep every checkpoint, "
-                          "or N >= 1 to keep the newest N")
-    fraction = cfg.compile.compile_hbm_budget_fraction
-    if not 0.0 < fraction <= 1.0:
-        raise ConfigError(f"compile_hbm_budget_fraction={fraction:g} must be in (0, 1]: the share of a chip's HBM the "
-                          "compiled step may use, e.g. 0.95")
-    _validate_eval(cfg.data)
-    _validate_vocab_tiling(cfg)
-
-
-def _validate_vocab_tiling(cfg: Config) -> None:
-    """num_vocab_tiling splits the tokens one device holds in a forward pass into equal chunks."""
-    tiles, d, accum = cfg.model.num_vocab_tiling, cfg.data, cfg.optim.gradient_accumulation_steps
-    tokens = d.per_device_batch_size * d.max_target_length / accum
-    if tiles > 1 and (tokens != int(tokens) or int(tokens) % tiles):
-        raise ConfigError(f"num_vocab_tiling={tiles} must divide the tokens per device of one forward pass: "
-                          f"per_device_batch_size={d.per_device_batch_size:g} x max_target_length={d.max_target_length}"
-                          f" / gradient_accumulation_steps={accum} = {tokens:g}; change num_vocab_tiling")
-
-
-def _validate_eval(d) -> None:
-    """eval_steps, when evaluation is on (eval_interval > 0)."""
-    if not d.eval_interval:
-        return
-    if d.eval_steps == 0 or d.eval_steps < -1:
-        raise ConfigError(f"eval_steps={d.eval_steps}: use a positive number of batches, or -1 for all of "
-                          "the eval data")
-    if d.eval_steps == -1 and d.dataset_type == "synthetic":
-        raise ConfigError("eval_steps=-1 reads the eval data to its end, but synthetic data never ends; "
-                          "set eval_steps (e.g. eval_steps=4)")
-
-
-def _validate_family(m) -> None:
-    """Checks of the keys particular to some decoder block families."""
-    if m.decoder_block == "gemma2" and m.num_decoder_layers % 2:
-        raise ConfigError(f"decoder_block=gemma2 needs an even number of layers (local and global alternate), "
-                          f"not {m.num_decoder_layers}; change base_num_decoder_layers")
-    if m.decoder_block == "gemma3" and m.num_decoder_layers < 6:
-        raise ConfigError(f"decoder_block=gemma3 needs at least 6 layers (one pattern of 5 local and 1 global layer), "
-                          f"not {m.num_decoder_layers}; change base_num_decoder_layers")
-    if m.decoder_block == "deepseek":
-        _validate_deepseek(m)
-    elif m.first_num_dense_layers:
-        raise ConfigError(f"first_num_dense_layers={m.first_num_dense_layers} applies to decoder_block=deepseek only")
-    if m.n_routing_groups > 1:
-        if m.num_experts % m.n_routing_groups or not 1 <= m.topk_routing_group <= m.n_routing_groups:
-            raise ConfigError(f"n_routing_groups={m.n_routing_groups} must divide num_experts={m.num_experts}, and "
-                              f"topk_routing_group={m.topk_routing_group} must be between 1 and it")
-        if m.num_experts_per_tok > m.topk_routing_group * m.num_experts // m.n_routing_groups:
-            raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more experts than the "
-                              f"topk_routing_group={m.topk_routing_group} groups a token may use hold")
-    if m.fused_qkv and m.num_kv_heads != m.num_query_heads:
-        raise ConfigError(f"fused_qkv=true needs multi-head attention (kv heads = query heads), but there are "
-                          f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
-    if m.fused_mlp and len(m.mlp_activations) != 2:
-        raise ConfigError(f"fused_mlp=true fuses the gate and up projections of a gated MLP, but mlp_activations="
-                          f"{m.mlp_activations} has one activation (no gate); set fused_mlp=false")
-    if m.fused_mlp and m.decoder_block in MOE_BLOCKS:
-        raise ConfigError(f"fused_mlp=true applies to dense MLPs; decoder_block={m.decoder_block}'s experts keep "
-                          "separate gate and up projections; set fused_mlp=false")
-    if m.capacity_factor != -1 and m.capacity_factor <= 0:
-        raise ConfigError(f"capacity_factor={m.capacity_factor} must be > 0, or -1 for no capacity limit")
-    if m.ragged_buffer_factor != -1 and m.ragged_buffer_factor <= 0:
-        raise ConfigError(f"ragged_buffer_factor={m.ragged_buffer_factor} must be > 0, or -1 for a buffer with room "
-                          "for every token copy")
-
-
-def _validate_deepseek(m) -> None:
-    """Multi-head latent attention's widths and the dense layers below the experts."""
-    width = m.qk_nope_head_dim + m.qk_rope_head_dim
-    if m.head_dim != width:
-        raise ConfigError(f"decoder_block=deepseek: head_dim={m.head_dim} must be qk_nope_head_dim + qk_rope_head_dim "
-                          f"= {width} (the query/key width attention kernels see); set head_dim={width}")
-    if m.qk_rope_head_dim % 2:
-        raise ConfigError(f"qk_rope_head_dim={m.qk_rope_head_dim} must be even (rotary positions turn pairs)")
-    if m.first_num_dense_layers >= m.num_decoder_layers:
-        raise ConfigError(f"first_num_dense_layers={m.first_num_dense_layers} leaves no expert layer of the "
-                          f"{m.num_decoder_layers}; use fewer")
-
-
-def validate_for_build(m: ModelConfig) -> None:
-    """Checks for a model that is to be built, not only sized: `build_model`, `python3 -m
-    tessera.config` and train_compile run them before any model exists (the estimator does not:
-    it sizes any expert count on any block family)."""
-    moe = m.decoder_block in MOE_BLOCKS
-    if m.num_experts > 1 and not moe:
-        raise ConfigError(f"num_experts={m.num_experts}: decoder_block={m.decoder_block} has a dense MLP; use "
-                          f"a mixture-of-experts family ({', '.join(MOE_BLOCKS)}), or set num_experts=1")
-    if moe and m.num_experts < 2:
-        raise ConfigError(f"decoder_block={m.decoder_block} needs num_experts >= 2 (and num_experts_per_tok); e.g. "
-                          "num_experts=8 num_experts_per_tok=2")
 
 
 def flat_dict(cfg: Config) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.config.derived import PipelineLayout
-from tessera.config.loader import validate_for_build
+from tessera.config.checks import validate_for_build
 from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder, init_cache, offloads_to_host  # noqa: F401
 from tessera.models.registry import BLOCKS
 

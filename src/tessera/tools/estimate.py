@@ -42,7 +42,7 @@ from pathlib import Path
 
 from tessera.config import Config, ConfigError, ModelConfig, build_config, load_config
 from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout
-from tessera.config.loader import _read_yaml
+from tessera.config.loader import read_yaml
 from tessera.config.schema import all_fields
 from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
 from tessera.metrics import mla_matmul_params, training_flops_per_step
@@ -286,7 +286,7 @@ def load_model_config(model: str | None, overrides: list[str]) -> Config:
     path = Path(model)
     if not path.is_file():
         raise ConfigError(f"model file {path} does not exist")
-    flat = {**_read_yaml(base, "config file"), **_read_yaml(path, "model file")}  # the loader's YAML errors
+    flat = {**read_yaml(base, "config file"), **read_yaml(path, "model file")}  # the loader's YAML errors
     for item in overrides:
         name, sep, value = item.partition("=")
         if not sep:
