@@ -5,7 +5,11 @@ float32 weights with AdamW state (about 1.7 GiB of train state), batch 1 x 64 to
 device. For each mode the script trains 3 steps, saves, trains 3 more, and records:
 `save_call_seconds` (how long `save` blocks the loop), `step_after_save_seconds` (the next
 step, which competes with the background write when async), `median_step_seconds` (steps
-without a save), and `write_seconds` (until the checkpoint is complete on disk).
+without a save), and `write_seconds` (until the checkpoint is complete on disk). Each mode runs
+without and with `checkpoint_checksums` (a CRC32C of every file, recorded at the save); with them,
+`verify_seconds` is how long checking the saved files takes before a restore, and the JSON holds
+each mode's write time with checksums over the time without (`write_ratio_checksums_over_none`),
+measured without, with, with, without (the means of each pair).
 
     .venv/bin/python benchmarks/checkpoint_blocking.py [--out benchmarks/results/checkpoint_blocking.json]
 """
@@ -30,7 +34,7 @@ WORKLOAD = dict(base_emb_dim=1024, base_num_decoder_layers=6, base_num_query_hea
                 remat_policy="none", scan_layers=True)
 
 
-def measure(async_save: bool, out_dir: str) -> dict:
+def measure(async_save: bool, checksums: bool, out_dir: str) -> dict:
     import jax
 
     from tessera.checkpointing import Checkpointer
@@ -38,7 +42,7 @@ def measure(async_save: bool, out_dir: str) -> dict:
     from tessera.data import make_input, place_batch
     from tessera.step import compile_step, create_state, setup
 
-    cfg = build_config({**WORKLOAD, "async_checkpointing": async_save})
+    cfg = build_config({**WORKLOAD, "async_checkpointing": async_save, "checkpoint_checksums": checksums})
     trainer = setup(cfg, jax.devices()[:1])
     state = create_state(trainer, 0)
     state_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
@@ -61,10 +65,14 @@ def measure(async_save: bool, out_dir: str) -> dict:
     plain += [step() for _ in range(2)]
     ckpt.wait()
     write = time.perf_counter() - start
+    start = time.perf_counter()
+    ckpt.verify(3)
+    verify = time.perf_counter() - start
     ckpt.close()
-    return {"async_checkpointing": async_save, "state_gib": state_bytes / 2**30, "save_call_seconds": save_call,
-            "step_after_save_seconds": after, "median_step_seconds": statistics.median(plain[1:]),
-            "write_seconds": write}
+    return {"async_checkpointing": async_save, "checkpoint_checksums": checksums, "state_gib": state_bytes / 2**30,
+            "save_call_seconds": save_call, "step_after_save_seconds": after,
+            "median_step_seconds": statistics.median(plain[1:]), "write_seconds": write,
+            "verify_seconds": verify if checksums else None}
 
 
 def main() -> None:
@@ -73,13 +81,25 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for async_save in (False, True):
-        with tempfile.TemporaryDirectory() as d:
-            rows.append(measure(async_save, d))
-    sync, asyn = rows
+        for checksums in (False, True, True, False):  # ABBA: a drift (the disk warming up) cancels out
+            with tempfile.TemporaryDirectory() as d:
+                rows.append(measure(async_save, checksums, d))
+
+    def mean(key: str, async_save: bool, checksums: bool) -> float:
+        return statistics.mean(r[key] for r in rows
+                               if r["async_checkpointing"] == async_save and r["checkpoint_checksums"] == checksums)
+
     result = {
         "benchmark": "checkpoint_blocking", "date": time.strftime("%Y-%m-%d %H:%M:%S"), "workload": WORKLOAD,
         "rows": rows,
-        "blocking_ratio_async_over_sync": asyn["save_call_seconds"] / sync["save_call_seconds"],
+        "blocking_ratio_async_over_sync":
+            mean("save_call_seconds", True, False) / mean("save_call_seconds", False, False),
+        "write_ratio_checksums_over_none": {
+            mode: mean("write_seconds", a, True) / mean("write_seconds", a, False)
+            for mode, a in (("sync", False), ("async", True))},
+        "save_call_ratio_checksums_over_none": {
+            mode: mean("save_call_seconds", a, True) / mean("save_call_seconds", a, False)
+            for mode, a in (("sync", False), ("async", True))},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

@@ -305,3 +305,85 @@ def test_abandoned_storage_failures_are_not_echoed(caplog):
         assert not [r for r in caplog.records if r.name == "asyncio"]
         abandon(KeyError("a bug"))
         assert any("never retrieved" in r.getMessage() for r in caplog.records if r.name == "asyncio")
+
+
+def _flip_middle_bytes(path: Path) -> None:
+    """Change 64 bytes in the middle of `path`, keeping its size: what Orbax's own checks cannot see."""
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid:mid + 64] = bytes(b ^ 0xFF for b in data[mid:mid + 64])
+    path.write_bytes(bytes(data))
+
+
+def _largest_file(folder: Path) -> Path:
+    return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("async_save", [True, False])
+def test_every_save_records_the_checksums_of_its_items(tmp_path, async_save):
+    from tessera.checkpoint_checksums import MANIFEST, crc32c, problem
+
+    run(tiny_config(tmp_path, steps=2, checkpoint_period=1, async_checkpointing=async_save))
+    for step in (1, 2):
+        folder = tmp_path / "test" / "checkpoints" / str(step)
+        listed = json.loads((folder / MANIFEST).read_text())["files"]
+        # every file of the items; the step's own top-level metadata, which Orbax rewrites at commit, is not listed
+        items = {str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.parent != folder}
+        assert set(listed) == items
+        assert {n for n in listed if n.startswith("state/")} and {n for n in listed if n.startswith("data/")}
+        for name, entry in listed.items():
+            assert entry == {"size": (folder / name).stat().st_size, "crc32c": crc32c(folder / name)}
+        assert problem(folder) is None
+
+
+def test_a_file_changed_after_the_save_is_reported_and_never_trained_on(tmp_path):
+    assert _train(tmp_path, "steps=2", "checkpoint_period=1").returncode == 0
+    ckpt = tmp_path / "sub" / "checkpoints"
+    victim = _largest_file(ckpt / "2" / "state")
+    _flip_middle_bytes(victim)
+    before = _tree_digest(ckpt)
+    proc = _train(tmp_path, "steps=3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"checkpoint error: checkpoint {ckpt / '2'} is damaged: its file {victim.relative_to(ckpt / '2')} has "
+            "changed since it was saved (its CRC32C differs). Move it away "
+            f"(e.g. mv {ckpt / '2'} {ckpt / '2'}.damaged) to resume from step 1") in proc.stderr
+    assert _tree_digest(ckpt) == before  # nothing loaded, nothing saved over it
+    (ckpt / "2").rename(ckpt / "2.damaged")  # what the message says to do
+    again = _train(tmp_path, "steps=3")
+    assert again.returncode == 0 and "resuming from step 1" in again.stderr, again.stderr[-3000:]
+    assert re.search(rf"checksums of \d+ files \([\d.]+ MiB\) under {ckpt / '1'}/? match", again.stderr)
+
+
+def test_load_paths_verify_the_checksums(tmp_path, caplog):
+    from tessera.checkpoint_checksums import MANIFEST
+
+    cfg = tiny_config(tmp_path, steps=1)
+    run(cfg)
+    step = tmp_path / "test" / "checkpoints" / "1"
+    abstract = abstract_state(setup(cfg))
+    victim = _largest_file(step / "state")
+    original = victim.read_bytes()
+    _flip_middle_bytes(victim)
+    damaged = (f"is damaged: its file {victim.relative_to(step)} has changed since it was saved (its CRC32C "
+               "differs). Nothing was loaded; point it at a step folder such as")
+    with pytest.raises(CheckpointError) as e:
+        load_parameters(str(step), abstract["params"])
+    assert str(e.value).startswith(f"load_parameters_path={step} {damaged}")
+    with pytest.raises(CheckpointError) as e:
+        load_full_state(str(step / "state"), abstract)  # an item folder: the step's list covers it
+    assert str(e.value).startswith(f"load_full_state_path={step / 'state'} {damaged}")
+    victim.write_bytes(original)  # intact files, but a list that disagrees: checkpoint_checksums=false reads them
+    listed = json.loads((step / MANIFEST).read_text())
+    listed["files"][str(victim.relative_to(step))]["crc32c"] ^= 1
+    (step / MANIFEST).write_text(json.dumps(listed))
+    with pytest.raises(CheckpointError, match="its CRC32C differs"):
+        load_full_state(str(step), abstract)
+    load_full_state(str(step), abstract, verify=False)
+    (step / MANIFEST).write_text('{"format": 1, "files": {')
+    with pytest.raises(CheckpointError, match=f"^load_parameters_path={step} is damaged: its checksum list "
+                                              f"{MANIFEST} cannot be read \\(JSONDecodeError"):
+        load_parameters(str(step), abstract["params"])
+    (step / MANIFEST).unlink()  # as saved before checksums were recorded: read, with a line saying so
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        load_parameters(str(step), abstract["params"])
+    assert f"{step / 'state'} has no checksum list ({MANIFEST}): read without verifying its files" in caplog.text

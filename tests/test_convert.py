@@ -40,6 +40,14 @@ def test_a_truncated_tessera_array_file_is_one_checkpoint_error(checkpoints, tmp
     ckpt, _ = checkpoints
     capsys.readouterr()
     victim = _truncated_copy(ckpt, tmp_path / "ckpt", "params.token_embedder.table_vd/0.0")
+    size = (ckpt / "params.token_embedder.table_vd/0.0").stat().st_size
+    assert main(["tessera-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), *KEYS]) == 2
+    err = capsys.readouterr().err  # the checksums recorded when it was written catch it before reading
+    assert err == (f"checkpoint error: checkpoint {tmp_path / 'ckpt'} is damaged: its file "
+                   f"params.token_embedder.table_vd/0.0 has {size // 2} bytes, {size} when it was saved. Nothing was "
+                   "loaded; copy or write it again from its source\n")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "ckpt" / "tessera_checksums.json").unlink()  # as written before checksums were recorded
     assert main(["tessera-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), *KEYS]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"checkpoint error: checkpoint {tmp_path / 'ckpt'} could not be restored: files may be "

@@ -73,6 +73,18 @@ def test_two_processes_match_one_process_and_resume(tmp_path):
     results = _finish([_start(rank, port, tmp_path / "mp", "steps=5") for rank in (0, 1)])
     for code, err in results:
         assert code == 0 and "resuming from step 3" in err, err[-3000:]
+    # each process verifies half of the files; a change only process 1 reads stops both, with the same line
+    step = tmp_path / "mp" / "mp" / "checkpoints" / "5"
+    names = sorted(json.loads((step / "tessera_checksums.json").read_text())["files"])
+    victim = max((n for n in names[1::2]), key=lambda n: (step / n).stat().st_size)
+    data = bytearray((step / victim).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (step / victim).write_bytes(bytes(data))
+    port = _free_port()
+    results = _finish([_start(rank, port, tmp_path / "mp", "steps=6") for rank in (0, 1)])
+    for code, err in results:
+        assert code == 2 and "Traceback" not in err, err[-3000:]
+        assert f"checkpoint {step} is damaged: its file {victim} has changed since it was saved" in err
 
 
 def test_unreachable_coordinator_fails_clearly(tmp_path):

@@ -30,9 +30,17 @@ def test_truncated_array_file_is_one_message_every_time(tmp_path):
     assert _train(tmp_path, "steps=2").returncode == 0
     step = tmp_path / "sub" / "checkpoints" / "2"
     data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    os.truncate(data, data.stat().st_size // 2)
+    size = data.stat().st_size
+    os.truncate(data, size // 2)
+    # the checksums recorded at the save catch it before Orbax reads anything
+    proc = _train(tmp_path, "steps=4")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    _no_echoes(proc.stderr)
+    assert (f"checkpoint error: checkpoint {step} is damaged: its file {data.relative_to(step)} has {size // 2} bytes, "
+            f"{size} when it was saved. Move it away") in proc.stderr
+    # without them (checkpoint_checksums=false, or a checkpoint saved without a list) Orbax's read fails
     for _ in range(5):  # the echoes came in 2 of 7 runs: they depend on which reads are still pending
-        proc = _train(tmp_path, "steps=4")
+        proc = _train(tmp_path, "steps=4", "checkpoint_checksums=false")
         assert proc.returncode == 2, proc.stderr[-3000:]
         _no_echoes(proc.stderr)
         assert f"checkpoint error: checkpoint {step} could not be restored" in proc.stderr

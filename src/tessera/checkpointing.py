@@ -15,6 +15,10 @@ as damaged, naming the earlier step the run resumes from once it is moved away. 
 loops are made to cancel and await their pending reads and writes before closing, so a failed
 read or write is one error, not a page of abandoned-task tracebacks.
 
+Every save also records the size and CRC32C of each file it wrote, and every read compares the
+files with that list first (`checkpoint_checksums`; see `tessera.checkpoint_checksums`): a file
+changed in place after the save is reported as damaged instead of being trained on.
+
 Before restoring, the checkpoint's own metadata is compared with the state the current config
 expects; any difference (missing or extra arrays, shapes, dtypes) is reported by path and
 nothing is loaded or overwritten. A path to load from that does not exist, or holds no
@@ -40,6 +44,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 from etils import epath
 
+from tessera import checkpoint_checksums as checksums
 from tessera.config import CheckpointConfig, ConfigError
 from tessera.data.errors import brief
 
@@ -112,7 +117,7 @@ def _use_tidy_event_loops() -> None:
         asyncio.set_event_loop_policy(_TidyEventLoopPolicy())
 
 
-def _read_error(e: Exception, message: str) -> CheckpointError:
+def read_error(e: Exception, message: str) -> CheckpointError:
     """`message (<the array, when known>: <what TensorStore said>)`, without the page-long spec."""
     arrays = re.findall(r"'path': '([^'/]+)/'", str(e))  # the innermost path of the spec is the array
     cause = e.__cause__ if e.__cause__ is not None and arrays else e
@@ -185,7 +190,7 @@ def describe_mismatch(saved, expected, only_prefix: str = "") -> list[str]:
     return problems
 
 
-def _raise_on_mismatch(path, saved, expected, only_prefix: str = "") -> None:
+def raise_on_mismatch(path, saved, expected, only_prefix: str = "") -> None:
     problems = describe_mismatch(saved, expected, only_prefix)
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
@@ -214,11 +219,16 @@ class Checkpointer:
         _quiet_orbax_error_logs()
         self._saving: int | None = None  # the step whose (async) save was started last
         self._failed = False  # a save failed (its partial folder is set aside again at close)
+        self._checksums = cfg.checkpoint_checksums and checksums.is_local(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if cfg.max_num_checkpoints_to_keep < 1 else cfg.max_num_checkpoints_to_keep,
             enable_async_checkpointing=cfg.async_checkpointing,
             cleanup_tmp_directories=False,
             create=False,
+            # an async save's checksums: recorded on Orbax's thread once the items are complete and
+            # before the step folder is committed (a committed step always has them)
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums)
+            if self._checksums and cfg.async_checkpointing else None,
         )
         handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
                     "config": ocp.JsonCheckpointHandler()}
@@ -240,6 +250,16 @@ class Checkpointer:
         self._saving = step
         with self._failing_save(step):
             self.manager.save(step, args=args, force=True)
+            if not self.cfg.async_checkpointing:
+                self._record_checksums()
+
+    def _record_checksums(self) -> None:
+        """Record the checksums of the step being saved (process 0; on Orbax's thread when async),
+        in its folder: the temporary one while Orbax finalizes, the step's own after a sync save."""
+        if not self._checksums or jax.process_index() != 0 or self._saving is None:
+            return
+        pending = [p for p in self.directory.iterdir() if p.name.startswith(f"{self._saving}{INCOMPLETE_MARKER}")]
+        checksums.record(pending[0] if len(pending) == 1 else self.step_path(self._saving), items_only=True)
 
     def check(self) -> None:
         """Raise CheckpointSaveError if a background save has already failed (never waits)."""
@@ -295,18 +315,20 @@ class Checkpointer:
         path = self.step_path(step)
         _use_tidy_event_loops()
         self.check_complete(step)
+        if self.cfg.checkpoint_checksums:
+            self.verify(step)
         try:
             saved = self.manager.item_metadata(step)["state"]
         except Exception as e:  # noqa: BLE001 - any unreadable metadata means an unusable checkpoint
-            raise _read_error(e, str(self._damaged(step, "cannot be read"))) from None
+            raise read_error(e, str(self._damaged(step, "cannot be read"))) from None
         target, finish = _restacked(getattr(saved, "tree", saved), abstract_state)
-        _raise_on_mismatch(path, getattr(saved, "tree", saved), target)
+        raise_on_mismatch(path, getattr(saved, "tree", saved), target)
         try:
             restored = self.manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
-            raise _read_error(e, str(self._damaged(step, "could not be restored: files may be missing or corrupt"))
-                              ) from None
+            raise read_error(e, str(self._damaged(step, "could not be restored: files may be missing or corrupt"))
+                             ) from None
         return finish(restored["state"]), dict(restored["data"] or {})
 
     def check_complete(self, step: int) -> None:
@@ -314,6 +336,19 @@ class Checkpointer:
         named like a step is not a checkpoint, even though Orbax lists it as one)."""
         if not (self.step_path(step) / "state" / PYTREE_METADATA_FILE).exists():
             raise self._damaged(step, f"is damaged: its file state/{PYTREE_METADATA_FILE} is missing")
+
+    def verify(self, step: int) -> None:
+        """CheckpointError when a file of `step` differs from the checksums recorded at its save
+        (collective in a multi-process job)."""
+        path = self.step_path(step)
+        if not checksums.is_local(path):
+            return
+        if not (path / checksums.MANIFEST).exists():
+            checksums.unverified(path)
+            return
+        why = checksums.problem(path)
+        if why:
+            raise self._damaged(step, f"is damaged: {why}")
 
     def _damaged(self, step: int, what: str) -> CheckpointError:
         """'checkpoint <path> <what>. Move it away ... to resume from step <earlier>' (or to start afresh)."""
@@ -428,43 +463,67 @@ def _step_folder_hint(p: epath.Path) -> str:
     return "point it at a step folder such as outputs/<run_name>/checkpoints/<step>"
 
 
-def saved_tree(path: str, key: str | None = None) -> tuple[epath.Path, Any]:
+def saved_tree(path: str, key: str | None = None, verify: bool = True) -> tuple[epath.Path, Any]:
     """(the item folder, the metadata tree of the arrays saved in it) for a step folder or a
-    {"params": ...} checkpoint; CheckpointError naming `key=path` when there is nothing to read."""
+    {"params": ...} checkpoint; CheckpointError naming `key=path` when there is nothing to read, or
+    (`verify`) when its files differ from the checksums recorded at its save."""
     item = _state_item(path, key)
+    if verify:
+        verify_item(item, key, epath.Path(path))
     _use_tidy_event_loops()
     try:  # the handler, not a Checkpointer: that would look for (and warn about) step metadata an item lacks
         saved = ocp.PyTreeCheckpointHandler().metadata(item)
     except Exception as e:  # noqa: BLE001
-        raise _read_error(e, f"{_label(key, item)} is not a readable Orbax checkpoint") from None
+        raise read_error(e, f"{_label(key, item)} is not a readable Orbax checkpoint") from None
     return item, getattr(saved, "tree", saved)
 
 
-def _restore_tree(path: str, key: str | None, target, partial: bool):
-    item, tree = saved_tree(path, key)
+def verify_item(item: epath.Path, key: str | None, path: epath.Path) -> None:
+    """CheckpointError naming `key=path` when a file of checkpoint item `item` differs from the
+    checksums recorded at its save (collective in a multi-process job); a log line when none were."""
+    found = checksums.find(item)
+    if found is None:
+        checksums.unverified(item)
+        return
+    why = checksums.problem(*found)
+    if why:
+        hint = _step_folder_hint(path) if item.name == "state" else "copy or write it again from its source"
+        raise CheckpointError(f"{_label(key, path)} is damaged: {why}. Nothing was loaded; {hint}")
+
+
+def record_checksums(folder) -> None:
+    """After a single-item checkpoint (converted or quantized parameters) is written to `folder`:
+    record its files' checksums, which every later load verifies."""
+    if jax.process_index() == 0:
+        checksums.record(folder, items_only=False)
+
+
+def _restore_tree(path: str, key: str | None, target, partial: bool, verify: bool = True):
+    item, tree = saved_tree(path, key, verify)
     label = _label(key, item)
     if partial and "params" not in tree:
         raise CheckpointError(f"{label} holds no parameters (its tree has {', '.join(map(str, tree))}); "
                               "point it at a training step folder or a converted checkpoint")
     target, finish = _restacked(tree, target)
-    _raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "")
+    raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "")
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
     try:
         return finish(ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
             item=target, restore_args=restore_args, partial_restore=partial)))
     except Exception as e:  # noqa: BLE001
-        raise _read_error(e, f"{label} could not be restored: files may be missing or corrupt") from None
+        raise read_error(e, f"{label} could not be restored: files may be missing or corrupt") from None
 
 
-def load_parameters(path: str, abstract_params, key: str | None = "load_parameters_path") -> Any:
+def load_parameters(path: str, abstract_params, key: str | None = "load_parameters_path", verify: bool = True) -> Any:
     """Parameters only, from a Tessera checkpoint step or a checkpoint holding {"params": ...}.
-    `key` names the path in errors (None: "checkpoint <path>")."""
-    return _restore_tree(path, key, {"params": abstract_params}, partial=True)["params"]
+    `key` names the path in errors (None: "checkpoint <path>"). `verify`: check the files against
+    their recorded checksums first (the whole state item: Orbax mixes arrays within files)."""
+    return _restore_tree(path, key, {"params": abstract_params}, partial=True, verify=verify)["params"]
 
 
-def load_full_state(path: str, abstract_state, key: str | None = "load_full_state_path") -> Any:
+def load_full_state(path: str, abstract_state, key: str | None = "load_full_state_path", verify: bool = True) -> Any:
     """Parameters, optimizer state and step from a Tessera checkpoint step folder."""
-    return _restore_tree(path, key, abstract_state, partial=False)
+    return _restore_tree(path, key, abstract_state, partial=False, verify=verify)
 
 
 def check_writable(path: str, key: str) -> None:

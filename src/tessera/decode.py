@@ -193,7 +193,7 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     """The model and its parameters from load_parameters_path, sharded over `mesh`."""
     import jax
 
-    from tessera.checkpointing import load_parameters
+    from tessera.checkpointing import load_parameters, record_checksums
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
@@ -204,15 +204,18 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
     if cfg.checkpoint.checkpoint_is_quantized:
-        stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization))
+        stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization),
+                                 verify=cfg.checkpoint.checkpoint_checksums)
         params = jax.jit(lambda t: dequantize_params(t, abstract), out_shardings=shardings)(stored)
         log.info("loaded quantized parameters (%s) from %s, dequantized to %s", cfg.model.quantization, path,
                  cfg.model.weight_dtype)
     else:
-        params = load_parameters(path, abstract)
+        params = load_parameters(path, abstract, verify=cfg.checkpoint.checkpoint_checksums)
         log.info("loaded parameters from %s", path)
     if cfg.checkpoint.save_quantized_params_path:
         save_quantized(params, cfg.model.quantization, cfg.checkpoint.save_quantized_params_path)
+        if cfg.checkpoint.checkpoint_checksums:
+            record_checksums(cfg.checkpoint.save_quantized_params_path)
     return model, params
 
 

@@ -322,7 +322,8 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: Checkp
         log.info("resuming from step %d: %s", latest, ckpt.step_path(latest))
         return state
     if cfg.load_full_state_path:
-        state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path")
+        state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",
+                                verify=cfg.checkpoint_checksums)
         step = int(jax.device_get(state["step"]))
         data.set_state({"step": step})
         log.info("loaded full state at step %d from %s", step, cfg.load_full_state_path)
@@ -332,7 +333,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: Checkp
             raise ConfigError("checkpoint_is_quantized=true is for decode.py (quantized weights are dequantized for "
                               "decoding); train from the float checkpoint the quantized one was written from")
         params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"],
-                                 key="load_parameters_path")
+                                 key="load_parameters_path", verify=cfg.checkpoint_checksums)
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
         return state_from_params(trainer, params)
     return create_state(trainer, seed)

@@ -388,6 +388,8 @@ class CheckpointConfig:
     async_checkpointing: bool = key(True, "write checkpoints in the background (the step only waits for the copy to host)")
     checkpoint_period: int = key(100, "save every this many steps (the last step and a SIGTERM also save)", minimum=1)
     max_num_checkpoints_to_keep: int = key(-1, "keep only the newest N complete checkpoints (-1: keep all)")
+    checkpoint_checksums: bool = key(True, "record a CRC32C of every checkpoint file at save and verify them before "
+                                      "loading (local folders; a bucket checks its own)")
     checkpoint_dir: str = key("", "where checkpoints go (empty: base_output_directory/run_name/checkpoints)",
                                path="path")
     load_parameters_path: str = key("", "start from these parameters only (a checkpoint step folder or a params "

@@ -164,6 +164,9 @@ def save_params(out_dir: Path, params: dict) -> None:
         ocp.Checkpointer(handler).save(out_dir.absolute(), args=ocp.args.PyTreeSave({"params": params}))
     finally:
         absl_logger.removeFilter(quiet)
+    from tessera.checkpointing import record_checksums
+
+    record_checksums(out_dir.absolute())  # every load verifies the files against them
 
 
 class _NoOcdbtMergeWarning(logging.Filter):
@@ -178,13 +181,13 @@ class ParamSource:
     """Parameters of a Tessera checkpoint, restored one at a time (the last few are kept)."""
 
     def __init__(self, checkpoint: str, targets: dict[str, jax.ShapeDtypeStruct], keep: int = 4):
-        from tessera.checkpointing import _raise_on_mismatch, saved_tree
+        from tessera.checkpointing import raise_on_mismatch, saved_tree
 
         # saved_tree reads the item's own metadata: no "Metadata file does not exist" warning
         self.path, saved = saved_tree(checkpoint, key=None)
         self.targets, self.keep = targets, keep
         self.checkpointer = ocp.PyTreeCheckpointer()
-        _raise_on_mismatch(self.path, saved, {"params": _nest(targets)}, only_prefix="params/")
+        raise_on_mismatch(self.path, saved, {"params": _nest(targets)}, only_prefix="params/")
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def get(self, path: str, index: int | None) -> np.ndarray:
@@ -195,9 +198,9 @@ class ParamSource:
                 restored = self.checkpointer.restore(self.path, args=ocp.args.PyTreeRestore(
                     item=item, restore_args=args, partial_restore=True))
             except Exception as e:  # noqa: BLE001 - a truncated or missing array file: the trainer's one line
-                from tessera.checkpointing import _read_error
+                from tessera.checkpointing import read_error
 
-                raise _read_error(e, f"checkpoint {self.path} could not be restored: files may be missing or "
+                raise read_error(e, f"checkpoint {self.path} could not be restored: files may be missing or "
                                      "corrupt") from None
             value = restored["params"]
             for key in path.split("/"):

@@ -1,0 +1,150 @@
+"""Checksums of checkpoint files: recorded when a checkpoint is saved, verified before it is read.
+
+Orbax and TensorStore check a checkpoint's structure (its metadata, each file's length), not
+its bytes: a data file overwritten in place with the same number of bytes (a failing disk, a
+bad copy, a stray `dd`) restores without complaint and the run trains on the damage. So each
+save also writes `tessera_checksums.json`, the size and CRC32C of every file it wrote, and every
+read of that checkpoint first compares the files with it.
+
+- A training step folder: the files of its items (`state/`, `data/`, `config/`). Orbax still
+  rewrites the step's own top-level metadata after the items are complete, so those few small
+  files are left out. With async saves the list is written on Orbax's background thread before
+  the step folder is committed, so a committed step always carries it.
+- A single-item checkpoint (a converted or quantized parameters folder): every file in it.
+- Only local (and mounted network) folders are covered. Bucket URLs are not: reading a large
+  checkpoint back from a bucket would cost as much as writing it, and Cloud Storage checks each
+  object's CRC32C itself on upload and download.
+- A checkpoint without the list (saved before Tessera wrote one, with checkpoint_checksums=false,
+  or to a bucket) is read unverified, with one log line saying so.
+
+In a multi-process job each process checks its share of the files, and the first problem any
+of them finds is reported by all. CRC32C runs at several GB/s with the CPU's instruction
+(google-crc32c), so a local checkpoint is verified at about the speed its disk reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import google_crc32c
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "tessera_checksums.json"
+_FORMAT = 1
+_CHUNK = 8 << 20
+
+
+def is_local(folder) -> bool:
+    return "://" not in str(folder)
+
+
+def crc32c(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = google_crc32c.extend(crc, chunk)
+    return crc
+
+
+def _files(folder: Path, items_only: bool) -> list[str]:
+    """Relative paths of the files under `folder` (without the list itself), sorted; with
+    `items_only`, only those inside its subfolders."""
+    out = []
+    for root, dirs, names in os.walk(folder):
+        dirs.sort()
+        rel = Path(root).relative_to(folder)
+        if items_only and rel == Path("."):
+            continue
+        out += [str(rel / n) if rel != Path(".") else n for n in names if n != MANIFEST]
+    return sorted(out)
+
+
+def record(folder, items_only: bool) -> None:
+    """Write the size and CRC32C of the files under `folder` into `folder/MANIFEST` (atomically:
+    a temporary file renamed). `items_only`: a step folder, whose top-level files Orbax may still
+    rewrite. Nothing is written for a bucket URL."""
+    if not is_local(folder):
+        return
+    folder = Path(folder)
+    start, files = time.perf_counter(), {}
+    for name in _files(folder, items_only):
+        path = folder / name
+        files[name] = {"size": path.stat().st_size, "crc32c": crc32c(path)}
+    tmp = folder / f".{MANIFEST}.tmp"
+    lines = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in files.items())
+    tmp.write_text(f'{{"format": {_FORMAT}, "algorithm": "crc32c", "files": {{\n{lines}\n}}}}\n')
+    os.replace(tmp, folder / MANIFEST)
+    log.debug("recorded checksums of %d files under %s in %.2f s", len(files), folder, time.perf_counter() - start)
+
+
+def find(item) -> tuple[Path, str] | None:
+    """(the folder whose list covers `item`, `item`'s prefix in that list) for a checkpoint item
+    folder or a single-item checkpoint; None when no list was recorded (or for a bucket URL)."""
+    if not is_local(item):
+        return None
+    item = Path(item)
+    if (item / MANIFEST).exists():
+        return item, ""
+    if (item.parent / MANIFEST).exists():
+        return item.parent, item.name + "/"
+    return None
+
+
+def problem(folder, prefix: str = "") -> str | None:
+    """What is wrong with the files of `folder` whose paths start with `prefix`, against its list
+    ('its file state/d/ab12 ...'), or None when they all match (or there is no list). Collective in
+    a multi-process job: every process must call it, each checks its share of the files."""
+    import jax
+
+    folder = Path(folder)
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        entries = {k: (int(v["size"]), int(v["crc32c"])) for k, v in manifest["files"].items() if k.startswith(prefix)}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"its checksum list {MANIFEST} cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    names = sorted(entries)
+    n, i = jax.process_count(), jax.process_index()
+    start = time.perf_counter()
+    mine = next((k for k in names[i::n] if _mismatch(folder, k, *entries[k])), None)
+    first = mine
+    if n > 1:
+        from jax.experimental import multihost_utils
+        import numpy as np
+
+        index = names.index(mine) if mine is not None else len(names)
+        found = int(np.min(multihost_utils.process_allgather(np.int32(index))))
+        first = names[found] if found < len(names) else None
+    if first is not None:
+        return _mismatch(folder, first, *entries[first])
+    size = sum(s for s, _ in entries.values())
+    log.info("checksums of %d files (%.1f MiB) under %s match (%.2f s)", len(names), size / 2**20,
+             folder / prefix, time.perf_counter() - start)
+    return None
+
+
+def _mismatch(folder: Path, name: str, size: int, crc: int) -> str | None:
+    path = folder / name
+    try:
+        actual = path.stat().st_size
+        if actual != size:
+            return f"its file {name} has {actual} bytes, {size} when it was saved"
+        if crc32c(path) != crc:
+            return f"its file {name} has changed since it was saved (its CRC32C differs)"
+    except FileNotFoundError:
+        return f"its file {name} is missing"
+    except OSError as e:
+        return f"its file {name} cannot be read ({e.strerror or e})"
+    return None
+
+
+def unverified(item) -> None:
+    """Log that `item` is read without checksums (none were recorded), once per read."""
+    if is_local(item):
+        log.info("%s has no checksum list (%s): read without verifying its files", item, MANIFEST)
