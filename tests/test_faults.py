@@ -78,8 +78,20 @@ def test_output_folder_under_a_file_is_refused_before_compiling(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     _no_echoes(proc.stderr)
-    assert (f"config error: base_output_directory={tmp_path}/file/out/sub cannot be written: {tmp_path}/file is a "
-            "file, not a folder") in proc.stderr and "compiled" not in proc.stderr
+    assert (f"config error: the run folder {tmp_path}/file/out/sub (from base_output_directory) cannot be written: "
+            f"{tmp_path}/file is a file, not a folder; choose another base_output_directory or fix the folder's "
+            "permissions") in proc.stderr and "compiled" not in proc.stderr
+    (tmp_path / "out2" / "sub").mkdir(parents=True)
+    (tmp_path / "out2" / "sub" / "checkpoints").write_text("")  # the run folder is fine, its checkpoint folder not
+    proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/out2", "steps=1"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (f"config error: the checkpoint folder {tmp_path}/out2/sub/checkpoints (from base_output_directory) cannot "
+            "be written: Not a directory; choose another base_output_directory or fix the folder's permissions"
+            ) in proc.stderr
+    (tmp_path / "out2" / "sub" / "checkpoints").unlink()
+    (tmp_path / "out2" / "sub").rmdir()
+    (tmp_path / "out2").rmdir()
     proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/out", "steps=1",
                            f"metrics_file={tmp_path}"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and not (tmp_path / "out").exists(), proc.stderr[-3000:]
@@ -101,8 +113,8 @@ def test_a_bucket_that_cannot_be_reached_is_one_line_before_compiling(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     _no_echoes(proc.stderr)
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
-    assert len(errors) == 1 and errors[0].startswith(f"config error: base_output_directory={url}/sub/checkpoints "
-                                                     "cannot be reached (")
+    assert len(errors) == 1 and errors[0].startswith(f"config error: the checkpoint folder {url}/sub/checkpoints "
+                                                     "(from base_output_directory) cannot be reached (")
     assert "check the network, the bucket name and the credentials" in errors[0] and "compiled" not in proc.stderr
 
 
@@ -226,8 +238,8 @@ def test_train_compile_refuses_an_unwritable_report_folder_before_compiling(tmp_
     code = train_compile.main(["configs/base.yml", "compile_topology=v5e-4", "run_name=aot",
                                f"base_output_directory={tmp_path}/file"])
     assert code == 2
-    assert (f"config error: base_output_directory={tmp_path}/file/aot cannot be written: {tmp_path}/file is a file"
-            in capsys.readouterr().err)
+    assert (f"config error: the run folder {tmp_path}/file/aot (from base_output_directory) cannot be written: "
+            f"{tmp_path}/file is a file" in capsys.readouterr().err)
 
 
 def _convert(*args):

@@ -409,9 +409,9 @@ def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
 _STORAGE_LOGGERS = ("gcsfs", "fsspec", "google", "google.auth", "urllib3", "aiohttp")
 
 
-def remote_exists(path: str, key: str, error=ConfigError) -> bool:
-    """Whether a bucket URL exists, or `error` (one line naming `key=path`) when the bucket cannot be
-    reached: no network, no credentials, no permission. The clients' own retry logs are held back."""
+def remote_exists(path: str, key: str, error=ConfigError, subject: str | None = None) -> bool:
+    """Whether a bucket URL exists, or `error` (one line naming `key=path`, or `subject`) when the bucket
+    cannot be reached: no network, no credentials, no permission. The clients' own retry logs are held back."""
     loggers = [logging.getLogger(name) for name in _STORAGE_LOGGERS]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -419,8 +419,8 @@ def remote_exists(path: str, key: str, error=ConfigError) -> bool:
     try:
         return epath.Path(path).exists()
     except Exception as e:  # noqa: BLE001 - DNS, auth and permission errors come in many types
-        raise error(f"{key}={path} cannot be reached ({brief(e)}); check the network, the bucket name "
-                    "and the credentials (gcloud auth application-default login)") from None
+        raise error(f"{subject or f'{key}={path}'} cannot be reached ({brief(e)}); check the network, the bucket "
+                    "name and the credentials (gcloud auth application-default login)") from None
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
@@ -526,8 +526,9 @@ def load_full_state(path: str, abstract_state, key: str | None = "load_full_stat
     return _restore_tree(path, key, abstract_state, partial=False, verify=verify)
 
 
-def check_writable(path: str, key: str) -> None:
-    """ConfigError naming `key=path` unless a file can be created in folder `path`. The probe
+def check_writable(path: str, key: str, folder_name: str | None = None) -> None:
+    """ConfigError naming `key=path` unless a file can be created in folder `path`; for a folder derived
+    from `key` (`folder_name`, e.g. "the checkpoint folder") the error names that folder, then the key. The probe
     (and every folder it had to create) is removed again, so nothing is left behind either way.
     A bucket URL is only checked to be reachable (`remote_exists`): its write permission shows at
     the first save. In a multi-process
@@ -535,8 +536,9 @@ def check_writable(path: str, key: str) -> None:
     trip over each other (the others write into the same folders at the first save)."""
     if jax.process_index() != 0:
         return
+    subject = f"{folder_name} {path} (from {key})" if folder_name else f"{key}={path}"
     if "://" in path:
-        remote_exists(path, key)  # reachable; write permission shows at the first save
+        remote_exists(path, key, subject=subject)  # reachable; write permission shows at the first save
         return
     folder, created = epath.Path(path), []
     probe = folder / f".tessera-write-probe-{os.getpid()}"
@@ -551,7 +553,7 @@ def check_writable(path: str, key: str) -> None:
     except OSError as e:
         blocker = next((p for p in folder.parents if p.exists() and not p.is_dir()), None)
         why = f"{blocker} is a file, not a folder" if blocker else f"{e.strerror or e}"
-        raise ConfigError(f"{key}={path} cannot be written: {why}; choose another {key} or fix its "
+        raise ConfigError(f"{subject} cannot be written: {why}; choose another {key} or fix the folder's "
                           f"permissions (free space there: {_free_space(folder)})") from None
     finally:
         with contextlib.suppress(OSError):

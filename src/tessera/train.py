@@ -140,9 +140,12 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
 def _check_output_folders(cfg: Config, ckpt_dir: str) -> None:
     """ConfigError now, before anything is compiled, for an output folder that cannot be written
     (a parent that is a file, no permission); the probe leaves nothing behind."""
-    check_writable(str(run_dir(cfg.run)), "base_output_directory")
+    check_writable(str(run_dir(cfg.run)), "base_output_directory", "the run folder")
     if cfg.checkpoint.enable_checkpointing:
-        check_writable(ckpt_dir, "checkpoint_dir" if cfg.checkpoint.checkpoint_dir else "base_output_directory")
+        if cfg.checkpoint.checkpoint_dir:
+            check_writable(ckpt_dir, "checkpoint_dir")
+        else:
+            check_writable(ckpt_dir, "base_output_directory", "the checkpoint folder")
     if cfg.run.metrics_file:
         if Path(cfg.run.metrics_file).is_dir():
             raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a folder; give the path of a file, e.g. "

@@ -322,7 +322,7 @@ def main(argv: list[str]) -> int:
             cfg.run.run_name = time.strftime("compile_%Y%m%d_%H%M%S")
         from tessera.checkpointing import check_writable  # the report's folder: checked before compiling
 
-        check_writable(str(run_dir(cfg.run)), "base_output_directory")
+        check_writable(str(run_dir(cfg.run)), "base_output_directory", "the run folder")
         check_compiled_file(cfg.compile.compiled_trainstep_file)
         report = compile_for_topology(cfg)
     except (ConfigError, UsageError) as e:
