@@ -255,6 +255,7 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
                      "prompt 1 has 10 tokens + --max_new_tokens 3 = 13, more than max_target_length=12"),
         "no checkpoint": ([*CONFIG_ARGS, "--tokens", "1,2"], "decoding needs load_parameters_path="),
         "bad token": ([*args, "--tokens", "1,96"], "token ids outside [0, vocab_size=96)"),
+        "negative token": ([*args, "--tokens", "-1,2"], "prompt 1 has token ids outside [0, vocab_size=96): [-1, 2]"),
     }
     for name, (argv, message) in errors.items():
         assert main(argv) == 2, name

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import re
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -145,13 +146,25 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     parser.add_argument("--eos_id", type=int, default=None, help="stop a row at this token (default: the "
                         "tokenizer's end-of-sequence token; none with --tokens)")
-    flags, rest = parser.parse_known_args(argv)
+    flags, rest = parser.parse_known_args(_joined_token_lists(argv))
     unknown = [a for a in rest if a.startswith("--")]
     if unknown:
         parser.error(f"unknown flag {unknown[0]}; config keys are given as key=value")
     if flags.max_new_tokens < 1 or flags.temperature < 0 or flags.top_k < 0:
         parser.error("--max_new_tokens must be >= 1, --temperature >= 0 and --top_k >= 0")
     return flags, rest
+
+
+def _joined_token_lists(argv: list[str]) -> list[str]:
+    """`--tokens -1,2` as `--tokens=-1,2`: argparse takes a value starting with '-' for a flag (and says
+    "expected one argument"); joined, the ids reach the check that names what is wrong with them."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--tokens" and re.fullmatch(r"-[\d,\s-]*", arg):
+            out[-1] = f"--tokens={arg}"
+        else:
+            out.append(arg)
+    return out
 
 
 def _token_ids(text: str) -> list[int]:
