@@ -259,7 +259,7 @@ def test_a_late_completion_on_a_closed_orbax_loop_is_dropped_quietly():
     # Orbax closes its loop when one array of a damaged checkpoint fails; a TensorStore thread
     # may still complete another read afterwards (seen once in CI as a printed traceback).
     import threading
-    from tessera.checkpointing import _TidyEventLoop
+    from tessera.checkpointing.storage import _TidyEventLoop
 
     loop = _TidyEventLoop()
     loop.close()
@@ -286,7 +286,7 @@ def test_abandoned_storage_failures_are_not_echoed(caplog):
     collection; an unretrieved exception of any other kind is still reported."""
     import asyncio
     import gc
-    from tessera.checkpointing import _TidyEventLoop
+    from tessera.checkpointing.storage import _TidyEventLoop
 
     async def fails(exc):
         raise exc
@@ -321,7 +321,7 @@ def _largest_file(folder: Path) -> Path:
 
 @pytest.mark.parametrize("async_save", [True, False])
 def test_every_save_records_the_checksums_of_its_items(tmp_path, async_save):
-    from tessera.checkpoint_checksums import MANIFEST, crc32c, problem
+    from tessera.checkpointing.checksums import MANIFEST, crc32c, problem
 
     run(tiny_config(tmp_path, steps=2, checkpoint_period=1, async_checkpointing=async_save))
     for step in (1, 2):
@@ -355,7 +355,7 @@ def test_a_file_changed_after_the_save_is_reported_and_never_trained_on(tmp_path
 
 
 def test_load_paths_verify_the_checksums(tmp_path, caplog):
-    from tessera.checkpoint_checksums import MANIFEST
+    from tessera.checkpointing.checksums import MANIFEST
 
     cfg = tiny_config(tmp_path, steps=1)
     run(cfg)

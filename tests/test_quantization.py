@@ -222,7 +222,7 @@ def test_quantized_checkpoint_round_trip_decodes_like_the_float_one(mode, stored
     mesh = create_mesh(cfg.mesh, jax.devices()[:1])
     load_model(cfg, mesh)  # loads the float weights and writes the quantized ones
     _, tree = saved_tree(str(quant_dir))
-    from tessera.checkpoint_checksums import MANIFEST, problem
+    from tessera.checkpointing.checksums import MANIFEST, problem
 
     assert (quant_dir / MANIFEST).exists() and problem(quant_dir) is None  # every later load verifies it
     assert tree["params"]["layers"]["mlp"]["wi_0"]["qvalue"].dtype == stored

@@ -1,0 +1,116 @@
+"""Loads from a path the user gives (`load_parameters_path`, `load_full_state_path`, decode,
+convert): a step folder or a single-item checkpoint, found, verified and checked against the
+config before anything is read."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from tessera.checkpointing import checksums
+from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, read_error,
+                                           remote_exists, use_tidy_event_loops)
+from tessera.checkpointing.trees import raise_on_mismatch, restacked
+
+
+def _state_item(path: str, key: str | None = None) -> epath.Path:
+    """The `state` item of a step folder, or `path` itself when it is an item (a converted
+    checkpoint). CheckpointError naming `key=path` when nothing loadable is there."""
+    p = epath.Path(path)
+    label = _label(key, p)
+    if "://" in path:
+        remote_exists(path, key or "checkpoint", CheckpointError)
+    if not p.exists():
+        raise CheckpointError(f"{label} does not exist; {_step_folder_hint(p)}")
+    if INCOMPLETE_MARKER in p.name:
+        raise CheckpointError(f"{label} is an incomplete (interrupted) save; use a complete step folder")
+    item = p / "state" if (p / "state").exists() else p
+    if item != p and not (item / PYTREE_METADATA_FILE).exists():
+        raise CheckpointError(f"{label} is damaged: its file state/{PYTREE_METADATA_FILE} is missing; "
+                              f"{_step_folder_hint(p)}")
+    if not (item / PYTREE_METADATA_FILE).exists():
+        raise CheckpointError(f"{label} holds no checkpoint (no state item, no Orbax metadata); "
+                              f"{_step_folder_hint(p)}")
+    return item
+
+
+def _label(key: str | None, path: epath.Path) -> str:
+    """How errors name a path: `load_parameters_path=/abs/path`, or `checkpoint /abs/path` without a key."""
+    return f"{key}={path}" if key else f"checkpoint {path}"
+
+
+def _step_folder_hint(p: epath.Path) -> str:
+    """'point it at a step folder such as ...', naming a real step folder near `p` when there is one."""
+    for folder in (p, p / "checkpoints", p.parent):
+        if not folder.is_dir():
+            continue
+        steps = sorted(int(c.name) for c in folder.iterdir() if c.name.isdigit() and c != p)
+        if steps:
+            return f"point it at a step folder such as {folder / str(steps[-1])}"
+    return "point it at a step folder such as outputs/<run_name>/checkpoints/<step>"
+
+
+def saved_tree(path: str, key: str | None = None, verify: bool = True) -> tuple[epath.Path, Any]:
+    """(the item folder, the metadata tree of the arrays saved in it) for a step folder or a
+    {"params": ...} checkpoint; CheckpointError naming `key=path` when there is nothing to read, or
+    (`verify`) when its files differ from the checksums recorded at its save."""
+    item = _state_item(path, key)
+    if verify:
+        verify_item(item, key, epath.Path(path))
+    use_tidy_event_loops()
+    try:  # the handler, not a Checkpointer: that would look for (and warn about) step metadata an item lacks
+        saved = ocp.PyTreeCheckpointHandler().metadata(item)
+    except Exception as e:  # noqa: BLE001
+        raise read_error(e, f"{_label(key, item)} is not a readable Orbax checkpoint") from None
+    return item, getattr(saved, "tree", saved)
+
+
+def verify_item(item: epath.Path, key: str | None, path: epath.Path) -> None:
+    """CheckpointError naming `key=path` when a file of checkpoint item `item` differs from the
+    checksums recorded at its save (collective in a multi-process job); a log line when none were."""
+    found = checksums.find(item)
+    if found is None:
+        checksums.unverified(item)
+        return
+    why = checksums.problem(*found)
+    if why:
+        hint = _step_folder_hint(path) if item.name == "state" else "copy or write it again from its source"
+        raise CheckpointError(f"{_label(key, path)} is damaged: {why}. Nothing was loaded; {hint}")
+
+
+def record_checksums(folder) -> None:
+    """After a single-item checkpoint (converted or quantized parameters) is written to `folder`:
+    record its files' checksums, which every later load verifies."""
+    if jax.process_index() == 0:
+        checksums.record(folder, items_only=False)
+
+
+def _restore_tree(path: str, key: str | None, target, partial: bool, verify: bool = True):
+    item, tree = saved_tree(path, key, verify)
+    label = _label(key, item)
+    if partial and "params" not in tree:
+        raise CheckpointError(f"{label} holds no parameters (its tree has {', '.join(map(str, tree))}); "
+                              "point it at a training step folder or a converted checkpoint")
+    target, finish = restacked(tree, target)
+    raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "")
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
+    try:
+        return finish(ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
+            item=target, restore_args=restore_args, partial_restore=partial)))
+    except Exception as e:  # noqa: BLE001
+        raise read_error(e, f"{label} could not be restored: files may be missing or corrupt") from None
+
+
+def load_parameters(path: str, abstract_params, key: str | None = "load_parameters_path", verify: bool = True) -> Any:
+    """Parameters only, from a Tessera checkpoint step or a checkpoint holding {"params": ...}.
+    `key` names the path in errors (None: "checkpoint <path>"). `verify`: check the files against
+    their recorded checksums first (the whole state item: Orbax mixes arrays within files)."""
+    return _restore_tree(path, key, {"params": abstract_params}, partial=True, verify=verify)["params"]
+
+
+def load_full_state(path: str, abstract_state, key: str | None = "load_full_state_path", verify: bool = True) -> Any:
+    """Parameters, optimizer state and step from a Tessera checkpoint step folder."""
+    return _restore_tree(path, key, abstract_state, partial=False, verify=verify)

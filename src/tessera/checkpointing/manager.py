@@ -1,0 +1,197 @@
+"""`Checkpointer`: one run's periodic (async) saves, resume, and the handling of failed or
+interrupted saves."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+from tessera.checkpointing import checksums
+from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, free_space,
+                                           quiet_orbax_error_logs, read_error, use_tidy_event_loops)
+from tessera.checkpointing.trees import raise_on_mismatch, restacked
+from tessera.config import CheckpointConfig
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(Exception):
+    """Saving a checkpoint failed (a full disk, lost permissions): the run must stop (EXIT_SAVE_FAILED)."""
+
+
+class Checkpointer:
+    """Saves and restores the train state of one run under `directory`, which is created by the
+    first save (a run that fails before it leaves no empty checkpoint folder behind).
+
+    A save that fails, in the foreground or in the background (its error surfaces at the next
+    `save`, `check`, `wait` or `close`), raises CheckpointSaveError naming the step, the folder
+    and its free space; its partial folder is set aside like an interrupted save's."""
+
+    def __init__(self, cfg: CheckpointConfig, directory: str):
+        self.cfg, self.directory = cfg, epath.Path(directory)
+        self.incomplete = set_aside_incomplete(self.directory)
+        quiet_orbax_error_logs()
+        self._saving: int | None = None  # the step whose (async) save was started last
+        self._failed = False  # a save failed (its partial folder is set aside again at close)
+        self._checksums = cfg.checkpoint_checksums and checksums.is_local(directory)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if cfg.max_num_checkpoints_to_keep < 1 else cfg.max_num_checkpoints_to_keep,
+            enable_async_checkpointing=cfg.async_checkpointing,
+            cleanup_tmp_directories=False,
+            create=False,
+            # an async save's checksums: recorded on Orbax's thread once the items are complete and
+            # before the step folder is committed (a committed step always has them)
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums)
+            if self._checksums and cfg.async_checkpointing else None,
+        )
+        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+                    "config": ocp.JsonCheckpointHandler()}
+        self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+
+    def latest_step(self) -> int | None:
+        return self.manager.latest_step()
+
+    def step_path(self, step: int) -> epath.Path:
+        return self.directory / str(step)
+
+    def save(self, step: int, state, data_state: dict, config: dict) -> None:
+        """Start saving `step` (returns once arrays are copied to host when async)."""
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                                  config=ocp.args.JsonSave(config))
+        use_tidy_event_loops()
+        with self._failing_save(self._saving):  # the previous save's error surfaces here, before this one starts
+            self.manager.wait_until_finished()
+        self._saving = step
+        with self._failing_save(step):
+            self.manager.save(step, args=args, force=True)
+            if not self.cfg.async_checkpointing:
+                self._record_checksums()
+
+    def _record_checksums(self) -> None:
+        """Record the checksums of the step being saved (process 0; on Orbax's thread when async),
+        in its folder: the temporary one while Orbax finalizes, the step's own after a sync save."""
+        if not self._checksums or jax.process_index() != 0 or self._saving is None:
+            return
+        pending = [p for p in self.directory.iterdir() if p.name.startswith(f"{self._saving}{INCOMPLETE_MARKER}")]
+        checksums.record(pending[0] if len(pending) == 1 else self.step_path(self._saving), items_only=True)
+
+    def check(self) -> None:
+        """Raise CheckpointSaveError if a background save has already failed (never waits)."""
+        with self._failing_save(self._saving):
+            self.manager.check_for_errors()
+            if self._finalize_failed():  # its thread has ended: joining it returns at once and raises
+                self.manager.wait_until_finished()
+
+    def _finalize_failed(self) -> bool:
+        """True when the manager's background finalize thread has ended with an error. Orbax keeps that
+        error on the thread and raises it only from wait_until_finished: check_for_errors looks at the
+        async checkpointer, whose error the finalize thread has already taken (orbax 0.12)."""
+        ref = getattr(self.manager, "_finalize_thread", None)
+        thread = ref.map(lambda t: t) if ref is not None else None
+        return thread is not None and not thread.is_alive() and getattr(thread, "exception", None) is not None
+
+    def wait(self) -> None:
+        with self._failing_save(self._saving):
+            self.manager.wait_until_finished()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self.manager.close()
+            if self._failed:  # a writer thread of the failed save may have re-created its folder after it was
+                set_aside_incomplete(self.directory)  # set aside; closing the manager has joined them all
+
+    @contextlib.contextmanager
+    def _failing_save(self, step: int | None):
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - any failed write loses the step: report it as one error
+            self._saving, self._failed = None, True
+            raise self._save_error(step, e) from None
+
+    def _save_error(self, step: int | None, e: Exception) -> CheckpointSaveError:
+        moved = set_aside_incomplete(self.directory)
+        last = self.manager.reload() or self.latest_step()
+        code = re.search(r"os_error_code='(\d+)'", str(e))
+        detail = " ".join(str(e).split())
+        detail = os.strerror(int(code[1])) if code else f"{type(e).__name__}: {detail[:300]}"
+        return CheckpointSaveError(
+            f"saving checkpoint step {step} to {self.directory} failed: {detail} (free space there: "
+            f"{free_space(self.directory)}). "
+            + (f"The partial save was moved to {moved[0]}. " if moved else "")
+            + (f"The last complete checkpoint is step {last} ({self.step_path(last)}); " if last is not None
+               else "No complete checkpoint was saved; ")
+            + "free some space (or fix the folder's permissions) and run the same command again to resume")
+
+    def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
+        """(state, data_state) of `step`, placed with the shardings in `abstract_state`."""
+        path = self.step_path(step)
+        use_tidy_event_loops()
+        self.check_complete(step)
+        if self.cfg.checkpoint_checksums:
+            self.verify(step)
+        try:
+            saved = self.manager.item_metadata(step)["state"]
+        except Exception as e:  # noqa: BLE001 - any unreadable metadata means an unusable checkpoint
+            raise read_error(e, str(self._damaged(step, "cannot be read"))) from None
+        target, finish = restacked(getattr(saved, "tree", saved), abstract_state)
+        raise_on_mismatch(path, getattr(saved, "tree", saved), target)
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
+        except Exception as e:  # noqa: BLE001
+            raise read_error(e, str(self._damaged(step, "could not be restored: files may be missing or corrupt"))
+                             ) from None
+        return finish(restored["state"]), dict(restored["data"] or {})
+
+    def check_complete(self, step: int) -> None:
+        """CheckpointError unless step's folder holds a saved state (an empty or half-copied folder
+        named like a step is not a checkpoint, even though Orbax lists it as one)."""
+        if not (self.step_path(step) / "state" / PYTREE_METADATA_FILE).exists():
+            raise self._damaged(step, f"is damaged: its file state/{PYTREE_METADATA_FILE} is missing")
+
+    def verify(self, step: int) -> None:
+        """CheckpointError when a file of `step` differs from the checksums recorded at its save
+        (collective in a multi-process job)."""
+        path = self.step_path(step)
+        if not checksums.is_local(path):
+            return
+        if not (path / checksums.MANIFEST).exists():
+            checksums.unverified(path)
+            return
+        why = checksums.problem(path)
+        if why:
+            raise self._damaged(step, f"is damaged: {why}")
+
+    def _damaged(self, step: int, what: str) -> CheckpointError:
+        """'checkpoint <path> <what>. Move it away ... to resume from step <earlier>' (or to start afresh)."""
+        path = self.step_path(step)
+        earlier = [s for s in self.manager.all_steps() if s < step]
+        then = f"to resume from step {max(earlier)}" if earlier else "to start this run from step 0"
+        return CheckpointError(f"checkpoint {path} {what}. Move it away (e.g. mv {path} {path}.damaged) {then}")
+
+
+def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
+    """Move interrupted saves out of `directory` (a new save of the same step would replace them)
+    into `<directory>_incomplete/`, log each move, and return the new paths."""
+    if not directory.exists():
+        return []
+    moved = []
+    for path in sorted(p for p in directory.iterdir() if INCOMPLETE_MARKER in p.name):
+        target_dir = directory.parent / f"{directory.name}_incomplete"
+        target_dir.mkdir(parents=True, exist_ok=True)
+        target = target_dir / f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}"
+        path.rename(target)
+        log.warning("incomplete checkpoint %s (an interrupted save) was not loaded; moved to %s. "
+                    "Delete it once you no longer need it", path, target)
+        moved.append(target)
+    return moved

@@ -1,0 +1,184 @@
+"""The checkpoint folder's storage: Orbax's event loops and error logs made quiet, bucket probes,
+the check that an output folder can be written, and TensorStore's errors in one line."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+
+import jax
+from etils import epath
+
+from tessera.config import ConfigError
+from tessera.data.errors import brief
+
+log = logging.getLogger(__name__)
+
+INCOMPLETE_MARKER = ".orbax-checkpoint-tmp"
+
+
+PYTREE_METADATA_FILE = "_METADATA"  # what Orbax writes in every complete PyTree item (the tree and its arrays)
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used: the message names the path and what is wrong."""
+
+
+class _TidyEventLoop(asyncio.SelectorEventLoop):
+    """An event loop that, when closed, first cancels the tasks still pending and lets them end.
+
+    Orbax runs each read or write in a fresh loop and closes it as soon as the first array
+    fails (a truncated file, a full disk), while the other arrays' tasks are still pending.
+    Python then reports every abandoned task at garbage collection ("Task was destroyed",
+    "_GatheringFuture exception was never retrieved", "Exception ignored in: <coroutine ...>").
+    Cancelling and awaiting them before the close ends them quietly, and the one error that
+    caused it reaches us alone."""
+
+    def call_soon_threadsafe(self, callback, *args, context=None):
+        """A TensorStore thread may complete a read after Orbax closed this loop (a race seen
+        when a damaged checkpoint fails one array while others are still in flight): nobody
+        awaits that result any more, so it is dropped instead of printing a traceback."""
+        try:
+            return super().call_soon_threadsafe(callback, *args, context=context)
+        except RuntimeError:
+            if self.is_closed():
+                return None
+            raise
+
+    def call_exception_handler(self, context) -> None:
+        """When the disk fills up, every array's write fails: Orbax raises the first failure (which
+        the trainer reports) and the others end as finished tasks nobody asks for. Python would print
+        each at garbage collection ("Task exception was never retrieved") with its traceback; those
+        echoes of the reported storage error are dropped. Anything else is reported as usual."""
+        exc = context.get("exception")
+        if "never retrieved" in str(context.get("message", "")) and _is_storage_error(exc):
+            log.debug("dropped a repeated storage error of an abandoned Orbax task: %s", exc)
+            return
+        super().call_exception_handler(context)
+
+    def close(self) -> None:
+        if not self.is_closed() and not self.is_running():
+            pending = [t for t in asyncio.all_tasks(self) if not t.done()]
+            for task in pending:
+                task.cancel()
+            if pending:
+                self.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        super().close()
+
+
+def _is_storage_error(exc) -> bool:
+    """A failed TensorStore read or write (full disk, missing or truncated file)."""
+    text = str(exc)
+    return isinstance(exc, OSError) or (isinstance(exc, ValueError) and any(
+        s in text for s in ("RESOURCE_EXHAUSTED", "Error writing", "Error reading", "No space left")))
+
+
+class _TidyEventLoopPolicy(asyncio.DefaultEventLoopPolicy):
+    _loop_factory = _TidyEventLoop
+
+
+def use_tidy_event_loops() -> None:
+    """Make new event loops `_TidyEventLoop`s (called before every Orbax read and write)."""
+    if not isinstance(asyncio.get_event_loop_policy(), _TidyEventLoopPolicy):
+        asyncio.set_event_loop_policy(_TidyEventLoopPolicy())
+
+
+def read_error(e: Exception, message: str) -> CheckpointError:
+    """`message (<the array, when known>: <what TensorStore said>)`, without the page-long spec."""
+    arrays = re.findall(r"'path': '([^'/]+)/'", str(e))  # the innermost path of the spec is the array
+    cause = e.__cause__ if e.__cause__ is not None and arrays else e
+    detail = str(cause).split(" See full TensorStore details")[0]
+    detail = " ".join(re.sub(r"\s*\[tensorstore_spec='.*?'\]", "", detail).split())[:400]
+    where = f"array {arrays[-1]}: " if arrays else ""
+    return CheckpointError(f"{message} ({where}{type(cause).__name__}: {detail})")
+
+
+def free_space(directory: epath.Path) -> str:
+    """'1.2 GiB of 50.0 GiB' for the nearest existing folder at or above `directory`."""
+    path = directory
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        usage = shutil.disk_usage(str(path))
+    except (OSError, TypeError, ValueError):  # a bucket has no disk usage
+        return "unknown"
+    return f"{_size(usage.free)} of {_size(usage.total)}"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+class _OrbaxErrorLogs(logging.Filter):
+    """Drops Orbax's own ERROR log records (each with a traceback) about a failed save or read:
+    every such failure also reaches Checkpointer as an exception and is reported once, by us."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+def quiet_orbax_error_logs() -> None:
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _OrbaxErrorLogs) for f in absl_logger.filters):
+        absl_logger.addFilter(_OrbaxErrorLogs())
+
+
+# loggers of the bucket clients, which log each failed retry with its traceback before raising
+_STORAGE_LOGGERS = ("gcsfs", "fsspec", "google", "google.auth", "urllib3", "aiohttp")
+
+
+def remote_exists(path: str, key: str, error=ConfigError, subject: str | None = None) -> bool:
+    """Whether a bucket URL exists, or `error` (one line naming `key=path`, or `subject`) when the bucket
+    cannot be reached: no network, no credentials, no permission. The clients' own retry logs are held back."""
+    loggers = [logging.getLogger(name) for name in _STORAGE_LOGGERS]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL + 1)
+    try:
+        return epath.Path(path).exists()
+    except Exception as e:  # noqa: BLE001 - DNS, auth and permission errors come in many types
+        raise error(f"{subject or f'{key}={path}'} cannot be reached ({brief(e)}); check the network, the bucket "
+                    "name and the credentials (gcloud auth application-default login)") from None
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def check_writable(path: str, key: str, folder_name: str | None = None) -> None:
+    """ConfigError naming `key=path` unless a file can be created in folder `path`; for a folder derived
+    from `key` (`folder_name`, e.g. "the checkpoint folder") the error names that folder, then the key. The probe
+    (and every folder it had to create) is removed again, so nothing is left behind either way.
+    A bucket URL is only checked to be reachable (`remote_exists`): its write permission shows at
+    the first save. In a multi-process
+    job only process 0 probes: processes creating and removing the same folders at once would
+    trip over each other (the others write into the same folders at the first save)."""
+    if jax.process_index() != 0:
+        return
+    subject = f"{folder_name} {path} (from {key})" if folder_name else f"{key}={path}"
+    if "://" in path:
+        remote_exists(path, key, subject=subject)  # reachable; write permission shows at the first save
+        return
+    folder, created = epath.Path(path), []
+    probe = folder / f".tessera-write-probe-{os.getpid()}"
+    try:
+        for p in reversed([p for p in (folder, *folder.parents) if not p.exists()]):
+            try:
+                p.mkdir()
+            except FileExistsError:  # made meanwhile by someone else: theirs to keep
+                continue
+            created.append(p)
+        probe.write_text("")
+    except OSError as e:
+        blocker = next((p for p in folder.parents if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a folder" if blocker else f"{e.strerror or e}"
+        raise ConfigError(f"{subject} cannot be written: {why}; choose another {key} or fix the folder's "
+                          f"permissions (free space there: {free_space(folder)})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
+            for p in reversed(created):
+                p.rmdir()

@@ -1,0 +1,89 @@
+"""A saved tree against the one a config expects: differences by path, and stacked layers saved
+in another pipeline layout, reshaped on restore."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tessera.checkpointing.storage import CheckpointError
+
+log = logging.getLogger(__name__)
+
+
+def _path_key(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _flat(tree) -> dict[str, Any]:
+    """{"params/layers/mlp/wi_0": leaf, ...} for arrays, ShapeDtypeStructs or Orbax metadata."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))[0]
+    return {_path_key(path): leaf for path, leaf in leaves if leaf is not None}
+
+
+def restacked(saved, expected):
+    """(target, finish) for restoring `saved` into `expected` when they differ only in how the
+    decoder's stacked blocks are laid out: [L, ...] (plain or GPipe) against [R, L/R, ...]
+    (circular pipelining, `tessera.models.pipeline`), the same layers in the same order. Such
+    arrays are read in their saved shape (split as `expected` splits the other axes) and
+    `finish` reshapes them into `expected`'s shape and sharding; everything else is unchanged."""
+    have, moved = _flat(saved), []
+
+    def adapt(path, want):
+        key = _path_key(path)
+        h = have.get(key)
+        if h is None or not hasattr(want, "sharding") or "layers" not in key.split("/"):
+            return want
+        hs, ws = tuple(h.shape), tuple(want.shape)
+        for a, b in ((1, 2), (2, 1)):  # leading axes [L] saved, [R, L/R] wanted, or the other way round
+            if hs != ws and len(hs) - a == len(ws) - b and hs[a:] == ws[b:] and math.prod(hs[:a]) == math.prod(ws[:b]):
+                spec = tuple(want.sharding.spec) + (None,) * (len(ws) - len(want.sharding.spec))
+                moved.append(f"{key} {hs} -> {ws}")
+                return jax.ShapeDtypeStruct(hs, want.dtype, sharding=NamedSharding(
+                    want.sharding.mesh, PartitionSpec(*([None] * a), *spec[b:])))
+        return want
+
+    target = jax.tree_util.tree_map_with_path(adapt, expected)
+    if moved:
+        log.info("checkpoint: %d stacked-layer array(s) saved with another pipeline layout are reshaped on restore "
+                 "(e.g. %s)", len(moved), moved[0])
+
+    def finish(restored):
+        def fit(x, want):
+            if not hasattr(want, "sharding") or tuple(x.shape) == tuple(want.shape):
+                return x
+            return jax.jit(lambda a: a.reshape(want.shape), out_shardings=want.sharding)(x)
+
+        return jax.tree.map(fit, restored, expected)
+
+    return target, finish
+
+
+def describe_mismatch(saved, expected, only_prefix: str = "") -> list[str]:
+    """Human-readable differences between saved metadata and the expected abstract tree."""
+    have, want = _flat(saved), _flat(expected)
+    have = {k: v for k, v in have.items() if k.startswith(only_prefix)}
+    problems = [f"missing in checkpoint: {k} {tuple(want[k].shape)}" for k in sorted(set(want) - set(have))]
+    problems += [f"not expected by this config: {k} {tuple(have[k].shape)}" for k in sorted(set(have) - set(want))]
+    for k in sorted(set(have) & set(want)):
+        h, w = have[k], want[k]
+        if tuple(h.shape) != tuple(w.shape):
+            problems.append(f"{k}: checkpoint has shape {tuple(h.shape)}, this config expects {tuple(w.shape)}")
+        elif h.dtype is not None and jax.numpy.dtype(h.dtype) != jax.numpy.dtype(w.dtype):
+            problems.append(f"{k}: checkpoint has dtype {h.dtype}, this config expects {w.dtype}")
+    return problems
+
+
+def raise_on_mismatch(path, saved, expected, only_prefix: str = "") -> None:
+    problems = describe_mismatch(saved, expected, only_prefix)
+    if problems:
+        shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
+        raise CheckpointError(
+            f"checkpoint {path} does not match this config ({len(problems)} difference(s)):\n  {shown}\n"
+            "Use the model settings the checkpoint was trained with (its config is saved beside it), "
+            "or start a new run_name. Nothing was loaded or overwritten."
+        )
