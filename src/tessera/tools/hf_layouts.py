@@ -138,7 +138,7 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
 
 
 def _gpt2(m: ModelConfig) -> Layout:
-    d, n, h, f = m.emb_dim, m.num_query_heads, m.head_dim, m.mlp_dim
+    d, n, h = m.emb_dim, m.num_query_heads, m.head_dim
     model = [same("token_embedder/table_vd", "transformer.wte.weight"),
              same("final_norm/scale", "transformer.ln_f.weight"), same("final_norm/bias", "transformer.ln_f.bias")]
     if m.trainable_position_size:

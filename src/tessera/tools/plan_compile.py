@@ -106,7 +106,7 @@ def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, labe
         return None
     if not move_batch:
         return dataclasses.replace(c, memory=r["total_bytes"], compiled=True) if r["fits"] else None
-    length, budget = cfg.data.max_target_length, r["budget_bytes"]
+    budget = r["budget_bytes"]
     options = token_options(cfg, hw, 0)
     fixed = r["total_bytes"] - r["temp_bytes"]
     fits = [t for t in options if fixed + r["temp_bytes"] * t / c.tokens_per_device <= budget]
