@@ -387,3 +387,21 @@ def test_load_paths_verify_the_checksums(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="tessera"):
         load_parameters(str(step), abstract["params"])
     assert f"{step / 'state'} has no checksum list ({MANIFEST}): read without verifying its files" in caplog.text
+
+
+def test_a_slow_checksum_list_says_what_it_cost(tmp_path, monkeypatch, caplog):
+    from tessera.checkpointing import checksums
+
+    (tmp_path / "params").mkdir()
+    (tmp_path / "params" / "a").write_bytes(b"x" * 1000)
+    (tmp_path / "top").write_text("left out: a top-level file of a step folder")
+    with caplog.at_level(logging.DEBUG, logger="tessera"):
+        checksums.record(tmp_path, items_only=True)
+    assert [r.levelno for r in caplog.records if "recorded checksums" in r.message] == [logging.DEBUG]
+    monkeypatch.setattr(checksums, "SLOW_SECONDS", 0.0)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        checksums.record(tmp_path, items_only=True)
+    assert [r.message for r in caplog.records] == [
+        f"recorded checksums of 1 files (0.0 GiB) under {tmp_path} in 0.0 s (checkpoint_checksums=false skips them)"]
+    assert list(json.loads((tmp_path / checksums.MANIFEST).read_text())["files"]) == ["params/a"]
