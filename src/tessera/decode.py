@@ -206,7 +206,7 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     """The model and its parameters from load_parameters_path, sharded over `mesh`."""
     import jax
 
-    from tessera.checkpointing import load_parameters, record_checksums
+    from tessera.checkpointing import load_parameters
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
@@ -226,19 +226,20 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
         params = load_parameters(path, abstract, verify=cfg.checkpoint.checkpoint_checksums)
         log.info("loaded parameters from %s", path)
     if cfg.checkpoint.save_quantized_params_path:
-        save_quantized(params, cfg.model.quantization, cfg.checkpoint.save_quantized_params_path)
-        if cfg.checkpoint.checkpoint_checksums:
-            record_checksums(cfg.checkpoint.save_quantized_params_path)
+        save_quantized(params, cfg.model.quantization, cfg.checkpoint.save_quantized_params_path,
+                       cfg.checkpoint.checkpoint_checksums)
     return model, params
 
 
-def save_quantized(params, mode: str, path: str) -> None:
+def save_quantized(params, mode: str, path: str, checksums: bool = True) -> None:
     """Write `params` quantized (`tessera.models.quantization.quantize_params`) as an Orbax
-    checkpoint holding {"params": ...}: what load_parameters_path with checkpoint_is_quantized=true reads."""
+    checkpoint holding {"params": ...}: what load_parameters_path with checkpoint_is_quantized=true reads;
+    with `checksums`, its files' checksums too (`checkpoint_checksums`), which every load verifies."""
     import jax
     import orbax.checkpoint as ocp
     from etils import epath
 
+    from tessera.checkpointing import record_checksums
     from tessera.models.quantization import quantize_params
 
     target = epath.Path(path)
@@ -247,6 +248,8 @@ def save_quantized(params, mode: str, path: str) -> None:
                           "written)")
     tree = {"params": jax.jit(lambda p: quantize_params(p, mode))(params)}
     ocp.PyTreeCheckpointer().save(target, tree)
+    if checksums:
+        record_checksums(path)
     log.info("wrote the parameters quantized (%s) to %s", mode, path)
 
 

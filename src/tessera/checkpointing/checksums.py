@@ -88,7 +88,19 @@ def record(folder, items_only: bool) -> None:
             "%s in %.1f s (checkpoint_checksums=false skips them)", len(files), size / 2**30, folder, took)
 
 
-def find(item) -> tuple[Path, str] | None:
+def check(target) -> str | None:
+    """What is wrong with checkpoint folder or item `target` against the list that covers it (its
+    own, or its step folder's), or None when its files match. Without a list (or for a bucket URL)
+    it is read unverified, with a log line. Collective in a multi-process job (`problem`)."""
+    found = _find(target)
+    if found is None:
+        if is_local(target):
+            log.info("%s has no checksum list (%s): read without verifying its files", target, MANIFEST)
+        return None
+    return problem(*found)
+
+
+def _find(item) -> tuple[Path, str] | None:
     """(the folder whose list covers `item`, `item`'s prefix in that list) for a checkpoint item
     folder or a single-item checkpoint; None when no list was recorded (or for a bucket URL)."""
     if not is_local(item):
@@ -118,17 +130,19 @@ def problem(folder, prefix: str = "") -> str | None:
     names = sorted(entries)
     n, i = jax.process_count(), jax.process_index()
     start = time.perf_counter()
-    mine = next((k for k in names[i::n] if _mismatch(folder, k, *entries[k])), None)
-    first = mine
-    if n > 1:
+    mine = next(((k, why) for k in names[i::n] if (why := _mismatch(folder, k, *entries[k]))), None)
+    if n > 1:  # the first mismatch any process found; its reason is worked out again where another found it
         from jax.experimental import multihost_utils
         import numpy as np
 
-        index = names.index(mine) if mine is not None else len(names)
+        index = names.index(mine[0]) if mine is not None else len(names)
         found = int(np.min(multihost_utils.process_allgather(np.int32(index))))
-        first = names[found] if found < len(names) else None
-    if first is not None:
-        return _mismatch(folder, first, *entries[first])
+        if found == len(names):
+            mine = None
+        elif mine is None or mine[0] != names[found]:
+            mine = names[found], _mismatch(folder, names[found], *entries[names[found]])
+    if mine is not None:
+        return mine[1]
     size = sum(s for s, _ in entries.values())
     log.info("checksums of %d files (%.1f MiB) under %s match (%.2f s)", len(names), size / 2**20,
              folder / prefix, time.perf_counter() - start)
@@ -149,8 +163,3 @@ def _mismatch(folder: Path, name: str, size: int, crc: int) -> str | None:
         return f"its file {name} cannot be read ({e.strerror or e})"
     return None
 
-
-def unverified(item) -> None:
-    """Log that `item` is read without checksums (none were recorded), once per read."""
-    if is_local(item):
-        log.info("%s has no checksum list (%s): read without verifying its files", item, MANIFEST)

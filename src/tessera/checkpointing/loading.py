@@ -71,11 +71,7 @@ def saved_tree(path: str, key: str | None = None, verify: bool = True) -> tuple[
 def verify_item(item: epath.Path, key: str | None, path: epath.Path) -> None:
     """CheckpointError naming `key=path` when a file of checkpoint item `item` differs from the
     checksums recorded at its save (collective in a multi-process job); a log line when none were."""
-    found = checksums.find(item)
-    if found is None:
-        checksums.unverified(item)
-        return
-    why = checksums.problem(*found)
+    why = checksums.check(item)
     if why:
         hint = _step_folder_hint(path) if item.name == "state" else "copy or write it again from its source"
         raise CheckpointError(f"{_label(key, path)} is damaged: {why}. Nothing was loaded; {hint}")

@@ -162,13 +162,7 @@ class Checkpointer:
     def verify(self, step: int) -> None:
         """CheckpointError when a file of `step` differs from the checksums recorded at its save
         (collective in a multi-process job)."""
-        path = self.step_path(step)
-        if not checksums.is_local(path):
-            return
-        if not (path / checksums.MANIFEST).exists():
-            checksums.unverified(path)
-            return
-        why = checksums.problem(path)
+        why = checksums.check(self.step_path(step))
         if why:
             raise self._damaged(step, f"is damaged: {why}")
 
