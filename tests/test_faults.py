@@ -265,3 +265,30 @@ def test_convert_round_trip_is_quiet_and_its_faults_are_one_line(tmp_path):
     assert proc.stderr.startswith(f"checkpoint error: checkpoint {step} is damaged: its file state/_METADATA is "
                                   "missing")
     _no_echoes(proc.stderr)
+
+
+def test_a_sync_save_whose_checksum_list_cannot_be_written_is_set_aside(tmp_path, monkeypatch):
+    """A full disk can leave room for the arrays but not for the list written after a sync save: that
+    step is reported and set aside like any failed save, and the previous one stays the last."""
+    import errno
+
+    import jax.numpy as jnp
+    from conftest import tiny_config
+
+    from tessera.checkpointing import Checkpointer, CheckpointSaveError, checksums
+
+    ckpt = Checkpointer(tiny_config(async_checkpointing=False).checkpoint, str(tmp_path / "ckpts"))
+    state = {"w": jnp.arange(1000.0)}
+    ckpt.save(1, state, {}, {})
+
+    def full(folder, items_only):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checksums, "record", full)
+    with pytest.raises(CheckpointSaveError) as e:
+        ckpt.save(2, state, {}, {})
+    assert str(e.value).startswith(f"saving checkpoint step 2 to {tmp_path / 'ckpts'} failed: No space left on device")
+    assert f"The last complete checkpoint is step 1 ({tmp_path / 'ckpts' / '1'})" in str(e.value)
+    assert _steps(tmp_path / "ckpts") == [1]
+    assert [p.name.split(".")[0] for p in (tmp_path / "ckpts_incomplete").iterdir()] == ["2"]
+    ckpt.close()

@@ -73,7 +73,11 @@ class Checkpointer:
         with self._failing_save(step):
             self.manager.save(step, args=args, force=True)
             if not self.cfg.async_checkpointing:
-                self._record_checksums()
+                try:
+                    self._record_checksums()
+                except OSError:  # committed without its list (a full disk): set aside like a save cut short
+                    self.step_path(step).rename(self.directory / f"{step}{INCOMPLETE_MARKER}")
+                    raise
 
     def _record_checksums(self) -> None:
         """Record the checksums of the step being saved (process 0; on Orbax's thread when async),
@@ -121,9 +125,10 @@ class Checkpointer:
     def _save_error(self, step: int | None, e: Exception) -> CheckpointSaveError:
         moved = set_aside_incomplete(self.directory)
         last = self.manager.reload() or self.latest_step()
-        code = re.search(r"os_error_code='(\d+)'", str(e))
+        code = e.errno if isinstance(e, OSError) and e.errno else re.search(r"os_error_code='(\d+)'", str(e))
         detail = " ".join(str(e).split())
-        detail = os.strerror(int(code[1])) if code else f"{type(e).__name__}: {detail[:300]}"
+        detail = os.strerror(int(code if isinstance(code, int) else code[1])) if code else \
+            f"{type(e).__name__}: {detail[:300]}"
         return CheckpointSaveError(
             f"saving checkpoint step {step} to {self.directory} failed: {detail} (free space there: "
             f"{free_space(self.directory)}). "
