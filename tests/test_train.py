@@ -13,6 +13,7 @@ from conftest import REPO, tiny_config
 from tessera.checkpointing import CheckpointError
 from tessera.config import ConfigError, load_config
 from tessera.hardware import peak_tflops
+from tessera.memory_fit import state_bytes
 from tessera.metrics import run_report, training_flops_per_step
 from tessera.step import abstract_state, compile_step, setup
 from tessera.train import format_changed_keys, run
@@ -59,9 +60,7 @@ def test_gradient_accumulation_equals_one_big_batch(reference_losses, tmp_path):
 
 
 def _state_bytes_per_device(trainer, part):
-    shapes = abstract_state(trainer)[part]
-    return sum(np.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize
-               for s, sh in zip(jax.tree.leaves(shapes), jax.tree.leaves(trainer.state_shardings[part])))
+    return state_bytes(trainer)[part]
 
 
 def test_zero1_splits_the_optimizer_state_over_data_and_not_the_parameters():

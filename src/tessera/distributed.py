@@ -231,22 +231,23 @@ class HangWatchdog:
                 self._end(f"no training step finished in {waited} s (step_timeout_seconds={self.timeout:g}); "
                           "Python stacks of every thread follow", stacks=True)
 
-    def fail(self, reason: str) -> NoReturn:
+    def fail(self, reason: str, exit_code: int = EXIT_HANG, kind: str = "hang watchdog") -> NoReturn:
         """End the process now, as when the watchdog fires, for a step of a multi-process job that
         failed instead of hanging (a collective whose peer is gone raises on some runs and blocks on
-        others). Leaving normally would run JAX's shutdown barrier, which waits for the lost process
-        until the heartbeat timeout and then aborts the process (SIGABRT, no exit code of ours)."""
-        self._end(reason, stacks=False)
+        others; a device ran out of memory). Leaving normally would run JAX's shutdown barrier, which
+        waits for the other processes until the heartbeat timeout and then aborts the process
+        (SIGABRT, no exit code of ours)."""
+        self._end(reason, stacks=False, exit_code=exit_code, kind=kind)
 
     @staticmethod
-    def _end(reason: str, stacks: bool) -> NoReturn:
+    def _end(reason: str, stacks: bool, exit_code: int = EXIT_HANG, kind: str = "hang watchdog") -> NoReturn:
         then = ", then" if stacks else ";"
-        print(f"hang watchdog: {reason}{then} exit code {EXIT_HANG}", file=sys.stderr, flush=True)
+        print(f"{kind}: {reason}{then} exit code {exit_code}", file=sys.stderr, flush=True)
         if stacks:
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_HANG)
+        os._exit(exit_code)
 
     def __exit__(self, *exc):
         self._stop.set()

@@ -6,7 +6,8 @@ Exit codes (the table is in getting_started/Checkpointing.md): 0 finished; 2 bad
 data, output folder or checkpoint (earlier checkpoints are kept); 3 non-finite loss or gradient
 with on_nonfinite_loss=stop; 4 multi-process start-up failed; 5 hang watchdog (no step within
 step_timeout_seconds, or a multi-process step failed in a collective); 6 a checkpoint could not be
-saved (disk full, permissions); 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM, after saving a
+saved (disk full, permissions); 7 the state or the step does not fit in memory (checked before
+allocating, see memory_fit); 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM, after saving a
 checkpoint (128 + the signal's number; outside the training loop, at start-up or while compiling,
 they stop with one line and no new checkpoint).
 """
@@ -39,6 +40,9 @@ from tessera.distributed import (
 )
 from tessera.evaluation import Evaluator
 from tessera.loop_records import Profiler, StepMeter
+from tessera.memory_fit import (
+    EXIT_OUT_OF_MEMORY, OutOfMemory, check_state_fits, check_step_fits, out_of_memory, state_advice, step_advice,
+)
 from tessera.mesh import sharding_report
 from tessera.step import Trainer, abstract_state, compile_step, create_state, setup, state_from_params
 
@@ -192,6 +196,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     plan = trainer.plan
     data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch)
     evaluator = Evaluator(cfg.data, trainer) if cfg.data.eval_interval else None
+    check_state_fits(trainer)
     state = initial_state(trainer, ckpt, data, cfg.checkpoint, cfg.run.init_weights_seed)
     start_step = int(jax.device_get(state["step"]))
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
@@ -201,10 +206,11 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", plan.global_batch,
              plan.max_target_length)
 
-    # ---- run folder, compiled step
-    run_dir = _create_run_folder(cfg, plan.run_dir)
+    # ---- compiled step, run folder
     step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s", compile_seconds)
+    check_step_fits(step_fn, trainer)
+    run_dir = _create_run_folder(cfg, plan.run_dir)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
     # ---- loop: step, metrics, finite check, checkpoint, SIGTERM
@@ -238,8 +244,13 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
                 if stopping:
                     _stop_after_signal(step, stop, ckpt)
     except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
+        oom = out_of_memory(e, f"at step {step}")
+        if jax.process_count() == 1 and oom:
+            raise oom from None
         if jax.process_count() == 1:
             raise
+        if oom:  # the other processes stop in their next collective, by their watchdogs
+            watchdog.fail(str(oom), exit_code=EXIT_OUT_OF_MEMORY, kind="memory error")
         watchdog.fail(_failed_step_message(step, e))
     finally:
         profiler.stop()
@@ -395,6 +406,14 @@ def _main(argv: list[str]) -> int:
     except CheckpointSaveError as e:
         print(f"checkpoint save error: {e} (exit code {EXIT_SAVE_FAILED})", file=sys.stderr)
         return EXIT_SAVE_FAILED
+    except (OutOfMemory, jax.errors.JaxRuntimeError) as e:  # an allocation failed outside the loop's steps
+        oom = e if isinstance(e, OutOfMemory) else out_of_memory(
+            e, "while creating or loading the train state or compiling the step",
+            f"for the state: {state_advice()}; for the step: {step_advice()}")
+        if oom is None:
+            raise
+        print(f"memory error: {oom} (exit code {EXIT_OUT_OF_MEMORY})", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     except TrainingStopped as e:
         log.error("%s (exit code %d)", e, e.exit_code)
         return e.exit_code

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import sys
@@ -201,7 +200,9 @@ def _report_compiler_oom(report: CompileReport, trainer, message: str, seconds: 
     first_line = message.strip().splitlines()[0]
     log.warning("the TPU compiler ran out of HBM: %s", first_line)
     temp = _bytes_in(r"HLO temporaries \(([\d.]+)([KMGT])\)", message)
-    state = state_bytes_per_device(trainer)
+    from tessera.memory_fit import state_bytes
+
+    state = sum(state_bytes(trainer).values())
     total = state + temp if temp else max(state, report.budget_bytes + 1)
     return dataclasses.replace(report, compile_seconds=round(seconds, 2), argument_bytes=state, temp_bytes=temp,
                                peak_bytes=total, total_bytes=total, compiler_error=first_line)
@@ -212,17 +213,6 @@ def _bytes_in(pattern: str, text: str) -> int:
     if not match:
         return 0
     return int(float(match.group(1)) * 1024 ** ("KMGT".index(match.group(2)) + 1))
-
-
-def state_bytes_per_device(trainer) -> int:
-    """Bytes of parameters and optimizer state on one device, from their shardings."""
-    import jax
-
-    shapes = jax.eval_shape(lambda p: {"params": p, "opt_state": trainer.optimizer.init(p)},
-                            trainer.model.param_shapes())
-    shardings = {k: trainer.state_shardings[k] for k in ("params", "opt_state")}
-    sizes = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize, shapes, shardings)
-    return int(sum(jax.tree.leaves(sizes)))
 
 
 # element types of quantized matmul operands in HLO text (int8 and smaller, float8)

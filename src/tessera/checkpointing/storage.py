@@ -15,6 +15,7 @@ from etils import epath
 
 from tessera.config import ConfigError
 from tessera.data.errors import brief
+from tessera.memory_fit import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +107,7 @@ def free_space(directory: epath.Path) -> str:
         usage = shutil.disk_usage(str(path))
     except (OSError, TypeError, ValueError):  # a bucket has no disk usage
         return "unknown"
-    return f"{_size(usage.free)} of {_size(usage.total)}"
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+    return f"{format_bytes(usage.free)} of {format_bytes(usage.total)}"
 
 
 class _OrbaxErrorLogs(logging.Filter):
