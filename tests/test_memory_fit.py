@@ -22,8 +22,11 @@ NUMBER = r"(\d+\.\d) GiB"
 
 def _train_limited(tmp_path, *args):
     """train.py as a user on a host with `ulimit -v` runs it (relative paths, from the repository)."""
-    command = " ".join(shlex.quote(a) for a in [sys.executable, "train.py", "configs/base.yml", "run_name=big",
-                                                f"base_output_directory={tmp_path}", *args])
+    return _limited("train.py", "configs/base.yml", "run_name=big", f"base_output_directory={tmp_path}", *args)
+
+
+def _limited(*args):
+    command = " ".join(shlex.quote(a) for a in [sys.executable, *args])
     return subprocess.run(["bash", "-c", f"ulimit -v {LIMIT_GIB * 2**20}; exec {command}"],
                           capture_output=True, text=True, timeout=300, cwd=REPO)
 
@@ -39,7 +42,7 @@ def _memory_error(proc) -> str:
 def test_a_state_larger_than_the_host_allows_stops_before_anything_is_allocated(tmp_path):
     line = _memory_error(_train_limited(tmp_path, "model_name=llama2-7b", "steps=1"))
     match = re.fullmatch(
-        rf"memory error: the train state does not fit in memory: it needs {NUMBER} per device \(parameters "
+        rf"memory error: not enough memory for the train state: {NUMBER} per device \(parameters "
         rf"{NUMBER}, optimizer state {NUMBER}, over a mesh of 8 device\(s\)\); this host's 8 cpu devices need "
         rf"{NUMBER} in all and have {NUMBER} left \(ulimit -v 8.0 GiB, of which this process has mapped {NUMBER}; "
         r"raise it with `ulimit -v`\)\. Nothing was allocated; use a smaller model or weight_dtype=bfloat16 or "
@@ -56,7 +59,7 @@ def test_a_step_larger_than_the_host_allows_stops_before_it_runs(tmp_path):
     # a tiny model, but 32 sequences of 2048 tokens per device: the state fits, the activations do not
     line = _memory_error(_train_limited(tmp_path, "per_device_batch_size=32", "max_target_length=2048", "steps=1"))
     match = re.fullmatch(
-        rf"memory error: the train step does not fit in memory: its activations, gradients and other temporaries "
+        rf"memory error: not enough memory for the train step: its activations, gradients and other temporaries "
         rf"need {NUMBER} per device \(a global batch of 256 sequences of 2048 tokens over 8 device\(s\), "
         rf"remat_policy=full\) on top of the train state; this host's 8 cpu devices need {NUMBER} in all and have "
         rf"{NUMBER} left \(ulimit -v 8.0 GiB, .*\)\. Nothing was run; lower per_device_batch_size or "
@@ -66,6 +69,15 @@ def test_a_step_larger_than_the_host_allows_stops_before_it_runs(tmp_path):
     per_device, total, left = map(float, match.groups())
     assert total == pytest.approx(8 * per_device, abs=0.5) and total > left
     assert not tmp_path.joinpath("big").exists()
+
+
+def test_decoding_parameters_larger_than_the_host_allows_stops_before_reading_them(tmp_path):
+    line = _memory_error(_limited("-m", "tessera.decode", "configs/base.yml", "model_name=llama2-7b",
+                                  f"load_parameters_path={tmp_path}/none", "--tokens", "1,2"))
+    assert re.fullmatch(
+        rf"memory error: not enough memory for the parameters: {NUMBER} per device \(float32, over a mesh of 8 "
+        rf"device\(s\)\); this host's 8 cpu devices need {NUMBER} in all and have {NUMBER} left \(ulimit -v .*\)\. "
+        r"Nothing was allocated; free memory, or decode on a host with more \(exit code 7\)", line), line
 
 
 def test_the_same_runs_go_ahead_when_they_fit(tmp_path):

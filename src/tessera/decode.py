@@ -11,7 +11,7 @@ KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 likely tokens (0: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
 
 Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated);
-130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback; decoding writes no
+7 the parameters do not fit in the memory the devices have left (checked before loading); 130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback; decoding writes no
 files, so nothing is left half-written).
 See getting_started/Decode.md. JAX is imported only once decoding starts, so that --help is instant.
 """
@@ -207,6 +207,7 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     import jax
 
     from tessera.checkpointing import load_parameters
+    from tessera.memory_fit import bytes_per_device, check_fits
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
@@ -216,6 +217,9 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+    check_fits(local, bytes_per_device(model.param_shapes(), shardings), "the parameters",
+               f"{cfg.model.weight_dtype}, over a mesh of {mesh.size} device(s)", _memory_advice)
     if cfg.checkpoint.checkpoint_is_quantized:
         stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization),
                                  verify=cfg.checkpoint.checkpoint_checksums)
@@ -229,6 +233,12 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
         save_quantized(params, cfg.model.quantization, cfg.checkpoint.save_quantized_params_path,
                        cfg.checkpoint.checkpoint_checksums)
     return model, params
+
+
+def _memory_advice(shared: bool) -> str:
+    if shared:  # CPU devices share the host's memory: more of them do not help
+        return "free memory, or decode on a host with more"
+    return "shard the parameters over more devices (ici_fsdp_parallelism or ici_tensor_parallelism) or free memory"
 
 
 def save_quantized(params, mode: str, path: str, checksums: bool = True) -> None:
@@ -298,6 +308,7 @@ def _main(flags: argparse.Namespace, config_args: list[str]) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
     from tessera.checkpointing import CheckpointError
+    from tessera.memory_fit import EXIT_OUT_OF_MEMORY, OutOfMemory
 
     try:
         decode(load_config(resolve_config_file(config_args)), flags)
@@ -307,6 +318,9 @@ def _main(flags: argparse.Namespace, config_args: list[str]) -> int:
     except (ConfigError, CheckpointError) as e:
         print(f"{'config' if isinstance(e, ConfigError) else 'checkpoint'} error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except OutOfMemory as e:
+        print(f"memory error: {e} (exit code {EXIT_OUT_OF_MEMORY})", file=sys.stderr)
+        return EXIT_OUT_OF_MEMORY
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return EXIT_INTERRUPTED

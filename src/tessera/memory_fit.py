@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import resource
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -195,31 +196,37 @@ def _address_space_room() -> tuple[int, str] | None:
 # --------------------------------------------------------------------------- the checks
 
 
+def bytes_per_device(shapes, shardings) -> int:
+    """Bytes one device holds of a tree of arrays (shapes and dtypes) laid out by `shardings`."""
+    each = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize, shapes, shardings)
+    return int(sum(jax.tree.leaves(each)))
+
+
 def state_bytes(trainer) -> dict[str, int]:
     """Bytes of the parameters and of the optimizer state on one device, from their shardings."""
     shapes = jax.eval_shape(lambda p: {"params": p, "opt_state": trainer.optimizer.init(p)},
                             trainer.model.param_shapes())
-    sizes = {}
-    for part, tree in shapes.items():
-        shardings = trainer.state_shardings[part]
-        each = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * s.dtype.itemsize, tree, shardings)
-        sizes[part] = int(sum(jax.tree.leaves(each)))
-    return sizes
+    return {part: bytes_per_device(tree, trainer.state_shardings[part]) for part, tree in shapes.items()}
 
 
 def check_state_fits(trainer) -> None:
     """OutOfMemory before the train state is created, loaded or restored, if it cannot fit."""
-    free = room(local_devices(trainer.mesh))
-    if free is None:
-        return
     sizes = state_bytes(trainer)
-    per_device = sum(sizes.values())
-    if free.need(per_device) <= free.free_bytes:
+    check_fits(local_devices(trainer.mesh), sum(sizes.values()), "the train state", (
+        f"parameters {format_bytes(sizes['params'])}, optimizer state {format_bytes(sizes['opt_state'])}, "
+        f"over a mesh of {trainer.mesh.size} device(s)"))
+
+
+def check_fits(devices: list, per_device: int, what: str, parts: str,
+               advice: Callable[[bool], str] = state_advice) -> None:
+    """OutOfMemory if `what` (arrays of `per_device` bytes on each of `devices`, made of `parts`)
+    cannot be allocated in what the devices have left. `advice(shared)` says what to change."""
+    free = room(devices)
+    if free is None or free.need(per_device) <= free.free_bytes:
         return
     raise OutOfMemory(
-        f"the train state does not fit in memory: it needs {format_bytes(per_device)} per device (parameters "
-        f"{format_bytes(sizes['params'])}, optimizer state {format_bytes(sizes['opt_state'])}, over a mesh of "
-        f"{trainer.mesh.size} device(s)); {free.verdict(per_device)}. Nothing was allocated; {state_advice(free.shared)}")
+        f"not enough memory for {what}: {format_bytes(per_device)} per device ({parts}); "
+        f"{free.verdict(per_device)}. Nothing was allocated; {advice(free.shared)}")
 
 
 def check_step_fits(compiled, trainer) -> None:
@@ -236,7 +243,7 @@ def check_step_fits(compiled, trainer) -> None:
         return
     policy = trainer.model.cfg.remat_policy
     raise OutOfMemory(
-        f"the train step does not fit in memory: its activations, gradients and other temporaries need "
+        f"not enough memory for the train step: its activations, gradients and other temporaries need "
         f"{format_bytes(per_device)} per device (a global batch of {trainer.plan.global_batch} sequences of "
         f"{trainer.plan.max_target_length} tokens over {trainer.mesh.size} device(s), remat_policy={policy}) on top "
         f"of the train state; {free.verdict(per_device)}. Nothing was run; {step_advice(policy, free.shared)}")
