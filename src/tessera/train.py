@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import sys
 import time
@@ -34,82 +33,20 @@ from tessera.checkpointing import (
 from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, config_digest, flat_dict, load_config
 from tessera.config.derived import remote_run_dir, run_dir
 from tessera.data import DataError, make_input, place_batch
-from tessera.distributed import (
-    EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, request_stop, stop_requested,
-    wait_for_all,
-)
+from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, wait_for_all
 from tessera.evaluation import Evaluator
 from tessera.loop_records import Profiler, StepMeter
 from tessera.memory_fit import (
     EXIT_OUT_OF_MEMORY, OutOfMemory, check_state_fits, check_step_fits, out_of_memory, state_advice, step_advice,
 )
 from tessera.mesh import sharding_report
+from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
 from tessera.step import Trainer, abstract_state, compile_step, create_state, setup, state_from_params
 
 log = logging.getLogger("tessera")
 
 EXIT_OK, EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_SAVE_FAILED = 0, 2, 3, 6
 EXIT_INTERRUPTED, EXIT_PREEMPTED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143
-
-
-class TrainingStopped(Exception):
-    """The run ended early on purpose; `exit_code` says why."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
-class _TerminatedOutsideLoop(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
-    """SIGTERM while no training loop runs (start-up, compilation, the final save): stop with a line."""
-
-
-class _StopSignal:
-    """SIGTERM or SIGINT (Ctrl-C) -> a flag the loop checks between steps: the step in flight
-    finishes, it is saved, and the run exits with 128 + the signal's number. A second signal
-    stops at once (same exit code, no traceback); an async save still in flight is then left
-    as a temporary folder, which the next start sets aside and never loads.
-
-    In a multi-process job the signalled process publishes the step to stop after, and every
-    process checks for it after each step (distributed.request_stop / stop_requested), so all of
-    them save the same step together even when only one was signalled."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
-        self.signum: int | None = None  # the signal this process received
-        self.stop_at: tuple[int, int] | None = None  # (step, signal) the whole job stops after
-        self._previous = {}
-
-    def __enter__(self):
-        for signum in self.SIGNALS:
-            try:
-                self._previous[signum] = signal.signal(signum, self._handle)
-            except ValueError:  # not the main thread: leave signal handling to the caller
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.signum is not None:
-            print(f"{name} received again: stopping now, without waiting for a save in flight (an unfinished "
-                  f"save is set aside at the next start; exit code {128 + signum})", file=sys.stderr, flush=True)
-            os._exit(128 + signum)
-        log.warning("%s received: finishing this step, then saving a checkpoint and exiting "
-                    "(send it again to stop at once)", name)
-        self.signum = signum
-
-    def stop_after(self, step: int) -> bool:
-        """True when the job should save `step` and stop (checked after every step)."""
-        if self.stop_at is None and jax.process_count() == 1:
-            self.stop_at = (step, self.signum) if self.signum is not None else None
-        elif self.stop_at is None:
-            self.stop_at = request_stop(step, self.signum) if self.signum is not None else stop_requested()
-        return self.stop_at is not None and step >= self.stop_at[0]
-
-    def __exit__(self, *exc):
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
 
 
 # --------------------------------------------------------------------------- the run
@@ -220,7 +157,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     meter, profiler, config_json = StepMeter(trainer), Profiler(cfg, run_dir), flat_dict(cfg)
     step = start_step
     try:
-        with _StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
+        with StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
             stats_reader = _StatsReader(cfg, writer, meter, profiler, watchdog, ckpt)
             for step in range(start_step + 1, cfg.run.steps + 1):
                 profiler.before_step(step)
@@ -242,7 +179,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
                 elif ckpt:
                     ckpt.check()  # a background save that failed stops the run now, not at the next save
                 if stopping:
-                    _stop_after_signal(step, stop, ckpt)
+                    stop_after_signal(step, stop, ckpt)
     except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
         oom = out_of_memory(e, f"at step {step}")
         if jax.process_count() == 1 and oom:
@@ -315,16 +252,6 @@ def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, 
     return report
 
 
-def _stop_after_signal(step: int, stop: _StopSignal, ckpt: Checkpointer | None) -> None:
-    signum = stop.stop_at[1]
-    name = signal.Signals(signum).name + ("" if stop.signum else " (sent to another process of this job)")
-    if ckpt is None:
-        raise TrainingStopped(f"stopped by {name} after step {step} (checkpointing is off: nothing saved)",
-                              128 + signum)
-    ckpt.wait()
-    raise TrainingStopped(f"stopped by {name} after step {step}; checkpoint {ckpt.step_path(step)}", 128 + signum)
-
-
 def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: CheckpointConfig, seed: int) -> dict:
     """Resume from this run's newest checkpoint, else load_full_state_path, load_parameters_path or
     init from `seed` (init_weights_seed)."""
@@ -381,7 +308,7 @@ def main(argv: list[str]) -> int:
                         force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    with sigterm_raises(_TerminatedOutsideLoop):  # the loop's _StopSignal takes over while it runs
+    with sigterm_raises(TerminatedOutsideLoop):  # the loop's StopSignal takes over while it runs
         return _main(argv)
 
 
@@ -421,7 +348,7 @@ def _main(argv: list[str]) -> int:
         print(f"interrupted (Ctrl-C) outside the training loop: no new checkpoint (exit code {EXIT_INTERRUPTED}); "
               "an unfinished save is set aside at the next start", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except _TerminatedOutsideLoop:
+    except TerminatedOutsideLoop:
         print(f"stopped by SIGTERM outside the training loop: no new checkpoint (exit code {EXIT_PREEMPTED}); "
               "an unfinished save is set aside at the next start", file=sys.stderr)
         return EXIT_PREEMPTED

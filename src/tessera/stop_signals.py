@@ -1,0 +1,87 @@
+"""Stopping a run on purpose: SIGTERM and SIGINT between steps (save, then exit with 128 + the
+signal's number) and outside the loop, and `TrainingStopped`, which carries the exit code."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from typing import NoReturn
+
+import jax
+
+from tessera.distributed import request_stop, stop_requested
+
+log = logging.getLogger("tessera")
+
+
+class TrainingStopped(Exception):
+    """The run ended early on purpose; `exit_code` says why."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class TerminatedOutsideLoop(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
+    """SIGTERM while no training loop runs (start-up, compilation, the final save): stop with a line."""
+
+
+class StopSignal:
+    """SIGTERM or SIGINT (Ctrl-C) -> a flag the loop checks between steps: the step in flight
+    finishes, it is saved, and the run exits with 128 + the signal's number. A second signal
+    stops at once (same exit code, no traceback); an async save still in flight is then left
+    as a temporary folder, which the next start sets aside and never loads.
+
+    In a multi-process job the signalled process publishes the step to stop after, and every
+    process checks for it after each step (distributed.request_stop / stop_requested), so all of
+    them save the same step together even when only one was signalled."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signum: int | None = None  # the signal this process received
+        self.stop_at: tuple[int, int] | None = None  # (step, signal) the whole job stops after
+        self._previous = {}
+
+    def __enter__(self):
+        for signum in self.SIGNALS:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except ValueError:  # not the main thread: leave signal handling to the caller
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.signum is not None:
+            print(f"{name} received again: stopping now, without waiting for a save in flight (an unfinished "
+                  f"save is set aside at the next start; exit code {128 + signum})", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        log.warning("%s received: finishing this step, then saving a checkpoint and exiting "
+                    "(send it again to stop at once)", name)
+        self.signum = signum
+
+    def stop_after(self, step: int) -> bool:
+        """True when the job should save `step` and stop (checked after every step)."""
+        if self.stop_at is None and jax.process_count() == 1:
+            self.stop_at = (step, self.signum) if self.signum is not None else None
+        elif self.stop_at is None:
+            self.stop_at = request_stop(step, self.signum) if self.signum is not None else stop_requested()
+        return self.stop_at is not None and step >= self.stop_at[0]
+
+    def __exit__(self, *exc):
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+def stop_after_signal(step: int, stop: StopSignal, ckpt) -> NoReturn:
+    """TrainingStopped (128 + the signal's number) once `step`, the step the job stops after, is saved."""
+    signum = stop.stop_at[1]
+    name = signal.Signals(signum).name + ("" if stop.signum else " (sent to another process of this job)")
+    if ckpt is None:
+        raise TrainingStopped(f"stopped by {name} after step {step} (checkpointing is off: nothing saved)",
+                              128 + signum)
+    ckpt.wait()
+    raise TrainingStopped(f"stopped by {name} after step {step}; checkpoint {ckpt.step_path(step)}", 128 + signum)
