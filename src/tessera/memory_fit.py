@@ -1,9 +1,9 @@
 """Will the run fit in memory? Checked before the train state is allocated and after the step compiles.
 
 Running out of memory is the failure that costs most and says least. On CPU the kernel's OOM
-killer ends the process minutes into its start-up with no message (exit 137); under `ulimit -v`
-XLA's CPU client waits forever for a buffer it could not allocate; a GPU fails at the first step
-with a long RESOURCE_EXHAUSTED traceback. The trainer knows both sizes before it allocates: the
+killer ends the process with no message (exit 137; 37 s into a llama2-7b start on a 24 GiB
+host); under `ulimit -v` XLA's CPU client waits forever for a buffer it could not allocate; a
+GPU fails at the first step with a long RESOURCE_EXHAUSTED traceback. The trainer knows both sizes before it allocates: the
 train state's, from its shapes and shardings, and the compiled step's temporaries, which XLA's
 buffer assignment fixes at compile time (on CPU the peak resident memory of a step matched it
 within 2%). So it compares them with what the devices have left and stops with one line and
