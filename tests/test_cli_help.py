@@ -146,3 +146,40 @@ def test_sigterm_raises_only_inside_its_block_and_restores_the_previous_handler(
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(5)  # the handler interrupts this at once
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigterm_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(tmp_path):
+    """Python runs signal handlers between bytecodes only: while the main thread waits on a device
+    (here a computation that never ends; in the field, XLA compiling or an allocation that hung
+    under `ulimit -v`), the handler cannot run, and the process used to ignore SIGTERM for as long.
+    The watcher thread ends it `grace` seconds later with one line and exit code 143."""
+    script = tmp_path / "blocked.py"
+    script.write_text(
+        "import sys\n"
+        "import jax\n"
+        "from tessera.tools.cli import sigterm_raises\n"
+        "class Stop(BaseException): pass\n"
+        "spin = jax.jit(lambda step: jax.lax.while_loop(lambda c: c >= 0, lambda c: c + step, 0))\n"
+        "spin.lower(0).compile()\n"
+        "with sigterm_raises(Stop, grace=2):\n"
+        "    try:\n"
+        "        print('waiting on the device', file=sys.stderr, flush=True)\n"
+        "        spin(0).block_until_ready()\n"
+        "    except Stop:\n"
+        "        print('the handler ran', file=sys.stderr)\n"
+        "        sys.exit(1)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+    proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stderr:
+            if "waiting on the device" in line:
+                break
+        time.sleep(1)  # into the computation
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    assert ("stopped by SIGTERM: the process was busy in compiled code (compiling, loading, or waiting for memory) "
+            "and did not reach its handler within 2 s; stopping now (exit code 143)") in err
+    assert "the handler ran" not in err

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -94,23 +95,68 @@ def prepare_training_process(argv: Sequence[str]) -> None:
     reexec()
 
 
+SIGTERM_GRACE_SECONDS = 10.0  # how long a SIGTERM may wait for a main thread busy in compiled code
+
+
 @contextlib.contextmanager
-def sigterm_raises(exc_type: type[BaseException]):
+def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_SECONDS):
     """While the block runs, SIGTERM raises `exc_type` in the main thread (so a command can stop with
     one line and exit 143 instead of dying silently); the previous handler comes back after. Off the
-    main thread, where Python cannot set handlers, it does nothing."""
+    main thread, where Python cannot set handlers, it does nothing.
+
+    Python runs a signal handler only when the main thread is between two bytecodes, and it is not
+    while XLA compiles, a device waits for memory, or a checkpoint is read: the handler can then wait
+    for minutes, or forever (a start-up that hung under `ulimit -v` ignored SIGTERM, and `timeout`
+    with it). So a thread that the signal wakes (`signal.set_wakeup_fd`) ends the process itself,
+    with one line and exit code 143, when the handler has not run `grace` seconds later. It only
+    acts while this block's handler is the one installed: a training loop installs its own, which
+    finishes the step and saves first."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    handled = threading.Event()
 
     def handler(signum, frame):
+        handled.set()
         raise exc_type()
 
     previous = signal.signal(signal.SIGTERM, handler)
+    watcher = _BlockedSigtermWatcher(handler, handled, grace)
     try:
         yield
     finally:
+        watcher.stop()
         signal.signal(signal.SIGTERM, previous)
+
+
+class _BlockedSigtermWatcher:
+    """The thread behind sigterm_raises' `grace`: woken through the signal module's wake-up file
+    descriptor, which the interpreter writes from its C-level handler even while the main thread
+    is blocked."""
+
+    def __init__(self, handler: Callable, handled: threading.Event, grace: float):
+        self.handler, self.handled, self.grace = handler, handled, grace
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+        self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True).start()
+
+    def _watch(self) -> None:
+        while data := os.read(self.read_fd, 64):  # b"": stop() closed the pipe
+            if signal.SIGTERM in data and self._ours() and not self.handled.wait(self.grace) and self._ours():
+                code = 128 + signal.SIGTERM
+                print(f"stopped by SIGTERM: the process was busy in compiled code (compiling, loading, or waiting "
+                      f"for memory) and did not reach its handler within {self.grace:g} s; stopping now "
+                      f"(exit code {code})", file=sys.stderr, flush=True)
+                os._exit(code)
+        os.close(self.read_fd)
+
+    def _ours(self) -> bool:
+        return signal.getsignal(signal.SIGTERM) is self.handler
+
+    def stop(self) -> None:
+        signal.set_wakeup_fd(self.previous_fd)
+        os.close(self.write_fd)
 
 
 def exit_if_help(argv: Sequence[str], text: Callable[[], str]) -> None:
