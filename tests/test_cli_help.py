@@ -153,9 +153,9 @@ def test_sigterm_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(t
     (here a computation that never ends; in the field, XLA compiling or an allocation that hung
     under `ulimit -v`), the handler cannot run, and the process used to ignore SIGTERM for as long.
     The watcher thread ends it `grace` seconds later with one line and exit code 143."""
-    script = tmp_path / "blocked.py"
+    script, ready = tmp_path / "blocked.py", tmp_path / "ready"
     script.write_text(
-        "import sys\n"
+        "import pathlib, sys\n"
         "import jax\n"
         "from tessera.tools.cli import sigterm_raises\n"
         "class Stop(BaseException): pass\n"
@@ -163,22 +163,24 @@ def test_sigterm_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(t
         "spin.lower(0).compile()\n"
         "with sigterm_raises(Stop, grace=2):\n"
         "    try:\n"
-        "        print('waiting on the device', file=sys.stderr, flush=True)\n"
+        f"        pathlib.Path({str(ready)!r}).touch()\n"
         "        spin(0).block_until_ready()\n"
         "    except Stop:\n"
         "        print('the handler ran', file=sys.stderr)\n"
         "        sys.exit(1)\n")
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
     proc = subprocess.Popen([sys.executable, str(script)], stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        for line in proc.stderr:
-            if "waiting on the device" in line:
-                break
+    try:  # the process never ends by itself: it is killed whatever happens here
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ready.exists(), "the script did not reach its computation"
         time.sleep(1)  # into the computation
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=60)[1]
     finally:
         proc.kill()
+        proc.wait()
     assert proc.returncode == 143, err
     assert ("stopped by SIGTERM: the process was busy in compiled code (compiling, loading, or waiting for memory) "
             "and did not reach its handler within 2 s; stopping now (exit code 143)") in err
