@@ -148,11 +148,13 @@ def test_sigterm_raises_only_inside_its_block_and_restores_the_previous_handler(
     assert signal.getsignal(signal.SIGTERM) is before
 
 
-def test_sigterm_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(tmp_path):
+@pytest.mark.parametrize("signum, code, what", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                               (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
+def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(tmp_path, signum, code, what):
     """Python runs signal handlers between bytecodes only: while the main thread waits on a device
     (here a computation that never ends; in the field, XLA compiling or an allocation that hung
-    under `ulimit -v`), the handler cannot run, and the process used to ignore SIGTERM for as long.
-    The watcher thread ends it `grace` seconds later with one line and exit code 143."""
+    under `ulimit -v`), the handler cannot run, and the process used to ignore SIGTERM and Ctrl-C
+    for as long. The watcher thread ends it `grace` seconds later with one line and 128 + the signal."""
     script, ready = tmp_path / "blocked.py", tmp_path / "ready"
     script.write_text(
         "import pathlib, sys\n"
@@ -165,7 +167,7 @@ def test_sigterm_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(t
         "    try:\n"
         f"        pathlib.Path({str(ready)!r}).touch()\n"
         "        spin(0).block_until_ready()\n"
-        "    except Stop:\n"
+        "    except (Stop, KeyboardInterrupt):\n"
         "        print('the handler ran', file=sys.stderr)\n"
         "        sys.exit(1)\n")
     env = dict(os.environ, PYTHONPATH=str(REPO / "src"))
@@ -176,12 +178,12 @@ def test_sigterm_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(t
             time.sleep(0.1)
         assert ready.exists(), "the script did not reach its computation"
         time.sleep(1)  # into the computation
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         err = proc.communicate(timeout=60)[1]
     finally:
         proc.kill()
         proc.wait()
-    assert proc.returncode == 143, err
-    assert ("stopped by SIGTERM: the process was busy in compiled code (compiling, loading, or waiting for memory) "
-            "and did not reach its handler within 2 s; stopping now (exit code 143)") in err
+    assert proc.returncode == code, err
+    assert (f"{what}: the process was busy in compiled code (compiling, loading, or waiting for memory) "
+            f"and did not reach its handler within 2 s; stopping now (exit code {code})") in err
     assert "the handler ran" not in err

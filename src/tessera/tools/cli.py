@@ -108,51 +108,63 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
     while XLA compiles, a device waits for memory, or a checkpoint is read: the handler can then wait
     for minutes, or forever (a start-up that hung under `ulimit -v` ignored SIGTERM, and `timeout`
     with it). So a thread that the signal wakes (`signal.set_wakeup_fd`) ends the process itself,
-    with one line and exit code 143, when the handler has not run `grace` seconds later. It only
-    acts while this block's handler is the one installed: a training loop installs its own, which
-    finishes the step and saves first."""
+    with one line and exit code 143, when the handler has not run `grace` seconds later. Ctrl-C
+    (SIGINT, which raises KeyboardInterrupt as Python's default does) gets the same, with exit code
+    130. The thread only acts while this block's handlers are the ones installed: a training loop
+    installs its own, which finish the step and save first."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    handled = threading.Event()
+    ran = {signal.SIGTERM: threading.Event(), signal.SIGINT: threading.Event()}
 
-    def handler(signum, frame):
-        handled.set()
+    def terminate(signum, frame):
+        ran[signum].set()
         raise exc_type()
 
-    previous = signal.signal(signal.SIGTERM, handler)
-    watcher = _BlockedSigtermWatcher(handler, handled, grace)
+    def interrupt(signum, frame):
+        ran[signum].set()
+        raise KeyboardInterrupt
+
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, terminate)}
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave a caller's own Ctrl-C handler be
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+    watcher = _BlockedSignalWatcher({signal.SIGTERM: terminate, signal.SIGINT: interrupt}, ran, grace)
     try:
         yield
     finally:
         watcher.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
-class _BlockedSigtermWatcher:
+class _BlockedSignalWatcher:
     """The thread behind sigterm_raises' `grace`: woken through the signal module's wake-up file
     descriptor, which the interpreter writes from its C-level handler even while the main thread
     is blocked."""
 
-    def __init__(self, handler: Callable, handled: threading.Event, grace: float):
-        self.handler, self.handled, self.grace = handler, handled, grace
+    WHAT = {signal.SIGTERM: "stopped by SIGTERM", signal.SIGINT: "interrupted (Ctrl-C)"}
+
+    def __init__(self, handlers: dict, ran: dict, grace: float):
+        self.handlers, self.ran, self.grace = handlers, ran, grace
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, name="sigterm-watcher", daemon=True).start()
+        threading.Thread(target=self._watch, name="signal-watcher", daemon=True).start()
 
     def _watch(self) -> None:
         while data := os.read(self.read_fd, 64):  # b"": stop() closed the pipe
-            if signal.SIGTERM in data and self._ours() and not self.handled.wait(self.grace) and self._ours():
-                code = 128 + signal.SIGTERM
-                print(f"stopped by SIGTERM: the process was busy in compiled code (compiling, loading, or waiting "
-                      f"for memory) and did not reach its handler within {self.grace:g} s; stopping now "
-                      f"(exit code {code})", file=sys.stderr, flush=True)
-                os._exit(code)
+            for signum in self.handlers:
+                if signum in data and self._ours(signum) and not self.ran[signum].wait(self.grace) \
+                        and self._ours(signum):
+                    code = 128 + signum
+                    print(f"{self.WHAT[signum]}: the process was busy in compiled code (compiling, loading, or "
+                          f"waiting for memory) and did not reach its handler within {self.grace:g} s; stopping now "
+                          f"(exit code {code})", file=sys.stderr, flush=True)
+                    os._exit(code)
         os.close(self.read_fd)
 
-    def _ours(self) -> bool:
-        return signal.getsignal(signal.SIGTERM) is self.handler
+    def _ours(self, signum: int) -> bool:
+        return signal.getsignal(signum) is self.handlers[signum]
 
     def stop(self) -> None:
         signal.set_wakeup_fd(self.previous_fd)
