@@ -207,7 +207,7 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     import jax
 
     from tessera.checkpointing import load_parameters
-    from tessera.memory_fit import bytes_per_device, check_fits
+    from tessera.memory_fit import bytes_per_device, check_fits, local_devices
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
@@ -217,8 +217,7 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
-    check_fits(local, bytes_per_device(model.param_shapes(), shardings), "the parameters",
+    check_fits(local_devices(mesh), bytes_per_device(model.param_shapes(), shardings), "the parameters",
                f"{cfg.model.weight_dtype}, over a mesh of {mesh.size} device(s)", _memory_advice)
     if cfg.checkpoint.checkpoint_is_quantized:
         stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization),
