@@ -105,8 +105,9 @@ def test_output_folder_under_a_file_is_refused_before_compiling(tmp_path):
 
 
 def test_a_bucket_that_cannot_be_reached_is_one_line_before_compiling(tmp_path):
-    """No network here (nor credentials): the bucket clients retry for about 50 s, logging a traceback
-    per retry, then raised from deep inside Orbax. Now: one line, exit 2, nothing compiled."""
+    """No network here (nor credentials): the bucket clients retried for about 50 s, logging a traceback
+    per retry, then raised from deep inside Orbax. Now: one line, exit 2, nothing compiled; the
+    service's host name is resolved first, so the line comes without the clients' retries."""
     url = "gs://tessera-test-no-such-bucket/runs"
     proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={url}", "steps=1"],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -116,6 +117,25 @@ def test_a_bucket_that_cannot_be_reached_is_one_line_before_compiling(tmp_path):
     assert len(errors) == 1 and errors[0].startswith(f"config error: the checkpoint folder {url}/sub/checkpoints "
                                                      "(from base_output_directory) cannot be reached (")
     assert "check the network, the bucket name and the credentials" in errors[0] and "compiled" not in proc.stderr
+    assert "(the host name storage.googleapis.com does not resolve: " in errors[0]
+
+
+@pytest.mark.parametrize("variable", ["STORAGE_EMULATOR_HOST", "HTTPS_PROXY"])
+def test_bucket_host_is_left_to_the_client_behind_an_emulator_or_a_proxy(monkeypatch, variable):
+    """An emulator replaces the service, and a proxy resolves its name: only the client can tell."""
+    import socket
+
+    from tessera.checkpointing.storage import _unresolvable
+
+    def no_dns(*args, **kwargs):
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    assert _unresolvable("gs://bucket/runs") == ("the host name storage.googleapis.com does not resolve: "
+                                                 "Name or service not known")
+    monkeypatch.setenv(variable, "http://127.0.0.1:9")
+    assert _unresolvable("gs://bucket/runs") is None
+    assert _unresolvable("/local/folder") is None
 
 
 @pytest.fixture
