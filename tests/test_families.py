@@ -138,12 +138,20 @@ def test_dropless_equals_capacity_routing_without_drops():
     assert not np.allclose(logits, dropless.apply(params, TOKENS), atol=1e-3)
 
 
+_RUNS: dict = {}
+
+
 def _moe_losses(tmp_path, name, num_devices, family=MOE, **overrides):
-    cfg = tiny_config(tmp_path / name, per_device_batch_size=8 / num_devices, enable_checkpointing=False,
-                      **{"steps": 2, **family, **overrides})
-    run(cfg, jax.devices()[:num_devices])
-    records = [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
-    return records
+    """The metrics records of a run of `family` on `num_devices` devices (8 sequences a step); a
+    configuration that several tests compare against (one device, dropless) runs once."""
+    keys = {"steps": 2, **family, **overrides}
+    cache_key = json.dumps([num_devices, keys], sort_keys=True)
+    if cache_key not in _RUNS:
+        cfg = tiny_config(tmp_path / name, per_device_batch_size=8 / num_devices, enable_checkpointing=False, **keys)
+        run(cfg, jax.devices()[:num_devices])
+        _RUNS[cache_key] = [json.loads(line)
+                            for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
+    return _RUNS[cache_key]
 
 
 @pytest.mark.parametrize("routing", [dict(capacity_factor=1.0), dict(sparse_matmul=True)])
