@@ -208,7 +208,7 @@ status=0
 "$VENV/bin/python" -m tessera.doctor --quiet || status=$?
 echo "  Details:               $VENV/bin/python -m tessera.doctor"
 echo "  Train the tiny model:  $VENV/bin/python train.py configs/base.yml run_name=demo"
-echo "  Run the tests:         $VENV/bin/python -m pytest -q tests"
+echo "  Run the tests:         $VENV/bin/python -m pytest -q -n auto tests"
 echo "setup.sh: done in $((SECONDS - START)) s."
 # A doctor verdict of 'problems' does not fail the install of a CPU-only machine asked for
 # DEVICE=gpu|tpu (a login host may prepare an environment for another machine); it is printed.

@@ -71,6 +71,22 @@ def pytest_sessionstart(session):
                     returncode=4)
 
 
+# What one test worker may hold at its peak (8 fake devices, plus the runs some tests start).
+WORKER_BYTES = 3 << 30
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (README's test command): a worker per core this process may use, no more than the
+    host's free memory holds at WORKER_BYTES each. PYTEST_XDIST_AUTO_NUM_WORKERS overrides it."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # pytest-xdist's own hook reads it
+    from tessera.memory_fit import host_room
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    room = host_room()
+    return max(1, min(cores, room[0] // WORKER_BYTES if room else cores))
+
+
 def sigterm_after_line(cmd, marker: str, **popen) -> tuple[int, str]:
     """Start `cmd`, wait for a stderr line holding `marker`, send SIGTERM; (exit code, whole stderr)."""
     import signal
