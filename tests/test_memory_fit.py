@@ -75,9 +75,36 @@ def test_decoding_parameters_larger_than_the_host_allows_stops_before_reading_th
     line = _memory_error(_limited("-m", "tessera.decode", "configs/base.yml", "model_name=llama2-7b",
                                   f"load_parameters_path={tmp_path}/none", "--tokens", "1,2"))
     assert re.fullmatch(
-        rf"memory error: not enough memory for the parameters: {NUMBER} per device \(float32, over a mesh of 8 "
-        rf"device\(s\)\); this host's 8 cpu devices need {NUMBER} in all and have {NUMBER} left \(ulimit -v .*\)\. "
-        r"Nothing was allocated; free memory, or decode on a host with more \(exit code 7\)", line), line
+        rf"memory error: not enough memory for the parameters and the KV cache: {NUMBER} per device \(parameters "
+        rf"{NUMBER} \(float32, over a mesh of 8 device\(s\)\), KV cache 34.0 MiB for 1 prompt\(s\) of up to 34 tokens, "
+        rf"whole on each device\); this host's 8 cpu devices need {NUMBER} in all and have {NUMBER} left "
+        r"\(ulimit -v .*\)\. Nothing was allocated; free memory, or decode on a host with more \(exit code 7\)",
+        line), line
+
+
+def test_a_kv_cache_larger_than_the_host_allows_stops_before_the_parameters_load(tmp_path):
+    """The cache decoding creates (whole on each device) counts with the parameters: a small model's
+    fit, its cache for 2 prompts of up to 200,002 tokens on 8 CPU devices does not."""
+    from tessera.config import load_config
+    from tessera.decode import kv_cache_bytes
+    from tessera.models import build_model
+    from tessera.tools.cli import resolve_config_file
+
+    keys = ["configs/base.yml", "max_target_length=200002"]
+    line = _memory_error(_limited("-m", "tessera.decode", *keys, f"load_parameters_path={tmp_path}/none",
+                                  "--tokens", "1,2", "--tokens", "3", "--max_new_tokens", "200000"))
+    match = re.fullmatch(
+        rf"memory error: not enough memory for the parameters and the KV cache: {NUMBER} per device \(parameters "
+        r"\d+\.\d MiB \(float32, over a mesh of 8 device\(s\)\), KV cache (\d+\.\d) GiB for 2 prompt\(s\) of up to "
+        rf"200002 tokens, whole on each device\); this host's 8 cpu devices need {NUMBER} in all and have {NUMBER} "
+        r"left \(ulimit -v .*\)\. Nothing was allocated; decode fewer prompts at once, lower --max_new_tokens or set "
+        r"quantize_kvcache=true; free memory, or decode on a host with more \(exit code 7\)", line)
+    assert match, line
+    per_device, cache, total, left = map(float, match.groups())
+    model = build_model(load_config(resolve_config_file(keys)).model)
+    assert cache == pytest.approx(kv_cache_bytes(model, 2, 200002) / 2**30, abs=0.05)
+    assert per_device == pytest.approx(cache, abs=0.1) and total == pytest.approx(8 * per_device, abs=0.5)
+    assert total > left
 
 
 def test_the_same_runs_go_ahead_when_they_fit(tmp_path):

@@ -11,7 +11,7 @@ KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 likely tokens (0: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
 
 Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated);
-7 the parameters do not fit in the memory the devices have left (checked before loading); 130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback; decoding writes no
+7 the parameters and the KV cache do not fit in the memory the devices have left (checked before loading); 130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback; decoding writes no
 files, so nothing is left half-written).
 See getting_started/Decode.md. JAX is imported only once decoding starts, so that --help is instant.
 """
@@ -202,12 +202,13 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
     return tokenizer, prompts
 
 
-def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
-    """The model and its parameters from load_parameters_path, sharded over `mesh`."""
+def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tuple[ModelDef, dict]:
+    """The model and its parameters from load_parameters_path, sharded over `mesh`. Checked first:
+    that the parameters fit, with the KV cache that decoding `kv_cache` = (rows, tokens) will hold."""
     import jax
 
     from tessera.checkpointing import load_parameters
-    from tessera.memory_fit import bytes_per_device, check_fits, local_devices
+    from tessera.memory_fit import bytes_per_device, check_fits, format_bytes, local_devices
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
@@ -217,8 +218,14 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
-    check_fits(local_devices(mesh), bytes_per_device(model.param_shapes(), shardings), "the parameters",
-               f"{cfg.model.weight_dtype}, over a mesh of {mesh.size} device(s)", _memory_advice)
+    need, what = bytes_per_device(model.param_shapes(), shardings), "the parameters"
+    parts, cache = f"{cfg.model.weight_dtype}, over a mesh of {mesh.size} device(s)", 0
+    if kv_cache:
+        cache = kv_cache_bytes(model, *kv_cache)
+        need, what = need + cache, "the parameters and the KV cache"
+        parts = (f"parameters {format_bytes(need - cache)} ({parts}), KV cache {format_bytes(cache)} for "
+                 f"{kv_cache[0]} prompt(s) of up to {kv_cache[1]} tokens, whole on each device")
+    check_fits(local_devices(mesh), need, what, parts, functools.partial(_memory_advice, cache=10 * cache >= need))
     if cfg.checkpoint.checkpoint_is_quantized:
         stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization),
                                  verify=cfg.checkpoint.checkpoint_checksums)
@@ -234,10 +241,22 @@ def load_model(cfg: Config, mesh) -> tuple[ModelDef, dict]:
     return model, params
 
 
-def _memory_advice(shared: bool) -> str:
-    if shared:  # CPU devices share the host's memory: more of them do not help
-        return "free memory, or decode on a host with more"
-    return "shard the parameters over more devices (ici_fsdp_parallelism or ici_tensor_parallelism) or free memory"
+def kv_cache_bytes(model: ModelDef, rows: int, tokens: int) -> int:
+    """Bytes of the KV cache `generate` creates for `rows` prompts of up to `tokens` tokens (prompt
+    and new ones). It is not sharded: each device of the mesh holds all of it."""
+    import jax
+
+    shapes = jax.eval_shape(lambda: model.init_cache(rows, tokens))
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+
+def _memory_advice(shared: bool, cache: bool = False) -> str:
+    """What makes decoding fit; `cache`: the KV cache is a tenth of the need or more."""
+    ways = ["decode fewer prompts at once, lower --max_new_tokens or set quantize_kvcache=true"] if cache else []
+    if not shared:  # CPU devices share the host's memory: more of them do not help
+        ways.append("shard the parameters over more devices (ici_fsdp_parallelism or ici_tensor_parallelism)")
+    ways.append("free memory" if not shared else "free memory, or decode on a host with more")
+    return "; ".join(ways)
 
 
 def save_quantized(params, mode: str, path: str, checksums: bool = True) -> None:
@@ -273,7 +292,7 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
     tokenizer, prompts = encode_prompts(cfg, flags)
     mesh = create_mesh(cfg.mesh)
-    model, params = load_model(cfg, mesh)
+    model, params = load_model(cfg, mesh, (len(prompts), max(map(len, prompts)) + flags.max_new_tokens))
     eos_id = flags.eos_id if flags.eos_id is not None else tokenizer.eos_id if tokenizer else None
     start = time.perf_counter()
     with jax.set_mesh(mesh):
