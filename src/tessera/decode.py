@@ -82,6 +82,11 @@ def _jitted_decode_step():
     return jax.jit(_decode_step, static_argnames=("model", "temperature", "top_k"), donate_argnames="cache")
 
 
+def cache_shape(prompts: list[list[int]], max_new_tokens: int) -> tuple[int, int]:
+    """(rows, tokens) of the KV cache `generate` creates: the prompts are left-padded to the longest."""
+    return len(prompts), max(map(len, prompts)) + max_new_tokens
+
+
 def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False):
     """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
@@ -101,7 +106,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
 
     step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k)
     tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts)
-    cache = model.init_cache(len(prompts), tokens_bt.shape[1] + max_new_tokens)
+    cache = model.init_cache(*cache_shape(prompts, max_new_tokens))
     key = jax.random.key(seed)
     new_tokens, new_logits, done = [], [], np.zeros(len(prompts), bool)
     for i in range(max_new_tokens):
@@ -292,7 +297,7 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
     tokenizer, prompts = encode_prompts(cfg, flags)
     mesh = create_mesh(cfg.mesh)
-    model, params = load_model(cfg, mesh, (len(prompts), max(map(len, prompts)) + flags.max_new_tokens))
+    model, params = load_model(cfg, mesh, cache_shape(prompts, flags.max_new_tokens))
     eos_id = flags.eos_id if flags.eos_id is not None else tokenizer.eos_id if tokenizer else None
     start = time.perf_counter()
     with jax.set_mesh(mesh):

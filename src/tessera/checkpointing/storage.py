@@ -147,8 +147,6 @@ def _unresolvable(path: str) -> str | None:
         socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
         return f"the host name {host} does not resolve: {e.strerror}"
-    except OSError:
-        return None
     return None
 
 
