@@ -177,6 +177,58 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k(llama):
             assert token in np.argsort(-step_logits)[:3]
 
 
+
+def test_a_rows_draw_does_not_depend_on_the_rows_after_it():
+    """The first n rows draw the same tokens with or without more rows after them (JAX's random
+    bits depend on the element's index, not on the array's size): the filler rows a mesh adds
+    (`generate`) change no prompt's draws."""
+    logits_bv = 3.0 * jax.random.normal(jax.random.key(0), (6, 96))
+    for seed in range(10):
+        key = jax.random.key(seed)
+        every = sample(logits_bv, key, 1.0, 0).tolist()
+        for n in range(1, 6):
+            assert sample(logits_bv[:n], key, 1.0, 0).tolist() == every[:n]
+        assert sample(logits_bv[1:], key, 1.0, 0).tolist() != every[1:]  # but on its index
+
+
+@pytest.mark.parametrize("family", ["llama2", "int8 cache per kv head", "deepseek"])
+def test_decoding_on_a_mesh_splits_the_cache_and_generates_what_one_device_does(llama, family):
+    """On fsdp 4 x tensor 2 the cache is created split (rows over fsdp, kv heads over tensor; MLA's
+    one latent head stays whole), each device holds kv_cache_bytes(..., mesh) of it, and 3 prompts
+    (decoded in 4 rows, one row filling the batch) give the tokens and logits of one device,
+    stopping at eos as there."""
+    from tessera.decode import empty_cache, kv_cache_bytes
+    from tessera.mesh import create_mesh
+
+    overrides = {"llama2": None, "int8 cache per kv head": dict(quantize_kvcache=True, kv_quant_axis="dkv"),
+                 "deepseek": DEEPSEEK}[family]
+    model, params = _model(**overrides) if overrides else llama
+    mesh = create_mesh(tiny_config(ici_fsdp_parallelism=4, ici_tensor_parallelism=2).mesh)
+    prompts = [*PROMPTS, [7, 1]]
+    want, want_logits = generate(model, params, prompts, NEW_TOKENS, return_logits=True)
+    with jax.set_mesh(mesh):
+        cache = empty_cache(model, 4, 11)
+        k = jax.tree.leaves(cache)[0]  # keys [layers, rows, slots, kv heads, head dim]
+        heads = None if family == "deepseek" else "tensor"
+        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "fsdp", None, heads))
+        assert k.sharding.is_equivalent_to(split, k.ndim)
+        assert k.addressable_shards[0].data.shape == (k.shape[0], 1, 11, 1, k.shape[-1])  # 2 kv heads, or 1 latent
+        held = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(cache))
+        assert k.addressable_shards[0].data.nbytes * (8 if heads else 4) == k.nbytes
+        assert held == kv_cache_bytes(model, 4, 11, mesh) < kv_cache_bytes(model, 4, 11) / 3
+        got, got_logits = generate(model, params, prompts, NEW_TOKENS, return_logits=True)
+        eos = want[2][1]
+        stopped = generate(model, params, prompts, NEW_TOKENS, eos_id=eos)
+    assert got == want
+    # int8: keys that differ in the last float32 bits (the sharded products add in another order)
+    # can round to a neighbouring int8 step, which moves a logit by about 0.007 here
+    tolerance = 1e-2 if family.startswith("int8") else 1e-5
+    for g, w in zip(got_logits, want_logits):
+        np.testing.assert_allclose(g, w, atol=tolerance, rtol=1e-5)
+    assert stopped == generate(model, params, prompts, NEW_TOKENS, eos_id=eos)
+    assert len(stopped[2]) == 2
+
+
 # ---- the command line
 
 CONFIG_ARGS = [str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in TINY.items()), "dtype=float32"]

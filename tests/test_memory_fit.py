@@ -76,17 +76,20 @@ def test_decoding_parameters_larger_than_the_host_allows_stops_before_reading_th
                                   f"load_parameters_path={tmp_path}/none", "--tokens", "1,2"))
     assert re.fullmatch(
         rf"memory error: not enough memory for the parameters and the KV cache: {NUMBER} per device \(parameters "
-        rf"{NUMBER} \(float32, over a mesh of 8 device\(s\)\), KV cache 34.0 MiB for 1 prompt\(s\) of up to 34 tokens, "
-        rf"whole on each device\); this host's 8 cpu devices need {NUMBER} in all and have {NUMBER} left "
+        rf"{NUMBER} \(float32, over a mesh of 8 device\(s\)\), KV cache 34.0 MiB per device for 1 prompt\(s\) of "
+        rf"up to 34 tokens in 8 rows, split 8 ways\); this host's 8 cpu devices need {NUMBER} in all and have "
+        rf"{NUMBER} left "
         r"\(ulimit -v .*\)\. Nothing was allocated; free memory, or decode on a host with more \(exit code 7\)",
         line), line
 
 
 def test_a_kv_cache_larger_than_the_host_allows_stops_before_the_parameters_load(tmp_path):
-    """The cache decoding creates (whole on each device) counts with the parameters: a small model's
-    fit, its cache for 2 prompts of up to 200,002 tokens on 8 CPU devices does not."""
+    """The cache decoding creates counts with the parameters: a small model's fit, its cache for 2
+    prompts of up to 200,002 tokens on 8 CPU devices does not. The 2 prompts are decoded in 8 rows,
+    one per device (the mesh's fsdp axis splits them), so each device holds half the 2 rows' cache."""
     from tessera.config import load_config
     from tessera.decode import kv_cache_bytes
+    from tessera.mesh import create_mesh
     from tessera.models import build_model
     from tessera.tools.cli import resolve_config_file
 
@@ -95,14 +98,17 @@ def test_a_kv_cache_larger_than_the_host_allows_stops_before_the_parameters_load
                                   "--tokens", "1,2", "--tokens", "3", "--max_new_tokens", "200000"))
     match = re.fullmatch(
         rf"memory error: not enough memory for the parameters and the KV cache: {NUMBER} per device \(parameters "
-        r"\d+\.\d MiB \(float32, over a mesh of 8 device\(s\)\), KV cache (\d+\.\d) GiB for 2 prompt\(s\) of up to "
-        rf"200002 tokens, whole on each device\); this host's 8 cpu devices need {NUMBER} in all and have {NUMBER} "
+        r"\d+\.\d MiB \(float32, over a mesh of 8 device\(s\)\), KV cache (\d+\.\d) GiB per device for 2 "
+        rf"prompt\(s\) of up to 200002 tokens in 8 rows, split 8 ways\); this host's 8 cpu devices need {NUMBER} "
+        rf"in all and have {NUMBER} "
         r"left \(ulimit -v .*\)\. Nothing was allocated; decode fewer prompts at once, lower --max_new_tokens or set "
         r"quantize_kvcache=true; free memory, or decode on a host with more \(exit code 7\)", line)
     assert match, line
     per_device, cache, total, left = map(float, match.groups())
-    model = build_model(load_config(resolve_config_file(keys)).model)
-    assert cache == pytest.approx(kv_cache_bytes(model, 2, 200002) / 2**30, abs=0.05)
+    cfg = load_config(resolve_config_file(keys))
+    model = build_model(cfg.model)
+    assert cache == pytest.approx(kv_cache_bytes(model, 8, 200002, create_mesh(cfg.mesh)) / 2**30, abs=0.05)
+    assert cache == pytest.approx(kv_cache_bytes(model, 2, 200002) / 2 / 2**30, abs=0.05)
     assert per_device == pytest.approx(cache, abs=0.1) and total == pytest.approx(8 * per_device, abs=0.5)
     assert total > left
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import re
 import sys
 import time
@@ -82,16 +83,46 @@ def _jitted_decode_step():
     return jax.jit(_decode_step, static_argnames=("model", "temperature", "top_k"), donate_argnames="cache")
 
 
-def cache_shape(prompts: list[list[int]], max_new_tokens: int) -> tuple[int, int]:
-    """(rows, tokens) of the KV cache `generate` creates: the prompts are left-padded to the longest."""
-    return len(prompts), max(map(len, prompts)) + max_new_tokens
+def cache_shape(prompts: list[list[int]], max_new_tokens: int, ways: int = 1) -> tuple[int, int]:
+    """(rows, tokens) of the KV cache `generate` creates on a mesh whose batch axes split rows
+    `ways` ways (`batch_ways`): the prompts are left-padded to the longest, and their number is
+    rounded up to a multiple of `ways` (`batch_rows`)."""
+    return batch_rows(len(prompts), ways), max(map(len, prompts)) + max_new_tokens
+
+
+def batch_rows(prompts: int, ways: int) -> int:
+    """The rows `generate` decodes `prompts` prompts in: a multiple of the mesh's `ways`, the
+    rows past the prompts only filling the batch (see `generate`)."""
+    return -(-prompts // ways) * ways
+
+
+def batch_ways(mesh) -> int:
+    """How many ways `mesh` (concrete or abstract) splits a batch's rows: data x fsdp x expert."""
+    from tessera.mesh import LOGICAL_RULES
+
+    return math.prod(dict(mesh.shape).get(axis, 1) for axis in LOGICAL_RULES["batch"])
+
+
+def empty_cache(model: ModelDef, rows: int, tokens: int):
+    """The empty KV cache for decoding `rows` prompts of up to `tokens` tokens, created split over
+    the current mesh (`KVCache.shard_tree`): no device ever holds more than its part."""
+    import jax
+
+    from tessera.models.kv_cache import KVCache
+
+    return jax.jit(lambda: KVCache.shard_tree(model.init_cache(rows, tokens)))()
 
 
 def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
              top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False):
     """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
     produces it. With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
-    row being the distribution the i-th new token was drawn from."""
+    row being the distribution the i-th new token was drawn from.
+
+    Under a mesh (`jax.set_mesh`) the batch of prompts is split over its batch axes (`batch_ways`),
+    and so is the KV cache. A number of prompts those do not divide is made up with one-token rows
+    whose output is dropped: each device then decodes and caches its share of rows instead of a
+    copy of all of them."""
     import jax
 
     from tessera.models import BLOCKS
@@ -105,10 +136,14 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
                          f"trainable_position_size={table} positions this model has embeddings for")
 
     step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k)
-    tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts)
-    cache = model.init_cache(*cache_shape(prompts, max_new_tokens))
+    rows, length = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()))
+    filler = rows - len(prompts)
+    tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts + [[0]] * filler)
+    lengths = np.concatenate([lengths, np.ones(filler, np.int32)])
+    cache = empty_cache(model, rows, length)
     key = jax.random.key(seed)
-    new_tokens, new_logits, done = [], [], np.zeros(len(prompts), bool)
+    new_tokens, new_logits = [], []
+    done = np.arange(rows) >= len(prompts)  # the filler rows count as done from the start
     for i in range(max_new_tokens):
         token_b, logits_bv, cache = step(params, tokens_bt, positions_bt, segment_ids_bt, cache,
                                          jax.random.fold_in(key, i))
@@ -122,7 +157,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
                 break
         tokens_bt, positions_bt = token_b[:, None], (lengths + i)[:, None]
         segment_ids_bt = np.ones_like(tokens_bt)
-    out = [[int(t) for t in row if t >= 0] for row in np.stack(new_tokens, axis=1)]
+    out = [[int(t) for t in row if t >= 0] for row in np.stack(new_tokens, axis=1)[:len(prompts)]]
     if not return_logits:
         return out
     return out, [np.stack(new_logits, axis=1)[row, :len(toks)] for row, toks in enumerate(out)]
@@ -209,7 +244,8 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
 
 def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tuple[ModelDef, dict]:
     """The model and its parameters from load_parameters_path, sharded over `mesh`. Checked first:
-    that the parameters fit, with the KV cache that decoding `kv_cache` = (rows, tokens) will hold."""
+    that the parameters fit, with the KV cache that decoding `kv_cache` = (prompts, tokens) on
+    `mesh` will hold (`cache_shape`: the prompts as `batch_rows` rows)."""
     import jax
 
     from tessera.checkpointing import load_parameters
@@ -226,10 +262,15 @@ def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tu
     need, what = bytes_per_device(model.param_shapes(), shardings), "the parameters"
     parts, cache = f"{cfg.model.weight_dtype}, over a mesh of {mesh.size} device(s)", 0
     if kv_cache:
-        cache = kv_cache_bytes(model, *kv_cache)
+        (prompts, tokens), rows = kv_cache, batch_rows(kv_cache[0], batch_ways(mesh))
+        cache, whole = kv_cache_bytes(model, rows, tokens, mesh), kv_cache_bytes(model, rows, tokens)
         need, what = need + cache, "the parameters and the KV cache"
-        parts = (f"parameters {format_bytes(need - cache)} ({parts}), KV cache {format_bytes(cache)} for "
-                 f"{kv_cache[0]} prompt(s) of up to {kv_cache[1]} tokens, whole on each device")
+        layout = f" in {rows} rows" if rows > prompts else ""
+        if mesh.size > 1:
+            ways = round(whole / cache)
+            layout += f", split {ways} ways" if ways > 1 else ", whole on each device"
+        parts = (f"parameters {format_bytes(need - cache)} ({parts}), KV cache {format_bytes(cache)} per device for "
+                 f"{prompts} prompt(s) of up to {tokens} tokens{layout}")
     check_fits(local_devices(mesh), need, what, parts, functools.partial(_memory_advice, cache=10 * cache >= need))
     if cfg.checkpoint.checkpoint_is_quantized:
         stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization),
@@ -246,13 +287,22 @@ def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tu
     return model, params
 
 
-def kv_cache_bytes(model: ModelDef, rows: int, tokens: int) -> int:
+def kv_cache_bytes(model: ModelDef, rows: int, tokens: int, mesh=None) -> int:
     """Bytes of the KV cache `generate` creates for `rows` prompts of up to `tokens` tokens (prompt
-    and new ones). It is not sharded: each device of the mesh holds all of it."""
+    and new ones): all of it, or with `mesh`, what one device of it holds (`empty_cache`)."""
     import jax
+    from jax.sharding import NamedSharding
+
+    from tessera.memory_fit import bytes_per_device
+    from tessera.mesh import logical_spec
+    from tessera.models.kv_cache import KVCache
 
     shapes = jax.eval_shape(lambda: model.init_cache(rows, tokens))
-    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+    leaves, names = jax.tree.leaves(shapes), KVCache.tree_logical_axes(shapes)
+    if mesh is None:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    return bytes_per_device(leaves, [NamedSharding(mesh, logical_spec(n, leaf.shape, dict(mesh.shape)))
+                                     for leaf, n in zip(leaves, names)])
 
 
 def _memory_advice(shared: bool, cache: bool = False) -> str:
@@ -297,7 +347,11 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
     tokenizer, prompts = encode_prompts(cfg, flags)
     mesh = create_mesh(cfg.mesh)
-    model, params = load_model(cfg, mesh, cache_shape(prompts, flags.max_new_tokens))
+    model, params = load_model(cfg, mesh, cache_shape(prompts, flags.max_new_tokens))  # (prompts, tokens)
+    rows = batch_rows(len(prompts), batch_ways(mesh))
+    if rows > len(prompts):
+        log.info("decoding %d prompt(s) in %d rows: the mesh splits the batch and the KV cache %d ways over its "
+                 "data, fsdp and expert axes", len(prompts), rows, batch_ways(mesh))
     eos_id = flags.eos_id if flags.eos_id is not None else tokenizer.eos_id if tokenizer else None
     start = time.perf_counter()
     with jax.set_mesh(mesh):

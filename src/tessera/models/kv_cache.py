@@ -23,6 +23,10 @@ The cache is an argument, not state: `Decoder.__call__(..., kv_cache=...)` hands
 its layer's cache, the block hands it to its attention, and the updated caches come back as
 return values (stacked on a leading layers axis when the layers are scanned, carried through
 `jax.lax.scan` like the parameters). Training passes no cache, so its program has no cache in it.
+
+On a mesh the cache is split as the attention reading it is (`KVCache.shard_tree`): its rows over the
+batch axes (data, fsdp, expert) when they divide the number of prompts, its kv heads over tensor
+when that divides them. Decoding creates it split, and every write keeps it so.
 """
 
 from __future__ import annotations
@@ -87,11 +91,32 @@ class KVCache(NamedTuple):
                                                    (0, i, 0, 0))
         k = jax.lax.dynamic_update_slice(self.k_bskh, k_btkh.astype(self.k_bskh.dtype), (0, i, 0, 0))
         v = jax.lax.dynamic_update_slice(self.v_bskh, v_btkh.astype(self.v_bskh.dtype), (0, i, 0, 0))
-        names = ("batch", None, "act_kv_heads", None)
         positions = jax.lax.dynamic_update_slice(self.positions_bs, positions_bt.astype(jnp.int32), (0, i))
         segments = jax.lax.dynamic_update_slice(self.segment_ids_bs, segment_ids_bt.astype(jnp.int32), (0, i))
-        return KVCache(shard_logically(k, names), shard_logically(v, names), positions, segments,
-                       i + k_btkh.shape[1], k_scale, v_scale)
+        return KVCache.shard_tree(KVCache(k, v, positions, segments, i + k_btkh.shape[1], k_scale, v_scale))
+
+    def logical_axes(self) -> tuple[tuple[str | None, ...], ...]:
+        """Each field's logical axis names, in field order: rows over the batch axes, kv heads over
+        tensor (as the attention that reads them), a leading layers axis whole. Works on shapes too."""
+        lead = (None,) * self.index.ndim
+        kv = (*lead, "batch", None, "act_kv_heads", None)
+        ids = (*lead, "batch", None)
+        scale = kv if self.quantized else (*lead, None)  # [.., B, S, K or 1, 1], or an empty [0]
+        return kv, kv, ids, ids, lead, scale, scale
+
+    @staticmethod
+    def tree_logical_axes(caches) -> list[tuple[str | None, ...]]:
+        """The logical axis names of every array of a tree of caches, in `jax.tree.leaves` order."""
+        return [names for cache in jax.tree.leaves(caches, is_leaf=lambda x: isinstance(x, KVCache))
+                for names in cache.logical_axes()]
+
+    @staticmethod
+    def shard_tree(caches):
+        """A tree of caches constrained to their logical sharding on the current mesh (unchanged
+        without one): each device keeps its rows and kv heads, not a copy of the whole cache."""
+        leaves, treedef = jax.tree.flatten(caches)
+        return treedef.unflatten([shard_logically(x, names)
+                                  for x, names in zip(leaves, KVCache.tree_logical_axes(caches))])
 
     def keys(self, dtype) -> jax.Array:
         """The cached keys [B, S, K, H] in `dtype` (dequantized when stored quantized)."""
