@@ -120,22 +120,77 @@ def test_a_bucket_that_cannot_be_reached_is_one_line_before_compiling(tmp_path):
     assert "(the host name storage.googleapis.com does not resolve: " in errors[0]
 
 
-@pytest.mark.parametrize("variable", ["STORAGE_EMULATOR_HOST", "HTTPS_PROXY"])
+@pytest.mark.parametrize("variable", ["STORAGE_EMULATOR_HOST", "HTTPS_PROXY", "HTTP_PROXY"])
 def test_bucket_host_is_left_to_the_client_behind_an_emulator_or_a_proxy(monkeypatch, variable):
     """An emulator replaces the service, and a proxy resolves its name: only the client can tell."""
     import socket
 
-    from tessera.checkpointing.storage import _unresolvable
+    from tessera.data.errors import unresolvable_host
 
     def no_dns(*args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", no_dns)
-    assert _unresolvable("gs://bucket/runs") == ("the host name storage.googleapis.com does not resolve: "
-                                                 "Name or service not known")
+    assert unresolvable_host("gs://bucket/runs") == ("the host name storage.googleapis.com does not resolve: "
+                                                     "Name or service not known")
     monkeypatch.setenv(variable, "http://127.0.0.1:9")
-    assert _unresolvable("gs://bucket/runs") is None
-    assert _unresolvable("/local/folder") is None
+    assert unresolvable_host("gs://bucket/runs") is None
+    assert unresolvable_host("/local/folder") is None
+
+
+def test_each_remote_scheme_names_the_host_its_client_would_ask(monkeypatch):
+    """http(s): the URL's host; hf: the Hub, or none with a mirror (HF_ENDPOINT); s3: left to its
+    client (the endpoint is configurable); local paths: nothing to resolve."""
+    import socket
+
+    from tessera.data.errors import unresolvable_host
+
+    asked = []
+
+    def no_dns(host, *args, **kwargs):
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    for variable in ("STORAGE_EMULATOR_HOST", "HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY",
+                     "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    assert unresolvable_host("https://data.example.org:8443/c4/000.parquet").startswith(
+        "the host name data.example.org does not resolve")
+    assert unresolvable_host("hf://datasets/org/name/train.parquet").startswith("the host name huggingface.co ")
+    assert unresolvable_host("s3://bucket/x") is None and unresolvable_host("data/x.json") is None
+    assert asked == ["data.example.org", "huggingface.co"]
+    monkeypatch.setenv("HF_ENDPOINT", "https://mirror.internal")
+    assert unresolvable_host("hf://datasets/org/name/train.parquet") is None
+
+
+@pytest.mark.parametrize("keys", [
+    ["dataset_type=hf", "hf_path=json", "hf_train_files=data/a.json,{url}/train.jsonl"],
+    ["dataset_type=grain", "grain_file_type=parquet", "grain_train_files={url}/train.parquet"],
+    ["dataset_type=tfds", "dataset_name=c4/en:3.1.0", "dataset_path={url}/tensorflow_datasets"],
+], ids=["hf", "grain", "tfds"])
+def test_data_whose_host_cannot_be_reached_is_one_line_before_compiling(tmp_path, keys):
+    """Remote data files: the clients retried a host name that does not resolve for about 50 s, logging
+    a traceback per retry, and the error then advised re-creating a damaged file. Now the name is
+    resolved first: one line naming the key and the cause, exit 2, nothing compiled. `.invalid`
+    names never resolve (RFC 2606), network or not."""
+    url = "https://data.tessera.invalid"
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "a.json").write_text('{"text": "a local file, found before the remote one"}\n')
+    keys = [k.format(url=url) for k in keys]
+    proc = subprocess.run([*TRAIN, "run_name=sub", "base_output_directory=out", "steps=1", *keys],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    _no_echoes(proc.stderr)
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    key, value = keys[-1].split("=", 1)
+    remote = value.split(",")[-1]
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"config error: {key}={remote!r} cannot be reached (the host name "
+                                "data.tessera.invalid does not resolve: "), errors
+    assert errors[0].endswith("); check the network and the address, or copy the files to a local disk and point the "
+                              "key there"), errors
+    assert "compiled" not in proc.stderr and not (tmp_path / "out").exists()
 
 
 @pytest.fixture

@@ -9,13 +9,12 @@ import logging
 import os
 import re
 import shutil
-import socket
 
 import jax
 from etils import epath
 
 from tessera.config import ConfigError
-from tessera.data.errors import brief
+from tessera.data.errors import brief, unresolvable_host
 from tessera.memory_fit import format_bytes
 
 log = logging.getLogger(__name__)
@@ -129,32 +128,11 @@ def quiet_orbax_error_logs() -> None:
 _STORAGE_LOGGERS = ("gcsfs", "fsspec", "google", "google.auth", "urllib3", "aiohttp")
 
 
-# the service each bucket scheme's client talks to (gcsfs: STORAGE_EMULATOR_HOST replaces it)
-_BUCKET_HOSTS = {"gs": "storage.googleapis.com"}
-_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
-
-
-def _unresolvable(path: str) -> str | None:
-    """Why the storage service behind bucket URL `path` cannot be reached at all: its host name does not
-    resolve (no network, no DNS). Asked first because the clients retry exactly that for about 50 s
-    (the credentials' metadata server, then the request) before they give up. None when the name
-    resolves, or when it is not ours to resolve (an emulator, or a proxy that resolves it)."""
-    scheme = path.split("://", 1)[0]
-    host = _BUCKET_HOSTS.get(scheme)
-    if host is None or os.environ.get("STORAGE_EMULATOR_HOST") or any(os.environ.get(v) for v in _PROXY_VARIABLES):
-        return None
-    try:
-        socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
-    except socket.gaierror as e:
-        return f"the host name {host} does not resolve: {e.strerror}"
-    return None
-
-
 def remote_exists(path: str, key: str, error=ConfigError, subject: str | None = None) -> bool:
     """Whether a bucket URL exists, or `error` (one line naming `key=path`, or `subject`) when the bucket
     cannot be reached: no network, no credentials, no permission. The clients' own retry logs are held back."""
     advice = "check the network, the bucket name and the credentials (gcloud auth application-default login)"
-    why = _unresolvable(path)
+    why = unresolvable_host(path)
     if why:
         raise error(f"{subject or f'{key}={path}'} cannot be reached ({why}); {advice}")
     loggers = [logging.getLogger(name) for name in _STORAGE_LOGGERS]

@@ -12,12 +12,45 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+from urllib.parse import urlsplit
 
 from tessera.config import ConfigError
 
 log = logging.getLogger("tessera")
 
 REMOTE_PREFIXES = ("gs://", "s3://", "hf://", "http://", "https://")
+# the service each scheme's client talks to (http and https: the URL's own host; s3's endpoint is
+# configurable, so left to its client), and the variables that put another host in its place
+_SERVICE_HOSTS = {"gs": "storage.googleapis.com", "hf": "huggingface.co"}
+_SERVICE_OVERRIDES = {"gs": "STORAGE_EMULATOR_HOST", "hf": "HF_ENDPOINT"}
+_PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+def unresolvable_host(url: str) -> str | None:
+    """Why the service behind remote URL `url` cannot be reached at all: its host name does not
+    resolve (no network, no DNS). Asked first because the clients retry exactly that for about 50 s
+    (gcsfs: the credentials' metadata server, then the request) before they give up, logging each
+    retry's traceback. None when the name resolves, for a local path, or when the name is not ours
+    to resolve (an emulator or mirror set in the environment, or a proxy, which resolves it)."""
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    host = urlsplit(url).hostname if scheme in ("http", "https") else _SERVICE_HOSTS.get(scheme)
+    if not host or os.environ.get(_SERVICE_OVERRIDES.get(scheme, "")) or any(map(os.environ.get, _PROXY_VARIABLES)):
+        return None
+    try:
+        socket.getaddrinfo(host, 443, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        return f"the host name {host} does not resolve: {e.strerror}"
+    return None
+
+
+def check_reachable(url: str, setting: str) -> None:
+    """ConfigError (one line naming `setting`, e.g. "hf_train_files='gs://b/*.json'") when the host
+    behind remote data URL `url` cannot be reached (`unresolvable_host`)."""
+    why = unresolvable_host(url)
+    if why:
+        raise ConfigError(f"{setting} cannot be reached ({why}); check the network and the address, or copy the "
+                          "files to a local disk and point the key there")
 
 
 class DataError(ConfigError):

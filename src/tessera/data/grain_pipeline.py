@@ -24,7 +24,7 @@ import json
 import numpy as np
 
 from tessera.config import ConfigError, DataConfig
-from tessera.data.errors import brief, damaged_file, no_records
+from tessera.data.errors import brief, check_reachable, damaged_file, no_records
 from tessera.data.hf import expand_files
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
@@ -89,6 +89,8 @@ def _tfds_source(cfg: DataConfig, split: str):
     if not name:
         raise ConfigError("dataset_type=tfds needs dataset_name (e.g. dataset_name=c4/en:3.1.0 "
                           "dataset_path=gs://my-bucket/tensorflow_datasets)")
+    if cfg.dataset_path:
+        check_reachable(cfg.dataset_path, f"dataset_path={cfg.dataset_path!r}")
     try:  # from the prepared files alone: no builder code, no download
         builder = read_only_builder.builder_from_files(name, **({"data_dir": cfg.dataset_path} if cfg.dataset_path
                                                                 else {}))

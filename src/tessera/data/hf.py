@@ -25,7 +25,7 @@ import numpy as np
 
 from tessera.config import ConfigError, DataConfig
 from tessera.config.schema import HF_FILE_FORMATS as FILE_FORMATS
-from tessera.data.errors import REMOTE_PREFIXES, DataError, no_records, read_failure
+from tessera.data.errors import REMOTE_PREFIXES, DataError, check_reachable, no_records, read_failure
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
 
@@ -37,6 +37,7 @@ def expand_files(pattern_list: str, key: str) -> list[str]:
     files = []
     for pattern in [p.strip() for p in pattern_list.split(",") if p.strip()]:
         if pattern.startswith(REMOTE_PREFIXES):
+            check_reachable(pattern, f"{key}={pattern!r}")
             files.append(pattern)
             continue
         matched = sorted(glob.glob(os.path.expanduser(pattern)))
