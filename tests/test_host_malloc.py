@@ -85,6 +85,49 @@ def test_a_cpu_process_restarts_with_mimalloc_and_reuses_a_freed_step_buffer_wit
     assert mi["faults"] < system["faults"] / 20, (mi, system)
 
 
+# Restarts itself with mimalloc, frees 512 MiB of touched memory inside and outside
+# `returning_freed_memory`, and reports the resident memory it kept each time (MiB).
+KEEP_PROBE = """
+import ctypes, json, sys
+sys.path.insert(0, {src!r})
+from tessera import host_malloc
+host_malloc.reexec()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def resident():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+def kept_after_free():
+    start = resident()
+    blocks = [libc.malloc(64 << 20) for _ in range(8)]
+    for b in blocks:
+        ctypes.memset(b, 1, 64 << 20)
+    for b in blocks:
+        libc.free(b)
+    return resident() - start
+with host_malloc.returning_freed_memory():
+    inside = kept_after_free()
+outside = kept_after_free()
+print(json.dumps(dict(in_use=host_malloc.in_use(), inside=inside, outside=outside)))
+"""
+
+
+@linux_only
+def test_one_off_work_gives_its_memory_back_while_the_steps_keep_theirs(tmp_path):
+    """Inside `returning_freed_memory` (checkpoint reads, compilation) freed memory goes back to the
+    OS; after it mimalloc keeps freed memory again for the next step's reuse."""
+    script = tmp_path / "keep.py"
+    script.write_text(KEEP_PROBE.format(src=str(REPO / "src")))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("TESSERA_HOST_MALLOC", "LD_PRELOAD",
+                                                                         "MIMALLOC_"))}
+    proc = subprocess.run([sys.executable, "-u", str(script)], capture_output=True, text=True, timeout=300,
+                          env={**environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["in_use"] == "mimalloc"
+    assert got["inside"] < 64 and got["outside"] > 448, got  # of the 512 MiB freed
+
+
 def test_a_bad_allocator_name_stops_train_py_with_one_line_and_exit_code_2(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path,

@@ -61,14 +61,53 @@ def test_a_step_larger_than_the_host_allows_stops_before_it_runs(tmp_path):
     match = re.fullmatch(
         rf"memory error: not enough memory for the train step: its activations, gradients and other temporaries "
         rf"need {NUMBER} per device \(a global batch of 256 sequences of 2048 tokens over 8 device\(s\), "
-        rf"remat_policy=full\) on top of the train state; this host's 8 cpu devices need {NUMBER} in all and have "
+        rf"remat_policy=full\) on top of the train state, and up to (\d+\.\d) MiB on the host for checkpoint saves "
+        rf"\(a copy of the state to write from\); this host's 8 cpu devices need {NUMBER} in all and have "
         rf"{NUMBER} left \(ulimit -v 8.0 GiB, .*\)\. Nothing was run; lower per_device_batch_size or "
         r"max_target_length or run the batch in micro-batches \(gradient_accumulation_steps\); .* \(exit code 7\)",
         line)
     assert match, line
-    per_device, total, left = map(float, match.groups())
-    assert total == pytest.approx(8 * per_device, abs=0.5) and total > left
+    per_device, saves, total, left = map(float, match.groups())
+    # one save, at the last step: a copy of the state to write from, no second state beside it
+    assert saves == pytest.approx(42.0, abs=0.1)  # the 3,672,320 float32 parameters and their two AdamW moments
+    assert total == pytest.approx(8 * per_device + saves / 1024, abs=0.5) and total > left
     assert not tmp_path.joinpath("big").exists()
+
+
+def test_a_checkpoint_to_read_counts_its_host_buffers(tmp_path):
+    """Reading parameters (or a whole state) holds buffers on the host beside the arrays it fills;
+    under `ulimit -v` they are the address space of every array read: here the 25.1 GiB of
+    llama2-7b's float32 parameters (load_parameters_path need not exist: nothing is read)."""
+    line = _memory_error(_train_limited(tmp_path, "model_name=llama2-7b", "steps=1",
+                                        f"load_parameters_path={tmp_path}/none"))
+    match = re.fullmatch(
+        rf"memory error: not enough memory for the train state: {NUMBER} per device \(parameters "
+        rf"{NUMBER}, optimizer state {NUMBER}, over a mesh of 8 device\(s\); and up to {NUMBER} on the host while "
+        rf"the checkpoint is read\); this host's 8 cpu devices need {NUMBER} in all and have {NUMBER} left "
+        r"\(ulimit -v 8.0 GiB, .*\)\. Nothing was allocated; .* \(exit code 7\)", line)
+    assert match, line
+    per_device, params, _, buffers, total, _ = map(float, match.groups())
+    assert buffers == 25.1 and buffers == pytest.approx(8 * params, abs=0.5)  # 8 x the rounded 3.1 GiB
+    assert total == pytest.approx(8 * per_device + buffers, abs=0.5)
+
+
+def test_host_buffers_are_weighed_against_each_host_bound_in_its_own_terms(monkeypatch):
+    """Resident bytes against memory (available, cgroups), mapped bytes against `ulimit -v`; the
+    message names the bound missed by most; devices with memory of their own do not count them."""
+    from tessera.memory_fit import HostBuffers, Room, _short_of
+
+    gib = 2**30
+    free = Room(3 * gib, True, 1, "cpu", "the least")
+    read = HostBuffers(resident=gib // 2, mapped=2 * gib, what="while the checkpoint is read")
+    bounds = [(3 * gib, "available host memory", False), (5 * gib, "ulimit -v", True)]
+    monkeypatch.setattr(memory_fit, "host_bounds", lambda: bounds)
+    assert _short_of(free, 2 * gib, read) is None  # 2.5 of 3 resident, 4 of 5 mapped
+    bounds[1] = (3 * gib, "ulimit -v", True)
+    bound, host = _short_of(free, 2 * gib, read)
+    assert (bound.source, bound.free_bytes, host) == ("ulimit -v", 3 * gib, 2 * gib)
+    bounds[0] = (gib, "a memory cgroup", False)  # short by 1.5 GiB there, by 1 under ulimit -v
+    assert _short_of(free, 2 * gib, read)[0].source == "a memory cgroup"
+    assert _short_of(Room(3 * gib, False, 8, "tpu", "limit"), 2 * gib, read) is None
 
 
 def test_decoding_parameters_larger_than_the_host_allows_stops_before_reading_them(tmp_path):
@@ -77,7 +116,8 @@ def test_decoding_parameters_larger_than_the_host_allows_stops_before_reading_th
     assert re.fullmatch(
         rf"memory error: not enough memory for the parameters and the KV cache: {NUMBER} per device \(parameters "
         rf"{NUMBER} \(float32, over a mesh of 8 device\(s\)\), KV cache 34.0 MiB per device for 1 prompt\(s\) of "
-        rf"up to 34 tokens in 8 rows, split 8 ways\); this host's 8 cpu devices need {NUMBER} in all and have "
+        rf"up to 34 tokens in 8 rows, split 8 ways; and up to 25.1 GiB on the host while the checkpoint is read\); "
+        rf"this host's 8 cpu devices need {NUMBER} in all and have "
         rf"{NUMBER} left "
         r"\(ulimit -v .*\)\. Nothing was allocated; free memory, or decode on a host with more \(exit code 7\)",
         line), line
@@ -99,7 +139,8 @@ def test_a_kv_cache_larger_than_the_host_allows_stops_before_the_parameters_load
     match = re.fullmatch(
         rf"memory error: not enough memory for the parameters and the KV cache: {NUMBER} per device \(parameters "
         r"\d+\.\d MiB \(float32, over a mesh of 8 device\(s\)\), KV cache (\d+\.\d) GiB per device for 2 "
-        rf"prompt\(s\) of up to 200002 tokens in 8 rows, split 8 ways\); this host's 8 cpu devices need {NUMBER} "
+        rf"prompt\(s\) of up to 200002 tokens in 8 rows, split 8 ways; and up to 14.0 MiB on the host while the "
+        rf"checkpoint is read\); this host's 8 cpu devices need {NUMBER} "
         rf"in all and have {NUMBER} "
         r"left \(ulimit -v .*\)\. Nothing was allocated; decode fewer prompts at once, lower --max_new_tokens or set "
         r"quantize_kvcache=true; free memory, or decode on a host with more \(exit code 7\)", line)
@@ -151,6 +192,20 @@ def test_the_tightest_enclosing_cgroup_v2_limit_bounds_the_host(tmp_path, monkey
     rooms = memory_fit._cgroup_rooms()
     assert rooms == [(gib + gib // 2, f"memory cgroup limit 4.0 GiB of {mount / 'job'}")]
     assert host_room() == min(rooms + [memory_fit._meminfo_room()])
+
+
+def test_a_cgroups_clean_file_cache_counts_as_room_active_or_not(tmp_path, monkeypatch):
+    """A checkpoint read twice (checksums, then the restore) sits on the active file list: counting
+    only the inactive one refused resumes that fitted. Dirty pages and pages under writeback are
+    not free until written."""
+    mib = 2**20
+    mount = _cgroup_tree(tmp_path, 2, {"job": {
+        "memory.max": str(4096 * mib), "memory.current": str(4000 * mib),
+        "memory.stat": f"anon 5\nactive_file {1100 * mib}\ninactive_file {600 * mib}\nfile_dirty {150 * mib}\n"
+                       f"file_writeback {50 * mib}\n"}})
+    _point_at(monkeypatch, tmp_path, mount, 2, "0::/job")
+    assert memory_fit._cgroup_rooms() == [((96 + 1100 + 600 - 150 - 50) * mib,
+                                           f"memory cgroup limit 4.0 GiB of {mount / 'job'}")]
 
 
 def test_a_cgroup_v1_limit_inside_a_container_is_read_at_the_namespace_root(tmp_path, monkeypatch):

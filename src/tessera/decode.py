@@ -249,7 +249,7 @@ def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tu
     import jax
 
     from tessera.checkpointing import load_parameters
-    from tessera.memory_fit import bytes_per_device, check_fits, format_bytes, local_devices
+    from tessera.memory_fit import bytes_per_device, check_fits, format_bytes, local_devices, read_buffers
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
@@ -271,7 +271,8 @@ def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tu
             layout += f", split {ways} ways" if ways > 1 else ", whole on each device"
         parts = (f"parameters {format_bytes(need - cache)} ({parts}), KV cache {format_bytes(cache)} per device for "
                  f"{prompts} prompt(s) of up to {tokens} tokens{layout}")
-    check_fits(local_devices(mesh), need, what, parts, functools.partial(_memory_advice, cache=10 * cache >= need))
+    check_fits(local_devices(mesh), need, what, parts, functools.partial(_memory_advice, cache=10 * cache >= need),
+               host_buffers=read_buffers(model.param_shapes()))
     if cfg.checkpoint.checkpoint_is_quantized:
         stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization),
                                  verify=cfg.checkpoint.checkpoint_checksums)

@@ -27,10 +27,21 @@ tools) get the system allocator.
     TESSERA_HOST_MALLOC=system     glibc's malloc (for comparisons, or to rule the allocator out)
 
 `in_use()` reads /proc/self/maps, so what the run log says is what the process really runs.
+
+One-off work. Memory kept for the next step is memory the next step reuses; buffers of one-off
+work are not, and kept, they stay resident for the whole run. Reading a checkpoint is such work:
+TensorStore reads every array into buffers of its own, and with the purge delay at -1 a resume of
+a 2.05 GiB train state left the process 4.1 GiB larger instead of 2.05 (measured on 2 cores).
+`returning_freed_memory()` sets mimalloc's purge delay to 0 for such a block (freed memory goes
+back to the OS at once), then back to the process's setting; `train.initial_state` and
+`decode.load_model` read checkpoints inside it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import logging
 import os
 import sys
 from pathlib import Path
@@ -118,6 +129,43 @@ def reexec() -> None:
         os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
     except OSError as e:  # the same interpreter cannot be started again: run on with the system allocator
         print(f"host malloc: could not restart with mimalloc ({e}); using the system allocator", file=sys.stderr)
+
+
+_PURGE_DELAY_OPTION = 15  # mi_option_purge_delay's place in mimalloc 2's and 3's mi_option_e (mimalloc.h)
+
+
+def _loaded_mimalloc() -> ctypes.CDLL | None:
+    """The libmimalloc mapped into this process (preloaded), or None."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    paths = {line.split()[-1] for line in maps.splitlines() if "libmimalloc" in line and "/" in line}
+    if not paths:
+        return None
+    lib = ctypes.CDLL(sorted(paths)[0])  # already loaded: this only returns its handle
+    lib.mi_option_get.restype, lib.mi_option_get.argtypes = ctypes.c_long, [ctypes.c_int]
+    lib.mi_option_set.restype, lib.mi_option_set.argtypes = None, [ctypes.c_int, ctypes.c_long]
+    return lib
+
+
+@contextlib.contextmanager
+def returning_freed_memory():
+    """Inside the block, mimalloc gives memory back to the OS as soon as it is freed (purge delay
+    0); afterwards the process's setting applies again. Nothing changes under another allocator,
+    or when the option does not read back as MIMALLOC_PURGE_DELAY says (another mimalloc layout)."""
+    lib = _loaded_mimalloc()
+    previous = lib.mi_option_get(_PURGE_DELAY_OPTION) if lib else None
+    if previous is None or str(previous) != os.environ.get("MIMALLOC_PURGE_DELAY", DEFAULTS["MIMALLOC_PURGE_DELAY"]):
+        if lib:
+            logging.getLogger("tessera").debug("mimalloc's purge delay reads %s: left as it is", previous)
+        yield
+        return
+    lib.mi_option_set(_PURGE_DELAY_OPTION, 0)
+    try:
+        yield
+    finally:
+        lib.mi_option_set(_PURGE_DELAY_OPTION, previous)
 
 
 def in_use() -> str:

@@ -37,7 +37,8 @@ from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog
 from tessera.evaluation import Evaluator
 from tessera.loop_records import Profiler, StepMeter
 from tessera.memory_fit import (
-    EXIT_OUT_OF_MEMORY, OutOfMemory, check_state_fits, check_step_fits, out_of_memory, state_advice, step_advice,
+    EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits, local_devices, out_of_memory,
+    save_buffers, state_advice, state_bytes, state_shapes, step_advice,
 )
 from tessera.mesh import sharding_report
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
@@ -133,8 +134,9 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     plan = trainer.plan
     data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch)
     evaluator = Evaluator(cfg.data, trainer) if cfg.data.eval_interval else None
-    check_state_fits(trainer)
-    state = initial_state(trainer, ckpt, data, cfg.checkpoint, cfg.run.init_weights_seed)
+    check_state_fits(trainer, read=state_source(ckpt, cfg.checkpoint))
+    with host_malloc.returning_freed_memory():  # the read's buffers are not the steps' to reuse
+        state = initial_state(trainer, ckpt, data, cfg.checkpoint, cfg.run.init_weights_seed)
     start_step = int(jax.device_get(state["step"]))
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
@@ -144,9 +146,10 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
              plan.max_target_length)
 
     # ---- compiled step, run folder
-    step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
+    with host_malloc.returning_freed_memory():  # the compiler's memory is not the steps' to reuse either
+        step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s", compile_seconds)
-    check_step_fits(step_fn, trainer)
+    check_step_fits(step_fn, trainer, _save_buffers(cfg, trainer, ckpt, start_step))
     run_dir = _create_run_folder(cfg, plan.run_dir)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
@@ -250,6 +253,24 @@ def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, 
     log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
              run_dir / "report.json")
     return report
+
+
+def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, start_step: int) -> HostBuffers:
+    """What this run's checkpoint saves hold on the host (`memory_fit.save_buffers`): none without
+    checkpoints; the second state only when an asynchronous save can happen before the last step."""
+    if ckpt is None:
+        return HostBuffers()
+    beside = cfg.checkpoint.async_checkpointing and cfg.checkpoint.checkpoint_period < cfg.run.steps - start_step
+    on_devices = sum(state_bytes(trainer).values()) * len(local_devices(trainer.mesh))
+    return save_buffers(state_shapes(trainer), on_devices, beside)
+
+
+def state_source(ckpt: Checkpointer | None, cfg: CheckpointConfig) -> str:
+    """What `initial_state` reads from a checkpoint: "state" (resume, load_full_state_path),
+    "params" (load_parameters_path) or "" (nothing: a fresh init)."""
+    if (ckpt and ckpt.latest_step() is not None) or cfg.load_full_state_path:
+        return "state"
+    return "params" if cfg.load_parameters_path else ""
 
 
 def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: CheckpointConfig, seed: int) -> dict:

@@ -58,9 +58,27 @@ def restacked(saved, expected):
                 return x
             return jax.jit(lambda a: a.reshape(want.shape), out_shardings=want.sharding)(x)
 
-        return jax.tree.map(fit, restored, expected)
+        return runtime_owned(jax.tree.map(fit, restored, expected))
 
     return target, finish
+
+
+def runtime_owned(tree):
+    """`tree` with each array on CPU devices copied into a buffer XLA allocated, the restored one
+    released as soon as it is copied (one array at a time). On CPU a restored array keeps the host
+    buffer it was read into, which the jitted train step does not reuse for its output even when
+    it is donated: the first step after a resume allocated a second train state (measured: with a
+    2.05 GiB state, 5.2 GiB resident after that step against 3.2 GiB after a fresh start's).
+    Arrays on accelerators arrive through the runtime's own transfers and are left as they are."""
+    def own(x):
+        if not isinstance(x, jax.Array) or any(d.platform != "cpu" for d in x.sharding.device_set):
+            return x
+        copy = jax.numpy.copy(x)
+        copy.block_until_ready()
+        x.delete()
+        return copy
+
+    return jax.tree.map(own, tree)
 
 
 def describe_mismatch(saved, expected, only_prefix: str = "") -> list[str]:
