@@ -272,15 +272,22 @@ def save_buffers(state_shapes_tree, state_on_devices: int, beside_steps: bool) -
     return HostBuffers(total, total, what)
 
 
-def check_state_fits(trainer, read: str = "") -> None:
+def check_state_fits(trainer, read: str = "", init_program=None) -> None:
     """OutOfMemory before the train state is created, loaded or restored, if it cannot fit. `read`:
     the part read from a checkpoint ("params", or "state" for all of it), whose read buffers
-    count too where the devices share the host's memory."""
+    count too where the devices share the host's memory. `init_program`: the compiled program
+    that creates a fresh state (`step.init_program`), whose temporaries count too (the random draws
+    of the initializers: 0.72 GiB per device beside a 2.05 GiB state on CPU; left out, fresh runs
+    in memory cgroups 0.4 GiB too small were killed while the state was created)."""
     sizes, shapes = state_bytes(trainer), state_shapes(trainer)
     buffers = read_buffers(shapes if read == "state" else shapes["params"]) if read else HostBuffers()
-    check_fits(local_devices(trainer.mesh), sum(sizes.values()), "the train state", (
-        f"parameters {format_bytes(sizes['params'])}, optimizer state {format_bytes(sizes['opt_state'])}, "
-        f"over a mesh of {trainer.mesh.size} device(s)"), host_buffers=buffers)
+    mem = init_program.memory_analysis() if init_program is not None else None
+    temporaries = mem.temp_size_in_bytes if mem is not None else 0
+    parts = (f"parameters {format_bytes(sizes['params'])}, optimizer state {format_bytes(sizes['opt_state'])}"
+             + (f", and {format_bytes(temporaries)} of temporaries while it is initialized" if temporaries else "")
+             + f", over a mesh of {trainer.mesh.size} device(s)")
+    check_fits(local_devices(trainer.mesh), sum(sizes.values()) + temporaries, "the train state", parts,
+               host_buffers=buffers)
 
 
 def _short_of(free: Room, per_device: int, buffers: HostBuffers) -> tuple[Room, int] | None:

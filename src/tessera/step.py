@@ -110,14 +110,23 @@ def init_state_from_params(optimizer, params) -> dict:
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
 
 
-def create_state(trainer: Trainer, seed: int) -> dict:
-    """Train state created directly in its sharded layout (never whole on one device)."""
+def init_program(trainer: Trainer, seed: int):
+    """The compiled program that creates the train state (`create_state`): compiled first, so that
+    its temporaries (the random draws of the initializers) can be checked before it runs."""
 
     def init(key):
         return init_state_from_params(trainer.optimizer, trainer.model.init(key))
 
     with jax.set_mesh(trainer.mesh):
-        return jax.jit(init, out_shardings=trainer.state_shardings)(jax.random.key(seed))
+        return jax.jit(init, out_shardings=trainer.state_shardings).lower(jax.random.key(seed)).compile()
+
+
+def create_state(trainer: Trainer, seed: int, program=None) -> dict:
+    """Train state created directly in its sharded layout (never whole on one device), by
+    `program` when given (`init_program` of the same trainer and seed)."""
+    program = program or init_program(trainer, seed)
+    with jax.set_mesh(trainer.mesh):
+        return program(jax.random.key(seed))
 
 
 def _check_remat(m, mesh: Mesh) -> None:

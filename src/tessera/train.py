@@ -42,7 +42,7 @@ from tessera.memory_fit import (
 )
 from tessera.mesh import sharding_report
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
-from tessera.step import Trainer, abstract_state, compile_step, create_state, setup, state_from_params
+from tessera.step import Trainer, abstract_state, compile_step, create_state, init_program, setup, state_from_params
 
 log = logging.getLogger("tessera")
 
@@ -134,9 +134,11 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     plan = trainer.plan
     data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch)
     evaluator = Evaluator(cfg.data, trainer) if cfg.data.eval_interval else None
-    check_state_fits(trainer, read=state_source(ckpt, cfg.checkpoint))
-    with host_malloc.returning_freed_memory():  # the read's buffers are not the steps' to reuse
-        state = initial_state(trainer, ckpt, data, cfg.checkpoint, cfg.run.init_weights_seed)
+    source = state_source(ckpt, cfg.checkpoint)
+    with host_malloc.returning_freed_memory():  # the init's and the read's buffers are not the steps' to reuse
+        program = None if source else init_program(trainer, cfg.run.init_weights_seed)
+        check_state_fits(trainer, read=source, init_program=program)
+        state = initial_state(trainer, ckpt, data, cfg.checkpoint, cfg.run.init_weights_seed, program)
     start_step = int(jax.device_get(state["step"]))
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
@@ -273,9 +275,10 @@ def state_source(ckpt: Checkpointer | None, cfg: CheckpointConfig) -> str:
     return "params" if cfg.load_parameters_path else ""
 
 
-def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: CheckpointConfig, seed: int) -> dict:
+def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: CheckpointConfig, seed: int,
+                  program=None) -> dict:
     """Resume from this run's newest checkpoint, else load_full_state_path, load_parameters_path or
-    init from `seed` (init_weights_seed)."""
+    init from `seed` (init_weights_seed), with `program` (`step.init_program`) when given."""
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
         state, data_state = ckpt.restore(latest, abstract_state(trainer))
@@ -298,7 +301,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: Checkp
                                  key="load_parameters_path", verify=cfg.checkpoint_checksums)
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
         return state_from_params(trainer, params)
-    return create_state(trainer, seed)
+    return create_state(trainer, seed, program)
 
 
 def _check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None) -> None:
