@@ -1,0 +1,158 @@
+"""The decoding loop: a batch of prompts continued token by token with a KV cache.
+
+Prompts of different lengths are decoded together, left-padded: one call writes the prompts into
+the KV cache (prefill), then each call adds one token per row. Sampling is greedy at temperature
+0, else from softmax(logits / temperature) over the top_k most likely tokens (0: all). Under a
+mesh the batch and the cache are split over it (`generate`). `tessera.decode` is the command line
+around it (and re-exports these names); JAX is imported inside the functions, so importing this
+module stays cheap.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tessera.models import ModelDef
+
+
+def sample(logits_bv, key, temperature: float, top_k: int):
+    """Next token ids [B] from logits [B, V]: the argmax when temperature == 0, else a draw from
+    softmax(logits / temperature) restricted to the top_k largest logits (top_k=0: all)."""
+    import jax
+    import jax.numpy as jnp
+
+    if temperature == 0:
+        return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
+    logits_bv = logits_bv / temperature
+    if top_k:
+        kth_b1 = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
+        logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
+    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+
+
+def left_padded(prompts: list[list[int]]):
+    """(tokens, positions, segment ids), each int32 [B, P]: prompts right-aligned, padding with
+    segment id 0; positions count each prompt's tokens from 0."""
+    width = max(len(p) for p in prompts)
+    tokens, positions, segments = (np.zeros((len(prompts), width), np.int32) for _ in range(3))
+    for row, prompt in enumerate(prompts):
+        start = width - len(prompt)
+        tokens[row, start:], positions[row, start:], segments[row, start:] = prompt, np.arange(len(prompt)), 1
+    return tokens, positions, segments
+
+
+def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key, *, model: ModelDef, temperature: float,
+                 top_k: int):
+    """(next tokens [B], their logits [B, V], cache) after the tokens [B, T] (the prompt, then one token)."""
+    logits_btv, cache = model.apply(params, tokens_bt, positions_bt, segment_ids_bt, kv_cache=cache)
+    return sample(logits_btv[:, -1], key, temperature, top_k), logits_btv[:, -1], cache
+
+
+@functools.cache
+def _jitted_decode_step():
+    import jax
+
+    return jax.jit(_decode_step, static_argnames=("model", "temperature", "top_k"), donate_argnames="cache")
+
+
+def cache_shape(prompts: list[list[int]], max_new_tokens: int, ways: int = 1) -> tuple[int, int]:
+    """(rows, tokens) of the KV cache `generate` creates on a mesh whose batch axes split rows
+    `ways` ways (`batch_ways`): the prompts are left-padded to the longest, and their number is
+    rounded up to a multiple of `ways` (`batch_rows`)."""
+    return batch_rows(len(prompts), ways), max(map(len, prompts)) + max_new_tokens
+
+
+def batch_rows(prompts: int, ways: int) -> int:
+    """The rows `generate` decodes `prompts` prompts in: a multiple of the mesh's `ways`, the
+    rows past the prompts only filling the batch (see `generate`)."""
+    return -(-prompts // ways) * ways
+
+
+def batch_ways(mesh) -> int:
+    """How many ways `mesh` (concrete or abstract) splits a batch's rows: data x fsdp x expert."""
+    from tessera.mesh import LOGICAL_RULES
+
+    return math.prod(dict(mesh.shape).get(axis, 1) for axis in LOGICAL_RULES["batch"])
+
+
+def empty_cache(model: ModelDef, rows: int, tokens: int):
+    """The empty KV cache for decoding `rows` prompts of up to `tokens` tokens, created split over
+    the current mesh (`KVCache.shard_tree`): no device ever holds more than its part."""
+    import jax
+
+    from tessera.models.kv_cache import KVCache
+
+    return jax.jit(lambda: KVCache.shard_tree(model.init_cache(rows, tokens)))()
+
+
+def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False):
+    """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
+    produces it. With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
+    row being the distribution the i-th new token was drawn from.
+
+    Under a mesh (`jax.set_mesh`) the batch of prompts is split over its batch axes (`batch_ways`),
+    and so is the KV cache. A number of prompts those do not divide is made up with one-token rows
+    whose output is dropped: each device then decodes and caches its share of rows instead of a
+    copy of all of them."""
+    import jax
+
+    from tessera.models import BLOCKS
+
+    if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
+        raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    table = model.cfg.trainable_position_size if BLOCKS[model.cfg.decoder_block].absolute_positions else 0
+    if table and lengths.max() + max_new_tokens > table:
+        raise ValueError(f"{lengths.max()} prompt tokens + {max_new_tokens} new tokens exceed the "
+                         f"trainable_position_size={table} positions this model has embeddings for")
+
+    step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k)
+    rows, length = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()))
+    filler = rows - len(prompts)
+    tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts + [[0]] * filler)
+    lengths = np.concatenate([lengths, np.ones(filler, np.int32)])
+    cache = empty_cache(model, rows, length)
+    key = jax.random.key(seed)
+    new_tokens, new_logits = [], []
+    done = np.arange(rows) >= len(prompts)  # the filler rows count as done from the start
+    for i in range(max_new_tokens):
+        token_b, logits_bv, cache = step(params, tokens_bt, positions_bt, segment_ids_bt, cache,
+                                         jax.random.fold_in(key, i))
+        token_b = np.asarray(token_b)
+        new_tokens.append(np.where(done, -1, token_b))  # -1: the row had already stopped
+        if return_logits:
+            new_logits.append(np.asarray(logits_bv))
+        if eos_id is not None:
+            done |= token_b == eos_id
+            if done.all():
+                break
+        tokens_bt, positions_bt = token_b[:, None], (lengths + i)[:, None]
+        segment_ids_bt = np.ones_like(tokens_bt)
+    out = [[int(t) for t in row if t >= 0] for row in np.stack(new_tokens, axis=1)[:len(prompts)]]
+    if not return_logits:
+        return out
+    return out, [np.stack(new_logits, axis=1)[row, :len(toks)] for row, toks in enumerate(out)]
+
+
+def kv_cache_bytes(model: ModelDef, rows: int, tokens: int, mesh=None) -> int:
+    """Bytes of the KV cache `generate` creates for `rows` prompts of up to `tokens` tokens (prompt
+    and new ones): all of it, or with `mesh`, what one device of it holds (`empty_cache`)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from tessera.memory_fit import bytes_per_device
+    from tessera.mesh import logical_spec
+    from tessera.models.kv_cache import KVCache
+
+    shapes = jax.eval_shape(lambda: model.init_cache(rows, tokens))
+    leaves, names = jax.tree.leaves(shapes), KVCache.tree_logical_axes(shapes)
+    if mesh is None:
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+    return bytes_per_device(leaves, [NamedSharding(mesh, logical_spec(n, leaf.shape, dict(mesh.shape)))
+                                     for leaf, n in zip(leaves, names)])
