@@ -6,6 +6,7 @@ import sys
 import threading
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -100,6 +101,65 @@ def test_mla_caches_the_compressed_latent():
         assert cache[segment].v_bskh.shape == (layers, 2, 8, 1, 16)
 
 
+@pytest.mark.parametrize("family, windows", [
+    ("mistral window 3", [3]),  # one cache stacked over the layers
+    ("gemma2", [3, 0]),  # (local, global), each stacked over the blocks
+    ("gemma3", [3, 3, 3, 3, 3, 0, 3]),  # five local and one global layer, then a tail of one local layer
+    ("gemma3 loop", [3, 3, 3, 3, 3, 0, 3]),
+])
+def test_sliding_window_layers_cache_only_their_window(family, windows):
+    """A local layer's cache is a ring of sliding_window_size slots, a global layer's holds every
+    token, and kv_cache_bytes counts them so (the decoding tests above wrap these rings: 6-token
+    prompts and 5 new tokens through windows of 3). A window longer than the tokens caches the tokens."""
+    from tessera.decode import kv_cache_bytes
+
+    def caches(m, tokens):
+        return jax.tree.leaves(m.init_cache(2, tokens), is_leaf=lambda x: isinstance(x, kv_cache.KVCache))
+
+    model, _ = _model(**FAMILIES[family])
+    full = build_model(tiny_config(dtype="float32", **dict(FAMILIES[family], sliding_window_size=0)).model)
+    ring, whole = caches(model, 11), caches(full, 11)
+    assert [c.k_bskh.shape[-3] for c in ring] == [w or 11 for w in windows]
+    assert [c.k_bskh.nbytes * 11 for c in ring] == [f.k_bskh.nbytes * (w or 11) for f, w in zip(whole, windows)]
+    assert kv_cache_bytes(model, 2, 11) == sum(a.nbytes for a in jax.tree.leaves(ring)) < kv_cache_bytes(full, 2, 11)
+    assert [c.k_bskh.shape[-3] for c in caches(model, 2)] == [2] * len(windows)
+
+
+@pytest.mark.parametrize("quant", ["", "int8", "int4"])
+def test_a_ring_cache_attends_as_a_full_cache_does(quant):
+    """A window-3 attention layer fed tokens in writes of 5 (more than the ring holds), 1 and 2
+    (round the ring's end) gives the same outputs with a ring of 3 slots as with a cache of every
+    token; left padding included. int8, int4: each slot has its own scale, so both store the same values."""
+    from flax import nnx
+
+    from tessera.models.attention import Attention
+
+    cfg = tiny_config(dtype="float32", quantize_kvcache=bool(quant), kv_quant_dtype=quant or "int8").model
+    attention = Attention(cfg, "dot_product", nnx.Rngs(0), sliding_window=3)
+    writes = [5, 1, 1, 1, 1, 2, 1, 1, 2, 1]  # ring index after each: 0 1 2 0 1 0 1 2 1 2 (the 2-token write at 2 wraps)
+    total = sum(writes)
+    x = jax.random.normal(jax.random.key(1), (2, total, cfg.emb_dim))
+    positions = np.stack([np.arange(total), np.maximum(np.arange(total) - 2, 0)]).astype(np.int32)
+    segments = np.ones((2, total), np.int32)
+    segments[1, :2] = 0  # the second row starts with two tokens of left padding
+    args = (2, cfg.num_kv_heads, cfg.head_dim, jnp.float32, (), quant, cfg.kv_quant_axis)
+    caches = {"ring": kv_cache.KVCache.empty(args[0], total, *args[1:], window=3),
+              "full": kv_cache.KVCache.empty(args[0], total, *args[1:])}
+    assert caches["ring"].k_bskh.shape[1] == 3 and caches["full"].k_bskh.shape[1] == total
+    call = jax.jit(lambda c, x, p, s: attention(x, p, s, False, c))
+    start = 0
+    for t in writes:
+        outs = {}
+        for name in caches:
+            outs[name], caches[name] = call(caches[name], x[:, start:start + t], positions[:, start:start + t],
+                                            segments[:, start:start + t])
+        real = segments[:, start:start + t] != 0  # (a padding query sees the empty slots: how many differs)
+        np.testing.assert_allclose(np.asarray(outs["ring"])[real], np.asarray(outs["full"])[real], atol=1e-6, rtol=1e-6)
+        start += t
+    assert int(caches["ring"].index) == 2 and int(caches["full"].index) == 0  # the full cache's last write filled it
+    assert sorted(np.asarray(caches["ring"].positions_bs[0]).tolist()) == [total - 3, total - 2, total - 1]
+
+
 def _unstack(params, num_blocks):
     """Scanned parameters {'layers': stacked} -> unrolled {'layers_0': ..., ...}."""
     out = {k: v for k, v in params.items() if k != "layers"}
@@ -191,7 +251,7 @@ def test_a_rows_draw_does_not_depend_on_the_rows_after_it():
         assert sample(logits_bv[1:], key, 1.0, 0).tolist() != every[1:]  # but on its index
 
 
-@pytest.mark.parametrize("family", ["llama2", "int8 cache per kv head", "deepseek"])
+@pytest.mark.parametrize("family", ["llama2", "int8 cache per kv head", "deepseek", "mistral window 3"])
 def test_decoding_on_a_mesh_splits_the_cache_and_generates_what_one_device_does(llama, family):
     """On fsdp 4 x tensor 2 the cache is created split (rows over fsdp, kv heads over tensor; MLA's
     one latent head stays whole), each device holds kv_cache_bytes(..., mesh) of it, and 3 prompts
@@ -201,7 +261,8 @@ def test_decoding_on_a_mesh_splits_the_cache_and_generates_what_one_device_does(
     from tessera.mesh import create_mesh
 
     overrides = {"llama2": None, "int8 cache per kv head": dict(quantize_kvcache=True, kv_quant_axis="dkv"),
-                 "deepseek": DEEPSEEK}[family]
+                 "deepseek": DEEPSEEK, "mistral window 3": FAMILIES["mistral window 3"]}[family]
+    slots = 3 if family.startswith("mistral") else 11  # a sliding-window layer's cache is a ring of 3
     model, params = _model(**overrides) if overrides else llama
     mesh = create_mesh(tiny_config(ici_fsdp_parallelism=4, ici_tensor_parallelism=2).mesh)
     prompts = [*PROMPTS, [7, 1]]
@@ -212,7 +273,7 @@ def test_decoding_on_a_mesh_splits_the_cache_and_generates_what_one_device_does(
         heads = None if family == "deepseek" else "tensor"
         split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "fsdp", None, heads))
         assert k.sharding.is_equivalent_to(split, k.ndim)
-        assert k.addressable_shards[0].data.shape == (k.shape[0], 1, 11, 1, k.shape[-1])  # 2 kv heads, or 1 latent
+        assert k.addressable_shards[0].data.shape == (k.shape[0], 1, slots, 1, k.shape[-1])  # 2 kv heads, or 1 latent
         held = sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(cache))
         assert k.addressable_shards[0].data.nbytes * (8 if heads else 4) == k.nbytes
         assert held == kv_cache_bytes(model, 4, 11, mesh) < kv_cache_bytes(model, 4, 11) / 3

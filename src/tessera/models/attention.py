@@ -260,13 +260,22 @@ class Attention(nnx.Module):
         are written into it at its index, the queries attend over the whole cache, masked by
         position, and the updated cache is returned."""
         q, k, v = self.project_qkv(x_btd, positions_bt)
-        if kv_cache is not None:
-            kv_cache = kv_cache.write(k, v, positions_bt, segment_ids_bt)
-            ctx = masked_attention(q, kv_cache.keys(q.dtype), kv_cache.values(q.dtype),
-                                   kv_cache.mask(positions_bt, segment_ids_bt, self.window), scale=self.scale,
-                                   logits_soft_cap=self.logits_soft_cap)
+        if kv_cache is None:
+            return self.output(self.attend(q, k, v, segment_ids_bt, packed)), None
+        if self.window and q.shape[1] > 1:
+            # a sliding-window cache is a ring of `window` slots: writing several tokens may
+            # overwrite keys the first of them still see, so they read the cache as it was
+            # plus their own keys (as stored), and the write comes after
+            new = kv_cache.stored(k, v, positions_bt, segment_ids_bt)
+            keys, values = (jnp.concatenate(pair, axis=1) for pair in (
+                (kv_cache.keys(q.dtype), new.keys(q.dtype)), (kv_cache.values(q.dtype), new.values(q.dtype))))
+            mask = jnp.concatenate([c.mask(positions_bt, segment_ids_bt, self.window) for c in (kv_cache, new)], -1)
+            kv_cache = kv_cache.add(new)
         else:
-            ctx = self.attend(q, k, v, segment_ids_bt, packed)
+            kv_cache = kv_cache.write(k, v, positions_bt, segment_ids_bt)
+            keys, values = kv_cache.keys(q.dtype), kv_cache.values(q.dtype)
+            mask = kv_cache.mask(positions_bt, segment_ids_bt, self.window)
+        ctx = masked_attention(q, keys, values, mask, scale=self.scale, logits_soft_cap=self.logits_soft_cap)
         return self.output(ctx), kv_cache
 
     def attend(self, q, k, v, segment_ids_bt, packed: bool):

@@ -36,11 +36,15 @@ class Block(nnx.Module):
         return 0, None
 
     @classmethod
-    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
+    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = (),
+                    window: int | None = None):
         """The KV cache one block decodes with (a block with one attention layer: one `KVCache`);
-        `layers=(L,)` stacks L of them for a scanned stack."""
+        `layers=(L,)` stacks L of them for a scanned stack. `window`: the sliding window of the
+        attention it serves (default the config's `sliding_window_size`, which every layer of a
+        one-layer family uses), whose cache is a ring of that many slots."""
         return KVCache.empty(batch, length, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, layers,
-                             cfg.kv_quant_dtype if cfg.quantize_kvcache else "", cfg.kv_quant_axis)
+                             cfg.kv_quant_dtype if cfg.quantize_kvcache else "", cfg.kv_quant_axis,
+                             window=cfg.sliding_window_size if window is None else window)
 
 
 def make_norm(kind: str, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:

@@ -85,9 +85,9 @@ class Gemma2Block(Block):
 
     @classmethod
     def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
-        """(local layer's cache, global layer's cache)."""
+        """(local layer's cache, a ring of sliding_window_size slots; global layer's cache)."""
         one = super().empty_cache
-        return one(cfg, batch, length, layers), one(cfg, batch, length, layers)
+        return one(cfg, batch, length, layers, cfg.sliding_window_size), one(cfg, batch, length, layers, 0)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
         keys = dropout_keys(dropout_key, 4)
@@ -98,6 +98,11 @@ class Gemma2Block(Block):
 
 
 GEMMA3_PATTERN = 6  # Gemma 3: five local layers, then one global layer
+
+
+def gemma3_local(j: int) -> bool:
+    """Whether layer j of a Gemma 3 block (or of its tail) has local, sliding-window attention."""
+    return j < GEMMA3_PATTERN - 1
 
 
 class Gemma3Block(Block):
@@ -114,7 +119,7 @@ class Gemma3Block(Block):
 
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, num_layers: int = GEMMA3_PATTERN):
         for j in range(num_layers):
-            local = j < GEMMA3_PATTERN - 1
+            local = gemma3_local(j)
             setattr(self, f"layer_{j}", Gemma2Layer(cfg, attention_kernel, rngs, cfg.sliding_window_size if local else 0,
                                                     qk_norm=self.qk_norm, local_rope=local))
         self.num_layers = num_layers
@@ -122,9 +127,11 @@ class Gemma3Block(Block):
     @classmethod
     def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = (),
                     num_layers: int = GEMMA3_PATTERN):
-        """One cache per layer of the block, as a tuple."""
+        """One cache per layer of the block, as a tuple (the local layers' ones rings of
+        sliding_window_size slots)."""
         one = super().empty_cache
-        return tuple(one(cfg, batch, length, layers) for _ in range(num_layers))
+        return tuple(one(cfg, batch, length, layers, cfg.sliding_window_size if gemma3_local(j) else 0)
+                     for j in range(num_layers))
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
         keys = dropout_keys(dropout_key, 2 * self.num_layers)

@@ -9,8 +9,8 @@ against): rotary embeddings use the half-split layout of the Hugging Face checkp
 Llama 3.1's long-context frequency scaling when rope_scaling=llama3); dropout, absent in the
 references, can be switched on after attention and the MLP. Mistral is the Llama block with
 sliding-window attention (`sliding_window_size`): a query sees its own position and the
-`sliding_window_size - 1` before it. Mistral's rolling-buffer KV cache is an inference
-memory optimization and is not reproduced; decoding keeps the whole cache and masks it.
+`sliding_window_size - 1` before it; when decoding, its KV cache is a rolling buffer of that
+many slots (`tessera.models.kv_cache`), as in Mistral's reference code.
 """
 
 from __future__ import annotations
