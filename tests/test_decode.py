@@ -160,6 +160,44 @@ def test_a_ring_cache_attends_as_a_full_cache_does(quant):
     assert sorted(np.asarray(caches["ring"].positions_bs[0]).tolist()) == [total - 3, total - 2, total - 1]
 
 
+def test_cached_attention_in_query_chunks_equals_one_pass():
+    """Queries in chunks of 1, 2 and 3 (the last one padded) give the one-pass outputs."""
+    from tessera.models.attention import masked_attention
+
+    keys = iter(jax.random.split(jax.random.key(0), 3))
+    q = jax.random.normal(next(keys), (2, 7, 4, 8))
+    k, v = (jax.random.normal(next(keys), (2, 10, 2, 8)) for _ in range(2))
+    key_positions = np.stack([np.arange(10), np.arange(10) - 3])
+    key_segments = np.stack([np.ones(10, np.int32), (np.arange(10) >= 3).astype(np.int32)])
+    positions = key_positions[:, 3:] + 0  # the last 7 keys' own queries, left padding included
+    segments = key_segments[:, 3:] + 0
+
+    def visible(p, s):
+        return (p[:, :, None] >= key_positions[:, None, :]) & (s[:, :, None] == key_segments[:, None, :])
+
+    args = (q, k, v, visible, positions, segments)
+    whole = masked_attention(*args, scale=0.3, logits_soft_cap=2.0)
+    for budget in (10, 20, 30):  # chunks of 1, 2, 3 queries against 10 keys
+        np.testing.assert_allclose(masked_attention(*args, scale=0.3, logits_soft_cap=2.0,
+                                                    scores_per_row_and_head=budget), whole, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama2 scanned", "mistral window 3", "deepseek"])
+def test_a_prefill_in_query_chunks_decodes_as_full_recomputation(family, monkeypatch):
+    """With a score budget of 44 per row and head the 7-token prefill runs in chunks of 4 queries
+    (11 cached keys) or 4 (the window's 3 + 7 new keys: 10), the last chunk padded."""
+    from tessera.models import attention
+
+    monkeypatch.setattr(attention, "SCORES_PER_ROW_AND_HEAD", 44)
+    model, params = _model(**FAMILIES[family])
+    prompts = [[5, 17, 3, 88, 41, 9, 12], [60, 2, 33, 4]]  # a width no other test compiles
+    tokens, logits = generate(model, params, prompts, 4, return_logits=True)
+    want_tokens, want_logits = full_recomputation(model, params, prompts, 4)
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def _unstack(params, num_blocks):
     """Scanned parameters {'layers': stacked} -> unrolled {'layers_0': ..., ...}."""
     out = {k: v for k, v in params.items() if k != "layers"}

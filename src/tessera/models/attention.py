@@ -11,11 +11,13 @@ the reference runs and `select_attention` says why, once, in the log.
 
 Decoding passes a KV cache (`tessera.models.kv_cache`) to `Attention.__call__`: the new keys
 and values are written into it and the queries attend over all of it, always with the
-reference math, masked by the cached keys' positions instead of their indices.
+reference math, masked by the cached keys' positions instead of their indices, a prompt's
+queries in chunks (`masked_attention`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import NamedTuple
 
@@ -166,15 +168,40 @@ def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float,
     return project("bkgts,bksh->bkgth", probs, v_bksh).astype(dtype)
 
 
-def masked_attention(q_btnh, k_bskh, v_bskh, mask_bts, *, scale: float, logits_soft_cap: float = 0.0):
-    """Attention of queries [B, T, N, H] over keys and values [B, S, K, H] where `mask_bts`
-    [B, T, S] allows it (decoding over a KV cache; a query that sees nothing gets the mean value)."""
-    b, t, n, h = q_btnh.shape
+# Cached attention takes its queries in chunks whose scores hold at most this many elements per row
+# and head (16 MiB in float32): a prompt's prefill never builds its whole [T, S] score matrix.
+SCORES_PER_ROW_AND_HEAD = 1 << 22
+
+
+def masked_attention(q_btnh, k_bskh, v_bskh, visible, positions_bt, segment_ids_bt, *, scale: float,
+                     logits_soft_cap: float = 0.0, scores_per_row_and_head: int | None = None):
+    """Attention of queries [B, T, N, H] at `positions_bt` in `segment_ids_bt` over keys and values
+    [B, S, K, H], where `visible(positions, segment_ids)` -> [B, T', S] allows it (decoding over a KV
+    cache; a query that sees nothing gets the mean value). Queries go through in chunks of
+    max(1, scores_per_row_and_head // S) (a `lax.map`; default SCORES_PER_ROW_AND_HEAD), so the
+    scores and the mask of a long prompt's prefill are never whole: for a 32k-token prompt and 36k
+    keys, chunks of 113 queries."""
+    b, t, n, _ = q_btnh.shape
     kv_heads = k_bskh.shape[2]
-    q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
-    out_bkgth = _softmax_attend(q_bkgth, k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3), mask_bts,
-                                scale, logits_soft_cap, q_btnh.dtype)
-    return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)
+    k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
+
+    def attend(q, positions, segment_ids):
+        q_bkgth = q.reshape(b, q.shape[1], kv_heads, n // kv_heads, -1).transpose(0, 2, 3, 1, 4)
+        out_bkgth = _softmax_attend(q_bkgth, k_bksh, v_bksh, visible(positions, segment_ids), scale,
+                                    logits_soft_cap, q_btnh.dtype)
+        return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, q.shape[1], n, -1)
+
+    chunk = max(1, (scores_per_row_and_head or SCORES_PER_ROW_AND_HEAD) // k_bskh.shape[1])
+    if chunk >= t:
+        return attend(q_btnh, positions_bt, segment_ids_bt)
+    count = -(-t // chunk)  # the last chunk is padded with queries of segment 0, whose output is dropped
+
+    def split(a):
+        a = jnp.pad(a, [(0, 0), (0, count * chunk - t)] + [(0, 0)] * (a.ndim - 2))
+        return a.reshape(b, count, chunk, *a.shape[2:]).swapaxes(0, 1)
+
+    out = jax.lax.map(lambda xs: attend(*xs), (split(q_btnh), split(positions_bt), split(segment_ids_bt)))
+    return out.swapaxes(0, 1).reshape(b, count * chunk, n, -1)[:, :t]
 
 
 class Attention(nnx.Module):
@@ -266,16 +293,17 @@ class Attention(nnx.Module):
             # a sliding-window cache is a ring of `window` slots: writing several tokens may
             # overwrite keys the first of them still see, so they read the cache as it was
             # plus their own keys (as stored), and the write comes after
-            new = kv_cache.stored(k, v, positions_bt, segment_ids_bt)
+            new, old = kv_cache.stored(k, v, positions_bt, segment_ids_bt), kv_cache
             keys, values = (jnp.concatenate(pair, axis=1) for pair in (
-                (kv_cache.keys(q.dtype), new.keys(q.dtype)), (kv_cache.values(q.dtype), new.values(q.dtype))))
-            mask = jnp.concatenate([c.mask(positions_bt, segment_ids_bt, self.window) for c in (kv_cache, new)], -1)
-            kv_cache = kv_cache.add(new)
+                (old.keys(q.dtype), new.keys(q.dtype)), (old.values(q.dtype), new.values(q.dtype))))
+            visible = lambda p, s: jnp.concatenate([c.mask(p, s, self.window) for c in (old, new)], -1)  # noqa: E731
+            kv_cache = old.add(new)
         else:
             kv_cache = kv_cache.write(k, v, positions_bt, segment_ids_bt)
             keys, values = kv_cache.keys(q.dtype), kv_cache.values(q.dtype)
-            mask = kv_cache.mask(positions_bt, segment_ids_bt, self.window)
-        ctx = masked_attention(q, keys, values, mask, scale=self.scale, logits_soft_cap=self.logits_soft_cap)
+            visible = functools.partial(kv_cache.mask, window=self.window)
+        ctx = masked_attention(q, keys, values, visible, positions_bt, segment_ids_bt, scale=self.scale,
+                               logits_soft_cap=self.logits_soft_cap)
         return self.output(ctx), kv_cache
 
     def attend(self, q, k, v, segment_ids_bt, packed: bool):

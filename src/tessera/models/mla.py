@@ -26,6 +26,8 @@ up-projection into the queries (the same numbers, more work per step).
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -85,7 +87,8 @@ class MlaAttention(Attention):
             latent_btr, k_rope_bth = kv_cache.keys(q.dtype)[:, :, 0], kv_cache.values(q.dtype)[:, :, 0]
         k, v = self.expand(latent_btr, k_rope_bth)
         if kv_cache is not None:
-            ctx = masked_attention(q, k, v, kv_cache.mask(positions_bt, segment_ids_bt, 0), scale=self.scale)
+            ctx = masked_attention(q, k, v, functools.partial(kv_cache.mask, window=0), positions_bt, segment_ids_bt,
+                                   scale=self.scale)
         else:
             ctx = self.attend(q, k, v, segment_ids_bt, packed)
         return self.output(ctx), kv_cache
