@@ -230,3 +230,38 @@ def test_an_allocation_xla_refuses_is_an_out_of_memory_error():
         "out of device memory at step 3 (XLA said: RESOURCE_EXHAUSTED: Out of memory allocating 17592186044416 "
         "bytes.); lower per_device_batch_size")
     assert out_of_memory(RuntimeError("INTERNAL: a collective failed"), "at step 3") is None
+
+
+def test_a_prefill_whose_temporaries_do_not_fit_stops_before_the_parameters_load(tmp_path, monkeypatch):
+    """decode.py compiles the prompts' prefill from shapes and counts its temporaries with the
+    parameters and the cache: on a device with room for those but not for the temporaries too,
+    one memory error names them, before the (missing) checkpoint is read."""
+    from conftest import tiny_config
+    from tessera.checkpointing.storage import CheckpointError
+    from tessera.decode import kv_cache_bytes, load_model, prefill_program
+    from tessera.memory_fit import OutOfMemory, Room, bytes_per_device
+    from tessera.mesh import create_mesh, named_shardings
+    from tessera.models import build_model
+
+    cfg = tiny_config(dtype="float32", max_target_length=600, load_parameters_path=str(tmp_path / "none"))
+    mesh = create_mesh(tiny_config(ici_fsdp_parallelism=1).mesh, jax.devices()[:1])
+    decoding = dict(prompts=[list(range(1, 500))] * 2, max_new_tokens=4, temperature=0.0, top_k=0)
+    model = build_model(cfg.model, "dot_product")
+    shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
+    abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                            model.param_shapes(), shardings)
+    with jax.set_mesh(mesh):
+        temporaries = prefill_program(model, abstract, **decoding).memory_analysis().temp_size_in_bytes
+    held = bytes_per_device(model.param_shapes(), shardings) + kv_cache_bytes(model, 2, 503, mesh)
+    assert temporaries > held  # 2 prompts of 499 tokens: their activations outweigh a tiny model
+    monkeypatch.setattr(memory_fit, "room", lambda devices: Room(held + temporaries // 2, False, 1, "tpu", "limit"))
+    with pytest.raises(OutOfMemory, match=(
+            r"not enough memory for the parameters and the KV cache with the prompts' prefill: .* per device "
+            r"\(parameters .*, KV cache .* per device for 2 prompt\(s\) of up to 503 tokens, prefill temporaries "
+            r"(\d+\.\d) MiB\); .*Nothing was allocated")) as error:
+        load_model(cfg, mesh, decoding)
+    assert float(re.search(r"prefill temporaries (\d+\.\d) MiB", str(error.value)).group(1)) == pytest.approx(
+        temporaries / 2**20, abs=0.05)
+    monkeypatch.setattr(memory_fit, "room", lambda devices: Room(held + temporaries, False, 1, "tpu", "limit"))
+    with pytest.raises(CheckpointError, match="does not exist"):  # it fits: the load goes ahead, finds nothing
+        load_model(cfg, mesh, decoding)

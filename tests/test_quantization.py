@@ -228,7 +228,7 @@ def test_quantized_checkpoint_round_trip_decodes_like_the_float_one(mode, stored
     assert tree["params"]["layers"]["mlp"]["wi_0"]["qvalue"].dtype == stored
     loaded_cfg = tiny_config(dtype="float32", quantization=mode, load_parameters_path=str(quant_dir),
                              checkpoint_is_quantized=True)
-    _, restored = load_model(loaded_cfg, mesh)
+    _, restored, _ = load_model(loaded_cfg, mesh)
     for w, r in zip(jax.tree.leaves(params), jax.tree.leaves(restored)):
         assert r.dtype == w.dtype
         if w.ndim >= 2:  # within half a quantization step of the row's absmax (int8: 1/127; e4m3: 1/16 relative)

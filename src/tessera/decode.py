@@ -11,8 +11,9 @@ KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 likely tokens (0: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
 
 Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated);
-7 the parameters and the KV cache do not fit in the memory the devices have left (checked before loading); 130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback; decoding writes no
-files, so nothing is left half-written).
+7 the parameters, the KV cache and the prompts' prefill do not fit in the memory the devices have left
+(checked before loading); 130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback;
+decoding writes no files, so nothing is left half-written).
 See getting_started/Decode.md. JAX is imported only once decoding starts, so that --help is instant.
 """
 
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING
 
 from tessera.config import Config, ConfigError, load_config
 from tessera.generation import (  # noqa: F401 - the library half, re-exported: `from tessera.decode import generate`
-    batch_rows, batch_ways, cache_shape, empty_cache, generate, kv_cache_bytes, sample,
+    batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes, prefill_program, sample,
 )
 from tessera.tools.cli import UsageError, config_epilog, resolve_config_file, sigterm_raises
 
@@ -121,14 +122,16 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
     return tokenizer, prompts
 
 
-def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tuple[ModelDef, dict]:
-    """The model and its parameters from load_parameters_path, sharded over `mesh`. Checked first:
-    that the parameters fit, with the KV cache that decoding `kv_cache` = (prompts, tokens) on
-    `mesh` will hold (`cache_shape`: the prompts as `batch_rows` rows)."""
+def load_model(cfg: Config, mesh, decoding: dict | None = None):
+    """(model, parameters from load_parameters_path sharded over `mesh`, the compiled prefill or
+    None). Checked first, given `decoding` (`generate`'s prompts, max_new_tokens, temperature and
+    top_k): that the parameters fit with the KV cache decoding them on `mesh` will hold
+    (`cache_shape`: the prompts as `batch_rows` rows); then that the prefill fits with them too
+    (`prefill_program`, compiled from shapes; its temporaries hold a chunk of each prompt's
+    attention scores and the prompts' activations)."""
     import jax
 
     from tessera.checkpointing import load_parameters
-    from tessera.memory_fit import bytes_per_device, check_fits, format_bytes, local_devices, read_buffers
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
@@ -138,20 +141,7 @@ def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tu
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
-    need, what = bytes_per_device(model.param_shapes(), shardings), "the parameters"
-    parts, cache = f"{cfg.model.weight_dtype}, over a mesh of {mesh.size} device(s)", 0
-    if kv_cache:
-        (prompts, tokens), rows = kv_cache, batch_rows(kv_cache[0], batch_ways(mesh))
-        cache, whole = kv_cache_bytes(model, rows, tokens, mesh), kv_cache_bytes(model, rows, tokens)
-        need, what = need + cache, "the parameters and the KV cache"
-        layout = f" in {rows} rows" if rows > prompts else ""
-        if mesh.size > 1:
-            ways = round(whole / cache)
-            layout += f", split {ways} ways" if ways > 1 else ", whole on each device"
-        parts = (f"parameters {format_bytes(need - cache)} ({parts}), KV cache {format_bytes(cache)} per device for "
-                 f"{prompts} prompt(s) of up to {tokens} tokens{layout}")
-    check_fits(local_devices(mesh), need, what, parts, functools.partial(_memory_advice, cache=10 * cache >= need),
-               host_buffers=read_buffers(model.param_shapes()))
+    program = _check_memory(model, abstract, mesh, decoding, cfg.model.weight_dtype)
     if cfg.checkpoint.checkpoint_is_quantized:
         stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization),
                                  verify=cfg.checkpoint.checkpoint_checksums)
@@ -164,7 +154,41 @@ def load_model(cfg: Config, mesh, kv_cache: tuple[int, int] | None = None) -> tu
     if cfg.checkpoint.save_quantized_params_path:
         save_quantized(params, cfg.model.quantization, cfg.checkpoint.save_quantized_params_path,
                        cfg.checkpoint.checkpoint_checksums)
-    return model, params
+    return model, params, program
+
+
+def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight_dtype: str):
+    """`load_model`'s checks (OutOfMemory); returns the compiled prefill (None without `decoding`)."""
+    import jax
+
+    from tessera.memory_fit import bytes_per_device, check_fits, format_bytes, local_devices, read_buffers
+
+    shardings = jax.tree.map(lambda a: a.sharding, abstract)
+    need, what = bytes_per_device(model.param_shapes(), shardings), "the parameters"
+    parts, cache = f"{weight_dtype}, over a mesh of {mesh.size} device(s)", 0
+    if decoding:
+        prompts, tokens = cache_shape(decoding["prompts"], decoding["max_new_tokens"])
+        rows = batch_rows(prompts, batch_ways(mesh))
+        cache, whole = kv_cache_bytes(model, rows, tokens, mesh), kv_cache_bytes(model, rows, tokens)
+        need, what = need + cache, "the parameters and the KV cache"
+        layout = f" in {rows} rows" if rows > prompts else ""
+        if mesh.size > 1:
+            ways = round(whole / cache)
+            layout += f", split {ways} ways" if ways > 1 else ", whole on each device"
+        parts = (f"parameters {format_bytes(need - cache)} ({parts}), KV cache {format_bytes(cache)} per device for "
+                 f"{prompts} prompt(s) of up to {tokens} tokens{layout}")
+    advice = functools.partial(_memory_advice, cache=10 * cache >= need)
+    check_fits(local_devices(mesh), need, what, parts, advice, host_buffers=read_buffers(model.param_shapes()))
+    program = None
+    if decoding:
+        with jax.set_mesh(mesh):
+            program = prefill_program(model, abstract, **decoding)
+        analysis = program.memory_analysis()
+        temporaries = analysis.temp_size_in_bytes if analysis is not None else 0
+        check_fits(local_devices(mesh), need + temporaries, f"{what} with the prompts' prefill",
+                   f"{parts}, prefill temporaries {format_bytes(temporaries)}", advice,
+                   host_buffers=read_buffers(model.param_shapes()))
+    return program
 
 
 def _memory_advice(shared: bool, cache: bool = False) -> str:
@@ -209,7 +233,9 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
     tokenizer, prompts = encode_prompts(cfg, flags)
     mesh = create_mesh(cfg.mesh)
-    model, params = load_model(cfg, mesh, cache_shape(prompts, flags.max_new_tokens))  # (prompts, tokens)
+    decoding = dict(prompts=prompts, max_new_tokens=flags.max_new_tokens, temperature=flags.temperature,
+                    top_k=flags.top_k)
+    model, params, program = load_model(cfg, mesh, decoding)
     rows = batch_rows(len(prompts), batch_ways(mesh))
     if rows > len(prompts):
         log.info("decoding %d prompt(s) in %d rows: the mesh splits the batch and the KV cache %d ways over its "
@@ -218,7 +244,7 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         outputs = generate(model, params, prompts, flags.max_new_tokens, flags.temperature, flags.top_k,
-                           flags.seed, eos_id)
+                           flags.seed, eos_id, prefill=program)
     seconds = time.perf_counter() - start
     count = sum(len(o) for o in outputs)
     log.info("generated %d tokens for %d prompt(s) in %.2f s (compilation included)", count, len(prompts), seconds)

@@ -90,11 +90,28 @@ def empty_cache(model: ModelDef, rows: int, tokens: int):
     return jax.jit(lambda: KVCache.shard_tree(model.init_cache(rows, tokens)))()
 
 
+def prefill_program(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                    top_k: int = 0):
+    """`generate`'s first call (the prompts' prefill) for these arguments, compiled ahead of time
+    for the current mesh from shapes alone (`params` may be ShapeDtypeStructs with shardings):
+    `decode.py` reads its temporaries for the memory check before loading anything, then hands it
+    to `generate`, which runs it instead of compiling the prefill again."""
+    import jax
+    import jax.numpy as jnp
+
+    rows, tokens = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()))
+    prompt = jax.ShapeDtypeStruct((rows, max(map(len, prompts))), jnp.int32)
+    key = jax.eval_shape(lambda: jax.random.key(0))
+    return _jitted_decode_step().lower(params, prompt, prompt, prompt, cache_abstract(model, rows, tokens), key,
+                                       model=model, temperature=temperature, top_k=top_k).compile()
+
+
 def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False):
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False, prefill=None):
     """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
     produces it. With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
-    row being the distribution the i-th new token was drawn from.
+    row being the distribution the i-th new token was drawn from. `prefill`: the first call
+    compiled already for these arguments (`prefill_program`).
 
     Under a mesh (`jax.set_mesh`) the batch of prompts is split over its batch axes (`batch_ways`),
     and so is the KV cache. A number of prompts those do not divide is made up with one-token rows
@@ -122,7 +139,8 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     new_tokens, new_logits = [], []
     done = np.arange(rows) >= len(prompts)  # the filler rows count as done from the start
     for i in range(max_new_tokens):
-        token_b, logits_bv, cache = step(params, tokens_bt, positions_bt, segment_ids_bt, cache,
+        call = prefill if i == 0 and prefill is not None else step
+        token_b, logits_bv, cache = call(params, tokens_bt, positions_bt, segment_ids_bt, cache,
                                          jax.random.fold_in(key, i))
         token_b = np.asarray(token_b)
         new_tokens.append(np.where(done, -1, token_b))  # -1: the row had already stopped
@@ -140,19 +158,35 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     return out, [np.stack(new_logits, axis=1)[row, :len(toks)] for row, toks in enumerate(out)]
 
 
+def cache_abstract(model: ModelDef, rows: int, tokens: int, mesh=None):
+    """The KV cache `empty_cache` creates, as ShapeDtypeStructs laid out over `mesh` (default: the
+    current one; none: unsharded)."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from tessera.mesh import logical_spec
+    from tessera.models.kv_cache import KVCache
+
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    shapes = jax.eval_shape(lambda: model.init_cache(rows, tokens))
+    if mesh.empty:
+        return shapes
+    leaves, treedef = jax.tree.flatten(shapes)
+    return treedef.unflatten([
+        jax.ShapeDtypeStruct(leaf.shape, leaf.dtype,
+                             sharding=NamedSharding(mesh, logical_spec(names, leaf.shape, dict(mesh.shape))))
+        for leaf, names in zip(leaves, KVCache.tree_logical_axes(shapes))])
+
+
 def kv_cache_bytes(model: ModelDef, rows: int, tokens: int, mesh=None) -> int:
     """Bytes of the KV cache `generate` creates for `rows` prompts of up to `tokens` tokens (prompt
     and new ones): all of it, or with `mesh`, what one device of it holds (`empty_cache`)."""
     import jax
-    from jax.sharding import NamedSharding
 
     from tessera.memory_fit import bytes_per_device
-    from tessera.mesh import logical_spec
-    from tessera.models.kv_cache import KVCache
 
-    shapes = jax.eval_shape(lambda: model.init_cache(rows, tokens))
-    leaves, names = jax.tree.leaves(shapes), KVCache.tree_logical_axes(shapes)
     if mesh is None:
-        return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
-    return bytes_per_device(leaves, [NamedSharding(mesh, logical_spec(n, leaf.shape, dict(mesh.shape)))
-                                     for leaf, n in zip(leaves, names)])
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(jax.eval_shape(
+            lambda: model.init_cache(rows, tokens))))
+    leaves = jax.tree.leaves(cache_abstract(model, rows, tokens, mesh))
+    return bytes_per_device(leaves, [leaf.sharding for leaf in leaves])
