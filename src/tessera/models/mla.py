@@ -11,8 +11,7 @@ gives one rotary key part [Hr] (`qk_rope_head_dim`) that all heads share. Querie
 Decoding caches what MLA is designed to cache: the normalized latent [R] and the rotated
 shared key part [Hr] per token (576 numbers per token and layer in DeepSeek-V3, against
 2 x 128 heads x 192 for the expanded keys and values). They go in the `KVCache`'s two
-arrays (keys: the latent, values: the rotary part, one "head" each); each step expands the
-cached latents through the up-projection again.
+arrays (keys: the latent, values: the rotary part, one "head" each).
 
 Where it differs from the reference (Hugging Face `DeepseekV3Attention`, which the parity
 tests compare against): DeepSeek's checkpoints store the rotary dimensions interleaved in
@@ -20,8 +19,11 @@ pairs and rotate each pair (`rope_interleave`); we rotate the two halves, so the
 reorders the rotary output columns of the query and latent projections (even dimensions
 first, then odd), which makes the rotated vectors, and so the scores, the same. A fused
 kernel (splash, cuDNN) gets the values padded with zeros to the query/key width and its
-output cut back; the decode path expands cached latents instead of absorbing the
-up-projection into the queries (the same numbers, more work per step).
+output cut back. A decoding step (one token per row) attends in the latent space instead:
+the key up-projection is folded into the queries and the value up-projection applied to the
+attention-weighted latents (`attend_latent`), so the cached latents are never expanded per head;
+a prompt's prefill expands them, which costs fewer operations per score. With a quantized
+training mode (`quantization`) both use the expanded form, whose products that mode quantizes.
 """
 
 from __future__ import annotations
@@ -82,16 +84,34 @@ class MlaAttention(Attention):
         kv = project("btd,dr->btr", x_btd, w(self.wkv_a_dr), quantization=quant)
         latent_btr = self.kv_norm(kv[..., :r])
         k_rope_bth = rotate(kv[..., None, r:], tables)[:, :, 0]
-        if kv_cache is not None:
-            kv_cache = kv_cache.write(latent_btr[:, :, None], k_rope_bth[:, :, None], positions_bt, segment_ids_bt)
-            latent_btr, k_rope_bth = kv_cache.keys(q.dtype)[:, :, 0], kv_cache.values(q.dtype)[:, :, 0]
-        k, v = self.expand(latent_btr, k_rope_bth)
-        if kv_cache is not None:
-            ctx = masked_attention(q, k, v, functools.partial(kv_cache.mask, window=0), positions_bt, segment_ids_bt,
-                                   scale=self.scale)
-        else:
-            ctx = self.attend(q, k, v, segment_ids_bt, packed)
+        if kv_cache is None:
+            return self.output(self.attend(q, *self.expand(latent_btr, k_rope_bth), segment_ids_bt, packed)), None
+        kv_cache = kv_cache.write(latent_btr[:, :, None], k_rope_bth[:, :, None], positions_bt, segment_ids_bt)
+        latent_bsr, k_rope_bsh = kv_cache.keys(q.dtype)[:, :, 0], kv_cache.values(q.dtype)[:, :, 0]
+        visible = functools.partial(kv_cache.mask, window=0)
+        if q.shape[1] == 1 and not quant:  # a decoding step
+            ctx = self.attend_latent(q, latent_bsr, k_rope_bsh, visible, positions_bt, segment_ids_bt)
+        else:  # a prompt: expanded keys cost fewer operations per score
+            k, v = self.expand(latent_bsr, k_rope_bsh)
+            ctx = masked_attention(q, k, v, visible, positions_bt, segment_ids_bt, scale=self.scale)
         return self.output(ctx), kv_cache
+
+    def attend_latent(self, q_btnh, latent_bsr, k_rope_bsh, visible, positions_bt, segment_ids_bt):
+        """Cached attention without expanding the cache: the key up-projection is folded into the
+        queries (q_nope W_k^T, [B, T, N, R]), which then meet the cached latents directly, one
+        key "head" for all query heads; the attention-weighted latents go through the value
+        up-projection. The same scores and outputs as `expand`, in another order of sums, with
+        no [B, S, N, H] keys and values: per step and layer that is R + Hr numbers per cached
+        token read (576 in DeepSeek-V3) instead of N (2 Hn + Hr + Hv) (128 x 448) computed."""
+        hn = self.dims[0]
+        w_rnh = self.wkv_b_rnh[...].astype(self.dtype)
+        q_latent = project("btnh,rnh->btnr", q_btnh[..., :hn], w_rnh[..., :hn])
+        q_btnr = shard_logically(jnp.concatenate([q_latent, q_btnh[..., hn:]], axis=-1),
+                                 ("batch", "length", "act_heads", None))
+        keys_bs1r = jnp.concatenate([latent_bsr, k_rope_bsh.astype(latent_bsr.dtype)], axis=-1)[:, :, None]
+        ctx_btnr = masked_attention(q_btnr, keys_bs1r, latent_bsr[:, :, None], visible, positions_bt,
+                                    segment_ids_bt, scale=self.scale)
+        return project("btnr,rnh->btnh", ctx_btnr, w_rnh[..., hn:])
 
     def expand(self, latent_bsr, k_rope_bsh):
         """Keys [B, S, N, Hn + Hr] and values [B, S, N, Hv] of every head from the latents."""
