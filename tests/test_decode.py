@@ -275,6 +275,27 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k(llama):
             assert token in np.argsort(-step_logits)[:3]
 
 
+def test_top_p_samples_from_the_smallest_set_that_reaches_p():
+    """Probabilities 0.5, 0.3, 0.15, 0.05 (at temperature 1): top_p 0.8 keeps the first two (0.8
+    reached), 0.81 the first three, 0.4 only the first; every kept token is drawn about as often as
+    its renormalized probability; top_k applies first; top_p=1 changes nothing."""
+    probs = np.array([0.3, 0.05, 0.5, 0.15])  # the most likely token is not the first
+    logits_bv = np.log(np.tile(probs, (2, 1))).astype(np.float32)
+    keys = jax.random.split(jax.random.key(0), 4000)
+
+    def draws(**kw):
+        return np.asarray(jax.vmap(lambda k: sample(logits_bv, k, 1.0, **kw))(keys))[:, 0]
+
+    for top_p, kept in ((0.8, [2, 0]), (0.81, [2, 0, 3]), (0.4, [2])):
+        got = draws(top_k=0, top_p=top_p)
+        assert set(got) == set(kept), top_p
+        share = {t: np.mean(got == t) for t in kept}
+        for t in kept:
+            assert share[t] == pytest.approx(probs[t] / probs[kept].sum(), abs=0.03), (top_p, t)
+    assert set(draws(top_k=2, top_p=0.9)) == {2, 0}  # top_k 2 leaves 0.5 and 0.3: 0.625 + 0.375
+    assert set(draws(top_k=3, top_p=0.6)) == {2, 0}  # renormalized over three: 0.53, then 0.84 >= 0.6
+    np.testing.assert_array_equal(draws(top_k=0, top_p=1.0), draws(top_k=0))
+
 
 def test_a_rows_draw_does_not_depend_on_the_rows_after_it():
     """The first n rows draw the same tokens with or without more rows after them (JAX's random
@@ -412,6 +433,10 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         assert main(argv) == 2, name
         err = capsys.readouterr().err
         assert message in err, (name, err)
+    for top_p in ("0", "1.5", "-0.1"):  # refused by the flag parser: usage, the error, exit code 2
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--tokens", "1,2", "--temperature", "1", "--top_p", top_p])
+        assert exit_.value.code == 2 and "--top_p in (0, 1]" in capsys.readouterr().err
 
 
 def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):

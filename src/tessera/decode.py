@@ -8,7 +8,7 @@ checkpoint was trained with); `--flags` choose what to generate (see `parse_args
 of different lengths are decoded together, left-padded: one call writes the prompts into the
 KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 --temperature 0 (the default), else from softmax(logits / temperature) over the --top_k most
-likely tokens (0: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
+likely tokens (0: all) and the fewest of them whose probabilities add up to --top_p (1: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
 
 Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated);
 7 the parameters, the KV cache and the prompts' prefill do not fit in the memory the devices have left
@@ -51,7 +51,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
         prog="python3 -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
-              "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--seed S]\n"
+              "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]\n"
               "       python3 decode.py ... (the same)",
         description="Generate text from a checkpoint. key=value arguments build the config as for training: "
                     "give the model keys the checkpoint was trained with.",
@@ -63,6 +63,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--max_new_tokens", type=int, default=32, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
     parser.add_argument("--top_k", type=int, default=0, help="sample among the K most likely tokens (0: all)")
+    parser.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens whose "
+                        "probabilities add up to P (nucleus sampling; 1: all)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     parser.add_argument("--eos_id", type=int, default=None, help="stop a row at this token (default: the "
                         "tokenizer's end-of-sequence token; none with --tokens)")
@@ -70,8 +72,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     unknown = [a for a in rest if a.startswith("--")]
     if unknown:
         parser.error(f"unknown flag {unknown[0]}; config keys are given as key=value")
-    if flags.max_new_tokens < 1 or flags.temperature < 0 or flags.top_k < 0:
-        parser.error("--max_new_tokens must be >= 1, --temperature >= 0 and --top_k >= 0")
+    if flags.max_new_tokens < 1 or flags.temperature < 0 or flags.top_k < 0 or not 0 < flags.top_p <= 1:
+        parser.error("--max_new_tokens must be >= 1, --temperature >= 0, --top_k >= 0 and --top_p in (0, 1]")
     return flags, rest
 
 
@@ -125,7 +127,7 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
 def load_model(cfg: Config, mesh, decoding: dict | None = None):
     """(model, parameters from load_parameters_path sharded over `mesh`, the compiled prefill or
     None). Checked first, given `decoding` (`generate`'s prompts, max_new_tokens, temperature and
-    top_k): that the parameters fit with the KV cache decoding them on `mesh` will hold
+    top_k, top_p): that the parameters fit with the KV cache decoding them on `mesh` will hold
     (`cache_shape`: the prompts as `batch_rows` rows); then that the prefill fits with them too
     (`prefill_program`, compiled from shapes; its temporaries hold a chunk of each prompt's
     attention scores and the prompts' activations)."""
@@ -234,7 +236,7 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
     tokenizer, prompts = encode_prompts(cfg, flags)
     mesh = create_mesh(cfg.mesh)
     decoding = dict(prompts=prompts, max_new_tokens=flags.max_new_tokens, temperature=flags.temperature,
-                    top_k=flags.top_k)
+                    top_k=flags.top_k, top_p=flags.top_p)
     model, params, program = load_model(cfg, mesh, decoding)
     rows = batch_rows(len(prompts), batch_ways(mesh))
     if rows > len(prompts):
@@ -244,7 +246,7 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         outputs = generate(model, params, prompts, flags.max_new_tokens, flags.temperature, flags.top_k,
-                           flags.seed, eos_id, prefill=program)
+                           flags.seed, eos_id, prefill=program, top_p=flags.top_p)
     seconds = time.perf_counter() - start
     count = sum(len(o) for o in outputs)
     log.info("generated %d tokens for %d prompt(s) in %.2f s (compilation included)", count, len(prompts), seconds)

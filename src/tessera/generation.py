@@ -2,7 +2,8 @@
 
 Prompts of different lengths are decoded together, left-padded: one call writes the prompts into
 the KV cache (prefill), then each call adds one token per row. Sampling is greedy at temperature
-0, else from softmax(logits / temperature) over the top_k most likely tokens (0: all). Under a
+0, else from softmax(logits / temperature) over the top_k most likely tokens (0: all) and the
+smallest set of them whose probabilities add up to top_p (1: all). Under a
 mesh the batch and the cache are split over it (`generate`). `tessera.decode` is the command line
 around it (and re-exports these names); JAX is imported inside the functions, so importing this
 module stays cheap.
@@ -20,9 +21,12 @@ if TYPE_CHECKING:
     from tessera.models import ModelDef
 
 
-def sample(logits_bv, key, temperature: float, top_k: int):
+def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
     """Next token ids [B] from logits [B, V]: the argmax when temperature == 0, else a draw from
-    softmax(logits / temperature) restricted to the top_k largest logits (top_k=0: all)."""
+    softmax(logits / temperature) restricted to the top_k largest logits (top_k=0: all), then to
+    the most likely tokens whose probabilities, in that distribution, first add up to top_p or more
+    (nucleus sampling; the most likely token always stays, and so do tokens tied with the last one
+    kept; top_p=1: all)."""
     import jax
     import jax.numpy as jnp
 
@@ -32,6 +36,12 @@ def sample(logits_bv, key, temperature: float, top_k: int):
     if top_k:
         kth_b1 = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
         logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
+    if top_p < 1.0:
+        sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
+        probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+        before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv  # the probability of the tokens ahead
+        last_b1 = jnp.min(jnp.where(before_bv < top_p, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+        logits_bv = jnp.where(logits_bv < last_b1, -jnp.inf, logits_bv)
     return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
 
 
@@ -47,17 +57,17 @@ def left_padded(prompts: list[list[int]]):
 
 
 def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key, *, model: ModelDef, temperature: float,
-                 top_k: int):
+                 top_k: int, top_p: float = 1.0):
     """(next tokens [B], their logits [B, V], cache) after the tokens [B, T] (the prompt, then one token)."""
     logits_btv, cache = model.apply(params, tokens_bt, positions_bt, segment_ids_bt, kv_cache=cache)
-    return sample(logits_btv[:, -1], key, temperature, top_k), logits_btv[:, -1], cache
+    return sample(logits_btv[:, -1], key, temperature, top_k, top_p), logits_btv[:, -1], cache
 
 
 @functools.cache
 def _jitted_decode_step():
     import jax
 
-    return jax.jit(_decode_step, static_argnames=("model", "temperature", "top_k"), donate_argnames="cache")
+    return jax.jit(_decode_step, static_argnames=("model", "temperature", "top_k", "top_p"), donate_argnames="cache")
 
 
 def cache_shape(prompts: list[list[int]], max_new_tokens: int, ways: int = 1) -> tuple[int, int]:
@@ -91,7 +101,7 @@ def empty_cache(model: ModelDef, rows: int, tokens: int):
 
 
 def prefill_program(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-                    top_k: int = 0):
+                    top_k: int = 0, top_p: float = 1.0):
     """`generate`'s first call (the prompts' prefill) for these arguments, compiled ahead of time
     for the current mesh from shapes alone (`params` may be ShapeDtypeStructs with shardings):
     `decode.py` reads its temporaries for the memory check before loading anything, then hands it
@@ -103,11 +113,12 @@ def prefill_program(model: ModelDef, params, prompts: list[list[int]], max_new_t
     prompt = jax.ShapeDtypeStruct((rows, max(map(len, prompts))), jnp.int32)
     key = jax.eval_shape(lambda: jax.random.key(0))
     return _jitted_decode_step().lower(params, prompt, prompt, prompt, cache_abstract(model, rows, tokens), key,
-                                       model=model, temperature=temperature, top_k=top_k).compile()
+                                       model=model, temperature=temperature, top_k=top_k, top_p=top_p).compile()
 
 
 def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False, prefill=None):
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False, prefill=None,
+             top_p: float = 1.0):
     """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
     produces it. With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
     row being the distribution the i-th new token was drawn from. `prefill`: the first call
@@ -129,7 +140,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
         raise ValueError(f"{lengths.max()} prompt tokens + {max_new_tokens} new tokens exceed the "
                          f"trainable_position_size={table} positions this model has embeddings for")
 
-    step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k)
+    step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k, top_p=top_p)
     rows, length = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()))
     filler = rows - len(prompts)
     tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts + [[0]] * filler)
