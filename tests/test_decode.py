@@ -378,6 +378,41 @@ def test_decode_py_prints_generated_tokens(checkpoint):
     assert f"generated {2 * NEW_TOKENS} tokens for 2 prompt(s)" in proc.stderr
 
 
+def test_two_processes_decode_what_one_does_and_print_it_once(llama, checkpoint):
+    """decode.py in a 2-process job (4 CPU devices each, the parameters and the cache split over
+    all 8): sampled tokens as one process draws them in-process, printed by process 0 alone, with
+    nothing but them on its stdout (the collectives' connection lines go to stderr)."""
+    import os
+
+    from test_distributed import _free_port
+
+    model, params = llama
+    path, _ = checkpoint
+    sampling = dict(temperature=1.0, top_k=50, top_p=0.9, seed=4)
+    want = generate(model, params, PROMPTS, NEW_TOKENS, **sampling)
+    port = _free_port()
+    procs = []
+    for rank in (0, 1):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+                   JAX_COORDINATOR_IP="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES="2", NODE_RANK=str(rank),
+                   JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS="60")
+        cmd = [sys.executable, str(REPO / "decode.py"), *CONFIG_ARGS, f"load_parameters_path={path}",
+               *(a for prompt in PROMPTS for a in ("--tokens", ",".join(map(str, prompt)))),
+               "--max_new_tokens", str(NEW_TOKENS), *(a for k, v in sampling.items() for a in (f"--{k}", str(v)))]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=300) + (p.returncode,) for p in procs]
+    for out, err, code in outs:
+        assert code == 0, err[-3000:]
+        assert "joined: process" in err and "4 local / 8 global devices" in err, err[-3000:]
+    assert [[int(t) for t in line.split()] for line in outs[0][0].splitlines()] == want
+    assert outs[1][0] == ""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_IP="127.0.0.1", NNODES="2", NODE_RANK="5")
+    bad = subprocess.run([sys.executable, str(REPO / "decode.py"), *CONFIG_ARGS, f"load_parameters_path={path}",
+                          "--tokens", "1,2"], env=env, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 4 and bad.stdout == "", bad.stderr[-3000:]  # train.py's exit code for start-up
+    assert "Traceback" not in bad.stderr and "distributed start-up error: NODE_RANK=5 must be in" in bad.stderr
+
+
 def test_sigterm_stops_decoding_with_one_line_and_exit_143(checkpoint):
     path, _ = checkpoint
     long = [a for a in CONFIG_ARGS if not a.startswith("max_target_length=")] + ["max_target_length=2048"]

@@ -8,9 +8,15 @@ checkpoint was trained with); `--flags` choose what to generate (see `parse_args
 of different lengths are decoded together, left-padded: one call writes the prompts into the
 KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 --temperature 0 (the default), else from softmax(logits / temperature) over the --top_k most
-likely tokens (0: all) and the fewest of them whose probabilities add up to --top_p (1: all). A row stops at the tokenizer's end-of-sequence token (or --eos_id).
+likely tokens (0: all) and the fewest of them whose probabilities add up to --top_p (1: all). A
+row stops at the tokenizer's end-of-sequence token (or --eos_id).
+
+Several processes (a TPU slice's hosts, a Slurm job, or NNODES / NODE_RANK / JAX_COORDINATOR_IP
+as for train.py) decode together: each loads its part of the parameters, all sample the same
+tokens, and process 0 prints them.
 
 Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated);
+4 a multi-process job could not start (as train.py's);
 7 the parameters, the KV cache and the prompts' prefill do not fit in the memory the devices have left
 (checked before loading); 130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback;
 decoding writes no files, so nothing is left half-written).
@@ -224,8 +230,9 @@ def save_quantized(params, mode: str, path: str, checksums: bool = True) -> None
     log.info("wrote the parameters quantized (%s) to %s", mode, path)
 
 
-def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
-    """Generate for the flags' prompts and print the results; returns the new tokens per prompt."""
+def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
+    """Generate for the flags' prompts and print the results (to `out`, default stdout); returns
+    the new tokens per prompt."""
     import jax
 
     from tessera.mesh import create_mesh
@@ -250,13 +257,27 @@ def decode(cfg: Config, flags: argparse.Namespace) -> list[list[int]]:
     seconds = time.perf_counter() - start
     count = sum(len(o) for o in outputs)
     log.info("generated %d tokens for %d prompt(s) in %.2f s (compilation included)", count, len(prompts), seconds)
+    if jax.process_index() != 0:  # every process of a multi-process job has the same outputs: one prints them
+        return outputs
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):
         if tokenizer is None:
-            print(" ".join(map(str, new)))
+            print(" ".join(map(str, new)), file=out or sys.stdout)
         else:  # prompt and continuation decoded together, so that the spacing between them is right
             text = tokenizer.decode([t for t in prompt + new if t not in (tokenizer.bos_id, eos_id)])
-            print(("\n" if i else "") + text)
+            print(("\n" if i else "") + text, file=out or sys.stdout)
     return outputs
+
+
+def _results_only_on_stdout():
+    """A stream to the original stdout, with file descriptor 1 sent to stderr from now on: in a
+    multi-process job on CPU the collectives library prints its connection lines on stdout, which
+    must hold the generated text alone."""
+    import os
+
+    sys.stdout.flush()
+    results = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return results
 
 
 class _Terminated(BaseException):  # like KeyboardInterrupt: no `except Exception` on the way swallows it
@@ -275,10 +296,16 @@ def _main(flags: argparse.Namespace, config_args: list[str]) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
     from tessera.checkpointing import CheckpointError
+    from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, initialize
     from tessera.memory_fit import EXIT_OUT_OF_MEMORY, OutOfMemory
 
     try:
-        decode(load_config(resolve_config_file(config_args)), flags)
+        cfg = load_config(resolve_config_file(config_args))
+        job = initialize()  # a multi-process job (the same environment variables as train.py's): join it
+        decode(cfg, flags, _results_only_on_stdout() if job.num_processes > 1 else None)
+    except DistributedError as e:
+        print(f"distributed start-up error: {e}", file=sys.stderr)
+        return EXIT_DISTRIBUTED
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -56,11 +56,17 @@ def left_padded(prompts: list[list[int]]):
     return tokens, positions, segments
 
 
-def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key, *, model: ModelDef, temperature: float,
-                 top_k: int, top_p: float = 1.0):
-    """(next tokens [B], their logits [B, V], cache) after the tokens [B, T] (the prompt, then one token)."""
+def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key_data, *, model: ModelDef,
+                 temperature: float, top_k: int, top_p: float = 1.0):
+    """(next tokens [B], their logits [B, V], cache) after the tokens [B, T] (the prompt, then one
+    token). Tokens and logits come back whole on every device, so that every process can read them."""
+    import jax
+
+    from tessera.mesh import shard_logically
+
     logits_btv, cache = model.apply(params, tokens_bt, positions_bt, segment_ids_bt, kv_cache=cache)
-    return sample(logits_btv[:, -1], key, temperature, top_k, top_p), logits_btv[:, -1], cache
+    token_b = sample(logits_btv[:, -1], jax.random.wrap_key_data(key_data), temperature, top_k, top_p)
+    return shard_logically(token_b, (None,)), shard_logically(logits_btv[:, -1], (None, None)), cache
 
 
 @functools.cache
@@ -100,6 +106,25 @@ def empty_cache(model: ModelDef, rows: int, tokens: int):
     return jax.jit(lambda: KVCache.shard_tree(model.init_cache(rows, tokens)))()
 
 
+def _inputs_sharding():
+    """Where `generate` puts the prompts and the random key when several processes decode together:
+    whole on every device of the current mesh (None for one process, which passes them as they are)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = jax.sharding.get_mesh()
+    if jax.process_count() == 1 or mesh.empty:
+        return None
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def _key_data(key) -> np.ndarray:
+    """A random key's raw bits (uint32): plain numbers, which go into a global array like the tokens."""
+    import jax
+
+    return np.asarray(jax.random.key_data(key))
+
+
 def prefill_program(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
                     top_k: int = 0, top_p: float = 1.0):
     """`generate`'s first call (the prompts' prefill) for these arguments, compiled ahead of time
@@ -110,8 +135,8 @@ def prefill_program(model: ModelDef, params, prompts: list[list[int]], max_new_t
     import jax.numpy as jnp
 
     rows, tokens = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()))
-    prompt = jax.ShapeDtypeStruct((rows, max(map(len, prompts))), jnp.int32)
-    key = jax.eval_shape(lambda: jax.random.key(0))
+    prompt = jax.ShapeDtypeStruct((rows, max(map(len, prompts))), jnp.int32, sharding=_inputs_sharding())
+    key = jax.ShapeDtypeStruct(_key_data(jax.random.key(0)).shape, np.uint32, sharding=_inputs_sharding())
     return _jitted_decode_step().lower(params, prompt, prompt, prompt, cache_abstract(model, rows, tokens), key,
                                        model=model, temperature=temperature, top_k=top_k, top_p=top_p).compile()
 
@@ -147,12 +172,19 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     lengths = np.concatenate([lengths, np.ones(filler, np.int32)])
     cache = empty_cache(model, rows, length)
     key = jax.random.key(seed)
+    inputs = _inputs_sharding()
+    if inputs is not None:  # several processes: every input is a global array, the same on each of them
+        def global_(a):
+            return jax.make_array_from_callback(a.shape, inputs, lambda index: a[index])
+    else:
+        def global_(a):
+            return a
     new_tokens, new_logits = [], []
     done = np.arange(rows) >= len(prompts)  # the filler rows count as done from the start
     for i in range(max_new_tokens):
         call = prefill if i == 0 and prefill is not None else step
-        token_b, logits_bv, cache = call(params, tokens_bt, positions_bt, segment_ids_bt, cache,
-                                         jax.random.fold_in(key, i))
+        token_b, logits_bv, cache = call(params, global_(tokens_bt), global_(positions_bt), global_(segment_ids_bt),
+                                         cache, global_(_key_data(jax.random.fold_in(key, i))))
         token_b = np.asarray(token_b)
         new_tokens.append(np.where(done, -1, token_b))  # -1: the row had already stopped
         if return_logits:
