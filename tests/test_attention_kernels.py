@@ -69,8 +69,14 @@ def test_splash_under_a_mesh_splits_batch_and_heads():
     np.testing.assert_allclose(out, ref, **TOL)
 
 
-def test_a_model_with_splash_attention_equals_the_reference():
-    cfg = tiny_config(max_target_length=T, base_num_decoder_layers=2, base_num_kv_heads=2)
+@pytest.mark.parametrize("family", ["llama2", "deepseek"])
+def test_a_model_with_splash_attention_equals_the_reference(family):
+    """Loss and gradients of a whole model with the kernel. DeepSeek's dense layer and its expert
+    layers are two scans: a kernel kept from the first one's trace leaked a tracer into the second."""
+    from test_decode import DEEPSEEK
+
+    overrides = dict(base_num_kv_heads=2) if family == "llama2" else DEEPSEEK
+    cfg = tiny_config(max_target_length=T, **{"base_num_decoder_layers": 2, **overrides})
     tokens = jax.random.randint(jax.random.key(2), (2, T), 0, cfg.model.vocab_size)
     ref_model, splash_model = (build_model(cfg.model, kernel) for kernel in ("dot_product", "splash_interpret"))
     params = ref_model.init(jax.random.key(0))
@@ -115,3 +121,27 @@ def test_aot_compile_for_tpu_runs_the_splash_kernel():
     report = compile_for_topology(cfg)
     assert report.fits and report.attention_kernel == "splash"
     assert report.custom_calls.get("tpu_custom_call", 0) >= 3  # forward, dK/dV and dQ kernels
+
+
+def test_aot_compile_for_tpu_runs_the_prompts_prefill_with_splash():
+    """decode.py on a TPU slice: the prefill (prompts padded on the left to 128 tokens) compiles with
+    the splash kernel, where the reference compiles none."""
+    from tessera.decode import _prefill_kernel, prefill_program, prompt_width
+    from tessera.hardware import tpu_slice
+    from tessera.mesh import create_mesh, named_shardings
+    from tessera.train_compile import topology_devices
+
+    cfg = tiny_config(dtype="bfloat16", attention="flash", max_target_length=256, base_num_decoder_layers=2)
+    mesh = create_mesh(cfg.mesh, topology_devices(tpu_slice("v5e-4"), 1))
+    decoding = dict(prompts=[[1, 2, 3], [4, 5]], max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0)
+    kernel = _prefill_kernel(cfg, mesh, decoding)
+    assert kernel == "splash" and prompt_width(decoding["prompts"], kernel) == 128
+    calls = {}
+    for name in (kernel, "dot_product"):
+        model = build_model(cfg.model, name)
+        shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
+        params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                              model.param_shapes(), shardings)
+        with jax.set_mesh(mesh):
+            calls[name] = prefill_program(model, params, **decoding).as_text().count("tpu_custom_call")
+    assert calls == {"splash": 1, "dot_product": 0}  # the forward kernel, in the scanned layers' body

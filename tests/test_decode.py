@@ -90,6 +90,23 @@ def test_cached_decoding_equals_full_recomputation(family):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama2 scanned", "gemma2", "deepseek"])
+def test_a_splash_prefill_decodes_as_full_recomputation(family):
+    """The prompts' prefill runs the training kernel: splash attention (here in Pallas' interpreter)
+    over the prompts padded on the left to 128 tokens; then each token attends over the cache as
+    always. Tokens and logits as the reference model recomputing the whole sequence."""
+    from tessera.decode import prompt_width
+
+    model, params = _model(**FAMILIES[family])
+    splash = build_model(tiny_config(dtype="float32", **FAMILIES[family]).model, "splash_interpret")
+    assert prompt_width(PROMPTS, splash.attention_kernel) == 128 and prompt_width(PROMPTS) == 6
+    tokens, logits = generate(splash, params, PROMPTS, 3, return_logits=True)
+    want_tokens, want_logits = full_recomputation(model, params, PROMPTS, 3)
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_mla_caches_the_compressed_latent():
     """MLA's cache holds, per token and layer, the latent (kv_lora_rank) and the shared rotary key
     (qk_rope_head_dim): 12 + 16 numbers here, not 2 x heads x head_dim of expanded keys and values."""
@@ -183,19 +200,25 @@ def test_cached_attention_in_query_chunks_equals_one_pass():
 
 
 @pytest.mark.parametrize("family", ["llama2 scanned", "mistral window 3", "deepseek"])
-def test_a_prefill_in_query_chunks_decodes_as_full_recomputation(family, monkeypatch):
-    """With a score budget of 44 per row and head the 7-token prefill runs in chunks of 4 queries
-    (11 cached keys) or 4 (the window's 3 + 7 new keys: 10), the last chunk padded."""
+def test_a_prompt_written_in_two_calls_attends_in_query_chunks(family, monkeypatch):
+    """A prompt written in two calls (4 tokens into the empty cache, then 7 into the cache that
+    holds them) gives the logits of the whole sequence at once. Under a score budget of 44 per
+    row and head the second call's queries go in chunks: of 3 against 12 slots, of 4 against
+    the window's 3 slots and the 7 new keys (the last chunk padded)."""
     from tessera.models import attention
 
     monkeypatch.setattr(attention, "SCORES_PER_ROW_AND_HEAD", 44)
     model, params = _model(**FAMILIES[family])
-    prompts = [[5, 17, 3, 88, 41, 9, 12], [60, 2, 33, 4]]  # a width no other test compiles
-    tokens, logits = generate(model, params, prompts, 4, return_logits=True)
-    want_tokens, want_logits = full_recomputation(model, params, prompts, 4)
-    assert tokens == want_tokens
-    for got, want in zip(logits, want_logits):
-        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    tokens = np.array([[5, 17, 3, 88, 41, 9, 12, 60, 2, 33, 4]], np.int32)
+    positions, segments = np.arange(11, dtype=np.int32)[None], np.ones_like(tokens)
+    call = jax.jit(lambda p, t, pos, seg, c: model.apply(p, t, pos, seg, kv_cache=c))
+    cache = kv_cache.KVCache.as_empty(model.init_cache(1, 12))
+    first, cache = call(params, tokens[:, :4], positions[:, :4], segments[:, :4], cache)
+    written = jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, kv_cache.KVCache))
+    assert all(type(c) is kv_cache.KVCache and int(c.positions_bs.max()) == 3 for c in written)  # no longer empty
+    second, _ = call(params, tokens[:, 4:], positions[:, 4:], segments[:, 4:], cache)
+    np.testing.assert_allclose(np.concatenate([first, second], axis=1), model.apply(params, tokens),
+                               atol=1e-5, rtol=1e-5)
 
 
 def _unstack(params, num_blocks):
@@ -231,7 +254,8 @@ def test_training_holds_no_cache_state(llama):
     for name, module in sys.modules.items():
         if name.startswith("tessera.models"):
             assert not [k for k, v in vars(module).items() if isinstance(v, threading.local)], name
-    assert {k for k, v in vars(kv_cache).items() if getattr(v, "__module__", None) == kv_cache.__name__} == {"KVCache"}
+    assert {k for k, v in vars(kv_cache).items()
+            if getattr(v, "__module__", None) == kv_cache.__name__} == {"KVCache", "EmptyKVCache"}
 
     model, params = llama
     batch = {k: jax.ShapeDtypeStruct((2, 13), np.int32) for k in ("tokens", "segment_ids", "positions")}

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING
 
 from tessera.config import Config, ConfigError, load_config
 from tessera.generation import (  # noqa: F401 - the library half, re-exported: `from tessera.decode import generate`
-    batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes, prefill_program, sample,
+    batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes, prefill_program,
+    prompt_width, sample,
 )
 from tessera.tools.cli import UsageError, config_epilog, resolve_config_file, sigterm_raises
 
@@ -145,7 +146,7 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     from tessera.models.quantization import dequantize_params, quantized_abstract
 
     path = cfg.checkpoint.load_parameters_path
-    model = build_model(cfg.model, "dot_product")  # the cached path always runs the reference attention
+    model = build_model(cfg.model, _prefill_kernel(cfg, mesh, decoding))
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
@@ -165,6 +166,19 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     return model, params, program
 
 
+def _prefill_kernel(cfg: Config, mesh, decoding: dict | None) -> str:
+    """The attention kernel of the prompts' prefill (`select_attention`, as training picks it, for
+    the prompts' padded width: splash attention on TPU); each new token attends over the cache
+    with the reference math whatever this is."""
+    from tessera.models.attention import select_attention
+
+    platform = mesh.devices.flat[0].platform
+    width = prompt_width(decoding["prompts"], "splash" if platform == "tpu" else "") if decoding else 0
+    choice = select_attention(cfg.model, platform, width, dict(mesh.shape))
+    log.info("prefill attention: %s", choice.reason)
+    return choice.kernel
+
+
 def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight_dtype: str):
     """`load_model`'s checks (OutOfMemory); returns the compiled prefill (None without `decoding`)."""
     import jax
@@ -175,7 +189,8 @@ def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight
     need, what = bytes_per_device(model.param_shapes(), shardings), "the parameters"
     parts, cache = f"{weight_dtype}, over a mesh of {mesh.size} device(s)", 0
     if decoding:
-        prompts, tokens = cache_shape(decoding["prompts"], decoding["max_new_tokens"])
+        prompts, tokens = cache_shape(decoding["prompts"], decoding["max_new_tokens"],
+                                      width=prompt_width(decoding["prompts"], model.attention_kernel))
         rows = batch_rows(prompts, batch_ways(mesh))
         cache, whole = kv_cache_bytes(model, rows, tokens, mesh), kv_cache_bytes(model, rows, tokens)
         need, what = need + cache, "the parameters and the KV cache"

@@ -45,10 +45,10 @@ def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
     return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
 
 
-def left_padded(prompts: list[list[int]]):
+def left_padded(prompts: list[list[int]], width: int = 0):
     """(tokens, positions, segment ids), each int32 [B, P]: prompts right-aligned, padding with
-    segment id 0; positions count each prompt's tokens from 0."""
-    width = max(len(p) for p in prompts)
+    segment id 0; positions count each prompt's tokens from 0. P: `width`, at least the longest."""
+    width = max(width, *(len(p) for p in prompts))
     tokens, positions, segments = (np.zeros((len(prompts), width), np.int32) for _ in range(3))
     for row, prompt in enumerate(prompts):
         start = width - len(prompt)
@@ -76,11 +76,20 @@ def _jitted_decode_step():
     return jax.jit(_decode_step, static_argnames=("model", "temperature", "top_k", "top_p"), donate_argnames="cache")
 
 
-def cache_shape(prompts: list[list[int]], max_new_tokens: int, ways: int = 1) -> tuple[int, int]:
+def cache_shape(prompts: list[list[int]], max_new_tokens: int, ways: int = 1, width: int = 0) -> tuple[int, int]:
     """(rows, tokens) of the KV cache `generate` creates on a mesh whose batch axes split rows
-    `ways` ways (`batch_ways`): the prompts are left-padded to the longest, and their number is
-    rounded up to a multiple of `ways` (`batch_rows`)."""
-    return batch_rows(len(prompts), ways), max(map(len, prompts)) + max_new_tokens
+    `ways` ways (`batch_ways`): the prompts are left-padded to the longest (or to `width`,
+    `prompt_width`), and their number is rounded up to a multiple of `ways` (`batch_rows`)."""
+    return batch_rows(len(prompts), ways), max(width, *map(len, prompts)) + max_new_tokens
+
+
+def prompt_width(prompts: list[list[int]], attention_kernel: str = "dot_product") -> int:
+    """The width the prompts are left-padded to for their prefill: the longest prompt, rounded up
+    to a multiple of 128 when the prefill runs splash attention, which tiles the sequence so."""
+    from tessera.models.splash import LANE
+
+    width = max(map(len, prompts))
+    return -(-width // LANE) * LANE if attention_kernel.startswith("splash") else width
 
 
 def batch_rows(prompts: int, ways: int) -> int:
@@ -134,10 +143,15 @@ def prefill_program(model: ModelDef, params, prompts: list[list[int]], max_new_t
     import jax
     import jax.numpy as jnp
 
-    rows, tokens = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()))
-    prompt = jax.ShapeDtypeStruct((rows, max(map(len, prompts))), jnp.int32, sharding=_inputs_sharding())
-    key = jax.ShapeDtypeStruct(_key_data(jax.random.key(0)).shape, np.uint32, sharding=_inputs_sharding())
-    return _jitted_decode_step().lower(params, prompt, prompt, prompt, cache_abstract(model, rows, tokens), key,
+    from tessera.models.kv_cache import KVCache
+
+    width = prompt_width(prompts, model.attention_kernel)
+    rows, tokens = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()), width)
+    prompt = jax.ShapeDtypeStruct((rows, width), jnp.int32, sharding=_inputs_sharding())
+    key = jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0)))
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=_inputs_sharding())
+    cache = KVCache.as_empty(cache_abstract(model, rows, tokens))
+    return _jitted_decode_step().lower(params, prompt, prompt, prompt, cache, key,
                                        model=model, temperature=temperature, top_k=top_k, top_p=top_p).compile()
 
 
@@ -156,6 +170,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     import jax
 
     from tessera.models import BLOCKS
+    from tessera.models.kv_cache import KVCache
 
     if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
         raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
@@ -166,9 +181,10 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
                          f"trainable_position_size={table} positions this model has embeddings for")
 
     step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k, top_p=top_p)
-    rows, length = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()))
+    width = prompt_width(prompts, model.attention_kernel)
+    rows, length = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()), width)
     filler = rows - len(prompts)
-    tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts + [[0]] * filler)
+    tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts + [[0]] * filler, width)
     lengths = np.concatenate([lengths, np.ones(filler, np.int32)])
     cache = empty_cache(model, rows, length)
     key = jax.random.key(seed)
@@ -181,6 +197,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
             return a
     new_tokens, new_logits = [], []
     done = np.arange(rows) >= len(prompts)  # the filler rows count as done from the start
+    cache = KVCache.as_empty(cache)  # the first call's tokens attend only to each other
     for i in range(max_new_tokens):
         call = prefill if i == 0 and prefill is not None else step
         token_b, logits_bv, cache = call(params, global_(tokens_bt), global_(positions_bt), global_(segment_ids_bt),

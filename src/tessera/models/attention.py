@@ -28,7 +28,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
-from tessera.models.kv_cache import KVCache
+from tessera.models.kv_cache import EmptyKVCache, KVCache
 from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rope_frequencies, rotary_tables, rotate,
                                    soft_cap, yarn_frequencies)
 from tessera.mesh import shard_logically, traced_platform
@@ -289,6 +289,10 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x_btd, positions_bt)
         if kv_cache is None:
             return self.output(self.attend(q, k, v, segment_ids_bt, packed)), None
+        if isinstance(kv_cache, EmptyKVCache):  # the prompts' prefill: their tokens see only each other
+            new = kv_cache.stored(k, v, positions_bt, segment_ids_bt)  # as later steps will read them back
+            ctx = self.attend_prompt(q, new.keys(q.dtype), new.values(q.dtype), new, positions_bt, segment_ids_bt)
+            return self.output(ctx), kv_cache.add(new)
         if self.window and q.shape[1] > 1:
             # a sliding-window cache is a ring of `window` slots: writing several tokens may
             # overwrite keys the first of them still see, so they read the cache as it was
@@ -305,6 +309,17 @@ class Attention(nnx.Module):
         ctx = masked_attention(q, keys, values, visible, positions_bt, segment_ids_bt, scale=self.scale,
                                logits_soft_cap=self.logits_soft_cap)
         return self.output(ctx), kv_cache
+
+    def attend_prompt(self, q, k, v, new: KVCache, positions_bt, segment_ids_bt):
+        """The prefill's attention of the prompts' tokens among themselves: splash attention when
+        that is the kernel (TPU; the prompts are padded to its tiles), else the reference with its
+        queries in chunks (`masked_attention`), whose memory stays bounded for long prompts (the
+        training reference's causal chunks would hold several [2048, T] score blocks at once:
+        34.2 against 4.7 GiB of temporaries for mistral-7b and a 32k-token prompt)."""
+        if self.kernel.startswith("splash"):
+            return self.attend(q, k, v, segment_ids_bt, packed=True)
+        return masked_attention(q, k, v, functools.partial(new.mask, window=self.window), positions_bt,
+                                segment_ids_bt, scale=self.scale, logits_soft_cap=self.logits_soft_cap)
 
     def attend(self, q, k, v, segment_ids_bt, packed: bool):
         """Causal attention of the T tokens among themselves with the chosen kernel: context [B, T, N, Hv]."""

@@ -23,6 +23,12 @@ Mistral 7B's 4096-token window then caches 4096 positions of a 32k sequence, and
 local layers (five of every six, window 1024) 1024 of a 128k one: 2.6 GiB instead of 17.0 for
 Gemma 3 4B's bfloat16 cache of one 128k-token prompt.
 
+The first call of a decoding run gets its cache as an `EmptyKVCache`: the same arrays, marked
+(in the pytree's type, so the mark is known while tracing) as holding nothing yet. Its tokens
+then attend only to each other (`Attention.attend_prompt`: splash attention on TPU, else the
+reference over their own keys), not over every slot of the cache; their keys and values are
+stored after (`add` returns a plain `KVCache`).
+
 `quantize_kvcache=true` stores keys and values quantized (qwix): `kv_quant_dtype` int8 or int4,
 with one absmax scale per slot and kv head (`kv_quant_axis=dkv`: reduced over the head
 dimension) or per slot (`heads_and_dkv`: over heads and head dimension). Attention reads them
@@ -164,6 +170,11 @@ class KVCache(NamedTuple):
             return stored.astype(dtype)
         return (stored.astype(jnp.float32) * scale).astype(dtype)
 
+    @staticmethod
+    def as_empty(caches):
+        """A tree of caches, each marked as holding nothing yet (`EmptyKVCache`): for the first call."""
+        return jax.tree.map(lambda c: EmptyKVCache(*c), caches, is_leaf=lambda x: isinstance(x, KVCache))
+
     def mask(self, positions_bt, segment_ids_bt, window: int) -> jax.Array:
         """[B, T, S]: which cached keys each query sees (see the module docstring)."""
         distance_bts = positions_bt[:, :, None] - self.positions_bs[:, None, :]
@@ -171,3 +182,7 @@ class KVCache(NamedTuple):
         if window:
             visible &= distance_bts < window
         return visible & (segment_ids_bt[:, :, None] == self.segment_ids_bs[:, None, :])
+
+
+class EmptyKVCache(KVCache):
+    """A `KVCache` nothing has been written to yet (see the module docstring); only its type differs."""

@@ -38,7 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
 from tessera.models.attention import Attention, masked_attention, rope_frequencies_of
-from tessera.models.kv_cache import KVCache
+from tessera.models.kv_cache import EmptyKVCache, KVCache
 from tessera.models.layers import RMSNorm, fan_in_std, param, project, rotary_tables, rotate, yarn_score_scale
 
 
@@ -86,6 +86,10 @@ class MlaAttention(Attention):
         k_rope_bth = rotate(kv[..., None, r:], tables)[:, :, 0]
         if kv_cache is None:
             return self.output(self.attend(q, *self.expand(latent_btr, k_rope_bth), segment_ids_bt, packed)), None
+        if isinstance(kv_cache, EmptyKVCache):  # the prompts' prefill (see `Attention.__call__`)
+            new = kv_cache.stored(latent_btr[:, :, None], k_rope_bth[:, :, None], positions_bt, segment_ids_bt)
+            k, v = self.expand(new.keys(q.dtype)[:, :, 0], new.values(q.dtype)[:, :, 0])
+            return self.output(self.attend_prompt(q, k, v, new, positions_bt, segment_ids_bt)), kv_cache.add(new)
         kv_cache = kv_cache.write(latent_btr[:, :, None], k_rope_bth[:, :, None], positions_bt, segment_ids_bt)
         latent_bsr, k_rope_bsh = kv_cache.keys(q.dtype)[:, :, 0], kv_cache.values(q.dtype)[:, :, 0]
         visible = functools.partial(kv_cache.mask, window=0)

@@ -70,9 +70,11 @@ def block_sizes(m: ModelConfig, length: int, use_fused_bwd: bool | None = None) 
         use_fused_bwd_kernel=fused, q_layout=layout["q"], k_layout=layout["k"], v_layout=layout["v"])
 
 
-@functools.lru_cache(maxsize=64)
 def _kernel(groups: int, length: int, window: int, cap: float, blocks: sa.BlockSizes, interpret: bool):
-    """A splash MQA kernel for `groups` query heads sharing one kv head (built once per shape)."""
+    """A splash MQA kernel for `groups` query heads sharing one kv head. Built afresh for every
+    call being traced: its mask tables become arrays of the trace that builds it, so a kernel kept
+    from one trace (a scan's body: deepseek's dense layers) and used in another (its expert
+    layers) would hold a leaked tracer."""
     if window:
         mask = sa.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
     else:
