@@ -127,6 +127,14 @@ def _inputs_sharding():
     return NamedSharding(mesh, PartitionSpec())
 
 
+def _as_input(a: np.ndarray, sharding):
+    """`a` as a decoding step's input: itself, or with `sharding` (`_inputs_sharding`) a global
+    array that every process builds from its own copy of `a` (the same on each of them)."""
+    import jax
+
+    return a if sharding is None else jax.make_array_from_callback(a.shape, sharding, lambda index: a[index])
+
+
 def _key_data(key) -> np.ndarray:
     """A random key's raw bits (uint32): plain numbers, which go into a global array like the tokens."""
     import jax
@@ -186,18 +194,11 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     filler = rows - len(prompts)
     tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts + [[0]] * filler, width)
     lengths = np.concatenate([lengths, np.ones(filler, np.int32)])
-    cache = empty_cache(model, rows, length)
+    cache = KVCache.as_empty(empty_cache(model, rows, length))  # the first call's tokens see only each other
     key = jax.random.key(seed)
-    inputs = _inputs_sharding()
-    if inputs is not None:  # several processes: every input is a global array, the same on each of them
-        def global_(a):
-            return jax.make_array_from_callback(a.shape, inputs, lambda index: a[index])
-    else:
-        def global_(a):
-            return a
+    global_ = functools.partial(_as_input, sharding=_inputs_sharding())
     new_tokens, new_logits = [], []
     done = np.arange(rows) >= len(prompts)  # the filler rows count as done from the start
-    cache = KVCache.as_empty(cache)  # the first call's tokens attend only to each other
     for i in range(max_new_tokens):
         call = prefill if i == 0 and prefill is not None else step
         token_b, logits_bv, cache = call(params, global_(tokens_bt), global_(positions_bt), global_(segment_ids_bt),
