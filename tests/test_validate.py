@@ -10,8 +10,9 @@ import time
 import pytest
 
 from conftest import REPO
-from tessera.tools import validate
-from tessera.tools.validate import ValidationInputError, build_plan, load, main, node_commands, over_ssh, select
+from tessera.tools import validate, validate_nodes
+from tessera.tools.validate import ValidationInputError, build_plan, load, main, select
+from tessera.tools.validate_nodes import node_commands, over_ssh
 
 AMD = sorted((REPO / "configs" / "gpu" / "amd").glob("*.json"))
 CPU = str(REPO / "configs" / "cpu" / "validate_tiny.json")
@@ -149,16 +150,16 @@ def test_a_host_without_the_interpreter_says_so():
 
 
 def test_progress_lines_while_nodes_train(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(validate, "PROGRESS_SECONDS", 0.1)
+    monkeypatch.setattr(validate_nodes, "PROGRESS_SECONDS", 0.1)
     log = tmp_path / "node0.log"
     log.write_text("I attention kernel: dot_product\n10:00:01 I step     3 | loss 5.1 | 0.2 s\n")
     procs = [subprocess.Popen(["sleep", "0.6"]), subprocess.Popen(["sh", "-c", "exit 4"])]
     start = time.monotonic()
-    assert validate.wait_for_nodes(procs, log, "8") == [0, 4]
+    assert validate_nodes.wait_for_nodes(procs, log, "8") == [0, 4]
     assert time.monotonic() - start >= 0.5
     lines = capsys.readouterr().out.splitlines()
     assert lines and re.fullmatch(r"training: 0s elapsed, step 3/8 on node 0, [12] of 2 node\(s\) running", lines[0])
-    assert validate.last_step_logged(tmp_path / "none.log") == 0
+    assert validate_nodes.last_step_logged(tmp_path / "none.log") == 0
 
 
 def _tuned(tmp_path, **entry_keys):

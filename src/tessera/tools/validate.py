@@ -14,7 +14,8 @@ variable, a mapped meaning) or is listed as ignored, with the reason.
 Every node runs train.py with the interpreter that runs this suite (sys.executable): over ssh,
 the same path in the same repository folder, so every host needs the repository at the same
 path, set up the same way (`bash setup.sh`). While training runs, node 0's progress shows as
-a bar on a terminal, else as a line every PROGRESS_SECONDS. See getting_started/Validation.md.
+a bar on a terminal, else as a line every PROGRESS_SECONDS (`validate_nodes`, which starts the
+nodes). See getting_started/Validation.md.
 
 Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
 unusable (placeholders left, bad structure) or the output folder cannot be written, 130 Ctrl-C
@@ -28,10 +29,7 @@ import dataclasses
 import getpass
 import json
 import os
-import re
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -43,10 +41,9 @@ from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
 from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings
-from tessera.tools.cli import Heartbeat, UsageError, resolve_path
+from tessera.tools.cli import UsageError, resolve_path
+from tessera.tools.validate_nodes import REPO, container_engine, node_commands, run_nodes, train_argv
 
-REPO = Path(__file__).resolve().parents[3]
-PROGRESS_SECONDS = 30.0
 # config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
 ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
 # config keys with a meaning in Tessera: key -> train key
@@ -280,124 +277,6 @@ def _targets(result_dict: dict) -> dict[str, float]:
         except ValueError:
             raise ValidationInputError(f"result_dict.{key}={value!r} is not a number") from None
     return out
-
-
-# --------------------------------------------------------------------------- running
-
-
-def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str) -> dict[str, str]:
-    env = dict(plan.env)
-    if nnodes > 1:
-        env.update(JAX_COORDINATOR_IP=coordinator, JAX_COORDINATOR_PORT=plan.port, NNODES=str(nnodes),
-                   NODE_RANK=str(rank))
-    return env
-
-
-def train_argv(plan: Plan, run_name: str) -> list[str]:
-    overrides = {**plan.overrides, "run_name": run_name}
-    overrides.setdefault("base_output_directory", str(REPO / "outputs"))
-    return [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"),
-            *(f"{k}={v}" for k, v in overrides.items())]
-
-
-def container_engine() -> str | None:
-    """docker or podman when one is installed and its engine answers, else None."""
-    for engine in ("docker", "podman"):
-        if shutil.which(engine) and subprocess.run([engine, "info"], capture_output=True).returncode == 0:
-            return engine
-    return None
-
-
-def wrap_in_container(engine: str, plan: Plan, env: dict[str, str], argv: list[str]) -> list[str]:
-    c = plan.container
-    cmd = [engine, "run", "--rm", "--network=host", "--ipc=host", f"--shm-size={c.get('shm_size', '16G')}",
-           "-v", f"{REPO}:{REPO}", "-w", str(REPO)]
-    for device in c.get("device_list", []):
-        cmd += ["--device", device]
-    for host, inside in c.get("volume_dict", {}).items():
-        cmd += ["-v", f"{host}:{inside}"]
-    for k, v in env.items():
-        cmd += ["-e", f"{k}={v}"]
-    return cmd + [c["container_image"], "python3", *argv[1:]]
-
-
-def over_ssh(host: str, env: dict[str, str], argv: list[str]) -> list[str]:
-    """ssh argv running `argv` on `host` from the repository's folder (the same path as here);
-    when argv[0] (the interpreter, or the container engine) is missing there, the node's log says so."""
-    exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
-    missing = (f"tessera.validate: {argv[0]} is missing on {host}; every host needs the repository at {REPO} "
-               "set up as on the host that runs the suite (bash setup.sh)")
-    script = (f"cd {shlex.quote(str(REPO))} || exit 2; "
-              f"command -v {shlex.quote(argv[0])} >/dev/null || {{ echo {shlex.quote(missing)} >&2; exit 2; }}; "
-              f"exec env {exports} {shlex.join(argv)}")
-    return ["ssh", host, script]
-
-
-def node_commands(plan: Plan, nodes: list[str], run_name: str, engine: str | None) -> list[tuple[str, list[str], dict]]:
-    """(host, argv, env) per node; host 'local' runs here. Every node runs this interpreter (sys.executable)."""
-    hosts = nodes or ["local"] * max(plan.nnodes, 1)
-    coordinator = nodes[0] if nodes else plan.coordinator
-    out = []
-    for rank, host in enumerate(hosts):
-        env = node_env(plan, rank, len(hosts), coordinator)
-        argv = train_argv(plan, run_name)
-        if engine and plan.container.get("container_image"):
-            argv = wrap_in_container(engine, plan, env, argv)
-        if host != "local":
-            argv = over_ssh(host, env, argv)
-        out.append((host, argv, env))
-    return out
-
-
-def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
-    """Start every node's command, stream each to its own log file, wait for all."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
-    for rank, (host, argv, env) in enumerate(commands):
-        logs.append((log_dir / f"node{rank}.log").open("w"))
-        full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
-        procs.append(subprocess.Popen(argv, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT))
-        print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}", flush=True)
-    try:
-        return wait_for_nodes(procs, log_dir / "node0.log", steps)
-    finally:
-        for log in logs:
-            log.close()
-
-
-def wait_for_nodes(procs: list[subprocess.Popen], node0_log: Path, steps: str) -> list[int]:
-    """Exit codes of every node; meanwhile the steps node 0 has logged, as a bar on a terminal,
-    else in a line every PROGRESS_SECONDS."""
-    if sys.stdout.isatty():
-        from tqdm import tqdm
-
-        total = int(steps) if steps.isdigit() else None
-        with tqdm(total=total, unit="step", desc="training (node 0)", file=sys.stdout) as bar:
-            while any(p.poll() is None for p in procs):
-                bar.update(max(0, last_step_logged(node0_log) - bar.n))
-                time.sleep(1.0)
-            bar.update(max(0, last_step_logged(node0_log) - bar.n))
-    else:
-        def detail() -> str:
-            running = sum(p.poll() is None for p in procs)
-            return f"step {last_step_logged(node0_log)}/{steps} on node 0, {running} of {len(procs)} node(s) running"
-
-        with Heartbeat("training", PROGRESS_SECONDS, detail):
-            for p in procs:
-                p.wait()
-    return [p.wait() for p in procs]
-
-
-def last_step_logged(log_file: Path, tail_bytes: int = 65536) -> int:
-    """The last step line (`step   100 | loss ...`) in the end of a trainer's log; 0 before the first."""
-    try:
-        with log_file.open("rb") as f:
-            f.seek(max(0, log_file.stat().st_size - tail_bytes))
-            text = f.read().decode(errors="replace")
-    except OSError:
-        return 0
-    steps = re.findall(r"\bstep\s+(\d+) \| loss", text)
-    return int(steps[-1]) if steps else 0
 
 
 # --------------------------------------------------------------------------- checking
