@@ -64,9 +64,9 @@ def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key_dat
 
     from tessera.mesh import shard_logically
 
-    logits_btv, cache = model.apply(params, tokens_bt, positions_bt, segment_ids_bt, kv_cache=cache)
-    token_b = sample(logits_btv[:, -1], jax.random.wrap_key_data(key_data), temperature, top_k, top_p)
-    return shard_logically(token_b, (None,)), shard_logically(logits_btv[:, -1], (None, None)), cache
+    logits_bv, cache = model.next_logits(params, tokens_bt, positions_bt, segment_ids_bt, cache)
+    token_b = sample(logits_bv, jax.random.wrap_key_data(key_data), temperature, top_k, top_p)
+    return shard_logically(token_b, (None,)), shard_logically(logits_bv, (None, None)), cache
 
 
 @functools.cache

@@ -42,6 +42,15 @@ class ModelDef:
             return self.apply_with_aux(params, tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)[0]
         return self._module(params)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed, kv_cache)
 
+    def next_logits(self, params: dict, tokens_bt, positions_bt, segment_ids_bt, kv_cache):
+        """(logits [B, V] float32 of each row's last token, updated kv_cache): a decoding call that
+        needs only the next token's distribution, so the output layer runs on the last position
+        alone (a prompt's logits for every position would be [B, T, V]: 128 GiB for Gemma 3's
+        262k vocabulary and a 128k-token prompt)."""
+        module = self._module(params)
+        x, _, kv_cache = module.hidden(tokens_bt, positions_bt, segment_ids_bt, None, False, kv_cache)
+        return module.logits(x[:, -1:])[:, 0], kv_cache
+
     def apply_with_aux(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
                        packed: bool = False):
         """(logits, aux): aux holds the layer-averaged auxiliary scalars (MoE losses; {} for dense models)."""
