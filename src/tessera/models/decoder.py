@@ -37,6 +37,7 @@ from tessera.config.derived import PipelineLayout, dropout_rate
 from tessera.config.schema import REMAT_TENSORS
 from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
+from tessera.models.kv_cache import KVCache
 from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
 from tessera.models.pipeline import run_pipeline, stacked_shape
 from tessera.models.registry import BLOCKS
@@ -236,17 +237,35 @@ class Decoder(nnx.Module):
         stacked = jax.tree.map(lambda a: a.reshape(count, *a.shape[lead:]), stacked)
         use_keys = keys[0] is not None
 
-        def body(h, layer):
-            layer_state, key, layer_cache = layer
-            block = nnx.merge(graphdef, layer_state)
-            h, aux, layer_cache = block(checkpoint_name(h, "decoder_layer_input"), positions_bt, segment_ids_bt,
-                                        key if use_keys else None, packed, layer_cache)
-            return h, (aux, layer_cache)
+        key_stack = jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32)
 
-        xs = (stacked, jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32), kv_cache)
-        cfg = self.cfg if kv_cache is None else dataclasses.replace(self.cfg, remat_policy="none")
-        x, (aux, kv_cache) = jax.lax.scan(remat(body, cfg, True), x, xs)
-        return x, reduce_aux(aux), kv_cache
+        def run(h, layer_state, key, layer_cache):
+            block = nnx.merge(graphdef, layer_state)
+            return block(checkpoint_name(h, "decoder_layer_input"), positions_bt, segment_ids_bt,
+                         key if use_keys else None, packed, layer_cache)
+
+        if kv_cache is None:
+            def body(h, layer):
+                h, aux, _ = run(h, *layer, None)
+                return h, aux
+
+            x, aux = jax.lax.scan(remat(body, self.cfg, True), x, (stacked, key_stack))
+            return x, reduce_aux(aux), None
+        # Decoding: the stacked caches are part of the loop's carry, and each layer writes its own
+        # back in place. As scanned inputs and outputs they were a second copy of the whole cache
+        # (and a zero-filled one) in every call's temporaries.
+        empty = KVCache.is_empty(kv_cache)
+        caches = KVCache.as_written(kv_cache)
+
+        def body(carry, layer):
+            h, caches, i = carry
+            mine = jax.tree.map(lambda c: jax.lax.dynamic_index_in_dim(c, i, keepdims=False), caches)
+            h, aux, mine = run(h, *layer, KVCache.as_empty(mine) if empty else mine)
+            caches = jax.tree.map(lambda c, m: jax.lax.dynamic_update_index_in_dim(c, m, i, 0), caches, mine)
+            return (h, caches, i + 1), aux
+
+        (x, caches, _), aux = jax.lax.scan(body, (x, caches, jnp.zeros((), jnp.int32)), (stacked, key_stack))
+        return x, reduce_aux(aux), caches
 
     def _pipeline_blocks(self, x, positions_bt, segment_ids_bt, keys, packed, kv_cache):
         """(x, aux averaged over blocks and microbatches, None): the blocks run by the pipeline

@@ -175,6 +175,16 @@ class KVCache(NamedTuple):
         """A tree of caches, each marked as holding nothing yet (`EmptyKVCache`): for the first call."""
         return jax.tree.map(lambda c: EmptyKVCache(*c), caches, is_leaf=lambda x: isinstance(x, KVCache))
 
+    @staticmethod
+    def as_written(caches):
+        """A tree of caches without the empty mark (plain `KVCache`s)."""
+        return jax.tree.map(lambda c: KVCache(*c), caches, is_leaf=lambda x: isinstance(x, KVCache))
+
+    @staticmethod
+    def is_empty(caches) -> bool:
+        """Whether a tree of caches carries the empty mark (`as_empty`)."""
+        return any(isinstance(c, EmptyKVCache) for c in jax.tree.leaves(caches, is_leaf=lambda x: isinstance(x, KVCache)))
+
     def mask(self, positions_bt, segment_ids_bt, window: int) -> jax.Array:
         """[B, T, S]: which cached keys each query sees (see the module docstring)."""
         distance_bts = positions_bt[:, :, None] - self.positions_bs[:, None, :]
