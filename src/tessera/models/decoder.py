@@ -20,7 +20,9 @@ scans its layers or unrolls them); with more than one repeat their leading axes 
 Decoding passes a KV cache (`init_cache`, `tessera.models.kv_cache`) to the same call: each
 block gets its own cache, hands it to its attention and returns it updated; the decoder
 returns the new cache in place of `aux`. With scanned layers the caches are stacked like the
-parameters and scanned with them. Training passes none, and its program holds no cache.
+parameters and travel in the scan's carry, each layer updating its part in place (as scanned
+inputs and outputs they would be copied whole in every call). Training passes none, and its
+program holds no cache.
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ each decoded token see the same stored values.
 
 The cache is an argument, not state: `Decoder.__call__(..., kv_cache=...)` hands each block
 its layer's cache, the block hands it to its attention, and the updated caches come back as
-return values (stacked on a leading layers axis when the layers are scanned, carried through
-`jax.lax.scan` like the parameters). Training passes no cache, so its program has no cache in it.
+return values (stacked on a leading layers axis when the layers are scanned, and then part of
+the layers' `jax.lax.scan` carry, each layer writing its part back in place). Training passes no
+cache, so its program has no cache in it.
 
 On a mesh the cache is split as the attention reading it is (`KVCache.shard_tree`): its rows over the
 batch axes (data, fsdp, expert) when they divide the number of prompts, its kv heads over tensor
