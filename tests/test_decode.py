@@ -1,6 +1,7 @@
 """Decoding with a KV cache: cached generation equals full recomputation for every block family;
 sampling; the command line."""
 
+import re
 import subprocess
 import sys
 import threading
@@ -400,6 +401,9 @@ def test_decode_py_prints_generated_tokens(checkpoint):
     printed = [[int(t) for t in line.split()] for line in proc.stdout.splitlines()]
     assert printed == want  # on 8 devices with sharded parameters, as in-process on one
     assert f"generated {2 * NEW_TOKENS} tokens for 2 prompt(s)" in proc.stderr
+    assert re.search(r"memory: parameters \S+ MiB \(float32, over a mesh of 8 device\(s\)\), KV cache \S+ MiB per "
+                     r"device for 2 prompt\(s\) of up to 11 tokens in 8 rows, split 8 ways, prefill temporaries \S+ MiB",
+                     proc.stderr), proc.stderr[-3000:]
 
 
 def test_two_processes_decode_what_one_does_and_print_it_once(llama, checkpoint):

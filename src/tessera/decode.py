@@ -211,6 +211,7 @@ def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight
         check_fits(local_devices(mesh), need + temporaries, f"{what} with the prompts' prefill",
                    f"{parts}, prefill temporaries {format_bytes(temporaries)}", advice,
                    host_buffers=read_buffers(model.param_shapes()))
+        log.info("memory: %s, prefill temporaries %s", parts, format_bytes(temporaries))
     return program
 
 
