@@ -136,6 +136,37 @@ def test_heartbeat_says_how_long_until_the_block_ends():
 
 
 
+def test_a_sigterm_whose_exception_a_gc_callback_swallowed_is_delivered_again():
+    """The handler ran inside a garbage-collection callback, where Python reports its exception as
+    "ignored": the signal is sent again and the block still stops (CI once saw train.py train to the
+    end and exit 0 after a SIGTERM at start-up)."""
+    import gc
+
+    class Stop(BaseException):
+        pass
+
+    fired, reached = [], []
+
+    def callback(phase, info):
+        if phase == "start" and not fired:
+            fired.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(10_000):  # the handler runs in here: its exception goes to sys.unraisablehook
+                pass
+
+    hook = sys.unraisablehook
+    gc.callbacks.append(callback)
+    try:
+        with pytest.raises(Stop), sigterm_raises(Stop):
+            gc.collect()
+            reached.append(True)
+            time.sleep(5)  # the signal sent again arrives here and raises
+    finally:
+        gc.callbacks.remove(callback)
+    assert fired and reached == [True]  # it got past the collection: the first signal was swallowed there
+    assert sys.unraisablehook is hook
+
+
 def test_sigterm_raises_only_inside_its_block_and_restores_the_previous_handler():
     class Stop(BaseException):
         pass

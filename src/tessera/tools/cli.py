@@ -96,6 +96,7 @@ def prepare_training_process(argv: Sequence[str]) -> None:
 
 
 SIGTERM_GRACE_SECONDS = 10.0  # how long a SIGTERM may wait for a main thread busy in compiled code
+RESEND_SECONDS = 0.05  # when a signal whose exception Python swallowed is sent again (sigterm_raises)
 
 
 @contextlib.contextmanager
@@ -111,7 +112,13 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
     with one line and exit code 143, when the handler has not run `grace` seconds later. Ctrl-C
     (SIGINT, which raises KeyboardInterrupt as Python's default does) gets the same, with exit code
     130. The thread only acts while this block's handlers are the ones installed: a training loop
-    installs its own, which finish the step and save first."""
+    installs its own, which finish the step and save first.
+
+    When the handler runs inside a garbage-collection callback (JAX registers one), Python cannot
+    raise its exception there: it reports it as "ignored" and goes on, and the signal was lost (a
+    start-up signalled so trained to the end and exited 0). The block's `sys.unraisablehook` has
+    such a signal sent again, from another thread RESEND_SECONDS later, and the handler raises it
+    at the next point where it can (outside the callback, or it is sent again)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -128,11 +135,27 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, terminate)}
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave a caller's own Ctrl-C handler be
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
+    handlers = {signal.SIGTERM: (terminate, exc_type), signal.SIGINT: (interrupt, KeyboardInterrupt)}
+    previous_hook = sys.unraisablehook
+
+    def send_again(unraisable) -> None:
+        for signum, (handler, kind) in handlers.items():
+            if isinstance(unraisable.exc_value, kind) and signal.getsignal(signum) is handler:
+                # a moment later, from another thread: sent from here, the handler would run (and
+                # be swallowed) at once
+                resend = threading.Timer(RESEND_SECONDS, os.kill, args=(os.getpid(), signum))
+                resend.daemon = True
+                resend.start()
+                return
+        previous_hook(unraisable)
+
+    sys.unraisablehook = send_again
     watcher = _BlockedSignalWatcher({signal.SIGTERM: terminate, signal.SIGINT: interrupt}, ran, grace)
     try:
         yield
     finally:
         watcher.stop()
+        sys.unraisablehook = previous_hook
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 
