@@ -132,7 +132,7 @@ def test_sliding_window_layers_cache_only_their_window(family, windows):
     from tessera.decode import kv_cache_bytes
 
     def caches(m, tokens):
-        return jax.tree.leaves(m.init_cache(2, tokens), is_leaf=lambda x: isinstance(x, kv_cache.KVCache))
+        return kv_cache.KVCache.caches_in(m.init_cache(2, tokens))
 
     model, _ = _model(**FAMILIES[family])
     full = build_model(tiny_config(dtype="float32", **dict(FAMILIES[family], sliding_window_size=0)).model)
@@ -215,7 +215,7 @@ def test_a_prompt_written_in_two_calls_attends_in_query_chunks(family, monkeypat
     call = jax.jit(lambda p, t, pos, seg, c: model.apply(p, t, pos, seg, kv_cache=c))
     cache = kv_cache.KVCache.as_empty(model.init_cache(1, 12))
     first, cache = call(params, tokens[:, :4], positions[:, :4], segments[:, :4], cache)
-    written = jax.tree.leaves(cache, is_leaf=lambda x: isinstance(x, kv_cache.KVCache))
+    written = kv_cache.KVCache.caches_in(cache)
     assert all(type(c) is kv_cache.KVCache and int(c.positions_bs.max()) == 3 for c in written)  # no longer empty
     second, _ = call(params, tokens[:, 4:], positions[:, 4:], segments[:, 4:], cache)
     np.testing.assert_allclose(np.concatenate([first, second], axis=1), model.apply(params, tokens),

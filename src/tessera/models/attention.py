@@ -315,7 +315,7 @@ class Attention(nnx.Module):
         that is the kernel (TPU; the prompts are padded to its tiles), else the reference with its
         queries in chunks (`masked_attention`), whose memory stays bounded for long prompts (the
         training reference's causal chunks would hold several [2048, T] score blocks at once:
-        34.2 against 4.7 GiB of temporaries for mistral-7b and a 32k-token prompt)."""
+        34.2 against 4.2 GiB of temporaries for mistral-7b and a 32k-token prompt)."""
         if self.kernel.startswith("splash"):
             return self.attend(q, k, v, segment_ids_bt, packed=True)
         return masked_attention(q, k, v, functools.partial(new.mask, window=self.window), positions_bt,

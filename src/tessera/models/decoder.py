@@ -257,7 +257,7 @@ class Decoder(nnx.Module):
         # back in place. As scanned inputs and outputs they were a second copy of the whole cache
         # (and a zero-filled one) in every call's temporaries.
         empty = KVCache.is_empty(kv_cache)
-        caches = KVCache.as_written(kv_cache)
+        caches = KVCache.as_empty(kv_cache, empty=False)  # the carry's type stays the same
 
         def body(carry, layer):
             h, caches, i = carry

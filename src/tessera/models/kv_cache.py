@@ -146,10 +146,14 @@ class KVCache(NamedTuple):
         return kv, kv, ids, ids, lead, scale, scale
 
     @staticmethod
+    def caches_in(tree) -> list[KVCache]:
+        """The caches of a tree of caches, in `jax.tree.leaves` order."""
+        return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache))
+
+    @staticmethod
     def tree_logical_axes(caches) -> list[tuple[str | None, ...]]:
         """The logical axis names of every array of a tree of caches, in `jax.tree.leaves` order."""
-        return [names for cache in jax.tree.leaves(caches, is_leaf=lambda x: isinstance(x, KVCache))
-                for names in cache.logical_axes()]
+        return [names for cache in KVCache.caches_in(caches) for names in cache.logical_axes()]
 
     @staticmethod
     def shard_tree(caches):
@@ -172,19 +176,16 @@ class KVCache(NamedTuple):
         return (stored.astype(jnp.float32) * scale).astype(dtype)
 
     @staticmethod
-    def as_empty(caches):
-        """A tree of caches, each marked as holding nothing yet (`EmptyKVCache`): for the first call."""
-        return jax.tree.map(lambda c: EmptyKVCache(*c), caches, is_leaf=lambda x: isinstance(x, KVCache))
-
-    @staticmethod
-    def as_written(caches):
-        """A tree of caches without the empty mark (plain `KVCache`s)."""
-        return jax.tree.map(lambda c: KVCache(*c), caches, is_leaf=lambda x: isinstance(x, KVCache))
+    def as_empty(caches, empty: bool = True):
+        """A tree of caches, each marked as holding nothing yet (`EmptyKVCache`): for the first call;
+        with empty=False, without the mark (plain `KVCache`s)."""
+        kind = EmptyKVCache if empty else KVCache
+        return jax.tree.map(lambda c: kind(*c), caches, is_leaf=lambda x: isinstance(x, KVCache))
 
     @staticmethod
     def is_empty(caches) -> bool:
         """Whether a tree of caches carries the empty mark (`as_empty`)."""
-        return any(isinstance(c, EmptyKVCache) for c in jax.tree.leaves(caches, is_leaf=lambda x: isinstance(x, KVCache)))
+        return any(isinstance(c, EmptyKVCache) for c in KVCache.caches_in(caches))
 
     def mask(self, positions_bt, segment_ids_bt, window: int) -> jax.Array:
         """[B, T, S]: which cached keys each query sees (see the module docstring)."""

@@ -135,22 +135,11 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
     previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, terminate)}
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # leave a caller's own Ctrl-C handler be
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
-    handlers = {signal.SIGTERM: (terminate, exc_type), signal.SIGINT: (interrupt, KeyboardInterrupt)}
+    handlers = {signal.SIGTERM: terminate, signal.SIGINT: interrupt}
     previous_hook = sys.unraisablehook
-
-    def send_again(unraisable) -> None:
-        for signum, (handler, kind) in handlers.items():
-            if isinstance(unraisable.exc_value, kind) and signal.getsignal(signum) is handler:
-                # a moment later, from another thread: sent from here, the handler would run (and
-                # be swallowed) at once
-                resend = threading.Timer(RESEND_SECONDS, os.kill, args=(os.getpid(), signum))
-                resend.daemon = True
-                resend.start()
-                return
-        previous_hook(unraisable)
-
-    sys.unraisablehook = send_again
-    watcher = _BlockedSignalWatcher({signal.SIGTERM: terminate, signal.SIGINT: interrupt}, ran, grace)
+    sys.unraisablehook = _sending_again(handlers, {signal.SIGTERM: exc_type, signal.SIGINT: KeyboardInterrupt},
+                                        previous_hook)
+    watcher = _BlockedSignalWatcher(handlers, ran, grace)
     try:
         yield
     finally:
@@ -158,6 +147,23 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
         sys.unraisablehook = previous_hook
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _sending_again(handlers: dict, kinds: dict, previous_hook):
+    """sigterm_raises' `sys.unraisablehook`: an exception of kinds[signum] that Python swallowed while
+    handlers[signum] is installed has the signal sent again RESEND_SECONDS later, from another
+    thread (sent from the hook, the handler would run inside it at once, and be swallowed again);
+    anything else goes to `previous_hook`."""
+    def hook(unraisable) -> None:
+        for signum, handler in handlers.items():
+            if isinstance(unraisable.exc_value, kinds[signum]) and signal.getsignal(signum) is handler:
+                resend = threading.Timer(RESEND_SECONDS, os.kill, args=(os.getpid(), signum))
+                resend.daemon = True
+                resend.start()
+                return
+        previous_hook(unraisable)
+
+    return hook
 
 
 class _BlockedSignalWatcher:
