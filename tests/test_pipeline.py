@@ -1,6 +1,7 @@
 """Pipeline parallelism over the `stage` mesh axis: same losses as no pipelining on the same
 weights (GPipe and circular, with fsdp, tensor and expert splits inside a stage, scanned or
-unrolled stages, remat, gradient accumulation, Gemma 2 and MoE blocks), checkpoints that move
+unrolled stages, remat, gradient accumulation, Gemma 2 and MoE blocks), DeepSeek's routing biases
+moved as without a pipeline, checkpoints that move
 between pipeline layouts, and the configurations that are refused before anything compiles."""
 
 import json
@@ -87,6 +88,46 @@ def test_mixture_of_experts_pipelines_with_expert_parallelism(tmp_path):
     assert all(r["moe_dropped_fraction"] == 0.0 for r in records)
 
 
+# DeepSeek blocks: 1 dense layer below the pipeline, 4 expert layers over the stages; routing
+# biases moved after every step (loss-free balancing). The load-balancing loss is taken per
+# microbatch in a pipeline (see above): weight 0 here, so the losses must match exactly.
+DEEPSEEK = dict(decoder_block="deepseek", base_num_decoder_layers=5, first_num_dense_layers=1, head_dim=24,
+                q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=10,
+                base_moe_mlp_dim=24, num_experts=8, num_experts_per_tok=3, n_routing_groups=4, topk_routing_group=2,
+                shared_experts=1, routed_score_func="sigmoid", routed_scaling_factor=2.5, routed_bias=True,
+                routed_bias_update_rate=0.02, load_balance_loss_weight=0.0)
+
+
+@pytest.mark.parametrize("mesh", [
+    dict(ici_pipeline_parallelism=2, ici_expert_parallelism=2, ici_fsdp_parallelism=2),  # GPipe, 2 layers a stage
+    dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2, scan_layers=False),  # circular [R, L/R], unrolled
+])
+def test_routing_biases_move_as_without_pipelining(mesh):
+    """One step of DeepSeek blocks from the same weights and batch: the expert loads each stage
+    gathers, put back in layer order, move every layer's routing bias exactly as the unpipelined
+    step does, and loss, gradient norm and the busiest-expert statistic agree (float32, 1e-5)."""
+    from tessera.step import create_state, make_train_step
+
+    def one_step(devices, **overrides):  # 8 sequences of 12 tokens
+        trainer = setup(tiny_config(**{**LAYERS, **DEEPSEEK, **overrides}), devices)
+        state = create_state(trainer, 0)
+        shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
+        batch = {"tokens": jax.random.randint(jax.random.key(1), shape, 0, 96), "segment_ids": np.ones(shape, np.int32),
+                 "positions": np.tile(np.arange(shape[1]), (shape[0], 1))}
+        with jax.set_mesh(trainer.mesh):
+            new_state, stats = jax.jit(make_train_step(trainer, 0))(state, jax.device_put(batch, trainer.batch_sharding))
+        bias = lambda s: np.asarray(s["params"]["layers"]["mlp"]["routed_bias_e"]).reshape(4, 8)  # noqa: E731
+        return bias(state), bias(new_state), jax.device_get(stats)
+
+    start, want, want_stats = one_step(jax.devices())  # no pipeline: fsdp over the 8 devices
+    got_start, got, stats = one_step(jax.devices(), **mesh)
+    np.testing.assert_array_equal(got_start, start)
+    assert (want != start).any()
+    np.testing.assert_allclose(got, want, atol=1e-7)  # each entry moved by exactly +-0.02
+    for key in ("loss", "grad_norm", "moe_max_expert_load"):
+        np.testing.assert_allclose(stats[key], want_stats[key], rtol=1e-5, err_msg=key)
+
+
 @pytest.mark.parametrize("saved, restored", [
     (dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2), {}),
     ({}, dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2)),
@@ -131,6 +172,9 @@ def test_layout_and_bubble_are_logged(caplog):
 @pytest.mark.parametrize("overrides, message", [
     (dict(base_num_decoder_layers=6, ici_pipeline_parallelism=4, ici_fsdp_parallelism=2),
      r"num_decoder_layers=6 must equal pipeline stages 4 x num_pipeline_repeats 1 x num_layers_per_pipeline_stage 1"),
+    (dict(DEEPSEEK, base_num_decoder_layers=4, ici_pipeline_parallelism=2),
+     r"the 3 expert layers \(num_decoder_layers=4 less first_num_dense_layers=1, which run before the pipeline\) "
+     r"must equal pipeline stages 2"),
     (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=3),
      r"num_decoder_layers=8 must equal pipeline stages 2 x num_pipeline_repeats 3"),
     (dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_pipeline_microbatches=2),

@@ -116,10 +116,6 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
     if stages == 1:
         return None
     per_block = LAYERS_PER_BLOCK.get(m.decoder_block, 1)
-    if m.routed_bias:
-        raise ConfigError("routed_bias (auxiliary-loss-free MoE balancing) is not supported with pipeline parallelism "
-                          "yet: the expert loads are not gathered across stages; set routed_bias=false or "
-                          "ici/dcn_pipeline_parallelism=1")
     # deepseek's dense layers run below the pipeline; only the expert layers are split over stages
     dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
     layers, repeats, per_stage = m.num_decoder_layers - dense, mesh.num_pipeline_repeats, mesh.num_layers_per_pipeline_stage
@@ -132,8 +128,11 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
     if stages * repeats * per_stage != layers or per_stage % per_block:
         unit = f" and a stage group must hold whole blocks of {per_block} layers ({m.decoder_block})" \
             if per_block > 1 else ""
+        what = f"num_decoder_layers={layers}" if not dense else (
+            f"the {layers} expert layers (num_decoder_layers={m.num_decoder_layers} less first_num_dense_layers="
+            f"{dense}, which run before the pipeline)")
         raise ConfigError(
-            f"num_decoder_layers={layers} must equal pipeline stages {stages} x num_pipeline_repeats {repeats} x "
+            f"{what} must equal pipeline stages {stages} x num_pipeline_repeats {repeats} x "
             f"num_layers_per_pipeline_stage {per_stage} = {stages * repeats * per_stage}{unit}; change "
             "num_pipeline_repeats / num_layers_per_pipeline_stage (or the stage count)")
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)

@@ -41,7 +41,7 @@ from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
 from tessera.models.kv_cache import KVCache
 from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
-from tessera.models.pipeline import run_pipeline, stacked_shape
+from tessera.models.pipeline import PER_LAYER, run_pipeline, stacked_shape
 from tessera.models.registry import BLOCKS
 
 _cp = jax.checkpoint_policies
@@ -295,13 +295,13 @@ class Decoder(nnx.Module):
                     return remat(lambda h_, l_: one_block(h_, l_[0], l_[1], pos, seg), cfg, True)(h, layer)
 
                 h, aux = jax.lax.scan(body, h, (group, group_keys))
-                return h, jax.tree.map(jnp.mean, aux)
+                return h, reduce_aux(aux)
             auxes = []
             for i in range(self.pipeline.blocks_per_stage):
                 call = remat(lambda h_, l_, k_: one_block(h_, l_, k_, pos, seg), cfg, False)
                 h, aux = call(h, jax.tree.map(lambda a: a[i], group), group_keys[i])
                 auxes.append(aux)
-            return h, jax.tree.map(lambda *v: jnp.mean(jnp.stack(v)), *auxes)
+            return h, reduce_aux(jax.tree.map(lambda *v: jnp.stack(v), *auxes))
 
         key_stack = jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32)
         x, aux = run_pipeline(self.pipeline, run_group, stacked, key_stack, use_keys, x, positions_bt, segment_ids_bt)
@@ -311,7 +311,7 @@ class Decoder(nnx.Module):
 def reduce_aux(stacked: dict) -> dict:
     """Blocks' aux values stacked over blocks -> their means, except the per-layer entries
     ("per_layer/..."), which stay stacked (one row per block)."""
-    return {k: v if k.startswith("per_layer/") else jnp.mean(v) for k, v in stacked.items()}
+    return {k: v if k.startswith(PER_LAYER) else jnp.mean(v) for k, v in stacked.items()}
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int):

@@ -53,8 +53,11 @@ def update_routed_bias(params: dict, loads_le, rate: float) -> dict:
     """`params` with every MoE layer's routed_bias moved by `rate` towards balance: down where
     the layer's expert took more than its fair share of the token copies (load > 1), up where
     less. `loads_le` [L, E]: the layers' loads (PER_LAYER_LOAD), in the order of the stacked
-    `layers` (scan_layers=true) or of `layers_0 ... layers_{L-1}`."""
-    step = lambda bias, load: bias + rate * jnp.sign(1.0 - load).astype(bias.dtype)  # noqa: E731
+    `layers` (scan_layers=true; a circular pipeline stores them [R, L/R], the same order) or of
+    `layers_0 ... layers_{L-1}`."""
+    def step(bias, load):
+        return bias + rate * jnp.sign(1.0 - load.reshape(bias.shape)).astype(bias.dtype)
+
     if "layers" in params:
         layers = params["layers"]
         mlp = {**layers["mlp"], "routed_bias_e": step(layers["mlp"]["routed_bias_e"], loads_le)}

@@ -21,6 +21,11 @@ their first axis split over `stage`, so a checkpoint moves between pipelined and
 unchanged. With R > 1 they are stored [R, L/R, ...]: flattening the first two axes gives back
 the plain order, and splitting the second over `stage` gives stage s exactly its R groups.
 `tessera.checkpointing` reshapes between the two on restore.
+
+Auxiliary values. A group's scalars (the MoE losses) are averaged over all blocks and
+microbatches. Entries whose key starts with `PER_LAYER` ("per_layer/", e.g. the expert loads
+that move DeepSeek's routing biases) are one row per block: they come back averaged over the
+microbatches, [L, ...] in the model's block order (as `scan_layers=true` gives them).
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ from jax.sharding import PartitionSpec as P
 
 from tessera.config.derived import PipelineLayout
 
-__all__ = ["PipelineLayout", "run_pipeline", "stacked_shape"]
+__all__ = ["PER_LAYER", "PipelineLayout", "run_pipeline", "stacked_shape"]
+
+# aux keys with this prefix hold one row per block (stacked), not one value to average
+PER_LAYER = "per_layer/"
 
 
 def stacked_shape(layout: PipelineLayout | None, num_blocks: int) -> tuple[int, ...]:
@@ -52,10 +60,13 @@ def _whole_batch(a):
 
 
 def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: bool, x, positions, segments):
-    """(x after every block [B, T, D], aux averaged over blocks and microbatches).
+    """(x after every block [B, T, D], aux): aux's scalars averaged over blocks and microbatches,
+    its `PER_LAYER` entries averaged over microbatches and stacked over the L blocks in the
+    model's order.
 
     `run_group(group_params, h, positions, segments, group_keys) -> (h, aux)` runs one group of
-    `layout.blocks_per_stage` blocks (their parameters stacked on axis 0) on one microbatch.
+    `layout.blocks_per_stage` blocks (their parameters stacked on axis 0) on one microbatch; its
+    aux holds scalars already averaged over the group and `PER_LAYER` entries [B, ...].
     `stacked`: the blocks' parameters, leading axes `stacked_shape`; `keys`: dropout keys [L]
     (`use_keys`; else placeholders [L] that `run_group` ignores)."""
     s_, r_, b_, m_ = layout.stages, layout.repeats, layout.blocks_per_stage, layout.microbatches
@@ -73,7 +84,16 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
         stage = jax.lax.axis_index("stage")
         aux_shape = jax.eval_shape(lambda: run_group(jax.tree.map(lambda a: a[0], params), xs[0], pos[0], seg[0],
                                                      group_keys[0])[1])
-        zeros_aux = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), aux_shape)
+        # per-layer rows are summed into this stage's slot of each repeat: [R, B, ...]
+        zeros_aux = {k: jnp.zeros((r_, *a.shape) if k.startswith(PER_LAYER) else a.shape, jnp.float32)
+                     for k, a in aux_shape.items()}
+
+        def add_aux(total, aux, valid, repeat):
+            out = {}
+            for k, v in aux.items():
+                v = jnp.where(valid, v, 0.0)
+                out[k] = total[k].at[repeat].add(v) if k.startswith(PER_LAYER) else total[k] + v
+            return out
 
         def iteration(carry, t):
             previous, loop_back, outputs, aux_sum = carry
@@ -96,19 +116,23 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
             h, aux = run_group(group, h, pos[mb], seg[mb], step_keys)
             last = valid & (stage == s_ - 1) & (repeat == r_ - 1)
             outputs = outputs.at[mb].set(jnp.where(last, h, outputs[mb]))
-            aux_sum = jax.tree.map(lambda total, v: total + jnp.where(valid, v, 0.0), aux_sum, aux)
+            aux_sum = add_aux(aux_sum, aux, valid, repeat)
             return (h, loop_back, outputs, aux_sum), None
 
         start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs) if r_ > 1 else jnp.zeros((), xs.dtype),
                  jnp.zeros_like(xs), zeros_aux)
         (_, _, outputs, aux_sum), _ = jax.lax.scan(iteration, start, jnp.arange(iterations))
         # every item passes every stage once: the mean over all blocks and microbatches
-        aux = jax.tree.map(lambda v: jax.lax.psum(v, "stage") / (items * s_), aux_sum)
-        return outputs[None], aux
+        aux = {k: jax.lax.psum(v, "stage") / (items * s_) for k, v in aux_sum.items() if not k.startswith(PER_LAYER)}
+        # each block ran once per microbatch; [R, B, ...] -> [R, 1, B, ...], gathered over stages below
+        per_layer = {k: (v / m_)[:, None] for k, v in aux_sum.items() if k.startswith(PER_LAYER)}
+        return outputs[None], aux, per_layer
 
     stage_split = P(None, "stage")
-    outputs, aux = jax.shard_map(
+    outputs, aux, per_layer = jax.shard_map(
         local, in_specs=(jax.tree.map(lambda _: stage_split, grouped), stage_split, P(), P(), P()),
-        out_specs=(P("stage"), P()), axis_names={"stage"}, check_vma=False,
+        out_specs=(P("stage"), P(), P(None, "stage")), axis_names={"stage"}, check_vma=False,
     )(grouped, grouped_keys, xs, pos, seg)
+    # [R, S, B, ...]: group r of stage s is chunk r*S + s, so the flat order is the blocks' order
+    aux.update({k: v.reshape(r_ * s_ * b_, *v.shape[3:]) for k, v in per_layer.items()})
     return _whole_batch(outputs[s_ - 1]), aux
