@@ -41,6 +41,7 @@ from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
 from tessera.models.kv_cache import KVCache
 from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
+from tessera.models.moe import finish_aux
 from tessera.models.pipeline import PER_LAYER, run_pipeline, stacked_shape
 from tessera.models.registry import BLOCKS
 
@@ -172,7 +173,8 @@ class Decoder(nnx.Module):
         else:
             blocks = self._scan_blocks if cfg.scan_layers else self._loop_blocks
         if not p and not self.tail_layers:
-            return blocks(x, positions_bt, segment_ids_bt, keys[:n], packed, kv_cache)
+            x, aux, caches = blocks(x, positions_bt, segment_ids_bt, keys[:n], packed, kv_cache)
+            return x, finish_aux(aux, cfg), caches
         # a dense prefix (deepseek) or a tail block (gemma3): the cache is {segment: its caches};
         # both are dense (no aux)
         caches = {} if kv_cache is None else dict(kv_cache)
@@ -186,7 +188,7 @@ class Decoder(nnx.Module):
             call = remat(lambda blk, h, k, c: blk(checkpoint_name(h, "decoder_layer_input"), positions_bt,
                                                   segment_ids_bt, k, packed, c), run_cfg, False)
             x, _, caches["tail"] = call(self.tail, x, keys[-2], caches.get("tail"))
-        return x, aux, None if kv_cache is None else caches
+        return x, finish_aux(aux, cfg), None if kv_cache is None else caches
 
     def logits(self, x_btd):
         """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32 (the loss calls it

@@ -21,8 +21,11 @@ Two ways to run the experts, with the same result when nothing is dropped (teste
 The router adds a load-balancing loss, E * sum_e c_e * p_e (c_e: token copies routed to
 expert e per token, p_e: mean router probability of e), as in Switch Transformer and with
 Hugging Face Mixtral's scale (num_experts_per_tok when perfectly balanced), so Mixtral's
-router_aux_loss_coef carries over as `load_balance_loss_weight`. The decoder averages it over
-layers and the train step adds `load_balance_loss_weight` times it to the loss.
+router_aux_loss_coef carries over as `load_balance_loss_weight`. Each layer reports c and p
+(per-layer aux entries, see `layer_statistics`); after the blocks the decoder forms the loss per
+layer and averages it over layers (`finish_aux`), and the train step adds
+`load_balance_loss_weight` times it to the loss. A pipeline averages c and p over its
+microbatches before the product, so the loss is the whole batch's there too.
 """
 
 from __future__ import annotations
@@ -44,9 +47,27 @@ from tessera.models.quantization import ragged_dot as quantized_ragged_dot
 
 log = logging.getLogger(__name__)
 
-# aux key of each MoE layer's expert loads [E] (copies per expert / fair share): the decoder
-# stacks it over layers instead of averaging, and the train step moves routed_bias with it
+# aux key of each MoE layer's expert loads [E] (copies per expert / fair share), stacked over
+# layers [L, E] (with routed_bias): the train step moves routed_bias with it
 PER_LAYER_LOAD = "per_layer/moe_expert_load"
+# what each MoE layer reports (stacked over layers, like every "per_layer/" aux entry, and
+# averaged over a pipeline's microbatches): token copies routed to each expert per token, and
+# each expert's mean router probability, both [E]; `finish_aux` turns them into the loss
+_COPIES, _MEAN_PROB = "per_layer/moe_copies_per_token", "per_layer/moe_mean_router_prob"
+
+
+def finish_aux(aux: dict, cfg: ModelConfig) -> dict:
+    """The blocks' aux (scalars averaged over layers, "per_layer/" entries stacked [L, ...]) with
+    the MoE layers' statistics replaced by the load-balancing loss, E * sum_e c_e * p_e averaged
+    over layers, and (routed_bias) by the expert loads PER_LAYER_LOAD [L, E]."""
+    if _COPIES not in aux:
+        return aux
+    aux, e = dict(aux), cfg.num_experts
+    copies_le, prob_le = aux.pop(_COPIES), aux.pop(_MEAN_PROB)
+    aux["moe_load_balance_loss"] = jnp.mean(e * jnp.sum(copies_le * prob_le, axis=-1))
+    if cfg.routed_bias:  # each expert's share of the token copies (1: its fair share)
+        aux[PER_LAYER_LOAD] = copies_le * (e / cfg.num_experts_per_tok)
+    return aux
 
 
 def update_routed_bias(params: dict, loads_le, rate: float) -> dict:
@@ -134,16 +155,14 @@ class MoeMlp(nnx.Module):
             weights_btk = weights_btk / (jnp.sum(weights_btk, axis=-1, keepdims=True) + (1e-20 if sigmoid else 0.0))
         weights_btk = weights_btk * cfg.routed_scaling_factor
         probs_bte = scores_bte / jnp.sum(scores_bte, axis=-1, keepdims=True) if sigmoid else scores_bte
-        aux = {"moe_load_balance_loss": self.load_balance_loss(probs_bte, experts_btk)}
-        if cfg.routed_bias:  # each expert's share of the token copies, for the bias update (per layer)
-            aux[PER_LAYER_LOAD] = jnp.mean(jax.nn.one_hot(experts_btk, e, dtype=jnp.float32), axis=(0, 1, 2)) * e
-        return experts_btk, weights_btk, aux
+        return experts_btk, weights_btk, self.layer_statistics(probs_bte, experts_btk)
 
-    def load_balance_loss(self, probs_bte, experts_btk):
+    def layer_statistics(self, probs_bte, experts_btk) -> dict:
+        """This layer's per-layer aux: token copies per token routed to each expert and the mean
+        router probability of each, [E] each (`finish_aux` makes the loss and loads of them)."""
         e = self.cfg.num_experts
-        copies_per_token_e = jnp.sum(jnp.mean(jax.nn.one_hot(experts_btk, e, dtype=jnp.float32), axis=(0, 1)), axis=0)
-        mean_prob_e = jnp.mean(probs_bte, axis=(0, 1))
-        return e * jnp.sum(copies_per_token_e * mean_prob_e)
+        copies_e = jnp.sum(jnp.mean(jax.nn.one_hot(experts_btk, e, dtype=jnp.float32), axis=(0, 1)), axis=0)
+        return {_COPIES: copies_e, _MEAN_PROB: jnp.mean(probs_bte, axis=(0, 1))}
 
     def expert_mlp(self, h, contract: str, wis):
         """The gated MLP of every expert on `h`, an [E, ..., D] buffer (einsum spec `contract`), with the
