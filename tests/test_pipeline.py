@@ -53,6 +53,10 @@ def _assert_same(records, reference, keys=("loss", "grad_norm"), rtol=1e-5):
     dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, scan_layers=False),
     dict(ici_pipeline_parallelism=2, remat_policy="full", gradient_accumulation_steps=2, per_device_batch_size=2,
          num_pipeline_microbatches=2),
+    # outputs handed on one iteration late: GPipe; circular with M = 2 S (an output returns just in time)
+    dict(ici_pipeline_parallelism=2, pipeline_delay_activation_forwarding=True),
+    dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, per_device_batch_size=2,
+         pipeline_delay_activation_forwarding=True),
 ])
 def test_pipelined_training_gives_the_losses_of_no_pipelining(mesh, tmp_path):
     """3 steps from the same weights and batches: float32 losses and gradient norms equal the
@@ -159,6 +163,11 @@ def test_layout_and_bubble_are_logged(caplog):
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("pipeline:"))
     assert "4 stages (circular, 2 repeats), 1 layer(s) per stage group, 4 microbatches of 2 sequences" in line
     assert "bubble (S-1)/(M*R+S-1) = 3/11 = 27.3%" in line
+    delayed = setup(tiny_config(**LAYERS, ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, per_device_batch_size=2,
+                                num_pipeline_repeats=2, pipeline_delay_activation_forwarding=True)).plan.pipeline
+    assert (delayed.microbatches, delayed.hop, delayed.iterations) == (8, 2, 22)
+    assert "(circular, 2 repeats, outputs handed on one iteration late)" in delayed.describe()
+    assert "bubble 2(S-1)/(M*R+2(S-1)) = 6/22 = 27.3%" in delayed.describe()
     # stacked [R, L/R, ...]: the second axis is split over the stages
     specs = jax.tree.leaves(jax.tree.map(lambda s: tuple(s.spec)[:2], trainer.state_shardings["params"]["layers"]),
                             is_leaf=lambda x: isinstance(x, tuple))
@@ -179,6 +188,13 @@ def test_layout_and_bubble_are_logged(caplog):
      r"cannot be cut into num_pipeline_microbatches=4 microbatches that each split over data\*fsdp\*expert=4"),
     (dict(ici_pipeline_parallelism=2, per_device_batch_size=0.5),
      r"cannot be cut into 2 pipeline microbatches .* raise per_device_batch_size"),
+    (dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1,
+          pipeline_delay_activation_forwarding=True, num_pipeline_microbatches=4),
+     r"num_pipeline_microbatches=4 is fewer than 2 x 4 stages, which a circular pipeline with "
+     r"pipeline_delay_activation_forwarding needs"),
+    (dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1,
+          pipeline_delay_activation_forwarding=True),
+     r"cannot be cut into 8 pipeline microbatches \(two per stage at least\) .* a multiple of 16"),
 ])
 def test_impossible_pipelines_are_refused_before_compiling(overrides, message):
     cfg = tiny_config(**{**LAYERS, **overrides})

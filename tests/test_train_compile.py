@@ -193,3 +193,20 @@ def test_unwritable_file_names_what_is_in_the_way(tmp_path):
     assert train_compile.unwritable_file(str(tmp_path / "new" / "deeper" / "c.pickle")) == ""
     assert not (tmp_path / "new").exists()  # nothing is created by the check
     assert train_compile.unwritable_file("gs://bucket/c.pickle") == ""
+
+
+def test_delayed_forwarding_hides_the_hand_over_between_slices():
+    """Two slices, one pipeline stage each. Handed on at once, each iteration's activations (and,
+    backward, their gradients) cross the data-center network while the next stage waits; handed
+    on one iteration late, XLA's TPU scheduler runs both transfers under a stage's matmuls. The
+    compile report counts them; the bubble grows from (S-1)/(M+S-1) to 2(S-1)/(M+2(S-1))."""
+    common = {**TINY, "compile_topology": "v5e-4", "compile_topology_num_slices": 2, "dcn_pipeline_parallelism": 2,
+              "dcn_data_parallelism": 1, "base_num_decoder_layers": 4, "per_device_batch_size": 2,
+              "dtype": "bfloat16"}
+    plain = compile_for_topology(build_config(common))
+    delayed = compile_for_topology(build_config({**common, "pipeline_delay_activation_forwarding": True}))
+    assert plain.mesh["stage"] == 2 and plain.fits and delayed.fits
+    assert (plain.pipeline["stage_transfers"], plain.pipeline["overlapped_transfers"]) == (2, 0)
+    assert (delayed.pipeline["stage_transfers"], delayed.pipeline["overlapped_transfers"]) == (2, 2)
+    assert (plain.pipeline["bubble"], delayed.pipeline["bubble"]) == (0.2, 0.3333)
+    assert "hand-overs between stages overlapping a matmul: 2 of 2" in train_compile.memory_table(delayed)

@@ -180,11 +180,15 @@ def compile_for_topology(cfg: Config) -> CompileReport:
             raise
         return _report_compiler_oom(report, trainer, str(e), time.perf_counter() - start)
     mem = compiled.memory_analysis()
-    targets = re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())
+    hlo = compiled.as_text()
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
     report.custom_calls = {t: targets.count(t) for t in sorted(set(targets))}
-    ops = COLLECTIVE_OP.findall(compiled.as_text())
+    ops = COLLECTIVE_OP.findall(hlo)
     report.collectives = {op: ops.count(op) for op in sorted(set(ops))}
-    report.low_precision_dots = low_precision_dots(compiled.as_text())
+    report.low_precision_dots = low_precision_dots(hlo)
+    if report.pipeline:
+        transfers, overlapped = stage_transfers(hlo)
+        report.pipeline = {**report.pipeline, "stage_transfers": transfers, "overlapped_transfers": overlapped}
     live = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     peak = max(getattr(mem, "peak_memory_in_bytes", 0), live)
     return dataclasses.replace(
@@ -235,6 +239,49 @@ def low_precision_dots(hlo: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+_MATMUL = re.compile(r"\s(dot|convolution)\(")
+_CALLED = re.compile(r"(?:calls|body|to_apply)=%([\w.-]+)")
+
+
+def stage_transfers(hlo: str) -> tuple[int, int]:
+    """(transfers, overlapped) in a compiled program: the pipeline's hand-overs between stages
+    (the asynchronous collective permutes of its `ppermute`; across slices, the receives XLA
+    makes of them) and how many of those have a matmul running between their start and their
+    completion, i.e. are hidden behind compute (`pipeline_delay_activation_forwarding`)."""
+    computations, current = {}, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.-]+) \(", line)
+        if head:
+            current = computations.setdefault(head.group(1), [])
+        elif line == "}":
+            current = None
+        elif current is not None:
+            current.append(line)
+    has_matmul: dict[str, bool] = {}
+
+    def computes(name: str) -> bool:  # the computation (or one it calls) multiplies matrices
+        if name not in has_matmul:
+            has_matmul[name] = False  # (no recursion through a cycle)
+            body = computations.get(name, [])
+            has_matmul[name] = any(_MATMUL.search(x) or any(computes(c) for c in _CALLED.findall(x)) for x in body)
+        return has_matmul[name]
+
+    transfers = overlapped = 0
+    for body in computations.values():
+        for i, line in enumerate(body):
+            start = re.match(r"\s*%([\w.-]+) = .*? (collective-permute-start|recv)\(", line)
+            if not start or "ppermute" not in line:
+                continue
+            done = f"{'recv' if start.group(2) == 'recv' else 'collective-permute'}-done(%{start.group(1)})"
+            end = next((j for j in range(i + 1, len(body)) if done in body[j]), None)
+            if end is None:
+                continue
+            transfers += 1
+            overlapped += any(_MATMUL.search(x) or any(computes(c) for c in _CALLED.findall(x))
+                              for x in body[i + 1:end])
+    return transfers, overlapped
+
+
 # a collective instruction in compiled HLO text: `... = bf16[..] all-to-all(...)`, async ones as `-start`
 COLLECTIVE_OP = re.compile(r" (ragged-all-to-all|all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute)"
                            r"(?:-start)?\(")
@@ -260,7 +307,10 @@ def memory_table(r: CompileReport) -> str:
                + (", ".join(f"{t} x{n}" for t, n in r.low_precision_dots.items()) or "none"))
             + ("" if not r.pipeline else
                f"\n  pipeline: {r.pipeline['stages']} stages x {r.pipeline['repeats']} repeat(s), "
-               f"{r.pipeline['microbatches']} microbatches, bubble {100 * r.pipeline['bubble']:.1f}%"))
+               f"{r.pipeline['microbatches']} microbatches, bubble {100 * r.pipeline['bubble']:.1f}%"
+               + ("" if "stage_transfers" not in r.pipeline else
+                  f"; hand-overs between stages overlapping a matmul: {r.pipeline['overlapped_transfers']} of "
+                  f"{r.pipeline['stage_transfers']}")))
 
 
 def not_fits_message(r: CompileReport, cfg: Config) -> str:

@@ -89,23 +89,26 @@ class PipelineLayout:
     blocks_per_stage: int  # blocks in one group (a block is LAYERS_PER_BLOCK layers)
     microbatches: int  # M: pieces of each (gradient-accumulation) batch
     microbatch_rows: int  # sequences in one microbatch
+    hop: int = 1  # H: iterations from one stage to the next (2: pipeline_delay_activation_forwarding)
 
     @property
     def iterations(self) -> int:
-        """Schedule length: every stage does M*R items, the last starts S - 1 iterations late."""
-        return self.microbatches * self.repeats + self.stages - 1
+        """Schedule length: every stage does M*R items, the last starts H*(S - 1) iterations late."""
+        return self.microbatches * self.repeats + self.hop * (self.stages - 1)
 
     @property
     def bubble(self) -> float:
-        """Fraction of the iterations a stage idles: (S - 1) / (M*R + S - 1)."""
-        return (self.stages - 1) / self.iterations
+        """Fraction of the iterations a stage idles: H*(S - 1) / (M*R + H*(S - 1))."""
+        return self.hop * (self.stages - 1) / self.iterations
 
     def describe(self, layers_per_block: int = 1) -> str:
         per_stage = self.blocks_per_stage * layers_per_block
         kind = f"circular, {self.repeats} repeats" if self.repeats > 1 else "GPipe"
-        return (f"{self.stages} stages ({kind}), {per_stage} layer(s) per stage group, {self.microbatches} microbatches "
-                f"of {self.microbatch_rows} sequences; bubble (S-1)/(M*R+S-1) = {self.stages - 1}/{self.iterations} "
-                f"= {100 * self.bubble:.1f}% of the iterations")
+        delayed = ", outputs handed on one iteration late" if self.hop > 1 else ""
+        formula = "(S-1)/(M*R+S-1)" if self.hop == 1 else f"{self.hop}(S-1)/(M*R+{self.hop}(S-1))"
+        return (f"{self.stages} stages ({kind}{delayed}), {per_stage} layer(s) per stage group, {self.microbatches} "
+                f"microbatches of {self.microbatch_rows} sequences; bubble {formula} = "
+                f"{self.hop * (self.stages - 1)}/{self.iterations} = {100 * self.bubble:.1f}% of the iterations")
 
 
 def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> PipelineLayout | None:
@@ -136,24 +139,32 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
             f"num_layers_per_pipeline_stage {per_stage} = {stages * repeats * per_stage}{unit}; change "
             "num_pipeline_repeats / num_layers_per_pipeline_stage (or the stage count)")
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
-    micro = mesh.num_pipeline_microbatches
+    micro, hop = mesh.num_pipeline_microbatches, 2 if mesh.pipeline_delay_activation_forwarding else 1
+    # a circular pipeline's output comes back to stage 0 H*S iterations after it left: M >= H*S
+    least = hop * stages if repeats > 1 else stages
     if micro == -1:
-        fits = [k * stages for k in (4, 2, 1) if rows % (k * stages * shards) == 0]
+        fits = [k * stages for k in (4, 2, 1) if rows % (k * stages * shards) == 0 and k * stages >= least]
         if not fits:
             raise ConfigError(
-                f"the batch of {rows} sequences cannot be cut into {stages} pipeline microbatches (one per stage at "
-                f"least) that each split over data*fsdp*expert={shards} devices; raise per_device_batch_size so the "
-                f"batch is a multiple of {stages * shards}, or set num_pipeline_microbatches")
+                f"the batch of {rows} sequences cannot be cut into {least} pipeline microbatches ("
+                f"{'two' if least > stages else 'one'} per stage at least) that each split over data*fsdp*expert="
+                f"{shards} devices; raise per_device_batch_size so the batch is a multiple of {least * shards}, or set "
+                "num_pipeline_microbatches")
         micro = fits[0]
     if micro < stages:
         raise ConfigError(f"num_pipeline_microbatches={micro} is fewer than the {stages} pipeline stages: every stage "
                           f"needs a microbatch of its own; use at least {stages}")
+    if micro < least:
+        raise ConfigError(
+            f"num_pipeline_microbatches={micro} is fewer than 2 x {stages} stages, which a circular pipeline with "
+            f"pipeline_delay_activation_forwarding needs (a microbatch's output comes back to the first stage "
+            f"{least} iterations after it left); use at least {least} microbatches or turn the delay off")
     if rows % micro or (rows // micro) % shards:
         raise ConfigError(
             f"the batch of {rows} sequences cannot be cut into num_pipeline_microbatches={micro} microbatches that "
             f"each split over data*fsdp*expert={shards} devices ({rows} must be a multiple of {micro * shards}); "
             "change num_pipeline_microbatches or per_device_batch_size")
-    return PipelineLayout(stages, repeats, per_stage // per_block, micro, rows // micro)
+    return PipelineLayout(stages, repeats, per_stage // per_block, micro, rows // micro, hop)
 
 
 def dropout_rate(cfg: ModelConfig) -> float:

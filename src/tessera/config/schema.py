@@ -310,6 +310,10 @@ class MeshConfig:
         "non-adjacent groups of layers (-1: from num_layers_per_pipeline_stage, else 1, plain GPipe)")
     num_layers_per_pipeline_stage: int = key(
         -1, "decoder layers in one group of a stage; layers = stages x repeats x this (-1: from num_pipeline_repeats)")
+    pipeline_delay_activation_forwarding: bool = key(
+        False, "hand each stage's output on one iteration late, so the transfer overlaps the next iteration's "
+        "compute instead of stalling it (worth it when it is slow, across slices); costs S - 1 more iterations "
+        "of bubble, and a circular pipeline needs at least 2 x stages microbatches")
     num_slices: int = key(-1, "number of slices (-1: detect from the devices)")
     param_replication_warn_mib: float = key(
         1.0, "report parameters larger than this (MiB) that end up fully replicated on a sharded mesh", minimum=0.0

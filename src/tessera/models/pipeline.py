@@ -4,13 +4,16 @@ Each of the S stages holds R groups of B consecutive blocks (B = blocks per stag
 `num_pipeline_repeats`); group r of stage s is the model's chunk r*S + s, so a microbatch goes
 round the ring of stages R times (circular pipelining when R > 1, GPipe when R = 1). The
 batch is cut into M microbatches (`num_pipeline_microbatches`, rows interleaved so every
-microbatch keeps the batch's data/fsdp split). The schedule runs M*R + S - 1 iterations; at
-iteration t stage s works on item k = t - s (microbatch k mod M, repeat k div M) when
-0 <= k < M*R and idles otherwise (the bubble: (S - 1) / (M*R + S - 1) of the iterations).
-After each iteration every stage hands its output to the next with one collective permute
-(in a circular pipeline the last stage's goes back to stage 0). Stage 0 takes a fresh microbatch in repeat 0 and in
-later repeats the output of the last stage's previous repeat, kept in a buffer of M
-microbatches because it arrives M - S iterations before it is needed (M >= S is required).
+microbatch keeps the batch's data/fsdp split). After each iteration every stage hands its
+output to the next with one collective permute (in a circular pipeline the last stage's goes
+back to stage 0). The next stage works on it H iterations later (the hop, H = 1; H = 2 with
+`pipeline_delay_activation_forwarding`, so that the transfer runs during an iteration whose
+compute does not need it). The schedule runs M*R + H*(S - 1) iterations; at iteration t stage s
+works on item k = t - H*s (microbatch k mod M, repeat k div M) when 0 <= k < M*R and idles
+otherwise (the bubble: H*(S - 1) / (M*R + H*(S - 1)) of the iterations). Stage 0 takes a fresh
+microbatch in repeat 0 and in later repeats the output of the last stage's previous repeat,
+kept in a buffer of M microbatches because it arrives M - H*S iterations before it is needed
+(M >= H*S is required).
 
 The loop runs inside `shard_map`, manual over `stage` only: data, fsdp, tensor and expert
 splits inside a stage are left to the compiler as everywhere else, and the blocks' own
@@ -69,7 +72,7 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
     aux holds scalars already averaged over the group and `PER_LAYER` entries [B, ...].
     `stacked`: the blocks' parameters, leading axes `stacked_shape`; `keys`: dropout keys [L]
     (`use_keys`; else placeholders [L] that `run_group` ignores)."""
-    s_, r_, b_, m_ = layout.stages, layout.repeats, layout.blocks_per_stage, layout.microbatches
+    s_, r_, b_, m_, hop = layout.stages, layout.repeats, layout.blocks_per_stage, layout.microbatches, layout.hop
     items, iterations = m_ * r_, layout.iterations
     # [R, S, B, ...] views whose stage axis is the one split over `stage`
     grouped = jax.tree.map(lambda a: a.reshape(r_, s_, b_, *a.shape[1 if r_ == 1 else 2:]), stacked)
@@ -96,19 +99,22 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
             return out
 
         def iteration(carry, t):
-            previous, loop_back, outputs, aux_sum = carry
+            previous, in_flight, loop_back, outputs, aux_sum = carry
             received = jax.lax.ppermute(previous, "stage", ring)
+            # what this stage works on from the previous one: with hop 2 it was sent during the
+            # last iteration, so this iteration's compute does not wait for `received`
+            arrived = received if hop == 1 else in_flight
             if r_ > 1:  # stage 0 keeps what the last stage finished, for that microbatch's next repeat
-                done = t - s_  # the item the last stage finished one iteration ago
+                done = t - hop * s_  # the item whose last-stage output arrives now
                 keep = (stage == 0) & (done >= 0) & (done < items - m_)
                 slot = jnp.clip(done, 0, items - 1) % m_
-                loop_back = loop_back.at[slot].set(jnp.where(keep, received, loop_back[slot]))
-            k = t - stage
+                loop_back = loop_back.at[slot].set(jnp.where(keep, arrived, loop_back[slot]))
+            k = t - hop * stage
             valid = (k >= 0) & (k < items)
             k = jnp.clip(k, 0, items - 1)
             mb, repeat = k % m_, k // m_
             first = xs[mb] if r_ == 1 else jnp.where(repeat == 0, xs[mb], loop_back[mb])
-            h = jnp.where(stage == 0, first, received)
+            h = jnp.where(stage == 0, first, arrived)
             group = jax.tree.map(lambda a: a[repeat], params)
             step_keys = group_keys[repeat]
             if use_keys:  # the same block draws a different mask for each microbatch
@@ -117,11 +123,12 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
             last = valid & (stage == s_ - 1) & (repeat == r_ - 1)
             outputs = outputs.at[mb].set(jnp.where(last, h, outputs[mb]))
             aux_sum = add_aux(aux_sum, aux, valid, repeat)
-            return (h, loop_back, outputs, aux_sum), None
+            return (h, received if hop > 1 else in_flight, loop_back, outputs, aux_sum), None
 
-        start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs) if r_ > 1 else jnp.zeros((), xs.dtype),
-                 jnp.zeros_like(xs), zeros_aux)
-        (_, _, outputs, aux_sum), _ = jax.lax.scan(iteration, start, jnp.arange(iterations))
+        placeholder = jnp.zeros((), xs.dtype)
+        start = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs[0]) if hop > 1 else placeholder,
+                 jnp.zeros_like(xs) if r_ > 1 else placeholder, jnp.zeros_like(xs), zeros_aux)
+        (_, _, _, outputs, aux_sum), _ = jax.lax.scan(iteration, start, jnp.arange(iterations))
         # every item passes every stage once: the mean over all blocks and microbatches
         aux = {k: jax.lax.psum(v, "stage") / (items * s_) for k, v in aux_sum.items() if not k.startswith(PER_LAYER)}
         # each block ran once per microbatch; [R, B, ...] -> [R, 1, B, ...], gathered over stages below
