@@ -47,20 +47,24 @@ TUNED = dict(remat_policy="none", scan_layers=False, attention="dot_product", en
              report_warmup_steps=2)
 
 
+def median_seconds(fn, *args, repeats: int = 10) -> float:
+    """Median wall time of `fn(*args)` (a jitted function, run once first to compile)."""
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def matmul_tflops(n: int = 2048, repeats: int = 10, dtype: str = "float32") -> float:
     """Median TFLOP/s of an n x n x n matmul in `dtype` (inputs and output) on the default device."""
     import jax
 
     a = jax.random.normal(jax.random.key(0), (n, n), dtype)
     b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    mm = jax.jit(lambda x, y: x @ y)
-    mm(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mm(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / statistics.median(times) / 1e12
+    return 2 * n**3 / median_seconds(jax.jit(lambda x, y: x @ y), a, b, repeats=repeats) / 1e12
 
 
 def phase(text: str) -> None:

@@ -30,7 +30,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 from collections import Counter
@@ -40,9 +39,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import cpu_llama  # noqa: E402  (the workload, its settings and the peak measurement)
+
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = \w+\[[\d,]*\]\S* dot\(%([\w.-]+), %([\w.-]+)\)(.*)$")
-_HEAD = re.compile(r"^(?:ENTRY )?%([\w.-]+) \(")
 
 
 def _dims(attrs: str, name: str) -> tuple[int, ...]:
@@ -54,16 +54,9 @@ def step_dots(hlo: str, trips: bool = True) -> Counter:
     """{(dtype, lhs shape, rhs shape, lhs contracting, rhs contracting, lhs batch, rhs batch): times
     executed per step} for every dot of a compiled (XLA:CPU) HLO text; `trips=False` counts a loop
     body once, as XLA's cost analysis does."""
-    bodies: dict[str, list[str]] = {}
-    current = None
-    for line in hlo.splitlines():
-        head = _HEAD.match(line)
-        if head:
-            current = bodies.setdefault(head.group(1), [])
-        elif line == "}":
-            current = None
-        elif current is not None:
-            current.append(line)
+    from tessera.train_compile import hlo_computations
+
+    bodies = hlo_computations(hlo)
     entry = next(m.group(1) for m in re.finditer(r"^ENTRY %([\w.-]+) \(", hlo, re.M))
     # how many times each computation runs per step: callers' counts, times a while loop's trip count
     calls: dict[str, list[tuple[str, int]]] = {}
@@ -118,14 +111,8 @@ def time_alone(key, repeats: int) -> float:
     jdtype = {"f32": "float32", "bf16": "bfloat16"}[dtype]
     a = jax.random.normal(jax.random.key(0), lhs, jdtype)
     b = jax.random.normal(jax.random.key(1), rhs, jdtype)
-    f = jax.jit(lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb))))
-    f(a, b).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        f(a, b).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return cpu_llama.median_seconds(jax.jit(lambda x, y: jax.lax.dot_general(x, y, ((lc, rc), (lb, rb)))), a, b,
+                                    repeats=repeats)
 
 
 def main() -> None:
@@ -139,7 +126,6 @@ def main() -> None:
     host_malloc.reexec()  # the allocator cpu_llama.py and train.py run with
     import jax
 
-    import cpu_llama
     from tessera.config import load_config
     from tessera.metrics import training_flops_per_step
     from tessera.step import compile_step, setup

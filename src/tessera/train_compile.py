@@ -239,6 +239,21 @@ def low_precision_dots(hlo: str) -> dict[str, int]:
     return dict(sorted(counts.items()))
 
 
+def hlo_computations(hlo: str) -> dict[str, list[str]]:
+    """{computation name: its instruction lines} of an HLO module's text (ENTRY included)."""
+    computations: dict[str, list[str]] = {}
+    current = None
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.-]+) \(", line)
+        if head:
+            current = computations.setdefault(head.group(1), [])
+        elif line == "}":  # (a multi-line attribute's own closing braces are indented or followed by more)
+            current = None
+        elif current is not None:
+            current.append(line)
+    return computations
+
+
 _MATMUL = re.compile(r"\s(dot|convolution)\(")
 _CALLED = re.compile(r"(?:calls|body|to_apply)=%([\w.-]+)")
 
@@ -248,15 +263,7 @@ def stage_transfers(hlo: str) -> tuple[int, int]:
     (the asynchronous collective permutes of its `ppermute`; across slices, the receives XLA
     makes of them) and how many of those have a matmul running between their start and their
     completion, i.e. are hidden behind compute (`pipeline_delay_activation_forwarding`)."""
-    computations, current = {}, None
-    for line in hlo.splitlines():
-        head = re.match(r"^(?:ENTRY )?%([\w.-]+) \(", line)
-        if head:
-            current = computations.setdefault(head.group(1), [])
-        elif line == "}":
-            current = None
-        elif current is not None:
-            current.append(line)
+    computations = hlo_computations(hlo)
     has_matmul: dict[str, bool] = {}
 
     def computes(name: str) -> bool:  # the computation (or one it calls) multiplies matrices
