@@ -12,6 +12,7 @@ from tessera.config import ConfigError
 from tessera.models import build_model
 from tessera.step import loss_sums
 from tessera.train import run
+from test_checkpointing import _train
 from test_data_hf import hf_config, make_docs, write_corpus
 
 
@@ -99,6 +100,21 @@ def test_hf_training_with_eval_resumes_like_an_uninterrupted_run(tmp_path, hf_ru
     assert all(abs(r["eval_perplexity"] - np.exp(r["eval_loss"])) < 1e-6 * r["eval_perplexity"] for r in evals)
     assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
     assert straight["final_eval_loss"] == evals[1]["eval_loss"]
+
+
+def test_an_evaluation_longer_than_the_step_timeout_is_not_a_hang(tmp_path):
+    """step_timeout_seconds bounds the wait for one piece of progress, not the length of an
+    evaluation: each eval batch tells the hang watchdog, so 400 quick batches (about 7 s here) run
+    to the end under a 1.5 s timeout. Before, the watchdog ended such a run with exit 5 ("no
+    training step finished"), and with the default 1800 s, any evaluation over 30 minutes. The
+    eval step is compiled before the first step, so no compile runs inside the loop either."""
+    proc = _train(tmp_path, "steps=1", "eval_interval=1", "eval_steps=400", "step_timeout_seconds=1.5",
+                  "enable_checkpointing=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [r for r in _metrics(tmp_path / "sub") if "eval_loss" in r]
+    assert [(r["step"], r["eval_batches"]) for r in evals] == [(1, 400)] and evals[0]["eval_seconds"] > 1.5
+    compiled = proc.stderr.index("eval step compiled in")
+    assert compiled < proc.stderr.index("step     1 |") and "hang watchdog" not in proc.stderr
 
 
 def test_synthetic_eval_goes_to_jsonl_and_tensorboard(tmp_path):

@@ -10,17 +10,21 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
-from tessera.step import Trainer, loss_sums
+from tessera.step import Trainer, abstract_state, loss_sums
 
 
 class Evaluator:
-    """Built once at start-up (so a bad eval set fails before training); `run(params)` evaluates.
-    `eval_steps` was checked with the rest of the config (`tessera.config.checks.validate`)."""
+    """Built once at start-up (so a bad eval set fails before training); `compile()` compiles its
+    step from shapes (so that a compile error, too, comes before training, and no compile runs
+    inside the loop); `run(params)` evaluates. `eval_steps` was checked with the rest of the
+    config (`tessera.config.checks.validate`)."""
 
     def __init__(self, cfg: DataConfig, trainer: Trainer):
         self.trainer, self.steps = trainer, cfg.eval_steps
@@ -29,8 +33,19 @@ class Evaluator:
         model, packed = trainer.model, trainer.plan.packed
         self.step_fn = jax.jit(lambda params, batch: loss_sums(model, params, batch, None, packed))
 
-    def run(self, step: int, params) -> dict:
-        """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'}."""
+    def compile(self) -> float:
+        """Compile the eval step for the train state's parameters and a batch; the seconds it took."""
+        trainer, start = self.trainer, time.perf_counter()
+        shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
+                 for k in ("tokens", "segment_ids", "positions")}
+        with jax.set_mesh(trainer.mesh):
+            self.step_fn = self.step_fn.lower(abstract_state(trainer)["params"], batch).compile()
+        return time.perf_counter() - start
+
+    def run(self, step: int, params, beat: Callable[[], None] = lambda: None) -> dict:
+        """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'};
+        `beat()` after each batch (the hang watchdog's: a long evaluation is not a hung step)."""
         start = time.perf_counter()
         self.data.set_state(self.start)
         loss_sum, count, batches = 0.0, 0.0, 0
@@ -40,6 +55,7 @@ class Evaluator:
                                     self.trainer.plan.global_batch)
                 l, n = jax.device_get(self.step_fn(params, batch))
                 loss_sum, count, batches = loss_sum + float(l), count + float(n), batches + 1
+                beat()
                 if batches == self.steps:
                     break
         if count == 0:

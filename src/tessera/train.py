@@ -152,6 +152,9 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
         step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s", compile_seconds)
     check_step_fits(step_fn, trainer, _save_buffers(cfg, trainer, ckpt, start_step))
+    if evaluator:
+        with host_malloc.returning_freed_memory():
+            log.info("eval step compiled in %.1f s", evaluator.compile())
     run_dir = _create_run_folder(cfg, plan.run_dir)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
@@ -177,8 +180,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
                 if evaluating or saving or stopping or step == cfg.run.steps:
                     stats_reader.finish()  # a non-finite step stops the run before anything is evaluated or saved
                 if evaluating:
-                    writer.write_eval(evaluator.run(step, state["params"]))
-                    watchdog.beat()
+                    writer.write_eval(evaluator.run(step, state["params"], watchdog.beat))
                 if saving:
                     ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
                 elif ckpt:
