@@ -54,7 +54,7 @@ def step_dots(hlo: str, trips: bool = True) -> Counter:
     """{(dtype, lhs shape, rhs shape, lhs contracting, rhs contracting, lhs batch, rhs batch): times
     executed per step} for every dot of a compiled (XLA:CPU) HLO text; `trips=False` counts a loop
     body once, as XLA's cost analysis does."""
-    from tessera.train_compile import hlo_computations
+    from tessera.hlo_text import hlo_computations
 
     bodies = hlo_computations(hlo)
     entry = next(m.group(1) for m in re.finditer(r"^ENTRY %([\w.-]+) \(", hlo, re.M))

@@ -13,11 +13,10 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
-from tessera.step import Trainer, abstract_state, loss_sums
+from tessera.step import Trainer, abstract_state, batch_shapes, loss_sums
 
 
 class Evaluator:
@@ -36,11 +35,8 @@ class Evaluator:
     def compile(self) -> float:
         """Compile the eval step for the train state's parameters and a batch; the seconds it took."""
         trainer, start = self.trainer, time.perf_counter()
-        shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
-                 for k in ("tokens", "segment_ids", "positions")}
         with jax.set_mesh(trainer.mesh):
-            self.step_fn = self.step_fn.lower(abstract_state(trainer)["params"], batch).compile()
+            self.step_fn = self.step_fn.lower(abstract_state(trainer)["params"], batch_shapes(trainer)).compile()
         return time.perf_counter() - start
 
     def run(self, step: int, params, beat: Callable[[], None] = lambda: None) -> dict:

@@ -261,18 +261,22 @@ def make_train_step(trainer: Trainer, seed: int):
     return step_fn
 
 
+def batch_shapes(trainer: Trainer) -> dict:
+    """ShapeDtypeStructs with shardings of one global batch (tokens, segment ids, positions)."""
+    shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
+    return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
+            for k in ("tokens", "segment_ids", "positions")}
+
+
 def compile_step(trainer: Trainer, seed: int):
     """AOT-compile the train step for this mesh; returns (compiled, seconds)."""
-    shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
-    batch_shapes = {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
-                    for k in ("tokens", "segment_ids", "positions")}
     state_shapes = abstract_state(trainer)
     replicated = NamedSharding(trainer.mesh, PartitionSpec())
     jitted = jax.jit(make_train_step(trainer, seed), out_shardings=(trainer.state_shardings, replicated),
                      donate_argnums=0)
     start = time.perf_counter()
     with jax.set_mesh(trainer.mesh):
-        compiled = jitted.lower(state_shapes, batch_shapes).compile()
+        compiled = jitted.lower(state_shapes, batch_shapes(trainer)).compile()
     return compiled, time.perf_counter() - start
 
 
