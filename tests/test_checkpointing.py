@@ -424,3 +424,21 @@ def test_a_slow_checksum_list_says_what_it_cost(tmp_path, monkeypatch, caplog):
     assert [r.message for r in caplog.records] == [
         f"recorded checksums of 1 files (0.0 GiB) under {tmp_path} in 0.0 s (checkpoint_checksums=false skips them)"]
     assert list(json.loads((tmp_path / checksums.MANIFEST).read_text())["files"]) == ["params/a"]
+
+
+def test_a_step_set_aside_twice_in_one_second_keeps_both(tmp_path):
+    """A save that failed is set aside at once, and what Orbax left of it when the manager closed
+    is set aside again, often within the same second: the second move gets its own name (CI saw
+    it fail on the first's, after the disk-full message had been printed)."""
+    from etils import epath
+    from tessera.checkpointing.manager import INCOMPLETE_MARKER, set_aside_incomplete
+
+    directory = epath.Path(tmp_path) / "checkpoints"
+    directory.mkdir()
+    moved = []
+    for content in ("first", "second"):
+        (directory / f"2{INCOMPLETE_MARKER}").mkdir()
+        (directory / f"2{INCOMPLETE_MARKER}" / "part").write_text(content)
+        moved += set_aside_incomplete(directory)
+    assert len(set(moved)) == 2 and not list(directory.iterdir())
+    assert sorted((p / "part").read_text() for p in moved) == ["first", "second"]

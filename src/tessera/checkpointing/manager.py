@@ -188,7 +188,11 @@ def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
     for path in sorted(p for p in directory.iterdir() if INCOMPLETE_MARKER in p.name):
         target_dir = directory.parent / f"{directory.name}_incomplete"
         target_dir.mkdir(parents=True, exist_ok=True)
-        target = target_dir / f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}"
+        stamp = f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}"
+        # the same step set aside twice within a second (a save that failed, then what Orbax left of it
+        # when the manager closed) keeps both: CI saw the second rename fail on the first's name
+        target = next(target_dir / name for name in [stamp, *(f"{stamp}-{n}" for n in range(1, 1000))]
+                      if not (target_dir / name).exists())
         path.rename(target)
         log.warning("incomplete checkpoint %s (an interrupted save) was not loaded; moved to %s. "
                     "Delete it once you no longer need it", path, target)
