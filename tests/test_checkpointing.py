@@ -139,10 +139,24 @@ def test_relative_load_path_is_reported_resolved_and_writes_nothing(tmp_path):
     assert "does not match" not in proc.stderr and not (tmp_path / "outputs").exists()
 
 
-def _train(tmp_path, *args, timeout=300):
+def _train(tmp_path, *args, timeout=300, env=None):
     return subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}", "per_device_batch_size=1",
                            "max_target_length=16", "base_num_decoder_layers=2", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_a_save_longer_than_the_step_timeout_is_not_a_hang(tmp_path):
+    """A synchronous save blocks the loop for longer than a step: here about 5 s for a 1.6 GB
+    state (134M parameters with Adam's moments, one device) under a 2 s step_timeout_seconds,
+    while a step, the first one included, takes under 1 s. The watchdog allows a blocking save its bytes at
+    20 MB/s beyond the timeout, so the save completes and the run ends normally; before, the
+    watchdog ended it with exit 5 ("no training step finished") before Orbax had finished."""
+    proc = _train(tmp_path, "steps=1", "checkpoint_period=1", "async_checkpointing=false", "step_timeout_seconds=2",
+                  "base_num_decoder_layers=1", "vocab_size=64000", "base_emb_dim=1024",
+                  env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+    assert proc.returncode == 0 and "hang watchdog" not in proc.stderr, proc.stderr[-3000:]
+    assert "134,482,944 parameters" in proc.stderr
+    assert [p.name for p in (tmp_path / "sub" / "checkpoints").iterdir()] == ["1"]
 
 
 def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path):

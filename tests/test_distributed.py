@@ -148,6 +148,29 @@ def test_watchdog_dumps_stacks_and_exits(tmp_path):
         time.sleep(0.1)
 
 
+def test_watchdog_allows_a_blocking_save_its_own_time_and_names_it_when_that_runs_out():
+    """Inside `allowing`, the loop may wait that much longer than the timeout (a checkpoint save):
+    a 1 s wait under a 0.2 s timeout with 3 s allowed passes; beyond the allowance the watchdog
+    ends the process naming what did not finish, and outside it the plain timeout is back."""
+    head = (f"import sys, time; sys.path.insert(0, {str(REPO / 'src')!r})\n"
+            "from tessera.distributed import HangWatchdog\n"
+            "with HangWatchdog(0.2) as w:\n"
+            "    with w.allowing('checkpoint save of step 7', 3.0):\n        time.sleep(1.0)\n"
+            "    print('saved', flush=True)\n")
+    cases = {"over": "    with w.allowing('checkpoint save of step 8', 0.5):\n        time.sleep(30)\n",
+             "after": "    time.sleep(30)\n"}
+    procs = {k: subprocess.Popen([sys.executable, "-c", head + tail], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for k, tail in cases.items()}
+    out = {k: p.communicate(timeout=60) for k, p in procs.items()}
+    assert all(p.returncode == 5 and out[k][0] == "saved\n" for k, p in procs.items()), out
+    over = out["over"][1].split("\n")[0]
+    waited = re.search(r"^hang watchdog: checkpoint save of step 8 did not finish in ([0-9.]+) s "
+                       r"\(step_timeout_seconds=0.2 plus 0.5 s allowed for it\); .* exit code 5$", over)
+    assert waited and 0.7 <= float(waited[1]) < 5, over
+    after = out["after"][1].split("\n")[0]
+    assert re.search(r"no training step finished in 0\.[2-9] s|no training step finished in [1-4]\.\d s", after), after
+
+
 def test_sigterm_to_one_process_stops_the_whole_job_at_the_same_step(tmp_path):
     port = _free_port()
     procs = [_start(rank, port, tmp_path, "steps=100000", "checkpoint_period=100000", "step_timeout_seconds=60")

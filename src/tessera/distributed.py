@@ -17,6 +17,7 @@ naming the coordinator, the processes expected and how long this one waited.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import faulthandler
 import logging
@@ -205,12 +206,20 @@ def _parse_stop(value: str) -> tuple[int, int]:
     return int(step), int(signum)
 
 
+def _seconds(value: float) -> str:
+    return f"{value:.1f}" if value < 100 else f"{value:.0f}"  # sub-second timeouts show as 0.3, not 0
+
+
 class HangWatchdog:
     """Ends a process whose steps stopped: after `timeout` seconds without `beat()`, dump every
-    thread's Python stack to stderr and exit with EXIT_HANG. A timeout of 0 disables it."""
+    thread's Python stack to stderr and exit with EXIT_HANG. A timeout of 0 disables it.
+
+    Work that blocks the loop as one piece, longer than a step (a checkpoint save), runs inside
+    `allowing(what, seconds)`: the watchdog then waits that many seconds more, and names it."""
 
     def __init__(self, timeout: float):
         self.timeout, self._last = timeout, time.monotonic()
+        self._allowance: tuple[str, float] | None = None  # (what blocks the loop, its extra seconds)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hang-watchdog", daemon=True)
 
@@ -223,13 +232,28 @@ class HangWatchdog:
     def beat(self) -> None:
         self._last = time.monotonic()
 
+    @contextlib.contextmanager
+    def allowing(self, what: str, seconds: float):
+        """Within this block the loop may wait `seconds` longer than the timeout for `what` (e.g.
+        "checkpoint save of step 400") before the watchdog ends the process, naming it."""
+        self.beat()
+        self._allowance = (what, max(0.0, seconds))
+        try:
+            yield
+        finally:
+            self._allowance = None
+            self.beat()
+
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout / 4)):
-            idle = time.monotonic() - self._last
-            if idle > self.timeout:
-                waited = f"{idle:.1f}" if idle < 100 else f"{idle:.0f}"  # sub-second timeouts show as 0.3, not 0
-                self._end(f"no training step finished in {waited} s (step_timeout_seconds={self.timeout:g}); "
-                          "Python stacks of every thread follow", stacks=True)
+            allowance, idle = self._allowance, time.monotonic() - self._last
+            if idle > self.timeout + (allowance[1] if allowance else 0.0):
+                if allowance:
+                    reason = (f"{allowance[0]} did not finish in {_seconds(idle)} s (step_timeout_seconds="
+                              f"{self.timeout:g} plus {_seconds(allowance[1])} s allowed for it)")
+                else:
+                    reason = f"no training step finished in {_seconds(idle)} s (step_timeout_seconds={self.timeout:g})"
+                self._end(f"{reason}; Python stacks of every thread follow", stacks=True)
 
     def fail(self, reason: str, exit_code: int = EXIT_HANG, kind: str = "hang watchdog") -> NoReturn:
         """End the process now, as when the watchdog fires, for a step of a multi-process job that

@@ -29,6 +29,7 @@ import yaml
 from tessera import host_malloc, metrics
 from tessera.checkpointing import (
     Checkpointer, CheckpointError, CheckpointSaveError, check_writable, load_full_state, load_parameters,
+    save_allowance_seconds,
 )
 from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, config_digest, flat_dict, load_config
 from tessera.config.derived import remote_run_dir, run_dir
@@ -163,6 +164,8 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
         plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
         write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir)
     meter, profiler, config_json = StepMeter(trainer), Profiler(cfg, run_dir), flat_dict(cfg)
+    # a save blocks the loop (a synchronous one, or one waiting for the previous save) for longer than a step
+    save_allowance = save_allowance_seconds(_local_state_bytes(trainer))
     step = start_step
     try:
         with StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
@@ -182,11 +185,13 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
                 if evaluating:
                     writer.write_eval(evaluator.run(step, state["params"], watchdog.beat))
                 if saving:
-                    ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
+                    with watchdog.allowing(f"checkpoint save of step {step}", save_allowance):
+                        ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
                 elif ckpt:
                     ckpt.check()  # a background save that failed stops the run now, not at the next save
                 if stopping:
-                    stop_after_signal(step, stop, ckpt)
+                    with watchdog.allowing(f"checkpoint save of step {step}", save_allowance):
+                        stop_after_signal(step, stop, ckpt)
     except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
         oom = out_of_memory(e, f"at step {step}")
         if jax.process_count() == 1 and oom:
@@ -265,8 +270,12 @@ def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, star
     if ckpt is None:
         return HostBuffers()
     beside = cfg.checkpoint.async_checkpointing and cfg.checkpoint.checkpoint_period < cfg.run.steps - start_step
-    on_devices = sum(state_bytes(trainer).values()) * len(local_devices(trainer.mesh))
-    return save_buffers(state_shapes(trainer), on_devices, beside)
+    return save_buffers(state_shapes(trainer), _local_state_bytes(trainer), beside)
+
+
+def _local_state_bytes(trainer: Trainer) -> int:
+    """Bytes of the train state on this process's devices (the most of it this process saves)."""
+    return sum(state_bytes(trainer).values()) * len(local_devices(trainer.mesh))
 
 
 def state_source(ckpt: Checkpointer | None, cfg: CheckpointConfig) -> str:

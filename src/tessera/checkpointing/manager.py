@@ -23,6 +23,18 @@ from tessera.config import CheckpointConfig
 log = logging.getLogger(__name__)
 
 
+# A save that blocks the training loop gets this long from the hang watchdog, beyond
+# step_timeout_seconds: its bytes at this rate. Healthy saves write to disks and buckets at 100 MB/s
+# and more per process; one slower than this is taken for stuck.
+SLOWEST_SAVE_BYTES_PER_SECOND = 20 * 10**6
+
+
+def save_allowance_seconds(nbytes: int) -> float:
+    """What the hang watchdog allows a blocking save of `nbytes` (this process's share) beyond
+    step_timeout_seconds: a synchronous save, or a save waiting for the previous one to finish."""
+    return nbytes / SLOWEST_SAVE_BYTES_PER_SECOND
+
+
 class CheckpointSaveError(Exception):
     """Saving a checkpoint failed (a full disk, lost permissions): the run must stop (EXIT_SAVE_FAILED)."""
 

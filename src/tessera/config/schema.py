@@ -90,7 +90,8 @@ class RunConfig:
     init_weights_seed: int = key(0, "PRNG seed for parameter initialization and dropout")
     report_warmup_steps: int = key(3, "steps left out of the run report's medians (compilation and warm-up)", minimum=0)
     step_timeout_seconds: float = key(1800.0, "hang watchdog: dump stacks and exit (code 5) when no step (nor eval "
-                                      "batch) finishes within this many seconds (0: off)", minimum=0.0)
+                                      "batch) finishes within this many seconds (0: off); a checkpoint save that "
+                                      "blocks the loop gets its bytes at 20 MB/s more", minimum=0.0)
     on_nonfinite_loss: str = key("stop", "a NaN/inf loss or gradient: 'stop' the run, or 'skip_step' (drop that update)",
                                  ("stop", "skip_step"))
 
