@@ -353,10 +353,22 @@ def _largest_file(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("async_save", [True, False])
-def test_every_save_records_the_checksums_of_its_items(tmp_path, async_save):
+def test_every_save_records_the_checksums_of_its_items_and_logs_its_time(tmp_path, async_save, caplog):
     from tessera.checkpointing.checksums import MANIFEST, crc32c, problem
 
-    run(tiny_config(tmp_path, steps=2, checkpoint_period=1, async_checkpointing=async_save))
+    with caplog.at_level(logging.INFO, logger="tessera.checkpointing"):
+        run(tiny_config(tmp_path, steps=2, checkpoint_period=1, async_checkpointing=async_save))
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint ")]
+    ckpt, size = tmp_path / "test" / "checkpoints", r"\d+\.\d MiB on this process's devices"
+    if async_save:  # where the loop waited, then (by the next save, or at the end) when the write was done
+        assert len(said) == 4 and all(re.fullmatch(pattern, line) for pattern, line in zip((
+            rf"checkpoint 1: the loop waited [\d.]+ s \({size} copied to host\); writing {ckpt / '1'} in the background",
+            rf"checkpoint 1 written in [\d.]+ s: {ckpt / '1'}",
+            rf"checkpoint 2: the loop waited [\d.]+ s \({size} copied to host\); writing {ckpt / '2'} in the background",
+            rf"checkpoint 2 written in [\d.]+ s: {ckpt / '2'}"), said)), said
+    else:
+        assert len(said) == 2 and all(re.fullmatch(rf"checkpoint {step} saved in [\d.]+ s \({size}\): {ckpt / str(step)}",
+                                                   line) for step, line in zip((1, 2), said)), said
     for step in (1, 2):
         folder = tmp_path / "test" / "checkpoints" / str(step)
         listed = json.loads((folder / MANIFEST).read_text())["files"]

@@ -52,6 +52,7 @@ class Checkpointer:
         self.incomplete = set_aside_incomplete(self.directory)
         quiet_orbax_error_logs()
         self._saving: int | None = None  # the step whose (async) save was started last
+        self._writing_since: float | None = None  # when that async save started, until its end is logged
         self._failed = False  # a save failed (its partial folder is set aside again at close)
         self._checksums = cfg.checkpoint_checksums and checksums.is_local(directory)
         options = ocp.CheckpointManagerOptions(
@@ -79,8 +80,10 @@ class Checkpointer:
         args = ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                                   config=ocp.args.JsonSave(config))
         use_tidy_event_loops()
+        start = time.monotonic()
         with self._failing_save(self._saving):  # the previous save's error surfaces here, before this one starts
             self.manager.wait_until_finished()
+        self._log_written()
         self._saving = step
         with self._failing_save(step):
             self.manager.save(step, args=args, force=True)
@@ -90,6 +93,22 @@ class Checkpointer:
                 except OSError:  # committed without its list (a full disk): set aside like a save cut short
                     self.step_path(step).rename(self.directory / f"{step}{INCOMPLETE_MARKER}")
                     raise
+        size = _mib(sum(shard.data.nbytes for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
+                        for shard in leaf.addressable_shards))
+        if self.cfg.async_checkpointing:
+            self._writing_since = start
+            log.info("checkpoint %d: the loop waited %.2f s (%s on this process's devices copied to host); writing "
+                     "%s in the background", step, time.monotonic() - start, size, self.step_path(step))
+        else:
+            log.info("checkpoint %d saved in %.2f s (%s on this process's devices): %s", step,
+                     time.monotonic() - start, size, self.step_path(step))
+
+    def _log_written(self) -> None:
+        """Log the end of the background save started last, once (it is known to have finished)."""
+        if self._writing_since is not None and self._saving is not None:
+            log.info("checkpoint %d written in %.2f s: %s", self._saving, time.monotonic() - self._writing_since,
+                     self.step_path(self._saving))
+        self._writing_since = None
 
     def _record_checksums(self) -> None:
         """Record the checksums of the step being saved (process 0; on Orbax's thread when async),
@@ -105,6 +124,8 @@ class Checkpointer:
             self.manager.check_for_errors()
             if self._finalize_failed():  # its thread has ended: joining it returns at once and raises
                 self.manager.wait_until_finished()
+        if self._writing_since is not None and not self.manager.is_saving_in_progress():
+            self._log_written()
 
     def _finalize_failed(self) -> bool:
         """True when the manager's background finalize thread has ended with an error. Orbax keeps that
@@ -117,6 +138,7 @@ class Checkpointer:
     def wait(self) -> None:
         with self._failing_save(self._saving):
             self.manager.wait_until_finished()
+        self._log_written()
 
     def close(self) -> None:
         try:
@@ -131,7 +153,7 @@ class Checkpointer:
         try:
             yield
         except Exception as e:  # noqa: BLE001 - any failed write loses the step: report it as one error
-            self._saving, self._failed = None, True
+            self._saving, self._failed, self._writing_since = None, True, None
             raise self._save_error(step, e) from None
 
     def _save_error(self, step: int | None, e: Exception) -> CheckpointSaveError:
@@ -189,6 +211,10 @@ class Checkpointer:
         earlier = [s for s in self.manager.all_steps() if s < step]
         then = f"to resume from step {max(earlier)}" if earlier else "to start this run from step 0"
         return CheckpointError(f"checkpoint {path} {what}. Move it away (e.g. mv {path} {path}.damaged) {then}")
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
 
 
 def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
