@@ -98,6 +98,25 @@ DEEPSEEK = dict(decoder_block="deepseek", base_num_decoder_layers=5, first_num_d
                 routed_bias_update_rate=0.02, load_balance_loss_weight=0.01)
 
 
+def _deepseek_step(**overrides):
+    """Routing biases before and after one train step of DeepSeek blocks on 8 sequences of 12
+    tokens (8 devices), and the step's stats."""
+    from tessera.step import create_state, make_train_step
+
+    trainer = setup(tiny_config(**{**LAYERS, **DEEPSEEK, **overrides}), jax.devices())
+    state = create_state(trainer, 0)
+    shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
+    batch = {"tokens": jax.random.randint(jax.random.key(1), shape, 0, 96), "segment_ids": np.ones(shape, np.int32),
+             "positions": np.tile(np.arange(shape[1]), (shape[0], 1))}
+    with jax.set_mesh(trainer.mesh):
+        new_state, stats = jax.jit(make_train_step(trainer, 0))(state, jax.device_put(batch, trainer.batch_sharding))
+    bias = lambda s: np.asarray(s["params"]["layers"]["mlp"]["routed_bias_e"]).reshape(4, 8)  # noqa: E731
+    return bias(state), bias(new_state), jax.device_get(stats)
+
+
+_UNPIPELINED = {}  # the unpipelined DeepSeek step, computed once for both meshes below
+
+
 @pytest.mark.parametrize("mesh", [
     dict(ici_pipeline_parallelism=2, ici_expert_parallelism=2, ici_fsdp_parallelism=2),  # GPipe, 2 layers a stage
     dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2, scan_layers=False),  # circular [R, L/R], unrolled
@@ -106,21 +125,10 @@ def test_routing_biases_move_as_without_pipelining(mesh):
     """One step of DeepSeek blocks from the same weights and batch: the expert loads each stage
     gathers, put back in layer order, move every layer's routing bias exactly as the unpipelined
     step does, and loss, gradient norm and the busiest-expert statistic agree (float32, 1e-5)."""
-    from tessera.step import create_state, make_train_step
-
-    def one_step(devices, **overrides):  # 8 sequences of 12 tokens
-        trainer = setup(tiny_config(**{**LAYERS, **DEEPSEEK, **overrides}), devices)
-        state = create_state(trainer, 0)
-        shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
-        batch = {"tokens": jax.random.randint(jax.random.key(1), shape, 0, 96), "segment_ids": np.ones(shape, np.int32),
-                 "positions": np.tile(np.arange(shape[1]), (shape[0], 1))}
-        with jax.set_mesh(trainer.mesh):
-            new_state, stats = jax.jit(make_train_step(trainer, 0))(state, jax.device_put(batch, trainer.batch_sharding))
-        bias = lambda s: np.asarray(s["params"]["layers"]["mlp"]["routed_bias_e"]).reshape(4, 8)  # noqa: E731
-        return bias(state), bias(new_state), jax.device_get(stats)
-
-    start, want, want_stats = one_step(jax.devices())  # no pipeline: fsdp over the 8 devices
-    got_start, got, stats = one_step(jax.devices(), **mesh)
+    if not _UNPIPELINED:
+        _UNPIPELINED["step"] = _deepseek_step()  # no pipeline: fsdp over the 8 devices
+    start, want, want_stats = _UNPIPELINED["step"]
+    got_start, got, stats = _deepseek_step(**mesh)
     np.testing.assert_array_equal(got_start, start)
     assert (want != start).any()
     np.testing.assert_allclose(got, want, atol=1e-7)  # each entry moved by exactly +-0.02
