@@ -84,6 +84,7 @@ class Checkpointer:
         with self._failing_save(self._saving):  # the previous save's error surfaces here, before this one starts
             self.manager.wait_until_finished()
         self._log_written()
+        waited = time.monotonic() - start  # for the previous save (its bytes were still being written)
         self._saving = step
         with self._failing_save(step):
             self.manager.save(step, args=args, force=True)
@@ -96,9 +97,11 @@ class Checkpointer:
         size = _mib(sum(shard.data.nbytes for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
                         for shard in leaf.addressable_shards))
         if self.cfg.async_checkpointing:
-            self._writing_since = start
-            log.info("checkpoint %d: the loop waited %.2f s (%s on this process's devices copied to host); writing "
-                     "%s in the background", step, time.monotonic() - start, size, self.step_path(step))
+            self._writing_since = start + waited
+            previous = f"{waited:.2f} s for the previous save to finish, then " if waited >= 0.01 else ""
+            log.info("checkpoint %d: the loop waited %.2f s (%s%s on this process's devices copied to host); "
+                     "writing %s in the background", step, time.monotonic() - start, previous, size,
+                     self.step_path(step))
         else:
             log.info("checkpoint %d saved in %.2f s (%s on this process's devices): %s", step,
                      time.monotonic() - start, size, self.step_path(step))
