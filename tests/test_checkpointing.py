@@ -159,6 +159,37 @@ def test_a_save_longer_than_the_step_timeout_is_not_a_hang(tmp_path):
     assert [p.name for p in (tmp_path / "sub" / "checkpoints").iterdir()] == ["1"]
 
 
+def test_a_last_checkpoint_write_that_stalls_is_ended_by_the_watchdog_and_keeps_the_one_before(tmp_path):
+    """The last save's background write is waited for inside the hang watchdog, with the save's
+    allowance. Here the finalize of step 2 stalls in Orbax's background thread (as on a hung NFS
+    mount or bucket): the run ends with exit 5 naming that save, and every step folder left behind
+    (1, and 2 when its files were written before the stall) restores with matching checksums.
+    Before, the loop ended, the watchdog stopped, and the process hung in the final close."""
+    script = (f"import sys, time; sys.path.insert(0, {str(REPO / 'src')!r})\n"
+              "import orbax.checkpoint as ocp\n"
+              "commit = ocp.CheckpointManager._finalize_checkpoint\n"
+              "def stalled(self, step):\n"
+              "    if step == 2:\n        time.sleep(120)\n"
+              "    return commit(self, step)\n"
+              "ocp.CheckpointManager._finalize_checkpoint = stalled\n"
+              "from tessera.train import main\n"
+              "sys.exit(main(sys.argv[1:]))\n")
+    args = [*TRAIN[2:], "run_name=sub", f"base_output_directory={tmp_path}", "per_device_batch_size=1",
+            "max_target_length=16", "base_num_decoder_layers=2", "steps=2", "checkpoint_period=1",
+            "step_timeout_seconds=2"]
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    said = re.search(r"hang watchdog: checkpoint save of step 2 did not finish in ([0-9.]+) s "
+                     r"\(step_timeout_seconds=2 plus ([0-9.]+) s allowed for it\)", proc.stderr)
+    assert said and float(said[1]) >= 2 + float(said[2]) - 0.05, proc.stderr[-3000:]  # both printed rounded
+    assert time.monotonic() - start < 100  # not the 120 s stall
+    done, abstract = tmp_path / "sub" / "checkpoints", abstract_state(setup(load_config(args)))
+    steps = sorted(int(p.name) for p in done.iterdir() if p.name.isdigit())
+    assert steps[0] == 1 and all(int(load_full_state(str(done / str(s)), abstract)["step"]) == s for s in steps)
+
+
 def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path):
     assert _train(tmp_path, "steps=2").returncode == 0
     ckpt = tmp_path / "sub" / "checkpoints"

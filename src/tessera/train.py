@@ -159,52 +159,82 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     run_dir = _create_run_folder(cfg, plan.run_dir)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
-    # ---- loop: step, metrics, finite check, checkpoint, SIGTERM
+    # ---- the steps, then the report
     writer = metrics.MetricsWriter(
         plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
         write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir)
-    meter, profiler, config_json = StepMeter(trainer), Profiler(cfg, run_dir), flat_dict(cfg)
-    # a save blocks the loop (a synchronous one, or one waiting for the previous save) for longer than a step
-    save_allowance = save_allowance_seconds(_local_state_bytes(trainer))
-    step = start_step
+    meter, profiler = StepMeter(trainer), Profiler(cfg, run_dir)
     try:
-        with StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
-            stats_reader = _StatsReader(cfg, writer, meter, profiler, watchdog, ckpt)
-            for step in range(start_step + 1, cfg.run.steps + 1):
-                profiler.before_step(step)
-                state, stats = step_fn(state, place_batch(data, next(data), trainer.batch_sharding, plan.global_batch))
-                # The step runs on the device while the host reads the previous step's stats and
-                # prepares the next batch: metrics are logged one step late (METRICS_LAG).
-                stats_reader.add(step, stats)
-                stats_reader.finish(keep=METRICS_LAG)
-                evaluating = evaluator and (step % cfg.data.eval_interval == 0 or step == cfg.run.steps)
-                stopping = stop.stop_after(step)
-                saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or step == cfg.run.steps or stopping)
-                if evaluating or saving or stopping or step == cfg.run.steps:
-                    stats_reader.finish()  # a non-finite step stops the run before anything is evaluated or saved
-                if evaluating:
-                    writer.write_eval(evaluator.run(step, state["params"], watchdog.beat))
-                if saving:
-                    with watchdog.allowing(f"checkpoint save of step {step}", save_allowance):
-                        ckpt.save(step, state, data.get_state(), config_json)  # raises if the previous save failed
-                elif ckpt:
-                    ckpt.check()  # a background save that failed stops the run now, not at the next save
-                if stopping:
-                    with watchdog.allowing(f"checkpoint save of step {step}", save_allowance):
-                        stop_after_signal(step, stop, ckpt)
-    except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
-        oom = out_of_memory(e, f"at step {step}")
-        if jax.process_count() == 1 and oom:
-            raise oom from None
-        if jax.process_count() == 1:
-            raise
-        if oom:  # the other processes stop in their next collective, by their watchdogs
-            watchdog.fail(str(oom), exit_code=EXIT_OUT_OF_MEMORY, kind="memory error")
-        watchdog.fail(_failed_step_message(step, e))
+        _Loop(cfg, trainer, ckpt, data, evaluator, writer, meter, profiler).run(step_fn, state, start_step)
     finally:
         profiler.stop()
         writer.close()
     return _write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step)
+
+
+class _Loop:
+    """The steps after `start_step` up to `steps`: each one's metrics (read one step late, see
+    METRICS_LAG), finite check, evaluation, checkpoint and stop on SIGTERM or SIGINT, under the
+    hang watchdog."""
+
+    def __init__(self, cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, data, evaluator: Evaluator | None,
+                 writer: metrics.MetricsWriter, meter: StepMeter, profiler: Profiler):
+        self.cfg, self.trainer, self.ckpt, self.data, self.evaluator = cfg, trainer, ckpt, data, evaluator
+        self.writer, self.meter, self.profiler, self.config_json = writer, meter, profiler, flat_dict(cfg)
+        # a save blocks the loop (a synchronous one, or one waiting for the previous save) for longer than a step
+        self.save_allowance = save_allowance_seconds(_local_state_bytes(trainer))
+
+    def run(self, step_fn, state: dict, start_step: int) -> None:
+        cfg, trainer, step = self.cfg, self.trainer, start_step
+        try:
+            with StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
+                stats = _StatsReader(cfg, self.writer, self.meter, self.profiler, watchdog, self.ckpt)
+                for step in range(start_step + 1, cfg.run.steps + 1):
+                    self.profiler.before_step(step)
+                    batch = place_batch(self.data, next(self.data), trainer.batch_sharding, trainer.plan.global_batch)
+                    state, step_stats = step_fn(state, batch)
+                    # The step runs on the device while the host reads the previous step's stats and
+                    # prepares the next batch: metrics are logged one step late (METRICS_LAG).
+                    stats.add(step, step_stats)
+                    stats.finish(keep=METRICS_LAG)
+                    self._after_step(step, state, stats, stop, watchdog)
+                if self.ckpt:  # the last save's background write, watched like the saves before it
+                    with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
+                        self.ckpt.wait()
+        except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
+            _step_failed(step, e, watchdog)
+
+    def _after_step(self, step: int, state: dict, stats: _StatsReader, stop: StopSignal,
+                    watchdog: HangWatchdog) -> None:
+        cfg, ckpt, last = self.cfg, self.ckpt, step == self.cfg.run.steps
+        evaluating = self.evaluator and (step % cfg.data.eval_interval == 0 or last)
+        stopping = stop.stop_after(step)
+        saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or last or stopping)
+        if evaluating or saving or stopping or last:
+            stats.finish()  # a non-finite step stops the run before anything is evaluated or saved
+        if evaluating:
+            self.writer.write_eval(self.evaluator.run(step, state["params"], watchdog.beat))
+        if saving:
+            with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
+                ckpt.save(step, state, self.data.get_state(), self.config_json)  # raises if the previous save failed
+        elif ckpt:
+            ckpt.check()  # a background save that failed stops the run now, not at the next save
+        if stopping:
+            with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
+                stop_after_signal(step, stop, ckpt)
+
+
+def _step_failed(step: int, error: jax.errors.JaxRuntimeError, watchdog: HangWatchdog) -> None:
+    """A step that raised on the device: out of memory (exit 7), or on a multi-process job a
+    collective whose peer is gone (the watchdog ends this process, exit 5)."""
+    oom = out_of_memory(error, f"at step {step}")
+    if jax.process_count() == 1 and oom:
+        raise oom from None
+    if jax.process_count() == 1:
+        raise error
+    if oom:  # the other processes stop in their next collective, by their watchdogs
+        watchdog.fail(str(oom), exit_code=EXIT_OUT_OF_MEMORY, kind="memory error")
+    watchdog.fail(_failed_step_message(step, error))
 
 
 def _failed_step_message(step: int, error: Exception) -> str:
