@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -10,8 +11,9 @@ import pytest
 
 import tessera.train
 from conftest import REPO, tiny_config
-from tessera.checkpointing import CheckpointError
+from tessera.checkpointing import CheckpointError, Checkpointer
 from tessera.config import ConfigError, load_config
+from tessera.evaluation import Evaluator
 from tessera.hardware import peak_tflops
 from tessera.memory_fit import state_bytes
 from tessera.metrics import run_report, training_flops_per_step
@@ -87,6 +89,29 @@ def test_zero1_splits_the_optimizer_state_over_data_and_not_the_parameters():
 def test_training_reduces_loss(tmp_path):
     losses = _losses(tmp_path, "long", 8, steps=40, learning_rate=2e-2, warmup_steps_fraction=0.1)
     assert losses[-5:].mean() < losses[:5].mean() - 0.5
+
+
+def test_a_step_after_a_save_or_an_evaluation_is_timed_without_it(tmp_path, monkeypatch):
+    """Host work between steps logs its own time (a save's log line, an evaluation's eval_seconds);
+    the next step's step_seconds must not count it. Each save and evaluation here takes 1.5 s
+    longer (a slow disk, a long eval set): saves after steps 2, 4, 6, evaluations after 3 and 6.
+    Before, steps 3, 4 and 5 each reported over 1.5 s."""
+    def slowed(original):
+        def slow(*args, **kwargs):
+            time.sleep(1.5)
+            return original(*args, **kwargs)
+        return slow
+
+    monkeypatch.setattr(Checkpointer, "save", slowed(Checkpointer.save))
+    monkeypatch.setattr(Evaluator, "run", slowed(Evaluator.run))
+    cfg = tiny_config(tmp_path, steps=6, checkpoint_period=2, async_checkpointing=False, eval_interval=3,
+                      eval_steps=1)
+    run(cfg, jax.devices()[:1])
+    records = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in records if "eval_loss" in r]
+    steps = {r["step"]: r["step_seconds"] for r in records if "eval_loss" not in r}
+    assert sorted(steps) == [1, 2, 3, 4, 5, 6] and [r["step"] for r in evals] == [3, 6]
+    assert max(steps.values()) < 0.75, steps
 
 
 def test_flops_formula_matches_xla_cost_analysis():

@@ -35,6 +35,11 @@ class StepMeter:
         self.devices = plan.num_devices
         self.last = time.perf_counter()
 
+    def restart_clock(self) -> None:
+        """The time until now belongs to no step: host work between steps (an evaluation, a
+        checkpoint save; each logs its own time) is not counted in the next step's seconds."""
+        self.last = time.perf_counter()
+
     def record(self, step: int, stats: dict) -> dict:
         now = time.perf_counter()
         seconds, self.last = now - self.last, now

@@ -219,6 +219,8 @@ class _Loop:
                 ckpt.save(step, state, self.data.get_state(), self.config_json)  # raises if the previous save failed
         elif ckpt:
             ckpt.check()  # a background save that failed stops the run now, not at the next save
+        if evaluating or saving:  # every dispatched step was read above: the next one's time starts now
+            self.meter.restart_clock()
         if stopping:
             with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
                 stop_after_signal(step, stop, ckpt)
