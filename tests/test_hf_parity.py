@@ -25,6 +25,7 @@ from tessera.tools.hf_checkpoint import Reader, hf_config
 from tessera.tools.hf_layouts import as_overrides, config_from_hf
 
 ATOL = 1e-4  # float32 on both sides; measured differences are ~4e-6 on logits of magnitude ~5
+TINY_VOCAB = 97  # every family's tiny checkpoint (hf_reference.VOCAB; checked when they are made)
 
 
 def _require_reference():
@@ -35,10 +36,26 @@ def _require_reference():
 
 
 @pytest.fixture(scope="module")
-def hf_model(tmp_path_factory):
-    """family -> a tiny random HF checkpoint folder (sharded into several files), built once."""
+def prebuilt(tmp_path_factory):
+    """family -> (its tiny random HF checkpoint folder, sharded into several files; the reference's
+    logits on _padded_batch): every family made and run in one start of the reference interpreter
+    (each start costs seconds, more than a tiny model)."""
     _require_reference()
-    made = {}
+    root = tmp_path_factory.mktemp("hf")
+    families = sorted({family for family, _ in CASES.values()})
+    folders = {family: root / family / "model" for family in families}
+    logits = hf_env.reference_outputs_many(
+        [(folders[family], *_padded_batch(TINY_VOCAB)) for family in families],
+        before=[hf_env.tiny_command(family, folders[family], max_shard_size="20KB") for family in families])
+    for family in families:
+        assert json.loads((folders[family] / "config.json").read_text())["vocab_size"] == TINY_VOCAB, family
+    return {family: (folders[family], out["logits"]) for family, out in zip(families, logits)}
+
+
+@pytest.fixture(scope="module")
+def hf_model(prebuilt, tmp_path_factory):
+    """family -> a tiny random HF checkpoint folder (sharded into several files), built once."""
+    made = {(family, 0): folder for family, (folder, _) in prebuilt.items()}
 
     def get(family, seed=0):
         if (family, seed) not in made:
@@ -93,18 +110,9 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def reference_logits(hf_model):
-    """family -> the reference's logits for _padded_batch (one reference run per family)."""
-    done = {}
-
-    def get(family):
-        if family not in done:
-            hf_dir = hf_model(family)
-            vocab = json.loads((hf_dir / "config.json").read_text())["vocab_size"]
-            done[family] = hf_env.reference_logits(hf_dir, *_padded_batch(vocab))
-        return done[family]
-
-    return get
+def reference_logits(prebuilt):
+    """family -> the reference's logits for _padded_batch on its tiny checkpoint."""
+    return lambda family: prebuilt[family][1]
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -142,10 +150,10 @@ def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     assert config_from_hf(json.loads((tmp_path / "back" / "config.json").read_text())) == config_from_hf(original.config)
     if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek") or extra == ("scan_layers=false",) \
             and family in ("gemma3", "deepseek"):
-        return  # the richest configs, once each (each check costs two reference runs)
+        return  # the richest configs, once each (each check costs a reference run of two models)
     tokens, _ = _padded_batch(cfg.model.vocab_size)
-    np.testing.assert_array_equal(hf_env.reference_logits(tmp_path / "back", tokens),
-                                  hf_env.reference_logits(hf_dir, tokens))
+    back_logits, original_logits = hf_env.reference_outputs_many([(tmp_path / "back", tokens), (hf_dir, tokens)])
+    np.testing.assert_array_equal(back_logits["logits"], original_logits["logits"])
 
 
 def test_hf_config_round_trips_every_model_file():

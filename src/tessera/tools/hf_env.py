@@ -8,15 +8,19 @@ standard library and numpy: importing it never needs torch.
     python = reference_python()          # None when no reference is installed
     make_tiny("llama3", tmp / "llama3")  # a tiny random HF checkpoint
     logits_btv = reference_logits(tmp / "llama3", input_ids_bt, attention_mask_bt)
+    # several in one run of the interpreter (each start costs seconds): make, then run
+    [out] = reference_outputs_many([(tmp / "gemma", input_ids_bt)], before=[tiny_command("gemma", tmp / "gemma")])
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -88,28 +92,57 @@ def run_reference(*args: str, timeout: float = 600) -> subprocess.CompletedProce
     return proc
 
 
+def tiny_command(family: str, out_dir: str | Path, seed: int = 0, max_shard_size: str | None = None) -> list[str]:
+    """The hf_reference.py command that saves a tiny random float32 HF checkpoint of `family`
+    (hf_reference.FAMILIES: llama2, llama3, mistral, mixtral, gemma, gemma2, gpt2, qwen3, qwen3_moe,
+    gemma3, deepseek) to `out_dir`; a small `max_shard_size` ("20KB") shards it."""
+    command = ["tiny", family, str(out_dir), "--seed", str(seed)]
+    return command + ["--max-shard-size", max_shard_size] if max_shard_size else command
+
+
 def make_tiny(family: str, out_dir: str | Path, seed: int = 0,
               max_shard_size: str | None = None) -> Path:
-    """Saves a tiny random float32 HF checkpoint of `family` (see hf_reference.FAMILIES: llama2, llama3, mistral, mixtral,
-    gemma, gemma2, gpt2) to `out_dir`; a small `max_shard_size` ("20KB") shards it."""
-    args = ["tiny", family, str(out_dir), "--seed", str(seed)]
-    if max_shard_size:
-        args += ["--max-shard-size", max_shard_size]
-    run_reference(*args)
+    """Saves a tiny random checkpoint (see tiny_command) to `out_dir` and returns its path."""
+    run_reference(*tiny_command(family, out_dir, seed, max_shard_size))
     return Path(out_dir)
+
+
+def run_commands(commands: Sequence[Sequence[str]], timeout: float = 600) -> None:
+    """Runs several hf_reference.py commands in order in one reference interpreter (its start-up
+    and imports cost seconds, more than a tiny model's command)."""
+    if len(commands) == 1:
+        run_reference(*commands[0], timeout=timeout)
+        return
+    with tempfile.TemporaryDirectory(prefix="tessera-hf-") as tmp:
+        listing = Path(tmp) / "commands.json"
+        listing.write_text(json.dumps([[str(a) for a in c] for c in commands]))
+        run_reference("batch", str(listing), timeout=timeout)
+
+
+def reference_outputs_many(requests: Sequence[tuple], before: Sequence[Sequence[str]] = ()) -> list[dict]:
+    """`reference_outputs` for each (hf_dir, input_ids[, attention_mask[, position_ids]]) of
+    `requests`, in one reference run, after the commands in `before` (e.g. tiny_command's)."""
+    with tempfile.TemporaryDirectory(prefix="tessera-hf-") as tmp:
+        commands, outputs = [list(c) for c in before], []
+        for i, (hf_dir, *arrays) in enumerate(requests):
+            inputs = dict(zip(("input_ids", "attention_mask", "position_ids"), arrays))
+            in_npz, out_npz = Path(tmp) / f"in{i}.npz", Path(tmp) / f"out{i}.npz"
+            np.savez(in_npz, **{k: np.asarray(v, np.int64) for k, v in inputs.items() if v is not None})
+            commands.append(["logits", str(hf_dir), str(in_npz), str(out_npz)])
+            outputs.append(out_npz)
+        run_commands(commands)
+        results = []
+        for out_npz in outputs:
+            with np.load(out_npz) as out:
+                results.append({k: out[k] for k in out.files})
+        return results
 
 
 def reference_outputs(hf_dir: str | Path, input_ids, attention_mask=None,
                       position_ids=None) -> dict[str, np.ndarray]:
     """All arrays the reference returns: `logits` [B, T, V] float32, and for MoE models
     `router_logits` [layers, B*T, E]. Inputs are [B, T] integer arrays."""
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-    with tempfile.TemporaryDirectory(prefix="tessera-hf-") as tmp:
-        in_npz, out_npz = Path(tmp) / "in.npz", Path(tmp) / "out.npz"
-        np.savez(in_npz, **{k: np.asarray(v, np.int64) for k, v in inputs.items() if v is not None})
-        run_reference("logits", str(hf_dir), str(in_npz), str(out_npz))
-        with np.load(out_npz) as out:
-            return {k: out[k] for k in out.files}
+    return reference_outputs_many([(hf_dir, input_ids, attention_mask, position_ids)])[0]
 
 
 def reference_logits(hf_dir: str | Path, input_ids, attention_mask=None,

@@ -7,6 +7,12 @@ It lives in the package only so that it ships with it; `tessera.tools.hf_env` ca
     python hf_reference.py tiny FAMILY OUT_DIR [--seed N] [--max-shard-size 20KB]
     python hf_reference.py logits HF_DIR IN_NPZ OUT_NPZ
     python hf_reference.py info HF_DIR
+    python hf_reference.py batch COMMANDS_JSON
+
+`batch` runs the commands listed in COMMANDS_JSON (a JSON list of argument lists, such as
+[["tiny", "llama2", "out/llama2"], ["logits", "out/llama2", "in.npz", "out.npz"]]) one after
+another in this one process: starting the interpreter and importing torch and transformers
+costs seconds, more than a tiny model's command.
 
 `tiny` writes a plain Hugging Face checkpoint (config.json + safetensors, sharded with an
 index when --max-shard-size is small) of a float32 model with small, unequal sizes (hidden 24,
@@ -223,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_npz", type=Path)
     p = sub.add_parser("info", help="model_type and tensor names/shapes of a checkpoint")
     p.add_argument("hf_dir", type=Path)
+    p = sub.add_parser("batch", help="run the commands of a JSON list of argument lists, in order")
+    p.add_argument("commands_json", type=Path)
     args = parser.parse_args(argv)
 
     transformers.logging.set_verbosity_error()
@@ -231,6 +239,11 @@ def main(argv: list[str] | None = None) -> int:
         make_tiny(args.family, args.out_dir, args.seed, args.max_shard_size)
     elif args.command == "logits":
         reference_logits(args.hf_dir, args.in_npz, args.out_npz)
+    elif args.command == "batch":
+        for command in json.loads(args.commands_json.read_text()):
+            if not command or command[0] == "batch":
+                raise SystemExit(f"{args.commands_json}: {command!r} is not a command a batch can run")
+            main([str(a) for a in command])
     else:
         info(args.hf_dir)
     return 0
