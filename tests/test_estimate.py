@@ -92,6 +92,20 @@ def test_state_memory_equals_what_the_compiler_allocates():
     assert mem.params + mem.optimizer == pytest.approx(state, rel=0.002)
 
 
+def test_a_stage_gathered_once_counts_the_stage_s_weights_and_gradients():
+    """pipeline_fsdp_ag_once: every chip holds its stage's layers whole (float32 weights and
+    gradients) instead of one bfloat16 layer at a time; the report names which it counts."""
+    keys = ["per_device_batch_size=4", "dtype=bfloat16", "dcn_pipeline_parallelism=2"]
+    hw = parse_hardware("v5p-128", 2)
+    plain, once = (load_model_config("llama2-7b", [*keys, f"pipeline_fsdp_ag_once={v}"]) for v in ("false", "true"))
+    counts = count_params(plain.model)
+    mesh = mesh_sizes(plain, hw)
+    assert (mesh["stage"], mesh["fsdp"]) == (2, 64)
+    layers = counts.layers_total - 2 * plain.model.num_decoder_layers * plain.model.emb_dim  # less the norm scales
+    assert estimate_memory(once, counts, mesh, True).gathered_layer == pytest.approx(2 * layers / 2 * 4)
+    assert estimate_memory(plain, counts, mesh, True).gathered_layer == pytest.approx(2 * counts.per_layer * 2)
+
+
 def test_activation_estimates_shrink_with_remat():
     cfg = load_model_config("llama2-7b", ["per_device_batch_size=2", "max_target_length=2048", "dtype=bfloat16"])
     hw = parse_hardware("v5p-128")

@@ -16,7 +16,8 @@ from conftest import tiny_config
 from tessera.config import ConfigError
 from tessera.config.derived import LAYERS_PER_BLOCK, PipelineLayout, plan_run
 from tessera.models import BLOCKS
-from tessera.step import setup
+from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops
+from tessera.step import compile_step, setup
 from tessera.train import run
 
 # 8 decoder layers, 8 sequences a step (per_device_batch_size=1 on 8 devices)
@@ -57,6 +58,9 @@ def _assert_same(records, reference, keys=("loss", "grad_norm"), rtol=1e-5):
     dict(ici_pipeline_parallelism=2, pipeline_delay_activation_forwarding=True),
     dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, per_device_batch_size=2,
          pipeline_delay_activation_forwarding=True),
+    # a stage's weights gathered over fsdp once per step: circular [R, L/R]; GPipe keeping the tensor split
+    dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, pipeline_fsdp_ag_once=True),
+    dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, pipeline_fsdp_ag_once=True),
 ])
 def test_pipelined_training_gives_the_losses_of_no_pipelining(mesh, tmp_path):
     """3 steps from the same weights and batches: float32 losses and gradient norms equal the
@@ -160,6 +164,24 @@ def test_checkpoints_move_between_pipeline_layouts(saved, restored, tmp_path, tm
     got = json.loads((tmp_path / "dst" / "test" / "metrics.jsonl").read_text().splitlines()[-1])
     assert got["step"] == 3
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+
+
+def test_fsdp_weights_are_gathered_once_per_step_with_pipeline_fsdp_ag_once():
+    """2 stages x fsdp 4: without the key every fsdp-split weight is gathered inside the
+    pipeline's loops (each iteration, forward and backward); with it, before them, and the
+    stage's gathered weights and gradients take more temporary memory. The gathered copies keep
+    any tensor split (checked by the losses test above)."""
+    compiled = {}
+    for once in (False, True):
+        trainer = setup(tiny_config(**LAYERS, ici_pipeline_parallelism=2, pipeline_fsdp_ag_once=once))
+        compiled[once], _ = compile_step(trainer, 0)
+    plain, once = (collectives_in_loops(compiled[k].as_text()) for k in (False, True))
+    assert plain.get("all-gather", 0) >= 14 and "all-gather" not in once  # 7 weights a block, forward and backward
+    assert "all-gather" in {op for op in COLLECTIVE_OP.findall(compiled[True].as_text())}  # gathered, outside
+    assert compiled[True].memory_analysis().temp_size_in_bytes > compiled[False].memory_analysis().temp_size_in_bytes
+    assert "weights gathered over fsdp once per step" in trainer.plan.pipeline.describe()
+    with pytest.raises(ConfigError, match=r"pipeline_fsdp_ag_once=true .* this mesh has no pipeline stages"):
+        setup(tiny_config(**LAYERS, pipeline_fsdp_ag_once=True))
 
 
 def test_layout_and_bubble_are_logged(caplog):

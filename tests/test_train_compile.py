@@ -195,6 +195,20 @@ def test_unwritable_file_names_what_is_in_the_way(tmp_path):
     assert train_compile.unwritable_file("gs://bucket/c.pickle") == ""
 
 
+def test_pipeline_fsdp_ag_once_takes_the_weight_gathers_out_of_the_loops_on_tpu():
+    """2 stages x fsdp 2 on v5e-4: the fsdp-split weights are gathered inside the pipeline's loops
+    (every iteration, forward and backward) unless pipeline_fsdp_ag_once gathers them before; the
+    compile report counts the collectives left inside loops."""
+    common = {**TINY, "compile_topology": "v5e-4", "ici_pipeline_parallelism": 2, "ici_fsdp_parallelism": 2,
+              "base_num_decoder_layers": 4, "per_device_batch_size": 2, "dtype": "bfloat16"}
+    plain = compile_for_topology(build_config(common))
+    once = compile_for_topology(build_config({**common, "pipeline_fsdp_ag_once": True}))
+    assert plain.fits and once.fits and once.pipeline["gather_fsdp_once"]
+    assert plain.pipeline["collectives_in_loops"]["all-gather"] >= 8  # 4 weights a block or more, twice
+    assert "all-gather" not in once.pipeline["collectives_in_loops"]
+    assert "collectives inside loops (each runs every iteration): all-gather x" in train_compile.memory_table(plain)
+
+
 def test_delayed_forwarding_hides_the_hand_over_between_slices():
     """Two slices, one pipeline stage each. Handed on at once, each iteration's activations (and,
     backward, their gradients) cross the data-center network while the next stage waits; handed

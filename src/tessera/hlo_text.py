@@ -79,3 +79,20 @@ def stage_transfers(hlo: str) -> tuple[int, int]:
 # a collective instruction in compiled HLO text: `... = bf16[..] all-to-all(...)`, async ones as `-start`
 COLLECTIVE_OP = re.compile(r" (ragged-all-to-all|all-to-all|all-reduce|all-gather|reduce-scatter|collective-permute)"
                            r"(?:-start)?\(")
+
+
+def collectives_in_loops(hlo: str) -> dict[str, int]:
+    """{collective: count} of the collectives a program runs inside its while loops (the bodies
+    and what they call): each runs once per trip, where one outside a loop runs once per step.
+    A pipeline with fsdp gathers each weight in every iteration (an all-gather; on TPU often an
+    all-reduce of the shards placed in zeros) unless `pipeline_fsdp_ag_once` gathers it before."""
+    computations = hlo_computations(hlo)
+    inside: set[str] = set()
+    todo = [name for lines in computations.values() for line in lines for name in re.findall(r"body=%([\w.-]+)", line)]
+    while todo:
+        name = todo.pop()
+        if name not in inside:
+            inside.add(name)
+            todo.extend(c for line in computations.get(name, []) for c in _CALLED.findall(line))
+    ops = [op for name in inside for line in computations.get(name, []) for op in COLLECTIVE_OP.findall(line)]
+    return {op: ops.count(op) for op in sorted(set(ops))}

@@ -29,7 +29,7 @@ from tessera.config import Config, ConfigError, load_config
 from tessera.config.derived import run_dir
 from tessera.config.checks import validate_for_build
 from tessera.hardware import GIB, TpuSlice, tpu_slice
-from tessera.hlo_text import COLLECTIVE_OP, low_precision_dots, stage_transfers
+from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops, low_precision_dots, stage_transfers
 from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
 
 log = logging.getLogger("tessera")
@@ -189,7 +189,8 @@ def compile_for_topology(cfg: Config) -> CompileReport:
     report.low_precision_dots = low_precision_dots(hlo)
     if report.pipeline:
         transfers, overlapped = stage_transfers(hlo)
-        report.pipeline = {**report.pipeline, "stage_transfers": transfers, "overlapped_transfers": overlapped}
+        report.pipeline = {**report.pipeline, "stage_transfers": transfers, "overlapped_transfers": overlapped,
+                           "collectives_in_loops": collectives_in_loops(hlo)}
     live = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     peak = max(getattr(mem, "peak_memory_in_bytes", 0), live)
     return dataclasses.replace(
@@ -243,7 +244,8 @@ def memory_table(r: CompileReport) -> str:
                f"{r.pipeline['microbatches']} microbatches, bubble {100 * r.pipeline['bubble']:.1f}%"
                + ("" if "stage_transfers" not in r.pipeline else
                   f"; hand-overs between stages overlapping a matmul: {r.pipeline['overlapped_transfers']} of "
-                  f"{r.pipeline['stage_transfers']}")))
+                  f"{r.pipeline['stage_transfers']}; collectives inside loops (each runs every iteration): "
+                  + (", ".join(f"{op} x{n}" for op, n in r.pipeline["collectives_in_loops"].items()) or "none"))))
 
 
 def not_fits_message(r: CompileReport, cfg: Config) -> str:

@@ -90,6 +90,7 @@ class PipelineLayout:
     microbatches: int  # M: pieces of each (gradient-accumulation) batch
     microbatch_rows: int  # sequences in one microbatch
     hop: int = 1  # H: iterations from one stage to the next (2: pipeline_delay_activation_forwarding)
+    gather_fsdp_once: bool = False  # pipeline_fsdp_ag_once: a stage's weights are gathered over fsdp before the loop
 
     @property
     def iterations(self) -> int:
@@ -105,6 +106,7 @@ class PipelineLayout:
         per_stage = self.blocks_per_stage * layers_per_block
         kind = f"circular, {self.repeats} repeats" if self.repeats > 1 else "GPipe"
         delayed = ", outputs handed on one iteration late" if self.hop > 1 else ""
+        delayed += ", weights gathered over fsdp once per step" if self.gather_fsdp_once else ""
         formula = "(S-1)/(M*R+S-1)" if self.hop == 1 else f"{self.hop}(S-1)/(M*R+{self.hop}(S-1))"
         return (f"{self.stages} stages ({kind}{delayed}), {per_stage} layer(s) per stage group, {self.microbatches} "
                 f"microbatches of {self.microbatch_rows} sequences; bubble {formula} = "
@@ -117,6 +119,10 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
     do not split into stages x repeats groups or the batch not into microbatches."""
     stages, mesh, m = mesh_shape.get("stage", 1), cfg.mesh, cfg.model
     if stages == 1:
+        if mesh.pipeline_fsdp_ag_once:
+            raise ConfigError("pipeline_fsdp_ag_once=true gathers a pipeline stage's fsdp-split weights once per step, "
+                              "and this mesh has no pipeline stages; set ici_pipeline_parallelism or "
+                              "dcn_pipeline_parallelism above 1, or drop the key")
         return None
     per_block = LAYERS_PER_BLOCK.get(m.decoder_block, 1)
     # deepseek's dense layers run below the pipeline; only the expert layers are split over stages
@@ -164,7 +170,7 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
             f"the batch of {rows} sequences cannot be cut into num_pipeline_microbatches={micro} microbatches that "
             f"each split over data*fsdp*expert={shards} devices ({rows} must be a multiple of {micro * shards}); "
             "change num_pipeline_microbatches or per_device_batch_size")
-    return PipelineLayout(stages, repeats, per_stage // per_block, micro, rows // micro, hop)
+    return PipelineLayout(stages, repeats, per_stage // per_block, micro, rows // micro, hop, mesh.pipeline_fsdp_ag_once)
 
 
 def dropout_rate(cfg: ModelConfig) -> float:

@@ -93,8 +93,6 @@ REFUSED = {
         ("false", "0")),
     # pipeline parallelism
     "pipeline_parallel_layers": Refused("layers run by the pipeline" + _PIPE, ("-1",)),
-    "pipeline_fsdp_ag_once": Refused("gather fsdp weights once per pipeline step (the compiler decides when "
-                                     "Tessera's are gathered)" + _PIPE, ("false", "0")),
     "scan_pipeline_iterations": Refused("scan over pipeline iterations" + _PIPE, ("true", "1")),
     # optimizer
     "opt_type": Refused("optimizer choice (adamw, adam_pax, sgd, adafactor, muon); Tessera has AdamW only "

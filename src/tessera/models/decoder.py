@@ -42,7 +42,7 @@ from tessera.models.blocks import make_norm
 from tessera.models.kv_cache import KVCache
 from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
 from tessera.models.moe import finish_aux
-from tessera.models.pipeline import PER_LAYER, run_pipeline, stacked_shape
+from tessera.models.pipeline import PER_LAYER, fsdp_gathered_specs, run_pipeline, stacked_shape
 from tessera.models.registry import BLOCKS
 
 _cp = jax.checkpoint_policies
@@ -306,7 +306,10 @@ class Decoder(nnx.Module):
             return h, reduce_aux(jax.tree.map(lambda *v: jnp.stack(v), *auxes))
 
         key_stack = jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32)
-        x, aux = run_pipeline(self.pipeline, run_group, stacked, key_stack, use_keys, x, positions_bt, segment_ids_bt)
+        gathered = fsdp_gathered_specs(self.pipeline, stacked, nnx.get_partition_spec(stacked), dict(mesh.shape)) \
+            if self.pipeline.gather_fsdp_once else None
+        x, aux = run_pipeline(self.pipeline, run_group, stacked, key_stack, use_keys, x, positions_bt, segment_ids_bt,
+                              gathered)
         return x, aux, None
 
 

@@ -17,7 +17,12 @@ kept in a buffer of M microbatches because it arrives M - H*S iterations before 
 
 The loop runs inside `shard_map`, manual over `stage` only: data, fsdp, tensor and expert
 splits inside a stage are left to the compiler as everywhere else, and the blocks' own
-kernels (splash attention, dropless MoE) nest their own `shard_map` as usual.
+kernels (splash attention, dropless MoE) nest their own `shard_map` as usual. An fsdp-split
+weight is then gathered where each iteration uses it, in the forward and again in the
+backward; with `pipeline_fsdp_ag_once` a stage's weights are gathered over fsdp once, before
+the iterations (the gradients are formed against the gathered copies; XLA places their sum
+back onto the shards), for the memory of the stage's whole weights and gradients on every
+device.
 
 Parameters. With R = 1 the stacked blocks keep the layout of `scan_layers=true`, [L, ...],
 their first axis split over `stage`, so a checkpoint moves between pipelined and plain runs
@@ -38,8 +43,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from tessera.config.derived import PipelineLayout
+from tessera.mesh import logical_spec
 
-__all__ = ["PER_LAYER", "PipelineLayout", "run_pipeline", "stacked_shape"]
+__all__ = ["PER_LAYER", "PipelineLayout", "fsdp_gathered_specs", "run_pipeline", "stacked_shape"]
 
 # aux keys with this prefix hold one row per block (stacked), not one value to average
 PER_LAYER = "per_layer/"
@@ -52,6 +58,23 @@ def stacked_shape(layout: PipelineLayout | None, num_blocks: int) -> tuple[int, 
     return (layout.repeats, num_blocks // layout.repeats)
 
 
+def fsdp_gathered_specs(layout: PipelineLayout, stacked, names, mesh_sizes: dict[str, int]):
+    """For `pipeline_fsdp_ag_once`: a PartitionSpec per leaf of `stacked` (the blocks' weights,
+    leading axes `stacked_shape`, logical axis `names` per leaf) for a stage's [R, B, ...] share of
+    it, split as the weight itself (`mesh.logical_spec`) except over fsdp."""
+    lead = 1 if layout.repeats == 1 else 2
+
+    def without_fsdp(entry):
+        axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in (None, "fsdp"))
+        return axes[0] if len(axes) == 1 else axes or None
+
+    def gathered(a, leaf_names):
+        split = logical_spec(tuple(leaf_names), a.shape, mesh_sizes)
+        return P(None, None, *(without_fsdp(e) for e in tuple(split)[lead:]))
+
+    return jax.tree.map(gathered, stacked, names)
+
+
 def _microbatches(a, m: int):
     """[B, ...] -> [M, B/M, ...]; microbatch i holds rows i, i + M, ... (keeps the batch split)."""
     return jnp.swapaxes(a.reshape(a.shape[0] // m, m, *a.shape[1:]), 0, 1)
@@ -62,7 +85,8 @@ def _whole_batch(a):
     return jnp.swapaxes(a, 0, 1).reshape(a.shape[0] * a.shape[1], *a.shape[2:])
 
 
-def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: bool, x, positions, segments):
+def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: bool, x, positions, segments,
+                 gathered_specs=None):
     """(x after every block [B, T, D], aux): aux's scalars averaged over blocks and microbatches,
     its `PER_LAYER` entries averaged over microbatches and stacked over the L blocks in the
     model's order.
@@ -71,7 +95,9 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
     `layout.blocks_per_stage` blocks (their parameters stacked on axis 0) on one microbatch; its
     aux holds scalars already averaged over the group and `PER_LAYER` entries [B, ...].
     `stacked`: the blocks' parameters, leading axes `stacked_shape`; `keys`: dropout keys [L]
-    (`use_keys`; else placeholders [L] that `run_group` ignores)."""
+    (`use_keys`; else placeholders [L] that `run_group` ignores). `gathered_specs` (with
+    `layout.gather_fsdp_once`): a PartitionSpec per leaf of `stacked` for a stage's [R, B, ...]
+    share without its fsdp split; the weights take it once, before the iterations."""
     s_, r_, b_, m_, hop = layout.stages, layout.repeats, layout.blocks_per_stage, layout.microbatches, layout.hop
     items, iterations = m_ * r_, layout.iterations
     # [R, S, B, ...] views whose stage axis is the one split over `stage`
@@ -83,6 +109,8 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
 
     def local(params, group_keys, xs, pos, seg):
         params = jax.tree.map(lambda a: a[:, 0], params)  # [R, B, ...]: this stage's groups
+        if gathered_specs is not None:  # gathered once here, a loop invariant: not again in every iteration
+            params = jax.tree.map(jax.lax.with_sharding_constraint, params, gathered_specs)
         group_keys = group_keys[:, 0]
         stage = jax.lax.axis_index("stage")
         aux_shape = jax.eval_shape(lambda: run_group(jax.tree.map(lambda a: a[0], params), xs[0], pos[0], seg[0],
