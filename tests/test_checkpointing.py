@@ -190,6 +190,29 @@ def test_a_last_checkpoint_write_that_stalls_is_ended_by_the_watchdog_and_keeps_
     assert steps[0] == 1 and all(int(load_full_state(str(done / str(s)), abstract)["step"]) == s for s in steps)
 
 
+def test_orbax_logs_what_the_checkpointer_reports_itself_only_once(caplog):
+    """Orbax's warning that a save waited for the previous one repeats our save line ("the loop
+    waited X s (Y s for the previous save to finish, ...)"), and its ERROR records repeat the
+    one error a failed save or read raises: both are dropped; its other records pass."""
+    import orbax.checkpoint as ocp
+
+    from tessera.checkpointing.storage import quiet_orbax_logs
+
+    quiet_orbax_logs()
+    orbax_file = str(Path(ocp.__file__).parent / "checkpoint_manager.py")
+    absl = logging.getLogger("absl")
+    records = [(logging.WARNING, "Waiting for previous save to complete took 3.200000 seconds. If this number is "
+                "high, consider checkpointing less frequently.", orbax_file),
+               (logging.ERROR, "Failed to save: disk full", orbax_file),
+               (logging.WARNING, "Some other Orbax warning", orbax_file),
+               (logging.WARNING, "Waiting for previous save to complete took 1 s", "/elsewhere/tool.py")]
+    with caplog.at_level(logging.INFO):
+        for level, message, path in records:
+            absl.handle(logging.LogRecord("absl", level, path, 1, message, (), None))
+    assert [r.getMessage() for r in caplog.records] == ["Some other Orbax warning",
+                                                         "Waiting for previous save to complete took 1 s"]
+
+
 def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path):
     assert _train(tmp_path, "steps=2").returncode == 0
     ckpt = tmp_path / "sub" / "checkpoints"

@@ -16,7 +16,7 @@ from etils import epath
 
 from tessera.checkpointing import checksums
 from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, free_space,
-                                           quiet_orbax_error_logs, read_error, use_tidy_event_loops)
+                                           quiet_orbax_logs, read_error, use_tidy_event_loops)
 from tessera.checkpointing.trees import raise_on_mismatch, restacked
 from tessera.config import CheckpointConfig
 
@@ -50,7 +50,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, directory: str):
         self.cfg, self.directory = cfg, epath.Path(directory)
         self.incomplete = set_aside_incomplete(self.directory)
-        quiet_orbax_error_logs()
+        quiet_orbax_logs()
         self._saving: int | None = None  # the step whose (async) save was started last
         self._writing_since: float | None = None  # when that async save started, until its end is logged
         self._failed = False  # a save failed (its partial folder is set aside again at close)

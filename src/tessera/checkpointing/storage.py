@@ -110,18 +110,22 @@ def free_space(directory: epath.Path) -> str:
     return f"{format_bytes(usage.free)} of {format_bytes(usage.total)}"
 
 
-class _OrbaxErrorLogs(logging.Filter):
-    """Drops Orbax's own ERROR log records (each with a traceback) about a failed save or read:
-    every such failure also reaches Checkpointer as an exception and is reported once, by us."""
+class _OrbaxLogsWeReport(logging.Filter):
+    """Drops Orbax's own log records of what Checkpointer reports once itself: the ERROR records
+    (each with a traceback) about a failed save or read, which also reach it as exceptions, and
+    the warning that a save waited for the previous one, which its save line states."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+        if f"{os.sep}orbax{os.sep}" not in record.pathname:
+            return True
+        waited = str(record.msg).startswith("Waiting for previous save to complete took")
+        return not (record.levelno >= logging.ERROR or waited)
 
 
-def quiet_orbax_error_logs() -> None:
+def quiet_orbax_logs() -> None:
     absl_logger = logging.getLogger("absl")
-    if not any(isinstance(f, _OrbaxErrorLogs) for f in absl_logger.filters):
-        absl_logger.addFilter(_OrbaxErrorLogs())
+    if not any(isinstance(f, _OrbaxLogsWeReport) for f in absl_logger.filters):
+        absl_logger.addFilter(_OrbaxLogsWeReport())
 
 
 # loggers of the bucket clients, which log each failed retry with its traceback before raising
