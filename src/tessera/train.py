@@ -19,20 +19,16 @@ import logging
 import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
-import yaml
 
 from tessera import host_malloc, metrics
 from tessera.checkpointing import (
-    Checkpointer, CheckpointError, CheckpointSaveError, check_writable, load_full_state, load_parameters,
-    save_allowance_seconds,
+    Checkpointer, CheckpointError, CheckpointSaveError, load_full_state, load_parameters, save_allowance_seconds,
 )
-from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, config_digest, flat_dict, load_config
-from tessera.config.derived import remote_run_dir, run_dir
+from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, flat_dict, load_config
 from tessera.data import DataError, make_input, place_batch
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, wait_for_all
 from tessera.evaluation import Evaluator
@@ -42,6 +38,7 @@ from tessera.memory_fit import (
     save_buffers, state_advice, state_bytes, state_shapes, step_advice,
 )
 from tessera.mesh import sharding_report
+from tessera.run_folder import check_output_folders, create_run_folder, write_report
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
 from tessera.step import Trainer, abstract_state, compile_step, create_state, init_program, setup, state_from_params
 
@@ -62,7 +59,7 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
     # ---- mesh, model, shardings
     trainer = setup(cfg, devices)
     ckpt_dir = trainer.plan.checkpoint_dir
-    _check_output_folders(cfg, ckpt_dir)
+    check_output_folders(cfg, ckpt_dir)
     wait_for_all("setup", cfg.run.step_timeout_seconds, "the checkpoint manager (its first collective)")
     ckpt = Checkpointer(cfg.checkpoint, ckpt_dir) if cfg.checkpoint.enable_checkpointing else None
     try:
@@ -80,22 +77,6 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
             ckpt.close()
 
 
-def _check_output_folders(cfg: Config, ckpt_dir: str) -> None:
-    """ConfigError now, before anything is compiled, for an output folder that cannot be written
-    (a parent that is a file, no permission); the probe leaves nothing behind."""
-    check_writable(str(run_dir(cfg.run)), "base_output_directory", "the run folder")
-    if cfg.checkpoint.enable_checkpointing:
-        if cfg.checkpoint.checkpoint_dir:
-            check_writable(ckpt_dir, "checkpoint_dir")
-        else:
-            check_writable(ckpt_dir, "base_output_directory", "the checkpoint folder")
-    if cfg.run.metrics_file:
-        if Path(cfg.run.metrics_file).is_dir():
-            raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a folder; give the path of a file, e.g. "
-                              f"{Path(cfg.run.metrics_file) / 'metrics.jsonl'}")
-        check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file")
-
-
 def _log_shardings(cfg: Config, trainer: Trainer) -> None:
     """The table of parameters (path, shape, sharding), and large parameters left replicated."""
     rows, warnings = sharding_report(trainer.mesh, trainer.state_shardings["params"], trainer.model.param_shapes(),
@@ -111,23 +92,6 @@ def _nothing_to_do(cfg: Config, step: int | None) -> dict[str, Any] | None:
         return None
     log.info("nothing to do: the run is already at step %d of %d", step, cfg.run.steps)
     return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name, start_step=step)
-
-
-def _create_run_folder(cfg: Config, run_dir: Path) -> Path:
-    """`run_dir` (base_output_directory/run_name) with the full final config in config.yml."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    if remote_run_dir(cfg.run):
-        log.info("base_output_directory is a URL (run folder %s): config.yml, TensorBoard, the report and metrics.jsonl "
-                 "are kept locally in %s; %s", remote_run_dir(cfg.run), run_dir,
-                 "the metrics also go to the run folder's metrics/ (gcs_metrics=true)" if cfg.run.gcs_metrics
-                 else "set gcs_metrics=true to write the metrics to the run folder too")
-    if cfg.compile.compiled_trainstep_file:
-        log.info("compiled_trainstep_file=%s is written by train_compile; train.py compiles its own step",
-                 cfg.compile.compiled_trainstep_file)
-    if jax.process_index() == 0:
-        (run_dir / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
-    log.info("run %s -> %s (full config in config.yml, digest %s)", cfg.run.run_name, run_dir, config_digest(cfg))
-    return run_dir
 
 
 def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str, Any]:
@@ -156,7 +120,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     if evaluator:
         with host_malloc.returning_freed_memory():
             log.info("eval step compiled in %.1f s", evaluator.compile())
-    run_dir = _create_run_folder(cfg, plan.run_dir)
+    run_dir = create_run_folder(cfg, plan.run_dir)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
     # ---- the steps, then the report
@@ -169,7 +133,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     finally:
         profiler.stop()
         writer.close()
-    return _write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step)
+    return write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step)
 
 
 class _Loop:
@@ -276,24 +240,6 @@ class _StatsReader:
             self.writer.write(self.meter.record(step, stats))
             self.profiler.after_step(step)
             _check_finite(self.cfg, step, stats, self.ckpt)
-
-
-def _write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: StepMeter, run_dir: Path,
-                  n_params: int, compile_seconds: float, start_step: int) -> dict[str, Any]:
-    """The run report: logged, written as report.json (process 0) and returned."""
-    report = metrics.run_report(
-        writer.records, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
-        device_kind=meter.device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),
-        peak_tflops_per_device=meter.peak, flops_per_step=meter.flops, num_parameters=n_params,
-        compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
-        global_batch=trainer.plan.global_batch, max_target_length=trainer.plan.max_target_length, start_step=start_step,
-        final_eval_loss=writer.eval_records[-1]["eval_loss"] if writer.eval_records else None,
-    )
-    if jax.process_index() == 0:
-        (run_dir / "report.json").write_text(json.dumps(report, indent=2))
-    log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
-             run_dir / "report.json")
-    return report
 
 
 def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, start_step: int) -> HostBuffers:
