@@ -170,7 +170,8 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
             f"the batch of {rows} sequences cannot be cut into num_pipeline_microbatches={micro} microbatches that "
             f"each split over data*fsdp*expert={shards} devices ({rows} must be a multiple of {micro * shards}); "
             "change num_pipeline_microbatches or per_device_batch_size")
-    return PipelineLayout(stages, repeats, per_stage // per_block, micro, rows // micro, hop, mesh.pipeline_fsdp_ag_once)
+    return PipelineLayout(stages, repeats, per_stage // per_block, micro, rows // micro, hop,
+                          mesh.pipeline_fsdp_ag_once)
 
 
 def dropout_rate(cfg: ModelConfig) -> float:

@@ -186,7 +186,8 @@ class Memory:
     params: float
     grads: float
     optimizer: float
-    gathered_layer: float  # one layer's weights and gradients, whole on each FSDP device (a stage's: pipeline_fsdp_ag_once)
+    # one layer's weights and gradients, whole on each FSDP device (a stage's with pipeline_fsdp_ag_once)
+    gathered_layer: float
     activations: dict[str, float]  # remat policy -> bytes
 
     def total(self, policy: str) -> float:
