@@ -61,6 +61,9 @@ def _assert_same(records, reference, keys=("loss", "grad_norm"), rtol=1e-5):
     # a stage's weights gathered over fsdp once per step: circular [R, L/R]; GPipe keeping the tensor split
     dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1, pipeline_fsdp_ag_once=True),
     dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, pipeline_fsdp_ag_once=True),
+    # remat around unrolled blocks that take their weights from the stage's by the repeat
+    dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2, scan_layers=False, remat_policy="full",
+         pipeline_fsdp_ag_once=True),
 ])
 def test_pipelined_training_gives_the_losses_of_no_pipelining(mesh, tmp_path):
     """3 steps from the same weights and batches: float32 losses and gradient norms equal the
@@ -182,6 +185,33 @@ def test_fsdp_weights_are_gathered_once_per_step_with_pipeline_fsdp_ag_once():
     assert "weights gathered over fsdp once per step" in trainer.plan.pipeline.describe()
     with pytest.raises(ConfigError, match=r"pipeline_fsdp_ag_once=true .* this mesh has no pipeline stages"):
         setup(tiny_config(**LAYERS, pipeline_fsdp_ag_once=True))
+
+
+def _weights_kept_per_iteration(trainer, compiled) -> set[str]:
+    """Arrays of the compiled step shaped [iterations, blocks per stage, *a block weight's shape]
+    (whole, or this device's share): a copy of a group's weights for every pipeline iteration."""
+    layout, shapes = trainer.plan.pipeline, set()
+    for shape, sharding in zip(jax.tree.leaves(trainer.model.param_shapes()["layers"]),
+                               jax.tree.leaves(trainer.state_shardings["params"]["layers"])):
+        for dims in (shape.shape, sharding.shard_shape(shape.shape)):
+            if len(dims) > 3:  # [R, L/R, ...] matrices (norm scales are too small to matter)
+                shapes.add(",".join(map(str, (layout.iterations, layout.blocks_per_stage, *dims[2:]))))
+    return {m for m in re.findall(r"\[([\d,]+)\]", compiled.as_text()) if m in shapes}
+
+
+def test_a_pipeline_with_remat_keeps_no_copy_of_the_weights_per_iteration():
+    """With a remat policy, a block takes its weights from the stage's (by the iteration's repeat)
+    inside its remat region, so the pipeline's loop keeps no copy of them per iteration; before,
+    it stacked one per iteration ([iterations, B, ...]), whole groups with pipeline_fsdp_ag_once.
+    Without remat the blocks keep their weights for the backward pass, one copy per iteration
+    (the check finds those)."""
+    mesh = dict(**LAYERS, ici_pipeline_parallelism=2, num_pipeline_repeats=2)
+    found = {}
+    for policy, once in (("none", False), ("full", False), ("full", True), ("save_dot_except_mlp", True)):
+        trainer = setup(tiny_config(**mesh, remat_policy=policy, pipeline_fsdp_ag_once=once))
+        found[policy, once] = _weights_kept_per_iteration(trainer, compile_step(trainer, 0)[0])
+    assert found["none", False]
+    assert not found["full", False] and not found["full", True] and not found["save_dot_except_mlp", True], found
 
 
 def test_layout_and_bubble_are_logged(caplog):

@@ -291,17 +291,31 @@ class Decoder(nnx.Module):
                               None)
             return h, aux
 
-        def run_group(group, h, pos, seg, group_keys):
-            if cfg.scan_layers:
-                def body(h, layer):
-                    return remat(lambda h_, l_: one_block(h_, l_[0], l_[1], pos, seg), cfg, True)(h, layer)
+        # With a remat policy, a block takes its weights from the stage's [R, B, ...] (by the iteration's
+        # repeat) inside its remat region, so the backward pass takes them again. Taken outside, as
+        # the unpipelined scan's inputs are, the pipeline's loop would keep a copy per iteration
+        # (M*R + S - 1 of them; whole groups with pipeline_fsdp_ag_once) of weights that are a loop
+        # invariant: on v5e-4 (AOT, test_pipeline's medium case) remat full took 640 MiB of
+        # temporaries that way, 367 this way (1323 -> 826 with pipeline_fsdp_ag_once). Without
+        # remat the blocks keep their weights for the backward pass anyway: taken once per
+        # iteration, the group's weights are the blocks' scanned inputs.
+        def run_group(stage_params, repeat, h, pos, seg, group_keys):
+            in_remat = cfg.remat_policy != "none"
+            # what the blocks are scanned over: their indices in the group, or their weights
+            per_block = jnp.arange(self.pipeline.blocks_per_stage) if in_remat else \
+                jax.tree.map(lambda a: a[repeat], stage_params)
 
-                h, aux = jax.lax.scan(body, h, (group, group_keys))
+            def block(h_, layer, key):
+                weights = jax.tree.map(lambda a: a[repeat, layer], stage_params) if in_remat else layer
+                return one_block(h_, weights, key, pos, seg)
+
+            if cfg.scan_layers:
+                call = remat(block, cfg, True)
+                h, aux = jax.lax.scan(lambda h_, xs: call(h_, *xs), h, (per_block, group_keys))
                 return h, reduce_aux(aux)
             auxes = []
             for i in range(self.pipeline.blocks_per_stage):
-                call = remat(lambda h_, l_, k_: one_block(h_, l_, k_, pos, seg), cfg, False)
-                h, aux = call(h, jax.tree.map(lambda a: a[i], group), group_keys[i])
+                h, aux = remat(block, cfg, False)(h, jax.tree.map(lambda a: a[i], per_block), group_keys[i])
                 auxes.append(aux)
             return h, reduce_aux(jax.tree.map(lambda *v: jnp.stack(v), *auxes))
 

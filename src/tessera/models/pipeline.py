@@ -91,8 +91,10 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
     its `PER_LAYER` entries averaged over microbatches and stacked over the L blocks in the
     model's order.
 
-    `run_group(group_params, h, positions, segments, group_keys) -> (h, aux)` runs one group of
-    `layout.blocks_per_stage` blocks (their parameters stacked on axis 0) on one microbatch; its
+    `run_group(stage_params, repeat, h, positions, segments, group_keys) -> (h, aux)` runs group
+    `repeat` of `layout.blocks_per_stage` blocks on one microbatch, their parameters
+    `stage_params[repeat]` (this stage's [R, B, ...]: the group's weights are taken where the
+    blocks' remat regions can take them again in the backward pass, not kept per iteration); its
     aux holds scalars already averaged over the group and `PER_LAYER` entries [B, ...].
     `stacked`: the blocks' parameters, leading axes `stacked_shape`; `keys`: dropout keys [L]
     (`use_keys`; else placeholders [L] that `run_group` ignores). `gathered_specs` (with
@@ -113,8 +115,7 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
             params = jax.tree.map(jax.lax.with_sharding_constraint, params, gathered_specs)
         group_keys = group_keys[:, 0]
         stage = jax.lax.axis_index("stage")
-        aux_shape = jax.eval_shape(lambda: run_group(jax.tree.map(lambda a: a[0], params), xs[0], pos[0], seg[0],
-                                                     group_keys[0])[1])
+        aux_shape = jax.eval_shape(lambda: run_group(params, 0, xs[0], pos[0], seg[0], group_keys[0])[1])
         # per-layer rows are summed into this stage's slot of each repeat: [R, B, ...]
         zeros_aux = {k: jnp.zeros((r_, *a.shape) if k.startswith(PER_LAYER) else a.shape, jnp.float32)
                      for k, a in aux_shape.items()}
@@ -143,11 +144,10 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
             mb, repeat = k % m_, k // m_
             first = xs[mb] if r_ == 1 else jnp.where(repeat == 0, xs[mb], loop_back[mb])
             h = jnp.where(stage == 0, first, arrived)
-            group = jax.tree.map(lambda a: a[repeat], params)
             step_keys = group_keys[repeat]
             if use_keys:  # the same block draws a different mask for each microbatch
                 step_keys = jax.vmap(lambda key: jax.random.fold_in(key, mb))(step_keys)
-            h, aux = run_group(group, h, pos[mb], seg[mb], step_keys)
+            h, aux = run_group(params, repeat, h, pos[mb], seg[mb], step_keys)
             last = valid & (stage == s_ - 1) & (repeat == r_ - 1)
             outputs = outputs.at[mb].set(jnp.where(last, h, outputs[mb]))
             aux_sum = add_aux(aux_sum, aux, valid, repeat)
