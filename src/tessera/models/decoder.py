@@ -42,7 +42,7 @@ from tessera.models.blocks import make_norm
 from tessera.models.kv_cache import KVCache
 from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
 from tessera.models.moe import finish_aux
-from tessera.models.pipeline import PER_LAYER, fsdp_gathered_specs, run_pipeline, stacked_shape
+from tessera.models.pipeline import PER_LAYER, block_weights, group_weights, run_pipeline, stacked_shape, stage_specs
 from tessera.models.registry import BLOCKS
 
 _cp = jax.checkpoint_policies
@@ -296,18 +296,24 @@ class Decoder(nnx.Module):
         # the unpipelined scan's inputs are, the pipeline's loop would keep a copy per iteration
         # (M*R + S - 1 of them; whole groups with pipeline_fsdp_ag_once) of weights that are a loop
         # invariant (AOT for v5e-4, emb 1024 x 8 layers, 2 stages x 2 repeats x fsdp 2, remat full:
-        # 640 MiB of temporaries that way, 367 this way; 1323 -> 826 with pipeline_fsdp_ag_once). Without
-        # remat the blocks keep their weights for the backward pass anyway: taken once per
-        # iteration, the group's weights are the blocks' scanned inputs.
-        def run_group(stage_params, repeat, h, pos, seg, group_keys):
+        # 640 MiB of temporaries that way, 367 this way; 1323 -> 826 with pipeline_fsdp_ag_once). The
+        # gradient goes back through the group's rows (`pipeline.group_weights`), so only the
+        # pipeline's loop sums a stage-sized gradient (the same model: 367 -> 328 MiB), and with
+        # pipeline_fsdp_ag_once it goes to the fsdp shares, not to the gathered copy (826 -> 375). Without
+        # remat the blocks keep their weights for the backward pass anyway: taken once per iteration,
+        # the group's weights are the blocks' scanned inputs.
+        def run_group(weights, repeat, h, pos, seg, group_keys):
             in_remat = cfg.remat_policy != "none"
-            # what the blocks are scanned over: their indices in the group, or their weights
-            per_block = jnp.arange(self.pipeline.blocks_per_stage) if in_remat else \
-                jax.tree.map(lambda a: a[repeat], stage_params)
+            # what the blocks are scanned over
+            if in_remat:  # their indices in the group, with the sinks their weights' gradients go to
+                stage, sinks = group_weights(weights, repeat)
+                per_block = (jnp.arange(self.pipeline.blocks_per_stage), sinks)
+            else:  # their weights
+                per_block = jax.tree.map(lambda a: a[repeat], weights.compute)
 
             def block(h_, layer, key):
-                weights = jax.tree.map(lambda a: a[repeat, layer], stage_params) if in_remat else layer
-                return one_block(h_, weights, key, pos, seg)
+                own = block_weights(stage, layer[1], repeat, layer[0]) if in_remat else layer
+                return one_block(h_, own, key, pos, seg)
 
             if cfg.scan_layers:
                 call = remat(block, cfg, True)
@@ -320,10 +326,12 @@ class Decoder(nnx.Module):
             return h, reduce_aux(jax.tree.map(lambda *v: jnp.stack(v), *auxes))
 
         key_stack = jnp.stack(keys) if use_keys else jnp.zeros((len(keys),), jnp.uint32)
-        gathered = fsdp_gathered_specs(self.pipeline, stacked, nnx.get_partition_spec(stacked), dict(mesh.shape)) \
-            if self.pipeline.gather_fsdp_once else None
+        specs = gathered = None
+        if self.pipeline.gather_fsdp_once:
+            names, sizes = nnx.get_partition_spec(stacked), dict(mesh.shape)
+            specs, gathered = (stage_specs(self.pipeline, stacked, names, sizes, g) for g in (False, True))
         x, aux = run_pipeline(self.pipeline, run_group, stacked, key_stack, use_keys, x, positions_bt, segment_ids_bt,
-                              gathered)
+                              specs, gathered)
         return x, aux, None
 
 

@@ -20,9 +20,10 @@ splits inside a stage are left to the compiler as everywhere else, and the block
 kernels (splash attention, dropless MoE) nest their own `shard_map` as usual. An fsdp-split
 weight is then gathered where each iteration uses it, in the forward and again in the
 backward; with `pipeline_fsdp_ag_once` a stage's weights are gathered over fsdp once, before
-the iterations (the gradients are formed against the gathered copies; XLA places their sum
-back onto the shards), for the memory of the stage's whole weights and gradients on every
-device.
+the iterations, for the memory of the stage's whole weights on every device. Under a remat
+policy the blocks send their weights' gradients to the fsdp shares, each iteration's to its
+group's rows (`group_weights`), so no device holds a whole stage's gradient; without remat the
+gradients are formed against the gathered copies and summed back onto the shards after the loop.
 
 Parameters. With R = 1 the stacked blocks keep the layout of `scan_layers=true`, [L, ...],
 their first axis split over `stage`, so a checkpoint moves between pipelined and plain runs
@@ -38,6 +39,9 @@ microbatches, [L, ...] in the model's block order (as `scan_layers=true` gives t
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -45,7 +49,8 @@ from jax.sharding import PartitionSpec as P
 from tessera.config.derived import PipelineLayout
 from tessera.mesh import logical_spec
 
-__all__ = ["PER_LAYER", "PipelineLayout", "fsdp_gathered_specs", "run_pipeline", "stacked_shape"]
+__all__ = ["PER_LAYER", "PipelineLayout", "StageWeights", "block_weights", "group_weights", "run_pipeline",
+           "stacked_shape", "stage_specs"]
 
 # aux keys with this prefix hold one row per block (stacked), not one value to average
 PER_LAYER = "per_layer/"
@@ -58,21 +63,82 @@ def stacked_shape(layout: PipelineLayout | None, num_blocks: int) -> tuple[int, 
     return (layout.repeats, num_blocks // layout.repeats)
 
 
-def fsdp_gathered_specs(layout: PipelineLayout, stacked, names, mesh_sizes: dict[str, int]):
-    """For `pipeline_fsdp_ag_once`: a PartitionSpec per leaf of `stacked` (the blocks' weights,
-    leading axes `stacked_shape`, logical axis `names` per leaf) for a stage's [R, B, ...] share of
-    it, split as the weight itself (`mesh.logical_spec`) except over fsdp."""
+def stage_specs(layout: PipelineLayout, stacked, names, mesh_sizes: dict[str, int], gathered: bool):
+    """A PartitionSpec per leaf of `stacked` (the blocks' weights, leading axes `stacked_shape`,
+    logical axis `names` per leaf) for a stage's [R, B, ...] share of it, split as the weight
+    itself (`mesh.logical_spec`), without the fsdp split when `gathered`
+    (`pipeline_fsdp_ag_once`)."""
     lead = 1 if layout.repeats == 1 else 2
 
     def without_fsdp(entry):
         axes = tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a not in (None, "fsdp"))
         return axes[0] if len(axes) == 1 else axes or None
 
-    def gathered(a, leaf_names):
-        split = logical_spec(tuple(leaf_names), a.shape, mesh_sizes)
-        return P(None, None, *(without_fsdp(e) for e in tuple(split)[lead:]))
+    def share(a, leaf_names):
+        split = tuple(logical_spec(tuple(leaf_names), a.shape, mesh_sizes))[lead:]
+        return P(None, None, *(without_fsdp(e) for e in split) if gathered else split)
 
-    return jax.tree.map(gathered, stacked, names)
+    return jax.tree.map(share, stacked, names)
+
+
+# A block's weights inside a remat region are `stage[repeat, layer]`, taken there so that the
+# backward pass takes them again (kept, the pipeline's loop would hold a copy per iteration). Their
+# gradient is routed through a "sink": zeros the shape of one group, made in each iteration from
+# the stage's weights. Plain indexing would form the stage's whole gradient inside the group's scan
+# as well as in the pipeline's loop, two stage-sized sums (whole stages with pipeline_fsdp_ag_once).
+@jax.custom_vjp
+def _block_weight(stage, sink, repeat, layer):
+    return stage[repeat, layer]
+
+
+_block_weight.defvjp(lambda stage, sink, repeat, layer: (stage[repeat, layer], None),
+                     lambda _, g: (None, g, None, None))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _group_sink(repeats, stage, repeat):
+    return jnp.zeros(stage.shape[1:], stage.dtype)
+
+
+def _group_sink_fwd(repeats, stage, repeat):
+    return _group_sink(repeats, stage, repeat), repeat
+
+
+def _group_sink_bwd(repeats, repeat, g):
+    return jnp.zeros((repeats, *g.shape), g.dtype).at[repeat].set(g), None
+
+
+_group_sink.defvjp(_group_sink_fwd, _group_sink_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageWeights:
+    """A stage's [R, B, ...] blocks' weights in the pipeline's loop: `compute`, what the blocks
+    compute with (gathered over fsdp with pipeline_fsdp_ag_once, else `shares`); `shares`, the
+    stage's weights as stored, where their gradient goes; `specs`, the shares' PartitionSpecs
+    (None: as the compiler places them)."""
+    compute: object
+    shares: object
+    specs: object = None
+
+
+def group_weights(weights: StageWeights, repeat):
+    """(stage, sinks) for running group `repeat` with each block taking its weights inside its
+    remat region (`block_weights`): `stage` is `weights.compute` cut off from the gradient,
+    `sinks` per leaf zeros [B, ...] (split as the shares) whose gradient becomes the group's rows
+    of the shares' gradient. Scan the blocks over the sinks. With pipeline_fsdp_ag_once the
+    gradient so reaches the fsdp shares directly: no gradient of a whole gathered stage."""
+    sinks = jax.tree.map(lambda a: _group_sink(a.shape[0], a, repeat), weights.shares)
+    if weights.specs is not None:
+        sinks = jax.tree.map(lambda z, spec: jax.lax.with_sharding_constraint(z, P(*tuple(spec)[1:])), sinks,
+                             weights.specs)
+    return jax.tree.map(jax.lax.stop_gradient, weights.compute), sinks
+
+
+def block_weights(stage, sinks, repeat, layer):
+    """Block `layer` of group `repeat` of `stage` (`group_weights`); its gradient goes to `sinks`
+    (this block's rows of them)."""
+    return jax.tree.map(lambda a, s: _block_weight(a, s, repeat, layer), stage, sinks)
 
 
 def _microbatches(a, m: int):
@@ -86,20 +152,21 @@ def _whole_batch(a):
 
 
 def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: bool, x, positions, segments,
-                 gathered_specs=None):
+                 specs=None, gathered_specs=None):
     """(x after every block [B, T, D], aux): aux's scalars averaged over blocks and microbatches,
     its `PER_LAYER` entries averaged over microbatches and stacked over the L blocks in the
     model's order.
 
-    `run_group(stage_params, repeat, h, positions, segments, group_keys) -> (h, aux)` runs group
-    `repeat` of `layout.blocks_per_stage` blocks on one microbatch, their parameters
-    `stage_params[repeat]` (this stage's [R, B, ...]: the group's weights are taken where the
-    blocks' remat regions can take them again in the backward pass, not kept per iteration); its
-    aux holds scalars already averaged over the group and `PER_LAYER` entries [B, ...].
+    `run_group(weights, repeat, h, positions, segments, group_keys) -> (h, aux)` runs group
+    `repeat` of `layout.blocks_per_stage` blocks on one microbatch; `weights` is this stage's
+    `StageWeights` ([R, B, ...]: the blocks take the group's where their remat regions can take
+    them again in the backward pass, not kept per iteration, through `group_weights`); its aux
+    holds scalars already averaged over the group and `PER_LAYER` entries [B, ...].
     `stacked`: the blocks' parameters, leading axes `stacked_shape`; `keys`: dropout keys [L]
-    (`use_keys`; else placeholders [L] that `run_group` ignores). `gathered_specs` (with
-    `layout.gather_fsdp_once`): a PartitionSpec per leaf of `stacked` for a stage's [R, B, ...]
-    share without its fsdp split; the weights take it once, before the iterations."""
+    (`use_keys`; else placeholders [L] that `run_group` ignores). With `layout.gather_fsdp_once`,
+    `specs` and `gathered_specs` are `stage_specs` of `stacked` with and without the fsdp split:
+    the weights take the gathered one once, before the iterations; their gradients go to the
+    shares, split as `specs`."""
     s_, r_, b_, m_, hop = layout.stages, layout.repeats, layout.blocks_per_stage, layout.microbatches, layout.hop
     items, iterations = m_ * r_, layout.iterations
     # [R, S, B, ...] views whose stage axis is the one split over `stage`
@@ -110,9 +177,11 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
     ring = [(i, (i + 1) % s_) for i in range(s_ if r_ > 1 else s_ - 1)]
 
     def local(params, group_keys, xs, pos, seg):
-        params = jax.tree.map(lambda a: a[:, 0], params)  # [R, B, ...]: this stage's groups
+        shares = jax.tree.map(lambda a: a[:, 0], params)  # [R, B, ...]: this stage's groups
+        compute = shares
         if gathered_specs is not None:  # gathered once here, a loop invariant: not again in every iteration
-            params = jax.tree.map(jax.lax.with_sharding_constraint, params, gathered_specs)
+            compute = jax.tree.map(jax.lax.with_sharding_constraint, shares, gathered_specs)
+        params = StageWeights(compute, shares, specs)
         group_keys = group_keys[:, 0]
         stage = jax.lax.axis_index("stage")
         aux_shape = jax.eval_shape(lambda: run_group(params, 0, xs[0], pos[0], seg[0], group_keys[0])[1])
