@@ -317,8 +317,7 @@ class MeshConfig:
         "of bubble, and a circular pipeline needs at least 2 x stages microbatches")
     pipeline_fsdp_ag_once: bool = key(
         False, "gather each stage's fsdp-split weights once per step, before the pipeline's iterations, instead of "
-        "in every iteration: fewer, larger all-gathers for the memory of the stage's whole weights on every device "
-        "(and of their gradients with remat_policy=none)")
+        "in every iteration: fewer, larger all-gathers for the memory of the stage's whole weights on every device")
     num_slices: int = key(-1, "number of slices (-1: detect from the devices)")
     param_replication_warn_mib: float = key(
         1.0, "report parameters larger than this (MiB) that end up fully replicated on a sharded mesh", minimum=0.0

@@ -291,30 +291,23 @@ class Decoder(nnx.Module):
                               None)
             return h, aux
 
-        # With a remat policy, a block takes its weights from the stage's [R, B, ...] (by the iteration's
-        # repeat) inside its remat region, so the backward pass takes them again. Taken outside, as
-        # the unpipelined scan's inputs are, the pipeline's loop would keep a copy per iteration
-        # (M*R + S - 1 of them; whole groups with pipeline_fsdp_ag_once) of weights that are a loop
-        # invariant (AOT for v5e-4, emb 1024 x 8 layers, 2 stages x 2 repeats x fsdp 2, remat full:
-        # 640 MiB of temporaries that way, 367 this way; 1323 -> 826 with pipeline_fsdp_ag_once). The
-        # gradient goes back through the group's rows (`pipeline.group_weights`), so only the
-        # pipeline's loop sums a stage-sized gradient (the same model: 367 -> 328 MiB), and with
-        # pipeline_fsdp_ag_once it goes to the fsdp shares, not to the gathered copy (826 -> 375). Without
-        # remat the blocks keep their weights for the backward pass anyway: taken once per iteration,
-        # the group's weights are the blocks' scanned inputs.
+        # A block takes its weights from the stage's [R, B, ...] (by the iteration's repeat) inside
+        # its remat region, so the backward pass takes them again. Taken outside, as the unpipelined
+        # scan's inputs are, the pipeline's loop would keep a copy per iteration (M*R + S - 1 of them;
+        # whole groups with pipeline_fsdp_ag_once) of weights that are a loop invariant (AOT for
+        # v5e-4, emb 1024 x 8 layers, 2 stages x 2 repeats x fsdp 2, remat full: 640 MiB of
+        # temporaries that way, 367 this way; 1323 -> 826 with pipeline_fsdp_ag_once). The gradient
+        # goes back through the group's rows (`pipeline.group_weights`), so only the pipeline's loop
+        # sums a stage-sized gradient (the same model: 367 -> 328 MiB), and with pipeline_fsdp_ag_once
+        # it goes to the fsdp shares, not to the gathered copy (826 -> 375; with remat_policy=none,
+        # whose blocks keep their weights per iteration anyway, 1565 -> 1102).
         def run_group(weights, repeat, h, pos, seg, group_keys):
-            in_remat = cfg.remat_policy != "none"
-            # what the blocks are scanned over
-            if in_remat:  # their indices in the group, with the sinks their weights' gradients go to
-                stage, sinks = group_weights(weights, repeat)
-                per_block = (jnp.arange(self.pipeline.blocks_per_stage), sinks)
-            else:  # their weights
-                per_block = jax.tree.map(lambda a: a[repeat], weights.compute)
+            stage, sinks = group_weights(weights, repeat)
 
-            def block(h_, layer, key):
-                own = block_weights(stage, layer[1], repeat, layer[0]) if in_remat else layer
-                return one_block(h_, own, key, pos, seg)
+            def block(h_, layer, key):  # layer: (index in the group, the sinks' row)
+                return one_block(h_, block_weights(stage, layer[1], repeat, layer[0]), key, pos, seg)
 
+            per_block = (jnp.arange(self.pipeline.blocks_per_stage), sinks)
             if cfg.scan_layers:
                 call = remat(block, cfg, True)
                 h, aux = jax.lax.scan(lambda h_, xs: call(h_, *xs), h, (per_block, group_keys))

@@ -20,10 +20,9 @@ splits inside a stage are left to the compiler as everywhere else, and the block
 kernels (splash attention, dropless MoE) nest their own `shard_map` as usual. An fsdp-split
 weight is then gathered where each iteration uses it, in the forward and again in the
 backward; with `pipeline_fsdp_ag_once` a stage's weights are gathered over fsdp once, before
-the iterations, for the memory of the stage's whole weights on every device. Under a remat
-policy the blocks send their weights' gradients to the fsdp shares, each iteration's to its
-group's rows (`group_weights`), so no device holds a whole stage's gradient; without remat the
-gradients are formed against the gathered copies and summed back onto the shards after the loop.
+the iterations, for the memory of the stage's whole weights on every device. The blocks send
+their weights' gradients to the fsdp shares, each iteration's to its group's rows
+(`group_weights`), so no device holds a whole stage's gradient.
 
 Parameters. With R = 1 the stacked blocks keep the layout of `scan_layers=true`, [L, ...],
 their first axis split over `stage`, so a checkpoint moves between pipelined and plain runs
@@ -123,8 +122,9 @@ class StageWeights:
 
 
 def group_weights(weights: StageWeights, repeat):
-    """(stage, sinks) for running group `repeat` with each block taking its weights inside its
-    remat region (`block_weights`): `stage` is `weights.compute` cut off from the gradient,
+    """(stage, sinks) for running group `repeat` with each block taking its weights where it
+    runs, inside its remat region if any (`block_weights`): `stage` is `weights.compute` cut off
+    from the gradient,
     `sinks` per leaf zeros [B, ...] (split as the shares) whose gradient becomes the group's rows
     of the shares' gradient. Scan the blocks over the sinks. With pipeline_fsdp_ag_once the
     gradient so reaches the fsdp shares directly: no gradient of a whole gathered stage."""

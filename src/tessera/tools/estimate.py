@@ -187,7 +187,7 @@ class Memory:
     grads: float
     optimizer: float
     # one layer's weights and gradients, whole on each FSDP device (a stage's weights with
-    # pipeline_fsdp_ag_once; and their gradients with remat_policy=none)
+    # pipeline_fsdp_ag_once)
     gathered_layer: float
     activations: dict[str, float]  # remat policy -> bytes
 
@@ -210,10 +210,9 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     if mesh["fsdp"] * mesh["sequence"] > 1:  # gathered after the cast to the compute dtype
         a = DTYPE_BYTES[m.dtype]
         gathered = 2 * counts.per_layer / (mesh["tensor"] * (mesh["expert"] if m.num_experts > 1 else 1)) * a
-    if stage > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once:  # a stage's whole weights
-        # (with remat_policy=none their gradients too: with a policy they go back to the fsdp shards)
-        copies = 2 if m.remat_policy == "none" else 1
-        gathered = copies * (dense_layers / mesh["tensor"] + experts / (mesh["tensor"] * mesh["expert"])) / stage * w
+    if stage > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once:  # a stage's whole weights (their
+        # gradients go back to the fsdp shards)
+        gathered = (dense_layers / mesh["tensor"] + experts / (mesh["tensor"] * mesh["expert"])) / stage * w
     policies = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
                 "full", "offload")
     # tessera.mesh splits the residual stream over `tensor` (act_embed) as well as heads and MLP: a
@@ -340,8 +339,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         f"  parameters ({m.weight_dtype})      {mem.params / GIB:8.2f}",
         f"  gradients                  {mem.grads / GIB:8.2f}",
         f"  AdamW state (2 moments)    {mem.optimizer / GIB:8.2f}",
-        (f"  a stage gathered once      {mem.gathered_layer / GIB:8.2f}   "
-         f"({'weights + gradients' if m.remat_policy == 'none' else 'weights'}, pipeline_fsdp_ag_once)"
+        (f"  a stage gathered once      {mem.gathered_layer / GIB:8.2f}   (weights, pipeline_fsdp_ag_once)"
          if mesh["stage"] > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once else
          f"  one FSDP-gathered layer    {mem.gathered_layer / GIB:8.2f}   (weights + gradients)"),
         "  activations by remat_policy" + ("" if fused else " (reference attention: scores kept in memory)"),
