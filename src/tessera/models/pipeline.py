@@ -80,11 +80,12 @@ def stage_specs(layout: PipelineLayout, stacked, names, mesh_sizes: dict[str, in
     return jax.tree.map(share, stacked, names)
 
 
-# A block's weights inside a remat region are `stage[repeat, layer]`, taken there so that the
-# backward pass takes them again (kept, the pipeline's loop would hold a copy per iteration). Their
-# gradient is routed through a "sink": zeros the shape of one group, made in each iteration from
-# the stage's weights. Plain indexing would form the stage's whole gradient inside the group's scan
-# as well as in the pipeline's loop, two stage-sized sums (whole stages with pipeline_fsdp_ag_once).
+# A block's weights are `stage[repeat, layer]`, taken where the block runs (inside its remat region,
+# if any, so the backward pass takes them again; kept, the pipeline's loop would hold a copy per
+# iteration). Their gradient is routed through a "sink": zeros the shape of one group, made in each
+# iteration from the stage's weights. Plain indexing would form the stage's whole gradient inside
+# the group's scan as well as in the pipeline's loop, two stage-sized sums (whole stages with
+# pipeline_fsdp_ag_once).
 @jax.custom_vjp
 def _block_weight(stage, sink, repeat, layer):
     return stage[repeat, layer]
@@ -124,10 +125,10 @@ class StageWeights:
 def group_weights(weights: StageWeights, repeat):
     """(stage, sinks) for running group `repeat` with each block taking its weights where it
     runs, inside its remat region if any (`block_weights`): `stage` is `weights.compute` cut off
-    from the gradient,
-    `sinks` per leaf zeros [B, ...] (split as the shares) whose gradient becomes the group's rows
-    of the shares' gradient. Scan the blocks over the sinks. With pipeline_fsdp_ag_once the
-    gradient so reaches the fsdp shares directly: no gradient of a whole gathered stage."""
+    from the gradient, `sinks` per leaf zeros [B, ...] (split as the shares) whose gradient
+    becomes the group's rows of the shares' gradient. Scan the blocks over the sinks. With
+    pipeline_fsdp_ag_once the gradient so reaches the fsdp shares directly: no gradient of a
+    whole gathered stage."""
     sinks = jax.tree.map(lambda a: _group_sink(a.shape[0], a, repeat), weights.shares)
     if weights.specs is not None:
         sinks = jax.tree.map(lambda z, spec: jax.lax.with_sharding_constraint(z, P(*tuple(spec)[1:])), sinks,
@@ -159,8 +160,8 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
 
     `run_group(weights, repeat, h, positions, segments, group_keys) -> (h, aux)` runs group
     `repeat` of `layout.blocks_per_stage` blocks on one microbatch; `weights` is this stage's
-    `StageWeights` ([R, B, ...]: the blocks take the group's where their remat regions can take
-    them again in the backward pass, not kept per iteration, through `group_weights`); its aux
+    `StageWeights` ([R, B, ...]: the blocks take the group's where they run, through
+    `group_weights`, so that remat regions take them again in the backward pass); its aux
     holds scalars already averaged over the group and `PER_LAYER` entries [B, ...].
     `stacked`: the blocks' parameters, leading axes `stacked_shape`; `keys`: dropout keys [L]
     (`use_keys`; else placeholders [L] that `run_group` ignores). With `layout.gather_fsdp_once`,
