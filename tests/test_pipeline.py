@@ -238,8 +238,8 @@ def _train_step_equations(trainer):
 
 @pytest.mark.parametrize("once, policy", [(False, "full"), (True, "full"), (True, "none")])
 def test_a_stage_s_weight_gradients_are_summed_by_the_pipeline_loop_alone(once, policy):
-    """A block's weights come from the stage's [R, B, ...] inside its remat region, but its gradient
-    goes to the group's rows (`pipeline.group_weights`): no scan nested in the pipeline's loop
+    """A block's weights come from the stage's [R, B, ...] where it runs, but its gradient goes to
+    the group's rows (`pipeline.group_weights`): no scan nested in the pipeline's loop
     returns a value of the stage's size in its iterations (a sum of the stage's gradient; before,
     the group's scan formed one besides the loop's: 826 -> 621 MiB of temporaries on v5e-4 for a
     1024-wide model with pipeline_fsdp_ag_once)."""

@@ -291,16 +291,16 @@ class Decoder(nnx.Module):
                               None)
             return h, aux
 
-        # A block takes its weights from the stage's [R, B, ...] (by the iteration's repeat) inside
-        # its remat region, so the backward pass takes them again. Taken outside, as the unpipelined
-        # scan's inputs are, the pipeline's loop would keep a copy per iteration (M*R + S - 1 of them;
-        # whole groups with pipeline_fsdp_ag_once) of weights that are a loop invariant (AOT for
-        # v5e-4, emb 1024 x 8 layers, 2 stages x 2 repeats x fsdp 2, remat full: 640 MiB of
-        # temporaries that way, 367 this way; 1323 -> 826 with pipeline_fsdp_ag_once). The gradient
-        # goes back through the group's rows (`pipeline.group_weights`), so only the pipeline's loop
-        # sums a stage-sized gradient (the same model: 367 -> 328 MiB), and with pipeline_fsdp_ag_once
-        # it goes to the fsdp shares, not to the gathered copy (826 -> 375; with remat_policy=none,
-        # whose blocks keep their weights per iteration anyway, 1565 -> 1102).
+        # A block takes its weights from the stage's [R, B, ...] (by the iteration's repeat) where it
+        # runs, inside its remat region if any, so the backward pass takes them again. Taken outside,
+        # as the unpipelined scan's inputs are, the pipeline's loop would keep a copy per iteration
+        # (M*R + S - 1 of them; whole groups with pipeline_fsdp_ag_once) of weights that are a loop
+        # invariant (AOT for v5e-4, emb 1024 x 8 layers, 2 stages x 2 repeats x fsdp 2, remat full:
+        # 640 MiB of temporaries that way, 367 this way; 1323 -> 826 with pipeline_fsdp_ag_once). The
+        # gradient goes back through the group's rows (`pipeline.group_weights`), so only the
+        # pipeline's loop sums a stage-sized gradient (the same model: 367 -> 328 MiB), and with
+        # pipeline_fsdp_ag_once it goes to the fsdp shares, not to the gathered copy (826 -> 375;
+        # with remat_policy=none, whose blocks keep their weights per iteration anyway, 1565 -> 1102).
         def run_group(weights, repeat, h, pos, seg, group_keys):
             stage, sinks = group_weights(weights, repeat)
 

@@ -75,7 +75,7 @@ def stage_specs(layout: PipelineLayout, stacked, names, mesh_sizes: dict[str, in
 
     def share(a, leaf_names):
         split = tuple(logical_spec(tuple(leaf_names), a.shape, mesh_sizes))[lead:]
-        return P(None, None, *(without_fsdp(e) for e in split) if gathered else split)
+        return P(None, None, *(tuple(without_fsdp(e) for e in split) if gathered else split))
 
     return jax.tree.map(share, stacked, names)
 

@@ -186,8 +186,7 @@ class Memory:
     params: float
     grads: float
     optimizer: float
-    # one layer's weights and gradients, whole on each FSDP device (a stage's weights with
-    # pipeline_fsdp_ag_once)
+    # one layer's weights and gradients, whole on each FSDP device (pipeline_fsdp_ag_once: a stage's weights)
     gathered_layer: float
     activations: dict[str, float]  # remat policy -> bytes
 
@@ -210,8 +209,7 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     if mesh["fsdp"] * mesh["sequence"] > 1:  # gathered after the cast to the compute dtype
         a = DTYPE_BYTES[m.dtype]
         gathered = 2 * counts.per_layer / (mesh["tensor"] * (mesh["expert"] if m.num_experts > 1 else 1)) * a
-    if stage > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once:  # a stage's whole weights (their
-        # gradients go back to the fsdp shards)
+    if stage > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once:  # a stage's weights (not gradients)
         gathered = (dense_layers / mesh["tensor"] + experts / (mesh["tensor"] * mesh["expert"])) / stage * w
     policies = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
                 "full", "offload")
