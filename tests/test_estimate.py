@@ -76,12 +76,17 @@ def test_roofline_thresholds_of_seed_004():
     assert not verdicts({})["expert"].size > 1 and verdicts({})["expert"].verdict == "not used"
 
 
-def test_state_memory_equals_what_the_compiler_allocates():
+@pytest.mark.parametrize("keys", [
+    dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),
+    # expert parallelism splits the expert dimension of expert weights and the embed dimension of the others
+    dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2, decoder_block="mixtral",
+         num_experts=4, num_experts_per_tok=2, sparse_matmul=True),
+], ids=["fsdp x tensor", "fsdp x expert x tensor"])
+def test_state_memory_equals_what_the_compiler_allocates(keys):
     """Parameters + AdamW state per device, estimated, vs the compiled step's inputs on 8 CPU devices."""
     from tessera.step import compile_step, setup
 
-    cfg = tiny_config(ici_fsdp_parallelism=4, ici_tensor_parallelism=2, per_device_batch_size=2, base_emb_dim=32,
-                      base_mlp_dim=48, vocab_size=128)
+    cfg = tiny_config(per_device_batch_size=2, base_emb_dim=32, base_mlp_dim=48, vocab_size=128, **keys)
     trainer = setup(cfg)
     compiled, _ = compile_step(trainer, 0)
     rows, length = trainer.batch_sharding.shard_shape((trainer.plan.global_batch, cfg.data.max_target_length + 1))
@@ -103,8 +108,53 @@ def test_a_stage_gathered_once_counts_the_stage_s_weights():
     mesh = mesh_sizes(plain, hw)
     assert (mesh["stage"], mesh["fsdp"]) == (2, 64)
     layers = counts.layers_total - 2 * plain.model.num_decoder_layers * plain.model.emb_dim  # less the norm scales
-    assert estimate_memory(once, counts, mesh, True).gathered_layer == pytest.approx(layers / 2 * 4)
-    assert estimate_memory(plain, counts, mesh, True).gathered_layer == pytest.approx(2 * counts.per_layer * 2)
+    m = plain.model
+    logits = 2 * m.vocab_size * m.emb_dim * 2  # the logits' [vocab, embed] matrix and its gradient, bfloat16
+    assert estimate_memory(once, counts, mesh, True).gathered == pytest.approx(layers / 2 * 4 + logits)
+    # without the key: two bfloat16 layers in flight (the one in use and the next, gathered ahead), each with
+    # its gradient
+    assert estimate_memory(plain, counts, mesh, True).gathered == pytest.approx(4 * counts.per_layer * 2 + logits)
+
+
+def test_logits_count_float32_and_a_compute_dtype_copy():
+    """The loss reads the logits in float32 next to the copy the logits matmul wrote in the compute dtype
+    (the compiler's buffers for the TPU recipes: f32 and bf16 [batch, length, vocab])."""
+    hw = parse_hardware("v5p-128")
+    keys = ["per_device_batch_size=2", "max_target_length=1024", "remat_policy=full"]
+    for dtype, size in (("bfloat16", 6), ("float32", 8)):
+        small, large = (load_model_config("llama2-7b", [*keys, f"dtype={dtype}", f"vocab_size={v}"])
+                        for v in (32000, 64000))
+        mesh = mesh_sizes(small, hw)
+
+        def acts(c):
+            return estimate_memory(c, count_params(c.model), mesh, True).activations["full"]
+
+        assert acts(large) - acts(small) == pytest.approx(2 * 1024 * 32000 * size)
+
+
+def test_moe_activations_follow_the_rows_the_experts_compute():
+    """Dropless routing computes k copies of a token, in a receive buffer with room for every sender of the
+    expert axis unless ragged_buffer_factor bounds it; capacity routing computes each expert's slots, every
+    token's with capacity_factor=-1."""
+    from tessera.tools.estimate import expert_rows_per_token
+
+    def model(*keys):
+        return load_model_config("mixtral-8x7b", list(keys)).model
+
+    assert expert_rows_per_token(model(), 1) == 2
+    assert expert_rows_per_token(model(), 4) == 8
+    assert expert_rows_per_token(model("ragged_buffer_factor=2"), 4) == 4
+    assert expert_rows_per_token(model("ragged_buffer_factor=8"), 4) == 8  # never past the worst case
+    assert expert_rows_per_token(model("sparse_matmul=false"), 4) == 8  # capacity_factor=-1: every expert
+    assert expert_rows_per_token(model("sparse_matmul=false", "capacity_factor=1.5"), 4) == 3
+    hw = parse_hardware("v6e-256")
+    keys = ["per_device_batch_size=2", "max_target_length=4096", "dtype=bfloat16", "remat_policy=minimal"]
+
+    def acts(*more):
+        c = load_model_config("mixtral-8x7b", [*keys, *more])
+        return estimate_memory(c, count_params(c.model), mesh_sizes(c, hw), True).activations["minimal"]
+
+    assert acts("ici_expert_parallelism=4") > acts("ici_expert_parallelism=4", "ragged_buffer_factor=2") > acts()
 
 
 def test_activation_estimates_shrink_with_remat():

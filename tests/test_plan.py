@@ -41,15 +41,20 @@ def test_links_follow_the_slice_shape():
 
 
 def test_900b_dense_picks_tensor_parallelism_16():
-    """The guide: TP=16 needs mlp_dim > 16 x 5,100 = 81,600; the 900B model has 131,072."""
-    hw = parse_hardware("v6e-256")
+    """The guide: TP=16 needs mlp_dim > 16 x 5,100 = 81,600; the 900B model has 131,072. On one pod its
+    bfloat16 weights, gradients and AdamW state alone take 26.6 of the 30.4 GiB budget per chip, and with two
+    gathered layers in flight the smallest batch is about 0.5 GiB over it (the guide does not say how it fit
+    the state; optimizer offloading is not modelled): the closest candidates all split tensor 16 ways, and on
+    two pods (pipelined over DCN) the first choice fits with fsdp 16 x tensor 16 inside each pod."""
     cfg = guide_model("900B dense", "weight_dtype=bfloat16")
-    best = plan(cfg, hw)[0]
-    assert best.fits and best.mesh.sizes["tensor"] == 16 and best.mesh.sizes["fsdp"] == 16
+    closest = plan(cfg, parse_hardware("v6e-256"))[:5]
+    assert not any(c.fits for c in closest) and all(c.mesh.sizes["tensor"] == 16 for c in closest)
+    best = plan(cfg, parse_hardware("v6e-256", num_slices=2))[0]
+    assert best.fits and best.mesh.ici["tensor"] == 16 and best.mesh.ici["fsdp"] == 16
     tensor = next(a for a in best.axes if a.axis == "tensor")
     assert (tensor.intensity, tensor.hardware) == (131072 / 16, pytest.approx(5100))
     narrow = guide_model("900B dense", "weight_dtype=bfloat16", "base_mlp_dim=65536")
-    tp16 = candidate(narrow, hw, 256, {"fsdp": 16, "tensor": 16})
+    tp16 = candidate(narrow, parse_hardware("v6e-256"), 256, {"fsdp": 16, "tensor": 16})
     assert tp16.binding.axis == "tensor" and tp16.binding.ratio < 1  # 65,536 / 16 = 4,096 < 5,100
 
 
@@ -97,10 +102,11 @@ def test_10t_moe_on_16_pods_needs_pipelining_over_dcn():
     sharded = [c for c in pp16 if c.mesh.sizes["data"] == 1]  # each pod's weights split 256 ways, as the guide's
     assert guide.mfu == max(c.mfu for c in sharded)  # tied with EP 32 x TP 8, ahead of the rest
     # without tensor parallelism (a 0.6 rather than 0.5 ceiling) the pod must copy the weights over a data axis:
-    # 4.7x the guide mesh's memory at least
+    # 3.5x the guide mesh's memory at least (which splits its attention and embedding weights 256 ways: over
+    # its expert axis as well as tensor)
     for c in pp16:
         if c.mfu > guide.mfu:
-            assert c.mesh.sizes["tensor"] == 1 and c.mesh.sizes["data"] >= 8 and c.memory > 4.7 * guide.memory
+            assert c.mesh.sizes["tensor"] == 1 and c.mesh.sizes["data"] >= 8 and c.memory > 3.5 * guide.memory
     tp16 = candidate(cfg, hw, 2048, {"tensor": 16, "expert": 16}, {"stage": 16}, repeats=8)
     assert tp16.binding.axis == "tensor" and tp16.binding.ratio < 0.6 and tp16.mfu < guide.mfu
     assert max(ranked, key=lambda c: c.roofline_key()).mesh.dcn["stage"] > 1

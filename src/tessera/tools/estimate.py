@@ -141,14 +141,32 @@ def mesh_sizes(cfg: Config, hw: Hardware) -> dict[str, int]:
     return {axis: ici[axis] * dcn[axis] for axis in ici}
 
 
-def _saved_per_token(m: ModelConfig, policy: str, tp: int) -> float:
-    """Activation elements one block keeps per token for the backward pass, beyond its input."""
-    d, f = m.emb_dim, token_mlp_width(m) / tp
+def expert_rows_per_token(m: ModelConfig, ep: int) -> float:
+    """Rows a MoE layer's expert MLPs compute per token of a device: the top-k copies when dropless
+    (sparse_matmul), times the receive buffer's room over the `ep`-way expert axis (every sender's
+    copies at worst, ragged_buffer_factor's share when set); with capacity routing each expert's
+    slots, capacity_factor x its fair share (every token with -1) of a group."""
+    k = min(m.num_experts_per_tok, m.num_experts)
+    if m.sparse_matmul:
+        return k * (ep if m.ragged_buffer_factor <= 0 else min(ep, m.ragged_buffer_factor))
+    return m.num_experts if m.capacity_factor <= 0 else min(m.num_experts, m.capacity_factor * k)
+
+
+def _saved_per_token(m: ModelConfig, policy: str, tp: int, ep: int = 1) -> float:
+    """Activation elements one block keeps per token for the backward pass, beyond its input; `ep`
+    is the expert axis (a MoE layer's rows per token: expert_rows_per_token)."""
+    d = m.emb_dim
+    if m.num_experts <= 1:
+        f, routed, out = token_mlp_width(m) / tp, 0.0, d
+    else:  # the experts' rows: their hidden units, the token copies they read and the outputs they write
+        rows = expert_rows_per_token(m, ep)
+        f, routed, out = m.expert_mlp_dim * (rows + m.shared_experts) / tp, d * rows, d * (rows + m.shared_experts)
     q, kv = m.num_query_heads * m.head_dim / tp, 2 * m.num_kv_heads * m.head_dim / tp
     acts = len(m.mlp_activations)
     kept = {
-        "none": 2 * d + q + kv + q + d + acts * f + f + d,  # norms, q, k, v, context, out, mlp in/act, mlp out
-        "minimal": q + kv + d + acts * f + d,
+        # norms, q, k, v, context, out, (routed copies,) mlp in/act, mlp out
+        "none": 2 * d + q + kv + q + d + routed + acts * f + f + out,
+        "minimal": q + kv + d + acts * f + out,
         "save_dot_except_mlp": q + kv + q + d,
         "save_dot_except_mlpwi": q + kv + q + d + d,
         "save_qkv_proj": q + kv,
@@ -156,7 +174,7 @@ def _saved_per_token(m: ModelConfig, policy: str, tp: int) -> float:
     }
     if policy == "custom":  # the named tensors set to `device` (the block input is counted by the caller)
         named = {"query_proj": q, "key_proj": kv / 2, "value_proj": kv / 2, "context": q, "out_proj": d,
-                 "mlpwi": f, "mlpwi_0": f, "mlpwi_1": f, "mlpwo": d}
+                 "mlpwi": f, "mlpwi_0": f, "mlpwi_1": f, "mlpwo": out}
         return sum(size for name, size in named.items() if getattr(m, name) == "device")
     return kept.get(policy, 0.0)  # full and the offloading policies keep nothing else on the device
 
@@ -170,14 +188,15 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     seqs = cfg.data.per_device_batch_size * mesh["tensor"] * mesh["sequence"] * mesh["stage"]
     tokens = seqs * cfg.data.max_target_length / mesh["sequence"]
     scores = 0.0 if fused_attention else m.num_query_heads / tp * cfg.data.max_target_length * 6  # f32 + bf16
-    keep = _saved_per_token(m, policy, tp) * a + (scores if policy == "none" else 0.0)
+    ep = mesh["expert"]
+    keep = _saved_per_token(m, policy, tp, ep) * a + (scores if policy == "none" else 0.0)
     offloaded_input = policy == "custom" and m.decoder_layer_input == "offload"
     # a pipeline stage keeps its own layers' activations (of every microbatch) and three
     # microbatch buffers the size of the whole batch's residual stream (inputs, outputs, loop-back)
     layers = m.num_decoder_layers / mesh["stage"] * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
     buffers = 3 * tokens * m.emb_dim * a if mesh["stage"] > 1 else 0.0
-    one_layer = tokens / microbatches * (2 * _saved_per_token(m, "none", tp) * a + scores)  # recompute + gradients
-    logits = 2 * tokens * m.vocab_size / tp * 4
+    one_layer = tokens / microbatches * (2 * _saved_per_token(m, "none", tp, ep) * a + scores)  # recompute + grads
+    logits = tokens * m.vocab_size / tp * (4 + a)  # float32 for the loss and a copy in the compute dtype
     return layers + buffers + one_layer + logits
 
 
@@ -186,12 +205,13 @@ class Memory:
     params: float
     grads: float
     optimizer: float
-    # one layer's weights and gradients, whole on each FSDP device (pipeline_fsdp_ag_once: a stage's weights)
-    gathered_layer: float
+    # weights whole on each FSDP device, with their gradients: two layers (the one in use and the next,
+    # gathered ahead; pipeline_fsdp_ag_once: a stage's weights, without) and the logits' [vocab, embed]
+    gathered: float
     activations: dict[str, float]  # remat policy -> bytes
 
     def total(self, policy: str) -> float:
-        return self.params + self.grads + self.optimizer + self.gathered_layer + self.activations[policy]
+        return self.params + self.grads + self.optimizer + self.gathered + self.activations[policy]
 
 
 def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fused_attention: bool) -> Memory:
@@ -199,18 +219,24 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     m = cfg.model
     experts = counts.expert_layers * m.num_experts * counts.per_expert_mlp
     layer_norms, final_norm = 2 * m.num_decoder_layers * m.emb_dim, m.emb_dim  # replicated: too small to shard
-    dense_shards = mesh["fsdp"] * mesh["sequence"] * mesh["tensor"]
+    # tessera.mesh splits a weight's embed dimension over fsdp, sequence and expert (an expert
+    # weight's expert dimension takes the expert axis instead) and its heads / MLP over tensor
+    shards = mesh["fsdp"] * mesh["sequence"] * mesh["tensor"] * mesh["expert"]
     stage = mesh["stage"]  # pipeline stages split the layers (not the embeddings)
     dense_layers = counts.layers_total - experts - layer_norms
     other = counts.total - counts.layers_total - final_norm
-    sharded = (other + dense_layers / stage) / dense_shards + experts / (dense_shards * mesh["expert"] * stage)
+    router = counts.expert_layers * m.emb_dim * m.num_experts  # [embed, experts]: not split over tensor
+    sharded = (other + (dense_layers - router + experts) / stage) / shards + router / stage / (shards / mesh["tensor"])
     params = (sharded + layer_norms / stage + final_norm) * w
     gathered = 0.0
-    if mesh["fsdp"] * mesh["sequence"] > 1:  # gathered after the cast to the compute dtype
+    if mesh["fsdp"] * mesh["sequence"] * mesh["expert"] > 1:  # gathered after the cast to the compute dtype
         a = DTYPE_BYTES[m.dtype]
-        gathered = 2 * counts.per_layer / (mesh["tensor"] * (mesh["expert"] if m.num_experts > 1 else 1)) * a
-    if stage > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once:  # a stage's weights (not gradients)
-        gathered = (dense_layers / mesh["tensor"] + experts / (mesh["tensor"] * mesh["expert"])) / stage * w
+        layer_experts = m.num_experts * counts.per_expert_mlp if counts.expert_layers else 0
+        gathered = 2 * m.vocab_size * m.emb_dim / mesh["tensor"] * a  # the logits' [vocab, embed] and its gradient
+        if stage > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once:  # a stage's weights (not gradients)
+            gathered += (dense_layers / mesh["tensor"] + experts / (mesh["tensor"] * mesh["expert"])) / stage * w
+        else:
+            gathered += 4 * ((counts.per_layer - layer_experts) + layer_experts / mesh["expert"]) / mesh["tensor"] * a
     policies = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
                 "full", "offload")
     # tessera.mesh splits the residual stream over `tensor` (act_embed) as well as heads and MLP: a
@@ -337,9 +363,10 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         f"  parameters ({m.weight_dtype})      {mem.params / GIB:8.2f}",
         f"  gradients                  {mem.grads / GIB:8.2f}",
         f"  AdamW state (2 moments)    {mem.optimizer / GIB:8.2f}",
-        (f"  a stage gathered once      {mem.gathered_layer / GIB:8.2f}   (weights, pipeline_fsdp_ag_once)"
-         if mesh["stage"] > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once else
-         f"  one FSDP-gathered layer    {mem.gathered_layer / GIB:8.2f}   (weights + gradients)"),
+        (f"  a stage gathered once      {mem.gathered / GIB:8.2f}   (pipeline_fsdp_ag_once; and the logits' "
+         "matrix with its gradient)" if mesh["stage"] > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once else
+         f"  FSDP-gathered weights      {mem.gathered / GIB:8.2f}   (2 layers in flight and the logits' matrix, "
+         "with their gradients)"),
         "  activations by remat_policy" + ("" if fused else " (reference attention: scores kept in memory)"),
     ]
     for policy, value in mem.activations.items():

@@ -78,10 +78,10 @@ def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_pe
     ideal = max(ranked, key=Candidate.roofline_key)
     c = mesh_config(cfg, small.mesh, small.repeats, small.per_device_batch)
     mem = estimate_memory(c, count_params(c.model), small.mesh.sizes, fused_attention(c, hw))
-    state = mem.params + mem.grads + mem.optimizer + mem.gathered_layer
+    state = mem.params + mem.grads + mem.optimizer + mem.gathered
     acts = small.memory - state
     more = 2 ** math.ceil(math.log2(max(2.0, state / max(small.budget - acts, small.budget * 0.05))))
-    hints = [f"more chips: the {state / GIB:.1f} GiB of parameters, gradients, AdamW state and gathered layer "
+    hints = [f"more chips: the {state / GIB:.1f} GiB of parameters, gradients, AdamW state and gathered layers "
              f"shrink with the chips they are split over; about {more}x the chips (--slices {more * hw.num_slices})"]
     if c.model.weight_dtype == "float32":
         saved = (mem.params + mem.grads + mem.optimizer) / 2
