@@ -112,6 +112,21 @@ def test_10t_moe_on_16_pods_needs_pipelining_over_dcn():
     assert max(ranked, key=lambda c: c.roofline_key()).mesh.dcn["stage"] > 1
 
 
+def test_10t_moe_fits_16_pods_with_a_bounded_receive_buffer(capsys):
+    """Dropless routing's default receive buffer has room for every sender's token copies over the expert
+    axis: at 2k tokens per device nothing fits 16 pods, and the message offers ragged_buffer_factor=2, with
+    which the plan fits, pipelined over DCN with expert x tensor inside each pod."""
+    keys = [f"{k}={v}" for k, v in SEED_004["10T MoE"][0].items()]
+    args = ["1b", *keys, *RUN, "weight_dtype=bfloat16", "sparse_matmul=true", "--hardware", "v6e-256",
+            "--slices", "16", "--tokens-per-device", "2048", "--top", "1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "does not fit on v6e-256 x16" in err and "ragged_buffer_factor=2: each device's buffer" in err
+    cfg = guide_model("10T MoE", "weight_dtype=bfloat16", "sparse_matmul=true", "ragged_buffer_factor=2")
+    best = plan(cfg, parse_hardware("v6e-256", num_slices=16), 2048)[0]
+    assert best.fits and best.mesh.dcn["stage"] > 1 and best.mesh.ici["expert"] * best.mesh.ici["tensor"] == 256
+
+
 def test_gpu_plan_uses_nvlink_inside_a_node_and_the_network_across(capsys):
     hw = parse_hardware("h100-64")
     cfg = load_model_config("llama3.1-70b", ["max_target_length=4096", "dtype=bfloat16"])

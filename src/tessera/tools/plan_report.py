@@ -3,6 +3,7 @@ message when nothing fits (how far over the budget, and what would fit)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from tessera.config import Config
@@ -89,6 +90,14 @@ def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_pe
                      f"({saved / GIB:.1f} GiB less)")
     hints.append(f"offload: the {acts / GIB:.1f} GiB of activations to host memory (remat_policy=custom "
                  "decoder_layer_input=offload), or the optimizer state (not modelled here)")
+    m = c.model
+    if m.num_experts > 1 and m.sparse_matmul and m.ragged_buffer_factor <= 0 and small.mesh.sizes["expert"] > 2:
+        bounded = dataclasses.replace(c, model=dataclasses.replace(m, ragged_buffer_factor=2.0))
+        saved = mem.total(small.remat) - estimate_memory(bounded, count_params(m), small.mesh.sizes,
+                                                            fused_attention(c, hw)).total(small.remat)
+        hints.append(f"ragged_buffer_factor=2: each device's buffer for the token copies it receives over the "
+                     f"{small.mesh.sizes['expert']}-way expert axis holds twice its own copies instead of every "
+                     f"sender's ({saved / GIB:.1f} GiB less; copies past it are dropped and counted)")
     if tokens_per_device:
         hints.append(f"fewer tokens per device than {tokens_per_device:,}")
     hints.append(f"with the memory, the rooflines' choice: {describe(ideal)}, remat {ideal.remat} "
