@@ -8,7 +8,10 @@ The recipe's mesh and remat policy are scored as `tessera.tools.plan` scores a c
 (memory from the estimator, each axis' roofline, the estimated MFU); then the plan searches
 every mesh and remat policy at the recipe's tokens per device (a recipe's batch is a training
 choice, so it is held fixed). A row says whether the plan's first choice is the recipe's mesh,
-and if not, both scores. Estimates only: benchmarks/aot_recipes.py gives the compiler's memory.
+and if not, both scores. Estimates only: benchmarks/aot_recipes.py gives the compiler's memory;
+each row holds that figure too (`compiled_gib`, from benchmarks/results/aot_recipes.json, and the
+date of its compile) and the estimate's error against it, and the run ends with a summary of
+those errors: how far the estimator's memory is from the compiler's over every recipe.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 RESULTS = REPO / "benchmarks" / "results" / "plan_recipes.json"
+COMPILED = REPO / "benchmarks" / "results" / "aot_recipes.json"
 MESH_KEYS = ("parallelism", "per_device_batch_size", "remat_policy", "num_pipeline_repeats", "compile_topology")
 
 
@@ -76,6 +80,26 @@ def compare(recipe: Path) -> dict:
     return row
 
 
+def add_compiled(row: dict, compiled: dict) -> None:
+    """The compiler's GiB per chip for the row's recipe (aot_recipes.json) and the estimate's error."""
+    found = compiled.get(row["recipe"])
+    if found and found.get("gib_per_device") and row.get("recipe_gib"):
+        row["compiled_gib"], row["compiled_date"] = found["gib_per_device"], found.get("date")
+        row["estimate_error"] = round(row["recipe_gib"] / found["gib_per_device"] - 1, 4)
+
+
+def error_summary(rows: list[dict]) -> dict:
+    """How far the estimated memory is from the compiled one, over the rows that have both."""
+    errors = sorted((r["estimate_error"], r["recipe"]) for r in rows if "estimate_error" in r)
+    if not errors:
+        return {}
+    sizes = [abs(e) for e, _ in errors]
+    return {"recipes": len(errors), "lowest": errors[0][0], "lowest_recipe": errors[0][1],
+            "highest": errors[-1][0], "highest_recipe": errors[-1][1],
+            "within_10_percent": sum(x <= 0.10 for x in sizes), "within_15_percent": sum(x <= 0.15 for x in sizes),
+            "mean_absolute": round(sum(sizes) / len(sizes), 4)}
+
+
 def main(filters: list[str]) -> int:
     import logging
     import os
@@ -84,17 +108,26 @@ def main(filters: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING)
     recipes = sorted((REPO / "configs" / "tpu").glob("*/*.sh"))
     recipes = [r for r in recipes if not filters or any(f in str(r) for f in filters)]
+    compiled = {r["recipe"]: r for r in json.loads(COMPILED.read_text())["rows"]} if COMPILED.exists() else {}
     rows = []
     for recipe in recipes:
         start = time.perf_counter()
         row = compare(recipe)
+        add_compiled(row, compiled)
         rows.append(row)
         print(f"{row['recipe']:<36} recipe {row['recipe_mesh']:<34} {row.get('recipe_gib', '-'):>7} GiB "
               f"{100 * row.get('recipe_mfu', 0):5.1f}% | plan {row['plan_mesh']:<34} {row['plan_remat']:<20} "
               f"{row['plan_gib']:>7} GiB {100 * row['plan_mfu']:5.1f}%  ({time.perf_counter() - start:.1f} s)",
               flush=True)
+    summary = error_summary(rows)
+    if summary:
+        print(f"estimated memory against the compiler's ({summary['recipes']} recipes): from "
+              f"{100 * summary['lowest']:+.1f}% ({summary['lowest_recipe']}) to {100 * summary['highest']:+.1f}% "
+              f"({summary['highest_recipe']}); {summary['within_10_percent']} within 10%, "
+              f"{summary['within_15_percent']} within 15%; mean |error| {100 * summary['mean_absolute']:.1f}%")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "rows": rows}, indent=2) + "\n")
+    RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "estimate_vs_compiled": summary, "rows": rows},
+                                  indent=2) + "\n")
     print(f"wrote {RESULTS}")
     return 0
 
