@@ -234,11 +234,11 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     gathered = 0.0
     if mesh["fsdp"] * mesh["sequence"] * mesh["expert"] > 1:  # gathered after the cast to the compute dtype
         a = DTYPE_BYTES[m.dtype]
-        layer_experts = m.num_experts * counts.per_expert_mlp if counts.expert_layers else 0
         gathered = 2 * m.vocab_size * m.emb_dim / mesh["tensor"] * a  # the logits' [vocab, embed] and its gradient
         if stage > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once:  # a stage's weights (not gradients)
             gathered += (dense_layers / mesh["tensor"] + experts / (mesh["tensor"] * mesh["expert"])) / stage * w
-        else:
+        else:  # two layers, each with its gradient (an expert layer's experts split over the expert axis)
+            layer_experts = experts / counts.expert_layers if counts.expert_layers else 0
             gathered += 4 * ((counts.per_layer - layer_experts) + layer_experts / mesh["expert"]) / mesh["tensor"] * a
     policies = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
                 "full", "offload")
