@@ -8,9 +8,8 @@ from conftest import REPO, tiny_config
 from tessera.config import ConfigError, build_config
 from tessera.hardware import GIB
 from tessera.models import build_model
-from tessera.tools.estimate import (
-    count_params, estimate_memory, load_model_config, main, mesh_sizes, parse_hardware, rooflines,
-)
+from tessera.tools.estimate import load_model_config, main, mesh_sizes, parse_hardware, rooflines
+from tessera.tools.memory_model import count_params, estimate_memory
 
 # The public TPU sizing guide's example configs. It does not list vocabularies: Llama 3's 128256 for the dense
 # model and Mixtral's 32000 for the MoE models reproduce its totals.
@@ -136,7 +135,7 @@ def test_moe_activations_follow_the_rows_the_experts_compute():
     """Dropless routing computes k copies of a token, in a receive buffer with room for every sender of the
     expert axis unless ragged_buffer_factor bounds it; capacity routing computes each expert's slots, every
     token's with capacity_factor=-1."""
-    from tessera.tools.estimate import expert_rows_per_token
+    from tessera.tools.memory_model import expert_rows_per_token
 
     def model(*keys):
         return load_model_config("mixtral-8x7b", list(keys)).model

@@ -14,7 +14,7 @@ from conftest import tiny_config
 from tessera.config import ConfigError
 from tessera.metrics import format_record
 from tessera.models import build_model
-from tessera.tools.estimate import count_params
+from tessera.tools.memory_model import count_params
 from tessera.train import run
 
 FAMILIES = {

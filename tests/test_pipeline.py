@@ -344,7 +344,8 @@ def test_the_compiled_step_passes_activations_between_stages():
 def test_estimator_splits_layers_over_stages_and_counts_the_bubble():
     """The estimator's memory puts a stage's share of the layers on each chip, and the MFU it
     quotes is the given one times the share of iterations outside the bubble."""
-    from tessera.tools.estimate import count_params, estimate_memory, load_model_config, parse_hardware, report
+    from tessera.tools.estimate import load_model_config, parse_hardware, report
+    from tessera.tools.memory_model import count_params, estimate_memory
 
     keys = ["per_device_batch_size=4", "max_target_length=2048", "dtype=bfloat16", "remat_policy=full"]
     piped = load_model_config("llama2-70b", [*keys, "dcn_pipeline_parallelism=2", "num_pipeline_repeats=4"])
@@ -362,7 +363,7 @@ def test_estimator_splits_layers_over_stages_and_counts_the_bubble():
     plain = estimate_memory(piped, counts, {**mesh, "stage": 1}, True).params
     assert want < 0.55 * plain  # the layers are most of the model
     # the backward pass recomputes one layer of one microbatch (of the layout's 8), not of the stage's batch
-    from tessera.tools.estimate import _saved_per_token, activation_bytes
+    from tessera.tools.memory_model import _saved_per_token, activation_bytes
 
     acts = estimate_memory(piped, counts, mesh, True).activations["full"]
     assert acts == pytest.approx(activation_bytes(piped, mesh, "full", True, microbatches=8))

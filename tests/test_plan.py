@@ -11,7 +11,8 @@ import pytest
 from conftest import REPO
 from test_estimate import SEED_004
 from tessera.hardware import DCN_BYTES_PER_S, GPUS
-from tessera.tools.estimate import count_params, load_model_config, parse_hardware
+from tessera.tools.estimate import load_model_config, parse_hardware
+from tessera.tools.memory_model import count_params
 from tessera.tools.plan import DCN_AXES, ICI_AXES, Candidate, Mesh, main, mesh_candidates, plan, search
 from tessera.tools.plan_model import BASE_MFU, TENSOR_MFU, executed_ratio, ici_links
 

@@ -20,88 +20,29 @@ hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
     expert  4 x mlp_dim / expert
     tensor  mlp_dim / tensor
 
-Activation memory is an estimate: the tensors each remat policy keeps per layer, plus one
-layer's recomputation and its gradients, plus the logits (float32 and a compute-dtype copy);
-FSDP keeps two layers gathered (the next one is gathered ahead) and the logits' matrix, each
-with its gradient. Against the compiler's figures for our 30 TPU recipes
-(benchmarks/results/aot_recipes.json, 2026-11-27) the total ranges from 14% below
-(v6e/qwen3_8b) to 27% above (v6e/qwen3_30b_a3b), 26 of them within 15% and 22 within 10%
-(benchmarks/plan_recipes.py prints the comparison); `EXECUTABLE=train_compile` gives the
-exact figure for a TPU topology.
-
-Active parameters count what a token multiplies through: attention, the experts it is routed
-to, embeddings and norms. The router (num_experts x emb_dim per layer) is in the total but not
-in the active count, as in the public TPU sizing guide's tables (it changes the 10T model's active count by 0.02%).
+Memory per device comes from tessera.tools.memory_model, whose docstring says how it
+compares with the compiler's figures; `EXECUTABLE=train_compile` gives the exact figure for a
+TPU topology.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import re
 import sys
 from pathlib import Path
 
-from tessera.config import Config, ConfigError, ModelConfig, build_config, load_config
+from tessera.config import Config, ConfigError, build_config, load_config
 from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout
 from tessera.config.loader import read_yaml
 from tessera.config.schema import all_fields
 from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
-from tessera.metrics import mla_matmul_params, training_flops_per_step
+from tessera.metrics import training_flops_per_step
 from tessera.tools.cli import config_epilog
+from tessera.tools.memory_model import DTYPE_BYTES, count_params, estimate_memory
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamCounts:
-    total: int
-    active: int
-    per_layer: int  # all experts included (deepseek: an expert layer's)
-    per_expert_mlp: int
-    layers_total: int = 0  # every decoder layer's parameters (deepseek's dense layers included)
-    expert_layers: int = 0  # layers with experts
-
-
-def count_params(m: ModelConfig) -> ParamCounts:
-    """Parameter counts of the model `m` describes, equal to the built model's (tested per family).
-    For deepseek, `per_layer` is an expert layer's; its dense layers are counted apart."""
-    d, n, k, h = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim
-    biased, layer_norm = m.decoder_block == "gpt3", m.decoder_block == "gpt3"
-    attention = mla_params(m) if m.decoder_block == "deepseek" else \
-        d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + d if biased else 0)
-    gated = len(m.mlp_activations) + 1
-    f = m.expert_mlp_dim
-    expert_mlp = d * f * gated + ((len(m.mlp_activations) * f + d) if biased else 0)
-    router = d * m.num_experts + (m.num_experts if m.routed_bias else 0) if m.num_experts > 1 else 0
-    shared = d * f * m.shared_experts * gated
-    norm = 2 * d if layer_norm else d
-    norms = norm * (4 if m.decoder_block in ("gemma2", "gemma3") else 2)
-    norms += 2 * h if m.decoder_block in ("qwen3", "qwen3_moe", "gemma3") else 0  # per-head q and k norms
-    positions = m.trainable_position_size * d if m.decoder_block == "gpt3" else 0
-    embeddings = d * m.vocab_size * (1 if m.logits_via_embedding else 2) + norm + positions  # + final norm
-    per_layer = attention + m.num_experts * expert_mlp + shared + router + norms
-    active_layer = attention + min(m.num_experts_per_tok, m.num_experts) * expert_mlp + shared + norms
-    dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
-    dense_total = dense * (attention + d * m.mlp_dim * gated + norms)
-    layers = m.num_decoder_layers - dense
-    return ParamCounts(layers * per_layer + dense_total + embeddings, layers * active_layer + dense_total + embeddings,
-                       per_layer, expert_mlp, layers * per_layer + dense_total, layers if m.num_experts > 1 else 0)
-
-
-def token_mlp_width(m: ModelConfig) -> int:
-    """Hidden units of the MLPs one token passes through in a (main-stack) layer: its experts' (and the
-    shared experts') for a MoE model, mlp_dim for a dense one."""
-    if m.num_experts > 1:
-        return m.expert_mlp_dim * (min(m.num_experts_per_tok, m.num_experts) + m.shared_experts)
-    return m.mlp_dim
-
-
-def mla_params(m: ModelConfig) -> int:
-    """Multi-head latent attention's weights (tessera.models.mla), its latent norms included."""
-    return mla_matmul_params(m) + m.kv_lora_rank + m.q_lora_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,127 +83,6 @@ def mesh_sizes(cfg: Config, hw: Hardware) -> dict[str, int]:
 
     ici, dcn = mesh_shape(cfg.mesh, hw.num_devices, hw.num_slices)
     return {axis: ici[axis] * dcn[axis] for axis in ici}
-
-
-def expert_rows_per_token(m: ModelConfig, ep: int) -> float:
-    """Rows a MoE layer's expert MLPs compute per token of a device: the top-k copies when dropless
-    (sparse_matmul), times the receive buffer's room over the `ep`-way expert axis (every sender's
-    copies at worst, ragged_buffer_factor's share when set); with capacity routing each expert's
-    slots, capacity_factor x its fair share (every token with -1) of a group."""
-    k = min(m.num_experts_per_tok, m.num_experts)
-    if m.sparse_matmul:
-        return k * (ep if m.ragged_buffer_factor <= 0 else min(ep, m.ragged_buffer_factor))
-    return m.num_experts if m.capacity_factor <= 0 else min(m.num_experts, m.capacity_factor * k)
-
-
-def _saved_per_token(m: ModelConfig, policy: str, tp: int, ep: int = 1) -> float:
-    """Activation elements one block keeps per token for the backward pass, beyond its input; `ep`
-    is the expert axis (a MoE layer's rows per token: expert_rows_per_token)."""
-    d = m.emb_dim
-    if m.num_experts <= 1:
-        f, routed, out = token_mlp_width(m) / tp, 0.0, d
-    else:  # the experts' rows: their hidden units, the token copies they read and the outputs they write
-        rows = expert_rows_per_token(m, ep)
-        f, routed, out = m.expert_mlp_dim * (rows + m.shared_experts) / tp, d * rows, d * (rows + m.shared_experts)
-    q, kv = m.num_query_heads * m.head_dim / tp, 2 * m.num_kv_heads * m.head_dim / tp
-    acts = len(m.mlp_activations)
-    kept = {
-        # norms, q, k, v, context, out, (routed copies,) mlp in/act, mlp out
-        "none": 2 * d + q + kv + q + d + routed + acts * f + f + out,
-        "minimal": q + kv + d + acts * f + out,
-        "save_dot_except_mlp": q + kv + q + d,
-        "save_dot_except_mlpwi": q + kv + q + d + d,
-        "save_qkv_proj": q + kv,
-        "save_out_proj": d,
-    }
-    if policy == "custom":  # the named tensors set to `device` (the block input is counted by the caller)
-        named = {"query_proj": q, "key_proj": kv / 2, "value_proj": kv / 2, "context": q, "out_proj": d,
-                 "mlpwi": f, "mlpwi_0": f, "mlpwi_1": f, "mlpwo": out}
-        return sum(size for name, size in named.items() if getattr(m, name) == "device")
-    return kept.get(policy, 0.0)  # full and the offloading policies keep nothing else on the device
-
-
-def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_attention: bool,
-                     microbatches: int = 1) -> float:
-    """Per-device activation memory of one step under `policy`, in bytes (an estimate). With pipeline
-    stages, `microbatches` is the layout's M: the backward pass recomputes one layer of one microbatch."""
-    m, a = cfg.model, DTYPE_BYTES[cfg.model.dtype]
-    tp = mesh["tensor"]
-    seqs = cfg.data.per_device_batch_size * mesh["tensor"] * mesh["sequence"] * mesh["stage"]
-    tokens = seqs * cfg.data.max_target_length / mesh["sequence"]
-    scores = 0.0 if fused_attention else m.num_query_heads / tp * cfg.data.max_target_length * 6  # f32 + bf16
-    ep = mesh["expert"]
-    keep = _saved_per_token(m, policy, tp, ep) * a + (scores if policy == "none" else 0.0)
-    offloaded_input = policy == "custom" and m.decoder_layer_input == "offload"
-    # a pipeline stage keeps its own layers' activations (of every microbatch) and three
-    # microbatch buffers the size of the whole batch's residual stream (inputs, outputs, loop-back)
-    layers = m.num_decoder_layers / mesh["stage"] * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
-    buffers = 3 * tokens * m.emb_dim * a if mesh["stage"] > 1 else 0.0
-    one_layer = tokens / microbatches * (2 * _saved_per_token(m, "none", tp, ep) * a + scores)  # recompute + grads
-    logits = tokens * m.vocab_size / tp * (4 + a)  # float32 for the loss and a copy in the compute dtype
-    return layers + buffers + one_layer + logits
-
-
-@dataclasses.dataclass(frozen=True)
-class Memory:
-    params: float
-    grads: float
-    optimizer: float
-    # weights whole on each FSDP device, with their gradients: two layers (the one in use and the next,
-    # gathered ahead; pipeline_fsdp_ag_once: a stage's weights, without) and the logits' [vocab, embed]
-    gathered: float
-    activations: dict[str, float]  # remat policy -> bytes
-
-    def total(self, policy: str) -> float:
-        return self.params + self.grads + self.optimizer + self.gathered + self.activations[policy]
-
-
-def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fused_attention: bool) -> Memory:
-    w = DTYPE_BYTES[cfg.model.weight_dtype]
-    m = cfg.model
-    experts = counts.expert_layers * m.num_experts * counts.per_expert_mlp
-    layer_norms, final_norm = 2 * m.num_decoder_layers * m.emb_dim, m.emb_dim  # replicated: too small to shard
-    # tessera.mesh splits a weight's embed dimension over fsdp, sequence and expert (an expert
-    # weight's expert dimension takes the expert axis instead) and its heads / MLP over tensor
-    shards = mesh["fsdp"] * mesh["sequence"] * mesh["tensor"] * mesh["expert"]
-    stage = mesh["stage"]  # pipeline stages split the layers (not the embeddings)
-    dense_layers = counts.layers_total - experts - layer_norms
-    other = counts.total - counts.layers_total - final_norm
-    router = counts.expert_layers * m.emb_dim * m.num_experts  # [embed, experts]: not split over tensor
-    sharded = (other + (dense_layers - router + experts) / stage) / shards + router / stage / (shards / mesh["tensor"])
-    params = (sharded + layer_norms / stage + final_norm) * w
-    gathered = 0.0
-    if mesh["fsdp"] * mesh["sequence"] * mesh["expert"] > 1:  # gathered after the cast to the compute dtype
-        a = DTYPE_BYTES[m.dtype]
-        gathered = 2 * m.vocab_size * m.emb_dim / mesh["tensor"] * a  # the logits' [vocab, embed] and its gradient
-        if stage > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once:  # a stage's weights (not gradients)
-            gathered += (dense_layers / mesh["tensor"] + experts / (mesh["tensor"] * mesh["expert"])) / stage * w
-        else:  # two layers, each with its gradient (an expert layer's experts split over the expert axis)
-            layer_experts = experts / counts.expert_layers if counts.expert_layers else 0
-            gathered += 4 * ((counts.per_layer - layer_experts) + layer_experts / mesh["expert"]) / mesh["tensor"] * a
-    policies = ("none", "minimal", "save_dot_except_mlpwi", "save_dot_except_mlp", "save_qkv_proj", "save_out_proj",
-                "full", "offload")
-    # tessera.mesh splits the residual stream over `tensor` (act_embed) as well as heads and MLP: a
-    # tensor-parallel chip keeps 1/tp of the activations of tp times the sequences, the bytes of a
-    # chip without tensor parallelism
-    act_mesh = {**mesh, "tensor": 1}
-    micro = _microbatches(cfg, mesh)
-    acts = {p: activation_bytes(cfg, act_mesh, p, fused_attention, micro) for p in policies}
-    acts.setdefault(m.remat_policy, activation_bytes(cfg, act_mesh, m.remat_policy, fused_attention, micro))
-    zero1 = mesh["data"] if cfg.optim.shard_optimizer_over_data else 1  # ZeRO-1 splits AdamW's moments over data
-    return Memory(params, params, 2 * params / zero1, gathered, acts)
-
-
-def _microbatches(cfg: Config, mesh: dict[str, int]) -> int:
-    """The pipeline layout's microbatches for this mesh and batch (1 without stages or when it has none)."""
-    if mesh["stage"] == 1:
-        return 1
-    rows = round(cfg.data.per_device_batch_size * math.prod(mesh.values())) // cfg.optim.gradient_accumulation_steps
-    try:
-        layout = pipeline_layout(cfg, mesh, rows)
-    except ConfigError:
-        return 1
-    return layout.microbatches if layout else 1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,10 +39,8 @@ from tessera.config import Config, ConfigError
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.hardware import GPUS_PER_NODE
 from tessera.tools.cli import config_epilog
-from tessera.tools.estimate import (
-    Hardware, ParamCounts, count_params, estimate_memory, load_model_config, mesh_sizes, parse_hardware,
-    sequence_note,
-)
+from tessera.tools.estimate import Hardware, load_model_config, mesh_sizes, parse_hardware, sequence_note
+from tessera.tools.memory_model import ParamCounts, count_params, estimate_memory
 from tessera.tools.plan_model import Axis, estimate_mfu, executed_ratio, recomputed_share, score_axes
 
 REMAT_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "none")

@@ -22,7 +22,8 @@ from pathlib import Path
 
 from tessera.config import Config, ConfigError
 from tessera.hardware import GIB
-from tessera.tools.estimate import CONFIGS, Hardware, count_params
+from tessera.tools.estimate import CONFIGS, Hardware
+from tessera.tools.memory_model import count_params
 from tessera.tools.plan import REMAT_POLICIES, Candidate, mesh_candidates, run_args, token_options
 from tessera.tools.plan_report import binding_text, describe, table
 

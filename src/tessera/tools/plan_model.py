@@ -49,7 +49,8 @@ from typing import TYPE_CHECKING
 
 from tessera.config import Config
 from tessera.hardware import DCN_BYTES_PER_S, tpu_slice
-from tessera.tools.estimate import DTYPE_BYTES, Hardware, count_params, rooflines, token_mlp_width
+from tessera.tools.estimate import Hardware, rooflines
+from tessera.tools.memory_model import DTYPE_BYTES, count_params, token_mlp_width
 
 if TYPE_CHECKING:
     from tessera.tools.plan import Mesh

@@ -8,7 +8,8 @@ import math
 
 from tessera.config import Config
 from tessera.hardware import GIB, GPUS_PER_NODE
-from tessera.tools.estimate import Hardware, count_params, estimate_memory
+from tessera.tools.estimate import Hardware
+from tessera.tools.memory_model import count_params, estimate_memory
 from tessera.tools.plan import Candidate, fused_attention, mesh_config
 from tessera.tools.plan_model import executed_ratio
 
