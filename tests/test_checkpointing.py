@@ -507,6 +507,45 @@ def test_a_slow_checksum_list_says_what_it_cost(tmp_path, monkeypatch, caplog):
     assert list(json.loads((tmp_path / checksums.MANIFEST).read_text())["files"]) == ["params/a"]
 
 
+def test_each_process_lists_the_files_it_wrote_and_process_0_merges_those_lists(tmp_path, caplog):
+    """Process 1's own list of its array files goes into the step's list as it is: process 0 does
+    not read those files back (a listed CRC that differs from the file's proves it), hashes the
+    rest itself, reads a listed file again when its size changed since, says so of a list it
+    cannot read, and removes the lists."""
+    from tessera.checkpointing import checksums
+
+    item = tmp_path / "state.orbax-checkpoint-tmp"  # the item folder while the save is in progress
+    (item / "ocdbt.process_1" / "d").mkdir(parents=True)
+    (item / "ocdbt.process_1" / "d" / "a").write_bytes(b"a" * 1000)
+    (item / "ocdbt.process_1" / "manifest.ocdbt").write_bytes(b"m" * 10)
+    (item / "_METADATA").write_text("{}")  # process 0's: not in process 1's list
+    checksums.record_share(item, "state", 1)
+    checksums.record_share(item, "state", 0)  # wrote no array files here: an empty list
+    share = tmp_path / checksums.SHARE.format(1)
+    own = json.loads(share.read_text())["files"]
+    assert own == {f"state/ocdbt.process_1/{n}": {"size": (item / "ocdbt.process_1" / n).stat().st_size,
+                                                  "crc32c": checksums.crc32c(item / "ocdbt.process_1" / n)}
+                   for n in ("d/a", "manifest.ocdbt")}
+    item.rename(tmp_path / "state")  # Orbax's commit of the item
+    own["state/ocdbt.process_1/d/a"]["crc32c"] ^= 1
+    own["state/ocdbt.process_1/manifest.ocdbt"]["size"] = 11  # changed since: read again
+    share.write_text(json.dumps({"format": 1, "algorithm": "crc32c", "files": own}))
+    (tmp_path / checksums.SHARE.format(2)).write_text('{"format": 1, "files": {')  # cut short
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        checksums.record(tmp_path, items_only=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / checksums.SHARE.format(2)} cannot be read (JSONDecodeError); its files' checksums are "
+        "recorded from the files"]
+    listed = json.loads((tmp_path / checksums.MANIFEST).read_text())["files"]
+    state = tmp_path / "state"
+    assert listed == {
+        "state/_METADATA": {"size": 2, "crc32c": checksums.crc32c(state / "_METADATA")},
+        "state/ocdbt.process_1/d/a": {"size": 1000, "crc32c": checksums.crc32c(state / "ocdbt.process_1" / "d" / "a") ^ 1},
+        "state/ocdbt.process_1/manifest.ocdbt": {"size": 10,
+                                                 "crc32c": checksums.crc32c(state / "ocdbt.process_1" / "manifest.ocdbt")}}
+    assert not list(tmp_path.glob(".tessera_checksums*"))
+
+
 def test_a_step_set_aside_twice_in_one_second_keeps_both(tmp_path):
     """A save that failed is set aside at once, and what Orbax left of it when the manager closed
     is set aside again, often within the same second: the second move gets its own name (CI saw

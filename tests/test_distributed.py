@@ -73,9 +73,12 @@ def test_two_processes_match_one_process_and_resume(tmp_path):
     results = _finish([_start(rank, port, tmp_path / "mp", "steps=5") for rank in (0, 1)])
     for code, err in results:
         assert code == 0 and "resuming from step 3" in err, err[-3000:]
-    # each process verifies half of the files; a change only process 1 reads stops both, with the same line
+    # each process listed the array files it wrote, and process 0 merged the lists into the step's
     step = tmp_path / "mp" / "mp" / "checkpoints" / "5"
     names = sorted(json.loads((step / "tessera_checksums.json").read_text())["files"])
+    assert all(any(n.startswith(f"state/ocdbt.process_{i}/d/") for n in names) for i in (0, 1))
+    assert not list(step.glob(".tessera_checksums.process_*"))
+    # each process verifies half of the files; a change only process 1 reads stops both, with the same line
     victim = max((n for n in names[1::2]), key=lambda n: (step / n).stat().st_size)
     data = bytearray((step / victim).read_bytes())
     data[len(data) // 2] ^= 0xFF

@@ -17,11 +17,15 @@ read of that checkpoint first compares the files with it.
 - A checkpoint without the list (saved before Tessera wrote one, with checkpoint_checksums=false,
   or to a bucket) is read unverified, with one log line saying so.
 
-In a multi-process job each process checks its share of the files, and the first problem any
-of them finds is reported by all; the list itself is written by process 0 alone, which reads the
-whole checkpoint once per save. CRC32C runs at several GB/s with the CPU's instruction
-(google-crc32c), so that read goes at about the speed the disk delivers it (mostly from the page
-cache, right after the write); recording that takes longer than a few seconds is logged.
+In a multi-process job each process lists the files it wrote itself (Orbax's OCDBT format puts
+them under `ocdbt.process_<i>/`), once they are complete and before the save's processes meet
+(`record_share`, a partial list in the step folder); process 0 merges those lists and adds the
+rest (the metadata, the data-loader and config items), so no process reads back more than its
+own share of the checkpoint. Each process checks its share of the files when a checkpoint is
+read, and the first problem any of them finds is reported by all. CRC32C runs at several GB/s
+with the CPU's instruction (google-crc32c), so a share is read at about the speed the disk
+delivers it (mostly from the page cache, right after the write); recording that takes longer
+than a few seconds is logged.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ import google_crc32c
 log = logging.getLogger(__name__)
 
 MANIFEST = "tessera_checksums.json"
+SHARE = ".tessera_checksums.process_{}.json"  # one process's part of a step's list, until process 0 merges it
+PROCESS_FILES = "ocdbt.process_{}"  # where Orbax's OCDBT format puts the array files process i writes
 _FORMAT = 1
 _CHUNK = 8 << 20
 SLOW_SECONDS = 5.0  # recording that takes longer is logged at INFO
@@ -63,29 +69,72 @@ def _files(folder: Path, items_only: bool) -> list[str]:
         rel = Path(root).relative_to(folder)
         if items_only and rel == Path("."):
             continue
-        out += [str(rel / n) if rel != Path(".") else n for n in names if n != MANIFEST]
+        out += [str(rel / n) if rel != Path(".") else n for n in names
+                if n != MANIFEST and not n.startswith(".tessera_checksums")]
     return sorted(out)
 
 
+def _write_list(path: Path, files: dict[str, dict]) -> None:
+    """`files` (name -> size and CRC32C) as a checksum list at `path`, atomically (a temporary file renamed)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    lines = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in files.items())
+    tmp.write_text(f'{{"format": {_FORMAT}, "algorithm": "crc32c", "files": {{\n{lines}\n}}}}\n')
+    os.replace(tmp, path)
+
+
+def _log_cost(what: str, files: dict[str, dict], folder, took: float, more: str = "") -> None:
+    """Log what a list cost at INFO when slow (a slow disk or a very large checkpoint; it runs on
+    Orbax's background thread), else at DEBUG."""
+    size = sum(f["size"] for f in files.values())
+    log.log(logging.INFO if took > SLOW_SECONDS else logging.DEBUG, "%s %d files (%.1f GiB) under %s in %.1f s%s "
+            "(checkpoint_checksums=false skips them)", what, len(files), size / 2**30, folder, took, more)
+
+
+def record_share(item, name: str, process: int) -> None:
+    """This process's part of a step's list: the size and CRC32C of the files it wrote into the
+    checkpoint item folder `item` (`ocdbt.process_<process>/`; Orbax renames the folder to the
+    item's `name` when it commits), written to the step folder as a partial list that `record`
+    merges. Called once the process's writes are complete."""
+    if not is_local(item):
+        return
+    item, start = Path(item), time.perf_counter()
+    own = item / PROCESS_FILES.format(process)
+    files = {}
+    for rel in _files(own, items_only=False) if own.is_dir() else []:
+        path = own / rel
+        files[f"{name}/{own.name}/{rel}"] = {"size": path.stat().st_size, "crc32c": crc32c(path)}
+    _write_list(item.parent / SHARE.format(process), files)
+    _log_cost(f"process {process} recorded checksums of the", files, own, time.perf_counter() - start)
+
+
 def record(folder, items_only: bool) -> None:
-    """Write the size and CRC32C of the files under `folder` into `folder/MANIFEST` (atomically:
-    a temporary file renamed). `items_only`: a step folder, whose top-level files Orbax may still
-    rewrite. Nothing is written for a bucket URL."""
+    """Write the size and CRC32C of the files under `folder` into `folder/MANIFEST`. `items_only`:
+    a step folder, whose top-level files Orbax may still rewrite; the partial lists the processes
+    wrote there (`record_share`) are taken for the files they cover whose size is unchanged, and
+    removed. Nothing is written for a bucket URL."""
     if not is_local(folder):
         return
     folder = Path(folder)
-    start, files = time.perf_counter(), {}
+    start, files, shared = time.perf_counter(), {}, {}
+    shares = sorted(folder.glob(SHARE.format("*"))) if items_only else []
+    for share in shares:
+        try:
+            shared.update({k: {"size": int(v["size"]), "crc32c": int(v["crc32c"])}
+                           for k, v in json.loads(share.read_text())["files"].items()})
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # its files are read here instead
+            log.warning("%s cannot be read (%s); its files' checksums are recorded from the files", share,
+                        type(e).__name__)
     for name in _files(folder, items_only):
         path = folder / name
-        files[name] = {"size": path.stat().st_size, "crc32c": crc32c(path)}
-    tmp = folder / f".{MANIFEST}.tmp"
-    lines = ",\n".join(f"  {json.dumps(name)}: {json.dumps(entry)}" for name, entry in files.items())
-    tmp.write_text(f'{{"format": {_FORMAT}, "algorithm": "crc32c", "files": {{\n{lines}\n}}}}\n')
-    os.replace(tmp, folder / MANIFEST)
-    took, size = time.perf_counter() - start, sum(f["size"] for f in files.values())
-    # a slow disk or a very large checkpoint: say what the list costs (it runs on Orbax's background thread)
-    log.log(logging.INFO if took > SLOW_SECONDS else logging.DEBUG, "recorded checksums of %d files (%.1f GiB) under "
-            "%s in %.1f s (checkpoint_checksums=false skips them)", len(files), size / 2**30, folder, took)
+        size = path.stat().st_size
+        entry = shared.get(name)
+        files[name] = entry if entry is not None and entry["size"] == size else {"size": size, "crc32c": crc32c(path)}
+    _write_list(folder / MANIFEST, files)
+    for share in shares:
+        share.unlink()
+    listed = sum(1 for name, entry in files.items() if shared.get(name) is entry)
+    _log_cost("recorded checksums of", files, folder, time.perf_counter() - start,
+              f", {listed} of them listed by the processes that wrote them" if shares else "")
 
 
 def check(target) -> str | None:

@@ -65,8 +65,7 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums)
             if self._checksums and cfg.async_checkpointing else None,
         )
-        handlers = {"state": ocp.StandardCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
-                    "config": ocp.JsonCheckpointHandler()}
+        handlers = {"state": _state_handler(self._checksums), "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
@@ -115,7 +114,8 @@ class Checkpointer:
 
     def _record_checksums(self) -> None:
         """Record the checksums of the step being saved (process 0; on Orbax's thread when async),
-        in its folder: the temporary one while Orbax finalizes, the step's own after a sync save."""
+        in its folder: the temporary one while Orbax finalizes, the step's own after a sync save.
+        The processes' own lists of the array files they wrote (`_state_handler`) are merged in."""
         if not self._checksums or jax.process_index() != 0 or self._saving is None:
             return
         pending = [p for p in self.directory.iterdir() if p.name.startswith(f"{self._saving}{INCOMPLETE_MARKER}")]
@@ -218,6 +218,28 @@ class Checkpointer:
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
+
+
+def _state_handler(list_own_files: bool) -> ocp.StandardCheckpointHandler:
+    """Orbax's handler for the train state. With `list_own_files`, each process also lists the
+    checksums of the array files it wrote (checksums.record_share) once its writes are complete,
+    on its own thread and before the processes meet to commit, so process 0 reads back only its
+    own share. Orbax has no hook there but the handler's futures, so this instance's `async_save`
+    (which its synchronous `save` awaits too) chains one; the handler's type, and so what the
+    checkpoint's metadata records, stays Orbax's own."""
+    handler = ocp.StandardCheckpointHandler()
+    if not list_own_files:
+        return handler
+    save = handler.async_save
+
+    async def async_save(directory, *args, **kwargs):
+        futures = await save(directory, *args, **kwargs)
+        path = directory if isinstance(directory, epath.Path) else directory.path  # or one awaiting creation
+        process = jax.process_index()
+        return [ocp.future.ChainedFuture(list(futures or []), lambda: checksums.record_share(path, "state", process))]
+
+    handler.async_save = async_save
+    return handler
 
 
 def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
