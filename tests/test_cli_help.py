@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -179,9 +180,27 @@ def test_sigterm_raises_only_inside_its_block_and_restores_the_previous_handler(
     assert signal.getsignal(signal.SIGTERM) is before
 
 
+# Where the signal arrives: in the computation, or first inside a garbage-collection callback (as JAX
+# registers one), where Python swallows the handler's exception, and the signal sent again then
+# finds the main thread in the computation (CI once saw that process ignore Ctrl-C for good).
+GC_CALLBACK_FIRST = (
+    "import gc, time\n"
+    "import tessera.tools.cli\n"
+    "tessera.tools.cli.RESEND_SECONDS = 1.0  # sent again once the main thread is surely in the computation\n"
+    "armed = [True]\n"
+    "def callback(phase, info):\n"
+    "    if phase == 'start' and armed[0]:\n"
+    "        armed[0] = False\n"
+    "        pathlib.Path(READY).touch()\n"
+    "        time.sleep(5)  # the signal's handler runs here; its exception is reported as ignored\n"
+    "gc.callbacks.append(callback)\n"
+    "gc.collect()\n")
+
+
+@pytest.mark.parametrize("where", ["computation", "gc callback, then computation"])
 @pytest.mark.parametrize("signum, code, what", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
                                                (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
-def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(tmp_path, signum, code, what):
+def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(tmp_path, signum, code, what, where):
     """Python runs signal handlers between bytecodes only: while the main thread waits on a device
     (here a computation that never ends; in the field, XLA compiling or an allocation that hung
     under `ulimit -v`), the handler cannot run, and the process used to ignore SIGTERM and Ctrl-C
@@ -191,12 +210,13 @@ def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(
         "import pathlib, sys\n"
         "import jax\n"
         "from tessera.tools.cli import sigterm_raises\n"
+        f"READY = {str(ready)!r}\n"
         "class Stop(BaseException): pass\n"
         "spin = jax.jit(lambda step: jax.lax.while_loop(lambda c: c >= 0, lambda c: c + step, 0))\n"
-        "spin.lower(0).compile()\n"
+        "spin(-1).block_until_ready()  # compiled (it ends at once): spin(0) below only dispatches\n"
         "with sigterm_raises(Stop, grace=2):\n"
         "    try:\n"
-        f"        pathlib.Path({str(ready)!r}).touch()\n"
+        + textwrap.indent(GC_CALLBACK_FIRST if where.startswith("gc") else "pathlib.Path(READY).touch()\n", " " * 8) +
         "        spin(0).block_until_ready()\n"
         "    except (Stop, KeyboardInterrupt):\n"
         "        print('the handler ran', file=sys.stderr)\n"

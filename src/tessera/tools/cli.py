@@ -118,7 +118,8 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
     raise its exception there: it reports it as "ignored" and goes on, and the signal was lost (a
     start-up signalled so trained to the end and exited 0). The block's `sys.unraisablehook` has
     such a signal sent again, from another thread RESEND_SECONDS later, and the handler raises it
-    at the next point where it can (outside the callback, or it is sent again)."""
+    at the next point where it can (outside the callback, or it is sent again); when the main thread
+    is blocked in compiled code by then, the thread above ends the process `grace` seconds later."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -137,7 +138,7 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
         previous[signal.SIGINT] = signal.signal(signal.SIGINT, interrupt)
     handlers = {signal.SIGTERM: terminate, signal.SIGINT: interrupt}
     previous_hook = sys.unraisablehook
-    sys.unraisablehook = _sending_again(handlers, {signal.SIGTERM: exc_type, signal.SIGINT: KeyboardInterrupt},
+    sys.unraisablehook = _sending_again(handlers, {signal.SIGTERM: exc_type, signal.SIGINT: KeyboardInterrupt}, ran,
                                         previous_hook)
     watcher = _BlockedSignalWatcher(handlers, ran, grace)
     try:
@@ -149,14 +150,17 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
             signal.signal(signum, handler)
 
 
-def _sending_again(handlers: dict, kinds: dict, previous_hook):
+def _sending_again(handlers: dict, kinds: dict, ran: dict, previous_hook):
     """sigterm_raises' `sys.unraisablehook`: an exception of kinds[signum] that Python swallowed while
     handlers[signum] is installed has the signal sent again RESEND_SECONDS later, from another
     thread (sent from the hook, the handler would run inside it at once, and be swallowed again);
-    anything else goes to `previous_hook`."""
+    anything else goes to `previous_hook`. The handler's run is forgotten (`ran`), so the watcher
+    waits for the next one: if the main thread is blocked in compiled code by then, it cannot come,
+    and the watcher ends the process `grace` seconds later."""
     def hook(unraisable) -> None:
         for signum, handler in handlers.items():
             if isinstance(unraisable.exc_value, kinds[signum]) and signal.getsignal(signum) is handler:
+                ran[signum].clear()
                 resend = threading.Timer(RESEND_SECONDS, os.kill, args=(os.getpid(), signum))
                 resend.daemon = True
                 resend.start()
