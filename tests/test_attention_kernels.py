@@ -45,6 +45,7 @@ def _blocks():
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_splash_matches_the_reference_in_outputs_and_gradients(case):
     n, k, window, cap, scale, packed = CASES[case]
     q, kk, v, seg = _inputs(n, k, packed)
@@ -70,6 +71,7 @@ def test_splash_under_a_mesh_splits_batch_and_heads():
 
 
 @pytest.mark.parametrize("family", ["llama2", "deepseek"])
+@pytest.mark.slow
 def test_a_model_with_splash_attention_equals_the_reference(family):
     """Loss and gradients of a whole model with the kernel. DeepSeek's dense layer and its expert
     layers are two scans: a kernel kept from the first one's trace leaked a tracer into the second."""

@@ -42,6 +42,7 @@ def _tree_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.slow
 def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path):
     # The interrupted run stops after 2 of 4 steps (same schedule), like a preempted job.
     common = dict(checkpoint_period=100, enable_dropout=True, dropout_rate=0.1, learning_rate_schedule_steps=4)
@@ -59,6 +60,7 @@ def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path):
 
 
 @pytest.mark.parametrize("mesh", ["2 data x 4 tensor", "1 device"])
+@pytest.mark.slow
 def test_restore_onto_a_different_mesh(tmp_path, mesh):
     saved = tiny_config(tmp_path / "src", steps=2, ici_fsdp_parallelism=8)
     run(saved)
@@ -145,6 +147,7 @@ def _train(tmp_path, *args, timeout=300, env=None):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+@pytest.mark.slow
 def test_a_save_longer_than_the_step_timeout_is_not_a_hang(tmp_path):
     """A synchronous save blocks the loop for longer than a step: here about 5 s for a 1.6 GB
     state (134M parameters with Adam's moments, one device) under a 2 s step_timeout_seconds,
@@ -159,6 +162,7 @@ def test_a_save_longer_than_the_step_timeout_is_not_a_hang(tmp_path):
     assert [p.name for p in (tmp_path / "sub" / "checkpoints").iterdir()] == ["1"]
 
 
+@pytest.mark.slow
 def test_a_last_checkpoint_write_that_stalls_is_ended_by_the_watchdog_and_keeps_the_one_before(tmp_path):
     """The last save's background write is waited for inside the hang watchdog, with the save's
     allowance. Here the finalize of step 2 stalls in Orbax's background thread (as on a hung NFS
@@ -213,6 +217,7 @@ def test_orbax_logs_what_the_checkpointer_reports_itself_only_once(caplog):
                                                          "Waiting for previous save to complete took 1 s"]
 
 
+@pytest.mark.slow
 def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path):
     assert _train(tmp_path, "steps=2").returncode == 0
     ckpt = tmp_path / "sub" / "checkpoints"
@@ -246,6 +251,7 @@ def _wait_for(predicate, timeout, interval=0.005):
     return False
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_with_documented_code(tmp_path):
     cmd = [*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}", "per_device_batch_size=1",
            "max_target_length=16", "steps=100000", "checkpoint_period=100000"]
@@ -262,6 +268,7 @@ def test_sigterm_saves_and_exits_with_documented_code(tmp_path):
     assert again.returncode == 0 and f"resuming from step {last}" in again.stderr
 
 
+@pytest.mark.slow
 def test_sigkill_during_async_save_never_loads_the_partial_checkpoint(tmp_path):
     # A state of ~170 MB makes each save take long enough to be caught in the middle.
     big = ["base_emb_dim=512", "base_mlp_dim=2048", "vocab_size=8192", "base_num_decoder_layers=2",
@@ -407,6 +414,7 @@ def _largest_file(folder: Path) -> Path:
 
 
 @pytest.mark.parametrize("async_save", [True, False])
+@pytest.mark.slow
 def test_every_save_records_the_checksums_of_its_items_and_logs_its_time(tmp_path, async_save, caplog):
     from tessera.checkpointing.checksums import MANIFEST, crc32c, problem
 
@@ -436,6 +444,7 @@ def test_every_save_records_the_checksums_of_its_items_and_logs_its_time(tmp_pat
         assert problem(folder) is None
 
 
+@pytest.mark.slow
 def test_a_file_changed_after_the_save_is_reported_and_never_trained_on(tmp_path):
     assert _train(tmp_path, "steps=2", "checkpoint_period=1").returncode == 0
     ckpt = tmp_path / "sub" / "checkpoints"

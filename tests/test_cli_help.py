@@ -200,6 +200,7 @@ GC_CALLBACK_FIRST = (
 @pytest.mark.parametrize("where", ["computation", "gc callback, then computation"])
 @pytest.mark.parametrize("signum, code, what", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
                                                (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
+@pytest.mark.slow
 def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(tmp_path, signum, code, what, where):
     """Python runs signal handlers between bytecodes only: while the main thread waits on a device
     (here a computation that never ends; in the field, XLA compiling or an allocation that hung

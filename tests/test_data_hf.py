@@ -285,6 +285,7 @@ def assert_one_message(proc, message):
     assert message in proc.stderr.splitlines()[-1], proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_damaged_parquet_found_mid_run_names_the_file_and_row_group(tmp_path, sp_model):
     write_corpus(tmp_path, make_docs(80), "parquet")  # part0 (40 documents, good) is read first
     pq.write_table(pa.table({"text": make_docs(40, seed=1)}), tmp_path / "part1.parquet", row_group_size=10)

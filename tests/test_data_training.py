@@ -84,6 +84,7 @@ def _hf_run(out, setup, steps, **overrides):
     return run(cfg)
 
 
+@pytest.mark.slow
 def test_hf_training_with_eval_resumes_like_an_uninterrupted_run(tmp_path, hf_run_setup):
     mesh = dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)
     straight = _hf_run(tmp_path / "straight", hf_run_setup, 4, **mesh)
@@ -102,6 +103,7 @@ def test_hf_training_with_eval_resumes_like_an_uninterrupted_run(tmp_path, hf_ru
     assert straight["final_eval_loss"] == evals[1]["eval_loss"]
 
 
+@pytest.mark.slow
 def test_an_evaluation_longer_than_the_step_timeout_is_not_a_hang(tmp_path):
     """step_timeout_seconds bounds the wait for one piece of progress, not the length of an
     evaluation: each eval batch tells the hang watchdog, so 400 quick batches (about 7 s here) run

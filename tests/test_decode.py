@@ -82,6 +82,7 @@ def full_recomputation(model, params, prompts, new_tokens):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_cached_decoding_equals_full_recomputation(family):
     model, params = _model(**FAMILIES[family])
     tokens, logits = generate(model, params, PROMPTS, NEW_TOKENS, return_logits=True)
@@ -336,6 +337,7 @@ def test_a_rows_draw_does_not_depend_on_the_rows_after_it():
 
 
 @pytest.mark.parametrize("family", ["llama2", "int8 cache per kv head", "deepseek", "mistral window 3"])
+@pytest.mark.slow
 def test_decoding_on_a_mesh_splits_the_cache_and_generates_what_one_device_does(llama, family):
     """On fsdp 4 x tensor 2 the cache is created split (rows over fsdp, kv heads over tensor; MLA's
     one latent head stays whole), each device holds kv_cache_bytes(..., mesh) of it, and 3 prompts

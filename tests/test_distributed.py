@@ -58,6 +58,7 @@ def test_job_layout_from_environment():
         job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "two"})
 
 
+@pytest.mark.slow
 def test_two_processes_match_one_process_and_resume(tmp_path):
     reference = run(tiny_config(tmp_path / "one", steps=3, per_device_batch_size=1))
     ref = [json.loads(line)["loss"] for line in (tmp_path / "one" / "test" / "metrics.jsonl").read_text().splitlines()]
@@ -116,12 +117,14 @@ def _kill_process_1_after_two_steps(tmp_path, step_timeout: int, extra_env=None)
     return code, err, time.time() - start
 
 
+@pytest.mark.slow
 def test_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
     code, err, seconds = _kill_process_1_after_two_steps(tmp_path, step_timeout=10)
     assert code == 5, err[-3000:]
     assert "hang watchdog" in err and seconds < 60
 
 
+@pytest.mark.slow
 def test_a_collective_that_raises_after_a_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
     # A collective whose peer is killed blocks on most runs (the test above) and raises on others
     # (gloo: "Connection reset by peer"). XLA:CPU's collective timeout makes it raise on every run.
@@ -174,6 +177,7 @@ def test_watchdog_allows_a_blocking_save_its_own_time_and_names_it_when_that_run
     assert re.search(r"no training step finished in 0\.[2-9] s|no training step finished in [1-4]\.\d s", after), after
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_process_stops_the_whole_job_at_the_same_step(tmp_path):
     port = _free_port()
     procs = [_start(rank, port, tmp_path, "steps=100000", "checkpoint_period=100000", "step_timeout_seconds=60")

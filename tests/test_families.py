@@ -57,6 +57,7 @@ def _unstack(params, num_blocks=None):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.slow
 def test_scan_equals_loop_and_counts_match_the_estimator(family):
     keys = FAMILIES[family]
     scanned = build_model(tiny_config(**keys).model)
@@ -155,6 +156,7 @@ def _moe_losses(tmp_path, name, num_devices, family=MOE, **overrides):
 
 
 @pytest.mark.parametrize("routing", [dict(capacity_factor=1.0), dict(sparse_matmul=True)])
+@pytest.mark.slow
 def test_expert_parallel_gives_the_same_losses_as_one_device(routing, tmp_path):
     one = _moe_losses(tmp_path, "one", 1, **routing)
     ep = _moe_losses(tmp_path, "ep", 8, ici_expert_parallelism=4, ici_fsdp_parallelism=2, **routing)
@@ -166,6 +168,7 @@ def test_expert_parallel_gives_the_same_losses_as_one_device(routing, tmp_path):
         assert "dropped" in format_record(one[0])
 
 
+@pytest.mark.slow
 def test_qwen3_moe_expert_parallel_gives_the_same_losses_as_one_device(tmp_path):
     """Fine-grained experts (8, 3 per token, unnormalized weights) dropless over expert=4 x fsdp=2;
     the router statistics reach the metrics as Mixtral's do."""
@@ -178,6 +181,7 @@ def test_qwen3_moe_expert_parallel_gives_the_same_losses_as_one_device(tmp_path)
     assert all(r["moe_load_balance_loss"] > 0 for r in ep) and "router loss" in format_record(one[0])
 
 
+@pytest.mark.slow
 def test_deepseek_expert_parallel_gives_the_same_losses_as_one_device(tmp_path):
     """MLA, a dense layer, grouped sigmoid routing with the balancing bias and a shared expert, dropless
     over expert=4 x fsdp=2: the same losses, router statistics and (moved) biases as one device."""
@@ -194,6 +198,7 @@ def test_deepseek_expert_parallel_gives_the_same_losses_as_one_device(tmp_path):
                                rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_routed_bias_moves_towards_balance_after_each_step():
     """After a step every expert layer's bias moved by exactly routed_bias_update_rate towards balance
     (down for an expert that took more than its share of the token copies, up for one that took less),
@@ -220,6 +225,7 @@ def test_routed_bias_moves_towards_balance_after_each_step():
 
 @pytest.mark.parametrize("mesh", [dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),
                                   dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)])
+@pytest.mark.slow
 def test_dropless_per_shard_gives_the_same_losses_as_one_device(mesh, tmp_path):
     """Without an expert axis each device sorts only its own tokens (shard_map); with the MLP
     width split over tensor the partial outputs are summed. Same losses as one device."""
@@ -242,6 +248,7 @@ def test_family_config_errors(keys, message):
 
 
 @pytest.mark.parametrize("dropless", [False, True])
+@pytest.mark.slow
 def test_moe_blocks_name_their_mlp_tensors_for_custom_remat(dropless):
     """remat_policy=custom's mlpwi* keys reach the experts (the names are in the program) and
     keeping or recomputing them gives the gradients of remat_policy=none."""
@@ -285,6 +292,7 @@ def test_dropless_expert_parallel_moves_tokens_with_all_to_all():
     assert "all-to-all" in text
 
 
+@pytest.mark.slow
 def test_ragged_buffer_factor_bounds_the_receive_buffer_and_reports_drops(tmp_path):
     """ragged_buffer_factor=0.5 gives each expert shard room for half the copies it receives on
     average: some are dropped, and the step says how many; factor 4 on a 4-way expert axis is the

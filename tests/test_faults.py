@@ -26,6 +26,7 @@ def _steps(ckpt: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
 
 
+@pytest.mark.slow
 def test_truncated_array_file_is_one_message_every_time(tmp_path):
     assert _train(tmp_path, "steps=2").returncode == 0
     step = tmp_path / "sub" / "checkpoints" / "2"
@@ -47,6 +48,7 @@ def test_truncated_array_file_is_one_message_every_time(tmp_path):
         assert "to start this run from step 0" in proc.stderr and "TensorStore details" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_deleted_metadata_is_a_damaged_checkpoint_not_a_config_mismatch(tmp_path):
     assert _train(tmp_path, "steps=2", "checkpoint_period=1").returncode == 0
     ckpt = tmp_path / "sub" / "checkpoints"
@@ -207,6 +209,7 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.parametrize("async_save", ["true", "false"])
+@pytest.mark.slow
 def test_disk_full_stops_at_once_and_keeps_the_last_checkpoint(small_disk, async_save):
     args = ["per_device_batch_size=1", "max_target_length=16", "base_num_decoder_layers=2", "checkpoint_period=1",
             f"async_checkpointing={async_save}"]
@@ -264,6 +267,7 @@ def _start_and_wait_for_steps(out: Path, *args, steps=3):
     return proc
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_the_step_and_exits_130(tmp_path):
     proc = _start_and_wait_for_steps(tmp_path, "checkpoint_period=100000")
     proc.send_signal(signal.SIGINT)
@@ -287,6 +291,7 @@ def test_sigterm_before_the_first_step_is_one_line_and_exit_143(tmp_path):
     assert not (tmp_path / "sub" / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_second_ctrl_c_stops_now_and_never_loads_a_half_written_save(tmp_path):
     proc = _start_and_wait_for_steps(tmp_path, "checkpoint_period=1", *BIG)
     proc.send_signal(signal.SIGINT)
@@ -323,6 +328,7 @@ def _convert(*args):
                           env={**os.environ, "PYTHONPATH": str(Path(TRAIN[1]).parent / "src"), "JAX_PLATFORMS": "cpu"})
 
 
+@pytest.mark.slow
 def test_convert_round_trip_is_quiet_and_its_faults_are_one_line(tmp_path):
     assert _train(tmp_path, "steps=1").returncode == 0
     step = tmp_path / "sub" / "checkpoints" / "1"

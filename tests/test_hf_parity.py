@@ -116,6 +116,7 @@ def reference_logits(prebuilt):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
     family, extra = CASES[case]
     hf_dir = hf_model(family)
@@ -135,6 +136,7 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
                                           ("mixtral", ()), ("gpt2", ("fused_qkv=false",)), ("qwen3", ()),
                                           ("qwen3_moe", ()), ("gemma3", ()), ("gemma3", ("scan_layers=false",)),
                                           ("deepseek", ()), ("deepseek", ("scan_layers=false",))])
+@pytest.mark.slow
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)
     cfg = _config(hf_dir, *extra)
@@ -174,6 +176,7 @@ def _cli(*args, timeout=300):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_convert_cli_then_train_and_check_logits(hf_model, tmp_path):
     hf_dir = hf_model("mistral")
     keys = as_overrides(config_from_hf(json.loads((hf_dir / "config.json").read_text())))

@@ -57,6 +57,7 @@ def test_a_state_larger_than_the_host_allows_stops_before_anything_is_allocated(
     assert not tmp_path.joinpath("big").exists()  # no run folder, no checkpoint folder
 
 
+@pytest.mark.slow
 def test_a_step_larger_than_the_host_allows_stops_before_it_runs(tmp_path):
     # a tiny model, but 32 sequences of 2048 tokens per device: the state fits, the activations do not
     line = _memory_error(_train_limited(tmp_path, "per_device_batch_size=32", "max_target_length=2048", "steps=1"))

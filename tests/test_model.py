@@ -50,6 +50,7 @@ _CUSTOM = dict(decoder_layer_input="offload", query_proj="device", value_proj="o
 
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 @pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.slow
 def test_remat_policy_gives_same_gradients(policy, scan):
     cfg = tiny_config(scan_layers=scan)
     batch = _batch(cfg)
@@ -338,6 +339,7 @@ def test_cpu_weight_gradient_transposes_the_small_result_not_the_large_activatio
 
 
 @pytest.mark.parametrize("policy", ["none", "full", "save_dot_except_mlp", "custom"])
+@pytest.mark.slow
 def test_bfloat16_training_gradients_follow_float32(policy):
     """The tiny model's bfloat16 gradient stays close to float32's under each kind of remat policy."""
     custom = _CUSTOM if policy == "custom" else {}

@@ -66,6 +66,7 @@ def _assert_same(records, reference, keys=("loss", "grad_norm"), rtol=1e-5):
     dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2, scan_layers=False, remat_policy="full",
          pipeline_fsdp_ag_once=True),
 ])
+@pytest.mark.slow
 def test_pipelined_training_gives_the_losses_of_no_pipelining(mesh, tmp_path):
     """3 steps from the same weights and batches: float32 losses and gradient norms equal the
     unpipelined run's to 1e-5 (only the order of float32 sums differs)."""
@@ -74,6 +75,7 @@ def test_pipelined_training_gives_the_losses_of_no_pipelining(mesh, tmp_path):
     _assert_same(_records(tmp_path, "pipelined", **mesh), reference)
 
 
+@pytest.mark.slow
 def test_gemma2_pairs_pipeline_whole(tmp_path):
     """Gemma 2's block is a local/global pair: stages hold whole pairs (2 pairs each here)."""
     model = dict(decoder_block="gemma2", sliding_window_size=4, attn_logits_soft_cap=50.0,
@@ -84,6 +86,7 @@ def test_gemma2_pairs_pipeline_whole(tmp_path):
         setup(tiny_config(**LAYERS, **model, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=1))
 
 
+@pytest.mark.slow
 def test_mixture_of_experts_pipelines_with_expert_parallelism(tmp_path):
     """Mixtral blocks, dropless, expert 2 x fsdp 2 inside each of 2 stages: the unpipelined
     losses, gradient norms and router statistics. The load-balancing loss (experts' token
@@ -129,6 +132,7 @@ _UNPIPELINED = {}  # the unpipelined DeepSeek step, computed once for both meshe
     dict(ici_pipeline_parallelism=2, ici_expert_parallelism=2, ici_fsdp_parallelism=2),  # GPipe, 2 layers a stage
     dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2, scan_layers=False),  # circular [R, L/R], unrolled
 ])
+@pytest.mark.slow
 def test_routing_biases_move_as_without_pipelining(mesh):
     """One step of DeepSeek blocks from the same weights and batch: the expert loads each stage
     gathers, put back in layer order, move every layer's routing bias exactly as the unpipelined
@@ -150,6 +154,7 @@ def test_routing_biases_move_as_without_pipelining(mesh):
     (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2), {}),  # [R, L/R] saved, [L] restored
     ({}, dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_pipeline_repeats=2)),
 ])
+@pytest.mark.slow
 def test_checkpoints_move_between_pipeline_layouts(saved, restored, tmp_path, tmp_path_factory):
     """Save at step 2 with one layout, restore the full state with another: step 3's loss is
     the one the saving run reaches when it goes on."""
@@ -170,6 +175,7 @@ def test_checkpoints_move_between_pipeline_layouts(saved, restored, tmp_path, tm
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_fsdp_weights_are_gathered_once_per_step_with_pipeline_fsdp_ag_once():
     """2 stages x fsdp 4: without the key every fsdp-split weight is gathered inside the
     pipeline's loops (each iteration, forward and backward); with it, before them, and the
@@ -200,6 +206,7 @@ def _weights_kept_per_iteration(trainer, compiled) -> set[str]:
     return {m for m in re.findall(r"\[([\d,]+)\]", compiled.as_text()) if m in shapes}
 
 
+@pytest.mark.slow
 def test_a_pipeline_with_remat_keeps_no_copy_of_the_weights_per_iteration():
     """With a remat policy, a block takes its weights from the stage's (by the iteration's repeat)
     inside its remat region, so the pipeline's loop keeps no copy of them per iteration; before,

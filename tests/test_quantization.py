@@ -118,6 +118,7 @@ def _last_losses(tmp_path, mode: str):
 
 
 @pytest.mark.parametrize("mode", ["int8", "fp8"])
+@pytest.mark.slow
 def test_quantized_training_follows_float32(mode, tmp_path):
     """150 steps from the same weights and batches: the mean loss of the last 20 steps is within
     0.03 of float32's (measured: float32 1.576, int8 1.574, fp8 1.570), far below the start
@@ -168,6 +169,7 @@ def _random_model(**overrides):
     ("int8", "heads_and_dkv", 0.05, 0.9), ("int8", "dkv", 0.05, 0.9),
     ("int4", "heads_and_dkv", 0.4, 0.5), ("int4", "dkv", 0.4, 0.5),
 ])
+@pytest.mark.slow
 def test_quantized_kv_cache_decodes_like_the_float_cache(dtype, axis, max_diff, min_agreement):
     """Greedy decoding of 6 tokens for 8 prompts with the cache stored quantized: the logits of
     every token decoded from the same context as the float cache's differ by at most max_diff

@@ -46,6 +46,7 @@ def reference_losses(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mesh", [m for m in MESHES if m != "1 device"])
+@pytest.mark.slow
 def test_same_losses_on_every_mesh(mesh, reference_losses, tmp_path):
     # Tolerance: the first loss sees identical weights, so only the order of float32 sums
     # differs (1e-6 relative). Later steps follow AdamW updates, which divide by |g| and so
@@ -91,6 +92,7 @@ def test_training_reduces_loss(tmp_path):
     assert losses[-5:].mean() < losses[:5].mean() - 0.5
 
 
+@pytest.mark.slow
 def test_a_step_after_a_save_or_an_evaluation_is_timed_without_it(tmp_path, monkeypatch):
     """Host work between steps logs its own time (a save's log line, an evaluation's eval_seconds);
     the next step's step_seconds must not count it. Each save and evaluation here takes 1.5 s
@@ -302,6 +304,7 @@ def _one_step_inputs(**overrides):
 
 
 @pytest.mark.parametrize("clip", [0.0, 2.0])  # no clipping; clipped (the first gradient norm is about 10)
+@pytest.mark.slow
 def test_train_step_equals_the_textbook_update(clip):
     """One train step against the update written out plainly: gradient of the summed loss
     divided by the token count, its global norm, optax's clip and AdamW on the divided

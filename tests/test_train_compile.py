@@ -144,6 +144,7 @@ def test_dropless_expert_parallelism_exchanges_tokens_with_ragged_all_to_all_on_
     assert "collectives in the program:" in train_compile.memory_table(r)
 
 
+@pytest.mark.slow
 def test_capacity_routing_over_an_expert_axis_does_not_gather_the_global_batch():
     # XLA's partitioner, left to itself, gathered every token of the global batch (and its dispatch masks) on
     # each chip for capacity routing over fsdp x expert (Mixtral 8x7B on a v6e-256: 82 GiB per chip; 180 MiB of

@@ -90,6 +90,7 @@ def test_dry_run_prints_each_node(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("gpu, code", [("cpu", 0), ("cpu-unreachable", 1)])
+@pytest.mark.slow
 def test_cpu_file_end_to_end(gpu, code, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "tessera.tools.validate", CPU, "--gpu", gpu, "--out", str(tmp_path)],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
