@@ -546,12 +546,11 @@ def test_each_process_lists_the_files_it_wrote_and_process_0_merges_those_lists(
         f"{tmp_path / checksums.SHARE.format(2)} cannot be read (JSONDecodeError); its files' checksums are "
         "recorded from the files"]
     listed = json.loads((tmp_path / checksums.MANIFEST).read_text())["files"]
-    state = tmp_path / "state"
+    state, own_files = tmp_path / "state", tmp_path / "state" / "ocdbt.process_1"
     assert listed == {
         "state/_METADATA": {"size": 2, "crc32c": checksums.crc32c(state / "_METADATA")},
-        "state/ocdbt.process_1/d/a": {"size": 1000, "crc32c": checksums.crc32c(state / "ocdbt.process_1" / "d" / "a") ^ 1},
-        "state/ocdbt.process_1/manifest.ocdbt": {"size": 10,
-                                                 "crc32c": checksums.crc32c(state / "ocdbt.process_1" / "manifest.ocdbt")}}
+        "state/ocdbt.process_1/d/a": {"size": 1000, "crc32c": checksums.crc32c(own_files / "d" / "a") ^ 1},
+        "state/ocdbt.process_1/manifest.ocdbt": {"size": 10, "crc32c": checksums.crc32c(own_files / "manifest.ocdbt")}}
     assert not list(tmp_path.glob(".tessera_checksums*"))
 
 

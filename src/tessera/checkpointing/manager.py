@@ -65,7 +65,8 @@ class Checkpointer:
             async_options=ocp.AsyncOptions(post_finalization_callback=self._record_checksums)
             if self._checksums and cfg.async_checkpointing else None,
         )
-        handlers = {"state": _state_handler(self._checksums), "data": ocp.JsonCheckpointHandler(), "config": ocp.JsonCheckpointHandler()}
+        handlers = {"state": _state_handler(self._checksums), "data": ocp.JsonCheckpointHandler(),
+                    "config": ocp.JsonCheckpointHandler()}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
