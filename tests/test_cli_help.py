@@ -208,7 +208,10 @@ def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(
     for as long. The watcher thread ends it `grace` seconds later with one line and 128 + the signal."""
     script, ready = tmp_path / "blocked.py", tmp_path / "ready"
     script.write_text(
-        "import pathlib, sys\n"
+        "import pathlib, signal, sys\n"
+        # Ctrl-C as a process started from a terminal has it: a test run started in the background
+        # (`nohup ... &`) passes SIGINT on ignored, and a process that inherits it ignored keeps it so
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import jax\n"
         "from tessera.tools.cli import sigterm_raises\n"
         f"READY = {str(ready)!r}\n"
