@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul for every token: blocks plus the output projection.
     With experts (num_experts > 1) a token passes through num_experts_per_tok of them, the shared
-    experts and the router; deepseek's first layers are dense and its attention is MLA."""
+    experts and the router; deepseek's first layers are dense and its attention is MLA. Each
+    multi-token-prediction depth adds a block, its [2D, D] projection and the output projection
+    again (and, with the iota embedding, the embedding's matmul)."""
     d, n, k, h, f = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     gated = len(cfg.mlp_activations) + 1
     attention = mla_matmul_params(cfg) if cfg.decoder_block == "deepseek" else d * n * h * 2 + d * k * h * 2
@@ -35,7 +37,8 @@ def matmul_params(cfg: ModelConfig) -> int:
         mlp = expert * (cfg.num_experts_per_tok + cfg.shared_experts) + d * cfg.num_experts
     dense = cfg.first_num_dense_layers if cfg.decoder_block == "deepseek" else 0
     logits = d * cfg.vocab_size * (2 if cfg.use_iota_embed else 1)  # iota embedding is a matmul too
-    return (cfg.num_decoder_layers - dense) * (attention + mlp) + dense * (attention + dense_mlp) + logits
+    mtp = cfg.mtp_num_layers * (attention + mlp + 2 * d * d + logits)
+    return (cfg.num_decoder_layers - dense) * (attention + mlp) + dense * (attention + dense_mlp) + logits + mtp
 
 
 def mla_matmul_params(cfg: ModelConfig) -> int:
@@ -53,7 +56,8 @@ def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: b
     # scores q.k and the weighted sum p.v: 2*T*H FLOPs each per query token and head (H: the
     # query/key width, then the value width, which MLA makes narrower)
     value_dim = cfg.v_head_dim if cfg.decoder_block == "deepseek" else cfg.head_dim
-    attention = 2 * cfg.num_decoder_layers * cfg.num_query_heads * (cfg.head_dim + value_dim) * length * tokens
+    layers = cfg.num_decoder_layers + cfg.mtp_num_layers  # a multi-token-prediction depth attends once more
+    attention = 2 * layers * cfg.num_query_heads * (cfg.head_dim + value_dim) * length * tokens
     if causal:
         attention /= 2
     return 3.0 * (dense + attention)
@@ -150,8 +154,9 @@ def format_record(r: dict[str, Any]) -> str:
         moe = f" | router loss {r['moe_load_balance_loss']:.3f} | dropped {100 * r['moe_dropped_fraction']:.1f}% tokens"
     if "moe_max_expert_load" in r:  # routed_bias: the balancing the bias updates aim at
         moe += f" | busiest expert {r['moe_max_expert_load']:.2f}x its share"
+    mtp = f" (MTP {r['mtp_loss']:.4f})" if "mtp_loss" in r else ""  # multi-token prediction, unscaled
     return (
-        f"step {r['step']:>5} | loss {r['loss']:.4f} | {r['step_seconds']:.3f} s | "
+        f"step {r['step']:>5} | loss {r['loss']:.4f}{mtp} | {r['step_seconds']:.3f} s | "
         f"{r['tflops_per_sec_per_device']:.2f} TFLOP/s/dev | {r['tokens_per_sec_per_device']:,.0f} tok/s/dev | {mfu}"
         + moe
     )

@@ -26,7 +26,9 @@ from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention import select_attention
+from tessera.models.decoder import MTP_LOAD
 from tessera.models.moe import PER_LAYER_LOAD, update_routed_bias
+from tessera.models.mtp import chain_weights, shift_left
 from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer
 
@@ -164,7 +166,28 @@ def loss_terms(model: ModelDef, params, batch, dropout_key, packed: bool = False
                                        packed=packed)
     loss_sum = cross_entropy_sum(lambda x: model.logits(params, x), x_btd, targets, weights,
                                  model.cfg.num_vocab_tiling)
+    if model.cfg.mtp_num_layers:
+        aux = {**aux, **mtp_terms(model, params, x_btd, batch, dropout_key, packed)}
     return loss_sum, jnp.sum(weights).astype(jnp.float32), aux
+
+
+def mtp_terms(model: ModelDef, params, x_btd, batch, dropout_key, packed: bool = False) -> dict:
+    """The multi-token-prediction depths' aux (`tessera.models.mtp`): "mtp_loss", the mean over
+    depths of each depth's mean cross-entropy on the targets k places further on (positions whose
+    chain of targets leaves the document, or reaches padding, do not count), and the depths'
+    MoE statistics ("mtp_moe_...", MTP_LOAD)."""
+    tokens, segments = batch["tokens"], batch["segment_ids"]
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    weights = (segments[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1])
+    hiddens, aux = model.mtp_hidden(params, x_btd, inputs, batch["positions"][:, :-1], segments[:, :-1],
+                                    dropout_key, packed)
+    losses = []
+    for k, h_btd in enumerate(hiddens, start=1):
+        w = chain_weights(weights, k)
+        total = cross_entropy_sum(lambda x, k=k: model.logits(params, x, k), h_btd, shift_left(targets, k), w,
+                                  model.cfg.num_vocab_tiling)
+        losses.append(total / jnp.maximum(jnp.sum(w), 1).astype(jnp.float32))
+    return {**aux, "mtp_loss": jnp.mean(jnp.stack(losses))}
 
 
 def cross_entropy_sum(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
@@ -199,11 +222,14 @@ def make_train_step(trainer: Trainer, seed: int):
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     aux_weight, bias_rate = model.cfg.load_balance_loss_weight, model.cfg.routed_bias_update_rate
+    mtp_weight = model.cfg.mtp_loss_scaling_factor
 
     def summed_loss(p, b, k):
         loss_sum, count, aux = loss_terms(model, p, b, k, packed)
-        # the router's load-balancing loss, weighted like one more per-token loss term
-        objective = loss_sum + aux_weight * aux.get("moe_load_balance_loss", 0.0) * count
+        # the routers' load-balancing losses and the multi-token-prediction loss, each weighted
+        # like one more per-token loss term
+        router = aux.get("moe_load_balance_loss", 0.0) + aux.get("mtp_moe_load_balance_loss", 0.0)
+        objective = loss_sum + (aux_weight * router + mtp_weight * aux.get("mtp_loss", 0.0)) * count
         return objective, (loss_sum, count, aux)
 
     grad_fn = jax.grad(summed_loss, has_aux=True)
@@ -226,8 +252,11 @@ def make_train_step(trainer: Trainer, seed: int):
             (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
         count = jnp.maximum(count, 1.0)
         loads = auxes.pop(PER_LAYER_LOAD, None)  # MoE expert loads per layer (routed_bias)
+        mtp_loads = auxes.pop(MTP_LOAD, None)  # and per multi-token-prediction depth
         if loads is not None and accum > 1:
             loads = jnp.mean(loads, axis=0)  # over the microbatches
+        if mtp_loads is not None and accum > 1:
+            mtp_loads = jnp.mean(mtp_loads, axis=0)
         # Gradients are sums over the batch's tokens. Their mean (times 1/count) is formed
         # inside the update, where XLA fuses the scalar multiply into the optimizer's moment
         # updates, and the norm is the sum's norm times 1/count: dividing every gradient
@@ -247,7 +276,7 @@ def make_train_step(trainer: Trainer, seed: int):
             updates, opt = optimizer.update(mean_grads, opt, p, global_norm=grad_norm)  # the clip's norm
             p = optax.apply_updates(p, updates)
             if loads is not None:  # auxiliary-loss-free balancing: the choice biases move after the update
-                p = update_routed_bias(p, loads, bias_rate)
+                p = update_routed_bias(p, loads, bias_rate, mtp_loads)
             return p, opt
 
         new_params, new_opt = jax.lax.cond(finite, update, lambda operands: operands, (params, state["opt_state"]))

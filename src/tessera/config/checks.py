@@ -74,6 +74,26 @@ def validate(cfg: Config) -> None:
                           "compiled step may use, e.g. 0.95")
     _validate_eval(cfg.data)
     _validate_vocab_tiling(cfg)
+    _validate_mtp(cfg)
+
+
+def _validate_mtp(cfg: Config) -> None:
+    """Multi-token prediction: a family of one layer per block, no pipeline, room in the sequence."""
+    from tessera.config.derived import LAYERS_PER_BLOCK
+
+    m, depth = cfg.model, cfg.model.mtp_num_layers
+    if not depth:
+        return
+    if LAYERS_PER_BLOCK.get(m.decoder_block, 1) != 1:
+        raise ConfigError(f"mtp_num_layers={depth}: multi-token prediction adds one decoder layer per depth, but "
+                          f"decoder_block={m.decoder_block}'s blocks hold {LAYERS_PER_BLOCK[m.decoder_block]} layers "
+                          "(local and global); set mtp_num_layers=0")
+    if cfg.mesh.ici_pipeline_parallelism > 1 or cfg.mesh.dcn_pipeline_parallelism > 1:
+        raise ConfigError(f"mtp_num_layers={depth} is not supported with pipeline parallelism (its layers would "
+                          "run after the last stage); set mtp_num_layers=0 or ici/dcn_pipeline_parallelism=1")
+    if depth >= cfg.data.max_target_length:
+        raise ConfigError(f"mtp_num_layers={depth} predicts {depth} tokens past the next one, which leaves nothing "
+                          f"to predict in a sequence of max_target_length={cfg.data.max_target_length}; use fewer")
 
 
 def _validate_vocab_tiling(cfg: Config) -> None:

@@ -61,9 +61,16 @@ class ModelDef:
         """(x [B, T, D], aux): the last block's output, before the final norm and `logits`."""
         return self._module(params).hidden(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)[:2]
 
-    def logits(self, params: dict, x_btd):
-        """Final norm and output projection of `hidden_with_aux`'s x: [B, T, D] -> [B, T, V] float32."""
-        return self._module(params).logits(x_btd)
+    def logits(self, params: dict, x_btd, mtp_depth: int = 0):
+        """Final norm and output projection of `hidden_with_aux`'s x: [B, T, D] -> [B, T, V] float32
+        (`mtp_depth` k > 0: of `mtp_hidden`'s h^k, through that depth's own output norm)."""
+        return self._module(params).logits(x_btd, mtp_depth)
+
+    def mtp_hidden(self, params: dict, x_btd, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
+                   packed: bool = False):
+        """([h^1 .. h^D], aux): the multi-token-prediction depths on `hidden_with_aux`'s x for the
+        same input tokens (`Decoder.mtp_hidden`; mtp_num_layers > 0)."""
+        return self._module(params).mtp_hidden(x_btd, tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)
 
     def init_cache(self, batch: int, max_len: int):
         """An empty KV cache for decoding `batch` rows of up to `max_len` tokens (prompt included)."""

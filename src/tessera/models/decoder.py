@@ -41,12 +41,15 @@ from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
 from tessera.models.kv_cache import KVCache
 from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
-from tessera.models.moe import finish_aux
+from tessera.models.moe import PER_LAYER_LOAD, finish_aux
+from tessera.models.mtp import MtpLayer, dropout_key_for, shift_left
 from tessera.models.pipeline import PER_LAYER, block_weights, group_weights, run_pipeline, stacked_shape, stage_specs
 from tessera.models.registry import BLOCKS
 
 _cp = jax.checkpoint_policies
 _OFFLOADABLE = ["query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwo"]
+# aux key of the MTP depths' expert loads [D, E] (routed_bias): the train step moves their biases with it
+MTP_LOAD = "per_layer/mtp_expert_load"
 _ATTENTION_DOTS = ("query_proj", "key_proj", "value_proj", "context", "out_proj")
 
 
@@ -140,6 +143,10 @@ class Decoder(nnx.Module):
         if not cfg.logits_via_embedding:
             self.logits_dense_dv = param(rngs, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), wdtype,
                                          fan_in_std(cfg.emb_dim))
+        # multi-token prediction depths (tessera.models.mtp), initialized last: the rest of the
+        # model draws the same initial weights with or without them
+        for k in range(1, cfg.mtp_num_layers + 1):
+            setattr(self, f"mtp_{k}", MtpLayer(cfg, block_cls, attention_kernel, rngs))
         self.cfg, self.block_cls, self.pipeline = cfg, block_cls, pipeline
 
     def __call__(self, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None, packed=False,
@@ -190,11 +197,35 @@ class Decoder(nnx.Module):
             x, _, caches["tail"] = call(self.tail, x, keys[-2], caches.get("tail"))
         return x, finish_aux(aux, cfg), None if kv_cache is None else caches
 
-    def logits(self, x_btd):
-        """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32 (the loss calls it
-        on chunks of the tokens with num_vocab_tiling > 1)."""
+    def mtp_hidden(self, x_btd, tokens_bt, positions_bt, segment_ids_bt, dropout_key=None, packed=False):
+        """([h^1, ..., h^D] each [B, T, D], aux): the multi-token-prediction depths
+        (`tessera.models.mtp`) run on `hidden`'s x for the input tokens [B, T]; position i of h^k
+        predicts the target k places after position i's own. aux: the depths' MoE statistics,
+        as "mtp_..." entries (the expert loads as MTP_LOAD [D, E] with routed_bias)."""
         cfg = self.cfg
-        x = self.final_norm(x_btd)
+        if segment_ids_bt is None:
+            segment_ids_bt = jnp.ones_like(tokens_bt)
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
+        rate = dropout_rate(cfg)
+        hiddens, auxes, h = [], [], x_btd
+        for k in range(1, cfg.mtp_num_layers + 1):
+            ahead = self.embed(shift_left(tokens_bt, k), shift_left(positions_bt, k))
+            key = dropout_key_for(dropout_key, k) if rate > 0 else None
+            call = remat(lambda layer, h_, e_, key_: layer(checkpoint_name(h_, "decoder_layer_input"), e_,
+                                                          positions_bt, segment_ids_bt, key_, packed), cfg, False)
+            h, aux = call(getattr(self, f"mtp_{k}"), h, ahead, key)
+            hiddens.append(h)
+            auxes.append(aux)
+        aux = finish_aux(reduce_aux(jax.tree.map(lambda *v: jnp.stack(v), *auxes)), cfg)
+        return hiddens, {MTP_LOAD if k == PER_LAYER_LOAD else f"mtp_{k}": v for k, v in aux.items()}
+
+    def logits(self, x_btd, mtp_depth: int = 0):
+        """Final norm and output projection: [B, T, D] -> logits [B, T, V] float32 (the loss calls it
+        on chunks of the tokens with num_vocab_tiling > 1). `mtp_depth` k > 0: for h^k of
+        `mtp_hidden`, normalized by that depth's output norm instead of the final norm."""
+        cfg = self.cfg
+        x = getattr(self, f"mtp_{mtp_depth}").output_norm(x_btd) if mtp_depth else self.final_norm(x_btd)
         if cfg.logits_via_embedding:
             logits = self.token_embedder.attend(x, cfg.logits_dot_in_fp32)
         else:

@@ -19,7 +19,8 @@ fine-grained experts (`tessera.models.moe`) with:
 Where it differs from the reference (the Hugging Face `transformers` implementation, which the
 parity tests compare against, and DeepSeek's report): the multi-token-prediction module
 (`num_nextn_predict_layers`, an extra training objective whose weights are not part of the
-671B main model) is not built, and a checkpoint's MTP weights are not converted; DeepSeek's
+671B main model) is built only with `mtp_num_layers` (`tessera.models.mtp`; off in the model
+file, and absent from `transformers`' model, so the parity tests do not cover it); DeepSeek's
 load-balancing loss is computed per sequence, ours over the batch (Switch-style, on the
 renormalized sigmoid scores); the bias update uses the loads of the whole (global) batch
 after each optimizer step, as the report describes, and is not part of the gradients.

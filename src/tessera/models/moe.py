@@ -70,24 +70,27 @@ def finish_aux(aux: dict, cfg: ModelConfig) -> dict:
     return aux
 
 
-def update_routed_bias(params: dict, loads_le, rate: float) -> dict:
+def update_routed_bias(params: dict, loads_le, rate: float, mtp_loads_de=None) -> dict:
     """`params` with every MoE layer's routed_bias moved by `rate` towards balance: down where
     the layer's expert took more than its fair share of the token copies (load > 1), up where
     less. `loads_le` [L, E]: the layers' loads (PER_LAYER_LOAD), in the order of the stacked
     `layers` (scan_layers=true; a circular pipeline stores them [R, L/R], the same order) or of
-    `layers_0 ... layers_{L-1}`."""
+    `layers_0 ... layers_{L-1}`. `mtp_loads_de` [D, E]: those of the multi-token-prediction
+    depths' blocks `mtp_1 ... mtp_D` (tessera.models.mtp), when there are any."""
     def step(bias, load):
         return bias + rate * jnp.sign(1.0 - load.reshape(bias.shape)).astype(bias.dtype)
 
-    if "layers" in params:
-        layers = params["layers"]
-        mlp = {**layers["mlp"], "routed_bias_e": step(layers["mlp"]["routed_bias_e"], loads_le)}
-        return {**params, "layers": {**layers, "mlp": mlp}}
+    def moved(layer, load):
+        return {**layer, "mlp": {**layer["mlp"], "routed_bias_e": step(layer["mlp"]["routed_bias_e"], load)}}
+
     out = dict(params)
+    for k in range(0 if mtp_loads_de is None else mtp_loads_de.shape[0]):
+        out[f"mtp_{k + 1}"] = {**params[f"mtp_{k + 1}"], "block": moved(params[f"mtp_{k + 1}"]["block"],
+                                                                         mtp_loads_de[k])}
+    if "layers" in params:
+        return {**out, "layers": moved(params["layers"], loads_le)}
     for i in range(loads_le.shape[0]):
-        layer = params[f"layers_{i}"]
-        out[f"layers_{i}"] = {**layer, "mlp": {**layer["mlp"], "routed_bias_e": step(layer["mlp"]["routed_bias_e"],
-                                                                                      loads_le[i])}}
+        out[f"layers_{i}"] = moved(params[f"layers_{i}"], loads_le[i])
     return out
 
 

@@ -74,6 +74,7 @@ def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
 
     reader = hf_checkpoint.Reader(hf_dir)
     check_same_model(cfg, reader.config)
+    _check_mtp(cfg.model, reader.config)
     if out_dir.exists():
         raise ConfigError(f"{out_dir} already exists; choose a new output folder (nothing was written)")
     m = cfg.model
@@ -103,14 +104,29 @@ def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
 
 
 def _mtp_tensors(names, m) -> list[str]:
-    """DeepSeek-V3's multi-token-prediction layers (stored after the last decoder layer), which
-    Tessera does not build: left out of the conversion, with a log line."""
+    """DeepSeek-V3's multi-token-prediction layers (stored after the last decoder layer) past the
+    config's mtp_num_layers: left out of the conversion, with a log line."""
     if m.decoder_block != "deepseek":
         return []
-    mtp = [n for n in names if (hit := re.match(r"model\.layers\.(\d+)\.", n)) and int(hit.group(1)) >= m.num_decoder_layers]
+    first = m.num_decoder_layers + m.mtp_num_layers
+    mtp = [n for n in names if (hit := re.match(r"model\.layers\.(\d+)\.", n)) and int(hit.group(1)) >= first]
     if mtp:
-        log.info("left out %d tensors of DeepSeek's multi-token-prediction layers (not built by Tessera)", len(mtp))
+        log.info("left out %d tensors of DeepSeek's multi-token-prediction layers past mtp_num_layers=%d (set "
+                 "mtp_num_layers to convert and train them)", len(mtp), m.mtp_num_layers)
     return mtp
+
+
+def _check_mtp(m, hf_config: dict) -> None:
+    """mtp_num_layers > 0 converts DeepSeek-V3's stored multi-token-prediction layers, no more than it has."""
+    if not m.mtp_num_layers:
+        return
+    if m.decoder_block != "deepseek":
+        raise ConfigError(f"mtp_num_layers={m.mtp_num_layers}: only DeepSeek-V3 checkpoints store multi-token-"
+                          f"prediction layers, not decoder_block={m.decoder_block}'s; convert with mtp_num_layers=0")
+    stored = hf_config.get("num_nextn_predict_layers") or 0
+    if m.mtp_num_layers > stored:
+        raise ConfigError(f"mtp_num_layers={m.mtp_num_layers}, but the checkpoint stores {stored} multi-token-"
+                          f"prediction layers (num_nextn_predict_layers); set mtp_num_layers={stored} or fewer")
 
 
 def _check_all_used(names, used: set[str], tied: bool) -> None:
@@ -132,6 +148,9 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
 
     m = cfg.model
     layout = layout_for(m)
+    if m.mtp_num_layers and not layout.mtp_rules:
+        log.info("left out the %d multi-token-prediction depths (mtp_*): the Hugging Face format of "
+                 "decoder_block=%s has no place for them", m.mtp_num_layers, m.decoder_block)
     source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
     made = not out_dir.exists()
     writer = hf_checkpoint.ShardWriter(out_dir, max_shard_size)

@@ -98,6 +98,8 @@ def expand(layout: Layout, num_layers: int, scanned: bool) -> list[tuple[Rule, s
         for rule in layout.rules_for(i):
             prefix, index = layout.layer_prefix(i, scanned)
             jobs.append((rule, prefix, index, lambda n, i=i: layout.hf_layer.format(i=i) + n))
+    for k, rules in enumerate(layout.mtp_rules):  # multi-token-prediction depths: the layers after those
+        jobs += [(rule, "", None, lambda n, i=num_layers + k: layout.hf_layer.format(i=i) + n) for rule in rules]
     return jobs
 
 
@@ -324,5 +326,5 @@ def _deepseek_config(m: ModelConfig) -> dict[str, Any]:
         "first_k_dense_replace": m.first_num_dense_layers, "norm_topk_prob": m.norm_topk_prob,
         "routed_scaling_factor": m.routed_scaling_factor, "n_group": max(m.n_routing_groups, 1),
         "topk_group": max(m.topk_routing_group, 1), "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "rope_interleave": True, "rope_parameters": rope, "num_nextn_predict_layers": 0,
+        "rope_interleave": True, "rope_parameters": rope, "num_nextn_predict_layers": m.mtp_num_layers,
     }

@@ -73,6 +73,9 @@ class Layout:
     num_layers: int = 0  # layers of the model (gemma3: those past the last whole block are the `tail` block's)
     prefix_layers: int = 0  # deepseek: the first layers are dense, stacked as `dense_layers`
     prefix_rules: list[Rule] = dataclasses.field(default_factory=list)
+    # deepseek: the rules of each multi-token-prediction depth (full paths of ours), stored as the
+    # Hugging Face layers after the decoder's (num_decoder_layers + k - 1 for depth k)
+    mtp_rules: list[list[Rule]] = dataclasses.field(default_factory=list)
 
     def rules_for(self, i: int) -> list[Rule]:
         """The tensor rules of Hugging Face layer i."""
@@ -219,7 +222,29 @@ def _deepseek(m: ModelConfig) -> Layout:
         moe += [linear("mlp/shared/wi_0", "mlp.shared_experts.gate_proj.weight", (d, fs)),
                 linear("mlp/shared/wi_1", "mlp.shared_experts.up_proj.weight", (d, fs)),
                 linear("mlp/shared/wo_fd", "mlp.shared_experts.down_proj.weight", (fs, d))]
-    return Layout(model, moe, "model.layers.{i}.", 1, m.num_decoder_layers, m.first_num_dense_layers, dense)
+    mtp = [_deepseek_mtp(m, k, moe) for k in range(1, m.mtp_num_layers + 1)]
+    return Layout(model, moe, "model.layers.{i}.", 1, m.num_decoder_layers, m.first_num_dense_layers, dense, mtp)
+
+
+def _deepseek_mtp(m: ModelConfig, k: int, block: list[Rule]) -> list[Rule]:
+    """Depth k's tensors in DeepSeek-V3's layout: a decoder layer (`block`'s rules) with enorm,
+    hnorm, eh_proj ([D, 2D]: the embedding's inputs, then the hidden state's) and shared_head.norm;
+    its copies of the embedding and the output layer (shared in Tessera) are written on export and
+    not read on import."""
+    d, ours = m.emb_dim, f"mtp_{k}/"
+    moved = [Rule(tuple(ours + "block/" + o for o in r.ours), r.hf, r.to_ours, r.to_hf) for r in block]
+    head = "token_embedder/table_vd" if m.logits_via_embedding else "logits_dense_dv"
+    return moved + [
+        same(ours + "embedding_norm/scale", "enorm.weight"),
+        same(ours + "hidden_norm/scale", "hnorm.weight"),
+        Rule((ours + "projection_ced",), ("eh_proj.weight",),
+             lambda w: (np.ascontiguousarray(w.T).reshape(2, d, d),),
+             lambda w: (np.ascontiguousarray(w.reshape(2 * d, d).T),)),
+        same(ours + "output_norm/scale", "shared_head.norm.weight"),
+        Rule(("token_embedder/table_vd",), ("embed_tokens.weight",), lambda t: (), lambda t: (t,)),
+        Rule((head,), ("shared_head.head.weight",), lambda w: (),
+             lambda w: (w if m.logits_via_embedding else np.ascontiguousarray(w.T),)),
+    ]
 
 
 def layout_for(m: ModelConfig) -> Layout:

@@ -59,7 +59,11 @@ def count_params(m: ModelConfig) -> ParamCounts:
     dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
     dense_total = dense * (attention + d * m.mlp_dim * gated + norms)
     layers = m.num_decoder_layers - dense
-    return ParamCounts(layers * per_layer + dense_total + embeddings, layers * active_layer + dense_total + embeddings,
+    # multi-token prediction: per depth a block of the family, its three norms and a [2, D, D] projection
+    mtp_extra = 3 * norm + 2 * d * d
+    mtp, mtp_active = m.mtp_num_layers * (per_layer + mtp_extra), m.mtp_num_layers * (active_layer + mtp_extra)
+    return ParamCounts(layers * per_layer + dense_total + embeddings + mtp,
+                       layers * active_layer + dense_total + embeddings + mtp_active,
                        per_layer, expert_mlp, layers * per_layer + dense_total, layers if m.num_experts > 1 else 0)
 
 
@@ -128,10 +132,13 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     offloaded_input = policy == "custom" and m.decoder_layer_input == "offload"
     # a pipeline stage keeps its own layers' activations (of every microbatch) and three
     # microbatch buffers the size of the whole batch's residual stream (inputs, outputs, loop-back)
-    layers = m.num_decoder_layers / mesh["stage"] * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
+    # (multi-token prediction depths run as layers after the decoder; they are refused with stages)
+    depth = m.num_decoder_layers / mesh["stage"] + m.mtp_num_layers
+    layers = depth * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
     buffers = 3 * tokens * m.emb_dim * a if mesh["stage"] > 1 else 0.0
     one_layer = tokens / microbatches * (2 * _saved_per_token(m, "none", tp, ep) * a + scores)  # recompute + grads
-    logits = tokens * m.vocab_size / tp * (4 + a)  # float32 for the loss and a copy in the compute dtype
+    # float32 for the loss and a copy in the compute dtype; once more per multi-token-prediction depth
+    logits = (1 + m.mtp_num_layers) * tokens * m.vocab_size / tp * (4 + a)
     return layers + buffers + one_layer + logits
 
 

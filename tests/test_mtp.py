@@ -1,0 +1,231 @@
+"""Multi-token prediction (mtp_num_layers): the loss against a direct computation on shortened
+sequences, causality and document boundaries, the main model left as it was, training on one
+device and on a sharded mesh, MoE depths (router loss, routed bias), counts and config errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from conftest import tiny_config
+from test_families import FAMILIES
+from tessera.config import ConfigError
+from tessera.metrics import format_record, matmul_params
+from tessera.models import build_model
+from tessera.models.decoder import MTP_LOAD
+from tessera.models.mtp import chain_weights
+from tessera.step import loss_terms, mtp_terms
+from tessera.tools.memory_model import count_params
+from tessera.train import run
+
+T = 12  # tiny_config's max_target_length
+
+
+def _batch(rows=2, seed=0, segments=None):
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 96, (rows, T + 1)), jnp.int32)
+    seg = jnp.ones_like(tokens) if segments is None else jnp.asarray(segments, jnp.int32)
+    return {"tokens": tokens, "segment_ids": seg, "positions": jnp.broadcast_to(jnp.arange(T + 1), tokens.shape)}
+
+
+def test_chain_weights_need_every_target_up_to_the_depth_in_the_document():
+    # targets' weights for segments [1 1 1 1 2 2 2 0]: position 3's target starts document 2, 6's is padding
+    w = jnp.asarray([[1, 1, 1, 0, 1, 1, 0]], bool)
+    np.testing.assert_array_equal(chain_weights(w, 0), w)
+    np.testing.assert_array_equal(chain_weights(w, 1), [[1, 1, 0, 0, 1, 0, 0]])
+    np.testing.assert_array_equal(chain_weights(w, 2), [[1, 0, 0, 0, 0, 0, 0]])
+
+
+@pytest.mark.parametrize("family", ["llama2", "deepseek"])
+def test_mtp_loss_equals_a_direct_computation_on_shortened_sequences(family):
+    """Depth k on position i sees the tokens up to i + k and predicts token i + k + 1: computed
+    directly on sequences cut to T - k tokens (no shifting or masking), the losses agree."""
+    cfg = tiny_config(**FAMILIES.get(family, {}), mtp_num_layers=2).model
+    model = build_model(cfg)
+    params = model.init(jax.random.key(0))
+    batch = _batch()
+    got = mtp_terms(model, params, model.hidden_with_aux(params, batch["tokens"][:, :-1])[0], batch, None)
+
+    module = model._module(params)
+    tokens = batch["tokens"]
+    h = module.hidden(tokens[:, :-1])[0]
+    losses = []
+    for k in (1, 2):
+        n = T - k  # positions whose chain of k + 1 targets lies inside the sequence
+        positions = jnp.broadcast_to(jnp.arange(n), (2, n))
+        h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
+                                           jnp.ones_like(positions), None, False)
+        logits = module.logits(h, mtp_depth=k)
+        losses.append(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, k + 1:k + 1 + n]).mean())
+    np.testing.assert_allclose(got["mtp_loss"], np.mean(losses), rtol=1e-5)
+    assert np.isfinite(got["mtp_loss"]) and float(got["mtp_loss"]) > 1.0
+    if family == "deepseek":  # the depths' routers: their loss and their loads per depth
+        assert got[MTP_LOAD].shape == (2, 8) and float(got["mtp_moe_load_balance_loss"]) > 0
+
+
+def test_a_depth_sees_no_token_past_its_target_and_no_other_document():
+    """Changing input token 7 changes depth 1 at positions 6 and on (it embeds token i + 1) and
+    depth 2 at 5 and on; in a packed row, the second document's tokens leave the first's loss
+    terms as they were."""
+    model = build_model(tiny_config(mtp_num_layers=2).model)
+    params = model.init(jax.random.key(1))
+    tokens = _batch(rows=1)["tokens"][:, :-1]
+
+    def depths(t):
+        x = model.hidden_with_aux(params, t)[0]
+        return model.mtp_hidden(params, x, t)[0]
+
+    changed = tokens.at[:, 7].set((tokens[:, 7] + 1) % 96)
+    for k, (a, b) in enumerate(zip(depths(tokens), depths(changed)), start=1):
+        moved = np.abs(np.asarray(a - b)).max(axis=(0, 2))
+        assert (moved[:7 - k] == 0).all() and (moved[7 - k:] > 1e-6).all(), (k, moved)
+
+    # one row: document 1 at positions 0..6, document 2 after it; change document 2's tokens
+    segments = [[1] * 7 + [2] * (T + 1 - 7)]
+    a, b = _batch(rows=1, segments=segments), _batch(rows=1, seed=5, segments=segments)
+    b["tokens"] = b["tokens"].at[:, :7].set(a["tokens"][:, :7])
+    x_a = model.hidden_with_aux(params, a["tokens"][:, :-1], segment_ids_bt=a["segment_ids"][:, :-1])[0]
+    x_b = model.hidden_with_aux(params, b["tokens"][:, :-1], segment_ids_bt=b["segment_ids"][:, :-1])[0]
+    first = {k: model.mtp_hidden(params, x, batch["tokens"][:, :-1], batch["positions"][:, :-1],
+                                 batch["segment_ids"][:, :-1])[0] for k, x, batch in (("a", x_a, a), ("b", x_b, b))}
+    # depth k's position i (i + k + 1 <= 6: its whole chain in document 1) is the same in both rows
+    for k in (1, 2):
+        np.testing.assert_allclose(first["a"][k - 1][:, :6 - k], first["b"][k - 1][:, :6 - k], atol=1e-6)
+
+
+def test_the_main_model_is_the_same_with_or_without_mtp():
+    """The same seed gives the same main-model weights (the depths are initialized last), the
+    same logits and the same next-token loss; with mtp_loss_scaling_factor=0 training follows the
+    run without MTP step for step."""
+    plain = build_model(tiny_config().model)
+    with_mtp = build_model(tiny_config(mtp_num_layers=1).model)
+    p0, p1 = plain.init(jax.random.key(3)), with_mtp.init(jax.random.key(3))
+    assert set(p1) - set(p0) == {"mtp_1"}
+    jax.tree.map(np.testing.assert_array_equal, p0, {k: v for k, v in p1.items() if k != "mtp_1"})
+    batch = _batch()
+    np.testing.assert_array_equal(loss_terms(plain, p0, batch, None)[0], loss_terms(with_mtp, p1, batch, None)[0])
+
+
+@pytest.mark.slow
+def test_training_with_mtp_on_one_device_and_on_a_sharded_mesh(tmp_path):
+    """A weight of 0 trains the main model exactly as without MTP; with MTP on, the next-token
+    loss changes, the MTP loss falls, and fsdp 2 x tensor 2 x data 2 gives one device's losses."""
+    def losses(name, devices, **keys):
+        cfg = tiny_config(tmp_path / name, steps=4, per_device_batch_size=8 / devices, enable_checkpointing=False,
+                          **keys)
+        run(cfg, jax.devices()[:devices])
+        return [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
+
+    plain = losses("plain", 1)
+    silent = losses("silent", 1, mtp_num_layers=1, mtp_loss_scaling_factor=0.0)
+    np.testing.assert_allclose([r["loss"] for r in silent], [r["loss"] for r in plain], rtol=1e-6)
+    one = losses("one", 1, mtp_num_layers=2, mtp_loss_scaling_factor=0.5)
+    assert not np.allclose([r["loss"] for r in one][1:], [r["loss"] for r in plain][1:], rtol=1e-6)
+    assert one[-1]["mtp_loss"] < one[0]["mtp_loss"] and "(MTP " in format_record(one[0])
+    sharded = losses("sharded", 8, mtp_num_layers=2, mtp_loss_scaling_factor=0.5, ici_fsdp_parallelism=2,
+                     ici_tensor_parallelism=2, ici_data_parallelism=2)
+    for key in ("loss", "mtp_loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in sharded], [r[key] for r in one], rtol=2e-4, err_msg=key)
+    # the step's FLOPs count the depths: a block, its projection and the output layer each
+    base, extra = tiny_config().model, tiny_config(mtp_num_layers=2).model
+    d, v = base.emb_dim, base.vocab_size
+    per_block = (matmul_params(base) - d * v) // base.num_decoder_layers
+    assert matmul_params(extra) - matmul_params(base) == 2 * (per_block + 2 * d * d + d * v)
+
+
+@pytest.mark.slow
+def test_moe_depths_add_their_router_loss_and_move_their_routed_bias():
+    """deepseek with one MTP depth: the step moves the depth's expert bias by the update rate,
+    towards balance, as it moves the decoder's; the router losses of both are in the objective."""
+    from tessera.step import create_state, make_train_step, setup
+
+    cfg = tiny_config(**FAMILIES["deepseek"], mtp_num_layers=1, routed_bias_update_rate=0.01)
+    trainer = setup(cfg, jax.devices()[:1])
+    state = create_state(trainer, 0)
+    batch = _batch(rows=trainer.plan.global_batch)
+    aux = loss_terms(trainer.model, state["params"], batch, None)[2]
+    loads = aux[MTP_LOAD]  # [1 depth, 8 experts]
+    assert loads.shape == (1, 8) and np.isclose(float(jnp.mean(loads)), 1.0)
+    before = state["params"]["mtp_1"]["block"]["mlp"]["routed_bias_e"]
+    new_state, stats = jax.jit(make_train_step(trainer, 0))(state, batch)
+    moved = new_state["params"]["mtp_1"]["block"]["mlp"]["routed_bias_e"] - before
+    np.testing.assert_allclose(moved, 0.01 * np.sign(1.0 - np.asarray(loads[0])), atol=1e-7)
+    assert MTP_LOAD not in stats and float(stats["mtp_moe_load_balance_loss"]) > 0
+
+    # with the MTP loss weighted 0, only the depth's router loss reaches the depth's router
+    def router_step(weight):
+        c = tiny_config(**FAMILIES["deepseek"], mtp_num_layers=1, mtp_loss_scaling_factor=0.0, adam_weight_decay=0.0,
+                        load_balance_loss_weight=weight)
+        t = setup(c, jax.devices()[:1])
+        s = create_state(t, 0)
+        router = s["params"]["mtp_1"]["block"]["mlp"]["router_de"]
+        return np.abs(np.asarray(jax.jit(make_train_step(t, 0))(s, batch)[0]["params"]["mtp_1"]["block"]["mlp"]
+                                 ["router_de"] - router)).max()
+
+    assert router_step(0.0) == 0 and router_step(0.1) > 0
+
+
+@pytest.mark.parametrize("family", ["llama2", "gpt3", "gemma", "deepseek"])
+def test_counts_match_the_model_we_build_with_mtp(family):
+    m = tiny_config(**FAMILIES.get(family, {}), mtp_num_layers=2).model
+    built = sum(x.size for x in jax.tree.leaves(build_model(m).param_shapes()))
+    assert count_params(m).total == built
+
+
+@pytest.mark.parametrize("keys,message", [
+    (dict(FAMILIES["gemma2"], mtp_num_layers=1), "gemma2's blocks hold 2 layers"),
+    (dict(mtp_num_layers=12), "leaves nothing to predict"),
+    (dict(mtp_num_layers=1, ici_pipeline_parallelism=2, ici_fsdp_parallelism=1), "not supported with pipeline"),
+])
+def test_mtp_config_errors(keys, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(**keys)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_deepseek_mtp_layers_convert_to_hugging_face_and_back(scan_layers, tmp_path, capsys):
+    """DeepSeek-V3 stores depth k as layer num_decoder_layers + k - 1 (a decoder layer with enorm,
+    hnorm, eh_proj [D, 2D] = [embedding | hidden] inputs, shared_head.norm, and copies of the
+    embedding and output layer); the round trip is exact, and mtp_num_layers decides what is read."""
+    from tessera.checkpointing import load_parameters
+    from tessera.tools import hf_checkpoint
+    from tessera.tools.convert import main
+    from tessera.tools.estimate import load_model_config
+    from tessera.tools.hf_layouts import as_overrides
+
+    model_keys = {k: v for k, v in tiny_config().model.__dict__.items() if k.startswith("base_") or k in (
+        "head_dim", "vocab_size")}
+    keys = ["model_name=default", *as_overrides({**model_keys, **FAMILIES["deepseek"], "scan_layers": scan_layers})]
+    cfg = load_model_config(None, [*keys, "mtp_num_layers=1"])
+    targets = hf_checkpoint.param_targets(cfg)
+    rng = np.random.default_rng(0)
+    params = hf_checkpoint._nest({k: rng.standard_normal(t.shape).astype(t.dtype) for k, t in targets.items()})
+    hf_checkpoint.save_params(tmp_path / "tessera", params)
+    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys, "mtp_num_layers=1"]) == 0
+
+    reader, layer, d = hf_checkpoint.Reader(tmp_path / "hf"), "model.layers.3.", cfg.model.emb_dim
+    assert reader.config["num_nextn_predict_layers"] == 1
+    mtp = params["mtp_1"]
+    np.testing.assert_array_equal(reader.get(layer + "eh_proj.weight")[:, :d], mtp["projection_ced"][0].T)
+    np.testing.assert_array_equal(reader.get(layer + "eh_proj.weight")[:, d:], mtp["projection_ced"][1].T)
+    np.testing.assert_array_equal(reader.get(layer + "enorm.weight"), mtp["embedding_norm"]["scale"])
+    np.testing.assert_array_equal(reader.get(layer + "shared_head.norm.weight"), mtp["output_norm"]["scale"])
+    np.testing.assert_array_equal(reader.get(layer + "embed_tokens.weight"), params["token_embedder"]["table_vd"])
+    np.testing.assert_array_equal(reader.get(layer + "shared_head.head.weight"), params["logits_dense_dv"].T)
+    np.testing.assert_array_equal(reader.get(layer + "mlp.gate.e_score_correction_bias"),
+                                  mtp["block"]["mlp"]["routed_bias_e"])
+
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "back"), *keys, "mtp_num_layers=1"]) == 0
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device),
+                            build_model(cfg.model).param_shapes())
+    jax.tree.map(np.testing.assert_array_equal, load_parameters(str(tmp_path / "back"), abstract), params)
+
+    # without MTP the stored depth is left out (one log line); asking for more depths than stored is an error
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "plain"), *keys]) == 0
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "two"), *keys, "mtp_num_layers=2"]) == 2
+    assert "the checkpoint stores 1 multi-token-prediction layers" in capsys.readouterr().err
+    assert not (tmp_path / "two").exists()
