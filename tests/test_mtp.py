@@ -136,35 +136,44 @@ def test_training_with_mtp_on_one_device_and_on_a_sharded_mesh(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_moe_depth_under_expert_parallelism_gives_one_device_s_losses(tmp_path):
+    """deepseek (dropless routing, routed bias) with one MTP depth: expert 4 x fsdp 2 on 8 devices
+    gives one device's next-token and MTP losses, router losses and expert loads over 3 steps."""
+    def records(name, devices, **mesh):
+        cfg = tiny_config(tmp_path / name, steps=3, per_device_batch_size=8 / devices, enable_checkpointing=False,
+                          **FAMILIES["deepseek"], mtp_num_layers=1, sparse_matmul=True, **mesh)
+        run(cfg, jax.devices()[:devices])
+        return [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
+
+    one, sharded = records("one", 1), records("sharded", 8, ici_expert_parallelism=4, ici_fsdp_parallelism=2)
+    for key in ("loss", "mtp_loss", "moe_load_balance_loss", "mtp_moe_load_balance_loss", "moe_max_expert_load"):
+        np.testing.assert_allclose([r[key] for r in sharded], [r[key] for r in one], rtol=2e-4, err_msg=key)
+
+
+@pytest.mark.slow
 def test_moe_depths_add_their_router_loss_and_move_their_routed_bias():
-    """deepseek with one MTP depth: the step moves the depth's expert bias by the update rate,
-    towards balance, as it moves the decoder's; the router losses of both are in the objective."""
+    """deepseek with one MTP depth whose loss is weighted 0: the step moves the depth's expert bias
+    by the update rate, towards balance, as it moves the decoder's; the depth's router changes
+    through its load-balancing loss alone (with that loss weighted 0 too, it stays as it was)."""
     from tessera.step import create_state, make_train_step, setup
 
-    cfg = tiny_config(**FAMILIES["deepseek"], mtp_num_layers=1, routed_bias_update_rate=0.01)
-    trainer = setup(cfg, jax.devices()[:1])
-    state = create_state(trainer, 0)
-    batch = _batch(rows=trainer.plan.global_batch)
-    aux = loss_terms(trainer.model, state["params"], batch, None)[2]
-    loads = aux[MTP_LOAD]  # [1 depth, 8 experts]
-    assert loads.shape == (1, 8) and np.isclose(float(jnp.mean(loads)), 1.0)
-    before = state["params"]["mtp_1"]["block"]["mlp"]["routed_bias_e"]
-    new_state, stats = jax.jit(make_train_step(trainer, 0))(state, batch)
-    moved = new_state["params"]["mtp_1"]["block"]["mlp"]["routed_bias_e"] - before
-    np.testing.assert_allclose(moved, 0.01 * np.sign(1.0 - np.asarray(loads[0])), atol=1e-7)
+    def one_step(router_weight):
+        cfg = tiny_config(**FAMILIES["deepseek"], mtp_num_layers=1, mtp_loss_scaling_factor=0.0,
+                          adam_weight_decay=0.0, load_balance_loss_weight=router_weight, routed_bias_update_rate=0.01)
+        trainer = setup(cfg, jax.devices()[:1])
+        state = create_state(trainer, 0)
+        batch = _batch(rows=trainer.plan.global_batch)
+        loads = jax.jit(lambda p: loss_terms(trainer.model, p, batch, None)[2][MTP_LOAD])(state["params"])
+        new_state, stats = jax.jit(make_train_step(trainer, 0))(state, batch)
+        old, new = state["params"]["mtp_1"]["block"]["mlp"], new_state["params"]["mtp_1"]["block"]["mlp"]
+        return loads, stats, {k: np.asarray(new[k] - old[k]) for k in ("routed_bias_e", "router_de")}
+
+    loads, stats, moved = one_step(0.1)
+    assert loads.shape == (1, 8) and np.isclose(float(jnp.mean(loads)), 1.0)  # [depths, experts]; fair share 1
+    np.testing.assert_allclose(moved["routed_bias_e"], 0.01 * np.sign(1.0 - np.asarray(loads[0])), atol=1e-7)
     assert MTP_LOAD not in stats and float(stats["mtp_moe_load_balance_loss"]) > 0
-
-    # with the MTP loss weighted 0, only the depth's router loss reaches the depth's router
-    def router_step(weight):
-        c = tiny_config(**FAMILIES["deepseek"], mtp_num_layers=1, mtp_loss_scaling_factor=0.0, adam_weight_decay=0.0,
-                        load_balance_loss_weight=weight)
-        t = setup(c, jax.devices()[:1])
-        s = create_state(t, 0)
-        router = s["params"]["mtp_1"]["block"]["mlp"]["router_de"]
-        return np.abs(np.asarray(jax.jit(make_train_step(t, 0))(s, batch)[0]["params"]["mtp_1"]["block"]["mlp"]
-                                 ["router_de"] - router)).max()
-
-    assert router_step(0.0) == 0 and router_step(0.1) > 0
+    assert np.abs(moved["router_de"]).max() > 0
+    assert np.abs(one_step(0.0)[2]["router_de"]).max() == 0
 
 
 @pytest.mark.parametrize("family", ["llama2", "gpt3", "gemma", "deepseek"])
