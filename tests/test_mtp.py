@@ -111,7 +111,8 @@ def test_the_main_model_is_the_same_with_or_without_mtp():
 @pytest.mark.slow
 def test_training_with_mtp_on_one_device_and_on_a_sharded_mesh(tmp_path):
     """A weight of 0 trains the main model exactly as without MTP; with MTP on, the next-token
-    loss changes, the MTP loss falls, and fsdp 2 x tensor 2 x data 2 gives one device's losses."""
+    loss changes, the MTP loss falls, and fsdp 2 x tensor 2 x sequence 2 gives one device's losses (the
+    depths' shifts cross the sequence split)."""
     def losses(name, devices, **keys):
         cfg = tiny_config(tmp_path / name, steps=4, per_device_batch_size=8 / devices, enable_checkpointing=False,
                           **keys)
@@ -125,7 +126,7 @@ def test_training_with_mtp_on_one_device_and_on_a_sharded_mesh(tmp_path):
     assert not np.allclose([r["loss"] for r in one][1:], [r["loss"] for r in plain][1:], rtol=1e-6)
     assert one[-1]["mtp_loss"] < one[0]["mtp_loss"] and "(MTP " in format_record(one[0])
     sharded = losses("sharded", 8, mtp_num_layers=2, mtp_loss_scaling_factor=0.5, ici_fsdp_parallelism=2,
-                     ici_tensor_parallelism=2, ici_data_parallelism=2)
+                     ici_tensor_parallelism=2, ici_sequence_parallelism=2)
     for key in ("loss", "mtp_loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in sharded], [r[key] for r in one], rtol=2e-4, err_msg=key)
     # the step's FLOPs count the depths: a block, its projection and the output layer each

@@ -209,8 +209,12 @@ class Decoder(nnx.Module):
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
         rate = dropout_rate(cfg)
         hiddens, auxes, h = [], [], x_btd
+        # the input embeddings once, shifted k places for depth k (the embedding of t_{i+k} at position
+        # i; the k positions past the end get zeros, and count in no loss). Gathering the shifted ids
+        # again made XLA gather every row's embeddings on every device when the sequence is split.
+        embedded = shard_logically(self.embed(tokens_bt, positions_bt), ("batch", "length", "act_embed"))
         for k in range(1, cfg.mtp_num_layers + 1):
-            ahead = self.embed(shift_left(tokens_bt, k), shift_left(positions_bt, k))
+            ahead = shard_logically(shift_left(embedded, k), ("batch", "length", "act_embed"))
             key = dropout_key_for(dropout_key, k) if rate > 0 else None
             call = remat(lambda layer, h_, e_, key_: layer(checkpoint_name(h_, "decoder_layer_input"), e_,
                                                           positions_bt, segment_ids_bt, key_, packed), cfg, False)

@@ -50,8 +50,12 @@ class MtpLayer(nnx.Module):
 
     def __call__(self, hidden_btd, embedded_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool):
         """(h^k [B, T, D], the block's aux) from h^{k-1} and the embeddings of the tokens k places ahead."""
-        both_cbtd = jnp.stack([self.embedding_norm(embedded_btd), self.hidden_norm(hidden_btd)])
-        x = project("cbtd,cde->bte", both_cbtd, self.projection_ced[...].astype(self.dtype))
+        w = self.projection_ced[...].astype(self.dtype)
+        # two products summed, not one over the pair stacked: each is a plain [B, T, D] x [D, D]
+        # projection, which XLA shards as every other (the stacked pair, with the sequence split,
+        # made it replicate the activations)
+        x = project("btd,de->bte", self.embedding_norm(embedded_btd), w[0]) + \
+            project("btd,de->bte", self.hidden_norm(hidden_btd), w[1])
         x = shard_logically(x, ("batch", "length", "act_embed"))
         x, aux, _ = self.block(x, positions_bt, segment_ids_bt, dropout_key, packed, None)
         return x, aux
