@@ -31,6 +31,12 @@ def test_product_mismatch_quotes_every_factor():
         assert part in msg
 
 
+def test_one_device_is_counted_in_the_singular():
+    cfg = build_config({"ici_fsdp_parallelism": 3}).mesh
+    with pytest.raises(ConfigError, match=r"= 3, but there is 1 device in a slice; make the product 1"):
+        create_mesh(cfg, jax.devices()[:1])
+
+
 def test_fill_that_cannot_divide():
     cfg = build_config({"ici_tensor_parallelism": 3, "ici_fsdp_parallelism": -1}).mesh
     with pytest.raises(ConfigError, match="does not divide"):

@@ -71,20 +71,21 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 MUST_DIVIDE = {"heads": "attention query heads (num_query_heads)", "mlp": "MLP width (mlp_dim)"}
 
 
-def _resolve(kind: str, sizes: dict[str, int], total: int, unit: str) -> dict[str, int]:
+def _resolve(kind: str, sizes: dict[str, int], total: int, units: tuple[str, str]) -> dict[str, int]:
     """Fill a -1 entry and check that the product equals `total`."""
+    counted = f"{total} {units[total != 1]}"  # "1 device in a slice", "8 devices in a slice"
     fixed = math.prod(v for v in sizes.values() if v != -1)
     fill = [axis for axis, v in sizes.items() if v == -1]
     if fill:
         if total % fixed:
             raise ConfigError(
                 f"{_describe(kind, sizes)}: the fixed factors multiply to {fixed}, which does not divide "
-                f"the {total} {unit}; change them so their product divides {total}"
+                f"the {counted}; change them so their product divides {total}"
             )
         sizes = {**sizes, fill[0]: total // fixed}
     if math.prod(sizes.values()) != total:
         raise ConfigError(
-            f"{_describe(kind, sizes)} = {math.prod(sizes.values())}, but there are {total} {unit}; "
+            f"{_describe(kind, sizes)} = {math.prod(sizes.values())}, but there {('is', 'are')[total != 1]} {counted}; "
             f"make the product {total} or set one of them to -1"
         )
     return sizes
@@ -100,8 +101,8 @@ def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int) -> tuple[dict
         raise ConfigError(f"{num_devices} devices cannot be split evenly into num_slices={num_slices}")
     ici = {a: getattr(cfg, f"ici_{_KEY_NAME[a]}_parallelism") for a in (*MESH_AXES, "fsdp_transpose")}
     dcn = {a: getattr(cfg, f"dcn_{_KEY_NAME[a]}_parallelism") for a in (*MESH_AXES, "fsdp_transpose")}
-    ici = _resolve("ici", ici, num_devices // num_slices, "devices in a slice")
-    dcn = _resolve("dcn", dcn, num_slices, "slices")
+    ici = _resolve("ici", ici, num_devices // num_slices, ("device in a slice", "devices in a slice"))
+    dcn = _resolve("dcn", dcn, num_slices, ("slice", "slices"))
     return _fold_fsdp_transpose("ici", ici), _fold_fsdp_transpose("dcn", dcn)
 
 

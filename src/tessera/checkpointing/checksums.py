@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "tessera_checksums.json"
 SHARE = ".tessera_checksums.process_{}.json"  # one process's part of a step's list, until process 0 merges it
+_OWN = ".tessera_checksums"  # how the partial lists and the list's temporary file start: never listed themselves
 PROCESS_FILES = "ocdbt.process_{}"  # where Orbax's OCDBT format puts the array files process i writes
 _FORMAT = 1
 _CHUNK = 8 << 20
@@ -70,8 +71,13 @@ def _files(folder: Path, items_only: bool) -> list[str]:
         if items_only and rel == Path("."):
             continue
         out += [str(rel / n) if rel != Path(".") else n for n in names
-                if n != MANIFEST and not n.startswith(".tessera_checksums")]
+                if n != MANIFEST and not n.startswith(_OWN)]
     return sorted(out)
+
+
+def _entry(path: Path) -> dict[str, int]:
+    """A file's entry in a checksum list."""
+    return {"size": path.stat().st_size, "crc32c": crc32c(path)}
 
 
 def _write_list(path: Path, files: dict[str, dict]) -> None:
@@ -102,7 +108,7 @@ def record_share(item, name: str, process: int) -> None:
     files = {}
     for rel in _files(own, items_only=False) if own.is_dir() else []:
         path = own / rel
-        files[f"{name}/{own.name}/{rel}"] = {"size": path.stat().st_size, "crc32c": crc32c(path)}
+        files[f"{name}/{own.name}/{rel}"] = _entry(path)
     _write_list(item.parent / SHARE.format(process), files)
     _log_cost(f"process {process} recorded checksums of the", files, own, time.perf_counter() - start)
 
@@ -128,7 +134,7 @@ def record(folder, items_only: bool) -> None:
         path = folder / name
         size = path.stat().st_size
         entry = shared.get(name)
-        files[name] = entry if entry is not None and entry["size"] == size else {"size": size, "crc32c": crc32c(path)}
+        files[name] = entry if entry is not None and entry["size"] == size else _entry(path)
     _write_list(folder / MANIFEST, files)
     for share in shares:
         share.unlink()
