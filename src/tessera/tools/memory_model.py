@@ -140,8 +140,8 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     # float32 for the loss and a copy in the compute dtype; once more per multi-token-prediction depth
     logits = (1 + m.mtp_num_layers) * tokens * m.vocab_size / tp * (4 + a)
     # a multi-token-prediction depth runs after the layers' scan, and the compiler gives it a working
-    # set of its own (v5p DeepSeek-V3 recipe with one depth, 2026-11-27: 6.69 GiB more temporaries,
-    # the routing buffers of a second expert layer among them; this model: 6.76 with its logits)
+    # set of its own (v5p DeepSeek-V3 recipe with one depth, 2026-11-27: 6.84 GiB more temporaries,
+    # the routing buffers of a second expert layer among them; this model adds 3.37 GiB in all)
     return layers + buffers + one_layer * (1 + m.mtp_num_layers) + logits
 
 
