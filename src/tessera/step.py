@@ -157,11 +157,11 @@ def loss_terms(model: ModelDef, params, batch, dropout_key, packed: bool = False
     Inputs are tokens[:, :-1] and targets tokens[:, 1:]. A target counts only if it is not
     padding (segment id 0) and belongs to the same segment as its input token. `packed`: rows
     hold several documents, so attention must use a kernel that honours segment ids. `aux`:
-    the model's auxiliary scalars (MoE load-balancing loss and dropped-token fraction).
+    the model's auxiliary scalars (MoE load-balancing loss and dropped-token fraction; with
+    mtp_num_layers, the multi-token-prediction loss and its depths' statistics, `mtp_terms`).
     """
     tokens, segments = batch["tokens"], batch["segment_ids"]
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    weights = (segments[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1])
+    inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], target_weights(segments)
     x_btd, aux = model.hidden_with_aux(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key,
                                        packed=packed)
     loss_sum = cross_entropy_sum(lambda x: model.logits(params, x), x_btd, targets, weights,
@@ -171,14 +171,19 @@ def loss_terms(model: ModelDef, params, batch, dropout_key, packed: bool = False
     return loss_sum, jnp.sum(weights).astype(jnp.float32), aux
 
 
+def target_weights(segments_bt):
+    """Which targets of tokens [B, T+1] count: not padding (segment id 0) and in the same segment as
+    their input token."""
+    return (segments_bt[:, 1:] != 0) & (segments_bt[:, 1:] == segments_bt[:, :-1])
+
+
 def mtp_terms(model: ModelDef, params, x_btd, batch, dropout_key, packed: bool = False) -> dict:
     """The multi-token-prediction depths' aux (`tessera.models.mtp`): "mtp_loss", the mean over
     depths of each depth's mean cross-entropy on the targets k places further on (positions whose
     chain of targets leaves the document, or reaches padding, do not count), and the depths'
     MoE statistics ("mtp_moe_...", MTP_LOAD)."""
     tokens, segments = batch["tokens"], batch["segment_ids"]
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    weights = (segments[:, 1:] != 0) & (segments[:, 1:] == segments[:, :-1])
+    inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], target_weights(segments)
     hiddens, aux = model.mtp_hidden(params, x_btd, inputs, batch["positions"][:, :-1], segments[:, :-1],
                                     dropout_key, packed)
     losses = []
