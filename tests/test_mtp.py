@@ -67,8 +67,9 @@ def test_mtp_loss_equals_a_direct_computation_on_shortened_sequences(family):
 
 def test_a_depth_sees_no_token_past_its_target_and_no_other_document():
     """Changing input token 7 changes depth 1 at positions 6 and on (it embeds token i + 1) and
-    depth 2 at 5 and on; in a packed row, the second document's tokens leave the first's loss
-    terms as they were."""
+    depth 2 at 5 and on. Two documents packed in one row give the MTP loss of the same two
+    documents each in a row of its own, padded: nothing crosses the boundary, neither attention
+    nor a chain of targets."""
     model = build_model(tiny_config(mtp_num_layers=2).model)
     params = model.init(jax.random.key(1))
     tokens = _batch(rows=1)["tokens"][:, :-1]
@@ -82,17 +83,24 @@ def test_a_depth_sees_no_token_past_its_target_and_no_other_document():
         moved = np.abs(np.asarray(a - b)).max(axis=(0, 2))
         assert (moved[:7 - k] == 0).all() and (moved[7 - k:] > 1e-6).all(), (k, moved)
 
-    # one row: document 1 at positions 0..6, document 2 after it; change document 2's tokens
-    segments = [[1] * 7 + [2] * (T + 1 - 7)]
-    a, b = _batch(rows=1, segments=segments), _batch(rows=1, seed=5, segments=segments)
-    b["tokens"] = b["tokens"].at[:, :7].set(a["tokens"][:, :7])
-    x_a = model.hidden_with_aux(params, a["tokens"][:, :-1], segment_ids_bt=a["segment_ids"][:, :-1])[0]
-    x_b = model.hidden_with_aux(params, b["tokens"][:, :-1], segment_ids_bt=b["segment_ids"][:, :-1])[0]
-    first = {k: model.mtp_hidden(params, x, batch["tokens"][:, :-1], batch["positions"][:, :-1],
-                                 batch["segment_ids"][:, :-1])[0] for k, x, batch in (("a", x_a, a), ("b", x_b, b))}
-    # depth k's position i (i + k + 1 <= 6: its whole chain in document 1) is the same in both rows
-    for k in (1, 2):
-        np.testing.assert_allclose(first["a"][k - 1][:, :6 - k], first["b"][k - 1][:, :6 - k], atol=1e-6)
+    one = build_model(tiny_config(mtp_num_layers=1).model)  # one depth: its loss is a sum over a count
+    params = one.init(jax.random.key(1))
+    ids = np.random.default_rng(7).integers(1, 96, T + 1)
+    n = 7  # document 1: ids[:7], document 2: ids[7:]
+    packed = {"tokens": jnp.asarray([ids], jnp.int32), "segment_ids": jnp.asarray([[1] * n + [2] * (T + 1 - n)]),
+              "positions": jnp.asarray([list(range(n)) + list(range(T + 1 - n))])}
+    alone = {"tokens": jnp.asarray([list(ids[:n]) + [0] * (T + 1 - n), list(ids[n:]) + [0] * n], jnp.int32),
+             "segment_ids": jnp.asarray([[1] * n + [0] * (T + 1 - n), [1] * (T + 1 - n) + [0] * n]),
+             "positions": jnp.asarray([list(range(T + 1))] * 2)}
+
+    def mtp_loss(batch):
+        x = one.hidden_with_aux(params, batch["tokens"][:, :-1], batch["positions"][:, :-1],
+                                batch["segment_ids"][:, :-1], packed=True)[0]
+        return mtp_terms(one, params, x, batch, None, packed=True)["mtp_loss"]
+
+    np.testing.assert_allclose(mtp_loss(packed), mtp_loss(alone), rtol=1e-5)
+    crossing = {**packed, "segment_ids": jnp.ones_like(packed["segment_ids"])}  # the same ids as one document
+    assert abs(float(mtp_loss(crossing)) - float(mtp_loss(packed))) > 1e-3
 
 
 def test_the_main_model_is_the_same_with_or_without_mtp():
