@@ -22,7 +22,7 @@ from tessera.tools.check_logits import compare
 from tessera.tools.convert import hf_to_tessera, tessera_to_hf
 from tessera.tools.estimate import load_model_config
 from tessera.tools.hf_checkpoint import Reader, hf_config
-from tessera.tools.hf_layouts import as_overrides, config_from_hf
+from tessera.tools.hf_configs import as_overrides, config_from_hf
 
 ATOL = 1e-4  # float32 on both sides; measured differences are ~4e-6 on logits of magnitude ~5
 TINY_VOCAB = 97  # every family's tiny checkpoint (hf_reference.VOCAB; checked when they are made)

@@ -211,7 +211,7 @@ def test_deepseek_mtp_layers_convert_to_hugging_face_and_back(scan_layers, tmp_p
     from tessera.tools import hf_checkpoint
     from tessera.tools.convert import main
     from tessera.tools.estimate import load_model_config
-    from tessera.tools.hf_layouts import as_overrides
+    from tessera.tools.hf_configs import as_overrides
 
     model_keys = {k: v for k, v in tiny_config().model.__dict__.items() if k.startswith("base_") or k in (
         "head_dim", "vocab_size")}

@@ -17,7 +17,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from tessera.config import Config, ConfigError, ModelConfig
-from tessera.tools.hf_layouts import HF_MODEL_TYPES, Layout, Rule
+from tessera.tools.hf_configs import HF_MODEL_TYPES
+from tessera.tools.hf_layouts import Layout, Rule
 
 
 class Reader:

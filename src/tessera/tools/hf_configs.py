@@ -1,0 +1,189 @@
+"""How a Hugging Face `config.json` maps onto Tessera's model keys, per family, and back to
+`key=value` arguments.
+
+`config_from_hf(hf_config)` turns a `config.json` into Tessera model keys (the converter checks
+them against the run's config, and the parity tests build their models from them); options no
+released model uses and Tessera does not build are refused by name. The tensor side, which
+Hugging Face tensor is which Tessera parameter, is `tessera.tools.hf_layouts`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tessera.config import ConfigError
+from tessera.config.derived import LAYERS_PER_BLOCK
+
+HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
+                  "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
+                  "deepseek_v3": "deepseek"}
+GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+
+
+def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Tessera model keys (global_parameter_scale=1) describing the model of a config.json."""
+    kind = hf.get("model_type")
+    if kind not in HF_MODEL_TYPES:
+        raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+    if kind == "gpt2":
+        return _gpt2_keys(hf)
+    if kind == "deepseek_v3":
+        return _deepseek_keys(hf)
+    heads = hf["num_attention_heads"]
+    keys = {
+        "decoder_block": HF_MODEL_TYPES[kind], "global_parameter_scale": 1, "base_emb_dim": hf["hidden_size"],
+        "base_num_query_heads": heads, "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "base_mlp_dim": hf["intermediate_size"],
+        "base_num_decoder_layers": hf["num_hidden_layers"], "vocab_size": hf["vocab_size"],
+        "normalization_layer_epsilon": hf["rms_norm_eps"], "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
+        "mlp_activations": [_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"), "linear"],
+        "sliding_window_size": hf.get("sliding_window") or 0, **_rope_keys(hf),
+    }
+    if kind == "gemma":
+        keys["mlp_activations"] = ["gelu", "linear"]  # transformers' Gemma always uses the tanh GELU
+    if kind == "mixtral":
+        keys.update(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"])
+    if kind in ("qwen3", "qwen3_moe"):
+        _refuse_qwen3_variants(hf)
+        keys["sliding_window_size"] = 0  # a window given with use_sliding_window=false is not used
+    if kind == "qwen3_moe":
+        keys.update(num_experts=hf.get("num_experts") or hf["num_local_experts"],
+                    num_experts_per_tok=hf["num_experts_per_tok"], base_mlp_dim=hf["moe_intermediate_size"],
+                    norm_topk_prob=bool(hf.get("norm_topk_prob")))
+    if kind in ("gemma2", "gemma3_text"):
+        keys.update(query_pre_attn_scalar=hf.get("query_pre_attn_scalar") or 0,
+                    attn_logits_soft_cap=hf.get("attn_logit_softcapping") or 0.0,
+                    final_logits_soft_cap=hf.get("final_logit_softcapping") or 0.0)
+    if kind == "gemma3_text":
+        keys.update(_gemma3_keys(hf))
+    return keys
+
+
+def _refuse_qwen3_variants(hf: dict[str, Any]) -> None:
+    """Qwen3 options no released model uses and Tessera does not build."""
+    if hf.get("use_sliding_window"):
+        raise ConfigError("this Qwen3 checkpoint sets use_sliding_window=true (sliding-window layers); Tessera's qwen3 "
+                          "families build full attention only, as every released Qwen3 model uses")
+    if hf.get("model_type") == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
+        raise ConfigError("this Qwen3-MoE checkpoint has dense MLP layers between expert layers (mlp_only_layers / "
+                          "decoder_sparse_step); Tessera's qwen3_moe has experts in every layer")
+
+
+def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's per-layer-type rotary settings, and a check of its 5 local : 1 global pattern."""
+    layers = hf["num_hidden_layers"]
+    expected = ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["gemma3"] == 0 else "sliding_attention"
+                for i in range(layers)]
+    if hf.get("layer_types") and list(hf["layer_types"]) != expected:
+        raise ConfigError("this Gemma 3 checkpoint's layer_types are not the 5 local : 1 global pattern Tessera's "
+                          "gemma3 builds")
+    params = hf.get("rope_parameters") or {}
+    local = params.get("sliding_attention", {})
+    glob = params.get("full_attention", {})
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"Gemma 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
+    keys: dict[str, Any] = {"local_rope_max_timescale": int(local.get("rope_theta", hf.get("rope_local_base_freq",
+                                                                                          10000.0))),
+                            "rope_max_timescale": int(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+                            "rope_scaling": "none"}
+    kind = glob.get("rope_type", "default")
+    if kind == "linear":
+        keys.update(rope_scaling="linear", rope_scaling_factor=float(glob["factor"]))
+    elif kind != "default":
+        raise ConfigError(f"Gemma 3 global layers with rope_type={kind!r} are not supported (default and linear are)")
+    return keys
+
+
+def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    heads = hf["num_attention_heads"]
+    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise ConfigError("this DeepSeek checkpoint routes with scoring_func/topk_method other than DeepSeek-V3's "
+                          "sigmoid / noaux_tc, which is what Tessera's deepseek builds")
+    keys = {
+        "decoder_block": "deepseek", "global_parameter_scale": 1, "base_emb_dim": hf["hidden_size"],
+        "base_num_query_heads": heads, "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
+        "head_dim": hf["qk_nope_head_dim"] + hf["qk_rope_head_dim"], "base_mlp_dim": hf["intermediate_size"],
+        "base_moe_mlp_dim": hf["moe_intermediate_size"], "base_num_decoder_layers": hf["num_hidden_layers"],
+        "vocab_size": hf["vocab_size"], "normalization_layer_epsilon": hf["rms_norm_eps"],
+        "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
+        "mlp_activations": [_activation(hf.get("hidden_act") or "silu"), "linear"], "sliding_window_size": 0,
+        "q_lora_rank": hf.get("q_lora_rank") or 0, "kv_lora_rank": hf["kv_lora_rank"],
+        "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
+        "v_head_dim": hf["v_head_dim"], "num_experts": hf["n_routed_experts"],
+        "num_experts_per_tok": hf["num_experts_per_tok"], "shared_experts": hf.get("n_shared_experts") or 0,
+        "first_num_dense_layers": hf.get("first_k_dense_replace", 0), "norm_topk_prob": bool(hf.get("norm_topk_prob")),
+        "routed_score_func": "sigmoid", "routed_bias": True,
+        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+        "n_routing_groups": hf["n_group"] if (hf.get("n_group") or 1) > 1 else -1,
+        "topk_routing_group": hf["topk_group"] if (hf.get("n_group") or 1) > 1 else -1,
+    }
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    keys["rope_max_timescale"] = int(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind == "yarn":
+        mscale, all_dims = params.get("mscale") or 0, params.get("mscale_all_dim") or 0
+        if mscale != all_dims or not mscale:
+            raise ConfigError(f"this checkpoint's YaRN has mscale={mscale} and mscale_all_dim={all_dims}; Tessera's "
+                              "deepseek supports DeepSeek-V3's equal, non-zero pair (rotary scale 1)")
+        keys.update(rope_scaling="yarn", rope_scaling_factor=float(params["factor"]),
+                    rope_original_max_position=int(params["original_max_position_embeddings"]),
+                    beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                    mscale=float(mscale))
+    elif kind == "default":
+        keys["rope_scaling"] = "none"
+    else:
+        raise ConfigError(f"DeepSeek rope_type {kind!r} is not supported (default and yarn are)")
+    return keys
+
+
+def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    d, heads = hf["n_embd"], hf["n_head"]
+    return {
+        "decoder_block": "gpt3", "global_parameter_scale": 1, "base_emb_dim": d, "base_num_query_heads": heads,
+        "base_num_kv_heads": heads, "head_dim": d // heads, "base_mlp_dim": hf.get("n_inner") or 4 * d,
+        "base_num_decoder_layers": hf["n_layer"], "vocab_size": hf["vocab_size"],
+        "normalization_layer_epsilon": hf["layer_norm_epsilon"], "logits_via_embedding": True,
+        "mlp_activations": [_activation(hf.get("activation_function", "gelu_new"))],
+        "trainable_position_size": hf["n_positions"],
+    }
+
+
+def _activation(name: str) -> str:
+    if name in GELU_TANH:
+        return "gelu"
+    if name in ("silu", "swish", "relu"):
+        return "relu" if name == "relu" else "silu"
+    raise ConfigError(f"activation {name!r} of this checkpoint has no Tessera equivalent (we have silu, relu and the "
+                      "tanh-approximated gelu)")
+
+
+def _rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    params = hf.get("rope_parameters") or {}
+    if hf.get("model_type") == "gemma3_text":  # per layer type: see _gemma3_keys
+        return {}
+    if "full_attention" in params:  # per-layer-type parameters; all layer types share them in these families
+        params = params["full_attention"]
+    scaling = hf.get("rope_scaling") or params
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    keys: dict[str, Any] = {"rope_max_timescale": int(theta), "rope_scaling": "none"}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "llama3":
+        keys.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
+                    rope_low_freq_factor=float(scaling["low_freq_factor"]),
+                    rope_high_freq_factor=float(scaling["high_freq_factor"]),
+                    rope_original_max_position=int(scaling["original_max_position_embeddings"]))
+    elif rope_type == "linear":
+        keys.update(rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
+    elif rope_type != "default":
+        raise ConfigError(f"rope scaling type {rope_type!r} of this checkpoint is not supported (default, linear and "
+                          "llama3 are)")
+    return keys
+
+
+def as_overrides(keys: dict[str, Any]) -> list[str]:
+    """`key=value` arguments (as on a command line) for config_from_hf's keys."""
+    def text(v):
+        return json.dumps(v) if isinstance(v, list) else str(v).lower() if isinstance(v, bool) else str(v)
+
+    return [f"{k}={text(v)}" for k, v in keys.items()]
