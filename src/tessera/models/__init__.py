@@ -12,7 +12,8 @@ from flax import nnx
 from tessera.config import ModelConfig
 from tessera.config.derived import PipelineLayout
 from tessera.config.checks import validate_for_build
-from tessera.models.decoder import OFFLOADING_POLICIES, REMAT_POLICIES, Decoder, init_cache, offloads_to_host  # noqa: F401
+from tessera.models.decoder import Decoder, init_cache  # noqa: F401
+from tessera.models.remat import OFFLOADING_POLICIES, REMAT_POLICIES, offloads_to_host  # noqa: F401
 from tessera.models.registry import BLOCKS
 
 __all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model", "offloads_to_host"]
