@@ -1,6 +1,7 @@
 """Multi-token prediction (mtp_num_layers): the loss against a direct computation on shortened
 sequences, causality and document boundaries, the main model left as it was, training on one
-device and on a sharded mesh, MoE depths (router loss, routed bias), counts and config errors."""
+device and on a sharded mesh, MoE depths (router loss, routed bias), evaluation (the MTP loss and a
+depth's acceptance rate), counts and config errors."""
 
 import json
 
@@ -13,11 +14,12 @@ import pytest
 from conftest import tiny_config
 from test_families import FAMILIES
 from tessera.config import ConfigError
-from tessera.metrics import format_record, matmul_params
+from tessera.evaluation import eval_sums
+from tessera.metrics import format_eval, format_record, matmul_params
 from tessera.models import build_model
 from tessera.models.decoder import MTP_LOAD
 from tessera.models.mtp import chain_weights
-from tessera.step import loss_terms, mtp_terms
+from tessera.step import loss_terms, mtp_terms, target_weights
 from tessera.tools.memory_model import count_params
 from tessera.train import run
 
@@ -103,6 +105,51 @@ def test_a_depth_sees_no_token_past_its_target_and_no_other_document():
     assert abs(float(mtp_loss(crossing)) - float(mtp_loss(packed))) > 1e-3
 
 
+def test_eval_reports_the_mtp_loss_and_a_depth_s_acceptance_rate():
+    """eval_sums against a direct computation on shortened sequences: depth 2's greedy token at
+    position i is accepted when it equals the main model's greedy token at i + 2 (both guess
+    token i + 3). The output layer is cut to 3 tokens (the others' logits 0), so guesses agree
+    often but not always. A row that ends in padding offers only the positions whose chain of
+    targets is real. With num_vocab_tiling=4 every sum is the same."""
+    def sums(tiles):
+        model = build_model(tiny_config(mtp_num_layers=2, mtp_eval_target_module=2, num_vocab_tiling=tiles).model)
+        params = model.init(jax.random.key(4))
+        params["logits_dense_dv"] = params["logits_dense_dv"].at[:, 3:].set(0.0)
+        return model, params, eval_sums(model, params, batch)
+
+    batch = _batch(rows=4, seed=5)
+    batch["segment_ids"] = batch["segment_ids"].at[3, 9:].set(0)  # row 3: tokens 9.. are padding
+    model, params, got = sums(1)
+
+    module, tokens = model._module(params), batch["tokens"]
+    x = module.hidden(tokens[:, :-1])[0]
+    main = jnp.argmax(module.logits(x), axis=-1)
+    h = x
+    for k in (1, 2):
+        n = T - k
+        positions = jnp.broadcast_to(jnp.arange(n), (4, n))
+        h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
+                                           jnp.ones_like(positions), None, False)
+    draft = jnp.argmax(module.logits(h, mtp_depth=2), axis=-1)  # [4, T - 2]: guesses of tokens i + 3
+    offered = np.ones((4, T - 2), bool)
+    offered[3, 9 - 3:] = False  # token 9 is padding: positions 6.. of row 3 have a target chain reaching it
+    accepted = int(np.sum((np.asarray(draft) == np.asarray(main[:, 2:])) & offered))
+    assert got["mtp_offered"] == offered.sum() == 3 * (T - 2) + 6
+    assert got["mtp_accepted"] == accepted and 0 < accepted < offered.sum(), (accepted, offered.sum())
+    assert got["mtp_counts"].tolist() == [np.sum(chain_weights(target_weights(batch["segment_ids"]), k))
+                                          for k in (1, 2)]
+    x = model.hidden_with_aux(params, tokens[:, :-1], batch["positions"][:, :-1], batch["segment_ids"][:, :-1])[0]
+    np.testing.assert_allclose(np.mean(got["mtp_loss_sums"] / got["mtp_counts"]),  # training's MTP loss
+                               mtp_terms(model, params, x, batch, None)["mtp_loss"], rtol=1e-6)
+
+    tiled = sums(4)[2]
+    for key in got:
+        np.testing.assert_allclose(tiled[key], got[key], rtol=1e-5, err_msg=key)
+    record = {"step": 5, "eval_loss": 2.0, "eval_perplexity": 7.39, "eval_tokens": 40, "eval_batches": 1,
+              "eval_seconds": 0.1, "eval_mtp_loss": 2.5, "eval_mtp_acceptance_rate_percent": 37.5}
+    assert "loss 2.0000 (MTP 2.5000) | MTP acceptance 37.5% | perplexity" in format_eval(record)
+
+
 def test_the_main_model_is_the_same_with_or_without_mtp():
     """The same seed gives the same main-model weights (the depths are initialized last), the
     same logits and the same next-token loss; with mtp_loss_scaling_factor=0 training follows the
@@ -120,23 +167,33 @@ def test_the_main_model_is_the_same_with_or_without_mtp():
 def test_training_with_mtp_on_one_device_and_on_a_sharded_mesh(tmp_path):
     """A weight of 0 trains the main model exactly as without MTP; with MTP on, the next-token
     loss changes, the MTP loss falls, and fsdp 2 x tensor 2 x sequence 2 gives one device's losses (the
-    depths' shifts cross the sequence split)."""
+    depths' shifts cross the sequence split), and its evaluations' (the MTP loss and depth 2's
+    acceptance rate among them)."""
+    evals = {}
+
     def losses(name, devices, **keys):
         cfg = tiny_config(tmp_path / name, steps=4, per_device_batch_size=8 / devices, enable_checkpointing=False,
                           **keys)
         run(cfg, jax.devices()[:devices])
-        return [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
+        evals[name] = [r for r in records if "eval_loss" in r]
+        return [r for r in records if "eval_loss" not in r]
 
     plain = losses("plain", 1)
     silent = losses("silent", 1, mtp_num_layers=1, mtp_loss_scaling_factor=0.0)
     np.testing.assert_allclose([r["loss"] for r in silent], [r["loss"] for r in plain], rtol=1e-6)
-    one = losses("one", 1, mtp_num_layers=2, mtp_loss_scaling_factor=0.5)
+    evaluated = dict(eval_interval=2, eval_steps=2, mtp_eval_target_module=2)
+    one = losses("one", 1, mtp_num_layers=2, mtp_loss_scaling_factor=0.5, **evaluated)
     assert not np.allclose([r["loss"] for r in one][1:], [r["loss"] for r in plain][1:], rtol=1e-6)
     assert one[-1]["mtp_loss"] < one[0]["mtp_loss"] and "(MTP " in format_record(one[0])
     sharded = losses("sharded", 8, mtp_num_layers=2, mtp_loss_scaling_factor=0.5, ici_fsdp_parallelism=2,
-                     ici_tensor_parallelism=2, ici_sequence_parallelism=2)
+                     ici_tensor_parallelism=2, ici_sequence_parallelism=2, **evaluated)
     for key in ("loss", "mtp_loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in sharded], [r[key] for r in one], rtol=2e-4, err_msg=key)
+    assert [r["step"] for r in evals["one"]] == [2, 4] and evals["one"][-1]["eval_mtp_loss"] > 1.0
+    for key in ("eval_loss", "eval_mtp_loss", "eval_mtp_acceptance_rate_percent"):
+        np.testing.assert_allclose([r[key] for r in evals["sharded"]], [r[key] for r in evals["one"]], rtol=2e-4,
+                                   err_msg=key)
     # the step's FLOPs count the depths: a block, its projection and the output layer each
     base, extra = tiny_config().model, tiny_config(mtp_num_layers=2).model
     d, v = base.emb_dim, base.vocab_size
@@ -196,6 +253,8 @@ def test_counts_match_the_model_we_build_with_mtp(family):
     (dict(FAMILIES["gemma2"], mtp_num_layers=1), "gemma2's blocks hold 2 layers"),
     (dict(mtp_num_layers=12), "leaves nothing to predict"),
     (dict(mtp_num_layers=1, ici_pipeline_parallelism=2, ici_fsdp_parallelism=1), "not supported with pipeline"),
+    (dict(mtp_num_layers=2, mtp_eval_target_module=3), "but it has 2 .* use 1 to 2, or 0"),
+    (dict(mtp_eval_target_module=1), "mtp_num_layers=0 builds none"),
 ])
 def test_mtp_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message):

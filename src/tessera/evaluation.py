@@ -4,6 +4,14 @@ batches of the eval stream (or all of it with `eval_steps=-1`), and its perplexi
 Every evaluation reads the same batches from the start of the eval stream, so the numbers of
 two evaluations differ only because the parameters changed. Padding rows at the end of the eval
 data carry no targets and do not count.
+
+With multi-token prediction (mtp_num_layers) it also reports `eval_mtp_loss`, the mean over
+depths of each depth's mean cross-entropy on the eval tokens (unscaled, as `mtp_loss` in
+training), and with mtp_eval_target_module=k `eval_mtp_acceptance_rate_percent`: at the
+positions whose chain of targets stays in the document, how often depth k's greedy guess of the
+token k+1 places ahead equals the main model's greedy guess of that token from k positions
+later (both given the true tokens). Speculative decoding with depth k as the draft would accept
+its guess that often.
 """
 
 from __future__ import annotations
@@ -13,10 +21,41 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
-from tessera.step import Trainer, abstract_state, batch_shapes, loss_sums
+from tessera.models import ModelDef
+from tessera.models.mtp import chain_weights, shift_left
+from tessera.step import (Trainer, abstract_state, batch_shapes, cross_entropy_sum, greedy_tokens, mtp_depths,
+                          target_weights)
+
+
+def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
+    """One eval batch's sums, to be added over batches: "loss_sum" and "count" (`loss_sums`); with
+    mtp_num_layers, "mtp_loss_sums" and "mtp_counts" [D]; with mtp_eval_target_module k,
+    "mtp_accepted" (positions where depth k's greedy token equals the main model's k positions
+    later) and "mtp_offered" (positions counted)."""
+    cfg = model.cfg
+    tokens, segments = batch["tokens"], batch["segment_ids"]
+    targets, weights = tokens[:, 1:], target_weights(segments)
+    x_btd, _ = model.hidden_with_aux(params, tokens[:, :-1], batch["positions"][:, :-1], segments[:, :-1],
+                                     None, packed=packed)
+    main_fn = lambda x: model.logits(params, x)  # noqa: E731
+    sums = {"loss_sum": cross_entropy_sum(main_fn, x_btd, targets, weights, cfg.num_vocab_tiling),
+            "count": jnp.sum(weights).astype(jnp.float32)}
+    if not cfg.mtp_num_layers:
+        return sums
+    hiddens, _, sums["mtp_loss_sums"], sums["mtp_counts"] = mtp_depths(model, params, x_btd, batch, None, packed)
+    k = cfg.mtp_eval_target_module
+    if k:
+        main = greedy_tokens(main_fn, x_btd, cfg.num_vocab_tiling)
+        draft = greedy_tokens(lambda x: model.logits(params, x, k), hiddens[k - 1], cfg.num_vocab_tiling)
+        offered = chain_weights(weights, k)
+        sums["mtp_accepted"] = jnp.sum(offered & (draft == shift_left(main, k))).astype(jnp.float32)
+        sums["mtp_offered"] = jnp.sum(offered).astype(jnp.float32)
+    return sums
 
 
 class Evaluator:
@@ -30,7 +69,7 @@ class Evaluator:
         self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.global_batch, split="eval")
         self.start = self.data.get_state()
         model, packed = trainer.model, trainer.plan.packed
-        self.step_fn = jax.jit(lambda params, batch: loss_sums(model, params, batch, None, packed))
+        self.step_fn = jax.jit(lambda params, batch: eval_sums(model, params, batch, packed))
 
     def compile(self) -> float:
         """Compile the eval step for the train state's parameters and a batch; the seconds it took."""
@@ -40,23 +79,32 @@ class Evaluator:
         return time.perf_counter() - start
 
     def run(self, step: int, params, beat: Callable[[], None] = lambda: None) -> dict:
-        """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'};
+        """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'}, with
+        MTP 'eval_mtp_loss' and 'eval_mtp_acceptance_rate_percent' (see the module's docstring);
         `beat()` after each batch (the hang watchdog's: a long evaluation is not a hung step)."""
         start = time.perf_counter()
         self.data.set_state(self.start)
-        loss_sum, count, batches = 0.0, 0.0, 0
+        totals, batches = {}, 0
         with jax.set_mesh(self.trainer.mesh):
             for host_batch in self.data:
                 batch = place_batch(self.data, host_batch, self.trainer.batch_sharding,
                                     self.trainer.plan.global_batch)
-                l, n = jax.device_get(self.step_fn(params, batch))
-                loss_sum, count, batches = loss_sum + float(l), count + float(n), batches + 1
+                sums = jax.device_get(self.step_fn(params, batch))
+                totals = {k: totals.get(k, 0.0) + np.asarray(v, np.float64) for k, v in sums.items()}
+                batches += 1
                 beat()
                 if batches == self.steps:
                     break
-        if count == 0:
+        if not batches or totals["count"] == 0:
             raise ConfigError("the eval data holds no target tokens (every document is shorter than 2 tokens?); "
                               "check hf_eval_files / eval_split")
-        loss = loss_sum / count
-        return {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
-                "eval_tokens": int(count), "eval_batches": batches, "eval_seconds": time.perf_counter() - start}
+        loss = float(totals["loss_sum"] / totals["count"])
+        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
+                  "eval_tokens": int(totals["count"]), "eval_batches": batches,
+                  "eval_seconds": time.perf_counter() - start}
+        if "mtp_loss_sums" in totals:
+            record["eval_mtp_loss"] = float(np.mean(totals["mtp_loss_sums"] / np.maximum(totals["mtp_counts"], 1)))
+        if "mtp_accepted" in totals:
+            record["eval_mtp_acceptance_rate_percent"] = 100 * float(totals["mtp_accepted"] /
+                                                                     max(totals["mtp_offered"], 1))
+        return record

@@ -111,9 +111,7 @@ class MetricsWriter:
             for name, value in record.items():
                 if name != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"eval/{name.removeprefix('eval_')}", value, record["step"])
-        log.info("eval  %5d | loss %.4f | perplexity %.2f | %d tokens in %d batches | %.1f s", record["step"],
-                 record["eval_loss"], record["eval_perplexity"], record["eval_tokens"], record["eval_batches"],
-                 record["eval_seconds"])
+        log.info(format_eval(record))
 
     def _append(self, record: dict[str, Any]) -> None:
         if self._jsonl is not None:
@@ -145,6 +143,15 @@ class MetricsWriter:
             self._jsonl.close()
         if self._tb is not None:
             self._tb.close()
+
+
+def format_eval(r: dict[str, Any]) -> str:
+    """One evaluation as a log line (with MTP: its loss, and the acceptance rate when measured)."""
+    mtp = f" (MTP {r['eval_mtp_loss']:.4f})" if "eval_mtp_loss" in r else ""
+    if "eval_mtp_acceptance_rate_percent" in r:
+        mtp += f" | MTP acceptance {r['eval_mtp_acceptance_rate_percent']:.1f}%"
+    return (f"eval  {r['step']:5d} | loss {r['eval_loss']:.4f}{mtp} | perplexity {r['eval_perplexity']:.2f} | "
+            f"{r['eval_tokens']} tokens in {r['eval_batches']} batches | {r['eval_seconds']:.1f} s")
 
 
 def format_record(r: dict[str, Any]) -> str:

@@ -179,47 +179,76 @@ def target_weights(segments_bt):
 
 def mtp_terms(model: ModelDef, params, x_btd, batch, dropout_key, packed: bool = False) -> dict:
     """The multi-token-prediction depths' aux (`tessera.models.mtp`): "mtp_loss", the mean over
-    depths of each depth's mean cross-entropy on the targets k places further on (positions whose
-    chain of targets leaves the document, or reaches padding, do not count), and the depths'
-    MoE statistics ("mtp_moe_...", MTP_LOAD)."""
+    depths of each depth's mean cross-entropy (`mtp_depths`), and the depths' MoE statistics
+    ("mtp_moe_...", MTP_LOAD)."""
+    _, aux, sums, counts = mtp_depths(model, params, x_btd, batch, dropout_key, packed)
+    return {**aux, "mtp_loss": jnp.mean(sums / jnp.maximum(counts, 1.0))}
+
+
+def mtp_depths(model: ModelDef, params, x_btd, batch, dropout_key, packed: bool = False):
+    """(hiddens [h^1, ..., h^D], aux, loss sums [D], target counts [D]) of the multi-token-prediction
+    depths on `loss_terms`'s hidden state x: depth k's cross-entropy on the targets k places further
+    on, where a position whose chain of targets leaves the document, or reaches padding, does not
+    count."""
     tokens, segments = batch["tokens"], batch["segment_ids"]
     inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], target_weights(segments)
     hiddens, aux = model.mtp_hidden(params, x_btd, inputs, batch["positions"][:, :-1], segments[:, :-1],
                                     dropout_key, packed)
-    losses = []
+    sums, counts = [], []
     for k, h_btd in enumerate(hiddens, start=1):
         w = chain_weights(weights, k)
-        total = cross_entropy_sum(lambda x, k=k: model.logits(params, x, k), h_btd, shift_left(targets, k), w,
-                                  model.cfg.num_vocab_tiling)
-        losses.append(total / jnp.maximum(jnp.sum(w), 1).astype(jnp.float32))
-    return {**aux, "mtp_loss": jnp.mean(jnp.stack(losses))}
+        sums.append(cross_entropy_sum(lambda x, k=k: model.logits(params, x, k), h_btd, shift_left(targets, k), w,
+                                      model.cfg.num_vocab_tiling))
+        counts.append(jnp.sum(w).astype(jnp.float32))
+    return hiddens, aux, jnp.stack(sums), jnp.stack(counts)
 
 
 def cross_entropy_sum(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
     """sum(weights * cross-entropy(logits_fn(x), targets)) over the tokens of x [B, T, D].
 
-    tiles > 1 (num_vocab_tiling): the B*T tokens are split into `tiles` chunks (token j goes to
-    chunk j mod tiles, so every chunk keeps the batch's sharding) and a scan computes one chunk's
-    logits and loss at a time, recomputing them in the backward pass: logits [B, T, V] never
-    exist at once. `logits_fn` maps [B', T', D] -> [B', T', V]."""
+    tiles > 1 (num_vocab_tiling): the B*T tokens are split into `tiles` chunks (`token_chunks`)
+    and a scan computes one chunk's logits and loss at a time, recomputing them in the backward
+    pass: logits [B, T, V] never exist at once. `logits_fn` maps [B', T', D] -> [B', T', V]."""
 
     def chunk(x, t, w):
         return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_fn(x), t) * w)
 
     if tiles == 1:
         return chunk(x_btd, targets_bt, weights_bt)
-    b, t, d = x_btd.shape
-    if (b * t) % tiles:
-        raise ConfigError(f"num_vocab_tiling={tiles} does not divide the {b} x {t} = {b * t} tokens of the batch; "
-                          "change num_vocab_tiling")
-    # [B, T, ...] -> [tiles, B*T/tiles, 1, ...]: chunk i holds the tokens j with j % tiles == i
-    split = lambda a: jnp.moveaxis(a.reshape(b * t // tiles, tiles, 1, *a.shape[2:]), 1, 0)  # noqa: E731
+    split, _ = token_chunks(x_btd.shape[:2], tiles)
 
     def body(total, xs):
         return total + jax.checkpoint(chunk)(*xs), None
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_btd), split(targets_bt), split(weights_bt)))
     return total
+
+
+def greedy_tokens(logits_fn, x_btd, tiles: int = 1):
+    """argmax(logits_fn(x)) [B, T]: the most likely next token at each position of x [B, T, D];
+    with tiles > 1 one chunk of the tokens at a time (`token_chunks`), like `cross_entropy_sum`."""
+    if tiles == 1:
+        return jnp.argmax(logits_fn(x_btd), axis=-1)
+    split, join = token_chunks(x_btd.shape[:2], tiles)
+    return join(jax.lax.map(lambda x: jnp.argmax(logits_fn(x), axis=-1), split(x_btd)))
+
+
+def token_chunks(shape_bt, tiles: int):
+    """(split, join) for num_vocab_tiling: split maps [B, T, ...] to [tiles, B*T/tiles, 1, ...], chunk
+    i holding the tokens j with j % tiles == i (so every chunk keeps the batch's sharding); join
+    maps [tiles, B*T/tiles, 1] back to [B, T]."""
+    b, t = shape_bt
+    if (b * t) % tiles:
+        raise ConfigError(f"num_vocab_tiling={tiles} does not divide the {b} x {t} = {b * t} tokens of the batch; "
+                          "change num_vocab_tiling")
+
+    def split(a):
+        return jnp.moveaxis(a.reshape(b * t // tiles, tiles, 1, *a.shape[2:]), 1, 0)
+
+    def join(a):
+        return jnp.moveaxis(a, 0, 1).reshape(b, t)
+
+    return split, join
 
 
 def make_train_step(trainer: Trainer, seed: int):

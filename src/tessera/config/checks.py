@@ -82,6 +82,12 @@ def _validate_mtp(cfg: Config) -> None:
     from tessera.config.derived import LAYERS_PER_BLOCK
 
     m, depth = cfg.model, cfg.model.mtp_num_layers
+    target = m.mtp_eval_target_module
+    if target > depth:
+        fix = f"it has {depth} (mtp_num_layers); use 1 to {depth}, or 0" if depth else \
+            "mtp_num_layers=0 builds none; set mtp_num_layers, or mtp_eval_target_module=0"
+        raise ConfigError(f"mtp_eval_target_module={target} names a depth of the model's multi-token prediction, "
+                          f"but {fix}")
     if not depth:
         return
     if LAYERS_PER_BLOCK.get(m.decoder_block, 1) != 1:

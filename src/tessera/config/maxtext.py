@@ -121,9 +121,6 @@ REFUSED = {
     "use_post_ffw_norm": Refused("a norm after the MLP; use decoder_block=gemma2 or gemma3", ("false", "0")),
     "inhomogeneous_layer_cycle_interval": Refused(
         "repeat pattern of layer kinds (Llama 4); not in Tessera", ("1",)),
-    "mtp_eval_target_module": Refused(
-        "during evaluation, how often this multi-token-prediction depth's guesses agree with the main model's (an "
-        "acceptance rate for speculative decoding); Tessera's evaluation measures the main model alone", ("0",)),
     "record_internal_nn_metrics": Refused("log activation statistics from inside the model; not in Tessera",
                                           ("0", "false")),
     # input pipeline

@@ -251,11 +251,15 @@ class ModelConfig:
     load_balance_loss_weight: float = key(0.01, "weight of the MoE router's load-balancing loss in the training loss "
                                           "(Mixtral: 0.02)", minimum=0.0)
     mtp_num_layers: int = key(0, "multi-token prediction (DeepSeek-V3): this many extra blocks after the decoder, "
-                              "block k predicting the token k+1 places after the next; a training objective only "
-                              "(0: none)", minimum=0)
+                              "block k predicting the token k+1 places after the next; trained, and measured by evaluation, "
+                              "not used in decoding (0: none)", minimum=0)
     mtp_loss_scaling_factor: float = key(0.1, "mtp_num_layers > 0: weight of the multi-token-prediction loss (the "
                                          "mean over its blocks) in the training loss (DeepSeek-V3: 0.3, then 0.1)",
                                          minimum=0.0)
+    mtp_eval_target_module: int = key(0, "mtp_num_layers > 0: evaluation also reports how often block k's greedy "
+                                      "guess equals the main model's k tokens later (the acceptance rate of "
+                                      "speculative decoding with it, eval_mtp_acceptance_rate_percent; 0: not measured)",
+                                      minimum=0)
 
     # --- derived sizes: the global_parameter_scale rule, in one place ---
     def _scale_exponents(self) -> tuple[int, int, int]:

@@ -13,8 +13,9 @@ The training loss adds mtp_loss_scaling_factor times the mean over depths of eac
 mean cross-entropy; the `loss` metric stays the next-token loss (comparable with runs without
 MTP) and `mtp_loss` reports the unscaled MTP mean. A position counts at depth k only when the
 k + 1 targets after it are in its own document (packed rows) and none is padding: a
-prediction never crosses a document boundary. Evaluation and decoding use the main model
-alone; the MTP blocks are trained but not run there.
+prediction never crosses a document boundary. Evaluation reports the MTP loss and, with
+mtp_eval_target_module, a depth's acceptance rate (`tessera.evaluation`); decoding uses the main
+model alone.
 
 Where it differs from DeepSeek-V3's report: the hidden state given to depth 1 is the decoder's
 output before its final norm (the report does not say; depth 1's `hidden_norm` normalizes it
