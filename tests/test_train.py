@@ -1,6 +1,7 @@
 """Training: same losses on every mesh, accumulation, FLOPs formula, end-to-end runs."""
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -114,6 +115,51 @@ def test_a_step_after_a_save_or_an_evaluation_is_timed_without_it(tmp_path, monk
     steps = {r["step"]: r["step_seconds"] for r in records if "eval_loss" not in r}
     assert sorted(steps) == [1, 2, 3, 4, 5, 6] and [r["step"] for r in evals] == [3, 6]
     assert max(steps.values()) < 0.75, steps
+
+
+@pytest.mark.slow
+def test_target_eval_loss_stops_at_the_first_evaluation_that_reaches_it(tmp_path, caplog):
+    """A run without a target gives the eval losses; with a target just above the one of step 4
+    the run stops at the first evaluation at or below it, with the same losses up to there and a
+    checkpoint of that step. The same command again has nothing to do (its state is at the
+    target); with the target unset it resumes there and ends with the losses of the run that never
+    stopped."""
+    caplog.set_level(logging.INFO, logger="tessera")
+    keys = dict(steps=8, eval_interval=2, eval_steps=1, checkpoint_period=100, async_checkpointing=False)
+
+    def records(folder):
+        lines = (folder / "test" / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines]
+
+    run(tiny_config(tmp_path / "plain", enable_checkpointing=False, **keys), jax.devices()[:1])
+    plain = records(tmp_path / "plain")
+    evals = {r["step"]: r["eval_loss"] for r in plain if "eval_loss" in r}
+    target = evals[4] * (1 + 1e-6)
+    stop = min(step for step, loss in evals.items() if loss <= target)  # 4, or 2 if step 2 is already below
+    assert stop < 8
+
+    cfg = tiny_config(tmp_path / "target", target_eval_loss=target, **keys)
+    report = run(cfg, jax.devices()[:1])
+    got = records(tmp_path / "target")
+    assert [r["step"] for r in got if "eval_loss" not in r] == list(range(1, stop + 1))
+    np.testing.assert_allclose([r["loss"] for r in got if "eval_loss" not in r],
+                               [r["loss"] for r in plain if "eval_loss" not in r][:stop], rtol=1e-6)
+    assert report["target_eval_loss_reached_at"] == stop and report["steps"] == stop
+    assert Checkpointer(cfg.checkpoint, cfg_dir := str(tmp_path / "target" / "test" / "checkpoints")).latest_step() \
+        == stop, cfg_dir
+    assert f"is at or below target_eval_loss={target:g}: stopping at step {stop} of 8" in caplog.text
+
+    again = run(cfg, jax.devices()[:1])
+    assert again["steps"] == 0 and len(records(tmp_path / "target")) == len(got)
+    assert f"the state of step {stop} has eval loss" in caplog.text
+
+    run(tiny_config(tmp_path / "target", **keys), jax.devices()[:1])
+    resumed = [r for r in records(tmp_path / "target")[len(got):] if "eval_loss" not in r]
+    assert [r["step"] for r in resumed] == list(range(stop + 1, 9))
+    np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in plain if "eval_loss" not in r][stop:],
+                               rtol=1e-5)
+    with pytest.raises(ConfigError, match="eval_interval=0 never evaluates"):
+        tiny_config(target_eval_loss=2.0)
 
 
 def test_flops_formula_matches_xla_cost_analysis():

@@ -70,12 +70,14 @@ class Evaluator:
         self.start = self.data.get_state()
         model, packed = trainer.model, trainer.plan.packed
         self.step_fn = jax.jit(lambda params, batch: eval_sums(model, params, batch, packed))
+        self.compiled = False
 
     def compile(self) -> float:
         """Compile the eval step for the train state's parameters and a batch; the seconds it took."""
         trainer, start = self.trainer, time.perf_counter()
         with jax.set_mesh(trainer.mesh):
             self.step_fn = self.step_fn.lower(abstract_state(trainer)["params"], batch_shapes(trainer)).compile()
+        self.compiled = True
         return time.perf_counter() - start
 
     def run(self, step: int, params, beat: Callable[[], None] = lambda: None) -> dict:

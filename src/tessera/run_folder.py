@@ -60,6 +60,8 @@ def create_run_folder(cfg: Config, folder: Path) -> Path:
 def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: StepMeter, folder: Path,
                  n_params: int, compile_seconds: float, start_step: int) -> dict[str, Any]:
     """The run report: logged, written as report.json (process 0) and returned."""
+    target = cfg.data.target_eval_loss
+    reached = [r["step"] for r in writer.eval_records if target and r["eval_loss"] <= target]
     report = metrics.run_report(
         writer.records, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
         device_kind=meter.device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),
@@ -67,6 +69,7 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
         compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
         global_batch=trainer.plan.global_batch, max_target_length=trainer.plan.max_target_length, start_step=start_step,
         final_eval_loss=writer.eval_records[-1]["eval_loss"] if writer.eval_records else None,
+        target_eval_loss_reached_at=reached[0] if reached else None,
     )
     if jax.process_index() == 0:
         (folder / "report.json").write_text(json.dumps(report, indent=2))

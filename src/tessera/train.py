@@ -108,6 +108,8 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
+    if _resumed_at_target(cfg, evaluator, state, start_step):
+        return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name, start_step=start_step)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", plan.global_batch,
              plan.max_target_length)
@@ -117,7 +119,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
         step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s", compile_seconds)
     check_step_fits(step_fn, trainer, _save_buffers(cfg, trainer, ckpt, start_step))
-    if evaluator:
+    if evaluator and not evaluator.compiled:
         with host_malloc.returning_freed_memory():
             log.info("eval step compiled in %.1f s", evaluator.compile())
     run_dir = create_run_folder(cfg, plan.run_dir)
@@ -161,7 +163,8 @@ class _Loop:
                     # prepares the next batch: metrics are logged one step late (METRICS_LAG).
                     stats.add(step, step_stats)
                     stats.finish(keep=METRICS_LAG)
-                    self._after_step(step, state, stats, stop, watchdog)
+                    if self._after_step(step, state, stats, stop, watchdog):
+                        break  # target_eval_loss reached
                 if self.ckpt:  # the last save's background write, watched like the saves before it
                     with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
                         self.ckpt.wait()
@@ -169,15 +172,25 @@ class _Loop:
             _step_failed(step, e, watchdog)
 
     def _after_step(self, step: int, state: dict, stats: _StatsReader, stop: StopSignal,
-                    watchdog: HangWatchdog) -> None:
+                    watchdog: HangWatchdog) -> bool:
+        """Evaluate, save, stop on a signal; True when this step's evaluation reached target_eval_loss
+        (saved, the run ends here)."""
         cfg, ckpt, last = self.cfg, self.ckpt, step == self.cfg.run.steps
         evaluating = self.evaluator and (step % cfg.data.eval_interval == 0 or last)
         stopping = stop.stop_after(step)
         saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or last or stopping)
         if evaluating or saving or stopping or last:
             stats.finish()  # a non-finite step stops the run before anything is evaluated or saved
+        reached = False
         if evaluating:
-            self.writer.write_eval(self.evaluator.run(step, state["params"], watchdog.beat))
+            record = self.evaluator.run(step, state["params"], watchdog.beat)
+            self.writer.write_eval(record)
+            reached = at_target(cfg, record["eval_loss"])
+            if reached and not last:
+                log.info("eval loss %.4f is at or below target_eval_loss=%g: stopping at step %d of %d%s",
+                         record["eval_loss"], cfg.data.target_eval_loss, step, cfg.run.steps,
+                         " (checkpoint saved)" if ckpt else "")
+            saving = saving or (ckpt and reached)
         if saving:
             with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
                 ckpt.save(step, state, self.data.get_state(), self.config_json)  # raises if the previous save failed
@@ -188,6 +201,28 @@ class _Loop:
         if stopping:
             with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
                 stop_after_signal(step, stop, ckpt)
+        return reached
+
+
+def at_target(cfg: Config, eval_loss: float) -> bool:
+    """Whether an evaluation's loss ends the run: target_eval_loss is set and the loss is at or below it."""
+    return bool(cfg.data.target_eval_loss) and eval_loss <= cfg.data.target_eval_loss
+
+
+def _resumed_at_target(cfg: Config, evaluator: Evaluator | None, state: dict, start_step: int) -> bool:
+    """A resumed run with target_eval_loss evaluates its starting state first: when that is at the
+    target already (the run had stopped there), there is nothing to train."""
+    if not (cfg.data.target_eval_loss and evaluator and start_step):
+        return False
+    log.info("eval step compiled in %.1f s", evaluator.compile())
+    loss = evaluator.run(start_step, state["params"])["eval_loss"]
+    if not at_target(cfg, loss):
+        log.info("resumed at step %d with eval loss %.4f, above target_eval_loss=%g: training on", start_step, loss,
+                 cfg.data.target_eval_loss)
+        return False
+    log.info("nothing to do: the state of step %d has eval loss %.4f, at or below target_eval_loss=%g (lower it, "
+             "or set it to 0, to train on)", start_step, loss, cfg.data.target_eval_loss)
+    return True
 
 
 def _step_failed(step: int, error: jax.errors.JaxRuntimeError, watchdog: HangWatchdog) -> None:

@@ -113,8 +113,11 @@ def _validate_vocab_tiling(cfg: Config) -> None:
 
 
 def _validate_eval(d) -> None:
-    """eval_steps, when evaluation is on (eval_interval > 0)."""
+    """eval_steps, when evaluation is on (eval_interval > 0); target_eval_loss needs evaluations."""
     if not d.eval_interval:
+        if d.target_eval_loss:
+            raise ConfigError(f"target_eval_loss={d.target_eval_loss:g} stops the run at an evaluation, and "
+                              "eval_interval=0 never evaluates; set eval_interval (and eval_steps)")
         return
     if d.eval_steps == 0 or d.eval_steps < -1:
         raise ConfigError(f"eval_steps={d.eval_steps}: use a positive number of batches, or -1 for all of "

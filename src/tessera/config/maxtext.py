@@ -174,8 +174,6 @@ REFUSED = {
     "jax_cache_dir": Refused("JAX's persistent compilation cache folder; set JAX_COMPILATION_CACHE_DIR in the "
                              "environment instead"),
     "dump_hlo": Refused("write the compiled HLO; set XLA_FLAGS=--xla_dump_to=DIR instead", ("false", "0")),
-    "target_eval_loss": Refused("stop once the eval loss is below this; Tessera runs `steps` steps",
-                                ("0", "0.0")),
     "enable_single_controller": Refused("Pathways single-controller mode; not in Tessera", ("false", "0")),
     "skip_jax_distributed_system": Refused("do not call jax.distributed.initialize; Tessera initializes when "
                                            "more than one process runs", ("false", "0")),
