@@ -104,6 +104,22 @@ def test_hf_training_with_eval_resumes_like_an_uninterrupted_run(tmp_path, hf_ru
 
 
 @pytest.mark.slow
+def test_the_eval_batch_size_changes_the_batches_not_the_result(tmp_path, hf_run_setup):
+    """The whole eval set (eval_steps=-1) scored in batches of eval_per_device_batch_size=3 (24
+    sequences on 8 devices, the last batch padded) gives the loss and token count of the default
+    batches (per_device_batch_size), in fewer batches."""
+    def evals(name, **keys):
+        _hf_run(tmp_path / name, hf_run_setup, 2, **keys)
+        return [r for r in _metrics(tmp_path / name / "test") if "eval_loss" in r]
+
+    default, larger = evals("default"), evals("larger", eval_per_device_batch_size=3)
+    assert [r["step"] for r in default] == [r["step"] for r in larger] == [2]
+    assert larger[0]["eval_tokens"] == default[0]["eval_tokens"] > 0
+    assert larger[0]["eval_batches"] < default[0]["eval_batches"], (larger, default)
+    np.testing.assert_allclose(larger[0]["eval_loss"], default[0]["eval_loss"], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_an_evaluation_longer_than_the_step_timeout_is_not_a_hang(tmp_path):
     """step_timeout_seconds bounds the wait for one piece of progress, not the length of an
     evaluation: each eval batch tells the hang watchdog, so 400 quick batches (about 7 s here) run

@@ -37,7 +37,19 @@ def test_plan_takes_the_keys_that_override_derived_values(tmp_path):
     ({"per_device_batch_size": 1, "gradient_accumulation_steps": 2},
      r"global batch 8 / gradient_accumulation_steps=2 must be a whole number divisible by data\*fsdp\*expert=8 "
      r"\(mesh \{'data': 2, 'stage': 1, 'fsdp': 4"),
+    ({"eval_interval": 1, "eval_steps": 1, "eval_per_device_batch_size": 0.3},
+     r"eval_per_device_batch_size=0.3 x 8 devices = 2.4 sequences; .* whole number >= 1"),
+    ({"eval_interval": 1, "eval_steps": 1, "eval_per_device_batch_size": 0.5},
+     r"the evaluation batch 4 must be divisible by data\*fsdp\*expert=8 \(mesh .*\); change "
+     r"eval_per_device_batch_size or the mesh"),
 ])
 def test_plan_errors_quote_the_numbers(keys, message):
     with pytest.raises(ConfigError, match=message):
         plan_run(build_config(keys), MESH_8)
+
+
+def test_the_eval_batch_is_per_device_batch_size_unless_eval_per_device_batch_size_says_otherwise():
+    evaluating = {"eval_interval": 5, "eval_steps": 2, "per_device_batch_size": 2, "gradient_accumulation_steps": 2}
+    assert plan_run(build_config({**evaluating, "eval_interval": 0}), MESH_8).eval_batch == 0  # no evaluation
+    assert plan_run(build_config(evaluating), MESH_8).eval_batch == 16  # the whole train batch, one forward pass
+    assert plan_run(build_config({**evaluating, "eval_per_device_batch_size": 3}), MESH_8).eval_batch == 24

@@ -77,6 +77,24 @@ def test_a_step_larger_than_the_host_allows_stops_before_it_runs(tmp_path):
     assert not tmp_path.joinpath("big").exists()
 
 
+@pytest.mark.slow
+def test_an_eval_step_larger_than_the_host_allows_stops_before_training(tmp_path):
+    # the train step fits (one sequence per device); an evaluation of 32 sequences of 2048 tokens per
+    # device does not: found when the eval step is compiled, before the first step
+    line = _memory_error(_train_limited(tmp_path, "per_device_batch_size=1", "max_target_length=2048", "steps=2",
+                                        "eval_interval=1", "eval_steps=1", "eval_per_device_batch_size=32"))
+    match = re.fullmatch(
+        rf"memory error: not enough memory for the eval step: its activations and logits need {NUMBER} per device "
+        rf"\(an eval batch of 256 sequences of 2048 tokens over 8 device\(s\)\) on top of the train state; this "
+        rf"host's 8 cpu devices need {NUMBER} in all and have {NUMBER} left \(ulimit -v 8.0 GiB, .*\)\. Nothing was "
+        r"run; lower eval_per_device_batch_size or compute the logits in pieces \(num_vocab_tiling\); .* "
+        r"\(exit code 7\)", line)
+    assert match, line
+    per_device, total, left = map(float, match.groups())
+    assert total == pytest.approx(8 * per_device, abs=0.5) and total > left  # per_device is rounded to 0.1
+    assert not tmp_path.joinpath("big").exists()
+
+
 def test_a_checkpoint_to_read_counts_its_host_buffers(tmp_path):
     """Reading parameters (or a whole state) holds buffers on the host beside the arrays it fills;
     under `ulimit -v` they are the address space of every array read: here the 25.1 GiB of

@@ -315,6 +315,10 @@ def test_layout_and_bubble_are_logged(caplog):
     (dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_layers_per_pipeline_stage=1,
           pipeline_delay_activation_forwarding=True),
      r"cannot be cut into 8 pipeline microbatches \(two per stage at least\) .* a multiple of 16"),
+    (dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=4, eval_interval=1, eval_steps=1,
+          eval_per_device_batch_size=0.5),
+     r"the evaluation batch of 4 sequences runs through the pipeline in its 2 microbatches, each split over "
+     r"data\*fsdp\*expert=4 devices; set eval_per_device_batch_size so that the batch is a multiple of 8"),
 ])
 def test_impossible_pipelines_are_refused_before_compiling(overrides, message):
     cfg = tiny_config(**{**LAYERS, **overrides})

@@ -26,6 +26,7 @@ import numpy as np
 
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
+from tessera.memory_fit import check_eval_fits
 from tessera.models import ModelDef
 from tessera.models.mtp import chain_weights, shift_left
 from tessera.step import (Trainer, abstract_state, batch_shapes, cross_entropy_sum, greedy_tokens, mtp_depths,
@@ -61,22 +62,26 @@ def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
 class Evaluator:
     """Built once at start-up (so a bad eval set fails before training); `compile()` compiles its
     step from shapes (so that a compile error, too, comes before training, and no compile runs
-    inside the loop); `run(params)` evaluates. `eval_steps` was checked with the rest of the
-    config (`tessera.config.checks.validate`)."""
+    inside the loop); `run(params)` evaluates. A batch holds `plan.eval_batch` sequences
+    (eval_per_device_batch_size). `eval_steps` was checked with the rest of the config
+    (`tessera.config.checks.validate`)."""
 
     def __init__(self, cfg: DataConfig, trainer: Trainer):
         self.trainer, self.steps = trainer, cfg.eval_steps
-        self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.global_batch, split="eval")
+        self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.eval_batch, split="eval")
         self.start = self.data.get_state()
         model, packed = trainer.model, trainer.plan.packed
         self.step_fn = jax.jit(lambda params, batch: eval_sums(model, params, batch, packed))
         self.compiled = False
 
     def compile(self) -> float:
-        """Compile the eval step for the train state's parameters and a batch; the seconds it took."""
+        """Compile the eval step for the train state's parameters and a batch; the seconds it took.
+        OutOfMemory (`check_eval_fits`) when its temporaries cannot fit beside the train state."""
         trainer, start = self.trainer, time.perf_counter()
         with jax.set_mesh(trainer.mesh):
-            self.step_fn = self.step_fn.lower(abstract_state(trainer)["params"], batch_shapes(trainer)).compile()
+            self.step_fn = self.step_fn.lower(abstract_state(trainer)["params"],
+                                              batch_shapes(trainer, trainer.plan.eval_batch)).compile()
+        check_eval_fits(self.step_fn, trainer)
         self.compiled = True
         return time.perf_counter() - start
 
@@ -89,8 +94,7 @@ class Evaluator:
         totals, batches = {}, 0
         with jax.set_mesh(self.trainer.mesh):
             for host_batch in self.data:
-                batch = place_batch(self.data, host_batch, self.trainer.batch_sharding,
-                                    self.trainer.plan.global_batch)
+                batch = place_batch(self.data, host_batch, self.trainer.batch_sharding, self.trainer.plan.eval_batch)
                 sums = jax.device_get(self.step_fn(params, batch))
                 totals = {k: totals.get(k, 0.0) + np.asarray(v, np.float64) for k, v in sums.items()}
                 batches += 1

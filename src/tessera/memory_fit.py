@@ -328,17 +328,10 @@ def check_step_fits(compiled, trainer, saves: HostBuffers = HostBuffers()) -> No
     """OutOfMemory before the first step, if the compiled step's temporaries and outputs (the
     state it holds is already allocated; donated outputs reuse its buffers) cannot fit, with what
     checkpoint saves hold on the host (`save_buffers`) where the devices share its memory."""
-    free = room(local_devices(trainer.mesh))
-    if free is None:
+    found = _beside_state(compiled, trainer, saves)
+    if found is None:
         return
-    mem = compiled.memory_analysis()
-    if mem is None:
-        return
-    per_device = mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
-    short = _short_of(free, per_device, saves)
-    if short is None:
-        return
-    bound, host = short
+    per_device, (bound, host) = found
     policy = trainer.model.cfg.remat_policy
     saving = f", and up to {format_bytes(host)} on the host {saves.what}" if host else ""
     advice = step_advice(policy, bound.shared)
@@ -349,6 +342,36 @@ def check_step_fits(compiled, trainer, saves: HostBuffers = HostBuffers()) -> No
         f"{format_bytes(per_device)} per device (a global batch of {trainer.plan.global_batch} sequences of "
         f"{trainer.plan.max_target_length} tokens over {trainer.mesh.size} device(s), remat_policy={policy}) on top "
         f"of the train state{saving}; {bound.verdict(per_device, host)}. Nothing was run; {advice}")
+
+
+def check_eval_fits(compiled, trainer) -> None:
+    """OutOfMemory before the first step, if the compiled eval step's temporaries and outputs cannot
+    fit beside the train state (an evaluation runs between two steps, the state allocated)."""
+    found = _beside_state(compiled, trainer, HostBuffers())
+    if found is None:
+        return
+    per_device, (bound, _) = found
+    ways = ["lower eval_per_device_batch_size"]
+    if trainer.model.cfg.num_vocab_tiling == 1:
+        ways.append("compute the logits in pieces (num_vocab_tiling)")
+    raise OutOfMemory(
+        f"not enough memory for the eval step: its activations and logits need {format_bytes(per_device)} per device "
+        f"(an eval batch of {trainer.plan.eval_batch} sequences of {trainer.plan.max_target_length} tokens over "
+        f"{trainer.mesh.size} device(s)) on top of the train state; {bound.verdict(per_device)}. Nothing was run; "
+        f"{_either(ways)}; {SIZING}")
+
+
+def _beside_state(compiled, trainer, saves: HostBuffers) -> tuple[int, tuple[Room, int]] | None:
+    """(per-device bytes, (the bound, host bytes)) when a compiled program's temporaries and new
+    outputs, beside the train state, exceed what the devices have left (`_short_of`); else None,
+    also when nothing reports the room or the program's memory."""
+    free = room(local_devices(trainer.mesh))
+    mem = None if free is None else compiled.memory_analysis()
+    if mem is None:
+        return None
+    per_device = mem.temp_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes
+    short = _short_of(free, per_device, saves)
+    return None if short is None else (per_device, short)
 
 
 def out_of_memory(error: BaseException, during: str, advice: str = "") -> OutOfMemory | None:

@@ -324,9 +324,10 @@ def make_train_step(trainer: Trainer, seed: int):
     return step_fn
 
 
-def batch_shapes(trainer: Trainer) -> dict:
-    """ShapeDtypeStructs with shardings of one global batch (tokens, segment ids, positions)."""
-    shape = (trainer.plan.global_batch, trainer.plan.max_target_length + 1)
+def batch_shapes(trainer: Trainer, rows: int = 0) -> dict:
+    """ShapeDtypeStructs with shardings of one global batch (tokens, segment ids, positions) of
+    `rows` sequences (default: the train batch's)."""
+    shape = (rows or trainer.plan.global_batch, trainer.plan.max_target_length + 1)
     return {k: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=trainer.batch_sharding)
             for k in ("tokens", "segment_ids", "positions")}
 

@@ -24,6 +24,7 @@ class RunPlan:
 
     num_devices: int  # devices in the mesh
     global_batch: int  # sequences per optimizer step, over all devices
+    eval_batch: int  # sequences per evaluation batch, over all devices (0 without evaluation)
     micro_batches: int  # gradient_accumulation_steps: slices of the global batch run one after another
     max_target_length: int  # tokens per sequence T
     tokens_per_step: int  # global_batch * max_target_length
@@ -43,7 +44,7 @@ def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
     pipeline = pipeline_layout(cfg, mesh_shape, batch // cfg.optim.gradient_accumulation_steps)
     length = cfg.data.max_target_length
     return RunPlan(
-        num_devices=math.prod(mesh_shape.values()), global_batch=batch,
+        num_devices=math.prod(mesh_shape.values()), global_batch=batch, eval_batch=eval_batch(cfg, mesh_shape, pipeline),
         micro_batches=cfg.optim.gradient_accumulation_steps, max_target_length=length,
         tokens_per_step=batch * length, schedule_steps=cfg.total_steps_in_schedule,
         dropout_on=dropout_rate(cfg.model) > 0, packed=packs_documents(cfg.data), run_dir=run_dir(cfg.run),
@@ -55,23 +56,46 @@ def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
     )
 
 
-def global_batch(per_device_batch_size: float, accumulation_steps: int, mesh_shape: Mapping[str, int]) -> int:
+def global_batch(per_device_batch_size: float, accumulation_steps: int, mesh_shape: Mapping[str, int],
+                 key: str = "per_device_batch_size") -> int:
     """per_device_batch_size x devices, a whole number whose micro-batches split evenly over the
-    batch axes (data, fsdp, expert) of the mesh."""
+    batch axes (data, fsdp, expert) of the mesh. `key`: the key the value came from, for errors."""
     devices = math.prod(mesh_shape.values())
     exact = per_device_batch_size * devices
     batch = int(round(exact))
     if abs(exact - batch) > 1e-9 or batch < 1:
         raise ConfigError(
-            f"per_device_batch_size={per_device_batch_size} x {devices} devices = {exact:g} sequences; "
+            f"{key}={per_device_batch_size:g} x {devices} devices = {exact:g} sequences; "
             "the global batch must be a whole number >= 1"
         )
     shards = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["expert"]
     if batch % accumulation_steps or (batch // accumulation_steps) % shards:
+        what = f"the evaluation batch {batch}" if key.startswith("eval_") else f"global batch {batch}"
         raise ConfigError(
-            f"global batch {batch} / gradient_accumulation_steps={accumulation_steps} must be a whole number divisible "
-            f"by data*fsdp*expert={shards} (mesh {dict(mesh_shape)}); change per_device_batch_size or the mesh"
+            f"{what} / gradient_accumulation_steps={accumulation_steps} must be a whole number divisible "
+            f"by data*fsdp*expert={shards} (mesh {dict(mesh_shape)}); change {key} or the mesh"
+            if accumulation_steps > 1 else
+            f"{what} must be divisible by data*fsdp*expert={shards} (mesh {dict(mesh_shape)}); change {key} or "
+            "the mesh"
         )
+    return batch
+
+
+def eval_batch(cfg: Config, mesh_shape: Mapping[str, int], pipeline: PipelineLayout | None) -> int:
+    """Sequences in an evaluation batch (eval_per_device_batch_size, or per_device_batch_size, x
+    devices); 0 without evaluation. The whole batch is one forward pass: with pipeline stages it is
+    cut into their microbatches."""
+    d = cfg.data
+    if not d.eval_interval:
+        return 0
+    key = "eval_per_device_batch_size" if d.eval_per_device_batch_size else "per_device_batch_size"
+    batch = global_batch(d.eval_per_device_batch_size or d.per_device_batch_size, 1, mesh_shape, key)
+    shards = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["expert"]
+    if pipeline and batch % (pipeline.microbatches * shards):
+        raise ConfigError(f"the evaluation batch of {batch} sequences runs through the pipeline in its "
+                          f"{pipeline.microbatches} microbatches, each split over data*fsdp*expert={shards} devices; "
+                          f"set eval_per_device_batch_size so that the batch is a multiple of "
+                          f"{pipeline.microbatches * shards}")
     return batch
 
 

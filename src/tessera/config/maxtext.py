@@ -129,8 +129,6 @@ REFUSED = {
         ("true", "1")),
     "expansion_factor_real_data": Refused("let only some hosts read data; every Tessera host reads its share",
                                           ("-1",)),
-    "eval_per_device_batch_size": Refused("a separate batch size for evaluation; Tessera evaluates with "
-                                          "per_device_batch_size", ("0", "0.0")),
     "max_corpus_chars": Refused("characters read to train a tokenizer; Tessera does not train tokenizers"),
     "hf_data_dir": Refused("data_dir of a Hugging Face dataset; use hf_path (a local folder or Hub name)", ("",)),
     "hf_data_files": Refused("files of a Hugging Face dataset (older MaxText); use hf_train_files", ("",)),

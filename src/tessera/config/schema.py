@@ -377,6 +377,9 @@ class DataConfig:
                         "inside a document); false: one document piece per sequence, padding masked")
     eval_interval: int = key(0, "evaluate every this many steps (0: never)", minimum=0)
     eval_steps: int = key(-1, "batches per evaluation (-1: until the eval data ends)")
+    eval_per_device_batch_size: float = key(0.0, "sequences per device in an evaluation batch (0: "
+                                            "per_device_batch_size; an evaluation keeps no activations for a "
+                                            "backward pass, so it may take more)", minimum=0.0)
     target_eval_loss: float = key(0.0, "stop after the first evaluation whose eval_loss is at or below this, "
                                   "saving a checkpoint there (0: train all `steps`)", minimum=0.0)
 
