@@ -96,6 +96,27 @@ def test_the_compilers_own_out_of_memory_becomes_a_report(tmp_path, capsys):
     assert "The TPU compiler stopped with: RESOURCE_EXHAUSTED" in err and "per_device_batch_size (now 64)" in err
 
 
+def test_with_evaluation_the_eval_step_is_compiled_and_must_fit_too(tmp_path, capsys):
+    """eval_interval > 0: the eval step is compiled for the topology as well, and what it needs
+    beside the train state counts. Here the train step fits a v5e chip (one sequence per chip) and
+    an eval batch of 64 does not (its logits alone: 64 x 1024 x 131072 x 4 bytes = 32 GiB)."""
+    fits = compile_for_topology(build_config({**TINY, "compile_topology": "v5e-4", "eval_interval": 5,
+                                              "eval_steps": 1}))
+    e = fits.eval_step
+    assert fits.fits and e["eval_batch"] == 4 and e["temp_bytes"] > 0 and not e["compiler_error"]
+    assert e["total_bytes"] == fits.argument_bytes + fits.code_bytes + e["temp_bytes"] + e["output_bytes"] + \
+        e["code_bytes"]
+    code = main(overrides(tmp_path, compile_topology="v5e-1", vocab_size=131072, max_target_length=1024,
+                          eval_interval=5, eval_steps=1, eval_per_device_batch_size=64))
+    assert code == EXIT_DOES_NOT_FIT
+    err = capsys.readouterr().err
+    assert "does not fit: the train step fits" in err and "but an evaluation needs" in err, err
+    assert "eval_per_device_batch_size (now 64) lower" in err and "eval_interval=0" in err
+    report = json.loads((tmp_path / "aot" / "compile_report.json").read_text())
+    assert report["fits"] is False and report["total_bytes"] <= report["budget_bytes"]
+    assert report["eval_step"]["eval_batch"] == 64 and report["eval_step"]["total_bytes"] > report["budget_bytes"]
+
+
 def test_multi_slice_mesh_puts_data_parallelism_across_slices(tmp_path):
     cfg = build_config({**TINY, "compile_topology": "v5e-4", "compile_topology_num_slices": 2,
                         "dcn_data_parallelism": -1})

@@ -59,6 +59,25 @@ def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
     return sums
 
 
+def eval_step(trainer: Trainer):
+    """The jitted eval step (params, batch) -> `eval_sums`."""
+    model, packed = trainer.model, trainer.plan.packed
+
+    def eval_step_sums(params, batch):  # its name is the compiled program's (jit_eval_step_sums)
+        return eval_sums(model, params, batch, packed)
+
+    return jax.jit(eval_step_sums)
+
+
+def compile_eval_step(trainer: Trainer, jitted=None):
+    """`eval_step` (or `jitted`) compiled for the train state's parameters and an eval batch
+    (plan.eval_batch sequences), from shapes alone: on the trainer's devices, or ahead of time for
+    a TPU topology (`tessera.train_compile`)."""
+    with jax.set_mesh(trainer.mesh):
+        return (jitted or eval_step(trainer)).lower(abstract_state(trainer)["params"],
+                                                    batch_shapes(trainer, trainer.plan.eval_batch)).compile()
+
+
 class Evaluator:
     """Built once at start-up (so a bad eval set fails before training); `compile()` compiles its
     step from shapes (so that a compile error, too, comes before training, and no compile runs
@@ -70,18 +89,15 @@ class Evaluator:
         self.trainer, self.steps = trainer, cfg.eval_steps
         self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.eval_batch, split="eval")
         self.start = self.data.get_state()
-        model, packed = trainer.model, trainer.plan.packed
-        self.step_fn = jax.jit(lambda params, batch: eval_sums(model, params, batch, packed))
+        self.step_fn = eval_step(trainer)
         self.compiled = False
 
     def compile(self) -> float:
         """Compile the eval step for the train state's parameters and a batch; the seconds it took.
         OutOfMemory (`check_eval_fits`) when its temporaries cannot fit beside the train state."""
-        trainer, start = self.trainer, time.perf_counter()
-        with jax.set_mesh(trainer.mesh):
-            self.step_fn = self.step_fn.lower(abstract_state(trainer)["params"],
-                                              batch_shapes(trainer, trainer.plan.eval_batch)).compile()
-        check_eval_fits(self.step_fn, trainer)
+        start = time.perf_counter()
+        self.step_fn = compile_eval_step(self.trainer, self.step_fn)
+        check_eval_fits(self.step_fn, self.trainer)
         self.compiled = True
         return time.perf_counter() - start
 

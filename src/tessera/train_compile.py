@@ -36,6 +36,7 @@ log = logging.getLogger("tessera")
 
 EXIT_DOES_NOT_FIT = 3
 HEARTBEAT_SECONDS = 30.0
+_TEMPORARIES = r"HLO temporaries \(([\d.]+)([KMGT])\)"  # in the TPU compiler's out-of-memory message
 HELP_KEYS = ("compile_topology", "compile_topology_num_slices", "compile_hbm_budget_fraction", "model_name",
              "per_device_batch_size", "max_target_length", "dtype", "remat_policy", "ici_tensor_parallelism",
              "dcn_fsdp_parallelism")
@@ -68,10 +69,17 @@ class CompileReport:
     pipeline: dict = dataclasses.field(default_factory=dict)  # stages, repeats, microbatches, bubble (if pipelined)
     quantization: str = ""  # quantized training mode ('' off)
     low_precision_dots: dict = dataclasses.field(default_factory=dict)  # operand type (s8, f8e4m3fn, ...) -> dots
+    # with eval_interval: the eval step's eval_batch, temp_bytes, output_bytes, code_bytes, total_bytes (beside
+    # the train state and the train step's program), compile_seconds, compiler_error
+    eval_step: dict = dataclasses.field(default_factory=dict)
 
     @property
     def fits(self) -> bool:
-        return self.total_bytes <= self.budget_bytes
+        return self.total_bytes <= self.budget_bytes and self.eval_fits
+
+    @property
+    def eval_fits(self) -> bool:
+        return not self.eval_step or self.eval_step["total_bytes"] <= self.budget_bytes
 
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "fits": self.fits}
@@ -193,19 +201,49 @@ def compile_for_topology(cfg: Config) -> CompileReport:
                            "collectives_in_loops": collectives_in_loops(hlo)}
     live = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     peak = max(getattr(mem, "peak_memory_in_bytes", 0), live)
-    return dataclasses.replace(
+    report = dataclasses.replace(
         report, compile_seconds=round(seconds, 2), argument_bytes=mem.argument_size_in_bytes,
         output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
         temp_bytes=mem.temp_size_in_bytes, code_bytes=mem.generated_code_size_in_bytes, peak_bytes=peak,
         total_bytes=peak + mem.generated_code_size_in_bytes,
     )
+    if cfg.data.eval_interval:
+        report.eval_step = _compile_eval(trainer, report)
+    return report
+
+
+def _compile_eval(trainer, report: CompileReport) -> dict:
+    """The eval step (eval_interval > 0) compiled for the same devices: what it needs beside the
+    train state (the train step's arguments) and the train step's program, both resident when an
+    evaluation runs between two steps."""
+    from tessera.evaluation import compile_eval_step
+
+    log.info("compiling the eval step (eval batch of %d sequences)", trainer.plan.eval_batch)
+    start, beside = time.perf_counter(), report.argument_bytes + report.code_bytes
+    out = {"eval_batch": trainer.plan.eval_batch}
+    try:
+        with Heartbeat(f"compiling the eval step for {report.topology}", HEARTBEAT_SECONDS, emit=log.info):
+            mem = compile_eval_step(trainer).memory_analysis()
+    except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is handled
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        first_line = str(e).strip().splitlines()[0]
+        log.warning("the TPU compiler ran out of HBM for the eval step: %s", first_line)
+        temp = _bytes_in(_TEMPORARIES, str(e))
+        return {**out, "temp_bytes": temp, "output_bytes": 0, "code_bytes": 0, "compiler_error": first_line,
+                "total_bytes": max(beside + temp, report.budget_bytes + 1),
+                "compile_seconds": round(time.perf_counter() - start, 2)}
+    new = mem.temp_size_in_bytes + mem.output_size_in_bytes + mem.generated_code_size_in_bytes
+    return {**out, "temp_bytes": mem.temp_size_in_bytes, "output_bytes": mem.output_size_in_bytes,
+            "code_bytes": mem.generated_code_size_in_bytes, "total_bytes": beside + new, "compiler_error": "",
+            "compile_seconds": round(time.perf_counter() - start, 2)}
 
 
 def _report_compiler_oom(report: CompileReport, trainer, message: str, seconds: float) -> CompileReport:
     """The TPU compiler itself refuses a step that cannot fit; keep what its message tells."""
     first_line = message.strip().splitlines()[0]
     log.warning("the TPU compiler ran out of HBM: %s", first_line)
-    temp = _bytes_in(r"HLO temporaries \(([\d.]+)([KMGT])\)", message)
+    temp = _bytes_in(_TEMPORARIES, message)
     from tessera.memory_fit import state_bytes
 
     state = sum(state_bytes(trainer).values())
@@ -231,6 +269,8 @@ def memory_table(r: CompileReport) -> str:
         (f"HBM of one {r.device_kind} device", r.hbm_bytes),
         ("budget (compile_hbm_budget_fraction)", r.budget_bytes),
     ]
+    if r.eval_step:
+        rows.append((f"evaluation total (eval batch {r.eval_step['eval_batch']})", r.eval_step["total_bytes"]))
     kernels = ", ".join(f"{t} x{n}" for t, n in r.custom_calls.items()) or "none"
     collectives = ", ".join(f"{op} x{n}" for op, n in r.collectives.items()) or "none"
     return ("\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
@@ -250,6 +290,8 @@ def memory_table(r: CompileReport) -> str:
 
 def not_fits_message(r: CompileReport, cfg: Config) -> str:
     """Why the step does not fit and which knobs shrink the part that dominates."""
+    if r.total_bytes <= r.budget_bytes:  # the train step fits, the eval step does not
+        return _eval_not_fits_message(r, cfg)
     m, d, mesh = cfg.model, cfg.data, cfg.mesh
     activations = [
         f"per_device_batch_size (now {d.per_device_batch_size:g}) lower",
@@ -275,6 +317,24 @@ def not_fits_message(r: CompileReport, cfg: Config) -> str:
         f"The larger part is {'activations/workspace' if temp_first else 'the train state'}; turn one of:\n  - "
         + "\n  - ".join(first + second)
     )
+
+
+def _eval_not_fits_message(r: CompileReport, cfg: Config) -> str:
+    """The train step fits, the eval step does not: its knobs."""
+    e, d = r.eval_step, cfg.data
+    compiler = f"The TPU compiler stopped with: {e['compiler_error']}\n" if e["compiler_error"] else ""
+    size = f"now {d.eval_per_device_batch_size:g}" if d.eval_per_device_batch_size else \
+        f"now per_device_batch_size, {d.per_device_batch_size:g}"
+    knobs = [f"eval_per_device_batch_size ({size}) lower"]
+    if cfg.model.num_vocab_tiling == 1:
+        knobs.append("num_vocab_tiling higher (the logits in pieces)")
+    knobs.append("eval_interval=0 (no evaluation during training)")
+    return compiler + (
+        f"does not fit: the train step fits ({r.total_bytes / GIB:.2f} GiB per device), but an evaluation needs "
+        f"{e['total_bytes'] / GIB:.2f} GiB per device on {r.topology} (the train state and both programs included), "
+        f"{(e['total_bytes'] - r.budget_bytes) / GIB:.2f} GiB over the budget of {r.budget_bytes / GIB:.2f} GiB "
+        f"(an eval batch of {e['eval_batch']} sequences in one forward pass). Turn one of:\n  - "
+        + "\n  - ".join(knobs))
 
 
 def compile_help() -> str:
@@ -318,7 +378,8 @@ def main(argv: list[str]) -> int:
     if not report.fits:
         print(not_fits_message(report, cfg), file=sys.stderr)
         return EXIT_DOES_NOT_FIT
-    log.info("fits: %.2f of %.2f GiB budget", report.total_bytes / GIB, report.budget_bytes / GIB)
+    log.info("fits: %.2f of %.2f GiB budget%s", report.total_bytes / GIB, report.budget_bytes / GIB,
+             f" (an evaluation: {report.eval_step['total_bytes'] / GIB:.2f})" if report.eval_step else "")
     return 0
 
 
