@@ -59,6 +59,11 @@ def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
     return sums
 
 
+def at_target(cfg: DataConfig, eval_loss: float) -> bool:
+    """Whether an evaluation's loss ends the run: target_eval_loss is set and the loss is at or below it."""
+    return bool(cfg.target_eval_loss) and eval_loss <= cfg.target_eval_loss
+
+
 def eval_step(trainer: Trainer):
     """The jitted eval step (params, batch) -> `eval_sums`."""
     model, packed = trainer.model, trainer.plan.packed

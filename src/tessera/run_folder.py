@@ -16,6 +16,7 @@ from tessera import metrics
 from tessera.checkpointing import check_writable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
 from tessera.config.derived import remote_run_dir, run_dir
+from tessera.evaluation import at_target
 
 if TYPE_CHECKING:
     from tessera.loop_records import StepMeter
@@ -60,8 +61,7 @@ def create_run_folder(cfg: Config, folder: Path) -> Path:
 def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: StepMeter, folder: Path,
                  n_params: int, compile_seconds: float, start_step: int) -> dict[str, Any]:
     """The run report: logged, written as report.json (process 0) and returned."""
-    target = cfg.data.target_eval_loss
-    reached = [r["step"] for r in writer.eval_records if target and r["eval_loss"] <= target]
+    reached = [r["step"] for r in writer.eval_records if at_target(cfg.data, r["eval_loss"])]
     report = metrics.run_report(
         writer.records, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
         device_kind=meter.device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),

@@ -31,7 +31,7 @@ from tessera.checkpointing import (
 from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, flat_dict, load_config
 from tessera.data import DataError, make_input, place_batch
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, wait_for_all
-from tessera.evaluation import Evaluator
+from tessera.evaluation import Evaluator, at_target
 from tessera.loop_records import Profiler, StepMeter
 from tessera.memory_fit import (
     EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits, local_devices, out_of_memory,
@@ -185,7 +185,7 @@ class _Loop:
         if evaluating:
             record = self.evaluator.run(step, state["params"], watchdog.beat)
             self.writer.write_eval(record)
-            reached = at_target(cfg, record["eval_loss"])
+            reached = at_target(cfg.data, record["eval_loss"])
             if reached and not last:
                 log.info("eval loss %.4f is at or below target_eval_loss=%g: stopping at step %d of %d%s",
                          record["eval_loss"], cfg.data.target_eval_loss, step, cfg.run.steps,
@@ -204,11 +204,6 @@ class _Loop:
         return reached
 
 
-def at_target(cfg: Config, eval_loss: float) -> bool:
-    """Whether an evaluation's loss ends the run: target_eval_loss is set and the loss is at or below it."""
-    return bool(cfg.data.target_eval_loss) and eval_loss <= cfg.data.target_eval_loss
-
-
 def _resumed_at_target(cfg: Config, evaluator: Evaluator | None, state: dict, start_step: int) -> bool:
     """A resumed run with target_eval_loss evaluates its starting state first: when that is at the
     target already (the run had stopped there), there is nothing to train."""
@@ -216,7 +211,7 @@ def _resumed_at_target(cfg: Config, evaluator: Evaluator | None, state: dict, st
         return False
     log.info("eval step compiled in %.1f s", evaluator.compile())
     loss = evaluator.run(start_step, state["params"])["eval_loss"]
-    if not at_target(cfg, loss):
+    if not at_target(cfg.data, loss):
         log.info("resumed at step %d with eval loss %.4f, above target_eval_loss=%g: training on", start_step, loss,
                  cfg.data.target_eval_loss)
         return False
