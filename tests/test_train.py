@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import tessera.train
-from conftest import REPO, tiny_config
+from conftest import REPO, TINY, tiny_config
 from tessera.checkpointing import CheckpointError, Checkpointer
 from tessera.config import ConfigError, load_config
 from tessera.evaluation import Evaluator
@@ -160,6 +161,28 @@ def test_target_eval_loss_stops_at_the_first_evaluation_that_reaches_it(tmp_path
                                rtol=1e-5)
     with pytest.raises(ConfigError, match="eval_interval=0 never evaluates"):
         tiny_config(target_eval_loss=2.0)
+
+
+@pytest.mark.slow
+def test_a_second_run_loads_its_steps_from_jax_cache_dir(tmp_path):
+    """jax_cache_dir (relative, as a user types it): the first run compiles and writes its programs
+    there; a second run of the same model (another run_name) loads the train and eval steps instead
+    of compiling them, and says so."""
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # cache even these quick compiles
+    tiny = [f"{k}={v}" for k, v in TINY.items()]
+
+    def train(name):
+        cmd = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"), *tiny, f"run_name={name}",
+               "base_output_directory=out", "jax_cache_dir=cache", "eval_interval=3", "eval_steps=1"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [line for line in proc.stderr.splitlines() if "step compiled in" in line]
+
+    first = train("first")
+    assert len(first) == 2 and not any("loaded from the compilation cache" in line for line in first), first
+    assert any(p.name.startswith("jit_step_fn-") for p in (tmp_path / "cache").iterdir())
+    second = train("second")
+    assert len(second) == 2 and all(line.endswith("(loaded from the compilation cache)") for line in second), second
 
 
 def test_flops_formula_matches_xla_cost_analysis():

@@ -28,6 +28,7 @@ from tessera import host_malloc, metrics
 from tessera.checkpointing import (
     Checkpointer, CheckpointError, CheckpointSaveError, load_full_state, load_parameters, save_allowance_seconds,
 )
+from tessera.compile_cache import cache_hits, loaded_note, use_compilation_cache
 from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, flat_dict, load_config
 from tessera.data import DataError, make_input, place_batch
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, wait_for_all
@@ -115,13 +116,13 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
              plan.max_target_length)
 
     # ---- compiled step, run folder
+    hits = cache_hits()
     with host_malloc.returning_freed_memory():  # the compiler's memory is not the steps' to reuse either
         step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
-    log.info("train step compiled in %.1f s", compile_seconds)
+    log.info("train step compiled in %.1f s%s", compile_seconds, loaded_note(hits))
     check_step_fits(step_fn, trainer, _save_buffers(cfg, trainer, ckpt, start_step))
     if evaluator and not evaluator.compiled:
-        with host_malloc.returning_freed_memory():
-            log.info("eval step compiled in %.1f s", evaluator.compile())
+        _compile_eval(evaluator)
     run_dir = create_run_folder(cfg, plan.run_dir)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
@@ -209,7 +210,7 @@ def _resumed_at_target(cfg: Config, evaluator: Evaluator | None, state: dict, st
     target already (the run had stopped there), there is nothing to train."""
     if not (cfg.data.target_eval_loss and evaluator and start_step):
         return False
-    log.info("eval step compiled in %.1f s", evaluator.compile())
+    _compile_eval(evaluator)
     loss = evaluator.run(start_step, state["params"])["eval_loss"]
     if not at_target(cfg.data, loss):
         log.info("resumed at step %d with eval loss %.4f, above target_eval_loss=%g: training on", start_step, loss,
@@ -218,6 +219,13 @@ def _resumed_at_target(cfg: Config, evaluator: Evaluator | None, state: dict, st
     log.info("nothing to do: the state of step %d has eval loss %.4f, at or below target_eval_loss=%g (lower it, "
              "or set it to 0, to train on)", start_step, loss, cfg.data.target_eval_loss)
     return True
+
+
+def _compile_eval(evaluator: Evaluator) -> None:
+    hits = cache_hits()
+    with host_malloc.returning_freed_memory():
+        seconds = evaluator.compile()
+    log.info("eval step compiled in %.1f s%s", seconds, loaded_note(hits))
 
 
 def _step_failed(step: int, error: jax.errors.JaxRuntimeError, watchdog: HangWatchdog) -> None:
@@ -360,6 +368,7 @@ def _main(argv: list[str]) -> int:
         cfg = load_config(argv)
         from tessera.gpu_tuning import apply_gpu_tuning  # before any device use: JAX reads these at start-up
         apply_gpu_tuning(cfg.gpu)
+        use_compilation_cache(cfg.run.jax_cache_dir)
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("run_%Y%m%d_%H%M%S")
         log.info("config (differs from base.yml): %s", format_changed_keys(cfg))

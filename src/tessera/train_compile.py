@@ -353,6 +353,8 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(resolve_config_file(argv))
         validate_for_build(cfg.model)
+        if cfg.run.jax_cache_dir:  # JAX writes programs compiled for a topology but cannot load them back
+            log.info("jax_cache_dir is not used here: JAX cannot load a program compiled for a topology back")
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("compile_%Y%m%d_%H%M%S")
         from tessera.checkpointing import check_writable  # the report's folder: checked before compiling

@@ -169,8 +169,6 @@ REFUSED = {
     "stack_trace_to_cloud": Refused("send stack dumps to Cloud Logging; see step_timeout_seconds", ("false", "0")),
     "stack_trace_interval_seconds": Refused("seconds between stack dumps; see step_timeout_seconds"),
     "max_checkify": Refused("extra runtime checks with jax.checkify; not in Tessera", ("false", "0")),
-    "jax_cache_dir": Refused("JAX's persistent compilation cache folder; set JAX_COMPILATION_CACHE_DIR in the "
-                             "environment instead"),
     "dump_hlo": Refused("write the compiled HLO; set XLA_FLAGS=--xla_dump_to=DIR instead", ("false", "0")),
     "enable_single_controller": Refused("Pathways single-controller mode; not in Tessera", ("false", "0")),
     "skip_jax_distributed_system": Refused("do not call jax.distributed.initialize; Tessera initializes when "

@@ -88,6 +88,9 @@ class RunConfig:
     gcs_metrics: bool = key(False, "with a gs:// base_output_directory: also write the metrics there, as "
                             "run_name/metrics/metrics_<first>_<last>.jsonl files (the local copy stays)")
     init_weights_seed: int = key(0, "PRNG seed for parameter initialization and dropout")
+    jax_cache_dir: str = key("", "JAX's persistent compilation cache (local folder or gs://): a later run of the "
+                             "same step loads it instead of compiling again (empty: off, unless "
+                             "JAX_COMPILATION_CACHE_DIR is set)", path="path")
     report_warmup_steps: int = key(3, "steps left out of the run report's medians (compilation and warm-up)", minimum=0)
     step_timeout_seconds: float = key(1800.0, "hang watchdog: dump stacks and exit (code 5) when no step (nor eval "
                                       "batch) finishes within this many seconds (0: off); a checkpoint save that "

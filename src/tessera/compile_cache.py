@@ -1,0 +1,55 @@
+"""`jax_cache_dir` (MaxText's key): JAX's persistent compilation cache.
+
+XLA's compile of a large model's train step takes minutes on a TPU host. With a cache folder
+(local, or gs:// shared by the hosts of a slice) JAX writes every compiled program there, keyed
+by the program, the devices, the compiler flags and the JAX and XLA versions; a later run that
+compiles the same program loads it instead: a job restarted after a preemption, or a second run
+of the same recipe, skips the compile. train.py and decode.py use it; `train_compile` does not
+(JAX writes a program compiled for a topology without devices, but cannot load it back).
+
+JAX leaves out programs that compiled in under `jax_persistent_cache_min_compile_time_secs`
+(1 s by default; its environment variable JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS changes
+it). The folder is never pruned: delete it to start over. An empty key leaves JAX's own setting
+(JAX_COMPILATION_CACHE_DIR) as it is.
+
+`cache_hits()` counts the programs loaded from the cache in this process, so the trainer can say
+that a compile was a load.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("tessera")
+
+_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+_counted = {"hits": 0, "listening": False}
+
+
+def use_compilation_cache(path: str) -> None:
+    """Compile through the persistent cache in `path` (already absolute or a URL; '' leaves JAX's
+    setting alone), and count its hits from now on."""
+    import jax
+
+    if not _counted["listening"]:
+        jax.monitoring.register_event_listener(_count)
+        _counted["listening"] = True
+    if path:
+        jax.config.update("jax_compilation_cache_dir", path)
+        log.info("compilation cache: %s", path)
+
+
+def cache_hits() -> int:
+    """Programs loaded from the persistent cache in this process so far."""
+    return _counted["hits"]
+
+
+def loaded_note(hits_before: int) -> str:
+    """' (loaded from the compilation cache)' when a program came from the cache since `cache_hits()`
+    returned `hits_before`; '' otherwise (for a compile's log line)."""
+    return " (loaded from the compilation cache)" if cache_hits() > hits_before else ""
+
+
+def _count(event: str, **_) -> None:
+    if event == _HIT_EVENT:
+        _counted["hits"] += 1
