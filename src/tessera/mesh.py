@@ -55,6 +55,10 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     # no expert dimension, are split over it as over fsdp instead of copied to every device of
     # it (expert weights use that axis for their expert dimension first)
     "embed": ("fsdp", "sequence", "expert"),
+    # the token table's embed dimension while it is looked up: gathered over sequence first, so
+    # that the looked-up rows go to their batch x length split with one all-to-all over fsdp
+    # (from a split over fsdp and sequence at once XLA copied every row to every device)
+    "embed_lookup": ("fsdp", "expert"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),

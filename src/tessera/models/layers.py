@@ -172,7 +172,7 @@ class Embed(nnx.Module):
         self.dtype, self.use_iota = dtype, use_iota
 
     def __call__(self, tokens_bt: jax.Array) -> jax.Array:
-        table = self.table_vd[...].astype(self.dtype)
+        table = shard_logically(self.table_vd[...].astype(self.dtype), ("vocab", "embed_lookup"))
         if self.use_iota:
             one_hot_btv = jax.nn.one_hot(tokens_bt, table.shape[0], dtype=self.dtype)
             return jnp.einsum("btv,vd->btd", one_hot_btv, table)
