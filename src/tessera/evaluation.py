@@ -16,6 +16,7 @@ its guess that often.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -24,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from tessera import host_malloc
+from tessera.compile_cache import cache_hits, loaded_note
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
 from tessera.memory_fit import check_eval_fits
@@ -58,6 +61,8 @@ def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
         sums["mtp_offered"] = jnp.sum(offered).astype(jnp.float32)
     return sums
 
+log = logging.getLogger("tessera")
+
 
 def at_target(cfg: DataConfig, eval_loss: float) -> bool:
     """Whether an evaluation's loss ends the run: target_eval_loss is set and the loss is at or below it."""
@@ -91,20 +96,37 @@ class Evaluator:
     (`tessera.config.checks.validate`)."""
 
     def __init__(self, cfg: DataConfig, trainer: Trainer):
-        self.trainer, self.steps = trainer, cfg.eval_steps
+        self.trainer, self.cfg, self.steps = trainer, cfg, cfg.eval_steps
         self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.eval_batch, split="eval")
         self.start = self.data.get_state()
         self.step_fn = eval_step(trainer)
         self.compiled = False
 
-    def compile(self) -> float:
-        """Compile the eval step for the train state's parameters and a batch; the seconds it took.
-        OutOfMemory (`check_eval_fits`) when its temporaries cannot fit beside the train state."""
-        start = time.perf_counter()
-        self.step_fn = compile_eval_step(self.trainer, self.step_fn)
+    def compile(self) -> None:
+        """Compile the eval step for the train state's parameters and a batch, and log how long it
+        took. OutOfMemory (`check_eval_fits`) when its temporaries cannot fit beside the train state."""
+        start, hits = time.perf_counter(), cache_hits()
+        with host_malloc.returning_freed_memory():  # the compiler's memory is not the steps' to reuse
+            self.step_fn = compile_eval_step(self.trainer, self.step_fn)
+        log.info("eval step compiled in %.1f s%s", time.perf_counter() - start, loaded_note(hits))
         check_eval_fits(self.step_fn, self.trainer)
         self.compiled = True
-        return time.perf_counter() - start
+
+    def at_target_already(self, start_step: int, params) -> bool:
+        """A resumed run with target_eval_loss evaluates its starting state first: True when that is
+        at the target already (the run had stopped there), so there is nothing to train."""
+        cfg = self.cfg
+        if not (cfg.target_eval_loss and start_step):
+            return False
+        self.compile()
+        loss = self.run(start_step, params)["eval_loss"]
+        if not at_target(cfg, loss):
+            log.info("resumed at step %d with eval loss %.4f, above target_eval_loss=%g: training on", start_step,
+                     loss, cfg.target_eval_loss)
+            return False
+        log.info("nothing to do: the state of step %d has eval loss %.4f, at or below target_eval_loss=%g (lower "
+                 "it, or set it to 0, to train on)", start_step, loss, cfg.target_eval_loss)
+        return True
 
     def run(self, step: int, params, beat: Callable[[], None] = lambda: None) -> dict:
         """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'}, with

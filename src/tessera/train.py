@@ -109,7 +109,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
-    if _resumed_at_target(cfg, evaluator, state, start_step):
+    if evaluator and evaluator.at_target_already(start_step, state["params"]):
         return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name, start_step=start_step)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", plan.global_batch,
@@ -122,7 +122,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     log.info("train step compiled in %.1f s%s", compile_seconds, loaded_note(hits))
     check_step_fits(step_fn, trainer, _save_buffers(cfg, trainer, ckpt, start_step))
     if evaluator and not evaluator.compiled:
-        _compile_eval(evaluator)
+        evaluator.compile()
     run_dir = create_run_folder(cfg, plan.run_dir)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
@@ -203,29 +203,6 @@ class _Loop:
             with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
                 stop_after_signal(step, stop, ckpt)
         return reached
-
-
-def _resumed_at_target(cfg: Config, evaluator: Evaluator | None, state: dict, start_step: int) -> bool:
-    """A resumed run with target_eval_loss evaluates its starting state first: when that is at the
-    target already (the run had stopped there), there is nothing to train."""
-    if not (cfg.data.target_eval_loss and evaluator and start_step):
-        return False
-    _compile_eval(evaluator)
-    loss = evaluator.run(start_step, state["params"])["eval_loss"]
-    if not at_target(cfg.data, loss):
-        log.info("resumed at step %d with eval loss %.4f, above target_eval_loss=%g: training on", start_step, loss,
-                 cfg.data.target_eval_loss)
-        return False
-    log.info("nothing to do: the state of step %d has eval loss %.4f, at or below target_eval_loss=%g (lower it, "
-             "or set it to 0, to train on)", start_step, loss, cfg.data.target_eval_loss)
-    return True
-
-
-def _compile_eval(evaluator: Evaluator) -> None:
-    hits = cache_hits()
-    with host_malloc.returning_freed_memory():
-        seconds = evaluator.compile()
-    log.info("eval step compiled in %.1f s%s", seconds, loaded_note(hits))
 
 
 def _step_failed(step: int, error: jax.errors.JaxRuntimeError, watchdog: HangWatchdog) -> None:
