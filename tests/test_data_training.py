@@ -145,3 +145,18 @@ def test_synthetic_eval_goes_to_jsonl_and_tensorboard(tmp_path):
     assert b"eval/loss" in events and b"eval/perplexity" in events and b"train/loss" in events
     with pytest.raises(ConfigError, match="eval_steps=-1 reads the eval data to its end, but synthetic data"):
         run(tiny_config(tmp_path / "x", eval_interval=1, eval_steps=-1, enable_checkpointing=False))
+
+
+def test_a_batch_the_processes_do_not_divide_names_the_key_that_sets_it(monkeypatch):
+    """The pipelines that read only their own rows (hf, grain, tfds) split a batch over the
+    processes; a batch they do not divide names its key: the train batch's or the eval batch's."""
+    from tessera.data import rows_per_process
+
+    monkeypatch.setattr(jax, "process_count", lambda: 3)
+    assert rows_per_process(9) == rows_per_process(9, "eval") == 3
+    with pytest.raises(ConfigError, match=r"^the global batch of 8 sequences does not divide across 3 processes; "
+                                          r"change per_device_batch_size$"):
+        rows_per_process(8)
+    with pytest.raises(ConfigError, match=r"^the evaluation batch of 8 sequences does not divide across 3 processes; "
+                                          r"change eval_per_device_batch_size$"):
+        rows_per_process(8, "eval")

@@ -169,12 +169,12 @@ def test_training_with_mtp_on_one_device_and_on_a_sharded_mesh(tmp_path):
     loss changes, the MTP loss falls, and fsdp 2 x tensor 2 x sequence 2 gives one device's losses (the
     depths' shifts cross the sequence split), and its evaluations' (the MTP loss and depth 2's
     acceptance rate among them)."""
-    evals = {}
+    evals, reports = {}, {}
 
     def losses(name, devices, **keys):
         cfg = tiny_config(tmp_path / name, steps=4, per_device_batch_size=8 / devices, enable_checkpointing=False,
                           **keys)
-        run(cfg, jax.devices()[:devices])
+        reports[name] = run(cfg, jax.devices()[:devices])
         records = [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
         evals[name] = [r for r in records if "eval_loss" in r]
         return [r for r in records if "eval_loss" not in r]
@@ -191,6 +191,8 @@ def test_training_with_mtp_on_one_device_and_on_a_sharded_mesh(tmp_path):
     for key in ("loss", "mtp_loss", "grad_norm"):
         np.testing.assert_allclose([r[key] for r in sharded], [r[key] for r in one], rtol=2e-4, err_msg=key)
     assert [r["step"] for r in evals["one"]] == [2, 4] and evals["one"][-1]["eval_mtp_loss"] > 1.0
+    for key in ("eval_mtp_loss", "eval_mtp_acceptance_rate_percent"):  # the report keeps the last evaluation's
+        assert reports["one"][f"final_{key}"] == evals["one"][-1][key]
     for key in ("eval_loss", "eval_mtp_loss", "eval_mtp_acceptance_rate_percent"):
         np.testing.assert_allclose([r[key] for r in evals["sharded"]], [r[key] for r in evals["one"]], rtol=2e-4,
                                    err_msg=key)

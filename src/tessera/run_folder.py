@@ -69,6 +69,8 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
         compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
         global_batch=trainer.plan.global_batch, max_target_length=trainer.plan.max_target_length, start_step=start_step,
         final_eval_loss=writer.eval_records[-1]["eval_loss"] if writer.eval_records else None,
+        **{f"final_{k}": v for k, v in (writer.eval_records[-1] if writer.eval_records else {}).items()
+           if k.startswith("eval_mtp_")},  # multi-token prediction's eval loss and acceptance rate
         target_eval_loss_reached_at=reached[0] if reached else None,
     )
     if jax.process_index() == 0:

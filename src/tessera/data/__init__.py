@@ -34,6 +34,18 @@ def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str =
     raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available; use synthetic, hf, tfds or grain")
 
 
+def rows_per_process(global_batch: int, split: str = "train") -> int:
+    """The rows of a global batch each process reads (pipelines that read only their own rows);
+    ConfigError when the processes do not divide the batch."""
+    processes = jax.process_count()
+    if global_batch % processes:
+        what, key = ("evaluation batch", "eval_per_device_batch_size") if split == "eval" else \
+            ("global batch", "per_device_batch_size")
+        raise ConfigError(f"the {what} of {global_batch} sequences does not divide across {processes} processes; "
+                          f"change {key}")
+    return global_batch // processes
+
+
 def place_batch(data, host_batch: dict[str, np.ndarray], sharding, global_batch: int) -> dict[str, jax.Array]:
     """Host batch -> global arrays on the mesh; each device receives only its own rows."""
     if getattr(data, "process_local", False):

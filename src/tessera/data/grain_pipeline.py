@@ -24,6 +24,7 @@ import json
 import numpy as np
 
 from tessera.config import ConfigError, DataConfig
+from tessera.data import rows_per_process
 from tessera.data.errors import brief, check_reachable, damaged_file, no_records
 from tessera.data.hf import expand_files
 from tessera.data.packing import DocumentCursor, next_batch
@@ -158,10 +159,7 @@ class GrainData:
         import grain
         import jax
 
-        if global_batch % jax.process_count():
-            raise ConfigError(f"global batch {global_batch} does not divide across {jax.process_count()} processes; "
-                              "change per_device_batch_size")
-        self.cfg, self.rows, self.length = cfg, global_batch // jax.process_count(), cfg.max_target_length + 1
+        self.cfg, self.rows, self.length = cfg, rows_per_process(global_batch, split), cfg.max_target_length + 1
         if cfg.dataset_type == "tfds":
             source = _tfds_source(cfg, split)
             if len(source) == 0:

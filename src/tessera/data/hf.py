@@ -25,6 +25,7 @@ import numpy as np
 
 from tessera.config import ConfigError, DataConfig
 from tessera.config.schema import HF_FILE_FORMATS as FILE_FORMATS
+from tessera.data import rows_per_process
 from tessera.data.errors import REMOTE_PREFIXES, DataError, check_reachable, no_records, read_failure
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
@@ -122,13 +123,8 @@ class HfData:
     process_local = True  # batches hold this process's rows only
 
     def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
-        import jax
-
         self.cfg, self.split, self.length = cfg, split, cfg.max_target_length + 1
-        if global_batch % jax.process_count():
-            raise ConfigError(f"global batch {global_batch} does not divide across {jax.process_count()} processes; "
-                              "change per_device_batch_size")
-        self.rows = global_batch // jax.process_count()
+        self.rows = rows_per_process(global_batch, split)
         self.ds = load_stream(cfg, split)
         self.files_key, files_value = files_setting(cfg, split)
         self.files = expand_files(files_value, self.files_key) if cfg.hf_path in FILE_FORMATS else []
