@@ -185,9 +185,8 @@ def compile_for_topology(cfg: Config) -> CompileReport:
         if c.compiled_trainstep_file:
             save_compiled(compiled, c.compiled_trainstep_file)
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is handled
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        return _report_compiler_oom(report, trainer, str(e), time.perf_counter() - start)
+        first_line, temp = _compiler_oom(e, "the train step")
+        return _report_compiler_oom(report, trainer, first_line, temp, time.perf_counter() - start)
     mem = compiled.memory_analysis()
     hlo = compiled.as_text()
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
@@ -225,11 +224,7 @@ def _compile_eval(trainer, report: CompileReport) -> dict:
         with Heartbeat(f"compiling the eval step for {report.topology}", HEARTBEAT_SECONDS, emit=log.info):
             mem = compile_eval_step(trainer).memory_analysis()
     except Exception as e:  # noqa: BLE001 - only the compiler's out-of-memory verdict is handled
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        first_line = str(e).strip().splitlines()[0]
-        log.warning("the TPU compiler ran out of HBM for the eval step: %s", first_line)
-        temp = _bytes_in(_TEMPORARIES, str(e))
+        first_line, temp = _compiler_oom(e, "the eval step")
         return {**out, "temp_bytes": temp, "output_bytes": 0, "code_bytes": 0, "compiler_error": first_line,
                 "total_bytes": max(beside + temp, report.budget_bytes + 1),
                 "compile_seconds": round(time.perf_counter() - start, 2)}
@@ -239,11 +234,19 @@ def _compile_eval(trainer, report: CompileReport) -> dict:
             "compile_seconds": round(time.perf_counter() - start, 2)}
 
 
-def _report_compiler_oom(report: CompileReport, trainer, message: str, seconds: float) -> CompileReport:
-    """The TPU compiler itself refuses a step that cannot fit; keep what its message tells."""
+def _compiler_oom(error: Exception, what: str) -> tuple[str, int]:
+    """(the first line, the temporaries it names in bytes, 0 if none) of the TPU compiler's refusal
+    to compile `what` for lack of HBM; any other error is raised again."""
+    message = str(error)
+    if "RESOURCE_EXHAUSTED" not in message:
+        raise error
     first_line = message.strip().splitlines()[0]
-    log.warning("the TPU compiler ran out of HBM: %s", first_line)
-    temp = _bytes_in(_TEMPORARIES, message)
+    log.warning("the TPU compiler ran out of HBM for %s: %s", what, first_line)
+    return first_line, _bytes_in(_TEMPORARIES, message)
+
+
+def _report_compiler_oom(report: CompileReport, trainer, first_line: str, temp: int, seconds: float) -> CompileReport:
+    """The TPU compiler itself refuses a step that cannot fit; keep what its message tells."""
     from tessera.memory_fit import state_bytes
 
     state = sum(state_bytes(trainer).values())
