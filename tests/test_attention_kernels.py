@@ -29,12 +29,12 @@ CASES = {  # name: (query heads, kv heads, window, soft cap, scale, packed)
 }
 
 
-def _inputs(n, k, packed, batch=2):
+def _inputs(n, k, packed, batch=2, length=T):
     keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (batch, T, n, H), jnp.float32)
-    kk = jax.random.normal(keys[1], (batch, T, k, H), jnp.float32)
-    v = jax.random.normal(keys[2], (batch, T, k, H), jnp.float32)
-    seg = np.ones((batch, T), np.int32)
+    q = jax.random.normal(keys[0], (batch, length, n, H), jnp.float32)
+    kk = jax.random.normal(keys[1], (batch, length, k, H), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, length, k, H), jnp.float32)
+    seg = np.ones((batch, length), np.int32)
     if packed:  # three documents in row 0, then padding (segment 0); two in row 1
         seg[0, 90:200], seg[0, 200:], seg[1, 131:] = 2, 0, 3
     return q, kk, v, jnp.asarray(seg)
@@ -70,14 +70,16 @@ def test_splash_under_a_mesh_splits_batch_and_heads():
     np.testing.assert_allclose(out, ref, **TOL)
 
 
-@pytest.mark.parametrize("family", ["llama2", "deepseek"])
+@pytest.mark.parametrize("family", ["llama2", "deepseek", "llama2-sequence-split"])
 @pytest.mark.slow
 def test_a_model_with_splash_attention_equals_the_reference(family):
     """Loss and gradients of a whole model with the kernel. DeepSeek's dense layer and its expert
-    layers are two scans: a kernel kept from the first one's trace leaked a tracer into the second."""
+    layers are two scans: a kernel kept from the first one's trace leaked a tracer into the second.
+    With the sequence split, the model runs under an fsdp 2 x sequence 2 x tensor 2 mesh (the
+    layers pick their query tiles from it) against the reference on one device."""
     from test_decode import DEEPSEEK
 
-    overrides = dict(base_num_kv_heads=2) if family == "llama2" else DEEPSEEK
+    overrides = DEEPSEEK if family == "deepseek" else dict(base_num_kv_heads=2)
     cfg = tiny_config(max_target_length=T, **{"base_num_decoder_layers": 2, **overrides})
     tokens = jax.random.randint(jax.random.key(2), (2, T), 0, cfg.model.vocab_size)
     ref_model, splash_model = (build_model(cfg.model, kernel) for kernel in ("dot_product", "splash_interpret"))
@@ -86,10 +88,55 @@ def test_a_model_with_splash_attention_equals_the_reference(family):
     def loss(model, p):
         return jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])
 
-    np.testing.assert_allclose(loss(splash_model, params), loss(ref_model, params), rtol=1e-5)
-    g_ref, g_splash = (jax.grad(lambda p, m=m: loss(m, p))(params) for m in (ref_model, splash_model))
+    def splash_loss_and_grads():
+        return loss(splash_model, params), jax.grad(lambda p: loss(splash_model, p))(params)
+
+    if family.endswith("sequence-split"):
+        mesh = jax.make_mesh((1, 1, 2, 2, 2, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
+                             axis_types=(jax.sharding.AxisType.Auto,) * 6)
+        with jax.set_mesh(mesh):
+            splash_value, g_splash = jax.jit(splash_loss_and_grads)()
+    else:
+        splash_value, g_splash = splash_loss_and_grads()
+    np.testing.assert_allclose(splash_value, loss(ref_model, params), rtol=1e-5)
+    g_ref = jax.grad(lambda p: loss(ref_model, p))(params)
     for a, b in zip(jax.tree.leaves(g_splash), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+SPLIT_CASES = {  # name: (mesh data, fsdp, sequence, tensor), CASES' features
+    "fsdp2-sequence2-tensor2, grouped-query, packed": ((1, 2, 2, 2), "packed-segments"),
+    "sequence4, gemma2-local (window, soft cap)": ((1, 2, 4, 1), "gemma2-local"),
+    "sequence2, fewer kv heads than tensor ways": ((2, 1, 2, 2), "soft-cap"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPLIT_CASES))
+@pytest.mark.slow
+def test_splash_with_the_sequence_split_matches_the_reference(case):
+    """Context parallelism: each device attends with its part of the queries over the gathered keys
+    and values; the global causal, window and segment masks hold across the parts, and the key and
+    value gradients are summed back over the sequence axis."""
+    (data, fsdp, seq, tensor), features = SPLIT_CASES[case]
+    n, k, window, cap, scale, packed = CASES[features]
+    length = 512  # four 128-token query tiles: two per device with the sequence split 2 ways, one with 4
+    q, kk, v, seg = _inputs(n, k, packed, length=length)  # row 1's last document crosses the parts
+    mesh = jax.make_mesh((data, 1, fsdp, seq, tensor, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    blocks = block_sizes(tiny_config(max_target_length=length).model, length, q_shards=seq)
+    assert blocks.block_q == length // seq  # the largest tile of one device's queries
+    ref = lambda q, kk, v: dot_product_attention(q, kk, v, seg, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
+                                                 window=window)
+    ours = lambda q, kk, v: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
+                                             window=window, blocks=blocks, interpret=True)
+    weights = jax.random.normal(jax.random.key(1), q.shape)
+    with jax.set_mesh(mesh):
+        out = jax.jit(ours)(q, kk, v)
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * weights), argnums=(0, 1, 2)))(q, kk, v)
+    np.testing.assert_allclose(out, ref(q, kk, v), **TOL)
+    ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * weights), argnums=(0, 1, 2))(q, kk, v)
+    for g_ours, g_ref, name in zip(grads, ref_grads, "qkv"):
+        np.testing.assert_allclose(g_ours, g_ref, err_msg=f"d{name}", **TOL)
 
 
 @pytest.mark.parametrize("overrides, kernel, why", [
@@ -103,7 +150,20 @@ def test_tpu_gets_splash_where_it_can_serve(overrides, kernel, why):
     choice = select_attention(cfg.model, "tpu", cfg.data.max_target_length, {"sequence": 1})
     assert choice.kernel == kernel and why in choice.reason
     seq = select_attention(cfg.model, "tpu", cfg.data.max_target_length, {"sequence": 2})
-    assert seq.kernel == "dot_product"
+    assert seq.kernel == kernel  # the sequence axis splits the queries
+    assert ("queries split 2 ways over the sequence axis" in seq.reason) == (kernel == "splash")
+
+
+def test_a_sequence_split_needs_query_tiles_on_every_device():
+    cfg = tiny_config(attention="flash", max_target_length=1152)  # 9 tiles of 128
+    assert select_attention(cfg.model, "tpu", 1152, {"sequence": 1}).kernel == "splash"
+    choice = select_attention(cfg.model, "tpu", 1152, {"sequence": 2})
+    assert choice.kernel == "dot_product" and "multiple of 256, not 1152" in choice.reason
+    assert block_sizes(tiny_config().model, 2048, q_shards=4).block_q == 512
+    assert block_sizes(tiny_config().model, 2048, q_shards=8).block_q == 256  # 256 queries per device
+    assert block_sizes(tiny_config(sa_block_q=512).model, 3072).block_q == 512  # divides the whole sequence
+    with pytest.raises(ConfigError, match=r"sa_block_q=512: .* splitting the queries 4 ways each device holds 768 of them.* e\.g\. 256"):
+        block_sizes(tiny_config(sa_block_q=512).model, 3072, q_shards=4)  # but not one device's part
 
 
 def test_block_sizes_are_checked_against_the_sequence():
@@ -115,14 +175,20 @@ def test_block_sizes_are_checked_against_the_sequence():
     assert block_sizes(tiny_config().model, 4096).block_q == 512
 
 
-def test_aot_compile_for_tpu_runs_the_splash_kernel():
+@pytest.mark.parametrize("sequence", [1, 2])
+def test_aot_compile_for_tpu_runs_the_splash_kernel(sequence):
+    """Also with the sequence axis splitting the queries (context parallelism): the keys and
+    values are gathered over it, and their gradients reduce-scattered back."""
     from tessera.train_compile import compile_for_topology
 
     cfg = build_config({"compile_topology": "v5e-4", "dtype": "bfloat16", "attention": "flash",
-                        "max_target_length": 256, "base_num_decoder_layers": 2, "per_device_batch_size": 1})
+                        "max_target_length": 256 * sequence, "base_num_decoder_layers": 2,
+                        "per_device_batch_size": 1, "ici_sequence_parallelism": sequence})
     report = compile_for_topology(cfg)
     assert report.fits and report.attention_kernel == "splash"
     assert report.custom_calls.get("tpu_custom_call", 0) >= 3  # forward, dK/dV and dQ kernels
+    if sequence > 1:
+        assert report.collectives.get("all-gather", 0) and report.collectives.get("reduce-scatter", 0)
 
 
 def test_aot_compile_for_tpu_runs_the_prompts_prefill_with_splash():

@@ -6,7 +6,7 @@ the fastest fused kernel the device has: on TPUs Pallas splash attention (`splas
 feature of the reference, packed segments included); on NVIDIA GPUs cuDNN's fused attention
 through `jax.nn.dot_product_attention(implementation="cudnn")`, except for soft-capped scores
 (Gemma 2), which cuDNN cannot apply. Where no fused kernel applies (CPU, an unsupported dtype,
-head size or sequence length, a sequence-sharded mesh for splash, packed segments for cuDNN)
+head size or sequence length, packed segments for cuDNN)
 the reference runs and `select_attention` says why, once, in the log.
 
 Decoding passes a KV cache (`tessera.models.kv_cache`) to `Attention.__call__`: the new keys
@@ -75,9 +75,11 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
         why = splash.unsupported(m, length or 0, mesh_shape)
         if why:
             return AttentionChoice("dot_product", why)
-        blocks = splash.block_sizes(m, length)
+        shards = (mesh_shape or {}).get("sequence", 1)
+        blocks = splash.block_sizes(m, length, shards)
+        split = f", queries split {shards} ways over the sequence axis" if shards > 1 else ""
         return AttentionChoice("splash", f"attention={requested}: Pallas splash attention on TPU "
-                                         f"(blocks q {blocks.block_q}, kv {blocks.block_kv})")
+                                         f"(blocks q {blocks.block_q}, kv {blocks.block_kv}{split})")
     if logits_soft_cap:
         return AttentionChoice("dot_product", f"attn_logits_soft_cap={logits_soft_cap:g} needs the reference kernel "
                                               "(no fused kernel here caps scores)")
@@ -328,7 +330,7 @@ class Attention(nnx.Module):
 
             ctx = splash.splash_attention(q, k, v, segment_ids_bt, scale=self.scale,
                                           logits_soft_cap=self.logits_soft_cap, window=self.window,
-                                          blocks=splash.block_sizes(self.cfg, q.shape[1]),
+                                          blocks=splash.block_sizes(self.cfg, q.shape[1], splash.sequence_shards()),
                                           interpret=self.kernel == "splash_interpret")
         elif self.kernel == "cudnn" and not packed:
             window = (self.window - 1, 0) if self.window else None

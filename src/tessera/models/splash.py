@@ -11,11 +11,17 @@ scale (the queries are multiplied by it first, as the kernel does not scale).
 Layout: queries [B, T, N, H] become [B, K, G, T, H] (K kv heads, G = N/K queries per kv head);
 the kernel runs on one batch row and one kv head at a time (vmapped). Under a mesh it runs
 inside `shard_map`: batch split over data/fsdp/expert, heads over tensor (kv heads too when
-tensor divides them, else they are repeated to the query heads first), the sequence whole.
+tensor divides them, else they are repeated to the query heads first). A sequence axis splits
+the queries (context parallelism): each device gathers the keys, values and their segment ids
+of the whole sequence over that axis and attends with its own part of the queries, the kernel's
+mask tables split the same way (its `q_seq_shards`), so the global causal and window masks
+hold. The backward pass reduce-scatters the key and value gradients back over the axis. The
+parts are contiguous, so under a causal mask the last part has the most key blocks to visit
+(MaxText's `context_parallel_load_balance` reordering is not built).
 Tests run the same code with `interpret=True` (Pallas' interpreter on CPU).
 
 Block sizes are the `sa_block_*` keys (MaxText's names); 0 picks the largest of 512, 256 and
-128 that divides the sequence length.
+128 that divides the sequence length (for the query blocks: one device's part of it).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from tessera.config import ConfigError, ModelConfig
 
 BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
               "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
+Q_BLOCK_KEYS = ("sa_block_q", "sa_block_q_dkv", "sa_block_q_dq")  # tiles of one device's queries
 LANE = 128  # the kernel tiles the sequence in multiples of this
 
 
@@ -39,27 +46,45 @@ def unsupported(m: ModelConfig, length: int, mesh_shape: dict[str, int] | None) 
     """Why splash attention cannot serve this model and sequence length, or None if it can."""
     if not length:
         return "the sequence length is not known here; splash attention is chosen only with one"
+    shards = (mesh_shape or {}).get("sequence", 1)
+    if shards > 1 and length % (LANE * shards):
+        return (f"splash attention splits the queries over the sequence axis ({shards} ways) in tiles of {LANE}: "
+                f"it needs a sequence length that is a multiple of {LANE * shards}, not {length}")
     if length % LANE:
         return f"splash attention needs a sequence length that is a multiple of {LANE}, not {length}"
-    if mesh_shape and mesh_shape.get("sequence", 1) > 1:
-        return "splash attention here keeps the sequence whole on each device; the mesh splits it (sequence axis)"
     return None
 
 
-def block_sizes(m: ModelConfig, length: int, use_fused_bwd: bool | None = None) -> sa.BlockSizes:
-    """The kernel's tiles from the sa_block_* keys; ConfigError for any that does not divide `length`."""
-    auto = next(b for b in (512, 256, LANE) if length % b == 0)
-    chosen, bad = {}, []
+def sequence_shards() -> int:
+    """How many ways the ambient mesh's sequence axis splits the queries (1 without a mesh)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty else dict(mesh.shape).get("sequence", 1)
+
+
+def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes:
+    """The kernel's tiles from the sa_block_* keys; ConfigError for any that does not divide `length`
+    (the query blocks: `length / q_shards`, one device's queries when the sequence axis splits them)."""
+    local = length // q_shards
+    if length % LANE or local % LANE:
+        raise ConfigError(unsupported(m, length, {"sequence": q_shards}))
+    auto_kv = next(b for b in (512, 256, LANE) if length % b == 0)
+    auto_q = next(b for b in (512, 256, LANE) if local % b == 0)
+    chosen, bad, bad_q = {}, [], []
     for name in BLOCK_KEYS:
-        value = getattr(m, name) or auto
-        value = min(value, length)
-        if length % value or value % LANE:
-            bad.append(f"{name}={getattr(m, name)}")
+        queries = name in Q_BLOCK_KEYS
+        span, auto = (local, auto_q) if queries else (length, auto_kv)
+        value = min(getattr(m, name) or auto, span)
+        if span % value or value % LANE:
+            (bad_q if queries and q_shards > 1 else bad).append(f"{name}={getattr(m, name)}")
         chosen[name] = value
     if bad:
         raise ConfigError(f"{', '.join(bad)}: splash attention block sizes must be multiples of {LANE} that divide "
-                          f"the sequence length {length} (0 picks one); e.g. {auto}")
-    fused = m.sa_use_fused_bwd_kernel if use_fused_bwd is None else use_fused_bwd
+                          f"the sequence length {length} (0 picks one); e.g. {auto_kv}")
+    if bad_q:
+        raise ConfigError(f"{', '.join(bad_q)}: with the sequence axis splitting the queries {q_shards} ways each "
+                          f"device holds {local} of them, and splash attention query blocks must be multiples of "
+                          f"{LANE} that divide {local} (0 picks one); e.g. {auto_q}")
+    fused = m.sa_use_fused_bwd_kernel
     layout = {name: getattr(sa.QKVLayout, getattr(m, f"sa_{name}_layout").upper())
               for name in ("q", "k", "v")}
     return sa.BlockSizes(
@@ -70,54 +95,71 @@ def block_sizes(m: ModelConfig, length: int, use_fused_bwd: bool | None = None) 
         use_fused_bwd_kernel=fused, q_layout=layout["q"], k_layout=layout["k"], v_layout=layout["v"])
 
 
-def _kernel(groups: int, length: int, window: int, cap: float, blocks: sa.BlockSizes, interpret: bool):
-    """A splash MQA kernel for `groups` query heads sharing one kv head. Built afresh for every
-    call being traced: its mask tables become arrays of the trace that builds it, so a kernel kept
-    from one trace (a scan's body: deepseek's dense layers) and used in another (its expert
-    layers) would hold a leaked tracer."""
+def _kernel(groups: int, length: int, window: int, cap: float, blocks: sa.BlockSizes, interpret: bool,
+            q_shards: int = 1):
+    """A splash MQA kernel for `groups` query heads sharing one kv head, its mask tables over the
+    whole sequence split into `q_shards` parts of queries. Built afresh for every call being
+    traced: its mask tables become arrays of the trace that builds it, so a kernel kept from one
+    trace (a scan's body: deepseek's dense layers) and used in another (its expert layers) would
+    hold a leaked tracer."""
     if window:
         mask = sa.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
     else:
         mask = sa.CausalMask((length, length))
-    return sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * groups), block_sizes=blocks,
-                                            attn_logits_soft_cap=cap or None, interpret=interpret)
+    return sa.make_splash_mqa(sa.MultiHeadMask([mask] * groups), block_sizes=blocks, attn_logits_soft_cap=cap or None,
+                              head_shards=1, q_seq_shards=q_shards, interpret=interpret)
 
 
-def _attend(q_btnh, k_bskh, v_bskh, segment_bt, *, scale, cap, window, blocks, interpret):
-    """Splash attention on local arrays (one device's shard)."""
+def _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q_bt, segment_kv_bs, *, scale):
+    """Splash attention of local queries [B, T, N, H] over keys and values [B, S, K, H] (S = T,
+    or the whole sequence when the queries are one device's part of it)."""
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     q = (q_btnh * jnp.asarray(scale, q_btnh.dtype)).reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)
     k, v = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)  # [B, K, S, H]
-    kernel = _kernel(n // kv, t, window, float(cap), blocks, interpret)
 
-    def one(q_gth, k_sh, v_sh, seg_t):
-        return kernel(q_gth, k_sh, v_sh, segment_ids=sa.SegmentIds(q=seg_t, kv=seg_t))
+    def one(q_gth, k_sh, v_sh, seg_q, seg_kv):
+        return kernel(q_gth, k_sh, v_sh, segment_ids=sa.SegmentIds(q=seg_q, kv=seg_kv))
 
-    per_head = jax.vmap(one, in_axes=(0, 0, 0, None))  # over kv heads
-    out = jax.vmap(per_head, in_axes=(0, 0, 0, 0))(q, k, v, segment_bt)  # over batch rows: [B, K, G, T, H]
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over kv heads
+    out = jax.vmap(per_head)(q, k, v, segment_q_bt, segment_kv_bs)  # over batch rows: [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _attend_split(kernel, q_btnh, k_bskh, v_bskh, segment_bt, *, scale, sequence_axis):
+    """`_attend` on one device's shard inside `shard_map`: with a sequence axis, the keys, values
+    and kv segment ids of the whole sequence are gathered over it first."""
+    segment_kv = segment_bt
+    if sequence_axis:
+        gather = functools.partial(jax.lax.all_gather, axis_name=sequence_axis, axis=1, tiled=True)
+        k_bskh, v_bskh, segment_kv = gather(k_bskh), gather(v_bskh), gather(segment_bt)
+    return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_bt, segment_kv, scale=scale)
 
 
 def splash_attention(q_btnh, k_bskh, v_bskh, segment_bt, *, scale: float, logits_soft_cap: float = 0.0,
                      window: int = 0, blocks: sa.BlockSizes, interpret: bool = False):
     """Causal attention of q [B, T, N, H] over k, v [B, T, K, H] within segments, as
-    `attention.dot_product_attention` computes it, with the splash kernel."""
-    attend = functools.partial(_attend, scale=scale, cap=logits_soft_cap, window=window, blocks=blocks,
-                               interpret=interpret)
+    `attention.dot_product_attention` computes it, with the splash kernel. Under a mesh whose
+    sequence axis splits T, `blocks` are those of `block_sizes(..., q_shards=<that axis' size>)`."""
+    b, t, n, _ = q_btnh.shape
+    groups = n // k_bskh.shape[2]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
-        return attend(q_btnh, k_bskh, v_bskh, segment_bt)
+        kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret)
+        return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_bt, segment_bt, scale=scale)
     sizes = dict(mesh.shape)
     batch = tuple(a for a in ("data", "fsdp", "expert") if sizes.get(a, 1) > 1)
     ways = math.prod(sizes[a] for a in batch)
-    batch = batch if batch and q_btnh.shape[0] % ways == 0 else ()
+    batch = batch if batch and b % ways == 0 else ()
     heads = "tensor" if sizes.get("tensor", 1) > 1 else None
     if heads and k_bskh.shape[2] % sizes["tensor"]:  # fewer kv heads than tensor ways: one per query head
-        repeat = q_btnh.shape[2] // k_bskh.shape[2]
-        k_bskh, v_bskh = jnp.repeat(k_bskh, repeat, axis=2), jnp.repeat(v_bskh, repeat, axis=2)
+        k_bskh, v_bskh = jnp.repeat(k_bskh, groups, axis=2), jnp.repeat(v_bskh, groups, axis=2)
+        groups = 1
+    sequence = "sequence" if sizes.get("sequence", 1) > 1 else None
+    kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret, sizes.get("sequence", 1))
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, sequence)))
     batch_spec = (batch if len(batch) > 1 else batch[0]) if batch else None
-    qkv = P(batch_spec, None, heads, None)
-    return jax.shard_map(attend, in_specs=(qkv, qkv, qkv, P(batch_spec, None)), out_specs=qkv,
-                         check_vma=False)(q_btnh, k_bskh, v_bskh, segment_bt)
-
+    qkv = P(batch_spec, sequence, heads, None)
+    attend = functools.partial(_attend_split, scale=scale, sequence_axis=sequence)
+    return jax.shard_map(attend, in_specs=(kernel_spec, qkv, qkv, qkv, P(batch_spec, sequence)), out_specs=qkv,
+                         check_vma=False)(kernel, q_btnh, k_bskh, v_bskh, segment_bt)
