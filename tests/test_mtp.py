@@ -4,6 +4,7 @@ device and on a sharded mesh, MoE depths (router loss, routed bias), evaluation 
 depth's acceptance rate), counts and config errors."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -148,6 +149,20 @@ def test_eval_reports_the_mtp_loss_and_a_depth_s_acceptance_rate():
     record = {"step": 5, "eval_loss": 2.0, "eval_perplexity": 7.39, "eval_tokens": 40, "eval_batches": 1,
               "eval_seconds": 0.1, "eval_mtp_loss": 2.5, "eval_mtp_acceptance_rate_percent": 37.5}
     assert "loss 2.0000 (MTP 2.5000) | MTP acceptance 37.5% | perplexity" in format_eval(record)
+
+
+def test_eval_computes_the_main_logits_once_with_vocab_tiling():
+    """With mtp_eval_target_module and num_vocab_tiling > 1 the main model's loss and greedy tokens
+    come from one pass over each chunk's logits: the eval program has four products with the
+    vocabulary (the main output, the two depths' losses, the target depth's greedy tokens), where
+    computing the loss and the greedy tokens apart had five."""
+    cfg = tiny_config(mtp_num_layers=2, mtp_eval_target_module=2, num_vocab_tiling=4).model
+    model = build_model(cfg)
+    params, batch = model.init(jax.random.key(4)), _batch(rows=4, seed=5)
+    program = jax.jit(lambda p, b: eval_sums(model, p, b)).lower(params, batch).as_text()
+    logits = [line for line in program.splitlines()
+              if "dot_general" in line and re.search(rf"x{cfg.vocab_size}xf32>\s*$", line)]
+    assert len(logits) == 4, logits
 
 
 def test_the_main_model_is_the_same_with_or_without_mtp():

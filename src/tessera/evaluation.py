@@ -32,8 +32,8 @@ from tessera.data import make_input, place_batch
 from tessera.memory_fit import check_eval_fits
 from tessera.models import ModelDef
 from tessera.models.mtp import chain_weights, shift_left
-from tessera.step import (Trainer, abstract_state, batch_shapes, cross_entropy_sum, greedy_tokens, mtp_depths,
-                          target_weights)
+from tessera.step import (Trainer, abstract_state, batch_shapes, cross_entropy_sum, cross_entropy_sum_and_greedy,
+                          greedy_tokens, mtp_depths, target_weights)
 
 
 def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
@@ -47,14 +47,16 @@ def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
     x_btd, _ = model.hidden_with_aux(params, tokens[:, :-1], batch["positions"][:, :-1], segments[:, :-1],
                                      None, packed=packed)
     main_fn = lambda x: model.logits(params, x)  # noqa: E731
-    sums = {"loss_sum": cross_entropy_sum(main_fn, x_btd, targets, weights, cfg.num_vocab_tiling),
-            "count": jnp.sum(weights).astype(jnp.float32)}
+    k = cfg.mtp_eval_target_module
+    if k:  # the main model's greedy tokens too, from the same logits
+        loss_sum, main = cross_entropy_sum_and_greedy(main_fn, x_btd, targets, weights, cfg.num_vocab_tiling)
+    else:
+        loss_sum = cross_entropy_sum(main_fn, x_btd, targets, weights, cfg.num_vocab_tiling)
+    sums = {"loss_sum": loss_sum, "count": jnp.sum(weights).astype(jnp.float32)}
     if not cfg.mtp_num_layers:
         return sums
     hiddens, _, sums["mtp_loss_sums"], sums["mtp_counts"] = mtp_depths(model, params, x_btd, batch, None, packed)
-    k = cfg.mtp_eval_target_module
     if k:
-        main = greedy_tokens(main_fn, x_btd, cfg.num_vocab_tiling)
         draft = greedy_tokens(lambda x: model.logits(params, x, k), hiddens[k - 1], cfg.num_vocab_tiling)
         offered = chain_weights(weights, k)
         sums["mtp_accepted"] = jnp.sum(offered & (draft == shift_left(main, k))).astype(jnp.float32)

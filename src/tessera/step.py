@@ -224,6 +224,27 @@ def cross_entropy_sum(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
     return total
 
 
+def cross_entropy_sum_and_greedy(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
+    """(`cross_entropy_sum`, `greedy_tokens`) of the same logits, each chunk's computed once
+    (evaluation, no gradient): with tiles > 1 separate calls would compute every chunk twice."""
+
+    def chunk(x, t, w):
+        logits = logits_fn(x)
+        loss = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, t) * w)
+        return loss, jnp.argmax(logits, axis=-1)
+
+    if tiles == 1:
+        return chunk(x_btd, targets_bt, weights_bt)
+    split, join = token_chunks(x_btd.shape[:2], tiles)
+
+    def body(total, xs):
+        loss, greedy = chunk(*xs)
+        return total + loss, greedy
+
+    total, greedy = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_btd), split(targets_bt), split(weights_bt)))
+    return total, join(greedy)
+
+
 def greedy_tokens(logits_fn, x_btd, tiles: int = 1):
     """argmax(logits_fn(x)) [B, T]: the most likely next token at each position of x [B, T, D];
     with tiles > 1 one chunk of the tokens at a time (`token_chunks`), like `cross_entropy_sum`."""
