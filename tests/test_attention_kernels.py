@@ -11,7 +11,10 @@ from conftest import tiny_config
 from tessera.config import ConfigError, build_config
 from tessera.models import build_model
 from tessera.models.attention import dot_product_attention, select_attention
-from tessera.models.splash import block_sizes, splash_attention
+from jax.sharding import PartitionSpec as P
+
+from tessera.models.splash import (_from_balanced, _kernel, _to_balanced, balanced_order, block_sizes, load_balanced,
+                                   splash_attention)
 
 T, H = 256, 64  # the smallest sequence with two 128-token blocks
 # float32 in the interpreter: the kernel's online softmax sums in another order than the
@@ -76,12 +79,14 @@ def test_a_model_with_splash_attention_equals_the_reference(family):
     """Loss and gradients of a whole model with the kernel. DeepSeek's dense layer and its expert
     layers are two scans: a kernel kept from the first one's trace leaked a tracer into the second.
     With the sequence split, the model runs under an fsdp 2 x sequence 2 x tensor 2 mesh (the
-    layers pick their query tiles from it) against the reference on one device."""
+    layers pick their query tiles and the load-balanced layout from it) against the reference on
+    one device."""
     from test_decode import DEEPSEEK
 
     overrides = DEEPSEEK if family == "deepseek" else dict(base_num_kv_heads=2)
-    cfg = tiny_config(max_target_length=T, **{"base_num_decoder_layers": 2, **overrides})
-    tokens = jax.random.randint(jax.random.key(2), (2, T), 0, cfg.model.vocab_size)
+    length = 2 * T if family.endswith("sequence-split") else T  # load-balanced: 4 parts of 128 tokens
+    cfg = tiny_config(max_target_length=length, **{"base_num_decoder_layers": 2, **overrides})
+    tokens = jax.random.randint(jax.random.key(2), (2, length), 0, cfg.model.vocab_size)
     ref_model, splash_model = (build_model(cfg.model, kernel) for kernel in ("dot_product", "splash_interpret"))
     params = ref_model.init(jax.random.key(0))
 
@@ -104,10 +109,12 @@ def test_a_model_with_splash_attention_equals_the_reference(family):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
-SPLIT_CASES = {  # name: (mesh data, fsdp, sequence, tensor), CASES' features
-    "fsdp2-sequence2-tensor2, grouped-query, packed": ((1, 2, 2, 2), "packed-segments"),
-    "sequence4, gemma2-local (window, soft cap)": ((1, 2, 4, 1), "gemma2-local"),
-    "sequence2, fewer kv heads than tensor ways": ((2, 1, 2, 2), "soft-cap"),
+SPLIT_CASES = {  # name: ((mesh data, fsdp, sequence, tensor), CASES' features, length, load balance)
+    "fsdp2-sequence2-tensor2, grouped-query, packed, balanced": ((1, 2, 2, 2), "packed-segments", 512, True),
+    "fsdp2-sequence2-tensor2, grouped-query, packed, contiguous": ((1, 2, 2, 2), "packed-segments", 512, False),
+    "sequence4, gemma2-local (window, soft cap), balanced": ((1, 2, 4, 1), "gemma2-local", 1024, True),
+    "sequence4, gemma2-local (window, soft cap), contiguous": ((1, 2, 4, 1), "gemma2-local", 512, False),
+    "sequence2, fewer kv heads than tensor ways, balanced": ((2, 1, 2, 2), "soft-cap", 512, True),
 }
 
 
@@ -115,20 +122,22 @@ SPLIT_CASES = {  # name: (mesh data, fsdp, sequence, tensor), CASES' features
 @pytest.mark.slow
 def test_splash_with_the_sequence_split_matches_the_reference(case):
     """Context parallelism: each device attends with its part of the queries over the gathered keys
-    and values; the global causal, window and segment masks hold across the parts, and the key and
-    value gradients are summed back over the sequence axis."""
-    (data, fsdp, seq, tensor), features = SPLIT_CASES[case]
+    and values (with load balance: parts j and 2S-1-j of 2S, exchanged there and back); the global
+    causal, window and segment masks hold across the parts, and the key and value gradients are
+    summed back over the sequence axis."""
+    (data, fsdp, seq, tensor), features, length, balance = SPLIT_CASES[case]
     n, k, window, cap, scale, packed = CASES[features]
-    length = 512  # four 128-token query tiles: two per device with the sequence split 2 ways, one with 4
     q, kk, v, seg = _inputs(n, k, packed, length=length)  # row 1's last document crosses the parts
     mesh = jax.make_mesh((data, 1, fsdp, seq, tensor, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 6)
-    blocks = block_sizes(tiny_config(max_target_length=length).model, length, q_shards=seq)
-    assert blocks.block_q == length // seq  # the largest tile of one device's queries
+    model = tiny_config(max_target_length=length, context_parallel_load_balance=balance).model
+    blocks = block_sizes(model, length, q_shards=seq)
+    assert load_balanced(model, length, seq) == balance
+    assert blocks.block_q == length // seq // (2 if balance else 1)  # the largest tile of one part of the queries
     ref = lambda q, kk, v: dot_product_attention(q, kk, v, seg, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
                                                  window=window)
     ours = lambda q, kk, v: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
-                                             window=window, blocks=blocks, interpret=True)
+                                             window=window, blocks=blocks, load_balance=balance, interpret=True)
     weights = jax.random.normal(jax.random.key(1), q.shape)
     with jax.set_mesh(mesh):
         out = jax.jit(ours)(q, kk, v)
@@ -137,6 +146,29 @@ def test_splash_with_the_sequence_split_matches_the_reference(case):
     ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * weights), argnums=(0, 1, 2))(q, kk, v)
     for g_ours, g_ref, name in zip(grads, ref_grads, "qkv"):
         np.testing.assert_allclose(g_ours, g_ref, err_msg=f"d{name}", **TOL)
+
+
+def test_load_balance_gives_every_device_the_same_kernel_work():
+    """The kernel's block table (which query x key tiles it visits; a fully masked one is skipped),
+    per device of a sequence split 4 ways, 4096 tokens in tiles of 512: contiguous parts visit
+    3, 7, 11 and 15 tiles (the step waits for 15); balanced ones 9 each. The exchange puts every
+    query row where `balanced_order` says, and back."""
+    for balance, visits in ((False, [3, 7, 11, 15]), (True, [9, 9, 9, 9])):
+        model = tiny_config(context_parallel_load_balance=balance).model
+        blocks = block_sizes(model, 4096, q_shards=4)
+        for info in (kernel := _kernel(1, 4096, 0, 0.0, blocks, True, 4, balance)).fwd_mask_info, kernel.dkv_mask_info:
+            per_device = np.split(np.asarray(info.block_mask)[0], 4, axis=0)
+            assert [int(np.count_nonzero(part)) for part in per_device] == visits, balance
+    rows = jnp.arange(2 * 1024).reshape(2, 1024)  # 2 sequences of 1024 positions, split 4 ways
+    mesh = jax.make_mesh((2, 4), ("fsdp", "sequence"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    there = jax.shard_map(lambda x: _to_balanced(x, "sequence", 4), mesh=mesh, in_specs=P("fsdp", "sequence"),
+                          out_specs=P("fsdp", "sequence"), check_vma=False)
+    back = jax.shard_map(lambda x: _from_balanced(x, "sequence", 4), mesh=mesh, in_specs=P("fsdp", "sequence"),
+                         out_specs=P("fsdp", "sequence"), check_vma=False)
+    balanced = jax.jit(there)(rows)
+    np.testing.assert_array_equal(balanced, rows[:, balanced_order(1024, 4)])
+    assert balanced_order(1024, 4)[:256].tolist() == [*range(128), *range(896, 1024)]  # device 0: first and last
+    np.testing.assert_array_equal(jax.jit(back)(balanced), rows)
 
 
 @pytest.mark.parametrize("overrides, kernel, why", [
@@ -151,7 +183,10 @@ def test_tpu_gets_splash_where_it_can_serve(overrides, kernel, why):
     assert choice.kernel == kernel and why in choice.reason
     seq = select_attention(cfg.model, "tpu", cfg.data.max_target_length, {"sequence": 2})
     assert seq.kernel == kernel  # the sequence axis splits the queries
-    assert ("queries split 2 ways over the sequence axis" in seq.reason) == (kernel == "splash")
+    assert ("queries split 2 ways over the sequence axis, load-balanced" in seq.reason) == (kernel == "splash")
+    contiguous = tiny_config(**{**overrides, "context_parallel_load_balance": False})
+    seq = select_attention(contiguous.model, "tpu", cfg.data.max_target_length, {"sequence": 2})
+    assert ("split 2 ways over the sequence axis, in contiguous parts)" in seq.reason) == (kernel == "splash")
 
 
 def test_a_sequence_split_needs_query_tiles_on_every_device():
@@ -159,11 +194,19 @@ def test_a_sequence_split_needs_query_tiles_on_every_device():
     assert select_attention(cfg.model, "tpu", 1152, {"sequence": 1}).kernel == "splash"
     choice = select_attention(cfg.model, "tpu", 1152, {"sequence": 2})
     assert choice.kernel == "dot_product" and "multiple of 256, not 1152" in choice.reason
-    assert block_sizes(tiny_config().model, 2048, q_shards=4).block_q == 512
-    assert block_sizes(tiny_config().model, 2048, q_shards=8).block_q == 256  # 256 queries per device
+    odd = select_attention(tiny_config(attention="flash").model, "tpu", 768, {"sequence": 2})  # 3 tiles per device
+    assert odd.kernel == "splash" and "in contiguous parts (a balanced split needs a multiple of 512)" in odd.reason
+    contiguous = tiny_config(context_parallel_load_balance=False).model
+    assert block_sizes(contiguous, 2048, q_shards=4).block_q == 512
+    assert block_sizes(contiguous, 2048, q_shards=8).block_q == 256  # 256 queries per device
+    assert block_sizes(tiny_config().model, 2048, q_shards=4).block_q == 256  # balanced: two parts of 256
     assert block_sizes(tiny_config(sa_block_q=512).model, 3072).block_q == 512  # divides the whole sequence
-    with pytest.raises(ConfigError, match=r"sa_block_q=512: .* splitting the queries 4 ways each device holds 768 of them.* e\.g\. 256"):
-        block_sizes(tiny_config(sa_block_q=512).model, 3072, q_shards=4)  # but not one device's part
+    with pytest.raises(ConfigError, match=r"sa_block_q=512: .* splitting the queries 4 ways each device holds 768 of "
+                                          r"them, and .* e\.g\. 256"):
+        block_sizes(tiny_config(sa_block_q=512, context_parallel_load_balance=False).model, 3072, q_shards=4)
+    with pytest.raises(ConfigError, match=r"sa_block_q=512: .* each device holds 1536 of them in two parts of 768 "
+                                          r"\(context_parallel_load_balance\)"):
+        block_sizes(tiny_config(sa_block_q=512).model, 6144, q_shards=4)  # but not one device's part
 
 
 def test_block_sizes_are_checked_against_the_sequence():
@@ -187,8 +230,9 @@ def test_aot_compile_for_tpu_runs_the_splash_kernel(sequence):
     report = compile_for_topology(cfg)
     assert report.fits and report.attention_kernel == "splash"
     assert report.custom_calls.get("tpu_custom_call", 0) >= 3  # forward, dK/dV and dQ kernels
-    if sequence > 1:
+    if sequence > 1:  # load-balanced (512 = 2 x 2 parts of 128): the queries go there and back by permutes
         assert report.collectives.get("all-gather", 0) and report.collectives.get("reduce-scatter", 0)
+        assert report.collectives.get("collective-permute", 0) >= 4
 
 
 def test_aot_compile_for_tpu_runs_the_prompts_prefill_with_splash():

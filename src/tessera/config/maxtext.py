@@ -88,9 +88,6 @@ REFUSED = {
     "custom_mesh": Refused("a hand-made device order for some TPU slices; Tessera uses JAX's device mesh", ("",)),
     "allow_split_physical_axes": Refused("let one mesh axis span parts of physical axes; not in Tessera",
                                          ("false", "0")),
-    "context_parallel_load_balance": Refused(
-        "reorder the sequence so causal attention work is even across context shards; not in Tessera",
-        ("false", "0")),
     # pipeline parallelism
     "pipeline_parallel_layers": Refused("layers run by the pipeline" + _PIPE, ("-1",)),
     "scan_pipeline_iterations": Refused("scan over pipeline iterations" + _PIPE, ("true", "1")),

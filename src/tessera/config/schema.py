@@ -200,6 +200,10 @@ class ModelConfig:
     sa_q_layout: str = key("HEAD_DIM_MINOR", "splash attention query layout in memory", SA_LAYOUTS)
     sa_k_layout: str = key("HEAD_DIM_MINOR", "splash attention key layout in memory", SA_LAYOUTS)
     sa_v_layout: str = key("HEAD_DIM_MINOR", "splash attention value layout in memory", SA_LAYOUTS)
+    context_parallel_load_balance: bool = key(
+        True, "with the sequence axis splitting splash attention's queries: each device takes an early and a late "
+              "part of the sequence, so causal attention's work is even across the axis (needs a length that is a "
+              "multiple of 256 times the axis; else the parts stay contiguous)")
     sliding_window_size: int = key(0, "sliding-window attention: a query sees its own and the W-1 previous positions "
                                    "(0: all previous; mistral, and gemma2's local layers)", minimum=0)
     query_pre_attn_scalar: float = key(0.0, "attention scores are scaled by this**-0.5 (0: head_dim**-0.5)", minimum=0.0)

@@ -78,6 +78,10 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
         shards = (mesh_shape or {}).get("sequence", 1)
         blocks = splash.block_sizes(m, length, shards)
         split = f", queries split {shards} ways over the sequence axis" if shards > 1 else ""
+        if shards > 1:
+            split += (", load-balanced" if splash.load_balanced(m, length, shards) else
+                      ", in contiguous parts" + ("" if not m.context_parallel_load_balance else
+                                                 f" (a balanced split needs a multiple of {2 * shards * splash.LANE})"))
         return AttentionChoice("splash", f"attention={requested}: Pallas splash attention on TPU "
                                          f"(blocks q {blocks.block_q}, kv {blocks.block_kv}{split})")
     if logits_soft_cap:
@@ -328,9 +332,11 @@ class Attention(nnx.Module):
         if self.kernel.startswith("splash"):
             from tessera.models import splash
 
+            shards = splash.sequence_shards()
             ctx = splash.splash_attention(q, k, v, segment_ids_bt, scale=self.scale,
                                           logits_soft_cap=self.logits_soft_cap, window=self.window,
-                                          blocks=splash.block_sizes(self.cfg, q.shape[1], splash.sequence_shards()),
+                                          blocks=splash.block_sizes(self.cfg, q.shape[1], shards),
+                                          load_balance=splash.load_balanced(self.cfg, q.shape[1], shards),
                                           interpret=self.kernel == "splash_interpret")
         elif self.kernel == "cudnn" and not packed:
             window = (self.window - 1, 0) if self.window else None

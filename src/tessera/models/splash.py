@@ -15,9 +15,11 @@ tensor divides them, else they are repeated to the query heads first). A sequenc
 the queries (context parallelism): each device gathers the keys, values and their segment ids
 of the whole sequence over that axis and attends with its own part of the queries, the kernel's
 mask tables split the same way (its `q_seq_shards`), so the global causal and window masks
-hold. The backward pass reduce-scatters the key and value gradients back over the axis. The
-parts are contiguous, so under a causal mask the last part has the most key blocks to visit
-(MaxText's `context_parallel_load_balance` reordering is not built).
+hold. The backward pass reduce-scatters the key and value gradients back over the axis. Under a
+causal mask contiguous parts are uneven work (the last part visits every key block, the first
+only its own), so with `context_parallel_load_balance` the sequence is cut into 2 x S parts and
+device j attends with parts j and 2S-1-j: two collective permutes bring its queries (and send
+the outputs back), and the kernel's mask rows carry those queries' global positions.
 Tests run the same code with `interpret=True` (Pallas' interpreter on CPU).
 
 Block sizes are the `sa_block_*` keys (MaxText's names); 0 picks the largest of 512, 256 and
@@ -31,6 +33,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from jax.sharding import PartitionSpec as P
 
@@ -55,6 +58,20 @@ def unsupported(m: ModelConfig, length: int, mesh_shape: dict[str, int] | None) 
     return None
 
 
+def load_balanced(m: ModelConfig, length: int, shards: int) -> bool:
+    """Whether a sequence split `shards` ways gives each device an early and a late part
+    (context_parallel_load_balance, and a length cut into 2 x shards parts of whole tiles)."""
+    return bool(m.context_parallel_load_balance) and shards > 1 and length % (2 * shards * LANE) == 0
+
+
+def balanced_order(length: int, shards: int) -> np.ndarray:
+    """The position in the sequence of each query row of the load-balanced layout: device j holds
+    part j, then part 2*shards-1-j, of 2*shards equal parts."""
+    size = length // (2 * shards)
+    parts = [p for j in range(shards) for p in (j, 2 * shards - 1 - j)]
+    return np.concatenate([np.arange(p * size, (p + 1) * size) for p in parts]).astype(np.int32)
+
+
 def sequence_shards() -> int:
     """How many ways the ambient mesh's sequence axis splits the queries (1 without a mesh)."""
     mesh = jax.sharding.get_abstract_mesh()
@@ -64,9 +81,10 @@ def sequence_shards() -> int:
 def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes:
     """The kernel's tiles from the sa_block_* keys; ConfigError for any that does not divide `length`
     (the query blocks: `length / q_shards`, one device's queries when the sequence axis splits them)."""
-    local = length // q_shards
-    if length % LANE or local % LANE:
+    if length % LANE or (length // q_shards) % LANE:
         raise ConfigError(unsupported(m, length, {"sequence": q_shards}))
+    balanced = load_balanced(m, length, q_shards)
+    local = length // q_shards // (2 if balanced else 1)  # the queries a tile must divide: one part
     auto_kv = next(b for b in (512, 256, LANE) if length % b == 0)
     auto_q = next(b for b in (512, 256, LANE) if local % b == 0)
     chosen, bad, bad_q = {}, [], []
@@ -81,9 +99,10 @@ def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes
         raise ConfigError(f"{', '.join(bad)}: splash attention block sizes must be multiples of {LANE} that divide "
                           f"the sequence length {length} (0 picks one); e.g. {auto_kv}")
     if bad_q:
+        parts = f" in two parts of {local} (context_parallel_load_balance)" if balanced else ""
         raise ConfigError(f"{', '.join(bad_q)}: with the sequence axis splitting the queries {q_shards} ways each "
-                          f"device holds {local} of them, and splash attention query blocks must be multiples of "
-                          f"{LANE} that divide {local} (0 picks one); e.g. {auto_q}")
+                          f"device holds {length // q_shards} of them{parts}, and splash attention query blocks must "
+                          f"be multiples of {LANE} that divide {local} (0 picks one); e.g. {auto_q}")
     fused = m.sa_use_fused_bwd_kernel
     layout = {name: getattr(sa.QKVLayout, getattr(m, f"sa_{name}_layout").upper())
               for name in ("q", "k", "v")}
@@ -96,9 +115,10 @@ def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes
 
 
 def _kernel(groups: int, length: int, window: int, cap: float, blocks: sa.BlockSizes, interpret: bool,
-            q_shards: int = 1):
+            q_shards: int = 1, balanced: bool = False):
     """A splash MQA kernel for `groups` query heads sharing one kv head, its mask tables over the
-    whole sequence split into `q_shards` parts of queries. Built afresh for every call being
+    whole sequence split into `q_shards` parts of queries (in `balanced_order` when `balanced`:
+    each mask row is computed from its query's position). Built afresh for every call being
     traced: its mask tables become arrays of the trace that builds it, so a kernel kept from one
     trace (a scan's body: deepseek's dense layers) and used in another (its expert layers) would
     hold a leaked tracer."""
@@ -106,6 +126,8 @@ def _kernel(groups: int, length: int, window: int, cap: float, blocks: sa.BlockS
         mask = sa.LocalMask((length, length), window_size=(window - 1, 0), offset=0)
     else:
         mask = sa.CausalMask((length, length))
+    if balanced:
+        mask.q_sequence = balanced_order(length, q_shards)
     return sa.make_splash_mqa(sa.MultiHeadMask([mask] * groups), block_sizes=blocks, attn_logits_soft_cap=cap or None,
                               head_shards=1, q_seq_shards=q_shards, interpret=interpret)
 
@@ -126,21 +148,49 @@ def _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q_bt, segment_kv_bs, *, scal
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
 
 
-def _attend_split(kernel, q_btnh, k_bskh, v_bskh, segment_bt, *, scale, sequence_axis):
+def _to_balanced(x, axis: str, shards: int):
+    """One device's contiguous parts 2i and 2i+1 of the sequence [B, T/S, ...] -> its parts of the
+    balanced layout (j, then 2S-1-j), by two collective permutes (the even parts, the odd ones)."""
+    even, odd = jnp.split(x, 2, axis=1)
+    dest = lambda p: p if p < shards else 2 * shards - 1 - p  # noqa: E731  (the device that holds part p)
+    got_even = jax.lax.ppermute(even, axis, [(i, dest(2 * i)) for i in range(shards)])
+    got_odd = jax.lax.ppermute(odd, axis, [(i, dest(2 * i + 1)) for i in range(shards)])
+    j_even = jax.lax.axis_index(axis) % 2 == 0  # part j is even on even devices, part 2S-1-j on odd ones
+    return jnp.concatenate([jnp.where(j_even, got_even, got_odd), jnp.where(j_even, got_odd, got_even)], axis=1)
+
+
+def _from_balanced(x, axis: str, shards: int):
+    """The inverse of `_to_balanced`: the balanced parts' rows back to their contiguous devices."""
+    first, second = jnp.split(x, 2, axis=1)
+    j_even = jax.lax.axis_index(axis) % 2 == 0
+    even, odd = jnp.where(j_even, first, second), jnp.where(j_even, second, first)
+    held = lambda j, parity: j if j % 2 == parity else 2 * shards - 1 - j  # noqa: E731  (device j's part of that parity)
+    back_even = jax.lax.ppermute(even, axis, [(j, held(j, 0) // 2) for j in range(shards)])
+    back_odd = jax.lax.ppermute(odd, axis, [(j, held(j, 1) // 2) for j in range(shards)])
+    return jnp.concatenate([back_even, back_odd], axis=1)
+
+
+def _attend_split(kernel, q_btnh, k_bskh, v_bskh, segment_bt, *, scale, sequence_axis, balanced_shards):
     """`_attend` on one device's shard inside `shard_map`: with a sequence axis, the keys, values
-    and kv segment ids of the whole sequence are gathered over it first."""
-    segment_kv = segment_bt
+    and kv segment ids of the whole sequence are gathered over it first; with `balanced_shards`
+    the queries are exchanged into the balanced layout, and the outputs back."""
+    segment_kv = segment_q = segment_bt
     if sequence_axis:
         gather = functools.partial(jax.lax.all_gather, axis_name=sequence_axis, axis=1, tiled=True)
         k_bskh, v_bskh, segment_kv = gather(k_bskh), gather(v_bskh), gather(segment_bt)
-    return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_bt, segment_kv, scale=scale)
+    if not balanced_shards:
+        return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q, segment_kv, scale=scale)
+    q_btnh, segment_q = (_to_balanced(a, sequence_axis, balanced_shards) for a in (q_btnh, segment_bt))
+    out = _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q, segment_kv, scale=scale)
+    return _from_balanced(out, sequence_axis, balanced_shards)
 
 
 def splash_attention(q_btnh, k_bskh, v_bskh, segment_bt, *, scale: float, logits_soft_cap: float = 0.0,
-                     window: int = 0, blocks: sa.BlockSizes, interpret: bool = False):
+                     window: int = 0, blocks: sa.BlockSizes, load_balance: bool = False, interpret: bool = False):
     """Causal attention of q [B, T, N, H] over k, v [B, T, K, H] within segments, as
     `attention.dot_product_attention` computes it, with the splash kernel. Under a mesh whose
-    sequence axis splits T, `blocks` are those of `block_sizes(..., q_shards=<that axis' size>)`."""
+    sequence axis splits T, `blocks` are those of `block_sizes(..., q_shards=<that axis' size>)`,
+    and `load_balance` (`load_balanced`'s answer) gives each device an early and a late part."""
     b, t, n, _ = q_btnh.shape
     groups = n // k_bskh.shape[2]
     mesh = jax.sharding.get_abstract_mesh()
@@ -155,11 +205,14 @@ def splash_attention(q_btnh, k_bskh, v_bskh, segment_bt, *, scale: float, logits
     if heads and k_bskh.shape[2] % sizes["tensor"]:  # fewer kv heads than tensor ways: one per query head
         k_bskh, v_bskh = jnp.repeat(k_bskh, groups, axis=2), jnp.repeat(v_bskh, groups, axis=2)
         groups = 1
-    sequence = "sequence" if sizes.get("sequence", 1) > 1 else None
-    kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret, sizes.get("sequence", 1))
+    shards = sizes.get("sequence", 1)
+    sequence = "sequence" if shards > 1 else None
+    balanced = load_balance and shards > 1
+    kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret, shards, balanced)
     kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, sequence)))
     batch_spec = (batch if len(batch) > 1 else batch[0]) if batch else None
     qkv = P(batch_spec, sequence, heads, None)
-    attend = functools.partial(_attend_split, scale=scale, sequence_axis=sequence)
+    attend = functools.partial(_attend_split, scale=scale, sequence_axis=sequence,
+                               balanced_shards=shards if balanced else 0)
     return jax.shard_map(attend, in_specs=(kernel_spec, qkv, qkv, qkv, P(batch_spec, sequence)), out_specs=qkv,
                          check_vma=False)(kernel, q_btnh, k_bskh, v_bskh, segment_bt)
