@@ -209,7 +209,12 @@ def splash_attention(q_btnh, k_bskh, v_bskh, segment_bt, *, scale: float, logits
     sequence = "sequence" if shards > 1 else None
     balanced = load_balance and shards > 1
     kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret, shards, balanced)
-    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, sequence)))
+    # the kernel's mask tables split like the queries (over sequence); read off a mesh of the same
+    # shape whose axes are all Auto: under the pipeline's shard_map the ambient mesh's stage axis is
+    # Manual, which the kernel's own check of the tables' shard shape cannot handle
+    plain = jax.sharding.AbstractMesh(tuple(sizes.values()), tuple(sizes),
+                                      axis_types=(jax.sharding.AxisType.Auto,) * len(sizes))
+    kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(plain, P(None, sequence)))
     batch_spec = (batch if len(batch) > 1 else batch[0]) if batch else None
     qkv = P(batch_spec, sequence, heads, None)
     attend = functools.partial(_attend_split, scale=scale, sequence_axis=sequence,
