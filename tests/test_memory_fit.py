@@ -131,6 +131,42 @@ def test_host_buffers_are_weighed_against_each_host_bound_in_its_own_terms(monke
     assert _short_of(Room(3 * gib, False, 8, "tpu", "limit"), 2 * gib, read) is None
 
 
+def test_an_eval_counts_the_copy_an_asynchronous_save_may_still_write_from(monkeypatch):
+    """An evaluation can run while an earlier step's asynchronous save is still being written: the
+    copy of the state it writes from is on the host meanwhile (no second state: an evaluation makes
+    none). Counted only when such a save can happen (async, a save before the last step)."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+    from tessera.memory_fit import HostBuffers, Room, check_eval_fits, state_bytes
+    from tessera.step import setup
+    from tessera.train import _save_buffers
+
+    trainer = setup(tiny_config(steps=10, checkpoint_period=4))
+    state = sum(state_bytes(trainer).values()) * len(memory_fit.local_devices(trainer.mesh))
+    copy = _save_buffers(trainer_cfg := tiny_config(steps=10, checkpoint_period=4), trainer, object(), 0,
+                         evaluation=True)
+    assert 0 < copy.resident == copy.mapped <= state and copy.what.endswith("(a copy of the state to write from)")
+    step = _save_buffers(trainer_cfg, trainer, object(), 0)
+    assert step.resident == copy.resident + state and "second state" in step.what  # a step makes another state
+    for change in (dict(async_checkpointing=False), dict(checkpoint_period=10)):  # no save in flight at an eval
+        assert _save_buffers(tiny_config(steps=10, **{"checkpoint_period": 4, **change}), trainer, object(), 0,
+                             evaluation=True) == HostBuffers()
+    assert _save_buffers(trainer_cfg, trainer, None, 0, evaluation=True) == HostBuffers()  # no checkpoints
+
+    gib = 2**30
+    monkeypatch.setattr(memory_fit, "room", lambda devices: Room(3 * gib, True, 8, "cpu", "the least"))
+    monkeypatch.setattr(memory_fit, "host_bounds", lambda: [(3 * gib, "available host memory", False)])
+    eval_step = SimpleNamespace(memory_analysis=lambda: SimpleNamespace(
+        temp_size_in_bytes=gib // 4, output_size_in_bytes=0, alias_size_in_bytes=0))  # 2 GiB on 8 devices
+    check_eval_fits(eval_step, trainer)  # 2 of 3 GiB
+    saving = HostBuffers(gib + gib // 2, gib + gib // 2, "for checkpoint saves (a copy of the state to write from)")
+    with pytest.raises(memory_fit.OutOfMemory, match=r"on top of the train state, and up to 1\.5 GiB on the host "
+                       r"for checkpoint saves \(a copy of the state to write from\); .* Nothing was run; set "
+                       r"async_checkpointing=false \(no save is then being written while an evaluation runs\)"):
+        check_eval_fits(eval_step, trainer, saving)
+
+
 def test_decoding_parameters_larger_than_the_host_allows_stops_before_reading_them(tmp_path):
     line = _memory_error(_limited("-m", "tessera.decode", "configs/base.yml", "model_name=llama2-7b",
                                   f"load_parameters_path={tmp_path}/none", "--tokens", "1,2"))

@@ -29,7 +29,7 @@ from tessera import host_malloc
 from tessera.compile_cache import cache_hits, loaded_note
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
-from tessera.memory_fit import check_eval_fits
+from tessera.memory_fit import HostBuffers, check_eval_fits
 from tessera.models import ModelDef
 from tessera.models.mtp import chain_weights, shift_left
 from tessera.step import (Trainer, abstract_state, batch_shapes, cross_entropy_sum, cross_entropy_sum_and_greedy,
@@ -104,15 +104,17 @@ class Evaluator:
         self.step_fn = eval_step(trainer)
         self.compiled = False
 
-    def compile(self) -> None:
-        """Compile the eval step for the train state's parameters and a batch, and log how long it
-        took. OutOfMemory (`check_eval_fits`) when its temporaries cannot fit beside the train state."""
-        start, hits = time.perf_counter(), cache_hits()
-        with host_malloc.returning_freed_memory():  # the compiler's memory is not the steps' to reuse
-            self.step_fn = compile_eval_step(self.trainer, self.step_fn)
-        log.info("eval step compiled in %.1f s%s", time.perf_counter() - start, loaded_note(hits))
-        check_eval_fits(self.step_fn, self.trainer)
-        self.compiled = True
+    def compile(self, saves: HostBuffers = HostBuffers()) -> None:
+        """Compile the eval step for the train state's parameters and a batch (once), and log how
+        long it took. OutOfMemory (`check_eval_fits`) when its temporaries cannot fit beside the
+        train state and `saves` (what an asynchronous save may hold on the host meanwhile)."""
+        if not self.compiled:
+            start, hits = time.perf_counter(), cache_hits()
+            with host_malloc.returning_freed_memory():  # the compiler's memory is not the steps' to reuse
+                self.step_fn = compile_eval_step(self.trainer, self.step_fn)
+            log.info("eval step compiled in %.1f s%s", time.perf_counter() - start, loaded_note(hits))
+            self.compiled = True
+        check_eval_fits(self.step_fn, self.trainer, saves)
 
     def at_target_already(self, start_step: int, params) -> bool:
         """A resumed run with target_eval_loss evaluates its starting state first: True when that is

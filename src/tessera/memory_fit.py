@@ -344,21 +344,26 @@ def check_step_fits(compiled, trainer, saves: HostBuffers = HostBuffers()) -> No
         f"of the train state{saving}; {bound.verdict(per_device, host)}. Nothing was run; {advice}")
 
 
-def check_eval_fits(compiled, trainer) -> None:
+def check_eval_fits(compiled, trainer, saves: HostBuffers = HostBuffers()) -> None:
     """OutOfMemory before the first step, if the compiled eval step's temporaries and outputs cannot
-    fit beside the train state (an evaluation runs between two steps, the state allocated)."""
-    found = _beside_state(compiled, trainer, HostBuffers())
+    fit beside the train state (an evaluation runs between two steps, the state allocated) and
+    what an asynchronous save may still hold on the host meanwhile (`saves`: the copy it writes
+    from), where the devices share the host's memory."""
+    found = _beside_state(compiled, trainer, saves)
     if found is None:
         return
-    per_device, (bound, _) = found
+    per_device, (bound, host) = found
     ways = ["lower eval_per_device_batch_size"]
     if trainer.model.cfg.num_vocab_tiling == 1:
         ways.append("compute the logits in pieces (num_vocab_tiling)")
+    if host:
+        ways.insert(0, "set async_checkpointing=false (no save is then being written while an evaluation runs)")
+    saving = f", and up to {format_bytes(host)} on the host {saves.what}" if host else ""
     raise OutOfMemory(
         f"not enough memory for the eval step: its activations and logits need {format_bytes(per_device)} per device "
         f"(an eval batch of {trainer.plan.eval_batch} sequences of {trainer.plan.max_target_length} tokens over "
-        f"{trainer.mesh.size} device(s)) on top of the train state; {bound.verdict(per_device)}. Nothing was run; "
-        f"{_either(ways)}; {SIZING}")
+        f"{trainer.mesh.size} device(s)) on top of the train state{saving}; {bound.verdict(per_device, host)}. "
+        f"Nothing was run; {_either(ways)}; {SIZING}")
 
 
 def _beside_state(compiled, trainer, saves: HostBuffers) -> tuple[int, tuple[Room, int]] | None:

@@ -121,8 +121,8 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
         step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
     log.info("train step compiled in %.1f s%s", compile_seconds, loaded_note(hits))
     check_step_fits(step_fn, trainer, _save_buffers(cfg, trainer, ckpt, start_step))
-    if evaluator and not evaluator.compiled:
-        evaluator.compile()
+    if evaluator:  # compiled already when a resumed run evaluated its start (no save was being written then)
+        evaluator.compile(_save_buffers(cfg, trainer, ckpt, start_step, evaluation=True))
     run_dir = create_run_folder(cfg, plan.run_dir)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
@@ -257,13 +257,17 @@ class _StatsReader:
             _check_finite(self.cfg, step, stats, self.ckpt)
 
 
-def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, start_step: int) -> HostBuffers:
+def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, start_step: int,
+                  evaluation: bool = False) -> HostBuffers:
     """What this run's checkpoint saves hold on the host (`memory_fit.save_buffers`): none without
-    checkpoints; the second state only when an asynchronous save can happen before the last step."""
+    checkpoints; the second state only when an asynchronous save can happen before the last step.
+    During an `evaluation`: the copy such a save may still be writing from, nothing else."""
     if ckpt is None:
         return HostBuffers()
     beside = cfg.checkpoint.async_checkpointing and cfg.checkpoint.checkpoint_period < cfg.run.steps - start_step
-    return save_buffers(state_shapes(trainer), _local_state_bytes(trainer), beside)
+    if evaluation and not beside:
+        return HostBuffers()
+    return save_buffers(state_shapes(trainer), _local_state_bytes(trainer), beside and not evaluation)
 
 
 def _local_state_bytes(trainer: Trainer) -> int:
