@@ -324,3 +324,26 @@ def test_a_model_file_that_is_not_yaml_is_the_loaders_config_error(capsys, tmp_p
     err = capsys.readouterr().err  # the loader's own words (tessera.config), one line
     assert err.startswith(f"config error: model file {listed} must be a mapping of key: value lines") and \
         err.count("\n") == 1
+
+
+@pytest.mark.parametrize("model, hardware, overrides, fused", [
+    ("llama3.1-8b", "v6e-256", dict(attention="flash"), True),  # splash
+    ("llama3.1-8b", "v6e-256", dict(attention="flash", max_target_length=1000), False),  # no whole 128-token tiles
+    ("llama3.1-8b", "v6e-256", dict(attention="dot_product"), False),
+    ("llama3.1-8b", "h100-8", dict(dtype="bfloat16"), True),  # cuDNN
+    ("gemma2-9b", "h100-8", dict(dtype="bfloat16"), False),  # soft-capped scores: cuDNN cannot, the reference runs
+    ("gemma2-9b", "v6e-256", dict(attention="flash"), True),  # splash caps scores
+])
+def test_the_estimate_keeps_scores_exactly_where_the_trainer_runs_the_reference(model, hardware, overrides, fused):
+    """The estimator asks the trainer's own kernel choice (`select_attention`) whether a score matrix is kept,
+    so the two cannot disagree (it once assumed cuDNN for every 16-bit model on GPUs, Gemma 2 included)."""
+    from tessera.models.attention import select_attention
+    from tessera.tools.estimate import fused_attention
+
+    cfg = load_model_config(model, [f"{k}={v}" for k, v in {"max_target_length": 2048, **overrides}.items()])
+    hw = parse_hardware(hardware)
+    platform = "gpu" if hw.accelerator.torus_dims == 0 else "tpu"
+    chosen = select_attention(cfg.model, platform, cfg.data.max_target_length, mesh_sizes(cfg, hw))
+    assert fused_attention(cfg, hw, mesh_sizes(cfg, hw)) == fused == (chosen.kernel != "dot_product")
+    mem = [estimate_memory(cfg, count_params(cfg.model), mesh_sizes(cfg, hw), fused_attention=f) for f in (True, False)]
+    assert mem[1].total("none") > mem[0].total("none")  # without remat the reference keeps its scores

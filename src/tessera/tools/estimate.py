@@ -85,6 +85,17 @@ def mesh_sizes(cfg: Config, hw: Hardware) -> dict[str, int]:
     return {axis: ici[axis] * dcn[axis] for axis in ici}
 
 
+def fused_attention(cfg: Config, hw: Hardware, mesh: dict[str, int] | None = None) -> bool:
+    """Whether the trainer would run a fused attention kernel, which keeps no score matrix: its own
+    choice (`select_attention`) for this hardware's platform, the sequence length and `mesh`, so
+    the estimate and the run cannot disagree (splash on TPUs; cuDNN on GPUs, 16-bit, not for
+    soft-capped scores)."""
+    from tessera.models.attention import select_attention
+
+    platform = "gpu" if hw.accelerator.torus_dims == 0 else "tpu"
+    return select_attention(cfg.model, platform, cfg.data.max_target_length, mesh).kernel != "dot_product"
+
+
 @dataclasses.dataclass(frozen=True)
 class Roofline:
     axis: str
@@ -163,9 +174,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     """The whole estimate as text; `sequence` (see sequence_note) comes first."""
     m, counts = cfg.model, count_params(cfg.model)
     mesh = mesh_sizes(cfg, hw)
-    # fused attention keeps no score matrix: cuDNN on GPUs (16-bit), splash on TPUs (flash / autoselected)
-    fused = (m.dtype in ("bfloat16", "float16")) if hw.accelerator.torus_dims == 0 \
-        else m.attention in ("flash", "autoselected")
+    fused = fused_attention(cfg, hw, mesh)
     mem = estimate_memory(cfg, counts, mesh, fused)
     tokens = cfg.data.max_target_length
     flops_token = training_flops_per_step(m, 1, tokens) / tokens

@@ -39,7 +39,8 @@ from tessera.config import Config, ConfigError
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.hardware import GPUS_PER_NODE
 from tessera.tools.cli import config_epilog
-from tessera.tools.estimate import Hardware, load_model_config, mesh_sizes, parse_hardware, sequence_note
+from tessera.tools.estimate import (Hardware, fused_attention, load_model_config, mesh_sizes, parse_hardware,
+                                   sequence_note)
 from tessera.tools.memory_model import ParamCounts, count_params, estimate_memory
 from tessera.tools.plan_model import Axis, estimate_mfu, executed_ratio, recomputed_share, score_axes
 
@@ -178,13 +179,6 @@ def mesh_config(cfg: Config, mesh: Mesh, repeats: int, per_device_batch: float) 
         data=dataclasses.replace(cfg.data, per_device_batch_size=per_device_batch))
 
 
-def fused_attention(cfg: Config, hw: Hardware) -> bool:
-    """The estimator's rule: cuDNN on GPUs (16-bit), splash on TPUs (flash / autoselected)."""
-    if hw.accelerator.torus_dims == 0:
-        return cfg.model.dtype in ("bfloat16", "float16")
-    return cfg.model.attention in ("flash", "autoselected")
-
-
 # --------------------------------------------------------------------------- search
 
 
@@ -214,7 +208,7 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
                     repeats_tried: list[int] | None = None) -> list[Candidate]:
     """Per remat policy and pipeline schedule (`pipeline_repeats` unless given): the largest batch that fits (else
     the smallest tried)."""
-    fused, executed = fused_attention(cfg, hw), executed_ratio(cfg)
+    fused, executed = fused_attention(cfg, hw, mesh.sizes), executed_ratio(cfg)
     budget = hw.accelerator.hbm_bytes * cfg.compile.compile_hbm_budget_fraction
     found: dict[tuple[int, str], Candidate] = {}
     for repeats in repeats_tried or pipeline_repeats(cfg, mesh.sizes["stage"]):

@@ -10,7 +10,8 @@ from tessera.config import Config
 from tessera.hardware import GIB, GPUS_PER_NODE
 from tessera.tools.estimate import Hardware
 from tessera.tools.memory_model import count_params, estimate_memory
-from tessera.tools.plan import Candidate, fused_attention, mesh_config
+from tessera.tools.estimate import fused_attention
+from tessera.tools.plan import Candidate, mesh_config
 from tessera.tools.plan_model import executed_ratio
 
 
@@ -79,7 +80,7 @@ def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_pe
     small = ranked[0]  # the smallest of all, when none fits
     ideal = max(ranked, key=Candidate.roofline_key)
     c = mesh_config(cfg, small.mesh, small.repeats, small.per_device_batch)
-    mem = estimate_memory(c, count_params(c.model), small.mesh.sizes, fused_attention(c, hw))
+    mem = estimate_memory(c, count_params(c.model), small.mesh.sizes, fused_attention(c, hw, small.mesh.sizes))
     state = mem.params + mem.grads + mem.optimizer + mem.gathered
     acts = small.memory - state
     more = 2 ** math.ceil(math.log2(max(2.0, state / max(small.budget - acts, small.budget * 0.05))))
@@ -95,7 +96,7 @@ def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_pe
     if m.num_experts > 1 and m.sparse_matmul and m.ragged_buffer_factor <= 0 and small.mesh.sizes["expert"] > 2:
         bounded = dataclasses.replace(c, model=dataclasses.replace(m, ragged_buffer_factor=2.0))
         saved = mem.total(small.remat) - estimate_memory(bounded, count_params(m), small.mesh.sizes,
-                                                            fused_attention(c, hw)).total(small.remat)
+                                                            fused_attention(c, hw, small.mesh.sizes)).total(small.remat)
         hints.append(f"ragged_buffer_factor=2: each device's buffer for the token copies it receives over the "
                      f"{small.mesh.sizes['expert']}-way expert axis holds twice its own copies instead of every "
                      f"sender's ({saved / GIB:.1f} GiB less; copies past it are dropped and counted)")
