@@ -77,11 +77,15 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
             return AttentionChoice("dot_product", why)
         shards = (mesh_shape or {}).get("sequence", 1)
         blocks = splash.block_sizes(m, length, shards)
-        split = f", queries split {shards} ways over the sequence axis" if shards > 1 else ""
+        split = ""
         if shards > 1:
-            split += (", load-balanced" if splash.load_balanced(m, length, shards) else
-                      ", in contiguous parts" + ("" if not m.context_parallel_load_balance else
-                                                 f" (a balanced split needs a multiple of {2 * shards * splash.LANE})"))
+            if splash.load_balanced(m, length, shards):
+                how = "load-balanced"
+            elif m.context_parallel_load_balance:
+                how = f"in contiguous parts (a balanced split needs a multiple of {2 * shards * splash.LANE})"
+            else:
+                how = "in contiguous parts"
+            split = f", queries split {shards} ways over the sequence axis, {how}"
         return AttentionChoice("splash", f"attention={requested}: Pallas splash attention on TPU "
                                          f"(blocks q {blocks.block_q}, kv {blocks.block_kv}{split})")
     if logits_soft_cap:
