@@ -238,7 +238,8 @@ def test_a_sequence_split_needs_query_tiles_on_every_device():
                                           r"them, and .* e\.g\. 256"):
         block_sizes(tiny_config(sa_block_q=512, context_parallel_load_balance=False).model, 3072, q_shards=4)
     with pytest.raises(ConfigError, match=r"sa_block_q=512: .* each device holds 1536 of them in two parts of 768 "
-                                          r"\(context_parallel_load_balance\)"):
+                                          r"\(context_parallel_load_balance\), .* e\.g\. 256, or set "
+                                          r"context_parallel_load_balance=false \(shares of 1536\)$"):
         block_sizes(tiny_config(sa_block_q=512).model, 6144, q_shards=4)  # but not one device's part
 
 

@@ -100,9 +100,12 @@ def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes
                           f"the sequence length {length} (0 picks one); e.g. {auto_kv}")
     if bad_q:
         parts = f" in two parts of {local} (context_parallel_load_balance)" if balanced else ""
+        whole = length // q_shards  # one contiguous share, without the load balance
+        unbalanced = all(whole % min(getattr(m, n) or auto_q, whole) == 0 for n in Q_BLOCK_KEYS)
+        alternative = f", or set context_parallel_load_balance=false (shares of {whole})" if balanced and unbalanced else ""
         raise ConfigError(f"{', '.join(bad_q)}: with the sequence axis splitting the queries {q_shards} ways each "
-                          f"device holds {length // q_shards} of them{parts}, and splash attention query blocks must "
-                          f"be multiples of {LANE} that divide {local} (0 picks one); e.g. {auto_q}")
+                          f"device holds {whole} of them{parts}, and splash attention query blocks must "
+                          f"be multiples of {LANE} that divide {local} (0 picks one); e.g. {auto_q}{alternative}")
     fused = m.sa_use_fused_bwd_kernel
     layout = {name: getattr(sa.QKVLayout, getattr(m, f"sa_{name}_layout").upper())
               for name in ("q", "k", "v")}
