@@ -102,7 +102,8 @@ def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes
         parts = f" in two parts of {local} (context_parallel_load_balance)" if balanced else ""
         whole = length // q_shards  # one contiguous share, without the load balance
         unbalanced = all(whole % min(getattr(m, n) or auto_q, whole) == 0 for n in Q_BLOCK_KEYS)
-        alternative = f", or set context_parallel_load_balance=false (shares of {whole})" if balanced and unbalanced else ""
+        alternative = (f", or set context_parallel_load_balance=false (shares of {whole})"
+                       if balanced and unbalanced else "")
         raise ConfigError(f"{', '.join(bad_q)}: with the sequence axis splitting the queries {q_shards} ways each "
                           f"device holds {whole} of them{parts}, and splash attention query blocks must "
                           f"be multiples of {LANE} that divide {local} (0 picks one); e.g. {auto_q}{alternative}")
@@ -167,7 +168,8 @@ def _from_balanced(x, axis: str, shards: int):
     first, second = jnp.split(x, 2, axis=1)
     j_even = jax.lax.axis_index(axis) % 2 == 0
     even, odd = jnp.where(j_even, first, second), jnp.where(j_even, second, first)
-    held = lambda j, parity: j if j % 2 == parity else 2 * shards - 1 - j  # noqa: E731  (device j's part of that parity)
+    # the part of that parity device j holds
+    held = lambda j, parity: j if j % 2 == parity else 2 * shards - 1 - j  # noqa: E731
     back_even = jax.lax.ppermute(even, axis, [(j, held(j, 0) // 2) for j in range(shards)])
     back_odd = jax.lax.ppermute(odd, axis, [(j, held(j, 1) // 2) for j in range(shards)])
     return jnp.concatenate([back_even, back_odd], axis=1)

@@ -8,9 +8,8 @@ import math
 
 from tessera.config import Config
 from tessera.hardware import GIB, GPUS_PER_NODE
-from tessera.tools.estimate import Hardware
+from tessera.tools.estimate import Hardware, fused_attention
 from tessera.tools.memory_model import count_params, estimate_memory
-from tessera.tools.estimate import fused_attention
 from tessera.tools.plan import Candidate, mesh_config
 from tessera.tools.plan_model import executed_ratio
 
