@@ -75,12 +75,45 @@ def test_roofline_thresholds_of_seed_004():
     assert not verdicts({})["expert"].size > 1 and verdicts({})["expert"].verdict == "not used"
 
 
+def test_a_sequence_split_is_charged_for_the_keys_and_values_it_gathers(capsys):
+    """Llama 3.1 8B at 131,072 tokens on v5p-128, fsdp 16 x sequence 4: the sequence axis' roofline adds attention's
+    traffic to the weights' (so it is below fsdp's); the load balance's query exchange costs a little more, and a
+    longer split more again. Activations count the keys and values of the other shares: for one layer in flight
+    with their gradients, and for every layer under remat_policy=none."""
+    hw = parse_hardware("v5p-128")
+    keys = ["max_target_length=131072", "dtype=bfloat16", "ici_fsdp_parallelism=16", "per_device_batch_size=0.25"]
+
+    def lines(*more):
+        cfg = load_model_config("llama3.1-8b", [*keys, *more])
+        return {r.axis: r.intensity for r in rooflines(cfg, mesh_sizes(cfg, hw), hw) if r.size > 1}
+
+    balanced = lines("ici_sequence_parallelism=4")
+    assert set(balanced) == {"fsdp", "sequence"} and balanced["sequence"] < balanced["fsdp"] == 32768
+    assert balanced["sequence"] < lines("ici_sequence_parallelism=4", "context_parallel_load_balance=false")["sequence"]
+    assert lines("ici_fsdp_parallelism=4", "ici_sequence_parallelism=16")["sequence"] < balanced["sequence"]
+    assert main(["llama3.1-8b", *keys, "ici_sequence_parallelism=4", "--hardware", "v5p-128"]) == 0
+    assert "  sequence x4     intensity       20,366   compute-bound (ok)" in capsys.readouterr().out
+
+    def acts(sequence):
+        cfg = load_model_config("llama3.1-8b", ["max_target_length=131072", "dtype=bfloat16",
+                                                "per_device_batch_size=0.25"])
+        mesh = {"data": 1, "stage": 1, "fsdp": 64 // sequence, "sequence": sequence, "tensor": 1, "expert": 1}
+        return estimate_memory(cfg, count_params(cfg.model), mesh, True).activations
+
+    whole, split = acts(1), acts(4)  # the same 32,768 tokens a device
+    gathered = 32768 * 3 * 2 * 8 * 128 * 2  # tokens x the 3 other shares x (k, v) x 8 kv heads x 128 x bf16
+    assert split["full"] - whole["full"] == pytest.approx(2 * gathered)
+    assert split["none"] - whole["none"] == pytest.approx(2 * gathered + 32 * gathered)
+
+
 @pytest.mark.parametrize("keys", [
     dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2),
     # expert parallelism splits the expert dimension of expert weights and the embed dimension of the others
     dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2, decoder_block="mixtral",
          num_experts=4, num_experts_per_tok=2, sparse_matmul=True),
-], ids=["fsdp x tensor", "fsdp x expert x tensor"])
+    # the sequence axis splits the weights' embed dimension as fsdp does
+    dict(ici_fsdp_parallelism=2, ici_sequence_parallelism=2, ici_tensor_parallelism=2),
+], ids=["fsdp x tensor", "fsdp x expert x tensor", "fsdp x sequence x tensor"])
 def test_state_memory_equals_what_the_compiler_allocates(keys):
     """Parameters + AdamW state per device, estimated, vs the compiled step's inputs on 8 CPU devices."""
     from tessera.step import compile_step, setup

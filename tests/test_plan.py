@@ -63,7 +63,9 @@ def test_900b_dense_in_float32_does_not_fit_one_pod(capsys):
     keys = [f"{k}={v}" for k, v in SEED_004["900B dense"][0].items()]
     assert main(["1b", *keys, *RUN, "--hardware", "v6e-256", "--top", "3"]) == 2
     out, err = capsys.readouterr()
-    assert "nothing fits; the smallest candidates" in out and "fsdp 16 x tensor 16" in out  # a table, not empty
+    # a table, not empty; a 2-way sequence split (the most a 2,048-token sequence allows: 1,024 tokens a device)
+    # halves the tokens the smallest batch leaves each device
+    assert "nothing fits; the smallest candidates" in out and "fsdp 8 x sequence 2 x tensor 16" in out
     assert "does not fit on v6e-256 x1" in err and "GiB over the budget of 30.4 GiB" in err
     over = float(err.split("GiB per chip (")[0].rsplit("needs ", 1)[1])
     assert 50 < over < 60  # 55 GiB of float32 parameters, gradients and AdamW state per chip alone
@@ -104,10 +106,15 @@ def test_10t_moe_on_16_pods_needs_pipelining_over_dcn():
     assert guide.mfu == max(c.mfu for c in sharded)  # tied with EP 32 x TP 8, ahead of the rest
     # without tensor parallelism (a 0.6 rather than 0.5 ceiling) the pod must copy the weights over a data axis:
     # 3.5x the guide mesh's memory at least (which splits its attention and embedding weights 256 ways: over
-    # its expert axis as well as tensor)
+    # its expert axis as well as tensor). A 2-way sequence split (1,024 tokens a device) splits the weights as well:
+    # it copies them over fewer data ways, for 1.6x the guide mesh's memory at least
     for c in pp16:
         if c.mfu > guide.mfu:
-            assert c.mesh.sizes["tensor"] == 1 and c.mesh.sizes["data"] >= 8 and c.memory > 3.5 * guide.memory
+            assert c.mesh.sizes["tensor"] == 1
+            if c.mesh.sizes["sequence"] == 1:
+                assert c.mesh.sizes["data"] >= 8 and c.memory > 3.5 * guide.memory
+            else:
+                assert c.mesh.sizes["sequence"] == 2 and c.mesh.sizes["data"] >= 2 and c.memory > 1.6 * guide.memory
     tp16 = candidate(cfg, hw, 2048, {"tensor": 16, "expert": 16}, {"stage": 16}, repeats=8)
     assert tp16.binding.axis == "tensor" and tp16.binding.ratio < 0.6 and tp16.mfu < guide.mfu
     assert max(ranked, key=lambda c: c.roofline_key()).mesh.dcn["stage"] > 1
@@ -158,7 +165,7 @@ def test_every_mesh_splits_the_model_evenly():
         assert math.prod(s.values()) == 64
         assert m.num_query_heads % s["tensor"] == m.num_kv_heads % s["tensor"] == m.mlp_dim % s["tensor"] == 0
         assert m.num_experts % s["expert"] == 0 and m.num_decoder_layers % s["stage"] == 0
-        assert m.emb_dim % (s["fsdp"] * s["expert"]) == 0
+        assert m.emb_dim % (s["fsdp"] * s["sequence"] * s["expert"]) == 0
         assert (c.per_device_batch * 64) % (s["data"] * s["fsdp"] * s["expert"]) == 0
 
 
@@ -283,3 +290,61 @@ def test_compile_output_that_cannot_be_written_is_refused_before_compiling(tmp_p
     assert f"cannot be written: {tmp_path / 'd' / 'x.json'} is a folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["X", "d"] and list((tmp_path / "d").iterdir()) == [
         tmp_path / "d" / "x.json"]
+
+
+def test_long_sequences_plan_a_load_balanced_sequence_split():
+    """Llama 3.1 8B at 131,072 tokens on v5p-128: the plan splits the sequence (each device a share, splash attention
+    load-balanced) instead of the tensor axis it chose when sequence splits were not tried, and its overrides build
+    that mesh. At 2,048 tokens on v6e-256 the first choice keeps the sequence whole, as before (fsdp 256, 2 sequences
+    a device)."""
+    from tessera.config import load_config
+    from tessera.models.attention import select_attention
+    from tessera.tools.estimate import mesh_sizes
+    from tessera.tools.plan import run_args
+
+    hw = parse_hardware("v5p-128")
+    cfg = load_model_config("llama3.1-8b", ["max_target_length=131072", "dtype=bfloat16"])
+    best = plan(cfg, hw)[0]
+    s = best.mesh.sizes
+    assert best.fits and s["sequence"] > 1 and s["tensor"] == 1, best.mesh.describe()
+    assert best.mfu == pytest.approx(BASE_MFU * 3 / (3 + 0))  # minimal: compute-bound, no tensor axis
+    assert any(a.axis == "sequence" and a.ratio > 1 for a in best.axes)
+    built = load_config([str(REPO / "configs" / "base.yml"), "model_name=llama3.1-8b", *run_args(best, cfg)], env={})
+    assert f"ici_sequence_parallelism={s['sequence']}" in run_args(best, cfg) and mesh_sizes(built, hw) == s
+    assert "load-balanced" in select_attention(built.model, "tpu", 131072, s).reason
+    short = plan(load_model_config("llama3.1-8b", RUN), parse_hardware("v6e-256"))[0]
+    assert short.mesh.describe() == "fsdp 256" and short.per_device_batch == 2 and short.remat == "minimal"
+
+
+def test_sequence_splits_tried_are_those_splash_serves_balanced():
+    """TPU: ways that leave each device >= 1,024 tokens in two whole 128-token parts, and whose query blocks divide a
+    part; none without the load balance, none on GPUs."""
+    from tessera.tools.plan import sequence_ways
+
+    tpu, gpu = parse_hardware("v5e-64"), parse_hardware("h100-64")
+    cfg = load_model_config("llama2-7b", ["max_target_length=4096"])
+    assert sequence_ways(cfg, tpu, 64) == [1, 2, 4]
+    assert sequence_ways(load_model_config("llama2-7b", ["max_target_length=32768"]), tpu, 64) == [1, 2, 4, 8, 16, 32]
+    assert sequence_ways(load_model_config("llama2-7b", ["max_target_length=3840"]), tpu, 48) == [1, 3]  # 15 x 256
+    blocks = load_model_config("llama2-7b", ["max_target_length=6144", "sa_block_q=1024"])
+    assert sequence_ways(blocks, tpu, 48) == [1, 3, 4, 6]  # 2 ways: parts of 1,536 queries, not whole blocks
+    assert sequence_ways(load_model_config("llama2-7b", ["max_target_length=4096", "context_parallel_load_balance=false"]),
+                         tpu, 64) == [1]
+    assert sequence_ways(cfg, gpu, 64) == [1]
+    assert {c.mesh.sizes["sequence"] for c in search(cfg, tpu)} == {1, 2, 4}
+
+
+def test_a_recipe_with_a_sequence_axis_is_scored_with_it():
+    """own_candidates (the recipes' targets, plan_recipes.py) keeps the config's sequence axis, ICI and DCN."""
+    from tessera.tools.plan import own_candidates
+
+    cfg = load_model_config("llama3.1-8b", ["max_target_length=131072", "dtype=bfloat16", "ici_fsdp_parallelism=16",
+                                            "ici_sequence_parallelism=4", "per_device_batch_size=0.25"])
+    scored = own_candidates(cfg, parse_hardware("v5p-128"))["full"]
+    assert scored.mesh.sizes["sequence"] == 4 and scored.mesh.sizes["fsdp"] == 16
+    assert [a.axis for a in scored.axes] == ["fsdp", "sequence"]
+    two = load_model_config("llama3.1-8b", ["max_target_length=131072", "ici_fsdp_parallelism=16",
+                                            "ici_sequence_parallelism=4", "dcn_sequence_parallelism=2",
+                                            "per_device_batch_size=0.25"])
+    mesh = own_candidates(two, parse_hardware("v5p-128", num_slices=2))["full"].mesh
+    assert mesh.sizes["sequence"] == 8 and mesh.ici["sequence"] == 4 and mesh.dcn["sequence"] == 2

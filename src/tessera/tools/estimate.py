@@ -16,9 +16,11 @@ and the roofline checks of the public TPU sizing guide for each parallel axis in
 communication when the arithmetic intensity (FLOPs per byte moved) it leaves is above the
 hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
 
-    FSDP    tokens per device x tensor x expert / sparsity     (sparsity = experts / experts per token)
-    expert  4 x mlp_dim / expert
-    tensor  mlp_dim / tensor
+    FSDP      tokens per device x tensor x expert / sparsity     (sparsity = experts / experts per token)
+    expert    4 x mlp_dim / expert
+    tensor    mlp_dim / tensor
+    sequence  the FSDP figure (weights are split over the sequence axis too) combined with a layer's
+              FLOPs per token over the key/value and query bytes it moves (`sequence_intensity`)
 
 Memory per device comes from tessera.tools.memory_model, whose docstring says how it
 compares with the compiler's figures; `EXECUTABLE=train_compile` gives the exact figure for a
@@ -122,12 +124,37 @@ def rooflines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[Roofline]
         Roofline("expert", mesh["expert"], 4 * m.mlp_dim / mesh["expert"], hw.intensity),
         Roofline("tensor", mesh["tensor"], m.mlp_dim / mesh["tensor"], hw.intensity),
     ]
+    if mesh["sequence"] > 1:
+        from tessera.models.splash import load_balanced  # imported here: `--help` runs without jax
+
+        balanced = hw.accelerator.torus_dims > 0 and load_balanced(m, cfg.data.max_target_length, mesh["sequence"])
+        lines.append(Roofline("sequence", mesh["sequence"], sequence_intensity(cfg, mesh, fsdp, balanced),
+                              hw.intensity))
     if mesh["stage"] > 1:  # a stage's FLOPs per token against the activation bytes it passes on per token
         layout = pipeline_plan(cfg, mesh, hw)
         flops = training_flops_per_step(m, 1, cfg.data.max_target_length) / cfg.data.max_target_length
         sent = 2 * layout.repeats * m.emb_dim * DTYPE_BYTES[m.dtype]  # forward activation + backward gradient
         lines.append(Roofline("stage", mesh["stage"], flops / mesh["stage"] / sent, hw.intensity))
     return lines
+
+
+def sequence_intensity(cfg: Config, mesh: dict[str, int], weights: float, balanced: bool) -> float:
+    """FLOPs per byte a sequence split leaves: the weights' gathers (split over the sequence axis as over fsdp,
+    intensity `weights`) and attention's own traffic, combined as 1 / (1/weights + 1/attention).
+
+    Per token of its share and per layer, a device receives the keys and values of the other
+    `sequence - 1` shares (an all-gather), sends their gradients back (a reduce-scatter) and gathers
+    them again when the remat policy recomputes attention: 3 x (sequence - 1) x 2 x kv heads x
+    head_dim elements. The load balance (`balanced`: splash attention's, on TPU) moves its queries
+    and outputs out and back, forward, backward and recomputed: 6 x query heads x head_dim more.
+    Heads are split over tensor, like the layer's FLOPs."""
+    m = cfg.model
+    length, tensor = cfg.data.max_target_length, mesh["tensor"]
+    flops = training_flops_per_step(m, 1, length) / length / m.num_decoder_layers / tensor
+    kv_heads, q_heads = max(m.num_kv_heads // tensor, 1), max(m.num_query_heads // tensor, 1)
+    moved = (6 * (mesh["sequence"] - 1) * kv_heads + (6 * q_heads if balanced else 0)) * m.head_dim
+    moved *= DTYPE_BYTES[m.dtype]
+    return 1.0 / (1.0 / weights + moved / flops)
 
 
 def pipeline_plan(cfg: Config, mesh: dict[str, int], hw: Hardware):
@@ -216,7 +243,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         verdict = r.verdict
         if r.axis == "stage" and cfg.mesh.dcn_pipeline_parallelism > 1:
             verdict = "over DCN: compare with the DCN's FLOPs per byte (peak / DCN bytes/s per chip)"
-        lines.append(f"  {r.axis:<7} x{r.size:<5} intensity {value}   {verdict}")
+        lines.append(f"  {r.axis:<8} x{r.size:<5} intensity {value}   {verdict}")
     layout = pipeline_plan(cfg, mesh, hw)
     if layout is not None:
         lines += ["", f"pipeline: {layout.describe(LAYERS_PER_BLOCK.get(m.decoder_block, 1))}"]

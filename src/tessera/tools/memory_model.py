@@ -2,7 +2,8 @@
 
 Parameters, gradients and AdamW state are split as `tessera.mesh` splits them. Activation memory
 is an estimate: the tensors each remat policy keeps per layer, plus one layer's recomputation and
-its gradients, plus the logits (float32 and a compute-dtype copy); FSDP keeps two layers gathered
+its gradients (with a sequence split, the keys and values attention gathers from the other
+shares), plus the logits (float32 and a compute-dtype copy); FSDP keeps two layers gathered
 (the next one is gathered ahead) and the logits' matrix, each with its gradient. Against the
 compiler's figures for our 30 TPU recipes (benchmarks/results/aot_recipes.json, 2026-11-27) the
 total ranges from 14% below (v6e/qwen3_8b) to 27% above (v6e/qwen3_30b_a3b), 26 of them within
@@ -127,8 +128,11 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     seqs = cfg.data.per_device_batch_size * mesh["tensor"] * mesh["sequence"] * mesh["stage"]
     tokens = seqs * cfg.data.max_target_length / mesh["sequence"]
     scores = 0.0 if fused_attention else m.num_query_heads / tp * cfg.data.max_target_length * 6  # f32 + bf16
+    # a sequence split gathers the other shares' keys and values for attention, per own token the
+    # sequence axis' other ways' (attention's residuals: remat_policy=none keeps them per layer)
+    gathered_kv = (mesh["sequence"] - 1) * 2 * m.num_kv_heads * m.head_dim / tp * a
     ep = mesh["expert"]
-    keep = _saved_per_token(m, policy, tp, ep) * a + (scores if policy == "none" else 0.0)
+    keep = _saved_per_token(m, policy, tp, ep) * a + (scores + gathered_kv if policy == "none" else 0.0)
     offloaded_input = policy == "custom" and m.decoder_layer_input == "offload"
     # a pipeline stage keeps its own layers' activations (of every microbatch) and three
     # microbatch buffers the size of the whole batch's residual stream (inputs, outputs, loop-back)
@@ -136,7 +140,8 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     depth = m.num_decoder_layers / mesh["stage"] + m.mtp_num_layers
     layers = depth * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
     buffers = 3 * tokens * m.emb_dim * a if mesh["stage"] > 1 else 0.0
-    one_layer = tokens / microbatches * (2 * _saved_per_token(m, "none", tp, ep) * a + scores)  # recompute + grads
+    one_layer = tokens / microbatches * (2 * (_saved_per_token(m, "none", tp, ep) * a + gathered_kv)
+                                         + scores)  # recompute + grads
     # float32 for the loss and a copy in the compute dtype; once more per multi-token-prediction depth
     logits = (1 + m.mtp_num_layers) * tokens * m.vocab_size / tp * (4 + a)
     # a multi-token-prediction depth runs after the layers' scan, and the compiler gives it a working

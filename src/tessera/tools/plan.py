@@ -6,18 +6,21 @@
     python3 -m tessera.tools.plan llama3.1-70b max_target_length=4096 --hardware h100-64
     python3 -m tessera.tools.plan llama3.1-8b max_target_length=2048 --hardware v6e-256 --top 2 --compile
 
-Enumerates meshes (data, fsdp, tensor, expert and pipeline ways inside a slice; data, fsdp and
-pipeline ways across slices), remat policies and per-device batches, scores each with the
+Enumerates meshes (data, fsdp, sequence, tensor, expert and pipeline ways inside a slice; data,
+fsdp and pipeline ways across slices), remat policies and per-device batches, scores each with the
 estimator (tessera.tools.estimate) and prints the best `--top` of them, ranked, with one or two
 sentences on the winner. `--compile` then AOT-compiles those on the real TPU topology, one at a
 time, moves each one's batch to the largest the compiler fits, and writes a recipe script and a
 JSON report (TPU only).
 
 Enumeration keeps only sizes that split the model evenly: tensor ways divide the query heads,
-the kv heads, mlp_dim and the expert width; expert ways divide num_experts; fsdp x expert ways divide emb_dim;
+the kv heads, mlp_dim and the expert width; expert ways divide num_experts; fsdp x sequence x expert ways divide emb_dim;
 pipeline stages satisfy the trainer's own pipeline layout (`derived.pipeline_layout`), and the
-global batch splits over data x fsdp x expert (`derived.global_batch`). Tensor and expert ways
-stay inside a slice (their collectives run at every layer); sequence parallelism is not tried.
+global batch splits over data x fsdp x expert (`derived.global_batch`). Tensor, expert and
+sequence ways stay inside a slice (their collectives run at every layer). Sequence ways are tried
+on TPUs where splash attention serves the split load-balanced (`sequence_ways`): they let a long
+sequence spread over devices without tensor parallelism's per-layer all-reduces, and a global
+batch of fewer sequences than the batch axes' devices.
 Pipelines are tried as GPipe and as circular with one layer per group.
 
 Memory per chip is the estimator's (`estimate_memory`).
@@ -45,10 +48,12 @@ from tessera.tools.memory_model import ParamCounts, count_params, estimate_memor
 from tessera.tools.plan_model import Axis, estimate_mfu, executed_ratio, recomputed_share, score_axes
 
 REMAT_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "none")
-ICI_AXES = ("data", "stage", "fsdp", "tensor", "expert")
+ICI_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 DCN_AXES = ("data", "stage", "fsdp")
 GPU_ORDER = ("expert", "tensor", "sequence", "fsdp", "stage", "data")  # tessera.mesh's order, innermost first
-KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "tensor": "tensor", "expert": "expert"}
+KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "sequence": "sequence", "tensor": "tensor",
+       "expert": "expert"}
+MIN_SEQUENCE_SHARE = 1024  # tokens of a sequence per device under a sequence split: two of splash's default 512-query tiles
 MAX_GLOBAL_TOKENS = 2**24  # 16.8M tokens per step: the largest global batch tried without --tokens-per-device
 
 
@@ -70,8 +75,8 @@ class Mesh:
     def keys(self) -> list[str]:
         """key=value overrides that build this mesh (GPUs: one ICI mesh over every GPU, as the GPU recipes)."""
         if self.gpu:
-            return [f"ici_{KEY[a]}_parallelism={self.sizes[a]}" for a in ICI_AXES] + ["ici_sequence_parallelism=1"]
-        ici = [f"ici_{KEY[a]}_parallelism={self.ici.get(a, 1)}" for a in ICI_AXES] + ["ici_sequence_parallelism=1"]
+            return [f"ici_{KEY[a]}_parallelism={self.sizes[a]}" for a in ICI_AXES]
+        ici = [f"ici_{KEY[a]}_parallelism={self.ici.get(a, 1)}" for a in ICI_AXES]
         return ici + [f"dcn_{KEY[a]}_parallelism={self.dcn.get(a, 1)}" for a in DCN_AXES]
 
     def describe(self) -> str:
@@ -127,16 +132,43 @@ def tensor_ok(m, t: int) -> bool:
     return m.num_query_heads % t == 0 and m.num_kv_heads % t == 0 and m.mlp_dim % t == 0 and m.expert_mlp_dim % t == 0
 
 
-def ici_meshes(cfg: Config, devices: int) -> Iterator[dict[str, int]]:
-    """Every split of one slice's devices over ICI_AXES that keeps the model's dimensions whole."""
+def sequence_ways(cfg: Config, hw: Hardware, devices: int) -> list[int]:
+    """Sequence-axis sizes to try: 1, and on TPUs each split of `devices` that splash attention serves
+    load-balanced (context_parallel_load_balance: every device an early and a late part of the
+    sequence, so a causal mask leaves them equal work) with the model's sa_block_* keys, leaving each
+    device at least MIN_SEQUENCE_SHARE tokens of a sequence (shorter shares buy little memory for
+    their key/value gathers). GPUs keep the sequence whole: their fused attention is not verified
+    with the split."""
+    m, length = cfg.model, cfg.data.max_target_length
+    if hw.accelerator.torus_dims == 0:
+        return [1]
+    from tessera.models.attention import select_attention  # imported here: `--help` runs without jax
+    from tessera.models.splash import load_balanced
+
+    ways = [1]
+    for q in divisors(devices)[1:]:
+        if length // q < MIN_SEQUENCE_SHARE or not load_balanced(m, length, q):
+            continue
+        try:
+            if select_attention(m, "tpu", length, {"sequence": q}).kernel == "splash":
+                ways.append(q)
+        except ConfigError:  # a sa_block_q* key that does not divide one device's parts
+            continue
+    return ways
+
+
+def ici_meshes(cfg: Config, devices: int, sequence: list[int] = (1,)) -> Iterator[dict[str, int]]:
+    """Every split of one slice's devices over ICI_AXES that keeps the model's dimensions whole (the sequence
+    axis: the sizes in `sequence`)."""
     m = cfg.model
     experts = m.num_experts if m.num_experts > 1 else 1
     for t in (t for t in divisors(devices) if tensor_ok(m, t)):
         for e in (e for e in divisors(devices // t) if experts % e == 0):
             for s in (s for s in divisors(devices // (t * e)) if m.num_decoder_layers % s == 0):
-                rest = devices // (t * e * s)
-                for f in divisors(rest):
-                    yield {"data": rest // f, "stage": s, "fsdp": f, "tensor": t, "expert": e}
+                for q in (q for q in sequence if (devices // (t * e * s)) % q == 0):
+                    rest = devices // (t * e * s * q)
+                    for f in divisors(rest):
+                        yield {"data": rest // f, "stage": s, "fsdp": f, "sequence": q, "tensor": t, "expert": e}
 
 
 def dcn_meshes(slices: int) -> Iterator[dict[str, int]]:
@@ -161,7 +193,8 @@ def meshes(cfg: Config, hw: Hardware) -> Iterator[Mesh]:
         for sizes in ici_meshes(cfg, hw.num_devices):
             yield gpu_split(sizes)
         return
-    for ici in ici_meshes(cfg, hw.num_devices // hw.num_slices):
+    per_slice = hw.num_devices // hw.num_slices
+    for ici in ici_meshes(cfg, per_slice, sequence_ways(cfg, hw, per_slice)):
         for dcn in dcn_meshes(hw.num_slices):
             yield Mesh(ici, dcn)
 
@@ -173,8 +206,7 @@ def mesh_config(cfg: Config, mesh: Mesh, repeats: int, per_device_batch: float) 
     if mesh.gpu:
         sizes = {**{k: 1 for k in sizes}, **{f"ici_{KEY[a]}_parallelism": mesh.sizes[a] for a in ICI_AXES}}
     return dataclasses.replace(
-        cfg, mesh=dataclasses.replace(cfg.mesh, ici_sequence_parallelism=1, dcn_sequence_parallelism=1,
-                                      ici_fsdp_transpose_parallelism=1, dcn_fsdp_transpose_parallelism=1,
+        cfg, mesh=dataclasses.replace(cfg.mesh, ici_fsdp_transpose_parallelism=1, dcn_fsdp_transpose_parallelism=1,
                                       num_pipeline_repeats=repeats, num_layers_per_pipeline_stage=-1, **sizes),
         data=dataclasses.replace(cfg.data, per_device_batch_size=per_device_batch))
 
@@ -234,7 +266,7 @@ def config_mesh(cfg: Config, hw: Hardware) -> Mesh:
     if hw.accelerator.torus_dims == 0:
         return gpu_split(sizes)
     dcn = {a: max(1, getattr(cfg.mesh, f"dcn_{KEY[a]}_parallelism")) for a in ICI_AXES}
-    return Mesh({a: sizes[a] // dcn[a] for a in ICI_AXES}, {a: dcn[a] for a in DCN_AXES})
+    return Mesh({a: sizes[a] // dcn[a] for a in ICI_AXES}, {a: n for a, n in dcn.items() if a in DCN_AXES or n > 1})
 
 
 def own_candidates(cfg: Config, hw: Hardware) -> dict[str, Candidate]:
@@ -257,7 +289,7 @@ def search(cfg: Config, hw: Hardware, tokens_per_device: int = 0) -> list[Candid
     found = []
     for mesh in meshes(cfg, hw):
         sizes = mesh.sizes
-        if m.emb_dim % (sizes["fsdp"] * sizes["expert"]):
+        if m.emb_dim % (sizes["fsdp"] * sizes["sequence"] * sizes["expert"]):
             continue  # the embedding dimension would not split: those weights would be copied, not sharded
         found += mesh_candidates(cfg, counts, hw, mesh, tokens)
     fitting = sorted((c for c in found if c.fits), key=Candidate.rank_key, reverse=True)
