@@ -171,6 +171,37 @@ def test_load_balance_gives_every_device_the_same_kernel_work():
     np.testing.assert_array_equal(jax.jit(back)(balanced), rows)
 
 
+@pytest.mark.parametrize("length, window, shards, balance, blocks", [
+    (2048, 0, 1, False, dict(sa_block_q=256, sa_block_kv=512)),
+    (4096, 0, 4, True, dict(sa_block_q=256, sa_block_q_dkv=512, sa_block_kv_dkv=256)),
+    (4096, 0, 4, False, dict(sa_block_q=512)),
+    (3072, 640, 3, True, dict(sa_block_q=256, sa_block_kv=384, sa_block_kv_compute=128)),  # window edges in blocks
+    (2048, 256, 2, False, dict(sa_block_q=128, sa_block_kv=128, sa_block_q_dkv=128, sa_block_kv_dkv=128)),
+], ids=["causal", "causal split balanced", "causal split", "window split balanced", "window small blocks"])
+def test_mask_tables_from_block_bounds_equal_the_element_wise_ones(length, window, shards, balance, blocks,
+                                                                   monkeypatch):
+    """The kernel's three mask tables (forward, dQ, dK/dV: which blocks it visits, where each one's next data
+    is, the partial blocks) built from masks that answer wholly visible or hidden blocks from their bounds equal
+    those JAX's own masks give when every block is computed element by element."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
+    from tessera.models import splash
+
+    model = tiny_config(context_parallel_load_balance=balance, **blocks).model
+    sizes = block_sizes(model, length, q_shards=shards)
+    fast = _kernel(2, length, window, 0.0, sizes, True, shards, balance)
+    monkeypatch.setattr(splash, "_Causal", sa.CausalMask)
+    monkeypatch.setattr(splash, "_Local", sa.LocalMask)
+    plain = _kernel(2, length, window, 0.0, sizes, True, shards, balance)
+    for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
+        ours, theirs = getattr(fast, name), getattr(plain, name)
+        assert (ours is None) == (theirs is None), name
+        for field, a, b in zip(ours._fields, ours, theirs) if ours is not None else ():
+            assert (a is None) == (b is None), (name, field)
+            if a is not None:
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"{name}.{field}")
+
+
 _NO_PIPELINE: list = []  # the reference run's records, computed once
 
 
