@@ -180,7 +180,7 @@ def test_a_second_run_loads_its_steps_from_jax_cache_dir(tmp_path):
 
     first = train("first")
     assert len(first) == 2 and not any("loaded from the compilation cache" in line for line in first), first
-    assert any(p.name.startswith("jit_step_fn-") for p in (tmp_path / "cache").iterdir())
+    assert any(p.name.startswith("jit_train_step-") for p in (tmp_path / "cache").iterdir())
     second = train("second")
     assert len(second) == 2 and all(line.endswith("(loaded from the compilation cache)") for line in second), second
 
@@ -425,6 +425,6 @@ def test_train_step_does_not_divide_the_gradients_in_a_pass_of_their_own():
 
     trainer = _one_step_inputs()[1]
     hlo = compile_step(trainer, 0)[0].as_text()
-    assert re.findall(r"op_name=\"jit\(step_fn\)/cond/", hlo)  # the pattern below can match
-    divides = re.findall(r"= f32\[[\d,]+\]\S* fusion\([^\n]*op_name=\"jit\(step_fn\)/div\"", hlo)
+    assert re.findall(r"op_name=\"jit\(train_step\)/cond/", hlo)  # the pattern below can match
+    divides = re.findall(r"= f32\[[\d,]+\]\S* fusion\([^\n]*op_name=\"jit\(train_step\)/div\"", hlo)
     assert not divides, divides

@@ -289,7 +289,7 @@ def make_train_step(trainer: Trainer, seed: int):
 
     grad_fn = jax.grad(summed_loss, has_aux=True)
 
-    def step_fn(state, batch):
+    def train_step(state, batch):  # its programs are named jit_train_step (dump_hlo_module_name)
         params = state["params"]
         key = jax.random.fold_in(jax.random.key(seed + 1), state["step"]) if use_dropout else None
         micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
@@ -342,7 +342,7 @@ def make_train_step(trainer: Trainer, seed: int):
             stats["moe_max_expert_load"] = jnp.mean(jnp.max(loads, axis=-1))
         return new_state, stats
 
-    return step_fn
+    return train_step
 
 
 def batch_shapes(trainer: Trainer, rows: int = 0) -> dict:

@@ -352,6 +352,9 @@ def _main(argv: list[str]) -> int:
         use_compilation_cache(cfg.run.jax_cache_dir)
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("run_%Y%m%d_%H%M%S")
+        from tessera.xla_dump import apply_hlo_dump  # before any device use, as the GPU tuning
+
+        apply_hlo_dump(cfg)
         log.info("config (differs from base.yml): %s", format_changed_keys(cfg))
         log.info("host malloc: %s", host_malloc.describe())
         initialize()

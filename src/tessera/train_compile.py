@@ -355,11 +355,14 @@ def main(argv: list[str]) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)
     try:
         cfg = load_config(resolve_config_file(argv))
+        if not cfg.run.run_name:
+            cfg.run.run_name = time.strftime("compile_%Y%m%d_%H%M%S")
+        from tessera.xla_dump import apply_hlo_dump  # before the backends start: they read XLA_FLAGS then
+
+        apply_hlo_dump(cfg)
         validate_for_build(cfg.model)
         if cfg.run.jax_cache_dir:  # JAX writes programs compiled for a topology but cannot load them back
             log.info("jax_cache_dir is not used here: JAX cannot load a program compiled for a topology back")
-        if not cfg.run.run_name:
-            cfg.run.run_name = time.strftime("compile_%Y%m%d_%H%M%S")
         from tessera.checkpointing import check_writable  # the report's folder: checked before compiling
 
         check_writable(str(run_dir(cfg.run)), "base_output_directory", "the run folder")

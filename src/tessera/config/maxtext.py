@@ -30,6 +30,7 @@ log = logging.getLogger("tessera")
 ALIASES = {
     "ici_context_parallelism": ("ici_sequence_parallelism", "MaxText's"),
     "dcn_context_parallelism": ("dcn_sequence_parallelism", "MaxText's"),
+    "dump_hlo_local_module_name": ("dump_hlo_module_name", "MaxText's local-dump filter"),
     "rope_factor": ("rope_scaling_factor", "MaxText's (rope_type=yarn models)"),
     "original_max_position_embeddings": ("rope_original_max_position", "MaxText's"),
     "sequence_length": ("max_target_length", "the GPU validation files'"),
@@ -42,6 +43,8 @@ ALIASES = {
 ACCEPTED = {
     "hardware": (("tpu", "gpu", "cpu", "gpu_multiprocess"),
                  "Tessera uses the platform of the devices JAX sees at start-up; detection wins over this key"),
+    "dump_hlo_delete_local_after": (("true", "false", "1", "0"),
+                                    "Tessera does not upload the HLO dump, so it keeps it in dump_hlo_local_dir"),
 }
 
 
@@ -166,7 +169,11 @@ REFUSED = {
     "stack_trace_to_cloud": Refused("send stack dumps to Cloud Logging; see step_timeout_seconds", ("false", "0")),
     "stack_trace_interval_seconds": Refused("seconds between stack dumps; see step_timeout_seconds"),
     "max_checkify": Refused("extra runtime checks with jax.checkify; not in Tessera", ("false", "0")),
-    "dump_hlo": Refused("write the compiled HLO; set XLA_FLAGS=--xla_dump_to=DIR instead", ("false", "0")),
+    "dump_hlo_gcs_dir": Refused("upload the HLO dump; Tessera keeps it in dump_hlo_local_dir (the run folder's "
+                                "xla_dump/ by default), like the run's other files", ("",)),
+    "dump_hlo_upload_all": Refused("upload every host's HLO dump; see dump_hlo_gcs_dir", ("false", "0")),
+    "dump_step": Refused("the step after which the HLO dump is uploaded; Tessera's dump is written as each program "
+                         "compiles, and not uploaded", ("-1",)),
     "enable_single_controller": Refused("Pathways single-controller mode; not in Tessera", ("false", "0")),
     "skip_jax_distributed_system": Refused("do not call jax.distributed.initialize; Tessera initializes when "
                                            "more than one process runs", ("false", "0")),

@@ -101,11 +101,18 @@ class RunConfig:
 
 @dataclass
 class ProfilerConfig:
-    """Trace capture."""
+    """Trace capture and the compiler's HLO dump."""
 
     profiler: str = key("", "'' (off) or 'xplane' (JAX profiler trace, viewable in TensorBoard/Perfetto)", PROFILERS)
     skip_first_n_steps_for_profiler: int = key(1, "steps to run before the trace starts (skips compilation)", minimum=0)
     profiler_steps: int = key(5, "number of steps captured in the trace", minimum=1)
+    dump_hlo: bool = key(False, "write XLA's dump of the compiled programs (HLO before and after optimization, buffer "
+                                "assignment) as they compile; train.py and train_compile")
+    dump_hlo_local_dir: str = key("", "folder of the HLO dump ('': the run folder's xla_dump/)", path="path")
+    dump_hlo_module_name: str = key("jit_train_step", "dump only programs whose name matches this regular expression "
+                                    "(jit_train_step: the train step; '': every program)")
+    dump_hlo_xla_flags: str = key("", "XLA flags used instead of the dump flags dump_hlo sets (--xla_dump_to=<folder> "
+                                      "--xla_dump_hlo_module_re=<name>), added to XLA_FLAGS")
 
 
 @dataclass

@@ -1,0 +1,84 @@
+"""`dump_hlo=true`: XLA's dump of the compiled programs, written as each one compiles.
+
+The dump is XLA's own (`--xla_dump_to`): per program, its HLO before and after optimization, the
+buffer assignment and the memory-usage report, and for a TPU the compiler's environment. It is
+what a compiler bug report or a by-hand performance study needs. The flags are added to
+XLA_FLAGS, which JAX reads when its backends start, so `apply_hlo_dump` runs before any device
+is used (train.py and train_compile call it right after the config is loaded).
+
+By default only the train step is dumped (`dump_hlo_module_name=jit_train_step`, MaxText's
+default) into the run folder's `xla_dump/`. A program loaded from the persistent compilation
+cache is not compiled, so not dumped: with dump_hlo the cache is off for the run. Every process writes its own dump; on a folder that
+several hosts share they write the same programs under the same names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
+
+from tessera.config import Config, ConfigError
+from tessera.config.derived import run_dir
+
+log = logging.getLogger("tessera")
+DUMP_FLAG = "--xla_dump_to"
+
+
+def dump_folder(cfg: Config) -> Path:
+    """Where the dump goes: dump_hlo_local_dir, else the run folder's xla_dump/."""
+    return Path(cfg.profiler.dump_hlo_local_dir) if cfg.profiler.dump_hlo_local_dir else run_dir(cfg.run) / "xla_dump"
+
+
+def dump_flags(cfg: Config) -> list[str]:
+    """The XLA flags dump_hlo adds: dump_hlo_xla_flags when set, else the folder and the program filter."""
+    p = cfg.profiler
+    if p.dump_hlo_xla_flags:
+        return p.dump_hlo_xla_flags.split()
+    folder = str(dump_folder(cfg))
+    if any(c.isspace() for c in folder):
+        raise ConfigError(f"the HLO dump folder {folder!r} contains white space, which XLA_FLAGS cannot carry; "
+                          "set dump_hlo_local_dir to a folder without spaces")
+    return [f"{DUMP_FLAG}={folder}", *([f"--xla_dump_hlo_module_re={p.dump_hlo_module_name}"]
+                                      if p.dump_hlo_module_name else [])]
+
+
+def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None) -> Path | None:
+    """Add the dump flags to XLA_FLAGS (nothing without dump_hlo); the dump folder, created, or None.
+    ConfigError when XLA_FLAGS already names a dump folder (two dumps cannot both be asked for)."""
+    if not cfg.profiler.dump_hlo:
+        return None
+    environ = os.environ if environ is None else environ
+    flags, current = dump_flags(cfg), environ.get("XLA_FLAGS", "").split()
+    ours = [f for f in flags if f.startswith(DUMP_FLAG + "=")]
+    theirs = [f for f in current if f.startswith(DUMP_FLAG + "=")]
+    if ours and theirs:
+        raise ConfigError(f"XLA_FLAGS already has {theirs[0]}, and dump_hlo=true adds {ours[0]}; drop "
+                          f"{DUMP_FLAG} from XLA_FLAGS, or set dump_hlo=false to keep XLA_FLAGS' dump")
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        from jax._src import xla_bridge
+
+        if xla_bridge.backends_are_initialized():
+            raise RuntimeError("apply_hlo_dump sets XLA_FLAGS after JAX started its backends, where they have no "
+                               "effect; call it before any device use")
+    folder = Path(ours[0].partition("=")[2]) if ours else None
+    if folder is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"the HLO dump folder {folder} cannot be created ({e.strerror}); set "
+                              "dump_hlo_local_dir to a writable folder") from None
+    environ["XLA_FLAGS"] = " ".join([*current, *flags])
+    import jax
+
+    if jax.config.jax_compilation_cache_dir or environ.get("JAX_COMPILATION_CACHE_DIR"):
+        # the dump flags are not part of the cache's key: a program it holds would be loaded, not compiled or dumped
+        jax.config.update("jax_enable_compilation_cache", False)
+        log.info("HLO dump: the persistent compilation cache is off for this run, so that every program compiles")
+    name = cfg.profiler.dump_hlo_module_name
+    log.info("HLO dump: %s to %s (XLA_FLAGS: %s)", f"programs matching {name!r}" if name else "every program",
+             folder or "the folder in dump_hlo_xla_flags", " ".join(flags))
+    return folder

@@ -1,0 +1,73 @@
+"""dump_hlo (tessera.xla_dump): XLA's dump of the train step, from train.py and train_compile as a user runs them
+(relative paths), with the persistent compilation cache in use; the flags it sets; its errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, tiny_config
+from tessera.config import ConfigError
+from tessera.config.loader import load_config
+from tessera.xla_dump import apply_hlo_dump, dump_flags
+
+BASE = str(REPO / "configs" / "base.yml")
+
+
+def _run(tool, *args, cwd, env=None):
+    return subprocess.run([sys.executable, *tool, BASE, *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300, env=env)
+
+
+def _dumped(folder):
+    return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+
+def test_train_dumps_the_train_step_each_run_though_the_cache_holds_it(tmp_path):
+    """Two runs with the same jax_cache_dir: both dump the train step (the dump flags are not in the cache's key, so
+    the cache is off under dump_hlo), and only it (dump_hlo_module_name=jit_train_step)."""
+    for name in ("first", "again"):
+        proc = _run([str(REPO / "train.py")], "steps=2", "dump_hlo=true", "jax_cache_dir=cache",
+                    "base_output_directory=outputs", f"run_name={name}", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        files = _dumped(tmp_path / "outputs" / name / "xla_dump")
+        assert any(f.endswith(".jit_train_step.before_optimizations.txt") for f in files), files
+        assert any(".jit_train_step." in f and f.endswith("after_optimizations.txt") for f in files), files
+        assert files and all(".jit_train_step" in f for f in files), files
+        assert "HLO dump: programs matching 'jit_train_step'" in proc.stderr
+    assert "persistent compilation cache is off" in proc.stderr
+    plain = _run([str(REPO / "train.py")], "steps=2", "base_output_directory=outputs", "run_name=plain", cwd=tmp_path)
+    assert plain.returncode == 0 and not (tmp_path / "outputs" / "plain" / "xla_dump").exists()
+
+
+def test_train_compile_dumps_the_tpu_program(tmp_path):
+    """The AOT compile for a TPU topology (libtpu on this CPU host) dumps the TPU compiler's program, to a folder
+    of the user's (relative), every program with dump_hlo_module_name=''."""
+    proc = _run(["-m", "tessera.train_compile"], "compile_topology=v5e-8", "dump_hlo=true", "dump_hlo_module_name=",
+                "dump_hlo_local_dir=hlo", "base_output_directory=outputs", "run_name=aot", cwd=tmp_path,
+                env={**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = _dumped(tmp_path / "hlo")
+    assert any(".jit_train_step." in f and f.endswith("tpu_comp_env.txt") for f in files), files
+    assert any(".jit_train_step." in f and f.endswith("after_optimizations.txt") for f in files), files
+    assert any(".jit_train_step" not in f for f in files)  # every program, not only the step
+
+
+def test_flags_and_errors():
+    cfg = tiny_config(dump_hlo=True, run_name="r")
+    folder = cfg.run.base_output_directory + "/r/xla_dump"
+    assert dump_flags(cfg) == [f"--xla_dump_to={folder}", "--xla_dump_hlo_module_re=jit_train_step"]
+    own = tiny_config(dump_hlo=True, dump_hlo_xla_flags="--xla_dump_to=/x --xla_dump_hlo_as_proto")
+    assert dump_flags(own) == ["--xla_dump_to=/x", "--xla_dump_hlo_as_proto"]
+    assert apply_hlo_dump(tiny_config(), env := {}) is None and env == {}  # off: XLA_FLAGS untouched
+    with pytest.raises(ConfigError, match=r"XLA_FLAGS already has --xla_dump_to=/mine, and dump_hlo=true adds"):
+        apply_hlo_dump(cfg, {"XLA_FLAGS": "--xla_dump_to=/mine"})
+    with pytest.raises(ConfigError, match="contains white space"):
+        dump_flags(tiny_config(dump_hlo=True, dump_hlo_local_dir="/a b"))
+    # MaxText's keys: its local-dump filter is an alias, its upload keys are refused unless off, deletion accepted
+    loaded = load_config([BASE, "dump_hlo_local_module_name=jit_x", "dump_hlo_delete_local_after=true",
+                          "dump_hlo_gcs_dir=", "dump_step=-1"], env={})
+    assert loaded.profiler.dump_hlo_module_name == "jit_x"
+    with pytest.raises(ConfigError, match="dump_hlo_gcs_dir='gs://b/x' is a MaxText key Tessera does not implement"):
+        load_config([BASE, "dump_hlo_gcs_dir=gs://b/x"], env={})
