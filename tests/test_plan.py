@@ -328,8 +328,8 @@ def test_sequence_splits_tried_are_those_splash_serves_balanced():
     assert sequence_ways(load_model_config("llama2-7b", ["max_target_length=3840"]), tpu, 48) == [1, 3]  # 15 x 256
     blocks = load_model_config("llama2-7b", ["max_target_length=6144", "sa_block_q=1024"])
     assert sequence_ways(blocks, tpu, 48) == [1, 3, 4, 6]  # 2 ways: parts of 1,536 queries, not whole blocks
-    assert sequence_ways(load_model_config("llama2-7b", ["max_target_length=4096", "context_parallel_load_balance=false"]),
-                         tpu, 64) == [1]
+    contiguous = load_model_config("llama2-7b", ["max_target_length=4096", "context_parallel_load_balance=false"])
+    assert sequence_ways(contiguous, tpu, 64) == [1]
     assert sequence_ways(cfg, gpu, 64) == [1]
     assert {c.mesh.sizes["sequence"] for c in search(cfg, tpu)} == {1, 2, 4}
 

@@ -8,8 +8,9 @@ is used (train.py and train_compile call it right after the config is loaded).
 
 By default only the train step is dumped (`dump_hlo_module_name=jit_train_step`, MaxText's
 default) into the run folder's `xla_dump/`. A program loaded from the persistent compilation
-cache is not compiled, so not dumped: with dump_hlo the cache is off for the run. Every process writes its own dump; on a folder that
-several hosts share they write the same programs under the same names.
+cache is not compiled, so not dumped: with dump_hlo the cache is off for the run. Every process
+writes its own dump; on a folder that several hosts share they write the same programs under the
+same names.
 """
 
 from __future__ import annotations

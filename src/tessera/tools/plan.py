@@ -14,14 +14,14 @@ time, moves each one's batch to the largest the compiler fits, and writes a reci
 JSON report (TPU only).
 
 Enumeration keeps only sizes that split the model evenly: tensor ways divide the query heads,
-the kv heads, mlp_dim and the expert width; expert ways divide num_experts; fsdp x sequence x expert ways divide emb_dim;
-pipeline stages satisfy the trainer's own pipeline layout (`derived.pipeline_layout`), and the
-global batch splits over data x fsdp x expert (`derived.global_batch`). Tensor, expert and
-sequence ways stay inside a slice (their collectives run at every layer). Sequence ways are tried
-on TPUs where splash attention serves the split load-balanced (`sequence_ways`): they let a long
-sequence spread over devices without tensor parallelism's per-layer all-reduces, and a global
-batch of fewer sequences than the batch axes' devices.
-Pipelines are tried as GPipe and as circular with one layer per group.
+the kv heads, mlp_dim and the expert width; expert ways divide num_experts; fsdp x sequence x
+expert ways divide emb_dim; pipeline stages satisfy the trainer's own pipeline layout
+(`derived.pipeline_layout`), and the global batch splits over data x fsdp x expert
+(`derived.global_batch`). Tensor, expert and sequence ways stay inside a slice (their
+collectives run at every layer). Sequence ways are tried on TPUs where splash attention serves
+the split load-balanced (`sequence_ways`): they let a long sequence spread over devices without
+tensor parallelism's per-layer all-reduces, and a global batch of fewer sequences than the
+batch axes' devices. Pipelines are tried as GPipe and as circular with one layer per group.
 
 Memory per chip is the estimator's (`estimate_memory`).
 
@@ -36,7 +36,7 @@ import dataclasses
 import itertools
 import math
 import sys
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from tessera.config import Config, ConfigError
 from tessera.config.derived import global_batch, pipeline_layout
@@ -53,7 +53,7 @@ DCN_AXES = ("data", "stage", "fsdp")
 GPU_ORDER = ("expert", "tensor", "sequence", "fsdp", "stage", "data")  # tessera.mesh's order, innermost first
 KEY = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "sequence": "sequence", "tensor": "tensor",
        "expert": "expert"}
-MIN_SEQUENCE_SHARE = 1024  # tokens of a sequence per device under a sequence split: two of splash's default 512-query tiles
+MIN_SEQUENCE_SHARE = 1024  # a sequence split's tokens per device at least: two of splash's default 512-query tiles
 MAX_GLOBAL_TOKENS = 2**24  # 16.8M tokens per step: the largest global batch tried without --tokens-per-device
 
 
@@ -157,7 +157,7 @@ def sequence_ways(cfg: Config, hw: Hardware, devices: int) -> list[int]:
     return ways
 
 
-def ici_meshes(cfg: Config, devices: int, sequence: list[int] = (1,)) -> Iterator[dict[str, int]]:
+def ici_meshes(cfg: Config, devices: int, sequence: Sequence[int] = (1,)) -> Iterator[dict[str, int]]:
     """Every split of one slice's devices over ICI_AXES that keeps the model's dimensions whole (the sequence
     axis: the sizes in `sequence`)."""
     m = cfg.model
