@@ -301,6 +301,7 @@ def test_long_sequences_plan_a_load_balanced_sequence_split():
     from tessera.models.attention import select_attention
     from tessera.tools.estimate import mesh_sizes
     from tessera.tools.plan import run_args
+    from tessera.tools.plan_report import explain
 
     hw = parse_hardware("v5p-128")
     cfg = load_model_config("llama3.1-8b", ["max_target_length=131072", "dtype=bfloat16"])
@@ -312,6 +313,7 @@ def test_long_sequences_plan_a_load_balanced_sequence_split():
     built = load_config([str(REPO / "configs" / "base.yml"), "model_name=llama3.1-8b", *run_args(best, cfg)], env={})
     assert f"ici_sequence_parallelism={s['sequence']}" in run_args(best, cfg) and mesh_sizes(built, hw) == s
     assert "load-balanced" in select_attention(built.model, "tpu", 131072, s).reason
+    assert f"split {s['sequence']} ways (a chip holds {131072 // s['sequence']:,} of its tokens)" in explain(best, None)
     short = plan(load_model_config("llama3.1-8b", RUN), parse_hardware("v6e-256"))[0]
     assert short.mesh.describe() == "fsdp 256" and short.per_device_batch == 2 and short.remat == "minimal"
 

@@ -54,6 +54,11 @@ def explain(winner: Candidate, runner_up: Candidate | None) -> str:
     first = (f"{describe(winner)} with remat_policy={winner.remat} at {winner.tokens_per_device:,} tokens per device "
              f"ranks first: {why}{bubble}, and it needs {winner.memory / GIB:.1f} of {winner.budget / GIB:.1f} GiB "
              f"per chip.")
+    ways = winner.mesh.sizes["sequence"]
+    if ways > 1:
+        length = round(winner.tokens_per_device / winner.per_device_batch)
+        first += (f" Each sequence is split {ways} ways (a chip holds {length // ways:,} of its tokens): splash "
+                  "attention gathers the keys and values of the other shares, load-balanced.")
     if runner_up is None:
         return first
     return first + f" Next: {describe(runner_up)} ({runner_up.remat}), {_lost(winner, runner_up)}."
