@@ -30,6 +30,7 @@ import sys
 from typing import Mapping, MutableMapping
 
 from tessera.config.schema import ConfigError, GpuConfig
+from tessera.platforms import check_backends_not_started
 from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_path
 
 log = logging.getLogger("tessera")
@@ -92,12 +93,8 @@ def apply_gpu_tuning(gpu: GpuConfig, environ: MutableMapping[str, str] | None = 
     environ = os.environ if environ is None else environ
     changes = tuning_environment(gpu, environ)
     jax = sys.modules.get("jax")
-    if jax is not None and changes.keys() & {"XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"}:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            raise RuntimeError(f"apply_gpu_tuning sets {', '.join(sorted(changes))} after JAX started its backends, "
-                               "where they have no effect; call it before any device use")
+    if changes.keys() & {"XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"}:
+        check_backends_not_started(f"apply_gpu_tuning sets {', '.join(sorted(changes))}")
     environ.update(changes)
     if jax is not None:  # JAX read the JAX_* variables when it was imported: set its config as well
         if gpu.optimization_level:

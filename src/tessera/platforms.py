@@ -7,6 +7,19 @@ import os
 import sys
 
 
+def check_backends_not_started(what: str) -> None:
+    """RuntimeError when JAX has started its backends: environment variables they read at start-up
+    (XLA_FLAGS, XLA_PYTHON_CLIENT_MEM_FRACTION) would be set too late. `what` names the caller's
+    change, for the message."""
+    if "jax" not in sys.modules:
+        return
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise RuntimeError(f"{what} after JAX started its backends, where they have no effect; call it before any "
+                           "device use")
+
+
 def use_cpu_on_hosts_without_accelerators() -> None:
     """libtpu (installed for ahead-of-time TPU compiles) probes for TPU chips, noisily, on every
     host. Where no TPU, NVIDIA or AMD device exists, go straight to the CPU; an explicit

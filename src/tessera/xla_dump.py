@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
 from tessera.config import Config, ConfigError
 from tessera.config.derived import run_dir
+from tessera.platforms import check_backends_not_started
 
 log = logging.getLogger("tessera")
 DUMP_FLAG = "--xla_dump_to"
@@ -58,13 +58,7 @@ def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None)
     if ours and theirs:
         raise ConfigError(f"XLA_FLAGS already has {theirs[0]}, and dump_hlo=true adds {ours[0]}; drop "
                           f"{DUMP_FLAG} from XLA_FLAGS, or set dump_hlo=false to keep XLA_FLAGS' dump")
-    jax = sys.modules.get("jax")
-    if jax is not None:
-        from jax._src import xla_bridge
-
-        if xla_bridge.backends_are_initialized():
-            raise RuntimeError("apply_hlo_dump sets XLA_FLAGS after JAX started its backends, where they have no "
-                               "effect; call it before any device use")
+    check_backends_not_started("apply_hlo_dump sets XLA_FLAGS")
     folder = Path(ours[0].partition("=")[2]) if ours else None
     if folder is not None:
         try:

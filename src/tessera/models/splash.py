@@ -129,7 +129,8 @@ class _BlockBounds:
     query x key block of the whole sequence whether any and whether all of it is visible, and only
     those two answers (and the crossed blocks' contents) go into the tables: so the tables are the
     same (tested), in time proportional to the number of blocks rather than to length squared
-    (65,536 tokens in blocks of 512: about 6 s per table before)."""
+    (65,536 tokens in blocks of 512: 0.42 s for the three tables, 12.5 s with JAX's masks;
+    benchmarks/splash_mask_tables.py)."""
 
     def __getitem__(self, idx) -> np.ndarray:
         q_slice, kv_slice = idx
