@@ -21,15 +21,22 @@ T, H = 256, 64  # the smallest sequence with two 128-token blocks
 # reference's one-pass softmax; measured differences are ~1e-6, the bound leaves room
 TOL = dict(rtol=2e-5, atol=2e-5)
 
-CASES = {  # name: (query heads, kv heads, window, soft cap, scale, packed)
-    "causal": (4, 4, 0, 0.0, H**-0.5, False),
-    "grouped-query": (4, 2, 0, 0.0, H**-0.5, False),
-    "sliding-window": (2, 2, 100, 0.0, H**-0.5, False),
-    "soft-cap": (2, 1, 0, 5.0, H**-0.5, False),
-    "query_pre_attn_scalar": (2, 2, 0, 0.0, 144**-0.5, False),
-    "packed-segments": (4, 2, 0, 0.0, H**-0.5, True),
-    "gemma2-local": (4, 2, 128, 50.0, 256**-0.5, True),
+CASES = {  # name: (query heads, kv heads, window, soft cap, scale, packed, sink logits)
+    "causal": (4, 4, 0, 0.0, H**-0.5, False, False),
+    "grouped-query": (4, 2, 0, 0.0, H**-0.5, False, False),
+    "sliding-window": (2, 2, 100, 0.0, H**-0.5, False, False),
+    "soft-cap": (2, 1, 0, 5.0, H**-0.5, False, False),
+    "query_pre_attn_scalar": (2, 2, 0, 0.0, 144**-0.5, False, False),
+    "packed-segments": (4, 2, 0, 0.0, H**-0.5, True, False),
+    "gemma2-local": (4, 2, 128, 50.0, 256**-0.5, True, False),
+    "gpt-oss-local (sinks, window)": (4, 2, 128, 0.0, H**-0.5 * 1.5, True, True),
+    "gpt-oss-global (sinks)": (4, 2, 0, 0.0, H**-0.5, True, True),
 }
+
+
+def _sinks(n, use: bool):
+    """Sink logits [N] of the size of the scores (from about -2 to 2), or None."""
+    return 2.0 * jax.random.normal(jax.random.key(7), (n,), jnp.float32) if use else None
 
 
 def _inputs(n, k, packed, batch=2, length=T):
@@ -50,16 +57,19 @@ def _blocks():
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.slow
 def test_splash_matches_the_reference_in_outputs_and_gradients(case):
-    n, k, window, cap, scale, packed = CASES[case]
+    """Outputs and the gradients of queries, keys, values (and sink logits, where the case has them)."""
+    n, k, window, cap, scale, packed, use_sinks = CASES[case]
     q, kk, v, seg = _inputs(n, k, packed)
-    ref = lambda q, kk, v: dot_product_attention(q, kk, v, seg, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
-                                                 window=window)
-    ours = lambda q, kk, v: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
-                                             window=window, blocks=_blocks(), interpret=True)
-    np.testing.assert_allclose(ours(q, kk, v), ref(q, kk, v), **TOL)
+    sinks = _sinks(n, use_sinks)
+    ref = lambda q, kk, v, s: dot_product_attention(q, kk, v, seg, seg, scale=scale,  # noqa: E731
+                                                    logits_soft_cap=cap, window=window, sinks_n=s)
+    ours = lambda q, kk, v, s: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
+                                                window=window, blocks=_blocks(), interpret=True, sinks_n=s)
+    np.testing.assert_allclose(ours(q, kk, v, sinks), ref(q, kk, v, sinks), **TOL)
     weights = jax.random.normal(jax.random.key(1), q.shape)  # a loss that weighs every output
-    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=(0, 1, 2))(q, kk, v) for f in (ours, ref)]
-    for g_ours, g_ref, name in zip(*grads, "qkv"):
+    argnums = (0, 1, 2, 3) if use_sinks else (0, 1, 2)
+    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=argnums)(q, kk, v, sinks) for f in (ours, ref)]
+    for g_ours, g_ref, name in zip(*grads, ("q", "k", "v", "sinks")):
         np.testing.assert_allclose(g_ours, g_ref, err_msg=f"d{name}", **TOL)
 
 
@@ -115,6 +125,8 @@ SPLIT_CASES = {  # name: ((mesh data, fsdp, sequence, tensor), CASES' features, 
     "sequence4, gemma2-local (window, soft cap), balanced": ((1, 2, 4, 1), "gemma2-local", 1024, True),
     "sequence4, gemma2-local (window, soft cap), contiguous": ((1, 2, 4, 1), "gemma2-local", 512, False),
     "sequence2, fewer kv heads than tensor ways, balanced": ((2, 1, 2, 2), "soft-cap", 512, True),
+    "fsdp2-sequence2-tensor2, gpt-oss-local (sinks), balanced": ((1, 2, 2, 2), "gpt-oss-local (sinks, window)", 512,
+                                                                  True),
 }
 
 
@@ -126,25 +138,28 @@ def test_splash_with_the_sequence_split_matches_the_reference(case):
     causal, window and segment masks hold across the parts, and the key and value gradients are
     summed back over the sequence axis."""
     (data, fsdp, seq, tensor), features, length, balance = SPLIT_CASES[case]
-    n, k, window, cap, scale, packed = CASES[features]
+    n, k, window, cap, scale, packed, use_sinks = CASES[features]
     q, kk, v, seg = _inputs(n, k, packed, length=length)  # row 1's last document crosses the parts
+    sinks = _sinks(n, use_sinks)
     mesh = jax.make_mesh((data, 1, fsdp, seq, tensor, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
                          axis_types=(jax.sharding.AxisType.Auto,) * 6)
     model = tiny_config(max_target_length=length, context_parallel_load_balance=balance).model
     blocks = block_sizes(model, length, q_shards=seq)
     assert load_balanced(model, length, seq) == balance
     assert blocks.block_q == length // seq // (2 if balance else 1)  # the largest tile of one part of the queries
-    ref = lambda q, kk, v: dot_product_attention(q, kk, v, seg, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
-                                                 window=window)
-    ours = lambda q, kk, v: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
-                                             window=window, blocks=blocks, load_balance=balance, interpret=True)
+    ref = lambda q, kk, v, s: dot_product_attention(q, kk, v, seg, seg, scale=scale,  # noqa: E731
+                                                    logits_soft_cap=cap, window=window, sinks_n=s)
+    ours = lambda q, kk, v, s: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
+                                                window=window, blocks=blocks, load_balance=balance, interpret=True,
+                                                sinks_n=s)
     weights = jax.random.normal(jax.random.key(1), q.shape)
+    argnums = (0, 1, 2, 3) if use_sinks else (0, 1, 2)
     with jax.set_mesh(mesh):
-        out = jax.jit(ours)(q, kk, v)
-        grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * weights), argnums=(0, 1, 2)))(q, kk, v)
-    np.testing.assert_allclose(out, ref(q, kk, v), **TOL)
-    ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * weights), argnums=(0, 1, 2))(q, kk, v)
-    for g_ours, g_ref, name in zip(grads, ref_grads, "qkv"):
+        out = jax.jit(ours)(q, kk, v, sinks)
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * weights), argnums=argnums))(q, kk, v, sinks)
+    np.testing.assert_allclose(out, ref(q, kk, v, sinks), **TOL)
+    ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * weights), argnums=argnums)(q, kk, v, sinks)
+    for g_ours, g_ref, name in zip(grads, ref_grads, ("q", "k", "v", "sinks")):
         np.testing.assert_allclose(g_ours, g_ref, err_msg=f"d{name}", **TOL)
 
 

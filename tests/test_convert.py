@@ -79,3 +79,28 @@ def test_a_truncated_shard_is_named_when_it_is_read(checkpoints, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith(f"error: {shards[-1]} is damaged (truncated") and err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_mxfp4_tensors_are_read_as_the_values_they_hold(tmp_path):
+    """gpt-oss's released experts are MXFP4: <name>_blocks (two 4-bit codes a byte, the low nibble
+    first) and <name>_scales (a power of two per 32 values, biased by 127) of a matrix stored
+    transposed. The reader names the pair as the one tensor and returns its values in the
+    bfloat16 layout; test_hf_parity checks the same values against transformers'."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (2, 3, 2, 16), dtype=np.uint8)  # 2 experts, 3 rows of 2 groups of 32
+    scales = rng.integers(120, 135, (2, 3, 2), dtype=np.uint8)
+    save_file({"x.gate_up_proj_blocks": blocks, "x.gate_up_proj_scales": scales, "x.other": np.ones(3, np.float32)},
+              str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    reader = hf_checkpoint.Reader(tmp_path)
+    assert sorted(reader.names) == ["x.gate_up_proj", "x.other"]
+    values = reader.get("x.gate_up_proj")
+    assert values.shape == (2, 64, 3) and values.dtype == ml_dtypes.bfloat16
+    for e, c, r in [(0, 0, 0), (1, 37, 2), (1, 63, 1), (0, 32, 2)]:
+        byte = blocks[e, r, c // 32, (c % 32) // 2]
+        code = byte & 0x0F if c % 2 == 0 else byte >> 4
+        assert float(values[e, c, r]) == hf_checkpoint.FP4_E2M1[code] * 2.0 ** (int(scales[e, r, c // 32]) - 127)
+    np.testing.assert_array_equal(reader.get("x.other"), np.ones(3, np.float32))

@@ -45,6 +45,10 @@ FAMILIES = {
                         logits_via_embedding=True),
     "deepseek": dict(DEEPSEEK),
     "deepseek loop": dict(DEEPSEEK, scan_layers=False, q_lora_rank=0),
+    # sinks (a query's softmax over the cache includes them), biases, a window of 3 on the local layers
+    "gpt_oss": dict(decoder_block="gpt_oss", base_num_decoder_layers=2, sliding_window_size=3, num_experts=4,
+                    num_experts_per_tok=2, attention_bias=True, attention_sink=True, mlp_bias=True,
+                    mlp_activations=["sigmoid", "linear"], mlp_activations_limit=1.0, sparse_matmul=True),
 }
 
 
@@ -92,7 +96,7 @@ def test_cached_decoding_equals_full_recomputation(family):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama2 scanned", "gemma2", "deepseek"])
+@pytest.mark.parametrize("family", ["llama2 scanned", "gemma2", "deepseek", "gpt_oss"])
 def test_a_splash_prefill_decodes_as_full_recomputation(family):
     """The prompts' prefill runs the training kernel: splash attention (here in Pallas' interpreter)
     over the prompts padded on the left to 128 tokens; then each token attends over the cache as
@@ -125,6 +129,7 @@ def test_mla_caches_the_compressed_latent():
     ("gemma2", [3, 0]),  # (local, global), each stacked over the blocks
     ("gemma3", [3, 3, 3, 3, 3, 0, 3]),  # five local and one global layer, then a tail of one local layer
     ("gemma3 loop", [3, 3, 3, 3, 3, 0, 3]),
+    ("gpt_oss", [3, 0]),  # (local, global), as gemma2
 ])
 def test_sliding_window_layers_cache_only_their_window(family, windows):
     """A local layer's cache is a ring of sliding_window_size slots, a global layer's holds every

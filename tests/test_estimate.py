@@ -301,6 +301,9 @@ PUBLISHED_TOTALS = {
     # DeepSeek-V3 technical report (DeepSeek-AI 2024), abstract: 671B total parameters (the main model;
     # the Hugging Face checkpoint's 685B adds the 14B multi-token-prediction module, not built here)
     "deepseek-v3": (671e9, 0.001),
+    # gpt-oss model card (OpenAI 2025), Table 1: total parameters
+    "gpt-oss-20b": (20.91e9, 0.0005),
+    "gpt-oss-120b": (116.83e9, 0.0005),
 }
 # Active parameters per token of the mixture-of-experts model files, from the same sources.
 PUBLISHED_ACTIVE = {
@@ -308,6 +311,9 @@ PUBLISHED_ACTIVE = {
     "qwen3-235b-a22b": (22e9, 0.01),     # 22B activated (ours: 22.14B)
     "deepseek-v3": (37e9, 0.015),        # 37B activated for each token (ours: 37.45B)
 }
+# The gpt-oss model card's active parameters leave out the token embedding table and count the routers (ours
+# count the embedding, not the routers: 4.19B and 5.70B).
+PUBLISHED_ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": (3.61e9, 0.002), "gpt-oss-120b": (5.13e9, 0.002)}
 
 
 @pytest.mark.parametrize("model", PUBLISHED_TOTALS)
@@ -318,6 +324,11 @@ def test_model_files_have_their_published_parameter_counts(model):
     if model in PUBLISHED_ACTIVE:
         active, tolerance = PUBLISHED_ACTIVE[model]
         assert counts.active == pytest.approx(active, rel=tolerance)
+    elif model in PUBLISHED_ACTIVE_WITHOUT_EMBEDDING:
+        m = load_model_config(model, []).model
+        active, tolerance = PUBLISHED_ACTIVE_WITHOUT_EMBEDDING[model]
+        routers = m.num_decoder_layers * m.emb_dim * m.num_experts
+        assert counts.active - m.vocab_size * m.emb_dim + routers == pytest.approx(active, rel=tolerance)
     else:
         assert counts.active == counts.total
 

@@ -42,6 +42,12 @@ FAMILIES = {
     "gemma3": dict(decoder_block="gemma3", base_num_decoder_layers=8, sliding_window_size=4, query_pre_attn_scalar=10.0,
                    mlp_activations=["gelu", "linear"], logits_via_embedding=True, rope_scaling="linear",
                    rope_scaling_factor=8.0, rope_max_timescale=1_000_000),
+    # 2 pairs of a sliding-window and a full layer, sinks and biases, clamped experts (the clamp low enough
+    # to bite at these sizes), YaRN without truncation
+    "gpt_oss": dict(decoder_block="gpt_oss", base_num_decoder_layers=4, sliding_window_size=4, num_experts=4,
+                    num_experts_per_tok=2, attention_bias=True, attention_sink=True, mlp_bias=True,
+                    mlp_activations=["sigmoid", "linear"], mlp_activations_limit=0.5, rope_scaling="yarn",
+                    rope_scaling_factor=4.0, rope_original_max_position=16, rope_truncate=False),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
 
@@ -236,8 +242,47 @@ def test_dropless_per_shard_gives_the_same_losses_as_one_device(mesh, tmp_path):
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
 
 
+def _noisy(params, seed=5):
+    """`params` plus noise on every leaf: biases and sinks, zero at init, matter too."""
+    leaves, tree = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [x + 0.3 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+
+
+@pytest.mark.parametrize("routing", [dict(sparse_matmul=True), dict(capacity_factor=-1)])
+@pytest.mark.slow
+def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
+    """gpt-oss's experts with biases, its router bias and its sinks: loss and gradients of the model
+    under expert 2 x fsdp 2 x tensor 2 equal one device's. The experts' output bias is added once,
+    though the tensor axis sums partial outputs (dropless), and each expert's input biases split over
+    tensor with its width."""
+    cfg = tiny_config(**FAMILIES["gpt_oss"], **routing)
+    model = build_model(cfg.model)
+    params = _noisy(model.init(jax.random.key(2)))
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 96, (4, 12)), jnp.int32)
+
+    def loss(p):
+        logits, aux = model.apply_with_aux(p, tokens)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 3]) + aux["moe_load_balance_loss"]
+
+    want, want_grads = jax.value_and_grad(loss)(params)
+    mesh = jax.make_mesh((1, 1, 2, 1, 2, 2), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
+                         axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    with jax.set_mesh(mesh):
+        got, grads = jax.jit(jax.value_and_grad(loss))(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    # float32 sums in other orders: differences up to ~3e-6 on gradients up to ~0.3
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5), grads, want_grads)
+    assert float(jnp.abs(want_grads["layers"]["local_layer"]["mlp"]["bo_ed"]).max()) > 1e-3
+
+
 @pytest.mark.parametrize("keys,message", [
     (dict(decoder_block="gemma2", base_num_decoder_layers=3), "gemma2 needs an even number of layers"),
+    (dict(FAMILIES["gpt_oss"], base_num_decoder_layers=3), "gpt_oss needs an even number of layers"),
+    (dict(FAMILIES["gpt_oss"], mlp_activations=["silu"]), r"must be two, the second \"linear\""),
+    (dict(FAMILIES["gpt_oss"], routed_bias=True), "routed_bias=true .* is not built for decoder_block=gpt_oss"),
+    (dict(mlp_activations_limit=7.0), "applies to decoder_block=gpt_oss only"),
+    (dict(FAMILIES["deepseek"], attention_sink=True), "attention_sink=true: decoder_block=deepseek's latent"),
     (dict(num_experts=4, num_experts_per_tok=2), "decoder_block=llama2 has a dense MLP"),
     (dict(decoder_block="mixtral"), "mixtral needs num_experts >= 2"),
     (dict(decoder_block="mixtral", num_experts=4, capacity_factor=0), "capacity_factor=0.0 must be > 0"),

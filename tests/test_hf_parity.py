@@ -21,7 +21,7 @@ from tessera.tools import hf_env
 from tessera.tools.check_logits import compare
 from tessera.tools.convert import hf_to_tessera, tessera_to_hf
 from tessera.tools.estimate import load_model_config
-from tessera.tools.hf_checkpoint import Reader, hf_config
+from tessera.tools.hf_checkpoint import Reader, hf_config, mxfp4_values
 from tessera.tools.hf_configs import as_overrides, config_from_hf
 
 ATOL = 1e-4  # float32 on both sides; measured differences are ~4e-6 on logits of magnitude ~5
@@ -106,6 +106,9 @@ CASES = {
     "gemma3-unscanned": ("gemma3", ("scan_layers=false",)),
     "deepseek-dropless": ("deepseek", ("sparse_matmul=true",)),
     "deepseek-capacity-unscanned": ("deepseek", ("capacity_factor=-1", "scan_layers=false")),
+    "gpt_oss-dropless": ("gpt_oss", ("sparse_matmul=true",)),
+    "gpt_oss-capacity-unscanned": ("gpt_oss", ("capacity_factor=-1", "scan_layers=false")),
+    "llama-biases-yarn": ("llama_bias_yarn", ()),
 }
 
 
@@ -135,7 +138,9 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
                                           ("gemma2", ("scan_layers=false",)),
                                           ("mixtral", ()), ("gpt2", ("fused_qkv=false",)), ("qwen3", ()),
                                           ("qwen3_moe", ()), ("gemma3", ()), ("gemma3", ("scan_layers=false",)),
-                                          ("deepseek", ()), ("deepseek", ("scan_layers=false",))])
+                                          ("deepseek", ()), ("deepseek", ("scan_layers=false",)),
+                                          ("gpt_oss", ()), ("gpt_oss", ("scan_layers=false",)),
+                                          ("llama_bias_yarn", ("fused_mlp=true",))])
 @pytest.mark.slow
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)
@@ -158,9 +163,24 @@ def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     np.testing.assert_array_equal(back_logits["logits"], original_logits["logits"])
 
 
+def test_mxfp4_values_equal_transformers(tmp_path):
+    """gpt-oss's MXFP4 experts, read by us and dequantized by transformers: the same values, layout included."""
+    _require_reference()
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (3, 10, 2, 16), dtype=np.uint8)  # 3 experts, 10 rows of 64 values
+    scales = rng.integers(100, 150, (3, 10, 2), dtype=np.uint8)
+    np.savez(tmp_path / "in.npz", blocks=blocks, scales=scales)
+    hf_env.run_reference("mxfp4", str(tmp_path / "in.npz"), str(tmp_path / "out.npz"))
+    with np.load(tmp_path / "out.npz") as out:
+        reference = out["values"]
+    ours = mxfp4_values(blocks, scales)
+    assert ours.shape == reference.shape == (3, 64, 10)
+    np.testing.assert_array_equal(ours.astype(np.float32), reference)
+
+
 def test_hf_config_round_trips_every_model_file():
     for name in ("llama2-7b", "llama3.1-8b", "mistral-7b", "mixtral-8x7b", "gemma-7b", "gemma2-9b", "gemma2-27b",
-                 "qwen3-8b", "qwen3-30b-a3b", "gemma3-4b", "gemma3-27b", "deepseek-v3"):
+                 "qwen3-8b", "qwen3-30b-a3b", "gemma3-4b", "gemma3-27b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b"):
         m = load_model_config(name, []).model
         keys = config_from_hf(hf_config(m))
         rebuilt = load_model_config("default", as_overrides(keys)).model

@@ -183,7 +183,8 @@ def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype
 @pytest.mark.parametrize("model_file", sorted(p.stem for p in (REPO / "configs" / "models").glob("*.yml")))
 def test_every_family_gets_a_kernel_that_has_its_features(model_file, monkeypatch, caplog):
     """Through `setup`, as a bf16 run on GPUs goes: a family whose attention soft-caps its scores
-    (Gemma 2) must not get cuDNN's fused attention, which has no soft cap; the others get it."""
+    (Gemma 2) or has sink logits (gpt-oss) must not get cuDNN's fused attention, which has neither;
+    the others get it."""
     import logging
 
     from tessera.step import setup
@@ -199,6 +200,8 @@ def test_every_family_gets_a_kernel_that_has_its_features(model_file, monkeypatc
     assert len(chosen) == 1
     if cfg.model.attn_logits_soft_cap:
         assert "dot_product (attn_logits_soft_cap" in chosen[0] and trainer.model.attention_kernel == "dot_product"
+    elif cfg.model.attention_sink:
+        assert "dot_product (attention_sink=true" in chosen[0] and trainer.model.attention_kernel == "dot_product"
     else:
         assert chosen[0].startswith("attention kernel: cudnn") and trainer.model.attention_kernel == "cudnn"
 

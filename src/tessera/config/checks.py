@@ -132,6 +132,15 @@ def _validate_family(m) -> None:
     if m.decoder_block == "gemma2" and m.num_decoder_layers % 2:
         raise ConfigError(f"decoder_block=gemma2 needs an even number of layers (local and global alternate), "
                           f"not {m.num_decoder_layers}; change base_num_decoder_layers")
+    if m.decoder_block == "gpt_oss":
+        _validate_gpt_oss(m)
+    elif m.mlp_activations_limit > 0:
+        raise ConfigError(f"mlp_activations_limit={m.mlp_activations_limit:g} clips gpt-oss's expert activations and "
+                          f"applies to decoder_block=gpt_oss only; set mlp_activations_limit=-1")
+    if m.decoder_block == "deepseek" and (m.attention_sink or m.attention_bias):
+        which = " and ".join(n for n in ("attention_bias", "attention_sink") if getattr(m, n))
+        raise ConfigError(f"{which}=true: decoder_block=deepseek's latent attention (MLA) has no such input; "
+                          f"set {which}=false")
     if m.decoder_block == "gemma3" and m.num_decoder_layers < 6:
         raise ConfigError(f"decoder_block=gemma3 needs at least 6 layers (one pattern of 5 local and 1 global layer), "
                           f"not {m.num_decoder_layers}; change base_num_decoder_layers")
@@ -160,6 +169,22 @@ def _validate_family(m) -> None:
     if m.ragged_buffer_factor != -1 and m.ragged_buffer_factor <= 0:
         raise ConfigError(f"ragged_buffer_factor={m.ragged_buffer_factor} must be > 0, or -1 for a buffer with room "
                           "for every token copy")
+
+
+def _validate_gpt_oss(m) -> None:
+    """Local and global layers alternate; the experts' activation is gpt-oss's clamped SwiGLU."""
+    if m.num_decoder_layers % 2:
+        raise ConfigError(f"decoder_block=gpt_oss needs an even number of layers (sliding-window and full attention "
+                          f"layers alternate), not {m.num_decoder_layers}; change base_num_decoder_layers")
+    if len(m.mlp_activations) != 2 or m.mlp_activations[1] != "linear":
+        raise ConfigError(f"decoder_block=gpt_oss: mlp_activations={m.mlp_activations} must be two, the second "
+                          "\"linear\": its experts compute gate * act0(1.702 * gate) * (up + 1) (gpt-oss: "
+                          "[\"sigmoid\",\"linear\"])")
+    if m.routed_bias:
+        raise ConfigError("routed_bias=true (DeepSeek's auxiliary-loss-free balancing) is not built for "
+                          "decoder_block=gpt_oss, whose router has a learned bias of its own; set routed_bias=false")
+    if m.mlp_activations_limit == 0 or m.mlp_activations_limit < -1:
+        raise ConfigError(f"mlp_activations_limit={m.mlp_activations_limit:g} must be > 0, or -1 for no clipping")
 
 
 def _validate_deepseek(m) -> None:

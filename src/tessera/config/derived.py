@@ -101,7 +101,7 @@ def eval_batch(cfg: Config, mesh_shape: Mapping[str, int], pipeline: PipelineLay
 
 # decoder layers in one block of the families whose block is not one layer (a test keeps this
 # equal to the block classes' `layers_per_block`; the config side never imports the models)
-LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6}
+LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,8 +21,10 @@ from typing import Any
 
 # The decoder blocks and attention kernels are listed here (not imported from the model
 # package) so that validating a config never imports JAX.
-DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3", "qwen3_moe", "gemma3", "deepseek")
-MOE_BLOCKS = ("mixtral", "qwen3_moe", "deepseek")  # families whose MLP is a mixture of experts (num_experts >= 2)
+DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3", "qwen3_moe", "gemma3", "deepseek",
+                  "gpt_oss")
+# families whose MLP is a mixture of experts (num_experts >= 2)
+MOE_BLOCKS = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss")
 SA_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
 REMAT_POLICIES = (
@@ -155,6 +157,8 @@ class ModelConfig:
                            "rope_scaling_factor (those between are mixed)", minimum=0.0)
     mscale: float = key(1.0, "rope_scaling=yarn: attention scores are multiplied by (0.1 * mscale * "
                         "ln(rope_scaling_factor) + 1)^2 (DeepSeek's mscale_all_dim)", minimum=0.0)
+    rope_truncate: bool = key(True, "rope_scaling=yarn: round the dimensions where the kept and the divided "
+                              "frequencies start outwards to whole dimensions (DeepSeek-V3; gpt-oss: false)")
     local_rope_max_timescale: int = key(10000, "gemma3: rotary theta of the local (sliding-window) layers, which "
                                         "rope_scaling leaves unscaled (the global layers use rope_max_timescale)",
                                         minimum=1)
@@ -216,13 +220,24 @@ class ModelConfig:
     query_pre_attn_scalar: float = key(0.0, "attention scores are scaled by this**-0.5 (0: head_dim**-0.5)", minimum=0.0)
     attn_logits_soft_cap: float = key(0.0, "squash attention scores with c*tanh(s/c) (0: off; gemma2: 50)", minimum=0.0)
     final_logits_soft_cap: float = key(0.0, "squash output logits with c*tanh(l/c) (0: off; gemma2: 30)", minimum=0.0)
+    attention_bias: bool = key(False, "a learned bias on the query, key, value and output projections of attention "
+                               "(gpt-oss; gpt3 always has them; not with deepseek's latent attention)")
+    attention_sink: bool = key(False, "a learned logit per query head that every query's softmax also sees, as a key "
+                               "with a zero value: attention can go nowhere (gpt-oss; not with deepseek's latent "
+                               "attention, nor with cuDNN, which has no such input)")
     fused_qkv: bool = key(False, "one fused query/key/value projection [emb, 3, heads, head_dim] (multi-head attention "
                           "only: kv heads = query heads); same results as three")
     fused_mlp: bool = key(False, "one fused gate/up projection [emb, 2, mlp] for gated MLPs (two mlp_activations; "
                           "dense blocks only); same results as two")
+    mlp_bias: bool = key(False, "a learned bias after every projection of the MLPs, experts included (gpt-oss's "
+                         "experts; gpt3 always has them)")
+    mlp_activations_limit: float = key(-1.0, "gpt_oss experts: the gate is clipped above at this and the up projection "
+                                       "to [-this, this] before gate * act0(1.702 * gate) * (up + 1) (gpt-oss: 7; "
+                                       "-1: no clipping)")
     trainable_position_size: int = key(0, "gpt3: rows of the learned position-embedding table (the longest sequence); "
                                        "0: fixed sinusoidal positions", minimum=0)
-    num_experts: int = key(1, "experts per mixture-of-experts MLP (decoder_block=mixtral or qwen3_moe; 1: dense MLP)",
+    num_experts: int = key(1, "experts per mixture-of-experts MLP (decoder_block=mixtral, qwen3_moe, deepseek or "
+                           "gpt_oss; 1: dense MLP)",
                            minimum=1)
     num_experts_per_tok: int = key(1, "experts each token is routed to (top-k) when num_experts > 1", minimum=1)
     base_moe_mlp_dim: int = key(0, "hidden width of one expert before scaling (0: base_mlp_dim); deepseek's dense "

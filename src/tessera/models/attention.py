@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 from tessera.config import ModelConfig
 from tessera.models.kv_cache import EmptyKVCache, KVCache
 from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rope_frequencies, rotary_tables, rotate,
-                                   soft_cap, yarn_frequencies)
+                                   soft_cap, yarn_frequencies, yarn_score_scale)
 from tessera.mesh import shard_logically, traced_platform
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,7 @@ def rope_frequencies_of(cfg: ModelConfig, local: bool = False, rotary_dim: int =
         return rope_frequencies(dim, cfg.local_rope_max_timescale)
     if cfg.rope_scaling == "yarn":
         return yarn_frequencies(dim, cfg.rope_max_timescale, cfg.rope_scaling_factor, cfg.rope_original_max_position,
-                                cfg.beta_fast, cfg.beta_slow)
+                                cfg.beta_fast, cfg.beta_slow, cfg.rope_truncate)
     inv_freq = rope_frequencies(dim, cfg.rope_max_timescale, (
         cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
         cfg.rope_original_max_position) if cfg.rope_scaling == "llama3" else None)
@@ -91,6 +91,9 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
     if logits_soft_cap:
         return AttentionChoice("dot_product", f"attn_logits_soft_cap={logits_soft_cap:g} needs the reference kernel "
                                               "(no fused kernel here caps scores)")
+    if m.attention_sink:
+        return AttentionChoice("dot_product", "attention_sink=true needs the reference kernel (cuDNN's fused "
+                                              "attention has no sink logits)")
     if platform not in ("gpu", "cuda"):
         return AttentionChoice("dot_product", f"no fused attention kernel is wired for platform {platform!r}")
     if dtype not in ("bfloat16", "float16"):
@@ -105,12 +108,14 @@ MAX_CHUNKS = 16  # longer sequences use larger chunks, so the compiled program s
 
 
 def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *, scale: float | None = None,
-                          logits_soft_cap: float = 0.0, window: int = 0):
+                          logits_soft_cap: float = 0.0, window: int = 0, sinks_n=None):
     """Reference causal attention with grouped kv heads; tokens attend only within their segment.
 
     `scale` multiplies the scores (default head_dim**-0.5); `logits_soft_cap` > 0 squashes them
     with cap * tanh(s / cap) before the mask (Gemma 2); `window` > 0 lets a query see only the
-    `window` most recent positions, itself included (sliding-window attention).
+    `window` most recent positions, itself included (sliding-window attention); `sinks_n` [N]
+    (attention_sink): a logit per query head that each softmax adds to its denominator, as a
+    key every query sees whose value is zero (gpt-oss).
 
     Heads are moved in front of the sequence axes first, so both products are plain batched
     matmuls over (batch, kv head): measured 2x faster forward on CPU than contracting in the
@@ -144,7 +149,8 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
     chunk = max(QUERY_CHUNK, t // MAX_CHUNKS)
     chunk = chunk if t == k_bskh.shape[1] and t % chunk == 0 else t
-    mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window, dtype)
+    sinks_kg = None if sinks_n is None else sinks_n.reshape(kv_heads, n // kv_heads)
+    mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window, dtype, sinks_kg)
     outs = []
     # split, not sliced: the gradient of a split is one concatenation (of slices, a sum of padded copies)
     for start, q_chunk in zip(range(0, t, chunk), jnp.split(q_bkgth, t // chunk, axis=3)):
@@ -159,22 +165,30 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
 
 
 def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int, scale: float, cap: float,
-            window: int, dtype):
+            window: int, dtype, sinks_kg=None):
     """Masked softmax attention of queries at index q_offset.. against keys at index 0..S-1."""
     t, s = q_bkgth.shape[3], k_bksh.shape[2]
     distance_ts = (jnp.arange(t)[:, None] + q_offset) - jnp.arange(s)[None, :]
     visible_ts = (distance_ts >= 0) & ((distance_ts < window) if window else True)
     same_segment_bts = segment_q_bt[:, :, None] == segment_k_bs[:, None, :]
-    return _softmax_attend(q_bkgth, k_bksh, v_bksh, visible_ts[None] & same_segment_bts, scale, cap, dtype)
+    return _softmax_attend(q_bkgth, k_bksh, v_bksh, visible_ts[None] & same_segment_bts, scale, cap, dtype, sinks_kg)
 
 
-def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float, dtype):
+def _softmax_attend(q_bkgth, k_bksh, v_bksh, mask_bts, scale: float, cap: float, dtype, sinks_kg=None):
     """Scaled (and soft-capped) scores, masked by `mask_bts`, float32 softmax, weighted values;
-    probabilities and output in `dtype` (the compute dtype)."""
+    probabilities and output in `dtype` (the compute dtype). `sinks_kg` [K, G]: each query head's
+    sink logit joins its softmax's denominator (a query that sees no key then outputs zeros)."""
     scores = project("bkgth,bksh->bkgts", q_bkgth, k_bksh, preferred_element_type=jnp.float32) * scale
     scores = soft_cap(scores, cap)
     scores = jnp.where(mask_bts[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    if sinks_kg is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    else:
+        sink = sinks_kg.astype(jnp.float32)[None, :, :, None, None]
+        # the shift cancels out of the ratio, so it needs no gradient
+        top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink))
+        e = jnp.exp(scores - top)
+        probs = (e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(dtype)
     return project("bkgts,bksh->bkgth", probs, v_bksh).astype(dtype)
 
 
@@ -184,7 +198,7 @@ SCORES_PER_ROW_AND_HEAD = 1 << 22
 
 
 def masked_attention(q_btnh, k_bskh, v_bskh, visible, positions_bt, segment_ids_bt, *, scale: float,
-                     logits_soft_cap: float = 0.0, scores_per_row_and_head: int | None = None):
+                     logits_soft_cap: float = 0.0, scores_per_row_and_head: int | None = None, sinks_n=None):
     """Attention of queries [B, T, N, H] at `positions_bt` in `segment_ids_bt` over keys and values
     [B, S, K, H], where `visible(positions, segment_ids)` -> [B, T', S] allows it (decoding over a KV
     cache; a query that sees nothing gets the mean value). Queries go through in chunks of
@@ -194,11 +208,12 @@ def masked_attention(q_btnh, k_bskh, v_bskh, visible, positions_bt, segment_ids_
     b, t, n, _ = q_btnh.shape
     kv_heads = k_bskh.shape[2]
     k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
+    sinks_kg = None if sinks_n is None else sinks_n.reshape(kv_heads, n // kv_heads)
 
     def attend(q, positions, segment_ids):
         q_bkgth = q.reshape(b, q.shape[1], kv_heads, n // kv_heads, -1).transpose(0, 2, 3, 1, 4)
         out_bkgth = _softmax_attend(q_bkgth, k_bksh, v_bksh, visible(positions, segment_ids), scale,
-                                    logits_soft_cap, q_btnh.dtype)
+                                    logits_soft_cap, q_btnh.dtype, sinks_kg)
         return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, q.shape[1], n, -1)
 
     chunk = max(1, (scores_per_row_and_head or SCORES_PER_ROW_AND_HEAD) // k_bskh.shape[1])
@@ -223,14 +238,19 @@ class Attention(nnx.Module):
     "rms" in Qwen3, "rms_zero_centered" in Gemma 3; "" none) and the rotary frequencies of
     gemma3's local layers (`local_rope`).
     From the config: `fused_qkv` (one [D, 3, N, H] projection; needs K == N),
-    `query_pre_attn_scalar` (scores scaled by its inverse square root instead of head_dim's)
-    and `attn_logits_soft_cap`.
+    `query_pre_attn_scalar` (scores scaled by its inverse square root instead of head_dim's),
+    `attn_logits_soft_cap`, `attention_bias` (biases as `use_bias`, which gpt3 always sets),
+    `attention_sink` (a learned sink logit per query head, `sinks_n`, initialized to zero) and,
+    with rope_scaling=yarn, YaRN's score multiplier (`yarn_score_scale`: Hugging Face scales
+    the rotary sines and cosines by its square root, which multiplies the scores by it when
+    every dimension rotates).
     """
 
     def __init__(self, cfg: ModelConfig, kernel: str, rngs: nnx.Rngs, *, sliding_window: int = 0,
                  use_bias: bool = False, use_rope: bool = True, qk_norm: str = "", local_rope: bool = False):
         d, n, k, h, wdtype = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
         std = fan_in_std(d)
+        use_bias = use_bias or cfg.attention_bias
         if cfg.fused_qkv:
             self.wqkv_dcnh = param(rngs, (d, 3, n, h), ("embed", None, "heads", "head_dim"), wdtype, std)
         else:
@@ -246,6 +266,8 @@ class Attention(nnx.Module):
                 self.bk_kh = param(rngs, (k, h), ("kv_heads", "head_dim"), wdtype, None, fill=0.0)
                 self.bv_kh = param(rngs, (k, h), ("kv_heads", "head_dim"), wdtype, None, fill=0.0)
             self.bo_d = param(rngs, (d,), ("norm",), wdtype, None, fill=0.0)
+        if cfg.attention_sink:
+            self.sinks_n = param(rngs, (n,), ("heads",), wdtype, None, fill=0.0)
         if qk_norm:
             norm_args = (h, cfg.normalization_layer_epsilon, cfg.dtype, wdtype, rngs)
             self.query_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
@@ -255,6 +277,9 @@ class Attention(nnx.Module):
         self.rope_inv_freq = tuple(float(f) for f in rope_frequencies_of(cfg, local_rope)) if use_rope else ()
         self.kernel, self.dtype, self.fused, self.use_bias = kernel, cfg.dtype, cfg.fused_qkv, use_bias
         self.scale = float(cfg.query_pre_attn_scalar or h) ** -0.5
+        if use_rope and cfg.rope_scaling == "yarn" and not local_rope:
+            self.scale *= yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale)
+        self.sinks = cfg.attention_sink
         self.logits_soft_cap, self.window = cfg.attn_logits_soft_cap, sliding_window
         self.cfg = cfg  # static: splash attention reads its block sizes from it
 
@@ -317,7 +342,7 @@ class Attention(nnx.Module):
             keys, values = kv_cache.keys(q.dtype), kv_cache.values(q.dtype)
             visible = functools.partial(kv_cache.mask, window=self.window)
         ctx = masked_attention(q, keys, values, visible, positions_bt, segment_ids_bt, scale=self.scale,
-                               logits_soft_cap=self.logits_soft_cap)
+                               logits_soft_cap=self.logits_soft_cap, sinks_n=self.sink_logits())
         return self.output(ctx), kv_cache
 
     def attend_prompt(self, q, k, v, new: KVCache, positions_bt, segment_ids_bt):
@@ -329,7 +354,8 @@ class Attention(nnx.Module):
         if self.kernel.startswith("splash"):
             return self.attend(q, k, v, segment_ids_bt, packed=True)
         return masked_attention(q, k, v, functools.partial(new.mask, window=self.window), positions_bt,
-                                segment_ids_bt, scale=self.scale, logits_soft_cap=self.logits_soft_cap)
+                                segment_ids_bt, scale=self.scale, logits_soft_cap=self.logits_soft_cap,
+                                sinks_n=self.sink_logits())
 
     def attend(self, q, k, v, segment_ids_bt, packed: bool):
         """Causal attention of the T tokens among themselves with the chosen kernel: context [B, T, N, Hv]."""
@@ -339,6 +365,7 @@ class Attention(nnx.Module):
             shards = splash.sequence_shards()
             ctx = splash.splash_attention(q, k, v, segment_ids_bt, scale=self.scale,
                                           logits_soft_cap=self.logits_soft_cap, window=self.window,
+                                          sinks_n=self.sink_logits(),
                                           blocks=splash.block_sizes(self.cfg, q.shape[1], shards),
                                           load_balance=splash.load_balanced(self.cfg, q.shape[1], shards),
                                           interpret=self.kernel == "splash_interpret")
@@ -348,5 +375,12 @@ class Attention(nnx.Module):
                                                implementation="cudnn")
         else:
             ctx = dot_product_attention(q, k, v, segment_ids_bt, segment_ids_bt, scale=self.scale,
-                                        logits_soft_cap=self.logits_soft_cap, window=self.window)
+                                        logits_soft_cap=self.logits_soft_cap, window=self.window,
+                                        sinks_n=self.sink_logits())
         return ctx
+
+    def sink_logits(self):
+        """The sink logit of each query head [N] in float32 (attention_sink), or None."""
+        if not self.sinks:
+            return None
+        return shard_logically(self.sinks_n[...].astype(jnp.float32), ("act_heads",))

@@ -60,7 +60,7 @@ class Gemma2Layer(nnx.Module):
         self.post_attention_norm = make_norm(norm, cfg, rngs)
         self.pre_mlp_norm = make_norm(norm, cfg, rngs)
         self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
-                       fused=cfg.fused_mlp, quantization=cfg.quantization)
+                       use_bias=cfg.mlp_bias, fused=cfg.fused_mlp, quantization=cfg.quantization)
         self.post_mlp_norm = make_norm(norm, cfg, rngs)
         self.dropout_rate = dropout_rate(cfg)
 

@@ -205,19 +205,22 @@ def rope_frequencies(head_dim: int, max_timescale: float, llama3_scaling: tuple 
 
 
 def yarn_frequencies(rotary_dim: int, max_timescale: float, factor: float, original_max_position: int,
-                     beta_fast: float, beta_slow: float) -> np.ndarray:
-    """Inverse wavelengths [rotary_dim/2] of YaRN (Peng et al. 2023) as DeepSeek-V3 uses it:
-    frequencies that turn more than `beta_fast` times within the original context are kept,
-    those turning fewer than `beta_slow` times are divided by `factor`, and between the two
-    (dimension indices rounded outwards) the two are mixed linearly by dimension index."""
+                     beta_fast: float, beta_slow: float, truncate: bool = True) -> np.ndarray:
+    """Inverse wavelengths [rotary_dim/2] of YaRN (Peng et al. 2023): frequencies that turn more
+    than `beta_fast` times within the original context are kept, those turning fewer than
+    `beta_slow` times are divided by `factor`, and between the two the two are mixed linearly by
+    dimension index. `truncate` rounds the ends of that ramp outwards to whole dimensions
+    (DeepSeek-V3); gpt-oss keeps them fractional."""
     half = rotary_dim // 2
     inv_freq = float(max_timescale) ** (-np.arange(half, dtype=np.float64) / half)
 
     def dimension_turning(turns: float) -> float:  # the (fractional) dimension index turning `turns` times
         return rotary_dim * math.log(original_max_position / (turns * 2 * math.pi)) / (2 * math.log(max_timescale))
 
-    low = max(math.floor(dimension_turning(beta_fast)), 0)
-    high = min(math.ceil(dimension_turning(beta_slow)), rotary_dim - 1)
+    low, high = dimension_turning(beta_fast), dimension_turning(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
     ramp = np.clip((np.arange(half) - low) / ((high - low) or 0.001), 0.0, 1.0)  # 0: kept, 1: divided
     return (inv_freq * (1.0 - ramp) + inv_freq / factor * ramp).astype(np.float32)
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -102,23 +103,48 @@ def expert_capacity(tokens: int, cfg: ModelConfig) -> int:
     return max(1, min(tokens, math.ceil(cfg.capacity_factor * fair_share)))
 
 
+SWIGLU_ALPHA = 1.702  # gpt-oss: the gate's gain inside its activation, gate * act0(1.702 * gate) * (up + 1)
+
+
+class ExpertWeights(NamedTuple):
+    """The experts' weights in the compute dtype: input projections [E, D, F] (one per activation),
+    the output projection [E, F, D] and, with mlp_bias, their biases ([E, F] each, and [E, D])."""
+
+    wis: list
+    wo: jax.Array
+    bis: list
+    bo: jax.Array | None
+
+
 class MoeMlp(nnx.Module):
     """Router [D, E] and E gated MLPs ([E, D, F] in, [E, F, D] out); with `shared_experts`, a
-    dense gated MLP every token goes through; with `routed_bias`, a per-expert choice bias [E]."""
+    dense gated MLP every token goes through; with `routed_bias`, a per-expert choice bias [E].
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    A family may ask for a learned router bias [E] added to the logits (`router_bias`: gpt-oss)
+    and for gpt-oss's clamped gate (`clamped_glu`: gate * act0(1.702 * gate) * (up + 1), the gate
+    clipped above at mlp_activations_limit and the up projection to +-limit). mlp_bias adds a bias
+    after every expert projection."""
+
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, router_bias: bool = False, clamped_glu: bool = False):
         d, f, e, wdtype = cfg.emb_dim, cfg.expert_mlp_dim, cfg.num_experts, cfg.weight_dtype
         self.router_de = param(rngs, (d, e), ("embed", None), wdtype, fan_in_std(d))
+        if router_bias:
+            self.router_bias_e = param(rngs, (e,), (None,), wdtype, None, fill=0.0)
         if cfg.routed_bias:  # moved by the train step (auxiliary-loss-free balancing), never by gradients
             self.routed_bias_e = param(rngs, (e,), (None,), jnp.float32, None, fill=0.0)
         for i in range(len(cfg.mlp_activations)):
             setattr(self, f"wi_{i}", param(rngs, (e, d, f), ("exp", "embed", "mlp"), wdtype, fan_in_std(d)))
+            if cfg.mlp_bias:
+                setattr(self, f"bi_{i}_ef", param(rngs, (e, f), ("exp", "mlp"), wdtype, None, fill=0.0))
         self.wo_efd = param(rngs, (e, f, d), ("exp", "mlp", "embed"), wdtype, fan_in_std(f))
+        if cfg.mlp_bias:
+            self.bo_ed = param(rngs, (e, d), ("exp", "embed"), wdtype, None, fill=0.0)
         if cfg.shared_experts:
             self.shared = Mlp(d, cfg.shared_experts * f, cfg.mlp_activations, cfg.dtype, wdtype, rngs,
-                              quantization=cfg.quantization)
+                              use_bias=cfg.mlp_bias, quantization=cfg.quantization)
         self.cfg, self.dtype = cfg, cfg.dtype
         self.dropless = cfg.sparse_matmul or cfg.megablox
+        self.router_bias, self.clamped_glu = router_bias, clamped_glu
 
     def __call__(self, x_btd):
         experts_btk, weights_btk, aux = self.route(x_btd)
@@ -140,6 +166,8 @@ class MoeMlp(nnx.Module):
         and multiplied by `routed_scaling_factor`."""
         cfg, e = self.cfg, self.cfg.num_experts
         logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32))
+        if self.router_bias:
+            logits_bte = logits_bte + self.router_bias_e[...].astype(jnp.float32)
         sigmoid = cfg.routed_score_func == "sigmoid"
         scores_bte = jax.nn.sigmoid(logits_bte) if sigmoid else jax.nn.softmax(logits_bte, axis=-1)
         choice_bte = scores_bte
@@ -167,15 +195,31 @@ class MoeMlp(nnx.Module):
         copies_e = jnp.sum(jnp.mean(jax.nn.one_hot(experts_btk, e, dtype=jnp.float32), axis=(0, 1)), axis=0)
         return {_COPIES: copies_e, _MEAN_PROB: jnp.mean(probs_bte, axis=(0, 1))}
 
-    def expert_mlp(self, h, contract: str, wis):
-        """The gated MLP of every expert on `h`, an [E, ..., D] buffer (einsum spec `contract`), with the
-        input weights `wis` ([E, D, F] each)."""
-        out = None
-        for i, name in enumerate(self.cfg.mlp_activations):
-            a = quantized_einsum(contract, h, wis[i], self.cfg.quantization)
-            a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
-            out = a if out is None else out * a
-        return checkpoint_name(out, "mlpwi")  # names as the dense MLP's, for remat_policy=custom
+    def expert_mlp(self, h, contract: str, weights: ExpertWeights):
+        """The gated MLP of every expert on `h`, a [B, E, C, D] buffer (einsum spec `contract`), with the
+        input weights `weights.wis` ([E, D, F] each) and their biases."""
+        outs = []
+        for i, w in enumerate(weights.wis):
+            a = quantized_einsum(contract, h, w, self.cfg.quantization)
+            if weights.bis:
+                a = a + weights.bis[i][None, :, None, :]
+            outs.append(checkpoint_name(a, f"mlpwi_{i}"))
+        return checkpoint_name(self.gated(outs), "mlpwi")  # names as the dense MLP's, for remat_policy=custom
+
+    def gated(self, projections):
+        """The experts' activation of their input projections: the product of mlp_activations applied
+        to each, or gpt-oss's clamped gate (`clamped_glu`)."""
+        acts = [ACTIVATIONS[name] for name in self.cfg.mlp_activations]
+        if not self.clamped_glu:
+            out = None
+            for act, a in zip(acts, projections):
+                out = act(a) if out is None else out * act(a)
+            return out
+        gate, up = projections
+        limit = self.cfg.mlp_activations_limit
+        if limit > 0:
+            gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return gate * acts[0](SWIGLU_ALPHA * gate) * (up + 1)
 
     def capacity_experts(self, x_btd, experts_btk, weights_btk):
         b, t, _ = x_btd.shape
@@ -199,10 +243,12 @@ class MoeMlp(nnx.Module):
         combine_btec = shard_logically(combine_btec.astype(self.dtype), ("act_batch_no_exp", None, "act_exp", None))
         buffers_becd = jnp.einsum("btd,btec->becd", x_btd, dispatch_btec)
         buffers_becd = shard_logically(buffers_becd, ("act_batch_no_exp", "act_exp", None, "act_embed"))
-        wis, wo = self._expert_weights()
-        h_becf = self.expert_mlp(buffers_becd, "becd,edf->becf", wis)
+        weights = self._expert_weights()
+        h_becf = self.expert_mlp(buffers_becd, "becd,edf->becf", weights)
         h_becf = shard_logically(h_becf, ("act_batch_no_exp", "act_exp", None, "act_mlp"))
-        out_becd = quantized_einsum("becf,efd->becd", h_becf, wo, self.cfg.quantization)
+        out_becd = quantized_einsum("becf,efd->becd", h_becf, weights.wo, self.cfg.quantization)
+        if weights.bo is not None:  # empty slots get it too, and combine gives them no weight
+            out_becd = out_becd + weights.bo[None, :, None, :]
         out_btd = jnp.einsum("becd,btec->btd", out_becd, combine_btec)  # summed over the expert axis
         return shard_logically(out_btd, ("batch", None, "act_embed")), dropped
 
@@ -229,25 +275,31 @@ class MoeMlp(nnx.Module):
         tensor = "tensor" if tp > 1 and self.cfg.expert_mlp_dim % tp == 0 else None
         experts = "expert" if ep > 1 else None
         rows = P(batch if len(batch) > 1 else batch[0], None, None)
-        wi_spec, wo_spec = P(experts, None, tensor), P(experts, tensor, None)
         ragged = traced_platform() != "cpu"  # XLA:CPU has no ragged all-to-all
 
-        def local(x, experts_btk, weights_btk, wis, wo):
+        def local(x, experts_btk, weights_btk, weights):
+            if tensor and weights.bo is not None:  # the partial outputs are summed over tensor: add the bias once
+                weights = weights._replace(bo=jnp.where(jax.lax.axis_index("tensor") == 0, weights.bo, 0))
             if experts:
-                out, dropped = self._dropless_expert_parallel(x, experts_btk, weights_btk, (wis, wo), ep, ragged)
+                out, dropped = self._dropless_expert_parallel(x, experts_btk, weights_btk, weights, ep, ragged)
                 dropped = jax.lax.pmean(dropped, batch)  # every device holds as many copies
             else:
-                out, dropped = self._dropless(x, experts_btk, weights_btk, (wis, wo)), jnp.zeros((), jnp.float32)
+                out, dropped = self._dropless(x, experts_btk, weights_btk, weights), jnp.zeros((), jnp.float32)
             return (jax.lax.psum(out, "tensor") if tensor else out), dropped
 
-        wis, wo = self._expert_weights()
-        return jax.shard_map(local, in_specs=(rows, rows, rows, [wi_spec] * len(wis), wo_spec), out_specs=(rows, P()),
-                             check_vma=False)(x_btd, experts_btk, weights_btk, wis, wo)
+        weights = self._expert_weights()
+        specs = ExpertWeights([P(experts, None, tensor)] * len(weights.wis), P(experts, tensor, None),
+                              [P(experts, tensor)] * len(weights.bis), None if weights.bo is None else P(experts, None))
+        return jax.shard_map(local, in_specs=(rows, rows, rows, specs), out_specs=(rows, P()),
+                             check_vma=False)(x_btd, experts_btk, weights_btk, weights)
 
-    def _expert_weights(self):
-        """([wi_0, wi_1, ...] as [E, D, F], wo [E, F, D]) in the compute dtype."""
-        wis = [getattr(self, f"wi_{i}")[...].astype(self.dtype) for i in range(len(self.cfg.mlp_activations))]
-        return wis, self.wo_efd[...].astype(self.dtype)
+    def _expert_weights(self) -> ExpertWeights:
+        """The experts' weights and biases in the compute dtype."""
+        n = len(self.cfg.mlp_activations)
+        wis = [getattr(self, f"wi_{i}")[...].astype(self.dtype) for i in range(n)]
+        bis = [getattr(self, f"bi_{i}_ef")[...].astype(self.dtype) for i in range(n)] if self.cfg.mlp_bias else []
+        bo = self.bo_ed[...].astype(self.dtype) if self.cfg.mlp_bias else None
+        return ExpertWeights(wis, self.wo_efd[...].astype(self.dtype), bis, bo)
 
     def _sort_copies(self, x_btd, experts_btk):
         """(rows [B*T*k, D] sorted by expert, their order, rows per expert [E])."""
@@ -263,17 +315,18 @@ class MoeMlp(nnx.Module):
         out_copies = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(b, t, k, -1)
         return jnp.einsum("btkd,btk->btd", out_copies, weights_btk.astype(self.dtype))
 
-    def _grouped_mlp(self, rows, group_sizes, weights):
+    def _grouped_mlp(self, rows, group_sizes, weights: ExpertWeights):
         """The gated MLP of expert g on its consecutive rows (`group_sizes[g]` of them), as grouped
         matmuls (`grouped_matmul`); rows past the groups' total come out zero."""
-        wis, wo_efd = weights
         kernel = grouped_matmul_kernel(self.cfg)
-        h = None
-        for i, (name, w_edf) in enumerate(zip(self.cfg.mlp_activations, wis)):
+        bias = _row_bias(group_sizes, rows.shape[0]) if weights.bis else None
+        projections = []
+        for i, w_edf in enumerate(weights.wis):
             a = grouped_matmul(rows, w_edf, group_sizes, kernel, self.cfg.quantization)
-            a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
-            h = a if h is None else h * a
-        return grouped_matmul(checkpoint_name(h, "mlpwi"), wo_efd, group_sizes, kernel, self.cfg.quantization)
+            projections.append(checkpoint_name(a if bias is None else a + bias(weights.bis[i]), f"mlpwi_{i}"))
+        h = checkpoint_name(self.gated(projections), "mlpwi")
+        out = grouped_matmul(h, weights.wo, group_sizes, kernel, self.cfg.quantization)
+        return out if bias is None else out + bias(weights.bo)
 
     def _dropless(self, x_btd, experts_btk, weights_btk, weights):
         x_sorted, order, group_sizes = self._sort_copies(x_btd, experts_btk)
@@ -326,6 +379,14 @@ class MoeMlp(nnx.Module):
         ragged_buffer_factor x `copies`, the average (at most the worst case)."""
         factor = self.cfg.ragged_buffer_factor
         return ep * copies if factor <= 0 else min(ep * copies, max(1, math.ceil(factor * copies)))
+
+
+def _row_bias(group_sizes, rows: int):
+    """A function from a bias [G, N] to each row's group's bias [rows, N], where rows come grouped
+    (`group_sizes`) and rows past the groups' total get zeros."""
+    group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")  # G: past every group
+    grouped = (group < group_sizes.shape[0])[:, None]
+    return lambda bias_gn: jnp.where(grouped, jnp.take(bias_gn, group, axis=0, mode="clip"), 0).astype(bias_gn.dtype)
 
 
 def grouped_matmul_kernel(cfg: ModelConfig) -> str:

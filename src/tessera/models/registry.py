@@ -8,6 +8,7 @@ from tessera.models.blocks import Block
 from tessera.models.deepseek import DeepseekBlock
 from tessera.models.gemma import Gemma2Block, Gemma3Block, GemmaBlock
 from tessera.models.gpt3 import Gpt3Block
+from tessera.models.gpt_oss import GptOssBlock
 from tessera.models.llama import LlamaBlock, MistralBlock
 from tessera.models.mixtral import MixtralBlock
 from tessera.models.qwen3 import Qwen3Block, Qwen3MoeBlock
@@ -23,4 +24,5 @@ BLOCKS: dict[str, type[Block]] = {
     "qwen3_moe": Qwen3MoeBlock,
     "gemma3": Gemma3Block,
     "deepseek": DeepseekBlock,
+    "gpt_oss": GptOssBlock,
 }

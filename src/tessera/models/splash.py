@@ -5,8 +5,9 @@ from jax's), it is the kernel MaxText's TPU figures are measured with, and its b
 masks skip the masked half of causal attention and everything outside a sliding window
 without computing it. It supports everything Tessera's attention does: causal masks, sliding
 windows (a `LocalMask`), packed documents (segment ids), grouped-query heads (the "MQA"
-variant, vmapped over kv heads), score soft-capping (`attn_logits_soft_cap`), and any score
-scale (the queries are multiplied by it first, as the kernel does not scale).
+variant, vmapped over kv heads), score soft-capping (`attn_logits_soft_cap`), sink logits
+(`attention_sink`, an input of the kernel with its own gradient), and any score scale (the
+queries are multiplied by it first, as the kernel does not scale).
 
 Layout: queries [B, T, N, H] become [B, K, G, T, H] (K kv heads, G = N/K queries per kv head);
 the kernel runs on one batch row and one kv head at a time (vmapped). Under a mesh it runs
@@ -184,20 +185,22 @@ def _kernel(groups: int, length: int, window: int, cap: float, blocks: sa.BlockS
                               head_shards=1, q_seq_shards=q_shards, interpret=interpret)
 
 
-def _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q_bt, segment_kv_bs, *, scale):
+def _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q_bt, segment_kv_bs, sinks_n=None, *, scale):
     """Splash attention of local queries [B, T, N, H] over keys and values [B, S, K, H] (S = T,
-    or the whole sequence when the queries are one device's part of it)."""
+    or the whole sequence when the queries are one device's part of it), with the sink logits
+    `sinks_n` [N] (attention_sink) when given."""
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     q = (q_btnh * jnp.asarray(scale, q_btnh.dtype)).reshape(b, t, kv, n // kv, h).transpose(0, 2, 3, 1, 4)
     k, v = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)  # [B, K, S, H]
+    sinks_kg = None if sinks_n is None else sinks_n.reshape(kv, n // kv)
 
-    def one(q_gth, k_sh, v_sh, seg_q, seg_kv):
-        return kernel(q_gth, k_sh, v_sh, segment_ids=sa.SegmentIds(q=seg_q, kv=seg_kv))
+    def one(q_gth, k_sh, v_sh, sinks_g, seg_q, seg_kv):
+        return kernel(q_gth, k_sh, v_sh, segment_ids=sa.SegmentIds(q=seg_q, kv=seg_kv), sinks=sinks_g)
 
-    per_head = jax.vmap(one, in_axes=(0, 0, 0, None, None))  # over kv heads
-    out = jax.vmap(per_head)(q, k, v, segment_q_bt, segment_kv_bs)  # over batch rows: [B, K, G, T, H]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    per_head = jax.vmap(one, in_axes=(0, 0, 0, None if sinks_kg is None else 0, None, None))  # over kv heads
+    out = jax.vmap(per_head, in_axes=(0, 0, 0, None, 0, 0))(q, k, v, sinks_kg, segment_q_bt, segment_kv_bs)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)  # out: [B, K, G, T, H]
 
 
 def _to_balanced(x, axis: str, shards: int):
@@ -223,7 +226,8 @@ def _from_balanced(x, axis: str, shards: int):
     return jnp.concatenate([back_even, back_odd], axis=1)
 
 
-def _attend_split(kernel, q_btnh, k_bskh, v_bskh, segment_bt, *, scale, sequence_axis, balanced_shards):
+def _attend_split(kernel, q_btnh, k_bskh, v_bskh, segment_bt, sinks_n=None, *, scale, sequence_axis,
+                  balanced_shards):
     """`_attend` on one device's shard inside `shard_map`: with a sequence axis, the keys, values
     and kv segment ids of the whole sequence are gathered over it first; with `balanced_shards`
     the queries are exchanged into the balanced layout, and the outputs back."""
@@ -232,24 +236,26 @@ def _attend_split(kernel, q_btnh, k_bskh, v_bskh, segment_bt, *, scale, sequence
         gather = functools.partial(jax.lax.all_gather, axis_name=sequence_axis, axis=1, tiled=True)
         k_bskh, v_bskh, segment_kv = gather(k_bskh), gather(v_bskh), gather(segment_bt)
     if not balanced_shards:
-        return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q, segment_kv, scale=scale)
+        return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q, segment_kv, sinks_n, scale=scale)
     q_btnh, segment_q = (_to_balanced(a, sequence_axis, balanced_shards) for a in (q_btnh, segment_bt))
-    out = _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q, segment_kv, scale=scale)
+    out = _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q, segment_kv, sinks_n, scale=scale)
     return _from_balanced(out, sequence_axis, balanced_shards)
 
 
 def splash_attention(q_btnh, k_bskh, v_bskh, segment_bt, *, scale: float, logits_soft_cap: float = 0.0,
-                     window: int = 0, blocks: sa.BlockSizes, load_balance: bool = False, interpret: bool = False):
+                     window: int = 0, blocks: sa.BlockSizes, load_balance: bool = False, interpret: bool = False,
+                     sinks_n=None):
     """Causal attention of q [B, T, N, H] over k, v [B, T, K, H] within segments, as
-    `attention.dot_product_attention` computes it, with the splash kernel. Under a mesh whose
-    sequence axis splits T, `blocks` are those of `block_sizes(..., q_shards=<that axis' size>)`,
-    and `load_balance` (`load_balanced`'s answer) gives each device an early and a late part."""
+    `attention.dot_product_attention` computes it, with the splash kernel (and the sink logits
+    `sinks_n` [N], which the kernel takes per query head). Under a mesh whose sequence axis
+    splits T, `blocks` are those of `block_sizes(..., q_shards=<that axis' size>)`, and
+    `load_balance` (`load_balanced`'s answer) gives each device an early and a late part."""
     b, t, n, _ = q_btnh.shape
     groups = n // k_bskh.shape[2]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
         kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret)
-        return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_bt, segment_bt, scale=scale)
+        return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_bt, segment_bt, sinks_n, scale=scale)
     sizes = dict(mesh.shape)
     batch = tuple(a for a in ("data", "fsdp", "expert") if sizes.get(a, 1) > 1)
     ways = math.prod(sizes[a] for a in batch)
@@ -272,5 +278,8 @@ def splash_attention(q_btnh, k_bskh, v_bskh, segment_bt, *, scale: float, logits
     qkv = P(batch_spec, sequence, heads, None)
     attend = functools.partial(_attend_split, scale=scale, sequence_axis=sequence,
                                balanced_shards=shards if balanced else 0)
-    return jax.shard_map(attend, in_specs=(kernel_spec, qkv, qkv, qkv, P(batch_spec, sequence)), out_specs=qkv,
-                         check_vma=False)(kernel, q_btnh, k_bskh, v_bskh, segment_bt)
+    if sinks_n is None:
+        return jax.shard_map(attend, in_specs=(kernel_spec, qkv, qkv, qkv, P(batch_spec, sequence)), out_specs=qkv,
+                             check_vma=False)(kernel, q_btnh, k_bskh, v_bskh, segment_bt)
+    return jax.shard_map(attend, in_specs=(kernel_spec, qkv, qkv, qkv, P(batch_spec, sequence), P(heads)),
+                         out_specs=qkv, check_vma=False)(kernel, q_btnh, k_bskh, v_bskh, segment_bt, sinks_n)

@@ -17,7 +17,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from tessera.config import Config, ConfigError, ModelConfig
-from tessera.tools.hf_configs import HF_MODEL_TYPES
+from tessera.models.layers import yarn_score_scale
+from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES
 from tessera.tools.hf_layouts import Layout, Rule
 
 
@@ -51,17 +52,27 @@ class Reader:
         self._aliases = {n: n for n in files}
         if self.config.get("model_type") == "gpt2":  # Hub GPT-2 checkpoints leave out the "transformer." prefix
             self._aliases.update({f"transformer.{n}": n for n in files if not n.startswith(("transformer.", "lm_head"))})
+        # MXFP4 tensors (gpt-oss's released experts) are stored as <name>_blocks and <name>_scales
+        self._mxfp4 = {n[:-len("_blocks")] for n in files
+                       if n.endswith("_blocks") and n[:-len("_blocks")] + "_scales" in files}
         self._open: dict[Path, Any] = {}
 
     @property
     def names(self) -> list[str]:
+        """The checkpoint's tensors by the names the layouts use (an MXFP4 pair as the one tensor it holds)."""
         actual_to_alias = {v: k for k, v in self._aliases.items()}
-        return [actual_to_alias[n] for n in self._files]
+        packed = {f"{n}{part}" for n in self._mxfp4 for part in ("_blocks", "_scales")}
+        return [actual_to_alias[n] for n in self._files if n not in packed] + sorted(self._mxfp4)
 
     def get(self, name: str) -> np.ndarray:
+        if name in self._mxfp4:
+            return mxfp4_values(self._read(name + "_blocks"), self._read(name + "_scales"))
         actual = self._aliases.get(name)
         if actual is None:
             raise ConfigError(f"the checkpoint has no tensor {name!r}; is model_name (or decoder_block) right?")
+        return self._read(actual)
+
+    def _read(self, actual: str) -> np.ndarray:
         path = self._files[actual]
         if path not in self._open:
             self._open[path] = _open(path)
@@ -69,6 +80,33 @@ class Reader:
             return self._open[path].get_tensor(actual)
         except SafetensorError as e:
             raise _damaged(path, e) from None
+
+
+# The 16 values of an FP4 (e2m1) code: sign bit, two exponent bits, one mantissa bit
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def mxfp4_values(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """The bfloat16 values of an MXFP4 tensor as gpt-oss's checkpoints store it: `blocks` [E, R, G, 16]
+    uint8 (two FP4 codes a byte, the low nibble first) and `scales` [E, R, G] uint8 (a power of two
+    per group of 32, biased by 127), for a matrix [E, R, G*32] that is stored transposed: the result
+    is [E, G*32, R], the layout of the tensor's bfloat16 form (gate_up_proj [E, D, 2F], down_proj
+    [E, F, D]). Every value is exact in bfloat16."""
+    import ml_dtypes
+
+    if blocks.dtype != np.uint8 or scales.dtype != np.uint8 or blocks.shape[:-1] != scales.shape:
+        raise ConfigError(f"an MXFP4 tensor needs uint8 blocks [..., G, B] and uint8 scales [..., G]; this checkpoint "
+                          f"has blocks {list(blocks.shape)} {blocks.dtype} and scales {list(scales.shape)} "
+                          f"{scales.dtype}")
+    *lead, rows, groups, width = blocks.shape
+    out = np.empty((*lead, groups * width * 2, rows), ml_dtypes.bfloat16)
+    for i in np.ndindex(*lead):  # one expert at a time: float32 copies of a whole 120b tensor would take 8.5 GB
+        values = np.empty((rows, groups, width * 2), np.float32)
+        values[..., 0::2] = FP4_E2M1[blocks[i] & 0x0F]
+        values[..., 1::2] = FP4_E2M1[blocks[i] >> 4]
+        values = np.ldexp(values, scales[i].astype(np.int32)[..., None] - 127)
+        out[i] = values.reshape(rows, -1).T
+    return out
 
 
 def _open(path: Path):
@@ -257,7 +295,8 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         return _deepseek_config(m)
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}[model_type]
+            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "gpt_oss": "GptOssForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
         return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
@@ -277,6 +316,24 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
                                   "original_max_position_embeddings": m.rope_original_max_position}
     elif m.rope_scaling == "linear":
         config["rope_scaling"] = {"rope_type": "linear", "factor": m.rope_scaling_factor}
+    elif m.rope_scaling == "yarn":  # attention_factor: the square root of Attention's score multiplier
+        config["rope_scaling"] = {"rope_type": "yarn", "factor": m.rope_scaling_factor,
+                                  "original_max_position_embeddings": m.rope_original_max_position,
+                                  "beta_fast": m.beta_fast, "beta_slow": m.beta_slow, "truncate": m.rope_truncate,
+                                  "attention_factor": yarn_score_scale(m.rope_scaling_factor, m.mscale) ** 0.5}
+        config["max_position_embeddings"] = max(8192, int(m.rope_original_max_position * m.rope_scaling_factor))
+    if model_type in HF_ATTENTION_BIAS:
+        config["attention_bias"] = m.attention_bias
+    if model_type in HF_MLP_BIAS:
+        config["mlp_bias"] = m.mlp_bias
+    if model_type == "gpt_oss":
+        config.update(hidden_act="silu", intermediate_size=m.expert_mlp_dim, num_local_experts=m.num_experts,
+                      num_experts_per_tok=m.num_experts_per_tok, sliding_window=m.sliding_window_size or None,
+                      # -1 (no clipping) as a limit no activation reaches: transformers' gpt-oss always clips
+                      swiglu_limit=m.mlp_activations_limit if m.mlp_activations_limit > 0 else 1e30,
+                      router_aux_loss_coef=m.load_balance_loss_weight,
+                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                                   for i in range(m.num_decoder_layers)])
     if model_type in ("gemma", "gemma2", "gemma3_text"):
         config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
     if model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
@@ -284,7 +341,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     if model_type == "mixtral":
         config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok)
     if model_type in ("qwen3", "qwen3_moe"):
-        config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+        config.update(use_sliding_window=False, sliding_window=None)
     if model_type == "qwen3_moe":  # every layer is an expert layer; intermediate_size (dense layers) is unused
         config.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.mlp_dim, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1,

@@ -10,6 +10,7 @@ Hugging Face tensor is which Tessera parameter, is `tessera.tools.hf_layouts`.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from tessera.config import ConfigError
@@ -17,7 +18,10 @@ from tessera.config.derived import LAYERS_PER_BLOCK
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
-                  "deepseek_v3": "deepseek"}
+                  "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss"}
+# Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
+HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+HF_MLP_BIAS = ("llama",)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 
@@ -40,6 +44,12 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "mlp_activations": [_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"), "linear"],
         "sliding_window_size": hf.get("sliding_window") or 0, **_rope_keys(hf),
     }
+    if kind in HF_ATTENTION_BIAS:
+        keys["attention_bias"] = bool(hf.get("attention_bias"))
+    if kind in HF_MLP_BIAS:
+        keys["mlp_bias"] = bool(hf.get("mlp_bias"))
+    if kind == "gpt_oss":
+        keys.update(_gpt_oss_keys(hf))
     if kind == "gemma":
         keys["mlp_activations"] = ["gelu", "linear"]  # transformers' Gemma always uses the tanh GELU
     if kind == "mixtral":
@@ -68,6 +78,26 @@ def _refuse_qwen3_variants(hf: dict[str, Any]) -> None:
     if hf.get("model_type") == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
         raise ConfigError("this Qwen3-MoE checkpoint has dense MLP layers between expert layers (mlp_only_layers / "
                           "decoder_sparse_step); Tessera's qwen3_moe has experts in every layer")
+
+
+def _gpt_oss_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's experts, sinks and layer pattern (alternating sliding-window and full attention,
+    the first sliding), checked against what Tessera's gpt_oss builds."""
+    from tessera.models.moe import SWIGLU_ALPHA
+
+    layers = hf["num_hidden_layers"]
+    expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]
+    if hf.get("layer_types") and list(hf["layer_types"]) != expected:
+        raise ConfigError("this gpt-oss checkpoint's layer_types do not alternate sliding-window and full attention "
+                          "layers (the first sliding), the pattern Tessera's gpt_oss builds")
+    alpha = hf.get("swiglu_alpha", SWIGLU_ALPHA)
+    if abs(alpha - SWIGLU_ALPHA) > 1e-6:
+        raise ConfigError(f"this gpt-oss checkpoint's experts use swiglu_alpha={alpha}; Tessera's gpt_oss builds "
+                          f"the released models' {SWIGLU_ALPHA}")
+    limit = hf.get("swiglu_limit", 7.0)
+    return {"num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+            "norm_topk_prob": True, "attention_sink": True, "mlp_bias": True,
+            "mlp_activations": ["sigmoid", "linear"], "mlp_activations_limit": float(limit) if limit else -1.0}
 
 
 def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
@@ -175,10 +205,35 @@ def _rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
                     rope_original_max_position=int(scaling["original_max_position_embeddings"]))
     elif rope_type == "linear":
         keys.update(rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
+    elif rope_type == "yarn":
+        keys.update(_yarn_keys(hf, scaling))
     elif rope_type != "default":
-        raise ConfigError(f"rope scaling type {rope_type!r} of this checkpoint is not supported (default, linear and "
-                          "llama3 are)")
+        raise ConfigError(f"rope scaling type {rope_type!r} of this checkpoint is not supported (default, linear, "
+                          "llama3 and yarn are)")
     return keys
+
+
+def _yarn_keys(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """YaRN for the families built on `Attention`, which multiplies the scores by
+    (0.1 * mscale * ln(factor) + 1)^2: transformers scales the rotary sines and cosines by
+    attention_factor (given, or from factor, mscale and mscale_all_dim), the square root of that."""
+    factor = float(params.get("factor") or hf["max_position_embeddings"] / params["original_max_position_embeddings"])
+
+    def gain(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        mscale, all_dims = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = gain(mscale) / gain(all_dims) if mscale and all_dims else gain(1.0)
+    mscale = (attention_factor - 1.0) / (0.1 * math.log(factor)) if factor > 1 else 1.0
+    if mscale < 0:
+        raise ConfigError(f"this checkpoint's YaRN attention_factor={attention_factor:g} shrinks the scores; "
+                          "Tessera's mscale cannot express that")
+    return {"rope_scaling": "yarn", "rope_scaling_factor": factor,
+            "rope_original_max_position": int(params["original_max_position_embeddings"]),
+            "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
+            "mscale": round(mscale, 12), "rope_truncate": bool(params.get("truncate", True))}
 
 
 def as_overrides(keys: dict[str, Any]) -> list[str]:

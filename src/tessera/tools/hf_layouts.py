@@ -95,8 +95,44 @@ class Layout:
         return ("layers/" + inner, block) if scanned else (f"layers_{block}/" + inner, None)
 
 
+def interleaved(ours: tuple[str, str], hf: str) -> Rule:
+    """A fused tensor [..., 2F] whose last axis alternates the two (gpt-oss's gate_up_proj: gate
+    at even indices, up at odd) <-> ours, two [..., F] tensors."""
+    def split(w):
+        return np.ascontiguousarray(w[..., 0::2]), np.ascontiguousarray(w[..., 1::2])
+
+    def join(a, b):
+        return (np.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1]),)
+
+    return Rule(ours, (hf,), split, join)
+
+
+def _attention_biases(m: ModelConfig) -> list[Rule]:
+    """q/k/v/o projection biases (attention_bias) in torch Linear's flat [out] layout."""
+    n, k, h = m.num_query_heads, m.num_kv_heads, m.head_dim
+    return [reshaped("attention/bq_nh", "self_attn.q_proj.bias", (n, h), (n * h,)),
+            reshaped("attention/bk_kh", "self_attn.k_proj.bias", (k, h), (k * h,)),
+            reshaped("attention/bv_kh", "self_attn.v_proj.bias", (k, h), (k * h,)),
+            same("attention/bo_d", "self_attn.o_proj.bias")]
+
+
+def _check_hf_has(m: ModelConfig, family: str) -> None:
+    """ConfigError for an option of ours that the family's Hugging Face model has no tensor for."""
+    from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES
+
+    kind = {v: k for k, v in HF_MODEL_TYPES.items()}[family]
+    missing = [key for key, ok in (("attention_bias", kind in HF_ATTENTION_BIAS), ("attention_sink", kind == "gpt_oss"),
+                                   ("mlp_bias", kind in HF_MLP_BIAS or kind == "gpt_oss")) if getattr(m, key) and not ok]
+    if kind == "gpt_oss" and not (m.attention_sink and m.mlp_bias):
+        missing.append("attention_sink=false or mlp_bias=false (gpt-oss always has its sinks and expert biases)")
+    if missing:
+        raise ConfigError(f"{', '.join(missing)}: Hugging Face's {kind} model has no such tensors, so this "
+                          f"decoder_block={family} model cannot be converted")
+
+
 def _llama_like(m: ModelConfig, family: str) -> Layout:
     d, n, k, h, f = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+    _check_hf_has(m, family)
     model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
     if not m.logits_via_embedding:
         model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
@@ -107,6 +143,8 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
         linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
         same("pre_attention_norm/scale", "input_layernorm.weight"),
     ]
+    if m.attention_bias:
+        layer += _attention_biases(m)
     if family in ("qwen3", "qwen3_moe", "gemma3"):
         layer += [same("attention/query_norm/scale", "self_attn.q_norm.weight"),
                   same("attention/key_norm/scale", "self_attn.k_norm.weight")]
@@ -124,12 +162,28 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
             experts("mlp/wi_1", "block_sparse_moe.experts.{e}.w3.weight", m, (d, f)),
             experts("mlp/wo_efd", "block_sparse_moe.experts.{e}.w2.weight", m, (f, d)),
         ]
+    elif family == "gpt_oss":
+        fe, e = m.expert_mlp_dim, m.num_experts
+        layer += [
+            linear("mlp/router_de", "mlp.router.weight", (d, e)), same("mlp/router_bias_e", "mlp.router.bias"),
+            same("attention/sinks_n", "self_attn.sinks"),
+            interleaved(("mlp/wi_0", "mlp/wi_1"), "mlp.experts.gate_up_proj"),
+            interleaved(("mlp/bi_0_ef", "mlp/bi_1_ef"), "mlp.experts.gate_up_proj_bias"),
+            reshaped("mlp/wo_efd", "mlp.experts.down_proj", (e, fe, d), (e, fe, d)),
+            same("mlp/bo_ed", "mlp.experts.down_proj_bias"),
+        ]
     elif m.fused_mlp:
         layer += [fused_linear("mlp/wi_dcf", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
                   linear("mlp/wo_fd", "mlp.down_proj.weight", (f, d))]
+        if m.mlp_bias:
+            layer += [Rule(("mlp/bi_cf",), ("mlp.gate_proj.bias", "mlp.up_proj.bias"), lambda *bs: (np.stack(bs),),
+                           lambda b: tuple(np.ascontiguousarray(x) for x in b)), same("mlp/bo_d", "mlp.down_proj.bias")]
     else:
         layer += [linear("mlp/wi_0", "mlp.gate_proj.weight", (d, f)), linear("mlp/wi_1", "mlp.up_proj.weight", (d, f)),
                   linear("mlp/wo_fd", "mlp.down_proj.weight", (f, d))]
+        if m.mlp_bias:
+            layer += [same("mlp/bi_0", "mlp.gate_proj.bias"), same("mlp/bi_1", "mlp.up_proj.bias"),
+                      same("mlp/bo_d", "mlp.down_proj.bias")]
     if family in ("gemma2", "gemma3"):
         layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
                   same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"),
@@ -141,6 +195,9 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
 
 def _gpt2(m: ModelConfig) -> Layout:
     d, n, h = m.emb_dim, m.num_query_heads, m.head_dim
+    if m.attention_sink:
+        raise ConfigError("attention_sink=true: Hugging Face's gpt2 model has no sink logits, so this "
+                          "decoder_block=gpt3 model cannot be converted")
     model = [same("token_embedder/table_vd", "transformer.wte.weight"),
              same("final_norm/scale", "transformer.ln_f.weight"), same("final_norm/bias", "transformer.ln_f.bias")]
     if m.trainable_position_size:
@@ -187,6 +244,9 @@ def _mla_linear(ours: str, hf: str, shape: tuple[int, ...], hr: int) -> Rule:
 
 def _deepseek(m: ModelConfig) -> Layout:
     d, n, f = m.emb_dim, m.num_query_heads, m.expert_mlp_dim
+    if m.mlp_bias:
+        raise ConfigError("mlp_bias=true: Hugging Face's deepseek_v3 model has no MLP biases, so this "
+                          "decoder_block=deepseek model cannot be converted")
     hn, hr, hv, r, rq = m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank, m.q_lora_rank
     model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
     if not m.logits_via_embedding:
@@ -248,7 +308,7 @@ def _deepseek_mtp(m: ModelConfig, k: int, block: list[Rule]) -> list[Rule]:
 
 def layout_for(m: ModelConfig) -> Layout:
     """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
-    if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gemma3"):
+    if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"):
         return _llama_like(m, m.decoder_block)
     if m.decoder_block == "gpt3":
         return _gpt2(m)

@@ -7,6 +7,7 @@ It lives in the package only so that it ships with it; `tessera.tools.hf_env` ca
     python hf_reference.py tiny FAMILY OUT_DIR [--seed N] [--max-shard-size 20KB]
     python hf_reference.py logits HF_DIR IN_NPZ OUT_NPZ
     python hf_reference.py info HF_DIR
+    python hf_reference.py mxfp4 IN_NPZ OUT_NPZ
     python hf_reference.py batch COMMANDS_JSON
 
 `batch` runs the commands listed in COMMANDS_JSON (a JSON list of argument lists, such as
@@ -19,6 +20,9 @@ index when --max-shard-size is small) of a float32 model with small, unequal siz
 4 query heads of head_dim 8, 2 kv heads, MLP 40, vocab 97) so that mixed-up dimensions fail,
 and weights of std ~0.2 plus seeded noise on every parameter (norm scales and biases too) so
 that differences are not hidden by near-zero activations.
+
+`mxfp4` reads MXFP4 `blocks` and `scales` (uint8, as gpt-oss's released checkpoints store its experts)
+from IN_NPZ and writes `values`, the float32 tensor transformers makes of them for its gpt-oss experts.
 
 `logits` reads `input_ids` [B, T] and optional `attention_mask` / `position_ids` [B, T] from
 IN_NPZ and writes `logits` float32 [B, T, V] (and, for MoE models, `router_logits`
@@ -48,7 +52,15 @@ INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
 FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3",
-            "deepseek")
+            "deepseek", "gpt_oss", "llama_bias_yarn")
+
+
+def _yarn(truncate: bool) -> dict:
+    # head_dim 8 at theta 10000 over an original context of 1024: YaRN's ramp runs from dimension 0.71 to
+    # 2.21, so of the 4 frequencies the first is kept, two are mixed and the last is divided by the factor,
+    # and rounding the ramp's ends outwards (truncate) changes the mixed two
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": truncate}
 
 
 def _decoder_kwargs(**overrides) -> dict:
@@ -123,6 +135,16 @@ def _config(family: str):
                              "mscale": 1.0, "mscale_all_dim": 1.0})
         del kwargs["head_dim"]
         return t.DeepseekV3ForCausalLM, t.DeepseekV3Config(**kwargs)
+    if family == "gpt_oss":
+        # 2 pairs of a sliding-window and a full-attention layer; 4 experts, 2 chosen; a clamp low enough
+        # (0.5) to clip many gate and up values of these weights; YaRN without truncation
+        return t.GptOssForCausalLM, t.GptOssConfig(**_decoder_kwargs(
+            num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
+            swiglu_limit=0.5, attention_bias=True, max_position_embeddings=4096, rope_parameters=_yarn(False)))
+    if family == "llama_bias_yarn":
+        # Llama with biases on its attention and MLP projections, and YaRN rounded outwards
+        return t.LlamaForCausalLM, t.LlamaConfig(**_decoder_kwargs(
+            attention_bias=True, mlp_bias=True, max_position_embeddings=4096, rope_parameters=_yarn(True)))
     if family == "gpt2":
         return t.GPT2LMHeadModel, t.GPT2Config(
             vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
@@ -189,6 +211,17 @@ def reference_logits(hf_dir: Path, in_npz: Path, out_npz: Path) -> None:
     print(", ".join(f"{k} {v.shape}" for k, v in arrays.items()))
 
 
+def mxfp4(in_npz: Path, out_npz: Path) -> None:
+    """transformers' dequantization of an MXFP4 pair (blocks, scales) of IN_NPZ, written as `values`."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    with np.load(in_npz) as arrays:
+        blocks, scales = torch.from_numpy(arrays["blocks"]), torch.from_numpy(arrays["scales"])
+    values = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    np.savez(out_npz, values=values.numpy())
+    print(f"values {tuple(values.shape)}")
+
+
 def checkpoint_tensors(hf_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
     """Tensor name -> (shape, dtype) as stored in the safetensors files of `hf_dir`."""
     from safetensors import safe_open
@@ -229,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_npz", type=Path)
     p = sub.add_parser("info", help="model_type and tensor names/shapes of a checkpoint")
     p.add_argument("hf_dir", type=Path)
+    p = sub.add_parser("mxfp4", help="transformers' values of MXFP4 blocks and scales from an .npz")
+    p.add_argument("in_npz", type=Path)
+    p.add_argument("out_npz", type=Path)
     p = sub.add_parser("batch", help="run the commands of a JSON list of argument lists, in order")
     p.add_argument("commands_json", type=Path)
     args = parser.parse_args(argv)
@@ -239,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
         make_tiny(args.family, args.out_dir, args.seed, args.max_shard_size)
     elif args.command == "logits":
         reference_logits(args.hf_dir, args.in_npz, args.out_npz)
+    elif args.command == "mxfp4":
+        mxfp4(args.in_npz, args.out_npz)
     elif args.command == "batch":
         for command in json.loads(args.commands_json.read_text()):
             if not command or command[0] == "batch":

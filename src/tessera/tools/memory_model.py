@@ -42,14 +42,20 @@ def count_params(m: ModelConfig) -> ParamCounts:
     """Parameter counts of the model `m` describes, equal to the built model's (tested per family).
     For deepseek, `per_layer` is an expert layer's; its dense layers are counted apart."""
     d, n, k, h = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim
-    biased, layer_norm = m.decoder_block == "gpt3", m.decoder_block == "gpt3"
+    layer_norm = m.decoder_block == "gpt3"
+    attention_bias, mlp_bias = (m.decoder_block == "gpt3" or m.attention_bias), (m.decoder_block == "gpt3" or m.mlp_bias)
     attention = mla_params(m) if m.decoder_block == "deepseek" else \
-        d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + d if biased else 0)
+        d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + d if attention_bias else 0) + (n if m.attention_sink else 0)
     gated = len(m.mlp_activations) + 1
+
+    def mlp(f: int) -> int:  # one gated MLP of width f, with its biases
+        return d * f * gated + ((len(m.mlp_activations) * f + d) if mlp_bias else 0)
+
     f = m.expert_mlp_dim
-    expert_mlp = d * f * gated + ((len(m.mlp_activations) * f + d) if biased else 0)
-    router = d * m.num_experts + (m.num_experts if m.routed_bias else 0) if m.num_experts > 1 else 0
-    shared = d * f * m.shared_experts * gated
+    expert_mlp = mlp(f)
+    router_bias = (m.routed_bias, m.decoder_block == "gpt_oss").count(True)  # choice bias, learned logit bias
+    router = d * m.num_experts + m.num_experts * router_bias if m.num_experts > 1 else 0
+    shared = mlp(f * m.shared_experts) if m.shared_experts else 0
     norm = 2 * d if layer_norm else d
     norms = norm * (4 if m.decoder_block in ("gemma2", "gemma3") else 2)
     norms += 2 * h if m.decoder_block in ("qwen3", "qwen3_moe", "gemma3") else 0  # per-head q and k norms
@@ -58,7 +64,7 @@ def count_params(m: ModelConfig) -> ParamCounts:
     per_layer = attention + m.num_experts * expert_mlp + shared + router + norms
     active_layer = attention + min(m.num_experts_per_tok, m.num_experts) * expert_mlp + shared + norms
     dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
-    dense_total = dense * (attention + d * m.mlp_dim * gated + norms)
+    dense_total = dense * (attention + mlp(m.mlp_dim) + norms)
     layers = m.num_decoder_layers - dense
     # multi-token prediction: per depth a block of the family, its three norms and a [2, D, D] projection
     mtp_extra = 3 * norm + 2 * d * d
