@@ -315,6 +315,23 @@ def test_aot_compile_for_tpu_runs_the_splash_kernel(sequence):
         assert report.collectives.get("collective-permute", 0) >= 4
 
 
+@pytest.mark.slow
+def test_aot_compile_for_tpu_runs_splash_with_sink_logits():
+    """gpt-oss's sinks reach the kernel, its heads (and sinks) split over tensor: the train step
+    compiles for a TPU slice with the splash kernels of both its local and its global layers."""
+    from tessera.train_compile import compile_for_topology
+
+    cfg = build_config({"compile_topology": "v5e-4", "dtype": "bfloat16", "attention": "flash",
+                        "max_target_length": 256, "per_device_batch_size": 1, "ici_tensor_parallelism": 2,
+                        "decoder_block": "gpt_oss", "base_num_decoder_layers": 2, "sliding_window_size": 128,
+                        "num_experts": 4, "num_experts_per_tok": 2, "attention_sink": True, "attention_bias": True,
+                        "mlp_bias": True, "mlp_activations": ["sigmoid", "linear"], "mlp_activations_limit": 7.0,
+                        "sparse_matmul": True})
+    report = compile_for_topology(cfg)
+    assert report.fits and report.attention_kernel == "splash"
+    assert report.custom_calls.get("tpu_custom_call", 0) >= 6  # forward, dK/dV and dQ kernels of two layers
+
+
 def test_aot_compile_for_tpu_runs_the_prompts_prefill_with_splash():
     """decode.py on a TPU slice: the prefill (prompts padded on the left to 128 tokens) compiles with
     the splash kernel, where the reference compiles none."""

@@ -3,9 +3,10 @@
 The FLOPs formula (`training_flops_per_step`) is the one used for every TFLOP/s and MFU number
 Tessera prints. It counts matrix multiplications only, forward + backward (3 x forward),
 and not the recomputation that rematerialization adds (model FLOPs, as in the PaLM paper's
-MFU). Causal attention counts the half of the score matrix that is not masked; pass
-`causal=False` to count the full matrix, which is what the reference dot-product kernel
-executes (the unit test compares that variant with XLA's own count).
+MFU). Causal attention counts the half of the score matrix that is not masked, and a
+sliding-window layer only the scores inside its window; pass `causal=False` to count the full
+matrix, which is what the reference dot-product kernel executes (the unit test compares that
+variant with XLA's own count).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ModelConfig
+from tessera.config.derived import layer_windows
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +51,28 @@ def mla_matmul_params(cfg: ModelConfig) -> int:
     return query + d * (r + cfg.qk_rope_head_dim) + r * n * (cfg.qk_nope_head_dim + hv) + n * hv * d
 
 
+def keys_per_query(length: int, window: int, causal: bool = True) -> float:
+    """Keys a query attends to, averaged over a sequence of `length`: length / 2 under the causal
+    mask (the convention of counting half the score matrix), window - window^2 / (2 length) for a
+    sliding window shorter than the sequence (the same convention: the scores inside the band),
+    `length` without a mask."""
+    if not causal:
+        return float(length)
+    if window and window < length:
+        return window - window * window / (2 * length)
+    return length / 2
+
+
 def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: bool = True) -> float:
     """Model FLOPs of one training step (forward + backward) on `batch` sequences of `length`."""
     tokens = batch * length
     dense = 2 * matmul_params(cfg) * tokens
-    # scores q.k and the weighted sum p.v: 2*T*H FLOPs each per query token and head (H: the
+    # scores q.k and the weighted sum p.v: 2*H FLOPs each per query token, head and key (H: the
     # query/key width, then the value width, which MLA makes narrower)
     value_dim = cfg.v_head_dim if cfg.decoder_block == "deepseek" else cfg.head_dim
-    layers = cfg.num_decoder_layers + cfg.mtp_num_layers  # a multi-token-prediction depth attends once more
-    attention = 2 * layers * cfg.num_query_heads * (cfg.head_dim + value_dim) * length * tokens
-    if causal:
-        attention /= 2
+    windows = layer_windows(cfg) + [cfg.sliding_window_size] * cfg.mtp_num_layers  # an MTP depth attends once more
+    keys = sum(keys_per_query(length, w, causal) for w in windows)
+    attention = 2 * cfg.num_query_heads * (cfg.head_dim + value_dim) * keys * tokens
     return 3.0 * (dense + attention)
 
 

@@ -104,6 +104,19 @@ def eval_batch(cfg: Config, mesh_shape: Mapping[str, int], pipeline: PipelineLay
 LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2}
 
 
+def layer_windows(m) -> list[int]:
+    """The sliding window of each decoder layer's attention, bottom to top (0: the whole causal
+    past): gemma2 and gpt_oss alternate local and global layers, the local first; gemma3 has one
+    global layer in each 6 (its tail layers are local); deepseek's latent attention has no
+    window; the other families apply sliding_window_size to every layer."""
+    w, layers = m.sliding_window_size, m.num_decoder_layers
+    if m.decoder_block in ("gemma2", "gpt_oss"):
+        return [w if i % 2 == 0 else 0 for i in range(layers)]
+    if m.decoder_block == "gemma3":
+        return [0 if i % 6 == 5 else w for i in range(layers)]
+    return [0 if m.decoder_block == "deepseek" else w] * layers
+
+
 @dataclasses.dataclass(frozen=True)
 class PipelineLayout:
     """How the decoder is pipelined over the `stage` mesh axis (see `tessera.models.pipeline`)."""

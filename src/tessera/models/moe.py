@@ -396,6 +396,7 @@ def grouped_matmul_kernel(cfg: ModelConfig) -> str:
 
 
 MEGABLOX_TILE = 128  # rows, contraction and output columns per tile of the Pallas kernel
+_FELL_BACK: set[tuple[int, int]] = set()  # widths whose fallback to ragged_dot was logged (once per process)
 
 
 def grouped_matmul(lhs_md, rhs_gdn, group_sizes, kernel: str, quantization: str = ""):
@@ -408,8 +409,10 @@ def grouped_matmul(lhs_md, rhs_gdn, group_sizes, kernel: str, quantization: str 
     m, (k, n) = lhs_md.shape[0], rhs_gdn.shape[1:]
     if kernel != "ragged_dot" and (k % MEGABLOX_TILE or n % MEGABLOX_TILE):
         # the backward pass runs the kernel with k and n swapped, so one tile must fit both
-        log.info("megablox=true: a grouped matmul of width %d x %d runs jax.lax.ragged_dot (the Pallas kernel "
-                 "needs both multiples of %d)", k, n, MEGABLOX_TILE)
+        if (k, n) not in _FELL_BACK:
+            _FELL_BACK.add((k, n))
+            log.info("megablox=true: grouped matmuls of width %d x %d run jax.lax.ragged_dot (the Pallas kernel "
+                     "needs both multiples of %d)", k, n, MEGABLOX_TILE)
         kernel = "ragged_dot"
     if kernel == "ragged_dot":
         return jax.lax.ragged_dot(lhs_md, rhs_gdn, group_sizes)
