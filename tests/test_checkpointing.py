@@ -149,16 +149,22 @@ def _train(tmp_path, *args, timeout=300, env=None):
 
 @pytest.mark.slow
 def test_a_save_longer_than_the_step_timeout_is_not_a_hang(tmp_path):
-    """A synchronous save blocks the loop for longer than a step: here about 5 s for a 1.6 GB
-    state (134M parameters with Adam's moments, one device) under a 2 s step_timeout_seconds,
-    while a step, the first one included, takes under 1 s. The watchdog allows a blocking save its bytes at
-    20 MB/s beyond the timeout, so the save completes and the run ends normally; before, the
-    watchdog ended it with exit 5 ("no training step finished") before Orbax had finished."""
-    proc = _train(tmp_path, "steps=1", "checkpoint_period=1", "async_checkpointing=false", "step_timeout_seconds=2",
-                  "base_num_decoder_layers=1", "vocab_size=64000", "base_emb_dim=1024",
-                  env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
+    """A synchronous save blocks the loop for longer than a step: here 5.5 to 8 s for a 2.4 GB
+    state (200M parameters with Adam's moments, one device) under a 4 s step_timeout_seconds,
+    while a step, the first one included, takes about 0.5 s (2 s and more beside the suite's other
+    tests on a slow 2-core host, where a 2 s timeout and a smaller state made this test fail). The
+    watchdog allows a blocking save its bytes at 20 MB/s beyond the timeout, so the save
+    completes and the run ends normally; before, the watchdog ended it with exit 5 ("no training
+    step finished") before Orbax had finished. The save must take longer than the timeout, or the
+    run would prove nothing."""
+    timeout = 4.0
+    proc = _train(tmp_path, "steps=1", "checkpoint_period=1", "async_checkpointing=false",
+                  f"step_timeout_seconds={timeout}", "base_num_decoder_layers=1", "vocab_size=96000",
+                  "base_emb_dim=1024", env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"))
     assert proc.returncode == 0 and "hang watchdog" not in proc.stderr, proc.stderr[-3000:]
-    assert "134,482,944 parameters" in proc.stderr
+    assert "200,018,944 parameters" in proc.stderr
+    saved = re.search(r"checkpoint 1 saved in ([0-9.]+) s", proc.stderr)
+    assert saved and float(saved.group(1)) > timeout, proc.stderr[-2000:]
     assert [p.name for p in (tmp_path / "sub" / "checkpoints").iterdir()] == ["1"]
 
 
