@@ -31,6 +31,7 @@ CASES = {  # name: (query heads, kv heads, window, soft cap, scale, packed, sink
     "gemma2-local": (4, 2, 128, 50.0, 256**-0.5, True, False),
     "gpt-oss-local (sinks, window)": (4, 2, 128, 0.0, H**-0.5 * 1.5, True, True),
     "gpt-oss-global (sinks)": (4, 2, 0, 0.0, H**-0.5, True, True),
+    "llama4-chunks of 96": (4, 2, -96, 0.0, H**-0.5, True, False),  # a negative window: chunks of that many tokens
 }
 
 
@@ -59,12 +60,14 @@ def _blocks():
 def test_splash_matches_the_reference_in_outputs_and_gradients(case):
     """Outputs and the gradients of queries, keys, values (and sink logits, where the case has them)."""
     n, k, window, cap, scale, packed, use_sinks = CASES[case]
+    window, chunk = max(window, 0), max(-window, 0)
     q, kk, v, seg = _inputs(n, k, packed)
     sinks = _sinks(n, use_sinks)
     ref = lambda q, kk, v, s: dot_product_attention(q, kk, v, seg, seg, scale=scale,  # noqa: E731
-                                                    logits_soft_cap=cap, window=window, sinks_n=s)
+                                                    logits_soft_cap=cap, window=window, sinks_n=s, chunk=chunk)
     ours = lambda q, kk, v, s: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
-                                                window=window, blocks=_blocks(), interpret=True, sinks_n=s)
+                                                window=window, blocks=_blocks(), interpret=True, sinks_n=s,
+                                                chunk=chunk)
     np.testing.assert_allclose(ours(q, kk, v, sinks), ref(q, kk, v, sinks), **TOL)
     weights = jax.random.normal(jax.random.key(1), q.shape)  # a loss that weighs every output
     argnums = (0, 1, 2, 3) if use_sinks else (0, 1, 2)
@@ -83,19 +86,23 @@ def test_splash_under_a_mesh_splits_batch_and_heads():
     np.testing.assert_allclose(out, ref, **TOL)
 
 
-@pytest.mark.parametrize("family", ["llama2", "deepseek", "llama2-sequence-split"])
+@pytest.mark.parametrize("family", ["llama2", "deepseek", "llama2-sequence-split", "llama4"])
 @pytest.mark.slow
 def test_a_model_with_splash_attention_equals_the_reference(family):
     """Loss and gradients of a whole model with the kernel. DeepSeek's dense layer and its expert
     layers are two scans: a kernel kept from the first one's trace leaked a tracer into the second.
     With the sequence split, the model runs under an fsdp 2 x sequence 2 x tensor 2 mesh (the
     layers pick their query tiles and the load-balanced layout from it) against the reference on
-    one device."""
-    from test_decode import DEEPSEEK
+    one device. Llama 4's pattern: chunks of 96 on its rotary layers, a NoPE layer whose queries
+    the temperature scales."""
+    from test_decode import DEEPSEEK, FAMILIES
 
-    overrides = DEEPSEEK if family == "deepseek" else dict(base_num_kv_heads=2)
+    overrides = {"deepseek": DEEPSEEK, "llama4": dict(FAMILIES["llama4"], chunk_attn_window_size=96,
+                                                      temperature_tuning_floor_scale=64.0)}.get(
+        family, dict(base_num_kv_heads=2))
     length = 2 * T if family.endswith("sequence-split") else T  # load-balanced: 4 parts of 128 tokens
-    cfg = tiny_config(max_target_length=length, **{"base_num_decoder_layers": 2, **overrides})
+    cfg = tiny_config(max_target_length=length, **{"base_num_decoder_layers": 2 if family != "llama4" else 4,
+                                                   **overrides})
     tokens = jax.random.randint(jax.random.key(2), (2, length), 0, cfg.model.vocab_size)
     ref_model, splash_model = (build_model(cfg.model, kernel) for kernel in ("dot_product", "splash_interpret"))
     params = ref_model.init(jax.random.key(0))
@@ -127,6 +134,7 @@ SPLIT_CASES = {  # name: ((mesh data, fsdp, sequence, tensor), CASES' features, 
     "sequence2, fewer kv heads than tensor ways, balanced": ((2, 1, 2, 2), "soft-cap", 512, True),
     "fsdp2-sequence2-tensor2, gpt-oss-local (sinks), balanced": ((1, 2, 2, 2), "gpt-oss-local (sinks, window)", 512,
                                                                   True),
+    "sequence4, llama4 chunks of 96, balanced": ((1, 2, 4, 1), "llama4-chunks of 96", 1024, True),
 }
 
 
@@ -139,6 +147,7 @@ def test_splash_with_the_sequence_split_matches_the_reference(case):
     summed back over the sequence axis."""
     (data, fsdp, seq, tensor), features, length, balance = SPLIT_CASES[case]
     n, k, window, cap, scale, packed, use_sinks = CASES[features]
+    window, chunk = max(window, 0), max(-window, 0)
     q, kk, v, seg = _inputs(n, k, packed, length=length)  # row 1's last document crosses the parts
     sinks = _sinks(n, use_sinks)
     mesh = jax.make_mesh((data, 1, fsdp, seq, tensor, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
@@ -148,10 +157,10 @@ def test_splash_with_the_sequence_split_matches_the_reference(case):
     assert load_balanced(model, length, seq) == balance
     assert blocks.block_q == length // seq // (2 if balance else 1)  # the largest tile of one part of the queries
     ref = lambda q, kk, v, s: dot_product_attention(q, kk, v, seg, seg, scale=scale,  # noqa: E731
-                                                    logits_soft_cap=cap, window=window, sinks_n=s)
+                                                    logits_soft_cap=cap, window=window, sinks_n=s, chunk=chunk)
     ours = lambda q, kk, v, s: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
                                                 window=window, blocks=blocks, load_balance=balance, interpret=True,
-                                                sinks_n=s)
+                                                sinks_n=s, chunk=chunk)
     weights = jax.random.normal(jax.random.key(1), q.shape)
     argnums = (0, 1, 2, 3) if use_sinks else (0, 1, 2)
     with jax.set_mesh(mesh):
@@ -192,7 +201,10 @@ def test_load_balance_gives_every_device_the_same_kernel_work():
     (4096, 0, 4, False, dict(sa_block_q=512)),
     (3072, 640, 3, True, dict(sa_block_q=256, sa_block_kv=384, sa_block_kv_compute=128)),  # window edges in blocks
     (2048, 256, 2, False, dict(sa_block_q=128, sa_block_kv=128, sa_block_q_dkv=128, sa_block_kv_dkv=128)),
-], ids=["causal", "causal split balanced", "causal split", "window split balanced", "window small blocks"])
+    (3072, -384, 3, True, dict(sa_block_q=256, sa_block_kv=256)),  # chunks of 384 (negative: a chunk, not a window)
+    (2048, -512, 2, False, dict(sa_block_q=128, sa_block_kv=512)),
+], ids=["causal", "causal split balanced", "causal split", "window split balanced", "window small blocks",
+        "chunks split balanced", "chunks split"])
 def test_mask_tables_from_block_bounds_equal_the_element_wise_ones(length, window, shards, balance, blocks,
                                                                    monkeypatch):
     """The kernel's three mask tables (forward, dQ, dK/dV: which blocks it visits, where each one's next data
@@ -202,12 +214,16 @@ def test_mask_tables_from_block_bounds_equal_the_element_wise_ones(length, windo
 
     from tessera.models import splash
 
+    from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask import ChunkedCausalMask
+
     model = tiny_config(context_parallel_load_balance=balance, **blocks).model
     sizes = block_sizes(model, length, q_shards=shards)
-    fast = _kernel(2, length, window, 0.0, sizes, True, shards, balance)
+    window, chunk = max(window, 0), max(-window, 0)
+    fast = _kernel(2, length, window, 0.0, sizes, True, shards, balance, chunk)
     monkeypatch.setattr(splash, "_Causal", sa.CausalMask)
     monkeypatch.setattr(splash, "_Local", sa.LocalMask)
-    plain = _kernel(2, length, window, 0.0, sizes, True, shards, balance)
+    monkeypatch.setattr(splash, "_Chunked", ChunkedCausalMask)
+    plain = _kernel(2, length, window, 0.0, sizes, True, shards, balance, chunk)
     for name in ("fwd_mask_info", "dq_mask_info", "dkv_mask_info"):
         ours, theirs = getattr(fast, name), getattr(plain, name)
         assert (ours is None) == (theirs is None), name

@@ -49,6 +49,12 @@ FAMILIES = {
     "gpt_oss": dict(decoder_block="gpt_oss", base_num_decoder_layers=2, sliding_window_size=3, num_experts=4,
                     num_experts_per_tok=2, attention_bias=True, attention_sink=True, mlp_bias=True,
                     mlp_activations=["sigmoid", "linear"], mlp_activations_limit=1.0, sparse_matmul=True),
+    # chunks of 3 on the rotary layers (the 6-token prompts and 5 new tokens cross chunks), a NoPE layer with the
+    # temperature from the third token, experts with a shared one in every other layer
+    "llama4": dict(decoder_block="llama4", base_num_decoder_layers=4, num_experts=4, num_experts_per_tok=1,
+                   shared_experts=1, routed_score_func="sigmoid", norm_topk_prob=False, use_qk_norm=True,
+                   chunk_attn_window_size=3, nope_layer_interval=4, temperature_tuning=True,
+                   temperature_tuning_floor_scale=3.0, interleave_moe_layer_step=2, sparse_matmul=True),
 }
 
 
@@ -96,7 +102,7 @@ def test_cached_decoding_equals_full_recomputation(family):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama2 scanned", "gemma2", "deepseek", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama2 scanned", "gemma2", "deepseek", "gpt_oss", "llama4"])
 def test_a_splash_prefill_decodes_as_full_recomputation(family):
     """The prompts' prefill runs the training kernel: splash attention (here in Pallas' interpreter)
     over the prompts padded on the left to 128 tokens; then each token attends over the cache as
@@ -130,9 +136,10 @@ def test_mla_caches_the_compressed_latent():
     ("gemma3", [3, 3, 3, 3, 3, 0, 3]),  # five local and one global layer, then a tail of one local layer
     ("gemma3 loop", [3, 3, 3, 3, 3, 0, 3]),
     ("gpt_oss", [3, 0]),  # (local, global), as gemma2
+    ("llama4", [3, 3, 3, 0]),  # three chunked layers (a ring of the chunk's 3 slots) and a NoPE layer
 ])
 def test_sliding_window_layers_cache_only_their_window(family, windows):
-    """A local layer's cache is a ring of sliding_window_size slots, a global layer's holds every
+    """A local layer's cache is a ring of sliding_window_size slots (a chunked one of its chunk's), a global layer's holds every
     token, and kv_cache_bytes counts them so (the decoding tests above wrap these rings: 6-token
     prompts and 5 new tokens through windows of 3). A window longer than the tokens caches the tokens."""
     from tessera.decode import kv_cache_bytes
@@ -141,7 +148,8 @@ def test_sliding_window_layers_cache_only_their_window(family, windows):
         return kv_cache.KVCache.caches_in(m.init_cache(2, tokens))
 
     model, _ = _model(**FAMILIES[family])
-    full = build_model(tiny_config(dtype="float32", **dict(FAMILIES[family], sliding_window_size=0)).model)
+    full = build_model(tiny_config(dtype="float32", **dict(FAMILIES[family], sliding_window_size=0,
+                                                           chunk_attn_window_size=0)).model)
     ring, whole = caches(model, 11), caches(full, 11)
     assert [c.k_bskh.shape[-3] for c in ring] == [w or 11 for w in windows]
     assert [c.k_bskh.nbytes * 11 for c in ring] == [f.k_bskh.nbytes * (w or 11) for f, w in zip(whole, windows)]

@@ -304,12 +304,16 @@ PUBLISHED_TOTALS = {
     # gpt-oss model card (OpenAI 2025), Table 1: total parameters
     "gpt-oss-20b": (20.91e9, 0.0005),
     "gpt-oss-120b": (116.83e9, 0.0005),
+    # Llama 4 Maverick's model card (meta-llama/Llama-4-Maverick-17B-128E): 400B total (its vision encoder, not
+    # built here, is under 1B of it); Scout's 109B counts its vision encoder too (ours, text only: 107.8B)
+    "llama4-17b-128e": (400e9, 0.005),
 }
 # Active parameters per token of the mixture-of-experts model files, from the same sources.
 PUBLISHED_ACTIVE = {
     "qwen3-30b-a3b": (3.3e9, 0.02),      # 3.3B activated (ours: 3.34B)
     "qwen3-235b-a22b": (22e9, 0.01),     # 22B activated (ours: 22.14B)
     "deepseek-v3": (37e9, 0.015),        # 37B activated for each token (ours: 37.45B)
+    "llama4-17b-128e": (17e9, 0.015),    # 17B active (ours: 17.17B)
 }
 # The gpt-oss model card's active parameters leave out the token embedding table and count the routers (ours
 # count the embedding, not the routers: 4.19B and 5.70B).

@@ -48,6 +48,13 @@ FAMILIES = {
                     num_experts_per_tok=2, attention_bias=True, attention_sink=True, mlp_bias=True,
                     mlp_activations=["sigmoid", "linear"], mlp_activations_limit=0.5, rope_scaling="yarn",
                     rope_scaling_factor=4.0, rope_original_max_position=16, rope_truncate=False),
+    # two 4-layer patterns: chunks of 5 on the rotary layers, q/k norms, a NoPE layer with the temperature (a
+    # floor scale of 3 turns it on from the third token), experts (sigmoid, inputs scaled, a shared one) in every
+    # other layer and dense MLPs between
+    "llama4": dict(decoder_block="llama4", base_num_decoder_layers=8, num_experts=4, num_experts_per_tok=1,
+                   shared_experts=1, base_moe_mlp_dim=16, routed_score_func="sigmoid", norm_topk_prob=False,
+                   use_qk_norm=True, chunk_attn_window_size=5, nope_layer_interval=4, temperature_tuning=True,
+                   temperature_tuning_floor_scale=3.0, interleave_moe_layer_step=2),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
 
@@ -283,6 +290,10 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     (dict(FAMILIES["gpt_oss"], routed_bias=True), "routed_bias=true .* is not built for decoder_block=gpt_oss"),
     (dict(mlp_activations_limit=7.0), "applies to decoder_block=gpt_oss only"),
     (dict(FAMILIES["deepseek"], attention_sink=True), "attention_sink=true: decoder_block=deepseek's latent"),
+    (dict(FAMILIES["llama4"], base_num_decoder_layers=6), "llama4 needs a multiple of 4 layers"),
+    (dict(FAMILIES["llama4"], interleave_moe_layer_step=3), "interleave_moe_layer_step=3 must divide"),
+    (dict(FAMILIES["llama4"], sliding_window_size=4), "attends within chunks instead"),
+    (dict(chunk_attn_window_size=8192, use_qk_norm=True), "chunk_attn_window_size=8192, use_qk_norm=True: Llama 4's"),
     (dict(num_experts=4, num_experts_per_tok=2), "decoder_block=llama2 has a dense MLP"),
     (dict(decoder_block="mixtral"), "mixtral needs num_experts >= 2"),
     (dict(decoder_block="mixtral", num_experts=4, capacity_factor=0), "capacity_factor=0.0 must be > 0"),

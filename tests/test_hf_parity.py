@@ -109,6 +109,8 @@ CASES = {
     "gpt_oss-dropless": ("gpt_oss", ("sparse_matmul=true",)),
     "gpt_oss-capacity-unscanned": ("gpt_oss", ("capacity_factor=-1", "scan_layers=false")),
     "llama-biases-yarn": ("llama_bias_yarn", ()),
+    "llama4-dropless": ("llama4", ("sparse_matmul=true",)),
+    "llama4-capacity-unscanned": ("llama4", ("capacity_factor=-1", "scan_layers=false")),
 }
 
 
@@ -140,7 +142,8 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
                                           ("qwen3_moe", ()), ("gemma3", ()), ("gemma3", ("scan_layers=false",)),
                                           ("deepseek", ()), ("deepseek", ("scan_layers=false",)),
                                           ("gpt_oss", ()), ("gpt_oss", ("scan_layers=false",)),
-                                          ("llama_bias_yarn", ("fused_mlp=true",))])
+                                          ("llama_bias_yarn", ("fused_mlp=true",)),
+                                          ("llama4", ()), ("llama4", ("scan_layers=false",))])
 @pytest.mark.slow
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)
@@ -180,7 +183,8 @@ def test_mxfp4_values_equal_transformers(tmp_path):
 
 def test_hf_config_round_trips_every_model_file():
     for name in ("llama2-7b", "llama3.1-8b", "mistral-7b", "mixtral-8x7b", "gemma-7b", "gemma2-9b", "gemma2-27b",
-                 "qwen3-8b", "qwen3-30b-a3b", "gemma3-4b", "gemma3-27b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b"):
+                 "qwen3-8b", "qwen3-30b-a3b", "gemma3-4b", "gemma3-27b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b",
+                 "llama4-17b-16e", "llama4-17b-128e"):
         m = load_model_config(name, []).model
         keys = config_from_hf(hf_config(m))
         rebuilt = load_model_config("default", as_overrides(keys)).model
@@ -259,6 +263,33 @@ def test_convert_names_tensors_that_do_not_fit(hf_model, tmp_path):
     with pytest.raises(Exception, match="no tensor 'model.layers.1.mlp.up_proj.weight'"):
         hf_to_tessera(broken, tmp_path / "out2", _config(hf_dir))
     assert not (tmp_path / "out").exists() and not (tmp_path / "out2").exists()
+
+
+def test_a_multimodal_llama4_checkpoint_converts_its_language_model(hf_model, tmp_path):
+    """Meta's Llama 4 releases are multimodal (Llama4ForConditionalGeneration): the config's text_config
+    describes the language model, whose tensors carry a language_model. prefix, beside the vision
+    encoder's. The converter takes the language model (the same parameters as from the text-only
+    checkpoint) and leaves out the rest, saying so."""
+    from safetensors.numpy import load_file, save_file
+
+    text = hf_model("llama4")
+    multimodal = tmp_path / "multimodal"
+    multimodal.mkdir()
+    tensors = {}
+    for path in sorted(text.glob("*.safetensors")):
+        tensors.update({f"language_model.{k}": v for k, v in load_file(path).items()})
+    tensors["vision_model.patch_embedding.linear.weight"] = np.zeros((4, 3), np.float32)
+    tensors["multi_modal_projector.linear_1.weight"] = np.zeros((4, 4), np.float32)
+    save_file(tensors, str(multimodal / "model.safetensors"))
+    config = json.loads((text / "config.json").read_text())
+    (multimodal / "config.json").write_text(json.dumps({"model_type": "llama4", "architectures":
+                                                        ["Llama4ForConditionalGeneration"], "text_config": config}))
+    cfg = _config(text)
+    assert _config(multimodal).model == cfg.model
+    hf_to_tessera(text, tmp_path / "from_text", cfg)
+    hf_to_tessera(multimodal, tmp_path / "from_multimodal", cfg)
+    (_, a), (_, b) = _restore(cfg, tmp_path / "from_text"), _restore(cfg, tmp_path / "from_multimodal")
+    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 def test_compare_reports_kl_and_difference():

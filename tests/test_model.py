@@ -189,8 +189,10 @@ def test_every_family_gets_a_kernel_that_has_its_features(model_file, monkeypatc
 
     from tessera.step import setup
 
-    # gemma3: one whole 5-local/1-global pattern at least; deepseek-v3: its 3 dense layers and an expert layer
-    layers = 6 if model_file.startswith("gemma3") else 4 if model_file == "deepseek-v3" else 2
+    # gemma3: one whole 5-local/1-global pattern at least; deepseek-v3: its 3 dense layers and an expert layer;
+    # llama4: one 4-layer pattern
+    layers = 6 if model_file.startswith("gemma3") else 4 if model_file in ("deepseek-v3", "llama4-17b-16e",
+                                                                              "llama4-17b-128e") else 2
     cfg = load_config([str(REPO / "configs" / "base.yml"), f"model_name={model_file}", "dtype=bfloat16",
                        f"base_num_decoder_layers={layers}", "per_device_batch_size=1"], env={})
     monkeypatch.setattr("tessera.step.device_platform", lambda mesh: "gpu")
@@ -234,8 +236,12 @@ def test_llama3_rope_scaling_follows_the_published_rule():
     assert got[0] == plain[0] and np.isclose(got[-1], plain[-1] / 8)  # high kept, low divided by the factor
     mixed = (got != plain) & ~np.isclose(got, plain / 8)
     assert mixed.sum() > 0  # some frequencies lie between the two limits
-    with pytest.raises(ConfigError, match="rope_high_freq_factor=1.0 must be larger than rope_low_freq_factor=1.0"):
-        load_config([str(REPO / "configs" / "base.yml"), "rope_scaling=llama3", "rope_high_freq_factor=1"], env={})
+    # Llama 4 Scout's rule has no band to mix in (both factors 1): each frequency is kept or divided
+    scout = dataclasses.replace(cfg, rope_high_freq_factor=1.0, rope_scaling_factor=16.0)
+    np.testing.assert_allclose(rope_frequencies_of(scout), _llama3_reference_frequencies(128, 500000, 16.0, 1.0, 1.0, 8192),
+                               rtol=1e-6)
+    with pytest.raises(ConfigError, match="rope_high_freq_factor=0.5 must be at least rope_low_freq_factor=1.0"):
+        load_config([str(REPO / "configs" / "base.yml"), "rope_scaling=llama3", "rope_high_freq_factor=0.5"], env={})
 
 
 def test_fused_mlp_equals_two_projections():

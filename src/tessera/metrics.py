@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.config.derived import layer_windows
+from tessera.config.derived import dense_layers, layer_chunks, layer_windows
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     With experts (num_experts > 1) a token passes through num_experts_per_tok of them, the shared
     experts and the router; deepseek's first layers are dense and its attention is MLA. Each
     multi-token-prediction depth adds a block, its [2D, D] projection and the output projection
-    again (and, with the iota embedding, the embedding's matmul)."""
+    again (and, with the iota embedding, the embedding's matmul). Llama 4's layers between its
+    expert layers are dense too."""
     d, n, k, h, f = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     gated = len(cfg.mlp_activations) + 1
     attention = mla_matmul_params(cfg) if cfg.decoder_block == "deepseek" else d * n * h * 2 + d * k * h * 2
@@ -37,7 +38,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     if cfg.num_experts > 1:
         expert = d * cfg.expert_mlp_dim * gated
         mlp = expert * (cfg.num_experts_per_tok + cfg.shared_experts) + d * cfg.num_experts
-    dense = cfg.first_num_dense_layers if cfg.decoder_block == "deepseek" else 0
+    dense = dense_layers(cfg)
     logits = d * cfg.vocab_size * (2 if cfg.use_iota_embed else 1)  # iota embedding is a matmul too
     mtp = cfg.mtp_num_layers * (attention + mlp + 2 * d * d + logits)
     return (cfg.num_decoder_layers - dense) * (attention + mlp) + dense * (attention + dense_mlp) + logits + mtp
@@ -51,13 +52,16 @@ def mla_matmul_params(cfg: ModelConfig) -> int:
     return query + d * (r + cfg.qk_rope_head_dim) + r * n * (cfg.qk_nope_head_dim + hv) + n * hv * d
 
 
-def keys_per_query(length: int, window: int, causal: bool = True) -> float:
+def keys_per_query(length: int, window: int, causal: bool = True, chunk: int = 0) -> float:
     """Keys a query attends to, averaged over a sequence of `length`: length / 2 under the causal
     mask (the convention of counting half the score matrix), window - window^2 / (2 length) for a
     sliding window shorter than the sequence (the same convention: the scores inside the band),
-    `length` without a mask."""
+    chunk / 2 for attention within chunks shorter than it (half of each chunk's square), `length`
+    without a mask."""
     if not causal:
         return float(length)
+    if chunk and chunk < length:
+        return chunk / 2
     if window and window < length:
         return window - window * window / (2 * length)
     return length / 2
@@ -71,7 +75,8 @@ def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: b
     # query/key width, then the value width, which MLA makes narrower)
     value_dim = cfg.v_head_dim if cfg.decoder_block == "deepseek" else cfg.head_dim
     windows = layer_windows(cfg) + [cfg.sliding_window_size] * cfg.mtp_num_layers  # an MTP depth attends once more
-    keys = sum(keys_per_query(length, w, causal) for w in windows)
+    chunks = layer_chunks(cfg) + [0] * cfg.mtp_num_layers
+    keys = sum(keys_per_query(length, w, causal, c) for w, c in zip(windows, chunks))
     attention = 2 * cfg.num_query_heads * (cfg.head_dim + value_dim) * keys * tokens
     return 3.0 * (dense + attention)
 

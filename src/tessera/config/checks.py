@@ -29,9 +29,10 @@ def validate(cfg: Config) -> None:
         )
     if m.enable_dropout and not 0.0 <= m.dropout_rate < 1.0:
         raise ConfigError(f"dropout_rate={m.dropout_rate} must be in [0, 1)")
-    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        raise ConfigError(f"rope_high_freq_factor={m.rope_high_freq_factor} must be larger than "
-                          f"rope_low_freq_factor={m.rope_low_freq_factor} with rope_scaling=llama3 (Llama 3.1: 4 and 1)")
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor < m.rope_low_freq_factor:
+        raise ConfigError(f"rope_high_freq_factor={m.rope_high_freq_factor} must be at least "
+                          f"rope_low_freq_factor={m.rope_low_freq_factor} with rope_scaling=llama3 (Llama 3.1: 4 and 1; "
+                          "Llama 4 Scout: 1 and 1)")
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more than num_experts={m.num_experts}; "
                           "a token cannot be routed to more experts than there are")
@@ -132,6 +133,7 @@ def _validate_family(m) -> None:
     if m.decoder_block == "gemma2" and m.num_decoder_layers % 2:
         raise ConfigError(f"decoder_block=gemma2 needs an even number of layers (local and global alternate), "
                           f"not {m.num_decoder_layers}; change base_num_decoder_layers")
+    _validate_llama4(m)
     if m.decoder_block == "gpt_oss":
         _validate_gpt_oss(m)
     elif m.mlp_activations_limit > 0:
@@ -169,6 +171,33 @@ def _validate_family(m) -> None:
     if m.ragged_buffer_factor != -1 and m.ragged_buffer_factor <= 0:
         raise ConfigError(f"ragged_buffer_factor={m.ragged_buffer_factor} must be > 0, or -1 for a buffer with room "
                           "for every token copy")
+
+
+_LLAMA4_KEYS = {"use_qk_norm": False, "chunk_attn_window_size": 0, "nope_layer_interval": 0, "temperature_tuning": False,
+                "interleave_moe_layer_step": 1}
+
+
+def _validate_llama4(m) -> None:
+    """Llama 4's keys: only its family reads them, and its 4-layer pattern must hold them."""
+    if m.decoder_block != "llama4":
+        used = [f"{k}={getattr(m, k)}" for k, off in _LLAMA4_KEYS.items() if getattr(m, k) != off]
+        if used:
+            raise ConfigError(f"{', '.join(used)}: Llama 4's settings, which decoder_block={m.decoder_block} does not "
+                              "have; use decoder_block=llama4, or leave them at their defaults")
+        return
+    if m.num_decoder_layers % 4:
+        raise ConfigError(f"decoder_block=llama4 needs a multiple of 4 layers (its pattern of rotary and NoPE, dense "
+                          f"and expert layers repeats every 4), not {m.num_decoder_layers}; change base_num_decoder_layers")
+    for name in ("nope_layer_interval", "interleave_moe_layer_step"):
+        if getattr(m, name) not in (0, 1, 2, 4) or (name == "interleave_moe_layer_step" and not getattr(m, name)):
+            raise ConfigError(f"{name}={getattr(m, name)} must divide llama4's 4-layer pattern: 1, 2 or 4"
+                              + (" (or 0: none)" if name == "nope_layer_interval" else ""))
+    if m.sliding_window_size:
+        raise ConfigError(f"sliding_window_size={m.sliding_window_size}: decoder_block=llama4 attends within chunks "
+                          "instead (chunk_attn_window_size); set sliding_window_size=0")
+    if m.routed_bias:
+        raise ConfigError("routed_bias=true (DeepSeek's auxiliary-loss-free balancing) is not built for "
+                          "decoder_block=llama4; set routed_bias=false")
 
 
 def _validate_gpt_oss(m) -> None:

@@ -101,7 +101,27 @@ def eval_batch(cfg: Config, mesh_shape: Mapping[str, int], pipeline: PipelineLay
 
 # decoder layers in one block of the families whose block is not one layer (a test keeps this
 # equal to the block classes' `layers_per_block`; the config side never imports the models)
-LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2}
+LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2, "llama4": 4}
+
+
+def llama4_nope(m, layer: int) -> bool:
+    """Whether llama4's decoder layer `layer` has no rotary positions (every nope_layer_interval-th)."""
+    return bool(m.nope_layer_interval) and (layer + 1) % m.nope_layer_interval == 0
+
+
+def llama4_moe(m, layer: int) -> bool:
+    """Whether llama4's decoder layer `layer` has experts (every interleave_moe_layer_step-th)."""
+    return (layer + 1) % m.interleave_moe_layer_step == 0
+
+
+def dense_layers(m) -> int:
+    """Decoder layers with a dense MLP of base_mlp_dim in a mixture-of-experts model: deepseek's
+    first_num_dense_layers, llama4's layers between its expert layers (0 for the other families)."""
+    if m.decoder_block == "deepseek":
+        return m.first_num_dense_layers
+    if m.decoder_block == "llama4":
+        return sum(not llama4_moe(m, i) for i in range(m.num_decoder_layers))
+    return 0
 
 
 def layer_windows(m) -> list[int]:
@@ -114,7 +134,15 @@ def layer_windows(m) -> list[int]:
         return [w if i % 2 == 0 else 0 for i in range(layers)]
     if m.decoder_block == "gemma3":
         return [0 if i % 6 == 5 else w for i in range(layers)]
+
     return [0 if m.decoder_block == "deepseek" else w] * layers
+
+
+def layer_chunks(m) -> list[int]:
+    """The attention chunk of each decoder layer, bottom to top (0: none): llama4's rotary layers
+    attend within chunks of chunk_attn_window_size tokens."""
+    chunk = m.chunk_attn_window_size if m.decoder_block == "llama4" else 0
+    return [0 if llama4_nope(m, i) else chunk for i in range(m.num_decoder_layers)]
 
 
 @dataclasses.dataclass(frozen=True)

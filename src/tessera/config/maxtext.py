@@ -115,8 +115,6 @@ REFUSED = {
     "float32_qk_product": Refused("compute query-key scores in float32; Tessera's attention kernels choose",
                                   ("false", "0")),
     "float32_logits": Refused("attention logits in float32; Tessera's attention kernels choose", ("false", "0")),
-    "use_qk_norm": Refused("RMSNorm on queries and keys; in Tessera a family has it or not: use "
-                           "decoder_block=qwen3, qwen3_moe or gemma3", ("false", "0")),
     "use_post_attn_norm": Refused("a norm after attention; use decoder_block=gemma2 or gemma3", ("false", "0")),
     "use_post_ffw_norm": Refused("a norm after the MLP; use decoder_block=gemma2 or gemma3", ("false", "0")),
     "inhomogeneous_layer_cycle_interval": Refused(

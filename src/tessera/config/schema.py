@@ -22,9 +22,9 @@ from typing import Any
 # The decoder blocks and attention kernels are listed here (not imported from the model
 # package) so that validating a config never imports JAX.
 DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen3", "qwen3_moe", "gemma3", "deepseek",
-                  "gpt_oss")
+                  "gpt_oss", "llama4")
 # families whose MLP is a mixture of experts (num_experts >= 2)
-MOE_BLOCKS = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss")
+MOE_BLOCKS = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss", "llama4")
 SA_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
 REMAT_POLICIES = (
@@ -225,6 +225,19 @@ class ModelConfig:
     attention_sink: bool = key(False, "a learned logit per query head that every query's softmax also sees, as a key "
                                "with a zero value: attention can go nowhere (gpt-oss; not with deepseek's latent "
                                "attention, nor with cuDNN, which has no such input)")
+    use_qk_norm: bool = key(False, "llama4: an RMS norm without a scale over each query and key head of the rotary "
+                            "layers (Llama 4 Scout; qwen3 and gemma3 have norms with scales of their own)")
+    chunk_attn_window_size: int = key(0, "llama4: the rotary layers attend within chunks of this many tokens (a query "
+                                      "sees the earlier tokens of its own chunk; Llama 4: 8192; 0: no chunks)",
+                                      minimum=0)
+    nope_layer_interval: int = key(0, "llama4: every this-many-th layer has no rotary positions and attends to the "
+                                   "whole causal past (Llama 4: 4; 0: every layer rotates)", minimum=0)
+    temperature_tuning: bool = key(False, "llama4: the layers without rotary positions scale a query at position p by "
+                                   "s * ln(1 + floor((p + 1) / f)) + 1, sharpening attention over long contexts")
+    temperature_tuning_scale: float = key(0.1, "temperature_tuning: s (Llama 4: 0.1)", minimum=0.0)
+    temperature_tuning_floor_scale: float = key(8192.0, "temperature_tuning: f, in tokens (Llama 4: 8192)", minimum=1.0)
+    interleave_moe_layer_step: int = key(1, "llama4: every this-many-th layer has experts, the others a dense MLP of "
+                                         "base_mlp_dim (Llama 4 Maverick: 2; Scout: 1, experts everywhere)", minimum=1)
     fused_qkv: bool = key(False, "one fused query/key/value projection [emb, 3, heads, head_dim] (multi-head attention "
                           "only: kv heads = query heads); same results as three")
     fused_mlp: bool = key(False, "one fused gate/up projection [emb, 2, mlp] for gated MLPs (two mlp_activations; "

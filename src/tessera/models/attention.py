@@ -29,8 +29,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
 from tessera.models.kv_cache import EmptyKVCache, KVCache
-from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rope_frequencies, rotary_tables, rotate,
-                                   soft_cap, yarn_frequencies, yarn_score_scale)
+from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rms_normalized, rope_frequencies, rotary_tables,
+                                   rotate, soft_cap, yarn_frequencies, yarn_score_scale)
 from tessera.mesh import shard_logically, traced_platform
 
 log = logging.getLogger(__name__)
@@ -108,12 +108,14 @@ MAX_CHUNKS = 16  # longer sequences use larger chunks, so the compiled program s
 
 
 def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *, scale: float | None = None,
-                          logits_soft_cap: float = 0.0, window: int = 0, sinks_n=None):
+                          logits_soft_cap: float = 0.0, window: int = 0, sinks_n=None, chunk: int = 0):
     """Reference causal attention with grouped kv heads; tokens attend only within their segment.
 
     `scale` multiplies the scores (default head_dim**-0.5); `logits_soft_cap` > 0 squashes them
     with cap * tanh(s / cap) before the mask (Gemma 2); `window` > 0 lets a query see only the
-    `window` most recent positions, itself included (sliding-window attention); `sinks_n` [N]
+    `window` most recent positions, itself included (sliding-window attention); `chunk` > 0 lets
+    it see only the earlier keys of its own chunk of `chunk` positions (index // chunk; Llama 4's
+    chunked attention); `sinks_n` [N]
     (attention_sink): a logit per query head that each softmax adds to its denominator, as a
     key every query sees whose value is zero (gpt-oss).
 
@@ -142,7 +144,7 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     """
     b, t, n, h = q_btnh.shape
     kv_heads = k_bskh.shape[2]
-    dtype = q_btnh.dtype
+    dtype, attention_chunk = q_btnh.dtype, chunk
     if dtype == jnp.bfloat16 and traced_platform() == "cpu":
         q_btnh, k_bskh, v_bskh = (a.astype(jnp.float32) for a in (q_btnh, k_bskh, v_bskh))
     q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
@@ -150,26 +152,32 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     chunk = max(QUERY_CHUNK, t // MAX_CHUNKS)
     chunk = chunk if t == k_bskh.shape[1] and t % chunk == 0 else t
     sinks_kg = None if sinks_n is None else sinks_n.reshape(kv_heads, n // kv_heads)
-    mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window, dtype, sinks_kg)
+    mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window, dtype, sinks_kg, attention_chunk)
     outs = []
     # split, not sliced: the gradient of a split is one concatenation (of slices, a sum of padded copies)
     for start, q_chunk in zip(range(0, t, chunk), jnp.split(q_bkgth, t // chunk, axis=3)):
         end = start + chunk
         keys_end = end if chunk < t else k_bksh.shape[2]
         keys_start = max(0, start - window + 1) if window and chunk < t else 0
+        if attention_chunk and chunk < t:
+            keys_start = max(keys_start, start // attention_chunk * attention_chunk)
         outs.append(_attend(q_chunk, k_bksh[:, :, keys_start:keys_end],
                             v_bksh[:, :, keys_start:keys_end], segment_q_bt[:, start:end],
-                            segment_k_bs[:, keys_start:keys_end], start - keys_start, *mask_args))
+                            segment_k_bs[:, keys_start:keys_end], start - keys_start, *mask_args, k_first=keys_start))
     out_bkgth = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
     return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)  # values may be narrower than q and k (MLA)
 
 
 def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int, scale: float, cap: float,
-            window: int, dtype, sinks_kg=None):
-    """Masked softmax attention of queries at index q_offset.. against keys at index 0..S-1."""
+            window: int, dtype, sinks_kg=None, chunk: int = 0, k_first: int = 0):
+    """Masked softmax attention of queries at index q_offset.. against keys at index 0..S-1 (of a
+    sequence whose first `k_first` keys are left out: chunks are counted from its start)."""
     t, s = q_bkgth.shape[3], k_bksh.shape[2]
     distance_ts = (jnp.arange(t)[:, None] + q_offset) - jnp.arange(s)[None, :]
     visible_ts = (distance_ts >= 0) & ((distance_ts < window) if window else True)
+    if chunk:
+        q_chunk = (jnp.arange(t) + q_offset + k_first) // chunk
+        visible_ts &= q_chunk[:, None] == ((jnp.arange(s) + k_first) // chunk)[None, :]
     same_segment_bts = segment_q_bt[:, :, None] == segment_k_bs[:, None, :]
     return _softmax_attend(q_bkgth, k_bksh, v_bksh, visible_ts[None] & same_segment_bts, scale, cap, dtype, sinks_kg)
 
@@ -247,7 +255,8 @@ class Attention(nnx.Module):
     """
 
     def __init__(self, cfg: ModelConfig, kernel: str, rngs: nnx.Rngs, *, sliding_window: int = 0,
-                 use_bias: bool = False, use_rope: bool = True, qk_norm: str = "", local_rope: bool = False):
+                 use_bias: bool = False, use_rope: bool = True, qk_norm: str = "", local_rope: bool = False,
+                 chunk: int = 0, temperature_tuning: bool = False):
         d, n, k, h, wdtype = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
         std = fan_in_std(d)
         use_bias = use_bias or cfg.attention_bias
@@ -268,11 +277,11 @@ class Attention(nnx.Module):
             self.bo_d = param(rngs, (d,), ("norm",), wdtype, None, fill=0.0)
         if cfg.attention_sink:
             self.sinks_n = param(rngs, (n,), ("heads",), wdtype, None, fill=0.0)
-        if qk_norm:
+        if qk_norm in ("rms", "rms_zero_centered"):
             norm_args = (h, cfg.normalization_layer_epsilon, cfg.dtype, wdtype, rngs)
             self.query_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
             self.key_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
-        self.qk_norm = bool(qk_norm)
+        self.qk_norm = qk_norm
         # static: tuples are not nnx state leaves
         self.rope_inv_freq = tuple(float(f) for f in rope_frequencies_of(cfg, local_rope)) if use_rope else ()
         self.kernel, self.dtype, self.fused, self.use_bias = kernel, cfg.dtype, cfg.fused_qkv, use_bias
@@ -280,7 +289,8 @@ class Attention(nnx.Module):
         if use_rope and cfg.rope_scaling == "yarn" and not local_rope:
             self.scale *= yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale)
         self.sinks = cfg.attention_sink
-        self.logits_soft_cap, self.window = cfg.attn_logits_soft_cap, sliding_window
+        self.logits_soft_cap, self.window, self.chunk = cfg.attn_logits_soft_cap, sliding_window, chunk
+        self.temperature_tuning = temperature_tuning
         self.cfg = cfg  # static: splash attention reads its block sizes from it
 
     def project_qkv(self, x_btd, positions_bt):
@@ -298,8 +308,13 @@ class Attention(nnx.Module):
             if self.use_bias:
                 q, k, v = q + w(self.bq_nh), k + w(self.bk_kh), v + w(self.bv_kh)
         q, k, v = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
-        if self.qk_norm:
+        if self.qk_norm == "l2":  # no scale; a rotation keeps a head's norm, so before or after rotary is the same
+            eps = self.cfg.normalization_layer_epsilon
+            q, k = rms_normalized(q, eps).astype(q.dtype), rms_normalized(k, eps).astype(k.dtype)
+        elif self.qk_norm:
             q, k = self.query_norm(q), self.key_norm(k)
+        if self.temperature_tuning:
+            q = (q * self.query_temperature(positions_bt)[:, :, None, None]).astype(q.dtype)
         if self.rope_inv_freq:
             tables = rotary_tables(positions_bt, np.asarray(self.rope_inv_freq, np.float32))
             q, k = rotate(q, tables), rotate(k, tables)
@@ -307,6 +322,12 @@ class Attention(nnx.Module):
         k = shard_logically(k, ("batch", "length", "act_kv_heads", None))
         v = shard_logically(v, ("batch", "length", "act_kv_heads", None))
         return q, k, v
+
+    def query_temperature(self, positions_bt):
+        """temperature_tuning's multiplier of the queries at `positions_bt` [B, T], in float32."""
+        cfg = self.cfg
+        steps = jnp.floor((positions_bt.astype(jnp.float32) + 1.0) / cfg.temperature_tuning_floor_scale)
+        return jnp.log1p(steps) * cfg.temperature_tuning_scale + 1.0
 
     def output(self, ctx_btnh):
         """The output projection of the attention context [B, T, N, H] -> [B, T, D]."""
@@ -328,32 +349,35 @@ class Attention(nnx.Module):
             new = kv_cache.stored(k, v, positions_bt, segment_ids_bt)  # as later steps will read them back
             ctx = self.attend_prompt(q, new.keys(q.dtype), new.values(q.dtype), new, positions_bt, segment_ids_bt)
             return self.output(ctx), kv_cache.add(new)
-        if self.window and q.shape[1] > 1:
+        if (self.window or self.chunk) and q.shape[1] > 1:
             # a sliding-window cache is a ring of `window` slots: writing several tokens may
             # overwrite keys the first of them still see, so they read the cache as it was
             # plus their own keys (as stored), and the write comes after
             new, old = kv_cache.stored(k, v, positions_bt, segment_ids_bt), kv_cache
             keys, values = (jnp.concatenate(pair, axis=1) for pair in (
                 (old.keys(q.dtype), new.keys(q.dtype)), (old.values(q.dtype), new.values(q.dtype))))
-            visible = lambda p, s: jnp.concatenate([c.mask(p, s, self.window) for c in (old, new)], -1)  # noqa: E731
+            visible = lambda p, s: jnp.concatenate([c.mask(p, s, self.window, self.chunk)  # noqa: E731
+                                                    for c in (old, new)], -1)
             kv_cache = old.add(new)
         else:
             kv_cache = kv_cache.write(k, v, positions_bt, segment_ids_bt)
             keys, values = kv_cache.keys(q.dtype), kv_cache.values(q.dtype)
-            visible = functools.partial(kv_cache.mask, window=self.window)
+            visible = functools.partial(kv_cache.mask, window=self.window, chunk=self.chunk)
         ctx = masked_attention(q, keys, values, visible, positions_bt, segment_ids_bt, scale=self.scale,
                                logits_soft_cap=self.logits_soft_cap, sinks_n=self.sink_logits())
         return self.output(ctx), kv_cache
 
     def attend_prompt(self, q, k, v, new: KVCache, positions_bt, segment_ids_bt):
         """The prefill's attention of the prompts' tokens among themselves: splash attention when
-        that is the kernel (TPU; the prompts are padded to its tiles), else the reference with its
+        that is the kernel (TPU; the prompts are padded on the left to its tiles; not for Llama 4's
+        chunked layers, whose chunks splash counts by index, where a prompt's count from its first
+        token), else the reference with its
         queries in chunks (`masked_attention`), whose memory stays bounded for long prompts (the
         training reference's causal chunks would hold several [2048, T] score blocks at once:
         34.2 against 4.2 GiB of temporaries for mistral-7b and a 32k-token prompt)."""
-        if self.kernel.startswith("splash"):
+        if self.kernel.startswith("splash") and not self.chunk:  # splash counts chunks by index, and prompts are padded
             return self.attend(q, k, v, segment_ids_bt, packed=True)
-        return masked_attention(q, k, v, functools.partial(new.mask, window=self.window), positions_bt,
+        return masked_attention(q, k, v, functools.partial(new.mask, window=self.window, chunk=self.chunk), positions_bt,
                                 segment_ids_bt, scale=self.scale, logits_soft_cap=self.logits_soft_cap,
                                 sinks_n=self.sink_logits())
 
@@ -365,7 +389,7 @@ class Attention(nnx.Module):
             shards = splash.sequence_shards()
             ctx = splash.splash_attention(q, k, v, segment_ids_bt, scale=self.scale,
                                           logits_soft_cap=self.logits_soft_cap, window=self.window,
-                                          sinks_n=self.sink_logits(),
+                                          chunk=self.chunk, sinks_n=self.sink_logits(),
                                           blocks=splash.block_sizes(self.cfg, q.shape[1], shards),
                                           load_balance=splash.load_balanced(self.cfg, q.shape[1], shards),
                                           interpret=self.kernel == "splash_interpret")
@@ -376,7 +400,7 @@ class Attention(nnx.Module):
         else:
             ctx = dot_product_attention(q, k, v, segment_ids_bt, segment_ids_bt, scale=self.scale,
                                         logits_soft_cap=self.logits_soft_cap, window=self.window,
-                                        sinks_n=self.sink_logits())
+                                        chunk=self.chunk, sinks_n=self.sink_logits())
         return ctx
 
     def sink_logits(self):

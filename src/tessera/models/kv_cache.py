@@ -6,6 +6,7 @@ into the cache in one call (prefill), then one token per call; each call's queri
 the whole cache, masked by position rather than by index:
 
     key position <= query position, query position - key position < window (when window > 0),
+    the same chunk of positions (position // chunk, when chunk > 0: Llama 4's chunked layers),
     and the same segment id (0 marks empty slots and left padding; real tokens have 1).
 
 This is the training mask (causal, window, same segment) of `dot_product_attention`, so cached
@@ -187,12 +188,15 @@ class KVCache(NamedTuple):
         """Whether a tree of caches carries the empty mark (`as_empty`)."""
         return any(isinstance(c, EmptyKVCache) for c in KVCache.caches_in(caches))
 
-    def mask(self, positions_bt, segment_ids_bt, window: int) -> jax.Array:
-        """[B, T, S]: which cached keys each query sees (see the module docstring)."""
+    def mask(self, positions_bt, segment_ids_bt, window: int, chunk: int = 0) -> jax.Array:
+        """[B, T, S]: which cached keys each query sees (see the module docstring); `chunk` > 0:
+        only the keys of the query's own chunk of positions (position // chunk)."""
         distance_bts = positions_bt[:, :, None] - self.positions_bs[:, None, :]
         visible = distance_bts >= 0
         if window:
             visible &= distance_bts < window
+        if chunk:
+            visible &= (positions_bt[:, :, None] // chunk) == (self.positions_bs[:, None, :] // chunk)
         return visible & (segment_ids_bt[:, :, None] == self.segment_ids_bs[:, None, :])
 
 

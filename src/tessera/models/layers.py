@@ -143,10 +143,15 @@ class RMSNorm(nnx.Module):
         self.eps, self.dtype, self.zero_centered = eps, dtype, zero_centered
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        x = x_btd.astype(jnp.float32)
-        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        x = rms_normalized(x_btd, self.eps)
         scale = self.scale[...].astype(jnp.float32)
         return (x * (1.0 + scale if self.zero_centered else scale)).astype(self.dtype)
+
+
+def rms_normalized(x: jax.Array, eps: float) -> jax.Array:
+    """x / sqrt(mean(x^2) + eps) over the last axis, in float32 (an RMS norm without its scale)."""
+    x = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
 class LayerNorm(nnx.Module):
@@ -192,14 +197,17 @@ def rope_frequencies(head_dim: int, max_timescale: float, llama3_scaling: tuple 
     long-context rule of Llama 3.1: with r = original_max_position / wavelength (how many
     periods fit in the original context), frequencies with r >= high_freq_factor are kept,
     those with r <= low_freq_factor are divided by `factor`, and in between the two are mixed
-    linearly in r.
+    linearly in r (with high_freq_factor = low_freq_factor there is no such band).
     """
     half = head_dim // 2
     inv_freq = float(max_timescale) ** (-np.arange(half, dtype=np.float64) / half)
     if llama3_scaling is not None:
         factor, low, high, original = llama3_scaling
         periods = original * inv_freq / (2 * np.pi)
-        keep = np.clip((periods - low) / (high - low), 0.0, 1.0)
+        if high > low:
+            keep = np.clip((periods - low) / (high - low), 0.0, 1.0)
+        else:  # no band to mix in (Llama 4 Scout: both 1): kept above it, divided below
+            keep = (periods >= high).astype(np.float64)
         inv_freq = keep * inv_freq + (1.0 - keep) * inv_freq / factor
     return inv_freq.astype(np.float32)
 

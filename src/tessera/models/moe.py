@@ -120,12 +120,14 @@ class MoeMlp(nnx.Module):
     """Router [D, E] and E gated MLPs ([E, D, F] in, [E, F, D] out); with `shared_experts`, a
     dense gated MLP every token goes through; with `routed_bias`, a per-expert choice bias [E].
 
-    A family may ask for a learned router bias [E] added to the logits (`router_bias`: gpt-oss)
-    and for gpt-oss's clamped gate (`clamped_glu`: gate * act0(1.702 * gate) * (up + 1), the gate
-    clipped above at mlp_activations_limit and the up projection to +-limit). mlp_bias adds a bias
-    after every expert projection."""
+    A family may ask for a learned router bias [E] added to the logits (`router_bias`: gpt-oss),
+    for gpt-oss's clamped gate (`clamped_glu`: gate * act0(1.702 * gate) * (up + 1), the gate
+    clipped above at mlp_activations_limit and the up projection to +-limit), and for each token
+    to enter an expert already multiplied by its weight, the outputs then added unweighted
+    (`scale_inputs`: Llama 4). mlp_bias adds a bias after every expert projection."""
 
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, router_bias: bool = False, clamped_glu: bool = False):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, router_bias: bool = False, clamped_glu: bool = False,
+                 scale_inputs: bool = False):
         d, f, e, wdtype = cfg.emb_dim, cfg.expert_mlp_dim, cfg.num_experts, cfg.weight_dtype
         self.router_de = param(rngs, (d, e), ("embed", None), wdtype, fan_in_std(d))
         if router_bias:
@@ -144,7 +146,7 @@ class MoeMlp(nnx.Module):
                               use_bias=cfg.mlp_bias, quantization=cfg.quantization)
         self.cfg, self.dtype = cfg, cfg.dtype
         self.dropless = cfg.sparse_matmul or cfg.megablox
-        self.router_bias, self.clamped_glu = router_bias, clamped_glu
+        self.router_bias, self.clamped_glu, self.scale_inputs = router_bias, clamped_glu, scale_inputs
 
     def __call__(self, x_btd):
         experts_btk, weights_btk, aux = self.route(x_btd)
@@ -234,6 +236,8 @@ class MoeMlp(nnx.Module):
         dispatch_bktec = dispatch_bsec.reshape(b, k, t, e, capacity)
         combine_btec = jnp.einsum("bktec,btk->btec", dispatch_bktec, weights_btk)
         dispatch_btec = jnp.sum(dispatch_bktec, axis=1).astype(self.dtype)  # a token's k experts differ
+        if self.scale_inputs:  # the weights go in with the tokens, and the outputs come back unweighted
+            combine_btec, dispatch_btec = dispatch_btec, combine_btec.astype(self.dtype)
         # With an expert axis: each device gathers its expert group's rows (batch over data x fsdp only) and keeps
         # its own experts' columns of the dispatch and combine masks, so the dispatch and combine einsums are
         # local. Left to itself, XLA's partitioner gathered the whole global batch on every device (Mixtral 8x7B
@@ -301,17 +305,24 @@ class MoeMlp(nnx.Module):
         bo = self.bo_ed[...].astype(self.dtype) if self.cfg.mlp_bias else None
         return ExpertWeights(wis, self.wo_efd[...].astype(self.dtype), bis, bo)
 
-    def _sort_copies(self, x_btd, experts_btk):
-        """(rows [B*T*k, D] sorted by expert, their order, rows per expert [E])."""
+    def _sort_copies(self, x_btd, experts_btk, weights_btk):
+        """(rows [B*T*k, D] sorted by expert, their order, rows per expert [E]); with `scale_inputs`
+        each row is its token times the copy's router weight."""
         b, t, d = x_btd.shape
         k, e = self.cfg.num_experts_per_tok, self.cfg.num_experts
         flat_experts = experts_btk.reshape(-1)  # token copy i*k + j: token i's j-th expert
         order = jnp.argsort(flat_experts, stable=True)
-        return x_btd.reshape(b * t, d)[order // k], order, jnp.bincount(flat_experts, length=e).astype(jnp.int32)
+        rows = x_btd.reshape(b * t, d)[order // k]
+        if self.scale_inputs:
+            rows = rows * weights_btk.reshape(-1)[order][:, None].astype(rows.dtype)
+        return rows, order, jnp.bincount(flat_experts, length=e).astype(jnp.int32)
 
     def _combine(self, out_sorted, order, weights_btk):
-        """The expert outputs of the sorted copies back in token order, mixed by the router weights."""
+        """The expert outputs of the sorted copies back in token order, mixed by the router weights
+        (added as they are with `scale_inputs`: the weights went in with the tokens)."""
         b, t, k = weights_btk.shape
+        if self.scale_inputs:
+            weights_btk = jnp.ones_like(weights_btk)
         out_copies = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(b, t, k, -1)
         return jnp.einsum("btkd,btk->btd", out_copies, weights_btk.astype(self.dtype))
 
@@ -329,7 +340,7 @@ class MoeMlp(nnx.Module):
         return out if bias is None else out + bias(weights.bo)
 
     def _dropless(self, x_btd, experts_btk, weights_btk, weights):
-        x_sorted, order, group_sizes = self._sort_copies(x_btd, experts_btk)
+        x_sorted, order, group_sizes = self._sort_copies(x_btd, experts_btk, weights_btk)
         return self._combine(self._grouped_mlp(x_sorted, group_sizes, weights), order, weights_btk)
 
     def _dropless_expert_parallel(self, x_btd, experts_btk, weights_btk, weights, ep: int, ragged: bool):
@@ -345,7 +356,7 @@ class MoeMlp(nnx.Module):
         on how much of it fits; the part of a run past the buffer's end is dropped (only with
         ragged_buffer_factor > 0) and those copies add nothing to their token's output."""
         e_local = self.cfg.num_experts // ep
-        x_sorted, order, counts = self._sort_copies(x_btd, experts_btk)
+        x_sorted, order, counts = self._sort_copies(x_btd, experts_btk, weights_btk)
         c = x_sorted.shape[0]
         rows = self.receive_buffer_rows(c, ep)
         me = jax.lax.axis_index("expert")

@@ -10,6 +10,7 @@ from tessera.models.gemma import Gemma2Block, Gemma3Block, GemmaBlock
 from tessera.models.gpt3 import Gpt3Block
 from tessera.models.gpt_oss import GptOssBlock
 from tessera.models.llama import LlamaBlock, MistralBlock
+from tessera.models.llama4 import Llama4Block
 from tessera.models.mixtral import MixtralBlock
 from tessera.models.qwen3 import Qwen3Block, Qwen3MoeBlock
 
@@ -25,4 +26,5 @@ BLOCKS: dict[str, type[Block]] = {
     "gemma3": Gemma3Block,
     "deepseek": DeepseekBlock,
     "gpt_oss": GptOssBlock,
+    "llama4": Llama4Block,
 }

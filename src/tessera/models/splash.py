@@ -4,7 +4,7 @@ Why this kernel: it ships with the pinned jax (no extra dependency whose release
 from jax's), it is the kernel MaxText's TPU figures are measured with, and its block-sparse
 masks skip the masked half of causal attention and everything outside a sliding window
 without computing it. It supports everything Tessera's attention does: causal masks, sliding
-windows (a `LocalMask`), packed documents (segment ids), grouped-query heads (the "MQA"
+windows (a `LocalMask`), Llama 4's attention within chunks (a `ChunkedCausalMask`), packed documents (segment ids), grouped-query heads (the "MQA"
 variant, vmapped over kv heads), score soft-capping (`attn_logits_soft_cap`), sink logits
 (`attention_sink`, an input of the kernel with its own gradient), and any score scale (the
 queries are multiplied by it first, as the kernel does not scale).
@@ -22,7 +22,7 @@ only its own), so with `context_parallel_load_balance` the sequence is cut into 
 device j attends with parts j and 2S-1-j: two collective permutes bring its queries (and send
 the outputs back), and the kernel's mask rows carry those queries' global positions.
 The mask tables the kernel is built with are computed on the host; the masks here (`_Causal`,
-`_Local`) answer the blocks a diagonal or window edge does not cross from their bounds, which
+`_Local`, `_Chunked`) answer the blocks a diagonal or window edge does not cross from their bounds, which
 keeps that minutes rather than hours at a million tokens.
 Tests run the same code with `interpret=True` (Pallas' interpreter on CPU).
 
@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask import ChunkedCausalMask
 from jax.sharding import PartitionSpec as P
 
 from tessera.config import ConfigError, ModelConfig
@@ -167,15 +168,28 @@ class _Local(_BlockBounds, sa.LocalMask):
         return None
 
 
+class _Chunked(_BlockBounds, ChunkedCausalMask):
+    def _block_state(self, q_min: int, q_max: int, k_first: int, k_last: int) -> bool | None:
+        """Query q sees key k when both are in one chunk (index // chunk_size) and k <= q."""
+        c = self.chunk_size
+        if k_first > q_max or k_last // c < q_min // c:
+            return False
+        if q_min // c == q_max // c == k_first // c == k_last // c and q_min >= k_last:
+            return True
+        return None
+
+
 def _kernel(groups: int, length: int, window: int, cap: float, blocks: sa.BlockSizes, interpret: bool,
-            q_shards: int = 1, balanced: bool = False):
+            q_shards: int = 1, balanced: bool = False, chunk: int = 0):
     """A splash MQA kernel for `groups` query heads sharing one kv head, its mask tables over the
     whole sequence split into `q_shards` parts of queries (in `balanced_order` when `balanced`:
     each mask row is computed from its query's position). Built afresh for every call being
     traced: its mask tables become arrays of the trace that builds it, so a kernel kept from one
     trace (a scan's body: deepseek's dense layers) and used in another (its expert layers) would
     hold a leaked tracer."""
-    if window:
+    if chunk:
+        mask = _Chunked((length, length), chunk_size=chunk)
+    elif window:
         mask = _Local((length, length), window_size=(window - 1, 0), offset=0)
     else:
         mask = _Causal((length, length))
@@ -244,17 +258,18 @@ def _attend_split(kernel, q_btnh, k_bskh, v_bskh, segment_bt, sinks_n=None, *, s
 
 def splash_attention(q_btnh, k_bskh, v_bskh, segment_bt, *, scale: float, logits_soft_cap: float = 0.0,
                      window: int = 0, blocks: sa.BlockSizes, load_balance: bool = False, interpret: bool = False,
-                     sinks_n=None):
+                     sinks_n=None, chunk: int = 0):
     """Causal attention of q [B, T, N, H] over k, v [B, T, K, H] within segments, as
     `attention.dot_product_attention` computes it, with the splash kernel (and the sink logits
-    `sinks_n` [N], which the kernel takes per query head). Under a mesh whose sequence axis
+    `sinks_n` [N], which the kernel takes per query head; `chunk`: attention within chunks of
+    that many tokens, a `ChunkedCausalMask`). Under a mesh whose sequence axis
     splits T, `blocks` are those of `block_sizes(..., q_shards=<that axis' size>)`, and
     `load_balance` (`load_balanced`'s answer) gives each device an early and a late part."""
     b, t, n, _ = q_btnh.shape
     groups = n // k_bskh.shape[2]
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
-        kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret)
+        kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret, chunk=chunk)
         return _attend(kernel, q_btnh, k_bskh, v_bskh, segment_bt, segment_bt, sinks_n, scale=scale)
     sizes = dict(mesh.shape)
     batch = tuple(a for a in ("data", "fsdp", "expert") if sizes.get(a, 1) > 1)
@@ -267,7 +282,7 @@ def splash_attention(q_btnh, k_bskh, v_bskh, segment_bt, *, scale: float, logits
     shards = sizes.get("sequence", 1)
     sequence = "sequence" if shards > 1 else None
     balanced = load_balance and shards > 1
-    kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret, shards, balanced)
+    kernel = _kernel(groups, t, window, float(logits_soft_cap), blocks, interpret, shards, balanced, chunk)
     # the kernel's mask tables split like the queries (over sequence); read off a mesh of the same
     # shape whose axes are all Auto: under the pipeline's shard_map the ambient mesh's stage axis is
     # Manual, which the kernel's own check of the tables' shard shape cannot handle

@@ -46,6 +46,8 @@ USAGE = (
 OPTIONS = {"--max-shard-size": str(5 * 2**30)}
 # Hugging Face tensors that are buffers or duplicates, never parameters.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+# the other parts of a multimodal checkpoint (hf_configs.HF_MULTIMODAL), left out of the conversion
+OTHER_MODALITIES = ("vision_model.", "multi_modal_projector.")
 
 
 def check_same_model(cfg: Config, hf_config: dict) -> None:
@@ -131,8 +133,12 @@ def _check_mtp(m, hf_config: dict) -> None:
 
 
 def _check_all_used(names, used: set[str], tied: bool) -> None:
+    other = [n for n in names if n.startswith(OTHER_MODALITIES)]
+    if other:
+        log.info("left out %d tensors of the checkpoint's vision encoder and projector (Tessera trains the language "
+                 "model)", len(other))
     left = [n for n in names if n not in used and not n.endswith(IGNORED_SUFFIXES)
-            and not (tied and n == "lm_head.weight")]
+            and not (tied and n == "lm_head.weight") and n not in other]
     if left:
         shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
         raise ConfigError(f"{len(left)} tensors of the checkpoint have no place in this Tessera model: {shown}; "

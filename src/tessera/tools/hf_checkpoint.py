@@ -18,7 +18,7 @@ from safetensors.numpy import save_file
 
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.models.layers import yarn_score_scale
-from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES
+from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES, HF_MULTIMODAL
 from tessera.tools.hf_layouts import Layout, Rule
 
 
@@ -52,6 +52,8 @@ class Reader:
         self._aliases = {n: n for n in files}
         if self.config.get("model_type") == "gpt2":  # Hub GPT-2 checkpoints leave out the "transformer." prefix
             self._aliases.update({f"transformer.{n}": n for n in files if not n.startswith(("transformer.", "lm_head"))})
+        if self.config.get("model_type") in HF_MULTIMODAL:  # the language model's tensors, by its own names
+            self._aliases = {n.removeprefix("language_model."): n for n in files}
         # MXFP4 tensors (gpt-oss's released experts) are stored as <name>_blocks and <name>_scales
         self._mxfp4 = {n[:-len("_blocks")] for n in files
                        if n.endswith("_blocks") and n[:-len("_blocks")] + "_scales" in files}
@@ -296,7 +298,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-            "gpt_oss": "GptOssForCausalLM"}[model_type]
+            "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
         return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
@@ -334,6 +336,8 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
                       router_aux_loss_coef=m.load_balance_loss_weight,
                       layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
                                    for i in range(m.num_decoder_layers)])
+    if model_type == "llama4_text":
+        config.update(_llama4_config(m))
     if model_type in ("gemma", "gemma2", "gemma3_text"):
         config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
     if model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
@@ -361,6 +365,22 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
                                  for i in range(m.num_decoder_layers)]
     return config
 
+
+
+def _llama4_config(m: ModelConfig) -> dict[str, Any]:
+    """Llama 4's keys of a Llama4ForCausalLM config.json (its layer pattern written out per layer)."""
+    from tessera.config.derived import llama4_moe, llama4_nope
+
+    layers = range(m.num_decoder_layers)
+    return {"intermediate_size": m.expert_mlp_dim, "intermediate_size_mlp": m.mlp_dim,
+            "num_local_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
+            "interleave_moe_layer_step": m.interleave_moe_layer_step,
+            "moe_layers": [i for i in layers if llama4_moe(m, i)],
+            "no_rope_layers": [int(not llama4_nope(m, i)) for i in layers],
+            "no_rope_layer_interval": m.nope_layer_interval or 4,
+            "attention_chunk_size": m.chunk_attn_window_size or None, "use_qk_norm": m.use_qk_norm,
+            "attn_temperature_tuning": m.temperature_tuning, "floor_scale": m.temperature_tuning_floor_scale,
+            "attn_scale": m.temperature_tuning_scale, "router_aux_loss_coef": m.load_balance_loss_weight}
 
 
 def _deepseek_config(m: ModelConfig) -> dict[str, Any]:

@@ -18,7 +18,10 @@ from tessera.config.derived import LAYERS_PER_BLOCK
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
-                  "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss"}
+                  "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
+# multimodal checkpoints whose language model Tessera converts: model_type -> its text model's model_type
+# (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix)
+HF_MULTIMODAL = {"llama4": "llama4_text"}
 # Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
 HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 HF_MLP_BIAS = ("llama",)
@@ -27,6 +30,7 @@ GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """Tessera model keys (global_parameter_scale=1) describing the model of a config.json."""
+    hf = text_model_config(hf)
     kind = hf.get("model_type")
     if kind not in HF_MODEL_TYPES:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
@@ -50,6 +54,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         keys["mlp_bias"] = bool(hf.get("mlp_bias"))
     if kind == "gpt_oss":
         keys.update(_gpt_oss_keys(hf))
+    if kind == "llama4_text":
+        keys.update(_llama4_keys(hf))
     if kind == "gemma":
         keys["mlp_activations"] = ["gelu", "linear"]  # transformers' Gemma always uses the tanh GELU
     if kind == "mixtral":
@@ -78,6 +84,40 @@ def _refuse_qwen3_variants(hf: dict[str, Any]) -> None:
     if hf.get("model_type") == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
         raise ConfigError("this Qwen3-MoE checkpoint has dense MLP layers between expert layers (mlp_only_layers / "
                           "decoder_sparse_step); Tessera's qwen3_moe has experts in every layer")
+
+
+def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config of the model Tessera converts: a multimodal checkpoint's text_config (HF_MULTIMODAL)."""
+    kind = hf.get("model_type")
+    if kind in HF_MULTIMODAL:
+        if not isinstance(hf.get("text_config"), dict):
+            raise ConfigError(f"this {kind} checkpoint's config.json has no text_config describing its language model")
+        return {**hf["text_config"], "model_type": HF_MULTIMODAL[kind]}
+    return hf
+
+
+def _llama4_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """Llama 4's layer pattern (NoPE and expert layers), chunks and temperature, checked against the
+    4-layer pattern Tessera's llama4 builds."""
+    layers, step = hf["num_hidden_layers"], hf.get("interleave_moe_layer_step", 1)
+    if hf.get("moe_layers") is not None and list(hf["moe_layers"]) != list(range(step - 1, layers, step)):
+        raise ConfigError(f"this Llama 4 checkpoint's moe_layers are not every {step}th layer, the pattern Tessera's "
+                          "llama4 builds")
+    rope = [bool(r) for r in hf.get("no_rope_layers") or []]
+    interval = 0 if all(rope) else next((i + 1 for i, r in enumerate(rope) if not r), 0)
+    if rope and (interval not in (1, 2, 4) or rope != [bool(interval == 0 or (i + 1) % interval) for i in range(layers)]):
+        raise ConfigError("this Llama 4 checkpoint's no_rope_layers are not one NoPE layer every 1, 2 or 4 layers, the "
+                          "pattern Tessera's llama4 builds")
+    if not rope:
+        interval = hf.get("no_rope_layer_interval", 4)
+    return {"base_mlp_dim": hf.get("intermediate_size_mlp", 16384), "base_moe_mlp_dim": hf["intermediate_size"],
+            "num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
+            "shared_experts": 1, "routed_score_func": "sigmoid", "norm_topk_prob": False,
+            "interleave_moe_layer_step": step, "nope_layer_interval": interval,
+            "chunk_attn_window_size": hf.get("attention_chunk_size") or 0, "use_qk_norm": bool(hf.get("use_qk_norm")),
+            "temperature_tuning": bool(hf.get("attn_temperature_tuning")),
+            "temperature_tuning_floor_scale": float(hf.get("floor_scale", 8192)),
+            "temperature_tuning_scale": float(hf.get("attn_scale", 0.1))}
 
 
 def _gpt_oss_keys(hf: dict[str, Any]) -> dict[str, Any]:

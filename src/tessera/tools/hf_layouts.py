@@ -75,10 +75,14 @@ class Layout:
     # deepseek: the rules of each multi-token-prediction depth (full paths of ours), stored as the
     # Hugging Face layers after the decoder's (num_decoder_layers + k - 1 for depth k)
     mtp_rules: list[list[Rule]] = dataclasses.field(default_factory=list)
+    # llama4: layers of two kinds (dense and expert MLPs) in one block: layer i's rules, when they differ
+    rules_of_layer: Callable[[int], list[Rule]] | None = None
 
     def rules_for(self, i: int) -> list[Rule]:
         """The tensor rules of Hugging Face layer i."""
-        return self.prefix_rules if i < self.prefix_layers else self.layer_rules
+        if i < self.prefix_layers:
+            return self.prefix_rules
+        return self.rules_of_layer(i) if self.rules_of_layer else self.layer_rules
 
     def layer_prefix(self, i: int, scanned: bool) -> tuple[str, int | None]:
         """(our path prefix, index in the stacked axis or None) of Hugging Face layer i."""
@@ -306,6 +310,44 @@ def _deepseek_mtp(m: ModelConfig, k: int, block: list[Rule]) -> list[Rule]:
     ]
 
 
+def _llama4(m: ModelConfig) -> Layout:
+    """Llama 4's text model: the query and key dimensions reordered from its interleaved rotary pairs
+    (in every layer: a NoPE layer's scores do not change when queries and keys are reordered alike),
+    and per layer either experts (router, gate_up_proj [E, D, 2F] gate first, a shared expert) or a
+    dense MLP."""
+    from tessera.config.derived import llama4_moe
+
+    _check_hf_has(m, "llama4")
+    d, n, k, h, e, f, fd = (m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim, m.num_experts,
+                            m.expert_mlp_dim, m.mlp_dim)
+    model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
+    if not m.logits_via_embedding:
+        model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
+    common = [
+        _mla_linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h), h),
+        _mla_linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h), h),
+        linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h)),
+        linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
+        same("pre_attention_norm/scale", "input_layernorm.weight"),
+        same("pre_mlp_norm/scale", "post_attention_layernorm.weight"),
+    ]
+    halves = Rule(("mlp/wi_0", "mlp/wi_1"), ("feed_forward.experts.gate_up_proj",),
+                  lambda w: (np.ascontiguousarray(w[..., :f]), np.ascontiguousarray(w[..., f:])),
+                  lambda a, b: (np.concatenate([a, b], axis=-1),))
+    moe = common + [
+        linear("mlp/router_de", "feed_forward.router.weight", (d, e)), halves,
+        same("mlp/wo_efd", "feed_forward.experts.down_proj"),
+        linear("mlp/shared/wi_0", "feed_forward.shared_expert.gate_proj.weight", (d, f)),
+        linear("mlp/shared/wi_1", "feed_forward.shared_expert.up_proj.weight", (d, f)),
+        linear("mlp/shared/wo_fd", "feed_forward.shared_expert.down_proj.weight", (f, d)),
+    ]
+    dense = common + [linear("mlp/wi_0", "feed_forward.gate_proj.weight", (d, fd)),
+                      linear("mlp/wi_1", "feed_forward.up_proj.weight", (d, fd)),
+                      linear("mlp/wo_fd", "feed_forward.down_proj.weight", (fd, d))]
+    return Layout(model, moe, "model.layers.{i}.", LAYERS_PER_BLOCK["llama4"], m.num_decoder_layers,
+                  rules_of_layer=lambda i: moe if llama4_moe(m, i) else dense)
+
+
 def layout_for(m: ModelConfig) -> Layout:
     """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
     if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"):
@@ -314,4 +356,6 @@ def layout_for(m: ModelConfig) -> Layout:
         return _gpt2(m)
     if m.decoder_block == "deepseek":
         return _deepseek(m)
+    if m.decoder_block == "llama4":
+        return _llama4(m)
     raise ConfigError(f"decoder_block={m.decoder_block} has no Hugging Face layout")

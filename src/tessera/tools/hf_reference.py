@@ -52,7 +52,7 @@ INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
 FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3",
-            "deepseek", "gpt_oss", "llama_bias_yarn")
+            "deepseek", "gpt_oss", "llama_bias_yarn", "llama4")
 
 
 def _yarn(truncate: bool) -> dict:
@@ -145,6 +145,18 @@ def _config(family: str):
         # Llama with biases on its attention and MLP projections, and YaRN rounded outwards
         return t.LlamaForCausalLM, t.LlamaConfig(**_decoder_kwargs(
             attention_bias=True, mlp_bias=True, max_position_embeddings=4096, rope_parameters=_yarn(True)))
+    if family == "llama4":
+        # 8 layers, two of each 4-layer pattern (three rotary layers in chunks of 5, then a NoPE layer with the
+        # temperature, which a floor scale of 3 turns on from the third token), experts (4, one chosen, a shared
+        # one) in every other layer and dense MLPs (40) between, q/k norms; Scout's rope scaling (both factors 1)
+        # over an original context of 256, where the 4 frequencies are kept or divided
+        return t.Llama4ForCausalLM, t.Llama4TextConfig(**_decoder_kwargs(
+            num_hidden_layers=8, intermediate_size=16, intermediate_size_mlp=MLP, num_local_experts=4,
+            num_experts_per_tok=1, interleave_moe_layer_step=2, use_qk_norm=True, attention_chunk_size=5,
+            no_rope_layer_interval=4, attn_temperature_tuning=True, floor_scale=3, attn_scale=0.1,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 1.0, "original_max_position_embeddings": 256}))
     if family == "gpt2":
         return t.GPT2LMHeadModel, t.GPT2Config(
             vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,

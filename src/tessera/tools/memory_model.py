@@ -22,7 +22,7 @@ import dataclasses
 import math
 
 from tessera.config import Config, ConfigError, ModelConfig
-from tessera.config.derived import pipeline_layout
+from tessera.config.derived import dense_layers, pipeline_layout
 from tessera.metrics import mla_matmul_params
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -63,7 +63,7 @@ def count_params(m: ModelConfig) -> ParamCounts:
     embeddings = d * m.vocab_size * (1 if m.logits_via_embedding else 2) + norm + positions  # + final norm
     per_layer = attention + m.num_experts * expert_mlp + shared + router + norms
     active_layer = attention + min(m.num_experts_per_tok, m.num_experts) * expert_mlp + shared + norms
-    dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
+    dense = dense_layers(m)
     dense_total = dense * (attention + mlp(m.mlp_dim) + norms)
     layers = m.num_decoder_layers - dense
     # multi-token prediction: per depth a block of the family, its three norms and a [2, D, D] projection
