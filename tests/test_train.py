@@ -209,37 +209,47 @@ def test_flops_formula_matches_xla_cost_analysis():
     dict(decoder_block="gpt_oss", sliding_window_size=4, num_experts=4, num_experts_per_tok=2,
          mlp_activations=["sigmoid", "linear"]),
     dict(decoder_block="llama2"),
+    dict(decoder_block="llama4", chunk_attn_window_size=4, nope_layer_interval=4, num_experts=4,
+         num_experts_per_tok=1, routed_score_func="sigmoid"),
 ], ids=lambda keys: keys["decoder_block"])
 def test_flops_count_the_scores_inside_each_layers_window(keys):
-    """The FLOPs formula reads each layer's window from `layer_windows`, which must be the window
-    the built model's attention layers have, bottom to top; a layer of window W over T tokens
-    counts T*W - W^2/2 scores (T^2/2 without one: the causal convention, the band's diagonal
-    counted half), the exact count of its visible pairs less W/2."""
+    """The FLOPs formula reads each layer's window from `layer_windows` (and its chunk from
+    `layer_chunks`), which must be what the built model's attention layers have, bottom to top; a
+    layer of window W over T tokens counts T*W - W^2/2 scores (T^2/2 without one: the causal
+    convention, the band's diagonal counted half), the exact count of its visible pairs less W/2;
+    one of chunks of C, T*C/2 (each chunk's square halved)."""
     from flax import nnx
 
-    from tessera.config.derived import layer_windows
+    from tessera.config.derived import layer_chunks, layer_windows
     from tessera.metrics import keys_per_query
     from tessera.models.decoder import Decoder
 
     m = tiny_config(scan_layers=False, **{"base_num_decoder_layers": 4, **keys}).model
     decoder = Decoder(m, "dot_product", nnx.Rngs(0))
-    built = []
+    attentions = []
     for i in range(decoder.num_blocks):
         block = getattr(decoder, f"layers_{i}")
         layers = [getattr(block, name) for name in ("local_layer", "global_layer") if hasattr(block, name)]
         layers += [getattr(block, f"layer_{j}") for j in range(6) if hasattr(block, f"layer_{j}")]
-        built += [layer.attention.window for layer in layers or [block]]
+        attentions += [layer.attention for layer in layers or [block]]
     for j in range(decoder.tail_layers):
-        built.append(getattr(decoder.tail, f"layer_{j}").attention.window)
+        attentions.append(getattr(decoder.tail, f"layer_{j}").attention)
+    built = [a.window for a in attentions]
     assert layer_windows(m) == built and len(built) == m.num_decoder_layers
+    chunks = [a.chunk for a in attentions]
+    assert layer_chunks(m) == chunks
     length = 16
     for window in set(built):
         pairs = sum(min(q + 1, window or length) for q in range(length))  # each query's visible keys
         convention = length * length / 2 if not window else length * window - window * window / 2
         assert keys_per_query(length, window) * length == convention == pairs - (window or length) / 2
-    full = training_flops_per_step(dataclasses.replace(m, sliding_window_size=0), 1, length)
+    for c in set(chunks) - {0}:
+        pairs = sum(q % c + 1 for q in range(length))  # a query sees its chunk's keys up to itself
+        assert keys_per_query(length, 0, chunk=c) * length == length * c / 2 == pairs - length / 2
+    full = training_flops_per_step(dataclasses.replace(m, sliding_window_size=0, chunk_attn_window_size=0), 1, length)
     per_score = 3 * 2 * m.num_query_heads * 2 * m.head_dim  # forward + backward, q.k and p.v, per (query, key)
     saved = sum(length * length / 2 - length * w + w * w / 2 for w in built if w)
+    saved += sum(length * length / 2 - length * c / 2 for c in chunks if c)
     assert full - training_flops_per_step(m, 1, length) == pytest.approx(per_score * saved)
 
 
