@@ -12,12 +12,14 @@ families is `tessera.models.registry.BLOCKS`.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
 from tessera.models.kv_cache import KVCache
 from tessera.models.layers import LayerNorm, RMSNorm, dropout
+from tessera.models.pipeline import PER_LAYER
 
 
 class Block(nnx.Module):
@@ -45,6 +47,43 @@ class Block(nnx.Module):
         return KVCache.empty(batch, length, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, layers,
                              cfg.kv_quant_dtype if cfg.quantize_kvcache else "", cfg.kv_quant_axis,
                              window=cfg.sliding_window_size if window is None else window)
+
+
+class LayerPair(Block):
+    """A local (sliding-window) layer followed by a global one, each a `layer_cls(cfg, kernel, rngs,
+    window)` called as `layer(x, positions, segment_ids, keys, packed, kv_cache) -> (x, aux,
+    kv_cache)` (Gemma 2, gpt-oss). `num_decoder_layers` must be even and a scanned stack scans over
+    pairs; when decoding, the block's cache is (local layer's, a ring of sliding_window_size slots;
+    global layer's)."""
+
+    layers_per_block = 2
+    layer_cls: type
+
+    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
+        self.local_layer = self.layer_cls(cfg, attention_kernel, rngs, cfg.sliding_window_size)
+        self.global_layer = self.layer_cls(cfg, attention_kernel, rngs, 0)
+
+    @classmethod
+    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
+        one = super().empty_cache
+        return one(cfg, batch, length, layers, cfg.sliding_window_size), one(cfg, batch, length, layers, 0)
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
+        keys = dropout_keys(dropout_key, 4)
+        caches, auxes = (None, None) if kv_cache is None else kv_cache, []
+        for i, layer in enumerate((self.local_layer, self.global_layer)):
+            x_btd, aux, cache = layer(x_btd, positions_bt, segment_ids_bt, keys[2 * i:2 * i + 2], packed, caches[i])
+            caches, auxes = caches[:i] + (cache,) + caches[i + 1:], auxes + [aux]
+        return x_btd, stacked_aux(auxes), None if kv_cache is None else caches
+
+
+def stacked_aux(auxes: list[dict]) -> dict:
+    """One aux of a block's layers (those without, such as dense layers, give {}): "per_layer/"
+    entries stacked, a row per layer that has them, so the decoder's per-layer statistics cover
+    every layer; scalars averaged over those layers."""
+    auxes = [a for a in auxes if a]
+    return {k: jnp.stack([a[k] for a in auxes]) if k.startswith(PER_LAYER) else sum(a[k] for a in auxes) / len(auxes)
+            for k in (auxes[0] if auxes else {})}
 
 
 def make_norm(kind: str, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:

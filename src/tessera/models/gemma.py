@@ -34,7 +34,7 @@ from flax import nnx
 from tessera.config import ModelConfig
 from tessera.config.derived import dropout_rate
 from tessera.models.attention import Attention
-from tessera.models.blocks import Block, dropout_keys, make_norm, residual
+from tessera.models.blocks import Block, LayerPair, dropout_keys, make_norm, residual
 from tessera.models.layers import Mlp
 from tessera.models.llama import LlamaBlock
 
@@ -53,7 +53,7 @@ class Gemma2Layer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, sliding_window: int,
                  qk_norm: str = "", local_rope: bool = False):
-        norm = Gemma2Block.norm
+        norm = "rms_zero_centered"
         self.pre_attention_norm = make_norm(norm, cfg, rngs)
         self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=sliding_window, qk_norm=qk_norm,
                                    local_rope=local_rope)
@@ -65,36 +65,19 @@ class Gemma2Layer(nnx.Module):
         self.dropout_rate = dropout_rate(cfg)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, keys, packed: bool, kv_cache=None):
-        """(x_btd, kv_cache): the layer's output and its updated cache (None without one)."""
+        """(x_btd, {}, kv_cache): the layer's output, no aux, and its updated cache (None without one)."""
         h, kv_cache = self.attention(self.pre_attention_norm(x_btd), positions_bt, segment_ids_bt, packed, kv_cache)
         x_btd = residual(x_btd, self.post_attention_norm(h), self.dropout_rate, keys[0])
         h = self.post_mlp_norm(self.mlp(self.pre_mlp_norm(x_btd)))
-        return residual(x_btd, h, self.dropout_rate, keys[1]), kv_cache
+        return residual(x_btd, h, self.dropout_rate, keys[1]), {}, kv_cache
 
 
-class Gemma2Block(Block):
-    """A local (sliding-window) layer followed by a global layer."""
+class Gemma2Block(LayerPair):
+    """A local (sliding-window) layer followed by a global layer (`LayerPair`)."""
 
-    layers_per_block = 2
+    layer_cls = Gemma2Layer
     norm = "rms_zero_centered"
     scale_embeddings = True
-
-    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
-        self.local_layer = Gemma2Layer(cfg, attention_kernel, rngs, cfg.sliding_window_size)
-        self.global_layer = Gemma2Layer(cfg, attention_kernel, rngs, 0)
-
-    @classmethod
-    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
-        """(local layer's cache, a ring of sliding_window_size slots; global layer's cache)."""
-        one = super().empty_cache
-        return one(cfg, batch, length, layers, cfg.sliding_window_size), one(cfg, batch, length, layers, 0)
-
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
-        keys = dropout_keys(dropout_key, 4)
-        local_cache, global_cache = (None, None) if kv_cache is None else kv_cache
-        x_btd, local_cache = self.local_layer(x_btd, positions_bt, segment_ids_bt, keys[:2], packed, local_cache)
-        x_btd, global_cache = self.global_layer(x_btd, positions_bt, segment_ids_bt, keys[2:], packed, global_cache)
-        return x_btd, {}, None if kv_cache is None else (local_cache, global_cache)
 
 
 GEMMA3_PATTERN = 6  # Gemma 3: five local layers, then one global layer
@@ -137,7 +120,7 @@ class Gemma3Block(Block):
         keys = dropout_keys(dropout_key, 2 * self.num_layers)
         caches = []
         for j in range(self.num_layers):
-            x_btd, cache = getattr(self, f"layer_{j}")(x_btd, positions_bt, segment_ids_bt, keys[2 * j:2 * j + 2],
-                                                       packed, None if kv_cache is None else kv_cache[j])
+            x_btd, _, cache = getattr(self, f"layer_{j}")(x_btd, positions_bt, segment_ids_bt, keys[2 * j:2 * j + 2],
+                                                          packed, None if kv_cache is None else kv_cache[j])
             caches.append(cache)
         return x_btd, {}, None if kv_cache is None else tuple(caches)

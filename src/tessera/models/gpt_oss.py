@@ -29,24 +29,22 @@ in the references, can be switched on.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.config.derived import dropout_rate
 from tessera.models.attention import Attention
-from tessera.models.blocks import Block, dropout_keys, make_norm, residual
+from tessera.models.blocks import LayerPair, make_norm, residual
 from tessera.models.moe import MoeMlp
-from tessera.models.pipeline import PER_LAYER
 
 
 class GptOssLayer(nnx.Module):
     """x + attention(norm(x)), then x + experts(norm(x)); `sliding_window` 0: full attention."""
 
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, sliding_window: int):
-        self.pre_attention_norm = make_norm(GptOssBlock.norm, cfg, rngs)
+        self.pre_attention_norm = make_norm("rms", cfg, rngs)
         self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=sliding_window)
-        self.pre_mlp_norm = make_norm(GptOssBlock.norm, cfg, rngs)
+        self.pre_mlp_norm = make_norm("rms", cfg, rngs)
         self.mlp = MoeMlp(cfg, rngs, router_bias=True, clamped_glu=True)
         self.dropout_rate = dropout_rate(cfg)
 
@@ -58,30 +56,8 @@ class GptOssLayer(nnx.Module):
         return residual(x_btd, h, self.dropout_rate, keys[1]), aux, kv_cache
 
 
-class GptOssBlock(Block):
-    """A sliding-window layer followed by a full-attention layer. The two layers' router
-    statistics are stacked ([2, E] per block), so the decoder's per-layer entries cover every
-    layer and the loss averages over all of them."""
+class GptOssBlock(LayerPair):
+    """A sliding-window layer followed by a full-attention layer (`LayerPair`); the two layers'
+    router statistics are stacked ([2, E] per block)."""
 
-    layers_per_block = 2
-
-    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs):
-        self.local_layer = GptOssLayer(cfg, attention_kernel, rngs, cfg.sliding_window_size)
-        self.global_layer = GptOssLayer(cfg, attention_kernel, rngs, 0)
-
-    @classmethod
-    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = ()):
-        """(local layer's cache, a ring of sliding_window_size slots; global layer's cache)."""
-        one = super().empty_cache
-        return one(cfg, batch, length, layers, cfg.sliding_window_size), one(cfg, batch, length, layers, 0)
-
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
-        keys = dropout_keys(dropout_key, 4)
-        local_cache, global_cache = (None, None) if kv_cache is None else kv_cache
-        x_btd, local_aux, local_cache = self.local_layer(x_btd, positions_bt, segment_ids_bt, keys[:2], packed,
-                                                         local_cache)
-        x_btd, global_aux, global_cache = self.global_layer(x_btd, positions_bt, segment_ids_bt, keys[2:], packed,
-                                                            global_cache)
-        aux = {k: (jnp.stack([v, global_aux[k]]) if k.startswith(PER_LAYER) else (v + global_aux[k]) / 2)
-               for k, v in local_aux.items()}
-        return x_btd, aux, None if kv_cache is None else (local_cache, global_cache)
+    layer_cls = GptOssLayer

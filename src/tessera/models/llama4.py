@@ -29,16 +29,14 @@ the released multimodal checkpoints is not built.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from flax import nnx
 
 from tessera.config import ModelConfig
 from tessera.config.derived import dropout_rate, llama4_moe, llama4_nope
 from tessera.models.attention import Attention
-from tessera.models.blocks import Block, dropout_keys, make_norm, residual
+from tessera.models.blocks import Block, dropout_keys, make_norm, residual, stacked_aux
 from tessera.models.layers import Mlp
 from tessera.models.moe import MoeMlp
-from tessera.models.pipeline import PER_LAYER
 
 PATTERN = 4  # layers in one block: the pattern of NoPE and expert layers repeats every 4
 
@@ -48,12 +46,12 @@ class Llama4Layer(nnx.Module):
     experts or a dense MLP."""
 
     def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, nope: bool, moe: bool):
-        self.pre_attention_norm = make_norm(Llama4Block.norm, cfg, rngs)
+        self.pre_attention_norm = make_norm("rms", cfg, rngs)
         self.attention = Attention(cfg, attention_kernel, rngs, use_rope=not nope,
                                    qk_norm="l2" if cfg.use_qk_norm and not nope else "",
                                    chunk=0 if nope else cfg.chunk_attn_window_size,
                                    temperature_tuning=cfg.temperature_tuning and nope)
-        self.pre_mlp_norm = make_norm(Llama4Block.norm, cfg, rngs)
+        self.pre_mlp_norm = make_norm("rms", cfg, rngs)
         if moe:
             self.mlp = MoeMlp(cfg, rngs, scale_inputs=True)
         else:
@@ -95,8 +93,5 @@ class Llama4Block(Block):
             x_btd, aux, cache = getattr(self, f"layer_{j}")(x_btd, positions_bt, segment_ids_bt, keys[2 * j:2 * j + 2],
                                                            packed, None if kv_cache is None else kv_cache[j])
             caches.append(cache)
-            if aux:
-                auxes.append(aux)
-        merged = {k: (jnp.stack([a[k] for a in auxes]) if k.startswith(PER_LAYER) else
-                      sum(a[k] for a in auxes) / len(auxes)) for k in (auxes[0] if auxes else {})}
-        return x_btd, merged, None if kv_cache is None else tuple(caches)
+            auxes.append(aux)
+        return x_btd, stacked_aux(auxes), None if kv_cache is None else tuple(caches)

@@ -65,7 +65,7 @@ class MlaAttention(Attention):
         score_scale = yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale) if cfg.rope_scaling == "yarn" else 1.0
         self.scale = (hn + hr) ** -0.5 * score_scale
         self.kernel, self.dtype, self.fused, self.use_bias, self.qk_norm = kernel, cfg.dtype, False, False, False
-        self.logits_soft_cap, self.window, self.cfg, self.sinks = 0.0, 0, cfg, False
+        self.logits_soft_cap, self.window, self.chunk, self.cfg, self.sinks = 0.0, 0, 0, cfg, False
         self.dims = (hn, hr, hv, r)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, packed: bool, kv_cache: KVCache | None = None):
