@@ -369,7 +369,7 @@ def test_megablox_kernel_equals_ragged_dot_in_values_and_gradients():
     """The Pallas grouped matmul (in its interpreter here; on TPUs with megablox=true) against
     XLA's ragged_dot: rows not a multiple of its 128-row tile, an empty group, rows past the
     groups' total (zero in both)."""
-    from tessera.models.moe import grouped_matmul
+    from tessera.models.grouped import grouped_matmul
 
     lhs = jax.random.normal(jax.random.key(0), (150, 128))
     rhs = jax.random.normal(jax.random.key(1), (4, 128, 256))
