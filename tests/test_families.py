@@ -293,7 +293,7 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     (dict(FAMILIES["llama4"], base_num_decoder_layers=6), "llama4 needs a multiple of 4 layers"),
     (dict(FAMILIES["llama4"], interleave_moe_layer_step=3), "interleave_moe_layer_step=3 must divide"),
     (dict(FAMILIES["llama4"], sliding_window_size=4), "attends within chunks instead"),
-    (dict(chunk_attn_window_size=8192, use_qk_norm=True), "chunk_attn_window_size=8192, use_qk_norm=True: Llama 4's"),
+    (dict(chunk_attn_window_size=8192, use_qk_norm=True), "use_qk_norm=True, chunk_attn_window_size=8192: Llama 4's"),
     (dict(num_experts=4, num_experts_per_tok=2), "decoder_block=llama2 has a dense MLP"),
     (dict(decoder_block="mixtral"), "mixtral needs num_experts >= 2"),
     (dict(decoder_block="mixtral", num_experts=4, capacity_factor=0), "capacity_factor=0.0 must be > 0"),
