@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.config.derived import dense_layers, layer_chunks, layer_windows
+from tessera.config.derived import dense_layers, layer_attention
 
 log = logging.getLogger(__name__)
 
@@ -74,9 +74,8 @@ def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: b
     # scores q.k and the weighted sum p.v: 2*H FLOPs each per query token, head and key (H: the
     # query/key width, then the value width, which MLA makes narrower)
     value_dim = cfg.v_head_dim if cfg.decoder_block == "deepseek" else cfg.head_dim
-    windows = layer_windows(cfg) + [cfg.sliding_window_size] * cfg.mtp_num_layers  # an MTP depth attends once more
-    chunks = layer_chunks(cfg) + [0] * cfg.mtp_num_layers
-    keys = sum(keys_per_query(length, w, causal, c) for w, c in zip(windows, chunks))
+    keys = sum(layers * keys_per_query(length, window, causal, chunk) for window, chunk, layers in layer_attention(cfg))
+    keys += cfg.mtp_num_layers * keys_per_query(length, cfg.sliding_window_size, causal)  # an MTP depth attends once more
     attention = 2 * cfg.num_query_heads * (cfg.head_dim + value_dim) * keys * tokens
     return 3.0 * (dense + attention)
 

@@ -10,8 +10,11 @@ Nothing here imports JAX: the mesh arrives as its shape, {axis name: size}.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
+import types
 from pathlib import Path
 from typing import Mapping
 
@@ -143,6 +146,24 @@ def layer_chunks(m) -> list[int]:
     attend within chunks of chunk_attn_window_size tokens."""
     chunk = m.chunk_attn_window_size if m.decoder_block == "llama4" else 0
     return [0 if llama4_nope(m, i) else chunk for i in range(m.num_decoder_layers)]
+
+
+def layer_attention(m) -> tuple[tuple[int, int, int], ...]:
+    """(window, chunk, layers): how many decoder layers attend with each window and chunk of
+    `layer_windows` and `layer_chunks` (remembered per family and sizes: the planner's FLOPs count
+    asks for every candidate)."""
+    return _layer_attention(m.decoder_block, m.num_decoder_layers, m.sliding_window_size,
+                            m.chunk_attn_window_size, m.nope_layer_interval)
+
+
+@functools.cache
+def _layer_attention(decoder_block: str, num_decoder_layers: int, sliding_window_size: int,
+                     chunk_attn_window_size: int, nope_layer_interval: int) -> tuple[tuple[int, int, int], ...]:
+    m = types.SimpleNamespace(decoder_block=decoder_block, num_decoder_layers=num_decoder_layers,
+                              sliding_window_size=sliding_window_size, chunk_attn_window_size=chunk_attn_window_size,
+                              nope_layer_interval=nope_layer_interval)
+    counts = collections.Counter(zip(layer_windows(m), layer_chunks(m)))
+    return tuple((window, chunk, layers) for (window, chunk), layers in counts.items())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,6 +16,7 @@ Each component receives only its own section (`ModelConfig`, `MeshConfig`, ...);
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +116,14 @@ class ProfilerConfig:
                                     "(jit_train_step: the train step; '': every program)")
     dump_hlo_xla_flags: str = key("", "XLA flags used instead of the dump flags dump_hlo sets (--xla_dump_to=<folder> "
                                       "--xla_dump_hlo_module_re=<name>), added to XLA_FLAGS")
+
+
+@functools.cache
+def _scale_exponents(scale: int) -> tuple[int, int, int]:
+    """(emb, heads_and_mlp, layers) exponents of two for global_parameter_scale (remembered: the
+    planner reads a scaled size millions of times)."""
+    q, r = divmod(scale.bit_length() - 1, 3)
+    return q + (r > 1), q + (r > 0), q
 
 
 @dataclass
@@ -303,36 +312,33 @@ class ModelConfig:
                                       "speculative decoding with it, eval_mtp_acceptance_rate_percent; 0: not measured)",
                                       minimum=0)
 
-    # --- derived sizes: the global_parameter_scale rule, in one place ---
-    def _scale_exponents(self) -> tuple[int, int, int]:
-        """(emb, heads_and_mlp, layers) exponents of two for global_parameter_scale."""
-        q, r = divmod(self.global_parameter_scale.bit_length() - 1, 3)
-        return q + (r > 1), q + (r > 0), q
-
+    # --- derived sizes: global_parameter_scale's rule (_scale_exponents, above) ---
     @property
     def emb_dim(self) -> int:
-        return self.base_emb_dim << self._scale_exponents()[0]
+        return self.base_emb_dim << _scale_exponents(self.global_parameter_scale)[0]
 
     @property
     def num_query_heads(self) -> int:
-        return self.base_num_query_heads << self._scale_exponents()[1]
+        return self.base_num_query_heads << _scale_exponents(self.global_parameter_scale)[1]
 
     @property
     def num_kv_heads(self) -> int:
-        return self.base_num_kv_heads << self._scale_exponents()[1]
+        return self.base_num_kv_heads << _scale_exponents(self.global_parameter_scale)[1]
 
     @property
     def mlp_dim(self) -> int:
-        return self.base_mlp_dim << self._scale_exponents()[1]
+        return self.base_mlp_dim << _scale_exponents(self.global_parameter_scale)[1]
 
     @property
     def expert_mlp_dim(self) -> int:
         """Hidden width of one expert: base_moe_mlp_dim scaled as mlp_dim, or mlp_dim itself."""
-        return self.base_moe_mlp_dim << self._scale_exponents()[1] if self.base_moe_mlp_dim else self.mlp_dim
+        if not self.base_moe_mlp_dim:
+            return self.mlp_dim
+        return self.base_moe_mlp_dim << _scale_exponents(self.global_parameter_scale)[1]
 
     @property
     def num_decoder_layers(self) -> int:
-        return self.base_num_decoder_layers << self._scale_exponents()[2]
+        return self.base_num_decoder_layers << _scale_exponents(self.global_parameter_scale)[2]
 
 
 @dataclass
