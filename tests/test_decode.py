@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO, TINY, sigterm_after_line, tiny_config
+from conftest import FAST_COMPILE, REPO, TINY, sigterm_after_line, tiny_config
 from tessera.checkpointing import Checkpointer
 from tessera.decode import generate, main, sample
 from tessera.models import BLOCKS, build_model, kv_cache
@@ -436,7 +436,7 @@ def test_two_processes_decode_what_one_does_and_print_it_once(llama, checkpoint)
     port = _free_port()
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
                    JAX_COORDINATOR_IP="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES="2", NODE_RANK=str(rank),
                    JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS="60")
         cmd = [sys.executable, str(REPO / "decode.py"), *CONFIG_ARGS, f"load_parameters_path={path}",

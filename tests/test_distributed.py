@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, TINY, tiny_config
+from conftest import FAST_COMPILE, REPO, TINY, tiny_config
 from tessera.distributed import DistributedError, HangWatchdog, job_from_env, wait_for_all
 from tessera.train import run
 
@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 
 def _start(rank, port, out, *args, nodes=2, extra_env=None):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
                JAX_COORDINATOR_IP="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES=str(nodes), NODE_RANK=str(rank),
                JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS="60")
     env.update(extra_env or {})
@@ -130,7 +130,7 @@ def test_a_collective_that_raises_after_a_lost_peer_ends_the_survivor_with_the_w
     # (gloo: "Connection reset by peer"). XLA:CPU's collective timeout makes it raise on every run.
     # Leaving normally would then wait in JAX's shutdown barrier for the dead process until the
     # heartbeat timeout (100 s) and abort (SIGABRT, exit -6): what CI once saw in the test above.
-    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=3"}
+    flags = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=3 {FAST_COMPILE}"}
     code, err, seconds = _kill_process_1_after_two_steps(tmp_path, step_timeout=90, extra_env=flags)
     assert code == 5, err[-3000:]
     line = next(line for line in err.splitlines() if line.startswith("hang watchdog:"))
@@ -226,7 +226,7 @@ os._exit(0)
 def test_a_process_that_never_arrives_is_a_clear_distributed_error():
     wait_for_all("single", 0.01, "anything")  # one process: returns at once
     port = _free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {FAST_COMPILE}")
     procs = [subprocess.Popen([sys.executable, "-c", _MEET.format(src=str(REPO / "src"), port=port, rank=rank)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     (code, err), _ = _finish(procs, timeout=120)

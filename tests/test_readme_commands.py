@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from conftest import FAST_COMPILE, REPO
 
 pytestmark = pytest.mark.slow
 
@@ -47,9 +47,11 @@ def quick_start_command() -> list[str]:
 
 
 def run_in(cwd: Path, argv: list[str]) -> subprocess.CompletedProcess:
-    """`argv` as a user would type it in `cwd`: one CPU device, no M_<KEY> variables of ours."""
+    """`argv` as a user would type it in `cwd`: one CPU device, XLA's usual optimization, no M_<KEY>
+    variables of ours."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("M_")}
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    env["XLA_FLAGS"] = flags.replace(FAST_COMPILE, "").strip()
     argv = [sys.executable if a == PYTHON else a for a in argv]
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
