@@ -7,8 +7,9 @@ from pathlib import Path
 
 # The suite's programs are tiny: XLA's compile of them, not their run, is most of its time, and
 # LLVM's optimization of the generated CPU code is most of each compile. Level 0 (on XLA's own HLO
-# passes, which decide fusion, sharding and collectives, it has no effect) halves a compile; the
-# programs compute the same values. Tests that start processes with their own XLA_FLAGS add it too.
+# passes, which decide fusion, sharding and collectives, it has no effect) halves a compile; every
+# equality test compares programs built the same way. Tests that start processes with their own
+# XLA_FLAGS add it too.
 FAST_COMPILE = "--xla_backend_optimization_level=0"
 
 os.environ["JAX_PLATFORMS"] = "cpu"
