@@ -385,3 +385,23 @@ def test_megablox_kernel_equals_ragged_dot_in_values_and_gradients():
     for a, b in zip(jax.grad(lambda l, r: loss("megablox_interpret", l, r), (0, 1))(lhs, rhs),
                     jax.grad(lambda l, r: loss("ragged_dot", l, r), (0, 1))(lhs, rhs)):
         np.testing.assert_allclose(a, b, atol=1e-3)
+
+
+def test_latent_attention_has_every_static_setting_of_attention():
+    """MlaAttention has weights of its own and so skips Attention.__init__, but runs Attention's kernels and
+    output projection: every non-weight attribute a plain Attention has (the settings those methods read) is set
+    on it too, from the same place (Attention.set_static)."""
+    from flax import nnx
+
+    from tessera.models.attention import Attention
+    from tessera.models.mla import MlaAttention
+
+    def settings(module):
+        return {k for k, v in vars(module).items() if not isinstance(v, (nnx.Variable, nnx.Module))
+                and not k.startswith("_")}
+
+    cfg = tiny_config(**FAMILIES["deepseek"]).model
+    plain = nnx.eval_shape(lambda: Attention(cfg, "dot_product", nnx.Rngs(params=0)))
+    latent = nnx.eval_shape(lambda: MlaAttention(cfg, "dot_product", nnx.Rngs(params=0)))
+    assert settings(plain) and settings(plain) <= settings(latent)
+    assert latent.qk_norm == "" and not latent.temperature_tuning and latent.dims == (8, 16, 10, 12)

@@ -281,16 +281,25 @@ class Attention(nnx.Module):
             norm_args = (h, cfg.normalization_layer_epsilon, cfg.dtype, wdtype, rngs)
             self.query_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
             self.key_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
-        self.qk_norm = qk_norm
-        # static: tuples are not nnx state leaves
-        self.rope_inv_freq = tuple(float(f) for f in rope_frequencies_of(cfg, local_rope)) if use_rope else ()
-        self.kernel, self.dtype, self.fused, self.use_bias = kernel, cfg.dtype, cfg.fused_qkv, use_bias
-        self.scale = float(cfg.query_pre_attn_scalar or h) ** -0.5
+        scale = float(cfg.query_pre_attn_scalar or h) ** -0.5
         if use_rope and cfg.rope_scaling == "yarn" and not local_rope:
-            self.scale *= yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale)
-        self.sinks = cfg.attention_sink
-        self.logits_soft_cap, self.window, self.chunk = cfg.attn_logits_soft_cap, sliding_window, chunk
-        self.temperature_tuning = temperature_tuning
+            scale *= yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale)
+        self.set_static(cfg, kernel, scale=scale, rope_inv_freq=rope_frequencies_of(cfg, local_rope) if use_rope else (),
+                        fused=cfg.fused_qkv, use_bias=use_bias, qk_norm=qk_norm, window=sliding_window, chunk=chunk,
+                        logits_soft_cap=cfg.attn_logits_soft_cap, sinks=cfg.attention_sink,
+                        temperature_tuning=temperature_tuning)
+
+    def set_static(self, cfg: ModelConfig, kernel: str, *, scale: float, rope_inv_freq, fused: bool = False,
+                   use_bias: bool = False, qk_norm: str = "", window: int = 0, chunk: int = 0,
+                   logits_soft_cap: float = 0.0, sinks: bool = False, temperature_tuning: bool = False):
+        """Every static setting the shared methods (`attend`, `attend_prompt`, `output`, `sink_logits`,
+        `__call__`) read, set in one place: a subclass with weights of its own (`MlaAttention`) calls this
+        rather than `Attention.__init__`, and cannot leave one of them unset."""
+        # static: tuples are not nnx state leaves
+        self.rope_inv_freq = tuple(float(f) for f in rope_inv_freq)
+        self.kernel, self.dtype, self.fused, self.use_bias, self.qk_norm = kernel, cfg.dtype, fused, use_bias, qk_norm
+        self.scale, self.sinks, self.temperature_tuning = scale, sinks, temperature_tuning
+        self.logits_soft_cap, self.window, self.chunk = logits_soft_cap, window, chunk
         self.cfg = cfg  # static: splash attention reads its block sizes from it
 
     def project_qkv(self, x_btd, positions_bt):

@@ -61,11 +61,10 @@ class MlaAttention(Attention):
         self.kv_norm = RMSNorm(r, *norm_args)
         self.wkv_b_rnh = param(rngs, (r, n, hn + hv), ("embed", "heads", "head_dim"), wdtype, fan_in_std(r))
         self.wo_nhd = param(rngs, (n, hv, d), ("heads", "head_dim", "embed"), wdtype, fan_in_std(n * hv))
-        self.rope_inv_freq = tuple(float(f) for f in rope_frequencies_of(cfg, rotary_dim=hr))
         score_scale = yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale) if cfg.rope_scaling == "yarn" else 1.0
-        self.scale = (hn + hr) ** -0.5 * score_scale
-        self.kernel, self.dtype, self.fused, self.use_bias, self.qk_norm = kernel, cfg.dtype, False, False, False
-        self.logits_soft_cap, self.window, self.chunk, self.cfg, self.sinks = 0.0, 0, 0, cfg, False
+        # MLA's own projections (project_qkv is not used); the kernels and the output projection are Attention's
+        self.set_static(cfg, kernel, scale=(hn + hr) ** -0.5 * score_scale,
+                        rope_inv_freq=rope_frequencies_of(cfg, rotary_dim=hr))
         self.dims = (hn, hr, hv, r)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, packed: bool, kv_cache: KVCache | None = None):
