@@ -18,6 +18,7 @@ TensorCores; `tpu7x-16` is 8 chips, 16 devices).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -47,6 +48,7 @@ PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
 ]
 
 
+@functools.lru_cache(maxsize=64)  # the planner reads it per candidate
 def peak_tflops(device_kind: str) -> float | None:
     """Peak dense bf16 TFLOP/s for a device kind, or None when the device is not in the table."""
     kind = device_kind.lower()
@@ -119,8 +121,10 @@ class TpuSlice:
         return min(self.shape) >= 4
 
 
+@functools.lru_cache(maxsize=256)  # the planner asks once per mesh it scores
 def tpu_slice(name: str, key: str = "compile_topology") -> TpuSlice:
-    """Parse a slice type such as "v5p-256", "v5e-256" (or "v5litepod-256"), "v6e-8", "v4-128", "tpu7x-16"."""
+    """Parse a slice type such as "v5p-256", "v5e-256" (or "v5litepod-256"), "v6e-8", "v4-128", "tpu7x-16".
+    The same (immutable) TpuSlice for the same arguments."""
     match = re.fullmatch(r"(v4|v5p|v5e|v5litepod|v6e|tpu7x)-(\d+)", name.strip().lower())
     if not match:
         raise ConfigError(

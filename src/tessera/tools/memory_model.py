@@ -101,6 +101,12 @@ def expert_rows_per_token(m: ModelConfig, ep: int) -> float:
 def _saved_per_token(m: ModelConfig, policy: str, tp: int, ep: int = 1) -> float:
     """Activation elements one block keeps per token for the backward pass, beyond its input; `ep`
     is the expert axis (a MoE layer's rows per token: expert_rows_per_token)."""
+    return _saved_per_token_by_policy(m, tp, ep).get(policy, 0.0)
+
+
+def _saved_per_token_by_policy(m: ModelConfig, tp: int, ep: int = 1) -> dict[str, float]:
+    """`_saved_per_token` of every policy that keeps something (full and the offloading policies keep
+    nothing else on the device)."""
     d = m.emb_dim
     if m.num_experts <= 1:
         f, routed, out = token_mlp_width(m) / tp, 0.0, d
@@ -118,17 +124,24 @@ def _saved_per_token(m: ModelConfig, policy: str, tp: int, ep: int = 1) -> float
         "save_qkv_proj": q + kv,
         "save_out_proj": d,
     }
-    if policy == "custom":  # the named tensors set to `device` (the block input is counted by the caller)
-        named = {"query_proj": q, "key_proj": kv / 2, "value_proj": kv / 2, "context": q, "out_proj": d,
-                 "mlpwi": f, "mlpwi_0": f, "mlpwi_1": f, "mlpwo": out}
-        return sum(size for name, size in named.items() if getattr(m, name) == "device")
-    return kept.get(policy, 0.0)  # full and the offloading policies keep nothing else on the device
+    # custom: the named tensors set to `device` (the block input is counted by the caller)
+    named = {"query_proj": q, "key_proj": kv / 2, "value_proj": kv / 2, "context": q, "out_proj": d,
+             "mlpwi": f, "mlpwi_0": f, "mlpwi_1": f, "mlpwo": out}
+    kept["custom"] = sum(size for name, size in named.items() if getattr(m, name) == "device")
+    return kept
 
 
 def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_attention: bool,
                      microbatches: int = 1) -> float:
     """Per-device activation memory of one step under `policy`, in bytes (an estimate). With pipeline
     stages, `microbatches` is the layout's M: the backward pass recomputes one layer of one microbatch."""
+    return activation_bytes_by_policy(cfg, mesh, (policy,), fused_attention, microbatches)[policy]
+
+
+def activation_bytes_by_policy(cfg: Config, mesh: dict[str, int], policies: tuple[str, ...], fused_attention: bool,
+                               microbatches: int = 1) -> dict[str, float]:
+    """`activation_bytes` of each of `policies` (what they share computed once: the planner asks for every
+    policy of every mesh it scores)."""
     m, a = cfg.model, DTYPE_BYTES[cfg.model.dtype]
     tp = mesh["tensor"]
     seqs = cfg.data.per_device_batch_size * mesh["tensor"] * mesh["sequence"] * mesh["stage"]
@@ -138,22 +151,25 @@ def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_atten
     # sequence axis' other ways' (attention's residuals: remat_policy=none keeps them per layer)
     gathered_kv = (mesh["sequence"] - 1) * 2 * m.num_kv_heads * m.head_dim / tp * a
     ep = mesh["expert"]
-    keep = _saved_per_token(m, policy, tp, ep) * a + (scores + gathered_kv if policy == "none" else 0.0)
-    offloaded_input = policy == "custom" and m.decoder_layer_input == "offload"
+    saved = _saved_per_token_by_policy(m, tp, ep)
     # a pipeline stage keeps its own layers' activations (of every microbatch) and three
     # microbatch buffers the size of the whole batch's residual stream (inputs, outputs, loop-back)
     # (multi-token prediction depths run as layers after the decoder; they are refused with stages)
     depth = m.num_decoder_layers / mesh["stage"] + m.mtp_num_layers
-    layers = depth * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
     buffers = 3 * tokens * m.emb_dim * a if mesh["stage"] > 1 else 0.0
-    one_layer = tokens / microbatches * (2 * (_saved_per_token(m, "none", tp, ep) * a + gathered_kv)
-                                         + scores)  # recompute + grads
+    one_layer = tokens / microbatches * (2 * (saved["none"] * a + gathered_kv) + scores)  # recompute + grads
     # float32 for the loss and a copy in the compute dtype; once more per multi-token-prediction depth
     logits = (1 + m.mtp_num_layers) * tokens * m.vocab_size / tp * (4 + a)
     # a multi-token-prediction depth runs after the layers' scan, and the compiler gives it a working
     # set of its own (v5p DeepSeek-V3 recipe with one depth, 2026-11-27: 6.84 GiB more temporaries,
     # the routing buffers of a second expert layer among them; this model adds 3.37 GiB in all)
-    return layers + buffers + one_layer * (1 + m.mtp_num_layers) + logits
+    out = {}
+    for policy in policies:
+        keep = saved.get(policy, 0.0) * a + (scores + gathered_kv if policy == "none" else 0.0)
+        offloaded_input = policy == "custom" and m.decoder_layer_input == "offload"
+        layers = depth * tokens * (0.0 if offloaded_input else m.emb_dim * a + keep)
+        out[policy] = layers + buffers + one_layer * (1 + m.mtp_num_layers) + logits
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +216,8 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     # chip without tensor parallelism
     act_mesh = {**mesh, "tensor": 1}
     micro = _microbatches(cfg, mesh)
-    acts = {p: activation_bytes(cfg, act_mesh, p, fused_attention, micro) for p in policies}
-    acts.setdefault(m.remat_policy, activation_bytes(cfg, act_mesh, m.remat_policy, fused_attention, micro))
+    acts = activation_bytes_by_policy(cfg, act_mesh, tuple(dict.fromkeys((*policies, m.remat_policy))),
+                                      fused_attention, micro)
     zero1 = mesh["data"] if cfg.optim.shard_optimizer_over_data else 1  # ZeRO-1 splits AdamW's moments over data
     return Memory(params, params, 2 * params / zero1, gathered, acts)
 

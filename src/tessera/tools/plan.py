@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import math
 import sys
@@ -66,7 +67,7 @@ class Mesh:
     dcn: dict[str, int]  # ways per axis across slices (nodes)
     gpu: bool = False  # one grid over every GPU (ici and dcn: the parts inside and across nodes)
 
-    @property
+    @functools.cached_property  # read many times per candidate (do not change the dict it returns)
     def sizes(self) -> dict[str, int]:
         """Each mesh axis' total ways, as estimate.mesh_sizes gives them."""
         axes = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
@@ -236,11 +237,24 @@ def layout_or_none(cfg: Config, mesh: Mesh):
     return pipeline_layout(cfg, mesh.sizes, rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelTerms:
+    """What the MFU estimate takes from the model alone, the same for every mesh and batch of a search."""
+
+    executed: float  # executed_ratio
+    recomputed: dict[str, float]  # recomputed_share per remat policy
+
+    @classmethod
+    def of(cls, cfg: Config) -> ModelTerms:
+        return cls(executed_ratio(cfg), {p: recomputed_share(cfg, p) for p in REMAT_POLICIES})
+
+
 def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, tokens: list[int],
-                    repeats_tried: list[int] | None = None) -> list[Candidate]:
+                    repeats_tried: list[int] | None = None, terms: ModelTerms | None = None) -> list[Candidate]:
     """Per remat policy and pipeline schedule (`pipeline_repeats` unless given): the largest batch that fits (else
-    the smallest tried)."""
-    fused, executed = fused_attention(cfg, hw, mesh.sizes), executed_ratio(cfg)
+    the smallest tried). `terms`: ModelTerms.of(cfg), when the caller has it already."""
+    terms = terms or ModelTerms.of(cfg)
+    fused, executed = fused_attention(cfg, hw, mesh.sizes), terms.executed
     budget = hw.accelerator.hbm_bytes * cfg.compile.compile_hbm_budget_fraction
     found: dict[tuple[int, str], Candidate] = {}
     for repeats in repeats_tried or pipeline_repeats(cfg, mesh.sizes["stage"]):
@@ -254,7 +268,7 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
             bubble = layout.bubble if layout else 0.0
             for policy in REMAT_POLICIES:
                 cand = Candidate(mesh, repeats, policy, c.data.per_device_batch_size, t, mem.total(policy), budget,
-                                 axes, bubble, estimate_mfu(axes, bubble, recomputed_share(c, policy), executed))
+                                 axes, bubble, estimate_mfu(axes, bubble, terms.recomputed[policy], executed))
                 if cand.fits or (repeats, policy) not in found:
                     found[(repeats, policy)] = cand
     return list(found.values())
@@ -284,14 +298,14 @@ def own_candidates(cfg: Config, hw: Hardware) -> dict[str, Candidate]:
 def search(cfg: Config, hw: Hardware, tokens_per_device: int = 0) -> list[Candidate]:
     """Every mesh's candidates (per remat policy and pipeline schedule), best first (fitting ones before the
     others, which come smallest first)."""
-    m, counts = cfg.model, count_params(cfg.model)
+    m, counts, terms = cfg.model, count_params(cfg.model), ModelTerms.of(cfg)
     tokens = token_options(cfg, hw, tokens_per_device)
     found = []
     for mesh in meshes(cfg, hw):
         sizes = mesh.sizes
         if m.emb_dim % (sizes["fsdp"] * sizes["sequence"] * sizes["expert"]):
             continue  # the embedding dimension would not split: those weights would be copied, not sharded
-        found += mesh_candidates(cfg, counts, hw, mesh, tokens)
+        found += mesh_candidates(cfg, counts, hw, mesh, tokens, terms=terms)
     fitting = sorted((c for c in found if c.fits), key=Candidate.rank_key, reverse=True)
     return fitting + sorted((c for c in found if not c.fits), key=lambda c: c.memory)
 

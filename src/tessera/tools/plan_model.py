@@ -45,6 +45,7 @@ less memory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 from tessera.config import Config
@@ -78,9 +79,13 @@ class Axis:
 def ici_links(shape: tuple[int, ...], wraps: bool, ici: dict[str, int]) -> dict[str, int]:
     """ICI links each axis' collectives use: axes tile the chip grid innermost first (TILE_ORDER);
     per grid dimension an axis spans, 2 links if it closes a ring through the wraparound, else 1."""
+    return dict(_ici_links(tuple(shape), wraps, tuple(ici.get(axis, 1) for axis in TILE_ORDER)))
+
+
+@functools.lru_cache(maxsize=4096)  # the planner scores each ICI mesh once per DCN mesh and batch
+def _ici_links(shape: tuple[int, ...], wraps: bool, tile_ways: tuple[int, ...]) -> tuple[tuple[str, int], ...]:
     remaining, links = list(shape), {}
-    for axis in TILE_ORDER:
-        ways = ici.get(axis, 1)
+    for axis, ways in zip(TILE_ORDER, tile_ways):
         if ways == 1:
             continue
         extent = [1] * len(shape)
@@ -95,7 +100,7 @@ def ici_links(shape: tuple[int, ...], wraps: bool, ici: dict[str, int]) -> dict[
             continue
         links[axis] = sum((2 if wraps and e == remaining[d] else 1) for d, e in enumerate(extent) if e > 1)
         remaining = [r // e for r, e in zip(remaining, extent)]
-    return links
+    return tuple(links.items())
 
 
 def _prime_factors(n: int) -> list[int]:
