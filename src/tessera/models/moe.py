@@ -263,19 +263,24 @@ class MoeMlp(nnx.Module):
         Without an expert axis each device sorts and groups only its own tokens against all
         experts (gathered). With one, each device sorts its token copies by expert, sends each
         expert shard its rows (`grouped.ragged_exchange`), groups what it received by local expert for the
-        grouped matmuls, and sends the results back the same way. A sequence axis, or a batch
-        the mesh does not divide, falls back to sorting the whole batch's copies together."""
+        grouped matmuls, and sends the results back the same way. Routing is per token, so a sequence
+        axis splits the token copies as the batch axes do: each device routes its own part of its
+        sequences. A batch or length the mesh does not divide falls back to sorting the whole batch's
+        copies together."""
         mesh = jax.sharding.get_abstract_mesh()
         sizes = {} if mesh.empty else dict(mesh.shape)
         ep, e = sizes.get("expert", 1), self.cfg.num_experts
         batch = tuple(a for a in ("data", "fsdp", "expert") if sizes.get(a, 1) > 1)
+        sequence = "sequence" if sizes.get("sequence", 1) > 1 else None
         shards = math.prod(sizes.get(a, 1) for a in batch)
-        if not batch or sizes.get("sequence", 1) > 1 or x_btd.shape[0] % shards or e % ep:
+        if (not batch and not sequence) or x_btd.shape[0] % shards or e % ep \
+                or (sequence and x_btd.shape[1] % sizes["sequence"]):
             return self._dropless(x_btd, experts_btk, weights_btk, self._expert_weights()), jnp.zeros((), jnp.float32)
         tp = sizes.get("tensor", 1)
         tensor = "tensor" if tp > 1 and self.cfg.expert_mlp_dim % tp == 0 else None
         experts = "expert" if ep > 1 else None
-        rows = P(batch if len(batch) > 1 else batch[0], None, None)
+        rows = P(batch if len(batch) > 1 else (batch[0] if batch else None), sequence, None)
+        token_axes = (*batch, *([sequence] if sequence else []))  # the axes that split the token copies
         ragged = traced_platform() != "cpu"  # XLA:CPU has no ragged all-to-all
 
         def local(x, experts_btk, weights_btk, weights):
@@ -283,7 +288,7 @@ class MoeMlp(nnx.Module):
                 weights = weights._replace(bo=jnp.where(jax.lax.axis_index("tensor") == 0, weights.bo, 0))
             if experts:
                 out, dropped = self._dropless_expert_parallel(x, experts_btk, weights_btk, weights, ep, ragged)
-                dropped = jax.lax.pmean(dropped, batch)  # every device holds as many copies
+                dropped = jax.lax.pmean(dropped, token_axes)  # every device holds as many copies
             else:
                 out, dropped = self._dropless(x, experts_btk, weights_btk, weights), jnp.zeros((), jnp.float32)
             return (jax.lax.psum(out, "tensor") if tensor else out), dropped
