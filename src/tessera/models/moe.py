@@ -279,8 +279,8 @@ class MoeMlp(nnx.Module):
         tp = sizes.get("tensor", 1)
         tensor = "tensor" if tp > 1 and self.cfg.expert_mlp_dim % tp == 0 else None
         experts = "expert" if ep > 1 else None
-        rows = P(batch if len(batch) > 1 else (batch[0] if batch else None), sequence, None)
-        token_axes = (*batch, *([sequence] if sequence else []))  # the axes that split the token copies
+        rows = P(batch or None, sequence, None)
+        token_axes = batch + ((sequence,) if sequence else ())  # the axes that split the token copies
         ragged = traced_platform() != "cpu"  # XLA:CPU has no ragged all-to-all
 
         def local(x, experts_btk, weights_btk, weights):

@@ -46,9 +46,8 @@ from tessera.tools.cli import config_epilog
 from tessera.tools.estimate import (Hardware, fused_attention, load_model_config, mesh_sizes, parse_hardware,
                                    sequence_note)
 from tessera.tools.memory_model import ParamCounts, count_params, estimate_memory
-from tessera.tools.plan_model import Axis, estimate_mfu, executed_ratio, recomputed_share, score_axes
+from tessera.tools.plan_model import REMAT_POLICIES, Axis, ModelTerms, estimate_mfu, score_axes
 
-REMAT_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "none")
 ICI_AXES = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
 DCN_AXES = ("data", "stage", "fsdp")
 GPU_ORDER = ("expert", "tensor", "sequence", "fsdp", "stage", "data")  # tessera.mesh's order, innermost first
@@ -235,18 +234,6 @@ def layout_or_none(cfg: Config, mesh: Mesh):
     """(pipeline layout or None) when this batch and mesh are valid for the trainer, else raises ConfigError."""
     rows = global_batch(cfg.data.per_device_batch_size, 1, mesh.sizes)
     return pipeline_layout(cfg, mesh.sizes, rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelTerms:
-    """What the MFU estimate takes from the model alone, the same for every mesh and batch of a search."""
-
-    executed: float  # executed_ratio
-    recomputed: dict[str, float]  # recomputed_share per remat policy
-
-    @classmethod
-    def of(cls, cfg: Config) -> ModelTerms:
-        return cls(executed_ratio(cfg), {p: recomputed_share(cfg, p) for p in REMAT_POLICIES})
 
 
 def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, tokens: list[int],

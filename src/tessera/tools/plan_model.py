@@ -58,6 +58,7 @@ if TYPE_CHECKING:
 
 BASE_MFU = 0.6  # a compute-bound step's share of peak (the recipes' READMEs' assumption)
 TENSOR_MFU = 0.5  # the same with tensor parallelism: part of its all-reduces stays exposed
+REMAT_POLICIES = ("full", "save_qkv_proj", "save_dot_except_mlp", "minimal", "none")  # the plan tries
 TILE_ORDER = ("tensor", "expert", "sequence", "fsdp", "stage", "data")  # TPU: innermost tile first
 
 
@@ -177,6 +178,18 @@ def executed_ratio(cfg: Config) -> float:
     padding = routed * (m.num_experts * slots / (k * length) - 1)
     dispatch = 4 * m.num_experts * slots * m.emb_dim
     return 1.0 + counts.expert_layers * (padding + dispatch) / counted
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelTerms:
+    """What the MFU estimate takes from the model alone, the same for every mesh and batch of a search."""
+
+    executed: float  # executed_ratio
+    recomputed: dict[str, float]  # recomputed_share per remat policy
+
+    @classmethod
+    def of(cls, cfg: Config) -> ModelTerms:
+        return cls(executed_ratio(cfg), {p: recomputed_share(cfg, p) for p in REMAT_POLICIES})
 
 
 def estimate_mfu(axes: tuple[Axis, ...], bubble: float, recomputed: float, executed: float = 1.0) -> float:
