@@ -49,6 +49,7 @@ def compile_recipe(recipe: Path, out_dir: Path) -> dict:
         "budget_bytes": r["budget_bytes"], "gib_per_device": round(r["total_bytes"] / GIB, 2),
         "hbm_gib": round(r["hbm_bytes"] / GIB, 2), "fits": r["fits"],
         "attention_kernel": r.get("attention_kernel", ""), "custom_calls": r.get("custom_calls", {}),
+        "tpu_kernels": r.get("tpu_kernels", {}),
         "collectives": r.get("collectives", {}), "pipeline": r.get("pipeline", {}),
     }
 

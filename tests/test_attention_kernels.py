@@ -326,6 +326,8 @@ def test_aot_compile_for_tpu_runs_the_splash_kernel(sequence):
     report = compile_for_topology(cfg)
     assert report.fits and report.attention_kernel == "splash"
     assert report.custom_calls.get("tpu_custom_call", 0) >= 3  # forward, dK/dV and dQ kernels
+    # named in the report: splash_mqa_fwd_segmented_residuals, splash_mqa_dkv_segmented_no_residuals, ...
+    assert {k.split("_")[2] for k in report.tpu_kernels if k.startswith("splash_")} == {"fwd", "dkv", "dq"}
     if sequence > 1:  # load-balanced (512 = 2 x 2 parts of 128): the queries go there and back by permutes
         assert report.collectives.get("all-gather", 0) and report.collectives.get("reduce-scatter", 0)
         assert report.collectives.get("collective-permute", 0) >= 4

@@ -404,6 +404,21 @@ def test_compile_hbm_budget_fraction_is_in_0_1(value, message):
         assert _config_error([BASE, f"compile_hbm_budget_fraction={value}"]).startswith(message)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["tile_weight_dim=200"], "tile_weight_dim=200 must be a multiple of 128 (the TPU's lane width: the Pallas grouped "
+                              "matmul's tiles are whole lanes), e.g. 512 or 1024 (from the command line)"),
+    (["tile_batch_seq=640", "tile_activation_dim=100"], "tile_activation_dim='100' is too small; it must be >= 128"),
+    (["tile_batch_seq=384", "tile_activation_dim=2000"], "tile_activation_dim=2000 must be a multiple of 128"),
+    (["tile_batch_seq=384", "tile_activation_dim=256", "tile_weight_dim=2048"], None),
+])
+def test_megablox_tiles_are_whole_lanes(args, message):
+    if message is None:
+        m = load_config([BASE, *args], env={}).model
+        assert (m.tile_batch_seq, m.tile_activation_dim, m.tile_weight_dim) == (384, 256, 2048)
+    else:
+        assert _config_error([BASE, *args]).startswith(message)
+
+
 @pytest.mark.parametrize("value, ok", [("0", False), ("-2", False), ("-1", True), ("1", True), ("5", True)])
 def test_max_num_checkpoints_to_keep_is_minus_1_or_positive(value, ok):
     if ok:

@@ -1,6 +1,7 @@
 """Block families: scan == loop and parameter counts for each, fused QKV, sliding windows,
 mixture-of-experts routing (dropless == capacity, dropped tokens, expert parallelism)."""
 
+import functools
 import json
 import math
 import re
@@ -398,25 +399,31 @@ def test_ragged_buffer_factor_bounds_the_receive_buffer_and_reports_drops(tmp_pa
         build_model(tiny_config(**MOE, ragged_buffer_factor=0).model)
 
 
-def test_megablox_kernel_equals_ragged_dot_in_values_and_gradients():
+@pytest.mark.parametrize("k, n, tiles", [
+    (128, 256, (512, 1024, 1024)),  # the default tiles: each matrix one tile
+    (200, 328, (128, 128, 128)),  # no multiple of the tile: partial last tiles, forward and backward
+    (72, 2880 // 16, (128, 128, 256)),  # narrower than a tile (gpt-oss's expert width split 16 ways)
+])
+def test_megablox_kernel_equals_ragged_dot_in_values_and_gradients(k, n, tiles):
     """The Pallas grouped matmul (in its interpreter here; on TPUs with megablox=true) against
-    XLA's ragged_dot: rows not a multiple of its 128-row tile, an empty group, rows past the
-    groups' total (zero in both)."""
+    XLA's ragged_dot: rows not a multiple of its row tile, an empty group, rows past the
+    groups' total (zero in both), widths that are no multiple of the 128-column tile."""
     from tessera.models.grouped import grouped_matmul
 
-    lhs = jax.random.normal(jax.random.key(0), (150, 128))
-    rhs = jax.random.normal(jax.random.key(1), (4, 128, 256))
+    lhs = jax.random.normal(jax.random.key(0), (150, k))
+    rhs = jax.random.normal(jax.random.key(1), (4, k, n))
     sizes = jnp.array([50, 0, 61, 29], jnp.int32)  # 140 of 150 rows
-    probe = jax.random.normal(jax.random.key(2), (150, 256))
+    probe = jax.random.normal(jax.random.key(2), (150, n))
 
-    def loss(kernel, l, r):
-        return jnp.sum(grouped_matmul(l, r, sizes, kernel) * probe)
+    def run(kernel, l, r):
+        return grouped_matmul(l, r, sizes, kernel, tiles=tiles)
 
-    ref, got = grouped_matmul(lhs, rhs, sizes, "ragged_dot"), grouped_matmul(lhs, rhs, sizes, "megablox_interpret")
+    ref, got = run("ragged_dot", lhs, rhs), run("megablox_interpret", lhs, rhs)
+    assert "pallas_call" in str(jax.make_jaxpr(functools.partial(run, "megablox_interpret"))(lhs, rhs))
     np.testing.assert_allclose(got, ref, atol=1e-3)
     assert not np.any(got[140:])
-    for a, b in zip(jax.grad(lambda l, r: loss("megablox_interpret", l, r), (0, 1))(lhs, rhs),
-                    jax.grad(lambda l, r: loss("ragged_dot", l, r), (0, 1))(lhs, rhs)):
+    for a, b in zip(jax.grad(lambda l, r: jnp.sum(run("megablox_interpret", l, r) * probe), (0, 1))(lhs, rhs),
+                    jax.grad(lambda l, r: jnp.sum(run("ragged_dot", l, r) * probe), (0, 1))(lhs, rhs)):
         np.testing.assert_allclose(a, b, atol=1e-3)
 
 

@@ -13,6 +13,7 @@ from conftest import TINY
 from tessera.config import ConfigError, build_config
 from tessera import train_compile
 from tessera.hardware import tpu_slice
+from tessera.hlo_text import tpu_kernels
 from tessera.train_compile import EXIT_DOES_NOT_FIT, compile_for_topology, main, not_fits_message
 
 BASE = ["configs/base.yml"]
@@ -184,18 +185,46 @@ def test_capacity_routing_over_an_expert_axis_does_not_gather_the_global_batch()
 
 
 def test_megablox_runs_the_pallas_grouped_matmul_on_tpu():
-    # widths that are multiples of the kernel's 128 tile; XLA's own grouped matmul otherwise
+    # widths that are no multiple of the kernel's 128-column tile (192 and 200, as gpt-oss's 2880): the TPU
+    # compiler takes the kernel's partial last tiles; without megablox, XLA's own grouped matmul
     from tessera.step import compile_step, setup
     from tessera.train_compile import topology_devices
 
     programs = {}
     for megablox in (False, True):
         cfg = build_config({**TINY, "decoder_block": "mixtral", "num_experts": 4, "num_experts_per_tok": 2,
-                            "sparse_matmul": True, "megablox": megablox, "dtype": "bfloat16", "base_emb_dim": 128,
-                            "base_mlp_dim": 256, "ici_expert_parallelism": 4, "ici_fsdp_parallelism": 2})
+                            "sparse_matmul": True, "megablox": megablox, "dtype": "bfloat16", "base_emb_dim": 192,
+                            "base_mlp_dim": 200, "ici_expert_parallelism": 4, "ici_fsdp_parallelism": 2})
         programs[megablox] = compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text()
-    assert "%ragged-dot" in programs[False] and "%gmm" not in programs[False]
-    assert "%gmm" in programs[True] and "%tgmm" in programs[True] and "%ragged-dot" not in programs[True]
+    kernels = {megablox: tpu_kernels(program) for megablox, program in programs.items()}
+    assert "%ragged-dot" in programs[False] and not {"gmm", "tgmm"} & set(kernels[False])
+    assert "%ragged-dot" not in programs[True] and not any(k.startswith("ragged-dot") for k in kernels[True])
+    # per scanned layer: three grouped matmuls forward (two in, one out), three for the inputs' gradients (gmm)
+    # and three for the weights' (tgmm)
+    assert kernels[True] == {"gmm": 6, "tgmm": 3}
+
+
+def test_megablox_tiles_fit_the_tpu_s_scoped_vmem_in_float32():
+    """MaxText's default tiles (512 x 1024 x 1024) need 18-20 MiB of VMEM in float32, more than the 16 MiB a v5e
+    gives a kernel (the compiler refused: CompileTimeScopedVmemOom); the column tiles are halved until they fit."""
+    from tessera.models.grouped import TILE_VMEM_BYTES, megablox_tiles, tile_vmem_bytes
+    from tessera.step import compile_step, setup
+    from tessera.train_compile import topology_devices
+
+    assert megablox_tiles(512, 1024, 1024, 2, 8192, 2048, 4096) == (512, 1024, 1024)  # bfloat16: 12 MiB
+    assert megablox_tiles(512, 1024, 1024, 4, 8192, 2048, 4096) == (512, 512, 1024)
+    assert megablox_tiles(512, 1024, 1024, 4, 8192, 200, 2880) == (512, 200, 1024)  # narrow: whole, and fits
+    for itemsize, dims in [(4, (4096, 4096)), (4, (2880, 180)), (2, (8192, 8192))]:
+        tm, tk, tn = megablox_tiles(2048, 4096, 4096, itemsize, 2048, *dims)
+        assert tile_vmem_bytes(tm, tk, tn, itemsize) <= TILE_VMEM_BYTES
+        assert all(t % 128 == 0 or t == d for t, d in zip((tk, tn), dims))
+    cfg = build_config({**TINY, "decoder_block": "mixtral", "num_experts": 4, "num_experts_per_tok": 2,
+                        "max_target_length": 256, "sparse_matmul": True, "megablox": True, "dtype": "float32", "attention": "dot_product",
+                        "base_emb_dim": 1024, "base_mlp_dim": 1024, "ici_expert_parallelism": 4,
+                        "ici_fsdp_parallelism": 2, "base_num_decoder_layers": 1})
+    program = compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text()
+    assert tpu_kernels(program) == {"gmm": 6, "tgmm": 3}
+    assert all(" = f32[" in line for line in program.splitlines() if re.match(r"\s*%t?gmm[.\d]* = ", line))
 
 
 def test_compiled_trainstep_file_under_a_file_is_refused_before_compiling(tmp_path, capsys, caplog):

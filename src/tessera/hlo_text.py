@@ -1,5 +1,5 @@
 """Reading compiled HLO text (`compiled.as_text()`): what the AOT compile report counts in a
-program (collectives, quantized matmuls, pipeline hand-overs hidden behind compute) and the
+program (collectives, TPU kernels, quantized matmuls, pipeline hand-overs hidden behind compute) and the
 computations a program is made of, for tools that need more (benchmarks/cpu_llama_ceiling.py)."""
 
 from __future__ import annotations
@@ -74,6 +74,15 @@ def stage_transfers(hlo: str) -> tuple[int, int]:
             overlapped += any(_MATMUL.search(x) or any(computes(c) for c in _CALLED.findall(x))
                               for x in body[i + 1:end])
     return transfers, overlapped
+
+
+def tpu_kernels(hlo: str) -> dict[str, int]:
+    """{kernel: count} of the Mosaic kernels a TPU program runs (its `tpu_custom_call` instructions):
+    Pallas kernels, named after their function (gmm, tgmm, splash_mha_fwd, ...), and XLA's own
+    (ragged-dot-..., XLA's grouped matmul)."""
+    names = [re.sub(r"(\.(\d+|clone))+$", "", name) for name in
+             re.findall(r"^\s*(?:ROOT )?%([\w.-]+) = .*custom_call_target=\"tpu_custom_call\"", hlo, re.MULTILINE)]
+    return {name: names.count(name) for name in sorted(set(names))}
 
 
 # a collective instruction in compiled HLO text: `... = bf16[..] all-to-all(...)`, async ones as `-start`

@@ -29,7 +29,7 @@ from tessera.config import Config, ConfigError, load_config
 from tessera.config.derived import run_dir
 from tessera.config.checks import validate_for_build
 from tessera.hardware import GIB, TpuSlice, tpu_slice
-from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops, low_precision_dots, stage_transfers
+from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops, low_precision_dots, tpu_kernels, stage_transfers
 from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
 
 log = logging.getLogger("tessera")
@@ -65,6 +65,7 @@ class CompileReport:
     compiler_error: str = ""  # the compiler's own out-of-memory message, when it refused to compile
     attention_kernel: str = ""  # the attention kernel compiled into the step (select_attention's choice)
     custom_calls: dict = dataclasses.field(default_factory=dict)  # custom-call target -> count in the program
+    tpu_kernels: dict = dataclasses.field(default_factory=dict)  # TPU kernel (gmm, splash_..., ragged-dot-...) -> count
     collectives: dict = dataclasses.field(default_factory=dict)  # collective op (all-reduce, ...) -> count
     pipeline: dict = dataclasses.field(default_factory=dict)  # stages, repeats, microbatches, bubble (if pipelined)
     quantization: str = ""  # quantized training mode ('' off)
@@ -191,6 +192,7 @@ def compile_for_topology(cfg: Config) -> CompileReport:
     hlo = compiled.as_text()
     targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
     report.custom_calls = {t: targets.count(t) for t in sorted(set(targets))}
+    report.tpu_kernels = tpu_kernels(hlo)
     ops = COLLECTIVE_OP.findall(hlo)
     report.collectives = {op: ops.count(op) for op in sorted(set(ops))}
     report.low_precision_dots = low_precision_dots(hlo)
@@ -275,6 +277,7 @@ def memory_table(r: CompileReport) -> str:
     if r.eval_step:
         rows.append((f"evaluation total (eval batch {r.eval_step['eval_batch']})", r.eval_step["total_bytes"]))
     kernels = ", ".join(f"{t} x{n}" for t, n in r.custom_calls.items()) or "none"
+    kernels += "" if not r.tpu_kernels else f" (kernels: {', '.join(f'{k} x{n}' for k, n in r.tpu_kernels.items())})"
     collectives = ", ".join(f"{op} x{n}" for op, n in r.collectives.items()) or "none"
     return ("\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
             + f"\n  attention kernel: {r.attention_kernel or 'unknown'}; custom calls in the program: {kernels}"

@@ -36,6 +36,10 @@ def validate(cfg: Config) -> None:
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more than num_experts={m.num_experts}; "
                           "a token cannot be routed to more experts than there are")
+    tiles = {n: getattr(m, n) for n in ("tile_batch_seq", "tile_activation_dim", "tile_weight_dim")}
+    if any(v % 128 for v in tiles.values()):
+        raise ConfigError(", ".join(f"{n}={v}" for n, v in tiles.items() if v % 128) + " must be a multiple of 128 "
+                          "(the TPU's lane width: the Pallas grouped matmul's tiles are whole lanes), e.g. 512 or 1024")
     if m.head_dim % 2:
         raise ConfigError(f"head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
     _validate_family(m)

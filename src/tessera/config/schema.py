@@ -295,7 +295,13 @@ class ModelConfig:
     sparse_matmul: bool = key(False, "dropless MoE: sort token copies by expert and run grouped (ragged) matmuls; "
                               "capacity_factor is not used")
     megablox: bool = key(False, "dropless MoE, as sparse_matmul, with the grouped matmuls in the Pallas megablox "
-                         "kernel on TPUs (widths multiples of 128); elsewhere jax.lax.ragged_dot")
+                         "kernel on TPUs; elsewhere jax.lax.ragged_dot")
+    tile_batch_seq: int = key(512, "megablox=true: token-copy rows per tile of the grouped matmuls (a multiple of "
+                              "128; a device's rows are padded to whole tiles)", minimum=128)
+    tile_activation_dim: int = key(1024, "megablox=true: contraction columns per tile of the grouped matmuls (a "
+                                   "multiple of 128; a narrower matrix is one tile)", minimum=128)
+    tile_weight_dim: int = key(1024, "megablox=true: output columns per tile of the grouped matmuls (a multiple of "
+                               "128; a narrower matrix is one tile)", minimum=128)
     ragged_buffer_factor: float = key(-1.0, "dropless MoE with an expert axis: each device's buffer for the token "
                                       "copies it receives holds ragged_buffer_factor x its own copies; the excess "
                                       "is dropped (reported); -1: room for every copy (never drops)")

@@ -7,6 +7,7 @@ all-to-all, or on XLA:CPU a dense all-to-all of padded runs).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -33,31 +34,58 @@ def grouped_matmul_kernel(cfg: ModelConfig) -> str:
     return "megablox" if cfg.megablox and traced_platform() == "tpu" else "ragged_dot"
 
 
-MEGABLOX_TILE = 128  # rows, contraction and output columns per tile of the Pallas kernel
-_FELL_BACK: set[tuple[int, int]] = set()  # widths whose fallback to ragged_dot was logged (once per process)
+LANES = 128  # the TPU vector lane width: the Pallas kernel's tiles are whole multiples of it
+# VMEM one grouped matmul's tiles may take: TPUs v4 and v5 give a kernel 16 MiB of scoped VMEM by default (v6e 32)
+TILE_VMEM_BYTES = 14 * 2**20
+_SHRUNK: set[tuple] = set()  # tile choices whose shrinking was logged (once per process)
 
 
-def grouped_matmul(lhs_md, rhs_gdn, group_sizes, kernel: str, quantization: str = ""):
+def tile_vmem_bytes(tm: int, tk: int, tn: int, itemsize: int) -> int:
+    """VMEM of the kernel's tiles: the two input tiles and the output tile, each double-buffered, and
+    the float32 accumulator (the output tile's size forward, [tk, tn] for the weights' gradient)."""
+    return 2 * itemsize * (tm * tk + tk * tn + tm * tn) + 4 * tn * max(tm, tk)
+
+
+def megablox_tiles(tile_rows: int, tile_contraction: int, tile_out: int, itemsize: int, m: int, k: int, n: int):
+    """The Pallas kernel's tile (rows, contraction, output columns) for an [m, k] x [k, n] product: the
+    configured sizes (`tile_batch_seq`, `tile_activation_dim`, `tile_weight_dim`), a narrower matrix
+    taken whole, the wider of the column tiles halved while the tiles would not fit TILE_VMEM_BYTES
+    (float32's tiles take twice bfloat16's). The kernel asks again with its own dimensions for each
+    backward product, where k and n trade places; a width that is no multiple of the tile ends in a
+    partial tile, which the kernel masks."""
+    tm, tk, tn = min(tile_rows, m), min(tile_contraction, k), min(tile_out, n)
+    chosen = (tm, tk, tn)
+    while tile_vmem_bytes(tm, tk, tn, itemsize) > TILE_VMEM_BYTES and max(tk, tn) > LANES:
+        if tk >= tn:
+            tk = max(LANES, tk // 2 // LANES * LANES)
+        else:
+            tn = max(LANES, tn // 2 // LANES * LANES)
+    if (tm, tk, tn) != chosen and (chosen, itemsize) not in _SHRUNK:
+        _SHRUNK.add((chosen, itemsize))
+        log.info("megablox: tiles %s of %d-byte values need %.0f MiB of VMEM, more than %d: the grouped matmul of "
+                 "[%d, %d] x [%d, %d] uses %s", chosen, itemsize, tile_vmem_bytes(*chosen, itemsize) / 2**20,
+                 TILE_VMEM_BYTES // 2**20, m, k, k, n, (tm, tk, tn))
+    return tm, tk, tn
+
+
+def grouped_matmul(lhs_md, rhs_gdn, group_sizes, kernel: str, quantization: str = "",
+                   tiles: tuple[int, int, int] = (512, 1024, 1024)):
     """lhs rows [sum(group_sizes[:g]), sum(group_sizes[:g+1])) times rhs[g], for each group g;
     rows past the groups' total are zero. `kernel`: "ragged_dot", "megablox", or
-    "megablox_interpret" (the Pallas kernel in its interpreter, to test it on a CPU).
+    "megablox_interpret" (the Pallas kernel in its interpreter, to test it on a CPU); `tiles`:
+    the kernel's largest tile (multiples of 128; see `megablox_tiles`).
     `quantization` (int8, fp8, ...): qwix's quantized ragged dot, whatever the kernel."""
     if quantization:
         return quantized_ragged_dot(lhs_md, rhs_gdn, group_sizes, quantization)
-    m, (k, n) = lhs_md.shape[0], rhs_gdn.shape[1:]
-    if kernel != "ragged_dot" and (k % MEGABLOX_TILE or n % MEGABLOX_TILE):
-        # the backward pass runs the kernel with k and n swapped, so one tile must fit both
-        if (k, n) not in _FELL_BACK:
-            _FELL_BACK.add((k, n))
-            log.info("megablox=true: grouped matmuls of width %d x %d run jax.lax.ragged_dot (the Pallas kernel "
-                     "needs both multiples of %d)", k, n, MEGABLOX_TILE)
-        kernel = "ragged_dot"
     if kernel == "ragged_dot":
         return jax.lax.ragged_dot(lhs_md, rhs_gdn, group_sizes)
     from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
-    rows = -(-m // MEGABLOX_TILE) * MEGABLOX_TILE  # the kernel tiles rows only in whole tiles
-    tiling = (MEGABLOX_TILE,) * 3
+    m = lhs_md.shape[0]
+    # the kernel tiles rows only in whole tiles (of at most tile_batch_seq, at least one lane's worth)
+    tile_rows = min(tiles[0], -(-m // LANES) * LANES)
+    rows = -(-m // tile_rows) * tile_rows
+    tiling = functools.partial(megablox_tiles, tile_rows, *tiles[1:], lhs_md.dtype.itemsize)
     # the kernel leaves rows of no group unwritten, forward and backward: zero them both ways
     grouped = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
     lhs_md = jnp.where(grouped, lhs_md, 0)

@@ -30,6 +30,7 @@ microbatches before the product, so the loss is the whole batch's there too.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -331,14 +332,16 @@ class MoeMlp(nnx.Module):
     def _grouped_mlp(self, rows, group_sizes, weights: ExpertWeights):
         """The gated MLP of expert g on its consecutive rows (`group_sizes[g]` of them), as grouped
         matmuls (`grouped_matmul`); rows past the groups' total come out zero."""
-        kernel = grouped_matmul_kernel(self.cfg)
+        kernel, cfg = grouped_matmul_kernel(self.cfg), self.cfg
+        mm = functools.partial(grouped_matmul, group_sizes=group_sizes, kernel=kernel, quantization=cfg.quantization,
+                               tiles=(cfg.tile_batch_seq, cfg.tile_activation_dim, cfg.tile_weight_dim))
         bias = row_bias(group_sizes, rows.shape[0]) if weights.bis else None
         projections = []
         for i, w_edf in enumerate(weights.wis):
-            a = grouped_matmul(rows, w_edf, group_sizes, kernel, self.cfg.quantization)
+            a = mm(rows, w_edf)
             projections.append(checkpoint_name(a if bias is None else a + bias(weights.bis[i]), f"mlpwi_{i}"))
         h = checkpoint_name(self.gated(projections), "mlpwi")
-        out = grouped_matmul(h, weights.wo, group_sizes, kernel, self.cfg.quantization)
+        out = mm(h, weights.wo)
         return out if bias is None else out + bias(weights.bo)
 
     def _dropless(self, x_btd, experts_btk, weights_btk, weights):
