@@ -275,3 +275,24 @@ def test_delayed_forwarding_hides_the_hand_over_between_slices():
     assert (delayed.pipeline["stage_transfers"], delayed.pipeline["overlapped_transfers"]) == (2, 2)
     assert (plain.pipeline["bubble"], delayed.pipeline["bubble"]) == (0.2, 0.3333)
     assert "hand-overs between stages overlapping a matmul: 2 of 2" in train_compile.memory_table(delayed)
+
+
+def test_tpu_step_forms_the_gradient_mean_before_the_update(monkeypatch):
+    """On XLA:CPU the 1/count of the mean gradient is folded into the optimizer update (a pass of its own
+    otherwise); on TPUs that form held more temporaries (the raw sums feed both the norm and the update;
+    MaxText's Mixtral 8x7B command on v6e-256: 14.38 GiB per chip against 11.48), so the mean comes first there.
+    Both forms of the same step (the default model, four sequences of 1024 per chip), compiled for a TPU slice."""
+    from tessera import step
+    from tessera.step import compile_step, setup
+    from tessera.train_compile import topology_devices
+
+    assert step.gradient_mean_in_update("cpu") and not step.gradient_mean_in_update("tpu")
+    cfg = build_config({"per_device_batch_size": 4, "max_target_length": 1024, "dtype": "bfloat16",
+                        "base_num_decoder_layers": 2})
+    temp = {}
+    for in_update in (False, True):
+        monkeypatch.setattr(step, "gradient_mean_in_update", lambda platform, v=in_update: v)
+        temp[in_update] = compile_step(setup(cfg, topology_devices(tpu_slice("v6e-8"), 1)), 0)[0] \
+            .memory_analysis().temp_size_in_bytes
+    assert temp[False] < 0.8 * temp[True], temp  # 19.3 against 28.3 MiB (at a few sequences of 64 tokens the two are within 10%)
+
