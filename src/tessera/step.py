@@ -327,8 +327,12 @@ def make_train_step(trainer: Trainer, seed: int):
             mtp_loads = jnp.mean(mtp_loads, axis=0)
         # Gradients are sums over the batch's tokens; the update takes their mean (x 1/count).
         inv_count = 1.0 / count
+
+        def mean(sums):
+            return jax.tree.map(lambda g: (g * inv_count).astype(g.dtype), sums)
+
         if not mean_in_update:
-            grads = jax.tree.map(lambda g: (g * inv_count).astype(g.dtype), grads)
+            grads = mean(grads)
         loss, grad_norm = loss_sum / count, optax.tree.norm(grads) * (inv_count if mean_in_update else 1.0)
         # A non-finite loss or gradient leaves parameters and optimizer state as they were, so
         # a NaN never reaches the state (or a checkpoint); the host decides to stop or go on.
@@ -337,8 +341,8 @@ def make_train_step(trainer: Trainer, seed: int):
 
         def update(operands):
             p, opt = operands
-            mean_grads = jax.tree.map(lambda g: (g * inv_count).astype(g.dtype), grads) if mean_in_update else grads
-            updates, opt = optimizer.update(mean_grads, opt, p, global_norm=grad_norm)  # the clip's norm
+            grad_mean = mean(grads) if mean_in_update else grads
+            updates, opt = optimizer.update(grad_mean, opt, p, global_norm=grad_norm)  # the clip's norm
             p = optax.apply_updates(p, updates)
             if loads is not None:  # auxiliary-loss-free balancing: the choice biases move after the update
                 p = update_routed_bias(p, loads, bias_rate, mtp_loads)
