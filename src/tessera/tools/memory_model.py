@@ -5,10 +5,11 @@ is an estimate: the tensors each remat policy keeps per layer, plus one layer's 
 its gradients (with a sequence split, the keys and values attention gathers from the other
 shares), plus the logits (float32 and a compute-dtype copy); FSDP keeps two layers gathered
 (the next one is gathered ahead) and the logits' matrix, each with its gradient. Against the
-compiler's figures for our 30 TPU recipes (benchmarks/results/aot_recipes.json, 2026-11-27) the
-total ranges from 14% below (v6e/qwen3_8b) to 27% above (v6e/qwen3_30b_a3b), 26 of them within
-15% and 22 within 10% (benchmarks/plan_recipes.py prints the comparison); `EXECUTABLE=train_compile`
-gives the exact figure for a TPU topology.
+compiler's figures for our 31 TPU recipes (benchmarks/results/aot_recipes.json, 2026-11-28) the
+total ranges from 22% below (v5p/gpt_oss_120b: temporaries not modelled, most likely its expert
+layers') to 27% above (v6e/qwen3_30b_a3b), 28 of them within 15% and 22 within 10%
+(benchmarks/plan_recipes.py prints the comparison); `EXECUTABLE=train_compile` gives the exact
+figure for a TPU topology.
 
 Active parameters count what a token multiplies through: attention, the experts it is routed
 to, embeddings and norms. The router (num_experts x emb_dim per layer) is in the total but not
