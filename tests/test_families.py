@@ -427,6 +427,33 @@ def test_megablox_kernel_equals_ragged_dot_in_values_and_gradients(k, n, tiles):
         np.testing.assert_allclose(a, b, atol=1e-3)
 
 
+def test_expert_biases_take_their_gradient_by_matmul_not_scatter():
+    """gpt-oss's expert biases, added to rows grouped by expert (rows past the groups' total get
+    none): values and gradient equal the plain gather's (whose gradient XLA forms as a scatter-add,
+    which the TPU compiler runs on 32-bit buffers of every row), and the gradient has no scatter."""
+    from tessera.models.grouped import row_bias
+
+    sizes = jnp.array([5, 0, 7, 3], jnp.int32)  # 15 of 18 rows
+    bias = jax.random.normal(jax.random.key(0), (4, 6)).astype(jnp.bfloat16)
+    probe = jax.random.normal(jax.random.key(1), (18, 6)).astype(jnp.bfloat16)
+    group = jnp.repeat(jnp.arange(5), jnp.array([5, 0, 7, 3, 3]), total_repeat_length=18)
+
+    def gathered(b):  # what row_bias computed before: the gather differentiated by XLA
+        return jnp.where((group < 4)[:, None], jnp.take(b, group, axis=0, mode="clip"), 0)
+
+    def loss(add_bias, b):
+        return jnp.sum((add_bias(b) * probe).astype(jnp.float32))
+
+    np.testing.assert_array_equal(row_bias(sizes, 18)(bias), gathered(bias))
+    assert not np.any(row_bias(sizes, 18)(bias)[15:])
+    got = jax.grad(functools.partial(loss, row_bias(sizes, 18)))(bias)
+    want = jax.grad(functools.partial(loss, gathered))(bias)
+    np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=1e-2, atol=1e-2)
+    program = str(jax.make_jaxpr(jax.grad(functools.partial(loss, row_bias(sizes, 18))))(bias))
+    assert "scatter" not in program and "dot_general" in program
+    assert "scatter" in str(jax.make_jaxpr(jax.grad(functools.partial(loss, gathered)))(bias))
+
+
 def test_latent_attention_has_every_static_setting_of_attention():
     """MlaAttention has weights of its own and so skips Attention.__init__, but runs Attention's kernels and
     output projection: every non-weight attribute a plain Attention has (the settings those methods read) is set
