@@ -77,6 +77,24 @@ def test_not_fits_message_names_the_knobs_for_the_larger_part(small_report):
     assert "weight_dtype=bfloat16 (already)" in text and "(now bfloat16) bfloat16" not in text
 
 
+def test_not_fits_message_offers_vocab_tiling_where_the_logits_weigh(small_report):
+    """A large vocabulary's logits (gpt-oss-120b at 8192 tokens: 9 GiB per chip, 6 of them saved
+    by num_vocab_tiling=8) are a knob of their own; not offered where tiles are set or the logits
+    are small."""
+    cfg, r = small_report
+    over = dataclasses.replace(r, temp_bytes=10 * r.argument_bytes, budget_bytes=1)
+    big_vocab = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=201088))
+    d = cfg.data
+    tokens = d.per_device_batch_size * d.max_target_length
+    text = not_fits_message(dataclasses.replace(over, total_bytes=tokens * 201088 * 6), big_vocab)
+    assert "num_vocab_tiling (now 1) higher" in text
+    assert f"{tokens * 201088 * 6 / 2**30:.2f} GiB per device" in text
+    assert text.index("per_device_batch_size") < text.index("num_vocab_tiling") < text.index("remat_policy")
+    tiled = dataclasses.replace(big_vocab, model=dataclasses.replace(big_vocab.model, num_vocab_tiling=2))
+    assert "num_vocab_tiling" not in not_fits_message(over, tiled)
+    assert "num_vocab_tiling" not in not_fits_message(dataclasses.replace(over, total_bytes=2**40), big_vocab)
+
+
 def test_exit_code_and_report_when_it_does_not_fit(tmp_path, capsys, caplog, monkeypatch):
     monkeypatch.setattr(train_compile, "HEARTBEAT_SECONDS", 0.05)  # a line while the compiler works
     caplog.set_level(logging.INFO, logger="tessera")
