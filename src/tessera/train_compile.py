@@ -31,6 +31,7 @@ from tessera.config.checks import validate_for_build
 from tessera.hardware import GIB, TpuSlice, tpu_slice
 from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops, low_precision_dots, tpu_kernels, stage_transfers
 from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
+from tessera.tools.memory_model import logits_bytes
 
 log = logging.getLogger("tessera")
 
@@ -305,9 +306,8 @@ def not_fits_message(r: CompileReport, cfg: Config) -> str:
         f"remat_policy (now {m.remat_policy}) to full" if m.remat_policy != "full" else "remat_policy=full (already)",
         f"max_target_length (now {d.max_target_length}) shorter",
     ]
-    # a forward pass's logits on one device: float32 for the loss and a copy in the compute dtype
     tokens = d.per_device_batch_size * d.max_target_length / cfg.optim.gradient_accumulation_steps
-    logits = tokens * m.vocab_size * (4 + (2 if m.dtype in ("bfloat16", "float16") else 4))
+    logits = logits_bytes(m, tokens)  # a forward pass's, on one device
     if m.num_vocab_tiling == 1 and logits >= 0.05 * r.total_bytes:
         activations.insert(1, f"num_vocab_tiling (now 1) higher: the logits of {tokens:,.0f} tokens x {m.vocab_size:,} "
                               f"take about {logits / GIB:.2f} GiB per device, and tiles compute them a chunk at a time")

@@ -24,27 +24,26 @@ def row_bias(group_sizes, rows: int):
     """A function from a bias [G, N] to each row's group's bias [rows, N], where rows come grouped
     (`group_sizes`) and rows past the groups' total get zeros."""
     group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows), side="right")  # G: past every group
-    return lambda bias_gn: _rows_bias(bias_gn, group)
+    return lambda bias_gn: _rows_bias(bias_gn, group, bias_gn.shape[0])
 
 
-@jax.custom_vjp
-def _rows_bias(bias_gn, group_r):
-    """bias_gn[group_r] (zeros where group_r >= G). The gradient is a matmul of the rows' one-hot
-    groups with the rows' cotangent, not the gather's own gradient, a scatter-add of every row: the
-    TPU compiler runs that on 32-bit buffers of the rows' size, and in the v5p gpt-oss-120b recipe
-    (131072 rows of 2880 per expert shard, three biases a layer) they cost 5.2 GiB per chip."""
-    return jnp.where((group_r < bias_gn.shape[0])[:, None], jnp.take(bias_gn, group_r, axis=0, mode="clip"), 0)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _rows_bias(bias_gn, group_r, groups: int):
+    """bias_gn[group_r] (zeros where group_r >= groups, G). The gradient is a matmul of the rows'
+    one-hot groups with the rows' cotangent, not the gather's own gradient, a scatter-add of every
+    row: the TPU compiler runs that on 32-bit buffers of the rows' size, and in the v5p
+    gpt-oss-120b recipe (131072 rows of 2880 per expert shard, three biases a layer) they cost
+    5.2 GiB per chip."""
+    return jnp.where((group_r < groups)[:, None], jnp.take(bias_gn, group_r, axis=0, mode="clip"), 0)
 
 
-def _rows_bias_fwd(bias_gn, group_r):
-    return _rows_bias(bias_gn, group_r), (group_r, jnp.zeros((bias_gn.shape[0], 0), bias_gn.dtype))
+def _rows_bias_fwd(bias_gn, group_r, groups):
+    return _rows_bias(bias_gn, group_r, groups), group_r
 
 
-def _rows_bias_bwd(residuals, g_rn):
-    group_r, like_g0 = residuals  # like_g0 carries G in its shape
-    one_hot_rg = jax.nn.one_hot(group_r, like_g0.shape[0], dtype=g_rn.dtype)  # rows past every group: zeros
-    g_gn = jnp.einsum("rg,rn->gn", one_hot_rg, g_rn, preferred_element_type=jnp.float32)
-    return g_gn.astype(like_g0.dtype), None
+def _rows_bias_bwd(groups, group_r, g_rn):
+    one_hot_rg = jax.nn.one_hot(group_r, groups, dtype=g_rn.dtype)  # rows past every group: zeros
+    return jnp.einsum("rg,rn->gn", one_hot_rg, g_rn, preferred_element_type=jnp.float32).astype(g_rn.dtype), None
 
 
 _rows_bias.defvjp(_rows_bias_fwd, _rows_bias_bwd)

@@ -132,6 +132,12 @@ def _saved_per_token_by_policy(m: ModelConfig, tp: int, ep: int = 1) -> dict[str
     return kept
 
 
+def logits_bytes(m: ModelConfig, tokens: float) -> float:
+    """Bytes of the logits of `tokens` tokens (whole vocabulary): float32 for the loss and a copy in
+    the compute dtype; once more per multi-token-prediction depth."""
+    return (1 + m.mtp_num_layers) * tokens * m.vocab_size * (4 + DTYPE_BYTES[m.dtype])
+
+
 def activation_bytes(cfg: Config, mesh: dict[str, int], policy: str, fused_attention: bool,
                      microbatches: int = 1) -> float:
     """Per-device activation memory of one step under `policy`, in bytes (an estimate). With pipeline
@@ -159,8 +165,7 @@ def activation_bytes_by_policy(cfg: Config, mesh: dict[str, int], policies: tupl
     depth = m.num_decoder_layers / mesh["stage"] + m.mtp_num_layers
     buffers = 3 * tokens * m.emb_dim * a if mesh["stage"] > 1 else 0.0
     one_layer = tokens / microbatches * (2 * (saved["none"] * a + gathered_kv) + scores)  # recompute + grads
-    # float32 for the loss and a copy in the compute dtype; once more per multi-token-prediction depth
-    logits = (1 + m.mtp_num_layers) * tokens * m.vocab_size / tp * (4 + a)
+    logits = logits_bytes(m, tokens) / tp
     # a multi-token-prediction depth runs after the layers' scan, and the compiler gives it a working
     # set of its own (v5p DeepSeek-V3 recipe with one depth, 2026-11-27: 6.84 GiB more temporaries,
     # the routing buffers of a second expert layer among them; this model adds 3.37 GiB in all)
