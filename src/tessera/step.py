@@ -58,6 +58,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     if device_platform(mesh) == "cpu" and cfg.model.dtype == "bfloat16":
         log.info("bfloat16 matmuls on CPU: %s (%s)", *bf16_matmul)
     _check_remat(cfg.model, mesh)
+    _check_weight_dtype(cfg.model)
     check_quantization(cfg.model.quantization, mesh.devices.flat[0].device_kind, device_platform(mesh))
     if cfg.model.quantization and cfg.model.megablox and cfg.model.num_experts > 1:
         log.info("quantization=%s: the experts' grouped matmuls run qwix's quantized ragged dot, not the Pallas "
@@ -141,6 +142,18 @@ def _check_remat(m, mesh: Mesh) -> None:
                 f"{mesh.devices.flat[0].platform} devices here do not have (memories: {sorted(kinds)}); "
                 "use remat_policy=full or minimal"
             )
+
+
+def _check_weight_dtype(m) -> None:
+    """float16 parameters cannot be trained: AdamW keeps its moments in the parameters' dtype, where
+    epsilon (1e-8) and the squares of small gradients round to zero and squares above 65504 overflow,
+    so the first update is NaN; there is no loss scaling. (Decoding and conversion take them.)"""
+    if m.weight_dtype == "float16":
+        raise ConfigError(
+            "weight_dtype=float16 cannot be trained: AdamW's moments would be float16 too, where its epsilon "
+            "(1e-8) and small squared gradients round to 0 and squares above 65504 overflow, so the first "
+            "update is NaN. Use weight_dtype=bfloat16 (the same size, float32's range) or float32; "
+            "dtype=float16 (the compute dtype) trains")
 
 
 # --------------------------------------------------------------------------- loss and step

@@ -176,7 +176,8 @@ class ModelConfig:
     dropout_rate: float = key(0.0, "dropout probability after attention and MLP when enable_dropout=true", minimum=0.0)
     use_iota_embed: bool = key(False, "embed tokens with a one-hot matmul instead of a gather (faster on some TPUs)")
     dtype: str = key("float32", "activation (compute) dtype", DTYPES)
-    weight_dtype: str = key("float32", "parameter storage dtype (optimizer state follows it)", DTYPES)
+    weight_dtype: str = key("float32", "parameter storage dtype (optimizer state follows it; float16: decoding and "
+                                        "conversion only, training refuses it)", DTYPES)
     num_vocab_tiling: int = key(1, "compute the output logits and cross-entropy in this many chunks of the tokens, "
                                 "recomputed in the backward pass: the [tokens, vocab] logits never exist at once",
                                 minimum=1)

@@ -71,7 +71,8 @@ def _project_fwd(spec, preferred, x, w):
 
 def _project_bwd(spec, preferred, residuals, g):
     x, w, g = _matmul_operands(*residuals, g)
-    dx = jax.vjp(lambda x_: jnp.einsum(spec, x_, w), x)[1](g)[0]
+    # the product typed as g (float32 where the forward asked for a float32 result of float16 operands)
+    dx = jax.vjp(lambda x_: jnp.einsum(spec, x_, w, preferred_element_type=g.dtype), x)[1](g)[0]
     dw = _canonical_operand_grad(spec, x, w, g)
     return dx.astype(residuals[0].dtype), dw.astype(residuals[1].dtype)
 
