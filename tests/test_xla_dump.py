@@ -2,6 +2,7 @@
 (relative paths), with the persistent compilation cache in use; the flags it sets; its errors."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -65,6 +66,13 @@ def test_flags_and_errors():
         apply_hlo_dump(cfg, {"XLA_FLAGS": "--xla_dump_to=/mine"})
     with pytest.raises(ConfigError, match="contains white space"):
         dump_flags(tiny_config(dump_hlo=True, dump_hlo_local_dir="/a b"))
+    # the program filter is checked as XLA would read it (unchecked, XLA logs an error per program, dumps nothing)
+    assert dump_flags(tiny_config(dump_hlo=True, dump_hlo_module_name="jit_train_step|jit_eval.*"))[1] == (
+        "--xla_dump_hlo_module_re=jit_train_step|jit_eval.*")
+    for name, why in {"[": "is not a regular expression", "jit train": "contains white space",
+                      "jit_(?!eval)": "uses a lookaround", r"(a)\1": "uses a lookaround"}.items():
+        with pytest.raises(ConfigError, match=re.escape(f"dump_hlo_module_name={name!r} {why}")):
+            dump_flags(tiny_config(dump_hlo=True, dump_hlo_module_name=name))
     # MaxText's keys: its local-dump filter is an alias, its upload keys are refused unless off, deletion accepted
     loaded = load_config([BASE, "dump_hlo_local_module_name=jit_x", "dump_hlo_delete_local_after=true",
                           "dump_hlo_gcs_dir=", "dump_step=-1"], env={})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import MutableMapping
 from pathlib import Path
 
@@ -42,8 +43,24 @@ def dump_flags(cfg: Config) -> list[str]:
     if any(c.isspace() for c in folder):
         raise ConfigError(f"the HLO dump folder {folder!r} contains white space, which XLA_FLAGS cannot carry; "
                           "set dump_hlo_local_dir to a folder without spaces")
-    return [f"{DUMP_FLAG}={folder}", *([f"--xla_dump_hlo_module_re={p.dump_hlo_module_name}"]
+    return [f"{DUMP_FLAG}={folder}", *([f"--xla_dump_hlo_module_re={_module_pattern(p.dump_hlo_module_name)}"]
                                       if p.dump_hlo_module_name else [])]
+
+
+def _module_pattern(name: str) -> str:
+    """dump_hlo_module_name, checked: XLA reads it as an RE2 regular expression and, given one it
+    cannot parse, logs an error per program and dumps nothing."""
+    problem = "contains white space, which XLA_FLAGS cannot carry" if any(c.isspace() for c in name) else ""
+    try:
+        re.compile(name)
+    except re.error as e:
+        problem = problem or f"is not a regular expression ({e})"
+    if not problem and re.search(r"\(\?(<?[=!])|\\[1-9]", name):
+        problem = "uses a lookaround or a back-reference, which XLA's regular expressions (RE2) do not have"
+    if problem:
+        raise ConfigError(f"dump_hlo_module_name={name!r} {problem}; give a pattern of program names such as "
+                          "jit_train_step or 'jit_train_step|jit_eval_step'")
+    return name
 
 
 def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None) -> Path | None:
