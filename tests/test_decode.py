@@ -506,6 +506,8 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         "no checkpoint": ([*CONFIG_ARGS, "--tokens", "1,2"], "decoding needs load_parameters_path="),
         "bad token": ([*args, "--tokens", "1,96"], "token ids outside [0, vocab_size=96)"),
         "negative token": ([*args, "--tokens", "-1,2"], "prompt 1 has token ids outside [0, vocab_size=96): [-1, 2]"),
+        "eos past the vocabulary": ([*args, "--tokens", "1,2", "--max_new_tokens", "3", "--eos_id", "96"],
+                                    "--eos_id 96 is outside the model's vocabulary [0, vocab_size=96)"),
     }
     for name, (argv, message) in errors.items():
         assert main(argv) == 2, name
@@ -515,6 +517,9 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", "--temperature", "1", "--top_p", top_p])
         assert exit_.value.code == 2 and "--top_p in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--tokens", "1,2", "--eos_id", "-2"])
+    assert exit_.value.code == 2 and "--eos_id -2 is not a token id" in capsys.readouterr().err
 
 
 def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):

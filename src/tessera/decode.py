@@ -82,6 +82,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"unknown flag {unknown[0]}; config keys are given as key=value")
     if flags.max_new_tokens < 1 or flags.temperature < 0 or flags.top_k < 0 or not 0 < flags.top_p <= 1:
         parser.error("--max_new_tokens must be >= 1, --temperature >= 0, --top_k >= 0 and --top_p in (0, 1]")
+    if flags.eos_id is not None and flags.eos_id < 0:
+        parser.error(f"--eos_id {flags.eos_id} is not a token id (ids are >= 0); leave it out to stop at the "
+                     "tokenizer's end-of-sequence token")
     return flags, rest
 
 
@@ -258,6 +261,9 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
         raise ConfigError("decoding needs load_parameters_path=<checkpoint step folder> (e.g. "
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
     tokenizer, prompts = encode_prompts(cfg, flags)
+    if flags.eos_id is not None and flags.eos_id >= cfg.model.vocab_size:
+        raise ConfigError(f"--eos_id {flags.eos_id} is outside the model's vocabulary [0, vocab_size="
+                          f"{cfg.model.vocab_size}): no row would ever stop at it")
     mesh = create_mesh(cfg.mesh)
     decoding = dict(prompts=prompts, max_new_tokens=flags.max_new_tokens, temperature=flags.temperature,
                     top_k=flags.top_k, top_p=flags.top_p)
