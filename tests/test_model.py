@@ -170,6 +170,7 @@ def test_bfloat16_compute():
     ("dot_product", "gpu", "bfloat16", 128, "dot_product", "requested"),
     ("autoselected", "cpu", "bfloat16", 128, "dot_product", "platform 'cpu'"),
     ("flash", "tpu", "bfloat16", 128, "splash", "Pallas splash attention on TPU"),
+    ("flash", "tpu", "float16", 128, "dot_product", "Mosaic cannot compile its float16 loads"),
     ("cudnn_flash_te", "gpu", "float32", 128, "dot_product", "bfloat16/float16"),
     ("autoselected", "gpu", "bfloat16", 100, "dot_product", "multiple of 8"),
     ("autoselected", "gpu", "bfloat16", 128, "cudnn", "cuDNN"),

@@ -54,6 +54,9 @@ def unsupported(m: ModelConfig, length: int, mesh_shape: dict[str, int] | None) 
     """Why splash attention cannot serve this model and sequence length, or None if it can."""
     if not length:
         return "the sequence length is not known here; splash attention is chosen only with one"
+    if m.dtype == "float16":  # Mosaic: "failed to legalize operation 'tpu.load'" of f16 tiles (jax 0.12, v6e)
+        return ("splash attention takes bfloat16 or float32 on TPU: Mosaic cannot compile its float16 loads "
+                "(dtype=float16); dtype=bfloat16 keeps the kernel")
     shards = (mesh_shape or {}).get("sequence", 1)
     if shards > 1 and length % (LANE * shards):
         return (f"splash attention splits the queries over the sequence axis ({shards} ways) in tiles of {LANE}: "
