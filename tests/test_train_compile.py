@@ -148,6 +148,14 @@ def test_empty_topology_is_a_config_error(tmp_path, capsys):
     assert "compile_topology is empty" in capsys.readouterr().err
 
 
+def test_float16_compute_is_refused_for_tpus_before_compiling(tmp_path, capsys):
+    """Splash attention and the experts' grouped matmuls do not compile float16 on TPUs (Mosaic):
+    the step is refused at set-up, in one line, where the compile used to end in a traceback."""
+    assert main(overrides(tmp_path, compile_topology="v6e-8", dtype="float16")) == 2
+    err = capsys.readouterr().err
+    assert "config error: dtype=float16 on TPU" in err and "use dtype=bfloat16" in err and "Traceback" not in err
+
+
 def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["nope.yml", "compile_topology=v5e-4"]) == 2

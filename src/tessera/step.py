@@ -52,13 +52,13 @@ def setup(cfg: Config, devices=None) -> Trainer:
     """Mesh, plan, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
     mesh = create_mesh(cfg.mesh, devices)
     plan = plan_run(cfg, dict(mesh.shape))
+    _check_dtypes(cfg.model, device_platform(mesh))
     choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape))
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     bf16_matmul = cpu_matmul.decision()  # checks TESSERA_CPU_BF16_MATMUL on every platform
     if device_platform(mesh) == "cpu" and cfg.model.dtype == "bfloat16":
         log.info("bfloat16 matmuls on CPU: %s (%s)", *bf16_matmul)
     _check_remat(cfg.model, mesh)
-    _check_weight_dtype(cfg.model)
     check_quantization(cfg.model.quantization, mesh.devices.flat[0].device_kind, device_platform(mesh))
     if cfg.model.quantization and cfg.model.megablox and cfg.model.num_experts > 1:
         log.info("quantization=%s: the experts' grouped matmuls run qwix's quantized ragged dot, not the Pallas "
@@ -144,10 +144,15 @@ def _check_remat(m, mesh: Mesh) -> None:
             )
 
 
-def _check_weight_dtype(m) -> None:
+def _check_dtypes(m, platform: str) -> None:
     """float16 parameters cannot be trained: AdamW keeps its moments in the parameters' dtype, where
     epsilon (1e-8) and the squares of small gradients round to zero and squares above 65504 overflow,
-    so the first update is NaN; there is no loss scaling. (Decoding and conversion take them.)"""
+    so the first update is NaN; there is no loss scaling. (Decoding and conversion take them.)
+    float16 compute on TPUs: Pallas' kernels there (splash attention, megablox, the grouped matmul
+    XLA lowers ragged_dot to) do not compile it (jax 0.12, v6e); GPUs without bfloat16 need it."""
+    if platform == "tpu" and m.dtype == "float16":
+        raise ConfigError("dtype=float16 on TPU: the TPU kernels (splash attention, the experts' grouped "
+                          "matmuls) do not compile float16; use dtype=bfloat16, the TPUs' native half precision")
     if m.weight_dtype == "float16":
         raise ConfigError(
             "weight_dtype=float16 cannot be trained: AdamW's moments would be float16 too, where its epsilon "
