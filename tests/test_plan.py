@@ -350,3 +350,16 @@ def test_a_recipe_with_a_sequence_axis_is_scored_with_it():
                                             "per_device_batch_size=0.25"])
     mesh = own_candidates(two, parse_hardware("v5p-128", num_slices=2))["full"].mesh
     assert mesh.sizes["sequence"] == 8 and mesh.ici["sequence"] == 4 and mesh.dcn["sequence"] == 2
+
+
+def test_dtypes_training_refuses_are_refused_by_the_planner_and_the_estimate(capsys):
+    """The planner and the estimate do not size a run that training would refuse: float16
+    weights anywhere, float16 compute on TPUs (its kernels do not compile it); float16
+    compute on GPUs is sized."""
+    from tessera.tools.estimate import main as estimate
+
+    assert main(["llama2-7b", "dtype=float16", "--hardware", "v5p-8", "--top", "1"]) == 2
+    assert "config error: dtype=float16 on TPU" in capsys.readouterr().err
+    assert estimate(["llama2-7b", "weight_dtype=float16", "--hardware", "h100-8"]) == 2
+    assert "config error: weight_dtype=float16 cannot be trained" in capsys.readouterr().err
+    assert estimate(["llama2-7b", "dtype=float16", "--hardware", "h100-8"]) == 0

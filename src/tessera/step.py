@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera import cpu_matmul
 from tessera.config import Config, ConfigError
+from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
@@ -52,7 +53,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     """Mesh, plan, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
     mesh = create_mesh(cfg.mesh, devices)
     plan = plan_run(cfg, dict(mesh.shape))
-    _check_dtypes(cfg.model, device_platform(mesh))
+    check_trainable_dtypes(cfg.model, device_platform(mesh))
     choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape))
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     bf16_matmul = cpu_matmul.decision()  # checks TESSERA_CPU_BF16_MATMUL on every platform
@@ -142,23 +143,6 @@ def _check_remat(m, mesh: Mesh) -> None:
                 f"{mesh.devices.flat[0].platform} devices here do not have (memories: {sorted(kinds)}); "
                 "use remat_policy=full or minimal"
             )
-
-
-def _check_dtypes(m, platform: str) -> None:
-    """float16 parameters cannot be trained: AdamW keeps its moments in the parameters' dtype, where
-    epsilon (1e-8) and the squares of small gradients round to zero and squares above 65504 overflow,
-    so the first update is NaN; there is no loss scaling. (Decoding and conversion take them.)
-    float16 compute on TPUs: Pallas' kernels there (splash attention, megablox, the grouped matmul
-    XLA lowers ragged_dot to) do not compile it (jax 0.12, v6e); GPUs without bfloat16 need it."""
-    if platform == "tpu" and m.dtype == "float16":
-        raise ConfigError("dtype=float16 on TPU: the TPU kernels (splash attention, the experts' grouped "
-                          "matmuls) do not compile float16; use dtype=bfloat16, the TPUs' native half precision")
-    if m.weight_dtype == "float16":
-        raise ConfigError(
-            "weight_dtype=float16 cannot be trained: AdamW's moments would be float16 too, where its epsilon "
-            "(1e-8) and small squared gradients round to 0 and squares above 65504 overflow, so the first "
-            "update is NaN. Use weight_dtype=bfloat16 (the same size, float32's range) or float32; "
-            "dtype=float16 (the compute dtype) trains")
 
 
 # --------------------------------------------------------------------------- loss and step

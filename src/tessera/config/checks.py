@@ -1,7 +1,8 @@
 """Checks of a config that involve more than one key, or a model that is to be built.
 
 Single-key checks (types, ranges, choices) happen while values are coerced (`loader.coerce`);
-`validate` runs on every loaded config, `validate_for_build` only where a model is built from it.
+`validate` runs on every loaded config, `validate_for_build` only where a model is built from it,
+`check_trainable_dtypes` where a step is set up for training (or planned).
 """
 
 from __future__ import annotations
@@ -244,3 +245,21 @@ def validate_for_build(m: ModelConfig) -> None:
     if moe and m.num_experts < 2:
         raise ConfigError(f"decoder_block={m.decoder_block} needs num_experts >= 2 (and num_experts_per_tok); e.g. "
                           "num_experts=8 num_experts_per_tok=2")
+
+
+def check_trainable_dtypes(m: ModelConfig, platform: str) -> None:
+    """ConfigError for dtypes training cannot run on `platform` ("cpu", "gpu", "tpu"). float16
+    parameters: AdamW keeps its moments in the parameters' dtype, where epsilon (1e-8) and the
+    squares of small gradients round to zero and squares above 65504 overflow, so the first update
+    is NaN; there is no loss scaling (decoding and conversion take them). float16 compute on
+    TPUs: Pallas' kernels there (splash attention, megablox, the grouped matmul XLA lowers
+    ragged_dot to) do not compile it (jax 0.12, v6e); GPUs without bfloat16 need it."""
+    if platform == "tpu" and m.dtype == "float16":
+        raise ConfigError("dtype=float16 on TPU: the TPU kernels (splash attention, the experts' grouped "
+                          "matmuls) do not compile float16; use dtype=bfloat16, the TPUs' native half precision")
+    if m.weight_dtype == "float16":
+        raise ConfigError(
+            "weight_dtype=float16 cannot be trained: AdamW's moments would be float16 too, where its epsilon "
+            "(1e-8) and small squared gradients round to 0 and squares above 65504 overflow, so the first "
+            "update is NaN. Use weight_dtype=bfloat16 (the same size, float32's range) or float32; "
+            "dtype=float16 (the compute dtype) trains")

@@ -36,6 +36,7 @@ import sys
 from pathlib import Path
 
 from tessera.config import Config, ConfigError, build_config, load_config
+from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout
 from tessera.config.loader import read_yaml
 from tessera.config.schema import all_fields
@@ -292,6 +293,7 @@ def main(argv: list[str]) -> int:
         check_options(args)
         cfg = load_model_config(model, overrides)
         hw = parse_hardware(args.hardware, args.num_slices, args.ici_links or 0)
+        check_trainable_dtypes(cfg.model, "tpu" if hw.accelerator.torus_dims else "gpu")
         print(report(cfg, hw, args.mfu or 0.0, sequence_note(cfg, overrides)))
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)

@@ -40,6 +40,7 @@ import sys
 from typing import Iterator, Sequence
 
 from tessera.config import Config, ConfigError
+from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.hardware import GPUS_PER_NODE
 from tessera.tools.cli import config_epilog
@@ -358,6 +359,7 @@ def main(argv: list[str]) -> int:
             raise ConfigError("--slices and --top must be at least 1 and --tokens-per-device at least 0")
         cfg = load_model_config(args.model, args.overrides)
         hw = parse_hardware(args.hardware, args.slices)
+        check_trainable_dtypes(cfg.model, "tpu" if hw.accelerator.torus_dims else "gpu")
         if args.compile and hw.accelerator.torus_dims:  # the recipe's folder, before minutes of compiling
             from tessera.tools.plan_compile import check_output
 
