@@ -71,7 +71,8 @@ def dot_general(mode: str):
     config = _config(mode)
 
     def quantized(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **_):
-        out = dot_general_qt(lhs, rhs, dimension_numbers, config)
+        dtype = jnp.result_type(lhs, rhs)
+        out = dot_general_qt(*_widened(lhs, rhs), dimension_numbers, config).astype(dtype)
         return out if preferred_element_type is None else out.astype(preferred_element_type)
 
     return quantized
@@ -85,7 +86,16 @@ def ragged_dot(lhs, rhs, group_sizes, mode: str):
     c = _config(mode)
     config = RaggedDotQtConfig(lhs_qtype=c.lhs_qtype, rhs_qtype=c.rhs_qtype, dlhs_grad_qtype=c.dlhs_grad_qtype,
                                drhs_grad_qtype=c.drhs_grad_qtype)
-    return ragged_dot_qt(lhs, rhs, group_sizes, config)
+    return ragged_dot_qt(*_widened(lhs, rhs), group_sizes, config).astype(jnp.result_type(lhs, rhs))
+
+
+def _widened(*operands):
+    """The operands qwix gets: float16 ones as float32 copies (their gradients converted back),
+    others as they are. qwix 0.1.8 mishandles float16 operands: int8 products come out as zeros,
+    and the float8 modes return float32 gradients, which JAX's transposes then refuse."""
+    if all(jnp.dtype(a.dtype) != jnp.float16 for a in operands):
+        return operands
+    return tuple(a.astype(jnp.float32) if a.dtype == jnp.float16 else a for a in operands)
 
 
 def einsum(spec: str, x, w, mode: str):
