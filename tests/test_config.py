@@ -473,3 +473,31 @@ def test_an_unknown_model_lists_the_folders_searched_and_the_known_names(tmp_pat
     assert _config_error([BASE, "model_name=llama9"]) == (  # configs/models searched once
         f"model_name='llama9': no file llama9.yml in {REPO / 'configs' / 'models'}. Known models: {', '.join(MODELS)} "
         "(from the command line)")
+
+
+def test_base_config_inherits_as_maxtext_config_files_do(tmp_path, monkeypatch):
+    """A MaxText-style `base_config: <file>` line: the parent is read first (beside the file, else
+    in the repository's configs/), the child's keys win, the model file and the command line
+    still come after both; a bad value names the file it is in; a missing parent, a value that
+    is no file name and a cycle are one config error each."""
+    monkeypatch.chdir(tmp_path)
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "parent.yml").write_text("base_config: base.yml\nsteps: 4\nlearning_rate: 0.002\n")
+    (exp / "child.yml").write_text("base_config: parent.yml\nsteps: 5\nbase_emb_dim: 40\n")
+    cfg = load_config(["exp/child.yml"], env={})
+    assert (cfg.run.steps, cfg.optim.learning_rate, cfg.model.base_emb_dim) == (5, 0.002, 40)
+    assert cfg.data.per_device_batch_size == load_config([BASE], env={}).data.per_device_batch_size  # base.yml's
+    cfg = load_config(["exp/child.yml", "model_name=llama2-7b", "steps=6"], env={})
+    assert (cfg.run.steps, cfg.model.base_emb_dim, cfg.optim.learning_rate) == (6, 4096, 0.002)  # model file over both
+    (exp / "parent.yml").write_text("base_config: base.yml\nlearning_rate: abc\n")
+    assert _config_error(["exp/child.yml"]) == "learning_rate='abc' is not a valid float (from exp/parent.yml)"
+    cases = {
+        "base_config: nope.yml\n": "base_config: nope.yml in exp/c.yml names no file (looked for exp/nope.yml and "
+                                   f"{REPO / 'configs' / 'nope.yml'})",
+        "base_config: 3\n": "base_config=3 in exp/c.yml must name a YAML file",
+        "base_config: c.yml\n": "names a file that inherits from exp/c.yml already",
+    }
+    for text, message in cases.items():
+        (exp / "c.yml").write_text(text)
+        assert message in _config_error(["exp/c.yml"]), text

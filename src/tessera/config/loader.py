@@ -7,6 +7,8 @@ the key, the value, where the value was set and what would be accepted. A value 
 `<changeme>` placeholder (left in recipes and validation files for the user) is refused.
 The model file is looked for in the `models/` folder beside the config file, then in the
 repository's own `configs/models/` (so a copy of base.yml anywhere still finds every model).
+A config file may inherit from another with MaxText's `base_config: <file>` line (beside it,
+else in the repository's configs/): the parent's keys come first, the child's win.
 Path keys (marked `path=` in the schema) are made absolute against the working directory here,
 once (`resolve_paths`); URLs such as gs://... are kept.
 """
@@ -31,7 +33,9 @@ from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError
 
 ENV_PREFIX = "M_"
 PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
-REPO_MODELS = Path(__file__).resolve().parents[3] / "configs" / "models"  # the repository's own model files
+REPO_CONFIGS = Path(__file__).resolve().parents[3] / "configs"  # the repository's own config files
+REPO_MODELS = REPO_CONFIGS / "models"  # the repository's own model files
+BASE_CONFIG = "base_config"  # a config file's parent (MaxText's inheritance key)
 INT_RANGE = (-2**63, 2**63 - 1)  # int64: what an integer key may hold (JAX and NumPy take no wider integer)
 
 
@@ -44,9 +48,9 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     base_path = Path(argv[0])
     # (source, values), lowest precedence first; the model file goes second once model_name is known
     errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
+    files = _config_files(base_path)  # the file and the files it inherits from (base_config), parents first
     layers = [(source, _check_known(values, source, errors)) for source, values in (
-        (str(base_path), read_yaml(base_path, "config file", empty_ok=False)),
-        ("the command line", _parse_overrides(argv[1:])), *_env_layers(env))]
+        *files, ("the command line", _parse_overrides(argv[1:])), *_env_layers(env))]
     _refuse_placeholders(layers, errors)  # before model_name chooses a file
     model_name = _merge(layers).get("model_name", "default")
     if _is_placeholder(model_name):
@@ -61,12 +65,34 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     model = read_yaml(model_file, "model file")
     if "model_name" in model and model["model_name"] != model_name:
         raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
-    layers.insert(1, (str(model_file), _check_known(model, str(model_file), errors)))
+    layers.insert(len(files), (str(model_file), _check_known(model, str(model_file), errors)))
     _refuse_placeholders(layers, errors)
     build_errors: list[str] = []
     cfg = _build({k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}, build_errors)
     _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
     return cfg
+
+
+def _config_files(path: Path, including: tuple[Path, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
+    """[(file, its keys)] of the config file `path` and, first, of the files it inherits from: a
+    `base_config: <file>` line (MaxText's) names a parent, looked for beside `path`, then in the
+    repository's configs/; the child's keys win. A parent that is missing, or a cycle, is a ConfigError."""
+    values = read_yaml(path, "config file" if not including else "base_config file", empty_ok=bool(including))
+    parent = values.pop(BASE_CONFIG, None)
+    if parent is None:
+        return [(str(path), values)]
+    if not isinstance(parent, str) or not parent.strip():
+        raise ConfigError(f"{BASE_CONFIG}={parent!r} in {path} must name a YAML file, e.g. {BASE_CONFIG}: base.yml")
+    candidates = [Path(parent)] if Path(parent).is_absolute() else [path.parent / parent, REPO_CONFIGS / parent]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ConfigError(f"{BASE_CONFIG}: {parent} in {path} names no file (looked for "
+                          f"{' and '.join(str(c) for c in candidates)}); correct the name or remove the line")
+    chain = (*including, path.resolve())
+    if found.resolve() in chain:
+        raise ConfigError(f"{BASE_CONFIG}: {parent} in {path} names a file that inherits from {path} already: "
+                          f"{' -> '.join(str(c) for c in (*chain, found.resolve()))}; remove one {BASE_CONFIG} line")
+    return [*_config_files(found, chain), (str(path), values)]
 
 
 def model_folders(base_path: Path) -> list[Path]:
