@@ -501,3 +501,16 @@ def test_base_config_inherits_as_maxtext_config_files_do(tmp_path, monkeypatch):
     for text, message in cases.items():
         (exp / "c.yml").write_text(text)
         assert message in _config_error(["exp/c.yml"]), text
+
+
+def test_an_environment_variable_that_is_a_near_miss_of_a_key_is_warned_about(caplog):
+    """M_ variables that name no key are not Tessera's and are left alone, but one a letter or two
+    from a key is most likely a typo that would silently train with the default: a warning names it."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        cfg = load_config([BASE], env={"M_STPES": "3", "M_ARCH": "x86", "M_HOME": "/h", "M_STEPS_": "4"})
+    assert cfg.run.steps == load_config([BASE], env={}).run.steps
+    assert [r.getMessage() for r in caplog.records] == [
+        "environment variable M_STEPS_ is not a config key and is ignored; did you mean M_STEPS?",
+        "environment variable M_STPES is not a config key and is ignored; did you mean M_STEPS?"]

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import difflib
 import hashlib
 import json
+import logging
 import math
 import os
 import re
@@ -31,6 +33,7 @@ from tessera.config.checks import validate
 from tessera.config.maxtext import maxtext_keys, translate
 from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
 
+log = logging.getLogger("tessera")
 ENV_PREFIX = "M_"
 PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
 REPO_CONFIGS = Path(__file__).resolve().parents[3] / "configs"  # the repository's own config files
@@ -116,8 +119,15 @@ def _raise_all(errors: list[str]) -> None:
 
 def _env_layers(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
     """One layer per M_<KEY> variable that names a config key or a MaxText key (other M_ variables
-    are not ours)."""
+    are not ours; one that is a near miss of a key, a likely typo, gets a warning)."""
     fields = {*all_fields(), *maxtext_keys()}
+    for name in sorted(env):
+        key = name[len(ENV_PREFIX):].lower()
+        if name.startswith(ENV_PREFIX) and key not in fields:
+            close = difflib.get_close_matches(key, sorted(fields), n=1, cutoff=0.75)
+            if close:
+                log.warning("environment variable %s is not a config key and is ignored; did you mean %s%s?",
+                            name, ENV_PREFIX, close[0].upper())
     return [(f"the environment variable {name}", {name[len(ENV_PREFIX):].lower(): value})
             for name, value in sorted(env.items())
             if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in fields]
