@@ -72,6 +72,10 @@ def test_unknown_key_names_closest_keys():
     msg = str(e.value)
     assert "'per_device_batch_siz'" in msg and "per_device_batch_size" in msg
     assert msg.count(",") <= 2  # at most three suggestions, never the whole key list
+    for typed in ("STEPS=3", "--steps=3"):  # upper case, or a flag's dashes: the key is still found
+        with pytest.raises(ConfigError, match=f"unknown config key '{typed.split('=')[0]}' in the command line; "
+                                              "did you mean steps,"):
+            load_config([BASE, typed], env={})
 
 
 @pytest.mark.parametrize("arg, expect", [

@@ -244,7 +244,7 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
 
 def unknown_key(name: str, source: str, fields: Mapping[str, Any]) -> str:
     """The error line for an unknown key: its 3 closest keys (an alias shows the key it stands for)."""
-    close = difflib.get_close_matches(name, [*fields, *ALIASES, *ACCEPTED], n=3, cutoff=0.5)
+    close = difflib.get_close_matches(name.lower().lstrip("-"), [*fields, *ALIASES, *ACCEPTED], n=3, cutoff=0.5)
     shown = [f"{c} (= {ALIASES[c][0]})" if c in ALIASES else c for c in close]
     hint = f"; did you mean {', '.join(shown)}?" if close else "; see configs/base.yml for every key"
     return f"unknown config key {name!r} in {source}{hint}"
