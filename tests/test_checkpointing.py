@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -80,7 +81,7 @@ def test_restore_onto_a_different_mesh(tmp_path, mesh):
     np.testing.assert_allclose(_losses(tmp_path / "dst" / "test")[3], expected, rtol=1e-5)
 
 
-def test_load_parameters_only(tmp_path):
+def test_load_parameters_only(tmp_path, caplog):
     cfg = tiny_config(tmp_path / "src", steps=2)
     run(cfg)
     path = tmp_path / "src" / "test" / "checkpoints" / "2"
@@ -91,6 +92,19 @@ def test_load_parameters_only(tmp_path):
     assert run(fresh)["start_step"] == 0  # a fresh optimizer and step counter
     with pytest.raises(CheckpointError, match="does not exist"):
         load_parameters(str(tmp_path / "nowhere"), abstract_state(setup(fresh))["params"])
+    # parameters alone are read into another weight_dtype (MaxText's load_parameters_path does the same):
+    # each the saved float32 value rounded to bfloat16, and the log says so; a full state is not (it is refused)
+    half = tiny_config(tmp_path / "half", steps=1, load_parameters_path=str(path), weight_dtype="bfloat16")
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        cast = load_parameters(str(path), abstract_state(setup(half))["params"])
+    records = [r.getMessage() for r in caplog.records]
+    for got, want in zip(jax.tree.leaves(cast), jax.tree.leaves(saved["params"])):
+        assert got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32))
+    assert any("parameters saved as float32 are read as the config's weight_dtype (bfloat16)" in r for r in records)
+    assert run(half)["start_step"] == 0
+    with pytest.raises(CheckpointError, match="checkpoint has dtype float32, this config expects bfloat16"):
+        load_full_state(str(path), abstract_state(setup(half)))
 
 
 def test_restored_arrays_are_donated_in_place(tmp_path):

@@ -4,6 +4,7 @@ config before anything is read."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -13,7 +14,9 @@ from etils import epath
 from tessera.checkpointing import checksums
 from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, read_error,
                                            remote_exists, use_tidy_event_loops)
-from tessera.checkpointing.trees import raise_on_mismatch, restacked
+from tessera.checkpointing.trees import cast_dtypes, raise_on_mismatch, restacked
+
+log = logging.getLogger("tessera")
 
 
 def _state_item(path: str, key: str | None = None) -> epath.Path:
@@ -91,8 +94,12 @@ def _restore_tree(path: str, key: str | None, target, partial: bool, verify: boo
         raise CheckpointError(f"{label} holds no parameters (its tree has {', '.join(map(str, tree))}); "
                               "point it at a training step folder or a converted checkpoint")
     target, finish = restacked(tree, target)
-    raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "")
-    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding), target)
+    # parameters alone may be read into another floating dtype (weight_dtype): Orbax casts them as it reads
+    raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "", cast_floats=partial)
+    if partial and (casts := cast_dtypes({"params": tree["params"]}, target)):
+        log.info("%s: parameters saved as %s are read as the config's weight_dtype (%s)", label,
+                 ", ".join(c.split(" -> ")[0] for c in casts), ", ".join(sorted({c.split(" -> ")[1] for c in casts})))
+    restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, dtype=s.dtype), target)
     try:
         return finish(ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(
             item=target, restore_args=restore_args, partial_restore=partial)))

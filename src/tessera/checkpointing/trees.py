@@ -81,8 +81,9 @@ def runtime_owned(tree):
     return jax.tree.map(own, tree)
 
 
-def describe_mismatch(saved, expected, only_prefix: str = "") -> list[str]:
-    """Human-readable differences between saved metadata and the expected abstract tree."""
+def describe_mismatch(saved, expected, only_prefix: str = "", cast_floats: bool = False) -> list[str]:
+    """Human-readable differences between saved metadata and the expected abstract tree
+    (`cast_floats`: a floating dtype that differs from the expected floating dtype is not one)."""
     have, want = _flat(saved), _flat(expected)
     have = {k: v for k, v in have.items() if k.startswith(only_prefix)}
     problems = [f"missing in checkpoint: {k} {tuple(want[k].shape)}" for k in sorted(set(want) - set(have))]
@@ -91,13 +92,27 @@ def describe_mismatch(saved, expected, only_prefix: str = "") -> list[str]:
         h, w = have[k], want[k]
         if tuple(h.shape) != tuple(w.shape):
             problems.append(f"{k}: checkpoint has shape {tuple(h.shape)}, this config expects {tuple(w.shape)}")
-        elif h.dtype is not None and jax.numpy.dtype(h.dtype) != jax.numpy.dtype(w.dtype):
+        elif h.dtype is not None and jax.numpy.dtype(h.dtype) != jax.numpy.dtype(w.dtype) and not (
+                cast_floats and _floating(h.dtype) and _floating(w.dtype)):
             problems.append(f"{k}: checkpoint has dtype {h.dtype}, this config expects {w.dtype}")
     return problems
 
 
-def raise_on_mismatch(path, saved, expected, only_prefix: str = "") -> None:
-    problems = describe_mismatch(saved, expected, only_prefix)
+def _floating(dtype) -> bool:
+    return jax.numpy.issubdtype(jax.numpy.dtype(dtype), jax.numpy.floating)
+
+
+def cast_dtypes(saved, expected) -> list[str]:
+    """'float32 -> bfloat16'-style lines, one per pair of floating dtypes that differ between the
+    saved metadata and the expected tree (what a params-only load casts), sorted."""
+    have, want = _flat(saved), _flat(expected)
+    pairs = {(str(jax.numpy.dtype(have[k].dtype)), str(jax.numpy.dtype(want[k].dtype))) for k in set(have) & set(want)
+             if have[k].dtype is not None and jax.numpy.dtype(have[k].dtype) != jax.numpy.dtype(want[k].dtype)}
+    return sorted(f"{a} -> {b}" for a, b in pairs)
+
+
+def raise_on_mismatch(path, saved, expected, only_prefix: str = "", cast_floats: bool = False) -> None:
+    problems = describe_mismatch(saved, expected, only_prefix, cast_floats)
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise CheckpointError(
