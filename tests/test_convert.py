@@ -81,6 +81,24 @@ def test_a_truncated_shard_is_named_when_it_is_read(checkpoints, tmp_path, capsy
     assert not (tmp_path / "out").exists()
 
 
+def test_float32_weights_export_as_bfloat16_when_weight_dtype_says_so(checkpoints, tmp_path):
+    """tessera-to-hf with weight_dtype=bfloat16 on a float32 checkpoint writes bfloat16 tensors,
+    each the float32 value rounded (it refused the checkpoint before), and says so in config.json."""
+    import json
+
+    import ml_dtypes
+    from safetensors.numpy import load_file
+
+    ckpt, hf = checkpoints
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "half"), *KEYS, "weight_dtype=bfloat16"]) == 0
+    half, full = load_file(str(tmp_path / "half" / "model.safetensors")), load_file(str(hf / "model.safetensors"))
+    assert sorted(half) == sorted(full)
+    for name, value in full.items():
+        assert value.dtype == np.float32 and half[name].dtype == ml_dtypes.bfloat16, name
+        np.testing.assert_array_equal(half[name], value.astype(ml_dtypes.bfloat16))
+    assert json.loads((tmp_path / "half" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 def test_mxfp4_tensors_are_read_as_the_values_they_hold(tmp_path):
     """gpt-oss's released experts are MXFP4: <name>_blocks (two 4-bit codes a byte, the low nibble
     first) and <name>_scales (a power of two per 32 values, biased by 127) of a matrix stored

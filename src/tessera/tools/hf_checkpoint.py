@@ -21,6 +21,8 @@ from tessera.models.layers import yarn_score_scale
 from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES, HF_MULTIMODAL
 from tessera.tools.hf_layouts import Layout, Rule
 
+log = logging.getLogger("tessera")
+
 
 class Reader:
     """Tensors of a Hugging Face checkpoint folder, read lazily by name."""
@@ -225,12 +227,19 @@ class ParamSource:
 
     def __init__(self, checkpoint: str, targets: dict[str, jax.ShapeDtypeStruct], keep: int = 4):
         from tessera.checkpointing import raise_on_mismatch, saved_tree
+        from tessera.checkpointing.trees import cast_dtypes
 
         # saved_tree reads the item's own metadata: no "Metadata file does not exist" warning
         self.path, saved = saved_tree(checkpoint, key=None)
         self.targets, self.keep = targets, keep
         self.checkpointer = ocp.PyTreeCheckpointer()
-        raise_on_mismatch(self.path, saved, {"params": _nest(targets)}, only_prefix="params/")
+        expected = {"params": _nest(targets)}
+        # another floating weight_dtype is written as that dtype (float32 weights exported as bfloat16)
+        raise_on_mismatch(self.path, saved, expected, only_prefix="params/", cast_floats=True)
+        casts = cast_dtypes({"params": saved["params"]}, expected)
+        if casts:
+            log.info("checkpoint %s: parameters saved as %s are written as weight_dtype %s", self.path,
+                     ", ".join(c.split(" -> ")[0] for c in casts), ", ".join(sorted({c.split(" -> ")[1] for c in casts})))
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def get(self, path: str, index: int | None) -> np.ndarray:
@@ -248,7 +257,7 @@ class ParamSource:
             value = restored["params"]
             for key in path.split("/"):
                 value = value[key]
-            self.cache[path] = np.asarray(value)
+            self.cache[path] = np.asarray(value).astype(self.targets[path].dtype, copy=False)
             while len(self.cache) > self.keep:
                 self.cache.popitem(last=False)
         value = self.cache[path]
