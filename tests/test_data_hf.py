@@ -345,3 +345,22 @@ def test_damage_is_named_when_not_streaming_and_for_every_format(tmp_path, sp_mo
     with pytest.raises(DataError, match=r"a\.txt' is damaged: line 7001 is not UTF-8 text"):
         data = make_input(hf_config(("text", str(tmp_path / "t" / "a.txt")), sp_model).data, 96, 4)
         take(data, 5)
+
+
+def test_documents_without_text_are_reported_once(tmp_path, sp_model, corpus, caplog):
+    """A text column whose documents are (nearly all) empty trains on begin/end tokens alone: after
+    the first 100 documents one warning names the files and the columns; real text gets none."""
+    import logging
+
+    def warnings_after(path_glob, batches):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tessera"):
+            take(make_input(hf_config(path_glob, sp_model).data, 96, 4), batches)
+        return [r.getMessage() for r in caplog.records if "hold no text" in r.getMessage()]
+
+    empty = write_corpus(tmp_path / "empty", [""] * 30, "json")  # 2 tokens each: ~7 documents a row
+    lines = warnings_after(empty, 8)  # 8 batches x 4 rows: more than 100 documents, read over several epochs
+    assert lines == [f"hf_train_files={empty[1]!r}, train_data_columns=['text']: 100 of the first 100 documents "
+                     "hold no text (at most a begin and an end token); the model learns nothing from them: check "
+                     "train_data_columns and the files"]
+    assert warnings_after(corpus, 40) == []

@@ -161,12 +161,14 @@ class GrainData:
 
         self.cfg, self.rows, self.length = cfg, rows_per_process(global_batch, split), cfg.max_target_length + 1
         if cfg.dataset_type == "tfds":
+            described = f"dataset_name={cfg.dataset_name!r}"
             source = _tfds_source(cfg, split)
             if len(source) == 0:
                 raise ConfigError(f"dataset_name={cfg.dataset_name!r}: split "
                                   f"{cfg.train_split if split == 'train' else cfg.eval_split!r} holds no records")
         else:
             files_key = "grain_train_files" if split == "train" else "grain_eval_files"
+            described = f"{files_key}={getattr(cfg, files_key)!r}"
             source = _open_source(cfg, files_key, cfg.grain_train_files if split == "train" else cfg.grain_eval_files)
             if len(source) == 0:
                 raise no_records(files_key, expand_files(getattr(cfg, files_key), files_key))
@@ -187,7 +189,8 @@ class GrainData:
                 flags.FLAGS.mark_as_parsed()
             iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.grain_worker_count))
         self._it = iter(iter_ds)
-        self.cursor = DocumentCursor(lambda: next(self._it), self._it.get_state)
+        self.cursor = DocumentCursor(lambda: next(self._it), self._it.get_state,
+                                     f"{described}, train_data_columns={list(cfg.train_data_columns)}")
 
     def __iter__(self):
         return self

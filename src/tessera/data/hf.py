@@ -142,7 +142,8 @@ class HfData:
         self.vocab_size = vocab_size
         self.epoch = 0
         self._restart(None)
-        self.cursor = DocumentCursor(self._next_document, self._source_state)
+        self.cursor = DocumentCursor(self._next_document, self._source_state,
+                                     f"{self.setting}, train_data_columns={self.columns}")
 
     def _check_columns(self, first: dict) -> None:
         names = self.ds.column_names

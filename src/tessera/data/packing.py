@@ -12,30 +12,50 @@ tokens of it already used), so a resumed stream re-reads one document and skips 
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import numpy as np
+
+log = logging.getLogger("tessera")
+# After this many documents, a source whose documents nearly all hold no text (at most a begin and an
+# end token: an empty or wrong text column) is reported once; training on it would learn nothing.
+EMPTY_CHECK_DOCUMENTS = 100
+EMPTY_SHARE = 0.9
 
 
 class DocumentCursor:
     """Hands out pieces of documents from `fetch()` (which raises StopIteration at the end).
 
-    `source_state()` must return the source's position *before* the next `fetch()`."""
+    `source_state()` must return the source's position *before* the next `fetch()`. `source` names
+    the data in the warning about documents without text (e.g. "hf_train_files='...'")."""
 
-    def __init__(self, fetch: Callable[[], list[int]], source_state: Callable[[], dict]):
-        self._fetch, self._source_state = fetch, source_state
+    def __init__(self, fetch: Callable[[], list[int]], source_state: Callable[[], dict], source: str = ""):
+        self._fetch, self._source_state, self._source = fetch, source_state, source
         self.doc: list[int] = []
         self.offset = 0
         self.doc_state: dict | None = None  # source state before `doc` was fetched
+        self._seen = self._textless = 0
 
     def take(self, n: int) -> list[int]:
         """Up to n tokens of the current document (fetching the next one when it is used up)."""
         while self.offset >= len(self.doc):
             self.doc_state = self._source_state()
             self.doc, self.offset = self._fetch(), 0
+            self._count(self.doc)
         piece = self.doc[self.offset:self.offset + n]
         self.offset += len(piece)
         return piece
+
+    def _count(self, doc: list[int]) -> None:
+        if self._seen >= EMPTY_CHECK_DOCUMENTS:
+            return
+        self._seen += 1
+        self._textless += len(doc) <= 2
+        if self._seen == EMPTY_CHECK_DOCUMENTS and self._textless >= EMPTY_SHARE * self._seen:
+            log.warning("%s: %d of the first %d documents hold no text (at most a begin and an end token); "
+                        "the model learns nothing from them: check train_data_columns and the files",
+                        self._source or "the data", self._textless, self._seen)
 
     def get_state(self) -> dict:
         if self.doc_state is None or self.offset >= len(self.doc):  # nothing half-used: start at the next document
