@@ -228,6 +228,19 @@ def test_a_section_that_is_not_an_object_is_named(tmp_path, capsys):
                                        "it must be an object of name: value\n")
 
 
+def test_a_node_count_that_is_not_one_is_one_line(tmp_path, capsys):
+    """config.nnodes (or env_dict's NNODES) that is not a whole number of at least 1: one line,
+    exit 2 (a word or a fraction raised a ValueError traceback; 0 or -3 ran one node)."""
+    for value in ("two", "2.5", "0", "-3"):
+        data = json.loads(open(CPU).read())
+        data["config"]["nnodes"] = value
+        path = tmp_path / "nodes.json"
+        path.write_text(json.dumps(data))
+        assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 2, value
+        assert capsys.readouterr().err == (f"validation file error: config.nnodes={value!r} is not a number of nodes; "
+                                           "give a whole number of at least 1 (or leave it out for one node)\n")
+
+
 def test_a_train_value_the_trainer_refuses_stops_the_dry_run(tmp_path, capsys):
     """The train keys go through train.py's own config loader before anything is printed or run."""
     data = json.loads(open(CPU).read())

@@ -211,10 +211,21 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
     targets = _targets(entry.get("result_dict", {}))
-    nnodes = int(container.get("nnodes", env.get("NNODES", 1)) or 1)
+    nnodes = _node_count(container.get("nnodes", env.get("NNODES", 1)))
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
     return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
                 env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env))
+
+
+def _node_count(value: Any) -> int:
+    """config.nnodes (or NNODES in env_dict) as a count of nodes; an empty value is 1."""
+    text = str(value).strip()
+    if not text:
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise ValidationInputError(f"config.nnodes={value!r} is not a number of nodes; give a whole number of at "
+                                   "least 1 (or leave it out for one node)")
+    return int(text)
 
 
 def _maxtext_why(key: str, value: Any) -> str:
