@@ -14,7 +14,7 @@ from etils import epath
 from tessera.checkpointing import checksums
 from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, read_error,
                                            remote_exists, use_tidy_event_loops)
-from tessera.checkpointing.trees import cast_dtypes, raise_on_mismatch, restacked
+from tessera.checkpointing.trees import cast_summary, raise_on_mismatch, restacked
 
 log = logging.getLogger("tessera")
 
@@ -96,9 +96,8 @@ def _restore_tree(path: str, key: str | None, target, partial: bool, verify: boo
     target, finish = restacked(tree, target)
     # parameters alone may be read into another floating dtype (weight_dtype): Orbax casts them as it reads
     raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "", cast_floats=partial)
-    if partial and (casts := cast_dtypes({"params": tree["params"]}, target)):
-        log.info("%s: parameters saved as %s are read as the config's weight_dtype (%s)", label,
-                 ", ".join(c.split(" -> ")[0] for c in casts), ", ".join(sorted({c.split(" -> ")[1] for c in casts})))
+    if partial and (casts := cast_summary({"params": tree["params"]}, target)):
+        log.info("%s: parameters are read in the config's weight_dtype (%s)", label, casts)
     restore_args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, dtype=s.dtype), target)
     try:
         return finish(ocp.PyTreeCheckpointer().restore(item, args=ocp.args.PyTreeRestore(

@@ -102,13 +102,13 @@ def _floating(dtype) -> bool:
     return jax.numpy.issubdtype(jax.numpy.dtype(dtype), jax.numpy.floating)
 
 
-def cast_dtypes(saved, expected) -> list[str]:
-    """'float32 -> bfloat16'-style lines, one per pair of floating dtypes that differ between the
-    saved metadata and the expected tree (what a params-only load casts), sorted."""
+def cast_summary(saved, expected) -> str:
+    """'float32 -> bfloat16' (pairs joined by ', ') for the dtypes that differ between the saved
+    metadata and the expected tree, which a params-only load casts; '' when none differ."""
     have, want = _flat(saved), _flat(expected)
     pairs = {(str(jax.numpy.dtype(have[k].dtype)), str(jax.numpy.dtype(want[k].dtype))) for k in set(have) & set(want)
              if have[k].dtype is not None and jax.numpy.dtype(have[k].dtype) != jax.numpy.dtype(want[k].dtype)}
-    return sorted(f"{a} -> {b}" for a, b in pairs)
+    return ", ".join(f"{a} -> {b}" for a, b in sorted(pairs))
 
 
 def raise_on_mismatch(path, saved, expected, only_prefix: str = "", cast_floats: bool = False) -> None:

@@ -227,7 +227,7 @@ class ParamSource:
 
     def __init__(self, checkpoint: str, targets: dict[str, jax.ShapeDtypeStruct], keep: int = 4):
         from tessera.checkpointing import raise_on_mismatch, saved_tree
-        from tessera.checkpointing.trees import cast_dtypes
+        from tessera.checkpointing.trees import cast_summary
 
         # saved_tree reads the item's own metadata: no "Metadata file does not exist" warning
         self.path, saved = saved_tree(checkpoint, key=None)
@@ -236,10 +236,8 @@ class ParamSource:
         expected = {"params": _nest(targets)}
         # another floating weight_dtype is written as that dtype (float32 weights exported as bfloat16)
         raise_on_mismatch(self.path, saved, expected, only_prefix="params/", cast_floats=True)
-        casts = cast_dtypes({"params": saved["params"]}, expected)
-        if casts:
-            log.info("checkpoint %s: parameters saved as %s are written as weight_dtype %s", self.path,
-                     ", ".join(c.split(" -> ")[0] for c in casts), ", ".join(sorted({c.split(" -> ")[1] for c in casts})))
+        if casts := cast_summary({"params": saved["params"]}, expected):
+            log.info("checkpoint %s: parameters are written in weight_dtype (%s)", self.path, casts)
         self.cache: OrderedDict[str, np.ndarray] = OrderedDict()
 
     def get(self, path: str, index: int | None) -> np.ndarray:
