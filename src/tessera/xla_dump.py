@@ -50,17 +50,18 @@ def dump_flags(cfg: Config) -> list[str]:
 def _module_pattern(name: str) -> str:
     """dump_hlo_module_name, checked: XLA reads it as an RE2 regular expression and, given one it
     cannot parse, logs an error per program and dumps nothing."""
-    problem = "contains white space, which XLA_FLAGS cannot carry" if any(c.isspace() for c in name) else ""
-    try:
-        re.compile(name)
-    except re.error as e:
-        problem = problem or f"is not a regular expression ({e})"
-    if not problem and re.search(r"\(\?(<?[=!])|\\[1-9]", name):
+    if any(c.isspace() for c in name):
+        problem = "contains white space, which XLA_FLAGS cannot carry"
+    elif re.search(r"\(\?<?[=!]|\\[1-9]", name):
         problem = "uses a lookaround or a back-reference, which XLA's regular expressions (RE2) do not have"
-    if problem:
-        raise ConfigError(f"dump_hlo_module_name={name!r} {problem}; give a pattern of program names such as "
-                          "jit_train_step or 'jit_train_step|jit_eval_step'")
-    return name
+    else:
+        try:
+            re.compile(name)
+            return name
+        except re.error as e:
+            problem = f"is not a regular expression ({e})"
+    raise ConfigError(f"dump_hlo_module_name={name!r} {problem}; give a pattern of program names such as "
+                      "jit_train_step or 'jit_train_step|jit_eval_step'")
 
 
 def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None) -> Path | None:
