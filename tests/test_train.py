@@ -18,6 +18,7 @@ from tessera.checkpointing import CheckpointError, Checkpointer
 from tessera.config import ConfigError, load_config
 from tessera.evaluation import Evaluator
 from tessera.hardware import peak_tflops
+from tessera.loop_records import RunClock, time_line
 from tessera.memory_fit import state_bytes
 from tessera.metrics import run_report, training_flops_per_step
 from tessera.step import abstract_state, compile_step, setup
@@ -111,12 +112,22 @@ def test_a_step_after_a_save_or_an_evaluation_is_timed_without_it(tmp_path, monk
     monkeypatch.setattr(Evaluator, "run", slowed(Evaluator.run))
     cfg = tiny_config(tmp_path, steps=6, checkpoint_period=2, async_checkpointing=False, eval_interval=3,
                       eval_steps=1)
-    run(cfg, jax.devices()[:1])
+    report = run(cfg, jax.devices()[:1])
     records = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "eval_loss" in r]
     steps = {r["step"]: r["step_seconds"] for r in records if "eval_loss" not in r}
     assert sorted(steps) == [1, 2, 3, 4, 5, 6] and [r["step"] for r in evals] == [3, 6]
     assert max(steps.values()) < 0.75, steps
+    # the report's time puts the 4.5 s of the three saves and the 3 s of the two evaluations in their
+    # phases, not in training; the phases add up to the whole
+    t = report["time"]
+    assert t["checkpoint_seconds"] >= 4.5 and t["evaluation_seconds"] >= 3.0, t
+    assert sum(steps.values()) <= t["training_seconds"] < 4.5, t
+    assert 0 < t["input_seconds"] < t["training_seconds"], t
+    phases = sum(t[f"{p}_seconds"] for p in ("setup", "state", "compile", "training", "evaluation", "checkpoint"))
+    assert phases == pytest.approx(t["total_seconds"], abs=1e-6)
+    assert t["goodput"] == pytest.approx(t["training_seconds"] / t["total_seconds"])
+    assert json.loads((tmp_path / "test" / "report.json").read_text())["time"] == t
 
 
 @pytest.mark.slow
@@ -263,6 +274,37 @@ def test_peak_table():
     assert peak_tflops("cpu") is None
 
 
+def test_run_clock_puts_every_second_in_exactly_one_phase():
+    now = [100.0]
+    clock = RunClock(clock=lambda: now[0])
+
+    def spend(seconds):
+        now[0] += seconds
+
+    spend(1.0)  # setup
+    clock.switch("state")
+    spend(2.0)
+    clock.switch("training")
+    spend(3.0)
+    with clock.taking_input():  # counted as input, and still as training
+        spend(0.5)
+    with clock.during("checkpoint"):
+        spend(4.0)
+        with clock.during("evaluation"):
+            spend(0.25)
+        spend(1.0)  # back in checkpoint
+    spend(0.25)  # back in training
+    t = clock.summary()
+    assert t == {"total_seconds": 12.0, "setup_seconds": 1.0, "state_seconds": 2.0, "compile_seconds": 0.0,
+                 "training_seconds": 3.75, "evaluation_seconds": 0.25, "checkpoint_seconds": 5.0,
+                 "input_seconds": 0.5, "goodput": 3.75 / 12.0}
+    assert clock.phase == "training"
+    assert time_line(t) == ("time: 12.0 s in all; training 3.8 s (goodput 31%; taking batches 0.5 s of it), "
+                            "checkpoint 5.0 s, state 2.0 s, setup 1.0 s, evaluation 0.2 s")
+    with pytest.raises(ValueError, match="unknown phase 'saving'"):
+        clock.switch("saving")
+
+
 def test_run_report_uses_medians_after_warmup():
     records = [{"loss": 5.0 - i, "step_seconds": s, "tflops_per_sec_per_device": 1 / s,
                 "tokens_per_sec_per_device": 10 / s, "mfu": None} for i, s in enumerate([9.0, 1.0, 2.0, 3.0])]
@@ -287,6 +329,11 @@ def test_train_py_end_to_end(tmp_path):
     assert report["steps"] == 4 and report["steps_in_medians"] == 3 and report["num_devices"] == 8
     assert report["final_loss"] == records[-1]["loss"] and report["mfu"] is None  # cpu: not in the peak table
     assert len(report["config_digest"]) == 16 and report["device_kind"] == "cpu"
+    # train.py starts the clock before it reads the config; compiling is part of the compile phase
+    t = report["time"]
+    assert t["setup_seconds"] > 0 and t["compile_seconds"] >= report["compile_seconds"] > 0
+    assert 0 < t["goodput"] < 1 and t["checkpoint_seconds"] > 0  # the last step is saved
+    assert f"time: {t['total_seconds']:.1f} s in all; training {t['training_seconds']:.1f} s" in proc.stderr
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     assert list((run_dir / "profile").rglob("*.xplane.pb"))
     assert (run_dir / "config.yml").is_file()
@@ -368,7 +415,7 @@ def test_main_maps_each_failure_to_one_line_and_its_exit_code(monkeypatch, capsy
     kinds = {"DataError": tessera.data.DataError, "ConfigError": ConfigError, "CheckpointError": CheckpointError,
              "CheckpointSaveError": tessera.checkpointing.CheckpointSaveError, "KeyboardInterrupt": KeyboardInterrupt}
 
-    def fail(cfg):
+    def fail(cfg, clock=None):
         raise kinds[error]("file x.parquet is damaged")
 
     monkeypatch.setattr(tessera.train, "run", fail)

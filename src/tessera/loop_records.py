@@ -1,9 +1,11 @@
-"""What the training loop records per step: `StepMeter` turns a step's stats and wall time into
-a metrics record (TFLOP/s, tokens/s, MFU against `tessera.hardware`'s peaks), and `Profiler`
-captures a JAX trace of a window of steps. `tessera.train` drives both."""
+"""What the training loop records: `StepMeter` turns a step's stats and wall time into a metrics
+record (TFLOP/s, tokens/s, MFU against `tessera.hardware`'s peaks), `Profiler` captures a JAX
+trace of a window of steps, and `RunClock` says where the run's wall time went (the report's
+`time` and goodput). `tessera.train` drives all three."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -78,3 +80,78 @@ class Profiler:
             jax.profiler.stop_trace()
             self.active = False
             log.info("profile written to %s", self.dir)
+
+
+class RunClock:
+    """Where a run's wall time goes, phase by phase, on this process: a stopwatch that is always
+    in exactly one phase, so the phases add up to the whole.
+
+        setup       config, distributed start-up, mesh, model, input pipeline, checkpoint manager
+        state       creating the train state, or reading it from a checkpoint
+        compile     compiling the train step (and the evaluation step), the memory checks, the
+                    run folder, the barrier after compiling
+        training    the loop's steps: dispatching them, taking batches, reading metrics, logging
+        evaluation  evaluations (also a resumed run's check of target_eval_loss at its start)
+        checkpoint  the time saves held the loop up (a synchronous save, waiting for the previous
+                    background save, the last save's wait at the end)
+
+    `input_seconds` is the part of `training` the host spent taking batches from the input
+    pipeline and placing them on the devices. The loop dispatches step N+1 before it reads step N's
+    metrics, so batches are prepared while the devices compute; when `input_seconds` comes near
+    `training_seconds`, the input pipeline sets the pace, not the devices. `goodput` is
+    `training_seconds / total_seconds`: of this process's run (one attempt: steps redone after a
+    restart count again in the attempt that redoes them)."""
+
+    PHASES = ("setup", "state", "compile", "training", "evaluation", "checkpoint")
+
+    def __init__(self, clock=time.perf_counter):
+        self._now = clock
+        self.start = self._mark = clock()
+        self.phase = "setup"
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+        self.input_seconds = 0.0
+
+    def switch(self, phase: str) -> None:
+        """From now on the time belongs to `phase`."""
+        if phase not in self.seconds:
+            raise ValueError(f"unknown phase {phase!r}; one of {', '.join(self.PHASES)}")
+        now = self._now()
+        self.seconds[self.phase] += now - self._mark
+        self.phase, self._mark = phase, now
+
+    @contextlib.contextmanager
+    def during(self, phase: str):
+        """The block's time belongs to `phase`; afterwards the clock is back in the phase it was in."""
+        previous = self.phase
+        self.switch(phase)
+        try:
+            yield
+        finally:
+            self.switch(previous)
+
+    @contextlib.contextmanager
+    def taking_input(self):
+        """The block's time is also counted as `input_seconds` (it stays in its phase)."""
+        start = self._now()
+        try:
+            yield
+        finally:
+            self.input_seconds += self._now() - start
+
+    def summary(self) -> dict:
+        """The report's `time`: total and per-phase seconds, input_seconds and goodput, up to now."""
+        self.switch(self.phase)
+        total = self._mark - self.start
+        return {"total_seconds": total, **{f"{p}_seconds": s for p, s in self.seconds.items()},
+                "input_seconds": self.input_seconds,
+                "goodput": self.seconds["training"] / total if total > 0 else None}
+
+
+def time_line(summary: dict) -> str:
+    """One log line of `RunClock.summary()`: the phases that took time, largest first."""
+    parts = sorted(((summary[f"{p}_seconds"], p) for p in RunClock.PHASES if p != "training"), reverse=True)
+    rest = ", ".join(f"{name} {seconds:.1f} s" for seconds, name in parts if seconds >= 0.05)
+    goodput = summary["goodput"]
+    return (f"time: {summary['total_seconds']:.1f} s in all; training {summary['training_seconds']:.1f} s "
+            f"(goodput {'n/a' if goodput is None else f'{goodput:.0%}'}; taking batches "
+            f"{summary['input_seconds']:.1f} s of it){', ' + rest if rest else ''}")

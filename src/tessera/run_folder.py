@@ -17,9 +17,10 @@ from tessera.checkpointing import check_writable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
 from tessera.config.derived import remote_run_dir, run_dir
 from tessera.evaluation import at_target
+from tessera.loop_records import time_line
 
 if TYPE_CHECKING:
-    from tessera.loop_records import StepMeter
+    from tessera.loop_records import RunClock, StepMeter
     from tessera.step import Trainer
 
 log = logging.getLogger("tessera")
@@ -59,8 +60,9 @@ def create_run_folder(cfg: Config, folder: Path) -> Path:
 
 
 def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: StepMeter, folder: Path,
-                 n_params: int, compile_seconds: float, start_step: int) -> dict[str, Any]:
-    """The run report: logged, written as report.json (process 0) and returned."""
+                 n_params: int, compile_seconds: float, start_step: int, clock: RunClock) -> dict[str, Any]:
+    """The run report: logged, written as report.json (process 0) and returned. Its `time` is
+    `clock`'s account of the run's wall time by phase, with the goodput (`loop_records.RunClock`)."""
     reached = [r["step"] for r in writer.eval_records if at_target(cfg.data, r["eval_loss"])]
     report = metrics.run_report(
         writer.records, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
@@ -72,9 +74,11 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
         **{f"final_{k}": v for k, v in (writer.eval_records[-1] if writer.eval_records else {}).items()
            if k.startswith("eval_mtp_")},  # multi-token prediction's eval loss and acceptance rate
         target_eval_loss_reached_at=reached[0] if reached else None,
+        time=clock.summary(),
     )
     if jax.process_index() == 0:
         (folder / "report.json").write_text(json.dumps(report, indent=2))
+    log.info(time_line(report["time"]))
     log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
              folder / "report.json")
     return report

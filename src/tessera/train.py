@@ -33,7 +33,7 @@ from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, 
 from tessera.data import DataError, make_input, place_batch
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, wait_for_all
 from tessera.evaluation import Evaluator, at_target
-from tessera.loop_records import Profiler, StepMeter
+from tessera.loop_records import Profiler, RunClock, StepMeter
 from tessera.memory_fit import (
     EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits, local_devices, out_of_memory,
     save_buffers, state_advice, state_bytes, state_shapes, step_advice,
@@ -52,11 +52,13 @@ EXIT_INTERRUPTED, EXIT_PREEMPTED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 
 # --------------------------------------------------------------------------- the run
 
 
-def run(cfg: Config, devices=None) -> dict[str, Any]:
+def run(cfg: Config, devices=None, clock: RunClock | None = None) -> dict[str, Any]:
     """Train until `cfg.run.steps`; returns the run report (also written as report.json).
 
     Nothing is written until the mesh, the input pipeline and the starting state are known good:
-    a run that fails before its first step leaves no run folder behind."""
+    a run that fails before its first step leaves no run folder behind. `clock` (started by
+    train.py before it reads the config; else here) times the run's phases for the report."""
+    clock = clock or RunClock()
     # ---- mesh, model, shardings
     trainer = setup(cfg, devices)
     ckpt_dir = trainer.plan.checkpoint_dir
@@ -72,7 +74,7 @@ def run(cfg: Config, devices=None) -> dict[str, Any]:
         if done is not None:
             return done
         _log_shardings(cfg, trainer)
-        return _train(cfg, trainer, ckpt)
+        return _train(cfg, trainer, ckpt, clock)
     finally:
         if ckpt:
             ckpt.close()
@@ -95,11 +97,12 @@ def _nothing_to_do(cfg: Config, step: int | None) -> dict[str, Any] | None:
     return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name, start_step=step)
 
 
-def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str, Any]:
+def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunClock) -> dict[str, Any]:
     # ---- input and state (fresh, loaded or resumed): their errors come before anything is written
     plan = trainer.plan
     data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch)
     evaluator = Evaluator(cfg.data, trainer) if cfg.data.eval_interval else None
+    clock.switch("state")
     source = state_source(ckpt, cfg.checkpoint)
     with host_malloc.returning_freed_memory():  # the init's and the read's buffers are not the steps' to reuse
         program = None if source else init_program(trainer, cfg.run.init_weights_seed)
@@ -109,13 +112,18 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
-    if evaluator and evaluator.at_target_already(start_step, state["params"]):
-        return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name, start_step=start_step)
+    if evaluator:
+        with clock.during("evaluation"):
+            reached = evaluator.at_target_already(start_step, state["params"])
+        if reached:
+            return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name,
+                                      start_step=start_step)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
     log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", plan.global_batch,
              plan.max_target_length)
 
     # ---- compiled step, run folder
+    clock.switch("compile")
     hits = cache_hits()
     with host_malloc.returning_freed_memory():  # the compiler's memory is not the steps' to reuse either
         step_fn, compile_seconds = compile_step(trainer, cfg.run.init_weights_seed)
@@ -127,27 +135,29 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None) -> dict[str
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
     # ---- the steps, then the report
+    clock.switch("training")
     writer = metrics.MetricsWriter(
         plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
         write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir)
     meter, profiler = StepMeter(trainer), Profiler(cfg, run_dir)
     try:
-        _Loop(cfg, trainer, ckpt, data, evaluator, writer, meter, profiler).run(step_fn, state, start_step)
+        _Loop(cfg, trainer, ckpt, data, evaluator, writer, meter, profiler, clock).run(step_fn, state, start_step)
     finally:
         profiler.stop()
         writer.close()
-    return write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step)
+    return write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step, clock)
 
 
 class _Loop:
     """The steps after `start_step` up to `steps`: each one's metrics (read one step late, see
     METRICS_LAG), finite check, evaluation, checkpoint and stop on SIGTERM or SIGINT, under the
-    hang watchdog."""
+    hang watchdog; `clock` gets the time of evaluations, saves and taking batches."""
 
     def __init__(self, cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, data, evaluator: Evaluator | None,
-                 writer: metrics.MetricsWriter, meter: StepMeter, profiler: Profiler):
+                 writer: metrics.MetricsWriter, meter: StepMeter, profiler: Profiler, clock: RunClock):
         self.cfg, self.trainer, self.ckpt, self.data, self.evaluator = cfg, trainer, ckpt, data, evaluator
         self.writer, self.meter, self.profiler, self.config_json = writer, meter, profiler, flat_dict(cfg)
+        self.clock = clock
         # a save blocks the loop (a synchronous one, or one waiting for the previous save) for longer than a step
         self.save_allowance = save_allowance_seconds(_local_state_bytes(trainer))
 
@@ -158,7 +168,9 @@ class _Loop:
                 stats = _StatsReader(cfg, self.writer, self.meter, self.profiler, watchdog, self.ckpt)
                 for step in range(start_step + 1, cfg.run.steps + 1):
                     self.profiler.before_step(step)
-                    batch = place_batch(self.data, next(self.data), trainer.batch_sharding, trainer.plan.global_batch)
+                    with self.clock.taking_input():
+                        batch = place_batch(self.data, next(self.data), trainer.batch_sharding,
+                                            trainer.plan.global_batch)
                     state, step_stats = step_fn(state, batch)
                     # The step runs on the device while the host reads the previous step's stats and
                     # prepares the next batch: metrics are logged one step late (METRICS_LAG).
@@ -167,7 +179,8 @@ class _Loop:
                     if self._after_step(step, state, stats, stop, watchdog):
                         break  # target_eval_loss reached
                 if self.ckpt:  # the last save's background write, watched like the saves before it
-                    with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
+                    with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
+                            self.clock.during("checkpoint"):
                         self.ckpt.wait()
         except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
             _step_failed(step, e, watchdog)
@@ -184,7 +197,8 @@ class _Loop:
             stats.finish()  # a non-finite step stops the run before anything is evaluated or saved
         reached = False
         if evaluating:
-            record = self.evaluator.run(step, state["params"], watchdog.beat)
+            with self.clock.during("evaluation"):
+                record = self.evaluator.run(step, state["params"], watchdog.beat)
             self.writer.write_eval(record)
             reached = at_target(cfg.data, record["eval_loss"])
             if reached and not last:
@@ -193,14 +207,16 @@ class _Loop:
                          " (checkpoint saved)" if ckpt else "")
             saving = saving or (ckpt and reached)
         if saving:
-            with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
+            with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
+                    self.clock.during("checkpoint"):
                 ckpt.save(step, state, self.data.get_state(), self.config_json)  # raises if the previous save failed
         elif ckpt:
             ckpt.check()  # a background save that failed stops the run now, not at the next save
         if evaluating or saving:  # every dispatched step was read above: the next one's time starts now
             self.meter.restart_clock()
         if stopping:
-            with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance):
+            with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
+                    self.clock.during("checkpoint"):
                 stop_after_signal(step, stop, ckpt)
         return reached
 
@@ -345,6 +361,7 @@ def main(argv: list[str]) -> int:
 
 
 def _main(argv: list[str]) -> int:
+    clock = RunClock()  # the report's time starts here, before the config is read
     try:
         cfg = load_config(argv)
         from tessera.gpu_tuning import apply_gpu_tuning  # before any device use: JAX reads these at start-up
@@ -358,7 +375,7 @@ def _main(argv: list[str]) -> int:
         log.info("config (differs from base.yml): %s", format_changed_keys(cfg))
         log.info("host malloc: %s", host_malloc.describe())
         initialize()
-        run(cfg)
+        run(cfg, clock=clock)
     except DistributedError as e:
         print(f"distributed start-up error: {e}", file=sys.stderr)
         return EXIT_DISTRIBUTED

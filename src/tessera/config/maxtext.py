@@ -159,9 +159,11 @@ REFUSED = {
     "use_vertex_tensorboard": Refused("Vertex AI TensorBoard" + _GCP, ("false", "0")),
     "vertex_tensorboard_project": Refused("Vertex AI TensorBoard project" + _GCP, ("",)),
     "vertex_tensorboard_region": Refused("Vertex AI TensorBoard region" + _GCP, ("",)),
-    "enable_goodput_recording": Refused("record goodput with Google's ml-goodput library" + _GCP,
-                                        ("false", "0")),
-    "monitor_goodput": Refused("upload goodput to Cloud Monitoring" + _GCP, ("false", "0")),
+    "enable_goodput_recording": Refused("record goodput with Google's ml-goodput library; Tessera's report.json "
+                                        "has the run's goodput and where its time went (`time`), and the last "
+                                        "log line before `done:` says it" + _GCP, ("false", "0")),
+    "monitor_goodput": Refused("upload goodput to Cloud Monitoring; Tessera's report.json has the run's goodput "
+                               "(`time`)" + _GCP, ("false", "0")),
     "collect_stack_trace": Refused("dump stacks periodically; Tessera dumps them when a step exceeds "
                                    "step_timeout_seconds", ("false", "0")),
     "stack_trace_to_cloud": Refused("send stack dumps to Cloud Logging; see step_timeout_seconds", ("false", "0")),
