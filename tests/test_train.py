@@ -527,3 +527,38 @@ def test_train_step_does_not_divide_the_gradients_in_a_pass_of_their_own():
     assert re.findall(r"op_name=\"jit\(train_step\)/cond/", hlo)  # the pattern below can match
     divides = re.findall(r"= f32\[[\d,]+\]\S* fusion\([^\n]*op_name=\"jit\(train_step\)/div\"", hlo)
     assert not divides, divides
+
+
+def test_a_run_that_waits_for_its_batches_says_the_input_pipeline_set_the_pace(tmp_path, monkeypatch, caplog):
+    """Taking a batch takes 0.5 s here (a slow tokenizer, a slow disk): the steps wait for their
+    input, the report's input_seconds shows it and one warning says what to change."""
+    import tessera.data.synthetic
+
+    original = tessera.data.synthetic.SyntheticData.__next__
+
+    def slow(self):
+        time.sleep(0.5)
+        return original(self)
+
+    monkeypatch.setattr(tessera.data.synthetic.SyntheticData, "__next__", slow)
+    with caplog.at_level("INFO", logger="tessera"):
+        report = run(tiny_config(tmp_path, steps=4), jax.devices()[:1])
+    t = report["time"]
+    assert 2.0 <= t["input_seconds"] <= t["training_seconds"], t
+    assert t["input_seconds"] >= 0.5 * t["training_seconds"], t
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "taking batches" in r.getMessage()]
+    assert warnings == [f"taking batches took {t['input_seconds']:.1f} s of the {t['training_seconds']:.1f} s of "
+                        f"training ({t['input_seconds'] / t['training_seconds']:.0%}): the input pipeline (synthetic), "
+                        "not the devices, set the pace of this run; make the input pipeline cheaper or give it more "
+                        "processes"]
+
+
+def test_the_input_bound_warning_names_what_to_change_for_each_pipeline():
+    from tessera.loop_records import input_bound_warning
+
+    slow = {"input_seconds": 6.0, "training_seconds": 10.0}
+    assert "raise grain_worker_count" in input_bound_warning(slow, "grain")
+    assert "raise grain_worker_count" in input_bound_warning(slow, "tfds")
+    assert "dataset_type=grain" in input_bound_warning(slow, "hf")
+    assert input_bound_warning({"input_seconds": 4.0, "training_seconds": 10.0}, "hf") is None  # under half
+    assert input_bound_warning({"input_seconds": 0.9, "training_seconds": 1.0}, "hf") is None  # under a second

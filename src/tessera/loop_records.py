@@ -147,6 +147,27 @@ class RunClock:
                 "goodput": self.seconds["training"] / total if total > 0 else None}
 
 
+# taking batches for at least this share of the training time (and at least a second of it) gets a warning
+INPUT_BOUND_SHARE = 0.5
+
+
+def input_bound_warning(summary: dict, dataset_type: str) -> str | None:
+    """A warning when taking batches held the loop up for INPUT_BOUND_SHARE or more of the
+    training time (`RunClock.summary()`), with what to change for `dataset_type`; else None."""
+    taking, training = summary["input_seconds"], summary["training_seconds"]
+    if training <= 0 or taking < 1.0 or taking < INPUT_BOUND_SHARE * training:
+        return None
+    if dataset_type in ("grain", "tfds"):
+        advice = "raise grain_worker_count (processes that read and tokenize records beside training)"
+    elif dataset_type == "hf":
+        advice = ("hf tokenizes in the training process; Parquet or ArrayRecord files read with dataset_type=grain "
+                  "are tokenized by grain_worker_count worker processes")
+    else:
+        advice = "make the input pipeline cheaper or give it more processes"
+    return (f"taking batches took {taking:.1f} s of the {training:.1f} s of training ({taking / training:.0%}): the "
+            f"input pipeline ({dataset_type}), not the devices, set the pace of this run; {advice}")
+
+
 def time_line(summary: dict) -> str:
     """One log line of `RunClock.summary()`: the phases that took time, largest first."""
     parts = sorted(((summary[f"{p}_seconds"], p) for p in RunClock.PHASES if p != "training"), reverse=True)

@@ -17,7 +17,7 @@ from tessera.checkpointing import check_writable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
 from tessera.config.derived import remote_run_dir, run_dir
 from tessera.evaluation import at_target
-from tessera.loop_records import time_line
+from tessera.loop_records import input_bound_warning, time_line
 
 if TYPE_CHECKING:
     from tessera.loop_records import RunClock, StepMeter
@@ -79,6 +79,9 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
     if jax.process_index() == 0:
         (folder / "report.json").write_text(json.dumps(report, indent=2))
     log.info(time_line(report["time"]))
+    slow_input = input_bound_warning(report["time"], cfg.data.dataset_type)
+    if slow_input:
+        log.warning(slow_input)
     log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
              folder / "report.json")
     return report
