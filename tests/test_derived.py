@@ -32,6 +32,18 @@ def test_plan_takes_the_keys_that_override_derived_values(tmp_path):
     assert not off.dropout_on
 
 
+def test_dropout_rate_alone_turns_dropout_on_as_in_maxtext():
+    """MaxText's enable_dropout is true by default, so its users set only dropout_rate; before, Tessera's
+    default was false and dropout_rate=0.1 trained without dropout, silently."""
+    assert plan_run(build_config({"dropout_rate": 0.1, "per_device_batch_size": 1}), MESH_8).dropout_on
+    assert not plan_run(build_config({"dropout_rate": 0.1, "enable_dropout": False, "per_device_batch_size": 1}),
+                        MESH_8).dropout_on
+    for rate in (1.0, 1.5):  # refused whether dropout is on or not: the value is wrong either way
+        for on in (True, False):
+            with pytest.raises(ConfigError, match=rf"dropout_rate={rate} must be in \[0, 1\)"):
+                build_config({"dropout_rate": rate, "enable_dropout": on})
+
+
 @pytest.mark.parametrize("keys, message", [
     ({"per_device_batch_size": 0.3}, r"per_device_batch_size=0.3 x 8 devices = 2.4 sequences; .* whole number >= 1"),
     ({"per_device_batch_size": 1, "gradient_accumulation_steps": 2},

@@ -172,8 +172,10 @@ class ModelConfig:
                                         "rope_scaling leaves unscaled (the global layers use rope_max_timescale)",
                                         minimum=1)
     logits_via_embedding: bool = key(False, "tie the output projection to the token embedding")
-    enable_dropout: bool = key(False, "apply dropout (dropout_rate) during training")
-    dropout_rate: float = key(0.0, "dropout probability after attention and MLP when enable_dropout=true", minimum=0.0)
+    enable_dropout: bool = key(True, "apply dropout at dropout_rate during training (as MaxText; dropout_rate=0 "
+                               "keeps it off)")
+    dropout_rate: float = key(0.0, "dropout probability after attention and MLP (0: none; needs enable_dropout=true, "
+                              "the default)", minimum=0.0)
     use_iota_embed: bool = key(False, "embed tokens with a one-hot matmul instead of a gather (faster on some TPUs)")
     dtype: str = key("float32", "activation (compute) dtype", DTYPES)
     weight_dtype: str = key("float32", "parameter storage dtype (optimizer state follows it; float16: decoding and "

@@ -9,7 +9,7 @@ Where it differs from the reference (Brown et al. 2020, which describes GPT-2's 
 with alternating dense and locally banded sparse attention layers): every layer uses dense
 attention (as do GPT-2 and the open reproductions; the sparse pattern was never released). The
 parity tests compare against Hugging Face's GPT-2, the closest public relative, whose fused
-c_attn projection maps to fused_qkv=true. Dropout is off unless enable_dropout=true.
+c_attn projection maps to fused_qkv=true. Dropout is off unless dropout_rate > 0.
 """
 
 from __future__ import annotations
