@@ -132,6 +132,38 @@ def test_sliding_window_limits_what_a_token_sees(family):
 MOE = FAMILIES["mixtral"]
 
 
+@pytest.mark.parametrize("keys, platform, line", [
+    (dict(sparse_matmul=True), "cpu", "MoE routing: dropless (sparse_matmul=true; token copies grouped by expert, "
+                                      "jax.lax.ragged_dot)"),
+    (dict(megablox=True), "tpu", "MoE routing: dropless (megablox=true; token copies grouped by expert, the Pallas "
+                                 "megablox kernel)"),
+    (dict(megablox=True), "gpu", "MoE routing: dropless (megablox=true; token copies grouped by expert, "
+                                 "jax.lax.ragged_dot)"),
+    (dict(capacity_factor=-1.0), "cpu", "MoE routing: capacity without a limit (capacity_factor=-1: each expert"),
+    (dict(capacity_factor=1.25), "cpu", "MoE routing: capacity_factor=1.25 (an expert takes at most 1.25 x"),
+])
+def test_setup_says_how_a_moe_model_routes_its_tokens(keys, platform, line, caplog):
+    from tessera.step import _log_moe_routing
+
+    with caplog.at_level("INFO", logger="tessera"):
+        _log_moe_routing(tiny_config(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, **keys).model,
+                         platform)
+        _log_moe_routing(tiny_config().model, platform)  # a dense model: nothing to say
+    assert len(caplog.records) == 1 and caplog.records[0].getMessage().startswith(line)
+
+
+def test_capacity_factor_with_dropless_routing_gets_a_warning(caplog):
+    """MaxText also ignores capacity_factor when sparse_matmul is on; a user who sets both should hear so."""
+    from tessera.step import _log_moe_routing
+
+    with caplog.at_level("INFO", logger="tessera"):
+        _log_moe_routing(tiny_config(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, sparse_matmul=True,
+                                     capacity_factor=1.5).model, "cpu")
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == ["capacity_factor=1.5 is not used: dropless routing (sparse_matmul=true) never drops a token; "
+                        "set sparse_matmul=false megablox=false for capacity routing, or leave capacity_factor at -1"]
+
+
 def test_dropless_equals_capacity_routing_without_drops():
     dropless = build_model(tiny_config(sparse_matmul=True, **MOE).model)
     capacity = build_model(tiny_config(capacity_factor=-1, **MOE).model)

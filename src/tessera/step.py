@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera import cpu_matmul
-from tessera.config import Config, ConfigError
+from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
@@ -49,6 +49,29 @@ class Trainer:
     plan: RunPlan  # global batch, micro-batches, dropout, packing, paths
 
 
+def _log_moe_routing(m: ModelConfig, platform: str) -> None:
+    """One start-up line saying how a mixture-of-experts model routes its tokens, and a warning when
+    capacity_factor is set for dropless routing, which never uses it (as in MaxText)."""
+    if m.num_experts <= 1:
+        return
+    if m.sparse_matmul or m.megablox:
+        how = ("the Pallas megablox kernel" if m.megablox and platform == "tpu"
+               else "jax.lax.ragged_dot")
+        log.info("MoE routing: dropless (%s; token copies grouped by expert, %s)",
+                 "megablox=true" if m.megablox else "sparse_matmul=true", how)
+        if m.capacity_factor > 0:
+            log.warning("capacity_factor=%g is not used: dropless routing (%s) never drops a token; set "
+                        "sparse_matmul=false megablox=false for capacity routing, or leave capacity_factor at -1",
+                        m.capacity_factor, "megablox=true" if m.megablox else "sparse_matmul=true")
+    elif m.capacity_factor <= 0:
+        log.info("MoE routing: capacity without a limit (capacity_factor=%g: each expert has a slot for every token "
+                 "of a sequence, none is dropped, and every slot is computed); sparse_matmul=true computes only the "
+                 "routed copies (dropless grouped matmuls)", m.capacity_factor)
+    else:
+        log.info("MoE routing: capacity_factor=%g (an expert takes at most %g x its fair share of a sequence's "
+                 "tokens; the others skip it)", m.capacity_factor, m.capacity_factor)
+
+
 def setup(cfg: Config, devices=None) -> Trainer:
     """Mesh, plan, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
     mesh = create_mesh(cfg.mesh, devices)
@@ -61,6 +84,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
         log.info("bfloat16 matmuls on CPU: %s (%s)", *bf16_matmul)
     _check_remat(cfg.model, mesh)
     check_quantization(cfg.model.quantization, mesh.devices.flat[0].device_kind, device_platform(mesh))
+    _log_moe_routing(cfg.model, device_platform(mesh))
     if cfg.model.quantization and cfg.model.megablox and cfg.model.num_experts > 1:
         log.info("quantization=%s: the experts' grouped matmuls run qwix's quantized ragged dot, not the Pallas "
                  "megablox kernel", cfg.model.quantization)
