@@ -363,9 +363,10 @@ def test_integer_keys_are_exact_and_within_range(arg, message):
 
 def test_integer_keys_never_go_through_float(tmp_path):
     big = 2**63 - 1  # float(big) is 2**63, out of range; exact parsing keeps it
-    cfg = load_config([BASE, f"init_weights_seed={big}", f"data_shuffle_seed={-2**63}", "steps=2147483647",
+    # (the negative extreme on init_weights_seed: data_shuffle_seed must be >= 0, numpy's seeds are)
+    cfg = load_config([BASE, f"init_weights_seed={-2**63}", f"data_shuffle_seed={big}", "steps=2147483647",
                        "checkpoint_period=1e3", "log_period=+7"], env={})
-    assert (cfg.run.init_weights_seed, cfg.data.data_shuffle_seed) == (big, -2**63)
+    assert (cfg.run.init_weights_seed, cfg.data.data_shuffle_seed) == (-2**63, big)
     assert (cfg.run.steps, cfg.checkpoint.checkpoint_period, cfg.run.log_period) == (2147483647, 1000, 7)
     assert all(type(v) is int for v in (cfg.run.init_weights_seed, cfg.run.steps, cfg.checkpoint.checkpoint_period))
     path = tmp_path / "big.yml"  # a YAML integer from a file, too
@@ -439,6 +440,7 @@ def test_max_num_checkpoints_to_keep_is_minus_1_or_positive(value, ok):
     ("warmup_steps_fraction", "1", True), ("warmup_steps_fraction", "1.5", False),
 ])
 def test_adam_betas_below_1_and_warmup_fraction_at_most_1(key, value, ok):
+    """Each value refused here trained into NaN or a traceback before it was checked."""
     if ok:
         load_config([BASE, f"{key}={value}"], env={})
         return
@@ -447,6 +449,16 @@ def test_adam_betas_below_1_and_warmup_fraction_at_most_1(key, value, ok):
         assert message == f"{key}='{value}' is too large; it must be <= 1.0 (from the command line)"
     else:
         assert message.startswith(f"{key}={float(value):g} must be below 1: it is AdamW's decay of a moment average")
+
+
+def test_adam_eps_of_zero_and_a_negative_data_seed_are_refused():
+    """adam_eps=0 trained into NaN at step 2 and was reported as a non-finite loss with advice about the
+    learning rate; data_shuffle_seed=-1 ended in numpy's ValueError traceback."""
+    assert _config_error([BASE, "adam_eps=0"]).startswith("adam_eps=0 must be above 0: AdamW divides each update by "
+                                                           "sqrt(v) + adam_eps")
+    load_config([BASE, "adam_eps=1e-12"], env={})
+    assert _config_error([BASE, "data_shuffle_seed=-1"]) == ("data_shuffle_seed='-1' is too small; it must be >= 0 "
+                                                             "(from the command line)")
 
 
 # --------------------------------------------------------------------------- model files beside the config or in configs/models

@@ -70,6 +70,10 @@ def validate(cfg: Config) -> None:
         if beta >= 1.0:
             raise ConfigError(f"{name}={beta:g} must be below 1: it is AdamW's decay of a moment average (1 would never "
                               "update it, and the bias correction would divide by zero); e.g. 0.9 or 0.95")
+    if cfg.optim.adam_eps <= 0.0:  # optax's adamw divides by sqrt(v) + eps, with nothing inside the root
+        raise ConfigError(f"adam_eps={cfg.optim.adam_eps:g} must be above 0: AdamW divides each update by sqrt(v) + "
+                          "adam_eps, and a parameter whose gradient is zero (the embedding rows of tokens not in the "
+                          "batch) would get 0 / 0 = NaN at the first step; e.g. 1e-8")
     keep = cfg.checkpoint.max_num_checkpoints_to_keep
     if keep == 0 or keep < -1:
         raise ConfigError(f"max_num_checkpoints_to_keep={keep} is not allowed; use -1 to keep every checkpoint, "

@@ -399,7 +399,7 @@ class DataConfig:
     per_device_batch_size: float = key(8.0, "sequences per device per step (global batch = this x device count)", minimum=0.0)
     max_target_length: int = key(128, "tokens per training sequence T", minimum=2)
     reuse_example_batch: bool = key(False, "feed the first batch at every step (for speed tests)")
-    data_shuffle_seed: int = key(0, "seed of the synthetic token stream and of the grain/tfds record order")
+    data_shuffle_seed: int = key(0, "seed of the synthetic token stream and of the grain/tfds record order", minimum=0)
     hf_path: str = key("", "dataset_type=hf: a file format (parquet, json, arrow, text, csv), a local dataset "
                        "directory, or a Hugging Face Hub dataset name (taken as local, and resolved, when it exists "
                        "or starts with /, ./, ../ or ~)", path="local_or_name")
