@@ -562,3 +562,28 @@ def test_the_input_bound_warning_names_what_to_change_for_each_pipeline():
     assert "dataset_type=grain" in input_bound_warning(slow, "hf")
     assert input_bound_warning({"input_seconds": 4.0, "training_seconds": 10.0}, "hf") is None  # under half
     assert input_bound_warning({"input_seconds": 0.9, "training_seconds": 1.0}, "hf") is None  # under a second
+
+
+def test_a_resumed_run_traces_the_steps_after_its_start(tmp_path, caplog):
+    """skip_first_n_steps_for_profiler counts the steps this run takes (MaxText counts from the start
+    step too). Before, a run resumed at step 2 compared its steps with 2 and never traced."""
+    run(tiny_config(tmp_path, steps=2), jax.devices()[:1])
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=5, profiler="xplane", skip_first_n_steps_for_profiler=1, profiler_steps=2),
+            jax.devices()[:1])
+    assert list((tmp_path / "test" / "profile").rglob("*.xplane.pb"))
+    assert "profile written to" in caplog.text
+
+
+def test_a_profile_window_after_the_last_step_is_said_at_the_start(tmp_path, caplog):
+    from tessera.loop_records import Profiler
+
+    cfg = tiny_config(tmp_path, steps=6, profiler="xplane", skip_first_n_steps_for_profiler=3, profiler_steps=2)
+    with caplog.at_level("INFO", logger="tessera"):
+        resumed = Profiler(cfg, tmp_path, start_step=2)
+        assert (resumed.first, resumed.last) == (6, 7) and not caplog.records  # step 6 is traced
+        Profiler(cfg, tmp_path, start_step=3)
+    assert [r.getMessage() for r in caplog.records] == [
+        "profiler=xplane: no trace will be written: after skip_first_n_steps_for_profiler=3 the trace would start at "
+        "step 7, and the run ends at step 6 (it starts after step 3); lower skip_first_n_steps_for_profiler or raise "
+        "steps"]

@@ -57,14 +57,22 @@ class StepMeter:
 
 
 class Profiler:
-    """Captures an xplane trace of `profiler_steps` steps after `skip_first_n_steps_for_profiler`."""
+    """Captures an xplane trace of `profiler_steps` steps after the first
+    `skip_first_n_steps_for_profiler` steps this run takes (counted from `start_step`, where a
+    resumed run starts, as MaxText counts them). A window that begins after the run's last step
+    is said once at the start: no trace would be written."""
 
-    def __init__(self, cfg: Config, run_dir: Path):
+    def __init__(self, cfg: Config, run_dir: Path, start_step: int = 0):
         p = cfg.profiler
         self.enabled = p.profiler == "xplane"
-        self.first = p.skip_first_n_steps_for_profiler + 1
+        self.first = start_step + p.skip_first_n_steps_for_profiler + 1
         self.last = self.first + p.profiler_steps - 1
         self.dir, self.active = run_dir / "profile", False
+        if self.enabled and self.first > cfg.run.steps:
+            log.warning("profiler=xplane: no trace will be written: after skip_first_n_steps_for_profiler=%d the trace "
+                        "would start at step %d, and the run ends at step %d (it starts after step %d); lower "
+                        "skip_first_n_steps_for_profiler or raise steps", p.skip_first_n_steps_for_profiler,
+                        self.first, cfg.run.steps, start_step)
 
     def before_step(self, step: int) -> None:
         if self.enabled and step == self.first:
