@@ -304,6 +304,10 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k(llama):
         assert set(draws[:, row]) <= set(top5[row])
         assert len(set(draws[:, row])) > 1  # a draw, not the argmax
     np.testing.assert_array_equal(sample(logits_bv, jax.random.key(1), 0.0, 5), np.argmax(logits_bv, axis=-1))
+    # a top_k of the whole vocabulary or more keeps every token, as 0 does (lax.top_k raised beyond it)
+    for top_k in (96, 97, 100_000):
+        np.testing.assert_array_equal(sample(logits_bv, jax.random.key(2), 1.5, top_k),
+                                      sample(logits_bv, jax.random.key(2), 1.5, 0))
 
     model, params = llama
     a, logits = generate(model, params, PROMPTS, NEW_TOKENS, temperature=1.0, top_k=3, seed=7, return_logits=True)
@@ -513,10 +517,14 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         assert main(argv) == 2, name
         err = capsys.readouterr().err
         assert message in err, (name, err)
-    for top_p in ("0", "1.5", "-0.1"):  # refused by the flag parser: usage, the error, exit code 2
+    for top_p in ("0", "1.5", "-0.1", "nan"):  # refused by the flag parser: usage, the error, exit code 2
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", "--temperature", "1", "--top_p", top_p])
         assert exit_.value.code == 2 and "--top_p in (0, 1]" in capsys.readouterr().err
+    for temperature in ("nan", "inf", "-1"):  # nan sampled token 0 every time, without a word
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--tokens", "1,2", "--temperature", temperature])
+        assert exit_.value.code == 2 and "--temperature a finite number >= 0" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--tokens", "1,2", "--eos_id", "-2"])
     assert exit_.value.code == 2 and "--eos_id -2 is not a token id" in capsys.readouterr().err

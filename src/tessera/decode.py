@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import math
 import re
 import sys
 import time
@@ -70,7 +71,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="token ids to continue, comma-separated (repeat for a batch); no tokenizer needed")
     parser.add_argument("--max_new_tokens", type=int, default=32, help="tokens to generate per prompt")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
-    parser.add_argument("--top_k", type=int, default=0, help="sample among the K most likely tokens (0: all)")
+    parser.add_argument("--top_k", type=int, default=0, help="sample among the K most likely tokens (0, or at "
+                        "least the vocabulary size: all)")
     parser.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens whose "
                         "probabilities add up to P (nucleus sampling; 1: all)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
@@ -80,8 +82,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     unknown = [a for a in rest if a.startswith("--")]
     if unknown:
         parser.error(f"unknown flag {unknown[0]}; config keys are given as key=value")
-    if flags.max_new_tokens < 1 or flags.temperature < 0 or flags.top_k < 0 or not 0 < flags.top_p <= 1:
-        parser.error("--max_new_tokens must be >= 1, --temperature >= 0, --top_k >= 0 and --top_p in (0, 1]")
+    if flags.max_new_tokens < 1 or not 0 <= flags.temperature < math.inf or flags.top_k < 0 \
+            or not 0 < flags.top_p <= 1:  # (written so that nan fails each: every comparison with nan is false)
+        parser.error("--max_new_tokens must be >= 1, --temperature a finite number >= 0, --top_k >= 0 and --top_p "
+                     "in (0, 1]")
     if flags.eos_id is not None and flags.eos_id < 0:
         parser.error(f"--eos_id {flags.eos_id} is not a token id (ids are >= 0); leave it out to stop at the "
                      "tokenizer's end-of-sequence token")

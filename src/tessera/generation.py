@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
     """Next token ids [B] from logits [B, V]: the argmax when temperature == 0, else a draw from
-    softmax(logits / temperature) restricted to the top_k largest logits (top_k=0: all), then to
+    softmax(logits / temperature) restricted to the top_k largest logits (top_k=0, or at least V: all), then to
     the most likely tokens whose probabilities, in that distribution, first add up to top_p or more
     (nucleus sampling; the most likely token always stays, and so do tokens tied with the last one
     kept; top_p=1: all)."""
@@ -33,7 +33,7 @@ def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
     if temperature == 0:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     logits_bv = logits_bv / temperature
-    if top_k:
+    if 0 < top_k < logits_bv.shape[-1]:  # (lax.top_k fails for k beyond the vocabulary; all of it is kept anyway)
         kth_b1 = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
         logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
     if top_p < 1.0:
