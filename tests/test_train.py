@@ -587,3 +587,48 @@ def test_a_profile_window_after_the_last_step_is_said_at_the_start(tmp_path, cap
         "profiler=xplane: no trace will be written: after skip_first_n_steps_for_profiler=3 the trace would start at "
         "step 7, and the run ends at step 6 (it starts after step 3); lower skip_first_n_steps_for_profiler or raise "
         "steps"]
+
+
+def test_a_second_process_cannot_train_in_a_run_folder_in_use(tmp_path, capsys):
+    """The same command started twice: before, both resumed from the same checkpoint and saved into
+    the same step folders and metrics. Now the second stops with one line naming the first, before it
+    reads anything; once the first is gone (here killed with SIGKILL, which runs no clean-up) the
+    run resumes normally."""
+    cfg = tiny_config(tmp_path, steps=2)
+    run(cfg, jax.devices()[:1])
+    folder = tmp_path / "test"
+    holder = subprocess.Popen(  # another process holding the lock, as a training process does
+        [sys.executable, "-c", "import fcntl, sys, time\n"
+         f"f = open({str(folder / '.tessera.lock')!r}, 'a+'); fcntl.flock(f, fcntl.LOCK_EX)\n"
+         "f.write('pid 4242 on host elsewhere, since 2026-11-29 01:00:00\\n'); f.flush()\n"
+         "print('held', flush=True); time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        argv = [str(REPO / "configs" / "base.yml"), *[f"{k}={v}" for k, v in TINY.items()],
+                f"base_output_directory={tmp_path}", "run_name=test", "steps=4"]
+        assert tessera.train.main(argv) == 2
+        err = capsys.readouterr().err
+        assert (f"config error: the run folder {folder} is in use by another training process (pid 4242 on host "
+                "elsewhere, since 2026-11-29 01:00:00)") in err
+        assert "Traceback" not in err
+        assert not (folder / "checkpoints" / "4").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    report = run(tiny_config(tmp_path, steps=4), jax.devices()[:1])
+    assert report["start_step"] == 2 and report["steps"] == 2
+    assert not (folder / ".tessera.lock").exists()  # removed when the run ended
+
+
+def test_the_run_folder_lock_is_exclusive_and_released(tmp_path):
+    from tessera.run_folder import LOCK_FILE, RunFolderInUse, RunFolderLock
+
+    first, second = RunFolderLock(), RunFolderLock()
+    first.take(tmp_path)
+    assert f"pid {os.getpid()} on host " in (tmp_path / LOCK_FILE).read_text()
+    with pytest.raises(RunFolderInUse, match=f"in use by another training process \\(pid {os.getpid()} on host"):
+        second.take(tmp_path)
+    first.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    second.take(tmp_path)  # free again
+    second.release()

@@ -1,11 +1,15 @@
 """What a run writes outside its checkpoints, in the run folder (base_output_directory/run_name):
 the output folders checked before anything is compiled, config.yml once the state and the step are
-known good, and report.json at the end. `tessera.train` calls these in that order."""
+known good, and report.json at the end. `tessera.train` calls these in that order, holding the
+folder's lock (`RunFolderLock`) from the moment the folder exists."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,9 +46,86 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
         check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file")
 
 
-def create_run_folder(cfg: Config, folder: Path) -> Path:
-    """`folder` (base_output_directory/run_name) with the full final config in config.yml."""
+LOCK_FILE = ".tessera.lock"
+
+
+class RunFolderInUse(ConfigError):
+    """Another training process holds the run folder's lock."""
+
+
+class RunFolderLock:
+    """Keeps a second training process out of a run folder while one trains in it.
+
+    Two processes started with the same run_name (the same command typed twice, a job restarted
+    while its old process still runs) would resume from the same checkpoint, save into the same
+    step folders and append to the same metrics: the folder would end up with a mix of two runs.
+    Process 0 of a run takes an exclusive `flock` on `<run folder>/.tessera.lock` as soon as the
+    folder exists (at the start for a resumed run, when it is created for a new one); a second
+    process then stops with RunFolderInUse, naming the holder (its pid, host and start time,
+    written in the file), before it reads or writes anything there. The kernel drops the lock when
+    its process ends, however it ends (a crash, `kill -9`): no stale lock is left to clear by hand.
+    The file is removed when the run ends. The other processes of a multi-process job share the
+    folder and take no lock. It covers the local run folder, on one machine (or a network
+    file system with locks); two machines writing the same gs:// checkpoints are not detected."""
+
+    def __init__(self):
+        self._file = None
+        self._path: Path | None = None
+
+    def take(self, folder: Path) -> None:
+        """Hold `folder`'s lock (once; process 0 only); RunFolderInUse when another process holds it."""
+        if self._file is not None or jax.process_index() != 0:
+            return
+        import fcntl  # POSIX; imported here so the module imports everywhere
+
+        path = folder / LOCK_FILE
+        while True:
+            handle = open(path, "a+")
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                handle.seek(0)
+                holder = handle.read().strip() or "another process"
+                handle.close()
+                raise RunFolderInUse(
+                    f"the run folder {folder} is in use by another training process ({holder}): two processes "
+                    "writing one run's checkpoints and metrics would mix them. Wait for that run to end or stop it, "
+                    f"or choose another run_name (a crashed process holds no lock; {path} names the last "
+                    "holder)") from None
+            try:  # the holder before may have removed the file between our open and our lock: lock the new one
+                if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
+            handle.close()
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}, since "
+                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        handle.flush()
+        self._file, self._path = handle, path
+
+    def release(self) -> None:
+        """Remove the lock file and let go of the lock (nothing when not held)."""
+        if self._file is None:
+            return
+        import fcntl
+
+        try:
+            self._path.unlink()
+        except FileNotFoundError:
+            pass
+        fcntl.flock(self._file, fcntl.LOCK_UN)
+        self._file.close()
+        self._file = self._path = None
+
+
+def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = None) -> Path:
+    """`folder` (base_output_directory/run_name) with the full final config in config.yml; `lock`
+    is taken as soon as the folder exists, before anything is written in it."""
     folder.mkdir(parents=True, exist_ok=True)
+    if lock is not None:
+        lock.take(folder)
     if remote_run_dir(cfg.run):
         log.info("base_output_directory is a URL (run folder %s): config.yml, TensorBoard, the report and metrics.jsonl "
                  "are kept locally in %s; %s", remote_run_dir(cfg.run), folder,

@@ -39,7 +39,7 @@ from tessera.memory_fit import (
     save_buffers, state_advice, state_bytes, state_shapes, step_advice,
 )
 from tessera.mesh import sharding_report
-from tessera.run_folder import check_output_folders, create_run_folder, write_report
+from tessera.run_folder import RunFolderLock, check_output_folders, create_run_folder, write_report
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
 from tessera.step import Trainer, abstract_state, compile_step, create_state, init_program, setup, state_from_params
 
@@ -63,6 +63,16 @@ def run(cfg: Config, devices=None, clock: RunClock | None = None) -> dict[str, A
     trainer = setup(cfg, devices)
     ckpt_dir = trainer.plan.checkpoint_dir
     check_output_folders(cfg, ckpt_dir)
+    lock = RunFolderLock()
+    if trainer.plan.run_dir.is_dir():  # a run folder already: held before its checkpoints are read
+        lock.take(trainer.plan.run_dir)
+    try:
+        return _locked_run(cfg, trainer, ckpt_dir, clock, lock)
+    finally:
+        lock.release()
+
+
+def _locked_run(cfg: Config, trainer: Trainer, ckpt_dir: str, clock: RunClock, lock: RunFolderLock) -> dict[str, Any]:
     wait_for_all("setup", cfg.run.step_timeout_seconds, "the checkpoint manager (its first collective)")
     ckpt = Checkpointer(cfg.checkpoint, ckpt_dir) if cfg.checkpoint.enable_checkpointing else None
     try:
@@ -74,7 +84,7 @@ def run(cfg: Config, devices=None, clock: RunClock | None = None) -> dict[str, A
         if done is not None:
             return done
         _log_shardings(cfg, trainer)
-        return _train(cfg, trainer, ckpt, clock)
+        return _train(cfg, trainer, ckpt, clock, lock)
     finally:
         if ckpt:
             ckpt.close()
@@ -97,7 +107,8 @@ def _nothing_to_do(cfg: Config, step: int | None) -> dict[str, Any] | None:
     return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name, start_step=step)
 
 
-def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunClock) -> dict[str, Any]:
+def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunClock,
+           lock: RunFolderLock) -> dict[str, Any]:
     # ---- input and state (fresh, loaded or resumed): their errors come before anything is written
     plan = trainer.plan
     data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch)
@@ -131,7 +142,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
     check_step_fits(step_fn, trainer, _save_buffers(cfg, trainer, ckpt, start_step))
     if evaluator:  # compiled already when a resumed run evaluated its start (no save was being written then)
         evaluator.compile(_save_buffers(cfg, trainer, ckpt, start_step, evaluation=True))
-    run_dir = create_run_folder(cfg, plan.run_dir)
+    run_dir = create_run_folder(cfg, plan.run_dir, lock)
     wait_for_all("compiled", cfg.run.step_timeout_seconds, "the first training step (every process compiled)")
 
     # ---- the steps, then the report
