@@ -7,9 +7,9 @@ data, output folder or checkpoint, or a run folder another training process hold
 checkpoints are kept); 3 non-finite loss or gradient with on_nonfinite_loss=stop; 4 multi-process
 start-up failed; 5 hang watchdog (no step within step_timeout_seconds, or a multi-process step
 failed in a collective); 6 a checkpoint could not be saved (disk full, permissions); 7 the state or
-the step does not fit in memory (checked before allocating, see memory_fit); 130 stopped by SIGINT (Ctrl-C) and 143 by SIGTERM, after saving a
-checkpoint (128 + the signal's number; outside the training loop, at start-up or while compiling,
-they stop with one line and no new checkpoint).
+the step does not fit in memory (checked before allocating, see memory_fit); 130 stopped by SIGINT
+(Ctrl-C) and 143 by SIGTERM, after saving a checkpoint (128 + the signal's number; outside the
+training loop, at start-up or while compiling, they stop with one line and no new checkpoint).
 """
 
 from __future__ import annotations
