@@ -546,7 +546,8 @@ def test_a_run_that_waits_for_its_batches_says_the_input_pipeline_set_the_pace(t
     t = report["time"]
     assert 2.0 <= t["input_seconds"] <= t["training_seconds"], t
     assert t["input_seconds"] >= 0.5 * t["training_seconds"], t
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "taking batches" in r.getMessage()]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelname == "WARNING" and "taking batches" in r.getMessage()]
     assert warnings == [f"taking batches took {t['input_seconds']:.1f} s of the {t['training_seconds']:.1f} s of "
                         f"training ({t['input_seconds'] / t['training_seconds']:.0%}): the input pipeline (synthetic), "
                         "not the devices, set the pace of this run; make the input pipeline cheaper or give it more "
