@@ -77,10 +77,10 @@ def hf_run_setup(tmp_path_factory):
 def _hf_run(out, setup, steps, **overrides):
     _, tok, train, evals = setup
     # the schedule's length is fixed so a 2-step run is the first half of the 4-step one
-    cfg = hf_config(train, tok, steps=steps, learning_rate_schedule_steps=4, hf_eval_files=evals, eval_interval=2,
-                    eval_steps=-1,
-                    checkpoint_period=2, enable_checkpointing=True, async_checkpointing=False,
-                    base_output_directory=str(out), run_name="test", **overrides)
+    keys = dict(learning_rate_schedule_steps=4, hf_eval_files=evals, eval_interval=2, eval_steps=-1,
+                checkpoint_period=2, enable_checkpointing=True, async_checkpointing=False,
+                base_output_directory=str(out), run_name="test")
+    cfg = hf_config(train, tok, steps=steps, **{**keys, **overrides})
     return run(cfg)
 
 
@@ -104,15 +104,23 @@ def test_hf_training_with_eval_resumes_like_an_uninterrupted_run(tmp_path, hf_ru
 
 
 @pytest.mark.slow
-def test_the_eval_batch_size_changes_the_batches_not_the_result(tmp_path, hf_run_setup):
+def test_the_eval_batch_size_changes_the_batches_not_the_result(tmp_path, hf_run_setup, caplog):
     """The whole eval set (eval_steps=-1) scored in batches of eval_per_device_batch_size=3 (24
     sequences on 8 devices, the last batch padded) gives the loss and token count of the default
-    batches (per_device_batch_size), in fewer batches."""
+    batches (per_device_batch_size), in fewer batches. eval_steps beyond the data scores the whole
+    set too, and says so once."""
     def evals(name, **keys):
         _hf_run(tmp_path / name, hf_run_setup, 2, **keys)
         return [r for r in _metrics(tmp_path / name / "test") if "eval_loss" in r]
 
+    with caplog.at_level("INFO", logger="tessera"):
+        beyond = evals("beyond", eval_per_device_batch_size=3, eval_steps=1000)
+    short = [r.getMessage() for r in caplog.records if "the eval data ended" in r.getMessage()]
+    assert short == [f"the eval data ended after {beyond[0]['eval_batches']} batch(es), fewer than eval_steps=1000: "
+                     f"every evaluation scores those {beyond[0]['eval_batches']}; set eval_steps=-1 to say so, or "
+                     "add eval documents"]
     default, larger = evals("default"), evals("larger", eval_per_device_batch_size=3)
+    assert beyond == [{**larger[0], "eval_seconds": beyond[0]["eval_seconds"]}]
     assert [r["step"] for r in default] == [r["step"] for r in larger] == [2]
     assert larger[0]["eval_tokens"] == default[0]["eval_tokens"] > 0
     assert larger[0]["eval_batches"] < default[0]["eval_batches"], (larger, default)

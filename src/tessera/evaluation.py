@@ -103,6 +103,7 @@ class Evaluator:
         self.start = self.data.get_state()
         self.step_fn = eval_step(trainer)
         self.compiled = False
+        self.said_short = False  # the eval data ended before eval_steps batches (said once)
 
     def compile(self, saves: HostBuffers = HostBuffers()) -> None:
         """Compile the eval step for the train state's parameters and a batch (once), and log how
@@ -148,6 +149,10 @@ class Evaluator:
                 beat()
                 if batches == self.steps:
                     break
+        if 0 < batches < self.steps and not self.said_short:
+            log.warning("the eval data ended after %d batch(es), fewer than eval_steps=%d: every evaluation scores "
+                        "those %d; set eval_steps=-1 to say so, or add eval documents", batches, self.steps, batches)
+            self.said_short = True
         if not batches or totals["count"] == 0:
             raise ConfigError("the eval data holds no target tokens (every document is shorter than 2 tokens?); "
                               "check hf_eval_files / eval_split")
