@@ -451,6 +451,32 @@ def test_adam_betas_below_1_and_warmup_fraction_at_most_1(key, value, ok):
         assert message.startswith(f"{key}={float(value):g} must be below 1: it is AdamW's decay of a moment average")
 
 
+def test_a_key_set_twice_in_a_file_or_on_the_command_line_gets_a_warning(tmp_path, caplog):
+    """YAML and key=value both keep the last value without a word; an edited copy of base.yml with
+    `steps:` added at its end, or a command line with a key repeated at its end, is worth a line."""
+    base_text = (REPO / "configs" / "base.yml").read_text()
+    path = tmp_path / "mine.yml"
+    path.write_text(base_text + "\nsteps: 7\n")
+    base_line = next(i for i, line in enumerate(base_text.splitlines(), 1) if line.startswith("steps:"))
+    with caplog.at_level("INFO", logger="tessera"):
+        cfg = load_config([str(path), "run_name=a", "learning_rate=0.1", "learning_rate=0.2", "run_name=a"], env={})
+    assert cfg.run.steps == 7 and cfg.optim.learning_rate == 0.2
+    last = len(base_text.splitlines()) + 2
+    # a warning for the file; an info line for the command line, where a recipe's overrides follow its own keys
+    # on purpose; run_name=a twice, with the same value: nothing to say
+    assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
+        ("WARNING", f"config file {path} sets steps 2 times (lines {base_line}, {last}); the last, on line {last}, "
+                    "is used"),
+        ("INFO", "learning_rate is given twice on the command line (learning_rate=0.1, then learning_rate=0.2); the "
+                 "last is used")]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tessera"):
+        load_config([BASE, "run_name=a"], env={})  # the repository's files set each key once
+        for model in sorted((REPO / "configs" / "models").glob("*.yml")):
+            load_config([BASE, "run_name=a", f"model_name={model.stem}"], env={})
+    assert not caplog.records
+
+
 def test_adam_eps_of_zero_and_a_negative_data_seed_are_refused():
     """adam_eps=0 trained into NaN at step 2 and was reported as a non-finite loss with advice about the
     learning rate; data_shuffle_seed=-1 ended in numpy's ValueError traceback."""

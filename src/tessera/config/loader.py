@@ -260,7 +260,20 @@ def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a mapping of key: value lines, got {type(data).__name__}; "
                           "start from a copy of configs/base.yml")
+    _warn_repeated_keys(text, f"{what} {path}")
     return data
+
+
+def _warn_repeated_keys(text: str, where: str) -> None:
+    """A warning per key that a YAML file's top level sets more than once (YAML keeps the last one
+    without a word: an edited copy of base.yml with `steps:` added at the end trains with it)."""
+    lines: dict[str, list[int]] = {}
+    for key_node, _ in yaml.compose(text).value:  # a mapping: read_yaml checked it
+        lines.setdefault(str(key_node.value), []).append(key_node.start_mark.line + 1)
+    for key, at in lines.items():
+        if len(at) > 1:
+            log.warning("%s sets %s %d times (lines %s); the last, on line %d, is used", where, key, len(at),
+                        ", ".join(map(str, at)), at[-1])
 
 
 def _parse_overrides(args: list[str]) -> dict[str, str]:
@@ -269,7 +282,11 @@ def _parse_overrides(args: list[str]) -> dict[str, str]:
         name, sep, value = arg.partition("=")
         if not sep or not name:
             raise ConfigError(f"argument {arg!r} is not of the form key=value (e.g. steps=100)")
-        out[name.strip()] = value
+        name = name.strip()
+        if name in out and out[name] != value:  # a recipe's overrides come after its own keys on purpose: info
+            log.info("%s is given twice on the command line (%s=%s, then %s=%s); the last is used", name, name,
+                     out[name], name, value)
+        out[name] = value
     return out
 
 
