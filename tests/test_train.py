@@ -297,7 +297,7 @@ def test_run_clock_puts_every_second_in_exactly_one_phase():
     t = clock.summary()
     assert t == {"total_seconds": 12.0, "setup_seconds": 1.0, "state_seconds": 2.0, "compile_seconds": 0.0,
                  "training_seconds": 3.75, "evaluation_seconds": 0.25, "checkpoint_seconds": 5.0,
-                 "input_seconds": 0.5, "goodput": 3.75 / 12.0}
+                 "input_seconds": 0.5, "steps_redone": 0, "goodput": 3.75 / 12.0}
     assert clock.phase == "training"
     assert time_line(t) == ("time: 12.0 s in all; training 3.8 s (goodput 31%; taking batches 0.5 s of it), "
                             "checkpoint 5.0 s, state 2.0 s, setup 1.0 s, evaluation 0.2 s")
@@ -619,6 +619,33 @@ def test_a_second_process_cannot_train_in_a_run_folder_in_use(tmp_path, capsys):
     report = run(tiny_config(tmp_path, steps=4), jax.devices()[:1])
     assert report["start_step"] == 2 and report["steps"] == 2
     assert not (folder / ".tessera.lock").exists()  # removed when the run ended
+
+
+def test_a_resumed_run_counts_the_steps_it_trains_again(tmp_path, caplog):
+    """A process that died after logging steps 3 and 4 but before saving them (simulated: their
+    records appended to metrics.jsonl, the second cut mid-line by the crash) leaves a checkpoint of
+    step 2; the next attempt says it trains 2 steps again and reports them."""
+    run(tiny_config(tmp_path, steps=2), jax.devices()[:1])
+    metrics_file = tmp_path / "test" / "metrics.jsonl"
+    with metrics_file.open("a") as f:
+        f.write(json.dumps({"step": 3, "loss": 5.0}) + "\n" + json.dumps({"step": 3, "eval_loss": 5.0}) + "\n")
+        f.write(json.dumps({"step": 4, "loss": 5.0}) + "\n" + '{"step": 5, "lo')
+    with caplog.at_level("INFO", logger="tessera"):
+        report = run(tiny_config(tmp_path, steps=5), jax.devices()[:1])
+    assert report["start_step"] == 2 and report["time"]["steps_redone"] == 2
+    assert ("the attempt before this one logged 2 step(s) after step 2, lost before they were saved: they are trained "
+            "again (metrics.jsonl keeps both records of each; the later one is this attempt's)") in caplog.text
+    assert "; 2 step(s) trained again)" in caplog.text  # the time line
+
+
+def test_steps_logged_after_reads_the_newest_records_only(tmp_path):
+    from tessera.loop_records import steps_logged_after
+
+    path = tmp_path / "metrics.jsonl"
+    assert steps_logged_after(path, 7) == 0  # no file
+    path.write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 3001)))
+    assert steps_logged_after(path, 2990) == 10 and steps_logged_after(path, 3000) == 0
+    assert steps_logged_after(path, 2990, tail_bytes=100) == 10  # a tail that starts mid-line
 
 
 def test_the_run_folder_lock_is_exclusive_and_released(tmp_path):

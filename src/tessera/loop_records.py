@@ -6,6 +6,7 @@ trace of a window of steps, and `RunClock` says where the run's wall time went (
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
 from pathlib import Path
@@ -108,7 +109,8 @@ class RunClock:
     metrics, so batches are prepared while the devices compute; when `input_seconds` comes near
     `training_seconds`, the input pipeline sets the pace, not the devices. `goodput` is
     `training_seconds / total_seconds`: of this process's run (one attempt: steps redone after a
-    restart count again in the attempt that redoes them)."""
+    restart count again in the attempt that redoes them: `steps_redone` says how many, see
+    `steps_logged_after`)."""
 
     PHASES = ("setup", "state", "compile", "training", "evaluation", "checkpoint")
 
@@ -118,6 +120,7 @@ class RunClock:
         self.phase = "setup"
         self.seconds = dict.fromkeys(self.PHASES, 0.0)
         self.input_seconds = 0.0
+        self.steps_redone = 0
 
     def switch(self, phase: str) -> None:
         """From now on the time belongs to `phase`."""
@@ -151,8 +154,30 @@ class RunClock:
         self.switch(self.phase)
         total = self._mark - self.start
         return {"total_seconds": total, **{f"{p}_seconds": s for p, s in self.seconds.items()},
-                "input_seconds": self.input_seconds,
+                "input_seconds": self.input_seconds, "steps_redone": self.steps_redone,
                 "goodput": self.seconds["training"] / total if total > 0 else None}
+
+
+def steps_logged_after(metrics_path: Path, start_step: int, tail_bytes: int = 1 << 16) -> int:
+    """How many steps after `start_step` an earlier attempt of this run logged to its metrics file:
+    steps it trained and lost with its process before they were saved, which this attempt trains
+    again. Read from the file's last `tail_bytes` (the newest records; a long run's file is not
+    read whole); 0 without a file."""
+    try:
+        with open(metrics_path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return 0
+    last = start_step
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # the first line of the tail, cut in the middle; a line cut by a crash
+            continue
+        if isinstance(record, dict) and "loss" in record and isinstance(record.get("step"), int):
+            last = max(last, record["step"])
+    return last - start_step
 
 
 # taking batches for at least this share of the training time (and at least a second of it) gets a warning
@@ -180,7 +205,8 @@ def time_line(summary: dict) -> str:
     """One log line of `RunClock.summary()`: the phases that took time, largest first."""
     parts = sorted(((summary[f"{p}_seconds"], p) for p in RunClock.PHASES if p != "training"), reverse=True)
     rest = ", ".join(f"{name} {seconds:.1f} s" for seconds, name in parts if seconds >= 0.05)
-    goodput = summary["goodput"]
+    goodput, redone = summary["goodput"], summary["steps_redone"]
     return (f"time: {summary['total_seconds']:.1f} s in all; training {summary['training_seconds']:.1f} s "
             f"(goodput {'n/a' if goodput is None else f'{goodput:.0%}'}; taking batches "
-            f"{summary['input_seconds']:.1f} s of it){', ' + rest if rest else ''}")
+            f"{summary['input_seconds']:.1f} s of it{f'; {redone} step(s) trained again' if redone else ''})"
+            f"{', ' + rest if rest else ''}")

@@ -33,7 +33,7 @@ from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, 
 from tessera.data import DataError, make_input, place_batch
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, wait_for_all
 from tessera.evaluation import Evaluator, at_target
-from tessera.loop_records import Profiler, RunClock, StepMeter
+from tessera.loop_records import Profiler, RunClock, StepMeter, steps_logged_after
 from tessera.memory_fit import (
     EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits, local_devices, out_of_memory,
     save_buffers, state_advice, state_bytes, state_shapes, step_advice,
@@ -120,6 +120,11 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
         check_state_fits(trainer, read=source, init_program=program)
         state = initial_state(trainer, ckpt, data, cfg.checkpoint, cfg.run.init_weights_seed, program)
     start_step = int(jax.device_get(state["step"]))
+    clock.steps_redone = steps_logged_after(plan.metrics_path, start_step)
+    if clock.steps_redone:
+        log.info("the attempt before this one logged %d step(s) after step %d, lost before they were saved: they are "
+                 "trained again (%s keeps both records of each; the later one is this attempt's)", clock.steps_redone,
+                 start_step, plan.metrics_path.name)
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
