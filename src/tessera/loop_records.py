@@ -108,9 +108,9 @@ class RunClock:
     pipeline and placing them on the devices. The loop dispatches step N+1 before it reads step N's
     metrics, so batches are prepared while the devices compute; when `input_seconds` comes near
     `training_seconds`, the input pipeline sets the pace, not the devices. `goodput` is
-    `training_seconds / total_seconds`: of this process's run (one attempt: steps redone after a
-    restart count again in the attempt that redoes them: `steps_redone` says how many, see
-    `steps_logged_after`)."""
+    `training_seconds / total_seconds`, for this process and this attempt of the run. Steps that a
+    restart trains again count in the attempt that trains them; `steps_redone` says how many
+    (`steps_logged_after`)."""
 
     PHASES = ("setup", "state", "compile", "training", "evaluation", "checkpoint")
 
