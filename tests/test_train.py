@@ -660,3 +660,24 @@ def test_the_run_folder_lock_is_exclusive_and_released(tmp_path):
     assert not (tmp_path / LOCK_FILE).exists()
     second.take(tmp_path)  # free again
     second.release()
+
+
+def test_a_file_system_without_locks_trains_unguarded_with_a_warning(tmp_path, monkeypatch, caplog):
+    """flock fails with ENOLCK or EOPNOTSUPP on some FUSE mounts (a bucket mounted as a folder): the
+    run must not end in a traceback there."""
+    import errno
+    import fcntl
+
+    from tessera.run_folder import RunFolderLock
+
+    def no_locks(*args):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    lock = RunFolderLock()
+    with caplog.at_level("WARNING", logger="tessera"):
+        lock.take(tmp_path)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"the run folder {tmp_path} is on a file system without file locks (No locks available): a second training "
+        "process started in it would not be stopped"]
+    lock.release()  # nothing held: nothing to do

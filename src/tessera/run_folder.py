@@ -66,7 +66,8 @@ class RunFolderLock:
     its process ends, however it ends (a crash, `kill -9`): no stale lock is left to clear by hand.
     The file is removed when the run ends. The other processes of a multi-process job share the
     folder and take no lock. It covers the local run folder, on one machine (or a network
-    file system with locks); two machines writing the same gs:// checkpoints are not detected."""
+    file system with locks); two machines writing the same gs:// checkpoints are not detected, and
+    on a file system without locks (some FUSE mounts) the run trains unguarded, with a warning."""
 
     def __init__(self):
         self._file = None
@@ -92,6 +93,11 @@ class RunFolderLock:
                     "writing one run's checkpoints and metrics would mix them. Wait for that run to end or stop it, "
                     f"or choose another run_name (a crashed process holds no lock; {path} names the last "
                     "holder)") from None
+            except OSError as e:  # a file system without locks (some FUSE mounts of buckets): train on, unguarded
+                handle.close()
+                log.warning("the run folder %s is on a file system without file locks (%s): a second training process "
+                            "started in it would not be stopped", folder, e.strerror or e)
+                return
             try:  # the holder before may have removed the file between our open and our lock: lock the new one
                 if os.fstat(handle.fileno()).st_ino == os.stat(path).st_ino:
                     break
