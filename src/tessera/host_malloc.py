@@ -33,7 +33,7 @@ work are not, and kept, they stay resident for the whole run. Reading a checkpoi
 TensorStore reads every array into buffers of its own, and with the purge delay at -1 a resume of
 a 2.05 GiB train state left the process 4.1 GiB larger instead of 2.05 (measured on 2 cores).
 `returning_freed_memory()` sets mimalloc's purge delay to 0 for such a block (freed memory goes
-back to the OS at once), then back to the process's setting; `train.initial_state` and
+back to the OS at once), then back to the process's setting; `start_state.initial_state` and
 `decode.load_model` read checkpoints inside it.
 """
 

@@ -28,7 +28,7 @@ from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention import select_attention
 from tessera.models.decoder import MTP_LOAD
-from tessera.models.moe import PER_LAYER_LOAD, update_routed_bias
+from tessera.models.moe import PER_LAYER_LOAD, describe_routing, update_routed_bias
 from tessera.models.mtp import chain_weights, shift_left
 from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer
@@ -50,26 +50,12 @@ class Trainer:
 
 
 def _log_moe_routing(m: ModelConfig, platform: str) -> None:
-    """One start-up line saying how a mixture-of-experts model routes its tokens, and a warning when
-    capacity_factor is set for dropless routing, which never uses it (as in MaxText)."""
-    if m.num_experts <= 1:
-        return
-    if m.sparse_matmul or m.megablox:
-        how = ("the Pallas megablox kernel" if m.megablox and platform == "tpu"
-               else "jax.lax.ragged_dot")
-        log.info("MoE routing: dropless (%s; token copies grouped by expert, %s)",
-                 "megablox=true" if m.megablox else "sparse_matmul=true", how)
-        if m.capacity_factor > 0:
-            log.warning("capacity_factor=%g is not used: dropless routing (%s) never drops a token; set "
-                        "sparse_matmul=false megablox=false for capacity routing, or leave capacity_factor at -1",
-                        m.capacity_factor, "megablox=true" if m.megablox else "sparse_matmul=true")
-    elif m.capacity_factor <= 0:
-        log.info("MoE routing: capacity without a limit (capacity_factor=%g: each expert has a slot for every token "
-                 "of a sequence, none is dropped, and every slot is computed); sparse_matmul=true computes only the "
-                 "routed copies (dropless grouped matmuls)", m.capacity_factor)
-    else:
-        log.info("MoE routing: capacity_factor=%g (an expert takes at most %g x its fair share of a sequence's "
-                 "tokens; the others skip it)", m.capacity_factor, m.capacity_factor)
+    """Log `moe.describe_routing` for a mixture-of-experts model (nothing for a dense one)."""
+    line, warning = describe_routing(m, platform)
+    if line:
+        log.info("%s", line)
+    if warning:
+        log.warning("%s", warning)
 
 
 def setup(cfg: Config, devices=None) -> Trainer:

@@ -25,11 +25,9 @@ import jax
 import numpy as np
 
 from tessera import host_malloc, metrics
-from tessera.checkpointing import (
-    Checkpointer, CheckpointError, CheckpointSaveError, load_full_state, load_parameters, save_allowance_seconds,
-)
+from tessera.checkpointing import Checkpointer, CheckpointError, CheckpointSaveError, save_allowance_seconds
 from tessera.compile_cache import cache_hits, loaded_note, use_compilation_cache
-from tessera.config import CheckpointConfig, Config, ConfigError, changed_keys, flat_dict, load_config
+from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
 from tessera.data import DataError, make_input, place_batch
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, wait_for_all
 from tessera.evaluation import Evaluator, at_target
@@ -41,7 +39,8 @@ from tessera.memory_fit import (
 from tessera.mesh import sharding_report
 from tessera.run_folder import RunFolderLock, check_output_folders, create_run_folder, write_report
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
-from tessera.step import Trainer, abstract_state, compile_step, create_state, init_program, setup, state_from_params
+from tessera.start_state import initial_state, state_source
+from tessera.step import Trainer, compile_step, init_program, setup
 
 log = logging.getLogger("tessera")
 
@@ -305,43 +304,6 @@ def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, star
 def _local_state_bytes(trainer: Trainer) -> int:
     """Bytes of the train state on this process's devices (the most of it this process saves)."""
     return sum(state_bytes(trainer).values()) * len(local_devices(trainer.mesh))
-
-
-def state_source(ckpt: Checkpointer | None, cfg: CheckpointConfig) -> str:
-    """What `initial_state` reads from a checkpoint: "state" (resume, load_full_state_path),
-    "params" (load_parameters_path) or "" (nothing: a fresh init)."""
-    if (ckpt and ckpt.latest_step() is not None) or cfg.load_full_state_path:
-        return "state"
-    return "params" if cfg.load_parameters_path else ""
-
-
-def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: CheckpointConfig, seed: int,
-                  program=None) -> dict:
-    """Resume from this run's newest checkpoint, else load_full_state_path, load_parameters_path or
-    init from `seed` (init_weights_seed), with `program` (`step.init_program`) when given."""
-    latest = ckpt.latest_step() if ckpt else None
-    if latest is not None:
-        state, data_state = ckpt.restore(latest, abstract_state(trainer))
-        if data_state:
-            data.set_state(data_state)
-        log.info("resuming from step %d: %s", latest, ckpt.step_path(latest))
-        return state
-    if cfg.load_full_state_path:
-        state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",
-                                verify=cfg.checkpoint_checksums)
-        step = int(jax.device_get(state["step"]))
-        data.set_state({"step": step})
-        log.info("loaded full state at step %d from %s", step, cfg.load_full_state_path)
-        return state
-    if cfg.load_parameters_path:
-        if cfg.checkpoint_is_quantized:
-            raise ConfigError("checkpoint_is_quantized=true is for decode.py (quantized weights are dequantized for "
-                              "decoding); train from the float checkpoint the quantized one was written from")
-        params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"],
-                                 key="load_parameters_path", verify=cfg.checkpoint_checksums)
-        log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
-        return state_from_params(trainer, params)
-    return create_state(trainer, seed, program)
 
 
 def _check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None) -> None:

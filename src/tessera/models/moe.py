@@ -93,6 +93,29 @@ def update_routed_bias(params: dict, loads_le, rate: float, mtp_loads_de=None) -
     return out
 
 
+def describe_routing(m: ModelConfig, platform: str) -> tuple[str, str]:
+    """(one start-up line saying how a mixture-of-experts model routes its tokens on `platform`, a
+    warning or ""): the warning when capacity_factor is set for dropless routing, which never uses
+    it (as in MaxText). ("", "") for a dense model."""
+    if m.num_experts <= 1:
+        return "", ""
+    if m.sparse_matmul or m.megablox:
+        key = "megablox=true" if m.megablox else "sparse_matmul=true"
+        how = "the Pallas megablox kernel" if m.megablox and platform == "tpu" else "jax.lax.ragged_dot"
+        warning = ""
+        if m.capacity_factor > 0:
+            warning = (f"capacity_factor={m.capacity_factor:g} is not used: dropless routing ({key}) never drops a "
+                       "token; set sparse_matmul=false megablox=false for capacity routing, or leave capacity_factor "
+                       "at -1")
+        return f"MoE routing: dropless ({key}; token copies grouped by expert, {how})", warning
+    if m.capacity_factor <= 0:
+        return (f"MoE routing: capacity without a limit (capacity_factor={m.capacity_factor:g}: each expert has a "
+                "slot for every token of a sequence, none is dropped, and every slot is computed); sparse_matmul=true "
+                "computes only the routed copies (dropless grouped matmuls)"), ""
+    return (f"MoE routing: capacity_factor={m.capacity_factor:g} (an expert takes at most {m.capacity_factor:g} x "
+            "its fair share of a sequence's tokens; the others skip it)"), ""
+
+
 def expert_capacity(tokens: int, cfg: ModelConfig) -> int:
     """Slots per expert for a group of `tokens` tokens (see the module docstring)."""
     if cfg.capacity_factor <= 0:
