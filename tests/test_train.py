@@ -638,6 +638,58 @@ def test_a_resumed_run_counts_the_steps_it_trains_again(tmp_path, caplog):
     assert "; 2 step(s) trained again)" in caplog.text  # the time line
 
 
+def test_a_resume_names_the_changed_settings_and_warns_when_the_learning_rate_jumps(tmp_path, caplog):
+    """Training a finished run further by raising `steps` stretches the cosine schedule (as long as
+    `steps` by default): the rate climbs from its end value back up. The resume says so, with the
+    value the next step trains at (the one metrics.jsonl records) and the key that keeps the old
+    schedule; with that key set, the rate goes on where it stopped and nothing is said about it."""
+    from tessera.optim import learning_rate_schedule
+
+    cfg = tiny_config(tmp_path, steps=2, cosine_learning_rate_final_fraction=0.1)
+    run(cfg, jax.devices()[:1])
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=4, cosine_learning_rate_final_fraction=0.1, per_device_batch_size=2),
+            jax.devices()[:1])
+    records = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()]
+    step3 = next(r["learning_rate"] for r in records if r["step"] == 3)
+    end = float(learning_rate_schedule(cfg.optim, 2)(2))
+    assert step3 > 2 * end  # the jump itself
+    assert "settings changed since step 2 was saved: steps 2 -> 4, per_device_batch_size 1.0 -> 2.0" in caplog.text
+    assert (f"the learning rate jumps at this resume: step 3 trains at {step3:.3g}, where the schedule step 2 was "
+            f"saved with (2 steps long; 4 now) gives {end:.3g}. To continue the schedule it was saved with, add "
+            f"learning_rate_schedule_steps=2 (it ends at step 2, at {end:.3g}).") in caplog.text
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):  # the hint followed: the rate stays at the end value
+        run(tiny_config(tmp_path, steps=6, cosine_learning_rate_final_fraction=0.1, per_device_batch_size=2,
+                        learning_rate_schedule_steps=2), jax.devices()[:1])
+    records = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["learning_rate"] for r in records if r["step"] in (5, 6)] == pytest.approx([end, end], rel=1e-6)
+    assert "steps 4 -> 6, learning_rate_schedule_steps -1 -> 2" in caplog.text
+    assert "learning rate jumps" not in caplog.text
+
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):  # nothing changed: nothing to say
+        run(tiny_config(tmp_path, steps=6, cosine_learning_rate_final_fraction=0.1, per_device_batch_size=2,
+                        learning_rate_schedule_steps=2), jax.devices()[:1])
+    assert "nothing to do" in caplog.text and "settings changed" not in caplog.text
+
+
+def test_changes_since_save_compare_as_the_checkpoint_stored_them():
+    from tessera.config import flat_dict
+    from tessera.start_state import changes_since_save, saved_schedule
+
+    cfg = tiny_config(None, steps=10)
+    saved = json.loads(json.dumps(flat_dict(cfg)))  # tuples come back as lists
+    assert changes_since_save(saved, cfg) == {}
+    assert changes_since_save({**saved, "steps": 5, "a_key_of_another_version": 1}, cfg) == {"steps": (5, 10)}
+    assert saved_schedule({**saved, "learning_rate": "garbled"}, cfg) is None
+    assert saved_schedule({k: v for k, v in saved.items() if k != "steps"}, cfg) is None
+    schedule, length = saved_schedule({**saved, "steps": 5}, cfg)
+    assert length == 5 and float(schedule(5)) == pytest.approx(cfg.optim.learning_rate
+                                                              * cfg.optim.cosine_learning_rate_final_fraction)
+
+
 def test_steps_logged_after_reads_the_newest_records_only(tmp_path):
     from tessera.loop_records import steps_logged_after
 

@@ -5,12 +5,18 @@ the read before it happens, `memory_fit.check_state_fits`), then `initial_state`
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import math
+from typing import Any, Mapping
 
 import jax
+import optax
 
 from tessera.checkpointing import Checkpointer, load_full_state, load_parameters
-from tessera.config import CheckpointConfig, ConfigError
+from tessera.config import CheckpointConfig, Config, ConfigError, OptimConfig, flat_dict
+from tessera.optim import learning_rate_schedule
 from tessera.step import Trainer, abstract_state, create_state, state_from_params
 
 log = logging.getLogger("tessera")
@@ -24,17 +30,19 @@ def state_source(ckpt: Checkpointer | None, cfg: CheckpointConfig) -> str:
     return "params" if cfg.load_parameters_path else ""
 
 
-def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: CheckpointConfig, seed: int,
-                  program=None) -> dict:
+def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Config, program=None) -> dict:
     """Resume from this run's newest checkpoint, else load_full_state_path, load_parameters_path or
-    init from `seed` (init_weights_seed), with `program` (`step.init_program`) when given."""
+    init from init_weights_seed, with `program` (`step.init_program`) when given."""
+    cfg = config.checkpoint
     latest = ckpt.latest_step() if ckpt else None
     if latest is not None:
-        state, data_state = ckpt.restore(latest, abstract_state(trainer))
-        if data_state:
-            data.set_state(data_state)
+        restored = ckpt.restore(latest, abstract_state(trainer))
+        if restored.data:
+            data.set_state(restored.data)
         log.info("resuming from step %d: %s", latest, ckpt.step_path(latest))
-        return state
+        if restored.config:
+            log_changes_since_save(restored.config, config, trainer.schedule, latest)
+        return restored.state
     if cfg.load_full_state_path:
         state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",
                                 verify=cfg.checkpoint_checksums)
@@ -50,4 +58,55 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, cfg: Checkp
                                  key="load_parameters_path", verify=cfg.checkpoint_checksums)
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
         return state_from_params(trainer, params)
-    return create_state(trainer, seed, program)
+    return create_state(trainer, config.run.init_weights_seed, program)
+
+
+def changes_since_save(saved: Mapping[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:
+    """{key: (value saved with the checkpoint, value now)} for the keys whose value differs (keys
+    only one of the two configs knows, e.g. from another version of Tessera, are left out)."""
+    now = json.loads(json.dumps(flat_dict(config)))  # as the checkpoint stored it: lists, not tuples
+    return {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
+
+
+def saved_schedule(saved: Mapping[str, Any], config: Config) -> tuple[optax.Schedule, int] | None:
+    """The learning-rate schedule of the run that saved `saved` (its config) and its length in
+    steps; None when that config lacks or garbles the keys it needs."""
+    try:
+        optim = dataclasses.replace(config.optim, **{f.name: saved[f.name] for f in dataclasses.fields(OptimConfig)
+                                                     if f.name in saved})
+        length = int(saved["steps"]) if optim.learning_rate_schedule_steps == -1 else optim.learning_rate_schedule_steps
+        schedule = learning_rate_schedule(optim, length)
+        float(schedule(0))
+        return schedule, length
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int) -> None:
+    """Log the settings that differ from those `step` was saved with, and warn when the learning
+    rate jumps at the resume (e.g. `steps` raised to train a finished run further: the cosine
+    schedule, as long as `steps` by default, is stretched, and the rate climbs back up)."""
+    changes = changes_since_save(saved, config)
+    if not changes:
+        return
+    listed = [f"{k} {_show(then)} -> {_show(now)}" for k, (then, now) in changes.items()]
+    more = f", and {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
+    log.info("settings changed since step %d was saved: %s%s", step, ", ".join(listed[:MAX_LISTED]), more)
+    before = saved_schedule(saved, config)
+    if before is None:
+        return
+    then, now = float(before[0](step)), float(schedule(step))
+    if math.isclose(then, now, rel_tol=1e-3, abs_tol=1e-12):
+        return
+    length = config.total_steps_in_schedule
+    keep = (f" To continue the schedule it was saved with, add learning_rate_schedule_steps={before[1]} (it ends at "
+            f"step {before[1]}, at {float(before[0](before[1])):.3g})." if before[1] != length else "")
+    log.warning("the learning rate jumps at this resume: step %d trains at %.3g, where the schedule step %d was saved "
+                "with (%d steps long; %d now) gives %.3g.%s", step + 1, now, step, before[1], length, then, keep)
+
+
+MAX_LISTED = 12  # changed settings named in the resume's line
+
+
+def _show(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) or value == "" else str(value)

@@ -117,7 +117,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
     with host_malloc.returning_freed_memory():  # the init's and the read's buffers are not the steps' to reuse
         program = None if source else init_program(trainer, cfg.run.init_weights_seed)
         check_state_fits(trainer, read=source, init_program=program)
-        state = initial_state(trainer, ckpt, data, cfg.checkpoint, cfg.run.init_weights_seed, program)
+        state = initial_state(trainer, ckpt, data, cfg, program)
     start_step = int(jax.device_get(state["step"]))
     clock.steps_redone = steps_logged_after(plan.metrics_path, start_step)
     if clock.steps_redone:
