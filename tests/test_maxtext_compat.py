@@ -103,3 +103,67 @@ def test_fsdp_transpose_folds_into_the_fsdp_axis(caplog):
     assert (ici["fsdp"], ici["tensor"], dcn["fsdp"]) == (16, 2, 2)
     with pytest.raises(ConfigError, match="fsdp_transpose_parallelism=3"):
         mesh_shape(load_config([BASE, "ici_fsdp_transpose_parallelism=3"], env={}).mesh, 8, 1)
+
+
+def test_maxtexts_defaults_load_with_the_same_meaning(tmp_path, caplog):
+    """A config file written for MaxText holds its base.yml's values: "unset" spelled -1, None or ""
+    for keys Tessera shares (each taken as Tessera's spelling of the same thing, logged), and the
+    defaults of decoding and inference keys that do nothing in training. All of them load; a value
+    that turns such a feature on is still refused."""
+    (tmp_path / "mine.yml").write_text("""base_config: base.yml
+eval_interval: -1
+base_moe_mlp_dim: -1
+trainable_position_size: -1
+nope_layer_interval: -1
+compile_topology_num_slices: -1
+max_num_checkpoints_to_keep: None
+routed_score_func: ""
+local_rope_max_timescale: -1
+expansion_factor_real_data: -1.0
+max_corpus_chars: 10_000_000
+max_prefill_predict_length: 64
+prompt: "I love to"
+load_from_prefill_dir: false
+decode_sampling_strategy: "greedy"
+decode_sampling_nucleus_p: -1
+decode_sampling_top_k: 0
+decode_sampling_temperature: 1.
+inference_microbenchmark_prefill_lengths: "64,128,256,512,1024"
+inference_microbenchmark_loop_iters: 10
+ragged_block_size: 256
+""")
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        cfg = load_config([str(tmp_path / "mine.yml")], env={})
+    m = cfg.model
+    assert (cfg.data.eval_interval, m.base_moe_mlp_dim, m.trainable_position_size, m.nope_layer_interval) == (0, 0, 0, 0)
+    assert cfg.compile.compile_topology_num_slices == 1 and cfg.checkpoint.max_num_checkpoints_to_keep == -1
+    assert m.routed_score_func == "softmax" and m.expert_mlp_dim == m.mlp_dim
+    assert m.local_rope_max_timescale == -1 and m.local_rope_theta == m.rope_max_timescale
+    assert "eval_interval=-1 is MaxText's spelling of never evaluate; using eval_interval=0" in caplog.text
+    assert "prompt='I love to' is MaxText's setting with the feature off" in caplog.text
+
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "eval_interval=-2", "prompt=Hello", "decode_sampling_temperature=0.7",
+                     "expansion_factor_real_data=2", "local_rope_max_timescale=0"], env={})
+    msg = str(e.value)
+    assert msg.startswith("4 problems in the config:")  # the range check of local_rope_max_timescale comes later
+    assert "eval_interval='-2' is too small; it must be >= 0" in msg
+    assert "prompt='Hello' is a MaxText key Tessera does not implement: decode.py's prompt; Tessera's decode.py " \
+           "takes it as a flag: --prompt TEXT" in msg
+    assert "decode_sampling_temperature='0.7'" in msg and "expansion_factor_real_data='2'" in msg
+    with pytest.raises(ConfigError, match="local_rope_max_timescale=0 is not a rotary theta"):
+        load_config([BASE, "local_rope_max_timescale=0"], env={})
+
+
+def test_a_local_theta_of_minus_one_is_the_global_one():
+    import numpy as np
+
+    from conftest import tiny_config
+    from tessera.models.attention import rope_frequencies_of
+
+    local = tiny_config(None, local_rope_max_timescale=-1, rope_max_timescale=500_000).model
+    glob = tiny_config(None, local_rope_max_timescale=500_000, rope_max_timescale=500_000).model
+    np.testing.assert_array_equal(rope_frequencies_of(local, local=True), rope_frequencies_of(glob, local=True))
+    assert not np.array_equal(rope_frequencies_of(tiny_config(None).model, local=True),
+                              rope_frequencies_of(local, local=True))

@@ -142,6 +142,9 @@ def _validate_family(m) -> None:
     if m.decoder_block == "gemma2" and m.num_decoder_layers % 2:
         raise ConfigError(f"decoder_block=gemma2 needs an even number of layers (local and global alternate), "
                           f"not {m.num_decoder_layers}; change base_num_decoder_layers")
+    if m.local_rope_max_timescale == 0:
+        raise ConfigError("local_rope_max_timescale=0 is not a rotary theta; give the local layers' theta (gemma3: "
+                          "10000), or -1 for the global layers' rope_max_timescale")
     _validate_llama4(m)
     if m.decoder_block == "gpt_oss":
         _validate_gpt_oss(m)

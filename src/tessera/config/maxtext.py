@@ -60,7 +60,9 @@ class Refused:
 _QUANT = ("; Tessera quantizes the training matmuls (quantization), the KV cache (quantize_kvcache) and "
           "checkpoints for decoding (save_quantized_params_path, checkpoint_is_quantized), on qwix, without this setting")
 _PIPE = "; Tessera pipelines every decoder layer (ici/dcn_pipeline_parallelism, num_pipeline_repeats)"
-_INFER = "; Tessera's decode.py samples greedily from a prompt and has no such setting"
+_INFER = ("; Tessera's decode.py takes its prompt and sampling as flags (--prompt, --max_new_tokens, "
+          "--temperature, --top_k, --top_p, --seed) and has no such setting")
+_DECODE_FLAG = "; Tessera's decode.py takes it as a flag: "
 _GCP = ("; Tessera keeps metrics.jsonl, TensorBoard files and the report in the run folder (with a gs:// "
         "base_output_directory, gcs_metrics=true writes the metrics there)")
 
@@ -127,7 +129,8 @@ REFUSED = {
         ("true", "1")),
     "expansion_factor_real_data": Refused("let only some hosts read data; every Tessera host reads its share",
                                           ("-1",)),
-    "max_corpus_chars": Refused("characters read to train a tokenizer; Tessera does not train tokenizers"),
+    "max_corpus_chars": Refused("characters read to train a tokenizer; Tessera does not train tokenizers",
+                                ("10000000",)),
     "hf_data_dir": Refused("data_dir of a Hugging Face dataset; use hf_path (a local folder or Hub name)", ("",)),
     "hf_data_files": Refused("files of a Hugging Face dataset (older MaxText); use hf_train_files", ("",)),
     "hf_access_token": Refused("a Hugging Face token on the command line; set HF_TOKEN in the environment",
@@ -177,15 +180,40 @@ REFUSED = {
     "enable_single_controller": Refused("Pathways single-controller mode; not in Tessera", ("false", "0")),
     "skip_jax_distributed_system": Refused("do not call jax.distributed.initialize; Tessera initializes when "
                                            "more than one process runs", ("false", "0")),
-    # decoding and inference
-    **{name: Refused("a decoding or inference-benchmark setting" + _INFER) for name in (
-        "max_prefill_predict_length", "prompt", "load_from_prefill_dir", "prefill_cache_dir",
-        "autoregressive_decode_assert", "decode_sampling_strategy", "decode_sampling_nucleus_p",
-        "decode_sampling_top_k", "decode_sampling_temperature", "inference_microbenchmark_prefill_lengths",
-        "inference_microbenchmark_stages", "inference_microbenchmark_loop_iters",
-        "inference_microbenchmark_log_file_path", "prefill_key_axis_order", "prefill_value_axis_order",
-        "ar_key_axis_order", "ar_value_axis_order", "use_ragged_attention", "ragged_block_size",
-        "enable_model_warmup")},
+    # decoding and inference: no effect on training in MaxText either; each is off at MaxText's default
+    "prompt": Refused("decode.py's prompt" + _DECODE_FLAG + "--prompt TEXT (or --tokens 1,2,3)", ("i love to",)),
+    "decode_sampling_temperature": Refused("decode.py's sampling temperature" + _DECODE_FLAG + "--temperature T",
+                                           ("1",)),
+    "decode_sampling_top_k": Refused("decode.py's top-k sampling" + _DECODE_FLAG + "--top_k K", ("0",)),
+    "decode_sampling_nucleus_p": Refused("decode.py's nucleus sampling" + _DECODE_FLAG + "--top_p P", ("-1",)),
+    "decode_sampling_strategy": Refused(
+        "decode.py's sampling strategy" + _DECODE_FLAG + "--temperature 0 for greedy (the default), else "
+        "--temperature T with --top_k K (topk) or --top_p P (nucleus)", ("greedy",)),
+    "max_prefill_predict_length": Refused(
+        "the prompt length decoding prefills" + "; Tessera's decode.py prefills the whole prompt it is given "
+        "and then samples --max_new_tokens more, within max_target_length", ("64",)),
+    **{name: Refused("a decoding or inference-benchmark setting" + _INFER, off) for name, off in {
+        "load_from_prefill_dir": ("false", "0"), "prefill_cache_dir": ("",), "autoregressive_decode_assert": ("",),
+        "inference_microbenchmark_prefill_lengths": ("64,128,256,512,1024",),
+        "inference_microbenchmark_stages": ("prefill,generate",), "inference_microbenchmark_loop_iters": ("10",),
+        "inference_microbenchmark_log_file_path": ("",), "prefill_key_axis_order": (),
+        "prefill_value_axis_order": (), "ar_key_axis_order": (), "ar_value_axis_order": (),
+        "use_ragged_attention": ("false", "0"), "ragged_block_size": ("256",),
+        "enable_model_warmup": ("false", "0")}.items()},
+}
+
+
+# Keys Tessera shares with MaxText whose "unset" MaxText spells differently (its base.yml holds
+# these values): {key: (MaxText's values, Tessera's value, what it means)}. A config file or
+# command line written for MaxText means the same here; the translation is logged once.
+UNSET = {
+    "eval_interval": (("-1",), 0, "never evaluate"),
+    "base_moe_mlp_dim": (("-1",), 0, "experts as wide as base_mlp_dim"),
+    "trainable_position_size": (("-1",), 0, "no learned position table"),
+    "nope_layer_interval": (("-1",), 0, "rotary positions in every layer"),
+    "compile_topology_num_slices": (("-1",), 1, "one slice"),
+    "max_num_checkpoints_to_keep": (("none", "null", "~", ""), -1, "keep every checkpoint"),
+    "routed_score_func": (("",), "softmax", "softmax router scores"),
 }
 
 
@@ -194,15 +222,25 @@ def render_aliases() -> list[str]:
     lines = ["", "# --- Aliases: other trainers' names for the keys above, accepted and logged when used"]
     lines += [f"# {alias} -> {target}  ({whose} name)" for alias, (target, whose) in ALIASES.items()]
     lines += [f"# {name} [one of: {', '.join(choices)}]: accepted; {why}" for name, (choices, why) in ACCEPTED.items()]
+    lines += [f"# {name}={spelled[0] or '(empty)'} (MaxText's spelling of {meaning}) -> {name}={ours}"
+              for name, (spelled, ours, meaning) in UNSET.items()]
     lines += ["# MaxText keys Tessera does not implement are refused with a reason (left at MaxText's default, off,",
               "# they are ignored): see src/tessera/config/maxtext.py and getting_started/Coming_from_MaxText.md"]
     return lines
 
 
 def is_off(refused: Refused, value) -> bool:
-    """`value` (YAML value or command-line text) leaves the refused feature off."""
+    """`value` (YAML value or command-line text) leaves the refused feature off (numbers compare
+    as numbers: MaxText's base.yml writes -1.0 and 10_000_000)."""
     text = "" if value is None else str(value).strip().lower()
-    return text in refused.off
+    return text in refused.off or any(_same_number(text, off) for off in refused.off)
+
+
+def _same_number(text: str, off: str) -> bool:
+    try:
+        return float(text.replace("_", "")) == float(off)
+    except ValueError:
+        return False
 
 
 def maxtext_keys() -> set[str]:
@@ -216,7 +254,11 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
     `hardware` value or alias that disagrees with its key in the same layer."""
     out = {}
     for name, value in values.items():
-        if name in fields:
+        if name in UNSET and is_off(Refused("", UNSET[name][0]), value):
+            _, ours, meaning = UNSET[name]
+            _log_once(f"{name}={value!r} is MaxText's spelling of {meaning}; using {name}={ours!r}")
+            out[name] = ours
+        elif name in fields:
             out[name] = value
         elif name in ALIASES:
             target, whose = ALIASES[name]

@@ -169,8 +169,8 @@ class ModelConfig:
     rope_truncate: bool = key(True, "rope_scaling=yarn: round the dimensions where the kept and the divided "
                               "frequencies start outwards to whole dimensions (DeepSeek-V3; gpt-oss: false)")
     local_rope_max_timescale: int = key(10000, "gemma3: rotary theta of the local (sliding-window) layers, which "
-                                        "rope_scaling leaves unscaled (the global layers use rope_max_timescale)",
-                                        minimum=1)
+                                        "rope_scaling leaves unscaled (the global layers use rope_max_timescale; -1: "
+                                        "the same theta as theirs, MaxText's default)", minimum=-1)
     logits_via_embedding: bool = key(False, "tie the output projection to the token embedding")
     enable_dropout: bool = key(True, "apply dropout at dropout_rate during training (as MaxText; dropout_rate=0 "
                                "keeps it off)")
@@ -337,6 +337,11 @@ class ModelConfig:
     @property
     def mlp_dim(self) -> int:
         return self.base_mlp_dim << _scale_exponents(self.global_parameter_scale)[1]
+
+    @property
+    def local_rope_theta(self) -> int:
+        """The rotary theta of gemma3's local layers: local_rope_max_timescale, or with -1 the global one."""
+        return self.local_rope_max_timescale if self.local_rope_max_timescale > 0 else self.rope_max_timescale
 
     @property
     def expert_mlp_dim(self) -> int:

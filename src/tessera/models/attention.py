@@ -42,7 +42,7 @@ def rope_frequencies_of(cfg: ModelConfig, local: bool = False, rotary_dim: int =
     (local_rope_max_timescale, never scaled)."""
     dim = rotary_dim or cfg.head_dim
     if local:
-        return rope_frequencies(dim, cfg.local_rope_max_timescale)
+        return rope_frequencies(dim, cfg.local_rope_theta)
     if cfg.rope_scaling == "yarn":
         return yarn_frequencies(dim, cfg.rope_max_timescale, cfg.rope_scaling_factor, cfg.rope_original_max_position,
                                 cfg.beta_fast, cfg.beta_slow, cfg.rope_truncate)

@@ -367,7 +367,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         if m.rope_scaling == "linear":
             glob.update(rope_type="linear", factor=m.rope_scaling_factor)
         config["rope_parameters"] = {"full_attention": glob, "sliding_attention": {
-            "rope_type": "default", "rope_theta": float(m.local_rope_max_timescale)}}
+            "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
         config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                  for i in range(m.num_decoder_layers)]
     return config
