@@ -277,6 +277,19 @@ def test_a_gpu_count_of_zero_is_a_config_error(capsys):
     assert err == "config error: --hardware='h100-0' has no GPUs; give the count after the name, e.g. h100-8\n"
 
 
+def test_options_that_would_do_nothing_are_refused_before_the_search(tmp_path, capsys):
+    """--output without --compile wrote nothing without a word; --compile on GPU hardware ranked the
+    plans first and refused after them."""
+    assert main(["default", "--hardware", "v5p-8", "--output", str(tmp_path / "x.sh")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"config error: --output {tmp_path / 'x.sh'} names the recipe --compile writes; add "
+                            "--compile, or leave --output out to print the plan only\n")
+    assert main(["default", "--hardware", "h100-8", "--compile"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "GPU plans stay estimates (leave --compile out)" in captured.err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_compile_output_that_cannot_be_written_is_refused_before_compiling(tmp_path, capsys):
     compile_to = ["default", "--hardware", "v5p-8", "--top", "1", "--compile", "--output"]
     (tmp_path / "X").write_text("a file, not a folder")

@@ -360,7 +360,13 @@ def main(argv: list[str]) -> int:
         cfg = load_model_config(args.model, args.overrides)
         hw = parse_hardware(args.hardware, args.slices)
         check_trainable_dtypes(cfg.model, "tpu" if hw.accelerator.torus_dims else "gpu")
-        if args.compile and hw.accelerator.torus_dims:  # the recipe's folder, before minutes of compiling
+        if args.output and not args.compile:
+            raise ConfigError(f"--output {args.output} names the recipe --compile writes; add --compile, or leave "
+                              "--output out to print the plan only")
+        if args.compile and not hw.accelerator.torus_dims:
+            raise ConfigError("--compile confirms plans with libtpu's TPU compiler only; GPU plans stay estimates "
+                              "(leave --compile out)")
+        if args.compile:  # the recipe's folder, before minutes of compiling
             from tessera.tools.plan_compile import check_output
 
             check_output(cfg, hw, args.output)

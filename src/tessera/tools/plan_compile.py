@@ -178,9 +178,8 @@ def check_output(cfg: Config, hw: Hardware, output: str) -> None:
 
 
 def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
-    """--compile: one AOT compile at a time of each candidate, then the recipe and the JSON report."""
-    if hw.accelerator.torus_dims == 0:
-        raise ConfigError("--compile confirms plans with libtpu's TPU compiler only; GPU plans stay estimates")
+    """--compile: one AOT compile at a time of each candidate, then the recipe and the JSON report
+    (TPU hardware only: `plan.main` refuses --compile for GPUs before the search)."""
     base = model_overrides(args.model, args.overrides)
     confirmed = []
     with tempfile.TemporaryDirectory() as tmp:
