@@ -690,6 +690,33 @@ def test_changes_since_save_compare_as_the_checkpoint_stored_them():
                                                               * cfg.optim.cosine_learning_rate_final_fraction)
 
 
+def test_a_resume_onto_other_training_data_says_what_its_saved_position_means(caplog):
+    """The data position saved with a checkpoint is an index into the data it was saved with: with
+    other files (or another shuffle seed), the resume says so and how to start the new data afresh;
+    other changes (evaluation files, here) say nothing of the kind."""
+    from tessera.config import flat_dict
+    from tessera.optim import learning_rate_schedule
+    from tessera.start_state import log_changes_since_save
+
+    cfg = tiny_config(None, hf_train_files="/data/new/*.json", hf_eval_files="/data/eval2.json", learning_rate_schedule_steps=9)
+    saved = {**json.loads(json.dumps(flat_dict(cfg))), "hf_train_files": "/data/old/*.json"}
+    schedule = learning_rate_schedule(cfg.optim, 9)
+    with caplog.at_level("INFO", logger="tessera"):
+        log_changes_since_save(saved, cfg, schedule, 7, "outputs/x/checkpoints/7")
+    assert "settings changed since step 7 was saved: hf_train_files /data/old/*.json -> /data/new/*.json" in caplog.text
+    assert ("the training data changed since step 7 was saved (hf_train_files): the data position saved with it "
+            "(which record comes next, and the tokens already used of it) is applied to the new data as it stands. "
+            "That continues where the run stopped when files were only added after the old ones; otherwise it starts "
+            "at an arbitrary point of the new data. To read the new data from its start, train in a new run_name with "
+            "load_full_state_path=outputs/x/checkpoints/7") in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):
+        log_changes_since_save({**saved, "hf_train_files": "/data/new/*.json", "hf_eval_files": "/data/eval1.json"}, cfg,
+                               schedule, 7, "outputs/x/checkpoints/7")
+    assert "hf_eval_files /data/eval1.json -> /data/eval2.json" in caplog.text and "training data changed" not in caplog.text
+    assert "learning rate jumps" not in caplog.text  # the same schedule
+
+
 def test_steps_logged_after_reads_the_newest_records_only(tmp_path):
     from tessera.loop_records import steps_logged_after
 

@@ -41,7 +41,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
             data.set_state(restored.data)
         log.info("resuming from step %d: %s", latest, ckpt.step_path(latest))
         if restored.config:
-            log_changes_since_save(restored.config, config, trainer.schedule, latest)
+            log_changes_since_save(restored.config, config, trainer.schedule, latest, str(ckpt.step_path(latest)))
         return restored.state
     if cfg.load_full_state_path:
         state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",
@@ -82,16 +82,25 @@ def saved_schedule(saved: Mapping[str, Any], config: Config) -> tuple[optax.Sche
         return None
 
 
-def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int) -> None:
-    """Log the settings that differ from those `step` was saved with, and warn when the learning
-    rate jumps at the resume (e.g. `steps` raised to train a finished run further: the cosine
-    schedule, as long as `steps` by default, is stretched, and the rate climbs back up)."""
+def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int,
+                           step_folder: str) -> None:
+    """Log the settings that differ from those `step` (saved in `step_folder`) was saved with, and
+    warn when the learning rate jumps at the resume (e.g. `steps` raised to train a finished run
+    further: the cosine schedule, as long as `steps` by default, is stretched, and the rate climbs
+    back up) or when the training data changed under the saved data position."""
     changes = changes_since_save(saved, config)
     if not changes:
         return
     listed = [f"{k} {_show(then)} -> {_show(now)}" for k, (then, now) in changes.items()]
     more = f", and {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
     log.info("settings changed since step %d was saved: %s%s", step, ", ".join(listed[:MAX_LISTED]), more)
+    data = [k for k in changes if k in DATA_SOURCE_KEYS]
+    if data:
+        log.warning("the training data changed since step %d was saved (%s): the data position saved with it (which record "
+                    "comes next, and the tokens already used of it) is applied to the new data as it stands. That "
+                    "continues where the run stopped when files were only added after the old ones; otherwise it "
+                    "starts at an arbitrary point of the new data. To read the new data from its start, train in a new "
+                    "run_name with load_full_state_path=%s", step, ", ".join(data), step_folder)
     before = saved_schedule(saved, config)
     if before is None:
         return
@@ -106,6 +115,10 @@ def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: o
 
 
 MAX_LISTED = 12  # changed settings named in the resume's line
+# The keys that say which records the training data holds, and in which order: the saved data
+# position means something else once one of them changes
+DATA_SOURCE_KEYS = ("hf_path", "hf_train_files", "train_split", "dataset_name", "dataset_path", "train_data_columns",
+                    "grain_train_files", "grain_file_type", "data_shuffle_seed", "tokenizer_path")
 
 
 def _show(value: Any) -> str:
