@@ -105,6 +105,13 @@ def test_load_parameters_only(tmp_path, caplog):
     assert run(half)["start_step"] == 0
     with pytest.raises(CheckpointError, match="checkpoint has dtype float32, this config expects bfloat16"):
         load_full_state(str(path), abstract_state(setup(half)))
+    # through the trainer, a mismatch names the model keys the checkpoint's saved config differs in, for a
+    # step folder and for its state item alike
+    for where in (path, path / "state"):
+        wide = tiny_config(tmp_path / "wide", steps=1, load_parameters_path=str(where), base_mlp_dim=48)
+        with pytest.raises(CheckpointError) as e:
+            run(wide)
+        assert str(e.value).endswith("The config saved with it differs in its model keys: base_mlp_dim=40 (here 48)")
 
 
 def test_restored_arrays_are_donated_in_place(tmp_path):
@@ -245,8 +252,12 @@ def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path):
     proc = _train(tmp_path, "steps=4", "base_emb_dim=128")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert str(ckpt / "2") in proc.stderr and "checkpoint has shape" in proc.stderr and "(256" in proc.stderr
+    # the config saved with the checkpoint names the model keys that differ
+    assert proc.stderr.rstrip().endswith("The config saved with it differs in its model keys: base_emb_dim=256 "
+                                         "(here 128)")
     proc = _train(tmp_path, "steps=4", "weight_dtype=bfloat16")
     assert proc.returncode == 2 and "checkpoint has dtype float32, this config expects bfloat16" in proc.stderr
+    assert 'differs in its model keys: weight_dtype="float32" (here "bfloat16")' in proc.stderr
     assert _tree_digest(ckpt) == before
 
 

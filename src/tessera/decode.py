@@ -26,6 +26,7 @@ See getting_started/Decode.md. JAX is imported only once decoding starts, so tha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import logging
 import math
@@ -148,7 +149,7 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     attention scores and the prompts' activations)."""
     import jax
 
-    from tessera.checkpointing import load_parameters
+    from tessera.checkpointing import load_parameters, mismatch_explained
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
@@ -166,7 +167,8 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
         log.info("loaded quantized parameters (%s) from %s, dequantized to %s", cfg.model.quantization, path,
                  cfg.model.weight_dtype)
     else:
-        params = load_parameters(path, abstract, verify=cfg.checkpoint.checkpoint_checksums)
+        with mismatch_explained(path, {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)}):
+            params = load_parameters(path, abstract, verify=cfg.checkpoint.checkpoint_checksums)
         log.info("loaded parameters from %s", path)
     if cfg.checkpoint.save_quantized_params_path:
         save_quantized(params, cfg.model.quantization, cfg.checkpoint.save_quantized_params_path,

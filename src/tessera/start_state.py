@@ -14,8 +14,8 @@ from typing import Any, Mapping
 import jax
 import optax
 
-from tessera.checkpointing import Checkpointer, load_full_state, load_parameters
-from tessera.config import CheckpointConfig, Config, ConfigError, OptimConfig, flat_dict
+from tessera.checkpointing import Checkpointer, load_full_state, load_parameters, mismatch_explained
+from tessera.config import CheckpointConfig, Config, ConfigError, ModelConfig, OptimConfig, flat_dict
 from tessera.optim import learning_rate_schedule
 from tessera.step import Trainer, abstract_state, create_state, state_from_params
 
@@ -35,8 +35,10 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
     init from init_weights_seed, with `program` (`step.init_program`) when given."""
     cfg = config.checkpoint
     latest = ckpt.latest_step() if ckpt else None
+    model_keys = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(ModelConfig)}
     if latest is not None:
-        restored = ckpt.restore(latest, abstract_state(trainer))
+        with mismatch_explained(str(ckpt.step_path(latest)), model_keys):
+            restored = ckpt.restore(latest, abstract_state(trainer))
         if restored.data:
             data.set_state(restored.data)
         log.info("resuming from step %d: %s", latest, ckpt.step_path(latest))
@@ -44,8 +46,9 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
             log_changes_since_save(restored.config, config, trainer.schedule, latest, str(ckpt.step_path(latest)))
         return restored.state
     if cfg.load_full_state_path:
-        state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",
-                                verify=cfg.checkpoint_checksums)
+        with mismatch_explained(cfg.load_full_state_path, model_keys):
+            state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",
+                                    verify=cfg.checkpoint_checksums)
         step = int(jax.device_get(state["step"]))
         data.set_state({"step": step})
         log.info("loaded full state at step %d from %s", step, cfg.load_full_state_path)
@@ -54,8 +57,9 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         if cfg.checkpoint_is_quantized:
             raise ConfigError("checkpoint_is_quantized=true is for decode.py (quantized weights are dequantized for "
                               "decoding); train from the float checkpoint the quantized one was written from")
-        params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"],
-                                 key="load_parameters_path", verify=cfg.checkpoint_checksums)
+        with mismatch_explained(cfg.load_parameters_path, model_keys):
+            params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"],
+                                     key="load_parameters_path", verify=cfg.checkpoint_checksums)
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
         return state_from_params(trainer, params)
     return create_state(trainer, config.run.init_weights_seed, program)

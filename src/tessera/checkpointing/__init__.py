@@ -31,16 +31,17 @@ The package: `manager.py` (Checkpointer), `loading.py` (load paths), `checksums.
 writable folders, errors).
 """
 
-from tessera.checkpointing.loading import load_full_state, load_parameters, record_checksums, saved_tree, verify_item
+from tessera.checkpointing.loading import (load_full_state, load_parameters, mismatch_explained, record_checksums,
+                                          saved_config, saved_tree, verify_item)
 from tessera.checkpointing.manager import (Checkpointer, CheckpointSaveError, save_allowance_seconds,
                                           set_aside_incomplete)
 from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, check_writable,
                                            read_error, remote_exists)
-from tessera.checkpointing.trees import describe_mismatch, raise_on_mismatch
+from tessera.checkpointing.trees import CheckpointMismatch, describe_mismatch, raise_on_mismatch
 
 __all__ = [
-    "INCOMPLETE_MARKER", "PYTREE_METADATA_FILE", "CheckpointError", "CheckpointSaveError", "Checkpointer",
-    "check_writable", "describe_mismatch", "load_full_state", "load_parameters", "raise_on_mismatch", "read_error",
-    "record_checksums", "remote_exists", "save_allowance_seconds", "saved_tree", "set_aside_incomplete",
-    "verify_item",
+    "INCOMPLETE_MARKER", "PYTREE_METADATA_FILE", "CheckpointError", "CheckpointMismatch", "CheckpointSaveError",
+    "Checkpointer", "check_writable", "describe_mismatch", "load_full_state", "load_parameters", "mismatch_explained",
+    "raise_on_mismatch", "read_error", "record_checksums", "remote_exists", "save_allowance_seconds", "saved_config",
+    "saved_tree", "set_aside_incomplete", "verify_item",
 ]

@@ -4,17 +4,19 @@ config before anything is read."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
 from tessera.checkpointing import checksums
-from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, read_error,
+from tessera.checkpointing.storage import (CONFIG_FILE, INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, read_error,
                                            remote_exists, use_tidy_event_loops)
-from tessera.checkpointing.trees import cast_summary, raise_on_mismatch, restacked
+from tessera.checkpointing.trees import CheckpointMismatch, cast_summary, raise_on_mismatch, restacked
 
 log = logging.getLogger("tessera")
 
@@ -116,3 +118,32 @@ def load_parameters(path: str, abstract_params, key: str | None = "load_paramete
 def load_full_state(path: str, abstract_state, key: str | None = "load_full_state_path", verify: bool = True) -> Any:
     """Parameters, optimizer state and step from a Tessera checkpoint step folder."""
     return _restore_tree(path, key, abstract_state, partial=False, verify=verify)
+
+
+def saved_config(path: str) -> dict:
+    """The flat config saved with the training checkpoint at `path` (a step folder or its `state`
+    item); {} for a checkpoint saved without one (converted or quantized parameters) or unreadable."""
+    p = epath.Path(path)
+    folder = p.parent if p.name == "state" else p
+    try:
+        saved = json.loads((folder / "config" / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+@contextlib.contextmanager
+def mismatch_explained(path: str, model_keys: Mapping[str, Any]) -> Iterator[None]:
+    """Around a load from `path`: a CheckpointMismatch gets a last line naming the `model_keys`
+    (this config's model keys and values) whose saved values differ, when the checkpoint kept its config."""
+    try:
+        yield
+    except CheckpointMismatch as e:
+        saved = saved_config(path)
+        now = json.loads(json.dumps(dict(model_keys)))  # as saved: lists, not tuples
+        differ = [f"{k}={json.dumps(saved[k])} (here {json.dumps(v)})" for k, v in now.items()
+                  if k in saved and saved[k] != v]
+        if not differ:
+            raise
+        raise CheckpointMismatch(f"{e}\nThe config saved with it differs in its model keys: {', '.join(differ)}") \
+            from None

@@ -15,8 +15,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from tessera.checkpointing import checksums
-from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, free_space,
-                                           quiet_orbax_logs, read_error, use_tidy_event_loops)
+from tessera.checkpointing.storage import (CONFIG_FILE, INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError,
+                                           free_space, quiet_orbax_logs, read_error, use_tidy_event_loops)
 from tessera.checkpointing.trees import raise_on_mismatch, restacked
 from tessera.config import CheckpointConfig
 
@@ -66,7 +66,7 @@ class Checkpointer:
             if self._checksums and cfg.async_checkpointing else None,
         )
         handlers = {"state": _state_handler(self._checksums), "data": ocp.JsonCheckpointHandler(),
-                    "config": ocp.JsonCheckpointHandler()}
+                    "config": ocp.JsonCheckpointHandler(CONFIG_FILE)}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:

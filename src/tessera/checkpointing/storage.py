@@ -23,6 +23,7 @@ INCOMPLETE_MARKER = ".orbax-checkpoint-tmp"
 
 
 PYTREE_METADATA_FILE = "_METADATA"  # what Orbax writes in every complete PyTree item (the tree and its arrays)
+CONFIG_FILE = "metadata"  # the file of a step's `config` item (the run's flat config, JSON)
 
 
 class CheckpointError(Exception):

@@ -111,11 +111,15 @@ def cast_summary(saved, expected) -> str:
     return ", ".join(f"{a} -> {b}" for a, b in sorted(pairs))
 
 
+class CheckpointMismatch(CheckpointError):
+    """A checkpoint whose arrays differ from those the config expects (names, shapes, dtypes)."""
+
+
 def raise_on_mismatch(path, saved, expected, only_prefix: str = "", cast_floats: bool = False) -> None:
     problems = describe_mismatch(saved, expected, only_prefix, cast_floats)
     if problems:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"checkpoint {path} does not match this config ({len(problems)} difference(s)):\n  {shown}\n"
             "Use the model settings the checkpoint was trained with (its config is saved beside it), "
             "or start a new run_name. Nothing was loaded or overwritten."
