@@ -356,6 +356,11 @@ def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
     ("steps=nan", "steps='nan' must be a whole number"),
     ("steps=inf", "steps='inf' must be a whole number"),
     ("steps=10.000000000000000001", "steps='10.000000000000000001' must be a whole number"),  # float says 10.0
+    # a head width with extra zeros used to fill the host's memory while the model was built (its rotary table)
+    ("head_dim=1000000000", "head_dim='1000000000' is too large; it must be <= 65536"),
+    ("qk_rope_head_dim=1000000000", "qk_rope_head_dim='1000000000' is too large; it must be <= 65536"),
+    ("num_slices=-2", "num_slices='-2' is too small; it must be >= -1"),
+    ("num_slices=0", "num_slices=0: give the number of slices (1 or more), or -1 to detect it from the devices"),
 ])
 def test_integer_keys_are_exact_and_within_range(arg, message):
     assert _config_error([BASE, arg]).startswith(message)

@@ -28,6 +28,8 @@ def validate(cfg: Config) -> None:
             f"mlp_activations={m.mlp_activations} must be one or two of {', '.join(ACTIVATIONS)} "
             "(two make a gated MLP, e.g. [\"silu\",\"linear\"])"
         )
+    if cfg.mesh.num_slices == 0:
+        raise ConfigError("num_slices=0: give the number of slices (1 or more), or -1 to detect it from the devices")
     if not 0.0 <= m.dropout_rate < 1.0:  # with enable_dropout=false too: the value is wrong either way
         raise ConfigError(f"dropout_rate={m.dropout_rate} must be in [0, 1): the probability that a value is dropped")
     if m.rope_scaling == "llama3" and m.rope_high_freq_factor < m.rope_low_freq_factor:

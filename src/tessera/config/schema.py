@@ -61,6 +61,9 @@ HF_FILE_FORMATS = ("parquet", "json", "arrow", "text", "csv")  # hf_path values 
 PATH_KINDS = ("path", "globs", "local_or_name")
 # Step counts reach jitted code as int32 (JAX's default integer; the optimizer's step counter is one).
 MAX_STEPS = 2**31 - 1
+# Widest attention head accepted (the widest of the model files: 256). Building a model keeps a
+# rotary frequency per pair of head dimensions: a typo of 10^9 exhausted the host's memory.
+MAX_HEAD_DIM = 65536
 
 
 def key(default: Any, doc: str, choices: tuple = (), minimum: float | None = None, path: str = "",
@@ -141,7 +144,7 @@ class ModelConfig:
     base_emb_dim: int = key(256, "model (embedding) width D before scaling", minimum=1)
     base_num_query_heads: int = key(4, "attention query heads N before scaling", minimum=1)
     base_num_kv_heads: int = key(4, "attention key/value heads K before scaling (K < N: grouped-query attention)", minimum=1)
-    head_dim: int = key(64, "width H of one attention head", minimum=1)
+    head_dim: int = key(64, "width H of one attention head", minimum=1, maximum=MAX_HEAD_DIM)
     base_mlp_dim: int = key(768, "hidden width F of the MLP before scaling", minimum=1)
     base_num_decoder_layers: int = key(4, "number of decoder blocks L before scaling", minimum=1)
     vocab_size: int = key(512, "vocabulary size V (token ids are 0..V-1)", minimum=2)
@@ -287,10 +290,11 @@ class ModelConfig:
                            "(0: a full-rank query projection)", minimum=0)
     kv_lora_rank: int = key(512, "deepseek: width of the compressed key/value latent (what the KV cache stores)",
                             minimum=1)
-    qk_nope_head_dim: int = key(128, "deepseek: per-head query/key width without rotary positions", minimum=1)
+    qk_nope_head_dim: int = key(128, "deepseek: per-head query/key width without rotary positions", minimum=1,
+                                maximum=MAX_HEAD_DIM)
     qk_rope_head_dim: int = key(64, "deepseek: per-head query/key width with rotary positions (the key part is "
-                                "shared by all heads)", minimum=2)
-    v_head_dim: int = key(128, "deepseek: per-head value width", minimum=1)
+                                "shared by all heads)", minimum=2, maximum=MAX_HEAD_DIM)
+    v_head_dim: int = key(128, "deepseek: per-head value width", minimum=1, maximum=MAX_HEAD_DIM)
     norm_topk_prob: bool = key(True, "MoE: renormalize the chosen experts' router probabilities to sum to one "
                                "(Mixtral, Qwen3-MoE); false: weight each expert by its softmax probability over all")
     capacity_factor: float = key(-1.0, "MoE capacity routing: an expert takes at most capacity_factor x its fair share "
@@ -390,7 +394,7 @@ class MeshConfig:
     pipeline_fsdp_ag_once: bool = key(
         False, "gather each stage's fsdp-split weights once per step, before the pipeline's iterations, instead of "
         "in every iteration: fewer, larger all-gathers for the memory of the stage's whole weights on every device")
-    num_slices: int = key(-1, "number of slices (-1: detect from the devices)")
+    num_slices: int = key(-1, "number of slices (-1: detect from the devices)", minimum=-1)
     param_replication_warn_mib: float = key(
         1.0, "report parameters larger than this (MiB) that end up fully replicated on a sharded mesh", minimum=0.0
     )
