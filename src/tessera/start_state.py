@@ -1,7 +1,12 @@
 """Where a run's train state comes from at its start: this run's newest checkpoint (a resume),
 else `load_full_state_path`, else `load_parameters_path` (a fresh optimizer state around them),
 else fresh weights from `init_weights_seed`. `tessera.train` asks `state_source` first (to size
-the read before it happens, `memory_fit.check_state_fits`), then `initial_state`."""
+the read before it happens, `memory_fit.check_state_fits`), then `initial_state`.
+
+A resume compares the config saved with the checkpoint with this one: it names the settings that
+changed, and warns when that moves the training data under the saved data position or the
+learning rate of the next step. A checkpoint that does not fit the model names the model keys its
+saved config differs in (`checkpointing.mismatch_explained`)."""
 
 from __future__ import annotations
 
@@ -89,9 +94,7 @@ def saved_schedule(saved: Mapping[str, Any], config: Config) -> tuple[optax.Sche
 def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int,
                            step_folder: str) -> None:
     """Log the settings that differ from those `step` (saved in `step_folder`) was saved with, and
-    warn when the learning rate jumps at the resume (e.g. `steps` raised to train a finished run
-    further: the cosine schedule, as long as `steps` by default, is stretched, and the rate climbs
-    back up) or when the training data changed under the saved data position."""
+    warn when the training data changed under the saved data position or the learning rate jumps."""
     changes = changes_since_save(saved, config)
     if not changes:
         return
@@ -100,11 +103,18 @@ def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: o
     log.info("settings changed since step %d was saved: %s%s", step, ", ".join(listed[:MAX_LISTED]), more)
     data = [k for k in changes if k in DATA_SOURCE_KEYS]
     if data:
-        log.warning("the training data changed since step %d was saved (%s): the data position saved with it (which record "
-                    "comes next, and the tokens already used of it) is applied to the new data as it stands. That "
-                    "continues where the run stopped when files were only added after the old ones; otherwise it "
-                    "starts at an arbitrary point of the new data. To read the new data from its start, train in a new "
-                    "run_name with load_full_state_path=%s", step, ", ".join(data), step_folder)
+        log.warning("the training data changed since step %d was saved (%s): the data position saved with it "
+                    "(which record comes next, and the tokens already used of it) is applied to the new data as it "
+                    "stands. That continues where the run stopped when files were only added after the old ones; "
+                    "otherwise it starts at an arbitrary point of the new data. To read the new data from its start, "
+                    "train in a new run_name with load_full_state_path=%s", step, ", ".join(data), step_folder)
+    _warn_learning_rate_jump(saved, config, schedule, step)
+
+
+def _warn_learning_rate_jump(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int) -> None:
+    """Warn when the next step's learning rate differs from the one the saved schedule gives it.
+    The usual cause: `steps` raised to train a finished run further stretches the cosine schedule
+    (as long as `steps` by default), and the rate climbs from its end value back up the curve."""
     before = saved_schedule(saved, config)
     if before is None:
         return

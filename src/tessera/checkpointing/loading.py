@@ -14,8 +14,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from tessera.checkpointing import checksums
-from tessera.checkpointing.storage import (CONFIG_FILE, INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, read_error,
-                                           remote_exists, use_tidy_event_loops)
+from tessera.checkpointing.storage import (CONFIG_FILE, INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError,
+                                           read_error, remote_exists, use_tidy_event_loops)
 from tessera.checkpointing.trees import CheckpointMismatch, cast_summary, raise_on_mismatch, restacked
 
 log = logging.getLogger("tessera")
