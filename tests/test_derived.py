@@ -54,6 +54,14 @@ def test_dropout_rate_alone_turns_dropout_on_as_in_maxtext():
     ({"eval_interval": 1, "eval_steps": 1, "eval_per_device_batch_size": 0.5},
      r"the evaluation batch 4 must be divisible by data\*fsdp\*expert=8 \(mesh .*\); change "
      r"eval_per_device_batch_size or the mesh"),
+    # 1e30 ended in a TypeError inside JAX's lowering; 1e12 in a 4.9-billion-GiB memory estimate
+    ({"per_device_batch_size": 1e30}, r"a global batch of 8,000,000,000,000,000,[\d,]+ sequences of 128 tokens is .* more "
+                                      r"than the 2,147,483,647 that 32-bit token indices reach .*; lower "
+                                      r"per_device_batch_size$"),
+    ({"per_device_batch_size": 2**21, "max_target_length": 128}, r"a global batch of 16,777,216 sequences of 128 tokens "
+                                                                 r"is 2,147,483,648 tokens"),
+    ({"eval_interval": 1, "eval_steps": 1, "eval_per_device_batch_size": 2**21},
+     r"an evaluation batch of 16,777,216 sequences .*; lower eval_per_device_batch_size$"),
 ])
 def test_plan_errors_quote_the_numbers(keys, message):
     with pytest.raises(ConfigError, match=message):

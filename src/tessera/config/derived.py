@@ -41,13 +41,19 @@ class RunPlan:
     pipeline: PipelineLayout | None = None  # stages, repeats, microbatches when the mesh has a stage axis
 
 
+MAX_TOKENS_PER_STEP = 2**31 - 1  # JAX indexes with 32-bit integers (x64 off): positions in a step's tokens fit
+
+
 def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
     """Every value that depends on the config and the mesh shape; ConfigError if they disagree."""
     batch = global_batch(cfg.data.per_device_batch_size, cfg.optim.gradient_accumulation_steps, mesh_shape)
-    pipeline = pipeline_layout(cfg, mesh_shape, batch // cfg.optim.gradient_accumulation_steps)
     length = cfg.data.max_target_length
+    _check_tokens(batch, length, "a global batch", "per_device_batch_size")
+    pipeline = pipeline_layout(cfg, mesh_shape, batch // cfg.optim.gradient_accumulation_steps)
+    evaluated = eval_batch(cfg, mesh_shape, pipeline)
+    _check_tokens(evaluated, length, "an evaluation batch", "eval_per_device_batch_size")
     return RunPlan(
-        num_devices=math.prod(mesh_shape.values()), global_batch=batch, eval_batch=eval_batch(cfg, mesh_shape, pipeline),
+        num_devices=math.prod(mesh_shape.values()), global_batch=batch, eval_batch=evaluated,
         micro_batches=cfg.optim.gradient_accumulation_steps, max_target_length=length,
         tokens_per_step=batch * length, schedule_steps=cfg.total_steps_in_schedule,
         dropout_on=dropout_rate(cfg.model) > 0, packed=packs_documents(cfg.data), run_dir=run_dir(cfg.run),
@@ -57,6 +63,13 @@ def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
         checkpoint_dir=checkpoint_directory(cfg.checkpoint, cfg.run.base_output_directory, cfg.run.run_name),
         pipeline=pipeline,
     )
+
+
+def _check_tokens(batch: int, length: int, what: str, key: str) -> None:
+    if batch * length > MAX_TOKENS_PER_STEP:
+        raise ConfigError(f"{what} of {batch:,} sequences of {length:,} tokens is {batch * length:,} tokens, more "
+                          f"than the {MAX_TOKENS_PER_STEP:,} that 32-bit token indices reach (the largest trainings "
+                          f"take about 16 million a step); lower {key}")
 
 
 def global_batch(per_device_batch_size: float, accumulation_steps: int, mesh_shape: Mapping[str, int],
