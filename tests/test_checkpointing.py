@@ -342,6 +342,11 @@ def test_nonfinite_loss_stops_without_saving(tmp_path):
                   "gradient_clipping_threshold=0")
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "non-finite loss" in proc.stderr and "last good checkpoint: step" in proc.stderr
+    # the advice names the values the run had, and the direction that helps (it said "raise" the clipping threshold)
+    assert ("Lower learning_rate (now 1e+38), raise warmup_steps_fraction (now 0) or turn on gradient clipping "
+            "(gradient_clipping_threshold=1.0; it is 0, off), or set on_nonfinite_loss=skip_step; learning_rate x "
+            "adam_weight_decay = 1e+37 >= 1 makes AdamW's weight decay flip the weights' sign every step: lower "
+            "adam_weight_decay") in proc.stderr
     records = [json.loads(line) for line in (tmp_path / "sub" / "metrics.jsonl").read_text().splitlines()]
     bad = records[-1]["step"]
     assert not (np.isfinite(records[-1]["loss"]) and np.isfinite(records[-1]["grad_norm"]))

@@ -760,3 +760,12 @@ def test_a_file_system_without_locks_trains_unguarded_with_a_warning(tmp_path, m
         f"the run folder {tmp_path} is on a file system without file locks (No locks available): a second training "
         "process started in it would not be stopped"]
     lock.release()  # nothing held: nothing to do
+
+
+def test_the_advice_after_a_non_finite_step_points_the_right_way():
+    from tessera.train import _stability_advice
+
+    advice = _stability_advice(tiny_config(None, learning_rate=3e-4, warmup_steps_fraction=0.05,
+                                           gradient_clipping_threshold=1.0, adam_weight_decay=0.1))
+    assert advice == ("Lower learning_rate (now 0.0003), raise warmup_steps_fraction (now 0.05) or lower "
+                      "gradient_clipping_threshold (now 1), or set on_nonfinite_loss=skip_step")

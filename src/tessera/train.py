@@ -315,9 +315,20 @@ def _check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None
         return
     last = ckpt.latest_step() if ckpt else None
     where = f"last good checkpoint: step {last} at {ckpt.step_path(last)}" if last is not None else "no checkpoint yet"
-    raise TrainingStopped(
-        f"{what}; stopping without saving ({where}). Lower learning_rate, raise warmup_steps_fraction or "
-        "gradient_clipping_threshold, or set on_nonfinite_loss=skip_step", EXIT_NONFINITE)
+    raise TrainingStopped(f"{what}; stopping without saving ({where}). {_stability_advice(cfg)}", EXIT_NONFINITE)
+
+
+def _stability_advice(cfg: Config) -> str:
+    """What to change after a non-finite loss or gradient, with the values the run had."""
+    o = cfg.optim
+    clip = (f"lower gradient_clipping_threshold (now {o.gradient_clipping_threshold:g})"
+            if o.gradient_clipping_threshold > 0 else "turn on gradient clipping (gradient_clipping_threshold=1.0; "
+            "it is 0, off)")
+    decay = o.learning_rate * o.adam_weight_decay
+    decay = (f"; learning_rate x adam_weight_decay = {decay:g} >= 1 makes AdamW's weight decay flip the weights' sign "
+             "every step: lower adam_weight_decay" if decay >= 1 else "")
+    return (f"Lower learning_rate (now {o.learning_rate:g}), raise warmup_steps_fraction (now "
+            f"{o.warmup_steps_fraction:g}) or {clip}, or set on_nonfinite_loss=skip_step{decay}")
 
 
 def format_changed_keys(cfg: Config) -> str:
