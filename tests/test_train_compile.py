@@ -5,6 +5,7 @@ multi-slice meshes. Models are tiny; compiling the real recipes is benchmarks/ao
 import dataclasses
 import json
 import logging
+import os
 import re
 
 import pytest
@@ -322,3 +323,20 @@ def test_tpu_step_forms_the_gradient_mean_before_the_update(monkeypatch):
             .memory_analysis().temp_size_in_bytes
     assert temp[False] < 0.8 * temp[True], temp  # 19.3 against 28.3 MiB (at a few sequences of 64 tokens the two are within 10%)
 
+
+
+def test_the_command_on_a_host_without_tpus_prints_no_probe_errors(tmp_path):
+    """libtpu probes for TPU chips when JAX starts its backends; on a CPU host it printed "Failed to find host
+    bounds" and an INVALID_ARGUMENT error with a source trace before every compile report."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    proc = subprocess.run([sys.executable, "-m", "tessera.train_compile", "configs/base.yml", "compile_topology=v5p-8",
+                           f"base_output_directory={tmp_path}", "run_name=c"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "fits: " in proc.stderr and (tmp_path / "c" / "compile_report.json").exists()
+    assert "INVALID_ARGUMENT" not in proc.stderr and "host bounds" not in proc.stderr, proc.stderr[:1000]

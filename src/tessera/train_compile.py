@@ -401,4 +401,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    from tessera.platforms import use_cpu_on_hosts_without_accelerators
+
+    # the compile needs no local TPU: on a host without one, libtpu's probe for chips only printed errors
+    use_cpu_on_hosts_without_accelerators()
     sys.exit(main(sys.argv[1:]))
