@@ -359,6 +359,7 @@ def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
     # a head width with extra zeros used to fill the host's memory while the model was built (its rotary table)
     ("head_dim=1000000000", "head_dim='1000000000' is too large; it must be <= 65536"),
     ("qk_rope_head_dim=1000000000", "qk_rope_head_dim='1000000000' is too large; it must be <= 65536"),
+    ("base_num_decoder_layers=1000000000", "base_num_decoder_layers='1000000000' is too large; it must be <= 65536"),
     ("num_slices=-2", "num_slices='-2' is too small; it must be >= -1"),
     ("num_slices=0", "num_slices=0: give the number of slices (1 or more), or -1 to detect it from the devices"),
 ])

@@ -64,6 +64,9 @@ MAX_STEPS = 2**31 - 1
 # Widest attention head accepted (the widest of the model files: 256). Building a model keeps a
 # rotary frequency per pair of head dimensions: a typo of 10^9 exhausted the host's memory.
 MAX_HEAD_DIM = 65536
+# Deepest model accepted (the deepest model file: 126 layers); the planner and the FLOPs count go
+# through the layers one by one: a typo of 10^9 exhausted the host's memory there.
+MAX_LAYERS = 65536
 
 
 def key(default: Any, doc: str, choices: tuple = (), minimum: float | None = None, path: str = "",
@@ -146,7 +149,8 @@ class ModelConfig:
     base_num_kv_heads: int = key(4, "attention key/value heads K before scaling (K < N: grouped-query attention)", minimum=1)
     head_dim: int = key(64, "width H of one attention head", minimum=1, maximum=MAX_HEAD_DIM)
     base_mlp_dim: int = key(768, "hidden width F of the MLP before scaling", minimum=1)
-    base_num_decoder_layers: int = key(4, "number of decoder blocks L before scaling", minimum=1)
+    base_num_decoder_layers: int = key(4, "number of decoder blocks L before scaling", minimum=1,
+                                       maximum=MAX_LAYERS)
     vocab_size: int = key(512, "vocabulary size V (token ids are 0..V-1)", minimum=2)
     mlp_activations: list = key(["silu", "linear"], "MLP activations; two entries make a gated MLP (act0(x W0) * act1(x W1))")
     normalization_layer_epsilon: float = key(1e-5, "epsilon of RMSNorm", minimum=0.0)
