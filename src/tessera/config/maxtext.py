@@ -230,10 +230,15 @@ def render_aliases() -> list[str]:
 
 
 def is_off(refused: Refused, value) -> bool:
-    """`value` (YAML value or command-line text) leaves the refused feature off (numbers compare
-    as numbers: MaxText's base.yml writes -1.0 and 10_000_000)."""
+    """`value` (YAML value or command-line text) leaves the refused feature off."""
+    return spelled_as(value, refused.off)
+
+
+def spelled_as(value, spellings: tuple[str, ...]) -> bool:
+    """`value` (YAML value or command-line text) is one of `spellings` (lower-case text; numbers
+    compare as numbers: MaxText's base.yml writes -1.0 and 10_000_000)."""
     text = "" if value is None else str(value).strip().lower()
-    return text in refused.off or any(_same_number(text, off) for off in refused.off)
+    return text in spellings or any(_same_number(text, s) for s in spellings)
 
 
 def _same_number(text: str, off: str) -> bool:
@@ -254,7 +259,7 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
     `hardware` value or alias that disagrees with its key in the same layer."""
     out = {}
     for name, value in values.items():
-        if name in UNSET and is_off(Refused("", UNSET[name][0]), value):
+        if name in UNSET and spelled_as(value, UNSET[name][0]):
             _, ours, meaning = UNSET[name]
             _log_once(f"{name}={value!r} is MaxText's spelling of {meaning}; using {name}={ours!r}")
             out[name] = ours
