@@ -127,7 +127,7 @@ def saved_config(path: str) -> dict:
     folder = p.parent if p.name == "state" else p
     try:
         saved = json.loads((folder / "config" / CONFIG_FILE).read_text())
-    except (OSError, ValueError):
+    except Exception:  # noqa: BLE001 - only a hint for an error being reported: a bucket's own errors included
         return {}
     return saved if isinstance(saved, dict) else {}
 
