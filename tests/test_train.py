@@ -675,6 +675,23 @@ def test_a_resume_names_the_changed_settings_and_warns_when_the_learning_rate_ju
     assert "nothing to do" in caplog.text and "settings changed" not in caplog.text
 
 
+def test_a_full_state_load_warns_when_the_learning_rate_jumps_too(tmp_path, caplog):
+    """load_full_state_path continues another run's state at its step: with a longer schedule the rate
+    jumps there as on a resume, and the warning says so; with the saved schedule's length it does not."""
+    run(tiny_config(tmp_path / "src", steps=2, cosine_learning_rate_final_fraction=0.1), jax.devices()[:1])
+    path = str(tmp_path / "src" / "test" / "checkpoints" / "2")
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path / "a", steps=4, cosine_learning_rate_final_fraction=0.1, load_full_state_path=path),
+            jax.devices()[:1])
+    assert ("the learning rate jumps after this full-state load: step 3 trains at " in caplog.text
+            and "(2 steps long; 4 now)" in caplog.text and "add learning_rate_schedule_steps=2" in caplog.text)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path / "b", steps=4, cosine_learning_rate_final_fraction=0.1, load_full_state_path=path,
+                        learning_rate_schedule_steps=2), jax.devices()[:1])
+    assert "loaded full state at step 2" in caplog.text and "learning rate jumps" not in caplog.text
+
+
 def test_changes_since_save_compare_as_the_checkpoint_stored_them():
     from tessera.config import flat_dict
     from tessera.start_state import changes_since_save, saved_schedule

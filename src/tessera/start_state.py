@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import jax
 import optax
 
-from tessera.checkpointing import Checkpointer, load_full_state, load_parameters, mismatch_explained
+from tessera.checkpointing import Checkpointer, load_full_state, load_parameters, mismatch_explained, saved_config
 from tessera.config import CheckpointConfig, Config, ConfigError, ModelConfig, OptimConfig, flat_dict
 from tessera.optim import learning_rate_schedule
 from tessera.step import Trainer, abstract_state, create_state, state_from_params
@@ -57,6 +57,9 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         step = int(jax.device_get(state["step"]))
         data.set_state({"step": step})
         log.info("loaded full state at step %d from %s", step, cfg.load_full_state_path)
+        saved = saved_config(cfg.load_full_state_path)
+        if saved:
+            _warn_learning_rate_jump(saved, config, trainer.schedule, step, "after this full-state load")
         return state
     if cfg.load_parameters_path:
         if cfg.checkpoint_is_quantized:
@@ -111,7 +114,8 @@ def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: o
     _warn_learning_rate_jump(saved, config, schedule, step)
 
 
-def _warn_learning_rate_jump(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int) -> None:
+def _warn_learning_rate_jump(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int,
+                             where: str = "at this resume") -> None:
     """Warn when the next step's learning rate differs from the one the saved schedule gives it.
     The usual cause: `steps` raised to train a finished run further stretches the cosine schedule
     (as long as `steps` by default), and the rate climbs from its end value back up the curve."""
@@ -124,8 +128,8 @@ def _warn_learning_rate_jump(saved: Mapping[str, Any], config: Config, schedule:
     length = config.total_steps_in_schedule
     keep = (f" To continue the schedule it was saved with, add learning_rate_schedule_steps={before[1]} (it ends at "
             f"step {before[1]}, at {float(before[0](before[1])):.3g})." if before[1] != length else "")
-    log.warning("the learning rate jumps at this resume: step %d trains at %.3g, where the schedule step %d was saved "
-                "with (%d steps long; %d now) gives %.3g.%s", step + 1, now, step, before[1], length, then, keep)
+    log.warning("the learning rate jumps %s: step %d trains at %.3g, where the schedule step %d was saved with (%d "
+                "steps long; %d now) gives %.3g.%s", where, step + 1, now, step, before[1], length, then, keep)
 
 
 MAX_LISTED = 12  # changed settings named in the resume's line
