@@ -42,14 +42,16 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
     latest = ckpt.latest_step() if ckpt else None
     model_keys = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(ModelConfig)}
     if latest is not None:
-        with mismatch_explained(str(ckpt.step_path(latest)), model_keys):
-            restored = ckpt.restore(latest, abstract_state(trainer))
-        if restored.data:
-            data.set_state(restored.data)
-        log.info("resuming from step %d: %s", latest, ckpt.step_path(latest))
-        if restored.config:
-            log_changes_since_save(restored.config, config, trainer.schedule, latest, str(ckpt.step_path(latest)))
-        return restored.state
+        folder = str(ckpt.step_path(latest))
+        with mismatch_explained(folder, model_keys):
+            state, data_state = ckpt.restore(latest, abstract_state(trainer))
+        if data_state:
+            data.set_state(data_state)
+        log.info("resuming from step %d: %s", latest, folder)
+        saved = saved_config(folder)
+        if saved:
+            log_changes_since_save(saved, config, trainer.schedule, latest, folder)
+        return state
     if cfg.load_full_state_path:
         with mismatch_explained(cfg.load_full_state_path, model_keys):
             state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",

@@ -8,7 +8,7 @@ import logging
 import os
 import re
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
@@ -175,8 +175,8 @@ class Checkpointer:
                else "No complete checkpoint was saved; ")
             + "free some space (or fix the folder's permissions) and run the same command again to resume")
 
-    def restore(self, step: int, abstract_state) -> Restored:
-        """`step`'s state (placed with the shardings in `abstract_state`), data position and config."""
+    def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
+        """(state, data_state) of `step`, placed with the shardings in `abstract_state`."""
         path = self.step_path(step)
         use_tidy_event_loops()
         self.check_complete(step)
@@ -188,16 +188,13 @@ class Checkpointer:
             raise read_error(e, str(self._damaged(step, "cannot be read"))) from None
         target, finish = restacked(getattr(saved, "tree", saved), abstract_state)
         raise_on_mismatch(path, getattr(saved, "tree", saved), target)
-        items = dict(state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore())
-        if (path / "config").is_dir():
-            items["config"] = ocp.args.JsonRestore()
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**items))
+            restored = self.manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
         except Exception as e:  # noqa: BLE001
             raise read_error(e, str(self._damaged(step, "could not be restored: files may be missing or corrupt"))
                              ) from None
-        return Restored(finish(restored["state"]), dict(restored["data"] or {}),
-                        dict(restored["config"] or {}) if "config" in items else {})
+        return finish(restored["state"]), dict(restored["data"] or {})
 
     def check_complete(self, step: int) -> None:
         """CheckpointError unless step's folder holds a saved state (an empty or half-copied folder
@@ -218,15 +215,6 @@ class Checkpointer:
         earlier = [s for s in self.manager.all_steps() if s < step]
         then = f"to resume from step {max(earlier)}" if earlier else "to start this run from step 0"
         return CheckpointError(f"checkpoint {path} {what}. Move it away (e.g. mv {path} {path}.damaged) {then}")
-
-
-class Restored(NamedTuple):
-    """A checkpoint read back: the train state, the input pipeline's position and the flat config
-    the run that saved it had (empty for a step saved without one)."""
-
-    state: Any
-    data: dict
-    config: dict
 
 
 def _mib(nbytes: int) -> str:
