@@ -119,3 +119,20 @@ def test_a_run_with_a_gs_base_writes_its_metrics_to_the_bucket(bucket, tmp_path,
     assert losses == [json.loads(line)["loss"] for line in (local / "metrics.jsonl").read_text().splitlines()]
     assert (local / "report.json").is_file() and not (tmp_path / "gs:").exists()
     assert "base_output_directory is a URL" in caplog.text
+
+
+def test_closing_on_a_full_disk_warns_instead_of_raising(tmp_path, caplog):
+    """A run stopped by a full disk (the save failed) closes its writers on the way out: TensorBoard's
+    flush failed there too, and its OSError replaced the save's message with a traceback (exit 1, not 6)."""
+    import errno
+
+    class FullDisk:
+        def close(self):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    writer = metrics.MetricsWriter(tmp_path / "metrics.jsonl", None, log_period=1000)
+    writer._tb = FullDisk()
+    with caplog.at_level("WARNING"):
+        writer.close()
+    assert ("the TensorBoard files could not be flushed (No space left on device); the records of the last steps may "
+            "be missing from it") in caplog.text

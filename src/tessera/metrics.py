@@ -155,11 +155,18 @@ class MetricsWriter:
         self._pending = []
 
     def close(self) -> None:
+        """Flush and close the files. A file that cannot be written any more (a full disk) gets a
+        warning instead of an exception: close runs as a run ends, often while a save's error (the
+        same full disk) is on its way out, which an exception here would replace with a traceback."""
         self._upload()
-        if self._jsonl is not None:
-            self._jsonl.close()
-        if self._tb is not None:
-            self._tb.close()
+        for what, f in (("metrics.jsonl", self._jsonl), ("the TensorBoard files", self._tb)):
+            if f is None:
+                continue
+            try:
+                f.close()
+            except OSError as e:
+                log.warning("%s could not be flushed (%s); the records of the last steps may be missing from it",
+                            what, e.strerror or e)
 
 
 def format_eval(r: dict[str, Any]) -> str:
