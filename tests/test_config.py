@@ -369,12 +369,16 @@ def test_integer_keys_are_exact_and_within_range(arg, message):
 
 def test_integer_keys_never_go_through_float(tmp_path):
     big = 2**63 - 1  # float(big) is 2**63, out of range; exact parsing keeps it
-    # (the negative extreme on init_weights_seed: data_shuffle_seed must be >= 0, numpy's seeds are)
-    cfg = load_config([BASE, f"init_weights_seed={-2**63}", f"data_shuffle_seed={big}", "steps=2147483647",
+    for seed in (big, -2**63):
+        assert load_config([BASE, f"init_weights_seed={seed}"], env={}).run.init_weights_seed == seed
+    # data_shuffle_seed takes 0..2**32-1, the seeds grain's shuffle takes (past it grain raised mid-start)
+    cfg = load_config([BASE, f"data_shuffle_seed={2**32 - 1}", "steps=2147483647",
                        "checkpoint_period=1e3", "log_period=+7"], env={})
-    assert (cfg.run.init_weights_seed, cfg.data.data_shuffle_seed) == (-2**63, big)
+    assert cfg.data.data_shuffle_seed == 2**32 - 1
+    assert _config_error([BASE, f"data_shuffle_seed={2**32}"]).startswith(
+        "data_shuffle_seed='4294967296' is too large; it must be <= 4294967295")
     assert (cfg.run.steps, cfg.checkpoint.checkpoint_period, cfg.run.log_period) == (2147483647, 1000, 7)
-    assert all(type(v) is int for v in (cfg.run.init_weights_seed, cfg.run.steps, cfg.checkpoint.checkpoint_period))
+    assert all(type(v) is int for v in (cfg.data.data_shuffle_seed, cfg.run.steps, cfg.checkpoint.checkpoint_period))
     path = tmp_path / "big.yml"  # a YAML integer from a file, too
     path.write_text("steps: 99999999999999999999999\n")
     assert _config_error([str(path)]).startswith("steps=99999999999999999999999 is out of range")

@@ -313,6 +313,8 @@ def test_sampling_is_reproducible_and_stays_in_the_top_k(llama):
     a, logits = generate(model, params, PROMPTS, NEW_TOKENS, temperature=1.0, top_k=3, seed=7, return_logits=True)
     assert generate(model, params, PROMPTS, NEW_TOKENS, temperature=1.0, top_k=3, seed=7) == a
     assert generate(model, params, PROMPTS, NEW_TOKENS, temperature=1.0, top_k=3, seed=8) != a
+    # seeds that differ only above their low 32 bits draw differently (they drew the same tokens)
+    assert generate(model, params, PROMPTS, NEW_TOKENS, temperature=1.0, top_k=3, seed=7 + 2**32) != a
     for row_tokens, row_logits in zip(a, logits):
         for token, step_logits in zip(row_tokens, row_logits):
             assert token in np.argsort(-step_logits)[:3]
@@ -520,11 +522,24 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
     for top_p in ("0", "1.5", "-0.1", "nan"):  # refused by the flag parser: usage, the error, exit code 2
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", "--temperature", "1", "--top_p", top_p])
-        assert exit_.value.code == 2 and "--top_p in (0, 1]" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: --top_p {float(top_p)} must be in (0, 1]" in err, err
     for temperature in ("nan", "inf", "-1"):  # nan sampled token 0 every time, without a word
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", "--temperature", temperature])
-        assert exit_.value.code == 2 and "--temperature a finite number >= 0" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"error: --temperature {float(temperature)} must be a finite number" in err
+    # each wrong flag is named with its value, and only the wrong ones (the message named all four before)
+    with pytest.raises(SystemExit) as exit_:
+        main([*args, "--tokens", "1,2", "--top_k", "-1", "--max_new_tokens", "0"])
+    err = capsys.readouterr().err.splitlines()[-1]
+    assert exit_.value.code == 2 and err.endswith(
+        "error: --max_new_tokens 0 must be at least 1; --top_k -1 must be >= 0 (0: all tokens)"), err
+    for seed in (str(2**63), str(-2**63 - 1)):  # a seed past 64 bits ended in an OverflowError traceback
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--tokens", "1,2", "--temperature", "1", "--seed", seed])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"--seed {seed} must be a whole number from {-2**63} to {2**63 - 1}" in err
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--tokens", "1,2", "--eos_id", "-2"])
     assert exit_.value.code == 2 and "--eos_id -2 is not a token id" in capsys.readouterr().err

@@ -786,3 +786,27 @@ def test_the_advice_after_a_non_finite_step_points_the_right_way():
                                            gradient_clipping_threshold=1.0, adam_weight_decay=0.1))
     assert advice == ("Lower learning_rate (now 0.0003), raise warmup_steps_fraction (now 0.05) or lower "
                       "gradient_clipping_threshold (now 1), or set on_nonfinite_loss=skip_step")
+
+
+def test_seeds_keep_all_64_bits_and_the_32_bit_ones_their_old_keys():
+    """jax.random.key keeps only a seed's low 32 bits without 64-bit mode: init_weights_seed=2**32
+    started from the weights of 0, and -1 from those of 2**32-1. prng_key tells them apart and gives
+    the seeds 0..2**32-1 the keys they had (so those runs are unchanged)."""
+    from tessera.seeds import prng_key
+    from tessera.step import create_state
+
+    for seed in (0, 1, 7, 2**31, 2**32 - 1):
+        np.testing.assert_array_equal(jax.random.key_data(prng_key(seed)), jax.random.key_data(jax.random.key(seed)))
+    seeds = (0, 2**32, -1, 2**32 - 1, 2**63 - 1, -2**63, 5, 5 + 2**40)
+    data = {tuple(np.asarray(jax.random.key_data(prng_key(s)))) for s in seeds}
+    assert len(data) == len(seeds)
+    trainer = setup(tiny_config(), jax.devices()[:1])
+    table = lambda seed: np.asarray(create_state(trainer, seed)["params"]["token_embedder"]["table_vd"])  # noqa: E731
+    assert not np.array_equal(table(0), table(2**32))
+
+
+def test_the_largest_seed_trains_with_dropout(tmp_path):
+    """The dropout key is drawn from init_weights_seed + 1, which overflowed for 2**63-1
+    (OverflowError in the step's tracing); it now wraps around, as a 64-bit seed does."""
+    report = run(tiny_config(tmp_path, init_weights_seed=2**63 - 1, dropout_rate=0.1, steps=2), jax.devices()[:1])
+    assert report["steps"] == 2 and np.isfinite(report["final_loss"])

@@ -42,6 +42,7 @@ from tessera.generation import (  # noqa: F401 - the library half, re-exported: 
     batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes, prefill_program,
     prompt_width, sample,
 )
+from tessera.seeds import SEED_RANGE
 from tessera.tools.cli import UsageError, config_epilog, resolve_config_file, sigterm_raises
 
 if TYPE_CHECKING:
@@ -83,10 +84,16 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     unknown = [a for a in rest if a.startswith("--")]
     if unknown:
         parser.error(f"unknown flag {unknown[0]}; config keys are given as key=value")
-    if flags.max_new_tokens < 1 or not 0 <= flags.temperature < math.inf or flags.top_k < 0 \
-            or not 0 < flags.top_p <= 1:  # (written so that nan fails each: every comparison with nan is false)
-        parser.error("--max_new_tokens must be >= 1, --temperature a finite number >= 0, --top_k >= 0 and --top_p "
-                     "in (0, 1]")
+    # each written so that nan fails it: every comparison with nan is false
+    wrong = [f"--{name} {getattr(flags, name)} {rule}" for name, ok, rule in (
+        ("max_new_tokens", flags.max_new_tokens >= 1, "must be at least 1"),
+        ("temperature", 0 <= flags.temperature < math.inf, "must be a finite number >= 0 (0: greedy)"),
+        ("top_k", flags.top_k >= 0, "must be >= 0 (0: all tokens)"),
+        ("top_p", 0 < flags.top_p <= 1, "must be in (0, 1] (1: all tokens)"),
+        ("seed", -SEED_RANGE <= flags.seed < SEED_RANGE, f"must be a whole number from {-SEED_RANGE} to {SEED_RANGE - 1}"),
+    ) if not ok]
+    if wrong:
+        parser.error("; ".join(wrong))
     if flags.eos_id is not None and flags.eos_id < 0:
         parser.error(f"--eos_id {flags.eos_id} is not a token id (ids are >= 0); leave it out to stop at the "
                      "tokenizer's end-of-sequence token")

@@ -179,6 +179,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
 
     from tessera.models import BLOCKS
     from tessera.models.kv_cache import KVCache
+    from tessera.seeds import prng_key
 
     if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
         raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
@@ -195,7 +196,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     tokens_bt, positions_bt, segment_ids_bt = left_padded(prompts + [[0]] * filler, width)
     lengths = np.concatenate([lengths, np.ones(filler, np.int32)])
     cache = KVCache.as_empty(empty_cache(model, rows, length))  # the first call's tokens see only each other
-    key = jax.random.key(seed)
+    key = prng_key(seed)
     global_ = functools.partial(_as_input, sharding=_inputs_sharding())
     new_tokens, new_logits = [], []
     done = np.arange(rows) >= len(prompts)  # the filler rows count as done from the start

@@ -32,6 +32,7 @@ from tessera.models.moe import PER_LAYER_LOAD, describe_routing, update_routed_b
 from tessera.models.mtp import chain_weights, shift_left
 from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer
+from tessera.seeds import prng_key
 
 log = logging.getLogger("tessera")
 
@@ -132,7 +133,7 @@ def init_program(trainer: Trainer, seed: int):
         return init_state_from_params(trainer.optimizer, trainer.model.init(key))
 
     with jax.set_mesh(trainer.mesh):
-        return jax.jit(init, out_shardings=trainer.state_shardings).lower(jax.random.key(seed)).compile()
+        return jax.jit(init, out_shardings=trainer.state_shardings).lower(prng_key(seed)).compile()
 
 
 def create_state(trainer: Trainer, seed: int, program=None) -> dict:
@@ -140,7 +141,7 @@ def create_state(trainer: Trainer, seed: int, program=None) -> dict:
     `program` when given (`init_program` of the same trainer and seed)."""
     program = program or init_program(trainer, seed)
     with jax.set_mesh(trainer.mesh):
-        return program(jax.random.key(seed))
+        return program(prng_key(seed))
 
 
 def _check_remat(m, mesh: Mesh) -> None:
@@ -316,7 +317,7 @@ def make_train_step(trainer: Trainer, seed: int):
 
     def train_step(state, batch):  # its programs are named jit_train_step (dump_hlo_module_name)
         params = state["params"]
-        key = jax.random.fold_in(jax.random.key(seed + 1), state["step"]) if use_dropout else None
+        key = jax.random.fold_in(prng_key(seed + 1), state["step"]) if use_dropout else None
         micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
 
         def accumulate(carry, i):

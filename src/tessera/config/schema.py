@@ -96,7 +96,7 @@ class RunConfig:
     enable_tensorboard: bool = key(True, "write TensorBoard event files under base_output_directory/run_name/tensorboard")
     gcs_metrics: bool = key(False, "with a gs:// base_output_directory: also write the metrics there, as "
                             "run_name/metrics/metrics_<first>_<last>.jsonl files (the local copy stays)")
-    init_weights_seed: int = key(0, "PRNG seed for parameter initialization and dropout")
+    init_weights_seed: int = key(0, "PRNG seed for parameter initialization and dropout (all 64 bits count)")
     jax_cache_dir: str = key("", "JAX's persistent compilation cache (local folder or gs://): a later run of the "
                              "same step loads it instead of compiling again (empty: off, unless "
                              "JAX_COMPILATION_CACHE_DIR is set)", path="path")
@@ -412,7 +412,8 @@ class DataConfig:
     per_device_batch_size: float = key(8.0, "sequences per device per step (global batch = this x device count)", minimum=0.0)
     max_target_length: int = key(128, "tokens per training sequence T", minimum=2)
     reuse_example_batch: bool = key(False, "feed the first batch at every step (for speed tests)")
-    data_shuffle_seed: int = key(0, "seed of the synthetic token stream and of the grain/tfds record order", minimum=0)
+    data_shuffle_seed: int = key(0, "seed of the synthetic token stream and of the grain/tfds record order "
+                                 "(grain's shuffle takes 32 bits)", minimum=0, maximum=2**32 - 1)
     hf_path: str = key("", "dataset_type=hf: a file format (parquet, json, arrow, text, csv), a local dataset "
                        "directory, or a Hugging Face Hub dataset name (taken as local, and resolved, when it exists "
                        "or starts with /, ./, ../ or ~)", path="local_or_name")
