@@ -362,6 +362,17 @@ def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
     ("base_num_decoder_layers=1000000000", "base_num_decoder_layers='1000000000' is too large; it must be <= 65536"),
     ("num_slices=-2", "num_slices='-2' is too small; it must be >= -1"),
     ("num_slices=0", "num_slices=0: give the number of slices (1 or more), or -1 to detect it from the devices"),
+    # a run's checkpoints and files went to the folder above base_output_directory (the repository root for
+    # the default outputs), into the base itself, or past it
+    ("run_name=..", "run_name='..' has a '.' or '..' part, which would put the run's checkpoints and files outside"),
+    ("run_name=../x", "run_name='../x' has a '.' or '..' part"),
+    ("run_name=.", "run_name='.' has a '.' or '..' part"),
+    ("run_name=a/./b", "run_name='a/./b' has a '.' or '..' part"),
+    ("run_name=/tmp/x", "run_name='/tmp/x' is a path, not a name (its folder is base_output_directory/run_name): "
+                        "put the folder above it in base_output_directory and its last part in run_name"),
+    ("run_name=gs://b/x", "run_name='gs://b/x' is a path, not a name"),
+    ("run_name= ", "run_name=' ' starts or ends with white space"),
+    ("run_name=demo ", "run_name='demo ' starts or ends with white space"),
 ])
 def test_integer_keys_are_exact_and_within_range(arg, message):
     assert _config_error([BASE, arg]).startswith(message)
@@ -566,3 +577,8 @@ def test_an_environment_variable_that_is_a_near_miss_of_a_key_is_warned_about(ca
     assert [r.getMessage() for r in caplog.records] == [
         "environment variable M_STEPS_ is not a config key and is ignored; did you mean M_STEPS?",
         "environment variable M_STPES is not a config key and is ignored; did you mean M_STEPS?"]
+
+
+def test_a_run_name_may_hold_sub_folders():
+    cfg = load_config([BASE, "run_name=sweep1/lr_3e-4", "base_output_directory=gs://bucket/runs"], env={})
+    assert cfg.run.run_name == "sweep1/lr_3e-4"

@@ -84,9 +84,28 @@ def validate(cfg: Config) -> None:
     if not 0.0 < fraction <= 1.0:
         raise ConfigError(f"compile_hbm_budget_fraction={fraction:g} must be in (0, 1]: the share of a chip's HBM the "
                           "compiled step may use, e.g. 0.95")
+    _validate_run_name(cfg.run.run_name)
     _validate_eval(cfg.data)
     _validate_vocab_tiling(cfg)
     _validate_mtp(cfg)
+
+
+def _validate_run_name(name: str) -> None:
+    """The run's folder is base_output_directory/run_name, and the run writes its checkpoints,
+    config.yml, metrics and report there: `run_name=..` spread them over the folder above the base
+    (the repository root, for the default `outputs`), `.` over the base itself, among the other
+    runs' folders, and an absolute path left the base aside. Sub-folders (`sweep1/lr_3e-4`) are fine."""
+    where = "its folder is base_output_directory/run_name"
+    if name != name.strip():
+        raise ConfigError(f"run_name={name!r} starts or ends with white space ({where}); quote the name on the "
+                          "command line without the spaces, e.g. run_name=my_run")
+    if name.startswith(("/", "\\")) or "://" in name:
+        raise ConfigError(f"run_name={name!r} is a path, not a name ({where}): put the folder above it in "
+                          "base_output_directory and its last part in run_name")
+    if any(part in (".", "..") for part in name.replace("\\", "/").split("/")):
+        raise ConfigError(f"run_name={name!r} has a '.' or '..' part, which would put the run's checkpoints and "
+                          f"files outside a folder of its own ({where}); use a plain name, e.g. run_name=my_run "
+                          "(sub-folders such as sweep1/lr_3e-4 are fine)")
 
 
 def _validate_mtp(cfg: Config) -> None:
