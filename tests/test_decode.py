@@ -502,6 +502,8 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
     assert main([*args, "--prompt", "the cat sat", "--max_new_tokens", "3"]) == 0
     assert capsys.readouterr().out.startswith("the cat sat")
 
+    cache_file = tmp_path / "not_a_folder"
+    cache_file.write_text("")
     errors = {
         "no tokenizer": ([*CONFIG_ARGS, f"load_parameters_path={path}", "--prompt", "the cat"],
                          "config error: reading text needs tokenizer_path"),
@@ -512,6 +514,8 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         "no checkpoint": ([*CONFIG_ARGS, "--tokens", "1,2"], "decoding needs load_parameters_path="),
         "bad token": ([*args, "--tokens", "1,96"], "token ids outside [0, vocab_size=96)"),
         "negative token": ([*args, "--tokens", "-1,2"], "prompt 1 has token ids outside [0, vocab_size=96): [-1, 2]"),
+        "cache folder is a file": ([*args, f"jax_cache_dir={cache_file}", "--tokens", "1,2"],
+                                   f"jax_cache_dir={cache_file} cannot be written: {cache_file} is a file, not a folder"),
         "eos past the vocabulary": ([*args, "--tokens", "1,2", "--max_new_tokens", "3", "--eos_id", "96"],
                                     "--eos_id 96 is outside the model's vocabulary [0, vocab_size=96)"),
     }

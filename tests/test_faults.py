@@ -89,8 +89,8 @@ def test_output_folder_under_a_file_is_refused_before_compiling(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (f"config error: the checkpoint folder {tmp_path}/out2/sub/checkpoints (from base_output_directory) cannot "
-            "be written: Not a directory; choose another base_output_directory or fix the folder's permissions"
-            ) in proc.stderr
+            f"be written: {tmp_path}/out2/sub/checkpoints is a file, not a folder; choose another "
+            "base_output_directory or fix the folder's permissions") in proc.stderr
     (tmp_path / "out2" / "sub" / "checkpoints").unlink()
     (tmp_path / "out2" / "sub").rmdir()
     (tmp_path / "out2").rmdir()
@@ -99,6 +99,13 @@ def test_output_folder_under_a_file_is_refused_before_compiling(tmp_path):
     assert proc.returncode == 2 and not (tmp_path / "out").exists(), proc.stderr[-3000:]
     _no_echoes(proc.stderr)
     assert f"config error: metrics_file={tmp_path} is a folder; give the path of a file" in proc.stderr
+    # a compilation cache that cannot be written: JAX only warned, once, and every start compiled again
+    proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/out", "steps=1",
+                           f"jax_cache_dir={tmp_path}/file"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists(), proc.stderr[-3000:]
+    _no_echoes(proc.stderr)
+    assert (f"config error: jax_cache_dir={tmp_path}/file cannot be written: {tmp_path}/file is a file, not a "
+            "folder; choose another jax_cache_dir") in proc.stderr
     ckpt_dir = tmp_path / "ok" / "ckpts"  # a probe that succeeds leaves nothing either (no run folder yet)
     proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/ok", f"checkpoint_dir={ckpt_dir}",
                            "load_parameters_path=/nowhere"], capture_output=True, text=True, timeout=300)

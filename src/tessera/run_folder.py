@@ -44,6 +44,14 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
             raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a folder; give the path of a file, e.g. "
                               f"{Path(cfg.run.metrics_file) / 'metrics.jsonl'}")
         check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file")
+    check_cache_folder(cfg)
+
+
+def check_cache_folder(cfg: Config) -> None:
+    """ConfigError for a `jax_cache_dir` that cannot be written: JAX itself only warns, once, and
+    compiles every program again at each start (minutes on a TPU host, where the cache matters)."""
+    if cfg.run.jax_cache_dir:
+        check_writable(cfg.run.jax_cache_dir, "jax_cache_dir")
 
 
 LOCK_FILE = ".tessera.lock"

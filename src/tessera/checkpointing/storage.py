@@ -178,7 +178,7 @@ def check_writable(path: str, key: str, folder_name: str | None = None) -> None:
             created.append(p)
         probe.write_text("")
     except OSError as e:
-        blocker = next((p for p in folder.parents if p.exists() and not p.is_dir()), None)
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
         why = f"{blocker} is a file, not a folder" if blocker else f"{e.strerror or e}"
         raise ConfigError(f"{subject} cannot be written: {why}; choose another {key} or fix the folder's "
                           f"permissions (free space there: {free_space(folder)})") from None
