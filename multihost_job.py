@@ -17,6 +17,7 @@ Steps, all through `gcloud`:
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 import tempfile
@@ -28,6 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works withou
 from tessera.tpu_vm import GcloudError, describe_slice, gcloud, pack_code, scope_flags  # noqa: E402
 
 FAILED_STATES = {"FAILED", "SUSPENDED", "SUSPENDING"}
+# Google Cloud's resource names (RFC 1035 labels): the queued resource and its slices are named after --RUN_NAME,
+# which the start-up script also uses, unquoted, as a folder name
+RESOURCE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 STARTUP_SCRIPT = """#!/bin/bash
 # Start-up script of Tessera job {run}: runs on every worker of every slice at boot.
@@ -65,6 +69,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--NUM_SLICES={args.NUM_SLICES} must be at least 1")
     if args.BUCKET_NAME.startswith("gs://"):
         p.error(f"--BUCKET_NAME={args.BUCKET_NAME}: give the bucket name without gs://")
+    longest = args.RUN_NAME if args.NUM_SLICES == 1 else f"{args.RUN_NAME}-{args.NUM_SLICES - 1}"  # node_names' last
+    if not RESOURCE_NAME.fullmatch(args.RUN_NAME) or len(longest) > 63:
+        p.error(f"--RUN_NAME={args.RUN_NAME!r} names the queued resource and its slices (up to {longest!r}), and "
+                "Google Cloud takes such names only as lowercase letters, digits and hyphens, starting with a letter, "
+                "not ending with a hyphen, at most 63 characters; e.g. --RUN_NAME=r1")
+    if not args.POLL_SECONDS > 0 or args.TIMEOUT_MINUTES < 0:
+        p.error(f"--POLL_SECONDS={args.POLL_SECONDS:g} must be above 0 and --TIMEOUT_MINUTES={args.TIMEOUT_MINUTES:g} "
+                "at least 0 (0: no time limit)")
     return args
 
 

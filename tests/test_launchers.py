@@ -155,3 +155,27 @@ def test_job_failed_queued_resource_is_deleted(fake, code_dir, tmp_path):
     assert calls(fake)[-1][4] == "delete"
     bad = run("multihost_job.py", *JOB_ARGS[:3], "--BUCKET_NAME=gs://bkt", "--COMMAND=true", cwd=tmp_path)
     assert bad.returncode == 2 and "without gs://" in bad.stderr
+
+
+@pytest.mark.parametrize("name", ["My_Run", "1run", "run-", "r 1", "r1;rm", "a" * 62])
+def test_job_refuses_a_run_name_google_cloud_would_refuse_before_uploading(fake, code_dir, tmp_path, name):
+    """--RUN_NAME names the queued resource and its slices (and, unquoted, the workers' folder): gcloud refused
+    such a name only after the code was packed and uploaded; with two slices the last is <name>-1."""
+    args = [a for a in JOB_ARGS if not a.startswith("--RUN_NAME")]
+    proc = run("multihost_job.py", "--NUM_SLICES=2", *args, f"--RUN_NAME={name}", "--COMMAND=true",
+               f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 2 and f"--RUN_NAME={name!r} names the queued resource and its slices" in proc.stderr
+    assert not (fake / "calls.jsonl").exists()  # nothing uploaded, nothing created
+    ok = run("multihost_job.py", "--NUM_SLICES=2", *args, f"--RUN_NAME={'a' * 61}", "--COMMAND=true",
+             f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.parametrize("name", ["..", ".", "a/b", " r1"])
+def test_runner_refuses_a_run_name_that_is_not_one_folder_name(fake, code_dir, tmp_path, name):
+    """The code is unpacked into ~/<RUN_NAME> on every worker: --RUN_NAME=.. unpacked it into /home."""
+    add_nodes(fake, ["solo"], workers=1)
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=true", f"--SCRIPT_DIR={code_dir}",
+               f"--RUN_NAME={name}", cwd=tmp_path)
+    assert proc.returncode == 2 and f"--RUN_NAME={name!r} must be one folder name" in proc.stderr
+    assert not (fake / "calls.jsonl").exists()
