@@ -56,9 +56,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--INTERNAL_IP/--USE_EXISTING_FOLDER: {e}")
     if args.USE_EXISTING_FOLDER and not args.RUN_NAME:
         p.error("--USE_EXISTING_FOLDER=true needs --RUN_NAME: the folder ~/<RUN_NAME> to run in")
-    if args.RUN_NAME and (args.RUN_NAME in (".", "..") or "/" in args.RUN_NAME or args.RUN_NAME != args.RUN_NAME.strip()):
-        p.error(f"--RUN_NAME={args.RUN_NAME!r} must be one folder name (the code goes to ~/<RUN_NAME> on every worker "
-                "and the logs to <LOG_DIR>/<RUN_NAME>): no '/', not '.' or '..', no spaces around it; e.g. --RUN_NAME=r1")
+    name = args.RUN_NAME
+    if name and (name in (".", "..") or "/" in name or name != name.strip()):
+        p.error(f"--RUN_NAME={name!r} must be one folder name (the code goes to ~/<RUN_NAME> on every worker and "
+                "the logs to <LOG_DIR>/<RUN_NAME>): no '/', not '.' or '..', no spaces around it; e.g. --RUN_NAME=r1")
     args.RUN_NAME = args.RUN_NAME or f"{getpass.getuser()}-{time.strftime('%Y-%m-%d-%H-%M-%S')}"
     return args
 

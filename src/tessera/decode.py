@@ -90,7 +90,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         ("temperature", 0 <= flags.temperature < math.inf, "must be a finite number >= 0 (0: greedy)"),
         ("top_k", flags.top_k >= 0, "must be >= 0 (0: all tokens)"),
         ("top_p", 0 < flags.top_p <= 1, "must be in (0, 1] (1: all tokens)"),
-        ("seed", -SEED_RANGE <= flags.seed < SEED_RANGE, f"must be a whole number from {-SEED_RANGE} to {SEED_RANGE - 1}"),
+        ("seed", -SEED_RANGE <= flags.seed < SEED_RANGE,
+         f"must be a whole number from {-SEED_RANGE} to {SEED_RANGE - 1}"),
     ) if not ok]
     if wrong:
         parser.error("; ".join(wrong))
