@@ -361,6 +361,8 @@ def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
     ("qk_rope_head_dim=1000000000", "qk_rope_head_dim='1000000000' is too large; it must be <= 65536"),
     ("base_num_decoder_layers=1000000000", "base_num_decoder_layers='1000000000' is too large; it must be <= 65536"),
     ("num_slices=-2", "num_slices='-2' is too small; it must be >= -1"),
+    # libtpu aborted with a core dump at 512 slices, and hung at 100000
+    ("compile_topology_num_slices=512", "compile_topology_num_slices='512' is too large; it must be <= 511"),
     ("num_slices=0", "num_slices=0: give the number of slices (1 or more), or -1 to detect it from the devices"),
     # a run's checkpoints and files went to the folder above base_output_directory (the repository root for
     # the default outputs), into the base itself, or past it

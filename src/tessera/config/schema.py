@@ -501,7 +501,8 @@ class CompileConfig:
     """Ahead-of-time compilation of the train step for a TPU topology on any host (train_compile)."""
 
     compile_topology: str = key("", "TPU slice to AOT-compile for, e.g. v5p-256, v5e-256, v6e-256, v4-128 ('': none)")
-    compile_topology_num_slices: int = key(1, "number of such slices joined over DCN (data center network)", minimum=1)
+    compile_topology_num_slices: int = key(1, "number of such slices joined over DCN (data center network); at most "
+                                           "511, libtpu's limit (it aborts at 512)", minimum=1, maximum=511)
     compile_hbm_budget_fraction: float = key(
         0.95, "share of a chip's HBM the compiled step may use; the rest is left to the TPU runtime", minimum=0.0
     )
