@@ -461,6 +461,7 @@ def test_max_num_checkpoints_to_keep_is_minus_1_or_positive(value, ok):
 @pytest.mark.parametrize("key, value, ok", [
     ("adam_b1", "0.99", True), ("adam_b1", "1", False), ("adam_b2", "0.999", True), ("adam_b2", "1.5", False),
     ("warmup_steps_fraction", "1", True), ("warmup_steps_fraction", "1.5", False),
+    ("muon_beta", "0.99", True), ("muon_beta", "1", False),
 ])
 def test_adam_betas_below_1_and_warmup_fraction_at_most_1(key, value, ok):
     """Each value refused here trained into NaN or a traceback before it was checked."""
@@ -470,6 +471,8 @@ def test_adam_betas_below_1_and_warmup_fraction_at_most_1(key, value, ok):
     message = _config_error([BASE, f"{key}={value}"])
     if key == "warmup_steps_fraction":
         assert message == f"{key}='{value}' is too large; it must be <= 1.0 (from the command line)"
+    elif key == "muon_beta":
+        assert message.startswith("muon_beta=1 must be below 1: it is Muon's momentum decay (1 would never update it)")
     else:
         assert message.startswith(f"{key}={float(value):g} must be below 1: it is AdamW's decay of a moment average")
 

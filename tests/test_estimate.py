@@ -113,9 +113,14 @@ def test_a_sequence_split_is_charged_for_the_keys_and_values_it_gathers(capsys):
          num_experts=4, num_experts_per_tok=2, sparse_matmul=True),
     # the sequence axis splits the weights' embed dimension as fsdp does
     dict(ici_fsdp_parallelism=2, ici_sequence_parallelism=2, ici_tensor_parallelism=2),
-], ids=["fsdp x tensor", "fsdp x expert x tensor", "fsdp x sequence x tensor"])
+    # Muon keeps one momentum, and AdamW's two moments for the embeddings, output layer and norms; SGD none
+    dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2, opt_type="muon"),
+    dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2, ici_tensor_parallelism=2, decoder_block="mixtral",
+         num_experts=4, num_experts_per_tok=2, sparse_matmul=True, opt_type="muon"),
+    dict(ici_fsdp_parallelism=4, ici_tensor_parallelism=2, opt_type="sgd"),
+], ids=["fsdp x tensor", "fsdp x expert x tensor", "fsdp x sequence x tensor", "muon", "muon, experts", "sgd"])
 def test_state_memory_equals_what_the_compiler_allocates(keys):
-    """Parameters + AdamW state per device, estimated, vs the compiled step's inputs on 8 CPU devices."""
+    """Parameters + optimizer state per device, estimated, vs the compiled step's inputs on 8 CPU devices."""
     from tessera.step import compile_step, setup
 
     cfg = tiny_config(per_device_batch_size=2, base_emb_dim=32, base_mlp_dim=48, vocab_size=128, **keys)

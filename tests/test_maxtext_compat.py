@@ -56,7 +56,8 @@ def test_hardware_is_accepted_and_checked():
 def test_missing_feature_is_refused_with_a_reason_unless_off():
     load_config([BASE, "quant_cfg_path=", "replicate_quant_scale=false", "opt_type=adamw"], env={})
     with pytest.raises(ConfigError) as e:
-        load_config([BASE, "quant_cfg_path=layers.yml", "ici_autoregressive_parallelism=2"], env={"M_OPT_TYPE": "sgd"})
+        load_config([BASE, "quant_cfg_path=layers.yml", "ici_autoregressive_parallelism=2"],
+                    env={"M_ADAM_EPS_ROOT": "1e-6"})
     msg = str(e.value)
     assert msg.startswith("3 problems in the config:") and "unknown" not in msg
     assert ("quant_cfg_path='layers.yml' is a MaxText key Tessera does not implement: file of per-layer "
@@ -65,7 +66,18 @@ def test_missing_feature_is_refused_with_a_reason_unless_off():
     cfg = load_config([BASE, "quantization=int8", "quantize_kvcache=true", "kv_quant_axis=dkv"], env={})
     assert (cfg.model.quantization, cfg.model.quantize_kvcache, cfg.model.kv_quant_axis) == ("int8", True, "dkv")
     assert "use ici_tensor_parallelism (from the command line)" in msg
-    assert "AdamW only" in msg and "(from the environment variable M_OPT_TYPE)" in msg
+    assert "Tessera's AdamW uses adam_eps only" in msg and "(from the environment variable M_ADAM_EPS_ROOT)" in msg
+
+
+def test_maxtexts_optimizer_keys_choose_the_optimizer():
+    """opt_type and the muon keys mean what they mean in MaxText (muon_consistent_rms: None, its default,
+    is the width scaling, 0 here); adam_pax is not implemented and the error lists what is."""
+    cfg = load_config([BASE, "opt_type=muon", "muon_beta=0.9", "muon_weight_decay=0.1", "muon_consistent_rms=None"],
+                      env={}).optim
+    assert (cfg.opt_type, cfg.muon_beta, cfg.muon_weight_decay, cfg.muon_consistent_rms) == ("muon", 0.9, 0.1, 0.0)
+    assert load_config([BASE, "muon_consistent_rms=0.2"], env={}).optim.muon_consistent_rms == 0.2
+    with pytest.raises(ConfigError, match="opt_type='adam_pax' is not allowed; choose one of: 'adamw', 'sgd', 'muon'"):
+        load_config([BASE, "opt_type=adam_pax"], env={})
 
 
 def test_custom_remat_takes_maxtexts_per_tensor_keys():

@@ -1,4 +1,14 @@
-"""Optimizer: AdamW with linear warm-up and cosine decay, global-norm clipping.
+"""Optimizer (`opt_type`: AdamW, SGD or Muon) with linear warm-up and cosine decay, global-norm
+clipping.
+
+Muon (optax.contrib's `scale_by_muon`) updates the blocks' weight matrices with their momentum
+orthogonalized by Newton-Schulz iterations; the embeddings, the output layer, norms, biases and
+other vectors stay with AdamW (the same AdamW as `opt_type=adamw`, with its weight-decay mask), as
+Muon's authors and MaxText do. Which axes of a weight form the matrix is read from its logical
+axes (`muon_dimension_numbers`): stacked layers and experts are batches of matrices, each
+orthogonalized on its own; a projection into the residual stream (embed last) takes every other
+axis as its input, a projection out of it (embed first) every other axis as its output, so the
+attention projections are whole [embed, heads x head_dim] matrices.
 
 Gradient accumulation (`gradient_accumulation_steps`) happens inside the train step (the
 micro-batches are summed before one optimizer update), not here.
@@ -6,9 +16,13 @@ micro-batches are summed before one optimizer update), not here.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from tessera.config import OptimConfig
 
@@ -28,20 +42,99 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
     )
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """Clip (if enabled) then AdamW. Weight decay applies to matrices only, not norms' scales or
-    routing biases (their gradient is zero, so AdamW leaves them as they are)."""
-    adamw = optax.adamw(
-        learning_rate=learning_rate_schedule(cfg, total_steps),
-        b1=cfg.adam_b1,
-        b2=cfg.adam_b2,
-        eps=cfg.adam_eps,
-        weight_decay=cfg.adam_weight_decay,
-        mask=_decay_mask,
-    )
+def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes: Any = None) -> optax.GradientTransformation:
+    """Clip (if enabled) then the `opt_type` update. AdamW's weight decay applies to matrices only,
+    not norms' scales or routing biases (their gradient is zero, so AdamW leaves them as they are).
+    Muon needs the parameters' `logical_axes` (the model's tree of axis-name tuples)."""
+    schedule = learning_rate_schedule(cfg, total_steps)
+    if cfg.opt_type == "sgd":  # MaxText's sgd: optax.sgd, no momentum and no weight decay
+        update = optax.sgd(schedule)
+    elif cfg.opt_type == "muon":
+        if logical_axes is None:
+            raise ValueError("opt_type=muon needs the parameters' logical axes")
+        update = muon(cfg, schedule, logical_axes)
+    else:
+        update = _adamw(cfg, schedule)
     if cfg.gradient_clipping_threshold > 0:
-        return optax.chain(clip_by_global_norm(cfg.gradient_clipping_threshold), adamw)
-    return adamw
+        return optax.chain(clip_by_global_norm(cfg.gradient_clipping_threshold), update)
+    return update
+
+
+def _adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
+    return optax.adamw(learning_rate=schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
+                       weight_decay=cfg.adam_weight_decay, mask=_decay_mask)
+
+
+def muon(cfg: OptimConfig, schedule: optax.Schedule, logical_axes: Any) -> optax.GradientTransformation:
+    """Muon for the weight matrices `muon_dimension_numbers` finds, AdamW for the other parameters:
+    momentum (muon_beta, Nesterov) orthogonalized by optax's Newton-Schulz iterations, scaled for the
+    matrix's shape (muon_consistent_rms), decayed by muon_weight_decay x the learning rate, times the
+    learning rate. The same schedule drives both parts."""
+    dims = muon_dimension_numbers(logical_axes)
+    is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731 - a NamedTuple is a pytree
+    labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims, is_leaf=is_dims)
+    # the muon branch sees the other parameters as MaskedNode leaves, and so must its dimension numbers
+    masked_dims = jax.tree.map(lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=is_dims)
+    return optax.partition({
+        "muon": optax.chain(
+            scale_by_muon(beta=cfg.muon_beta, eps=cfg.adam_eps, weight_dimension_numbers=lambda _: masked_dims),
+            _scale_by_shape(masked_dims, cfg.muon_consistent_rms),
+            optax.add_decayed_weights(cfg.muon_weight_decay),
+            optax.scale_by_learning_rate(schedule),
+        ),
+        "adamw": _adamw(cfg, schedule),
+    }, labels)
+
+
+BATCH_AXES = ("layers", "exp")  # stacked layers and experts: batches of matrices, each orthogonalized alone
+
+
+def muon_dimension_numbers(logical_axes: Any) -> Any:
+    """Per parameter, the axes of the matrix Muon orthogonalizes (MuonDimensionNumbers: input, then
+    output axes; the others are batch axes), or None for a parameter AdamW trains. Muon takes the
+    weights of the blocks (names starting with w, and the MoE router): not the token table or the
+    output layer (a vocab axis), norms, biases, position tables, attention sinks. A weight whose
+    name spells its axes (wqkv_dcnh) orthogonalizes each of its c stacked matrices alone."""
+
+    def dims(path, axes):
+        name = str(getattr(path[-1], "key", ""))
+        if not (name.startswith("w") or name == "router_de") or {"vocab", "norm"} & set(axes):
+            return None
+        batch = [i for i, a in enumerate(axes) if a in BATCH_AXES]
+        rest = [i for i in range(len(axes)) if i not in batch]
+        spelled = name.rsplit("_", 1)[-1]
+        if spelled.isalpha() and len(spelled) == len(rest):
+            rest = [i for i, letter in zip(rest, spelled) if letter != "c"]
+        if len(rest) < 2:
+            return None
+        if axes[rest[-1]] == "embed":  # into the residual stream: all before it is the input
+            return MuonDimensionNumbers(tuple(rest[:-1]), (rest[-1],))
+        return MuonDimensionNumbers((rest[0],), tuple(rest[1:]))
+
+    return jax.tree_util.tree_map_with_path(dims, logical_axes, is_leaf=lambda x: isinstance(x, tuple))
+
+
+def _scale_by_shape(masked_dims: Any, consistent_rms: float) -> optax.GradientTransformation:
+    """Each orthogonalized update times sqrt(max(1, fan_out / fan_in)) (consistent_rms 0), or times
+    sqrt(max(fan_in, fan_out)) x consistent_rms, which gives every matrix's update the same RMS."""
+
+    def factor(u, d):
+        if isinstance(d, optax.MaskedNode):
+            return u
+        fan_in = math.prod(u.shape[i] for i in d.reduction_axis)
+        fan_out = math.prod(u.shape[i] for i in d.output_axis)
+        if consistent_rms:
+            scale = math.sqrt(max(fan_in, fan_out)) * consistent_rms
+        else:
+            scale = math.sqrt(max(1.0, fan_out / fan_in))
+        return u * jnp.asarray(scale, u.dtype)
+
+    def update(updates, state, params=None):
+        del params
+        return jax.tree.map(factor, updates, masked_dims,
+                            is_leaf=lambda x: isinstance(x, (optax.MaskedNode, MuonDimensionNumbers))), state
+
+    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:

@@ -78,7 +78,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     if plan.pipeline is not None:
         log.info("pipeline: %s", plan.pipeline.describe(LAYERS_PER_BLOCK.get(cfg.model.decoder_block, 1)))
     model = build_model(cfg.model, choice.kernel, plan.pipeline)
-    optimizer = make_optimizer(cfg.optim, plan.schedule_steps)
+    optimizer = make_optimizer(cfg.optim, plan.schedule_steps, model.logical_axes())
 
     param_shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract_state = jax.eval_shape(lambda p: init_state_from_params(optimizer, p), model.param_shapes())
@@ -87,10 +87,11 @@ def setup(cfg: Config, devices=None) -> Trainer:
     if cfg.optim.shard_optimizer_over_data:
         state_param_shardings = jax.tree.map(lambda sh, s: over_data(sh, s.shape), param_shardings,
                                              model.param_shapes())
+    # (Muon's two parts each hold the other's parameters as MaskedNode: nothing to place)
     opt_shardings = optax.tree_map_params(
-        optimizer, lambda _, s: s, abstract_state["opt_state"], state_param_shardings,
-        transform_non_params=lambda _: replicated,
-    )
+        optimizer, lambda v, s: v if isinstance(v, optax.MaskedNode) else s, abstract_state["opt_state"],
+        state_param_shardings, transform_non_params=lambda _: replicated,
+        is_leaf=lambda v: isinstance(v, optax.MaskedNode))
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
 
     batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (plan.global_batch, 1), dict(mesh.shape)))

@@ -67,11 +67,12 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.checkpoint_is_quantized and not (cfg.model.quantization and cfg.checkpoint.load_parameters_path):
         raise ConfigError("checkpoint_is_quantized=true needs load_parameters_path=<the quantized checkpoint> and the "
                           "quantization=int8|fp8|fp8_full it was written with")
-    for name in ("adam_b1", "adam_b2"):
+    for name in ("adam_b1", "adam_b2", "muon_beta"):
         beta = getattr(cfg.optim, name)
         if beta >= 1.0:
-            raise ConfigError(f"{name}={beta:g} must be below 1: it is AdamW's decay of a moment average (1 would never "
-                              "update it, and the bias correction would divide by zero); e.g. 0.9 or 0.95")
+            what = ("Muon's momentum decay (1 would never update it)" if name == "muon_beta" else "AdamW's decay "
+                    "of a moment average (1 would never update it, and the bias correction would divide by zero)")
+            raise ConfigError(f"{name}={beta:g} must be below 1: it is {what}; e.g. 0.9 or 0.95")
     if cfg.optim.adam_eps <= 0.0:  # optax's adamw divides by sqrt(v) + eps, with nothing inside the root
         raise ConfigError(f"adam_eps={cfg.optim.adam_eps:g} must be above 0: AdamW divides each update by sqrt(v) + "
                           "adam_eps, and a parameter whose gradient is zero (the embedding rows of tokens not in the "

@@ -97,8 +97,6 @@ REFUSED = {
     "pipeline_parallel_layers": Refused("layers run by the pipeline" + _PIPE, ("-1",)),
     "scan_pipeline_iterations": Refused("scan over pipeline iterations" + _PIPE, ("true", "1")),
     # optimizer
-    "opt_type": Refused("optimizer choice (adamw, adam_pax, sgd, adafactor, muon); Tessera has AdamW only "
-                        "(adam_b1, adam_b2, adam_eps, adam_weight_decay)", ("adamw",)),
     "adam_eps_root": Refused("epsilon inside the square root of Adam's denominator; Tessera's AdamW uses "
                              "adam_eps only", ("0", "0.0")),
     "mu_dtype": Refused("dtype of Adam's first moment; in Tessera the optimizer state follows weight_dtype", ("",)),
@@ -214,6 +212,7 @@ UNSET = {
     "compile_topology_num_slices": (("-1",), 1, "one slice"),
     "max_num_checkpoints_to_keep": (("none", "null", "~", ""), -1, "keep every checkpoint"),
     "routed_score_func": (("",), "softmax", "softmax router scores"),
+    "muon_consistent_rms": (("none", "null", "~", ""), 0.0, "Muon's width scaling, sqrt(max(1, fan_out / fan_in))"),
 }
 
 

@@ -61,6 +61,7 @@ HF_FILE_FORMATS = ("parquet", "json", "arrow", "text", "csv")  # hf_path values 
 PATH_KINDS = ("path", "globs", "local_or_name")
 # Step counts reach jitted code as int32 (JAX's default integer; the optimizer's step counter is one).
 MAX_STEPS = 2**31 - 1
+OPTIMIZERS = ("adamw", "sgd", "muon")  # opt_type: MaxText's names (its adam_pax is not here)
 # Widest attention head accepted (the widest of the model files: 256). Building a model keeps a
 # rotary frequency per pair of head dimensions: a typo of 10^9 exhausted the host's memory.
 MAX_HEAD_DIM = 65536
@@ -457,8 +458,11 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """AdamW, warm-up + cosine schedule, clipping and gradient accumulation."""
+    """The optimizer (AdamW, SGD or Muon), warm-up + cosine schedule, clipping and gradient accumulation."""
 
+    opt_type: str = key("adamw", "optimizer: adamw; sgd (plain, no momentum or weight decay); muon (the blocks' "
+                        "weight matrices by orthogonalized momentum, embeddings, output layer, norms and biases by "
+                        "AdamW)", choices=OPTIMIZERS)
     learning_rate: float = key(3e-3, "peak learning rate", minimum=0.0)
     warmup_steps_fraction: float = key(0.1, "fraction of learning_rate_schedule_steps spent warming up linearly",
                                          minimum=0.0, maximum=1.0)
@@ -468,6 +472,12 @@ class OptimConfig:
     adam_b2: float = key(0.95, "AdamW beta2", minimum=0.0)
     adam_eps: float = key(1e-8, "AdamW epsilon", minimum=0.0)
     adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay", minimum=0.0)
+    muon_beta: float = key(0.95, "muon: decay of the momentum the update orthogonalizes", minimum=0.0)
+    muon_weight_decay: float = key(0.0, "muon: weight decay of the Muon-trained matrices, times the learning rate",
+                                   minimum=0.0)
+    muon_consistent_rms: float = key(0.0, "muon: 0 scales each orthogonalized update by sqrt(max(1, fan_out / "
+                                     "fan_in)); > 0 by sqrt(max(fan_in, fan_out)) x this, an RMS like AdamW's at 0.2",
+                                     minimum=0.0)
     gradient_clipping_threshold: float = key(1.0, "clip gradients to this global norm (0: no clipping)", minimum=0.0)
     gradient_accumulation_steps: int = key(1, "micro-batches accumulated per optimizer step", minimum=1)
     shard_optimizer_over_data: bool = key(False, "ZeRO-1: split the optimizer state over the data axis as well "

@@ -11,7 +11,7 @@ says which length was used and where it came from (the base.yml default is 128, 
 than a large model's runs: pass max_target_length=... for real numbers).
 
 Prints total and active parameters, training FLOPs per token (the trainer's own formula),
-memory per device for parameters, gradients, AdamW state and activations (per remat policy),
+memory per device for parameters, gradients, optimizer state and activations (per remat policy),
 and the roofline checks of the public TPU sizing guide for each parallel axis in use: an axis is worth its
 communication when the arithmetic intensity (FLOPs per byte moved) it leaves is above the
 hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
@@ -46,6 +46,7 @@ from tessera.tools.cli import config_epilog
 from tessera.tools.memory_model import DTYPE_BYTES, count_params, estimate_memory
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
+OPTIMIZER_STATE = {"adamw": "AdamW state (2 moments)", "muon": "Muon momentum + AdamW's", "sgd": "SGD state (none)"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,7 +223,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         "memory per device (GiB):",
         f"  parameters ({m.weight_dtype})      {mem.params / GIB:8.2f}",
         f"  gradients                  {mem.grads / GIB:8.2f}",
-        f"  AdamW state (2 moments)    {mem.optimizer / GIB:8.2f}",
+        f"  {OPTIMIZER_STATE[cfg.optim.opt_type]:<27}{mem.optimizer / GIB:8.2f}",
         (f"  a stage gathered once      {mem.gathered / GIB:8.2f}   (pipeline_fsdp_ag_once; and the logits' "
          "matrix with its gradient)" if mesh["stage"] > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once else
          f"  FSDP-gathered weights      {mem.gathered / GIB:8.2f}   (2 layers in flight and the logits' matrix, "

@@ -224,8 +224,14 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     micro = _microbatches(cfg, mesh)
     acts = activation_bytes_by_policy(cfg, act_mesh, tuple(dict.fromkeys((*policies, m.remat_policy))),
                                       fused_attention, micro)
-    zero1 = mesh["data"] if cfg.optim.shard_optimizer_over_data else 1  # ZeRO-1 splits AdamW's moments over data
-    return Memory(params, params, 2 * params / zero1, gathered, acts)
+    zero1 = mesh["data"] if cfg.optim.shard_optimizer_over_data else 1  # ZeRO-1 splits the moments over data
+    if cfg.optim.opt_type == "adamw":  # two moments of every parameter
+        moments = 2 * params
+    elif cfg.optim.opt_type == "muon":  # one momentum of every parameter, and AdamW's second of all but the blocks'
+        moments = params + (other / shards + layer_norms / stage + final_norm) * w  # matrices (biases left out)
+    else:  # plain SGD keeps none
+        moments = 0.0
+    return Memory(params, params, moments / zero1, gathered, acts)
 
 
 def _microbatches(cfg: Config, mesh: dict[str, int]) -> int:

@@ -88,11 +88,11 @@ def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_pe
     state = mem.params + mem.grads + mem.optimizer + mem.gathered
     acts = small.memory - state
     more = 2 ** math.ceil(math.log2(max(2.0, state / max(small.budget - acts, small.budget * 0.05))))
-    hints = [f"more chips: the {state / GIB:.1f} GiB of parameters, gradients, AdamW state and gathered layers "
+    hints = [f"more chips: the {state / GIB:.1f} GiB of parameters, gradients, optimizer state and gathered layers "
              f"shrink with the chips they are split over; about {more}x the chips (--slices {more * hw.num_slices})"]
     if c.model.weight_dtype == "float32":
         saved = (mem.params + mem.grads + mem.optimizer) / 2
-        hints.append(f"weight_dtype=bfloat16: halves parameters, gradients and AdamW state "
+        hints.append(f"weight_dtype=bfloat16: halves parameters, gradients and optimizer state "
                      f"({saved / GIB:.1f} GiB less)")
     hints.append(f"offload: the {acts / GIB:.1f} GiB of activations to host memory (remat_policy=custom "
                  "decoder_layer_input=offload), or the optimizer state (not modelled here)")

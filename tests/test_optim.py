@@ -1,0 +1,160 @@
+"""Optimizers (opt_type): which axes Muon orthogonalizes, its update against optax's own Muon and
+AdamW, plain SGD, and training with each on one device and on a mesh."""
+
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+from optax.contrib import MuonDimensionNumbers as Dims
+
+from conftest import REPO, tiny_config
+from tessera.config import ConfigError, load_config
+from tessera.models import build_model
+from tessera.optim import learning_rate_schedule, make_optimizer, muon_dimension_numbers
+from tessera.step import create_state, setup
+from tessera.train import run
+
+MODEL_FILES = sorted(p.stem for p in (REPO / "configs" / "models").glob("*.yml"))
+
+
+def _flat(tree):
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or isinstance(x, (tuple, Dims)))[0]
+    return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+
+def _dims_and_axes(**keys):
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in keys.items())], env={})
+    axes = build_model(cfg.model, "dot_product", None).logical_axes()
+    return _flat(muon_dimension_numbers(axes)), _flat(axes)
+
+
+def test_muon_takes_the_blocks_weight_matrices_whole():
+    dims, _ = _dims_and_axes(model_name="default")
+    assert dims == {
+        "['final_norm']['scale']": None,
+        "['layers']['attention']['wq_dnh']": Dims((1,), (2, 3)),  # [embed] -> [heads x head_dim], per layer
+        "['layers']['attention']['wk_dkh']": Dims((1,), (2, 3)),
+        "['layers']['attention']['wv_dkh']": Dims((1,), (2, 3)),
+        "['layers']['attention']['wo_nhd']": Dims((1, 2), (3,)),  # [heads x head_dim] -> [embed]
+        "['layers']['mlp']['wi_0']": Dims((1,), (2,)),
+        "['layers']['mlp']['wi_1']": Dims((1,), (2,)),
+        "['layers']['mlp']['wo_fd']": Dims((1,), (2,)),
+        "['layers']['pre_attention_norm']['scale']": None,
+        "['layers']['pre_mlp_norm']['scale']": None,
+        "['logits_dense_dv']": None,  # the output layer and the token table stay with AdamW
+        "['token_embedder']['table_vd']": None,
+    }
+    moe, _ = _dims_and_axes(model_name="mixtral-8x7b")
+    assert moe["['layers']['mlp']['wi_0']"] == Dims((2,), (3,))  # [layers, experts, embed, mlp]: one matrix each
+    assert moe["['layers']['mlp']['wo_efd']"] == Dims((2,), (3,))
+    assert moe["['layers']['mlp']['router_de']"] == Dims((1,), (2,))
+    fused, _ = _dims_and_axes(model_name="gpt3-175b")  # [layers, embed, q|k|v, heads, head_dim]: q, k, v each alone
+    assert fused["['layers']['attention']['wqkv_dcnh']"] == Dims((1,), (3, 4))
+    assert fused["['layers']['attention']['bqkv_cnh']"] is None and fused["['position_embedder_pd']"] is None
+
+
+@pytest.mark.parametrize("model", MODEL_FILES)
+def test_muon_dimension_numbers_of_every_model_cover_each_weight_once(model):
+    """Every weight of a block (w..., the router) is a batch of matrices: its input and output axes are
+    distinct, hold no layers or experts axis, and one of them is embed (or MLA's rank, sharded as embed)."""
+    dims, axes = _dims_and_axes(model_name=model)
+    assert set(dims) == set(axes)
+    for path, d in dims.items():
+        name = path.rsplit("['", 1)[-1].rstrip("']")
+        if d is None:
+            assert not name.startswith("w") or {"vocab", "norm"} & set(axes[path]) or \
+                len([a for a in axes[path] if a not in ("layers", "exp")]) < 2, (path, axes[path])
+            continue
+        assert name.startswith("w") or name == "router_de", path
+        used = (*d.reduction_axis, *d.output_axis)
+        assert len(set(used)) == len(used) and d.reduction_axis and d.output_axis, (path, d)
+        assert not {axes[path][i] for i in used} & {"layers", "exp", "vocab", "norm"}, (path, axes[path], d)
+        assert "embed" in {axes[path][i] for i in used}, (path, axes[path], d)
+
+
+def _update_inputs(**keys):
+    cfg = tiny_config(gradient_clipping_threshold=0.0, **keys)
+    trainer = setup(cfg, jax.devices()[:1])
+    params = create_state(trainer, 0)["params"]
+    grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i), p.shape, p.dtype), params)
+             for i in range(3)]
+    return cfg, trainer, params, grads
+
+
+def _run_updates(opt, params, grads):
+    state, out = opt.init(params), []
+    for g in grads:
+        updates, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        out.append(params)
+    return out
+
+
+@pytest.mark.parametrize("consistent_rms, weight_decay", [(0.0, 0.0), (0.2, 0.1)])
+def test_muon_steps_equal_optax_muon_on_the_matrices_and_adamw_on_the_rest(consistent_rms, weight_decay):
+    """Three updates of the tiny model: the matrices as optax.contrib.muon moves them (given only matrices,
+    with the same dimension numbers), the other parameters as AdamW with its decay mask (opt_type=adamw)."""
+    cfg, trainer, params, grads = _update_inputs(opt_type="muon", muon_consistent_rms=consistent_rms,
+                                                 muon_weight_decay=weight_decay, adam_weight_decay=0.05)
+    ours = [_flat(p) for p in _run_updates(trainer.optimizer, params, grads)]
+    dims = _flat(muon_dimension_numbers(trainer.model.logical_axes()))
+    matrices = [k for k, d in dims.items() if d is not None]
+    schedule = learning_rate_schedule(cfg.optim, cfg.run.steps)
+    reference = optax.contrib.muon(schedule, beta=cfg.optim.muon_beta, eps=cfg.optim.adam_eps,
+                                   weight_decay=weight_decay, consistent_rms=consistent_rms or None,
+                                   muon_weight_dimension_numbers={k: dims[k] for k in matrices})
+    pick = lambda tree, keys: {k: _flat(tree)[k] for k in keys}  # noqa: E731
+    expected = _run_updates(reference, pick(params, matrices), [pick(g, matrices) for g in grads])
+    adamw = make_optimizer(cfg.optim.__class__(**{**vars(cfg.optim), "opt_type": "adamw"}), cfg.run.steps)
+    expected_rest = [_flat(p) for p in _run_updates(adamw, params, grads)]
+    for step in range(3):
+        for k in dims:
+            want = expected[step][k] if k in matrices else expected_rest[step][k]
+            np.testing.assert_allclose(ours[step][k], want, rtol=2e-6, atol=1e-7, err_msg=f"step {step + 1} {k}")
+    # and Muon moved the matrices differently from AdamW (the check above compares something)
+    assert not np.allclose(ours[0][matrices[0]], expected_rest[0][matrices[0]], rtol=1e-3)
+
+
+def test_sgd_is_the_learning_rate_times_the_gradient():
+    cfg, trainer, params, grads = _update_inputs(opt_type="sgd", adam_weight_decay=0.1)
+    after = _run_updates(trainer.optimizer, params, grads[:1])[0]
+    lr = learning_rate_schedule(cfg.optim, cfg.run.steps)(0)
+    jax.tree.map(lambda a, p, g: np.testing.assert_allclose(a, p - lr * g, rtol=1e-6, atol=1e-7), after, params,
+                 grads[0])
+    assert sum(x.size for x in jax.tree.leaves(trainer.optimizer.init(params))) <= 1  # no moments (a step count)
+
+
+def _losses(tmp_path, name, devices, **keys):
+    run(tiny_config(tmp_path / name, steps=4, **keys), devices)
+    lines = (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()
+    return np.array([json.loads(line)["loss"] for line in lines])
+
+
+@pytest.mark.parametrize("opt_type", ["muon", "sgd"])
+def test_each_optimizer_trains_the_same_on_one_device_and_on_a_mesh(tmp_path, opt_type):
+    """fsdp 2 x tensor 4 (the matrices Muon orthogonalizes are split over both) against one device;
+    both lower the loss. Tolerance as in test_train's mesh test: the order of float32 sums differs."""
+    one = _losses(tmp_path, "one", jax.devices()[:1], opt_type=opt_type, per_device_batch_size=8)
+    mesh = _losses(tmp_path, "mesh", None, opt_type=opt_type, ici_fsdp_parallelism=2, ici_tensor_parallelism=4)
+    np.testing.assert_allclose(mesh, one, rtol=1e-4)
+    assert one[-1] < one[0]
+
+
+def test_an_optimizer_that_is_not_there_is_named():
+    with pytest.raises(ConfigError, match=r"opt_type='adam_pax' is not allowed; choose one of: 'adamw', 'sgd', 'muon'"):
+        tiny_config(opt_type="adam_pax")
+
+
+def test_a_muon_run_resumes_exactly(tmp_path):
+    """Muon's state (its momentum, and AdamW's moments, each with the other part's parameters masked out)
+    goes through a checkpoint: 2 steps, then 2 more after a restart, equal 4 straight steps."""
+    common = dict(opt_type="muon", checkpoint_period=100, learning_rate_schedule_steps=4)
+    run(tiny_config(tmp_path / "a", steps=4, **common))
+    run(tiny_config(tmp_path / "b", steps=2, **common))
+    report = run(tiny_config(tmp_path / "b", steps=4, **common))
+    assert report["start_step"] == 2
+    read = lambda name: [json.loads(line)["loss"] for line in  # noqa: E731
+                         (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
+    assert read("a")[2:] == read("b")[-2:]  # bitwise: CPU is deterministic
