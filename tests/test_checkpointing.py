@@ -606,3 +606,33 @@ def test_a_step_set_aside_twice_in_one_second_keeps_both(tmp_path):
         moved += set_aside_incomplete(directory)
     assert len(set(moved)) == 2 and not list(directory.iterdir())
     assert sorted((p / "part").read_text() for p in moved) == ["first", "second"]
+
+
+def test_gradient_clipping_turned_on_or_off_at_a_resume_reads_the_saved_state(tmp_path, caplog):
+    """The clip adds an empty slot in front of the optimizer state, so a resume with clipping turned
+    off (or on, as the advice after a non-finite stop says) stopped on a mismatch. The state is now
+    read as saved: the first step after the resume sees the saved parameters (its loss equals the
+    straight run's), and the optimizer's moments come back."""
+    common = dict(checkpoint_period=100, learning_rate_schedule_steps=6)
+    run(tiny_config(tmp_path / "a", steps=3, **common))
+    run(tiny_config(tmp_path / "b", steps=2, **common))
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        off = run(tiny_config(tmp_path / "b", steps=4, gradient_clipping_threshold=0.0, **common))
+        on = run(tiny_config(tmp_path / "b", steps=6, gradient_clipping_threshold=0.5, **common))
+    assert (off["start_step"], on["start_step"]) == (2, 4)
+    assert "saved with gradient clipping on, restored with it off" in caplog.text
+    assert "saved with gradient clipping off, restored with it on" in caplog.text
+    assert _losses(tmp_path / "a" / "test")[3] == _losses(tmp_path / "b" / "test")[3]
+    cfg = tiny_config(tmp_path / "b", steps=6, gradient_clipping_threshold=0.5, **common)
+    moments = _restore(tmp_path / "b" / "test" / "checkpoints", 6, cfg)["opt_state"][1][0].mu
+    assert any(np.abs(np.asarray(m)).max() > 0 for m in jax.tree.leaves(moments))
+
+
+def test_a_resume_with_another_optimizer_says_how_to_switch(tmp_path):
+    run(tiny_config(tmp_path, steps=2, checkpoint_period=100))
+    with pytest.raises(CheckpointError) as e:
+        run(tiny_config(tmp_path, steps=4, checkpoint_period=100, opt_type="muon"))
+    step = tmp_path / "test" / "checkpoints" / "2"
+    assert str(e.value).endswith(
+        f"It was saved by opt_type=adamw (here muon), whose state this optimizer cannot read; to switch optimizers, "
+        f"start a new run_name with load_parameters_path={step} (its parameters, with a fresh optimizer state)")

@@ -43,7 +43,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
     model_keys = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(ModelConfig)}
     if latest is not None:
         folder = str(ckpt.step_path(latest))
-        with mismatch_explained(folder, model_keys):
+        with mismatch_explained(folder, model_keys, config.optim.opt_type):
             state, data_state = ckpt.restore(latest, abstract_state(trainer))
         if data_state:
             data.set_state(data_state)
@@ -53,7 +53,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
             log_changes_since_save(saved, config, trainer.schedule, latest, folder)
         return state
     if cfg.load_full_state_path:
-        with mismatch_explained(cfg.load_full_state_path, model_keys):
+        with mismatch_explained(cfg.load_full_state_path, model_keys, config.optim.opt_type):
             state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",
                                     verify=cfg.checkpoint_checksums)
         step = int(jax.device_get(state["step"]))

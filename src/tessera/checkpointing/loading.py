@@ -133,9 +133,10 @@ def saved_config(path: str) -> dict:
 
 
 @contextlib.contextmanager
-def mismatch_explained(path: str, model_keys: Mapping[str, Any]) -> Iterator[None]:
+def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str = "") -> Iterator[None]:
     """Around a load from `path`: a CheckpointMismatch gets a last line naming the `model_keys`
-    (this config's model keys and values) whose saved values differ, when the checkpoint kept its config."""
+    (this config's model keys and values) whose saved values differ, when the checkpoint kept its config,
+    and, for a load of the whole state (`opt_type` given), the optimizer it was saved by if that differs."""
     try:
         yield
     except CheckpointMismatch as e:
@@ -143,7 +144,12 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any]) -> Iterator[Non
         now = json.loads(json.dumps(dict(model_keys)))  # as saved: lists, not tuples
         differ = [f"{k}={json.dumps(saved[k])} (here {json.dumps(v)})" for k, v in now.items()
                   if k in saved and saved[k] != v]
-        if not differ:
+        lines = [f"The config saved with it differs in its model keys: {', '.join(differ)}"] if differ else []
+        saved_opt = saved.get("opt_type", "adamw")  # checkpoints from before opt_type were AdamW's
+        if opt_type and saved and saved_opt != opt_type:
+            lines.append(f"It was saved by opt_type={saved_opt} (here {opt_type}), whose state this optimizer cannot "
+                         f"read; to switch optimizers, start a new run_name with load_parameters_path={path} (its "
+                         "parameters, with a fresh optimizer state)")
+        if not lines:
             raise
-        raise CheckpointMismatch(f"{e}\nThe config saved with it differs in its model keys: {', '.join(differ)}") \
-            from None
+        raise CheckpointMismatch("\n".join([str(e), *lines])) from None

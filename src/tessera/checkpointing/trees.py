@@ -1,5 +1,6 @@
-"""A saved tree against the one a config expects: differences by path, and stacked layers saved
-in another pipeline layout, reshaped on restore."""
+"""A saved tree against the one a config expects: differences by path; stacked layers saved in
+another pipeline layout, reshaped on restore; an optimizer state saved with gradient clipping
+turned on or off, read as saved."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 from typing import Any
 
 import jax
+import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tessera.checkpointing.storage import CheckpointError
@@ -30,7 +32,39 @@ def restacked(saved, expected):
     decoder's stacked blocks are laid out: [L, ...] (plain or GPipe) against [R, L/R, ...]
     (circular pipelining, `tessera.models.pipeline`), the same layers in the same order. Such
     arrays are read in their saved shape (split as `expected` splits the other axes) and
-    `finish` reshapes them into `expected`'s shape and sharding; everything else is unchanged."""
+    `finish` reshapes them into `expected`'s shape and sharding; everything else is unchanged.
+    An optimizer state saved with clipping on or off is read as saved (`_clip_slot`)."""
+    expected, reslot = _clip_slot(saved, expected)
+    target, finish = _restacked(saved, expected)
+    return target, lambda restored: reslot(finish(restored))
+
+
+def _clip_slot(saved, expected):
+    """(expected, finish) for a train state whose optimizer state has gradient clipping's slot
+    where the saved one has none, or the other way round: `tessera.optim` chains the clip in front
+    when gradient_clipping_threshold > 0, and its state (optax's EmptyState) holds nothing, so the
+    state reads as saved and `finish` adds or drops the slot. Turning clipping on after a
+    non-finite stop, as the trainer's advice says, resumed into a mismatch before."""
+    unchanged = (expected, lambda restored: restored)
+    if not isinstance(expected, dict) or "opt_state" not in expected:
+        return unchanged
+    have, opt = set(_flat(saved)), expected["opt_state"]
+    if set(_flat(expected)) == have:
+        return unchanged
+    options = [({**expected, "opt_state": (optax.EmptyState(), opt)},
+                lambda r: {**r, "opt_state": r["opt_state"][1]}, "on", "off")]
+    if isinstance(opt, tuple) and len(opt) == 2 and isinstance(opt[0], optax.EmptyState):
+        options.append(({**expected, "opt_state": opt[1]},
+                        lambda r: {**r, "opt_state": (optax.EmptyState(), r["opt_state"])}, "off", "on"))
+    for target, finish, then, now in options:
+        if set(_flat(target)) == have:
+            log.info("checkpoint: saved with gradient clipping %s, restored with it %s (the clip keeps no state)",
+                     then, now)
+            return target, finish
+    return unchanged
+
+
+def _restacked(saved, expected):
     have, moved = _flat(saved), []
 
     def adapt(path, want):
