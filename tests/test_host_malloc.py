@@ -42,6 +42,9 @@ def test_the_plan_preloads_mimalloc_before_the_users_preload_and_keeps_the_users
 
 # Restarts itself as train.py does, then runs a jitted function whose temporary buffer (64 MiB,
 # between two matmuls) is allocated and freed on every call, and counts the page faults per call.
+# mimalloc keeps a freed buffer with the thread that allocated it, so each of XLA's threads that
+# runs the function faults its own buffer in once: under load more threads take turns and more of
+# the first calls fault (CI once saw 3 of 4). The median of 12 calls is the steady state.
 PROBE = """
 import json, os, resource, sys
 sys.path.insert(0, {src!r})
@@ -53,12 +56,12 @@ a, b, c = jnp.ones((8192, 64)), jnp.ones((64, 2048)), jnp.ones((2048, 8))
 f = jax.jit(lambda a, b, c: (a @ b) @ c)
 f(a, b, c).block_until_ready()
 faults = []
-for _ in range(4):
+for _ in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     f(a, b, c).block_until_ready()
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(json.dumps(dict(pid=pid, pid_after=os.getpid(), in_use=host_malloc.in_use(),
-                      ld_preload=os.environ.get("LD_PRELOAD"), faults=sorted(faults)[1])))
+                      ld_preload=os.environ.get("LD_PRELOAD"), faults=sorted(faults)[6])))
 """
 
 
