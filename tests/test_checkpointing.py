@@ -633,6 +633,13 @@ def test_a_resume_with_another_optimizer_says_how_to_switch(tmp_path):
     with pytest.raises(CheckpointError) as e:
         run(tiny_config(tmp_path, steps=4, checkpoint_period=100, opt_type="muon"))
     step = tmp_path / "test" / "checkpoints" / "2"
-    assert str(e.value).endswith(
-        f"It was saved by opt_type=adamw (here muon), whose state this optimizer cannot read; to switch optimizers, "
-        f"start a new run_name with load_parameters_path={step} (its parameters, with a fresh optimizer state)")
+    assert str(e.value) == (  # one reason, not the optimizer state's paths
+        f"checkpoint {step} was saved by opt_type=adamw (here muon), whose state this optimizer cannot read; to switch "
+        f"optimizers, start a new run_name with load_parameters_path={step} (its parameters, with a fresh optimizer "
+        "state). Nothing was loaded or overwritten.")
+    # with a model key changed as well, both reasons, after the differences
+    with pytest.raises(CheckpointError) as e:
+        run(tiny_config(tmp_path, steps=4, checkpoint_period=100, opt_type="muon", base_emb_dim=32))
+    lines = str(e.value).splitlines()
+    assert lines[-2].startswith("The config saved with it differs in its model keys: base_emb_dim=24 (here 32)")
+    assert lines[-1].startswith(f"checkpoint {step} was saved by opt_type=adamw (here muon)")

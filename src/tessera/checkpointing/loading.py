@@ -147,9 +147,12 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str =
         lines = [f"The config saved with it differs in its model keys: {', '.join(differ)}"] if differ else []
         saved_opt = saved.get("opt_type", "adamw")  # checkpoints from before opt_type were AdamW's
         if opt_type and saved and saved_opt != opt_type:
-            lines.append(f"It was saved by opt_type={saved_opt} (here {opt_type}), whose state this optimizer cannot "
-                         f"read; to switch optimizers, start a new run_name with load_parameters_path={path} (its "
-                         "parameters, with a fresh optimizer state)")
+            switch = (f"checkpoint {path} was saved by opt_type={saved_opt} (here {opt_type}), whose state this "
+                      f"optimizer cannot read; to switch optimizers, start a new run_name with load_parameters_path="
+                      f"{path} (its parameters, with a fresh optimizer state). Nothing was loaded or overwritten.")
+            if not differ:  # the optimizer alone: its state's paths would only bury the reason
+                raise CheckpointMismatch(switch) from None
+            lines.append(switch)
         if not lines:
             raise
         raise CheckpointMismatch("\n".join([str(e), *lines])) from None
