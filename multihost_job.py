@@ -69,7 +69,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--NUM_SLICES={args.NUM_SLICES} must be at least 1")
     if args.BUCKET_NAME.startswith("gs://"):
         p.error(f"--BUCKET_NAME={args.BUCKET_NAME}: give the bucket name without gs://")
-    longest = args.RUN_NAME if args.NUM_SLICES == 1 else f"{args.RUN_NAME}-{args.NUM_SLICES - 1}"  # node_names' last
+    longest = node_name(args, args.NUM_SLICES - 1)
     if not RESOURCE_NAME.fullmatch(args.RUN_NAME) or len(longest) > 63:
         p.error(f"--RUN_NAME={args.RUN_NAME!r} names the queued resource and its slices (up to {longest!r}), and "
                 "Google Cloud takes such names only as lowercase letters, digits and hyphens, starting with a letter, "
@@ -85,7 +85,12 @@ def run_url(args: argparse.Namespace) -> str:
 
 
 def node_names(args: argparse.Namespace) -> list[str]:
-    return [args.RUN_NAME] if args.NUM_SLICES == 1 else [f"{args.RUN_NAME}-{i}" for i in range(args.NUM_SLICES)]
+    return [node_name(args, i) for i in range(args.NUM_SLICES)]
+
+
+def node_name(args: argparse.Namespace, index: int) -> str:
+    """Slice `index`'s name: the run's name for one slice, <run>-<index> for several."""
+    return args.RUN_NAME if args.NUM_SLICES == 1 else f"{args.RUN_NAME}-{index}"
 
 
 def create_command(args: argparse.Namespace, script: Path) -> list[str]:

@@ -78,9 +78,10 @@ def setup(cfg: Config, devices=None) -> Trainer:
     if plan.pipeline is not None:
         log.info("pipeline: %s", plan.pipeline.describe(LAYERS_PER_BLOCK.get(cfg.model.decoder_block, 1)))
     model = build_model(cfg.model, choice.kernel, plan.pipeline)
-    optimizer = make_optimizer(cfg.optim, plan.schedule_steps, model.logical_axes())
+    logical_axes = model.logical_axes()
+    optimizer = make_optimizer(cfg.optim, plan.schedule_steps, logical_axes)
 
-    param_shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
+    param_shardings = named_shardings(mesh, logical_axes, model.param_shapes())
     abstract_state = jax.eval_shape(lambda p: init_state_from_params(optimizer, p), model.param_shapes())
     replicated = NamedSharding(mesh, PartitionSpec())
     state_param_shardings = param_shardings

@@ -34,12 +34,13 @@ def restacked(saved, expected):
     arrays are read in their saved shape (split as `expected` splits the other axes) and
     `finish` reshapes them into `expected`'s shape and sharding; everything else is unchanged.
     An optimizer state saved with clipping on or off is read as saved (`_clip_slot`)."""
-    expected, reslot = _clip_slot(saved, expected)
-    target, finish = _restacked(saved, expected)
+    have = _flat(saved)
+    expected, reslot = _clip_slot(have, expected)
+    target, finish = _restacked(have, expected)
     return target, lambda restored: reslot(finish(restored))
 
 
-def _clip_slot(saved, expected):
+def _clip_slot(have: dict[str, Any], expected):
     """(expected, finish) for a train state whose optimizer state has gradient clipping's slot
     where the saved one has none, or the other way round: `tessera.optim` chains the clip in front
     when gradient_clipping_threshold > 0, and its state (optax's EmptyState) holds nothing, so the
@@ -48,8 +49,8 @@ def _clip_slot(saved, expected):
     unchanged = (expected, lambda restored: restored)
     if not isinstance(expected, dict) or "opt_state" not in expected:
         return unchanged
-    have, opt = set(_flat(saved)), expected["opt_state"]
-    if set(_flat(expected)) == have:
+    opt = expected["opt_state"]
+    if _flat(expected).keys() == have.keys():
         return unchanged
     options = [({**expected, "opt_state": (optax.EmptyState(), opt)},
                 lambda r: {**r, "opt_state": r["opt_state"][1]}, "on", "off")]
@@ -57,15 +58,15 @@ def _clip_slot(saved, expected):
         options.append(({**expected, "opt_state": opt[1]},
                         lambda r: {**r, "opt_state": (optax.EmptyState(), r["opt_state"])}, "off", "on"))
     for target, finish, then, now in options:
-        if set(_flat(target)) == have:
+        if _flat(target).keys() == have.keys():
             log.info("checkpoint: saved with gradient clipping %s, restored with it %s (the clip keeps no state)",
                      then, now)
             return target, finish
     return unchanged
 
 
-def _restacked(saved, expected):
-    have, moved = _flat(saved), []
+def _restacked(have: dict[str, Any], expected):
+    moved = []
 
     def adapt(path, want):
         key = _path_key(path)
