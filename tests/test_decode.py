@@ -547,6 +547,11 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--tokens", "1,2", "--eos_id", "-2"])
     assert exit_.value.code == 2 and "--eos_id -2 is not a token id" in capsys.readouterr().err
+    for tokens in ("1,,2", "1,2,", "", "1,two", "1.5"):  # an empty entry was skipped: `1,,2` decoded `1,2`
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--tokens", tokens])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and f"{tokens!r} is not a comma-separated list of token ids" in err, err
 
 
 def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):

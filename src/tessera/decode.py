@@ -114,10 +114,10 @@ def _joined_token_lists(argv: list[str]) -> list[str]:
 
 
 def _token_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids") from None
+    parts = text.replace(" ", "").split(",")
+    if all(re.fullmatch(r"[+-]?\d+", t) for t in parts):  # no empty entry: `1,,2` or `1,2,` is a typo, not `1,2`
+        return [int(t) for t in parts]
+    raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids (e.g. 1,2,3)")
 
 
 def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | None, list[list[int]]]:
