@@ -12,7 +12,7 @@ from optax.contrib import MuonDimensionNumbers as Dims
 from conftest import REPO, tiny_config
 from tessera.config import ConfigError, load_config
 from tessera.models import build_model
-from tessera.optim import learning_rate_schedule, make_optimizer, muon_dimension_numbers
+from tessera.optim import MUON_NAMED, learning_rate_schedule, make_optimizer, muon_dimension_numbers
 from tessera.step import create_state, setup
 from tessera.train import run
 
@@ -53,6 +53,8 @@ def test_muon_takes_the_blocks_weight_matrices_whole():
     fused, _ = _dims_and_axes(model_name="gpt3-175b")  # [layers, embed, q|k|v, heads, head_dim]: q, k, v each alone
     assert fused["['layers']['attention']['wqkv_dcnh']"] == Dims((1,), (3, 4))
     assert fused["['layers']['attention']['bqkv_cnh']"] is None and fused["['position_embedder_pd']"] is None
+    mtp, _ = _dims_and_axes(model_name="deepseek-small", mtp_num_layers=1)  # MaxText gives it to Muon too
+    assert mtp["['mtp_1']['projection_ced']"] == Dims((0, 1), (2,))  # one [2 x embed, embed] matrix
 
 
 @pytest.mark.parametrize("model", MODEL_FILES)
@@ -67,7 +69,7 @@ def test_muon_dimension_numbers_of_every_model_cover_each_weight_once(model):
             assert not name.startswith("w") or {"vocab", "norm"} & set(axes[path]) or \
                 len([a for a in axes[path] if a not in ("layers", "exp")]) < 2, (path, axes[path])
             continue
-        assert name.startswith("w") or name == "router_de", path
+        assert name.startswith("w") or name in MUON_NAMED, path
         used = (*d.reduction_axis, *d.output_axis)
         assert len(set(used)) == len(used) and d.reduction_axis and d.output_axis, (path, d)
         assert not {axes[path][i] for i in used} & {"layers", "exp", "vocab", "norm"}, (path, axes[path], d)

@@ -87,22 +87,26 @@ def muon(cfg: OptimConfig, schedule: optax.Schedule, logical_axes: Any) -> optax
 
 
 BATCH_AXES = ("layers", "exp")  # stacked layers and experts: batches of matrices, each orthogonalized alone
+MUON_NAMED = ("router_de", "projection_ced")  # matrices Muon takes besides the weights named w...
 
 
 def muon_dimension_numbers(logical_axes: Any) -> Any:
     """Per parameter, the axes of the matrix Muon orthogonalizes (MuonDimensionNumbers: input, then
     output axes; the others are batch axes), or None for a parameter AdamW trains. Muon takes the
-    weights of the blocks (names starting with w, and the MoE router): not the token table or the
-    output layer (a vocab axis), norms, biases, position tables, attention sinks. A weight whose
+    weights of the blocks (names starting with w, the MoE router and multi-token prediction's
+    projection): not the token table or the output layer (a vocab axis), norms, biases, position
+    tables, attention sinks. A weight whose
     name spells its axes (wqkv_dcnh) orthogonalizes each of its c stacked matrices alone."""
 
     def dims(path, axes):
         name = str(getattr(path[-1], "key", ""))
-        if not (name.startswith("w") or name == "router_de") or {"vocab", "norm"} & set(axes):
+        if not (name.startswith("w") or name in MUON_NAMED) or {"vocab", "norm"} & set(axes):
             return None
         batch = [i for i, a in enumerate(axes) if a in BATCH_AXES]
         rest = [i for i in range(len(axes)) if i not in batch]
         spelled = name.rsplit("_", 1)[-1]
+        if name == "projection_ced":  # MTP's one [embedding | hidden] -> D matrix: c and e are its input
+            return MuonDimensionNumbers(tuple(rest[:-1]), (rest[-1],))
         if spelled.isalpha() and len(spelled) == len(rest):
             rest = [i for i, letter in zip(rest, spelled) if letter != "c"]
         if len(rest) < 2:
