@@ -262,6 +262,29 @@ def test_every_unknown_key_and_bad_value_is_reported_in_one_error():
                line.endswith("(from the environment variable M_DTYPE)") for line in lines)
 
 
+def test_another_trainers_config_is_named_as_such_after_its_first_unknown_keys(tmp_path):
+    """MaxText's whole base.yml has 432 keys Tessera does not know: they filled the terminal and the
+    advice (start from configs/base.yml) was nowhere. Now the first 10, the others counted, the advice last."""
+    theirs = tmp_path / "their_base.yml"
+    theirs.write_text("".join(f"their_key_{i}: {i}\n" for i in range(30)) + "steps: abc\nmesh_axes: [data]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([str(theirs), "run_name=x"], env={})
+    lines = str(e.value).splitlines()
+    assert lines[0] == "32 problems in the config:"  # 30 unknown keys, a bad value, a refused MaxText key
+    assert [line for line in lines if "unknown config key" in line] == [
+        f"  unknown config key 'their_key_{i}' in {theirs}; see configs/base.yml for every key" for i in range(10)]
+    assert "  steps='abc' is not a valid int (from " + str(theirs) + ")" in lines
+    assert any(line.startswith("  mesh_axes=['data'] is a MaxText key Tessera does not implement") for line in lines)
+    assert lines[-1].startswith(f"  ... and 20 more unknown keys in {theirs} (30 in all): if it is another "
+                                "trainer's config (MaxText's base.yml or a copy of it), start from configs/base.yml")
+    # a few typos are still listed one by one, each with its closest keys
+    mine = tmp_path / "mine.yml"
+    mine.write_text("base_config: base.yml\n" + "".join(f"stepz{i}: 1\n" for i in range(20)))
+    with pytest.raises(ConfigError) as e:
+        load_config([str(mine)], env={})
+    assert str(e.value).startswith("20 problems in the config:") and str(e.value).count("unknown config key") == 20
+
+
 def test_config_errors_exit_2(capsys):
     from tessera.config.__main__ import main
 

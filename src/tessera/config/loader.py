@@ -113,8 +113,11 @@ def _raise_all(errors: list[str]) -> None:
     errors = list(dict.fromkeys(errors))
     if len(errors) == 1:
         raise ConfigError(errors[0])
-    if errors:
-        raise ConfigError(f"{len(errors)} problems in the config:\n  " + "\n  ".join(errors))
+    if errors:  # a line "... and N more unknown keys" stands for N problems; it goes last, with its advice
+        more = {line: int(m[1]) for line in errors if (m := re.match(r"\.\.\. and (\d+) more ", line))}
+        errors = [line for line in errors if line not in more] + list(more)
+        count = len(errors) - len(more) + sum(more.values())
+        raise ConfigError(f"{count} problems in the config:\n  " + "\n  ".join(errors))
 
 
 def _env_layers(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
@@ -290,10 +293,28 @@ def _parse_overrides(args: list[str]) -> dict[str, str]:
     return out
 
 
+MANY_UNKNOWN = 20  # a file with more unknown keys than this is another trainer's config, not typos
+UNKNOWN_SHOWN = 10
+
+
 def _check_known(values: Mapping[str, Any], source: str, errors: list[str]) -> dict[str, Any]:
     """`values` with MaxText's aliases renamed and its keys without effect dropped (maxtext.py); a
-    line in `errors` for each unknown key (with its 3 closest keys) and each refused MaxText key."""
-    return translate(values, source, all_fields(), errors)
+    line in `errors` for each unknown key (with its 3 closest keys) and each refused MaxText key.
+    A file with many unknown keys (MaxText's whole base.yml has 435) gets one line saying what to
+    do after its first few unknown keys, not a screenful of them."""
+    found: list[str] = []
+    out = translate(values, source, all_fields(), found)
+    unknown = [line for line in found if line.startswith("unknown config key")]
+    if len(unknown) > MANY_UNKNOWN:
+        left_out = set(unknown[UNKNOWN_SHOWN:])
+        found = [line for line in found if line not in left_out]
+        found.append(f"... and {len(left_out)} more unknown keys in {source} ({len(unknown)} in all): if it is "
+                     f"another trainer's config (MaxText's base.yml or a copy of it), start from "
+                     f"configs/base.yml instead and give only the keys you changed, on the command line or "
+                     f"in a file of your own that starts with base_config: base.yml "
+                     f"(getting_started/Coming_from_MaxText.md)")
+    errors.extend(found)
+    return out
 
 
 def coerce(name: str, raw: Any, f: dataclasses.Field) -> Any:
