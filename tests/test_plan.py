@@ -300,9 +300,29 @@ def test_compile_output_that_cannot_be_written_is_refused_before_compiling(tmp_p
     assert "compiling" not in captured.out and captured.out == ""  # refused before the search and any compile
     (tmp_path / "d" / "x.json").mkdir(parents=True)  # the JSON report's place is taken by a folder
     assert main([*compile_to, str(tmp_path / "d" / "x.sh")]) == 2
-    assert f"cannot be written: {tmp_path / 'd' / 'x.json'} is a folder" in capsys.readouterr().err
+    assert f"{tmp_path / 'd' / 'x.json'} already exists and --compile would replace it" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["X", "d"] and list((tmp_path / "d").iterdir()) == [
         tmp_path / "d" / "x.json"]
+
+
+def test_compile_never_replaces_a_file(tmp_path, capsys, monkeypatch):
+    """--output naming a shipped recipe (or any file) rewrote it after the compiles, without a word; an
+    --output ending in .json was replaced by the JSON report, so the recipe was lost."""
+    monkeypatch.chdir(tmp_path)
+    compile_to = ["default", "--hardware", "v5p-8", "--top", "1", "--compile", "--output"]
+    (tmp_path / "mine.sh").write_text("my recipe\n")
+    (tmp_path / "notes.json").write_text("{}")
+    for output, message in [
+            ("mine.sh", "config error: mine.sh already exists and --compile would replace it; "
+                        "move it away or choose another --output"),
+            ("notes.sh", "config error: notes.json already exists"),  # the report's place
+            ("r.json", "config error: --output=r.json names the recipe, a bash script, and its JSON report goes "
+                       "beside it as r.json; give the recipe a .sh name")]:
+        assert main([*compile_to, output]) == 2, output
+        captured = capsys.readouterr()
+        assert captured.err.startswith(message) and captured.out == "", captured.err
+    assert (tmp_path / "mine.sh").read_text() == "my recipe\n" and (tmp_path / "notes.json").read_text() == "{}"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.sh", "notes.json"]
 
 
 def test_long_sequences_plan_a_load_balanced_sequence_split():

@@ -172,6 +172,13 @@ def check_output(cfg: Config, hw: Hardware, output: str) -> None:
     from tessera.train_compile import unwritable_file
 
     recipe = recipe_path(cfg, hw, output)
+    if recipe.suffix == ".json":  # the report goes to <recipe>.json: it would replace the recipe
+        raise ConfigError(f"--output={recipe} names the recipe, a bash script, and its JSON report goes beside "
+                          f"it as {recipe.with_suffix('.json').name}; give the recipe a .sh name")
+    for path in (recipe, recipe.with_suffix(".json")):  # a shipped recipe or the user's file is never replaced
+        if path.exists() or path.is_symlink():
+            raise ConfigError(f"{path} already exists and --compile would replace it; move it away or choose "
+                              "another --output")
     why = unwritable_file(str(recipe)) or unwritable_file(str(recipe.with_suffix(".json")))
     if why:
         raise ConfigError(f"--output={recipe} cannot be written: {why}; choose another --output")
