@@ -236,7 +236,7 @@ def test_quantized_kv_cache_is_smaller(axis, scale_heads):
 def test_quantized_checkpoint_round_trip_decodes_like_the_float_one(mode, stored, tmp_path):
     """decode.py writes the loaded weights quantized (save_quantized_params_path) and decodes
     from them with checkpoint_is_quantized=true: weights within one rounding step of their row's
-    scale, greedy tokens of 8 prompts as the float weights give them."""
+    scale, norm scales as they were, logits close to the float weights'."""
     import orbax.checkpoint as ocp
 
     from tessera.checkpointing import saved_tree
@@ -256,21 +256,37 @@ def test_quantized_checkpoint_round_trip_decodes_like_the_float_one(mode, stored
 
     assert (quant_dir / MANIFEST).exists() and problem(quant_dir) is None  # every later load verifies it
     assert tree["params"]["layers"]["mlp"]["wi_0"]["qvalue"].dtype == stored
+    # the scanned layers' norm scales are [layers, embed] arrays, not matrices: they stay as they are
+    # (they were quantized, one int8 scale per layer, against what the docs say)
+    assert tree["params"]["layers"]["pre_mlp_norm"]["scale"].dtype == np.float32
+    assert params["layers"]["pre_mlp_norm"]["scale"].ndim == 2
     loaded_cfg = tiny_config(dtype="float32", quantization=mode, load_parameters_path=str(quant_dir),
                              checkpoint_is_quantized=True)
     _, restored, _ = load_model(loaded_cfg, mesh)
-    for w, r in zip(jax.tree.leaves(params), jax.tree.leaves(restored)):
+    matrices = jax.tree.leaves(jax.tree.map(lambda names: "embed" in names and len(names) - ("layers" in names) >= 2,
+                                            model.logical_axes(), is_leaf=lambda x: isinstance(x, tuple)))
+    assert sum(matrices) == 9 and len(matrices) == 12  # q, k, v, o, the MLP's three, token table, output layer; 3 norms
+    for w, r, matrix in zip(jax.tree.leaves(params), jax.tree.leaves(restored), matrices):
         assert r.dtype == w.dtype
-        if w.ndim >= 2:  # within half a quantization step of the row's absmax (int8: 1/127; e4m3: 1/16 relative)
+        if matrix:  # within half a quantization step of the row's absmax (int8: 1/127; e4m3: 1/16 relative)
             row_max = np.max(np.abs(w), axis=-1, keepdims=True)
             step = row_max / 127 if mode == "int8" else np.maximum(np.abs(w) / 8, row_max / 448 * 2.0**-9)
             assert np.all(np.abs(np.asarray(r) - w) <= step * 0.5 + 1e-7)
         else:
             np.testing.assert_array_equal(r, w)
-    want = generate(model, params, KV_PROMPTS, 6)
-    got = generate(model, restored, KV_PROMPTS, 6)
-    agreement = np.mean([a == b for x, y in zip(want, got) for a, b in zip(x, y)])
-    assert agreement >= 0.8, agreement
+    # the logits at every position of 16 random sequences (teacher-forced: greedy decoding of a random
+    # model cascades from near-ties; fp8 agreed on 5 of 8 first tokens here, with smaller errors than when
+    # the norm scales were quantized too, which had agreed on 8): within a bound, and the same next token
+    # wherever the float model's margin between its two best exceeds twice the largest error
+    tokens = np.random.default_rng(0).integers(1, 96, size=(16, 8))
+    want, got = np.asarray(model.apply(params, tokens)), np.asarray(model.apply(restored, tokens))
+    error = np.abs(got - want).max(-1)
+    assert error.max() < {"int8": 0.05, "fp8": 0.2}[mode] < 0.5 * want.std(), error.max()
+    best_two = np.sort(want, -1)[..., -2:]
+    clear = best_two[..., 1] - best_two[..., 0] > 2 * error
+    assert clear.mean() > 0.4 and np.all(got.argmax(-1)[clear] == want.argmax(-1)[clear])
+    assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
+    assert len(generate(model, restored, KV_PROMPTS, 6)) == len(KV_PROMPTS)  # and it decodes
 
 
 def test_quantized_checkpoint_keys_are_checked():

@@ -169,9 +169,10 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
                             model.param_shapes(), shardings)
     program = _check_memory(model, abstract, mesh, decoding, cfg.model.weight_dtype)
     if cfg.checkpoint.checkpoint_is_quantized:
-        stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization),
+        stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization, model.logical_axes()),
                                  verify=cfg.checkpoint.checkpoint_checksums)
-        params = jax.jit(lambda t: dequantize_params(t, abstract), out_shardings=shardings)(stored)
+        params = jax.jit(lambda t: dequantize_params(t, abstract, model.logical_axes()),
+                         out_shardings=shardings)(stored)
         log.info("loaded quantized parameters (%s) from %s, dequantized to %s", cfg.model.quantization, path,
                  cfg.model.weight_dtype)
     else:
@@ -179,8 +180,8 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
             params = load_parameters(path, abstract, verify=cfg.checkpoint.checkpoint_checksums)
         log.info("loaded parameters from %s", path)
     if cfg.checkpoint.save_quantized_params_path:
-        save_quantized(params, cfg.model.quantization, cfg.checkpoint.save_quantized_params_path,
-                       cfg.checkpoint.checkpoint_checksums)
+        save_quantized(params, model.logical_axes(), cfg.model.quantization,
+                       cfg.checkpoint.save_quantized_params_path, cfg.checkpoint.checkpoint_checksums)
     return model, params, program
 
 
@@ -242,7 +243,7 @@ def _memory_advice(shared: bool, cache: bool = False) -> str:
     return "; ".join(ways)
 
 
-def save_quantized(params, mode: str, path: str, checksums: bool = True) -> None:
+def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool = True) -> None:
     """Write `params` quantized (`tessera.models.quantization.quantize_params`) as an Orbax
     checkpoint holding {"params": ...}: what load_parameters_path with checkpoint_is_quantized=true reads;
     with `checksums`, its files' checksums too (`checkpoint_checksums`), which every load verifies."""
@@ -257,7 +258,7 @@ def save_quantized(params, mode: str, path: str, checksums: bool = True) -> None
     if target.exists():
         raise ConfigError(f"save_quantized_params_path={path} exists already; choose a new folder (nothing was "
                           "written)")
-    tree = {"params": jax.jit(lambda p: quantize_params(p, mode))(params)}
+    tree = {"params": jax.jit(lambda p: quantize_params(p, mode, logical_axes))(params)}
     ocp.PyTreeCheckpointer().save(target, tree)
     if checksums:
         record_checksums(path)

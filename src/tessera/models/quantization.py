@@ -125,10 +125,11 @@ def check_platform(mode: str, device_kind: str, platform: str) -> None:
 
 
 # ---------------------------------------------------------------------------- quantized checkpoints
-# A quantized checkpoint holds, for every weight of rank >= 2, {"qvalue": int8 or float8, "scale":
+# A quantized checkpoint holds, for every weight matrix, {"qvalue": int8 or float8, "scale":
 # float32} with one absmax scale per row of its last axis (every other axis keeps its own scales);
-# vectors (norm scales, biases) stay as they are. `decode.py save_quantized_params_path=...`
-# writes one; `checkpoint_is_quantized=true` reads it back, dequantized to the weights' dtype.
+# vectors (norm scales, biases, attention sinks) stay as they are, also when scanned layers stack
+# them into [layers, ...] arrays. `decode.py save_quantized_params_path=...` writes one;
+# `checkpoint_is_quantized=true` reads it back, dequantized to the weights' dtype.
 
 _STORAGE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8_full": jnp.float8_e4m3fn,
             "nanoo_fp8": jnp.float8_e4m3fnuz}
@@ -142,28 +143,39 @@ def storage_type(mode: str):
     return _STORAGE[mode]
 
 
-def _quantizable(shape) -> bool:
-    return len(shape) >= 2
+STACKING_AXES = ("layers", "exp")  # logical axes that stack matrices or vectors, one per layer or expert
 
 
-def quantize_params(params, mode: str):
-    """The parameters in a quantized checkpoint's form (see above)."""
+def _quantizable(names: tuple) -> bool:
+    """A weight matrix (logical axis `names`): it reads or writes the residual stream (an embed axis,
+    as MLA's latent axes are named too) and has another axis besides the stacking ones. A norm's
+    [layers, norm] scale or a [layers, heads, head_dim] bias is no matrix."""
+    rest = [n for n in names if n not in STACKING_AXES]
+    return "embed" in rest and len(rest) >= 2
+
+
+def _is_names(x) -> bool:
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+def quantize_params(params, mode: str, logical_axes):
+    """The parameters (logical axes `logical_axes`) in a quantized checkpoint's form (see above)."""
     import jax
     import qwix
 
     qtype = storage_type(mode)
 
-    def one(w):
-        if not _quantizable(w.shape):
+    def one(names, w):
+        if not _quantizable(names):
             return w
         q = qwix.quantize(w.astype(jnp.float32), qtype, channelwise_axes=tuple(range(w.ndim - 1)),
                           scale_dtype=jnp.float32)
         return {"qvalue": q.qvalue, "scale": q.scale}
 
-    return jax.tree.map(one, params)
+    return jax.tree.map(one, logical_axes, params, is_leaf=_is_names)
 
 
-def quantized_abstract(abstract_params, mode: str):
+def quantized_abstract(abstract_params, mode: str, logical_axes):
     """ShapeDtypeStructs of `quantize_params`'s result, with the weights' shardings (the scale
     keeps the weight's sharding but for its last axis, which it reduces to 1)."""
     import jax
@@ -171,8 +183,8 @@ def quantized_abstract(abstract_params, mode: str):
 
     qtype = storage_type(mode)
 
-    def one(s):
-        if not _quantizable(s.shape):
+    def one(names, s):
+        if not _quantizable(names):
             return s
         sharding = getattr(s, "sharding", None)
         scale_sharding = None
@@ -182,16 +194,16 @@ def quantized_abstract(abstract_params, mode: str):
         return {"qvalue": jax.ShapeDtypeStruct(s.shape, qtype, sharding=sharding),
                 "scale": jax.ShapeDtypeStruct((*s.shape[:-1], 1), jnp.float32, sharding=scale_sharding)}
 
-    return jax.tree.map(one, abstract_params)
+    return jax.tree.map(one, logical_axes, abstract_params, is_leaf=_is_names)
 
 
-def dequantize_params(tree, abstract_params):
+def dequantize_params(tree, abstract_params, logical_axes):
     """The float parameters (each in its abstract dtype) of a quantized checkpoint's tree."""
     import jax
 
-    def one(s, stored):
-        if not _quantizable(s.shape):
+    def one(names, s, stored):
+        if not _quantizable(names):
             return stored
         return (stored["qvalue"].astype(jnp.float32) * stored["scale"]).astype(s.dtype)
 
-    return jax.tree.map(one, abstract_params, tree, is_leaf=lambda x: hasattr(x, "shape") and hasattr(x, "dtype"))
+    return jax.tree.map(one, logical_axes, abstract_params, tree, is_leaf=_is_names)
