@@ -3,9 +3,11 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -107,6 +109,41 @@ def test_cpu_file_end_to_end(gpu, code, tmp_path):
     assert result["gpu_tuning"]["xla_python_client_mem_fraction"] == "0.5"  # config.xla_python_client_mem_fraction
     assert '<property name="optimization_level" value="default"/>' in xml
     assert "gpu tuning: optimization_level=default, enable_pgle=false" in proc.stdout
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_suite_stops_its_nodes(tmp_path):
+    """A scheduler's SIGTERM to the suite's process alone ended the suite (143, not a word) and left its
+    trainer running with no parent. The signal is now passed on to every node, which stops after its
+    step, and the suite says so once they have exited."""
+    long = json.loads(Path(CPU).read_text())
+    long["config"]["training_steps"] = "100000"
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(long))
+    suite = subprocess.Popen([sys.executable, "-m", "tessera.tools.validate", str(path), "--gpu", "cpu", "--out",
+                              str(tmp_path / "out")], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    log = tmp_path / "out" / "logs" / "node0.log"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (log.exists() and "| loss" in log.read_text()):
+        time.sleep(0.5)
+    assert log.exists() and "| loss" in log.read_text(), suite.stderr.read() if suite.poll() is not None else ""
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == suite.pid]
+    assert len(children) == 1
+    suite.send_signal(signal.SIGTERM)
+    out, err = suite.communicate(timeout=300)
+    assert suite.returncode == 143, out[-2000:] + err[-2000:]
+    assert "SIGTERM received: passed on to the 1 running node(s)" in err
+    assert err.rstrip().endswith(f"stopped by SIGTERM: every node has exited; node logs in {tmp_path / 'out' / 'logs'}")
+    assert not Path(f"/proc/{children[0]}").exists()  # the trainer is gone, not orphaned
+    assert "SIGTERM" in log.read_text()  # it stopped on the signal, after a step
+
+
+def _parent(pid: int) -> int:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
 
 
 FAKE_SSH = """#!/bin/bash

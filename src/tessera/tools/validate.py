@@ -19,7 +19,8 @@ nodes). See getting_started/Validation.md.
 
 Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
 unusable (placeholders left, bad structure) or the output folder cannot be written, 130 Ctrl-C
-(local nodes get it too: they save a checkpoint and stop; their logs say where).
+and 143 SIGTERM (passed on to every node, which saves a checkpoint and stops; their logs say
+where; the suite returns once they have exited).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings
 from tessera.tools.cli import UsageError, resolve_path
-from tessera.tools.validate_nodes import REPO, container_engine, node_commands, run_nodes, train_argv
+from tessera.tools.validate_nodes import REPO, NodesStopped, container_engine, node_commands, run_nodes, train_argv
 
 # config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
 ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
@@ -381,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot write node logs under {out_dir}: {e.strerror or e}; choose another --out",
               file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"interrupted (Ctrl-C); node logs in {out_dir / 'logs'}", file=sys.stderr)
-        return 130
+    except NodesStopped as stopped:  # SIGTERM or Ctrl-C: the nodes were given it and have exited
+        print(f"stopped by {stopped}: every node has exited; node logs in {out_dir / 'logs'}", file=sys.stderr)
+        return 128 + stopped.signum
     report_path = run_dir / "report.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else None
     rows = check(plan, report, codes)

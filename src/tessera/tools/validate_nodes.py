@@ -9,6 +9,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -88,20 +89,48 @@ def node_commands(plan: Plan, nodes: list[str], run_name: str, engine: str | Non
     return out
 
 
+class NodesStopped(Exception):
+    """SIGTERM or SIGINT reached the suite: every node was given it and has exited."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
-    """Start every node's command, stream each to its own log file, wait for all."""
+    """Start every node's command, stream each to its own log file, wait for all. The nodes run in
+    sessions of their own, and SIGTERM or SIGINT (Ctrl-C) to the suite is passed on to each of them
+    once (a trainer saves and stops; a second signal stops it at once): a scheduler's SIGTERM to the
+    suite alone left its trainers running without a parent, and a signal to the whole process group
+    reached every trainer twice. Once they have exited, NodesStopped."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs, logs = [], []
-    for rank, (host, argv, env) in enumerate(commands):
-        logs.append((log_dir / f"node{rank}.log").open("w"))
-        full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
-        procs.append(subprocess.Popen(argv, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT))
-        print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}", flush=True)
+    procs, logs, received = [], [], []
+
+    def forward(signum, frame):
+        received.append(signum)
+        running = [p for p in procs if p.poll() is None]
+        print(f"{signal.Signals(signum).name} received: passed on to the {len(running)} running node(s), which "
+              "save and stop (a second signal stops them at once); waiting for them", file=sys.stderr, flush=True)
+        for p in running:
+            p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return wait_for_nodes(procs, log_dir / "node0.log", steps)
+        for rank, (host, argv, env) in enumerate(commands):
+            logs.append((log_dir / f"node{rank}.log").open("w"))
+            full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
+            procs.append(subprocess.Popen(argv, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+            print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}", flush=True)
+        codes = wait_for_nodes(procs, log_dir / "node0.log", steps)
     finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         for log in logs:
             log.close()
+    if received:
+        raise NodesStopped(received[0])
+    return codes
 
 
 def wait_for_nodes(procs: list[subprocess.Popen], node0_log: Path, steps: str) -> list[int]:
