@@ -106,9 +106,18 @@ def test_convert_with_relative_paths(tmp_path):
 
 
 def test_bad_command_lines_exit_2_without_traceback(tmp_path):
+    (tmp_path / "listed").mkdir()  # a config.json holding a JSON array ended in an AttributeError traceback
+    (tmp_path / "listed" / "config.json").write_text("[]")
+    (tmp_path / "ckpt").mkdir()
+    not_object = f"{tmp_path / 'listed' / 'config.json'} holds a JSON list, not an object of model settings"
     cases = {
         ("-m", "tessera.tools.convert", "hf-to-tessera", "only_one"): "give hf-to-tessera or tessera-to-hf",
         ("-m", "tessera.tools.check_logits", "a", "b", "--max-kl", "x"): "--max-kl 'x' is not a number",
+        # nan or a negative bound failed every position (exit 1, "logits differ") whatever the logits
+        ("-m", "tessera.tools.check_logits", "a", "b", "--max-kl", "nan"): "--max-kl nan must be a finite number >= 0",
+        ("-m", "tessera.tools.check_logits", "a", "b", "--max-abs-diff", "-1"): "--max-abs-diff -1 must be a finite",
+        ("-m", "tessera.tools.convert", "hf-to-tessera", "listed", "out"): not_object,
+        ("-m", "tessera.tools.check_logits", "listed", "ckpt", "model_name=default"): not_object,
         ("-m", "tessera.tools.check_logits", "nowhere", "b"): f"Hugging Face folder {tmp_path / 'nowhere'} does not",
         ("-m", "tessera.tools.validate", "none.json"): f"validation file {tmp_path / 'none.json'} does not exist",
         ("-m", "tessera.config", "none.yml"): f"config file {tmp_path / 'none.yml'} does not exist",

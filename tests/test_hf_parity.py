@@ -7,6 +7,7 @@ tests skip, except in CI (CI or TESSERA_REQUIRE_HF_REFERENCE set), where they fa
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -195,8 +196,8 @@ def test_hf_config_round_trips_every_model_file():
                                                                                   m.mlp_dim)
 
 
-def _cli(*args, timeout=300):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+def _cli(*args, timeout=300, **extra_env):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", **extra_env}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
 
 
@@ -224,6 +225,19 @@ def test_convert_cli_then_train_and_check_logits(hf_model, tmp_path):
     hf_to_tessera(other, other_out, _config(other))
     check = _cli("-m", "tessera.tools.check_logits", str(hf_dir), str(other_out), *keys, "--tokens", "5,17,3")
     assert check.returncode == 1 and "FAIL" in check.stdout
+    # the Hugging Face side failing is bad input (exit 2, one line), never exit 1, which says the logits differ:
+    # it was a traceback with exit 1 for a damaged checkpoint, an interpreter without torch, or a folder
+    damaged = tmp_path / "damaged"
+    shutil.copytree(hf_dir, damaged)
+    for f in damaged.glob("*.safetensors"):
+        f.write_bytes(f.read_bytes()[:100])
+    failures = {"damaged": ([str(damaged)], {}, "error: the Hugging Face reference failed (exit 1): "),
+                "no torch": ([str(hf_dir)], {"TESSERA_HF_PYTHON": sys.executable}, "cannot import what the reference"),
+                "a folder": ([str(hf_dir)], {"TESSERA_HF_PYTHON": str(tmp_path)}, "is not an executable file")}
+    for name, (folder, env, message) in failures.items():
+        check = _cli("-m", "tessera.tools.check_logits", *folder, str(out), *keys, "--tokens", "5,17,3", **env)
+        assert check.returncode == 2 and "Traceback" not in check.stderr, (name, check.stderr[-2000:])
+        assert message in check.stderr and len(check.stderr.strip().splitlines()) == 1, (name, check.stderr)
 
 
 def test_convert_refuses_a_mismatched_config_and_keeps_outputs(hf_model, tmp_path):

@@ -9,12 +9,13 @@ checkpoint's parameters (a training step folder or one written by `tools.convert
 the model the config describes. Without --tokens, 32 token ids are drawn from the vocabulary
 with a fixed seed. One line per position: max |logit difference| and KL(p_hf || p_tessera) in
 nats. Exit 0 when both stay under their thresholds at every position, 1 when not, 2 on bad
-input, 130 on Ctrl-C. Relative paths are read from the working directory.
+input (and when the Hugging Face side cannot run: a damaged checkpoint, an interpreter without
+torch), 130 on Ctrl-C. Relative paths are read from the working directory.
 """
 
 from __future__ import annotations
 
-import json
+import math
 import sys
 from pathlib import Path
 
@@ -91,12 +92,13 @@ def run(argv: list[str]) -> int:
         raise UsageError(f"give a Hugging Face folder and a Tessera checkpoint (got {positional})\nusage: {USAGE}")
     hf_dir = Path(resolve_path(positional[0], "Hugging Face folder"))
     checkpoint = resolve_path(positional[1], "checkpoint")
-    if not (hf_dir / "config.json").is_file():
-        raise ConfigError(f"{hf_dir} has no config.json; pass a Hugging Face model folder")
+    from tessera.tools.hf_checkpoint import read_hf_config
+
+    hf_config = read_hf_config(hf_dir)
     cfg = load_model_config(None, overrides)
     from tessera.tools.convert import check_same_model
 
-    check_same_model(cfg, json.loads((hf_dir / "config.json").read_text()))
+    check_same_model(cfg, hf_config)
     tokens = _tokens(options["--tokens"], cfg.model.vocab_size)
     ref = hf_env.reference_logits(hf_dir, tokens)
     ours = tessera_logits(cfg, checkpoint, tokens)
@@ -112,17 +114,20 @@ def run(argv: list[str]) -> int:
 
 def _threshold(options: dict[str, str], name: str) -> float:
     try:
-        return float(options[name])
+        value = float(options[name])
     except ValueError:
         raise UsageError(f"{name} {options[name]!r} is not a number; e.g. {name} {OPTIONS[name]}") from None
+    if not (math.isfinite(value) and value >= 0):  # nan or a negative bound fails every position, inf passes all
+        raise UsageError(f"{name} {options[name]} must be a finite number >= 0; e.g. {name} {OPTIONS[name]}")
+    return value
 
 
 def main(argv: list[str]) -> int:
     exit_if_help(argv, check_logits_help)
     try:
         return run(argv)
-    except (ConfigError, UsageError, hf_env.ReferenceUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, UsageError, hf_env.ReferenceUnavailable, hf_env.ReferenceFailed) as e:
+        print(f"error: {e}", file=sys.stderr)  # never exit 1: that says the logits differ
         return 2
     except KeyboardInterrupt:  # it writes nothing, so there is nothing to clean up
         print("interrupted (Ctrl-C)", file=sys.stderr)

@@ -24,17 +24,27 @@ from tessera.tools.hf_layouts import Layout, Rule
 log = logging.getLogger("tessera")
 
 
+def read_hf_config(hf_dir: Path) -> dict:
+    """The folder's config.json as a dict; ConfigError when it is missing, not JSON or not an object."""
+    path = hf_dir / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{hf_dir} has no config.json; pass a Hugging Face model folder "
+                          "(config.json + *.safetensors)")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} holds a JSON {type(config).__name__}, not an object of model settings "
+                          '({"model_type": ..., "hidden_size": ..., ...}); pass the model\'s own config.json')
+    return config
+
+
 class Reader:
     """Tensors of a Hugging Face checkpoint folder, read lazily by name."""
 
     def __init__(self, hf_dir: Path):
-        if not (hf_dir / "config.json").is_file():
-            raise ConfigError(f"{hf_dir} has no config.json; pass a Hugging Face model folder "
-                              "(config.json + *.safetensors)")
-        try:
-            self.config = json.loads((hf_dir / "config.json").read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{hf_dir / 'config.json'} is not valid JSON: {e}") from None
+        self.config = read_hf_config(hf_dir)
         index = hf_dir / "model.safetensors.index.json"
         if index.is_file():
             try:

@@ -40,6 +40,10 @@ class ReferenceUnavailable(RuntimeError):
             f"{ENV_PYTHON}=/path/to/python of an interpreter with torch and transformers.")
 
 
+class ReferenceFailed(RuntimeError):
+    """The reference interpreter ran and failed (its last error line says why) or timed out."""
+
+
 def _repo_roots() -> list[Path]:
     """Folders holding setup.sh: above this file (a source checkout), then the working dir."""
     starts = [SCRIPT.parent, Path.cwd()]
@@ -62,6 +66,8 @@ def reference_python() -> str | None:
     if configured:
         if not Path(configured).exists():
             raise ReferenceUnavailable(f"{ENV_PYTHON}={configured} does not exist")
+        if not Path(configured).is_file() or not os.access(configured, os.X_OK):
+            raise ReferenceUnavailable(f"{ENV_PYTHON}={configured} is not an executable file (a Python interpreter)")
         return configured
     for root in _repo_roots():
         python = root / HF_VENV / "bin" / "python"
@@ -84,11 +90,13 @@ def run_reference(*args: str, timeout: float = 600) -> subprocess.CompletedProce
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"Hugging Face reference timed out after {timeout:.0f} s: {' '.join(cmd)}") from e
+        raise ReferenceFailed(f"Hugging Face reference timed out after {timeout:.0f} s: {' '.join(cmd)}") from e
     if proc.returncode != 0:
-        tail = "\n".join(proc.stderr.strip().splitlines()[-30:])
-        raise RuntimeError(
-            f"Hugging Face reference failed (exit {proc.returncode}): {' '.join(cmd)}\n{tail}")
+        lines = proc.stderr.strip().splitlines()
+        if any(line.startswith("ModuleNotFoundError") for line in lines[-3:]):
+            raise ReferenceUnavailable(f"{python} cannot import what the reference needs ({lines[-1]})")
+        raise ReferenceFailed(f"the Hugging Face reference failed (exit {proc.returncode}): "
+                              f"{lines[-1] if lines else 'no error output'} (command: {' '.join(cmd)})")
     return proc
 
 
