@@ -12,6 +12,8 @@ from optax.contrib import MuonDimensionNumbers as Dims
 from conftest import REPO, tiny_config
 from tessera.config import ConfigError, load_config
 from tessera.models import build_model
+from tessera import optim
+from tessera.muon_layout import MatrixGroups
 from tessera.optim import MUON_NAMED, learning_rate_schedule, make_optimizer, muon_dimension_numbers
 from tessera.step import create_state, setup
 from tessera.train import run
@@ -76,31 +78,74 @@ def test_muon_dimension_numbers_of_every_model_cover_each_weight_once(model):
         assert "embed" in {axes[path][i] for i in used}, (path, axes[path], d)
 
 
-def _update_inputs(**keys):
+def _update_inputs(devices=1, **keys):
     cfg = tiny_config(gradient_clipping_threshold=0.0, **keys)
-    trainer = setup(cfg, jax.devices()[:1])
+    trainer = setup(cfg, jax.devices()[:devices])
     params = create_state(trainer, 0)["params"]
     grads = [jax.tree.map(lambda p, i=i: jax.random.normal(jax.random.key(i), p.shape, p.dtype), params)
              for i in range(3)]
     return cfg, trainer, params, grads
 
 
-def _run_updates(opt, params, grads):
-    state, out = opt.init(params), []
-    for g in grads:
+def _run_updates(opt, params, grads, mesh=None):
+    """Three updates; under `mesh` (as the train step runs them) jitted with the params' shardings."""
+    def step(g, state, params):
         updates, state = opt.update(g, state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), state
+
+    state, out = opt.init(params), []
+    if mesh is not None:
+        shardings = jax.tree.map(lambda p: p.sharding, params)
+        with jax.set_mesh(mesh):
+            step = jax.jit(step, out_shardings=(shardings, None))
+            for g in grads:
+                params, state = step(g, state, params)
+                out.append(params)
+        return out
+    for g in grads:
+        params, state = step(g, state, params)
         out.append(params)
     return out
 
 
-@pytest.mark.parametrize("consistent_rms, weight_decay", [(0.0, 0.0), (0.2, 0.1)])
-def test_muon_steps_equal_optax_muon_on_the_matrices_and_adamw_on_the_rest(consistent_rms, weight_decay):
+GROUPS = {  # the Muon matrices stacked over the mesh for the Newton-Schulz iterations, by mesh
+    # every weight split along its embed axis only: the MLP's 9 [24, 40] matrices (3 layers x wi_0, wi_1
+    # and wo transposed) over all 8 devices (padded to 16); q and o (6 of [24, 24]) and k and v (6 of [12, 24],
+    # transposed) over data, each computed by the 4 fsdp devices
+    "data 2 x fsdp 4": ({"ici_data_parallelism": 2, "ici_fsdp_parallelism": 4},
+                        {((3,), (), 24, 40, "float32"): ["mlp/wi_0", "mlp/wi_1", "mlp/wo_fd"],
+                         ((3,), (), 24, 24, "float32"): ["attention/wo_nhd", "attention/wq_dnh"],
+                         ((3,), (), 12, 24, "float32"): ["attention/wk_dkh", "attention/wv_dkh"]},
+                        {"mlp/wi_0": ("data", "fsdp"), "attention/wo_nhd": ("data",), "attention/wk_dkh": ("data",)}),
+    # q, o and the MLP are split along two axes (fsdp and tensor), left to GSPMD; k and v (2 heads, whole on
+    # the tensor axis) are stacked over fsdp
+    "fsdp 2 x tensor 4": ({"ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 4},
+                          {((3,), (), 12, 24, "float32"): ["attention/wk_dkh", "attention/wv_dkh"]},
+                          {"attention/wk_dkh": ("fsdp",)}),
+}
+
+
+@pytest.mark.parametrize("consistent_rms, weight_decay, mesh", [(0.0, 0.0, None), (0.2, 0.1, None),
+                                                               (0.2, 0.1, "data 2 x fsdp 4"),
+                                                               (0.2, 0.1, "fsdp 2 x tensor 4")])
+def test_muon_steps_equal_optax_muon_on_the_matrices_and_adamw_on_the_rest(consistent_rms, weight_decay, mesh):
     """Three updates of the tiny model: the matrices as optax.contrib.muon moves them (given only matrices,
-    with the same dimension numbers), the other parameters as AdamW with its decay mask (opt_type=adamw)."""
-    cfg, trainer, params, grads = _update_inputs(opt_type="muon", muon_consistent_rms=consistent_rms,
-                                                 muon_weight_decay=weight_decay, adam_weight_decay=0.05)
-    ours = [_flat(p) for p in _run_updates(trainer.optimizer, params, grads)]
+    with the same dimension numbers), the other parameters as AdamW with its decay mask (opt_type=adamw).
+    On 8 devices the matrices of one shape are stacked, split over the mesh, for the Newton-Schulz
+    iterations (muon_layout), as on a TPU slice: GROUPS says which."""
+    mesh_keys, want_groups, want_split = GROUPS[mesh] if mesh else ({}, {}, {})
+    cfg, trainer, params, grads = _update_inputs(8 if mesh else 1, opt_type="muon", muon_consistent_rms=consistent_rms,
+                                                 muon_weight_decay=weight_decay, adam_weight_decay=0.05, **mesh_keys)
+    if mesh:
+        axes = trainer.model.logical_axes()
+        with jax.set_mesh(trainer.mesh):
+            groups = MatrixGroups(grads[0], optim.masked(muon_dimension_numbers(axes)), axes)
+        names = ["/".join(str(k.key) for k in path[1:]) for path, _ in jax.tree_util.tree_flatten_with_path(
+            grads[0], is_leaf=lambda x: isinstance(x, optax.MaskedNode))[0]]
+        assert {key: [names[i] for i in members] for key, members in groups.stacked.items()} == want_groups
+        split = {names[members[0]]: groups.split[key] for key, members in groups.stacked.items()}
+        assert split == want_split
+    ours = [_flat(p) for p in _run_updates(trainer.optimizer, params, grads, trainer.mesh if mesh else None)]
     dims = _flat(muon_dimension_numbers(trainer.model.logical_axes()))
     matrices = [k for k, d in dims.items() if d is not None]
     schedule = learning_rate_schedule(cfg.optim, cfg.run.steps)

@@ -22,7 +22,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from optax.contrib import MuonDimensionNumbers, scale_by_muon
+from optax.contrib import MuonDimensionNumbers
+
+from tessera.muon_layout import scale_by_muon_whole_matrices
 
 from tessera.config import OptimConfig
 
@@ -71,19 +73,27 @@ def muon(cfg: OptimConfig, schedule: optax.Schedule, logical_axes: Any) -> optax
     matrix's shape (muon_consistent_rms), decayed by muon_weight_decay x the learning rate, times the
     learning rate. The same schedule drives both parts."""
     dims = muon_dimension_numbers(logical_axes)
-    is_dims = lambda x: x is None or isinstance(x, MuonDimensionNumbers)  # noqa: E731 - a NamedTuple is a pytree
-    labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims, is_leaf=is_dims)
-    # the muon branch sees the other parameters as MaskedNode leaves, and so must its dimension numbers
-    masked_dims = jax.tree.map(lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=is_dims)
+    labels = jax.tree.map(lambda d: "adamw" if d is None else "muon", dims, is_leaf=_is_dims)
+    masked_dims = masked(dims)
     return optax.partition({
         "muon": optax.chain(
-            scale_by_muon(beta=cfg.muon_beta, eps=cfg.adam_eps, weight_dimension_numbers=lambda _: masked_dims),
+            scale_by_muon_whole_matrices(cfg.muon_beta, cfg.adam_eps, masked_dims, logical_axes),
             _scale_by_shape(masked_dims, cfg.muon_consistent_rms),
             optax.add_decayed_weights(cfg.muon_weight_decay),
             optax.scale_by_learning_rate(schedule),
         ),
         "adamw": _adamw(cfg, schedule),
     }, labels)
+
+
+def _is_dims(x) -> bool:
+    return x is None or isinstance(x, MuonDimensionNumbers)  # a NamedTuple is a pytree: stop at it
+
+
+def masked(dims: Any) -> Any:
+    """`muon_dimension_numbers` as the Muon branch of the partition sees it: AdamW's parameters are
+    MaskedNode leaves there, and so must their dimension numbers be."""
+    return jax.tree.map(lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=_is_dims)
 
 
 BATCH_AXES = ("layers", "exp")  # stacked layers and experts: batches of matrices, each orthogonalized alone
