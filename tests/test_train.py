@@ -692,6 +692,68 @@ def test_a_full_state_load_warns_when_the_learning_rate_jumps_too(tmp_path, capl
     assert "loaded full state at step 2" in caplog.text and "learning rate jumps" not in caplog.text
 
 
+def test_a_load_path_given_at_a_resume_is_named_as_not_read(tmp_path, caplog):
+    """The run resumes from its own checkpoint; a load path added or changed since was ignored with only
+    an info line among the changed settings."""
+    run(tiny_config(tmp_path / "other", steps=1), jax.devices()[:1])
+    other = str(tmp_path / "other" / "test" / "checkpoints" / "1")
+    run(tiny_config(tmp_path, steps=1), jax.devices()[:1])
+    with caplog.at_level("INFO", logger="tessera"):
+        report = run(tiny_config(tmp_path, steps=2, load_parameters_path=other), jax.devices()[:1])
+    assert report["start_step"] == 1
+    assert (f"load_parameters_path={other} is not read: the run resumes from its own checkpoint of step 1 (a load "
+            f"path is read only when the run has no checkpoint). To start from {other}, train in a new run_name"
+            in caplog.text)
+
+
+def test_checkpoints_a_start_would_not_read_are_refused(tmp_path):
+    """enable_checkpointing=false (or a checkpoint_dir with nothing in it) on a run folder with checkpoints
+    trained again from step 0 beside them, appended to their metrics, replaced their config and report,
+    and said the earlier steps were lost before they were saved."""
+    run(tiny_config(tmp_path, steps=2), jax.devices()[:1])
+    folder = tmp_path / "test"
+    before = {p: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".tessera.lock"}
+    own = folder / "checkpoints"
+    for keys, why, leave_out in [({"enable_checkpointing": False}, "enable_checkpointing=false", "enable_checkpointing"),
+                                 ({"checkpoint_dir": str(tmp_path / "elsewhere")},
+                                  f"checkpoint_dir={tmp_path / 'elsewhere'} holds none", "checkpoint_dir")]:
+        with pytest.raises(ConfigError) as e:
+            run(tiny_config(tmp_path, steps=2, **keys), jax.devices()[:1])
+        assert str(e.value) == (f"{own} holds this run's checkpoints up to step 2, which this start would not read "
+                                f"({why}): it would train again from step 0 beside them. To continue the run, leave "
+                                f"out {leave_out}; for a new run, choose a new run_name")
+        assert {p: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".tessera.lock"} == before
+
+
+def test_a_stop_signal_during_an_evaluation_saves_without_finishing_it(tmp_path, monkeypatch, caplog):
+    """SIGTERM arriving during a long evaluation waited for every eval batch before the save (22 s with
+    the first-run corpus), eating into a preemption's grace period: the evaluation now stops at its next
+    batch, is not recorded, and the step is saved."""
+    import signal
+
+    from tessera import evaluation
+    from tessera.stop_signals import TrainingStopped
+
+    calls = []
+
+    def place(*args):  # the signal arrives during the third eval batch of the evaluation at step 2
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return place_batch(*args)
+
+    place_batch = evaluation.place_batch
+    monkeypatch.setattr(evaluation, "place_batch", place)
+    cfg = tiny_config(tmp_path, steps=6, eval_interval=2, eval_steps=40, checkpoint_period=100)
+    with caplog.at_level("INFO", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
+        run(cfg, jax.devices()[:1])
+    assert stopped.value.exit_code == 143 and len(calls) == 3
+    assert "evaluation of step 2 stopped after 3 batch(es) by the stop signal: not recorded" in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and not any("eval_loss" in r for r in records)
+    assert Checkpointer(cfg.checkpoint, str(tmp_path / "test" / "checkpoints")).latest_step() == 2
+
+
 def test_changes_since_save_compare_as_the_checkpoint_stored_them():
     from tessera.config import flat_dict
     from tessera.start_state import changes_since_save, saved_schedule

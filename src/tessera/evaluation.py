@@ -133,10 +133,12 @@ class Evaluator:
                  "it, or set it to 0, to train on)", start_step, loss, cfg.target_eval_loss)
         return True
 
-    def run(self, step: int, params, beat: Callable[[], None] = lambda: None) -> dict:
+    def run(self, step: int, params, beat: Callable[[], None] = lambda: None,
+            interrupted: Callable[[], bool] = lambda: False) -> dict | None:
         """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'}, with
         MTP 'eval_mtp_loss' and 'eval_mtp_acceptance_rate_percent' (see the module's docstring);
-        `beat()` after each batch (the hang watchdog's: a long evaluation is not a hung step)."""
+        `beat()` after each batch (the hang watchdog's: a long evaluation is not a hung step). None
+        when `interrupted()` turns true between batches (a stop signal: the save comes first)."""
         start = time.perf_counter()
         self.data.set_state(self.start)
         totals, batches = {}, 0
@@ -149,6 +151,10 @@ class Evaluator:
                 beat()
                 if batches == self.steps:
                     break
+                if interrupted():
+                    log.warning("evaluation of step %d stopped after %d batch(es) by the stop signal: not recorded; "
+                                "the checkpoint is saved first", step, batches)
+                    return None
         if 0 < batches < self.steps and not self.said_short:
             log.warning("the eval data ended after %d batch(es), fewer than eval_steps=%d: every evaluation scores "
                         "those %d; set eval_steps=-1 to say so, or add eval documents", batches, self.steps, batches)

@@ -5,6 +5,7 @@ folder's lock (`RunFolderLock`) from the moment the folder exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ import yaml
 from tessera import metrics
 from tessera.checkpointing import check_writable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
-from tessera.config.derived import remote_run_dir, run_dir
+from tessera.config.derived import checkpoint_directory, remote_run_dir, run_dir
 from tessera.evaluation import at_target
 from tessera.loop_records import input_bound_warning, time_line
 
@@ -45,6 +46,24 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
                               f"{Path(cfg.run.metrics_file) / 'metrics.jsonl'}")
         check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file")
     check_cache_folder(cfg)
+
+
+def refuse_unread_checkpoints(cfg: Config, ckpt_dir: str) -> None:
+    """ConfigError when the run's own checkpoint folder holds steps this start would not read
+    (enable_checkpointing=false, or checkpoint_dir elsewhere with nothing in it): it would train
+    again from step 0 beside them, append to their metrics and replace their config and report."""
+    own = checkpoint_directory(dataclasses.replace(cfg.checkpoint, checkpoint_dir=""), cfg.run.base_output_directory,
+                               cfg.run.run_name)
+    if "://" in own or (cfg.checkpoint.enable_checkpointing and own == ckpt_dir) or not Path(own).is_dir():
+        return
+    steps = sorted(int(p.name) for p in Path(own).iterdir() if p.name.isdigit() and p.is_dir())
+    if not steps:
+        return
+    why = ("enable_checkpointing=false" if not cfg.checkpoint.enable_checkpointing else
+           f"checkpoint_dir={cfg.checkpoint.checkpoint_dir} holds none")
+    raise ConfigError(f"{own} holds this run's checkpoints up to step {steps[-1]}, which this start would not read "
+                      f"({why}): it would train again from step 0 beside them. To continue the run, leave out "
+                      f"{why.split('=')[0]}; for a new run, choose a new run_name")
 
 
 def check_cache_folder(cfg: Config) -> None:

@@ -106,6 +106,11 @@ def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: o
     listed = [f"{k} {_show(then)} -> {_show(now)}" for k, (then, now) in changes.items()]
     more = f", and {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
     log.info("settings changed since step %d was saved: %s%s", step, ", ".join(listed[:MAX_LISTED]), more)
+    for key in ("load_parameters_path", "load_full_state_path"):  # read at a run's first start only
+        if key in changes and changes[key][1]:
+            log.warning("%s=%s is not read: the run resumes from its own checkpoint of step %d (a load path is "
+                        "read only when the run has no checkpoint). To start from %s, train in a new run_name",
+                        key, changes[key][1], step, changes[key][1])
     data = [k for k in changes if k in DATA_SOURCE_KEYS]
     if data:
         log.warning("the training data changed since step %d was saved (%s): the data position saved with it "

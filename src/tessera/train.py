@@ -37,7 +37,8 @@ from tessera.memory_fit import (
     save_buffers, state_advice, state_bytes, state_shapes, step_advice,
 )
 from tessera.mesh import sharding_report
-from tessera.run_folder import RunFolderLock, check_output_folders, create_run_folder, write_report
+from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
+                                refuse_unread_checkpoints, write_report)
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
 from tessera.start_state import initial_state, state_source
 from tessera.step import Trainer, compile_step, init_program, setup
@@ -77,6 +78,8 @@ def _locked_run(cfg: Config, trainer: Trainer, ckpt_dir: str, clock: RunClock, l
     try:
         # a finished run stops here, before reading its checkpoint or compiling anything
         latest = ckpt.latest_step() if ckpt else None
+        if latest is None:
+            refuse_unread_checkpoints(cfg, ckpt_dir)
         if latest is not None and latest >= cfg.run.steps:
             ckpt.check_complete(latest)  # a step folder with nothing in it is not a finished run
         done = _nothing_to_do(cfg, latest)
@@ -212,8 +215,18 @@ class _Loop:
             stats.finish()  # a non-finite step stops the run before anything is evaluated or saved
         reached = False
         if evaluating:
+            # a signal during a long evaluation (every eval batch by default) must not eat into a
+            # preemption's grace period: one process breaks off and saves; the processes of a job
+            # evaluate together (their batches meet in collectives), so they finish it first
+            single = jax.process_count() == 1
             with self.clock.during("evaluation"):
-                record = self.evaluator.run(step, state["params"], watchdog.beat)
+                record = self.evaluator.run(step, state["params"], watchdog.beat,
+                                            interrupted=lambda: single and stop.signum is not None)
+            if record is None:
+                stopping = stop.stop_after(step)
+                saving = bool(ckpt)
+                evaluating = False
+        if evaluating:
             self.writer.write_eval(record)
             reached = at_target(cfg.data, record["eval_loss"])
             if reached and not last:
