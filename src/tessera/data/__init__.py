@@ -10,6 +10,8 @@ a run, raises `DataError` (a `ConfigError`: exit code 2) naming the file and wha
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import numpy as np
 
@@ -20,7 +22,12 @@ from tessera.data.synthetic import SyntheticData
 __all__ = ["DataError", "SyntheticData", "make_input", "place_batch"]
 
 
+log = logging.getLogger("tessera")
+
+
 def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
+    if split == "train":
+        _warn_unread_eval_files(cfg)
     if cfg.dataset_type == "synthetic":
         return SyntheticData(cfg, vocab_size, global_batch, split)
     if cfg.dataset_type == "hf":
@@ -32,6 +39,15 @@ def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str =
 
         return GrainData(cfg, vocab_size, global_batch, split)
     raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available; use synthetic, hf, tfds or grain")
+
+
+def _warn_unread_eval_files(cfg: DataConfig) -> None:
+    """Eval files set while eval_interval=0 are never opened: say so once, at start-up."""
+    settings = [f"{key}={getattr(cfg, key)!r}" for key in ("hf_eval_files", "grain_eval_files", "eval_dataset_name")
+                if getattr(cfg, key)]
+    if settings and not cfg.eval_interval:
+        log.warning("%s: not read, because eval_interval=0 never evaluates; set eval_interval=N to evaluate every N "
+                    "steps", ", ".join(settings))
 
 
 def rows_per_process(global_batch: int, split: str = "train") -> int:

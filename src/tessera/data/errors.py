@@ -75,6 +75,14 @@ def no_records(setting: str, files: list[str], note: str = "") -> DataError:
                      "files that have some")
 
 
+def no_tokens(source: str) -> DataError:
+    """The error for training data (`source`, e.g. "hf_train_files='a.json', train_data_columns=['text']")
+    of which a whole pass gave no token: repeating it would never fill a batch."""
+    return DataError(f"{source}: a whole pass over the training data holds no tokens (every document is empty "
+                     "text or an empty token-id list, and add_bos/add_eos add no begin/end token); check that "
+                     "train_data_columns names the column with the text, and the files")
+
+
 def read_failure(error: Exception, files: list[str], fmt: str, setting: str) -> DataError:
     """The DataError for `error`, raised while reading `files` (set by `setting`, e.g.
     "hf_train_files='/data/*.parquet'") in format `fmt`."""

@@ -25,7 +25,8 @@ import numpy as np
 
 from tessera.config import ConfigError, DataConfig
 from tessera.data import rows_per_process
-from tessera.data.errors import brief, check_reachable, damaged_file, no_records
+from tessera.data.documents import column_values, document_ids
+from tessera.data.errors import DataError, brief, check_reachable, damaged_file, no_records, no_tokens
 from tessera.data.hf import expand_files
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
@@ -70,12 +71,71 @@ class ParquetSource:
             self._cache = (group, table.to_pylist())
         return self._cache[1][index - self.starts[group]]
 
+    def where(self, index: int) -> str:
+        """The file and row of record `index`, for messages."""
+        file = self.groups[bisect.bisect_right(self.starts, index) - 1][0]
+        first_group = next(g for g, (f, _) in enumerate(self.groups) if f == file)
+        return f"{self.key}: file {self.files[file]!r}, row {index - self.starts[first_group]} (counting from 0)"
 
-def _decode_record(record: bytes, columns: list[str]) -> dict:
-    text = record.decode("utf-8")
-    if text.startswith("{"):
-        return json.loads(text)
-    return {columns[0]: text}
+
+class ArrayRecordSource:
+    """The records of ArrayRecord files as examples: a record is UTF-8 text, or a JSON object
+    holding the columns when it parses as one (any other text, `{` or not, is text)."""
+
+    def __init__(self, files: list[str], columns: list[str], key: str):
+        import grain
+
+        self.files, self.column, self.key = files, columns[0], key
+        self.source = grain.sources.ArrayRecordDataSource(files)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> dict:
+        record = self.source[index]
+        try:
+            text = record.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{self.where(index)} is not UTF-8 text (byte {e.start}: {e.reason}); re-create the "
+                            f"file, or leave it out of {self.key}") from None
+        if text.startswith("{"):
+            try:
+                example = json.loads(text)
+            except ValueError:
+                example = None
+            if isinstance(example, dict):
+                return example
+        return {self.column: text}
+
+    def where(self, index: int) -> str:
+        """The file and record of record `index`, for messages (opens each file to count its records)."""
+        import grain
+
+        for path in self.files:
+            count = len(grain.sources.ArrayRecordDataSource([path]))
+            if index < count:
+                return f"{self.key}: file {path!r}, record {index} (counting from 0)"
+            index -= count
+        return f"{self.key}: record {index}"
+
+
+class _Checked:
+    """A source's records as checked `column_values` (see tessera.data.documents); errors name the
+    record's file and place (the source's `where`, when it has one)."""
+
+    def __init__(self, source, columns: list[str], described: str, vocab_size: int):
+        self.source, self.columns, self.described, self.vocab_size = source, columns, described, vocab_size
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> list:
+        example = self.source[index]
+        try:
+            return column_values(example, self.columns, self.described, self.vocab_size, True)
+        except DataError:  # again, naming the record
+            where = self.source.where(index) if hasattr(self.source, "where") else f"{self.described}, record {index}"
+            return column_values(example, self.columns, where, self.vocab_size, True)
 
 
 def _tfds_source(cfg: DataConfig, split: str):
@@ -118,36 +178,23 @@ def _open_source(cfg: DataConfig, files_key: str, files_value: str):
     files = expand_files(files_value, files_key)
     if cfg.grain_file_type == "parquet":
         return ParquetSource(files, list(cfg.train_data_columns), files_key)
-    import grain
-
     try:
-        return grain.sources.ArrayRecordDataSource(files)
+        return ArrayRecordSource(files, list(cfg.train_data_columns), files_key)
     except Exception as e:  # array_record raises RuntimeError/ValueError on a bad file
         raise ConfigError(f"{files_key}={files_value!r}: cannot be read as ArrayRecord ({e}); fix the files or set "
                           "grain_file_type=parquet") from e
 
 
 class _Tokenize:
-    """Record -> token ids; a small picklable object, as Grain's worker processes need."""
+    """Checked column values -> token ids; a small picklable object, as Grain's worker processes need."""
 
-    def __init__(self, tokenizer, columns: list[str], add_bos: bool, add_eos: bool):
-        self.tokenizer, self.columns = tokenizer, columns
+    def __init__(self, tokenizer, add_bos: bool, add_eos: bool):
+        self.tokenizer = tokenizer
         self.bos = [tokenizer.bos_id] if add_bos else []
         self.eos = [tokenizer.eos_id] if add_eos else []
 
-    def __call__(self, record) -> list[int]:
-        example = record if isinstance(record, dict) else _decode_record(record, self.columns)
-        missing = [c for c in self.columns if c not in example]
-        if missing:
-            raise ConfigError(f"train_data_columns={self.columns}: column(s) {missing} not in the records "
-                              f"(keys: {sorted(example)})")
-        text = "\n".join(_text(example[c]) for c in self.columns)
-        return self.bos + self.tokenizer.encode(text) + self.eos
-
-
-def _text(value) -> str:
-    """A column's value as text (TFDS `Text` features arrive as UTF-8 bytes)."""
-    return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+    def __call__(self, values: list) -> list[int]:
+        return document_ids(values, self.tokenizer, self.bos, self.eos)
 
 
 class GrainData:
@@ -174,13 +221,16 @@ class GrainData:
                 raise no_records(files_key, expand_files(getattr(cfg, files_key), files_key))
         self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
         check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
-        ds = grain.MapDataset.source(source)
+        described += f", train_data_columns={list(cfg.train_data_columns)}"
+        ds = grain.MapDataset.source(_Checked(source, list(cfg.train_data_columns), described, vocab_size))
         if split == "train":
             ds = ds.shuffle(seed=cfg.data_shuffle_seed)
         ds = ds[jax.process_index()::jax.process_count()]
+        # a run of this many documents holds a whole (reshuffled) pass: all empty, the data holds no tokens
+        whole_pass = 2 * len(ds) - 1
         if split == "train":
             ds = ds.repeat()
-        ds = ds.map(_Tokenize(self.tokenizer, list(cfg.train_data_columns), cfg.add_bos, cfg.add_eos))
+        ds = ds.map(_Tokenize(self.tokenizer, cfg.add_bos, cfg.add_eos))
         iter_ds = ds.to_iter_dataset()
         if cfg.grain_worker_count > 0:
             from absl import flags
@@ -189,8 +239,8 @@ class GrainData:
                 flags.FLAGS.mark_as_parsed()
             iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.grain_worker_count))
         self._it = iter(iter_ds)
-        self.cursor = DocumentCursor(lambda: next(self._it), self._it.get_state,
-                                     f"{described}, train_data_columns={list(cfg.train_data_columns)}")
+        self.cursor = DocumentCursor(lambda: next(self._it), self._it.get_state, described,
+                                     whole_pass if split == "train" else 0)
 
     def __iter__(self):
         return self

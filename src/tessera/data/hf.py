@@ -26,7 +26,8 @@ import numpy as np
 from tessera.config import ConfigError, DataConfig
 from tessera.config.schema import HF_FILE_FORMATS as FILE_FORMATS
 from tessera.data import rows_per_process
-from tessera.data.errors import REMOTE_PREFIXES, DataError, check_reachable, no_records, read_failure
+from tessera.data.documents import column_values, document_ids
+from tessera.data.errors import REMOTE_PREFIXES, DataError, check_reachable, no_records, no_tokens, read_failure
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
 
@@ -140,7 +141,12 @@ class HfData:
             self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
             check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
         self.vocab_size = vocab_size
+        self.bos = [self.tokenizer.bos_id] if self.tokenizer and cfg.add_bos else []
+        self.eos = [self.tokenizer.eos_id] if self.tokenizer and cfg.add_eos else []
         self.epoch = 0
+        # tokens and rows of the pass over the files so far (None: it began mid-pass, at a resumed position);
+        # `_small` once a pass is known to fill less than one batch
+        self._pass_tokens, self._pass_rows, self._small = 0, 0, False
         self._restart(None)
         self.cursor = DocumentCursor(self._next_document, self._source_state,
                                      f"{self.setting}, train_data_columns={self.columns}")
@@ -194,8 +200,7 @@ class HfData:
         except StopIteration:
             if self.split != "train":
                 raise
-            self.epoch += 1
-            log.info("hf training data: epoch %d finished, starting again from the first file", self.epoch)
+            self._end_pass()
             self.ds.set_epoch(self.epoch)
             self._restart(None)
             try:
@@ -203,22 +208,34 @@ class HfData:
             except StopIteration:
                 raise self._no_records() from None
         self._fresh = False
-        return self._tokens(example)
+        ids = self._tokens(example)
+        if self._pass_tokens is not None:
+            self._pass_tokens += len(ids)
+            self._pass_rows += -(-len(ids) // self.length)
+        return ids
+
+    def _end_pass(self) -> None:
+        """At the end of a training pass over the files: stop when it held no tokens at all (it would
+        be read again and again for ever); say once when it fills less than a batch, else log the epoch."""
+        tokens, rows = self._pass_tokens, self._pass_rows
+        if tokens == 0:
+            raise no_tokens(f"{self.setting}, train_data_columns={self.columns}")
+        self.epoch += 1
+        self._pass_tokens, self._pass_rows = 0, 0
+        if tokens is not None and not self._small and (
+                rows < self.rows if not self.cfg.packing else tokens < self.rows * self.length):
+            self._small = True
+            batch = (f"{self.rows} rows" if not self.cfg.packing else
+                     f"{self.rows} x {self.length} = {self.rows * self.length} tokens")
+            held = f"{rows} row(s) (packing=false)" if not self.cfg.packing else f"{tokens} tokens"
+            log.warning("hf training data: one pass over %s fills %s, less than one batch of %s; the data is "
+                        "repeated within each batch (no line per epoch from here on)", self.setting, held, batch)
+        elif not self._small:
+            log.info("hf training data: epoch %d finished, starting again from the first file", self.epoch)
 
     def _tokens(self, example: dict) -> list[int]:
-        values = [example[c] for c in self.columns]
-        if self.tokenizer is None:
-            ids = [int(t) for v in values for t in v]
-        else:
-            ids = self.tokenizer.encode("\n".join(str(v) for v in values))
-            if self.cfg.add_bos:
-                ids = [self.tokenizer.bos_id] + ids
-            if self.cfg.add_eos:
-                ids = ids + [self.tokenizer.eos_id]
-        if ids and max(ids) >= self.vocab_size:
-            raise ConfigError(f"token id {max(ids)} in hf_path={self.cfg.hf_path!r} is >= vocab_size="
-                              f"{self.vocab_size}; raise vocab_size")
-        return ids
+        values = column_values(example, self.columns, self.setting, self.vocab_size, self.tokenizer is not None)
+        return document_ids(values, self.tokenizer, self.bos, self.eos)
 
     # ---- the iterator contract
     def __iter__(self):
@@ -239,6 +256,7 @@ class HfData:
                               "resume with the dataset_type the run started with")
         source = state["source"]
         self.epoch = int(source["epoch"])
+        self._pass_tokens = self._pass_rows = None if source["stream"] is not None else 0  # None: mid-pass
         self.ds.set_epoch(self.epoch)
         self._restart(source["stream"])
         self.cursor.resume(int(state["offset"]))

@@ -17,6 +17,8 @@ from typing import Callable
 
 import numpy as np
 
+from tessera.data.errors import no_tokens
+
 log = logging.getLogger("tessera")
 # After this many documents, a source whose documents nearly all hold no text (at most a begin and an
 # end token: an empty or wrong text column) is reported once; training on it would learn nothing.
@@ -28,14 +30,17 @@ class DocumentCursor:
     """Hands out pieces of documents from `fetch()` (which raises StopIteration at the end).
 
     `source_state()` must return the source's position *before* the next `fetch()`. `source` names
-    the data in the warning about documents without text (e.g. "hf_train_files='...'")."""
+    the data in the warning about documents without text (e.g. "hf_train_files='...'"). When
+    `whole_pass` (> 0) empty documents come in a row, they hold a whole pass over a source that
+    repeats for ever: a DataError says the data holds no tokens, instead of fetching on and on."""
 
-    def __init__(self, fetch: Callable[[], list[int]], source_state: Callable[[], dict], source: str = ""):
-        self._fetch, self._source_state, self._source = fetch, source_state, source
+    def __init__(self, fetch: Callable[[], list[int]], source_state: Callable[[], dict], source: str = "",
+                 whole_pass: int = 0):
+        self._fetch, self._source_state, self._source, self._whole_pass = fetch, source_state, source, whole_pass
         self.doc: list[int] = []
         self.offset = 0
         self.doc_state: dict | None = None  # source state before `doc` was fetched
-        self._seen = self._textless = 0
+        self._seen = self._textless = self._empty_run = 0
 
     def take(self, n: int) -> list[int]:
         """Up to n tokens of the current document (fetching the next one when it is used up)."""
@@ -43,6 +48,9 @@ class DocumentCursor:
             self.doc_state = self._source_state()
             self.doc, self.offset = self._fetch(), 0
             self._count(self.doc)
+            self._empty_run = 0 if self.doc else self._empty_run + 1
+            if self._whole_pass and self._empty_run >= self._whole_pass:
+                raise no_tokens(self._source or "the training data")
         piece = self.doc[self.offset:self.offset + n]
         self.offset += len(piece)
         return piece

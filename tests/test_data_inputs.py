@@ -1,0 +1,170 @@
+"""Unusual training data for the hf and grain pipelines: no tokens at all, less than a batch,
+columns that are not text, records that are not JSON or not UTF-8, eval files never read."""
+
+import contextlib
+import json
+import logging
+import re
+import signal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from conftest import tiny_config
+from tessera.data import DataError, make_input
+from tessera.data.tokenizers import load_tokenizer
+from test_data_hf import hf_config, make_docs, sp_model, take, write_corpus  # noqa: F401 - sp_model is a fixture
+
+
+@contextlib.contextmanager
+def within(seconds):
+    """Fail instead of hanging when the block runs longer than `seconds`."""
+    def stop(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return "json", str(path)
+
+
+def write_array_record(path, records: list[bytes]):
+    writer = ArrayRecordWriter(str(path), "group_size:1")
+    for r in records:
+        writer.write(r)
+    writer.close()
+    return str(path)
+
+
+def grain_data(files, tok, **overrides):
+    cfg = tiny_config(dataset_type="grain", grain_train_files=files, tokenizer_path=tok, **overrides)
+    return make_input(cfg.data, 96, 4)
+
+
+def row_tokens(batch):
+    return [t for tokens, segments in zip(batch["tokens"], batch["segment_ids"]) for t in tokens[segments > 0]]
+
+
+# ---------------------------------------------------------------- no tokens at all, or fewer than a batch
+
+
+def test_data_whose_documents_are_all_empty_stops_with_one_message(tmp_path, sp_model):
+    no_ends = dict(add_bos=False, add_eos=False)
+    hf = make_input(hf_config(write_jsonl(tmp_path / "e.jsonl", [{"text": ""}] * 3), sp_model, **no_ends).data, 96, 4)
+    grain = grain_data(write_array_record(tmp_path / "e.array_record", [b""] * 3), sp_model, **no_ends)
+    for data, named in ((hf, "hf_train_files="), (grain, "grain_train_files=")):
+        with within(20), pytest.raises(DataError, match=f"{named}.*: a whole pass over the training data holds no "
+                                                        "tokens .*check that train_data_columns names the column"):
+            next(data)
+
+
+def test_data_smaller_than_a_batch_is_said_once_not_per_epoch(tmp_path, sp_model, caplog):
+    tiny = write_jsonl(tmp_path / "one.jsonl", [{"text": "hi"}])
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        take(make_input(hf_config(tiny, sp_model).data, 96, 4), 3)
+    lines = [r.getMessage() for r in caplog.records if "epoch" in r.getMessage() or "one batch" in r.getMessage()]
+    tokens = len(load_tokenizer(sp_model).encode("hi")) + 2
+    assert lines == [f"hf training data: one pass over hf_train_files={tiny[1]!r} fills {tokens} tokens, less than "
+                     "one batch of 4 x 13 = 52 tokens; the data is repeated within each batch (no line per epoch "
+                     "from here on)"]
+    # data larger than a batch keeps its line per epoch
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        data = make_input(hf_config(write_corpus(tmp_path / "c", make_docs(6, seed=3), "json"), sp_model).data, 96, 4)
+        take(data, 12)
+    epochs = [r.getMessage() for r in caplog.records if "epoch" in r.getMessage()]
+    assert data.epoch >= 2 and epochs == [f"hf training data: epoch {e} finished, starting again from the first file"
+                                          for e in range(1, data.epoch + 1)]
+
+
+# ---------------------------------------------------------------- columns that are not text
+
+
+def test_a_token_id_column_is_used_as_it_is_even_with_a_tokenizer(tmp_path, sp_model):
+    ids = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]
+    pq.write_table(pa.table({"ids": ids}), tmp_path / "ids.parquet")
+    hf = make_input(hf_config(("parquet", str(tmp_path / "ids.parquet")), sp_model,
+                              train_data_columns="ids").data, 96, 4)
+    grain = grain_data(str(tmp_path / "ids.parquet"), sp_model, grain_file_type="parquet", train_data_columns="ids",
+                       data_shuffle_seed=0)
+    assert row_tokens(next(hf))[:13] == (ids[0] + ids[1])[:13]
+    assert set(row_tokens(next(grain))) <= set(ids[0] + ids[1])
+
+
+def test_null_text_is_an_empty_document(tmp_path, sp_model):
+    data = make_input(hf_config(write_jsonl(tmp_path / "n.jsonl", [{"text": None}, {"text": "the cat"}]), sp_model,
+                                packing=False).data, 96, 4)
+    tok = load_tokenizer(sp_model)
+    assert row_tokens(next(data))[:2 + len(tok.encode("the cat")) + 2] == [1, 2, 1, *tok.encode("the cat"), 2]
+
+
+@pytest.mark.parametrize("value,kind", [(0, "a value of type int ('0')"), (["a", "b"], "a list of str (e.g. 'a')"),
+                                        ([1.5, 2.0], "a list of float (e.g. '1.5')")])
+def test_a_column_neither_text_nor_token_ids_is_refused(tmp_path, sp_model, value, kind):
+    fmt, path = write_jsonl(tmp_path / "x.jsonl", [{"text": "the cat", "other": value}])
+    data = make_input(hf_config((fmt, path), sp_model, train_data_columns="other").data, 96, 4)
+    with within(20), pytest.raises(DataError) as e:
+        next(data)
+    assert str(e.value) == (f"hf_train_files={path!r}: column 'other' holds {kind}, neither text nor a list of "
+                            "token ids; set train_data_columns to text columns or to columns of token-id lists")
+    (tmp_path / "g").mkdir()
+    records = write_array_record(tmp_path / "g" / "x.array_record", [b"the cat", json.dumps({"text": value}).encode()])
+    with within(20), pytest.raises(DataError, match=r"grain_train_files: file '.*x\.array_record', record 1 "
+                                                    r"\(counting from 0\): column 'text' holds " + re.escape(kind)):
+        next(grain_data(records, sp_model))
+
+
+def test_negative_token_ids_are_refused_like_ids_past_the_vocabulary(tmp_path):
+    pq.write_table(pa.table({"text": [[1, 2, 3, 4, -7] * 10] * 20}), tmp_path / "neg.parquet")
+    pq.write_table(pa.table({"text": [[1, 2, 3, 4, 96] * 10] * 20}), tmp_path / "big.parquet")
+    for name, bad, fix in (("neg", -7, "token ids cannot be negative"), ("big", 96, "raise vocab_size")):
+        path = str(tmp_path / f"{name}.parquet")
+        data = make_input(tiny_config(dataset_type="hf", hf_path="parquet", hf_train_files=path).data, 96, 4)
+        with pytest.raises(DataError) as e:
+            next(data)
+        assert str(e.value) == (f"hf_train_files={path!r}: column(s) ['text'] hold token id {bad}, outside 0..95 "
+                                f"(vocab_size=96); {fix}" + (": re-tokenize the data" if bad < 0 else ""))
+
+
+# ---------------------------------------------------------------- ArrayRecord records
+
+
+def test_array_record_text_that_is_not_a_json_object_is_text(tmp_path, sp_model):
+    text = "{x: 1} is a dict literal"
+    files = write_array_record(tmp_path / "t.array_record", [text.encode()] * 4)
+    batch = next(grain_data(files, sp_model, packing=False))
+    assert row_tokens(batch)[:12] == [1, *load_tokenizer(sp_model).encode(text), 2][:12]
+
+
+def test_array_record_bytes_that_are_not_utf8_name_the_file_and_record(tmp_path, sp_model):
+    files = write_array_record(tmp_path / "u.array_record", [b"the cat", b"\xff\xfe\x00bad", b"the dog"])
+    data = grain_data(files, sp_model, data_shuffle_seed=0)
+    with within(20), pytest.raises(DataError, match=r"grain_train_files: file '.*u\.array_record', record 1 "
+                                                    r"\(counting from 0\) is not UTF-8 text \(byte 0: invalid start "
+                                                    "byte\\); re-create the file, or leave it out of grain_train_files"):
+        take(data, 3)
+
+
+# ---------------------------------------------------------------- eval files without evaluation
+
+
+def test_eval_files_without_eval_interval_are_said_to_be_unread(tmp_path, sp_model, caplog):
+    corpus = write_corpus(tmp_path, make_docs(10), "json")
+    missing = str(tmp_path / "nope_missing.jsonl")
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        make_input(hf_config(corpus, sp_model, hf_eval_files=missing).data, 96, 4)
+        make_input(hf_config(corpus, sp_model, hf_eval_files=missing, eval_interval=2).data, 96, 4)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"hf_eval_files={missing!r}: not read, because eval_interval=0 never evaluates; set eval_interval=N to "
+        "evaluate every N steps"]
