@@ -122,3 +122,47 @@ def test_mxfp4_tensors_are_read_as_the_values_they_hold(tmp_path):
         code = byte & 0x0F if c % 2 == 0 else byte >> 4
         assert float(values[e, c, r]) == hf_checkpoint.FP4_E2M1[code] * 2.0 ** (int(scales[e, r, c // 32]) - 127)
     np.testing.assert_array_equal(reader.get("x.other"), np.ones(3, np.float32))
+
+
+def test_hf_to_tessera_never_deletes_a_folder_it_did_not_make(checkpoints, tmp_path, capsys):
+    """It emptied `.<out>.scratch` beside the output first, whoever's it was; now its scratch folder is a new one,
+    removed after a conversion and after a failed one."""
+    _, hf = checkpoints
+    theirs = tmp_path / "x" / ".ts9.scratch"
+    theirs.mkdir(parents=True)
+    (theirs / "keep.txt").write_text("important")
+    assert main(["hf-to-tessera", str(hf), str(tmp_path / "x" / "ts9"), *KEYS]) == 0
+    assert (theirs / "keep.txt").read_text() == "important"
+    assert sorted(p.name for p in (tmp_path / "x").iterdir()) == [".ts9.scratch", "ts9"]
+    ckpt, _ = checkpoints  # a shard damaged at its end fails mid-conversion, the scratch folder in use
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "sharded"), *KEYS, "--max-shard-size", "20000"]) == 0
+    last = sorted((tmp_path / "sharded").glob("model-*.safetensors"))[-1]
+    os.truncate(last, last.stat().st_size // 2)
+    (tmp_path / "y").mkdir()
+    assert main(["hf-to-tessera", str(tmp_path / "sharded"), str(tmp_path / "y" / "out"), *KEYS]) == 2
+    assert str(last) in capsys.readouterr().err
+    assert list((tmp_path / "y").iterdir()) == []  # no output, no scratch left behind
+
+
+def test_max_shard_size_is_refused_for_hf_to_tessera(checkpoints, tmp_path, capsys):
+    """The option sizes tessera-to-hf's safetensors only; hf-to-tessera accepted and ignored it."""
+    _, hf = checkpoints
+    for option in (["--max-shard-size", "1000"], ["--max-shard-size=1000"]):
+        assert main(["hf-to-tessera", str(hf), str(tmp_path / "out"), *KEYS, *option]) == 2
+        assert capsys.readouterr().err == ("error: --max-shard-size sizes the safetensors files tessera-to-hf writes; "
+                                           "hf-to-tessera writes an Orbax checkpoint: leave the option out\n")
+        assert not (tmp_path / "out").exists()
+
+
+def test_exported_shards_are_readable_as_config_json_is(checkpoints, tmp_path):
+    """safetensors wrote the shards 0600 (config.json: 0644 under umask 022): nobody else, a serving container
+    included, could read the exported model."""
+    ckpt, _ = checkpoints
+    previous = os.umask(0o022)
+    try:
+        assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "hf"), *KEYS, "--max-shard-size", "20000"]) == 0
+    finally:
+        os.umask(previous)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
+    assert len([n for n in modes if n.endswith(".safetensors")]) > 1
+    assert set(modes.values()) == {0o644}, modes

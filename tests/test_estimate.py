@@ -400,3 +400,34 @@ def test_the_estimate_keeps_scores_exactly_where_the_trainer_runs_the_reference(
     assert fused_attention(cfg, hw, mesh_sizes(cfg, hw)) == fused == (chosen.kernel != "dot_product")
     mem = [estimate_memory(cfg, count_params(cfg.model), mesh_sizes(cfg, hw), fused_attention=f) for f in (True, False)]
     assert mem[1].total("none") > mem[0].total("none")  # without remat the reference keeps its scores
+
+
+def test_a_model_named_twice_differently_is_refused(tmp_path, capsys):
+    """`llama3.1-8b model_name=gpt3-52k` estimated gpt3-52k, `m3.yml model_name=llama3.1-8b` m3: one of the
+    two names was dropped without a word. The same name twice is one model."""
+    (tmp_path / "m3.yml").write_text("base_emb_dim: 64\nbase_num_decoder_layers: 2\n")
+    for model, named in [("llama3.1-8b", "gpt3-52k"), (str(tmp_path / "m3.yml"), "llama3.1-8b")]:
+        assert main([model, f"model_name={named}", "--hardware", "v5p-8"]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err == (
+            f"config error: the model is named twice: {model} and model_name={named}; give it once (a model name "
+            "or YAML file as the first argument, or model_name=...)\n")
+    assert main(["model_name=gpt3-52k", "model_name=default", "--hardware", "v5p-8"]) == 2
+    assert "the model is named twice: model_name=gpt3-52k and model_name=default" in capsys.readouterr().err
+    assert main(["gpt3-52k", "model_name=gpt3-52k", "--hardware", "v5p-8"]) == 0
+    assert "model gpt3-52k: " in capsys.readouterr().out
+    assert main([str(tmp_path / "m3.yml"), "model_name=m3", "--hardware", "v5p-8"]) == 0
+    assert "model m3: 2 layers, emb 64" in capsys.readouterr().out
+
+
+def test_an_unknown_key_in_a_model_file_names_the_file(tmp_path, capsys):
+    """It said "in the config", which the user never wrote."""
+    (tmp_path / "m.yml").write_text("base_emb_dim: 64\nbase_num_decoder_layrs: 2\n")
+    assert main([str(tmp_path / "m.yml"), "--hardware", "v5p-8"]) == 2
+    assert capsys.readouterr().err == (f"config error: unknown config key 'base_num_decoder_layrs' in "
+                                       f"{tmp_path / 'm.yml'}; did you mean base_num_decoder_layers, "
+                                       "first_num_dense_layers, base_num_query_heads?\n")
+    assert main([str(tmp_path / "m.yml"), "vocab_sise=10", "--hardware", "v5p-8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("config error: 2 problems:\n") and f"in {tmp_path / 'm.yml'};" in err
+    assert "unknown config key 'vocab_sise' in the command line" in err

@@ -396,3 +396,13 @@ def test_dtypes_training_refuses_are_refused_by_the_planner_and_the_estimate(cap
     assert estimate(["llama2-7b", "weight_dtype=float16", "--hardware", "h100-8"]) == 2
     assert "config error: weight_dtype=float16 cannot be trained" in capsys.readouterr().err
     assert estimate(["llama2-7b", "dtype=float16", "--hardware", "h100-8"]) == 0
+
+
+def test_a_model_named_twice_differently_is_refused(tmp_path, capsys):
+    """`plan m3.yml model_name=llama3.1-8b` planned m3 without a word about llama3.1-8b."""
+    (tmp_path / "m3.yml").write_text("base_emb_dim: 64\nbase_num_decoder_layers: 2\n")
+    assert main([str(tmp_path / "m3.yml"), "model_name=llama3.1-8b", "--hardware", "v5p-8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"config error: the model is named twice: {tmp_path / 'm3.yml'} and model_name=llama3.1-8b; give it once "
+        "(a model name or YAML file as the first argument, or model_name=...)\n")

@@ -292,3 +292,49 @@ def test_a_train_value_the_trainer_refuses_stops_the_dry_run(tmp_path, capsys):
     assert main([_tuned(tmp_path, remat_policy="sometimes"), "--gpu", "cpu", "--dry-run"]) == 2
     assert "remat_policy" in capsys.readouterr().err
     assert main([CPU, "--gpu", "cpu", "--dry-run"]) == 0  # the shipped file passes the same check
+
+
+@pytest.mark.parametrize("key, value, kind", [("xla_flags", [1], "array"), ("xla_flags", "abc", "string"),
+                                              ("result_dict", "abc", "string")])
+def test_xla_flags_or_result_dict_that_is_not_an_object_is_one_line(key, value, kind, tmp_path, capsys):
+    """An array or a string where the entry's xla_flags or result_dict should be an object ended in an
+    AttributeError traceback."""
+    data = json.loads(open(CPU).read())
+    data["model_params"]["single_node"]["default"]["cpu"][key] = value
+    path = tmp_path / "typed.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 2
+    assert capsys.readouterr().err == (f"validation file error: model_params.single_node.default.cpu.{key} is a "
+                                       f"JSON {kind}; it must be an object of name: value\n")
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", -5, [1], None, True, "fast"])
+def test_a_target_no_run_can_meet_is_refused(value, tmp_path, capsys):
+    """nan, infinity, a negative number or no number at all as a target: the dry run accepted nan and the
+    negatives (a target that can never be met, or always is) and a list ended in a TypeError traceback."""
+    data = json.loads(open(CPU).read())
+    data["model_params"]["single_node"]["default"]["cpu"]["result_dict"]["tflops_per_sec_per_gpu"] = value
+    path = tmp_path / "target.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"validation file error: result_dict.tflops_per_sec_per_gpu={value!r} is not a target "
+                          "a run can meet; give a finite number of at least 0") and err.count("\n") == 1
+
+
+def test_nodes_says_which_settings_of_the_file_it_replaces(tmp_path, capsys):
+    """--nodes decides the node count and the coordinator; the file's own were replaced silently."""
+    data = json.loads(open(CPU).read())
+    data["config"].update(nnodes="2", coordinator_ip="10")
+    data["config"]["container_config"]["env_dict"]["JAX_COORDINATOR_IP"] = "10"
+    path = tmp_path / "nodes.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run", "--nodes", "n1,n2,n3"]) == 0
+    out = capsys.readouterr().out
+    assert [line for line in out.splitlines() if line.startswith("--nodes")] == [
+        "--nodes replaces config.nnodes=2 with 3 (n1, n2, n3)",
+        "--nodes replaces config.coordinator_ip=10 with n1 (the first host)",
+        "--nodes replaces config.container_config.env_dict.JAX_COORDINATOR_IP=10 with n1 (the first host)"]
+    assert "export JAX_COORDINATOR_IP=n1" in out and "export NNODES=3" in out
+    assert main([CPU, "--gpu", "cpu", "--dry-run", "--nodes", "n1"]) == 0  # the file's 1 node: nothing replaced
+    assert "--nodes" not in capsys.readouterr().out

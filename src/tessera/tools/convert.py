@@ -8,9 +8,10 @@ hf-to-tessera reads `config.json` and the safetensors files (one file or a shard
 (every differing key is listed with the value to set), and writes an Orbax checkpoint holding
 {"params": ...} in the layout the config asks for (`scan_layers` true or false) and in
 `weight_dtype`. Train from it with `load_parameters_path=<out_dir>`. Memory stays bounded:
-tensors are read one at a time into memory-mapped scratch files (deleted at the end); Orbax
-then writes them, copying about one model's worth at its peak, never two (measured on a
-1.35 GB float32 Llama: 1.9 GB peak anonymous memory, of which ~0.5 GB is Python and JAX).
+tensors are read one at a time into memory-mapped scratch files (in a new hidden folder beside
+the output, deleted at the end); Orbax then writes them, copying about one model's worth at its
+peak, never two (measured on a 1.35 GB float32 Llama: 1.9 GB peak anonymous memory, of which
+~0.5 GB is Python and JAX).
 
 tessera-to-hf restores one parameter at a time from a Tessera checkpoint (a training step
 folder or a converted one) and writes safetensors shards of at most `--max-shard-size` bytes
@@ -26,6 +27,7 @@ import logging
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from tqdm import tqdm
@@ -83,11 +85,12 @@ def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
     m = cfg.model
     layout = layout_for(m)
     targets = hf_checkpoint.param_targets(cfg)  # our path -> ShapeDtypeStruct
-    scratch = out_dir.parent / f".{out_dir.name}.scratch"
-    shutil.rmtree(scratch, ignore_errors=True)
-    arrays = hf_checkpoint.ScratchArrays(scratch, targets)
     used: set[str] = set()
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # a new folder of its own beside the output (the same disk): it never deletes one that was there before
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".scratch", dir=out_dir.parent))
+    arrays = hf_checkpoint.ScratchArrays(scratch, targets)
     try:
         for rule, prefix, index, fmt in tqdm(jobs, desc="hf-to-tessera", unit="tensor", file=sys.stderr,
                                         disable=None):
@@ -209,6 +212,9 @@ def _run(argv: list[str]) -> int:
     if len(positional) != 3 or positional[0] not in ("hf-to-tessera", "tessera-to-hf"):
         raise UsageError(f"give hf-to-tessera or tessera-to-hf, then two folders (got {positional})\nusage: {USAGE}")
     command, source, out = positional
+    if command == "hf-to-tessera" and any(a.partition("=")[0] == "--max-shard-size" for a in argv):
+        raise UsageError("--max-shard-size sizes the safetensors files tessera-to-hf writes; hf-to-tessera writes an "
+                         "Orbax checkpoint: leave the option out")
     what = "Hugging Face folder" if command == "hf-to-tessera" else "checkpoint"
     source, out = resolve_path(source, what), resolve_path(out, "output folder", must_exist=False)
     cfg = load_model_config(None, overrides)

@@ -39,6 +39,7 @@ from tessera.config import Config, ConfigError, build_config, load_config
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout
 from tessera.config.loader import read_yaml
+from tessera.config.maxtext import translate
 from tessera.config.schema import all_fields
 from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
@@ -167,23 +168,36 @@ def pipeline_plan(cfg: Config, mesh: dict[str, int], hw: Hardware):
 
 def load_model_config(model: str | None, overrides: list[str]) -> Config:
     """A model name from configs/models, or a path to a model YAML file, plus key=value overrides.
-    With no model, the `model_name=` among the overrides, else the default model."""
+    With no model, the `model_name=` among the overrides, else the default model. A model named
+    both ways, differently, is a ConfigError (the later one used to win silently)."""
     base = CONFIGS / "base.yml"
-    if model is None:
-        names = [o.partition("=")[2] for o in overrides if o.partition("=")[0].strip() == "model_name"]
-        model = names[-1] if names else "default"
-        overrides = [o for o in overrides if o.partition("=")[0].strip() != "model_name"]
+    names = [o.partition("=")[2].strip() for o in overrides if o.partition("=")[0].strip() == "model_name"]
+    overrides = [o for o in overrides if o.partition("=")[0].strip() != "model_name"]
+    if model is not None:
+        same = {model, Path(model).stem} if model.endswith((".yml", ".yaml")) else {model}
+        other = next((n for n in names if n not in same), None)
+        if other is not None:
+            raise ConfigError(f"the model is named twice: {model} and model_name={other}; give it once (a model "
+                              "name or YAML file as the first argument, or model_name=...)")
+    elif len(set(names)) > 1:
+        raise ConfigError(f"the model is named twice: {' and '.join(f'model_name={n}' for n in names)}; give it once")
+    model = model or (names[0] if names else "default")
     if not model.endswith((".yml", ".yaml")):
         return load_config([str(base), f"model_name={model}", *overrides], env={})
     path = Path(model)
     if not path.is_file():
         raise ConfigError(f"model file {path} does not exist")
-    flat = {**read_yaml(base, "config file"), **read_yaml(path, "model file")}  # the loader's YAML errors
+    layers = [(str(base), read_yaml(base, "config file")), (str(path), read_yaml(path, "model file")),
+              ("the command line", {})]  # the loader's YAML errors
     for item in overrides:
         name, sep, value = item.partition("=")
         if not sep:
             raise ConfigError(f"argument {item!r} is not of the form key=value")
-        flat[name] = value
+        layers[-1][1][name] = value
+    errors: list[str] = []  # unknown keys, named with the file (or command line) that has them
+    flat = {k: v for source, values in layers for k, v in translate(values, source, all_fields(), errors).items()}
+    if errors:
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{len(errors)} problems:\n  " + "\n  ".join(errors))
     flat["model_name"] = path.stem
     return build_config(flat)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -291,6 +292,7 @@ class ShardWriter:
     def _flush(self) -> None:
         path = self.out_dir / f".shard-{len(self.shards)}.safetensors"
         save_file(self.current, path, metadata={"format": "pt"})
+        os.chmod(path, 0o666 & ~_umask())  # safetensors writes 0600: readable as config.json is, by the umask
         self.shards.append((path, list(self.current)))
         self.current, self.size = {}, 0
 
@@ -305,6 +307,13 @@ class ShardWriter:
         if n > 1:
             index = {"metadata": {"total_size": self.total}, "weight_map": self.weight_map}
             (self.out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def hf_config(m: ModelConfig) -> dict[str, Any]:

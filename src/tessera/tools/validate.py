@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import getpass
 import json
+import math
 import os
 import shlex
 import sys
@@ -171,7 +172,8 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     env = {k: str(v) for k, v in _section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
     overrides: dict[str, str] = {}
     ignored: dict[str, str] = {}
-    xla_flags = [f"--{k}={v}" for k, v in entry.get("xla_flags", {}).items()]
+    flags = _section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
+    xla_flags = [f"--{k}={v}" for k, v in flags.items()]
     train_keys = all_fields()
     for key, value in config.items():
         if key.startswith(ENV_PREFIXES):
@@ -211,7 +213,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         overrides["quantization"] = "nanoo_fp8" if amd_fnuz else "fp8"
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
-    targets = _targets(entry.get("result_dict", {}))
+    targets = _targets(_section(entry.get("result_dict", {}), f"model_params.{name}.result_dict"))
     nnodes = _node_count(container.get("nnodes", env.get("NNODES", 1)))
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
     return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
@@ -227,6 +229,28 @@ def _node_count(value: Any) -> int:
         raise ValidationInputError(f"config.nnodes={value!r} is not a number of nodes; give a whole number of at "
                                    "least 1 (or leave it out for one node)")
     return int(text)
+
+
+def replaced_by_nodes(plan: Plan, nodes: list[str]) -> list[str]:
+    """One line per setting of the file that `--nodes` replaces (printed, never dropped silently): the
+    node count, and with several nodes the coordinator, the first host (`validate_nodes.node_env`)."""
+    if not nodes:
+        return []
+    count, first = f"{len(nodes)} ({', '.join(nodes)})", f"{nodes[0]} (the first host)"
+    env_dict = "config.container_config.env_dict"
+    settings = [("config.nnodes", plan.container.get("nnodes"), count)]
+    if len(nodes) > 1:  # every node's NNODES and JAX_COORDINATOR_IP come from --nodes
+        settings += [(f"{env_dict}.NNODES", plan.env.get("NNODES"), count),
+                     ("config.coordinator_ip", plan.container.get("coordinator_ip"), first),
+                     (f"{env_dict}.JAX_COORDINATOR_IP", plan.env.get("JAX_COORDINATOR_IP"), first)]
+    lines = []
+    for where, value, new in settings:
+        text = "" if value is None else str(value).strip()
+        if where.endswith(("nnodes", "NNODES")) and value is not None:
+            text = text or "1"  # an empty node count is one node
+        if text and text != new.split()[0]:
+            lines.append(f"--nodes replaces {where}={value if str(value).strip() else repr(value)} with {new}")
+    return lines
 
 
 def _maxtext_why(key: str, value: Any) -> str:
@@ -280,14 +304,19 @@ def quantization_line(plan: Plan) -> str:
 
 
 def _targets(result_dict: dict) -> dict[str, float]:
+    """Each metric's target: a finite number of at least 0 (nan, inf or a negative one can never be met)."""
     out = {}
     for key, value in result_dict.items():
         if key not in METRICS:
             raise ValidationInputError(f"result_dict.{key} is not a known metric; use {sorted(METRICS)}")
         try:
-            out[key] = float(value)
+            target = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
         except ValueError:
-            raise ValidationInputError(f"result_dict.{key}={value!r} is not a number") from None
+            target = None
+        if target is None or not math.isfinite(target) or target < 0:
+            raise ValidationInputError(f"result_dict.{key}={value!r} is not a target a run can meet; give a finite "
+                                       f"number of at least 0 (the {key} to reach), e.g. \"{key}\": \"100\"")
+        out[key] = target
     return out
 
 
@@ -359,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for key, why in sorted(plan.ignored.items()):
         print(f"ignored {key}: {why}")
+    for line in replaced_by_nodes(plan, nodes):
+        print(line)
     print(tuning_line(plan))
     if quantization_line(plan):
         print(quantization_line(plan))
