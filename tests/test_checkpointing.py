@@ -112,6 +112,20 @@ def test_load_parameters_only(tmp_path, caplog):
         with pytest.raises(CheckpointError) as e:
             run(wide)
         assert str(e.value).endswith("The config saved with it differs in its model keys: base_mlp_dim=40 (here 48)")
+    # layers stacked against one entry per layer: the line names scan_layers either way, also for parameters
+    # saved without a config (a converted checkpoint, whose mismatch said "its config is saved beside it")
+    from tessera.checkpointing.trees import raise_on_mismatch
+
+    stacked, single = (abstract_state(setup(tiny_config(scan_layers=scan)))["params"] for scan in (True, False))
+    for saved_tree, expected, hint in [(stacked, single, "saved with scan_layers=true): set scan_layers=true"),
+                                       (single, stacked, "saved with scan_layers=false): set scan_layers=false")]:
+        with pytest.raises(CheckpointError) as e:
+            raise_on_mismatch("ckpt", saved_tree, expected)
+        assert f"The checkpoint holds {'its layers stacked' if saved_tree is stacked else 'one entry per layer'} (" \
+               f"{hint}.\nUse the model settings the checkpoint was made with" in str(e.value)
+    with pytest.raises(CheckpointError) as e:
+        raise_on_mismatch("ckpt", stacked, abstract_state(setup(tiny_config(base_mlp_dim=48)))["params"])
+    assert "scan_layers" not in str(e.value)
 
 
 def test_restored_arrays_are_donated_in_place(tmp_path):

@@ -262,6 +262,15 @@ def test_every_unknown_key_and_bad_value_is_reported_in_one_error():
                line.endswith("(from the environment variable M_DTYPE)") for line in lines)
 
 
+def test_a_batch_size_of_zero_or_less_is_one_message():
+    """-1 said "it must be >= 0.0", and 0 then "must be > 0": one rule, said once."""
+    for value in ("-1", "0"):
+        with pytest.raises(ConfigError) as e:
+            load_config([BASE, f"per_device_batch_size={value}"], env={})
+        assert str(e.value).startswith(f"per_device_batch_size={float(value):g} must be > 0 (a fraction such as 0.5 "
+                                       "is allowed"), str(e.value)
+
+
 def test_another_trainers_config_is_named_as_such_after_its_first_unknown_keys(tmp_path):
     """MaxText's whole base.yml has 432 keys Tessera does not know: they filled the terminal and the
     advice (start from configs/base.yml) was nowhere. Now the first 10, the others counted, the advice last."""

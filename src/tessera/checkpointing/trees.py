@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 from typing import Any
 
 import jax
@@ -156,6 +157,26 @@ def raise_on_mismatch(path, saved, expected, only_prefix: str = "", cast_floats:
         shown = "\n  ".join(problems[:20]) + (f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else "")
         raise CheckpointMismatch(
             f"checkpoint {path} does not match this config ({len(problems)} difference(s)):\n  {shown}\n"
-            "Use the model settings the checkpoint was trained with (its config is saved beside it), "
-            "or start a new run_name. Nothing was loaded or overwritten."
+            f"{_layer_layout_hint(_flat(saved), _flat(expected))}"
+            "Use the model settings the checkpoint was made with (a training run keeps its config with each "
+            "checkpoint; `tessera.tools.convert` printed the keys of the ones it writes), or, for a training "
+            "run, start a new run_name. Nothing was loaded or overwritten."
         )
+
+
+_ONE_LAYER = re.compile(r"(^|/)layers_\d+/")
+_STACKED = re.compile(r"(^|/)layers/")
+
+
+def _layer_layout_hint(have: dict, want: dict) -> str:
+    """A line naming scan_layers when the checkpoint holds the decoder's layers stacked ([layers, ...]
+    arrays under `layers`) and the config expects one entry per layer (`layers_0`, ...), or the reverse."""
+    def layout(keys):
+        return (any(_STACKED.search(k) for k in keys), any(_ONE_LAYER.search(k) for k in keys))
+
+    (saved_stacked, saved_single), (want_stacked, want_single) = layout(have), layout(want)
+    if saved_stacked and want_single and not saved_single and not want_stacked:
+        return "The checkpoint holds its layers stacked (saved with scan_layers=true): set scan_layers=true.\n"
+    if saved_single and want_stacked and not saved_stacked and not want_single:
+        return "The checkpoint holds one entry per layer (saved with scan_layers=false): set scan_layers=false.\n"
+    return ""

@@ -61,7 +61,8 @@ def validate(cfg: Config) -> None:
         if getattr(cfg.mesh, n) == 0 or getattr(cfg.mesh, n) < -1:
             raise ConfigError(f"{n}={getattr(cfg.mesh, n)} must be a positive integer or -1 (derived)")
     if cfg.data.per_device_batch_size <= 0:
-        raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size} must be > 0")
+        raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size:g} must be > 0 (a fraction such as "
+                          "0.5 is allowed: a global batch of fewer sequences than devices)")
     if cfg.checkpoint.save_quantized_params_path and not cfg.model.quantization:
         raise ConfigError("save_quantized_params_path needs quantization=int8, fp8 or fp8_full (the stored type)")
     if cfg.checkpoint.checkpoint_is_quantized and not (cfg.model.quantization and cfg.checkpoint.load_parameters_path):

@@ -410,7 +410,7 @@ class DataConfig:
     """Input pipeline."""
 
     dataset_type: str = key("synthetic", "input pipeline", DATASET_TYPES)
-    per_device_batch_size: float = key(8.0, "sequences per device per step (global batch = this x device count)", minimum=0.0)
+    per_device_batch_size: float = key(8.0, "sequences per device per step (global batch = this x device count)")
     max_target_length: int = key(128, "tokens per training sequence T", minimum=2)
     reuse_example_batch: bool = key(False, "feed the first batch at every step (for speed tests)")
     data_shuffle_seed: int = key(0, "seed of the synthetic token stream and of the grain/tfds record order "
