@@ -338,3 +338,12 @@ def test_nodes_says_which_settings_of_the_file_it_replaces(tmp_path, capsys):
     assert "export JAX_COORDINATOR_IP=n1" in out and "export NNODES=3" in out
     assert main([CPU, "--gpu", "cpu", "--dry-run", "--nodes", "n1"]) == 0  # the file's 1 node: nothing replaced
     assert "--nodes" not in capsys.readouterr().out
+    # one node: the env_dict's job layout is left out (NNODES=2 made the trainer wait for a second node)
+    data["config"]["container_config"]["env_dict"]["NNODES"] = "2"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run", "--nodes", "n1"]) == 0
+    out = capsys.readouterr().out
+    assert ("one node: config.container_config.env_dict JAX_COORDINATOR_IP=10, NNODES=2 not passed on (a one-node "
+            "run joins no job)") in out
+    assert "NNODES" not in out.split("one node:")[1].split("\n", 1)[1] and "JAX_COORDINATOR_IP=" not in \
+        out.split("one node:")[1].split("\n", 1)[1]

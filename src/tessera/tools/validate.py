@@ -44,7 +44,8 @@ from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings
 from tessera.tools.cli import UsageError, resolve_path
-from tessera.tools.validate_nodes import REPO, NodesStopped, container_engine, node_commands, run_nodes, train_argv
+from tessera.tools.validate_nodes import (REPO, NodesStopped, container_engine, node_commands, run_nodes, train_argv,
+                                          unused_job_keys)
 
 # config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
 ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
@@ -390,6 +391,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ignored {key}: {why}")
     for line in replaced_by_nodes(plan, nodes):
         print(line)
+    if unused_job_keys(plan, nodes):
+        print(f"one node: config.container_config.env_dict {', '.join(unused_job_keys(plan, nodes))} not passed on "
+              "(a one-node run joins no job)")
     print(tuning_line(plan))
     if quantization_line(plan):
         print(quantization_line(plan))

@@ -25,12 +25,24 @@ REPO = Path(__file__).resolve().parents[3]
 PROGRESS_SECONDS = 30.0
 
 
+JOB_KEYS = ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "NNODES", "NODE_RANK")  # a multi-node job's layout
+
+
 def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str) -> dict[str, str]:
-    env = dict(plan.env)
+    """The environment of node `rank`: the file's env_dict with the job's layout; a one-node run gets
+    none (an env_dict NNODES=2 made it wait for a second node that never came)."""
+    env = {k: v for k, v in plan.env.items() if nnodes > 1 or k not in JOB_KEYS}
     if nnodes > 1:
         env.update(JAX_COORDINATOR_IP=coordinator, JAX_COORDINATOR_PORT=plan.port, NNODES=str(nnodes),
                    NODE_RANK=str(rank))
     return env
+
+
+def unused_job_keys(plan: Plan, nodes: list[str]) -> list[str]:
+    """The env_dict's job-layout keys a one-node run leaves out (see node_env), as key=value."""
+    if len(nodes or ["local"] * max(plan.nnodes, 1)) > 1:
+        return []
+    return [f"{k}={plan.env[k]}" for k in JOB_KEYS if k in plan.env]
 
 
 def train_argv(plan: Plan, run_name: str) -> list[str]:
