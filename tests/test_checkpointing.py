@@ -60,6 +60,31 @@ def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_a, final_b)
 
 
+@pytest.mark.parametrize("first, then", [("true", "false"), ("false", "true")])
+def test_scan_layers_may_change_at_a_resume_and_a_parameter_load(tmp_path, caplog, first, then):
+    """A checkpoint holds the blocks stacked ([layers, ...]) with scan_layers=true and one entry per block
+    without: another scan_layers stopped every load with a mismatch (decode.py with scan_layers=false on a
+    training checkpoint, say). Now the arrays are read as saved and split or stacked: a resume continues as
+    the straight run does (the scanned and the looped model compute the same function), and parameters
+    load block for block."""
+    common = dict(checkpoint_period=100, learning_rate_schedule_steps=4, scan_layers=first)
+    run(tiny_config(tmp_path / "a", steps=4, **common))
+    run(tiny_config(tmp_path / "b", steps=2, **common))
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        report = run(tiny_config(tmp_path / "b", steps=4, **{**common, "scan_layers": then}))
+    assert report["start_step"] == 2
+    assert f"saved with scan_layers={first}, restored with scan_layers={then}" in caplog.text
+    a, b = _losses(tmp_path / "a" / "test"), _losses(tmp_path / "b" / "test")
+    np.testing.assert_allclose([b[s] for s in (1, 2, 3, 4)], [a[s] for s in (1, 2, 3, 4)], rtol=1e-5)
+    path = tmp_path / "a" / "test" / "checkpoints" / "4"
+    saved = load_parameters(str(path), abstract_state(setup(tiny_config(scan_layers=first)))["params"])
+    loaded = load_parameters(str(path), abstract_state(setup(tiny_config(scan_layers=then)))["params"])
+    stacked, single = (saved, loaded) if first == "true" else (loaded, saved)
+    for i in range(3):
+        jax.tree.map(lambda x, y, i=i: np.testing.assert_array_equal(x[i], y), stacked["layers"], single[f"layers_{i}"])
+    np.testing.assert_array_equal(stacked["token_embedder"]["table_vd"], single["token_embedder"]["table_vd"])
+
+
 @pytest.mark.parametrize("mesh", ["2 data x 4 tensor", "1 device"])
 @pytest.mark.slow
 def test_restore_onto_a_different_mesh(tmp_path, mesh):

@@ -34,11 +34,141 @@ def restacked(saved, expected):
     (circular pipelining, `tessera.models.pipeline`), the same layers in the same order. Such
     arrays are read in their saved shape (split as `expected` splits the other axes) and
     `finish` reshapes them into `expected`'s shape and sharding; everything else is unchanged.
-    An optimizer state saved with clipping on or off is read as saved (`_clip_slot`)."""
+    An optimizer state saved with clipping on or off is read as saved (`_clip_slot`), and one
+    saved with the other scan_layers in its layout (`_rescanned`)."""
     have = _flat(saved)
-    expected, reslot = _clip_slot(have, expected)
-    target, finish = _restacked(have, expected)
-    return target, lambda restored: reslot(finish(restored))
+    scanned, rescan = _rescanned(have, expected)
+    clipped, reslot = _clip_slot(have, scanned)
+    target, finish = _restacked(have, clipped)
+    return target, lambda restored: rescan(reslot(finish(restored)))
+
+
+_LAYER_KEY = re.compile(r"^(layers|dense_layers)_(\d+)$")  # the decoder's blocks with scan_layers=false
+
+
+def _rescanned(have: dict[str, Any], expected):
+    """(expected, finish) for a checkpoint saved with the other scan_layers: the decoder's blocks
+    stacked on a leading axis (`layers`, `dense_layers`) where `expected` has one entry per block
+    (`layers_0`, ...), or the reverse. Such arrays are read in their saved layout (split as
+    `expected` splits the block's own axes) and `finish` splits or stacks them into `expected`'s,
+    so a run, a parameter load or decode.py may change scan_layers."""
+    unchanged = (expected, lambda restored: restored)
+    want = _flat(expected)
+    stacked = lambda keys: any(_STACKED.search(k) for k in keys)  # noqa: E731
+    single = lambda keys: any(_ONE_LAYER.search(k) for k in keys)  # noqa: E731
+    if stacked(have) and not single(have) and single(want) and not stacked(want):
+        to_saved, saved_stacked = _stack_blocks, True
+    elif single(have) and not stacked(have) and stacked(want) and not single(want):
+        counts = {}
+        for k in have:
+            for m in re.finditer(r"(?:^|/)(layers|dense_layers)_(\d+)/", k):
+                counts[m[1]] = max(counts.get(m[1], 0), int(m[2]) + 1)
+        to_saved, saved_stacked = (lambda d: _unstack_blocks(d, counts)), False
+    else:
+        return unchanged
+    try:
+        target = _map_dicts(expected, to_saved)
+    except ValueError:  # block counts that do not match: the mismatch report says what differs
+        return unchanged
+    if {k for k in _flat(target)} - set(have):
+        return unchanged
+    log.info("checkpoint: saved with scan_layers=%s, restored with scan_layers=%s: the blocks' arrays are %s",
+             str(saved_stacked).lower(), str(not saved_stacked).lower(),
+             "split per block" if saved_stacked else "stacked")
+
+    def finish(restored):
+        return _from_saved(expected, restored, saved_stacked)
+
+    return target, finish
+
+
+def _map_dicts(node, fn):
+    """`node` with `fn` applied to every dict in it, innermost first (tuples and NamedTuples kept)."""
+    if isinstance(node, dict):
+        return fn({k: _map_dicts(v, fn) for k, v in node.items()})
+    if isinstance(node, tuple) and hasattr(node, "_fields"):
+        return type(node)(*(_map_dicts(v, fn) for v in node))
+    if isinstance(node, (tuple, list)):
+        return type(node)(_map_dicts(v, fn) for v in node)
+    return node
+
+
+def _block_spec(s, lead: int) -> tuple:
+    spec = tuple(s.sharding.spec) + (None,) * (len(s.shape) - len(s.sharding.spec))
+    return spec[lead:]
+
+
+def _stack_blocks(d: dict) -> dict:
+    """A dict's `layers_0 .. layers_{n-1}` (and `dense_layers_i`) as one `layers` entry of [n, ...] arrays."""
+    out = dict(d)
+    for base in ("layers", "dense_layers"):
+        found = sorted(int(m[2]) for k in d if (m := _LAYER_KEY.match(str(k))) and m[1] == base)
+        if not found:
+            continue
+        if found != list(range(len(found))) or base in d:
+            raise ValueError(f"{base}: blocks {found}")
+        blocks = [out.pop(f"{base}_{i}") for i in found]
+        out[base] = jax.tree.map(lambda *xs: jax.ShapeDtypeStruct((len(xs), *xs[0].shape), xs[0].dtype, sharding=(
+            NamedSharding(xs[0].sharding.mesh, PartitionSpec(None, *_block_spec(xs[0], 0)))
+            if isinstance(xs[0].sharding, NamedSharding) else xs[0].sharding)), *blocks)
+    return out
+
+
+def _unstack_blocks(d: dict, counts: dict[str, int]) -> dict:
+    """A dict's stacked `layers` (and `dense_layers`) entry as `layers_0 .. layers_{n-1}`."""
+    out = dict(d)
+    for base, n in counts.items():
+        if base not in d:
+            continue
+        leaves = jax.tree.leaves(d[base])
+        if any(len(x.shape) == 0 or x.shape[0] != n for x in leaves):
+            raise ValueError(f"{base}: {n} blocks saved")
+        blocks = out.pop(base)
+        for i in range(n):
+            out[f"{base}_{i}"] = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype, sharding=(
+                NamedSharding(x.sharding.mesh, PartitionSpec(*_block_spec(x, 1)))
+                if isinstance(x.sharding, NamedSharding) else x.sharding)), blocks)
+    return out
+
+
+def _from_saved(want, got, saved_stacked: bool):
+    """`got` (restored in the saved layout) in `want`'s layout and shardings (see _rescanned)."""
+    if isinstance(want, dict):
+        split = {}  # base: its blocks, each split from the stacked arrays once
+        for base in {m[1] for k in want if (m := _LAYER_KEY.match(str(k))) and saved_stacked and k not in got
+                     and m[1] in got}:
+            n = sum(1 for k in want if (m := _LAYER_KEY.match(str(k))) and m[1] == base)
+            split[base] = _split_blocks(got[base], [want[f"{base}_{i}"] for i in range(n)])
+        out = {}
+        for k, w in want.items():
+            m = _LAYER_KEY.match(str(k))
+            if m and m[1] in split:
+                out[k] = split[m[1]][int(m[2])]
+            elif not saved_stacked and k in ("layers", "dense_layers") and k not in got:
+                n = sum(1 for g in got if _LAYER_KEY.match(str(g)) and str(g).startswith(f"{k}_"))
+                out[k] = jax.tree.map(lambda s, *xs: jax.jit(lambda *a: jax.numpy.stack(a),
+                                                             out_shardings=s.sharding)(*xs),
+                                      w, *[got[f"{k}_{i}"] for i in range(n)])
+            else:
+                out[k] = _from_saved(w, got[k], saved_stacked)
+        return out
+    if isinstance(want, tuple) and hasattr(want, "_fields"):
+        return type(want)(*(_from_saved(w, g, saved_stacked) for w, g in zip(want, got)))
+    if isinstance(want, (tuple, list)):
+        return type(want)(_from_saved(w, g, saved_stacked) for w, g in zip(want, got))
+    return got
+
+
+def _split_blocks(stacked, wants: list) -> list:
+    """The blocks of a stacked subtree, each in the layout and shardings of its entry in `wants`."""
+    leaves, treedef = jax.tree.flatten(stacked)
+    want_leaves = [treedef.flatten_up_to(w) for w in wants]
+    pieces = []
+    for j, x in enumerate(leaves):
+        shardings = tuple(w[j].sharding for w in want_leaves)
+        pieces.append(jax.jit(lambda a: tuple(jax.lax.index_in_dim(a, i, keepdims=False) for i in range(len(wants))),
+                              out_shardings=shardings)(x))
+    return [jax.tree.unflatten(treedef, [p[i] for p in pieces]) for i in range(len(wants))]
 
 
 def _clip_slot(have: dict[str, Any], expected):
