@@ -60,6 +60,22 @@ def test_resume_is_bitwise_identical_to_uninterrupted(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, final_a, final_b)
 
 
+@pytest.mark.parametrize("async_checkpointing", [False, True])
+def test_checkpoints_beyond_max_num_checkpoints_to_keep_are_removed_and_named(tmp_path, caplog, async_checkpointing):
+    """max_num_checkpoints_to_keep keeps the newest N (no test held it to that); lowering it at a resume
+    deleted the older checkpoints without a line in the log."""
+    keys = dict(checkpoint_period=1, async_checkpointing=async_checkpointing)
+    run(tiny_config(tmp_path, steps=4, **keys))
+    folder = tmp_path / "test" / "checkpoints"
+    assert sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) == [1, 2, 3, 4]
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        run(tiny_config(tmp_path, steps=6, max_num_checkpoints_to_keep=2, **keys))
+    assert sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit()) == [5, 6]
+    removed = [int(n) for line in re.findall(r"checkpoint\(s\) ([\d, ]+) removed: max_num_checkpoints_to_keep=2 "
+                                             r"keeps the newest", caplog.text) for n in line.split(", ")]
+    assert removed == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("first, then", [("true", "false"), ("false", "true")])
 def test_scan_layers_may_change_at_a_resume_and_a_parameter_load(tmp_path, caplog, first, then):
     """A checkpoint holds the blocks stacked ([layers, ...]) with scan_layers=true and one entry per block

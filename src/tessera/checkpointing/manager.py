@@ -68,6 +68,7 @@ class Checkpointer:
         handlers = {"state": _state_handler(self._checksums), "data": ocp.JsonCheckpointHandler(),
                     "config": ocp.JsonCheckpointHandler(CONFIG_FILE)}
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+        self._steps = set(self.manager.all_steps())  # the saved steps last seen (for the removal log line)
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
@@ -105,6 +106,7 @@ class Checkpointer:
         else:
             log.info("checkpoint %d saved in %.2f s (%s on this process's devices): %s", step,
                      time.monotonic() - start, size, self.step_path(step))
+            self._log_removed()
 
     def _log_written(self) -> None:
         """Log the end of the background save started last, once (it is known to have finished)."""
@@ -112,6 +114,17 @@ class Checkpointer:
             log.info("checkpoint %d written in %.2f s: %s", self._saving, time.monotonic() - self._writing_since,
                      self.step_path(self._saving))
         self._writing_since = None
+        self._log_removed()
+
+    def _log_removed(self) -> None:
+        """Name the checkpoints max_num_checkpoints_to_keep had Orbax delete since the last look (a resume
+        with a lower value removed older ones without a word)."""
+        now = set(self.manager.all_steps())
+        removed = sorted(self._steps - now)
+        if removed:
+            log.info("checkpoint(s) %s removed: max_num_checkpoints_to_keep=%d keeps the newest",
+                     ", ".join(map(str, removed)), self.cfg.max_num_checkpoints_to_keep)
+        self._steps = now
 
     def _record_checksums(self) -> None:
         """Record the checksums of the step being saved (process 0; on Orbax's thread when async),
