@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +145,18 @@ def test_multi_slice_mesh_puts_data_parallelism_across_slices(tmp_path):
     assert r.num_devices == 8 and r.mesh["data"] == 2 and r.mesh["fsdp"] == 4 and r.fits
 
 
+def test_num_slices_other_than_the_devices_slices_is_refused(tmp_path, capsys):
+    """num_slices=1 against compile_topology_num_slices=2 ended in an AssertionError traceback from JAX's
+    mesh utilities; num_slices=2 on one slice cut it into two fake slices (its data axis then ran over
+    ICI as if over DCN) and reported success."""
+    for keys, slices in [(dict(compile_topology_num_slices=2, num_slices=1), 2), (dict(num_slices=2), 1),
+                         (dict(compile_topology_num_slices=2, num_slices=4), 2)]:
+        assert main(overrides(tmp_path, compile_topology="v5e-4", **keys)) == 2, keys
+        err = capsys.readouterr().err
+        assert f"config error: num_slices={keys['num_slices']}, but the " in err and f"TPU devices form {slices} " \
+            f"slice(s)" in err and "Set num_slices=-1" in err and "Traceback" not in err, err
+
+
 def test_empty_topology_is_a_config_error(tmp_path, capsys):
     assert main(overrides(tmp_path)) == 2
     assert "compile_topology is empty" in capsys.readouterr().err
@@ -263,6 +276,17 @@ def test_compiled_trainstep_file_under_a_file_is_refused_before_compiling(tmp_pa
                                        f"{tmp_path / 'file'} is a file, not a folder; choose another path\n")
     assert not any("compiling" in r.getMessage() for r in caplog.records)
     assert not (tmp_path / "aot").exists()
+
+
+def test_a_compiled_trainstep_file_url_is_refused_before_compiling(tmp_path, capsys):
+    """gs://bucket/x.pkl was written to a local folder named gs: (Path() merges the slashes) and the
+    compile reported it saved there."""
+    assert main(overrides(tmp_path, compile_topology="v5e-4", compiled_trainstep_file="gs://bucket/x.pkl")) == 2
+    assert capsys.readouterr().err == (
+        "config error: compiled_trainstep_file=gs://bucket/x.pkl is a URL: the compiled step is written to a local "
+        "file (as MaxText's); give a local path, e.g. compiled_trainstep_file=x.pkl, and copy it where it should go "
+        "(gcloud storage cp)\n")
+    assert not Path("gs:").exists() and not (tmp_path / "aot").exists()
 
 
 def test_unwritable_file_names_what_is_in_the_way(tmp_path):

@@ -126,6 +126,10 @@ def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) ->
     """The device mesh for this config; ICI axes inside a slice, DCN axes across slices."""
     devices = list(jax.devices() if devices is None else devices)
     detected = len({getattr(d, "slice_index", 0) for d in devices})
+    if cfg.num_slices not in (-1, detected) and devices[0].platform == "tpu":  # TPU devices know their slice
+        raise ConfigError(f"num_slices={cfg.num_slices}, but the {len(devices)} TPU devices form {detected} slice(s): "
+                          f"a slice is not split or joined by this key. Set num_slices=-1 (found from the devices) "
+                          f"or {detected}; an AOT compile takes its slice count from compile_topology_num_slices")
     num_slices = detected if cfg.num_slices == -1 else cfg.num_slices
     ici, dcn = mesh_shape(cfg, len(devices), num_slices)
     ici_shape, dcn_shape = tuple(ici.values()), tuple(dcn.values())

@@ -129,6 +129,10 @@ def unwritable_file(path: str) -> str:
 
 def check_compiled_file(path: str) -> None:
     """Before compiling: ConfigError when compiled_trainstep_file cannot be written (save_compiled's message)."""
+    if "://" in path:  # Path() read gs://b/x as the local folder gs:/b and wrote there, reporting success
+        raise ConfigError(f"compiled_trainstep_file={path} is a URL: the compiled step is written to a local file "
+                          f"(as MaxText's); give a local path, e.g. compiled_trainstep_file={path.rsplit('/', 1)[-1]}, "
+                          "and copy it where it should go (gcloud storage cp)")
     why = unwritable_file(path) if path else ""
     if why:
         raise ConfigError(f"compiled_trainstep_file={path} cannot be written: {why}; choose another path")
