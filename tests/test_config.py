@@ -619,3 +619,77 @@ def test_an_environment_variable_that_is_a_near_miss_of_a_key_is_warned_about(ca
 def test_a_run_name_may_hold_sub_folders():
     cfg = load_config([BASE, "run_name=sweep1/lr_3e-4", "base_output_directory=gs://bucket/runs"], env={})
     assert cfg.run.run_name == "sweep1/lr_3e-4"
+
+
+@pytest.mark.parametrize("keys, mesh, message", [
+    # one device: no "divisible by data*fsdp*expert=1"; the accumulation steps are a fix
+    ({"gradient_accumulation_steps": 3}, {"data": 1, "fsdp": 1},
+     "global batch 8 is not a multiple of gradient_accumulation_steps=3 (each accumulation step takes an equal share "
+     "of it); change per_device_batch_size or gradient_accumulation_steps"),
+    # 32 does not split into 3 steps on any mesh: the mesh is no fix
+    ({"gradient_accumulation_steps": 3}, {"data": 1, "fsdp": 4},
+     "global batch 32 / gradient_accumulation_steps=3 must be a whole number divisible by data*fsdp*expert=4 (mesh "
+     "{'data': 1, 'stage': 1, 'fsdp': 4, 'sequence': 1, 'tensor': 1, 'expert': 1}), so a multiple of 12; change "
+     "per_device_batch_size or gradient_accumulation_steps"),
+    # 2 sequences split over 4 shards whatever the steps: the accumulation steps are no fix
+    ({"gradient_accumulation_steps": 2, "per_device_batch_size": 0.5}, {"data": 1, "fsdp": 4},
+     "global batch 2 / gradient_accumulation_steps=2 must be a whole number divisible by data*fsdp*expert=4 (mesh "
+     "{'data': 1, 'stage': 1, 'fsdp': 4, 'sequence': 1, 'tensor': 1, 'expert': 1}), so a multiple of 8; change "
+     "per_device_batch_size or the mesh"),
+])
+def test_an_accumulated_batch_that_does_not_split_names_the_fixes_that_work(keys, mesh, message):
+    from tessera.config.derived import plan_run
+
+    shape = {"data": 1, "stage": 1, "fsdp": 1, "sequence": 1, "tensor": 1, "expert": 1, **mesh}
+    with pytest.raises(ConfigError) as e:
+        plan_run(build_config(keys), shape)
+    assert str(e.value) == message
+
+
+@pytest.mark.parametrize("keys, stages, fsdp, message", [
+    # tc compile_topology=v5p-8 ...: no num_pipeline_microbatches works (2 < 2 x 2 stages; 4 leaves 1 row per 2 shards)
+    ({"gradient_accumulation_steps": 4, "per_device_batch_size": 4, "pipeline_delay_activation_forwarding": True,
+      "num_pipeline_repeats": 2}, 2, 2,
+     "the accumulation micro-batch of 4 sequences (global batch 16 / gradient_accumulation_steps=4) cannot be cut into "
+     "4 pipeline microbatches (two per stage at least) that each split over data*fsdp*expert=2 devices; raise "
+     "per_device_batch_size so the global batch is a multiple of 32 or lower gradient_accumulation_steps so each "
+     "micro-batch is a multiple of 8"),
+    ({"gradient_accumulation_steps": 2, "per_device_batch_size": 1}, 2, 4,
+     "the accumulation micro-batch of 4 sequences (global batch 8 / gradient_accumulation_steps=2) cannot be cut into "
+     "2 pipeline microbatches (one per stage at least) that each split over data*fsdp*expert=4 devices; raise "
+     "per_device_batch_size so the global batch is a multiple of 16 or lower gradient_accumulation_steps so each "
+     "micro-batch is a multiple of 8"),
+    # 12 rows over 2 shards: 6 microbatches work where the automatic 2, 4 or 8 do not
+    ({"per_device_batch_size": 1.5, "base_num_decoder_layers": 4}, 4, 2,
+     "the batch of 12 sequences cannot be cut into 4 pipeline microbatches (one per stage at least) that each split "
+     "over data*fsdp*expert=2 devices; raise per_device_batch_size so the batch is a multiple of 8 or set "
+     "num_pipeline_microbatches=6"),
+])
+def test_a_pipelined_batch_that_does_not_split_names_the_fixes_that_work(keys, stages, fsdp, message):
+    from tessera.config.derived import plan_run
+
+    with pytest.raises(ConfigError) as e:
+        plan_run(build_config({"ici_pipeline_parallelism": stages, **keys}),
+                 {"data": 1, "stage": stages, "fsdp": fsdp, "sequence": 1, "tensor": 1, "expert": 1})
+    assert str(e.value) == message
+
+
+def test_keys_a_run_does_not_read_are_named():
+    """Pipeline keys without pipeline stages, per-tensor remat keys without remat_policy=custom and MoE
+    routing keys on a dense model were accepted without a word (pipeline_fsdp_ag_once alone was refused)."""
+    from tessera.config.checks import keys_without_effect
+
+    cfg = load_config([BASE, "num_pipeline_microbatches=4", "pipeline_delay_activation_forwarding=true",
+                       "query_proj=device", "megablox=true", "capacity_factor=1.0"], env={})
+    assert keys_without_effect(cfg, {"fsdp": 8}) == [
+        "num_pipeline_microbatches=4, pipeline_delay_activation_forwarding=True: no effect, this mesh has no pipeline "
+        "stages (ici_pipeline_parallelism or dcn_pipeline_parallelism above 1 makes them)",
+        "query_proj=device: no effect with remat_policy=full; the per-tensor keys are read with remat_policy=custom",
+        "megablox=True, capacity_factor=1.0: no effect on a dense model (num_experts=1); they route a mixture of "
+        "experts"]
+    assert keys_without_effect(cfg, {"stage": 2, "fsdp": 4})[0].startswith("query_proj")  # a pipeline reads them
+    custom = load_config([BASE, "remat_policy=custom", "query_proj=device", "model_name=mixtral-8x7b",
+                          "megablox=true"], env={})
+    assert keys_without_effect(custom, {"fsdp": 8}) == []
+    assert keys_without_effect(load_config([BASE], env={}), {"fsdp": 8}) == []
+

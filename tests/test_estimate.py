@@ -431,3 +431,49 @@ def test_an_unknown_key_in_a_model_file_names_the_file(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("config error: 2 problems:\n") and f"in {tmp_path / 'm.yml'};" in err
     assert "unknown config key 'vocab_sise' in the command line" in err
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["per_device_batch_size=0.1"], "per_device_batch_size=0.1 x 4 devices = 0.4 sequences; the global batch must be a "
+                                    "whole number >= 1"),
+    (["per_device_batch_size=0.5"], "global batch 2 must be divisible by data*fsdp*expert=4"),
+    (["gradient_accumulation_steps=3"], "global batch 32 / gradient_accumulation_steps=3 must be a whole number"),
+    (["ici_pipeline_parallelism=2", "gradient_accumulation_steps=4", "per_device_batch_size=4",
+      "pipeline_delay_activation_forwarding=true", "num_pipeline_repeats=2"],
+     "the accumulation micro-batch of 4 sequences (global batch 16 / gradient_accumulation_steps=4) cannot be cut"),
+])
+def test_a_batch_the_trainer_refuses_is_refused_with_its_message(overrides, message, capsys):
+    """The estimate used to report "global batch 0.4 sequences ... fits" where training stops: it now runs
+    the trainer's own checks (plan_run) and prints their one-line error."""
+    assert main([*overrides, "--hardware", "v5p-8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"config error: {message}")
+    assert captured.err.count("\n") == 1 and captured.out == ""
+
+
+def test_the_report_shows_the_trainers_batch_and_accumulation(capsys):
+    assert main(["gradient_accumulation_steps=2", "--hardware", "v5p-8"]) == 0
+    assert "global batch 32 sequences in 2 accumulation steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["compile_topology=v6e-8"], "compile_topology=v6e-8 is not read by the estimate, which sizes for --hardware "
+                                 "v5p-8; pass --hardware v6e-8 instead"),
+    (["compile_topology_num_slices=2"], "compile_topology_num_slices=2 is not read by the estimate, which sizes for "
+                                        "--num_slices 1; pass --num_slices 2 instead"),
+    (["num_slices=2"], "num_slices=2 is not read by the estimate, which sizes for --num_slices 1; pass --num_slices 2 "
+                       "instead"),
+    (["num_slices=1", "--num_slices", "2"], "num_slices=1 is not read by the estimate, which sizes for --num_slices 2; "
+                                            "pass --num_slices 1 instead"),
+])
+def test_config_keys_that_name_other_hardware_are_refused(overrides, message, capsys):
+    """compile_topology and the slice counts in the config were ignored silently (the report said v5p-8 x1)."""
+    assert main([*overrides, "--hardware", "v5p-8"]) == 2
+    captured = capsys.readouterr()
+    assert (captured.err, captured.out) == (f"config error: {message}\n", "")
+
+
+def test_config_keys_that_agree_with_the_hardware_options_are_accepted(capsys):
+    assert main(["compile_topology=v5p-8", "compile_topology_num_slices=2", "num_slices=2", "--hardware", "v5p-8",
+                 "--num_slices", "2"]) == 0
+    assert "hardware: v5p-8 x2 = 8 x" in capsys.readouterr().out

@@ -87,13 +87,21 @@ def global_batch(per_device_batch_size: float, accumulation_steps: int, mesh_sha
     shards = mesh_shape["data"] * mesh_shape["fsdp"] * mesh_shape["expert"]
     if batch % accumulation_steps or (batch // accumulation_steps) % shards:
         what = f"the evaluation batch {batch}" if key.startswith("eval_") else f"global batch {batch}"
+        if accumulation_steps == 1:
+            raise ConfigError(f"{what} must be divisible by data*fsdp*expert={shards} (mesh {dict(mesh_shape)}); "
+                              f"change {key} or the mesh")
+        # name only the knobs that can work: fewer accumulation steps (1 at least) when the batch splits over
+        # the batch axes; another mesh (1 batch shard at least) when the accumulation steps divide the batch
+        fixes = [key] + ["gradient_accumulation_steps"] * (batch % shards == 0)
+        fixes += ["the mesh"] * (shards > 1 and batch % accumulation_steps == 0)
+        fix = f"change {', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1 else f"change {key}"
+        if shards == 1:
+            raise ConfigError(f"{what} is not a multiple of gradient_accumulation_steps={accumulation_steps} (each "
+                              f"accumulation step takes an equal share of it); {fix}")
         raise ConfigError(
             f"{what} / gradient_accumulation_steps={accumulation_steps} must be a whole number divisible "
-            f"by data*fsdp*expert={shards} (mesh {dict(mesh_shape)}); change {key} or the mesh"
-            if accumulation_steps > 1 else
-            f"{what} must be divisible by data*fsdp*expert={shards} (mesh {dict(mesh_shape)}); change {key} or "
-            "the mesh"
-        )
+            f"by data*fsdp*expert={shards} (mesh {dict(mesh_shape)}), so a multiple of "
+            f"{accumulation_steps * shards}; {fix}")
     return batch
 
 
@@ -251,10 +259,9 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
         fits = [k * stages for k in (4, 2, 1) if rows % (k * stages * shards) == 0 and k * stages >= least]
         if not fits:
             raise ConfigError(
-                f"the batch of {rows} sequences cannot be cut into {least} pipeline microbatches ("
+                f"{_pipelined_rows(cfg, rows)} cannot be cut into {least} pipeline microbatches ("
                 f"{'two' if least > stages else 'one'} per stage at least) that each split over data*fsdp*expert="
-                f"{shards} devices; raise per_device_batch_size so the batch is a multiple of {least * shards}, or set "
-                "num_pipeline_microbatches")
+                f"{shards} devices; {_pipeline_fixes(cfg, rows, least, shards, least)}")
         micro = fits[0]
     if micro < stages:
         raise ConfigError(f"num_pipeline_microbatches={micro} is fewer than the {stages} pipeline stages: every stage "
@@ -266,11 +273,34 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
             f"{least} iterations after it left); use at least {least} microbatches or turn the delay off")
     if rows % micro or (rows // micro) % shards:
         raise ConfigError(
-            f"the batch of {rows} sequences cannot be cut into num_pipeline_microbatches={micro} microbatches that "
+            f"{_pipelined_rows(cfg, rows)} cannot be cut into num_pipeline_microbatches={micro} microbatches that "
             f"each split over data*fsdp*expert={shards} devices ({rows} must be a multiple of {micro * shards}); "
-            "change num_pipeline_microbatches or per_device_batch_size")
+            f"{_pipeline_fixes(cfg, rows, micro, shards, least)}")
     return PipelineLayout(stages, repeats, per_stage // per_block, micro, rows // micro, hop,
                           mesh.pipeline_fsdp_ag_once)
+
+
+def _pipelined_rows(cfg: Config, rows: int) -> str:
+    """The batch a pipeline cuts into microbatches, for errors: with gradient accumulation, one micro-batch."""
+    steps = cfg.optim.gradient_accumulation_steps
+    if steps == 1:
+        return f"the batch of {rows} sequences"
+    return (f"the accumulation micro-batch of {rows} sequences (global batch {rows * steps} / "
+            f"gradient_accumulation_steps={steps})")
+
+
+def _pipeline_fixes(cfg: Config, rows: int, micro: int, shards: int, least: int) -> str:
+    """The keys that can make `rows` (one micro-batch) split into `micro` pipeline microbatches of whole shards:
+    a larger batch always; fewer accumulation steps when the global batch splits so; another
+    num_pipeline_microbatches when one of at least `least` does."""
+    steps = cfg.optim.gradient_accumulation_steps
+    fixes = [f"raise per_device_batch_size so the {'global ' if steps > 1 else ''}batch is a multiple of "
+             f"{steps * micro * shards}"]
+    if steps > 1 and (rows * steps) % (micro * shards) == 0:
+        fixes.append(f"lower gradient_accumulation_steps so each micro-batch is a multiple of {micro * shards}")
+    if rows % shards == 0 and rows // shards >= least and rows // shards != micro:
+        fixes.append(f"set num_pipeline_microbatches={rows // shards}")
+    return ", ".join(fixes[:-1]) + (" or " if len(fixes) > 1 else "") + fixes[-1]
 
 
 def dropout_rate(cfg: ModelConfig) -> float:

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from tessera.config import Config, ConfigError, build_config, load_config
 from tessera.config.checks import check_trainable_dtypes
-from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout
+from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout, plan_run
 from tessera.config.loader import read_yaml
 from tessera.config.maxtext import translate
 from tessera.config.schema import all_fields
@@ -217,6 +217,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     """The whole estimate as text; `sequence` (see sequence_note) comes first."""
     m, counts = cfg.model, count_params(cfg.model)
     mesh = mesh_sizes(cfg, hw)
+    plan = plan_run(cfg, mesh)  # the trainer's own batch, accumulation and pipeline checks: refused as it refuses
     fused = fused_attention(cfg, hw, mesh)
     mem = estimate_memory(cfg, counts, mesh, fused)
     tokens = cfg.data.max_target_length
@@ -232,7 +233,8 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
         f"{hbm / GIB:.1f} GiB HBM, {hw.accelerator.peak_flops / 1e12:.0f} TFLOP/s bf16",
         f"mesh: {', '.join(f'{k}={v}' for k, v in mesh.items() if v > 1) or 'one device'}; "
-        f"global batch {cfg.data.per_device_batch_size * hw.num_devices:g} sequences",
+        f"global batch {plan.global_batch} sequences"
+        + (f" in {plan.micro_batches} accumulation steps" if plan.micro_batches > 1 else ""),
         "",
         "memory per device (GiB):",
         f"  parameters ({m.weight_dtype})      {mem.params / GIB:8.2f}",
@@ -260,7 +262,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         if r.axis == "stage" and cfg.mesh.dcn_pipeline_parallelism > 1:
             verdict = "over DCN: compare with the DCN's FLOPs per byte (peak / DCN bytes/s per chip)"
         lines.append(f"  {r.axis:<8} x{r.size:<5} intensity {value}   {verdict}")
-    layout = pipeline_plan(cfg, mesh, hw)
+    layout = plan.pipeline
     if layout is not None:
         lines += ["", f"pipeline: {layout.describe(LAYERS_PER_BLOCK.get(m.decoder_block, 1))}"]
     if mfu:
@@ -282,6 +284,19 @@ def check_options(args: argparse.Namespace) -> None:
                           "or leave it out for the slice's own")
     if args.mfu is not None and not 0 < args.mfu <= 1:
         raise ConfigError(f"--mfu={args.mfu:g}: give a fraction above 0 and at most 1, e.g. --mfu 0.4 for 40%")
+
+
+def check_topology_keys(cfg: Config, args: argparse.Namespace) -> None:
+    """ConfigError for the config keys that name the hardware, which the estimate takes from --hardware and
+    --num_slices only: compile_topology, compile_topology_num_slices, num_slices (accepted when they agree)."""
+    topology, slices = cfg.compile.compile_topology, cfg.compile.compile_topology_num_slices
+    if topology and topology.strip().lower() != args.hardware.strip().lower():
+        raise ConfigError(f"compile_topology={topology} is not read by the estimate, which sizes for --hardware "
+                          f"{args.hardware}; pass --hardware {topology} instead")
+    for key, value, default in (("compile_topology_num_slices", slices, 1), ("num_slices", cfg.mesh.num_slices, -1)):
+        if value not in (default, args.num_slices):
+            raise ConfigError(f"{key}={value} is not read by the estimate, which sizes for --num_slices "
+                              f"{args.num_slices}; pass --num_slices {value} instead")
 
 
 def main(argv: list[str]) -> int:
@@ -307,6 +322,7 @@ def main(argv: list[str]) -> int:
     try:
         check_options(args)
         cfg = load_model_config(model, overrides)
+        check_topology_keys(cfg, args)
         hw = parse_hardware(args.hardware, args.num_slices, args.ici_links or 0)
         check_trainable_dtypes(cfg.model, "tpu" if hw.accelerator.torus_dims else "gpu")
         print(report(cfg, hw, args.mfu or 0.0, sequence_note(cfg, overrides)))
