@@ -167,6 +167,9 @@ def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = No
     if cfg.compile.compiled_trainstep_file:
         log.info("compiled_trainstep_file=%s is written by train_compile; train.py compiles its own step",
                  cfg.compile.compiled_trainstep_file)
+    if cfg.compile.compile_topology:
+        log.info("compile_topology=%s is read by train_compile; train.py trains on the devices it finds",
+                 cfg.compile.compile_topology)
     if jax.process_index() == 0:
         (folder / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
     log.info("run %s -> %s (full config in config.yml, digest %s)", cfg.run.run_name, folder, config_digest(cfg))

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera import cpu_matmul
 from tessera.config import Config, ConfigError, ModelConfig
-from tessera.config.checks import check_trainable_dtypes
+from tessera.config.checks import check_trainable_dtypes, keys_without_effect
 from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
@@ -64,6 +64,8 @@ def setup(cfg: Config, devices=None) -> Trainer:
     mesh = create_mesh(cfg.mesh, devices)
     plan = plan_run(cfg, dict(mesh.shape))
     check_trainable_dtypes(cfg.model, device_platform(mesh))
+    for line in keys_without_effect(cfg, dict(mesh.shape)):
+        log.warning("%s", line)
     choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape))
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     bf16_matmul = cpu_matmul.decision()  # checks TESSERA_CPU_BF16_MATMUL on every platform

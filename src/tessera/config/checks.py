@@ -293,3 +293,34 @@ def check_trainable_dtypes(m: ModelConfig, platform: str) -> None:
             "(1e-8) and small squared gradients round to 0 and squares above 65504 overflow, so the first "
             "update is NaN. Use weight_dtype=bfloat16 (the same size, float32's range) or float32; "
             "dtype=float16 (the compute dtype) trains")
+
+
+PIPELINE_KEYS = ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layers_per_pipeline_stage",
+                 "pipeline_delay_activation_forwarding")
+MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", "tile_batch_seq", "tile_activation_dim", "tile_weight_dim")
+
+
+def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
+    """One line per key set away from its default that this run does not read (a typo of intent:
+    per-tensor remat keys without remat_policy=custom, pipeline keys on a mesh without stages, MoE
+    routing keys on a dense model), for a warning at set-up; they were accepted without a word."""
+    from tessera.config.loader import changed_keys
+    from tessera.config.schema import REMAT_TENSORS
+
+    changed = changed_keys(cfg)
+    lines = []
+    if mesh_shape.get("stage", 1) == 1 and (keys := [k for k in PIPELINE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, this mesh has no pipeline stages (ici_pipeline_parallelism "
+                     "or dcn_pipeline_parallelism above 1 makes them)")
+    if cfg.model.remat_policy != "custom" and (keys := [k for k in REMAT_TENSORS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with remat_policy={cfg.model.remat_policy}; the per-tensor "
+                     "keys are read with remat_policy=custom")
+    if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
+                     "experts")
+    return lines
+
+
+def _listed(keys: list[str], values: dict) -> str:
+    return ", ".join(f"{k}={values[k]}" for k in keys)
+
