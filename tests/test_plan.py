@@ -406,3 +406,22 @@ def test_a_model_named_twice_differently_is_refused(tmp_path, capsys):
     assert captured.out == "" and captured.err == (
         f"config error: the model is named twice: {tmp_path / 'm3.yml'} and model_name=llama3.1-8b; give it once "
         "(a model name or YAML file as the first argument, or model_name=...)\n")
+
+
+def test_a_candidate_is_valid_only_when_the_trainer_accepts_its_batch_with_accumulation():
+    """The planner checked a pipeline against the whole batch, the trainer against each accumulation micro-batch:
+    with gradient_accumulation_steps=2 it offered a mesh whose micro-batch does not split into microbatches."""
+    from tessera.config import ConfigError
+    from tessera.config.derived import plan_run
+    from tessera.tools.plan import layout_or_none
+
+    mesh = Mesh({**{a: 1 for a in ICI_AXES}, "stage": 2, "fsdp": 4}, {a: 1 for a in DCN_AXES})
+    cfg = load_model_config("default", ["per_device_batch_size=1", "gradient_accumulation_steps=2"])
+    with pytest.raises(ConfigError) as trainer:
+        plan_run(cfg, mesh.sizes)
+    with pytest.raises(ConfigError) as planner:
+        layout_or_none(cfg, mesh)
+    assert str(planner.value) == str(trainer.value)
+    one = load_model_config("default", ["per_device_batch_size=2"])
+    assert layout_or_none(one, mesh).microbatches == plan_run(one, mesh.sizes).pipeline.microbatches
+

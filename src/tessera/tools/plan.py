@@ -232,8 +232,10 @@ def pipeline_repeats(cfg: Config, stages: int) -> list[int]:
 
 
 def layout_or_none(cfg: Config, mesh: Mesh):
-    """(pipeline layout or None) when this batch and mesh are valid for the trainer, else raises ConfigError."""
-    rows = global_batch(cfg.data.per_device_batch_size, 1, mesh.sizes)
+    """(pipeline layout or None) when this batch and mesh are valid for the trainer, else raises ConfigError.
+    With gradient accumulation the pipeline cuts each micro-batch (global batch / steps), as the trainer does."""
+    steps = cfg.optim.gradient_accumulation_steps
+    rows = global_batch(cfg.data.per_device_batch_size, steps, mesh.sizes) // steps
     return pipeline_layout(cfg, mesh.sizes, rows)
 
 
