@@ -35,6 +35,12 @@ for arg in "$@"; do
   fi
 done
 
+case "${DRY_RUN:-0}" in  # true/yes used to run for real (route changes included): only 1/0 and their words
+  1|true|yes|TRUE|True|YES|Yes) DRY_RUN=1 ;;
+  0|false|no|FALSE|False|NO|No|"") DRY_RUN=0 ;;
+  *) echo "$RECIPE_PATH: DRY_RUN=$DRY_RUN is not 1 or 0 (DRY_RUN=1 prints the commands instead of running them)" >&2
+     exit 2 ;;
+esac
 export RUN_NAME=${RUN_NAME:-$RECIPE_NAME}
 export M_RUN_NAME=$RUN_NAME
 OUTPUT_PATH=${OUTPUT_PATH:-outputs}
@@ -98,7 +104,8 @@ run_recipe() {
   done
   cd "$REPO_DIR"
   if [ "${DRY_RUN:-0}" = 1 ]; then
-    echo "# dry run of $RECIPE_PATH: nothing is executed"
+    echo "# dry run of $RECIPE_PATH: nothing is executed; the commands below run from $REPO_DIR with" \
+         "PYTHONPATH=$REPO_DIR/src${PYTHONPATH:+:$PYTHONPATH}"
     local name
     for name in $(compgen -e | sort); do
       if [[ "$name" =~ ^(LIBTPU_INIT_ARGS|XLA_FLAGS|XLA_PYTHON_CLIENT_.*|NCCL_.*|CUDA_.*|JAX_.*|NNODES|NODE_RANK|M_.*)$ ]]; then
@@ -107,7 +114,16 @@ run_recipe() {
     done
   fi
   if [ "$topology" != gpu ] && [ "$PLATFORM" = gce ] && [ "$EXECUTABLE" = train ]; then
-    if [ "$(id -u)" = 0 ]; then recipe_exec bash rto_setup.sh; else recipe_exec sudo bash rto_setup.sh; fi
+    if [ "$(id -u)" = 0 ]; then
+      recipe_exec bash rto_setup.sh
+    elif [ "$DRY_RUN" = 1 ] || command -v sudo >/dev/null 2>&1; then
+      recipe_exec sudo bash rto_setup.sh
+    else
+      echo "$RECIPE_PATH: on a TPU VM (PLATFORM=gce) the recipe first tunes the network with rto_setup.sh, which" \
+           "needs root, and sudo is not installed: run the recipe as root, or with PLATFORM=gke (which skips it and" \
+           "leaves the host network settings alone)" >&2
+      exit 2
+    fi
   fi
   PYTHONPATH="$REPO_DIR/src${PYTHONPATH:+:$PYTHONPATH}" recipe_exec "${cmd[@]}"
 }

@@ -7,6 +7,7 @@ import math
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from fnmatch import fnmatch
@@ -273,6 +274,41 @@ def test_rto_setup_dry_run_and_root_check(fake_net):
     refused = rto({**env, "FAKE_UID": "1000"})
     assert refused.returncode == 1 and "needs root" in refused.stderr and "sudo bash rto_setup.sh" in refused.stderr
     assert rto(env, "RTO_MIN=fast").returncode == 2
+
+
+def test_dry_run_takes_true_and_refuses_other_words(fake_net, tmp_path):
+    """DRY_RUN=true or yes ran the recipe for real, route changes included: they are dry runs now, and a
+    value that is no yes or no is refused. The dry run names the folder and PYTHONPATH its commands need."""
+    folder, env = fake_net
+    env = {**env, "HOME": str(tmp_path), "PYTHON": "/bin/echo"}
+    for value in ("true", "yes"):
+        out = subprocess.run(["bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), f"DRY_RUN={value}"],
+                             capture_output=True, text=True, env=env, timeout=60)
+        assert out.returncode == 0 and out.stdout.startswith(f"# dry run of {REPO / 'configs' / 'tpu' / 'v5p' / '128b.sh'}"
+                                                             f": nothing is executed; the commands below run from "
+                                                             f"{REPO} with PYTHONPATH={REPO / 'src'}\n"), out.stdout
+        assert rto(env, f"DRY_RUN={value}").stdout.count("would run: ip route change") == 2
+    assert "route change" not in (folder / "ip_calls").read_text()
+    maybe = subprocess.run(["bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), "DRY_RUN=maybe"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    assert maybe.returncode == 2 and "DRY_RUN=maybe is not 1 or 0" in maybe.stderr and maybe.stdout == ""
+    assert rto(env, "DRY_RUN=maybe").returncode == 2
+
+
+def test_a_tpu_recipe_without_root_or_sudo_says_what_to_do(tmp_path):
+    """A non-root user without sudo got only "sudo: command not found" (exit 127) from a TPU recipe."""
+    bin_dir = tmp_path / "bin"  # the few tools the recipe needs, no sudo among them
+    bin_dir.mkdir()
+    for tool in ("dirname", "basename", "sort"):
+        (bin_dir / tool).symlink_to(shutil.which(tool))
+    (bin_dir / "id").write_text("#!/bin/sh\necho 1000\n")
+    (bin_dir / "id").chmod(0o755)
+    out = subprocess.run(["/bin/bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), "RUN_NAME=x"],
+                         capture_output=True, text=True, env={"PATH": str(bin_dir), "HOME": str(tmp_path),
+                                                              "PYTHON": "/bin/echo"}, timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert "rto_setup.sh, which needs root, and sudo is not installed: run the recipe as root, or with " \
+           "PLATFORM=gke" in out.stderr
 
 
 # ---------------------------------------------------------------------------- docs
