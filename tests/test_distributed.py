@@ -56,6 +56,12 @@ def test_job_layout_from_environment():
         job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "2", "NODE_RANK": "2"})
     with pytest.raises(DistributedError, match="NNODES='two' must be a whole number"):
         job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "two"})
+    # an address with its port waited the whole start-up timeout (300 s) for host "10.0.0.1:8476:8476"
+    with pytest.raises(DistributedError, match=r"JAX_COORDINATOR_IP=10.0.0.1:8476 holds a port: give the address "
+                                               r"alone, JAX_COORDINATOR_IP=10.0.0.1, and the port as "
+                                               r"JAX_COORDINATOR_PORT=8476"):
+        job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1:8476", "NNODES": "2", "NODE_RANK": "0"})
+    assert job_from_env({"JAX_COORDINATOR_IP": "fd00::1", "NNODES": "2"}).mode == "env"  # IPv6: colons, no port
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import dataclasses
 import faulthandler
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -69,6 +70,10 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
     timeouts = dict(init_timeout=_int_env(env, "JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS", 300),
                     heartbeat_timeout=_int_env(env, "JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS", 100))
     if env.get("JAX_COORDINATOR_IP"):
+        if re.fullmatch(r"[^:\[\]]+:\d+", env["JAX_COORDINATOR_IP"].strip()):  # host:port (an IPv6 address has more colons)
+            host, port = env["JAX_COORDINATOR_IP"].strip().rsplit(":", 1)
+            raise DistributedError(f"JAX_COORDINATOR_IP={env['JAX_COORDINATOR_IP']} holds a port: give the address "
+                                   f"alone, JAX_COORDINATOR_IP={host}, and the port as JAX_COORDINATOR_PORT={port}")
         nodes, rank = _int_env(env, "NNODES", 1), _int_env(env, "NODE_RANK", 0)
         if nodes < 1 or not 0 <= rank < nodes:
             raise DistributedError(f"NODE_RANK={rank} must be in [0, NNODES={nodes})")
