@@ -64,6 +64,20 @@ def test_job_layout_from_environment():
     assert job_from_env({"JAX_COORDINATOR_IP": "fd00::1", "NNODES": "2"}).mode == "env"  # IPv6: colons, no port
 
 
+def test_processes_started_with_different_configs_stop_naming_the_keys(tmp_path):
+    """Another per_device_batch_size on process 1 aborted it in C++ at the first collective ("Received data
+    size doesn't match expected size", exit 134) and process 0 blamed a lost network (exit 5)."""
+    port = _free_port()
+    results = _finish([_start(0, port, tmp_path), _start(1, port, tmp_path, "per_device_batch_size=2")])
+    for rank, (code, err) in enumerate(results):
+        other = 1 - rank
+        assert code == 4 and "Traceback" not in err, err[-3000:]
+        mine, theirs = ("1.0", "2.0") if rank == 0 else ("2.0", "1.0")
+        assert (f"distributed start-up error: process {rank} was started with another config than process {other}: "
+                f"per_device_batch_size={mine} (process {other}: {theirs})") in err, err[-3000:]
+    assert not (tmp_path / "mp").exists()  # stopped before the run folder was made
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_process_and_resume(tmp_path):
     reference = run(tiny_config(tmp_path / "one", steps=3, per_device_batch_size=1))

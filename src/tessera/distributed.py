@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import faulthandler
+import json
 import logging
 import os
 import re
@@ -27,7 +28,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Mapping, NoReturn
+from typing import Any, Mapping, NoReturn
 
 import jax
 
@@ -182,6 +183,37 @@ def wait_for_all(name: str, timeout: float, what: str) -> None:
             f"process {global_state.process_id} of {global_state.num_processes} waited {seconds:.0f} s for the "
             f"other processes to reach {what}, and not all did (step_timeout_seconds). Look at the other "
             f"processes' logs for an error or a stall before that point. JAX said: {' '.join(str(e).split())[:400]}") from None
+
+
+def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
+    """DistributedError when the processes of the job were started with different configs (a no-op for
+    one process): each publishes its flat config; process 0 compares every other's with its own, and
+    every other process its own with process 0's, so each stops with the keys that differ. Started with
+    different batches, the first collective aborted in C++ ("Received data size doesn't match") and the
+    other processes blamed a lost network."""
+    from jax._src.distributed import global_state
+
+    client = global_state.client
+    if client is None:
+        return
+    me, count = global_state.process_id, global_state.num_processes
+    wait_ms = int((timeout if timeout > 0 else 3600.0) * 1000)
+    mine = json.loads(json.dumps(dict(config), default=str))
+    client.key_value_set(f"tessera/config/{me}", json.dumps(mine, sort_keys=True))
+    others = range(1, count) if me == 0 else [0]
+    for other in others:
+        try:
+            theirs = json.loads(client.blocking_key_value_get(f"tessera/config/{other}", wait_ms))
+        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: that process never got this far
+            raise DistributedError(f"process {me} waited for the config of process {other}, which did not start "
+                                   f"training (look at its log). JAX said: {' '.join(str(e).split())[:300]}") from None
+        differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if differ:
+            shown = ", ".join(f"{k}={json.dumps(mine.get(k))} (process {other}: {json.dumps(theirs.get(k))})"
+                              for k in differ[:5]) + (f", and {len(differ) - 5} more" if len(differ) > 5 else "")
+            raise DistributedError(f"process {me} was started with another config than process {other}: {shown}. "
+                                   "Start every process of a job with the same command and config (set run_name: "
+                                   "a name each process makes up from its clock can differ)")
 
 
 def request_stop(step: int, signum: int) -> tuple[int, int]:

@@ -29,7 +29,8 @@ from tessera.checkpointing import Checkpointer, CheckpointError, CheckpointSaveE
 from tessera.compile_cache import cache_hits, loaded_note, use_compilation_cache
 from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
 from tessera.data import DataError, make_input, place_batch
-from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, HangWatchdog, initialize, wait_for_all
+from tessera.distributed import (EXIT_DISTRIBUTED, DistributedError, HangWatchdog, check_same_config, initialize,
+                                 wait_for_all)
 from tessera.evaluation import Evaluator, at_target
 from tessera.loop_records import Profiler, RunClock, StepMeter, steps_logged_after
 from tessera.memory_fit import (
@@ -377,6 +378,7 @@ def _main(argv: list[str]) -> int:
         log.info("config (differs from base.yml): %s", format_changed_keys(cfg))
         log.info("host malloc: %s", host_malloc.describe())
         initialize()
+        check_same_config(flat_dict(cfg), cfg.run.step_timeout_seconds)
         run(cfg, clock=clock)
     except DistributedError as e:
         print(f"distributed start-up error: {e}", file=sys.stderr)
