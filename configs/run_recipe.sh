@@ -31,6 +31,13 @@ for arg in "$@"; do
   if [[ "$name" =~ ^[a-z] ]]; then
     RECIPE_OVERRIDES+=("$arg")
   else
+    case "$name" in  # a mistyped setting (OUTPUT_DIR, RUNNAME) was exported and ignored without a word
+      RUN_NAME|OUTPUT_PATH|DATASET_PATH|PLATFORM|EXECUTABLE|NUM_SLICES|DRY_RUN|PYTHON|NNODES|NODE_RANK|RTO_MIN) ;;
+      LIBTPU_INIT_ARGS|XLA_*|JAX_*|TPU_*|NCCL_*|CUDA_*|TF_*|M_*|GOOGLE_*|GCS_*|HF_*|TESSERA_*|PYTHONPATH|PATH) ;;
+      *) echo "$RECIPE_PATH: warning: $name is not a recipe setting (RUN_NAME, OUTPUT_PATH, DATASET_PATH, PLATFORM," \
+              "EXECUTABLE, NUM_SLICES, DRY_RUN, PYTHON, NNODES, NODE_RANK) nor a JAX/XLA/TPU/NCCL variable; it is" \
+              "only exported to the environment" >&2 ;;
+    esac
     export "$arg"
   fi
 done

@@ -295,6 +295,15 @@ def test_dry_run_takes_true_and_refuses_other_words(fake_net, tmp_path):
     assert rto(env, "DRY_RUN=maybe").returncode == 2
 
 
+def test_a_mistyped_recipe_setting_is_warned_about():
+    """OUTPUT_DIR=... (for OUTPUT_PATH) or RUNNAME=... was exported and ignored without a word."""
+    out = dry_run("tpu/v5p/128b", "OUTPUT_DIR=gs://b/runs", "RUNNAME=x", "RTO_MIN=10ms", "XLA_FLAGS=--a=1")
+    assert out.returncode == 0
+    warned = [line for line in out.stderr.splitlines() if "is not a recipe setting" in line]
+    assert [line.split(": warning: ")[1].split()[0] for line in warned] == ["OUTPUT_DIR", "RUNNAME"], out.stderr
+    assert "base_output_directory=outputs" in out.stdout  # what the run would use, as before
+
+
 def test_a_tpu_recipe_without_root_or_sudo_says_what_to_do(tmp_path):
     """A non-root user without sudo got only "sudo: command not found" (exit 127) from a TPU recipe."""
     bin_dir = tmp_path / "bin"  # the few tools the recipe needs, no sudo among them
