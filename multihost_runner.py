@@ -11,7 +11,12 @@ run `--COMMAND` there on all workers at once (`ssh --worker=<i>`), and stream ea
 output to `<LOG_DIR>/<RUN_NAME>/slice<s>_worker<w>.log` (slice 0 worker 0 is echoed here too).
 When a worker fails the others are stopped, the failed ones are named with the end of their
 logs, and the exit code is 1. Stopping the local `gcloud ssh` may leave a remote process
-running; `--COMMAND="pkill -f train.py"`-style clean-up is then up to you.
+running; clean up with e.g. `--USE_EXISTING_FOLDER=true --RUN_NAME=r1 --COMMAND="pkill -f '[t]rain.py' || true"`
+(the brackets keep the pattern from matching the remote shell that runs it, whose command line holds it).
+
+Exit codes: 0 every worker finished; 1 a gcloud call or a worker failed (or `gcloud` is not on PATH);
+2 bad arguments; 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP (the local `gcloud` processes are
+stopped first).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import getpass
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works withou
 from tessera.tpu_vm import GcloudError, Slice, find_slices, gcloud, pack_code, parse_bool, scope_flags  # noqa: E402
 
 MEGASCALE_PORT = 8080
+
+
+class Stopped(Exception):
+    """SIGTERM or SIGHUP arrived: clean up like Ctrl-C, then exit with 128 + the signal number."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.exit_code = 128 + signum
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise Stopped(signum)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -49,6 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ZONE", default="", help="zone (default: gcloud's configured one)")
     p.add_argument("--LOG_DIR", default="logs", help="local folder for the per-worker logs (default: logs)")
     args = p.parse_args(argv)
+    if not args.COMMAND.strip():
+        p.error("--COMMAND is empty: give the shell command to run on every worker, e.g. --COMMAND='bash setup.sh'")
     try:
         args.INTERNAL_IP = parse_bool(args.INTERNAL_IP)
         args.USE_EXISTING_FOLDER = parse_bool(args.USE_EXISTING_FOLDER)
@@ -89,7 +109,9 @@ def worker_command(args: argparse.Namespace, slices: list[Slice], slice_id: int)
         coordinator = slices[0].internal_ips[0]
         env = (f"export MEGASCALE_COORDINATOR_ADDRESS={coordinator}:{MEGASCALE_PORT} "
                f"MEGASCALE_NUM_SLICES={len(slices)} MEGASCALE_SLICE_ID={slice_id} MEGASCALE_PORT={MEGASCALE_PORT}; ")
-    return f"{env}cd ~/{shlex.quote(args.RUN_NAME)} && {args.COMMAND}"
+    # Grouped, so that a failed `cd` fails the worker (even with `COMMAND || true`) and all of COMMAND runs in
+    # the folder; the newline before `}` ends a trailing `# comment` in COMMAND.
+    return f"{env}cd ~/{shlex.quote(args.RUN_NAME)} && {{ {args.COMMAND}\n}}"
 
 
 class Worker:
@@ -128,20 +150,21 @@ class Worker:
         return "\n".join("      " + line for line in text[-lines:])
 
 
-def run_everywhere(args: argparse.Namespace, slices: list[Slice]) -> list[Worker]:
+def run_everywhere(args: argparse.Namespace, slices: list[Slice], log_dir: Path) -> list[Worker]:
     """Start COMMAND on all workers, wait; on the first failure stop the others. Returns failures."""
-    log_dir = Path(args.LOG_DIR) / args.RUN_NAME
-    log_dir.mkdir(parents=True, exist_ok=True)
     workers = []
-    for s_id, s in enumerate(slices):
-        command = worker_command(args, slices, s_id)
-        for w in range(s.num_workers):
-            argv = [*ssh_base(args, s.name, str(w)), f"--command={command}"]
-            workers.append(Worker(s_id, w, argv, log_dir / f"slice{s_id}_worker{w}.log", echo=(s_id, w) == (0, 0)))
-    print(f"running on {len(workers)} worker(s); logs in {log_dir}/", flush=True)
     try:
+        for s_id, s in enumerate(slices):
+            command = worker_command(args, slices, s_id)
+            for w in range(s.num_workers):
+                argv = [*ssh_base(args, s.name, str(w)), f"--command={command}"]
+                workers.append(Worker(s_id, w, argv, log_dir / f"slice{s_id}_worker{w}.log",
+                                      echo=(s_id, w) == (0, 0)))
+        print(f"running on {len(workers)} worker(s); logs in {log_dir}/", flush=True)
         return wait_all(workers)
-    except KeyboardInterrupt:  # the workers run in sessions of their own and did not see Ctrl-C
+    except (KeyboardInterrupt, Stopped):  # the workers run in sessions of their own and saw no signal
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the clean-up
+            signal.signal(sig, signal.SIG_IGN)
         for w in workers:
             w.stop()
         raise
@@ -169,19 +192,44 @@ def wait_all(workers: list[Worker]) -> list[Worker]:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if shutil.which("gcloud") is None:
+        print("multihost_runner: `gcloud` is not on PATH; install the Google Cloud CLI "
+              "(https://cloud.google.com/sdk/docs/install) or add its bin folder to PATH", file=sys.stderr)
+        return 1
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # handled like Ctrl-C: stop the workers' gcloud, then exit
+        signal.signal(sig, _raise_stopped)
+    try:
+        return launch(args)
+    except KeyboardInterrupt:
+        print("multihost_runner: interrupted; the local gcloud processes were stopped", file=sys.stderr)
+        return 130
+    except Stopped as e:
+        print(f"multihost_runner: stopped by {e}; the local gcloud processes were stopped", file=sys.stderr)
+        return e.exit_code
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Find the slices, make the log folder, copy the code, run COMMAND everywhere; returns the exit code."""
+    log_dir = Path(args.LOG_DIR) / args.RUN_NAME
     try:
         slices = find_slices(args.TPU_PREFIX, scope_flags(args.PROJECT, args.ZONE))
         print(f"{len(slices)} slice(s): " + ", ".join(f"{s.name} ({s.num_workers} workers)" for s in slices))
+    except GcloudError as e:
+        print(f"multihost_runner: {e}", file=sys.stderr)
+        return 1
+    try:  # before the copy, which can take minutes
+        log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"multihost_runner: --LOG_DIR={args.LOG_DIR}: cannot make the log folder {log_dir} "
+              f"({e.strerror}); pass a folder (it is created if missing)", file=sys.stderr)
+        return 2
+    try:
         if not args.USE_EXISTING_FOLDER:
             copy_code(args, slices)
     except GcloudError as e:
         print(f"multihost_runner: {e}", file=sys.stderr)
         return 1
-    try:
-        failed = run_everywhere(args, slices)
-    except KeyboardInterrupt:
-        print("multihost_runner: interrupted; the local gcloud ssh processes were stopped", file=sys.stderr)
-        return 130
+    failed = run_everywhere(args, slices, log_dir)
     if failed:
         print(f"multihost_runner: {len(failed)} worker(s) failed:", file=sys.stderr)
         for w in failed:

@@ -75,7 +75,7 @@ def test_runner_copies_code_and_runs_on_every_worker_of_every_slice(fake, code_d
     runs = sorted(c for c in recorded if c[3] == "ssh" and c[5] != "--worker=all")
     assert len(runs) == 4
     expected = ("export MEGASCALE_COORDINATOR_ADDRESS=10.1.0.0:8080 MEGASCALE_NUM_SLICES=2 MEGASCALE_SLICE_ID=1 "
-                "MEGASCALE_PORT=8080; cd ~/r1 && bash hello.sh")
+                "MEGASCALE_PORT=8080; cd ~/r1 && { bash hello.sh\n}")  # grouped: a failed cd fails the worker
     assert runs[-1] == ["compute", "tpus", "tpu-vm", "ssh", "pod-1", "--worker=1", *scope, f"--command={expected}"]
 
 

@@ -1,0 +1,175 @@
+"""multihost_runner.py: signals, interrupted copies, the clean-up command, the worker's folder and
+up-front argument checks, against the fake `gcloud` of tests/fake_gcloud.py (see test_launchers.py)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from test_launchers import add_nodes, calls, code_dir, fake, run  # noqa: F401  (fixtures)
+
+RUNNER = REPO / "multihost_runner.py"
+
+
+def start(*args: str, cwd: Path) -> subprocess.Popen:
+    """The runner in a session of its own, so that a test's signal reaches it alone."""
+    return subprocess.Popen([sys.executable, str(RUNNER), *args], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def wait_for(condition, seconds: float = 60) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def assert_one_line_error(stderr: str, text: str) -> None:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("multihost_runner:")]
+    assert len(lines) == 1 and text in lines[0], stderr
+
+
+@pytest.mark.parametrize("sig,code,text", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                           (signal.SIGHUP, 129, "stopped by SIGHUP"),
+                                           (signal.SIGINT, 130, "interrupted")])
+def test_runner_signal_stops_every_gcloud_ssh_and_the_remote_command(fake, tmp_path, sig, code, text):
+    """SIGTERM/SIGHUP (a closed terminal) left every `gcloud ssh` and remote command running, silently."""
+    add_nodes(fake, ["pod-0", "pod-1"])
+    for s in (0, 1):
+        for w in (0, 1):
+            (fake / "workers" / f"pod-{s}" / str(w) / "r").mkdir(parents=True)
+    pid_files = [fake / "workers" / f"pod-{s}" / str(w) / "r" / "pid" for s in (0, 1) for w in (0, 1)]
+    proc = start("--TPU_PREFIX=pod", "--COMMAND=echo $$ > pid.tmp && mv pid.tmp pid && exec sleep 61",
+                 "--USE_EXISTING_FOLDER=true", "--RUN_NAME=r", cwd=tmp_path)
+    pids = []
+    try:
+        wait_for(lambda: all(p.exists() for p in pid_files))
+        pids = [int(p.read_text()) for p in pid_files]
+        os.kill(proc.pid, sig)
+        _, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == code, stderr
+        assert_one_line_error(stderr, text)
+        wait_for(lambda: not any(map(alive, pids)), seconds=10)
+    finally:
+        for pid in pids:  # only the remote commands this test started, left running before the fix
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_runner_ctrl_c_while_copying_the_code_is_one_line(fake, code_dir, tmp_path):
+    """Ctrl-C during a slow `tpu-vm scp` gave a KeyboardInterrupt traceback."""
+    add_nodes(fake, ["solo"])
+    slow = tmp_path / "slow_bin"
+    slow.mkdir()
+    (slow / "gcloud").write_text(  # the fake gcloud, with an scp that takes 60 s
+        f"#!{sys.executable}\nimport os, sys, time\n"
+        f"if 'scp' in sys.argv:\n    open({str(tmp_path / 'scp_started')!r}, 'w').close()\n    time.sleep(60)\n"
+        f"os.execv({sys.executable!r}, [{sys.executable!r}, {str(REPO / 'tests' / 'fake_gcloud.py')!r}, "
+        "*sys.argv[1:]])\n")
+    (slow / "gcloud").chmod(0o755)
+    os.environ["PATH"] = f"{slow}{os.pathsep}{os.environ['PATH']}"  # the `fake` fixture restores PATH
+    proc = start("--TPU_PREFIX=solo", "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", "--RUN_NAME=r", cwd=tmp_path)
+    try:
+        wait_for((tmp_path / "scp_started").exists)
+        os.kill(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 130, stderr
+    assert_one_line_error(stderr, "interrupted")
+    assert not [c for c in calls(fake) if c[3] == "ssh"]  # nothing unpacked or run
+
+
+def documented_cleanup_commands() -> list[str]:
+    texts = [(REPO / "getting_started" / "Run_on_TPU_VMs.md").read_text(), RUNNER.read_text()]
+    found = [re.findall(r'--COMMAND="(pkill [^"]*)"', t) for t in texts]
+    assert all(found), "the clean-up command is no longer in Run_on_TPU_VMs.md and the runner's docstring"
+    return sorted({c for f in found for c in f})
+
+
+@pytest.mark.parametrize("command", documented_cleanup_commands())
+def test_runner_documented_cleanup_command_does_not_kill_its_own_shell(fake, tmp_path, command):
+    """`pkill -f train.py || true` matched the remote shell running it: every worker 'failed' (143)."""
+    assert "rain.py" in command
+    script = f"rain_{uuid.uuid4().hex}.py"  # a name only this test's processes have: pkill kills nothing else
+    command = command.replace("rain.py", script)
+    add_nodes(fake, ["solo"])
+    for w in (0, 1):
+        (fake / "workers" / "solo" / str(w) / "r").mkdir(parents=True)
+    train = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"t{script}"])
+    try:
+        proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", "--USE_EXISTING_FOLDER=true",
+                   "--RUN_NAME=r", cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        assert train.wait(timeout=10) == -signal.SIGTERM  # and it did stop the training
+    finally:
+        train.kill()
+        train.wait()
+
+
+@pytest.mark.parametrize("command", ["echo X || true", "true; echo X"])
+def test_runner_failed_cd_fails_the_worker(fake, tmp_path, command):
+    """`cd ~/typo && echo X || true` succeeded and `cd ~/typo && true; echo X` ran `echo X` in the home folder:
+    the launcher said all workers finished."""
+    add_nodes(fake, ["solo"], workers=1)
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", "--USE_EXISTING_FOLDER=true",
+               "--RUN_NAME=typo", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "slice 0 worker 0 exited with code 1" in proc.stderr and "typo" in proc.stderr
+    assert "X" not in (tmp_path / "logs" / "typo" / "slice0_worker0.log").read_text().split()
+
+
+def test_runner_runs_all_of_the_command_in_the_folder(fake, tmp_path):
+    """All of COMMAND runs in ~/<RUN_NAME>, a trailing `# comment` included (it must not hide the group's end)."""
+    add_nodes(fake, ["solo"], workers=1)
+    home = fake / "workers" / "solo" / "0"
+    (home / "keep").mkdir(parents=True)
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=true; pwd  # where am I",
+               "--USE_EXISTING_FOLDER=true", "--RUN_NAME=keep", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert str(home / "keep") in proc.stdout.splitlines() and str(home) not in proc.stdout.splitlines()
+
+
+def test_runner_without_gcloud_on_path_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no gcloud here
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=true", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert_one_line_error(proc.stderr, "`gcloud` is not on PATH")
+
+
+def test_runner_log_dir_that_is_a_file_is_refused_before_copying(fake, code_dir, tmp_path):
+    add_nodes(fake, ["solo"])
+    (tmp_path / "notes").write_text("a file")
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=true", f"--SCRIPT_DIR={code_dir}",
+               "--RUN_NAME=r", "--LOG_DIR=notes", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert_one_line_error(proc.stderr, "--LOG_DIR=notes: cannot make the log folder")
+    assert not [c for c in calls(fake) if c[3] in ("scp", "ssh")]
+
+
+@pytest.mark.parametrize("command", ["", "  "])
+def test_runner_refuses_an_empty_command(fake, tmp_path, command):
+    add_nodes(fake, ["solo"])
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", cwd=tmp_path)
+    assert proc.returncode == 2 and "--COMMAND is empty" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (fake / "calls.jsonl").exists()
