@@ -10,15 +10,31 @@ Steps, all through `gcloud`:
    script: every worker downloads the code, runs `--COMMAND` in it, and uploads its log to
    .../logs/<host>.log and its exit code to .../status/<host>;
 3. wait until the slices are ACTIVE and every worker has reported (or `--TIMEOUT_MINUTES`);
-4. delete the queued resource (also on failure, timeout or Ctrl-C) and exit 1 if any worker
-   failed, naming it. `--CQR_EXTRA_ARGS` is appended to the create command (e.g. `--network=mtu9k`).
+4. delete the queued resource (also on failure, timeout, Ctrl-C, SIGTERM or SIGHUP) and exit 1 if
+   any worker failed, naming it. `--CQR_EXTRA_ARGS` is appended to the create command (e.g. `--network=mtu9k`).
+
+A run folder that already holds status/ or logs/ (an earlier run with the same --RUN_NAME) is
+refused right after the code is uploaded (before anything is created): its old exit codes would
+be counted as this run's.
+While waiting for the workers the queued resource is described every poll: if it leaves ACTIVE
+(e.g. a --spot slice preempted: SUSPENDING/SUSPENDED) the job fails instead of waiting forever.
+A worker that dies without uploading its status while its slice stays ACTIVE is not noticed:
+set --TIMEOUT_MINUTES for that.
+
+Exit codes: 0 every worker succeeded; 1 a worker failed, a gcloud command failed, the queued resource
+failed or was suspended, the run folder already exists, --TIMEOUT_MINUTES passed or gcloud is not
+on PATH; 2 bad arguments; 128 + the signal's number when stopped by a signal (Ctrl-C 130, SIGTERM
+143, SIGHUP 129), after deleting the queued resource if it may have been created.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
+import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -29,6 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works withou
 from tessera.tpu_vm import GcloudError, describe_slice, gcloud, pack_code, scope_flags  # noqa: E402
 
 FAILED_STATES = {"FAILED", "SUSPENDED", "SUSPENDING"}
+# once ACTIVE, these mean the slices are gone (preempted, failed or deleted) and no more workers will report
+LOST_STATES = FAILED_STATES | {"DELETING"}
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# GCS bucket names: 3-63 lowercase letters, digits, '-', '_', '.', starting and ending with a letter or digit
+BUCKET_NAME = re.compile(r"[a-z0-9][-_.a-z0-9]{1,61}[a-z0-9]")
 # Google Cloud's resource names (RFC 1035 labels): the queued resource and its slices are named after --RUN_NAME,
 # which the start-up script also uses, unquoted, as a folder name
 RESOURCE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -69,14 +90,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--NUM_SLICES={args.NUM_SLICES} must be at least 1")
     if args.BUCKET_NAME.startswith("gs://"):
         p.error(f"--BUCKET_NAME={args.BUCKET_NAME}: give the bucket name without gs://")
+    if not BUCKET_NAME.fullmatch(args.BUCKET_NAME):
+        p.error(f"--BUCKET_NAME={args.BUCKET_NAME!r} is not a GCS bucket name: 3-63 lowercase letters, digits, "
+                "'-', '_' or '.', starting and ending with a letter or digit (put folders in --BUCKET_DIR)")
+    try:
+        shlex.split(args.CQR_EXTRA_ARGS)
+    except ValueError as e:
+        p.error(f"--CQR_EXTRA_ARGS={args.CQR_EXTRA_ARGS!r} cannot be split into flags ({e}); check its quotes")
     longest = node_name(args, args.NUM_SLICES - 1)
     if not RESOURCE_NAME.fullmatch(args.RUN_NAME) or len(longest) > 63:
         p.error(f"--RUN_NAME={args.RUN_NAME!r} names the queued resource and its slices (up to {longest!r}), and "
                 "Google Cloud takes such names only as lowercase letters, digits and hyphens, starting with a letter, "
                 "not ending with a hyphen, at most 63 characters; e.g. --RUN_NAME=r1")
-    if not args.POLL_SECONDS > 0 or args.TIMEOUT_MINUTES < 0:
+    if not (0 < args.POLL_SECONDS < math.inf and 0 <= args.TIMEOUT_MINUTES < math.inf):
         p.error(f"--POLL_SECONDS={args.POLL_SECONDS:g} must be above 0 and --TIMEOUT_MINUTES={args.TIMEOUT_MINUTES:g} "
-                "at least 0 (0: no time limit)")
+                "at least 0 (0: no time limit), both finite")
     return args
 
 
@@ -102,25 +130,53 @@ def create_command(args: argparse.Namespace, script: Path) -> list[str]:
             *shlex.split(args.CQR_EXTRA_ARGS)]
 
 
-def submit(args: argparse.Namespace) -> None:
-    """Upload the code and create the queued resource with the start-up script."""
-    with tempfile.TemporaryDirectory() as tmp:
-        archive = pack_code(Path(args.SCRIPT_DIR), Path(tmp) / "code.tar.gz")
-        gcloud(["storage", "cp", str(archive), f"{run_url(args)}/code.tar.gz"])
-        script = Path(tmp) / "startup.sh"
-        script.write_text(STARTUP_SCRIPT.format(run=args.RUN_NAME, run_url=run_url(args),
-                                                command=shlex.quote(args.COMMAND)))
-        gcloud(create_command(args, script))
-    print(f"queued resource {args.RUN_NAME} created: {args.NUM_SLICES} x {args.TPU_TYPE}; "
-          f"logs will be in {run_url(args)}/logs/", flush=True)
+class Stopped(Exception):
+    """A stop signal (Ctrl-C, SIGTERM, SIGHUP) arrived; raised from the signal handler."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        self.exit_code = 128 + signum
+
+
+def _raise_stopped(signum: int, frame) -> None:
+    raise Stopped(signum)
+
+
+def check_run_folder(args: argparse.Namespace) -> None:
+    """Refuse a run folder with status/ or logs/ from an earlier run: its old exit codes would be counted."""
+    try:
+        listing = gcloud(["storage", "ls", f"{run_url(args)}/"]).splitlines()
+    except GcloudError as e:
+        if "matched no objects" in str(e):
+            return
+        raise
+    old = sorted({url.rstrip("/").rsplit("/", 1)[-1] for url in listing} & {"status", "logs"})
+    if old:
+        folders = " and ".join(f"{name}/" for name in old)
+        raise GcloudError(f"{run_url(args)}/ already holds {folders} of an earlier run named {args.RUN_NAME} "
+                          "(only its code.tar.gz was replaced); choose another --RUN_NAME or remove it with "
+                          f"`gcloud storage rm -r {shlex.quote(run_url(args) + '/')}`")
+
+
+def upload(args: argparse.Namespace, tmp: Path) -> Path:
+    """Upload the code; returns the start-up script written into `tmp`."""
+    archive = pack_code(Path(args.SCRIPT_DIR), tmp / "code.tar.gz")
+    gcloud(["storage", "cp", str(archive), f"{run_url(args)}/code.tar.gz"])
+    script = tmp / "startup.sh"
+    script.write_text(STARTUP_SCRIPT.format(run=args.RUN_NAME, run_url=shlex.quote(run_url(args)),
+                                            command=shlex.quote(args.COMMAND)))
+    return script
+
+
+def queued_resource_state(args: argparse.Namespace) -> str:
+    return gcloud(["alpha", "compute", "tpus", "queued-resources", "describe", args.RUN_NAME,
+                   "--format=value(state.state)", *scope_flags(args.PROJECT, args.ZONE)]).strip()
 
 
 def wait_active(args: argparse.Namespace, deadline: float) -> None:
-    scope = scope_flags(args.PROJECT, args.ZONE)
     last = ""
     while True:
-        state = gcloud(["alpha", "compute", "tpus", "queued-resources", "describe", args.RUN_NAME,
-                        "--format=value(state.state)", *scope]).strip()
+        state = queued_resource_state(args)
         if state != last:
             print(f"queued resource {args.RUN_NAME}: {state}", flush=True)
             last = state
@@ -138,7 +194,7 @@ def wait_for_workers(args: argparse.Namespace, expected: int, deadline: float) -
     reported = 0
     while True:
         try:
-            listing = gcloud(["storage", "ls", status_url]).split()
+            listing = [url for url in gcloud(["storage", "ls", status_url]).splitlines() if url.strip()]
         except GcloudError:  # nothing uploaded yet
             listing = []
         if len(listing) != reported:
@@ -146,6 +202,11 @@ def wait_for_workers(args: argparse.Namespace, expected: int, deadline: float) -
             print(f"{reported} of {expected} worker(s) finished", flush=True)
         if reported >= expected:
             return {url.rsplit("/", 1)[-1]: int(gcloud(["storage", "cat", url]).strip() or 1) for url in listing}
+        state = queued_resource_state(args)
+        if state in LOST_STATES:
+            raise GcloudError(f"queued resource {args.RUN_NAME} is {state} after it was ACTIVE (preempted or "
+                              f"failed) with {reported} of {expected} worker(s) reported; logs in "
+                              f"{run_url(args)}/logs/")
         _sleep_or_timeout(args, deadline)
 
 
@@ -156,6 +217,8 @@ def _sleep_or_timeout(args: argparse.Namespace, deadline: float) -> None:
 
 
 def clean_up(args: argparse.Namespace) -> None:
+    for signum in STOP_SIGNALS:  # a second Ctrl-C must not stop the delete
+        signal.signal(signum, signal.SIG_IGN)
     print(f"deleting queued resource {args.RUN_NAME}", flush=True)
     try:
         gcloud(["alpha", "compute", "tpus", "queued-resources", "delete", args.RUN_NAME, "--force", "--quiet",
@@ -166,22 +229,41 @@ def clean_up(args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if shutil.which("gcloud") is None:
+        print("multihost_job: no `gcloud` on PATH; install the Google Cloud CLI "
+              "(https://cloud.google.com/sdk/docs/install) or add it to PATH", file=sys.stderr)
+        return 1
     deadline = time.monotonic() + args.TIMEOUT_MINUTES * 60 if args.TIMEOUT_MINUTES else float("inf")
-    try:
-        submit(args)
-    except GcloudError as e:
-        print(f"multihost_job: {e}", file=sys.stderr)
-        return 1
-    try:
-        wait_active(args, deadline)
-        scope = scope_flags(args.PROJECT, args.ZONE)
-        expected = sum(describe_slice(name, scope).num_workers for name in node_names(args))
-        codes = wait_for_workers(args, expected, deadline)
-    except (GcloudError, TimeoutError, KeyboardInterrupt) as e:
-        print(f"multihost_job: {e or 'interrupted'}", file=sys.stderr)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_stopped)
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            script = upload(args, Path(tmp))
+            check_run_folder(args)
+        except (GcloudError, Stopped) as e:
+            print(f"multihost_job: {e}; nothing was created", file=sys.stderr)
+            return getattr(e, "exit_code", 1)
+        try:  # from here on the queued resource may exist: every way out deletes it
+            try:
+                gcloud(create_command(args, script))
+            except GcloudError as e:
+                print(f"multihost_job: {e}", file=sys.stderr)
+                return 1
+            print(f"queued resource {args.RUN_NAME} created: {args.NUM_SLICES} x {args.TPU_TYPE}; "
+                  f"logs will be in {run_url(args)}/logs/", flush=True)
+            wait_active(args, deadline)
+            scope = scope_flags(args.PROJECT, args.ZONE)
+            expected = sum(describe_slice(name, scope).num_workers for name in node_names(args))
+            codes = wait_for_workers(args, expected, deadline)
+        except (GcloudError, TimeoutError, Stopped) as e:
+            print(f"multihost_job: {e}", file=sys.stderr)
+            clean_up(args)
+            return getattr(e, "exit_code", 1)
         clean_up(args)
-        return 1
-    clean_up(args)
+    return report(args, codes)
+
+
+def report(args: argparse.Namespace, codes: dict[str, int]) -> int:
     failed = {host: code for host, code in sorted(codes.items()) if code}
     for host, code in failed.items():
         print(f"multihost_job: worker {host} exited with code {code}; log {run_url(args)}/logs/{host}.log",

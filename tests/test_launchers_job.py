@@ -1,0 +1,174 @@
+"""multihost_job.py's ways out against the fake `gcloud`: stop signals, a queued resource lost after
+ACTIVE, an earlier run's files, bucket names and paths, and bad arguments: each ends with one line,
+a documented exit code and no traceback, and deletes the queued resource once it may exist."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from test_launchers import JOB_ARGS, calls, code_dir, fake, run  # noqa: F401 (fixtures)
+
+# worker 1 of the one slice dies before uploading its status: the launcher keeps waiting for it
+KILL_WORKER_1 = 'if [ "$TESSERA_HOST" = job1-w1 ]; then kill -9 $PPID; fi; true'
+
+
+def deletes(state: Path) -> list[list[str]]:
+    return [c for c in calls(state) if c[3:5] == ["queued-resources", "delete"]]
+
+
+def start(args: list[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(REPO / "multihost_job.py"), *args], cwd=cwd, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def wait_for_call(state: Path, words: list[str], proc: subprocess.Popen, seconds: float = 60) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and proc.poll() is None:
+        if (state / "calls.jsonl").exists() and any(c[:len(words)] == words or c[3:3 + len(words)] == words
+                                                    for c in calls(state)):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"no gcloud {words} call while the launcher ran; calls: {calls(state)}")
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        try:  # the fake's orphaned start-up scripts, in the launcher's own session
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_job_stop_signal_while_waiting_deletes_the_queued_resource(fake, code_dir, tmp_path, signum):
+    proc = start([*JOB_ARGS, f"--COMMAND={KILL_WORKER_1}", f"--SCRIPT_DIR={code_dir}"], tmp_path)
+    wait_for_call(fake, ["storage", "ls", "gs://bkt/tessera-jobs/job1/status/"], proc)
+    proc.send_signal(signum)
+    code, out, err = finish(proc)
+    assert code == 128 + signum, err
+    assert err.strip() == f"multihost_job: stopped by {signal.Signals(signum).name}" and "Traceback" not in err
+    assert deletes(fake) == [["alpha", "compute", "tpus", "queued-resources", "delete", "job1", "--force", "--quiet",
+                              "--async", "--zone=z1"]]
+    assert "deleting queued resource job1" in out
+
+
+def test_job_ctrl_c_during_create_deletes_the_queued_resource(fake, code_dir, tmp_path):
+    """The fake's create runs the start-up scripts before it returns: `sleep` keeps it busy."""
+    proc = start([*JOB_ARGS, "--COMMAND=sleep 8", f"--SCRIPT_DIR={code_dir}"], tmp_path)
+    wait_for_call(fake, ["queued-resources", "create"], proc)
+    proc.send_signal(signal.SIGINT)
+    code, out, err = finish(proc)
+    assert code == 130 and err.strip() == "multihost_job: stopped by SIGINT", err
+    assert len(deletes(fake)) == 1
+
+
+def test_job_stop_signal_before_create_deletes_nothing(fake, code_dir, tmp_path):
+    """A wrapper makes the upload slow; a SIGTERM during it ends the launcher before any create."""
+    fake.mkdir(exist_ok=True)
+    write_wrapper('if [ "$1" = storage ] && [ "$2" = cp ]; then touch "$FAKE_GCLOUD_DIR/uploading"; sleep 5; fi')
+    proc = start([*JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}"], tmp_path)
+    end = time.monotonic() + 60
+    while not (fake / "uploading").exists() and time.monotonic() < end and proc.poll() is None:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == 143 and err.strip() == "multihost_job: stopped by SIGTERM; nothing was created", err
+    assert not (fake / "calls.jsonl").exists()  # neither create nor delete (the slow upload never ran)
+
+
+def write_wrapper(prelude: str) -> None:
+    """Replace the test's gcloud wrapper (first on PATH) by one that runs `prelude` before the fake."""
+    gcloud = Path(os.environ["PATH"].split(os.pathsep)[0]) / "gcloud"
+    gcloud.write_text(f'#!/bin/sh\n{prelude}\nexec "{sys.executable}" "{REPO / "tests" / "fake_gcloud.py"}" "$@"\n')
+
+
+@pytest.fixture
+def scripted_qr_states(fake, tmp_path):
+    """Replace the test's gcloud wrapper by one that answers each `queued-resources describe` with the next
+    line of <state>/qr_states (the last line repeats): the fake alone cannot change state after ACTIVE."""
+    write_wrapper('''f="$FAKE_GCLOUD_DIR/qr_states"
+if [ "$5" = describe ] && [ -s "$f" ]; then
+  FAKE_GCLOUD_QR_STATE="$(head -n 1 "$f")"; export FAKE_GCLOUD_QR_STATE
+  if [ "$(wc -l < "$f")" -gt 1 ]; then sed -i 1d "$f"; fi
+fi''')
+    fake.mkdir(exist_ok=True)
+    return fake / "qr_states"
+
+
+@pytest.mark.parametrize("lost", ["SUSPENDED", "FAILED"])
+def test_job_notices_a_queued_resource_lost_after_active(fake, code_dir, tmp_path, scripted_qr_states, lost):
+    """A --spot slice preempted after ACTIVE, with a worker that never reports: the launcher waited forever
+    (here until --TIMEOUT_MINUTES) instead of failing on the queued resource's state."""
+    scripted_qr_states.write_text(f"ACTIVE\nACTIVE\n{lost}\n")
+    proc = run("multihost_job.py", *JOB_ARGS, "--TIMEOUT_MINUTES=0.2", f"--COMMAND={KILL_WORKER_1}",
+               f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stderr
+    assert f"queued resource job1 is {lost} after it was ACTIVE" in proc.stderr and "1 of 2" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(deletes(fake)) == 1
+
+
+def test_job_refuses_a_run_folder_with_an_earlier_runs_status(fake, code_dir, tmp_path):
+    status = fake / "gcs" / "bkt" / "tessera-jobs" / "job1" / "status"
+    status.mkdir(parents=True)
+    for host in ("old-w0", "old-w1", "old-w2"):
+        (status / host).write_text("3\n")
+    proc = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "gs://bkt/tessera-jobs/job1/ already holds status/ of an earlier run" in proc.stderr
+    assert "--RUN_NAME" in proc.stderr and "gcloud storage rm -r gs://bkt/tessera-jobs/job1/" in proc.stderr
+    assert [c[:2] for c in calls(fake)] == [["storage", "cp"], ["storage", "ls"]]  # nothing created
+    assert (status / "old-w0").read_text() == "3\n"  # the earlier run's files are left alone
+
+
+def test_job_second_run_with_the_same_name_is_refused(fake, code_dir, tmp_path):
+    first = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    again = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert again.returncode == 1 and "already holds logs/ and status/ of an earlier run" in again.stderr
+
+
+def test_job_bucket_dir_with_a_space_reaches_the_workers(fake, code_dir, tmp_path):
+    """RUN_URL was unquoted in the start-up script: the workers never reported and the launcher waited."""
+    proc = run("multihost_job.py", *JOB_ARGS, "--BUCKET_DIR=my runs", "--TIMEOUT_MINUTES=0.1", "--COMMAND=true",
+               f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    logs = fake / "gcs" / "bkt" / "my runs" / "job1" / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["job1-w0.log", "job1-w1.log"]
+
+
+@pytest.mark.parametrize("bucket", ["My-Bucket", "bkt/dir", "ab", "b" * 64, "-bkt", "bkt.", "b kt"])
+def test_job_refuses_a_bad_bucket_name_before_uploading(fake, code_dir, tmp_path, bucket):
+    args = [a for a in JOB_ARGS if not a.startswith("--BUCKET_NAME")]
+    proc = run("multihost_job.py", *args, f"--BUCKET_NAME={bucket}", "--COMMAND=true", f"--SCRIPT_DIR={code_dir}",
+               cwd=tmp_path)
+    assert proc.returncode == 2 and f"--BUCKET_NAME={bucket!r} is not a GCS bucket name" in proc.stderr
+    assert not (fake / "calls.jsonl").exists()
+
+
+def test_job_without_gcloud_on_path_says_so(code_dir, tmp_path):
+    empty = tmp_path / "empty_bin"
+    empty.mkdir()
+    proc = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path,
+               env={"PATH": str(empty)})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().startswith("multihost_job: no `gcloud` on PATH")
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--CQR_EXTRA_ARGS=--network='mtu9k", "cannot be split into flags (No closing quotation)"),
+    ("--POLL_SECONDS=inf", "--POLL_SECONDS=inf must be above 0"),
+    ("--TIMEOUT_MINUTES=nan", "both finite"),
+])
+def test_job_refuses_bad_flags_before_uploading(fake, code_dir, tmp_path, flag, message):
+    proc = run("multihost_job.py", *JOB_ARGS, flag, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (fake / "calls.jsonl").exists()
