@@ -14,8 +14,7 @@ Steps, all through `gcloud`:
    any worker failed, naming it. `--CQR_EXTRA_ARGS` is appended to the create command (e.g. `--network=mtu9k`).
 
 A run folder that already holds status/ or logs/ (an earlier run with the same --RUN_NAME) is
-refused right after the code is uploaded (before anything is created): its old exit codes would
-be counted as this run's.
+refused before anything is uploaded or created: its old exit codes would be counted as this run's.
 While waiting for the workers the queued resource is described every poll: if it leaves ACTIVE
 (e.g. a --spot slice preempted: SUSPENDING/SUSPENDED) the job fails instead of waiting forever.
 A worker that dies without uploading its status while its slice stays ACTIVE is not noticed:
@@ -154,7 +153,7 @@ def check_run_folder(args: argparse.Namespace) -> None:
     if old:
         folders = " and ".join(f"{name}/" for name in old)
         raise GcloudError(f"{run_url(args)}/ already holds {folders} of an earlier run named {args.RUN_NAME} "
-                          "(only its code.tar.gz was replaced); choose another --RUN_NAME or remove it with "
+                          "(nothing was uploaded); choose another --RUN_NAME or remove it with "
                           f"`gcloud storage rm -r {shlex.quote(run_url(args) + '/')}`")
 
 
@@ -238,8 +237,8 @@ def main(argv: list[str]) -> int:
         signal.signal(signum, _raise_stopped)
     with tempfile.TemporaryDirectory() as tmp:
         try:
+            check_run_folder(args)  # before the upload: an earlier run's code.tar.gz stays as it was
             script = upload(args, Path(tmp))
-            check_run_folder(args)
         except (GcloudError, Stopped) as e:
             print(f"multihost_job: {e}; nothing was created", file=sys.stderr)
             return getattr(e, "exit_code", 1)

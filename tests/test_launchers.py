@@ -126,7 +126,8 @@ def test_job_creates_queued_resource_collects_logs_and_cleans_up(fake, code_dir,
                f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     recorded = calls(fake)
-    assert recorded[0][:3] == ["storage", "cp", recorded[0][2]] and recorded[0][3] == "gs://bkt/tessera-jobs/job1/code.tar.gz"
+    assert recorded[0] == ["storage", "ls", "gs://bkt/tessera-jobs/job1/"]  # an earlier run's folder is refused first
+    assert recorded[1][:3] == ["storage", "cp", recorded[1][2]] and recorded[1][3] == "gs://bkt/tessera-jobs/job1/code.tar.gz"
     create = next(c for c in recorded if c[3:5] == ["queued-resources", "create"])
     script = next(a for a in create if a.startswith("--metadata-from-file=startup-script="))
     assert create == ["alpha", "compute", "tpus", "queued-resources", "create", "job1", "--node-count=2",
