@@ -44,8 +44,8 @@ from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings
 from tessera.tools.cli import UsageError, resolve_path
-from tessera.tools.validate_nodes import (REPO, NodesStopped, container_engine, node_commands, run_nodes, train_argv,
-                                          unused_job_keys)
+from tessera.tools.validate_nodes import (REPO, NodesStopped, container_engine, node_commands, node_setting_lines,
+                                          run_nodes, train_argv)
 
 # config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
 ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
@@ -232,28 +232,6 @@ def _node_count(value: Any) -> int:
     return int(text)
 
 
-def replaced_by_nodes(plan: Plan, nodes: list[str]) -> list[str]:
-    """One line per setting of the file that `--nodes` replaces (printed, never dropped silently): the
-    node count, and with several nodes the coordinator, the first host (`validate_nodes.node_env`)."""
-    if not nodes:
-        return []
-    count, first = f"{len(nodes)} ({', '.join(nodes)})", f"{nodes[0]} (the first host)"
-    env_dict = "config.container_config.env_dict"
-    settings = [("config.nnodes", plan.container.get("nnodes"), count)]
-    if len(nodes) > 1:  # every node's NNODES and JAX_COORDINATOR_IP come from --nodes
-        settings += [(f"{env_dict}.NNODES", plan.env.get("NNODES"), count),
-                     ("config.coordinator_ip", plan.container.get("coordinator_ip"), first),
-                     (f"{env_dict}.JAX_COORDINATOR_IP", plan.env.get("JAX_COORDINATOR_IP"), first)]
-    lines = []
-    for where, value, new in settings:
-        text = "" if value is None else str(value).strip()
-        if where.endswith(("nnodes", "NNODES")) and value is not None:
-            text = text or "1"  # an empty node count is one node
-        if text and text != new.split()[0]:
-            lines.append(f"--nodes replaces {where}={value if str(value).strip() else repr(value)} with {new}")
-    return lines
-
-
 def _maxtext_why(key: str, value: Any) -> str:
     """Why a model-param key that is not a Tessera train key is left out (MaxText keys: the loader's reason)."""
     if key in ACCEPTED:
@@ -389,11 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for key, why in sorted(plan.ignored.items()):
         print(f"ignored {key}: {why}")
-    for line in replaced_by_nodes(plan, nodes):
+    for line in node_setting_lines(plan, nodes):
         print(line)
-    if unused_job_keys(plan, nodes):
-        print(f"one node: config.container_config.env_dict {', '.join(unused_job_keys(plan, nodes))} not passed on "
-              "(a one-node run joins no job)")
     print(tuning_line(plan))
     if quantization_line(plan):
         print(quantization_line(plan))

@@ -38,11 +38,37 @@ def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str) -> dict[str, 
     return env
 
 
-def unused_job_keys(plan: Plan, nodes: list[str]) -> list[str]:
-    """The env_dict's job-layout keys a one-node run leaves out (see node_env), as key=value."""
-    if len(nodes or ["local"] * max(plan.nnodes, 1)) > 1:
+def node_setting_lines(plan: Plan, nodes: list[str]) -> list[str]:
+    """What the suite prints about the file's node settings it does not use as written: those `--nodes`
+    replaces, and the env_dict's job layout a one-node run leaves out (see node_env)."""
+    lines = replaced_by_nodes(plan, nodes)
+    if len(nodes or ["local"] * max(plan.nnodes, 1)) == 1 and (unused := [f"{k}={plan.env[k]}" for k in JOB_KEYS
+                                                                          if k in plan.env]):
+        lines.append(f"one node: config.container_config.env_dict {', '.join(unused)} not passed on (a one-node "
+                     "run joins no job)")
+    return lines
+
+
+def replaced_by_nodes(plan: Plan, nodes: list[str]) -> list[str]:
+    """One line per setting of the file that `--nodes` replaces (printed, never dropped silently): the
+    node count, and with several nodes the coordinator, the first host (`validate_nodes.node_env`)."""
+    if not nodes:
         return []
-    return [f"{k}={plan.env[k]}" for k in JOB_KEYS if k in plan.env]
+    count, first = f"{len(nodes)} ({', '.join(nodes)})", f"{nodes[0]} (the first host)"
+    env_dict = "config.container_config.env_dict"
+    settings = [("config.nnodes", plan.container.get("nnodes"), count)]
+    if len(nodes) > 1:  # every node's NNODES and JAX_COORDINATOR_IP come from --nodes
+        settings += [(f"{env_dict}.NNODES", plan.env.get("NNODES"), count),
+                     ("config.coordinator_ip", plan.container.get("coordinator_ip"), first),
+                     (f"{env_dict}.JAX_COORDINATOR_IP", plan.env.get("JAX_COORDINATOR_IP"), first)]
+    lines = []
+    for where, value, new in settings:
+        text = "" if value is None else str(value).strip()
+        if where.endswith(("nnodes", "NNODES")) and value is not None:
+            text = text or "1"  # an empty node count is one node
+        if text and text != new.split()[0]:
+            lines.append(f"--nodes replaces {where}={value if str(value).strip() else repr(value)} with {new}")
+    return lines
 
 
 def train_argv(plan: Plan, run_name: str) -> list[str]:
