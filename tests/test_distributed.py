@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from conftest import FAST_COMPILE, REPO, TINY, tiny_config
@@ -109,6 +110,40 @@ def test_two_processes_match_one_process_and_resume(tmp_path):
     for code, err in results:
         assert code == 2 and "Traceback" not in err, err[-3000:]
         assert f"checkpoint {step} is damaged: its file {victim} has changed since it was saved" in err
+
+
+def _token_docs(path, docs: int, length: int, seed: int) -> str:
+    rng = np.random.default_rng(seed)
+    path.write_text("".join(json.dumps({"text": rng.integers(1, 96, length).tolist()}) + "\n" for _ in range(docs)))
+    return str(path)
+
+
+@pytest.mark.slow
+def test_eval_shares_of_different_lengths_end_together_with_the_one_process_loss(tmp_path):
+    """Each process reads its own share of the eval files; 5 documents split 3 + 2, 12 and 8 rows of
+    13 tokens, 3 batches of 4 rows on process 0 and 2 on process 1. Process 1 used to leave the eval
+    loop alone while process 0 waited in the third batch's collectives, until the hang watchdog
+    ended both (exit 5). Now the processes go on with padding rows until every share has ended, and
+    the loss is the one of a single process over the same rows (learning_rate=0: the initial
+    parameters in both runs; packing=false: the same rows however the documents are shared)."""
+    data = ["dataset_type=hf", "hf_path=json", f"hf_train_files={_token_docs(tmp_path / 't.jsonl', 20, 40, 0)}",
+            f"hf_eval_files={_token_docs(tmp_path / 'e.jsonl', 5, 40, 1)}", "packing=false", "learning_rate=0",
+            "eval_interval=2", "steps=2"]
+    reference = run(tiny_config(tmp_path / "one", per_device_batch_size=1,
+                                **dict(a.split("=", 1) for a in data)))
+    assert reference["steps"] == 2
+    one = [json.loads(line) for line in (tmp_path / "one" / "test" / "metrics.jsonl").read_text().splitlines()
+           if "eval_loss" in line]
+    port = _free_port()
+    results = _finish([_start(rank, port, tmp_path / "mp", *data, "step_timeout_seconds=120") for rank in (0, 1)])
+    for code, err in results:
+        assert code == 0, err[-3000:]
+    two = [json.loads(line) for line in (tmp_path / "mp" / "mp" / "metrics.jsonl").read_text().splitlines()
+           if "eval_loss" in line]
+    assert len(one) == len(two) == 1
+    assert two[0]["eval_tokens"] == one[0]["eval_tokens"] == 5 * 3 * 12  # 3 rows of 12 targets a document
+    assert two[0]["eval_batches"] == 3 and one[0]["eval_batches"] == 3  # 20 rows / 8 (one), the longer share (two)
+    assert two[0]["eval_loss"] == pytest.approx(one[0]["eval_loss"], rel=1e-5)
 
 
 def test_unreachable_coordinator_fails_clearly(tmp_path):

@@ -3,7 +3,8 @@ batches of the eval stream (or all of it with `eval_steps=-1`), and its perplexi
 
 Every evaluation reads the same batches from the start of the eval stream, so the numbers of
 two evaluations differ only because the parameters changed. Padding rows at the end of the eval
-data carry no targets and do not count.
+data carry no targets and do not count. Where each process reads its own share of the eval files,
+a share that ends first goes on as padding batches until every share has ended (`_batches`).
 
 With multi-token prediction (mtp_num_layers) it also reports `eval_mtp_loss`, the mean over
 depths of each depth's mean cross-entropy on the eval tokens (unscaled, as `mtp_loss` in
@@ -29,6 +30,7 @@ from tessera import host_malloc
 from tessera.compile_cache import cache_hits, loaded_note
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
+from tessera.data.packing import stack_rows
 from tessera.memory_fit import HostBuffers, check_eval_fits
 from tessera.models import ModelDef
 from tessera.models.mtp import chain_weights, shift_left
@@ -52,7 +54,8 @@ def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
         loss_sum, main = cross_entropy_sum_and_greedy(main_fn, x_btd, targets, weights, cfg.num_vocab_tiling)
     else:
         loss_sum = cross_entropy_sum(main_fn, x_btd, targets, weights, cfg.num_vocab_tiling)
-    sums = {"loss_sum": loss_sum, "count": jnp.sum(weights).astype(jnp.float32)}
+    sums = {"loss_sum": loss_sum, "count": jnp.sum(weights).astype(jnp.float32),
+            "rows": jnp.sum(segments[:, 0] > 0).astype(jnp.float32)}  # rows holding data (padding rows: 0)
     if not cfg.mtp_num_layers:
         return sums
     hiddens, _, sums["mtp_loss_sums"], sums["mtp_counts"] = mtp_depths(model, params, x_btd, batch, None, packed)
@@ -133,6 +136,18 @@ class Evaluator:
                  "it, or set it to 0, to train on)", start_step, loss, cfg.target_eval_loss)
         return True
 
+    def _batches(self):
+        """The eval stream's host batches. Where each process reads its own share of the files, the
+        shares can end after different numbers of batches, and a process that stopped alone would
+        leave the others waiting in the eval step's collectives: a process whose share has ended
+        goes on with padding batches, and `run` stops at the first batch without a data row on any
+        process (its `rows` sum is global)."""
+        yield from self.data
+        if getattr(self.data, "process_local", False) and jax.process_count() > 1:
+            padding = stack_rows([], self.data.rows, self.data.length)
+            while True:
+                yield padding
+
     def run(self, step: int, params, beat: Callable[[], None] = lambda: None,
             interrupted: Callable[[], bool] = lambda: False) -> dict | None:
         """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'}, with
@@ -143,9 +158,11 @@ class Evaluator:
         self.data.set_state(self.start)
         totals, batches = {}, 0
         with jax.set_mesh(self.trainer.mesh):
-            for host_batch in self.data:
+            for host_batch in self._batches():
                 batch = place_batch(self.data, host_batch, self.trainer.batch_sharding, self.trainer.plan.eval_batch)
                 sums = jax.device_get(self.step_fn(params, batch))
+                if sums["rows"] == 0:  # every process's share of the eval data has ended
+                    break
                 totals = {k: totals.get(k, 0.0) + np.asarray(v, np.float64) for k, v in sums.items()}
                 batches += 1
                 beat()
