@@ -7,13 +7,14 @@ import logging
 import re
 import signal
 
-import numpy as np
+import jax
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from conftest import tiny_config
+from tessera.config import ConfigError
 from tessera.data import DataError, make_input
 from tessera.data.tokenizers import load_tokenizer
 from test_data_hf import hf_config, make_docs, sp_model, take, write_corpus  # noqa: F401 - sp_model is a fixture
@@ -123,6 +124,42 @@ def test_a_column_neither_text_nor_token_ids_is_refused(tmp_path, sp_model, valu
     with within(20), pytest.raises(DataError, match=r"grain_train_files: file '.*x\.array_record', record 1 "
                                                     r"\(counting from 0\): column 'text' holds " + re.escape(kind)):
         next(grain_data(records, sp_model))
+
+
+def test_grain_token_id_records_need_no_tokenizer_as_with_hf(tmp_path):
+    """dataset_type=grain asked for tokenizer_path even when every record held token ids (the
+    message said "unless the text columns are already token ids"); hf read them without one."""
+    ids = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17]]
+    files = write_array_record(tmp_path / "ids.array_record", [json.dumps({"text": i}).encode() for i in ids])
+    data = grain_data(files, "", packing=False, max_target_length=6)
+    assert sorted(row_tokens(next(data))) == sorted((ids[0] + ids[1]) * 2)  # 4 rows: each document twice
+    # a text record after token-id ones, with no tokenizer: that record is named
+    mixed = write_array_record(tmp_path / "mixed.array_record", [json.dumps({"text": ids[0]}).encode(), b"the cat"])
+    with within(20), pytest.raises(DataError, match=r"file '.*mixed\.array_record', record 1 \(counting from 0\): "
+                                                    r"column\(s\) \['text'\] hold text, and no tokenizer_path is set"):
+        for _ in range(4):
+            next(grain_data(mixed, "", data_shuffle_seed=0))
+    # text first and no tokenizer: refused before training, as for hf
+    with pytest.raises(ConfigError, match="reading text needs tokenizer_path"):
+        grain_data(write_array_record(tmp_path / "text.array_record", [b"the cat"]), "")
+
+
+def test_grain_training_refuses_fewer_records_than_processes(tmp_path, monkeypatch):
+    """A process whose share of the records was empty raised StopIteration out of the training loop;
+    every process can count the records, so every one stops with the same data error."""
+    files = write_array_record(tmp_path / "one.array_record", [json.dumps({"text": [1, 2, 3]}).encode()])
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for rank in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda r=rank: r)
+        with pytest.raises(DataError) as e:
+            grain_data(files, "")
+        assert str(e.value) == (f"grain_train_files={files!r}, train_data_columns=['text']: 1 record(s) for 2 "
+                                "processes, each of which trains on its own records: add records (or split the "
+                                "documents into more records)")
+    # evaluation reads the shares as they are (an empty one pads, see tessera.evaluation)
+    monkeypatch.setattr(jax, "process_index", lambda: 1)
+    eval_cfg = tiny_config(dataset_type="grain", grain_train_files=files, grain_eval_files=files)
+    assert list(make_input(eval_cfg.data, 96, 4, split="eval")) == []
 
 
 def test_negative_token_ids_are_refused_like_ids_past_the_vocabulary(tmp_path):

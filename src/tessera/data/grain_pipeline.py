@@ -26,7 +26,7 @@ import numpy as np
 from tessera.config import ConfigError, DataConfig
 from tessera.data import rows_per_process
 from tessera.data.documents import column_values, document_ids
-from tessera.data.errors import DataError, brief, check_reachable, damaged_file, no_records, no_tokens
+from tessera.data.errors import DataError, brief, check_reachable, damaged_file, no_records
 from tessera.data.hf import expand_files
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
@@ -125,17 +125,21 @@ class _Checked:
 
     def __init__(self, source, columns: list[str], described: str, vocab_size: int):
         self.source, self.columns, self.described, self.vocab_size = source, columns, described, vocab_size
+        self.tokenized = True  # whether text can be tokenized (False: every record must hold token ids)
 
     def __len__(self) -> int:
         return len(self.source)
 
     def __getitem__(self, index: int) -> list:
+        return self.values(index, self.tokenized)
+
+    def values(self, index: int, tokenized: bool) -> list:
         example = self.source[index]
         try:
-            return column_values(example, self.columns, self.described, self.vocab_size, True)
+            return column_values(example, self.columns, self.described, self.vocab_size, tokenized)
         except DataError:  # again, naming the record
             where = self.source.where(index) if hasattr(self.source, "where") else f"{self.described}, record {index}"
-            return column_values(example, self.columns, where, self.vocab_size, True)
+            return column_values(example, self.columns, where, self.vocab_size, tokenized)
 
 
 def _tfds_source(cfg: DataConfig, split: str):
@@ -190,8 +194,8 @@ class _Tokenize:
 
     def __init__(self, tokenizer, add_bos: bool, add_eos: bool):
         self.tokenizer = tokenizer
-        self.bos = [tokenizer.bos_id] if add_bos else []
-        self.eos = [tokenizer.eos_id] if add_eos else []
+        self.bos = [tokenizer.bos_id] if tokenizer and add_bos else []
+        self.eos = [tokenizer.eos_id] if tokenizer and add_eos else []
 
     def __call__(self, values: list) -> list[int]:
         return document_ids(values, self.tokenizer, self.bos, self.eos)
@@ -219,13 +223,21 @@ class GrainData:
             source = _open_source(cfg, files_key, cfg.grain_train_files if split == "train" else cfg.grain_eval_files)
             if len(source) == 0:
                 raise no_records(files_key, expand_files(getattr(cfg, files_key), files_key))
-        self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
-        check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
         described += f", train_data_columns={list(cfg.train_data_columns)}"
-        ds = grain.MapDataset.source(_Checked(source, list(cfg.train_data_columns), described, vocab_size))
+        checked = _Checked(source, list(cfg.train_data_columns), described, vocab_size)
+        self.tokenizer = None  # records of token ids need none (as with dataset_type=hf)
+        if cfg.tokenizer_path or not all(isinstance(v, list) for v in checked.values(0, tokenized=True)):
+            self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
+            check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
+        checked.tokenized = self.tokenizer is not None
+        processes = jax.process_count()
+        if split == "train" and len(source) < processes:  # every process knows it: all stop alike
+            raise DataError(f"{described}: {len(source)} record(s) for {processes} processes, each of which "
+                            "trains on its own records: add records (or split the documents into more records)")
+        ds = grain.MapDataset.source(checked)
         if split == "train":
             ds = ds.shuffle(seed=cfg.data_shuffle_seed)
-        ds = ds[jax.process_index()::jax.process_count()]
+        ds = ds[jax.process_index()::processes]
         # a run of this many documents holds a whole (reshuffled) pass: all empty, the data holds no tokens
         whole_pass = 2 * len(ds) - 1
         if split == "train":
