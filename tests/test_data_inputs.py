@@ -8,6 +8,7 @@ import re
 import signal
 
 import jax
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -15,7 +16,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 
 from conftest import tiny_config
 from tessera.config import ConfigError
-from tessera.data import DataError, make_input
+from tessera.data import DataError, make_input, restore_state
 from tessera.data.tokenizers import load_tokenizer
 from test_data_hf import hf_config, make_docs, sp_model, take, write_corpus  # noqa: F401 - sp_model is a fixture
 
@@ -160,6 +161,38 @@ def test_grain_training_refuses_fewer_records_than_processes(tmp_path, monkeypat
     monkeypatch.setattr(jax, "process_index", lambda: 1)
     eval_cfg = tiny_config(dataset_type="grain", grain_train_files=files, grain_eval_files=files)
     assert list(make_input(eval_cfg.data, 96, 4, split="eval")) == []
+
+
+def test_each_process_resumes_at_its_own_saved_data_position(tmp_path, monkeypatch, caplog):
+    """`restore_state` gives each process its own entry of the saved positions; with another process
+    count (other shares), or a checkpoint holding one process's position, every share starts over,
+    with a warning. (The two-process resume itself: test_distributed.)"""
+    rng = np.random.default_rng(0)
+    files = write_array_record(tmp_path / "ids.array_record",
+                               [json.dumps({"text": rng.integers(1, 96, n).tolist()}).encode()
+                                for n in rng.integers(3, 30, 24)])
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    first, second, saved = {}, {}, []
+    for rank in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda r=rank: r)
+        data = grain_data(files, "")
+        first[rank] = row_tokens(next(data))
+        saved.append(json.loads(json.dumps(data.get_state())))
+        second[rank] = row_tokens(next(data))
+    assert saved[0] != saved[1]
+    for rank in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda r=rank: r)
+        data = grain_data(files, "")
+        restore_state(data, {"processes": saved})
+        assert row_tokens(next(data)) == second[rank]
+    for state, why in (({"processes": saved + [saved[0]]}, "the checkpoint's data positions are those of 3 processes"),
+                       (saved[1], "the checkpoint holds the data position of one process")):
+        data = grain_data(files, "")
+        with caplog.at_level(logging.WARNING, logger="tessera"):
+            restore_state(data, state)
+        assert why in caplog.text and "reads its share of the files from the start" in caplog.text
+        assert row_tokens(next(data)) == first[1]
+        caplog.clear()
 
 
 def test_negative_token_ids_are_refused_like_ids_past_the_vocabulary(tmp_path):

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -112,10 +113,36 @@ def test_two_processes_match_one_process_and_resume(tmp_path):
         assert f"checkpoint {step} is damaged: its file {victim} has changed since it was saved" in err
 
 
-def _token_docs(path, docs: int, length: int, seed: int) -> str:
+def _token_docs(path, docs: int, length: int | tuple[int, int], seed: int) -> str:
+    """A JSON-lines file of `docs` documents of token ids, `length` tokens each (or a random length in [lo, hi))."""
     rng = np.random.default_rng(seed)
-    path.write_text("".join(json.dumps({"text": rng.integers(1, 96, length).tolist()}) + "\n" for _ in range(docs)))
+    lengths = [length] * docs if isinstance(length, int) else rng.integers(*length, docs)
+    path.write_text("".join(json.dumps({"text": rng.integers(1, 96, n).tolist()}) + "\n" for n in lengths))
     return str(path)
+
+
+@pytest.mark.slow
+def test_each_process_resumes_its_own_share_of_the_files(tmp_path):
+    """Each process reads its own share of the files, so each has its own data position; the
+    checkpoint kept process 0's alone (Orbax writes JSON from process 0), and process 1 resumed
+    at process 0's position in its own share: the losses after a resume differed from those of
+    the run that went straight on."""
+    data = ["dataset_type=hf", "hf_path=json", f"hf_train_files={_token_docs(tmp_path / 't.jsonl', 40, (5, 30), 2)}",
+            "steps=4", "checkpoint_period=2", "learning_rate_schedule_steps=4"]
+    port = _free_port()
+    for code, err in _finish([_start(rank, port, tmp_path / "a", *data) for rank in (0, 1)]):
+        assert code == 0, err[-3000:]
+    straight = [json.loads(line) for line in (tmp_path / "a" / "mp" / "metrics.jsonl").read_text().splitlines()]
+    saved = json.loads((tmp_path / "a" / "mp" / "checkpoints" / "2" / "data" / "metadata").read_text())
+    assert [s["type"] for s in saved["processes"]] == ["hf", "hf"] and saved["processes"][0] != saved["processes"][1]
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    shutil.rmtree(tmp_path / "b" / "mp" / "checkpoints" / "4")
+    port = _free_port()
+    for code, err in _finish([_start(rank, port, tmp_path / "b", *data) for rank in (0, 1)]):
+        assert code == 0 and "resuming from step 2" in err, err[-3000:]
+    resumed = [json.loads(line) for line in (tmp_path / "b" / "mp" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed[-2:]] == [3, 4]
+    assert [r["loss"] for r in resumed[-2:]] == pytest.approx([r["loss"] for r in straight[2:4]], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -185,6 +185,38 @@ def wait_for_all(name: str, timeout: float, what: str) -> None:
             f"processes' logs for an error or a stall before that point. JAX said: {' '.join(str(e).split())[:400]}") from None
 
 
+def gather_json(name: str, value: Any, timeout: float) -> list[Any] | None:
+    """Process 0: the JSON-able `value` of every process, in process order (through the
+    coordinator's key-value store, keys under tessera/<name>/, deleted once read); every other
+    process: None, once its value is published. A single process gets [value]. `timeout`
+    seconds (0: an hour) for the slowest process, then a DistributedError."""
+    client = _kv_client()
+    if client is None:
+        return [value]
+    from jax._src.distributed import global_state
+
+    me, count = global_state.process_id, global_state.num_processes
+    client.key_value_set(f"tessera/{name}/{me}", json.dumps(value))
+    if me != 0:
+        return None
+    wait_ms = int((timeout if timeout > 0 else 3600.0) * 1000)
+    values = [value]
+    for other in range(1, count):
+        key = f"tessera/{name}/{other}"
+        try:
+            values.append(json.loads(client.blocking_key_value_get(key, wait_ms)))
+        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: that process did not get this far
+            raise DistributedError(f"process 0 waited {wait_ms / 1000:.0f} s for process {other}'s {name}, which "
+                                   f"never came (look at its log). JAX said: {' '.join(str(e).split())[:300]}"
+                                   ) from None
+    for other in range(count):
+        try:
+            client.key_value_delete(f"tessera/{name}/{other}")
+        except Exception:  # noqa: BLE001 - only tidiness is lost
+            pass
+    return values
+
+
 def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
     """DistributedError when the processes of the job were started with different configs (a no-op for
     one process): each publishes its flat config; process 0 compares every other's with its own, and

@@ -21,6 +21,7 @@ import optax
 
 from tessera.checkpointing import Checkpointer, load_full_state, load_parameters, mismatch_explained, saved_config
 from tessera.config import CheckpointConfig, Config, ConfigError, ModelConfig, OptimConfig, flat_dict
+from tessera.data import restore_state
 from tessera.optim import learning_rate_schedule
 from tessera.step import Trainer, abstract_state, create_state, state_from_params
 
@@ -46,7 +47,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         with mismatch_explained(folder, model_keys, config.optim.opt_type):
             state, data_state = ckpt.restore(latest, abstract_state(trainer))
         if data_state:
-            data.set_state(data_state)
+            restore_state(data, data_state)
         log.info("resuming from step %d: %s", latest, folder)
         saved = saved_config(folder)
         if saved:

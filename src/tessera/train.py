@@ -28,7 +28,7 @@ from tessera import host_malloc, metrics
 from tessera.checkpointing import Checkpointer, CheckpointError, CheckpointSaveError, save_allowance_seconds
 from tessera.compile_cache import cache_hits, loaded_note, use_compilation_cache
 from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
-from tessera.data import DataError, make_input, place_batch
+from tessera.data import DataError, make_input, place_batch, state_to_save
 from tessera.distributed import (EXIT_DISTRIBUTED, DistributedError, HangWatchdog, check_same_config, initialize,
                                  wait_for_all)
 from tessera.evaluation import Evaluator, at_target
@@ -238,7 +238,8 @@ class _Loop:
         if saving:
             with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
                     self.clock.during("checkpoint"):
-                ckpt.save(step, state, self.data.get_state(), self.config_json)  # raises if the previous save failed
+                data_state = state_to_save(self.data, step, cfg.run.step_timeout_seconds)
+                ckpt.save(step, state, data_state, self.config_json)  # raises if the previous save failed
         elif ckpt:
             ckpt.check()  # a background save that failed stops the run now, not at the next save
         if evaluating or saving:  # every dispatched step was read above: the next one's time starts now

@@ -50,6 +50,42 @@ def _warn_unread_eval_files(cfg: DataConfig) -> None:
                     "steps", ", ".join(settings))
 
 
+def state_to_save(data, step: int, timeout: float) -> dict:
+    """The data position saved with checkpoint `step`. Where each process reads its own share of
+    the files (`process_local`), each has its own position, and process 0 (the one that writes
+    it) saves them all: {"processes": [process 0's state, process 1's, ...]}. Otherwise (one
+    process, or identical global batches everywhere) the one state. Collective: every process
+    calls it at the same step; `timeout` seconds for the slowest."""
+    state = data.get_state()
+    if not getattr(data, "process_local", False) or jax.process_count() == 1:
+        return state
+    from tessera.distributed import gather_json
+
+    states = gather_json(f"data_state/{step}", state, timeout)
+    return {"processes": states} if states is not None else {}  # only process 0's is written
+
+
+def restore_state(data, saved: dict) -> None:
+    """Put `data` at a checkpoint's saved position (`state_to_save`). Per-process positions need
+    as many processes as saved them: with another count, each process's share of the files is a
+    different one, so it starts at its beginning (a warning says so)."""
+    if "processes" in saved:
+        states, count = saved["processes"], jax.process_count()
+        if len(states) == count:
+            data.set_state(states[jax.process_index()])
+            return
+        log.warning("the checkpoint's data positions are those of %d processes, each in its own share of the "
+                    "files; with %d processes the shares differ, so every process reads its share of the files from the "
+                    "start (documents already trained on come again)", len(states), count)
+        return
+    if getattr(data, "process_local", False) and jax.process_count() > 1 and saved.get("type"):
+        log.warning("the checkpoint holds the data position of one process (saved by one process, or by a "
+                    "version of Tessera that kept only process 0's); every process reads its share of the "
+                    "files from the start (documents already trained on come again)")
+        return
+    data.set_state(saved)
+
+
 def rows_per_process(global_batch: int, split: str = "train") -> int:
     """The rows of a global batch each process reads (pipelines that read only their own rows);
     ConfigError when the processes do not divide the batch."""
