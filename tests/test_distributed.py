@@ -38,9 +38,15 @@ def _start(rank, port, out, *args, nodes=2, extra_env=None):
 
 def _finish(procs, timeout=300):
     results = []
-    for p in procs:
-        _, err = p.communicate(timeout=timeout)
-        results.append((p.returncode, err))
+    try:
+        for p in procs:
+            _, err = p.communicate(timeout=timeout)
+            results.append((p.returncode, err))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.communicate()
+        pytest.fail(f"the job's processes were still running after {timeout} s")
     return results
 
 
@@ -171,6 +177,34 @@ def test_eval_shares_of_different_lengths_end_together_with_the_one_process_loss
     assert two[0]["eval_tokens"] == one[0]["eval_tokens"] == 5 * 3 * 12  # 3 rows of 12 targets a document
     assert two[0]["eval_batches"] == 3 and one[0]["eval_batches"] == 3  # 20 rows / 8 (one), the longer share (two)
     assert two[0]["eval_loss"] == pytest.approx(one[0]["eval_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_an_error_of_one_process_ends_every_process_at_once_with_its_exit_code(tmp_path):
+    """A data error reaching one process only (its share of the file is empty, or holds a bad
+    token id) left that process in JAX's shutdown barrier and the others in the next barrier or
+    collective, until the barrier's timeout aborted the job in C++ after 5 minutes (no exit code
+    of ours). Now the failing process publishes its error and leaves, and the others leave within
+    seconds with its exit code, naming it. Process 0 hosts the coordinator: it waits for the
+    others to read its error before it leaves."""
+    for docs, failing, bad in (([[1, 2, 3, 4, 5]], 1, "holds no records (the share of process 1 of 2)"),
+                               ([[1, 2, -3, 4, 5], [1, 2, 3, 4, 5]], 0, "hold token id -3")):
+        files = tmp_path / f"p{failing}.jsonl"
+        files.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        port = _free_port()
+        start = time.monotonic()
+        results = _finish([_start(rank, port, tmp_path / f"out{failing}", "dataset_type=hf", "hf_path=json",
+                                  f"hf_train_files={files}") for rank in (0, 1)], timeout=150)
+        assert time.monotonic() - start < 120
+        for rank, (code, err) in enumerate(results):
+            assert code == 2 and "Traceback" not in err and "Check failure" not in err, err[-3000:]
+            line = err.strip().splitlines()[-1]
+            assert bad in line and "data error: hf_train_files=" in line, line
+            if rank != failing:
+                assert line.startswith(f"job error: process {failing} stopped with: data error: "), line
+                assert line.endswith("; this process stops too (exit code 2)"), line
+            else:
+                assert line.startswith("data error: "), line
 
 
 def test_unreachable_coordinator_fails_clearly(tmp_path):

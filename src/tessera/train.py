@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -32,6 +33,7 @@ from tessera.data import DataError, make_input, place_batch, state_to_save
 from tessera.distributed import (EXIT_DISTRIBUTED, DistributedError, HangWatchdog, check_same_config, initialize,
                                  wait_for_all)
 from tessera.evaluation import Evaluator, at_target
+from tessera.job_failure import FailureWatch, end_job, in_job
 from tessera.loop_records import Profiler, RunClock, StepMeter, steps_logged_after
 from tessera.memory_fit import (
     EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits, local_devices, out_of_memory,
@@ -360,11 +362,26 @@ def main(argv: list[str]) -> int:
                         force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    with sigterm_raises(TerminatedOutsideLoop):  # the loop's StopSignal takes over while it runs
-        return _main(argv)
+    watch = FailureWatch()
+    try:
+        with sigterm_raises(TerminatedOutsideLoop):  # the loop's StopSignal takes over while it runs
+            code, line = _main(argv, watch)
+    except Exception as e:  # a bug of ours: its traceback; in a job, the other processes stop too
+        watch.stop()
+        if in_job():
+            traceback.print_exc()
+            end_job(1, f"{type(e).__name__}: {' '.join(str(e).split())[:300]} (the traceback is in its log)")
+        raise
+    watch.stop()
+    if line:
+        print(line, file=sys.stderr)
+        if code in (EXIT_USER_ERROR, EXIT_SAVE_FAILED, EXIT_OUT_OF_MEMORY):  # may have reached this process alone
+            end_job(code, line)
+    return code
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], watch: FailureWatch) -> tuple[int, str]:
+    """(exit code, the error line to print: empty when there is none)."""
     clock = RunClock()  # the report's time starts here, before the config is read
     try:
         cfg = load_config(argv)
@@ -380,37 +397,32 @@ def _main(argv: list[str]) -> int:
         log.info("host malloc: %s", host_malloc.describe())
         initialize()
         check_same_config(flat_dict(cfg), cfg.run.step_timeout_seconds)
+        watch.start()  # after the config check: processes started differently each say so themselves
         run(cfg, clock=clock)
     except DistributedError as e:
-        print(f"distributed start-up error: {e}", file=sys.stderr)
-        return EXIT_DISTRIBUTED
+        return EXIT_DISTRIBUTED, f"distributed start-up error: {e}"
     except (ConfigError, CheckpointError) as e:
         kind = "data" if isinstance(e, DataError) else "config" if isinstance(e, ConfigError) else "checkpoint"
-        print(f"{kind} error: {e}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return EXIT_USER_ERROR, f"{kind} error: {e}"
     except CheckpointSaveError as e:
-        print(f"checkpoint save error: {e} (exit code {EXIT_SAVE_FAILED})", file=sys.stderr)
-        return EXIT_SAVE_FAILED
+        return EXIT_SAVE_FAILED, f"checkpoint save error: {e} (exit code {EXIT_SAVE_FAILED})"
     except (OutOfMemory, jax.errors.JaxRuntimeError) as e:  # an allocation failed outside the loop's steps
         oom = e if isinstance(e, OutOfMemory) else out_of_memory(
             e, "while creating or loading the train state or compiling the step",
             f"for the state: {state_advice()}; for the step: {step_advice()}")
         if oom is None:
             raise
-        print(f"memory error: {oom} (exit code {EXIT_OUT_OF_MEMORY})", file=sys.stderr)
-        return EXIT_OUT_OF_MEMORY
+        return EXIT_OUT_OF_MEMORY, f"memory error: {oom} (exit code {EXIT_OUT_OF_MEMORY})"
     except TrainingStopped as e:
         log.error("%s (exit code %d)", e, e.exit_code)
-        return e.exit_code
+        return e.exit_code, ""
     except KeyboardInterrupt:  # Ctrl-C outside the training loop (start-up, compile, the final save)
-        print(f"interrupted (Ctrl-C) outside the training loop: no new checkpoint (exit code {EXIT_INTERRUPTED}); "
-              "an unfinished save is set aside at the next start", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_INTERRUPTED, (f"interrupted (Ctrl-C) outside the training loop: no new checkpoint (exit code "
+                                  f"{EXIT_INTERRUPTED}); an unfinished save is set aside at the next start")
     except TerminatedOutsideLoop:
-        print(f"stopped by SIGTERM outside the training loop: no new checkpoint (exit code {EXIT_PREEMPTED}); "
-              "an unfinished save is set aside at the next start", file=sys.stderr)
-        return EXIT_PREEMPTED
-    return EXIT_OK
+        return EXIT_PREEMPTED, (f"stopped by SIGTERM outside the training loop: no new checkpoint (exit code "
+                                f"{EXIT_PREEMPTED}); an unfinished save is set aside at the next start")
+    return EXIT_OK, ""
 
 
 if __name__ == "__main__":  # python3 -m tessera.train: as train.py at the repository's root
