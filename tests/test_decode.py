@@ -1,6 +1,8 @@
 """Decoding with a KV cache: cached generation equals full recomputation for every block family;
 sampling; the command line."""
 
+import dataclasses
+import json
 import re
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import pytest
 
 from conftest import FAST_COMPILE, REPO, TINY, sigterm_after_line, tiny_config
 from tessera.checkpointing import Checkpointer
+from tessera.config import build_config, flat_dict
 from tessera.decode import generate, main, sample
 from tessera.models import BLOCKS, build_model, kv_cache
 from tessera.step import loss_sums
@@ -342,6 +345,26 @@ def test_top_p_samples_from_the_smallest_set_that_reaches_p():
     np.testing.assert_array_equal(draws(top_k=0, top_p=1.0), draws(top_k=0))
 
 
+def test_sampling_keeps_exactly_top_k_and_the_most_likely_token_at_any_top_p_or_temperature():
+    """top_k kept every token tied with the k-th (bfloat16 logits tie often: 9 ties in a top 40);
+    a top_p or a temperature so small that float32 holds it as 0 (1e-46) drew token 0 every time,
+    where the docs promise the most likely token."""
+    logits_bv = np.array([[0.0, 2.0, 5.0, 5.0, 1.0], [3.0, 3.0, 3.0, -1.0, 9.0]], np.float32)
+    keys = jax.random.split(jax.random.key(0), 400)
+
+    def draws(temperature, top_k=0, top_p=1.0):
+        return np.asarray(jax.vmap(lambda k: sample(logits_bv, k, temperature, top_k, top_p))(keys))
+
+    got = draws(1.0, top_k=1)
+    assert set(got[:, 0]) == {2} and set(got[:, 1]) == {4}  # one token, the lower id of a tie
+    got = draws(50.0, top_k=2)
+    assert set(got[:, 0]) == {2, 3} and set(got[:, 1]) == {4, 0}  # two tokens, though three tie at 3.0
+    for tiny in (1e-46, 1e-30):
+        assert set(draws(1.0, top_p=tiny)[:, 1]) == {4}
+        assert set(draws(tiny)[:, 1]) == {4}  # near-greedy (row 0's two maxima stay a tie)
+        assert set(draws(tiny)[:, 0]) == {2, 3}
+
+
 def test_a_rows_draw_does_not_depend_on_the_rows_after_it():
     """The first n rows draw the same tokens with or without more rows after them (JAX's random
     bits depend on the element's index, not on the array's size): the filler rows a mesh adds
@@ -495,6 +518,42 @@ def _hf_tokenizer(folder):
     return str(folder)
 
 
+def test_a_checkpoint_trained_with_other_model_keys_that_fit_is_loaded_with_a_warning(llama, tmp_path, capsys):
+    """A rotary base (or a window, a soft cap) other than the one the parameters were trained with
+    fits the same shapes: decoding ran silently as another model. Keys of how the model is computed
+    (remat_policy, attention, ...) are no reason to warn."""
+    from tessera.checkpointing.loading import IMPLEMENTATION_KEYS
+    from tessera.config import ModelConfig
+
+    assert IMPLEMENTATION_KEYS <= {f.name for f in dataclasses.fields(ModelConfig)}
+    _, params = llama
+    saved = json.loads(json.dumps(flat_dict(build_config(dict(TINY, dtype="float32")))))
+    saved.update(rope_max_timescale=100, remat_policy="full")
+    saver = Checkpointer(tiny_config().checkpoint, str(tmp_path / "checkpoints"))
+    saver.save(1, {"params": params}, {}, saved)
+    saver.close()
+    assert main([*CONFIG_ARGS, f"load_parameters_path={tmp_path / 'checkpoints' / '1'}", "--tokens", "1,2",
+                 "--max_new_tokens", "2"]) == 0
+    err = capsys.readouterr().err
+    warning = [line for line in err.splitlines() if "trained with other model keys" in line]
+    assert len(warning) == 1 and "other model keys: rope_max_timescale=100 (here 10000" in warning[0], err
+    assert "remat_policy" not in warning[0]
+
+
+def test_generated_ids_past_the_tokenizer_are_left_out_of_the_text(checkpoint, tmp_path, capsys):
+    """vocab_size may pad the tokenizer's vocabulary (96 here, 32 tokens): a generated id past the
+    tokenizer ended the run with a traceback from the tokenizer after all the work (SentencePiece
+    IndexError, tiktoken KeyError; Hugging Face dropped them silently)."""
+    path, _ = checkpoint
+    tokenizer = _hf_tokenizer(tmp_path / "tok")
+    assert main([*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={tokenizer}", "--prompt",
+                 "the cat sat", "--max_new_tokens", "8"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("the cat sat")
+    assert re.search(r"\d+ generated token\(s\) have ids past the tokenizer's 32 tokens \(vocab_size=96 pads it\): "
+                     "left out of the text", err), err
+
+
 def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
     path, _ = checkpoint
     tokenizer = _hf_tokenizer(tmp_path / "tok")
@@ -518,6 +577,16 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
                                    f"jax_cache_dir={cache_file} cannot be written: {cache_file} is a file, not a folder"),
         "eos past the vocabulary": ([*args, "--tokens", "1,2", "--max_new_tokens", "3", "--eos_id", "96"],
                                     "--eos_id 96 is outside the model's vocabulary [0, vocab_size=96)"),
+        # raising max_target_length, as the "too long" line says, cannot help here (was a ValueError traceback)
+        "past gpt3's position table": ([*args, "decoder_block=gpt3", "trainable_position_size=4", "--tokens",
+                                        "1,2,3", "--max_new_tokens", "3"],
+                                       "3 prompt tokens + --max_new_tokens 3 = 6, more than the "
+                                       "trainable_position_size=4 positions this model has learned embeddings for"),
+        # found before the load (was a NotADirectoryError traceback after it)
+        "quantized folder under a file": ([*args, "quantization=int8", f"save_quantized_params_path={cache_file}/q",
+                                           "--tokens", "1,2", "--max_new_tokens", "3"],
+                                          f"save_quantized_params_path={cache_file}/q cannot be created: {cache_file} "
+                                          "is a file, not a folder"),
     }
     for name, (argv, message) in errors.items():
         assert main(argv) == 2, name
@@ -528,11 +597,12 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
             main([*args, "--tokens", "1,2", "--temperature", "1", "--top_p", top_p])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"error: --top_p {float(top_p)} must be in (0, 1]" in err, err
-    for temperature in ("nan", "inf", "-1"):  # nan sampled token 0 every time, without a word
+    for temperature in ("nan", "inf", "-1", "1e300"):  # nan sampled token 0 every time, without a word
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", "--temperature", temperature])
         err = capsys.readouterr().err
-        assert exit_.value.code == 2 and f"error: --temperature {float(temperature)} must be a finite number" in err
+        assert exit_.value.code == 2 and (f"error: --temperature {float(temperature)} must be a number from 0 "
+                                          "(greedy) to 3.40282e+38 (the largest float32)") in err, err
     # each wrong flag is named with its value, and only the wrong ones (the message named all four before)
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--tokens", "1,2", "--top_k", "-1", "--max_new_tokens", "0"])

@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import functools
 import logging
-import math
 import re
 import sys
 import time
@@ -44,6 +43,8 @@ from tessera.generation import (  # noqa: F401 - the library half, re-exported: 
 )
 from tessera.seeds import SEED_RANGE
 from tessera.tools.cli import UsageError, config_epilog, resolve_config_file, sigterm_raises
+
+FLOAT32_MAX = 3.4028234663852886e38  # a larger --temperature is inf in float32
 
 if TYPE_CHECKING:
     from tessera.data.tokenizers import Tokenizer
@@ -87,7 +88,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     # each written so that nan fails it: every comparison with nan is false
     wrong = [f"--{name} {getattr(flags, name)} {rule}" for name, ok, rule in (
         ("max_new_tokens", flags.max_new_tokens >= 1, "must be at least 1"),
-        ("temperature", 0 <= flags.temperature < math.inf, "must be a finite number >= 0 (0: greedy)"),
+        ("temperature", 0 <= flags.temperature <= FLOAT32_MAX, f"must be a number from 0 (greedy) to {FLOAT32_MAX:g} "
+         "(the largest float32)"),
         ("top_k", flags.top_k >= 0, "must be >= 0 (0: all tokens)"),
         ("top_p", 0 < flags.top_p <= 1, "must be in (0, 1] (1: all tokens)"),
         ("seed", -SEED_RANGE <= flags.seed < SEED_RANGE,
@@ -145,6 +147,14 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
                               f"{len(prompt) + flags.max_new_tokens}, more than max_target_length={limit} (the "
                               "sequence length the model was trained for); shorten the prompt, lower "
                               f"--max_new_tokens or set max_target_length={len(prompt) + flags.max_new_tokens}")
+    from tessera.models import BLOCKS
+
+    table = cfg.model.trainable_position_size if BLOCKS[cfg.model.decoder_block].absolute_positions else 0
+    longest = max(len(p) for p in prompts)
+    if table and longest + flags.max_new_tokens > table:  # raising max_target_length cannot help here
+        raise ConfigError(f"{longest} prompt tokens + --max_new_tokens {flags.max_new_tokens} = "
+                          f"{longest + flags.max_new_tokens}, more than the trainable_position_size={table} positions "
+                          "this model has learned embeddings for; shorten the prompt or lower --max_new_tokens")
     return tokenizer, prompts
 
 
@@ -157,12 +167,14 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     attention scores and the prompts' activations)."""
     import jax
 
-    from tessera.checkpointing import load_parameters, mismatch_explained
+    from tessera.checkpointing import load_parameters, mismatch_explained, warn_model_changes
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import dequantize_params, quantized_abstract
 
     path = cfg.checkpoint.load_parameters_path
+    if cfg.checkpoint.save_quantized_params_path:  # before the load: a folder that cannot be made is found at once
+        _check_new_folder(cfg.checkpoint.save_quantized_params_path, "save_quantized_params_path")
     model = build_model(cfg.model, _prefill_kernel(cfg, mesh, decoding))
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -176,9 +188,11 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
         log.info("loaded quantized parameters (%s) from %s, dequantized to %s", cfg.model.quantization, path,
                  cfg.model.weight_dtype)
     else:
-        with mismatch_explained(path, {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)}):
+        model_keys = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)}
+        with mismatch_explained(path, model_keys):
             params = load_parameters(path, abstract, verify=cfg.checkpoint.checkpoint_checksums)
         log.info("loaded parameters from %s", path)
+        warn_model_changes(path, model_keys)
     if cfg.checkpoint.save_quantized_params_path:
         save_quantized(params, model.logical_axes(), cfg.model.quantization,
                        cfg.checkpoint.save_quantized_params_path, cfg.checkpoint.checkpoint_checksums)
@@ -243,6 +257,25 @@ def _memory_advice(shared: bool, cache: bool = False) -> str:
     return "; ".join(ways)
 
 
+def _check_new_folder(path: str, key: str) -> None:
+    """ConfigError unless `path` (local) does not exist yet and can be created: its nearest existing
+    ancestor is a folder this user may write in."""
+    import os
+    from pathlib import Path
+
+    if "://" in path:
+        return
+    target = Path(path).expanduser().absolute()
+    if target.exists():
+        raise ConfigError(f"{key}={path} exists already; choose a new folder (nothing was written)")
+    parent = next(p for p in target.parents if p.exists())
+    if not parent.is_dir():
+        raise ConfigError(f"{key}={path} cannot be created: {parent} is a file, not a folder; choose another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}={path} cannot be created: {parent} is not writable by this user; choose "
+                          "another path")
+
+
 def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool = True) -> None:
     """Write `params` quantized (`tessera.models.quantization.quantize_params`) as an Orbax
     checkpoint holding {"params": ...}: what load_parameters_path with checkpoint_is_quantized=true reads;
@@ -259,7 +292,11 @@ def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool =
         raise ConfigError(f"save_quantized_params_path={path} exists already; choose a new folder (nothing was "
                           "written)")
     tree = {"params": jax.jit(lambda p: quantize_params(p, mode, logical_axes))(params)}
-    ocp.PyTreeCheckpointer().save(target, tree)
+    try:
+        ocp.PyTreeCheckpointer().save(target, tree)
+    except OSError as e:  # a folder that could not be made (/proc), a full disk
+        raise ConfigError(f"save_quantized_params_path={path} could not be written ({e.strerror or e}); choose "
+                          "another path") from None
     if checksums:
         record_checksums(path)
     log.info("wrote the parameters quantized (%s) to %s", mode, path)
@@ -299,11 +336,17 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     log.info("generated %d tokens for %d prompt(s) in %.2f s (compilation included)", count, len(prompts), seconds)
     if jax.process_index() != 0:  # every process of a multi-process job has the same outputs: one prints them
         return outputs
+    past = sum(t >= tokenizer.vocab_size for new in outputs for t in new) if tokenizer else 0
+    if past:  # vocab_size may pad the tokenizer's vocabulary (check_tokenizer); the tokenizers fail on them
+        log.warning("%d generated token(s) have ids past the tokenizer's %d tokens (vocab_size=%d pads it): left "
+                    "out of the text; a model that generates them has not learned the data's vocabulary yet",
+                    past, tokenizer.vocab_size, cfg.model.vocab_size)
     for i, (prompt, new) in enumerate(zip(prompts, outputs)):
         if tokenizer is None:
             print(" ".join(map(str, new)), file=out or sys.stdout)
         else:  # prompt and continuation decoded together, so that the spacing between them is right
-            text = tokenizer.decode([t for t in prompt + new if t not in (tokenizer.bos_id, eos_id)])
+            text = tokenizer.decode([t for t in prompt + new
+                                     if t not in (tokenizer.bos_id, eos_id) and t < tokenizer.vocab_size])
             print(("\n" if i else "") + text, file=out or sys.stdout)
     return outputs
 
@@ -335,6 +378,17 @@ def _main(flags: argparse.Namespace, config_args: list[str]) -> int:
                         stream=sys.stderr, force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
+    try:  # a signal while JAX is still being imported is one line too
+        return _decode_main(flags, config_args)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except _Terminated:
+        print(f"stopped by SIGTERM (exit code {EXIT_TERMINATED})", file=sys.stderr)
+        return EXIT_TERMINATED
+
+
+def _decode_main(flags: argparse.Namespace, config_args: list[str]) -> int:
     from tessera.checkpointing import CheckpointError
     from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, initialize
     from tessera.memory_fit import EXIT_OUT_OF_MEMORY, OutOfMemory
@@ -356,12 +410,6 @@ def _main(flags: argparse.Namespace, config_args: list[str]) -> int:
     except OutOfMemory as e:
         print(f"memory error: {e} (exit code {EXIT_OUT_OF_MEMORY})", file=sys.stderr)
         return EXIT_OUT_OF_MEMORY
-    except KeyboardInterrupt:
-        print("interrupted (Ctrl-C)", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except _Terminated:
-        print(f"stopped by SIGTERM (exit code {EXIT_TERMINATED})", file=sys.stderr)
-        return EXIT_TERMINATED
     return EXIT_OK
 
 

@@ -23,26 +23,32 @@ if TYPE_CHECKING:
 
 def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
     """Next token ids [B] from logits [B, V]: the argmax when temperature == 0, else a draw from
-    softmax(logits / temperature) restricted to the top_k largest logits (top_k=0, or at least V: all), then to
-    the most likely tokens whose probabilities, in that distribution, first add up to top_p or more
-    (nucleus sampling; the most likely token always stays, and so do tokens tied with the last one
-    kept; top_p=1: all)."""
+    softmax(logits / temperature) restricted to the top_k most likely tokens (exactly k: ties at
+    the k-th go to the lower token id; top_k=0, or at least V: all), then to the fewest of those,
+    most likely first, whose probabilities in that distribution add up to top_p or more (nucleus
+    sampling; the most likely token always stays; top_p=1: all). The logits are shifted so that
+    the largest is 0 before they are divided: a temperature near 0 leaves the largest alone (no
+    inf - inf), as greedy would."""
     import jax
     import jax.numpy as jnp
 
     if temperature == 0:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
-    logits_bv = logits_bv / temperature
-    if 0 < top_k < logits_bv.shape[-1]:  # (lax.top_k fails for k beyond the vocabulary; all of it is kept anyway)
-        kth_b1 = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
-        logits_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, logits_bv)
+    logits_bv = logits_bv.astype(jnp.float32)
+    divisor = jnp.float32(max(temperature, float(np.finfo(np.float32).tiny)))  # 1e-46 is 0 in float32
+    logits_bv = (logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)) / divisor
+    vocab = logits_bv.shape[-1]
+    k = top_k if 0 < top_k < vocab else vocab
+    if k == vocab and top_p >= 1.0:
+        return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+    values_bk, ids_bk = jax.lax.top_k(logits_bv, k)  # most likely first
     if top_p < 1.0:
-        sorted_bv = jnp.sort(logits_bv, axis=-1)[:, ::-1]
-        probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
-        before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv  # the probability of the tokens ahead
-        last_b1 = jnp.min(jnp.where(before_bv < top_p, sorted_bv, jnp.inf), axis=-1, keepdims=True)
-        logits_bv = jnp.where(logits_bv < last_b1, -jnp.inf, logits_bv)
-    return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
+        probs_bk = jax.nn.softmax(values_bk, axis=-1)
+        before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk  # the probability of the tokens ahead
+        keep_bk = (before_bk < top_p) | (jnp.arange(k) == 0)
+        values_bk = jnp.where(keep_bk, values_bk, -jnp.inf)
+    choice_b1 = jax.random.categorical(key, values_bk, axis=-1)[:, None]
+    return jnp.take_along_axis(ids_bk, choice_b1, axis=-1)[:, 0].astype(jnp.int32)
 
 
 def left_padded(prompts: list[list[int]], width: int = 0):

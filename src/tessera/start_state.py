@@ -19,7 +19,8 @@ from typing import Any, Mapping
 import jax
 import optax
 
-from tessera.checkpointing import Checkpointer, load_full_state, load_parameters, mismatch_explained, saved_config
+from tessera.checkpointing import (Checkpointer, load_full_state, load_parameters, mismatch_explained, saved_config,
+                                   warn_model_changes)
 from tessera.config import CheckpointConfig, Config, ConfigError, ModelConfig, OptimConfig, flat_dict
 from tessera.data import restore_state
 from tessera.optim import learning_rate_schedule
@@ -72,6 +73,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
             params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"],
                                      key="load_parameters_path", verify=cfg.checkpoint_checksums)
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
+        warn_model_changes(cfg.load_parameters_path, model_keys)
         return state_from_params(trainer, params)
     return create_state(trainer, config.run.init_weights_seed, program)
 

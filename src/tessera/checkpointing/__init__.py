@@ -32,7 +32,7 @@ writable folders, errors).
 """
 
 from tessera.checkpointing.loading import (load_full_state, load_parameters, mismatch_explained, record_checksums,
-                                          saved_config, saved_tree, verify_item)
+                                          saved_config, saved_tree, verify_item, warn_model_changes)
 from tessera.checkpointing.manager import (Checkpointer, CheckpointSaveError, save_allowance_seconds,
                                           set_aside_incomplete)
 from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, check_writable,
@@ -43,5 +43,5 @@ __all__ = [
     "INCOMPLETE_MARKER", "PYTREE_METADATA_FILE", "CheckpointError", "CheckpointMismatch", "CheckpointSaveError",
     "Checkpointer", "check_writable", "describe_mismatch", "load_full_state", "load_parameters", "mismatch_explained",
     "raise_on_mismatch", "read_error", "record_checksums", "remote_exists", "save_allowance_seconds", "saved_config",
-    "saved_tree", "set_aside_incomplete", "verify_item",
+    "saved_tree", "set_aside_incomplete", "verify_item", "warn_model_changes",
 ]

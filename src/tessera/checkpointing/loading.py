@@ -156,3 +156,32 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str =
         if not lines:
             raise
         raise CheckpointMismatch("\n".join([str(e), *lines])) from None
+
+
+# Model keys that say how the model is computed, stored or trained, not what it computes: a load
+# with other values of them is the same model. A difference in any other model key, where the
+# parameters' shapes still fit (a rotary base, a window, a soft cap), loads silently as another model.
+IMPLEMENTATION_KEYS = frozenset({
+    "model_name", "global_parameter_scale", "dtype", "weight_dtype", "num_vocab_tiling", "logits_dot_in_fp32",
+    "quantization", "quantize_kvcache", "kv_quant_axis", "kv_quant_dtype", "scan_layers", "remat_policy",
+    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwi_0",
+    "mlpwi_1", "mlpwo", "attention", "sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
+    "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq", "sa_use_fused_bwd_kernel",
+    "sa_q_layout", "sa_k_layout", "sa_v_layout", "context_parallel_load_balance", "enable_dropout", "dropout_rate",
+    "capacity_factor", "sparse_matmul", "megablox", "tile_batch_seq", "tile_activation_dim", "tile_weight_dim",
+    "ragged_buffer_factor", "load_balance_loss_weight", "routed_bias_update_rate", "mtp_loss_scaling_factor",
+    "mtp_eval_target_module",
+})
+
+
+def warn_model_changes(path: str, model_keys: Mapping[str, Any]) -> None:
+    """After parameters were loaded from `path`: warn when the config saved with them differs in a
+    model key that changes what the model computes (not in IMPLEMENTATION_KEYS)."""
+    saved = saved_config(path)
+    now = json.loads(json.dumps(dict(model_keys)))  # as saved: lists, not tuples
+    differ = [f"{k}={json.dumps(saved[k])} (here {json.dumps(v)})" for k, v in now.items()
+              if k in saved and saved[k] != v and k not in IMPLEMENTATION_KEYS]
+    if differ:
+        log.warning("the parameters of %s were trained with other model keys: %s. They fit, so they were loaded, "
+                    "but the model computes something else than it was trained to; give the saved values unless "
+                    "the change is meant", path, ", ".join(differ))
