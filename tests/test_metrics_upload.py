@@ -136,3 +136,77 @@ def test_closing_on_a_full_disk_warns_instead_of_raising(tmp_path, caplog):
         writer.close()
     assert ("the TensorBoard files could not be flushed (No space left on device); the records of the last steps may "
             "be missing from it") in caplog.text
+
+
+# ---------------------------------------------------------------- the local files on a full disk
+
+FULL_DISK_SCRIPT = """
+import resource, signal, sys
+from pathlib import Path
+from tessera import metrics
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit, a write fails with EFBIG instead of killing us
+folder = Path(sys.argv[1])
+writer = metrics.MetricsWriter(folder / "metrics.jsonl", folder / "tensorboard" if sys.argv[2] == "tb" else None,
+                               log_period=1000)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # every file now stops at 4 KiB
+try:
+    for step in range(2, 500):  # (step 1 is logged, which needs a whole record)
+        writer.write({"step": step, "loss": 1.0 / step, "grad_norm": 0.5, "learning_rate": 1e-3, "seconds": 0.1})
+except metrics.MetricsWriteError as e:
+    print("stopped:", e)
+writer.close()
+"""
+
+
+@pytest.mark.parametrize("tensorboard", ["tb", "no tb"])
+def test_a_full_disk_stops_the_metrics_with_one_error_instead_of_a_hang_or_a_traceback(tmp_path, tensorboard):
+    """A file that cannot grow (a full disk; here the process's file size limit, so that any user can
+    run it): with TensorBoard, tensorboardX's writer thread died and the next add_scalar blocked
+    the training loop for ever on its full queue; without it, metrics.jsonl's OSError ended the run
+    with a traceback (exit 1). Now MetricsWriteError names the file (train.py: exit code 6)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", FULL_DISK_SCRIPT, str(tmp_path), tensorboard], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stdout.strip()
+    assert line.startswith("stopped: the ") and "could not be written to" in line, proc.stdout + proc.stderr
+    assert "(File too large); free some space (or fix the folder's permissions) and run the same command again: it " \
+           "resumes from the last checkpoint" in line
+
+
+def test_tensorboard_holds_each_record_as_soon_as_it_is_written(tmp_path):
+    """tensorboardX flushed every 120 s: a run killed (or ended by the watchdog, os._exit) left an
+    empty event file, and the resumed run never wrote the lost steps again."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = metrics.MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb", log_period=1000)
+    for step in (2, 3, 4):  # (step 1 is logged, which needs a whole record)
+        writer.write({"step": step, "loss": 1.0 / step})
+    writer.write_eval({"step": 4, "eval_loss": 0.25, "eval_perplexity": 1.28, "eval_tokens": 10, "eval_batches": 1,
+                       "eval_seconds": 0.1})
+    events = EventAccumulator(str(tmp_path / "tb"))  # read before close, as after a kill -9
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(2, 0.5), (3, pytest.approx(1 / 3)),
+                                                                         (4, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("eval/loss")] == [(4, 0.25)]
+    writer.close()
+
+
+def test_run_folder_files_blocked_by_the_other_kind_are_refused_before_compiling(tmp_path):
+    """A file named tensorboard, or a folder named metrics.jsonl, in the run folder ended a run after
+    its compile with a traceback (NotADirectoryError, IsADirectoryError)."""
+    from tessera.config import ConfigError
+
+    folder = tmp_path / "test"
+    folder.mkdir()
+    (folder / "tensorboard").write_text("")
+    with pytest.raises(ConfigError, match=r"tensorboard \(in the run folder, from base_output_directory\) is a file, "
+                                          "where the run writes a folder; move it away, or choose another run_name"):
+        run(tiny_config(tmp_path, enable_tensorboard=True), jax.devices()[:1])
+    (folder / "tensorboard").unlink()
+    (folder / "metrics.jsonl").mkdir()
+    with pytest.raises(ConfigError, match=r"metrics.jsonl \(in the run folder, from base_output_directory\) is a "
+                                          "folder, where the run writes a file"):
+        run(tiny_config(tmp_path), jax.devices()[:1])

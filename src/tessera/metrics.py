@@ -83,6 +83,39 @@ def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: b
 UPLOAD_EVERY = 100  # gcs_metrics: records per uploaded file
 
 
+class MetricsWriteError(OSError):
+    """metrics.jsonl or the TensorBoard file could not be written (a full disk): the run stops
+    (exit code 6, as for a checkpoint that cannot be saved) rather than train on without records."""
+
+
+class _TensorBoardFile:
+    """A TensorBoard event file written in this thread, a record's scalars per event batch, and
+    flushed after each record (as metrics.jsonl is). tensorboardX's SummaryWriter writes from a
+    thread of its own through a queue of 10 events and flushes every 120 s: when that thread
+    died of a full disk, the next `add_scalar` blocked the training loop for ever, and a killed
+    run lost up to two minutes of events."""
+
+    def __init__(self, folder: Path):
+        from tensorboardX.event_file_writer import EventsWriter
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self._writer = EventsWriter(str(folder / "events"))
+
+    def add_scalars(self, values: dict[str, float], step: int) -> None:
+        import time
+
+        from tensorboardX.proto import event_pb2
+        from tensorboardX.summary import scalar
+
+        now = time.time()
+        for tag, value in values.items():
+            self._writer.write_event(event_pb2.Event(summary=scalar(tag, value), step=step, wall_time=now))
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
 class MetricsWriter:
     """Writes each step's record to stdout (every `log_period`), a JSONL file and TensorBoard,
     and with `upload_dir` (gcs_metrics) also to a bucket."""
@@ -98,42 +131,46 @@ class MetricsWriter:
         self._upload_dir = upload_dir if write_files else ""
         self._pending: list[dict[str, Any]] = []
         self._jsonl, self._tb = None, None
+        self._metrics_file, self._tensorboard_dir = metrics_file, tensorboard_dir
         if write_files:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
             self._jsonl = metrics_file.open("a")
         if tensorboard_dir is not None and write_files:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(tensorboard_dir))
+            self._tb = _TensorBoardFile(tensorboard_dir)
         self.log_period = log_period
         self.records: list[dict[str, Any]] = []
         self.eval_records: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
+        """A training step's record: JSONL, TensorBoard `train/*`, stdout every log_period steps.
+        MetricsWriteError when a file cannot be written."""
         self.records.append(record)
-        self._append(record)
         step = record["step"]
-        if self._tb is not None:
-            for name, value in record.items():
-                if name != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"train/{name}", value, step)
+        self._append(record, {f"train/{name}": value for name, value in record.items()
+                              if name != "step" and isinstance(value, (int, float))})
         if step % self.log_period == 0 or step == 1:
             log.info(format_record(record))
 
     def write_eval(self, record: dict[str, Any]) -> None:
         """An evaluation record (eval_loss, eval_perplexity, ...): JSONL, TensorBoard `eval/*`, stdout."""
         self.eval_records.append(record)
-        self._append(record)
-        if self._tb is not None:
-            for name, value in record.items():
-                if name != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"eval/{name.removeprefix('eval_')}", value, record["step"])
+        self._append(record, {f"eval/{name.removeprefix('eval_')}": value for name, value in record.items()
+                              if name != "step" and isinstance(value, (int, float))})
         log.info(format_eval(record))
 
-    def _append(self, record: dict[str, Any]) -> None:
-        if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record) + "\n")
-            self._jsonl.flush()
+    def _append(self, record: dict[str, Any], scalars: dict[str, float]) -> None:
+        what, path = "metrics", self._metrics_file
+        try:
+            if self._jsonl is not None:
+                self._jsonl.write(json.dumps(record) + "\n")
+                self._jsonl.flush()
+            if self._tb is not None:
+                what, path = "TensorBoard events", self._tensorboard_dir
+                self._tb.add_scalars(scalars, record["step"])
+        except OSError as e:
+            raise MetricsWriteError(f"the {what} of step {record['step']} could not be written to {path} "
+                                    f"({e.strerror or e}); free some space (or fix the folder's permissions) and run "
+                                    "the same command again: it resumes from the last checkpoint") from None
         if self._upload_dir:
             self._pending.append(record)
             if len(self._pending) >= UPLOAD_EVERY:

@@ -44,8 +44,20 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
         if Path(cfg.run.metrics_file).is_dir():
             raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a folder; give the path of a file, e.g. "
                               f"{Path(cfg.run.metrics_file) / 'metrics.jsonl'}")
-        check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file")
+        check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file", "the metrics file's folder")
+    else:  # the run folder's own files, where something else may sit under their names
+        _check_kind(run_dir(cfg.run) / "metrics.jsonl", "a file", "base_output_directory")
+    if cfg.run.enable_tensorboard:
+        _check_kind(run_dir(cfg.run) / "tensorboard", "a folder", "base_output_directory")
     check_cache_folder(cfg)
+
+
+def _check_kind(path: Path, kind: str, key: str) -> None:
+    """ConfigError when `path`, which the run writes as `kind` ("a file" or "a folder"), exists as the other."""
+    if "://" in str(path) or not path.exists() or path.is_dir() == (kind == "a folder"):
+        return
+    raise ConfigError(f"{path} (in the run folder, from {key}) is {'a folder' if kind == 'a file' else 'a file'}, "
+                      f"where the run writes {kind}; move it away, or choose another run_name")
 
 
 def refuse_unread_checkpoints(cfg: Config, ckpt_dir: str) -> None:

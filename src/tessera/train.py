@@ -406,6 +406,8 @@ def _main(argv: list[str], watch: FailureWatch) -> tuple[int, str]:
         return EXIT_USER_ERROR, f"{kind} error: {e}"
     except CheckpointSaveError as e:
         return EXIT_SAVE_FAILED, f"checkpoint save error: {e} (exit code {EXIT_SAVE_FAILED})"
+    except metrics.MetricsWriteError as e:
+        return EXIT_SAVE_FAILED, f"metrics write error: {e} (exit code {EXIT_SAVE_FAILED})"
     except (OutOfMemory, jax.errors.JaxRuntimeError) as e:  # an allocation failed outside the loop's steps
         oom = e if isinstance(e, OutOfMemory) else out_of_memory(
             e, "while creating or loading the train state or compiling the step",
