@@ -168,3 +168,18 @@ def test_a_batch_the_processes_do_not_divide_names_the_key_that_sets_it(monkeypa
     with pytest.raises(ConfigError, match=r"^the evaluation batch of 8 sequences does not divide across 3 processes; "
                                           r"change eval_per_device_batch_size$"):
         rows_per_process(8, "eval")
+
+
+def test_eval_data_without_target_tokens_is_refused_before_the_first_step(tmp_path, hf_run_setup):
+    """Documents of one token each (a begin token and empty text) hold no target: the evaluation
+    found it out after eval_interval steps of training, and stopped before that step's checkpoint
+    was saved (1,000 steps lost with eval_interval=checkpoint_period=1000)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    one_token = tmp_path / "one_token.parquet"
+    pq.write_table(pa.table({"text": [""] * 5}), one_token)
+    with pytest.raises(ConfigError, match=r"^the eval data holds no target tokens \(every document is shorter than 2 "
+                                          r"tokens\?\)"):
+        _hf_run(tmp_path, hf_run_setup, 4, hf_eval_files=str(one_token), add_eos=False)
+    assert not (tmp_path / "test" / "metrics.jsonl").exists()  # no step trained

@@ -68,6 +68,9 @@ def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:
 
 log = logging.getLogger("tessera")
 
+NO_TARGETS = ("the eval data holds no target tokens (every document is shorter than 2 tokens?); check hf_eval_files "
+              "/ grain_eval_files / eval_split")
+
 
 def at_target(cfg: DataConfig, eval_loss: float) -> bool:
     """Whether an evaluation's loss ends the run: target_eval_loss is set and the loss is at or below it."""
@@ -104,9 +107,32 @@ class Evaluator:
         self.trainer, self.cfg, self.steps = trainer, cfg, cfg.eval_steps
         self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.eval_batch, split="eval")
         self.start = self.data.get_state()
+        self._check_targets()
         self.step_fn = eval_step(trainer)
         self.compiled = False
         self.said_short = False  # the eval data ended before eval_steps batches (said once)
+
+    def _check_targets(self) -> None:
+        """ConfigError at start-up when the batches an evaluation reads hold no target token (every
+        document shorter than 2 tokens), found on the host, reading only as far as the first target:
+        the evaluation's own check came after `eval_interval` steps of training, before that step's
+        checkpoint was saved. With several processes reading their own shares, any process's
+        target will do."""
+        found = False
+        for batches, batch in enumerate(self.data, start=1):
+            segments = batch["segment_ids"]
+            if np.any(target_weights(segments)):
+                found = True
+                break
+            if batches == self.steps:
+                break
+        self.data.set_state(self.start)
+        if getattr(self.data, "process_local", False) and jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            found = bool(np.any(multihost_utils.process_allgather(np.array(found))))
+        if not found:
+            raise ConfigError(NO_TARGETS)
 
     def compile(self, saves: HostBuffers = HostBuffers()) -> None:
         """Compile the eval step for the train state's parameters and a batch (once), and log how
@@ -177,8 +203,7 @@ class Evaluator:
                         "those %d; set eval_steps=-1 to say so, or add eval documents", batches, self.steps, batches)
             self.said_short = True
         if not batches or totals["count"] == 0:
-            raise ConfigError("the eval data holds no target tokens (every document is shorter than 2 tokens?); "
-                              "check hf_eval_files / eval_split")
+            raise ConfigError(NO_TARGETS)
         loss = float(totals["loss_sum"] / totals["count"])
         record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
                   "eval_tokens": int(totals["count"]), "eval_batches": batches,
