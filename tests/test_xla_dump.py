@@ -79,3 +79,13 @@ def test_flags_and_errors():
     assert loaded.profiler.dump_hlo_module_name == "jit_x"
     with pytest.raises(ConfigError, match="dump_hlo_gcs_dir='gs://b/x' is a MaxText key Tessera does not implement"):
         load_config([BASE, "dump_hlo_gcs_dir=gs://b/x"], env={})
+
+
+def test_a_dump_folder_that_cannot_be_written_is_refused_at_once(tmp_path):
+    """XLA logs one error per file it cannot write (163 lines for the tiny model) and the run went on
+    with no dump and exit code 0. /proc/self exists and no one may create files in it."""
+    proc = _run([str(REPO / "train.py")], "run_name=r", "steps=1", "dump_hlo=true", "dump_hlo_local_dir=/proc/self",
+                cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "config error: the HLO dump folder /proc/self cannot be written (" in proc.stderr
+    assert "set dump_hlo_local_dir to a writable folder" in proc.stderr

@@ -79,10 +79,13 @@ def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None)
     check_backends_not_started("apply_hlo_dump sets XLA_FLAGS")
     folder = Path(ours[0].partition("=")[2]) if ours else None
     if folder is not None:
-        try:
+        probe = folder / f".tessera-write-probe-{os.getpid()}"
+        try:  # XLA itself only logs each file it cannot write (hundreds of lines) and the run goes on
             folder.mkdir(parents=True, exist_ok=True)
+            probe.write_text("")
+            probe.unlink()
         except OSError as e:
-            raise ConfigError(f"the HLO dump folder {folder} cannot be created ({e.strerror}); set "
+            raise ConfigError(f"the HLO dump folder {folder} cannot be written ({e.strerror}); set "
                               "dump_hlo_local_dir to a writable folder") from None
     environ["XLA_FLAGS"] = " ".join([*current, *flags])
     import jax
