@@ -12,6 +12,8 @@ and if not, both scores. Estimates only: benchmarks/aot_recipes.py gives the com
 each row holds that figure too (`compiled_gib`, from benchmarks/results/aot_recipes.json, and the
 date of its compile) and the estimate's error against it, and the run ends with a summary of
 those errors: how far the estimator's memory is from the compiler's over every recipe.
+A run limited to some recipes replaces their rows and keeps the others' (each row has the date
+of the run that made it); the summary covers every row in the file.
 """
 
 from __future__ import annotations
@@ -100,6 +102,15 @@ def error_summary(rows: list[dict]) -> dict:
             "mean_absolute": round(sum(sizes) / len(sizes), 4)}
 
 
+def merged_rows(new: list[dict]) -> list[dict]:
+    """The results file's rows with this run's in place of theirs; rows of deleted recipes are dropped."""
+    old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"rows": []}
+    rows = {r["recipe"]: {**r, "date": r.get("date", old.get("date"))} for r in old["rows"]}
+    rows.update((r["recipe"], r) for r in new)
+    current = {str(p.relative_to(REPO)) for p in (REPO / "configs" / "tpu").glob("*/*.sh")}
+    return [rows[k] for k in sorted(rows) if k in current]
+
+
 def main(filters: list[str]) -> int:
     import logging
     import os
@@ -109,16 +120,17 @@ def main(filters: list[str]) -> int:
     recipes = sorted((REPO / "configs" / "tpu").glob("*/*.sh"))
     recipes = [r for r in recipes if not filters or any(f in str(r) for f in filters)]
     compiled = {r["recipe"]: r for r in json.loads(COMPILED.read_text())["rows"]} if COMPILED.exists() else {}
-    rows = []
+    rows = []  # this run's; merged into the file's at the end
     for recipe in recipes:
         start = time.perf_counter()
         row = compare(recipe)
         add_compiled(row, compiled)
-        rows.append(row)
+        rows.append({**row, "date": time.strftime("%Y-%m-%d")})
         print(f"{row['recipe']:<36} recipe {row['recipe_mesh']:<34} {row.get('recipe_gib', '-'):>7} GiB "
               f"{100 * row.get('recipe_mfu', 0):5.1f}% | plan {row['plan_mesh']:<34} {row['plan_remat']:<20} "
               f"{row['plan_gib']:>7} GiB {100 * row['plan_mfu']:5.1f}%  ({time.perf_counter() - start:.1f} s)",
               flush=True)
+    rows = merged_rows(rows)
     summary = error_summary(rows)
     if summary:
         print(f"estimated memory against the compiler's ({summary['recipes']} recipes): from "

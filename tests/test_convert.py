@@ -49,7 +49,8 @@ def test_a_truncated_tessera_array_file_is_one_checkpoint_error(checkpoints, tmp
     assert not (tmp_path / "out").exists()
     (tmp_path / "ckpt" / "tessera_checksums.json").unlink()  # as written before checksums were recorded
     assert main(["tessera-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), *KEYS]) == 2
-    err = capsys.readouterr().err
+    read_unverified, err = capsys.readouterr().err.split("\n", 1)  # the log line Checkpointing.md promises
+    assert f"{tmp_path / 'ckpt'} has no checksum list" in read_unverified
     assert err.startswith(f"checkpoint error: checkpoint {tmp_path / 'ckpt'} could not be restored: files may be "
                           "missing or corrupt (")
     assert str(victim) in err and "Truncated" in err and err.count("\n") == 1
@@ -97,6 +98,17 @@ def test_float32_weights_export_as_bfloat16_when_weight_dtype_says_so(checkpoint
         assert value.dtype == np.float32 and half[name].dtype == ml_dtypes.bfloat16, name
         np.testing.assert_array_equal(half[name], value.astype(ml_dtypes.bfloat16))
     assert json.loads((tmp_path / "half" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+def test_the_log_lines_the_docs_promise_reach_stderr(checkpoints, tmp_path, capsys):
+    """main() configures logging (it printed none of its log lines): an export in another weight_dtype
+    says so, and the checksums of the checkpoint it read are reported (Models.md, Checkpointing.md)."""
+    ckpt, _ = checkpoints
+    capsys.readouterr()
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "half"), *KEYS, "weight_dtype=bfloat16"]) == 0
+    err = capsys.readouterr().err
+    assert "parameters are written in weight_dtype (float32 -> bfloat16)" in err
+    assert f"under {ckpt}" in err and " match (" in err
 
 
 def test_mxfp4_tensors_are_read_as_the_values_they_hold(tmp_path):

@@ -10,8 +10,10 @@ when the step fits, 3 when it does not (naming the knobs that would make it fit)
 config error. `LIBTPU_INIT_ARGS` flags are read by that compiler, so a recipe run with
 `EXECUTABLE=train_compile` also checks that libtpu accepts every flag it exports.
 
-A JSON report goes to base_output_directory/run_name/compile_report.json. While XLA compiles
-(minutes for a large model) a line says every HEARTBEAT_SECONDS how long it has been running.
+A JSON report goes to base_output_directory/run_name/compile_report.json (to the local
+outputs/run_name/ when base_output_directory is a gs:// URL, as config.derived.run_dir says).
+While XLA compiles (minutes for a large model) a line says every HEARTBEAT_SECONDS how long it
+has been running.
 """
 
 from __future__ import annotations
@@ -358,7 +360,8 @@ def compile_help() -> str:
         "python3 -m tessera.train_compile configs/base.yml compile_topology=v5p-256 [key=value ...]",
         "Compile the real train step for a TPU topology on this host (no TPU needed) and compare the\n"
         "compiler's memory per chip with its HBM. Exit 0: fits; 3: does not fit (the message lists the\n"
-        "knobs); 2: config error. The report goes to base_output_directory/run_name/compile_report.json.",
+        "knobs); 2: config error. The report goes to base_output_directory/run_name/compile_report.json\n"
+        "(with a gs:// base_output_directory, to outputs/run_name/ under the working directory).",
         keys=HELP_KEYS, docs=("getting_started/AOT_compile.md",))
 
 

@@ -289,8 +289,8 @@ def raise_on_mismatch(path, saved, expected, only_prefix: str = "", cast_floats:
             f"checkpoint {path} does not match this config ({len(problems)} difference(s)):\n  {shown}\n"
             f"{_layer_layout_hint(_flat(saved), _flat(expected))}"
             "Use the model settings the checkpoint was made with (a training run keeps its config with each "
-            "checkpoint; `tessera.tools.convert` printed the keys of the ones it writes), or, for a training "
-            "run, start a new run_name. Nothing was loaded or overwritten."
+            "checkpoint; a converted one needs the model_name and keys given to `tessera.tools.convert`), or, "
+            "for a training run, start a new run_name. Nothing was loaded or overwritten."
         )
 
 

@@ -191,6 +191,11 @@ def convert_help() -> str:
 
 def main(argv: list[str]) -> int:
     exit_if_help(argv, convert_help)
+    # the log lines on stderr: dtype casts, checksums, tensors left out (as train.py and decode.py)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr, force=True)
+    logging.getLogger("jax").setLevel(logging.WARNING)
+    logging.getLogger("absl").setLevel(logging.WARNING)
     from tessera.checkpointing import CheckpointError
 
     try:
