@@ -725,6 +725,22 @@ def test_checkpoints_a_start_would_not_read_are_refused(tmp_path):
         assert {p: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".tessera.lock"} == before
 
 
+def test_a_finished_run_without_checkpoints_is_not_trained_over(tmp_path):
+    """The same command run twice with enable_checkpointing=false (or after deleting checkpoints/)
+    trained again in the finished run's folder: both runs' records in one metrics.jsonl, the report
+    replaced, and "3 step(s) ... lost before they were saved" counted as redone."""
+    run(tiny_config(tmp_path, steps=3, enable_checkpointing=False), jax.devices()[:1])
+    folder = tmp_path / "test"
+    before = {p: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".tessera.lock"}
+    for keys in ({"enable_checkpointing": False}, {}):
+        with pytest.raises(ConfigError) as e:
+            run(tiny_config(tmp_path, steps=3, **keys), jax.devices()[:1])
+        assert str(e.value) == (f"{folder} holds a run that finished (report.json) and no checkpoint this start could "
+                                "resume from: it would train again from step 0 and mix its metrics with the finished "
+                                "run's. For a new run, choose a new run_name (or move that folder away)")
+        assert {p: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".tessera.lock"} == before
+
+
 def test_a_stop_signal_during_an_evaluation_saves_without_finishing_it(tmp_path, monkeypatch, caplog):
     """SIGTERM arriving during a long evaluation waited for every eval batch before the save (22 s with
     the first-run corpus), eating into a preemption's grace period: the evaluation now stops at its next

@@ -62,20 +62,25 @@ def _check_kind(path: Path, kind: str, key: str) -> None:
 
 def refuse_unread_checkpoints(cfg: Config, ckpt_dir: str) -> None:
     """ConfigError when the run's own checkpoint folder holds steps this start would not read
-    (enable_checkpointing=false, or checkpoint_dir elsewhere with nothing in it): it would train
-    again from step 0 beside them, append to their metrics and replace their config and report."""
+    (enable_checkpointing=false, or checkpoint_dir elsewhere with nothing in it), or when the run
+    folder holds a finished run's report: it would train again from step 0 beside them, append
+    to their metrics and replace their config and report. (Called when there is no checkpoint to
+    resume from.)"""
     own = checkpoint_directory(dataclasses.replace(cfg.checkpoint, checkpoint_dir=""), cfg.run.base_output_directory,
                                cfg.run.run_name)
-    if "://" in own or (cfg.checkpoint.enable_checkpointing and own == ckpt_dir) or not Path(own).is_dir():
-        return
-    steps = sorted(int(p.name) for p in Path(own).iterdir() if p.name.isdigit() and p.is_dir())
-    if not steps:
-        return
-    why = ("enable_checkpointing=false" if not cfg.checkpoint.enable_checkpointing else
-           f"checkpoint_dir={cfg.checkpoint.checkpoint_dir} holds none")
-    raise ConfigError(f"{own} holds this run's checkpoints up to step {steps[-1]}, which this start would not read "
-                      f"({why}): it would train again from step 0 beside them. To continue the run, leave out "
-                      f"{why.split('=')[0]}; for a new run, choose a new run_name")
+    local = "://" not in own and not (cfg.checkpoint.enable_checkpointing and own == ckpt_dir) and Path(own).is_dir()
+    steps = sorted(int(p.name) for p in Path(own).iterdir() if p.name.isdigit() and p.is_dir()) if local else []
+    if steps:
+        why = ("enable_checkpointing=false" if not cfg.checkpoint.enable_checkpointing else
+               f"checkpoint_dir={cfg.checkpoint.checkpoint_dir} holds none")
+        raise ConfigError(f"{own} holds this run's checkpoints up to step {steps[-1]}, which this start would not "
+                          f"read ({why}): it would train again from step 0 beside them. To continue the run, leave "
+                          f"out {why.split('=')[0]}; for a new run, choose a new run_name")
+    report = run_dir(cfg.run) / "report.json"
+    if report.is_file():  # a run that ended (enable_checkpointing=false, or its checkpoints deleted since)
+        raise ConfigError(f"{report.parent} holds a run that finished (report.json) and no checkpoint this start "
+                          "could resume from: it would train again from step 0 and mix its metrics with the finished "
+                          "run's. For a new run, choose a new run_name (or move that folder away)")
 
 
 def check_cache_folder(cfg: Config) -> None:
