@@ -576,6 +576,21 @@ def test_a_resumed_run_traces_the_steps_after_its_start(tmp_path, caplog):
     assert "profile written to" in caplog.text
 
 
+def test_the_trace_holds_exactly_profiler_steps_steps(tmp_path):
+    """The loop reads a step's stats after dispatching the next one, and the trace stopped when the
+    last traced step's stats were read: step last+1 was in every trace too (3 dispatches for
+    profiler_steps=2)."""
+    from jax._src.lib import _profile_data
+
+    run(tiny_config(tmp_path, steps=6, profiler="xplane", skip_first_n_steps_for_profiler=1, profiler_steps=2),
+        jax.devices()[:1])
+    trace = _profile_data.ProfileData.from_file(str(next((tmp_path / "test" / "profile").rglob("*.xplane.pb"))))
+    spans = sorted((event.start_ns, event.start_ns + event.duration_ns) for plane in trace.planes
+                   for line in plane.lines for event in line.events if event.name == "PjitFunction(jit(train_step))")
+    outermost = [a for a in spans if not any(b != a and b[0] <= a[0] and a[1] <= b[1] for b in spans)]
+    assert len(outermost) == 2, spans  # (each dispatch shows as a pair of nested events of that name)
+
+
 def test_a_profile_window_after_the_last_step_is_said_at_the_start(tmp_path, caplog):
     from tessera.loop_records import Profiler
 

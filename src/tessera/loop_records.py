@@ -80,6 +80,12 @@ class Profiler:
             jax.profiler.start_trace(str(self.dir))
             self.active = True
 
+    def ends_before(self, step: int) -> bool:
+        """Whether the trace ends before `step` is dispatched: the loop then reads the steps before
+        it first (their stats arrive one step late), so that the trace holds exactly
+        `profiler_steps` steps, not a part of the next one too."""
+        return self.active and step == self.last + 1
+
     def after_step(self, step: int) -> None:
         if self.active and step == self.last:
             self.stop()

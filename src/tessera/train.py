@@ -188,6 +188,8 @@ class _Loop:
             with StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
                 stats = _StatsReader(cfg, self.writer, self.meter, self.profiler, watchdog, self.ckpt)
                 for step in range(start_step + 1, cfg.run.steps + 1):
+                    if self.profiler.ends_before(step):  # the trace's last step is read (and so done) first
+                        stats.finish()
                     self.profiler.before_step(step)
                     with self.clock.taking_input():
                         batch = place_batch(self.data, next(self.data), trainer.batch_sharding,
