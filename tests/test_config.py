@@ -692,4 +692,32 @@ def test_keys_a_run_does_not_read_are_named():
                           "megablox=true"], env={})
     assert keys_without_effect(custom, {"fsdp": 8}) == []
     assert keys_without_effect(load_config([BASE], env={}), {"fsdp": 8}) == []
+    # evaluation, profiler and bucket-metrics keys on a run that never reads them
+    idle = load_config([BASE, "eval_steps=10", "eval_per_device_batch_size=4", "profiler_steps=3", "gcs_metrics=true"],
+                       env={})
+    assert keys_without_effect(idle, {"fsdp": 8}) == [
+        "eval_steps=10, eval_per_device_batch_size=4.0: no effect, this run never evaluates (eval_interval=N evaluates "
+        "every N steps)",
+        "profiler_steps=3: no effect without profiler=xplane",
+        "gcs_metrics=true: no effect with a local base_output_directory (metrics.jsonl in the run folder holds every "
+        "record)"]
+    used = load_config([BASE, "eval_interval=5", "eval_steps=10", "profiler=xplane", "profiler_steps=3",
+                        "base_output_directory=gs://b/runs", "gcs_metrics=true"], env={})
+    assert keys_without_effect(used, {"fsdp": 8}) == []
 
+
+def test_deepseek_refuses_a_sliding_window_its_attention_would_ignore():
+    with pytest.raises(ConfigError, match=r"sliding_window_size=4: decoder_block=deepseek's latent attention \(MLA\) "
+                                          "attends over the whole sequence and would ignore it"):
+        load_config([BASE, "model_name=deepseek-small", "sliding_window_size=4"], env={})
+
+
+
+def test_no_config_file_names_the_program_that_was_run(tmp_path):
+    """decode.py without arguments suggested `python3 train.py configs/base.yml run_name=demo`."""
+    for program, shown in (([str(REPO / "decode.py")], "decode.py"),
+                           (["-m", "tessera.train_compile"], "-m tessera.train_compile")):
+        proc = subprocess.run([sys.executable, *program], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+            f"config error: no config file given: the first argument is a config file, e.g. `.venv/bin/python {shown} "
+            "configs/base.yml ...`"), proc.stderr[-2000:]

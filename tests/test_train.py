@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -903,3 +904,12 @@ def test_the_largest_seed_trains_with_dropout(tmp_path):
     (OverflowError in the step's tracing); it now wraps around, as a 64-bit seed does."""
     report = run(tiny_config(tmp_path, init_weights_seed=2**63 - 1, dropout_rate=0.1, steps=2), jax.devices()[:1])
     assert report["steps"] == 2 and np.isfinite(report["final_loss"])
+
+
+def test_the_last_steps_line_is_printed_whatever_the_log_period(tmp_path, caplog):
+    """log_period=4 with steps=6 printed steps 1 and 4: the last step's line, which the run ends on, was
+    only in metrics.jsonl."""
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=6, log_period=4), jax.devices()[:1])
+    printed = [int(m) for m in re.findall(r"\bstep +(\d+) \| loss", caplog.text)]
+    assert printed == [1, 4, 6]

@@ -121,7 +121,7 @@ class MetricsWriter:
     and with `upload_dir` (gcs_metrics) also to a bucket."""
 
     def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, log_period: int, write_files: bool = True,
-                 upload_dir: str = ""):
+                 upload_dir: str = "", last_step: int = 0):
         """`write_files=False` (processes other than 0 in a multi-process job) logs to stdout only.
         `upload_dir` (a URL, e.g. gs://bucket/runs/r1/metrics): every UPLOAD_EVERY records, and at
         `close`, the records since the last upload are written there as one new file,
@@ -137,18 +137,19 @@ class MetricsWriter:
             self._jsonl = metrics_file.open("a")
         if tensorboard_dir is not None and write_files:
             self._tb = _TensorBoardFile(tensorboard_dir)
-        self.log_period = log_period
+        self.log_period, self.last_step = log_period, last_step  # the run's last step is logged too
         self.records: list[dict[str, Any]] = []
         self.eval_records: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
-        """A training step's record: JSONL, TensorBoard `train/*`, stdout every log_period steps.
+        """A training step's record: JSONL, TensorBoard `train/*`, stdout every log_period steps (and
+        the first and last).
         MetricsWriteError when a file cannot be written."""
         self.records.append(record)
         step = record["step"]
         self._append(record, {f"train/{name}": value for name, value in record.items()
                               if name != "step" and isinstance(value, (int, float))})
-        if step % self.log_period == 0 or step == 1:
+        if step % self.log_period == 0 or step in (1, self.last_step):
             log.info(format_record(record))
 
     def write_eval(self, record: dict[str, Any]) -> None:

@@ -174,6 +174,9 @@ def _validate_family(m) -> None:
     elif m.mlp_activations_limit > 0:
         raise ConfigError(f"mlp_activations_limit={m.mlp_activations_limit:g} clips gpt-oss's expert activations and "
                           f"applies to decoder_block=gpt_oss only; set mlp_activations_limit=-1")
+    if m.decoder_block == "deepseek" and m.sliding_window_size:
+        raise ConfigError(f"sliding_window_size={m.sliding_window_size}: decoder_block=deepseek's latent attention "
+                          "(MLA) attends over the whole sequence and would ignore it; set sliding_window_size=0")
     if m.decoder_block == "deepseek" and (m.attention_sink or m.attention_bias):
         which = " and ".join(n for n in ("attention_bias", "attention_sink") if getattr(m, n))
         raise ConfigError(f"{which}=true: decoder_block=deepseek's latent attention (MLA) has no such input; "
@@ -309,6 +312,15 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
 
     changed = changed_keys(cfg)
     lines = []
+    if not cfg.data.eval_interval and (keys := [k for k in ("eval_steps", "eval_per_device_batch_size") if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, this run never evaluates (eval_interval=N evaluates every "
+                     "N steps)")
+    if not cfg.profiler.profiler and (keys := [k for k in ("skip_first_n_steps_for_profiler", "profiler_steps")
+                                               if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without profiler=xplane")
+    if "gcs_metrics" in changed and cfg.run.gcs_metrics and "://" not in cfg.run.base_output_directory:
+        lines.append("gcs_metrics=true: no effect with a local base_output_directory (metrics.jsonl in the run "
+                     "folder holds every record)")
     if mesh_shape.get("stage", 1) == 1 and (keys := [k for k in PIPELINE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect, this mesh has no pipeline stages (ici_pipeline_parallelism "
                      "or dcn_pipeline_parallelism above 1 makes them)")

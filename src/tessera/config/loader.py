@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -46,7 +47,11 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     """`argv` is `[path/to/base.yml, key=value, ...]` as given to train.py. An error about a value
     says where the value was set: base.yml, the model file, the command line or an M_<KEY> variable."""
     if not argv:
-        raise ConfigError("no config file given; run e.g. `python3 train.py configs/base.yml run_name=demo`")
+        script = Path(sys.argv[0] if sys.argv else "train.py")
+        program = (f"-m tessera.{script.stem}" if script.resolve().parent.name == "tessera" else script.name
+                   ) if script.suffix == ".py" else "train.py"
+        raise ConfigError(f"no config file given: the first argument is a config file, e.g. `.venv/bin/python "
+                          f"{program} configs/base.yml ...`")
     env = os.environ if env is None else env
     base_path = Path(argv[0])
     # (source, values), lowest precedence first; the model file goes second once model_name is known
