@@ -874,7 +874,7 @@ def test_a_file_system_without_locks_trains_unguarded_with_a_warning(tmp_path, m
 
 
 def test_the_advice_after_a_non_finite_step_points_the_right_way():
-    from tessera.train import _stability_advice
+    from tessera.step_stats import stability_advice as _stability_advice
 
     advice = _stability_advice(tiny_config(None, learning_rate=3e-4, warmup_steps_fraction=0.05,
                                            gradient_clipping_threshold=1.0, adam_weight_decay=0.1))
@@ -913,3 +913,14 @@ def test_the_last_steps_line_is_printed_whatever_the_log_period(tmp_path, caplog
         run(tiny_config(tmp_path, steps=6, log_period=4), jax.devices()[:1])
     printed = [int(m) for m in re.findall(r"\bstep +(\d+) \| loss", caplog.text)]
     assert printed == [1, 4, 6]
+
+
+def test_a_finished_run_without_its_report_says_so(tmp_path, caplog):
+    """A signal during the last step's evaluation saves that step and exits before the evaluation and
+    the report; the same command again said only "nothing to do", and the report never came."""
+    run(tiny_config(tmp_path, steps=2), jax.devices()[:1])
+    (tmp_path / "test" / "report.json").unlink()  # as such a stop leaves the folder
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=2, eval_interval=2, eval_steps=1), jax.devices()[:1])
+    assert (f"{tmp_path / 'test'} has no report.json: the run was stopped after saving step 2, before its report and "
+            "its last evaluation; neither is made again (raise steps to train on)") in caplog.text

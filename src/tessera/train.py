@@ -45,10 +45,11 @@ from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
 from tessera.start_state import initial_state, state_source
 from tessera.step import Trainer, compile_step, init_program, setup
+from tessera.step_stats import METRICS_LAG, StatsReader
 
 log = logging.getLogger("tessera")
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_NONFINITE, EXIT_SAVE_FAILED = 0, 2, 3, 6
+EXIT_OK, EXIT_USER_ERROR, EXIT_SAVE_FAILED = 0, 2, 6
 EXIT_INTERRUPTED, EXIT_PREEMPTED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143
 
 
@@ -87,6 +88,10 @@ def _locked_run(cfg: Config, trainer: Trainer, ckpt_dir: str, clock: RunClock, l
             ckpt.check_complete(latest)  # a step folder with nothing in it is not a finished run
         done = _nothing_to_do(cfg, latest)
         if done is not None:
+            if not (trainer.plan.run_dir / "report.json").is_file():  # e.g. a signal during the last evaluation
+                log.warning("%s has no report.json: the run was stopped after saving step %d, before its report%s; "
+                            "neither is made again (raise steps to train on)", trainer.plan.run_dir, latest,
+                            " and its last evaluation" if cfg.data.eval_interval else "")
             return done
         _log_shardings(cfg, trainer)
         return _train(cfg, trainer, ckpt, clock, lock)
@@ -186,7 +191,7 @@ class _Loop:
         cfg, trainer, step = self.cfg, self.trainer, start_step
         try:
             with StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
-                stats = _StatsReader(cfg, self.writer, self.meter, self.profiler, watchdog, self.ckpt)
+                stats = StatsReader(cfg, self.writer, self.meter, self.profiler, watchdog, self.ckpt)
                 for step in range(start_step + 1, cfg.run.steps + 1):
                     if self.profiler.ends_before(step):  # the trace's last step is read (and so done) first
                         stats.finish()
@@ -208,7 +213,7 @@ class _Loop:
         except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
             _step_failed(step, e, watchdog)
 
-    def _after_step(self, step: int, state: dict, stats: _StatsReader, stop: StopSignal,
+    def _after_step(self, step: int, state: dict, stats: StatsReader, stop: StopSignal,
                     watchdog: HangWatchdog) -> bool:
         """Evaluate, save, stop on a signal; True when this step's evaluation reached target_eval_loss
         (saved, the run ends here)."""
@@ -280,33 +285,6 @@ def _failed_step_message(step: int, error: Exception) -> str:
 # Steps whose stats the loop leaves unread while the next step runs: 1 keeps the device busy (the
 # host never waits for a step before dispatching the next); 0 reads each step's stats before the
 # next is dispatched (the old loop; benchmarks/host_overhead.py compares the two).
-METRICS_LAG = 1
-
-
-class _StatsReader:
-    """The stats of dispatched steps the host has not read yet, read in step order: each becomes
-    a metrics record, and a non-finite one stops the run (see _check_finite)."""
-
-    def __init__(self, cfg: Config, writer: metrics.MetricsWriter, meter: StepMeter, profiler: Profiler,
-                 watchdog: HangWatchdog, ckpt: Checkpointer | None):
-        self.cfg, self.writer, self.meter, self.profiler, self.watchdog, self.ckpt = (
-            cfg, writer, meter, profiler, watchdog, ckpt)
-        self.pending: list[tuple[int, Any]] = []
-
-    def add(self, step: int, stats) -> None:
-        self.pending.append((step, stats))
-
-    def finish(self, keep: int = 0) -> None:
-        """Read all but the newest `keep` pending steps."""
-        while len(self.pending) > keep:
-            step, stats = self.pending.pop(0)
-            stats = jax.device_get(stats)  # waits for that step only
-            self.watchdog.beat()
-            self.writer.write(self.meter.record(step, stats))
-            self.profiler.after_step(step)
-            _check_finite(self.cfg, step, stats, self.ckpt)
-
-
 def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, start_step: int,
                   evaluation: bool = False) -> HostBuffers:
     """What this run's checkpoint saves hold on the host (`memory_fit.save_buffers`): none without
@@ -323,31 +301,6 @@ def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, star
 def _local_state_bytes(trainer: Trainer) -> int:
     """Bytes of the train state on this process's devices (the most of it this process saves)."""
     return sum(state_bytes(trainer).values()) * len(local_devices(trainer.mesh))
-
-
-def _check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None) -> None:
-    if bool(stats["finite"]):
-        return
-    what = f"non-finite loss ({float(stats['loss'])}) or gradient norm ({float(stats['grad_norm'])}) at step {step}"
-    if cfg.run.on_nonfinite_loss == "skip_step":
-        log.warning("%s: update skipped (on_nonfinite_loss=skip_step)", what)
-        return
-    last = ckpt.latest_step() if ckpt else None
-    where = f"last good checkpoint: step {last} at {ckpt.step_path(last)}" if last is not None else "no checkpoint yet"
-    raise TrainingStopped(f"{what}; stopping without saving ({where}). {_stability_advice(cfg)}", EXIT_NONFINITE)
-
-
-def _stability_advice(cfg: Config) -> str:
-    """What to change after a non-finite loss or gradient, with the values the run had."""
-    o = cfg.optim
-    clip = (f"lower gradient_clipping_threshold (now {o.gradient_clipping_threshold:g})"
-            if o.gradient_clipping_threshold > 0 else "turn on gradient clipping (gradient_clipping_threshold=1.0; "
-            "it is 0, off)")
-    decay = o.learning_rate * o.adam_weight_decay
-    decay = (f"; learning_rate x adam_weight_decay = {decay:g} >= 1 makes AdamW's weight decay flip the weights' sign "
-             "every step: lower adam_weight_decay" if decay >= 1 else "")
-    return (f"Lower learning_rate (now {o.learning_rate:g}), raise warmup_steps_fraction (now "
-            f"{o.warmup_steps_fraction:g}) or {clip}, or set on_nonfinite_loss=skip_step{decay}")
 
 
 def format_changed_keys(cfg: Config) -> str:

@@ -1,0 +1,71 @@
+"""The loop's reading of each step's stats, one step late: a metrics record per step, and the
+stop (or the skipped update's warning) when a step's loss or gradient is not finite."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+
+from tessera import metrics
+from tessera.checkpointing import Checkpointer
+from tessera.config import Config
+from tessera.distributed import HangWatchdog
+from tessera.loop_records import Profiler, StepMeter
+from tessera.stop_signals import TrainingStopped
+
+log = logging.getLogger("tessera")
+
+EXIT_NONFINITE = 3  # a non-finite loss or gradient with on_nonfinite_loss=stop
+
+METRICS_LAG = 1
+
+
+class StatsReader:
+    """The stats of dispatched steps the host has not read yet, read in step order: each becomes
+    a metrics record, and a non-finite one stops the run (see check_finite)."""
+
+    def __init__(self, cfg: Config, writer: metrics.MetricsWriter, meter: StepMeter, profiler: Profiler,
+                 watchdog: HangWatchdog, ckpt: Checkpointer | None):
+        self.cfg, self.writer, self.meter, self.profiler, self.watchdog, self.ckpt = (
+            cfg, writer, meter, profiler, watchdog, ckpt)
+        self.pending: list[tuple[int, Any]] = []
+
+    def add(self, step: int, stats) -> None:
+        self.pending.append((step, stats))
+
+    def finish(self, keep: int = 0) -> None:
+        """Read all but the newest `keep` pending steps."""
+        while len(self.pending) > keep:
+            step, stats = self.pending.pop(0)
+            stats = jax.device_get(stats)  # waits for that step only
+            self.watchdog.beat()
+            self.writer.write(self.meter.record(step, stats))
+            self.profiler.after_step(step)
+            check_finite(self.cfg, step, stats, self.ckpt)
+
+
+def check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None) -> None:
+    if bool(stats["finite"]):
+        return
+    what = f"non-finite loss ({float(stats['loss'])}) or gradient norm ({float(stats['grad_norm'])}) at step {step}"
+    if cfg.run.on_nonfinite_loss == "skip_step":
+        log.warning("%s: update skipped (on_nonfinite_loss=skip_step)", what)
+        return
+    last = ckpt.latest_step() if ckpt else None
+    where = f"last good checkpoint: step {last} at {ckpt.step_path(last)}" if last is not None else "no checkpoint yet"
+    raise TrainingStopped(f"{what}; stopping without saving ({where}). {stability_advice(cfg)}", EXIT_NONFINITE)
+
+
+def stability_advice(cfg: Config) -> str:
+    """What to change after a non-finite loss or gradient, with the values the run had."""
+    o = cfg.optim
+    clip = (f"lower gradient_clipping_threshold (now {o.gradient_clipping_threshold:g})"
+            if o.gradient_clipping_threshold > 0 else "turn on gradient clipping (gradient_clipping_threshold=1.0; "
+            "it is 0, off)")
+    decay = o.learning_rate * o.adam_weight_decay
+    decay = (f"; learning_rate x adam_weight_decay = {decay:g} >= 1 makes AdamW's weight decay flip the weights' sign "
+             "every step: lower adam_weight_decay" if decay >= 1 else "")
+    return (f"Lower learning_rate (now {o.learning_rate:g}), raise warmup_steps_fraction (now "
+            f"{o.warmup_steps_fraction:g}) or {clip}, or set on_nonfinite_loss=skip_step{decay}")
