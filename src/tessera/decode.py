@@ -29,7 +29,6 @@ import argparse
 import dataclasses
 import functools
 import logging
-import re
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -41,121 +40,15 @@ from tessera.generation import (  # noqa: F401 - the library half, re-exported: 
     batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes, prefill_program,
     prompt_width, sample,
 )
-from tessera.seeds import SEED_RANGE
-from tessera.tools.cli import UsageError, config_epilog, resolve_config_file, sigterm_raises
-
-FLOAT32_MAX = 3.4028234663852886e38  # a larger --temperature is inf in float32
+from tessera.decode_args import encode_prompts, parse_args
+from tessera.tools.cli import UsageError, resolve_config_file, sigterm_raises
 
 if TYPE_CHECKING:
-    from tessera.data.tokenizers import Tokenizer
     from tessera.models import ModelDef
 
 log = logging.getLogger("tessera")
 
 EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 2, 130, 143
-
-
-# ---- command line
-
-def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """(decoding flags, config arguments): `--flag value` pairs are ours, the rest (the config
-    file and key=value overrides) go to `load_config`."""
-    parser = argparse.ArgumentParser(
-        prog="python3 -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
-              "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]\n"
-              "       python3 decode.py ... (the same)",
-        description="Generate text from a checkpoint. key=value arguments build the config as for training: "
-                    "give the model keys the checkpoint was trained with.",
-        epilog=config_epilog(("load_parameters_path", "tokenizer_path", "model_name", "max_target_length",
-                              "add_bos", "ici_tensor_parallelism"), ("getting_started/Decode.md",)))
-    parser.add_argument("--prompt", action="append", default=[], help="text to continue (repeat for a batch)")
-    parser.add_argument("--tokens", action="append", default=[], type=_token_ids,
-                        help="token ids to continue, comma-separated (repeat for a batch); no tokenizer needed")
-    parser.add_argument("--max_new_tokens", type=int, default=32, help="tokens to generate per prompt")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sample")
-    parser.add_argument("--top_k", type=int, default=0, help="sample among the K most likely tokens (0, or at "
-                        "least the vocabulary size: all)")
-    parser.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens whose "
-                        "probabilities add up to P (nucleus sampling; 1: all)")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
-    parser.add_argument("--eos_id", type=int, default=None, help="stop a row at this token (default: the "
-                        "tokenizer's end-of-sequence token; none with --tokens)")
-    flags, rest = parser.parse_known_args(_joined_token_lists(argv))
-    unknown = [a for a in rest if a.startswith("--")]
-    if unknown:
-        parser.error(f"unknown flag {unknown[0]}; config keys are given as key=value")
-    # each written so that nan fails it: every comparison with nan is false
-    wrong = [f"--{name} {getattr(flags, name)} {rule}" for name, ok, rule in (
-        ("max_new_tokens", flags.max_new_tokens >= 1, "must be at least 1"),
-        ("temperature", 0 <= flags.temperature <= FLOAT32_MAX, f"must be a number from 0 (greedy) to {FLOAT32_MAX:g} "
-         "(the largest float32)"),
-        ("top_k", flags.top_k >= 0, "must be >= 0 (0: all tokens)"),
-        ("top_p", 0 < flags.top_p <= 1, "must be in (0, 1] (1: all tokens)"),
-        ("seed", -SEED_RANGE <= flags.seed < SEED_RANGE,
-         f"must be a whole number from {-SEED_RANGE} to {SEED_RANGE - 1}"),
-    ) if not ok]
-    if wrong:
-        parser.error("; ".join(wrong))
-    if flags.eos_id is not None and flags.eos_id < 0:
-        parser.error(f"--eos_id {flags.eos_id} is not a token id (ids are >= 0); leave it out to stop at the "
-                     "tokenizer's end-of-sequence token")
-    return flags, rest
-
-
-def _joined_token_lists(argv: list[str]) -> list[str]:
-    """`--tokens -1,2` as `--tokens=-1,2`: argparse takes a value starting with '-' for a flag (and says
-    "expected one argument"); joined, the ids reach the check that names what is wrong with them."""
-    out = []
-    for arg in argv:
-        if out and out[-1] == "--tokens" and re.fullmatch(r"-[\d,\s-]*", arg):
-            out[-1] = f"--tokens={arg}"
-        else:
-            out.append(arg)
-    return out
-
-
-def _token_ids(text: str) -> list[int]:
-    parts = text.replace(" ", "").split(",")
-    if all(re.fullmatch(r"[+-]?\d+", t) for t in parts):  # no empty entry: `1,,2` or `1,2,` is a typo, not `1,2`
-        return [int(t) for t in parts]
-    raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of token ids (e.g. 1,2,3)")
-
-
-def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | None, list[list[int]]]:
-    """The tokenizer (None with --tokens) and the prompts as token ids, checked against the config."""
-    from tessera.data.tokenizers import check_tokenizer, load_tokenizer
-
-    if bool(flags.prompt) == bool(flags.tokens):
-        raise ConfigError("give the prompts as --prompt TEXT (with tokenizer_path=...) or as --tokens 1,2,3, "
-                          "not both and not neither")
-    tokenizer = None
-    prompts = flags.tokens
-    if flags.prompt:
-        tokenizer = load_tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
-        check_tokenizer(tokenizer, cfg.data.tokenizer_path, cfg.model.vocab_size, cfg.data.add_bos, False)
-        bos = [tokenizer.bos_id] if cfg.data.add_bos else []
-        prompts = [bos + ids for ids in tokenizer.encode_batch(flags.prompt)]
-    vocab, limit = cfg.model.vocab_size, cfg.data.max_target_length
-    for i, prompt in enumerate(prompts):
-        if not prompt:
-            raise ConfigError(f"prompt {i + 1} is empty; give at least one token")
-        if not all(0 <= t < vocab for t in prompt):
-            raise ConfigError(f"prompt {i + 1} has token ids outside [0, vocab_size={vocab}): {prompt}")
-        if len(prompt) + flags.max_new_tokens > limit:
-            raise ConfigError(f"prompt {i + 1} has {len(prompt)} tokens + --max_new_tokens {flags.max_new_tokens} = "
-                              f"{len(prompt) + flags.max_new_tokens}, more than max_target_length={limit} (the "
-                              "sequence length the model was trained for); shorten the prompt, lower "
-                              f"--max_new_tokens or set max_target_length={len(prompt) + flags.max_new_tokens}")
-    from tessera.models import BLOCKS
-
-    table = cfg.model.trainable_position_size if BLOCKS[cfg.model.decoder_block].absolute_positions else 0
-    longest = max(len(p) for p in prompts)
-    if table and longest + flags.max_new_tokens > table:  # raising max_target_length cannot help here
-        raise ConfigError(f"{longest} prompt tokens + --max_new_tokens {flags.max_new_tokens} = "
-                          f"{longest + flags.max_new_tokens}, more than the trainable_position_size={table} positions "
-                          "this model has learned embeddings for; shorten the prompt or lower --max_new_tokens")
-    return tokenizer, prompts
 
 
 def load_model(cfg: Config, mesh, decoding: dict | None = None):
