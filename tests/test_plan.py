@@ -425,3 +425,17 @@ def test_a_candidate_is_valid_only_when_the_trainer_accepts_its_batch_with_accum
     one = load_model_config("default", ["per_device_batch_size=2"])
     assert layout_or_none(one, mesh).microbatches == plan_run(one, mesh.sizes).pipeline.microbatches
 
+
+
+def test_a_recipe_written_in_the_repository_sources_its_helpers_relative_to_itself(tmp_path):
+    """--output my_recipes/x.sh wrote `source "/abs/path/of/this/clone/configs/run_recipe.sh"`: the
+    recipe broke once the repository moved (another clone, a container at another path)."""
+    from tessera.tools.plan_compile import CONFIGS, _sourced
+
+    for recipe in (CONFIGS.parent / "my_recipes" / "x.sh", CONFIGS / "tpu" / "v6e" / "x.sh"):
+        for target in (CONFIGS / "run_recipe.sh", CONFIGS / "tpu" / "v6e" / "flags.inc"):
+            text = _sourced(recipe, target)
+            prefix = '"$(dirname "${BASH_SOURCE[0]}")/'
+            assert text.startswith(prefix) and str(CONFIGS.parent) not in text, text
+            assert (recipe.parent / text[len(prefix):-1]).resolve() == target.resolve()
+    assert _sourced(tmp_path / "x.sh", CONFIGS / "run_recipe.sh") == f'"{CONFIGS / "run_recipe.sh"}"'  # outside

@@ -217,5 +217,5 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
     if slow_input:
         log.warning(slow_input)
     log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
-             folder / "report.json")
+             folder / "report.json" if jax.process_index() == 0 else "written by process 0")
     return report

@@ -130,6 +130,16 @@ def rescore(cfg: Config, hw: Hardware, c: Candidate, tokens: int) -> Candidate |
     return dataclasses.replace(same[0], budget=c.budget) if same else None
 
 
+def _sourced(recipe: Path, target: Path) -> str:
+    """How `recipe` names `target` to source it: relative to the recipe's own folder when both are in
+    this repository (a moved or fresh clone keeps working), else by its absolute path."""
+    repo = CONFIGS.parent
+    recipe = recipe.absolute()
+    if recipe.is_relative_to(repo):
+        return f'"$(dirname "${{BASH_SOURCE[0]}}")/{os.path.relpath(target, recipe.parent)}"'
+    return f'"{target}"'
+
+
 def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list[str]) -> None:
     gen = hw.accelerator.name
     chosen = [*run_args(c, cfg), f"dtype={cfg.model.dtype}"]
@@ -143,12 +153,9 @@ def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list
         "RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke",
         "# Settings (KEY=VALUE) are described in configs/run_recipe.sh.",
         "set -e",
-        'source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"' if path.parent.parent.parent == CONFIGS
-        else f'source "{CONFIGS / "run_recipe.sh"}" "$@"',
+        f'source {_sourced(path, CONFIGS / "run_recipe.sh")} "$@"',
         "",
-        f'source "{CONFIGS / "tpu" / gen / "flags.inc"}"   # LIBTPU_INIT_ARGS of every {gen} recipe'
-        if path.parent != CONFIGS / "tpu" / gen else
-        f'source "$(dirname "${{BASH_SOURCE[0]}}")/flags.inc"   # LIBTPU_INIT_ARGS of every {gen} recipe',
+        f'source {_sourced(path, CONFIGS / "tpu" / gen / "flags.inc")}   # LIBTPU_INIT_ARGS of every {gen} recipe',
         f"export NUM_SLICES=${{NUM_SLICES:-{hw.num_slices}}}" if hw.num_slices > 1 else "",
         "",
         f"run_recipe {hw.name} \\",
