@@ -131,6 +131,12 @@ def test_each_tokenizer_kind(tmp_path, sp_model):
     # a tiktoken file without the telling suffix is recognised from its first line
     (tmp_path / "plain").write_text((tmp_path / "bpe.tiktoken").read_text())
     assert load_tokenizer(str(tmp_path / "plain")).kind == "tiktoken"
+    # one without some single bytes made tiktoken panic (a Rust panic, a traceback) on text holding them
+    lines = (tmp_path / "bpe.tiktoken").read_text().splitlines(keepends=True)
+    (tmp_path / "holes.tiktoken").write_text("".join(lines[:0xe6] + lines[0xe8:]))
+    with pytest.raises(ConfigError, match=r"has no token for 2 of the 256 single bytes \(e.g. 0xe6, 0xe7\): a "
+                                          "byte-level BPE file needs all of them"):
+        load_tokenizer(str(tmp_path / "holes.tiktoken"))
 
 
 def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, sp_model, corpus):

@@ -97,6 +97,11 @@ def _tiktoken(p: Path) -> Tokenizer:
     from tiktoken.load import load_tiktoken_bpe
 
     ranks = load_tiktoken_bpe(str(p))
+    missing = [b for b in range(256) if bytes([b]) not in ranks]
+    if missing:  # tiktoken then panics (a Rust panic, past any `except Exception`) on text holding one of them
+        raise ConfigError(f"tokenizer_path={str(p)!r} has no token for {len(missing)} of the 256 single bytes (e.g. "
+                          f"{', '.join(f'0x{b:02x}' for b in missing[:4])}): a byte-level BPE file needs all of "
+                          "them to encode any text; use the complete file")
     n = max(ranks.values()) + 1
     specials = {"<|begin_of_text|>": n, "<|end_of_text|>": n + 1}
     enc = tiktoken.Encoding(p.stem, pat_str=TIKTOKEN_SPLIT, mergeable_ranks=ranks, special_tokens=specials)
