@@ -699,3 +699,36 @@ def test_a_resume_with_another_optimizer_says_how_to_switch(tmp_path):
     lines = str(e.value).splitlines()
     assert lines[-2].startswith("The config saved with it differs in its model keys: base_emb_dim=24 (here 32)")
     assert lines[-1].startswith(f"checkpoint {step} was saved by opt_type=adamw (here muon)")
+
+
+SET_ASIDE_SCRIPT = """
+import sys, time
+from etils import epath
+from tessera.checkpointing.manager import set_aside_incomplete
+start = float(sys.argv[2])
+while time.time() < start:  # both processes list the folder at the same moment
+    pass
+print(len(set_aside_incomplete(epath.Path(sys.argv[1]))))
+"""
+
+
+def test_processes_setting_aside_the_same_interrupted_saves_do_not_trip_over_each_other(tmp_path):
+    """Every process of a job sets interrupted saves aside at start-up; on a shared folder the second
+    one's rename found the folder gone (FileNotFoundError, a traceback and exit 1 on every restart
+    after a kill -9 during a save). Each folder is now moved once, by whichever process comes first."""
+    import time
+
+    from tessera.checkpointing.manager import INCOMPLETE_MARKER
+
+    directory = tmp_path / "checkpoints"
+    directory.mkdir()
+    for step in range(300):
+        (directory / f"{step}{INCOMPLETE_MARKER}").mkdir()
+    start = str(time.time() + 3)
+    procs = [subprocess.Popen([sys.executable, "-c", SET_ASIDE_SCRIPT, str(directory), start],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
+    for out, err, code in results:
+        assert code == 0 and "Traceback" not in err, err[-2000:]
+    assert sum(int(out) for out, _, _ in results) == 300  # each moved once
+    assert not list(directory.iterdir()) and len(list((tmp_path / "checkpoints_incomplete").iterdir())) == 300

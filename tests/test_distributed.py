@@ -26,14 +26,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start(rank, port, out, *args, nodes=2, extra_env=None):
+def _start_env(rank, port, nodes=2, extra_env=None) -> dict:
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {FAST_COMPILE}",
                JAX_COORDINATOR_IP="127.0.0.1", JAX_COORDINATOR_PORT=str(port), NNODES=str(nodes), NODE_RANK=str(rank),
                JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS="60")
     env.update(extra_env or {})
-    cmd = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"), "run_name=mp",
-           f"base_output_directory={out}", "per_device_batch_size=1", *TINY_ARGS, *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return env
+
+
+def _start_command(out, *args) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"), "run_name=mp",
+            f"base_output_directory={out}", "per_device_batch_size=1", *TINY_ARGS, *args]
+
+
+def _start(rank, port, out, *args, nodes=2, extra_env=None):
+    return subprocess.Popen(_start_command(out, *args), env=_start_env(rank, port, nodes, extra_env),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _finish(procs, timeout=300):
@@ -187,14 +195,17 @@ def test_an_error_of_one_process_ends_every_process_at_once_with_its_exit_code(t
     of ours). Now the failing process publishes its error and leaves, and the others leave within
     seconds with its exit code, naming it. Process 0 hosts the coordinator: it waits for the
     others to read its error before it leaves."""
-    for docs, failing, bad in (([[1, 2, 3, 4, 5]], 1, "holds no records (the share of process 1 of 2)"),
-                               ([[1, 2, -3, 4, 5], [1, 2, 3, 4, 5]], 0, "hold token id -3")):
-        files = tmp_path / f"p{failing}.jsonl"
+    mid_run = [list(range(1, 21)) for _ in range(12)]
+    mid_run[7][5] = -3  # process 1 reads documents 1, 3, 5, 7, ...: its fourth, in the loop, while process 0 waits
+    for docs, failing, bad in (([[1, 2, 3, 4, 5]], 1, "process 1 of 2 gets no records from these files"),
+                               ([[1, 2, -3, 4, 5], [1, 2, 3, 4, 5]], 0, "hold token id -3"),
+                               (mid_run, 1, "hold token id -3")):
+        files = tmp_path / f"p{failing}_{len(docs)}.jsonl"
         files.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
         port = _free_port()
         start = time.monotonic()
-        results = _finish([_start(rank, port, tmp_path / f"out{failing}", "dataset_type=hf", "hf_path=json",
-                                  f"hf_train_files={files}") for rank in (0, 1)], timeout=150)
+        results = _finish([_start(rank, port, tmp_path / f"out{failing}_{len(docs)}", "dataset_type=hf",
+                                  "hf_path=json", f"hf_train_files={files}", "steps=6") for rank in (0, 1)], timeout=150)
         assert time.monotonic() - start < 120
         for rank, (code, err) in enumerate(results):
             assert code == 2 and "Traceback" not in err and "Check failure" not in err, err[-3000:]
@@ -205,6 +216,31 @@ def test_an_error_of_one_process_ends_every_process_at_once_with_its_exit_code(t
                 assert line.endswith("; this process stops too (exit code 2)"), line
             else:
                 assert line.startswith("data error: "), line
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_process_while_it_compiles_stops_the_job(tmp_path):
+    """JAX's preemption service took SIGTERM over once the process joined the job: a preempted VM's
+    signal during start-up or compiling was logged as "SIGTERM caught" and training went on to the
+    end (exit 0 on both). Now the signalled process stops (143) and the other follows at once."""
+    port = _free_port()
+    other = _start(0, port, tmp_path)
+    proc = subprocess.Popen(_start_command(tmp_path), env=_start_env(1, port), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if "parameters, global batch" in line:  # set up, about to compile
+            break
+    proc.send_signal(signal.SIGTERM)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(seen) + rest
+    assert proc.returncode == 143 and "stopped by SIGTERM outside the training loop" in err, err[-3000:]
+    [(code, other_err)] = _finish([other], timeout=120)
+    assert code == 143 and "Traceback" not in other_err, other_err[-3000:]
+    assert other_err.strip().splitlines()[-1].startswith("job error: process 1 stopped with: stopped by SIGTERM "
+                                                         "outside the training loop")
+    assert not (tmp_path / "mp" / "checkpoints").exists()
 
 
 def test_unreachable_coordinator_fails_clearly(tmp_path):

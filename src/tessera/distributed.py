@@ -106,6 +106,9 @@ def initialize(spec: JobSpec | None = None) -> JobSpec:
         kwargs.update(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
                       process_id=spec.process_id)
     timer.start()
+    # JAX's preemption service would take SIGTERM over (a "SIGTERM caught" log line, and training went
+    # on to the end, exit 0); stop_signals already stops every process after the same step
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(**kwargs)
     except Exception as e:  # noqa: BLE001 - every start-up failure gets the same explanation

@@ -11,11 +11,14 @@ by default).
 
 Now the failing process publishes "<exit code> <its error line>" in the coordinator's key-value
 store (FAILED_KEY; the first writer wins) and leaves at once (`os._exit`, no shutdown barrier).
-Every other process runs a `FailureWatch` thread from the moment it joins the job; it polls the
-key once a second and, when it appears, prints
-`job error: process 1 stopped with: data error: ...; this process stops too (exit code 2)`
-and leaves with the same exit code. Process 0 hosts the coordinator, so when it is the one that
-fails it first waits (up to ACK_SECONDS) for the others to say they read the key.
+The same goes for a stop signal outside the training loop (compiling, loading), where the loop's
+collective stop does not reach. Every other process runs a `FailureWatch` thread from the moment
+the processes found their configs equal; it polls the key once a second and, when it appears,
+prints `job error: process 1 stopped with: data error: ...; this process stops too (exit code 2)`
+and leaves with the same exit code. A process whose own collective failed because the failing
+one left first reads the key before saying anything (`follow_earlier_failure`). Process 0 hosts
+the coordinator, so when it is the one that fails it first waits (up to ACK_SECONDS) for the
+others to say they read the key.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import logging
 import os
 import sys
 import threading
+import time
 
 log = logging.getLogger("tessera")
 
@@ -61,6 +65,7 @@ def end_job(code: int, line: str) -> None:
         client.key_value_set(FAILED_KEY, f"{code} {me} {line}")
     except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another process failed first and the others follow it
         pass
+    _acknowledge(client, me)  # (a process that fails too knows of it: process 0 need not wait for it)
     if me == 0:  # the coordinator leaves with this process: give the others time to read the key
         wait_ms = int(ACK_SECONDS * 1000)
         for other in range(1, count):
@@ -69,6 +74,48 @@ def end_job(code: int, line: str) -> None:
             except Exception:  # noqa: BLE001 - that process is gone or stuck; it is not waited for again
                 wait_ms = 1
     _leave(code)
+
+
+def _acknowledge(client, me: int) -> None:
+    try:
+        client.key_value_set(f"{ACK_PREFIX}{me}", "1")
+    except Exception:  # noqa: BLE001 - only process 0's wait is shortened by it
+        pass
+
+
+def _published(client) -> tuple[int, int, str] | None:
+    """(exit code, process, line) of the failure a process published, or None."""
+    try:
+        value = client.key_value_try_get(FAILED_KEY)
+    except Exception:  # noqa: BLE001 - NOT_FOUND: no process has failed
+        return None
+    code, process, line = value.split(" ", 2)
+    return int(code), int(process), line
+
+
+def _follow(client, me: int, code: int, process: int, line: str) -> None:
+    _acknowledge(client, me)
+    print(f"job error: process {process} stopped with: {line}; this process stops too (exit code {code})",
+          file=sys.stderr, flush=True)
+    _leave(code)
+
+
+def follow_earlier_failure(seconds: float = 3.0) -> None:
+    """In a multi-process job: when another process has published its failure, or does within
+    `seconds`, leave as `FailureWatch` would, with its exit code. For an error of this process that
+    may be the consequence of another's: a collective fails at once when a peer leaves, often
+    before this process's watch has read the peer's error (its poll is once a second)."""
+    client, me, _ = _client()
+    if client is None:
+        return
+    deadline = time.monotonic() + seconds
+    while True:
+        found = _published(client)
+        if found and found[1] != me:
+            _follow(client, me, *found)
+        if found or time.monotonic() >= deadline:
+            return
+        time.sleep(0.1)
 
 
 class FailureWatch:
@@ -89,21 +136,12 @@ class FailureWatch:
 
     def _watch(self, client, me: int) -> None:
         while not self._stop.wait(POLL_SECONDS):
-            try:
-                value = client.key_value_try_get(FAILED_KEY)
-            except Exception:  # noqa: BLE001 - NOT_FOUND: no process has failed
+            found = _published(client)
+            if found is None:
                 continue
-            code_text, process, line = value.split(" ", 2)
-            if int(process) == me:  # this process's own failure: end_job is leaving already
+            if found[1] == me:  # this process's own failure: end_job is leaving already
                 return
-            try:
-                client.key_value_set(f"{ACK_PREFIX}{me}", "1")
-            except Exception:  # noqa: BLE001 - only process 0's wait is shortened by it
-                pass
-            code = int(code_text)
-            print(f"job error: process {process} stopped with: {line}; this process stops too (exit code {code})",
-                  file=sys.stderr, flush=True)
-            _leave(code)
+            _follow(client, me, *found)
 
     def stop(self) -> None:
         self._stop.set()

@@ -68,7 +68,9 @@ class Profiler:
         self.enabled = p.profiler == "xplane"
         self.first = start_step + p.skip_first_n_steps_for_profiler + 1
         self.last = self.first + p.profiler_steps - 1
-        self.dir, self.active = run_dir / "profile", False
+        # each process traces its own devices; on one host they would write the same <host>.xplane.pb
+        own = f"process_{jax.process_index()}" if jax.process_count() > 1 else ""
+        self.dir, self.active = run_dir / "profile" / own if own else run_dir / "profile", False
         if self.enabled and self.first > cfg.run.steps:
             log.warning("profiler=xplane: no trace will be written: after skip_first_n_steps_for_profiler=%d the trace "
                         "would start at step %d, and the run ends at step %d (it starts after step %d); lower "

@@ -19,6 +19,9 @@ log = logging.getLogger("tessera")
 
 EXIT_NONFINITE = 3  # a non-finite loss or gradient with on_nonfinite_loss=stop
 
+# Steps whose stats the loop leaves unread while the next step runs: 1 keeps the device busy (the
+# host never waits for a step before dispatching the next); 0 reads each step's stats before the
+# next is dispatched (the old loop; benchmarks/host_overhead.py compares the two).
 METRICS_LAG = 1
 
 

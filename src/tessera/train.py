@@ -33,7 +33,7 @@ from tessera.data import DataError, make_input, place_batch, state_to_save
 from tessera.distributed import (EXIT_DISTRIBUTED, DistributedError, HangWatchdog, check_same_config, initialize,
                                  wait_for_all)
 from tessera.evaluation import Evaluator, at_target
-from tessera.job_failure import FailureWatch, end_job, in_job
+from tessera.job_failure import FailureWatch, end_job, follow_earlier_failure, in_job
 from tessera.loop_records import Profiler, RunClock, StepMeter, steps_logged_after
 from tessera.memory_fit import (
     EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits, local_devices, out_of_memory,
@@ -268,6 +268,7 @@ def _step_failed(step: int, error: jax.errors.JaxRuntimeError, watchdog: HangWat
         raise oom from None
     if jax.process_count() == 1:
         raise error
+    follow_earlier_failure()  # a peer that stopped with an error of its own: its code and line, not "lost peer"
     if oom:  # the other processes stop in their next collective, by their watchdogs
         watchdog.fail(str(oom), exit_code=EXIT_OUT_OF_MEMORY, kind="memory error")
     watchdog.fail(_failed_step_message(step, error))
@@ -282,9 +283,6 @@ def _failed_step_message(step: int, error: Exception) -> str:
             "process and then abort")
 
 
-# Steps whose stats the loop leaves unread while the next step runs: 1 keeps the device busy (the
-# host never waits for a step before dispatching the next); 0 reads each step's stats before the
-# next is dispatched (the old loop; benchmarks/host_overhead.py compares the two).
 def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, start_step: int,
                   evaluation: bool = False) -> HostBuffers:
     """What this run's checkpoint saves hold on the host (`memory_fit.save_buffers`): none without
@@ -324,14 +322,16 @@ def main(argv: list[str]) -> int:
     except Exception as e:  # a bug of ours: its traceback; in a job, the other processes stop too
         watch.stop()
         if in_job():
+            follow_earlier_failure()  # unless it is the consequence of another process's error (a failed collective)
             traceback.print_exc()
             end_job(1, f"{type(e).__name__}: {' '.join(str(e).split())[:300]} (the traceback is in its log)")
         raise
     watch.stop()
     if line:
         print(line, file=sys.stderr)
-        if code in (EXIT_USER_ERROR, EXIT_SAVE_FAILED, EXIT_OUT_OF_MEMORY):  # may have reached this process alone
-            end_job(code, line)
+        # an error, or a signal outside the loop, perhaps on this process alone: the job ends with it (leaving
+        # through JAX's shutdown barrier would wait for the others, then abort); the loop's stops are collective
+        end_job(code, line)
     return code
 
 

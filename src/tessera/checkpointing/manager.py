@@ -4,6 +4,7 @@ interrupted saves."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -268,9 +269,24 @@ def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
         stamp = f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}"
         # the same step set aside twice within a second (a save that failed, then what Orbax left of it
         # when the manager closed) keeps both: CI saw the second rename fail on the first's name
-        target = next(target_dir / name for name in [stamp, *(f"{stamp}-{n}" for n in range(1, 1000))]
-                      if not (target_dir / name).exists())
-        path.rename(target)
+        # every process of a job looks at start-up: on a shared folder another may take the name first
+        # (FileExistsError: the next name) or move the folder first (FileNotFoundError: nothing to do)
+        target = None
+        for name in [stamp, *(f"{stamp}-{n}" for n in range(1, 1000))]:
+            if (target_dir / name).exists():
+                continue
+            try:
+                path.rename(target_dir / name)
+            except FileNotFoundError:
+                break
+            except OSError as e:  # FileExistsError, or ENOTEMPTY when the other's rename won the race
+                if isinstance(e, FileExistsError) or e.errno == errno.ENOTEMPTY:
+                    continue
+                raise
+            target = target_dir / name
+            break
+        if target is None:
+            continue
         log.warning("incomplete checkpoint %s (an interrupted save) was not loaded; moved to %s. "
                     "Delete it once you no longer need it", path, target)
         moved.append(target)

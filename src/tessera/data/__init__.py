@@ -75,8 +75,8 @@ def restore_state(data, saved: dict) -> None:
             data.set_state(states[jax.process_index()])
             return
         log.warning("the checkpoint's data positions are those of %d processes, each in its own share of the "
-                    "files; with %d processes the shares differ, so every process reads its share of the files from the "
-                    "start (documents already trained on come again)", len(states), count)
+                    "files; with %d process(es) the shares differ, so every process reads its share of the files from "
+                    "the start (documents already trained on come again)", len(states), count)
         return
     if getattr(data, "process_local", False) and jax.process_count() > 1 and saved.get("type"):
         log.warning("the checkpoint holds the data position of one process (saved by one process, or by a "

@@ -165,10 +165,15 @@ class HfData:
 
         share = ""
         if jax.process_count() > 1:
-            share = f" (the share of process {jax.process_index()} of {jax.process_count()})"
+            n = jax.process_count()
+            if self.files:  # the files together may hold records: this process's share holds none
+                return DataError(f"{self.setting}: process {jax.process_index()} of {n} gets no records from these "
+                                 f"files (each process reads its own share: whole files when {n} divides their "
+                                 f"count, else every {n}th document); add documents, or run fewer processes")
+            share = f" (the share of process {jax.process_index()} of {n})"
         if self.files:
             one_per_line = " (hf_path=text: one document per line)" if self.cfg.hf_path == "text" else ""
-            return no_records(self.setting, self.files, share + one_per_line)
+            return no_records(self.setting, self.files, one_per_line)
         return DataError(f"{self.setting} holds no records{share} in split "
                          f"{self.cfg.train_split if self.split == 'train' else self.cfg.eval_split!r}; check hf_path "
                          "and the split")
