@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera import cpu_matmul
+from tessera.cpu_miscompile import check_cpu_mesh
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes, keys_without_effect
 from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
@@ -63,6 +64,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     """Mesh, plan, model, optimizer and shardings for `cfg` (no parameters are allocated yet)."""
     mesh = create_mesh(cfg.mesh, devices)
     plan = plan_run(cfg, dict(mesh.shape))
+    check_cpu_mesh(mesh)  # a mesh XLA:CPU computes wrong results on (tessera.cpu_miscompile)
     check_trainable_dtypes(cfg.model, device_platform(mesh))
     for line in keys_without_effect(cfg, dict(mesh.shape)):
         log.warning("%s", line)
