@@ -701,6 +701,14 @@ def test_keys_a_run_does_not_read_are_named():
         "profiler_steps=3: no effect without profiler=xplane",
         "gcs_metrics=true: no effect with a local base_output_directory (metrics.jsonl in the run folder holds every "
         "record)"]
+    # mesh axes that do not divide what they would split (the split is dropped; results stay right)
+    moe = load_config([BASE, "model_name=mixtral-8x7b", "num_experts=6", "max_target_length=36"], env={})
+    assert keys_without_effect(moe, {"sequence": 8, "expert": 4}) == [
+        "the sequence axis (8 ways) does not divide max_target_length=36: the tokens are not split over it, and its "
+        "devices repeat each other's work; choose a length 8 divides",
+        "the expert axis (4 ways) does not divide num_experts=6: the experts are not split over it (it splits their "
+        "weights like fsdp instead); choose an expert parallelism that divides num_experts"]
+    assert keys_without_effect(moe, {"sequence": 4, "expert": 2}) == []
     used = load_config([BASE, "eval_interval=5", "eval_steps=10", "profiler=xplane", "profiler_steps=3",
                         "base_output_directory=gs://b/runs", "gcs_metrics=true"], env={})
     assert keys_without_effect(used, {"fsdp": 8}) == []

@@ -306,7 +306,8 @@ MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", "tile_batch_seq", "t
 def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     """One line per key set away from its default that this run does not read (a typo of intent:
     per-tensor remat keys without remat_policy=custom, pipeline keys on a mesh without stages, MoE
-    routing keys on a dense model), for a warning at set-up; they were accepted without a word."""
+    routing keys on a dense model, a sequence or expert axis that does not divide what it would
+    split), for a warning at set-up; they were accepted without a word."""
     from tessera.config.loader import changed_keys
     from tessera.config.schema import REMAT_TENSORS
 
@@ -327,6 +328,15 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if cfg.model.remat_policy != "custom" and (keys := [k for k in REMAT_TENSORS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect with remat_policy={cfg.model.remat_policy}; the per-tensor "
                      "keys are read with remat_policy=custom")
+    seq, length = mesh_shape.get("sequence", 1), cfg.data.max_target_length
+    if seq > 1 and length % seq:  # mesh.logical_spec drops an axis that does not divide the dimension
+        lines.append(f"the sequence axis ({seq} ways) does not divide max_target_length={length}: the tokens are not "
+                     f"split over it, and its devices repeat each other's work; choose a length {seq} divides")
+    experts, ways = cfg.model.num_experts, mesh_shape.get("expert", 1)
+    if ways > 1 and experts > 1 and experts % ways:
+        lines.append(f"the expert axis ({ways} ways) does not divide num_experts={experts}: the experts are not "
+                     "split over it (it splits their weights like fsdp instead); choose an expert parallelism that "
+                     "divides num_experts")
     if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
                      "experts")
