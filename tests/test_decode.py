@@ -585,7 +585,7 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         # found before the load (was a NotADirectoryError traceback after it)
         "quantized folder under a file": ([*args, "quantization=int8", f"save_quantized_params_path={cache_file}/q",
                                            "--tokens", "1,2", "--max_new_tokens", "3"],
-                                          f"save_quantized_params_path={cache_file}/q cannot be created: {cache_file} "
+                                          f"save_quantized_params_path={cache_file}/q cannot be written: {cache_file} "
                                           "is a file, not a folder"),
     }
     for name, (argv, message) in errors.items():

@@ -151,22 +151,15 @@ def _memory_advice(shared: bool, cache: bool = False) -> str:
 
 
 def _check_new_folder(path: str, key: str) -> None:
-    """ConfigError unless `path` (local) does not exist yet and can be created: its nearest existing
-    ancestor is a folder this user may write in."""
-    import os
-    from pathlib import Path
+    """ConfigError unless `path` does not exist yet and can be created (`check_writable`, which
+    leaves nothing behind)."""
+    from etils import epath
 
-    if "://" in path:
-        return
-    target = Path(path).expanduser().absolute()
-    if target.exists():
+    from tessera.checkpointing import check_writable
+
+    if epath.Path(path).exists():
         raise ConfigError(f"{key}={path} exists already; choose a new folder (nothing was written)")
-    parent = next(p for p in target.parents if p.exists())
-    if not parent.is_dir():
-        raise ConfigError(f"{key}={path} cannot be created: {parent} is a file, not a folder; choose another path")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{key}={path} cannot be created: {parent} is not writable by this user; choose "
-                          "another path")
+    check_writable(path, key)
 
 
 def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool = True) -> None:

@@ -23,13 +23,10 @@ others to say they read the key.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import threading
 import time
-
-log = logging.getLogger("tessera")
 
 FAILED_KEY = "tessera/failed"
 ACK_PREFIX = "tessera/failed_read/"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,19 +98,16 @@ class _TensorBoardFile:
 
     def __init__(self, folder: Path):
         from tensorboardX.event_file_writer import EventsWriter
-
-        folder.mkdir(parents=True, exist_ok=True)
-        self._writer = EventsWriter(str(folder / "events"))
-
-    def add_scalars(self, values: dict[str, float], step: int) -> None:
-        import time
-
-        from tensorboardX.proto import event_pb2
+        from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.summary import scalar
 
+        folder.mkdir(parents=True, exist_ok=True)
+        self._writer, self._event, self._scalar = EventsWriter(str(folder / "events")), Event, scalar
+
+    def add_scalars(self, values: dict[str, float], step: int) -> None:
         now = time.time()
         for tag, value in values.items():
-            self._writer.write_event(event_pb2.Event(summary=scalar(tag, value), step=step, wall_time=now))
+            self._writer.write_event(self._event(summary=self._scalar(tag, value), step=step, wall_time=now))
         self._writer.flush()
 
     def close(self) -> None:
