@@ -357,6 +357,36 @@ def test_sigterm_to_one_process_stops_the_whole_job_at_the_same_step(tmp_path):
         assert code == 0 and f"resuming from step {steps[0]}" in err, err[-3000:]
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_process_during_an_evaluation_stops_the_job_at_that_step(tmp_path):
+    """A stop during an evaluation of a job ran the evaluation to its end (the processes' batches
+    meet in collectives, so one could not leave alone), then trained on until the agreed later step
+    before saving. Now every process leaves the evaluation after the same batch and the evaluated
+    step is saved, as with one process."""
+    port = _free_port()
+    procs = [_start(rank, port, tmp_path, "steps=100000", "checkpoint_period=100000", "eval_interval=3",
+                    "eval_steps=3000", "step_timeout_seconds=60") for rank in (0, 1)]
+    metrics = tmp_path / "mp" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)  # the lines of steps 1-3 are written before step 3's evaluation starts
+    assert metrics.exists(), procs[0].communicate(timeout=5)[1][-3000:]
+    time.sleep(1)
+    procs[1].send_signal(signal.SIGTERM)
+    start = time.time()
+    results = _finish(procs, timeout=120)
+    seconds = time.time() - start
+    for rank, (code, err) in enumerate(results):
+        assert code == 143 and "Traceback" not in err, err[-3000:]
+        assert re.search(r"evaluation of step 3 stopped after \d+ batch\(es\) by the stop signal", err), err[-3000:]
+        assert re.search(r"stopped by SIGTERM.* after step 3; checkpoint", err), err[-3000:]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3] and not any("eval_loss" in r for r in records)
+    assert sorted(p.name for p in (tmp_path / "mp" / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
+    assert seconds < 30
+    print(f"SIGTERM to process 1 during an evaluation: both saved step 3, stopped in {seconds:.1f} s")
+
+
 _MEET = """
 import os, sys, time
 sys.path.insert(0, {src!r})

@@ -251,15 +251,43 @@ def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
                                    "a name each process makes up from its clock can differ)")
 
 
-def request_stop(step: int, signum: int) -> tuple[int, int]:
-    """Ask every process to stop after `step + STOP_SLACK_STEPS`; returns the agreed (step, signal),
-    which is an earlier request's when another process published first."""
+def request_stop(step: int, signum: int, slack: int = STOP_SLACK_STEPS) -> tuple[int, int]:
+    """Ask every process to stop after `step + slack`; returns the agreed (step, signal), which is
+    an earlier request's when another process published first. A slack of 0 is for a point every
+    process is known not to have passed (an evaluation of `step`, which all run together)."""
     client = _kv_client()
     try:
-        client.key_value_set(STOP_KEY, f"{step + STOP_SLACK_STEPS}:{signum}")
+        client.key_value_set(STOP_KEY, f"{step + slack}:{signum}")
     except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another process asked first and its step wins
         pass
     return _parse_stop(client.blocking_key_value_get(STOP_KEY, 60_000))
+
+
+# An evaluation that a stop interrupts: its batches end in cross-process sums, so every process
+# must leave it after the same batch. The signalled process publishes "after batch B+1" (B: its last
+# finished batch) under the step's key before it starts batch B+1; the others read the key after each
+# batch. As with steps, one batch of slack is enough.
+def _eval_stop_key(step: int) -> str:
+    return f"tessera/stop_evaluation_of_step/{step}"
+
+
+def request_eval_stop(step: int, batches: int) -> int:
+    """Ask every process to leave the evaluation of `step` after batch `batches + 1`; returns the
+    agreed batch (an earlier request's when another process published first)."""
+    client = _kv_client()
+    try:
+        client.key_value_set(_eval_stop_key(step), str(batches + 1))
+    except Exception:  # noqa: BLE001 - ALREADY_EXISTS: the first request wins
+        pass
+    return int(client.blocking_key_value_get(_eval_stop_key(step), 60_000))
+
+
+def eval_stop_requested(step: int) -> int | None:
+    """The batch after which every process leaves the evaluation of `step`, or None (never waits)."""
+    try:
+        return int(_kv_client().key_value_try_get(_eval_stop_key(step)))
+    except Exception:  # noqa: BLE001 - NOT_FOUND: nobody asked
+        return None
 
 
 def stop_requested() -> tuple[int, int] | None:

@@ -175,11 +175,12 @@ class Evaluator:
                 yield padding
 
     def run(self, step: int, params, beat: Callable[[], None] = lambda: None,
-            interrupted: Callable[[], bool] = lambda: False) -> dict | None:
+            interrupted: Callable[[int], bool] = lambda batches: False) -> dict | None:
         """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'}, with
         MTP 'eval_mtp_loss' and 'eval_mtp_acceptance_rate_percent' (see the module's docstring);
         `beat()` after each batch (the hang watchdog's: a long evaluation is not a hung step). None
-        when `interrupted()` turns true between batches (a stop signal: the save comes first)."""
+        when `interrupted(batches done)` turns true between batches (a stop signal: the save comes
+        first; `StopSignal.interrupts_evaluation`)."""
         start = time.perf_counter()
         self.data.set_state(self.start)
         totals, batches = {}, 0
@@ -194,7 +195,7 @@ class Evaluator:
                 beat()
                 if batches == self.steps:
                     break
-                if interrupted():
+                if interrupted(batches):
                     log.warning("evaluation of step %d stopped after %d batch(es) by the stop signal: not recorded; "
                                 "the checkpoint is saved first", step, batches)
                     return None

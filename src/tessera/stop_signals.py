@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import jax
 
-from tessera.distributed import request_stop, stop_requested
+from tessera.distributed import eval_stop_requested, request_eval_stop, request_stop, stop_requested
 
 log = logging.getLogger("tessera")
 
@@ -71,9 +71,43 @@ class StopSignal:
             self.stop_at = request_stop(step, self.signum) if self.signum is not None else stop_requested()
         return self.stop_at is not None and step >= self.stop_at[0]
 
+    def interrupts_evaluation(self, step: int) -> "EvaluationStop":
+        """For `Evaluator.run(interrupted=...)` at `step`: a stop signal ends the evaluation early."""
+        return EvaluationStop(self, step)
+
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+
+
+class EvaluationStop:
+    """Called after each eval batch with the number finished: True when the evaluation of `step`
+    should end there, because a stop signal came (the save comes first: a long evaluation must not eat
+    into a preemption's grace period).
+
+    One process stops at once. In a job every process must leave after the same batch: the signalled
+    process agrees with the others to stop after this very step (no process can be past it while it
+    evaluates) and publishes "after batch B+1"; the others read that after each batch. When the job
+    had already agreed on a later step, the evaluation runs to its end and the job stops there."""
+
+    def __init__(self, stop: StopSignal, step: int):
+        self.stop, self.step, self.until = stop, step, None
+
+    def __call__(self, batches: int) -> bool:
+        if self.until is None:
+            self.until = self._last_batch(batches)
+        return self.until is not None and batches >= self.until
+
+    def _last_batch(self, batches: int) -> int | None:
+        stop = self.stop
+        if stop.stop_at is not None and stop.stop_at[0] <= self.step:  # every process knew before evaluating
+            return batches
+        if jax.process_count() == 1:
+            return batches if stop.signum is not None else None
+        if stop.signum is not None and stop.stop_at is None:
+            stop.stop_at = request_stop(self.step, stop.signum, slack=0)
+            return request_eval_stop(self.step, batches) if stop.stop_at[0] == self.step else None
+        return eval_stop_requested(self.step)
 
 
 def stop_after_signal(step: int, stop: StopSignal, ckpt) -> NoReturn:

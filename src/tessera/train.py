@@ -225,17 +225,14 @@ class _Loop:
             stats.finish()  # a non-finite step stops the run before anything is evaluated or saved
         reached = False
         if evaluating:
-            # a signal during a long evaluation (every eval batch by default) must not eat into a
-            # preemption's grace period: one process breaks off and saves; the processes of a job
-            # evaluate together (their batches meet in collectives), so they finish it first
-            single = jax.process_count() == 1
+            # a signal during a long evaluation must not eat into a preemption's grace period: the
+            # evaluation breaks off (every process of a job after the same batch) and the step is saved
             with self.clock.during("evaluation"):
                 record = self.evaluator.run(step, state["params"], watchdog.beat,
-                                            interrupted=lambda: single and stop.signum is not None)
-            if record is None:
-                stopping = stop.stop_after(step)
-                saving = bool(ckpt)
-                evaluating = False
+                                            interrupted=stop.interrupts_evaluation(step))
+            stopping = stop.stop_after(step)  # a signal during the evaluation stops after this step
+            saving = saving or bool(ckpt and stopping)
+            evaluating = record is not None
         if evaluating:
             self.writer.write_eval(record)
             reached = at_target(cfg.data, record["eval_loss"])
