@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import shlex
 import shutil
@@ -92,6 +93,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not BUCKET_NAME.fullmatch(args.BUCKET_NAME):
         p.error(f"--BUCKET_NAME={args.BUCKET_NAME!r} is not a GCS bucket name: 3-63 lowercase letters, digits, "
                 "'-', '_' or '.', starting and ending with a letter or digit (put folders in --BUCKET_DIR)")
+    if not os.path.isdir(args.SCRIPT_DIR):  # before any gcloud call
+        p.error(f"--SCRIPT_DIR={args.SCRIPT_DIR} is not a folder; give the folder to ship to the workers "
+                "(default: the current one)")
+    args.BUCKET_DIR = args.BUCKET_DIR.strip("/")  # jobs/ or /jobs: one folder, not gs://b//jobs//r1
     try:
         shlex.split(args.CQR_EXTRA_ARGS)
     except ValueError as e:
@@ -108,7 +113,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run_url(args: argparse.Namespace) -> str:
-    return f"gs://{args.BUCKET_NAME}/{args.BUCKET_DIR}/{args.RUN_NAME}"
+    folder = f"{args.BUCKET_DIR}/" if args.BUCKET_DIR else ""  # --BUCKET_DIR='': the run's folder at the top
+    return f"gs://{args.BUCKET_NAME}/{folder}{args.RUN_NAME}"
 
 
 def node_names(args: argparse.Namespace) -> list[str]:

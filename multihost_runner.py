@@ -74,6 +74,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         args.USE_EXISTING_FOLDER = parse_bool(args.USE_EXISTING_FOLDER)
     except ValueError as e:
         p.error(f"--INTERNAL_IP/--USE_EXISTING_FOLDER: {e}")
+    if not args.USE_EXISTING_FOLDER and not os.path.isdir(args.SCRIPT_DIR):  # before any gcloud call
+        p.error(f"--SCRIPT_DIR={args.SCRIPT_DIR} is not a folder; give the folder to copy to the workers "
+                "(default: the current one)")
     if args.USE_EXISTING_FOLDER and not args.RUN_NAME:
         p.error("--USE_EXISTING_FOLDER=true needs --RUN_NAME: the folder ~/<RUN_NAME> to run in")
     name = args.RUN_NAME
@@ -120,13 +123,14 @@ class Worker:
     def __init__(self, slice_id: int, worker: int, argv: list[str], log_path: Path, echo: bool):
         self.slice_id, self.worker, self.log_path = slice_id, worker, log_path
         # A session of its own: stopping the worker signals gcloud and the ssh it started.
+        # errors="replace": one byte that is not UTF-8 stopped the copy, and the worker then blocked on a full pipe
         self.proc = subprocess.Popen(["gcloud", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
+                                     encoding="utf-8", errors="replace", start_new_session=True)
         self.pump = threading.Thread(target=self._copy_output, args=(echo,), daemon=True)
         self.pump.start()
 
     def _copy_output(self, echo: bool) -> None:
-        with self.log_path.open("w") as log:
+        with self.log_path.open("w", encoding="utf-8") as log:
             for line in self.proc.stdout:
                 log.write(line)
                 log.flush()
@@ -146,7 +150,8 @@ class Worker:
         return f"slice {self.slice_id} worker {self.worker}"
 
     def tail(self, lines: int = 5) -> str:
-        text = self.log_path.read_text().strip().splitlines() if self.log_path.exists() else []
+        text = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines() \
+            if self.log_path.exists() else []
         return "\n".join("      " + line for line in text[-lines:])
 
 

@@ -16,11 +16,19 @@
 #   NUM_SLICES=n       slices to compile for with EXECUTABLE=train_compile (default 1)
 #   DRY_RUN=1          print the environment and the commands instead of running them
 #   PYTHON=path        interpreter (default .venv/bin/python when present, else python3)
+# The command runs in the repository's folder, wherever the recipe is started from: relative paths
+# (OUTPUT_PATH, DATASET_PATH, PYTHON, path keys such as load_parameters_path) are taken from there.
+#
+# Compiler flags and variables of your own win over the recipe's: XLA_FLAGS and LIBTPU_INIT_ARGS,
+# from the environment or as arguments (XLA_FLAGS=--xla_gpu_enable_command_buffer=), go after the
+# recipe's flags (the last of a repeated flag is the one used), and an XLA_*, JAX_*, TPU_*, NCCL_*
+# or CUDA_* variable given as an argument (NCCL_PROTO=SIMPLE) replaces the recipe's export.
 
 RECIPE_PATH=${BASH_SOURCE[1]}
 RECIPE_NAME=$(basename "$(dirname "$RECIPE_PATH")")_$(basename "${RECIPE_PATH%.sh}")
 REPO_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 RECIPE_OVERRIDES=()
+RECIPE_VARIABLES=()  # NAME=value arguments for the environment: exported again in run_recipe, over the recipe's
 
 for arg in "$@"; do
   name=${arg%%=*}
@@ -33,7 +41,9 @@ for arg in "$@"; do
   else
     case "$name" in  # a mistyped setting (OUTPUT_DIR, RUNNAME) was exported and ignored without a word
       RUN_NAME|OUTPUT_PATH|DATASET_PATH|PLATFORM|EXECUTABLE|NUM_SLICES|DRY_RUN|PYTHON|NNODES|NODE_RANK|RTO_MIN) ;;
-      LIBTPU_INIT_ARGS|XLA_*|JAX_*|TPU_*|NCCL_*|CUDA_*|TF_*|M_*|GOOGLE_*|GCS_*|HF_*|TESSERA_*|PYTHONPATH|PATH) ;;
+      LIBTPU_INIT_ARGS|XLA_FLAGS) ;;
+      XLA_*|JAX_*|TPU_*|NCCL_*|CUDA_*) RECIPE_VARIABLES+=("$arg") ;;
+      TF_*|M_*|GOOGLE_*|GCS_*|HF_*|TESSERA_*|PYTHONPATH|PATH) ;;
       *) echo "$RECIPE_PATH: warning: $name is not a recipe setting (RUN_NAME, OUTPUT_PATH, DATASET_PATH, PLATFORM," \
               "EXECUTABLE, NUM_SLICES, DRY_RUN, PYTHON, NNODES, NODE_RANK) nor a JAX/XLA/TPU/NCCL variable; it is" \
               "only exported to the environment" >&2 ;;
@@ -41,6 +51,9 @@ for arg in "$@"; do
     export "$arg"
   fi
 done
+
+CALLER_XLA_FLAGS=${XLA_FLAGS:-}  # the caller's flags (an argument replaces the environment's), before the recipe's
+CALLER_LIBTPU_INIT_ARGS=${LIBTPU_INIT_ARGS:-}
 
 case "${DRY_RUN:-0}" in  # true/yes used to run for real (route changes included): only 1/0 and their words
   1|true|yes|TRUE|True|YES|Yes) DRY_RUN=1 ;;
@@ -102,8 +115,15 @@ run_recipe() {
       exit 2
     fi
   fi
-  local var words
+  local var words caller
+  for var in "${RECIPE_VARIABLES[@]}"; do  # the caller's NCCL_PROTO=... wins over the recipe's export
+    export "$var"
+  done
   for var in LIBTPU_INIT_ARGS XLA_FLAGS; do  # one space between flags, however the recipe wrapped them
+    caller=CALLER_$var
+    if [ -n "${!caller}" ] && [ "${!var:-}" != "${!caller}" ]; then  # the recipe set its own: the caller's go last
+      export "$var=${!var:-} ${!caller}"
+    fi
     if [ -n "${!var:-}" ]; then
       read -r -a words <<<"${!var}"
       export "$var=${words[*]}"

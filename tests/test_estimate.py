@@ -477,3 +477,20 @@ def test_config_keys_that_agree_with_the_hardware_options_are_accepted(capsys):
     assert main(["compile_topology=v5p-8", "compile_topology_num_slices=2", "num_slices=2", "--hardware", "v5p-8",
                  "--num_slices", "2"]) == 0
     assert "hardware: v5p-8 x2 = 8 x" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("hardware, message", [
+    ("v6e-512", "--hardware='v6e-512': a v6e slice has at most 256 chips; use several slices (--num_slices <n>) instead"),
+    ("v6e-3", "--hardware='v6e-3': 3 chips is not a v6e slice shape; use a power of two number of chips (>= 1)"),
+    ("v4-5", "--hardware='v4-5': v4 slice sizes count 2 cores per chip, so the size must be a multiple of 2"),
+])
+def test_a_tpu_slice_type_of_a_size_that_does_not_exist_says_why(capsys, hardware, message):
+    """`v6e-512` was "neither a TPU slice type (v5p-256, v5e-256, v6e-256, v4-128) nor h100-<count>, ...": the
+    generation was right, the size was not, and nothing said so (nor that --num_slices asks for more slices)."""
+    assert main(["default", "--hardware", hardware]) == 2
+    assert capsys.readouterr().err == f"config error: {message}\n"
+    from tessera.tools.plan import main as plan_main
+
+    if hardware == "v6e-512":  # the planner's option for several slices is --slices
+        assert plan_main(["default", "--hardware", hardware]) == 2
+        assert "use several slices (--slices <n>) instead" in capsys.readouterr().err

@@ -213,3 +213,26 @@ def test_flags_configs_readme_calls_gone_are_rejected_by_xla():
         proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
                               env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--{name}=true"}, timeout=120)
         assert proc.returncode != 0 and "Unknown flag" in proc.stderr, name
+
+
+@pytest.mark.parametrize("xla_flags, level, warned", [
+    ("--xla_gpu_enable_latency_hiding_scheduler=True", "", False),
+    ("--xla_gpu_enable_latency_hiding_scheduler=1", "", False),
+    ("--xla_gpu_enable_latency_hiding_scheduler", "", False),
+    ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_latency_hiding_scheduler=false", "", True),
+    ("", "O2", False),
+    ("", "O0", True),
+])
+def test_the_scheduler_check_reads_flags_and_levels_as_xla_and_jax_do(tmp_path, caplog, monkeypatch, xla_flags,
+                                                                      level, warned):
+    """XLA takes True, 1 or no value for a boolean flag (and the last occurrence), and JAX has levels O2 and O3
+    above O1: each was warned about as if the scheduler were off, and the profile unused."""
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    profile = tmp_path / "p.pb"
+    profile.write_bytes(b"")
+    environ = {"XLA_FLAGS": xla_flags, **({"JAX_OPTIMIZATION_LEVEL": level} if level else {})}
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        apply_gpu_tuning(GpuConfig(pgle_profile_path=str(profile)), environ)
+    assert ("the profile is not used" in caplog.text) == warned

@@ -172,3 +172,30 @@ def test_job_refuses_bad_flags_before_uploading(fake, code_dir, tmp_path, flag, 
     proc = run("multihost_job.py", *JOB_ARGS, flag, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (fake / "calls.jsonl").exists()
+
+
+def test_job_refuses_a_missing_script_dir_before_any_gcloud_call(fake, tmp_path):
+    """It listed the bucket first, then stopped with exit code 1 (not the documented 2 for bad arguments)."""
+    proc = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", "--SCRIPT_DIR=no such dir", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --SCRIPT_DIR=no such dir is not a folder; give the folder to ship to the workers (default: the "
+        "current one)")
+    assert not (fake / "calls.jsonl").exists()
+
+
+@pytest.mark.parametrize("bucket_dir, folder", [("runs/", "gs://bkt/runs/job1"), ("/a/b/", "gs://bkt/a/b/job1"),
+                                                ("", "gs://bkt/job1")])
+def test_job_bucket_dir_slashes_make_no_empty_folder(fake, code_dir, tmp_path, bucket_dir, folder):
+    """--BUCKET_DIR=runs/ uploaded to gs://bkt/runs//job1/ (an empty folder name in every object's path)."""
+    proc = run("multihost_job.py", *JOB_ARGS, f"--BUCKET_DIR={bucket_dir}", "--TIMEOUT_MINUTES=0.1",
+               "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"logs in {folder}/logs/" in proc.stdout
+    assert ["storage", "cp", str(Path(tempfile_dir(fake)) / "code.tar.gz"), f"{folder}/code.tar.gz"] in calls(fake)
+
+
+def tempfile_dir(state: Path) -> str:
+    """The launcher's temporary folder, from its upload call."""
+    upload = next(c for c in calls(state) if c[:2] == ["storage", "cp"] and c[-1].endswith("/code.tar.gz"))
+    return str(Path(upload[2]).parent)

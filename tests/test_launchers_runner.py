@@ -173,3 +173,34 @@ def test_runner_refuses_an_empty_command(fake, tmp_path, command):
     proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", cwd=tmp_path)
     assert proc.returncode == 2 and "--COMMAND is empty" in proc.stderr and "Traceback" not in proc.stderr
     assert not (fake / "calls.jsonl").exists()
+
+
+def test_runner_refuses_a_missing_script_dir_before_any_gcloud_call(fake, tmp_path):
+    """It listed the slices first, then stopped with exit code 1 (not the documented 2 for bad arguments)."""
+    add_nodes(fake, ["solo"])
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=true", "--SCRIPT_DIR=my code", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        "error: --SCRIPT_DIR=my code is not a folder; give the folder to copy to the workers (default: the current one)")
+    assert not (fake / "calls.jsonl").exists()
+    (tmp_path / "my code").mkdir()  # a relative folder with a space is copied as it is
+    (tmp_path / "my code" / "hi.sh").write_text("echo hi from $FAKE_WORKER\n")
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=bash hi.sh", "--SCRIPT_DIR=my code",
+               "--RUN_NAME=r1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "hi from 1" in (tmp_path / "logs" / "r1" / "slice0_worker1.log").read_text()
+    assert (fake / "workers" / "solo" / "1" / "r1" / "hi.sh").is_file()
+
+
+def test_runner_copies_output_that_is_not_utf8_and_does_not_hang(fake, code_dir, tmp_path):
+    """A byte that is not UTF-8 in a worker's output killed the thread copying it (a traceback); the worker then
+    blocked on the full pipe and the runner waited for ever."""
+    add_nodes(fake, ["solo"], workers=1)
+    command = ('printf "caf\\xe9\\n"; for i in $(seq 1 20000); do echo "line $i, enough to fill a pipe"; done; '
+               'printf "last \\xff\\n"; exit 3')
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", f"--SCRIPT_DIR={code_dir}",
+               "--RUN_NAME=r", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    log = (tmp_path / "logs" / "r" / "slice0_worker0.log").read_text(encoding="utf-8")
+    assert log.startswith("caf\ufffd\n") and "line 20000, enough" in log and log.endswith("last \ufffd\n")
+    assert "exited with code 3" in proc.stderr and "last \ufffd" in proc.stderr

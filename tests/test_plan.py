@@ -1,10 +1,14 @@
 """The planner (tessera.tools.plan): the public TPU sizing guide's worked examples from the estimator alone (no
 compile), GPU planning, the no-fit error, divisibility of every mesh it tries, and its command line."""
 
+import contextlib
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -439,3 +443,103 @@ def test_a_recipe_written_in_the_repository_sources_its_helpers_relative_to_itse
             assert text.startswith(prefix) and str(CONFIGS.parent) not in text, text
             assert (recipe.parent / text[len(prefix):-1]).resolve() == target.resolve()
     assert _sourced(tmp_path / "x.sh", CONFIGS / "run_recipe.sh") == f'"{CONFIGS / "run_recipe.sh"}"'  # outside
+
+
+def test_recipe_of_a_model_file_with_lists_and_booleans_runs_as_planned(tmp_path):
+    """A model file copied from configs/models (lists, booleans) went into the recipe as Python's
+    `mlp_activations=['silu', 'linear'] logits_via_embedding=True`, unquoted: the shell split the list in two
+    and the recipe stopped with a config error. A model file's own model_name is not a model to load."""
+    import shlex
+
+    from tessera.config import load_config
+    from tessera.tools.plan_compile import model_overrides, write_recipe
+
+    model = tmp_path / "tiny.yml"
+    model.write_text('base_emb_dim: 256\nbase_num_decoder_layers: 2\nmlp_activations: ["silu", "linear"]\n'
+                     "logits_via_embedding: true\nnormalization_layer_epsilon: 1.0e-6\nmodel_name: tiny\n")
+    base = model_overrides(str(model), ["max_target_length=256", "run_name=my run"])
+    assert "model_name=tiny" not in base
+    cfg = load_model_config(str(model), ["max_target_length=256"])
+    hw = parse_hardware("v5e-4")
+    best = plan(cfg, hw)[0]
+    recipe = tmp_path / "recipes" / "tiny.sh"
+    write_recipe(recipe, best, cfg, hw, base)
+    dry = subprocess.run(["bash", str(recipe), "DRY_RUN=1", "PLATFORM=gke", "PYTHON=python3"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    command = shlex.split(next(line for line in dry.stdout.splitlines() if " train.py " in line))
+    built = load_config([str(REPO / "configs" / "base.yml"), *command[3:]], env={})
+    assert built.model.mlp_activations == ["silu", "linear"] and built.model.logits_via_embedding is True
+    assert built.model.normalization_layer_epsilon == 1e-6 and built.model.emb_dim == 256
+    assert built.run.run_name == "my run" and built.model.model_name == "default"
+    assert built.model.remat_policy == best.remat and built.mesh.ici_fsdp_parallelism == best.mesh.ici["fsdp"]
+
+
+def test_a_model_file_naming_another_model_is_refused(tmp_path, capsys):
+    """`model_name: llama3.1-8b` in the file was dropped without a word: the plan sized the tiny default model
+    with the file's keys (and --compile would have compiled llama3.1-8b)."""
+    (tmp_path / "mine.yml").write_text("model_name: llama3.1-8b\nmax_target_length: 2048\n")
+    assert main([str(tmp_path / "mine.yml"), "--hardware", "v5p-8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == (
+        f"config error: {tmp_path / 'mine.yml'} sets model_name='llama3.1-8b', which a model file (a whole model, "
+        "like configs/models/*.yml) cannot; remove that line, or name that model and give your keys as overrides: "
+        "llama3.1-8b key=value ...\n")
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("signum, code, text", [(signal.SIGTERM, 143, "stopped by SIGTERM"),
+                                                (signal.SIGINT, 130, "interrupted (Ctrl-C)")])
+def test_compile_stopped_by_a_signal_stops_the_compiler_in_one_line(tmp_path, signum, code, text):
+    """Ctrl-C was a traceback; SIGTERM killed the plan and left its train_compile compiling on its own."""
+    (tmp_path / "tiny.yml").write_text("base_emb_dim: 256\nbase_num_decoder_layers: 2\nbase_mlp_dim: 512\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.tools.plan", "tiny.yml", "max_target_length=256",
+                             "--hardware", "v5e-4", "--top", "1", "--compile", "--output", "r/tiny.sh"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    compiler = []
+    try:
+        for line in proc.stdout:
+            if line.startswith("compiling 1/1:"):
+                break
+        for _ in range(100):  # the compiler's process has started once the line is out
+            compiler = _children(proc.pid)
+            if compiler:
+                break
+            time.sleep(0.05)
+        assert compiler, "no train_compile child"
+        proc.send_signal(signum)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        for pid in compiler:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == code, err
+    assert err == f"plan: {text} while compiling; the compiler was stopped and no recipe was written\n"
+    time.sleep(0.5)
+    assert not [pid for pid in compiler if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_no_mesh_because_of_gradient_accumulation_names_it(capsys):
+    """Every batch the plan tries is a power of two of sequences, which 3 accumulation steps never divide: the
+    message blamed the meshes and --tokens-per-device only."""
+    assert main(["llama3.1-8b", "max_target_length=2048", "gradient_accumulation_steps=3", "--hardware", "v5p-64"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("config error: no mesh of 32 devices splits this model evenly with a whole global batch that "
+                        "gradient_accumulation_steps=3 divides; change --tokens-per-device or the device count (or "
+                        "leave gradient_accumulation_steps out)\n")

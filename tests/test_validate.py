@@ -347,3 +347,15 @@ def test_nodes_says_which_settings_of_the_file_it_replaces(tmp_path, capsys):
             "run joins no job)") in out
     assert "NNODES" not in out.split("one node:")[1].split("\n", 1)[1] and "JAX_COORDINATOR_IP=" not in \
         out.split("one node:")[1].split("\n", 1)[1]
+
+
+def test_nodes_with_spaces_name_the_hosts_without_them(capsys):
+    """`--nodes "n1, n2"` made the second host ' n2' (ssh could not resolve it); `--nodes "n1 n2"` one host."""
+    assert main([CPU, "--gpu", "cpu", "--dry-run", "--nodes", "n1, n2"]) == 0
+    out = capsys.readouterr().out
+    assert "# node 1 (n2)" in out and "--nodes replaces config.nnodes=1 with 2 (n1, n2)" in out
+    assert "'ssh', ' n2'" not in out and "ssh n2 " in out
+    assert main([CPU, "--gpu", "cpu", "--dry-run", "--nodes", "n1 n2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ("error: --nodes 'n1 n2': a host name has no spaces; separate the "
+                                                   "hosts with commas, e.g. --nodes h1,h2\n")

@@ -38,19 +38,30 @@ def installed_version(name: str) -> str | None:
 
 
 def read_lock(path: Path) -> dict[str, str]:
-    """{package: version} of the lock lines whose environment marker holds for this interpreter."""
-    from packaging.markers import Marker
+    """{package: version} of the lock lines whose environment marker holds for this interpreter; ValueError
+    for a line whose marker does not parse."""
+    from packaging.markers import InvalidMarker, Marker
 
     pins = {}
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         m = re.match(r"^([A-Za-z0-9_.\-\[\]]+)==([^\s;]+)\s*(?:;\s*(.+))?$", line)
         if not m:
             continue
         name, version, marker = m.groups()
-        if marker is None or Marker(marker).evaluate():
+        try:
+            applies = marker is None or Marker(marker).evaluate()
+        except InvalidMarker:
+            raise ValueError(f"line {number} has an environment marker that does not parse: {marker!r}") from None
+        if applies:
             pins[_canonical(name.split("[")[0])] = version
     return pins
+
+
+def setup_command(device: str, mode: str = "locked") -> str:
+    """The setup.sh command that reinstalls this flavour (a bare `bash setup.sh` installs the CPU one)."""
+    return " ".join(["bash setup.sh", *([f"DEVICE={device}"] if device != "cpu" else []),
+                     *(["MODE=latest"] if mode == "latest" else [])])
 
 
 def setup_record(prefix: str = sys.prefix) -> dict[str, str]:
@@ -61,7 +72,8 @@ def setup_record(prefix: str = sys.prefix) -> dict[str, str]:
     return dict(line.split("=", 1) for line in path.read_text().split() if "=" in line)
 
 
-def version_problems(lock: dict[str, str], lock_name: str, mode: str) -> tuple[list[str], list[str]]:
+def version_problems(lock: dict[str, str], lock_name: str, mode: str, device: str = "cpu"
+                     ) -> tuple[list[str], list[str]]:
     """Rows for the version table and the problems found in them."""
     rows, problems, drift = [], [], []
     for name in sorted(set(lock) | {_canonical(n) for n in SHOWN}):
@@ -73,30 +85,31 @@ def version_problems(lock: dict[str, str], lock_name: str, mode: str) -> tuple[l
             drift.append(f"{name} {have or 'not installed'} (lock {want})")
     if drift and mode != "latest":
         problems.append(f"{len(drift)} package(s) differ from {lock_name}: {', '.join(drift[:6])}"
-                        f"{' ...' if len(drift) > 6 else ''}; run `bash setup.sh` to install the locked versions")
+                        f"{' ...' if len(drift) > 6 else ''}; run `{setup_command(device)}` to install the locked "
+                        "versions")
     return rows, problems
 
 
-def combination_problems(device: str) -> list[str]:
+def combination_problems(device: str, mode: str = "locked") -> list[str]:
     """Known-bad combinations of jax, jaxlib, the CUDA plugin and libtpu."""
-    problems = []
+    problems, fix = [], setup_command(device, mode)
     jax_v, jaxlib_v = installed_version("jax"), installed_version("jaxlib")
     if jax_v is None or jaxlib_v is None:
-        return [f"jax ({jax_v or 'missing'}) or jaxlib ({jaxlib_v or 'missing'}) is not installed; run `bash setup.sh`"]
+        return [f"jax ({jax_v or 'missing'}) or jaxlib ({jaxlib_v or 'missing'}) is not installed; run `{fix}`"]
     if jax_v != jaxlib_v:
-        problems.append(f"jax {jax_v} with jaxlib {jaxlib_v}: they are released together; run `bash setup.sh`")
+        problems.append(f"jax {jax_v} with jaxlib {jaxlib_v}: they are released together; run `{fix}`")
     for plugin in ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt"):
         v = installed_version(plugin)
         if v and v != jaxlib_v:
             problems.append(f"{plugin} {v} does not match jaxlib {jaxlib_v}: JAX will not load the GPU backend; "
-                            "run `bash setup.sh DEVICE=gpu`")
+                            f"run `{setup_command('gpu', mode)}`")
     wanted_libtpu = _libtpu_built_against()
     libtpu_v = installed_version("libtpu")
     if libtpu_v and wanted_libtpu and not wanted_libtpu.contains(libtpu_v, prereleases=True):
         problems.append(f"libtpu {libtpu_v} does not satisfy libtpu{wanted_libtpu}, the requirement of jax {jax_v} "
-                        "(an older libtpu may not load); run `bash setup.sh DEVICE=tpu`")
+                        f"(an older libtpu may not load); run `{setup_command('tpu', mode)}`")
     if device == "gpu" and not installed_version("jax-cuda12-plugin"):
-        problems.append("DEVICE=gpu was installed but no CUDA plugin is present; run `bash setup.sh DEVICE=gpu`")
+        problems.append(f"DEVICE=gpu was installed but no CUDA plugin is present; run `{fix}`")
     return problems
 
 
@@ -168,14 +181,23 @@ def main(argv: list[str] | None = None) -> int:
     say(f"Python {sys.version.split()[0]} at {sys.executable}; installed for DEVICE={device} MODE={mode}"
         f"{'' if record else ' (no setup.sh record in this venv: assuming cpu, locked)'}")
     problems: list[str] = []
-    if lock_path.is_file():
-        rows, found = version_problems(read_lock(lock_path), str(lock_path.relative_to(REPO))
-                                       if lock_path.is_relative_to(REPO) else str(lock_path), mode)
+    lock_name = str(lock_path.relative_to(REPO)) if lock_path.is_relative_to(REPO) else str(lock_path)
+    try:
+        lock = read_lock(lock_path) if lock_path.is_file() else None
+    except (ValueError, OSError, UnicodeDecodeError) as e:
+        lock, problems = None, [f"lock file {lock_name} cannot be read ({e}); pass a lock written by "
+                                "`bash setup.sh lock` (locks/<device>.txt)"]
+    if lock:
+        rows, found = version_problems(lock, lock_name, mode, device)
         say("packages (installed, vs the lock):", *rows, sep="\n")
         problems += found
-    else:
-        problems.append(f"lock file {lock_path} does not exist; run `bash setup.sh lock` or pass --lock FILE")
-    problems += combination_problems(device)
+    elif lock is not None:  # a file, but not a lock: nothing would be compared, and the verdict said healthy
+        problems.append(f"lock file {lock_name} has no package==version line for this interpreter; pass a lock "
+                        "written by `bash setup.sh lock` (locks/<device>.txt)")
+    elif not problems:
+        state = "is a folder, not a lock file" if lock_path.is_dir() else "does not exist"
+        problems.append(f"lock file {lock_path} {state}; run `bash setup.sh lock` or pass --lock FILE")
+    problems += combination_problems(device, mode)
     rows, found = device_report(device)
     say("devices JAX sees:", *(rows or ["  none"]), sep="\n")
     problems += found
@@ -186,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"doctor: {len(problems)} problem(s) found (details: python3 -m tessera.doctor)")
         return EXIT_PROBLEMS
     print(f"doctor: healthy (jax {jax_v}, {'; '.join(r.strip() for r in rows)}, versions as locked in "
-          f"locks/{device}.txt)" if mode == "locked" else f"doctor: healthy (jax {jax_v}, MODE=latest)")
+          f"{lock_name})" if mode == "locked" else f"doctor: healthy (jax {jax_v}, MODE=latest)")
     return EXIT_HEALTHY
 
 

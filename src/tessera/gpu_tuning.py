@@ -107,11 +107,22 @@ def apply_gpu_tuning(gpu: GpuConfig, environ: MutableMapping[str, str] | None = 
     tuned = changes or any(v not in ("-", "false") and not v.startswith("default") for v in settings.values())
     (log.info if tuned or _gpu_present() else log.debug)(
         "gpu tuning: %s", ", ".join(f"{k}={v}" for k, v in settings.items()))
-    lhs = settings["optimization_level"] == "O1" or f"{LHS_FLAG}=true" in environ.get("XLA_FLAGS", "").split()
+    lhs = settings["optimization_level"] in ("O1", "O2", "O3") or latency_hiding_forced(environ.get("XLA_FLAGS", ""))
     if (settings["enable_pgle"] == "true" or settings["pgle_profile_path"] != "-") and not lhs:
         log.warning("gpu tuning: PGLE feeds XLA's latency-hiding scheduler, which is off here; set "
                     "optimization_level=O1 (or %s=true in XLA_FLAGS) or the profile is not used", LHS_FLAG)
     return settings
+
+
+def latency_hiding_forced(xla_flags: str) -> bool:
+    """Whether XLA_FLAGS turns the latency-hiding scheduler on as XLA reads it: the last of the flag's
+    occurrences, its value true, True or 1, or no value at all."""
+    value = None
+    for flag in xla_flags.split():
+        name, sep, text = flag.partition("=")
+        if name == LHS_FLAG:
+            value = text if sep else "true"
+    return value is not None and value.lower() in TRUE_WORDS
 
 
 def _gpu_present() -> bool:

@@ -54,7 +54,7 @@ def scope_flags(project: str, zone: str) -> list[str]:
 
 def gcloud(args: list[str], capture: bool = True) -> str:
     """Run `gcloud <args>`; returns stdout, raises GcloudError with the output on failure."""
-    proc = subprocess.run(["gcloud", *args], capture_output=capture, text=True)
+    proc = subprocess.run(["gcloud", *args], capture_output=capture, text=True, encoding="utf-8", errors="replace")
     if proc.returncode:
         output = ((proc.stderr or "") + (proc.stdout or "")).strip() if capture else "(output above)"
         raise GcloudError(f"`gcloud {shlex.join(args)}` failed with exit code {proc.returncode}:\n{output}")

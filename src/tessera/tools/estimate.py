@@ -41,7 +41,7 @@ from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout, plan_run
 from tessera.config.loader import read_yaml
 from tessera.config.maxtext import translate
 from tessera.config.schema import all_fields
-from tessera.hardware import GIB, GPUS, Accelerator, tpu_slice
+from tessera.hardware import GIB, GPUS, TPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
 from tessera.tools.cli import config_epilog
 from tessera.tools.memory_model import DTYPE_BYTES, count_params, estimate_memory
@@ -64,8 +64,9 @@ class Hardware:
         return self.accelerator.peak_flops / (self.links * self.accelerator.link_bytes_per_s)
 
 
-def parse_hardware(text: str, num_slices: int = 1, ici_links: int = 0) -> Hardware:
-    """"v6e-256" (a TPU slice type) or "h100-8" (that many GPUs)."""
+def parse_hardware(text: str, num_slices: int = 1, ici_links: int = 0, slices_flag: str = "--num_slices") -> Hardware:
+    """"v6e-256" (a TPU slice type) or "h100-8" (that many GPUs). `slices_flag`: the option that asks for several
+    slices, named when a slice type is too large for one."""
     match = re.fullmatch(r"([a-z0-9]+)-(\d+)", text.strip().lower())
     if match and match.group(1) in GPUS:
         if int(match.group(2)) < 1:
@@ -75,7 +76,9 @@ def parse_hardware(text: str, num_slices: int = 1, ici_links: int = 0) -> Hardwa
         return Hardware(GPUS[match.group(1)], text, count, num_slices, ici_links or 1)
     try:
         s = tpu_slice(text, key="--hardware")
-    except ConfigError:
+    except ConfigError as e:
+        if match and match.group(1) in (*TPUS, "v5litepod"):  # a TPU generation with a size it does not have
+            raise ConfigError(str(e).replace("(compile_topology_num_slices)", f"({slices_flag} <n>)")) from None
         gpus = ", ".join(f"{g}-<count>" for g in GPUS)
         raise ConfigError(f"--hardware={text!r} is neither a TPU slice type (v5p-256, v5e-256, v6e-256, v4-128) "
                           f"nor {gpus}") from None
@@ -198,6 +201,11 @@ def load_model_config(model: str | None, overrides: list[str]) -> Config:
     flat = {k: v for source, values in layers for k, v in translate(values, source, all_fields(), errors).items()}
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{len(errors)} problems:\n  " + "\n  ".join(errors))
+    named = layers[1][1].get("model_name")
+    if named is not None and str(named) != path.stem:  # the trainer refuses such a model file too
+        raise ConfigError(f"{path} sets model_name={named!r}, which a model file (a whole model, like configs/models/"
+                          f"*.yml) cannot; remove that line, or name that model and give your keys as overrides: "
+                          f"{named} key=value ...")
     flat["model_name"] = path.stem
     return build_config(flat)
 

@@ -360,7 +360,7 @@ def main(argv: list[str]) -> int:
         if args.slices < 1 or args.top < 1 or args.tokens_per_device < 0:
             raise ConfigError("--slices and --top must be at least 1 and --tokens-per-device at least 0")
         cfg = load_model_config(args.model, args.overrides)
-        hw = parse_hardware(args.hardware, args.slices)
+        hw = parse_hardware(args.hardware, args.slices, slices_flag="--slices")
         check_trainable_dtypes(cfg.model, "tpu" if hw.accelerator.torus_dims else "gpu")
         if args.output and not args.compile:
             raise ConfigError(f"--output {args.output} names the recipe --compile writes; add --compile, or leave "
@@ -375,8 +375,11 @@ def main(argv: list[str]) -> int:
         print(report_header(cfg, hw, sequence_note(cfg, args.overrides)), flush=True)
         ranked = search(cfg, hw, args.tokens_per_device)
         if not ranked:
-            raise ConfigError(f"no mesh of {hw.num_devices} devices splits this model evenly with a whole global "
-                              "batch; change --tokens-per-device or the device count")
+            steps = cfg.optim.gradient_accumulation_steps
+            raise ConfigError(f"no mesh of {hw.num_devices} devices splits this model evenly with a whole global batch"
+                              + (f" that gradient_accumulation_steps={steps} divides" if steps > 1 else "")
+                              + "; change --tokens-per-device or the device count"
+                              + (" (or leave gradient_accumulation_steps out)" if steps > 1 else ""))
         shown = best_per_mesh(ranked)
         if not ranked[0].fits:
             print("\nnothing fits; the smallest candidates (! = over the memory budget):\n" + table(shown[:args.top]))

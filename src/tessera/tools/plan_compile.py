@@ -14,6 +14,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -37,7 +38,17 @@ def model_overrides(model: str | None, overrides: list[str]) -> list[str]:
     import yaml
 
     keys = yaml.safe_load(Path(model).read_text()) or {}
-    return [f"{k}={v}" for k, v in keys.items()] + list(overrides)
+    return [f"{k}={override_text(v)}" for k, v in keys.items() if k != "model_name"] + list(overrides)
+
+
+def override_text(value) -> str:
+    """A YAML value as the loader reads it back from key=value: true/false, a list as ["a","b"], null as empty
+    (Python's str gave True and ['a', 'b'], which a recipe's shell split in two)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, separators=(",", ":"))
+    return "" if value is None else str(value)
 
 
 def libtpu_flags(generation: str) -> str:
@@ -60,10 +71,14 @@ def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_di
     print(f"compiling {label}: {describe(c)}, {c.remat}, per_device_batch_size={c.per_device_batch:g}", flush=True)
     start, tail = time.monotonic(), []
     with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
-        for line in proc.stdout:
-            tail = (tail + [line.rstrip()])[-5:]
-            if "elapsed" in line or "error" in line.lower():
-                print("  " + line.rstrip(), flush=True)
+        try:
+            for line in proc.stdout:
+                tail = (tail + [line.rstrip()])[-5:]
+                if "elapsed" in line or "error" in line.lower():
+                    print("  " + line.rstrip(), flush=True)
+        except BaseException:  # Ctrl-C or SIGTERM: the compiler must not go on alone for minutes
+            proc.kill()
+            raise
     report = out_dir / name / "compile_report.json"
     if not report.is_file():
         print("  failed:\n    " + "\n    ".join(tail), flush=True)
@@ -159,8 +174,8 @@ def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list
         f"export NUM_SLICES=${{NUM_SLICES:-{hw.num_slices}}}" if hw.num_slices > 1 else "",
         "",
         f"run_recipe {hw.name} \\",
-        "  " + " ".join(base) + " \\",
-        "  " + " ".join(chosen) + " \\",
+        "  " + shlex.join(base) + " \\",
+        "  " + shlex.join(chosen) + " \\",
         "  steps=100 log_period=10",
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -191,16 +206,29 @@ def check_output(cfg: Config, hw: Hardware, output: str) -> None:
         raise ConfigError(f"--output={recipe} cannot be written: {why}; choose another --output")
 
 
+class CompileStopped(Exception):
+    """SIGTERM arrived while --compile compiled (raised by `sigterm_raises`)."""
+
+
 def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
     """--compile: one AOT compile at a time of each candidate, then the recipe and the JSON report
-    (TPU hardware only: `plan.main` refuses --compile for GPUs before the search)."""
+    (TPU hardware only: `plan.main` refuses --compile for GPUs before the search). Ctrl-C or SIGTERM
+    while compiling stops the compiler and returns 130 or 143, with one line and nothing written."""
+    from tessera.tools.cli import sigterm_raises
+
     base = model_overrides(args.model, args.overrides)
     confirmed = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, c in enumerate(cands, 1):
-            done = confirm(base, c, cfg, hw, Path(tmp), f"{i}/{len(cands)}", move_batch=not args.tokens_per_device)
-            if done:
-                confirmed.append(done)
+    try:
+        with sigterm_raises(CompileStopped), tempfile.TemporaryDirectory() as tmp:
+            for i, c in enumerate(cands, 1):
+                done = confirm(base, c, cfg, hw, Path(tmp), f"{i}/{len(cands)}",
+                               move_batch=not args.tokens_per_device)
+                if done:
+                    confirmed.append(done)
+    except (KeyboardInterrupt, CompileStopped) as e:
+        how, code = ("interrupted (Ctrl-C)", 130) if isinstance(e, KeyboardInterrupt) else ("stopped by SIGTERM", 143)
+        print(f"plan: {how} while compiling; the compiler was stopped and no recipe was written", file=sys.stderr)
+        return code
     if not confirmed:
         raise ConfigError("the compiler fits none of the top candidates; see the messages above")
     confirmed.sort(key=Candidate.rank_key, reverse=True)

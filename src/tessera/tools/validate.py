@@ -353,8 +353,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    nodes = [n for n in args.nodes.split(",") if n]
+    nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]  # "h1, h2": the space is not the host's
     try:
+        if any(len(n.split()) > 1 for n in nodes):
+            raise UsageError(f"--nodes {args.nodes!r}: a host name has no spaces; separate the hosts with commas, "
+                             "e.g. --nodes h1,h2")
         path = resolve_path(args.file, "validation file")
         out = resolve_path(args.out, "--out folder", must_exist=False) if args.out else None
         data = load(path)

@@ -1,0 +1,49 @@
+"""tessera.doctor's advice and verdict: the command it prints must reinstall the flavour that was
+checked, and a lock it cannot compare against is a problem, never a healthy verdict."""
+
+import jax
+import pytest
+
+from tessera import doctor
+
+
+@pytest.fixture
+def no_device_probe(monkeypatch):
+    """The devices are not what these tests look at: skip the JAX child process."""
+    monkeypatch.setattr(doctor, "device_report", lambda device: (["  1 x cpu (cpu)"], []))
+
+
+def test_drift_on_a_gpu_install_says_to_reinstall_the_gpu_flavour(tmp_path, capsys, no_device_probe):
+    """It said `bash setup.sh`, which installs locks/cpu.txt (the CPU build of JAX) into the GPU venv."""
+    lock = tmp_path / "gpu.txt"
+    lock.write_text("jax==0.0.1\n")
+    assert doctor.main(["--device", "gpu", "--lock", str(lock), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert f"jax {jax.__version__} (lock 0.0.1); run `bash setup.sh DEVICE=gpu` to install the locked versions" in out
+    assert "no CUDA plugin is present; run `bash setup.sh DEVICE=gpu`" in out
+    assert "run `bash setup.sh` " not in out
+    assert doctor.setup_command("cpu") == "bash setup.sh"
+    assert doctor.setup_command("tpu", "latest") == "bash setup.sh DEVICE=tpu MODE=latest"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("not a lock\n", "has no package==version line for this interpreter"),
+    ('jax==0.4 ; python_version >= "3" and\n', "line 1 has an environment marker that does not parse"),
+])
+def test_a_lock_it_cannot_compare_with_is_a_problem(tmp_path, capsys, no_device_probe, text, problem):
+    """A file without pins was 'healthy ... versions as locked in locks/cpu.txt' (another file, and nothing
+    compared); a marker that does not parse was a traceback."""
+    lock = tmp_path / "lock.txt"
+    lock.write_text(text)
+    assert doctor.main(["--lock", str(lock), "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert f"doctor: problem: lock file {lock} " in out and problem in out and "healthy" not in out
+    assert doctor.main(["--lock", str(tmp_path), "--quiet"]) == 1
+    assert f"lock file {tmp_path} is a folder, not a lock file" in capsys.readouterr().out
+
+
+def test_the_verdict_names_the_lock_it_compared_with(tmp_path, capsys, no_device_probe):
+    lock = tmp_path / "mine.txt"
+    lock.write_text(f"jax=={jax.__version__}\n")
+    assert doctor.main(["--lock", str(lock), "--quiet"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"versions as locked in {lock})")

@@ -1,0 +1,55 @@
+"""configs/run_recipe.sh: the caller's compiler flags and variables reach the run.
+
+GPU_performance.md tells a user to force a flag "in XLA_FLAGS" and to try NCCL settings; the
+recipes export their own XLA_FLAGS / LIBTPU_INIT_ARGS / NCCL_* after run_recipe.sh has read the
+arguments, which used to replace the caller's without a word."""
+
+import os
+import shlex
+import subprocess
+
+from conftest import REPO
+
+
+def dry_run(recipe: str, *args: str, env: dict | None = None) -> dict[str, str]:
+    """The variables a recipe's dry run exports."""
+    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp"), **(env or {})}
+    proc = subprocess.run(["bash", str(REPO / "configs" / f"{recipe}.sh"), "DRY_RUN=1", "RUN_NAME=t", *args],
+                          capture_output=True, text=True, env=clean, cwd="/", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    exports = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("export "):
+            name, _, value = shlex.split(line)[1].partition("=")
+            exports[name] = value
+    return exports
+
+
+def test_callers_xla_flags_go_after_the_recipes_own():
+    own = dry_run("gpu/a3/llama_2_7B/1vm")["XLA_FLAGS"].split()
+    assert "--xla_gpu_enable_command_buffer=" in own
+    for how in ({"args": ["XLA_FLAGS=--xla_gpu_enable_command_buffer=FUSION --xla_gpu_enable_latency_hiding_scheduler=true"]},
+                {"env": {"XLA_FLAGS": "--xla_gpu_enable_command_buffer=FUSION --xla_gpu_enable_latency_hiding_scheduler=true"}}):
+        flags = dry_run("gpu/a3/llama_2_7B/1vm", *how.get("args", []), env=how.get("env"))["XLA_FLAGS"].split()
+        assert flags == [*own, "--xla_gpu_enable_command_buffer=FUSION", "--xla_gpu_enable_latency_hiding_scheduler=true"]
+
+
+def test_callers_libtpu_flags_go_after_the_recipes_own_and_are_kept_where_the_recipe_sets_none():
+    own = dry_run("tpu/v5e/16b")["LIBTPU_INIT_ARGS"].split()
+    got = dry_run("tpu/v5e/16b", "LIBTPU_INIT_ARGS=--xla_enable_async_all_gather=false")
+    assert got["LIBTPU_INIT_ARGS"].split() == [*own, "--xla_enable_async_all_gather=false"]
+    # an argument replaces the environment's value, as `export` would
+    got = dry_run("tpu/v5e/16b", "LIBTPU_INIT_ARGS=--b=1", env={"LIBTPU_INIT_ARGS": "--a=1"})
+    assert got["LIBTPU_INIT_ARGS"].split() == [*own, "--b=1"]
+    # a TPU recipe sets no XLA_FLAGS: the caller's stay exactly as they were
+    assert dry_run("tpu/v5e/16b", env={"XLA_FLAGS": "--xla_dump_to=/tmp/d"})["XLA_FLAGS"] == "--xla_dump_to=/tmp/d"
+
+
+def test_variable_arguments_replace_the_recipes_exports():
+    default = dry_run("gpu/a3/llama_2_7B/1vm")
+    assert default["NCCL_PROTO"] == "SIMPLE,LL,LL128" and default["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    got = dry_run("gpu/a3/llama_2_7B/1vm", "NCCL_PROTO=SIMPLE", "CUDA_DEVICE_MAX_CONNECTIONS=8")
+    assert got["NCCL_PROTO"] == "SIMPLE" and got["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+    # the recipe's own settings stay the recipe's: its VM count and the run name it derives
+    got = dry_run("gpu/a3/llama_2_7B/2vm", "NNODES=4", "M_RUN_NAME=other")
+    assert got["NNODES"] == "2" and got["M_RUN_NAME"] == "t"
