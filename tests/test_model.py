@@ -205,8 +205,36 @@ def test_every_family_gets_a_kernel_that_has_its_features(model_file, monkeypatc
         assert "dot_product (attn_logits_soft_cap" in chosen[0] and trainer.model.attention_kernel == "dot_product"
     elif cfg.model.attention_sink:
         assert "dot_product (attention_sink=true" in chosen[0] and trainer.model.attention_kernel == "dot_product"
+    elif cfg.model.chunk_attn_window_size:  # 8192-token chunks in sequences of 128: the whole causal past
+        assert chosen[0].startswith("attention kernel: cudnn") and trainer.model.attention_kernel == "cudnn"
+        longer = load_config([str(REPO / "configs" / "base.yml"), f"model_name={model_file}", "dtype=bfloat16",
+                              "max_target_length=16384"], env={})
+        choice = select_attention(longer.model, "gpu", longer.data.max_target_length)
+        assert choice.kernel == "dot_product" and "no chunk mask" in choice.reason, choice
     else:
         assert chosen[0].startswith("attention kernel: cudnn") and trainer.model.attention_kernel == "cudnn"
+
+
+def test_llama4_chunked_layers_attend_within_their_chunks_whatever_kernel_was_chosen(monkeypatch):
+    """The cuDNN branch passed a window but not Llama 4's chunks: on GPUs its chunked layers attended
+    over the whole causal past once sequences outgrew chunk_attn_window_size (the model trained was
+    another). cuDNN's math is run here through XLA's implementation of the same call."""
+    from flax import nnx
+
+    from tessera.models.decoder import Decoder
+
+    cfg = load_config([str(REPO / "configs" / "base.yml"), "model_name=llama4-17b-16e", "base_num_decoder_layers=4",
+                       "base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=8",
+                       "base_mlp_dim=32", "base_moe_mlp_dim=32", "num_experts=2", "vocab_size=64",
+                       "chunk_attn_window_size=8", "max_target_length=32", "attention=flash"], env={})
+    assert select_attention(cfg.model, "gpu", 32).kernel == "dot_product"
+    fused = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation=None, **k: fused(*a, implementation="xla", **k))
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (1, 32)), jnp.int32)
+    outs = {kernel: np.asarray(Decoder(cfg.model, kernel, nnx.Rngs(params=0))(tokens)[0], np.float32)  # the logits
+            for kernel in ("dot_product", "cudnn")}
+    np.testing.assert_allclose(outs["cudnn"], outs["dot_product"], atol=1e-5)
 
 
 def _llama3_reference_frequencies(head_dim, theta, factor, low, high, original):

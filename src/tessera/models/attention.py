@@ -5,7 +5,8 @@ float32 softmax; it runs on any device. `flash`, `cudnn_flash_te` and `autoselec
 the fastest fused kernel the device has: on TPUs Pallas splash attention (`splash.py`: every
 feature of the reference, packed segments included); on NVIDIA GPUs cuDNN's fused attention
 through `jax.nn.dot_product_attention(implementation="cudnn")`, except for soft-capped scores
-(Gemma 2), which cuDNN cannot apply. Where no fused kernel applies (CPU, an unsupported dtype,
+(Gemma 2), sink logits (gpt-oss) and chunks shorter than the sequence (Llama 4), which cuDNN
+cannot apply. Where no fused kernel applies (CPU, an unsupported dtype,
 head size or sequence length, packed segments for cuDNN)
 the reference runs and `select_attention` says why, once, in the log.
 
@@ -94,6 +95,10 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
     if m.attention_sink:
         return AttentionChoice("dot_product", "attention_sink=true needs the reference kernel (cuDNN's fused "
                                               "attention has no sink logits)")
+    if attends_in_chunks(m, length):
+        return AttentionChoice("dot_product", f"chunk_attn_window_size={m.chunk_attn_window_size} is shorter than the "
+                                              f"sequences ({length} tokens): Llama 4's chunked layers need the "
+                                              "reference kernel (cuDNN's fused attention has no chunk mask)")
     if platform not in ("gpu", "cuda"):
         return AttentionChoice("dot_product", f"no fused attention kernel is wired for platform {platform!r}")
     if dtype not in ("bfloat16", "float16"):
@@ -101,6 +106,12 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
     if head_dim > 256 or head_dim % 8:
         return AttentionChoice("dot_product", f"cuDNN fused attention needs head_dim <= 256 and a multiple of 8, not {head_dim}")
     return AttentionChoice("cudnn", f"attention={requested}: cuDNN fused attention on {platform}")
+
+
+def attends_in_chunks(m: ModelConfig, length: int | None) -> bool:
+    """Whether Llama 4's chunked layers see less than the causal past of sequences of `length` tokens."""
+    chunk = m.chunk_attn_window_size if m.decoder_block == "llama4" else 0
+    return bool(chunk) and (length is None or length > chunk)
 
 
 QUERY_CHUNK = 128  # causal attention skips key blocks entirely after a chunk of this many queries
@@ -402,7 +413,7 @@ class Attention(nnx.Module):
                                           blocks=splash.block_sizes(self.cfg, q.shape[1], shards),
                                           load_balance=splash.load_balanced(self.cfg, q.shape[1], shards),
                                           interpret=self.kernel == "splash_interpret")
-        elif self.kernel == "cudnn" and not packed:
+        elif self.kernel == "cudnn" and not packed and not (self.chunk and q.shape[1] > self.chunk):
             window = (self.window - 1, 0) if self.window else None
             ctx = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=True, local_window_size=window,
                                                implementation="cudnn")
