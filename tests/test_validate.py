@@ -146,11 +146,26 @@ def _parent(pid: int) -> int:
         return -1
 
 
-FAKE_SSH = """#!/bin/bash
+FAKE_SSH = f"""#!{sys.executable}
 # fake ssh: `ssh HOST COMMAND` records HOST and runs COMMAND here with bash, with a `python3`
-# first on PATH that fails: a remote host's bare python3 is not the project's interpreter.
-echo "$1" >> "$FAKE_SSH_HOSTS"
-PATH="$FAKE_BIN:$PATH" exec bash -c "$2"
+# first on PATH that fails: a remote host's bare python3 is not the project's interpreter. Like ssh
+# without a terminal, it passes its input on and no signal: a signal ends it, the remote command
+# runs on in its own session and its input ends.
+import os, subprocess, sys, threading
+with open(os.environ["FAKE_SSH_HOSTS"], "a") as f:
+    f.write(sys.argv[1] + "\\n")
+env = dict(os.environ, PATH=os.environ["FAKE_BIN"] + ":" + os.environ["PATH"])
+remote = subprocess.Popen(["bash", "-c", sys.argv[2]], stdin=subprocess.PIPE, env=env, start_new_session=True)
+with open(os.environ["FAKE_SSH_HOSTS"] + ".sessions", "a") as f:
+    f.write(str(remote.pid) + "\\n")
+def pump():
+    for line in sys.stdin.buffer:
+        remote.stdin.write(line)
+        remote.stdin.flush()
+    remote.stdin.close()
+threading.Thread(target=pump, daemon=True).start()
+code = remote.wait()
+os._exit(code if code >= 0 else 128 - code)  # not sys.exit: the pump may be reading stdin
 """
 TRAP_PYTHON = """#!/bin/sh
 echo "bare python3 was run on the remote host" >&2
@@ -160,17 +175,11 @@ exit 97
 
 @pytest.mark.slow
 def test_remote_nodes_run_the_suites_interpreter(tmp_path):
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("ssh", FAKE_SSH), ("python3", TRAP_PYTHON)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
+    env = _fake_ssh_env(tmp_path)
     data = json.loads(open(CPU).read())
     data["config"]["training_steps"] = "3"
     short = tmp_path / "short.json"
     short.write_text(json.dumps(data))
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_BIN": str(bin_dir),
-           "FAKE_SSH_HOSTS": str(tmp_path / "hosts")}
     proc = subprocess.run([sys.executable, "-m", "tessera.tools.validate", str(short), "--gpu", "cpu", "--nodes",
                            "fakehost", "--out", str(tmp_path / "out")], capture_output=True, text=True, cwd=REPO,
                           env=env, timeout=600)
@@ -178,6 +187,61 @@ def test_remote_nodes_run_the_suites_interpreter(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + log[-2000:]
     assert (tmp_path / "hosts").read_text().split() == ["fakehost"] and "bare python3" not in log
     assert "step     3 | loss" in log
+
+
+def _fake_ssh_env(tmp_path) -> dict:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("ssh", FAKE_SSH), ("python3", TRAP_PYTHON)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_BIN": str(bin_dir),
+            "FAKE_SSH_HOSTS": str(tmp_path / "hosts")}
+
+
+def _processes_in_sessions(sessions: set[int]) -> list[int]:
+    found = []
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+        try:
+            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3]) in sessions:
+                found.append(int(pid))
+        except (OSError, IndexError, ValueError):
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_suite_stops_its_nodes_over_ssh(tmp_path):
+    """ssh without a terminal passes no signal on: the suite's SIGTERM to its ssh processes ended them
+    and left every remote trainer running. Now the remote command's relay hears the signal over
+    ssh's input and passes it to the trainer, which saves and stops."""
+    long = json.loads(Path(CPU).read_text())
+    long["config"]["training_steps"] = "100000"
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(long))
+    out_dir = tmp_path / "out"
+    suite = subprocess.Popen([sys.executable, "-m", "tessera.tools.validate", str(path), "--gpu", "cpu", "--nodes",
+                              "fakehost", "--out", str(out_dir)], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=_fake_ssh_env(tmp_path))
+    log, sessions = out_dir / "logs" / "node0.log", tmp_path / "hosts.sessions"
+    remote = set()  # the "remote" session: the relay and the trainer in it
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and not (log.exists() and "| loss" in log.read_text()):
+            time.sleep(0.5)
+        assert log.exists() and "| loss" in log.read_text(), suite.stderr.read() if suite.poll() is not None else ""
+        remote = {int(pid) for pid in sessions.read_text().split()}
+        assert _processes_in_sessions(remote)  # the trainer (with the relay: bash and the relay too)
+        suite.send_signal(signal.SIGTERM)
+        out, err = suite.communicate(timeout=300)
+        assert suite.returncode == 143, out[-2000:] + err[-2000:]
+        assert "SIGTERM received: passed on to the 1 running node(s)" in err
+        assert re.search(r"stopped by SIGTERM after step \d+", log.read_text()), log.read_text()[-2000:]
+        assert not _processes_in_sessions(remote)  # no trainer left running
+    finally:
+        suite.kill()
+        for pid in _processes_in_sessions(remote):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_host_without_the_interpreter_says_so():

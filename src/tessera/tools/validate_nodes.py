@@ -99,15 +99,26 @@ def wrap_in_container(engine: str, plan: Plan, env: dict[str, str], argv: list[s
     return cmd + [c["container_image"], "python3", *argv[1:]]
 
 
+# ssh without a terminal passes no signal on: a signal to the local ssh ended it and left the remote
+# trainer running. So the remote command runs under a relay that reads signal names from ssh's input
+# ("TERM" lines, written by run_nodes) and sends them to the trainer, and sends it SIGTERM when the
+# input ends (the local ssh was killed, or the connection dropped): the trainer saves and stops.
+# `set -m` starts the trainer with SIGINT at its default (a background command would ignore it).
+RELAY = ('set -m; {command} </dev/null & child=$!; '
+         '{{ while read -r sig; do kill -s "$sig" "$child"; done; kill -s TERM "$child"; }} >/dev/null 2>&1 & '
+         'relay=$!; set +m; wait "$child"; code=$?; kill "$relay" 2>/dev/null; exit "$code"')
+
+
 def over_ssh(host: str, env: dict[str, str], argv: list[str]) -> list[str]:
-    """ssh argv running `argv` on `host` from the repository's folder (the same path as here);
-    when argv[0] (the interpreter, or the container engine) is missing there, the node's log says so."""
+    """ssh argv running `argv` on `host` from the repository's folder (the same path as here), under
+    the signal relay (RELAY); when argv[0] (the interpreter, or the container engine) is missing
+    there, the node's log says so."""
     exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     missing = (f"tessera.validate: {argv[0]} is missing on {host}; every host needs the repository at {REPO} "
                "set up as on the host that runs the suite (bash setup.sh)")
     script = (f"cd {shlex.quote(str(REPO))} || exit 2; "
               f"command -v {shlex.quote(argv[0])} >/dev/null || {{ echo {shlex.quote(missing)} >&2; exit 2; }}; "
-              f"exec env {exports} {shlex.join(argv)}")
+              + RELAY.format(command=f"env {exports} {shlex.join(argv)}"))
     return ["ssh", host, script]
 
 
@@ -150,7 +161,14 @@ def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
         print(f"{signal.Signals(signum).name} received: passed on to the {len(running)} running node(s), which "
               "save and stop (a second signal stops them at once); waiting for them", file=sys.stderr, flush=True)
         for p in running:
-            p.send_signal(signum)
+            if p.stdin is None:
+                p.send_signal(signum)
+                continue
+            try:  # a node over ssh: its relay passes the signal on (RELAY)
+                p.stdin.write(f"{signal.Signals(signum).name.removeprefix('SIG')}\n".encode())
+                p.stdin.flush()
+            except OSError:  # its ssh has just ended
+                pass
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -158,7 +176,7 @@ def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
             logs.append((log_dir / f"node{rank}.log").open("w"))
             full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
             procs.append(subprocess.Popen(argv, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+                                          stdin=None if host == "local" else subprocess.PIPE, start_new_session=True))
             print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}", flush=True)
         codes = wait_for_nodes(procs, log_dir / "node0.log", steps)
     finally:
@@ -166,6 +184,9 @@ def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
             signal.signal(s, handler)
         for log in logs:
             log.close()
+        for p in procs:
+            if p.stdin and p.poll() is not None:
+                p.stdin.close()
     if received:
         raise NodesStopped(received[0])
     return codes
