@@ -112,6 +112,37 @@ def test_damaged_or_empty_parquet_is_named(tmp_path, sp_model):  # noqa: F811
         make_input(grain_config(str(tmp_path / "empty.parquet"), sp_model, grain_file_type="parquet").data, 96, 4)
 
 
+def test_large_parquet_row_groups_are_said_to_slow_shuffled_reading(tmp_path, sp_model, caplog,  # noqa: F811
+                                                                     monkeypatch):
+    """Records are read in a shuffled order, a whole row group for each: a Parquet file written with
+    pyarrow's default row groups (a million rows) costs a row group's read per document (165 ms for
+    one of 100,000 documents), silently."""
+    import logging
+
+    from tessera.data import grain_pipeline
+
+    docs = make_docs(30)
+    pq.write_table(pa.table({"text": docs}), tmp_path / "one_group.parquet")  # one row group of 30 documents
+    size = pq.ParquetFile(tmp_path / "one_group.parquet").metadata.row_group(0).total_byte_size
+    files = write_records(tmp_path / "small", docs, fmt="parquet")  # row groups of 3 documents
+    small = max(pq.ParquetFile(f).metadata.row_group(i).total_byte_size for f in (tmp_path / "small").glob("*")
+                for i in range(pq.ParquetFile(f).num_row_groups))
+    assert small < size
+    monkeypatch.setattr(grain_pipeline, "LARGE_ROW_GROUP_BYTES", small)  # the limit between the two files' groups
+    large = str(tmp_path / "one_group.parquet")
+    with caplog.at_level(logging.WARNING, "tessera"):
+        make_input(grain_config(files, sp_model, grain_file_type="parquet").data, 96, 4)
+        assert not caplog.records
+        eval_only = grain_config(files, sp_model, grain_file_type="parquet", grain_eval_files=large, eval_interval=1)
+        make_input(eval_only.data, 96, 4, split="eval")  # read in file order: a row group at a time
+        assert not caplog.records
+        make_input(grain_config(large, sp_model, grain_file_type="parquet").data, 96, 4)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"grain_train_files: row groups of up to {size / 2**20:.0f} MiB (30 rows, in {large!r}): the training "
+        "records are read in a shuffled order, a whole row group for each, so every document costs reading one; "
+        "write the files with row groups of about 1 MiB (pyarrow: row_group_size), or convert them to ArrayRecord"]
+
+
 def test_trainer_checkpoint_resumes_grain_at_the_next_unseen_batch(tmp_path, sp_model):  # noqa: F811
     files = write_records(tmp_path / "data", make_docs(30, seed=5), files=3)
     cfg = grain_config(files, sp_model, steps=2, base_output_directory=str(tmp_path), run_name="test",

@@ -139,6 +139,33 @@ def test_each_tokenizer_kind(tmp_path, sp_model):
         load_tokenizer(str(tmp_path / "holes.tiktoken"))
 
 
+def test_text_spelling_a_special_token_is_text_in_every_pipeline(tmp_path):
+    """With a Hugging Face tokenizer, a document holding the text `</s>` (web pages and code do) got
+    the end token in its middle, and `<s>` a begin token: a document boundary the data does not have.
+    SentencePiece and tiktoken take such text as text; so does the pipeline now, in Grain's worker
+    processes too (a pickled `tokenizers.Tokenizer` forgets the setting)."""
+    from array_record.python.array_record_module import ArrayRecordWriter
+
+    tok_dir = _hf_tokenizer_dir(tmp_path / "hf")
+    tok = load_tokenizer(tok_dir)
+    text = "the cat </s> sat <s> on the mat"
+    assert tok.eos_id in tok.encode(text)  # what Hugging Face's encode does (decode.py's prompts keep it)
+    assert {tok.bos_id, tok.eos_id}.isdisjoint(tok.encode_document(text))
+    fmt, path = write_corpus(tmp_path / "json", [text] * 6, "json", files=1)
+    writer = ArrayRecordWriter(str(tmp_path / "docs.array_record"), "group_size:1")
+    for _ in range(6):
+        writer.write(text.encode())
+    writer.close()
+    configs = [hf_config((fmt, path), tok_dir, packing=False, max_target_length=40)] + [
+        tiny_config(dataset_type="grain", grain_train_files=str(tmp_path / "docs.array_record"), tokenizer_path=tok_dir,
+                    packing=False, max_target_length=40, grain_worker_count=workers) for workers in (0, 1)]
+    for cfg in configs:
+        batch = next(make_input(cfg.data, 96, 4))
+        for row, segments in zip(batch["tokens"], batch["segment_ids"]):
+            ids = list(row[segments > 0])
+            assert ids == [tok.bos_id, *tok.encode_document(text), tok.eos_id], (cfg.data.dataset_type, ids)
+
+
 def test_vocab_smaller_than_tokenizer_is_an_error(tmp_path, sp_model, corpus):
     message = r"vocab_size=64 is smaller than the 80 tokens of tokenizer_path=.*tiny.model"
     with pytest.raises(ConfigError, match=message):
@@ -240,6 +267,67 @@ def test_bad_inputs_name_the_key_and_the_path(tmp_path, sp_model, corpus):
         values = dict(hf_path=fmt, hf_train_files=files, tokenizer_path=sp_model) | overrides
         with pytest.raises(ConfigError, match=message):
             make_input(tiny_config(dataset_type="hf", **values).data, 96, 4)
+
+
+def test_a_glob_matching_only_folders_is_refused_naming_the_folder(tmp_path, sp_model, corpus):
+    """A glob that matched folders only expanded to no file at all: hf failed inside `datasets`
+    ("Empty 'data_files'"), grain inside ArrayRecord ("Paths sequence can not be of 0 length")."""
+    fmt, files = corpus
+    folder = str(tmp_path / "shards")
+    (tmp_path / "shards").mkdir()
+    message = f"hf_train_files={folder!r} matches folder {folder!r} and no file; name the files in it, e.g. " \
+              f"hf_train_files={folder + '/*'!r}"
+    with pytest.raises(ConfigError) as e:
+        make_input(hf_config((fmt, folder), sp_model).data, 96, 4)
+    assert str(e.value) == message
+    with pytest.raises(ConfigError, match=r"grain_train_files=.* matches 2 folders and no file"):
+        (tmp_path / "shards2").mkdir()
+        cfg = tiny_config(dataset_type="grain", grain_train_files=str(tmp_path / "shards*"), tokenizer_path=sp_model)
+        make_input(cfg.data, 96, 4)
+    # a folder that a glob matches beside files is left out, as before
+    (tmp_path / "shards" / "a.json").write_text('{"text": "the cat sat"}\n')
+    (tmp_path / "shards" / "sub").mkdir()
+    data = make_input(hf_config((fmt, folder + "/*"), sp_model).data, 96, 4)
+    assert next(data)["segment_ids"].any()
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_gzipped_files_read_like_plain_ones_and_their_damage_is_named(fmt, tmp_path, sp_model):
+    """C4 ships JSON lines as .json.gz, which `datasets` reads: the check of a file's first bytes
+    refused it ("cannot be read as json (UnicodeDecodeError ...)"), and the search for a damaged line
+    read the compressed bytes."""
+    import gzip
+
+    docs = make_docs(12)
+    plain_fmt, plain = write_corpus(tmp_path / "plain", docs, fmt, files=1)
+    (tmp_path / "gz").mkdir()
+    zipped = str(tmp_path / "gz" / "part0.gz")
+    with open(next((tmp_path / "plain").glob("part0.*")), "rb") as f:
+        (tmp_path / "gz" / "part0.gz").write_bytes(gzip.compress(f.read()))
+    want = take(make_input(hf_config((plain_fmt, plain), sp_model).data, 96, 4), 3)
+    got = take(make_input(hf_config((fmt, zipped), sp_model).data, 96, 4), 3)
+    np.testing.assert_array_equal(np.stack([b["tokens"] for b in got]), np.stack([b["tokens"] for b in want]))
+    # a bad line far into the file (past the first bytes checked at start-up) is named by its number
+    lines = [json.dumps({"text": d}) if fmt == "json" else d for d in docs * 2000]
+    lines[20000] = '{"text": broken' if fmt == "json" else "caf\xe9"
+    raw = "\n".join(lines).encode("latin-1") + b"\n"
+    damaged = str(tmp_path / "gz" / "damaged.gz")
+    (tmp_path / "gz" / "damaged.gz").write_bytes(gzip.compress(raw))
+    what = "is not valid JSON (Expecting value at column 10)" if fmt == "json" else \
+        "is not UTF-8 text (byte 3 of the line: invalid continuation byte)"
+    with pytest.raises(DataError) as e:
+        take(make_input(hf_config((fmt, damaged), sp_model, max_target_length=255).data, 96, 64), 200)
+    assert str(e.value) == (f"hf_train_files: file {damaged!r} is damaged: line 20001 {what}. Re-create the file, "
+                            "or leave it out of hf_train_files")
+    # a file cut off mid-stream
+    cut = tmp_path / "gz" / "cut.gz"
+    cut.write_bytes(gzip.compress(raw)[:4000])
+    with pytest.raises(DataError, match=r"file '.*cut\.gz' is damaged: it cannot be read \(EOFError: Compressed file "
+                                        r"ended before the end-of-stream marker was reached\)"):
+        take(make_input(hf_config((fmt, str(cut)), sp_model, max_target_length=255).data, 96, 64), 200)
+    cut.write_bytes(gzip.compress(raw)[:400])  # cut inside the first bytes, checked at start-up
+    with pytest.raises(ConfigError, match=r"file '.*cut\.gz' cannot be read as .*EOFError: Compressed file ended"):
+        make_input(hf_config((fmt, str(cut)), sp_model).data, 96, 4)
 
 
 def test_first_run_corpus_splits_docstrings_and_builds_a_tokenizer(tmp_path):

@@ -115,9 +115,8 @@ def test_null_text_is_an_empty_document(tmp_path, sp_model):
                                         ([1.5, 2.0], "a list of float (e.g. '1.5')")])
 def test_a_column_neither_text_nor_token_ids_is_refused(tmp_path, sp_model, value, kind):
     fmt, path = write_jsonl(tmp_path / "x.jsonl", [{"text": "the cat", "other": value}])
-    data = make_input(hf_config((fmt, path), sp_model, train_data_columns="other").data, 96, 4)
-    with within(20), pytest.raises(DataError) as e:
-        next(data)
+    with within(20), pytest.raises(DataError) as e:  # the first record: found at start-up, before any compile
+        make_input(hf_config((fmt, path), sp_model, train_data_columns="other").data, 96, 4)
     assert str(e.value) == (f"hf_train_files={path!r}: column 'other' holds {kind}, neither text nor a list of "
                             "token ids; set train_data_columns to text columns or to columns of token-id lists")
     (tmp_path / "g").mkdir()
@@ -125,6 +124,39 @@ def test_a_column_neither_text_nor_token_ids_is_refused(tmp_path, sp_model, valu
     with within(20), pytest.raises(DataError, match=r"grain_train_files: file '.*x\.array_record', record 1 "
                                                     r"\(counting from 0\): column 'text' holds " + re.escape(kind)):
         next(grain_data(records, sp_model))
+
+
+def test_the_first_record_is_checked_at_start_up_even_with_a_tokenizer(tmp_path, sp_model):
+    """With tokenizer_path set, grain and tfds read their first record only for the first batch: a
+    column that does not exist (or a bad value in it) stopped the run after the step had compiled,
+    where the docs promise "before anything is compiled"."""
+    missing = write_array_record(tmp_path / "body.array_record", [json.dumps({"body": "the cat"}).encode()] * 3)
+    with pytest.raises(DataError, match=r"column\(s\) \['text'\] not in the record \(keys: \['body'\]\)"):
+        grain_data(missing, sp_model)
+    (tmp_path / "big").mkdir()
+    big = write_array_record(tmp_path / "big" / "big.array_record", [json.dumps({"text": [1, 96]}).encode()] * 3)
+    with pytest.raises(DataError, match=r"hold token id 96, outside 0\.\.95"):
+        grain_data(big, sp_model)
+    ids = str(tmp_path / "ids.parquet")
+    pq.write_table(pa.table({"text": [[1, 2]] * 3}), ids)
+    cfg = tiny_config(dataset_type="grain", grain_file_type="parquet", grain_train_files=ids, tokenizer_path=sp_model)
+    with pytest.raises(DataError, match=r"file '.*ids\.parquet', row 0 \(counting from 0\): column\(s\) \['text'\] "
+                                        r"hold token id 2, outside 0\.\.1"):
+        make_input(cfg.data, 2, 4)
+
+
+def test_no_train_data_columns_is_refused_for_every_file_pipeline(tmp_path, sp_model):
+    """train_data_columns=[] made every hf document empty (a warning after 100 of them, then training on
+    begin/end tokens alone) and failed grain as "cannot be read as ArrayRecord (list index out of range)"."""
+    fmt, path = write_jsonl(tmp_path / "x.jsonl", [{"text": "the cat"}] * 3)
+    records = write_array_record(tmp_path / "x.array_record", [b"the cat"] * 3)
+    for cfg in (hf_config((fmt, path), sp_model, train_data_columns=[]),
+                tiny_config(dataset_type="grain", grain_train_files=records, tokenizer_path=sp_model,
+                            train_data_columns=[])):
+        with pytest.raises(ConfigError) as e:
+            make_input(cfg.data, 96, 4)
+        assert str(e.value) == (f"train_data_columns=[] names no column for dataset_type={cfg.data.dataset_type}; "
+                                "set it to the records' text or token-id column(s), e.g. train_data_columns=[text]")
 
 
 def test_grain_token_id_records_need_no_tokenizer_as_with_hf(tmp_path):
@@ -200,9 +232,8 @@ def test_negative_token_ids_are_refused_like_ids_past_the_vocabulary(tmp_path):
     pq.write_table(pa.table({"text": [[1, 2, 3, 4, 96] * 10] * 20}), tmp_path / "big.parquet")
     for name, bad, fix in (("neg", -7, "token ids cannot be negative"), ("big", 96, "raise vocab_size")):
         path = str(tmp_path / f"{name}.parquet")
-        data = make_input(tiny_config(dataset_type="hf", hf_path="parquet", hf_train_files=path).data, 96, 4)
-        with pytest.raises(DataError) as e:
-            next(data)
+        with pytest.raises(DataError) as e:  # in the first record: at start-up
+            make_input(tiny_config(dataset_type="hf", hf_path="parquet", hf_train_files=path).data, 96, 4)
         assert str(e.value) == (f"hf_train_files={path!r}: column(s) ['text'] hold token id {bad}, outside 0..95 "
                                 f"(vocab_size=96); {fix}" + (": re-tokenize the data" if bad < 0 else ""))
 
@@ -224,6 +255,28 @@ def test_array_record_bytes_that_are_not_utf8_name_the_file_and_record(tmp_path,
                                                     r"\(counting from 0\) is not UTF-8 text \(byte 0: invalid start "
                                                     "byte\\); re-create the file, or leave it out of grain_train_files"):
         take(data, 3)
+
+
+
+def test_a_damaged_array_record_block_names_the_file_and_record(tmp_path, sp_model):
+    """A record whose stored bytes are damaged (the file still opens) raised Riegeli's RuntimeError
+    out of the training loop: a traceback hours into a run, where the docs promise one data error."""
+    texts = [f"the cat sat on the mat {i} " * 3 for i in range(20)]
+    writer = ArrayRecordWriter(str(tmp_path / "d.array_record"), "group_size:1,uncompressed")
+    for t in texts:
+        writer.write(t.encode())
+    writer.close()
+    files = str(tmp_path / "d.array_record")
+    raw = bytearray((tmp_path / "d.array_record").read_bytes())
+    at = raw.index(texts[9].encode())  # the stored bytes of record 9 (records are stored as they are)
+    raw[at:at + 10] = b"X" * 10
+    (tmp_path / "d.array_record").write_bytes(bytes(raw))
+    data = grain_data(files, sp_model)
+    with within(30), pytest.raises(DataError) as e:
+        take(data, 20)  # an epoch and more
+    assert re.fullmatch(r"grain_train_files: file '.*d\.array_record' is damaged: record 9 \(counting from 0\) cannot "
+                        r"be read \(RuntimeError: Corrupted Riegeli/records file: .*\)\. Re-create the file, or "
+                        r"leave it out of grain_train_files", str(e.value))
 
 
 # ---------------------------------------------------------------- eval files without evaluation

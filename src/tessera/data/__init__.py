@@ -29,16 +29,44 @@ def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str =
     if split == "train":
         _warn_unread_eval_files(cfg)
     if cfg.dataset_type == "synthetic":
-        return SyntheticData(cfg, vocab_size, global_batch, split)
+        return SyntheticData(cfg, vocab_size, global_batch, split)  # reuse_example_batch: regenerates step 0
+    if not cfg.train_data_columns:  # every document would be empty
+        raise ConfigError(f"train_data_columns=[] names no column for dataset_type={cfg.dataset_type}; set it to the "
+                          "records' text or token-id column(s), e.g. train_data_columns=[text]")
     if cfg.dataset_type == "hf":
         from tessera.data.hf import HfData  # imports `datasets` only when used
 
-        return HfData(cfg, vocab_size, global_batch, split)
-    if cfg.dataset_type in ("grain", "tfds"):
+        data = HfData(cfg, vocab_size, global_batch, split)
+    elif cfg.dataset_type in ("grain", "tfds"):
         from tessera.data.grain_pipeline import GrainData
 
-        return GrainData(cfg, vocab_size, global_batch, split)
-    raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available; use synthetic, hf, tfds or grain")
+        data = GrainData(cfg, vocab_size, global_batch, split)
+    else:
+        raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available; use synthetic, hf, tfds or grain")
+    return FirstBatchAgain(data) if cfg.reuse_example_batch and split == "train" else data
+
+
+class FirstBatchAgain:
+    """reuse_example_batch for the file pipelines: the first batch of `data`, read at start-up, at
+    every step (speed tests without the input pipeline). Its position never moves, so a resumed
+    run feeds the same batch."""
+
+    def __init__(self, data):
+        self.data, self.process_local = data, getattr(data, "process_local", False)
+        self.start = data.get_state()
+        self.batch = next(data)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        return self.batch
+
+    def get_state(self) -> dict:
+        return self.start
+
+    def set_state(self, state: dict) -> None:
+        self.data.set_state(state)  # checks the saved state's dataset_type; the batch stays the first one
 
 
 def _warn_unread_eval_files(cfg: DataConfig) -> None:

@@ -48,7 +48,7 @@ def document_ids(values: list, tokenizer, bos: list[int], eos: list[int]) -> lis
         return [t for v in values if v for t in v]
     if tokenizer is None:  # every column null: an empty document
         return []
-    return bos + tokenizer.encode("\n".join(v or "" for v in values)) + eos
+    return bos + tokenizer.encode_document("\n".join(v or "" for v in values)) + eos
 
 
 def _value(value, column: str, where: str):

@@ -96,8 +96,8 @@ def read_failure(error: Exception, files: list[str], fmt: str, setting: str) -> 
         for path in local:
             try:
                 spot = _FINDERS[fmt](path)
-            except OSError as e:  # gone or unreadable since it was opened
-                spot = f"it cannot be opened ({brief(e)})"
+            except (OSError, EOFError) as e:  # gone or unreadable since it was opened, or a cut-off .gz
+                spot = f"it cannot be read ({brief(e)})"
             if spot:
                 return damaged_file(key, path, spot)
         return DataError(f"reading {setting} failed ({what}); each local file reads cleanly on its own, so look for "
@@ -117,12 +117,20 @@ def _holds_no_records(path: str, fmt: str) -> bool:
 
             return pq.ParquetFile(path).metadata.num_rows == 0
         if fmt in ("json", "text", "csv"):
-            with open(path, "rb") as f:
+            with open_local(path) as f:
                 lines = [line for line in f if line.strip()]
             return len(lines) <= (1 if fmt == "csv" else 0)
     except Exception:  # noqa: BLE001 - unreadable or damaged: not "empty"; the damage checks say what it is
         return False
     return False
+
+
+def open_local(path: str):
+    """A local data file opened for reading its bytes, decompressed when its name says it is compressed
+    (`.gz`, `.bz2`, `.xz`, ...: `datasets` reads such JSON lines and text files as they are)."""
+    import fsspec
+
+    return fsspec.open(path, "rb", compression="infer").open()
 
 
 def damaged_file(key: str, path: str, spot: str) -> DataError:
@@ -151,7 +159,7 @@ def _parquet_damage(path: str) -> str | None:
 
 
 def _json_damage(path: str) -> str | None:
-    with open(path, "rb") as f:
+    with open_local(path) as f:
         if f.read(64).lstrip().startswith(b"["):  # one JSON document, not JSON lines
             f.seek(0)
             try:
@@ -168,7 +176,7 @@ def _text_damage(path: str) -> str | None:
 
 def _first_bad_line(path: str, parse_json: bool) -> str | None:
     """'line N is not ...' for the first line that is not UTF-8 (or, with parse_json, not JSON)."""
-    with open(path, "rb") as f:
+    with open_local(path) as f:
         for number, raw in enumerate(f, start=1):
             try:
                 line = raw.decode("utf-8")

@@ -27,7 +27,8 @@ from tessera.config import ConfigError, DataConfig
 from tessera.config.schema import HF_FILE_FORMATS as FILE_FORMATS
 from tessera.data import rows_per_process
 from tessera.data.documents import column_values, document_ids
-from tessera.data.errors import REMOTE_PREFIXES, DataError, check_reachable, no_records, no_tokens, read_failure
+from tessera.data.errors import (REMOTE_PREFIXES, DataError, check_reachable, no_records, no_tokens, open_local,
+                                  read_failure)
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
 
@@ -46,7 +47,12 @@ def expand_files(pattern_list: str, key: str) -> list[str]:
         if not matched:
             raise ConfigError(f"{key}={pattern!r} matches no files; check the path (globs like /data/c4/000*.parquet "
                               "are allowed)")
-        files += [f for f in matched if os.path.isfile(f)]
+        found = [f for f in matched if os.path.isfile(f)]
+        if not found:  # only folders: a folder is not read as its files
+            folders = f"folder {matched[0]!r}" if len(matched) == 1 else f"{len(matched)} folders"
+            raise ConfigError(f"{key}={pattern!r} matches {folders} and no file; name the files in it, e.g. "
+                              f"{key}={os.path.join(matched[0], '*')!r}")
+        files += found
     return files
 
 
@@ -61,11 +67,11 @@ def _check_readable(files: list[str], fmt: str, key: str) -> None:
 
                 pq.read_metadata(f)
             else:
-                with open(f, "rb") as fh:
+                with open_local(f) as fh:
                     head = fh.read(1 << 16)
                 if fmt in ("json", "text", "csv"):  # a character cut at the end of the sample is fine
                     codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
-        except (OSError, UnicodeDecodeError, ValueError) as e:
+        except (OSError, EOFError, UnicodeDecodeError, ValueError) as e:
             raise ConfigError(f"{key}: file {f!r} cannot be read as {fmt} ({type(e).__name__}: {e}); "
                               "fix or remove it, or change hf_path") from e
 
@@ -136,8 +142,10 @@ class HfData:
         except StopIteration:
             raise self._no_records() from None
         self._check_columns(first)
+        # the first record's values, checked before anything is compiled (text columns may need a tokenizer)
+        first_values = column_values(first, self.columns, self.setting, vocab_size, tokenized=True)
         self.tokenizer = None
-        if cfg.tokenizer_path or not all(isinstance(first[c], (list, np.ndarray)) for c in self.columns):
+        if cfg.tokenizer_path or not all(isinstance(v, list) for v in first_values):
             self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
             check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
         self.vocab_size = vocab_size

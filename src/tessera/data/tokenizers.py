@@ -27,14 +27,23 @@ _TIKTOKEN_LINE = re.compile(rb"^[A-Za-z0-9+/=]+ \d+\s*$")
 
 
 class Tokenizer:
-    """`encode` returns token ids without begin/end tokens (the pipeline adds them as configured)."""
+    """`encode` returns token ids without begin/end tokens (the pipeline adds them as configured).
+    `encode_document` encodes a training document: text that spells a special token (`</s>`,
+    `<|end_of_text|>`) is text there, so a document holds no begin/end token the pipeline did not add
+    (SentencePiece and tiktoken's `encode_ordinary` do so in `encode` too; Hugging Face's `encode`
+    turns such text into the special token, which prompts may want)."""
 
-    def __init__(self, kind: str, vocab_size: int, bos_id: int | None, eos_id: int | None, encode_batch, decode):
+    def __init__(self, kind: str, vocab_size: int, bos_id: int | None, eos_id: int | None, encode_batch, decode,
+                 encode_document=None):
         self.kind, self.vocab_size, self.bos_id, self.eos_id = kind, vocab_size, bos_id, eos_id
         self._encode_batch, self._decode = encode_batch, decode
+        self._encode_document = encode_document
 
     def encode(self, text: str) -> list[int]:
         return self._encode_batch([text])[0]
+
+    def encode_document(self, text: str) -> list[int]:
+        return self._encode_document(text) if self._encode_document else self.encode(text)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._encode_batch(texts)
@@ -126,7 +135,30 @@ def _huggingface(p: Path) -> Tokenizer:
     eos = _first_in(vocab, [named.get("eos_token"), *_EOS_NAMES])
     size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
     return Tokenizer("huggingface", size, bos, eos,
-                     lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)], tok.decode)
+                     lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)], tok.decode,
+                     _SpecialsAsText(tok.to_str()))
+
+
+class _SpecialsAsText:
+    """A Hugging Face tokenizer's encode that takes special-token strings as text. Picklable for
+    Grain's worker processes: a pickled `tokenizers.Tokenizer` forgets `encode_special_tokens`."""
+
+    def __init__(self, json_text: str):
+        self.json_text, self._tok = json_text, None
+
+    def __getstate__(self) -> dict:
+        return {"json_text": self.json_text}
+
+    def __setstate__(self, state: dict) -> None:
+        self.json_text, self._tok = state["json_text"], None
+
+    def __call__(self, text: str) -> list[int]:
+        if self._tok is None:
+            from tokenizers import Tokenizer as HfTokenizer
+
+            self._tok = HfTokenizer.from_str(self.json_text)
+            self._tok.encode_special_tokens = True
+        return self._tok.encode(text, add_special_tokens=False).ids
 
 
 def _first_in(vocab: dict[str, int], names) -> int | None:
