@@ -205,3 +205,51 @@ def test_a_muon_run_resumes_exactly(tmp_path):
     read = lambda name: [json.loads(line)["loss"] for line in  # noqa: E731
                          (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
     assert read("a")[2:] == read("b")[-2:]  # bitwise: CPU is deterministic
+
+
+def test_the_schedule_warms_up_decays_and_keeps_its_end_and_a_schedule_of_no_steps_is_refused():
+    """base.yml's schedule keys at the edge steps: 0 at step 0, the peak where the warm-up ends, the final
+    fraction at the schedule's last step and after it (also without warm-up); a length of 0 or below -1
+    (-1 is `steps`) is a config error, where it used to drop the rate to its end value after step 0."""
+    cfg = tiny_config(learning_rate=0.5, warmup_steps_fraction=0.2, cosine_learning_rate_final_fraction=0.1)
+    schedule = learning_rate_schedule(cfg.optim, 10)
+    got = [float(schedule(s)) for s in (0, 1, 2, 6, 10, 11, 1000)]
+    np.testing.assert_allclose(got, [0.0, 0.25, 0.5, 0.5 * (0.1 + 0.9 * 0.5), 0.05, 0.05, 0.05], rtol=1e-6)
+    flat = learning_rate_schedule(tiny_config(learning_rate=0.5, warmup_steps_fraction=0.0).optim, 10)
+    np.testing.assert_allclose([float(flat(s)) for s in (0, 5, 10, 20)], [0.5, 0.275, 0.05, 0.05], rtol=1e-6)
+    for steps in (0, -2, -5):
+        with pytest.raises(ConfigError, match=rf"learning_rate_schedule_steps={steps} .*set it to -1 .* or >= 1"):
+            setup(tiny_config(learning_rate_schedule_steps=steps), jax.devices()[:1])
+
+
+def test_the_learning_rate_reported_after_a_skipped_step_is_the_one_applied():
+    """A non-finite step leaves parameters and optimizer state as they were, the schedule's count too:
+    the steps after it apply the rates of one step earlier, and report those (they reported the train
+    step's). [good, bad, good] ends in the state of [good, good], with the second good step's rate."""
+    import jax.numpy as jnp
+
+    from tessera.step import make_train_step
+
+    trainer = setup(tiny_config(steps=10, warmup_steps_fraction=0.5, on_nonfinite_loss="skip_step"), jax.devices()[:1])
+    step = jax.jit(make_train_step(trainer, 0))
+    b, t = trainer.plan.global_batch, trainer.plan.max_target_length + 1
+    tokens = jax.random.randint(jax.random.key(1), (b, t), 0, 96)
+    good = {"tokens": tokens, "segment_ids": jnp.ones((b, t), jnp.int32),
+            "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+    bad = dict(good, tokens=tokens.at[0, 3].set(10**6))  # a token past the table: its embedding is NaN
+
+    def train(batches):
+        state, rates, finite = create_state(trainer, 0), [], []
+        for batch in batches:
+            state, stats = step(state, batch)
+            rates.append(float(stats["learning_rate"]))
+            finite.append(bool(stats["finite"]))
+        return state, rates, finite
+
+    skipped, rates, finite = train([good, bad, good])
+    plain, plain_rates, _ = train([good, good])
+    assert finite == [True, False, True]
+    assert plain_rates[1] > plain_rates[0] == 0.0  # warming up: each step's rate differs
+    assert rates == [plain_rates[0], plain_rates[1], plain_rates[1]]
+    jax.tree.map(np.testing.assert_array_equal, skipped["params"], plain["params"])
+    assert int(skipped["step"]) == 3

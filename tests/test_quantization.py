@@ -179,6 +179,33 @@ def test_bad_modes_and_devices_are_refused():
         check_platform("nanoo_fp8", "NVIDIA H100 80GB HBM3", "gpu")
 
 
+
+def test_float8_is_decided_by_the_compute_capability_when_the_gpu_reports_it():
+    """NVIDIA's OCP float8 units start at compute capability 8.9 (Ada): GPUs whose names the list misses
+    (RTX 4090, RTX 6000 Ada, B300) were refused as having none; those before 8.9 still are."""
+    for kind, cc in [("NVIDIA GeForce RTX 4090", "8.9"), ("NVIDIA RTX 6000 Ada Generation", "8.9"),
+                     ("NVIDIA B300 SXM6", "10.3"), ("NVIDIA H100 80GB HBM3", "9.0")]:
+        check_platform("fp8", kind, "gpu", cc)
+    for kind, cc in [("NVIDIA A100-SXM4-80GB", "8.0"), ("Quadro RTX 4000", "7.5")]:
+        with pytest.raises(ConfigError, match=rf"{kind} \(compute capability {cc}\) has no OCP float8 matrix units"):
+            check_platform("fp8_full", kind, "gpu", cc)
+    with pytest.raises(ConfigError, match=r"MI300X has no OCP float8 .* use quantization=nanoo_fp8"):
+        check_platform("fp8", "AMD Instinct MI300X", "gpu", "gfx942")  # not an NVIDIA capability: by name
+
+
+def test_fp8_full_says_when_tied_embeddings_keep_the_logits_unquantized(caplog):
+    """With logits_via_embedding the logits are the token table's product, which fp8_full leaves in float
+    (the lowered step has fp8 dots for the 7 projections only): set-up says so, where it said nothing."""
+    dots = _lowered_dots("fp8_full", logits_via_embedding=True)
+    assert sum(n for types, n in dots.items() if "f8E4M3FN" in types) == PROJECTION_DOTS
+    with caplog.at_level("WARNING", logger="tessera"):
+        setup(tiny_config(quantization="fp8_full", logits_via_embedding=True), jax.devices()[:1])
+    assert "logits_via_embedding=true), which stays unquantized" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tessera"):
+        setup(tiny_config(quantization="fp8_full"), jax.devices()[:1])
+    assert "unquantized" not in caplog.text
+
 # ---------------------------------------------------------------------------- quantized KV cache
 
 KV_PROMPTS = [list(map(int, np.random.default_rng(7).integers(1, 96, size=n))) for n in (6, 3, 5, 6, 4, 2, 6, 5)]

@@ -26,15 +26,20 @@ from optax.contrib import MuonDimensionNumbers
 
 from tessera.muon_layout import scale_by_muon_whole_matrices
 
-from tessera.config import OptimConfig
+from tessera.config import ConfigError, OptimConfig
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warm-up from 0 to `learning_rate`, then cosine decay to the final fraction."""
+    """Linear warm-up from 0 to `learning_rate`, then cosine decay to the final fraction, which
+    the steps after `total_steps` keep. ConfigError for a schedule of no steps."""
+    if total_steps < 1:
+        raise ConfigError(f"learning_rate_schedule_steps={total_steps} gives a learning-rate schedule of no steps (its "
+                          "rate would drop to the final value after step 0); set it to -1 (as long as steps) or >= 1")
     warmup = int(cfg.warmup_steps_fraction * total_steps)
     end_value = cfg.learning_rate * cfg.cosine_learning_rate_final_fraction
     if warmup == 0:
-        return optax.cosine_decay_schedule(cfg.learning_rate, max(total_steps, 1), alpha=end_value / max(cfg.learning_rate, 1e-30))
+        alpha = end_value / max(cfg.learning_rate, 1e-30)
+        return optax.cosine_decay_schedule(cfg.learning_rate, total_steps, alpha=alpha)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.learning_rate,
@@ -44,9 +49,23 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
     )
 
 
+def schedule_step(opt_state: Any) -> jax.Array:
+    """The step at which the optimizer's schedule reads its next learning rate: the count of updates
+    it applied (optax's ScaleByScheduleState, the same in every part of the optimizer). A step the
+    train step skips (non-finite loss or gradient) leaves it where it was, so after skips it trails
+    the train step, and the rate the next update applies is `schedule(schedule_step(opt_state))`."""
+    counts = optax.tree_utils.tree_get_all_with_path(
+        opt_state, "count", filtering=lambda path, _: getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState")
+    if not counts:
+        raise ValueError("the optimizer state holds no schedule count (ScaleByScheduleState)")
+    return counts[0][1]
+
+
 def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes: Any = None) -> optax.GradientTransformation:
-    """Clip (if enabled) then the `opt_type` update. AdamW's weight decay applies to matrices only,
-    not norms' scales or routing biases (their gradient is zero, so AdamW leaves them as they are).
+    """Clip (if enabled) then the `opt_type` update. AdamW's weight decay applies to every parameter
+    but the norms' scales and DeepSeek's routing biases (`NO_DECAY`; the biases' gradient is zero, so
+    AdamW leaves them as they are): matrices, embeddings and position tables, biases (LayerNorm's
+    too) and attention sinks decay. (MaxText's adamw decays every parameter.)
     Muon needs the parameters' `logical_axes` (the model's tree of axis-name tuples)."""
     schedule = learning_rate_schedule(cfg, total_steps)
     if cfg.opt_type == "sgd":  # MaxText's sgd: optax.sgd, no momentum and no weight decay
@@ -180,6 +199,7 @@ NO_DECAY = ("scale", "routed_bias_e")  # norm scales; MoE choice biases (moved b
 
 
 def _decay_mask(params):
-    """True for weights that decay: everything except normalization scales and routing biases."""
+    """True for weights that decay: everything except normalization scales and DeepSeek's routing biases
+    (`routed_bias_e`; gpt-oss's learned `router_bias_e` decays like the other biases)."""
     return jax.tree_util.tree_map_with_path(
         lambda path, _: not any(getattr(k, "key", None) in NO_DECAY for k in path), params)

@@ -32,7 +32,7 @@ from tessera.models.decoder import MTP_LOAD
 from tessera.models.moe import PER_LAYER_LOAD, describe_routing, update_routed_bias
 from tessera.models.mtp import chain_weights, shift_left
 from tessera.models.quantization import check_platform as check_quantization
-from tessera.optim import learning_rate_schedule, make_optimizer
+from tessera.optim import learning_rate_schedule, make_optimizer, schedule_step
 from tessera.seeds import prng_key
 
 log = logging.getLogger("tessera")
@@ -74,7 +74,9 @@ def setup(cfg: Config, devices=None) -> Trainer:
     if device_platform(mesh) == "cpu" and cfg.model.dtype == "bfloat16":
         log.info("bfloat16 matmuls on CPU: %s (%s)", *bf16_matmul)
     _check_remat(cfg.model, mesh)
-    check_quantization(cfg.model.quantization, mesh.devices.flat[0].device_kind, device_platform(mesh))
+    device = mesh.devices.flat[0]
+    check_quantization(cfg.model.quantization, device.device_kind, device_platform(mesh), str(getattr(
+        device, "compute_capability", "")), tied_logits=cfg.model.logits_via_embedding)
     _log_moe_routing(cfg.model, device_platform(mesh))
     if cfg.model.quantization and cfg.model.megablox and cfg.model.num_experts > 1:
         log.info("quantization=%s: the experts' grouped matmuls run qwix's quantized ragged dot, not the Pallas "
@@ -369,7 +371,8 @@ def make_train_step(trainer: Trainer, seed: int):
 
         new_params, new_opt = jax.lax.cond(finite, update, lambda operands: operands, (params, state["opt_state"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
-        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]), "tokens": count,
+        rate = schedule(schedule_step(state["opt_state"]))  # the update's (skipped steps do not advance it)
+        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": rate, "tokens": count,
                  "finite": finite, **jax.tree.map(jnp.mean, auxes)}
         if loads is not None:  # how far the most loaded expert is above its fair share (1: balanced), layer mean
             stats["moe_max_expert_load"] = jnp.mean(jnp.max(loads, axis=-1))

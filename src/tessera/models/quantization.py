@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import jax.numpy as jnp
 
@@ -105,15 +106,32 @@ def einsum(spec: str, x, w, mode: str):
     return jnp.einsum(spec, x, w, _dot_general=dot_general(mode))
 
 
-def check_platform(mode: str, device_kind: str, platform: str) -> None:
-    """ConfigError when the devices cannot run `mode`; a log line saying what implements it."""
+def _ocp_float8(device_kind: str, compute_capability: str) -> bool:
+    """Whether a GPU multiplies OCP float8: an NVIDIA GPU from compute capability 8.9 (Ada) on, when
+    the device reports its capability (RTX 4090 and RTX 6000 Ada as well as L4 and H100); else as
+    its name says (_FP8_GPUS)."""
+    cc = re.fullmatch(r"(\d+)\.(\d+)", compute_capability or "")
+    if cc:
+        return (int(cc[1]), int(cc[2])) >= (8, 9)
+    return any(g in device_kind for g in _FP8_GPUS)
+
+
+def check_platform(mode: str, device_kind: str, platform: str, compute_capability: str = "",
+                   tied_logits: bool = False) -> None:
+    """ConfigError when the devices cannot run `mode`; a log line saying what implements it.
+    `compute_capability`: an NVIDIA GPU's ("9.0"), when known ("" otherwise). `tied_logits`
+    (logits_via_embedding): the logits are the token table's product, which fp8_full leaves in float."""
     if not mode:
         return
-    if mode.startswith("fp8") and platform == "gpu" and not any(g in device_kind for g in _FP8_GPUS):
+    if mode == "fp8_full" and tied_logits:
+        log.warning("quantization=fp8_full: the output logits are the token table's product here "
+                    "(logits_via_embedding=true), which stays unquantized; the run is quantization=fp8's")
+    if mode.startswith("fp8") and platform == "gpu" and not _ocp_float8(device_kind, compute_capability):
         fnuz = any(g in device_kind for g in _FNUZ_GPUS)
+        cc = f" (compute capability {compute_capability})" if re.fullmatch(r"\d+\.\d+", compute_capability) else ""
         raise ConfigError(
-            f"quantization={mode}: {device_kind} has no OCP float8 matrix units (they start with NVIDIA Ada and "
-            "Hopper: L4, L40, H100, H200, B200; AMD MI350); "
+            f"quantization={mode}: {device_kind}{cc} has no OCP float8 matrix units (they start with NVIDIA Ada and "
+            "Hopper, compute capability 8.9: L4, L40, RTX 4090, H100, H200, B200; AMD MI350); "
             + ("use quantization=nanoo_fp8, its own float8 format" if fnuz else "use quantization=int8 or leave it empty"))
     if mode == "nanoo_fp8" and platform in ("gpu", "tpu") and not any(g in device_kind for g in _FNUZ_GPUS):
         raise ConfigError(f"quantization=nanoo_fp8 is AMD MI300's float8 format, which {device_kind} does not run; "
