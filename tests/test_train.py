@@ -906,6 +906,27 @@ def test_the_advice_after_a_non_finite_step_points_the_right_way():
                       "gradient_clipping_threshold (now 1), or set on_nonfinite_loss=skip_step")
 
 
+def test_skip_step_stops_when_the_parameters_themselves_are_broken(tmp_path, caplog):
+    """learning_rate=1e38: step 1's update is finite but leaves the parameters at ~1e38, and every
+    later step is non-finite. skip_step skipped them all, saved checkpoints of those parameters and
+    ended with exit 0. Now SKIPS_IN_A_ROW skipped steps in a row stop the run as `stop` does, naming
+    the checkpoints that hold them."""
+    from tessera.step_stats import SKIPS_IN_A_ROW
+    from tessera.stop_signals import TrainingStopped
+
+    cfg = tiny_config(tmp_path, steps=SKIPS_IN_A_ROW + 10, learning_rate=1e38, gradient_clipping_threshold=0,
+                      on_nonfinite_loss="skip_step", checkpoint_period=5)
+    with caplog.at_level("WARNING", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
+        run(cfg, jax.devices()[:1])
+    assert stopped.value.exit_code == 3
+    message = str(stopped.value)
+    assert f"at step {SKIPS_IN_A_ROW + 1}, the {SKIPS_IN_A_ROW}th skipped step in a row" in message, message
+    assert "the parameters of step 1 fail on every batch" in message
+    assert "the checkpoints of step 1 and later hold those parameters" in message and "set them aside" in message
+    assert "or set on_nonfinite_loss=skip_step" not in message
+    assert caplog.text.count("update skipped (on_nonfinite_loss=skip_step)") == SKIPS_IN_A_ROW - 1
+
+
 def test_seeds_keep_all_64_bits_and_the_32_bit_ones_their_old_keys():
     """jax.random.key keeps only a seed's low 32 bits without 64-bit mode: init_weights_seed=2**32
     started from the weights of 0, and -1 from those of 2**32-1. prng_key tells them apart and gives

@@ -17,7 +17,12 @@ from tessera.stop_signals import TrainingStopped
 
 log = logging.getLogger("tessera")
 
-EXIT_NONFINITE = 3  # a non-finite loss or gradient with on_nonfinite_loss=stop
+EXIT_NONFINITE = 3  # a non-finite loss or gradient with on_nonfinite_loss=stop (or skip_step, SKIPS_IN_A_ROW times)
+
+# With on_nonfinite_loss=skip_step, this many non-finite steps in a row stop the run as `stop` does: a
+# skipped step leaves the state as it was, so the same parameters failed on that many batches; they
+# are broken (a finite but ruinous update, such as learning_rate=1e38, is not caught), not the data.
+SKIPS_IN_A_ROW = 20
 
 # Steps whose stats the loop leaves unread while the next step runs: 1 keeps the device busy (the
 # host never waits for a step before dispatching the next); 0 reads each step's stats before the
@@ -34,6 +39,7 @@ class StatsReader:
         self.cfg, self.writer, self.meter, self.profiler, self.watchdog, self.ckpt = (
             cfg, writer, meter, profiler, watchdog, ckpt)
         self.pending: list[tuple[int, Any]] = []
+        self.skipped_since: int | None = None  # the first step of the current run of skipped steps
 
     def add(self, step: int, stats) -> None:
         self.pending.append((step, stats))
@@ -46,18 +52,31 @@ class StatsReader:
             self.watchdog.beat()
             self.writer.write(self.meter.record(step, stats))
             self.profiler.after_step(step)
-            check_finite(self.cfg, step, stats, self.ckpt)
+            finite = bool(stats["finite"])
+            self.skipped_since = None if finite else self.skipped_since or step
+            check_finite(self.cfg, step, stats, self.ckpt, self.skipped_since)
 
 
-def check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None) -> None:
+def check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None,
+                 skipped_since: int | None = None) -> None:
+    """TrainingStopped (exit 3) for a non-finite step with on_nonfinite_loss=stop; with skip_step a
+    warning, until SKIPS_IN_A_ROW steps in a row (since `skipped_since`) were skipped."""
     if bool(stats["finite"]):
         return
     what = f"non-finite loss ({float(stats['loss'])}) or gradient norm ({float(stats['grad_norm'])}) at step {step}"
-    if cfg.run.on_nonfinite_loss == "skip_step":
+    skip = cfg.run.on_nonfinite_loss == "skip_step"
+    in_a_row = step - (skipped_since or step) + 1
+    if skip and in_a_row < SKIPS_IN_A_ROW:
         log.warning("%s: update skipped (on_nonfinite_loss=skip_step)", what)
         return
+    if skip:
+        what = (f"{what}, the {in_a_row}th skipped step in a row (on_nonfinite_loss=skip_step): the parameters of step "
+                f"{skipped_since - 1} fail on every batch, so they are broken, not the data")
     last = ckpt.latest_step() if ckpt else None
     where = f"last good checkpoint: step {last} at {ckpt.step_path(last)}" if last is not None else "no checkpoint yet"
+    if skip and last is not None and last >= skipped_since - 1:
+        where = (f"the checkpoints of step {skipped_since - 1} and later hold those parameters, the newest at "
+                 f"{ckpt.step_path(last)}: set them aside to resume from an earlier one")
     raise TrainingStopped(f"{what}; stopping without saving ({where}). {stability_advice(cfg)}", EXIT_NONFINITE)
 
 
@@ -71,4 +90,5 @@ def stability_advice(cfg: Config) -> str:
     decay = (f"; learning_rate x adam_weight_decay = {decay:g} >= 1 makes AdamW's weight decay flip the weights' sign "
              "every step: lower adam_weight_decay" if decay >= 1 else "")
     return (f"Lower learning_rate (now {o.learning_rate:g}), raise warmup_steps_fraction (now "
-            f"{o.warmup_steps_fraction:g}) or {clip}, or set on_nonfinite_loss=skip_step{decay}")
+            f"{o.warmup_steps_fraction:g}) or {clip}"
+            f"{'' if cfg.run.on_nonfinite_loss == 'skip_step' else ', or set on_nonfinite_loss=skip_step'}{decay}")
