@@ -6,9 +6,10 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from conftest import REPO
-from tessera.config import ConfigError, build_config, load_config
+from tessera.config import ConfigError, build_config, flat_dict, load_config
 from tessera.config.schema import DECODER_BLOCKS, REMAT_POLICIES, all_fields, path_keys, render_base_yml
 from tessera.models import BLOCKS
 from tessera.models import REMAT_POLICIES as MODEL_REMAT_POLICIES
@@ -327,6 +328,62 @@ def test_a_bad_config_file_gets_its_own_one_line_error(tmp_path, content, messag
     assert "\n" not in msg and "model" not in msg  # not hidden behind the model file lookup
 
 
+@pytest.mark.parametrize("content, key, line", [
+    ("steps: 3\n5: x\n", "5", 2),
+    ("null: 3\n", "null", 1),
+    ("steps: 3\non: true\n", "on", 2),  # YAML 1.1 reads on/off/yes/no as booleans
+])
+def test_a_key_that_yaml_reads_as_no_name_is_one_line(tmp_path, content, key, line):
+    """A key YAML reads as a number, null or a bool ended in AttributeError: 'int' object has no
+    attribute 'lower' (exit 1), from the config file or a model file alike."""
+    path = tmp_path / "my.yml"
+    path.write_text(content)
+    assert _config_error([str(path)]) == (f"config file {path}: the key {key!r} on line {line} is not a name (YAML "
+                                          "reads it as a number, null or true/false); keys are names such as steps")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.yml").write_text(content)
+    assert _config_error([BASE, f"model_name={tmp_path}/models/mine"]).startswith(
+        f"model file {tmp_path}/models/mine.yml: the key {key!r}")
+    path.write_text("'5': 3\n")  # quoted, it is a name: an unknown key
+    assert _config_error([str(path)]).startswith("unknown config key '5'")
+
+
+def test_an_empty_base_output_directory_is_the_working_directory(tmp_path, monkeypatch):
+    """MaxText's default base_output_directory is "": the run folder was ./run_name but the
+    checkpoints went to /run_name/checkpoints, at the root of the file system."""
+    from tessera.config.derived import plan_run
+
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config([BASE, "base_output_directory=", "run_name=r"], env={})
+    assert cfg.run.base_output_directory == str(tmp_path)
+    plan = plan_run(cfg, {"data": 1, "stage": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1})
+    assert (str(plan.run_dir), plan.checkpoint_dir) == (str(tmp_path / "r"), str(tmp_path / "r" / "checkpoints"))
+
+
+def test_a_config_file_key_the_model_file_overrides_gets_a_warning(tmp_path, caplog):
+    """The model file wins over a config file (MaxText's order): an experiment file's model keys, or a
+    saved config.yml given back after a model key was changed on the command line, were dropped
+    without a word. Files that set most keys warn only for their values away from the defaults."""
+    (tmp_path / "exp.yml").write_text("base_config: base.yml\nmodel_name: llama2-7b\nbase_num_decoder_layers: 4\n"
+                                      "steps: 3\nvocab_size: 32000\n")
+    with caplog.at_level("WARNING", logger="tessera"):
+        cfg = load_config([str(tmp_path / "exp.yml")], env={})
+    assert cfg.model.base_num_decoder_layers == 32 and cfg.run.steps == 3
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{tmp_path / 'exp.yml'} sets base_num_decoder_layers=4; the model file {REPO}/configs/models/llama2-7b.yml "
+        "sets base_num_decoder_layers=32, and a model file's values win over a config file's (MaxText's order); to "
+        "change them, give them on the command line"]  # vocab_size: 32000 is the model's value: nothing lost
+    caplog.clear()
+    saved = tmp_path / "config.yml"
+    saved.write_text(yaml.safe_dump(flat_dict(load_config([BASE, "model_name=llama2-7b", "base_num_decoder_layers=2"],
+                                                          env={}))))
+    with caplog.at_level("WARNING", logger="tessera"):
+        assert load_config([str(saved), "base_num_decoder_layers=2"], env={}).model.base_num_decoder_layers == 2
+        assert not caplog.records  # the command line wins over the model file: nothing lost
+        load_config([str(saved)], env={})
+    assert len(caplog.records) == 1 and "sets base_num_decoder_layers=2; the model file" in caplog.text
+
+
 def test_an_unreadable_config_file_is_a_config_error(tmp_path, monkeypatch):
     path = tmp_path / "my.yml"
     path.write_text("steps: 3\n")
@@ -573,6 +630,8 @@ def test_an_unknown_model_lists_the_folders_searched_and_the_known_names(tmp_pat
     assert _config_error([BASE, "model_name=llama9"]) == (  # configs/models searched once
         f"model_name='llama9': no file llama9.yml in {REPO / 'configs' / 'models'}. Known models: {', '.join(MODELS)} "
         "(from the command line)")
+    name = "x" * 300  # longer than a file name may be: OSError (File name too long) and a traceback
+    assert _config_error([BASE, f"model_name={name}"]).startswith(f"model_name='{name}': no file {name}.yml in ")
 
 
 def test_base_config_inherits_as_maxtext_config_files_do(tmp_path, monkeypatch):

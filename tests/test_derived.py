@@ -58,6 +58,11 @@ def test_dropout_rate_alone_turns_dropout_on_as_in_maxtext():
     ({"per_device_batch_size": 1e30}, r"a global batch of 8,000,000,000,000,000,[\d,]+ sequences of 128 tokens is .* more "
                                       r"than the 2,147,483,647 that 32-bit token indices reach .*; lower "
                                       r"per_device_batch_size$"),
+    ({"per_device_batch_size": 1e308},
+     r"per_device_batch_size=1e\+308 x 8 devices = inf sequences, more than the 2,147,483,647 tokens that 32-bit "
+     r"token indices reach; lower per_device_batch_size$"),
+    ({"eval_interval": 1, "eval_steps": 1, "eval_per_device_batch_size": 1e308},
+     r"eval_per_device_batch_size=1e\+308 x 8 devices = inf sequences, .*; lower eval_per_device_batch_size$"),
     ({"per_device_batch_size": 2**21, "max_target_length": 128}, r"a global batch of 16,777,216 sequences of 128 tokens "
                                                                  r"is 2,147,483,648 tokens"),
     ({"eval_interval": 1, "eval_steps": 1, "eval_per_device_batch_size": 2**21},
@@ -73,3 +78,20 @@ def test_the_eval_batch_is_per_device_batch_size_unless_eval_per_device_batch_si
     assert plan_run(build_config({**evaluating, "eval_interval": 0}), MESH_8).eval_batch == 0  # no evaluation
     assert plan_run(build_config(evaluating), MESH_8).eval_batch == 16  # the whole train batch, one forward pass
     assert plan_run(build_config({**evaluating, "eval_per_device_batch_size": 3}), MESH_8).eval_batch == 24
+
+
+def test_a_gpt3_training_sequence_longer_than_its_position_table_is_refused():
+    """Positions past gpt3's learned table were gathered as NaN: the loss was NaN at step 1, with advice
+    about the learning rate. Decoding checks its own lengths, so the config itself still loads."""
+    gpt3 = {"decoder_block": "gpt3", "mlp_activations": ["gelu"], "trainable_position_size": 64,
+            "per_device_batch_size": 1}
+    with pytest.raises(ConfigError) as e:
+        plan_run(build_config({**gpt3, "max_target_length": 128}), MESH_8)
+    assert str(e.value) == ("max_target_length=128 is longer than gpt3's learned position table "
+                            "(trainable_position_size=64 rows): positions from 64 on would have no embedding and the "
+                            "loss would be NaN; raise trainable_position_size (MaxText's gpt3-175b: 16384) or shorten "
+                            "max_target_length")
+    plan_run(build_config({**gpt3, "max_target_length": 64}), MESH_8)
+    plan_run(build_config({**gpt3, "trainable_position_size": 0, "max_target_length": 4096}), MESH_8)
+    plan_run(build_config({"trainable_position_size": 64, "max_target_length": 128, "per_device_batch_size": 1}),
+             MESH_8)  # llama2 has no position table: the key is not read

@@ -179,3 +179,54 @@ def test_a_local_theta_of_minus_one_is_the_global_one():
     np.testing.assert_array_equal(rope_frequencies_of(local, local=True), rope_frequencies_of(glob, local=True))
     assert not np.array_equal(rope_frequencies_of(tiny_config(None).model, local=True),
                               rope_frequencies_of(local, local=True))
+
+
+def test_maxtexts_defaults_of_stack_traces_and_cache_axis_orders_load():
+    """Older MaxText base.yml files hold stack_trace_interval_seconds: 600 and the KV cache axis orders
+    "1,2,0,3", their defaults (the feature off, or a decoding setting); they were refused whatever the value."""
+    orders = [f"{k}=1,2,0,3" for k in ("prefill_key_axis_order", "prefill_value_axis_order", "ar_key_axis_order",
+                                        "ar_value_axis_order")]
+    load_config([BASE, "stack_trace_interval_seconds=600", "collect_stack_trace=false", *orders], env={})
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "stack_trace_interval_seconds=60", "ar_key_axis_order=0,1,2,3"], env={})
+    assert str(e.value).startswith("2 problems in the config:")
+    assert "stack_trace_interval_seconds='60' is a MaxText key Tessera does not implement" in str(e.value)
+
+
+def test_an_alias_and_its_key_with_the_same_number_agree():
+    cfg = load_config([BASE, "ici_context_parallelism=2", "ici_sequence_parallelism=02"], env={})
+    assert cfg.mesh.ici_sequence_parallelism == 2
+    with pytest.raises(ConfigError, match="disagrees with ici_sequence_parallelism='4'"):
+        load_config([BASE, "ici_context_parallelism=2", "ici_sequence_parallelism=4"], env={})
+
+
+def test_a_long_refused_value_is_shortened_in_its_error(tmp_path):
+    """MaxText's logical_axis_rules (thousands of characters) made one error line a screenful."""
+    rules = [[f"activation_{i}", ["data", "fsdp", "fsdp_transpose", "expert"]] for i in range(60)]
+    (tmp_path / "mine.yml").write_text(f"base_config: base.yml\nlogical_axis_rules: {json.dumps(rules)}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([str(tmp_path / "mine.yml")], env={})
+    shown = repr(rules)[:maxtext.SHOWN_CHARS - 3]
+    assert str(e.value) == (f"logical_axis_rules={shown}... is a MaxText key Tessera does not implement: the table "
+                            f"from logical to mesh axes; Tessera's is LOGICAL_RULES in mesh.py "
+                            f"(from {tmp_path}/mine.yml)")
+
+
+def test_an_alias_and_its_key_in_the_environment_must_agree():
+    """Each M_ variable was a layer of its own, in alphabetical order: M_ICI_SEQUENCE_PARALLELISM=1
+    silently won over M_ICI_CONTEXT_PARALLELISM=2 (and the other way round for names sorting so)."""
+    env = {"M_ICI_CONTEXT_PARALLELISM": "2", "M_ICI_SEQUENCE_PARALLELISM": "1"}
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE], env=env)
+    assert str(e.value) == ("M_ICI_CONTEXT_PARALLELISM=2 (MaxText's name for ici_sequence_parallelism) disagrees with "
+                            "M_ICI_SEQUENCE_PARALLELISM=1; set only M_ICI_SEQUENCE_PARALLELISM")
+    env["M_ICI_SEQUENCE_PARALLELISM"] = "2"
+    assert load_config([BASE], env=env).mesh.ici_sequence_parallelism == 2
+
+
+def test_rope_type_points_to_rope_scaling():
+    """MaxText's rope_type was an unknown key whose closest keys were opt_type, rope_truncate and tokenizer_type."""
+    load_config([BASE, "rope_type=default"], env={})
+    with pytest.raises(ConfigError, match=r"rope_type='yarn' is a MaxText key .*Tessera's key is rope_scaling: "
+                                          r"rope_scaling=llama3 or rope_scaling=yarn"):
+        load_config([BASE, "rope_type=yarn"], env={})

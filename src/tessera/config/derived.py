@@ -48,6 +48,7 @@ def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
     """Every value that depends on the config and the mesh shape; ConfigError if they disagree."""
     batch = global_batch(cfg.data.per_device_batch_size, cfg.optim.gradient_accumulation_steps, mesh_shape)
     length = cfg.data.max_target_length
+    _check_positions(cfg.model, length)
     _check_tokens(batch, length, "a global batch", "per_device_batch_size")
     pipeline = pipeline_layout(cfg, mesh_shape, batch // cfg.optim.gradient_accumulation_steps)
     evaluated = eval_batch(cfg, mesh_shape, pipeline)
@@ -65,6 +66,17 @@ def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
     )
 
 
+def _check_positions(m: ModelConfig, length: int) -> None:
+    """Training sequences must fit gpt3's learned position table (decoding checks its own lengths): the
+    positions past it were gathered as NaN, and the loss was NaN at step 1."""
+    table = m.trainable_position_size
+    if m.decoder_block == "gpt3" and table and length > table:
+        raise ConfigError(f"max_target_length={length} is longer than gpt3's learned position table "
+                          f"(trainable_position_size={table} rows): positions from {table} on would have no "
+                          "embedding and the loss would be NaN; raise trainable_position_size (MaxText's "
+                          "gpt3-175b: 16384) or shorten max_target_length")
+
+
 def _check_tokens(batch: int, length: int, what: str, key: str) -> None:
     if batch * length > MAX_TOKENS_PER_STEP:
         raise ConfigError(f"{what} of {batch:,} sequences of {length:,} tokens is {batch * length:,} tokens, more "
@@ -78,6 +90,9 @@ def global_batch(per_device_batch_size: float, accumulation_steps: int, mesh_sha
     batch axes (data, fsdp, expert) of the mesh. `key`: the key the value came from, for errors."""
     devices = math.prod(mesh_shape.values())
     exact = per_device_batch_size * devices
+    if not math.isfinite(exact):  # 1e308 x 8 devices: int() raised OverflowError
+        raise ConfigError(f"{key}={per_device_batch_size:g} x {devices} devices = {exact:g} sequences, more than the "
+                          f"{MAX_TOKENS_PER_STEP:,} tokens that 32-bit token indices reach; lower {key}")
     batch = int(round(exact))
     if abs(exact - batch) > 1e-9 or batch < 1:
         raise ConfigError(

@@ -31,8 +31,9 @@ from typing import Any, Mapping
 import yaml
 
 from tessera.config.checks import validate
-from tessera.config.maxtext import maxtext_keys, translate
+from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, translate
 from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
+from tessera.config.yaml_file import read_yaml  # also imported from here by tools/estimate.py
 
 log = logging.getLogger("tessera")
 ENV_PREFIX = "M_"
@@ -58,13 +59,13 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
     files = _config_files(base_path)  # the file and the files it inherits from (base_config), parents first
     layers = [(source, _check_known(values, source, errors)) for source, values in (
-        *files, ("the command line", _parse_overrides(argv[1:])), *_env_layers(env))]
+        *files, ("the command line", _parse_overrides(argv[1:])), *_env_layers(env, errors))]
     _refuse_placeholders(layers, errors)  # before model_name chooses a file
     model_name = _merge(layers).get("model_name", "default")
     if _is_placeholder(model_name):
         _raise_all(errors)  # no model file to read
     folders = model_folders(base_path)
-    model_file = next((d / f"{model_name}.yml" for d in folders if (d / f"{model_name}.yml").is_file()), None)
+    model_file = next((d / f"{model_name}.yml" for d in folders if _is_file(d / f"{model_name}.yml")), None)
     if model_file is None:
         known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
         _raise_all(errors + [_name_sources(
@@ -74,6 +75,7 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     if "model_name" in model and model["model_name"] != model_name:
         raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
     layers.insert(len(files), (str(model_file), _check_known(model, str(model_file), errors)))
+    _warn_model_file_wins(layers[:len(files)], layers[len(files)], _merge(layers[len(files) + 1:]))
     _refuse_placeholders(layers, errors)
     build_errors: list[str] = []
     cfg = _build({k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}, build_errors)
@@ -103,6 +105,44 @@ def _config_files(path: Path, including: tuple[Path, ...] = ()) -> list[tuple[st
     return [*_config_files(found, chain), (str(path), values)]
 
 
+def _warn_model_file_wins(files: list[tuple[str, dict[str, Any]]], model: tuple[str, dict[str, Any]],
+                          later: Mapping[str, Any]) -> None:
+    """A warning when a config file sets a key that the model file sets otherwise: the model file wins
+    (MaxText's order), so an experiment file's `base_num_decoder_layers: 4`, or a run's saved config.yml
+    given back with a model key changed on its command line, trained the model file's value without a
+    word (a key the command line or the environment sets too is not lost). A file that sets most keys
+    (base.yml, a copy of it, a saved config.yml) counts only its values away from the defaults: the
+    others are the defaults every model file replaces."""
+    fields, (model_file, model_values) = all_fields(), model
+    lost = {}
+    for source, values in files:
+        full = len(values) > len(fields) // 2
+        for name, raw in values.items():
+            if name not in model_values or name in later or name == "model_name":
+                continue
+            f = fields[name][1]
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            try:
+                mine, theirs = coerce(name, raw, f), coerce(name, model_values[name], f)
+            except ConfigError:
+                continue  # reported with the other errors
+            if mine != theirs and (mine != default or not full):
+                lost[name] = (source, mine, theirs)
+    if lost:
+        log.warning("%s; the model file %s sets %s, and a model file's values win over a config file's (MaxText's "
+                    "order); to change them, give them on the command line", "; ".join(
+                        f"{source} sets {name}={mine}" for name, (source, mine, _) in lost.items()),
+                    model_file, ", ".join(f"{name}={theirs}" for name, (_, _, theirs) in lost.items()))
+
+
+def _is_file(path: Path) -> bool:
+    """Path.is_file, False for a name the file system refuses (a model_name of 300 characters raised OSError)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
 def model_folders(base_path: Path) -> list[Path]:
     """Where `model_name` files are looked for, first match wins: the `models/` folder beside the
     config file, then the repository's configs/models/ (once, when they are the same folder)."""
@@ -125,10 +165,17 @@ def _raise_all(errors: list[str]) -> None:
         raise ConfigError(f"{count} problems in the config:\n  " + "\n  ".join(errors))
 
 
-def _env_layers(env: Mapping[str, str]) -> list[tuple[str, dict[str, Any]]]:
+def _env_layers(env: Mapping[str, str], errors: list[str]) -> list[tuple[str, dict[str, Any]]]:
     """One layer per M_<KEY> variable that names a config key or a MaxText key (other M_ variables
-    are not ours; one that is a near miss of a key, a likely typo, gets a warning)."""
+    are not ours; one that is a near miss of a key, a likely typo, gets a warning). The variables
+    are one place: an alias and its key set to different values there is a line in `errors` (the
+    variables' order, alphabetical, decided which one won)."""
     fields = {*all_fields(), *maxtext_keys()}
+    ours = {name[len(ENV_PREFIX):].lower(): name for name in env if name.startswith(ENV_PREFIX)}
+    for alias, (target, whose) in ALIASES.items():
+        if alias in ours and target in ours and not spelled_as(env[ours[alias]], (env[ours[target]].strip().lower(),)):
+            errors.append(f"{ours[alias]}={env[ours[alias]]} ({whose} name for {target}) disagrees with "
+                          f"{ours[target]}={env[ours[target]]}; set only {ours[target]}")
     for name in sorted(env):
         key = name[len(ENV_PREFIX):].lower()
         if name.startswith(ENV_PREFIX) and key not in fields:
@@ -226,6 +273,8 @@ def resolve_paths(cfg: Config) -> None:
     """Make every path key of `cfg` absolute, in place (see `PATH_KINDS` in schema.py): the one
     place where relative paths are resolved, against the working directory of this process."""
     fields = all_fields()
+    if not cfg.run.base_output_directory:  # MaxText's default, "": the working directory (checkpoints went to
+        cfg.run.base_output_directory = os.getcwd()  # /run_name/checkpoints, the other files to ./run_name)
     for name, kind in path_keys().items():
         section = getattr(cfg, fields[name][0])
         value = getattr(section, name)
@@ -234,54 +283,6 @@ def resolve_paths(cfg: Config) -> None:
         elif kind == "path" or _is_local(value):
             value = absolute_path(value)
         setattr(section, name, value)
-
-
-def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
-    """The `key: value` mapping of a YAML file; a ConfigError (one line) for a file that is missing, a
-    directory, unreadable, not UTF-8, not YAML or not a mapping, and without `empty_ok` for one with no key."""
-    if path.is_dir():
-        example = path / "base.yml" if (path / "base.yml").is_file() else "configs/base.yml"
-        raise ConfigError(f"{what} {path} is a directory; a config file is expected, e.g. {example}")
-    if not path.is_file():
-        state = "is not a regular file" if path.exists() else "does not exist"
-        raise ConfigError(f"{what} {path} {state}; pass a path such as configs/base.yml")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
-                          "it must be a YAML file of key: value lines such as configs/base.yml") from None
-    except OSError as e:
-        raise ConfigError(f"{what} {path} cannot be read ({e.strerror or e}); check its permissions") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark, start = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(e, "problem", None) or " ".join(str(e).split())
-        if start and getattr(e, "context", None):
-            problem += f" ({e.context} started at line {start.line + 1})"
-        raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}; correct the file there") from None
-    if data is None:
-        if empty_ok:
-            return {}
-        raise ConfigError(f"{what} {path} is empty (no key: value lines); start from a copy of configs/base.yml")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{what} {path} must be a mapping of key: value lines, got {type(data).__name__}; "
-                          "start from a copy of configs/base.yml")
-    _warn_repeated_keys(text, f"{what} {path}")
-    return data
-
-
-def _warn_repeated_keys(text: str, where: str) -> None:
-    """A warning per key that a YAML file's top level sets more than once (YAML keeps the last one
-    without a word: an edited copy of base.yml with `steps:` added at the end trains with it)."""
-    lines: dict[str, list[int]] = {}
-    for key_node, _ in yaml.compose(text).value:  # a mapping: read_yaml checked it
-        lines.setdefault(str(key_node.value), []).append(key_node.start_mark.line + 1)
-    for key, at in lines.items():
-        if len(at) > 1:
-            log.warning("%s sets %s %d times (lines %s); the last, on line %d, is used", where, key, len(at),
-                        ", ".join(map(str, at)), at[-1])
 
 
 def _parse_overrides(args: list[str]) -> dict[str, str]:

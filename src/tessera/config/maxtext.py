@@ -107,6 +107,9 @@ REFUSED = {
     "normalize_embedding_logits": Refused(
         "divide logits by sqrt(emb_dim) when logits_via_embedding=true; Tessera's families fix this themselves",
         ("true", "1")),
+    "rope_type": Refused("the kind of rotary scaling (default, llama3.1, yarn); Tessera's key is rope_scaling: "
+                         "rope_scaling=llama3 or rope_scaling=yarn (rope_scaling=none: MaxText's default)",
+                         ("default",)),
     "use_untrainable_positional_embedding": Refused(
         "add fixed sinusoidal positions to the embeddings; Tessera's gpt3 family uses them when "
         "trainable_position_size=0", ("false", "0")),
@@ -168,7 +171,7 @@ REFUSED = {
     "collect_stack_trace": Refused("dump stacks periodically; Tessera dumps them when a step exceeds "
                                    "step_timeout_seconds", ("false", "0")),
     "stack_trace_to_cloud": Refused("send stack dumps to Cloud Logging; see step_timeout_seconds", ("false", "0")),
-    "stack_trace_interval_seconds": Refused("seconds between stack dumps; see step_timeout_seconds"),
+    "stack_trace_interval_seconds": Refused("seconds between stack dumps; see step_timeout_seconds", ("600",)),
     "max_checkify": Refused("extra runtime checks with jax.checkify; not in Tessera", ("false", "0")),
     "dump_hlo_gcs_dir": Refused("upload the HLO dump; Tessera keeps it in dump_hlo_local_dir (the run folder's "
                                 "xla_dump/ by default), like the run's other files", ("",)),
@@ -194,8 +197,9 @@ REFUSED = {
         "load_from_prefill_dir": ("false", "0"), "prefill_cache_dir": ("",), "autoregressive_decode_assert": ("",),
         "inference_microbenchmark_prefill_lengths": ("64,128,256,512,1024",),
         "inference_microbenchmark_stages": ("prefill,generate",), "inference_microbenchmark_loop_iters": ("10",),
-        "inference_microbenchmark_log_file_path": ("",), "prefill_key_axis_order": (),
-        "prefill_value_axis_order": (), "ar_key_axis_order": (), "ar_value_axis_order": (),
+        "inference_microbenchmark_log_file_path": ("",), "prefill_key_axis_order": ("1,2,0,3",),  # older MaxText's
+        "prefill_value_axis_order": ("1,2,0,3",), "ar_key_axis_order": ("1,2,0,3",),  # KV cache layout, its default
+        "ar_value_axis_order": ("1,2,0,3",),
         "use_ragged_attention": ("false", "0"), "ragged_block_size": ("256",),
         "enable_model_warmup": ("false", "0")}.items()},
 }
@@ -266,7 +270,7 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
             out[name] = value
         elif name in ALIASES:
             target, whose = ALIASES[name]
-            if target in values and str(values[target]) != str(value):
+            if target in values and not spelled_as(value, (str(values[target]).strip().lower(),)):
                 errors.append(f"{name}={value!r} ({whose} name for {target}) disagrees with "
                               f"{target}={values[target]!r} in {source}; set only {target}")
                 continue
@@ -283,11 +287,19 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
             if is_off(REFUSED[name], value):
                 _log_once(f"{name}={value!r} is MaxText's setting with the feature off, as in Tessera; ignored")
             else:
-                errors.append(f"{name}={value!r} is a MaxText key Tessera does not implement: "
+                errors.append(f"{name}={_shown(value)} is a MaxText key Tessera does not implement: "
                               f"{REFUSED[name].why} (from {source})")
         else:
             errors.append(unknown_key(name, source, fields))
     return out
+
+
+SHOWN_CHARS = 80  # of a refused value in its error line (MaxText's logical_axis_rules runs to 4,000)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS - 3]}..."
 
 
 def unknown_key(name: str, source: str, fields: Mapping[str, Any]) -> str:

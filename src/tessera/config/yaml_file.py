@@ -1,0 +1,72 @@
+"""Reading one YAML config file (a config file, a base_config parent or a model file): its
+`key: value` mapping, or a one-line ConfigError that names the file and says what to fix."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tessera.config.schema import ConfigError
+
+log = logging.getLogger("tessera")
+
+
+def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
+    """The `key: value` mapping of a YAML file; a ConfigError (one line) for a file that is missing, a
+    directory, unreadable, not UTF-8, not YAML or not a mapping, and without `empty_ok` for one with no key."""
+    if path.is_dir():
+        example = path / "base.yml" if (path / "base.yml").is_file() else "configs/base.yml"
+        raise ConfigError(f"{what} {path} is a directory; a config file is expected, e.g. {example}")
+    if not path.is_file():
+        state = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"{what} {path} {state}; pass a path such as configs/base.yml")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} {path} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset {e.start}); "
+                          "it must be a YAML file of key: value lines such as configs/base.yml") from None
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be read ({e.strerror or e}); check its permissions") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark, start = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or " ".join(str(e).split())
+        if start and getattr(e, "context", None):
+            problem += f" ({e.context} started at line {start.line + 1})"
+        raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}; correct the file there") from None
+    if data is None:
+        if empty_ok:
+            return {}
+        raise ConfigError(f"{what} {path} is empty (no key: value lines); start from a copy of configs/base.yml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path} must be a mapping of key: value lines, got {type(data).__name__}; "
+                          "start from a copy of configs/base.yml")
+    _refuse_keys_that_are_not_names(text, f"{what} {path}")
+    _warn_repeated_keys(text, f"{what} {path}")
+    return data
+
+
+def _refuse_keys_that_are_not_names(text: str, where: str) -> None:
+    """YAML reads a key such as `5`, `null`, `on` or `yes` as a number, None or a bool, not as a
+    name (an AttributeError traceback followed in the unknown-key lookup): one line naming it."""
+    for key_node, _ in yaml.compose(text).value:  # a mapping: read_yaml checked it
+        if key_node.tag not in ("tag:yaml.org,2002:str", "tag:yaml.org,2002:merge"):
+            raise ConfigError(f"{where}: the key {key_node.value!r} on line {key_node.start_mark.line + 1} is not a "
+                              "name (YAML reads it as a number, null or true/false); keys are names such as steps")
+
+
+def _warn_repeated_keys(text: str, where: str) -> None:
+    """A warning per key that a YAML file's top level sets more than once (YAML keeps the last one
+    without a word: an edited copy of base.yml with `steps:` added at the end trains with it)."""
+    lines: dict[str, list[int]] = {}
+    for key_node, _ in yaml.compose(text).value:  # a mapping: read_yaml checked it
+        lines.setdefault(str(key_node.value), []).append(key_node.start_mark.line + 1)
+    for key, at in lines.items():
+        if len(at) > 1:
+            log.warning("%s sets %s %d times (lines %s); the last, on line %d, is used", where, key, len(at),
+                        ", ".join(map(str, at)), at[-1])
