@@ -40,10 +40,17 @@ def test_slice_types(name, chips, shape, libtpu_name):
     ("v9-8", "is not a TPU slice type"),
     ("v5e-512", "at most 256 chips"),
     ("v6e-12", "not a v6e slice shape"),
+    ("v5e-0", "a slice has at least one chip; the smallest v5e slice type is v5e-1"),
+    ("v5p-1", "a slice has at least one chip; the smallest v5p slice type is v5p-2"),
 ])
 def test_bad_slice_types_say_what_to_do(name, message):
     with pytest.raises(ConfigError, match=message):
         tpu_slice(name)
+
+
+def test_a_slice_type_is_named_as_written_canonically():
+    """"V5E-8 " was accepted and written into reports and plans exactly as typed."""
+    assert tpu_slice(" V5E-8 ").name == "v5e-8" and tpu_slice("v5litepod-16").name == "v5litepod-16"
 
 
 def overrides(tmp_path, **extra):

@@ -134,12 +134,16 @@ def tpu_slice(name: str, key: str = "compile_topology") -> TpuSlice:
     acc = TPUS[_ALIASES.get(match.group(1), match.group(1))]
     size = int(match.group(2))
     chips, rest = divmod(size, acc.cores_per_chip)
-    if rest or chips < 1:
+    if chips < 1:
+        raise ConfigError(f"{key}={name!r}: a slice has at least one chip; the smallest {acc.name} slice type is "
+                          f"{match.group(1)}-{acc.cores_per_chip}")
+    if rest:
         raise ConfigError(f"{key}={name!r}: {acc.name} slice sizes count {acc.cores_per_chip} cores per chip, "
                           f"so the size must be a multiple of {acc.cores_per_chip}")
     if chips > acc.max_slice_chips:
         raise ConfigError(f"{key}={name!r}: a {acc.name} slice has at most {acc.max_slice_chips} chips; "
                           "use several slices (compile_topology_num_slices) instead")
+    name = f"{match.group(1)}-{size}"  # as reports and plans print it, however it was typed ("V5E-8 ")
     return TpuSlice(acc, name, chips, _slice_shape(acc, chips, name, key))
 
 
