@@ -208,6 +208,24 @@ def test_load_paths_without_a_checkpoint_say_so(tmp_path):
         load_parameters(str(tmp_path / "nowhere"), abstract["params"], key=None)
 
 
+def test_a_full_state_load_of_parameters_only_says_to_load_parameters(tmp_path):
+    """load_full_state_path at a converted checkpoint (parameters only) listed every optimizer array as missing
+    and told the user to use the model settings it was made with; the settings were right, the key was not."""
+    from tessera.tools.hf_checkpoint import save_params
+
+    cfg = tiny_config(tmp_path, steps=1)
+    abstract = abstract_state(setup(cfg))
+    params = jax.tree.map(lambda s: np.full(s.shape, 0.5, s.dtype), abstract["params"])
+    save_params(tmp_path / "converted", params)
+    with pytest.raises(CheckpointError) as e:
+        load_full_state(str(tmp_path / "converted"), abstract)
+    assert str(e.value) == (f"load_full_state_path={tmp_path / 'converted'} holds parameters only (a converted or "
+                            "quantized checkpoint: no optimizer state, no step); start from it with "
+                            f"load_parameters_path={tmp_path / 'converted'} instead")
+    loaded = load_parameters(str(tmp_path / "converted"), abstract["params"])  # what the message says works
+    assert all(np.all(np.asarray(x) == 0.5) for x in jax.tree.leaves(loaded))
+
+
 def test_relative_load_path_is_reported_resolved_and_writes_nothing(tmp_path):
     proc = subprocess.run([*TRAIN, "run_name=ft", "load_parameters_path=outputs/demo/checkpoints/150"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)

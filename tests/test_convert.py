@@ -178,3 +178,263 @@ def test_exported_shards_are_readable_as_config_json_is(checkpoints, tmp_path):
     modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "hf").iterdir()}
     assert len([n for n in modes if n.endswith(".safetensors")]) > 1
     assert set(modes.values()) == {0o644}, modes
+
+
+def _edited_copy(hf, dst, edit):
+    """A copy of the Hugging Face folder `hf` whose tensors `edit` changed (name -> array, edited in place)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(hf, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+UP = "model.layers.0.mlp.up_proj.weight"  # [mlp 40, emb 24]
+
+
+@pytest.mark.parametrize("change,extra,given", [
+    # a tensor stored transposed has the right size: a reshape took it and scrambled it (exit 0)
+    (lambda t: t.update({UP: np.ascontiguousarray(t[UP].T)}), [], f"{UP} (24, 40)"),
+    # one of another size was a ValueError traceback from the reshape, and from np.stack with fused_mlp
+    (lambda t: t.update({UP: t[UP][:-1].copy()}), [], f"{UP} (39, 24)"),
+    (lambda t: t.update({UP: t[UP][:-1].copy()}), ["fused_mlp=true"],
+     f"model.layers.0.mlp.gate_proj.weight (40, 24), {UP} (39, 24)"),
+], ids=["transposed", "one-row-short", "one-row-short-fused"])
+def test_a_tensor_of_another_shape_is_refused_by_name(checkpoints, tmp_path, capsys, change, extra, given):
+    _, hf = checkpoints
+    broken = _edited_copy(hf, tmp_path / "hf", change)
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(broken), str(tmp_path / "out"), *KEYS, *extra]) == 2
+    err = capsys.readouterr().err
+    needs = "(40, 24), (40, 24)" if extra else "(40, 24)"
+    assert err.endswith(f"error: the checkpoint's tensor shapes do not fit this model: {given}, where it needs "
+                        f"{needs}; does config.json describe these tensors?\n") and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == [tmp_path / "hf"]  # no scratch left
+
+
+def _write_safetensors(path, tensors, raw):
+    """A safetensors file of numpy `tensors` plus `raw` ones: name -> (dtype name, shape, bytes), e.g. float8."""
+    import json
+    import struct
+
+    header, blobs, offset = {}, [], 0
+    entries = {n: ({"float32": "F32"}[str(a.dtype)], list(a.shape), a.tobytes()) for n, a in tensors.items()}
+    for name, (dtype, shape, data) in {**entries, **raw}.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        blobs.append(data)
+        offset += len(data)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def test_integer_and_float8_tensors_are_refused_with_one_line(checkpoints, tmp_path, capsys):
+    """An int8 tensor was cast to float32 and converted (exit 0); a float8 one (DeepSeek's release) was an
+    AttributeError traceback from numpy, which has no float8 type."""
+    from safetensors.numpy import load_file
+
+    _, hf = checkpoints
+    ints = _edited_copy(hf, tmp_path / "ints", lambda t: t.update({UP: (t[UP] * 10).astype(np.int8)}))
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(ints), str(tmp_path / "out"), *KEYS]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: tensor {UP} (int8) holds integers, not weights (a quantized checkpoint?); the converter reads "
+        "float32, bfloat16 and float16 tensors (and gpt-oss's MXFP4 experts)\n")
+    f8 = _edited_copy(hf, tmp_path / "f8", lambda t: None)
+    tensors = load_file(str(f8 / "model.safetensors"))
+    up = tensors.pop(UP)
+    _write_safetensors(f8 / "model.safetensors", tensors, {UP: ("F8_E4M3", list(up.shape), bytes(up.size))})
+    assert main(["hf-to-tessera", str(f8), str(tmp_path / "out"), *KEYS]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: tensor {UP} of {f8 / 'model.safetensors'} is stored as F8_E4M3, which the converter "
+                        "does not read (float32, bfloat16, float16 and gpt-oss's MXFP4 are read); convert the "
+                        "checkpoint to bfloat16 first\n") and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_json_without_a_needed_key_is_one_line(checkpoints, tmp_path, capsys):
+    """It was a KeyError traceback (exit 1)."""
+    import json
+    import shutil
+
+    _, hf = checkpoints
+    shutil.copytree(hf, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    del config["hidden_size"]
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "out"), *KEYS]) == 2
+    assert capsys.readouterr().err == ("error: config.json of model_type='llama' has no 'hidden_size', which Tessera "
+                                       "needs to describe the model; pass the model's own config.json, as "
+                                       "transformers saves it\n")
+
+
+def test_tensors_are_checked_by_name_before_any_is_converted(checkpoints, tmp_path, capsys):
+    """Every missing tensor is named at once, before a tensor is read (it stopped at the first, mid-conversion); a
+    float8 checkpoint's block scales say what they are; an index that places a tensor in the wrong file says so
+    (it called that file damaged)."""
+    import json
+
+    ckpt, _ = checkpoints
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "sharded"), *KEYS, "--max-shard-size", "20000"]) == 0
+    index_path = tmp_path / "sharded" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    wrong = dict(index, weight_map={**index["weight_map"], UP: next(s for s in shards if s != index["weight_map"][UP])})
+    index_path.write_text(json.dumps(wrong))
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(tmp_path / "sharded"), str(tmp_path / "out"), *KEYS]) == 2
+    assert capsys.readouterr().err == (f"error: {wrong['weight_map'][UP]} has no tensor {UP}, which "
+                                       "model.safetensors.index.json places there; save the model again (or fix the "
+                                       "index)\n")
+    gone = ["model.layers.1.mlp.up_proj.weight", "model.norm.weight"]
+    scales = {UP + "_scale_inv": shards[0]}
+    index_path.write_text(json.dumps(dict(index, weight_map={**{k: v for k, v in index["weight_map"].items()
+                                                                 if k not in gone}, **scales})))
+    for shard in shards:  # unreadable: only the names may be looked at
+        (tmp_path / "sharded" / shard).write_bytes(b"")
+    assert main(["hf-to-tessera", str(tmp_path / "sharded"), str(tmp_path / "out"), *KEYS]) == 2
+    assert capsys.readouterr().err == (f"error: the checkpoint has no tensor {gone[0]!r}, {gone[1]!r}; is model_name "
+                                       "(or decoder_block) right?\n")
+    index_path.write_text(json.dumps(dict(index, weight_map={**index["weight_map"], **scales})))
+    assert main(["hf-to-tessera", str(tmp_path / "sharded"), str(tmp_path / "out"), *KEYS]) == 2
+    assert capsys.readouterr().err == (f"error: 1 tensors of the checkpoint have no place in this Tessera model: "
+                                       f"{UP}_scale_inv; *_scale_inv tensors are the block scales of float8 weights, "
+                                       "which the converter does not read: convert the checkpoint to bfloat16 first\n")
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_names_the_model_keys_a_training_checkpoint_was_saved_with(checkpoints, tmp_path, capsys):
+    """A training step keeps its config: tessera-to-hf now says, as train.py and decode.py do, which model keys
+    differ when the parameters do not fit, and warns when they fit but the model keys change what the exported
+    model computes (a rotary base here): its config.json is written from the command line's keys."""
+    import json
+    import shutil
+
+    from tessera.checkpointing.storage import CONFIG_FILE
+
+    ckpt, _ = checkpoints
+    step = tmp_path / "step"
+    shutil.copytree(ckpt, step)
+    (step / "config").mkdir()
+    (step / "config" / CONFIG_FILE).write_text(json.dumps({"base_num_decoder_layers": 2, "rope_max_timescale": 10000}))
+    capsys.readouterr()
+    assert main(["tessera-to-hf", str(step), str(tmp_path / "deeper"), *KEYS, "base_num_decoder_layers=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith("\nThe config saved with it differs in its model keys: base_num_decoder_layers=2 (here 3)\n")
+    assert not (tmp_path / "deeper").exists()
+    assert main(["tessera-to-hf", str(step), str(tmp_path / "hf"), *KEYS, "rope_max_timescale=500000"]) == 0
+    err = capsys.readouterr().err
+    assert f"W the parameters of {step} were trained with other model keys: rope_max_timescale=10000 (here 500000)" \
+        in err
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["rope_theta"] == 500000
+
+
+def test_a_gemma_config_json_without_tie_word_embeddings_is_tied(tmp_path, capsys):
+    """Google's Gemma and Gemma 2 config.json files leave tie_word_embeddings out (transformers, whose Gemma
+    configs tie by default, wrote only non-default values): it was read as untied, so the model file's
+    logits_via_embedding=true was refused, and with the suggested logits_via_embedding=false there was no
+    lm_head.weight to read."""
+    import json
+
+    keys = ["model_name=gemma-2b", "base_emb_dim=24", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=6",
+            "base_mlp_dim=40", "base_num_decoder_layers=2", "vocab_size=96"]
+    targets = hf_checkpoint.param_targets(load_model_config(None, keys))
+    assert "logits_dense_dv" not in targets  # the model file ties them
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(t.shape).astype(t.dtype) for k, t in targets.items()}
+    hf_checkpoint.save_params(tmp_path / "tessera", hf_checkpoint._nest(params))
+    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config.pop("tie_word_embeddings") is True
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))  # as google/gemma-2b's has it
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "back"), *keys]) == 0, capsys.readouterr().err
+    from tessera.checkpointing import load_parameters
+    import jax
+
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(lambda t: jax.ShapeDtypeStruct(t.shape, t.dtype, sharding=device),
+                            hf_checkpoint._nest(targets))
+    back = load_parameters(str(tmp_path / "back"), abstract)
+    for path, value in params.items():
+        node = back
+        for key in path.split("/"):
+            node = node[key]
+        np.testing.assert_array_equal(np.asarray(node), value, err_msg=path)
+
+
+def test_bucket_urls_are_refused_where_only_local_folders_work(checkpoints, tmp_path, monkeypatch, capsys):
+    """An output URL passed the reachability check and became pathlib's gs:/bucket/out: the checkpoint was written
+    into a local folder named gs: under the working directory, and the bucket got nothing."""
+    from tessera.checkpointing import storage
+
+    monkeypatch.setattr(storage, "remote_exists", lambda *a, **k: None)  # a bucket that can be reached
+    monkeypatch.chdir(tmp_path)
+    ckpt, hf = checkpoints
+    capsys.readouterr()
+    for args, name, url in [(["hf-to-tessera", str(hf), "gs://bucket/out"], "output folder", "gs://bucket/out"),
+                            (["tessera-to-hf", str(ckpt), "gs://bucket/hf"], "output folder", "gs://bucket/hf"),
+                            (["hf-to-tessera", "gs://bucket/hf", str(tmp_path / "o")], "Hugging Face folder",
+                             "gs://bucket/hf")]:
+        assert main([*args, *KEYS]) == 2
+        assert capsys.readouterr().err == (f"error: {name} {url}: the converter reads and writes local folders here; "
+                                           "copy the model to a local folder first, or convert into one and copy "
+                                           "that to the bucket afterwards\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_during_the_write_leaves_nothing_behind(checkpoints, tmp_path, monkeypatch, capsys):
+    """Ctrl-C while Orbax wrote `<out>.orbax-checkpoint-tmp` left that folder (a model's worth of disk, never
+    cleaned up: the output folder the message said to delete did not exist), and Orbax's writer threads printed
+    tracebacks as the interpreter shut down under them. Now the write ends first, then everything is removed."""
+    import signal
+    import time
+
+    _, hf = checkpoints
+
+    def save_params(out_dir, params):  # Orbax's order: a temporary folder, renamed once complete
+        tmp = out_dir.parent / f"{out_dir.name}.orbax-checkpoint-tmp"
+        tmp.mkdir()
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the write
+        time.sleep(0.2)
+        (tmp / "array").write_bytes(b"x" * 100)
+        tmp.rename(out_dir)
+
+    monkeypatch.setattr(hf_checkpoint, "save_params", save_params)
+    (tmp_path / "x").mkdir()
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(hf), str(tmp_path / "x" / "out"), *KEYS]) == 130
+    err = capsys.readouterr().err
+    assert "W interrupted: stopping once the checkpoint write in progress ends; it is then removed" in err
+    assert err.endswith("error: interrupted (Ctrl-C); nothing was written (the partial output was removed): convert "
+                        "again\n")
+    assert list((tmp_path / "x").iterdir()) == []  # no output, no temporary folder, no scratch copy
+
+
+def test_an_interrupted_export_removes_what_it_wrote(checkpoints, tmp_path, monkeypatch, capsys):
+    """tessera-to-hf removed its partial output only for a damaged checkpoint: Ctrl-C (or a full disk) left
+    the shards written so far, without config.json."""
+    ckpt, _ = checkpoints
+    added = []
+
+    def add(self, name, value, original=hf_checkpoint.ShardWriter.add):
+        if len(added) == 6:
+            raise KeyboardInterrupt
+        added.append(name)
+        original(self, name, value)
+
+    monkeypatch.setattr(hf_checkpoint.ShardWriter, "add", add)
+    capsys.readouterr()
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "hf"), *KEYS, "--max-shard-size", "5000"]) == 130
+    assert capsys.readouterr().err.endswith("error: interrupted (Ctrl-C); nothing was written (the partial output "
+                                            "was removed): convert again\n")
+    assert not (tmp_path / "hf").exists()
+    (tmp_path / "given").mkdir()  # an empty folder given as the output stays, empty
+    added.clear()
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "given"), *KEYS, "--max-shard-size", "5000"]) == 130
+    assert list((tmp_path / "given").iterdir()) == []

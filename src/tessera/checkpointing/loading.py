@@ -95,6 +95,9 @@ def _restore_tree(path: str, key: str | None, target, partial: bool, verify: boo
     if partial and "params" not in tree:
         raise CheckpointError(f"{label} holds no parameters (its tree has {', '.join(map(str, tree))}); "
                               "point it at a training step folder or a converted checkpoint")
+    if not partial and "params" in tree and "opt_state" in target and "opt_state" not in tree:
+        raise CheckpointError(f"{label} holds parameters only (a converted or quantized checkpoint: no optimizer "
+                              f"state, no step); start from it with load_parameters_path={path} instead")
     target, finish = restacked(tree, target)
     # parameters alone may be read into another floating dtype (weight_dtype): Orbax casts them as it reads
     raise_on_mismatch(item, tree, target, only_prefix="params/" if partial else "", cast_floats=partial)

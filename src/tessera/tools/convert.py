@@ -17,17 +17,21 @@ tessera-to-hf restores one parameter at a time from a Tessera checkpoint (a trai
 folder or a converted one) and writes safetensors shards of at most `--max-shard-size` bytes
 plus `config.json`; RAM holds one shard being assembled plus one restored parameter. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
 bit, when weight_dtype is the checkpoint's dtype. Relative paths are read from the working
-directory; a checkpoint may also be a gs:// URL.
+directory; tessera-to-hf's checkpoint may also be a gs:// URL (the other folders are local).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 from tqdm import tqdm
@@ -87,26 +91,109 @@ def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
     targets = hf_checkpoint.param_targets(cfg)  # our path -> ShapeDtypeStruct
     used: set[str] = set()
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
+    # every tensor named before any is read: a wrong family or a missing tensor fails in seconds, not at the end
+    used.update(n for rule, _, _, fmt in jobs for n in map(fmt, rule.hf))
+    _check_all_present(reader.names, used)
+    used.update(_mtp_tensors(reader.names, m))
+    _check_all_used(reader.names, used, m.logits_via_embedding)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # a new folder of its own beside the output (the same disk): it never deletes one that was there before
     scratch = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".scratch", dir=out_dir.parent))
     arrays = hf_checkpoint.ScratchArrays(scratch, targets)
+    others = _orbax_temporaries(out_dir)  # Orbax writes `<out>.orbax-checkpoint-tmp...` first: those were not ours
     try:
         for rule, prefix, index, fmt in tqdm(jobs, desc="hf-to-tessera", unit="tensor", file=sys.stderr,
                                         disable=None):
             names = [fmt(n) for n in rule.hf]
-            values = rule.to_ours(*(reader.get(n) for n in names))
-            used.update(names)
-            for path, value in zip(rule.ours, values):
+            shapes = [_layer_shape(targets[prefix + path], index) for path in rule.ours]
+            for path, value in zip(rule.ours, _to_ours(rule, names, [reader.get(n) for n in names], shapes)):
                 arrays.put(prefix + path, index, value)
-        used.update(_mtp_tensors(reader.names, m))
-        _check_all_used(reader.names, used, m.logits_via_embedding)
         arrays.check_complete()
-        hf_checkpoint.save_params(out_dir, arrays.tree())
-    finally:
-        arrays.close()
-        shutil.rmtree(scratch, ignore_errors=True)
+        # Orbax's writer threads cannot be stopped halfway: a Ctrl-C waits for the write to end, then removes it
+        with _interrupts_held("the checkpoint write in progress ends; it is then removed"):
+            hf_checkpoint.save_params(out_dir, arrays.tree())
+        with _interrupts_held():  # a Ctrl-C during the removal left the scratch copy of the model behind
+            _remove([scratch], arrays)
+    except BaseException:  # a damaged input, a full disk, Ctrl-C: what this conversion wrote is removed
+        with _interrupts_held():
+            _remove([scratch, out_dir, *(_orbax_temporaries(out_dir) - others)], arrays)
+        raise
     return out_dir
+
+
+def _remove(folders: list[Path], arrays) -> None:
+    arrays.close()
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _orbax_temporaries(out_dir: Path) -> set[Path]:
+    from tessera.checkpointing import INCOMPLETE_MARKER
+
+    name = out_dir.name + INCOMPLETE_MARKER
+    return {p for p in out_dir.parent.iterdir() if p.name.startswith(name)}
+
+
+@contextlib.contextmanager
+def _interrupts_held(until: str = ""):
+    """Ctrl-C held back until the block ends, then raised: for work that must not stop halfway
+    (`until` says what it waits for, logged at the first Ctrl-C)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+
+    def hold(number, frame):
+        if until and not caught:
+            log.warning("interrupted: stopping once %s", until)
+        caught.append(number)
+
+    previous = signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
+def _layer_shape(target, index: int | None) -> tuple[int, ...]:
+    """The shape of one layer's slice of a parameter (`index` in its stacked axis), or its whole shape."""
+    return tuple(target.shape if index is None else target.shape[1:])
+
+
+def _to_ours(rule, names: list[str], tensors: list, shapes: list[tuple[int, ...]]) -> tuple:
+    """rule.to_ours(*tensors), checked: each of our arrays has its shape in `shapes`, and the tensors
+    have the shapes the rule maps them from. A reshape alone would take a tensor of the right size in
+    another shape (stored transposed) and scramble it; going back (to_hf) must give the shapes read.
+    ConfigError naming the tensors, their dtypes and shapes otherwise."""
+    ints = [f"{n} ({t.dtype})" for n, t in zip(names, tensors) if t.dtype.kind in "biuO"]
+    if ints:
+        raise ConfigError(f"tensor {', '.join(ints)} holds integers, not weights (a quantized checkpoint?); the "
+                          "converter reads float32, bfloat16 and float16 tensors (and gpt-oss's MXFP4 experts)")
+    try:
+        values = rule.to_ours(*tensors)
+        back = rule.to_hf(*values) if values else tensors  # () for tensors not read (DeepSeek's MTP copies)
+        fits = ([tuple(v.shape) for v in values] == shapes or not values) and \
+            [b.shape for b in back] == [t.shape for t in tensors]
+    except ValueError:  # stacking or reshaping tensors of other sizes
+        fits = False
+    if fits:
+        return values
+    import numpy as np
+
+    wanted = [tuple(t.shape) for t in rule.to_hf(*(np.zeros(s, np.float32) for s in shapes))]
+    given = ", ".join(f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors))
+    raise ConfigError(f"the checkpoint's tensor shapes do not fit this model: {given}, where it needs "
+                      f"{', '.join(map(str, wanted))}; does config.json describe these tensors?")
+
+
+def _check_all_present(names, needed: set[str]) -> None:
+    present = set(names)
+    missing = sorted(n for n in needed if n not in present)
+    if missing:
+        shown = ", ".join(map(repr, missing[:8])) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ConfigError(f"the checkpoint has no tensor {shown}; is model_name (or decoder_block) right?")
 
 
 def _mtp_tensors(names, m) -> list[str]:
@@ -144,6 +231,10 @@ def _check_all_used(names, used: set[str], tied: bool) -> None:
             and not (tied and n == "lm_head.weight") and n not in other]
     if left:
         shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
+        if any(n.endswith("_scale_inv") for n in left):  # DeepSeek's float8 release: a weight and its block scales
+            raise ConfigError(f"{len(left)} tensors of the checkpoint have no place in this Tessera model: {shown}; "
+                              "*_scale_inv tensors are the block scales of float8 weights, which the converter "
+                              "does not read: convert the checkpoint to bfloat16 first")
         raise ConfigError(f"{len(left)} tensors of the checkpoint have no place in this Tessera model: {shown}; "
                           "is model_name (or decoder_block) the right family?")
 
@@ -154,14 +245,19 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"{out_dir} is not empty; choose a new output folder (nothing was written)")
-    from tessera.checkpointing import CheckpointError
-
     m = cfg.model
     layout = layout_for(m)
     if m.mtp_num_layers and not layout.mtp_rules:
         log.info("left out the %d multi-token-prediction depths (mtp_*): the Hugging Face format of "
                  "decoder_block=%s has no place for them", m.mtp_num_layers, m.decoder_block)
-    source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
+    # a training step keeps its config: a load that does not fit names the model keys that differ, and one that
+    # fits with other model keys (a rotary base, a window) is said to compute something else, as train.py says
+    from tessera.checkpointing import mismatch_explained, warn_model_changes
+
+    model_keys = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+    with mismatch_explained(checkpoint, model_keys):
+        source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
+    warn_model_changes(checkpoint, model_keys)
     made = not out_dir.exists()
     writer = hf_checkpoint.ShardWriter(out_dir, max_shard_size)
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
@@ -171,12 +267,13 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
             values = rule.to_hf(*(source.get(prefix + path, index) for path in rule.ours))
             for name, value in zip(rule.hf, values):
                 writer.add(fmt(name), value)
-    except (CheckpointError, ConfigError):  # a damaged checkpoint: leave no half-written output behind
-        if made:
-            shutil.rmtree(out_dir, ignore_errors=True)
+        writer.close()
+        (out_dir / "config.json").write_text(json.dumps(hf_checkpoint.hf_config(m), indent=2) + "\n")
+    except BaseException:  # a damaged checkpoint, a full disk, Ctrl-C: leave no half-written output behind
+        with _interrupts_held():
+            for path in [out_dir] if made else list(out_dir.iterdir()):  # an empty folder given: its contents
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         raise
-    writer.close()
-    (out_dir / "config.json").write_text(json.dumps(hf_checkpoint.hf_config(m), indent=2) + "\n")
     return out_dir
 
 
@@ -197,15 +294,17 @@ def main(argv: list[str]) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
     from tessera.checkpointing import CheckpointError
+    from tessera.checkpointing.storage import quiet_orbax_logs
 
+    quiet_orbax_logs()  # Orbax's own ERROR records (with tracebacks) of what is reported here in one line
     try:
         return _run(argv)
     except (ConfigError, UsageError, CheckpointError) as e:
         print(f"{'checkpoint ' if isinstance(e, CheckpointError) else ''}error: {e}", file=sys.stderr)
         return 2
-    except (OSError, KeyboardInterrupt) as e:  # a full disk mid-write, Ctrl-C: the output is incomplete
+    except (OSError, KeyboardInterrupt) as e:  # a full disk mid-write, Ctrl-C: the partial output is removed
         what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"writing failed: {e}"
-        print(f"error: {what}; the output folder is incomplete: delete it and convert again", file=sys.stderr)
+        print(f"error: {what}; nothing was written (the partial output was removed): convert again", file=sys.stderr)
         return 130 if isinstance(e, KeyboardInterrupt) else 2
 
 
@@ -221,6 +320,11 @@ def _run(argv: list[str]) -> int:
         raise UsageError("--max-shard-size sizes the safetensors files tessera-to-hf writes; hf-to-tessera writes an "
                          "Orbax checkpoint: leave the option out")
     what = "Hugging Face folder" if command == "hf-to-tessera" else "checkpoint"
+    # pathlib would make gs://b/x the local folder gs:/b/x: only tessera-to-hf's checkpoint is read from a bucket
+    for text, name in ((out, "output folder"), *([(source, what)] if command == "hf-to-tessera" else [])):
+        if "://" in text:
+            raise UsageError(f"{name} {text}: the converter reads and writes local folders here; copy the model to a "
+                             "local folder first, or convert into one and copy that to the bucket afterwards")
     source, out = resolve_path(source, what), resolve_path(out, "output folder", must_exist=False)
     cfg = load_model_config(None, overrides)
     from tessera.checkpointing import check_writable  # before reading gigabytes: a parent that is a file, no permission

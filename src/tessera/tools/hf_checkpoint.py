@@ -28,6 +28,9 @@ log = logging.getLogger("tessera")
 def read_hf_config(hf_dir: Path) -> dict:
     """The folder's config.json as a dict; ConfigError when it is missing, not JSON or not an object."""
     path = hf_dir / "config.json"
+    if hf_dir.is_file():
+        raise ConfigError(f"{hf_dir} is a file; pass the Hugging Face model folder that holds it "
+                          "(config.json + *.safetensors)")
     if not path.is_file():
         raise ConfigError(f"{hf_dir} has no config.json; pass a Hugging Face model folder "
                           "(config.json + *.safetensors)")
@@ -94,7 +97,15 @@ class Reader:
         try:
             return self._open[path].get_tensor(actual)
         except SafetensorError as e:
+            if "does not contain tensor" in str(e):  # the index names the wrong file: the file may be fine
+                raise ConfigError(f"{path.name} has no tensor {actual}, which model.safetensors.index.json places "
+                                  "there; save the model again (or fix the index)") from None
             raise _damaged(path, e) from None
+        except (AttributeError, TypeError):  # a dtype numpy has no type for: float8 (numpy.float8_e4m3fn)
+            dtype = self._open[path].get_slice(actual).get_dtype()
+            raise ConfigError(f"tensor {actual} of {path} is stored as {dtype}, which the converter does not read "
+                              "(float32, bfloat16, float16 and gpt-oss's MXFP4 are read); convert the checkpoint to "
+                              "bfloat16 first") from None
 
 
 # The 16 values of an FP4 (e2m1) code: sign bit, two exponent bits, one mantissa bit

@@ -26,11 +26,29 @@ HF_MULTIMODAL = {"llama4": "llama4_text"}
 HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 HF_MLP_BIAS = ("llama",)
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
+# families whose transformers config ties the output layer to the embedding unless it says otherwise: Google's
+# released Gemma and Gemma 2 config.json files leave tie_word_embeddings out (transformers wrote only non-defaults)
+TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3_text")
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Tessera model keys (global_parameter_scale=1) describing the model of a config.json."""
-    hf = text_model_config(hf)
+    """Tessera model keys (global_parameter_scale=1) describing the model of a config.json; ConfigError
+    for a config.json without a key its family needs, or with a value of the wrong type."""
+    try:
+        return _keys_of(text_model_config(hf))
+    except ConfigError:
+        raise
+    except KeyError as e:
+        raise ConfigError(f"config.json of model_type={hf.get('model_type')!r} has no {e.args[0]!r}, which Tessera "
+                          "needs to describe the model; pass the model's own config.json, as transformers saves it"
+                          ) from None
+    except (TypeError, ValueError, ZeroDivisionError, AttributeError) as e:
+        raise ConfigError(f"config.json of model_type={hf.get('model_type')!r} has a value of the wrong type "
+                          f"({type(e).__name__}: {e}); pass the model's own config.json, as transformers saves it"
+                          ) from None
+
+
+def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
     kind = hf.get("model_type")
     if kind not in HF_MODEL_TYPES:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
@@ -44,7 +62,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         "base_num_query_heads": heads, "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
         "head_dim": hf.get("head_dim") or hf["hidden_size"] // heads, "base_mlp_dim": hf["intermediate_size"],
         "base_num_decoder_layers": hf["num_hidden_layers"], "vocab_size": hf["vocab_size"],
-        "normalization_layer_epsilon": hf["rms_norm_eps"], "logits_via_embedding": bool(hf.get("tie_word_embeddings")),
+        "normalization_layer_epsilon": hf["rms_norm_eps"],
+        "logits_via_embedding": bool(hf.get("tie_word_embeddings", kind in TIED_BY_DEFAULT)),
         "mlp_activations": [_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"), "linear"],
         "sliding_window_size": hf.get("sliding_window") or 0, **_rope_keys(hf),
     }
