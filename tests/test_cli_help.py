@@ -251,3 +251,13 @@ def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(
     assert (f"{what}: the process was busy in compiled code (compiling, loading, or waiting for memory) "
             f"and did not reach its handler within 2 s; stopping now (exit code {code})") in err
     assert "the handler ran" not in err
+
+
+def test_a_folder_whose_path_holds_an_equals_sign_is_not_an_override():
+    """convert and check_logits took every argument with '=' for key=value: a checkpoint under
+    runs/lr=3e-4/ was read as an override and the command stopped with a usage error."""
+    from tessera.tools.cli import split_overrides
+
+    args = ["hf-to-tessera", "/data/runs/lr=3e-4/hf", "./out=1", "model_name=llama2-7b", "--weight_dtype=bfloat16"]
+    assert split_overrides(args) == (["hf-to-tessera", "/data/runs/lr=3e-4/hf", "./out=1"],
+                                     ["model_name=llama2-7b", "--weight_dtype=bfloat16"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import signal
 import sys
 import threading
@@ -236,9 +237,14 @@ def take_options(argv: Sequence[str], defaults: dict[str, str]) -> tuple[dict[st
     return values, rest
 
 
+OVERRIDE = re.compile(r"-{0,2}[A-Za-z_][A-Za-z0-9_]*=")  # key=value; a path such as runs/lr=3e-4 is not one
+
+
 def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
-    """(positional arguments, key=value overrides)."""
-    return [a for a in args if "=" not in a], [a for a in args if "=" in a]
+    """(positional arguments, key=value overrides): an override's key is a name, so a folder whose
+    path holds '=' (runs/lr=3e-4/checkpoints/100) is a positional argument."""
+    overrides = [a for a in args if OVERRIDE.match(a)]
+    return [a for a in args if not OVERRIDE.match(a)], overrides
 
 
 def resolve_path(text: str, what: str, must_exist: bool = True) -> str:
