@@ -773,6 +773,30 @@ def test_keys_a_run_does_not_read_are_named():
     assert keys_without_effect(used, {"fsdp": 8}) == []
 
 
+def test_other_optimizers_and_decodings_keys_are_named_in_training():
+    """adam_* with opt_type=sgd, muon_* without muon, kv_quant_* without quantize_kvcache and
+    save_quantized_params_path given to train.py were accepted without a word."""
+    from tessera.config.checks import keys_without_effect
+
+    sgd = load_config([BASE, "opt_type=sgd", "adam_b2=0.99", "muon_beta=0.9", "kv_quant_dtype=int4",
+                       "save_quantized_params_path=q", "quantization=int8"], env={})
+    assert keys_without_effect(sgd, {"fsdp": 8}) == [
+        "adam_b2=0.99: no effect with opt_type=sgd (plain SGD: no moments, no weight decay)",
+        "muon_beta=0.9: no effect with opt_type=sgd; they are read with opt_type=muon",
+        "kv_quant_dtype=int4: no effect without quantize_kvcache=true (and only in decoding)",
+        "save_quantized_params_path: no effect on training; decode.py writes the loaded weights quantized there "
+        "(checkpoints of a run with `quantization` hold them in weight_dtype)"]
+    muon = load_config([BASE, "opt_type=muon", "adam_b2=0.99", "muon_beta=0.9", "quantize_kvcache=true",
+                        "kv_quant_dtype=int4"], env={})
+    assert keys_without_effect(muon, {"fsdp": 8}) == []  # muon's AdamW part reads adam_*
+
+
+def test_a_final_learning_rate_above_the_peak_is_refused():
+    with pytest.raises(ConfigError, match="cosine_learning_rate_final_fraction"):
+        load_config([BASE, "cosine_learning_rate_final_fraction=2"], env={})
+    assert load_config([BASE, "cosine_learning_rate_final_fraction=1"], env={}).optim.cosine_learning_rate_final_fraction == 1
+
+
 def test_deepseek_refuses_a_sliding_window_its_attention_would_ignore():
     with pytest.raises(ConfigError, match=r"sliding_window_size=4: decoder_block=deepseek's latent attention \(MLA\) "
                                           "attends over the whole sequence and would ignore it"):

@@ -325,3 +325,20 @@ def test_quantized_checkpoint_keys_are_checked():
         tiny_config(save_quantized_params_path="q")
     with pytest.raises(ConfigError, match=r"checkpoint_is_quantized=true needs load_parameters_path"):
         tiny_config(checkpoint_is_quantized=True, quantization="int8")
+
+
+def test_a_float8_checkpoint_is_not_cast_into_another_float8_format():
+    """A checkpoint saved with quantization=fp8 (float8_e4m3fn values) loaded with nanoo_fp8 (e4m3fnuz)
+    was cast as a weight_dtype change is: every value above 240 became NaN and decode gave token 0.
+    Float8 values now have to match; 16- and 32-bit weights still cast."""
+    from tessera.checkpointing import describe_mismatch
+
+    def tree(values, scale):
+        return {"params": {"mlp": {"wi": {"qvalue": jax.ShapeDtypeStruct((4, 8), values),
+                                          "scale": jax.ShapeDtypeStruct((1, 8), scale)}}}}
+
+    problems = describe_mismatch(tree(jnp.float8_e4m3fn, jnp.float32), tree(jnp.float8_e4m3fnuz, jnp.bfloat16),
+                                 cast_floats=True)
+    assert problems == ["params/mlp/wi/qvalue: checkpoint has dtype float8_e4m3fn, this config expects "
+                        "float8_e4m3fnuz"], problems
+    assert describe_mismatch(tree(jnp.bfloat16, jnp.float32), tree(jnp.float32, jnp.bfloat16), cast_floats=True) == []

@@ -64,10 +64,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size:g} must be > 0 (a fraction such as "
                           "0.5 is allowed: a global batch of fewer sequences than devices)")
     if cfg.checkpoint.save_quantized_params_path and not cfg.model.quantization:
-        raise ConfigError("save_quantized_params_path needs quantization=int8, fp8 or fp8_full (the stored type)")
+        raise ConfigError("save_quantized_params_path needs quantization=int8, fp8, fp8_full or nanoo_fp8 (the stored "
+                          "type)")
     if cfg.checkpoint.checkpoint_is_quantized and not (cfg.model.quantization and cfg.checkpoint.load_parameters_path):
         raise ConfigError("checkpoint_is_quantized=true needs load_parameters_path=<the quantized checkpoint> and the "
-                          "quantization=int8|fp8|fp8_full it was written with")
+                          "quantization=int8|fp8|fp8_full|nanoo_fp8 it was written with")
     for name in ("adam_b1", "adam_b2", "muon_beta"):
         beta = getattr(cfg.optim, name)
         if beta >= 1.0:
@@ -340,6 +341,26 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
                      "experts")
+    lines += _optimizer_and_decoding_keys(cfg, changed)
+    return lines
+
+
+ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_weight_decay")  # muon's AdamW part reads them too
+MUON_KEYS = ("muon_beta", "muon_weight_decay", "muon_consistent_rms")
+
+
+def _optimizer_and_decoding_keys(cfg: Config, changed: dict) -> list[str]:
+    """keys_without_effect's lines for the other optimizers' keys, and for decoding keys in training."""
+    lines, opt = [], cfg.optim.opt_type
+    if opt == "sgd" and (keys := [k for k in ADAM_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with opt_type=sgd (plain SGD: no moments, no weight decay)")
+    if opt != "muon" and (keys := [k for k in MUON_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with opt_type={opt}; they are read with opt_type=muon")
+    if not cfg.model.quantize_kvcache and (keys := [k for k in ("kv_quant_dtype", "kv_quant_axis") if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without quantize_kvcache=true (and only in decoding)")
+    if "save_quantized_params_path" in changed:
+        lines.append("save_quantized_params_path: no effect on training; decode.py writes the loaded weights quantized "
+                     "there (checkpoints of a run with `quantization` hold them in weight_dtype)")
     return lines
 
 

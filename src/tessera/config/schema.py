@@ -467,7 +467,8 @@ class OptimConfig:
     warmup_steps_fraction: float = key(0.1, "fraction of learning_rate_schedule_steps spent warming up linearly",
                                          minimum=0.0, maximum=1.0)
     learning_rate_schedule_steps: int = key(-1, "length of the schedule in steps (-1: steps)", maximum=MAX_STEPS)
-    cosine_learning_rate_final_fraction: float = key(0.1, "final learning rate as a fraction of the peak", minimum=0.0)
+    cosine_learning_rate_final_fraction: float = key(0.1, "final learning rate as a fraction of the peak", minimum=0.0,
+                                                     maximum=1.0)
     adam_b1: float = key(0.9, "AdamW beta1", minimum=0.0)
     adam_b2: float = key(0.95, "AdamW beta2", minimum=0.0)
     adam_eps: float = key(1e-8, "AdamW epsilon", minimum=0.0)
