@@ -86,9 +86,12 @@ def test_a_mesh_xla_cpu_miscompiles_is_refused_or_computes_one_devices_losses(tm
     np.testing.assert_allclose(losses("mesh", 8, per_device_batch_size=0.5, **mesh_keys), reference, rtol=1e-4)
 
 
-def test_gradient_accumulation_equals_one_big_batch(reference_losses, tmp_path):
-    losses = _losses(tmp_path, "acc", 1, gradient_accumulation_steps=4)
+def test_gradient_accumulation_equals_one_big_batch(reference_losses, tmp_path, caplog):
+    with caplog.at_level("INFO", logger="tessera"):
+        losses = _losses(tmp_path, "acc", 1, gradient_accumulation_steps=4)
     np.testing.assert_allclose(losses, reference_losses, rtol=1e-4)
+    # the batch is split, not multiplied as MaxText's key does: the log says which batch a run trains on
+    assert re.search(r"parameters, global batch (\d+) x 12 tokens in 4 micro-batches of (\d+)", caplog.text)
 
 
 def _state_bytes_per_device(trainer, part):

@@ -145,8 +145,9 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
             return metrics.run_report([], cfg.run.report_warmup_steps, run_name=cfg.run.run_name,
                                       start_step=start_step)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state["params"]))
-    log.info("%s parameters, global batch %d x %d tokens", f"{n_params:,}", plan.global_batch,
-             plan.max_target_length)
+    log.info("%s parameters, global batch %d x %d tokens%s", f"{n_params:,}", plan.global_batch,
+             plan.max_target_length, f" in {plan.micro_batches} micro-batches of {plan.global_batch // plan.micro_batches}"
+             if plan.micro_batches > 1 else "")
 
     # ---- compiled step, run folder
     clock.switch("compile")
