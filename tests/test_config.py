@@ -20,7 +20,7 @@ MODELS = sorted(p.stem for p in (REPO / "configs" / "models").glob("*.yml"))
 
 def test_base_yml_is_generated_from_schema():
     assert (REPO / "configs" / "base.yml").read_text() == render_base_yml(), (
-        "configs/base.yml is stale: run `python3 -m tessera.config > configs/base.yml`"
+        "configs/base.yml is stale: run `.venv/bin/python -m tessera.config > configs/base.yml`"
     )
 
 
@@ -227,7 +227,7 @@ def test_train_py_names_the_variable_and_refuses_placeholders_before_anything_ru
     ({"eval_interval": 5}, "eval_steps=-1 reads the eval data to its end, but synthetic data never ends"),
 ])
 def test_model_and_eval_keys_are_checked_before_any_model_is_built(keys, message, capsys):
-    """`python3 -m tessera.config` and train_compile refuse them with exit code 2 from the config
+    """`.venv/bin/python -m tessera.config` and train_compile refuse them with exit code 2 from the config
     alone; eval_steps fails in build_config, the expert count (which the estimator may size on
     any block family) in `validate_for_build`."""
     from tessera import train_compile

@@ -141,7 +141,7 @@ def test_automatic_pgle_skips_ahead_of_time_compiled_functions():
 def test_pgle_profile_tool_answers_help_without_jax():
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "tessera.gpu_tuning", "--help"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: python3 -m tessera.gpu_tuning TRACE_FOLDER")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: .venv/bin/python -m tessera.gpu_tuning TRACE_FOLDER")
     assert "getting_started/GPU_performance.md" in proc.stdout
     assert not any(line.rstrip().endswith("| jax") for line in proc.stderr.splitlines())
 

@@ -142,7 +142,7 @@ def test_a_bad_allocator_name_stops_train_py_with_one_line_and_exit_code_2(tmp_p
 
 
 def test_python_m_tessera_train_goes_through_the_same_restart(tmp_path):
-    """`python3 -m tessera.train` restarts itself as train.py does (a bad allocator name proves it reached
+    """`.venv/bin/python -m tessera.train` restarts itself as train.py does (a bad allocator name proves it reached
     the restart: one line, exit code 2, before any config is read)."""
     proc = subprocess.run([sys.executable, "-m", "tessera.train", str(REPO / "configs" / "base.yml")],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path,
@@ -160,7 +160,7 @@ def test_the_log_line_says_why_a_process_runs_on_the_system_allocator(monkeypatc
     monkeypatch.setattr(host_malloc, "in_use", lambda: "system")  # as if the library were not mapped
     monkeypatch.setattr(host_malloc, "_reexec_called", False)
     assert host_malloc.describe() == ("system; this process did not restart itself with it "
-                                      "(train.py and python3 -m tessera.train do)")
+                                      "(train.py and .venv/bin/python -m tessera.train do)")
     monkeypatch.setattr(host_malloc, "_reexec_called", True)  # restarted, yet not mapped: the loader refused it
     assert host_malloc.describe() == (f"system; {host_malloc.library()} was not loaded; "
                                       "see the loader's message at start-up")

@@ -46,8 +46,8 @@ def test_a_state_larger_than_the_host_allows_stops_before_anything_is_allocated(
         rf"{NUMBER}, optimizer state {NUMBER}, and {NUMBER} of temporaries while it is initialized, over a mesh of 8 "
         rf"device\(s\)\); this host's 8 cpu devices need {NUMBER} in all and have {NUMBER} left \(ulimit -v 8.0 GiB, "
         rf"of which this process has mapped {NUMBER}; raise it with `ulimit -v`\)\. Nothing was allocated; use a "
-        r"smaller model or weight_dtype=bfloat16 or free memory; `python3 -m tessera.tools.estimate` and "
-        r"`python3 -m tessera.tools.plan` size a run beforehand \(exit code 7\)", line)
+        r"smaller model or weight_dtype=bfloat16 or free memory; `.venv/bin/python -m tessera.tools.estimate` and "
+        r"`.venv/bin/python -m tessera.tools.plan` size a run beforehand \(exit code 7\)", line)
     assert match, line
     per_device, params, opt, init, total, left, mapped = map(float, match.groups())
     # the state (75.3 GiB over 8 devices) and the init program's temporaries, from XLA's memory analysis

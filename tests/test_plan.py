@@ -201,7 +201,7 @@ def test_cli_from_a_subprocess_with_a_relative_model_file(tmp_path):
     bad = _run(["llama3.1-8b", "--hardware", "v9z-8"], tmp_path)
     assert bad.returncode == 2 and "neither a TPU slice type" in bad.stderr and "Traceback" not in bad.stderr
     helped = _run(["--help"], tmp_path)
-    assert helped.returncode == 0 and helped.stdout.startswith("usage: python3 -m tessera.tools.plan")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: .venv/bin/python -m tessera.tools.plan")
     assert "--tokens-per-device" in helped.stdout and "getting_started/Plan.md" in helped.stdout
     assert (REPO / "getting_started" / "Plan.md").is_file()
 

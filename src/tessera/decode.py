@@ -1,6 +1,6 @@
 """Text generation from a checkpoint, with a KV cache.
 
-    python3 -m tessera.decode configs/base.yml load_parameters_path=outputs/demo/checkpoints/100 \\
+    .venv/bin/python -m tessera.decode configs/base.yml load_parameters_path=outputs/demo/checkpoints/100 \\
         tokenizer_path=<tokenizer> [model keys ...] --prompt "Once upon a time" --max_new_tokens 32
 
 `key=value` arguments build the config as for training (the model keys must be those the

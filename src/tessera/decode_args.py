@@ -21,7 +21,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(decoding flags, config arguments): `--flag value` pairs are ours, the rest (the config
     file and key=value overrides) go to `load_config`."""
     parser = argparse.ArgumentParser(
-        prog="python3 -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=".venv/bin/python -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
               "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]\n"
               "       python3 decode.py ... (the same)",

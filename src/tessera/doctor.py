@@ -1,4 +1,4 @@
-"""Is this installation healthy? `python3 -m tessera.doctor [--device cpu|gpu|tpu] [--lock FILE] [--quiet]`.
+"""Is this installation healthy? `.venv/bin/python -m tessera.doctor [--device cpu|gpu|tpu] [--lock FILE] [--quiet]`.
 
 Prints the Python and library versions next to the locked ones (locks/<device>.txt, written by
 `bash setup.sh lock`), the devices JAX sees, and known-bad combinations: jax vs jaxlib, jaxlib vs
@@ -160,7 +160,7 @@ def device_report(device: str, timeout: float = 120.0) -> tuple[list[str], list[
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python3 -m tessera.doctor",
+        prog=".venv/bin/python -m tessera.doctor",
         description="Check this installation: versions against the lock, devices, known-bad combinations. "
                     "Exit 0 healthy, 1 problems found (each with the command that fixes it).",
         epilog="The install and the locks are described in README.md (Install); setup.sh runs this last.")
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"doctor: problem: {p}")
     jax_v = installed_version("jax")
     if problems:
-        print(f"doctor: {len(problems)} problem(s) found (details: python3 -m tessera.doctor)")
+        print(f"doctor: {len(problems)} problem(s) found (details: .venv/bin/python -m tessera.doctor)")
         return EXIT_PROBLEMS
     print(f"doctor: healthy (jax {jax_v}, {'; '.join(r.strip() for r in rows)}, versions as locked in "
           f"{lock_name})" if mode == "locked" else f"doctor: healthy (jax {jax_v}, MODE=latest)")

@@ -18,7 +18,7 @@ when to use each.
 Run as a module, it writes the PGLE profile that pgle_profile_path reads from the trace of an
 earlier run (profiler=xplane on an NVIDIA GPU):
 
-    python3 -m tessera.gpu_tuning outputs/<run>/profile outputs/<run>/pgle.pb
+    .venv/bin/python -m tessera.gpu_tuning outputs/<run>/profile outputs/<run>/pgle.pb
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def write_pgle_profile(trace_dir: str, out: str) -> int:
 
 def pgle_help() -> str:
     return help_text(
-        "python3 -m tessera.gpu_tuning TRACE_FOLDER PROFILE.pb",
+        ".venv/bin/python -m tessera.gpu_tuning TRACE_FOLDER PROFILE.pb",
         "Write a PGLE profile from the trace of an earlier run (profiler=xplane on NVIDIA GPUs): the\n"
         "measured time of every instruction, for XLA's latency-hiding scheduler. Train again with\n"
         "the same config plus pgle_profile_path=PROFILE.pb. Exit 2 when the folder has no GPU trace.",

@@ -186,7 +186,7 @@ def describe() -> str:
     except HostMallocError as e:
         env, why = None, str(e)
     if env is not None and not _reexec_called:  # started some other way than through train.py
-        why = "this process did not restart itself with it (train.py and python3 -m tessera.train do)"
+        why = "this process did not restart itself with it (train.py and .venv/bin/python -m tessera.train do)"
     elif env is not None:  # it would be preloaded, yet is not mapped: the dynamic loader refused it
         why = f"{env[_PRELOADED_VAR]} was not loaded; see the loader's message at start-up"
     return f"system; {why}"

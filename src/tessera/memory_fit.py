@@ -32,7 +32,7 @@ import jax
 
 EXIT_OUT_OF_MEMORY = 7
 
-SIZING = "`python3 -m tessera.tools.estimate` and `python3 -m tessera.tools.plan` size a run beforehand"
+SIZING = "`.venv/bin/python -m tessera.tools.estimate` and `.venv/bin/python -m tessera.tools.plan` size a run beforehand"
 
 
 def _either(ways: list[str]) -> str:

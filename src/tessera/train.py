@@ -380,7 +380,7 @@ def _main(argv: list[str], watch: FailureWatch) -> tuple[int, str]:
     return EXIT_OK, ""
 
 
-if __name__ == "__main__":  # python3 -m tessera.train: as train.py at the repository's root
+if __name__ == "__main__":  # .venv/bin/python -m tessera.train: as train.py at the repository's root
     from tessera.tools.cli import prepare_training_process
 
     prepare_training_process(sys.argv[1:])  # JAX is imported but has not started: a restart is still clean

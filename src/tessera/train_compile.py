@@ -1,6 +1,6 @@
 """Ahead-of-time compile of the real train step for a TPU topology, on any host.
 
-    python3 -m tessera.train_compile configs/base.yml compile_topology=v5p-256 [key=value ...]
+    .venv/bin/python -m tessera.train_compile configs/base.yml compile_topology=v5p-256 [key=value ...]
 
 libtpu (installed from PyPI with requirements.txt) describes the chips of `compile_topology`
 without the hardware being present; the trainer's own `setup` and `compile_step` then build
@@ -357,7 +357,7 @@ def _eval_not_fits_message(r: CompileReport, cfg: Config) -> str:
 
 def compile_help() -> str:
     return help_text(
-        "python3 -m tessera.train_compile configs/base.yml compile_topology=v5p-256 [key=value ...]",
+        ".venv/bin/python -m tessera.train_compile configs/base.yml compile_topology=v5p-256 [key=value ...]",
         "Compile the real train step for a TPU topology on this host (no TPU needed) and compare the\n"
         "compiler's memory per chip with its HBM. Exit 0: fits; 3: does not fit (the message lists the\n"
         "knobs); 2: config error. The report goes to base_output_directory/run_name/compile_report.json\n"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Recipe: DeepSeek-V3 (671B parameters, 37B active per token; multi-head latent attention, 256 experts)
 # on one TPU v5p-1024 slice (512 chips, 1024 TensorCores); PLATFORM=gce runs rto_setup.sh first.
-# Mesh (python3 -m tessera.tools.plan deepseek-v3 max_target_length=4096 dtype=bfloat16 --hardware v5p-1024):
+# Mesh (.venv/bin/python -m tessera.tools.plan deepseek-v3 max_target_length=4096 dtype=bfloat16 --hardware v5p-1024):
 # 16-way expert parallelism (16 experts per chip, tokens exchanged with ragged all-to-alls), 4-way
 # tensor parallelism over heads and expert widths, FSDP over the remaining 8. ragged_buffer_factor=2: each
 # shard has room for twice its average share of token copies (the worst-case default needs 108.16 GiB).

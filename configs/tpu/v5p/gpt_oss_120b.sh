@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Recipe: gpt-oss-120b (116.8B parameters, 5.1B active per token; 128 experts, dropless routing)
 # on one TPU v5p-128 slice (64 chips, 128 TensorCores); PLATFORM=gce runs rto_setup.sh first.
-# Mesh (python3 -m tessera.tools.plan gpt-oss-120b max_target_length=8192 dtype=bfloat16 --hardware v5p-128
+# Mesh (.venv/bin/python -m tessera.tools.plan gpt-oss-120b max_target_length=8192 dtype=bfloat16 --hardware v5p-128
 # --compile): 4-way expert parallelism (32 experts per chip, tokens exchanged with ragged all-to-alls) and
 # FSDP over the other 16; one 8192-token sequence per chip (two need 112.39 GiB per chip).
 # Expected performance and how it was derived: configs/tpu/v5p/README.md. Flags: configs/README.md.

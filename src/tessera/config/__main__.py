@@ -1,7 +1,7 @@
 """Print a config without running anything.
 
-    python3 -m tessera.config configs/base.yml model_name=llama3.1-8b steps=10   # the resolved config
-    python3 -m tessera.config > configs/base.yml                                  # regenerate base.yml
+    .venv/bin/python -m tessera.config configs/base.yml model_name=llama3.1-8b steps=10   # the resolved config
+    .venv/bin/python -m tessera.config > configs/base.yml                                  # regenerate base.yml
 
 With arguments (as given to train.py): the config the trainer would run, every key after the
 model file, the key=value arguments and the M_<KEY> environment variables, as flat YAML.
@@ -20,11 +20,11 @@ from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_confi
 
 def config_help() -> str:
     return help_text(
-        "python3 -m tessera.config [configs/base.yml [key=value ...]]",
+        ".venv/bin/python -m tessera.config [configs/base.yml [key=value ...]]",
         "With a config file and key=value arguments (as given to train.py): print the resolved config,\n"
         "after configs/models/<model_name>.yml, the arguments and M_<KEY> environment variables, without\n"
         "training. Without arguments: print configs/base.yml as generated from the schema\n"
-        "(`python3 -m tessera.config > configs/base.yml` regenerates it). Exit 2 on a config error.",
+        "(`.venv/bin/python -m tessera.config > configs/base.yml` regenerates it). Exit 2 on a config error.",
         docs=("configs/base.yml (every key, its default and comment)", "README.md#configuration"))
 
 

@@ -2,7 +2,7 @@
 
 Every public key lives in exactly one section dataclass below, with its type, its default
 and a one-line comment (units included). `configs/base.yml` is generated from this file
-(`python3 -m tessera.config > configs/base.yml`) and a test keeps the two equal, so
+(`.venv/bin/python -m tessera.config > configs/base.yml`) and a test keeps the two equal, so
 the documentation of a key and its behaviour cannot drift apart.
 
 Keys that hold local paths carry `path=` (see `PATH_KINDS`): the loader makes them absolute
@@ -607,7 +607,7 @@ def render_base_yml() -> str:
     lines = [
         "# Tessera base config: every key with its default. Generated from",
         "# src/tessera/config/schema.py; regenerate with",
-        "#   python3 -m tessera.config > configs/base.yml",
+        "#   .venv/bin/python -m tessera.config > configs/base.yml",
         "# Precedence: this file < configs/models/<model_name>.yml < key=value < M_<KEY> env vars.",
         "# Keys marked [path] take local paths or URLs (gs://...). A relative path is resolved against the",
         "# working directory when the config is loaded (outputs -> $PWD/outputs); URLs are kept as they are.",

@@ -1,6 +1,6 @@
 """Real text that exists on every machine that runs Tessera, and a tokenizer for it.
 
-`python3 -m tessera.data.first_run_corpus [--out outputs/first_run_data] [--vocab-size 512]`
+`.venv/bin/python -m tessera.data.first_run_corpus [--out outputs/first_run_data] [--vocab-size 512]`
 
 The text is the docstrings of the Python standard library of the interpreter that runs this
 script: English prose written by people (several MB), present wherever Python is, so the

@@ -1,1 +1,1 @@
-"""Command-line tools around the trainer: `python3 -m tessera.tools.<name>` (estimate, ...)."""
+"""Command-line tools around the trainer: `.venv/bin/python -m tessera.tools.<name>` (estimate, ...)."""

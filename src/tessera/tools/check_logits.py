@@ -1,6 +1,6 @@
 """Compare Tessera's logits with the Hugging Face implementation's on the same tokens.
 
-    python3 -m tessera.tools.check_logits <hf_dir> <tessera_checkpoint> model_name=<name> [key=value ...]
+    .venv/bin/python -m tessera.tools.check_logits <hf_dir> <tessera_checkpoint> model_name=<name> [key=value ...]
         [--tokens 1,2,3,...] [--max-abs-diff 1e-3] [--max-kl 1e-4]
 
 The Hugging Face side runs `transformers` on the CPU in float32, in the reference interpreter
@@ -26,7 +26,7 @@ from tessera.tools import hf_env
 from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_path, split_overrides, take_options
 from tessera.tools.estimate import load_model_config
 
-USAGE = ("python3 -m tessera.tools.check_logits <hf_dir> <tessera_checkpoint> model_name=<name> [key=value ...] "
+USAGE = (".venv/bin/python -m tessera.tools.check_logits <hf_dir> <tessera_checkpoint> model_name=<name> [key=value ...] "
          "[--tokens 1,2,3] [--max-abs-diff 1e-3] [--max-kl 1e-4]")
 OPTIONS = {"--tokens": "", "--max-abs-diff": "1e-3", "--max-kl": "1e-4"}
 

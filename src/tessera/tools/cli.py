@@ -79,13 +79,13 @@ def train_help() -> str:
         "python3 train.py configs/base.yml [key=value ...]",
         "Train a decoder LLM. The YAML file gives every key; configs/models/<model_name>.yml, then\n"
         "key=value arguments, then M_<KEY> environment variables override it, later wins. The same\n"
-        "command again resumes from the run's newest checkpoint. `python3 -m tessera.config` with the\n"
+        "command again resumes from the run's newest checkpoint. `.venv/bin/python -m tessera.config` with the\n"
         "same arguments prints the resolved config without training.",
         keys=TRAIN_KEYS, docs=("README.md", "getting_started/First_run.md", "getting_started/Checkpointing.md"))
 
 
 def prepare_training_process(argv: Sequence[str]) -> None:
-    """What `train.py` and `python3 -m tessera.train` do before JAX starts: answer --help (instant,
+    """What `train.py` and `.venv/bin/python -m tessera.train` do before JAX starts: answer --help (instant,
     no device probing), go to the CPU on hosts without accelerators, and on the CPU start again
     with mimalloc preloaded (`tessera.host_malloc`; a bad TESSERA_HOST_MALLOC exits 2)."""
     exit_if_help(argv, train_help)

@@ -1,7 +1,7 @@
 """Convert checkpoints between Hugging Face (config.json + safetensors) and Tessera (Orbax).
 
-    python3 -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=mistral-7b [key=value ...]
-    python3 -m tessera.tools.convert tessera-to-hf <checkpoint> <out_dir> model_name=mistral-7b [key=value ...]
+    .venv/bin/python -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=mistral-7b [key=value ...]
+    .venv/bin/python -m tessera.tools.convert tessera-to-hf <checkpoint> <out_dir> model_name=mistral-7b [key=value ...]
 
 hf-to-tessera reads `config.json` and the safetensors files (one file or a sharded set with
 `model.safetensors.index.json`), checks that the Tessera config describes the same model
@@ -45,8 +45,8 @@ from tessera.tools.hf_layouts import layout_for
 log = logging.getLogger(__name__)
 
 USAGE = (
-    "python3 -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=<name> [key=value ...]\n"
-    "       python3 -m tessera.tools.convert tessera-to-hf <checkpoint> <out_dir> model_name=<name> [key=value ...]"
+    ".venv/bin/python -m tessera.tools.convert hf-to-tessera <hf_dir> <out_dir> model_name=<name> [key=value ...]\n"
+    "       .venv/bin/python -m tessera.tools.convert tessera-to-hf <checkpoint> <out_dir> model_name=<name> [key=value ...]"
     " [--max-shard-size BYTES]"
 )
 OPTIONS = {"--max-shard-size": str(5 * 2**30)}

@@ -1,9 +1,9 @@
 """Size a model and a sharding before compiling anything.
 
-    python3 -m tessera.tools.estimate llama3.1-70b per_device_batch_size=2 --hardware v5p-256
-    python3 -m tessera.tools.estimate my_model.yml ici_tensor_parallelism=4 --hardware v6e-256
-    python3 -m tessera.tools.estimate 1b global_parameter_scale=128 --hardware h100-64 --mfu 0.4
-    python3 -m tessera.tools.estimate base_emb_dim=4096 base_num_decoder_layers=32 --hardware v5e-256
+    .venv/bin/python -m tessera.tools.estimate llama3.1-70b per_device_batch_size=2 --hardware v5p-256
+    .venv/bin/python -m tessera.tools.estimate my_model.yml ici_tensor_parallelism=4 --hardware v6e-256
+    .venv/bin/python -m tessera.tools.estimate 1b global_parameter_scale=128 --hardware h100-64 --mfu 0.4
+    .venv/bin/python -m tessera.tools.estimate base_emb_dim=4096 base_num_decoder_layers=32 --hardware v5e-256
 
 With only key=value arguments the model starts from `model_name` among them, else `default`.
 Sequences are `max_target_length` tokens long, as in training; the first line of the report
@@ -309,7 +309,7 @@ def check_topology_keys(cfg: Config, args: argparse.Namespace) -> None:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(
-        prog="python3 -m tessera.tools.estimate", description=__doc__.split("\n\n")[0],
+        prog=".venv/bin/python -m tessera.tools.estimate", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=config_epilog(("model_name", "per_device_batch_size", "max_target_length", "remat_policy", "dtype",
                               "ici_tensor_parallelism", "ici_expert_parallelism", "global_parameter_scale"),

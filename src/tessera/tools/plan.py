@@ -1,10 +1,10 @@
 """From a model and a slice to the mesh, remat policy and batch that should train it fastest.
 
-    python3 -m tessera.tools.plan llama3.1-8b max_target_length=2048 --hardware v6e-256
-    python3 -m tessera.tools.plan my_model.yml weight_dtype=bfloat16 --hardware v6e-256 --slices 16 \
+    .venv/bin/python -m tessera.tools.plan llama3.1-8b max_target_length=2048 --hardware v6e-256
+    .venv/bin/python -m tessera.tools.plan my_model.yml weight_dtype=bfloat16 --hardware v6e-256 --slices 16 \
         --tokens-per-device 2048
-    python3 -m tessera.tools.plan llama3.1-70b max_target_length=4096 --hardware h100-64
-    python3 -m tessera.tools.plan llama3.1-8b max_target_length=2048 --hardware v6e-256 --top 2 --compile
+    .venv/bin/python -m tessera.tools.plan llama3.1-70b max_target_length=4096 --hardware h100-64
+    .venv/bin/python -m tessera.tools.plan llama3.1-8b max_target_length=2048 --hardware v6e-256 --top 2 --compile
 
 Enumerates meshes (data, fsdp, sequence, tensor, expert and pipeline ways inside a slice; data,
 fsdp and pipeline ways across slices), remat policies and per-device batches, scores each with the
@@ -328,7 +328,7 @@ def run_args(c: Candidate, cfg: Config) -> list[str]:
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python3 -m tessera.tools.plan", description=__doc__.split("\n\n")[0],
+        prog=".venv/bin/python -m tessera.tools.plan", description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=config_epilog(("model_name", "max_target_length", "dtype", "weight_dtype", "attention",
                               "compile_hbm_budget_fraction"), ("getting_started/Plan.md",)))

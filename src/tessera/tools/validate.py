@@ -1,6 +1,6 @@
 """Cluster validation suite: run a training job described by a JSON file and check its speed.
 
-    python3 -m tessera.tools.validate <file.json> [--nodes host1,host2] [--dry-run]
+    .venv/bin/python -m tessera.tools.validate <file.json> [--nodes host1,host2] [--dry-run]
                                       [--model NAME] [--gpu NAME] [--out DIR]
 
 The file format is the one of the JAX training validation files for GPU clusters: `config`
@@ -340,7 +340,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python3 -m tessera.tools.validate", description=__doc__,
+    parser = argparse.ArgumentParser(prog=".venv/bin/python -m tessera.tools.validate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file", help="the validation JSON file (relative to the working directory)")
     parser.add_argument("--nodes", default="", help="comma-separated hosts reached over ssh; the first is rank 0")
