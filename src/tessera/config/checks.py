@@ -50,7 +50,9 @@ def validate(cfg: Config) -> None:
         values = {n: getattr(cfg.mesh, n) for n in vars(cfg.mesh) if n.startswith(prefix)}
         fills = [n for n, v in values.items() if v == -1]
         if len(fills) > 1:
-            raise ConfigError(f"only one {prefix}_*_parallelism may be -1, but {', '.join(fills)} all are")
+            named = " and ".join(fills) if len(fills) == 2 else f"{', '.join(fills[:-1])} and {fills[-1]}"
+            raise ConfigError(f"only one {prefix}_*_parallelism may be -1 (the axis that takes the devices left), but "
+                              f"{named} {'both' if len(fills) == 2 else 'all'} are; give the others a size")
         for n, v in values.items():
             if v == 0 or v < -1:
                 raise ConfigError(f"{n}={v} must be a positive integer or -1 (fill from device count)")
