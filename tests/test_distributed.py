@@ -387,6 +387,132 @@ def test_sigterm_to_one_process_during_an_evaluation_stops_the_job_at_that_step(
     print(f"SIGTERM to process 1 during an evaluation: both saved step 3, stopped in {seconds:.1f} s")
 
 
+_STALLED_PUBLISHER = """
+import runpy, sys, time
+sys.path.insert(0, {src!r})
+import tessera.stop_signals as stop_signals
+publish = stop_signals.request_stop
+def stalled(*args, **kwargs):  # the host stalls between starting a step and publishing the stop
+    time.sleep(1.5)
+    return publish(*args, **kwargs)
+stop_signals.request_stop = stalled
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_stop_published_late_by_a_stalled_host_still_stops_every_process_after_the_same_step(tmp_path):
+    """The loop checks for a stop after step T having read only step T-1's stats (METRICS_LAG). With
+    one step of slack, a signalled process whose host stalled between starting step S and publishing
+    "stop after S+1" (here 1.5 s) let process 0 pass its check of step S+1 unaware: it went on to step
+    S+2 alone and waited in its collectives while process 1 saved step S+1, until the hang watchdog
+    ended both (exit 5, nothing saved). Two steps of slack: both save the same step."""
+    port = _free_port()
+    args = ("steps=100000", "checkpoint_period=100000", "step_timeout_seconds=40")
+    stalled = subprocess.Popen([sys.executable, "-c", _STALLED_PUBLISHER.format(src=str(REPO / "src")),
+                                *_start_command(tmp_path, *args)[1:]], env=_start_env(1, port),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [_start(0, port, tmp_path, *args), stalled]
+    metrics = tmp_path / "mp" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    assert metrics.exists(), procs[0].communicate(timeout=5)[1][-3000:]
+    stalled.send_signal(signal.SIGTERM)
+    results = _finish(procs, timeout=150)
+    steps = []
+    for code, err in results:
+        assert code == 143 and "Traceback" not in err, err[-3000:]
+        steps.append(int(re.search(r"stopped by SIGTERM.* after step (\d+); checkpoint", err)[1]))
+    assert steps[0] == steps[1] and (tmp_path / "mp" / "checkpoints" / str(steps[0])).is_dir()
+
+
+@pytest.mark.slow
+def test_a_second_sigterm_during_an_evaluation_ends_every_process_with_its_code(tmp_path):
+    """A second signal stops the signalled process at once. In a job the others were left inside an
+    evaluation batch or the save with a peer gone: the save failed on "Connection reset by peer" and
+    process 0 exited 6 saying "free some space", or a collective failed (exit 5). Now the signalled
+    process publishes its line as an error does and waits for the others to read it: every process
+    exits 143 within seconds, the others naming process 1's second signal."""
+    port = _free_port()
+    args = ("steps=100000", "checkpoint_period=100000", "eval_interval=3", "eval_steps=3000",
+            "step_timeout_seconds=60")
+    procs = [_start(rank, port, tmp_path, *args) for rank in (0, 1)]
+    metrics = tmp_path / "mp" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.05)
+    assert metrics.exists(), procs[0].communicate(timeout=5)[1][-3000:]
+    time.sleep(1)  # in step 3's evaluation
+    procs[1].send_signal(signal.SIGTERM)
+    seen = []
+    for line in procs[1].stderr:
+        seen.append(line)
+        if "SIGTERM received" in line:  # handled: the next one is a second signal
+            break
+    procs[1].send_signal(signal.SIGTERM)
+    start = time.time()
+    (code0, err0), (code1, err1) = _finish(procs, timeout=120)
+    err1 = "".join(seen) + err1
+    assert code1 == 143 and "SIGTERM received again: stopping now" in err1, err1[-3000:]
+    assert code0 == 143 and "Traceback" not in err0, err0[-3000:]
+    assert err0.strip().splitlines()[-1].startswith("job error: process 1 stopped with: SIGTERM received again"), \
+        err0[-3000:]
+    assert time.time() - start < 30
+
+
+def test_an_evaluation_is_left_too_when_the_job_agreed_to_stop_at_a_later_step(monkeypatch):
+    """A signal while step 6 ran makes the job agree to stop after step 8; step 6's evaluation, a long
+    one, used to run to its end (eating into a preemption's grace period) because only a stop at the
+    evaluated step itself ended it. Now it is left after the same batch on every process: the one
+    that knows of the stop publishes the batch, one that does not yet reads it after each batch."""
+    from tessera import stop_signals
+
+    published = {}
+    monkeypatch.setattr(stop_signals.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(stop_signals, "request_eval_stop", lambda step, batches: published.setdefault(step, batches + 1))
+    monkeypatch.setattr(stop_signals, "eval_stop_requested", lambda step: published.get(step))
+    signalled, unaware = stop_signals.StopSignal(), stop_signals.StopSignal()
+    signalled.signum, signalled.stop_at = signal.SIGTERM, (8, signal.SIGTERM)
+    stops = [signalled.interrupts_evaluation(6), unaware.interrupts_evaluation(6)]
+    left = [next((b for b in range(1, 50) if stop(b)), None) for stop in stops]
+    assert left == [2, 2] and published == {6: 2}
+    assert unaware.stop_at is None and signalled.stop_at == (8, signal.SIGTERM)  # the agreed step is kept
+
+
+def test_an_error_after_another_process_failed_leaves_with_that_process_code(monkeypatch, capsys):
+    """Process 1 left at once on a second SIGTERM (exit 143); process 0's save then failed on
+    "Connection reset by peer" and it left with its own code, 6, and "free some space". An error
+    that comes after another process published its failure now follows that one, as the watch
+    thread would: its code and line; process 0 (the coordinator) still waits for the others."""
+    from tessera import job_failure
+
+    class Store:  # the coordinator's key-value store, process 1's failure in it
+        def __init__(self):
+            self.kv = {job_failure.FAILED_KEY: "143 1 SIGTERM received again: stopping now",
+                       job_failure.ACK_PREFIX + "1": "1"}
+
+        def key_value_set(self, key, value):
+            if key in self.kv:
+                raise RuntimeError("ALREADY_EXISTS")
+            self.kv[key] = value
+
+        def key_value_try_get(self, key):
+            return self.kv[key]
+
+        def blocking_key_value_get(self, key, wait_ms):
+            return self.kv[key]
+
+    store, left = Store(), []
+    monkeypatch.setattr(job_failure, "_client", lambda: (store, 0, 2))
+    monkeypatch.setattr(job_failure, "_leave", left.append)
+    job_failure.end_job(6, "checkpoint save error: ... Connection reset by peer")
+    assert left == [143] and store.kv[job_failure.ACK_PREFIX + "0"] == "1"
+    assert ("job error: process 1 stopped with: SIGTERM received again: stopping now; this process stops too "
+            "(exit code 143)") in capsys.readouterr().err
+
+
 _MEET = """
 import os, sys, time
 sys.path.insert(0, {src!r})

@@ -151,12 +151,17 @@ def _startup_timed_out(spec: JobSpec, started: float) -> None:
 
 # A stop (SIGTERM, Ctrl-C) that reaches some processes of a job must stop all of them after the
 # same step, because saving is collective. The first signalled process publishes "stop after
-# step S+1" (S: its last finished step) in the coordinator's key-value store; later writers keep
+# step S+2" (S: the step it checks after) in the coordinator's key-value store; later writers keep
 # the first value; every process reads the key after each step (one RPC, ~0.3 ms on localhost).
-# One step of slack is enough: each step ends with cross-process collectives, so no process can
-# finish step S+1 before the publisher, which published before starting S+1, has started it.
+# Two steps of slack, because the loop checks after step T having read only step T-1's stats
+# (step_stats.METRICS_LAG = 1: step T may still run): a process that has read step S+1's stats
+# knows that every process started step S+1 (its collectives), and the publisher published before
+# starting it, so every process sees the key by its check after step S+2 at the latest. With one
+# step of slack a publisher whose host stalled between starting step S and publishing (metrics
+# writes, a busy host) let another process pass step S+1 unaware: it ran step S+2 alone and waited
+# in its collectives while the publisher saved step S+1, until the hang watchdog ended both.
 STOP_KEY = "tessera/stop_after_step"
-STOP_SLACK_STEPS = 1
+STOP_SLACK_STEPS = 2
 
 
 def _kv_client():
@@ -252,9 +257,10 @@ def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
 
 
 def request_stop(step: int, signum: int, slack: int = STOP_SLACK_STEPS) -> tuple[int, int]:
-    """Ask every process to stop after `step + slack`; returns the agreed (step, signal), which is
-    an earlier request's when another process published first. A slack of 0 is for a point every
-    process is known not to have passed (an evaluation of `step`, which all run together)."""
+    """Ask every process to stop after `step + slack` (see STOP_SLACK_STEPS); returns the agreed
+    (step, signal), which is an earlier request's when another process published first. A slack of
+    0 is for a point every process is known not to have passed (an evaluation of `step`, which all
+    run together)."""
     client = _kv_client()
     try:
         client.key_value_set(STOP_KEY, f"{step + slack}:{signum}")

@@ -197,7 +197,7 @@ class Evaluator:
                     break
                 if interrupted(batches):
                     log.warning("evaluation of step %d stopped after %d batch(es) by the stop signal: not recorded; "
-                                "the checkpoint is saved first", step, batches)
+                                "saving the checkpoint comes first", step, batches)
                     return None
         if 0 < batches < self.steps and not self.said_short:
             log.warning("the eval data ended after %d batch(es), fewer than eval_steps=%d: every evaluation scores "

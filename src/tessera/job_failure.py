@@ -51,9 +51,14 @@ def in_job() -> bool:
     return _client()[0] is not None
 
 
-def end_job(code: int, line: str) -> None:
+def end_job(code: int, line: str, wait_for_others: bool = False) -> None:
     """In a multi-process job: publish this process's error (`line`, as printed) with its exit
     `code`, and leave now; every other process's `FailureWatch` then leaves with the same code.
+    When another process published its failure first, this error is most often its consequence (a
+    collective or a save whose peer left): leave with that one's code and line, as `FailureWatch`
+    would. `wait_for_others`: every process, not only process 0, waits (up to ACK_SECONDS) for the
+    others to read the error before leaving, so that they do not fail first in a collective with
+    this process (a second stop signal, which leaves in the middle of a step or a save).
     Returns at once in a single process (the caller exits normally)."""
     client, me, count = _client()
     if client is None:
@@ -61,11 +66,16 @@ def end_job(code: int, line: str) -> None:
     try:
         client.key_value_set(FAILED_KEY, f"{code} {me} {line}")
     except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another process failed first and the others follow it
-        pass
+        found = _published(client)
+        if found and found[1] != me:  # process 0 still waits below: the coordinator leaves with it
+            code = found[0]
+            _say_following(*found)
     _acknowledge(client, me)  # (a process that fails too knows of it: process 0 need not wait for it)
-    if me == 0:  # the coordinator leaves with this process: give the others time to read the key
+    if me == 0 or wait_for_others:  # process 0, the coordinator, leaves with this process: the others read first
         wait_ms = int(ACK_SECONDS * 1000)
-        for other in range(1, count):
+        for other in range(count):
+            if other == me:
+                continue
             try:
                 client.blocking_key_value_get(f"{ACK_PREFIX}{other}", wait_ms)
             except Exception:  # noqa: BLE001 - that process is gone or stuck; it is not waited for again
@@ -90,10 +100,14 @@ def _published(client) -> tuple[int, int, str] | None:
     return int(code), int(process), line
 
 
-def _follow(client, me: int, code: int, process: int, line: str) -> None:
-    _acknowledge(client, me)
+def _say_following(code: int, process: int, line: str) -> None:
     print(f"job error: process {process} stopped with: {line}; this process stops too (exit code {code})",
           file=sys.stderr, flush=True)
+
+
+def _follow(client, me: int, code: int, process: int, line: str) -> None:
+    _acknowledge(client, me)
+    _say_following(code, process, line)
     _leave(code)
 
 

@@ -12,6 +12,7 @@ from typing import NoReturn
 import jax
 
 from tessera.distributed import eval_stop_requested, request_eval_stop, request_stop, stop_requested
+from tessera.job_failure import end_job
 
 log = logging.getLogger("tessera")
 
@@ -36,7 +37,10 @@ class StopSignal:
 
     In a multi-process job the signalled process publishes the step to stop after, and every
     process checks for it after each step (distributed.request_stop / stop_requested), so all of
-    them save the same step together even when only one was signalled."""
+    them save the same step together even when only one was signalled. A second signal ends the
+    job as an error of this process does (job_failure.end_job): the others follow with the same
+    exit code within about a second, instead of failing in a collective without it (a save then
+    said exit 6, "free some space")."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -44,6 +48,7 @@ class StopSignal:
         self.signum: int | None = None  # the signal this process received
         self.stop_at: tuple[int, int] | None = None  # (step, signal) the whole job stops after
         self._previous = {}
+        self._leaving = False  # a second signal is ending the job
 
     def __enter__(self):
         for signum in self.SIGNALS:
@@ -55,13 +60,18 @@ class StopSignal:
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
-        if self.signum is not None:
-            print(f"{name} received again: stopping now, without waiting for a save in flight (an unfinished "
-                  f"save is set aside at the next start; exit code {128 + signum})", file=sys.stderr, flush=True)
+        if self._leaving:  # a third signal while the others are told: leave now
             os._exit(128 + signum)
+        if self.signum is not None:
+            self._leaving = True
+            line = (f"{name} received again: stopping now, without waiting for a save in flight (an unfinished "
+                    f"save is set aside at the next start; exit code {128 + signum})")
+            print(line, file=sys.stderr, flush=True)
+            end_job(128 + signum, line, wait_for_others=True)  # a job: every process leaves with this code
+            os._exit(128 + signum)
+        self.signum = signum  # before the log line: a second signal can come while it is written
         log.warning("%s received: finishing this step, then saving a checkpoint and exiting "
                     "(send it again to stop at once)", name)
-        self.signum = signum
 
     def stop_after(self, step: int) -> bool:
         """True when the job should save `step` and stop (checked after every step)."""
@@ -88,7 +98,9 @@ class EvaluationStop:
     One process stops at once. In a job every process must leave after the same batch: the signalled
     process agrees with the others to stop after this very step (no process can be past it while it
     evaluates) and publishes "after batch B+1"; the others read that after each batch. When the job
-    had already agreed on a later step, the evaluation runs to its end and the job stops there."""
+    had already agreed on a later step (the signal came while the step ran), the evaluation is left
+    the same way, unrecorded, and the job trains on to that step and stops there (a long evaluation
+    used to run to its end first)."""
 
     def __init__(self, stop: StopSignal, step: int):
         self.stop, self.step, self.until = stop, step, None
@@ -106,7 +118,8 @@ class EvaluationStop:
             return batches if stop.signum is not None else None
         if stop.signum is not None and stop.stop_at is None:
             stop.stop_at = request_stop(self.step, stop.signum, slack=0)
-            return request_eval_stop(self.step, batches) if stop.stop_at[0] == self.step else None
+        if stop.stop_at is not None:  # this step, or a later one every process will stop at
+            return request_eval_stop(self.step, batches)
         return eval_stop_requested(self.step)
 
 
