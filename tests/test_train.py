@@ -918,7 +918,7 @@ def test_skip_step_stops_when_the_parameters_themselves_are_broken(tmp_path, cap
     from tessera.stop_signals import TrainingStopped
 
     cfg = tiny_config(tmp_path, steps=SKIPS_IN_A_ROW + 10, learning_rate=1e38, gradient_clipping_threshold=0,
-                      on_nonfinite_loss="skip_step", checkpoint_period=5)
+                      on_nonfinite_loss="skip_step", checkpoint_period=1)
     with caplog.at_level("WARNING", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
         run(cfg, jax.devices()[:1])
     assert stopped.value.exit_code == 3
@@ -928,6 +928,29 @@ def test_skip_step_stops_when_the_parameters_themselves_are_broken(tmp_path, cap
     assert "the checkpoints of step 1 and later hold those parameters" in message and "set them aside" in message
     assert "or set on_nonfinite_loss=skip_step" not in message
     assert caplog.text.count("update skipped (on_nonfinite_loss=skip_step)") == SKIPS_IN_A_ROW - 1
+    # step 1's update was finite, and saved; the skipped steps after it were not
+    assert sorted(int(p.name) for p in (tmp_path / "test" / "checkpoints").iterdir() if p.name.isdigit()) == [1]
+
+
+def test_skipped_steps_never_push_the_good_checkpoints_out(tmp_path, caplog):
+    """With max_num_checkpoints_to_keep, the periodic saves of a run of skipped steps (each of the
+    same broken parameters) deleted every good checkpoint before the run stopped (exit 3), whose
+    message then advised resuming from an earlier one. Periodic saves now leave skipped steps out."""
+    from tessera.step_stats import SKIPS_IN_A_ROW
+    from tessera.stop_signals import TrainingStopped
+
+    keys = dict(checkpoint_period=2, max_num_checkpoints_to_keep=2, learning_rate_schedule_steps=100)
+    run(tiny_config(tmp_path, steps=4, **keys), jax.devices()[:1])
+    broken = tiny_config(tmp_path, steps=40, learning_rate=1e30, gradient_clipping_threshold=0,
+                         on_nonfinite_loss="skip_step", **keys)
+    with caplog.at_level("WARNING", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
+        run(broken, jax.devices()[:1])
+    assert stopped.value.exit_code == 3 and f"at step {5 + SKIPS_IN_A_ROW}" in str(stopped.value), stopped.value
+    assert "the parameters of step 5 fail on every batch" in str(stopped.value)
+    assert "last good checkpoint: step 4" in str(stopped.value)
+    saved = sorted(int(p.name) for p in (tmp_path / "test" / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved == [2, 4], saved
+    assert "step 6 was skipped (non-finite, on_nonfinite_loss=skip_step): its periodic checkpoint is left out" in caplog.text
 
 
 def test_seeds_keep_all_64_bits_and_the_32_bit_ones_their_old_keys():

@@ -224,6 +224,12 @@ class _Loop:
         saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or last or stopping)
         if evaluating or saving or stopping or last:
             stats.finish()  # a non-finite step stops the run before anything is evaluated or saved
+        if saving and not (last or stopping) and stats.skipped_since is not None:
+            # skip_step: the state is that of before the skips, which may be broken (a run of them): periodic saves
+            # of it would push the good checkpoints out (max_num_checkpoints_to_keep): the next period saves
+            log.warning("step %d was skipped (non-finite, on_nonfinite_loss=skip_step): its periodic checkpoint is left "
+                        "out, so that skipped steps never replace good checkpoints", step)
+            saving = False
         reached = False
         if evaluating:
             # a signal during a long evaluation must not eat into a preemption's grace period: the
