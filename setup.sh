@@ -12,16 +12,20 @@
 #   DEVICE=cpu|gpu|tpu  which JAX build to install (default cpu)
 #   MODE=locked|latest  locked (default; 'stable' is the same): the exact versions CI tested, from
 #                       locks/<DEVICE>.txt. latest: resolve the ranges in requirements*.txt anew
-#   VENV=.venv          where the virtual environment lives
-#   PYTHON=/path/python use this interpreter instead of searching for one (needs >= 3.11)
+#   VENV=.venv          where the virtual environment lives (relative to setup.sh's folder; a folder
+#                       that exists and is not a virtual environment is refused, never deleted)
+#   PYTHON=/path/python use this interpreter instead of searching for one (needs >= 3.11); an
+#                       existing VENV of another Python version is refused, not replaced
 #   HF_REFERENCE=0|1    1 also installs locks/hf.txt (transformers) and torch (requirements-hf.txt)
 #                       into HF_VENV, a second venv that the parity tests and check_logits call as
 #                       a subprocess (default 0). Prefers Python 3.11, whose PyTorch CPU build is
 #                       on disk on our dev/CI machines; elsewhere set TORCH_INDEX_URL too.
-#   HF_VENV=.venv-hf    where the reference environment lives
+#   HF_VENV=.venv-hf    where the reference environment lives (elsewhere, the parity tests find it
+#                       through TESSERA_HF_PYTHON=$HF_VENV/bin/python)
 #   TORCH_INDEX_URL=url with HF_REFERENCE=1: install torch from this index (a CPU wheel index
 #                       avoids a multi-GB CUDA build)
 set -euo pipefail
+CALLER_DIR=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
 COMMAND=install
@@ -29,7 +33,7 @@ for arg in "$@"; do
   case "$arg" in
     DEVICE=*|MODE=*|VENV=*|PYTHON=*|HF_REFERENCE=*|HF_VENV=*|TORCH_INDEX_URL=*) export "$arg" ;;
     lock) COMMAND=lock ;;
-    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$(basename "${BASH_SOURCE[0]}")" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (expected DEVICE=cpu|gpu|tpu, MODE=locked|latest, VENV=dir, PYTHON=path, HF_REFERENCE=0|1, HF_VENV=dir, TORCH_INDEX_URL=url, or 'lock'; see bash setup.sh --help)" >&2; exit 2 ;;
   esac
 done
@@ -44,6 +48,14 @@ case "$MODE" in locked|latest) ;; *) echo "setup.sh: MODE=$MODE is not one of lo
 UV_VERSION=0.13.9   # the resolver that writes locks/*.txt (bash setup.sh lock)
 START=$SECONDS
 case "$HF_REFERENCE" in 0|1) ;; *) echo "setup.sh: HF_REFERENCE=$HF_REFERENCE is not one of 0, 1" >&2; exit 2 ;; esac
+# PYTHON=some/dir/python names a file from where setup.sh was started (a bare name is looked up on PATH).
+case "${PYTHON:-}" in /*|"") ;; */*) PYTHON=$CALLER_DIR/$PYTHON ;; esac
+# The editable install writes src/tessera.egg-info here (and runs write outputs/ here).
+if [ ! -w . ] || { [ -e src ] && [ ! -w src ]; }; then
+  echo "setup.sh: cannot write in $PWD (the install writes src/tessera.egg-info there);" \
+    "clone the repository into a folder you own and run setup.sh there" >&2
+  exit 1
+fi
 
 # A fresh environment takes about 2 GB for DEVICE=cpu or tpu, 6 GB for gpu (CUDA wheels), and the
 # reference environment (HF_REFERENCE=1) 1.5 GB: stop before a half-written one on a short disk.
@@ -63,21 +75,45 @@ py_version() {
   "$1" -c 'import sys, venv, ensurepip; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || true
 }
 
-# Find a Python of one of the given versions, in the order given (on PATH and in pyenv).
+# Find a Python of one of the given versions, in the order given (on PATH and in pyenv's folder,
+# also when pyenv itself is not on PATH); prints nothing, and succeeds, when there is none.
 find_python() {
-  local candidates=() c v want
+  local candidates=() c v want root=${PYENV_ROOT:-$HOME/.pyenv}
   for c in python3.12 python3.13 python3.11 python3; do
     command -v "$c" >/dev/null 2>&1 && candidates+=("$(command -v "$c")")
   done
-  if command -v pyenv >/dev/null 2>&1; then
-    for c in "$(pyenv root)"/versions/3.1[1-3]*/bin/python3; do [ -x "$c" ] && candidates+=("$c"); done
-  fi
+  command -v pyenv >/dev/null 2>&1 && root=$(pyenv root)
+  for c in "$root"/versions/3.1[1-3]*/bin/python3; do [ -x "$c" ] && candidates+=("$c"); done
   for want in "$@"; do
     for c in "${candidates[@]}"; do
       v=$(py_version "$c")
-      [ "$v" = "$want" ] && { echo "$c"; return; }
+      if [ "$v" = "$want" ]; then echo "$c"; return 0; fi
     done
   done
+  return 0
+}
+
+# make_venv PYTHON DIR VERSION: a new virtual environment in DIR. An old environment there is
+# replaced; anything else that is not empty is refused (no pyvenv.cfg): never delete someone's files.
+make_venv() {
+  if [ -e "$2" ] && [ ! -f "$2/pyvenv.cfg" ] && { [ ! -d "$2" ] || [ -n "$(ls -A "$2")" ]; }; then
+    echo "setup.sh: $2 exists and is not a virtual environment (no pyvenv.cfg), so it was left alone;" \
+      "choose another folder (VENV=dir, HF_VENV=dir) or move it away, and re-run" >&2
+    exit 1
+  fi
+  echo "setup.sh: creating $2 with $1 (Python $3)"
+  rm -rf "$2"
+  if ! "$1" -m venv "$2"; then
+    echo "setup.sh: '$1 -m venv $2' failed (see above); check that $(dirname "$2") is writable," \
+      "or choose another folder (VENV=dir, HF_VENV=dir), and re-run" >&2
+    exit 1
+  fi
+}
+
+# Does this environment have pip? A setup that was interrupted while the environment was being made
+# leaves one without it, which is made anew.
+has_pip() {
+  "$1" -c 'import pip' >/dev/null 2>&1
 }
 
 # The Hugging Face reference environment (HF_REFERENCE=1): PyTorch + transformers in $HF_VENV,
@@ -85,6 +121,7 @@ find_python() {
 install_hf_reference() {
   local start=$SECONDS py v hfpip torch_req versions
   v=$(py_version "$HF_VENV/bin/python")
+  has_pip "$HF_VENV/bin/python" || v=
   case "$v" in
     3.11|3.12|3.13) echo "setup.sh: reusing $HF_VENV ($("$HF_VENV/bin/python" --version))" ;;
     *)
@@ -97,9 +134,7 @@ install_hf_reference() {
         exit 1
       fi
       v=$(py_version "$py")
-      echo "setup.sh: creating $HF_VENV with $py (Python $v)"
-      rm -rf "$HF_VENV"
-      "$py" -m venv "$HF_VENV"
+      make_venv "$py" "$HF_VENV" "$v"
       ;;
   esac
   if [ "$v" != 3.11 ] && [ -z "${TORCH_INDEX_URL:-}" ]; then
@@ -127,6 +162,9 @@ install_hf_reference() {
     exit 1
   fi
   echo "setup.sh: Hugging Face reference ready in $HF_VENV ($versions, $("$HF_VENV/bin/python" --version)); took $((SECONDS - start)) s."
+  if [ "$(cd "$HF_VENV" && pwd -P)" != "$(pwd -P)/.venv-hf" ]; then
+    echo "  The parity tests and check_logits look in .venv-hf: export TESSERA_HF_PYTHON=$(cd "$HF_VENV" && pwd -P)/bin/python"
+  fi
 }
 
 # bash setup.sh lock: resolve requirements*.txt with uv (pinned above) into locks/*.txt. The locks
@@ -162,28 +200,54 @@ refresh_locks() {
 }
 if [ "$COMMAND" = lock ]; then refresh_locks; exit 0; fi
 
-if [ -x "$VENV/bin/python" ] && [ -n "$(py_version "$VENV/bin/python")" ]; then
-  echo "setup.sh: reusing $VENV ($("$VENV/bin/python" --version))"
-else
-  # Prefer 3.12 (the newest JAX releases need it), then 3.13, then 3.11.
-  PY=${PYTHON:-$(find_python 3.12 3.13 3.11)}
-  if [ -z "$PY" ]; then
-    echo "setup.sh: no Python 3.11, 3.12 or 3.13 with the venv module was found." >&2
-    echo "  Install Python 3.12 (e.g. 'pyenv install 3.12', 'apt install python3.12-venv' or python.org)" >&2
-    echo "  and re-run, or point to one: bash setup.sh PYTHON=/path/to/python3.12" >&2
-    exit 1
-  fi
+# Is this "major.minor" 3.11 or newer?
+at_least_3_11() {
+  [ -n "$1" ] && [ "$(printf '%s\n3.11\n' "$1" | sort -V | head -1)" = "3.11" ]
+}
+
+PY=${PYTHON:-}
+if [ -n "$PY" ]; then
   v=$(py_version "$PY")
-  if [ -z "$v" ] || [ "$(printf '%s\n3.11\n' "$v" | sort -V | head -1)" != "3.11" ]; then
+  if ! at_least_3_11 "$v"; then
     echo "setup.sh: $PY is not a usable Python >= 3.11 with venv (version: ${v:-unknown})" >&2
     exit 1
+  fi
+fi
+venv_v=
+[ -x "$VENV/bin/python" ] && venv_v=$(py_version "$VENV/bin/python")
+if [ -n "$venv_v" ] && ! has_pip "$VENV/bin/python"; then
+  echo "setup.sh: $VENV has no pip (a setup interrupted while it was being made?); making it anew"
+  venv_v=
+fi
+if [ -n "$venv_v" ] && ! at_least_3_11 "$venv_v"; then
+  echo "setup.sh: $VENV has Python $venv_v, but Tessera needs 3.11 or newer; delete it (rm -rf $VENV)" \
+    "and re-run, or choose another folder (VENV=dir)" >&2
+  exit 1
+fi
+if [ -n "$venv_v" ] && [ -n "$PY" ] && [ "$venv_v" != "$v" ]; then
+  echo "setup.sh: $VENV has Python $venv_v, not the $v of PYTHON=$PY; to switch, delete it" \
+    "(rm -rf $VENV) and re-run, or leave PYTHON unset to keep it" >&2
+  exit 1
+fi
+
+if [ -n "$venv_v" ]; then
+  echo "setup.sh: reusing $VENV ($("$VENV/bin/python" --version))"
+else
+  if [ -z "$PY" ]; then
+    # Prefer 3.12 (the newest JAX releases need it), then 3.13, then 3.11.
+    PY=$(find_python 3.12 3.13 3.11)
+    if [ -z "$PY" ]; then
+      echo "setup.sh: no Python 3.11, 3.12 or 3.13 with the venv module was found." >&2
+      echo "  Install Python 3.12 (e.g. 'pyenv install 3.12', 'apt install python3.12-venv' or python.org)" >&2
+      echo "  and re-run, or point to one: bash setup.sh PYTHON=/path/to/python3.12" >&2
+      exit 1
+    fi
+    v=$(py_version "$PY")
   fi
   [ "$v" = "3.11" ] && echo "setup.sh: note: using Python 3.11; the newest JAX releases need 3.12, so an older JAX is installed"
   need_gb=3; [ "$DEVICE" = gpu ] && need_gb=8
   check_free_space "$(dirname "$VENV")" "$need_gb" "a fresh DEVICE=$DEVICE environment in $VENV"
-  echo "setup.sh: creating $VENV with $PY (Python $v)"
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
+  make_venv "$PY" "$VENV" "$v"
 fi
 
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
@@ -206,10 +270,15 @@ if [ "$HF_REFERENCE" = 1 ]; then install_hf_reference; fi
 # The doctor checks versions against the lock, the devices JAX sees and known-bad combinations.
 status=0
 "$VENV/bin/python" -m tessera.doctor --quiet || status=$?
+[ "$PWD" != "$CALLER_DIR" ] && echo "  From $PWD (the commands of the docs run from there):"
 echo "  Details:               $VENV/bin/python -m tessera.doctor"
 echo "  Train the tiny model:  $VENV/bin/python train.py configs/base.yml run_name=demo"
 echo "  Run the tests:         $VENV/bin/python -m pytest -q -n auto tests"
-echo "setup.sh: done in $((SECONDS - START)) s."
 # A doctor verdict of 'problems' does not fail the install of a CPU-only machine asked for
 # DEVICE=gpu|tpu (a login host may prepare an environment for another machine); it is printed.
+if [ "$status" != 0 ] && [ "$DEVICE" = cpu ]; then
+  echo "setup.sh: installed in $((SECONDS - START)) s, but the doctor found problems (above): fix them and re-run" >&2
+  exit 1
+fi
+echo "setup.sh: done in $((SECONDS - START)) s."
 exit 0

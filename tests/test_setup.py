@@ -1,8 +1,13 @@
 """setup.sh refuses clearly when it cannot find a usable Python (and changes nothing)."""
 
 import os
+import re
 import shutil
 import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from conftest import REPO
 
@@ -48,3 +53,248 @@ def test_short_disk_stops_before_creating_the_environment(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "only 100 MB free" in proc.stderr and "needs about 3 GB" in proc.stderr and "VENV=" in proc.stderr
     assert not (tmp_path / "venv").exists()
+
+
+# ---- A stand-in Python: enough of an interpreter for setup.sh to run end to end in a second, without
+# installing anything. `-m venv DIR` makes a stub environment (with pip unless told otherwise), `-m pip`
+# logs its arguments to <venv>/pip.log (and fails like Python does when the environment has no pip),
+# the doctor exits with $STUB_DOCTOR_RC.
+STUB = r'''#!BASH
+here=$(cd "$(dirname "$0")" && pwd)
+version=$(cat "$here/stub-version")
+case "$1" in
+  --version) echo "Python $version.0"; exit 0 ;;
+  -c) case "$2" in
+        *ensurepip*) echo "$version"; exit 0 ;;
+        "import pip") [ -f "$here/../stub-pip" ]; exit ;;
+        *torch*) echo "torch stub, transformers stub"; exit 0 ;;
+        *jax*) echo 0.0.stub; exit 0 ;;
+      esac ;;
+  -m) case "$2" in
+        venv) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$here/stub-version" "$3/bin/"
+              echo "home = $here" > "$3/pyvenv.cfg"
+              touch "$3/stub-pip"; exit 0 ;;
+        pip) [ -f "$here/../stub-pip" ] || { echo "$0: No module named pip" >&2; exit 1; }
+             echo "${*:3}" >> "$here/../pip.log"; exit 0 ;;
+        tessera.doctor) echo "doctor: stub verdict"; exit "${STUB_DOCTOR_RC:-0}" ;;
+      esac ;;
+esac
+echo "stub python: unexpected arguments: $*" >&2
+exit 9
+'''
+TOOLS = ("bash", "dirname", "basename", "sort", "head", "rm", "ls", "mkdir", "cp", "cat", "sed", "awk", "df",
+         "touch", "grep", "tr")
+
+
+def stub_python(bin_dir: Path, version: str, name: str = "python") -> Path:
+    """A stub interpreter `bin_dir/name` that reports Python `version` ("3.12")."""
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    (bin_dir / "stub-version").write_text(version + "\n")
+    path = bin_dir / name
+    path.write_text(STUB.replace("BASH", shutil.which("bash")))
+    path.chmod(0o755)
+    return path
+
+
+def stub_venv(venv: Path, version: str, pip: bool = True) -> None:
+    """An existing environment as setup.sh would find it: pyvenv.cfg, bin/python, pip or not."""
+    stub_python(venv / "bin", version)
+    (venv / "pyvenv.cfg").write_text("home = /nowhere\n")
+    if pip:
+        (venv / "stub-pip").touch()
+
+
+def tools_dir(tmp_path: Path) -> Path:
+    """A PATH folder with the tools setup.sh uses and no Python."""
+    bin_dir = tmp_path / "tools"
+    bin_dir.mkdir()
+    for tool in TOOLS:
+        os.symlink(shutil.which(tool), bin_dir / tool)
+    return bin_dir
+
+
+def run_setup(*args, cwd=None, env=None, setup_sh=None) -> subprocess.CompletedProcess:
+    env = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/"), **(env or {})}
+    return subprocess.run(["bash", str(setup_sh or REPO / "setup.sh"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_a_python_without_venv_on_path_gets_the_message_not_a_silent_exit(tmp_path):
+    # every python on PATH fails the check (say Debian's python3 without python3-venv); no pyenv folder
+    tools = tools_dir(tmp_path)
+    (tools / "python3").write_text("#!/bin/sh\necho \"No module named 'ensurepip'\" >&2\nexit 1\n")
+    (tools / "python3").chmod(0o755)
+    proc = run_setup(f"VENV={tmp_path / 'venv'}", env={"PATH": str(tools), "HOME": str(tmp_path)})
+    assert proc.returncode == 1
+    assert "no Python 3.11, 3.12 or 3.13 with the venv module was found" in proc.stderr
+    assert "PYTHON=/path/to/python3.12" in proc.stderr
+    assert not (tmp_path / "venv").exists()
+
+
+def test_pyenv_pythons_are_found_without_pyenv_on_path(tmp_path):
+    tools = tools_dir(tmp_path)
+    stub_python(tools, "3.11", "python3")
+    py312 = stub_python(tmp_path / ".pyenv" / "versions" / "3.12.9" / "bin", "3.12", "python3")
+    proc = run_setup(f"VENV={tmp_path / 'venv'}", env={"PATH": str(tools), "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert f"creating {tmp_path / 'venv'} with {py312} (Python 3.12)" in proc.stdout
+    assert "note: using Python 3.11" not in proc.stdout
+
+
+def test_help_works_from_another_directory(tmp_path):
+    proc = run_setup("--help", cwd=tmp_path, setup_sh=os.path.relpath(REPO / "setup.sh", tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "MODE=locked|latest" in proc.stdout and proc.stderr == ""
+
+
+@pytest.mark.parametrize("kind", ["folder", "file"])
+def test_a_venv_folder_that_is_not_an_environment_is_never_deleted(tmp_path, kind):
+    py = stub_python(tmp_path / "py", "3.12")
+    target = tmp_path / "thesis"
+    if kind == "folder":
+        target.mkdir()
+        (target / "chapter1.tex").write_text("precious")
+    else:
+        target.write_text("precious")
+    tools = tools_dir(tmp_path)
+    stub_python(tools, "3.11", "python3.11")  # for the reference environment
+    env = {"PATH": str(tools), "HOME": str(tmp_path)}
+    for args in ([f"VENV={target}"], [f"VENV={tmp_path / 'venv'}", "HF_REFERENCE=1", f"HF_VENV={target}"]):
+        proc = run_setup(f"PYTHON={py}", *args, env=env)
+        assert proc.returncode == 1, proc.stdout + proc.stderr
+        assert f"{target} exists and is not a virtual environment" in proc.stderr
+        assert (target / "chapter1.tex" if kind == "folder" else target).read_text() == "precious"
+
+
+def test_an_environment_left_without_pip_by_an_interrupted_setup_is_made_anew(tmp_path):
+    venv = tmp_path / "venv"
+    stub_venv(venv, "3.12", pip=False)  # Ctrl-C while `python -m venv` ran ensurepip
+    py = stub_python(tmp_path / "py", "3.12")
+    proc = run_setup(f"PYTHON={py}", f"VENV={venv}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{venv} has no pip" in proc.stdout and "making it anew" in proc.stdout
+    log = (venv / "pip.log").read_text()
+    assert "install -q -r locks/cpu.txt" in log and "install -q --no-deps -e ." in log
+
+
+def test_an_environment_of_an_old_python_is_refused(tmp_path):
+    venv = tmp_path / "venv"
+    stub_venv(venv, "3.10")
+    proc = run_setup(f"VENV={venv}")
+    assert proc.returncode == 1
+    assert f"{venv} has Python 3.10, but Tessera needs 3.11 or newer" in proc.stderr and "rm -rf" in proc.stderr
+    assert not (venv / "pip.log").exists()
+
+
+def test_python_override_that_differs_from_the_existing_environment_is_not_ignored(tmp_path):
+    venv = tmp_path / "venv"
+    stub_venv(venv, "3.12")
+    py = stub_python(tmp_path / "py", "3.13")
+    proc = run_setup(f"PYTHON={py}", f"VENV={venv}")
+    assert proc.returncode == 1
+    assert f"{venv} has Python 3.12, not the 3.13 of PYTHON={py}" in proc.stderr
+    assert not (venv / "pip.log").exists()
+    same = stub_python(tmp_path / "py_same", "3.12")
+    assert run_setup(f"PYTHON={same}", f"VENV={venv}").returncode == 0  # the same version: reused
+
+
+def test_relative_python_path_is_taken_from_where_setup_was_started(tmp_path):
+    stub_python(tmp_path / "py", "3.12", "python3")
+    proc = run_setup("PYTHON=py/python3", f"VENV={tmp_path / 'venv'}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert f"with {tmp_path}/py/python3 (Python 3.12)" in proc.stdout
+    # started elsewhere, so the printed commands say where to run them
+    assert f"From {REPO} (the commands of the docs run from there)" in proc.stdout
+
+
+def test_doctor_problems_fail_a_cpu_install_but_not_one_prepared_for_an_accelerator(tmp_path):
+    venv = tmp_path / "venv"
+    stub_venv(venv, "3.12")
+    proc = run_setup(f"VENV={venv}", env={"STUB_DOCTOR_RC": "1"})
+    assert proc.returncode == 1
+    assert "the doctor found problems (above)" in proc.stderr and "doctor: stub verdict" in proc.stdout
+    proc = run_setup(f"VENV={venv}", "DEVICE=tpu", env={"STUB_DOCTOR_RC": "1"})  # e.g. a login host without TPUs
+    assert proc.returncode == 0, proc.stderr
+    assert run_setup(f"VENV={venv}").returncode == 0
+
+
+def test_reference_environment_elsewhere_names_the_variable_that_finds_it(tmp_path):
+    tools = tools_dir(tmp_path)
+    stub_python(tools, "3.11", "python3.11")
+    venv, hf_venv = tmp_path / "venv", tmp_path / "hf"
+    stub_venv(venv, "3.12")
+    proc = run_setup(f"VENV={venv}", "HF_REFERENCE=1", f"HF_VENV={hf_venv}",
+                 env={"PATH": str(tools), "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert f"export TESSERA_HF_PYTHON={hf_venv}/bin/python" in proc.stdout
+    assert "torch==" in (hf_venv / "pip.log").read_text()
+
+
+def test_read_only_checkout_is_refused_before_anything_is_installed(tmp_path):
+    repo = Path(tempfile.mkdtemp(prefix="tessera-ro-"))  # not under tmp_path: another user must reach it
+    try:
+        (repo / "src").mkdir()
+        shutil.copy(REPO / "setup.sh", repo / "setup.sh")
+        for path in (repo / "src", repo):
+            path.chmod(0o555)
+        command = ["bash", str(repo / "setup.sh")]
+        if os.geteuid() == 0:  # root writes anywhere: run as nobody
+            if not shutil.which("setpriv"):
+                pytest.skip("running as root without setpriv: cannot drop write permission")
+            command = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", *command]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=60,
+                              env={"PATH": os.environ["PATH"], "HOME": "/nonexistent"})
+        assert proc.returncode == 1
+        assert f"cannot write in {repo}" in proc.stderr and "clone the repository into a folder you own" in proc.stderr
+        assert not (repo / ".venv").exists()
+    finally:
+        for path in (repo, repo / "src"):
+            path.chmod(0o755)
+        shutil.rmtree(repo)
+
+
+def documented_setup_commands() -> set[tuple[str, ...]]:
+    """The arguments of every `bash setup.sh ...` that a user is told to run: README.md, the guides,
+    setup.sh's own --help, and the fixes the doctor prints."""
+    from tessera.doctor import setup_command
+
+    texts = [(REPO / "README.md").read_text(), (REPO / "setup.sh").read_text()]
+    texts += [path.read_text() for path in sorted((REPO / "getting_started").glob("*"))]
+    texts += [setup_command(device, mode) for device in ("cpu", "gpu", "tpu") for mode in ("locked", "latest")]
+    found = set()
+    for text in texts:
+        for args in re.findall(r"bash setup\.sh((?: +(?:[A-Z_]+=[^\s`\"'&;)]+|lock|--help))*)", text):
+            # the Dockerfile's build argument: tpu by default, gpu as its comment shows
+            found |= {tuple(args.replace("${DEVICE}", device).split()) for device in ("tpu", "gpu")}
+    return found
+
+
+def test_every_documented_setup_command_is_accepted_and_does_what_it_says(tmp_path):
+    commands = documented_setup_commands()
+    assert {(), ("DEVICE=gpu",), ("DEVICE=tpu",), ("HF_REFERENCE=1",), ("MODE=latest",), ("--help",)} <= commands
+    tools = tools_dir(tmp_path)
+    stub_python(tools, "3.11", "python3.11")  # for HF_REFERENCE=1
+    for args in sorted(commands):
+        if "lock" in args:
+            continue  # rewrites locks/ with uv from PyPI: a maintainer's command
+        if "PYTHON=/path/to/python3.12" in args:  # the placeholder of the no-Python message
+            args = tuple(f"PYTHON={stub_python(tmp_path / 'py', '3.12')}" if a.startswith("PYTHON=") else a
+                         for a in args)
+        venv, hf_venv = tmp_path / "venv", tmp_path / "hf"
+        shutil.rmtree(hf_venv, ignore_errors=True)
+        stub_venv(venv, "3.12")
+        (venv / "pip.log").unlink(missing_ok=True)
+        proc = run_setup(*args, env={"PATH": str(tools), "HOME": str(tmp_path), "VENV": str(venv),
+                                     "HF_VENV": str(hf_venv)})
+        assert proc.returncode == 0, f"bash setup.sh {' '.join(args)}: {proc.stderr}"
+        if "--help" in args:
+            continue
+        settings = dict(a.split("=", 1) for a in args)
+        device, mode = settings.get("DEVICE", "cpu"), settings.get("MODE", "locked")
+        log = (venv / "pip.log").read_text()
+        if mode == "locked":
+            assert f"install -q -r locks/{device}.txt" in log
+        else:
+            assert f"install -q --upgrade -r requirements{'' if device == 'cpu' else '-' + device}.txt" in log
+        assert (venv / "tessera-setup.txt").read_text() == f"DEVICE={device}\nMODE={mode}\n"
+        assert (hf_venv / "pip.log").exists() == (settings.get("HF_REFERENCE") == "1")
