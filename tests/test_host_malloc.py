@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -166,3 +167,17 @@ def test_the_log_line_says_why_a_process_runs_on_the_system_allocator(monkeypatc
                                       "see the loader's message at start-up")
     monkeypatch.setenv("TESSERA_HOST_MALLOC", "system")
     assert host_malloc.describe() == "system; TESSERA_HOST_MALLOC=system"
+
+
+def test_a_library_path_with_a_space_is_preloaded_through_a_link(tmp_path, monkeypatch):
+    """A clone under a path with a space made LD_PRELOAD split the library's path: the loader printed
+    three errors at every start and the run used the system allocator."""
+    lib = tmp_path / "My Projects" / "libmimalloc.so.2.1"
+    lib.parent.mkdir()
+    lib.write_bytes(b"")
+    monkeypatch.setattr(host_malloc, "library", lambda: lib)
+    env, why = plan({"JAX_PLATFORMS": "cpu", "LD_PRELOAD": "/opt/mine.so"}, "linux")
+    link = env["LD_PRELOAD"].split(":")[0]
+    assert " " not in link and Path(link).resolve() == lib.resolve() and why == f"preloading {link}"
+    assert env["LD_PRELOAD"] == f"{link}:/opt/mine.so"
+    assert plan({"JAX_PLATFORMS": "cpu"}, "linux")[0]["LD_PRELOAD"] == link  # the same link again

@@ -92,6 +92,10 @@ def plan(environ: dict[str, str], platform: str = sys.platform) -> tuple[dict[st
     lib = library()
     if lib is None:
         return None, "the cmeel-mimalloc package is not installed (bash setup.sh installs it)"
+    if not _preloadable(lib):
+        lib = _link_for_preload(lib)
+        if lib is None:
+            return None, "the path of the mimalloc library holds a space or a colon, which LD_PRELOAD cannot carry"
     env = dict(environ)
     previous = environ.get("LD_PRELOAD", "")
     env["LD_PRELOAD"] = f"{lib}:{previous}" if previous else str(lib)
@@ -100,6 +104,31 @@ def plan(environ: dict[str, str], platform: str = sys.platform) -> tuple[dict[st
     for key, value in DEFAULTS.items():
         env.setdefault(key, value)
     return env, f"preloading {lib}"
+
+
+def _preloadable(path: Path) -> bool:
+    """LD_PRELOAD splits its list at spaces and colons: a path holding one cannot be in it."""
+    return not any(c in str(path) for c in " :\t")
+
+
+def _link_for_preload(lib: Path) -> Path | None:
+    """A symbolic link to `lib` in the temporary folder, for a repository cloned under a path with a
+    space (~/My Projects/tessera): the loader maps the library it points to. None when that folder's
+    path cannot be preloaded either, or the link cannot be made."""
+    import tempfile
+
+    link = Path(tempfile.gettempdir()) / f"tessera-{os.getuid()}-{lib.name}"
+    if not _preloadable(link):
+        return None
+    try:
+        if not (link.is_symlink() and link.resolve() == lib.resolve()):
+            new = link.with_name(f"{link.name}.{os.getpid()}")
+            new.unlink(missing_ok=True)
+            new.symlink_to(lib)
+            new.replace(link)  # atomic: processes starting together never see half a link
+    except OSError:
+        return None
+    return link
 
 
 def reexec() -> None:
