@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_cli import chosen_recipes
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "aot_recipes.json"
 GIB = 2**30
@@ -54,9 +56,8 @@ def compile_recipe(recipe: Path, out_dir: Path) -> dict:
     }
 
 
-def main(filters: list[str]) -> int:
-    recipes = sorted((REPO / "configs" / "tpu").glob("*/*.sh"))
-    recipes = [r for r in recipes if not filters or any(f in str(r) for f in filters)]
+def main(argv: list[str]) -> int:
+    recipes = chosen_recipes(__doc__, argv)
     result = {}
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in recipes:

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_cli import checked_out
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -79,6 +81,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "checkpoint_blocking.json"))
     args = parser.parse_args()
+    results_file = checked_out(parser, args.out)  # refused now, not after the run
     rows = []
     for async_save in (False, True):
         for checksums in (False, True, True, False):  # ABBA: a drift (the disk warming up) cancels out
@@ -101,8 +104,7 @@ def main() -> None:
             mode: mean("save_call_seconds", a, True) / mean("save_call_seconds", a, False)
             for mode, a in (("sync", False), ("async", True))},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    results_file.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

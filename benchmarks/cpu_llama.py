@@ -34,6 +34,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_cli import at_least, checked_config, checked_out, key_values
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
@@ -78,11 +80,38 @@ def measured_peak(when: str, dtype: str = "float32") -> float:
     return peak
 
 
+def check_settings(parser: argparse.ArgumentParser, settings: dict, dtypes: list[str], steps: int):
+    """Refuse (usage error, exit 2) what would fail or mislead only after minutes of measuring: a key of
+    the fixed workload, a compute dtype without a matmul peak here; returns the check of the trainer's
+    config for one dtype (unknown keys, bad values, `steps` not above the warm-up)."""
+    clash = set(settings) & set(WORKLOAD)
+    if clash:
+        parser.error(f"these keys define the fixed workload and cannot be overridden: {sorted(clash)}")
+    other = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if other:
+        parser.error(f"dtype={other[0]}: this benchmark measures float32 and bfloat16 compute (leave dtype out "
+                     "for both)")
+
+    def check(dtype: str) -> None:
+        argv = [str(REPO / "configs" / "base.yml"), "run_name=bench_check", f"steps={steps}", f"dtype={dtype}",
+                *(f"{k}={v}" for k, v in {**WORKLOAD, **settings}.items())]
+        warmup = checked_config(parser, argv).run.report_warmup_steps
+        if steps <= warmup:
+            parser.error(f"--steps {steps} leaves no step after the {warmup} warm-up step(s) "
+                         f"(report_warmup_steps); give --steps {warmup + 1} or more")
+
+    return check
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=at_least(1), default=12)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_llama.json"))
-    args, overrides = parser.parse_known_args()
+    args, extra = parser.parse_known_args()
+    settings = {**TUNED, **key_values(parser, extra)}
+    dtypes = [settings.pop("dtype")] if "dtype" in settings else ["float32", "bfloat16"]
+    checks = check_settings(parser, settings, dtypes, args.steps)
+    results_file = checked_out(parser, args.out)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tessera import cpu_matmul, host_malloc
 
@@ -93,11 +122,8 @@ def main() -> None:
     from tessera.config import load_config
     from tessera.train import run
 
-    settings = {**TUNED, **dict(o.split("=", 1) for o in overrides)}
-    clash = set(settings) & set(WORKLOAD)
-    if clash:
-        parser.error(f"these keys define the fixed workload and cannot be overridden: {sorted(clash)}")
-    dtypes = [settings.pop("dtype")] if "dtype" in settings else ["float32", "bfloat16"]
+    for dtype in dtypes:  # a bad key or value stops here, before anything is measured
+        checks(dtype)
     phase(f"host malloc: {host_malloc.describe()}")
     phase("bfloat16 matmuls: %s (%s)" % cpu_matmul.decision())
     peak_before = measured_peak("before")
@@ -152,9 +178,8 @@ def main() -> None:
               f"matmul peak{own}")
     if bf16_peak is not None:
         phase(f"bfloat16 matmul at {bf16_peak / peak:.2f} x the float32 matmul's speed")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    phase(f"wrote {args.out}")
+    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    phase(f"wrote {results_file}")
     print(json.dumps(result, indent=2))
 
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import cpu_llama  # noqa: E402  (the workload, its settings and the peak measurement)
+from bench_cli import at_least, checked_config, checked_out, key_values  # noqa: E402
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = \w+\[[\d,]*\]\S* dot\(%([\w.-]+), %([\w.-]+)\)(.*)$")
@@ -118,25 +119,27 @@ def time_alone(key, repeats: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_llama_ceiling.json"))
-    parser.add_argument("--repeats", type=int, default=10)
-    args, overrides = parser.parse_known_args()
+    parser.add_argument("--repeats", type=at_least(1), default=10)
+    args, extra = parser.parse_known_args()
+    settings = {**cpu_llama.TUNED, "dtype": "float32", **key_values(parser, extra)}
+    clash = set(settings) & set(cpu_llama.WORKLOAD)
+    if clash:
+        parser.error(f"these keys define the fixed workload and cannot be overridden: {sorted(clash)}")
+    if settings["dtype"] not in ("float32", "bfloat16"):
+        parser.error(f"dtype={settings['dtype']}: this benchmark times float32 or bfloat16 dots")
+    results_file = checked_out(parser, args.out)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tessera import host_malloc
 
     host_malloc.reexec()  # the allocator cpu_llama.py and train.py run with
     import jax
 
-    from tessera.config import load_config
     from tessera.metrics import training_flops_per_step
     from tessera.step import compile_step, setup
 
-    settings = {**cpu_llama.TUNED, "dtype": "float32", **dict(o.split("=", 1) for o in overrides)}
-    clash = set(settings) & set(cpu_llama.WORKLOAD)
-    if clash:
-        parser.error(f"these keys define the fixed workload and cannot be overridden: {sorted(clash)}")
     argv = [str(REPO / "configs" / "base.yml"), "run_name=ceiling", "base_output_directory=/tmp/unused",
             *(f"{k}={v}" for k, v in {**cpu_llama.WORKLOAD, **settings}.items())]
-    cfg = load_config(argv, env={})
+    cfg = checked_config(parser, argv)  # a bad key or value stops here, before anything is measured
     peak_before = cpu_llama.measured_peak("before")
     cpu_llama.phase("compiling the step and reading its dots")
     trainer = setup(cfg, jax.devices()[:1])
@@ -182,9 +185,8 @@ def main() -> None:
                     f"once: {once / 1e9:.1f}, XLA's count {xla_flops / 1e9:.1f}), "
                     f"{matmul_seconds:.2f} s of matmuls alone: ceiling {result['ceiling_fraction']:.2f} of the "
                     f"{peak:.3f} TFLOP/s peak")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    cpu_llama.phase(f"wrote {args.out}")
+    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    cpu_llama.phase(f"wrote {results_file}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_cli import checked_out
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -97,6 +99,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "data_pipeline.json"))
     args = parser.parse_args()
+    results_file = checked_out(parser, args.out)  # refused now, not after the run
     from tessera.config import load_config
     from tessera.config.loader import flat_dict
     from tessera.data.first_run_corpus import main as build_first_run
@@ -128,8 +131,7 @@ def main() -> None:
               "global_batch": int(base["per_device_batch_size"]), "sequence_tokens": base["max_target_length"] + 1,
               "trainer_tokens_per_sec": train_tokens, "pipelines": results,
               "pipeline_is_never_the_bottleneck": all(r["pipeline_over_trainer"] > 1 for r in results.values())}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    results_file.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
 
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_cli import checked_out
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
@@ -94,6 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "decode_memory.json"))
     args = parser.parse_args()
+    results_file = checked_out(parser, args.out)  # refused now, not after the run
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     results = {}
     for name, (model, call, rows, tokens, new) in WORKLOADS.items():
@@ -103,8 +106,7 @@ def main() -> None:
     result = {"benchmark": "decode_memory", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "compute": "bfloat16, XLA:CPU programs",
               "workloads": results}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    results_file.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_cli import at_least, checked_out
+
 REPO = Path(__file__).resolve().parent.parent
 
 WORKLOAD = dict(base_emb_dim=1024, base_num_decoder_layers=8, base_num_query_heads=8, base_num_kv_heads=8,
@@ -70,8 +72,9 @@ def phase(text: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "host_memory.json"))
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=at_least(1), default=2)
     args = parser.parse_args()
+    results_file = checked_out(parser, args.out)
     if platform.system() != "Linux":
         raise SystemExit("this benchmark reads peak memory the Linux way (wait4); run it on Linux")
 
@@ -102,8 +105,7 @@ def main() -> None:
         "median_ratio_to_fresh": {k: round(statistics.median(v) / statistics.median(peaks["fresh"]), 3)
                                   for k, v in peaks.items()},
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    results_file.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_cli import at_least, checked_out
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
@@ -38,10 +40,13 @@ WORKLOAD = dict(base_emb_dim=64, base_mlp_dim=128, base_num_decoder_layers=1, ba
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    warmup = WORKLOAD["report_warmup_steps"]
+    parser.add_argument("--steps", type=at_least(warmup + 1), default=200,
+                        help=f"steps per run; the first {warmup} are warm-up, left out of the median")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "host_overhead.json"))
     args = parser.parse_args()
+    results_file = checked_out(parser, args.out)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     logging.basicConfig(level=logging.WARNING)
 
@@ -69,10 +74,9 @@ def main() -> None:
         "ms_per_step_sync": 1e3 * median[0], "ms_per_step_one_step_late": 1e3 * median[1],
         "ratio_late_over_sync": median[1] / median[0], "per_round_seconds": seconds,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    results_file.write_text(json.dumps(result, indent=2) + "\n")
     print(f"median ms/step: sync {result['ms_per_step_sync']:.2f}, one step late "
-          f"{result['ms_per_step_one_step_late']:.2f}; ratio {result['ratio_late_over_sync']:.3f} -> {args.out}")
+          f"{result['ms_per_step_one_step_late']:.2f}; ratio {result['ratio_late_over_sync']:.3f} -> {results_file}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench_cli import at_least, checked_out
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
@@ -46,10 +48,13 @@ SETTINGS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    warmup = WORKLOAD["report_warmup_steps"]
+    parser.add_argument("--steps", type=at_least(warmup + 1), default=8,
+                        help=f"steps per run; the first {warmup} are warm-up, left out of the median")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "pipeline.json"))
     args = parser.parse_args()
+    results_file = checked_out(parser, args.out)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
     logging.basicConfig(level=logging.WARNING)
@@ -83,12 +88,11 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
               "jax": jax.__version__, "workload": WORKLOAD, "steps": args.steps, "rounds": args.rounds,
               "settings": SETTINGS, "results": rows}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    results_file.write_text(json.dumps(result, indent=2) + "\n")
     for name, row in rows.items():
         print(f"{name:30s} {row['step_seconds']:.3f} s/step  x{row['ratio_to_no_pipeline']:.2f} of no pipelining "
               f"(bubble {100 * row['bubble']:.1f}%: 1/(1-bubble) = {row['bubble_factor']:.2f})")
-    print(f"wrote {args.out}")
+    print(f"wrote {results_file}")
 
 
 if __name__ == "__main__":

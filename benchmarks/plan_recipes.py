@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_cli import chosen_recipes
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 RESULTS = REPO / "benchmarks" / "results" / "plan_recipes.json"
@@ -111,14 +113,13 @@ def merged_rows(new: list[dict]) -> list[dict]:
     return [rows[k] for k in sorted(rows) if k in current]
 
 
-def main(filters: list[str]) -> int:
+def main(argv: list[str]) -> int:
     import logging
     import os
 
+    recipes = chosen_recipes(__doc__, argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     logging.basicConfig(level=logging.WARNING)
-    recipes = sorted((REPO / "configs" / "tpu").glob("*/*.sh"))
-    recipes = [r for r in recipes if not filters or any(f in str(r) for f in filters)]
     compiled = {r["recipe"]: r for r in json.loads(COMPILED.read_text())["rows"]} if COMPILED.exists() else {}
     rows = []  # this run's; merged into the file's at the end
     for recipe in recipes:

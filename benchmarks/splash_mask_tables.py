@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_cli import checked_out
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
@@ -57,6 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "splash_mask_tables.json"))
     args = parser.parse_args()
+    results_file = checked_out(parser, args.out)  # refused now, not after the run
     import jax
 
     jax.config.update("jax_platforms", "cpu")
@@ -72,9 +75,8 @@ def main() -> None:
                   f"{f'{ratio:.1f}x' if ratio else '-':>8}", flush=True)
     result = dict(benchmark="splash_mask_tables", shards=SHARDS, block=BLOCK, window=WINDOW, load_balanced=True,
                   date=time.strftime("%Y-%m-%d"), host=platform.node(), jax=jax.__version__, rows=rows)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {results_file}")
 
 
 if __name__ == "__main__":

@@ -145,3 +145,39 @@ def test_no_document_cites_material_outside_the_repository():
     found = [f"{f.relative_to(REPO)}:{n}: {line.strip()}" for f in files if f != Path(__file__).resolve()
              for n, line in enumerate(f.read_text().splitlines(), 1) if OUTSIDE_MATERIAL.search(line)]
     assert not found, "\n".join(found)
+
+
+ARCHITECTURE = REPO / "getting_started" / "Architecture.md"
+SRC = REPO / "src" / "tessera"
+# what the call tree names that is JAX's or Python's, not ours
+NOT_OURS = {"jit", "lower", "compile", "next", "step_fn", "TensorBoard"}
+
+
+def _defined_names() -> set[str]:
+    names = set()
+    for path in [*SRC.rglob("*.py"), REPO / "train.py"]:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+    return names
+
+
+def test_architecture_module_table_lists_every_module():
+    """'The package, module by module': every path in the table exists, and every module is in it."""
+    text = ARCHITECTURE.read_text().split("## The package, module by module", 1)[1].split("\n## ", 1)[0]
+    listed = {p for row in re.findall(r"^\| (.+?) \|", text, re.M) for p in re.findall(r"`([\w/]+\.py|\w+/)`", row)}
+    missing = sorted(p for p in listed if not (SRC / p).exists())
+    assert not missing, f"Architecture.md lists modules that do not exist: {missing}"
+    covered = {SRC / p for p in listed}
+    unlisted = sorted(str(f.relative_to(SRC)) for f in SRC.rglob("*.py")
+                      if f.name != "__init__.py" and f not in covered and f.parent not in covered)
+    assert not unlisted, f"Architecture.md's module table leaves out: {unlisted}"
+
+
+def test_architecture_call_tree_names_functions_that_exist():
+    """Every function and class the training step's call tree names is defined in the code."""
+    text = ARCHITECTURE.read_text().split("## One training step, through the code", 1)[1]
+    tree = re.search(r"```\n(.*?)```", text, re.S).group(1)
+    named = set(re.findall(r"([A-Za-z_]\w*)\(", tree)) | set(re.findall(r"\b(_?[A-Z][a-z]\w*|_[a-z]\w+)\b", tree))
+    unknown = sorted(named - NOT_OURS - _defined_names())
+    assert not unknown, f"Architecture.md's call tree names what the code does not define: {unknown}"

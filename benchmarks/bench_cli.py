@@ -1,0 +1,81 @@
+"""What the benchmark scripts' command lines share, so that a bad argument stops a script before
+it measures anything: argparse's usage line and one error line, exit code 2.
+
+- `at_least(n)`: an argparse type for counts (`--steps`, `--rounds`, `--repeats`);
+- `checked_out(parser, path)`: an `--out` file that can be written (its folder is made);
+- `key_values(parser, extra)`: the trainer's `key=value` settings given after the options;
+- `checked_config(parser, argv)`: the trainer's config, its errors as a usage error;
+- `chosen_recipes(doc, argv)`: the TPU recipes whose path contains one of the arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+
+def at_least(low: int):
+    """An argparse type: a whole number >= `low`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is too small; give at least {low}")
+        return value
+
+    return parse
+
+
+def checked_out(parser: argparse.ArgumentParser, path: str) -> Path:
+    """`path` as the results file, its folder made; a usage error when it cannot be written."""
+    out = Path(path)
+    if out.is_dir():
+        parser.error(f"--out {path} is a folder; give the path of a .json file")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        parser.error(f"--out {path}: {blocker} is a file, not a folder; choose another --out")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--out {path}: its folder cannot be made ({e.strerror}); choose another --out")
+    if not os.access(out.parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        parser.error(f"--out {path} cannot be written (permissions); choose another --out")
+    return out
+
+
+def key_values(parser: argparse.ArgumentParser, extra: list[str]) -> dict[str, str]:
+    """The `key=value` trainer settings among `extra` (what parse_known_args left over)."""
+    bad = [a for a in extra if "=" not in a or a.startswith("-")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)} (trainer settings are given as key=value)")
+    return dict(a.split("=", 1) for a in extra)
+
+
+def checked_config(parser: argparse.ArgumentParser, argv: list[str]):
+    """`load_config(argv)`; a config error (unknown key, bad value) is a usage error."""
+    from tessera.config import ConfigError, load_config
+
+    try:
+        return load_config(argv, env={})
+    except ConfigError as e:
+        parser.error(str(e))
+
+
+def chosen_recipes(doc: str, argv: list[str]) -> list[Path]:
+    """The configs/tpu/*/*.sh recipes whose path contains one of `argv`'s words (all without any);
+    `--help` prints `doc`, and a word no recipe's path contains is a usage error."""
+    recipes = sorted((Path(__file__).resolve().parent.parent / "configs" / "tpu").glob("*/*.sh"))
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("filters", nargs="*", metavar="PART",
+                        help="run only the recipes whose path contains one of these (e.g. v5p/128b v6e)")
+    filters = parser.parse_args(argv).filters
+    unknown = [f for f in filters if not any(f in str(r) for r in recipes)]
+    if unknown:
+        names = ", ".join(str(r.relative_to(r.parents[3])) for r in recipes[:3])
+        parser.error(f"no recipe's path contains {unknown[0]!r} (the recipes are configs/tpu/<generation>/<name>.sh, "
+                     f"e.g. {names}); leave the arguments out for every recipe")
+    return [r for r in recipes if not filters or any(f in str(r) for f in filters)]
