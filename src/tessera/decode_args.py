@@ -17,14 +17,23 @@ if TYPE_CHECKING:
 FLOAT32_MAX = 3.4028234663852886e38  # a larger --temperature is inf in float32
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """A bad flag is one line on stderr and exit code 2, as every bad input of decode.py is (argparse
+    printed its usage block first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(decoding flags, config arguments): `--flag value` pairs are ours, the rest (the config
     file and key=value overrides) go to `load_config`."""
-    parser = argparse.ArgumentParser(
+    parser = _OneLineErrors(
         prog=".venv/bin/python -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
-              "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S]\n"
-              "       python3 decode.py ... (the same)",
+              "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S] "
+              "[--eos_id ID]\n"
+              "       .venv/bin/python decode.py ... (the same)",
         description="Generate text from a checkpoint. key=value arguments build the config as for training: "
                     "give the model keys the checkpoint was trained with.",
         epilog=config_epilog(("load_parameters_path", "tokenizer_path", "model_name", "max_target_length",
