@@ -10,7 +10,8 @@ import pytest
 from conftest import tiny_config
 from tessera.config import ConfigError, build_config
 from tessera.models import build_model
-from tessera.models.attention import dot_product_attention, select_attention
+from tessera.models.attention import dot_product_attention
+from tessera.models.attention_choice import select_attention
 from jax.sharding import PartitionSpec as P
 
 from tessera.models.splash import (_from_balanced, _kernel, _to_balanced, balanced_order, block_sizes, load_balanced,
@@ -247,7 +248,7 @@ def test_splash_inside_the_pipeline_trains_like_the_reference(mesh, tmp_path, mo
     import logging
 
     from tessera import step
-    from tessera.models.attention import AttentionChoice
+    from tessera.models.attention_choice import AttentionChoice
     from tessera.train import run
 
     def records(name, **overrides):

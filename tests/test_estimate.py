@@ -390,7 +390,7 @@ def test_a_model_file_that_is_not_yaml_is_the_loaders_config_error(capsys, tmp_p
 def test_the_estimate_keeps_scores_exactly_where_the_trainer_runs_the_reference(model, hardware, overrides, fused):
     """The estimator asks the trainer's own kernel choice (`select_attention`) whether a score matrix is kept,
     so the two cannot disagree (it once assumed cuDNN for every 16-bit model on GPUs, Gemma 2 included)."""
-    from tessera.models.attention import select_attention
+    from tessera.models.attention_choice import select_attention
     from tessera.tools.estimate import fused_attention
 
     cfg = load_model_config(model, [f"{k}={v}" for k, v in {"max_target_length": 2048, **overrides}.items()])

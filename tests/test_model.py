@@ -13,7 +13,8 @@ from conftest import REPO, tiny_config
 from tessera.config import ConfigError, load_config
 from tessera.config.schema import REMAT_POLICIES
 from tessera.models import build_model
-from tessera.models.attention import dot_product_attention, select_attention
+from tessera.models.attention import dot_product_attention
+from tessera.models.attention_choice import select_attention
 from tessera.step import loss_sums
 
 

@@ -335,7 +335,7 @@ def test_long_sequences_plan_a_load_balanced_sequence_split():
     that mesh. At 2,048 tokens on v6e-256 the first choice keeps the sequence whole, as before (fsdp 256, 2 sequences
     a device)."""
     from tessera.config import load_config
-    from tessera.models.attention import select_attention
+    from tessera.models.attention_choice import select_attention
     from tessera.tools.estimate import mesh_sizes
     from tessera.tools.plan import run_args
     from tessera.tools.plan_report import explain

@@ -96,7 +96,7 @@ def _prefill_kernel(cfg: Config, mesh, decoding: dict | None) -> str:
     """The attention kernel of the prompts' prefill (`select_attention`, as training picks it, for
     the prompts' padded width: splash attention on TPU); each new token attends over the cache
     with the reference math whatever this is."""
-    from tessera.models.attention import select_attention
+    from tessera.models.attention_choice import select_attention
 
     platform = mesh.devices.flat[0].platform
     width = prompt_width(decoding["prompts"], "splash" if platform == "tpu" else "") if decoding else 0

@@ -27,7 +27,7 @@ from tessera.config.checks import check_trainable_dtypes, keys_without_effect
 from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
-from tessera.models.attention import select_attention
+from tessera.models.attention_choice import select_attention
 from tessera.models.decoder import MTP_LOAD
 from tessera.models.moe import PER_LAYER_LOAD, describe_routing, update_routed_bias
 from tessera.models.mtp import chain_weights, shift_left

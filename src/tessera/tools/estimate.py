@@ -98,7 +98,7 @@ def fused_attention(cfg: Config, hw: Hardware, mesh: dict[str, int] | None = Non
     choice (`select_attention`) for this hardware's platform, the sequence length and `mesh`, so
     the estimate and the run cannot disagree (splash on TPUs; cuDNN on GPUs, 16-bit, not for
     soft-capped scores)."""
-    from tessera.models.attention import select_attention
+    from tessera.models.attention_choice import select_attention
 
     platform = "gpu" if hw.accelerator.torus_dims == 0 else "tpu"
     return select_attention(cfg.model, platform, cfg.data.max_target_length, mesh).kernel != "dot_product"

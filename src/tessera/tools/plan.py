@@ -143,7 +143,7 @@ def sequence_ways(cfg: Config, hw: Hardware, devices: int) -> list[int]:
     m, length = cfg.model, cfg.data.max_target_length
     if hw.accelerator.torus_dims == 0:
         return [1]
-    from tessera.models.attention import select_attention  # imported here: `--help` runs without jax
+    from tessera.models.attention_choice import select_attention  # imported here: `--help` runs without jax
     from tessera.models.splash import load_balanced
 
     ways = [1]
