@@ -199,15 +199,22 @@ def _fake_ssh_env(tmp_path) -> dict:
             "FAKE_SSH_HOSTS": str(tmp_path / "hosts")}
 
 
-def _processes_in_sessions(sessions: set[int]) -> list[int]:
-    found = []
-    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            if int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[3]) in sessions:
-                found.append(int(pid))
-        except (OSError, IndexError, ValueError):
-            pass
-    return found
+def _processes_in_sessions(sessions: set[int], settle: float = 0.0) -> list[int]:
+    """The live processes (not zombies) of `sessions`; with `settle`, waited for up to that many
+    seconds to be none (a process that is leaving can outlast its parent's exit by a moment)."""
+    deadline = time.time() + settle
+    while True:
+        found = []
+        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[3]) in sessions and fields[0] != "Z":
+                    found.append(int(pid))
+            except (OSError, IndexError, ValueError):
+                pass
+        if not found or time.time() >= deadline:
+            return found
+        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -237,7 +244,7 @@ def test_sigterm_to_the_suite_stops_its_nodes_over_ssh(tmp_path):
         assert suite.returncode == 143, out[-2000:] + err[-2000:]
         assert "SIGTERM received: passed on to the 1 running node(s)" in err
         assert re.search(r"stopped by SIGTERM after step \d+", log.read_text()), log.read_text()[-2000:]
-        assert not _processes_in_sessions(remote)  # no trainer left running
+        assert not _processes_in_sessions(remote, settle=10)  # no trainer left running
     finally:
         suite.kill()
         for pid in _processes_in_sessions(remote):

@@ -103,10 +103,11 @@ def wrap_in_container(engine: str, plan: Plan, env: dict[str, str], argv: list[s
 # trainer running. So the remote command runs under a relay that reads signal names from ssh's input
 # ("TERM" lines, written by run_nodes) and sends them to the trainer, and sends it SIGTERM when the
 # input ends (the local ssh was killed, or the connection dropped): the trainer saves and stops.
-# `set -m` starts the trainer with SIGINT at its default (a background command would ignore it).
+# `set -m` starts the trainer with SIGINT at its default (a background command would ignore it); the
+# relay is waited for once stopped, so that it never outlives the command as an unreaped process.
 RELAY = ('set -m; {command} </dev/null & child=$!; '
          '{{ while read -r sig; do kill -s "$sig" "$child"; done; kill -s TERM "$child"; }} >/dev/null 2>&1 & '
-         'relay=$!; set +m; wait "$child"; code=$?; kill "$relay" 2>/dev/null; exit "$code"')
+         'relay=$!; set +m; wait "$child"; code=$?; kill "$relay" 2>/dev/null; wait "$relay"; exit "$code"')
 
 
 def over_ssh(host: str, env: dict[str, str], argv: list[str]) -> list[str]:
