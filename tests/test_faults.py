@@ -106,6 +106,14 @@ def test_output_folder_under_a_file_is_refused_before_compiling(tmp_path):
     _no_echoes(proc.stderr)
     assert (f"config error: jax_cache_dir={tmp_path}/file cannot be written: {tmp_path}/file is a file, not a "
             "folder; choose another jax_cache_dir") in proc.stderr
+    # a folder under that file: refused before JAX sees it (JAX's own warning came first, at the first compile)
+    proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/out", "steps=1",
+                           f"jax_cache_dir={tmp_path}/file/cache"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and not (tmp_path / "out").exists(), proc.stderr[-3000:]
+    _no_echoes(proc.stderr)
+    assert "Warning" not in proc.stderr and "compilation cache:" not in proc.stderr, proc.stderr[-3000:]
+    assert (f"config error: jax_cache_dir={tmp_path}/file/cache cannot be written: {tmp_path}/file is a file, not a "
+            "folder; choose another jax_cache_dir") in proc.stderr
     ckpt_dir = tmp_path / "ok" / "ckpts"  # a probe that succeeds leaves nothing either (no run folder yet)
     proc = subprocess.run([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}/ok", f"checkpoint_dir={ckpt_dir}",
                            "load_parameters_path=/nowhere"], capture_output=True, text=True, timeout=300)

@@ -28,8 +28,16 @@ _counted = {"hits": 0, "listening": False}
 
 def use_compilation_cache(path: str) -> None:
     """Compile through the persistent cache in `path` (already absolute or a URL; '' leaves JAX's
-    setting alone), and count its hits from now on."""
+    setting alone), and count its hits from now on. ConfigError when `path` cannot be written: JAX
+    itself only warns, once, at its first compile, and compiles every program again at each start
+    (minutes on a TPU host, where the cache matters); checked before JAX sees the folder, so its
+    warning never precedes the refusal."""
     import jax
+
+    from tessera.checkpointing.storage import check_writable
+
+    if path:
+        check_writable(path, "jax_cache_dir")
 
     if not _counted["listening"]:
         jax.monitoring.register_event_listener(_count)

@@ -194,12 +194,10 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     import jax
 
     from tessera.mesh import create_mesh
-    from tessera.run_folder import check_cache_folder
 
     if not cfg.checkpoint.load_parameters_path:
         raise ConfigError("decoding needs load_parameters_path=<checkpoint step folder> (e.g. "
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
-    check_cache_folder(cfg)
     tokenizer, prompts = encode_prompts(cfg, flags)
     if flags.eos_id is not None and flags.eos_id >= cfg.model.vocab_size:
         raise ConfigError(f"--eos_id {flags.eos_id} is outside the model's vocabulary [0, vocab_size="

@@ -49,7 +49,6 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
         _check_kind(run_dir(cfg.run) / "metrics.jsonl", "a file", "base_output_directory")
     if cfg.run.enable_tensorboard:
         _check_kind(run_dir(cfg.run) / "tensorboard", "a folder", "base_output_directory")
-    check_cache_folder(cfg)
 
 
 def _check_kind(path: Path, kind: str, key: str) -> None:
@@ -81,13 +80,6 @@ def refuse_unread_checkpoints(cfg: Config, ckpt_dir: str) -> None:
         raise ConfigError(f"{report.parent} holds a run that finished (report.json) and no checkpoint this start "
                           "could resume from: it would train again from step 0 and mix its metrics with the finished "
                           "run's. For a new run, choose a new run_name (or move that folder away)")
-
-
-def check_cache_folder(cfg: Config) -> None:
-    """ConfigError for a `jax_cache_dir` that cannot be written: JAX itself only warns, once, and
-    compiles every program again at each start (minutes on a TPU host, where the cache matters)."""
-    if cfg.run.jax_cache_dir:
-        check_writable(cfg.run.jax_cache_dir, "jax_cache_dir")
 
 
 LOCK_FILE = ".tessera.lock"
