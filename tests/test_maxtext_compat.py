@@ -230,3 +230,24 @@ def test_rope_type_points_to_rope_scaling():
     with pytest.raises(ConfigError, match=r"rope_type='yarn' is a MaxText key .*Tessera's key is rope_scaling: "
                                           r"rope_scaling=llama3 or rope_scaling=yarn"):
         load_config([BASE, "rope_type=yarn"], env={})
+
+
+def test_steps_of_minus_one_is_the_schedules_length(caplog):
+    """MaxText's steps=-1: as many steps as learning_rate_schedule_steps (it was refused as "too small");
+    with the schedule's length unset too, one line says neither key gives the other a length."""
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        cfg = load_config([BASE, "steps=-1", "learning_rate_schedule_steps=40"], env={})
+    assert cfg.run.steps == 40 and cfg.total_steps_in_schedule == 40
+    assert "steps=-1 is MaxText's spelling of 'as many steps as learning_rate_schedule_steps'; using steps=40" \
+        in caplog.text
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "steps=-1"], env={})
+    assert str(e.value).startswith("steps=-1 (MaxText's spelling of 'as many steps as learning_rate_schedule_steps') "
+                                   "needs learning_rate_schedule_steps set") and "too small" not in str(e.value)
+    with pytest.raises(ConfigError) as e:  # a bad schedule length is reported once, under its own name
+        load_config([BASE, "steps=-1", "learning_rate_schedule_steps=abc"], env={})
+    assert str(e.value).startswith("learning_rate_schedule_steps='abc' is not a valid int") and "steps=" not in \
+        str(e.value).replace("learning_rate_schedule_steps=", "")
+    with pytest.raises(ConfigError, match="steps='-2' is too small; it must be >= 1"):
+        load_config([BASE, "steps=-2", "learning_rate_schedule_steps=40"], env={})

@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import yaml
 
 from tessera.config.checks import validate
-from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, translate
+from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
 from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
 from tessera.config.yaml_file import read_yaml  # also imported from here by tools/estimate.py
 
@@ -78,7 +78,9 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     _warn_model_file_wins(layers[:len(files)], layers[len(files)], _merge(layers[len(files) + 1:]))
     _refuse_placeholders(layers, errors)
     build_errors: list[str] = []
-    cfg = _build({k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}, build_errors)
+    merged = {k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}
+    build_errors.extend(filter(None, [steps_from_schedule(merged)]))
+    cfg = _build(merged, build_errors)
     _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
     return cfg
 

@@ -220,6 +220,27 @@ UNSET = {
 }
 
 
+def steps_from_schedule(merged: dict[str, Any]) -> str:
+    """MaxText's `steps=-1`: as many steps as `learning_rate_schedule_steps` (in `merged`, the
+    config's keys after every layer; set in place and logged). With the schedule's length unset
+    too, the error line to report (neither key gives the other a length); '' otherwise."""
+    if "steps" not in merged or not spelled_as(merged["steps"], ("-1",)):
+        return ""
+    schedule = merged.get("learning_rate_schedule_steps", -1)
+    if not spelled_as(schedule, ("-1",)):
+        if not str(schedule).strip().lstrip("-").replace("_", "").isdigit():
+            del merged["steps"]  # a bad schedule value is reported once, under its own name
+            return ""
+        _log_once(f"steps=-1 is MaxText's spelling of 'as many steps as learning_rate_schedule_steps'; "
+                  f"using steps={schedule}")
+        merged["steps"] = schedule
+        return ""
+    del merged["steps"]  # one line about it, not a second "too small"
+    return ("steps=-1 (MaxText's spelling of 'as many steps as learning_rate_schedule_steps') needs "
+            "learning_rate_schedule_steps set, and it is -1 (as many as steps) too; give steps=<the number of "
+            "optimizer steps>")
+
+
 def render_aliases() -> list[str]:
     """The comment block base.yml ends with: every other key name the loader accepts."""
     lines = ["", "# --- Aliases: other trainers' names for the keys above, accepted and logged when used"]
