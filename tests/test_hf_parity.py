@@ -22,7 +22,8 @@ from tessera.tools import hf_env
 from tessera.tools.check_logits import compare
 from tessera.tools.convert import hf_to_tessera, tessera_to_hf
 from tessera.tools.estimate import load_model_config
-from tessera.tools.hf_checkpoint import Reader, hf_config, mxfp4_values
+from tessera.tools.hf_checkpoint import Reader, mxfp4_values
+from tessera.tools.hf_config_out import hf_config
 from tessera.tools.hf_configs import as_overrides, config_from_hf
 
 ATOL = 1e-4  # float32 on both sides; measured differences are ~4e-6 on logits of magnitude ~5

@@ -241,7 +241,7 @@ def _check_all_used(names, used: set[str], tied: bool) -> None:
 
 def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: int) -> Path:
     """Write a Tessera checkpoint's parameters as a Hugging Face checkpoint in `out_dir`."""
-    from tessera.tools import hf_checkpoint
+    from tessera.tools import hf_checkpoint, hf_config_out
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise ConfigError(f"{out_dir} is not empty; choose a new output folder (nothing was written)")
@@ -268,7 +268,7 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
             for name, value in zip(rule.hf, values):
                 writer.add(fmt(name), value)
         writer.close()
-        (out_dir / "config.json").write_text(json.dumps(hf_checkpoint.hf_config(m), indent=2) + "\n")
+        (out_dir / "config.json").write_text(json.dumps(hf_config_out.hf_config(m), indent=2) + "\n")
     except BaseException:  # a damaged checkpoint, a full disk, Ctrl-C: leave no half-written output behind
         with _interrupts_held():
             for path in [out_dir] if made else list(out_dir.iterdir()):  # an empty folder given: its contents

@@ -1,6 +1,7 @@
 """The file-level pieces of checkpoint conversion (see `tessera.tools.convert`): reading
 Hugging Face safetensors one tensor at a time, filling memory-mapped scratch arrays, restoring
-Tessera parameters one at a time, writing safetensors shards, and writing `config.json`."""
+Tessera parameters one at a time and writing safetensors shards (the `config.json` written beside
+them is `tessera.tools.hf_config_out`'s)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,8 @@ import orbax.checkpoint as ocp
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from tessera.config import Config, ConfigError, ModelConfig
-from tessera.models.layers import yarn_score_scale
-from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES, HF_MULTIMODAL
+from tessera.config import Config, ConfigError
+from tessera.tools.hf_configs import HF_MULTIMODAL
 from tessera.tools.hf_layouts import Layout, Rule
 
 log = logging.getLogger("tessera")
@@ -325,121 +325,3 @@ def _umask() -> int:
     mask = os.umask(0o022)
     os.umask(mask)
     return mask
-
-
-def hf_config(m: ModelConfig) -> dict[str, Any]:
-    """A transformers `config.json` for the model `m` describes (inverse of config_from_hf)."""
-    model_type = {v: k for k, v in HF_MODEL_TYPES.items()}[m.decoder_block]
-    if model_type == "deepseek_v3":
-        return _deepseek_config(m)
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
-            "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-            "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}[model_type]
-    dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
-    if model_type == "gpt2":
-        return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
-                "n_layer": m.num_decoder_layers, "n_inner": m.mlp_dim, "n_positions": m.trainable_position_size,
-                "vocab_size": m.vocab_size, "layer_norm_epsilon": m.normalization_layer_epsilon,
-                "activation_function": "gelu_new", "tie_word_embeddings": True, "torch_dtype": dtype}
-    config = {
-        "architectures": [arch], "model_type": model_type, "hidden_size": m.emb_dim, "intermediate_size": m.mlp_dim,
-        "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
-        "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
-        "rope_theta": float(m.rope_max_timescale), "tie_word_embeddings": m.logits_via_embedding, "torch_dtype": dtype,
-        "max_position_embeddings": max(8192, m.rope_original_max_position), "hidden_act": m.mlp_activations[0],
-    }
-    if m.rope_scaling == "llama3":
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
-                                  "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
-                                  "original_max_position_embeddings": m.rope_original_max_position}
-    elif m.rope_scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": m.rope_scaling_factor}
-    elif m.rope_scaling == "yarn":  # attention_factor: the square root of Attention's score multiplier
-        config["rope_scaling"] = {"rope_type": "yarn", "factor": m.rope_scaling_factor,
-                                  "original_max_position_embeddings": m.rope_original_max_position,
-                                  "beta_fast": m.beta_fast, "beta_slow": m.beta_slow, "truncate": m.rope_truncate,
-                                  "attention_factor": yarn_score_scale(m.rope_scaling_factor, m.mscale) ** 0.5}
-        config["max_position_embeddings"] = max(8192, int(m.rope_original_max_position * m.rope_scaling_factor))
-    if model_type in HF_ATTENTION_BIAS:
-        config["attention_bias"] = m.attention_bias
-    if model_type in HF_MLP_BIAS:
-        config["mlp_bias"] = m.mlp_bias
-    if model_type == "gpt_oss":
-        config.update(hidden_act="silu", intermediate_size=m.expert_mlp_dim, num_local_experts=m.num_experts,
-                      num_experts_per_tok=m.num_experts_per_tok, sliding_window=m.sliding_window_size or None,
-                      # -1 (no clipping) as a limit no activation reaches: transformers' gpt-oss always clips
-                      swiglu_limit=m.mlp_activations_limit if m.mlp_activations_limit > 0 else 1e30,
-                      router_aux_loss_coef=m.load_balance_loss_weight,
-                      layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
-                                   for i in range(m.num_decoder_layers)])
-    if model_type == "llama4_text":
-        config.update(_llama4_config(m))
-    if model_type in ("gemma", "gemma2", "gemma3_text"):
-        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
-    if model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
-        config["sliding_window"] = m.sliding_window_size or None
-    if model_type == "mixtral":
-        config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok)
-    if model_type in ("qwen3", "qwen3_moe"):
-        config.update(use_sliding_window=False, sliding_window=None)
-    if model_type == "qwen3_moe":  # every layer is an expert layer; intermediate_size (dense layers) is unused
-        config.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-                      moe_intermediate_size=m.mlp_dim, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1,
-                      mlp_only_layers=[])
-    if model_type in ("gemma2", "gemma3_text"):
-        config.update(query_pre_attn_scalar=int(m.query_pre_attn_scalar or m.head_dim),
-                      attn_logit_softcapping=m.attn_logits_soft_cap or None,
-                      final_logit_softcapping=m.final_logits_soft_cap or None)
-    if model_type == "gemma3_text":
-        del config["rope_theta"]
-        glob = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
-        if m.rope_scaling == "linear":
-            glob.update(rope_type="linear", factor=m.rope_scaling_factor)
-        config["rope_parameters"] = {"full_attention": glob, "sliding_attention": {
-            "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
-        config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                 for i in range(m.num_decoder_layers)]
-    return config
-
-
-
-def _llama4_config(m: ModelConfig) -> dict[str, Any]:
-    """Llama 4's keys of a Llama4ForCausalLM config.json (its layer pattern written out per layer)."""
-    from tessera.config.derived import llama4_moe, llama4_nope
-
-    layers = range(m.num_decoder_layers)
-    return {"intermediate_size": m.expert_mlp_dim, "intermediate_size_mlp": m.mlp_dim,
-            "num_local_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
-            "interleave_moe_layer_step": m.interleave_moe_layer_step,
-            "moe_layers": [i for i in layers if llama4_moe(m, i)],
-            "no_rope_layers": [int(not llama4_nope(m, i)) for i in layers],
-            "no_rope_layer_interval": m.nope_layer_interval or 4,
-            "attention_chunk_size": m.chunk_attn_window_size or None, "use_qk_norm": m.use_qk_norm,
-            "attn_temperature_tuning": m.temperature_tuning, "floor_scale": m.temperature_tuning_floor_scale,
-            "attn_scale": m.temperature_tuning_scale, "router_aux_loss_coef": m.load_balance_loss_weight}
-
-
-def _deepseek_config(m: ModelConfig) -> dict[str, Any]:
-    """config.json of a deepseek model (DeepSeek-V3's keys; rotary dimensions interleaved, as its checkpoints)."""
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
-    if m.rope_scaling == "yarn":
-        rope.update(rope_type="yarn", factor=m.rope_scaling_factor, beta_fast=m.beta_fast, beta_slow=m.beta_slow,
-                    mscale=m.mscale, mscale_all_dim=m.mscale,
-                    original_max_position_embeddings=m.rope_original_max_position)
-    return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": m.emb_dim,
-        "intermediate_size": m.mlp_dim, "moe_intermediate_size": m.expert_mlp_dim,
-        "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads,
-        "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
-        "tie_word_embeddings": m.logits_via_embedding, "hidden_act": m.mlp_activations[0],
-        "torch_dtype": "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype,
-        "max_position_embeddings": max(8192, m.rope_original_max_position * int(m.rope_scaling_factor)),
-        "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
-        "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "n_routed_experts": m.num_experts,
-        "num_experts_per_tok": m.num_experts_per_tok, "n_shared_experts": m.shared_experts,
-        "first_k_dense_replace": m.first_num_dense_layers, "norm_topk_prob": m.norm_topk_prob,
-        "routed_scaling_factor": m.routed_scaling_factor, "n_group": max(m.n_routing_groups, 1),
-        "topk_group": max(m.topk_routing_group, 1), "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "rope_interleave": True, "rope_parameters": rope, "num_nextn_predict_layers": m.mtp_num_layers,
-    }
