@@ -16,7 +16,8 @@ and the roofline checks of the public TPU sizing guide for each parallel axis in
 communication when the arithmetic intensity (FLOPs per byte moved) it leaves is above the
 hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
 
-    FSDP      tokens per device x tensor x expert / sparsity     (sparsity = experts / experts per token)
+    FSDP      tokens per device (per micro-batch) x tensor x expert / sparsity     (sparsity = experts / experts
+              per token)
     expert    4 x mlp_dim / expert
     tensor    mlp_dim / tensor
     sequence  the FSDP figure (weights are split over the sequence axis too) combined with a layer's
@@ -123,7 +124,8 @@ class Roofline:
 def rooflines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[Roofline]:
     m = cfg.model
     sparsity = m.num_experts / m.num_experts_per_tok if m.num_experts > 1 else 1.0
-    tokens = cfg.data.per_device_batch_size * cfg.data.max_target_length
+    # FSDP gathers the weights again for each micro-batch of gradient accumulation: its tokens are a micro-batch's
+    tokens = cfg.data.per_device_batch_size * cfg.data.max_target_length / cfg.optim.gradient_accumulation_steps
     fsdp = tokens * mesh["tensor"] * mesh["expert"] * mesh["stage"] / sparsity
     lines = [
         Roofline("fsdp", mesh["fsdp"], fsdp, hw.intensity),
@@ -246,7 +248,8 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         "",
         "memory per device (GiB):",
         f"  parameters ({m.weight_dtype})      {mem.params / GIB:8.2f}",
-        f"  gradients                  {mem.grads / GIB:8.2f}",
+        f"  gradients                  {mem.grads / GIB:8.2f}"
+        + ("   (and their sum over the accumulation steps)" if cfg.optim.gradient_accumulation_steps > 1 else ""),
         f"  {OPTIMIZER_STATE[cfg.optim.opt_type]:<27}{mem.optimizer / GIB:8.2f}",
         (f"  a stage gathered once      {mem.gathered / GIB:8.2f}   (pipeline_fsdp_ag_once; and the logits' "
          "matrix with its gradient)" if mesh["stage"] > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once else
