@@ -2,6 +2,7 @@
 compile), GPU planning, the no-fit error, divisibility of every mesh it tries, and its command line."""
 
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -273,6 +274,44 @@ def test_compile_confirms_on_the_tpu_compiler_and_writes_a_runnable_recipe(tmp_p
         assert key in command.split(), key
     fallback = Candidate(Mesh({}, {}), 1, "minimal", 1, 1, 0, 0, (), 0.0, 0.0)
     assert heavier_policies(fallback) == ["save_dot_except_mlp", "save_qkv_proj", "full"]
+
+
+def test_a_compile_that_fails_is_not_read_from_the_report_of_the_one_before(tmp_path, monkeypatch, capsys):
+    """A fallback remat policy compiled under the run name of the policy before it (same candidate number and
+    batch): when its train_compile failed, the plan read the other policy's compile_report.json as its own."""
+    from tessera.tools.plan_compile import aot_compile
+
+    fake = tmp_path / "python"  # stands in for train_compile: minimal does not fit (exit 3), full fails (exit 1)
+    fake.write_text("#!/usr/bin/env bash\nfor a; do case $a in run_name=*) r=${a#*=};; base_output_directory=*) "
+                    "o=${a#*=};; remat_policy=*) p=${a#*=};; esac; done\n"
+                    "if [ $p = minimal ]; then mkdir -p $o/$r; echo '{\"total_bytes\": 20, \"budget_bytes\": 10, "
+                    "\"temp_bytes\": 15, \"fits\": false}' > $o/$r/compile_report.json; exit 3; fi\n"
+                    "echo 'RuntimeError: INTERNAL: the compiler crashed'; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    cfg, hw = load_model_config("default", []), parse_hardware("v5e-8")
+    light, heavy = (candidate(cfg, hw, 1024, {"fsdp": 8}, remat=r) for r in ("minimal", "full"))
+    (tmp_path / "out").mkdir()
+    assert aot_compile([], light, cfg, hw, tmp_path / "out", "1/1")["total_bytes"] == 20
+    assert aot_compile([], heavy, cfg, hw, tmp_path / "out", "1/1") == {}
+    assert "failed:\n    RuntimeError: INTERNAL: the compiler crashed" in capsys.readouterr().out
+
+
+def test_a_recipe_that_cannot_be_written_after_the_compiles_is_one_line(tmp_path, monkeypatch, capsys):
+    """--output's folder checked before compiling can be gone (or the disk full) by the end: a traceback, and
+    the recipe written without its report."""
+    import tessera.tools.plan_compile as plan_compile
+
+    def confirm(base, c, *args, **kwargs):  # the compile, meanwhile a file takes the folder's place
+        (tmp_path / "r").write_text("not a folder")
+        return dataclasses.replace(c, compiled=True)
+
+    monkeypatch.setattr(plan_compile, "confirm", confirm)
+    assert main(["default", "--hardware", "v5e-8", "--top", "1", "--compile", "--output",
+                 str(tmp_path / "r" / "x.sh")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"config error: cannot write {tmp_path / 'r'}") and "Traceback" not in err, err
+    assert "choose another --output" in err and sorted(p.name for p in tmp_path.iterdir()) == ["r"]
 
 
 def test_a_gpu_count_of_zero_is_a_config_error(capsys):

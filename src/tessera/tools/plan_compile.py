@@ -10,6 +10,7 @@ configs/tpu/*/*.sh and a JSON report. TPU only (libtpu compiles for a topology o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from tessera.config import Config, ConfigError
 from tessera.hardware import GIB
+from tessera.train_compile import EXIT_DOES_NOT_FIT
 from tessera.tools.estimate import CONFIGS, Hardware
 from tessera.tools.memory_model import count_params
 from tessera.tools.plan import REMAT_POLICIES, Candidate, mesh_candidates, run_args, token_options
@@ -62,7 +64,8 @@ def libtpu_flags(generation: str) -> str:
 
 def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str) -> dict:
     """One train_compile subprocess (its progress lines passed on); its compile report, {} if it failed."""
-    name = f"plan_{abs(hash((label, c.per_device_batch))) % 10**8}"
+    # one run folder per compile: a fallback policy's compile that fails must not find the report of the one before
+    name = f"plan_{abs(hash((label, c.per_device_batch, c.remat, c.repeats, c.mesh.describe()))) % 10**8}"
     cmd = [sys.executable, "-m", "tessera.train_compile", str(CONFIGS / "base.yml"), *base, *run_args(c, cfg),
            f"compile_topology={hw.name}", f"compile_topology_num_slices={hw.num_slices}", f"run_name={name}",
            f"base_output_directory={out_dir}"]
@@ -80,7 +83,7 @@ def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_di
             proc.kill()
             raise
     report = out_dir / name / "compile_report.json"
-    if not report.is_file():
+    if proc.returncode not in (0, EXIT_DOES_NOT_FIT) or not report.is_file():
         print("  failed:\n    " + "\n    ".join(tail), flush=True)
         return {}
     r = json.loads(report.read_text())
@@ -234,11 +237,22 @@ def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
     confirmed.sort(key=Candidate.rank_key, reverse=True)
     print("\nconfirmed by the TPU compiler (* = compiler's memory):\n" + table(confirmed))
     recipe = recipe_path(cfg, hw, args.output)
-    write_recipe(recipe.resolve(), confirmed[0], cfg, hw, base)
     report = recipe.with_suffix(".json")
+    try:  # checked before compiling, but the folder can go, or the disk fill, in the minutes since
+        write_recipe(recipe.resolve(), confirmed[0], cfg, hw, base)
+        write_report(report, confirmed, hw, base)
+    except OSError as e:
+        for path in (recipe, report):  # neither existed (check_output): no half of the pair is left behind
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+        raise ConfigError(f"cannot write {e.filename or recipe}: {e.strerror or e}; the confirmed candidates are in "
+                          "the table above: free some space or choose another --output, and plan again") from None
+    print(f"wrote {recipe} and {report}")
+    return 0
+
+
+def write_report(report: Path, confirmed: list[Candidate], hw: Hardware, base: list[str]) -> None:
     report.write_text(json.dumps({"model": base, "hardware": hw.name, "slices": hw.num_slices, "candidates": [
         {"mesh": x.mesh.keys(), "repeats": x.repeats, "remat": x.remat, "per_device_batch_size": x.per_device_batch,
          "tokens_per_device": x.tokens_per_device, "gib_per_chip": round(x.memory / GIB, 2),
          "binding": binding_text(x), "mfu_estimate": round(x.mfu, 4)} for x in confirmed]}, indent=2) + "\n")
-    print(f"wrote {recipe} and {report}")
-    return 0
