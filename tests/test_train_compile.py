@@ -16,7 +16,7 @@ from tessera.config import ConfigError, build_config
 from tessera import train_compile
 from tessera.hardware import tpu_slice
 from tessera.hlo_text import tpu_kernels
-from tessera.train_compile import EXIT_DOES_NOT_FIT, compile_for_topology, main, not_fits_message
+from tessera.train_compile import EXIT_DOES_NOT_FIT, compile_for_topology, main, memory_table, not_fits_message
 
 BASE = ["configs/base.yml"]
 
@@ -102,6 +102,19 @@ def test_not_fits_message_offers_vocab_tiling_where_the_logits_weigh(small_repor
     tiled = dataclasses.replace(big_vocab, model=dataclasses.replace(big_vocab.model, num_vocab_tiling=2))
     assert "num_vocab_tiling" not in not_fits_message(over, tiled)
     assert "num_vocab_tiling" not in not_fits_message(dataclasses.replace(over, total_bytes=2**40), big_vocab)
+
+
+def test_the_table_does_not_claim_no_kernels_when_the_compiler_stopped(small_report):
+    """The compiler's own out-of-memory leaves no program: the table said "custom calls in the program: none"
+    and "collectives in the program: none", as if the step had neither."""
+    _, r = small_report
+    stopped = dataclasses.replace(r, custom_calls={}, tpu_kernels={}, collectives={},
+                                  compiler_error="RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm")
+    lines = memory_table(stopped).splitlines()
+    assert lines[-2].endswith("custom calls in the program: unknown (the compiler stopped before the program was "
+                              "complete)")
+    assert lines[-1] == "  collectives in the program: unknown (the compiler stopped before the program was complete)"
+    assert "custom calls in the program: none" in memory_table(dataclasses.replace(r, custom_calls={}))
 
 
 def test_exit_code_and_report_when_it_does_not_fit(tmp_path, capsys, caplog, monkeypatch):

@@ -286,6 +286,8 @@ def memory_table(r: CompileReport) -> str:
     kernels = ", ".join(f"{t} x{n}" for t, n in r.custom_calls.items()) or "none"
     kernels += "" if not r.tpu_kernels else f" (kernels: {', '.join(f'{k} x{n}' for k, n in r.tpu_kernels.items())})"
     collectives = ", ".join(f"{op} x{n}" for op, n in r.collectives.items()) or "none"
+    if r.compiler_error:  # no program came out of the compiler: "none" would claim it had no kernels
+        kernels = collectives = "unknown (the compiler stopped before the program was complete)"
     return ("\n".join(f"  {name:<40} {b / GIB:9.2f} GiB" for name, b in rows)
             + f"\n  attention kernel: {r.attention_kernel or 'unknown'}; custom calls in the program: {kernels}"
             + f"\n  collectives in the program: {collectives}"
