@@ -314,6 +314,21 @@ def test_a_recipe_that_cannot_be_written_after_the_compiles_is_one_line(tmp_path
     assert "choose another --output" in err and sorted(p.name for p in tmp_path.iterdir()) == ["r"]
 
 
+@pytest.mark.parametrize("overrides, message", [
+    (["compile_topology=v6e-8"], "compile_topology=v6e-8 is not read by the plan, which sizes for --hardware v5e-8; "
+                                 "pass --hardware v6e-8 instead"),
+    (["compile_topology_num_slices=2"], "compile_topology_num_slices=2 is not read by the plan, which sizes for "
+                                        "--slices 1; pass --slices 2 instead"),
+])
+def test_config_keys_that_name_other_hardware_are_refused(overrides, message, capsys):
+    """The plan ranked (and --compile compiled) for --hardware and wrote the other topology into the recipe's
+    overrides, without a word; the estimator already refused these."""
+    assert main(["default", *overrides, "--hardware", "v5e-8"]) == 2
+    captured = capsys.readouterr()
+    assert (captured.err, captured.out) == (f"config error: {message}\n", "")
+    assert main(["default", "compile_topology=v5litepod-8", "--hardware", "v5e-8", "--top", "1"]) == 0  # one slice
+
+
 def test_a_gpu_count_of_zero_is_a_config_error(capsys):
     assert main(["llama3-8b", "--hardware", "h100-0"]) == 2
     err = capsys.readouterr().err

@@ -297,17 +297,22 @@ def check_options(args: argparse.Namespace) -> None:
         raise ConfigError(f"--mfu={args.mfu:g}: give a fraction above 0 and at most 1, e.g. --mfu 0.4 for 40%")
 
 
-def check_topology_keys(cfg: Config, args: argparse.Namespace) -> None:
-    """ConfigError for the config keys that name the hardware, which the estimate takes from --hardware and
-    --num_slices only: compile_topology, compile_topology_num_slices, num_slices (accepted when they agree)."""
+def check_topology_keys(cfg: Config, hardware: str, num_slices: int, tool: str = "the estimate",
+                        slices_flag: str = "--num_slices") -> None:
+    """ConfigError for the config keys that name the hardware, which `tool` takes from --hardware and
+    `slices_flag` only: compile_topology, compile_topology_num_slices, num_slices (accepted when they agree)."""
     topology, slices = cfg.compile.compile_topology, cfg.compile.compile_topology_num_slices
-    if topology and topology.strip().lower() != args.hardware.strip().lower():
-        raise ConfigError(f"compile_topology={topology} is not read by the estimate, which sizes for --hardware "
-                          f"{args.hardware}; pass --hardware {topology} instead")
+
+    def canonical(name: str) -> str:
+        return name.strip().lower().replace("v5litepod-", "v5e-")
+
+    if topology and canonical(topology) != canonical(hardware):
+        raise ConfigError(f"compile_topology={topology} is not read by {tool}, which sizes for --hardware "
+                          f"{hardware}; pass --hardware {topology} instead")
     for key, value, default in (("compile_topology_num_slices", slices, 1), ("num_slices", cfg.mesh.num_slices, -1)):
-        if value not in (default, args.num_slices):
-            raise ConfigError(f"{key}={value} is not read by the estimate, which sizes for --num_slices "
-                              f"{args.num_slices}; pass --num_slices {value} instead")
+        if value not in (default, num_slices):
+            raise ConfigError(f"{key}={value} is not read by {tool}, which sizes for {slices_flag} "
+                              f"{num_slices}; pass {slices_flag} {value} instead")
 
 
 def main(argv: list[str]) -> int:
@@ -333,7 +338,7 @@ def main(argv: list[str]) -> int:
     try:
         check_options(args)
         cfg = load_model_config(model, overrides)
-        check_topology_keys(cfg, args)
+        check_topology_keys(cfg, args.hardware, args.num_slices)
         hw = parse_hardware(args.hardware, args.num_slices, args.ici_links or 0)
         check_trainable_dtypes(cfg.model, "tpu" if hw.accelerator.torus_dims else "gpu")
         print(report(cfg, hw, args.mfu or 0.0, sequence_note(cfg, overrides)))

@@ -44,8 +44,8 @@ from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.hardware import GPUS_PER_NODE
 from tessera.tools.cli import config_epilog
-from tessera.tools.estimate import (Hardware, fused_attention, load_model_config, mesh_sizes, parse_hardware,
-                                   sequence_note)
+from tessera.tools.estimate import (Hardware, check_topology_keys, fused_attention, load_model_config, mesh_sizes,
+                                   parse_hardware, sequence_note)
 from tessera.tools.memory_model import ParamCounts, count_params, estimate_memory
 from tessera.tools.plan_model import REMAT_POLICIES, Axis, ModelTerms, estimate_mfu, score_axes
 
@@ -360,6 +360,7 @@ def main(argv: list[str]) -> int:
         if args.slices < 1 or args.top < 1 or args.tokens_per_device < 0:
             raise ConfigError("--slices and --top must be at least 1 and --tokens-per-device at least 0")
         cfg = load_model_config(args.model, args.overrides)
+        check_topology_keys(cfg, args.hardware, args.slices, "the plan", "--slices")
         hw = parse_hardware(args.hardware, args.slices, slices_flag="--slices")
         check_trainable_dtypes(cfg.model, "tpu" if hw.accelerator.torus_dims else "gpu")
         if args.output and not args.compile:
