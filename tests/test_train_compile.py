@@ -384,3 +384,31 @@ def test_the_command_on_a_host_without_tpus_prints_no_probe_errors(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fits: " in proc.stderr and (tmp_path / "c" / "compile_report.json").exists()
     assert "INVALID_ARGUMENT" not in proc.stderr and "host bounds" not in proc.stderr, proc.stderr[:1000]
+
+
+@pytest.mark.parametrize("signum, code, text", [(15, 143, "stopped by SIGTERM"), (2, 130, "interrupted (Ctrl-C)")])
+def test_a_signal_while_compiling_stops_it_in_one_line(tmp_path, signum, code, text):
+    """Ctrl-C waited for the compile to end, then printed a traceback; SIGTERM reached libtpu's crash handler,
+    which printed a stack dump. Both now stop with one line and the signal's exit code, and write no report."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    args = [f"{k}={v}" for k, v in {**TINY, "base_output_directory": tmp_path, "run_name": "s"}.items()]
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.train_compile", "configs/base.yml", "compile_topology=v5e-4",
+                             *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    try:
+        for line in proc.stderr:
+            if "lowering and compiling the train step" in line:
+                break
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    last = err.strip().splitlines()[-1]
+    assert text in last and f"(exit code {code})" in last, err
+    assert "Traceback" not in err and "FailureSignalHandler" not in err, err
+    assert not (tmp_path / "s" / "compile_report.json").exists()

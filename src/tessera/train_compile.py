@@ -6,8 +6,8 @@ libtpu (installed from PyPI with requirements.txt) describes the chips of `compi
 without the hardware being present; the trainer's own `setup` and `compile_step` then build
 the mesh, shardings and step for those devices and XLA's TPU compiler compiles it. The
 compiler's memory analysis, per device, is compared with the chip's HBM: the command exits 0
-when the step fits, 3 when it does not (naming the knobs that would make it fit) and 2 on a
-config error. `LIBTPU_INIT_ARGS` flags are read by that compiler, so a recipe run with
+when the step fits, 3 when it does not (naming the knobs that would make it fit), 2 on a
+config error and 130/143 when Ctrl-C/SIGTERM stops it (`tools.cli.sigterm_raises`). `LIBTPU_INIT_ARGS` flags are read by that compiler, so a recipe run with
 `EXECUTABLE=train_compile` also checks that libtpu accepts every flag it exports.
 
 A JSON report goes to base_output_directory/run_name/compile_report.json (to the local
@@ -23,7 +23,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,17 +34,23 @@ from tessera.config.derived import run_dir
 from tessera.config.checks import validate_for_build
 from tessera.hardware import GIB, TpuSlice, tpu_slice
 from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops, low_precision_dots, tpu_kernels, stage_transfers
-from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
+from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file, sigterm_raises
 from tessera.tools.memory_model import logits_bytes
 
 log = logging.getLogger("tessera")
 
 EXIT_DOES_NOT_FIT = 3
+EXIT_INTERRUPTED, EXIT_TERMINATED = 130, 143  # Ctrl-C, SIGTERM (128 + the signal's number)
 HEARTBEAT_SECONDS = 30.0
 _TEMPORARIES = r"HLO temporaries \(([\d.]+)([KMGT])\)"  # in the TPU compiler's out-of-memory message
 HELP_KEYS = ("compile_topology", "compile_topology_num_slices", "compile_hbm_budget_fraction", "model_name",
              "per_device_batch_size", "max_target_length", "dtype", "remat_policy", "ici_tensor_parallelism",
              "dcn_fsdp_parallelism")
+
+
+class CompileStopped(BaseException):
+    """SIGTERM arrived while compiling (raised by `sigterm_raises`). Not an Exception: logging swallowed one
+    raised while it wrote a line (as it swallows its own errors), and the compile went on."""
 
 
 @dataclasses.dataclass
@@ -103,11 +111,15 @@ def topology_devices(topology: TpuSlice, num_slices: int) -> list:
     kwargs = {"chip_config_name": "megacore"} if acc.cores_per_chip == 2 and acc.devices_per_chip == 1 else {}
     if num_slices > 1:
         kwargs["num_slices"] = num_slices
+    term = signal.getsignal(signal.SIGTERM)
     try:
         desc = topologies.get_topology_desc(topology_name=topology.topology_name, platform="tpu", **kwargs)
     except RuntimeError as e:  # jax's error when libtpu is missing
         raise ConfigError(f"cannot describe TPU topology {topology.name}: {e}. "
                           "Install the dependencies with `bash setup.sh` (requirements.txt brings libtpu)") from None
+    finally:  # libtpu, loading, takes SIGTERM for its crash handler (a stack dump); a handler of ours stays
+        if callable(term) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, term)
     return list(desc.devices)
 
 
@@ -362,8 +374,9 @@ def compile_help() -> str:
         ".venv/bin/python -m tessera.train_compile configs/base.yml compile_topology=v5p-256 [key=value ...]",
         "Compile the real train step for a TPU topology on this host (no TPU needed) and compare the\n"
         "compiler's memory per chip with its HBM. Exit 0: fits; 3: does not fit (the message lists the\n"
-        "knobs); 2: config error. The report goes to base_output_directory/run_name/compile_report.json\n"
-        "(with a gs:// base_output_directory, to outputs/run_name/ under the working directory).",
+        "knobs); 2: config error; 130/143: stopped by Ctrl-C/SIGTERM (no report). The report goes to\n"
+        "base_output_directory/run_name/compile_report.json (with a gs:// base_output_directory, to\n"
+        "outputs/run_name/ under the working directory).",
         keys=HELP_KEYS, docs=("getting_started/AOT_compile.md",))
 
 
@@ -385,10 +398,16 @@ def main(argv: list[str]) -> int:
 
         check_writable(str(run_dir(cfg.run)), "base_output_directory", "the run folder")
         check_compiled_file(cfg.compile.compiled_trainstep_file)
-        report = compile_for_topology(cfg)
+        with sigterm_raises(CompileStopped):
+            report = compile_for_topology(cfg)
     except (ConfigError, UsageError) as e:
         print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, CompileStopped) as e:
+        how, code = (("interrupted (Ctrl-C)", EXIT_INTERRUPTED) if isinstance(e, KeyboardInterrupt) else
+                     ("stopped by SIGTERM", EXIT_TERMINATED))
+        print(f"train_compile: {how} while compiling; no report was written (exit code {code})", file=sys.stderr)
+        return code
     out = run_dir(cfg.run) / "compile_report.json"
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
