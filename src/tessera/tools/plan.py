@@ -340,7 +340,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--slices", type=int, default=1, help="TPU slices joined over DCN (GPUs: that many times the "
                    "count; default 1)")
     p.add_argument("--tokens-per-device", type=int, default=0, help="fix the batch at this many tokens per device "
-                   "(default: the largest that fits, up to 16.8M tokens per step)")
+                   "(default: the largest that fits, up to 128 sequences per device and 16.8M tokens per step)")
     p.add_argument("--top", type=int, default=5, help="rows of the ranked table, and candidates --compile tries")
     p.add_argument("--compile", action="store_true", help="AOT-compile the top candidates for the TPU topology, "
                    "fit the batch to the compiler's memory, write a recipe and a JSON report")
