@@ -220,6 +220,17 @@ def test_gradient_accumulation_holds_one_micro_batch_and_a_sum_of_gradients():
     assert fsdp[4].intensity == fsdp[1].intensity == 1024
 
 
+def test_a_tensor_axis_that_does_not_divide_the_heads_is_refused_as_the_trainer_refuses_it(capsys):
+    """ici_tensor_parallelism=8 on the default model's 4 query heads: train_compile refuses the mesh (exit 2);
+    the estimate split the heads 8 ways and said it fits."""
+    assert main(["default", "ici_tensor_parallelism=8", "--hardware", "v5e-8"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith(
+        "config error: the mesh's tensor axis (ici_tensor_parallelism * dcn_tensor_parallelism) is 8, which does not "
+        "divide the 4 attention query heads (num_query_heads)")
+    assert main(["default", "ici_tensor_parallelism=4", "--hardware", "v5e-8"]) == 0
+
+
 def test_zero1_state_estimate_equals_what_the_compiler_allocates():
     """As above, with shard_optimizer_over_data on a data x fsdp mesh: AdamW's moments split over data."""
     from tessera.step import compile_step, setup

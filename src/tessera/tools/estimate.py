@@ -228,6 +228,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     m, counts = cfg.model, count_params(cfg.model)
     mesh = mesh_sizes(cfg, hw)
     plan = plan_run(cfg, mesh)  # the trainer's own batch, accumulation and pipeline checks: refused as it refuses
+    check_mesh_divides(cfg, mesh)
     fused = fused_attention(cfg, hw, mesh)
     mem = estimate_memory(cfg, counts, mesh, fused)
     tokens = cfg.data.max_target_length
@@ -284,6 +285,19 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
                       f"{rate * hw.num_devices:,.0f} tokens/s in all, {mfu * busy * hw.accelerator.peak_flops / 1e12:.0f} "
                       "TFLOP/s per device"]
     return "\n".join(lines)
+
+
+def check_mesh_divides(cfg: Config, mesh: dict[str, int]) -> None:
+    """The trainer's ConfigError for a mesh axis that does not divide a dimension it must split (query heads,
+    MLP width: `tessera.mesh.check_divides`), on the model's parameter shapes (abstract: nothing allocated)."""
+    import jax
+
+    from tessera.mesh import check_divides
+    from tessera.models import build_model
+
+    model = build_model(cfg.model)
+    jax.tree.map(lambda names, shape: check_divides(names, shape.shape, mesh), model.logical_axes(),
+                 model.param_shapes(), is_leaf=lambda x: isinstance(x, tuple))
 
 
 def check_options(args: argparse.Namespace) -> None:
