@@ -879,6 +879,30 @@ def test_the_run_folder_lock_is_exclusive_and_released(tmp_path):
     second.release()
 
 
+def test_a_run_folder_another_process_created_while_this_one_started_is_refused(tmp_path):
+    """The same command started twice: the second compiles while the first compiles, trains and ends
+    (the folder did not exist at either start, so neither held its lock yet). The second then trained
+    the whole run again from step 0 in the finished run's folder, over its checkpoints, and appended
+    to its metrics. Now it stops when it comes to create the folder and finds the other's config.yml."""
+    from tessera.run_folder import LOCK_FILE, RunFolderInUse, RunFolderLock, create_run_folder
+
+    cfg = tiny_config(tmp_path)
+    folder = tmp_path / "test"
+    folder.mkdir()
+    (folder / "config.yml").write_text("run_name: test\n")  # the other run's
+    lock = RunFolderLock()  # this run found no folder at its start: its lock was not taken
+    with pytest.raises(RunFolderInUse, match=f"the run folder {folder} was created by another training process "
+                                             "while this one was starting"):
+        create_run_folder(cfg, folder, lock)
+    lock.release()
+    assert (folder / "config.yml").read_text() == "run_name: test\n" and not (folder / LOCK_FILE).exists()
+    resumed = RunFolderLock()
+    resumed.take(folder)  # a resumed run holds it from its start: its own config.yml is rewritten
+    create_run_folder(cfg, folder, resumed)
+    resumed.release()
+    assert "run_name: test\n" != (folder / "config.yml").read_text()
+
+
 def test_a_file_system_without_locks_trains_unguarded_with_a_warning(tmp_path, monkeypatch, caplog):
     """flock fails with ENOLCK or EOPNOTSUPP on some FUSE mounts (a bucket mounted as a folder): the
     run must not end in a traceback there."""
@@ -894,6 +918,7 @@ def test_a_file_system_without_locks_trains_unguarded_with_a_warning(tmp_path, m
     lock = RunFolderLock()
     with caplog.at_level("WARNING", logger="tessera"):
         lock.take(tmp_path)
+        lock.take(tmp_path)  # again when the run creates its folder (it existed at the start): said once
     assert [r.getMessage() for r in caplog.records] == [
         f"the run folder {tmp_path} is on a file system without file locks (No locks available): a second training "
         "process started in it would not be stopped"]

@@ -108,11 +108,13 @@ class RunFolderLock:
     def __init__(self):
         self._file = None
         self._path: Path | None = None
+        self.tried = False  # take() was called: the lock is held, or the folder's file system has none
 
     def take(self, folder: Path) -> None:
         """Hold `folder`'s lock (once; process 0 only); RunFolderInUse when another process holds it."""
-        if self._file is not None or jax.process_index() != 0:
+        if self.tried or jax.process_index() != 0:
             return
+        self.tried = True
         import fcntl  # POSIX; imported here so the module imports everywhere
 
         path = folder / LOCK_FILE
@@ -164,10 +166,20 @@ class RunFolderLock:
 
 def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = None) -> Path:
     """`folder` (base_output_directory/run_name) with the full final config in config.yml; `lock`
-    is taken as soon as the folder exists, before anything is written in it."""
+    is taken as soon as the folder exists, before anything is written in it. RunFolderInUse when the
+    folder, new at this run's start (its lock not taken then), holds another run's config.yml now: a
+    second process started with the same run_name while the first compiled, which ended (or was
+    stopped) before this one got here, would train from step 0 over that run's checkpoints."""
     folder.mkdir(parents=True, exist_ok=True)
     if lock is not None:
+        new = not lock.tried
         lock.take(folder)
+        if new and jax.process_index() == 0 and (folder / "config.yml").exists():
+            raise RunFolderInUse(
+                f"the run folder {folder} was created by another training process while this one was starting "
+                "(its config.yml is there now): this one started from step 0 and would train over that run's "
+                "checkpoints and metrics. Run the same command again to resume from what that run saved (once it "
+                "has ended), or choose another run_name")
     if remote_run_dir(cfg.run):
         log.info("base_output_directory is a URL (run folder %s): config.yml, TensorBoard, the report and metrics.jsonl "
                  "are kept locally in %s; %s", remote_run_dir(cfg.run), folder,
