@@ -244,6 +244,32 @@ def test_disk_full_stops_at_once_and_keeps_the_last_checkpoint(small_disk, async
     assert again.returncode == 0 and "resuming from step 1" in again.stderr, again.stderr[-3000:]
 
 
+def test_a_full_disk_at_the_start_is_one_line_before_compiling(small_disk):
+    """A disk already full when a run starts: the folder check's probe was an empty file, which fits
+    on a full disk, so the run compiled and then ended in a traceback (exit 1) writing its lock's note,
+    leaving the lock file behind. Now the probe holds a few bytes and fails, with exit code 2's message;
+    a disk that fills up between the check and config.yml gets the same message, not a traceback."""
+    from conftest import tiny_config
+    from tessera.config import ConfigError
+    from tessera.run_folder import LOCK_FILE, RunFolderLock, check_output_folders, create_run_folder
+
+    with open(small_disk / "filler", "wb") as f, pytest.raises(OSError):
+        while True:
+            f.write(bytes(1 << 20))
+            f.flush()
+    cfg = tiny_config(small_disk)
+    with pytest.raises(ConfigError, match=f"the run folder {small_disk / 'test'} \\(from base_output_directory\\) "
+                                          "cannot be written: No space left on device; free some space there or "
+                                          "choose another base_output_directory \\(free space there: 0.0 MiB"):
+        check_output_folders(cfg, str(small_disk / "test" / "checkpoints"))
+    assert [p.name for p in small_disk.iterdir()] == ["filler"]
+    lock = RunFolderLock()
+    with pytest.raises(ConfigError, match="cannot be written: No space left on device"):
+        create_run_folder(cfg, small_disk / "test", lock)
+    lock.release()
+    assert not (small_disk / "test" / LOCK_FILE).exists()
+
+
 def test_a_background_save_that_failed_is_reported_by_the_next_check(small_disk):
     """The loop calls check() after each step it does not save: a failed async save surfaces there,
     not only at the next save, which can be checkpoint_period steps later."""

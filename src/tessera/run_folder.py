@@ -18,7 +18,7 @@ import jax
 import yaml
 
 from tessera import metrics
-from tessera.checkpointing import check_writable
+from tessera.checkpointing import check_writable, unwritable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
 from tessera.config.derived import checkpoint_directory, remote_run_dir, run_dir
 from tessera.evaluation import at_target
@@ -142,12 +142,14 @@ class RunFolderLock:
             except FileNotFoundError:
                 pass
             handle.close()
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid {os.getpid()} on host {socket.gethostname()}, since "
-                     f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-        handle.flush()
         self._file, self._path = handle, path
+        try:  # unbuffered: a note that did not fit (a full disk) is not written again when the file is closed
+            handle.seek(0)
+            handle.truncate()
+            os.write(handle.fileno(), f"pid {os.getpid()} on host {socket.gethostname()}, since "
+                                      f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode())
+        except OSError:  # the lock is held all the same; config.yml, written next, reports the folder
+            pass
 
     def release(self) -> None:
         """Remove the lock file and let go of the lock (nothing when not held)."""
@@ -192,7 +194,11 @@ def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = No
         log.info("compile_topology=%s is read by train_compile; train.py trains on the devices it finds",
                  cfg.compile.compile_topology)
     if jax.process_index() == 0:
-        (folder / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
+        try:
+            (folder / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
+        except OSError as e:  # the disk filled up since the folders were checked, before compiling
+            raise unwritable(f"the run folder {folder} (from base_output_directory)", "base_output_directory",
+                             folder, e) from None
     log.info("run %s -> %s (full config in config.yml, digest %s)", cfg.run.run_name, folder, config_digest(cfg))
     return folder
 

@@ -36,12 +36,12 @@ from tessera.checkpointing.loading import (load_full_state, load_parameters, mis
 from tessera.checkpointing.manager import (Checkpointer, CheckpointSaveError, save_allowance_seconds,
                                           set_aside_incomplete)
 from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, check_writable,
-                                           read_error, remote_exists)
+                                           read_error, remote_exists, unwritable)
 from tessera.checkpointing.trees import CheckpointMismatch, describe_mismatch, raise_on_mismatch
 
 __all__ = [
     "INCOMPLETE_MARKER", "PYTREE_METADATA_FILE", "CheckpointError", "CheckpointMismatch", "CheckpointSaveError",
     "Checkpointer", "check_writable", "describe_mismatch", "load_full_state", "load_parameters", "mismatch_explained",
     "raise_on_mismatch", "read_error", "record_checksums", "remote_exists", "save_allowance_seconds", "saved_config",
-    "saved_tree", "set_aside_incomplete", "verify_item", "warn_model_changes",
+    "saved_tree", "set_aside_incomplete", "unwritable", "verify_item", "warn_model_changes",
 ]

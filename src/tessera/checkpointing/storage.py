@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -153,6 +154,15 @@ def remote_exists(path: str, key: str, error=ConfigError, subject: str | None = 
             lg.setLevel(level)
 
 
+def unwritable(subject: str, key: str, folder: epath.Path, e: OSError) -> ConfigError:
+    """'<subject> cannot be written: <why>; <what to do> (free space there: ...)' for output folder `folder`."""
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    why = f"{blocker} is a file, not a folder" if blocker else f"{e.strerror or e}"
+    fix = (f"free some space there or choose another {key}" if e.errno == errno.ENOSPC and not blocker else
+           f"choose another {key} or fix the folder's permissions")
+    return ConfigError(f"{subject} cannot be written: {why}; {fix} (free space there: {free_space(folder)})")
+
+
 def check_writable(path: str, key: str, folder_name: str | None = None) -> None:
     """ConfigError naming `key=path` unless a file can be created in folder `path`; for a folder derived
     from `key` (`folder_name`, e.g. "the checkpoint folder") the error names that folder, then the key. The probe
@@ -176,12 +186,9 @@ def check_writable(path: str, key: str, folder_name: str | None = None) -> None:
             except FileExistsError:  # made meanwhile by someone else: theirs to keep
                 continue
             created.append(p)
-        probe.write_text("")
+        probe.write_text("probe")  # not empty: an empty file fits on a full disk, and the run then failed later
     except OSError as e:
-        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-        why = f"{blocker} is a file, not a folder" if blocker else f"{e.strerror or e}"
-        raise ConfigError(f"{subject} cannot be written: {why}; choose another {key} or fix the folder's "
-                          f"permissions (free space there: {free_space(folder)})") from None
+        raise unwritable(subject, key, folder, e) from None
     finally:
         with contextlib.suppress(OSError):
             probe.unlink(missing_ok=True)
