@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -206,6 +207,18 @@ def test_load_paths_without_a_checkpoint_say_so(tmp_path):
         load_parameters(str(tmp_path / "empty"), abstract["params"])
     with pytest.raises(CheckpointError, match=f"^checkpoint {tmp_path}/nowhere does not exist"):
         load_parameters(str(tmp_path / "nowhere"), abstract["params"], key=None)
+    # a file (the run's config.yml, a file inside a step folder) was "no checkpoint", pointed at outputs/<run_name>/...
+    for file, hint in ((run_dir / "config.yml", f"a step folder such as {ckpts}/2"),
+                       (ckpts / "1" / "state" / "_METADATA", f"the step folder {ckpts}/1")):
+        with pytest.raises(CheckpointError) as e:
+            load_parameters(str(file), abstract["params"])
+        assert str(e.value) == f"load_parameters_path={file} is a file, not a checkpoint folder; point it at {hint}"
+    # a step folder whose state item was deleted was "no checkpoint" too
+    shutil.rmtree(ckpts / "1" / "state")
+    with pytest.raises(CheckpointError) as e:
+        load_parameters(str(ckpts / "1"), abstract["params"])
+    assert str(e.value) == (f"load_parameters_path={ckpts}/1 is damaged: its state item (state/, the parameters and "
+                            f"optimizer state) is missing; point it at a step folder such as {ckpts}/2")
 
 
 def test_a_full_state_load_of_parameters_only_says_to_load_parameters(tmp_path):
