@@ -747,6 +747,13 @@ def test_a_load_path_given_at_a_resume_is_named_as_not_read(tmp_path, caplog):
     assert (f"load_parameters_path={other} is not read: the run resumes from its own checkpoint of step 1 (a load "
             f"path is read only when the run has no checkpoint). To start from {other}, train in a new run_name"
             in caplog.text)
+    caplog.clear()  # the run at its end: "nothing to do" said nothing of the load path
+    with caplog.at_level("INFO", logger="tessera"):
+        report = run(tiny_config(tmp_path, steps=2, load_full_state_path=other), jax.devices()[:1])
+    assert report["start_step"] == 2
+    assert (f"load_full_state_path={other} is not read: the run is already at step 2 of its own checkpoints (a load "
+            f"path is read only when the run has no checkpoint). To start from {other}, train in a new run_name"
+            in caplog.text)
 
 
 def test_checkpoints_a_start_would_not_read_are_refused(tmp_path):

@@ -85,6 +85,13 @@ def changes_since_save(saved: Mapping[str, Any], config: Config) -> dict[str, tu
     return {k: (saved[k], v) for k, v in now.items() if k in saved and saved[k] != v}
 
 
+def unread_load_paths(changes: Mapping[str, tuple[Any, Any]]) -> list[tuple[str, str]]:
+    """(key, path) of the load paths given or changed since the run's checkpoint was saved (`changes`,
+    from changes_since_save): read at a run's first start only, so not read now."""
+    return [(key, changes[key][1]) for key in ("load_parameters_path", "load_full_state_path")
+            if key in changes and changes[key][1]]
+
+
 def saved_schedule(saved: Mapping[str, Any], config: Config) -> tuple[optax.Schedule, int] | None:
     """The learning-rate schedule of the run that saved `saved` (its config) and its length in
     steps; None when that config lacks or garbles the keys it needs."""
@@ -109,11 +116,10 @@ def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: o
     listed = [f"{k} {_show(then)} -> {_show(now)}" for k, (then, now) in changes.items()]
     more = f", and {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
     log.info("settings changed since step %d was saved: %s%s", step, ", ".join(listed[:MAX_LISTED]), more)
-    for key in ("load_parameters_path", "load_full_state_path"):  # read at a run's first start only
-        if key in changes and changes[key][1]:
-            log.warning("%s=%s is not read: the run resumes from its own checkpoint of step %d (a load path is "
-                        "read only when the run has no checkpoint). To start from %s, train in a new run_name",
-                        key, changes[key][1], step, changes[key][1])
+    for key, path in unread_load_paths(changes):
+        log.warning("%s=%s is not read: the run resumes from its own checkpoint of step %d (a load path is "
+                    "read only when the run has no checkpoint). To start from %s, train in a new run_name",
+                    key, path, step, path)
     data = [k for k in changes if k in DATA_SOURCE_KEYS]
     if data:
         log.warning("the training data changed since step %d was saved (%s): the data position saved with it "

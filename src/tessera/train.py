@@ -26,7 +26,8 @@ import jax
 import numpy as np
 
 from tessera import host_malloc, metrics
-from tessera.checkpointing import Checkpointer, CheckpointError, CheckpointSaveError, save_allowance_seconds
+from tessera.checkpointing import (Checkpointer, CheckpointError, CheckpointSaveError, save_allowance_seconds,
+                                   saved_config)
 from tessera.compile_cache import cache_hits, loaded_note, use_compilation_cache
 from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
 from tessera.data import DataError, make_input, place_batch, state_to_save
@@ -43,7 +44,7 @@ from tessera.mesh import sharding_report
 from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
                                 refuse_unread_checkpoints, write_report)
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
-from tessera.start_state import initial_state, state_source
+from tessera.start_state import changes_since_save, initial_state, state_source, unread_load_paths
 from tessera.step import Trainer, compile_step, init_program, setup
 from tessera.step_stats import METRICS_LAG, StatsReader
 
@@ -88,6 +89,10 @@ def _locked_run(cfg: Config, trainer: Trainer, ckpt_dir: str, clock: RunClock, l
             ckpt.check_complete(latest)  # a step folder with nothing in it is not a finished run
         done = _nothing_to_do(cfg, latest)
         if done is not None:
+            for key, path in unread_load_paths(changes_since_save(saved_config(str(ckpt.step_path(latest))), cfg)):
+                log.warning("%s=%s is not read: the run is already at step %d of its own checkpoints (a load path is "
+                            "read only when the run has no checkpoint). To start from %s, train in a new run_name",
+                            key, path, latest, path)
             if not (trainer.plan.run_dir / "report.json").is_file():  # e.g. a signal during the last evaluation
                 log.warning("%s has no report.json: the run was stopped after saving step %d, before its report%s; "
                             "neither is made again (raise steps to train on)", trainer.plan.run_dir, latest,
