@@ -743,6 +743,19 @@ print(len(set_aside_incomplete(epath.Path(sys.argv[1]))))
 """
 
 
+def test_a_file_where_interrupted_saves_are_moved_is_one_line(tmp_path):
+    """`checkpoints_incomplete` as a file ended the start in a FileExistsError traceback (exit 1)."""
+    from tessera.checkpointing import set_aside_incomplete
+    from etils import epath
+
+    (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").mkdir(parents=True)
+    (tmp_path / "checkpoints_incomplete").write_text("")
+    with pytest.raises(CheckpointError, match=f"^{tmp_path}/checkpoints_incomplete is a file, where interrupted saves "
+                                              "such as 3.orbax-checkpoint-tmp are moved; move it away"):
+        set_aside_incomplete(epath.Path(tmp_path / "checkpoints"))
+    assert (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").is_dir()
+
+
 def test_processes_setting_aside_the_same_interrupted_saves_do_not_trip_over_each_other(tmp_path):
     """Every process of a job sets interrupted saves aside at start-up; on a shared folder the second
     one's rename found the folder gone (FileNotFoundError, a traceback and exit 1 on every restart

@@ -265,6 +265,9 @@ def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
     moved = []
     for path in sorted(p for p in directory.iterdir() if INCOMPLETE_MARKER in p.name):
         target_dir = directory.parent / f"{directory.name}_incomplete"
+        if target_dir.exists() and not target_dir.is_dir():
+            raise CheckpointError(f"{target_dir} is a file, where interrupted saves such as {path.name} are moved; "
+                                  "move it away and run the same command again")
         target_dir.mkdir(parents=True, exist_ok=True)
         stamp = f"{path.name}.{time.strftime('%Y%m%d-%H%M%S')}"
         # the same step set aside twice within a second (a save that failed, then what Orbax left of it
