@@ -261,3 +261,16 @@ def test_a_folder_whose_path_holds_an_equals_sign_is_not_an_override():
     args = ["hf-to-tessera", "/data/runs/lr=3e-4/hf", "./out=1", "model_name=llama2-7b", "--weight_dtype=bfloat16"]
     assert split_overrides(args) == (["hf-to-tessera", "/data/runs/lr=3e-4/hf", "./out=1"],
                                      ["model_name=llama2-7b", "--weight_dtype=bfloat16"])
+
+
+@pytest.mark.parametrize("args", [["-m", "tessera.tools.estimate", "llama3.1-8b", "--hardware", "v5e-8"],
+                                  ["-m", "tessera.tools.plan", "default", "--hardware", "v5e-8", "--top", "1"],
+                                  ["-m", "tessera.config", "configs/base.yml"]])
+def test_a_report_piped_into_a_reader_that_went_away_ends_quietly(args):
+    """`estimate ... | head`: the reader closed the pipe, and Python printed a BrokenPipeError traceback (exit 1);
+    now the rest of the report is dropped and the code is 141 (128 + SIGPIPE), as for a C tool."""
+    proc = subprocess.Popen([sys.executable, *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    proc.stdout.close()  # the reader is gone before the first line: every write meets a closed pipe
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]

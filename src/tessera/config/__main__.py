@@ -44,4 +44,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from tessera.tools.cli import run_printing
+
+    sys.exit(run_printing(main, sys.argv[1:]))

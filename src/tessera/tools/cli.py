@@ -212,6 +212,22 @@ def exit_if_help(argv: Sequence[str], text: Callable[[], str]) -> None:
         raise SystemExit(EXIT_OK)
 
 
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, the code a C tool gets when its reader goes away (`yes | head`)
+
+
+def run_printing(main: Callable[[list[str]], int], argv: list[str]) -> int:
+    """`main(argv)`'s exit code, for a command whose output is a report on stdout: when the reader
+    of a pipe goes away before the end (`... | head`), the rest of the report is dropped quietly and
+    the code is EXIT_CLOSED_PIPE, as for a C tool; Python printed a BrokenPipeError traceback."""
+    try:
+        code = main(argv)
+        sys.stdout.flush()  # inside: a report still buffered meets the closed pipe here, not at exit
+        return code
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit goes nowhere
+        return EXIT_CLOSED_PIPE
+
+
 # --------------------------------------------------------------------------- arguments
 
 
