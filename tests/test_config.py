@@ -92,7 +92,7 @@ def test_unknown_key_names_closest_keys():
      "but ici_data_parallelism and ici_fsdp_parallelism both are; give the others a size"),
     ("dcn_fsdp_parallelism=-1 dcn_data_parallelism=-1 dcn_tensor_parallelism=-1",
      "but dcn_data_parallelism, dcn_fsdp_parallelism and dcn_tensor_parallelism all are"),
-    ("model_name=llama9", "Known models:"),
+    ("model_name=llama9", "Did you mean llama3-8b, llama2-7b, llama3-70b?"),
     ("num_pipeline_repeats=0", "num_pipeline_repeats=0 must be a positive integer or -1"),
     ("mlp_activations=[\"swish\"]", "must be one or two of"),
     ("steps", "not of the form key=value"),
@@ -627,13 +627,20 @@ def test_an_unknown_model_lists_the_folders_searched_and_the_known_names(tmp_pat
     path.write_text("steps: 3\n")
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "mine.yml").write_text("base_emb_dim: 48\n")
-    msg = _config_error([str(path), "model_name=llama9"])
+    msg = _config_error([str(path), "model_name=xyz"])  # nothing close: every known name
     known = ", ".join(sorted({*MODELS, "mine"}))
-    assert msg == (f"model_name='llama9': no file llama9.yml in {tmp_path / 'models'} or {REPO / 'configs' / 'models'}"
+    assert msg == (f"model_name='xyz': no file xyz.yml in {tmp_path / 'models'} or {REPO / 'configs' / 'models'}"
                    f". Known models: {known} (from the command line)")
-    assert _config_error([BASE, "model_name=llama9"]) == (  # configs/models searched once
-        f"model_name='llama9': no file llama9.yml in {REPO / 'configs' / 'models'}. Known models: {', '.join(MODELS)} "
+    assert _config_error([BASE, "model_name=xyz"]) == (  # configs/models searched once
+        f"model_name='xyz': no file xyz.yml in {REPO / 'configs' / 'models'}. Known models: {', '.join(MODELS)} "
         "(from the command line)")
+    # a near miss: its closest names, not all 38 (the style's rule for an unknown key)
+    assert _config_error([str(path), "model_name=Mine_"]) == (
+        f"model_name='Mine_': no file Mine_.yml in {tmp_path / 'models'} or {REPO / 'configs' / 'models'}. Did you "
+        f"mean mine? ({len(MODELS) + 1} models in all, a .yml file each there) (from the command line)")
+    assert _config_error([BASE, "model_name=llama3.1_8B"]).startswith(
+        f"model_name='llama3.1_8B': no file llama3.1_8B.yml in {REPO / 'configs' / 'models'}. Did you mean "
+        "llama3.1-8b, ")
     name = "x" * 300  # longer than a file name may be: OSError (File name too long) and a traceback
     assert _config_error([BASE, f"model_name={name}"]).startswith(f"model_name='{name}': no file {name}.yml in ")
 

@@ -68,9 +68,12 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     model_file = next((d / f"{model_name}.yml" for d in folders if _is_file(d / f"{model_name}.yml")), None)
     if model_file is None:
         known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
+        close = difflib.get_close_matches(str(model_name).lower(), known, n=3, cutoff=0.6)
+        hint = (f"Did you mean {', '.join(close)}? ({len(known)} models in all, a .yml file each there)" if close
+                else f"Known models: {', '.join(known) or 'none'}")
         _raise_all(errors + [_name_sources(
-            f"model_name={model_name!r}: no file {model_name}.yml in {' or '.join(str(d) for d in folders)}. "
-            f"Known models: {', '.join(known) or 'none'}", layers)])
+            f"model_name={model_name!r}: no file {model_name}.yml in {' or '.join(str(d) for d in folders)}. {hint}",
+            layers)])
     model = read_yaml(model_file, "model file")
     if "model_name" in model and model["model_name"] != model_name:
         raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
