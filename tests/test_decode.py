@@ -625,6 +625,71 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         assert exit_.value.code == 2 and f"{tokens!r} is not a comma-separated list of token ids" in err, err
 
 
+def test_a_prompt_the_tokenizer_encodes_to_nothing_is_refused(checkpoint, tmp_path, capsys):
+    """A Hugging Face BPE without an unknown token drops characters it lacks: "日本語" became no
+    tokens, so decoding continued the begin token alone (the prompt silently gone), or, with
+    add_bos=false, was refused as "prompt 1 is empty" though text was given."""
+    path, _ = checkpoint
+    tokenizer = _hf_tokenizer(tmp_path / "tok")
+    for add_bos in ("true", "false"):
+        assert main([*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={tokenizer}", f"add_bos={add_bos}",
+                     "--prompt", "the cat", "--prompt", "日本語", "--max_new_tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert f"prompt 2 ('日本語') encodes to no tokens with tokenizer_path={tokenizer}" in err, err
+
+
+def test_a_quantized_checkpoint_read_as_float_names_checkpoint_is_quantized(llama, checkpoint, tmp_path, capsys):
+    """A checkpoint written by save_quantized_params_path, read without checkpoint_is_quantized=true
+    (or a float one read with it), listed every matrix as missing and unexpected without a word on
+    the key that explains it."""
+    from tessera.decode import save_quantized
+
+    model, params = llama
+    path, _ = checkpoint
+    save_quantized(params, model.logical_axes(), "int8", str(tmp_path / "q8"))
+    args = [*CONFIG_ARGS, "--tokens", "1,2", "--max_new_tokens", "2"]
+    assert main([*args, f"load_parameters_path={tmp_path / 'q8'}"]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint error: " in err and err.rstrip().endswith(
+        f"load_parameters_path={tmp_path / 'q8'} holds quantized parameters (int8, written by save_quantized_params_path): "
+        "read them with checkpoint_is_quantized=true quantization=int8"), err
+    assert main([*args, f"load_parameters_path={path}", "quantization=int8", "checkpoint_is_quantized=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(f"load_parameters_path={path} holds parameters that are not quantized: leave out "
+                                 "checkpoint_is_quantized=true"), err
+
+
+def test_a_cache_that_does_not_fit_is_not_told_to_quantize_again(tmp_path, capsys):
+    """The memory error advised quantize_kvcache=true to a run that had set it: int8 is told int4,
+    int4 neither (checked before the checkpoint is read: none is needed)."""
+    long = [a for a in CONFIG_ARGS if not a.startswith("max_target_length=")] + ["max_target_length=1000000002"]
+    args = [*long, f"load_parameters_path={tmp_path / 'none'}", "--tokens", "1,2", "--max_new_tokens", "1000000000"]
+    for extra, advice in (([], "lower --max_new_tokens or set quantize_kvcache=true;"),
+                          (["quantize_kvcache=true"], "lower --max_new_tokens or set kv_quant_dtype=int4;"),
+                          (["quantize_kvcache=true", "kv_quant_dtype=int4"], "lower --max_new_tokens;")):
+        assert main([*args, *extra]) == 7
+        err = capsys.readouterr().err
+        assert "memory error: not enough memory for the parameters and the KV cache" in err and advice in err, err
+
+
+def test_generate_refuses_sampling_arguments_it_cannot_honour(llama):
+    """From Python, a negative temperature sampled greedily and a nan one drew token 0 every time,
+    a top_p of 0 was greedy: the command line refused them, `generate` and `sample` did not."""
+    model, params = llama
+    logits_bv = np.zeros((1, 8), np.float32)
+    for kwargs, message in (
+        (dict(temperature=-1.0), "temperature=-1.0 must be a number from 0 (greedy)"),
+        (dict(temperature=float("nan")), "temperature=nan must be"),
+        (dict(top_k=-2), "top_k=-2 must be a whole number >= 0"),
+        (dict(temperature=1.0, top_p=0.0), "top_p=0.0 must be in (0, 1]"),
+        (dict(temperature=1.0, top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            generate(model, params, PROMPTS, 2, **kwargs)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            sample(logits_bv, jax.random.key(0), **dict(dict(temperature=0.0, top_k=0), **kwargs))
+
+
 def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["configs/base.yml", "load_parameters_path=x", "--tokens", "1,2"]) == 2

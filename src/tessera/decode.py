@@ -26,6 +26,7 @@ See getting_started/Decode.md. JAX is imported only once decoding starts, so tha
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -60,10 +61,8 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     attention scores and the prompts' activations)."""
     import jax
 
-    from tessera.checkpointing import load_parameters, mismatch_explained, warn_model_changes
     from tessera.mesh import named_shardings
     from tessera.models import build_model
-    from tessera.models.quantization import dequantize_params, quantized_abstract
 
     path = cfg.checkpoint.load_parameters_path
     if cfg.checkpoint.save_quantized_params_path:  # before the load: a folder that cannot be made is found at once
@@ -73,6 +72,23 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
     program = _check_memory(model, abstract, mesh, decoding, cfg.model.weight_dtype)
+    with _quantization_explained(path, cfg.checkpoint.checkpoint_is_quantized):
+        params = _load(cfg, model, abstract, shardings)
+    if cfg.checkpoint.save_quantized_params_path:
+        save_quantized(params, model.logical_axes(), cfg.model.quantization,
+                       cfg.checkpoint.save_quantized_params_path, cfg.checkpoint.checkpoint_checksums)
+    return model, params, program
+
+
+def _load(cfg: Config, model: ModelDef, abstract, shardings):
+    """`load_model`'s parameters from load_parameters_path: a quantized checkpoint dequantized
+    (checkpoint_is_quantized), else read as they are, with a warning for changed model keys."""
+    import jax
+
+    from tessera.checkpointing import load_parameters, mismatch_explained, warn_model_changes
+    from tessera.models.quantization import dequantize_params, quantized_abstract
+
+    path = cfg.checkpoint.load_parameters_path
     if cfg.checkpoint.checkpoint_is_quantized:
         stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization, model.logical_axes()),
                                  verify=cfg.checkpoint.checkpoint_checksums)
@@ -86,10 +102,38 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
             params = load_parameters(path, abstract, verify=cfg.checkpoint.checkpoint_checksums)
         log.info("loaded parameters from %s", path)
         warn_model_changes(path, model_keys)
-    if cfg.checkpoint.save_quantized_params_path:
-        save_quantized(params, model.logical_axes(), cfg.model.quantization,
-                       cfg.checkpoint.save_quantized_params_path, cfg.checkpoint.checkpoint_checksums)
-    return model, params, program
+    return params
+
+
+@contextlib.contextmanager
+def _quantization_explained(path: str, is_quantized: bool):
+    """Around a load from `path`: a CheckpointMismatch gets a last line when checkpoint_is_quantized
+    explains it (a quantized checkpoint read as float weights listed every matrix as missing and
+    unexpected, without a word on the key that reads it)."""
+    import jax
+    import jax.numpy as jnp
+
+    from tessera.checkpointing import CheckpointMismatch
+    from tessera.checkpointing.loading import saved_tree
+    from tessera.models.quantization import MODES, storage_type
+
+    try:
+        yield
+    except CheckpointMismatch as e:
+        _, tree = saved_tree(path, verify=False)
+        stored = {str(leaf.dtype) for keys, leaf in jax.tree_util.tree_leaves_with_path(tree.get("params", {}))
+                  if getattr(keys[-1], "key", None) == "qvalue"}
+        if stored and not is_quantized:
+            modes = " or ".join(m for m in MODES if m and jnp.dtype(storage_type(m)).name in stored)
+            hint = (f"load_parameters_path={path} holds quantized parameters ({', '.join(sorted(stored))}, written by "
+                    f"save_quantized_params_path): read them with checkpoint_is_quantized=true "
+                    f"quantization={modes or 'the mode they were written with'}")
+        elif is_quantized and not stored:
+            hint = (f"load_parameters_path={path} holds parameters that are not quantized: leave out "
+                    "checkpoint_is_quantized=true")
+        else:
+            raise
+        raise CheckpointMismatch(f"{e}\n{hint}") from None
 
 
 def _prefill_kernel(cfg: Config, mesh, decoding: dict | None) -> str:
@@ -126,7 +170,8 @@ def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight
             layout += f", split {ways} ways" if ways > 1 else ", whole on each device"
         parts = (f"parameters {format_bytes(need - cache)} ({parts}), KV cache {format_bytes(cache)} per device for "
                  f"{prompts} prompt(s) of up to {tokens} tokens{layout}")
-    advice = functools.partial(_memory_advice, cache=10 * cache >= need)
+    kv_quant = model.cfg.kv_quant_dtype if model.cfg.quantize_kvcache else ""
+    advice = functools.partial(_memory_advice, cache=10 * cache >= need, kv_quant=kv_quant)
     check_fits(local_devices(mesh), need, what, parts, advice, host_buffers=read_buffers(model.param_shapes()))
     program = None
     if decoding:
@@ -141,9 +186,11 @@ def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight
     return program
 
 
-def _memory_advice(shared: bool, cache: bool = False) -> str:
-    """What makes decoding fit; `cache`: the KV cache is a tenth of the need or more."""
-    ways = ["decode fewer prompts at once, lower --max_new_tokens or set quantize_kvcache=true"] if cache else []
+def _memory_advice(shared: bool, cache: bool = False, kv_quant: str = "") -> str:
+    """What makes decoding fit; `cache`: the KV cache is a tenth of the need or more; `kv_quant`: the
+    type it is quantized to already ("": not quantized)."""
+    smaller = {"": " or set quantize_kvcache=true", "int8": " or set kv_quant_dtype=int4"}.get(kv_quant, "")
+    ways = [f"decode fewer prompts at once, lower --max_new_tokens{smaller}"] if cache else []
     if not shared:  # CPU devices share the host's memory: more of them do not help
         ways.append("shard the parameters over more devices (ici_fsdp_parallelism or ici_tensor_parallelism)")
     ways.append("free memory" if not shared else "free memory, or decode on a host with more")

@@ -104,7 +104,13 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
         check_tokenizer(tokenizer, cfg.data.tokenizer_path, cfg.model.vocab_size, cfg.data.add_bos, False)
         bos = [tokenizer.bos_id] if cfg.data.add_bos else []
-        prompts = [bos + ids for ids in tokenizer.encode_batch(flags.prompt)]
+        encoded = tokenizer.encode_batch(flags.prompt)
+        for i, (text, ids) in enumerate(zip(flags.prompt, encoded)):
+            if text.strip() and not ids:  # a Hugging Face BPE without an unknown token drops what it lacks
+                raise ConfigError(f"prompt {i + 1} ({text!r}) encodes to no tokens with tokenizer_path="
+                                  f"{cfg.data.tokenizer_path}: none of its characters is in the tokenizer's "
+                                  "vocabulary, and it drops them; give text it knows, or token ids with --tokens")
+        prompts = [bos + ids for ids in encoded]
     vocab, limit = cfg.model.vocab_size, cfg.data.max_target_length
     for i, prompt in enumerate(prompts):
         if not prompt:

@@ -32,6 +32,7 @@ def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
     import jax
     import jax.numpy as jnp
 
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     logits_bv = logits_bv.astype(jnp.float32)
@@ -49,6 +50,19 @@ def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
         values_bk = jnp.where(keep_bk, values_bk, -jnp.inf)
     choice_b1 = jax.random.categorical(key, values_bk, axis=-1)[:, None]
     return jnp.take_along_axis(ids_bk, choice_b1, axis=-1)[:, 0].astype(jnp.int32)
+
+
+def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """ValueError naming each sampling argument `sample` cannot honour (a negative or nan temperature
+    sampled greedily, or token 0 every time, without a word; so did a top_p of 0 or nan)."""
+    wrong = [f"{name}={value!r} {rule}" for name, value, ok, rule in (
+        ("temperature", temperature, 0 <= temperature <= float(np.finfo(np.float32).max),
+         "must be a number from 0 (greedy) to the largest float32"),
+        ("top_k", top_k, isinstance(top_k, (int, np.integer)) and top_k >= 0, "must be a whole number >= 0 (0: all)"),
+        ("top_p", top_p, 0 < top_p <= 1, "must be in (0, 1] (1: all tokens)"),
+    ) if not ok]  # each written so that nan fails it
+    if wrong:
+        raise ValueError("; ".join(wrong))
 
 
 def left_padded(prompts: list[list[int]], width: int = 0):
@@ -189,6 +203,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
 
     if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
         raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
+    check_sampling(temperature, top_k, top_p)
     lengths = np.array([len(p) for p in prompts], np.int32)
     table = model.cfg.trainable_position_size if BLOCKS[model.cfg.decoder_block].absolute_positions else 0
     if table and lengths.max() + max_new_tokens > table:
