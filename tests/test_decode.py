@@ -625,6 +625,20 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         assert exit_.value.code == 2 and f"{tokens!r} is not a comma-separated list of token ids" in err, err
 
 
+def test_sampling_flags_without_a_temperature_are_named(checkpoint, capsys):
+    """--top_k, --top_p and --seed without --temperature were ignored without a word: greedy decoding."""
+    path, want = checkpoint
+    args = [*CONFIG_ARGS, f"load_parameters_path={path}", "--tokens", ",".join(map(str, PROMPTS[0])),
+            "--max_new_tokens", str(NEW_TOKENS)]
+    assert main([*args, "--top_k", "5", "--top_p", "0.9", "--seed", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert [int(t) for t in out.split()] == want[0]  # greedy, as the warning says
+    assert ("--top_k 5, --top_p 0.9, --seed 3: no effect at --temperature 0, which decodes greedily; give a "
+            "--temperature above 0 (e.g. 1) to sample") in err, err
+    assert main([*args, "--top_k", "5", "--temperature", "1"]) == 0
+    assert "no effect at --temperature 0" not in capsys.readouterr().err
+
+
 def test_a_prompt_the_tokenizer_encodes_to_nothing_is_refused(checkpoint, tmp_path, capsys):
     """A Hugging Face BPE without an unknown token drops characters it lacks: "日本語" became no
     tokens, so decoding continued the begin token alone (the prompt silently gone), or, with

@@ -249,6 +249,11 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     if flags.eos_id is not None and flags.eos_id >= cfg.model.vocab_size:
         raise ConfigError(f"--eos_id {flags.eos_id} is outside the model's vocabulary [0, vocab_size="
                           f"{cfg.model.vocab_size}): no row would ever stop at it")
+    unused = [f"--{name} {value}" for name, value, default in (("top_k", flags.top_k, 0), ("top_p", flags.top_p, 1.0),
+                                                               ("seed", flags.seed, 0)) if value != default]
+    if flags.temperature == 0 and unused:  # they were ignored without a word
+        log.warning("%s: no effect at --temperature 0, which decodes greedily; give a --temperature above 0 "
+                    "(e.g. 1) to sample", ", ".join(unused))
     mesh = create_mesh(cfg.mesh)
     decoding = dict(prompts=prompts, max_new_tokens=flags.max_new_tokens, temperature=flags.temperature,
                     top_k=flags.top_k, top_p=flags.top_p)
