@@ -615,6 +615,14 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
             main([*args, "--tokens", "1,2", "--temperature", "1", "--seed", seed])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and f"--seed {seed} must be a whole number from {-2**63} to {2**63 - 1}" in err
+    for argv, message in ((["max_new_tokens=5"], "max_new_tokens=5 is a decoding flag, not a config key: give it as "
+                                                  "--max_new_tokens 5"),  # was: did you mean max_num_checkpoints_to_keep?
+                          (["--max-new-tokens", "5"], "unknown flag --max-new-tokens; did you mean --max_new_tokens? "
+                                                      "config keys are given as key=value")):
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--tokens", "1,2", *argv])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and message in err, err
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--tokens", "1,2", "--eos_id", "-2"])
     assert exit_.value.code == 2 and "--eos_id -2 is not a token id" in capsys.readouterr().err

@@ -53,7 +53,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     flags, rest = parser.parse_known_args(_joined_token_lists(argv))
     unknown = [a for a in rest if a.startswith("--")]
     if unknown:
-        parser.error(f"unknown flag {unknown[0]}; config keys are given as key=value")
+        name = unknown[0].split("=")[0][2:].replace("-", "_")
+        meant = f"did you mean --{name}? " if name in vars(flags) else ""
+        parser.error(f"unknown flag {unknown[0]}; {meant}config keys are given as key=value")
+    as_keys = [a for a in rest if a.split("=")[0] in vars(flags) and "=" in a]
+    if as_keys:  # the config's error named the closest config key (max_new_tokens=5: max_num_checkpoints_to_keep)
+        name, value = as_keys[0].split("=", 1)
+        parser.error(f"{as_keys[0]} is a decoding flag, not a config key: give it as --{name} {value}")
     # each written so that nan fails it: every comparison with nan is false
     wrong = [f"--{name} {getattr(flags, name)} {rule}" for name, ok, rule in (
         ("max_new_tokens", flags.max_new_tokens >= 1, "must be at least 1"),
