@@ -571,6 +571,8 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
         "too long": ([*args, "--tokens", ",".join(["7"] * 10), "--max_new_tokens", "3"],
                      "prompt 1 has 10 tokens + --max_new_tokens 3 = 13, more than max_target_length=12"),
         "no checkpoint": ([*CONFIG_ARGS, "--tokens", "1,2"], "decoding needs load_parameters_path="),
+        "training's resume path": ([*CONFIG_ARGS, f"load_full_state_path={path}", "--tokens", "1,2"],
+                                   f"not load_full_state_path (training's resume): give load_parameters_path={path}"),
         "bad token": ([*args, "--tokens", "1,96"], "token ids outside [0, vocab_size=96)"),
         "negative token": ([*args, "--tokens", "-1,2"], "prompt 1 has token ids outside [0, vocab_size=96): [-1, 2]"),
         "cache folder is a file": ([*args, f"jax_cache_dir={cache_file}", "--tokens", "1,2"],

@@ -242,6 +242,9 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
 
     from tessera.mesh import create_mesh
 
+    if not cfg.checkpoint.load_parameters_path and cfg.checkpoint.load_full_state_path:
+        raise ConfigError(f"decoding reads parameters from load_parameters_path, not load_full_state_path (training's "
+                          f"resume): give load_parameters_path={cfg.checkpoint.load_full_state_path}")
     if not cfg.checkpoint.load_parameters_path:
         raise ConfigError("decoding needs load_parameters_path=<checkpoint step folder> (e.g. "
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
