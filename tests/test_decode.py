@@ -620,7 +620,9 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
     for argv, message in ((["max_new_tokens=5"], "max_new_tokens=5 is a decoding flag, not a config key: give it as "
                                                   "--max_new_tokens 5"),  # was: did you mean max_num_checkpoints_to_keep?
                           (["--max-new-tokens", "5"], "unknown flag --max-new-tokens; did you mean --max_new_tokens? "
-                                                      "config keys are given as key=value")):
+                                                      "config keys are given as key=value"),
+                          (["--prompt", "--verbose"], "argument --prompt: expected one argument (one that starts "
+                                                      "with '-' is given as --prompt=VALUE)")):
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", *argv])
         err = capsys.readouterr().err

@@ -22,6 +22,8 @@ class _OneLineErrors(argparse.ArgumentParser):
     printed its usage block first)."""
 
     def error(self, message: str):
+        if message.startswith(("argument --prompt: expected one argument", "argument --tokens: expected one argument")):
+            message += f" (one that starts with '-' is given as {message.split()[1].rstrip(':')}=VALUE)"
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
 
 
