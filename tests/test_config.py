@@ -823,3 +823,21 @@ def test_no_config_file_names_the_program_that_was_run(tmp_path):
         assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
             f"config error: no config file given: the first argument is a config file, e.g. `.venv/bin/python {shown} "
             "configs/base.yml ...`"), proc.stderr[-2000:]
+
+
+def test_a_runs_config_yml_given_back_is_read_as_it_stands(tmp_path):
+    """A run's config.yml holds every key, its model file's included: read back as the config file (to decode
+    with, or to resume), it gives the same config. The model file was applied over it again, so a run trained
+    with base_emb_dim=64 on llama2-7b came back 4096 wide and its checkpoint matched no shape. With another
+    model_name on the command line, that model's file applies as usual."""
+    from tessera.run_folder import create_run_folder
+
+    sizes = ["model_name=llama2-7b", "base_emb_dim=64", "base_num_decoder_layers=2", "base_mlp_dim=128",
+             "base_num_query_heads=2", "base_num_kv_heads=2", "head_dim=32", "vocab_size=512"]
+    cfg = load_config([BASE, "run_name=r", f"base_output_directory={tmp_path}", *sizes], env={})
+    saved = create_run_folder(cfg, tmp_path / "r") / "config.yml"
+    assert flat_dict(load_config([str(saved)], env={})) == flat_dict(cfg)
+    again = load_config([str(saved), "steps=7"], env={})
+    assert again.run.steps == 7 and again.model.emb_dim == 64
+    other = load_config([str(saved), "model_name=gemma-2b"], env={}).model
+    assert other.emb_dim == 2048 and other.decoder_block == "gemma"

@@ -20,6 +20,7 @@ import yaml
 from tessera import metrics
 from tessera.checkpointing import check_writable, unwritable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
+from tessera.config.loader import RUN_CONFIG_HEADER
 from tessera.config.derived import checkpoint_directory, remote_run_dir, run_dir
 from tessera.evaluation import at_target
 from tessera.loop_records import input_bound_warning, time_line
@@ -195,7 +196,7 @@ def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = No
                  cfg.compile.compile_topology)
     if jax.process_index() == 0:
         try:
-            (folder / "config.yml").write_text(yaml.safe_dump(flat_dict(cfg), sort_keys=False))
+            (folder / "config.yml").write_text(RUN_CONFIG_HEADER + yaml.safe_dump(flat_dict(cfg), sort_keys=False))
         except OSError as e:  # the disk filled up since the folders were checked, before compiling
             raise unwritable(f"the run folder {folder} (from base_output_directory)", "base_output_directory",
                              folder, e) from None

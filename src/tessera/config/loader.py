@@ -64,6 +64,11 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     model_name = _merge(layers).get("model_name", "default")
     if _is_placeholder(model_name):
         _raise_all(errors)  # no model file to read
+    if _is_run_config(base_path) and files[-1][1].get("model_name", "default") == model_name:
+        build_errors: list[str] = []  # a run's config.yml holds its model keys already: read as it stands
+        cfg = _build({k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}, build_errors)
+        _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
+        return cfg
     folders = model_folders(base_path)
     model_file = next((d / f"{model_name}.yml" for d in folders if _is_file(d / f"{model_name}.yml")), None)
     if model_file is None:
@@ -86,6 +91,21 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     cfg = _build(merged, build_errors)
     _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
     return cfg
+
+
+RUN_CONFIG_HEADER = ("# the resolved config of a Tessera run (every key, the model file's included); given as a "
+                     "config file it is read as it stands\n")
+
+
+def _is_run_config(path: Path) -> bool:
+    """`path` is a run's config.yml (it starts with RUN_CONFIG_HEADER): its model keys are final, so
+    its model file is not applied over them again (that turned a run's base_emb_dim=48 back into the
+    model file's width, and decoding with the run's own config.yml failed on every shape)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline() == RUN_CONFIG_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False  # read_yaml has reported it already
 
 
 def _config_files(path: Path, including: tuple[Path, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
@@ -113,9 +133,9 @@ def _config_files(path: Path, including: tuple[Path, ...] = ()) -> list[tuple[st
 def _warn_model_file_wins(files: list[tuple[str, dict[str, Any]]], model: tuple[str, dict[str, Any]],
                           later: Mapping[str, Any]) -> None:
     """A warning when a config file sets a key that the model file sets otherwise: the model file wins
-    (MaxText's order), so an experiment file's `base_num_decoder_layers: 4`, or a run's saved config.yml
-    given back with a model key changed on its command line, trained the model file's value without a
-    word (a key the command line or the environment sets too is not lost). A file that sets most keys
+    (MaxText's order), so an experiment file's `base_num_decoder_layers: 4`, or a flat dump of a config
+    (a run's config.yml without RUN_CONFIG_HEADER), trained the model file's value without a word (a key
+    the command line or the environment sets too is not lost). A file that sets most keys
     (base.yml, a copy of it, a saved config.yml) counts only its values away from the defaults: the
     others are the defaults every model file replaces."""
     fields, (model_file, model_values) = all_fields(), model
