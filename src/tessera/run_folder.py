@@ -20,7 +20,7 @@ import yaml
 from tessera import metrics
 from tessera.checkpointing import check_writable, unwritable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
-from tessera.config.loader import RUN_CONFIG_HEADER
+from tessera.config.yaml_file import RUN_CONFIG_HEADER
 from tessera.config.derived import checkpoint_directory, remote_run_dir, run_dir
 from tessera.evaluation import at_target
 from tessera.loop_records import input_bound_warning, time_line

@@ -33,14 +33,12 @@ import yaml
 from tessera.config.checks import validate
 from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
 from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
-from tessera.config.yaml_file import read_yaml  # also imported from here by tools/estimate.py
+from tessera.config.yaml_file import (config_files, is_file, is_run_config, model_folders,
+                                      read_yaml)  # read_yaml: also imported from here by tools/estimate.py
 
 log = logging.getLogger("tessera")
 ENV_PREFIX = "M_"
 PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
-REPO_CONFIGS = Path(__file__).resolve().parents[3] / "configs"  # the repository's own config files
-REPO_MODELS = REPO_CONFIGS / "models"  # the repository's own model files
-BASE_CONFIG = "base_config"  # a config file's parent (MaxText's inheritance key)
 INT_RANGE = (-2**63, 2**63 - 1)  # int64: what an integer key may hold (JAX and NumPy take no wider integer)
 
 
@@ -57,20 +55,20 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     base_path = Path(argv[0])
     # (source, values), lowest precedence first; the model file goes second once model_name is known
     errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
-    files = _config_files(base_path)  # the file and the files it inherits from (base_config), parents first
+    files = config_files(base_path)  # the file and the files it inherits from (base_config), parents first
     layers = [(source, _check_known(values, source, errors)) for source, values in (
         *files, ("the command line", _parse_overrides(argv[1:])), *_env_layers(env, errors))]
     _refuse_placeholders(layers, errors)  # before model_name chooses a file
     model_name = _merge(layers).get("model_name", "default")
     if _is_placeholder(model_name):
         _raise_all(errors)  # no model file to read
-    if _is_run_config(base_path) and files[-1][1].get("model_name", "default") == model_name:
+    if is_run_config(base_path) and files[-1][1].get("model_name", "default") == model_name:
         build_errors: list[str] = []  # a run's config.yml holds its model keys already: read as it stands
         cfg = _build({k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}, build_errors)
         _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
         return cfg
     folders = model_folders(base_path)
-    model_file = next((d / f"{model_name}.yml" for d in folders if _is_file(d / f"{model_name}.yml")), None)
+    model_file = next((d / f"{model_name}.yml" for d in folders if is_file(d / f"{model_name}.yml")), None)
     if model_file is None:
         known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
         close = difflib.get_close_matches(str(model_name).lower(), known, n=3, cutoff=0.6)
@@ -93,49 +91,12 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     return cfg
 
 
-RUN_CONFIG_HEADER = ("# the resolved config of a Tessera run (every key, the model file's included); given as a "
-                     "config file it is read as it stands\n")
-
-
-def _is_run_config(path: Path) -> bool:
-    """`path` is a run's config.yml (it starts with RUN_CONFIG_HEADER): its model keys are final, so
-    its model file is not applied over them again (that turned a run's base_emb_dim=48 back into the
-    model file's width, and decoding with the run's own config.yml failed on every shape)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.readline() == RUN_CONFIG_HEADER
-    except (OSError, UnicodeDecodeError):
-        return False  # read_yaml has reported it already
-
-
-def _config_files(path: Path, including: tuple[Path, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
-    """[(file, its keys)] of the config file `path` and, first, of the files it inherits from: a
-    `base_config: <file>` line (MaxText's) names a parent, looked for beside `path`, then in the
-    repository's configs/; the child's keys win. A parent that is missing, or a cycle, is a ConfigError."""
-    values = read_yaml(path, "config file" if not including else "base_config file", empty_ok=bool(including))
-    parent = values.pop(BASE_CONFIG, None)
-    if parent is None:
-        return [(str(path), values)]
-    if not isinstance(parent, str) or not parent.strip():
-        raise ConfigError(f"{BASE_CONFIG}={parent!r} in {path} must name a YAML file, e.g. {BASE_CONFIG}: base.yml")
-    candidates = [Path(parent)] if Path(parent).is_absolute() else [path.parent / parent, REPO_CONFIGS / parent]
-    found = next((c for c in candidates if c.is_file()), None)
-    if found is None:
-        raise ConfigError(f"{BASE_CONFIG}: {parent} in {path} names no file (looked for "
-                          f"{' and '.join(str(c) for c in candidates)}); correct the name or remove the line")
-    chain = (*including, path.resolve())
-    if found.resolve() in chain:
-        raise ConfigError(f"{BASE_CONFIG}: {parent} in {path} names a file that inherits from {path} already: "
-                          f"{' -> '.join(str(c) for c in (*chain, found.resolve()))}; remove one {BASE_CONFIG} line")
-    return [*_config_files(found, chain), (str(path), values)]
-
-
 def _warn_model_file_wins(files: list[tuple[str, dict[str, Any]]], model: tuple[str, dict[str, Any]],
                           later: Mapping[str, Any]) -> None:
     """A warning when a config file sets a key that the model file sets otherwise: the model file wins
-    (MaxText's order), so an experiment file's `base_num_decoder_layers: 4`, or a flat dump of a config
-    (a run's config.yml without RUN_CONFIG_HEADER), trained the model file's value without a word (a key
-    the command line or the environment sets too is not lost). A file that sets most keys
+    (MaxText's order), so an experiment file's `base_num_decoder_layers: 4`, or a flat dump of a
+    config (a run's config.yml without yaml_file.RUN_CONFIG_HEADER), trained the model file's value
+    without a word (a key the command line or the environment sets too is not lost). A file that sets most keys
     (base.yml, a copy of it, a saved config.yml) counts only its values away from the defaults: the
     others are the defaults every model file replaces."""
     fields, (model_file, model_values) = all_fields(), model
@@ -158,24 +119,6 @@ def _warn_model_file_wins(files: list[tuple[str, dict[str, Any]]], model: tuple[
                     "order); to change them, give them on the command line", "; ".join(
                         f"{source} sets {name}={mine}" for name, (source, mine, _) in lost.items()),
                     model_file, ", ".join(f"{name}={theirs}" for name, (_, _, theirs) in lost.items()))
-
-
-def _is_file(path: Path) -> bool:
-    """Path.is_file, False for a name the file system refuses (a model_name of 300 characters raised OSError)."""
-    try:
-        return path.is_file()
-    except OSError:
-        return False
-
-
-def model_folders(base_path: Path) -> list[Path]:
-    """Where `model_name` files are looked for, first match wins: the `models/` folder beside the
-    config file, then the repository's configs/models/ (once, when they are the same folder)."""
-    folders: list[Path] = []
-    for folder in (base_path.parent / "models", REPO_MODELS):
-        if not any(os.path.realpath(folder) == os.path.realpath(f) for f in folders):
-            folders.append(folder)
-    return folders
 
 
 def _raise_all(errors: list[str]) -> None:

@@ -1,9 +1,12 @@
-"""Reading one YAML config file (a config file, a base_config parent or a model file): its
-`key: value` mapping, or a one-line ConfigError that names the file and says what to fix."""
+"""The config files on disk: reading one YAML file (a config file, a base_config parent or a model
+file) as its `key: value` mapping, or a one-line ConfigError that names the file and says what to
+fix; a config file's chain of base_config parents; where model files are looked for; and the
+header that marks a run's own config.yml."""
 
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,10 @@ import yaml
 from tessera.config.schema import ConfigError
 
 log = logging.getLogger("tessera")
+
+REPO_CONFIGS = Path(__file__).resolve().parents[3] / "configs"  # the repository's own config files
+REPO_MODELS = REPO_CONFIGS / "models"  # the repository's own model files
+BASE_CONFIG = "base_config"  # a config file's parent (MaxText's inheritance key)
 
 
 def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
@@ -70,3 +77,58 @@ def _warn_repeated_keys(text: str, where: str) -> None:
         if len(at) > 1:
             log.warning("%s sets %s %d times (lines %s); the last, on line %d, is used", where, key, len(at),
                         ", ".join(map(str, at)), at[-1])
+
+
+RUN_CONFIG_HEADER = ("# the resolved config of a Tessera run (every key, the model file's included); given as a "
+                     "config file it is read as it stands\n")
+
+
+def is_run_config(path: Path) -> bool:
+    """`path` is a run's config.yml (it starts with RUN_CONFIG_HEADER): its model keys are final, so
+    its model file is not applied over them again (that turned a run's base_emb_dim=48 back into the
+    model file's width, and decoding with the run's own config.yml failed on every shape)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline() == RUN_CONFIG_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False  # read_yaml has reported it already
+
+
+def config_files(path: Path, including: tuple[Path, ...] = ()) -> list[tuple[str, dict[str, Any]]]:
+    """[(file, its keys)] of the config file `path` and, first, of the files it inherits from: a
+    `base_config: <file>` line (MaxText's) names a parent, looked for beside `path`, then in the
+    repository's configs/; the child's keys win. A parent that is missing, or a cycle, is a ConfigError."""
+    values = read_yaml(path, "config file" if not including else "base_config file", empty_ok=bool(including))
+    parent = values.pop(BASE_CONFIG, None)
+    if parent is None:
+        return [(str(path), values)]
+    if not isinstance(parent, str) or not parent.strip():
+        raise ConfigError(f"{BASE_CONFIG}={parent!r} in {path} must name a YAML file, e.g. {BASE_CONFIG}: base.yml")
+    candidates = [Path(parent)] if Path(parent).is_absolute() else [path.parent / parent, REPO_CONFIGS / parent]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise ConfigError(f"{BASE_CONFIG}: {parent} in {path} names no file (looked for "
+                          f"{' and '.join(str(c) for c in candidates)}); correct the name or remove the line")
+    chain = (*including, path.resolve())
+    if found.resolve() in chain:
+        raise ConfigError(f"{BASE_CONFIG}: {parent} in {path} names a file that inherits from {path} already: "
+                          f"{' -> '.join(str(c) for c in (*chain, found.resolve()))}; remove one {BASE_CONFIG} line")
+    return [*config_files(found, chain), (str(path), values)]
+
+
+def is_file(path: Path) -> bool:
+    """Path.is_file, False for a name the file system refuses (a model_name of 300 characters raised OSError)."""
+    try:
+        return path.is_file()
+    except OSError:
+        return False
+
+
+def model_folders(base_path: Path) -> list[Path]:
+    """Where `model_name` files are looked for, first match wins: the `models/` folder beside the
+    config file, then the repository's configs/models/ (once, when they are the same folder)."""
+    folders: list[Path] = []
+    for folder in (base_path.parent / "models", REPO_MODELS):
+        if not any(os.path.realpath(folder) == os.path.realpath(f) for f in folders):
+            folders.append(folder)
+    return folders
