@@ -53,6 +53,14 @@ def test_hardware_is_accepted_and_checked():
         load_config([BASE, "hardware=tpu7"], env={})
 
 
+def test_override_model_config_is_accepted_and_the_command_line_wins():
+    """MaxText's way to shrink a model file's model (its keys on the command line need it) runs unchanged."""
+    cfg = load_config([BASE, "model_name=llama2-7b", "override_model_config=true", "base_num_decoder_layers=2"], env={})
+    assert cfg.model.num_decoder_layers == 2
+    with pytest.raises(ConfigError, match="override_model_config='maybe' is not allowed"):
+        load_config([BASE, "override_model_config=maybe"], env={})
+
+
 def test_missing_feature_is_refused_with_a_reason_unless_off():
     load_config([BASE, "quant_cfg_path=", "replicate_quant_scale=false", "opt_type=adamw"], env={})
     with pytest.raises(ConfigError) as e:

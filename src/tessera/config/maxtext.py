@@ -45,6 +45,10 @@ ACCEPTED = {
                  "Tessera uses the platform of the devices JAX sees at start-up; detection wins over this key"),
     "dump_hlo_delete_local_after": (("true", "false", "1", "0"),
                                     "Tessera does not upload the HLO dump, so it keeps it in dump_hlo_local_dir"),
+    # MaxText refuses a model file's key given on the command line unless this is true; here the command
+    # line always wins (a shrunk model: model_name=llama2-7b base_num_decoder_layers=2)
+    "override_model_config": (("true", "false", "1", "0"),
+                              "a key=value on the command line always wins over the model file in Tessera"),
 }
 
 
