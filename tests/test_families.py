@@ -356,6 +356,10 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     (dict(FAMILIES["gpt_oss"], routed_bias=True), "routed_bias=true .* is not built for decoder_block=gpt_oss"),
     (dict(mlp_activations_limit=7.0), "applies to decoder_block=gpt_oss only"),
     (dict(FAMILIES["deepseek"], attention_sink=True), "attention_sink=true: decoder_block=deepseek's latent"),
+    # keys MLA would ignore (it trained the same numbers with them set)
+    (dict(FAMILIES["deepseek"], base_num_kv_heads=4, fused_qkv=True), "fused_qkv=true: decoder_block=deepseek's latent"),
+    (dict(FAMILIES["deepseek"], attn_logits_soft_cap=50.0), r"attn_logits_soft_cap=50: .* set attn_logits_soft_cap=0"),
+    (dict(FAMILIES["deepseek"], query_pre_attn_scalar=144.0), r"query_pre_attn_scalar=144: .*would ignore it"),
     (dict(FAMILIES["llama4"], base_num_decoder_layers=6), "llama4 needs a multiple of 4 layers"),
     (dict(FAMILIES["llama4"], interleave_moe_layer_step=3), "interleave_moe_layer_step=3 must divide"),
     (dict(FAMILIES["llama4"], sliding_window_size=4), "attends within chunks instead"),

@@ -180,10 +180,16 @@ def _validate_family(m) -> None:
     if m.decoder_block == "deepseek" and m.sliding_window_size:
         raise ConfigError(f"sliding_window_size={m.sliding_window_size}: decoder_block=deepseek's latent attention "
                           "(MLA) attends over the whole sequence and would ignore it; set sliding_window_size=0")
-    if m.decoder_block == "deepseek" and (m.attention_sink or m.attention_bias):
-        which = " and ".join(n for n in ("attention_bias", "attention_sink") if getattr(m, n))
+    if m.decoder_block == "deepseek" and (m.attention_sink or m.attention_bias or m.fused_qkv):
+        which = " and ".join(n for n in ("attention_bias", "attention_sink", "fused_qkv") if getattr(m, n))
         raise ConfigError(f"{which}=true: decoder_block=deepseek's latent attention (MLA) has no such input; "
                           f"set {which}=false")
+    if m.decoder_block == "deepseek" and (m.attn_logits_soft_cap or m.query_pre_attn_scalar):
+        # MLA scales its scores by (qk_nope_head_dim + qk_rope_head_dim)**-0.5 (times YaRN's factor), uncapped
+        which = [f"{n}={getattr(m, n):g}" for n in ("attn_logits_soft_cap", "query_pre_attn_scalar") if getattr(m, n)]
+        raise ConfigError(f"{' and '.join(which)}: decoder_block=deepseek's latent attention (MLA) scales its scores "
+                          "by (qk_nope_head_dim + qk_rope_head_dim)**-0.5 without a cap and would ignore "
+                          f"{'them' if len(which) > 1 else 'it'}; set {' and '.join(w.split('=')[0] + '=0' for w in which)}")
     if m.decoder_block == "gemma3" and m.num_decoder_layers < 6:
         raise ConfigError(f"decoder_block=gemma3 needs at least 6 layers (one pattern of 5 local and 1 global layer), "
                           f"not {m.num_decoder_layers}; change base_num_decoder_layers")
