@@ -771,6 +771,17 @@ def test_keys_a_run_does_not_read_are_named():
         "profiler_steps=3: no effect without profiler=xplane",
         "gcs_metrics=true: no effect with a local base_output_directory (metrics.jsonl in the run folder holds every "
         "record)"]
+    # model keys that only some families or rope_scaling=yarn read (a llama trained the same numbers with them)
+    family = load_config([BASE, "trainable_position_size=64", "local_rope_max_timescale=100", "mscale=0.5",
+                          "beta_fast=8"], env={})
+    assert keys_without_effect(family, {"fsdp": 8}) == [
+        "trainable_position_size=64: no effect, decoder_block=llama2 rotates its queries and keys; only "
+        "decoder_block=gpt3 learns a position table",
+        "local_rope_max_timescale=100: no effect, it is the rotary theta of decoder_block=gemma3's local layers; "
+        "decoder_block=llama2 uses rope_max_timescale",
+        "beta_fast=8.0, mscale=0.5: no effect with rope_scaling=none; YaRN reads them (rope_scaling=yarn)"]
+    for model in ("gpt3-52k", "gemma3-4b", "deepseek-small", "gpt-oss-20b"):  # model files that set them use them
+        assert keys_without_effect(load_config([BASE, f"model_name={model}"], env={}), {"fsdp": 8}) == []
     # mesh axes that do not divide what they would split (the split is dropped; results stay right)
     moe = load_config([BASE, "model_name=mixtral-8x7b", "num_experts=6", "max_target_length=36"], env={})
     assert keys_without_effect(moe, {"sequence": 8, "expert": 4}) == [

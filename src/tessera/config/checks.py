@@ -349,7 +349,26 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
                      "experts")
+    lines += _family_keys(cfg.model, changed)
     lines += _optimizer_and_decoding_keys(cfg, changed)
+    return lines
+
+
+YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "rope_truncate")
+
+
+def _family_keys(m, changed: dict) -> list[str]:
+    """Model keys only some families or rotary scalings read, set for a model that does not read them."""
+    lines = []
+    if "trainable_position_size" in changed and m.decoder_block != "gpt3":
+        lines.append(f"{_listed(['trainable_position_size'], changed)}: no effect, decoder_block={m.decoder_block} "
+                     "rotates its queries and keys; only decoder_block=gpt3 learns a position table")
+    if "local_rope_max_timescale" in changed and m.decoder_block != "gemma3":
+        lines.append(f"{_listed(['local_rope_max_timescale'], changed)}: no effect, it is the rotary theta of "
+                     f"decoder_block=gemma3's local layers; decoder_block={m.decoder_block} uses rope_max_timescale")
+    if m.rope_scaling != "yarn" and (keys := [k for k in YARN_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with rope_scaling={m.rope_scaling}; YaRN reads them "
+                     "(rope_scaling=yarn)")
     return lines
 
 
