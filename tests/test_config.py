@@ -780,6 +780,10 @@ def test_keys_a_run_does_not_read_are_named():
         "local_rope_max_timescale=100: no effect, it is the rotary theta of decoder_block=gemma3's local layers; "
         "decoder_block=llama2 uses rope_max_timescale",
         "beta_fast=8.0, mscale=0.5: no effect with rope_scaling=none; YaRN reads them (rope_scaling=yarn)"]
+    gpt3 = load_config([BASE, "model_name=gpt3-52k", "rope_scaling=linear", "rope_max_timescale=500000"], env={})
+    assert keys_without_effect(gpt3, {"fsdp": 8}) == [
+        "rope_max_timescale=500000, rope_scaling=linear: no effect, decoder_block=gpt3 adds position embeddings and "
+        "has no rotary embedding"]
     for model in ("gpt3-52k", "gemma3-4b", "deepseek-small", "gpt-oss-20b"):  # model files that set them use them
         assert keys_without_effect(load_config([BASE, f"model_name={model}"], env={}), {"fsdp": 8}) == []
     # mesh axes that do not divide what they would split (the split is dropped; results stay right)

@@ -355,6 +355,7 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
 
 
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "rope_truncate")
+ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS)
 
 
 def _family_keys(m, changed: dict) -> list[str]:
@@ -366,7 +367,10 @@ def _family_keys(m, changed: dict) -> list[str]:
     if "local_rope_max_timescale" in changed and m.decoder_block != "gemma3":
         lines.append(f"{_listed(['local_rope_max_timescale'], changed)}: no effect, it is the rotary theta of "
                      f"decoder_block=gemma3's local layers; decoder_block={m.decoder_block} uses rope_max_timescale")
-    if m.rope_scaling != "yarn" and (keys := [k for k in YARN_KEYS if k in changed]):
+    if m.decoder_block == "gpt3" and (keys := [k for k in ROPE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, decoder_block=gpt3 adds position embeddings and has no "
+                     "rotary embedding")
+    elif m.rope_scaling != "yarn" and (keys := [k for k in YARN_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect with rope_scaling={m.rope_scaling}; YaRN reads them "
                      "(rope_scaling=yarn)")
     return lines
