@@ -780,6 +780,10 @@ def test_keys_a_run_does_not_read_are_named():
         "local_rope_max_timescale=100: no effect, it is the rotary theta of decoder_block=gemma3's local layers; "
         "decoder_block=llama2 uses rope_max_timescale",
         "beta_fast=8.0, mscale=0.5: no effect with rope_scaling=none; YaRN reads them (rope_scaling=yarn)"]
+    dense = load_config([BASE, "shared_experts=1", "base_moe_mlp_dim=512"], env={})
+    assert keys_without_effect(dense, {"fsdp": 8}) == [
+        "shared_experts=1, base_moe_mlp_dim=512: no effect on a dense model (num_experts=1), whose MLP is base_mlp_dim "
+        "wide; they size a mixture of experts"]
     gpt3 = load_config([BASE, "model_name=gpt3-52k", "rope_scaling=linear", "rope_max_timescale=500000"], env={})
     assert keys_without_effect(gpt3, {"fsdp": 8}) == [
         "rope_max_timescale=500000, rope_scaling=linear: no effect, decoder_block=gpt3 adds position embeddings and "

@@ -373,6 +373,15 @@ def test_family_config_errors(keys, message):
         build_model(tiny_config(**keys).model)
 
 
+def test_the_estimator_counts_a_dense_model_s_mlp_whatever_the_expert_keys_say():
+    """A dense family builds one MLP of mlp_dim; the estimator counted base_moe_mlp_dim's width and the shared
+    experts instead (both keys are named in a start-up warning: no effect on a dense model)."""
+    for keys in (dict(shared_experts=2), dict(base_moe_mlp_dim=12), dict(FAMILIES["gemma3"], shared_experts=1)):
+        cfg = tiny_config(**keys)
+        built = sum(math.prod(x.shape) for x in jax.tree.leaves(build_model(cfg.model).param_shapes()))
+        assert count_params(cfg.model).total == built, keys
+
+
 @pytest.mark.parametrize("dropless", [False, True])
 @pytest.mark.slow
 def test_moe_blocks_name_their_mlp_tensors_for_custom_remat(dropless):

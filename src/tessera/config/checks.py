@@ -367,6 +367,9 @@ def _family_keys(m, changed: dict) -> list[str]:
     if "local_rope_max_timescale" in changed and m.decoder_block != "gemma3":
         lines.append(f"{_listed(['local_rope_max_timescale'], changed)}: no effect, it is the rotary theta of "
                      f"decoder_block=gemma3's local layers; decoder_block={m.decoder_block} uses rope_max_timescale")
+    if m.num_experts <= 1 and (keys := [k for k in ("shared_experts", "base_moe_mlp_dim") if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1), whose MLP is "
+                     "base_mlp_dim wide; they size a mixture of experts")
     if m.decoder_block == "gpt3" and (keys := [k for k in ROPE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect, decoder_block=gpt3 adds position embeddings and has no "
                      "rotary embedding")

@@ -52,11 +52,12 @@ def count_params(m: ModelConfig) -> ParamCounts:
     def mlp(f: int) -> int:  # one gated MLP of width f, with its biases
         return d * f * gated + ((len(m.mlp_activations) * f + d) if mlp_bias else 0)
 
-    f = m.expert_mlp_dim
+    moe = m.num_experts > 1  # a dense model builds one MLP of mlp_dim: no expert width, no shared experts
+    f = m.expert_mlp_dim if moe else m.mlp_dim
     expert_mlp = mlp(f)
     router_bias = (m.routed_bias, m.decoder_block == "gpt_oss").count(True)  # choice bias, learned logit bias
-    router = d * m.num_experts + m.num_experts * router_bias if m.num_experts > 1 else 0
-    shared = mlp(f * m.shared_experts) if m.shared_experts else 0
+    router = d * m.num_experts + m.num_experts * router_bias if moe else 0
+    shared = mlp(f * m.shared_experts) if m.shared_experts and moe else 0
     norm = 2 * d if layer_norm else d
     norms = norm * (4 if m.decoder_block in ("gemma2", "gemma3") else 2)
     norms += 2 * h if m.decoder_block in ("qwen3", "qwen3_moe", "gemma3") else 0  # per-head q and k norms
