@@ -779,17 +779,28 @@ def test_keys_a_run_does_not_read_are_named():
         "decoder_block=gpt3 learns a position table",
         "local_rope_max_timescale=100: no effect, it is the rotary theta of decoder_block=gemma3's local layers; "
         "decoder_block=llama2 uses rope_max_timescale",
-        "beta_fast=8.0, mscale=0.5: no effect with rope_scaling=none; YaRN reads them (rope_scaling=yarn)"]
+        "beta_fast=8.0, mscale=0.5: no effect with rope_scaling=none"]
     dense = load_config([BASE, "shared_experts=1", "base_moe_mlp_dim=512"], env={})
     assert keys_without_effect(dense, {"fsdp": 8}) == [
         "shared_experts=1, base_moe_mlp_dim=512: no effect on a dense model (num_experts=1), whose MLP is base_mlp_dim "
-        "wide; they size a mixture of experts"]
+        "wide; they size or route a mixture of experts"]
+    moe_keys = load_config([BASE, "model_name=mixtral-8x7b", "routed_bias_update_rate=0.01", "topk_routing_group=2",
+                            "sparse_matmul=false", "megablox=false", "ragged_buffer_factor=2", "temperature_tuning_scale=0.2",
+                            "mtp_loss_scaling_factor=0.3", "rope_scaling_factor=4"], env={})
+    assert keys_without_effect(moe_keys, {"fsdp": 8}) == [
+        "routed_bias_update_rate=0.01: no effect without routed_bias=true",
+        "topk_routing_group=2: no effect without n_routing_groups (above 1)",
+        "ragged_buffer_factor=2.0: no effect with capacity routing; it sizes dropless routing's buffer "
+        "(sparse_matmul=true or megablox=true)",
+        "temperature_tuning_scale=0.2: no effect without temperature_tuning=true (decoder_block=llama4)",
+        "mtp_loss_scaling_factor=0.3: no effect without mtp_num_layers (above 0)",
+        "rope_scaling_factor=4.0: no effect with rope_scaling=none"]
     gpt3 = load_config([BASE, "model_name=gpt3-52k", "rope_scaling=linear", "rope_max_timescale=500000"], env={})
     assert keys_without_effect(gpt3, {"fsdp": 8}) == [
         "rope_max_timescale=500000, rope_scaling=linear: no effect, decoder_block=gpt3 adds position embeddings and "
         "has no rotary embedding"]
-    for model in ("gpt3-52k", "gemma3-4b", "deepseek-small", "gpt-oss-20b"):  # model files that set them use them
-        assert keys_without_effect(load_config([BASE, f"model_name={model}"], env={}), {"fsdp": 8}) == []
+    for model in (REPO / "configs" / "models").glob("*.yml"):  # the model files set only keys their model reads
+        assert keys_without_effect(load_config([BASE, f"model_name={model.stem}"], env={}), {"fsdp": 8}) == [], model
     # mesh axes that do not divide what they would split (the split is dropped; results stay right)
     moe = load_config([BASE, "model_name=mixtral-8x7b", "num_experts=6", "max_target_length=36"], env={})
     assert keys_without_effect(moe, {"sequence": 8, "expert": 4}) == [

@@ -355,6 +355,10 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
 
 
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "rope_truncate")
+EXPERT_KEYS = ("shared_experts", "base_moe_mlp_dim", "routed_score_func", "routed_scaling_factor", "routed_bias",
+               "routed_bias_update_rate", "n_routing_groups", "topk_routing_group", "norm_topk_prob",
+               "ragged_buffer_factor", "load_balance_loss_weight")
+TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor_scale")
 ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS)
 
 
@@ -367,15 +371,30 @@ def _family_keys(m, changed: dict) -> list[str]:
     if "local_rope_max_timescale" in changed and m.decoder_block != "gemma3":
         lines.append(f"{_listed(['local_rope_max_timescale'], changed)}: no effect, it is the rotary theta of "
                      f"decoder_block=gemma3's local layers; decoder_block={m.decoder_block} uses rope_max_timescale")
-    if m.num_experts <= 1 and (keys := [k for k in ("shared_experts", "base_moe_mlp_dim") if k in changed]):
+    if m.num_experts <= 1 and (keys := [k for k in EXPERT_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1), whose MLP is "
-                     "base_mlp_dim wide; they size a mixture of experts")
+                     "base_mlp_dim wide; they size or route a mixture of experts")
+    elif m.num_experts > 1:
+        if not m.routed_bias and "routed_bias_update_rate" in changed:
+            lines.append(f"{_listed(['routed_bias_update_rate'], changed)}: no effect without routed_bias=true")
+        if m.n_routing_groups <= 1 and "topk_routing_group" in changed:
+            lines.append(f"{_listed(['topk_routing_group'], changed)}: no effect without n_routing_groups (above 1)")
+        if not (m.sparse_matmul or m.megablox) and "ragged_buffer_factor" in changed:
+            lines.append(f"{_listed(['ragged_buffer_factor'], changed)}: no effect with capacity routing; it sizes "
+                         "dropless routing's buffer (sparse_matmul=true or megablox=true)")
+    if not m.temperature_tuning and (keys := [k for k in TEMPERATURE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without temperature_tuning=true (decoder_block=llama4)")
+    if not m.mtp_num_layers and "mtp_loss_scaling_factor" in changed:
+        lines.append(f"{_listed(['mtp_loss_scaling_factor'], changed)}: no effect without mtp_num_layers (above 0)")
     if m.decoder_block == "gpt3" and (keys := [k for k in ROPE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect, decoder_block=gpt3 adds position embeddings and has no "
                      "rotary embedding")
-    elif m.rope_scaling != "yarn" and (keys := [k for k in YARN_KEYS if k in changed]):
-        lines.append(f"{_listed(keys, changed)}: no effect with rope_scaling={m.rope_scaling}; YaRN reads them "
-                     "(rope_scaling=yarn)")
+    else:
+        unread = [k for k in YARN_KEYS if k in changed and m.rope_scaling != "yarn"] + \
+            [k for k in ("rope_scaling_factor",) if k in changed and m.rope_scaling == "none"] + \
+            [k for k in ("rope_original_max_position",) if k in changed and m.rope_scaling in ("none", "linear")]
+        if unread:
+            lines.append(f"{_listed(unread, changed)}: no effect with rope_scaling={m.rope_scaling}")
     return lines
 
 
