@@ -137,6 +137,8 @@ def test_sigterm_to_the_suite_stops_its_nodes(tmp_path):
     assert err.rstrip().endswith(f"stopped by SIGTERM: every node has exited; node logs in {tmp_path / 'out' / 'logs'}")
     assert not Path(f"/proc/{children[0]}").exists()  # the trainer is gone, not orphaned
     assert "SIGTERM" in log.read_text()  # it stopped on the signal, after a step
+    result = json.loads((tmp_path / "out" / "validation.json").read_text())
+    assert result["checks"][0]["measured"] == "stopped by SIGTERM" and result["passed"] is False
 
 
 def _parent(pid: int) -> int:
@@ -430,3 +432,47 @@ def test_nodes_with_spaces_name_the_hosts_without_them(capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err == ("error: --nodes 'n1 n2': a host name has no spaces; separate the "
                                                    "hosts with commas, e.g. --nodes h1,h2\n")
+
+
+def test_steps_within_the_warm_up_are_refused(tmp_path, capsys):
+    """With training_steps <= report_warmup_steps the report's medians fall back to every step, compilation
+    included, and the suite checked those against the targets as if they were steady-state speed."""
+    assert main([_tuned(tmp_path, report_warmup_steps="8"), "--gpu", "cpu", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "steps=8 is not more than report_warmup_steps=8" in err
+    assert "raise config.training_steps above 8 or lower report_warmup_steps" in err
+
+
+def test_a_stopped_run_replaces_earlier_results_with_a_failure(tmp_path, monkeypatch, capsys):
+    """Ctrl-C (or SIGTERM) wrote no results, so an earlier run's validation.json/.xml in the same --out
+    still said PASS; a suite killed outright left them too. They are removed before the nodes start, and a
+    stopped run writes its own, failed."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "validation.json").write_text('{"passed": true}\n')
+    (out / "validation.xml").write_text('<testsuite failures="0"/>\n')
+    seen = []
+
+    def stopped(commands, log_dir, steps):
+        seen.append([(out / name).exists() for name in ("validation.json", "validation.xml")])
+        raise validate.NodesStopped(signal.SIGINT)
+
+    monkeypatch.setattr(validate, "run_nodes", stopped)
+    assert main([CPU, "--gpu", "cpu", "--out", str(out)]) == 130
+    assert seen == [[False, False]]
+    result = json.loads((out / "validation.json").read_text())
+    assert result["passed"] is False and result["name"] == "single_node.default.cpu"
+    assert result["checks"][0]["measured"] == "stopped by SIGINT" and not result["checks"][0]["passed"]
+    assert 'failures="3"' in (out / "validation.xml").read_text()
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(f"stopped by SIGINT: every node has exited; node logs in {out / 'logs'}")
+
+
+def test_a_log_dir_that_cannot_be_written_names_the_key(tmp_path, capsys):
+    data = json.loads(Path(CPU).read_text())
+    (tmp_path / "a_file").write_text("")
+    data["config"]["log_dir"] = str(tmp_path / "a_file" / "runs")
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu"]) == 2
+    assert "Not a directory; set config.log_dir in the file, or give --out" in capsys.readouterr().err

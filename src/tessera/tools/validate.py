@@ -246,9 +246,14 @@ def check_train_keys(plan: Plan, run_name: str, env: dict[str, str]) -> None:
     """The train keys through train.py's own config loader (with the run's M_<KEY> variables in `env`), so that
     a value the trainer refuses stops the suite here, dry run included, with the loader's message."""
     try:
-        load_config(train_argv(plan, run_name)[2:], env=env)
+        cfg = load_config(train_argv(plan, run_name)[2:], env=env)
     except ConfigError as e:
         raise ValidationInputError(f"train.py would refuse the train keys of {plan.name}: {e}") from None
+    steps, warmup = cfg.run.steps, cfg.run.report_warmup_steps
+    if steps <= warmup:  # the report's medians would then be taken over the warm-up steps (compilation included)
+        raise ValidationInputError(f"{plan.name}: steps={steps} is not more than report_warmup_steps={warmup}, so "
+                                   "the measured speed would include compilation and warm-up; raise "
+                                   f"config.training_steps above {warmup} or lower report_warmup_steps")
 
 
 def gpu_tuning(overrides: dict[str, str], env: dict[str, str]) -> dict[str, str]:
@@ -389,13 +394,18 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(out) if out else run_dir
     start = time.time()
     try:
+        for stale in ("validation.json", "validation.xml"):  # an earlier run's results in --out must not stand
+            (out_dir / stale).unlink(missing_ok=True)
         codes = run_nodes(commands, out_dir / "logs",
                           plan.overrides.get("steps", str(all_fields()["steps"][1].default)))
     except OSError as e:  # e.g. --out under a file: found when the log folder is made, before any node starts
-        print(f"error: cannot write node logs under {out_dir}: {e.strerror or e}; choose another --out",
-              file=sys.stderr)
+        fix = "choose another --out" if out else "set config.log_dir in the file, or give --out"
+        print(f"error: cannot write node logs under {out_dir}: {e.strerror or e}; {fix}", file=sys.stderr)
         return 2
     except NodesStopped as stopped:  # SIGTERM or Ctrl-C: the nodes were given it and have exited
+        rows = check(plan, None, [])  # validation.json/.xml say the run did not finish, for CI dashboards
+        rows[0]["measured"] = f"stopped by {stopped}"
+        write_results(rows, plan, out_dir, time.time() - start)
         print(f"stopped by {stopped}: every node has exited; node logs in {out_dir / 'logs'}", file=sys.stderr)
         return 128 + stopped.signum
     report_path = run_dir / "report.json"
