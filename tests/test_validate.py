@@ -476,3 +476,36 @@ def test_a_log_dir_that_cannot_be_written_names_the_key(tmp_path, capsys):
     path.write_text(json.dumps(data))
     assert main([str(path), "--gpu", "cpu"]) == 2
     assert "Not a directory; set config.log_dir in the file, or give --out" in capsys.readouterr().err
+
+
+def test_without_nodes_a_file_with_both_modes_runs_its_single_node_entry(tmp_path, capsys):
+    """Without --nodes the suite took the first mode of model_params, so a file listing multi_node first
+    ran its multi-node entry (dcn_data_parallelism=2) on this one host."""
+    path = tmp_path / "both.json"
+    path.write_text(json.dumps({"model_params": {"multi_node": {"m": {"g": {"dcn_data_parallelism": "2"}}},
+                                                 "single_node": {"m": {"g": {"steps": "5"}}}}}))
+    assert main([str(path), "--dry-run"]) == 0
+    command = capsys.readouterr().out.splitlines()[-1]
+    assert " steps=5 " in command and "dcn_data_parallelism" not in command
+    assert select(json.loads(path.read_text()), True, None, None)[0] == "multi_node.m.g"
+
+
+def test_a_report_that_is_not_json_fails_the_run(tmp_path, monkeypatch, capsys):
+    """A report.json cut short (a full disk) ended the suite in a JSONDecodeError traceback."""
+    data = json.loads(Path(CPU).read_text())
+    data["config"]["log_dir"] = str(tmp_path / "runs")
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+
+    def trained(commands, log_dir, steps):
+        run_name = next(a for a in commands[0][1] if a.startswith("run_name=")).split("=", 1)[1]
+        (tmp_path / "runs" / run_name).mkdir(parents=True)
+        (tmp_path / "runs" / run_name / "report.json").write_text('{"tokens_per_sec')
+        return [0]
+
+    monkeypatch.setattr(validate, "run_nodes", trained)
+    assert main([str(path), "--gpu", "cpu", "--out", str(tmp_path / "out")]) == 1
+    out, err = capsys.readouterr()
+    assert "report.json cannot be read" in err and "no measurements" in err
+    assert "FAIL: single_node.default.cpu" in out
+    assert json.loads((tmp_path / "out" / "validation.json").read_text())["passed"] is False

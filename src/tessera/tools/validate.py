@@ -153,7 +153,8 @@ def select(data: dict, multi_node: bool, model: str | None, gpu: str | None) -> 
     params = data.get("model_params")
     if not isinstance(params, dict) or not params:
         raise ValidationInputError("the file has no model_params section")
-    mode = "multi_node" if multi_node and "multi_node" in params else next(iter(params))
+    wanted = "multi_node" if multi_node else "single_node"  # a file may have both: the one that fits the node count
+    mode = wanted if wanted in params else next(iter(params))
     models = _section(params[mode], f"model_params.{mode}")
     model = model or (next(iter(models)) if len(models) == 1 else None)
     if model not in models:
@@ -409,7 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stopped by {stopped}: every node has exited; node logs in {out_dir / 'logs'}", file=sys.stderr)
         return 128 + stopped.signum
     report_path = run_dir / "report.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else None
+    try:
+        report = json.loads(report_path.read_text()) if report_path.exists() else None
+    except (OSError, ValueError) as e:  # e.g. cut short by a full disk: no measurement, the run fails
+        print(f"{report_path} cannot be read ({e}): no measurements", file=sys.stderr)
+        report = None
     rows = check(plan, report, codes)
     write_results(rows, plan, out_dir, time.time() - start)
     print(tuning_line(plan))
