@@ -509,3 +509,18 @@ def test_a_report_that_is_not_json_fails_the_run(tmp_path, monkeypatch, capsys):
     assert "report.json cannot be read" in err and "no measurements" in err
     assert "FAIL: single_node.default.cpu" in out
     assert json.loads((tmp_path / "out" / "validation.json").read_text())["passed"] is False
+
+
+@pytest.mark.parametrize("config, entry, where", [
+    ({"log_dir": None}, {}, "config.log_dir is a JSON null"),
+    ({"nccl_debug": None}, {}, "config.nccl_debug is a JSON null"),
+    ({"container_config": {"env_dict": {"A": {"x": 1}}}}, {}, "config.container_config.env_dict.A is a JSON object"),
+    ({}, {"tokenizer_path": None}, "model_params.single_node.m.g.tokenizer_path is a JSON null"),
+])
+def test_a_null_or_object_value_is_refused_not_passed_as_none(config, entry, where, tmp_path, capsys):
+    """A JSON null went on as the text "None": base_output_directory=None (a folder named None), NCCL_DEBUG=None."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"config": config, "model_params": {"single_node": {"m": {"g": entry}}}}))
+    assert main([str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"validation file error: {where}, which has no value to pass on" in err and "None" not in err

@@ -171,26 +171,27 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     """Map every key of `config` and of the model entry to the environment, a train key, or 'ignored'."""
     config = dict(data.get("config", {}))
     container = dict(_section(config.pop("container_config", {}), "config.container_config"))
-    env = {k: str(v) for k, v in _section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
+    env = {k: _text(v, f"config.container_config.env_dict.{k}")
+           for k, v in _section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
     overrides: dict[str, str] = {}
     ignored: dict[str, str] = {}
     flags = _section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
-    xla_flags = [f"--{k}={v}" for k, v in flags.items()]
+    xla_flags = [f"--{k}={_text(v, f'model_params.{name}.xla_flags.{k}')}" for k, v in flags.items()]
     train_keys = all_fields()
     for key, value in config.items():
         if key.startswith(ENV_PREFIXES):
-            env[key.upper()] = str(value)
+            env[key.upper()] = _text(value, f"config.{key}")
         elif key in GPU_KEYS:  # xla_python_client_mem_fraction, optimization_level, ...: the trainer applies them
-            overrides[key] = str(value)
+            overrides[key] = _text(value, f"config.{key}")
         elif key.startswith("xla_"):
-            xla_flags.append(f"--{key}={value}")
+            xla_flags.append(f"--{key}={_text(value, f'config.{key}')}")
         elif key in CONFIG_TRAIN_KEYS:
-            overrides[CONFIG_TRAIN_KEYS[key]] = str(value)
+            overrides[CONFIG_TRAIN_KEYS[key]] = _text(value, f"config.{key}")
         elif key == "mock_data":
             if str(value).lower() == "true":
                 overrides["dataset_type"] = "synthetic"
         elif key == "hf_token_file":
-            env["HF_TOKEN_PATH"] = str(value)
+            env["HF_TOKEN_PATH"] = _text(value, f"config.{key}")
         elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
             container[key] = value
         else:
@@ -206,7 +207,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             same = str(entry[target]) == text
             ignored[key] = f"same as {target}" if same else f"conflicts with {target}={entry[target]}; {target} is used"
         elif target in train_keys:
-            overrides[target] = text
+            overrides[target] = _text(value, f"model_params.{name}.{key}")
         else:
             ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
     if str(entry.get("precision", "")).upper() in FP8_PRECISIONS and not entry.get("quantization"):
@@ -220,6 +221,14 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
     return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
                 env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env))
+
+
+def _text(value: Any, where: str) -> str:
+    """A used value as the text train.py or the environment gets (a list as JSON); null or an object has none."""
+    if value is None or isinstance(value, dict):
+        raise ValidationInputError(f"{where} is a JSON {'null' if value is None else 'object'}, which has no value "
+                                   "to pass on; give a string or a number (\"\" for empty), or leave the key out")
+    return json.dumps(value) if isinstance(value, list) else str(value)
 
 
 def _node_count(value: Any) -> int:
