@@ -524,3 +524,18 @@ def test_a_null_or_object_value_is_refused_not_passed_as_none(config, entry, whe
     assert main([str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert f"validation file error: {where}, which has no value to pass on" in err and "None" not in err
+
+
+def test_a_node_that_fails_is_named_with_the_end_of_its_log(tmp_path, monkeypatch, capsys):
+    """A failed training showed only `[2]` and None in the table; the reason was in a log the user had to find."""
+    def failed(commands, log_dir, steps):
+        log_dir.mkdir(parents=True)
+        (log_dir / "node0.log").write_text("step 1 | loss 6.0\n"
+                                           "config error: dataset_type=grain needs grain_train_files\n")
+        return [2]
+
+    monkeypatch.setattr(validate, "run_nodes", failed)
+    assert main([CPU, "--gpu", "cpu", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert (f"node 0 exited with code 2; the end of {tmp_path / 'logs' / 'node0.log'}: config error: "
+            "dataset_type=grain needs grain_train_files") in out

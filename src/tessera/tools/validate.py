@@ -347,6 +347,16 @@ def write_results(rows: list[dict], plan: Plan, out_dir: Path, seconds: float) -
         + "\n  </properties>\n" + "\n".join(cases) + "\n</testsuite>\n")
 
 
+def _last_line(log_file: Path) -> str:
+    try:
+        with log_file.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError as e:
+        return f"(cannot be read: {e.strerror or e})"
+    return lines[-1].strip() if lines else "(empty)"
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"{'check':<26} {'target':>28} {'measured':>16}  result")
     for r in rows:
@@ -428,6 +438,10 @@ def main(argv: list[str] | None = None) -> int:
     write_results(rows, plan, out_dir, time.time() - start)
     print(tuning_line(plan))
     print_table(rows)
+    for rank, code in enumerate(codes):
+        if code != 0:  # the trainer's last words say why (a config error, a crash, a signal)
+            log_file = out_dir / "logs" / f"node{rank}.log"
+            print(f"node {rank} exited with code {code}; the end of {log_file}: {_last_line(log_file)}")
     passed = all(r["passed"] for r in rows)
     print(f"{'PASS' if passed else 'FAIL'}: {plan.name}; results in {out_dir / 'validation.json'} and validation.xml")
     return 0 if passed else 1
