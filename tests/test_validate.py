@@ -539,3 +539,14 @@ def test_a_node_that_fails_is_named_with_the_end_of_its_log(tmp_path, monkeypatc
     out = capsys.readouterr().out
     assert (f"node 0 exited with code 2; the end of {tmp_path / 'logs' / 'node0.log'}: config error: "
             "dataset_type=grain needs grain_train_files") in out
+
+
+def test_a_node_killed_by_a_signal_says_which(tmp_path, monkeypatch, capsys):
+    def killed(commands, log_dir, steps):
+        log_dir.mkdir(parents=True)
+        (log_dir / "node0.log").write_text("step 3 | loss 6.0\n")
+        return [-signal.SIGKILL]
+
+    monkeypatch.setattr(validate, "run_nodes", killed)
+    assert main([CPU, "--gpu", "cpu", "--out", str(tmp_path)]) == 1
+    assert "node 0 was killed by SIGKILL; the end of " in capsys.readouterr().out

@@ -32,6 +32,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 from pathlib import Path
@@ -441,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     for rank, code in enumerate(codes):
         if code != 0:  # the trainer's last words say why (a config error, a crash, a signal)
             log_file = out_dir / "logs" / f"node{rank}.log"
-            print(f"node {rank} exited with code {code}; the end of {log_file}: {_last_line(log_file)}")
+            how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+            print(f"node {rank} {how}; the end of {log_file}: {_last_line(log_file)}")
     passed = all(r["passed"] for r in rows)
     print(f"{'PASS' if passed else 'FAIL'}: {plan.name}; results in {out_dir / 'validation.json'} and validation.xml")
     return 0 if passed else 1
