@@ -550,3 +550,19 @@ def test_a_node_killed_by_a_signal_says_which(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(validate, "run_nodes", killed)
     assert main([CPU, "--gpu", "cpu", "--out", str(tmp_path)]) == 1
     assert "node 0 was killed by SIGKILL; the end of " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("data, message", [
+    ({"configs": {"training_steps": "5"}, "model_params": {"single_node": {"m": {"g": {}}}}},
+     "configs is not a section of a validation file; did you mean config? use config or model_params"),
+    ({"model_params": {"single_node": {"m": {"g": {}}}, "singlenode": {"m": {"g": {}}}}},
+     "model_params.singlenode is not a section of a validation file; did you mean model_params.single_node? "
+     "use model_params.single_node or model_params.multi_node"),
+])
+def test_a_misspelt_section_is_refused_not_dropped(data, message, tmp_path, capsys):
+    """`configs` (for config) was dropped without a word: its training_steps=5 did not apply and the run
+    trained the default 150 steps."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"_comment": "kept out", **data}))
+    assert main([str(path), "--dry-run"]) == 2
+    assert f"validation file error: {message} (keys starting with _ are comments)" in capsys.readouterr().err

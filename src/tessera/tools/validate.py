@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import getpass
 import json
 import math
@@ -151,9 +152,11 @@ def _placeholders(node: Any, path: str = ""):
 
 def select(data: dict, multi_node: bool, model: str | None, gpu: str | None) -> tuple[str, dict]:
     """The `model_params.<mode>.<model>.<gpu>` entry to run."""
+    _known_keys(data, "", ("config", "model_params"))
     params = data.get("model_params")
     if not isinstance(params, dict) or not params:
         raise ValidationInputError("the file has no model_params section")
+    _known_keys(params, "model_params.", ("single_node", "multi_node"))
     wanted = "multi_node" if multi_node else "single_node"  # a file may have both: the one that fits the node count
     mode = wanted if wanted in params else next(iter(params))
     models = _section(params[mode], f"model_params.{mode}")
@@ -166,6 +169,16 @@ def select(data: dict, multi_node: bool, model: str | None, gpu: str | None) -> 
         raise ValidationInputError(f"choose --gpu from {sorted(gpus)} (model_params.{mode}.{model})")
     _section(data.get("config", {}), "config")
     return f"{mode}.{model}.{gpu}", _section(gpus[gpu], f"model_params.{mode}.{model}.{gpu}")
+
+
+def _known_keys(section: dict, where: str, known: tuple[str, ...]) -> None:
+    """A misspelt section (`configs`) would drop every setting in it without a word."""
+    for key in section:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {where}{close[0]}? " if close else ""
+            raise ValidationInputError(f"{where}{key} is not a section of a validation file; {hint}use "
+                                       f"{' or '.join(where + k for k in known)} (keys starting with _ are comments)")
 
 
 def build_plan(data: dict, name: str, entry: dict) -> Plan:
