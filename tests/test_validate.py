@@ -566,3 +566,18 @@ def test_a_misspelt_section_is_refused_not_dropped(data, message, tmp_path, caps
     path.write_text(json.dumps({"_comment": "kept out", **data}))
     assert main([str(path), "--dry-run"]) == 2
     assert f"validation file error: {message} (keys starting with _ are comments)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("params, args, message", [
+    ({"single_node": {}}, [], "model_params.single_node is empty; add an entry to it"),
+    ({"single_node": {"m": {}}}, [], "model_params.single_node.m is empty; add an entry to it"),
+    ({"single_node": {"m": {"g": {}}}}, ["--gpu", "h100"],
+     "--gpu h100 is not in model_params.single_node.m; choose from ['g']"),
+    ({"single_node": {"m": {"g": {}, "h": {}}}}, [], "--gpu is needed; choose from ['g', 'h']"),
+])
+def test_a_model_or_gpu_that_matches_nothing_says_what_to_do(params, args, message, tmp_path, capsys):
+    """An empty section said `choose --model from []`, and a --gpu that matched nothing did not say so."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"model_params": params}))
+    assert main([str(path), "--dry-run", *args]) == 2
+    assert f"validation file error: {message}" in capsys.readouterr().err

@@ -160,15 +160,23 @@ def select(data: dict, multi_node: bool, model: str | None, gpu: str | None) -> 
     wanted = "multi_node" if multi_node else "single_node"  # a file may have both: the one that fits the node count
     mode = wanted if wanted in params else next(iter(params))
     models = _section(params[mode], f"model_params.{mode}")
-    model = model or (next(iter(models)) if len(models) == 1 else None)
-    if model not in models:
-        raise ValidationInputError(f"choose --model from {sorted(models)} (model_params.{mode})")
+    model = _choose("--model", model, models, f"model_params.{mode}", "<model>: {<gpu>: {train keys}}")
     gpus = _section(models[model], f"model_params.{mode}.{model}")
-    gpu = gpu or (next(iter(gpus)) if len(gpus) == 1 else None)
-    if gpu not in gpus:
-        raise ValidationInputError(f"choose --gpu from {sorted(gpus)} (model_params.{mode}.{model})")
+    gpu = _choose("--gpu", gpu, gpus, f"model_params.{mode}.{model}", "<gpu>: {train keys}")
     _section(data.get("config", {}), "config")
     return f"{mode}.{model}.{gpu}", _section(gpus[gpu], f"model_params.{mode}.{model}.{gpu}")
+
+
+def _choose(option: str, given: str | None, names: dict, where: str, shape: str) -> str:
+    """The entry of `names` that `option` names, or the only one there is."""
+    if not names:
+        raise ValidationInputError(f"{where} is empty; add an entry to it ({shape})")
+    if given is None and len(names) == 1:
+        return next(iter(names))
+    if given not in names:
+        said = "is needed" if given is None else f"{given} is not in {where}"
+        raise ValidationInputError(f"{option} {said}; choose from {sorted(names)} ({where})")
+    return given
 
 
 def _known_keys(section: dict, where: str, known: tuple[str, ...]) -> None:
