@@ -581,3 +581,23 @@ def test_a_model_or_gpu_that_matches_nothing_says_what_to_do(params, args, messa
     path.write_text(json.dumps({"model_params": params}))
     assert main([str(path), "--dry-run", *args]) == 2
     assert f"validation file error: {message}" in capsys.readouterr().err
+
+
+def test_a_relative_log_dir_is_the_working_directorys_and_a_missing_report_is_explained(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """Over ssh the nodes start in the repository, so a relative log_dir was another folder there than the
+    one the suite read report.json from; and every node exiting 0 with no report.json here failed the
+    `training finished` row without a word on why (node 0's report is on node 0's host)."""
+    data = json.loads(Path(CPU).read_text())
+    data["config"]["log_dir"] = "runs"
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(validate, "run_nodes", lambda commands, log_dir, steps: [0, 0])
+    assert main([str(path), "--gpu", "cpu", "--nodes", "h1,h2", "--dry-run"]) == 0
+    assert f"base_output_directory={tmp_path / 'runs'} " in capsys.readouterr().out
+    assert main([str(path), "--gpu", "cpu", "--nodes", "h1,h2", "--out", "out"]) == 1
+    err = capsys.readouterr().err
+    assert f"every node exited with code 0 but there is no {tmp_path / 'runs'}/validate_v_" in err
+    assert ("node 0 writes it on h1, where node 0 ran; run the suite on the first host of --nodes, or set "
+            "config.log_dir to a folder all hosts share") in err

@@ -410,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
         data = load(path)
         name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
         plan = build_plan(data, name, entry)
+        if "base_output_directory" in plan.overrides:  # relative to the working directory, as --out; over ssh
+            # the nodes start in the repository, where a relative folder would be another one
+            plan.overrides["base_output_directory"] = str(Path(plan.overrides["base_output_directory"]).absolute())
         run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
         check_train_keys(plan, run_name, plan.env if nodes else {**os.environ, **plan.env})
     except (ValidationInputError, UsageError) as e:
@@ -460,6 +463,11 @@ def main(argv: list[str] | None = None) -> int:
     write_results(rows, plan, out_dir, time.time() - start)
     print(tuning_line(plan))
     print_table(rows)
+    if report is None and codes and all(c == 0 for c in codes):
+        remote = f" on {nodes[0]}, where node 0 ran" if nodes else ""
+        print(f"every node exited with code 0 but there is no {report_path} here: node 0 writes it{remote}; run "
+              "the suite on the first host of --nodes, or set config.log_dir to a folder all hosts share",
+              file=sys.stderr)
     for rank, code in enumerate(codes):
         if code != 0:  # the trainer's last words say why (a config error, a crash, a signal)
             log_file = out_dir / "logs" / f"node{rank}.log"
