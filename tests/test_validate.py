@@ -601,3 +601,12 @@ def test_a_relative_log_dir_is_the_working_directorys_and_a_missing_report_is_ex
     assert f"every node exited with code 0 but there is no {tmp_path / 'runs'}/validate_v_" in err
     assert ("node 0 writes it on h1, where node 0 ran; run the suite on the first host of --nodes, or set "
             "config.log_dir to a folder all hosts share") in err
+
+
+def test_a_user_without_a_name_gets_the_user_id(monkeypatch):
+    """In a container whose user has no passwd entry (and no USER), getpass raised: a traceback."""
+    def no_name():
+        raise KeyError("getpwuid(): uid not found: 12345")
+
+    monkeypatch.setattr(validate.getpass, "getuser", no_name)
+    assert load(CPU)["config"]["log_dir"] == f"/tmp/tessera-validate-{os.getuid()}"

@@ -112,12 +112,20 @@ def load(path: str) -> dict:
     if not isinstance(data, dict):
         raise ValidationInputError(f"{path} holds a JSON {_json_type(data)} at the top; a validation file is an "
                                    "object with config and model_params sections")
-    data = _clean(data, getpass.getuser())
+    data = _clean(data, _user_name())
     left = list(_placeholders(data))
     if left:
         raise ValidationInputError(
             f"{path} still has {len(left)} {PLACEHOLDER} value(s); set each before running:\n  " + "\n  ".join(left))
     return data
+
+
+def _user_name() -> str:
+    """What {user-id} becomes: the login name, else (a container's user with no passwd entry) the user id."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no USER/LOGNAME and no passwd entry (KeyError before Python 3.13)
+        return str(os.getuid())
 
 
 def _json_type(value: Any) -> str:
