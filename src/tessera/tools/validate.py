@@ -20,7 +20,7 @@ nodes). See getting_started/Validation.md.
 Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
 unusable (placeholders left, bad structure) or the output folder cannot be written, 130 Ctrl-C
 and 143 SIGTERM (passed on to every node, which saves a checkpoint and stops; their logs say
-where; the suite returns once they have exited).
+where; the suite returns once they have exited, its validation.json/.xml saying the run was stopped).
 """
 
 from __future__ import annotations
