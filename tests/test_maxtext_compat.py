@@ -10,7 +10,7 @@ from tessera.config import ConfigError, load_config
 from tessera.config import maxtext
 from tessera.config.schema import all_fields
 from tessera.mesh import mesh_shape
-from tessera.tools import validate
+from tessera.tools import validate_file as validate
 
 BASE = str(REPO / "configs" / "base.yml")
 GUIDE = REPO / "getting_started" / "Coming_from_MaxText.md"

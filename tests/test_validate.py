@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from tessera.tools import validate, validate_nodes
-from tessera.tools.validate import ValidationInputError, build_plan, load, main, select
+from tessera.tools import validate, validate_file, validate_nodes
+from tessera.tools.validate import main
+from tessera.tools.validate_file import ValidationInputError, build_plan, load, select
 from tessera.tools.validate_nodes import node_commands, over_ssh
 
 AMD = sorted((REPO / "configs" / "gpu" / "amd").glob("*.json"))
@@ -608,5 +609,5 @@ def test_a_user_without_a_name_gets_the_user_id(monkeypatch):
     def no_name():
         raise KeyError("getpwuid(): uid not found: 12345")
 
-    monkeypatch.setattr(validate.getpass, "getuser", no_name)
+    monkeypatch.setattr(validate_file.getpass, "getuser", no_name)
     assert load(CPU)["config"]["log_dir"] == f"/tmp/tessera-validate-{os.getuid()}"

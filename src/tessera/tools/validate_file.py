@@ -1,0 +1,316 @@
+"""The validation suite's JSON file (`tessera.tools.validate`): reading it, choosing the entry for
+the node count and the --model/--gpu names, and turning it into a `Plan` (environment, train
+keys, targets, and every key left out with its reason). Each problem is a ValidationInputError
+that says what to change; train keys go through train.py's own loader before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import getpass
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from tessera.config.loader import PLACEHOLDER, build_config, load_config
+from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
+from tessera.config.maxtext import ALIASES as KEY_ALIASES
+from tessera.config.schema import ConfigError, GpuConfig, all_fields
+from tessera.gpu_tuning import effective_settings
+from tessera.tools.validate_nodes import train_argv
+
+# config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
+ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
+# config keys with a meaning in Tessera: key -> train key
+CONFIG_TRAIN_KEYS = {"training_steps": "steps", "enable_checkpointing": "enable_checkpointing",
+                     "log_dir": "base_output_directory"}
+# model-param keys of other trainers -> the Tessera train key with the same meaning (the loader's table)
+ALIASES = {alias: target for alias, (target, _) in KEY_ALIASES.items()}
+IGNORED_WHY = {
+    "precision": "Tessera computes in `dtype`; only TE_FP8 has a counterpart (quantization=fp8)",
+    "tokenizer_model": "a Hugging Face hub name; Tessera reads tokenizers from local files only",
+    "model_size": "informational (the model is defined by the base_* keys)",
+    "batch_size": "the global batch of other trainers; Tessera's is per_device_batch_size x devices (x "
+                  "gradient_accumulation_steps), which micro_batch_size or per_device_batch_size sets",
+    "recompute": "Transformer Engine knob; Tessera uses remat_policy",
+    "fsdp": "Transformer Engine knob; Tessera uses ici_fsdp_parallelism",
+    "distributed_training": "implied by the node count",
+    "nic_type": "informational",
+    "data_cache_dir": "not needed with synthetic data",
+    "dataset_source": "not needed with synthetic data",
+    "nccl_ib_hca_list": "list form of nccl_ib_hca, which is the one NCCL reads",
+    "container_name": "the container engine names the container",
+}
+# model_params precision values that mean float8 training (Transformer Engine): quantization=fp8, on qwix
+FP8_PRECISIONS = ("TE_FP8", "FP8")
+GPU_KEYS = {f.name for f in dataclasses.fields(GpuConfig)}  # train keys of the gpu section, also read from `config`
+METRICS = {"tflops_per_sec_per_gpu": "tflops_per_sec_per_device", "tokens_per_sec_per_gpu": "tokens_per_sec_per_device"}
+
+
+class ValidationInputError(Exception):
+    """The JSON file cannot be used as it is; the message lists what to change."""
+
+
+@dataclasses.dataclass
+class Plan:
+    """Everything needed to run one validation: environment, train overrides, targets, notes."""
+
+    name: str
+    env: dict[str, str]
+    overrides: dict[str, str]
+    targets: dict[str, float]
+    container: dict[str, Any]
+    ignored: dict[str, str]
+    nnodes: int
+    coordinator: str
+    port: str
+    tuning: dict[str, str] = dataclasses.field(default_factory=dict)  # optimization level, PGLE, memory fraction
+
+
+def load(path: str) -> dict:
+    """The JSON without comment keys, with {user-id} resolved; refuses any <changeme> left."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ValidationInputError(f"{path} does not exist") from None
+    except IsADirectoryError:
+        raise ValidationInputError(f"{path} is a folder; give the validation JSON file in it") from None
+    except OSError as e:
+        raise ValidationInputError(f"{path} cannot be read: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValidationInputError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValidationInputError(f"{path} holds a JSON {_json_type(data)} at the top; a validation file is an "
+                                   "object with config and model_params sections")
+    data = _clean(data, _user_name())
+    left = list(_placeholders(data))
+    if left:
+        raise ValidationInputError(
+            f"{path} still has {len(left)} {PLACEHOLDER} value(s); set each before running:\n  " + "\n  ".join(left))
+    return data
+
+
+def _user_name() -> str:
+    """What {user-id} becomes: the login name, else (a container's user with no passwd entry) the user id."""
+    try:
+        return getpass.getuser()
+    except (OSError, KeyError):  # no USER/LOGNAME and no passwd entry (KeyError before Python 3.13)
+        return str(os.getuid())
+
+
+def _json_type(value: Any) -> str:
+    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
+
+
+def _section(node: Any, where: str) -> dict:
+    """`node` when it is a JSON object, else ValidationInputError naming `where` in the file."""
+    if not isinstance(node, dict):
+        raise ValidationInputError(f"{where} is a JSON {_json_type(node)}; it must be an object of name: value")
+    return node
+
+
+def _clean(node: Any, user: str) -> Any:
+    if isinstance(node, dict):
+        return {k: _clean(v, user) for k, v in node.items() if not k.startswith("_")}
+    if isinstance(node, list):
+        return [_clean(v, user) for v in node]
+    return node.replace("{user-id}", user) if isinstance(node, str) else node
+
+
+def _placeholders(node: Any, path: str = ""):
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _placeholders(v, f"{path}.{k}" if path else k)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _placeholders(v, f"{path}[{i}]")
+    elif isinstance(node, str) and PLACEHOLDER in node:
+        yield f"{path} = {node!r}"
+
+
+def select(data: dict, multi_node: bool, model: str | None, gpu: str | None) -> tuple[str, dict]:
+    """The `model_params.<mode>.<model>.<gpu>` entry to run."""
+    _known_keys(data, "", ("config", "model_params"))
+    params = data.get("model_params")
+    if not isinstance(params, dict) or not params:
+        raise ValidationInputError("the file has no model_params section")
+    _known_keys(params, "model_params.", ("single_node", "multi_node"))
+    wanted = "multi_node" if multi_node else "single_node"  # a file may have both: the one that fits the node count
+    mode = wanted if wanted in params else next(iter(params))
+    models = _section(params[mode], f"model_params.{mode}")
+    model = _choose("--model", model, models, f"model_params.{mode}", "<model>: {<gpu>: {train keys}}")
+    gpus = _section(models[model], f"model_params.{mode}.{model}")
+    gpu = _choose("--gpu", gpu, gpus, f"model_params.{mode}.{model}", "<gpu>: {train keys}")
+    _section(data.get("config", {}), "config")
+    return f"{mode}.{model}.{gpu}", _section(gpus[gpu], f"model_params.{mode}.{model}.{gpu}")
+
+
+def _choose(option: str, given: str | None, names: dict, where: str, shape: str) -> str:
+    """The entry of `names` that `option` names, or the only one there is."""
+    if not names:
+        raise ValidationInputError(f"{where} is empty; add an entry to it ({shape})")
+    if given is None and len(names) == 1:
+        return next(iter(names))
+    if given not in names:
+        said = "is needed" if given is None else f"{given} is not in {where}"
+        raise ValidationInputError(f"{option} {said}; choose from {sorted(names)} ({where})")
+    return given
+
+
+def _known_keys(section: dict, where: str, known: tuple[str, ...]) -> None:
+    """A misspelt section (`configs`) would drop every setting in it without a word."""
+    for key in section:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {where}{close[0]}? " if close else ""
+            raise ValidationInputError(f"{where}{key} is not a section of a validation file; {hint}use "
+                                       f"{' or '.join(where + k for k in known)} (keys starting with _ are comments)")
+
+
+def build_plan(data: dict, name: str, entry: dict) -> Plan:
+    """Map every key of `config` and of the model entry to the environment, a train key, or 'ignored'."""
+    config = dict(data.get("config", {}))
+    container = dict(_section(config.pop("container_config", {}), "config.container_config"))
+    env = {k: _text(v, f"config.container_config.env_dict.{k}")
+           for k, v in _section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
+    overrides: dict[str, str] = {}
+    ignored: dict[str, str] = {}
+    flags = _section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
+    xla_flags = [f"--{k}={_text(v, f'model_params.{name}.xla_flags.{k}')}" for k, v in flags.items()]
+    train_keys = all_fields()
+    for key, value in config.items():
+        if key.startswith(ENV_PREFIXES):
+            env[key.upper()] = _text(value, f"config.{key}")
+        elif key in GPU_KEYS:  # xla_python_client_mem_fraction, optimization_level, ...: the trainer applies them
+            overrides[key] = _text(value, f"config.{key}")
+        elif key.startswith("xla_"):
+            xla_flags.append(f"--{key}={_text(value, f'config.{key}')}")
+        elif key in CONFIG_TRAIN_KEYS:
+            overrides[CONFIG_TRAIN_KEYS[key]] = _text(value, f"config.{key}")
+        elif key == "mock_data":
+            if str(value).lower() == "true":
+                overrides["dataset_type"] = "synthetic"
+        elif key == "hf_token_file":
+            env["HF_TOKEN_PATH"] = _text(value, f"config.{key}")
+        elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
+            container[key] = value
+        else:
+            ignored[f"config.{key}"] = IGNORED_WHY.get(key, "not a setting Tessera has")
+    for key, value in entry.items():
+        if key in ("xla_flags", "result_dict"):
+            continue
+        if key == "precision" and str(value).upper() in FP8_PRECISIONS and not entry.get("quantization"):
+            continue  # mapped after this loop
+        target = ALIASES.get(key, key)
+        text = json.dumps(value) if isinstance(value, list) else str(value)
+        if target != key and target in entry:  # an alias next to the key it stands for
+            same = str(entry[target]) == text
+            ignored[key] = f"same as {target}" if same else f"conflicts with {target}={entry[target]}; {target} is used"
+        elif target in train_keys:
+            overrides[target] = _text(value, f"model_params.{name}.{key}")
+        else:
+            ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
+    if str(entry.get("precision", "")).upper() in FP8_PRECISIONS and not entry.get("quantization"):
+        # Transformer Engine's fp8 recipe: e4m3 forward, e5m2 gradients; AMD MI300/MI325 use the fnuz formats
+        amd_fnuz = name.rsplit(".", 1)[-1].lower().startswith(("mi300", "mi325"))
+        overrides["quantization"] = "nanoo_fp8" if amd_fnuz else "fp8"
+    if xla_flags:
+        env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
+    targets = _targets(_section(entry.get("result_dict", {}), f"model_params.{name}.result_dict"))
+    nnodes = _node_count(container.get("nnodes", env.get("NNODES", 1)))
+    coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
+    return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
+                env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env))
+
+
+def _text(value: Any, where: str) -> str:
+    """A used value as the text train.py or the environment gets (a list as JSON); null or an object has none."""
+    if value is None or isinstance(value, dict):
+        raise ValidationInputError(f"{where} is a JSON {'null' if value is None else 'object'}, which has no value "
+                                   "to pass on; give a string or a number (\"\" for empty), or leave the key out")
+    return json.dumps(value) if isinstance(value, list) else str(value)
+
+
+def _node_count(value: Any) -> int:
+    """config.nnodes (or NNODES in env_dict) as a count of nodes; an empty value is 1."""
+    text = str(value).strip()
+    if not text:
+        return 1
+    if not text.isdigit() or int(text) < 1:
+        raise ValidationInputError(f"config.nnodes={value!r} is not a number of nodes; give a whole number of at "
+                                   "least 1 (or leave it out for one node)")
+    return int(text)
+
+
+def _maxtext_why(key: str, value: Any) -> str:
+    """Why a model-param key that is not a Tessera train key is left out (MaxText keys: the loader's reason)."""
+    if key in ACCEPTED:
+        return ACCEPTED[key][1]
+    if key in REFUSED:
+        off = " (off here, as in Tessera)" if is_off(REFUSED[key], value) else ""
+        return f"MaxText key{off}: {REFUSED[key].why}"
+    return "not a Tessera train key"
+
+
+def check_train_keys(plan: Plan, run_name: str, env: dict[str, str]) -> None:
+    """The train keys through train.py's own config loader (with the run's M_<KEY> variables in `env`), so that
+    a value the trainer refuses stops the suite here, dry run included, with the loader's message."""
+    try:
+        cfg = load_config(train_argv(plan, run_name)[2:], env=env)
+    except ConfigError as e:
+        raise ValidationInputError(f"train.py would refuse the train keys of {plan.name}: {e}") from None
+    steps, warmup = cfg.run.steps, cfg.run.report_warmup_steps
+    if steps <= warmup:  # the report's medians would then be taken over the warm-up steps (compilation included)
+        raise ValidationInputError(f"{plan.name}: steps={steps} is not more than report_warmup_steps={warmup}, so "
+                                   "the measured speed would include compilation and warm-up; raise "
+                                   f"config.training_steps above {warmup} or lower report_warmup_steps")
+
+
+def gpu_tuning(overrides: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """The optimization level, PGLE settings and memory fraction the run will use (keys over the
+    file's environment, as the trainer applies them); a bad value stops the suite here."""
+    try:
+        gpu = build_config({k: v for k, v in overrides.items() if k in GPU_KEYS}).gpu
+    except ConfigError as e:
+        raise ValidationInputError(str(e)) from None
+    return effective_settings(gpu, env)
+
+
+def tuning_line(plan: Plan) -> str:
+    return "gpu tuning: " + ", ".join(f"{k}={v}" for k, v in plan.tuning.items())
+
+
+def quantization_line(plan: Plan) -> str:
+    """What the run quantizes and which library does it ("" when nothing is quantized)."""
+    mode = plan.overrides.get("quantization", "")
+    kv = plan.overrides.get("quantize_kvcache", "false").lower() in ("true", "1")
+    if not mode and not kv:
+        return ""
+    from tessera.models.quantization import library
+
+    what = [f"training matmuls in {mode}"] if mode else []
+    if kv:
+        what.append(f"KV cache in {plan.overrides.get('kv_quant_dtype', 'int8')}")
+    hardware = {"fp8": "OCP float8 GEMMs: NVIDIA Ada, Hopper, Blackwell or AMD MI350",
+                "fp8_full": "OCP float8 GEMMs: NVIDIA Ada, Hopper, Blackwell or AMD MI350",
+                "nanoo_fp8": "AMD MI300's fnuz float8 GEMMs", "int8": "int8 GEMMs through XLA"}.get(mode, "XLA")
+    return f"quantization: {', '.join(what)}, implemented by {library()} ({hardware})"
+
+
+def _targets(result_dict: dict) -> dict[str, float]:
+    """Each metric's target: a finite number of at least 0 (nan, inf or a negative one can never be met)."""
+    out = {}
+    for key, value in result_dict.items():
+        if key not in METRICS:
+            raise ValidationInputError(f"result_dict.{key} is not a known metric; use {sorted(METRICS)}")
+        try:
+            target = float(value) if isinstance(value, (str, int, float)) and not isinstance(value, bool) else None
+        except ValueError:
+            target = None
+        if target is None or not math.isfinite(target) or target < 0:
+            raise ValidationInputError(f"result_dict.{key}={value!r} is not a target a run can meet; give a finite "
+                                       f"number of at least 0 (the {key} to reach), e.g. \"{key}\": \"100\"")
+        out[key] = target
+    return out
