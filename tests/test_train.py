@@ -18,6 +18,7 @@ from conftest import REPO, TINY, tiny_config
 from tessera.checkpointing import CheckpointError, Checkpointer
 from tessera.config import ConfigError, load_config
 from tessera.evaluation import Evaluator
+from tessera import metrics
 from tessera.hardware import peak_tflops
 from tessera.loop_records import RunClock, time_line
 from tessera.memory_fit import state_bytes
@@ -339,6 +340,25 @@ def test_run_report_uses_medians_after_warmup():
     report = run_report(records, warmup_steps=1)
     assert report["step_seconds"] == 2.0 and report["final_loss"] == 2.0 and report["mfu"] is None
     assert report["steps_in_medians"] == 3
+
+
+def test_metrics_and_the_report_are_strict_json_with_a_non_finite_loss(tmp_path):
+    """A NaN loss or an infinite gradient norm (on_nonfinite_loss=skip_step trains on after one) is
+    written as null: json.dumps wrote NaN and Infinity, which strict readers (JSON.parse, Go, DuckDB)
+    refuse for the whole file. The report's medians still come from the numbers."""
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    writer = metrics.MetricsWriter(tmp_path / "metrics.jsonl", None, log_period=1)
+    for step, loss in enumerate([float("nan"), 2.0], start=1):
+        writer.write({"step": step, "loss": loss, "grad_norm": float("inf"), "step_seconds": 1.0,
+                      "tflops_per_sec_per_device": 1.0, "tokens_per_sec_per_device": 1.0, "mfu": None})
+    writer.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert [(r["loss"], r["grad_norm"]) for r in records] == [(None, None), (2.0, None)]
+    report = run_report(writer.records[:1], warmup_steps=0, time={"goodput": float("nan")})
+    assert json.loads(metrics.to_json(report, indent=2), parse_constant=refuse)["final_loss"] is None
 
 
 def test_train_py_end_to_end(tmp_path):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -82,6 +83,21 @@ def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: b
 
 
 UPLOAD_EVERY = 100  # gcs_metrics: records per uploaded file
+
+
+def to_json(value: Any, indent: int | None = None) -> str:
+    """`value` as strict JSON: a non-finite float (a NaN loss, an infinite gradient norm) becomes
+    null. json.dumps writes NaN and Infinity, which are not JSON: strict readers (JavaScript's
+    JSON.parse, Go, DuckDB, serde) refuse the whole file."""
+    def finite(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [finite(x) for x in v]
+        return v
+    return json.dumps(finite(value), indent=indent, allow_nan=False)
 
 
 class MetricsWriteError(OSError):
@@ -161,7 +177,7 @@ class MetricsWriter:
         what, path = "metrics", self._metrics_file
         try:
             if self._jsonl is not None:
-                self._jsonl.write(json.dumps(record) + "\n")
+                self._jsonl.write(to_json(record) + "\n")
                 self._jsonl.flush()
             if self._tb is not None:
                 what, path = "TensorBoard events", self._tensorboard_dir
@@ -184,7 +200,7 @@ class MetricsWriter:
         target = epath.Path(self._upload_dir) / f"metrics_{min(steps):08d}_{max(steps):08d}.jsonl"
         try:
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text("".join(json.dumps(r) + "\n" for r in self._pending))
+            target.write_text("".join(to_json(r) + "\n" for r in self._pending))
         except Exception as e:  # noqa: BLE001 - any storage error: keep the records, retry with the next upload
             log.warning("gcs_metrics: could not write %s (%s); its records go with the next upload", target, e)
             return

@@ -6,7 +6,6 @@ folder's lock (`RunFolderLock`) from the moment the folder exists."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -222,7 +221,7 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
         time=clock.summary(),
     )
     if jax.process_index() == 0:
-        (folder / "report.json").write_text(json.dumps(report, indent=2))
+        (folder / "report.json").write_text(metrics.to_json(report, indent=2))
     log.info(time_line(report["time"]))
     slow_input = input_bound_warning(report["time"], cfg.data.dataset_type)
     if slow_input:
