@@ -210,3 +210,15 @@ def test_run_folder_files_blocked_by_the_other_kind_are_refused_before_compiling
     with pytest.raises(ConfigError, match=r"metrics.jsonl \(in the run folder, from base_output_directory\) is a "
                                           "folder, where the run writes a file"):
         run(tiny_config(tmp_path), jax.devices()[:1])
+
+
+def test_a_url_metrics_file_is_refused_instead_of_written_to_a_local_gs_folder(tmp_path, monkeypatch):
+    """metrics_file=gs://bucket/m.jsonl trained and wrote its records to ./gs:/bucket/m.jsonl, a local
+    folder Path() made of the URL, without a word."""
+    from tessera.config import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"metrics_file=gs://bucket/m.jsonl is a URL; .* set base_output_directory "
+                                          "to a gs:// folder and gcs_metrics=true"):
+        run(tiny_config(tmp_path, metrics_file="gs://bucket/m.jsonl"), jax.devices()[:1])
+    assert not (tmp_path / "gs:").exists()

@@ -40,6 +40,10 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
             check_writable(ckpt_dir, "checkpoint_dir")
         else:
             check_writable(ckpt_dir, "base_output_directory", "the checkpoint folder")
+    if "://" in cfg.run.metrics_file:  # Path() would make gs://b/m.jsonl the local file gs:/b/m.jsonl
+        raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a URL; metrics_file is a local file, appended to "
+                          "after every step, which an object store cannot do. For metrics in a bucket, set "
+                          "base_output_directory to a gs:// folder and gcs_metrics=true (metrics.jsonl stays local)")
     if cfg.run.metrics_file:
         if Path(cfg.run.metrics_file).is_dir():
             raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a folder; give the path of a file, e.g. "
