@@ -1038,6 +1038,33 @@ def test_the_last_steps_line_is_printed_whatever_the_log_period(tmp_path, caplog
     assert printed == [1, 4, 6]
 
 
+def test_a_resumed_run_prints_its_first_steps_line(tmp_path, caplog):
+    """log_period=4, resumed at step 2 of 6: the first line came at step 4; step 3, the first this
+    attempt trains (where a resume is checked), was printed only by a fresh run (step 1)."""
+    run(tiny_config(tmp_path, steps=2, checkpoint_period=2), jax.devices()[:1])
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=6, log_period=4, checkpoint_period=2), jax.devices()[:1])
+    printed = [int(m) for m in re.findall(r"\bstep +(\d+) \| loss", caplog.text)]
+    assert printed == [3, 4, 6]
+
+
+def test_a_record_cut_off_by_an_earlier_attempt_does_not_swallow_the_next(tmp_path, caplog):
+    """A metrics.jsonl whose last record was cut (a full disk, a kill): the next attempt appended its
+    first record to that line, and neither could be read. The cut line is removed."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "loss": 5.0}) + "\n" + '{"step": 2, "lo')
+    with caplog.at_level("WARNING", logger="tessera.metrics"):
+        writer = metrics.MetricsWriter(path, None, log_period=1)
+    writer.write({"step": 2, "loss": 4.0, "step_seconds": 1.0, "tflops_per_sec_per_device": 1.0,
+                  "tokens_per_sec_per_device": 1.0, "mfu": None})
+    writer.close()
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert "ended in a record cut off by the end of an earlier attempt (15 bytes without a newline)" in caplog.text
+    path.write_text('{"step": 1, "lo')  # the first record, cut
+    metrics.MetricsWriter(path, None, log_period=1).close()
+    assert path.read_text() == ""
+
+
 def test_a_finished_run_without_its_report_says_so(tmp_path, caplog):
     """A signal during the last step's evaluation saves that step and exits before the evaluation and
     the report; the same command again said only "nothing to do", and the report never came."""

@@ -130,12 +130,34 @@ class _TensorBoardFile:
         self._writer.close()
 
 
+def _drop_cut_line(path: Path, window: int = 1 << 20) -> None:
+    """Remove a last line without its newline from the metrics file an earlier attempt of the run
+    left (a full disk or a kill in the middle of a record): this attempt's first record would be
+    appended to it, and the two make one line that no JSON reader can parse."""
+    try:
+        with open(path, "rb+") as f:
+            end = f.seek(0, 2)
+            f.seek(max(0, end - window))
+            tail = f.read()
+            if not tail or tail.endswith(b"\n"):
+                return
+            newline = tail.rfind(b"\n")
+            if newline < 0 and end > window:  # no line of ours is that long: keep it, start a line of our own
+                f.write(b"\n")
+                return
+            f.truncate(end - len(tail) + newline + 1)
+    except FileNotFoundError:
+        return
+    log.warning("%s ended in a record cut off by the end of an earlier attempt (%d bytes without a newline): it is "
+                "removed, so that this attempt's records start on a line of their own", path, len(tail) - newline - 1)
+
+
 class MetricsWriter:
     """Writes each step's record to stdout (every `log_period`), a JSONL file and TensorBoard,
     and with `upload_dir` (gcs_metrics) also to a bucket."""
 
     def __init__(self, metrics_file: Path, tensorboard_dir: Path | None, log_period: int, write_files: bool = True,
-                 upload_dir: str = "", last_step: int = 0):
+                 upload_dir: str = "", last_step: int = 0, first_step: int = 1):
         """`write_files=False` (processes other than 0 in a multi-process job) logs to stdout only.
         `upload_dir` (a URL, e.g. gs://bucket/runs/r1/metrics): every UPLOAD_EVERY records, and at
         `close`, the records since the last upload are written there as one new file,
@@ -148,22 +170,24 @@ class MetricsWriter:
         self._metrics_file, self._tensorboard_dir = metrics_file, tensorboard_dir
         if write_files:
             metrics_file.parent.mkdir(parents=True, exist_ok=True)
+            _drop_cut_line(metrics_file)
             self._jsonl = metrics_file.open("a")
         if tensorboard_dir is not None and write_files:
             self._tb = _TensorBoardFile(tensorboard_dir)
-        self.log_period, self.last_step = log_period, last_step  # the run's last step is logged too
+        # the first step this attempt trains (a resumed run's too) and the run's last step are logged too
+        self.log_period, self.first_step, self.last_step = log_period, first_step, last_step
         self.records: list[dict[str, Any]] = []
         self.eval_records: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
         """A training step's record: JSONL, TensorBoard `train/*`, stdout every log_period steps (and
-        the first and last).
+        the first this attempt trains, and the run's last).
         MetricsWriteError when a file cannot be written."""
         self.records.append(record)
         step = record["step"]
         self._append(record, {f"train/{name}": value for name, value in record.items()
                               if name != "step" and isinstance(value, (int, float))})
-        if step % self.log_period == 0 or step in (1, self.last_step):
+        if step % self.log_period == 0 or step in (self.first_step, self.last_step):
             log.info(format_record(record))
 
     def write_eval(self, record: dict[str, Any]) -> None:

@@ -170,7 +170,8 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
     clock.switch("training")
     writer = metrics.MetricsWriter(
         plan.metrics_path, run_dir / "tensorboard" if cfg.run.enable_tensorboard else None, cfg.run.log_period,
-        write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir, last_step=cfg.run.steps)
+        write_files=jax.process_index() == 0, upload_dir=plan.metrics_upload_dir, last_step=cfg.run.steps,
+        first_step=start_step + 1)
     meter, profiler = StepMeter(trainer), Profiler(cfg, run_dir, start_step)
     try:
         _Loop(cfg, trainer, ckpt, data, evaluator, writer, meter, profiler, clock).run(step_fn, state, start_step)

@@ -91,7 +91,7 @@ class RunConfig:
     base_output_directory: str = key("outputs", "root folder for all runs (local path or gs://bucket/path)",
                                      path="path")
     steps: int = key(150, "number of optimizer steps to train", minimum=1, maximum=MAX_STEPS)
-    log_period: int = key(1, "print one metrics line every this many steps (and the first and last step's)", minimum=1)
+    log_period: int = key(1, "print one metrics line every this many steps (and the first step a start trains, and the last)", minimum=1)
     metrics_file: str = key("", "JSONL file of per-step metrics (empty: base_output_directory/run_name/metrics.jsonl)",
                             path="path")
     enable_tensorboard: bool = key(True, "write TensorBoard event files under base_output_directory/run_name/tensorboard")
