@@ -89,3 +89,19 @@ def test_a_dump_folder_that_cannot_be_written_is_refused_at_once(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "config error: the HLO dump folder /proc/self cannot be written (" in proc.stderr
     assert "set dump_hlo_local_dir to a writable folder" in proc.stderr
+
+
+def test_own_dump_flags_without_a_folder_are_said_to_print_to_stdout():
+    """dump_hlo_xla_flags without --xla_dump_to: XLA prints the whole dump to stdout, and the log said it
+    went "to the folder in dump_hlo_xla_flags", and to "programs matching 'jit_train_step'", a filter those
+    flags replace. (A fresh process: XLA_FLAGS is set before the backends start.)"""
+    code = ("import logging, sys; logging.basicConfig(level=logging.INFO)\n"
+            "from tessera.config.loader import load_config\nfrom tessera.xla_dump import apply_hlo_dump\n"
+            "apply_hlo_dump(load_config(sys.argv[1:], env={}), {})")
+    proc = subprocess.run([sys.executable, "-c", code, BASE, "dump_hlo=true",
+                           "dump_hlo_xla_flags=--xla_dump_hlo_as_text"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert ("dump_hlo_xla_flags='--xla_dump_hlo_as_text' has no --xla_dump_to=<folder>, so XLA prints the dump to "
+            "stdout") in proc.stderr
+    assert "HLO dump: the programs dump_hlo_xla_flags selects to stdout" in proc.stderr

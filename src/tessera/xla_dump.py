@@ -94,7 +94,12 @@ def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None)
         # the dump flags are not part of the cache's key: a program it holds would be loaded, not compiled or dumped
         jax.config.update("jax_enable_compilation_cache", False)
         log.info("HLO dump: the persistent compilation cache is off for this run, so that every program compiles")
-    name = cfg.profiler.dump_hlo_module_name
-    log.info("HLO dump: %s to %s (XLA_FLAGS: %s)", f"programs matching {name!r}" if name else "every program",
-             folder or "the folder in dump_hlo_xla_flags", " ".join(flags))
+    if folder is None and not theirs:  # XLA then prints every dumped file to stdout, megabytes of it
+        log.warning("HLO dump: dump_hlo_xla_flags=%r has no %s=<folder>, so XLA prints the dump to stdout; add "
+                    "%s=<folder> to it", cfg.profiler.dump_hlo_xla_flags, DUMP_FLAG, DUMP_FLAG)
+    name = cfg.profiler.dump_hlo_module_name  # not used with dump_hlo_xla_flags
+    what = ("the programs dump_hlo_xla_flags selects" if cfg.profiler.dump_hlo_xla_flags else
+            f"programs matching {name!r}" if name else "every program")
+    where = folder or (theirs[0].partition("=")[2] if theirs else "stdout")
+    log.info("HLO dump: %s to %s (XLA_FLAGS: %s)", what, where, " ".join(flags))
     return folder
