@@ -352,12 +352,12 @@ def _main(argv: list[str], watch: FailureWatch) -> tuple[int, str]:
         cfg = load_config(argv)
         from tessera.gpu_tuning import apply_gpu_tuning  # before any device use: JAX reads these at start-up
         apply_gpu_tuning(cfg.gpu)
-        use_compilation_cache(cfg.run.jax_cache_dir)
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("run_%Y%m%d_%H%M%S")
         from tessera.xla_dump import apply_hlo_dump  # before any device use, as the GPU tuning
 
-        apply_hlo_dump(cfg)
+        apply_hlo_dump(cfg)  # before use_compilation_cache, whose folder check starts JAX's backends
+        use_compilation_cache(cfg.run.jax_cache_dir)
         log.info("config (differs from base.yml): %s", format_changed_keys(cfg))
         log.info("host malloc: %s", host_malloc.describe())
         initialize()

@@ -90,7 +90,7 @@ def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None)
     environ["XLA_FLAGS"] = " ".join([*current, *flags])
     import jax
 
-    if jax.config.jax_compilation_cache_dir or environ.get("JAX_COMPILATION_CACHE_DIR"):
+    if jax.config.jax_compilation_cache_dir or environ.get("JAX_COMPILATION_CACHE_DIR") or cfg.run.jax_cache_dir:
         # the dump flags are not part of the cache's key: a program it holds would be loaded, not compiled or dumped
         jax.config.update("jax_enable_compilation_cache", False)
         log.info("HLO dump: the persistent compilation cache is off for this run, so that every program compiles")
