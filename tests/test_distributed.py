@@ -94,6 +94,26 @@ def test_processes_started_with_different_configs_stop_naming_the_keys(tmp_path)
     assert not (tmp_path / "mp").exists()  # stopped before the run folder was made
 
 
+def test_a_job_with_jax_cache_dir_joins_before_its_cache_folder_is_checked(tmp_path):
+    """The jax_cache_dir check asked JAX for this process's index before the job was joined, which starts
+    JAX's backends, and jax.distributed.initialize then refused to run: every such job failed at start. It
+    joins first now (the config comparison, which needs the joined job, is what both processes report)."""
+    port = _free_port()
+    cache = f"jax_cache_dir={tmp_path / 'cache'}"
+    results = _finish([_start(0, port, tmp_path, cache), _start(1, port, tmp_path, cache, "per_device_batch_size=2")])
+    for rank, (code, err) in enumerate(results):
+        assert code == 4 and "Traceback" not in err, err[-3000:]
+        assert f"distributed start-up error: process {rank} was started with another config" in err, err[-3000:]
+    (tmp_path / "file").write_text("")  # a cache folder that cannot be written: process 0 refuses it once joined
+    cache = f"jax_cache_dir={tmp_path / 'file' / 'cache'}"
+    port = _free_port()
+    results = _finish([_start(rank, port, tmp_path, cache) for rank in (0, 1)])
+    for code, err in results:
+        assert code == 2 and "Traceback" not in err, err[-3000:]
+        assert f"config error: jax_cache_dir={tmp_path / 'file' / 'cache'} cannot be written" in err, err[-3000:]
+    assert "Warning" not in results[0][1] and "job error: process 0 stopped with: config error" in results[1][1]
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_process_and_resume(tmp_path):
     reference = run(tiny_config(tmp_path / "one", steps=3, per_device_batch_size=1))

@@ -28,22 +28,26 @@ _counted = {"hits": 0, "listening": False}
 
 def use_compilation_cache(path: str) -> None:
     """Compile through the persistent cache in `path` (already absolute or a URL; '' leaves JAX's
-    setting alone), and count its hits from now on. ConfigError when `path` cannot be written: JAX
-    itself only warns, once, at its first compile, and compiles every program again at each start
-    (minutes on a TPU host, where the cache matters); checked before JAX sees the folder, so its
-    warning never precedes the refusal."""
+    setting alone), and count its hits from now on. Starts no JAX backend, so it runs before a
+    multi-process job is joined; `check_cache_folder` runs once it is."""
     import jax
-
-    from tessera.checkpointing.storage import check_writable
-
-    if path:
-        check_writable(path, "jax_cache_dir")
 
     if not _counted["listening"]:
         jax.monitoring.register_event_listener(_count)
         _counted["listening"] = True
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
+
+
+def check_cache_folder(path: str) -> None:
+    """ConfigError when the cache folder `path` cannot be written: JAX itself only warns, once, at its
+    first compile, and compiles every program again at each start (minutes on a TPU host, where the
+    cache matters). Called after the job is joined (the probe asks for the process index, which starts
+    JAX's backends) and before the first compile, so JAX's warning never comes first."""
+    if path:
+        from tessera.checkpointing.storage import check_writable
+
+        check_writable(path, "jax_cache_dir")
         log.info("compilation cache: %s", path)
 
 

@@ -35,7 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 
-from tessera.compile_cache import use_compilation_cache
+from tessera.compile_cache import check_cache_folder, use_compilation_cache
 from tessera.config import Config, ConfigError, load_config
 from tessera.generation import (  # noqa: F401 - the library half, re-exported: `from tessera.decode import generate`
     batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes, prefill_program,
@@ -336,6 +336,7 @@ def _decode_main(flags: argparse.Namespace, config_args: list[str]) -> int:
         cfg = load_config(resolve_config_file(config_args))
         use_compilation_cache(cfg.run.jax_cache_dir)
         job = initialize()  # a multi-process job (the same environment variables as train.py's): join it
+        check_cache_folder(cfg.run.jax_cache_dir)  # joined now; before the first compile
         decode(cfg, flags, _results_only_on_stdout() if job.num_processes > 1 else None)
     except DistributedError as e:
         print(f"distributed start-up error: {e}", file=sys.stderr)

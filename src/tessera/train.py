@@ -28,7 +28,7 @@ import numpy as np
 from tessera import host_malloc, metrics
 from tessera.checkpointing import (Checkpointer, CheckpointError, CheckpointSaveError, save_allowance_seconds,
                                    saved_config)
-from tessera.compile_cache import cache_hits, loaded_note, use_compilation_cache
+from tessera.compile_cache import cache_hits, check_cache_folder, loaded_note, use_compilation_cache
 from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
 from tessera.data import DataError, make_input, place_batch, state_to_save
 from tessera.distributed import (EXIT_DISTRIBUTED, DistributedError, HangWatchdog, check_same_config, initialize,
@@ -356,13 +356,14 @@ def _main(argv: list[str], watch: FailureWatch) -> tuple[int, str]:
             cfg.run.run_name = time.strftime("run_%Y%m%d_%H%M%S")
         from tessera.xla_dump import apply_hlo_dump  # before any device use, as the GPU tuning
 
-        apply_hlo_dump(cfg)  # before use_compilation_cache, whose folder check starts JAX's backends
+        apply_hlo_dump(cfg)  # before use_compilation_cache: the dump turns the cache off
         use_compilation_cache(cfg.run.jax_cache_dir)
         log.info("config (differs from base.yml): %s", format_changed_keys(cfg))
         log.info("host malloc: %s", host_malloc.describe())
         initialize()
         check_same_config(flat_dict(cfg), cfg.run.step_timeout_seconds)
         watch.start()  # after the config check: processes started differently each say so themselves
+        check_cache_folder(cfg.run.jax_cache_dir)  # joined and watched now (process 0 probes); before any compile
         run(cfg, clock=clock)
     except DistributedError as e:
         return EXIT_DISTRIBUTED, f"distributed start-up error: {e}"
