@@ -747,7 +747,7 @@ def test_a_pipelined_batch_that_does_not_split_names_the_fixes_that_work(keys, s
 def test_keys_a_run_does_not_read_are_named():
     """Pipeline keys without pipeline stages, per-tensor remat keys without remat_policy=custom and MoE
     routing keys on a dense model were accepted without a word (pipeline_fsdp_ag_once alone was refused)."""
-    from tessera.config.checks import keys_without_effect
+    from tessera.config.unread_keys import keys_without_effect
 
     cfg = load_config([BASE, "num_pipeline_microbatches=4", "pipeline_delay_activation_forwarding=true",
                        "query_proj=device", "megablox=true", "capacity_factor=1.0"], env={})
@@ -817,7 +817,7 @@ def test_keys_a_run_does_not_read_are_named():
 def test_other_optimizers_and_decodings_keys_are_named_in_training():
     """adam_* with opt_type=sgd, muon_* without muon, kv_quant_* without quantize_kvcache and
     save_quantized_params_path given to train.py were accepted without a word."""
-    from tessera.config.checks import keys_without_effect
+    from tessera.config.unread_keys import keys_without_effect
 
     sgd = load_config([BASE, "opt_type=sgd", "adam_b2=0.99", "muon_beta=0.9", "kv_quant_dtype=int4",
                        "save_quantized_params_path=q", "quantization=int8"], env={})

@@ -23,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tessera import cpu_matmul
 from tessera.cpu_miscompile import check_cpu_mesh
 from tessera.config import Config, ConfigError, ModelConfig
-from tessera.config.checks import check_trainable_dtypes, keys_without_effect
+from tessera.config.checks import check_trainable_dtypes
+from tessera.config.unread_keys import keys_without_effect
 from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host

@@ -1,0 +1,122 @@
+"""Keys set away from their defaults that a run does not read: each gets one warning line at
+set-up (`keys_without_effect`), where they used to be accepted without a word. They are not
+errors: the value is valid, only this run's other keys leave it unused."""
+
+from __future__ import annotations
+
+from tessera.config.schema import Config
+
+
+PIPELINE_KEYS = ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layers_per_pipeline_stage",
+                 "pipeline_delay_activation_forwarding")
+MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", "tile_batch_seq", "tile_activation_dim", "tile_weight_dim")
+
+
+def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
+    """One line per key set away from its default that this run does not read (a typo of intent:
+    per-tensor remat keys without remat_policy=custom, pipeline keys on a mesh without stages, MoE
+    routing keys on a dense model, a sequence or expert axis that does not divide what it would
+    split), for a warning at set-up; they were accepted without a word."""
+    from tessera.config.loader import changed_keys
+    from tessera.config.schema import REMAT_TENSORS
+
+    changed = changed_keys(cfg)
+    lines = []
+    if not cfg.data.eval_interval and (keys := [k for k in ("eval_steps", "eval_per_device_batch_size") if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, this run never evaluates (eval_interval=N evaluates every "
+                     "N steps)")
+    if not cfg.profiler.profiler and (keys := [k for k in ("skip_first_n_steps_for_profiler", "profiler_steps")
+                                               if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without profiler=xplane")
+    if "gcs_metrics" in changed and cfg.run.gcs_metrics and "://" not in cfg.run.base_output_directory:
+        lines.append("gcs_metrics=true: no effect with a local base_output_directory (metrics.jsonl in the run "
+                     "folder holds every record)")
+    if mesh_shape.get("stage", 1) == 1 and (keys := [k for k in PIPELINE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, this mesh has no pipeline stages (ici_pipeline_parallelism "
+                     "or dcn_pipeline_parallelism above 1 makes them)")
+    if cfg.model.remat_policy != "custom" and (keys := [k for k in REMAT_TENSORS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with remat_policy={cfg.model.remat_policy}; the per-tensor "
+                     "keys are read with remat_policy=custom")
+    seq, length = mesh_shape.get("sequence", 1), cfg.data.max_target_length
+    if seq > 1 and length % seq:  # mesh.logical_spec drops an axis that does not divide the dimension
+        lines.append(f"the sequence axis ({seq} ways) does not divide max_target_length={length}: the tokens are not "
+                     f"split over it, and its devices repeat each other's work; choose a length {seq} divides")
+    experts, ways = cfg.model.num_experts, mesh_shape.get("expert", 1)
+    if ways > 1 and experts > 1 and experts % ways:
+        lines.append(f"the expert axis ({ways} ways) does not divide num_experts={experts}: the experts are not "
+                     "split over it (it splits their weights like fsdp instead); choose an expert parallelism that "
+                     "divides num_experts")
+    if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
+                     "experts")
+    lines += _family_keys(cfg.model, changed)
+    lines += _optimizer_and_decoding_keys(cfg, changed)
+    return lines
+
+
+YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "rope_truncate")
+EXPERT_KEYS = ("shared_experts", "base_moe_mlp_dim", "routed_score_func", "routed_scaling_factor", "routed_bias",
+               "routed_bias_update_rate", "n_routing_groups", "topk_routing_group", "norm_topk_prob",
+               "ragged_buffer_factor", "load_balance_loss_weight")
+TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor_scale")
+ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS)
+
+
+def _family_keys(m, changed: dict) -> list[str]:
+    """Model keys only some families or rotary scalings read, set for a model that does not read them."""
+    lines = []
+    if "trainable_position_size" in changed and m.decoder_block != "gpt3":
+        lines.append(f"{_listed(['trainable_position_size'], changed)}: no effect, decoder_block={m.decoder_block} "
+                     "rotates its queries and keys; only decoder_block=gpt3 learns a position table")
+    if "local_rope_max_timescale" in changed and m.decoder_block != "gemma3":
+        lines.append(f"{_listed(['local_rope_max_timescale'], changed)}: no effect, it is the rotary theta of "
+                     f"decoder_block=gemma3's local layers; decoder_block={m.decoder_block} uses rope_max_timescale")
+    if m.num_experts <= 1 and (keys := [k for k in EXPERT_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1), whose MLP is "
+                     "base_mlp_dim wide; they size or route a mixture of experts")
+    elif m.num_experts > 1:
+        if not m.routed_bias and "routed_bias_update_rate" in changed:
+            lines.append(f"{_listed(['routed_bias_update_rate'], changed)}: no effect without routed_bias=true")
+        if m.n_routing_groups <= 1 and "topk_routing_group" in changed:
+            lines.append(f"{_listed(['topk_routing_group'], changed)}: no effect without n_routing_groups (above 1)")
+        if not (m.sparse_matmul or m.megablox) and "ragged_buffer_factor" in changed:
+            lines.append(f"{_listed(['ragged_buffer_factor'], changed)}: no effect with capacity routing; it sizes "
+                         "dropless routing's buffer (sparse_matmul=true or megablox=true)")
+    if not m.temperature_tuning and (keys := [k for k in TEMPERATURE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without temperature_tuning=true (decoder_block=llama4)")
+    if not m.mtp_num_layers and "mtp_loss_scaling_factor" in changed:
+        lines.append(f"{_listed(['mtp_loss_scaling_factor'], changed)}: no effect without mtp_num_layers (above 0)")
+    if m.decoder_block == "gpt3" and (keys := [k for k in ROPE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, decoder_block=gpt3 adds position embeddings and has no "
+                     "rotary embedding")
+    else:
+        unread = [k for k in YARN_KEYS if k in changed and m.rope_scaling != "yarn"] + \
+            [k for k in ("rope_scaling_factor",) if k in changed and m.rope_scaling == "none"] + \
+            [k for k in ("rope_original_max_position",) if k in changed and m.rope_scaling in ("none", "linear")]
+        if unread:
+            lines.append(f"{_listed(unread, changed)}: no effect with rope_scaling={m.rope_scaling}")
+    return lines
+
+
+ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_weight_decay")  # muon's AdamW part reads them too
+MUON_KEYS = ("muon_beta", "muon_weight_decay", "muon_consistent_rms")
+
+
+def _optimizer_and_decoding_keys(cfg: Config, changed: dict) -> list[str]:
+    """keys_without_effect's lines for the other optimizers' keys, and for decoding keys in training."""
+    lines, opt = [], cfg.optim.opt_type
+    if opt == "sgd" and (keys := [k for k in ADAM_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with opt_type=sgd (plain SGD: no moments, no weight decay)")
+    if opt != "muon" and (keys := [k for k in MUON_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with opt_type={opt}; they are read with opt_type=muon")
+    if not cfg.model.quantize_kvcache and (keys := [k for k in ("kv_quant_dtype", "kv_quant_axis") if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without quantize_kvcache=true (and only in decoding)")
+    if "save_quantized_params_path" in changed:
+        lines.append("save_quantized_params_path: no effect on training; decode.py writes the loaded weights quantized "
+                     "there (checkpoints of a run with `quantization` hold them in weight_dtype)")
+    return lines
+
+
+def _listed(keys: list[str], values: dict) -> str:
+    return ", ".join(f"{k}={values[k]}" for k in keys)
+
