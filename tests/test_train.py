@@ -640,14 +640,20 @@ def test_the_trace_holds_exactly_profiler_steps_steps(tmp_path):
 
 
 def test_a_profile_window_after_the_last_step_is_said_at_the_start(tmp_path, caplog):
+    """A window past the run's end writes no trace, and one the run's end cuts short holds fewer
+    steps than asked: both are said at the start (the short one, before, was not)."""
     from tessera.loop_records import Profiler
 
     cfg = tiny_config(tmp_path, steps=6, profiler="xplane", skip_first_n_steps_for_profiler=3, profiler_steps=2)
     with caplog.at_level("INFO", logger="tessera"):
+        whole = Profiler(cfg, tmp_path, start_step=1)
+        assert (whole.first, whole.last) == (5, 6) and not caplog.records  # steps 5 and 6 are traced
         resumed = Profiler(cfg, tmp_path, start_step=2)
-        assert (resumed.first, resumed.last) == (6, 7) and not caplog.records  # step 6 is traced
+        assert (resumed.first, resumed.last) == (6, 7)  # step 6 is traced, step 7 is past the run's end
         Profiler(cfg, tmp_path, start_step=3)
     assert [r.getMessage() for r in caplog.records] == [
+        "profiler=xplane: the trace will hold 1 of profiler_steps=2 steps (6-6): the run ends at step 6; raise steps "
+        "or lower skip_first_n_steps_for_profiler for all of them",
         "profiler=xplane: no trace will be written: after skip_first_n_steps_for_profiler=3 the trace would start at "
         "step 7, and the run ends at step 6 (it starts after step 3); lower skip_first_n_steps_for_profiler or raise "
         "steps"]

@@ -61,7 +61,7 @@ class Profiler:
     """Captures an xplane trace of `profiler_steps` steps after the first
     `skip_first_n_steps_for_profiler` steps this run takes (counted from `start_step`, where a
     resumed run starts, as MaxText counts them). A window that begins after the run's last step
-    is said once at the start: no trace would be written."""
+    is said once at the start: no trace would be written; so is one that the last step cuts short."""
 
     def __init__(self, cfg: Config, run_dir: Path, start_step: int = 0):
         p = cfg.profiler
@@ -76,6 +76,10 @@ class Profiler:
                         "would start at step %d, and the run ends at step %d (it starts after step %d); lower "
                         "skip_first_n_steps_for_profiler or raise steps", p.skip_first_n_steps_for_profiler,
                         self.first, cfg.run.steps, start_step)
+        elif self.enabled and self.last > cfg.run.steps:
+            log.warning("profiler=xplane: the trace will hold %d of profiler_steps=%d steps (%d-%d): the run ends "
+                        "at step %d; raise steps or lower skip_first_n_steps_for_profiler for all of them",
+                        cfg.run.steps - self.first + 1, p.profiler_steps, self.first, cfg.run.steps, cfg.run.steps)
 
     def before_step(self, step: int) -> None:
         if self.enabled and step == self.first:
