@@ -182,6 +182,56 @@ def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype
     assert choice.kernel == kernel and why in choice.reason
 
 
+@pytest.mark.parametrize("overrides, mesh, kind, cc, kernel, why", [
+    # jax's cuDNN path refuses ("Sharding on sequence dim is not allowed") queries split over the sequence
+    ({}, {"sequence": 2}, "NVIDIA H100 80GB HBM3", "9.0", "dot_product", "sequence=2"),
+    # ... and queries, keys and values split unlike each other: 2 kv heads stay whole on tensor=4
+    ({"base_num_query_heads": 8}, {"tensor": 4}, "NVIDIA H100 80GB HBM3", "9.0", "dot_product", "num_kv_heads=2"),
+    ({"base_num_query_heads": 8}, {"tensor": 2}, "NVIDIA H100 80GB HBM3", "9.0", "cudnn", "cuDNN"),
+    # MLA expands its keys to every query head: they split like the queries
+    ({"model_name": "deepseek-small"}, {"tensor": 4}, "NVIDIA H100 80GB HBM3", "9.0", "cudnn", "cuDNN"),
+    # head sizes above 128 need Hopper (gemma-7b's 256 on an A100)
+    ({"head_dim": 256}, {}, "NVIDIA A100-SXM4-80GB", "8.0", "dot_product", "head_dim <= 128 before Hopper"),
+    ({"head_dim": 256}, {}, "NVIDIA H100 80GB HBM3", "9.0", "cudnn", "cuDNN"),
+    ({"head_dim": 128}, {}, "NVIDIA A100-SXM4-80GB", "8.0", "cudnn", "cuDNN"),
+    # ROCm builds of JAX have no cuDNN ("cuDNN is not detected" when traced); JAX calls their platform "gpu" too
+    ({}, {}, "AMD Instinct MI300X", "gfx942", "dot_product", "NVIDIA GPUs, not on AMD Instinct MI300X"),
+    ({}, {}, "", "", "cudnn", "cuDNN"),  # the device unknown (the estimator): as on the recipes' GPUs
+])
+def test_cudnn_is_chosen_only_where_jax_can_run_it(overrides, mesh, kind, cc, kernel, why):
+    values = {"head_dim": 128, **overrides}
+    if "model_name" in values:
+        cfg = load_config([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in values.items() if k != "head_dim"),
+                           "dtype=bfloat16"], env={})
+    else:
+        cfg = tiny_config(attention="autoselected", dtype="bfloat16", max_target_length=256, **values)
+    choice = select_attention(cfg.model, "gpu", 256, mesh, kind, cc)
+    assert choice.kernel == kernel and why in choice.reason, choice
+
+
+def test_setup_gives_select_attention_the_device(monkeypatch):
+    """The trainer passes the device's kind and compute capability, which tell AMD and pre-Hopper GPUs apart."""
+    from tessera import step
+    from tessera.step import setup
+
+    seen = []
+    real = step.select_attention
+    monkeypatch.setattr(step, "select_attention", lambda *a: seen.append(a) or real(*a))
+    setup(tiny_config(), jax.devices()[:1])
+    device = jax.devices()[0]
+    assert seen[0][4:] == (device.device_kind, str(getattr(device, "compute_capability", "")), False)
+
+
+def test_packed_batches_are_logged_as_the_reference_on_gpu():
+    """Packed batches (packing=true, a real dataset: the default) always ran the reference on GPUs
+    while the log said cuDNN; the choice now says so."""
+    cfg = tiny_config(attention="cudnn_flash_te", dtype="bfloat16", head_dim=128, max_target_length=256)
+    choice = select_attention(cfg.model, "gpu", 256, {}, "NVIDIA H100 80GB HBM3", "9.0", True)
+    assert choice.kernel == "dot_product" and "packing=true" in choice.reason
+    assert select_attention(cfg.model, "gpu", 256, {}, "NVIDIA H100 80GB HBM3", "9.0", False).kernel == "cudnn"
+    assert select_attention(cfg.model, "tpu", 256, {}, "TPU v5", "", True).kernel == "splash"  # splash takes segments
+
+
 @pytest.mark.parametrize("model_file", sorted(p.stem for p in (REPO / "configs" / "models").glob("*.yml")))
 def test_every_family_gets_a_kernel_that_has_its_features(model_file, monkeypatch, caplog):
     """Through `setup`, as a bf16 run on GPUs goes: a family whose attention soft-caps its scores

@@ -142,9 +142,11 @@ def _prefill_kernel(cfg: Config, mesh, decoding: dict | None) -> str:
     with the reference math whatever this is."""
     from tessera.models.attention_choice import select_attention
 
-    platform = mesh.devices.flat[0].platform
+    device = mesh.devices.flat[0]
+    platform = device.platform
     width = prompt_width(decoding["prompts"], "splash" if platform == "tpu" else "") if decoding else 0
-    choice = select_attention(cfg.model, platform, width, dict(mesh.shape))
+    choice = select_attention(cfg.model, platform, width, dict(mesh.shape), device.device_kind,
+                              str(getattr(device, "compute_capability", "")))
     log.info("prefill attention: %s", choice.reason)
     return choice.kernel
 

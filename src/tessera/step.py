@@ -69,13 +69,14 @@ def setup(cfg: Config, devices=None) -> Trainer:
     check_trainable_dtypes(cfg.model, device_platform(mesh))
     for line in keys_without_effect(cfg, dict(mesh.shape)):
         log.warning("%s", line)
-    choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape))
+    device = mesh.devices.flat[0]
+    choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape),
+                              device.device_kind, str(getattr(device, "compute_capability", "")), plan.packed)
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
     bf16_matmul = cpu_matmul.decision()  # checks TESSERA_CPU_BF16_MATMUL on every platform
     if device_platform(mesh) == "cpu" and cfg.model.dtype == "bfloat16":
         log.info("bfloat16 matmuls on CPU: %s (%s)", *bf16_matmul)
     _check_remat(cfg.model, mesh)
-    device = mesh.devices.flat[0]
     check_quantization(cfg.model.quantization, device.device_kind, device_platform(mesh), str(getattr(
         device, "compute_capability", "")), tied_logits=cfg.model.logits_via_embedding)
     _log_moe_routing(cfg.model, device_platform(mesh))

@@ -5,12 +5,19 @@ computes every feature of the model's attention, else the reference (`attention.
 attention (`splash.py`: every feature of the reference, packed segments included); on NVIDIA GPUs
 cuDNN's fused attention, except for soft-capped scores (Gemma 2), sink logits (gpt-oss) and
 chunks shorter than the sequence (Llama 4), which cuDNN cannot apply. Where no fused kernel
-applies (CPU, an unsupported dtype, head size or sequence length) the reference runs and
-`select_attention` says why; the trainer logs it once.
+applies (CPU, AMD GPUs, an unsupported dtype, head size or sequence length, a mesh that splits
+the sequence, or keys split unlike the queries) the reference runs and `select_attention` says
+why; the trainer logs it once.
+
+cuDNN's limits as `jax.nn.dot_product_attention(implementation="cudnn")` (jax 0.12) checks them:
+head_dim a multiple of 8 and at most 256 on Hopper and later, 128 before (compute capability
+< 9.0); queries, keys and values split alike over the mesh, and never along the sequence
+("Sharding on sequence dim is not allowed"); cuDNN itself, which ROCm builds of JAX lack.
 """
 
 from __future__ import annotations
 
+import re
 from typing import NamedTuple
 
 from tessera.config import ModelConfig
@@ -22,9 +29,13 @@ class AttentionChoice(NamedTuple):
 
 
 def select_attention(m: ModelConfig, platform: str, length: int | None = None,
-                     mesh_shape: dict[str, int] | None = None) -> AttentionChoice:
+                     mesh_shape: dict[str, int] | None = None, device_kind: str = "",
+                     compute_capability: str = "", packed: bool = False) -> AttentionChoice:
     """Pick the attention kernel for model config `m` on `platform` ("cpu", "gpu", "tpu", ...),
-    for sequences of `length` tokens on a mesh of `mesh_shape`.
+    for sequences of `length` tokens on a mesh of `mesh_shape`. On a GPU, `device_kind` and
+    `compute_capability` (a jax device's, "" when unknown, as for the estimator) tell NVIDIA from
+    AMD and Hopper from older GPUs. `packed`: the batches hold several documents per row
+    (packing=true with a dataset), whose segments cuDNN's call here cannot keep apart.
 
     It takes the whole model config, so that every feature a family's attention has (score soft
     caps, windows, head size, dtype) is checked against the kernel: a kernel that would ignore
@@ -66,9 +77,37 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
         return AttentionChoice("dot_product", f"no fused attention kernel is wired for platform {platform!r}")
     if dtype not in ("bfloat16", "float16"):
         return AttentionChoice("dot_product", f"cuDNN fused attention needs bfloat16/float16 compute, not dtype={dtype}")
-    if head_dim > 256 or head_dim % 8:
-        return AttentionChoice("dot_product", f"cuDNN fused attention needs head_dim <= 256 and a multiple of 8, not {head_dim}")
+    why = _cudnn_unsupported(m, mesh_shape or {}, device_kind, compute_capability)
+    if why:
+        return AttentionChoice("dot_product", why)
+    if packed:
+        return AttentionChoice("dot_product", "packing=true: rows hold several documents, and cuDNN's fused attention "
+                                              "as JAX calls it has no segment ids; packing=false (one document per "
+                                              "row, padded) lets cuDNN run")
     return AttentionChoice("cudnn", f"attention={requested}: cuDNN fused attention on {platform}")
+
+
+def _cudnn_unsupported(m: ModelConfig, mesh_shape: dict[str, int], device_kind: str,
+                       compute_capability: str) -> str | None:
+    """Why cuDNN's fused attention cannot run this model on this GPU and mesh, or None if it can."""
+    if compute_capability.startswith("gfx") or "amd" in device_kind.lower().split():  # ROCm: "gfx942"
+        return (f"cuDNN fused attention runs on NVIDIA GPUs, not on {device_kind or 'AMD GPUs'}"
+                f"{f' ({compute_capability})' if compute_capability else ''}; no fused kernel is wired for them")
+    nvidia_cc = re.fullmatch(r"(\d+)\.(\d+)", compute_capability)
+    hopper = not nvidia_cc or int(nvidia_cc.group(1)) >= 9  # unknown: as the recipes' H100, H200, B200
+    limit = 256 if hopper else 128
+    if m.head_dim > limit or m.head_dim % 8:
+        where = "" if hopper else f" before Hopper (compute capability {compute_capability})"
+        return f"cuDNN fused attention needs head_dim <= {limit}{where} and a multiple of 8, not {m.head_dim}"
+    sequence, tensor = mesh_shape.get("sequence", 1), mesh_shape.get("tensor", 1)
+    if sequence > 1:
+        return (f"cuDNN fused attention cannot take queries split over the sequence axis (sequence={sequence}); "
+                "set ici_sequence_parallelism=1 (and dcn_) to use it")
+    kv_heads = m.num_query_heads if m.decoder_block == "deepseek" else m.num_kv_heads  # MLA: a key per head
+    if tensor > 1 and kv_heads % tensor:
+        return (f"cuDNN fused attention needs keys split like the queries, but tensor={tensor} does not divide "
+                f"num_kv_heads={kv_heads}, so the keys are not split over it")
+    return None
 
 
 def attends_in_chunks(m: ModelConfig, length: int | None) -> bool:
