@@ -76,6 +76,23 @@ def test_every_key_is_used_or_reported(path, tmp_path):
     assert "{user-id}" not in json.dumps(plan.env)
 
 
+@pytest.mark.parametrize("path", [*AMD, *sorted((REPO / "configs" / "gpu" / "nvidia").glob("*.json"))],
+                         ids=lambda p: p.name)
+def test_xla_accepts_every_flag_of_the_gpu_validation_files(path, tmp_path):
+    """An XLA flag the installed XLA no longer has ends the run at start-up ("Unknown flag in XLA_FLAGS"):
+    xla_gpu_graph_level, in the AMD files, was removed for xla_gpu_enable_command_buffer."""
+    data = load(_filled(path, tmp_path))
+    for multi_node in (False, True):
+        try:
+            name, entry = select(data, multi_node=multi_node, model=None, gpu=None)
+        except ValidationInputError:  # the file has no entry for this node count
+            continue
+        flags = build_plan(data, name, entry).env["XLA_FLAGS"]
+        proc = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"], capture_output=True, text=True,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}, timeout=120)
+        assert proc.returncode == 0, f"{name}: XLA_FLAGS={flags}: {proc.stderr[-300:]}"
+
+
 def test_dry_run_prints_each_node(tmp_path, capsys):
     path = _filled(REPO / "configs" / "gpu" / "amd" / "mi300x_distributed_llama3_1_70b.json", tmp_path)
     data = load(path)
