@@ -41,7 +41,7 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
     caps, windows, head size, dtype) is checked against the kernel: a kernel that would ignore
     one is never chosen. On TPU, splash attention has them all; its block sizes (sa_block_*)
     are checked against `length` here (ConfigError)."""
-    requested, dtype, head_dim, logits_soft_cap = m.attention, m.dtype, m.head_dim, m.attn_logits_soft_cap
+    requested, dtype, logits_soft_cap = m.attention, m.dtype, m.attn_logits_soft_cap
     if requested == "dot_product":
         return AttentionChoice("dot_product", "attention=dot_product requested")
     if platform == "tpu":
