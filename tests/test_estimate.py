@@ -415,6 +415,9 @@ def test_a_model_file_that_is_not_yaml_is_the_loaders_config_error(capsys, tmp_p
     ("llama3.1-8b", "h100-8", dict(dtype="bfloat16"), True),  # cuDNN
     ("gemma2-9b", "h100-8", dict(dtype="bfloat16"), False),  # soft-capped scores: cuDNN cannot, the reference runs
     ("gemma2-9b", "v6e-256", dict(attention="flash"), True),  # splash caps scores
+    ("gemma-7b", "h100-8", dict(dtype="bfloat16"), True),  # head_dim 256: Hopper's cuDNN takes it
+    ("gemma-7b", "a100-8", dict(dtype="bfloat16"), False),  # ... an A100's does not
+    ("llama3.1-8b", "h100-8", dict(dtype="bfloat16", dataset_type="hf", hf_path="parquet"), False),  # packed
 ])
 def test_the_estimate_keeps_scores_exactly_where_the_trainer_runs_the_reference(model, hardware, overrides, fused):
     """The estimator asks the trainer's own kernel choice (`select_attention`) whether a score matrix is kept,
@@ -425,7 +428,9 @@ def test_the_estimate_keeps_scores_exactly_where_the_trainer_runs_the_reference(
     cfg = load_model_config(model, [f"{k}={v}" for k, v in {"max_target_length": 2048, **overrides}.items()])
     hw = parse_hardware(hardware)
     platform = "gpu" if hw.accelerator.torus_dims == 0 else "tpu"
-    chosen = select_attention(cfg.model, platform, cfg.data.max_target_length, mesh_sizes(cfg, hw))
+    chosen = select_attention(cfg.model, platform, cfg.data.max_target_length, mesh_sizes(cfg, hw),
+                              hw.accelerator.device_kind, hw.accelerator.compute_capability,
+                              cfg.data.packing and cfg.data.dataset_type != "synthetic")
     assert fused_attention(cfg, hw, mesh_sizes(cfg, hw)) == fused == (chosen.kernel != "dot_product")
     mem = [estimate_memory(cfg, count_params(cfg.model), mesh_sizes(cfg, hw), fused_attention=f) for f in (True, False)]
     assert mem[1].total("none") > mem[0].total("none")  # without remat the reference keeps its scores

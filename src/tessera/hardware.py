@@ -68,6 +68,7 @@ class Accelerator:
     devices_per_chip: int = 1  # JAX devices per chip (2 for TPU7x's chiplets)
     torus_dims: int = 0  # 3 (v4, v5p), 2 (v5e, v6e), 0 for GPUs
     max_slice_chips: int = 0
+    compute_capability: str = ""  # an NVIDIA GPU's, as jax reports it ("9.0"): cuDNN's head sizes depend on it
 
     @property
     def peak_flops(self) -> float:
@@ -85,9 +86,9 @@ TPUS = {
                          max_slice_chips=9216),
 }
 GPUS = {
-    "h100": Accelerator("h100", "NVIDIA H100 80GB HBM3", 80 * 10**9, 450e9),
-    "h200": Accelerator("h200", "NVIDIA H200", 141 * 10**9, 450e9),
-    "a100": Accelerator("a100", "NVIDIA A100-SXM4-80GB", 80 * 10**9, 300e9),
+    "h100": Accelerator("h100", "NVIDIA H100 80GB HBM3", 80 * 10**9, 450e9, compute_capability="9.0"),
+    "h200": Accelerator("h200", "NVIDIA H200", 141 * 10**9, 450e9, compute_capability="9.0"),
+    "a100": Accelerator("a100", "NVIDIA A100-SXM4-80GB", 80 * 10**9, 300e9, compute_capability="8.0"),
 }
 _ALIASES = {"v5litepod": "v5e"}  # Google's own name for v5e slice types
 

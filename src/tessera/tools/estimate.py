@@ -98,11 +98,14 @@ def fused_attention(cfg: Config, hw: Hardware, mesh: dict[str, int] | None = Non
     """Whether the trainer would run a fused attention kernel, which keeps no score matrix: its own
     choice (`select_attention`) for this hardware's platform, the sequence length and `mesh`, so
     the estimate and the run cannot disagree (splash on TPUs; cuDNN on GPUs, 16-bit, not for
-    soft-capped scores)."""
+    soft-capped scores, nor packed documents, nor head sizes above 128 on an A100)."""
+    from tessera.config.derived import packs_documents
     from tessera.models.attention_choice import select_attention
 
-    platform = "gpu" if hw.accelerator.torus_dims == 0 else "tpu"
-    return select_attention(cfg.model, platform, cfg.data.max_target_length, mesh).kernel != "dot_product"
+    acc = hw.accelerator
+    platform = "gpu" if acc.torus_dims == 0 else "tpu"
+    return select_attention(cfg.model, platform, cfg.data.max_target_length, mesh, acc.device_kind,
+                            acc.compute_capability, packs_documents(cfg.data)).kernel != "dot_product"
 
 
 @dataclasses.dataclass(frozen=True)
