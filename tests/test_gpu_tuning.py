@@ -2,6 +2,7 @@
 a bad value is a config error (exit 2), the GPU recipes' dry runs export the settings their
 hardware needs, and the PGLE tools behave as getting_started/GPU_performance.md says."""
 
+import importlib.util
 import json
 import logging
 import os
@@ -236,3 +237,21 @@ def test_the_scheduler_check_reads_flags_and_levels_as_xla_and_jax_do(tmp_path, 
     with caplog.at_level(logging.INFO, logger="tessera"):
         apply_gpu_tuning(GpuConfig(pgle_profile_path=str(profile)), environ)
     assert ("the profile is not used" in caplog.text) == warned
+
+
+@pytest.mark.parametrize("platforms, said", [("cuda", "no CUDA plugin (jax-cuda12-plugin) is installed"),
+                                             ("rocm", "Unable to initialize backend 'rocm'")])
+def test_a_platform_jax_cannot_start_is_one_config_error(platforms, said, tmp_path):
+    """JAX_PLATFORMS=cuda on a host without the CUDA plugin (a CPU install on a GPU VM, or no GPU) ended in a
+    traceback of JAX's (a bare AssertionError for cuda), exit code 1."""
+    if platforms == "cuda" and any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        pytest.skip("a CUDA plugin is installed here")
+    env = {**os.environ, "JAX_PLATFORMS": platforms, "PYTHONPATH": str(REPO / "src")}
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"),
+                           f"base_output_directory={tmp_path}", "run_name=p", "steps=1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"config error: JAX_PLATFORMS={platforms}: JAX cannot start that platform here") \
+        and said in line and "tessera.doctor" in line, line
+    assert not (tmp_path / "p").exists()

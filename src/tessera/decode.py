@@ -333,11 +333,13 @@ def _decode_main(flags: argparse.Namespace, config_args: list[str]) -> int:
     from tessera.checkpointing import CheckpointError
     from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, initialize
     from tessera.memory_fit import EXIT_OUT_OF_MEMORY, OutOfMemory
+    from tessera.platforms import check_platforms_start
 
     try:
         cfg = load_config(resolve_config_file(config_args))
         use_compilation_cache(cfg.run.jax_cache_dir)
         job = initialize()  # a multi-process job (the same environment variables as train.py's): join it
+        check_platforms_start()  # JAX_PLATFORMS=cuda without the CUDA plugin: one line, not a traceback
         check_cache_folder(cfg.run.jax_cache_dir)  # joined now; before the first compile
         decode(cfg, flags, _results_only_on_stdout() if job.num_processes > 1 else None)
     except DistributedError as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sys
 
@@ -33,3 +34,26 @@ def use_cpu_on_hosts_without_accelerators() -> None:
     os.environ["JAX_PLATFORMS"] = "cpu"
     if "jax" in sys.modules:  # the config read the environment at import time
         sys.modules["jax"].config.update("jax_platforms", "cpu")
+
+
+def check_platforms_start() -> None:
+    """Start JAX's backends; ConfigError when the platform JAX_PLATFORMS names cannot start here
+    (JAX_PLATFORMS=cuda on a host without NVIDIA GPUs or without the CUDA plugin), whose own error
+    is a traceback (for cuda a bare AssertionError). Call it after `jax.distributed.initialize`."""
+    import jax
+
+    try:
+        jax.devices()
+    except (RuntimeError, AssertionError) as e:
+        wanted = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms
+        if not wanted:
+            raise
+        from tessera.config.schema import ConfigError
+
+        said = " ".join(str(e).split())[:300] or "no backend started"
+        if set(wanted.split(",")) & {"cuda", "gpu"} and not any(
+                importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+            said = "no CUDA plugin (jax-cuda12-plugin) is installed"
+        raise ConfigError(f"JAX_PLATFORMS={wanted}: JAX cannot start that platform here ({said}); unset "
+                          "JAX_PLATFORMS to use the devices this host has, or install the flavour for it (bash "
+                          "setup.sh DEVICE=gpu); .venv/bin/python -m tessera.doctor lists what JAX sees") from None

@@ -41,6 +41,7 @@ from tessera.memory_fit import (
     save_buffers, state_advice, state_bytes, state_shapes, step_advice,
 )
 from tessera.mesh import sharding_report
+from tessera.platforms import check_platforms_start
 from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
                                 refuse_unread_checkpoints, write_report)
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
@@ -361,6 +362,7 @@ def _main(argv: list[str], watch: FailureWatch) -> tuple[int, str]:
         log.info("config (differs from base.yml): %s", format_changed_keys(cfg))
         log.info("host malloc: %s", host_malloc.describe())
         initialize()
+        check_platforms_start()  # JAX_PLATFORMS=cuda on a host without the CUDA plugin: one line, not a traceback
         check_same_config(flat_dict(cfg), cfg.run.step_timeout_seconds)
         watch.start()  # after the config check: processes started differently each say so themselves
         check_cache_folder(cfg.run.jax_cache_dir)  # joined and watched now (process 0 probes); before any compile
