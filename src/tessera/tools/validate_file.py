@@ -45,6 +45,13 @@ IGNORED_WHY = {
 }
 # model_params precision values that mean float8 training (Transformer Engine): quantization=fp8, on qwix
 FP8_PRECISIONS = ("TE_FP8", "FP8")
+# XLA flags of older XLA versions that the installed one refuses ("Unknown flag in XLA_FLAGS" ends the run at
+# start-up): flag -> {value: the flag that replaces it, "" for none}, and why
+GONE_XLA_FLAGS = {
+    "xla_gpu_graph_level": ({"0": "--xla_gpu_enable_command_buffer="},
+                            "XLA replaced it with xla_gpu_enable_command_buffer: level 0 (no GPU graphs) is passed as "
+                            "--xla_gpu_enable_command_buffer= (empty), other levels leave XLA's default graphs"),
+}
 GPU_KEYS = {f.name for f in dataclasses.fields(GpuConfig)}  # train keys of the gpu section, also read from `config`
 METRICS = {"tflops_per_sec_per_gpu": "tflops_per_sec_per_device", "tokens_per_sec_per_gpu": "tokens_per_sec_per_device"}
 
@@ -179,6 +186,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     ignored: dict[str, str] = {}
     flags = _section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
     xla_flags = [f"--{k}={_text(v, f'model_params.{name}.xla_flags.{k}')}" for k, v in flags.items()]
+    xla_flags = _without_gone_flags(xla_flags, ignored, f"model_params.{name}.xla_flags.")
     train_keys = all_fields()
     for key, value in config.items():
         if key.startswith(ENV_PREFIXES):
@@ -216,6 +224,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         # Transformer Engine's fp8 recipe: e4m3 forward, e5m2 gradients; AMD MI300/MI325 use the fnuz formats
         amd_fnuz = name.rsplit(".", 1)[-1].lower().startswith(("mi300", "mi325"))
         overrides["quantization"] = "nanoo_fp8" if amd_fnuz else "fp8"
+    xla_flags = _without_gone_flags(xla_flags, ignored, "config.")  # the entry's flags again: already replaced
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
     targets = _targets(_section(entry.get("result_dict", {}), f"model_params.{name}.result_dict"))
@@ -223,6 +232,21 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
     return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
                 env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env))
+
+
+def _without_gone_flags(xla_flags: list[str], ignored: dict[str, str], where: str) -> list[str]:
+    """`xla_flags` with each flag of GONE_XLA_FLAGS replaced (or left out), each reported in `ignored`."""
+    out = []
+    for flag in xla_flags:
+        key, _, value = flag[2:].partition("=")
+        if key not in GONE_XLA_FLAGS:
+            out.append(flag)
+            continue
+        replacements, why = GONE_XLA_FLAGS[key]
+        ignored[where + key] = why
+        if replacements.get(value.strip()):
+            out.append(replacements[value.strip()])
+    return out
 
 
 def _text(value: Any, where: str) -> str:
