@@ -201,8 +201,8 @@ def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype
 def test_cudnn_is_chosen_only_where_jax_can_run_it(overrides, mesh, kind, cc, kernel, why):
     values = {"head_dim": 128, **overrides}
     if "model_name" in values:
-        cfg = load_config([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in values.items() if k != "head_dim"),
-                           "dtype=bfloat16"], env={})
+        keys = [f"{k}={v}" for k, v in values.items() if k != "head_dim"]
+        cfg = load_config([str(REPO / "configs" / "base.yml"), *keys, "dtype=bfloat16"], env={})
     else:
         cfg = tiny_config(attention="autoselected", dtype="bfloat16", max_target_length=256, **values)
     choice = select_attention(cfg.model, "gpu", 256, mesh, kind, cc)

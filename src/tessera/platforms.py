@@ -1,4 +1,5 @@
-"""Device choice before JAX starts its backends (this module imports nothing heavy)."""
+"""Device choice before JAX starts its backends, and the check that the chosen platform starts
+(this module imports nothing heavy)."""
 
 from __future__ import annotations
 
