@@ -47,3 +47,17 @@ def test_the_verdict_names_the_lock_it_compared_with(tmp_path, capsys, no_device
     lock.write_text(f"jax=={jax.__version__}\n")
     assert doctor.main(["--lock", str(lock), "--quiet"]) == 0
     assert capsys.readouterr().out.strip().endswith(f"versions as locked in {lock})")
+
+
+def test_a_platform_jax_cannot_start_is_named_with_what_to_do(monkeypatch):
+    """JAX_PLATFORMS=cuda without the CUDA plugin: the probe's last line is a bare `AssertionError`, which
+    was all the doctor said."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        pytest.skip("a CUDA plugin is installed here")
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+    rows, problems = doctor.device_report("gpu")
+    assert rows == [] and len(problems) == 1
+    assert problems[0].startswith("JAX could not start JAX_PLATFORMS=cuda (") and "bash setup.sh DEVICE=gpu" in \
+        problems[0], problems

@@ -143,6 +143,9 @@ def device_report(device: str, timeout: float = 120.0) -> tuple[list[str], list[
                     "try JAX_PLATFORMS=cpu to check the rest, then the accelerator's driver"]
     if out.returncode != 0:
         last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        if env.get("JAX_PLATFORMS"):  # JAX_PLATFORMS=cuda without the CUDA plugin: a bare AssertionError
+            return [], [f"JAX could not start JAX_PLATFORMS={env['JAX_PLATFORMS']} ({last}); unset JAX_PLATFORMS to "
+                        f"see what this host has, or run `{setup_command('gpu')}` for NVIDIA GPUs"]
         return [], [f"JAX could not list its devices: {last}"]
     rows, platforms = [], set()
     for item in filter(None, out.stdout.strip().split(";")):
