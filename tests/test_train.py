@@ -761,6 +761,24 @@ def test_a_full_state_load_warns_when_the_learning_rate_jumps_too(tmp_path, capl
     assert "loaded full state at step 2" in caplog.text and "learning rate jumps" not in caplog.text
 
 
+def test_a_resume_and_a_full_state_load_warn_of_model_keys_that_fit_but_compute_another_model(tmp_path, caplog):
+    """Checkpointing.md promises a warning when parameters that fit were trained with other model keys
+    (a rotary base, a window); load_parameters_path gave it, but a resume and load_full_state_path with
+    rope_max_timescale changed trained on with an info line (resume) or no word at all (full state)."""
+    run(tiny_config(tmp_path / "src", steps=2), jax.devices()[:1])
+    step = tmp_path / "src" / "test" / "checkpoints" / "2"
+    warning = (f"the parameters of {step} were trained with other model keys: rope_max_timescale=10000 (here "
+               "500000). They fit, so they were loaded")
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path / "src", steps=3, rope_max_timescale=500000), jax.devices()[:1])
+    assert warning in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path / "b", steps=3, rope_max_timescale=500000, load_full_state_path=str(step)),
+            jax.devices()[:1])
+    assert warning in caplog.text
+
+
 def test_a_load_path_given_at_a_resume_is_named_as_not_read(tmp_path, caplog):
     """The run resumes from its own checkpoint; a load path added or changed since was ignored with only
     an info line among the changed settings."""

@@ -53,6 +53,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         saved = saved_config(folder)
         if saved:
             log_changes_since_save(saved, config, trainer.schedule, latest, folder)
+        warn_model_changes(folder, model_keys)  # e.g. another rope base: the shapes fit, the model is another
         return state
     if cfg.load_full_state_path:
         with mismatch_explained(cfg.load_full_state_path, model_keys, config.optim.opt_type):
@@ -64,6 +65,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         saved = saved_config(cfg.load_full_state_path)
         if saved:
             _warn_learning_rate_jump(saved, config, trainer.schedule, step, "after this full-state load")
+        warn_model_changes(cfg.load_full_state_path, model_keys)
         return state
     if cfg.load_parameters_path:
         if cfg.checkpoint_is_quantized:
