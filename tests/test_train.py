@@ -779,6 +779,27 @@ def test_a_resume_and_a_full_state_load_warn_of_model_keys_that_fit_but_compute_
     assert warning in caplog.text
 
 
+def test_a_resume_on_fewer_devices_warns_that_the_global_batch_changed(tmp_path, caplog):
+    """per_device_batch_size counts per device: a run saved on 8 devices and resumed on 1 (a smaller
+    slice, another XLA_FLAGS device count) trained on with an eighth of its batch, and with the default
+    ici_fsdp_parallelism=-1 not even the changed-settings line said anything. The checkpoint now keeps
+    its global batch; the resume warns and names the per_device_batch_size that keeps it."""
+    run(tiny_config(tmp_path, steps=2))
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=3), jax.devices()[:1])
+    assert ("the global batch changes at this resume: 1 sequences per step now (per_device_batch_size=1 x 1 devices), "
+            "8 when step 2 was saved; the learning rate and the other optimizer settings were chosen for that batch. "
+            "To train on with it, set per_device_batch_size=8") in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):  # step 3 was saved with 1: back to 8 is a change too
+        run(tiny_config(tmp_path, steps=4, per_device_batch_size=8), jax.devices()[:1])
+    assert "the global batch changes at this resume: 8 sequences per step now" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):  # the same batch on another mesh: nothing to say
+        run(tiny_config(tmp_path, steps=5))
+    assert "resuming from step 4" in caplog.text and "global batch changes" not in caplog.text
+
+
 def test_a_load_path_given_at_a_resume_is_named_as_not_read(tmp_path, caplog):
     """The run resumes from its own checkpoint; a load path added or changed since was ignored with only
     an info line among the changed settings."""

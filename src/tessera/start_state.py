@@ -53,6 +53,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         saved = saved_config(folder)
         if saved:
             log_changes_since_save(saved, config, trainer.schedule, latest, folder)
+            _warn_global_batch_change(saved, config, trainer.plan.global_batch, trainer.plan.num_devices, latest)
         warn_model_changes(folder, model_keys)  # e.g. another rope base: the shapes fit, the model is another
         return state
     if cfg.load_full_state_path:
@@ -65,6 +66,8 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         saved = saved_config(cfg.load_full_state_path)
         if saved:
             _warn_learning_rate_jump(saved, config, trainer.schedule, step, "after this full-state load")
+            _warn_global_batch_change(saved, config, trainer.plan.global_batch, trainer.plan.num_devices, step,
+                                      "after this full-state load")
         warn_model_changes(cfg.load_full_state_path, model_keys)
         return state
     if cfg.load_parameters_path:
@@ -150,6 +153,27 @@ def _warn_learning_rate_jump(saved: Mapping[str, Any], config: Config, schedule:
                 "steps long; %d now) gives %.3g.%s", where, step + 1, now, step, before[1], length, then, keep)
 
 
+def saved_config_entries(config: Config, global_batch: int) -> dict[str, Any]:
+    """What a checkpoint keeps of the run that saved it: the flat config and, beside its keys, the
+    global batch (SAVED_GLOBAL_BATCH), which depends on the device count no key names."""
+    return {**flat_dict(config), SAVED_GLOBAL_BATCH: global_batch}
+
+
+def _warn_global_batch_change(saved: Mapping[str, Any], config: Config, global_batch: int, devices: int, step: int,
+                              where: str = "at this resume") -> None:
+    """Warn when the global batch differs from the one `step` was trained with. per_device_batch_size
+    counts per device, so a resume on another number of devices (a smaller slice, another XLA_FLAGS
+    device count) changes it with no key changed."""
+    then = saved.get(SAVED_GLOBAL_BATCH)
+    if not isinstance(then, int) or then == global_batch:
+        return
+    log.warning("the global batch changes %s: %d sequences per step now (per_device_batch_size=%g x %d devices), "
+                "%d when step %d was saved; the learning rate and the other optimizer settings were chosen for "
+                "that batch. To train on with it, set per_device_batch_size=%g", where, global_batch,
+                config.data.per_device_batch_size, devices, then, step, then / devices)
+
+
+SAVED_GLOBAL_BATCH = "global_batch"  # not a config key: the sequences per step of the run that saved a checkpoint
 MAX_LISTED = 12  # changed settings named in the resume's line
 # The keys that say which records the training data holds, and in which order: the saved data
 # position means something else once one of them changes

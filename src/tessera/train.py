@@ -45,7 +45,8 @@ from tessera.platforms import check_platforms_start
 from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
                                 refuse_unread_checkpoints, write_report)
 from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
-from tessera.start_state import changes_since_save, initial_state, state_source, unread_load_paths
+from tessera.start_state import (changes_since_save, initial_state, saved_config_entries, state_source,
+                                 unread_load_paths)
 from tessera.step import Trainer, compile_step, init_program, setup
 from tessera.step_stats import METRICS_LAG, StatsReader
 
@@ -190,7 +191,8 @@ class _Loop:
     def __init__(self, cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, data, evaluator: Evaluator | None,
                  writer: metrics.MetricsWriter, meter: StepMeter, profiler: Profiler, clock: RunClock):
         self.cfg, self.trainer, self.ckpt, self.data, self.evaluator = cfg, trainer, ckpt, data, evaluator
-        self.writer, self.meter, self.profiler, self.config_json = writer, meter, profiler, flat_dict(cfg)
+        self.writer, self.meter, self.profiler = writer, meter, profiler
+        self.config_json = saved_config_entries(cfg, trainer.plan.global_batch)
         self.clock = clock
         # a save blocks the loop (a synchronous one, or one waiting for the previous save) for longer than a step
         self.save_allowance = save_allowance_seconds(_local_state_bytes(trainer))
