@@ -4,8 +4,9 @@ else fresh weights from `init_weights_seed`. `tessera.train` asks `state_source`
 the read before it happens, `memory_fit.check_state_fits`), then `initial_state`.
 
 A resume compares the config saved with the checkpoint with this one: it names the settings that
-changed, and warns when that moves the training data under the saved data position or the
-learning rate of the next step. A checkpoint that does not fit the model names the model keys its
+changed, and warns when that moves the training data under the saved data position, the
+learning rate of the next step or the global batch (another device count), or changes a model key
+the saved parameters fit but were not trained with. A checkpoint that does not fit the model names the model keys its
 saved config differs in (`checkpointing.mismatch_explained`)."""
 
 from __future__ import annotations
@@ -163,9 +164,11 @@ def _warn_global_batch_change(saved: Mapping[str, Any], config: Config, global_b
                               where: str = "at this resume") -> None:
     """Warn when the global batch differs from the one `step` was trained with. per_device_batch_size
     counts per device, so a resume on another number of devices (a smaller slice, another XLA_FLAGS
-    device count) changes it with no key changed."""
+    device count) changes it with no key changed. A per_device_batch_size changed on purpose is named
+    among the changed settings already."""
     then = saved.get(SAVED_GLOBAL_BATCH)
-    if not isinstance(then, int) or then == global_batch:
+    if not isinstance(then, int) or then == global_batch or \
+            saved.get("per_device_batch_size") != config.data.per_device_batch_size:
         return
     log.warning("the global batch changes %s: %d sequences per step now (per_device_batch_size=%g x %d devices), "
                 "%d when step %d was saved; the learning rate and the other optimizer settings were chosen for "
