@@ -732,6 +732,19 @@ def test_a_resume_with_another_optimizer_says_how_to_switch(tmp_path):
     assert lines[-1].startswith(f"checkpoint {step} was saved by opt_type=adamw (here muon)")
 
 
+def test_a_resume_in_another_weight_dtype_says_how_to_switch(tmp_path):
+    """A resume with weight_dtype changed is refused (the state is read as saved), and the message's
+    only advice was the generic "use the saved settings or start a new run_name", which starts from
+    scratch; load_parameters_path reads the parameters into the new weight_dtype, and it now says so."""
+    run(tiny_config(tmp_path, steps=2, checkpoint_period=100))
+    with pytest.raises(CheckpointError) as e:
+        run(tiny_config(tmp_path, steps=4, checkpoint_period=100, weight_dtype="bfloat16"))
+    step = tmp_path / "test" / "checkpoints" / "2"
+    assert str(e.value).endswith(
+        f"to train on in weight_dtype=bfloat16, start a new run_name with load_parameters_path={step} (its "
+        "parameters, read into weight_dtype, with a fresh optimizer state).")
+
+
 SET_ASIDE_SCRIPT = """
 import sys, time
 from etils import epath

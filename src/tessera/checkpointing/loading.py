@@ -164,6 +164,10 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str =
             if not differ:  # the optimizer alone: its state's paths would only bury the reason
                 raise CheckpointMismatch(switch) from None
             lines.append(switch)
+        elif opt_type and saved.get("weight_dtype", now["weight_dtype"]) != now["weight_dtype"]:
+            lines.append(f"The whole state (parameters and optimizer state) is read as saved; to train on in "
+                         f"weight_dtype={now['weight_dtype']}, start a new run_name with load_parameters_path={path} "
+                         "(its parameters, read into weight_dtype, with a fresh optimizer state).")
         if not lines:
             raise
         raise CheckpointMismatch("\n".join([str(e), *lines])) from None
