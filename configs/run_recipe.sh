@@ -2,9 +2,11 @@
 # their arguments, export their compiler flags, then call `run_recipe`.
 #
 # Arguments are KEY=VALUE. Upper-case keys are exported as environment variables; lower-case
-# keys are config overrides appended after the recipe's own (so they win), e.g. steps=20.
+# keys are config overrides appended after the recipe's own (so they win), e.g. steps=20 (and after
+# compile_topology, so compile_topology=v5p-512 compiles the recipe for another slice).
 #   RUN_NAME=name      the run's name (passed as M_RUN_NAME; default <folder>_<recipe>, e.g. v5p_128b:
-#                      the same on every worker, and a second run with it resumes the first)
+#                      the same on every worker, and a second run with it resumes the first); run_name=name
+#                      and M_RUN_NAME=name as arguments are taken as RUN_NAME=name
 #   OUTPUT_PATH=dir    base_output_directory: a local folder or gs://bucket/path (default outputs)
 #   DATASET_PATH=path  a TFDS data directory: trains with dataset_type=tfds dataset_path=path (add
 #                      dataset_name=c4/en:3.1.0 tokenizer_path=... as overrides); without it the
@@ -38,8 +40,11 @@ for arg in "$@"; do
   fi
   if [[ "$name" =~ ^[a-z] ]]; then
     RECIPE_OVERRIDES+=("$arg")
+    # the run name reaches train.py as M_RUN_NAME, which wins over a run_name=... argument: take it as RUN_NAME
+    if [ "$name" = run_name ]; then export "RUN_NAME=${arg#*=}"; fi
   else
     case "$name" in  # a mistyped setting (OUTPUT_DIR, RUNNAME) was exported and ignored without a word
+      M_RUN_NAME) export "RUN_NAME=${arg#*=}" ;;  # the recipe sets M_RUN_NAME from RUN_NAME below
       RUN_NAME|OUTPUT_PATH|DATASET_PATH|PLATFORM|EXECUTABLE|NUM_SLICES|DRY_RUN|PYTHON|NNODES|NODE_RANK|RTO_MIN) ;;
       LIBTPU_INIT_ARGS|XLA_FLAGS) ;;
       XLA_*|JAX_*|TPU_*|NCCL_*|CUDA_*) RECIPE_VARIABLES+=("$arg") ;;
@@ -94,7 +99,6 @@ run_recipe() {
     overrides+=("dataset_type=tfds")
     overrides+=("dataset_path=$DATASET_PATH")
   fi
-  overrides+=("${RECIPE_OVERRIDES[@]}")
 
   local cmd
   if [ "$EXECUTABLE" = train_compile ]; then
@@ -102,10 +106,11 @@ run_recipe() {
       echo "$RECIPE_PATH: EXECUTABLE=train_compile compiles for TPU topologies; GPU recipes run EXECUTABLE=train" >&2
       exit 2
     fi
+    # the caller's overrides last, after the topology too: compile_topology=v5p-512 as an argument wins
     cmd=("$PYTHON" -m tessera.train_compile configs/base.yml "${overrides[@]}"
-         "compile_topology=$topology" "compile_topology_num_slices=$NUM_SLICES")
+         "compile_topology=$topology" "compile_topology_num_slices=$NUM_SLICES" "${RECIPE_OVERRIDES[@]}")
   else
-    cmd=("$PYTHON" train.py configs/base.yml "${overrides[@]}")
+    cmd=("$PYTHON" train.py configs/base.yml "${overrides[@]}" "${RECIPE_OVERRIDES[@]}")
   fi
 
   if [ "$topology" = gpu ] && [ "${NNODES:-1}" -gt 1 ] && [ "${DRY_RUN:-0}" != 1 ]; then
@@ -152,5 +157,10 @@ run_recipe() {
       exit 2
     fi
   fi
-  PYTHONPATH="$REPO_DIR/src${PYTHONPATH:+:$PYTHONPATH}" recipe_exec "${cmd[@]}"
+  export PYTHONPATH="$REPO_DIR/src${PYTHONPATH:+:$PYTHONPATH}"
+  if [ "$DRY_RUN" = 1 ]; then
+    recipe_exec "${cmd[@]}"
+  else  # exec: a SIGTERM sent to the recipe (kill, a scheduler, GKE stopping the pod) reaches the program,
+    exec "${cmd[@]}"  # which saves and exits 143; a bash parent waited, and the program ran on
+  fi
 }

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -210,6 +211,38 @@ def test_recipe_arguments_are_checked():
     assert (cfg.data.dataset_type, cfg.data.dataset_path, cfg.data.dataset_name) == ("tfds", "gs://b/data",
                                                                                      "c4/en:3.1.0")
 
+
+
+def test_run_name_and_compile_topology_given_as_arguments_win():
+    """run_name=... lost to the M_RUN_NAME the recipe exports, and compile_topology=... (or
+    compile_topology_num_slices=...) to the recipe's own, which came after it: both were ignored."""
+    for arg in ("run_name=mine", "M_RUN_NAME=mine"):
+        exports, commands = parse(dry_run("tpu/v4/22b", arg).stdout)
+        cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]],
+                          env={"M_RUN_NAME": exports["M_RUN_NAME"]})
+        assert cfg.run.run_name == "mine", arg
+    _, commands = parse(dry_run("tpu/v4/22b", "EXECUTABLE=train_compile", "compile_topology=v4-256",
+                                "compile_topology_num_slices=2").stdout)
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][4:]], env={})
+    assert (cfg.compile.compile_topology, cfg.compile.compile_topology_num_slices) == ("v4-256", 2)
+
+
+def test_sigterm_sent_to_a_recipe_reaches_its_program(tmp_path):
+    """`kill <recipe's pid>` (a scheduler, GKE stopping the pod) ended the recipe's bash with 143 and left
+    the program it had started running, orphaned, never told to save: the recipe now execs the program."""
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/bash\ntrap 'echo TERM > {tmp_path}/got; exit 143' TERM\ntouch {tmp_path}/started\n"
+                    "for i in $(seq 200); do sleep 0.1; done\n")
+    fake.chmod(0o755)
+    proc = subprocess.Popen(["bash", str(REPO / "configs" / "tpu" / "v4" / "22b.sh"), "EXECUTABLE=train_compile",
+                             f"PYTHON={fake}"], env={"PATH": os.environ["PATH"]}, cwd="/")
+    for _ in range(300):
+        if (tmp_path / "started").exists() or proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 143
+    assert (tmp_path / "got").exists()
 
 def test_multi_vm_gpu_recipe_needs_its_coordinator():
     script = str(REPO / "configs" / "gpu" / "a3" / "llama_2_7B" / "2vm.sh")
