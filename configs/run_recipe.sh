@@ -15,7 +15,8 @@
 #   EXECUTABLE=train|train_compile
 #                      train (default), or AOT-compile the step for the recipe's TPU topology on
 #                      any host (no TPU needed) and check that it fits in HBM
-#   NUM_SLICES=n       slices to compile for with EXECUTABLE=train_compile (default 1)
+#   NUM_SLICES=n       slices to compile for with EXECUTABLE=train_compile (default 1; a training run
+#                      warns that it does not read it: it uses the slices it is started on)
 #   DRY_RUN=1          print the environment and the commands instead of running them
 #   PYTHON=path        interpreter (default .venv/bin/python when present, else python3)
 # The command runs in the repository's folder, wherever the recipe is started from: relative paths
@@ -45,6 +46,7 @@ for arg in "$@"; do
   else
     case "$name" in  # a mistyped setting (OUTPUT_DIR, RUNNAME) was exported and ignored without a word
       M_RUN_NAME) export "RUN_NAME=${arg#*=}" ;;  # the recipe sets M_RUN_NAME from RUN_NAME below
+      NUM_SLICES) NUM_SLICES_GIVEN=1 ;;
       RUN_NAME|OUTPUT_PATH|DATASET_PATH|PLATFORM|EXECUTABLE|NUM_SLICES|DRY_RUN|PYTHON|NNODES|NODE_RANK|RTO_MIN) ;;
       LIBTPU_INIT_ARGS|XLA_FLAGS) ;;
       XLA_*|JAX_*|TPU_*|NCCL_*|CUDA_*) RECIPE_VARIABLES+=("$arg") ;;
@@ -76,6 +78,11 @@ case "$PLATFORM" in gce|gke) ;; *) echo "$RECIPE_PATH: PLATFORM=$PLATFORM is not
 case "$EXECUTABLE" in train|train_compile) ;;
   *) echo "$RECIPE_PATH: EXECUTABLE=$EXECUTABLE is not train or train_compile" >&2; exit 2 ;;
 esac
+if [ -n "${NUM_SLICES_GIVEN:-}" ] && [ "$EXECUTABLE" = train ]; then  # it was ignored without a word
+  echo "$RECIPE_PATH: warning: NUM_SLICES=$NUM_SLICES is read with EXECUTABLE=train_compile only; a training run" \
+       "uses the slices it is started on (multihost_runner.py's <prefix>-0, -1, ..., multihost_job.py --NUM_SLICES," \
+       "xpk --num-slices)" >&2
+fi
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$REPO_DIR/.venv/bin/python" ]; then PYTHON=$REPO_DIR/.venv/bin/python; else PYTHON=python3; fi
 fi

@@ -337,6 +337,14 @@ def test_a_mistyped_recipe_setting_is_warned_about():
     assert "base_output_directory=outputs" in out.stdout  # what the run would use, as before
 
 
+
+def test_num_slices_for_a_training_run_is_warned_about():
+    """NUM_SLICES=2 is read by the AOT compile only; a training run ignored it without a word."""
+    train = dry_run("tpu/v5p/128b", "NUM_SLICES=2")
+    assert train.returncode == 0 and "warning: NUM_SLICES=2 is read with EXECUTABLE=train_compile only" in train.stderr
+    assert "NUM_SLICES" not in dry_run("tpu/v5p/128b", "NUM_SLICES=2", "EXECUTABLE=train_compile").stderr
+    assert "NUM_SLICES" not in dry_run("tpu/v5p/llama2_70b_pp2").stderr  # the recipe's own default
+
 def test_a_tpu_recipe_without_root_or_sudo_says_what_to_do(tmp_path):
     """A non-root user without sudo got only "sudo: command not found" (exit 127) from a TPU recipe."""
     bin_dir = tmp_path / "bin"  # the few tools the recipe needs, no sudo among them
