@@ -4,11 +4,11 @@
 # Mesh: 8-way tensor parallelism (32-way FSDP), one sequence per 8 chips, and bfloat16 weights
 # and AdamW moments as in 128b.sh (in float32 those alone would take 7.6 GiB of the chip's 16).
 # With 4-way tensor parallelism and one sequence per 4 chips the AOT compile needs 14.6 GiB per
-# chip (remat_policy=full), 0.6 GiB under the budget; 8-way needs 7.15 GiB with full and 12.4 GiB
+# chip (remat_policy=full), 0.6 GiB under the budget; 8-way needs 7.15 GiB with full and 12.12 GiB
 # with remat_policy=minimal, which recomputes no matmul (the plan's first choice).
 # Slices add data parallelism over DCN (NUM_SLICES=n with EXECUTABLE=train_compile;
 # dcn_data_parallelism fills from the slice count): the global batch, 32 sequences per slice,
-# grows n times; two slices compile to 13.1 GiB per chip.
+# grows n times; two slices compile to 13.07 GiB per chip (2026-11-29).
 # Expected performance and how it was derived: configs/tpu/v5e/README.md. Flags: configs/README.md.
 #
 #   bash configs/tpu/v5e/gpt3_175b.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke
