@@ -34,6 +34,11 @@ RECIPE_OVERRIDES=()
 RECIPE_VARIABLES=()  # NAME=value arguments for the environment: exported again in run_recipe, over the recipe's
 
 for arg in "$@"; do
+  if [ "$arg" = --help ] || [ "$arg" = -h ]; then  # the recipe's header, then the settings described above
+    sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$RECIPE_PATH"
+    sed -n '/^# Arguments are/,/^[^#]/s/^# \{0,1\}//p' "${BASH_SOURCE[0]}"
+    exit 0
+  fi
   name=${arg%%=*}
   if [[ "$arg" != *=* || ! "$name" =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]]; then
     echo "$RECIPE_PATH: argument '$arg' is not KEY=VALUE (e.g. RUN_NAME=my_run OUTPUT_PATH=gs://bucket/runs)" >&2

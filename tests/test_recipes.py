@@ -213,6 +213,16 @@ def test_recipe_arguments_are_checked():
 
 
 
+
+def test_recipe_help_prints_its_header_and_the_settings():
+    """`bash <recipe> --help` was refused as "not KEY=VALUE" (exit code 2)."""
+    for flag in ("--help", "-h"):
+        proc = dry_run("tpu/v5e/16b", flag)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert proc.stdout.startswith("Recipe: ") and "bash configs/tpu/v5e/16b.sh EXECUTABLE=train_compile" in proc.stdout
+        assert "RUN_NAME=name" in proc.stdout and "NUM_SLICES=n" in proc.stdout
+        assert not [line for line in proc.stdout.splitlines() if line.startswith("#")]
+
 def test_run_name_and_compile_topology_given_as_arguments_win():
     """run_name=... lost to the M_RUN_NAME the recipe exports, and compile_topology=... (or
     compile_topology_num_slices=...) to the recipe's own, which came after it: both were ignored."""
