@@ -3,7 +3,7 @@
 # on one TPU v6e-256 slice (256 chips); PLATFORM=gce runs rto_setup.sh first.
 # Routing: the model file's dropless routing over 4-way expert parallelism (2 experts per chip;
 # token copies exchanged with ragged all-to-alls, worst-case receive buffer: nothing dropped),
-# FSDP over the other 64 ways, remat_policy=save_qkv_proj: 24.57 GiB per chip (AOT). The mesh
+# FSDP over the other 64 ways, remat_policy=save_qkv_proj: 24.59 GiB per chip (AOT, 2026-11-29). The mesh
 # is the one `tessera.tools.plan mixtral-8x7b max_target_length=4096 dtype=bfloat16
 # --hardware v6e-256 --tokens-per-device 8192` ranks first (see configs/tpu/v6e/README.md).
 # Expected performance and how it was derived: configs/tpu/v6e/README.md. Flags: configs/README.md.
