@@ -6,7 +6,7 @@
 # compile_topology, so compile_topology=v5p-512 compiles the recipe for another slice).
 #   RUN_NAME=name      the run's name (passed as M_RUN_NAME; default <folder>_<recipe>, e.g. v5p_128b:
 #                      the same on every worker, and a second run with it resumes the first); run_name=name
-#                      and M_RUN_NAME=name as arguments are taken as RUN_NAME=name
+#                      as an argument is taken as RUN_NAME=name (M_RUN_NAME=name is not: a warning says so)
 #   OUTPUT_PATH=dir    base_output_directory: a local folder or gs://bucket/path (default outputs)
 #   DATASET_PATH=path  a TFDS data directory: trains with dataset_type=tfds dataset_path=path (add
 #                      dataset_name=c4/en:3.1.0 tokenizer_path=... as overrides); without it the
@@ -50,7 +50,8 @@ for arg in "$@"; do
     if [ "$name" = run_name ]; then export "RUN_NAME=${arg#*=}"; fi
   else
     case "$name" in  # a mistyped setting (OUTPUT_DIR, RUNNAME) was exported and ignored without a word
-      M_RUN_NAME) export "RUN_NAME=${arg#*=}" ;;  # the recipe sets M_RUN_NAME from RUN_NAME below
+      M_RUN_NAME) echo "$RECIPE_PATH: warning: M_RUN_NAME is set from RUN_NAME (default $RECIPE_NAME); give" \
+                       "RUN_NAME=${arg#*=} for that run name" >&2 ;;
       NUM_SLICES) NUM_SLICES_GIVEN=1 ;;
       RUN_NAME|OUTPUT_PATH|DATASET_PATH|PLATFORM|EXECUTABLE|NUM_SLICES|DRY_RUN|PYTHON|NNODES|NODE_RANK|RTO_MIN) ;;
       LIBTPU_INIT_ARGS|XLA_FLAGS) ;;

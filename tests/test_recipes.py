@@ -219,18 +219,20 @@ def test_recipe_help_prints_its_header_and_the_settings():
     for flag in ("--help", "-h"):
         proc = dry_run("tpu/v5e/16b", flag)
         assert proc.returncode == 0 and proc.stderr == "", proc.stderr
-        assert proc.stdout.startswith("Recipe: ") and "bash configs/tpu/v5e/16b.sh EXECUTABLE=train_compile" in proc.stdout
+        assert proc.stdout.startswith("Recipe: ")
+        assert "bash configs/tpu/v5e/16b.sh EXECUTABLE=train_compile" in proc.stdout
         assert "RUN_NAME=name" in proc.stdout and "NUM_SLICES=n" in proc.stdout
         assert not [line for line in proc.stdout.splitlines() if line.startswith("#")]
 
 def test_run_name_and_compile_topology_given_as_arguments_win():
-    """run_name=... lost to the M_RUN_NAME the recipe exports, and compile_topology=... (or
-    compile_topology_num_slices=...) to the recipe's own, which came after it: both were ignored."""
-    for arg in ("run_name=mine", "M_RUN_NAME=mine"):
-        exports, commands = parse(dry_run("tpu/v4/22b", arg).stdout)
-        cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]],
-                          env={"M_RUN_NAME": exports["M_RUN_NAME"]})
-        assert cfg.run.run_name == "mine", arg
+    """run_name=... lost to the M_RUN_NAME the recipe exports (an M_RUN_NAME=... argument too, without a word),
+    and compile_topology=... (or compile_topology_num_slices=...) to the recipe's own, which came after it."""
+    exports, commands = parse(dry_run("tpu/v4/22b", "run_name=mine").stdout)
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]],
+                      env={"M_RUN_NAME": exports["M_RUN_NAME"]})
+    assert cfg.run.run_name == "mine"
+    ignored = dry_run("tpu/v4/22b", "M_RUN_NAME=mine")  # the recipe's own (test_tools_recipe_flags), with a word
+    assert "warning: M_RUN_NAME is set from RUN_NAME (default v4_22b); give RUN_NAME=mine" in ignored.stderr
     _, commands = parse(dry_run("tpu/v4/22b", "EXECUTABLE=train_compile", "compile_topology=v4-256",
                                 "compile_topology_num_slices=2").stdout)
     cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][4:]], env={})
