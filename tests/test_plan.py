@@ -499,6 +499,22 @@ def test_a_recipe_written_in_the_repository_sources_its_helpers_relative_to_itse
     assert _sourced(tmp_path / "x.sh", CONFIGS / "run_recipe.sh") == f'"{CONFIGS / "run_recipe.sh"}"'  # outside
 
 
+
+def test_a_multi_slice_recipe_compiles_for_its_slices(tmp_path):
+    """The written recipe set `export NUM_SLICES=${NUM_SLICES:-2}` after sourcing run_recipe.sh, which had set it
+    to 1 already: `bash <recipe> EXECUTABLE=train_compile` compiled for one slice."""
+    from tessera.tools.plan_compile import write_recipe
+
+    cfg = load_model_config("default", ["max_target_length=256"])
+    hw = parse_hardware("v5e-4", 2)
+    recipe = tmp_path / "two.sh"
+    write_recipe(recipe, plan(cfg, hw)[0], cfg, hw, ["max_target_length=256"])
+    for args, slices in (((), 2), (("NUM_SLICES=3",), 3)):
+        dry = subprocess.run(["bash", str(recipe), "DRY_RUN=1", "EXECUTABLE=train_compile", "PYTHON=python3", *args],
+                             capture_output=True, text=True, cwd=tmp_path, timeout=60)
+        assert dry.returncode == 0, dry.stderr
+        assert f"compile_topology_num_slices={slices}" in dry.stdout.split(), dry.stdout
+
 def test_recipe_of_a_model_file_with_lists_and_booleans_runs_as_planned(tmp_path):
     """A model file copied from configs/models (lists, booleans) went into the recipe as Python's
     `mlp_activations=['silu', 'linear'] logits_via_embedding=True`, unquoted: the shell split the list in two

@@ -171,10 +171,12 @@ def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list
         "RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke",
         "# Settings (KEY=VALUE) are described in configs/run_recipe.sh.",
         "set -e",
+        # before run_recipe.sh, which sets NUM_SLICES=1 when it is unset: after it, this line changed nothing
+        f"NUM_SLICES=${{NUM_SLICES:-{hw.num_slices}}}  # the recipe's slice count (EXECUTABLE=train_compile compiles "
+        "for it)" if hw.num_slices > 1 else None,
         f'source {_sourced(path, CONFIGS / "run_recipe.sh")} "$@"',
         "",
         f'source {_sourced(path, CONFIGS / "tpu" / gen / "flags.inc")}   # LIBTPU_INIT_ARGS of every {gen} recipe',
-        f"export NUM_SLICES=${{NUM_SLICES:-{hw.num_slices}}}" if hw.num_slices > 1 else "",
         "",
         f"run_recipe {hw.name} \\",
         "  " + shlex.join(base) + " \\",
