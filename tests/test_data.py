@@ -34,6 +34,20 @@ def test_reuse_example_batch_repeats_the_first_batch():
     np.testing.assert_array_equal(next(data)["tokens"], next(data)["tokens"])
 
 
+def test_synthetic_data_refuses_the_position_of_file_data():
+    """A run on file data resumed with dataset_type=synthetic stopped with a KeyError traceback;
+    now with the config error the file pipelines give the other way round. A full-state load's
+    {"step": n} still places the stream."""
+    from tessera.config import ConfigError
+
+    data = make_input(tiny_config().data, 96, 4)
+    with pytest.raises(ConfigError, match="data state is for dataset_type='hf', not synthetic; resume with the "
+                                          "dataset_type the run started with"):
+        data.set_state({"type": "hf", "source": {"epoch": 0, "stream": None}, "offset": 0})
+    data.set_state({"step": 5})
+    assert data.get_state() == {"type": "synthetic", "step": 5}
+
+
 @pytest.mark.parametrize("dataset_type", ["hf", "grain"])
 def test_reuse_example_batch_repeats_the_first_batch_of_file_data_too(tmp_path, dataset_type):
     """reuse_example_batch=true was read by the synthetic stream alone: with data files it did

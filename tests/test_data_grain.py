@@ -89,6 +89,24 @@ def test_worker_processes_give_the_same_batches(tmp_path, sp_model):  # noqa: F8
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
 
 
+def test_a_resume_may_change_grain_worker_count(tmp_path, sp_model):  # noqa: F811
+    """The position saved with one grain_worker_count (here past an epoch: 5 records, 10 batches of 4
+    rows) continues exactly with another, both ways (it raised a KeyError)."""
+    files = write_records(tmp_path, make_docs(5, seed=3))
+    plain = make_input(grain_config(files, sp_model).data, 96, 4)
+    for _ in range(10):
+        next(plain)
+    state = json.loads(json.dumps(plain.get_state()))
+    after = [next(plain)["tokens"] for _ in range(3)]
+    two = make_input(grain_config(files, sp_model, grain_worker_count=2).data, 96, 4)
+    two.set_state(state)
+    np.testing.assert_array_equal(np.stack([next(two)["tokens"] for _ in range(2)]), np.stack(after[:2]))
+    back = make_input(grain_config(files, sp_model).data, 96, 4)
+    back.set_state(json.loads(json.dumps(two.get_state())))
+    two.stop_workers()
+    np.testing.assert_array_equal(next(back)["tokens"], after[2])
+
+
 def test_bad_grain_inputs(tmp_path, sp_model):  # noqa: F811
     (tmp_path / "bad.array_record").write_bytes(b"not an array record")
     cases = [("", "dataset_type=grain needs grain_train_files"),

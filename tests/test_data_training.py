@@ -155,6 +155,26 @@ def test_synthetic_eval_goes_to_jsonl_and_tensorboard(tmp_path):
         run(tiny_config(tmp_path / "x", eval_interval=1, eval_steps=-1, enable_checkpointing=False))
 
 
+def test_a_run_stops_its_input_pipelines_workers(tmp_path, monkeypatch):
+    """The trainer stops the training and eval pipelines' workers (grain_worker_count) when the run
+    ends: left to the interpreter's exit, a resumed run's Grain workers printed tracebacks after it."""
+    import tessera.evaluation
+    import tessera.train
+    from tessera.data import make_input
+
+    closed = []
+
+    def tracked(cfg, vocab_size, global_batch, split="train"):
+        data = make_input(cfg, vocab_size, global_batch, split)
+        data.stop_workers = lambda: closed.append(split)
+        return data
+
+    monkeypatch.setattr(tessera.train, "make_input", tracked)
+    monkeypatch.setattr(tessera.evaluation, "make_input", tracked)
+    run(tiny_config(tmp_path, steps=1, eval_interval=1, eval_steps=1, enable_checkpointing=False))
+    assert sorted(closed) == ["eval", "train"]
+
+
 def test_a_batch_the_processes_do_not_divide_names_the_key_that_sets_it(monkeypatch):
     """The pipelines that read only their own rows (hf, grain, tfds) split a batch over the
     processes; a batch they do not divide names its key: the train batch's or the eval batch's."""

@@ -925,6 +925,11 @@ def test_a_resume_onto_other_training_data_says_what_its_saved_position_means(ca
                                schedule, 7, "outputs/x/checkpoints/7")
     assert "hf_eval_files /data/eval1.json -> /data/eval2.json" in caplog.text and "training data changed" not in caplog.text
     assert "learning rate jumps" not in caplog.text  # the same schedule
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):  # other shards (files vs. slices): the position moved silently
+        log_changes_since_save({**saved, "hf_train_files": "/data/new/*.json", "hf_eval_files": "/data/eval2.json",
+                                "hf_streaming": False}, cfg, schedule, 7, "outputs/x/checkpoints/7")
+    assert "the training data changed since step 7 was saved (hf_streaming)" in caplog.text
 
 
 def test_steps_logged_after_reads_the_newest_records_only(tmp_path):

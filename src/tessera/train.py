@@ -30,7 +30,7 @@ from tessera.checkpointing import (Checkpointer, CheckpointError, CheckpointSave
                                    saved_config)
 from tessera.compile_cache import cache_hits, check_cache_folder, loaded_note, use_compilation_cache
 from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
-from tessera.data import DataError, make_input, place_batch, state_to_save
+from tessera.data import DataError, close_input, make_input, place_batch, state_to_save
 from tessera.distributed import (EXIT_DISTRIBUTED, DistributedError, HangWatchdog, check_same_config, initialize,
                                  wait_for_all)
 from tessera.evaluation import Evaluator, at_target
@@ -180,6 +180,9 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
     finally:
         profiler.stop()
         writer.close()
+        close_input(data)
+        if evaluator:
+            close_input(evaluator.data)
     return write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step, clock)
 
 

@@ -19,7 +19,7 @@ from tessera.config import ConfigError, DataConfig
 from tessera.data.errors import DataError
 from tessera.data.synthetic import SyntheticData
 
-__all__ = ["DataError", "SyntheticData", "make_input", "place_batch"]
+__all__ = ["DataError", "SyntheticData", "close_input", "make_input", "place_batch"]
 
 
 log = logging.getLogger("tessera")
@@ -67,6 +67,17 @@ class FirstBatchAgain:
 
     def set_state(self, state: dict) -> None:
         self.data.set_state(state)  # checks the saved state's dataset_type; the batch stays the first one
+
+    def stop_workers(self) -> None:
+        close_input(self.data)
+
+
+def close_input(data) -> None:
+    """Stop the worker processes of an input pipeline (grain_worker_count), if it has any, before
+    the interpreter's exit would (whose clean-up printed tracebacks after a resumed run)."""
+    stop = getattr(data, "stop_workers", None)
+    if stop:
+        stop()
 
 
 def _warn_unread_eval_files(cfg: DataConfig) -> None:

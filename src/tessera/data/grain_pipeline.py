@@ -304,5 +304,47 @@ class GrainData:
         if state.get("type") != self.cfg.dataset_type:
             raise ConfigError(f"the checkpoint's data state is for dataset_type={state.get('type')!r}, not "
                               f"{self.cfg.dataset_type}; resume with the dataset_type the run started with")
-        self._it.set_state(state["source"])
+        self._it.set_state(_for_workers(state["source"], self._it.get_state(), self.cfg.grain_worker_count))
         self.cursor.resume(int(state["offset"]))
+
+    def stop_workers(self) -> None:
+        """Stop the worker processes (grain_worker_count): left to the interpreter's exit, a resumed
+        iterator's clean-up printed tracebacks after the run had ended. (Not `close`: `yield from`
+        calls a `close` when the generator around it is left, as each evaluation leaves its batches.)"""
+        self._it.close()
+
+
+def _workers_in(state: dict) -> int | None:
+    """The worker count a Grain iterator state was saved with: 0 for a plain iterator
+    ({"next_index": n}), W for W worker processes (Grain's interleave of W plain states); None
+    for a state of another shape."""
+    if set(state) == {"next_index"}:
+        return 0
+    workers = state.get("iterators_in_use_states")
+    if isinstance(workers, list) and workers and all(isinstance(w, dict) and set(w) == {"next_index"}
+                                                       for w in workers):
+        return len(workers)
+    return None
+
+
+def _for_workers(saved: dict, own: dict, worker_count: int) -> dict:
+    """A saved Grain position in the shape of this iterator's state `own`. The records come in the same
+    order with any worker count (worker w of W reads records w, w+W, ..., taken in turn), so a position
+    saved with another grain_worker_count is the same number of records read: n = the sum of the
+    workers' positions."""
+    then, now = _workers_in(saved), _workers_in(own)
+    if then == now or then is None or now is None:
+        if then != now:
+            raise ConfigError(f"the checkpoint's grain data position ({sorted(saved)}) does not fit this iterator "
+                              f"(grain_worker_count={worker_count}); resume with the grain_worker_count it was saved "
+                              "with")
+        return saved
+    read = saved["next_index"] if then == 0 else sum(w["next_index"] for w in saved["iterators_in_use_states"])
+    log.info("the data position was saved with grain_worker_count=%d, resumed with %d: %d records read, as before",
+             then, worker_count, read)
+    if now == 0:
+        return {"next_index": read}
+    return {**own, "next_index_in_cycle": read % now, "next_index_in_datasets": now,
+            "iterators_in_use_indices": list(range(now)),
+            "iterators_in_use_states": [{"next_index": read // now + (w < read % now)} for w in range(now)],
+            "exhausted": [0] * now, "future_states": {}}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tessera.config import DataConfig
+from tessera.config import ConfigError, DataConfig
 
 BRANCHING = 4
 
@@ -51,4 +51,7 @@ class SyntheticData:
         return {"type": "synthetic", "step": self.step}
 
     def set_state(self, state: dict) -> None:
+        if state.get("type", "synthetic") != "synthetic":  # {"step": n} alone: a full-state load
+            raise ConfigError(f"the checkpoint's data state is for dataset_type={state['type']!r}, not synthetic; "
+                              "resume with the dataset_type the run started with")
         self.step = int(state["step"])
