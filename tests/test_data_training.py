@@ -10,7 +10,7 @@ import pytest
 from conftest import tiny_config
 from tessera.config import ConfigError
 from tessera.models import build_model
-from tessera.step import loss_sums
+from tessera.losses import loss_sums
 from tessera.train import run
 from test_checkpointing import _train
 from test_data_hf import hf_config, make_docs, write_corpus

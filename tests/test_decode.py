@@ -18,7 +18,7 @@ from tessera.checkpointing import Checkpointer
 from tessera.config import build_config, flat_dict
 from tessera.decode import generate, main, sample
 from tessera.models import BLOCKS, build_model, kv_cache
-from tessera.step import loss_sums
+from tessera.losses import loss_sums
 
 PROMPTS = [[5, 17, 3, 88, 41, 9], [60, 2, 33]]  # different lengths: the second is left-padded
 NEW_TOKENS = 5  # 6 + 5 tokens fit max_target_length=12 of the tiny config

@@ -250,7 +250,8 @@ def test_routed_bias_moves_towards_balance_after_each_step():
     (down for an expert that took more than its share of the token copies, up for one that took less),
     untouched by AdamW's update and weight decay; without routed_bias there is no bias."""
     from tessera.models.moe import PER_LAYER_LOAD
-    from tessera.step import create_state, loss_terms, make_train_step, setup
+    from tessera.losses import loss_terms
+    from tessera.step import create_state, make_train_step, setup
 
     cfg = tiny_config(**FAMILIES["deepseek"], routed_bias_update_rate=0.01, adam_weight_decay=0.5, learning_rate=0.1)
     trainer = setup(cfg, jax.devices()[:1])
@@ -387,7 +388,7 @@ def test_the_estimator_counts_a_dense_model_s_mlp_whatever_the_expert_keys_say()
 def test_moe_blocks_name_their_mlp_tensors_for_custom_remat(dropless):
     """remat_policy=custom's mlpwi* keys reach the experts (the names are in the program) and
     keeping or recomputing them gives the gradients of remat_policy=none."""
-    from tessera.step import loss_sums
+    from tessera.losses import loss_sums
 
     def model_and_grads(**extra):
         cfg = tiny_config(**MOE, sparse_matmul=dropless, **extra)

@@ -15,7 +15,7 @@ from tessera.config.schema import REMAT_POLICIES
 from tessera.models import build_model
 from tessera.models.attention import dot_product_attention
 from tessera.models.attention_choice import select_attention
-from tessera.step import loss_sums
+from tessera.losses import loss_sums
 
 
 def _batch(cfg, seed=0, batch=2):

@@ -20,7 +20,7 @@ from tessera.metrics import format_eval, format_record, matmul_params
 from tessera.models import build_model
 from tessera.models.decoder import MTP_LOAD
 from tessera.models.mtp import chain_weights
-from tessera.step import loss_terms, mtp_terms, target_weights
+from tessera.losses import loss_terms, mtp_terms, target_weights
 from tessera.tools.memory_model import count_params
 from tessera.train import run
 

@@ -528,7 +528,8 @@ def test_train_step_equals_the_textbook_update(clip):
     norm x 1/count; both agree with the plain form up to float32 rounding."""
     import optax
 
-    from tessera.step import loss_sums, make_train_step
+    from tessera.losses import loss_sums
+    from tessera.step import make_train_step
 
     cfg, trainer, state, batch = _one_step_inputs(gradient_clipping_threshold=clip)
     new_state, stats = jax.jit(make_train_step(trainer, 0))(state, batch)

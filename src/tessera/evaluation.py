@@ -31,11 +31,11 @@ from tessera.compile_cache import cache_hits, loaded_note
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
 from tessera.data.packing import stack_rows
+from tessera.losses import cross_entropy_sum, cross_entropy_sum_and_greedy, greedy_tokens, mtp_depths, target_weights
 from tessera.memory_fit import HostBuffers, check_eval_fits
 from tessera.models import ModelDef
 from tessera.models.mtp import chain_weights, shift_left
-from tessera.step import (Trainer, abstract_state, batch_shapes, cross_entropy_sum, cross_entropy_sum_and_greedy,
-                          greedy_tokens, mtp_depths, target_weights)
+from tessera.step import Trainer, abstract_state, batch_shapes
 
 
 def eval_sums(model: ModelDef, params, batch, packed: bool = False) -> dict:

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera import cpu_matmul
 from tessera.cpu_miscompile import check_cpu_mesh
+from tessera.losses import loss_terms
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.unread_keys import keys_without_effect
@@ -31,7 +32,6 @@ from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention_choice import select_attention
 from tessera.models.decoder import MTP_LOAD
 from tessera.models.moe import PER_LAYER_LOAD, describe_routing, update_routed_bias
-from tessera.models.mtp import chain_weights, shift_left
 from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer, schedule_step
 from tessera.seeds import prng_key
@@ -166,133 +166,7 @@ def _check_remat(m, mesh: Mesh) -> None:
             )
 
 
-# --------------------------------------------------------------------------- loss and step
-
-
-def loss_sums(model: ModelDef, params, batch, dropout_key, packed: bool = False):
-    """(sum of token losses, number of target tokens) for a batch (see `loss_terms`)."""
-    return loss_terms(model, params, batch, dropout_key, packed)[:2]
-
-
-def loss_terms(model: ModelDef, params, batch, dropout_key, packed: bool = False):
-    """(sum of token losses, number of target tokens, aux) for a batch of `tokens` [B, T+1].
-
-    Inputs are tokens[:, :-1] and targets tokens[:, 1:]. A target counts only if it is not
-    padding (segment id 0) and belongs to the same segment as its input token. `packed`: rows
-    hold several documents, so attention must use a kernel that honours segment ids. `aux`:
-    the model's auxiliary scalars (MoE load-balancing loss and dropped-token fraction; with
-    mtp_num_layers, the multi-token-prediction loss and its depths' statistics, `mtp_terms`).
-    """
-    tokens, segments = batch["tokens"], batch["segment_ids"]
-    inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], target_weights(segments)
-    x_btd, aux = model.hidden_with_aux(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key,
-                                       packed=packed)
-    loss_sum = cross_entropy_sum(lambda x: model.logits(params, x), x_btd, targets, weights,
-                                 model.cfg.num_vocab_tiling)
-    if model.cfg.mtp_num_layers:
-        aux = {**aux, **mtp_terms(model, params, x_btd, batch, dropout_key, packed)}
-    return loss_sum, jnp.sum(weights).astype(jnp.float32), aux
-
-
-def target_weights(segments_bt):
-    """Which targets of tokens [B, T+1] count: not padding (segment id 0) and in the same segment as
-    their input token."""
-    return (segments_bt[:, 1:] != 0) & (segments_bt[:, 1:] == segments_bt[:, :-1])
-
-
-def mtp_terms(model: ModelDef, params, x_btd, batch, dropout_key, packed: bool = False) -> dict:
-    """The multi-token-prediction depths' aux (`tessera.models.mtp`): "mtp_loss", the mean over
-    depths of each depth's mean cross-entropy (`mtp_depths`), and the depths' MoE statistics
-    ("mtp_moe_...", MTP_LOAD)."""
-    _, aux, sums, counts = mtp_depths(model, params, x_btd, batch, dropout_key, packed)
-    return {**aux, "mtp_loss": jnp.mean(sums / jnp.maximum(counts, 1.0))}
-
-
-def mtp_depths(model: ModelDef, params, x_btd, batch, dropout_key, packed: bool = False):
-    """(hiddens [h^1, ..., h^D], aux, loss sums [D], target counts [D]) of the multi-token-prediction
-    depths on `loss_terms`'s hidden state x: depth k's cross-entropy on the targets k places further
-    on, where a position whose chain of targets leaves the document, or reaches padding, does not
-    count."""
-    tokens, segments = batch["tokens"], batch["segment_ids"]
-    inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], target_weights(segments)
-    hiddens, aux = model.mtp_hidden(params, x_btd, inputs, batch["positions"][:, :-1], segments[:, :-1],
-                                    dropout_key, packed)
-    sums, counts = [], []
-    for k, h_btd in enumerate(hiddens, start=1):
-        w = chain_weights(weights, k)
-        sums.append(cross_entropy_sum(lambda x, k=k: model.logits(params, x, k), h_btd, shift_left(targets, k), w,
-                                      model.cfg.num_vocab_tiling))
-        counts.append(jnp.sum(w).astype(jnp.float32))
-    return hiddens, aux, jnp.stack(sums), jnp.stack(counts)
-
-
-def cross_entropy_sum(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
-    """sum(weights * cross-entropy(logits_fn(x), targets)) over the tokens of x [B, T, D].
-
-    tiles > 1 (num_vocab_tiling): the B*T tokens are split into `tiles` chunks (`token_chunks`)
-    and a scan computes one chunk's logits and loss at a time, recomputing them in the backward
-    pass: logits [B, T, V] never exist at once. `logits_fn` maps [B', T', D] -> [B', T', V]."""
-
-    def chunk(x, t, w):
-        return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_fn(x), t) * w)
-
-    if tiles == 1:
-        return chunk(x_btd, targets_bt, weights_bt)
-    split, _ = token_chunks(x_btd.shape[:2], tiles)
-
-    def body(total, xs):
-        return total + jax.checkpoint(chunk)(*xs), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_btd), split(targets_bt), split(weights_bt)))
-    return total
-
-
-def cross_entropy_sum_and_greedy(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
-    """(`cross_entropy_sum`, `greedy_tokens`) of the same logits, each chunk's computed once
-    (evaluation, no gradient): with tiles > 1 separate calls would compute every chunk twice."""
-
-    def chunk(x, t, w):
-        logits = logits_fn(x)
-        loss = jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits, t) * w)
-        return loss, jnp.argmax(logits, axis=-1)
-
-    if tiles == 1:
-        return chunk(x_btd, targets_bt, weights_bt)
-    split, join = token_chunks(x_btd.shape[:2], tiles)
-
-    def body(total, xs):
-        loss, greedy = chunk(*xs)
-        return total + loss, greedy
-
-    total, greedy = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_btd), split(targets_bt), split(weights_bt)))
-    return total, join(greedy)
-
-
-def greedy_tokens(logits_fn, x_btd, tiles: int = 1):
-    """argmax(logits_fn(x)) [B, T]: the most likely next token at each position of x [B, T, D];
-    with tiles > 1 one chunk of the tokens at a time (`token_chunks`), like `cross_entropy_sum`."""
-    if tiles == 1:
-        return jnp.argmax(logits_fn(x_btd), axis=-1)
-    split, join = token_chunks(x_btd.shape[:2], tiles)
-    return join(jax.lax.map(lambda x: jnp.argmax(logits_fn(x), axis=-1), split(x_btd)))
-
-
-def token_chunks(shape_bt, tiles: int):
-    """(split, join) for num_vocab_tiling: split maps [B, T, ...] to [tiles, B*T/tiles, 1, ...], chunk
-    i holding the tokens j with j % tiles == i (so every chunk keeps the batch's sharding); join
-    maps [tiles, B*T/tiles, 1] back to [B, T]."""
-    b, t = shape_bt
-    if (b * t) % tiles:
-        raise ConfigError(f"num_vocab_tiling={tiles} does not divide the {b} x {t} = {b * t} tokens of the batch; "
-                          "change num_vocab_tiling")
-
-    def split(a):
-        return jnp.moveaxis(a.reshape(b * t // tiles, tiles, 1, *a.shape[2:]), 1, 0)
-
-    def join(a):
-        return jnp.moveaxis(a, 0, 1).reshape(b, t)
-
-    return split, join
+# --------------------------------------------------------------------------- the step
 
 
 def gradient_mean_in_update(platform: str) -> bool:
