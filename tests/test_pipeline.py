@@ -328,6 +328,23 @@ def test_impossible_pipelines_are_refused_before_compiling(overrides, message):
                        "sequence": 1, "tensor": cfg.mesh.ici_tensor_parallelism, "expert": 1})
 
 
+def test_a_stage_group_cutting_a_layer_pair_is_named_as_such():
+    """Gemma 2's 6 layers (3 local/global pairs) in 2 stages: the layer counts multiply out, so the
+    error said "6 must equal 2 x 1 x 3 = 6"; it names the split pair and what fits instead."""
+    gemma2 = dict(decoder_block="gemma2", sliding_window_size=4)
+    mesh = {"data": 1, "stage": 2, "fsdp": 4, "sequence": 1, "tensor": 1, "expert": 1}
+    with pytest.raises(ConfigError, match=r"^num_decoder_layers=6 in 2 pipeline stages x 1 repeats makes stage groups "
+                                          r"of 3 layers, but a group must hold whole blocks of 2 layers \(gemma2\); "
+                                          r"choose a stage count that divides its 3 blocks, or change "
+                                          r"num_decoder_layers$"):
+        plan_run(tiny_config(**{**LAYERS, **gemma2, "base_num_decoder_layers": 6, "ici_pipeline_parallelism": 2}), mesh)
+    with pytest.raises(ConfigError, match=r"groups of 1 layers.*; set num_pipeline_repeats=1 "
+                                          r"num_layers_per_pipeline_stage=4 or num_pipeline_repeats=2 "
+                                          r"num_layers_per_pipeline_stage=2$"):
+        plan_run(tiny_config(**{**LAYERS, **gemma2, "ici_pipeline_parallelism": 2,
+                                "num_layers_per_pipeline_stage": 1}), mesh)
+
+
 def test_pipeline_keys_must_be_positive_or_derived():
     with pytest.raises(ConfigError, match=r"num_pipeline_repeats=0 must be a positive integer or -1"):
         tiny_config(num_pipeline_repeats=0)

@@ -256,16 +256,25 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
         repeats = max(1, layers // (stages * per_stage))
     if per_stage == -1:
         per_stage = max(1, layers // (stages * repeats))
-    if stages * repeats * per_stage != layers or per_stage % per_block:
+    what = f"num_decoder_layers={layers}" if not dense else (
+        f"the {layers} expert layers (num_decoder_layers={m.num_decoder_layers} less first_num_dense_layers="
+        f"{dense}, which run before the pipeline)")
+    if stages * repeats * per_stage != layers:
         unit = f" and a stage group must hold whole blocks of {per_block} layers ({m.decoder_block})" \
             if per_block > 1 else ""
-        what = f"num_decoder_layers={layers}" if not dense else (
-            f"the {layers} expert layers (num_decoder_layers={m.num_decoder_layers} less first_num_dense_layers="
-            f"{dense}, which run before the pipeline)")
         raise ConfigError(
             f"{what} must equal pipeline stages {stages} x num_pipeline_repeats {repeats} x "
             f"num_layers_per_pipeline_stage {per_stage} = {stages * repeats * per_stage}{unit}; change "
             "num_pipeline_repeats / num_layers_per_pipeline_stage (or the stage count)")
+    if per_stage % per_block:  # the product is right, but a group would cut a block (gemma2's local/global pair)
+        blocks = layers // per_block
+        fits = [f"num_pipeline_repeats={r} num_layers_per_pipeline_stage={layers // (stages * r)}"
+                for r in range(1, blocks + 1) if blocks % (stages * r) == 0]
+        fix = (f"set {' or '.join(fits[:3])}" if fits else
+               f"choose a stage count that divides its {blocks} blocks, or change num_decoder_layers")
+        raise ConfigError(
+            f"{what} in {stages} pipeline stages x {repeats} repeats makes stage groups of {per_stage} layers, but a "
+            f"group must hold whole blocks of {per_block} layers ({m.decoder_block}); {fix}")
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
     micro, hop = mesh.num_pipeline_microbatches, 2 if mesh.pipeline_delay_activation_forwarding else 1
     # a circular pipeline's output comes back to stage 0 H*S iterations after it left: M >= H*S
