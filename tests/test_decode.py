@@ -496,6 +496,29 @@ def test_sigterm_stops_decoding_with_one_line_and_exit_143(checkpoint):
     assert "stopped by SIGTERM (exit code 143)" in err and "Traceback" not in err
 
 
+def test_a_mesh_xla_cpu_miscompiles_is_refused_or_decodes_one_devices_tokens(checkpoint, capsys):
+    """data 2 x fsdp 2 x tensor 2 decoded other tokens than one device on CPU, silently (XLA:CPU
+    exchanges rows in the attention's output projection, tessera.cpu_miscompile); training refused
+    that mesh, decoding did not check it. Either it is refused, or its tokens are one device's."""
+    from tessera.cpu_miscompile import einsum_is_right
+    from tessera.mesh import create_mesh
+
+    path, want = checkpoint
+    mesh_keys = ["ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]
+    prompts = [arg for prompt in PROMPTS for arg in ("--tokens", ",".join(map(str, prompt)))]
+    code = main([*CONFIG_ARGS, f"load_parameters_path={path}", *mesh_keys, *prompts,
+                 "--max_new_tokens", str(NEW_TOKENS)])
+    out, err = capsys.readouterr()
+    if not einsum_is_right(create_mesh(tiny_config(ici_data_parallelism=2, ici_fsdp_parallelism=2,
+                                                   ici_tensor_parallelism=2).mesh)):
+        assert code == 2 and out == ""
+        assert re.search(r"config error: on CPU, this jax \(.*\) computes wrong results on a mesh with data 2, fsdp 2, "
+                         r"tensor 2", err), err
+        return
+    assert code == 0, err
+    assert [[int(t) for t in line.split()] for line in out.splitlines()] == want
+
+
 def test_missing_checkpoint_is_a_one_line_error(tmp_path):
     cmd = [sys.executable, "-m", "tessera.decode", *CONFIG_ARGS, f"load_parameters_path={tmp_path / 'nope'}",
            "--tokens", "1,2,3", "--max_new_tokens", "2"]

@@ -242,6 +242,7 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     the new tokens per prompt."""
     import jax
 
+    from tessera.cpu_miscompile import check_cpu_mesh
     from tessera.mesh import create_mesh
 
     if not cfg.checkpoint.load_parameters_path and cfg.checkpoint.load_full_state_path:
@@ -260,6 +261,7 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
         log.warning("%s: no effect at --temperature 0, which decodes greedily; give a --temperature above 0 "
                     "(e.g. 1) to sample", ", ".join(unused))
     mesh = create_mesh(cfg.mesh)
+    check_cpu_mesh(mesh)  # a mesh XLA:CPU computes wrong results on: other tokens than one device's, silently
     decoding = dict(prompts=prompts, max_new_tokens=flags.max_new_tokens, temperature=flags.temperature,
                     top_k=flags.top_k, top_p=flags.top_p)
     model, params, program = load_model(cfg, mesh, decoding)
