@@ -931,6 +931,11 @@ def test_a_resume_onto_other_training_data_says_what_its_saved_position_means(ca
         log_changes_since_save({**saved, "hf_train_files": "/data/new/*.json", "hf_eval_files": "/data/eval2.json",
                                 "hf_streaming": False}, cfg, schedule, 7, "outputs/x/checkpoints/7")
     assert "the training data changed since step 7 was saved (hf_streaming)" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tessera"):  # other tokens per document: the offset into one moved silently
+        log_changes_since_save({**saved, "hf_train_files": "/data/new/*.json", "hf_eval_files": "/data/eval2.json",
+                                "add_bos": False, "add_eos": False}, cfg, schedule, 7, "outputs/x/checkpoints/7")
+    assert "the training data changed since step 7 was saved (add_bos, add_eos)" in caplog.text
 
 
 def test_steps_logged_after_reads_the_newest_records_only(tmp_path):

@@ -182,7 +182,9 @@ MAX_LISTED = 12  # changed settings named in the resume's line
 # position means something else once one of them changes
 DATA_SOURCE_KEYS = ("hf_path", "hf_train_files", "train_split", "dataset_name", "dataset_path", "train_data_columns",
                     "grain_train_files", "grain_file_type", "data_shuffle_seed", "tokenizer_path",
-                    "hf_streaming")  # hf: files streamed are other shards than a converted dataset's slices
+                    "hf_streaming",  # hf: files streamed are other shards than a converted dataset's slices
+                    # other tokens per document: the saved offset into the current document points elsewhere
+                    "tokenizer_type", "add_bos", "add_eos")
 
 
 def _show(value: Any) -> str:
