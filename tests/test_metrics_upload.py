@@ -194,6 +194,26 @@ def test_tensorboard_holds_each_record_as_soon_as_it_is_written(tmp_path):
     writer.close()
 
 
+def test_a_non_finite_value_goes_to_tensorboard_without_a_warning_per_step(tmp_path, caplog):
+    """tensorboardX's `scalar` logged 'NaN or Inf found in input tensor.' for each non-finite value:
+    a line per skipped step of on_nonfinite_loss=skip_step, which the run's own log already explains."""
+    import math
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = metrics.MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb", log_period=1000)
+    with caplog.at_level("WARNING"):
+        for step in (2, 3):
+            writer.write({"step": step, "loss": float("nan"), "grad_norm": float("inf")})
+    writer.close()
+    assert "NaN or Inf" not in caplog.text
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 3]
+    assert all(math.isnan(e.value) for e in events.Scalars("train/loss"))
+    assert [e.value for e in events.Scalars("train/grad_norm")] == [math.inf, math.inf]
+
+
 def test_run_folder_files_blocked_by_the_other_kind_are_refused_before_compiling(tmp_path):
     """A file named tensorboard, or a folder named metrics.jsonl, in the run folder ended a run after
     its compile with a traceback (NotADirectoryError, IsADirectoryError)."""

@@ -110,20 +110,23 @@ class _TensorBoardFile:
     flushed after each record (as metrics.jsonl is). tensorboardX's SummaryWriter writes from a
     thread of its own through a queue of 10 events and flushes every 120 s: when that thread
     died of a full disk, the next `add_scalar` blocked the training loop for ever, and a killed
-    run lost up to two minutes of events."""
+    run lost up to two minutes of events. The summaries are made here too: tensorboardX's `scalar`
+    logged "NaN or Inf found in input tensor." for every non-finite value, a line per skipped step
+    (on_nonfinite_loss=skip_step) that the run's own log already explains; TensorBoard shows NaN."""
 
     def __init__(self, folder: Path):
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
+        from tensorboardX.proto.summary_pb2 import Summary
 
         folder.mkdir(parents=True, exist_ok=True)
-        self._writer, self._event, self._scalar = EventsWriter(str(folder / "events")), Event, scalar
+        self._writer, self._event, self._summary = EventsWriter(str(folder / "events")), Event, Summary
 
     def add_scalars(self, values: dict[str, float], step: int) -> None:
         now = time.time()
         for tag, value in values.items():
-            self._writer.write_event(self._event(summary=self._scalar(tag, value), step=step, wall_time=now))
+            summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))])
+            self._writer.write_event(self._event(summary=summary, step=step, wall_time=now))
         self._writer.flush()
 
     def close(self) -> None:
