@@ -18,7 +18,8 @@ from test_estimate import SEED_004
 from tessera.hardware import DCN_BYTES_PER_S, GPUS
 from tessera.tools.estimate import load_model_config, parse_hardware
 from tessera.tools.memory_model import count_params
-from tessera.tools.plan import DCN_AXES, ICI_AXES, Candidate, Mesh, main, mesh_candidates, plan, search
+from tessera.tools.plan import Candidate, main, mesh_candidates, plan, search
+from tessera.tools.plan_meshes import DCN_AXES, ICI_AXES, Mesh
 from tessera.tools.plan_model import BASE_MFU, TENSOR_MFU, executed_ratio, ici_links
 
 RUN = ["max_target_length=2048", "dtype=bfloat16", "attention=flash"]  # the guide's runs: splash attention, bf16
@@ -412,7 +413,7 @@ def test_long_sequences_plan_a_load_balanced_sequence_split():
 def test_sequence_splits_tried_are_those_splash_serves_balanced():
     """TPU: ways that leave each device >= 1,024 tokens in two whole 128-token parts, and whose query blocks divide a
     part; none without the load balance, none on GPUs."""
-    from tessera.tools.plan import sequence_ways
+    from tessera.tools.plan_meshes import sequence_ways
 
     tpu, gpu = parse_hardware("v5e-64"), parse_hardware("h100-64")
     cfg = load_model_config("llama2-7b", ["max_target_length=4096"])

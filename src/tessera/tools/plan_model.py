@@ -54,7 +54,7 @@ from tessera.tools.estimate import Hardware, rooflines
 from tessera.tools.memory_model import DTYPE_BYTES, count_params, token_mlp_width
 
 if TYPE_CHECKING:
-    from tessera.tools.plan import Mesh
+    from tessera.tools.plan_meshes import Mesh
 
 BASE_MFU = 0.6  # a compute-bound step's share of peak (the recipes' READMEs' assumption)
 TENSOR_MFU = 0.5  # the same with tensor parallelism: part of its all-reduces stays exposed
