@@ -53,13 +53,14 @@ def main() -> None:
     import jax
 
     import tessera.train
+    import tessera.train_loop
     from tessera.config import load_config
 
     seconds: dict[int, list[float]] = {0: [], 1: []}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for lag in (0, 1):
-                tessera.train.METRICS_LAG = lag
+                tessera.train_loop.METRICS_LAG = lag  # the loop's lag (tessera.step_stats)
                 values = {**WORKLOAD, "steps": args.steps, "base_output_directory": tmp, "run_name": f"r{r}_lag{lag}"}
                 cfg = load_config([str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in values.items())],
                                   env={})

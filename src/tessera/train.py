@@ -1,5 +1,5 @@
-"""The training loop, top to bottom: config -> mesh -> model and sharded state -> input ->
-compiled step -> loop with metrics and checkpoints -> report.
+"""A training run, top to bottom: config -> mesh -> model and sharded state -> input ->
+compiled step -> the loop with metrics and checkpoints (`tessera.train_loop`) -> report.
 `python3 train.py configs/base.yml key=value ...`.
 
 Exit codes (the table is in getting_started/Checkpointing.md): 0 finished; 2 bad config, input
@@ -26,29 +26,24 @@ import jax
 import numpy as np
 
 from tessera import host_malloc, metrics
-from tessera.checkpointing import (Checkpointer, CheckpointError, CheckpointSaveError, save_allowance_seconds,
-                                   saved_config)
+from tessera.checkpointing import Checkpointer, CheckpointError, CheckpointSaveError, saved_config
 from tessera.compile_cache import cache_hits, check_cache_folder, loaded_note, use_compilation_cache
 from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
-from tessera.data import DataError, close_input, make_input, place_batch, state_to_save
-from tessera.distributed import (EXIT_DISTRIBUTED, DistributedError, HangWatchdog, check_same_config, initialize,
-                                 wait_for_all)
-from tessera.evaluation import Evaluator, at_target
+from tessera.data import DataError, close_input, make_input
+from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, check_same_config, initialize, wait_for_all
+from tessera.evaluation import Evaluator
 from tessera.job_failure import FailureWatch, end_job, follow_earlier_failure, in_job
 from tessera.loop_records import Profiler, RunClock, StepMeter, steps_logged_after
-from tessera.memory_fit import (
-    EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits, local_devices, out_of_memory,
-    save_buffers, state_advice, state_bytes, state_shapes, step_advice,
-)
+from tessera.memory_fit import (EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits,
+                                out_of_memory, save_buffers, state_advice, state_shapes, step_advice)
 from tessera.mesh import sharding_report
 from tessera.platforms import check_platforms_start
 from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
                                 refuse_unread_checkpoints, write_report)
-from tessera.stop_signals import StopSignal, TerminatedOutsideLoop, TrainingStopped, stop_after_signal
-from tessera.start_state import (changes_since_save, initial_state, saved_config_entries, state_source,
-                                 unread_load_paths)
+from tessera.stop_signals import TerminatedOutsideLoop, TrainingStopped
+from tessera.start_state import changes_since_save, initial_state, state_source, unread_load_paths
 from tessera.step import Trainer, compile_step, init_program, setup
-from tessera.step_stats import METRICS_LAG, StatsReader
+from tessera.train_loop import TrainLoop, local_state_bytes
 
 log = logging.getLogger("tessera")
 
@@ -176,7 +171,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
         first_step=start_step + 1)
     meter, profiler = StepMeter(trainer), Profiler(cfg, run_dir, start_step)
     try:
-        _Loop(cfg, trainer, ckpt, data, evaluator, writer, meter, profiler, clock).run(step_fn, state, start_step)
+        TrainLoop(cfg, trainer, ckpt, data, evaluator, writer, meter, profiler, clock).run(step_fn, state, start_step)
     finally:
         profiler.stop()
         writer.close()
@@ -184,119 +179,6 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
         if evaluator:
             close_input(evaluator.data)
     return write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step, clock)
-
-
-class _Loop:
-    """The steps after `start_step` up to `steps`: each one's metrics (read one step late, see
-    METRICS_LAG), finite check, evaluation, checkpoint and stop on SIGTERM or SIGINT, under the
-    hang watchdog; `clock` gets the time of evaluations, saves and taking batches."""
-
-    def __init__(self, cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, data, evaluator: Evaluator | None,
-                 writer: metrics.MetricsWriter, meter: StepMeter, profiler: Profiler, clock: RunClock):
-        self.cfg, self.trainer, self.ckpt, self.data, self.evaluator = cfg, trainer, ckpt, data, evaluator
-        self.writer, self.meter, self.profiler = writer, meter, profiler
-        self.config_json = saved_config_entries(cfg, trainer.plan.global_batch)
-        self.clock = clock
-        # a save blocks the loop (a synchronous one, or one waiting for the previous save) for longer than a step
-        self.save_allowance = save_allowance_seconds(_local_state_bytes(trainer))
-
-    def run(self, step_fn, state: dict, start_step: int) -> None:
-        cfg, trainer, step = self.cfg, self.trainer, start_step
-        try:
-            with StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
-                stats = StatsReader(cfg, self.writer, self.meter, self.profiler, watchdog, self.ckpt)
-                for step in range(start_step + 1, cfg.run.steps + 1):
-                    if self.profiler.ends_before(step):  # the trace's last step is read (and so done) first
-                        stats.finish()
-                    self.profiler.before_step(step)
-                    with self.clock.taking_input():
-                        batch = place_batch(self.data, next(self.data), trainer.batch_sharding,
-                                            trainer.plan.global_batch)
-                    state, step_stats = step_fn(state, batch)
-                    # The step runs on the device while the host reads the previous step's stats and
-                    # prepares the next batch: metrics are logged one step late (METRICS_LAG).
-                    stats.add(step, step_stats)
-                    stats.finish(keep=METRICS_LAG)
-                    if self._after_step(step, state, stats, stop, watchdog):
-                        break  # target_eval_loss reached
-                if self.ckpt:  # the last save's background write, watched like the saves before it
-                    with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
-                            self.clock.during("checkpoint"):
-                        self.ckpt.wait()
-        except jax.errors.JaxRuntimeError as e:  # a collective whose peer is gone raised instead of hanging
-            _step_failed(step, e, watchdog)
-
-    def _after_step(self, step: int, state: dict, stats: StatsReader, stop: StopSignal,
-                    watchdog: HangWatchdog) -> bool:
-        """Evaluate, save, stop on a signal; True when this step's evaluation reached target_eval_loss
-        (saved, the run ends here)."""
-        cfg, ckpt, last = self.cfg, self.ckpt, step == self.cfg.run.steps
-        evaluating = self.evaluator and (step % cfg.data.eval_interval == 0 or last)
-        stopping = stop.stop_after(step)
-        saving = ckpt and (step % cfg.checkpoint.checkpoint_period == 0 or last or stopping)
-        if evaluating or saving or stopping or last:
-            stats.finish()  # a non-finite step stops the run before anything is evaluated or saved
-        if saving and not (last or stopping) and stats.skipped_since is not None:
-            # skip_step: the state is that of before the skips, which may be broken (a run of them): periodic saves
-            # of it would push the good checkpoints out (max_num_checkpoints_to_keep): the next period saves
-            log.warning("step %d was skipped (non-finite, on_nonfinite_loss=skip_step): its periodic checkpoint is left "
-                        "out, so that skipped steps never replace good checkpoints", step)
-            saving = False
-        reached = False
-        if evaluating:
-            # a signal during a long evaluation must not eat into a preemption's grace period: the
-            # evaluation breaks off (every process of a job after the same batch) and the step is saved
-            with self.clock.during("evaluation"):
-                record = self.evaluator.run(step, state["params"], watchdog.beat,
-                                            interrupted=stop.interrupts_evaluation(step))
-            stopping = stop.stop_after(step)  # a signal during the evaluation stops after this step
-            saving = saving or bool(ckpt and stopping)
-            evaluating = record is not None
-        if evaluating:
-            self.writer.write_eval(record)
-            reached = at_target(cfg.data, record["eval_loss"])
-            if reached and not last:
-                log.info("eval loss %.4f is at or below target_eval_loss=%g: stopping at step %d of %d%s",
-                         record["eval_loss"], cfg.data.target_eval_loss, step, cfg.run.steps,
-                         " (checkpoint saved)" if ckpt else "")
-            saving = saving or (ckpt and reached)
-        if saving:
-            with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
-                    self.clock.during("checkpoint"):
-                data_state = state_to_save(self.data, step, cfg.run.step_timeout_seconds)
-                ckpt.save(step, state, data_state, self.config_json)  # raises if the previous save failed
-        elif ckpt:
-            ckpt.check()  # a background save that failed stops the run now, not at the next save
-        if evaluating or saving:  # every dispatched step was read above: the next one's time starts now
-            self.meter.restart_clock()
-        if stopping:
-            with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
-                    self.clock.during("checkpoint"):
-                stop_after_signal(step, stop, ckpt)
-        return reached
-
-
-def _step_failed(step: int, error: jax.errors.JaxRuntimeError, watchdog: HangWatchdog) -> None:
-    """A step that raised on the device: out of memory (exit 7), or on a multi-process job a
-    collective whose peer is gone (the watchdog ends this process, exit 5)."""
-    oom = out_of_memory(error, f"at step {step}")
-    if jax.process_count() == 1 and oom:
-        raise oom from None
-    if jax.process_count() == 1:
-        raise error
-    follow_earlier_failure()  # a peer that stopped with an error of its own: its code and line, not "lost peer"
-    if oom:  # the other processes stop in their next collective, by their watchdogs
-        watchdog.fail(str(oom), exit_code=EXIT_OUT_OF_MEMORY, kind="memory error")
-    watchdog.fail(_failed_step_message(step, error))
-
-
-def _failed_step_message(step: int, error: Exception) -> str:
-    """What the survivors of a multi-process job say when a step raises instead of hanging."""
-    said = " ".join(str(error).split())[:400]
-    return (f"step {step} of this {jax.process_count()}-process job failed on the device or in a collective "
-            f"(JAX said: {said}). Most often another process of the job died or lost its network: its log says "
-            "why. Ending this process now rather than in JAX's shutdown barrier, which would wait for the lost "
-            "process and then abort")
 
 
 def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, start_step: int,
@@ -309,12 +191,7 @@ def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, star
     beside = cfg.checkpoint.async_checkpointing and cfg.checkpoint.checkpoint_period < cfg.run.steps - start_step
     if evaluation and not beside:
         return HostBuffers()
-    return save_buffers(state_shapes(trainer), _local_state_bytes(trainer), beside and not evaluation)
-
-
-def _local_state_bytes(trainer: Trainer) -> int:
-    """Bytes of the train state on this process's devices (the most of it this process saves)."""
-    return sum(state_bytes(trainer).values()) * len(local_devices(trainer.mesh))
+    return save_buffers(state_shapes(trainer), local_state_bytes(trainer), beside and not evaluation)
 
 
 def format_changed_keys(cfg: Config) -> str:
