@@ -789,3 +789,33 @@ def test_processes_setting_aside_the_same_interrupted_saves_do_not_trip_over_eac
         assert code == 0 and "Traceback" not in err, err[-2000:]
     assert sum(int(out) for out, _, _ in results) == 300  # each moved once
     assert not list(directory.iterdir()) and len(list((tmp_path / "checkpoints_incomplete").iterdir())) == 300
+
+
+def test_a_save_compiles_nothing_for_replicated_arrays(tmp_path):
+    """An array replicated over the devices is saved from one replica whole: Orbax's default cut it into
+    a slice per replica by an eager jit(slice), a program per shape and device compiled at the run's
+    first save (data=2 x fsdp=4 on 8 CPU devices: the loop waited 3 s for a 5.7 MiB state)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "fsdp"))
+    state = {"step": jax.device_put(jnp.int32(3), NamedSharding(mesh, P())),
+             "scale": jax.device_put(jnp.arange(16.0), NamedSharding(mesh, P())),
+             "w": jax.device_put(jnp.ones((8, 12)), NamedSharding(mesh, P("fsdp")))}  # replicated over data
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    ckpt = Checkpointer(tiny_config(tmp_path).checkpoint, str(tmp_path / "ckpt"))
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ckpt.save(1, state, {}, {})
+        ckpt.wait()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    restored = ckpt.restore(1, abstract)[0]
+    ckpt.close()
+    assert all(np.array_equal(restored[k], state[k]) for k in state)
