@@ -640,6 +640,17 @@ def test_the_trace_holds_exactly_profiler_steps_steps(tmp_path):
     assert len(outermost) == 2, spans  # (each dispatch shows as a pair of nested events of that name)
 
 
+def test_writing_the_trace_is_not_counted_in_the_next_step(tmp_path, monkeypatch):
+    """The trace is written (stop_trace, seconds on a large run) with no step in flight: its time went
+    into the next step's step_seconds, a slow step in the metrics that the devices never took."""
+    stop_trace = jax.profiler.stop_trace
+    monkeypatch.setattr(jax.profiler, "stop_trace", lambda: (time.sleep(1.0), stop_trace()))
+    run(tiny_config(tmp_path, steps=5, profiler="xplane", skip_first_n_steps_for_profiler=1, profiler_steps=2),
+        jax.devices()[:1])
+    seconds = {r["step"]: r["step_seconds"] for r in map(json.loads, (tmp_path / "test" / "metrics.jsonl").open())}
+    assert seconds[4] < 0.5, seconds  # the trace held steps 2 and 3
+
+
 def test_a_profile_window_after_the_last_step_is_said_at_the_start(tmp_path, caplog):
     """A window past the run's end writes no trace, and one the run's end cuts short holds fewer
     steps than asked: both are said at the start (the short one, before, was not)."""

@@ -92,9 +92,12 @@ class Profiler:
         `profiler_steps` steps, not a part of the next one too."""
         return self.active and step == self.last + 1
 
-    def after_step(self, step: int) -> None:
+    def after_step(self, step: int) -> bool:
+        """Stop the trace after its last step; True when it stopped (writing it took time that is no step's)."""
         if self.active and step == self.last:
             self.stop()
+            return True
+        return False
 
     def stop(self) -> None:
         if self.active:

@@ -51,7 +51,8 @@ class StatsReader:
             stats = jax.device_get(stats)  # waits for that step only
             self.watchdog.beat()
             self.writer.write(self.meter.record(step, stats))
-            self.profiler.after_step(step)
+            if self.profiler.after_step(step):  # the trace was written with no step in flight (ends_before)
+                self.meter.restart_clock()  # its time is not the next step's
             finite = bool(stats["finite"])
             self.skipped_since = None if finite else self.skipped_since or step
             check_finite(self.cfg, step, stats, self.ckpt, self.skipped_since)
