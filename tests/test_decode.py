@@ -299,6 +299,25 @@ def test_generation_stops_rows_at_eos(llama):
     assert stopped[0] == first
 
 
+def test_generating_again_with_the_same_shapes_compiles_nothing(llama):
+    """Programs are kept per model, prompt width, cache length and sampling settings (Decode.md): the
+    empty KV cache was made by a new jitted lambda per call, compiled again at every `generate`."""
+    model, params = llama
+    generate(model, params, PROMPTS, NEW_TOKENS)
+    compiles = []
+
+    def listen(event, seconds, **_):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        generate(model, params, PROMPTS, NEW_TOKENS, seed=1)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles == []
+
+
 def test_sampling_is_reproducible_and_stays_in_the_top_k(llama):
     logits_bv = 3.0 * jax.random.normal(jax.random.key(0), (4, 96))
     draws = np.asarray(jax.vmap(lambda k: sample(logits_bv, k, 1.5, 5))(jax.random.split(jax.random.key(1), 200)))

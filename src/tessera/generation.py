@@ -128,11 +128,19 @@ def batch_ways(mesh) -> int:
 def empty_cache(model: ModelDef, rows: int, tokens: int):
     """The empty KV cache for decoding `rows` prompts of up to `tokens` tokens, created split over
     the current mesh (`KVCache.shard_tree`): no device ever holds more than its part."""
+    return _jitted_empty_cache()(model, rows, tokens)
+
+
+@functools.cache
+def _jitted_empty_cache():
+    """One jitted function for every `empty_cache`: a new one per call was a program compiled at every
+    `generate` call, for the same model and cache shape too."""
     import jax
 
     from tessera.models.kv_cache import KVCache
 
-    return jax.jit(lambda: KVCache.shard_tree(model.init_cache(rows, tokens)))()
+    return jax.jit(lambda model, rows, tokens: KVCache.shard_tree(model.init_cache(rows, tokens)),
+                   static_argnums=(0, 1, 2))
 
 
 def _inputs_sharding():
