@@ -891,10 +891,29 @@ def test_a_stop_signal_during_an_evaluation_saves_without_finishing_it(tmp_path,
     with caplog.at_level("INFO", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
         run(cfg, jax.devices()[:1])
     assert stopped.value.exit_code == 143 and len(calls) == 3
-    assert "evaluation of step 2 stopped after 3 batch(es) by the stop signal: not recorded" in caplog.text
+    # batch 3 was dispatched when the signal came; batch 2 was the last read (the host is one batch ahead)
+    assert "evaluation of step 2 stopped after 2 batch(es) by the stop signal: not recorded" in caplog.text
     records = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2] and not any("eval_loss" in r for r in records)
     assert Checkpointer(cfg.checkpoint, str(tmp_path / "test" / "checkpoints")).latest_step() == 2
+
+
+def test_an_evaluation_dispatches_each_batch_before_reading_the_last(tmp_path, monkeypatch):
+    """The host read each eval batch's sums before it prepared and dispatched the next, so the device
+    waited for the host at every eval batch; now it is one batch ahead, as in training, and never past
+    eval_steps."""
+    from tessera import evaluation
+
+    events = []
+    place_batch, device_get = evaluation.place_batch, jax.device_get
+    monkeypatch.setattr(evaluation, "place_batch", lambda *a: (events.append("place"), place_batch(*a))[1])
+    monkeypatch.setattr(evaluation.jax, "device_get", lambda x: (events.append("read"), device_get(x))[1])
+    run(tiny_config(tmp_path, steps=1, eval_interval=1, eval_steps=3), jax.devices()[:1])
+    first = events.index("place")
+    assert events[first:first + 6] == ["place", "place", "read", "place", "read", "read"], events
+    assert events.count("place") == 3  # no batch past eval_steps
+    record = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").open()][-1]
+    assert record["eval_batches"] == 3
 
 
 def test_changes_since_save_compare_as_the_checkpoint_stored_them():

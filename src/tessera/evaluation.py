@@ -17,6 +17,7 @@ its guess that often.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -174,6 +175,22 @@ class Evaluator:
             while True:
                 yield padding
 
+    def _sums(self, params):
+        """Each eval batch's sums (`eval_sums`) on the host, in order. Batch k+1 is placed and dispatched
+        before batch k's sums are read, as the loop's steps are (the device does not wait while the host
+        prepares a batch), and never a batch past `eval_steps`; a caller that stops early leaves at most
+        one batch computed in vain."""
+        ahead = None
+        batches = self._batches() if self.steps < 0 else itertools.islice(self._batches(), self.steps)
+        for host_batch in batches:
+            batch = place_batch(self.data, host_batch, self.trainer.batch_sharding, self.trainer.plan.eval_batch)
+            sums = self.step_fn(params, batch)
+            if ahead is not None:
+                yield jax.device_get(ahead)
+            ahead = sums
+        if ahead is not None:
+            yield jax.device_get(ahead)
+
     def run(self, step: int, params, beat: Callable[[], None] = lambda: None,
             interrupted: Callable[[int], bool] = lambda batches: False) -> dict | None:
         """{'step', 'eval_loss', 'eval_perplexity', 'eval_tokens', 'eval_batches', 'eval_seconds'}, with
@@ -185,9 +202,7 @@ class Evaluator:
         self.data.set_state(self.start)
         totals, batches = {}, 0
         with jax.set_mesh(self.trainer.mesh):
-            for host_batch in self._batches():
-                batch = place_batch(self.data, host_batch, self.trainer.batch_sharding, self.trainer.plan.eval_batch)
-                sums = jax.device_get(self.step_fn(params, batch))
+            for sums in self._sums(params):
                 if sums["rows"] == 0:  # every process's share of the eval data has ended
                     break
                 totals = {k: totals.get(k, 0.0) + np.asarray(v, np.float64) for k, v in sums.items()}
