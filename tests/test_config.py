@@ -832,6 +832,20 @@ def test_other_optimizers_and_decodings_keys_are_named_in_training():
     assert keys_without_effect(muon, {"fsdp": 8}) == []  # muon's AdamW part reads adam_*
 
 
+def test_latent_attention_keys_on_another_family_are_named():
+    """q_lora_rank, kv_lora_rank and the MLA head widths size deepseek's latent attention only; on a llama
+    or mixtral they were accepted without a word (Models.md: a family key set for a model that does not
+    read it is named in a start-up warning)."""
+    from tessera.config.unread_keys import keys_without_effect
+
+    llama = load_config([BASE, "q_lora_rank=16", "kv_lora_rank=32", "v_head_dim=16"], env={})
+    assert keys_without_effect(llama, {"fsdp": 8}) == [
+        "q_lora_rank=16, kv_lora_rank=32, v_head_dim=16: no effect, they size decoder_block=deepseek's latent "
+        "attention (MLA); decoder_block=llama2's heads are head_dim=64 wide"]
+    deepseek = load_config([BASE, "model_name=deepseek-small", "q_lora_rank=16", "kv_lora_rank=32"], env={})
+    assert keys_without_effect(deepseek, {"fsdp": 8}) == []
+
+
 def test_a_final_learning_rate_above_the_peak_is_refused():
     with pytest.raises(ConfigError, match="cosine_learning_rate_final_fraction"):
         load_config([BASE, "cosine_learning_rate_final_fraction=2"], env={})

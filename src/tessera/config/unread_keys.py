@@ -60,6 +60,7 @@ EXPERT_KEYS = ("shared_experts", "base_moe_mlp_dim", "routed_score_func", "route
                "ragged_buffer_factor", "load_balance_loss_weight")
 TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor_scale")
 ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS)
+MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def _family_keys(m, changed: dict) -> list[str]:
@@ -82,6 +83,9 @@ def _family_keys(m, changed: dict) -> list[str]:
         if not (m.sparse_matmul or m.megablox) and "ragged_buffer_factor" in changed:
             lines.append(f"{_listed(['ragged_buffer_factor'], changed)}: no effect with capacity routing; it sizes "
                          "dropless routing's buffer (sparse_matmul=true or megablox=true)")
+    if m.decoder_block != "deepseek" and (keys := [k for k in MLA_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, they size decoder_block=deepseek's latent attention (MLA); "
+                     f"decoder_block={m.decoder_block}'s heads are head_dim={m.head_dim} wide")
     if not m.temperature_tuning and (keys := [k for k in TEMPERATURE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without temperature_tuning=true (decoder_block=llama4)")
     if not m.mtp_num_layers and "mtp_loss_scaling_factor" in changed:
