@@ -846,6 +846,23 @@ def test_latent_attention_keys_on_another_family_are_named():
     assert keys_without_effect(deepseek, {"fsdp": 8}) == []
 
 
+def test_llama3_rope_band_factors_without_llama3_scaling_are_named():
+    """rope_low_freq_factor and rope_high_freq_factor are read by rope_scaling=llama3 only; with none,
+    linear or yarn (or on gpt3) they were accepted without a word."""
+    from tessera.config.unread_keys import keys_without_effect
+
+    plain = load_config([BASE, "rope_high_freq_factor=2"], env={})
+    assert keys_without_effect(plain, {"fsdp": 8}) == ["rope_high_freq_factor=2.0: no effect with rope_scaling=none"]
+    gemma3 = load_config([BASE, "model_name=gemma3-4b", "rope_low_freq_factor=2", "rope_high_freq_factor=8"], env={})
+    assert keys_without_effect(gemma3, {"fsdp": 8}) == [
+        "rope_low_freq_factor=2.0, rope_high_freq_factor=8.0: no effect with rope_scaling=linear"]
+    gpt3 = load_config([BASE, "model_name=gpt3-52k", "rope_low_freq_factor=2"], env={})
+    assert keys_without_effect(gpt3, {"fsdp": 8}) == [
+        "rope_low_freq_factor=2.0: no effect, decoder_block=gpt3 adds position embeddings and has no rotary embedding"]
+    llama3 = load_config([BASE, "model_name=llama3.1-8b", "rope_low_freq_factor=2", "rope_high_freq_factor=8"], env={})
+    assert keys_without_effect(llama3, {"fsdp": 8}) == []
+
+
 def test_a_final_learning_rate_above_the_peak_is_refused():
     with pytest.raises(ConfigError, match="cosine_learning_rate_final_fraction"):
         load_config([BASE, "cosine_learning_rate_final_fraction=2"], env={})

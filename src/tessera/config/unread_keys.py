@@ -59,7 +59,9 @@ EXPERT_KEYS = ("shared_experts", "base_moe_mlp_dim", "routed_score_func", "route
                "routed_bias_update_rate", "n_routing_groups", "topk_routing_group", "norm_topk_prob",
                "ragged_buffer_factor", "load_balance_loss_weight")
 TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor_scale")
-ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS)
+LLAMA3_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
+ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS,
+             *LLAMA3_ROPE_KEYS)
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -96,7 +98,8 @@ def _family_keys(m, changed: dict) -> list[str]:
     else:
         unread = [k for k in YARN_KEYS if k in changed and m.rope_scaling != "yarn"] + \
             [k for k in ("rope_scaling_factor",) if k in changed and m.rope_scaling == "none"] + \
-            [k for k in ("rope_original_max_position",) if k in changed and m.rope_scaling in ("none", "linear")]
+            [k for k in ("rope_original_max_position",) if k in changed and m.rope_scaling in ("none", "linear")] + \
+            [k for k in LLAMA3_ROPE_KEYS if k in changed and m.rope_scaling != "llama3"]
         if unread:
             lines.append(f"{_listed(unread, changed)}: no effect with rope_scaling={m.rope_scaling}")
     return lines
