@@ -268,6 +268,7 @@ def test_counts_match_the_model_we_build_with_mtp(family):
 
 @pytest.mark.parametrize("keys,message", [
     (dict(FAMILIES["gemma2"], mtp_num_layers=1), "gemma2's blocks hold 2 layers"),
+    (dict(FAMILIES["llama4"], mtp_num_layers=1), r"llama4's blocks hold 4 layers \(3 chunked rotary and 1 NoPE\)"),
     (dict(mtp_num_layers=12), "leaves nothing to predict"),
     (dict(mtp_num_layers=1, ici_pipeline_parallelism=2, ici_fsdp_parallelism=1), "not supported with pipeline"),
     (dict(mtp_num_layers=2, mtp_eval_target_module=3), "but it has 2 .* use 1 to 2, or 0"),

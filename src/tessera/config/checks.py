@@ -117,6 +117,8 @@ def _validate_run_name(name: str) -> None:
 def _validate_mtp(cfg: Config) -> None:
     """Multi-token prediction: a family of one layer per block, no pipeline, room in the sequence."""
     from tessera.config.derived import LAYERS_PER_BLOCK
+    pattern = {"gemma2": "local and global", "gemma3": "5 local and 1 global", "gpt_oss": "local and global",
+                     "llama4": "3 chunked rotary and 1 NoPE"}
 
     m, depth = cfg.model, cfg.model.mtp_num_layers
     target = m.mtp_eval_target_module
@@ -130,7 +132,7 @@ def _validate_mtp(cfg: Config) -> None:
     if LAYERS_PER_BLOCK.get(m.decoder_block, 1) != 1:
         raise ConfigError(f"mtp_num_layers={depth}: multi-token prediction adds one decoder layer per depth, but "
                           f"decoder_block={m.decoder_block}'s blocks hold {LAYERS_PER_BLOCK[m.decoder_block]} layers "
-                          "(local and global); set mtp_num_layers=0")
+                          f"({pattern[m.decoder_block]}); set mtp_num_layers=0")
     if cfg.mesh.ici_pipeline_parallelism > 1 or cfg.mesh.dcn_pipeline_parallelism > 1:
         raise ConfigError(f"mtp_num_layers={depth} is not supported with pipeline parallelism (its layers would "
                           "run after the last stage); set mtp_num_layers=0 or ici/dcn_pipeline_parallelism=1")
