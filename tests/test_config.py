@@ -863,6 +863,17 @@ def test_llama3_rope_band_factors_without_llama3_scaling_are_named():
     assert keys_without_effect(llama3, {"fsdp": 8}) == []
 
 
+def test_bias_keys_on_gpt3_are_named():
+    """gpt3 always has its attention and MLP biases: attention_bias=true or mlp_bias=true on it was
+    accepted without a word."""
+    from tessera.config.unread_keys import keys_without_effect
+
+    gpt3_biases = load_config([BASE, "model_name=gpt3-52k", "attention_bias=true", "mlp_bias=true"], env={})
+    assert keys_without_effect(gpt3_biases, {"fsdp": 8}) == [
+        "attention_bias=True, mlp_bias=True: no effect, decoder_block=gpt3 always has biases on its attention and MLP "
+        "projections"]
+
+
 def test_a_final_learning_rate_above_the_peak_is_refused():
     with pytest.raises(ConfigError, match="cosine_learning_rate_final_fraction"):
         load_config([BASE, "cosine_learning_rate_final_fraction=2"], env={})

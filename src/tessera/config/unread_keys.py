@@ -85,6 +85,9 @@ def _family_keys(m, changed: dict) -> list[str]:
         if not (m.sparse_matmul or m.megablox) and "ragged_buffer_factor" in changed:
             lines.append(f"{_listed(['ragged_buffer_factor'], changed)}: no effect with capacity routing; it sizes "
                          "dropless routing's buffer (sparse_matmul=true or megablox=true)")
+    if m.decoder_block == "gpt3" and (keys := [k for k in ("attention_bias", "mlp_bias") if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, decoder_block=gpt3 always has biases on its attention "
+                     "and MLP projections")
     if m.decoder_block != "deepseek" and (keys := [k for k in MLA_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect, they size decoder_block=deepseek's latent attention (MLA); "
                      f"decoder_block={m.decoder_block}'s heads are head_dim={m.head_dim} wide")
