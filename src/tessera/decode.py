@@ -190,8 +190,10 @@ def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight
 
 def _memory_advice(shared: bool, cache: bool = False, kv_quant: str = "") -> str:
     """What makes decoding fit; `cache`: the KV cache is a tenth of the need or more; `kv_quant`: the
-    type it is quantized to already ("": not quantized)."""
-    smaller = {"": " or set quantize_kvcache=true", "int8": " or set kv_quant_dtype=int4"}.get(kv_quant, "")
+    type it is quantized to already ("": not quantized). XLA:CPU (`shared`) stores int4 in a byte per
+    value, as int8: int4 is not offered there."""
+    smaller = {"": " or set quantize_kvcache=true", "int8": "" if shared else " or set kv_quant_dtype=int4"}
+    smaller = smaller.get(kv_quant, "")
     ways = [f"decode fewer prompts at once, lower --max_new_tokens{smaller}"] if cache else []
     if not shared:  # CPU devices share the host's memory: more of them do not help
         ways.append("shard the parameters over more devices (ici_fsdp_parallelism or ici_tensor_parallelism)")
