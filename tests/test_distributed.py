@@ -533,6 +533,34 @@ def test_an_error_after_another_process_failed_leaves_with_that_process_code(mon
             "(exit code 143)") in capsys.readouterr().err
 
 
+def test_process_0_gives_the_others_time_to_leave_after_they_read_its_error(monkeypatch):
+    """Process 0 hosts the coordination service, which stops when it leaves: a process that had
+    acknowledged the error but not yet exited (a loaded host) was aborted by JAX's error poll in
+    C++ (SIGABRT, exit -6 instead of the job's 4; seen in CI on processes started with different
+    configs). After the acknowledgements process 0 now waits LEAVE_GRACE_SECONDS; with none, not."""
+    from tessera import job_failure
+
+    class Store:  # the coordinator's key-value store; `acked`: the other processes that read the error
+        def __init__(self, acked):
+            self.kv = {job_failure.ACK_PREFIX + str(p): "1" for p in acked}
+
+        def key_value_set(self, key, value):
+            self.kv[key] = value
+
+        def blocking_key_value_get(self, key, wait_ms):
+            if key not in self.kv:
+                raise RuntimeError("DEADLINE_EXCEEDED")
+            return self.kv[key]
+
+    for acked, slept in (([1, 2], [job_failure.LEAVE_GRACE_SECONDS]), ([], [])):
+        store, left, sleeps = Store(acked), [], []
+        monkeypatch.setattr(job_failure, "_client", lambda: (store, 0, 3))
+        monkeypatch.setattr(job_failure, "_leave", left.append)
+        monkeypatch.setattr(job_failure.time, "sleep", sleeps.append)
+        job_failure.end_job(4, "distributed start-up error: ...")
+        assert left == [4] and sleeps == slept and job_failure.LEAVE_GRACE_SECONDS >= 1.0
+
+
 _MEET = """
 import os, sys, time
 sys.path.insert(0, {src!r})

@@ -18,7 +18,7 @@ prints `job error: process 1 stopped with: data error: ...; this process stops t
 and leaves with the same exit code. A process whose own collective failed because the failing
 one left first reads the key before saying anything (`follow_earlier_failure`). Process 0 hosts
 the coordinator, so when it is the one that fails it first waits (up to ACK_SECONDS) for the
-others to say they read the key.
+others to say they read the key, then LEAVE_GRACE_SECONDS for them to be gone.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ FAILED_KEY = "tessera/failed"
 ACK_PREFIX = "tessera/failed_read/"
 POLL_SECONDS = 1.0
 ACK_SECONDS = 10.0
+# after the others acknowledged, process 0 gives them this long to leave: its exit stops the coordination
+# service, and a process still alive then is aborted by JAX's error poll in C++ (SIGABRT, not its exit code)
+LEAVE_GRACE_SECONDS = 1.0
 
 
 def _client():
@@ -72,14 +75,17 @@ def end_job(code: int, line: str, wait_for_others: bool = False) -> None:
             _say_following(*found)
     _acknowledge(client, me)  # (a process that fails too knows of it: process 0 need not wait for it)
     if me == 0 or wait_for_others:  # process 0, the coordinator, leaves with this process: the others read first
-        wait_ms = int(ACK_SECONDS * 1000)
+        wait_ms, read = int(ACK_SECONDS * 1000), 0
         for other in range(count):
             if other == me:
                 continue
             try:
                 client.blocking_key_value_get(f"{ACK_PREFIX}{other}", wait_ms)
+                read += 1
             except Exception:  # noqa: BLE001 - that process is gone or stuck; it is not waited for again
                 wait_ms = 1
+        if me == 0 and read:  # they leave right after acknowledging; on a loaded host that can take a moment
+            time.sleep(LEAVE_GRACE_SECONDS)
     _leave(code)
 
 
