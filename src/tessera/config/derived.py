@@ -235,6 +235,18 @@ class PipelineLayout:
                 f"{self.hop * (self.stages - 1)}/{self.iterations} = {100 * self.bubble:.1f}% of the iterations")
 
 
+def _cut_block_message(what: str, layers: int, stages: int, repeats: int, per_stage: int, per_block: int,
+                       block: str) -> str:
+    """Why stage groups of `per_stage` layers cut the family's blocks of `per_block`, and the layouts that fit."""
+    blocks = layers // per_block
+    fits = [f"num_pipeline_repeats={r} num_layers_per_pipeline_stage={layers // (stages * r)}"
+            for r in range(1, blocks + 1) if blocks % (stages * r) == 0]
+    fix = (f"set {' or '.join(fits[:3])}" if fits else
+           f"choose a stage count that divides its {blocks} blocks, or change num_decoder_layers")
+    return (f"{what} in {stages} pipeline stages x {repeats} repeats makes stage groups of {per_stage} layers, but a "
+            f"group must hold whole blocks of {per_block} layers ({block}); {fix}")
+
+
 def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> PipelineLayout | None:
     """The pipeline of a mesh with a stage axis (None without one), for batches of `rows`
     sequences (the global batch over gradient_accumulation_steps). ConfigError when the layers
@@ -267,14 +279,7 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
             f"num_layers_per_pipeline_stage {per_stage} = {stages * repeats * per_stage}{unit}; change "
             "num_pipeline_repeats / num_layers_per_pipeline_stage (or the stage count)")
     if per_stage % per_block:  # the product is right, but a group would cut a block (gemma2's local/global pair)
-        blocks = layers // per_block
-        fits = [f"num_pipeline_repeats={r} num_layers_per_pipeline_stage={layers // (stages * r)}"
-                for r in range(1, blocks + 1) if blocks % (stages * r) == 0]
-        fix = (f"set {' or '.join(fits[:3])}" if fits else
-               f"choose a stage count that divides its {blocks} blocks, or change num_decoder_layers")
-        raise ConfigError(
-            f"{what} in {stages} pipeline stages x {repeats} repeats makes stage groups of {per_stage} layers, but a "
-            f"group must hold whole blocks of {per_block} layers ({m.decoder_block}); {fix}")
+        raise ConfigError(_cut_block_message(what, layers, stages, repeats, per_stage, per_block, m.decoder_block))
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
     micro, hop = mesh.num_pipeline_microbatches, 2 if mesh.pipeline_delay_activation_forwarding else 1
     # a circular pipeline's output comes back to stage 0 H*S iterations after it left: M >= H*S
