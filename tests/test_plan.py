@@ -270,6 +270,9 @@ def test_compile_confirms_on_the_tpu_compiler_and_writes_a_runnable_recipe(tmp_p
     dry = subprocess.run(["bash", "recipes/tiny.sh", "DRY_RUN=1", "PLATFORM=gke"], capture_output=True, text=True,
                          cwd=tmp_path, timeout=60)
     assert dry.returncode == 0, dry.stderr
+    with_sh = subprocess.run(["sh", "recipes/tiny.sh", "DRY_RUN=1", "PLATFORM=gke"], capture_output=True, text=True,
+                             cwd=tmp_path, timeout=60)  # a POSIX shell: the recipe runs itself again under bash
+    assert with_sh.returncode == 0 and with_sh.stdout == dry.stdout, with_sh.stderr
     command = next(line for line in dry.stdout.splitlines() if " train.py " in line)
     for key in (*best["mesh"], f"remat_policy={best['remat']}", "per_device_batch_size=2", "base_emb_dim=256"):
         assert key in command.split(), key

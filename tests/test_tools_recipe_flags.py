@@ -53,3 +53,16 @@ def test_variable_arguments_replace_the_recipes_exports():
     # the recipe's own settings stay the recipe's: its VM count and the run name it derives
     got = dry_run("gpu/a3/llama_2_7B/2vm", "NNODES=4", "M_RUN_NAME=other")
     assert got["NNODES"] == "2" and got["M_RUN_NAME"] == "t"
+
+
+def test_every_recipe_started_with_sh_runs_as_with_bash():
+    """`sh recipe.sh` started a POSIX shell (dash on Debian): "Bad substitution", "source: not found", exit 127.
+    Each recipe now runs itself again under bash, so both print the same dry run."""
+    recipes = sorted(p for p in (REPO / "configs").rglob("*.sh") if p.name != "run_recipe.sh")
+    assert len(recipes) > 30
+    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    for recipe in recipes:
+        runs = [subprocess.run([shell, str(recipe), "DRY_RUN=1", "RUN_NAME=t"], capture_output=True, text=True,
+                               env=clean, cwd="/", timeout=60) for shell in ("sh", "bash")]
+        assert runs[0].returncode == runs[1].returncode == 0, (recipe, runs[0].stderr)
+        assert runs[0].stdout == runs[1].stdout and "train.py" in runs[0].stdout, recipe

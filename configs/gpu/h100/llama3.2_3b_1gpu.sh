@@ -7,6 +7,7 @@
 #   bash configs/gpu/h100/llama3.2_3b_1gpu.sh RUN_NAME=my_run OUTPUT_PATH=outputs
 #   bash configs/gpu/h100/llama3.2_3b_1gpu.sh DRY_RUN=1        # print what would run
 # Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh recipe.sh` starts a POSIX shell: run under bash
 set -e
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 

@@ -11,6 +11,7 @@
 #   bash configs/tpu/v5p/deepseek_v3.sh EXECUTABLE=train_compile      # AOT-compile for v5p-1024 on any host
 #   bash configs/tpu/v5p/deepseek_v3.sh DRY_RUN=1                     # print what would run
 # Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh recipe.sh` starts a POSIX shell: run under bash
 set -e
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 

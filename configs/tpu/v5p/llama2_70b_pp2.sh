@@ -10,6 +10,7 @@
 #   bash configs/tpu/v5p/llama2_70b_pp2.sh EXECUTABLE=train_compile   # AOT-compile for 2 x v5p-128 on any host
 #   bash configs/tpu/v5p/llama2_70b_pp2.sh DRY_RUN=1                  # print what would run
 # Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh recipe.sh` starts a POSIX shell: run under bash
 set -e
 NUM_SLICES=${NUM_SLICES:-2}  # the recipe's slice count (EXECUTABLE=train_compile compiles for it)
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"

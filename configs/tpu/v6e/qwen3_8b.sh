@@ -7,6 +7,7 @@
 #   bash configs/tpu/v6e/qwen3_8b.sh EXECUTABLE=train_compile      # AOT-compile for v6e-256 on any host
 #   bash configs/tpu/v6e/qwen3_8b.sh DRY_RUN=1                     # print what would run
 # Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh recipe.sh` starts a POSIX shell: run under bash
 set -e
 source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 

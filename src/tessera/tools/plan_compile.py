@@ -170,6 +170,7 @@ def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list
         f"#   bash {path.relative_to(CONFIGS.parent) if path.is_relative_to(CONFIGS.parent) else path} "
         "RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs PLATFORM=gke",
         "# Settings (KEY=VALUE) are described in configs/run_recipe.sh.",
+        '[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh recipe.sh` starts a POSIX shell: run under bash',
         "set -e",
         # before run_recipe.sh, which sets NUM_SLICES=1 when it is unset: after it, this line changed nothing
         f"NUM_SLICES=${{NUM_SLICES:-{hw.num_slices}}}  # the recipe's slice count (EXECUTABLE=train_compile compiles "

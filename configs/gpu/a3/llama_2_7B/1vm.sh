@@ -6,6 +6,7 @@
 #   bash configs/gpu/a3/llama_2_7B/1vm.sh RUN_NAME=my_run OUTPUT_PATH=gs://my-bucket/runs
 #   bash configs/gpu/a3/llama_2_7B/1vm.sh DRY_RUN=1          # print what would run
 # Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh recipe.sh` starts a POSIX shell: run under bash
 set -e
 source "$(dirname "${BASH_SOURCE[0]}")/../../../run_recipe.sh" "$@"
 

@@ -9,6 +9,7 @@
 #       JAX_COORDINATOR_IP=10.0.0.2 NODE_RANK=0
 #   bash configs/gpu/a3/llama_2_7B/8vm.sh DRY_RUN=1          # print what would run
 # Settings (KEY=VALUE) are described in configs/run_recipe.sh.
+[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh recipe.sh` starts a POSIX shell: run under bash
 set -e
 source "$(dirname "${BASH_SOURCE[0]}")/../../../run_recipe.sh" "$@"
 
