@@ -158,11 +158,14 @@ def test_with_evaluation_the_eval_step_is_compiled_and_must_fit_too(tmp_path, ca
     assert report["eval_step"]["eval_batch"] == 64 and report["eval_step"]["total_bytes"] > report["budget_bytes"]
 
 
-def test_multi_slice_mesh_puts_data_parallelism_across_slices(tmp_path):
+def test_multi_slice_mesh_puts_data_parallelism_across_slices(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="tessera")
     cfg = build_config({**TINY, "compile_topology": "v5e-4", "compile_topology_num_slices": 2,
                         "dcn_data_parallelism": -1})
     r = compile_for_topology(cfg)
     assert r.num_devices == 8 and r.mesh["data"] == 2 and r.mesh["fsdp"] == 4 and r.fits
+    # the progress line names the slices (it said "v5e-4 (8 devices)", as if one slice had 8 chips)
+    assert "lowering and compiling the train step for v5e-4 x2 (8 devices)" in caplog.text
 
 
 def test_num_slices_other_than_the_devices_slices_is_refused(tmp_path, capsys):

@@ -152,11 +152,12 @@ def compile_for_topology(cfg: Config) -> CompileReport:
         pipeline={} if trainer.plan.pipeline is None else {
             **dataclasses.asdict(trainer.plan.pipeline), "bubble": round(trainer.plan.pipeline.bubble, 4)},
     )
+    slices = f"{topology.name} x{c.compile_topology_num_slices}" if c.compile_topology_num_slices > 1 else topology.name
     log.info("lowering and compiling the train step for %s (%d devices); XLA's TPU compiler can take minutes",
-             topology.name, len(devices))
+             slices, len(devices))
     start = time.perf_counter()
     try:
-        with Heartbeat(f"compiling for {topology.name}", HEARTBEAT_SECONDS, emit=log.info):
+        with Heartbeat(f"compiling for {slices}", HEARTBEAT_SECONDS, emit=log.info):
             compiled, seconds = compile_step(trainer, cfg.run.init_weights_seed)
         if c.compiled_trainstep_file:
             save_compiled(compiled, c.compiled_trainstep_file)
