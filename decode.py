@@ -1,15 +1,22 @@
 """Text generation from a checkpoint: `python3 decode.py configs/base.yml load_parameters_path=PATH
 tokenizer_path=PATH [key=value ...] --prompt "text" [--max_new_tokens N ...]` (getting_started/Decode.md)."""
 
+import signal
 import sys
 from pathlib import Path
+
+if __name__ == "__main__":  # Ctrl-C waits for the imports (tessera.tools.cli.ctrl_c_held_while_starting)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # also works without `pip install -e .`
 
 if __name__ == "__main__":
     from tessera.platforms import use_cpu_on_hosts_without_accelerators
+    from tessera.tools.cli import ctrl_c_held_while_starting
 
-    use_cpu_on_hosts_without_accelerators()
-    from tessera.decode import main
+    with ctrl_c_held_while_starting():  # a Ctrl-C inside an import is one line, after the imports
+        use_cpu_on_hosts_without_accelerators()
+        import jax  # noqa: F401 - here, where a Ctrl-C waits for the import (decode imports it later)
+        from tessera.decode import main
 
     sys.exit(main(sys.argv[1:]))

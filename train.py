@@ -1,14 +1,19 @@
 """Tessera entry point: `python3 train.py configs/base.yml run_name=demo [key=value ...]` (--help: the keys)."""
 
+import signal
 import sys
 from pathlib import Path
+
+if __name__ == "__main__":  # Ctrl-C waits for the imports (tessera.tools.cli.ctrl_c_held_while_starting)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # also works without `pip install -e .`
 
 if __name__ == "__main__":
-    from tessera.tools.cli import prepare_training_process
+    from tessera.tools.cli import ctrl_c_held_while_starting, prepare_training_process
 
-    prepare_training_process(sys.argv[1:])  # --help, CPU on hosts without accelerators, mimalloc on CPU
-    from tessera.train import main
+    with ctrl_c_held_while_starting():  # a Ctrl-C inside an import is one line, after the imports
+        prepare_training_process(sys.argv[1:])  # --help, CPU on hosts without accelerators, mimalloc on CPU
+        from tessera.train import main
 
     sys.exit(main(sys.argv[1:]))

@@ -93,7 +93,34 @@ def prepare_training_process(argv: Sequence[str]) -> None:
     from tessera.platforms import use_cpu_on_hosts_without_accelerators
 
     use_cpu_on_hosts_without_accelerators()
+    exit_if_ctrl_c_was_held()  # a new process would not know of it
     reexec()
+
+
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as train.py's and decode.py's Ctrl-C
+
+
+@contextlib.contextmanager
+def ctrl_c_held_while_starting():
+    """Ctrl-C while an entry script imports JAX and Tessera waits for the imports to end, then exits
+    with one line and code 130. Raised inside an import, the KeyboardInterrupt was a traceback, or
+    jaxlib's extension turned it into an ImportError that an optional import caught: a Ctrl-C 1.5 s
+    after `train.py` started was lost and the run trained to the end.
+
+    SIGINT is blocked, not caught: a blocked signal stays pending through the mimalloc restart
+    (`execve` keeps the mask and the pending set), where a Python handler's flag was lost. The entry
+    script blocks it first thing, before this block (which blocks it again); it is unblocked at the
+    end. Where SIGINT is ignored (a job a script started with `&`) a pending one is not a Ctrl-C."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    yield  # an exception leaves SIGINT blocked: the process is ending, and a pending one would be a traceback
+    exit_if_ctrl_c_was_held()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def exit_if_ctrl_c_was_held() -> None:
+    if signal.SIGINT in signal.sigpending() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        print(f"interrupted (Ctrl-C) while starting: nothing was run (exit code {EXIT_INTERRUPTED})", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
 
 
 SIGTERM_GRACE_SECONDS = 10.0  # how long a SIGTERM may wait for a main thread busy in compiled code
