@@ -1,6 +1,7 @@
 """Text generation from a checkpoint: `python3 decode.py configs/base.yml load_parameters_path=PATH
 tokenizer_path=PATH [key=value ...] --prompt "text" [--max_new_tokens N ...]` (getting_started/Decode.md)."""
 
+import importlib
 import signal
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ if __name__ == "__main__":
 
     with ctrl_c_held_while_starting():  # a Ctrl-C inside an import is one line, after the imports
         use_cpu_on_hosts_without_accelerators()
-        import jax  # noqa: F401 - here, where a Ctrl-C waits for the import (decode imports it later)
+        importlib.import_module("jax")  # here, where a Ctrl-C waits for the import (decode imports it later)
         from tessera.decode import main
 
     sys.exit(main(sys.argv[1:]))

@@ -6,7 +6,6 @@ trained to the end; sent as the CPU run restarts itself with mimalloc (`os.execv
 Here the signal is sent by the process itself at a chosen point, so every case is exact."""
 
 import os
-import signal
 import subprocess
 import sys
 
