@@ -9,6 +9,7 @@ from conftest import REPO
 from tessera.config import ConfigError, load_config
 from tessera.config import maxtext
 from tessera.config.schema import all_fields
+from tessera.config.yaml_file import RUN_CONFIG_HEADER
 from tessera.mesh import mesh_shape
 from tessera.tools import validate_file as validate
 
@@ -259,3 +260,18 @@ def test_steps_of_minus_one_is_the_schedules_length(caplog):
         str(e.value).replace("learning_rate_schedule_steps=", "")
     with pytest.raises(ConfigError, match="steps='-2' is too small; it must be >= 1"):
         load_config([BASE, "steps=-2", "learning_rate_schedule_steps=40"], env={})
+
+
+def test_steps_of_minus_one_takes_the_schedules_length_however_it_is_written(tmp_path):
+    """The length was read as digits only: learning_rate_schedule_steps=1e3 (a valid int, 1000) or a file's
+    `1000.0` left steps at base.yml's 150 without a word. A run's config.yml given as the config file
+    refused steps=-1 as "too small"."""
+    for value in ("1e3", "1000.0", "1_000", "+1000"):
+        cfg = load_config([BASE, "steps=-1", f"learning_rate_schedule_steps={value}"], env={})
+        assert (cfg.run.steps, cfg.total_steps_in_schedule) == (1000, 1000), value
+    mine = tmp_path / "mine.yml"
+    mine.write_text("base_config: base.yml\nsteps: -1\nlearning_rate_schedule_steps: 1000.0\n")
+    assert load_config([str(mine)], env={}).run.steps == 1000
+    saved = tmp_path / "config.yml"
+    saved.write_text(RUN_CONFIG_HEADER + "run_name: x\n")
+    assert load_config([str(saved), "steps=-1", "learning_rate_schedule_steps=40"], env={}).run.steps == 40

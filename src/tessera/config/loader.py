@@ -64,7 +64,9 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
         _raise_all(errors)  # no model file to read
     if is_run_config(base_path) and files[-1][1].get("model_name", "default") == model_name:
         build_errors: list[str] = []  # a run's config.yml holds its model keys already: read as it stands
-        cfg = _build({k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}, build_errors)
+        merged = {k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}
+        build_errors.extend(filter(None, [steps_from_schedule(merged, _schedule_steps)]))
+        cfg = _build(merged, build_errors)
         _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
         return cfg
     folders = model_folders(base_path)
@@ -85,10 +87,15 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     _refuse_placeholders(layers, errors)
     build_errors: list[str] = []
     merged = {k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}
-    build_errors.extend(filter(None, [steps_from_schedule(merged)]))
+    build_errors.extend(filter(None, [steps_from_schedule(merged, _schedule_steps)]))
     cfg = _build(merged, build_errors)
     _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
     return cfg
+
+
+def _schedule_steps(raw: Any) -> int:
+    """learning_rate_schedule_steps read as its schema field reads it (for MaxText's steps=-1)."""
+    return coerce("learning_rate_schedule_steps", raw, all_fields()["learning_rate_schedule_steps"][1])
 
 
 def _warn_model_file_wins(files: list[tuple[str, dict[str, Any]]], model: tuple[str, dict[str, Any]],

@@ -21,7 +21,9 @@ from __future__ import annotations
 import difflib
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+from tessera.config.schema import ConfigError
 
 log = logging.getLogger("tessera")
 
@@ -224,15 +226,19 @@ UNSET = {
 }
 
 
-def steps_from_schedule(merged: dict[str, Any]) -> str:
+def steps_from_schedule(merged: dict[str, Any], whole: Callable[[Any], int]) -> str:
     """MaxText's `steps=-1`: as many steps as `learning_rate_schedule_steps` (in `merged`, the
-    config's keys after every layer; set in place and logged). With the schedule's length unset
-    too, the error line to report (neither key gives the other a length); '' otherwise."""
+    config's keys after every layer; set in place and logged). `whole` reads the schedule's value
+    as the schema does (1e3, 1000.0 and 1_000 are 1000; ConfigError for a bad one). With the
+    schedule's length unset too, the error line to report (neither key gives the other a length);
+    '' otherwise."""
     if "steps" not in merged or not spelled_as(merged["steps"], ("-1",)):
         return ""
     schedule = merged.get("learning_rate_schedule_steps", -1)
     if not spelled_as(schedule, ("-1",)):
-        if not str(schedule).strip().lstrip("-").replace("_", "").isdigit():
+        try:
+            schedule = whole(schedule)
+        except ConfigError:
             del merged["steps"]  # a bad schedule value is reported once, under its own name
             return ""
         _log_once(f"steps=-1 is MaxText's spelling of 'as many steps as learning_rate_schedule_steps'; "
