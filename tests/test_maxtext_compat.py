@@ -275,3 +275,41 @@ def test_steps_of_minus_one_takes_the_schedules_length_however_it_is_written(tmp
     saved = tmp_path / "config.yml"
     saved.write_text(RUN_CONFIG_HEADER + "run_name: x\n")
     assert load_config([str(saved), "steps=-1", "learning_rate_schedule_steps=40"], env={}).run.steps == 40
+
+
+def test_newer_maxtexts_schedule_and_decay_keys_load_at_their_defaults_and_wsd_is_refused():
+    """MaxText's current base.yml names the final fraction learning_rate_final_fraction and has lr_schedule_type,
+    wsd_*, adamw_mask and parameter_memory_host_offload: each was an unknown key, so a command spelling out
+    MaxText's defaults stopped, and the final fraction could not be given by its MaxText name."""
+    cfg = load_config([BASE, "learning_rate_final_fraction=0.01", "lr_schedule_type=cosine", "wsd_decay_style=linear",
+                       "wsd_decay_steps_fraction=0.1", "adamw_mask=[]", "parameter_memory_host_offload=False"], env={})
+    assert cfg.optim.cosine_learning_rate_final_fraction == 0.01
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "lr_schedule_type=wsd", "adamw_mask=['.*norm']"], env={})
+    assert str(e.value).startswith("2 problems in the config:") and "unknown" not in str(e.value)
+    assert "lr_schedule_type='wsd' is a MaxText key Tessera does not implement" in str(e.value)
+    assert "Tessera's AdamW leaves norm scales and DeepSeek's routing biases undecayed" in str(e.value)
+
+
+def test_the_guide_gives_the_schedules_and_the_batchs_differences_from_maxtext_with_true_numbers():
+    """The guide said the schedule keys keep MaxText's meaning, but Tessera's cosine reaches its final value
+    one step after MaxText's (the last step trains above it), and a fractional per_device_batch_size must
+    give a batch the mesh splits (MaxText trains on part of one sequence per device): its numbers hold."""
+    import re
+
+    from tessera.config.derived import global_batch
+    from tessera.optim import learning_rate_schedule
+
+    text = " ".join(GUIDE.read_text().split())
+    quoted = re.search(r"the last one above the final value: ([\d.]+) x `learning_rate` at the defaults \(150 steps, "
+                       r"final fraction 0\.1\), ([\d.]+) x with `steps=10`", text)
+    assert quoted, "the guide no longer gives the last step's rate"
+    for steps, rate in zip((150, 10), quoted.groups()):
+        optim = load_config([BASE, "learning_rate=1", f"steps={steps}"], env={}).optim
+        last = float(learning_rate_schedule(optim, steps)(steps - 1))  # the count of updates before the last step
+        assert f"{last:.{len(rate) - 2}f}" == rate and last > 0.1 + 1e-5
+        assert float(learning_rate_schedule(optim, steps)(steps)) == pytest.approx(0.1)  # the step after
+    assert "0.25 on 8 devices (a batch of 2) needs at most 2 batch shards (e.g. `ici_tensor_parallelism=4`)" in text
+    assert global_batch(0.25, 1, {"data": 1, "stage": 1, "fsdp": 2, "sequence": 1, "tensor": 4, "expert": 1}) == 2
+    with pytest.raises(ConfigError, match="global batch 2 must be divisible by data\\*fsdp\\*expert=8"):
+        global_batch(0.25, 1, {"data": 1, "stage": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1})

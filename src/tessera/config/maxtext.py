@@ -35,6 +35,7 @@ ALIASES = {
     "dump_hlo_local_module_name": ("dump_hlo_module_name", "MaxText's local-dump filter"),
     "rope_factor": ("rope_scaling_factor", "MaxText's (rope_type=yarn models)"),
     "original_max_position_embeddings": ("rope_original_max_position", "MaxText's"),
+    "learning_rate_final_fraction": ("cosine_learning_rate_final_fraction", "MaxText's newer"),
     "sequence_length": ("max_target_length", "the GPU validation files'"),
     "micro_batch_size": ("per_device_batch_size", "the GPU validation files'"),
     "tensor_parallelism": ("ici_tensor_parallelism", "the GPU validation files'"),
@@ -109,6 +110,17 @@ REFUSED = {
     "optimizer_memory_host_offload": Refused("keep optimizer state in host memory; not in Tessera",
                                              ("false", "0")),
     "param_memory_host_offload": Refused("keep parameters in host memory; not in Tessera", ("false", "0")),
+    "parameter_memory_host_offload": Refused("keep parameters in host memory (MaxText's newer name of "
+                                             "param_memory_host_offload); not in Tessera", ("false", "0")),
+    "adamw_mask": Refused("patterns of the parameters AdamW does not decay (MaxText's default, [], decays every "
+                          "parameter); Tessera's AdamW leaves norm scales and DeepSeek's routing biases undecayed "
+                          "and decays the rest", ("[]", "")),
+    "lr_schedule_type": Refused("the schedule's shape: cosine (warm-up, cosine decay) or wsd (warm-up, a stable "
+                                "rate, then a decay); Tessera's schedule is the cosine one", ("cosine",)),
+    "wsd_decay_steps_fraction": Refused("the decay's share of lr_schedule_type=wsd's schedule; Tessera's schedule "
+                                        "is the cosine one", ("0.1",)),
+    "wsd_decay_style": Refused("the decay's shape in lr_schedule_type=wsd's schedule; Tessera's schedule is the "
+                               "cosine one", ("linear",)),
     # model variants
     "normalize_embedding_logits": Refused(
         "divide logits by sqrt(emb_dim) when logits_via_embedding=true; Tessera's families fix this themselves",
