@@ -274,3 +274,16 @@ def test_a_report_piped_into_a_reader_that_went_away_ends_quietly(args):
     proc.stdout.close()  # the reader is gone before the first line: every write meets a closed pipe
     err = proc.stderr.read()
     assert proc.wait(timeout=300) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose every write fails")
+def test_a_report_written_to_a_full_disk_ends_in_one_line_not_a_traceback():
+    """`python -m tessera.config > configs/base.yml` on a full disk printed an OSError traceback (exit 1)
+    and left the file cut short without saying so; now one line names the failure."""
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "tessera.config", "configs/base.yml"], cwd=REPO, stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr == ("error: the output could not be written (No space left on device); what was written of it "
+                           "is incomplete: free space (or choose another file) and run the command again\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 import re
 import signal
@@ -240,12 +241,14 @@ def exit_if_help(argv: Sequence[str], text: Callable[[], str]) -> None:
 
 
 EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE, the code a C tool gets when its reader goes away (`yes | head`)
+EXIT_WRITE_FAILED = 1  # stdout could not be written (a full disk under `> configs/base.yml`)
 
 
 def run_printing(main: Callable[[list[str]], int], argv: list[str]) -> int:
     """`main(argv)`'s exit code, for a command whose output is a report on stdout: when the reader
     of a pipe goes away before the end (`... | head`), the rest of the report is dropped quietly and
-    the code is EXIT_CLOSED_PIPE, as for a C tool; Python printed a BrokenPipeError traceback."""
+    the code is EXIT_CLOSED_PIPE, as for a C tool; Python printed a BrokenPipeError traceback. When
+    stdout cannot be written otherwise (a full disk), one line says so and the code is EXIT_WRITE_FAILED."""
     try:
         code = main(argv)
         sys.stdout.flush()  # inside: a report still buffered meets the closed pipe here, not at exit
@@ -253,6 +256,18 @@ def run_printing(main: Callable[[list[str]], int], argv: list[str]) -> int:
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the flush at exit goes nowhere
         return EXIT_CLOSED_PIPE
+    except OSError as e:
+        if not _is_stdout_error(e):
+            raise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"error: the output could not be written ({e.strerror or e}); what was written of it is incomplete: "
+              "free space (or choose another file) and run the command again", file=sys.stderr)
+        return EXIT_WRITE_FAILED
+
+
+def _is_stdout_error(e: OSError) -> bool:
+    """`e` came from writing stdout (print and flush raise it without a file name)."""
+    return e.filename is None and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG)
 
 
 # --------------------------------------------------------------------------- arguments
