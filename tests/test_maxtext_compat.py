@@ -313,3 +313,14 @@ def test_the_guide_gives_the_schedules_and_the_batchs_differences_from_maxtext_w
     assert global_batch(0.25, 1, {"data": 1, "stage": 1, "fsdp": 2, "sequence": 1, "tensor": 4, "expert": 1}) == 2
     with pytest.raises(ConfigError, match="global batch 2 must be divisible by data\\*fsdp\\*expert=8"):
         global_batch(0.25, 1, {"data": 1, "stage": 1, "fsdp": 8, "sequence": 1, "tensor": 1, "expert": 1})
+
+
+def test_a_quoted_command_line_value_is_read_as_maxtext_reads_it():
+    """MaxText reads a command-line value as YAML (its own tests pass `metrics_dir=""`): the quotes were kept,
+    so metrics_file="" wrote the metrics to a file named "" in the working directory and run_name='x' named
+    the run folder 'x', quotes and all."""
+    cfg = load_config([BASE, 'metrics_file=""', "run_name='x'", "steps=\"5\"", "mlp_activations=\"['gelu']\"",
+                       "dump_hlo_xla_flags='--xla_a=1 --xla_b=2'"], env={})
+    assert (cfg.run.metrics_file, cfg.run.run_name, cfg.run.steps) == ("", "x", 5)
+    assert cfg.model.mlp_activations == ["gelu"] and cfg.profiler.dump_hlo_xla_flags == "--xla_a=1 --xla_b=2"
+    assert load_config([BASE, 'run_name="a" "b"', "hf_path='"], env={}).run.run_name == '"a" "b"'  # not one value

@@ -266,12 +266,25 @@ def _parse_overrides(args: list[str]) -> dict[str, str]:
         name, sep, value = arg.partition("=")
         if not sep or not name:
             raise ConfigError(f"argument {arg!r} is not of the form key=value (e.g. steps=100)")
-        name = name.strip()
+        name, value = name.strip(), _unquoted(value)
         if name in out and out[name] != value:  # a recipe's overrides come after its own keys on purpose: info
             log.info("%s is given twice on the command line (%s=%s, then %s=%s); the last is used", name, name,
                      out[name], name, value)
         out[name] = value
     return out
+
+
+def _unquoted(value: str) -> str:
+    """A command-line value written in quotes that reached us (an argument list, a job spec), read as
+    YAML and MaxText's command line read it: `metrics_file=""` is empty and `run_name='x'` is x; they
+    were kept, quotes and all (metrics went to a file named "" in the working directory)."""
+    if len(value) < 2 or value[0] != value[-1] or value[0] not in "'\"":
+        return value
+    try:
+        text = yaml.safe_load(value)
+    except yaml.YAMLError:  # "a" "b": not one quoted value
+        return value
+    return text if isinstance(text, str) else value
 
 
 MANY_UNKNOWN = 20  # a file with more unknown keys than this is another trainer's config, not typos
