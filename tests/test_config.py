@@ -673,6 +673,16 @@ def test_base_config_inherits_as_maxtext_config_files_do(tmp_path, monkeypatch):
         assert message in _config_error(["exp/c.yml"]), text
 
 
+def test_a_base_config_under_the_home_folder_is_found(tmp_path, monkeypatch):
+    """`base_config: ~/exp/parent.yml` was looked for as a folder named ~ beside the file and in configs/."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "exp").mkdir()
+    (tmp_path / "exp" / "parent.yml").write_text("base_config: base.yml\nsteps: 7\n")
+    (tmp_path / "child.yml").write_text("base_config: ~/exp/parent.yml\nlearning_rate: 0.002\n")
+    cfg = load_config([str(tmp_path / "child.yml")], env={})
+    assert (cfg.run.steps, cfg.optim.learning_rate) == (7, 0.002)
+
+
 def test_an_environment_variable_that_is_a_near_miss_of_a_key_is_warned_about(caplog):
     """M_ variables that name no key are not Tessera's and are left alone, but one a letter or two
     from a key is most likely a typo that would silently train with the default: a warning names it."""

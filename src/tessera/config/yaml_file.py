@@ -104,7 +104,8 @@ def config_files(path: Path, including: tuple[Path, ...] = ()) -> list[tuple[str
         return [(str(path), values)]
     if not isinstance(parent, str) or not parent.strip():
         raise ConfigError(f"{BASE_CONFIG}={parent!r} in {path} must name a YAML file, e.g. {BASE_CONFIG}: base.yml")
-    candidates = [Path(parent)] if Path(parent).is_absolute() else [path.parent / parent, REPO_CONFIGS / parent]
+    named = Path(parent).expanduser()  # base_config: ~/experiments/base.yml
+    candidates = [named] if named.is_absolute() else [path.parent / named, REPO_CONFIGS / named]
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
         raise ConfigError(f"{BASE_CONFIG}: {parent} in {path} names no file (looked for "
