@@ -907,6 +907,17 @@ def test_no_config_file_names_the_program_that_was_run(tmp_path):
             "configs/base.yml ...`"), proc.stderr[-2000:]
 
 
+def test_a_command_that_starts_with_a_key_is_told_the_config_file_comes_first(tmp_path):
+    """MaxText's newer commands may leave the config file out (`python3 -m MaxText.train run_name=x ...`); here that
+    said "config file run_name=x does not exist", as if the argument were a file name."""
+    for program, shown in (([str(REPO / "train.py")], "train.py"), (["-m", "tessera.config"], "-m tessera.config")):
+        proc = subprocess.run([sys.executable, *program, "run_name=x", "steps=3"], capture_output=True, text=True,
+                              cwd=tmp_path, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+            "config error: no config file given: the first argument, 'run_name=x', is a key=value; the config file "
+            f"comes first, e.g. `.venv/bin/python {shown} configs/base.yml run_name=x steps=3`"), proc.stderr[-2000:]
+
+
 def test_a_runs_config_yml_given_back_is_read_as_it_stands(tmp_path):
     """A run's config.yml holds every key, its model file's included: read back as the config file (to decode
     with, or to resume), it gives the same config. The model file was applied over it again, so a run trained

@@ -45,12 +45,17 @@ INT_RANGE = (-2**63, 2**63 - 1)  # int64: what an integer key may hold (JAX and 
 def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config:
     """`argv` is `[path/to/base.yml, key=value, ...]` as given to train.py. An error about a value
     says where the value was set: base.yml, the model file, the command line or an M_<KEY> variable."""
+    script = Path(sys.argv[0] if sys.argv else "train.py")
+    program = (f"-m tessera.{script.stem}" if script.resolve().parent.name == "tessera" else script.name
+               ) if script.suffix == ".py" else "train.py"
+    if script.name == "__main__.py":  # python -m tessera.config
+        program = f"-m tessera.{script.resolve().parent.name}"
     if not argv:
-        script = Path(sys.argv[0] if sys.argv else "train.py")
-        program = (f"-m tessera.{script.stem}" if script.resolve().parent.name == "tessera" else script.name
-                   ) if script.suffix == ".py" else "train.py"
         raise ConfigError(f"no config file given: the first argument is a config file, e.g. `.venv/bin/python "
                           f"{program} configs/base.yml ...`")
+    if re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]) and not is_file(Path(argv[0])):  # MaxText infers its file
+        raise ConfigError(f"no config file given: the first argument, {argv[0]!r}, is a key=value; the config file "
+                          f"comes first, e.g. `.venv/bin/python {program} configs/base.yml {' '.join(argv)}`")
     env = os.environ if env is None else env
     base_path = Path(argv[0])
     # (source, values), lowest precedence first; the model file goes second once model_name is known
