@@ -134,6 +134,19 @@ def test_config_prints_the_resolved_config_or_base_yml():
     assert _run(["-m", "tessera.config"]).stdout == (REPO / "configs" / "base.yml").read_text()
 
 
+def test_config_says_on_stderr_which_maxtext_spellings_it_read():
+    """tessera.config printed eval_interval: 0 for eval_interval=-1 and, for sequence_length=abc, an error naming
+    max_target_length only: the lines train.py logs (aliases, MaxText's spellings) went nowhere."""
+    proc = _run(["-m", "tessera.config", "configs/base.yml", "eval_interval=-1"])
+    assert proc.returncode == 0 and "eval_interval: 0\n" in proc.stdout and "MaxText" not in proc.stdout
+    assert "eval_interval='-1' is MaxText's spelling of never evaluate; using eval_interval=0" in proc.stderr
+    proc = _run(["-m", "tessera.config", "configs/base.yml", "sequence_length=abc"])
+    last = proc.stderr.splitlines()[-2:]
+    assert proc.returncode == 2 and last[0].endswith(" I sequence_length=abc is the GPU validation files' name for "
+                                                     "max_target_length; using that"), proc.stderr
+    assert last[1] == "config error: max_target_length='abc' is not a valid int (from the command line)"
+
+
 def test_heartbeat_says_how_long_until_the_block_ends():
     lines = []
     with Heartbeat("compiling", period=0.05, detail=lambda: "step 3/8", emit=lines.append):

@@ -4,7 +4,8 @@
     .venv/bin/python -m tessera.config > configs/base.yml                                  # regenerate base.yml
 
 With arguments (as given to train.py): the config the trainer would run, every key after the
-model file, the key=value arguments and the M_<KEY> environment variables, as flat YAML.
+model file, the key=value arguments and the M_<KEY> environment variables, as flat YAML; what
+the loader logs (MaxText's spellings it translated, ...) goes to stderr, as train.py logs it.
 Without: configs/base.yml as generated from the schema, every key with its default and comment.
 """
 
@@ -44,6 +45,12 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    import logging
+
     from tessera.tools.cli import run_printing
 
+    # on stderr, as train.py logs them: the aliases and MaxText spellings read, the model file's values that
+    # win over a config file's (stdout stays the YAML)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
+                        stream=sys.stderr)
     sys.exit(run_printing(main, sys.argv[1:]))
