@@ -324,3 +324,17 @@ def test_a_quoted_command_line_value_is_read_as_maxtext_reads_it():
     assert (cfg.run.metrics_file, cfg.run.run_name, cfg.run.steps) == ("", "x", 5)
     assert cfg.model.mlp_activations == ["gelu"] and cfg.profiler.dump_hlo_xla_flags == "--xla_a=1 --xla_b=2"
     assert load_config([BASE, 'run_name="a" "b"', "hf_path='"], env={}).run.run_name == '"a" "b"'  # not one value
+
+
+def test_a_hub_name_as_tokenizer_path_is_told_it_is_not_downloaded(tmp_path, monkeypatch):
+    """MaxText's commands give Hub names (tokenizer_path=openai/gpt-oss-20b) and MaxText downloads them; here the
+    error said only that /cwd/openai/gpt-oss-20b does not exist."""
+    from tessera.data.tokenizers import load_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    for name, hint in (("openai/gpt-oss-20b", True), ("tok.model", False), ("../x/y", False)):
+        path = load_config([BASE, f"tokenizer_path={name}"], env={}).data.tokenizer_path
+        with pytest.raises(ConfigError) as e:
+            load_tokenizer(path)
+        assert str(e.value).startswith(f"tokenizer_path={path!r} does not exist")
+        assert (f"a Hugging Face Hub name such as {name} is not downloaded here" in str(e.value)) == hint, str(e.value)

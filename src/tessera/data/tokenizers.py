@@ -13,6 +13,7 @@ Three file kinds, chosen from `tokenizer_path` (or `tokenizer_type` when the pat
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -53,6 +54,16 @@ class Tokenizer:
         return self._decode(list(ids))
 
 
+def _hub_name_hint(p: Path) -> str:
+    """For a missing tokenizer_path written as a Hugging Face Hub name (MaxText's tokenizer_path=openai/gpt-oss-20b,
+    made absolute against the working directory by the config loader): that Tessera does not download it."""
+    given = os.path.relpath(p)
+    if given.startswith(".") or not re.fullmatch(r"[\w.-]+/[\w.-]+", given):
+        return ""
+    return (f" (a Hugging Face Hub name such as {given} is not downloaded here, as MaxText does: download the "
+            "repository's tokenizer files, tokenizer.json or tokenizer.model, to a folder and give that folder)")
+
+
 def load_tokenizer(path: str, kind: str = "auto") -> Tokenizer:
     """The tokenizer at `path` (`tokenizer_path`); `kind` is `tokenizer_type`."""
     if not path:
@@ -60,7 +71,8 @@ def load_tokenizer(path: str, kind: str = "auto") -> Tokenizer:
                           "folder with tokenizer.json), unless the text columns are already token ids")
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"tokenizer_path={path!r} does not exist; give the path of a tokenizer file or folder")
+        raise ConfigError(f"tokenizer_path={path!r} does not exist; give the path of a tokenizer file or "
+                          f"folder{_hub_name_hint(p)}")
     kind = _detect(p) if kind == "auto" else kind
     try:
         return {"sentencepiece": _sentencepiece, "tiktoken": _tiktoken, "huggingface": _huggingface}[kind](p)
