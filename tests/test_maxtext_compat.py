@@ -338,3 +338,15 @@ def test_a_hub_name_as_tokenizer_path_is_told_it_is_not_downloaded(tmp_path, mon
             load_tokenizer(path)
         assert str(e.value).startswith(f"tokenizer_path={path!r} does not exist")
         assert (f"a Hugging Face Hub name such as {name} is not downloaded here" in str(e.value)) == hint, str(e.value)
+
+
+def test_a_schedule_of_no_steps_is_a_config_error_also_with_steps_of_minus_one():
+    """learning_rate_schedule_steps=0 (or below -1) passed the config checks (python -m tessera.config printed it)
+    and was refused only when the optimizer was set up; with steps=-1 the error was about steps=0."""
+    for args in (["learning_rate_schedule_steps=0"], ["steps=-1", "learning_rate_schedule_steps=-3"]):
+        with pytest.raises(ConfigError) as e:
+            load_config([BASE, *args], env={})
+        value = args[-1].split("=")[1]
+        assert str(e.value) == (f"learning_rate_schedule_steps={value} gives a learning-rate schedule of no steps (its "
+                                "rate would drop to the final value after step 0); set it to -1 (as long as steps) or "
+                                ">= 1 (from the command line)")

@@ -82,6 +82,10 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"adam_eps={cfg.optim.adam_eps:g} must be above 0: AdamW divides each update by sqrt(v) + "
                           "adam_eps, and a parameter whose gradient is zero (the embedding rows of tokens not in the "
                           "batch) would get 0 / 0 = NaN at the first step; e.g. 1e-8")
+    schedule = cfg.optim.learning_rate_schedule_steps  # optim.learning_rate_schedule refuses it too, at set-up
+    if schedule == 0 or schedule < -1:
+        raise ConfigError(f"learning_rate_schedule_steps={schedule} gives a learning-rate schedule of no steps (its "
+                          "rate would drop to the final value after step 0); set it to -1 (as long as steps) or >= 1")
     keep = cfg.checkpoint.max_num_checkpoints_to_keep
     if keep == 0 or keep < -1:
         raise ConfigError(f"max_num_checkpoints_to_keep={keep} is not allowed; use -1 to keep every checkpoint, "

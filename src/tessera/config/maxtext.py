@@ -251,7 +251,9 @@ def steps_from_schedule(merged: dict[str, Any], whole: Callable[[Any], int]) -> 
         try:
             schedule = whole(schedule)
         except ConfigError:
-            del merged["steps"]  # a bad schedule value is reported once, under its own name
+            schedule = 0
+        if schedule < 1:  # a bad schedule value (abc, 0, -2) is reported once, under its own name
+            del merged["steps"]
             return ""
         _log_once(f"steps=-1 is MaxText's spelling of 'as many steps as learning_rate_schedule_steps'; "
                   f"using steps={schedule}")
