@@ -477,7 +477,7 @@ def test_a_stopped_run_replaces_earlier_results_with_a_failure(tmp_path, monkeyp
     (out / "validation.xml").write_text('<testsuite failures="0"/>\n')
     seen = []
 
-    def stopped(commands, log_dir, steps):
+    def stopped(commands, log_dir, steps, timeout=0.0):
         seen.append([(out / name).exists() for name in ("validation.json", "validation.xml")])
         raise validate.NodesStopped(signal.SIGINT)
 
@@ -521,7 +521,7 @@ def test_a_report_that_is_not_json_fails_the_run(tmp_path, monkeypatch, capsys):
     path = tmp_path / "v.json"
     path.write_text(json.dumps(data))
 
-    def trained(commands, log_dir, steps):
+    def trained(commands, log_dir, steps, timeout=0.0):
         run_name = next(a for a in commands[0][1] if a.startswith("run_name=")).split("=", 1)[1]
         (tmp_path / "runs" / run_name).mkdir(parents=True)
         (tmp_path / "runs" / run_name / "report.json").write_text('{"tokens_per_sec')
@@ -552,7 +552,7 @@ def test_a_null_or_object_value_is_refused_not_passed_as_none(config, entry, whe
 
 def test_a_node_that_fails_is_named_with_the_end_of_its_log(tmp_path, monkeypatch, capsys):
     """A failed training showed only `[2]` and None in the table; the reason was in a log the user had to find."""
-    def failed(commands, log_dir, steps):
+    def failed(commands, log_dir, steps, timeout=0.0):
         log_dir.mkdir(parents=True)
         (log_dir / "node0.log").write_text("step 1 | loss 6.0\n"
                                            "config error: dataset_type=grain needs grain_train_files\n")
@@ -566,7 +566,7 @@ def test_a_node_that_fails_is_named_with_the_end_of_its_log(tmp_path, monkeypatc
 
 
 def test_a_node_killed_by_a_signal_says_which(tmp_path, monkeypatch, capsys):
-    def killed(commands, log_dir, steps):
+    def killed(commands, log_dir, steps, timeout=0.0):
         log_dir.mkdir(parents=True)
         (log_dir / "node0.log").write_text("step 3 | loss 6.0\n")
         return [-signal.SIGKILL]
@@ -617,7 +617,7 @@ def test_a_relative_log_dir_is_the_working_directorys_and_a_missing_report_is_ex
     path = tmp_path / "v.json"
     path.write_text(json.dumps(data))
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(validate, "run_nodes", lambda commands, log_dir, steps: [0, 0])
+    monkeypatch.setattr(validate, "run_nodes", lambda commands, log_dir, steps, timeout=0.0: [0, 0])
     assert main([str(path), "--gpu", "cpu", "--nodes", "h1,h2", "--dry-run"]) == 0
     assert f"base_output_directory={tmp_path / 'runs'} " in capsys.readouterr().out
     assert main([str(path), "--gpu", "cpu", "--nodes", "h1,h2", "--out", "out"]) == 1
@@ -634,3 +634,38 @@ def test_a_user_without_a_name_gets_the_user_id(monkeypatch):
 
     monkeypatch.setattr(validate_file.getpass, "getuser", no_name)
     assert load(CPU)["config"]["log_dir"] == f"/tmp/tessera-validate-{os.getuid()}"
+
+
+def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkeypatch, capsys):
+    """A node that hung (say in a collective, with step_timeout_seconds=0) blocked the suite forever: it had
+    no timeout. --timeout gives the nodes SIGTERM, then SIGKILL to one that ignores it."""
+    monkeypatch.setattr(validate_nodes, "KILL_AFTER_SECONDS", 0.5)
+    commands = [("local", ["sleep", "100"], {}), ("local", ["sh", "-c", "trap '' TERM; sleep 100"], {})]
+    start = time.monotonic()
+    with pytest.raises(validate_nodes.NodesTimedOut) as stopped:
+        validate_nodes.run_nodes(commands, tmp_path / "logs", "8", timeout=0.5)
+    assert time.monotonic() - start < 30
+    assert stopped.value.codes == [-signal.SIGTERM, -signal.SIGKILL]
+    err = capsys.readouterr().err
+    assert "timeout: the nodes have run for 0.5 s (--timeout); SIGTERM passed on to the 2 running node(s)" in err
+    assert "timeout: SIGKILL to the 1 node(s) still running" in err
+
+
+def test_a_run_that_times_out_fails_with_its_own_exit_code(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(validate, "node_commands", lambda *a: [("local", ["sleep", "100"], {})])
+    assert main([CPU, "--gpu", "cpu", "--out", str(tmp_path), "--timeout", "0.5"]) == validate.EXIT_TIMEOUT == 124
+    out = capsys.readouterr().out
+    assert "FAIL: single_node.default.cpu (timed out after 0.5 s (--timeout)); results in" in out
+    assert "node 0 was killed by SIGTERM" in out
+    result = json.loads((tmp_path / "validation.json").read_text())
+    assert result["passed"] is False
+    assert result["checks"][0]["measured"] == "timed out after 0.5 s (--timeout), exit codes [-15]"
+    assert main([CPU, "--gpu", "cpu", "--dry-run", "--timeout", "0"]) == 0
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_seconds_is_refused(value, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([CPU, "--gpu", "cpu", "--dry-run", "--timeout", value])
+    assert exited.value.code == 2
+    assert f"--timeout: {value!r} is not a number of seconds; give one of at least 0" in capsys.readouterr().err

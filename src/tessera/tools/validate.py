@@ -1,7 +1,7 @@
 """Cluster validation suite: run a training job described by a JSON file and check its speed.
 
     .venv/bin/python -m tessera.tools.validate <file.json> [--nodes host1,host2] [--dry-run]
-                                      [--model NAME] [--gpu NAME] [--out DIR]
+                                      [--model NAME] [--gpu NAME] [--out DIR] [--timeout SECONDS]
 
 The file format is the one of the JAX training validation files for GPU clusters: `config`
 (job, container, NCCL/RCCL and XLA settings, `container_config.env_dict`), and
@@ -18,7 +18,8 @@ a bar on a terminal, else as a line every PROGRESS_SECONDS (`validate_nodes`, wh
 nodes). See getting_started/Validation.md.
 
 Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
-unusable (placeholders left, bad structure) or the output folder cannot be written, 130 Ctrl-C
+unusable (placeholders left, bad structure) or the output folder cannot be written, 124 the
+nodes ran longer than --timeout (they were stopped: SIGTERM, then SIGKILL), 130 Ctrl-C
 and 143 SIGTERM (passed on to every node, which saves a checkpoint and stops; their logs say
 where; the suite returns once they have exited, its validation.json/.xml saying the run was stopped).
 """
@@ -39,8 +40,10 @@ from tessera.config.schema import all_fields
 from tessera.tools.cli import UsageError, resolve_path
 from tessera.tools.validate_file import (METRICS, Plan, ValidationInputError, build_plan, check_train_keys, load,
                                          quantization_line, select, tuning_line)
-from tessera.tools.validate_nodes import (REPO, NodesStopped, container_engine, node_commands, node_setting_lines,
-                                          run_nodes)
+from tessera.tools.validate_nodes import (KILL_AFTER_SECONDS, REPO, NodesStopped, NodesTimedOut, container_engine,
+                                          node_commands, node_setting_lines, run_nodes)
+
+EXIT_TIMEOUT = 124  # --timeout stopped the nodes (as GNU timeout's)
 
 # --------------------------------------------------------------------------- checking
 
@@ -101,7 +104,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="which model_params.<mode>.<model> to run (needed when there are several)")
     parser.add_argument("--gpu", help="which model_params.<mode>.<model>.<gpu> to run (needed when there are several)")
     parser.add_argument("--out", help="where validation.json/.xml and node logs go (default: the run's folder)")
+    parser.add_argument("--timeout", type=_seconds, default=0.0, metavar="SECONDS",
+                        help=f"stop the nodes (SIGTERM, then SIGKILL {KILL_AFTER_SECONDS:g} s later) when they have "
+                             f"run this long, and fail with exit code {EXIT_TIMEOUT} (default 0: no limit)")
     return parser.parse_args(argv)
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds; give one of at least 0, e.g. "
+                                         "--timeout 3600 (0: no limit)")
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,12 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     run_dir = Path(plan.overrides.get("base_output_directory", REPO / "outputs")) / run_name
     out_dir = Path(out) if out else run_dir
-    start = time.time()
+    start, timed_out = time.time(), None
     try:
         for stale in ("validation.json", "validation.xml"):  # an earlier run's results in --out must not stand
             (out_dir / stale).unlink(missing_ok=True)
         codes = run_nodes(commands, out_dir / "logs",
-                          plan.overrides.get("steps", str(all_fields()["steps"][1].default)))
+                          plan.overrides.get("steps", str(all_fields()["steps"][1].default)), args.timeout)
     except OSError as e:  # e.g. --out under a file: found when the log folder is made, before any node starts
         fix = "choose another --out" if out else "set config.log_dir in the file, or give --out"
         print(f"error: cannot write node logs under {out_dir}: {e.strerror or e}; {fix}", file=sys.stderr)
@@ -159,17 +176,21 @@ def main(argv: list[str] | None = None) -> int:
         write_results(rows, plan, out_dir, time.time() - start)
         print(f"stopped by {stopped}: every node has exited; node logs in {out_dir / 'logs'}", file=sys.stderr)
         return 128 + stopped.signum
+    except NodesTimedOut as e:  # the nodes were stopped: whatever they measured is not the whole run's
+        timed_out, codes = e, e.codes
     report_path = run_dir / "report.json"
     try:
-        report = json.loads(report_path.read_text()) if report_path.exists() else None
+        report = json.loads(report_path.read_text()) if report_path.exists() and not timed_out else None
     except (OSError, ValueError) as e:  # e.g. cut short by a full disk: no measurement, the run fails
         print(f"{report_path} cannot be read ({e}): no measurements", file=sys.stderr)
         report = None
     rows = check(plan, report, codes)
+    if timed_out:
+        rows[0].update(measured=f"{timed_out}, exit codes {codes}", passed=False)
     write_results(rows, plan, out_dir, time.time() - start)
     print(tuning_line(plan))
     print_table(rows)
-    if report is None and codes and all(c == 0 for c in codes):
+    if report is None and codes and all(c == 0 for c in codes) and not timed_out:
         remote = f" on {nodes[0]}, where node 0 ran" if nodes else ""
         print(f"every node exited with code 0 but there is no {report_path} here: node 0 writes it{remote}; run "
               "the suite on the first host of --nodes, or set config.log_dir to a folder all hosts share",
@@ -180,8 +201,9 @@ def main(argv: list[str] | None = None) -> int:
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             print(f"node {rank} {how}; the end of {log_file}: {_last_line(log_file)}")
     passed = all(r["passed"] for r in rows)
-    print(f"{'PASS' if passed else 'FAIL'}: {plan.name}; results in {out_dir / 'validation.json'} and validation.xml")
-    return 0 if passed else 1
+    print(f"{'PASS' if passed else 'FAIL'}: {plan.name}{f' ({timed_out})' if timed_out else ''}; results in "
+          f"{out_dir / 'validation.json'} and validation.xml")
+    return EXIT_TIMEOUT if timed_out else 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[3]
 PROGRESS_SECONDS = 30.0
+KILL_AFTER_SECONDS = 60.0  # after --timeout's SIGTERM, how long the nodes may take to save and stop before SIGKILL
 
 
 JOB_KEYS = ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "NNODES", "NODE_RANK")  # a multi-node job's layout
@@ -147,31 +149,70 @@ class NodesStopped(Exception):
         self.signum = signum
 
 
-def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
+class NodesTimedOut(Exception):
+    """The nodes ran longer than the suite's --timeout: they were stopped, and `codes` are their exit codes."""
+
+    def __init__(self, seconds: float, codes: list[int]):
+        super().__init__(f"timed out after {seconds:g} s (--timeout)")
+        self.seconds, self.codes = seconds, codes
+
+
+def run_nodes(commands, log_dir: Path, steps: str, timeout: float = 0.0) -> list[int]:
     """Start every node's command, stream each to its own log file, wait for all. The nodes run in
     sessions of their own, and SIGTERM or SIGINT (Ctrl-C) to the suite is passed on to each of them
     once (a trainer saves and stops; a second signal stops it at once): a scheduler's SIGTERM to the
     suite alone left its trainers running without a parent, and a signal to the whole process group
-    reached every trainer twice. Once they have exited, NodesStopped."""
+    reached every trainer twice. Once they have exited, NodesStopped. With `timeout` > 0, nodes still
+    running that many seconds after the start get SIGTERM, then SIGKILL KILL_AFTER_SECONDS later
+    (a hung node blocked the suite forever); once they have exited, NodesTimedOut."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs, logs, received = [], [], []
+    procs, logs, received, timed_out, done = [], [], [], [], threading.Event()
+    sending = threading.RLock()  # the timeout's thread and a signal handler both write to the relays
+
+    def send(signum: int) -> int:
+        running = [p for p in procs if p.poll() is None]
+        with sending:
+            for p in running:
+                if p.stdin is None and signum == signal.SIGKILL:  # its whole session: the trainer's children too
+                    try:
+                        os.killpg(p.pid, signum)
+                    except ProcessLookupError:
+                        pass
+                    continue
+                if p.stdin is None:
+                    p.send_signal(signum)
+                    continue
+                try:  # a node over ssh: its relay passes the signal on (RELAY)
+                    p.stdin.write(f"{signal.Signals(signum).name.removeprefix('SIG')}\n".encode())
+                    p.stdin.flush()
+                except OSError:  # its ssh has just ended
+                    pass
+        return len(running)
 
     def forward(signum, frame):
         received.append(signum)
-        running = [p for p in procs if p.poll() is None]
-        print(f"{signal.Signals(signum).name} received: passed on to the {len(running)} running node(s), which "
+        running = sum(p.poll() is None for p in procs)
+        print(f"{signal.Signals(signum).name} received: passed on to the {running} running node(s), which "
               "save and stop (a second signal stops them at once); waiting for them", file=sys.stderr, flush=True)
-        for p in running:
-            if p.stdin is None:
-                p.send_signal(signum)
-                continue
-            try:  # a node over ssh: its relay passes the signal on (RELAY)
-                p.stdin.write(f"{signal.Signals(signum).name.removeprefix('SIG')}\n".encode())
-                p.stdin.flush()
-            except OSError:  # its ssh has just ended
-                pass
+        send(signum)
+
+    def stop_at_timeout():
+        if done.wait(timeout):
+            return
+        timed_out.append(timeout)
+        print(f"timeout: the nodes have run for {timeout:g} s (--timeout); SIGTERM passed on to the "
+              f"{send(signal.SIGTERM)} running node(s), which save and stop; SIGKILL in {KILL_AFTER_SECONDS:g} s",
+              file=sys.stderr, flush=True)
+        if done.wait(KILL_AFTER_SECONDS):
+            return
+        print(f"timeout: SIGKILL to the {send(signal.SIGKILL)} node(s) still running", file=sys.stderr, flush=True)
+        if not done.wait(10.0):  # an ssh whose connection hangs cannot pass the signal on: end it here
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    watcher = threading.Thread(target=stop_at_timeout, name="tessera-validate-timeout", daemon=True)
     try:
         for rank, (host, argv, env) in enumerate(commands):
             logs.append((log_dir / f"node{rank}.log").open("w"))
@@ -179,8 +220,13 @@ def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
             procs.append(subprocess.Popen(argv, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT,
                                           stdin=None if host == "local" else subprocess.PIPE, start_new_session=True))
             print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}", flush=True)
+        if timeout > 0:
+            watcher.start()
         codes = wait_for_nodes(procs, log_dir / "node0.log", steps)
     finally:
+        done.set()
+        if watcher.is_alive():
+            watcher.join()
         for s, handler in previous.items():
             signal.signal(s, handler)
         for log in logs:
@@ -190,6 +236,8 @@ def run_nodes(commands, log_dir: Path, steps: str) -> list[int]:
                 p.stdin.close()
     if received:
         raise NodesStopped(received[0])
+    if timed_out:
+        raise NodesTimedOut(timeout, codes)
     return codes
 
 
