@@ -669,3 +669,23 @@ def test_a_timeout_that_is_not_seconds_is_refused(value, capsys):
         main([CPU, "--gpu", "cpu", "--dry-run", "--timeout", value])
     assert exited.value.code == 2
     assert f"--timeout: {value!r} is not a number of seconds; give one of at least 0" in capsys.readouterr().err
+
+
+def test_a_container_engine_that_hangs_does_not_hang_the_suite(tmp_path, monkeypatch, capsys):
+    """`docker info` was asked with no time limit, also for a file without container_image: a hung docker
+    daemon kept every command, --dry-run included, waiting forever."""
+    (tmp_path / "docker").write_text("#!/bin/sh\nexec sleep 100\n")
+    (tmp_path / "docker").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(validate_nodes, "ENGINE_SECONDS", 0.5)
+    start = time.monotonic()
+    assert main([CPU, "--gpu", "cpu", "--dry-run"]) == 0  # no container_image: docker is not asked
+    data = json.loads(Path(CPU).read_text())
+    data["config"]["container_image"] = "rocm/jax:latest"
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
+    assert time.monotonic() - start < 20
+    out = capsys.readouterr().out
+    assert "docker info did not answer within 0.5 s: docker is not used" in out
+    assert "no container engine answers here: running directly, not in rocm/jax:latest" in out

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     print(tuning_line(plan))
     if quantization_line(plan):
         print(quantization_line(plan))
-    engine = container_engine()
+    engine = container_engine() if plan.container.get("container_image") else None  # no image: none is asked
     if plan.container.get("container_image") and not engine:
         print(f"no container engine answers here: running directly, not in {plan.container['container_image']}")
     commands = node_commands(plan, nodes, run_name, engine)

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[3]
 PROGRESS_SECONDS = 30.0
+ENGINE_SECONDS = 30.0  # how long `docker info` (or podman's) may take to say the engine answers
 KILL_AFTER_SECONDS = 60.0  # after --timeout's SIGTERM, how long the nodes may take to save and stop before SIGKILL
 
 
@@ -81,10 +82,15 @@ def train_argv(plan: Plan, run_name: str) -> list[str]:
 
 
 def container_engine() -> str | None:
-    """docker or podman when one is installed and its engine answers, else None."""
+    """docker or podman when one is installed and its engine answers within ENGINE_SECONDS, else None
+    (a daemon that hung kept `docker info`, and the suite, waiting forever)."""
     for engine in ("docker", "podman"):
-        if shutil.which(engine) and subprocess.run([engine, "info"], capture_output=True).returncode == 0:
-            return engine
+        try:
+            if shutil.which(engine) and subprocess.run([engine, "info"], capture_output=True,
+                                                       timeout=ENGINE_SECONDS).returncode == 0:
+                return engine
+        except subprocess.TimeoutExpired:
+            print(f"{engine} info did not answer within {ENGINE_SECONDS:g} s: {engine} is not used", flush=True)
     return None
 
 
