@@ -689,3 +689,31 @@ def test_a_container_engine_that_hangs_does_not_hang_the_suite(tmp_path, monkeyp
     out = capsys.readouterr().out
     assert "docker info did not answer within 0.5 s: docker is not used" in out
     assert "no container engine answers here: running directly, not in rocm/jax:latest" in out
+
+
+@pytest.mark.parametrize("container_config, message", [
+    ({"device_list": "/dev/kfd"}, "config.container_config.device_list is a JSON string; give an array of device "
+                                  'paths, e.g. ["/dev/kfd", "/dev/dri"]'),
+    ({"device_list": ["/dev/kfd", None]}, "config.container_config.device_list[1] is a JSON null"),
+    ({"volume_dict": ["/data:/data"]}, "config.container_config.volume_dict is a JSON array"),
+])
+def test_container_devices_and_volumes_of_the_wrong_kind_are_refused(container_config, message, tmp_path, capsys):
+    """A device_list string went to docker letter by letter (`--device / --device d ...`), and an array of
+    volumes ended the suite in a traceback once a container engine answered."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"config": {"container_image": "img", "container_config": container_config},
+                                "model_params": {"single_node": {"m": {"g": {}}}}}))
+    assert main([str(path), "--dry-run"]) == 2
+    assert f"validation file error: {message}" in capsys.readouterr().err
+
+
+def test_a_misspelt_container_setting_is_reported_not_dropped(tmp_path, capsys):
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"config": {"container_config": {"device_lists": ["/dev/kfd"]}},
+                                "model_params": {"single_node": {"m": {"g": {}}}}}))
+    assert main([str(path), "--dry-run"]) == 0
+    assert ("ignored config.container_config.device_lists: not a container setting; the suite uses device_list, "
+            "volume_dict and env_dict") in capsys.readouterr().out
+    data = json.loads(path.read_text())
+    plan = build_plan(data, *select(data, False, None, None))
+    assert plan.container["device_list"] == [] and plan.container["volume_dict"] == {}

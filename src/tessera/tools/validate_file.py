@@ -183,7 +183,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     env = {k: _text(v, f"config.container_config.env_dict.{k}")
            for k, v in _section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
     overrides: dict[str, str] = {}
-    ignored: dict[str, str] = {}
+    ignored = _container_settings(container)
     flags = _section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
     xla_flags = [f"--{k}={_text(v, f'model_params.{name}.xla_flags.{k}')}" for k, v in flags.items()]
     xla_flags = _without_gone_flags(xla_flags, ignored, f"model_params.{name}.xla_flags.")
@@ -232,6 +232,22 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
     return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
                 env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env))
+
+
+def _container_settings(container: dict) -> dict[str, str]:
+    """Check container_config's device_list (strings) and volume_dict (host: container folder) in place, each
+    value as its text: a string was passed on letter by letter (`--device /`), an array of volumes was a
+    traceback. Returns its other keys, for the ignored list (a misspelt `device_lists` was dropped silently)."""
+    where = "config.container_config"
+    devices = container.get("device_list", [])
+    if not isinstance(devices, list):
+        raise ValidationInputError(f"{where}.device_list is a JSON {_json_type(devices)}; give an array of device "
+                                   'paths, e.g. ["/dev/kfd", "/dev/dri"]')
+    container["device_list"] = [_text(d, f"{where}.device_list[{i}]") for i, d in enumerate(devices)]
+    volumes = _section(container.get("volume_dict", {}), f"{where}.volume_dict")
+    container["volume_dict"] = {k: _text(v, f"{where}.volume_dict.{k}") for k, v in volumes.items()}
+    return {f"{where}.{k}": "not a container setting; the suite uses device_list, volume_dict and env_dict"
+            for k in container if k not in ("device_list", "volume_dict")}
 
 
 def _without_gone_flags(xla_flags: list[str], ignored: dict[str, str], where: str) -> list[str]:
