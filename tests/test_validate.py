@@ -717,3 +717,19 @@ def test_a_misspelt_container_setting_is_reported_not_dropped(tmp_path, capsys):
     data = json.loads(path.read_text())
     plan = build_plan(data, *select(data, False, None, None))
     assert plan.container["device_list"] == [] and plan.container["volume_dict"] == {}
+
+
+def test_a_user_at_host_node_gives_the_coordinator_as_the_host(capsys):
+    """--nodes alice@h1,alice@h2 (ssh's user@host) made JAX_COORDINATOR_IP=alice@h1, which no node can reach."""
+    assert main([CPU, "--gpu", "cpu", "--nodes", "alice@h1,alice@h2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "export JAX_COORDINATOR_IP=h1\n" in out and "JAX_COORDINATOR_IP=alice" not in out
+    assert "ssh alice@h2 " in out
+    assert "--nodes replaces config.coordinator_ip=localhost with h1 (the first host)" in out
+
+
+@pytest.mark.parametrize("nodes", [",", " , ", "-oProxyCommand=x,h2"])
+def test_nodes_that_name_no_host_are_refused(nodes, capsys):
+    """`--nodes ,` ran here, as if --nodes had not been given, and `-o...` went to ssh as an option."""
+    assert main([CPU, "--gpu", "cpu", f"--nodes={nodes}", "--dry-run"]) == 2
+    assert f"error: --nodes {nodes!r} names no host; give host names (or user@host)" in capsys.readouterr().err

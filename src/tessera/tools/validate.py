@@ -128,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         if any(len(n.split()) > 1 for n in nodes):
             raise UsageError(f"--nodes {args.nodes!r}: a host name has no spaces; separate the hosts with commas, "
                              "e.g. --nodes h1,h2")
+        if args.nodes.strip() and not nodes or any(n.startswith("-") for n in nodes):  # ssh would read an option
+            raise UsageError(f"--nodes {args.nodes!r} names no host; give host names (or user@host) separated by "
+                             "commas, e.g. --nodes h1,h2, or leave --nodes out to run here")
         path = resolve_path(args.file, "validation file")
         out = resolve_path(args.out, "--out folder", must_exist=False) if args.out else None
         data = load(path)

@@ -57,7 +57,7 @@ def replaced_by_nodes(plan: Plan, nodes: list[str]) -> list[str]:
     node count, and with several nodes the coordinator, the first host (`validate_nodes.node_env`)."""
     if not nodes:
         return []
-    count, first = f"{len(nodes)} ({', '.join(nodes)})", f"{nodes[0]} (the first host)"
+    count, first = f"{len(nodes)} ({', '.join(nodes)})", f"{coordinator_host(nodes)} (the first host)"
     env_dict = "config.container_config.env_dict"
     settings = [("config.nnodes", plan.container.get("nnodes"), count)]
     if len(nodes) > 1:  # every node's NNODES and JAX_COORDINATOR_IP come from --nodes
@@ -72,6 +72,12 @@ def replaced_by_nodes(plan: Plan, nodes: list[str]) -> list[str]:
         if text and text != new.split()[0]:
             lines.append(f"--nodes replaces {where}={value if str(value).strip() else repr(value)} with {new}")
     return lines
+
+
+def coordinator_host(nodes: list[str]) -> str:
+    """The first host of --nodes as the other nodes reach it: `alice@h1` is ssh's user@host, and
+    JAX_COORDINATOR_IP=alice@h1 is no address."""
+    return nodes[0].rpartition("@")[2]
 
 
 def train_argv(plan: Plan, run_name: str) -> list[str]:
@@ -134,7 +140,7 @@ def over_ssh(host: str, env: dict[str, str], argv: list[str]) -> list[str]:
 def node_commands(plan: Plan, nodes: list[str], run_name: str, engine: str | None) -> list[tuple[str, list[str], dict]]:
     """(host, argv, env) per node; host 'local' runs here. Every node runs this interpreter (sys.executable)."""
     hosts = nodes or ["local"] * max(plan.nnodes, 1)
-    coordinator = nodes[0] if nodes else plan.coordinator
+    coordinator = coordinator_host(nodes) if nodes else plan.coordinator
     out = []
     for rank, host in enumerate(hosts):
         env = node_env(plan, rank, len(hosts), coordinator)
