@@ -159,6 +159,24 @@ def test_pgle_profile_tool_needs_a_gpu_trace(tmp_path):
     assert not (tmp_path / "p.pb").exists()
 
 
+def test_pgle_profile_tool_says_a_damaged_trace_or_an_unwritable_profile_in_one_line(tmp_path, monkeypatch, capsys):
+    """A trace cut short ended in a JaxRuntimeError traceback (exit 1), as did a profile path in a missing folder."""
+    from jax.experimental import profiler
+
+    from tessera import gpu_tuning
+
+    run = tmp_path / "profile" / "plugins" / "profile" / "2026_01_01"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes(b"cut short")
+    assert gpu_tuning.main([str(tmp_path / "profile"), str(tmp_path / "p.pb")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the trace in {run} cannot be read (") and "trace the run again" in err
+    monkeypatch.setattr(profiler, "get_profiled_instructions_proto", lambda folder: b"profile")
+    assert gpu_tuning.main([str(tmp_path / "profile"), str(tmp_path / "none" / "p.pb")]) == 2
+    assert (f"error: the profile {tmp_path / 'none' / 'p.pb'} cannot be written: No such file or directory; "
+            "give another path") in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- recipes
 
 

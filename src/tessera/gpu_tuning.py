@@ -142,14 +142,22 @@ def write_pgle_profile(trace_dir: str, out: str) -> int:
     if not glob.glob(os.path.join(runs[-1], "*.xplane.pb")):
         raise UsageError(f"no trace (*.xplane.pb) in {runs[-1]}; give the profile folder of a run that had "
                          "profiler=xplane, e.g. outputs/<run>/profile")
+    from jax.errors import JaxRuntimeError
     from jax.experimental.profiler import get_profiled_instructions_proto
 
-    profile = get_profiled_instructions_proto(runs[-1])
+    try:
+        profile = get_profiled_instructions_proto(runs[-1])
+    except JaxRuntimeError as e:  # a trace cut short (a full disk, a killed run): was a traceback
+        raise UsageError(f"the trace in {runs[-1]} cannot be read ({e}); trace the run again "
+                         "(profiler=xplane)") from None
     if not profile:
         raise UsageError(f"the trace in {runs[-1]} holds no GPU kernel times (a trace of a CPU or TPU run "
                          "has none); trace a run on the NVIDIA GPUs the profile is for")
-    with open(out, "wb") as f:
-        f.write(profile)
+    try:
+        with open(out, "wb") as f:
+            f.write(profile)
+    except OSError as e:
+        raise UsageError(f"the profile {out} cannot be written: {e.strerror or e}; give another path") from None
     return len(profile)
 
 
