@@ -61,3 +61,16 @@ def test_a_platform_jax_cannot_start_is_named_with_what_to_do(monkeypatch):
     assert rows == [] and len(problems) == 1
     assert problems[0].startswith("JAX could not start JAX_PLATFORMS=cuda (") and "bash setup.sh DEVICE=gpu" in \
         problems[0], problems
+
+
+def test_checking_another_flavour_does_not_say_it_was_installed(tmp_path, capsys, monkeypatch):
+    """On a CPU install, `--device gpu` printed `installed for DEVICE=gpu` and `DEVICE=gpu was installed but ...`:
+    --device only chooses what to check against."""
+    monkeypatch.setattr(doctor, "setup_record", lambda: {"DEVICE": "cpu", "MODE": "locked"})
+    lock = tmp_path / "gpu.txt"
+    lock.write_text(f"jax=={jax.__version__}\n")
+    assert doctor.main(["--device", "gpu", "--lock", str(lock)]) == 1
+    out = capsys.readouterr().out
+    assert "installed for DEVICE=cpu MODE=locked; checked as DEVICE=gpu (--device)" in out
+    assert "was installed" not in out and "installed for DEVICE=gpu" not in out
+    assert "for DEVICE=gpu, JAX sees no GPU" in out  # conftest's JAX_PLATFORMS=cpu: the probe sees the CPU

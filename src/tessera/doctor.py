@@ -109,7 +109,7 @@ def combination_problems(device: str, mode: str = "locked") -> list[str]:
         problems.append(f"libtpu {libtpu_v} does not satisfy libtpu{wanted_libtpu}, the requirement of jax {jax_v} "
                         f"(an older libtpu may not load); run `{setup_command('tpu', mode)}`")
     if device == "gpu" and not installed_version("jax-cuda12-plugin"):
-        problems.append(f"DEVICE=gpu was installed but no CUDA plugin is present; run `{fix}`")
+        problems.append(f"for DEVICE=gpu, no CUDA plugin is present; run `{fix}`")
     return problems
 
 
@@ -154,10 +154,10 @@ def device_report(device: str, timeout: float = 120.0) -> tuple[list[str], list[
         rows.append(f"  {count} x {kind} ({platform})")
     problems = []
     if device == "gpu" and "gpu" not in platforms and "cuda" not in platforms:
-        problems.append("DEVICE=gpu was installed but JAX sees no GPU; check `nvidia-smi` and the driver, "
+        problems.append("for DEVICE=gpu, JAX sees no GPU; check `nvidia-smi` and the driver, "
                         "or re-run `bash setup.sh DEVICE=gpu`")
     if device == "tpu" and "tpu" not in platforms:
-        problems.append("DEVICE=tpu was installed but JAX sees no TPU; run on a TPU VM (or use DEVICE=cpu here)")
+        problems.append("for DEVICE=tpu, JAX sees no TPU; run on a TPU VM (or use DEVICE=cpu here)")
     return rows, problems
 
 
@@ -181,8 +181,10 @@ def main(argv: list[str] | None = None) -> int:
     mode = record.get("MODE", "locked")
     lock_path = (args.lock or REPO / "locks" / f"{device}.txt").resolve()
     say = (lambda *a, **k: None) if args.quiet else print
-    say(f"Python {sys.version.split()[0]} at {sys.executable}; installed for DEVICE={device} MODE={mode}"
-        f"{'' if record else ' (no setup.sh record in this venv: assuming cpu, locked)'}")
+    installed = record.get("DEVICE", "cpu")  # --device checks against another flavour; it installs nothing
+    say(f"Python {sys.version.split()[0]} at {sys.executable}; installed for DEVICE={installed} MODE={mode}"
+        f"{'' if record else ' (no setup.sh record in this venv: assuming cpu, locked)'}"
+        f"{f'; checked as DEVICE={device} (--device)' if device != installed else ''}")
     problems: list[str] = []
     lock_name = str(lock_path.relative_to(REPO)) if lock_path.is_relative_to(REPO) else str(lock_path)
     try:
