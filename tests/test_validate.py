@@ -733,3 +733,21 @@ def test_nodes_that_name_no_host_are_refused(nodes, capsys):
     """`--nodes ,` ran here, as if --nodes had not been given, and `-o...` went to ssh as an option."""
     assert main([CPU, "--gpu", "cpu", f"--nodes={nodes}", "--dry-run"]) == 2
     assert f"error: --nodes {nodes!r} names no host; give host names (or user@host)" in capsys.readouterr().err
+
+
+def test_suites_started_in_the_same_second_get_their_own_run_folders(tmp_path, monkeypatch):
+    """Two suites started in the same second (`--gpu cpu` and `--gpu cpu-unreachable` side by side) had one run
+    name: the second trainer was refused (the folder was in use), and its suite reported the first's report.json
+    as its own measurements."""
+    names = []
+
+    def trained(commands, log_dir, steps, timeout=0.0):
+        names.append(next(a for a in commands[0][1] if a.startswith("run_name=")).split("=", 1)[1])
+        return [0]
+
+    monkeypatch.setattr(validate, "run_nodes", trained)
+    monkeypatch.setattr(validate.time, "strftime", lambda fmt: "20260101_000000")
+    for pid, gpu in ((101, "cpu"), (102, "cpu-unreachable")):
+        monkeypatch.setattr(validate.os, "getpid", lambda pid=pid: pid)
+        main([CPU, "--gpu", gpu, "--out", str(tmp_path / gpu)])
+    assert names == ["validate_validate_tiny_20260101_000000_101", "validate_validate_tiny_20260101_000000_102"]

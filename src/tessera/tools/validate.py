@@ -139,7 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         if "base_output_directory" in plan.overrides:  # relative to the working directory, as --out; over ssh
             # the nodes start in the repository, where a relative folder would be another one
             plan.overrides["base_output_directory"] = str(Path(plan.overrides["base_output_directory"]).absolute())
-        run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}"
+        # the pid: two suites started in the same second (a CI matrix) shared one run folder; one trainer was
+        # refused and its suite reported the other's measurements
+        run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
         check_train_keys(plan, run_name, plan.env if nodes else {**os.environ, **plan.env})
     except (ValidationInputError, UsageError) as e:
         print(f"{'validation file ' if isinstance(e, ValidationInputError) else ''}error: {e}", file=sys.stderr)
