@@ -751,3 +751,16 @@ def test_suites_started_in_the_same_second_get_their_own_run_folders(tmp_path, m
         monkeypatch.setattr(validate.os, "getpid", lambda pid=pid: pid)
         main([CPU, "--gpu", gpu, "--out", str(tmp_path / gpu)])
     assert names == ["validate_validate_tiny_20260101_000000_101", "validate_validate_tiny_20260101_000000_102"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_before_the_nodes_start_is_one_line(signum, monkeypatch, capsys):
+    """Ctrl-C while the suite loaded the config or asked docker was a KeyboardInterrupt traceback, and SIGTERM
+    ended it with no word (exit -15)."""
+    def signalled(*args):
+        os.kill(os.getpid(), signum)
+        time.sleep(5)  # the handler raises here
+
+    monkeypatch.setattr(validate, "check_train_keys", signalled)
+    assert main([CPU, "--gpu", "cpu", "--dry-run"]) == 128 + signum
+    assert capsys.readouterr().err.strip() == f"stopped by {signal.Signals(signum).name} (no node was running)"

@@ -37,7 +37,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from tessera.config.schema import all_fields
-from tessera.tools.cli import UsageError, resolve_path
+from tessera.tools.cli import UsageError, resolve_path, sigterm_raises
 from tessera.tools.validate_file import (METRICS, Plan, ValidationInputError, build_plan, check_train_keys, load,
                                          quantization_line, select, tuning_line)
 from tessera.tools.validate_nodes import (KILL_AFTER_SECONDS, REPO, NodesStopped, NodesTimedOut, container_engine,
@@ -121,8 +121,22 @@ def _seconds(text: str) -> float:
     return seconds
 
 
+class _Terminated(BaseException):  # like KeyboardInterrupt: no `except Exception` on the way swallows it
+    """SIGTERM while no node runs (raised by `sigterm_raises`; run_nodes passes it on to the nodes instead)."""
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:  # Ctrl-C or SIGTERM before the nodes start (loading the config, asking docker) was a traceback
+        with sigterm_raises(_Terminated):
+            return _run(args)
+    except (KeyboardInterrupt, _Terminated) as e:
+        signum = signal.SIGINT if isinstance(e, KeyboardInterrupt) else signal.SIGTERM
+        print(f"stopped by {signum.name} (no node was running)", file=sys.stderr)
+        return 128 + signum
+
+
+def _run(args: argparse.Namespace) -> int:
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]  # "h1, h2": the space is not the host's
     try:
         if any(len(n.split()) > 1 for n in nodes):
