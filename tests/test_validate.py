@@ -764,3 +764,15 @@ def test_a_signal_before_the_nodes_start_is_one_line(signum, monkeypatch, capsys
     monkeypatch.setattr(validate, "check_train_keys", signalled)
     assert main([CPU, "--gpu", "cpu", "--dry-run"]) == 128 + signum
     assert capsys.readouterr().err.strip() == f"stopped by {signal.Signals(signum).name} (no node was running)"
+
+
+def test_a_log_dir_under_the_home_is_not_a_folder_named_tilde(tmp_path, monkeypatch, capsys):
+    """log_dir "~/runs" became <working directory>/~/runs: a folder named ~, where train.py reads ~ as the home."""
+    data = json.loads(Path(CPU).read_text())
+    data["config"]["log_dir"] = "~/runs"
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
+    assert f"base_output_directory={tmp_path / 'home' / 'runs'} " in capsys.readouterr().out

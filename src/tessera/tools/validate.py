@@ -151,8 +151,10 @@ def _run(args: argparse.Namespace) -> int:
         name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
         plan = build_plan(data, name, entry)
         if "base_output_directory" in plan.overrides:  # relative to the working directory, as --out; over ssh
-            # the nodes start in the repository, where a relative folder would be another one
-            plan.overrides["base_output_directory"] = str(Path(plan.overrides["base_output_directory"]).absolute())
+            # the nodes start in the repository, where a relative folder would be another one; `~` is a home, as
+            # for train.py, not a folder named ~ here
+            plan.overrides["base_output_directory"] = str(
+                Path(plan.overrides["base_output_directory"]).expanduser().absolute())
         # the pid: two suites started in the same second (a CI matrix) shared one run folder; one trainer was
         # refused and its suite reported the other's measurements
         run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
