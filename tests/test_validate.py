@@ -776,3 +776,13 @@ def test_a_log_dir_under_the_home_is_not_a_folder_named_tilde(tmp_path, monkeypa
     monkeypatch.chdir(tmp_path)
     assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
     assert f"base_output_directory={tmp_path / 'home' / 'runs'} " in capsys.readouterr().out
+
+
+def test_a_misspelt_train_key_is_reported_with_the_key_it_resembles(tmp_path, capsys):
+    """per_device_batch_sise was `ignored ...: not a Tessera train key`, and the run trained the default batch
+    with nothing pointing at the typo."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"model_params": {"single_node": {"m": {"g": {"per_device_batch_sise": "2"}}}}}))
+    assert main([str(path), "--dry-run"]) == 0
+    assert ("ignored per_device_batch_sise: not a Tessera train key; did you mean per_device_batch_size?"
+            in capsys.readouterr().out)

@@ -291,7 +291,8 @@ def _maxtext_why(key: str, value: Any) -> str:
     if key in REFUSED:
         off = " (off here, as in Tessera)" if is_off(REFUSED[key], value) else ""
         return f"MaxText key{off}: {REFUSED[key].why}"
-    return "not a Tessera train key"
+    close = difflib.get_close_matches(key, all_fields(), n=1, cutoff=0.8)  # a misspelt train key: its default runs
+    return "not a Tessera train key" + (f"; did you mean {close[0]}?" if close else "")
 
 
 def check_train_keys(plan: Plan, run_name: str, env: dict[str, str]) -> None:
