@@ -786,3 +786,22 @@ def test_a_misspelt_train_key_is_reported_with_the_key_it_resembles(tmp_path, ca
     assert main([str(path), "--dry-run"]) == 0
     assert ("ignored per_device_batch_sise: not a Tessera train key; did you mean per_device_batch_size?"
             in capsys.readouterr().out)
+
+
+def test_results_that_cannot_be_written_are_one_line_and_exit_code_2(tmp_path, monkeypatch, capsys):
+    """A full disk when validation.json was written: a traceback (exit 1) and an empty validation.json."""
+    monkeypatch.setattr(validate, "run_nodes", lambda commands, log_dir, steps, timeout=0.0: [0])
+    real_write_text = Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        if self.name == "validation.xml":
+            raise OSError(28, "No space left on device")
+        return real_write_text(self, text, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    assert main([CPU, "--gpu", "cpu", "--out", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert (f"error: cannot write validation.json/.xml in {tmp_path}: No space left on device; free some space "
+            "there or choose another --out") in err
+    assert "FAIL: single_node.default.cpu; no results written" in out
+    assert not (tmp_path / "validation.json").exists()  # no half of the results

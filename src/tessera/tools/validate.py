@@ -78,6 +78,23 @@ def write_results(rows: list[dict], plan: Plan, out_dir: Path, seconds: float) -
         + "\n  </properties>\n" + "\n".join(cases) + "\n</testsuite>\n")
 
 
+def save_results(rows: list[dict], plan: Plan, out_dir: Path, seconds: float) -> bool:
+    """write_results, or (a full disk) a line saying why not, with no half-written file left: an empty
+    validation.json and a traceback were all that was left, as if the run had not finished."""
+    try:
+        write_results(rows, plan, out_dir, seconds)
+        return True
+    except OSError as e:
+        for name in ("validation.json", "validation.xml"):
+            try:
+                (out_dir / name).unlink(missing_ok=True)
+            except OSError:
+                pass
+        print(f"error: cannot write validation.json/.xml in {out_dir}: {e.strerror or e}; free some space there "
+              "or choose another --out", file=sys.stderr)
+        return False
+
+
 def _last_line(log_file: Path) -> str:
     try:
         with log_file.open("rb") as f:
@@ -194,7 +211,7 @@ def _run(args: argparse.Namespace) -> int:
     except NodesStopped as stopped:  # SIGTERM or Ctrl-C: the nodes were given it and have exited
         rows = check(plan, None, [])  # validation.json/.xml say the run did not finish, for CI dashboards
         rows[0]["measured"] = f"stopped by {stopped}"
-        write_results(rows, plan, out_dir, time.time() - start)
+        save_results(rows, plan, out_dir, time.time() - start)
         print(f"stopped by {stopped}: every node has exited; node logs in {out_dir / 'logs'}", file=sys.stderr)
         return 128 + stopped.signum
     except NodesTimedOut as e:  # the nodes were stopped: whatever they measured is not the whole run's
@@ -208,7 +225,7 @@ def _run(args: argparse.Namespace) -> int:
     rows = check(plan, report, codes)
     if timed_out:
         rows[0].update(measured=f"{timed_out}, exit codes {codes}", passed=False)
-    write_results(rows, plan, out_dir, time.time() - start)
+    saved = save_results(rows, plan, out_dir, time.time() - start)
     print(tuning_line(plan))
     print_table(rows)
     if report is None and codes and all(c == 0 for c in codes) and not timed_out:
@@ -222,9 +239,9 @@ def _run(args: argparse.Namespace) -> int:
             how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
             print(f"node {rank} {how}; the end of {log_file}: {_last_line(log_file)}")
     passed = all(r["passed"] for r in rows)
-    print(f"{'PASS' if passed else 'FAIL'}: {plan.name}{f' ({timed_out})' if timed_out else ''}; results in "
-          f"{out_dir / 'validation.json'} and validation.xml")
-    return EXIT_TIMEOUT if timed_out else 0 if passed else 1
+    where = f"results in {out_dir / 'validation.json'} and validation.xml" if saved else "no results written"
+    print(f"{'PASS' if passed else 'FAIL'}: {plan.name}{f' ({timed_out})' if timed_out else ''}; {where}")
+    return 2 if not saved else EXIT_TIMEOUT if timed_out else 0 if passed else 1
 
 
 if __name__ == "__main__":
