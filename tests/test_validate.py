@@ -805,3 +805,16 @@ def test_results_that_cannot_be_written_are_one_line_and_exit_code_2(tmp_path, m
             "there or choose another --out") in err
     assert "FAIL: single_node.default.cpu; no results written" in out
     assert not (tmp_path / "validation.json").exists()  # no half of the results
+
+
+def test_a_model_entry_that_sets_a_config_setting_again_says_which_is_used(tmp_path, capsys):
+    """config.training_steps=8 and the entry's steps=5: the run took 5 and dropped the 8 without a word."""
+    path = tmp_path / "v.json"
+    entry = {"steps": "5", "report_warmup_steps": "1", "base_output_directory": str(tmp_path / "a")}
+    path.write_text(json.dumps({"config": {"training_steps": "8", "log_dir": str(tmp_path / "a")},
+                                "model_params": {"single_node": {"m": {"g": entry}}}}))
+    assert main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "ignored config.training_steps: model_params.single_node.m.g.steps=5 is used instead" in out
+    assert "config.log_dir" not in out  # the same value twice: nothing to say
+    assert " steps=5 " in out

@@ -206,6 +206,9 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             container[key] = value
         else:
             ignored[f"config.{key}"] = IGNORED_WHY.get(key, "not a setting Tessera has")
+    # train key -> the config key that set it: a model entry's value for the same train key replaced it silently
+    from_config = {CONFIG_TRAIN_KEYS.get(k, k): k for k in config if k in GPU_KEYS or k in CONFIG_TRAIN_KEYS}
+    from_config.update({"dataset_type": "mock_data"} if "dataset_type" in overrides else {})
     for key, value in entry.items():
         if key in ("xla_flags", "result_dict"):
             continue
@@ -217,7 +220,10 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             same = str(entry[target]) == text
             ignored[key] = f"same as {target}" if same else f"conflicts with {target}={entry[target]}; {target} is used"
         elif target in train_keys:
-            overrides[target] = _text(value, f"model_params.{name}.{key}")
+            text = _text(value, f"model_params.{name}.{key}")
+            if target in from_config and overrides[target] != text:
+                ignored[f"config.{from_config[target]}"] = f"model_params.{name}.{key}={text} is used instead"
+            overrides[target] = text
         else:
             ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
     if str(entry.get("precision", "")).upper() in FP8_PRECISIONS and not entry.get("quantization"):
