@@ -818,3 +818,13 @@ def test_a_model_entry_that_sets_a_config_setting_again_says_which_is_used(tmp_p
     assert "ignored config.training_steps: model_params.single_node.m.g.steps=5 is used instead" in out
     assert "config.log_dir" not in out  # the same value twice: nothing to say
     assert " steps=5 " in out
+
+
+def test_a_key_given_twice_is_refused_not_half_dropped(tmp_path, capsys):
+    """JSON keeps the last of a repeated key: training_steps "8" then "20" trained 20 steps, the 8 dropped silently."""
+    path = tmp_path / "v.json"
+    path.write_text('{"_c": 1, "_c": 2, "config": {"training_steps": "8", "training_steps": "20"}, '
+                    '"model_params": {"single_node": {"m": {"g": {}}}}}')
+    assert main([str(path), "--dry-run"]) == 2
+    assert (f"validation file error: {path}: the key 'training_steps' appears twice in one object (\"8\" and then "
+            "\"20\"); JSON would keep only the last: remove one") in capsys.readouterr().err

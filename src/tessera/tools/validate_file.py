@@ -79,7 +79,7 @@ class Plan:
 def load(path: str) -> dict:
     """The JSON without comment keys, with {user-id} resolved; refuses any <changeme> left."""
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(), object_pairs_hook=_no_repeated_keys)
     except FileNotFoundError:
         raise ValidationInputError(f"{path} does not exist") from None
     except IsADirectoryError:
@@ -88,6 +88,8 @@ def load(path: str) -> dict:
         raise ValidationInputError(f"{path} cannot be read: {e.strerror or e}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValidationInputError(f"{path} is not valid JSON: {e}") from None
+    except _RepeatedKey as e:
+        raise ValidationInputError(f"{path}: {e}") from None
     if not isinstance(data, dict):
         raise ValidationInputError(f"{path} holds a JSON {_json_type(data)} at the top; a validation file is an "
                                    "object with config and model_params sections")
@@ -97,6 +99,20 @@ def load(path: str) -> dict:
         raise ValidationInputError(
             f"{path} still has {len(left)} {PLACEHOLDER} value(s); set each before running:\n  " + "\n  ".join(left))
     return data
+
+
+class _RepeatedKey(ValueError):
+    """A key twice in one JSON object: json keeps the last value and drops the first without a word."""
+
+
+def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict:
+    seen: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in seen and not key.startswith("_"):  # comment keys may repeat
+            raise _RepeatedKey(f"the key {key!r} appears twice in one object ({json.dumps(seen[key])[:60]} and then "
+                               f"{json.dumps(value)[:60]}); JSON would keep only the last: remove one")
+        seen[key] = value
+    return seen
 
 
 def _user_name() -> str:
