@@ -828,3 +828,15 @@ def test_a_key_given_twice_is_refused_not_half_dropped(tmp_path, capsys):
     assert main([str(path), "--dry-run"]) == 2
     assert (f"validation file error: {path}: the key 'training_steps' appears twice in one object (\"8\" and then "
             "\"20\"); JSON would keep only the last: remove one") in capsys.readouterr().err
+
+
+def test_the_junit_file_is_well_formed_for_any_entry_name(tmp_path):
+    """A gpu entry named with a quote (`h100 "fast"`) wrote classname="... "fast"": an XML file CI could not read."""
+    import xml.dom.minidom
+
+    plan = validate_file.Plan('single_node.m.h100 "fast" & <co>', {}, {}, {}, {}, {}, 1, "localhost", "8476",
+                              {"optimization_level": "O1"})
+    rows = [{"check": "training finished", "target": "exit code 0 on every node", "measured": "[1]", "passed": False}]
+    validate.write_results(rows, plan, tmp_path, 1.0)
+    case = xml.dom.minidom.parse(str(tmp_path / "validation.xml")).getElementsByTagName("testcase")[0]
+    assert case.getAttribute("classname") == 'single_node.m.h100 "fast" & <co>'

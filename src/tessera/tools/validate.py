@@ -65,13 +65,13 @@ def write_results(rows: list[dict], plan: Plan, out_dir: Path, seconds: float) -
         {"name": plan.name, "passed": all(r["passed"] for r in rows), "checks": rows, "gpu_tuning": plan.tuning,
          "ignored_keys": plan.ignored}, indent=2) + "\n")
     failures = sum(not r["passed"] for r in rows)
-    cases = []
+    cases, quote = [], {'"': "&quot;"}  # every value in an attribute: a model or gpu name may hold a quote
     for r in rows:
-        message = escape(f"measured {r['measured']}, target {r['target']}", {'"': "&quot;"})
+        message = escape(f"measured {r['measured']}, target {r['target']}", quote)
         body = "" if r["passed"] else f'<failure message="{message}"/>'
-        cases.append(f'  <testcase classname="{escape(plan.name)}" name="{escape(r["check"])}">{body}</testcase>')
-    quote = {'"': "&quot;"}
-    properties = [f'    <property name="{escape(k)}" value="{escape(v, quote)}"/>' for k, v in plan.tuning.items()]
+        cases.append(f'  <testcase classname="{escape(plan.name, quote)}" name="{escape(r["check"], quote)}">{body}'
+                     '</testcase>')
+    properties = [f'    <property name="{escape(k, quote)}" value="{escape(v, quote)}"/>' for k, v in plan.tuning.items()]
     (out_dir / "validation.xml").write_text(
         f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name="tessera.validate" tests="{len(rows)}" '
         f'failures="{failures}" time="{seconds:.1f}">\n  <properties>\n' + "\n".join(properties)
