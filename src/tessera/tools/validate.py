@@ -71,7 +71,8 @@ def write_results(rows: list[dict], plan: Plan, out_dir: Path, seconds: float) -
         body = "" if r["passed"] else f'<failure message="{message}"/>'
         cases.append(f'  <testcase classname="{escape(plan.name, quote)}" name="{escape(r["check"], quote)}">{body}'
                      '</testcase>')
-    properties = [f'    <property name="{escape(k, quote)}" value="{escape(v, quote)}"/>' for k, v in plan.tuning.items()]
+    properties = [f'    <property name="{escape(k, quote)}" value="{escape(v, quote)}"/>'
+                  for k, v in plan.tuning.items()]
     (out_dir / "validation.xml").write_text(
         f'<?xml version="1.0" encoding="UTF-8"?>\n<testsuite name="tessera.validate" tests="{len(rows)}" '
         f'failures="{failures}" time="{seconds:.1f}">\n  <properties>\n' + "\n".join(properties)
