@@ -22,6 +22,8 @@ def test_the_plan_keeps_the_system_allocator_where_mimalloc_is_not_for_this_run(
     assert plan(cpu, "darwin")[0] is None
     assert "accelerator" in plan({}, "linux")[1]  # JAX picks its platform: an accelerator host
     assert "accelerator" in plan({"JAX_PLATFORMS": "tpu"}, "linux")[1]
+    # asked for by the user, it is named: "runs on an accelerator here" was untrue on a host without one
+    assert plan({"JAX_PLATFORMS": "cuda"}, "linux")[1].startswith("JAX_PLATFORMS=cuda, not the CPU")
     assert plan({**cpu, "_TESSERA_HOST_MALLOC_PRELOADED": "/x/libmimalloc.so.3"}, "linux") == (
         None, "mimalloc was preloaded")
 

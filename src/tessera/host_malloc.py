@@ -85,8 +85,10 @@ def plan(environ: dict[str, str], platform: str = sys.platform) -> tuple[dict[st
         return None, f"{CHOICE_VAR}=system"
     if platform != "linux":
         return None, f"preloading an allocator is done on Linux only (this is {platform})"
-    if environ.get("JAX_PLATFORMS") != "cpu":
-        return None, "JAX runs on an accelerator here, whose allocator keeps its memory between steps"
+    if environ.get("JAX_PLATFORMS") != "cpu":  # set to cpu on hosts without accelerators; otherwise asked for
+        return None, (f"JAX_PLATFORMS={environ['JAX_PLATFORMS']}, not the CPU: an accelerator's allocator keeps "
+                      "its memory between steps" if environ.get("JAX_PLATFORMS") else
+                      "JAX runs on an accelerator here, whose allocator keeps its memory between steps")
     if _PRELOADED_VAR in environ:
         return None, "mimalloc was preloaded"
     lib = library()
