@@ -978,6 +978,37 @@ def test_steps_logged_after_reads_the_newest_records_only(tmp_path):
     assert steps_logged_after(path, 2990, tail_bytes=100) == 10  # a tail that starts mid-line
 
 
+def test_a_metrics_file_that_is_a_pipe_is_written_and_not_read_back(tmp_path):
+    """metrics_file=/dev/stdout piped to another program, or a named pipe: the records go into it. The
+    start-up's reads of an earlier attempt's records skip it: they failed with a traceback (a pipe cannot
+    seek), blocked for ever (opening a named pipe to read waits for a writer) or, at /dev/full, read zeros
+    until the host ran out of memory."""
+    import os
+    import threading
+
+    from tessera.loop_records import steps_logged_after
+    from tessera.metrics import MetricsWriter
+
+    fifo = tmp_path / "metrics.fifo"
+    os.mkfifo(fifo)
+    found = []
+    reading = threading.Thread(target=lambda: found.append(steps_logged_after(fifo, 7)), daemon=True)
+    reading.start()
+    reading.join(timeout=10)
+    blocked = reading.is_alive()
+    if blocked:  # let the blocked open go before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert not blocked and found == [0]
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(open(fifo).read().splitlines()), daemon=True)
+    reader.start()
+    writer = MetricsWriter(fifo, None, log_period=10, first_step=0)  # step 1 not printed
+    writer.write({"step": 1, "loss": 2.5})
+    writer.close()
+    reader.join(timeout=10)
+    assert [json.loads(line) for line in lines] == [{"step": 1, "loss": 2.5}]
+
+
 def test_the_run_folder_lock_is_exclusive_and_released(tmp_path):
     from tessera.run_folder import LOCK_FILE, RunFolderInUse, RunFolderLock
 

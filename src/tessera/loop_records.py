@@ -177,7 +177,10 @@ def steps_logged_after(metrics_path: Path, start_step: int, tail_bytes: int = 1 
     """How many steps after `start_step` an earlier attempt of this run logged to its metrics file:
     steps it trained and lost with its process before they were saved, which this attempt trains
     again. Read from the file's last `tail_bytes` (the newest records; a long run's file is not
-    read whole); 0 without a file."""
+    read whole); 0 without a file, or for a pipe or device (metrics_file=/dev/stdout: a named pipe
+    would block the read until it had a writer, /dev/full reads zeros for ever)."""
+    if not metrics_path.is_file():
+        return 0
     try:
         with open(metrics_path, "rb") as f:
             f.seek(max(0, f.seek(0, 2) - tail_bytes))

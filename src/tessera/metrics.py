@@ -136,7 +136,10 @@ class _TensorBoardFile:
 def _drop_cut_line(path: Path, window: int = 1 << 20) -> None:
     """Remove a last line without its newline from the metrics file an earlier attempt of the run
     left (a full disk or a kill in the middle of a record): this attempt's first record would be
-    appended to it, and the two make one line that no JSON reader can parse."""
+    appended to it, and the two make one line that no JSON reader can parse. Only a regular file
+    is read back: metrics_file=/dev/stdout (a pipe) cannot seek, and /dev/full reads zeros for ever."""
+    if not path.is_file():  # missing, or a pipe or device
+        return
     try:
         with open(path, "rb+") as f:
             end = f.seek(0, 2)
