@@ -230,7 +230,9 @@ def make_train_step(trainer: Trainer, seed: int):
 
         if not mean_in_update:
             grads = mean(grads)
-        loss, grad_norm = loss_sum / count, optax.tree.norm(grads) * (inv_count if mean_in_update else 1.0)
+        # the norm's squares summed in float32 (bfloat16 weights have bfloat16 gradients: 8 bits)
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        loss, grad_norm = loss_sum / count, grad_norm * (inv_count if mean_in_update else 1.0)
         # A non-finite loss or gradient leaves parameters and optimizer state as they were, so
         # a NaN never reaches the state (or a checkpoint); the host decides to stop or go on.
         # The update runs under a cond: no second pass over the state to select old or new.
