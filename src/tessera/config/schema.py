@@ -472,7 +472,8 @@ class OptimConfig:
     adam_b1: float = key(0.9, "AdamW beta1", minimum=0.0)
     adam_b2: float = key(0.95, "AdamW beta2", minimum=0.0)
     adam_eps: float = key(1e-8, "AdamW epsilon", minimum=0.0)
-    adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay", minimum=0.0)
+    adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay, times the learning rate; every parameter AdamW "
+                                   "trains decays but the norms' scales and DeepSeek's routing biases", minimum=0.0)
     muon_beta: float = key(0.95, "muon: decay of the momentum the update orthogonalizes", minimum=0.0)
     muon_weight_decay: float = key(0.0, "muon: weight decay of the Muon-trained matrices, times the learning rate",
                                    minimum=0.0)
