@@ -406,6 +406,13 @@ def test_option_bounds_are_inclusive(capsys):
     assert "at 100% MFU" in out and "with 1 link(s) per collective" in out
 
 
+def test_slices_is_the_plans_name_for_num_slices(capsys):
+    """The planner's option is --slices, the estimator's --num_slices: each tool refused the other's spelling
+    (argparse: unrecognized arguments, exit 2). Both spellings now work in both tools."""
+    assert main(["llama3-8b", "--hardware", "v5p-128", "--slices", "2"]) == 0
+    assert "hardware: v5p-128 x2 = 128 x TPU v5" in capsys.readouterr().out
+
+
 def test_a_model_file_that_is_not_yaml_is_the_loaders_config_error(capsys, tmp_path):
     broken = tmp_path / "broken.yml"
     broken.write_text("base_emb_dim: [1\n")

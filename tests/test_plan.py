@@ -333,6 +333,12 @@ def test_config_keys_that_name_other_hardware_are_refused(overrides, message, ca
     assert main(["default", "compile_topology=v5litepod-8", "--hardware", "v5e-8", "--top", "1"]) == 0  # one slice
 
 
+def test_num_slices_is_the_estimators_name_for_slices(capsys):
+    """tessera.tools.estimate's spelling of --slices is accepted too (it was: unrecognized arguments, exit 2)."""
+    assert main(["default", "--hardware", "v5e-8", "--num_slices", "2", "--top", "1"]) == 0
+    assert "hardware: v5e-8 x2 = 16 x" in capsys.readouterr().out
+
+
 def test_a_gpu_count_of_zero_is_a_config_error(capsys):
     assert main(["llama3-8b", "--hardware", "h100-0"]) == 2
     err = capsys.readouterr().err

@@ -343,7 +343,8 @@ def main(argv: list[str]) -> int:
                    "(default: model_name=... among the overrides, else the default model)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides (mesh, batch, remat_policy, ...)")
     p.add_argument("--hardware", required=True, help="TPU slice type (v6e-256, v5p-128, ...) or <gpu>-<count> (h100-8)")
-    p.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN (default 1)")
+    p.add_argument("--num_slices", "--slices", type=int, default=1, help="slices joined over DCN (default 1; "
+                   "--slices, as tessera.tools.plan names it, is the same option)")
     p.add_argument("--ici_links", type=int, default=None, help="links per collective, at least 1 (default: 4 on "
                    "slices with wraparound, else 2; 1 on GPUs)")
     p.add_argument("--mfu", type=float, default=None, help="also print the throughput at this MFU, above 0 and at "

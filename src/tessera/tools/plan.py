@@ -228,8 +228,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="key=value config overrides (max_target_length, weight_dtype, ...); "
                    "mesh, batch and remat keys are what the plan chooses")
     p.add_argument("--hardware", required=True, help="TPU slice type (v6e-256, v5p-128, ...) or <gpu>-<count> (h100-8)")
-    p.add_argument("--slices", type=int, default=1, help="TPU slices joined over DCN (GPUs: that many times the "
-                   "count; default 1)")
+    p.add_argument("--slices", "--num_slices", type=int, default=1, help="TPU slices joined over DCN (GPUs: that "
+                   "many times the count; default 1; --num_slices, as tessera.tools.estimate names it, is the same "
+                   "option)")
     p.add_argument("--tokens-per-device", type=int, default=0, help="fix the batch at this many tokens per device "
                    "(default: the largest that fits, up to 128 sequences per device and 16.8M tokens per step)")
     p.add_argument("--top", type=int, default=5, help="rows of the ranked table, and candidates --compile tries")
