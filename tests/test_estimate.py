@@ -532,6 +532,13 @@ def test_config_keys_that_agree_with_the_hardware_options_are_accepted(capsys):
     assert "hardware: v5p-8 x2 = 8 x" in capsys.readouterr().out
 
 
+def test_an_unknown_hardware_name_lists_every_tpu_generation(capsys):
+    """tpu7x slices are sized (`--hardware tpu7x-16`) but the message for a typo listed v5p, v5e, v6e and v4 only."""
+    assert main(["default", "--hardware", "v7e-8"]) == 2
+    assert capsys.readouterr().err == ("config error: --hardware='v7e-8' is neither a TPU slice type (v5p-256, v5e-256, "
+                                       "v6e-256, v4-128, tpu7x-16) nor h100-<count>, h200-<count>, a100-<count>\n")
+
+
 @pytest.mark.parametrize("hardware, message", [
     ("v6e-512", "--hardware='v6e-512': a v6e slice has at most 256 chips; use several slices (--num_slices <n>) instead"),
     ("v6e-3", "--hardware='v6e-3': 3 chips is not a v6e slice shape; use a power of two number of chips (>= 1)"),

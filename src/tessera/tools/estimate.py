@@ -81,8 +81,8 @@ def parse_hardware(text: str, num_slices: int = 1, ici_links: int = 0, slices_fl
         if match and match.group(1) in (*TPUS, "v5litepod"):  # a TPU generation with a size it does not have
             raise ConfigError(str(e).replace("(compile_topology_num_slices)", f"({slices_flag} <n>)")) from None
         gpus = ", ".join(f"{g}-<count>" for g in GPUS)
-        raise ConfigError(f"--hardware={text!r} is neither a TPU slice type (v5p-256, v5e-256, v6e-256, v4-128) "
-                          f"nor {gpus}") from None
+        raise ConfigError(f"--hardware={text!r} is neither a TPU slice type (v5p-256, v5e-256, v6e-256, v4-128, "
+                          f"tpu7x-16) nor {gpus}") from None
     return Hardware(s.accelerator, text, s.devices * num_slices, num_slices, ici_links or (4 if s.has_wraparound else 2))
 
 
