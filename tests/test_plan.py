@@ -339,6 +339,16 @@ def test_num_slices_is_the_estimators_name_for_slices(capsys):
     assert "hardware: v5e-8 x2 = 16 x" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--top", "0"], "--top 0: give at least 1"), (["--slices", "-2"], "--slices -2: give at least 1"),
+    (["--tokens-per-device", "-8"], "--tokens-per-device -8: give at least 0 (0: the largest batch that fits)"),
+])
+def test_an_option_out_of_range_is_named_with_its_value(args, message, capsys):
+    """The message was "--slices and --top must be at least 1 and --tokens-per-device at least 0" for each."""
+    assert main(["default", "--hardware", "v5e-8", *args]) == 2
+    assert capsys.readouterr().err == f"config error: {message}\n"
+
+
 def test_a_gpu_count_of_zero_is_a_config_error(capsys):
     assert main(["llama3-8b", "--hardware", "h100-0"]) == 2
     err = capsys.readouterr().err

@@ -249,8 +249,11 @@ def main(argv: list[str]) -> int:
 
     args = parse_args(argv)
     try:
-        if args.slices < 1 or args.top < 1 or args.tokens_per_device < 0:
-            raise ConfigError("--slices and --top must be at least 1 and --tokens-per-device at least 0")
+        for flag, value, least in (("--slices", args.slices, 1), ("--top", args.top, 1),
+                                   ("--tokens-per-device", args.tokens_per_device, 0)):
+            if value < least:
+                raise ConfigError(f"{flag} {value}: give at least {least}"
+                                  + (" (0: the largest batch that fits)" if least == 0 else ""))
         cfg = load_model_config(args.model, args.overrides)
         check_topology_keys(cfg, args.hardware, args.slices, "the plan", "--slices")
         hw = parse_hardware(args.hardware, args.slices, slices_flag="--slices")
