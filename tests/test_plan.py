@@ -349,6 +349,20 @@ def test_an_option_out_of_range_is_named_with_its_value(args, message, capsys):
     assert capsys.readouterr().err == f"config error: {message}\n"
 
 
+def test_batches_are_those_num_vocab_tiling_divides(capsys):
+    """The trainer refuses num_vocab_tiling that does not divide a forward pass's tokens per device; the plan ranked
+    (and would write a recipe with) such batches: 64 tokens per device with 128 tiles."""
+    from tessera.tools.plan import token_options
+
+    keys = ["max_target_length=64", "num_vocab_tiling=128", "dtype=bfloat16"]
+    assert main(["default", *keys, "--hardware", "v5e-8", "--tokens-per-device", "64"]) == 2
+    assert capsys.readouterr().err == ("config error: --tokens-per-device 64 / gradient_accumulation_steps=1 is not a "
+                                       "whole number of tokens that num_vocab_tiling=128 divides, as the trainer "
+                                       "requires; give a multiple of 128\n")
+    cfg = load_model_config("default", [*keys, "gradient_accumulation_steps=2"])
+    assert min(token_options(cfg, parse_hardware("v5e-8"), 0)) == 256
+
+
 def test_a_gpu_count_of_zero_is_a_config_error(capsys):
     assert main(["llama3-8b", "--hardware", "h100-0"]) == 2
     err = capsys.readouterr().err

@@ -108,13 +108,21 @@ def mesh_config(cfg: Config, mesh: Mesh, repeats: int, per_device_batch: float) 
 
 def token_options(cfg: Config, hw: Hardware, tokens_per_device: int) -> list[int]:
     """Tokens per device to try, ascending: the one asked for, else powers of two times the sequence
-    length from 1/128 of a sequence up to MAX_GLOBAL_TOKENS over all devices."""
+    length from 1/128 of a sequence up to MAX_GLOBAL_TOKENS over all devices. With num_vocab_tiling, only
+    those whose forward pass (a micro-batch with gradient_accumulation_steps) the tiles divide, as the
+    trainer requires."""
+    steps, tiles = cfg.optim.gradient_accumulation_steps, cfg.model.num_vocab_tiling
+    unit = steps * tiles if tiles > 1 else 1
     if tokens_per_device:
+        if tokens_per_device % unit:
+            raise ConfigError(f"--tokens-per-device {tokens_per_device} / gradient_accumulation_steps={steps} is not "
+                              f"a whole number of tokens that num_vocab_tiling={tiles} divides, as the trainer "
+                              f"requires; give a multiple of {unit}")
         return [tokens_per_device]
     length = cfg.data.max_target_length
     most = max(MAX_GLOBAL_TOKENS // hw.num_devices, length)
     sizes = (length * 2**i for i in range(-7, 8))
-    return [int(t) for t in sizes if 1 <= t <= most and t == int(t)]
+    return [int(t) for t in sizes if 1 <= t <= most and t == int(t) and int(t) % unit == 0]
 
 
 def pipeline_repeats(cfg: Config, stages: int) -> list[int]:
