@@ -363,6 +363,28 @@ def test_batches_are_those_num_vocab_tiling_divides(capsys):
     assert min(token_options(cfg, parse_hardware("v5e-8"), 0)) == 256
 
 
+def test_keys_the_plan_chooses_are_said_to_be_replaced_and_left_out_of_the_compile(tmp_path, monkeypatch, capsys):
+    """remat_policy=full or ici_tensor_parallelism=4 on the plan's command line were dropped without a word, and
+    --compile passed them to train_compile and into the recipe beside the plan's mesh (dcn_tensor_parallelism=2
+    stayed in both: a mesh the plan never scored)."""
+    import tessera.tools.plan_compile as plan_compile
+
+    seen = []
+
+    def confirm(base, c, *args, **kwargs):
+        seen.append(base)
+        return dataclasses.replace(c, compiled=True)
+
+    monkeypatch.setattr(plan_compile, "confirm", confirm)
+    keys = ["remat_policy=full", "ici_tensor_parallelism=4", "dcn_tensor_parallelism=2", "dtype=bfloat16"]
+    recipe = tmp_path / "x.sh"
+    assert main(["default", *keys, "--hardware", "v5e-8", "--top", "1", "--compile", "--output", str(recipe)]) == 0
+    assert ("replaced by the plan's own choice (the mesh, the batch and remat_policy are what it chooses): "
+            "remat_policy=full ici_tensor_parallelism=4 dcn_tensor_parallelism=2\n") in capsys.readouterr().out
+    assert seen == [["model_name=default", "dtype=bfloat16"]]
+    assert "dcn_tensor_parallelism=2" not in recipe.read_text() and "remat_policy=full" not in recipe.read_text()
+
+
 def test_a_gpu_count_of_zero_is_a_config_error(capsys):
     assert main(["llama3-8b", "--hardware", "h100-0"]) == 2
     err = capsys.readouterr().err

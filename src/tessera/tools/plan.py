@@ -47,6 +47,11 @@ from tessera.tools.plan_meshes import DCN_AXES, ICI_AXES, KEY, Mesh, gpu_split, 
 from tessera.tools.plan_model import REMAT_POLICIES, Axis, ModelTerms, estimate_mfu, score_axes
 
 MAX_GLOBAL_TOKENS = 2**24  # 16.8M tokens per step: the largest global batch tried without --tokens-per-device
+# the keys the plan chooses (mesh_config, run_args): given on the command line they are replaced, and said so
+CHOSEN_KEYS = frozenset({"per_device_batch_size", "micro_batch_size", "remat_policy", "num_pipeline_repeats",
+                         "num_layers_per_pipeline_stage", "ici_fsdp_transpose_parallelism",
+                         "dcn_fsdp_transpose_parallelism",
+                         *(f"{kind}_{KEY[a]}_parallelism" for kind in ("ici", "dcn") for a in ICI_AXES)})
 
 
 # --------------------------------------------------------------------------- candidates
@@ -225,6 +230,11 @@ def run_args(c: Candidate, cfg: Config) -> list[str]:
 # --------------------------------------------------------------------------- command line
 
 
+def chosen_overrides(overrides: list[str]) -> list[str]:
+    """The key=value overrides the plan replaces with its own choice (CHOSEN_KEYS)."""
+    return [o for o in overrides if o.partition("=")[0].strip() in CHOSEN_KEYS]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog=".venv/bin/python -m tessera.tools.plan", description=__doc__.split("\n\n")[0],
@@ -277,6 +287,9 @@ def main(argv: list[str]) -> int:
 
             check_output(cfg, hw, args.output)
         print(report_header(cfg, hw, sequence_note(cfg, args.overrides)), flush=True)
+        if chosen_overrides(args.overrides):
+            print(f"replaced by the plan's own choice (the mesh, the batch and remat_policy are what it chooses): "
+                  f"{' '.join(chosen_overrides(args.overrides))}", flush=True)
         ranked = search(cfg, hw, args.tokens_per_device)
         if not ranked:
             steps = cfg.optim.gradient_accumulation_steps

@@ -27,7 +27,7 @@ from tessera.hardware import GIB
 from tessera.train_compile import EXIT_DOES_NOT_FIT
 from tessera.tools.estimate import CONFIGS, Hardware
 from tessera.tools.memory_model import count_params
-from tessera.tools.plan import REMAT_POLICIES, Candidate, mesh_candidates, run_args, token_options
+from tessera.tools.plan import CHOSEN_KEYS, REMAT_POLICIES, Candidate, mesh_candidates, run_args, token_options
 from tessera.tools.plan_report import binding_text, describe, table
 
 
@@ -222,7 +222,8 @@ def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
     while compiling stops the compiler and returns 130 or 143, with one line and nothing written."""
     from tessera.tools.cli import sigterm_raises
 
-    base = model_overrides(args.model, args.overrides)
+    # the keys the plan chooses are its candidates' (a user's ici_tensor_parallelism=4 would change the compiled mesh)
+    base = [o for o in model_overrides(args.model, args.overrides) if o.partition("=")[0].strip() not in CHOSEN_KEYS]
     confirmed = []
     try:
         with sigterm_raises(CompileStopped), tempfile.TemporaryDirectory() as tmp:
