@@ -75,6 +75,24 @@ def test_roofline_thresholds_of_seed_004():
     assert not verdicts({})["expert"].size > 1 and verdicts({})["expert"].verdict == "not used"
 
 
+def test_an_axis_across_slices_is_checked_against_the_dcn(capsys):
+    """fsdp over 16 v6e slices (llama3.1-70b, 1 sequence of 2048 per chip) sends each chip's share of the weights
+    over DCN, 73,440 FLOPs/byte at 100 Gb/s; the estimate compared 2,048 x 4,096 ways with the ICI's 2,550 only,
+    and a pipeline over DCN said "compare with the DCN's FLOPs per byte" without the figure. The plan's scores."""
+    keys = ["max_target_length=2048", "dtype=bfloat16", "per_device_batch_size=1", "dcn_data_parallelism=1"]
+    assert main(["llama3.1-70b", *keys, "dcn_fsdp_parallelism=16", "--hardware", "v6e-256", "--slices", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "  fsdp     x256   intensity        2,048   communication-bound" in out
+    assert ("  fsdp     dcn x16  intensity      524,288   compute-bound over DCN (ok: above its 73,440)") in out
+    # data across slices: 3 x 256 tokens x 256 fsdp ways / 4 bytes per float32 gradient
+    assert main(["llama3.1-70b", "max_target_length=256", "per_device_batch_size=1", "--hardware", "v6e-256",
+                 "--slices", "2"]) == 0
+    assert "  data     dcn x2   intensity       49,152   communication-bound over DCN (below its 73,440)" in \
+        capsys.readouterr().out
+    assert main(["llama3.1-8b", "max_target_length=2048", "--hardware", "h100-8", "--slices", "4"]) == 0
+    assert "  data     network x4   intensity" in capsys.readouterr().out
+
+
 def test_a_sequence_split_is_charged_for_the_keys_and_values_it_gathers(capsys):
     """Llama 3.1 8B at 131,072 tokens on v5p-128, fsdp 16 x sequence 4: the sequence axis' roofline adds attention's
     traffic to the weights' (so it is below fsdp's); the load balance's query exchange costs a little more, and a

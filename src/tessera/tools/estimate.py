@@ -42,7 +42,7 @@ from tessera.config.derived import LAYERS_PER_BLOCK, pipeline_layout, plan_run
 from tessera.config.loader import read_yaml
 from tessera.config.maxtext import translate
 from tessera.config.schema import all_fields
-from tessera.hardware import GIB, GPUS, TPUS, Accelerator, tpu_slice
+from tessera.hardware import DCN_BYTES_PER_S, GIB, GPUS, TPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
 from tessera.tools.cli import config_epilog
 from tessera.tools.memory_model import DTYPE_BYTES, count_params, estimate_memory
@@ -271,12 +271,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         "",
         f"roofline (hardware intensity {hw.intensity:,.0f} FLOPs/byte with {hw.links} link(s) per collective):",
     ]
-    for r in rooflines(cfg, mesh, hw):
-        value = f"{r.intensity:12,.0f}" if r.size > 1 else f"{'-':>12}"
-        verdict = r.verdict
-        if r.axis == "stage" and cfg.mesh.dcn_pipeline_parallelism > 1:
-            verdict = "over DCN: compare with the DCN's FLOPs per byte (peak / DCN bytes/s per chip)"
-        lines.append(f"  {r.axis:<8} x{r.size:<5} intensity {value}   {verdict}")
+    lines += roofline_lines(cfg, mesh, hw)
     layout = plan.pipeline
     if layout is not None:
         lines += ["", f"pipeline: {layout.describe(LAYERS_PER_BLOCK.get(m.decoder_block, 1))}"]
@@ -288,6 +283,33 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
                       f"{rate * hw.num_devices:,.0f} tokens/s in all, {mfu * busy * hw.accelerator.peak_flops / 1e12:.0f} "
                       "TFLOP/s per device"]
     return "\n".join(lines)
+
+
+def roofline_lines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[str]:
+    """One line per axis (its ICI ways against the ICI's intensity) and, for an axis split across slices
+    (GPU nodes), one against the DCN's (the network's): peak / DCN_BYTES_PER_S per chip, with i ways inside
+    each slice sending 1/i of the bytes over it, as tessera.tools.plan scores it."""
+    from tessera.mesh import mesh_shape
+    from tessera.tools.plan_model import axis_intensities  # imported here: plan_model imports this module
+
+    ici, dcn = mesh_shape(cfg.mesh, hw.num_devices, hw.num_slices)
+    values = axis_intensities(cfg, mesh, hw)
+    acc = hw.accelerator
+    across, link = acc.peak_flops / DCN_BYTES_PER_S[acc.name], "DCN" if acc.torus_dims else "network"
+    out = []
+    for r in rooflines(cfg, mesh, hw):
+        if dcn[r.axis] == 1 or ici[r.axis] > 1:
+            size, value = (r.size, r.intensity) if dcn[r.axis] == 1 else (ici[r.axis], r.intensity)
+            shown = f"{value:12,.0f}" if size > 1 else f"{'-':>12}"
+            out.append(f"  {r.axis:<8} x{size:<5} intensity {shown}   {Roofline(r.axis, size, value, hw.intensity).verdict}")
+    for axis in ("data", "stage", "fsdp"):
+        if dcn[axis] > 1 and axis in values:
+            value = values[axis] * ici[axis]
+            verdict = (f"compute-bound over {link} (ok: above its {across:,.0f})" if value >= across else
+                       f"communication-bound over {link} (below its {across:,.0f}): grow the batch or keep this "
+                       "axis inside the slices")
+            out.append(f"  {axis:<8} {link.lower()} x{dcn[axis]:<3} intensity {value:12,.0f}   {verdict}")
+    return out
 
 
 def check_mesh_divides(cfg: Config, mesh: dict[str, int]) -> None:
