@@ -23,6 +23,9 @@ hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
     sequence  the FSDP figure (weights are split over the sequence axis too) combined with a layer's
               FLOPs per token over the key/value and query bytes it moves (`sequence_intensity`)
 
+An axis split across slices (GPU nodes) is also checked against the data-center network's
+intensity (peak / hardware.DCN_BYTES_PER_S), data parallelism included, as tessera.tools.plan scores it.
+
 Memory per device comes from tessera.tools.memory_model, whose docstring says how it
 compares with the compiler's figures; `EXECUTABLE=train_compile` gives the exact figure for a
 TPU topology.
