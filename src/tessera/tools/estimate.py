@@ -48,7 +48,7 @@ from tessera.config.schema import all_fields
 from tessera.hardware import DCN_BYTES_PER_S, GIB, GPUS, TPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
 from tessera.tools.cli import config_epilog
-from tessera.tools.memory_model import DTYPE_BYTES, count_params, estimate_memory
+from tessera.tools.memory_model import DTYPE_BYTES, count_params, estimate_memory, unmodelled_notes
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
 OPTIMIZER_STATE = {"adamw": "AdamW state (2 moments)", "muon": "Muon momentum + AdamW's", "sgd": "SGD state (none)"}
@@ -271,6 +271,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     lines += [
         f"  -> {'fits' if fits else 'does NOT fit'} in {cfg.compile.compile_hbm_budget_fraction:g} x "
         f"{hbm / GIB:.1f} GiB with remat_policy={m.remat_policy}",
+        *(f"  note: {note}" for note in unmodelled_notes(m)),
         "",
         f"roofline (hardware intensity {hw.intensity:,.0f} FLOPs/byte with {hw.links} link(s) per collective):",
     ]

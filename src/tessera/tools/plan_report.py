@@ -9,7 +9,7 @@ import math
 from tessera.config import Config
 from tessera.hardware import GIB, GPUS_PER_NODE
 from tessera.tools.estimate import Hardware, fused_attention
-from tessera.tools.memory_model import count_params, estimate_memory
+from tessera.tools.memory_model import count_params, estimate_memory, unmodelled_notes
 from tessera.tools.plan import Candidate, mesh_config
 from tessera.tools.plan_model import executed_ratio
 
@@ -128,6 +128,7 @@ def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
         f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
         f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM; {links}",
         *routing_note(cfg),
+        *(f"memory: {note}" for note in unmodelled_notes(m)),
     ])
 
 
