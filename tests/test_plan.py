@@ -499,6 +499,19 @@ def test_a_recipe_with_a_sequence_axis_is_scored_with_it():
     assert mesh.sizes["sequence"] == 8 and mesh.ici["sequence"] == 4 and mesh.dcn["sequence"] == 2
 
 
+def test_a_recipe_over_several_slices_is_scored_with_data_across_them():
+    """dcn_data_parallelism=-1 (base.yml's) fills in the slice count; config_mesh took it as 1 and put the two
+    slices' data ways inside one v6e-256 (ici data 2 x fsdp 256 = 512 chips), so plan_recipes.py scored a
+    NUM_SLICES=2 recipe's data axis on ICI links instead of DCN."""
+    from tessera.tools.plan import config_mesh, own_candidates
+
+    cfg = load_model_config("llama3.1-8b", ["max_target_length=2048", "dtype=bfloat16", "per_device_batch_size=2"])
+    hw = parse_hardware("v6e-256", num_slices=2)
+    mesh = config_mesh(cfg, hw)
+    assert (mesh.ici["data"], mesh.ici["fsdp"], mesh.dcn["data"]) == (1, 256, 2)
+    assert [(a.axis, a.link) for a in own_candidates(cfg, hw)["full"].axes] == [("fsdp", "ici x4"), ("data", "dcn")]
+
+
 def test_dtypes_training_refuses_are_refused_by_the_planner_and_the_estimate(capsys):
     """The planner and the estimate do not size a run that training would refuse: float16
     weights anywhere, float16 compute on TPUs (its kernels do not compile it); float16

@@ -169,12 +169,14 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
 
 
 def config_mesh(cfg: Config, hw: Hardware) -> Mesh:
-    """The mesh `cfg` asks for on `hw` (-1 entries filled in as tessera.mesh fills them)."""
-    sizes = mesh_sizes(cfg, hw)
+    """The mesh `cfg` asks for on `hw` (-1 entries filled in as tessera.mesh fills them: dcn_data_parallelism=-1,
+    the default, is the slice count, which was counted inside the slice)."""
+    from tessera.mesh import mesh_shape
+
     if hw.accelerator.torus_dims == 0:
-        return gpu_split(sizes)
-    dcn = {a: max(1, getattr(cfg.mesh, f"dcn_{KEY[a]}_parallelism")) for a in ICI_AXES}
-    return Mesh({a: sizes[a] // dcn[a] for a in ICI_AXES}, {a: n for a, n in dcn.items() if a in DCN_AXES or n > 1})
+        return gpu_split(mesh_sizes(cfg, hw))
+    ici, dcn = mesh_shape(cfg.mesh, hw.num_devices, hw.num_slices)
+    return Mesh({a: ici[a] for a in ICI_AXES}, {a: dcn[a] for a in ICI_AXES if a in DCN_AXES or dcn[a] > 1})
 
 
 def own_candidates(cfg: Config, hw: Hardware) -> dict[str, Candidate]:
