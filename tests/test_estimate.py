@@ -91,6 +91,12 @@ def test_an_axis_across_slices_is_checked_against_the_dcn(capsys):
         capsys.readouterr().out
     assert main(["llama3.1-8b", "max_target_length=2048", "--hardware", "h100-8", "--slices", "4"]) == 0
     assert "  data     network x4   intensity" in capsys.readouterr().out
+    # 64 GPUs are 8 nodes of 8: fsdp 64 is 8 ways over NVLink and 8 over the network (it was 64 over NVLink)
+    assert main(["llama3.1-70b", *keys[:3], "--hardware", "h100-64"]) == 0
+    out = capsys.readouterr().out
+    assert "  fsdp     x8     intensity        2,048   communication-bound" in out
+    assert ("  fsdp     network x8   intensity       16,384   communication-bound over network (below its 19,780): "
+            "grow the batch or keep this axis inside the nodes") in out
 
 
 def test_a_sequence_split_is_charged_for_the_keys_and_values_it_gathers(capsys):

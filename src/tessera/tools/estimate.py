@@ -292,11 +292,17 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
 def roofline_lines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[str]:
     """One line per axis (its ICI ways against the ICI's intensity) and, for an axis split across slices
     (GPU nodes), one against the DCN's (the network's): peak / DCN_BYTES_PER_S per chip, with i ways inside
-    each slice sending 1/i of the bytes over it, as tessera.tools.plan scores it."""
+    each slice sending 1/i of the bytes over it, as tessera.tools.plan scores it. GPUs: nodes of
+    hardware.GPUS_PER_NODE, the mesh's axes placed in tessera.mesh's order (plan_meshes.gpu_split)."""
     from tessera.mesh import mesh_shape
-    from tessera.tools.plan_model import axis_intensities  # imported here: plan_model imports this module
+    from tessera.tools.plan_meshes import gpu_split  # imported here: these modules import this one
+    from tessera.tools.plan_model import axis_intensities
 
-    ici, dcn = mesh_shape(cfg.mesh, hw.num_devices, hw.num_slices)
+    if hw.accelerator.torus_dims == 0:
+        split = gpu_split(mesh)
+        ici, dcn = split.ici, split.dcn
+    else:
+        ici, dcn = mesh_shape(cfg.mesh, hw.num_devices, hw.num_slices)
     values = axis_intensities(cfg, mesh, hw)
     acc = hw.accelerator
     across, link = acc.peak_flops / DCN_BYTES_PER_S[acc.name], "DCN" if acc.torus_dims else "network"
@@ -311,7 +317,7 @@ def roofline_lines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[str]
             value = values[axis] * ici[axis]
             verdict = (f"compute-bound over {link} (ok: above its {across:,.0f})" if value >= across else
                        f"communication-bound over {link} (below its {across:,.0f}): grow the batch or keep this "
-                       "axis inside the slices")
+                       f"axis inside the {'slices' if acc.torus_dims else 'nodes'}")
             out.append(f"  {axis:<8} {link.lower()} x{dcn[axis]:<3} intensity {value:12,.0f}   {verdict}")
     return out
 
