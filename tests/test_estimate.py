@@ -491,6 +491,16 @@ def test_the_estimate_keeps_scores_exactly_where_the_trainer_runs_the_reference(
     assert mem[1].total("none") > mem[0].total("none")  # without remat the reference keeps its scores
 
 
+def test_a_model_path_without_yml_is_not_taken_for_a_model_name(capsys, monkeypatch):
+    """configs/models/llama3.1-8b (the .yml left off) was looked up as a model name: "no file
+    configs/models/llama3.1-8b.yml in .../configs/models. Known models: " and all 38 of them."""
+    monkeypatch.chdir(REPO)
+    assert main(["configs/models/llama3.1-8b", "--hardware", "v6e-8"]) == 2
+    assert capsys.readouterr().err == (
+        "config error: configs/models/llama3.1-8b is a path, but a model file is YAML with a .yml or .yaml name, and "
+        "a model name (configs/models/<name>.yml) has no folder; did you mean configs/models/llama3.1-8b.yml?\n")
+
+
 def test_a_model_named_twice_differently_is_refused(tmp_path, capsys):
     """`llama3.1-8b model_name=gpt3-52k` estimated gpt3-52k, `m3.yml model_name=llama3.1-8b` m3: one of the
     two names was dropped without a word. The same name twice is one model."""

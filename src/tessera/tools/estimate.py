@@ -193,9 +193,14 @@ def load_model_config(model: str | None, overrides: list[str]) -> Config:
     elif len(set(names)) > 1:
         raise ConfigError(f"the model is named twice: {' and '.join(f'model_name={n}' for n in names)}; give it once")
     model = model or (names[0] if names else "default")
-    if not model.endswith((".yml", ".yaml")):
+    is_path = "/" in model  # a model name has no folder
+    if not model.endswith((".yml", ".yaml")) and not is_path:
         return load_config([str(base), f"model_name={model}", *overrides], env={})
     path = Path(model)
+    if not model.endswith((".yml", ".yaml")):
+        near = next((f"; did you mean {p}?" for p in (Path(model + ".yml"), Path(model + ".yaml")) if p.is_file()), "")
+        raise ConfigError(f"{model} is a path, but a model file is YAML with a .yml or .yaml name, and a model name "
+                          f"(configs/models/<name>.yml) has no folder{near}")
     if not path.is_file():
         raise ConfigError(f"model file {path} does not exist")
     layers = [(str(base), read_yaml(base, "config file")), (str(path), read_yaml(path, "model file")),
