@@ -277,6 +277,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         f"  -> {'fits' if fits else 'does NOT fit'} in {cfg.compile.compile_hbm_budget_fraction:g} x "
         f"{hbm / GIB:.1f} GiB with remat_policy={m.remat_policy}",
         *(f"  note: {note}" for note in unmodelled_notes(m)),
+        *eval_note(cfg, hbm),
         "",
         f"roofline (hardware intensity {hw.intensity:,.0f} FLOPs/byte with {hw.links} link(s) per collective):",
     ]
@@ -292,6 +293,22 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
                       f"{rate * hw.num_devices:,.0f} tokens/s in all, {mfu * busy * hw.accelerator.peak_flops / 1e12:.0f} "
                       "TFLOP/s per device"]
     return "\n".join(lines)
+
+
+def eval_note(cfg: Config, hbm: float) -> list[str]:
+    """With eval_interval, a line on the eval step, which the memory above leaves out: its float32 logits
+    (eval batch per device x length x vocab / num_vocab_tiling), what mostly sizes it. train_compile
+    compiles it (an eval batch of 64 sequences of 1024 tokens per v5e chip, vocab 131,072: 32 GiB of
+    logits, 33.13 GiB in all)."""
+    d, m = cfg.data, cfg.model
+    if not d.eval_interval:
+        return []
+    seqs = d.eval_per_device_batch_size or d.per_device_batch_size
+    logits = seqs * d.max_target_length * m.vocab_size * 4 / m.num_vocab_tiling
+    warn = ": more than the HBM; lower eval_per_device_batch_size or raise num_vocab_tiling" if logits > hbm else ""
+    return [f"  note: the eval step (eval_interval={d.eval_interval}, {seqs:g} sequence{'s' if seqs != 1 else ''} per device in one forward "
+            f"pass) is not in these figures; its float32 logits alone take {logits / GIB:.2f} GiB per device{warn} "
+            "(EXECUTABLE=train_compile compiles it)"]
 
 
 def roofline_lines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[str]:
