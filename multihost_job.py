@@ -17,8 +17,9 @@ A run folder that already holds status/ or logs/ (an earlier run with the same -
 refused before anything is uploaded or created: its old exit codes would be counted as this run's.
 While waiting for the workers the queued resource is described every poll: if it leaves ACTIVE
 (e.g. a --spot slice preempted: SUSPENDING/SUSPENDED) the job fails instead of waiting forever.
-A worker that dies without uploading its status while its slice stays ACTIVE is not noticed:
-set --TIMEOUT_MINUTES for that.
+A worker whose VM restarts while the command runs (a crash, host maintenance) does not run it again:
+its start-up script reports exit code 1, with a line at the end of its log. A worker that stays down
+without uploading its status while its slice stays ACTIVE is not noticed: set --TIMEOUT_MINUTES for that.
 
 Exit codes: 0 every worker succeeded; 1 a worker failed, a gcloud command failed, the queued resource
 failed or was suspended, the run folder already exists, --TIMEOUT_MINUTES passed or gcloud is not
@@ -59,14 +60,22 @@ STARTUP_SCRIPT = """#!/bin/bash
 RUN_URL={run_url}
 HOST=${{TESSERA_HOST:-$(hostname)}}
 WORK_DIR=${{HOME:-/root}}/{run}
-[ -e "$WORK_DIR/.started" ] && exit 0  # a reboot does not start the job again
-mkdir -p "$WORK_DIR" && cd "$WORK_DIR" && touch .started
-{{
-  gcloud storage cp "$RUN_URL/code.tar.gz" . && tar xzf code.tar.gz && rm code.tar.gz && bash -c {command}
-}} > job.log 2>&1
-echo $? > exit_code
+if [ -e "$WORK_DIR/.started" ]; then  # a reboot does not start the job again...
+  cd "$WORK_DIR" || exit 0
+  [ -e .reported ] && exit 0
+  if [ ! -s exit_code ]; then  # ...but reports a command cut short by it, or the launcher waits for this worker forever
+    echo "tessera job {run}: this worker restarted before the command finished; it is not run again" >> job.log
+    echo 1 > exit_code
+  fi
+else
+  mkdir -p "$WORK_DIR" && cd "$WORK_DIR" && touch .started
+  {{
+    gcloud storage cp "$RUN_URL/code.tar.gz" . && tar xzf code.tar.gz && rm code.tar.gz && bash -c {command}
+  }} > job.log 2>&1
+  echo $? > exit_code
+fi
 gcloud storage cp job.log "$RUN_URL/logs/$HOST.log"
-gcloud storage cp exit_code "$RUN_URL/status/$HOST"
+gcloud storage cp exit_code "$RUN_URL/status/$HOST" && touch .reported
 """
 
 

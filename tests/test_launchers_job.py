@@ -116,6 +116,27 @@ def test_job_notices_a_queued_resource_lost_after_active(fake, code_dir, tmp_pat
     assert "Traceback" not in proc.stderr and len(deletes(fake)) == 1
 
 
+def test_job_hears_from_a_worker_that_restarted_before_its_command_finished(fake, code_dir, tmp_path):
+    """Worker 1's VM dies in the middle of the command and boots again (a crash, host maintenance): the
+    start-up script runs again at boot, found the job started, and exited without a word, so the launcher
+    waited for that worker forever (here until --TIMEOUT_MINUTES). It now reports code 1 with a log line."""
+    proc = start([*JOB_ARGS, "--TIMEOUT_MINUTES=0.3", f"--COMMAND={KILL_WORKER_1}", f"--SCRIPT_DIR={code_dir}"],
+                 tmp_path)
+    wait_for_call(fake, ["storage", "ls", "gs://bkt/tessera-jobs/job1/status/"], proc)
+    create = next(c for c in calls(fake) if c[3:5] == ["queued-resources", "create"])
+    script = next(a for a in create if a.startswith("--metadata-from-file=")).split("=", 2)[2]
+    home = fake / "workers" / "job1" / "1"
+    for _ in range(2):  # the boot after the crash reports it; a later boot does nothing
+        subprocess.run(["bash", script], cwd=home, env={**os.environ, "HOME": str(home), "TESSERA_HOST": "job1-w1"},
+                       check=True, timeout=60)
+    code, out, err = finish(proc)
+    assert code == 1 and "Traceback" not in err, err
+    assert "multihost_job: worker job1-w1 exited with code 1; log gs://bkt/tessera-jobs/job1/logs/job1-w1.log" in err
+    assert "1 of 2 worker(s) succeeded" in out and len(deletes(fake)) == 1
+    log = (fake / "gcs" / "bkt" / "tessera-jobs" / "job1" / "logs" / "job1-w1.log").read_text()
+    assert log.endswith("tessera job job1: this worker restarted before the command finished; it is not run again\n")
+
+
 def test_job_refuses_a_run_folder_with_an_earlier_runs_status(fake, code_dir, tmp_path):
     status = fake / "gcs" / "bkt" / "tessera-jobs" / "job1" / "status"
     status.mkdir(parents=True)
