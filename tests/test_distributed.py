@@ -78,6 +78,14 @@ def test_job_layout_from_environment():
                                                r"JAX_COORDINATOR_PORT=8476"):
         job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1:8476", "NNODES": "2", "NODE_RANK": "0"})
     assert job_from_env({"JAX_COORDINATOR_IP": "fd00::1", "NNODES": "2"}).mode == "env"  # IPv6: colons, no port
+    # NNODES without the coordinator's address (or with JAX's own variable for it) ran every process alone, silently
+    assert job_from_env({"NNODES": "1", "NODE_RANK": "0"}).mode == "single"
+    with pytest.raises(DistributedError, match=r"^NNODES=4 asks for a 4-process job, but JAX_COORDINATOR_IP is not "
+                                               r"set; set JAX_COORDINATOR_IP to the address of the host of NODE_RANK=0"):
+        job_from_env({"NNODES": "4", "NODE_RANK": "2"})
+    with pytest.raises(DistributedError, match=r"JAX_COORDINATOR_IP is not set \(JAX_COORDINATOR_ADDRESS, JAX's own "
+                                               r"name for it, is set but not read\)"):
+        job_from_env({"NNODES": "2", "NODE_RANK": "1", "JAX_COORDINATOR_ADDRESS": "host-0:1234"})
 
 
 def test_processes_started_with_different_configs_stop_naming_the_keys(tmp_path):
@@ -92,6 +100,34 @@ def test_processes_started_with_different_configs_stop_naming_the_keys(tmp_path)
         assert (f"distributed start-up error: process {rank} was started with another config than process {other}: "
                 f"per_device_batch_size={mine} (process {other}: {theirs})") in err, err[-3000:]
     assert not (tmp_path / "mp").exists()  # stopped before the run folder was made
+
+
+def test_processes_started_with_different_nnodes_stop_naming_it(tmp_path):
+    """The coordinator's NNODES makes the job: process 1 started with NNODES=3 joined a job of 2 and trained
+    on (exit 0), while a third host told to join would fail. Both now stop, naming NNODES."""
+    port = _free_port()
+    results = _finish([_start(0, port, tmp_path), _start(1, port, tmp_path, nodes=3)])
+    for rank, (code, err) in enumerate(results):
+        mine, theirs = (2, 3) if rank == 0 else (3, 2)
+        assert code == 4 and "Traceback" not in err, err[-3000:]
+        assert (f"distributed start-up error: process {rank} was started with another config than process "
+                f"{1 - rank}: NNODES={mine} (process {1 - rank}: {theirs})") in err, err[-3000:]
+
+
+def test_a_coordinator_port_taken_by_another_program_is_a_clear_error(tmp_path):
+    """Process 0 hosts the coordinator: with the port taken (an earlier job still running, another server) JAX
+    crashed it in C++ (segmentation fault, exit 139) after one gRPC log line. It now says so, exit code 4."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        (code, err), = _finish([_start(0, port, tmp_path)], timeout=120)
+    assert code == 4 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == (
+        f"distributed start-up error: JAX_COORDINATOR_PORT={port} cannot be used on this host, where process 0 runs "
+        "the job's coordinator (Address already in use): another program listens on it, perhaps an earlier job still "
+        "running or a second process started with NODE_RANK=0. Stop it, or start every process with another "
+        "JAX_COORDINATOR_PORT"), err[-3000:]
 
 
 def test_a_job_with_jax_cache_dir_joins_before_its_cache_folder_is_checked(tmp_path):

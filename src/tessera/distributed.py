@@ -8,7 +8,8 @@ Which processes form one job is read from the environment, first match wins:
 3. a multi-host TPU slice (`TPU_WORKER_HOSTNAMES` lists several hosts, as on TPU VMs and GKE):
    JAX's own TPU detection.
 
-Anything else is a single process, which never initializes and never waits. Timeouts come
+Anything else is a single process, which never initializes and never waits (`NNODES` > 1 without
+`JAX_COORDINATOR_IP` is refused). Timeouts come
 from `JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS` (default 300) and
 `JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS` (default 100). A coordinator that cannot be
 reached, or a peer that never arrives, ends start-up with `DistributedError` (exit code 4)
@@ -87,6 +88,13 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
     hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
     if len(hosts) > 1:
         return JobSpec("tpu", None, len(hosts), _int_env(env, "TPU_WORKER_ID", 0), **timeouts)
+    nodes = _int_env(env, "NNODES", 1)
+    if nodes > 1:  # each process trained alone, silently: NNODES=4 made four single-process runs of one name
+        seen = " (JAX_COORDINATOR_ADDRESS, JAX's own name for it, is set but not read)" \
+            if env.get("JAX_COORDINATOR_ADDRESS") else ""
+        raise DistributedError(f"NNODES={nodes} asks for a {nodes}-process job, but JAX_COORDINATOR_IP is not set{seen}; "
+                               "set JAX_COORDINATOR_IP to the address of the host of NODE_RANK=0 (its port as "
+                               "JAX_COORDINATOR_PORT), or unset NNODES for a single process")
     return JobSpec("single", **timeouts)
 
 
@@ -105,6 +113,8 @@ def initialize(spec: JobSpec | None = None) -> JobSpec:
     if spec.mode == "env":
         kwargs.update(coordinator_address=spec.coordinator, num_processes=spec.num_processes,
                       process_id=spec.process_id)
+        if spec.process_id == 0:
+            _check_port_free(spec.coordinator)
     timer.start()
     # JAX's preemption service would take SIGTERM over (a "SIGTERM caught" log line, and training went
     # on to the end, exit 0); stop_signals already stops every process after the same step
@@ -118,6 +128,23 @@ def initialize(spec: JobSpec | None = None) -> JobSpec:
     log.info("joined: process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
     return spec
+
+
+def _check_port_free(address: str) -> None:
+    """Process 0 hosts the coordinator on the port of `address`, on every interface of this host. When
+    another program listens there, JAX's coordination service crashed the process in C++ (a segmentation
+    fault, exit 139, after one gRPC log line) and the other processes waited out their start-up timeout."""
+    port = int(address.rpartition(":")[2])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC: a closed job's TIME_WAIT is no conflict
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError as e:
+            raise DistributedError(
+                f"JAX_COORDINATOR_PORT={port} cannot be used on this host, where process 0 runs the job's coordinator "
+                f"({e.strerror or e}): another program listens on it, perhaps an earlier job still running or a "
+                "second process started with NODE_RANK=0. Stop it, or start every process with another "
+                "JAX_COORDINATOR_PORT") from None
 
 
 def _coordinator_reachable(address: str | None) -> str:
@@ -238,7 +265,9 @@ def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
         return
     me, count = global_state.process_id, global_state.num_processes
     wait_ms = int((timeout if timeout > 0 else 3600.0) * 1000)
-    mine = json.loads(json.dumps(dict(config), default=str))
+    # with the process count each was started with: the coordinator's is the job's, so a process given another
+    # NNODES joined a job of another size than it was told, and trained on
+    mine = json.loads(json.dumps({**config, "NNODES": count}, default=str))
     client.key_value_set(f"tessera/config/{me}", json.dumps(mine, sort_keys=True))
     others = range(1, count) if me == 0 else [0]
     for other in others:
