@@ -95,6 +95,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--POLL_SECONDS", type=float, default=60.0, help="seconds between status checks (default 60)")
     p.add_argument("--TIMEOUT_MINUTES", type=float, default=0.0, help="give up and clean up after this (0: never)")
     args = p.parse_args(argv)
+    for flag, example in (("TPU_TYPE", "v5p-256"), ("VERSION", "v2-alpha-tpuv5"), ("COMMAND", "'bash setup.sh'")):
+        if not getattr(args, flag).strip():  # an empty command made fresh slices, ran nothing and reported success
+            p.error(f"--{flag} is empty; e.g. --{flag}={example}")
     if args.NUM_SLICES < 1:
         p.error(f"--NUM_SLICES={args.NUM_SLICES} must be at least 1")
     if args.BUCKET_NAME.startswith("gs://"):

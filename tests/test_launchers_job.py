@@ -188,9 +188,11 @@ def test_job_without_gcloud_on_path_says_so(code_dir, tmp_path):
     ("--CQR_EXTRA_ARGS=--network='mtu9k", "cannot be split into flags (No closing quotation)"),
     ("--POLL_SECONDS=inf", "--POLL_SECONDS=inf must be above 0"),
     ("--TIMEOUT_MINUTES=nan", "both finite"),
+    ("--COMMAND= ", "--COMMAND is empty"),  # created the slices, ran nothing there and reported success
+    ("--TPU_TYPE=", "--TPU_TYPE is empty; e.g. --TPU_TYPE=v5p-256"),
 ])
 def test_job_refuses_bad_flags_before_uploading(fake, code_dir, tmp_path, flag, message):
-    proc = run("multihost_job.py", *JOB_ARGS, flag, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    proc = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", flag, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
     assert not (fake / "calls.jsonl").exists()
 
