@@ -80,6 +80,9 @@ def test_job_layout_from_environment():
     assert job_from_env({"JAX_COORDINATOR_IP": "fd00::1", "NNODES": "2"}).mode == "env"  # IPv6: colons, no port
     # NNODES without the coordinator's address (or with JAX's own variable for it) ran every process alone, silently
     assert job_from_env({"NNODES": "1", "NODE_RANK": "0"}).mode == "single"
+    with pytest.raises(DistributedError, match=r"^JAX_COORDINATOR_PORT=99999 is not a TCP port: give one from 1 to "
+                                               r"65535 \(default 8476\)"):  # waited out the start-up timeout
+        job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1", "JAX_COORDINATOR_PORT": "99999", "NNODES": "2"})
     with pytest.raises(DistributedError, match=r"^NNODES=4 asks for a 4-process job, but JAX_COORDINATOR_IP is not "
                                                r"set; set JAX_COORDINATOR_IP to the address of the host of NODE_RANK=0"):
         job_from_env({"NNODES": "4", "NODE_RANK": "2"})

@@ -81,7 +81,11 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
             raise DistributedError(f"NODE_RANK={rank} must be in [0, NNODES={nodes})")
         if nodes == 1:
             return JobSpec("single", **timeouts)
-        address = f"{env['JAX_COORDINATOR_IP']}:{_int_env(env, 'JAX_COORDINATOR_PORT', DEFAULT_PORT)}"
+        port = _int_env(env, "JAX_COORDINATOR_PORT", DEFAULT_PORT)
+        if not 0 < port < 65536:  # waited the whole start-up timeout, then called the port reachable
+            raise DistributedError(f"JAX_COORDINATOR_PORT={port} is not a TCP port: give one from 1 to 65535 "
+                                   f"(default {DEFAULT_PORT}), the same on every process")
+        address = f"{env['JAX_COORDINATOR_IP']}:{port}"
         return JobSpec("env", address, nodes, rank, **timeouts)
     if _int_env(env, "SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in env:
         return JobSpec("slurm", None, _int_env(env, "SLURM_NTASKS", 1), _int_env(env, "SLURM_PROCID", 0), **timeouts)
