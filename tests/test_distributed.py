@@ -105,16 +105,23 @@ def test_processes_started_with_different_configs_stop_naming_the_keys(tmp_path)
     assert not (tmp_path / "mp").exists()  # stopped before the run folder was made
 
 
-def test_processes_started_with_different_nnodes_stop_naming_it(tmp_path):
+@pytest.mark.parametrize("key, values, start_1", [
+    ("NNODES", (2, 3), dict(nodes=3)),
+    ("devices of the process", (4, 2), dict(extra_env={
+        "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}"})),
+])
+def test_processes_started_with_another_job_size_stop_naming_it(tmp_path, key, values, start_1):
     """The coordinator's NNODES makes the job: process 1 started with NNODES=3 joined a job of 2 and trained
-    on (exit 0), while a third host told to join would fail. Both now stop, naming NNODES."""
+    on (exit 0), while a third host told to join would fail. Process 1 seeing 2 devices where process 0 sees 4
+    (a GPU missing on one VM) failed in Orbax's first save with a traceback, exit 1. Both now stop, naming it."""
     port = _free_port()
-    results = _finish([_start(0, port, tmp_path), _start(1, port, tmp_path, nodes=3)])
+    results = _finish([_start(0, port, tmp_path), _start(1, port, tmp_path, **start_1)])
     for rank, (code, err) in enumerate(results):
-        mine, theirs = (2, 3) if rank == 0 else (3, 2)
+        mine, theirs = values if rank == 0 else values[::-1]
         assert code == 4 and "Traceback" not in err, err[-3000:]
         assert (f"distributed start-up error: process {rank} was started with another config than process "
-                f"{1 - rank}: NNODES={mine} (process {1 - rank}: {theirs})") in err, err[-3000:]
+                f"{1 - rank}: {key}={mine} (process {1 - rank}: {theirs})") in err, err[-3000:]
+        assert ("Every process must see as many devices" in err) == (key != "NNODES"), err[-3000:]
 
 
 def test_a_coordinator_port_taken_by_another_program_is_a_clear_error(tmp_path):

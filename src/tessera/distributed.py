@@ -256,6 +256,9 @@ def gather_json(name: str, value: Any, timeout: float) -> list[Any] | None:
     return values
 
 
+LOCAL_DEVICES = "devices of the process"  # compared with the config: every process of a job has as many
+
+
 def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
     """DistributedError when the processes of the job were started with different configs (a no-op for
     one process): each publishes its flat config; process 0 compares every other's with its own, and
@@ -270,8 +273,9 @@ def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
     me, count = global_state.process_id, global_state.num_processes
     wait_ms = int((timeout if timeout > 0 else 3600.0) * 1000)
     # with the process count each was started with: the coordinator's is the job's, so a process given another
-    # NNODES joined a job of another size than it was told, and trained on
-    mine = json.loads(json.dumps({**config, "NNODES": count}, default=str))
+    # NNODES joined a job of another size than it was told, and trained on; and with the devices each sees
+    # (a GPU missing on one VM, another CUDA_VISIBLE_DEVICES), which failed with a traceback in Orbax's first save
+    mine = json.loads(json.dumps({**config, "NNODES": count, LOCAL_DEVICES: jax.local_device_count()}, default=str))
     client.key_value_set(f"tessera/config/{me}", json.dumps(mine, sort_keys=True))
     others = range(1, count) if me == 0 else [0]
     for other in others:
@@ -284,9 +288,11 @@ def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
         if differ:
             shown = ", ".join(f"{k}={json.dumps(mine.get(k))} (process {other}: {json.dumps(theirs.get(k))})"
                               for k in differ[:5]) + (f", and {len(differ) - 5} more" if len(differ) > 5 else "")
+            devices = (" Every process must see as many devices: compare `.venv/bin/python -m tessera.doctor` on "
+                       "their hosts (CUDA_VISIBLE_DEVICES, XLA_FLAGS, a device missing)." if LOCAL_DEVICES in differ else "")
             raise DistributedError(f"process {me} was started with another config than process {other}: {shown}. "
                                    "Start every process of a job with the same command and config (set run_name: "
-                                   "a name each process makes up from its clock can differ)")
+                                   f"a name each process makes up from its clock can differ).{devices}")
 
 
 def request_stop(step: int, signum: int, slack: int = STOP_SLACK_STEPS) -> tuple[int, int]:
