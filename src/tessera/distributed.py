@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import faulthandler
 import json
 import logging
@@ -144,11 +145,11 @@ def _check_port_free(address: str) -> None:
         try:
             s.bind(("0.0.0.0", port))
         except OSError as e:
+            why = (": another program listens on it, perhaps an earlier job still running or a second process "
+                   "started with NODE_RANK=0. Stop it, or" if e.errno == errno.EADDRINUSE else ";")
             raise DistributedError(
                 f"JAX_COORDINATOR_PORT={port} cannot be used on this host, where process 0 runs the job's coordinator "
-                f"({e.strerror or e}): another program listens on it, perhaps an earlier job still running or a "
-                "second process started with NODE_RANK=0. Stop it, or start every process with another "
-                "JAX_COORDINATOR_PORT") from None
+                f"({e.strerror or e}){why} start every process with another JAX_COORDINATOR_PORT") from None
 
 
 def _coordinator_reachable(address: str | None) -> str:
