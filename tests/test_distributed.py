@@ -80,6 +80,11 @@ def test_job_layout_from_environment():
     assert job_from_env({"JAX_COORDINATOR_IP": "fd00::1", "NNODES": "2"}).mode == "env"  # IPv6: colons, no port
     # NNODES without the coordinator's address (or with JAX's own variable for it) ran every process alone, silently
     assert job_from_env({"NNODES": "1", "NODE_RANK": "0"}).mode == "single"
+    assert job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1"}).mode == "single"
+    for rank in (0, 1):  # NUM_NODES=2 for NNODES: process 0 trained alone, process 1 was told NODE_RANK=1 >= NNODES=1
+        with pytest.raises(DistributedError, match=rf"^JAX_COORDINATOR_IP and NODE_RANK={rank} are set but NNODES is "
+                                                   r"not: set NNODES to the number of processes of the job"):
+            job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1", "NUM_NODES": "2", "NODE_RANK": str(rank)})
     with pytest.raises(DistributedError, match=r"^JAX_COORDINATOR_PORT=99999 is not a TCP port: give one from 1 to "
                                                r"65535 \(default 8476\)"):  # waited out the start-up timeout
         job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1", "JAX_COORDINATOR_PORT": "99999", "NNODES": "2"})

@@ -78,6 +78,9 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
             raise DistributedError(f"JAX_COORDINATOR_IP={env['JAX_COORDINATOR_IP']} holds a port: give the address "
                                    f"alone, JAX_COORDINATOR_IP={host}, and the port as JAX_COORDINATOR_PORT={port}")
         nodes, rank = _int_env(env, "NNODES", 1), _int_env(env, "NODE_RANK", 0)
+        if not env.get("NNODES") and env.get("NODE_RANK"):  # NODE_RANK=0 trained alone, NODE_RANK=1 was "out of range"
+            raise DistributedError(f"JAX_COORDINATOR_IP and NODE_RANK={rank} are set but NNODES is not: set NNODES to "
+                                   "the number of processes of the job, the same on every process (NNODES=1: one)")
         if nodes < 1 or not 0 <= rank < nodes:
             raise DistributedError(f"NODE_RANK={rank} must be in [0, NNODES={nodes})")
         if nodes == 1:
