@@ -77,7 +77,12 @@ def test_job_layout_from_environment():
                                                r"alone, JAX_COORDINATOR_IP=10.0.0.1, and the port as "
                                                r"JAX_COORDINATOR_PORT=8476"):
         job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1:8476", "NNODES": "2", "NODE_RANK": "0"})
-    assert job_from_env({"JAX_COORDINATOR_IP": "fd00::1", "NNODES": "2"}).mode == "env"  # IPv6: colons, no port
+    # IPv6: colons, no port; in brackets for JAX ("fd00::1:8476" never formed the job: every process waited it out)
+    assert job_from_env({"JAX_COORDINATOR_IP": "fd00::1", "NNODES": "2"}).coordinator == "[fd00::1]:8476"
+    assert job_from_env({"JAX_COORDINATOR_IP": "[fd00::1]", "NNODES": "2"}).coordinator == "[fd00::1]:8476"
+    with pytest.raises(DistributedError, match=r"JAX_COORDINATOR_IP=\[fd00::1\]:9 holds a port: give the address alone, "
+                                               r"JAX_COORDINATOR_IP=\[fd00::1\], and the port as JAX_COORDINATOR_PORT=9"):
+        job_from_env({"JAX_COORDINATOR_IP": "[fd00::1]:9", "NNODES": "2", "NODE_RANK": "0"})
     # NNODES without the coordinator's address (or with JAX's own variable for it) ran every process alone, silently
     assert job_from_env({"NNODES": "1", "NODE_RANK": "0"}).mode == "single"
     assert job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1"}).mode == "single"

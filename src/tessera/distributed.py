@@ -73,8 +73,9 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
     timeouts = dict(init_timeout=_int_env(env, "JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS", 300),
                     heartbeat_timeout=_int_env(env, "JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS", 100))
     if env.get("JAX_COORDINATOR_IP"):
-        if re.fullmatch(r"[^:\[\]]+:\d+", env["JAX_COORDINATOR_IP"].strip()):  # host:port (an IPv6 address has more colons)
-            host, port = env["JAX_COORDINATOR_IP"].strip().rsplit(":", 1)
+        ip = env["JAX_COORDINATOR_IP"].strip()
+        if re.fullmatch(r"[^:\[\]]+:\d+|\[[^\]]+\]:\d+", ip):  # host:port or [v6]:port (an IPv6 address has more colons)
+            host, port = ip.rsplit(":", 1)
             raise DistributedError(f"JAX_COORDINATOR_IP={env['JAX_COORDINATOR_IP']} holds a port: give the address "
                                    f"alone, JAX_COORDINATOR_IP={host}, and the port as JAX_COORDINATOR_PORT={port}")
         nodes, rank = _int_env(env, "NNODES", 1), _int_env(env, "NODE_RANK", 0)
@@ -89,7 +90,8 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
         if not 0 < port < 65536:  # waited the whole start-up timeout, then called the port reachable
             raise DistributedError(f"JAX_COORDINATOR_PORT={port} is not a TCP port: give one from 1 to 65535 "
                                    f"(default {DEFAULT_PORT}), the same on every process")
-        address = f"{env['JAX_COORDINATOR_IP']}:{port}"
+        # an IPv6 address goes in brackets: "fd00::1:8476" made gRPC look for another host, and the job never formed
+        address = f"[{ip}]:{port}" if ":" in ip and not ip.startswith("[") else f"{ip}:{port}"
         return JobSpec("env", address, nodes, rank, **timeouts)
     if _int_env(env, "SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in env:
         return JobSpec("slurm", None, _int_env(env, "SLURM_NTASKS", 1), _int_env(env, "SLURM_PROCID", 0), **timeouts)
@@ -160,7 +162,7 @@ def _coordinator_reachable(address: str | None) -> str:
         return "unknown (auto-detected coordinator)"
     host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=2):
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=2):
             return "yes"
     except OSError as e:
         return f"no ({e.strerror or e})"
