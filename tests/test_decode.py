@@ -763,6 +763,23 @@ def test_generate_refuses_sampling_arguments_it_cannot_honour(llama):
             sample(logits_bv, jax.random.key(0), **dict(dict(temperature=0.0, top_k=0), **kwargs))
 
 
+def test_generate_refuses_token_ids_it_cannot_decode(llama):
+    """From Python, token -1 was decoded as the table's last token (95) and token 96 gave nan logits
+    (then token 0), an eos_id outside the vocabulary never stopped a row, and max_new_tokens=2.0
+    ended in a shape TypeError: the command line refused them, `generate` did not."""
+    model, params = llama
+    for args, kwargs, message in (
+        ([[1, 2, -1]], {}, "prompt 1 has token ids outside [0, vocab_size=96): [-1]"),
+        ([[1], [2, 96, 3]], {}, "prompt 2 has token ids outside [0, vocab_size=96): [96]"),
+        ([[1, 2]], dict(eos_id=96), "eos_id=96 is not a token id in [0, vocab_size=96)"),
+        ([[1, 2]], dict(eos_id=-1), "eos_id=-1 is not a token id"),
+        ([[1, 2]], dict(max_new_tokens=2.0), "max_new_tokens=2.0 must be a whole number >= 1"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            generate(model, params, args, **dict(dict(max_new_tokens=2), **kwargs))
+    assert generate(model, params, [np.array([1, 95])], np.int64(1), eos_id=np.int32(0))  # numpy integers are fine
+
+
 def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["configs/base.yml", "load_parameters_path=x", "--tokens", "1,2"]) == 2

@@ -65,6 +65,21 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError("; ".join(wrong))
 
 
+def check_ids(prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, vocab_size: int) -> None:
+    """ValueError for what `generate` cannot decode: a token id outside [0, vocab_size) (-1 was read
+    as the last token of the table and vocab_size or more gave nan logits, then token 0, without a
+    word), an eos_id no row can produce, a max_new_tokens that is not a whole number."""
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size)]
+        if bad:
+            raise ValueError(f"prompt {i + 1} has token ids outside [0, vocab_size={vocab_size}): {bad[:5]}")
+    if not isinstance(max_new_tokens, (int, np.integer)):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
+    if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < vocab_size):
+        raise ValueError(f"eos_id={eos_id!r} is not a token id in [0, vocab_size={vocab_size}): no row would stop "
+                         "at it; give None to decode max_new_tokens tokens")
+
+
 def left_padded(prompts: list[list[int]], width: int = 0):
     """(tokens, positions, segment ids), each int32 [B, P]: prompts right-aligned, padding with
     segment id 0; positions count each prompt's tokens from 0. P: `width`, at least the longest."""
@@ -212,6 +227,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
         raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
     check_sampling(temperature, top_k, top_p)
+    check_ids(prompts, max_new_tokens, eos_id, model.cfg.vocab_size)
     lengths = np.array([len(p) for p in prompts], np.int32)
     table = model.cfg.trainable_position_size if BLOCKS[model.cfg.decoder_block].absolute_positions else 0
     if table and lengths.max() + max_new_tokens > table:
