@@ -725,6 +725,12 @@ def test_a_quantized_checkpoint_read_as_float_names_checkpoint_is_quantized(llam
     err = capsys.readouterr().err
     assert err.rstrip().endswith(f"load_parameters_path={path} holds parameters that are not quantized: leave out "
                                  "checkpoint_is_quantized=true"), err
+    # read with another mode: every matrix's dtype was listed, with "use the model settings" as the advice
+    assert main([*args, f"load_parameters_path={tmp_path / 'q8'}", "quantization=fp8", "checkpoint_is_quantized=true"]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(
+        f"load_parameters_path={tmp_path / 'q8'} holds parameters quantized to int8, not to float8_e4m3fn "
+        "(quantization=fp8): read them with quantization=int8"), err
 
 
 def test_a_cache_that_does_not_fit_is_not_told_to_quantize_again(tmp_path, capsys):

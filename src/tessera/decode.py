@@ -72,7 +72,7 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
     program = _check_memory(model, abstract, mesh, decoding, cfg.model.weight_dtype)
-    with _quantization_explained(path, cfg.checkpoint.checkpoint_is_quantized):
+    with _quantization_explained(path, cfg.checkpoint.checkpoint_is_quantized, cfg.model.quantization):
         params = _load(cfg, model, abstract, shardings)
     if cfg.checkpoint.save_quantized_params_path:
         save_quantized(params, model.logical_axes(), cfg.model.quantization,
@@ -106,10 +106,11 @@ def _load(cfg: Config, model: ModelDef, abstract, shardings):
 
 
 @contextlib.contextmanager
-def _quantization_explained(path: str, is_quantized: bool):
+def _quantization_explained(path: str, is_quantized: bool, mode: str = ""):
     """Around a load from `path`: a CheckpointMismatch gets a last line when checkpoint_is_quantized
-    explains it (a quantized checkpoint read as float weights listed every matrix as missing and
-    unexpected, without a word on the key that reads it)."""
+    or the quantization `mode` explains it (a quantized checkpoint read as float weights listed every
+    matrix as missing and unexpected, without a word on the key that reads it; one written as int8 and
+    read with quantization=fp8 listed every matrix's dtype and said to use the model settings)."""
     import jax
     import jax.numpy as jnp
 
@@ -131,6 +132,11 @@ def _quantization_explained(path: str, is_quantized: bool):
         elif is_quantized and not stored:
             hint = (f"load_parameters_path={path} holds parameters that are not quantized: leave out "
                     "checkpoint_is_quantized=true")
+        elif is_quantized and stored != {jnp.dtype(storage_type(mode)).name}:
+            modes = " or ".join(m for m in MODES if m and jnp.dtype(storage_type(m)).name in stored)
+            hint = (f"load_parameters_path={path} holds parameters quantized to {', '.join(sorted(stored))}, not to "
+                    f"{jnp.dtype(storage_type(mode)).name} (quantization={mode}): read them with "
+                    f"quantization={modes or 'the mode they were written with'}")
         else:
             raise
         raise CheckpointMismatch(f"{e}\n{hint}") from None
