@@ -693,6 +693,29 @@ def test_sampling_flags_without_a_temperature_are_named(checkpoint, capsys):
     assert "no effect at --temperature 0" not in capsys.readouterr().err
 
 
+def test_keys_decoding_does_not_read_are_named(checkpoint, capsys):
+    """kv_quant_dtype=int4 without quantize_kvcache=true decoded with a float cache, compile_topology
+    compiled nothing ahead of time, a gpt3 key on a llama model and capacity routing (whose steps drop
+    no token) went without a word: training warned of such keys, decode.py did not."""
+    from tessera.config.unread_keys import decoding_keys_without_effect
+
+    path, want = checkpoint
+    args = [*CONFIG_ARGS, f"load_parameters_path={path}", "--tokens", ",".join(map(str, PROMPTS[0])),
+            "--max_new_tokens", str(NEW_TOKENS)]
+    assert main([*args, "kv_quant_dtype=int4", "compile_topology=v5e-4", "trainable_position_size=16"]) == 0
+    out, err = capsys.readouterr()
+    assert [int(t) for t in out.split()] == want[0]
+    for line in ("kv_quant_dtype=int4: no effect without quantize_kvcache=true; the KV cache is stored in dtype=float32",
+                 "compile_topology=v5e-4: no effect, decode.py decodes on the devices it finds",
+                 "trainable_position_size=16: no effect, decoder_block=llama2 rotates its queries and keys"):
+        assert line in err, (line, err)
+    moe = dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2)
+    assert any(line.startswith("capacity_factor=1.5: a decoding step routes one token per prompt")
+               for line in decoding_keys_without_effect(tiny_config(**moe, capacity_factor=1.5)))
+    assert decoding_keys_without_effect(tiny_config(**moe, capacity_factor=1.5, sparse_matmul=True)) == []
+    assert decoding_keys_without_effect(tiny_config(quantize_kvcache=True, kv_quant_dtype="int4")) == []
+
+
 def test_a_prompt_the_tokenizer_encodes_to_nothing_is_refused(checkpoint, tmp_path, capsys):
     """A Hugging Face BPE without an unknown token drops characters it lacks: "日本語" became no
     tokens, so decoding continued the begin token alone (the prompt silently gone), or, with

@@ -250,6 +250,7 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     the new tokens per prompt."""
     import jax
 
+    from tessera.config.unread_keys import decoding_keys_without_effect
     from tessera.cpu_miscompile import check_cpu_mesh
     from tessera.mesh import create_mesh
 
@@ -268,6 +269,8 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     if flags.temperature == 0 and unused:  # they were ignored without a word
         log.warning("%s: no effect at --temperature 0, which decodes greedily; give a --temperature above 0 "
                     "(e.g. 1) to sample", ", ".join(unused))
+    for line in decoding_keys_without_effect(cfg):  # each was accepted without a word
+        log.warning("%s", line)
     mesh = create_mesh(cfg.mesh)
     check_cpu_mesh(mesh)  # a mesh XLA:CPU computes wrong results on: other tokens than one device's, silently
     decoding = dict(prompts=prompts, max_new_tokens=flags.max_new_tokens, temperature=flags.temperature,

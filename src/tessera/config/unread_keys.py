@@ -108,6 +108,31 @@ def _family_keys(m, changed: dict) -> list[str]:
     return lines
 
 
+def decoding_keys_without_effect(cfg: Config) -> list[str]:
+    """`keys_without_effect` for decode.py, which logged none of them: the model keys its model does
+    not read, the KV cache's quantization keys without quantize_kvcache=true (`kv_quant_dtype=int4`
+    alone decoded with a float cache), compile_topology (train_compile's: decode.py runs on the
+    devices it finds), and capacity routing, whose decoding steps drop no token."""
+    from tessera.config.loader import changed_keys
+
+    changed, m = changed_keys(cfg), cfg.model
+    lines = _family_keys(m, changed)
+    if m.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
+                     "experts")
+    elif m.num_experts > 1 and m.capacity_factor > 0 and not (m.sparse_matmul or m.megablox):
+        lines.append(f"capacity_factor={m.capacity_factor:g}: a decoding step routes one token per prompt, so none is "
+                     "dropped and the tokens can differ from a forward pass over the whole sequence (Decode.md, "
+                     "Limitations); capacity_factor=-1 or sparse_matmul=true route without dropping")
+    if not m.quantize_kvcache and (keys := [k for k in ("kv_quant_dtype", "kv_quant_axis") if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without quantize_kvcache=true; the KV cache is stored in "
+                     f"dtype={m.dtype}")
+    if cfg.compile.compile_topology:
+        lines.append(f"compile_topology={cfg.compile.compile_topology}: no effect, decode.py decodes on the devices "
+                     "it finds (tessera.train_compile compiles training ahead of time for a slice)")
+    return lines
+
+
 ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_weight_decay")  # muon's AdamW part reads them too
 MUON_KEYS = ("muon_beta", "muon_weight_decay", "muon_consistent_rms")
 
