@@ -596,7 +596,7 @@ def test_generated_ids_past_the_tokenizer_are_left_out_of_the_text(checkpoint, t
                      "left out of the text", err), err
 
 
-def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
+def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys, monkeypatch):
     path, _ = checkpoint
     tokenizer = _hf_tokenizer(tmp_path / "tok")
     args = [*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={tokenizer}"]
@@ -669,6 +669,13 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys):
             main([*args, "--tokens", "1,2", *argv])
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and message in err, err
+    with monkeypatch.context() as env:  # M_TEMPERATURE was ignored, with "did you mean M_TEMPERATURE_TUNING?"
+        env.setenv("M_TEMPERATURE", "0.8")
+        with pytest.raises(SystemExit) as exit_:
+            main([*args, "--tokens", "1,2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and ("environment variable M_TEMPERATURE=0.8 is a decoding flag, not a config key: "
+                                      "give it as --temperature 0.8 (and unset M_TEMPERATURE)") in err, err
     with pytest.raises(SystemExit) as exit_:
         main([*args, "--tokens", "1,2", "--eos_id", "-2"])
     assert exit_.value.code == 2 and "--eos_id -2 is not a token id" in capsys.readouterr().err

@@ -4,6 +4,7 @@ token ids checked against the model (`encode_prompts`). See tessera.decode."""
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from typing import TYPE_CHECKING
 
@@ -62,6 +63,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if as_keys:  # the config's error named the closest config key (max_new_tokens=5: max_num_checkpoints_to_keep)
         name, value = as_keys[0].split("=", 1)
         parser.error(f"{as_keys[0]} is a decoding flag, not a config key: give it as --{name} {value}")
+    as_env = sorted(name for name in os.environ if name.startswith("M_") and name[2:].lower() in vars(flags))
+    if as_env:  # the config ignored it, with "did you mean M_TEMPERATURE_TUNING?" (a llama4 model key) for M_TEMPERATURE
+        name = as_env[0]
+        parser.error(f"environment variable {name}={os.environ[name]} is a decoding flag, not a config key: give it "
+                     f"as --{name[2:].lower()} {os.environ[name]} (and unset {name})")
     # each written so that nan fails it: every comparison with nan is false
     wrong = [f"--{name} {getattr(flags, name)} {rule}" for name, ok, rule in (
         ("max_new_tokens", flags.max_new_tokens >= 1, "must be at least 1"),
