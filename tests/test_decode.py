@@ -246,6 +246,23 @@ def _unstack(params, num_blocks):
     return out
 
 
+@pytest.mark.parametrize("family", ["llama2 scanned", "deepseek", "gemma2"])
+def test_a_prompt_longer_than_a_full_attention_cache_is_refused(family):
+    """`ModelDef.apply` with a cache of 4 slots and a 6-token prompt kept positions 2..5 in every
+    layer: a layer without a sliding window then attended as one of 4, without a word. A window
+    layer's ring of fewer slots than the prompt is as it should be (gemma2's local layers, window 3),
+    but its global layers are refused the same way."""
+    from tessera.models.kv_cache import KVCache
+
+    model, params = _model(**FAMILIES[family] if family in FAMILIES else DEEPSEEK)
+    tokens = np.array([PROMPTS[0]], np.int32)
+    positions, segments = np.arange(6, dtype=np.int32)[None], np.ones_like(tokens)
+    with pytest.raises(ValueError, match=re.escape("6 tokens written at once into a KV cache of 4 slots, for an "
+                                                   "attention layer without a sliding window")):
+        model.apply(params, tokens, positions, segments, kv_cache=KVCache.as_empty(model.init_cache(1, 4)))
+    model.apply(params, tokens, positions, segments, kv_cache=KVCache.as_empty(model.init_cache(1, 6)))  # room
+
+
 @pytest.mark.parametrize("family", ["llama2 scanned", "gemma2"])
 def test_scanned_and_unrolled_layers_decode_the_same_tokens(family):
     """The same weights, stacked or split: the caches are laid out like them (stacked on a

@@ -295,6 +295,8 @@ class Attention(nnx.Module):
         q, k, v = self.project_qkv(x_btd, positions_bt)
         if kv_cache is None:
             return self.output(self.attend(q, k, v, segment_ids_bt, packed)), None
+        if not (self.window or self.chunk):  # (a window's or a chunk's cache is a ring of its length)
+            kv_cache.check_room(q.shape[1])
         if isinstance(kv_cache, EmptyKVCache):  # the prompts' prefill: their tokens see only each other
             new = kv_cache.stored(k, v, positions_bt, segment_ids_bt)  # as later steps will read them back
             ctx = self.attend_prompt(q, new.keys(q.dtype), new.values(q.dtype), new, positions_bt, segment_ids_bt)

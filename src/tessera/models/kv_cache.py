@@ -109,6 +109,16 @@ class KVCache(NamedTuple):
                        positions_bt.astype(jnp.int32), segment_ids_bt.astype(jnp.int32), jnp.zeros((), jnp.int32),
                        k_scale, v_scale)
 
+    def check_room(self, tokens: int) -> None:
+        """ValueError when one call writes more `tokens` than this cache has slots, for a layer
+        without a sliding window (whose queries see every earlier position): `add` keeps the last
+        slots, so the layer forgot its oldest keys and attended as a sliding window, without a word."""
+        slots = self.k_bskh.shape[-3]
+        if tokens > slots:
+            raise ValueError(f"{tokens} tokens written at once into a KV cache of {slots} slots, for an attention "
+                             "layer without a sliding window that must keep every position; create the cache with "
+                             f"init_cache(batch, max_len) for max_len >= the prompt plus the new tokens ({tokens} or more)")
+
     def write(self, k_btkh, v_btkh, positions_bt, segment_ids_bt) -> KVCache:
         """The cache with T new tokens stored from slot `index` on, round the end to slot 0 (the
         oldest). T >= slots keeps the last `slots` tokens. The caller sizes a cache without a

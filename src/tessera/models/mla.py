@@ -85,6 +85,7 @@ class MlaAttention(Attention):
         k_rope_bth = rotate(kv[..., None, r:], tables)[:, :, 0]
         if kv_cache is None:
             return self.output(self.attend(q, *self.expand(latent_btr, k_rope_bth), segment_ids_bt, packed)), None
+        kv_cache.check_room(q.shape[1])  # MLA has no sliding window
         if isinstance(kv_cache, EmptyKVCache):  # the prompts' prefill (see `Attention.__call__`)
             new = kv_cache.stored(latent_btr[:, :, None], k_rope_bth[:, :, None], positions_bt, segment_ids_bt)
             k, v = self.expand(new.keys(q.dtype)[:, :, 0], new.values(q.dtype)[:, :, 0])
