@@ -87,6 +87,12 @@ def check_settings(parser: argparse.ArgumentParser, settings: dict, dtypes: list
     clash = set(settings) & set(WORKLOAD)
     if clash:
         parser.error(f"these keys define the fixed workload and cannot be overridden: {sorted(clash)}")
+    if "steps" in settings:  # it overrode --steps in the runs, not in the warm-up check or the JSON's `steps`
+        parser.error(f"steps={settings['steps']}: the number of steps is the option --steps (give --steps "
+                     f"{settings['steps']})")
+    ours = sorted(set(settings) & {"run_name", "base_output_directory"})
+    if ours:
+        parser.error(f"{ours[0]}={settings[ours[0]]}: each run trains in a temporary folder of its own; leave it out")
     other = [d for d in dtypes if d not in ("float32", "bfloat16")]
     if other:
         parser.error(f"dtype={other[0]}: this benchmark measures float32 and bfloat16 compute (leave dtype out "

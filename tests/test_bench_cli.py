@@ -49,6 +49,8 @@ BAD = [
     ("cpu_llama.py", ["--bogus"], "unrecognized arguments: --bogus"),
     ("cpu_llama.py", ["dtype=float16"], "dtype=float16: this benchmark measures float32 and bfloat16"),
     ("cpu_llama.py", ["base_emb_dim=128"], "cannot be overridden: ['base_emb_dim']"),
+    ("cpu_llama.py", ["steps=2"], "steps=2: the number of steps is the option --steps (give --steps 2)"),
+    ("cpu_llama.py", ["base_output_directory=out"], "base_output_directory=out: each run trains in a temporary"),
     ("cpu_llama_ceiling.py", ["--repeats", "0"], "argument --repeats: 0 is too small"),
     ("cpu_llama_ceiling.py", ["learning_rat=0.1"], "unknown config key 'learning_rat'"),
     ("cpu_llama_ceiling.py", ["dtype=float16"], "dtype=float16"),
