@@ -1213,3 +1213,16 @@ def test_a_finished_run_without_its_report_says_so(tmp_path, caplog):
         run(tiny_config(tmp_path, steps=2, eval_interval=2, eval_steps=1), jax.devices()[:1])
     assert (f"{tmp_path / 'test'} has no report.json: the run was stopped after saving step 2, before its report and "
             "its last evaluation; neither is made again (raise steps to train on)") in caplog.text
+
+
+def test_another_runs_records_in_a_shared_metrics_file_are_not_steps_trained_again(tmp_path, caplog):
+    """Two runs given one metrics_file: the second (a new run, no earlier attempt of its own) found
+    the first's 3 records and said it trained 3 steps again (report: steps_redone 3)."""
+    shared = tmp_path / "all.jsonl"
+    run(tiny_config(tmp_path / "a", metrics_file=str(shared), enable_checkpointing=False), jax.devices()[:1])
+    with caplog.at_level("INFO", logger="tessera"):
+        report = run(tiny_config(tmp_path / "b", metrics_file=str(shared), enable_checkpointing=False),
+                     jax.devices()[:1])
+    assert report["start_step"] == 0 and report["time"]["steps_redone"] == 0, report["time"]
+    assert "trained again" not in caplog.text
+    assert [json.loads(line)["step"] for line in shared.read_text().splitlines()] == [1, 2, 3, 1, 2, 3]

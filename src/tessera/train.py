@@ -132,7 +132,10 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
         check_state_fits(trainer, read=source, init_program=program)
         state = initial_state(trainer, ckpt, data, cfg, program)
     start_step = int(jax.device_get(state["step"]))
-    clock.steps_redone = steps_logged_after(plan.metrics_path, start_step)
+    # an earlier attempt of this run got to its steps only if it made the run folder's config.yml: records in a
+    # metrics_file without one are another run's (one file given to several runs), not steps trained again
+    earlier_attempt = (plan.run_dir / "config.yml").is_file()
+    clock.steps_redone = steps_logged_after(plan.metrics_path, start_step) if earlier_attempt else 0
     if clock.steps_redone:
         log.info("the attempt before this one logged %d step(s) after step %d, lost before they were saved: they are "
                  "trained again (%s keeps both records of each; the later one is this attempt's)", clock.steps_redone,
