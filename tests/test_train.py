@@ -1226,3 +1226,27 @@ def test_another_runs_records_in_a_shared_metrics_file_are_not_steps_trained_aga
     assert report["start_step"] == 0 and report["time"]["steps_redone"] == 0, report["time"]
     assert "trained again" not in caplog.text
     assert [json.loads(line)["step"] for line in shared.read_text().splitlines()] == [1, 2, 3, 1, 2, 3]
+
+
+def test_a_report_that_cannot_be_written_is_one_error_line_exit_6(tmp_path, monkeypatch, capsys):
+    """A full disk when the run writes report.json at its end: an OSError traceback (exit 1); now the
+    metrics write error's line and exit code 6, with the figures the report would have held."""
+    import errno
+    from pathlib import Path
+
+    write_text = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name == "report.json":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    argv = [str(REPO / "configs" / "base.yml"), *(f"{k}={v}" for k, v in TINY.items()),
+            f"base_output_directory={tmp_path}", "run_name=test", "enable_checkpointing=false"]
+    assert tessera.train.main(argv) == 6
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert (f"metrics write error: the run's report could not be written to {tmp_path / 'test' / 'report.json'} (No "
+            "space left on device); its steps are trained (final loss ") in err
+    assert "(exit code 6)" in err

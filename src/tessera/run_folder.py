@@ -224,9 +224,15 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
         target_eval_loss_reached_at=reached[0] if reached else None,
         time=clock.summary(),
     )
-    if jax.process_index() == 0:
-        (folder / "report.json").write_text(metrics.to_json(report, indent=2))
     log.info(time_line(report["time"]))
+    if jax.process_index() == 0:
+        try:
+            (folder / "report.json").write_text(metrics.to_json(report, indent=2))
+        except OSError as e:  # a full disk at the end: one line (exit code 6), as for metrics.jsonl
+            raise metrics.MetricsWriteError(
+                f"the run's report could not be written to {folder / 'report.json'} ({e.strerror or e}); its steps "
+                f"are trained (final loss {report['final_loss']:.4f}, median {report['step_seconds']:.3f} s/step) and "
+                "in the metrics file. Free some space (or fix the folder's permissions)") from None
     slow_input = input_bound_warning(report["time"], cfg.data.dataset_type)
     if slow_input:
         log.warning(slow_input)
