@@ -27,12 +27,17 @@ from tessera.config import ConfigError
 GIB = 2**30
 
 # Dense (no sparsity) bf16 peak TFLOP/s per device, from the vendors' data sheets. Matched
-# against jax's device_kind by substring, first match wins (so "h100 pcie" precedes "h100").
+# against jax's device_kind by substring, first match wins (so "h100 pcie" precedes "h100"). The NVL
+# cards (H100 NVL, H200 NVL: 1,671 TFLOP/s with sparsity) run at lower clocks than the SXM parts, and a
+# GB200's GPU faster than a B200 (GB200 NVL72: 360 PFLOP/s sparse over 72 GPUs).
 PEAK_BF16_TFLOPS: list[tuple[str, float]] = [
     ("h100 pcie", 756.0),
+    ("h100 nvl", 835.5),
     ("h100", 989.0),
-    ("h200", 989.0),
+    ("h200 nvl", 835.5),
     ("gh200", 989.0),
+    ("h200", 989.0),
+    ("gb200", 2500.0),
     ("b200", 2250.0),
     ("a100", 312.0),
     ("mi355x", 2516.6),
