@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from conftest import FAST_COMPILE, REPO, TINY, tiny_config
-from tessera.distributed import DistributedError, HangWatchdog, job_from_env, wait_for_all
+from tessera.distributed import DistributedError, job_from_env, wait_for_all
+from tessera.hang_watchdog import HangWatchdog
 from tessera.train import run
 
 TINY_ARGS = [f"{k}={v}" for k, v in TINY.items() if k not in ("per_device_batch_size", "steps")]
@@ -369,7 +370,7 @@ def test_a_collective_that_raises_after_a_lost_peer_ends_the_survivor_with_the_w
 
 def test_watchdog_dumps_stacks_and_exits(tmp_path):
     script = (f"import sys, time; sys.path.insert(0, {str(REPO / 'src')!r})\n"
-              "from tessera.distributed import HangWatchdog\n"
+              "from tessera.hang_watchdog import HangWatchdog\n"
               "with HangWatchdog(0.2) as w:\n    w.beat()\n    time.sleep(30)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     first = proc.stderr.split("\n")[0]
@@ -387,7 +388,7 @@ def test_watchdog_allows_a_blocking_save_its_own_time_and_names_it_when_that_run
     a 1 s wait under a 0.2 s timeout with 3 s allowed passes; beyond the allowance the watchdog
     ends the process naming what did not finish, and outside it the plain timeout is back."""
     head = (f"import sys, time; sys.path.insert(0, {str(REPO / 'src')!r})\n"
-            "from tessera.distributed import HangWatchdog\n"
+            "from tessera.hang_watchdog import HangWatchdog\n"
             "with HangWatchdog(0.2) as w:\n"
             "    with w.allowing('checkpoint save of step 7', 3.0):\n        time.sleep(1.0)\n"
             "    print('saved', flush=True)\n")

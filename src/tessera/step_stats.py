@@ -11,7 +11,7 @@ import jax
 from tessera import metrics
 from tessera.checkpointing import Checkpointer
 from tessera.config import Config
-from tessera.distributed import HangWatchdog
+from tessera.hang_watchdog import HangWatchdog
 from tessera.loop_records import Profiler, StepMeter
 from tessera.stop_signals import TrainingStopped
 

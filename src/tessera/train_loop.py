@@ -14,7 +14,7 @@ from tessera import metrics
 from tessera.checkpointing import Checkpointer, save_allowance_seconds
 from tessera.config import Config
 from tessera.data import place_batch, state_to_save
-from tessera.distributed import HangWatchdog
+from tessera.hang_watchdog import HangWatchdog
 from tessera.evaluation import Evaluator, at_target
 from tessera.job_failure import follow_earlier_failure
 from tessera.loop_records import Profiler, RunClock, StepMeter
