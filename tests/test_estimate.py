@@ -8,7 +8,8 @@ from conftest import REPO, tiny_config
 from tessera.config import ConfigError, build_config
 from tessera.hardware import GIB
 from tessera.models import build_model
-from tessera.tools.estimate import load_model_config, main, mesh_sizes, parse_hardware, rooflines
+from tessera.tools.estimate import load_model_config, main, mesh_sizes, parse_hardware
+from tessera.tools.rooflines import rooflines
 from tessera.tools.memory_model import count_params, estimate_memory
 
 # The public TPU sizing guide's example configs. It does not list vocabularies: Llama 3's 128256 for the dense

@@ -50,7 +50,8 @@ from typing import TYPE_CHECKING
 
 from tessera.config import Config
 from tessera.hardware import DCN_BYTES_PER_S, tpu_slice
-from tessera.tools.estimate import Hardware, rooflines
+from tessera.tools.estimate import Hardware
+from tessera.tools.rooflines import rooflines
 from tessera.tools.memory_model import DTYPE_BYTES, count_params, token_mlp_width
 
 if TYPE_CHECKING:
