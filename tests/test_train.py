@@ -838,6 +838,16 @@ def test_a_resume_on_fewer_devices_warns_that_the_global_batch_changed(tmp_path,
     assert "resuming from step 4" in caplog.text and "global batch changes" not in caplog.text
 
 
+def test_both_load_paths_at_a_first_start_are_refused_before_anything_is_written(tmp_path):
+    """Both given, the full state was loaded and load_parameters_path ignored without a word."""
+    params, full = str(tmp_path / "a" / "checkpoints" / "4"), str(tmp_path / "b" / "checkpoints" / "7")
+    with pytest.raises(ConfigError) as e:
+        run(tiny_config(tmp_path, steps=1, load_parameters_path=params, load_full_state_path=full), jax.devices()[:1])
+    assert str(e.value).startswith(f"load_parameters_path={params} and load_full_state_path={full} are both set, but "
+                                   "a run starts from one of them; keep load_full_state_path"), str(e.value)
+    assert not (tmp_path / "test").exists()
+
+
 def test_a_load_path_given_at_a_resume_is_named_as_not_read(tmp_path, caplog):
     """The run resumes from its own checkpoint; a load path added or changed since was ignored with only
     an info line among the changed settings."""

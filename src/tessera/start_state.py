@@ -32,8 +32,16 @@ log = logging.getLogger("tessera")
 
 def state_source(ckpt: Checkpointer | None, cfg: CheckpointConfig) -> str:
     """What `initial_state` reads from a checkpoint: "state" (resume, load_full_state_path),
-    "params" (load_parameters_path) or "" (nothing: a fresh init)."""
-    if (ckpt and ckpt.latest_step() is not None) or cfg.load_full_state_path:
+    "params" (load_parameters_path) or "" (nothing: a fresh init). ConfigError when a start without
+    a checkpoint of its own is given both load paths."""
+    if ckpt and ckpt.latest_step() is not None:
+        return "state"  # a load path is not read (named at the resume)
+    if cfg.load_full_state_path and cfg.load_parameters_path:  # the full state would win without a word
+        raise ConfigError(f"load_parameters_path={cfg.load_parameters_path} and load_full_state_path="
+                          f"{cfg.load_full_state_path} are both set, but a run starts from one of them; keep "
+                          "load_full_state_path to continue that state (parameters, optimizer state and step), or "
+                          "load_parameters_path for its parameters with a fresh optimizer state at step 0")
+    if cfg.load_full_state_path:
         return "state"
     return "params" if cfg.load_parameters_path else ""
 
