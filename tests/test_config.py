@@ -540,6 +540,17 @@ def test_megablox_tiles_are_whole_lanes(args, message):
         assert _config_error([BASE, *args]).startswith(message)
 
 
+def test_a_url_that_lost_a_slash_is_refused_not_made_a_local_folder(tmp_path, monkeypatch):
+    """checkpoint_dir=gs:/b/ck (as pathlib's Path('gs://b/ck') prints it) wrote the checkpoints to ./gs:/b/ck."""
+    monkeypatch.chdir(tmp_path)
+    assert _config_error([BASE, "checkpoint_dir=gs:/b/ck"]) == (
+        f"checkpoint_dir=gs:/b/ck is a URL with one slash after its scheme, which would be read as the local folder "
+        f"{tmp_path}/gs:/b/ck; write gs://b/ck (pathlib's Path('gs://b/x') drops one slash) (from the command line)")
+    assert _config_error([BASE, "load_parameters_path=gs:/b/ck/4"]).startswith("load_parameters_path=gs:/b/ck/4 is a URL")
+    cfg = load_config([BASE, "checkpoint_dir=gs://b/ck", "load_parameters_path=ck/4"], env={})
+    assert (cfg.checkpoint.checkpoint_dir, cfg.checkpoint.load_parameters_path) == ("gs://b/ck", str(tmp_path / "ck/4"))
+
+
 @pytest.mark.parametrize("value, ok", [("0", False), ("-2", False), ("-1", True), ("1", True), ("5", True)])
 def test_max_num_checkpoints_to_keep_is_minus_1_or_positive(value, ok):
     if ok:

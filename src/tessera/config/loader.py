@@ -242,6 +242,10 @@ def absolute_path(text: str) -> str:
     return os.path.abspath(os.path.expanduser(text))
 
 
+# "gs:/bucket/x": a URL that lost a slash (two or more letters before the colon, so not a drive letter)
+_LOST_SLASH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/(?!/)")
+
+
 def _is_local(text: str) -> bool:
     """hf_path names a local file or folder (not a format such as parquet, nor a Hub dataset)."""
     if text in HF_FILE_FORMATS or "://" in text:
@@ -258,6 +262,12 @@ def resolve_paths(cfg: Config) -> None:
     for name, kind in path_keys().items():
         section = getattr(cfg, fields[name][0])
         value = getattr(section, name)
+        for text in value.split(",") if kind == "globs" else [value]:
+            if _LOST_SLASH.match(text.strip()):  # gs:/b/x would be the local folder ./gs:/b/x, written without a word
+                url = re.sub(r"^([^:]+):/+", r"\1://", text.strip())
+                raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "
+                                  f"the local folder {absolute_path(text.strip())}; write {url} (pathlib's "
+                                  "Path('gs://b/x') drops one slash)")
         if kind == "globs":
             value = ",".join(absolute_path(p.strip()) for p in value.split(",") if p.strip())
         elif kind == "path" or _is_local(value):
