@@ -221,6 +221,26 @@ def test_load_paths_without_a_checkpoint_say_so(tmp_path):
                             f"optimizer state) is missing; point it at a step folder such as {ckpts}/2")
 
 
+def test_training_from_quantized_parameters_says_why_they_do_not_fit(tmp_path):
+    """load_parameters_path at decode.py's save_quantized_params_path output listed every matrix as missing and
+    unexpected (qvalue, scale) and told the user to fix the model settings, which were right."""
+    from tessera.tools.hf_checkpoint import save_params
+
+    cfg = tiny_config(tmp_path, steps=1)
+    params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), abstract_state(setup(cfg))["params"])
+    table = params["token_embedder"]["table_vd"]
+    params["token_embedder"]["table_vd"] = {"qvalue": table.astype(np.int8), "scale": np.ones(table.shape[:1] + (1,),
+                                                                                                 np.float32)}
+    save_params(tmp_path / "q8", params)
+    with pytest.raises(CheckpointError) as e:
+        run(tiny_config(tmp_path, steps=1, load_parameters_path=str(tmp_path / "q8")), jax.devices()[:1])
+    assert str(e.value).endswith(f"\nload_parameters_path={tmp_path / 'q8'} holds quantized parameters (written by "
+                                 "decode.py save_quantized_params_path), which only decode.py reads "
+                                 "(checkpoint_is_quantized=true); train from the float checkpoint they were written "
+                                 "from"), str(e.value)
+    assert not (tmp_path / "test").exists()
+
+
 def test_a_full_state_load_of_parameters_only_says_to_load_parameters(tmp_path):
     """load_full_state_path at a converted checkpoint (parameters only) listed every optimizer array as missing
     and told the user to use the model settings it was made with; the settings were right, the key was not."""
