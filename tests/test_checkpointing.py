@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, tiny_config
-from tessera.config import load_config
+from tessera.config import ConfigError, load_config
 from tessera.checkpointing import CheckpointError, Checkpointer, load_full_state, load_parameters
 from tessera.config.derived import checkpoint_directory
 from tessera.step import abstract_state, setup
@@ -219,6 +219,26 @@ def test_load_paths_without_a_checkpoint_say_so(tmp_path):
         load_parameters(str(ckpts / "1"), abstract["params"])
     assert str(e.value) == (f"load_parameters_path={ckpts}/1 is damaged: its state item (state/, the parameters and "
                             f"optimizer state) is missing; point it at a step folder such as {ckpts}/2")
+
+
+@pytest.mark.parametrize("given", ["other/checkpoints/4", "other/checkpoints/4/state", "other"])
+def test_a_checkpoint_dir_that_is_a_step_or_run_folder_is_refused(tmp_path, given):
+    """checkpoint_dir at a step folder (meant as a load path), its state item or a run folder held no step
+    folders: the run trained from step 0 and saved its steps inside that step folder, without a word."""
+    step = tmp_path / "other" / "checkpoints" / "4"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        run(tiny_config(tmp_path, steps=1, checkpoint_dir=str(tmp_path / given)), jax.devices()[:1])
+    if given == "other":
+        assert str(e.value).startswith(f"checkpoint_dir={tmp_path / given} is a run folder, whose step folders are in "
+                                       f"{step.parent}: this run would start from step 0"), str(e.value)
+    else:
+        assert str(e.value).startswith(f"checkpoint_dir={tmp_path / given} is {'the' if given.endswith('4') else 'in the'}"
+                                       f" step folder {step}, not a folder of step folders: this run would start from "
+                                       f"step 0 and save inside it. To start from that step, use load_full_state_path="
+                                       f"{step}"), str(e.value)
+    assert sorted(p.name for p in step.iterdir()) == ["state"] and not (tmp_path / "test").exists()
 
 
 def test_training_from_quantized_parameters_says_why_they_do_not_fit(tmp_path):

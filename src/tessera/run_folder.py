@@ -17,7 +17,7 @@ import jax
 import yaml
 
 from tessera import metrics
-from tessera.checkpointing import check_writable, unwritable
+from tessera.checkpointing import PYTREE_METADATA_FILE, check_writable, unwritable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
 from tessera.config.yaml_file import RUN_CONFIG_HEADER
 from tessera.config.derived import checkpoint_directory, remote_run_dir, run_dir
@@ -37,6 +37,7 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
     check_writable(str(run_dir(cfg.run)), "base_output_directory", "the run folder")
     if cfg.checkpoint.enable_checkpointing:
         if cfg.checkpoint.checkpoint_dir:
+            _refuse_checkpoint_inside(ckpt_dir)
             check_writable(ckpt_dir, "checkpoint_dir")
         else:
             check_writable(ckpt_dir, "base_output_directory", "the checkpoint folder")
@@ -53,6 +54,25 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
         _check_kind(run_dir(cfg.run) / "metrics.jsonl", "a file", "base_output_directory")
     if cfg.run.enable_tensorboard:
         _check_kind(run_dir(cfg.run) / "tensorboard", "a folder", "base_output_directory")
+
+
+def _refuse_checkpoint_inside(ckpt_dir: str) -> None:
+    """ConfigError for a checkpoint_dir that is a step folder, one of its items or a run folder: it holds
+    no step folders itself, so the run started from step 0 and saved its steps inside it, without a word."""
+    p = Path(ckpt_dir)
+    if "://" in ckpt_dir or not p.is_dir():
+        return
+    step = next((f for f in (p, p.parent) if f.name.isdigit() and (f / "state" / PYTREE_METADATA_FILE).is_file()), None)
+    if step is not None:
+        raise ConfigError(f"checkpoint_dir={ckpt_dir} is {'the step folder' if step == p else 'in the step folder'} "
+                          f"{step}, not a folder of step folders: this run would start from step 0 and save inside it. "
+                          f"To start from that step, use load_full_state_path={step} (or load_parameters_path={step} "
+                          f"for its parameters alone); to save beside its run's steps, checkpoint_dir={step.parent}")
+    own = p / "checkpoints"
+    if own.is_dir() and any(c.name.isdigit() for c in own.iterdir()) and not any(c.name.isdigit() for c in p.iterdir()):
+        raise ConfigError(f"checkpoint_dir={ckpt_dir} is a run folder, whose step folders are in {own}: this run "
+                          f"would start from step 0 and save its steps there, beside checkpoints/; give checkpoint_dir={own} to "
+                          f"train on from its newest step, or load_full_state_path=<one of its steps> for a new run")
 
 
 def _check_kind(path: Path, kind: str, key: str) -> None:
