@@ -438,3 +438,20 @@ def test_an_interrupted_export_removes_what_it_wrote(checkpoints, tmp_path, monk
     added.clear()
     assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "given"), *KEYS, "--max-shard-size", "5000"]) == 130
     assert list((tmp_path / "given").iterdir()) == []
+
+
+def test_export_of_quantized_parameters_says_why_they_do_not_fit(tmp_path, capsys):
+    """decode.py's save_quantized_params_path output listed every matrix as missing and unexpected (qvalue,
+    scale) and told the user to fix the model keys, which were right."""
+    targets = hf_checkpoint.param_targets(load_model_config(None, KEYS))
+    params = hf_checkpoint._nest({k: np.zeros(t.shape, t.dtype) for k, t in targets.items()})
+    table = params["token_embedder"]["table_vd"]
+    params["token_embedder"]["table_vd"] = {"qvalue": table.astype(np.int8), "scale": np.ones((len(table), 1))}
+    hf_checkpoint.save_params(tmp_path / "q8", params)
+    capsys.readouterr()
+    assert main(["tessera-to-hf", str(tmp_path / "q8"), str(tmp_path / "hf"), *KEYS]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"\ncheckpoint {tmp_path / 'q8'} holds quantized parameters (written by decode.py save_quantized_params_path), "
+        "which only decode.py reads (checkpoint_is_quantized=true); convert the float checkpoint they were written "
+        "from\n")
+    assert not (tmp_path / "hf").exists()

@@ -11,18 +11,17 @@ saved config differs in (`checkpointing.mismatch_explained`)."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import math
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import jax
 import optax
 
-from tessera.checkpointing import (CheckpointMismatch, Checkpointer, load_full_state, load_parameters,
-                                   mismatch_explained, saved_config, saved_tree, warn_model_changes)
+from tessera.checkpointing import (Checkpointer, load_full_state, load_parameters, mismatch_explained,
+                                   quantized_explained, saved_config, warn_model_changes)
 from tessera.config import CheckpointConfig, Config, ConfigError, ModelConfig, OptimConfig, flat_dict
 from tessera.data import restore_state
 from tessera.optim import learning_rate_schedule
@@ -84,29 +83,14 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         if cfg.checkpoint_is_quantized:
             raise ConfigError("checkpoint_is_quantized=true is for decode.py (quantized weights are dequantized for "
                               "decoding); train from the float checkpoint the quantized one was written from")
-        with _quantized_explained(cfg.load_parameters_path), mismatch_explained(cfg.load_parameters_path, model_keys):
+        with quantized_explained(cfg.load_parameters_path, "load_parameters_path", "train from the float checkpoint "
+                                 "they were written from"), mismatch_explained(cfg.load_parameters_path, model_keys):
             params = load_parameters(cfg.load_parameters_path, abstract_state(trainer)["params"],
                                      key="load_parameters_path", verify=cfg.checkpoint_checksums)
         log.info("loaded parameters from %s (fresh optimizer state, step 0)", cfg.load_parameters_path)
         warn_model_changes(cfg.load_parameters_path, model_keys)
         return state_from_params(trainer, params)
     return create_state(trainer, config.run.init_weights_seed, program)
-
-
-@contextlib.contextmanager
-def _quantized_explained(path: str) -> Iterator[None]:
-    """Around a parameter load for training: a checkpoint of quantized parameters (decode.py
-    save_quantized_params_path) listed every matrix as missing and unexpected, without the reason."""
-    try:
-        yield
-    except CheckpointMismatch as e:
-        _, tree = saved_tree(path, verify=False)
-        leaves = jax.tree_util.tree_leaves_with_path(tree.get("params", {}))
-        if not any(getattr(keys[-1], "key", None) == "qvalue" for keys, _ in leaves):
-            raise
-        raise CheckpointMismatch(f"{e}\nload_parameters_path={path} holds quantized parameters (written by decode.py "
-                                 "save_quantized_params_path), which only decode.py reads (checkpoint_is_quantized="
-                                 "true); train from the float checkpoint they were written from") from None
 
 
 def changes_since_save(saved: Mapping[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:

@@ -31,8 +31,8 @@ The package: `manager.py` (Checkpointer), `loading.py` (load paths), `checksums.
 writable folders, errors).
 """
 
-from tessera.checkpointing.loading import (load_full_state, load_parameters, mismatch_explained, record_checksums,
-                                          saved_config, saved_tree, verify_item, warn_model_changes)
+from tessera.checkpointing.loading import (load_full_state, load_parameters, mismatch_explained, quantized_explained,
+                                          record_checksums, saved_config, saved_tree, verify_item, warn_model_changes)
 from tessera.checkpointing.manager import (Checkpointer, CheckpointSaveError, save_allowance_seconds,
                                           set_aside_incomplete)
 from tessera.checkpointing.storage import (INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError, check_writable,
@@ -42,6 +42,6 @@ from tessera.checkpointing.trees import CheckpointMismatch, describe_mismatch, r
 __all__ = [
     "INCOMPLETE_MARKER", "PYTREE_METADATA_FILE", "CheckpointError", "CheckpointMismatch", "CheckpointSaveError",
     "Checkpointer", "check_writable", "describe_mismatch", "load_full_state", "load_parameters", "mismatch_explained",
-    "raise_on_mismatch", "read_error", "record_checksums", "remote_exists", "save_allowance_seconds", "saved_config",
+    "quantized_explained", "raise_on_mismatch", "read_error", "record_checksums", "remote_exists", "save_allowance_seconds", "saved_config",
     "saved_tree", "set_aside_incomplete", "unwritable", "verify_item", "warn_model_changes",
 ]

@@ -173,6 +173,23 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str =
         raise CheckpointMismatch("\n".join([str(e), *lines])) from None
 
 
+@contextlib.contextmanager
+def quantized_explained(path: str, key: str | None, fix: str) -> Iterator[None]:
+    """Around a load of float parameters (training, tessera-to-hf) from `path`: a checkpoint of quantized
+    parameters (decode.py save_quantized_params_path) listed every matrix as missing and unexpected, without
+    the reason; a last line gives it, and `fix`."""
+    try:
+        yield
+    except CheckpointMismatch as e:
+        _, tree = saved_tree(path, verify=False)
+        leaves = jax.tree_util.tree_leaves_with_path(tree.get("params", {}))
+        if not any(getattr(keys[-1], "key", None) == "qvalue" for keys, _ in leaves):
+            raise
+        raise CheckpointMismatch(f"{e}\n{_label(key, epath.Path(path))} holds quantized parameters (written by "
+                                 "decode.py save_quantized_params_path), which only decode.py reads "
+                                 f"(checkpoint_is_quantized=true); {fix}") from None
+
+
 # Model keys that say how the model is computed, stored or trained, not what it computes: a load
 # with other values of them is the same model. A difference in any other model key, where the
 # parameters' shapes still fit (a rotary base, a window, a soft cap), loads silently as another model.

@@ -252,10 +252,11 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
                  "decoder_block=%s has no place for them", m.mtp_num_layers, m.decoder_block)
     # a training step keeps its config: a load that does not fit names the model keys that differ, and one that
     # fits with other model keys (a rotary base, a window) is said to compute something else, as train.py says
-    from tessera.checkpointing import mismatch_explained, warn_model_changes
+    from tessera.checkpointing import mismatch_explained, quantized_explained, warn_model_changes
 
     model_keys = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
-    with mismatch_explained(checkpoint, model_keys):
+    with quantized_explained(checkpoint, None, "convert the float checkpoint they were written from"), \
+            mismatch_explained(checkpoint, model_keys):
         source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
     warn_model_changes(checkpoint, model_keys)
     made = not out_dir.exists()
