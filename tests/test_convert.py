@@ -455,3 +455,16 @@ def test_export_of_quantized_parameters_says_why_they_do_not_fit(tmp_path, capsy
         "which only decode.py reads (checkpoint_is_quantized=true); convert the float checkpoint they were written "
         "from\n")
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_hugging_face_folder_given_as_a_load_path_says_to_convert_it(checkpoints):
+    """load_parameters_path (and decode.py's, tessera-to-hf's checkpoint) at a Hugging Face folder said it holds no
+    checkpoint and pointed at training step folders; it is a checkpoint, in another format."""
+    from tessera.checkpointing import CheckpointError, load_parameters
+
+    _, hf = checkpoints
+    with pytest.raises(CheckpointError) as e:
+        load_parameters(str(hf), {})
+    assert str(e.value) == (f"load_parameters_path={hf} is a Hugging Face checkpoint (config.json and safetensors); "
+                            f"convert it first: .venv/bin/python -m tessera.tools.convert hf-to-tessera {hf} <out_dir> "
+                            "model_name=<name>, then give <out_dir> (getting_started/Models.md)")

@@ -44,6 +44,11 @@ def _state_item(path: str, key: str | None = None) -> epath.Path:
     if item != p and not (item / PYTREE_METADATA_FILE).exists():
         raise CheckpointError(f"{label} is damaged: its file state/{PYTREE_METADATA_FILE} is missing; "
                               f"{_step_folder_hint(p)}")
+    if not (item / PYTREE_METADATA_FILE).exists() and (p / "config.json").is_file() and \
+            any(c.name.endswith(".safetensors") for c in p.iterdir()):
+        raise CheckpointError(f"{label} is a Hugging Face checkpoint (config.json and safetensors); convert it first: "
+                              f".venv/bin/python -m tessera.tools.convert hf-to-tessera {p} <out_dir> "
+                              "model_name=<name>, then give <out_dir> (getting_started/Models.md)")
     if not (item / PYTREE_METADATA_FILE).exists():
         raise CheckpointError(f"{label} holds no checkpoint (no state item, no Orbax metadata); "
                               f"{_step_folder_hint(p)}")
