@@ -213,6 +213,12 @@ def test_load_paths_without_a_checkpoint_say_so(tmp_path):
         with pytest.raises(CheckpointError) as e:
             load_parameters(str(file), abstract["params"])
         assert str(e.value) == f"load_parameters_path={file} is a file, not a checkpoint folder; point it at {hint}"
+    # another item of a step folder (data/, config/) or a folder inside its state item pointed at outputs/<run_name>/...
+    for item in (ckpts / "1" / "config", ckpts / "1" / "data", ckpts / "1" / "state" / "ocdbt.process_0"):
+        with pytest.raises(CheckpointError) as e:
+            load_parameters(str(item), abstract["params"])
+        assert str(e.value) == (f"load_parameters_path={item} holds no checkpoint (no state item, no Orbax metadata); "
+                                f"point it at the step folder {ckpts}/1")
     # a step folder whose state item was deleted was "no checkpoint" too
     shutil.rmtree(ckpts / "1" / "state")
     with pytest.raises(CheckpointError) as e:

@@ -33,10 +33,7 @@ def _state_item(path: str, key: str | None = None) -> epath.Path:
     if INCOMPLETE_MARKER in p.name:
         raise CheckpointError(f"{label} is an incomplete (interrupted) save; use a complete step folder")
     if p.is_file():  # e.g. a file inside a step folder, or the run's config.yml
-        inside = next((a for a in p.parents if a.name.isdigit() and (a / "state" / PYTREE_METADATA_FILE).exists()),
-                      None)
-        hint = f"point it at the step folder {inside}" if inside is not None else _step_folder_hint(p)
-        raise CheckpointError(f"{label} is a file, not a checkpoint folder; {hint}")
+        raise CheckpointError(f"{label} is a file, not a checkpoint folder; {_step_folder_hint(p)}")
     if not (p / "state").exists() and (p / "data").is_dir() and (p / "config").is_dir():  # a training step's items
         raise CheckpointError(f"{label} is damaged: its state item (state/, the parameters and optimizer state) is "
                               f"missing; {_step_folder_hint(p)}")
@@ -61,7 +58,11 @@ def _label(key: str | None, path: epath.Path) -> str:
 
 
 def _step_folder_hint(p: epath.Path) -> str:
-    """'point it at a step folder such as ...', naming a real step folder near `p` when there is one."""
+    """'point it at the step folder ...' holding `p` (an item, a file in one), else 'point it at a step
+    folder such as ...', naming a real step folder near `p` when there is one."""
+    inside = next((a for a in p.parents if a.name.isdigit() and (a / "state" / PYTREE_METADATA_FILE).exists()), None)
+    if inside is not None:
+        return f"point it at the step folder {inside}"
     for folder in (p, p / "checkpoints", p.parent, p.parent / "checkpoints"):
         if not folder.is_dir():
             continue
