@@ -904,6 +904,26 @@ def test_a_finished_run_without_checkpoints_is_not_trained_over(tmp_path):
         assert {p: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".tessera.lock"} == before
 
 
+def test_a_run_whose_checkpoints_are_in_another_checkpoint_dir_is_not_trained_over(tmp_path):
+    """A run started with checkpoint_dir=X and interrupted, started again without it (or with checkpointing off),
+    trained from step 0 in its folder and said the steps X holds were "lost before they were saved"."""
+    elsewhere = tmp_path / "elsewhere"
+    run(tiny_config(tmp_path, steps=2, checkpoint_dir=str(elsewhere)), jax.devices()[:1])
+    folder = tmp_path / "test"
+    (folder / "report.json").unlink()  # as if interrupted after its save of step 2
+    before = {p: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".tessera.lock"}
+    for keys, why in (({}, "checkpoint_dir=(not set)"), ({"enable_checkpointing": False}, "enable_checkpointing=false"),
+                      ({"checkpoint_dir": str(tmp_path / "new")}, f"checkpoint_dir={tmp_path / 'new'}")):
+        with pytest.raises(ConfigError) as e:
+            run(tiny_config(tmp_path, steps=3, **keys), jax.devices()[:1])
+        assert str(e.value) == (f"{folder} is a run whose checkpoints, up to step 2, are in {elsewhere} (checkpoint_dir "
+                                f"in its config.yml), which this start would not read ({why}): it would train again "
+                                f"from step 0. To continue the run, give checkpoint_dir={elsewhere}; for a new run, "
+                                "choose a new run_name")
+        assert {p: p.read_bytes() for p in folder.iterdir() if p.is_file() and p.name != ".tessera.lock"} == before
+    assert run(tiny_config(tmp_path, steps=3, checkpoint_dir=str(elsewhere)), jax.devices()[:1])["start_step"] == 2
+
+
 def test_a_stop_signal_during_an_evaluation_saves_without_finishing_it(tmp_path, monkeypatch, caplog):
     """SIGTERM arriving during a long evaluation waited for every eval batch before the save (22 s with
     the first-run corpus), eating into a preemption's grace period: the evaluation now stops at its next

@@ -99,11 +99,33 @@ def refuse_unread_checkpoints(cfg: Config, ckpt_dir: str) -> None:
         raise ConfigError(f"{own} holds this run's checkpoints up to step {steps[-1]}, which this start would not "
                           f"read ({why}): it would train again from step 0 beside them. To continue the run, leave "
                           f"out {why.split('=')[0]}; for a new run, choose a new run_name")
+    before = _saved_checkpoint_dir(run_dir(cfg.run) / "config.yml")
+    if before and (before != ckpt_dir or not cfg.checkpoint.enable_checkpointing) and "://" not in before \
+            and Path(before).is_dir():
+        steps = sorted(int(p.name) for p in Path(before).iterdir() if p.name.isdigit() and p.is_dir())
+        if steps:
+            why = "enable_checkpointing=false" if not cfg.checkpoint.enable_checkpointing else \
+                f"checkpoint_dir={cfg.checkpoint.checkpoint_dir or '(not set)'}"
+            raise ConfigError(f"{run_dir(cfg.run)} is a run whose checkpoints, up to step {steps[-1]}, are in {before} "
+                              f"(checkpoint_dir in its config.yml), which this start would not read ({why}): it would "
+                              f"train again from step 0. To continue the run, give checkpoint_dir={before}; for a new "
+                              "run, choose a new run_name")
     report = run_dir(cfg.run) / "report.json"
     if report.is_file():  # a run that ended (enable_checkpointing=false, or its checkpoints deleted since)
         raise ConfigError(f"{report.parent} holds a run that finished (report.json) and no checkpoint this start "
                           "could resume from: it would train again from step 0 and mix its metrics with the finished "
                           "run's. For a new run, choose a new run_name (or move that folder away)")
+
+
+def _saved_checkpoint_dir(config_file: Path) -> str:
+    """The checkpoint_dir the run folder's config.yml (written by the run's last start) names; "" when it
+    names none (the default folder, checked apart) or cannot be read."""
+    try:
+        saved = yaml.safe_load(config_file.read_text())
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return ""
+    value = saved.get("checkpoint_dir") if isinstance(saved, dict) else None
+    return value if isinstance(value, str) else ""
 
 
 LOCK_FILE = ".tessera.lock"
