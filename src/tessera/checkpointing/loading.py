@@ -33,7 +33,7 @@ def _state_item(path: str, key: str | None = None) -> epath.Path:
     if INCOMPLETE_MARKER in p.name:
         raise CheckpointError(f"{label} is an incomplete (interrupted) save; use a complete step folder")
     if p.is_file():  # e.g. a file inside a step folder, or the run's config.yml
-        raise CheckpointError(f"{label} is a file, not a checkpoint folder; {_step_folder_hint(p)}")
+        raise CheckpointError(f"{label} is a file, not a checkpoint folder; {_enclosing_step_hint(p)}")
     if not (p / "state").exists() and (p / "data").is_dir() and (p / "config").is_dir():  # a training step's items
         raise CheckpointError(f"{label} is damaged: its state item (state/, the parameters and optimizer state) is "
                               f"missing; {_step_folder_hint(p)}")
@@ -48,7 +48,7 @@ def _state_item(path: str, key: str | None = None) -> epath.Path:
                               "model_name=<name>, then give <out_dir> (getting_started/Models.md)")
     if not (item / PYTREE_METADATA_FILE).exists():
         raise CheckpointError(f"{label} holds no checkpoint (no state item, no Orbax metadata); "
-                              f"{_step_folder_hint(p)}")
+                              f"{_enclosing_step_hint(p)}")
     return item
 
 
@@ -57,12 +57,15 @@ def _label(key: str | None, path: epath.Path) -> str:
     return f"{key}={path}" if key else f"checkpoint {path}"
 
 
-def _step_folder_hint(p: epath.Path) -> str:
-    """'point it at the step folder ...' holding `p` (an item, a file in one), else 'point it at a step
-    folder such as ...', naming a real step folder near `p` when there is one."""
+def _enclosing_step_hint(p: epath.Path) -> str:
+    """'point it at the step folder ...' holding `p` (another item, a file or folder inside one), else
+    `_step_folder_hint`."""
     inside = next((a for a in p.parents if a.name.isdigit() and (a / "state" / PYTREE_METADATA_FILE).exists()), None)
-    if inside is not None:
-        return f"point it at the step folder {inside}"
+    return f"point it at the step folder {inside}" if inside is not None else _step_folder_hint(p)
+
+
+def _step_folder_hint(p: epath.Path) -> str:
+    """'point it at a step folder such as ...', naming a real step folder near `p` when there is one."""
     for folder in (p, p / "checkpoints", p.parent, p.parent / "checkpoints"):
         if not folder.is_dir():
             continue
