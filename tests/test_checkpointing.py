@@ -506,14 +506,16 @@ def test_checkpoint_directory_keeps_bucket_urls():
 
 def test_exit_code_table_lists_every_code_the_trainer_returns():
     import tessera.distributed
+    import tessera.hang_watchdog
     import tessera.step_stats
     import tessera.train
 
     text = (REPO / "getting_started" / "Checkpointing.md").read_text()
     table = text[text.index("## Exit codes"):].split("\n## ")[0]
     documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
-    constants = {name: int(value) for module in (tessera.train, tessera.distributed, tessera.step_stats)
-                 for name, value in vars(module).items() if name.startswith("EXIT_")}
+    modules = (tessera.train, tessera.distributed, tessera.hang_watchdog, tessera.step_stats)
+    constants = {name: int(value) for module in modules for name, value in vars(module).items()
+                 if name.startswith("EXIT_")}
     assert documented == set(constants.values()), (documented, constants)
     assert {0, 2, 3, 4, 5, 6, 130, 143} <= documented
 
