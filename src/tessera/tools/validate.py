@@ -154,29 +154,36 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signum
 
 
-def _run(args: argparse.Namespace) -> int:
+def _plan_run(args: argparse.Namespace):
+    """The hosts, the plan and the run's name from the command line and the validation file; raises
+    ValidationInputError or UsageError."""
     nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]  # "h1, h2": the space is not the host's
+    if any(len(n.split()) > 1 for n in nodes):
+        raise UsageError(f"--nodes {args.nodes!r}: a host name has no spaces; separate the hosts with commas, "
+                         "e.g. --nodes h1,h2")
+    if args.nodes.strip() and not nodes or any(n.startswith("-") for n in nodes):  # ssh would read an option
+        raise UsageError(f"--nodes {args.nodes!r} names no host; give host names (or user@host) separated by "
+                         "commas, e.g. --nodes h1,h2, or leave --nodes out to run here")
+    path = resolve_path(args.file, "validation file")
+    out = resolve_path(args.out, "--out folder", must_exist=False) if args.out else None
+    data = load(path)
+    name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
+    plan = build_plan(data, name, entry)
+    if "base_output_directory" in plan.overrides:  # relative to the working directory, as --out; over ssh
+        # the nodes start in the repository, where a relative folder would be another one; `~` is a home, as
+        # for train.py, not a folder named ~ here
+        plan.overrides["base_output_directory"] = str(
+            Path(plan.overrides["base_output_directory"]).expanduser().absolute())
+    # the pid: two suites started in the same second (a CI matrix) shared one run folder; one trainer was
+    # refused and its suite reported the other's measurements
+    run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
+    check_train_keys(plan, run_name, plan.env if nodes else {**os.environ, **plan.env})
+    return nodes, out, plan, run_name
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
-        if any(len(n.split()) > 1 for n in nodes):
-            raise UsageError(f"--nodes {args.nodes!r}: a host name has no spaces; separate the hosts with commas, "
-                             "e.g. --nodes h1,h2")
-        if args.nodes.strip() and not nodes or any(n.startswith("-") for n in nodes):  # ssh would read an option
-            raise UsageError(f"--nodes {args.nodes!r} names no host; give host names (or user@host) separated by "
-                             "commas, e.g. --nodes h1,h2, or leave --nodes out to run here")
-        path = resolve_path(args.file, "validation file")
-        out = resolve_path(args.out, "--out folder", must_exist=False) if args.out else None
-        data = load(path)
-        name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
-        plan = build_plan(data, name, entry)
-        if "base_output_directory" in plan.overrides:  # relative to the working directory, as --out; over ssh
-            # the nodes start in the repository, where a relative folder would be another one; `~` is a home, as
-            # for train.py, not a folder named ~ here
-            plan.overrides["base_output_directory"] = str(
-                Path(plan.overrides["base_output_directory"]).expanduser().absolute())
-        # the pid: two suites started in the same second (a CI matrix) shared one run folder; one trainer was
-        # refused and its suite reported the other's measurements
-        run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
-        check_train_keys(plan, run_name, plan.env if nodes else {**os.environ, **plan.env})
+        nodes, out, plan, run_name = _plan_run(args)
     except (ValidationInputError, UsageError) as e:
         print(f"{'validation file ' if isinstance(e, ValidationInputError) else ''}error: {e}", file=sys.stderr)
         return 2
@@ -217,6 +224,11 @@ def _run(args: argparse.Namespace) -> int:
         return 128 + stopped.signum
     except NodesTimedOut as e:  # the nodes were stopped: whatever they measured is not the whole run's
         timed_out, codes = e, e.codes
+    return _report(plan, nodes, codes, timed_out, run_dir, out_dir, time.time() - start)
+
+
+def _report(plan, nodes, codes, timed_out, run_dir: Path, out_dir: Path, seconds: float) -> int:
+    """Checks node 0's report.json against the plan, saves and prints the results; the exit code."""
     report_path = run_dir / "report.json"
     try:
         report = json.loads(report_path.read_text()) if report_path.exists() and not timed_out else None
@@ -226,7 +238,7 @@ def _run(args: argparse.Namespace) -> int:
     rows = check(plan, report, codes)
     if timed_out:
         rows[0].update(measured=f"{timed_out}, exit codes {codes}", passed=False)
-    saved = save_results(rows, plan, out_dir, time.time() - start)
+    saved = save_results(rows, plan, out_dir, seconds)
     print(tuning_line(plan))
     print_table(rows)
     if report is None and codes and all(c == 0 for c in codes) and not timed_out:

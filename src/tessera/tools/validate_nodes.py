@@ -169,6 +169,82 @@ class NodesTimedOut(Exception):
         self.seconds, self.codes = seconds, codes
 
 
+class _RunningNodes:
+    """The nodes' processes and logs, and the signals passed on to them: by `forward` (SIGTERM or
+    SIGINT to the suite) and by the `--timeout` watcher, which may both write to an ssh relay."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.procs: list[subprocess.Popen] = []
+        self.logs = []
+        self.received: list[int] = []
+        self.timed_out = False
+        self.done = threading.Event()
+        self.sending = threading.RLock()
+        self.watcher = threading.Thread(target=self.stop_at_timeout, name="tessera-validate-timeout", daemon=True)
+
+    def start(self, rank: int, host: str, argv, env, log_path: Path) -> None:
+        self.logs.append(log_path.open("w"))
+        full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
+        self.procs.append(subprocess.Popen(argv, env=full_env, stdout=self.logs[-1], stderr=subprocess.STDOUT,
+                                           stdin=None if host == "local" else subprocess.PIPE, start_new_session=True))
+        print(f"node {rank} ({host}) started; log {log_path}", flush=True)
+
+    def running(self) -> list[subprocess.Popen]:
+        return [p for p in self.procs if p.poll() is None]
+
+    def send(self, signum: int) -> int:
+        """`signum` to every running node once; how many were running."""
+        running = self.running()
+        with self.sending:
+            for p in running:
+                if p.stdin is None and signum == signal.SIGKILL:  # its whole session: the trainer's children too
+                    try:
+                        os.killpg(p.pid, signum)
+                    except ProcessLookupError:
+                        pass
+                elif p.stdin is None:
+                    p.send_signal(signum)
+                else:
+                    try:  # a node over ssh: its relay passes the signal on (RELAY)
+                        p.stdin.write(f"{signal.Signals(signum).name.removeprefix('SIG')}\n".encode())
+                        p.stdin.flush()
+                    except OSError:  # its ssh has just ended
+                        pass
+        return len(running)
+
+    def forward(self, signum, frame) -> None:
+        self.received.append(signum)
+        print(f"{signal.Signals(signum).name} received: passed on to the {len(self.running())} running node(s), "
+              "which save and stop (a second signal stops them at once); waiting for them",
+              file=sys.stderr, flush=True)
+        self.send(signum)
+
+    def stop_at_timeout(self) -> None:
+        if self.done.wait(self.timeout):
+            return
+        self.timed_out = True
+        print(f"timeout: the nodes have run for {self.timeout:g} s (--timeout); SIGTERM passed on to the "
+              f"{self.send(signal.SIGTERM)} running node(s), which save and stop; SIGKILL in {KILL_AFTER_SECONDS:g} s",
+              file=sys.stderr, flush=True)
+        if self.done.wait(KILL_AFTER_SECONDS):
+            return
+        print(f"timeout: SIGKILL to the {self.send(signal.SIGKILL)} node(s) still running", file=sys.stderr, flush=True)
+        if not self.done.wait(10.0):  # an ssh whose connection hangs cannot pass the signal on: end it here
+            for p in self.running():
+                p.kill()
+
+    def close(self) -> None:
+        self.done.set()
+        if self.watcher.is_alive():
+            self.watcher.join()
+        for log in self.logs:
+            log.close()
+        for p in self.procs:
+            if p.stdin and p.poll() is not None:
+                p.stdin.close()
+
+
 def run_nodes(commands, log_dir: Path, steps: str, timeout: float = 0.0) -> list[int]:
     """Start every node's command, stream each to its own log file, wait for all. The nodes run in
     sessions of their own, and SIGTERM or SIGINT (Ctrl-C) to the suite is passed on to each of them
@@ -178,77 +254,21 @@ def run_nodes(commands, log_dir: Path, steps: str, timeout: float = 0.0) -> list
     running that many seconds after the start get SIGTERM, then SIGKILL KILL_AFTER_SECONDS later
     (a hung node blocked the suite forever); once they have exited, NodesTimedOut."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    procs, logs, received, timed_out, done = [], [], [], [], threading.Event()
-    sending = threading.RLock()  # the timeout's thread and a signal handler both write to the relays
-
-    def send(signum: int) -> int:
-        running = [p for p in procs if p.poll() is None]
-        with sending:
-            for p in running:
-                if p.stdin is None and signum == signal.SIGKILL:  # its whole session: the trainer's children too
-                    try:
-                        os.killpg(p.pid, signum)
-                    except ProcessLookupError:
-                        pass
-                    continue
-                if p.stdin is None:
-                    p.send_signal(signum)
-                    continue
-                try:  # a node over ssh: its relay passes the signal on (RELAY)
-                    p.stdin.write(f"{signal.Signals(signum).name.removeprefix('SIG')}\n".encode())
-                    p.stdin.flush()
-                except OSError:  # its ssh has just ended
-                    pass
-        return len(running)
-
-    def forward(signum, frame):
-        received.append(signum)
-        running = sum(p.poll() is None for p in procs)
-        print(f"{signal.Signals(signum).name} received: passed on to the {running} running node(s), which "
-              "save and stop (a second signal stops them at once); waiting for them", file=sys.stderr, flush=True)
-        send(signum)
-
-    def stop_at_timeout():
-        if done.wait(timeout):
-            return
-        timed_out.append(timeout)
-        print(f"timeout: the nodes have run for {timeout:g} s (--timeout); SIGTERM passed on to the "
-              f"{send(signal.SIGTERM)} running node(s), which save and stop; SIGKILL in {KILL_AFTER_SECONDS:g} s",
-              file=sys.stderr, flush=True)
-        if done.wait(KILL_AFTER_SECONDS):
-            return
-        print(f"timeout: SIGKILL to the {send(signal.SIGKILL)} node(s) still running", file=sys.stderr, flush=True)
-        if not done.wait(10.0):  # an ssh whose connection hangs cannot pass the signal on: end it here
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    watcher = threading.Thread(target=stop_at_timeout, name="tessera-validate-timeout", daemon=True)
+    nodes = _RunningNodes(timeout)
+    previous = {s: signal.signal(s, nodes.forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         for rank, (host, argv, env) in enumerate(commands):
-            logs.append((log_dir / f"node{rank}.log").open("w"))
-            full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
-            procs.append(subprocess.Popen(argv, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                          stdin=None if host == "local" else subprocess.PIPE, start_new_session=True))
-            print(f"node {rank} ({host}) started; log {log_dir / f'node{rank}.log'}", flush=True)
+            nodes.start(rank, host, argv, env, log_dir / f"node{rank}.log")
         if timeout > 0:
-            watcher.start()
-        codes = wait_for_nodes(procs, log_dir / "node0.log", steps)
+            nodes.watcher.start()
+        codes = wait_for_nodes(nodes.procs, log_dir / "node0.log", steps)
     finally:
-        done.set()
-        if watcher.is_alive():
-            watcher.join()
+        nodes.close()
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for log in logs:
-            log.close()
-        for p in procs:
-            if p.stdin and p.poll() is not None:
-                p.stdin.close()
-    if received:
-        raise NodesStopped(received[0])
-    if timed_out:
+    if nodes.received:
+        raise NodesStopped(nodes.received[0])
+    if nodes.timed_out:
         raise NodesTimedOut(timeout, codes)
     return codes
 
