@@ -71,6 +71,24 @@ def test_data_whose_documents_are_all_empty_stops_with_one_message(tmp_path, sp_
             next(data)
 
 
+def test_data_whose_documents_are_single_tokens_stops_too(tmp_path, sp_model):
+    """Empty text with add_bos alone (or one token id per record): every document is one token, with
+    no next token to predict; training ran at loss 0.0000 on nothing, exit code 0."""
+    bos_only = dict(add_bos=True, add_eos=False)
+    hf = make_input(hf_config(write_jsonl(tmp_path / "e.jsonl", [{"text": ""}] * 3), sp_model, **bos_only).data, 96, 4)
+    grain = grain_data(write_array_record(tmp_path / "e.array_record", [b""] * 3), sp_model, **bos_only)
+    ids = make_input(hf_config(write_jsonl(tmp_path / "i.jsonl", [{"ids": [5]}, {"ids": [7]}]), None,
+                               train_data_columns="ids").data, 96, 4)
+    for data, named in ((hf, "hf_train_files="), (grain, "grain_train_files="), (ids, "hf_train_files=")):
+        with within(20), pytest.raises(DataError, match=f"{named}.*: a whole pass over the training data holds no "
+                                                        "tokens to predict .*a single token"):
+            next(data)
+    # one document of two tokens among them is enough
+    mixed = make_input(hf_config(write_jsonl(tmp_path / "m.jsonl", [{"ids": [5]}, {"ids": [7, 8]}]), None,
+                                 train_data_columns="ids").data, 96, 4)
+    assert row_tokens(next(mixed))[:6] == [5, 7, 8, 5, 7, 8]
+
+
 def test_data_smaller_than_a_batch_is_said_once_not_per_epoch(tmp_path, sp_model, caplog):
     tiny = write_jsonl(tmp_path / "one.jsonl", [{"text": "hi"}])
     with caplog.at_level(logging.INFO, logger="tessera"):

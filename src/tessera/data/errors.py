@@ -77,10 +77,12 @@ def no_records(setting: str, files: list[str], note: str = "") -> DataError:
 
 def no_tokens(source: str) -> DataError:
     """The error for training data (`source`, e.g. "hf_train_files='a.json', train_data_columns=['text']")
-    of which a whole pass gave no token: repeating it would never fill a batch."""
-    return DataError(f"{source}: a whole pass over the training data holds no tokens (every document is empty "
-                     "text or an empty token-id list, and add_bos/add_eos add no begin/end token); check that "
-                     "train_data_columns names the column with the text, and the files")
+    of which a whole pass gave no token to predict (no document of 2 tokens or more): repeating it would
+    never fill a batch, or would train on nothing with a loss of 0."""
+    return DataError(f"{source}: a whole pass over the training data holds no tokens to predict (every document "
+                     "is empty text, an empty token-id list or a single token: add_bos/add_eos add at most one "
+                     "begin/end token each, and a token is predicted only from an earlier one of its document); "
+                     "check that train_data_columns names the column with the text, and the files")
 
 
 def read_failure(error: Exception, files: list[str], fmt: str, setting: str) -> DataError:

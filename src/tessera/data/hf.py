@@ -153,8 +153,9 @@ class HfData:
         self.eos = [self.tokenizer.eos_id] if self.tokenizer and cfg.add_eos else []
         self.epoch = 0
         # tokens and rows of the pass over the files so far (None: it began mid-pass, at a resumed position);
+        # `_predicts`: whether a document of the pass had 2 tokens or more (a token to predict);
         # `_small` once a pass is known to fill less than one batch
-        self._pass_tokens, self._pass_rows, self._small = 0, 0, False
+        self._pass_tokens, self._pass_rows, self._predicts, self._small = 0, 0, False, False
         self._restart(None)
         self.cursor = DocumentCursor(self._next_document, self._source_state,
                                      f"{self.setting}, train_data_columns={self.columns}")
@@ -222,19 +223,21 @@ class HfData:
                 raise self._no_records() from None
         self._fresh = False
         ids = self._tokens(example)
+        self._predicts = self._predicts or len(ids) > 1
         if self._pass_tokens is not None:
             self._pass_tokens += len(ids)
             self._pass_rows += -(-len(ids) // self.length)
         return ids
 
     def _end_pass(self) -> None:
-        """At the end of a training pass over the files: stop when it held no tokens at all (it would
-        be read again and again for ever); say once when it fills less than a batch, else log the epoch."""
+        """At the end of a training pass over the files: stop when it held no token to predict (no
+        document of 2 tokens or more: it would be read again and again for ever, or train on nothing);
+        say once when it fills less than a batch, else log the epoch."""
         tokens, rows = self._pass_tokens, self._pass_rows
-        if tokens == 0:
+        if tokens is not None and not self._predicts:
             raise no_tokens(f"{self.setting}, train_data_columns={self.columns}")
         self.epoch += 1
-        self._pass_tokens, self._pass_rows = 0, 0
+        self._pass_tokens, self._pass_rows, self._predicts = 0, 0, False
         if tokens is not None and not self._small and (
                 rows < self.rows if not self.cfg.packing else tokens < self.rows * self.length):
             self._small = True
@@ -270,6 +273,7 @@ class HfData:
         source = state["source"]
         self.epoch = int(source["epoch"])
         self._pass_tokens = self._pass_rows = None if source["stream"] is not None else 0  # None: mid-pass
+        self._predicts = False
         self.ds.set_epoch(self.epoch)
         self._restart(source["stream"])
         self.cursor.resume(int(state["offset"]))

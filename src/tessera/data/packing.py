@@ -32,7 +32,9 @@ class DocumentCursor:
     `source_state()` must return the source's position *before* the next `fetch()`. `source` names
     the data in the warning about documents without text (e.g. "hf_train_files='...'"). When
     `whole_pass` (> 0) empty documents come in a row, they hold a whole pass over a source that
-    repeats for ever: a DataError says the data holds no tokens, instead of fetching on and on."""
+    repeats for ever: a DataError says the data holds no tokens, instead of fetching on and on. A
+    document of one token counts as empty here: it has no next token to predict, so data of such
+    documents would train with a loss of 0 on nothing."""
 
     def __init__(self, fetch: Callable[[], list[int]], source_state: Callable[[], dict], source: str = "",
                  whole_pass: int = 0):
@@ -48,7 +50,7 @@ class DocumentCursor:
             self.doc_state = self._source_state()
             self.doc, self.offset = self._fetch(), 0
             self._count(self.doc)
-            self._empty_run = 0 if self.doc else self._empty_run + 1
+            self._empty_run = 0 if len(self.doc) > 1 else self._empty_run + 1
             if self._whole_pass and self._empty_run >= self._whole_pass:
                 raise no_tokens(self._source or "the training data")
         piece = self.doc[self.offset:self.offset + n]
