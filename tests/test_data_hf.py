@@ -1,6 +1,7 @@
 """dataset_type=hf: every file format, tokenizers, packing, padding, sharding, resume, bad input."""
 
 import base64
+import glob
 import json
 import subprocess
 import sys
@@ -289,6 +290,19 @@ def test_a_glob_matching_only_folders_is_refused_naming_the_folder(tmp_path, sp_
     (tmp_path / "shards" / "sub").mkdir()
     data = make_input(hf_config((fmt, folder + "/*"), sp_model).data, 96, 4)
     assert next(data)["segment_ids"].any()
+
+
+def test_a_file_two_globs_match_is_refused_not_read_twice(tmp_path, sp_model, corpus):
+    """hf_train_files='a.json,*.json' read a.json twice in every pass (grain too), without a word."""
+    fmt, files = corpus
+    first = sorted(glob.glob(files))[0]
+    with pytest.raises(ConfigError) as e:
+        make_input(hf_config((fmt, f"{first},{files}"), sp_model).data, 96, 4)
+    assert str(e.value) == (f"hf_train_files: file {first!r} is matched by both {first!r} and {files!r}, so it "
+                            "would be read twice; give each file once")
+    cfg = tiny_config(dataset_type="grain", grain_train_files=f"{first}, {first}", tokenizer_path=sp_model)
+    with pytest.raises(ConfigError, match=r"grain_train_files: file .* is matched by '.*' twice"):
+        make_input(cfg.data, 96, 4)
 
 
 @pytest.mark.parametrize("fmt", ["json", "text"])

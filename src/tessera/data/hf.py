@@ -36,11 +36,13 @@ log = logging.getLogger("tessera")
 
 
 def expand_files(pattern_list: str, key: str) -> list[str]:
-    """Comma-separated globs -> sorted files; an empty match is an error naming the key and the glob."""
-    files = []
+    """Comma-separated globs -> sorted files; an empty match is an error naming the key and the glob,
+    as is a file that two globs match (it would be read twice in every pass)."""
+    files, matched_by = [], {}
     for pattern in [p.strip() for p in pattern_list.split(",") if p.strip()]:
         if pattern.startswith(REMOTE_PREFIXES):
             check_reachable(pattern, f"{key}={pattern!r}")
+            _once(pattern, pattern, pattern, matched_by, key)
             files.append(pattern)
             continue
         matched = sorted(glob.glob(os.path.expanduser(pattern)))
@@ -52,8 +54,21 @@ def expand_files(pattern_list: str, key: str) -> list[str]:
             folders = f"folder {matched[0]!r}" if len(matched) == 1 else f"{len(matched)} folders"
             raise ConfigError(f"{key}={pattern!r} matches {folders} and no file; name the files in it, e.g. "
                               f"{key}={os.path.join(matched[0], '*')!r}")
+        for f in found:
+            _once(f, os.path.realpath(f), pattern, matched_by, key)
         files += found
     return files
+
+
+def _once(file: str, same: str, pattern: str, matched_by: dict, key: str) -> None:
+    """Note that glob `pattern` matched `file` (`same`: what is equal for one file, e.g. its real
+    path); ConfigError when an earlier glob matched it too."""
+    if same in matched_by:
+        earlier = matched_by[same]
+        by = f"both {earlier!r} and {pattern!r}" if earlier != pattern else f"{pattern!r} twice"
+        raise ConfigError(f"{key}: file {file!r} is matched by {by}, so it would be read twice; give each file "
+                          "once")
+    matched_by[same] = pattern
 
 
 def _check_readable(files: list[str], fmt: str, key: str) -> None:
