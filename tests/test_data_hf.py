@@ -3,6 +3,7 @@
 import base64
 import glob
 import json
+import re
 import subprocess
 import sys
 
@@ -362,6 +363,28 @@ def test_first_run_corpus_splits_docstrings_and_builds_a_tokenizer(tmp_path):
     assert all(json.loads(line)["text"].strip() for line in lines)
     model = train_tokenizer(tmp_path / "out" / "train.jsonl", tmp_path / "out" / "tok", 300)
     assert load_tokenizer(str(model)).vocab_size == 300
+
+
+def test_first_run_corpus_bad_options_are_one_line_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """--vocab-size too large or too small for the text, or --out a file, ended in a traceback."""
+    from tessera.data import first_run_corpus
+
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "m.py").write_text('"""' + "Explains things at some length. " * 20 + '"""\n')
+    monkeypatch.setattr(first_run_corpus.sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    (tmp_path / "a_file").write_text("")
+    cases = [(["--vocab-size", "100000"], r"--vocab-size 100000: SentencePiece cannot build a tokenizer of that size "
+                                          r"from this text: Vocabulary size too high \(100000\)\. Please set it to a "
+                                          r"value <= \d+\.$"),
+             (["--vocab-size", "0"], r"--vocab-size 0: give a positive number of tokens"),
+             (["--out", str(tmp_path / "a_file")], r"--out .*a_file: cannot write the corpus there \(File exists\)")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as e:
+            first_run_corpus.main(["--out", str(tmp_path / "out"), *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and "Traceback" not in err, err
+        assert re.search("error: " + message, err.strip().splitlines()[-1]), err
 
 
 # ---------------------------------------------------------------- damaged or empty data: one message, exit code 2

@@ -69,12 +69,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default="outputs/first_run_data", help="output folder")
     parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer size (the default model's vocab_size)")
     args = parser.parse_args(argv)
+    if args.vocab_size < 1:  # SentencePiece's own message for it is empty
+        parser.error(f"--vocab-size {args.vocab_size}: give a positive number of tokens (512, the default, is the "
+                     "default model's vocab_size)")
     out = Path(args.out)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    counts = build_corpus(stdlib, out)
+    try:
+        counts = build_corpus(stdlib, out)
+    except OSError as e:  # --out is a file, not writable, the disk is full, ...
+        parser.error(f"--out {args.out}: cannot write the corpus there ({e.strerror or e}); give a folder you can "
+                     "write to")
     size = sum((out / f"{s}.jsonl").stat().st_size for s in counts) / 1e6
     print(f"{counts['train']} training and {counts['eval']} eval documents ({size:.1f} MB) from {stdlib}")
-    model = train_tokenizer(out / "train.jsonl", out / "tokenizer", args.vocab_size)
+    try:
+        model = train_tokenizer(out / "train.jsonl", out / "tokenizer", args.vocab_size)
+    except RuntimeError as e:  # SentencePiece's checks, e.g. "Vocabulary size too high (100000). Please set it ..."
+        parser.error(f"--vocab-size {args.vocab_size}: SentencePiece cannot build a tokenizer of that size from this "
+                     f"text: {str(e).rsplit('] ', 1)[-1]}")
+    except OSError as e:
+        parser.error(f"--out {args.out}: cannot write the tokenizer there ({e.strerror or e})")
     print(f"tokenizer: {model} ({args.vocab_size} tokens)")
 
 
