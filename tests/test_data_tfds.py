@@ -11,7 +11,7 @@ import tensorflow_datasets as tfds
 
 from conftest import tiny_config
 from tessera.config import ConfigError
-from tessera.data import make_input
+from tessera.data import DataError, make_input
 from tessera.data.tokenizers import load_tokenizer
 from tessera.train import run
 from test_data_hf import make_docs, sp_model  # noqa: F401 - sp_model is a fixture
@@ -115,3 +115,21 @@ def test_bad_tfds_inputs_say_what_to_fix(tfds_dir, sp_model, tmp_path):  # noqa:
     cfg = tfds_config(tfds_dir, sp_model, eval_dataset_name="missing_eval:1.0.0")
     with pytest.raises(ConfigError, match="eval_dataset_name='missing_eval:1.0.0': not found"):
         make_input(cfg.data, 96, 4, split="eval")
+
+
+def test_a_cut_short_shard_is_named_not_read_as_empty_documents(tfds_dir, sp_model, tmp_path):  # noqa: F811
+    """ArrayRecord reads every record of a shard cut short (an interrupted copy) as b"", which TFDS
+    decodes as {"text": None}: the run trained on empty documents with a warning at most."""
+    import shutil
+
+    copy = tmp_path / "tfds"
+    shutil.copytree(tfds_dir, copy)
+    (shard,) = copy.glob("tessera_test_text/1.0.0/*-train.array_record-*")
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    with pytest.raises(DataError) as e:
+        make_input(tfds_config(str(copy), sp_model).data, 96, 4)
+    assert str(e.value).startswith(f"dataset_name='tessera_test_text:1.0.0': file {str(shard)!r} is damaged: record ")
+    assert str(e.value).endswith("reads as empty bytes, as every record of a shard cut short does (an interrupted "
+                                 "copy, a full disk); copy or prepare the dataset again")
+    # the intact dataset reads as before
+    assert next(make_input(tfds_config(tfds_dir, sp_model).data, 96, 4))["segment_ids"].any()

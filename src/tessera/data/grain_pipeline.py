@@ -199,11 +199,45 @@ def _tfds_source(cfg: DataConfig, split: str):
                           "by index needs ArrayRecord: prepare it with `tfds build --file_format=array_record` or "
                           "convert it with `tfds convert_format --out_file_format=array_record`")
     try:
-        return builder.as_data_source(split=split_name)
+        return TfdsSource(builder.as_data_source(split=split_name), f"{key}={name!r}")
     except Exception as e:  # noqa: BLE001 - an unknown split, unreadable shards, ...
         detail = str(e).splitlines()[0] if str(e) else ""
         raise ConfigError(f"{key}={name!r} (split {split_name!r}, {where}) cannot be read: "
                           f"{type(e).__name__}: {detail}") from None
+
+
+class TfdsSource:
+    """The examples of a TFDS ArrayRecord data source (`as_data_source`), with damaged shards named.
+    ArrayRecord reads every record of a shard cut short (an interrupted copy: its footer is lost) as
+    empty bytes, without an error, and TFDS decodes those as an example of None values: training went
+    on with empty documents. A TFDS record is never empty (it holds its features' names), so an empty
+    one is a DataError naming the shard."""
+
+    def __init__(self, source, setting: str):
+        from tensorflow_datasets.core.data_sources.base import file_instructions
+
+        self.source, self.setting = source, setting
+        self.shards = [(f.filename, f.skip, f.take) for f in file_instructions(source.dataset_info, source.split)]
+        self.starts = list(np.cumsum([0] + [take for _, _, take in self.shards]))
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index: int) -> dict:
+        try:
+            record = self.source.data_source[index]
+        except Exception as e:  # noqa: BLE001 - Riegeli raises RuntimeError on a damaged block
+            raise self._damaged(index, f"cannot be read ({brief(e)})") from None
+        if not record:
+            raise self._damaged(index, "reads as empty bytes, as every record of a shard cut short does (an "
+                                       "interrupted copy, a full disk)")
+        return self.source._deserialize(record)  # what the source's own __getitem__ returns
+
+    def _damaged(self, index: int, what: str) -> DataError:
+        shard = bisect.bisect_right(self.starts, index) - 1
+        path, skip, _ = self.shards[shard]
+        return DataError(f"{self.setting}: file {path!r} is damaged: record {index - self.starts[shard] + skip} "
+                         f"(counting from 0) {what}; copy or prepare the dataset again")
 
 
 def _open_source(cfg: DataConfig, files_key: str, files_value: str):
