@@ -117,6 +117,18 @@ def test_bad_grain_inputs(tmp_path, sp_model):  # noqa: F811
             make_input(grain_config(files, sp_model).data, 96, 4)
 
 
+def test_an_array_record_file_cut_short_is_named_among_the_files(tmp_path, sp_model):  # noqa: F811
+    """Opening the files together failed naming none of them, and a file cut short said only "()"."""
+    files = write_records(tmp_path, make_docs(30), files=3)
+    cut = tmp_path / "part1.array_record"
+    cut.write_bytes(cut.read_bytes()[:cut.stat().st_size // 2])
+    with pytest.raises(ConfigError) as e:
+        make_input(grain_config(files, sp_model).data, 96, 4)
+    assert str(e.value) == (f"grain_train_files: file {str(cut)!r} cannot be read as ArrayRecord (RuntimeError: its "
+                            "footer cannot be read: the file is cut short, or not ArrayRecord); re-create it, leave it "
+                            "out of grain_train_files, or set grain_file_type=parquet for Parquet files")
+
+
 def test_damaged_or_empty_parquet_is_named(tmp_path, sp_model):  # noqa: F811
     files = write_records(tmp_path, make_docs(30), fmt="parquet")  # row groups of 3 documents
     damage_row_group(tmp_path / "part1.parquet", 2)

@@ -253,8 +253,24 @@ def _open_source(cfg: DataConfig, files_key: str, files_value: str):
     try:
         return ArrayRecordSource(files, list(cfg.train_data_columns), files_key)
     except Exception as e:  # array_record raises RuntimeError/ValueError on a bad file
-        raise ConfigError(f"{files_key}={files_value!r}: cannot be read as ArrayRecord ({e}); fix the files or set "
-                          "grain_file_type=parquet") from e
+        path, why = _unreadable_array_record(files, e)
+        which = f"file {path!r}" if path else repr(files_value)
+        raise ConfigError(f"{files_key}: {which} cannot be read as ArrayRecord ({why}); re-create it, leave it out "
+                          f"of {files_key}, or set grain_file_type=parquet for Parquet files") from None
+
+
+def _unreadable_array_record(files: list[str], error: Exception) -> tuple[str | None, str]:
+    """(the first of `files` that ArrayRecord cannot open, why), after opening them all failed with
+    `error`, which names no file (and a file cut short raises a RuntimeError without a message)."""
+    import grain
+
+    for path in files:
+        try:
+            grain.sources.ArrayRecordDataSource([path])
+        except Exception as e:  # noqa: BLE001 - RuntimeError, ValueError, ...
+            return path, brief(e) if str(e) else (f"{type(e).__name__}: its footer cannot be read: the file is cut "
+                                                  "short, or not ArrayRecord")
+    return None, brief(error)
 
 
 class _Tokenize:
