@@ -3,6 +3,7 @@ TensorFlow: every document once per epoch, determinism, resume, processes' share
 with evaluation, and clear errors."""
 
 import json
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -133,3 +134,12 @@ def test_a_cut_short_shard_is_named_not_read_as_empty_documents(tfds_dir, sp_mod
                                  "copy, a full disk); copy or prepare the dataset again")
     # the intact dataset reads as before
     assert next(make_input(tfds_config(tfds_dir, sp_model).data, 96, 4))["segment_ids"].any()
+
+
+def test_a_bad_column_names_the_shard_file_and_record(tfds_dir, sp_model):  # noqa: F811
+    cfg = tfds_config(tfds_dir, sp_model, train_split="train[5:10]", train_data_columns="id")
+    with pytest.raises(DataError) as e:
+        make_input(cfg.data, 96, 4)
+    (shard,) = Path(tfds_dir).glob("tessera_test_text/1.0.0/*-train.array_record-*")
+    assert str(e.value).startswith(f"dataset_name='tessera_test_text:1.0.0': file {str(shard)!r}, record 5 (counting "
+                                   "from 0): column 'id' holds a value of type "), str(e.value)

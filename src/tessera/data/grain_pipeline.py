@@ -233,11 +233,19 @@ class TfdsSource:
                                        "interrupted copy, a full disk)")
         return self.source._deserialize(record)  # what the source's own __getitem__ returns
 
-    def _damaged(self, index: int, what: str) -> DataError:
+    def where(self, index: int) -> str:
+        """The shard file and record of record `index`, for messages."""
+        return f"{self.setting}: file {self._locate(index)[0]!r}, record {self._locate(index)[1]} (counting from 0)"
+
+    def _locate(self, index: int) -> tuple[str, int]:
         shard = bisect.bisect_right(self.starts, index) - 1
         path, skip, _ = self.shards[shard]
-        return DataError(f"{self.setting}: file {path!r} is damaged: record {index - self.starts[shard] + skip} "
-                         f"(counting from 0) {what}; copy or prepare the dataset again")
+        return path, int(index - self.starts[shard] + skip)
+
+    def _damaged(self, index: int, what: str) -> DataError:
+        path, record = self._locate(index)
+        return DataError(f"{self.setting}: file {path!r} is damaged: record {record} (counting from 0) {what}; copy "
+                         "or prepare the dataset again")
 
 
 def _open_source(cfg: DataConfig, files_key: str, files_value: str):
