@@ -177,6 +177,16 @@ def test_no_train_data_columns_is_refused_for_every_file_pipeline(tmp_path, sp_m
                                 "set it to the records' text or token-id column(s), e.g. train_data_columns=[text]")
 
 
+def test_a_column_named_twice_in_train_data_columns_is_refused(tmp_path, sp_model):
+    """train_data_columns=[text, text] joined each document's text with itself, without a word."""
+    fmt, path = write_jsonl(tmp_path / "x.jsonl", [{"text": "the cat", "title": "a"}] * 3)
+    with pytest.raises(ConfigError) as e:
+        make_input(hf_config((fmt, path), sp_model, train_data_columns=["text", "title", "text"]).data, 96, 4)
+    assert str(e.value) == ("train_data_columns=['text', 'title', 'text'] names ['text'] more than once, which would "
+                            "put that column's text in every document again; name each column once, e.g. "
+                            "train_data_columns=['text', 'title']")
+
+
 def test_grain_token_id_records_need_no_tokenizer_as_with_hf(tmp_path):
     """dataset_type=grain asked for tokenizer_path even when every record held token ids (the
     message said "unless the text columns are already token ids"); hf read them without one."""

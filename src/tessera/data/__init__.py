@@ -33,6 +33,12 @@ def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str =
     if not cfg.train_data_columns:  # every document would be empty
         raise ConfigError(f"train_data_columns=[] names no column for dataset_type={cfg.dataset_type}; set it to the "
                           "records' text or token-id column(s), e.g. train_data_columns=[text]")
+    columns = list(cfg.train_data_columns)
+    twice = sorted({c for c in columns if columns.count(c) > 1})
+    if twice:  # its text would be in every document twice
+        raise ConfigError(f"train_data_columns={columns} names {twice} more than once, which would put that column's "
+                          f"text in every document again; name each column once, e.g. "
+                          f"train_data_columns={list(dict.fromkeys(columns))}")
     if cfg.dataset_type == "hf":
         from tessera.data.hf import HfData  # imports `datasets` only when used
 
