@@ -495,3 +495,20 @@ def test_documents_without_text_are_reported_once(tmp_path, sp_model, corpus, ca
                      "hold no text (at most a begin and an end token); the model learns nothing from them: check "
                      "train_data_columns and the files"]
     assert warnings_after(corpus, 40) == []
+
+
+def test_short_documents_of_token_ids_or_unframed_text_are_not_said_to_hold_no_text(tmp_path, sp_model, caplog):
+    """Documents of 2 tokens were taken for a begin and an end token around no text, also where the
+    pipeline adds none: token ids (no tokenizer), or text with add_bos=false add_eos=false."""
+    import logging
+
+    assert [len(load_tokenizer(sp_model).encode(w)) for w in ("the", "sat")] == [1, 2]
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(json.dumps({"ids": [3 + i % 50, 4]}) + "\n" for i in range(120)))
+    words = write_corpus(tmp_path / "w", ["the", "sat"] * 60, "json")
+    for cfg in (hf_config(("json", str(ids)), "", train_data_columns="ids"),
+                hf_config(words, sp_model, add_bos=False, add_eos=False)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="tessera"):
+            take(make_input(cfg.data, 96, 4), 12)  # more than 100 documents
+        assert not [r for r in caplog.records if "hold no text" in r.getMessage()]

@@ -335,7 +335,8 @@ class GrainData:
         whole_pass = 2 * len(ds) - 1
         if split == "train":
             ds = ds.repeat()
-        ds = ds.map(_Tokenize(self.tokenizer, cfg.add_bos, cfg.add_eos))
+        tokenize = _Tokenize(self.tokenizer, cfg.add_bos, cfg.add_eos)
+        ds = ds.map(tokenize)
         iter_ds = ds.to_iter_dataset()
         if cfg.grain_worker_count > 0:
             from absl import flags
@@ -345,7 +346,7 @@ class GrainData:
             iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.grain_worker_count))
         self._it = iter(iter_ds)
         self.cursor = DocumentCursor(lambda: next(self._it), self._it.get_state, described,
-                                     whole_pass if split == "train" else 0)
+                                     whole_pass if split == "train" else 0, len(tokenize.bos) + len(tokenize.eos))
 
     def __iter__(self):
         return self

@@ -173,7 +173,8 @@ class HfData:
         self._pass_tokens, self._pass_rows, self._predicts, self._small = 0, 0, False, False
         self._restart(None)
         self.cursor = DocumentCursor(self._next_document, self._source_state,
-                                     f"{self.setting}, train_data_columns={self.columns}")
+                                     f"{self.setting}, train_data_columns={self.columns}",
+                                     framing=len(self.bos) + len(self.eos))
 
     def _check_columns(self, first: dict) -> None:
         names = self.ds.column_names

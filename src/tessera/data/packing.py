@@ -34,11 +34,13 @@ class DocumentCursor:
     `whole_pass` (> 0) empty documents come in a row, they hold a whole pass over a source that
     repeats for ever: a DataError says the data holds no tokens, instead of fetching on and on. A
     document of one token counts as empty here: it has no next token to predict, so data of such
-    documents would train with a loss of 0 on nothing."""
+    documents would train with a loss of 0 on nothing. `framing`: the begin/end tokens the pipeline
+    adds to a text document (add_bos, add_eos); a document of no more tokens holds no text."""
 
     def __init__(self, fetch: Callable[[], list[int]], source_state: Callable[[], dict], source: str = "",
-                 whole_pass: int = 0):
+                 whole_pass: int = 0, framing: int = 2):
         self._fetch, self._source_state, self._source, self._whole_pass = fetch, source_state, source, whole_pass
+        self._framing = framing
         self.doc: list[int] = []
         self.offset = 0
         self.doc_state: dict | None = None  # source state before `doc` was fetched
@@ -61,7 +63,7 @@ class DocumentCursor:
         if self._seen >= EMPTY_CHECK_DOCUMENTS:
             return
         self._seen += 1
-        self._textless += len(doc) <= 2
+        self._textless += len(doc) <= self._framing
         if self._seen == EMPTY_CHECK_DOCUMENTS and self._textless >= EMPTY_SHARE * self._seen:
             log.warning("%s: %d of the first %d documents hold no text (at most a begin and an end token); "
                         "the model learns nothing from them: check train_data_columns and the files",
