@@ -386,6 +386,15 @@ def test_first_run_corpus_bad_options_are_one_line_not_a_traceback(tmp_path, mon
         assert e.value.code == 2 and "Traceback" not in err, err
         assert re.search("error: " + message, err.strip().splitlines()[-1]), err
 
+    def interrupted(*_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(first_run_corpus, "train_tokenizer", interrupted)  # Ctrl-C was a traceback
+    with pytest.raises(SystemExit) as e:
+        first_run_corpus.main(["--out", str(tmp_path / "out")])
+    assert e.value.code == 130 and capsys.readouterr().err.strip().splitlines()[-1] == (
+        "interrupted (Ctrl-C): the corpus or tokenizer may be incomplete; run the command again (exit code 130)")
+
 
 # ---------------------------------------------------------------- damaged or empty data: one message, exit code 2
 

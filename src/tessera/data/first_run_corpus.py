@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import sys
 import sysconfig
 import warnings
 import zlib
@@ -65,6 +66,15 @@ def train_tokenizer(train_file: Path, prefix: Path, vocab_size: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        _main(argv)
+    except KeyboardInterrupt:
+        print("interrupted (Ctrl-C): the corpus or tokenizer may be incomplete; run the command again "
+              "(exit code 130)", file=sys.stderr)
+        sys.exit(130)
+
+
+def _main(argv: list[str] | None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/first_run_data", help="output folder")
     parser.add_argument("--vocab-size", type=int, default=512, help="tokenizer size (the default model's vocab_size)")
