@@ -468,3 +468,94 @@ def test_a_hugging_face_folder_given_as_a_load_path_says_to_convert_it(checkpoin
     assert str(e.value) == (f"load_parameters_path={hf} is a Hugging Face checkpoint (config.json and safetensors); "
                             f"convert it first: .venv/bin/python -m tessera.tools.convert hf-to-tessera {hf} <out_dir> "
                             "model_name=<name>, then give <out_dir> (getting_started/Models.md)")
+
+
+@pytest.mark.parametrize("model_name,change,message", [
+    ("gpt3-52k", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=true"),
+    ("gpt3-52k", {"scale_attn_weights": False}, "scale_attn_weights=false"),
+    ("gemma2-2b", {"layer_types": ["full_attention", "sliding_attention"] * 13}, "layer_types do not alternate"),
+    ("gemma3-4b", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
+    ("deepseek-small", {"rope_interleave": False}, "rope_interleave=false"),
+])
+def test_config_json_options_that_change_the_numbers_are_refused(model_name, change, message):
+    """transformers computes another model with these (each moved the tiny models' logits by 0.5 to 4), and
+    the converter read the tensors as if they were not set: a checkpoint that converted and then gave wrong
+    logits."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    written = hf_config(load_model_config(model_name, []).model)
+    config_from_hf(written)  # as tessera-to-hf writes it: converts
+    with pytest.raises(ConfigError, match=message):
+        config_from_hf({**written, **change})
+
+
+def test_an_untied_gpt2_output_layer_converts_both_ways(tmp_path):
+    """GPT-2 with tie_word_embeddings=false has an lm_head.weight of its own: import dropped it (the logits
+    came from the embedding, silently) and export of logits_via_embedding=false wrote neither it nor the flag."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    keys = ["model_name=gpt3-52k", "base_emb_dim=24", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=6",
+            "base_mlp_dim=40", "base_num_decoder_layers=2", "vocab_size=96", "trainable_position_size=16",
+            "logits_via_embedding=false"]
+    targets = hf_checkpoint.param_targets(load_model_config(None, keys))
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(t.shape).astype(t.dtype) for k, t in targets.items()}
+    hf_checkpoint.save_params(tmp_path / "tessera", hf_checkpoint._nest(params))
+    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+    np.testing.assert_array_equal(load_file(str(tmp_path / "hf" / "model.safetensors"))["lm_head.weight"],
+                                  params["logits_dense_dv"].T)
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "back"), *keys]) == 0
+    assert main(["tessera-to-hf", str(tmp_path / "back"), str(tmp_path / "hf2"), *keys]) == 0
+    first, second = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "hf2"))
+    assert sorted(first) == sorted(second)
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)
+
+
+def test_a_llama4_config_json_stores_floor_scale_as_transformers_reads_it():
+    """transformers' Llama4TextConfig refuses a float floor_scale (`Field 'floor_scale' expected int, got float`),
+    so an exported Llama 4 did not load."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+
+    written = hf_config(load_model_config("llama4-17b-16e", []).model)
+    assert written["floor_scale"] == 8192 and type(written["floor_scale"]) is int
+    with pytest.raises(ConfigError, match="temperature_tuning_floor_scale=8192.5"):
+        hf_config(load_model_config("llama4-17b-16e", ["temperature_tuning_floor_scale=8192.5"]).model)
+
+
+def test_fused_qkv_converts_both_ways_with_the_same_logits(tmp_path):
+    """Models.md: the layout follows fused_qkv. For the llama-like families it did not: hf-to-tessera with
+    fused_qkv=true was a KeyError traceback ('layers/attention/wq_dnh'), and so was tessera-to-hf."""
+    import jax
+
+    from safetensors.numpy import load_file
+
+    from tessera.checkpointing import load_parameters
+    from tessera.models import build_model
+
+    keys = [*KEYS[:3], "base_num_kv_heads=4", *KEYS[4:], "attention_bias=true", "attention=dot_product"]
+    targets = hf_checkpoint.param_targets(load_model_config(None, keys))
+    rng = np.random.default_rng(0)
+    params = {k: rng.standard_normal(t.shape).astype(t.dtype) for k, t in targets.items()}
+    hf_checkpoint.save_params(tmp_path / "tessera", hf_checkpoint._nest(params))
+    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys]) == 0
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "fused"), *keys, "fused_qkv=true"]) == 0
+    assert main(["tessera-to-hf", str(tmp_path / "fused"), str(tmp_path / "back"), *keys, "fused_qkv=true"]) == 0
+    first, back = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("hf", "back"))
+    assert sorted(first) == sorted(back)
+    for name in first:
+        np.testing.assert_array_equal(first[name], back[name], err_msg=name)
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    tokens = rng.integers(0, 96, (1, 7)).astype(np.int32)
+    logits = []
+    for folder, extra in (("tessera", []), ("fused", ["fused_qkv=true"])):
+        model = build_model(load_model_config(None, [*keys, *extra]).model)
+        abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), model.param_shapes())
+        logits.append(np.asarray(model.apply(load_parameters(str(tmp_path / folder), abstract), tokens)))
+    np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=1e-5)

@@ -259,6 +259,7 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
             mismatch_explained(checkpoint, model_keys):
         source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
     warn_model_changes(checkpoint, model_keys)
+    config = hf_config_out.hf_config(m)  # a model its config.json cannot describe is refused before any write
     made = not out_dir.exists()
     writer = hf_checkpoint.ShardWriter(out_dir, max_shard_size)
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
@@ -269,7 +270,7 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
             for name, value in zip(rule.hf, values):
                 writer.add(fmt(name), value)
         writer.close()
-        (out_dir / "config.json").write_text(json.dumps(hf_config_out.hf_config(m), indent=2) + "\n")
+        (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     except BaseException:  # a damaged checkpoint, a full disk, Ctrl-C: leave no half-written output behind
         with _interrupts_held():
             for path in [out_dir] if made else list(out_dir.iterdir()):  # an empty folder given: its contents

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tessera.config import ModelConfig
+from tessera.config import ConfigError, ModelConfig
 from tessera.models.layers import yarn_score_scale
 from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES
 
@@ -25,7 +25,8 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
                 "n_layer": m.num_decoder_layers, "n_inner": m.mlp_dim, "n_positions": m.trainable_position_size,
                 "vocab_size": m.vocab_size, "layer_norm_epsilon": m.normalization_layer_epsilon,
-                "activation_function": "gelu_new", "tie_word_embeddings": True, "torch_dtype": dtype}
+                "activation_function": "gelu_new", "tie_word_embeddings": m.logits_via_embedding,
+                "torch_dtype": dtype}
     config = {
         "architectures": [arch], "model_type": model_type, "hidden_size": m.emb_dim, "intermediate_size": m.mlp_dim,
         "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
@@ -99,7 +100,8 @@ def _llama4_config(m: ModelConfig) -> dict[str, Any]:
             "no_rope_layers": [int(not llama4_nope(m, i)) for i in layers],
             "no_rope_layer_interval": m.nope_layer_interval or 4,
             "attention_chunk_size": m.chunk_attn_window_size or None, "use_qk_norm": m.use_qk_norm,
-            "attn_temperature_tuning": m.temperature_tuning, "floor_scale": m.temperature_tuning_floor_scale,
+            "attn_temperature_tuning": m.temperature_tuning, "floor_scale": _whole(m.temperature_tuning_floor_scale,
+                                                                                     "temperature_tuning_floor_scale"),
             "attn_scale": m.temperature_tuning_scale, "router_aux_loss_coef": m.load_balance_loss_weight}
 
 
@@ -126,3 +128,11 @@ def _deepseek_config(m: ModelConfig) -> dict[str, Any]:
         "topk_group": max(m.topk_routing_group, 1), "scoring_func": "sigmoid", "topk_method": "noaux_tc",
         "rope_interleave": True, "rope_parameters": rope, "num_nextn_predict_layers": m.mtp_num_layers,
     }
+
+
+def _whole(value: float, key: str) -> int:
+    """A float key that transformers' config stores as an int (it refuses a float when loading)."""
+    if value != int(value):
+        raise ConfigError(f"{key}={value}: Hugging Face's config stores a whole number here; set {key}={round(value)}"
+                          " (or leave it) to export this model")
+    return int(value)

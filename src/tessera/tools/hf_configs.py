@@ -90,9 +90,20 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(query_pre_attn_scalar=hf.get("query_pre_attn_scalar") or 0,
                     attn_logits_soft_cap=hf.get("attn_logit_softcapping") or 0.0,
                     final_logits_soft_cap=hf.get("final_logit_softcapping") or 0.0)
+    if kind == "gemma2":
+        _check_gemma2_layers(hf)
     if kind == "gemma3_text":
         keys.update(_gemma3_keys(hf))
     return keys
+
+
+def _check_gemma2_layers(hf: dict[str, Any]) -> None:
+    """Gemma 2's layers alternate a sliding-window and a full-attention layer, the first sliding: the
+    local/global pairs Tessera's gemma2 builds (another `layer_types` would be converted into them)."""
+    expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])]
+    if hf.get("layer_types") and list(hf["layer_types"]) != expected:
+        raise ConfigError("this Gemma 2 checkpoint's layer_types do not alternate sliding-window and full attention "
+                          "layers (the first sliding), the local/global pairs Tessera's gemma2 builds")
 
 
 def _refuse_qwen3_variants(hf: dict[str, Any]) -> None:
@@ -162,6 +173,9 @@ def _gpt_oss_keys(hf: dict[str, Any]) -> dict[str, Any]:
 def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
     """Gemma 3's per-layer-type rotary settings, and a check of its 5 local : 1 global pattern."""
     layers = hf["num_hidden_layers"]
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("this Gemma 3 checkpoint sets use_bidirectional_attention=true (every token attends to the "
+                          "whole sequence, an encoder such as EmbeddingGemma); Tessera's gemma3 is a causal decoder")
     expected = ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["gemma3"] == 0 else "sliding_attention"
                 for i in range(layers)]
     if hf.get("layer_types") and list(hf["layer_types"]) != expected:
@@ -189,6 +203,9 @@ def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
         raise ConfigError("this DeepSeek checkpoint routes with scoring_func/topk_method other than DeepSeek-V3's "
                           "sigmoid / noaux_tc, which is what Tessera's deepseek builds")
+    if not hf.get("rope_interleave", True):  # the converter reorders interleaved rotary dimensions (hf_layouts)
+        raise ConfigError("this DeepSeek checkpoint sets rope_interleave=false (rotary dimensions in two halves); "
+                          "the converter reads DeepSeek-V3's interleaved layout (rope_interleave=true)")
     keys = {
         "decoder_block": "deepseek", "global_parameter_scale": 1, "base_emb_dim": hf["hidden_size"],
         "base_num_query_heads": heads, "base_num_kv_heads": hf.get("num_key_value_heads") or heads,
@@ -228,11 +245,17 @@ def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
 
 def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
     d, heads = hf["n_embd"], hf["n_head"]
+    scaled, by_layer = hf.get("scale_attn_weights", True), hf.get("scale_attn_by_inverse_layer_idx", False)
+    if not scaled or by_layer:
+        raise ConfigError(f"this GPT-2 checkpoint sets scale_attn_weights={str(scaled).lower()} and "
+                          f"scale_attn_by_inverse_layer_idx={str(by_layer).lower()}; Tessera's gpt3 scales the scores "
+                          "by head_dim**-0.5 only (true and false, GPT-2's defaults)")
     return {
         "decoder_block": "gpt3", "global_parameter_scale": 1, "base_emb_dim": d, "base_num_query_heads": heads,
         "base_num_kv_heads": heads, "head_dim": d // heads, "base_mlp_dim": hf.get("n_inner") or 4 * d,
         "base_num_decoder_layers": hf["n_layer"], "vocab_size": hf["vocab_size"],
-        "normalization_layer_epsilon": hf["layer_norm_epsilon"], "logits_via_embedding": True,
+        "normalization_layer_epsilon": hf["layer_norm_epsilon"],
+        "logits_via_embedding": bool(hf.get("tie_word_embeddings", True)),  # untied: an lm_head.weight of its own
         "mlp_activations": [_activation(hf.get("activation_function", "gelu_new"))],
         "trainable_position_size": hf["n_positions"],
     }

@@ -56,6 +56,19 @@ def fused_linear(ours: str, hfs: tuple[str, ...]) -> Rule:
                 lambda w: tuple(np.ascontiguousarray(w[:, i].T) for i in range(w.shape[1])))
 
 
+def fused(ours: str, rules: list[Rule], axis: int) -> Rule:
+    """Single-tensor rules (query, key, value) <-> one parameter holding their results stacked on `axis`
+    (fused_qkv: weights [D, 3, N, H] on axis 1, biases [3, N, H] on axis 0)."""
+    return Rule((ours,), tuple(r.hf[0] for r in rules),
+                lambda *ws: (np.stack([r.to_ours(w)[0] for r, w in zip(rules, ws)], axis=axis),),
+                lambda w: tuple(r.to_hf(np.take(w, j, axis=axis))[0] for j, r in enumerate(rules)))
+
+
+def qkv(m: ModelConfig, rules: list[Rule], ours: str, axis: int) -> list[Rule]:
+    """The query, key and value rules as they are, or fused into `ours` when the model has fused_qkv."""
+    return [fused(ours, rules, axis)] if m.fused_qkv else rules
+
+
 def experts(ours: str, hf: str, m: ModelConfig, shape: tuple[int, int]) -> Rule:
     """E per-expert torch Linear weights [out, in] <-> ours [E, in, out]."""
     names = tuple(hf.replace("{e}", str(e)) for e in range(m.num_experts))
@@ -114,10 +127,10 @@ def interleaved(ours: tuple[str, str], hf: str) -> Rule:
 def _attention_biases(m: ModelConfig) -> list[Rule]:
     """q/k/v/o projection biases (attention_bias) in torch Linear's flat [out] layout."""
     n, k, h = m.num_query_heads, m.num_kv_heads, m.head_dim
-    return [reshaped("attention/bq_nh", "self_attn.q_proj.bias", (n, h), (n * h,)),
-            reshaped("attention/bk_kh", "self_attn.k_proj.bias", (k, h), (k * h,)),
-            reshaped("attention/bv_kh", "self_attn.v_proj.bias", (k, h), (k * h,)),
-            same("attention/bo_d", "self_attn.o_proj.bias")]
+    return qkv(m, [reshaped("attention/bq_nh", "self_attn.q_proj.bias", (n, h), (n * h,)),
+                   reshaped("attention/bk_kh", "self_attn.k_proj.bias", (k, h), (k * h,)),
+                   reshaped("attention/bv_kh", "self_attn.v_proj.bias", (k, h), (k * h,))], "attention/bqkv_cnh", 0) \
+        + [same("attention/bo_d", "self_attn.o_proj.bias")]
 
 
 def _check_hf_has(m: ModelConfig, family: str) -> None:
@@ -140,10 +153,9 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
     model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
     if not m.logits_via_embedding:
         model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
-    layer = [
-        linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h)),
-        linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h)),
-        linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h)),
+    layer = qkv(m, [linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h)),
+                    linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h)),
+                    linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))], "attention/wqkv_dcnh", 1) + [
         linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
         same("pre_attention_norm/scale", "input_layernorm.weight"),
     ]
@@ -206,6 +218,8 @@ def _gpt2(m: ModelConfig) -> Layout:
              same("final_norm/scale", "transformer.ln_f.weight"), same("final_norm/bias", "transformer.ln_f.bias")]
     if m.trainable_position_size:
         model.append(same("position_embedder_pd", "transformer.wpe.weight"))
+    if not m.logits_via_embedding:
+        model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
     if m.fused_qkv:
         qkv = [reshaped("attention/wqkv_dcnh", "attn.c_attn.weight", (d, 3, n, h), (d, 3 * n * h)),
                reshaped("attention/bqkv_cnh", "attn.c_attn.bias", (3, n, h), (3 * n * h,))]
@@ -323,10 +337,9 @@ def _llama4(m: ModelConfig) -> Layout:
     model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
     if not m.logits_via_embedding:
         model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
-    common = [
-        _mla_linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h), h),
-        _mla_linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h), h),
-        linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h)),
+    common = qkv(m, [_mla_linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h), h),
+                     _mla_linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h), h),
+                     linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))], "attention/wqkv_dcnh", 1) + [
         linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
         same("pre_attention_norm/scale", "input_layernorm.weight"),
         same("pre_mlp_norm/scale", "post_attention_layernorm.weight"),
