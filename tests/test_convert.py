@@ -559,3 +559,57 @@ def test_fused_qkv_converts_both_ways_with_the_same_logits(tmp_path):
         abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device), model.param_shapes())
         logits.append(np.asarray(model.apply(load_parameters(str(tmp_path / folder), abstract), tokens)))
     np.testing.assert_allclose(logits[1], logits[0], rtol=0, atol=1e-5)
+
+
+def _full_disk(where):
+    """Each place a full disk surfaced, failing as it did (found on a 40-120 KiB tmpfs)."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    def fallocate(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def orbax_save(self, *args, **kwargs):
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing local file "x/0": Failed to write 105 bytes to file 26: '
+                         "No space left on device [tensorstore_spec='{}'] [os_error_code='28']")
+
+    def save_file(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    return {"scratch": (os, "posix_fallocate", fallocate),
+            "orbax": (hf_checkpoint.ocp.Checkpointer, "save", orbax_save),
+            "safetensors": (hf_checkpoint, "save_file", save_file)}[where]
+
+
+@pytest.mark.parametrize("where", ["scratch", "orbax", "safetensors"])
+def test_a_full_disk_is_one_line_and_leaves_nothing(checkpoints, tmp_path, monkeypatch, capsys, where):
+    """A full disk was: while filling the memory-mapped scratch files, a SIGBUS (exit 135, no message, the
+    scratch folder left behind: its sparse files took no disk until a page was written); while Orbax wrote,
+    TensorStore's ValueError as a traceback (exit 1); while writing safetensors, a SafetensorError traceback."""
+    ckpt, hf = checkpoints
+    command = ["tessera-to-hf", str(ckpt)] if where == "safetensors" else ["hf-to-tessera", str(hf)]
+    monkeypatch.setattr(*_full_disk(where))
+    (tmp_path / "x").mkdir()
+    capsys.readouterr()
+    assert main([*command, str(tmp_path / "x" / "out"), *KEYS]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "error: writing failed: [Errno 28] No space left on device; nothing was written (the partial output was "
+        "removed): convert again")
+    assert list((tmp_path / "x").iterdir()) == []
+
+
+def test_orbax_error_records_are_held_back_when_run_as_a_command(tmp_path):
+    """`python -m tessera.tools.convert` made the "absl" logger a plain Logger before absl.logging was imported:
+    its records then named absl's file, not Orbax's, and the filter of Orbax's ERROR records let them through
+    (two tracebacks above the one-line error of a full disk). Not seen in-process, where absl came first."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    code = ("import logging, sys; from tessera.tools.convert import main; main(['nothing']); "
+            "print(type(logging.getLogger('absl')).__name__)")
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.stdout.strip() == "ABSLLogger", proc.stderr[-2000:]

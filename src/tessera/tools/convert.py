@@ -290,13 +290,17 @@ def convert_help() -> str:
 
 def main(argv: list[str]) -> int:
     exit_if_help(argv, convert_help)
+    # imported first: it imports absl.logging, which makes the "absl" logger an ABSLLogger. Created before as a
+    # plain Logger by getLogger below, its records name absl's file, not Orbax's, and quiet_orbax_logs let
+    # Orbax's ERROR records through (two tracebacks before the one-line error of a full disk)
+    from tessera.checkpointing import CheckpointError
+    from tessera.checkpointing.storage import quiet_orbax_logs
+
     # the log lines on stderr: dtype casts, checksums, tensors left out (as train.py and decode.py)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
                         stream=sys.stderr, force=True)
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
-    from tessera.checkpointing import CheckpointError
-    from tessera.checkpointing.storage import quiet_orbax_logs
 
     quiet_orbax_logs()  # Orbax's own ERROR records (with tracebacks) of what is reported here in one line
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -196,8 +197,9 @@ class ScratchArrays:
             raise ConfigError(f"{path}: the checkpoint gives shape {tuple(value.shape)}, the model needs {tuple(shape)}")
         if path not in self.arrays:
             self.scratch.mkdir(parents=True, exist_ok=True)
-            self.arrays[path] = np.memmap(self.scratch / f"{len(self.arrays)}.bin", dtype=np.dtype(target.dtype),
-                                          mode="w+", shape=target.shape)
+            file = _allocated(self.scratch / f"{len(self.arrays)}.bin", np.dtype(target.dtype).itemsize *
+                              int(np.prod(target.shape)))
+            self.arrays[path] = np.memmap(file, dtype=np.dtype(target.dtype), mode="r+", shape=target.shape)
         dest = self.arrays[path]
         if index is None:
             dest[...] = value.astype(dest.dtype)
@@ -219,16 +221,36 @@ class ScratchArrays:
         self.arrays.clear()
 
 
+def _allocated(path: Path, nbytes: int) -> Path:
+    """A new file of `nbytes` whose disk blocks are reserved now: a full disk is an OSError here. A sparse
+    file (what np.memmap's w+ makes) took no space until its pages were written, and a page written
+    through the map on a full disk killed the process with SIGBUS (exit 135, no message, scratch left)."""
+    with open(path, "wb") as f:
+        if hasattr(os, "posix_fallocate") and nbytes:
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+        else:  # macOS has no posix_fallocate
+            f.truncate(nbytes)
+    return path
+
+
 def save_params(out_dir: Path, params: dict) -> None:
     """An Orbax checkpoint holding {"params": ...}: what load_parameters_path accepts.
 
     Orbax copies the arrays while it writes them. Without OCDBT (one folder per array) that is
     about one model's worth of RAM at peak; with OCDBT it measured 1.6 models' worth."""
+    from tessera.checkpointing.storage import use_tidy_event_loops
+
+    use_tidy_event_loops()  # a failed write (a full disk) is one error, not a traceback per abandoned array task
     handler = ocp.PyTreeCheckpointHandler(use_ocdbt=False)
     absl_logger, quiet = logging.getLogger("absl"), _NoOcdbtMergeWarning()
     absl_logger.addFilter(quiet)
     try:
         ocp.Checkpointer(handler).save(out_dir.absolute(), args=ocp.args.PyTreeSave({"params": params}))
+    except ValueError as e:  # TensorStore's failed write (a full disk) names its OSError's code: that error, one line
+        code = re.search(r"os_error_code='(\d+)'", str(e))
+        if not code:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1]))) from None
     finally:
         absl_logger.removeFilter(quiet)
     from tessera.checkpointing import record_checksums
@@ -302,7 +324,13 @@ class ShardWriter:
 
     def _flush(self) -> None:
         path = self.out_dir / f".shard-{len(self.shards)}.safetensors"
-        save_file(self.current, path, metadata={"format": "pt"})
+        try:
+            save_file(self.current, path, metadata={"format": "pt"})
+        except SafetensorError as e:  # a full disk: the OSError it names (os error 28), reported in one line
+            code = re.search(r"os error (\d+)", str(e))
+            if not code:
+                raise
+            raise OSError(int(code[1]), os.strerror(int(code[1]))) from None
         os.chmod(path, 0o666 & ~_umask())  # safetensors writes 0600: readable as config.json is, by the umask
         self.shards.append((path, list(self.current)))
         self.current, self.size = {}, 0
