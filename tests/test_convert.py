@@ -613,3 +613,21 @@ def test_orbax_error_records_are_held_back_when_run_as_a_command(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.stdout.strip() == "ABSLLogger", proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("key", ["query_pre_attn_scalar=3", "attn_logits_soft_cap=20", "final_logits_soft_cap=30"])
+def test_score_scale_and_soft_caps_a_family_has_no_setting_for_are_named(checkpoints, tmp_path, capsys, key):
+    """Every family's attention reads these (the decoder the last), but only Gemma 2 and 3's config.json has them:
+    a Llama checkpoint converted with one set without a word (then computed other logits), and the export of such
+    a model wrote a config.json without it, which transformers runs without it."""
+    ckpt, hf = checkpoints
+    name, value = key.split("=")
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(hf), str(tmp_path / "in"), *KEYS, key]) == 2
+    err = capsys.readouterr().err
+    assert "describes another model" in err and f"  {name}: checkpoint 0" in err and f"(set {name}=0" in err
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "out"), *KEYS, key]) == 2
+    assert capsys.readouterr().err.endswith(
+        f"error: {name}={value}: Hugging Face's llama config.json has no such setting, so the exported model would "
+        "compute other logits than this one; it cannot be exported\n")
+    assert not (tmp_path / "in").exists() and not (tmp_path / "out").exists()

@@ -8,12 +8,16 @@ from typing import Any
 
 from tessera.config import ConfigError, ModelConfig
 from tessera.models.layers import yarn_score_scale
-from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES
+from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES, NO_CAPS
 
 
 def hf_config(m: ModelConfig) -> dict[str, Any]:
     """A transformers `config.json` for the model `m` describes (inverse of config_from_hf)."""
     model_type = {v: k for k, v in HF_MODEL_TYPES.items()}[m.decoder_block]
+    unwritten = [f"{key}={getattr(m, key):g}" for key in NO_CAPS if getattr(m, key)]
+    if unwritten and model_type not in ("gemma2", "gemma3_text"):
+        raise ConfigError(f"{', '.join(unwritten)}: Hugging Face's {model_type} config.json has no such setting, so "
+                          "the exported model would compute other logits than this one; it cannot be exported")
     if model_type == "deepseek_v3":
         return _deepseek_config(m)
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",

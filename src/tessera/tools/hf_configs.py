@@ -29,6 +29,9 @@ GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 # families whose transformers config ties the output layer to the embedding unless it says otherwise: Google's
 # released Gemma and Gemma 2 config.json files leave tie_word_embeddings out (transformers wrote only non-defaults)
 TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3_text")
+# what a family without these settings computes (gemma2 and gemma3_text read theirs): a Tessera config that sets one
+# describes another model, so the converter names it (any family's attention reads them, and the decoder the last)
+NO_CAPS = {"query_pre_attn_scalar": 0, "attn_logits_soft_cap": 0.0, "final_logits_soft_cap": 0.0}
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -65,7 +68,7 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         "normalization_layer_epsilon": hf["rms_norm_eps"],
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", kind in TIED_BY_DEFAULT)),
         "mlp_activations": [_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"), "linear"],
-        "sliding_window_size": hf.get("sliding_window") or 0, **_rope_keys(hf),
+        "sliding_window_size": hf.get("sliding_window") or 0, **_rope_keys(hf), **NO_CAPS,
     }
     if kind in HF_ATTENTION_BIAS:
         keys["attention_bias"] = bool(hf.get("attention_bias"))
@@ -222,7 +225,7 @@ def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "routed_score_func": "sigmoid", "routed_bias": True,
         "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
         "n_routing_groups": hf["n_group"] if (hf.get("n_group") or 1) > 1 else -1,
-        "topk_routing_group": hf["topk_group"] if (hf.get("n_group") or 1) > 1 else -1,
+        "topk_routing_group": hf["topk_group"] if (hf.get("n_group") or 1) > 1 else -1, "final_logits_soft_cap": 0.0,
     }
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     keys["rope_max_timescale"] = int(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
@@ -257,7 +260,7 @@ def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "normalization_layer_epsilon": hf["layer_norm_epsilon"],
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", True)),  # untied: an lm_head.weight of its own
         "mlp_activations": [_activation(hf.get("activation_function", "gelu_new"))],
-        "trainable_position_size": hf["n_positions"],
+        "trainable_position_size": hf["n_positions"], **NO_CAPS,
     }
 
 
