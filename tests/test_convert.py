@@ -631,3 +631,22 @@ def test_score_scale_and_soft_caps_a_family_has_no_setting_for_are_named(checkpo
         f"error: {name}={value}: Hugging Face's llama config.json has no such setting, so the exported model would "
         "compute other logits than this one; it cannot be exported\n")
     assert not (tmp_path / "in").exists() and not (tmp_path / "out").exists()
+
+
+def test_the_exported_activation_is_the_one_the_model_computes():
+    """config.json named Tessera's gelu "gelu", which transformers computes exactly (Tessera's is the tanh
+    approximation; and hf-to-tessera refused the file back), wrote GPT-2's activation as gelu_new whatever
+    the model's was, and an MLP the family cannot build was a KeyError traceback (or written without a word)."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    gelu = load_model_config(None, [*KEYS, 'mlp_activations=["gelu","linear"]']).model
+    assert hf_config(gelu)["hidden_act"] == "gelu_pytorch_tanh"
+    assert config_from_hf(hf_config(gelu))["mlp_activations"] == ["gelu", "linear"]
+    relu = load_model_config("gpt3-52k", ['mlp_activations=["relu"]']).model
+    assert hf_config(relu)["activation_function"] == "relu"
+    for model, acts in ((None, '["silu"]'), (None, '["silu","silu"]'), ("gpt3-52k", '["gelu","linear"]')):
+        m = load_model_config(model, [*(KEYS if model is None else []), f"mlp_activations={acts}"]).model
+        with pytest.raises(ConfigError, match=r"mlp_activations=\[.*MLP is .*so this model cannot be exported"):
+            hf_config(m)

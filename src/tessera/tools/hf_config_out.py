@@ -4,6 +4,7 @@ a test converts each family both ways and compares)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from tessera.config import ConfigError, ModelConfig
@@ -18,8 +19,9 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     if unwritten and model_type not in ("gemma2", "gemma3_text"):
         raise ConfigError(f"{', '.join(unwritten)}: Hugging Face's {model_type} config.json has no such setting, so "
                           "the exported model would compute other logits than this one; it cannot be exported")
+    act = _activation_name(m, model_type)
     if model_type == "deepseek_v3":
-        return _deepseek_config(m)
+        return _deepseek_config(m, act)
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -29,14 +31,14 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
                 "n_layer": m.num_decoder_layers, "n_inner": m.mlp_dim, "n_positions": m.trainable_position_size,
                 "vocab_size": m.vocab_size, "layer_norm_epsilon": m.normalization_layer_epsilon,
-                "activation_function": "gelu_new", "tie_word_embeddings": m.logits_via_embedding,
+                "activation_function": act, "tie_word_embeddings": m.logits_via_embedding,
                 "torch_dtype": dtype}
     config = {
         "architectures": [arch], "model_type": model_type, "hidden_size": m.emb_dim, "intermediate_size": m.mlp_dim,
         "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
         "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
         "rope_theta": float(m.rope_max_timescale), "tie_word_embeddings": m.logits_via_embedding, "torch_dtype": dtype,
-        "max_position_embeddings": max(8192, m.rope_original_max_position), "hidden_act": m.mlp_activations[0],
+        "max_position_embeddings": max(8192, m.rope_original_max_position), "hidden_act": act,
     }
     if m.rope_scaling == "llama3":
         config["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
@@ -109,7 +111,7 @@ def _llama4_config(m: ModelConfig) -> dict[str, Any]:
             "attn_scale": m.temperature_tuning_scale, "router_aux_loss_coef": m.load_balance_loss_weight}
 
 
-def _deepseek_config(m: ModelConfig) -> dict[str, Any]:
+def _deepseek_config(m: ModelConfig, act: str) -> dict[str, Any]:
     """config.json of a deepseek model (DeepSeek-V3's keys; rotary dimensions interleaved, as its checkpoints)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
     if m.rope_scaling == "yarn":
@@ -121,7 +123,7 @@ def _deepseek_config(m: ModelConfig) -> dict[str, Any]:
         "intermediate_size": m.mlp_dim, "moe_intermediate_size": m.expert_mlp_dim,
         "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads,
         "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
-        "tie_word_embeddings": m.logits_via_embedding, "hidden_act": m.mlp_activations[0],
+        "tie_word_embeddings": m.logits_via_embedding, "hidden_act": act,
         "torch_dtype": "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype,
         "max_position_embeddings": max(8192, m.rope_original_max_position * int(m.rope_scaling_factor)),
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
@@ -140,3 +142,26 @@ def _whole(value: float, key: str) -> int:
         raise ConfigError(f"{key}={value}: Hugging Face's config stores a whole number here; set {key}={round(value)}"
                           " (or leave it) to export this model")
     return int(value)
+
+
+# transformers' names of Tessera's activations (its "gelu" is the exact one; Tessera's gelu is the tanh approximation)
+HF_ACTIVATIONS = {"gelu": "gelu_pytorch_tanh", "silu": "silu", "relu": "relu"}
+
+
+def _activation_name(m: ModelConfig, model_type: str) -> str:
+    """The `hidden_act` (GPT-2: `activation_function`) of m's MLP; ConfigError for an MLP the family's
+    transformers model does not build (it wrote a name transformers runs otherwise, or failed with a KeyError)."""
+    acts = list(m.mlp_activations)
+    if model_type == "gpt2":
+        ok, built = len(acts) == 1 and acts[0] in HF_ACTIVATIONS, "one activation (gelu, silu or relu), not gated"
+    elif model_type == "gpt_oss":
+        ok, built = acts == ["sigmoid", "linear"], 'its clamped SwiGLU (["sigmoid", "linear"])'
+    elif model_type in ("gemma", "gemma2", "gemma3_text"):
+        ok, built = acts == ["gelu", "linear"], 'a GeGLU (["gelu", "linear"])'
+    else:
+        ok, built = len(acts) == 2 and acts[0] in HF_ACTIVATIONS and acts[1] == "linear", \
+            'gated: [gelu, silu or relu, then "linear"]'
+    if not ok:
+        raise ConfigError(f"mlp_activations={json.dumps(acts)}: Hugging Face's {model_type} MLP is {built}, so this "
+                          "model cannot be exported")
+    return "gelu_new" if model_type == "gpt2" and acts[0] == "gelu" else HF_ACTIVATIONS.get(acts[0], "silu")
