@@ -650,3 +650,14 @@ def test_the_exported_activation_is_the_one_the_model_computes():
         m = load_model_config(model, [*(KEYS if model is None else []), f"mlp_activations={acts}"]).model
         with pytest.raises(ConfigError, match=r"mlp_activations=\[.*MLP is .*so this model cannot be exported"):
             hf_config(m)
+
+
+def test_a_global_parameter_scale_is_named_when_the_sizes_differ_by_it(checkpoints, tmp_path, capsys):
+    """With global_parameter_scale=2 the refusal said "set base_mlp_dim=40" for a config that had base_mlp_dim=40
+    (the scale doubles it): the line to set was missing."""
+    _, hf = checkpoints
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(hf), str(tmp_path / "out"), *KEYS, "global_parameter_scale=2"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[1].startswith("  global_parameter_scale: checkpoint 1, config 2  (set global_parameter_scale=1")
+    assert "  mlp_dim: checkpoint 40, config 80  (set base_mlp_dim=40)" in lines

@@ -72,6 +72,10 @@ def check_same_model(cfg: Config, hf_config: dict) -> None:
         ours, theirs = getattr(cfg.model, attr), getattr(expected, attr)
         if ours != theirs:
             problems.append(f"  {attr}: checkpoint {theirs!r}, config {ours!r}  (set {as_overrides({name: wanted[name]})[0]})")
+    scale = cfg.model.global_parameter_scale
+    if scale != 1 and any(f"(set {name}=" in p for name in sized for p in problems):  # base_* values multiply by it
+        problems.insert(0, f"  global_parameter_scale: checkpoint 1, config {scale}  (set global_parameter_scale=1: "
+                           "the base_* sizes below are multiplied by it)")
     if problems:
         raise ConfigError("the checkpoint's config.json describes another model than the Tessera config:\n"
                           + "\n".join(problems))
