@@ -661,3 +661,23 @@ def test_a_global_parameter_scale_is_named_when_the_sizes_differ_by_it(checkpoin
     lines = capsys.readouterr().err.splitlines()
     assert lines[1].startswith("  global_parameter_scale: checkpoint 1, config 2  (set global_parameter_scale=1")
     assert "  mlp_dim: checkpoint 40, config 80  (set base_mlp_dim=40)" in lines
+
+
+def test_model_safetensors_beside_an_index_is_read_as_transformers_reads_it(checkpoints, tmp_path, capsys):
+    """transformers loads model.safetensors when a folder has it and an index too; the converter read the index's
+    shards: another model's weights when one of them was stale, without a word."""
+    from safetensors.numpy import load_file, save_file
+
+    ckpt, hf = checkpoints
+    assert main(["tessera-to-hf", str(ckpt), str(tmp_path / "both"), *KEYS, "--max-shard-size", "20000"]) == 0
+    other = {k: 2 * v for k, v in load_file(str(hf / "model.safetensors")).items()}
+    save_file(other, str(tmp_path / "both" / "model.safetensors"), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(tmp_path / "both"), str(tmp_path / "t"), *KEYS]) == 0
+    assert "has both model.safetensors and model.safetensors.index.json: reading model.safetensors, as " \
+           "transformers does" in capsys.readouterr().err
+    assert main(["tessera-to-hf", str(tmp_path / "t"), str(tmp_path / "back"), *KEYS]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(other)
+    for name in other:
+        np.testing.assert_array_equal(back[name], other[name], err_msg=name)

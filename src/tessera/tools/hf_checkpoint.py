@@ -50,15 +50,18 @@ class Reader:
 
     def __init__(self, hf_dir: Path):
         self.config = read_hf_config(hf_dir)
-        index = hf_dir / "model.safetensors.index.json"
-        if index.is_file():
+        index, single = hf_dir / "model.safetensors.index.json", hf_dir / "model.safetensors"
+        if single.is_file():  # first, as transformers reads it: an index beside it is left unread there too
+            if index.is_file():
+                log.warning("%s has both model.safetensors and %s: reading model.safetensors, as transformers does "
+                            "(remove the stale one)", hf_dir, index.name)
+            files = {n: single for n in _open(single).keys()}
+        elif index.is_file():
             try:
                 files = {n: hf_dir / f for n, f in json.loads(index.read_text())["weight_map"].items()}
             except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
                 raise ConfigError(f"{index} is not a safetensors index (JSON with a weight_map of tensor name -> "
                                   f"file): {type(e).__name__}: {e}; save the model again") from None
-        elif (hf_dir / "model.safetensors").is_file():
-            files = {n: hf_dir / "model.safetensors" for n in _open(hf_dir / "model.safetensors").keys()}
         else:
             raise ConfigError(f"{hf_dir} has neither model.safetensors nor model.safetensors.index.json "
                               "(PyTorch .bin checkpoints are not read; save the model with safe_serialization=True)")
