@@ -476,6 +476,7 @@ def test_a_hugging_face_folder_given_as_a_load_path_says_to_convert_it(checkpoin
     ("gemma2-2b", {"layer_types": ["full_attention", "sliding_attention"] * 13}, "layer_types do not alternate"),
     ("gemma3-4b", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
     ("deepseek-small", {"rope_interleave": False}, "rope_interleave=false"),
+    ("llama4-17b-16e", {"layer_types": ["full_attention"] * 48}, "layer_types are not chunked attention"),
 ])
 def test_config_json_options_that_change_the_numbers_are_refused(model_name, change, message):
     """transformers computes another model with these (each moved the tiny models' logits by 0.5 to 4), and

@@ -143,6 +143,11 @@ def _llama4_keys(hf: dict[str, Any]) -> dict[str, Any]:
                           "pattern Tessera's llama4 builds")
     if not rope:
         interval = hf.get("no_rope_layer_interval", 4)
+    uses_rope = rope or [interval == 0 or bool((i + 1) % interval) for i in range(layers)]
+    if hf.get("layer_types") and list(hf["layer_types"]) != [
+            "chunked_attention" if r else "full_attention" for r in uses_rope]:  # transformers' masks follow them
+        raise ConfigError("this Llama 4 checkpoint's layer_types are not chunked attention on its rotary layers and "
+                          "full attention on the others (no_rope_layers), the pattern Tessera's llama4 builds")
     return {"base_mlp_dim": hf.get("intermediate_size_mlp", 16384), "base_moe_mlp_dim": hf["intermediate_size"],
             "num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
             "shared_experts": 1, "routed_score_func": "sigmoid", "norm_topk_prob": False,
