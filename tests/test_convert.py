@@ -682,3 +682,37 @@ def test_model_safetensors_beside_an_index_is_read_as_transformers_reads_it(chec
     assert sorted(back) == sorted(other)
     for name in other:
         np.testing.assert_array_equal(back[name], other[name], err_msg=name)
+
+
+class _NotHandled(Exception):
+    pass
+
+
+def test_sigterm_removes_what_the_conversion_wrote(checkpoints, tmp_path, monkeypatch, capsys):
+    """SIGTERM (a scheduler's time limit, `kill`) ended the process on the spot: exit 143 without a word, and the
+    scratch copy of the model (one model's worth of disk) left beside the output. Now it stops as Ctrl-C does."""
+    import signal
+
+    _, hf = checkpoints
+    puts = []
+
+    def put(self, path, index, value, original=hf_checkpoint.ScratchArrays.put):
+        if len(puts) == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # in the middle of filling the scratch files
+        puts.append(path)
+        original(self, path, index, value)
+
+    def not_handled(number, frame):  # what SIGTERM does when main() installs nothing (Python's default kills pytest)
+        raise _NotHandled
+
+    monkeypatch.setattr(hf_checkpoint.ScratchArrays, "put", put)
+    previous = signal.signal(signal.SIGTERM, not_handled)
+    try:
+        (tmp_path / "x").mkdir()
+        capsys.readouterr()
+        assert main(["hf-to-tessera", str(hf), str(tmp_path / "x" / "out"), *KEYS]) == 143
+    finally:
+        assert signal.signal(signal.SIGTERM, previous) is not_handled  # main() put the handler back
+    assert capsys.readouterr().err.endswith("error: terminated (SIGTERM); nothing was written (the partial output was "
+                                            "removed): convert again\n")
+    assert list((tmp_path / "x").iterdir()) == []  # no output, no scratch copy

@@ -138,10 +138,19 @@ def _orbax_temporaries(out_dir: Path) -> set[Path]:
     return {p for p in out_dir.parent.iterdir() if p.name.startswith(name)}
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler's time limit, `kill`): stopped as Ctrl-C is, what the conversion wrote removed,
+    exit 143. Python's default ended the process on the spot, leaving the scratch copy of the model behind."""
+
+
+def _terminate(number, frame):
+    raise Terminated
+
+
 @contextlib.contextmanager
 def _interrupts_held(until: str = ""):
-    """Ctrl-C held back until the block ends, then raised: for work that must not stop halfway
-    (`until` says what it waits for, logged at the first Ctrl-C)."""
+    """Ctrl-C and SIGTERM held back until the block ends, then raised: for work that must not stop halfway
+    (`until` says what it waits for, logged at the first signal)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -152,13 +161,14 @@ def _interrupts_held(until: str = ""):
             log.warning("interrupted: stopping once %s", until)
         caught.append(number)
 
-    previous = signal.signal(signal.SIGINT, hold)
+    previous = {number: signal.signal(number, hold) for number in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for number, handler in previous.items():
+            signal.signal(number, handler)
     if caught:
-        raise KeyboardInterrupt
+        raise Terminated if signal.SIGTERM in caught else KeyboardInterrupt
 
 
 def _layer_shape(target, index: int | None) -> tuple[int, ...]:
@@ -307,15 +317,21 @@ def main(argv: list[str]) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
 
     quiet_orbax_logs()  # Orbax's own ERROR records (with tracebacks) of what is reported here in one line
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return _run(argv)
     except (ConfigError, UsageError, CheckpointError) as e:
         print(f"{'checkpoint ' if isinstance(e, CheckpointError) else ''}error: {e}", file=sys.stderr)
         return 2
     except (OSError, KeyboardInterrupt) as e:  # a full disk mid-write, Ctrl-C: the partial output is removed
-        what = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"writing failed: {e}"
+        what = "terminated (SIGTERM)" if isinstance(e, Terminated) else "interrupted (Ctrl-C)" \
+            if isinstance(e, KeyboardInterrupt) else f"writing failed: {e}"
         print(f"error: {what}; nothing was written (the partial output was removed): convert again", file=sys.stderr)
-        return 130 if isinstance(e, KeyboardInterrupt) else 2
+        return 143 if isinstance(e, Terminated) else 130 if isinstance(e, KeyboardInterrupt) else 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: list[str]) -> int:
