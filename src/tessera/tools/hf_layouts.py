@@ -64,7 +64,7 @@ def fused(ours: str, rules: list[Rule], axis: int) -> Rule:
                 lambda w: tuple(r.to_hf(np.take(w, j, axis=axis))[0] for j, r in enumerate(rules)))
 
 
-def qkv(m: ModelConfig, rules: list[Rule], ours: str, axis: int) -> list[Rule]:
+def qkv_rules(m: ModelConfig, rules: list[Rule], ours: str, axis: int) -> list[Rule]:
     """The query, key and value rules as they are, or fused into `ours` when the model has fused_qkv."""
     return [fused(ours, rules, axis)] if m.fused_qkv else rules
 
@@ -127,10 +127,10 @@ def interleaved(ours: tuple[str, str], hf: str) -> Rule:
 def _attention_biases(m: ModelConfig) -> list[Rule]:
     """q/k/v/o projection biases (attention_bias) in torch Linear's flat [out] layout."""
     n, k, h = m.num_query_heads, m.num_kv_heads, m.head_dim
-    return qkv(m, [reshaped("attention/bq_nh", "self_attn.q_proj.bias", (n, h), (n * h,)),
-                   reshaped("attention/bk_kh", "self_attn.k_proj.bias", (k, h), (k * h,)),
-                   reshaped("attention/bv_kh", "self_attn.v_proj.bias", (k, h), (k * h,))], "attention/bqkv_cnh", 0) \
-        + [same("attention/bo_d", "self_attn.o_proj.bias")]
+    qkv = [reshaped("attention/bq_nh", "self_attn.q_proj.bias", (n, h), (n * h,)),
+           reshaped("attention/bk_kh", "self_attn.k_proj.bias", (k, h), (k * h,)),
+           reshaped("attention/bv_kh", "self_attn.v_proj.bias", (k, h), (k * h,))]
+    return qkv_rules(m, qkv, "attention/bqkv_cnh", 0) + [same("attention/bo_d", "self_attn.o_proj.bias")]
 
 
 def _check_hf_has(m: ModelConfig, family: str) -> None:
@@ -153,9 +153,10 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
     model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
     if not m.logits_via_embedding:
         model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
-    layer = qkv(m, [linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h)),
-                    linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h)),
-                    linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))], "attention/wqkv_dcnh", 1) + [
+    qkv = [linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h)),
+           linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h)),
+           linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))]
+    layer = qkv_rules(m, qkv, "attention/wqkv_dcnh", 1) + [
         linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
         same("pre_attention_norm/scale", "input_layernorm.weight"),
     ]
@@ -337,9 +338,10 @@ def _llama4(m: ModelConfig) -> Layout:
     model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
     if not m.logits_via_embedding:
         model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
-    common = qkv(m, [_mla_linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h), h),
-                     _mla_linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h), h),
-                     linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))], "attention/wqkv_dcnh", 1) + [
+    qkv = [_mla_linear("attention/wq_dnh", "self_attn.q_proj.weight", (d, n, h), h),
+           _mla_linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h), h),
+           linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))]
+    common = qkv_rules(m, qkv, "attention/wqkv_dcnh", 1) + [
         linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
         same("pre_attention_norm/scale", "input_layernorm.weight"),
         same("pre_mlp_norm/scale", "post_attention_layernorm.weight"),
