@@ -62,6 +62,19 @@ def test_override_model_config_is_accepted_and_the_command_line_wins():
         load_config([BASE, "override_model_config=maybe"], env={})
 
 
+def test_allow_split_physical_axes_is_accepted_as_tessera_always_splits(caplog):
+    """mesh.py always builds its mesh with allow_split_physical_axes=True; MaxText's `true` was refused as a
+    feature "not in Tessera", and its `false` logged as "the feature off, as in Tessera"."""
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        load_config([BASE, "allow_split_physical_axes=true"], env={})
+        load_config([BASE, "allow_split_physical_axes=false"], env={})
+    assert "allow_split_physical_axes=true has no effect: Tessera always lets a mesh axis span" in caplog.text
+    assert "as in Tessera" not in caplog.text
+    with pytest.raises(ConfigError, match="allow_split_physical_axes='sometimes' is not allowed"):
+        load_config([BASE, "allow_split_physical_axes=sometimes"], env={})
+
+
 def test_missing_feature_is_refused_with_a_reason_unless_off():
     load_config([BASE, "quant_cfg_path=", "replicate_quant_scale=false", "opt_type=adamw"], env={})
     with pytest.raises(ConfigError) as e:

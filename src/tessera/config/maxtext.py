@@ -52,6 +52,11 @@ ACCEPTED = {
     # line always wins (a shrunk model: model_name=llama2-7b base_num_decoder_layers=2)
     "override_model_config": (("true", "false", "1", "0"),
                               "a key=value on the command line always wins over the model file in Tessera"),
+    # MaxText's default (false) refuses a mesh that needs a physical axis split; Tessera's mesh.py always
+    # builds it (jax's create_device_mesh with allow_split_physical_axes=True), as MaxText does with true
+    "allow_split_physical_axes": (("true", "false", "1", "0"),
+                                  "Tessera always lets a mesh axis span part of a physical axis of the slice when "
+                                  "the mesh needs it (as MaxText with true)"),
 }
 
 
@@ -98,8 +103,6 @@ REFUSED = {
     "logical_axis_rules": Refused("the table from logical to mesh axes; Tessera's is LOGICAL_RULES in mesh.py"),
     "data_sharding": Refused("mesh axes the batch is split over; Tessera splits it over data, fsdp and expert"),
     "custom_mesh": Refused("a hand-made device order for some TPU slices; Tessera uses JAX's device mesh", ("",)),
-    "allow_split_physical_axes": Refused("let one mesh axis span parts of physical axes; not in Tessera",
-                                         ("false", "0")),
     # pipeline parallelism
     "pipeline_parallel_layers": Refused("layers run by the pipeline" + _PIPE, ("-1",)),
     "scan_pipeline_iterations": Refused("scan over pipeline iterations" + _PIPE, ("true", "1")),
