@@ -76,6 +76,20 @@ def test_roofline_thresholds_of_seed_004():
     assert not verdicts({})["expert"].size > 1 and verdicts({})["expert"].verdict == "not used"
 
 
+def test_on_a_dense_model_the_expert_axis_is_scored_as_the_fsdp_split_it_is():
+    """The expert axis splits a dense model's batch and weights as fsdp does (same memory in the report); it was
+    scored by the experts' all-to-all (4 x mlp_dim / expert: 768 for the default model on 4 ways, communication-
+    bound) and multiplied fsdp's intensity, where fsdp 4 scored 1,024."""
+    def intensity(**mesh):
+        cfg = build_config({"ici_fsdp_parallelism": 1, **mesh})
+        hw = parse_hardware("v5p-8")
+        return {r.axis: r.intensity for r in rooflines(cfg, mesh_sizes(cfg, hw), hw) if r.size > 1}
+
+    assert intensity(ici_fsdp_parallelism=4) == {"fsdp": 1024}
+    assert intensity(ici_expert_parallelism=4) == {"expert": 1024}
+    assert intensity(ici_fsdp_parallelism=2, ici_expert_parallelism=2) == {"fsdp": 1024, "expert": 1024}
+
+
 def test_an_axis_across_slices_is_checked_against_the_dcn(capsys):
     """fsdp over 16 v6e slices (llama3.1-70b, 1 sequence of 2048 per chip) sends each chip's share of the weights
     over DCN, 73,440 FLOPs/byte at 100 Gb/s; the estimate compared 2,048 x 4,096 ways with the ICI's 2,550 only,

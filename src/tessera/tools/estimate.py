@@ -18,7 +18,7 @@ hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
 
     FSDP      tokens per device (per micro-batch) x tensor x expert / sparsity     (sparsity = experts / experts
               per token)
-    expert    4 x mlp_dim / expert
+    expert    4 x mlp_dim / expert (on a dense model, which it splits as fsdp: the FSDP figure, without x expert)
     tensor    mlp_dim / tensor
     sequence  the FSDP figure (weights are split over the sequence axis too) combined with a layer's
               FLOPs per token over the key/value and query bytes it moves (`sequence_intensity`)

@@ -39,10 +39,13 @@ def rooflines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[Roofline]
     sparsity = m.num_experts / m.num_experts_per_tok if m.num_experts > 1 else 1.0
     # FSDP gathers the weights again for each micro-batch of gradient accumulation: its tokens are a micro-batch's
     tokens = cfg.data.per_device_batch_size * cfg.data.max_target_length / cfg.optim.gradient_accumulation_steps
-    fsdp = tokens * mesh["tensor"] * mesh["expert"] * mesh["stage"] / sparsity
+    # on a dense model the expert axis splits the batch and every weight as fsdp does (tessera.mesh's rules): its
+    # collectives are fsdp's gathers, at fsdp's intensity, with no all-to-all of routed tokens
+    dense = m.num_experts <= 1
+    fsdp = tokens * mesh["tensor"] * (1 if dense else mesh["expert"]) * mesh["stage"] / sparsity
     lines = [
         Roofline("fsdp", mesh["fsdp"], fsdp, hw.intensity),
-        Roofline("expert", mesh["expert"], 4 * m.mlp_dim / mesh["expert"], hw.intensity),
+        Roofline("expert", mesh["expert"], fsdp if dense else 4 * m.mlp_dim / mesh["expert"], hw.intensity),
         Roofline("tensor", mesh["tensor"], m.mlp_dim / mesh["tensor"], hw.intensity),
     ]
     if mesh["sequence"] > 1:
