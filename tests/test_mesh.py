@@ -102,6 +102,9 @@ def test_tensor_axis_must_divide_query_heads_and_mlp_but_not_kv_heads():
         check_divides(("embed", "heads", "head_dim"), (24, 6, 6), sizes)
     with pytest.raises(ConfigError, match=r"does not divide the 42 MLP width \(mlp_dim\).*ici_tensor_parallelism=3"):
         check_divides(("layers", "embed", "mlp"), (3, 24, 42), sizes)
+    # an expert's width has a key of its own: naming mlp_dim sent base_moe_mlp_dim=33's user to the wrong key
+    with pytest.raises(ConfigError, match=r"does not divide the 33 expert MLP width \(base_moe_mlp_dim, or base_mlp_dim"):
+        check_divides(("layers", "exp", "embed", "mlp"), (3, 4, 24, 33), {**sizes, "tensor": 2})
 
 
 def test_train_py_refuses_more_tensor_ways_than_heads(tmp_path):

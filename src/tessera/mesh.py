@@ -222,9 +222,11 @@ def check_divides(names: Sequence[str | None], shape: Sequence[int], mesh_sizes:
             if dim % ways:
                 key = _KEY_NAME[axis]
                 best = max(d for d in range(1, ways) if dim % d == 0)
+                what = MUST_DIVIDE[name] if not (name == "mlp" and "exp" in names) else \
+                    "expert MLP width (base_moe_mlp_dim, or base_mlp_dim when it is 0)"
                 raise ConfigError(
                     f"the mesh's {axis} axis (ici_{key}_parallelism * dcn_{key}_parallelism) is {ways}, which does "
-                    f"not divide the {dim} {MUST_DIVIDE[name]}: their weights would be copied whole to every device "
+                    f"not divide the {dim} {what}: their weights would be copied whole to every device "
                     f"of that axis. Make it a divisor of {dim}, e.g. ici_{key}_parallelism={best}, or change the model")
 
 
