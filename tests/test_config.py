@@ -779,6 +779,12 @@ def test_keys_a_run_does_not_read_are_named():
         "megablox=True, capacity_factor=1.0: no effect on a dense model (num_experts=1); they route a mixture of "
         "experts"]
     assert keys_without_effect(cfg, {"stage": 2, "fsdp": 4})[0].startswith("query_proj")  # a pipeline reads them
+    # gathering a stage's weights over fsdp once, on stages not split over fsdp, changed nothing, silently
+    once = load_config([BASE, "pipeline_fsdp_ag_once=true"], env={})
+    assert keys_without_effect(once, {"data": 4, "stage": 2, "fsdp": 1}) == [
+        "pipeline_fsdp_ag_once=true: no effect, this mesh has no fsdp axis (ici_fsdp_parallelism x "
+        "dcn_fsdp_parallelism is 1), so a stage's weights are not split over one to gather"]
+    assert keys_without_effect(once, {"stage": 2, "fsdp": 4}) == []
     custom = load_config([BASE, "remat_policy=custom", "query_proj=device", "model_name=mixtral-8x7b",
                           "megablox=true"], env={})
     assert keys_without_effect(custom, {"fsdp": 8}) == []
