@@ -152,3 +152,17 @@ def test_a_sequence_split_compiles_without_copying_activations_to_every_device(c
         compile_step(setup(cfg, jax.devices()), 0)
     err = capfd.readouterr().err
     assert "Involuntary full rematerialization" not in err, err[-2000:]
+
+
+def test_the_cpu_miscompile_refusal_names_the_axes_not_only_their_ici_keys(monkeypatch):
+    """data 2 from the slices (dcn_data_parallelism=-1), fsdp and tensor 2 inside them: the refusal said "use at
+    most two of ici_data_parallelism, ici_fsdp_parallelism and ici_tensor_parallelism above 1", and
+    ici_data_parallelism was 1 already."""
+    from tessera import cpu_miscompile
+
+    monkeypatch.setattr(cpu_miscompile, "einsum_is_right", lambda mesh: False)  # as jax 0.12.0.1 computes it
+    mesh = create_mesh(build_config({"num_slices": 2, "ici_fsdp_parallelism": 2, "ici_tensor_parallelism": 2}).mesh)
+    with pytest.raises(ConfigError, match=r"data 2, fsdp 2, tensor 2: .* at most two of the data, fsdp and tensor "
+                                          r"axes above 1 on CPU \(an axis is ici_<axis>_parallelism x "
+                                          r"dcn_<axis>_parallelism"):
+        cpu_miscompile.check_cpu_mesh(mesh)

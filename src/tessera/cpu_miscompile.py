@@ -55,5 +55,6 @@ def check_cpu_mesh(mesh) -> None:
     shape = ", ".join(f"{a} {mesh.shape[a]}" for a in ("data", "fsdp", "tensor"))
     raise ConfigError(f"on CPU, this jax ({jax.__version__}) computes wrong results on a mesh with {shape}: XLA:CPU "
                       "exchanges rows of the batch shards in the attention's output projection (checked just now, "
-                      "without Tessera's model); use at most two of ici_data_parallelism, ici_fsdp_parallelism and "
-                      "ici_tensor_parallelism above 1 on CPU (src/tessera/cpu_miscompile.py)")
+                      "without Tessera's model); use at most two of the data, fsdp and tensor axes above 1 on CPU "
+                      "(an axis is ici_<axis>_parallelism x dcn_<axis>_parallelism, fsdp also x the "
+                      "fsdp_transpose keys; src/tessera/cpu_miscompile.py)")
