@@ -92,6 +92,8 @@ def test_unknown_key_names_closest_keys():
      "but ici_data_parallelism and ici_fsdp_parallelism both are; give the others a size"),
     ("dcn_fsdp_parallelism=-1 dcn_data_parallelism=-1 dcn_tensor_parallelism=-1",
      "but dcn_data_parallelism, dcn_fsdp_parallelism and dcn_tensor_parallelism all are"),
+    # a dcn -1 takes the slices left, not devices
+    ("dcn_fsdp_parallelism=-1", "only one dcn_*_parallelism may be -1 .the axis that takes the slices left"),
     ("model_name=llama9", "Did you mean llama3-8b, llama2-7b, llama3-70b?"),
     ("num_pipeline_repeats=0", "num_pipeline_repeats=0 must be a positive integer or -1"),
     ("mlp_activations=[\"swish\"]", "must be one or two of"),

@@ -52,7 +52,8 @@ def validate(cfg: Config) -> None:
         fills = [n for n, v in values.items() if v == -1]
         if len(fills) > 1:
             named = " and ".join(fills) if len(fills) == 2 else f"{', '.join(fills[:-1])} and {fills[-1]}"
-            raise ConfigError(f"only one {prefix}_*_parallelism may be -1 (the axis that takes the devices left), but "
+            left = "devices left in a slice" if prefix == "ici" else "slices left"
+            raise ConfigError(f"only one {prefix}_*_parallelism may be -1 (the axis that takes the {left}), but "
                               f"{named} {'both' if len(fills) == 2 else 'all'} are; give the others a size")
         for n, v in values.items():
             if v == 0 or v < -1:
