@@ -787,6 +787,12 @@ def test_keys_a_run_does_not_read_are_named():
         "pipeline_fsdp_ag_once=true: no effect, this mesh has no fsdp axis (ici_fsdp_parallelism x "
         "dcn_fsdp_parallelism is 1), so a stage's weights are not split over one to gather"]
     assert keys_without_effect(once, {"stage": 2, "fsdp": 4}) == []
+    # ZeRO-1 over a data axis of 1 (the default mesh is all fsdp) split nothing more, silently
+    zero1 = load_config([BASE, "shard_optimizer_over_data=true"], env={})
+    assert keys_without_effect(zero1, {"data": 1, "fsdp": 8}) == [
+        "shard_optimizer_over_data=true: no effect, this mesh has no data axis (ici_data_parallelism x "
+        "dcn_data_parallelism is 1); the optimizer state is split with the weights already"]
+    assert keys_without_effect(zero1, {"data": 2, "fsdp": 4}) == []
     custom = load_config([BASE, "remat_policy=custom", "query_proj=device", "model_name=mixtral-8x7b",
                           "megablox=true"], env={})
     assert keys_without_effect(custom, {"fsdp": 8}) == []

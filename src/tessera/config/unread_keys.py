@@ -15,7 +15,7 @@ MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", "tile_batch_seq", "t
 def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     """One line per key set away from its default that this run does not read (a typo of intent:
     per-tensor remat keys without remat_policy=custom, pipeline keys on a mesh without stages (and
-    pipeline_fsdp_ag_once on one without fsdp), MoE
+    pipeline_fsdp_ag_once on one without fsdp, shard_optimizer_over_data on one without data), MoE
     routing keys on a dense model, a sequence or expert axis that does not divide what it would
     split), for a warning at set-up; they were accepted without a word."""
     from tessera.config.loader import changed_keys
@@ -38,6 +38,9 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if mesh_shape.get("stage", 1) > 1 and mesh_shape.get("fsdp", 1) == 1 and cfg.mesh.pipeline_fsdp_ag_once:
         lines.append("pipeline_fsdp_ag_once=true: no effect, this mesh has no fsdp axis (ici_fsdp_parallelism x "
                      "dcn_fsdp_parallelism is 1), so a stage's weights are not split over one to gather")
+    if cfg.optim.shard_optimizer_over_data and mesh_shape.get("data", 1) == 1:
+        lines.append("shard_optimizer_over_data=true: no effect, this mesh has no data axis (ici_data_parallelism x "
+                     "dcn_data_parallelism is 1); the optimizer state is split with the weights already")
     if cfg.model.remat_policy != "custom" and (keys := [k for k in REMAT_TENSORS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect with remat_policy={cfg.model.remat_policy}; the per-tensor "
                      "keys are read with remat_policy=custom")
