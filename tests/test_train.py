@@ -32,6 +32,9 @@ MESHES = {
     "2 data x 4 fsdp": (8, dict(ici_data_parallelism=2, ici_fsdp_parallelism=4)),
     "2 fsdp x 4 tensor": (8, dict(ici_fsdp_parallelism=2, ici_tensor_parallelism=4)),
     "2 data x 2 fsdp x 2 sequence": (8, dict(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_sequence_parallelism=2)),
+    # a dense model's expert axis is one more fsdp axis (Parallelism.md)
+    "2 fsdp x 2 expert x 2 tensor, dense": (8, dict(ici_fsdp_parallelism=2, ici_expert_parallelism=2,
+                                                     ici_tensor_parallelism=2)),
     "8 data, ZeRO-1": (8, dict(ici_data_parallelism=8, ici_fsdp_parallelism=1, shard_optimizer_over_data=True)),
     "2 data x 4 fsdp, ZeRO-1": (8, dict(ici_data_parallelism=2, ici_fsdp_parallelism=4,
                                         shard_optimizer_over_data=True)),
