@@ -59,6 +59,23 @@ def test_muon_takes_the_blocks_weight_matrices_whole():
     assert mtp["['mtp_1']['projection_ced']"] == Dims((0, 1), (2,))  # one [2 x embed, embed] matrix
 
 
+def test_muon_takes_a_circular_pipelines_stacked_layers_as_batches_of_matrices():
+    """With num_pipeline_repeats > 1 the blocks are stored [repeats, layers / repeats, ...]: the repeats axis was
+    taken as a matrix axis, so wq_dnh [R, L/R, D, N, H] was orthogonalized as R x (D N H) matrices mixing the
+    layers of a stage, and a circular pipeline trained other losses than the same model without it."""
+    from tessera.config.derived import pipeline_layout
+
+    cfg = load_config([str(REPO / "configs" / "base.yml"), "ici_pipeline_parallelism=2", "num_pipeline_repeats=2"],
+                      env={})
+    mesh = {"data": 1, "stage": 2, "fsdp": 4, "sequence": 1, "tensor": 1, "expert": 1}
+    axes = build_model(cfg.model, "dot_product", pipeline_layout(cfg, mesh, 64)).logical_axes()
+    assert axes["layers"]["attention"]["wq_dnh"][:2] == ("pipeline_repeats", "layers")
+    dims = _flat(muon_dimension_numbers(axes))
+    assert dims["['layers']['attention']['wq_dnh']"] == Dims((2,), (3, 4))  # as without a pipeline, one axis on
+    assert dims["['layers']['attention']['wo_nhd']"] == Dims((2, 3), (4,))
+    assert dims["['layers']['mlp']['wi_0']"] == Dims((2,), (3,))
+
+
 @pytest.mark.parametrize("model", MODEL_FILES)
 def test_muon_dimension_numbers_of_every_model_cover_each_weight_once(model):
     """Every weight of a block (w..., the router) is a batch of matrices: its input and output axes are

@@ -115,7 +115,9 @@ def masked(dims: Any) -> Any:
     return jax.tree.map(lambda d: optax.MaskedNode() if d is None else d, dims, is_leaf=_is_dims)
 
 
-BATCH_AXES = ("layers", "exp")  # stacked layers and experts: batches of matrices, each orthogonalized alone
+# stacked layers (with a circular pipeline's repeats before them) and experts: batches of matrices, each
+# orthogonalized alone
+BATCH_AXES = ("pipeline_repeats", "layers", "exp")
 MUON_NAMED = ("router_de", "projection_ced")  # matrices Muon takes besides the weights named w...
 
 
