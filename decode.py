@@ -13,9 +13,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # also works w
 
 if __name__ == "__main__":
     from tessera.platforms import use_cpu_on_hosts_without_accelerators
-    from tessera.tools.cli import ctrl_c_held_while_starting
+    from tessera.tools.cli import ctrl_c_held_while_starting, packages_installed
 
-    with ctrl_c_held_while_starting():  # a Ctrl-C inside an import is one line, after the imports
+    # a Ctrl-C inside an import is one line, after the imports; so is a package this Python lacks
+    with ctrl_c_held_while_starting(), packages_installed("decode.py"):
         use_cpu_on_hosts_without_accelerators()
         importlib.import_module("jax")  # here, where a Ctrl-C waits for the import (decode imports it later)
         from tessera.decode import main

@@ -10,9 +10,10 @@ if __name__ == "__main__":  # Ctrl-C waits for the imports (tessera.tools.cli.ct
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # also works without `pip install -e .`
 
 if __name__ == "__main__":
-    from tessera.tools.cli import ctrl_c_held_while_starting, prepare_training_process
+    from tessera.tools.cli import ctrl_c_held_while_starting, packages_installed, prepare_training_process
 
-    with ctrl_c_held_while_starting():  # a Ctrl-C inside an import is one line, after the imports
+    # a Ctrl-C inside an import is one line, after the imports; so is a package this Python lacks
+    with ctrl_c_held_while_starting(), packages_installed("train.py"):
         prepare_training_process(sys.argv[1:])  # --help, CPU on hosts without accelerators, mimalloc on CPU
         from tessera.train import main
 

@@ -59,8 +59,33 @@ def test_train_main_answers_help_first(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["configs/base.yml", "--help"])
     out = capsys.readouterr().out
-    assert exit_.value.code == 0 and out.startswith("usage: python3 train.py")
+    assert exit_.value.code == 0 and out.startswith("usage: .venv/bin/python train.py")
     assert "steps=150" in out and "per_device_batch_size=" in out  # keys with their defaults
+
+
+def test_a_relative_path_of_the_repository_typed_elsewhere_names_the_repositorys(tmp_path, monkeypatch):
+    """decode.py configs/base.yml ... from another folder said only "check the path"."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError) as error:
+        resolve_path("configs/base.yml", "config file")
+    assert str(error.value) == (
+        f"config file {tmp_path / 'configs' / 'base.yml'} does not exist ('configs/base.yml' from the working "
+        f"directory {tmp_path}); the repository's is {REPO / 'configs' / 'base.yml'}: run the command from {REPO}, as the docs "
+        "do, or give that path")
+    with pytest.raises(UsageError, match=r"\('configs/bse.yml' from the working directory .*\); check the path$"):
+        resolve_path("configs/bse.yml", "config file")
+
+
+@pytest.mark.parametrize("script", ["train.py", "decode.py"])
+def test_a_python_without_the_packages_is_told_which_interpreter_to_use(script):
+    """`python3 train.py ...` with a Python other than the project's was a ModuleNotFoundError traceback
+    ("No module named 'jax'"); -S leaves this interpreter without its site-packages, as such a Python is."""
+    proc = subprocess.run([sys.executable, "-S", str(REPO / script), "configs/base.yml", "run_name=x"],
+                          capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line, = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and "has no module '" in line and "which Tessera needs" in line, line
+    assert f"python {script} ..." in line, line
 
 
 def test_options_of_convert_and_check_logits():

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -107,6 +108,36 @@ def test_bad_values_are_explained(arg, expect):
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(["configs/nope.yml"], env={})
+
+
+def test_first_runs_typo_example_is_what_the_config_says(monkeypatch):
+    """First_run.md shows the error of a typo; the text it showed had other suggestions than the real one."""
+    monkeypatch.chdir(REPO)
+    text = (REPO / "getting_started" / "First_run.md").read_text()
+    example = re.search(r"^\$ \.venv/bin/python train\.py (.*learning_rat=.*)\n(config error: .*)$", text, re.M)
+    command, shown = example.groups()
+    with pytest.raises(ConfigError) as error:
+        load_config(command.split(), env={})
+    assert f"config error: {error.value}" == shown
+
+
+def test_a_config_path_typed_from_another_folder_names_the_repositorys_file(tmp_path, monkeypatch):
+    """The docs' commands run from the repository root; run from elsewhere, `configs/base.yml` does not exist
+    there, and the message said "pass a path such as configs/base.yml", the very path that was typed."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as error:
+        load_config(["configs/base.yml", "run_name=x"], env={})
+    assert str(error.value) == (f"config file configs/base.yml does not exist in the current folder {tmp_path}; the "
+                                f"repository's is {REPO / 'configs' / 'base.yml'}: run the command from {REPO}, as "
+                                "the docs do, or give that path")
+
+
+def test_a_misspelled_config_file_names_the_closest_files(tmp_path):
+    (tmp_path / "base.yml").write_text("steps: 3\n")
+    with pytest.raises(ConfigError, match=r"config file .*bse.yml does not exist; did you mean .*base.yml\?$"):
+        load_config([str(tmp_path / "bse.yml")], env={})
+    with pytest.raises(ConfigError, match="nope.yml does not exist; pass a path such as configs/base.yml$"):
+        load_config([str(tmp_path / "nope.yml")], env={})
 
 
 def test_cli_user_error_has_no_traceback(tmp_path):

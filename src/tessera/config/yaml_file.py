@@ -5,6 +5,7 @@ header that marks a run's own config.yml."""
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from pathlib import Path
@@ -28,8 +29,9 @@ def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
         example = path / "base.yml" if (path / "base.yml").is_file() else "configs/base.yml"
         raise ConfigError(f"{what} {path} is a directory; a config file is expected, e.g. {example}")
     if not path.is_file():
-        state = "is not a regular file" if path.exists() else "does not exist"
-        raise ConfigError(f"{what} {path} {state}; pass a path such as configs/base.yml")
+        if path.exists():
+            raise ConfigError(f"{what} {path} is not a regular file; pass a path such as configs/base.yml")
+        raise ConfigError(f"{what} {path} does not exist{_where_it_is(path)}")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
@@ -56,6 +58,25 @@ def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
     _refuse_keys_that_are_not_names(text, f"{what} {path}")
     _warn_repeated_keys(text, f"{what} {path}")
     return data
+
+
+def _where_it_is(path: Path) -> str:
+    """The rest of a "does not exist" message: the repository's file of that relative name when the
+    command runs from another folder (the docs' commands run from the repository root; from elsewhere
+    `configs/base.yml` was missing and the message said to pass configs/base.yml), else the closest
+    names in its folder, else an example."""
+    in_repo = REPO_CONFIGS.parent / path
+    if not path.is_absolute() and is_file(in_repo):
+        return (f" in the current folder {Path.cwd()}; the repository's is {in_repo}: run the command from "
+                f"{REPO_CONFIGS.parent}, as the docs do, or give that path")
+    try:
+        files = {p.stem: p.name for p in path.parent.glob("*.y*ml") if p.is_file()}
+    except OSError:
+        files = {}
+    close = difflib.get_close_matches(path.stem, sorted(files), n=3, cutoff=0.6)
+    if close:
+        return f"; did you mean {', '.join(str(path.parent / files[stem]) for stem in close)}?"
+    return "; pass a path such as configs/base.yml"
 
 
 def _refuse_keys_that_are_not_names(text: str, where: str) -> None:

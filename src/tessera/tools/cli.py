@@ -77,7 +77,7 @@ def config_epilog(keys: Sequence[str], docs: Sequence[str]) -> str:
 def train_help() -> str:
     """--help of `train.py` and `tessera.train.main` (here, so that it needs no JAX)."""
     return help_text(
-        "python3 train.py configs/base.yml [key=value ...]",
+        ".venv/bin/python train.py configs/base.yml [key=value ...]",
         "Train a decoder LLM. The YAML file gives every key; configs/models/<model_name>.yml, then\n"
         "key=value arguments, then M_<KEY> environment variables override it, later wins. The same\n"
         "command again resumes from the run's newest checkpoint. `.venv/bin/python -m tessera.config` with the\n"
@@ -122,6 +122,33 @@ def exit_if_ctrl_c_was_held() -> None:
     if signal.SIGINT in signal.sigpending() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
         print(f"interrupted (Ctrl-C) while starting: nothing was run (exit code {EXIT_INTERRUPTED})", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
+
+
+EXIT_NOT_INSTALLED = 1  # this Python lacks a package Tessera needs (Python's own code for an ImportError)
+REPO_VENV = Path(__file__).resolve().parents[3] / ".venv"  # where setup.sh installs (its default VENV)
+
+
+@contextlib.contextmanager
+def packages_installed(script: str):
+    """A package this interpreter lacks, met while an entry script imports Tessera, is one line and
+    exit code 1: `python3 train.py ...` with a Python other than the project's `.venv/bin/python`
+    was a ModuleNotFoundError traceback from deep in the imports ("No module named 'jax'")."""
+    try:
+        yield
+    except ModuleNotFoundError as e:
+        package = (e.name or "").split(".")[0]
+        if not package or package == "tessera":
+            raise
+        if Path(sys.prefix).resolve() == REPO_VENV.resolve():
+            fix = "the install is incomplete: run `bash setup.sh` again (`.venv/bin/python -m tessera.doctor` checks)"
+        elif (REPO_VENV / "bin" / "python").exists():
+            fix = f"run it with the project's interpreter, {REPO_VENV / 'bin' / 'python'} {script} ..."
+        else:
+            fix = (f"install the project first (`bash setup.sh` in {REPO_VENV.parent}), then run "
+                   f"`.venv/bin/python {script} ...`")
+        print(f"error: {sys.executable} (Python {sys.version.split()[0]}) has no module '{package}', which Tessera "
+              f"needs; {fix} (exit code {EXIT_NOT_INSTALLED})", file=sys.stderr)
+        sys.exit(EXIT_NOT_INSTALLED)
 
 
 SIGTERM_GRACE_SECONDS = 10.0  # how long a SIGTERM may wait for a main thread busy in compiled code
@@ -313,7 +340,10 @@ def resolve_path(text: str, what: str, must_exist: bool = True) -> str:
     path = Path(os.path.abspath(Path(text).expanduser()))
     if must_exist and not path.exists():
         typed = "" if Path(text).is_absolute() else f" ({text!r} from the working directory {Path.cwd()})"
-        raise UsageError(f"{what} {path} does not exist{typed}; check the path")
+        repo = REPO_VENV.parent  # the docs' commands run from the repository root
+        fix = (f"the repository's is {repo / text}: run the command from {repo}, as the docs do, or give that path"
+               if typed and (repo / text).exists() else "check the path")
+        raise UsageError(f"{what} {path} does not exist{typed}; {fix}")
     return str(path)
 
 
