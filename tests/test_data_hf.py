@@ -271,6 +271,17 @@ def test_bad_inputs_name_the_key_and_the_path(tmp_path, sp_model, corpus):
             make_input(tiny_config(dataset_type="hf", **values).data, 96, 4)
 
 
+def test_an_hf_path_that_is_no_format_for_local_files_names_the_format(tmp_path, sp_model):
+    """hf_path=jsonl for .jsonl files (First_run.md's corpus) was looked for on the Hugging Face Hub, and the
+    error said only that; a missing folder stands in for it here (no network)."""
+    (tmp_path / "train.jsonl").write_text('{"text": "a b c"}\n')
+    cfg = tiny_config(dataset_type="hf", hf_path=str(tmp_path / "jsonl"), hf_train_files=str(tmp_path / "train.jsonl"),
+                      tokenizer_path=sp_model)
+    with pytest.raises(ConfigError, match=r"could not be loaded: .*\. For local files hf_path names their format "
+                                          r"\(parquet, json, arrow, text, csv\): for \.jsonl files, hf_path=json$"):
+        make_input(cfg.data, 96, 4)
+
+
 def test_a_glob_matching_only_folders_is_refused_naming_the_folder(tmp_path, sp_model, corpus):
     """A glob that matched folders only expanded to no file at all: hf failed inside `datasets`
     ("Empty 'data_files'"), grain inside ArrayRecord ("Paths sequence can not be of 0 length")."""

@@ -35,6 +35,22 @@ from tessera.data.tokenizers import check_tokenizer, load_tokenizer
 log = logging.getLogger("tessera")
 
 
+SUFFIX_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow", ".txt": "text",
+                  ".csv": "csv"}
+
+
+def _format_hint(files_value: str) -> str:
+    """For files of a known suffix given with an hf_path that is no format (hf_path=jsonl for .jsonl
+    files went to the Hugging Face Hub and failed there): the format to name instead."""
+    suffixes = {Path(p.strip()).suffix for p in files_value.split(",") if p.strip()}
+    formats = {SUFFIX_FORMATS.get(s) for s in suffixes}
+    if len(formats) != 1 or None in formats:
+        return ""
+    fmt, = formats
+    return (f". For local files hf_path names their format ({', '.join(FILE_FORMATS)}): for "
+            f"{'/'.join(sorted(suffixes))} files, hf_path={fmt}")
+
+
 def expand_files(pattern_list: str, key: str) -> list[str]:
     """Comma-separated globs -> sorted files; an empty match is an error naming the key and the glob,
     as is a file that two globs match (it would be read twice in every pass)."""
@@ -131,7 +147,7 @@ def load_stream(cfg: DataConfig, split: str):
         if files:  # the files were found and opened: reading them failed (hf_streaming=false reads them all)
             raise read_failure(e, files, path, f"{files_key}={files_value!r}") from None
         raise ConfigError(f"hf_path={path!r} ({files_key}={files_value!r}, split {split_name!r}) could not be "
-                          f"loaded: {type(e).__name__}: {e}") from e
+                          f"loaded: {type(e).__name__}: {e}{_format_hint(files_value)}") from e
     if isinstance(ds, datasets.Dataset):
         ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
     if jax.process_count() > 1:
