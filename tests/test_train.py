@@ -872,6 +872,21 @@ def test_a_load_path_given_at_a_resume_is_named_as_not_read(tmp_path, caplog):
             in caplog.text)
 
 
+def test_settings_changed_on_a_finished_run_are_named_as_not_used(tmp_path, caplog):
+    """`run_name=demo base_emb_dim=128` on the finished demo said only "nothing to do" and exited 0: the new
+    settings were dropped without a word."""
+    run(tiny_config(tmp_path, steps=1), jax.devices()[:1])
+    with caplog.at_level("INFO", logger="tessera"):
+        report = run(tiny_config(tmp_path, steps=1, learning_rate=0.5), jax.devices()[:1])
+    assert report["start_step"] == 1
+    assert ("learning_rate=0.5 differ from the settings step 1 was saved with, and nothing is trained with them: the "
+            "run is complete. For a run with these settings, choose a new run_name" in caplog.text), caplog.text
+    caplog.clear()  # the same settings again: nothing to say
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=1), jax.devices()[:1])
+    assert "nothing to do" in caplog.text and "differ from the settings" not in caplog.text
+
+
 def test_checkpoints_a_start_would_not_read_are_refused(tmp_path):
     """enable_checkpointing=false (or a checkpoint_dir with nothing in it) on a run folder with checkpoints
     trained again from step 0 beside them, appended to their metrics, replaced their config and report,

@@ -86,10 +86,18 @@ def _locked_run(cfg: Config, trainer: Trainer, ckpt_dir: str, clock: RunClock, l
             ckpt.check_complete(latest)  # a step folder with nothing in it is not a finished run
         done = _nothing_to_do(cfg, latest)
         if done is not None:
-            for key, path in unread_load_paths(changes_since_save(saved_config(str(ckpt.step_path(latest))), cfg)):
+            changes = changes_since_save(saved_config(str(ckpt.step_path(latest))), cfg)
+            for key, path in unread_load_paths(changes):
                 log.warning("%s=%s is not read: the run is already at step %d of its own checkpoints (a load path is "
                             "read only when the run has no checkpoint). To start from %s, train in a new run_name",
                             key, path, latest, path)
+            unused = [f"{k}={now}" for k, (_, now) in changes.items()
+                      if k not in ("steps", "load_parameters_path", "load_full_state_path")]
+            if unused:  # `run_name=demo base_emb_dim=128` on the finished demo said only "nothing to do"
+                more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
+                log.warning("%s%s differ from the settings step %d was saved with, and nothing is trained with them: "
+                            "the run is complete. For a run with these settings, choose a new run_name",
+                            ", ".join(unused[:5]), more, latest)
             if not (trainer.plan.run_dir / "report.json").is_file():  # e.g. a signal during the last evaluation
                 log.warning("%s has no report.json: the run was stopped after saving step %d, before its report%s; "
                             "neither is made again (raise steps to train on)", trainer.plan.run_dir, latest,
