@@ -374,19 +374,25 @@ def test_tpu_step_forms_the_gradient_mean_before_the_update(monkeypatch):
 
 def test_the_command_on_a_host_without_tpus_prints_no_probe_errors(tmp_path):
     """libtpu probes for TPU chips when JAX starts its backends; on a CPU host it printed "Failed to find host
-    bounds" and an INVALID_ARGUMENT error with a source trace before every compile report."""
+    bounds" and an INVALID_ARGUMENT error with a source trace before every compile report. With JAX's own
+    cache folder set (JAX_COMPILATION_CACHE_DIR, as on many TPU hosts), the compiled train step was written
+    there, and the next compile of it warned "Error reading persistent compilation cache entry": JAX cannot
+    load a program compiled for a topology back. It is not written."""
     import subprocess
     import sys
 
     from conftest import REPO
 
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env.update(JAX_COMPILATION_CACHE_DIR=str(tmp_path / "cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     proc = subprocess.run([sys.executable, "-m", "tessera.train_compile", "configs/base.yml", "compile_topology=v5p-8",
                            f"base_output_directory={tmp_path}", "run_name=c"], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "fits: " in proc.stderr and (tmp_path / "c" / "compile_report.json").exists()
     assert "INVALID_ARGUMENT" not in proc.stderr and "host bounds" not in proc.stderr, proc.stderr[:1000]
+    written = sorted(p.name for p in (tmp_path / "cache").iterdir())
+    assert written and not [name for name in written if "train_step" in name or "eval_step" in name], written
 
 
 @pytest.mark.parametrize("signum, code, text", [(15, 143, "stopped by SIGTERM"), (2, 130, "interrupted (Ctrl-C)")])

@@ -18,6 +18,7 @@ that a compile was a load.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 log = logging.getLogger("tessera")
@@ -49,6 +50,25 @@ def check_cache_folder(path: str) -> None:
 
         check_writable(path, "jax_cache_dir")
         log.info("compilation cache: %s", path)
+
+
+@contextlib.contextmanager
+def unloadable_programs_unsaved(mesh):
+    """Compiles for `mesh` write nothing to the persistent cache when its devices are not this host's
+    (a TPU topology compiled for ahead of time): JAX writes such a program but cannot load it back,
+    and warned "Error reading persistent compilation cache entry ... PjRtCompiler must be constructed
+    with a Client" at the next compile of it (JAX_COMPILATION_CACHE_DIR set, as on many TPU hosts)."""
+    import jax
+
+    if mesh.devices.flat[0] in jax.devices():
+        yield
+        return
+    before = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))  # JAX writes no faster compile
+    try:
+        yield
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
 
 
 def cache_hits() -> int:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tessera import host_malloc
-from tessera.compile_cache import cache_hits, loaded_note
+from tessera.compile_cache import cache_hits, loaded_note, unloadable_programs_unsaved
 from tessera.config import ConfigError, DataConfig
 from tessera.data import make_input, place_batch
 from tessera.data.packing import stack_rows
@@ -92,7 +92,7 @@ def compile_eval_step(trainer: Trainer, jitted=None):
     """`eval_step` (or `jitted`) compiled for the train state's parameters and an eval batch
     (plan.eval_batch sequences), from shapes alone: on the trainer's devices, or ahead of time for
     a TPU topology (`tessera.train_compile`)."""
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(trainer.mesh), unloadable_programs_unsaved(trainer.mesh):
         return (jitted or eval_step(trainer)).lower(abstract_state(trainer)["params"],
                                                     batch_shapes(trainer, trainer.plan.eval_batch)).compile()
 

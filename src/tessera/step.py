@@ -21,6 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tessera import cpu_matmul
+from tessera.compile_cache import unloadable_programs_unsaved
 from tessera.cpu_miscompile import check_cpu_mesh
 from tessera.losses import loss_terms
 from tessera.config import Config, ConfigError, ModelConfig
@@ -274,7 +275,7 @@ def compile_step(trainer: Trainer, seed: int):
     jitted = jax.jit(make_train_step(trainer, seed), out_shardings=(trainer.state_shardings, replicated),
                      donate_argnums=0)
     start = time.perf_counter()
-    with jax.set_mesh(trainer.mesh):
+    with jax.set_mesh(trainer.mesh), unloadable_programs_unsaved(trainer.mesh):
         compiled = jitted.lower(state_shapes, batch_shapes(trainer)).compile()
     return compiled, time.perf_counter() - start
 
