@@ -1,8 +1,11 @@
 """Test set-up: CPU only, 8 fake devices. Must run before JAX is imported anywhere."""
 
+import atexit
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 # The suite's programs are tiny: XLA's compile of them, not their run, is most of its time, and
@@ -23,6 +26,18 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from tessera.config import build_config  # noqa: E402
+
+# Many tests build the same tiny trainer again (a run and its resume, one reference against several
+# settings): JAX's persistent compilation cache, in a folder of this test process's own, loads a program
+# compiled before in the same process instead of compiling it again (a third of test_train's compiles).
+# Only this process uses it: processes the tests start get no JAX_COMPILATION_CACHE_DIR, so what a run
+# compiles and logs there, and the tests of jax_cache_dir, are as a user's. A loaded program is the
+# compiled one (its memory analysis too); the folder is removed when the process ends.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="tessera-tests-compile-cache-")
+atexit.register(shutil.rmtree, _COMPILE_CACHE, ignore_errors=True)
+jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # the suite's programs compile in under 1 s
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 # Small, mostly odd sizes so that a mixed-up dimension fails loudly.
 TINY = dict(
@@ -68,9 +83,6 @@ NEEDS_FREE_BYTES = 1 << 30
 def pytest_sessionstart(session):
     """Stop at once, with one line, when the temporary directory's disk is nearly full: otherwise
     every test that writes fails on its own with "No space left on device"."""
-    import shutil
-    import tempfile
-
     tmp = tempfile.gettempdir()
     free = shutil.disk_usage(tmp).free
     if free < NEEDS_FREE_BYTES:

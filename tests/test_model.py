@@ -1,6 +1,7 @@
 """Model behaviour: scan == loop, remat policies == none, GQA, causality, loss masking."""
 
 import dataclasses
+import functools
 import math
 import re
 
@@ -49,20 +50,22 @@ _CUSTOM = dict(decoder_layer_input="offload", query_proj="device", value_proj="o
                mlpwi_0="device", mlpwi="offload", mlpwo="device")
 
 
+@functools.cache
+def _remat_grads(policy: str, scan: bool):
+    """The gradients of the tiny model with `policy`; the reference (policy none) is computed once per
+    layout for all the policies compared with it."""
+    custom = _CUSTOM if policy == "custom" else {}
+    cfg = tiny_config(scan_layers=scan, remat_policy=policy, **custom)
+    model, batch = build_model(cfg.model), _batch(tiny_config(scan_layers=scan))
+    params = model.init(jax.random.key(0))
+    return jax.jit(jax.grad(lambda p: loss_sums(model, p, batch, None)[0]))(params)
+
+
 @pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
 @pytest.mark.parametrize("scan", [True, False])
 @pytest.mark.slow
 def test_remat_policy_gives_same_gradients(policy, scan):
-    cfg = tiny_config(scan_layers=scan)
-    batch = _batch(cfg)
-
-    def grads(policy_name):
-        custom = _CUSTOM if policy_name == "custom" else {}
-        model = build_model(tiny_config(scan_layers=scan, remat_policy=policy_name, **custom).model)
-        params = model.init(jax.random.key(0))
-        return jax.jit(jax.grad(lambda p: loss_sums(model, p, batch, None)[0]))(params)
-
-    reference, got = grads("none"), grads(policy)
+    reference, got = _remat_grads("none", scan), _remat_grads(policy, scan)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), reference, got)
 
 
