@@ -93,20 +93,22 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(query_pre_attn_scalar=hf.get("query_pre_attn_scalar") or 0,
                     attn_logits_soft_cap=hf.get("attn_logit_softcapping") or 0.0,
                     final_logits_soft_cap=hf.get("final_logit_softcapping") or 0.0)
-    if kind == "gemma2":
-        _check_gemma2_layers(hf)
+    if kind == "gemma2":  # local/global pairs, the first sliding
+        _check_layer_types(hf, ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                for i in range(hf["num_hidden_layers"])],
+                           "this Gemma 2 checkpoint's layer_types do not alternate sliding-window and full attention "
+                           "layers (the first sliding), the local/global pairs Tessera's gemma2 builds")
     if kind == "gemma3_text":
         keys.update(_gemma3_keys(hf))
     return keys
 
 
-def _check_gemma2_layers(hf: dict[str, Any]) -> None:
-    """Gemma 2's layers alternate a sliding-window and a full-attention layer, the first sliding: the
-    local/global pairs Tessera's gemma2 builds (another `layer_types` would be converted into them)."""
-    expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(hf["num_hidden_layers"])]
+def _check_layer_types(hf: dict[str, Any], expected: list[str], refusal: str) -> None:
+    """ConfigError(`refusal`) when the checkpoint's `layer_types` (transformers builds its attention
+    masks from them) are not the `expected` ones of the layers Tessera builds: the weights would be
+    converted into another model."""
     if hf.get("layer_types") and list(hf["layer_types"]) != expected:
-        raise ConfigError("this Gemma 2 checkpoint's layer_types do not alternate sliding-window and full attention "
-                          "layers (the first sliding), the local/global pairs Tessera's gemma2 builds")
+        raise ConfigError(refusal)
 
 
 def _refuse_qwen3_variants(hf: dict[str, Any]) -> None:
@@ -144,10 +146,9 @@ def _llama4_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if not rope:
         interval = hf.get("no_rope_layer_interval", 4)
     uses_rope = rope or [interval == 0 or bool((i + 1) % interval) for i in range(layers)]
-    if hf.get("layer_types") and list(hf["layer_types"]) != [
-            "chunked_attention" if r else "full_attention" for r in uses_rope]:  # transformers' masks follow them
-        raise ConfigError("this Llama 4 checkpoint's layer_types are not chunked attention on its rotary layers and "
-                          "full attention on the others (no_rope_layers), the pattern Tessera's llama4 builds")
+    _check_layer_types(hf, ["chunked_attention" if r else "full_attention" for r in uses_rope],
+                       "this Llama 4 checkpoint's layer_types are not chunked attention on its rotary layers and full "
+                       "attention on the others (no_rope_layers), the pattern Tessera's llama4 builds")
     return {"base_mlp_dim": hf.get("intermediate_size_mlp", 16384), "base_moe_mlp_dim": hf["intermediate_size"],
             "num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
             "shared_experts": 1, "routed_score_func": "sigmoid", "norm_topk_prob": False,
@@ -184,11 +185,10 @@ def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("use_bidirectional_attention"):
         raise ConfigError("this Gemma 3 checkpoint sets use_bidirectional_attention=true (every token attends to the "
                           "whole sequence, an encoder such as EmbeddingGemma); Tessera's gemma3 is a causal decoder")
-    expected = ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["gemma3"] == 0 else "sliding_attention"
-                for i in range(layers)]
-    if hf.get("layer_types") and list(hf["layer_types"]) != expected:
-        raise ConfigError("this Gemma 3 checkpoint's layer_types are not the 5 local : 1 global pattern Tessera's "
-                          "gemma3 builds")
+    _check_layer_types(hf, ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["gemma3"] == 0 else "sliding_attention"
+                            for i in range(layers)],
+                       "this Gemma 3 checkpoint's layer_types are not the 5 local : 1 global pattern Tessera's gemma3 "
+                       "builds")
     params = hf.get("rope_parameters") or {}
     local = params.get("sliding_attention", {})
     glob = params.get("full_attention", {})
