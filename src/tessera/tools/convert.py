@@ -37,7 +37,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tessera.config import Config, ConfigError
-from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_path, split_overrides, take_options
+from tessera.tools.cli import (UsageError, exit_if_help, help_text, resolve_path, sigterm_raises, split_overrides,
+                               take_options)
 from tessera.tools.estimate import load_model_config
 from tessera.tools.hf_configs import as_overrides, config_from_hf
 from tessera.tools.hf_layouts import layout_for
@@ -139,12 +140,9 @@ def _orbax_temporaries(out_dir: Path) -> set[Path]:
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM (a scheduler's time limit, `kill`): stopped as Ctrl-C is, what the conversion wrote removed,
-    exit 143. Python's default ended the process on the spot, leaving the scratch copy of the model behind."""
-
-
-def _terminate(number, frame):
-    raise Terminated
+    """SIGTERM (a scheduler's time limit, `kill`), raised by `sigterm_raises`: stopped as Ctrl-C is, what
+    the conversion wrote removed, exit 143. Python's default ended the process on the spot, leaving the
+    scratch copy of the model behind."""
 
 
 @contextlib.contextmanager
@@ -317,10 +315,9 @@ def main(argv: list[str]) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
 
     quiet_orbax_logs()  # Orbax's own ERROR records (with tracebacks) of what is reported here in one line
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
-        return _run(argv)
+        with sigterm_raises(Terminated):
+            return _run(argv)
     except (ConfigError, UsageError, CheckpointError) as e:
         print(f"{'checkpoint ' if isinstance(e, CheckpointError) else ''}error: {e}", file=sys.stderr)
         return 2
@@ -329,9 +326,6 @@ def main(argv: list[str]) -> int:
             if isinstance(e, KeyboardInterrupt) else f"writing failed: {e}"
         print(f"error: {what}; nothing was written (the partial output was removed): convert again", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130 if isinstance(e, KeyboardInterrupt) else 2
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _run(argv: list[str]) -> int:
