@@ -296,10 +296,18 @@ def test_layout_and_bubble_are_logged(caplog):
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(base_num_decoder_layers=6, ici_pipeline_parallelism=4, ici_fsdp_parallelism=2),
-     r"num_decoder_layers=6 must equal pipeline stages 4 x num_pipeline_repeats 1 x num_layers_per_pipeline_stage 1"),
+     r"num_decoder_layers=6 cannot be split evenly over 4 pipeline stages: every stage holds the same number of "
+     r"whole layers, and 6 is not a multiple of 4; num_pipeline_repeats and num_layers_per_pipeline_stage cannot "
+     r"change that. Use a stage count \(ici_pipeline_parallelism x dcn_pipeline_parallelism\) that divides 6 "
+     r"\(2, 3, 6\), or a layer count that is a multiple of 4$"),
+    (dict(base_num_decoder_layers=2, ici_pipeline_parallelism=4, ici_fsdp_parallelism=2),  # more stages than layers
+     r"num_decoder_layers=2 cannot be split evenly over 4 pipeline stages.* that divides 2 \(2\)"),
     (dict(DEEPSEEK, base_num_decoder_layers=4, ici_pipeline_parallelism=2),
      r"the 3 expert layers \(num_decoder_layers=4 less first_num_dense_layers=1, which run before the pipeline\) "
-     r"must equal pipeline stages 2"),
+     r"cannot be split evenly over 2 pipeline stages.* that divides 3 \(3\)"),
+    (dict(decoder_block="gemma3", sliding_window_size=4, base_num_decoder_layers=8, ici_pipeline_parallelism=2),
+     r"num_decoder_layers=8 does not split into pipeline stages: every stage holds whole blocks of 6 layers "
+     r"\(gemma3\), and 8 is not a multiple of 6; use a multiple of 12 layers, or no pipeline stages$"),
     (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=3),
      r"num_decoder_layers=8 must equal pipeline stages 2 x num_pipeline_repeats 3"),
     (dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_pipeline_microbatches=2),
@@ -330,13 +338,13 @@ def test_impossible_pipelines_are_refused_before_compiling(overrides, message):
 
 def test_a_stage_group_cutting_a_layer_pair_is_named_as_such():
     """Gemma 2's 6 layers (3 local/global pairs) in 2 stages: the layer counts multiply out, so the
-    error said "6 must equal 2 x 1 x 3 = 6"; it names the split pair and what fits instead."""
+    error said "6 must equal 2 x 1 x 3 = 6"; it names the pairs that cannot be split evenly and what fits instead."""
     gemma2 = dict(decoder_block="gemma2", sliding_window_size=4)
     mesh = {"data": 1, "stage": 2, "fsdp": 4, "sequence": 1, "tensor": 1, "expert": 1}
-    with pytest.raises(ConfigError, match=r"^num_decoder_layers=6 in 2 pipeline stages x 1 repeats makes stage groups "
-                                          r"of 3 layers, but a group must hold whole blocks of 2 layers \(gemma2\); "
-                                          r"choose a stage count that divides its 3 blocks, or change "
-                                          r"num_decoder_layers$"):
+    with pytest.raises(ConfigError, match=r"^num_decoder_layers=6 cannot be split evenly over 2 pipeline stages: "
+                                          r"every stage holds the same number of whole blocks of 2 layers \(gemma2\), "
+                                          r"and 3 is not a multiple of 2; .* that divides 3 \(3\), or a layer count "
+                                          r"that is a multiple of 4$"):
         plan_run(tiny_config(**{**LAYERS, **gemma2, "base_num_decoder_layers": 6, "ici_pipeline_parallelism": 2}), mesh)
     with pytest.raises(ConfigError, match=r"groups of 1 layers.*; set num_pipeline_repeats=1 "
                                           r"num_layers_per_pipeline_stage=4 or num_pipeline_repeats=2 "

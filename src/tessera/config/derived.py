@@ -237,14 +237,29 @@ class PipelineLayout:
 
 def _cut_block_message(what: str, layers: int, stages: int, repeats: int, per_stage: int, per_block: int,
                        block: str) -> str:
-    """Why stage groups of `per_stage` layers cut the family's blocks of `per_block`, and the layouts that fit."""
+    """Why stage groups of `per_stage` layers cut the family's blocks of `per_block`, and the layouts that fit
+    (there is one: the stage count divides the blocks, `_stages_do_not_divide_message` otherwise)."""
     blocks = layers // per_block
     fits = [f"num_pipeline_repeats={r} num_layers_per_pipeline_stage={layers // (stages * r)}"
             for r in range(1, blocks + 1) if blocks % (stages * r) == 0]
-    fix = (f"set {' or '.join(fits[:3])}" if fits else
-           f"choose a stage count that divides its {blocks} blocks, or change num_decoder_layers")
     return (f"{what} in {stages} pipeline stages x {repeats} repeats makes stage groups of {per_stage} layers, but a "
-            f"group must hold whole blocks of {per_block} layers ({block}); {fix}")
+            f"group must hold whole blocks of {per_block} layers ({block}); set {' or '.join(fits[:3])}")
+
+
+def _stages_do_not_divide_message(what: str, layers: int, stages: int, per_block: int, block: str) -> str:
+    """Why `layers` cannot be split evenly over `stages`, whatever the repeats and group sizes."""
+    if layers % per_block:
+        return (f"{what} does not split into pipeline stages: every stage holds whole blocks of {per_block} layers "
+                f"({block}), and {layers} is not a multiple of {per_block}; use a multiple of {per_block * stages} "
+                "layers, or no pipeline stages")
+    blocks = layers // per_block
+    unit = f" blocks of {per_block} layers ({block})" if per_block > 1 else " layers"
+    counts = ", ".join(str(d) for d in range(2, blocks + 1) if blocks % d == 0) or "none above 1"
+    return (f"{what} cannot be split evenly over {stages} pipeline stages: every stage holds the same number of whole"
+            f"{unit}, and {blocks} is not a multiple of {stages}; num_pipeline_repeats and "
+            f"num_layers_per_pipeline_stage cannot change that. Use a stage count "
+            f"(ici_pipeline_parallelism x dcn_pipeline_parallelism) that divides {blocks} ({counts}), or a layer count "
+            f"that is a multiple of {stages * per_block}")
 
 
 def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> PipelineLayout | None:
@@ -271,6 +286,8 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
     what = f"num_decoder_layers={layers}" if not dense else (
         f"the {layers} expert layers (num_decoder_layers={m.num_decoder_layers} less first_num_dense_layers="
         f"{dense}, which run before the pipeline)")
+    if (layers // per_block) % stages or layers % per_block:  # no repeats / group size can help
+        raise ConfigError(_stages_do_not_divide_message(what, layers, stages, per_block, m.decoder_block))
     if stages * repeats * per_stage != layers:
         unit = f" and a stage group must hold whole blocks of {per_block} layers ({m.decoder_block})" \
             if per_block > 1 else ""
