@@ -477,6 +477,11 @@ def test_a_hugging_face_folder_given_as_a_load_path_says_to_convert_it(checkpoin
     ("gemma3-4b", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
     ("deepseek-small", {"rope_interleave": False}, "rope_interleave=false"),
     ("llama4-17b-16e", {"layer_types": ["full_attention"] * 48}, "layer_types are not chunked attention"),
+    # a flag written as text was true whatever it said: an untied Llama read as tied took its logits from the embedding
+    ("llama2-7b", {"tie_word_embeddings": "false"}, "^config.json has tie_word_embeddings='false', text where "
+                                                    "transformers writes a JSON boolean; write it as false without "
+                                                    "quotes$"),
+    ("gemma3-4b", {"use_bidirectional_attention": " True"}, "use_bidirectional_attention=' True', text"),
 ])
 def test_config_json_options_that_change_the_numbers_are_refused(model_name, change, message):
     """transformers computes another model with these (each moved the tiny models' logits by 0.5 to 4), and

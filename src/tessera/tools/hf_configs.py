@@ -38,7 +38,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """Tessera model keys (global_parameter_scale=1) describing the model of a config.json; ConfigError
     for a config.json without a key its family needs, or with a value of the wrong type."""
     try:
-        return _keys_of(text_model_config(hf))
+        text = text_model_config(hf)
+        _refuse_quoted_booleans(text)
+        return _keys_of(text)
     except ConfigError:
         raise
     except KeyError as e:
@@ -49,6 +51,14 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"config.json of model_type={hf.get('model_type')!r} has a value of the wrong type "
                           f"({type(e).__name__}: {e}); pass the model's own config.json, as transformers saves it"
                           ) from None
+
+
+def _refuse_quoted_booleans(hf: dict[str, Any]) -> None:
+    """A flag written as text ("false") would read as true (a non-empty string); transformers refuses it too."""
+    for key, value in hf.items():
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            raise ConfigError(f"config.json has {key}={value!r}, text where transformers writes a JSON boolean; "
+                              f"write it as {value.strip().lower()} without quotes")
 
 
 def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
