@@ -270,3 +270,28 @@ def test_the_learning_rate_reported_after_a_skipped_step_is_the_one_applied():
     assert rates == [plain_rates[0], plain_rates[1], plain_rates[1]]
     jax.tree.map(np.testing.assert_array_equal, skipped["params"], plain["params"])
     assert int(skipped["step"]) == 3
+
+
+def test_bfloat16_gradients_of_microbatches_add_up_in_float32():
+    """gradient_accumulation_steps with weight_dtype=bfloat16: the microbatches' gradients were summed in
+    bfloat16 (8 bits, one rounding per addition); the scan's running sums are float32, the result is
+    rounded once to the weights' type, and the update gets gradients of that type."""
+    import jax.numpy as jnp
+
+    from tessera.step import make_train_step
+
+    trainer = setup(tiny_config(weight_dtype="bfloat16", gradient_accumulation_steps=4, per_device_batch_size=4),
+                    jax.devices()[:1])
+    state = create_state(trainer, 0)
+    b, t = trainer.plan.global_batch, trainer.plan.max_target_length + 1
+    batch = {"tokens": jax.random.randint(jax.random.key(1), (b, t), 0, 96), "segment_ids": jnp.ones((b, t), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))}
+    jaxpr = jax.make_jaxpr(make_train_step(trainer, 0))(state, batch)
+    scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert len(scans) == 1  # the accumulation loop (the layers' scan is inside its body)
+    n_params = len(jax.tree.leaves(state["params"]))
+    carried = [v.aval.dtype for v in scans[0].outvars[:n_params]]  # the carry (grads, loss sum, count) comes first
+    assert {jnp.dtype(p.dtype) for p in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.bfloat16)}
+    assert carried[:n_params] == [jnp.dtype(jnp.float32)] * n_params
+    new_state, _ = jax.jit(make_train_step(trainer, 0))(state, batch)
+    assert jax.tree.map(lambda p: p.dtype, new_state) == jax.tree.map(lambda p: p.dtype, state)

@@ -209,13 +209,14 @@ def make_train_step(trainer: Trainer, seed: int):
             grads, loss_sum, count = carry
             mb = jax.tree.map(lambda x: x[i], micro)
             g, (l, n, aux) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
-            return (jax.tree.map(jnp.add, grads, g), loss_sum + l, count + n), aux
+            return (jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g), loss_sum + l, count + n), aux
 
         if accum == 1:  # no accumulation loop: one pass, nothing to add up
             grads, (loss_sum, count, auxes) = grad_fn(params, batch, None if key is None else jax.random.fold_in(key, 0))
-        else:
-            zeros = jax.tree.map(jnp.zeros_like, params)
+        else:  # the microbatches' gradients add up in float32 at least (bfloat16 sums lose a bit per addition)
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
             (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # rounded once, to the weights' type
         count = jnp.maximum(count, 1.0)
         loads = auxes.pop(PER_LAYER_LOAD, None)  # MoE expert loads per layer (routed_bias)
         mtp_loads = auxes.pop(MTP_LOAD, None)  # and per multi-token-prediction depth
