@@ -80,6 +80,7 @@ def test_scan_equals_loop_and_counts_match_the_estimator(family):
     blocks = jax.tree.leaves(params["layers"])[0].shape[0]
     a, b = scanned.apply(params, TOKENS), looped.apply(_unstack(params, blocks), TOKENS)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    jax.tree.map(np.testing.assert_array_equal, looped.init(jax.random.key(1)), _unstack(params, blocks))
     assert np.isfinite(a).all() and a.std() > 0.1
     n = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     assert n == count_params(scanned.cfg).total

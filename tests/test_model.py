@@ -43,6 +43,8 @@ def test_scan_and_loop_compute_the_same_function():
     a = scanned.apply(params, tokens)
     b = looped.apply(_unstack(params, 3), tokens)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # and they start from the same weights: a run may switch scan_layers and keep its seed's model
+    jax.tree.map(np.testing.assert_array_equal, looped.init(jax.random.key(1)), _unstack(params, 3))
 
 
 # remat_policy=custom: every choice on some of MaxText's per-tensor keys

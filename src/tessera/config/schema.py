@@ -202,7 +202,8 @@ class ModelConfig:
                              "the head dimension) or per slot (heads_and_dkv: over heads and head dimension)",
                              ("dkv", "heads_and_dkv"))
     kv_quant_dtype: str = key("int8", "quantized KV cache: the stored type", ("int8", "int4"))
-    scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile)")
+    scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile); "
+                                 "either way the same seed gives the same initial weights")
     remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all; "
                             "'custom': the per-tensor keys below)", REMAT_POLICIES)
     decoder_layer_input: str = key("device", "remat_policy=custom: a block's input [B, T, D]", REMAT_CHOICES)

@@ -63,8 +63,8 @@ class Decoder(nnx.Module):
             if cfg.scan_layers or pipeline is not None:
                 self.dense_layers = _stacked_blocks(lambda r: prefix_cls(cfg, attention_kernel, r), prefix, rngs)
             else:
-                for i in range(prefix):
-                    setattr(self, f"dense_layers_{i}", prefix_cls(cfg, attention_kernel, rngs))
+                for i, block in enumerate(_unstacked_blocks(lambda r: prefix_cls(cfg, attention_kernel, r), prefix, rngs)):
+                    setattr(self, f"dense_layers_{i}", block)
         if tail:  # gemma3: the layers after the last whole pattern (validated: no other family has one)
             self.tail = block_cls(cfg, attention_kernel, rngs, num_layers=tail)
         self.prefix_blocks, self.tail_layers = prefix, tail
@@ -81,8 +81,9 @@ class Decoder(nnx.Module):
                         var.set_value(var.get_value().reshape(*lead, *var.get_value().shape[1:]))
                         var.set_metadata(out_sharding=("pipeline_repeats", *var.get_metadata()["out_sharding"]))
         else:
-            for i in range(self.num_blocks):
-                setattr(self, f"layers_{i}", block_cls(cfg, attention_kernel, rngs))
+            for i, block in enumerate(_unstacked_blocks(lambda r: block_cls(cfg, attention_kernel, r), self.num_blocks,
+                                                        rngs)):
+                setattr(self, f"layers_{i}", block)
         self.final_norm = make_norm(block_cls.norm, cfg, rngs)
         if not cfg.logits_via_embedding:
             self.logits_dense_dv = param(rngs, (cfg.emb_dim, cfg.vocab_size), ("embed", "vocab"), wdtype,
@@ -337,6 +338,14 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int):
     if tail:
         caches["tail"] = block_cls.empty_cache(cfg, batch, max_len, num_layers=tail)
     return caches
+
+
+def _unstacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs) -> list:
+    """`num_layers` blocks drawn from the same keys as `_stacked_blocks` draws its stack's slices
+    (one draw of each stream, split `num_layers` ways): scan_layers=false starts from the weights
+    of scan_layers=true."""
+    keys = {name: jax.random.split(stream(), num_layers) for name, stream in rngs.items()}
+    return [make_block(nnx.Rngs(**{name: k[i] for name, k in keys.items()})) for i in range(num_layers)]
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs):
