@@ -1,6 +1,7 @@
 """multihost_runner.py: signals, interrupted copies, the clean-up command, the worker's folder and
 up-front argument checks, against the fake `gcloud` of tests/fake_gcloud.py (see test_launchers.py)."""
 
+import json
 import os
 import re
 import signal
@@ -204,3 +205,35 @@ def test_runner_copies_output_that_is_not_utf8_and_does_not_hang(fake, code_dir,
     log = (tmp_path / "logs" / "r" / "slice0_worker0.log").read_text(encoding="utf-8")
     assert log.startswith("caf\ufffd\n") and "line 20000, enough" in log and log.endswith("last \ufffd\n")
     assert "exited with code 3" in proc.stderr and "last \ufffd" in proc.stderr
+
+
+@pytest.mark.parametrize("prefix,nodes", [
+    ("pod", [{"name": "pod", "state": "CREATING"}]),  # ran on 0 workers and said all of them finished (exit 0)
+    ("pod", [{"name": "pod-0", "state": "CREATING"},  # an IndexError traceback (no worker 0 for the coordinator)
+             {"name": "pod-1", "state": "READY", "networkEndpoints": [{"ipAddress": "10.1.1.0"}]}]),
+    ("pod", [{"name": "pod", "state": "STOPPED", "networkEndpoints": [{"ipAddress": "10.1.0.0"}]}]),
+])
+def test_runner_refuses_a_slice_that_is_not_ready(fake, tmp_path, prefix, nodes):
+    """A slice still CREATING (just asked for, as in Run_on_TPU_VMs.md step 1) is listed with no workers."""
+    fake.mkdir()
+    (fake / "nodes.json").write_text(json.dumps([{**n, "name": f"projects/p/locations/z/nodes/{n['name']}"}
+                                                 for n in nodes]))
+    proc = run("multihost_runner.py", f"--TPU_PREFIX={prefix}", "--COMMAND=true", "--USE_EXISTING_FOLDER=true",
+               "--RUN_NAME=r", cwd=tmp_path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert_one_line_error(proc.stderr, "not ready: ")
+    waiting = next(n for n in nodes if n["state"] != "READY")
+    assert f"{waiting['name']} ({waiting['state']}, " in proc.stderr and "shows them READY" in proc.stderr
+    assert not [c for c in calls(fake) if c[3] in ("scp", "ssh")]
+
+
+def test_runner_does_not_ship_the_reference_environment(fake, code_dir, tmp_path):
+    """.venv-hf (`setup.sh HF_REFERENCE=1`, PyTorch and transformers: 1.2 GB) was packed and copied to every worker."""
+    add_nodes(fake, ["solo"], workers=1)
+    (code_dir / ".venv-hf" / "lib").mkdir(parents=True)
+    (code_dir / ".venv-hf" / "lib" / "torch.py").write_text("")
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=ls -a", f"--SCRIPT_DIR={code_dir}",
+               "--RUN_NAME=r", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    shipped = fake / "workers" / "solo" / "0" / "r"
+    assert (shipped / "hello.sh").is_file() and not (shipped / ".venv-hf").exists()

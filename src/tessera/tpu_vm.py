@@ -15,8 +15,9 @@ import subprocess
 import tarfile
 from pathlib import Path
 
-# Never shipped to the workers: version control, local environments and run outputs.
-EXCLUDED_FROM_CODE = {".git", ".venv", "outputs", "__pycache__", ".pytest_cache", "logs"}
+# Never shipped to the workers: version control, local environments (.venv-hf: the reference
+# environment of `setup.sh HF_REFERENCE=1`, over a gigabyte) and run outputs.
+EXCLUDED_FROM_CODE = {".git", ".venv", ".venv-hf", "outputs", "__pycache__", ".pytest_cache", "logs"}
 
 
 class GcloudError(RuntimeError):
@@ -25,11 +26,12 @@ class GcloudError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Slice:
-    """One TPU slice (a TPU VM node) and the internal and external IPs of its workers."""
+    """One TPU slice (a TPU VM node), the internal and external IPs of its workers and its state."""
 
     name: str
     internal_ips: tuple[str, ...]
     external_ips: tuple[str, ...]
+    state: str = ""  # READY once its workers run; CREATING, STOPPED, PREEMPTED, ... ("" when not listed)
 
     @property
     def num_workers(self) -> int:
@@ -67,6 +69,7 @@ def _slice_from_node(node: dict) -> Slice:
         name=node["name"].rsplit("/", 1)[-1],
         internal_ips=tuple(e.get("ipAddress", "") for e in endpoints),
         external_ips=tuple((e.get("accessConfig") or {}).get("externalIp", "") for e in endpoints),
+        state=node.get("state", ""),
     )
 
 
@@ -75,7 +78,7 @@ def find_slices(prefix: str, scope: list[str]) -> list[Slice]:
     nodes = json.loads(gcloud(["compute", "tpus", "tpu-vm", "list", "--format=json", *scope]) or "[]")
     slices = {s.name: s for s in map(_slice_from_node, nodes)}
     if prefix in slices:
-        return [slices[prefix]]
+        return _ready([slices[prefix]])
     numbered = {}
     for name, s in slices.items():
         match = re.fullmatch(re.escape(prefix) + r"-(\d+)", name)
@@ -86,7 +89,18 @@ def find_slices(prefix: str, scope: list[str]) -> list[Slice]:
                           f"found: {', '.join(sorted(slices)) or 'none'}")
     if sorted(numbered) != list(range(len(numbered))):
         raise GcloudError(f"slices {prefix}-<n> are not numbered 0..{len(numbered) - 1}: {sorted(numbered)}")
-    return [numbered[i] for i in range(len(numbered))]
+    return _ready([numbered[i] for i in range(len(numbered))])
+
+
+def _ready(slices: list[Slice]) -> list[Slice]:
+    """The slices, if every one is READY with its workers listed: a slice still CREATING has no workers
+    yet, and the runner then ran on none of them and reported success (or failed on an IndexError)."""
+    waiting = [s for s in slices if s.state not in ("", "READY") or not s.num_workers]
+    if waiting:
+        listed = ", ".join(f"{s.name} ({s.state or 'no state'}, {s.num_workers} workers)" for s in waiting)
+        raise GcloudError(f"slice(s) not ready: {listed}; wait until `gcloud compute tpus tpu-vm list` shows "
+                          "them READY, then run again")
+    return slices
 
 
 def describe_slice(name: str, scope: list[str]) -> Slice:
