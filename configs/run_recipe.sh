@@ -12,6 +12,7 @@
 #                      dataset_name=c4/en:3.1.0 tokenizer_path=... as overrides); without it the
 #                      recipe trains on the synthetic stream
 #   PLATFORM=gce|gke   gce: TPU VMs, where rto_setup.sh tunes TCP first; gke: xpk/GKE (default gce)
+#   RTO_MIN=5ms        the TCP retransmission timeout rto_setup.sh sets with PLATFORM=gce (default 5ms)
 #   EXECUTABLE=train|train_compile
 #                      train (default), or AOT-compile the step for the recipe's TPU topology on
 #                      any host (no TPU needed) and check that it fits in HBM
@@ -159,10 +160,11 @@ run_recipe() {
     done
   fi
   if [ "$topology" != gpu ] && [ "$PLATFORM" = gce ] && [ "$EXECUTABLE" = train ]; then
+    local rto_args=(${RTO_MIN:+"RTO_MIN=$RTO_MIN"})  # an argument: sudo resets the environment, RTO_MIN with it
     if [ "$(id -u)" = 0 ]; then
-      recipe_exec bash rto_setup.sh
+      recipe_exec bash rto_setup.sh "${rto_args[@]}"
     elif [ "$DRY_RUN" = 1 ] || command -v sudo >/dev/null 2>&1; then
-      recipe_exec sudo bash rto_setup.sh
+      recipe_exec sudo bash rto_setup.sh "${rto_args[@]}"
     else
       echo "$RECIPE_PATH: on a TPU VM (PLATFORM=gce) the recipe first tunes the network with rto_setup.sh, which" \
            "needs root, and sudo is not installed: run the recipe as root, or with PLATFORM=gke (which skips it and" \

@@ -321,6 +321,21 @@ def test_rto_setup_dry_run_and_root_check(fake_net):
     assert rto(env, "RTO_MIN=fast").returncode == 2
 
 
+def test_rto_min_reaches_rto_setup_through_sudo(fake_net, tmp_path):
+    """RTO_MIN=10ms, a recipe setting, was exported to rto_setup.sh, but sudo resets the environment:
+    on a TPU VM (not root) the routes got the default 5 ms, without a word."""
+    folder, env = fake_net
+    bin_dir = folder / "bin"
+    (bin_dir / "sudo").write_text('#!/bin/sh\nexec env -i PATH="$PATH" "$@"\n')  # env_reset, as sudo's default
+    (bin_dir / "sudo").chmod(0o755)
+    out = subprocess.run(["bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), "RTO_MIN=10ms"],  # uid 1000
+                         capture_output=True, text=True, timeout=60,  # (root again under sudo: FAKE_UID is reset)
+                         env={**env, "FAKE_UID": "1000", "HOME": str(tmp_path), "PYTHON": "/bin/true"})
+    assert out.returncode == 0, out.stderr
+    changes = [c for c in (folder / "ip_calls").read_text().splitlines() if c.startswith("route change")]
+    assert len(changes) == 2 and all(c.endswith(" rto_min 10ms") for c in changes), changes
+
+
 def test_dry_run_takes_true_and_refuses_other_words(fake_net, tmp_path):
     """DRY_RUN=true or yes ran the recipe for real, route changes included: they are dry runs now, and a
     value that is no yes or no is refused. The dry run names the folder and PYTHONPATH its commands need."""
