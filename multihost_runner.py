@@ -22,6 +22,7 @@ stopped first).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import getpass
 import os
 import shlex
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works withou
 from tessera.tpu_vm import GcloudError, Slice, find_slices, gcloud, pack_code, parse_bool, scope_flags  # noqa: E402
 
 MEGASCALE_PORT = 8080
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class Stopped(Exception):
@@ -155,6 +157,22 @@ class Worker:
         return "\n".join("      " + line for line in text[-lines:])
 
 
+@contextlib.contextmanager
+def signals_held():
+    """Hold Ctrl-C, SIGTERM and SIGHUP inside the block, then deliver the first that came. One that arrived
+    while a worker started (Popen waits for the exec, Thread.start for the thread) lost that worker: its
+    `gcloud ssh` and the command on the TPU VM ran on after the runner said it had stopped them."""
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held:
+        signal.raise_signal(held[0])
+
+
 def run_everywhere(args: argparse.Namespace, slices: list[Slice], log_dir: Path) -> list[Worker]:
     """Start COMMAND on all workers, wait; on the first failure stop the others. Returns failures."""
     workers = []
@@ -163,12 +181,13 @@ def run_everywhere(args: argparse.Namespace, slices: list[Slice], log_dir: Path)
             command = worker_command(args, slices, s_id)
             for w in range(s.num_workers):
                 argv = [*ssh_base(args, s.name, str(w)), f"--command={command}"]
-                workers.append(Worker(s_id, w, argv, log_dir / f"slice{s_id}_worker{w}.log",
-                                      echo=(s_id, w) == (0, 0)))
+                with signals_held():  # in the list before a Ctrl-C can end the loop: stopped with the others
+                    workers.append(Worker(s_id, w, argv, log_dir / f"slice{s_id}_worker{w}.log",
+                                          echo=(s_id, w) == (0, 0)))
         print(f"running on {len(workers)} worker(s); logs in {log_dir}/", flush=True)
         return wait_all(workers)
     except (KeyboardInterrupt, Stopped):  # the workers run in sessions of their own and saw no signal
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # a second signal must not cut the clean-up
+        for sig in STOP_SIGNALS:  # a second signal must not cut the clean-up
             signal.signal(sig, signal.SIG_IGN)
         for w in workers:
             w.stop()

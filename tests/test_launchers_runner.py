@@ -237,3 +237,40 @@ def test_runner_does_not_ship_the_reference_environment(fake, code_dir, tmp_path
     assert proc.returncode == 0, proc.stderr
     shipped = fake / "workers" / "solo" / "0" / "r"
     assert (shipped / "hello.sh").is_file() and not (shipped / ".venv-hf").exists()
+
+
+def test_runner_ctrl_c_while_a_worker_starts_stops_that_worker_too(fake, tmp_path, monkeypatch):
+    """A Ctrl-C that landed while a worker was being started (Thread.start waits for the new thread) lost
+    that worker: its `gcloud ssh` and the command on the TPU VM ran on (seen at every try with 32 workers)."""
+    import importlib.util
+    import threading
+    spec = importlib.util.spec_from_file_location("runner_under_test", RUNNER)
+    runner = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(runner)
+    add_nodes(fake, ["solo"], workers=1)
+    folder = fake / "workers" / "solo" / "0" / "r"
+    folder.mkdir(parents=True)
+    args = runner.parse_args(["--TPU_PREFIX=solo", "--COMMAND=echo $$ > pid.tmp && mv pid.tmp pid && exec sleep 61",
+                              "--USE_EXISTING_FOLDER=true", "--RUN_NAME=r", f"--LOG_DIR={tmp_path / 'logs'}"])
+    (tmp_path / "logs" / "r").mkdir(parents=True)
+
+    class Thread(threading.Thread):
+        def start(self):  # the user's Ctrl-C arrives here, once the worker's command runs
+            wait_for((folder / "pid").exists)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)  # room for the handler to run inside this call, as it did
+            super().start()
+
+    monkeypatch.setattr(runner, "threading", type("threading", (), {"Thread": Thread}))
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    pid = None
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            runner.run_everywhere(args, runner.find_slices("solo", []), tmp_path / "logs" / "r")
+        pid = int((folder / "pid").read_text())
+        wait_for(lambda: not alive(pid), seconds=10)
+    finally:
+        for sig, handler in saved.items():  # run_everywhere ignores them for its clean-up
+            signal.signal(sig, handler)
+        if pid and alive(pid):  # left running before the fix
+            os.kill(pid, signal.SIGKILL)
