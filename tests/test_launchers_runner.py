@@ -274,3 +274,10 @@ def test_runner_ctrl_c_while_a_worker_starts_stops_that_worker_too(fake, tmp_pat
             signal.signal(sig, handler)
         if pid and alive(pid):  # left running before the fix
             os.kill(pid, signal.SIGKILL)
+
+
+def test_packing_the_code_on_a_full_disk_is_one_line(code_dir):
+    """A full temporary folder (the archive is written there before the copy) was an OSError traceback."""
+    from tessera.tpu_vm import GcloudError, pack_code
+    with pytest.raises(GcloudError, match=r"No space left on device; free some space in .* or set TMPDIR"):
+        pack_code(code_dir, Path("/dev/full"))  # every write to it fails with ENOSPC

@@ -117,7 +117,14 @@ def pack_code(script_dir: Path, archive: Path) -> Path:
     def keep(info: tarfile.TarInfo):
         return None if set(Path(info.name).parts) & EXCLUDED_FROM_CODE else info
 
-    with tarfile.open(archive, "w:gz") as tar:
-        for child in sorted(script_dir.iterdir()):
-            tar.add(child, arcname=child.name, filter=keep)
+    try:
+        with tarfile.open(archive, "w:gz") as tar:
+            for child in sorted(script_dir.iterdir()):
+                tar.add(child, arcname=child.name, filter=keep)
+    except OSError as e:  # a full temporary folder, or a file that cannot be read, was a traceback
+        if e.filename and Path(e.filename) != archive:
+            raise GcloudError(f"cannot pack {script_dir}: {e.filename}: {e.strerror}; make it readable or move it "
+                              "out of the folder") from None
+        raise GcloudError(f"cannot pack {script_dir} into {archive}: {e.strerror}; free some space in "
+                          f"{archive.parent.parent} or set TMPDIR to a folder with room") from None
     return archive
