@@ -132,12 +132,26 @@ class Worker:
         self.pump.start()
 
     def _copy_output(self, echo: bool) -> None:
-        with self.log_path.open("w", encoding="utf-8") as log:
+        log = None
+        try:
+            log = self.log_path.open("w", encoding="utf-8")
             for line in self.proc.stdout:
-                log.write(line)
-                log.flush()
                 if echo:
                     print(line, end="", flush=True)
+                log.write(line)
+                log.flush()
+        except OSError as e:  # a full disk ended this thread, and the worker then blocked on the full pipe
+            print(f"multihost_runner: cannot write {self.log_path} ({e.strerror}); {self.label}'s output is no "
+                  "longer saved, it runs on", file=sys.stderr, flush=True)
+            for line in self.proc.stdout:  # drained, so that the worker does not block
+                if echo:
+                    print(line, end="", flush=True)
+        finally:
+            if log is not None:
+                try:
+                    log.close()
+                except OSError:  # the flush of what could not be written fails again
+                    pass
 
     def stop(self) -> None:
         try:

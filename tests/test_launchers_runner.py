@@ -281,3 +281,20 @@ def test_packing_the_code_on_a_full_disk_is_one_line(code_dir):
     from tessera.tpu_vm import GcloudError, pack_code
     with pytest.raises(GcloudError, match=r"No space left on device; free some space in .* or set TMPDIR"):
         pack_code(code_dir, Path("/dev/full"))  # every write to it fails with ENOSPC
+
+
+def test_runner_with_a_full_log_disk_keeps_reading_the_workers(fake, tmp_path):
+    """A full disk under --LOG_DIR ended the thread copying a worker's output (a traceback); the worker then
+    blocked on the full pipe and the runner waited for ever."""
+    add_nodes(fake, ["solo"], workers=1)
+    (fake / "workers" / "solo" / "0" / "r").mkdir(parents=True)
+    (tmp_path / "logs" / "r").mkdir(parents=True)
+    (tmp_path / "logs" / "r" / "slice0_worker0.log").symlink_to("/dev/full")  # every write: no space left
+    command = 'for i in $(seq 1 20000); do echo "line $i, enough to fill a pipe"; done'
+    proc = subprocess.run([sys.executable, str(RUNNER), "--TPU_PREFIX=solo", f"--COMMAND={command}",
+                           "--USE_EXISTING_FOLDER=true", "--RUN_NAME=r"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "line 20000, enough" in proc.stdout  # slice 0 worker 0 is still echoed, every line of it
+    assert_one_line_error(proc.stderr, "slice0_worker0.log (No space left on device); slice 0 worker 0's output "
+                                       "is no longer saved, it runs on")
