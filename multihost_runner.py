@@ -8,7 +8,8 @@ together over DCN (the runner then sets the MEGASCALE_* variables libtpu uses to
 Steps: find the slices (`gcloud compute tpus tpu-vm list`), copy `--SCRIPT_DIR` to
 `~/<RUN_NAME>` on every worker (`scp` + `tar`; skipped with `--USE_EXISTING_FOLDER=true`),
 run `--COMMAND` there on all workers at once (`ssh --worker=<i>`), and stream each worker's
-output to `<LOG_DIR>/<RUN_NAME>/slice<s>_worker<w>.log` (slice 0 worker 0 is echoed here too).
+output to `<LOG_DIR>/<RUN_NAME>/slice<s>_worker<w>.log` (slice 0 worker 0 is echoed here too; an earlier
+launch's logs there are renamed slice<s>_worker<w>.<time>.log).
 When a worker fails the others are stopped, the failed ones are named with the end of their
 logs, and the exit code is 1. Stopping the local `gcloud ssh` may leave a remote process
 running; clean up with e.g. `--USE_EXISTING_FOLDER=true --RUN_NAME=r1 --COMMAND="pkill -f '[t]rain.py' || true"`
@@ -25,6 +26,7 @@ import argparse
 import contextlib
 import getpass
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -246,6 +248,22 @@ def main(argv: list[str]) -> int:
         return e.exit_code
 
 
+def keep_earlier_logs(log_dir: Path) -> None:
+    """Rename the logs of an earlier launch with this RUN_NAME to slice<s>_worker<w>.<time of its last line>.log.
+    They were overwritten: the clean-up command of the guide, run with the failed run's RUN_NAME, emptied the
+    logs that said why it failed."""
+    earlier = sorted(f for f in log_dir.glob("slice*_worker*.log") if re.fullmatch(r"slice\d+_worker\d+\.log", f.name))
+    for log in earlier:
+        stamp = time.strftime("%Y-%m-%d-%H-%M-%S", time.localtime(log.stat().st_mtime))
+        target, n = log.with_name(f"{log.stem}.{stamp}.log"), 1
+        while target.exists():
+            target, n = log.with_name(f"{log.stem}.{stamp}-{n}.log"), n + 1
+        log.rename(target)
+    if earlier:
+        print(f"the {len(earlier)} log(s) of an earlier launch named {log_dir.name} are kept in {log_dir}/ as "
+              "slice<s>_worker<w>.<time of their last line>.log", flush=True)
+
+
 def launch(args: argparse.Namespace) -> int:
     """Find the slices, make the log folder, copy the code, run COMMAND everywhere; returns the exit code."""
     log_dir = Path(args.LOG_DIR) / args.RUN_NAME
@@ -257,6 +275,7 @@ def launch(args: argparse.Namespace) -> int:
         return 1
     try:  # before the copy, which can take minutes
         log_dir.mkdir(parents=True, exist_ok=True)
+        keep_earlier_logs(log_dir)
     except OSError as e:
         print(f"multihost_runner: --LOG_DIR={args.LOG_DIR}: cannot make the log folder {log_dir} "
               f"({e.strerror}); pass a folder (it is created if missing)", file=sys.stderr)

@@ -288,13 +288,33 @@ def test_runner_with_a_full_log_disk_keeps_reading_the_workers(fake, tmp_path):
     blocked on the full pipe and the runner waited for ever."""
     add_nodes(fake, ["solo"], workers=1)
     (fake / "workers" / "solo" / "0" / "r").mkdir(parents=True)
-    (tmp_path / "logs" / "r").mkdir(parents=True)
-    (tmp_path / "logs" / "r" / "slice0_worker0.log").symlink_to("/dev/full")  # every write: no space left
     command = 'for i in $(seq 1 20000); do echo "line $i, enough to fill a pipe"; done'
-    proc = subprocess.run([sys.executable, str(RUNNER), "--TPU_PREFIX=solo", f"--COMMAND={command}",
+    # the runner may write 200 kB to a file; then a write fails, as on a full disk (EFBIG, not ENOSPC)
+    limited = ("import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000)); "
+               "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", limited, str(RUNNER), "--TPU_PREFIX=solo", f"--COMMAND={command}",
                            "--USE_EXISTING_FOLDER=true", "--RUN_NAME=r"], cwd=tmp_path, capture_output=True, text=True,
                           timeout=60)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert "line 20000, enough" in proc.stdout  # slice 0 worker 0 is still echoed, every line of it
-    assert_one_line_error(proc.stderr, "slice0_worker0.log (No space left on device); slice 0 worker 0's output "
+    assert_one_line_error(proc.stderr, "slice0_worker0.log (File too large); slice 0 worker 0's output "
                                        "is no longer saved, it runs on")
+
+
+def test_runner_keeps_the_logs_of_an_earlier_launch_with_the_same_run_name(fake, code_dir, tmp_path):
+    """The clean-up command of the guide (--USE_EXISTING_FOLDER=true --RUN_NAME=<the failed run's>) overwrote
+    the logs that said why the run failed."""
+    add_nodes(fake, ["solo"], workers=2)
+    failed = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=echo why it failed $FAKE_WORKER; exit 3",
+                 f"--SCRIPT_DIR={code_dir}", "--RUN_NAME=r1", cwd=tmp_path)
+    assert failed.returncode == 1
+    cleanup = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=echo cleaned $FAKE_WORKER",
+                  "--USE_EXISTING_FOLDER=true", "--RUN_NAME=r1", cwd=tmp_path)
+    assert cleanup.returncode == 0, cleanup.stderr
+    assert "the 2 log(s) of an earlier launch named r1 are kept" in cleanup.stdout
+    logs = tmp_path / "logs" / "r1"
+    for w in (0, 1):
+        assert (logs / f"slice0_worker{w}.log").read_text() == f"cleaned {w}\n"
+        kept = [f for f in logs.glob(f"slice0_worker{w}.*.log")]
+        assert len(kept) == 1 and re.fullmatch(rf"slice0_worker{w}\.\d{{4}}(-\d\d){{5}}\.log", kept[0].name), kept
+        assert kept[0].read_text() == f"why it failed {w}\n"
