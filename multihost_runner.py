@@ -102,7 +102,7 @@ def copy_code(args: argparse.Namespace, slices: list[Slice]) -> None:
         archive = pack_code(Path(args.SCRIPT_DIR), Path(tmp) / f"{args.RUN_NAME}.tar.gz")
         flags = scope_flags(args.PROJECT, args.ZONE) + (["--internal-ip"] if args.INTERNAL_IP else [])
         for s in slices:
-            print(f"copying {args.SCRIPT_DIR} to the {s.num_workers} worker(s) of {s.name}", flush=True)
+            out(f"copying {args.SCRIPT_DIR} to the {s.num_workers} worker(s) of {s.name}")
             gcloud(["compute", "tpus", "tpu-vm", "scp", str(archive), f"{s.name}:", "--worker=all", *flags])
             unpack = (f"mkdir -p ~/{shlex.quote(args.RUN_NAME)} && tar xzf ~/{shlex.quote(archive.name)} "
                       f"-C ~/{shlex.quote(args.RUN_NAME)}")
@@ -134,26 +134,26 @@ class Worker:
         self.pump.start()
 
     def _copy_output(self, echo: bool) -> None:
+        """Every line to the log (and here with `echo`), until the worker ends. A line that cannot be written
+        (a full disk under --LOG_DIR; a closed stdout, see `out`) ended this thread with a traceback, and the
+        worker then blocked on the full pipe for ever; now the log stops, with a line, and the worker runs on."""
         log = None
         try:
             log = self.log_path.open("w", encoding="utf-8")
-            for line in self.proc.stdout:
-                if echo:
-                    print(line, end="", flush=True)
-                log.write(line)
-                log.flush()
-        except OSError as e:  # a full disk ended this thread, and the worker then blocked on the full pipe
-            print(f"multihost_runner: cannot write {self.log_path} ({e.strerror}); {self.label}'s output is no "
-                  "longer saved, it runs on", file=sys.stderr, flush=True)
-            for line in self.proc.stdout:  # drained, so that the worker does not block
-                if echo:
-                    print(line, end="", flush=True)
-        finally:
+        except OSError as e:
+            _say(f"cannot write {self.log_path} ({e.strerror}); {self.label}'s output is not saved")
+        for line in self.proc.stdout:
+            if echo:
+                out(line, end="")
             if log is not None:
                 try:
-                    log.close()
-                except OSError:  # the flush of what could not be written fails again
-                    pass
+                    log.write(line)
+                    log.flush()
+                except OSError as e:
+                    log = _close(log)
+                    _say(f"cannot write {self.log_path} ({e.strerror}); {self.label}'s output is no longer saved, "
+                         "it runs on")
+        _close(log)
 
     def stop(self) -> None:
         try:
@@ -171,6 +171,31 @@ class Worker:
         text = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines() \
             if self.log_path.exists() else []
         return "\n".join("      " + line for line in text[-lines:])
+
+
+def out(text: str, end: str = "\n") -> None:
+    """Print to stdout; once its reader is gone (`| head`), the rest goes to /dev/null. The BrokenPipeError
+    ended the thread echoing slice 0 worker 0 (which then blocked on its full pipe, and the job with it), or
+    the runner between starting its workers and stopping them."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _say(message: str) -> None:
+    try:
+        print(f"multihost_runner: {message}", file=sys.stderr, flush=True)
+    except OSError:  # stderr closed too
+        pass
+
+
+def _close(log) -> None:
+    try:
+        if log is not None:
+            log.close()
+    except OSError:  # the flush of what could not be written fails again
+        pass
 
 
 @contextlib.contextmanager
@@ -200,7 +225,7 @@ def run_everywhere(args: argparse.Namespace, slices: list[Slice], log_dir: Path)
                 with signals_held():  # in the list before a Ctrl-C can end the loop: stopped with the others
                     workers.append(Worker(s_id, w, argv, log_dir / f"slice{s_id}_worker{w}.log",
                                           echo=(s_id, w) == (0, 0)))
-        print(f"running on {len(workers)} worker(s); logs in {log_dir}/", flush=True)
+        out(f"running on {len(workers)} worker(s); logs in {log_dir}/")
         return wait_all(workers)
     except (KeyboardInterrupt, Stopped):  # the workers run in sessions of their own and saw no signal
         for sig in STOP_SIGNALS:  # a second signal must not cut the clean-up
@@ -260,8 +285,8 @@ def keep_earlier_logs(log_dir: Path) -> None:
             target, n = log.with_name(f"{log.stem}.{stamp}-{n}.log"), n + 1
         log.rename(target)
     if earlier:
-        print(f"the {len(earlier)} log(s) of an earlier launch named {log_dir.name} are kept in {log_dir}/ as "
-              "slice<s>_worker<w>.<time of their last line>.log", flush=True)
+        out(f"the {len(earlier)} log(s) of an earlier launch named {log_dir.name} are kept in {log_dir}/ as "
+            "slice<s>_worker<w>.<time of their last line>.log")
 
 
 def launch(args: argparse.Namespace) -> int:
@@ -269,7 +294,7 @@ def launch(args: argparse.Namespace) -> int:
     log_dir = Path(args.LOG_DIR) / args.RUN_NAME
     try:
         slices = find_slices(args.TPU_PREFIX, scope_flags(args.PROJECT, args.ZONE))
-        print(f"{len(slices)} slice(s): " + ", ".join(f"{s.name} ({s.num_workers} workers)" for s in slices))
+        out(f"{len(slices)} slice(s): " + ", ".join(f"{s.name} ({s.num_workers} workers)" for s in slices))
     except GcloudError as e:
         print(f"multihost_runner: {e}", file=sys.stderr)
         return 1
@@ -292,7 +317,7 @@ def launch(args: argparse.Namespace) -> int:
         for w in failed:
             print(f"  {w.label} exited with code {w.proc.returncode} (log {w.log_path}):\n{w.tail()}", file=sys.stderr)
         return 1
-    print(f"multihost_runner: all workers finished; logs in {Path(args.LOG_DIR) / args.RUN_NAME}/")
+    out(f"multihost_runner: all workers finished; logs in {Path(args.LOG_DIR) / args.RUN_NAME}/")
     return 0
 
 

@@ -318,3 +318,25 @@ def test_runner_keeps_the_logs_of_an_earlier_launch_with_the_same_run_name(fake,
         kept = [f for f in logs.glob(f"slice0_worker{w}.*.log")]
         assert len(kept) == 1 and re.fullmatch(rf"slice0_worker{w}\.\d{{4}}(-\d\d){{5}}\.log", kept[0].name), kept
         assert kept[0].read_text() == f"why it failed {w}\n"
+
+
+def test_runner_piped_into_head_does_not_hang(fake, tmp_path):
+    """`multihost_runner.py ... | head`: the closed stdout ended the thread echoing slice 0 worker 0 with a
+    BrokenPipeError; the worker then blocked on its full pipe (the job with it) and the runner waited for ever."""
+    add_nodes(fake, ["solo"], workers=1)
+    (fake / "workers" / "solo" / "0" / "r").mkdir(parents=True)
+    command = 'for i in $(seq 1 20000); do echo "line $i, enough to fill a pipe"; done'
+    proc = start("--TPU_PREFIX=solo", f"--COMMAND={command}", "--USE_EXISTING_FOLDER=true", "--RUN_NAME=r",
+                 cwd=tmp_path)
+    try:
+        while "line 1," not in proc.stdout.readline():  # what `head` reads, then it goes away
+            pass
+        proc.stdout.close()
+        assert proc.wait(timeout=60) == 0
+        stderr = proc.stderr.read()
+        assert "Traceback" not in stderr and "Broken pipe" not in stderr, stderr
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert (tmp_path / "logs" / "r" / "slice0_worker0.log").read_text().endswith("line 20000, enough to fill a pipe\n")
