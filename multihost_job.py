@@ -43,7 +43,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
-from tessera.tpu_vm import GcloudError, describe_slice, gcloud, pack_code, scope_flags  # noqa: E402
+from tessera.tpu_vm import GcloudError, describe_slice, gcloud, out, pack_code, scope_flags  # noqa: E402
 
 FAILED_STATES = {"FAILED", "SUSPENDED", "SUSPENDING"}
 # once ACTIVE, these mean the slices are gone (preempted, failed or deleted) and no more workers will report
@@ -195,7 +195,7 @@ def wait_active(args: argparse.Namespace, deadline: float) -> None:
     while True:
         state = queued_resource_state(args)
         if state != last:
-            print(f"queued resource {args.RUN_NAME}: {state}", flush=True)
+            out(f"queued resource {args.RUN_NAME}: {state}")
             last = state
         if state == "ACTIVE":
             return
@@ -216,7 +216,7 @@ def wait_for_workers(args: argparse.Namespace, expected: int, deadline: float) -
             listing = []
         if len(listing) != reported:
             reported = len(listing)
-            print(f"{reported} of {expected} worker(s) finished", flush=True)
+            out(f"{reported} of {expected} worker(s) finished")
         if reported >= expected:
             return {url.rsplit("/", 1)[-1]: int(gcloud(["storage", "cat", url]).strip() or 1) for url in listing}
         state = queued_resource_state(args)
@@ -236,7 +236,7 @@ def _sleep_or_timeout(args: argparse.Namespace, deadline: float) -> None:
 def clean_up(args: argparse.Namespace) -> None:
     for signum in STOP_SIGNALS:  # a second Ctrl-C must not stop the delete
         signal.signal(signum, signal.SIG_IGN)
-    print(f"deleting queued resource {args.RUN_NAME}", flush=True)
+    out(f"deleting queued resource {args.RUN_NAME}")
     try:
         gcloud(["alpha", "compute", "tpus", "queued-resources", "delete", args.RUN_NAME, "--force", "--quiet",
                 "--async", *scope_flags(args.PROJECT, args.ZONE)])
@@ -266,8 +266,8 @@ def main(argv: list[str]) -> int:
             except GcloudError as e:
                 print(f"multihost_job: {e}", file=sys.stderr)
                 return 1
-            print(f"queued resource {args.RUN_NAME} created: {args.NUM_SLICES} x {args.TPU_TYPE}; "
-                  f"logs will be in {run_url(args)}/logs/", flush=True)
+            out(f"queued resource {args.RUN_NAME} created: {args.NUM_SLICES} x {args.TPU_TYPE}; "
+                f"logs will be in {run_url(args)}/logs/")
             wait_active(args, deadline)
             scope = scope_flags(args.PROJECT, args.ZONE)
             expected = sum(describe_slice(name, scope).num_workers for name in node_names(args))
@@ -285,8 +285,7 @@ def report(args: argparse.Namespace, codes: dict[str, int]) -> int:
     for host, code in failed.items():
         print(f"multihost_job: worker {host} exited with code {code}; log {run_url(args)}/logs/{host}.log",
               file=sys.stderr)
-    print(f"multihost_job: {len(codes) - len(failed)} of {len(codes)} worker(s) succeeded; "
-          f"logs in {run_url(args)}/logs/")
+    out(f"multihost_job: {len(codes) - len(failed)} of {len(codes)} worker(s) succeeded; logs in {run_url(args)}/logs/")
     return 1 if failed else 0
 
 

@@ -39,7 +39,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
-from tessera.tpu_vm import GcloudError, Slice, find_slices, gcloud, pack_code, parse_bool, scope_flags  # noqa: E402
+from tessera.tpu_vm import (GcloudError, Slice, find_slices, gcloud, out, pack_code,  # noqa: E402
+                            parse_bool, scope_flags)
 
 MEGASCALE_PORT = 8080
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -171,16 +172,6 @@ class Worker:
         text = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines() \
             if self.log_path.exists() else []
         return "\n".join("      " + line for line in text[-lines:])
-
-
-def out(text: str, end: str = "\n") -> None:
-    """Print to stdout; once its reader is gone (`| head`), the rest goes to /dev/null. The BrokenPipeError
-    ended the thread echoing slice 0 worker 0 (which then blocked on its full pipe, and the job with it), or
-    the runner between starting its workers and stopping them."""
-    try:
-        print(text, end=end, flush=True)
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _say(message: str) -> None:

@@ -222,3 +222,18 @@ def tempfile_dir(state: Path) -> str:
     """The launcher's temporary folder, from its upload call."""
     upload = next(c for c in calls(state) if c[:2] == ["storage", "cp"] and c[-1].endswith("/code.tar.gz"))
     return str(Path(upload[2]).parent)
+
+
+def test_job_piped_into_head_still_deletes_the_queued_resource(fake, code_dir, tmp_path):
+    """`multihost_job.py ... | head -1`: the next line raised BrokenPipeError, a traceback that skipped the delete
+    and left the slices running (and paid for)."""
+    proc = start([*JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}"], cwd=tmp_path)
+    proc.stdout.readline()  # what `head -1` reads ("queued resource job1 created: ..."), then it goes away
+    proc.stdout.close()
+    try:
+        assert proc.wait(timeout=60) == 0
+        stderr = proc.stderr.read()
+    finally:
+        finish(proc)
+    assert "Traceback" not in stderr and "Broken pipe" not in stderr, stderr
+    assert len(deletes(fake)) == 1

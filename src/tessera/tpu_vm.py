@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -61,6 +63,16 @@ def gcloud(args: list[str], capture: bool = True) -> str:
         output = ((proc.stderr or "") + (proc.stdout or "")).strip() if capture else "(output above)"
         raise GcloudError(f"`gcloud {shlex.join(args)}` failed with exit code {proc.returncode}:\n{output}")
     return proc.stdout or ""
+
+
+def out(text: str, end: str = "\n") -> None:
+    """Print to stdout; once its reader is gone (`| head`), the rest goes to /dev/null. The BrokenPipeError
+    ended multihost_runner's thread echoing slice 0 worker 0 (which then blocked on its full pipe, and the
+    job with it), and multihost_job before it deleted its queued resource (the slices were left running)."""
+    try:
+        print(text, end=end, flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def _slice_from_node(node: dict) -> Slice:
