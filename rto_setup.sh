@@ -12,6 +12,7 @@
 #
 # Safe to run again: routes that already carry the value are left alone. The recipes run it
 # on PLATFORM=gce; on GKE the node image is configured by the cluster instead.
+[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh rto_setup.sh` starts a POSIX shell: run under bash
 set -euo pipefail
 
 for arg in "$@"; do

@@ -321,6 +321,14 @@ def test_rto_setup_dry_run_and_root_check(fake_net):
     assert rto(env, "RTO_MIN=fast").returncode == 2
 
 
+def test_rto_setup_started_with_sh_runs_under_bash(fake_net):
+    """`sudo sh rto_setup.sh` stopped at `set -o pipefail` under dash (exit 2), as the recipes once did."""
+    folder, env = fake_net
+    out = subprocess.run(["sh", str(REPO / "rto_setup.sh"), "DRY_RUN=1"], capture_output=True, text=True, env=env,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.count("would run: ip route change") == 2, out.stderr
+
+
 def test_rto_min_reaches_rto_setup_through_sudo(fake_net, tmp_path):
     """RTO_MIN=10ms, a recipe setting, was exported to rto_setup.sh, but sudo resets the environment:
     on a TPU VM (not root) the routes got the default 5 ms, without a word."""
