@@ -56,7 +56,11 @@ while IFS= read -r route; do
   if [ "$DRY_RUN" = 1 ]; then
     echo "would run: ip route change ${words[*]} rto_min $RTO_MIN"
   else
-    ip route change "${words[@]}" rto_min "$RTO_MIN"
+    if ! ip route change "${words[@]}" rto_min "$RTO_MIN"; then  # ip's own line alone did not say what to do
+      echo "rto_setup.sh: could not set rto_min $RTO_MIN on the route '${words[*]}' (ip's message above); in a" \
+           "container (GKE, xpk) run the recipe with PLATFORM=gke, which leaves the network to the cluster" >&2
+      exit 1
+    fi
     echo "set rto_min $RTO_MIN: ${words[*]}"
   fi
   changed=$((changed + 1))

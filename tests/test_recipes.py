@@ -329,6 +329,20 @@ def test_rto_setup_started_with_sh_runs_under_bash(fake_net):
     assert out.returncode == 0 and out.stdout.count("would run: ip route change") == 2, out.stderr
 
 
+def test_a_tpu_recipe_in_a_container_says_to_use_platform_gke(fake_net, tmp_path):
+    """In a GKE pod (no NET_ADMIN) with PLATFORM left at gce, the run ended with ip's line alone:
+    "RTNETLINK answers: Operation not permitted"."""
+    folder, env = fake_net
+    (folder / "bin" / "ip").write_text(f'#!/bin/bash\nif [ "$1 $2 $3" = "-4 route show" ]; then cat {folder}/routes; '
+                                       'exit 0; fi\necho "RTNETLINK answers: Operation not permitted" >&2; exit 2\n')
+    out = subprocess.run(["bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), "RUN_NAME=r1"],
+                         capture_output=True, text=True, env={**env, "HOME": str(tmp_path), "PYTHON": "/bin/echo"},
+                         timeout=60)
+    assert out.returncode == 1 and out.stdout == "", out
+    assert "Operation not permitted" in out.stderr
+    assert "in a container (GKE, xpk) run the recipe with PLATFORM=gke" in out.stderr
+
+
 def test_rto_min_reaches_rto_setup_through_sudo(fake_net, tmp_path):
     """RTO_MIN=10ms, a recipe setting, was exported to rto_setup.sh, but sudo resets the environment:
     on a TPU VM (not root) the routes got the default 5 ms, without a word."""
