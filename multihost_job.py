@@ -24,7 +24,8 @@ without uploading its status while its slice stays ACTIVE is not noticed: set --
 Exit codes: 0 every worker succeeded; 1 a worker failed, a gcloud command failed, the queued resource
 failed or was suspended, the run folder already exists, --TIMEOUT_MINUTES passed or gcloud is not
 on PATH; 2 bad arguments; 128 + the signal's number when stopped by a signal (Ctrl-C 130, SIGTERM
-143, SIGHUP 129), after deleting the queued resource if it may have been created.
+143, SIGHUP 129), after deleting the queued resource if it may have been created. A signal ignored when
+the launcher starts stays ignored: `nohup python3 multihost_job.py ... &` outlives the terminal.
 """
 
 from __future__ import annotations
@@ -251,8 +252,9 @@ def main(argv: list[str]) -> int:
               "(https://cloud.google.com/sdk/docs/install) or add it to PATH", file=sys.stderr)
         return 1
     deadline = time.monotonic() + args.TIMEOUT_MINUTES * 60 if args.TIMEOUT_MINUTES else float("inf")
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, _raise_stopped)
+    for signum in STOP_SIGNALS:  # one ignored by `nohup` (SIGHUP) or `&` in a script (SIGINT) stays ignored: the
+        if signal.getsignal(signum) is not signal.SIG_IGN:  # logout deleted the queued resource of a job under nohup
+            signal.signal(signum, _raise_stopped)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             check_run_folder(args)  # before the upload: an earlier run's code.tar.gz stays as it was

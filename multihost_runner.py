@@ -17,7 +17,8 @@ running; clean up with e.g. `--USE_EXISTING_FOLDER=true --RUN_NAME=r1 --COMMAND=
 
 Exit codes: 0 every worker finished; 1 a gcloud call or a worker failed (or `gcloud` is not on PATH);
 2 bad arguments; 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP (the local `gcloud` processes are
-stopped first).
+stopped first). A signal ignored when the runner starts stays ignored: `nohup python3 multihost_runner.py ... &`
+outlives the terminal.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def signals_held():
     while a worker started (Popen waits for the exec, Thread.start for the thread) lost that worker: its
     `gcloud ssh` and the command on the TPU VM ran on after the runner said it had stopped them."""
     held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in STOP_SIGNALS}
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum)) for sig in STOP_SIGNALS
+                if signal.getsignal(sig) is not signal.SIG_IGN}  # one that `nohup` (or `&`) ignores stays ignored
     try:
         yield
     finally:
@@ -253,7 +255,8 @@ def main(argv: list[str]) -> int:
               "(https://cloud.google.com/sdk/docs/install) or add its bin folder to PATH", file=sys.stderr)
         return 1
     for sig in (signal.SIGTERM, signal.SIGHUP):  # handled like Ctrl-C: stop the workers' gcloud, then exit
-        signal.signal(sig, _raise_stopped)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # `nohup` ignores SIGHUP: the logout must not stop the run
+            signal.signal(sig, _raise_stopped)
     try:
         return launch(args)
     except KeyboardInterrupt:

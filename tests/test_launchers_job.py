@@ -237,3 +237,16 @@ def test_job_piped_into_head_still_deletes_the_queued_resource(fake, code_dir, t
         finish(proc)
     assert "Traceback" not in stderr and "Broken pipe" not in stderr, stderr
     assert len(deletes(fake)) == 1
+
+
+def test_job_under_nohup_survives_the_logout(fake, code_dir, tmp_path):
+    """`nohup python3 multihost_job.py ... &`, then a logout: the launcher replaced nohup's SIG_IGN with its own
+    handler, so the SIGHUP deleted the queued resource (exit 129) of a job meant to outlive the session."""
+    proc = subprocess.Popen(["nohup", sys.executable, str(REPO / "multihost_job.py"), *JOB_ARGS, "--TIMEOUT_MINUTES=0.1",
+                             f"--COMMAND={KILL_WORKER_1}", f"--SCRIPT_DIR={code_dir}"], cwd=tmp_path, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    wait_for_call(fake, ["storage", "ls", "gs://bkt/tessera-jobs/job1/status/"], proc)
+    proc.send_signal(signal.SIGHUP)  # nohup execs the launcher: the same process
+    code, out, err = finish(proc)
+    assert code == 1 and "SIGHUP" not in err, err
+    assert "--TIMEOUT_MINUTES=0.1 passed before the job finished" in err  # it waited on, as asked

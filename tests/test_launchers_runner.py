@@ -340,3 +340,24 @@ def test_runner_piped_into_head_does_not_hang(fake, tmp_path):
             proc.kill()
             proc.wait()
     assert (tmp_path / "logs" / "r" / "slice0_worker0.log").read_text().endswith("line 20000, enough to fill a pipe\n")
+
+
+def test_runner_under_nohup_survives_the_logout(fake, tmp_path):
+    """`nohup python3 multihost_runner.py ... &`, then a logout: the runner replaced nohup's SIG_IGN with its own
+    handler, so the SIGHUP stopped every worker (exit 129)."""
+    add_nodes(fake, ["solo"], workers=1)
+    folder = fake / "workers" / "solo" / "0" / "r"
+    folder.mkdir(parents=True)
+    proc = subprocess.Popen(["nohup", sys.executable, str(RUNNER), "--TPU_PREFIX=solo", "--USE_EXISTING_FOLDER=true",
+                             "--COMMAND=touch started; sleep 3; echo finished", "--RUN_NAME=r"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for((folder / "started").exists)
+        proc.send_signal(signal.SIGHUP)  # nohup execs the runner: the same process
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0 and "SIGHUP" not in stderr, stderr
+    assert "finished" in stdout
