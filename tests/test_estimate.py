@@ -629,3 +629,23 @@ def test_a_tpu_slice_type_of_a_size_that_does_not_exist_says_why(capsys, hardwar
     if hardware == "v6e-512":  # the planner's option for several slices is --slices
         assert plan_main(["default", "--hardware", hardware]) == 2
         assert "use several slices (--slices <n>) instead" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("keys, env, said", [
+    ([], {}, "does NOT fit in 0.75 x 131.3 GiB (JAX's default; xla_python_client_mem_fraction=0.9 gives it more)"),
+    (["xla_python_client_mem_fraction=0.9"], {}, "does NOT fit in 0.9 x 131.3 GiB (xla_python_client_mem_fraction)"),
+    ([], {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.98"}, "fits in 0.98 x 131.3 GiB (XLA_PYTHON_CLIENT_MEM_FRACTION)"),
+])
+def test_a_gpu_estimate_fits_in_the_memory_jax_takes(keys, env, said, capsys, monkeypatch):
+    """On GPUs JAX's client takes xla_python_client_mem_fraction of the memory (0.75 unless set) and never more;
+    the estimate said "fits in 0.95 x 131.3 GiB" for 6 sequences of 8192 on an H200 (120.5 GiB), which the H200
+    recipe's 0.9 (118.2 GiB) cannot hold (configs/gpu/h200/README.md), nor JAX's default 0.75."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = ["llama3.1-8b", "per_device_batch_size=6", "max_target_length=8192", "dtype=bfloat16",
+           "remat_policy=save_dot_except_mlp", *keys, "--hardware", "h200-8"]
+    assert main(run) == 0
+    assert f"  -> {said} with remat_policy=save_dot_except_mlp" in capsys.readouterr().out
+    assert main(["llama3.1-8b", "--hardware", "v5p-8"]) == 0  # TPUs: compile_hbm_budget_fraction, as before
+    assert "fits in 0.95 x 95.0 GiB (compile_hbm_budget_fraction)" in capsys.readouterr().out

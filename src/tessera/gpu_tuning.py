@@ -38,6 +38,7 @@ log = logging.getLogger("tessera")
 PGLE_FLAG = "--xla_gpu_pgle_profile_file_or_directory_path"
 LHS_FLAG = "--xla_gpu_enable_latency_hiding_scheduler"
 TRUE_WORDS = ("1", "true", "t", "yes", "y", "on")  # what JAX accepts as true in a JAX_* variable
+JAX_MEM_FRACTION = 0.75  # the share of each GPU's memory JAX takes when nothing sets XLA_PYTHON_CLIENT_MEM_FRACTION
 
 
 def check_gpu_config(gpu: GpuConfig) -> None:
@@ -83,8 +84,23 @@ def effective_settings(gpu: GpuConfig, environ: Mapping[str, str]) -> dict[str, 
         "enable_pgle": "true" if pgle_on else "false",
         "pgle_profiling_runs": env.get("JAX_PGLE_PROFILING_RUNS", "3") if pgle_on else "-",
         "pgle_profile_path": flags.get(PGLE_FLAG) or "-",
-        "xla_python_client_mem_fraction": env.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or "default (0.75)",
+        "xla_python_client_mem_fraction": env.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or f"default ({JAX_MEM_FRACTION:g})",
     }
+
+
+def gpu_memory_fraction(gpu: GpuConfig, environ: Mapping[str, str]) -> tuple[float, str]:
+    """(the share of each GPU's memory a run with these keys in this environment can use, where it
+    comes from): the key, else XLA_PYTHON_CLIENT_MEM_FRACTION, else JAX's 0.75. JAX's GPU client
+    allocates no more than that; the estimator and the planner size a GPU run against it."""
+    if gpu.xla_python_client_mem_fraction:
+        return gpu.xla_python_client_mem_fraction, "xla_python_client_mem_fraction"
+    try:
+        fraction = float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", ""))
+    except ValueError:
+        fraction = 0.0
+    if 0.0 < fraction <= 1.0:
+        return fraction, "XLA_PYTHON_CLIENT_MEM_FRACTION"
+    return JAX_MEM_FRACTION, "JAX's default; xla_python_client_mem_fraction=0.9 gives it more"
 
 
 def apply_gpu_tuning(gpu: GpuConfig, environ: MutableMapping[str, str] | None = None) -> dict[str, str]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import re
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ from tessera.config.derived import LAYERS_PER_BLOCK, plan_run
 from tessera.config.loader import read_yaml
 from tessera.config.maxtext import translate
 from tessera.config.schema import all_fields
+from tessera.gpu_tuning import gpu_memory_fraction
 from tessera.hardware import GIB, GPUS, TPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
 from tessera.tools.cli import config_epilog
@@ -96,6 +98,16 @@ def mesh_sizes(cfg: Config, hw: Hardware) -> dict[str, int]:
 
     ici, dcn = mesh_shape(cfg.mesh, hw.num_devices, hw.num_slices)
     return {axis: ici[axis] * dcn[axis] for axis in ici}
+
+
+def memory_budget(cfg: Config, hw: Hardware) -> tuple[float, str]:
+    """(the share of a device's HBM a run may use, the setting it comes from). TPUs:
+    compile_hbm_budget_fraction. GPUs: the share JAX's client takes at start-up and never goes
+    past (`gpu_tuning.gpu_memory_fraction`: xla_python_client_mem_fraction, else JAX's 0.75);
+    sized against 0.95, a run said to fit ran out of memory at JAX's default."""
+    if hw.accelerator.torus_dims:
+        return cfg.compile.compile_hbm_budget_fraction, "compile_hbm_budget_fraction"
+    return gpu_memory_fraction(cfg.gpu, os.environ)
 
 
 def fused_attention(cfg: Config, hw: Hardware, mesh: dict[str, int] | None = None) -> bool:
@@ -207,10 +219,11 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     for policy, value in mem.activations.items():
         mark = "  <- remat_policy" if policy == m.remat_policy else ""
         lines.append(f"    {policy:<24} {value / GIB:8.2f}   total {mem.total(policy) / GIB:8.2f}{mark}")
-    fits = mem.total(m.remat_policy) <= hbm * cfg.compile.compile_hbm_budget_fraction
+    fraction, source = memory_budget(cfg, hw)
+    fits = mem.total(m.remat_policy) <= hbm * fraction
     lines += [
-        f"  -> {'fits' if fits else 'does NOT fit'} in {cfg.compile.compile_hbm_budget_fraction:g} x "
-        f"{hbm / GIB:.1f} GiB with remat_policy={m.remat_policy}",
+        f"  -> {'fits' if fits else 'does NOT fit'} in {fraction:g} x {hbm / GIB:.1f} GiB ({source}) with "
+        f"remat_policy={m.remat_policy}",
         *(f"  note: {note}" for note in unmodelled_notes(m)),
         *eval_note(cfg, hbm),
         "",

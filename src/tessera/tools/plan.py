@@ -40,8 +40,8 @@ from tessera.config import Config, ConfigError
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.tools.cli import config_epilog
-from tessera.tools.estimate import (Hardware, check_topology_keys, fused_attention, load_model_config, mesh_sizes,
-                                   parse_hardware, sequence_note)
+from tessera.tools.estimate import (Hardware, check_topology_keys, fused_attention, load_model_config, memory_budget,
+                                   mesh_sizes, parse_hardware, sequence_note)
 from tessera.tools.memory_model import ParamCounts, count_params, estimate_memory
 from tessera.tools.plan_meshes import DCN_AXES, ICI_AXES, KEY, Mesh, gpu_split, meshes
 from tessera.tools.plan_model import REMAT_POLICIES, Axis, ModelTerms, estimate_mfu, score_axes
@@ -149,7 +149,7 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
     the smallest tried). `terms`: ModelTerms.of(cfg), when the caller has it already."""
     terms = terms or ModelTerms.of(cfg)
     fused, executed = fused_attention(cfg, hw, mesh.sizes), terms.executed
-    budget = hw.accelerator.hbm_bytes * cfg.compile.compile_hbm_budget_fraction
+    budget = hw.accelerator.hbm_bytes * memory_budget(cfg, hw)[0]
     found: dict[tuple[int, str], Candidate] = {}
     for repeats in repeats_tried or pipeline_repeats(cfg, mesh.sizes["stage"]):
         for t in tokens:

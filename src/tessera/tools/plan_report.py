@@ -8,7 +8,7 @@ import math
 
 from tessera.config import Config
 from tessera.hardware import GIB, GPUS_PER_NODE
-from tessera.tools.estimate import Hardware, fused_attention
+from tessera.tools.estimate import Hardware, fused_attention, memory_budget
 from tessera.tools.memory_model import count_params, estimate_memory, unmodelled_notes
 from tessera.tools.plan import Candidate, mesh_config
 from tessera.tools.plan_model import executed_ratio
@@ -82,6 +82,7 @@ def _lost(w: Candidate, r: Candidate) -> str:
 def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_per_device: int) -> str:
     """By how much the smallest candidate misses the budget and what would make it fit."""
     small = ranked[0]  # the smallest of all, when none fits
+    fraction, source = memory_budget(cfg, hw)
     ideal = max(ranked, key=Candidate.roofline_key)
     c = mesh_config(cfg, small.mesh, small.repeats, small.per_device_batch)
     mem = estimate_memory(c, count_params(c.model), small.mesh.sizes, fused_attention(c, hw, small.mesh.sizes))
@@ -112,8 +113,8 @@ def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_pe
     return (f"{c.model.model_name} does not fit on {hw.name} x{hw.num_slices} at any mesh tried: the smallest "
             f"needs {small.memory / GIB:.1f} GiB per chip ({describe(small)}, remat {small.remat}, "
             f"{small.tokens_per_device:,} tokens per device), {(small.memory - small.budget) / GIB:.1f} GiB over the "
-            f"budget of {small.budget / GIB:.1f} GiB ({cfg.compile.compile_hbm_budget_fraction:g} of "
-            f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM). What would fit:\n  - " + "\n  - ".join(hints))
+            f"budget of {small.budget / GIB:.1f} GiB ({fraction:g} of {hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM, "
+            f"{source}). What would fit:\n  - " + "\n  - ".join(hints))
 
 
 def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
