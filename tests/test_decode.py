@@ -3,6 +3,7 @@ sampling; the command line."""
 
 import dataclasses
 import json
+import os
 import re
 import subprocess
 import sys
@@ -838,3 +839,18 @@ def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, 
     assert main(["configs/base.yml", "load_parameters_path=x", "--tokens", "1,2"]) == 2
     err = capsys.readouterr().err
     assert f"error: config file {tmp_path / 'configs' / 'base.yml'} does not exist" in err
+
+
+def test_decode_py_applies_the_gpu_keys_as_train_py_does(checkpoint):
+    """optimization_level and xla_python_client_mem_fraction (which a GPU recipe's config.yml holds) were read by
+    train.py only: decode.py left JAX at its 0.75 of each GPU's memory without a word."""
+    path, want = checkpoint
+    cmd = [sys.executable, str(REPO / "decode.py"), *CONFIG_ARGS, f"load_parameters_path={path}",
+           "optimization_level=O1", "xla_python_client_mem_fraction=0.9", "--tokens",
+           ",".join(map(str, PROMPTS[0])), "--max_new_tokens", str(NEW_TOKENS)]
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_OPTIMIZATION_LEVEL")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [int(t) for t in proc.stdout.split()] == want[0]
+    assert ("gpu tuning: optimization_level=O1, enable_pgle=false, pgle_profiling_runs=-, pgle_profile_path=-, "
+            "xla_python_client_mem_fraction=0.9") in proc.stderr, proc.stderr[-3000:]

@@ -350,6 +350,11 @@ def _decode_main(flags: argparse.Namespace, config_args: list[str]) -> int:
 
     try:
         cfg = load_config(resolve_config_file(config_args))
+        # the GPU keys before any device use, as in train.py (a GPU recipe's run has xla_python_client_mem_fraction=0.9
+        # in its config.yml, which decoding ignored)
+        from tessera.gpu_tuning import apply_gpu_tuning
+
+        apply_gpu_tuning(cfg.gpu)
         use_compilation_cache(cfg.run.jax_cache_dir)
         job = initialize()  # a multi-process job (the same environment variables as train.py's): join it
         check_platforms_start()  # JAX_PLATFORMS=cuda without the CUDA plugin: one line, not a traceback
