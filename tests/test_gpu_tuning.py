@@ -89,6 +89,25 @@ def test_a_bad_value_names_the_key(argument, message):
         load_config([BASE, argument], env={})
 
 
+def test_a_trace_or_a_folder_without_a_profile_is_refused_as_pgle_profile_path(tmp_path):
+    """The trace folder of step 1 of the PGLE workflow (step 2 skipped) was taken: XLA looks in a folder only for
+    <fingerprint>.pb or .pbtxt, so it found no profile and scheduled without one, and no line said so."""
+    run = tmp_path / "profile" / "plugins" / "profile" / "2026_11_30"
+    run.mkdir(parents=True)
+    (run / "host.xplane.pb").write_bytes(b"trace")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "0123abcd.pb").write_bytes(b"")
+    for path, why in [(tmp_path / "profile", "is a trace folder (profiler=xplane's), not a profile"),
+                      (run, "is a trace folder (profiler=xplane's), not a profile"),
+                      (run / "host.xplane.pb", "is a trace (profiler=xplane's), not a profile"),
+                      (tmp_path / "empty", "is a folder without a profile (.pb or .pbtxt file)")]:
+        with pytest.raises(ConfigError, match=re.escape(f"pgle_profile_path='{path}' {why}: XLA would read no usable "
+                                                        "profile from it") + ".*python -m tessera.gpu_tuning"):
+            load_config([BASE, f"pgle_profile_path={path}"], env={})
+    assert load_config([BASE, f"pgle_profile_path={tmp_path / 'profiles'}"], env={}).gpu.pgle_profile_path
+
+
 def test_a_bad_value_stops_train_py_with_exit_code_2():
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), BASE, "xla_python_client_mem_fraction=2"],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})

@@ -55,6 +55,26 @@ def check_gpu_config(gpu: GpuConfig) -> None:
     if any(c.isspace() for c in path):
         raise ConfigError(f"pgle_profile_path={path!r} contains white space, which XLA_FLAGS cannot carry; "
                           "move the profile to a path without spaces")
+    why = not_a_profile(os.path.expanduser(path)) if path else ""
+    if why:
+        raise ConfigError(f"pgle_profile_path={path!r} {why}: XLA would read no usable profile from it and say "
+                          "nothing. Write the profile from the trace first (.venv/bin/python -m tessera.gpu_tuning "
+                          "<trace folder> <profile.pb>) and give that file")
+
+
+def not_a_profile(path: str) -> str:
+    """Why `path` cannot be a PGLE profile as XLA reads one ('' when it can be): a trace of
+    profiler=xplane (a folder holding *.xplane.pb files, or one of them), or a folder with no
+    <fingerprint>.pb or .pbtxt file, the only names XLA looks for in a folder."""
+    if path.endswith(".xplane.pb"):
+        return "is a trace (profiler=xplane's), not a profile"
+    if not os.path.isdir(path):
+        return ""
+    if any(glob.glob(os.path.join(path, *sub, "*.xplane.pb")) for sub in ((), ("*",), ("plugins", "profile", "*"))):
+        return "is a trace folder (profiler=xplane's), not a profile"
+    if not glob.glob(os.path.join(path, "*.pb")) + glob.glob(os.path.join(path, "*.pbtxt")):
+        return "is a folder without a profile (.pb or .pbtxt file)"
+    return ""
 
 
 def tuning_environment(gpu: GpuConfig, environ: Mapping[str, str]) -> dict[str, str]:
