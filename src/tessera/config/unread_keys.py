@@ -29,6 +29,9 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if not cfg.profiler.profiler and (keys := [k for k in ("skip_first_n_steps_for_profiler", "profiler_steps")
                                                if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without profiler=xplane")
+    if not cfg.gpu.enable_pgle and "pgle_profiling_runs" in changed:
+        lines.append(f"pgle_profiling_runs={changed['pgle_profiling_runs']}: no effect without enable_pgle=true (JAX's "
+                     "automatic PGLE, which it sizes)")
     if "gcs_metrics" in changed and cfg.run.gcs_metrics and "://" not in cfg.run.base_output_directory:
         lines.append("gcs_metrics=true: no effect with a local base_output_directory (metrics.jsonl in the run "
                      "folder holds every record)")
