@@ -320,3 +320,25 @@ def test_a_prefill_whose_temporaries_do_not_fit_stops_before_the_parameters_load
     monkeypatch.setattr(memory_fit, "room", lambda devices: Room(held + temporaries, False, 1, "tpu", "limit"))
     with pytest.raises(CheckpointError, match="does not exist"):  # it fits: the load goes ahead, finds nothing
         load_model(cfg, mesh, decoding)
+
+
+class _Gpu:
+    platform = "gpu"
+
+    def memory_stats(self):
+        return {"bytes_limit": 60 * 2**30, "bytes_in_use": 58 * 2**30}
+
+
+@pytest.mark.parametrize("fraction, said", [
+    (None, "0.75 of the GPU's memory, JAX's default; xla_python_client_mem_fraction=0.9 gives it more"),
+    ("0.9", "0.9 of the GPU's memory, XLA_PYTHON_CLIENT_MEM_FRACTION")])
+def test_a_gpu_that_is_short_names_the_share_of_its_memory_jax_took(monkeypatch, fraction, said):
+    """On a GPU the limit is the share of its memory JAX took at start-up (0.75 unless set): the error advised a
+    smaller batch or more recomputation only, where xla_python_client_mem_fraction=0.9 would have made room."""
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    if fraction:
+        monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", fraction)
+    with pytest.raises(memory_fit.OutOfMemory) as e:
+        memory_fit.check_fits([_Gpu(), _Gpu()], 4 * 2**30, "the train state", "parameters")
+    assert f"each gpu device has 2.0 GiB left (memory limit 60.0 GiB per device: {said}). Nothing was allocated" \
+        in str(e.value)

@@ -106,11 +106,22 @@ def room(devices: list) -> Room | None:
     if all(s and "bytes_limit" in s for s in stats):
         free = min(s["bytes_limit"] - s.get("bytes_in_use", 0) for s in stats)
         limit = min(s["bytes_limit"] for s in stats)
-        return Room(free, False, len(devices), platform, f"memory limit {format_bytes(limit)} per device")
+        return Room(free, False, len(devices), platform, f"memory limit {format_bytes(limit)} per device"
+                    + (_gpu_share() if platform == "gpu" else ""))
     if platform != "cpu":
         return None
     host = host_room()
     return None if host is None else Room(host[0], True, len(devices), platform, host[1])
+
+
+def _gpu_share() -> str:
+    """What bounds a GPU's limit: the share of its memory JAX took at start-up, which a larger
+    xla_python_client_mem_fraction raises (JAX's default, 0.75, left a quarter of it unused)."""
+    from tessera.config.schema import GpuConfig
+    from tessera.gpu_tuning import gpu_memory_fraction
+
+    fraction, source = gpu_memory_fraction(GpuConfig(), os.environ)  # train.py has set the variable from the key
+    return f": {fraction:g} of the GPU's memory, {source}"
 
 
 def _memory_stats(device) -> dict | None:
