@@ -105,3 +105,21 @@ def test_own_dump_flags_without_a_folder_are_said_to_print_to_stdout():
     assert ("dump_hlo_xla_flags='--xla_dump_hlo_as_text' has no --xla_dump_to=<folder>, so XLA prints the dump to "
             "stdout") in proc.stderr
     assert "HLO dump: the programs dump_hlo_xla_flags selects to stdout" in proc.stderr
+
+
+def test_a_dump_folder_of_xla_flags_own_turns_the_cache_off_too(tmp_path):
+    """The A3 GPU recipes dump through XLA_FLAGS (--xla_dump_to=/tmp/xla_dump/$RUN_NAME), not dump_hlo: with
+    jax_cache_dir set, a second run loaded the train step from the cache and its dump had no train step."""
+    import jax
+
+    cfg = load_config([BASE, f"jax_cache_dir={tmp_path / 'cache'}"], env={})
+    before = jax.config.jax_enable_compilation_cache
+    try:
+        environ = {"XLA_FLAGS": "--xla_gpu_enable_triton_gemm=false"}
+        assert apply_hlo_dump(cfg, environ) is None and jax.config.jax_enable_compilation_cache == before
+        environ = {"XLA_FLAGS": f"--xla_dump_to={tmp_path / 'dump'}"}
+        assert apply_hlo_dump(cfg, environ) is None
+        assert environ == {"XLA_FLAGS": f"--xla_dump_to={tmp_path / 'dump'}"}  # XLA_FLAGS is left as it was
+        assert jax.config.jax_enable_compilation_cache is False
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)

@@ -8,7 +8,8 @@ is used (train.py and train_compile call it right after the config is loaded).
 
 By default only the train step is dumped (`dump_hlo_module_name=jit_train_step`, MaxText's
 default) into the run folder's `xla_dump/`. A program loaded from the persistent compilation
-cache is not compiled, so not dumped: with dump_hlo the cache is off for the run. Every process
+cache is not compiled, so not dumped: with dump_hlo, or a dump folder in XLA_FLAGS
+(`--xla_dump_to`, as the A3 GPU recipes set), the cache is off for the run. Every process
 writes its own dump; on a folder that several hosts share they write the same programs under the
 same names.
 """
@@ -47,6 +48,16 @@ def dump_flags(cfg: Config) -> list[str]:
                                       if p.dump_hlo_module_name else [])]
 
 
+def _cache_off_for_the_dump(cfg: Config, environ: MutableMapping[str, str], why: str) -> None:
+    """Turn JAX's persistent compilation cache off when one is set: the dump flags are not part of
+    its key, so a program it holds would be loaded, neither compiled nor dumped."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir or environ.get("JAX_COMPILATION_CACHE_DIR") or cfg.run.jax_cache_dir:
+        jax.config.update("jax_enable_compilation_cache", False)
+        log.info("%s: the persistent compilation cache is off for this run, so that every program compiles", why)
+
+
 def _module_pattern(name: str) -> str:
     """dump_hlo_module_name, checked: XLA reads it as an RE2 regular expression and, given one it
     cannot parse, logs an error per program and dumps nothing."""
@@ -65,14 +76,18 @@ def _module_pattern(name: str) -> str:
 
 
 def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None) -> Path | None:
-    """Add the dump flags to XLA_FLAGS (nothing without dump_hlo); the dump folder, created, or None.
+    """Add the dump flags to XLA_FLAGS (nothing without dump_hlo, but for turning the cache off when
+    XLA_FLAGS has a dump folder of its own, as the A3 recipes do); the dump folder, created, or None.
     ConfigError when XLA_FLAGS already names a dump folder (two dumps cannot both be asked for)."""
-    if not cfg.profiler.dump_hlo:
-        return None
     environ = os.environ if environ is None else environ
-    flags, current = dump_flags(cfg), environ.get("XLA_FLAGS", "").split()
-    ours = [f for f in flags if f.startswith(DUMP_FLAG + "=")]
+    current = environ.get("XLA_FLAGS", "").split()
     theirs = [f for f in current if f.startswith(DUMP_FLAG + "=")]
+    if not cfg.profiler.dump_hlo:
+        if theirs:  # a dump of XLA_FLAGS' own (the A3 recipes'): cached programs were not dumped, silently
+            _cache_off_for_the_dump(cfg, environ, f"XLA_FLAGS has {theirs[-1]}")
+        return None
+    flags = dump_flags(cfg)
+    ours = [f for f in flags if f.startswith(DUMP_FLAG + "=")]
     if ours and theirs:
         raise ConfigError(f"XLA_FLAGS already has {theirs[0]}, and dump_hlo=true adds {ours[0]}; drop "
                           f"{DUMP_FLAG} from XLA_FLAGS, or set dump_hlo=false to keep XLA_FLAGS' dump")
@@ -88,12 +103,7 @@ def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None)
             raise ConfigError(f"the HLO dump folder {folder} cannot be written ({e.strerror}); set "
                               "dump_hlo_local_dir to a writable folder") from None
     environ["XLA_FLAGS"] = " ".join([*current, *flags])
-    import jax
-
-    if jax.config.jax_compilation_cache_dir or environ.get("JAX_COMPILATION_CACHE_DIR") or cfg.run.jax_cache_dir:
-        # the dump flags are not part of the cache's key: a program it holds would be loaded, not compiled or dumped
-        jax.config.update("jax_enable_compilation_cache", False)
-        log.info("HLO dump: the persistent compilation cache is off for this run, so that every program compiles")
+    _cache_off_for_the_dump(cfg, environ, "HLO dump")
     if folder is None and not theirs:  # XLA then prints every dumped file to stdout, megabytes of it
         log.warning("HLO dump: dump_hlo_xla_flags=%r has no %s=<folder>, so XLA prints the dump to stdout; add "
                     "%s=<folder> to it", cfg.profiler.dump_hlo_xla_flags, DUMP_FLAG, DUMP_FLAG)
