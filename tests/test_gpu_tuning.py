@@ -178,6 +178,18 @@ def test_pgle_profile_tool_needs_a_gpu_trace(tmp_path):
     assert not (tmp_path / "p.pb").exists()
 
 
+def test_pgle_profile_tool_names_the_folder_of_one_process_of_a_multi_process_trace(tmp_path):
+    """Each process of a multi-process run traces into profile/process_<i>: the run's profile folder was 'no trace'."""
+    for i in (0, 1):
+        run = tmp_path / "profile" / f"process_{i}" / "plugins" / "profile" / "2026_11_30"
+        run.mkdir(parents=True)
+        (run / "host.xplane.pb").write_bytes(b"")
+    with pytest.raises(UsageError, match=re.escape(f"{tmp_path / 'profile'} holds the traces of a multi-process run, "
+                                                   f"one folder per process; give one of them, e.g. "
+                                                   f"{tmp_path / 'profile' / 'process_0'}")):
+        write_pgle_profile(str(tmp_path / "profile"), str(tmp_path / "p.pb"))
+
+
 def test_pgle_profile_tool_says_a_damaged_trace_or_an_unwritable_profile_in_one_line(tmp_path, monkeypatch, capsys):
     """A trace cut short ended in a JaxRuntimeError traceback (exit 1), as did a profile path in a missing folder."""
     from jax.experimental import profiler

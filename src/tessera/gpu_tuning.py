@@ -176,6 +176,10 @@ def write_pgle_profile(trace_dir: str, out: str) -> int:
     its size in bytes. Only a trace of NVIDIA GPUs holds the kernel times a profile is made of."""
     runs = sorted(glob.glob(os.path.join(trace_dir, "plugins", "profile", "*"))) or [trace_dir]
     if not glob.glob(os.path.join(runs[-1], "*.xplane.pb")):
+        processes = sorted(glob.glob(os.path.join(trace_dir, "process_*")), key=lambda p: (len(p), p))
+        if processes:  # a multi-process run traces each process into profile/process_<i> (loop_records.Profiler)
+            raise UsageError(f"{trace_dir} holds the traces of a multi-process run, one folder per process; give one "
+                             f"of them, e.g. {processes[0]}")
         raise UsageError(f"no trace (*.xplane.pb) in {runs[-1]}; give the profile folder of a run that had "
                          "profiler=xplane, e.g. outputs/<run>/profile")
     from jax.errors import JaxRuntimeError
