@@ -88,6 +88,20 @@ def test_a_python_without_the_packages_is_told_which_interpreter_to_use(script):
     assert f"python {script} ..." in line, line
 
 
+@pytest.mark.parametrize("script, variable, said", [
+    ("train.py", "JAX_OPTIMIZATION_LEVEL=o1", 'Invalid value "o1" for JAX flag jax_optimization_level'),
+    ("decode.py", "JAX_ENABLE_PGLE=maybe", "invalid truth value 'maybe' for environment 'JAX_ENABLE_PGLE'")])
+def test_a_jax_variable_jax_cannot_read_is_one_config_error(script, variable, said):
+    """JAX_OPTIMIZATION_LEVEL=o1 (the GPU docs' variable; JAX takes O1) ended `import jax` in a ValueError traceback,
+    exit code 1."""
+    name, _, value = variable.partition("=")
+    proc = subprocess.run([sys.executable, str(REPO / script), "configs/base.yml", "run_name=x"], capture_output=True,
+                          text=True, cwd=REPO, timeout=60, env={**os.environ, name: value})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"config error: {variable} in the environment is a value JAX cannot read ({said}); correct it or unset it"]
+
+
 def test_options_of_convert_and_check_logits():
     defaults = {"--tokens": "", "--max-kl": "1e-4"}
     values, rest = take_options(["hf", "--tokens", "1,2", "ckpt", "--max-kl=0.1", "model_name=x"], defaults)

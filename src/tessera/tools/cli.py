@@ -126,15 +126,35 @@ def exit_if_ctrl_c_was_held() -> None:
 
 EXIT_NOT_INSTALLED = 1  # this Python lacks a package Tessera needs (Python's own code for an ImportError)
 REPO_VENV = Path(__file__).resolve().parents[3] / ".venv"  # where setup.sh installs (its default VENV)
+EXIT_BAD_VARIABLE = 2  # a JAX_* variable JAX cannot read, as a config error
+
+
+def unreadable_jax_variable(message: str) -> str | None:
+    """'JAX_NAME=value' when `message` is JAX's refusal of an environment variable at import (an enum,
+    integer or boolean flag's), else None."""
+    flag = re.fullmatch(r'Invalid value "(.*)" for JAX flag (jax_\w+)', message)
+    if flag:
+        return f"{flag.group(2).upper()}={flag.group(1)}"
+    truth = re.fullmatch(r"invalid truth value '(.*)' for environment '(\w+)'", message)
+    return f"{truth.group(2)}={truth.group(1)}" if truth else None
 
 
 @contextlib.contextmanager
 def packages_installed(script: str):
     """A package this interpreter lacks, met while an entry script imports Tessera, is one line and
     exit code 1: `python3 train.py ...` with a Python other than the project's `.venv/bin/python`
-    was a ModuleNotFoundError traceback from deep in the imports ("No module named 'jax'")."""
+    was a ModuleNotFoundError traceback from deep in the imports ("No module named 'jax'"). So is a
+    JAX_* variable that `import jax` cannot read (exit code 2): JAX_OPTIMIZATION_LEVEL=o1 was a
+    ValueError traceback."""
     try:
         yield
+    except ValueError as e:
+        variable = unreadable_jax_variable(str(e))
+        if variable is None:
+            raise
+        print(f"config error: {variable} in the environment is a value JAX cannot read ({e}); correct it or unset "
+              "it", file=sys.stderr)
+        sys.exit(EXIT_BAD_VARIABLE)
     except ModuleNotFoundError as e:
         package = (e.name or "").split(".")[0]
         if not package or package == "tessera":
