@@ -140,6 +140,31 @@ def test_pgle_without_the_latency_hiding_scheduler_warns(tmp_path, caplog, monke
     assert "not used" not in caplog.text and f"pgle_profile_path={profile}" in caplog.text
 
 
+def test_a_variable_a_key_replaces_is_named(tmp_path, caplog, monkeypatch):
+    """The GPU recipes set optimization_level and xla_python_client_mem_fraction as keys, so
+    `bash <recipe> XLA_PYTHON_CLIENT_MEM_FRACTION=0.95` exported a variable the key then overrode without a word."""
+    from jax._src import xla_bridge
+
+    monkeypatch.setattr(xla_bridge, "backends_are_initialized", lambda: False)
+    profile = tmp_path / "p.pb"
+    profile.write_bytes(b"")
+    environ = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", "JAX_OPTIMIZATION_LEVEL": "O1",
+               "XLA_FLAGS": f"{PGLE_FLAG}=/old/p.pb"}
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        apply_gpu_tuning(GpuConfig(optimization_level="O1", xla_python_client_mem_fraction=0.9,
+                                   pgle_profile_path=str(profile)), environ)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "gpu tuning: xla_python_client_mem_fraction=0.9 replaces XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 of the "
+        "environment (a key wins); to use 0.95, give xla_python_client_mem_fraction=0.95",
+        f"gpu tuning: pgle_profile_path={profile} replaces {PGLE_FLAG}=/old/p.pb of XLA_FLAGS (a key wins)"]
+    assert environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):  # the same values (0.90 is 0.9): nothing to say
+        apply_gpu_tuning(GpuConfig(xla_python_client_mem_fraction=0.9), {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.90"})
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
 def test_automatic_pgle_skips_ahead_of_time_compiled_functions():
     """Why GPU_performance.md sends the train step (compiled with jit(...).lower().compile()) to
     pgle_profile_path: JAX's automatic PGLE profiles only functions called through jit."""

@@ -131,6 +131,8 @@ def apply_gpu_tuning(gpu: GpuConfig, environ: MutableMapping[str, str] | None = 
     jax = sys.modules.get("jax")
     if changes.keys() & {"XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION"}:
         check_backends_not_started(f"apply_gpu_tuning sets {', '.join(sorted(changes))}")
+    for line in replaced_variables(gpu, environ, changes):
+        log.warning("gpu tuning: %s", line)
     environ.update(changes)
     if jax is not None:  # JAX read the JAX_* variables when it was imported: set its config as well
         if gpu.optimization_level:
@@ -148,6 +150,33 @@ def apply_gpu_tuning(gpu: GpuConfig, environ: MutableMapping[str, str] | None = 
         log.warning("gpu tuning: PGLE feeds XLA's latency-hiding scheduler, which is off here; set "
                     "optimization_level=O1 (or %s=true in XLA_FLAGS) or the profile is not used", LHS_FLAG)
     return settings
+
+
+KEY_OF = {"JAX_OPTIMIZATION_LEVEL": "optimization_level", "JAX_PGLE_PROFILING_RUNS": "pgle_profiling_runs",
+          "XLA_PYTHON_CLIENT_MEM_FRACTION": "xla_python_client_mem_fraction"}
+
+
+def replaced_variables(gpu: GpuConfig, environ: Mapping[str, str], changes: Mapping[str, str]) -> list[str]:
+    """A line per variable of the environment that a key replaces with another value: a recipe sets
+    optimization_level=O1 and xla_python_client_mem_fraction as keys, so XLA_PYTHON_CLIENT_MEM_FRACTION=0.95
+    given to it as an argument was exported and then overridden without a word."""
+    lines = []
+    for name, key in KEY_OF.items():
+        if name in changes and not _same(environ.get(name, changes[name]), changes[name]):
+            lines.append(f"{key}={getattr(gpu, key)} replaces {name}={environ[name]} of the environment (a key "
+                         f"wins); to use {environ[name]}, give {key}={environ[name]}")
+    old = dict(f.partition("=")[::2] for f in environ.get("XLA_FLAGS", "").split()).get(PGLE_FLAG)
+    if "XLA_FLAGS" in changes and old and old != gpu.pgle_profile_path:
+        lines.append(f"pgle_profile_path={gpu.pgle_profile_path} replaces {PGLE_FLAG}={old} of XLA_FLAGS (a key wins)")
+    return lines
+
+
+def _same(a: str, b: str) -> bool:
+    """Whether two values of a variable are the same setting (0.90 and 0.9 are)."""
+    try:
+        return float(a) == float(b)
+    except ValueError:
+        return a == b
 
 
 def latency_hiding_forced(xla_flags: str) -> bool:
