@@ -199,6 +199,11 @@ def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype
     ({"head_dim": 256}, {}, "NVIDIA A100-SXM4-80GB", "8.0", "dot_product", "head_dim <= 128 before Hopper"),
     ({"head_dim": 256}, {}, "NVIDIA H100 80GB HBM3", "9.0", "cudnn", "cuDNN"),
     ({"head_dim": 128}, {}, "NVIDIA A100-SXM4-80GB", "8.0", "cudnn", "cuDNN"),
+    # cuDNN's fused attention needs Ampere (SM80) or later, which JAX does not check: a T4 or V100 was given it
+    ({"head_dim": 128}, {}, "Tesla T4", "7.5", "dot_product", "Ampere or later GPU (compute capability 8.0 or above), "
+                                                             "not Tesla T4 (compute capability 7.5)"),
+    ({"head_dim": 64}, {}, "Tesla V100-SXM2-16GB", "7.0", "dot_product", "compute capability 7.0"),
+    ({"head_dim": 128}, {}, "NVIDIA L4", "8.9", "cudnn", "cuDNN"),
     # ROCm builds of JAX have no cuDNN ("cuDNN is not detected" when traced); JAX calls their platform "gpu" too
     ({}, {}, "AMD Instinct MI300X", "gfx942", "dot_product", "NVIDIA GPUs, not on AMD Instinct MI300X"),
     ({}, {}, "", "", "cudnn", "cuDNN"),  # the device unknown (the estimator): as on the recipes' GPUs

@@ -5,14 +5,16 @@ computes every feature of the model's attention, else the reference (`attention.
 attention (`splash.py`: every feature of the reference, packed segments included); on NVIDIA GPUs
 cuDNN's fused attention, except for soft-capped scores (Gemma 2), sink logits (gpt-oss) and
 chunks shorter than the sequence (Llama 4), which cuDNN cannot apply. Where no fused kernel
-applies (CPU, AMD GPUs, an unsupported dtype, head size or sequence length, a mesh that splits
-the sequence, or keys split unlike the queries) the reference runs and `select_attention` says
-why; the trainer logs it once.
+applies (CPU, AMD GPUs, NVIDIA GPUs before Ampere, an unsupported dtype, head size or sequence
+length, a mesh that splits the sequence, or keys split unlike the queries) the reference runs and
+`select_attention` says why; the trainer logs it once.
 
 cuDNN's limits as `jax.nn.dot_product_attention(implementation="cudnn")` (jax 0.12) checks them:
 head_dim a multiple of 8 and at most 256 on Hopper and later, 128 before (compute capability
 < 9.0); queries, keys and values split alike over the mesh, and never along the sequence
-("Sharding on sequence dim is not allowed"); cuDNN itself, which ROCm builds of JAX lack.
+("Sharding on sequence dim is not allowed"); cuDNN itself, which ROCm builds of JAX lack. And
+cuDNN's own: an Ampere or later GPU (its documentation: "cudnn SDPA operation requires SM80
+(Ampere) or newer"), which JAX does not check, so a V100 or T4 was handed the fused kernel.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ def _cudnn_unsupported(m: ModelConfig, mesh_shape: dict[str, int], device_kind: 
         return (f"cuDNN fused attention runs on NVIDIA GPUs, not on {device_kind or 'AMD GPUs'}"
                 f"{f' ({compute_capability})' if compute_capability else ''}; no fused kernel is wired for them")
     nvidia_cc = re.fullmatch(r"(\d+)\.(\d+)", compute_capability)
+    if nvidia_cc and int(nvidia_cc.group(1)) < 8:  # cuDNN's attention needs SM80; JAX does not check (V100, T4)
+        return (f"cuDNN fused attention needs an Ampere or later GPU (compute capability 8.0 or above), not "
+                f"{device_kind or 'this GPU'} (compute capability {compute_capability})")
     hopper = not nvidia_cc or int(nvidia_cc.group(1)) >= 9  # unknown: as the recipes' H100, H200, B200
     limit = 256 if hopper else 128
     if m.head_dim > limit or m.head_dim % 8:
