@@ -838,7 +838,8 @@ def test_keys_a_run_does_not_read_are_named():
         "pgle_profiling_runs=5: no effect without enable_pgle=true (JAX's automatic PGLE, which it sizes)",
         "gcs_metrics=true: no effect with a local base_output_directory (metrics.jsonl in the run folder holds every "
         "record)"]
-    assert keys_without_effect(load_config([BASE, "enable_pgle=true", "pgle_profiling_runs=5"], env={}), {"fsdp": 8}) == []
+    pgle = load_config([BASE, "enable_pgle=true", "pgle_profiling_runs=5"], env={})
+    assert keys_without_effect(pgle, {"fsdp": 8}) == []
     # model keys that only some families or rope_scaling=yarn read (a llama trained the same numbers with them)
     family = load_config([BASE, "trainable_position_size=64", "local_rope_max_timescale=100", "mscale=0.5",
                           "beta_fast=8"], env={})

@@ -104,7 +104,8 @@ def effective_settings(gpu: GpuConfig, environ: Mapping[str, str]) -> dict[str, 
         "enable_pgle": "true" if pgle_on else "false",
         "pgle_profiling_runs": env.get("JAX_PGLE_PROFILING_RUNS", "3") if pgle_on else "-",
         "pgle_profile_path": flags.get(PGLE_FLAG) or "-",
-        "xla_python_client_mem_fraction": env.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or f"default ({JAX_MEM_FRACTION:g})",
+        "xla_python_client_mem_fraction": (env.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+                                           or f"default ({JAX_MEM_FRACTION:g})"),
     }
 
 

@@ -104,7 +104,7 @@ def memory_budget(cfg: Config, hw: Hardware) -> tuple[float, str]:
     """(the share of a device's HBM a run may use, the setting it comes from). TPUs:
     compile_hbm_budget_fraction. GPUs: the share JAX's client takes at start-up and never goes
     past (`gpu_tuning.gpu_memory_fraction`: xla_python_client_mem_fraction, else JAX's 0.75);
-    sized against 0.95, a run said to fit ran out of memory at JAX's default."""
+    sized against 0.95, a run was said to fit in more memory than JAX would have."""
     if hw.accelerator.torus_dims:
         return cfg.compile.compile_hbm_budget_fraction, "compile_hbm_budget_fraction"
     return gpu_memory_fraction(cfg.gpu, os.environ)
