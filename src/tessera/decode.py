@@ -54,7 +54,8 @@ EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 2, 130, 143
 
 def load_model(cfg: Config, mesh, decoding: dict | None = None):
     """(model, parameters from load_parameters_path sharded over `mesh`, the compiled prefill or
-    None). Checked first, given `decoding` (`generate`'s prompts, max_new_tokens, temperature and
+    None). Checked first: that the devices multiply in `quantization` (as training checks it); given
+    `decoding` (`generate`'s prompts, max_new_tokens, temperature and
     top_k, top_p): that the parameters fit with the KV cache decoding them on `mesh` will hold
     (`cache_shape`: the prompts as `batch_rows` rows); then that the prefill fits with them too
     (`prefill_program`, compiled from shapes; its temporaries hold a chunk of each prompt's
@@ -63,8 +64,12 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
 
     from tessera.mesh import named_shardings
     from tessera.models import build_model
+    from tessera.models.quantization import check_platform as check_quantization
 
     path = cfg.checkpoint.load_parameters_path
+    device = mesh.devices.flat[0]  # the devices run the projections in `quantization` too, as in training
+    check_quantization(cfg.model.quantization, device.device_kind, device.platform,
+                       str(getattr(device, "compute_capability", "")), tied_logits=cfg.model.logits_via_embedding)
     if cfg.checkpoint.save_quantized_params_path:  # before the load: a folder that cannot be made is found at once
         _check_new_folder(cfg.checkpoint.save_quantized_params_path, "save_quantized_params_path")
     model = build_model(cfg.model, _prefill_kernel(cfg, mesh, decoding))

@@ -113,6 +113,10 @@ def _restore_tree(path: str, key: str | None, target, partial: bool, verify: boo
         raise CheckpointError(f"{label} holds no parameters (its tree has {', '.join(map(str, tree))}); "
                               "point it at a training step folder or a converted checkpoint")
     if not partial and "params" in tree and "opt_state" in target and "opt_state" not in tree:
+        if _holds_quantized(tree):  # load_parameters_path refuses it too: no use pointing there
+            raise CheckpointError(f"{label} holds quantized parameters (written by decode.py "
+                                  "save_quantized_params_path), which only decode.py reads (checkpoint_is_quantized="
+                                  "true); train from the float checkpoint they were written from")
         raise CheckpointError(f"{label} holds parameters only (a converted or quantized checkpoint: no optimizer "
                               f"state, no step); start from it with load_parameters_path={path} instead")
     target, finish = restacked(tree, target)
@@ -182,6 +186,12 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str =
         raise CheckpointMismatch("\n".join([str(e), *lines])) from None
 
 
+def _holds_quantized(tree) -> bool:
+    """Whether a checkpoint's metadata tree holds quantized parameters ({qvalue, scale} leaves)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree.get("params", {}))
+    return any(getattr(keys[-1], "key", None) == "qvalue" for keys, _ in leaves)
+
+
 @contextlib.contextmanager
 def quantized_explained(path: str, key: str | None, fix: str) -> Iterator[None]:
     """Around a load of float parameters (training, tessera-to-hf) from `path`: a checkpoint of quantized
@@ -191,8 +201,7 @@ def quantized_explained(path: str, key: str | None, fix: str) -> Iterator[None]:
         yield
     except CheckpointMismatch as e:
         _, tree = saved_tree(path, verify=False)
-        leaves = jax.tree_util.tree_leaves_with_path(tree.get("params", {}))
-        if not any(getattr(keys[-1], "key", None) == "qvalue" for keys, _ in leaves):
+        if not _holds_quantized(tree):
             raise
         raise CheckpointMismatch(f"{e}\n{_label(key, epath.Path(path))} holds quantized parameters (written by "
                                  "decode.py save_quantized_params_path), which only decode.py reads "

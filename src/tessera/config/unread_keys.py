@@ -60,8 +60,19 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
                      "experts")
     lines += _family_keys(cfg.model, changed)
+    lines += _quantized_logits(cfg.model)
     lines += _optimizer_and_decoding_keys(cfg, changed)
     return lines
+
+
+def _quantized_logits(m) -> list[str]:
+    """logits_dot_in_fp32=true with quantization=fp8_full, which multiplies the output logits in float8
+    all the same (the float32 operands are quantized): the two keys ask for opposite things."""
+    if m.quantization != "fp8_full" or not m.logits_dot_in_fp32 or m.logits_via_embedding:
+        return []
+    return ["logits_dot_in_fp32=true: the output logits' product still runs in float8 with quantization=fp8_full "
+            "(its float32 operands are quantized first); quantization=fp8 leaves that product unquantized, in float32 "
+            "with logits_dot_in_fp32=true"]
 
 
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "rope_truncate")
@@ -121,12 +132,13 @@ def _family_keys(m, changed: dict) -> list[str]:
 def decoding_keys_without_effect(cfg: Config) -> list[str]:
     """`keys_without_effect` for decode.py, which logged none of them: the model keys its model does
     not read, the KV cache's quantization keys without quantize_kvcache=true (`kv_quant_dtype=int4`
-    alone decoded with a float cache), compile_topology (train_compile's: decode.py runs on the
+    alone decoded with a float cache) and kv_quant_axis where a slot holds one kv head,
+    logits_dot_in_fp32 under fp8_full, compile_topology (train_compile's: decode.py runs on the
     devices it finds), and capacity routing, whose decoding steps drop no token."""
     from tessera.config.loader import changed_keys
 
     changed, m = changed_keys(cfg), cfg.model
-    lines = _family_keys(m, changed)
+    lines = _family_keys(m, changed) + _quantized_logits(m)
     if m.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
                      "experts")
@@ -137,6 +149,9 @@ def decoding_keys_without_effect(cfg: Config) -> list[str]:
     if not m.quantize_kvcache and (keys := [k for k in ("kv_quant_dtype", "kv_quant_axis") if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without quantize_kvcache=true; the KV cache is stored in "
                      f"dtype={m.dtype}")
+    elif m.quantize_kvcache and "kv_quant_axis" in changed and (m.decoder_block == "deepseek" or m.num_kv_heads == 1):
+        heads = "MLA caches one latent per token" if m.decoder_block == "deepseek" else "num_kv_heads is 1"
+        lines.append(f"kv_quant_axis={m.kv_quant_axis}: no effect, {heads}: one scale per slot either way")
     if cfg.compile.compile_topology:
         lines.append(f"compile_topology={cfg.compile.compile_topology}: no effect, decode.py decodes on the devices "
                      "it finds (tessera.train_compile compiles training ahead of time for a slice)")
