@@ -417,3 +417,30 @@ def test_a_full_state_load_of_a_quantized_checkpoint_does_not_point_at_load_para
     assert str(e.value) == (f"load_full_state_path={tmp_path / 'quantized'} holds quantized parameters (written by "
                             "decode.py save_quantized_params_path), which only decode.py reads "
                             "(checkpoint_is_quantized=true); train from the float checkpoint they were written from")
+
+
+def test_a_quantized_checkpoint_keeps_the_model_keys_its_weights_were_trained_with(tmp_path, caplog):
+    """A quantized checkpoint kept no config: decoding it with other model keys that fit the weights (a rotary
+    base here) loaded silently as another model, where the float checkpoint it came from warned. It now keeps
+    the config of its source (or of the decode that wrote it), and a decode with other model keys is warned."""
+    import orbax.checkpoint as ocp
+
+    from tessera.checkpointing.checksums import problem
+    from tessera.decode import load_model
+    from tessera.mesh import create_mesh
+
+    _, params = _random_model()
+    ocp.PyTreeCheckpointer().save(tmp_path / "float", {"params": params})
+    cfg = tiny_config(dtype="float32", quantization="int8", load_parameters_path=str(tmp_path / "float"),
+                      save_quantized_params_path=str(tmp_path / "q8"))
+    mesh = create_mesh(cfg.mesh, jax.devices()[:1])
+    load_model(cfg, mesh)
+    assert problem(tmp_path / "q8") is None  # the config's file is in the checksum list too
+    read = dict(dtype="float32", quantization="int8", load_parameters_path=str(tmp_path / "q8"),
+                checkpoint_is_quantized=True)
+    with caplog.at_level("WARNING", logger="tessera"):
+        load_model(tiny_config(**read), mesh)
+    assert "trained with other model keys" not in caplog.text
+    with caplog.at_level("WARNING", logger="tessera"):
+        load_model(tiny_config(**read, rope_max_timescale=500), mesh)
+    assert "trained with other model keys: rope_max_timescale=10000 (here 500)" in caplog.text

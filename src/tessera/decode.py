@@ -29,6 +29,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import sys
 import time
@@ -81,7 +82,8 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
         params = _load(cfg, model, abstract, shardings)
     if cfg.checkpoint.save_quantized_params_path:
         save_quantized(params, model.logical_axes(), cfg.model.quantization,
-                       cfg.checkpoint.save_quantized_params_path, cfg.checkpoint.checkpoint_checksums)
+                       cfg.checkpoint.save_quantized_params_path, cfg.checkpoint.checkpoint_checksums,
+                       config=_source_config(cfg))
     return model, params, program
 
 
@@ -101,6 +103,7 @@ def _load(cfg: Config, model: ModelDef, abstract, shardings):
                          out_shardings=shardings)(stored)
         log.info("loaded quantized parameters (%s) from %s, dequantized to %s", cfg.model.quantization, path,
                  cfg.model.weight_dtype)
+        warn_model_changes(path, {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)})
     else:
         model_keys = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)}
         with mismatch_explained(path, model_keys):
@@ -224,15 +227,28 @@ def _check_new_folder(path: str, key: str) -> None:
     check_writable(path, key)
 
 
-def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool = True) -> None:
+def _source_config(cfg: Config) -> dict:
+    """The flat config a quantized checkpoint keeps: that of the training checkpoint its weights were
+    loaded from (its model keys are what they were trained with), else this decode's."""
+    from tessera.checkpointing import saved_config
+    from tessera.config.loader import flat_dict
+
+    return saved_config(cfg.checkpoint.load_parameters_path) or json.loads(json.dumps(flat_dict(cfg)))
+
+
+def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool = True,
+                   config: dict | None = None) -> None:
     """Write `params` quantized (`tessera.models.quantization.quantize_params`) as an Orbax
     checkpoint holding {"params": ...}: what load_parameters_path with checkpoint_is_quantized=true reads;
-    with `checksums`, its files' checksums too (`checkpoint_checksums`), which every load verifies."""
+    with `checksums`, its files' checksums too (`checkpoint_checksums`), which every load verifies.
+    `config` (a flat config): kept as a training step keeps its own (config/<CONFIG_FILE>), so that a
+    decode with other model keys is warned as from the float checkpoint (`warn_model_changes`)."""
     import jax
     import orbax.checkpoint as ocp
     from etils import epath
 
     from tessera.checkpointing import record_checksums
+    from tessera.checkpointing.storage import CONFIG_FILE
     from tessera.models.quantization import quantize_params
 
     target = epath.Path(path)
@@ -242,6 +258,9 @@ def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool =
     tree = {"params": jax.jit(lambda p: quantize_params(p, mode, logical_axes))(params)}
     try:
         ocp.PyTreeCheckpointer().save(target, tree)
+        if config is not None and jax.process_index() == 0:
+            (target / "config").mkdir()
+            (target / "config" / CONFIG_FILE).write_text(json.dumps(config))
     except OSError as e:  # a folder that could not be made (/proc), a full disk
         raise ConfigError(f"save_quantized_params_path={path} could not be written ({e.strerror or e}); choose "
                           "another path") from None
