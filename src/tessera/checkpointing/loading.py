@@ -146,7 +146,8 @@ def load_full_state(path: str, abstract_state, key: str | None = "load_full_stat
 
 def saved_config(path: str) -> dict:
     """The flat config saved with the training checkpoint at `path` (a step folder or its `state`
-    item); {} for a checkpoint saved without one (converted or quantized parameters) or unreadable."""
+    item), or with a quantized one (decode.py keeps its source's); {} for a checkpoint saved without one
+    (converted parameters, quantized ones written before 2026-11-30) or unreadable."""
     p = epath.Path(path)
     folder = p.parent if p.name == "state" else p
     try:
