@@ -56,11 +56,11 @@ EXIT_OK, EXIT_USER_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 2, 130, 143
 def load_model(cfg: Config, mesh, decoding: dict | None = None):
     """(model, parameters from load_parameters_path sharded over `mesh`, the compiled prefill or
     None). Checked first: that the devices multiply in `quantization` (as training checks it); given
-    `decoding` (`generate`'s prompts, max_new_tokens, temperature and
-    top_k, top_p): that the parameters fit with the KV cache decoding them on `mesh` will hold
-    (`cache_shape`: the prompts as `batch_rows` rows); then that the prefill fits with them too
-    (`prefill_program`, compiled from shapes; its temporaries hold a chunk of each prompt's
-    attention scores and the prompts' activations)."""
+    `decoding` (`generate`'s prompts, max_new_tokens, temperature and top_k, top_p): that the
+    parameters fit with the KV cache decoding them on `mesh` will hold (`cache_shape`: the prompts
+    as `batch_rows` rows); then that the prefill fits with them too (`prefill_program`, compiled
+    from shapes; its temporaries hold a chunk of each prompt's attention scores and the prompts'
+    activations)."""
     import jax
 
     from tessera.mesh import named_shardings
@@ -89,13 +89,14 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
 
 def _load(cfg: Config, model: ModelDef, abstract, shardings):
     """`load_model`'s parameters from load_parameters_path: a quantized checkpoint dequantized
-    (checkpoint_is_quantized), else read as they are, with a warning for changed model keys."""
+    (checkpoint_is_quantized), else read as they are; either with a warning for changed model keys."""
     import jax
 
     from tessera.checkpointing import load_parameters, mismatch_explained, warn_model_changes
     from tessera.models.quantization import dequantize_params, quantized_abstract
 
     path = cfg.checkpoint.load_parameters_path
+    model_keys = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)}
     if cfg.checkpoint.checkpoint_is_quantized:
         stored = load_parameters(path, quantized_abstract(abstract, cfg.model.quantization, model.logical_axes()),
                                  verify=cfg.checkpoint.checkpoint_checksums)
@@ -103,9 +104,8 @@ def _load(cfg: Config, model: ModelDef, abstract, shardings):
                          out_shardings=shardings)(stored)
         log.info("loaded quantized parameters (%s) from %s, dequantized to %s", cfg.model.quantization, path,
                  cfg.model.weight_dtype)
-        warn_model_changes(path, {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)})
+        warn_model_changes(path, model_keys)  # the config it keeps is its source's (save_quantized)
     else:
-        model_keys = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(cfg.model)}
         with mismatch_explained(path, model_keys):
             params = load_parameters(path, abstract, verify=cfg.checkpoint.checkpoint_checksums)
         log.info("loaded parameters from %s", path)
