@@ -754,6 +754,19 @@ def test_a_prompt_the_tokenizer_encodes_to_nothing_is_refused(checkpoint, tmp_pa
         assert f"prompt 2 ('日本語') encodes to no tokens with tokenizer_path={tokenizer}" in err, err
 
 
+def test_a_prompt_that_is_not_utf8_is_refused(checkpoint, tmp_path, capsys):
+    """A command-line prompt holding bytes that are not UTF-8 (Latin-1 `café`) reaches Python as a lone
+    surrogate: SentencePiece and Hugging Face tokenizers ended in a TypeError traceback (exit code 1),
+    tiktoken silently encoded U+FFFD in its place."""
+    path, _ = checkpoint
+    tokenizer = _hf_tokenizer(tmp_path / "tok")
+    prompt = os.fsdecode(b"the caf\xe9")  # what sys.argv holds for these bytes
+    assert main([*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={tokenizer}", "--prompt", "the cat",
+                 "--prompt", prompt, "--max_new_tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "config error: prompt 2 ('the caf\\udce9') is not UTF-8 text: byte 0xe9 at character 7" in err, err
+
+
 def test_a_quantized_checkpoint_read_as_float_names_checkpoint_is_quantized(llama, checkpoint, tmp_path, capsys):
     """A checkpoint written by save_quantized_params_path, read without checkpoint_is_quantized=true
     (or a float one read with it), listed every matrix as missing and unexpected without a word on

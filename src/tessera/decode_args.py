@@ -115,6 +115,13 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
     tokenizer = None
     prompts = flags.tokens
     if flags.prompt:
+        for i, text in enumerate(flags.prompt):
+            try:  # bytes that are not UTF-8 reach Python as lone surrogates (U+DC80..U+DCFF)
+                text.encode("utf-8")
+            except UnicodeEncodeError as e:  # SentencePiece and Hugging Face raised a traceback; tiktoken replaced them
+                raise ConfigError(f"prompt {i + 1} ({text!r}) is not UTF-8 text: byte 0x{ord(text[e.start]) & 0xFF:02x} "
+                                  f"at character {e.start}; give the prompt in UTF-8 (e.g. `iconv -f latin1 -t utf-8`), "
+                                  "or token ids with --tokens") from None
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
         check_tokenizer(tokenizer, cfg.data.tokenizer_path, cfg.model.vocab_size, cfg.data.add_bos, False)
         bos = [tokenizer.bos_id] if cfg.data.add_bos else []
