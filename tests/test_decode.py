@@ -581,14 +581,14 @@ def _hf_tokenizer(folder):
 def test_a_checkpoint_trained_with_other_model_keys_that_fit_is_loaded_with_a_warning(llama, tmp_path, capsys):
     """A rotary base (or a window, a soft cap) other than the one the parameters were trained with
     fits the same shapes: decoding ran silently as another model. Keys of how the model is computed
-    (remat_policy, attention, ...) are no reason to warn."""
+    (remat_policy, attention, use_iota_embed: a lookup as a one-hot matmul, ...) are no reason to warn."""
     from tessera.checkpointing.loading import IMPLEMENTATION_KEYS
     from tessera.config import ModelConfig
 
     assert IMPLEMENTATION_KEYS <= {f.name for f in dataclasses.fields(ModelConfig)}
     _, params = llama
     saved = json.loads(json.dumps(flat_dict(build_config(dict(TINY, dtype="float32")))))
-    saved.update(rope_max_timescale=100, remat_policy="full")
+    saved.update(rope_max_timescale=100, remat_policy="full", use_iota_embed=True)
     saver = Checkpointer(tiny_config().checkpoint, str(tmp_path / "checkpoints"))
     saver.save(1, {"params": params}, {}, saved)
     saver.close()
@@ -597,7 +597,7 @@ def test_a_checkpoint_trained_with_other_model_keys_that_fit_is_loaded_with_a_wa
     err = capsys.readouterr().err
     warning = [line for line in err.splitlines() if "trained with other model keys" in line]
     assert len(warning) == 1 and "other model keys: rope_max_timescale=100 (here 10000" in warning[0], err
-    assert "remat_policy" not in warning[0]
+    assert "remat_policy" not in warning[0] and "use_iota_embed" not in warning[0], warning  # it warned of the latter
 
 
 def test_generated_ids_past_the_tokenizer_are_left_out_of_the_text(checkpoint, tmp_path, capsys):

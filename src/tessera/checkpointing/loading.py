@@ -214,9 +214,9 @@ def quantized_explained(path: str, key: str | None, fix: str) -> Iterator[None]:
 # parameters' shapes still fit (a rotary base, a window, a soft cap), loads silently as another model.
 IMPLEMENTATION_KEYS = frozenset({
     "model_name", "global_parameter_scale", "dtype", "weight_dtype", "num_vocab_tiling", "logits_dot_in_fp32",
-    "quantization", "quantize_kvcache", "kv_quant_axis", "kv_quant_dtype", "scan_layers", "remat_policy",
-    "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwi_0",
-    "mlpwi_1", "mlpwo", "attention", "sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
+    "use_iota_embed", "quantization", "quantize_kvcache", "kv_quant_axis", "kv_quant_dtype", "scan_layers",
+    "remat_policy", "decoder_layer_input", "query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi",
+    "mlpwi_0", "mlpwi_1", "mlpwo", "attention", "sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv",
     "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq", "sa_use_fused_bwd_kernel",
     "sa_q_layout", "sa_k_layout", "sa_v_layout", "context_parallel_load_balance", "enable_dropout", "dropout_rate",
     "capacity_factor", "sparse_matmul", "megablox", "tile_batch_seq", "tile_activation_dim", "tile_weight_dim",
