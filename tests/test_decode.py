@@ -812,6 +812,19 @@ def test_a_cache_that_does_not_fit_is_not_told_to_quantize_again(tmp_path, capsy
     assert "int4" not in _memory_advice(False, cache=True, kv_quant="int4")
 
 
+def test_float32_parameters_that_do_not_fit_are_told_weight_dtype_bfloat16(tmp_path, capsys):
+    """Decode.md: float32 weights decode as weight_dtype=bfloat16, at half the memory; the memory error
+    of float32 parameters said only "free memory, or decode on a host with more" (llama2-7b on a
+    24 GiB host). Checked before the checkpoint is read: none is needed."""
+    args = [str(REPO / "configs" / "base.yml"), "model_name=llama3.1-405b", f"load_parameters_path={tmp_path / 'none'}",
+            "--tokens", "1,2", "--max_new_tokens", "2"]
+    for extra, told in (([], True), (["weight_dtype=bfloat16"], False)):
+        assert main([*args, *extra]) == 7
+        err = capsys.readouterr().err
+        assert "memory error: not enough memory for the parameters" in err, err
+        assert ("set weight_dtype=bfloat16 (float32 parameters are read as bfloat16, half the memory)" in err) == told
+
+
 def test_generate_refuses_sampling_arguments_it_cannot_honour(llama):
     """From Python, a negative temperature sampled greedily and a nan one drew token 0 every time,
     a top_p of 0 was greedy: the command line refused them, `generate` and `sample` did not."""

@@ -187,7 +187,8 @@ def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight
         parts = (f"parameters {format_bytes(need - cache)} ({parts}), KV cache {format_bytes(cache)} per device for "
                  f"{prompts} prompt(s) of up to {tokens} tokens{layout}")
     kv_quant = model.cfg.kv_quant_dtype if model.cfg.quantize_kvcache else ""
-    advice = functools.partial(_memory_advice, cache=10 * cache >= need, kv_quant=kv_quant)
+    advice = functools.partial(_memory_advice, cache=10 * cache >= need, kv_quant=kv_quant,
+                               float32_weights=weight_dtype == "float32" and 10 * (need - cache) >= need)
     check_fits(local_devices(mesh), need, what, parts, advice, host_buffers=read_buffers(model.param_shapes()))
     program = None
     if decoding:
@@ -202,13 +203,16 @@ def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight
     return program
 
 
-def _memory_advice(shared: bool, cache: bool = False, kv_quant: str = "") -> str:
+def _memory_advice(shared: bool, cache: bool = False, kv_quant: str = "", float32_weights: bool = False) -> str:
     """What makes decoding fit; `cache`: the KV cache is a tenth of the need or more; `kv_quant`: the
-    type it is quantized to already ("": not quantized). XLA:CPU (`shared`) stores int4 in a byte per
-    value, as int8: int4 is not offered there."""
+    type it is quantized to already ("": not quantized); `float32_weights`: float32 parameters are a
+    tenth of the need or more. XLA:CPU (`shared`) stores int4 in a byte per value, as int8: int4 is
+    not offered there."""
     smaller = {"": " or set quantize_kvcache=true", "int8": "" if shared else " or set kv_quant_dtype=int4"}
     smaller = smaller.get(kv_quant, "")
     ways = [f"decode fewer prompts at once, lower --max_new_tokens{smaller}"] if cache else []
+    if float32_weights:  # Decode.md: float32 weights decode as bfloat16 (it was not offered)
+        ways.append("set weight_dtype=bfloat16 (float32 parameters are read as bfloat16, half the memory)")
     if not shared:  # CPU devices share the host's memory: more of them do not help
         ways.append("shard the parameters over more devices (ici_fsdp_parallelism or ici_tensor_parallelism)")
     ways.append("free memory" if not shared else "free memory, or decode on a host with more")
