@@ -614,6 +614,20 @@ def test_generated_ids_past_the_tokenizer_are_left_out_of_the_text(checkpoint, t
                      "left out of the text", err), err
 
 
+def test_an_eos_id_in_the_prompt_stays_in_the_printed_text(checkpoint, tmp_path, capsys):
+    """--eos_id is the token a row stops at; the printed text left it out of the prompt too: with the
+    id of "the", "the cat sat on the mat" was printed as "cat sat on mat"."""
+    from tokenizers import Tokenizer
+
+    path, _ = checkpoint
+    tokenizer = _hf_tokenizer(tmp_path / "tok")
+    the = Tokenizer.from_file(f"{tokenizer}/tokenizer.json").token_to_id("the")
+    assert main([*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={tokenizer}", "--prompt",
+                 "the cat sat on the mat", "--max_new_tokens", "2", "--eos_id", str(the)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the cat sat on the mat"), out
+
+
 def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys, monkeypatch):
     path, _ = checkpoint
     tokenizer = _hf_tokenizer(tmp_path / "tok")

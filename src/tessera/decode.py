@@ -327,8 +327,9 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
         if tokenizer is None:
             print(" ".join(map(str, new)), file=out or sys.stdout)
         else:  # prompt and continuation decoded together, so that the spacing between them is right
-            text = tokenizer.decode([t for t in prompt + new
-                                     if t not in (tokenizer.bos_id, eos_id) and t < tokenizer.vocab_size])
+            stop = 1 if new and new[-1] == eos_id else 0  # the token the row stopped at; an --eos_id such as "="
+            text = tokenizer.decode([t for t in prompt + new[:len(new) - stop]  # was also cut out of the prompt
+                                     if t not in (tokenizer.bos_id, tokenizer.eos_id) and t < tokenizer.vocab_size])
             print(("\n" if i else "") + text, file=out or sys.stdout)
     return outputs
 
