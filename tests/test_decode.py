@@ -753,6 +753,11 @@ def test_keys_decoding_does_not_read_are_named(checkpoint, capsys):
                for line in decoding_keys_without_effect(tiny_config(**moe, capacity_factor=1.5)))
     assert decoding_keys_without_effect(tiny_config(**moe, capacity_factor=1.5, sparse_matmul=True)) == []
     assert decoding_keys_without_effect(tiny_config(quantize_kvcache=True, kv_quant_dtype="int4")) == []
+    # decode.py read load_parameters_path and ignored load_full_state_path without a word (training refuses the pair)
+    assert main([*args, f"load_full_state_path={path}x"]) == 0
+    assert (f"load_full_state_path={path}x: no effect, decode.py decodes the parameters of load_parameters_path={path}"
+            in capsys.readouterr().err)
+    assert decoding_keys_without_effect(tiny_config(load_parameters_path=path, load_full_state_path=path)) == []
 
 
 def test_a_prompt_the_tokenizer_encodes_to_nothing_is_refused(checkpoint, tmp_path, capsys):

@@ -134,7 +134,8 @@ def decoding_keys_without_effect(cfg: Config) -> list[str]:
     not read, the KV cache's quantization keys without quantize_kvcache=true (`kv_quant_dtype=int4`
     alone decoded with a float cache) and kv_quant_axis where a slot holds one kv head,
     logits_dot_in_fp32 under fp8_full, compile_topology (train_compile's: decode.py runs on the
-    devices it finds), and capacity routing, whose decoding steps drop no token."""
+    devices it finds), capacity routing, whose decoding steps drop no token, and load_full_state_path
+    beside load_parameters_path (training refuses the pair)."""
     from tessera.config.loader import changed_keys
 
     changed, m = changed_keys(cfg), cfg.model
@@ -155,6 +156,11 @@ def decoding_keys_without_effect(cfg: Config) -> list[str]:
     if cfg.compile.compile_topology:
         lines.append(f"compile_topology={cfg.compile.compile_topology}: no effect, decode.py decodes on the devices "
                      "it finds (tessera.train_compile compiles training ahead of time for a slice)")
+    ckpt = cfg.checkpoint
+    if ckpt.load_parameters_path and ckpt.load_full_state_path not in ("", ckpt.load_parameters_path):
+        lines.append(f"load_full_state_path={ckpt.load_full_state_path}: no effect, decode.py decodes the parameters "
+                     f"of load_parameters_path={ckpt.load_parameters_path}; give that path as load_parameters_path to "
+                     "decode it")
     return lines
 
 
