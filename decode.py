@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # also works w
 
 if __name__ == "__main__":
     from tessera.platforms import use_cpu_on_hosts_without_accelerators
-    from tessera.tools.cli import ctrl_c_held_while_starting, packages_installed
+    from tessera.tools.cli import ctrl_c_held_while_starting, packages_installed, run_printing
 
     # a Ctrl-C inside an import is one line, after the imports; so is a package this Python lacks
     with ctrl_c_held_while_starting(), packages_installed("decode.py"):
@@ -21,4 +21,4 @@ if __name__ == "__main__":
         importlib.import_module("jax")  # here, where a Ctrl-C waits for the import (decode imports it later)
         from tessera.decode import main
 
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_printing(main, sys.argv[1:]))  # `| head` and a full disk: an exit code, not a traceback

@@ -487,6 +487,28 @@ def test_decode_py_prints_generated_tokens(checkpoint):
                      proc.stderr), proc.stderr[-3000:]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full, a device whose every write fails")
+def test_output_to_a_full_disk_or_a_closed_pipe_ends_without_a_traceback(checkpoint, tmp_path):
+    """decode.py > out.txt on a full disk printed an OSError traceback, and `-m tessera.decode ... | head`
+    whose reader went away a BrokenPipeError traceback (exit code 1 both); now one line and exit code 1
+    (a full disk), and exit code 141 (128 + SIGPIPE) with nothing printed, as for the other commands
+    that print (tools.cli.run_printing)."""
+    path, _ = checkpoint
+    args = [*CONFIG_ARGS, f"load_parameters_path={path}", "--tokens", "1,2", "--max_new_tokens", "1"]
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "XLA_FLAGS": FAST_COMPILE}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, str(REPO / "decode.py"), *args], stdout=full, stderr=subprocess.PIPE,
+                              text=True, timeout=300, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.endswith("error: the output could not be written (No space left on device); what was written "
+                                "of it is incomplete: free space (or choose another file) and run the command again\n")
+    proc = subprocess.Popen([sys.executable, "-m", "tessera.decode", *args], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and "Traceback" not in err and "BrokenPipe" not in err, err[-3000:]
+
+
 def test_two_processes_decode_what_one_does_and_print_it_once(llama, checkpoint):
     """decode.py in a 2-process job (4 CPU devices each, the parameters and the cache split over
     all 8): sampled tokens as one process draws them in-process, printed by process 0 alone, with

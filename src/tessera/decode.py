@@ -19,7 +19,8 @@ Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothi
 4 a multi-process job could not start (as train.py's);
 7 the parameters, the KV cache and the prompts' prefill do not fit in the memory the devices have left
 (checked before loading); 130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback;
-decoding writes no files, so nothing is left half-written).
+decoding writes no files, so nothing is left half-written); 141 the reader of stdout went away (`| head`),
+1 stdout could not be written (a full disk; one line), as for the other commands that print.
 See getting_started/Decode.md. JAX is imported only once decoding starts, so that --help is instant.
 """
 
@@ -406,6 +407,7 @@ def _decode_main(flags: argparse.Namespace, config_args: list[str]) -> int:
 
 if __name__ == "__main__":
     from tessera.platforms import use_cpu_on_hosts_without_accelerators
+    from tessera.tools.cli import run_printing
 
     use_cpu_on_hosts_without_accelerators()
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_printing(main, sys.argv[1:]))
