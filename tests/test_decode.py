@@ -901,6 +901,27 @@ def test_generate_refuses_token_ids_it_cannot_decode(llama):
     assert generate(model, params, [np.array([1, 95])], np.int64(1), eos_id=np.int32(0))  # numpy integers are fine
 
 
+def test_logits_that_are_nan_are_an_error_not_token_0(llama, tmp_path, capsys):
+    """Parameters holding NaN (or float16 activations past 65504) give NaN logits, from which greedy
+    decoding and sampling gave token 0 at every step, printed with exit code 0."""
+    from tessera.decode import NonFiniteLogits
+
+    model, params = llama
+    params = jax.tree.map(np.array, params)
+    params["token_embedder"]["table_vd"][7] = np.nan  # only prompt 2 holds token 7
+    for temperature in (0.0, 1.0):
+        with pytest.raises(NonFiniteLogits, match=re.escape("the logits of prompt 2 hold NaN or inf at new token 1")):
+            generate(model, params, [[1, 2, 3], [5, 7]], 2, temperature=temperature)
+    saver = Checkpointer(tiny_config().checkpoint, str(tmp_path / "checkpoints"))
+    saver.save(1, {"params": params}, {}, {})
+    saver.close()
+    assert main([*CONFIG_ARGS, f"load_parameters_path={tmp_path / 'checkpoints' / '1'}", "--tokens", "7,1",
+                 "--max_new_tokens", "2"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and ("error: the logits of prompt 1 hold NaN or inf at new token 1, so its tokens would "
+                                   "be meaningless (token 0 every time): the parameters hold NaN or inf") in captured.err
+
+
 def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["configs/base.yml", "load_parameters_path=x", "--tokens", "1,2"]) == 2

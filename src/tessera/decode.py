@@ -15,7 +15,8 @@ Several processes (a TPU slice's hosts, a Slurm job, or NNODES / NODE_RANK / JAX
 as for train.py) decode together: each loads its part of the parameters, all sample the same
 tokens, and process 0 prints them.
 
-Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated);
+Exit codes: 0 done; 2 bad config, flags or checkpoint (one line on stderr, nothing generated; also
+logits that are NaN or inf, NonFiniteLogits);
 4 a multi-process job could not start (as train.py's);
 7 the parameters, the KV cache and the prompts' prefill do not fit in the memory the devices have left
 (checked before loading); 130 interrupted by Ctrl-C and 143 stopped by SIGTERM (one line, no traceback;
@@ -40,8 +41,8 @@ from typing import TYPE_CHECKING
 from tessera.compile_cache import check_cache_folder, use_compilation_cache
 from tessera.config import Config, ConfigError, load_config
 from tessera.generation import (  # noqa: F401 - the library half, re-exported: `from tessera.decode import generate`
-    batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes, prefill_program,
-    prompt_width, sample,
+    NonFiniteLogits, batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes,
+    prefill_program, prompt_width, sample,
 )
 from tessera.decode_args import encode_prompts, parse_args
 from tessera.tools.cli import UsageError, resolve_config_file, sigterm_raises
@@ -393,7 +394,7 @@ def _decode_main(flags: argparse.Namespace, config_args: list[str]) -> int:
     except DistributedError as e:
         print(f"distributed start-up error: {e}", file=sys.stderr)
         return EXIT_DISTRIBUTED
-    except UsageError as e:
+    except (UsageError, NonFiniteLogits) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
     except (ConfigError, CheckpointError) as e:

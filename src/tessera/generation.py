@@ -93,15 +93,35 @@ def left_padded(prompts: list[list[int]], width: int = 0):
 
 def _decode_step(params, tokens_bt, positions_bt, segment_ids_bt, cache, key_data, *, model: ModelDef,
                  temperature: float, top_k: int, top_p: float = 1.0):
-    """(next tokens [B], their logits [B, V], cache) after the tokens [B, T] (the prompt, then one
-    token). Tokens and logits come back whole on every device, so that every process can read them."""
+    """(next tokens [B], their logits [B, V], whether each row's logits hold no NaN and no +inf [B],
+    cache) after the tokens [B, T] (the prompt, then one token). Tokens, logits and flags come back
+    whole on every device, so that every process can read them."""
     import jax
+    import jax.numpy as jnp
 
     from tessera.mesh import shard_logically
 
     logits_bv, cache = model.next_logits(params, tokens_bt, positions_bt, segment_ids_bt, cache)
     token_b = sample(logits_bv, jax.random.wrap_key_data(key_data), temperature, top_k, top_p)
-    return shard_logically(token_b, (None,)), shard_logically(logits_bv, (None, None)), cache
+    finite_b = ~jnp.any(jnp.isnan(logits_bv) | (logits_bv == jnp.inf), axis=-1)
+    return (shard_logically(token_b, (None,)), shard_logically(logits_bv, (None, None)),
+            shard_logically(finite_b, (None,)), cache)
+
+
+class NonFiniteLogits(ValueError):
+    """`generate`: a row's logits hold NaN or +inf, from which argmax and sampling give token 0 (or
+    any token) without a word."""
+
+
+def _check_finite(finite_b: np.ndarray, step: int, dtype: str) -> None:
+    """NonFiniteLogits naming the first row (prompt) whose flag from `_decode_step` is false."""
+    bad = np.flatnonzero(~finite_b)
+    if bad.size:
+        raise NonFiniteLogits(
+            f"the logits of prompt {bad[0] + 1} hold NaN or inf at new token {step + 1}, so its tokens would be "
+            "meaningless (token 0 every time): the parameters hold NaN or inf" + (
+                ", or the activations overflow dtype=float16 (at most 65504): try dtype=bfloat16"
+                if dtype == "float16" else ""))
 
 
 @functools.cache
@@ -217,7 +237,8 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     Under a mesh (`jax.set_mesh`) the batch of prompts is split over its batch axes (`batch_ways`),
     and so is the KV cache. A number of prompts those do not divide is made up with one-token rows
     whose output is dropped: each device then decodes and caches its share of rows instead of a
-    copy of all of them."""
+    copy of all of them. A row whose logits hold NaN or inf (NaN parameters, float16 overflowing) is a
+    NonFiniteLogits error: argmax and sampling gave token 0 for it without a word."""
     import jax
 
     from tessera.models import BLOCKS
@@ -247,9 +268,11 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     done = np.arange(rows) >= len(prompts)  # the filler rows count as done from the start
     for i in range(max_new_tokens):
         call = prefill if i == 0 and prefill is not None else step
-        token_b, logits_bv, cache = call(params, global_(tokens_bt), global_(positions_bt), global_(segment_ids_bt),
-                                         cache, global_(_key_data(jax.random.fold_in(key, i))))
+        token_b, logits_bv, finite_b, cache = call(params, global_(tokens_bt), global_(positions_bt),
+                                                   global_(segment_ids_bt), cache,
+                                                   global_(_key_data(jax.random.fold_in(key, i))))
         token_b = np.asarray(token_b)
+        _check_finite(np.asarray(finite_b) | done, i, model.cfg.dtype)
         new_tokens.append(np.where(done, -1, token_b))  # -1: the row had already stopped
         if return_logits:
             new_logits.append(np.asarray(logits_bv))
