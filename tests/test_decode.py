@@ -718,7 +718,13 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys, monkeypatch)
                           (["--max-new-tokens", "5"], "unknown flag --max-new-tokens; did you mean --max_new_tokens? "
                                                       "config keys are given as key=value"),
                           (["--prompt", "--verbose"], "argument --prompt: expected one argument (one that starts "
-                                                      "with '-' is given as --prompt=VALUE)")):
+                                                      "with '-' is given as --prompt=VALUE)"),
+                          # both were "config error: argument 'cat' is not of the form key=value"
+                          (["--prompt", "the", "cat", "sat"], 'cat sat after --prompt the is neither a flag nor a '
+                                                             'key=value; quote a prompt of several words: --prompt '
+                                                             '"the cat sat"'),
+                          (["--tokens", "3", "4"], "4 after --tokens 3 is neither a flag nor a key=value; token ids "
+                                                   "are separated by commas: --tokens 3,4")):
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", *argv])
         err = capsys.readouterr().err

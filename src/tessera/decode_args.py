@@ -4,6 +4,7 @@ token ids checked against the model (`encode_prompts`). See tessera.decode."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 from typing import TYPE_CHECKING
@@ -54,6 +55,12 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--eos_id", type=int, default=None, help="stop a row at this token (default: the "
                         "tokenizer's end-of-sequence token; none with --tokens)")
     flags, rest = parser.parse_known_args(_joined_token_lists(argv))
+    stray = _stray_words(_joined_token_lists(argv))
+    if stray:  # the config said "argument 'upon' is not of the form key=value"
+        flag, value, words = stray
+        fix = (f'quote a prompt of several words: --prompt "{" ".join([value, *words])}"' if flag == "--prompt" else
+               f"token ids are separated by commas: --tokens {','.join([value, *words])}")
+        parser.error(f"{' '.join(words)} after {flag} {value} is neither a flag nor a key=value; {fix}")
     unknown = [a for a in rest if a.startswith("--")]
     if unknown:
         name = unknown[0].split("=")[0][2:].replace("-", "_")
@@ -84,6 +91,20 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         parser.error(f"--eos_id {flags.eos_id} is not a token id (ids are >= 0); leave it out to stop at the "
                      "tokenizer's end-of-sequence token")
     return flags, rest
+
+
+def _stray_words(argv: list[str]) -> tuple[str, str, list[str]] | None:
+    """(flag, its value, the words after it) for `--prompt Once upon a time` (no quotes) or `--tokens 1 2 3`:
+    words right after a --prompt or --tokens value that are neither a flag, nor a key=value, nor a config file."""
+    for i, arg in enumerate(argv[:-2]):
+        if arg in ("--prompt", "--tokens"):
+            words = list(itertools.takewhile(
+                lambda a: not a.startswith("-") and "=" not in a and not a.endswith((".yml", ".yaml")), argv[i + 2:]))
+            if arg == "--tokens":
+                words = list(itertools.takewhile(lambda a: re.fullmatch(r"[\d,]+", a), words))
+            if words:
+                return arg, argv[i + 1], words
+    return None
 
 
 def _joined_token_lists(argv: list[str]) -> list[str]:
