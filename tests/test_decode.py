@@ -650,6 +650,33 @@ def test_an_eos_id_in_the_prompt_stays_in_the_printed_text(checkpoint, tmp_path,
     assert out.startswith("the cat sat on the mat"), out
 
 
+def test_a_tokenizer_other_than_the_checkpoints_is_named(llama, tmp_path, capsys):
+    """--prompt with a tokenizer other than the one the run trained with (its saved tokenizer_path)
+    encoded the prompt into ids that mean other text to the model and printed garbage without a word.
+    The same file at another path (a copy) is no reason to warn."""
+    import shutil
+
+    _, params = llama
+    trained = _hf_tokenizer(tmp_path / "trained")
+    shutil.copytree(trained, tmp_path / "copy")
+    other = json.loads((tmp_path / "trained" / "tokenizer.json").read_text())
+    vocab = other["model"]["vocab"]
+    vocab["the"], vocab["cat"] = vocab["cat"], vocab["the"]  # the same words, other ids
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "tokenizer.json").write_text(json.dumps(other))
+    saved = json.loads(json.dumps(flat_dict(build_config(dict(TINY, dtype="float32", tokenizer_path=trained)))))
+    saver = Checkpointer(tiny_config().checkpoint, str(tmp_path / "checkpoints"))
+    saver.save(1, {"params": params}, {}, saved)
+    saver.close()
+    path = tmp_path / "checkpoints" / "1"
+    for tokenizer, warned in ((trained, False), (tmp_path / "copy", False), (tmp_path / "other", True)):
+        assert main([*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={tokenizer}", "--prompt",
+                     "the cat", "--max_new_tokens", "1"]) == 0
+        err = capsys.readouterr().err
+        assert (f"was trained with tokenizer_path={trained}, which differs from tokenizer_path={tokenizer}" in err
+                ) == warned, err
+
+
 def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys, monkeypatch):
     path, _ = checkpoint
     tokenizer = _hf_tokenizer(tmp_path / "tok")

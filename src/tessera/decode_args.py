@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import logging
 import os
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tessera.config import Config, ConfigError
@@ -15,6 +17,8 @@ from tessera.tools.cli import config_epilog
 
 if TYPE_CHECKING:
     from tessera.data.tokenizers import Tokenizer
+
+log = logging.getLogger("tessera")
 
 FLOAT32_MAX = 3.4028234663852886e38  # a larger --temperature is inf in float32
 
@@ -93,6 +97,28 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return flags, rest
 
 
+def _warn_other_tokenizer(path: str, tokenizer_path: str) -> None:
+    """A warning when the checkpoint at `path` was trained with another tokenizer than `tokenizer_path`
+    (its saved tokenizer_path holds other bytes): the prompts' ids then mean other text to the model,
+    and the printed text was garbage without a word. A saved path missing here is not compared."""
+    import filecmp
+
+    from tessera.checkpointing import saved_config
+
+    saved = saved_config(path).get("tokenizer_path") if path else None
+    if not saved or not isinstance(saved, str) or saved == tokenizer_path:
+        return
+    files = []
+    for p in (Path(saved), Path(tokenizer_path)):
+        if p.is_dir():  # the file load_tokenizer reads in a folder
+            p = p / "tokenizer.json" if (p / "tokenizer.json").is_file() else p / "tokenizer.model"
+        files.append(p)
+    if files[0].is_file() and files[1].is_file() and not filecmp.cmp(*files, shallow=False):
+        log.warning("load_parameters_path=%s was trained with tokenizer_path=%s, which differs from tokenizer_path=%s: "
+                    "the prompts are encoded, and the output decoded, with another vocabulary than the model learned; "
+                    "give tokenizer_path=%s", path, saved, tokenizer_path, saved)
+
+
 def _stray_words(argv: list[str]) -> tuple[str, str, list[str]] | None:
     """(flag, its value, the words after it) for `--prompt Once upon a time` (no quotes) or `--tokens 1 2 3`:
     words right after a --prompt or --tokens value that are neither a flag, nor a key=value, nor a config file."""
@@ -144,6 +170,7 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
                                   f"at character {e.start}; give the prompt in UTF-8 (e.g. `iconv -f latin1 -t utf-8`), "
                                   "or token ids with --tokens") from None
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
+        _warn_other_tokenizer(cfg.checkpoint.load_parameters_path, cfg.data.tokenizer_path)
         check_tokenizer(tokenizer, cfg.data.tokenizer_path, cfg.model.vocab_size, cfg.data.add_bos, False)
         bos = [tokenizer.bos_id] if cfg.data.add_bos else []
         encoded = tokenizer.encode_batch(flags.prompt)
