@@ -176,7 +176,8 @@ def test_decoding_parameters_larger_than_the_host_allows_stops_before_reading_th
         rf"up to 34 tokens in 8 rows, split 8 ways; and up to 25.1 GiB on the host while the checkpoint is read\); "
         rf"this host's 8 cpu devices need {NUMBER} in all and have "
         rf"{NUMBER} left "
-        r"\(ulimit -v .*\)\. Nothing was allocated; free memory, or decode on a host with more \(exit code 7\)",
+        r"\(ulimit -v .*\)\. Nothing was allocated; set weight_dtype=bfloat16 \(float32 parameters are read as "
+        r"bfloat16, half the memory\); free memory, or decode on a host with more \(exit code 7\)",
         line), line
 
 
