@@ -751,7 +751,9 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys, monkeypatch)
                                                              'key=value; quote a prompt of several words: --prompt '
                                                              '"the cat sat"'),
                           (["--tokens", "3", "4"], "4 after --tokens 3 is neither a flag nor a key=value; token ids "
-                                                   "are separated by commas: --tokens 3,4")):
+                                                   "are separated by commas: --tokens 3,4"),
+                          (["--prompt=the", "cat"], 'cat after --prompt the is neither a flag nor a key=value; quote '
+                                                    'a prompt of several words: --prompt "the cat"')):
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", *argv])
         err = capsys.readouterr().err

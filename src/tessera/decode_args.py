@@ -122,14 +122,17 @@ def _warn_other_tokenizer(path: str, tokenizer_path: str) -> None:
 def _stray_words(argv: list[str]) -> tuple[str, str, list[str]] | None:
     """(flag, its value, the words after it) for `--prompt Once upon a time` (no quotes) or `--tokens 1 2 3`:
     words right after a --prompt or --tokens value that are neither a flag, nor a key=value, nor a config file."""
-    for i, arg in enumerate(argv[:-2]):
-        if arg in ("--prompt", "--tokens"):
-            words = list(itertools.takewhile(
-                lambda a: not a.startswith("-") and "=" not in a and not a.endswith((".yml", ".yaml")), argv[i + 2:]))
-            if arg == "--tokens":
-                words = list(itertools.takewhile(lambda a: re.fullmatch(r"[\d,]+", a), words))
-            if words:
-                return arg, argv[i + 1], words
+    for i, arg in enumerate(argv):
+        flag, joined, value = arg.partition("=")  # --prompt=Once upon too
+        if flag not in ("--prompt", "--tokens") or not joined and i + 1 == len(argv):
+            continue
+        value, after = (value, argv[i + 1:]) if joined else (argv[i + 1], argv[i + 2:])
+        words = list(itertools.takewhile(
+            lambda a: not a.startswith("-") and "=" not in a and not a.endswith((".yml", ".yaml")), after))
+        if flag == "--tokens":
+            words = list(itertools.takewhile(lambda a: re.fullmatch(r"[\d,]+", a), words))
+        if words:
+            return flag, value, words
     return None
 
 
