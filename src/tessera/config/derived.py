@@ -262,17 +262,10 @@ def _stages_do_not_divide_message(what: str, layers: int, stages: int, per_block
             f"that is a multiple of {stages * per_block}")
 
 
-def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> PipelineLayout | None:
-    """The pipeline of a mesh with a stage axis (None without one), for batches of `rows`
-    sequences (the global batch over gradient_accumulation_steps). ConfigError when the layers
-    do not split into stages x repeats groups or the batch not into microbatches."""
-    stages, mesh, m = mesh_shape.get("stage", 1), cfg.mesh, cfg.model
-    if stages == 1:
-        if mesh.pipeline_fsdp_ag_once:
-            raise ConfigError("pipeline_fsdp_ag_once=true gathers a pipeline stage's fsdp-split weights once per step, "
-                              "and this mesh has no pipeline stages; set ici_pipeline_parallelism or "
-                              "dcn_pipeline_parallelism above 1, or drop the key")
-        return None
+def _stage_groups(cfg: Config, stages: int) -> tuple[int, int, int]:
+    """(repeats, layers per stage group, layers per block) of a pipeline of `stages` stages, with the
+    -1 keys filled in; ConfigError when the layers do not split into stages x repeats groups of whole blocks."""
+    mesh, m = cfg.mesh, cfg.model
     per_block = LAYERS_PER_BLOCK.get(m.decoder_block, 1)
     # deepseek's dense layers run below the pipeline; only the expert layers are split over stages
     dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
@@ -297,6 +290,21 @@ def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> Pi
             "num_pipeline_repeats / num_layers_per_pipeline_stage (or the stage count)")
     if per_stage % per_block:  # the product is right, but a group would cut a block (gemma2's local/global pair)
         raise ConfigError(_cut_block_message(what, layers, stages, repeats, per_stage, per_block, m.decoder_block))
+    return repeats, per_stage, per_block
+
+
+def pipeline_layout(cfg: Config, mesh_shape: Mapping[str, int], rows: int) -> PipelineLayout | None:
+    """The pipeline of a mesh with a stage axis (None without one), for batches of `rows`
+    sequences (the global batch over gradient_accumulation_steps). ConfigError when the layers
+    do not split into stages x repeats groups or the batch not into microbatches."""
+    stages, mesh = mesh_shape.get("stage", 1), cfg.mesh
+    if stages == 1:
+        if mesh.pipeline_fsdp_ag_once:
+            raise ConfigError("pipeline_fsdp_ag_once=true gathers a pipeline stage's fsdp-split weights once per step, "
+                              "and this mesh has no pipeline stages; set ici_pipeline_parallelism or "
+                              "dcn_pipeline_parallelism above 1, or drop the key")
+        return None
+    repeats, per_stage, per_block = _stage_groups(cfg, stages)
     shards = mesh_shape.get("data", 1) * mesh_shape.get("fsdp", 1) * mesh_shape.get("expert", 1)
     micro, hop = mesh.num_pipeline_microbatches, 2 if mesh.pipeline_delay_activation_forwarding else 1
     # a circular pipeline's output comes back to stage 0 H*S iterations after it left: M >= H*S
