@@ -41,8 +41,18 @@ def calls(state: Path) -> list[list[str]]:
     return [json.loads(line) for line in (state / "calls.jsonl").read_text().splitlines()]
 
 
+# A launcher started as from a terminal's shell: the stop signals handled by default and none blocked. A test
+# process may have inherited SIGHUP ignored (a CI job started under nohup: a SIGHUP sent by the test then
+# went unheard), and the launchers keep an ignored signal ignored on purpose (`nohup ... &` must outlive the
+# terminal).
+FROM_A_TERMINAL = [sys.executable, "-c", "import os, signal, sys\n"
+                   "for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP): signal.signal(s, signal.SIG_DFL)\n"
+                   "signal.pthread_sigmask(signal.SIG_SETMASK, [])\n"
+                   "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"]
+
+
 def run(script: str, *args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True,
+    return subprocess.run([*FROM_A_TERMINAL, str(REPO / script), *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, **(env or {})}, timeout=120)
 
 

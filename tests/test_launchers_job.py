@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_launchers import JOB_ARGS, calls, code_dir, fake, run  # noqa: F401 (fixtures)
+from test_launchers import FROM_A_TERMINAL, JOB_ARGS, calls, code_dir, fake, run  # noqa: F401 (fixtures)
 
 # worker 1 of the one slice dies before uploading its status: the launcher keeps waiting for it
 KILL_WORKER_1 = 'if [ "$TESSERA_HOST" = job1-w1 ]; then kill -9 $PPID; fi; true'
@@ -23,7 +23,7 @@ def deletes(state: Path) -> list[list[str]]:
 
 
 def start(args: list[str], cwd: Path) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(REPO / "multihost_job.py"), *args], cwd=cwd, text=True,
+    return subprocess.Popen([*FROM_A_TERMINAL, str(REPO / "multihost_job.py"), *args], cwd=cwd, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
 
 

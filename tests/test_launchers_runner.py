@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from test_launchers import add_nodes, calls, code_dir, fake, run  # noqa: F401  (fixtures)
+from test_launchers import FROM_A_TERMINAL, add_nodes, calls, code_dir, fake, run  # noqa: F401  (fixtures)
 
 RUNNER = REPO / "multihost_runner.py"
 
 
 def start(*args: str, cwd: Path) -> subprocess.Popen:
     """The runner in a session of its own, so that a test's signal reaches it alone."""
-    return subprocess.Popen([sys.executable, str(RUNNER), *args], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([*FROM_A_TERMINAL, str(RUNNER), *args], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 
