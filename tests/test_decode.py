@@ -847,7 +847,7 @@ def test_a_quantized_checkpoint_read_as_float_names_checkpoint_is_quantized(llam
     """A checkpoint written by save_quantized_params_path, read without checkpoint_is_quantized=true
     (or a float one read with it), listed every matrix as missing and unexpected without a word on
     the key that explains it."""
-    from tessera.decode import save_quantized
+    from tessera.checkpointing.quantized import save_quantized
 
     model, params = llama
     path, _ = checkpoint

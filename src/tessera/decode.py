@@ -31,7 +31,6 @@ import argparse
 import contextlib
 import dataclasses
 import functools
-import json
 import logging
 import sys
 import time
@@ -65,6 +64,7 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     activations)."""
     import jax
 
+    from tessera.checkpointing.quantized import check_new_folder, save_quantized, source_config
     from tessera.mesh import named_shardings
     from tessera.models import build_model
     from tessera.models.quantization import check_platform as check_quantization
@@ -74,7 +74,7 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     check_quantization(cfg.model.quantization, device.device_kind, device.platform,
                        str(getattr(device, "compute_capability", "")), tied_logits=cfg.model.logits_via_embedding)
     if cfg.checkpoint.save_quantized_params_path:  # before the load: a folder that cannot be made is found at once
-        _check_new_folder(cfg.checkpoint.save_quantized_params_path, "save_quantized_params_path")
+        check_new_folder(cfg.checkpoint.save_quantized_params_path, "save_quantized_params_path")
     model = build_model(cfg.model, _prefill_kernel(cfg, mesh, decoding))
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
@@ -85,7 +85,7 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
     if cfg.checkpoint.save_quantized_params_path:
         save_quantized(params, model.logical_axes(), cfg.model.quantization,
                        cfg.checkpoint.save_quantized_params_path, cfg.checkpoint.checkpoint_checksums,
-                       config=_source_config(cfg))
+                       config=source_config(cfg))
     return model, params, program
 
 
@@ -219,60 +219,6 @@ def _memory_advice(shared: bool, cache: bool = False, kv_quant: str = "", float3
         ways.append("shard the parameters over more devices (ici_fsdp_parallelism or ici_tensor_parallelism)")
     ways.append("free memory" if not shared else "free memory, or decode on a host with more")
     return "; ".join(ways)
-
-
-def _check_new_folder(path: str, key: str) -> None:
-    """ConfigError unless `path` does not exist yet and can be created (`check_writable`, which
-    leaves nothing behind)."""
-    from etils import epath
-
-    from tessera.checkpointing import check_writable
-
-    if epath.Path(path).exists():
-        raise ConfigError(f"{key}={path} exists already; choose a new folder (nothing was written)")
-    check_writable(path, key)
-
-
-def _source_config(cfg: Config) -> dict:
-    """The flat config a quantized checkpoint keeps: that of the training checkpoint its weights were
-    loaded from (its model keys are what they were trained with), else this decode's."""
-    from tessera.checkpointing import saved_config
-    from tessera.config.loader import flat_dict
-
-    return saved_config(cfg.checkpoint.load_parameters_path) or json.loads(json.dumps(flat_dict(cfg)))
-
-
-def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool = True,
-                   config: dict | None = None) -> None:
-    """Write `params` quantized (`tessera.models.quantization.quantize_params`) as an Orbax
-    checkpoint holding {"params": ...}: what load_parameters_path with checkpoint_is_quantized=true reads;
-    with `checksums`, its files' checksums too (`checkpoint_checksums`), which every load verifies.
-    `config` (a flat config): kept as a training step keeps its own (config/<CONFIG_FILE>), so that a
-    decode with other model keys is warned as from the float checkpoint (`warn_model_changes`)."""
-    import jax
-    import orbax.checkpoint as ocp
-    from etils import epath
-
-    from tessera.checkpointing import record_checksums
-    from tessera.checkpointing.storage import CONFIG_FILE
-    from tessera.models.quantization import quantize_params
-
-    target = epath.Path(path)
-    if target.exists():
-        raise ConfigError(f"save_quantized_params_path={path} exists already; choose a new folder (nothing was "
-                          "written)")
-    tree = {"params": jax.jit(lambda p: quantize_params(p, mode, logical_axes))(params)}
-    try:
-        ocp.PyTreeCheckpointer().save(target, tree)
-        if config is not None and jax.process_index() == 0:
-            (target / "config").mkdir()
-            (target / "config" / CONFIG_FILE).write_text(json.dumps(config))
-    except OSError as e:  # a folder that could not be made (/proc), a full disk
-        raise ConfigError(f"save_quantized_params_path={path} could not be written ({e.strerror or e}); choose "
-                          "another path") from None
-    if checksums:
-        record_checksums(path)
-    log.info("wrote the parameters quantized (%s) to %s", mode, path)
 
 
 def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:

@@ -28,7 +28,7 @@ Orbax refuses relative ones.
 
 The package: `manager.py` (Checkpointer), `loading.py` (load paths), `checksums.py`,
 `trees.py` (saved against expected trees), `storage.py` (Orbax's loops and logs, buckets,
-writable folders, errors).
+writable folders, errors), `quantized.py` (decode.py's quantized checkpoints).
 """
 
 from tessera.checkpointing.loading import (load_full_state, load_parameters, mismatch_explained, quantized_explained,

@@ -1,0 +1,66 @@
+"""Quantized checkpoints for decoding (`save_quantized_params_path`, read back with
+`checkpoint_is_quantized=true`): the parameters quantized as `quantization` computes them, with the
+config of the checkpoint they came from, so that a decode with other model keys is warned."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from tessera.config import Config, ConfigError
+
+log = logging.getLogger("tessera")
+
+
+def check_new_folder(path: str, key: str) -> None:
+    """ConfigError unless `path` does not exist yet and can be created (`check_writable`, which
+    leaves nothing behind)."""
+    from etils import epath
+
+    from tessera.checkpointing import check_writable
+
+    if epath.Path(path).exists():
+        raise ConfigError(f"{key}={path} exists already; choose a new folder (nothing was written)")
+    check_writable(path, key)
+
+
+def source_config(cfg: Config) -> dict:
+    """The flat config a quantized checkpoint keeps: that of the training checkpoint its weights were
+    loaded from (its model keys are what they were trained with), else this decode's."""
+    from tessera.checkpointing import saved_config
+    from tessera.config.loader import flat_dict
+
+    return saved_config(cfg.checkpoint.load_parameters_path) or json.loads(json.dumps(flat_dict(cfg)))
+
+
+def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool = True,
+                   config: dict | None = None) -> None:
+    """Write `params` quantized (`tessera.models.quantization.quantize_params`) as an Orbax
+    checkpoint holding {"params": ...}: what load_parameters_path with checkpoint_is_quantized=true reads;
+    with `checksums`, its files' checksums too (`checkpoint_checksums`), which every load verifies.
+    `config` (a flat config): kept as a training step keeps its own (config/<CONFIG_FILE>), so that a
+    decode with other model keys is warned as from the float checkpoint (`warn_model_changes`)."""
+    import jax
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    from tessera.checkpointing import record_checksums
+    from tessera.checkpointing.storage import CONFIG_FILE
+    from tessera.models.quantization import quantize_params
+
+    target = epath.Path(path)
+    if target.exists():
+        raise ConfigError(f"save_quantized_params_path={path} exists already; choose a new folder (nothing was "
+                          "written)")
+    tree = {"params": jax.jit(lambda p: quantize_params(p, mode, logical_axes))(params)}
+    try:
+        ocp.PyTreeCheckpointer().save(target, tree)
+        if config is not None and jax.process_index() == 0:
+            (target / "config").mkdir()
+            (target / "config" / CONFIG_FILE).write_text(json.dumps(config))
+    except OSError as e:  # a folder that could not be made (/proc), a full disk
+        raise ConfigError(f"save_quantized_params_path={path} could not be written ({e.strerror or e}); choose "
+                          "another path") from None
+    if checksums:
+        record_checksums(path)
+    log.info("wrote the parameters quantized (%s) to %s", mode, path)
