@@ -231,12 +231,14 @@ def test_qwen3_moe_expert_parallel_gives_the_same_losses_as_one_device(tmp_path)
 @pytest.mark.slow
 def test_deepseek_expert_parallel_gives_the_same_losses_as_one_device(tmp_path):
     """MLA, a dense layer, grouped sigmoid routing with the balancing bias and a shared expert, dropless
-    over expert=4 x fsdp=2: the same losses, router statistics and (moved) biases as one device."""
+    over expert=4 x fsdp=2: the same losses, router statistics and (moved) biases as one device. With one
+    MTP depth (itself a MoE block: test_mtp), whose loss and router loss are the same too."""
     family = FAMILIES["deepseek"]
-    one = _moe_losses(tmp_path, "one", 1, family, sparse_matmul=True, steps=3)
-    ep = _moe_losses(tmp_path, "ep", 8, family, sparse_matmul=True, steps=3, ici_expert_parallelism=4,
-                     ici_fsdp_parallelism=2)
-    for key in ("loss", "grad_norm", "moe_load_balance_loss", "moe_dropped_fraction"):
+    one = _moe_losses(tmp_path, "one", 1, family, sparse_matmul=True, steps=3, mtp_num_layers=1)
+    ep = _moe_losses(tmp_path, "ep", 8, family, sparse_matmul=True, steps=3, mtp_num_layers=1,
+                     ici_expert_parallelism=4, ici_fsdp_parallelism=2)
+    for key in ("loss", "grad_norm", "moe_load_balance_loss", "moe_dropped_fraction", "mtp_loss",
+                "mtp_moe_load_balance_loss"):
         a, b = np.array([r[key] for r in one]), np.array([r[key] for r in ep])
         np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
     assert not any(k.startswith("per_layer") for k in one[0])  # the loads move the biases; they are not logged
