@@ -58,6 +58,12 @@ def test_deleted_metadata_is_a_damaged_checkpoint_not_a_config_mismatch(tmp_path
     _no_echoes(proc.stderr)
     assert (f"checkpoint error: checkpoint {ckpt / '2'} is damaged: its file state/_METADATA is missing. "
             f"Move it away (e.g. mv {ckpt / '2'} {ckpt / '2'}.damaged) to resume from step 1") in proc.stderr
+    # the converter says the same in one line, and writes nothing
+    proc = _convert("tessera-to-hf", str(ckpt / "2"), str(tmp_path / "hf"))
+    assert proc.returncode == 2 and not (tmp_path / "hf").exists(), proc.stderr
+    assert proc.stderr.startswith(f"checkpoint error: checkpoint {ckpt / '2'} is damaged: its file state/_METADATA is "
+                                  "missing")
+    _no_echoes(proc.stderr)
     (ckpt / "2").rename(ckpt / "2.damaged")  # what the message says to do
     again = _train(tmp_path, "steps=3")
     assert again.returncode == 0 and "resuming from step 1" in again.stderr, again.stderr[-3000:]
@@ -369,27 +375,14 @@ def _convert(*args):
                           env={**os.environ, "PYTHONPATH": str(Path(TRAIN[1]).parent / "src"), "JAX_PLATFORMS": "cpu"})
 
 
-@pytest.mark.slow
-def test_convert_round_trip_is_quiet_and_its_faults_are_one_line(tmp_path):
-    assert _train(tmp_path, "steps=1").returncode == 0
-    step = tmp_path / "sub" / "checkpoints" / "1"
-    to_hf = _convert("tessera-to-hf", str(step), str(tmp_path / "hf"))
-    back = _convert("hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "back"))
-    for proc in (to_hf, back):  # stderr is not a terminal: no progress-bar frames, no Orbax warnings;
-        # only Tessera's own info lines (the checksums it verified)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert all(re.match(r"\d\d:\d\d:\d\d I ", line) for line in proc.stderr.splitlines()), proc.stderr[-3000:]
-    assert "checksums of " in to_hf.stderr
+def test_a_convert_output_folder_under_a_file_is_one_line_before_reading(tmp_path):
+    """(A damaged checkpoint's one line: test_deleted_metadata_is_a_damaged_checkpoint_not_a_config_mismatch; a
+    quiet round trip: test_readme_commands.)"""
+    (tmp_path / "hf").mkdir()
     (tmp_path / "file").write_text("")
     proc = _convert("hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "file" / "out"))
     assert proc.returncode == 2 and proc.stderr.startswith(
         f"error: output folder={tmp_path}/file/out cannot be written: {tmp_path}/file is a file"), proc.stderr
-    (step / "state" / "_METADATA").unlink()
-    proc = _convert("tessera-to-hf", str(step), str(tmp_path / "hf2"))
-    assert proc.returncode == 2 and not (tmp_path / "hf2").exists(), proc.stderr
-    assert proc.stderr.startswith(f"checkpoint error: checkpoint {step} is damaged: its file state/_METADATA is "
-                                  "missing")
-    _no_echoes(proc.stderr)
 
 
 def test_a_sync_save_whose_checksum_list_cannot_be_written_is_set_aside(tmp_path, monkeypatch):

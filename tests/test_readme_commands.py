@@ -75,6 +75,7 @@ def test_quick_start_trains_into_outputs_demo(demo):
     assert (run_dir / "checkpoints" / "150" / "state").is_dir()
     assert "Traceback" not in proc.stderr and "Metadata file does not exist" not in proc.stderr
     assert "config (differs from base.yml): run_name=demo\n" in proc.stderr
+    assert not (run_dir / "xla_dump").exists()  # dump_hlo is off by default (test_xla_dump turns it on)
 
 
 def test_quick_start_again_has_nothing_to_do(demo):
@@ -95,13 +96,17 @@ def _decode(cwd: Path, checkpoint: str) -> list[str]:
     return proc.stdout.split()
 
 
-def test_decode_guide_command(demo):
-    cwd, _ = demo
-    tokens = _decode(cwd, "outputs/demo/checkpoints/150")  # as printed: a relative step folder
-    assert len(tokens) == 16 and all(t.isdigit() for t in tokens)
+@pytest.fixture(scope="module")
+def demo_tokens(demo):
+    """Decode.md's command on the quick start's last checkpoint, as printed (a relative step folder)."""
+    return _decode(demo[0], "outputs/demo/checkpoints/150")
 
 
-def test_convert_round_trip_with_relative_folders(demo):
+def test_decode_guide_command(demo_tokens):
+    assert len(demo_tokens) == 16 and all(t.isdigit() for t in demo_tokens)
+
+
+def test_convert_round_trip_with_relative_folders(demo, demo_tokens):
     """tessera-to-hf, then hf-to-tessera, as Models.md prints them (module and subcommand), with
     the demo's relative folders; the converted checkpoint decodes to the same tokens."""
     cwd, _ = demo
@@ -110,5 +115,8 @@ def test_convert_round_trip_with_relative_folders(demo):
         program = doc_command("getting_started/Models.md", f"{PYTHON} -m tessera.tools.convert {subcommand}")[:4]
         proc = run_in(cwd, [*program, source, target, "model_name=default"])
         assert proc.returncode == 0, proc.stderr[-3000:]
+        # stderr is not a terminal: no progress-bar frames, no Orbax warnings; only Tessera's own info lines
+        assert all(re.match(r"\d\d:\d\d:\d\d I ", line) for line in proc.stderr.splitlines()), proc.stderr[-3000:]
+        assert subcommand == "hf-to-tessera" or "checksums of " in proc.stderr  # the checksums it verified
     assert (cwd / "demo-hf" / "config.json").is_file()
-    assert _decode(cwd, "demo-tessera") == _decode(cwd, "outputs/demo/checkpoints/150")
+    assert _decode(cwd, "demo-tessera") == demo_tokens
