@@ -636,6 +636,50 @@ def test_a_user_without_a_name_gets_the_user_id(monkeypatch):
     assert load(CPU)["config"]["log_dir"] == f"/tmp/tessera-validate-{os.getuid()}"
 
 
+@pytest.mark.parametrize("path", [*AMD, *sorted((REPO / "configs" / "gpu" / "nvidia").glob("*.json"))],
+                         ids=lambda p: p.name)
+def test_the_user_in_a_volumes_host_folder_is_resolved(path, tmp_path, monkeypatch):
+    """volume_dict's keys are host folders: `"/home/{user-id}": "/home/{user-id}"` (every shipped GPU file)
+    was mounted as `-v /home/{user-id}:/home/alice`, a folder named {user-id}, not the user's home."""
+    monkeypatch.setattr(validate_file, "_user_name", lambda: "alice")
+    data = load(_filled(path, tmp_path))
+    plan = build_plan(data, *select(data, multi_node=True, model=None, gpu=None))
+    assert plan.container["volume_dict"]["/home/alice"] == "/home/alice"
+    argv = node_commands(plan, [], "run", "docker")[0][1]
+    assert "/home/alice:/home/alice" in argv and "{user-id}" not in " ".join(argv)
+
+
+def test_a_placeholder_in_a_key_is_listed(tmp_path):
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"config": {"container_config": {"volume_dict": {"<changeme>": "/data"}}},
+                                "model_params": {"single_node": {"m": {"g": {}}}}}))
+    with pytest.raises(ValidationInputError, match=r"config\.container_config\.volume_dict\.<changeme> \(the key\)"):
+        load(str(path))
+
+
+def test_mock_data_false_on_synthetic_data_says_so_and_a_bad_value_is_refused(tmp_path, capsys):
+    """mock_data "False" (real data wanted) with no dataset_type in the entry trained on Tessera's default,
+    synthetic data, without a word; "Ture" did nothing either."""
+    path = tmp_path / "v.json"
+    for mock, entry, code in (("False", {}, 0), ("False", {"dataset_type": "hf"}, 0), ("Ture", {}, 2)):
+        path.write_text(json.dumps({"config": {"mock_data": mock, "training_steps": "10"},
+                                    "model_params": {"single_node": {"m": {"g": entry}}}}))
+        assert main([str(path), "--dry-run"]) == code
+        out, err = capsys.readouterr()
+        said = "ignored config.mock_data: false, but the run trains on synthetic data" in out
+        assert said == (not entry and code == 0)
+    assert "config.mock_data='Ture' is not true or false" in err
+
+
+def test_a_run_name_in_the_entry_is_reported_as_replaced(tmp_path, capsys):
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"config": {"training_steps": "10"},
+                                "model_params": {"single_node": {"m": {"g": {"run_name": "mine"}}}}}))
+    assert main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "ignored run_name: the suite names the run validate_<file>" in out and "run_name=mine" not in out
+
+
 def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkeypatch, capsys):
     """A node that hung (say in a collective, with step_timeout_seconds=0) blocked the suite forever: it had
     no timeout. --timeout gives the nodes SIGTERM, then SIGKILL to one that ignores it."""

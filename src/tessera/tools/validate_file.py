@@ -135,8 +135,10 @@ def _section(node: Any, where: str) -> dict:
 
 
 def _clean(node: Any, user: str) -> Any:
+    """`node` without comment keys, {user-id} resolved in values and in keys: volume_dict's keys are host
+    folders ("/home/{user-id}"), which were mounted as a folder named {user-id}."""
     if isinstance(node, dict):
-        return {k: _clean(v, user) for k, v in node.items() if not k.startswith("_")}
+        return {k.replace("{user-id}", user): _clean(v, user) for k, v in node.items() if not k.startswith("_")}
     if isinstance(node, list):
         return [_clean(v, user) for v in node]
     return node.replace("{user-id}", user) if isinstance(node, str) else node
@@ -145,6 +147,8 @@ def _clean(node: Any, user: str) -> Any:
 def _placeholders(node: Any, path: str = ""):
     if isinstance(node, dict):
         for k, v in node.items():
+            if PLACEHOLDER in k:  # a key is a setting too (volume_dict: {host folder: container folder})
+                yield f"{path}.{k} (the key)" if path else f"{k} (the key)"
             yield from _placeholders(v, f"{path}.{k}" if path else k)
     elif isinstance(node, list):
         for i, v in enumerate(node):
@@ -214,8 +218,13 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         elif key in CONFIG_TRAIN_KEYS:
             overrides[CONFIG_TRAIN_KEYS[key]] = _text(value, f"config.{key}")
         elif key == "mock_data":
-            if str(value).lower() == "true":
+            if _flag(value, f"config.{key}"):
                 overrides["dataset_type"] = "synthetic"
+            elif str(entry.get("dataset_type", "synthetic")).strip().lower() == "synthetic":
+                ignored["config.mock_data"] = (  # "False" trained on synthetic data without a word
+                    f"false, but the run trains on synthetic data: model_params.{name} sets "
+                    f"{'dataset_type=synthetic' if 'dataset_type' in entry else 'no dataset_type (Tessera default: synthetic)'}"
+                    "; for real data set dataset_type (hf, tfds, grain) and its data keys there")
         elif key == "hf_token_file":
             env["HF_TOKEN_PATH"] = _text(value, f"config.{key}")
         elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
@@ -235,6 +244,9 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         if target != key and target in entry:  # an alias next to the key it stands for
             same = str(entry[target]) == text
             ignored[key] = f"same as {target}" if same else f"conflicts with {target}={entry[target]}; {target} is used"
+        elif target == "run_name":  # replaced by the suite's own name without a word
+            ignored[key] = ("the suite names the run validate_<file>_<date>_<time>_<pid> (its folder, where node 0's "
+                            "report.json is read, is new for each run)")
         elif target in train_keys:
             text = _text(value, f"model_params.{name}.{key}")
             if target in from_config and overrides[target] != text:
@@ -293,6 +305,17 @@ def _text(value: Any, where: str) -> str:
         raise ValidationInputError(f"{where} is a JSON {'null' if value is None else 'object'}, which has no value "
                                    "to pass on; give a string or a number (\"\" for empty), or leave the key out")
     return json.dumps(value) if isinstance(value, list) else str(value)
+
+
+def _flag(value: Any, where: str) -> bool:
+    """A true/false setting of the file (`"True"`, `"false"`, true, 1, as a train key's bool): "Ture" did nothing."""
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValidationInputError(f"{where}={value!r} is not true or false; give \"True\" (synthetic data) or \"False\" "
+                               "(the model entry's dataset_type)")
 
 
 def _node_count(value: Any) -> int:
