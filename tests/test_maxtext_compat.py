@@ -2,6 +2,7 @@
 
 import json
 import logging
+import re
 
 import pytest
 
@@ -107,6 +108,30 @@ def test_custom_remat_takes_maxtexts_per_tensor_keys():
     assert (cfg.query_proj, cfg.mlpwi_0, cfg.decoder_layer_input, cfg.mlpwo) == ("offload", "device", "device", "remat")
     with pytest.raises(ConfigError, match="mlpwo='keep' is not allowed; choose one of: 'remat', 'device', 'offload'"):
         load_config([BASE, "remat_policy=custom", "mlpwo=keep"], env={})
+
+
+def test_maxtexts_remat_values_with_context_are_ours_or_refused_with_the_custom_keys(caplog):
+    """Tessera's save_dot_except_mlp keeps `context` too: it is MaxText's save_dot_with_context_except_mlp, which
+    was refused with a list of values; minimal_with_context was refused without saying what to use."""
+    from tessera.models import remat
+
+    assert "context" in remat._ATTENTION_DOTS  # what the guide says: MaxText's save_dot_except_mlp recomputes it
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        cfg = load_config([BASE, "remat_policy=save_dot_with_context_except_mlp"], env={}).model
+    assert cfg.remat_policy == "save_dot_except_mlp"
+    assert "MaxText's name for remat_policy=save_dot_except_mlp" in caplog.text
+    for value in ("minimal_with_context", "minimal_flash"):
+        with pytest.raises(ConfigError, match=f"remat_policy='{value}' is a MaxText value Tessera does not have") as e:
+            load_config([BASE, f"remat_policy={value}"], env={})
+        custom = re.search(r"(remat_policy=custom .*=device) keeps", str(e.value))[1].split()
+        cfg = load_config([BASE, *custom], env={}).model
+        kept = {name for name, choice in remat.custom_choices(cfg).items() if choice == "device"}
+        # MaxText's minimal_policy(with_context=True), of the names Tessera's blocks have, and the block's input
+        assert kept == {"query_proj", "key_proj", "value_proj", "out_proj", "mlpwi_0", "mlpwi_1", "mlpwi", "mlpwo",
+                        "context", "decoder_layer_input"}
+    text = GUIDE.read_text()
+    for value in ("save_dot_with_context_except_mlp", "minimal_with_context", "minimal_flash"):
+        assert f"`{value}`" in text
 
 
 def test_a_typo_of_an_alias_suggests_it_and_our_key():

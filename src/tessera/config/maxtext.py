@@ -226,6 +226,18 @@ REFUSED = {
 }
 
 
+# Values of a key Tessera shares with MaxText that MaxText spells otherwise: {key: {MaxText's value: ours}}.
+# Tessera's save_dot_except_mlp keeps attention's output (context) with the projections, which MaxText's value
+# of that name recomputes and its save_dot_with_context_except_mlp keeps.
+VALUE_ALIASES = {"remat_policy": {"save_dot_with_context_except_mlp": "save_dot_except_mlp"}}
+_MINIMAL_WITH_CONTEXT = ("keep every projection's output and attention's output (context); Tessera's minimal keeps the "
+                         "projections' outputs only: remat_policy=custom query_proj=device key_proj=device "
+                         "value_proj=device context=device out_proj=device mlpwi_0=device mlpwi_1=device mlpwi=device "
+                         "mlpwo=device keeps the same tensors")
+# MaxText values of a shared key Tessera does not have: {key: {value: what it does in MaxText; what to use}}
+REFUSED_VALUES = {"remat_policy": {"minimal_with_context": _MINIMAL_WITH_CONTEXT, "minimal_flash": _MINIMAL_WITH_CONTEXT}}
+
+
 # Keys Tessera shares with MaxText whose "unset" MaxText spells differently (its base.yml holds
 # these values): {key: (MaxText's values, Tessera's value, what it means)}. A config file or
 # command line written for MaxText means the same here; the translation is logged once.
@@ -275,6 +287,8 @@ def render_aliases() -> list[str]:
     lines += [f"# {name} [one of: {', '.join(choices)}]: accepted; {why}" for name, (choices, why) in ACCEPTED.items()]
     lines += [f"# {name}={spelled[0] or '(empty)'} (MaxText's spelling of {meaning}) -> {name}={ours}"
               for name, (spelled, ours, meaning) in UNSET.items()]
+    lines += [f"# {name}={theirs} (MaxText's name) -> {name}={ours}"
+              for name, values in VALUE_ALIASES.items() for theirs, ours in values.items()]
     lines += ["# MaxText keys Tessera does not implement are refused with a reason (left at MaxText's default, off,",
               "# they are ignored): see src/tessera/config/maxtext.py and getting_started/Coming_from_MaxText.md"]
     return lines
@@ -314,6 +328,11 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
             _, ours, meaning = UNSET[name]
             _log_once(f"{name}={value!r} is MaxText's spelling of {meaning}; using {name}={ours!r}")
             out[name] = ours
+        elif name in fields and (ours := VALUE_ALIASES.get(name, {}).get(str(value).strip().lower())):
+            _log_once(f"{name}={value} is MaxText's name for {name}={ours}; using that")
+            out[name] = ours
+        elif name in fields and (why := REFUSED_VALUES.get(name, {}).get(str(value).strip().lower())):
+            errors.append(f"{name}={value!r} is a MaxText value Tessera does not have: it would {why} (from {source})")
         elif name in fields:
             out[name] = value
         elif name in ALIASES:
