@@ -680,6 +680,18 @@ def test_a_run_name_in_the_entry_is_reported_as_replaced(tmp_path, capsys):
     assert "ignored run_name: the suite names the run validate_<file>" in out and "run_name=mine" not in out
 
 
+def test_a_train_key_in_config_is_told_to_move_to_the_entry(tmp_path, capsys):
+    """config.model_name was listed as "not a setting Tessera has", which it is (in the model entry)."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"config": {"training_steps": "10", "model_name": "llama2-7b", "micro_batch_size": 2},
+                                "model_params": {"single_node": {"m": {"g": {}}}}}))
+    assert main([str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    for key in ("model_name", "micro_batch_size"):
+        assert (f"ignored config.{key}: a train key, which the suite reads from the model entry only: move it to "
+                "model_params.single_node.m.g") in out
+
+
 def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkeypatch, capsys):
     """A node that hung (say in a collective, with step_timeout_seconds=0) blocked the suite forever: it had
     no timeout. --timeout gives the nodes SIGTERM, then SIGKILL to one that ignores it."""

@@ -229,6 +229,9 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             env["HF_TOKEN_PATH"] = _text(value, f"config.{key}")
         elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
             container[key] = value
+        elif key in train_keys or key in ALIASES:  # was "not a setting Tessera has", of model_name too
+            ignored[f"config.{key}"] = (f"a train key, which the suite reads from the model entry only: move it to "
+                                        f"model_params.{name}")
         else:
             ignored[f"config.{key}"] = IGNORED_WHY.get(key, "not a setting Tessera has")
     # train key -> the config key that set it: a model entry's value for the same train key replaced it silently
