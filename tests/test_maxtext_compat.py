@@ -134,6 +134,20 @@ def test_maxtexts_remat_values_with_context_are_ours_or_refused_with_the_custom_
         assert f"`{value}`" in text
 
 
+def test_maxtexts_data_keys_without_dataset_type_say_the_run_is_synthetic():
+    """MaxText's default dataset_type is tfds and Tessera's synthetic: MaxText's README command with
+    dataset_path (and dataset_name) but no dataset_type trained on random tokens without a word."""
+    from tessera.config.unread_keys import keys_without_effect
+
+    cfg = load_config([BASE, "dataset_path=gs://my-dataset", "dataset_name=c4/en:3.1.0"], env={})
+    assert keys_without_effect(cfg, {"fsdp": 8}) == [
+        "dataset_name=c4/en:3.1.0, dataset_path=gs://my-dataset: no effect with dataset_type=synthetic (Tessera's "
+        "default; MaxText's is tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read that data"]
+    tfds = load_config([BASE, "dataset_type=tfds", "dataset_path=gs://my-dataset", "dataset_name=c4/en:3.1.0"], env={})
+    assert keys_without_effect(tfds, {"fsdp": 8}) == []
+    assert "`dataset_type` (`synthetic`, `hf`, `tfds`, `grain`; Tessera's default is `synthetic`" in GUIDE.read_text()
+
+
 def test_a_typo_of_an_alias_suggests_it_and_our_key():
     with pytest.raises(ConfigError, match=r"did you mean .*ici_context_parallelism \(= ici_sequence_parallelism\)"):
         load_config([BASE, "ici_context_paralelism=2"], env={})

@@ -9,6 +9,9 @@ from tessera.config.schema import Config
 
 PIPELINE_KEYS = ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layers_per_pipeline_stage",
                  "pipeline_delay_activation_forwarding")
+# the keys that name training data: with dataset_type=synthetic (Tessera's default; MaxText's is tfds, so a MaxText
+# command with dataset_path and dataset_name but no dataset_type) the run trained on random tokens without a word
+DATA_KEYS = ("dataset_name", "dataset_path", "hf_path", "hf_train_files", "grain_train_files")
 MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", "tile_batch_seq", "tile_activation_dim", "tile_weight_dim")
 
 
@@ -26,6 +29,9 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if not cfg.data.eval_interval and (keys := [k for k in ("eval_steps", "eval_per_device_batch_size") if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect, this run never evaluates (eval_interval=N evaluates every "
                      "N steps)")
+    if cfg.data.dataset_type == "synthetic" and (keys := [k for k in DATA_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with dataset_type=synthetic (Tessera's default; MaxText's is "
+                     "tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read that data")
     if not cfg.profiler.profiler and (keys := [k for k in ("skip_first_n_steps_for_profiler", "profiler_steps")
                                                if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without profiler=xplane")
