@@ -692,6 +692,20 @@ def test_a_train_key_in_config_is_told_to_move_to_the_entry(tmp_path, capsys):
                 "model_params.single_node.m.g") in out
 
 
+def test_an_xla_flag_set_in_config_and_in_the_entry_takes_the_entrys_value(tmp_path):
+    """config.xla_* went into XLA_FLAGS after the entry's xla_flags, and XLA takes the last of a flag given
+    twice: the config's value won over the entry's without a word (a train key takes the entry's)."""
+    flag = "xla_gpu_executable_warn_stuck_timeout"
+    for entry_value, config_value in (("180", "90"), ("90", "90")):
+        data = {"config": {flag: config_value},
+                "model_params": {"single_node": {"m": {"g": {"xla_flags": {flag: entry_value}}}}}}
+        plan = build_plan(data, *select(data, False, None, None))
+        assert plan.env["XLA_FLAGS"].split() == [f"--{flag}={entry_value}"]
+        said = plan.ignored.get(f"config.{flag}")
+        assert said == (None if entry_value == config_value else
+                        f"model_params.single_node.m.g.xla_flags.{flag}=180 is used instead")
+
+
 def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkeypatch, capsys):
     """A node that hung (say in a collective, with step_timeout_seconds=0) blocked the suite forever: it had
     no timeout. --timeout gives the nodes SIGTERM, then SIGKILL to one that ignores it."""

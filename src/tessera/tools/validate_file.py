@@ -214,7 +214,11 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         elif key in GPU_KEYS:  # xla_python_client_mem_fraction, optimization_level, ...: the trainer applies them
             overrides[key] = _text(value, f"config.{key}")
         elif key.startswith("xla_"):
-            xla_flags.append(f"--{key}={_text(value, f'config.{key}')}")
+            text = _text(value, f"config.{key}")
+            if key not in flags:
+                xla_flags.append(f"--{key}={text}")
+            elif _text(flags[key], "") != text:  # after the entry's in XLA_FLAGS, where the last one wins, it won
+                ignored[f"config.{key}"] = f"model_params.{name}.xla_flags.{key}={flags[key]} is used instead"
         elif key in CONFIG_TRAIN_KEYS:
             overrides[CONFIG_TRAIN_KEYS[key]] = _text(value, f"config.{key}")
         elif key == "mock_data":
