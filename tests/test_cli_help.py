@@ -173,6 +173,16 @@ def test_config_prints_the_resolved_config_or_base_yml():
     assert _run(["-m", "tessera.config"]).stdout == (REPO / "configs" / "base.yml").read_text()
 
 
+def test_a_printed_config_given_back_as_a_config_file_is_read_as_it_stands(tmp_path):
+    """The printed config, saved and given back, trained the model file's 32 layers, not the 4 it printed:
+    a config file's keys lose to the model file's, and 4 (the default) was not warned about either."""
+    proc = _run(["-m", "tessera.config", "configs/base.yml", "model_name=llama2-7b", "base_num_decoder_layers=4"])
+    assert proc.returncode == 0 and "base_num_decoder_layers: 4\n" in proc.stdout, proc.stderr
+    (tmp_path / "mine.yml").write_text(proc.stdout)
+    again = _run(["-m", "tessera.config", str(tmp_path / "mine.yml")])
+    assert again.returncode == 0 and again.stdout == proc.stdout, again.stderr
+
+
 def test_config_says_on_stderr_which_maxtext_spellings_it_read():
     """tessera.config printed eval_interval: 0 for eval_interval=-1 and, for sequence_length=abc, an error naming
     max_target_length only: the lines train.py logs (aliases, MaxText's spellings) went nowhere."""

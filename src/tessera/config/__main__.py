@@ -4,7 +4,9 @@
     .venv/bin/python -m tessera.config > configs/base.yml                                  # regenerate base.yml
 
 With arguments (as given to train.py): the config the trainer would run, every key after the
-model file, the key=value arguments and the M_<KEY> environment variables, as flat YAML; what
+model file, the key=value arguments and the M_<KEY> environment variables, as flat YAML under the
+header of a run's config.yml (saved to a file and given back as a config file, it is read as it
+stands, the model file not applied again); what
 the loader logs (MaxText's spellings it translated, ...) goes to stderr, as train.py logs it.
 Without: configs/base.yml as generated from the schema, every key with its default and comment.
 """
@@ -16,6 +18,7 @@ import yaml
 from tessera.config import ConfigError, flat_dict, load_config
 from tessera.config.checks import validate_for_build
 from tessera.config.schema import render_base_yml
+from tessera.config.yaml_file import RUN_CONFIG_HEADER
 from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_config_file
 
 
@@ -40,7 +43,9 @@ def main(argv: list[str]) -> int:
     except (ConfigError, UsageError) as e:
         print(f"{'config ' if isinstance(e, ConfigError) else ''}error: {e}", file=sys.stderr)
         return 2
-    print(yaml.safe_dump(flat_dict(cfg), sort_keys=False), end="")
+    # the header of a run's config.yml: saved and given back as a config file, it is read as it stands (without it
+    # the model file's values won again: model_name=llama2-7b base_num_decoder_layers=4 printed 4 and trained 32)
+    print(RUN_CONFIG_HEADER + yaml.safe_dump(flat_dict(cfg), sort_keys=False), end="")
     return 0
 
 
