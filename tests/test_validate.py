@@ -706,6 +706,29 @@ def test_an_xla_flag_set_in_config_and_in_the_entry_takes_the_entrys_value(tmp_p
                         f"model_params.single_node.m.g.xla_flags.{flag}=180 is used instead")
 
 
+def test_a_bucket_as_log_dir_is_kept_and_the_report_read_from_the_local_run_folder(tmp_path, monkeypatch, capsys):
+    """log_dir gs://b/logs became the local folder <here>/gs:/b/logs (the checkpoints never reached the bucket);
+    with a bucket as base the trainer keeps report.json in outputs/<run_name> of its working directory."""
+    data = json.loads(Path(CPU).read_text())
+    data["config"]["log_dir"] = "gs://my-bucket/logs"
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.chdir(tmp_path)
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
+    assert " base_output_directory=gs://my-bucket/logs " in capsys.readouterr().out
+
+    def trained(commands, log_dir, steps, timeout=0.0):
+        run_name = next(a for a in commands[0][1] if a.startswith("run_name=")).split("=", 1)[1]
+        (tmp_path / "outputs" / run_name).mkdir(parents=True)
+        (tmp_path / "outputs" / run_name / "report.json").write_text(
+            json.dumps({"tflops_per_sec_per_device": 1.0, "tokens_per_sec_per_device": 100.0}))
+        return [0]
+
+    monkeypatch.setattr(validate, "run_nodes", trained)
+    assert main([str(path), "--gpu", "cpu", "--out", str(tmp_path / "out")]) == 0
+    assert "PASS: single_node.default.cpu" in capsys.readouterr().out
+
+
 def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkeypatch, capsys):
     """A node that hung (say in a collective, with step_timeout_seconds=0) blocked the suite forever: it had
     no timeout. --timeout gives the nodes SIGTERM, then SIGKILL to one that ignores it."""

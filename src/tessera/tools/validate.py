@@ -169,11 +169,11 @@ def _plan_run(args: argparse.Namespace):
     data = load(path)
     name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
     plan = build_plan(data, name, entry)
-    if "base_output_directory" in plan.overrides:  # relative to the working directory, as --out; over ssh
-        # the nodes start in the repository, where a relative folder would be another one; `~` is a home, as
-        # for train.py, not a folder named ~ here
-        plan.overrides["base_output_directory"] = str(
-            Path(plan.overrides["base_output_directory"]).expanduser().absolute())
+    base = plan.overrides.get("base_output_directory", "")
+    if "base_output_directory" in plan.overrides and "://" not in base:  # relative to the working directory, as
+        # --out; over ssh the nodes start in the repository, where a relative folder would be another one; `~` is
+        # a home, as for train.py, not a folder named ~ here; a bucket (gs://b/logs) is kept: it became /here/gs:/b
+        plan.overrides["base_output_directory"] = str(Path(base).expanduser().absolute())
     # the pid: two suites started in the same second (a CI matrix) shared one run folder; one trainer was
     # refused and its suite reported the other's measurements
     run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
@@ -204,7 +204,12 @@ def _run(args: argparse.Namespace) -> int:
             print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in sorted(env.items())))
             print(shlex.join(cmd))
         return 0
-    run_dir = Path(plan.overrides.get("base_output_directory", REPO / "outputs")) / run_name
+    base = plan.overrides.get("base_output_directory", str(REPO / "outputs"))
+    if "://" in base:  # a bucket holds the checkpoints only: report.json is in outputs/ of the trainer's working
+        # directory (the repository over ssh and in a container, else this one)
+        run_dir = (REPO if nodes or engine else Path.cwd()) / "outputs" / run_name
+    else:
+        run_dir = Path(base) / run_name
     out_dir = Path(out) if out else run_dir
     start, timed_out = time.time(), None
     try:
