@@ -729,6 +729,16 @@ def test_a_bucket_as_log_dir_is_kept_and_the_report_read_from_the_local_run_fold
     assert "PASS: single_node.default.cpu" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("depth", [995, 100_000])
+def test_a_file_nested_too_deep_is_one_line(depth, tmp_path, capsys):
+    """A corrupt file of [[[[... (or objects nested just under the parser's limit) ended in a RecursionError
+    traceback."""
+    path = tmp_path / "v.json"
+    path.write_text('{"config": ' + '{"a": ' * depth + "1" + "}" * depth + "}")
+    assert main([str(path), "--dry-run"]) == 2
+    assert "its JSON is nested hundreds of levels deep (a validation file has a few)" in capsys.readouterr().err
+
+
 def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkeypatch, capsys):
     """A node that hung (say in a collective, with step_timeout_seconds=0) blocked the suite forever: it had
     no timeout. --timeout gives the nodes SIGTERM, then SIGKILL to one that ignores it."""

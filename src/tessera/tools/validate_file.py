@@ -90,15 +90,24 @@ def load(path: str) -> dict:
         raise ValidationInputError(f"{path} is not valid JSON: {e}") from None
     except _RepeatedKey as e:
         raise ValidationInputError(f"{path}: {e}") from None
+    except RecursionError:  # a corrupt file of [[[[...: a traceback
+        raise ValidationInputError(_too_deep(path)) from None
     if not isinstance(data, dict):
         raise ValidationInputError(f"{path} holds a JSON {_json_type(data)} at the top; a validation file is an "
                                    "object with config and model_params sections")
-    data = _clean(data, _user_name())
-    left = list(_placeholders(data))
+    try:
+        data = _clean(data, _user_name())
+        left = list(_placeholders(data))
+    except RecursionError:  # nested just less deep than the JSON parser's limit
+        raise ValidationInputError(_too_deep(path)) from None
     if left:
         raise ValidationInputError(
             f"{path} still has {len(left)} {PLACEHOLDER} value(s); set each before running:\n  " + "\n  ".join(left))
     return data
+
+
+def _too_deep(path: str) -> str:
+    return f"{path} is not a validation file: its JSON is nested hundreds of levels deep (a validation file has a few)"
 
 
 class _RepeatedKey(ValueError):
