@@ -356,6 +356,8 @@ def _config_error(argv: list[str]) -> str:
     (b"just words\n", "must be a mapping of key: value lines, got str"),
     (b"steps: [1\n", "is not valid YAML at line 2, column 1: expected ',' or ']', but got '<stream end>' (while "
                      "parsing a flow sequence started at line 1); correct the file there"),
+    (b"steps: " + b"[" * 5000 + b"]" * 5000 + b"\n",  # a RecursionError traceback
+     "is not a config file: its values are nested hundreds of levels deep; a config file is key: value lines"),
 ])
 def test_a_bad_config_file_gets_its_own_one_line_error(tmp_path, content, message):
     path = tmp_path / "my.yml"

@@ -48,6 +48,9 @@ def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
         if start and getattr(e, "context", None):
             problem += f" ({e.context} started at line {start.line + 1})"
         raise ConfigError(f"{what} {path} is not valid YAML{where}: {problem}; correct the file there") from None
+    except RecursionError:  # [[[[... thousands deep (a corrupt file): a traceback
+        raise ConfigError(f"{what} {path} is not a config file: its values are nested hundreds of levels deep; a "
+                          "config file is key: value lines such as configs/base.yml") from None
     if data is None:
         if empty_ok:
             return {}
