@@ -385,6 +385,8 @@ def test_a_train_value_the_trainer_refuses_stops_the_dry_run(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.err.startswith("validation file error: train.py would refuse the train keys of "
                                    "single_node.default.cpu: steps='ten'") and captured.err.count("\n") == 1
+    # the file's key, not "(from the command line)": the user wrote none, and steps is training_steps there
+    assert captured.err.endswith("(from config.training_steps)\n")
     assert captured.out == ""
     assert main([_tuned(tmp_path, remat_policy="sometimes"), "--gpu", "cpu", "--dry-run"]) == 2
     assert "remat_policy" in capsys.readouterr().err

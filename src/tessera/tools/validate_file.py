@@ -11,6 +11,7 @@ import getpass
 import json
 import math
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +75,7 @@ class Plan:
     coordinator: str
     port: str
     tuning: dict[str, str] = dataclasses.field(default_factory=dict)  # optimization level, PGLE, memory fraction
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)  # train key -> the file's key that set it
 
 
 def load(path: str) -> dict:
@@ -212,6 +214,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     env = {k: _text(v, f"config.container_config.env_dict.{k}")
            for k, v in _section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
     overrides: dict[str, str] = {}
+    sources: dict[str, str] = {}  # train key -> the file's key that set it, for train.py's error messages
     ignored = _container_settings(container)
     flags = _section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
     xla_flags = [f"--{k}={_text(v, f'model_params.{name}.xla_flags.{k}')}" for k, v in flags.items()]
@@ -221,7 +224,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         if key.startswith(ENV_PREFIXES):
             env[key.upper()] = _text(value, f"config.{key}")
         elif key in GPU_KEYS:  # xla_python_client_mem_fraction, optimization_level, ...: the trainer applies them
-            overrides[key] = _text(value, f"config.{key}")
+            overrides[key], sources[key] = _text(value, f"config.{key}"), f"config.{key}"
         elif key.startswith("xla_"):
             text = _text(value, f"config.{key}")
             if key not in flags:
@@ -229,10 +232,11 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             elif _text(flags[key], "") != text:  # after the entry's in XLA_FLAGS, where the last one wins, it won
                 ignored[f"config.{key}"] = f"model_params.{name}.xla_flags.{key}={flags[key]} is used instead"
         elif key in CONFIG_TRAIN_KEYS:
-            overrides[CONFIG_TRAIN_KEYS[key]] = _text(value, f"config.{key}")
+            overrides[CONFIG_TRAIN_KEYS[key]], sources[CONFIG_TRAIN_KEYS[key]] = _text(value, f"config.{key}"), \
+                f"config.{key}"
         elif key == "mock_data":
             if _flag(value, f"config.{key}"):
-                overrides["dataset_type"] = "synthetic"
+                overrides["dataset_type"], sources["dataset_type"] = "synthetic", f"config.{key}"
             elif str(entry.get("dataset_type", "synthetic")).strip().lower() == "synthetic":
                 ignored["config.mock_data"] = (  # "False" trained on synthetic data without a word
                     f"false, but the run trains on synthetic data: model_params.{name} sets "
@@ -267,13 +271,14 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             text = _text(value, f"model_params.{name}.{key}")
             if target in from_config and overrides[target] != text:
                 ignored[f"config.{from_config[target]}"] = f"model_params.{name}.{key}={text} is used instead"
-            overrides[target] = text
+            overrides[target], sources[target] = text, f"model_params.{name}.{key}"
         else:
             ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
     if str(entry.get("precision", "")).upper() in FP8_PRECISIONS and not entry.get("quantization"):
         # Transformer Engine's fp8 recipe: e4m3 forward, e5m2 gradients; AMD MI300/MI325 use the fnuz formats
         amd_fnuz = name.rsplit(".", 1)[-1].lower().startswith(("mi300", "mi325"))
         overrides["quantization"] = "nanoo_fp8" if amd_fnuz else "fp8"
+        sources["quantization"] = f"model_params.{name}.precision"
     xla_flags = _without_gone_flags(xla_flags, ignored, "config.")  # the entry's flags again: already replaced
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
@@ -281,7 +286,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     nnodes = _node_count(container.get("nnodes", env.get("NNODES", 1)))
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
     return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
-                env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env))
+                env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env), sources)
 
 
 def _container_settings(container: dict) -> dict[str, str]:
@@ -362,12 +367,25 @@ def check_train_keys(plan: Plan, run_name: str, env: dict[str, str]) -> None:
     try:
         cfg = load_config(train_argv(plan, run_name)[2:], env=env)
     except ConfigError as e:
-        raise ValidationInputError(f"train.py would refuse the train keys of {plan.name}: {e}") from None
+        raise ValidationInputError(f"train.py would refuse the train keys of {plan.name}: "
+                                   f"{_in_the_file(str(e), plan.sources)}") from None
     steps, warmup = cfg.run.steps, cfg.run.report_warmup_steps
     if steps <= warmup:  # the report's medians would then be taken over the warm-up steps (compilation included)
         raise ValidationInputError(f"{plan.name}: steps={steps} is not more than report_warmup_steps={warmup}, so "
                                    "the measured speed would include compilation and warm-up; raise "
                                    f"config.training_steps above {warmup} or lower report_warmup_steps")
+
+
+def _in_the_file(message: str, sources: dict[str, str]) -> str:
+    """train.py's error about the suite's train keys, each line's "(from the command line)" (the user wrote no
+    command line) naming the file's key instead: steps='ten' came from config.training_steps."""
+    lines = []
+    for line in message.split("\n"):
+        key = re.search(r"\b([a-z][a-z0-9_]*)=", line)
+        if key and key[1] in sources and line.endswith("(from the command line)"):
+            line = line.removesuffix("(from the command line)") + f"(from {sources[key[1]]})"
+        lines.append(line.replace("from the command line", "from the validation file"))
+    return "\n".join(lines)
 
 
 def gpu_tuning(overrides: dict[str, str], env: dict[str, str]) -> dict[str, str]:
