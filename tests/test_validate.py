@@ -741,6 +741,13 @@ def test_a_file_nested_too_deep_is_one_line(depth, tmp_path, capsys):
     assert "its JSON is nested hundreds of levels deep (a validation file has a few)" in capsys.readouterr().err
 
 
+def test_the_guide_names_every_prefix_that_becomes_an_environment_variable():
+    """Validation.md listed four of the nine prefixes (hsa_, ucx_, cuda_, hip_ were exported without a word)."""
+    text = (REPO / "getting_started" / "Validation.md").read_text()
+    for prefix in validate_file.ENV_PREFIXES:
+        assert f"`{prefix}*`" in text or f"`{prefix}`" in text, prefix
+
+
 def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkeypatch, capsys):
     """A node that hung (say in a collective, with step_timeout_seconds=0) blocked the suite forever: it had
     no timeout. --timeout gives the nodes SIGTERM, then SIGKILL to one that ignores it."""
