@@ -748,6 +748,16 @@ def test_the_guide_names_every_prefix_that_becomes_an_environment_variable():
         assert f"{prefix}*`" in text or f"`{prefix}`" in text, prefix
 
 
+def test_an_environment_variable_set_in_config_and_env_dict_says_which_is_used():
+    """config.nccl_debug replaced env_dict's NCCL_DEBUG without a word."""
+    data = {"config": {"nccl_debug": "WARN", "nccl_proto": "Simple",
+                       "container_config": {"env_dict": {"NCCL_DEBUG": "INFO", "NCCL_PROTO": "Simple"}}},
+            "model_params": {"single_node": {"m": {"g": {}}}}}
+    plan = build_plan(data, *select(data, False, None, None))
+    assert plan.env["NCCL_DEBUG"] == "WARN" and plan.env["NCCL_PROTO"] == "Simple"
+    assert plan.ignored == {"config.container_config.env_dict.NCCL_DEBUG": "config.nccl_debug=WARN is used instead"}
+
+
 def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkeypatch, capsys):
     """A node that hung (say in a collective, with step_timeout_seconds=0) blocked the suite forever: it had
     no timeout. --timeout gives the nodes SIGTERM, then SIGKILL to one that ignores it."""

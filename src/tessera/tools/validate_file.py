@@ -221,8 +221,11 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     xla_flags = _without_gone_flags(xla_flags, ignored, f"model_params.{name}.xla_flags.")
     train_keys = all_fields()
     for key, value in config.items():
-        if key.startswith(ENV_PREFIXES):
-            env[key.upper()] = _text(value, f"config.{key}")
+        if key.startswith(ENV_PREFIXES) or key == "hf_token_file":
+            text, variable = _text(value, f"config.{key}"), "HF_TOKEN_PATH" if key == "hf_token_file" else key.upper()
+            if env.get(variable, text) != text:  # env_dict's value was replaced without a word
+                ignored[f"config.container_config.env_dict.{variable}"] = f"config.{key}={text} is used instead"
+            env[variable] = text
         elif key in GPU_KEYS:  # xla_python_client_mem_fraction, optimization_level, ...: the trainer applies them
             overrides[key], sources[key] = _text(value, f"config.{key}"), f"config.{key}"
         elif key.startswith("xla_"):
@@ -242,8 +245,6 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
                     f"false, but the run trains on synthetic data: model_params.{name} sets "
                     f"{'dataset_type=synthetic' if 'dataset_type' in entry else 'no dataset_type (Tessera default: synthetic)'}"
                     "; for real data set dataset_type (hf, tfds, grain) and its data keys there")
-        elif key == "hf_token_file":
-            env["HF_TOKEN_PATH"] = _text(value, f"config.{key}")
         elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
             container[key] = value
         elif key in train_keys or key in ALIASES:  # was "not a setting Tessera has", of model_name too
