@@ -467,6 +467,9 @@ def test_steps_within_the_warm_up_are_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "steps=8 is not more than report_warmup_steps=8" in err
     assert "raise config.training_steps above 8 or lower report_warmup_steps" in err
+    # steps set in the model entry: that key is named, not config.training_steps (which the file may not have)
+    assert main([_tuned(tmp_path, steps="3", report_warmup_steps="8"), "--gpu", "cpu", "--dry-run"]) == 2
+    assert "raise model_params.single_node.default.cpu.steps above 8" in capsys.readouterr().err
 
 
 def test_a_stopped_run_replaces_earlier_results_with_a_failure(tmp_path, monkeypatch, capsys):

@@ -374,7 +374,8 @@ def check_train_keys(plan: Plan, run_name: str, env: dict[str, str]) -> None:
     if steps <= warmup:  # the report's medians would then be taken over the warm-up steps (compilation included)
         raise ValidationInputError(f"{plan.name}: steps={steps} is not more than report_warmup_steps={warmup}, so "
                                    "the measured speed would include compilation and warm-up; raise "
-                                   f"config.training_steps above {warmup} or lower report_warmup_steps")
+                                   f"{plan.sources.get('steps', 'config.training_steps')} above {warmup} or lower "
+                                   "report_warmup_steps")
 
 
 def _in_the_file(message: str, sources: dict[str, str]) -> str:
