@@ -142,7 +142,8 @@ def test_maxtexts_data_keys_without_dataset_type_say_the_run_is_synthetic():
     cfg = load_config([BASE, "dataset_path=gs://my-dataset", "dataset_name=c4/en:3.1.0"], env={})
     assert keys_without_effect(cfg, {"fsdp": 8}) == [
         "dataset_name=c4/en:3.1.0, dataset_path=gs://my-dataset: no effect with dataset_type=synthetic (Tessera's "
-        "default; MaxText's is tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read that data"]
+        "default; MaxText's is tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read "
+        "that data"]
     tfds = load_config([BASE, "dataset_type=tfds", "dataset_path=gs://my-dataset", "dataset_name=c4/en:3.1.0"], env={})
     assert keys_without_effect(tfds, {"fsdp": 8}) == []
     assert "`dataset_type` (`synthetic`, `hf`, `tfds`, `grain`; Tessera's default is `synthetic`" in GUIDE.read_text()

@@ -235,7 +235,8 @@ _MINIMAL_WITH_CONTEXT = ("keep every projection's output and attention's output 
                          "value_proj=device context=device out_proj=device mlpwi_0=device mlpwi_1=device mlpwi=device "
                          "mlpwo=device keeps the same tensors")
 # MaxText values of a shared key Tessera does not have: {key: {value: what it does in MaxText; what to use}}
-REFUSED_VALUES = {"remat_policy": {"minimal_with_context": _MINIMAL_WITH_CONTEXT, "minimal_flash": _MINIMAL_WITH_CONTEXT}}
+REFUSED_VALUES = {"remat_policy": {"minimal_with_context": _MINIMAL_WITH_CONTEXT,
+                                   "minimal_flash": _MINIMAL_WITH_CONTEXT}}
 
 
 # Keys Tessera shares with MaxText whose "unset" MaxText spells differently (its base.yml holds

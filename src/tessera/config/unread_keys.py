@@ -30,8 +30,9 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
         lines.append(f"{_listed(keys, changed)}: no effect, this run never evaluates (eval_interval=N evaluates every "
                      "N steps)")
     if cfg.data.dataset_type == "synthetic" and (keys := [k for k in DATA_KEYS if k in changed]):
-        lines.append(f"{_listed(keys, changed)}: no effect with dataset_type=synthetic (Tessera's default; MaxText's is "
-                     "tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read that data")
+        lines.append(f"{_listed(keys, changed)}: no effect with dataset_type=synthetic (Tessera's default; "
+                     "MaxText's is tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read "
+                     "that data")
     if not cfg.profiler.profiler and (keys := [k for k in ("skip_first_n_steps_for_profiler", "profiler_steps")
                                                if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without profiler=xplane")

@@ -241,10 +241,11 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             if _flag(value, f"config.{key}"):
                 overrides["dataset_type"], sources["dataset_type"] = "synthetic", f"config.{key}"
             elif str(entry.get("dataset_type", "synthetic")).strip().lower() == "synthetic":
+                sets = "dataset_type=synthetic" if "dataset_type" in entry else \
+                    "no dataset_type (Tessera default: synthetic)"
                 ignored["config.mock_data"] = (  # "False" trained on synthetic data without a word
-                    f"false, but the run trains on synthetic data: model_params.{name} sets "
-                    f"{'dataset_type=synthetic' if 'dataset_type' in entry else 'no dataset_type (Tessera default: synthetic)'}"
-                    "; for real data set dataset_type (hf, tfds, grain) and its data keys there")
+                    f"false, but the run trains on synthetic data: model_params.{name} sets {sets}; for real data "
+                    "set dataset_type (hf, tfds, grain) and its data keys there")
         elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
             container[key] = value
         elif key in train_keys or key in ALIASES:  # was "not a setting Tessera has", of model_name too
