@@ -327,7 +327,9 @@ def test_a_folder_whose_path_holds_an_equals_sign_is_not_an_override():
 
 @pytest.mark.parametrize("args", [["-m", "tessera.tools.estimate", "llama3.1-8b", "--hardware", "v5e-8"],
                                   ["-m", "tessera.tools.plan", "default", "--hardware", "v5e-8", "--top", "1"],
-                                  ["-m", "tessera.config", "configs/base.yml"]])
+                                  ["-m", "tessera.config", "configs/base.yml"],
+                                  ["-m", "tessera.tools.validate", "configs/cpu/validate_tiny.json", "--gpu", "cpu",
+                                   "--dry-run"]])
 def test_a_report_piped_into_a_reader_that_went_away_ends_quietly(args):
     """`estimate ... | head`: the reader closed the pipe, and Python printed a BrokenPipeError traceback (exit 1);
     now the rest of the report is dropped and the code is 141 (128 + SIGPIPE), as for a C tool."""

@@ -776,6 +776,33 @@ def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkey
     assert "timeout: SIGKILL to the 1 node(s) still running" in err
 
 
+def test_a_closed_stdout_stops_the_nodes_and_exits_141(tmp_path, monkeypatch):
+    """`validate ... | head -2`: "node 0 started" met the closed pipe, the suite said "cannot write node logs ...:
+    Broken pipe" (exit code 2, false) and left its trainer running without it."""
+    monkeypatch.setattr(validate_nodes, "KILL_AFTER_SECONDS", 0.5)
+    commands = [("local", ["sleep", "100"], {}), ("local", ["sh", "-c", "trap '' TERM; sleep 100"], {})]
+    monkeypatch.setattr(validate, "node_commands", lambda *a: commands)
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    def closed_pipe(*args, **kwargs):
+        if kwargs.get("flush") and len(started) == 2:  # "node 1 started": the reader went away
+            time.sleep(0.5)  # node 1's shell has set its trap by now
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(validate_nodes.subprocess, "Popen", popen)
+    monkeypatch.setattr("builtins.print", closed_pipe)
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"config": {"training_steps": "10"}, "model_params": {"single_node": {"m": {"g": {}}}}}))
+    with pytest.raises(BrokenPipeError):  # run_printing turns it into exit code 141
+        main([str(path), "--out", str(tmp_path / "out")])
+    assert [p.poll() for p in started] == [-signal.SIGTERM, -signal.SIGKILL]
+
+
 def test_a_run_that_times_out_fails_with_its_own_exit_code(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(validate, "node_commands", lambda *a: [("local", ["sleep", "100"], {})])
     assert main([CPU, "--gpu", "cpu", "--out", str(tmp_path), "--timeout", "0.5"]) == validate.EXIT_TIMEOUT == 124

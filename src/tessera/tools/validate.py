@@ -18,7 +18,8 @@ a bar on a terminal, else as a line every PROGRESS_SECONDS (`validate_nodes`, wh
 nodes). See getting_started/Validation.md.
 
 Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
-unusable (placeholders left, bad structure) or the output folder cannot be written, 124 the
+unusable (placeholders left, bad structure) or the output folder cannot be written, 141 the reader
+of stdout went away (`| head`; the nodes are stopped first), 124 the
 nodes ran longer than --timeout (they were stopped: SIGTERM, then SIGKILL), 130 Ctrl-C
 and 143 SIGTERM (passed on to every node, which saves a checkpoint and stops; their logs say
 where; the suite returns once they have exited, its validation.json/.xml saying the run was stopped).
@@ -217,6 +218,8 @@ def _run(args: argparse.Namespace) -> int:
             (out_dir / stale).unlink(missing_ok=True)
         codes = run_nodes(commands, out_dir / "logs",
                           plan.overrides.get("steps", str(all_fields()["steps"][1].default)), args.timeout)
+    except BrokenPipeError:  # the reader of stdout went away (`| head`): the nodes were stopped; exit code 141
+        raise
     except OSError as e:  # e.g. --out under a file: found when the log folder is made, before any node starts
         fix = "choose another --out" if out else "set config.log_dir in the file, or give --out"
         print(f"error: cannot write node logs under {out_dir}: {e.strerror or e}; {fix}", file=sys.stderr)
@@ -263,4 +266,6 @@ def _report(plan, nodes, codes, timed_out, run_dir: Path, out_dir: Path, seconds
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tessera.tools.cli import run_printing
+
+    sys.exit(run_printing(main, sys.argv[1:]))  # `--dry-run | head`: exit code 141, not a BrokenPipeError traceback

@@ -234,6 +234,24 @@ class _RunningNodes:
             for p in self.running():
                 p.kill()
 
+    def stop(self) -> None:
+        """SIGTERM to every running node (each saves and stops), SIGKILL KILL_AFTER_SECONDS later to any still
+        running; returns once every node has exited."""
+        self.send(signal.SIGTERM)
+        deadline = time.monotonic() + KILL_AFTER_SECONDS
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if self.send(signal.SIGKILL):
+            for p in self.procs:
+                try:
+                    p.wait(10.0)
+                except subprocess.TimeoutExpired:  # an ssh whose connection hangs: end it here
+                    p.kill()
+                    p.wait()
+
     def close(self) -> None:
         self.done.set()
         if self.watcher.is_alive():
@@ -262,6 +280,9 @@ def run_nodes(commands, log_dir: Path, steps: str, timeout: float = 0.0) -> list
         if timeout > 0:
             nodes.watcher.start()
         codes = wait_for_nodes(nodes.procs, log_dir / "node0.log", steps)
+    except BaseException:  # e.g. stdout closed (`| head`) at "node 0 started": the nodes trained on without the suite
+        nodes.stop()
+        raise
     finally:
         nodes.close()
         for s, handler in previous.items():
