@@ -697,6 +697,18 @@ def test_a_train_key_in_config_is_told_to_move_to_the_entry(tmp_path, capsys):
                 "model_params.single_node.m.g") in out
 
 
+@pytest.mark.parametrize("key, value", [("result_dict", {"tokens_per_sec_per_gpu": "4"}),
+                                        ("xla_flags", {"xla_gpu_autotune_level": "4"})])
+def test_result_dict_or_xla_flags_under_config_is_refused(key, value, tmp_path, capsys):
+    """config.result_dict was "ignored: not a setting Tessera has", and the run passed without its targets."""
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps({"config": {"training_steps": "10", key: value},
+                                "model_params": {"single_node": {"m": {"g": {}}}}}))
+    assert main([str(path), "--dry-run"]) == 2
+    assert (f"validation file error: config.{key} is read from the model entry only: move it to "
+            f"model_params.single_node.m.g.{key}") in capsys.readouterr().err
+
+
 def test_an_xla_flag_set_in_config_and_in_the_entry_takes_the_entrys_value(tmp_path):
     """config.xla_* went into XLA_FLAGS after the entry's xla_flags, and XLA takes the last of a flag given
     twice: the config's value won over the entry's without a word (a train key takes the entry's)."""
