@@ -697,16 +697,23 @@ def test_a_train_key_in_config_is_told_to_move_to_the_entry(tmp_path, capsys):
                 "model_params.single_node.m.g") in out
 
 
-@pytest.mark.parametrize("key, value", [("result_dict", {"tokens_per_sec_per_gpu": "4"}),
-                                        ("xla_flags", {"xla_gpu_autotune_level": "4"})])
-def test_result_dict_or_xla_flags_under_config_is_refused(key, value, tmp_path, capsys):
-    """config.result_dict was "ignored: not a setting Tessera has", and the run passed without its targets."""
+@pytest.mark.parametrize("config, entry, message", [
+    ({"result_dict": {"tokens_per_sec_per_gpu": "4"}}, {},
+     "config.result_dict is read from the model entry only: move it to model_params.single_node.m.g.result_dict"),
+    ({"xla_flags": {"xla_gpu_autotune_level": "4"}}, {},
+     "config.xla_flags is read from the model entry only: move it to model_params.single_node.m.g.xla_flags"),
+    ({"env_dict": {"NCCL_DEBUG": "INFO"}}, {}, "config.env_dict is read from config.container_config only"),
+    ({}, {"results_dict": {"tokens_per_sec_per_gpu": "4"}},
+     "model_params.single_node.m.g.results_dict is not a key of a model entry; did you mean result_dict?"),
+])
+def test_a_section_in_the_wrong_place_or_misspelt_is_refused(config, entry, message, tmp_path, capsys):
+    """config.result_dict (or an entry's results_dict) was "ignored", and the run passed without its targets;
+    config.env_dict was ignored, and its environment never set."""
     path = tmp_path / "v.json"
-    path.write_text(json.dumps({"config": {"training_steps": "10", key: value},
-                                "model_params": {"single_node": {"m": {"g": {}}}}}))
+    path.write_text(json.dumps({"config": {"training_steps": "10", **config},
+                                "model_params": {"single_node": {"m": {"g": entry}}}}))
     assert main([str(path), "--dry-run"]) == 2
-    assert (f"validation file error: config.{key} is read from the model entry only: move it to "
-            f"model_params.single_node.m.g.{key}") in capsys.readouterr().err
+    assert f"validation file error: {message}" in capsys.readouterr().err
 
 
 def test_an_xla_flag_set_in_config_and_in_the_entry_takes_the_entrys_value(tmp_path):

@@ -224,6 +224,8 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
         if key in ("result_dict", "xla_flags"):  # listed as "not a setting": the targets were never checked
             raise ValidationInputError(f"config.{key} is read from the model entry only: move it to "
                                        f"model_params.{name}.{key}")
+        if key in ("env_dict", "device_list", "volume_dict"):  # the environment was never set
+            raise ValidationInputError(f"config.{key} is read from config.container_config only: move it there")
         if key.startswith(ENV_PREFIXES) or key == "hf_token_file":
             text, variable = _text(value, f"config.{key}"), "HF_TOKEN_PATH" if key == "hf_token_file" else key.upper()
             if env.get(variable, text) != text:  # env_dict's value was replaced without a word
@@ -277,6 +279,9 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
             if target in from_config and overrides[target] != text:
                 ignored[f"config.{from_config[target]}"] = f"model_params.{name}.{key}={text} is used instead"
             overrides[target], sources[target] = text, f"model_params.{name}.{key}"
+        elif close := difflib.get_close_matches(key, ("result_dict", "xla_flags"), n=1, cutoff=0.8):
+            raise ValidationInputError(f"model_params.{name}.{key} is not a key of a model entry; did you mean "
+                                       f"{close[0]}? (as it is, its settings would be dropped)")
         else:
             ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
     if str(entry.get("precision", "")).upper() in FP8_PRECISIONS and not entry.get("quantization"):
