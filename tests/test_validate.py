@@ -703,6 +703,8 @@ def test_a_train_key_in_config_is_told_to_move_to_the_entry(tmp_path, capsys):
     ({"xla_flags": {"xla_gpu_autotune_level": "4"}}, {},
      "config.xla_flags is read from the model entry only: move it to model_params.single_node.m.g.xla_flags"),
     ({"env_dict": {"NCCL_DEBUG": "INFO"}}, {}, "config.env_dict is read from config.container_config only"),
+    ({"container_configs": {"env_dict": {}}}, {}, "config.container_configs is not a section of a validation file; "
+                                                  "did you mean config.container_config?"),
     ({}, {"results_dict": {"tokens_per_sec_per_gpu": "4"}},
      "model_params.single_node.m.g.results_dict is not a key of a model entry; did you mean result_dict?"),
 ])

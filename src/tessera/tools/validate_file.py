@@ -226,6 +226,9 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
                                        f"model_params.{name}.{key}")
         if key in ("env_dict", "device_list", "volume_dict"):  # the environment was never set
             raise ValidationInputError(f"config.{key} is read from config.container_config only: move it there")
+        if key != "container_config" and difflib.get_close_matches(key, ("container_config",), cutoff=0.8):
+            raise ValidationInputError(f"config.{key} is not a section of a validation file; did you mean "
+                                       "config.container_config? (as it is, its settings would be dropped)")
         if key.startswith(ENV_PREFIXES) or key == "hf_token_file":
             text, variable = _text(value, f"config.{key}"), "HF_TOKEN_PATH" if key == "hf_token_file" else key.upper()
             if env.get(variable, text) != text:  # env_dict's value was replaced without a word
