@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from tessera.tools import validate, validate_file, validate_nodes
+from tessera.tools import validate, validate_file, validate_json, validate_nodes
 from tessera.tools.validate import main
-from tessera.tools.validate_file import ValidationInputError, build_plan, load, select
+from tessera.tools.validate_file import build_plan
+from tessera.tools.validate_json import ValidationInputError, load, select
 from tessera.tools.validate_nodes import node_commands, over_ssh
 
 AMD = sorted((REPO / "configs" / "gpu" / "amd").glob("*.json"))
@@ -637,7 +638,7 @@ def test_a_user_without_a_name_gets_the_user_id(monkeypatch):
     def no_name():
         raise KeyError("getpwuid(): uid not found: 12345")
 
-    monkeypatch.setattr(validate_file.getpass, "getuser", no_name)
+    monkeypatch.setattr(validate_json.getpass, "getuser", no_name)
     assert load(CPU)["config"]["log_dir"] == f"/tmp/tessera-validate-{os.getuid()}"
 
 
@@ -646,7 +647,7 @@ def test_a_user_without_a_name_gets_the_user_id(monkeypatch):
 def test_the_user_in_a_volumes_host_folder_is_resolved(path, tmp_path, monkeypatch):
     """volume_dict's keys are host folders: `"/home/{user-id}": "/home/{user-id}"` (every shipped GPU file)
     was mounted as `-v /home/{user-id}:/home/alice`, a folder named {user-id}, not the user's home."""
-    monkeypatch.setattr(validate_file, "_user_name", lambda: "alice")
+    monkeypatch.setattr(validate_json, "_user_name", lambda: "alice")
     data = load(_filled(path, tmp_path))
     plan = build_plan(data, *select(data, multi_node=True, model=None, gpu=None))
     assert plan.container["volume_dict"]["/home/alice"] == "/home/alice"

@@ -1,25 +1,23 @@
-"""The validation suite's JSON file (`tessera.tools.validate`): reading it, choosing the entry for
-the node count and the --model/--gpu names, and turning it into a `Plan` (environment, train
-keys, targets, and every key left out with its reason). Each problem is a ValidationInputError
-that says what to change; train keys go through train.py's own loader before anything runs."""
+"""The validation suite's JSON file (`tessera.tools.validate`) as a run: the chosen entry (read by
+`validate_json`) turned into a `Plan` (environment, train keys, targets, and every key left out with
+its reason). Each problem is a ValidationInputError that says what to change; train keys go through
+train.py's own loader before anything runs."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import getpass
 import json
 import math
-import os
 import re
-from pathlib import Path
 from typing import Any
 
-from tessera.config.loader import PLACEHOLDER, build_config, load_config
+from tessera.config.loader import build_config, load_config
 from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
 from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings
+from tessera.tools.validate_json import ValidationInputError, json_type, section
 from tessera.tools.validate_nodes import train_argv
 
 # config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
@@ -57,9 +55,6 @@ GPU_KEYS = {f.name for f in dataclasses.fields(GpuConfig)}  # train keys of the 
 METRICS = {"tflops_per_sec_per_gpu": "tflops_per_sec_per_device", "tokens_per_sec_per_gpu": "tokens_per_sec_per_device"}
 
 
-class ValidationInputError(Exception):
-    """The JSON file cannot be used as it is; the message lists what to change."""
-
 
 @dataclasses.dataclass
 class Plan:
@@ -78,228 +73,125 @@ class Plan:
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # train key -> the file's key that set it
 
 
-def load(path: str) -> dict:
-    """The JSON without comment keys, with {user-id} resolved; refuses any <changeme> left."""
-    try:
-        data = json.loads(Path(path).read_text(), object_pairs_hook=_no_repeated_keys)
-    except FileNotFoundError:
-        raise ValidationInputError(f"{path} does not exist") from None
-    except IsADirectoryError:
-        raise ValidationInputError(f"{path} is a folder; give the validation JSON file in it") from None
-    except OSError as e:
-        raise ValidationInputError(f"{path} cannot be read: {e.strerror or e}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValidationInputError(f"{path} is not valid JSON: {e}") from None
-    except _RepeatedKey as e:
-        raise ValidationInputError(f"{path}: {e}") from None
-    except RecursionError:  # a corrupt file of [[[[...: a traceback
-        raise ValidationInputError(_too_deep(path)) from None
-    if not isinstance(data, dict):
-        raise ValidationInputError(f"{path} holds a JSON {_json_type(data)} at the top; a validation file is an "
-                                   "object with config and model_params sections")
-    try:
-        data = _clean(data, _user_name())
-        left = list(_placeholders(data))
-    except RecursionError:  # nested just less deep than the JSON parser's limit
-        raise ValidationInputError(_too_deep(path)) from None
-    if left:
-        raise ValidationInputError(
-            f"{path} still has {len(left)} {PLACEHOLDER} value(s); set each before running:\n  " + "\n  ".join(left))
-    return data
+@dataclasses.dataclass
+class _Reading:
+    """What build_plan has read so far: the environment, train keys (with the file's key that set each, for
+    train.py's error messages), XLA flags, container settings, and every key left out with its reason."""
 
-
-def _too_deep(path: str) -> str:
-    return f"{path} is not a validation file: its JSON is nested hundreds of levels deep (a validation file has a few)"
-
-
-class _RepeatedKey(ValueError):
-    """A key twice in one JSON object: json keeps the last value and drops the first without a word."""
-
-
-def _no_repeated_keys(pairs: list[tuple[str, Any]]) -> dict:
-    seen: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in seen and not key.startswith("_"):  # comment keys may repeat
-            raise _RepeatedKey(f"the key {key!r} appears twice in one object ({json.dumps(seen[key])[:60]} and then "
-                               f"{json.dumps(value)[:60]}); JSON would keep only the last: remove one")
-        seen[key] = value
-    return seen
-
-
-def _user_name() -> str:
-    """What {user-id} becomes: the login name, else (a container's user with no passwd entry) the user id."""
-    try:
-        return getpass.getuser()
-    except (OSError, KeyError):  # no USER/LOGNAME and no passwd entry (KeyError before Python 3.13)
-        return str(os.getuid())
-
-
-def _json_type(value: Any) -> str:
-    return {list: "array", str: "string", int: "number", float: "number", bool: "boolean"}.get(type(value), "null")
-
-
-def _section(node: Any, where: str) -> dict:
-    """`node` when it is a JSON object, else ValidationInputError naming `where` in the file."""
-    if not isinstance(node, dict):
-        raise ValidationInputError(f"{where} is a JSON {_json_type(node)}; it must be an object of name: value")
-    return node
-
-
-def _clean(node: Any, user: str) -> Any:
-    """`node` without comment keys, {user-id} resolved in values and in keys: volume_dict's keys are host
-    folders ("/home/{user-id}"), which were mounted as a folder named {user-id}."""
-    if isinstance(node, dict):
-        return {k.replace("{user-id}", user): _clean(v, user) for k, v in node.items() if not k.startswith("_")}
-    if isinstance(node, list):
-        return [_clean(v, user) for v in node]
-    return node.replace("{user-id}", user) if isinstance(node, str) else node
-
-
-def _placeholders(node: Any, path: str = ""):
-    if isinstance(node, dict):
-        for k, v in node.items():
-            if PLACEHOLDER in k:  # a key is a setting too (volume_dict: {host folder: container folder})
-                yield f"{path}.{k} (the key)" if path else f"{k} (the key)"
-            yield from _placeholders(v, f"{path}.{k}" if path else k)
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _placeholders(v, f"{path}[{i}]")
-    elif isinstance(node, str) and PLACEHOLDER in node:
-        yield f"{path} = {node!r}"
-
-
-def select(data: dict, multi_node: bool, model: str | None, gpu: str | None) -> tuple[str, dict]:
-    """The `model_params.<mode>.<model>.<gpu>` entry to run."""
-    _known_keys(data, "", ("config", "model_params"))
-    params = data.get("model_params")
-    if not isinstance(params, dict) or not params:
-        raise ValidationInputError("the file has no model_params section")
-    _known_keys(params, "model_params.", ("single_node", "multi_node"))
-    wanted = "multi_node" if multi_node else "single_node"  # a file may have both: the one that fits the node count
-    mode = wanted if wanted in params else next(iter(params))
-    models = _section(params[mode], f"model_params.{mode}")
-    model = _choose("--model", model, models, f"model_params.{mode}", "<model>: {<gpu>: {train keys}}")
-    gpus = _section(models[model], f"model_params.{mode}.{model}")
-    gpu = _choose("--gpu", gpu, gpus, f"model_params.{mode}.{model}", "<gpu>: {train keys}")
-    _section(data.get("config", {}), "config")
-    return f"{mode}.{model}.{gpu}", _section(gpus[gpu], f"model_params.{mode}.{model}.{gpu}")
-
-
-def _choose(option: str, given: str | None, names: dict, where: str, shape: str) -> str:
-    """The entry of `names` that `option` names, or the only one there is."""
-    if not names:
-        raise ValidationInputError(f"{where} is empty; add an entry to it ({shape})")
-    if given is None and len(names) == 1:
-        return next(iter(names))
-    if given not in names:
-        said = "is needed" if given is None else f"{given} is not in {where}"
-        raise ValidationInputError(f"{option} {said}; choose from {sorted(names)} ({where})")
-    return given
-
-
-def _known_keys(section: dict, where: str, known: tuple[str, ...]) -> None:
-    """A misspelt section (`configs`) would drop every setting in it without a word."""
-    for key in section:
-        if key not in known:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"did you mean {where}{close[0]}? " if close else ""
-            raise ValidationInputError(f"{where}{key} is not a section of a validation file; {hint}use "
-                                       f"{' or '.join(where + k for k in known)} (keys starting with _ are comments)")
+    name: str
+    env: dict[str, str]
+    container: dict[str, Any]
+    ignored: dict[str, str]
+    xla_flags: list[str]
+    overrides: dict[str, str] = dataclasses.field(default_factory=dict)
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def build_plan(data: dict, name: str, entry: dict) -> Plan:
     """Map every key of `config` and of the model entry to the environment, a train key, or 'ignored'."""
     config = dict(data.get("config", {}))
-    container = dict(_section(config.pop("container_config", {}), "config.container_config"))
+    container = dict(section(config.pop("container_config", {}), "config.container_config"))
     env = {k: _text(v, f"config.container_config.env_dict.{k}")
-           for k, v in _section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
-    overrides: dict[str, str] = {}
-    sources: dict[str, str] = {}  # train key -> the file's key that set it, for train.py's error messages
+           for k, v in section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
     ignored = _container_settings(container)
-    flags = _section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
+    flags = section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
     xla_flags = [f"--{k}={_text(v, f'model_params.{name}.xla_flags.{k}')}" for k, v in flags.items()]
     xla_flags = _without_gone_flags(xla_flags, ignored, f"model_params.{name}.xla_flags.")
-    train_keys = all_fields()
+    r = _Reading(name, env, container, ignored, xla_flags)
     for key, value in config.items():
-        if key in ("result_dict", "xla_flags"):  # listed as "not a setting": the targets were never checked
-            raise ValidationInputError(f"config.{key} is read from the model entry only: move it to "
-                                       f"model_params.{name}.{key}")
-        if key in ("env_dict", "device_list", "volume_dict"):  # the environment was never set
-            raise ValidationInputError(f"config.{key} is read from config.container_config only: move it there")
-        if key != "container_config" and difflib.get_close_matches(key, ("container_config",), cutoff=0.8):
-            raise ValidationInputError(f"config.{key} is not a section of a validation file; did you mean "
-                                       "config.container_config? (as it is, its settings would be dropped)")
-        if key.startswith(ENV_PREFIXES) or key == "hf_token_file":
-            text, variable = _text(value, f"config.{key}"), "HF_TOKEN_PATH" if key == "hf_token_file" else key.upper()
-            if env.get(variable, text) != text:  # env_dict's value was replaced without a word
-                ignored[f"config.container_config.env_dict.{variable}"] = f"config.{key}={text} is used instead"
-            env[variable] = text
-        elif key in GPU_KEYS:  # xla_python_client_mem_fraction, optimization_level, ...: the trainer applies them
-            overrides[key], sources[key] = _text(value, f"config.{key}"), f"config.{key}"
-        elif key.startswith("xla_"):
-            text = _text(value, f"config.{key}")
-            if key not in flags:
-                xla_flags.append(f"--{key}={text}")
-            elif _text(flags[key], "") != text:  # after the entry's in XLA_FLAGS, where the last one wins, it won
-                ignored[f"config.{key}"] = f"model_params.{name}.xla_flags.{key}={flags[key]} is used instead"
-        elif key in CONFIG_TRAIN_KEYS:
-            overrides[CONFIG_TRAIN_KEYS[key]], sources[CONFIG_TRAIN_KEYS[key]] = _text(value, f"config.{key}"), \
-                f"config.{key}"
-        elif key == "mock_data":
-            if _flag(value, f"config.{key}"):
-                overrides["dataset_type"], sources["dataset_type"] = "synthetic", f"config.{key}"
-            elif str(entry.get("dataset_type", "synthetic")).strip().lower() == "synthetic":
-                sets = "dataset_type=synthetic" if "dataset_type" in entry else \
-                    "no dataset_type (Tessera default: synthetic)"
-                ignored["config.mock_data"] = (  # "False" trained on synthetic data without a word
-                    f"false, but the run trains on synthetic data: model_params.{name} sets {sets}; for real data "
-                    "set dataset_type (hf, tfds, grain) and its data keys there")
-        elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
-            container[key] = value
-        elif key in train_keys or key in ALIASES:  # was "not a setting Tessera has", of model_name too
-            ignored[f"config.{key}"] = (f"a train key, which the suite reads from the model entry only: move it to "
-                                        f"model_params.{name}")
-        else:
-            ignored[f"config.{key}"] = IGNORED_WHY.get(key, "not a setting Tessera has")
+        _read_config_key(r, key, value, flags, entry)
     # train key -> the config key that set it: a model entry's value for the same train key replaced it silently
     from_config = {CONFIG_TRAIN_KEYS.get(k, k): k for k in config if k in GPU_KEYS or k in CONFIG_TRAIN_KEYS}
-    from_config.update({"dataset_type": "mock_data"} if "dataset_type" in overrides else {})
+    from_config.update({"dataset_type": "mock_data"} if "dataset_type" in r.overrides else {})
     for key, value in entry.items():
-        if key in ("xla_flags", "result_dict"):
-            continue
-        if key == "precision" and str(value).upper() in FP8_PRECISIONS and not entry.get("quantization"):
-            continue  # mapped after this loop
-        target = ALIASES.get(key, key)
-        text = json.dumps(value) if isinstance(value, list) else str(value)
-        if target != key and target in entry:  # an alias next to the key it stands for
-            same = str(entry[target]) == text
-            ignored[key] = f"same as {target}" if same else f"conflicts with {target}={entry[target]}; {target} is used"
-        elif target == "run_name":  # replaced by the suite's own name without a word
-            ignored[key] = ("the suite names the run validate_<file>_<date>_<time>_<pid> (its folder, where node 0's "
-                            "report.json is read, is new for each run)")
-        elif target in train_keys:
-            text = _text(value, f"model_params.{name}.{key}")
-            if target in from_config and overrides[target] != text:
-                ignored[f"config.{from_config[target]}"] = f"model_params.{name}.{key}={text} is used instead"
-            overrides[target], sources[target] = text, f"model_params.{name}.{key}"
-        elif close := difflib.get_close_matches(key, ("result_dict", "xla_flags"), n=1, cutoff=0.8):
-            raise ValidationInputError(f"model_params.{name}.{key} is not a key of a model entry; did you mean "
-                                       f"{close[0]}? (as it is, its settings would be dropped)")
-        else:
-            ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
+        _read_entry_key(r, key, value, entry, from_config)
     if str(entry.get("precision", "")).upper() in FP8_PRECISIONS and not entry.get("quantization"):
         # Transformer Engine's fp8 recipe: e4m3 forward, e5m2 gradients; AMD MI300/MI325 use the fnuz formats
         amd_fnuz = name.rsplit(".", 1)[-1].lower().startswith(("mi300", "mi325"))
-        overrides["quantization"] = "nanoo_fp8" if amd_fnuz else "fp8"
-        sources["quantization"] = f"model_params.{name}.precision"
-    xla_flags = _without_gone_flags(xla_flags, ignored, "config.")  # the entry's flags again: already replaced
+        r.overrides["quantization"] = "nanoo_fp8" if amd_fnuz else "fp8"
+        r.sources["quantization"] = f"model_params.{name}.precision"
+    xla_flags = _without_gone_flags(r.xla_flags, ignored, "config.")  # the entry's flags again: already replaced
     if xla_flags:
         env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", "")] + xla_flags).strip()
-    targets = _targets(_section(entry.get("result_dict", {}), f"model_params.{name}.result_dict"))
+    targets = _targets(section(entry.get("result_dict", {}), f"model_params.{name}.result_dict"))
     nnodes = _node_count(container.get("nnodes", env.get("NNODES", 1)))
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
-    return Plan(name, env, overrides, targets, container, ignored, nnodes, coordinator,
-                env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(overrides, env), sources)
+    return Plan(name, env, r.overrides, targets, container, ignored, nnodes, coordinator,
+                env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(r.overrides, env), r.sources)
+
+
+def _read_config_key(r: _Reading, key: str, value: Any, flags: dict, entry: dict) -> None:
+    """A key of the file's `config` section: an environment variable, an XLA flag, a train key, a container
+    setting, or left out with its reason; a section in the wrong place is refused."""
+    name, env, ignored = r.name, r.env, r.ignored
+    if key in ("result_dict", "xla_flags"):  # listed as "not a setting": the targets were never checked
+        raise ValidationInputError(f"config.{key} is read from the model entry only: move it to "
+                                   f"model_params.{name}.{key}")
+    if key in ("env_dict", "device_list", "volume_dict"):  # the environment was never set
+        raise ValidationInputError(f"config.{key} is read from config.container_config only: move it there")
+    if key != "container_config" and difflib.get_close_matches(key, ("container_config",), cutoff=0.8):
+        raise ValidationInputError(f"config.{key} is not a section of a validation file; did you mean "
+                                   "config.container_config? (as it is, its settings would be dropped)")
+    if key.startswith(ENV_PREFIXES) or key == "hf_token_file":
+        text, variable = _text(value, f"config.{key}"), "HF_TOKEN_PATH" if key == "hf_token_file" else key.upper()
+        if env.get(variable, text) != text:  # env_dict's value was replaced without a word
+            ignored[f"config.container_config.env_dict.{variable}"] = f"config.{key}={text} is used instead"
+        env[variable] = text
+    elif key in GPU_KEYS:  # xla_python_client_mem_fraction, optimization_level, ...: the trainer applies them
+        r.overrides[key], r.sources[key] = _text(value, f"config.{key}"), f"config.{key}"
+    elif key.startswith("xla_"):
+        text = _text(value, f"config.{key}")
+        if key not in flags:
+            r.xla_flags.append(f"--{key}={text}")
+        elif _text(flags[key], "") != text:  # after the entry's in XLA_FLAGS, where the last one wins, it won
+            ignored[f"config.{key}"] = f"model_params.{name}.xla_flags.{key}={flags[key]} is used instead"
+    elif key in CONFIG_TRAIN_KEYS:
+        r.overrides[CONFIG_TRAIN_KEYS[key]] = _text(value, f"config.{key}")
+        r.sources[CONFIG_TRAIN_KEYS[key]] = f"config.{key}"
+    elif key == "mock_data":
+        if _flag(value, f"config.{key}"):
+            r.overrides["dataset_type"], r.sources["dataset_type"] = "synthetic", f"config.{key}"
+        elif str(entry.get("dataset_type", "synthetic")).strip().lower() == "synthetic":
+            sets = "dataset_type=synthetic" if "dataset_type" in entry else \
+                "no dataset_type (Tessera default: synthetic)"
+            ignored["config.mock_data"] = (  # "False" trained on synthetic data without a word
+                f"false, but the run trains on synthetic data: model_params.{name} sets {sets}; for real data "
+                "set dataset_type (hf, tfds, grain) and its data keys there")
+    elif key in ("container_image", "shm_size", "nnodes", "coordinator_ip"):
+        r.container[key] = value
+    elif key in all_fields() or key in ALIASES:  # was "not a setting Tessera has", of model_name too
+        ignored[f"config.{key}"] = f"a train key, which the suite reads from the model entry only: move it to " \
+                                   f"model_params.{name}"
+    else:
+        ignored[f"config.{key}"] = IGNORED_WHY.get(key, "not a setting Tessera has")
+
+
+def _read_entry_key(r: _Reading, key: str, value: Any, entry: dict, from_config: dict[str, str]) -> None:
+    """A key of the model entry: a train key (replacing `config`'s, which is then listed), or left out with its
+    reason; a misspelt result_dict or xla_flags is refused."""
+    name = r.name
+    if key in ("xla_flags", "result_dict"):
+        return
+    if key == "precision" and str(value).upper() in FP8_PRECISIONS and not entry.get("quantization"):
+        return  # mapped after the entry's keys
+    target = ALIASES.get(key, key)
+    text = json.dumps(value) if isinstance(value, list) else str(value)
+    if target != key and target in entry:  # an alias next to the key it stands for
+        same = str(entry[target]) == text
+        r.ignored[key] = f"same as {target}" if same else f"conflicts with {target}={entry[target]}; {target} is used"
+    elif target == "run_name":  # replaced by the suite's own name without a word
+        r.ignored[key] = ("the suite names the run validate_<file>_<date>_<time>_<pid> (its folder, where node 0's "
+                          "report.json is read, is new for each run)")
+    elif target in all_fields():
+        text = _text(value, f"model_params.{name}.{key}")
+        if target in from_config and r.overrides[target] != text:
+            r.ignored[f"config.{from_config[target]}"] = f"model_params.{name}.{key}={text} is used instead"
+        r.overrides[target], r.sources[target] = text, f"model_params.{name}.{key}"
+    elif close := difflib.get_close_matches(key, ("result_dict", "xla_flags"), n=1, cutoff=0.8):
+        raise ValidationInputError(f"model_params.{name}.{key} is not a key of a model entry; did you mean "
+                                   f"{close[0]}? (as it is, its settings would be dropped)")
+    else:
+        r.ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
 
 
 def _container_settings(container: dict) -> dict[str, str]:
@@ -309,10 +201,10 @@ def _container_settings(container: dict) -> dict[str, str]:
     where = "config.container_config"
     devices = container.get("device_list", [])
     if not isinstance(devices, list):
-        raise ValidationInputError(f"{where}.device_list is a JSON {_json_type(devices)}; give an array of device "
+        raise ValidationInputError(f"{where}.device_list is a JSON {json_type(devices)}; give an array of device "
                                    'paths, e.g. ["/dev/kfd", "/dev/dri"]')
     container["device_list"] = [_text(d, f"{where}.device_list[{i}]") for i, d in enumerate(devices)]
-    volumes = _section(container.get("volume_dict", {}), f"{where}.volume_dict")
+    volumes = section(container.get("volume_dict", {}), f"{where}.volume_dict")
     container["volume_dict"] = {k: _text(v, f"{where}.volume_dict.{k}") for k, v in volumes.items()}
     return {f"{where}.{k}": "not a container setting; the suite uses device_list, volume_dict and env_dict"
             for k in container if k not in ("device_list", "volume_dict")}
