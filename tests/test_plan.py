@@ -385,6 +385,28 @@ def test_keys_the_plan_chooses_are_said_to_be_replaced_and_left_out_of_the_compi
     assert "dcn_tensor_parallelism=2" not in recipe.read_text() and "remat_policy=full" not in recipe.read_text()
 
 
+def test_other_spellings_of_the_keys_the_plan_chooses_are_replaced_too(tmp_path, monkeypatch, capsys):
+    """tensor_parallelism=2 (the GPU validation files' name) or ici_context_parallelism=2 (MaxText's) were kept:
+    train_compile got them beside the plan's ici_tensor_parallelism=1, the loader refused the disagreement, and
+    --compile ended with "the compiler fits none of the top candidates"."""
+    import tessera.tools.plan_compile as plan_compile
+
+    seen = []
+
+    def confirm(base, c, *args, **kwargs):
+        seen.append(base)
+        return dataclasses.replace(c, compiled=True)
+
+    monkeypatch.setattr(plan_compile, "confirm", confirm)
+    keys = ["tensor_parallelism=2", "ici_context_parallelism=2", "pipeline_parallelism=2", "dtype=bfloat16"]
+    recipe = tmp_path / "x.sh"
+    assert main(["default", *keys, "--hardware", "v5e-8", "--top", "1", "--compile", "--output", str(recipe)]) == 0
+    assert ("replaced by the plan's own choice (the mesh, the batch and remat_policy are what it chooses): "
+            "tensor_parallelism=2 ici_context_parallelism=2 pipeline_parallelism=2\n") in capsys.readouterr().out
+    assert seen == [["model_name=default", "dtype=bfloat16"]]
+    assert "_parallelism=2" not in recipe.read_text()
+
+
 def test_a_gpu_count_of_zero_is_a_config_error(capsys):
     assert main(["llama3-8b", "--hardware", "h100-0"]) == 2
     err = capsys.readouterr().err

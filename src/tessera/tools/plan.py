@@ -39,6 +39,7 @@ import sys
 from tessera.config import Config, ConfigError
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import global_batch, pipeline_layout
+from tessera.config.maxtext import ALIASES
 from tessera.tools.cli import config_epilog
 from tessera.tools.estimate import (Hardware, check_topology_keys, fused_attention, load_model_config, memory_budget,
                                    mesh_sizes, parse_hardware, sequence_note)
@@ -48,10 +49,12 @@ from tessera.tools.plan_model import REMAT_POLICIES, Axis, ModelTerms, estimate_
 
 MAX_GLOBAL_TOKENS = 2**24  # 16.8M tokens per step: the largest global batch tried without --tokens-per-device
 # the keys the plan chooses (mesh_config, run_args): given on the command line they are replaced, and said so
-CHOSEN_KEYS = frozenset({"per_device_batch_size", "micro_batch_size", "remat_policy", "num_pipeline_repeats",
-                         "num_layers_per_pipeline_stage", "ici_fsdp_transpose_parallelism",
-                         "dcn_fsdp_transpose_parallelism",
-                         *(f"{kind}_{KEY[a]}_parallelism" for kind in ("ici", "dcn") for a in ICI_AXES)})
+_CHOSEN = {"per_device_batch_size", "remat_policy", "num_pipeline_repeats", "num_layers_per_pipeline_stage",
+           "ici_fsdp_transpose_parallelism", "dcn_fsdp_transpose_parallelism",
+           *(f"{kind}_{KEY[a]}_parallelism" for kind in ("ici", "dcn") for a in ICI_AXES)}
+# with their other spellings (tensor_parallelism, ici_context_parallelism, ...): kept, they reached train_compile
+# beside the plan's own key, which the loader refused as a disagreement, and every candidate failed to compile
+CHOSEN_KEYS = frozenset({*_CHOSEN, *(alias for alias, (key, _) in ALIASES.items() if key in _CHOSEN)})
 
 
 # --------------------------------------------------------------------------- candidates
