@@ -704,3 +704,48 @@ def test_no_mesh_because_of_gradient_accumulation_names_it(capsys):
     assert err.endswith("config error: no mesh of 32 devices splits this model evenly with a whole global batch that "
                         "gradient_accumulation_steps=3 divides; change --tokens-per-device or the device count (or "
                         "leave gradient_accumulation_steps out)\n")
+
+
+def test_an_eval_step_that_does_not_fit_does_not_send_the_batch_round_in_circles(monkeypatch, capsys):
+    """With eval_interval, the compile report's `fits` includes the eval step, but the batch was predicted from
+    the train step's memory alone: the train step fit at twice the batch, the eval step nowhere, and --compile
+    went from the predicted batch one step down and back up again without end (two compiles a round)."""
+    import tessera.tools.plan_compile as plan_compile
+
+    cfg, hw = load_model_config("default", ["eval_interval=10", "eval_steps=1", "eval_per_device_batch_size=4096"]), \
+        parse_hardware("v5e-8")
+    gib, calls = 2**30, []
+
+    def aot_compile(base, c, cfg, hw, out_dir, label):  # the train step small, the fixed eval batch too large
+        calls.append(c.tokens_per_device)
+        if len(calls) > 20:
+            raise RuntimeError(f"compiled {len(calls)} times: {calls}")
+        total = gib * c.tokens_per_device / 2048
+        return {"total_bytes": total, "temp_bytes": total / 2, "budget_bytes": 15.2 * gib, "fits": False,
+                "argument_bytes": total / 2, "code_bytes": 0,
+                "eval_step": {"eval_batch": 4096, "temp_bytes": 20 * gib, "output_bytes": 0, "code_bytes": 0,
+                              "total_bytes": 20 * gib + total / 2, "compiler_error": ""}}
+
+    monkeypatch.setattr(plan_compile, "aot_compile", aot_compile)
+    c = candidate(cfg, hw, 1024, {"fsdp": 8})
+    assert plan_compile.fit_batch([], c, cfg, hw, Path("."), "1/1") is None
+    assert len(calls) <= 3 and all(t <= 1024 for t in calls), calls
+
+
+def test_a_compile_whose_eval_step_does_not_fit_says_so(tmp_path, monkeypatch, capsys):
+    """The line printed for each compile gave the train step's memory only: "0.50 GiB per chip (does NOT fit in
+    15.2)" when the eval step was what did not fit."""
+    from tessera.tools.plan_compile import aot_compile
+
+    fake = tmp_path / "python"  # stands in for train_compile: the train step fits, its eval step does not
+    fake.write_text("#!/usr/bin/env bash\nfor a; do case $a in run_name=*) r=${a#*=};; base_output_directory=*) "
+                    "o=${a#*=};; esac; done\nmkdir -p $o/$r; echo '{\"total_bytes\": 536870912, \"budget_bytes\": "
+                    "16320875724, \"temp_bytes\": 1, \"fits\": false, \"eval_step\": {\"total_bytes\": "
+                    "21474836480}}' > $o/$r/compile_report.json; exit 3\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    cfg, hw = load_model_config("default", []), parse_hardware("v5e-8")
+    (tmp_path / "out").mkdir()
+    aot_compile([], candidate(cfg, hw, 1024, {"fsdp": 8}), cfg, hw, tmp_path / "out", "1/1")
+    assert "  0.50 GiB per chip, an evaluation 20.00 (does NOT fit in 15.2)" in capsys.readouterr().out
+

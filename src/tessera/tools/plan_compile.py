@@ -87,7 +87,9 @@ def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_di
         print("  failed:\n    " + "\n    ".join(tail), flush=True)
         return {}
     r = json.loads(report.read_text())
-    print(f"  {r['total_bytes'] / GIB:.2f} GiB per chip ({'fits' if r['fits'] else 'does NOT fit'} in "
+    evaluation = r.get("eval_step") or {}  # with eval_interval: `fits` is the eval step's verdict too
+    evaluation = f", an evaluation {evaluation['total_bytes'] / GIB:.2f}" if evaluation else ""
+    print(f"  {r['total_bytes'] / GIB:.2f} GiB per chip{evaluation} ({'fits' if r['fits'] else 'does NOT fit'} in "
           f"{r['budget_bytes'] / GIB:.1f}), {time.monotonic() - start:.0f} s", flush=True)
     return r
 
@@ -128,7 +130,10 @@ def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, labe
     budget = r["budget_bytes"]
     options = token_options(cfg, hw, 0)
     fixed = r["total_bytes"] - r["temp_bytes"]
-    fits = [t for t in options if fixed + r["temp_bytes"] * t / c.tokens_per_device <= budget]
+    fits = [t for t in options if fixed + r["temp_bytes"] * t / c.tokens_per_device <= budget
+            and eval_bytes(r, cfg, t / c.tokens_per_device) <= budget]
+    if not r["fits"]:  # only down from a batch that does not fit: up again, it went round in circles
+        fits = [t for t in fits if t < c.tokens_per_device]
     target = max(fits, default=options[0])
     if target != c.tokens_per_device:
         moved = rescore(cfg, hw, c, target)
@@ -139,6 +144,16 @@ def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, labe
             smaller = rescore(cfg, hw, c, options[options.index(target) - 1])
             return fit_batch(base, smaller, cfg, hw, out_dir, label) if smaller else None
     return dataclasses.replace(c, memory=r["total_bytes"], compiled=True) if r["fits"] else None
+
+
+def eval_bytes(r: dict, cfg: Config, scale: float) -> float:
+    """The eval step's total in compile report `r` (0 without one) at `scale` times the train batch: its own
+    temporaries and outputs grow with it unless eval_per_device_batch_size fixes the eval batch."""
+    e = r.get("eval_step") or {}
+    if not e:
+        return 0.0
+    grows = 0 if cfg.data.eval_per_device_batch_size else e["temp_bytes"] + e["output_bytes"]
+    return e["total_bytes"] + grows * (scale - 1)
 
 
 def rescore(cfg: Config, hw: Hardware, c: Candidate, tokens: int) -> Candidate | None:
