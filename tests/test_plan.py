@@ -606,6 +606,21 @@ def test_a_multi_slice_recipe_compiles_for_its_slices(tmp_path):
         assert dry.returncode == 0, dry.stderr
         assert f"compile_topology_num_slices={slices}" in dry.stdout.split(), dry.stdout
 
+
+def test_a_recipe_for_a_generation_without_flags_runs(tmp_path):
+    """A tpu7x plan's recipe sourced configs/tpu/tpu7x/flags.inc, which does not exist: under `set -e` it stopped
+    at that line ("No such file or directory", exit 1) before running anything."""
+    from tessera.tools.plan_compile import write_recipe
+
+    cfg = load_model_config("default", ["max_target_length=256"])
+    hw = parse_hardware("tpu7x-8")
+    recipe = tmp_path / "x.sh"
+    write_recipe(recipe, plan(cfg, hw)[0], cfg, hw, ["max_target_length=256"])
+    dry = subprocess.run(["bash", str(recipe), "DRY_RUN=1", "EXECUTABLE=train_compile", "PYTHON=python3"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    assert "compile_topology=tpu7x-8" in dry.stdout.split(), dry.stdout
+
 def test_recipe_of_a_model_file_with_lists_and_booleans_runs_as_planned(tmp_path):
     """A model file copied from configs/models (lists, booleans) went into the recipe as Python's
     `mlp_activations=['silu', 'linear'] logits_via_embedding=True`, unquoted: the shell split the list in two

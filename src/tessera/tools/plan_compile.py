@@ -175,6 +175,7 @@ def _sourced(recipe: Path, target: Path) -> str:
 
 def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list[str]) -> None:
     gen = hw.accelerator.name
+    flags = CONFIGS / "tpu" / gen / "flags.inc"
     chosen = [*run_args(c, cfg), f"dtype={cfg.model.dtype}"]
     base = [b for b in base if b.partition("=")[0] not in {k.partition("=")[0] for k in chosen}]
     lines = [
@@ -192,7 +193,9 @@ def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list
         "for it)" if hw.num_slices > 1 else None,
         f'source {_sourced(path, CONFIGS / "run_recipe.sh")} "$@"',
         "",
-        f'source {_sourced(path, CONFIGS / "tpu" / gen / "flags.inc")}   # LIBTPU_INIT_ARGS of every {gen} recipe',
+        f'source {_sourced(path, flags)}   # LIBTPU_INIT_ARGS of every {gen} recipe' if flags.is_file() else
+        # tpu7x has no recipes yet: sourcing the missing file stopped the recipe at its first line (set -e)
+        f"# no configs/tpu/{gen}/flags.inc: libtpu's default flags (the plan compiled with them)",
         "",
         f"run_recipe {hw.name} \\",
         "  " + shlex.join(base) + " \\",
