@@ -375,6 +375,10 @@ def test_sequence_length_is_the_configs_and_is_printed(capsys, tmp_path):
     out = capsys.readouterr().out
     assert out.startswith("sequence length 4096 tokens (max_target_length of the model config)")
     assert "sequence 4096)" in out
+    # sequence_length (the GPU validation files' name) is the command line's too: at 128 tokens the line told a
+    # user who had given it to pass max_target_length
+    assert main(["llama3.1-70b", "sequence_length=128", "--hardware", "v5p-256"]) == 0
+    assert capsys.readouterr().out.startswith("sequence length 128 tokens (max_target_length from the command line)")
 
 
 def test_only_key_value_arguments_start_from_the_default_model(capsys):

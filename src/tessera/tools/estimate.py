@@ -44,7 +44,7 @@ from tessera.config import Config, ConfigError, build_config, load_config
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import LAYERS_PER_BLOCK, plan_run
 from tessera.config.loader import read_yaml
-from tessera.config.maxtext import translate
+from tessera.config.maxtext import ALIASES, translate
 from tessera.config.schema import all_fields
 from tessera.gpu_tuning import gpu_memory_fraction
 from tessera.hardware import GIB, GPUS, TPUS, Accelerator, tpu_slice
@@ -173,7 +173,8 @@ def load_model_config(model: str | None, overrides: list[str]) -> Config:
 def sequence_note(cfg: Config, overrides: list[str]) -> str:
     """Which sequence length the estimate uses and where it comes from."""
     length = cfg.data.max_target_length
-    if any(o.partition("=")[0].strip() == "max_target_length" for o in overrides):
+    names = {o.partition("=")[0].strip() for o in overrides}
+    if names & {"max_target_length", *(a for a, (key, _) in ALIASES.items() if key == "max_target_length")}:
         return f"sequence length {length} tokens (max_target_length from the command line)"
     if length != all_fields()["max_target_length"][1].default:
         return f"sequence length {length} tokens (max_target_length of the model config)"
