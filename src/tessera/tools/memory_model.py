@@ -93,9 +93,10 @@ def expert_rows_per_token(m: ModelConfig, ep: int) -> float:
     """Rows a MoE layer's expert MLPs compute per token of a device: the top-k copies when dropless
     (sparse_matmul), times the receive buffer's room over the `ep`-way expert axis (every sender's
     copies at worst, ragged_buffer_factor's share when set); with capacity routing each expert's
-    slots, capacity_factor x its fair share (every token with -1) of a group."""
+    slots, capacity_factor x its fair share (every token with -1) of a group. megablox=true routes
+    dropless too, with or without sparse_matmul (tessera.models.moe)."""
     k = min(m.num_experts_per_tok, m.num_experts)
-    if m.sparse_matmul:
+    if m.sparse_matmul or m.megablox:
         return k * (ep if m.ragged_buffer_factor <= 0 else min(ep, m.ragged_buffer_factor))
     return m.num_experts if m.capacity_factor <= 0 else min(m.num_experts, m.capacity_factor * k)
 
