@@ -75,7 +75,23 @@ def test_900b_dense_in_float32_does_not_fit_one_pod(capsys):
     assert "does not fit on v6e-256 x1" in err and "GiB over the budget of 30.4 GiB" in err
     over = float(err.split("GiB per chip (")[0].rsplit("needs ", 1)[1])
     assert 50 < over < 60  # 55 GiB of float32 parameters, gradients and AdamW state per chip alone
-    assert "--slices 2" in err and "weight_dtype=bfloat16" in err and "offload" in err
+    # 4 pods: on 2 the smallest candidate needs 30.90 GiB of 30.4 (the gathered layers are not split over pods)
+    assert "--slices 4" in err and "weight_dtype=bfloat16" in err and "offload" in err
+
+
+def test_the_slices_the_no_fit_message_suggests_fit(capsys):
+    """The suggestion counted the gathered layers, which more chips do not split, with the state: llama3.1-405b on
+    v5e-16 was told "about 32x the chips (--slices 32)", where the smallest candidate still needs 16.5 GiB of
+    15.2; 64 slices fit."""
+    import re
+
+    args = ["llama3.1-405b", "max_target_length=2048", "dtype=bfloat16", "--top", "1"]
+    assert main([*args, "--hardware", "v5e-16"]) == 2
+    slices = int(re.search(r"\(--slices (\d+)\)", capsys.readouterr().err).group(1))
+    assert slices == 64
+    cfg = load_model_config("llama3.1-405b", ["max_target_length=2048", "dtype=bfloat16"])
+    assert plan(cfg, parse_hardware("v5e-16", slices))[0].fits
+    assert not plan(cfg, parse_hardware("v5e-16", slices // 2))[0].fits
 
 
 @pytest.mark.parametrize("experts, needed", [(16, 20400), (32, 40800)])
