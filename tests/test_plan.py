@@ -623,6 +623,22 @@ def test_a_multi_slice_recipe_compiles_for_its_slices(tmp_path):
         assert f"compile_topology_num_slices={slices}" in dry.stdout.split(), dry.stdout
 
 
+def test_a_recipe_keeps_the_run_length_given_to_the_plan(tmp_path):
+    """steps=1000 on the plan's command line went into the recipe before its own steps=100, which won: the
+    recipe trained 100 steps."""
+    from tessera.tools.plan_compile import write_recipe
+
+    cfg = load_model_config("default", ["max_target_length=256", "steps=1000"])
+    hw = parse_hardware("v5e-8")
+    recipe = tmp_path / "x.sh"
+    write_recipe(recipe, plan(cfg, hw)[0], cfg, hw, ["max_target_length=256", "steps=1000"])
+    dry = subprocess.run(["bash", str(recipe), "DRY_RUN=1", "PYTHON=python3"], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=60)
+    assert dry.returncode == 0, dry.stderr
+    words = next(line for line in dry.stdout.splitlines() if " train.py " in line).split()
+    assert "steps=1000" in words and "steps=100" not in words and "log_period=10" in words, words
+
+
 def test_a_recipe_for_a_generation_without_flags_runs(tmp_path):
     """A tpu7x plan's recipe sourced configs/tpu/tpu7x/flags.inc, which does not exist: under `set -e` it stopped
     at that line ("No such file or directory", exit 1) before running anything."""

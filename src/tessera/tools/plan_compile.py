@@ -178,6 +178,9 @@ def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list
     flags = CONFIGS / "tpu" / gen / "flags.inc"
     chosen = [*run_args(c, cfg), f"dtype={cfg.model.dtype}"]
     base = [b for b in base if b.partition("=")[0] not in {k.partition("=")[0] for k in chosen}]
+    # a short run, unless the plan's command line set its length (after it, steps=100 replaced the user's steps=)
+    given = {b.partition("=")[0] for b in base}
+    short_run = [k for k in ("steps=100", "log_period=10") if k.partition("=")[0] not in given]
     lines = [
         "#!/usr/bin/env bash",
         f"# Recipe written by tessera.tools.plan: {cfg.model.model_name} on {hw.name} x{hw.num_slices}.",
@@ -199,8 +202,8 @@ def write_recipe(path: Path, c: Candidate, cfg: Config, hw: Hardware, base: list
         "",
         f"run_recipe {hw.name} \\",
         "  " + shlex.join(base) + " \\",
-        "  " + shlex.join(chosen) + " \\",
-        "  steps=100 log_period=10",
+        "  " + shlex.join(chosen) + (" \\" if short_run else ""),
+        "  " + " ".join(short_run) if short_run else None,
     ]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(line for line in lines if line is not None) + "\n")
