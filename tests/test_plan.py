@@ -439,6 +439,14 @@ def test_options_that_would_do_nothing_are_refused_before_the_search(tmp_path, c
     assert main(["default", "--hardware", "h100-8", "--compile"]) == 2
     captured = capsys.readouterr()
     assert captured.out == "" and "GPU plans stay estimates (leave --compile out)" in captured.err
+    # train_compile refuses 512 slices or more: each compile failed, then "the compiler fits none of the top
+    # candidates"
+    assert main(["default", "--hardware", "v5e-1", "--slices", "512", "--compile", "--output",
+                 str(tmp_path / "y.sh")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err == ("config error: --slices 512 with --compile: train_compile compiles "
+                                                   "for at most 511 slices (libtpu aborts at 512); leave --compile "
+                                                   "out to plan without compiling\n")
     assert list(tmp_path.iterdir()) == []
 
 

@@ -40,6 +40,7 @@ from tessera.config import Config, ConfigError
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.config.maxtext import ALIASES
+from tessera.config.schema import all_fields
 from tessera.tools.cli import config_epilog
 from tessera.tools.estimate import (Hardware, check_topology_keys, fused_attention, load_model_config, memory_budget,
                                    mesh_sizes, parse_hardware, sequence_note)
@@ -287,6 +288,10 @@ def main(argv: list[str]) -> int:
         if args.compile and not hw.accelerator.torus_dims:
             raise ConfigError("--compile confirms plans with libtpu's TPU compiler only; GPU plans stay estimates "
                               "(leave --compile out)")
+        most = all_fields()["compile_topology_num_slices"][1].metadata["maximum"]
+        if args.compile and args.slices > most:  # every compile was refused, then "the compiler fits none"
+            raise ConfigError(f"--slices {args.slices} with --compile: train_compile compiles for at most {most} "
+                              "slices (libtpu aborts at 512); leave --compile out to plan without compiling")
         if args.compile:  # the recipe's folder, before minutes of compiling
             from tessera.tools.plan_compile import check_output
 
