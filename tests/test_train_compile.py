@@ -421,3 +421,21 @@ def test_a_signal_while_compiling_stops_it_in_one_line(tmp_path, signum, code, t
     assert text in last and f"(exit code {code})" in last, err
     assert "Traceback" not in err and "FailureSignalHandler" not in err, err
     assert not (tmp_path / "s" / "compile_report.json").exists()
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_a_platform_this_host_does_not_have_is_one_line(tmp_path, platform):
+    """JAX_PLATFORMS=tpu or cuda (set for a TPU VM or a GPU host, say) on a host without one: JAX's traceback
+    (for cuda a bare AssertionError) from the run folder's check, exit code 1."""
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "tessera.train_compile", "configs/base.yml", "compile_topology=v5e-8",
+                           f"base_output_directory={tmp_path}", "run_name=c"], cwd=REPO,
+                          env={**os.environ, "JAX_PLATFORMS": platform}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"config error: JAX_PLATFORMS={platform}: JAX cannot start that platform here" in proc.stderr
+

@@ -262,6 +262,9 @@ def main(argv: list[str]) -> int:
         from tessera.xla_dump import apply_hlo_dump  # before the backends start: they read XLA_FLAGS then
 
         apply_hlo_dump(cfg)
+        from tessera.platforms import check_platforms_start
+
+        check_platforms_start()  # JAX_PLATFORMS=tpu (or cuda) on a host without one: one line, not a traceback
         validate_for_build(cfg.model)
         if cfg.run.jax_cache_dir:  # JAX writes programs compiled for a topology but cannot load them back
             log.info("jax_cache_dir is not used here: JAX cannot load a program compiled for a topology back")
