@@ -317,6 +317,21 @@ def test_a_compile_that_fails_is_not_read_from_the_report_of_the_one_before(tmp_
     assert "failed:\n    RuntimeError: INTERNAL: the compiler crashed" in capsys.readouterr().out
 
 
+def test_the_compile_reads_the_callers_libtpu_flags_after_the_recipes(tmp_path, monkeypatch):
+    """--compile set LIBTPU_INIT_ARGS to the generation's flags.inc alone: a flag of the caller's own, which the
+    written recipe appends after its flags (run_recipe.sh), was left out of the compile that confirmed it."""
+    from tessera.tools.plan_compile import aot_compile, libtpu_flags
+
+    fake = tmp_path / "python"  # stands in for train_compile: keeps the flags it was given
+    fake.write_text(f"#!/usr/bin/env bash\necho \"$LIBTPU_INIT_ARGS\" > {tmp_path / 'flags'}; exit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setenv("LIBTPU_INIT_ARGS", "--xla_tpu_mine=true")
+    cfg, hw = load_model_config("default", []), parse_hardware("v5e-8")
+    assert aot_compile([], candidate(cfg, hw, 1024, {"fsdp": 8}), cfg, hw, tmp_path, "1/1") == {}
+    assert (tmp_path / "flags").read_text().split() == [*libtpu_flags("v5e").split(), "--xla_tpu_mine=true"]
+
+
 def test_a_recipe_that_cannot_be_written_after_the_compiles_is_one_line(tmp_path, monkeypatch, capsys):
     """--output's folder checked before compiling can be gone (or the disk full) by the end: a traceback, and
     the recipe written without its report."""

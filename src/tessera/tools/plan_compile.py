@@ -69,7 +69,9 @@ def aot_compile(base: list[str], c: Candidate, cfg: Config, hw: Hardware, out_di
     cmd = [sys.executable, "-m", "tessera.train_compile", str(CONFIGS / "base.yml"), *base, *run_args(c, cfg),
            f"compile_topology={hw.name}", f"compile_topology_num_slices={hw.num_slices}", f"run_name={name}",
            f"base_output_directory={out_dir}"]
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "LIBTPU_INIT_ARGS": libtpu_flags(hw.accelerator.name),
+    # the caller's LIBTPU_INIT_ARGS after the recipe's, as run_recipe.sh puts them (they replaced them here)
+    flags = " ".join((libtpu_flags(hw.accelerator.name) + " " + os.environ.get("LIBTPU_INIT_ARGS", "")).split())
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "LIBTPU_INIT_ARGS": flags,
            "PYTHONPATH": os.pathsep.join(p for p in (str(CONFIGS.parent / "src"), os.environ.get("PYTHONPATH")) if p)}
     print(f"compiling {label}: {describe(c)}, {c.remat}, per_device_batch_size={c.per_device_batch:g}", flush=True)
     start, tail = time.monotonic(), []
