@@ -819,3 +819,13 @@ def test_a_compile_whose_eval_step_does_not_fit_says_so(tmp_path, monkeypatch, c
     aot_compile([], candidate(cfg, hw, 1024, {"fsdp": 8}), cfg, hw, tmp_path / "out", "1/1")
     assert "  0.50 GiB per chip, an evaluation 20.00 (does NOT fit in 15.2)" in capsys.readouterr().out
 
+
+def test_an_eval_step_is_said_to_be_left_out_of_the_estimates(capsys):
+    """eval_interval was left out of the plan's memory without a word (the estimate says so; train_compile
+    compiles the eval step and refuses a run whose evaluation does not fit)."""
+    assert main(["default", "--hardware", "v5e-8", "--top", "1"]) == 0
+    assert "eval step" not in capsys.readouterr().out
+    assert main(["default", "eval_interval=10", "eval_steps=1", "--hardware", "v5e-8", "--top", "1"]) == 0
+    assert ("memory: the eval step (eval_interval=10) is not in these estimates; --compile compiles it too, and a "
+            "candidate fits only when its evaluation does\n") in capsys.readouterr().out
+

@@ -133,6 +133,8 @@ def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
         f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM; {links}",
         *routing_note(cfg),
         *(f"memory: {note}" for note in unmodelled_notes(m)),
+        *([f"memory: the eval step (eval_interval={cfg.data.eval_interval}) is not in these estimates; --compile "
+           "compiles it too, and a candidate fits only when its evaluation does"] if cfg.data.eval_interval else []),
     ])
 
 
