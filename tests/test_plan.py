@@ -462,6 +462,12 @@ def test_options_that_would_do_nothing_are_refused_before_the_search(tmp_path, c
     assert captured.out == "" and captured.err == ("config error: --slices 512 with --compile: train_compile compiles "
                                                    "for at most 511 slices (libtpu aborts at 512); leave --compile "
                                                    "out to plan without compiling\n")
+    # the guide's MoE examples are sized on a dense block family; the trainer builds no such model
+    assert main(["default", "num_experts=8", "num_experts_per_tok=2", "--hardware", "v5e-8", "--compile",
+                 "--output", str(tmp_path / "z.sh")]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.startswith("config error: num_experts=8: decoder_block=llama2 has a "
+                                                          "dense MLP")
     assert list(tmp_path.iterdir()) == []
 
 

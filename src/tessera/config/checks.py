@@ -286,8 +286,9 @@ def _validate_deepseek(m) -> None:
 
 def validate_for_build(m: ModelConfig) -> None:
     """Checks for a model that is to be built, not only sized: `build_model`, `python3 -m
-    tessera.config` and train_compile run them before any model exists (the estimator does not:
-    it sizes any expert count on any block family)."""
+    tessera.config`, train_compile and `tessera.tools.plan --compile` run them before any model
+    exists (the plan without --compile does not: it sizes any expert count on any block family,
+    as the sizing guide's MoE examples)."""
     moe = m.decoder_block in MOE_BLOCKS
     if m.num_experts > 1 and not moe:
         raise ConfigError(f"num_experts={m.num_experts}: decoder_block={m.decoder_block} has a dense MLP; use "

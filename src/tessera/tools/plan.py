@@ -37,7 +37,7 @@ import math
 import sys
 
 from tessera.config import Config, ConfigError
-from tessera.config.checks import check_trainable_dtypes
+from tessera.config.checks import check_trainable_dtypes, validate_for_build
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.config.maxtext import ALIASES
 from tessera.config.schema import all_fields
@@ -295,6 +295,9 @@ def main(argv: list[str]) -> int:
         if args.compile:  # the recipe's folder, before minutes of compiling
             from tessera.tools.plan_compile import check_output
 
+            # a model the trainer cannot build (experts on a dense block family) is sized, not compiled: every
+            # compile failed, then "the compiler fits none of the top candidates"
+            validate_for_build(cfg.model)
             check_output(cfg, hw, args.output)
         print(report_header(cfg, hw, sequence_note(cfg, args.overrides)), flush=True)
         if chosen_overrides(args.overrides):
