@@ -652,6 +652,18 @@ def test_a_multi_slice_recipe_compiles_for_its_slices(tmp_path):
         assert f"compile_topology_num_slices={slices}" in dry.stdout.split(), dry.stdout
 
 
+def test_a_slice_type_typed_in_capitals_is_written_as_reports_print_it(tmp_path):
+    """--hardware " V5E-8" went into the recipe as typed (`run_recipe  V5E-8`), and into every header."""
+    from tessera.tools.plan_compile import write_recipe
+
+    cfg = load_model_config("default", [])
+    hw = parse_hardware(" V5E-8")
+    assert hw.name == "v5e-8" and parse_hardware("v5litepod-8").name == "v5litepod-8"
+    recipe = tmp_path / "x.sh"
+    write_recipe(recipe, plan(cfg, hw)[0], cfg, hw, [])
+    assert "\nrun_recipe v5e-8 \\\n" in recipe.read_text()
+
+
 def test_a_recipe_keeps_the_run_length_given_to_the_plan(tmp_path):
     """steps=1000 on the plan's command line went into the recipe before its own steps=100, which won: the
     recipe trained 100 steps."""

@@ -89,7 +89,9 @@ def parse_hardware(text: str, num_slices: int = 1, ici_links: int = 0, slices_fl
         gpus = ", ".join(f"{g}-<count>" for g in GPUS)
         raise ConfigError(f"--hardware={text!r} is neither a TPU slice type (v5p-256, v5e-256, v6e-256, v4-128, "
                           f"tpu7x-16) nor {gpus}") from None
-    return Hardware(s.accelerator, text, s.devices * num_slices, num_slices, ici_links or (4 if s.has_wraparound else 2))
+    # s.name: the type as reports print it, however it was typed (" V6E-256" went into a plan's recipe as typed)
+    links = ici_links or (4 if s.has_wraparound else 2)
+    return Hardware(s.accelerator, s.name, s.devices * num_slices, num_slices, links)
 
 
 def mesh_sizes(cfg: Config, hw: Hardware) -> dict[str, int]:
