@@ -173,6 +173,30 @@ def test_state_memory_equals_what_the_compiler_allocates(keys):
     assert mem.params + mem.optimizer == pytest.approx(state, rel=0.002)
 
 
+def test_weights_a_mesh_axis_does_not_divide_are_counted_whole(capsys):
+    """The trainer copies a weight whole over an axis that does not divide its dimension (a width of 36 over
+    fsdp 8; llama2-70b's 8192 over 192 chips); the estimate split it anyway and said it fit (llama2-70b on
+    v4-384: 1.34 GiB of parameters per chip, where every chip holds all 257)."""
+    from tessera.step import compile_step, setup
+    from tessera.tools.estimate import check_mesh_divides, with_copies
+
+    cfg = tiny_config(per_device_batch_size=2, base_emb_dim=36, base_mlp_dim=48, vocab_size=128,
+                      ici_fsdp_parallelism=8)
+    trainer = setup(cfg)
+    compiled, _ = compile_step(trainer, 0)
+    rows, length = trainer.batch_sharding.shard_shape((trainer.plan.global_batch, cfg.data.max_target_length + 1))
+    state = compiled.memory_analysis().argument_size_in_bytes - 3 * rows * length * 4
+    mesh = mesh_sizes(cfg, parse_hardware("h100-8"))
+    unsplit, example = check_mesh_divides(cfg, mesh)
+    assert unsplit > 0 and "embed 36 does not divide by fsdp=8" in example
+    mem = with_copies(cfg, estimate_memory(cfg, count_params(cfg.model), mesh, fused_attention=False), unsplit)
+    assert mem.params + mem.optimizer == pytest.approx(state, rel=0.002)
+    assert main(["llama2-70b", "per_device_batch_size=1", "--hardware", "v4-384"]) == 0
+    out = capsys.readouterr().out
+    assert "does NOT fit" in out and "GiB of the parameters (and their gradients and optimizer state) are copied " \
+        "whole over a mesh axis that does not divide them, e.g. layers/" in out
+
+
 def test_a_stage_gathered_once_counts_the_stage_s_weights():
     """pipeline_fsdp_ag_once: every chip holds its stage's layers whole (float32 weights; their
     gradients go back to the fsdp shards) instead of one bfloat16 layer and its gradient at a

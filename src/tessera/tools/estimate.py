@@ -50,7 +50,7 @@ from tessera.gpu_tuning import gpu_memory_fraction
 from tessera.hardware import GIB, GPUS, TPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
 from tessera.tools.cli import config_epilog
-from tessera.tools.memory_model import count_params, estimate_memory, unmodelled_notes
+from tessera.tools.memory_model import DTYPE_BYTES, Memory, count_params, estimate_memory, unmodelled_notes
 from tessera.tools.rooflines import roofline_lines
 
 CONFIGS = Path(__file__).resolve().parents[3] / "configs"
@@ -189,9 +189,9 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     m, counts = cfg.model, count_params(cfg.model)
     mesh = mesh_sizes(cfg, hw)
     plan = plan_run(cfg, mesh)  # the trainer's own batch, accumulation and pipeline checks: refused as it refuses
-    check_mesh_divides(cfg, mesh)
+    unsplit, example = check_mesh_divides(cfg, mesh)
     fused = fused_attention(cfg, hw, mesh)
-    mem = estimate_memory(cfg, counts, mesh, fused)
+    mem = with_copies(cfg, estimate_memory(cfg, counts, mesh, fused), unsplit)
     tokens = cfg.data.max_target_length
     flops_token = training_flops_per_step(m, 1, tokens) / tokens
     hbm = hw.accelerator.hbm_bytes
@@ -228,6 +228,8 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         f"  -> {'fits' if fits else 'does NOT fit'} in {fraction:g} x {hbm / GIB:.1f} GiB ({source}) with "
         f"remat_policy={m.remat_policy}",
         *(f"  note: {note}" for note in unmodelled_notes(m)),
+        *([f"  note: {unsplit * DTYPE_BYTES[m.weight_dtype] / GIB:.2f} GiB of the parameters (and their gradients and optimizer state) are "
+           f"copied whole over a mesh axis that does not divide them, e.g. {example}"] if unsplit else []),
         *eval_note(cfg, hbm),
         "",
         f"roofline (hardware intensity {hw.intensity:,.0f} FLOPs/byte with {hw.links} link(s) per collective):",
@@ -262,17 +264,47 @@ def eval_note(cfg: Config, hbm: float) -> list[str]:
             "(EXECUTABLE=train_compile compiles it)"]
 
 
-def check_mesh_divides(cfg: Config, mesh: dict[str, int]) -> None:
+def with_copies(cfg: Config, mem: Memory, unsplit: float) -> Memory:
+    """`mem` with `unsplit` more parameter elements per device (check_mesh_divides: the weights a mesh axis does
+    not divide, copied whole over it), their gradients and optimizer state."""
+    w = DTYPE_BYTES[cfg.model.weight_dtype] * unsplit
+    if not w:
+        return mem
+    grow = 1 + w / mem.params
+    return dataclasses.replace(mem, params=mem.params + w, grads=mem.grads * grow, optimizer=mem.optimizer * grow)
+
+
+def check_mesh_divides(cfg: Config, mesh: dict[str, int]) -> tuple[float, str]:
     """The trainer's ConfigError for a mesh axis that does not divide a dimension it must split (query heads,
-    MLP width: `tessera.mesh.check_divides`), on the model's parameter shapes (abstract: nothing allocated)."""
+    MLP width: `tessera.mesh.check_divides`), on the model's parameter shapes (abstract: nothing allocated).
+    Returns (parameter elements per device beyond a split over every axis their rules name, the first such
+    parameter and why): the trainer copies a weight whole over an axis that does not divide its dimension
+    (llama2-70b on 192 chips: the width 8192 over fsdp 192), which the memory model does not see."""
+    import math
+
     import jax
 
-    from tessera.mesh import check_divides
+    from tessera.mesh import LOGICAL_RULES, _replication_cause, check_divides, logical_spec
     from tessera.models import build_model
 
     model = build_model(cfg.model)
-    jax.tree.map(lambda names, shape: check_divides(names, shape.shape, mesh), model.logical_axes(),
-                 model.param_shapes(), is_leaf=lambda x: isinstance(x, tuple))
+    extra, first = [0.0], []
+
+    def visit(path, names, shape):
+        check_divides(names, shape.shape, mesh)
+        spec = logical_spec(names, shape.shape, mesh)
+        ways = math.prod(mesh[a] for axes in spec if axes for a in ((axes,) if isinstance(axes, str) else axes))
+        ideal = math.prod(mesh[a] for a in {a for n in names if n for a in LOGICAL_RULES[n]})
+        size = math.prod(shape.shape)
+        if ways < ideal:
+            extra[0] += size / ways - size / ideal
+            if not first:
+                first.append(f"{jax.tree_util.keystr(path, simple=True, separator='/')} "
+                             f"({_replication_cause(names, shape.shape, mesh)})")
+
+    jax.tree_util.tree_map_with_path(visit, model.logical_axes(), model.param_shapes(),
+                                     is_leaf=lambda x: isinstance(x, tuple))
+    return extra[0], first[0] if first else ""
 
 
 def check_options(args: argparse.Namespace) -> None:
