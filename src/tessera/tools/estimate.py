@@ -228,8 +228,9 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         f"  -> {'fits' if fits else 'does NOT fit'} in {fraction:g} x {hbm / GIB:.1f} GiB ({source}) with "
         f"remat_policy={m.remat_policy}",
         *(f"  note: {note}" for note in unmodelled_notes(m)),
-        *([f"  note: {unsplit * DTYPE_BYTES[m.weight_dtype] / GIB:.2f} GiB of the parameters (and their gradients and optimizer state) are "
-           f"copied whole over a mesh axis that does not divide them, e.g. {example}"] if unsplit else []),
+        *([f"  note: {unsplit * DTYPE_BYTES[m.weight_dtype] / GIB:.2f} GiB of the parameters (and their gradients "
+           f"and optimizer state) are copied whole over a mesh axis that does not divide them, e.g. {example}"]
+          if unsplit else []),
         *eval_note(cfg, hbm),
         "",
         f"roofline (hardware intensity {hw.intensity:,.0f} FLOPs/byte with {hw.links} link(s) per collective):",

@@ -101,7 +101,8 @@ def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_pe
     hints.append(f"offload: the {acts / GIB:.1f} GiB of activations to host memory (remat_policy=custom "
                  "decoder_layer_input=offload), or the optimizer state (not modelled here)")
     m = c.model
-    if m.num_experts > 1 and (m.sparse_matmul or m.megablox) and m.ragged_buffer_factor <= 0 and small.mesh.sizes["expert"] > 2:
+    dropless = m.sparse_matmul or m.megablox
+    if m.num_experts > 1 and dropless and m.ragged_buffer_factor <= 0 and small.mesh.sizes["expert"] > 2:
         bounded = dataclasses.replace(c, model=dataclasses.replace(m, ragged_buffer_factor=2.0))
         saved = mem.total(small.remat) - estimate_memory(bounded, count_params(m), small.mesh.sizes,
                                                             fused_attention(c, hw, small.mesh.sizes)).total(small.remat)
