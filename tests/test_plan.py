@@ -438,6 +438,15 @@ def test_other_spellings_of_the_keys_the_plan_chooses_are_replaced_too(tmp_path,
     assert "_parallelism=2" not in recipe.read_text()
 
 
+def test_keys_the_plan_chooses_in_a_model_file_are_said_to_be_replaced(tmp_path, capsys):
+    """remat_policy or a mesh key in the model file were replaced without the line the command line's get."""
+    model = tmp_path / "tiny.yml"
+    model.write_text("base_emb_dim: 256\nbase_num_decoder_layers: 2\nremat_policy: none\nici_tensor_parallelism: 2\n")
+    assert main([str(model), "dtype=bfloat16", "--hardware", "v5e-8", "--top", "1"]) == 0
+    assert ("replaced by the plan's own choice (the mesh, the batch and remat_policy are what it chooses): "
+            "remat_policy=none ici_tensor_parallelism=2\n") in capsys.readouterr().out
+
+
 def test_a_gpu_count_of_zero_is_a_config_error(capsys):
     assert main(["llama3-8b", "--hardware", "h100-0"]) == 2
     err = capsys.readouterr().err

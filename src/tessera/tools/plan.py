@@ -300,9 +300,12 @@ def main(argv: list[str]) -> int:
             validate_for_build(cfg.model)
             check_output(cfg, hw, args.output)
         print(report_header(cfg, hw, sequence_note(cfg, args.overrides)), flush=True)
-        if chosen_overrides(args.overrides):
+        from tessera.tools.plan_compile import model_overrides
+
+        replaced = chosen_overrides(model_overrides(args.model, args.overrides))  # a model file's keys too
+        if replaced:
             print(f"replaced by the plan's own choice (the mesh, the batch and remat_policy are what it chooses): "
-                  f"{' '.join(chosen_overrides(args.overrides))}", flush=True)
+                  f"{' '.join(replaced)}", flush=True)
         ranked = search(cfg, hw, args.tokens_per_device)
         if not ranked:
             steps = cfg.optim.gradient_accumulation_steps
