@@ -248,7 +248,7 @@ def sharding_report(mesh: Mesh, shardings, shapes, warn_mib: float, logical_axes
         mib = np.prod(s.shape) * np.dtype(s.dtype).itemsize / 2**20
         if not sharding.is_fully_replicated or mib <= warn_mib or all(v == 1 for v in sizes.values()):
             continue
-        cause = (_replication_cause(flat_names[path], s.shape, sizes) if flat_names
+        cause = (replication_cause(flat_names[path], s.shape, sizes) if flat_names
                  else "no mesh axis splits any of its dimensions")
         if cause:
             warnings.append(f"parameter {name} {tuple(s.shape)} ({mib:.1f} MiB) is fully replicated on mesh "
@@ -256,7 +256,7 @@ def sharding_report(mesh: Mesh, shardings, shapes, warn_mib: float, logical_axes
     return rows, warnings
 
 
-def _replication_cause(names: Sequence[str | None], shape: Sequence[int], sizes: dict[str, int]) -> str | None:
+def replication_cause(names: Sequence[str | None], shape: Sequence[int], sizes: dict[str, int]) -> str | None:
     """Why a parameter its rules would shard ended up replicated; None when the rules replicate it."""
     misses = [f"{name} {dim} does not divide by {axis}={sizes[axis]}" for name, dim in zip(names, shape) if name
               for axis in LOGICAL_RULES[name] if sizes.get(axis, 1) > 1 and dim % sizes[axis]]

@@ -285,7 +285,7 @@ def check_mesh_divides(cfg: Config, mesh: dict[str, int]) -> tuple[float, str]:
 
     import jax
 
-    from tessera.mesh import LOGICAL_RULES, _replication_cause, check_divides, logical_spec
+    from tessera.mesh import LOGICAL_RULES, replication_cause, check_divides, logical_spec
     from tessera.models import build_model
 
     model = build_model(cfg.model)
@@ -301,7 +301,7 @@ def check_mesh_divides(cfg: Config, mesh: dict[str, int]) -> tuple[float, str]:
             extra[0] += size / ways - size / ideal
             if not first:
                 first.append(f"{jax.tree_util.keystr(path, simple=True, separator='/')} "
-                             f"({_replication_cause(names, shape.shape, mesh)})")
+                             f"({replication_cause(names, shape.shape, mesh)})")
 
     jax.tree_util.tree_map_with_path(visit, model.logical_axes(), model.param_shapes(),
                                      is_leaf=lambda x: isinstance(x, tuple))
