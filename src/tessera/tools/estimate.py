@@ -240,13 +240,18 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     if layout is not None:
         lines += ["", f"pipeline: {layout.describe(LAYERS_PER_BLOCK.get(m.decoder_block, 1))}"]
     if mfu:
-        busy = 1.0 - (layout.bubble if layout is not None else 0.0)
-        rate = mfu * busy * hw.accelerator.peak_flops / flops_token
-        bubble = f" ({mfu:.1%} outside the pipeline bubble x {busy:.3f} busy = {mfu * busy:.1%})" if layout else ""
-        lines += ["", f"at {f'{mfu * busy:.1%}' if layout else f'{mfu:.0%}'} MFU{bubble}: {rate:,.0f} tokens/s per device, "
-                      f"{rate * hw.num_devices:,.0f} tokens/s in all, {mfu * busy * hw.accelerator.peak_flops / 1e12:.0f} "
-                      "TFLOP/s per device"]
+        lines += ["", mfu_line(mfu, layout, hw, flops_token)]
     return "\n".join(lines)
+
+
+def mfu_line(mfu: float, layout, hw: Hardware, flops_token: float) -> str:
+    """Tokens/s and TFLOP/s per device at `mfu` (outside the pipeline bubble when `layout` pipelines)."""
+    busy = 1.0 - (layout.bubble if layout is not None else 0.0)
+    rate = mfu * busy * hw.accelerator.peak_flops / flops_token
+    bubble = f" ({mfu:.1%} outside the pipeline bubble x {busy:.3f} busy = {mfu * busy:.1%})" if layout else ""
+    return (f"at {f'{mfu * busy:.1%}' if layout else f'{mfu:.0%}'} MFU{bubble}: {rate:,.0f} tokens/s per device, "
+            f"{rate * hw.num_devices:,.0f} tokens/s in all, {mfu * busy * hw.accelerator.peak_flops / 1e12:.0f} "
+            "TFLOP/s per device")
 
 
 def eval_note(cfg: Config, hbm: float) -> list[str]:
