@@ -721,3 +721,14 @@ def test_sigterm_removes_what_the_conversion_wrote(checkpoints, tmp_path, monkey
     assert capsys.readouterr().err.endswith("error: terminated (SIGTERM); nothing was written (the partial output was "
                                             "removed): convert again\n")
     assert list((tmp_path / "x").iterdir()) == []  # no output, no scratch copy
+
+
+def test_a_quantized_checkpoint_is_refused_for_what_it_is(tmp_path, capsys):
+    """checkpoint_is_quantized=true was refused as needing load_parameters_path, a key the converter does not read."""
+    (tmp_path / "ckpt").mkdir()
+    assert main(["tessera-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), *KEYS,
+                 "checkpoint_is_quantized=true"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("error: checkpoint_is_quantized=true: the converter reads float checkpoints only (a quantized one "
+                   "is decode.py's); convert the float checkpoint it was written from, and leave the key out\n")
+    assert not (tmp_path / "out").exists()

@@ -346,6 +346,10 @@ def _run(argv: list[str]) -> int:
             raise UsageError(f"{name} {text}: the converter reads and writes local folders here; copy the model to a "
                              "local folder first, or convert into one and copy that to the bucket afterwards")
     source, out = resolve_path(source, what), resolve_path(out, "output folder", must_exist=False)
+    if any(k.strip() == "checkpoint_is_quantized" and v.strip().lower() in ("true", "1") for k, _, v in
+           (o.partition("=") for o in overrides)):  # the loader's check asked for load_parameters_path, not used here
+        raise UsageError("checkpoint_is_quantized=true: the converter reads float checkpoints only (a quantized one "
+                         "is decode.py's); convert the float checkpoint it was written from, and leave the key out")
     cfg = load_model_config(None, overrides)
     from tessera.checkpointing import check_writable  # before reading gigabytes: a parent that is a file, no permission
 
