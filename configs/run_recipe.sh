@@ -67,6 +67,7 @@ for arg in "$@"; do
 done
 
 CALLER_XLA_FLAGS=${XLA_FLAGS:-}  # the caller's flags (an argument replaces the environment's), before the recipe's
+CALLER_NNODES=${NNODES:-}  # a GPU recipe exports its own VM count next
 CALLER_LIBTPU_INIT_ARGS=${LIBTPU_INIT_ARGS:-}
 
 case "${DRY_RUN:-0}" in  # true/yes used to run for real (route changes included): only 1/0 and their words
@@ -127,6 +128,12 @@ run_recipe() {
     cmd=("$PYTHON" train.py configs/base.yml "${overrides[@]}" "${RECIPE_OVERRIDES[@]}")
   fi
 
+  if [ "$topology" = gpu ] && [ -n "$CALLER_NNODES" ] && [ "$CALLER_NNODES" != "${NNODES:-1}" ]; then
+    # replaced without a word: each process then waited for NNODES=4 peers where 2 were started
+    echo "$RECIPE_PATH: NNODES=$CALLER_NNODES, but this recipe is for NNODES=${NNODES:-1} VMs (its mesh and batch are" \
+         "set for them): run it on ${NNODES:-1} VMs, or use a recipe for $CALLER_NNODES VMs (or leave NNODES out)" >&2
+    exit 2
+  fi
   if [ "$topology" = gpu ] && [ "${NNODES:-1}" -gt 1 ] && [ "${DRY_RUN:-0}" != 1 ]; then
     if [ -z "${JAX_COORDINATOR_IP:-}" ] || [ -z "${NODE_RANK:-}" ]; then
       echo "$RECIPE_PATH: this recipe spans NNODES=$NNODES VMs; run it on each VM with NODE_RANK=<0..$((NNODES - 1))>" \

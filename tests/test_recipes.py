@@ -394,6 +394,18 @@ def test_num_slices_for_a_training_run_is_warned_about():
     assert "NUM_SLICES" not in dry_run("tpu/v5p/128b", "NUM_SLICES=2", "EXECUTABLE=train_compile").stderr
     assert "NUM_SLICES" not in dry_run("tpu/v5p/llama2_70b_pp2").stderr  # the recipe's own default
 
+
+def test_a_node_count_other_than_the_gpu_recipes_is_refused():
+    """NNODES=2 given to a 4-VM recipe (as an argument or from the environment) was replaced by its 4 without a
+    word: each process then waited for peers that were never started."""
+    expected = ("configs/gpu/a3/llama_2_7B/4vm.sh: NNODES=2, but this recipe is for NNODES=4 VMs (its mesh and batch "
+                "are set for them): run it on 4 VMs, or use a recipe for 2 VMs (or leave NNODES out)\n")
+    for given in (dict(args=["NNODES=2"]), dict(env={"NNODES": "2"})):
+        out = dry_run("gpu/a3/llama_2_7B/4vm", *given.get("args", []), env=given.get("env"))
+        assert out.returncode == 2 and out.stderr.endswith(expected.split("configs/", 1)[1]), out.stderr
+        assert out.stdout == ""
+    assert parse(dry_run("gpu/a3/llama_2_7B/4vm", "NNODES=4").stdout)[0]["NNODES"] == "4"
+
 def test_a_tpu_recipe_without_root_or_sudo_says_what_to_do(tmp_path):
     """A non-root user without sudo got only "sudo: command not found" (exit 127) from a TPU recipe."""
     bin_dir = tmp_path / "bin"  # the few tools the recipe needs, no sudo among them
