@@ -644,7 +644,7 @@ def test_an_unknown_hardware_name_lists_every_tpu_generation(capsys):
     """tpu7x slices are sized (`--hardware tpu7x-16`) but the message for a typo listed v5p, v5e, v6e and v4 only."""
     assert main(["default", "--hardware", "v7e-8"]) == 2
     assert capsys.readouterr().err == ("config error: --hardware='v7e-8' is neither a TPU slice type (v5p-256, v5e-256, "
-                                       "v6e-256, v4-128, tpu7x-16) nor h100-<count>, h200-<count>, a100-<count>\n")
+                                       "v6e-256, v4-128, tpu7x-16) nor h100-<count>, h200-<count>, a100-<count>, b200-<count>\n")
 
 
 @pytest.mark.parametrize("hardware, message", [

@@ -531,6 +531,21 @@ def test_gpu_readme_targets_follow_from_the_recipes(system):
         assert float(row["step time"].removesuffix(" s")) == pytest.approx(step, rel=5e-3, abs=0.006), recipe
 
 
+@pytest.mark.parametrize("recipe", GPU)
+def test_gpu_recipes_fit_their_gpus_by_the_estimate(recipe):
+    """The estimator, given a GPU recipe's own config and its GPU (b200 too: the B200 README sized its recipe on an
+    h200 entry and quoted a figure the estimator called "does NOT fit"), says it fits in the memory the recipe
+    lets JAX take (xla_python_client_mem_fraction)."""
+    from tessera.tools.estimate import parse_hardware, report
+
+    exports, commands = parse(dry_run(recipe).stdout)
+    cfg = load_config([str(REPO / "configs" / "base.yml"), *commands[-1][3:]], env={})
+    gpu = {"a3": "h100"}.get(recipe.split("/")[1], recipe.split("/")[1])
+    gpus = 8 * int(exports.get("NNODES", "0")) or 1
+    text = report(cfg, parse_hardware(f"{gpu}-{gpus}"), 0.0)
+    assert "  -> fits in " in text, (recipe, text)  # against the recipe's fraction, or JAX's default without one
+
+
 @pytest.mark.parametrize("recipe", TPU)
 def test_tpu_recipe_shards_its_parameters_over_the_whole_slice(recipe):
     """Parameters split over every mesh axis but `data` (which holds copies by design): a width

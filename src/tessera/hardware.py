@@ -94,6 +94,8 @@ GPUS = {
     "h100": Accelerator("h100", "NVIDIA H100 80GB HBM3", 80 * 10**9, 450e9, compute_capability="9.0"),
     "h200": Accelerator("h200", "NVIDIA H200", 141 * 10**9, 450e9, compute_capability="9.0"),
     "a100": Accelerator("a100", "NVIDIA A100-SXM4-80GB", 80 * 10**9, 300e9, compute_capability="8.0"),
+    # HGX/DGX B200: 180 GB of HBM3e and fifth-generation NVLink (1.8 TB/s both ways) per GPU
+    "b200": Accelerator("b200", "NVIDIA B200", 180 * 10**9, 900e9, compute_capability="10.0"),
 }
 _ALIASES = {"v5litepod": "v5e"}  # Google's own name for v5e slice types
 
@@ -190,9 +192,10 @@ def accelerator_for_device_kind(device_kind: str) -> Accelerator | None:
 #   h100, h200: NVIDIA's DGX H100/H200 design: one 400 Gb/s InfiniBand NIC per GPU (a cloud VM may have less:
 #               Google's A3 has 4 x 200 Gbps for 8 GPUs)
 #   a100: NVIDIA's DGX A100 design: one 200 Gb/s HDR InfiniBand NIC per GPU
+#   b200: NVIDIA's DGX B200 design: one 400 Gb/s NIC per GPU for the compute fabric
 DCN_BYTES_PER_S = {
     "v4": 50e9 / 8, "v5e": 25e9 / 8, "v5p": 50e9 / 8, "v6e": 100e9 / 8, "tpu7x": 100e9 / 8 / 2,
-    "h100": 400e9 / 8, "h200": 400e9 / 8, "a100": 200e9 / 8,
+    "h100": 400e9 / 8, "h200": 400e9 / 8, "a100": 200e9 / 8, "b200": 400e9 / 8,
 }
 # GPUs joined by NVLink in one node (HGX/DGX boards of 8); the planner treats nodes as it treats TPU slices
 GPUS_PER_NODE = 8
