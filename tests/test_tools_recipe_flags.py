@@ -50,8 +50,9 @@ def test_variable_arguments_replace_the_recipes_exports():
     assert default["NCCL_PROTO"] == "SIMPLE,LL,LL128" and default["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     got = dry_run("gpu/a3/llama_2_7B/1vm", "NCCL_PROTO=SIMPLE", "CUDA_DEVICE_MAX_CONNECTIONS=8")
     assert got["NCCL_PROTO"] == "SIMPLE" and got["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
-    # the recipe's own settings stay the recipe's: its VM count and the run name it derives
-    got = dry_run("gpu/a3/llama_2_7B/2vm", "NNODES=4", "M_RUN_NAME=other")
+    # the recipe's own settings stay the recipe's: its VM count (another one is refused, exit 2:
+    # test_recipes.test_a_node_count_other_than_the_gpu_recipes_is_refused) and the run name it derives
+    got = dry_run("gpu/a3/llama_2_7B/2vm", "NNODES=2", "M_RUN_NAME=other")
     assert got["NNODES"] == "2" and got["M_RUN_NAME"] == "t"
 
 
