@@ -819,6 +819,16 @@ def test_a_file_where_interrupted_saves_are_moved_is_one_line(tmp_path):
     assert (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp").is_dir()
 
 
+def test_a_file_named_as_a_step_is_refused_not_deleted_by_that_step_s_save(tmp_path):
+    """A file `checkpoints/6` was not taken for a checkpoint, and the save of step 6 deleted it without a word."""
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "6").write_text("notes")
+    with pytest.raises(CheckpointError, match=f"^{tmp_path}/ckpt/6 is a file, where the checkpoint of step 6 would be "
+                                              "saved .* move it away"):
+        Checkpointer(tiny_config(tmp_path).checkpoint, str(tmp_path / "ckpt"))
+    assert (tmp_path / "ckpt" / "6").read_text() == "notes"
+
+
 def test_processes_setting_aside_the_same_interrupted_saves_do_not_trip_over_each_other(tmp_path):
     """Every process of a job sets interrupted saves aside at start-up; on a shared folder the second
     one's rename found the folder gone (FileNotFoundError, a traceback and exit 1 on every restart

@@ -51,6 +51,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig, directory: str):
         self.cfg, self.directory = cfg, epath.Path(directory)
         self.incomplete = set_aside_incomplete(self.directory)
+        refuse_files_named_as_steps(self.directory)
         quiet_orbax_logs()
         self._saving: int | None = None  # the step whose (async) save was started last
         self._writing_since: float | None = None  # when that async save started, until its end is logged
@@ -282,6 +283,18 @@ class _WholeReplicas(ocp.type_handlers.TypeHandlerRegistry):
 
     def add(self, ty, handler, func=None, override=False):
         raise NotImplementedError("the state's handlers are fixed")
+
+
+def refuse_files_named_as_steps(directory: epath.Path) -> None:
+    """CheckpointError for a file in `directory` named as a step (`6`): Orbax does not take it for a checkpoint,
+    and deleted it without a word when the run saved that step."""
+    if not directory.is_dir():
+        return
+    files = sorted((p for p in directory.iterdir() if p.name.isdigit() and not p.is_dir()), key=lambda p: int(p.name))
+    if files:
+        raise CheckpointError(f"{files[0]} is a file, where the checkpoint of step {files[0].name} would be saved (the "
+                              f"save would delete it); move it away (e.g. mv {files[0]} {files[0]}.file) and run the "
+                              "same command again")
 
 
 def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:
