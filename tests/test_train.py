@@ -748,6 +748,20 @@ def test_a_resumed_run_counts_the_steps_it_trains_again(tmp_path, caplog):
     assert "; 2 step(s) trained again)" in caplog.text  # the time line
 
 
+def test_a_resume_with_fewer_steps_counts_only_the_steps_it_trains_again(tmp_path, caplog):
+    """Steps 3-6 logged and lost, then a resume with steps=4: it said (and reported) 4 steps trained again,
+    where it trains 2 (steps 3 and 4) and leaves the lost attempt's records of steps 5 and 6."""
+    run(tiny_config(tmp_path, steps=2), jax.devices()[:1])
+    with (tmp_path / "test" / "metrics.jsonl").open("a") as f:
+        f.writelines(json.dumps({"step": s, "loss": 5.0}) + "\n" for s in range(3, 7))
+    with caplog.at_level("INFO", logger="tessera"):
+        report = run(tiny_config(tmp_path, steps=4), jax.devices()[:1])
+    assert report["start_step"] == 2 and report["time"]["steps_redone"] == 2
+    assert ("the attempt before this one logged 4 step(s) after step 2, lost before they were saved: steps 3-4 are "
+            "trained again (metrics.jsonl keeps both records of each; the later one is this attempt's); steps 5-6, "
+            "past steps=4, are not, and their records stay from that attempt") in caplog.text
+
+
 def test_a_resume_names_the_changed_settings_and_warns_when_the_learning_rate_jumps(tmp_path, caplog):
     """Training a finished run further by raising `steps` stretches the cosine schedule (as long as
     `steps` by default): the rate climbs from its end value back up. The resume says so, with the

@@ -143,11 +143,15 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
     # an earlier attempt of this run got to its steps only if it made the run folder's config.yml: records in a
     # metrics_file without one are another run's (one file given to several runs), not steps trained again
     earlier_attempt = (plan.run_dir / "config.yml").is_file()
-    clock.steps_redone = steps_logged_after(plan.metrics_path, start_step) if earlier_attempt else 0
-    if clock.steps_redone:
-        log.info("the attempt before this one logged %d step(s) after step %d, lost before they were saved: they are "
-                 "trained again (%s keeps both records of each; the later one is this attempt's)", clock.steps_redone,
-                 start_step, plan.metrics_path.name)
+    logged = steps_logged_after(plan.metrics_path, start_step) if earlier_attempt else 0
+    clock.steps_redone = min(logged, max(0, cfg.run.steps - start_step))  # a lowered `steps` trains fewer again
+    if logged:
+        past = "" if clock.steps_redone == logged else (
+            f"; steps {cfg.run.steps + 1}-{start_step + logged}, past steps={cfg.run.steps}, are not, and their "
+            "records stay from that attempt")
+        log.info("the attempt before this one logged %d step(s) after step %d, lost before they were saved: %s "
+                 "trained again (%s keeps both records of each; the later one is this attempt's)%s", logged, start_step,
+                 "they are" if not past else f"steps {start_step + 1}-{cfg.run.steps} are", plan.metrics_path.name, past)
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
