@@ -150,8 +150,9 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
             f"; steps {cfg.run.steps + 1}-{start_step + logged}, past steps={cfg.run.steps}, are not, and their "
             "records stay from that attempt")
         log.info("the attempt before this one logged %d step(s) after step %d, lost before they were saved: %s "
-                 "trained again (%s keeps both records of each; the later one is this attempt's)%s", logged, start_step,
-                 "they are" if not past else f"steps {start_step + 1}-{cfg.run.steps} are", plan.metrics_path.name, past)
+                 "trained again (%s keeps both records of each; the later one is this attempt's)%s", logged,
+                 start_step, f"steps {start_step + 1}-{cfg.run.steps} are" if past else "they are",
+                 plan.metrics_path.name, past)
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
