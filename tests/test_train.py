@@ -731,6 +731,14 @@ def test_a_second_process_cannot_train_in_a_run_folder_in_use(tmp_path, capsys):
     assert not (folder / ".tessera.lock").exists()  # removed when the run ended
 
 
+def test_a_folder_where_the_run_folder_lock_goes_is_one_line(tmp_path):
+    """A folder named .tessera.lock in the run folder ended the start in an IsADirectoryError traceback (exit 1)."""
+    (tmp_path / "test" / ".tessera.lock").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"test/.tessera.lock \(in the run folder, from base_output_directory\) is a "
+                                          "folder, where the run writes a file; move it away"):
+        run(tiny_config(tmp_path), jax.devices()[:1])
+
+
 def test_a_resumed_run_counts_the_steps_it_trains_again(tmp_path, caplog):
     """A process that died after logging steps 3 and 4 but before saving them (simulated: their
     records appended to metrics.jsonl, the second cut mid-line by the crash) leaves a checkpoint of
