@@ -731,11 +731,14 @@ def test_a_second_process_cannot_train_in_a_run_folder_in_use(tmp_path, capsys):
     assert not (folder / ".tessera.lock").exists()  # removed when the run ended
 
 
-def test_a_folder_where_the_run_folder_lock_goes_is_one_line(tmp_path):
-    """A folder named .tessera.lock in the run folder ended the start in an IsADirectoryError traceback (exit 1)."""
-    (tmp_path / "test" / ".tessera.lock").mkdir(parents=True)
-    with pytest.raises(ConfigError, match=r"test/.tessera.lock \(in the run folder, from base_output_directory\) is a "
-                                          "folder, where the run writes a file; move it away"):
+@pytest.mark.parametrize("name", [".tessera.lock", "report.json", "config.yml"])
+def test_a_folder_where_the_run_folder_writes_a_file_is_refused_before_compiling(tmp_path, name):
+    """A folder named .tessera.lock in the run folder ended the start in an IsADirectoryError traceback (exit 1);
+    one named report.json let the run train, then ended it with exit code 6 and 'free some space'; one named
+    config.yml was 'the run folder cannot be written: Is a directory'."""
+    (tmp_path / "test" / name).mkdir(parents=True)
+    with pytest.raises(ConfigError, match=rf"test/{re.escape(name)} \(in the run folder, from base_output_directory\) "
+                                          "is a folder, where the run writes a file; move it away"):
         run(tiny_config(tmp_path), jax.devices()[:1])
 
 

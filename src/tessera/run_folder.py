@@ -54,7 +54,8 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
         _check_kind(run_dir(cfg.run) / "metrics.jsonl", "a file", "base_output_directory")
     if cfg.run.enable_tensorboard:
         _check_kind(run_dir(cfg.run) / "tensorboard", "a folder", "base_output_directory")
-    _check_kind(run_dir(cfg.run) / LOCK_FILE, "a file", "base_output_directory")  # opened to take the run's lock
+    for name in (LOCK_FILE, "config.yml", "report.json"):  # the lock, taken first; the others written after compiling
+        _check_kind(run_dir(cfg.run) / name, "a file", "base_output_directory")
 
 
 def _refuse_checkpoint_inside(ckpt_dir: str) -> None:
