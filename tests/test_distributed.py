@@ -59,6 +59,16 @@ def _finish(procs, timeout=300):
     return results
 
 
+def test_a_node_rank_without_nnodes_or_coordinator_is_refused():
+    """NODE_RANK=1 alone (NNODES and JAX_COORDINATOR_IP left out of a launch script) trained as a single process,
+    without a word, beside process 0's run."""
+    for env, nnodes in [({"NODE_RANK": "1"}, "NNODES"), ({"NODE_RANK": "1", "NNODES": "1"}, "NNODES=1")]:
+        with pytest.raises(DistributedError, match=f"^NODE_RANK=1 names process 1 of a job, but {nnodes} and "
+                                                   "JAX_COORDINATOR_IP do not: it would train alone"):
+            job_from_env(env)
+    assert job_from_env({"NODE_RANK": "0"}).mode == "single"
+
+
 def test_job_layout_from_environment():
     assert job_from_env({}).mode == "single"
     assert job_from_env({"JAX_COORDINATOR_IP": "10.0.0.1", "NNODES": "1", "NODE_RANK": "0"}).mode == "single"

@@ -103,6 +103,13 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
         raise DistributedError(f"NNODES={nodes} asks for a {nodes}-process job, but JAX_COORDINATOR_IP is not set{seen}; "
                                "set JAX_COORDINATOR_IP to the address of the host of NODE_RANK=0 (its port as "
                                "JAX_COORDINATOR_PORT), or unset NNODES for a single process")
+    rank = _int_env(env, "NODE_RANK", 0)
+    if rank != 0:  # process 1 of a job whose NNODES and coordinator were left out trained alone, silently
+        nnodes = f"NNODES={nodes}" if env.get("NNODES") else "NNODES"
+        raise DistributedError(f"NODE_RANK={rank} names process {rank} of a job, but {nnodes} and JAX_COORDINATOR_IP "
+                               "do not: it would train alone. Set NNODES to the number of processes and "
+                               "JAX_COORDINATOR_IP to the address of the host of NODE_RANK=0, or unset NODE_RANK for a "
+                               "single process")
     return JobSpec("single", **timeouts)
 
 
