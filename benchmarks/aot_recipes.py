@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import chosen_recipes
+from bench_cli import chosen_recipes, run_main
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "aot_recipes.json"
@@ -99,4 +99,4 @@ def _version(package: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -5,13 +5,17 @@ it measures anything: argparse's usage line and one error line, exit code 2.
 - `checked_out(parser, path)`: an `--out` file that can be written (its folder is made);
 - `key_values(parser, extra)`: the trainer's `key=value` settings given after the options;
 - `checked_config(parser, argv)`: the trainer's config, its errors as a usage error;
-- `chosen_recipes(doc, argv)`: the TPU recipes whose path contains one of the arguments.
+- `chosen_recipes(doc, argv)`: the TPU recipes whose path contains one of the arguments;
+- `run_main(main)`: the script's `main`, a Ctrl-C or a stop of the trainer (SIGTERM, SIGINT, a
+  non-finite loss) ending it with one line and the trainer's exit code, no results written.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 from pathlib import Path
 
 
@@ -79,3 +83,22 @@ def chosen_recipes(doc: str, argv: list[str]) -> list[Path]:
         parser.error(f"no recipe's path contains {unknown[0]!r} (the recipes are configs/tpu/<generation>/<name>.sh, "
                      f"e.g. {names}); leave the arguments out for every recipe")
     return [r for r in recipes if not filters or any(f in str(r) for f in filters)]
+
+
+def run_main(main, *args):
+    """`main(*args)`, whose return value is the exit code (None: 0). Ctrl-C outside the trainer's loop
+    exits 130, and a run the trainer stopped (`TrainingStopped`: SIGTERM or SIGINT between steps, 128 +
+    the signal's number; a non-finite loss) exits with its code, each with one line, not a traceback:
+    the results are written only at the end, so none are."""
+    try:
+        return main(*args)
+    except KeyboardInterrupt:
+        code = 128 + signal.SIGINT
+        print(f"interrupted (Ctrl-C): no results written (exit code {code})", file=sys.stderr)
+        return code
+    except Exception as e:
+        stop = sys.modules.get("tessera.stop_signals")  # imported by the trainer, which raised it
+        if stop is None or not isinstance(e, stop.TrainingStopped):
+            raise
+        print(f"{e}: the benchmark ends here, no results written (exit code {e.exit_code})", file=sys.stderr)
+        return e.exit_code

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import at_least, checked_config, checked_out, key_values
+from bench_cli import at_least, checked_config, checked_out, key_values, run_main
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -190,4 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

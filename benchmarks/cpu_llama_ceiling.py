@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import cpu_llama  # noqa: E402  (the workload, its settings and the peak measurement)
-from bench_cli import at_least, checked_config, checked_out, key_values  # noqa: E402
+from bench_cli import at_least, checked_config, checked_out, key_values, run_main  # noqa: E402
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = \w+\[[\d,]*\]\S* dot\(%([\w.-]+), %([\w.-]+)\)(.*)$")
@@ -190,4 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

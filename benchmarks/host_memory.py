@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import at_least, checked_out
+from bench_cli import at_least, checked_out, run_main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -110,4 +110,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

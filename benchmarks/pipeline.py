@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import at_least, checked_out
+from bench_cli import at_least, checked_out, run_main
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -96,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

@@ -25,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_cli import chosen_recipes
+from bench_cli import chosen_recipes, run_main
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -146,4 +146,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_main(main, sys.argv[1:]))

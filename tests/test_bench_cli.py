@@ -89,3 +89,33 @@ def test_out_that_cannot_be_written_is_refused_first(script, tmp_path):
         assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
         assert proc.stderr.strip().splitlines()[-1].startswith(f"{script}: error: {message}"), proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
+
+
+def test_every_script_runs_its_main_through_run_main():
+    for script in SCRIPTS:
+        tail = (BENCH / script).read_text().split('if __name__ == "__main__":')[-1]
+        assert "sys.exit(run_main(main" in tail, script
+
+
+def test_a_stopped_run_is_one_line_and_its_exit_code_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C while a benchmark measures outside the trainer (a matmul peak, a compile) exits 130, and
+    SIGTERM or Ctrl-C during the trainer's loop (which raises `TrainingStopped` after the step in flight)
+    exits with 128 + the signal's number; before, both were tracebacks with exit code 1."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    from bench_cli import run_main
+    from tessera.stop_signals import TrainingStopped
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    def stopped():
+        raise TrainingStopped("stopped by SIGTERM after step 7 (checkpointing is off: nothing saved)", 143)
+
+    assert run_main(interrupted) == 130
+    assert capsys.readouterr().err == "interrupted (Ctrl-C): no results written (exit code 130)\n"
+    assert run_main(stopped) == 143
+    assert capsys.readouterr().err == ("stopped by SIGTERM after step 7 (checkpointing is off: nothing saved): the "
+                                       "benchmark ends here, no results written (exit code 143)\n")
+    assert run_main(lambda argv: len(argv), ["a", "b"]) == 2
+    with pytest.raises(ValueError):  # a real failure keeps its traceback
+        run_main(lambda: int("x"))
