@@ -7,7 +7,7 @@ Each recipe runs as a user would run it, `bash <recipe> EXECUTABLE=train_compile
 LIBTPU_INIT_ARGS reach libtpu's compiler (an unknown flag fails the recipe) and the config it
 builds is the one it would train with. One JSON row per recipe goes to
 benchmarks/results/aot_recipes.json (rows of recipes not run this time are kept). Exits 1 when
-any recipe fails to compile or does not fit.
+any recipe of this run fails to compile or does not fit.
 """
 
 from __future__ import annotations
@@ -58,16 +58,17 @@ def compile_recipe(recipe: Path, out_dir: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     recipes = chosen_recipes(__doc__, argv)
-    result = {}
+    rows = []  # this run's: the exit code is theirs, not that of rows kept from earlier runs
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in recipes:
             row = compile_recipe(recipe, Path(tmp))
-            result = _record(row)  # after each recipe: a long run keeps what it has done
+            rows.append(row)
+            _record(row)  # after each recipe: a long run keeps what it has done
             verdict = "fits" if row["fits"] else "DOES NOT FIT" if "error" not in row else "FAILED"
             print(f"{row['recipe']:<40} {verdict:<13} {row.get('gib_per_device', '-'):>7} / "
                   f"{row.get('hbm_gib', '-')} GiB  compile {row.get('compile_seconds', '-')} s", flush=True)
     print(f"wrote {RESULTS}")
-    return 0 if all(r["fits"] for r in result.get("rows", [])) else 1
+    return 0 if all(r["fits"] for r in rows) else 1
 
 
 def _record(row: dict) -> dict:
@@ -99,4 +100,4 @@ def _version(package: str) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main, sys.argv[1:]))
+    sys.exit(run_main(main, sys.argv[1:], unfinished=f"the recipes compiled before it are in {RESULTS}"))

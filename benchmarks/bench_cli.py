@@ -85,20 +85,20 @@ def chosen_recipes(doc: str, argv: list[str]) -> list[Path]:
     return [r for r in recipes if not filters or any(f in str(r) for f in filters)]
 
 
-def run_main(main, *args):
+def run_main(main, *args, unfinished: str = "no results written"):
     """`main(*args)`, whose return value is the exit code (None: 0). Ctrl-C outside the trainer's loop
     exits 130, and a run the trainer stopped (`TrainingStopped`: SIGTERM or SIGINT between steps, 128 +
-    the signal's number; a non-finite loss) exits with its code, each with one line, not a traceback:
-    the results are written only at the end, so none are."""
+    the signal's number; a non-finite loss) exits with its code, each with one line, not a traceback,
+    which says what is left (`unfinished`: most scripts write their results only at the end)."""
     try:
         return main(*args)
     except KeyboardInterrupt:
         code = 128 + signal.SIGINT
-        print(f"interrupted (Ctrl-C): no results written (exit code {code})", file=sys.stderr)
+        print(f"interrupted (Ctrl-C): {unfinished} (exit code {code})", file=sys.stderr)
         return code
     except Exception as e:
         stop = sys.modules.get("tessera.stop_signals")  # imported by the trainer, which raised it
         if stop is None or not isinstance(e, stop.TrainingStopped):
             raise
-        print(f"{e}: the benchmark ends here, no results written (exit code {e.exit_code})", file=sys.stderr)
+        print(f"{e}: the benchmark ends here, {unfinished} (exit code {e.exit_code})", file=sys.stderr)
         return e.exit_code
