@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import chosen_recipes, run_main
+from bench_cli import chosen_recipes, read_results, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "aot_recipes.json"
@@ -58,6 +58,7 @@ def compile_recipe(recipe: Path, out_dir: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     recipes = chosen_recipes(__doc__, argv)
+    read_results(RESULTS, {})  # a file that is not JSON stops the run now, not after the first compile
     rows = []  # this run's: the exit code is theirs, not that of rows kept from earlier runs
     with tempfile.TemporaryDirectory() as tmp:
         for recipe in recipes:
@@ -77,10 +78,9 @@ def _record(row: dict) -> dict:
 
     import jax
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
     with open(Path(tempfile.gettempdir()) / "tessera_aot_recipes.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        old = json.loads(RESULTS.read_text())["rows"] if RESULTS.is_file() else []
+        old = read_results(RESULTS, {"rows": []})["rows"]
         rows = {r["recipe"]: r for r in old}
         rows[row["recipe"]] = {**row, "date": time.strftime("%Y-%m-%d")}
         current = {str(p.relative_to(REPO)) for p in (REPO / "configs" / "tpu").glob("*/*.sh")}
@@ -89,7 +89,7 @@ def _record(row: dict) -> dict:
             "jax": jax.__version__, "libtpu": _version("libtpu"),
             "rows": [rows[k] for k in sorted(rows) if k in current],  # drop rows of deleted recipes
         }
-        RESULTS.write_text(json.dumps(result, indent=2) + "\n")
+        write_results(RESULTS, result)
     return result
 
 

@@ -6,6 +6,8 @@ it measures anything: argparse's usage line and one error line, exit code 2.
 - `key_values(parser, extra)`: the trainer's `key=value` settings given after the options;
 - `checked_config(parser, argv)`: the trainer's config, its errors as a usage error;
 - `chosen_recipes(doc, argv)`: the TPU recipes whose path contains one of the arguments;
+- `read_results(path)`, `write_results(path, data)`: a results file read back (one line, exit 2, when
+  it is not JSON) and written whole or not at all;
 - `run_main(main)`: the script's `main`, a Ctrl-C or a stop of the trainer (SIGTERM, SIGINT, a
   non-finite loss) ending it with one line and the trainer's exit code, no results written.
 """
@@ -13,6 +15,7 @@ it measures anything: argparse's usage line and one error line, exit code 2.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import sys
@@ -83,6 +86,31 @@ def chosen_recipes(doc: str, argv: list[str]) -> list[Path]:
         parser.error(f"no recipe's path contains {unknown[0]!r} (the recipes are configs/tpu/<generation>/<name>.sh, "
                      f"e.g. {names}); leave the arguments out for every recipe")
     return [r for r in recipes if not filters or any(f in str(r) for f in filters)]
+
+
+def read_results(path: Path, default: dict) -> dict:
+    """The JSON of a results file this run adds to (`default` when there is none); one line and exit 2
+    when it is not JSON (cut short, a merge's conflict markers), before anything is measured."""
+    if not path.is_file():
+        return default
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        print(f"{Path(sys.argv[0]).name}: error: {path} is not valid JSON ({e}); restore it (git checkout -- {path}) "
+              f"or remove it to start a new one", file=sys.stderr)
+        sys.exit(2)
+
+
+def write_results(path: Path, data: dict) -> None:
+    """`data` as `path`'s JSON, through a temporary file renamed over it: a stop or a full disk while it is
+    written leaves the previous file, never a cut-off one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{os.getpid()}.part")
+    try:
+        part.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
 
 
 def run_main(main, *args, unfinished: str = "no results written"):

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench_cli import checked_out, run_main
+from bench_cli import checked_out, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -130,7 +130,7 @@ def main() -> None:
             mode: mean("save_call_seconds", a, True) / mean("save_call_seconds", a, False)
             for mode, a in (("sync", False), ("async", True))},
     }
-    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(results_file, result)
     print(json.dumps(result, indent=2))
 
 

@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import at_least, checked_config, checked_out, key_values, run_main
+from bench_cli import at_least, checked_config, checked_out, key_values, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -184,7 +184,7 @@ def main() -> None:
               f"matmul peak{own}")
     if bf16_peak is not None:
         phase(f"bfloat16 matmul at {bf16_peak / peak:.2f} x the float32 matmul's speed")
-    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(results_file, result)
     phase(f"wrote {results_file}")
     print(json.dumps(result, indent=2))
 

@@ -26,7 +26,6 @@ About a minute on 2 cores.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -40,7 +39,7 @@ sys.path.insert(0, str(REPO / "src"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import cpu_llama  # noqa: E402  (the workload, its settings and the peak measurement)
-from bench_cli import at_least, checked_config, checked_out, key_values, run_main  # noqa: E402
+from bench_cli import at_least, checked_config, checked_out, key_values, run_main, write_results  # noqa: E402
 
 _DEF = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (\w+)\[([\d,]*)\]")
 _DOT = re.compile(r"^\s*(?:ROOT )?%[\w.-]+ = \w+\[[\d,]*\]\S* dot\(%([\w.-]+), %([\w.-]+)\)(.*)$")
@@ -185,7 +184,7 @@ def main() -> None:
                     f"once: {once / 1e9:.1f}, XLA's count {xla_flops / 1e9:.1f}), "
                     f"{matmul_seconds:.2f} s of matmuls alone: ceiling {result['ceiling_fraction']:.2f} of the "
                     f"{peak:.3f} TFLOP/s peak")
-    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(results_file, result)
     cpu_llama.phase(f"wrote {results_file}")
 
 

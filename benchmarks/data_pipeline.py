@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import checked_out, run_main
+from bench_cli import checked_out, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -131,7 +131,7 @@ def main() -> None:
               "global_batch": int(base["per_device_batch_size"]), "sequence_tokens": base["max_target_length"] + 1,
               "trainer_tokens_per_sec": train_tokens, "pipelines": results,
               "pipeline_is_never_the_bottleneck": all(r["pipeline_over_trainer"] > 1 for r in results.values())}
-    results_file.write_text(json.dumps(report, indent=2) + "\n")
+    write_results(results_file, report)
     print(json.dumps(report, indent=2))
 
 

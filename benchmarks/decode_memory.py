@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench_cli import checked_out, run_main
+from bench_cli import checked_out, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -106,7 +106,7 @@ def main() -> None:
     result = {"benchmark": "decode_memory", "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "machine": f"{platform.machine()}, {os.cpu_count()} cores", "compute": "bfloat16, XLA:CPU programs",
               "workloads": results}
-    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(results_file, result)
     print(json.dumps(result, indent=2))
 
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import at_least, checked_out, run_main
+from bench_cli import at_least, checked_out, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -105,7 +105,7 @@ def main() -> None:
         "median_ratio_to_fresh": {k: round(statistics.median(v) / statistics.median(peaks["fresh"]), 3)
                                   for k, v in peaks.items()},
     }
-    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(results_file, result)
     print(json.dumps(result, indent=2))
 
 

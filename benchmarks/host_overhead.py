@@ -17,7 +17,6 @@ the overlap an accelerator gains.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -27,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import at_least, checked_out, run_main
+from bench_cli import at_least, checked_out, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -75,7 +74,7 @@ def main() -> None:
         "ms_per_step_sync": 1e3 * median[0], "ms_per_step_one_step_late": 1e3 * median[1],
         "ratio_late_over_sync": median[1] / median[0], "per_round_seconds": seconds,
     }
-    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(results_file, result)
     print(f"median ms/step: sync {result['ms_per_step_sync']:.2f}, one step late "
           f"{result['ms_per_step_one_step_late']:.2f}; ratio {result['ratio_late_over_sync']:.3f} -> {results_file}")
 

@@ -19,7 +19,6 @@ each reports the median step time after warm-up from the trainer's own report.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -29,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_cli import at_least, checked_out, run_main
+from bench_cli import at_least, checked_out, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -88,7 +87,7 @@ def main() -> None:
     result = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} CPUs",
               "jax": jax.__version__, "workload": WORKLOAD, "steps": args.steps, "rounds": args.rounds,
               "settings": SETTINGS, "results": rows}
-    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(results_file, result)
     for name, row in rows.items():
         print(f"{name:30s} {row['step_seconds']:.3f} s/step  x{row['ratio_to_no_pipeline']:.2f} of no pipelining "
               f"(bubble {100 * row['bubble']:.1f}%: 1/(1-bubble) = {row['bubble_factor']:.2f})")

@@ -18,14 +18,13 @@ of the run that made it); the summary covers every row in the file.
 
 from __future__ import annotations
 
-import json
 import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench_cli import chosen_recipes, run_main
+from bench_cli import chosen_recipes, read_results, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -106,7 +105,7 @@ def error_summary(rows: list[dict]) -> dict:
 
 def merged_rows(new: list[dict]) -> list[dict]:
     """The results file's rows with this run's in place of theirs; rows of deleted recipes are dropped."""
-    old = json.loads(RESULTS.read_text()) if RESULTS.is_file() else {"rows": []}
+    old = read_results(RESULTS, {"rows": []})
     rows = {r["recipe"]: {**r, "date": r.get("date", old.get("date"))} for r in old["rows"]}
     rows.update((r["recipe"], r) for r in new)
     current = {str(p.relative_to(REPO)) for p in (REPO / "configs" / "tpu").glob("*/*.sh")}
@@ -120,7 +119,8 @@ def main(argv: list[str]) -> int:
     recipes = chosen_recipes(__doc__, argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     logging.basicConfig(level=logging.WARNING)
-    compiled = {r["recipe"]: r for r in json.loads(COMPILED.read_text())["rows"]} if COMPILED.exists() else {}
+    compiled = {r["recipe"]: r for r in read_results(COMPILED, {"rows": []})["rows"]}
+    read_results(RESULTS, {})  # a file that is not JSON stops the run now, not after it
     rows = []  # this run's; merged into the file's at the end
     for recipe in recipes:
         start = time.perf_counter()
@@ -138,9 +138,7 @@ def main(argv: list[str]) -> int:
               f"{100 * summary['lowest']:+.1f}% ({summary['lowest_recipe']}) to {100 * summary['highest']:+.1f}% "
               f"({summary['highest_recipe']}); {summary['within_10_percent']} within 10%, "
               f"{summary['within_15_percent']} within 15%; mean |error| {100 * summary['mean_absolute']:.1f}%")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"date": time.strftime("%Y-%m-%d"), "estimate_vs_compiled": summary, "rows": rows},
-                                  indent=2) + "\n")
+    write_results(RESULTS, {"date": time.strftime("%Y-%m-%d"), "estimate_vs_compiled": summary, "rows": rows})
     print(f"wrote {RESULTS}")
     return 0
 

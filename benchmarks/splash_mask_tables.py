@@ -19,13 +19,12 @@ hours). Each figure is one build of the three tables with the cache cleared, on 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
 from pathlib import Path
 
-from bench_cli import checked_out, run_main
+from bench_cli import checked_out, run_main, write_results
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
@@ -75,7 +74,7 @@ def main() -> None:
                   f"{f'{ratio:.1f}x' if ratio else '-':>8}", flush=True)
     result = dict(benchmark="splash_mask_tables", shards=SHARDS, block=BLOCK, window=WINDOW, load_balanced=True,
                   date=time.strftime("%Y-%m-%d"), host=platform.node(), jax=jax.__version__, rows=rows)
-    results_file.write_text(json.dumps(result, indent=2) + "\n")
+    write_results(results_file, result)
     print(f"wrote {results_file}")
 
 

@@ -23,3 +23,45 @@ def test_exit_code_counts_only_the_recipes_of_this_run(monkeypatch, tmp_path, ca
     assert rows == {"configs/tpu/v5p/128b.sh": True, "configs/tpu/v5p/256b.sh": False}  # kept
     assert aot.main(["v5p/512b"]) == 1
     capsys.readouterr()
+
+
+def test_a_results_file_that_is_not_json_stops_the_run_before_it_compiles(monkeypatch, tmp_path, capsys):
+    """A cut-off or conflicted results file (both scripts add their rows to it) is one line and exit 2
+    before anything runs; it was a JSONDecodeError traceback after the first recipe's compile."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    for name in ("aot_recipes", "plan_recipes"):
+        module = importlib.import_module(name)
+        results = tmp_path / f"{name}.json"
+        results.write_text('<<<<<<< HEAD\n{"rows": [\n')
+        monkeypatch.setattr(module, "RESULTS", results)
+        monkeypatch.setattr(module, "compile_recipe" if name == "aot_recipes" else "compare",
+                            lambda *a: (_ for _ in ()).throw(AssertionError("ran")))
+        try:
+            module.main(["v5p/128b"])
+        except SystemExit as e:
+            assert e.code == 2, name
+        else:
+            raise AssertionError(f"{name} did not stop")
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and f"error: {results} is not valid JSON" in err[0], err
+        assert results.read_text().startswith("<<<<<<<")  # left as it was
+
+
+def test_results_are_written_whole_or_not_at_all(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from bench_cli import read_results, write_results
+
+    path = tmp_path / "new" / "r.json"
+    write_results(path, {"rows": [1]})
+    assert read_results(path, {}) == {"rows": [1]}
+
+    def full_disk(self, text):
+        open(self, "w").write(text[:5])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(type(path), "write_text", full_disk)
+    try:
+        write_results(path, {"rows": [2]})
+    except OSError:
+        pass
+    assert read_results(path, {}) == {"rows": [1]} and [p.name for p in path.parent.iterdir()] == ["r.json"]
