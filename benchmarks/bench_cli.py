@@ -40,6 +40,8 @@ def at_least(low: int):
 def checked_out(parser: argparse.ArgumentParser, path: str) -> Path:
     """`path` as the results file, its folder made; a usage error when it cannot be written."""
     out = Path(path)
+    if not path:
+        parser.error("--out is empty; give the path of a .json file")
     if out.is_dir():
         parser.error(f"--out {path} is a folder; give the path of a .json file")
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
@@ -103,11 +105,18 @@ def read_results(path: Path, default: dict) -> dict:
 
 def write_results(path: Path, data: dict) -> None:
     """`data` as `path`'s JSON, through a temporary file renamed over it: a stop or a full disk while it is
-    written leaves the previous file, never a cut-off one."""
+    written leaves the previous file, never a cut-off one. A path that is not a regular file (/dev/stdout,
+    a pipe) is written directly: a rename would replace it."""
+    text = json.dumps(data, indent=2) + "\n"
+    path = Path(os.path.realpath(path))  # a symbolic link's target is written, the link kept
+    if path.exists() and not path.is_file():
+        with open(path, "w") as f:
+            f.write(text)
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(f".{path.name}.{os.getpid()}.part")
     try:
-        part.write_text(json.dumps(data, indent=2) + "\n")
+        part.write_text(text)
         os.replace(part, path)
     finally:
         part.unlink(missing_ok=True)

@@ -3,6 +3,8 @@ from an earlier run (a recipe that did not fit then) does not fail a run that co
 
 import importlib
 import json
+import os
+import threading
 
 from conftest import REPO
 
@@ -65,3 +67,25 @@ def test_results_are_written_whole_or_not_at_all(monkeypatch, tmp_path):
     except OSError:
         pass
     assert read_results(path, {}) == {"rows": [1]} and [p.name for p in path.parent.iterdir()] == ["r.json"]
+
+
+def test_results_to_a_pipe_or_a_link_are_written_through_it(monkeypatch, tmp_path):
+    """`--out /dev/stdout` (or a pipe) is written into, not replaced by a renamed file; a link keeps
+    pointing at its target, which holds the results."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from bench_cli import write_results
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    write_results(fifo, {"a": 1})
+    reader.join(10)
+    assert json.loads(got[0]) == {"a": 1} and fifo.is_fifo() and os.listdir(tmp_path) == ["fifo"]
+
+    target = tmp_path / "kept" / "r.json"
+    target.parent.mkdir()
+    (tmp_path / "link.json").symlink_to(target)
+    write_results(tmp_path / "link.json", {"b": 2})
+    assert (tmp_path / "link.json").is_symlink() and json.loads(target.read_text()) == {"b": 2}

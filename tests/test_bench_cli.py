@@ -57,6 +57,7 @@ BAD = [
     ("host_overhead.py", ["--rounds", "0"], "argument --rounds: 0 is too small"),
     ("host_overhead.py", ["--steps", "10"], "argument --steps: 10 is too small; give at least 11"),
     ("host_overhead.py", ["--steps", "x"], "argument --steps: 'x' is not a whole number"),
+    ("host_overhead.py", ["--out="], "--out is empty; give the path of a .json file"),
     ("pipeline.py", ["--steps", "2"], "argument --steps: 2 is too small; give at least 3"),
     ("pipeline.py", ["--rounds", "-1"], "argument --rounds: -1 is too small"),
     ("host_memory.py", ["--rounds", "0"], "argument --rounds: 0 is too small"),
