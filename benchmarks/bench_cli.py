@@ -8,8 +8,8 @@ it measures anything: argparse's usage line and one error line, exit code 2.
 - `chosen_recipes(doc, argv)`: the TPU recipes whose path contains one of the arguments;
 - `read_results(path)`, `write_results(path, data)`: a results file read back (one line, exit 2, when
   it is not JSON) and written whole or not at all;
-- `run_main(main)`: the script's `main`, a Ctrl-C or a stop of the trainer (SIGTERM, SIGINT, a
-  non-finite loss) ending it with one line and the trainer's exit code, no results written.
+- `run_main(main)`: the script's `main`, a Ctrl-C, a SIGTERM or a stop of the trainer (a signal, a
+  non-finite loss) ending it with one line and its exit code (130, 143, the trainer's).
 """
 
 from __future__ import annotations
@@ -122,16 +122,29 @@ def write_results(path: Path, data: dict) -> None:
         part.unlink(missing_ok=True)
 
 
+class Terminated(BaseException):  # like KeyboardInterrupt: no `except Exception` swallows it
+    """SIGTERM outside the trainer's loop."""
+
+
 def run_main(main, *args, unfinished: str = "no results written"):
-    """`main(*args)`, whose return value is the exit code (None: 0). Ctrl-C outside the trainer's loop
-    exits 130, and a run the trainer stopped (`TrainingStopped`: SIGTERM or SIGINT between steps, 128 +
-    the signal's number; a non-finite loss) exits with its code, each with one line, not a traceback,
-    which says what is left (`unfinished`: most scripts write their results only at the end)."""
+    """`main(*args)`, whose return value is the exit code (None: 0). Ctrl-C or SIGTERM outside the
+    trainer's loop exits 130 or 143 (a child process `subprocess.run` waits for is killed), and a run
+    the trainer stopped (`TrainingStopped`: SIGTERM or SIGINT between steps, 128 + the signal's number;
+    a non-finite loss) exits with its code, each with one line, not a traceback, which says what is
+    left (`unfinished`: most scripts write their results only at the end)."""
+    def terminated(signum, frame):  # outside the trainer's loop, whose own handler takes over while it runs
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, terminated)
     try:
         return main(*args)
     except KeyboardInterrupt:
         code = 128 + signal.SIGINT
         print(f"interrupted (Ctrl-C): {unfinished} (exit code {code})", file=sys.stderr)
+        return code
+    except Terminated:
+        code = 128 + signal.SIGTERM
+        print(f"stopped by SIGTERM: {unfinished} (exit code {code})", file=sys.stderr)
         return code
     except Exception as e:
         stop = sys.modules.get("tessera.stop_signals")  # imported by the trainer, which raised it
@@ -139,3 +152,5 @@ def run_main(main, *args, unfinished: str = "no results written"):
             raise
         print(f"{e}: the benchmark ends here, {unfinished} (exit code {e.exit_code})", file=sys.stderr)
         return e.exit_code
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -120,3 +120,13 @@ def test_a_stopped_run_is_one_line_and_its_exit_code_not_a_traceback(monkeypatch
     assert run_main(lambda argv: len(argv), ["a", "b"]) == 2
     with pytest.raises(ValueError):  # a real failure keeps its traceback
         run_main(lambda: int("x"))
+
+
+def test_sigterm_outside_the_trainer_is_one_line_and_exit_143():
+    """SIGTERM while a script measures outside the trainer (a matmul peak, a child's compile) was the
+    default action: the process vanished without a word."""
+    code = ("import os, signal, sys, time; from bench_cli import run_main; "
+            "sys.exit(run_main(lambda: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30))))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=BENCH)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    assert proc.stderr == "stopped by SIGTERM: no results written (exit code 143)\n"
