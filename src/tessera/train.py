@@ -29,6 +29,7 @@ from tessera import host_malloc, metrics
 from tessera.checkpointing import Checkpointer, CheckpointError, CheckpointSaveError, saved_config
 from tessera.compile_cache import cache_hits, check_cache_folder, loaded_note, use_compilation_cache
 from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
+from tessera.config.derived import RunPlan
 from tessera.data import DataError, close_input, make_input
 from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, check_same_config, initialize, wait_for_all
 from tessera.evaluation import Evaluator
@@ -140,19 +141,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
         check_state_fits(trainer, read=source, init_program=program)
         state = initial_state(trainer, ckpt, data, cfg, program)
     start_step = int(jax.device_get(state["step"]))
-    # an earlier attempt of this run got to its steps only if it made the run folder's config.yml: records in a
-    # metrics_file without one are another run's (one file given to several runs), not steps trained again
-    earlier_attempt = (plan.run_dir / "config.yml").is_file()
-    logged = steps_logged_after(plan.metrics_path, start_step) if earlier_attempt else 0
-    clock.steps_redone = min(logged, max(0, cfg.run.steps - start_step))  # a lowered `steps` trains fewer again
-    if logged:
-        past = "" if clock.steps_redone == logged else (
-            f"; steps {cfg.run.steps + 1}-{start_step + logged}, past steps={cfg.run.steps}, are not, and their "
-            "records stay from that attempt")
-        log.info("the attempt before this one logged %d step(s) after step %d, lost before they were saved: %s "
-                 "trained again (%s keeps both records of each; the later one is this attempt's)%s", logged,
-                 start_step, f"steps {start_step + 1}-{cfg.run.steps} are" if past else "they are",
-                 plan.metrics_path.name, past)
+    clock.steps_redone = _steps_redone(cfg, plan, start_step)
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
@@ -195,6 +184,25 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
         if evaluator:
             close_input(evaluator.data)
     return write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step, clock)
+
+
+def _steps_redone(cfg: Config, plan: RunPlan, start_step: int) -> int:
+    """The steps after `start_step` that an earlier attempt of this run logged and lost (not saved), which this
+    one trains again, up to `steps` (a lowered `steps` trains fewer again); logged when there are any."""
+    # an earlier attempt of this run got to its steps only if it made the run folder's config.yml: records in a
+    # metrics_file without one are another run's (one file given to several runs), not steps trained again
+    earlier_attempt = (plan.run_dir / "config.yml").is_file()
+    logged = steps_logged_after(plan.metrics_path, start_step) if earlier_attempt else 0
+    redone = min(logged, max(0, cfg.run.steps - start_step))  # a lowered `steps` trains fewer again
+    if logged:
+        past = "" if redone == logged else (
+            f"; steps {cfg.run.steps + 1}-{start_step + logged}, past steps={cfg.run.steps}, are not, and their "
+            "records stay from that attempt")
+        log.info("the attempt before this one logged %d step(s) after step %d, lost before they were saved: %s "
+                 "trained again (%s keeps both records of each; the later one is this attempt's)%s", logged,
+                 start_step, f"steps {start_step + 1}-{cfg.run.steps} are" if past else "they are",
+                 plan.metrics_path.name, past)
+    return redone
 
 
 def _save_buffers(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, start_step: int,
