@@ -81,6 +81,8 @@ def test_job_layout_from_environment():
     assert job_from_env({"TPU_WORKER_HOSTNAMES": "localhost"}).mode == "single"
     with pytest.raises(DistributedError, match="NODE_RANK=2 must be in"):
         job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "2", "NODE_RANK": "2"})
+    with pytest.raises(DistributedError, match=r"^NNODES=0 is the number of processes of the job: give 1 or more"):
+        job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "0", "NODE_RANK": "0"})  # was "NODE_RANK=0 must be in"
     with pytest.raises(DistributedError, match="NNODES='two' must be a whole number"):
         job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "two"})
     # an address with its port waited the whole start-up timeout (300 s) for host "10.0.0.1:8476:8476"

@@ -80,7 +80,10 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
         if not env.get("NNODES") and env.get("NODE_RANK"):  # NODE_RANK=0 trained alone, NODE_RANK=1 was "out of range"
             raise DistributedError(f"JAX_COORDINATOR_IP and NODE_RANK={rank} are set but NNODES is not: set NNODES to "
                                    "the number of processes of the job, the same on every process (NNODES=1: one)")
-        if nodes < 1 or not 0 <= rank < nodes:
+        if nodes < 1:  # "NODE_RANK=0 must be in [0, NNODES=0)" named the wrong variable
+            raise DistributedError(f"NNODES={nodes} is the number of processes of the job: give 1 or more, the same on "
+                                   "every process")
+        if not 0 <= rank < nodes:
             raise DistributedError(f"NODE_RANK={rank} must be in [0, NNODES={nodes})")
         if nodes == 1:
             return JobSpec("single", **timeouts)
