@@ -200,6 +200,16 @@ def test_explains_the_winner(capsys):
     assert "ranks first:" in out and "GiB per chip" in out and " Next: " in out
 
 
+def _fake_train_compile(tmp_path, monkeypatch, body: str) -> None:
+    """A script in place of the interpreter that runs train_compile: `body` runs with $r (run_name), $o
+    (base_output_directory) and $p (remat_policy) taken from its arguments."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/usr/bin/env bash\nfor a; do case $a in run_name=*) r=${a#*=};; base_output_directory=*) "
+                    "o=${a#*=};; remat_policy=*) p=${a#*=};; esac; done\n" + body)
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+
+
 def _run(args, cwd):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     return subprocess.run([sys.executable, "-m", "tessera.tools.plan", *args], capture_output=True, text=True,
@@ -301,14 +311,11 @@ def test_a_compile_that_fails_is_not_read_from_the_report_of_the_one_before(tmp_
     batch): when its train_compile failed, the plan read the other policy's compile_report.json as its own."""
     from tessera.tools.plan_compile import aot_compile
 
-    fake = tmp_path / "python"  # stands in for train_compile: minimal does not fit (exit 3), full fails (exit 1)
-    fake.write_text("#!/usr/bin/env bash\nfor a; do case $a in run_name=*) r=${a#*=};; base_output_directory=*) "
-                    "o=${a#*=};; remat_policy=*) p=${a#*=};; esac; done\n"
-                    "if [ $p = minimal ]; then mkdir -p $o/$r; echo '{\"total_bytes\": 20, \"budget_bytes\": 10, "
-                    "\"temp_bytes\": 15, \"fits\": false}' > $o/$r/compile_report.json; exit 3; fi\n"
-                    "echo 'RuntimeError: INTERNAL: the compiler crashed'; exit 1\n")
-    fake.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(fake))
+    # minimal does not fit (exit 3), full fails (exit 1)
+    _fake_train_compile(tmp_path, monkeypatch,
+                        "if [ $p = minimal ]; then mkdir -p $o/$r; echo '{\"total_bytes\": 20, \"budget_bytes\": 10, "
+                        "\"temp_bytes\": 15, \"fits\": false}' > $o/$r/compile_report.json; exit 3; fi\n"
+                        "echo 'RuntimeError: INTERNAL: the compiler crashed'; exit 1\n")
     cfg, hw = load_model_config("default", []), parse_hardware("v5e-8")
     light, heavy = (candidate(cfg, hw, 1024, {"fsdp": 8}, remat=r) for r in ("minimal", "full"))
     (tmp_path / "out").mkdir()
@@ -821,13 +828,11 @@ def test_a_compile_whose_eval_step_does_not_fit_says_so(tmp_path, monkeypatch, c
     15.2)" when the eval step was what did not fit."""
     from tessera.tools.plan_compile import aot_compile
 
-    fake = tmp_path / "python"  # stands in for train_compile: the train step fits, its eval step does not
-    fake.write_text("#!/usr/bin/env bash\nfor a; do case $a in run_name=*) r=${a#*=};; base_output_directory=*) "
-                    "o=${a#*=};; esac; done\nmkdir -p $o/$r; echo '{\"total_bytes\": 536870912, \"budget_bytes\": "
-                    "16320875724, \"temp_bytes\": 1, \"fits\": false, \"eval_step\": {\"total_bytes\": "
-                    "21474836480}}' > $o/$r/compile_report.json; exit 3\n")
-    fake.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(fake))
+    # the train step fits, its eval step does not
+    _fake_train_compile(tmp_path, monkeypatch,
+                        "mkdir -p $o/$r; echo '{\"total_bytes\": 536870912, \"budget_bytes\": 16320875724, "
+                        "\"temp_bytes\": 1, \"fits\": false, \"eval_step\": {\"total_bytes\": 21474836480}}' > "
+                        "$o/$r/compile_report.json; exit 3\n")
     cfg, hw = load_model_config("default", []), parse_hardware("v5e-8")
     (tmp_path / "out").mkdir()
     aot_compile([], candidate(cfg, hw, 1024, {"fsdp": 8}), cfg, hw, tmp_path / "out", "1/1")
