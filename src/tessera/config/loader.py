@@ -340,6 +340,18 @@ def coerce(name: str, raw: Any, f: dataclasses.Field) -> Any:
     return value
 
 
+def parse_bool(name: str, raw: Any) -> bool:
+    """A bool key's value as written (true, "True", 1, yes, on, and their opposites); ConfigError otherwise."""
+    if isinstance(raw, bool):
+        return raw
+    text = str(raw).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a valid bool; use true or false")
+
+
 def _convert(name: str, raw: Any, kind: str) -> Any:
     bad = ConfigError(f"{name}={raw!r} is not a valid {kind}")
     if kind == "str":
@@ -347,14 +359,7 @@ def _convert(name: str, raw: Any, kind: str) -> Any:
             raise bad
         return "" if raw is None else str(raw)
     if kind == "bool":
-        if isinstance(raw, bool):
-            return raw
-        text = str(raw).strip().lower()
-        if text in ("true", "1", "yes", "on"):
-            return True
-        if text in ("false", "0", "no", "off"):
-            return False
-        raise ConfigError(f"{name}={raw!r} is not a valid bool; use true or false")
+        return parse_bool(name, raw)
     if kind == "int":  # exact (decimal, never float): 1e3 is 1000, 99999999999999999999999 is refused
         if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
             raise bad

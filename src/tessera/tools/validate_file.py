@@ -12,7 +12,7 @@ import math
 import re
 from typing import Any
 
-from tessera.config.loader import build_config, load_config
+from tessera.config.loader import build_config, load_config, parse_bool
 from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
 from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
@@ -235,13 +235,11 @@ def _text(value: Any, where: str) -> str:
 
 def _flag(value: Any, where: str) -> bool:
     """A true/false setting of the file (`"True"`, `"false"`, true, 1, as a train key's bool): "Ture" did nothing."""
-    text = str(value).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ValidationInputError(f"{where}={value!r} is not true or false; give \"True\" (synthetic data) or \"False\" "
-                               "(the model entry's dataset_type)")
+    try:
+        return parse_bool(where, value)
+    except ConfigError:
+        raise ValidationInputError(f"{where}={value!r} is not true or false; give \"True\" (synthetic data) or "
+                                   "\"False\" (the model entry's dataset_type)") from None
 
 
 def _node_count(value: Any) -> int:
