@@ -324,6 +324,29 @@ def test_a_compile_that_fails_is_not_read_from_the_report_of_the_one_before(tmp_
     assert "failed:\n    RuntimeError: INTERNAL: the compiler crashed" in capsys.readouterr().out
 
 
+def test_a_compile_that_crashes_is_not_tried_again_with_heavier_remat(tmp_path, monkeypatch, capsys):
+    """Only "does not fit" (exit 3) calls for a remat policy that keeps less: after a crash or a refused config
+    (exit 1 or 2) the plan compiled the same candidate again with each heavier policy, minutes each on a real
+    model, and every one failed the same way."""
+    from tessera.tools.plan_compile import confirm
+
+    _fake_train_compile(tmp_path, monkeypatch, f"echo $p >> {tmp_path / 'policies'}\n"
+                        "echo 'RuntimeError: INTERNAL: the compiler crashed'; exit 1\n")
+    cfg, hw = load_model_config("default", []), parse_hardware("v5e-8")
+    (tmp_path / "out").mkdir()
+    c = candidate(cfg, hw, 1024, {"fsdp": 8}, remat="minimal")
+    assert confirm([], c, cfg, hw, tmp_path / "out", "1/1", move_batch=True) is None
+    assert (tmp_path / "policies").read_text().split() == ["minimal"]
+    assert "not trying heavier remat policies: this compile failed for a reason other than memory" in (
+        capsys.readouterr().out)
+    # a compile that does not fit still falls back, policy by policy
+    _fake_train_compile(tmp_path, monkeypatch, f"echo $p >> {tmp_path / 'fits'}\nmkdir -p $o/$r; echo "
+                        "'{\"total_bytes\": 20, \"budget_bytes\": 10, \"temp_bytes\": 15, \"fits\": false}' > "
+                        "$o/$r/compile_report.json; exit 3\n")
+    assert confirm([], c, cfg, hw, tmp_path / "out", "1/1", move_batch=False) is None
+    assert (tmp_path / "fits").read_text().split() == ["minimal", "save_dot_except_mlp", "save_qkv_proj", "full"]
+
+
 def test_the_compile_reads_the_callers_libtpu_flags_after_the_recipes(tmp_path, monkeypatch):
     """--compile set LIBTPU_INIT_ARGS to the generation's flags.inc alone: a flag of the caller's own, which the
     written recipe appends after its flags (run_recipe.sh), was left out of the compile that confirmed it."""

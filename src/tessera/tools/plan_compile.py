@@ -4,7 +4,8 @@ For each candidate, one at a time: `tessera.train_compile` in a subprocess with 
 `configs/tpu/<gen>/flags.inc` (as the recipes run it), its heartbeat lines passed on; the
 compiler's memory replaces the estimate and the batch moves to the largest predicted to fit,
 which is compiled too (a --tokens-per-device plan keeps its batch). A candidate the compiler
-does not fit at any batch falls back to the same mesh with the next remat policy that keeps less. The best confirmed candidate becomes a recipe script shaped like
+does not fit at any batch falls back to the same mesh with the next remat policy that keeps less (one
+that fails otherwise is dropped). The best confirmed candidate becomes a recipe script shaped like
 configs/tpu/*/*.sh and a JSON report. TPU only (libtpu compiles for a topology on any host).
 """
 
@@ -104,7 +105,8 @@ def heavier_policies(c: Candidate) -> list[str]:
 def confirm(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str,
             move_batch: bool) -> Candidate | None:
     """c confirmed by the compiler (its batch moved when `move_batch`); when the compiler says it does not fit,
-    the same mesh and batch with the next remat policy that keeps less, until one fits."""
+    the same mesh and batch with the next remat policy that keeps less, until one fits. A compile that failed
+    otherwise (a crash, a refused config) ends the candidate: a heavier policy would not mend it."""
     for policy in [c.remat, *heavier_policies(c)]:
         if policy != c.remat:
             same = [x for x in mesh_candidates(cfg, count_params(cfg.model), hw, c.mesh, [c.tokens_per_device],
@@ -113,20 +115,30 @@ def confirm(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label:
                 continue
             print(f"  trying remat_policy={policy} on the same mesh", flush=True)
             c = dataclasses.replace(same[0], budget=c.budget)
-        done = fit_batch(base, c, cfg, hw, out_dir, label, move_batch)
+        try:
+            done = fit_batch(base, c, cfg, hw, out_dir, label, move_batch)
+        except CompileFailed:
+            print("  not trying heavier remat policies: this compile failed for a reason other than memory (above)",
+                  flush=True)
+            return None
         if done:
             return done
     return None
+
+
+class CompileFailed(Exception):
+    """train_compile failed for a reason other than memory (`fit_batch`'s first compile of a candidate)."""
 
 
 def fit_batch(base, c: Candidate, cfg: Config, hw: Hardware, out_dir: Path, label: str,
               move_batch: bool = True) -> Candidate | None:
     """c with the compiler's memory, its batch moved to the largest that fits (unless `move_batch` is false: a
     --tokens-per-device plan keeps its batch): the compiler's temporaries are scaled with the batch to predict
-    it, then that batch is compiled (and one step down if it does not fit)."""
+    it, then that batch is compiled (and one step down if it does not fit). CompileFailed when the compile of c
+    itself failed for another reason than memory."""
     r = aot_compile(base, c, cfg, hw, out_dir, label)
     if not r:
-        return None
+        raise CompileFailed
     if not move_batch:
         return dataclasses.replace(c, memory=r["total_bytes"], compiled=True) if r["fits"] else None
     budget = r["budget_bytes"]
