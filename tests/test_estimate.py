@@ -553,6 +553,14 @@ def test_the_estimate_keeps_scores_exactly_where_the_trainer_runs_the_reference(
     assert mem[1].total("none") > mem[0].total("none")  # without remat the reference keeps its scores
 
 
+def test_a_folder_given_as_the_model_file_is_called_a_folder(tmp_path, capsys):
+    """A folder named like a model file was said not to exist."""
+    (tmp_path / "mine.yml").mkdir()
+    assert main([str(tmp_path / "mine.yml"), "--hardware", "v5e-8"]) == 2
+    err = capsys.readouterr().err
+    assert f"model file {tmp_path / 'mine.yml'} is a folder; give a model's YAML file" in err, err
+
+
 def test_a_model_path_without_yml_is_not_taken_for_a_model_name(capsys, monkeypatch):
     """configs/models/llama3.1-8b (the .yml left off) was looked up as a model name: "no file
     configs/models/llama3.1-8b.yml in .../configs/models. Known models: " and all 38 of them."""

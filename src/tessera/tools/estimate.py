@@ -150,6 +150,8 @@ def load_model_config(model: str | None, overrides: list[str]) -> Config:
         near = next((f"; did you mean {p}?" for p in (Path(model + ".yml"), Path(model + ".yaml")) if p.is_file()), "")
         raise ConfigError(f"{model} is a path, but a model file is YAML with a .yml or .yaml name, and a model name "
                           f"(configs/models/<name>.yml) has no folder{near}")
+    if path.is_dir():  # "does not exist" sent the user looking for a folder that is there
+        raise ConfigError(f"model file {path} is a folder; give a model's YAML file, e.g. configs/models/llama2-7b.yml")
     if not path.is_file():
         raise ConfigError(f"model file {path} does not exist")
     layers = [(str(base), read_yaml(base, "config file")), (str(path), read_yaml(path, "model file")),
