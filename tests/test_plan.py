@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -35,6 +36,24 @@ def candidate(cfg, hw, tokens, ici, dcn=None, repeats=1, remat="full"):
     mesh = Mesh({**{a: 1 for a in ICI_AXES}, **ici}, {**{a: 1 for a in DCN_AXES}, **(dcn or {})})
     found = mesh_candidates(cfg, count_params(cfg.model), hw, mesh, [tokens])
     return next(c for c in found if c.repeats == repeats and c.remat == remat)
+
+
+def test_a_weight_the_mesh_does_not_divide_is_counted_whole_as_the_estimate_counts_it(capsys):
+    """A vocabulary of 32001 over tensor 4: the trainer copies the logits' weight whole on each chip (the estimate
+    counts it), and the plan ranked the mesh with the split it cannot have, 0.73 GiB per chip lower."""
+    from tessera.tools.estimate import main as estimate_main
+
+    hw = parse_hardware("v5e-16")
+    mesh = {"fsdp": 4, "tensor": 4}
+    keys = ["max_target_length=2048", "per_device_batch_size=0.5", "remat_policy=minimal"]
+    for vocab in (32000, 32001):
+        cfg = load_model_config("llama2-7b", [f"vocab_size={vocab}", *keys[:1]])
+        planned = candidate(cfg, hw, 1024, mesh, remat="minimal").memory / 2**30
+        assert estimate_main(["llama2-7b", f"vocab_size={vocab}", *keys, "ici_fsdp_parallelism=4",
+                              "ici_tensor_parallelism=4", "--hardware", "v5e-16"]) == 0
+        estimated = float(re.search(r"minimal +[\d.]+ +total +([\d.]+)", capsys.readouterr().out).group(1))
+        assert planned == pytest.approx(estimated, abs=0.006), vocab
+    assert estimated == pytest.approx(14.44, abs=0.006)  # the copied 49M elements, their gradients and moments
 
 
 def test_links_follow_the_slice_shape():

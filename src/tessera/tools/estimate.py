@@ -282,20 +282,29 @@ def with_copies(cfg: Config, mem: Memory, unsplit: float) -> Memory:
     return dataclasses.replace(mem, params=mem.params + w, grads=mem.grads * grow, optimizer=mem.optimizer * grow)
 
 
-def check_mesh_divides(cfg: Config, mesh: dict[str, int]) -> tuple[float, str]:
+def param_layout(cfg: Config) -> tuple:
+    """The model's parameters as (logical axis names, abstract shapes): nothing allocated, the same for every
+    mesh (tessera.tools.plan builds it once per search for check_mesh_divides)."""
+    from tessera.models import build_model
+
+    model = build_model(cfg.model)
+    return model.logical_axes(), model.param_shapes()
+
+
+def check_mesh_divides(cfg: Config, mesh: dict[str, int], layout: tuple | None = None) -> tuple[float, str]:
     """The trainer's ConfigError for a mesh axis that does not divide a dimension it must split (query heads,
     MLP width: `tessera.mesh.check_divides`), on the model's parameter shapes (abstract: nothing allocated).
     Returns (parameter elements per device beyond a split over every axis their rules name, the first such
     parameter and why): the trainer copies a weight whole over an axis that does not divide its dimension
-    (llama2-70b on 192 chips: the width 8192 over fsdp 192), which the memory model does not see."""
+    (llama2-70b on 192 chips: the width 8192 over fsdp 192), which the memory model does not see. `layout`:
+    param_layout(cfg), when the caller has it already."""
     import math
 
     import jax
 
     from tessera.mesh import LOGICAL_RULES, replication_cause, check_divides, logical_spec
-    from tessera.models import build_model
 
-    model = build_model(cfg.model)
+    axes, shapes = layout or param_layout(cfg)
     extra, first = [0.0], []
 
     def visit(path, names, shape):
@@ -310,8 +319,7 @@ def check_mesh_divides(cfg: Config, mesh: dict[str, int]) -> tuple[float, str]:
                 first.append(f"{jax.tree_util.keystr(path, simple=True, separator='/')} "
                              f"({replication_cause(names, shape.shape, mesh)})")
 
-    jax.tree_util.tree_map_with_path(visit, model.logical_axes(), model.param_shapes(),
-                                     is_leaf=lambda x: isinstance(x, tuple))
+    jax.tree_util.tree_map_with_path(visit, axes, shapes, is_leaf=lambda x: isinstance(x, tuple))
     return extra[0], first[0] if first else ""
 
 

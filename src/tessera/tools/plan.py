@@ -42,8 +42,9 @@ from tessera.config.derived import global_batch, pipeline_layout
 from tessera.config.maxtext import ALIASES
 from tessera.config.schema import all_fields
 from tessera.tools.cli import config_epilog
-from tessera.tools.estimate import (Hardware, check_topology_keys, fused_attention, load_model_config, memory_budget,
-                                   mesh_sizes, parse_hardware, sequence_note)
+from tessera.tools.estimate import (Hardware, check_mesh_divides, check_topology_keys, fused_attention,
+                                   load_model_config, memory_budget, mesh_sizes, parse_hardware, sequence_note,
+                                   with_copies)
 from tessera.tools.memory_model import ParamCounts, count_params, estimate_memory
 from tessera.tools.plan_meshes import DCN_AXES, ICI_AXES, KEY, Mesh, gpu_split, meshes
 from tessera.tools.plan_model import REMAT_POLICIES, Axis, ModelTerms, estimate_mfu, score_axes
@@ -153,6 +154,10 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
     the smallest tried). `terms`: ModelTerms.of(cfg), when the caller has it already."""
     terms = terms or ModelTerms.of(cfg)
     fused, executed = fused_attention(cfg, hw, mesh.sizes), terms.executed
+    try:  # a weight whose dimension the mesh does not divide is copied whole (a vocabulary of 32001 over tensor 4)
+        unsplit = check_mesh_divides(cfg, mesh.sizes, terms.params)[0] if terms.params else 0.0
+    except ConfigError:  # the trainer refuses this mesh
+        return []
     budget = hw.accelerator.hbm_bytes * memory_budget(cfg, hw)[0]
     found: dict[tuple[int, str], Candidate] = {}
     for repeats in repeats_tried or pipeline_repeats(cfg, mesh.sizes["stage"]):
@@ -162,7 +167,7 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
                 layout = layout_or_none(c, mesh)
             except ConfigError:
                 continue
-            mem, axes = estimate_memory(c, counts, mesh.sizes, fused), score_axes(c, mesh, hw)
+            mem, axes = with_copies(c, estimate_memory(c, counts, mesh.sizes, fused), unsplit), score_axes(c, mesh, hw)
             bubble = layout.bubble if layout else 0.0
             for policy in REMAT_POLICIES:
                 cand = Candidate(mesh, repeats, policy, c.data.per_device_batch_size, t, mem.total(policy), budget,

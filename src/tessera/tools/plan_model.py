@@ -48,9 +48,9 @@ import dataclasses
 import functools
 from typing import TYPE_CHECKING
 
-from tessera.config import Config
+from tessera.config import Config, ConfigError
 from tessera.hardware import DCN_BYTES_PER_S, tpu_slice
-from tessera.tools.estimate import Hardware
+from tessera.tools.estimate import Hardware, param_layout
 from tessera.tools.rooflines import rooflines
 from tessera.tools.memory_model import DTYPE_BYTES, count_params, token_mlp_width
 
@@ -183,14 +183,22 @@ def executed_ratio(cfg: Config) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class ModelTerms:
-    """What the MFU estimate takes from the model alone, the same for every mesh and batch of a search."""
+    """What the MFU and memory estimates take from the model alone, the same for every mesh and batch of a
+    search."""
 
     executed: float  # executed_ratio
     recomputed: dict[str, float]  # recomputed_share per remat policy
+    # estimate.param_layout, for the weights a mesh copies whole; None for a model only counted, not built (the
+    # sizing guide's MoE examples: experts on a dense block)
+    params: tuple | None
 
     @classmethod
     def of(cls, cfg: Config) -> ModelTerms:
-        return cls(executed_ratio(cfg), {p: recomputed_share(cfg, p) for p in REMAT_POLICIES})
+        try:
+            params = param_layout(cfg)
+        except ConfigError:
+            params = None
+        return cls(executed_ratio(cfg), {p: recomputed_share(cfg, p) for p in REMAT_POLICIES}, params)
 
 
 def estimate_mfu(axes: tuple[Axis, ...], bubble: float, recomputed: float, executed: float = 1.0) -> float:
