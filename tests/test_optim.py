@@ -239,6 +239,20 @@ def test_the_schedule_warms_up_decays_and_keeps_its_end_and_a_schedule_of_no_ste
             setup(tiny_config(learning_rate_schedule_steps=steps), jax.devices()[:1])
 
 
+def test_the_warm_up_is_the_fraction_of_the_schedule_and_an_all_warm_up_schedule_ends_at_the_final_rate():
+    """warmup_steps_fraction=0.29 of 100 steps warms up for 29 steps (0.29 x 100 is 28.999999999999996 in
+    floating point: it warmed up for 28, the peak one step early); warmup_steps_fraction=1 warms up
+    over the whole schedule, and the steps after it keep the final rate (the first of them trained at
+    the peak: the cosine decay began one step after the schedule's end)."""
+    cfg = tiny_config(learning_rate=1.0, warmup_steps_fraction=0.29, cosine_learning_rate_final_fraction=0.1)
+    schedule = learning_rate_schedule(cfg.optim, 100)
+    np.testing.assert_allclose([float(schedule(s)) for s in (1, 28, 29)], [1 / 29, 28 / 29, 1.0], rtol=1e-6)
+    cfg = tiny_config(learning_rate=1.0, warmup_steps_fraction=1.0, cosine_learning_rate_final_fraction=0.1)
+    schedule = learning_rate_schedule(cfg.optim, 10)
+    np.testing.assert_allclose([float(schedule(s)) for s in (0, 5, 9, 10, 11, 100)], [0.0, 0.5, 0.9, 0.1, 0.1, 0.1],
+                               rtol=1e-6)
+
+
 def test_the_learning_rate_reported_after_a_skipped_step_is_the_one_applied():
     """A non-finite step leaves parameters and optimizer state as they were, the schedule's count too:
     the steps after it apply the rates of one step earlier, and report those (they reported the train

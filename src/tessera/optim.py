@@ -35,11 +35,15 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
     if total_steps < 1:
         raise ConfigError(f"learning_rate_schedule_steps={total_steps} gives a learning-rate schedule of no steps (its "
                           "rate would drop to the final value after step 0); set it to -1 (as long as steps) or >= 1")
-    warmup = int(cfg.warmup_steps_fraction * total_steps)
+    # rounded first: 0.29 x 100 is 28.999999999999996 in floating point, which int() made 28 warm-up steps
+    warmup = int(round(cfg.warmup_steps_fraction * total_steps, 6))
     end_value = cfg.learning_rate * cfg.cosine_learning_rate_final_fraction
     if warmup == 0:
         alpha = end_value / max(cfg.learning_rate, 1e-30)
         return optax.cosine_decay_schedule(cfg.learning_rate, total_steps, alpha=alpha)
+    if warmup >= total_steps:  # all warm-up (warmup_steps_fraction=1): no decay, the steps after it at the end value
+        return optax.join_schedules([optax.linear_schedule(0.0, cfg.learning_rate, warmup),
+                                     optax.constant_schedule(end_value)], [total_steps])
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.learning_rate,
