@@ -792,7 +792,12 @@ def test_a_resume_names_the_changed_settings_and_warns_when_the_learning_rate_ju
     assert "settings changed since step 2 was saved: steps 2 -> 4, per_device_batch_size 1.0 -> 2.0" in caplog.text
     assert (f"the learning rate jumps at this resume: step 3 trains at {step3:.3g}, where the schedule step 2 was "
             f"saved with (2 steps long; 4 now) gives {end:.3g}. To continue the schedule it was saved with, add "
-            f"learning_rate_schedule_steps=2 (it ends at step 2, at {end:.3g}).") in caplog.text
+            f"learning_rate_schedule_steps=2 (its last step is 2; the steps after it train at its final rate, "
+            f"{end:.3g}).") in caplog.text
+    # step n trains at schedule(n - 1): the final rate is step 3's of the old schedule, not step 2's (it said
+    # "it ends at step 2, at <final rate>", where metrics.jsonl has step 2 above it)
+    step2 = next(r["learning_rate"] for r in records if r["step"] == 2)
+    assert f"{step2:.3g}" != f"{end:.3g}"
 
     caplog.clear()
     with caplog.at_level("INFO", logger="tessera"):  # the hint followed: the rate stays at the end value
@@ -1198,6 +1203,21 @@ def test_skip_step_stops_when_the_parameters_themselves_are_broken(tmp_path, cap
     assert caplog.text.count("update skipped (on_nonfinite_loss=skip_step)") == SKIPS_IN_A_ROW - 1
     # step 1's update was finite, and saved; the skipped steps after it were not
     assert sorted(int(p.name) for p in (tmp_path / "test" / "checkpoints").iterdir() if p.name.isdigit()) == [1]
+
+
+def test_skipped_steps_are_marked_in_the_metrics_and_counted_in_the_report(tmp_path, caplog):
+    """on_nonfinite_loss=skip_step: a run whose updates were dropped ended with exit 0 and a report that
+    did not say so (a step with a finite loss and an infinite gradient norm looked like any other in
+    metrics.jsonl). Its records are marked "skipped", the report counts them and the run's end warns."""
+    cfg = tiny_config(tmp_path, steps=3, learning_rate=1e38, warmup_steps_fraction=0.0, gradient_clipping_threshold=0,
+                      on_nonfinite_loss="skip_step")
+    with caplog.at_level("WARNING", logger="tessera"):
+        report = run(cfg, jax.devices()[:1])
+    records = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped", False) for r in records] == [False, True, True]
+    assert report["steps_skipped"] == 2
+    assert json.loads((tmp_path / "test" / "report.json").read_text())["steps_skipped"] == 2
+    assert "2 of the 3 steps trained were skipped (a non-finite loss or gradient" in caplog.text
 
 
 def test_skipped_steps_never_push_the_good_checkpoints_out(tmp_path, caplog):

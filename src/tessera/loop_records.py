@@ -47,13 +47,16 @@ class StepMeter:
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         tflops = self.flops / seconds / self.devices / 1e12
+        # a non-finite loss or gradient: the step's update was dropped (on_nonfinite_loss), which a finite
+        # loss with an infinite gradient norm would not show
+        skipped = {} if bool(stats.get("finite", True)) else {"skipped": True}
         return {
             "step": step, "loss": float(stats["loss"]), "grad_norm": float(stats["grad_norm"]),
             "learning_rate": float(stats["learning_rate"]), "step_seconds": seconds,
             "tflops_per_sec_per_device": tflops, "tokens_per_sec_per_device": self.tokens / seconds / self.devices,
             "mfu": None if self.peak is None else tflops / self.peak,
             # router loss, dropped tokens; the multi-token-prediction loss and its MoE blocks' figures
-            **{k: float(v) for k, v in stats.items() if k.startswith(("moe_", "mtp_"))},
+            **{k: float(v) for k, v in stats.items() if k.startswith(("moe_", "mtp_"))}, **skipped,
         }
 
 

@@ -277,6 +277,10 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
                 f"the run's report could not be written to {folder / 'report.json'} ({e.strerror or e}); its steps "
                 f"are trained (final loss {report['final_loss']:.4f}, median {report['step_seconds']:.3f} s/step) and "
                 "in the metrics file. Free some space (or fix the folder's permissions)") from None
+    if report["steps_skipped"]:
+        log.warning("%d of the %d steps trained were skipped (a non-finite loss or gradient, on_nonfinite_loss="
+                    "skip_step): their updates were dropped; they are marked \"skipped\" in the metrics file",
+                    report["steps_skipped"], report["steps"])
     slow_input = input_bound_warning(report["time"], cfg.data.dataset_type)
     if slow_input:
         log.warning(slow_input)

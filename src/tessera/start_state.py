@@ -157,8 +157,10 @@ def _warn_learning_rate_jump(saved: Mapping[str, Any], config: Config, schedule:
     if math.isclose(then, now, rel_tol=1e-3, abs_tol=1e-12):
         return
     length = config.total_steps_in_schedule
-    keep = (f" To continue the schedule it was saved with, add learning_rate_schedule_steps={before[1]} (it ends at "
-            f"step {before[1]}, at {float(before[0](before[1])):.3g})." if before[1] != length else "")
+    # step n trains at schedule(n - 1): the schedule's final rate is that of the steps after its last one
+    keep = (f" To continue the schedule it was saved with, add learning_rate_schedule_steps={before[1]} (its last "
+            f"step is {before[1]}; the steps after it train at its final rate, {float(before[0](before[1])):.3g})."
+            if before[1] != length else "")
     log.warning("the learning rate jumps %s: step %d trains at %.3g, where the schedule step %d was saved with (%d "
                 "steps long; %d now) gives %.3g.%s", where, step + 1, now, step, before[1], length, then, keep)
 
