@@ -815,6 +815,23 @@ def test_a_resume_names_the_changed_settings_and_warns_when_the_learning_rate_ju
     assert "nothing to do" in caplog.text and "settings changed" not in caplog.text
 
 
+def test_the_resume_warning_reads_the_schedule_where_the_skipped_steps_left_it(tmp_path, caplog):
+    """Skipped steps (on_nonfinite_loss=skip_step) do not advance the schedule: after steps 2 and 3 were
+    skipped, step 4 trains at the schedule's rate for 1 update. The resume's warning quoted the rate for
+    3 (its step), not the one metrics.jsonl then records for step 4."""
+    keys = dict(learning_rate=1e38, warmup_steps_fraction=0.0, gradient_clipping_threshold=0,
+                on_nonfinite_loss="skip_step")
+    run(tiny_config(tmp_path, steps=3, **keys), jax.devices()[:1])  # step 1's update is finite, ruinous
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=4, **keys), jax.devices()[:1])
+    records = [json.loads(line) for line in (tmp_path / "test" / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("skipped", False) for r in records] == [False, True, True, True]
+    step4 = records[-1]["learning_rate"]
+    assert (f"the learning rate jumps at this resume: step 4 trains at {step4:.3g}, where the schedule step 3 was "
+            "saved with (3 steps long; 4 now) gives ") in caplog.text
+    assert "(its 2 skipped step(s) did not advance the schedule)" in caplog.text
+
+
 def test_a_full_state_load_warns_when_the_learning_rate_jumps_too(tmp_path, caplog):
     """load_full_state_path continues another run's state at its step: with a longer schedule the rate
     jumps there as on a resume, and the warning says so; with the saved schedule's length it does not."""

@@ -24,7 +24,7 @@ from tessera.checkpointing import (Checkpointer, load_full_state, load_parameter
                                    quantized_explained, saved_config, warn_model_changes)
 from tessera.config import CheckpointConfig, Config, ConfigError, ModelConfig, OptimConfig, flat_dict
 from tessera.data import restore_state
-from tessera.optim import learning_rate_schedule
+from tessera.optim import learning_rate_schedule, schedule_step
 from tessera.step import Trainer, abstract_state, create_state, state_from_params
 
 log = logging.getLogger("tessera")
@@ -61,7 +61,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         log.info("resuming from step %d: %s", latest, folder)
         saved = saved_config(folder)
         if saved:
-            log_changes_since_save(saved, config, trainer.schedule, latest, folder)
+            log_changes_since_save(saved, config, trainer.schedule, latest, folder, applied_updates(state))
             _warn_global_batch_change(saved, config, trainer.plan.global_batch, trainer.plan.num_devices, latest)
         warn_model_changes(folder, model_keys)  # e.g. another rope base: the shapes fit, the model is another
         return state
@@ -74,7 +74,8 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         log.info("loaded full state at step %d from %s", step, cfg.load_full_state_path)
         saved = saved_config(cfg.load_full_state_path)
         if saved:
-            _warn_learning_rate_jump(saved, config, trainer.schedule, step, "after this full-state load")
+            _warn_learning_rate_jump(saved, config, trainer.schedule, step, "after this full-state load",
+                                     applied_updates(state))
             _warn_global_batch_change(saved, config, trainer.plan.global_batch, trainer.plan.num_devices, step,
                                       "after this full-state load")
         warn_model_changes(cfg.load_full_state_path, model_keys)
@@ -121,8 +122,13 @@ def saved_schedule(saved: Mapping[str, Any], config: Config) -> tuple[optax.Sche
         return None
 
 
+def applied_updates(state: dict) -> int:
+    """The updates the train state applied (its schedule's count): its step less the skipped ones."""
+    return int(jax.device_get(schedule_step(state["opt_state"])))
+
+
 def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int,
-                           step_folder: str) -> None:
+                           step_folder: str, applied: int | None = None) -> None:
     """Log the settings that differ from those `step` (saved in `step_folder`) was saved with, and
     warn when the training data changed under the saved data position or the learning rate jumps."""
     changes = changes_since_save(saved, config)
@@ -142,18 +148,21 @@ def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: o
                     "stands. That continues where the run stopped when files were only added after the old ones; "
                     "otherwise it starts at an arbitrary point of the new data. To read the new data from its start, "
                     "train in a new run_name with load_full_state_path=%s", step, ", ".join(data), step_folder)
-    _warn_learning_rate_jump(saved, config, schedule, step)
+    _warn_learning_rate_jump(saved, config, schedule, step, applied=applied)
 
 
 def _warn_learning_rate_jump(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int,
-                             where: str = "at this resume") -> None:
+                             where: str = "at this resume", applied: int | None = None) -> None:
     """Warn when the next step's learning rate differs from the one the saved schedule gives it.
     The usual cause: `steps` raised to train a finished run further stretches the cosine schedule
-    (as long as `steps` by default), and the rate climbs from its end value back up the curve."""
+    (as long as `steps` by default), and the rate climbs from its end value back up the curve.
+    `applied`: the updates the state applied (`applied_updates`), where both schedules are read: steps
+    skipped for a non-finite loss (on_nonfinite_loss=skip_step) did not advance them."""
     before = saved_schedule(saved, config)
     if before is None:
         return
-    then, now = float(before[0](step)), float(schedule(step))
+    at = step if applied is None else applied
+    then, now = float(before[0](at)), float(schedule(at))
     if math.isclose(then, now, rel_tol=1e-3, abs_tol=1e-12):
         return
     length = config.total_steps_in_schedule
@@ -161,8 +170,9 @@ def _warn_learning_rate_jump(saved: Mapping[str, Any], config: Config, schedule:
     keep = (f" To continue the schedule it was saved with, add learning_rate_schedule_steps={before[1]} (its last "
             f"step is {before[1]}; the steps after it train at its final rate, {float(before[0](before[1])):.3g})."
             if before[1] != length else "")
+    skips = f" (its {step - at} skipped step(s) did not advance the schedule)" if at != step else ""
     log.warning("the learning rate jumps %s: step %d trains at %.3g, where the schedule step %d was saved with (%d "
-                "steps long; %d now) gives %.3g.%s", where, step + 1, now, step, before[1], length, then, keep)
+                "steps long; %d now) gives %.3g%s.%s", where, step + 1, now, step, before[1], length, then, skips, keep)
 
 
 def saved_config_entries(config: Config, global_batch: int) -> dict[str, Any]:
