@@ -57,7 +57,12 @@ def train(folder: Path, run_name: str, settings: dict) -> tuple[float, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_FLAGS")}
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=env, cwd=folder)
-        _, status, usage = os.wait4(proc.pid, 0)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # Ctrl-C or SIGTERM (run_main): the run must not go on training alone
+            proc.kill()
+            proc.wait()
+            raise
         err.seek(0)
         log = err.read()
     if os.waitstatus_to_exitcode(status) != 0:

@@ -4,6 +4,7 @@ matches nothing, an `--out` that cannot be written) is argparse's usage line and
 exit code 2, before anything is measured or written."""
 
 import hashlib
+import os
 import subprocess
 import sys
 
@@ -130,3 +131,23 @@ def test_sigterm_outside_the_trainer_is_one_line_and_exit_143():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=BENCH)
     assert proc.returncode == 143, (proc.returncode, proc.stderr)
     assert proc.stderr == "stopped by SIGTERM: no results written (exit code 143)\n"
+
+
+def test_a_signal_while_host_memory_waits_for_its_run_stops_the_run(tmp_path):
+    """host_memory waits for its train.py run with wait4 (for the peak memory): SIGTERM to the benchmark exited
+    143 and left the run training on alone, holding gigabytes."""
+    fake = tmp_path / "python"  # stands in for the interpreter that runs train.py: says its pid, then trains long
+    fake.write_text(f"#!/usr/bin/env bash\necho $$ > {tmp_path / 'pid'}\nexec sleep 60\n")
+    fake.chmod(0o755)
+    code = ("import os, signal, sys, threading, time; from pathlib import Path; import host_memory; "
+            "from bench_cli import run_main\n"
+            f"sys.executable = {str(fake)!r}; pid = Path({str(tmp_path / 'pid')!r})\n"
+            "def stop():\n    while not pid.exists() or not pid.read_text().strip(): time.sleep(0.05)\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "threading.Thread(target=stop, daemon=True).start()\n"
+            f"sys.exit(run_main(host_memory.train, Path({str(tmp_path)!r}), 'x', {{}}))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=BENCH)
+    assert proc.returncode == 143, (proc.returncode, proc.stderr)
+    child = int((tmp_path / "pid").read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(child, 0)
