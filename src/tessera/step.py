@@ -182,6 +182,30 @@ def gradient_mean_in_update(platform: str) -> bool:
     return platform == "cpu"
 
 
+def summed_gradients(grad_fn, params, batch, key, accum: int):
+    """(gradients, loss sum, token count, auxiliary outputs) of `batch` in `accum` micro-batches, each with its
+    dropout key folded from `key` (None: no dropout); the auxiliary outputs are micro-batch means."""
+    if accum == 1:  # no accumulation loop: one pass, nothing to add up
+        grads, (loss_sum, count, auxes) = grad_fn(params, batch, None if key is None else jax.random.fold_in(key, 0))
+        return grads, loss_sum, count, auxes
+    micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
+
+    def accumulate(carry, i):
+        grads, loss_sum, count = carry
+        mb = jax.tree.map(lambda x: x[i], micro)
+        g, (l, n, aux) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
+        return (jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g), loss_sum + l, count + n), aux
+
+    # the microbatches' gradients add up in float32 at least (bfloat16 sums lose a bit per addition)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
+    (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
+    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # rounded once, to the weights' type
+    # the expert loads (per layer, per multi-token-prediction depth) over the microbatches, as the other outputs
+    # are averaged for the logs
+    auxes = {k: jnp.mean(v, axis=0) if k in (PER_LAYER_LOAD, MTP_LOAD) else v for k, v in auxes.items()}
+    return grads, loss_sum, count, auxes
+
+
 def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
@@ -203,27 +227,10 @@ def make_train_step(trainer: Trainer, seed: int):
     def train_step(state, batch):  # its programs are named jit_train_step (dump_hlo_module_name)
         params = state["params"]
         key = jax.random.fold_in(prng_key(seed + 1), state["step"]) if use_dropout else None
-        micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
-
-        def accumulate(carry, i):
-            grads, loss_sum, count = carry
-            mb = jax.tree.map(lambda x: x[i], micro)
-            g, (l, n, aux) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
-            return (jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g), loss_sum + l, count + n), aux
-
-        if accum == 1:  # no accumulation loop: one pass, nothing to add up
-            grads, (loss_sum, count, auxes) = grad_fn(params, batch, None if key is None else jax.random.fold_in(key, 0))
-        else:  # the microbatches' gradients add up in float32 at least (bfloat16 sums lose a bit per addition)
-            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-            (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
-            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # rounded once, to the weights' type
+        grads, loss_sum, count, auxes = summed_gradients(grad_fn, params, batch, key, accum)
         count = jnp.maximum(count, 1.0)
         loads = auxes.pop(PER_LAYER_LOAD, None)  # MoE expert loads per layer (routed_bias)
         mtp_loads = auxes.pop(MTP_LOAD, None)  # and per multi-token-prediction depth
-        if loads is not None and accum > 1:
-            loads = jnp.mean(loads, axis=0)  # over the microbatches
-        if mtp_loads is not None and accum > 1:
-            mtp_loads = jnp.mean(mtp_loads, axis=0)
         # Gradients are sums over the batch's tokens; the update takes their mean (x 1/count).
         inv_count = 1.0 / count
 
