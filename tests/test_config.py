@@ -903,6 +903,42 @@ def test_other_optimizers_and_decodings_keys_are_named_in_training():
     assert keys_without_effect(muon, {"fsdp": 8}) == []  # muon's AdamW part reads adam_*
 
 
+def test_keys_of_another_input_pipeline_checkpoints_off_or_no_hlo_dump_are_named():
+    """Data keys of another dataset_type (dataset_type=hf with grain_eval_files; data_shuffle_seed with hf,
+    which does not shuffle; a tokenizer with synthetic tokens), checkpoint keys with enable_checkpointing=false
+    and the HLO dump's keys without dump_hlo=true were accepted without a word."""
+    from tessera.config.unread_keys import keys_without_effect
+
+    hf = load_config([BASE, "dataset_type=hf", "hf_path=json", "hf_train_files=/d/a.json", "grain_eval_files=/d/e",
+                      "dataset_name=c4", "data_shuffle_seed=3", "tokenizer_path=/t.model"], env={})
+    assert keys_without_effect(hf, {"fsdp": 8}) == [
+        "dataset_name=c4, grain_eval_files=/d/e, data_shuffle_seed=3: no effect with dataset_type=hf (dataset_name is "
+        "read with dataset_type=tfds; grain_eval_files is read with dataset_type=grain; data_shuffle_seed is read "
+        "with dataset_type=synthetic or grain or tfds)"]
+    synthetic = load_config([BASE, "tokenizer_path=/t.model", "packing=false", "dataset_path=/d"], env={})
+    assert keys_without_effect(synthetic, {"fsdp": 8}) == [
+        "dataset_path=/d: no effect with dataset_type=synthetic (Tessera's default; MaxText's is tfds), which trains "
+        "on random tokens; set dataset_type=tfds, hf or grain to read that data",
+        "tokenizer_path=/t.model, packing=False: no effect with dataset_type=synthetic, whose random tokens need no "
+        "files, tokenizer or documents"]
+    grain = load_config([BASE, "dataset_type=grain", "grain_train_files=/d/*.array_record", "grain_worker_count=2",
+                         "data_shuffle_seed=3", "tokenizer_path=/t.model", "packing=false"], env={})
+    assert keys_without_effect(grain, {"fsdp": 8}) == []
+    off = load_config([BASE, "enable_checkpointing=false", "checkpoint_period=5", "async_checkpointing=false",
+                       "dump_hlo_local_dir=/tmp/dump", "dump_hlo_module_name=jit_eval_step"], env={})
+    assert keys_without_effect(off, {"fsdp": 8}) == [
+        "checkpoint_period=5, async_checkpointing=False: no effect with enable_checkpointing=false, which saves no "
+        "checkpoint",
+        "dump_hlo_local_dir=/tmp/dump, dump_hlo_module_name=jit_eval_step: no effect without dump_hlo=true"]
+    flags = load_config([BASE, "dump_hlo=true", "dump_hlo_xla_flags=--xla_dump_to=/tmp/d", "dump_hlo_module_name=x"],
+                        env={})
+    assert keys_without_effect(flags, {"fsdp": 8}) == [
+        "dump_hlo_module_name=x: no effect beside dump_hlo_xla_flags, whose flags XLA is given instead of the dump "
+        "folder and program filter"]
+    used = load_config([BASE, "checkpoint_period=5", "dump_hlo=true", "dump_hlo_local_dir=/tmp/dump"], env={})
+    assert keys_without_effect(used, {"fsdp": 8}) == []
+
+
 def test_latent_attention_keys_on_another_family_are_named():
     """q_lora_rank, kv_lora_rank and the MLA head widths size deepseek's latent attention only; on a llama
     or mixtral they were accepted without a word (Models.md: a family key set for a model that does not

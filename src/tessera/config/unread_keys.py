@@ -12,6 +12,19 @@ PIPELINE_KEYS = ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layer
 # the keys that name training data: with dataset_type=synthetic (Tessera's default; MaxText's is tfds, so a MaxText
 # command with dataset_path and dataset_name but no dataset_type) the run trained on random tokens without a word
 DATA_KEYS = ("dataset_name", "dataset_path", "hf_path", "hf_train_files", "grain_train_files")
+# every data key and the dataset_type values whose input pipeline reads it (tessera.data): another pipeline's keys
+# (dataset_type=hf with grain_eval_files, data_shuffle_seed with hf, which does not shuffle) were ignored silently
+DATA_KEY_READERS = {
+    **dict.fromkeys(("hf_path", "hf_train_files", "hf_eval_files", "hf_streaming"), ("hf",)),
+    **dict.fromkeys(("dataset_name", "dataset_path", "eval_dataset_name"), ("tfds",)),
+    **dict.fromkeys(("grain_train_files", "grain_eval_files", "grain_file_type"), ("grain",)),
+    "grain_worker_count": ("grain", "tfds"),
+    **dict.fromkeys(("train_split", "eval_split"), ("hf", "tfds")),
+    "data_shuffle_seed": ("synthetic", "grain", "tfds"),
+    **dict.fromkeys(("train_data_columns", "tokenizer_path", "tokenizer_type", "add_bos", "add_eos", "packing"),
+                    ("hf", "grain", "tfds")),
+}
+CHECKPOINT_KEYS = ("checkpoint_period", "max_num_checkpoints_to_keep", "async_checkpointing")
 MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", "tile_batch_seq", "tile_activation_dim", "tile_weight_dim")
 
 
@@ -20,7 +33,8 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     per-tensor remat keys without remat_policy=custom, pipeline keys on a mesh without stages (and
     pipeline_fsdp_ag_once on one without fsdp, shard_optimizer_over_data on one without data), MoE
     routing keys on a dense model, a sequence or expert axis that does not divide what it would
-    split), for a warning at set-up; they were accepted without a word."""
+    split, another input pipeline's data keys, checkpoint keys without checkpoints, HLO dump keys
+    without the dump), for a warning at set-up; they were accepted without a word."""
     from tessera.config.loader import changed_keys
     from tessera.config.schema import REMAT_TENSORS
 
@@ -29,13 +43,17 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if not cfg.data.eval_interval and (keys := [k for k in ("eval_steps", "eval_per_device_batch_size") if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect, this run never evaluates (eval_interval=N evaluates every "
                      "N steps)")
-    if cfg.data.dataset_type == "synthetic" and (keys := [k for k in DATA_KEYS if k in changed]):
-        lines.append(f"{_listed(keys, changed)}: no effect with dataset_type=synthetic (Tessera's default; "
-                     "MaxText's is tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read "
-                     "that data")
+    lines += _data_keys(cfg.data.dataset_type, changed)
+    if not cfg.checkpoint.enable_checkpointing and (keys := [k for k in CHECKPOINT_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with enable_checkpointing=false, which saves no checkpoint")
     if not cfg.profiler.profiler and (keys := [k for k in ("skip_first_n_steps_for_profiler", "profiler_steps")
                                                if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without profiler=xplane")
+    dump = ("dump_hlo_local_dir", "dump_hlo_module_name") + (("dump_hlo_xla_flags",) if not cfg.profiler.dump_hlo else ())
+    if (not cfg.profiler.dump_hlo or cfg.profiler.dump_hlo_xla_flags) and (keys := [k for k in dump if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect " + ("without dump_hlo=true" if not cfg.profiler.dump_hlo else
+                     "beside dump_hlo_xla_flags, whose flags XLA is given instead of the dump folder and program "
+                     "filter"))
     if not cfg.gpu.enable_pgle and "pgle_profiling_runs" in changed:
         lines.append(f"pgle_profiling_runs={changed['pgle_profiling_runs']}: no effect without enable_pgle=true (JAX's "
                      "automatic PGLE, which it sizes)")
@@ -70,6 +88,25 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     lines += _quantized_logits(cfg.model)
     lines += _optimizer_and_decoding_keys(cfg, changed)
     return lines
+
+
+def _data_keys(dataset_type: str, changed: dict) -> list[str]:
+    """keys_without_effect's lines for data keys that the input pipeline of `dataset_type` does not read."""
+    unread = [k for k, readers in DATA_KEY_READERS.items() if k in changed and dataset_type not in readers]
+    if not unread:
+        return []
+    if dataset_type == "synthetic":
+        named, rest = [k for k in DATA_KEYS if k in unread], [k for k in unread if k not in DATA_KEYS]
+        lines = [f"{_listed(named, changed)}: no effect with dataset_type=synthetic (Tessera's default; MaxText's is "
+                 "tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read that data"] * bool(named)
+        return lines + [f"{_listed(rest, changed)}: no effect with dataset_type=synthetic, whose random tokens need no "
+                        "files, tokenizer or documents"] * bool(rest)
+    by_readers: dict[tuple[str, ...], list[str]] = {}
+    for k in unread:
+        by_readers.setdefault(DATA_KEY_READERS[k], []).append(k)
+    readers = "; ".join(f"{' and '.join(keys)} {'is' if len(keys) == 1 else 'are'} read with dataset_type="
+                        f"{' or '.join(types)}" for types, keys in by_readers.items())
+    return [f"{_listed(unread, changed)}: no effect with dataset_type={dataset_type} ({readers})"]
 
 
 def _quantized_logits(m) -> list[str]:
