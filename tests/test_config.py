@@ -525,6 +525,23 @@ def test_integer_keys_never_go_through_float(tmp_path):
     assert _config_error([str(path)]).startswith("steps=99999999999999999999999 is out of range")
 
 
+def test_a_config_file_reads_values_as_the_command_line_does(tmp_path):
+    """PyYAML reads YAML 1.1: an unquoted 010 is 8 (octal) and 1:30 is 90 (base 60), and a text key's
+    unquoted number or bool became its Python text: `run_name: 010` trained into the folder 8 and
+    `steps: 010` 8 steps, where run_name=010 steps=010 on the command line are '010' and 10."""
+    path = tmp_path / "exp.yml"
+    path.write_text("base_config: base.yml\nrun_name: 010\nsteps: 010\nsequence_length: 0100\ntrain_split: 1:30\n"
+                    "dataset_name: 1_000\neval_split: yes\nlearning_rate: 1e-3\ncheckpoint_period: 0x10\n")
+    cfg = load_config([str(path)], env={})
+    assert (cfg.run.run_name, cfg.run.steps, cfg.data.max_target_length) == ("010", 10, 100)
+    assert (cfg.data.train_split, cfg.data.dataset_name, cfg.data.eval_split) == ("1:30", "1_000", "yes")
+    assert (cfg.optim.learning_rate, cfg.checkpoint.checkpoint_period) == (0.001, 16)  # read as before
+    on_the_command_line = load_config([BASE, "run_name=010", "steps=010"], env={})
+    assert (on_the_command_line.run.run_name, on_the_command_line.run.steps) == ("010", 10)
+    path.write_text("base_config: base.yml\nsteps: 1:30\n")
+    assert _config_error([str(path)]) == f"steps='1:30' is not a valid int (from {path})"
+
+
 FLOAT_KEYS = sorted(n for n, (_, f) in all_fields().items() if f.type in ("float", float))
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,32 @@ def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
                           "start from a copy of configs/base.yml")
     _refuse_keys_that_are_not_names(text, f"{what} {path}")
     _warn_repeated_keys(text, f"{what} {path}")
-    return data
+    return _values_as_written(text, data)
+
+
+_OCTAL_OR_SEXAGESIMAL = re.compile(r"[-+]?0[0-7_]+|.*:.*")  # YAML 1.1's 010 (8) and 1:30 (90)
+
+
+def _values_as_written(text: str, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with the values that YAML 1.1 (PyYAML) reads otherwise than the command line does, read
+    as written: an unquoted number or bool of a text key stays its text (`run_name: 010` named the run's
+    folder 8, `run_name: 1_000` 1000, `run_name: yes` True), and a number key's `010` and `1:30` are
+    10 and an error, as steps=010 and steps=1:30 are (PyYAML read them as 8 and 90 without a word)."""
+    from tessera.config.maxtext import ALIASES
+    from tessera.config.schema import all_fields
+
+    fields, out = all_fields(), dict(data)
+    for key_node, value_node in yaml.compose(text).value:  # a mapping: read_yaml checked it
+        name = ALIASES.get(key_node.value, (key_node.value,))[0]
+        if name not in fields or not isinstance(value_node, yaml.ScalarNode) or value_node.style is not None:
+            continue  # quoted or a block: a text already
+        kind, resolved = fields[name][1].type, value_node.tag.rpartition(":")[2]
+        kind = kind if isinstance(kind, str) else kind.__name__
+        if (kind == "str" and resolved in ("int", "float", "bool", "timestamp")) or (
+                kind in ("int", "float") and resolved in ("int", "float")
+                and _OCTAL_OR_SEXAGESIMAL.fullmatch(value_node.value)):
+            out[key_node.value] = value_node.value
+    return out
 
 
 def _where_it_is(path: Path) -> str:
