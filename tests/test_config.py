@@ -542,6 +542,26 @@ def test_a_config_file_reads_values_as_the_command_line_does(tmp_path):
     assert _config_error([str(path)]) == f"steps='1:30' is not a valid int (from {path})"
 
 
+def test_sizes_global_parameter_scale_makes_are_bounded_as_the_base_sizes_are():
+    """global_parameter_scale took 4 layers past MAX_LAYERS (2^62: 4 million; the estimate ran out of memory
+    listing them) and weights past what XLA can compile (2^44: a RuntimeError traceback, "overflow in static
+    extent product"; a weight of 10^18 elements aborted the process); a vocabulary past int32 token ids was a
+    traceback in the synthetic data. Each is a config error naming the keys."""
+    assert _config_error([BASE, f"global_parameter_scale={2**62}"]).startswith(
+        f"base_num_decoder_layers=4 and global_parameter_scale={2**62} make 4,194,304 decoder layers, more than the "
+        "65,536 a model may have")
+    assert _config_error([BASE, f"global_parameter_scale={2**44}"]).startswith(
+        "the MLP's first projection [layers 65536, emb 8388608, mlp 25165824] would hold 1.38e+19 elements, more than "
+        "the 7.21e+16 a weight may hold (beyond, compiling overflows XLA's 64-bit byte counts); lower base_mlp_dim, "
+        f"base_emb_dim, base_num_decoder_layers or global_parameter_scale={2**44}")
+    assert "the token embedding [vocab 2147483648, emb 67108864]" in _config_error(
+        [BASE, f"vocab_size={2**31}", f"base_emb_dim={2**26}"])
+    assert _config_error([BASE, "vocab_size=3000000000"]).startswith(
+        "vocab_size='3000000000' is too large; it must be <= 2147483648")
+    assert load_config([BASE, f"global_parameter_scale={2**36}"], env={}).model.num_decoder_layers == 16384
+    assert load_config([BASE, "model_name=1b", "global_parameter_scale=128"], env={}).model.emb_dim == 8192
+
+
 FLOAT_KEYS = sorted(n for n, (_, f) in all_fields().items() if f.type in ("float", float))
 
 

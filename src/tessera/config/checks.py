@@ -8,6 +8,8 @@ but have no effect in a run are warned of by `tessera.config.unread_keys`.
 
 from __future__ import annotations
 
+import math
+
 from tessera.config.schema import MOE_BLOCKS, Config, ConfigError, ModelConfig
 
 
@@ -19,6 +21,7 @@ def validate(cfg: Config) -> None:
     scale = m.global_parameter_scale
     if scale & (scale - 1):
         raise ConfigError(f"global_parameter_scale={scale} must be a power of two (1, 2, 4, ..., 128, ...)")
+    _validate_scaled_sizes(m)
     if m.num_query_heads % m.num_kv_heads:
         raise ConfigError(
             f"query heads ({m.num_query_heads}) must be a multiple of kv heads ({m.num_kv_heads}); "
@@ -99,6 +102,38 @@ def validate(cfg: Config) -> None:
     _validate_eval(cfg.data)
     _validate_vocab_tiling(cfg)
     _validate_mtp(cfg)
+
+
+def _validate_scaled_sizes(m: ModelConfig) -> None:
+    """The sizes global_parameter_scale makes stay within what the base_* keys may hold: the layer
+    count within MAX_LAYERS (the scale took 4 layers to 4 million, and listing the layers' windows
+    exhausted the host's memory), and each weight within MAX_WEIGHT_ELEMENTS (beyond, compiling the
+    initialization raised a traceback, "overflow in static extent product", or aborted in XLA)."""
+    from tessera.config.schema import MAX_LAYERS, MAX_WEIGHT_ELEMENTS
+
+    sizes = (f"base_num_decoder_layers={m.base_num_decoder_layers} and global_parameter_scale="
+             f"{m.global_parameter_scale}")
+    if m.num_decoder_layers > MAX_LAYERS:
+        raise ConfigError(f"{sizes} make {m.num_decoder_layers:,} decoder layers, more than the {MAX_LAYERS:,} a "
+                          "model may have (the deepest model file has 126); lower global_parameter_scale or "
+                          "base_num_decoder_layers")
+    layers, d = ("layers", m.num_decoder_layers, "base_num_decoder_layers"), ("emb", m.emb_dim, "base_emb_dim")
+    expert_key = "base_moe_mlp_dim" if m.base_moe_mlp_dim else "base_mlp_dim"
+    weights = {"the query projection": (layers, d, ("heads", m.num_query_heads, "base_num_query_heads"),
+                                        ("head_dim", m.head_dim, "head_dim")),
+               "the MLP's first projection": (layers, d, ("mlp", m.mlp_dim, "base_mlp_dim")),
+               "the experts' first projection": (layers, ("experts", m.num_experts, "num_experts"), d,
+                                                 ("mlp", m.expert_mlp_dim, expert_key)),
+               "the token embedding": (("vocab", m.vocab_size, "vocab_size"), d)}
+    elements = {what: math.prod(size for _, size, _ in dims) for what, dims in weights.items()}
+    what = max(elements, key=elements.get)
+    if elements[what] > MAX_WEIGHT_ELEMENTS:
+        dims = weights[what]
+        keys = sorted((k for _, size, k in dims if size > 1), key=lambda k: -getattr(m, k))
+        raise ConfigError(f"{what} [{', '.join(f'{label} {size}' for label, size, _ in dims)}] would hold "
+                          f"{elements[what]:.3g} elements, more than the {MAX_WEIGHT_ELEMENTS:.3g} a weight may hold "
+                          f"(beyond, compiling overflows XLA's 64-bit byte counts); lower {', '.join(keys)} or "
+                          f"global_parameter_scale={m.global_parameter_scale}")
 
 
 def _validate_run_name(name: str) -> None:

@@ -68,6 +68,12 @@ MAX_HEAD_DIM = 65536
 # Deepest model accepted (the deepest model file: 126 layers); the planner and the FLOPs count go
 # through the layers one by one: a typo of 10^9 exhausted the host's memory there.
 MAX_LAYERS = 65536
+# Token ids are int32 (JAX's default integer), 0..V-1: a vocabulary of 3e9 was a traceback in the synthetic data.
+MAX_VOCAB = 2**31
+# Most elements one weight may hold once global_parameter_scale has scaled it (256 PiB in float32; the largest
+# weight of a model file holds under 2^33): compiling the initialization sums every buffer's bytes in 64 bits, and a
+# weight of 10^18 elements aborted the process in XLA (10^17 compiled and the memory check refused it, exit code 7).
+MAX_WEIGHT_ELEMENTS = 2**56
 
 
 def key(default: Any, doc: str, choices: tuple = (), minimum: float | None = None, path: str = "",
@@ -152,7 +158,7 @@ class ModelConfig:
     base_mlp_dim: int = key(768, "hidden width F of the MLP before scaling", minimum=1)
     base_num_decoder_layers: int = key(4, "number of decoder blocks L before scaling", minimum=1,
                                        maximum=MAX_LAYERS)
-    vocab_size: int = key(512, "vocabulary size V (token ids are 0..V-1)", minimum=2)
+    vocab_size: int = key(512, "vocabulary size V (token ids are 0..V-1)", minimum=2, maximum=MAX_VOCAB)
     mlp_activations: list = key(["silu", "linear"], "MLP activations; two entries make a gated MLP (act0(x W0) * act1(x W1))")
     normalization_layer_epsilon: float = key(1e-5, "epsilon of RMSNorm", minimum=0.0)
     rope_max_timescale: int = key(10000, "largest wavelength (theta) of the rotary position embedding", minimum=1)
