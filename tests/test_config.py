@@ -49,6 +49,9 @@ def test_precedence_base_model_cli_env():
     assert cfg.model.base_emb_dim == 1024 and cfg.run.steps == 7  # command line over model file
     cfg = load_config([BASE, "model_name=llama2-7b", "steps=7"], env={"M_STEPS": "9", "M_RUN_NAME": "envrun"})
     assert cfg.run.steps == 9 and cfg.run.run_name == "envrun"  # environment over command line
+    # a value in quotes, as `docker run --env-file` passes M_RUN_NAME="x" (quotes kept), is read as on the command line
+    cfg = load_config([BASE], env={"M_RUN_NAME": '"envrun"', "M_LEARNING_RATE": "'1e-3'", "M_METRICS_FILE": '""'})
+    assert (cfg.run.run_name, cfg.optim.learning_rate, cfg.run.metrics_file) == ("envrun", 0.001, "")
 
 
 def test_types_are_coerced():

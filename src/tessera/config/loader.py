@@ -149,7 +149,8 @@ def _env_layers(env: Mapping[str, str], errors: list[str]) -> list[tuple[str, di
     """One layer per M_<KEY> variable that names a config key or a MaxText key (other M_ variables
     are not ours; one that is a near miss of a key, a likely typo, gets a warning). The variables
     are one place: an alias and its key set to different values there is a line in `errors` (the
-    variables' order, alphabetical, decided which one won)."""
+    variables' order, alphabetical, decided which one won). A value in quotes is read as on the command
+    line (`docker run --env-file` keeps the quotes of M_RUN_NAME="x": the run's folder was named "x")."""
     fields = {*all_fields(), *maxtext_keys()}
     ours = {name[len(ENV_PREFIX):].lower(): name for name in env if name.startswith(ENV_PREFIX)}
     for alias, (target, whose) in ALIASES.items():
@@ -163,7 +164,7 @@ def _env_layers(env: Mapping[str, str], errors: list[str]) -> list[tuple[str, di
             if close:
                 log.warning("environment variable %s is not a config key and is ignored; did you mean %s%s?",
                             name, ENV_PREFIX, close[0].upper())
-    return [(f"the environment variable {name}", {name[len(ENV_PREFIX):].lower(): value})
+    return [(f"the environment variable {name}", {name[len(ENV_PREFIX):].lower(): _unquoted(value)})
             for name, value in sorted(env.items())
             if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in fields]
 
