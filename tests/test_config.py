@@ -727,6 +727,15 @@ def test_an_unknown_model_lists_the_folders_searched_and_the_known_names(tmp_pat
     assert _config_error([BASE, "model_name=llama3.1_8B"]).startswith(
         f"model_name='llama3.1_8B': no file llama3.1_8B.yml in {REPO / 'configs' / 'models'}. Did you mean "
         "llama3.1-8b, ")
+    # a path to a model file: the name to give (a path listed all 38 names, without a word on the path)
+    assert _config_error([BASE, "model_name=configs/models/llama2-7b.yml"]) == (
+        f"model_name='configs/models/llama2-7b.yml': no file configs/models/llama2-7b.yml.yml in "
+        f"{REPO / 'configs' / 'models'}. model_name is a model's name, its file's without the folder and .yml: "
+        "model_name=llama2-7b; a model file of your own goes in a models/ folder beside the config file, and "
+        "model_name=llama2-7b names it (from the command line)")
+    assert _config_error([str(path), "model_name=/elsewhere/mine.yaml"]).endswith(
+        "model_name=mine; a model file of your own goes in a models/ folder beside the config file, and "
+        "model_name=mine names it (from the command line)")
     name = "x" * 300  # longer than a file name may be: OSError (File name too long) and a traceback
     assert _config_error([BASE, f"model_name={name}"]).startswith(f"model_name='{name}': no file {name}.yml in ")
 

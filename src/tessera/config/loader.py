@@ -78,9 +78,15 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     model_file = next((d / f"{model_name}.yml" for d in folders if is_file(d / f"{model_name}.yml")), None)
     if model_file is None:
         known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
-        close = difflib.get_close_matches(str(model_name).lower(), known, n=3, cutoff=0.6)
+        # a path to a model file (configs/models/llama2-7b.yml): the name is its file's, without folder and .yml
+        stem = re.sub(r"\.ya?ml$", "", str(model_name).replace("\\", "/").rpartition("/")[2])
+        close = difflib.get_close_matches(stem.lower(), known, n=3, cutoff=0.6)
         hint = (f"Did you mean {', '.join(close)}? ({len(known)} models in all, a .yml file each there)" if close
                 else f"Known models: {', '.join(known) or 'none'}")
+        if stem != str(model_name):
+            hint = (f"model_name is a model's name, its file's without the folder and .yml: model_name={stem}"
+                    if stem in known else hint) + (f"; a model file of your own goes in a models/ folder beside the "
+                                                   f"config file, and model_name={stem} names it")
         _raise_all(errors + [_name_sources(
             f"model_name={model_name!r}: no file {model_name}.yml in {' or '.join(str(d) for d in folders)}. {hint}",
             layers)])
