@@ -361,6 +361,11 @@ def _config_error(argv: list[str]) -> str:
                      "parsing a flow sequence started at line 1); correct the file there"),
     (b"steps: " + b"[" * 5000 + b"]" * 5000 + b"\n",  # a RecursionError traceback
      "is not a config file: its values are nested hundreds of levels deep; a config file is key: value lines"),
+    # YAML aliases that multiply ("billion laughs"): 9 levels of 9 references hung the loader, which writes values
+    # into its messages; 6 levels (531,441 items) are enough here
+    (b"a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + b"".join(
+        b"%c: &%c [%s]\n" % (c, c, b", ".join([b"*%c" % (c - 1)] * 9)) for c in b"bcdef") + b"steps: *f\n",
+     "is not a config file: with its YAML aliases (*name) expanded, its values hold more than 100,000 items"),
 ])
 def test_a_bad_config_file_gets_its_own_one_line_error(tmp_path, content, message):
     path = tmp_path / "my.yml"

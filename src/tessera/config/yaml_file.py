@@ -60,6 +60,7 @@ def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
         raise ConfigError(f"{what} {path} must be a mapping of key: value lines, got {type(data).__name__}; "
                           "start from a copy of configs/base.yml")
     _refuse_keys_that_are_not_names(text, f"{what} {path}")
+    _refuse_aliases_that_multiply(text, f"{what} {path}")
     _warn_repeated_keys(text, f"{what} {path}")
     return _values_as_written(text, data)
 
@@ -115,6 +116,27 @@ def _refuse_keys_that_are_not_names(text: str, where: str) -> None:
         if key_node.tag not in ("tag:yaml.org,2002:str", "tag:yaml.org,2002:merge"):
             raise ConfigError(f"{where}: the key {key_node.value!r} on line {key_node.start_mark.line + 1} is not a "
                               "name (YAML reads it as a number, null or true/false); keys are names such as steps")
+
+
+MAX_VALUES = 100_000  # items in a config file's values, YAML's aliases expanded (configs/base.yml: 422)
+
+
+def _refuse_aliases_that_multiply(text: str, where: str) -> None:
+    """YAML's aliases (*name) let a few lines stand for billions of items (a list of 9 references to a
+    list of 9 ..., the "billion laughs"): a value like that hung the loader, which writes values into
+    its messages. Counted with the aliases expanded, up to MAX_VALUES."""
+    count, nodes = 0, [yaml.compose(text)]
+    while nodes:
+        node = nodes.pop()
+        count += 1
+        if count > MAX_VALUES:
+            raise ConfigError(f"{where} is not a config file: with its YAML aliases (*name) expanded, its values hold "
+                              f"more than {MAX_VALUES:,} items; a config file is key: value lines such as "
+                              "configs/base.yml")
+        if isinstance(node, yaml.SequenceNode):
+            nodes.extend(node.value)
+        elif isinstance(node, yaml.MappingNode):
+            nodes.extend(item for pair in node.value for item in pair)
 
 
 def _warn_repeated_keys(text: str, where: str) -> None:
