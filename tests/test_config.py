@@ -1056,6 +1056,13 @@ def test_no_config_file_names_the_program_that_was_run(tmp_path):
         assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
             f"config error: no config file given: the first argument is a config file, e.g. `.venv/bin/python {shown} "
             "configs/base.yml ...`"), proc.stderr[-2000:]
+    # an empty first argument (`train.py "$CONFIG"` with CONFIG unset) said "config file . is a directory"
+    for program, shown in (([str(REPO / "train.py")], "train.py"), (["-m", "tessera.config"], "-m tessera.config")):
+        proc = subprocess.run([sys.executable, *program, "", "steps=3"], capture_output=True, text=True, cwd=tmp_path,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1] == (
+            "config error: no config file given: the first argument is empty (''); it is a config file, e.g. "
+            f"`.venv/bin/python {shown} configs/base.yml ...`"), proc.stderr[-2000:]
 
 
 def test_a_command_that_starts_with_a_key_is_told_the_config_file_comes_first(tmp_path):

@@ -53,6 +53,9 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     if not argv:
         raise ConfigError(f"no config file given: the first argument is a config file, e.g. `.venv/bin/python "
                           f"{program} configs/base.yml ...`")
+    if not argv[0].strip():  # `train.py "$CONFIG" ...` with CONFIG unset: Path("") is the working directory
+        raise ConfigError(f"no config file given: the first argument is empty ({argv[0]!r}); it is a config file, "
+                          f"e.g. `.venv/bin/python {program} configs/base.yml ...`")
     if re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]) and not is_file(Path(argv[0])):  # MaxText infers its file
         raise ConfigError(f"no config file given: the first argument, {argv[0]!r}, is a key=value; the config file "
                           f"comes first, e.g. `.venv/bin/python {program} configs/base.yml {' '.join(argv)}`")

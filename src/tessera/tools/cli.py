@@ -370,7 +370,7 @@ def resolve_path(text: str, what: str, must_exist: bool = True) -> str:
 def resolve_config_file(args: Sequence[str]) -> list[str]:
     """`args` of load_config (a YAML file, then key=value) with the file resolved as by `resolve_path`."""
     args = list(args)
-    if args and "=" not in args[0] and not args[0].startswith("-"):
+    if args and args[0].strip() and "=" not in args[0] and not args[0].startswith("-"):  # "": load_config says
         args[0] = resolve_path(args[0], "config file")
     return args
 
