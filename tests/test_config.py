@@ -108,6 +108,17 @@ def test_bad_values_are_explained(arg, expect):
         load_config([BASE, *arg.split()], env={})
 
 
+def test_a_key_given_apart_from_its_value_is_told_the_form():
+    """`steps 100` and `--steps 100` (argparse's form) said only "argument 'steps' is not of the form key=value";
+    the error now shows the argument to give."""
+    assert _config_error([BASE, "run_name=x", "steps", "100"]) == (
+        "argument 'steps' is not of the form key=value: it is the config key steps without its value; give the two "
+        "as one argument: steps=100")
+    assert _config_error([BASE, "--steps", "100"]).endswith("give the two as one argument: steps=100")
+    assert _config_error([BASE, "sequence_length"]).endswith("as one argument: sequence_length=<value>")  # an alias
+    assert _config_error([BASE, "bogus", "5"]) == "argument 'bogus' is not of the form key=value (e.g. steps=100)"
+
+
 def test_missing_config_file():
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(["configs/nope.yml"], env={})

@@ -286,9 +286,14 @@ def resolve_paths(cfg: Config) -> None:
 
 
 def _parse_overrides(args: list[str]) -> dict[str, str]:
-    out = {}
-    for arg in args:
+    out, keys = {}, {*all_fields(), *maxtext_keys()}
+    for i, arg in enumerate(args):
         name, sep, value = arg.partition("=")
+        key = name.strip().lstrip("-")
+        if not sep and key in keys:  # `steps 100`, `--steps 100` (argparse's form): the key and its value apart
+            given = args[i + 1] if i + 1 < len(args) and "=" not in args[i + 1] else "<value>"
+            raise ConfigError(f"argument {arg!r} is not of the form key=value: it is the config key {key} without its "
+                              f"value; give the two as one argument: {key}={given}")
         if not sep or not name:
             raise ConfigError(f"argument {arg!r} is not of the form key=value (e.g. steps=100)")
         name, value = name.strip(), _unquoted(value)
