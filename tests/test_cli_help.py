@@ -61,6 +61,8 @@ def test_train_main_answers_help_first(capsys):
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and out.startswith("usage: .venv/bin/python train.py")
     assert "steps=150" in out and "per_device_batch_size=" in out  # keys with their defaults
+    # a key's comment is read apart from base.yml here: remat_policy's said "the per-tensor keys below", none below
+    assert "below" not in out and "'custom': the per-tensor keys decoder_layer_input to mlpwo" in out
 
 
 def test_a_relative_path_of_the_repository_typed_elsewhere_names_the_repositorys(tmp_path, monkeypatch):

@@ -211,7 +211,7 @@ class ModelConfig:
     scan_layers: bool = key(True, "stack the decoder blocks and run them with jax.lax.scan (faster compile); "
                                  "either way the same seed gives the same initial weights")
     remat_policy: str = key("full", "what the backward pass keeps vs recomputes per block ('none' keeps all; "
-                            "'custom': the per-tensor keys below)", REMAT_POLICIES)
+                            "'custom': the per-tensor keys decoder_layer_input to mlpwo)", REMAT_POLICIES)
     decoder_layer_input: str = key("device", "remat_policy=custom: a block's input [B, T, D]", REMAT_CHOICES)
     query_proj: str = key("remat", "remat_policy=custom: the query projection [B, T, N, H]", REMAT_CHOICES)
     key_proj: str = key("remat", "remat_policy=custom: the key projection [B, T, K, H]", REMAT_CHOICES)
