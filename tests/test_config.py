@@ -711,6 +711,17 @@ def test_adam_eps_of_zero_and_a_negative_data_seed_are_refused():
 # --------------------------------------------------------------------------- model files beside the config or in configs/models
 
 
+def test_a_config_file_under_the_home_folder_is_found_as_typed(tmp_path, monkeypatch):
+    """train.py "~/exp.yml" (quoted, or in a job's argument list, where no shell expands it) said the file does
+    not exist, where -m tessera.config (which resolves the path first) and base_config: ~/... found it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "exp.yml").write_text("base_config: base.yml\nsteps: 7\n")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "mine.yml").write_text("base_emb_dim: 48\n")
+    cfg = load_config(["~/exp.yml", "model_name=mine"], env={})
+    assert (cfg.run.steps, cfg.model.base_emb_dim) == (7, 48)
+
+
 def test_a_config_file_outside_configs_finds_the_repository_models(tmp_path):
     path = tmp_path / "my.yml"
     path.write_text((REPO / "configs" / "base.yml").read_text())

@@ -60,7 +60,7 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
         raise ConfigError(f"no config file given: the first argument, {argv[0]!r}, is a key=value; the config file "
                           f"comes first, e.g. `.venv/bin/python {program} configs/base.yml {' '.join(argv)}`")
     env = os.environ if env is None else env
-    base_path = Path(argv[0])
+    base_path = Path(argv[0]).expanduser()  # "~/exp.yml" quoted, or from a job's argument list: as a shell expands it
     # (source, values), lowest precedence first; the model file goes second once model_name is known
     errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
     files = config_files(base_path)  # the file and the files it inherits from (base_config), parents first
