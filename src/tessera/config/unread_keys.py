@@ -49,11 +49,12 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if not cfg.profiler.profiler and (keys := [k for k in ("skip_first_n_steps_for_profiler", "profiler_steps")
                                                if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without profiler=xplane")
-    dump = ("dump_hlo_local_dir", "dump_hlo_module_name") + (("dump_hlo_xla_flags",) if not cfg.profiler.dump_hlo else ())
-    if (not cfg.profiler.dump_hlo or cfg.profiler.dump_hlo_xla_flags) and (keys := [k for k in dump if k in changed]):
-        lines.append(f"{_listed(keys, changed)}: no effect " + ("without dump_hlo=true" if not cfg.profiler.dump_hlo else
-                     "beside dump_hlo_xla_flags, whose flags XLA is given instead of the dump folder and program "
-                     "filter"))
+    p = cfg.profiler
+    dump = ("dump_hlo_local_dir", "dump_hlo_module_name") + (("dump_hlo_xla_flags",) if not p.dump_hlo else ())
+    if (not p.dump_hlo or p.dump_hlo_xla_flags) and (keys := [k for k in dump if k in changed]):
+        why = "without dump_hlo=true" if not p.dump_hlo else ("beside dump_hlo_xla_flags, whose flags XLA is given "
+                                                             "instead of the dump folder and program filter")
+        lines.append(f"{_listed(keys, changed)}: no effect {why}")
     if not cfg.gpu.enable_pgle and "pgle_profiling_runs" in changed:
         lines.append(f"pgle_profiling_runs={changed['pgle_profiling_runs']}: no effect without enable_pgle=true (JAX's "
                      "automatic PGLE, which it sizes)")
@@ -98,9 +99,9 @@ def _data_keys(dataset_type: str, changed: dict) -> list[str]:
     if dataset_type == "synthetic":
         named, rest = [k for k in DATA_KEYS if k in unread], [k for k in unread if k not in DATA_KEYS]
         lines = [f"{_listed(named, changed)}: no effect with dataset_type=synthetic (Tessera's default; MaxText's is "
-                 "tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read that data"] * bool(named)
-        return lines + [f"{_listed(rest, changed)}: no effect with dataset_type=synthetic, whose random tokens need no "
-                        "files, tokenizer or documents"] * bool(rest)
+                 "tfds), which trains on random tokens; set dataset_type=tfds, hf or grain to read that data"]
+        return lines * bool(named) + [f"{_listed(rest, changed)}: no effect with dataset_type=synthetic, whose random "
+                                      "tokens need no files, tokenizer or documents"] * bool(rest)
     by_readers: dict[tuple[str, ...], list[str]] = {}
     for k in unread:
         by_readers.setdefault(DATA_KEY_READERS[k], []).append(k)
