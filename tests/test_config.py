@@ -754,6 +754,10 @@ def test_an_unknown_model_lists_the_folders_searched_and_the_known_names(tmp_pat
     assert _config_error([BASE, "model_name=llama3.1_8B"]).startswith(
         f"model_name='llama3.1_8B': no file llama3.1_8B.yml in {REPO / 'configs' / 'models'}. Did you mean "
         "llama3.1-8b, ")
+    # an empty name (model_name=, M_MODEL_NAME=""): said "no file .yml" and listed every name
+    assert _config_error([BASE, "model_name="]) == (
+        f"model_name='' is empty: it names a model file of {REPO / 'configs' / 'models'} without its .yml, e.g. "
+        "model_name=default (the tiny model) or model_name=llama2-7b (from the command line)")
     # a path to a model file: the name to give (a path listed all 38 names, without a word on the path)
     assert _config_error([BASE, "model_name=configs/models/llama2-7b.yml"]) == (
         f"model_name='configs/models/llama2-7b.yml': no file configs/models/llama2-7b.yml.yml in "

@@ -78,6 +78,10 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
         _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
         return cfg
     folders = model_folders(base_path)
+    if model_name is None or not str(model_name).strip():  # model_name= (or `model_name:` in a file): "no file .yml"
+        _raise_all(errors + [_name_sources(f"model_name={model_name!r} is empty: it names a model file of "
+                                           f"{folders[-1]} without its .yml, e.g. model_name=default (the tiny "
+                                           "model) or model_name=llama2-7b", layers)])
     model_file = next((d / f"{model_name}.yml" for d in folders if is_file(d / f"{model_name}.yml")), None)
     if model_file is None:
         known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
