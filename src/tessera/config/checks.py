@@ -1,6 +1,6 @@
 """Checks of a config that involve more than one key, or a model that is to be built.
 
-Single-key checks (types, ranges, choices) happen while values are coerced (`loader.coerce`);
+Single-key checks (types, ranges, choices) happen while values are coerced (`values.coerce`);
 `validate` runs on every loaded config, `validate_for_build` only where a model is built from it,
 `check_trainable_dtypes` where a step is set up for training (or planned). Keys that are valid
 but have no effect in a run are warned of by `tessera.config.unread_keys`.
@@ -14,7 +14,7 @@ from tessera.config.schema import MOE_BLOCKS, Config, ConfigError, ModelConfig
 
 
 def validate(cfg: Config) -> None:
-    """Checks that involve more than one key (single-key checks happen in `loader.coerce`)."""
+    """Checks that involve more than one key (single-key checks happen in `values.coerce`)."""
     from tessera.config.schema import ACTIVATIONS
 
     m = cfg.model

@@ -16,35 +16,57 @@ once (`resolve_paths`); URLs such as gs://... are kept.
 from __future__ import annotations
 
 import dataclasses
-import decimal
 import difflib
 import hashlib
 import json
 import logging
-import math
 import os
 import re
 import sys
 from pathlib import Path
 from typing import Any, Mapping
 
-import yaml
-
 from tessera.config.checks import validate
 from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
 from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
+from tessera.config.values import coerce, unquoted
 from tessera.config.yaml_file import (config_files, is_file, is_run_config, model_folders,
                                       read_yaml)  # read_yaml: also imported from here by tools/estimate.py
 
 log = logging.getLogger("tessera")
 ENV_PREFIX = "M_"
 PLACEHOLDER = "<changeme>"  # a value left for the user to fill in (recipes, validation files)
-INT_RANGE = (-2**63, 2**63 - 1)  # int64: what an integer key may hold (JAX and NumPy take no wider integer)
 
 
 def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config:
     """`argv` is `[path/to/base.yml, key=value, ...]` as given to train.py. An error about a value
     says where the value was set: base.yml, the model file, the command line or an M_<KEY> variable."""
+    _check_first_argument(argv)
+    env = os.environ if env is None else env
+    base_path = Path(argv[0]).expanduser()  # "~/exp.yml" quoted, or from a job's argument list: as a shell expands it
+    # (source, values), lowest precedence first; the model file goes second once model_name is known
+    errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
+    files = config_files(base_path)  # the file and the files it inherits from (base_config), parents first
+    layers = [(source, _check_known(values, source, errors)) for source, values in (
+        *files, ("the command line", _parse_overrides(argv[1:])), *_env_layers(env, errors))]
+    _refuse_placeholders(layers, errors)  # before model_name chooses a file
+    model_name = _merge(layers).get("model_name", "default")
+    if _is_placeholder(model_name):
+        _raise_all(errors)  # no model file to read
+    if is_run_config(base_path) and files[-1][1].get("model_name", "default") == model_name:
+        return _built(layers, errors)  # a run's config.yml holds its model keys already: read as it stands
+    model_file = _model_file(model_name, model_folders(base_path), layers, errors)
+    model = read_yaml(model_file, "model file")
+    if "model_name" in model and model["model_name"] != model_name:
+        raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
+    layers.insert(len(files), (str(model_file), _check_known(model, str(model_file), errors)))
+    _warn_model_file_wins(layers[:len(files)], layers[len(files)], _merge(layers[len(files) + 1:]))
+    _refuse_placeholders(layers, errors)
+    return _built(layers, errors)
+
+
+def _check_first_argument(argv: list[str]) -> None:
+    """ConfigError when the first argument is not a config file: missing, empty or a key=value."""
     script = Path(sys.argv[0] if sys.argv else "train.py")
     program = (f"-m tessera.{script.stem}" if script.resolve().parent.name == "tessera" else script.name
                ) if script.suffix == ".py" else "train.py"
@@ -59,50 +81,37 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     if re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]) and not is_file(Path(argv[0])):  # MaxText infers its file
         raise ConfigError(f"no config file given: the first argument, {argv[0]!r}, is a key=value; the config file "
                           f"comes first, e.g. `.venv/bin/python {program} configs/base.yml {' '.join(argv)}`")
-    env = os.environ if env is None else env
-    base_path = Path(argv[0]).expanduser()  # "~/exp.yml" quoted, or from a job's argument list: as a shell expands it
-    # (source, values), lowest precedence first; the model file goes second once model_name is known
-    errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
-    files = config_files(base_path)  # the file and the files it inherits from (base_config), parents first
-    layers = [(source, _check_known(values, source, errors)) for source, values in (
-        *files, ("the command line", _parse_overrides(argv[1:])), *_env_layers(env, errors))]
-    _refuse_placeholders(layers, errors)  # before model_name chooses a file
-    model_name = _merge(layers).get("model_name", "default")
-    if _is_placeholder(model_name):
-        _raise_all(errors)  # no model file to read
-    if is_run_config(base_path) and files[-1][1].get("model_name", "default") == model_name:
-        build_errors: list[str] = []  # a run's config.yml holds its model keys already: read as it stands
-        merged = {k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}
-        build_errors.extend(filter(None, [steps_from_schedule(merged, _schedule_steps)]))
-        cfg = _build(merged, build_errors)
-        _raise_all(errors + [_name_sources(line, layers) for line in build_errors])
-        return cfg
-    folders = model_folders(base_path)
+
+
+def _model_file(model_name: Any, folders: list[Path], layers: list, errors: list[str]) -> Path:
+    """The file of `model_name` in `folders`; else every error so far and one for the name, which says what
+    to give instead (a close name, the name of a path given as one, an example for an empty name)."""
     if model_name is None or not str(model_name).strip():  # model_name= (or `model_name:` in a file): "no file .yml"
         _raise_all(errors + [_name_sources(f"model_name={model_name!r} is empty: it names a model file of "
                                            f"{folders[-1]} without its .yml, e.g. model_name=default (the tiny "
                                            "model) or model_name=llama2-7b", layers)])
     model_file = next((d / f"{model_name}.yml" for d in folders if is_file(d / f"{model_name}.yml")), None)
-    if model_file is None:
-        known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
-        # a path to a model file (configs/models/llama2-7b.yml): the name is its file's, without folder and .yml
-        stem = re.sub(r"\.ya?ml$", "", str(model_name).replace("\\", "/").rpartition("/")[2])
-        close = difflib.get_close_matches(stem.lower(), known, n=3, cutoff=0.6)
-        hint = (f"Did you mean {', '.join(close)}? ({len(known)} models in all, a .yml file each there)" if close
-                else f"Known models: {', '.join(known) or 'none'}")
-        if stem != str(model_name):
-            hint = (f"model_name is a model's name, its file's without the folder and .yml: model_name={stem}"
-                    if stem in known else hint) + (f"; a model file of your own goes in a models/ folder beside the "
-                                                   f"config file, and model_name={stem} names it")
-        _raise_all(errors + [_name_sources(
-            f"model_name={model_name!r}: no file {model_name}.yml in {' or '.join(str(d) for d in folders)}. {hint}",
-            layers)])
-    model = read_yaml(model_file, "model file")
-    if "model_name" in model and model["model_name"] != model_name:
-        raise ConfigError(f"{model_file} sets model_name={model['model_name']!r}; remove that line")
-    layers.insert(len(files), (str(model_file), _check_known(model, str(model_file), errors)))
-    _warn_model_file_wins(layers[:len(files)], layers[len(files)], _merge(layers[len(files) + 1:]))
-    _refuse_placeholders(layers, errors)
+    if model_file is not None:
+        return model_file
+    known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
+    # a path to a model file (configs/models/llama2-7b.yml): the name is its file's, without folder and .yml
+    stem = re.sub(r"\.ya?ml$", "", str(model_name).replace("\\", "/").rpartition("/")[2])
+    close = difflib.get_close_matches(stem.lower(), known, n=3, cutoff=0.6)
+    hint = (f"Did you mean {', '.join(close)}? ({len(known)} models in all, a .yml file each there)" if close
+            else f"Known models: {', '.join(known) or 'none'}")
+    if stem != str(model_name):
+        hint = (f"model_name is a model's name, its file's without the folder and .yml: model_name={stem}"
+                if stem in known else hint) + (f"; a model file of your own goes in a models/ folder beside the "
+                                               f"config file, and model_name={stem} names it")
+    _raise_all(errors + [_name_sources(
+        f"model_name={model_name!r}: no file {model_name}.yml in {' or '.join(str(d) for d in folders)}. {hint}",
+        layers)])
+    raise AssertionError("unreachable: _raise_all raises")  # for the type checker
+
+
+def _built(layers: list, errors: list[str]) -> Config:
+    """The Config of the merged `layers` (placeholders left out); every error in `errors` and the build's,
+    each named with the layer that set its key, raised together."""
     build_errors: list[str] = []
     merged = {k: v for k, v in _merge(layers).items() if not _is_placeholder(v)}
     build_errors.extend(filter(None, [steps_from_schedule(merged, _schedule_steps)]))
@@ -177,7 +186,7 @@ def _env_layers(env: Mapping[str, str], errors: list[str]) -> list[tuple[str, di
             if close:
                 log.warning("environment variable %s is not a config key and is ignored; did you mean %s%s?",
                             name, ENV_PREFIX, close[0].upper())
-    return [(f"the environment variable {name}", {name[len(ENV_PREFIX):].lower(): _unquoted(value)})
+    return [(f"the environment variable {name}", {name[len(ENV_PREFIX):].lower(): unquoted(value)})
             for name, value in sorted(env.items())
             if name.startswith(ENV_PREFIX) and name[len(ENV_PREFIX):].lower() in fields]
 
@@ -300,25 +309,12 @@ def _parse_overrides(args: list[str]) -> dict[str, str]:
                               f"value; give the two as one argument: {key}={given}")
         if not sep or not name:
             raise ConfigError(f"argument {arg!r} is not of the form key=value (e.g. steps=100)")
-        name, value = name.strip(), _unquoted(value)
+        name, value = name.strip(), unquoted(value)
         if name in out and out[name] != value:  # a recipe's overrides come after its own keys on purpose: info
             log.info("%s is given twice on the command line (%s=%s, then %s=%s); the last is used", name, name,
                      out[name], name, value)
         out[name] = value
     return out
-
-
-def _unquoted(value: str) -> str:
-    """A command-line value written in quotes that reached us (an argument list, a job spec), read as
-    YAML and MaxText's command line read it: `metrics_file=""` is empty and `run_name='x'` is x; they
-    were kept, quotes and all (metrics went to a file named "" in the working directory)."""
-    if len(value) < 2 or value[0] != value[-1] or value[0] not in "'\"":
-        return value
-    try:
-        text = yaml.safe_load(value)
-    except yaml.YAMLError:  # "a" "b": not one quoted value
-        return value
-    return text if isinstance(text, str) else value
 
 
 MANY_UNKNOWN = 20  # a file with more unknown keys than this is another trainer's config, not typos
@@ -343,81 +339,6 @@ def _check_known(values: Mapping[str, Any], source: str, errors: list[str]) -> d
                      f"(getting_started/Coming_from_MaxText.md)")
     errors.extend(found)
     return out
-
-
-def coerce(name: str, raw: Any, f: dataclasses.Field) -> Any:
-    """Convert `raw` (YAML value or command-line string) to the field's declared type."""
-    kind = f.type if isinstance(f.type, str) else f.type.__name__
-    value = _convert(name, raw, kind)
-    choices, minimum = f.metadata["choices"], f.metadata["minimum"]
-    if choices and value not in choices:
-        raise ConfigError(f"{name}={raw!r} is not allowed; choose one of: {', '.join(repr(c) for c in choices)}")
-    if minimum is not None and value < minimum:
-        raise ConfigError(f"{name}={raw!r} is too small; it must be >= {minimum}")
-    if f.metadata.get("maximum") is not None and value > f.metadata["maximum"]:
-        raise ConfigError(f"{name}={raw!r} is too large; it must be <= {f.metadata['maximum']}")
-    return value
-
-
-def parse_bool(name: str, raw: Any) -> bool:
-    """A bool key's value as written (true, "True", 1, yes, on, and their opposites); ConfigError otherwise."""
-    if isinstance(raw, bool):
-        return raw
-    text = str(raw).strip().lower()
-    if text in ("true", "1", "yes", "on"):
-        return True
-    if text in ("false", "0", "no", "off"):
-        return False
-    raise ConfigError(f"{name}={raw!r} is not a valid bool; use true or false")
-
-
-def _convert(name: str, raw: Any, kind: str) -> Any:
-    bad = ConfigError(f"{name}={raw!r} is not a valid {kind}")
-    if kind == "str":
-        if isinstance(raw, (dict, list)):
-            raise bad
-        return "" if raw is None else str(raw)
-    if kind == "bool":
-        return parse_bool(name, raw)
-    if kind == "int":  # exact (decimal, never float): 1e3 is 1000, 99999999999999999999999 is refused
-        if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-            raise bad
-        try:
-            number = decimal.Decimal(raw)
-        except decimal.InvalidOperation:
-            raise bad from None
-        if not number.is_finite() or number != number.to_integral_value():
-            raise ConfigError(f"{name}={raw!r} must be a whole number")
-        if not INT_RANGE[0] <= number <= INT_RANGE[1]:
-            raise ConfigError(f"{name}={raw!r} is out of range; an integer key takes whole numbers from "
-                              f"{INT_RANGE[0]} to {INT_RANGE[1]}")
-        return int(number)
-    if kind == "float":
-        if isinstance(raw, bool):
-            raise bad
-        try:
-            number = float(raw)
-        except OverflowError:  # an integer beyond 1.8e308
-            number = math.inf
-        except (TypeError, ValueError):
-            raise bad from None
-        if not math.isfinite(number):
-            raise ConfigError(f"{name}={raw!r} must be a finite number (not nan or inf)")
-        return number
-    if kind == "list":
-        value = raw
-        if isinstance(raw, str) and raw.strip().startswith("["):
-            try:
-                value = yaml.safe_load(raw)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{name}={raw!r} is not a valid list ({getattr(e, 'problem', None) or 'bad YAML'}); "
-                                  f"write it as {name}=[\"a\",\"b\"] or {name}=a,b") from None
-        elif isinstance(raw, str):
-            value = [s for s in raw.split(",") if s]
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{name}={raw!r} must be a list of strings, e.g. {name}=[\"silu\",\"linear\"]")
-        return [v.strip() for v in value]
-    raise TypeError(f"schema field {name} has unsupported type {kind}")
 
 
 def flat_dict(cfg: Config) -> dict[str, Any]:

@@ -12,7 +12,8 @@ import math
 import re
 from typing import Any
 
-from tessera.config.loader import build_config, load_config, parse_bool
+from tessera.config.loader import build_config, load_config
+from tessera.config.values import parse_bool
 from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
 from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
