@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from tessera.config.schema import MOE_BLOCKS, Config, ConfigError, ModelConfig
+from tessera.config.schema import MOE_BLOCKS, Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
 
 
 def validate(cfg: Config) -> None:
@@ -50,23 +50,7 @@ def validate(cfg: Config) -> None:
     if m.head_dim % 2:
         raise ConfigError(f"head_dim={m.head_dim} must be even (rotary embeddings rotate pairs)")
     _validate_family(m)
-    for prefix in ("ici", "dcn"):
-        values = {n: getattr(cfg.mesh, n) for n in vars(cfg.mesh) if n.startswith(prefix)}
-        fills = [n for n, v in values.items() if v == -1]
-        if len(fills) > 1:
-            named = " and ".join(fills) if len(fills) == 2 else f"{', '.join(fills[:-1])} and {fills[-1]}"
-            left = "devices left in a slice" if prefix == "ici" else "slices left"
-            raise ConfigError(f"only one {prefix}_*_parallelism may be -1 (the axis that takes the {left}), but "
-                              f"{named} {'both' if len(fills) == 2 else 'all'} are; give the others a size")
-        for n, v in values.items():
-            if v == 0 or v < -1:
-                raise ConfigError(f"{n}={v} must be a positive integer or -1 (fill from device count)")
-    for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
-        if getattr(cfg.mesh, n) == -1:
-            raise ConfigError(f"{n} cannot be -1: the stage count must be chosen (1: no pipelining)")
-    for n in ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layers_per_pipeline_stage"):
-        if getattr(cfg.mesh, n) == 0 or getattr(cfg.mesh, n) < -1:
-            raise ConfigError(f"{n}={getattr(cfg.mesh, n)} must be a positive integer or -1 (derived)")
+    _validate_mesh(cfg.mesh)
     if cfg.data.per_device_batch_size <= 0:
         raise ConfigError(f"per_device_batch_size={cfg.data.per_device_batch_size:g} must be > 0 (a fraction such as "
                           "0.5 is allowed: a global batch of fewer sequences than devices)")
@@ -76,20 +60,7 @@ def validate(cfg: Config) -> None:
     if cfg.checkpoint.checkpoint_is_quantized and not (cfg.model.quantization and cfg.checkpoint.load_parameters_path):
         raise ConfigError("checkpoint_is_quantized=true needs load_parameters_path=<the quantized checkpoint> and the "
                           "quantization=int8|fp8|fp8_full|nanoo_fp8 it was written with")
-    for name in ("adam_b1", "adam_b2", "muon_beta"):
-        beta = getattr(cfg.optim, name)
-        if beta >= 1.0:
-            what = ("Muon's momentum decay (1 would never update it)" if name == "muon_beta" else "AdamW's decay "
-                    "of a moment average (1 would never update it, and the bias correction would divide by zero)")
-            raise ConfigError(f"{name}={beta:g} must be below 1: it is {what}; e.g. 0.9 or 0.95")
-    if cfg.optim.adam_eps <= 0.0:  # optax's adamw divides by sqrt(v) + eps, with nothing inside the root
-        raise ConfigError(f"adam_eps={cfg.optim.adam_eps:g} must be above 0: AdamW divides each update by sqrt(v) + "
-                          "adam_eps, and a parameter whose gradient is zero (the embedding rows of tokens not in the "
-                          "batch) would get 0 / 0 = NaN at the first step; e.g. 1e-8")
-    schedule = cfg.optim.learning_rate_schedule_steps  # optim.learning_rate_schedule refuses it too, at set-up
-    if schedule == 0 or schedule < -1:
-        raise ConfigError(f"learning_rate_schedule_steps={schedule} gives a learning-rate schedule of no steps (its "
-                          "rate would drop to the final value after step 0); set it to -1 (as long as steps) or >= 1")
+    _validate_optim(cfg.optim)
     keep = cfg.checkpoint.max_num_checkpoints_to_keep
     if keep == 0 or keep < -1:
         raise ConfigError(f"max_num_checkpoints_to_keep={keep} is not allowed; use -1 to keep every checkpoint, "
@@ -102,6 +73,45 @@ def validate(cfg: Config) -> None:
     _validate_eval(cfg.data)
     _validate_vocab_tiling(cfg)
     _validate_mtp(cfg)
+
+
+def _validate_mesh(mesh: MeshConfig) -> None:
+    """The parallelism sizes: one -1 (fill) per ici/dcn group at most, none zero, the stage count chosen."""
+    for prefix in ("ici", "dcn"):
+        values = {n: getattr(mesh, n) for n in vars(mesh) if n.startswith(prefix)}
+        fills = [n for n, v in values.items() if v == -1]
+        if len(fills) > 1:
+            named = " and ".join(fills) if len(fills) == 2 else f"{', '.join(fills[:-1])} and {fills[-1]}"
+            left = "devices left in a slice" if prefix == "ici" else "slices left"
+            raise ConfigError(f"only one {prefix}_*_parallelism may be -1 (the axis that takes the {left}), but "
+                              f"{named} {'both' if len(fills) == 2 else 'all'} are; give the others a size")
+        for n, v in values.items():
+            if v == 0 or v < -1:
+                raise ConfigError(f"{n}={v} must be a positive integer or -1 (fill from device count)")
+    for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism"):
+        if getattr(mesh, n) == -1:
+            raise ConfigError(f"{n} cannot be -1: the stage count must be chosen (1: no pipelining)")
+    for n in ("num_pipeline_microbatches", "num_pipeline_repeats", "num_layers_per_pipeline_stage"):
+        if getattr(mesh, n) == 0 or getattr(mesh, n) < -1:
+            raise ConfigError(f"{n}={getattr(mesh, n)} must be a positive integer or -1 (derived)")
+
+
+def _validate_optim(optim: OptimConfig) -> None:
+    """The optimizer's decays below 1, AdamW's epsilon above 0, a learning-rate schedule of at least one step."""
+    for name in ("adam_b1", "adam_b2", "muon_beta"):
+        beta = getattr(optim, name)
+        if beta >= 1.0:
+            what = ("Muon's momentum decay (1 would never update it)" if name == "muon_beta" else "AdamW's decay "
+                    "of a moment average (1 would never update it, and the bias correction would divide by zero)")
+            raise ConfigError(f"{name}={beta:g} must be below 1: it is {what}; e.g. 0.9 or 0.95")
+    if optim.adam_eps <= 0.0:  # optax's adamw divides by sqrt(v) + eps, with nothing inside the root
+        raise ConfigError(f"adam_eps={optim.adam_eps:g} must be above 0: AdamW divides each update by sqrt(v) + "
+                          "adam_eps, and a parameter whose gradient is zero (the embedding rows of tokens not in the "
+                          "batch) would get 0 / 0 = NaN at the first step; e.g. 1e-8")
+    schedule = optim.learning_rate_schedule_steps  # optim.learning_rate_schedule refuses it too, at set-up
+    if schedule == 0 or schedule < -1:
+        raise ConfigError(f"learning_rate_schedule_steps={schedule} gives a learning-rate schedule of no steps (its "
+                          "rate would drop to the final value after step 0); set it to -1 (as long as steps) or >= 1")
 
 
 def _validate_scaled_sizes(m: ModelConfig) -> None:
