@@ -49,12 +49,7 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if not cfg.profiler.profiler and (keys := [k for k in ("skip_first_n_steps_for_profiler", "profiler_steps")
                                                if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without profiler=xplane")
-    p = cfg.profiler
-    dump = ("dump_hlo_local_dir", "dump_hlo_module_name") + (("dump_hlo_xla_flags",) if not p.dump_hlo else ())
-    if (not p.dump_hlo or p.dump_hlo_xla_flags) and (keys := [k for k in dump if k in changed]):
-        why = "without dump_hlo=true" if not p.dump_hlo else ("beside dump_hlo_xla_flags, whose flags XLA is given "
-                                                             "instead of the dump folder and program filter")
-        lines.append(f"{_listed(keys, changed)}: no effect {why}")
+    lines += _hlo_dump_keys(cfg.profiler, changed)
     if not cfg.gpu.enable_pgle and "pgle_profiling_runs" in changed:
         lines.append(f"pgle_profiling_runs={changed['pgle_profiling_runs']}: no effect without enable_pgle=true (JAX's "
                      "automatic PGLE, which it sizes)")
@@ -89,6 +84,16 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     lines += _quantized_logits(cfg.model)
     lines += _optimizer_and_decoding_keys(cfg, changed)
     return lines
+
+
+def _hlo_dump_keys(p, changed: dict) -> list[str]:
+    """keys_without_effect's line for the dump_hlo_* keys without dump_hlo=true, or beside dump_hlo_xla_flags."""
+    dump = ("dump_hlo_local_dir", "dump_hlo_module_name") + (("dump_hlo_xla_flags",) if not p.dump_hlo else ())
+    if (p.dump_hlo and not p.dump_hlo_xla_flags) or not (keys := [k for k in dump if k in changed]):
+        return []
+    why = "without dump_hlo=true" if not p.dump_hlo else ("beside dump_hlo_xla_flags, whose flags XLA is given "
+                                                         "instead of the dump folder and program filter")
+    return [f"{_listed(keys, changed)}: no effect {why}"]
 
 
 def _data_keys(dataset_type: str, changed: dict) -> list[str]:
