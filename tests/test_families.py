@@ -371,6 +371,10 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     (dict(num_experts=4, num_experts_per_tok=2), "decoder_block=llama2 has a dense MLP"),
     (dict(decoder_block="mixtral"), "mixtral needs num_experts >= 2"),
     (dict(decoder_block="mixtral", num_experts=4, capacity_factor=0), "capacity_factor=0.0 must be > 0"),
+    # YaRN divides by these (a ZeroDivisionError traceback while the model was built)
+    (dict(rope_scaling="yarn", beta_fast=0.0), "beta_fast=0: rope_scaling=yarn .* give counts above 0"),
+    (dict(FAMILIES["deepseek"], beta_slow=0.0), "beta_slow=0: rope_scaling=yarn"),
+    (dict(rope_scaling="yarn", rope_max_timescale=1), "rope_max_timescale=1 with rope_scaling=yarn"),
 ])
 def test_family_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message):

@@ -40,6 +40,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"rope_high_freq_factor={m.rope_high_freq_factor} must be at least "
                           f"rope_low_freq_factor={m.rope_low_freq_factor} with rope_scaling=llama3 (Llama 3.1: 4 and 1; "
                           "Llama 4 Scout: 1 and 1)")
+    if m.rope_scaling == "yarn" and m.decoder_block != "gpt3":  # (gpt3 has no rotary embedding: warned, not read)
+        _validate_yarn(m)
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more than num_experts={m.num_experts}; "
                           "a token cannot be routed to more experts than there are")
@@ -144,6 +146,22 @@ def _validate_scaled_sizes(m: ModelConfig) -> None:
                           f"{elements[what]:.3g} elements, more than the {MAX_WEIGHT_ELEMENTS:.3g} a weight may hold "
                           f"(beyond, compiling overflows XLA's 64-bit byte counts); lower {', '.join(keys)} or "
                           f"global_parameter_scale={m.global_parameter_scale}")
+
+
+def _validate_yarn(m) -> None:
+    """YaRN finds the (fractional) dimensions that turn beta_fast and beta_slow times in the original
+    context: log(original / (2 pi beta)) / log(theta), which a count of 0 or a theta of 1 divides by
+    zero (a ZeroDivisionError traceback when the model was built)."""
+    zero = [f"{n}={getattr(m, n):g}" for n in ("beta_fast", "beta_slow") if getattr(m, n) <= 0]
+    if zero:
+        raise ConfigError(f"{' and '.join(zero)}: rope_scaling=yarn mixes the rotary frequencies between the one "
+                          "turning beta_fast times and the one turning beta_slow times in rope_original_max_position "
+                          "tokens, and no frequency turns 0 times; give counts above 0 (DeepSeek-V3 and gpt-oss: "
+                          "beta_fast=32 beta_slow=1)")
+    if m.rope_max_timescale == 1:
+        raise ConfigError("rope_max_timescale=1 with rope_scaling=yarn: every rotary frequency is 1 (theta**0), so "
+                          "YaRN has no wavelengths to tell apart (it divides by ln(theta) = 0); give a theta above 1 "
+                          "(DeepSeek-V3: 10000, gpt-oss: 150000), or rope_scaling=none")
 
 
 def _validate_run_name(name: str) -> None:
