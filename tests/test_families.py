@@ -33,7 +33,7 @@ FAMILIES = {
     # 8 layers: one 6-layer pattern and a tail of 2 local layers
     # MLA with a low-rank query, YaRN, 1 dense layer and 2 expert layers (8 experts in 4 groups, shared expert, bias)
     "deepseek": dict(decoder_block="deepseek", base_num_decoder_layers=3, first_num_dense_layers=1, head_dim=24,
-                     q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=10,
+                     base_num_kv_heads=4, q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=10,
                      base_moe_mlp_dim=24, num_experts=8, num_experts_per_tok=3, n_routing_groups=4, topk_routing_group=2,
                      shared_experts=1, routed_score_func="sigmoid", routed_scaling_factor=2.5, routed_bias=True,
                      rope_scaling="yarn", rope_scaling_factor=4.0, rope_original_max_position=1024),
@@ -379,6 +379,33 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
 def test_family_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message):
         build_model(tiny_config(**keys).model)
+
+
+def test_keys_the_family_s_layers_leave_unread_are_named():
+    """deepseek's latent attention has a key per query head whatever base_num_kv_heads says (the same
+    logits with 1 or 2), and llama4's temperature_tuning, use_qk_norm and chunk_attn_window_size act on
+    one kind of its layers, which nope_layer_interval may leave out: all were accepted without a word."""
+    from tessera.config.unread_keys import keys_without_effect
+
+    models = [build_model(tiny_config(**dict(FAMILIES["deepseek"], base_num_kv_heads=k)).model) for k in (1, 2)]
+    logits = [m.apply(m.init(jax.random.key(0)), TOKENS) for m in models]
+    np.testing.assert_array_equal(logits[0], logits[1])
+    two = tiny_config(**dict(FAMILIES["deepseek"], base_num_kv_heads=2))
+    assert ("base_num_kv_heads=2: no effect, decoder_block=deepseek's latent attention (MLA) derives a key and a "
+            "value for each of its 4 query heads from one latent per token; set base_num_kv_heads to "
+            "base_num_query_heads") in keys_without_effect(two, {"fsdp": 8})
+    assert not [line for line in keys_without_effect(tiny_config(**FAMILIES["deepseek"]), {"fsdp": 8})
+                if "base_num_kv_heads" in line]  # 4 and 4
+    no_nope = tiny_config(**dict(FAMILIES["llama4"], nope_layer_interval=0))
+    assert ("temperature_tuning=True: no effect, nope_layer_interval=0 leaves no layer without rotary positions, "
+            "whose queries it scales; set nope_layer_interval (Llama 4: 4) or temperature_tuning=false"
+            ) in keys_without_effect(no_nope, {"fsdp": 8})
+    all_nope = tiny_config(**dict(FAMILIES["llama4"], nope_layer_interval=1))
+    assert ("use_qk_norm=True, chunk_attn_window_size=5: no effect, nope_layer_interval=1 makes every layer a layer "
+            "without rotary positions, and they act on the rotary layers only; set nope_layer_interval=4 (Llama 4) "
+            "or leave them at their defaults") in keys_without_effect(all_nope, {"fsdp": 8})
+    assert not [line for line in keys_without_effect(tiny_config(**FAMILIES["llama4"]), {"fsdp": 8})
+                if "nope_layer_interval" in line]
 
 
 def test_the_estimator_counts_a_dense_model_s_mlp_whatever_the_expert_keys_say():

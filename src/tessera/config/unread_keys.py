@@ -4,6 +4,7 @@ errors: the value is valid, only this run's other keys leave it unused."""
 
 from __future__ import annotations
 
+from tessera.config.derived import llama4_nope
 from tessera.config.schema import Config
 
 
@@ -162,6 +163,11 @@ def _family_keys(m, changed: dict) -> list[str]:
     if m.decoder_block != "deepseek" and (keys := [k for k in MLA_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect, they size decoder_block=deepseek's latent attention (MLA); "
                      f"decoder_block={m.decoder_block}'s heads are head_dim={m.head_dim} wide")
+    if m.decoder_block == "deepseek" and m.num_kv_heads != m.num_query_heads:  # the model files set them equal
+        lines.append(f"base_num_kv_heads={m.base_num_kv_heads}: no effect, decoder_block=deepseek's latent attention "
+                     f"(MLA) derives a key and a value for each of its {m.num_query_heads} query heads from one latent "
+                     "per token; set base_num_kv_heads to base_num_query_heads")
+    lines += _llama4_pattern_keys(m)
     if not m.temperature_tuning and (keys := [k for k in TEMPERATURE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without temperature_tuning=true (decoder_block=llama4)")
     if not m.mtp_num_layers and "mtp_loss_scaling_factor" in changed:
@@ -177,6 +183,24 @@ def _family_keys(m, changed: dict) -> list[str]:
         if unread:
             lines.append(f"{_listed(unread, changed)}: no effect with rope_scaling={m.rope_scaling}")
     return lines
+
+
+def _llama4_pattern_keys(m) -> list[str]:
+    """Llama 4's keys that act on one kind of its layers, with nope_layer_interval leaving none of that kind:
+    temperature_tuning scales the NoPE layers' queries, use_qk_norm and chunk_attn_window_size act on the
+    rotary layers."""
+    if m.decoder_block != "llama4":
+        return []
+    nope = sum(llama4_nope(m, j) for j in range(4))
+    if m.temperature_tuning and not nope:
+        return ["temperature_tuning=True: no effect, nope_layer_interval=0 leaves no layer without rotary positions, "
+                "whose queries it scales; set nope_layer_interval (Llama 4: 4) or temperature_tuning=false"]
+    rotary = [f"{k}={getattr(m, k)}" for k in ("use_qk_norm", "chunk_attn_window_size") if getattr(m, k)]
+    if nope == 4 and rotary:
+        return [f"{', '.join(rotary)}: no effect, nope_layer_interval=1 makes every layer a layer without rotary "
+                "positions, and they act on the rotary layers only; set nope_layer_interval=4 (Llama 4) or leave "
+                "them at their defaults"]
+    return []
 
 
 def decoding_keys_without_effect(cfg: Config) -> list[str]:
