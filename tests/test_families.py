@@ -408,6 +408,19 @@ def test_keys_the_family_s_layers_leave_unread_are_named():
                 if "nope_layer_interval" in line]
 
 
+def test_megablox_tiles_without_megablox_are_named():
+    """tile_* size the Pallas megablox kernel's tiles only: with megablox=false the experts run capacity
+    routing or jax.lax.ragged_dot, which take no tiles, and the keys were accepted without a word."""
+    from tessera.config.unread_keys import keys_without_effect
+
+    line = ("tile_batch_seq=256, tile_weight_dim=512: no effect without megablox=true; they size the tiles of the "
+            "Pallas megablox kernel's grouped matmuls (TPUs), which this run's experts do not use")
+    tiles = dict(FAMILIES["mixtral"], tile_batch_seq=256, tile_weight_dim=512)
+    for routing in (dict(), dict(sparse_matmul=True)):
+        assert line in keys_without_effect(tiny_config(**tiles, **routing), {"fsdp": 8}), routing
+    assert not [x for x in keys_without_effect(tiny_config(**tiles, megablox=True), {"fsdp": 8}) if "tile_" in x]
+
+
 def test_the_estimator_counts_a_dense_model_s_mlp_whatever_the_expert_keys_say():
     """A dense family builds one MLP of mlp_dim; the estimator counted base_moe_mlp_dim's width and the shared
     experts instead (both keys are named in a start-up warning: no effect on a dense model)."""

@@ -26,7 +26,8 @@ DATA_KEY_READERS = {
                     ("hf", "grain", "tfds")),
 }
 CHECKPOINT_KEYS = ("checkpoint_period", "max_num_checkpoints_to_keep", "async_checkpointing")
-MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", "tile_batch_seq", "tile_activation_dim", "tile_weight_dim")
+TILE_KEYS = ("tile_batch_seq", "tile_activation_dim", "tile_weight_dim")
+MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", *TILE_KEYS)
 
 
 def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
@@ -81,6 +82,9 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
                      "experts")
+    elif not cfg.model.megablox and (keys := [k for k in TILE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without megablox=true; they size the tiles of the Pallas "
+                     "megablox kernel's grouped matmuls (TPUs), which this run's experts do not use")
     lines += _family_keys(cfg.model, changed)
     lines += _quantized_logits(cfg.model)
     lines += _optimizer_and_decoding_keys(cfg, changed)
