@@ -375,6 +375,9 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     (dict(rope_scaling="yarn", beta_fast=0.0), "beta_fast=0: rope_scaling=yarn .* give counts above 0"),
     (dict(FAMILIES["deepseek"], beta_slow=0.0), "beta_slow=0: rope_scaling=yarn"),
     (dict(rope_scaling="yarn", rope_max_timescale=1), "rope_max_timescale=1 with rope_scaling=yarn"),
+    # routed as -1 (no groups) without a word
+    (dict(FAMILIES["deepseek"], n_routing_groups=0), "n_routing_groups=0 is not a number of expert groups"),
+    (dict(FAMILIES["mixtral"], n_routing_groups=-4), "n_routing_groups=-4 is not a number of expert groups"),
 ])
 def test_family_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message):

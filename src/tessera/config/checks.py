@@ -268,6 +268,9 @@ def _validate_family(m) -> None:
         _validate_deepseek(m)
     elif m.first_num_dense_layers:
         raise ConfigError(f"first_num_dense_layers={m.first_num_dense_layers} applies to decoder_block=deepseek only")
+    if m.n_routing_groups == 0 or m.n_routing_groups < -1:  # the routing read it as -1 (no groups) without a word
+        raise ConfigError(f"n_routing_groups={m.n_routing_groups} is not a number of expert groups; use 2 or more "
+                          "(DeepSeek-V3: 8, with topk_routing_group=4), or -1 for no groups")
     if m.n_routing_groups > 1:
         if m.num_experts % m.n_routing_groups or not 1 <= m.topk_routing_group <= m.n_routing_groups:
             raise ConfigError(f"n_routing_groups={m.n_routing_groups} must divide num_experts={m.num_experts}, and "
