@@ -127,6 +127,28 @@ def test_a_model_with_splash_attention_equals_the_reference(family):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_latent_attention_with_values_wider_than_its_keys_runs_splash_as_the_reference():
+    """A fused kernel takes queries, keys and values of one width: MLA padded its values to the
+    query/key width, and with v_head_dim above qk_nope_head_dim + qk_rope_head_dim the padding was
+    negative (a ValueError from splash attention on TPUs and cuDNN on GPUs)."""
+    from test_decode import DEEPSEEK
+
+    cfg = tiny_config(max_target_length=128, **dict(DEEPSEEK, base_num_decoder_layers=1, first_num_dense_layers=0,
+                                                    v_head_dim=32))
+    tokens = jax.random.randint(jax.random.key(2), (1, 128), 0, cfg.model.vocab_size)
+    ref_model, splash_model = (build_model(cfg.model, kernel) for kernel in ("dot_product", "splash_interpret"))
+    params = ref_model.init(jax.random.key(0))
+
+    def loss(model, p):
+        return jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])
+
+    np.testing.assert_allclose(loss(splash_model, params), loss(ref_model, params), rtol=1e-5)
+    g_splash, g_ref = (jax.grad(lambda p, m=m: loss(m, p))(params) for m in (splash_model, ref_model))
+    for a, b in zip(jax.tree.leaves(g_splash), jax.tree.leaves(g_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
 SPLIT_CASES = {  # name: ((mesh data, fsdp, sequence, tensor), CASES' features, length, load balance)
     "fsdp2-sequence2-tensor2, grouped-query, packed, balanced": ((1, 2, 2, 2), "packed-segments", 512, True),
     "fsdp2-sequence2-tensor2, grouped-query, packed, contiguous": ((1, 2, 2, 2), "packed-segments", 512, False),

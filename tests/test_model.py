@@ -195,6 +195,9 @@ def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype
     ({"base_num_query_heads": 8}, {"tensor": 2}, "NVIDIA H100 80GB HBM3", "9.0", "cudnn", "cuDNN"),
     # MLA expands its keys to every query head: they split like the queries
     ({"model_name": "deepseek-small"}, {"tensor": 4}, "NVIDIA H100 80GB HBM3", "9.0", "cudnn", "cuDNN"),
+    # ... and pads its queries and keys to values wider than them: the kernel sees that width
+    ({"model_name": "deepseek-small", "v_head_dim": 160}, {}, "NVIDIA A100-SXM4-80GB", "8.0", "dot_product",
+     "head_dim <= 128 before Hopper (compute capability 8.0) and a multiple of 8, not 160 (v_head_dim"),
     # head sizes above 128 need Hopper (gemma-7b's 256 on an A100)
     ({"head_dim": 256}, {}, "NVIDIA A100-SXM4-80GB", "8.0", "dot_product", "head_dim <= 128 before Hopper"),
     ({"head_dim": 256}, {}, "NVIDIA H100 80GB HBM3", "9.0", "cudnn", "cuDNN"),

@@ -101,9 +101,13 @@ def _cudnn_unsupported(m: ModelConfig, mesh_shape: dict[str, int], device_kind: 
                 f"{device_kind or 'this GPU'} (compute capability {compute_capability})")
     hopper = not nvidia_cc or int(nvidia_cc.group(1)) >= 9  # unknown: as the recipes' H100, H200, B200
     limit = 256 if hopper else 128
-    if m.head_dim > limit or m.head_dim % 8:
+    # MLA pads queries and keys to a wider v_head_dim (models.mla): the kernel sees that width
+    wide = m.decoder_block == "deepseek" and m.v_head_dim > m.head_dim
+    width = m.v_head_dim if wide else m.head_dim
+    if width > limit or width % 8:
         where = "" if hopper else f" before Hopper (compute capability {compute_capability})"
-        return f"cuDNN fused attention needs head_dim <= {limit}{where} and a multiple of 8, not {m.head_dim}"
+        return (f"cuDNN fused attention needs head_dim <= {limit}{where} and a multiple of 8, not {width}"
+                + (" (v_head_dim, to which latent attention pads its queries and keys)" if wide else ""))
     sequence, tensor = mesh_shape.get("sequence", 1), mesh_shape.get("tensor", 1)
     if sequence > 1:
         return (f"cuDNN fused attention cannot take queries split over the sequence axis (sequence={sequence}); "

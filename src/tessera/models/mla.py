@@ -18,8 +18,8 @@ tests compare against): DeepSeek's checkpoints store the rotary dimensions inter
 pairs and rotate each pair (`rope_interleave`); we rotate the two halves, so the converter
 reorders the rotary output columns of the query and latent projections (even dimensions
 first, then odd), which makes the rotated vectors, and so the scores, the same. A fused
-kernel (splash, cuDNN) gets the values padded with zeros to the query/key width and its
-output cut back. A decoding step (one token per row) attends in the latent space instead:
+kernel (splash, cuDNN) gets the values padded with zeros to the query/key width (or the
+queries and keys to a wider v_head_dim) and its output cut back. A decoding step (one token per row) attends in the latent space instead:
 the key up-projection is folded into the queries and the value up-projection applied to the
 attention-weighted latents (`attend_latent`), so the cached latents are never expanded per head;
 a prompt's prefill expands them, which costs fewer operations per score. With a quantized
@@ -129,10 +129,11 @@ class MlaAttention(Attention):
         return k, v
 
     def attend(self, q, k, v, segment_ids_bt, packed: bool):
-        """The chosen kernel; a fused one gets values padded to the query/key width (zeros) and
-        its output cut back to the value width."""
+        """The chosen kernel; a fused one gets queries, keys and values of one width, the narrower
+        padded with zeros (values to the query/key width; queries and keys, whose zeros add nothing
+        to a score, to a wider v_head_dim), and its output cut back to the value width."""
         width, hv = q.shape[-1], v.shape[-1]
         if self.kernel == "dot_product" or hv == width:
             return super().attend(q, k, v, segment_ids_bt, packed)
-        padded = jnp.pad(v, [(0, 0)] * 3 + [(0, width - hv)])
-        return super().attend(q, k, padded, segment_ids_bt, packed)[..., :hv]
+        padded = lambda a: jnp.pad(a, [(0, 0)] * 3 + [(0, max(width, hv) - a.shape[-1])])  # noqa: E731
+        return super().attend(padded(q), padded(k), padded(v), segment_ids_bt, packed)[..., :hv]
