@@ -36,12 +36,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("num_slices=0: give the number of slices (1 or more), or -1 to detect it from the devices")
     if not 0.0 <= m.dropout_rate < 1.0:  # with enable_dropout=false too: the value is wrong either way
         raise ConfigError(f"dropout_rate={m.dropout_rate} must be in [0, 1): the probability that a value is dropped")
-    if m.rope_scaling == "llama3" and m.rope_high_freq_factor < m.rope_low_freq_factor:
-        raise ConfigError(f"rope_high_freq_factor={m.rope_high_freq_factor} must be at least "
-                          f"rope_low_freq_factor={m.rope_low_freq_factor} with rope_scaling=llama3 (Llama 3.1: 4 and 1; "
-                          "Llama 4 Scout: 1 and 1)")
-    if m.rope_scaling == "yarn" and m.decoder_block != "gpt3":  # (gpt3 has no rotary embedding: warned, not read)
-        _validate_yarn(m)
+    _validate_rope_scaling(m)
     if m.num_experts_per_tok > m.num_experts:
         raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more than num_experts={m.num_experts}; "
                           "a token cannot be routed to more experts than there are")
@@ -148,7 +143,17 @@ def _validate_scaled_sizes(m: ModelConfig) -> None:
                           f"global_parameter_scale={m.global_parameter_scale}")
 
 
-def _validate_yarn(m) -> None:
+def _validate_rope_scaling(m: ModelConfig) -> None:
+    """The rotary scaling's factors: llama3's in order, YaRN's without a division by zero."""
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor < m.rope_low_freq_factor:
+        raise ConfigError(f"rope_high_freq_factor={m.rope_high_freq_factor} must be at least "
+                          f"rope_low_freq_factor={m.rope_low_freq_factor} with rope_scaling=llama3 (Llama 3.1: 4 and 1; "
+                          "Llama 4 Scout: 1 and 1)")
+    if m.rope_scaling == "yarn" and m.decoder_block != "gpt3":  # (gpt3 has no rotary embedding: warned, not read)
+        _validate_yarn(m)
+
+
+def _validate_yarn(m: ModelConfig) -> None:
     """YaRN finds the (fractional) dimensions that turn beta_fast and beta_slow times in the original
     context: log(original / (2 pi beta)) / log(theta), which a count of 0 or a theta of 1 divides by
     zero (a ZeroDivisionError traceback when the model was built)."""
