@@ -41,7 +41,11 @@ def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
     except OSError as e:
         raise ConfigError(f"{what} {path} cannot be read ({e.strerror or e}); check its permissions") from None
     try:
-        data = yaml.safe_load(text)
+        node, data = _parsed(text)
+    except TooManyValues:
+        raise ConfigError(f"{what} {path} is not a config file: with its YAML aliases (*name) expanded, its values "
+                          f"hold more than {MAX_VALUES:,} items; a config file is key: value lines such as "
+                          "configs/base.yml") from None
     except yaml.YAMLError as e:
         mark, start = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -59,16 +63,38 @@ def read_yaml(path: Path, what: str, empty_ok: bool = True) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{what} {path} must be a mapping of key: value lines, got {type(data).__name__}; "
                           "start from a copy of configs/base.yml")
-    _refuse_keys_that_are_not_names(text, f"{what} {path}")
-    _refuse_aliases_that_multiply(text, f"{what} {path}")
-    _warn_repeated_keys(text, f"{what} {path}")
-    return _values_as_written(text, data)
+    _refuse_keys_that_are_not_names(node, f"{what} {path}")
+    _warn_repeated_keys(node, f"{what} {path}")
+    return _values_as_written(node, data)
+
+
+# libyaml's parser where PyYAML has it (the same documents, several times faster: every run reads base.yml)
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _parsed(text: str) -> tuple[Any, Any]:
+    """(the document's node tree, its value) from one parse, as yaml.safe_load reads it; the aliases are
+    counted (_refuse_aliases_that_multiply) before the value is built from them."""
+    loader = _LOADER(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _refuse_values_that_explode(node)
+        return node, loader.construct_document(node)
+    except (TooManyValues, RecursionError):
+        raise
+    except yaml.YAMLError:  # PyYAML's own parser says where and what in its words (libyaml's differ)
+        yaml.load(text, Loader=yaml.SafeLoader)
+        raise
+    finally:
+        loader.dispose()
 
 
 _OCTAL_OR_SEXAGESIMAL = re.compile(r"[-+]?0[0-7_]+|.*:.*")  # YAML 1.1's 010 (8) and 1:30 (90)
 
 
-def _values_as_written(text: str, data: dict[str, Any]) -> dict[str, Any]:
+def _values_as_written(document, data: dict[str, Any]) -> dict[str, Any]:
     """`data` with the values that YAML 1.1 (PyYAML) reads otherwise than the command line does, read
     as written: an unquoted number or bool of a text key stays its text (`run_name: 010` named the run's
     folder 8, `run_name: 1_000` 1000, `run_name: yes` True), and a number key's `010` and `1:30` are
@@ -77,10 +103,10 @@ def _values_as_written(text: str, data: dict[str, Any]) -> dict[str, Any]:
     from tessera.config.schema import all_fields
 
     fields, out = all_fields(), dict(data)
-    for key_node, value_node in yaml.compose(text).value:  # a mapping: read_yaml checked it
+    for key_node, value_node in document.value:  # a mapping: read_yaml checked it
         name = ALIASES.get(key_node.value, (key_node.value,))[0]
-        if name not in fields or not isinstance(value_node, yaml.ScalarNode) or value_node.style is not None:
-            continue  # quoted or a block: a text already
+        if name not in fields or not isinstance(value_node, yaml.ScalarNode) or value_node.style:
+            continue  # quoted or a block: a text already (a plain scalar's style is None, or '' from libyaml)
         kind, resolved = fields[name][1].type, value_node.tag.rpartition(":")[2]
         kind = kind if isinstance(kind, str) else kind.__name__
         if (kind == "str" and resolved in ("int", "float", "bool", "timestamp")) or (
@@ -109,41 +135,48 @@ def _where_it_is(path: Path) -> str:
     return "; pass a path such as configs/base.yml"
 
 
-def _refuse_keys_that_are_not_names(text: str, where: str) -> None:
+def _refuse_keys_that_are_not_names(document, where: str) -> None:
     """YAML reads a key such as `5`, `null`, `on` or `yes` as a number, None or a bool, not as a
     name (an AttributeError traceback followed in the unknown-key lookup): one line naming it."""
-    for key_node, _ in yaml.compose(text).value:  # a mapping: read_yaml checked it
+    for key_node, _ in document.value:  # a mapping: read_yaml checked it
         if key_node.tag not in ("tag:yaml.org,2002:str", "tag:yaml.org,2002:merge"):
             raise ConfigError(f"{where}: the key {key_node.value!r} on line {key_node.start_mark.line + 1} is not a "
                               "name (YAML reads it as a number, null or true/false); keys are names such as steps")
 
 
 MAX_VALUES = 100_000  # items in a config file's values, YAML's aliases expanded (configs/base.yml: 422)
+MAX_DEPTH = 100  # levels of nesting of a config file's values (a list of lists is 3)
 
 
-def _refuse_aliases_that_multiply(text: str, where: str) -> None:
+class TooManyValues(yaml.YAMLError):
+    """_refuse_aliases_that_multiply's finding, for read_yaml to name the file."""
+
+
+def _refuse_values_that_explode(document) -> None:
     """YAML's aliases (*name) let a few lines stand for billions of items (a list of 9 references to a
     list of 9 ..., the "billion laughs"): a value like that hung the loader, which writes values into
-    its messages. Counted with the aliases expanded, up to MAX_VALUES."""
-    count, nodes = 0, [yaml.compose(text)]
+    its messages. Counted with the aliases expanded, up to MAX_VALUES. Values nested deeper than
+    MAX_DEPTH (a corrupt file of [[[[...) are a RecursionError, as pure-Python YAML parsing raised it:
+    libyaml parses them, and the messages that print the value recursed instead."""
+    count, nodes = 0, [(document, 0)]
     while nodes:
-        node = nodes.pop()
+        node, depth = nodes.pop()
         count += 1
         if count > MAX_VALUES:
-            raise ConfigError(f"{where} is not a config file: with its YAML aliases (*name) expanded, its values hold "
-                              f"more than {MAX_VALUES:,} items; a config file is key: value lines such as "
-                              "configs/base.yml")
+            raise TooManyValues
+        if depth > MAX_DEPTH:
+            raise RecursionError
         if isinstance(node, yaml.SequenceNode):
-            nodes.extend(node.value)
+            nodes.extend((item, depth + 1) for item in node.value)
         elif isinstance(node, yaml.MappingNode):
-            nodes.extend(item for pair in node.value for item in pair)
+            nodes.extend((item, depth + 1) for pair in node.value for item in pair)
 
 
-def _warn_repeated_keys(text: str, where: str) -> None:
+def _warn_repeated_keys(document, where: str) -> None:
     """A warning per key that a YAML file's top level sets more than once (YAML keeps the last one
     without a word: an edited copy of base.yml with `steps:` added at the end trains with it)."""
     lines: dict[str, list[int]] = {}
-    for key_node, _ in yaml.compose(text).value:  # a mapping: read_yaml checked it
+    for key_node, _ in document.value:  # a mapping: read_yaml checked it
         lines.setdefault(str(key_node.value), []).append(key_node.start_mark.line + 1)
     for key, at in lines.items():
         if len(at) > 1:
