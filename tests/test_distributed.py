@@ -79,6 +79,13 @@ def test_job_layout_from_environment():
     assert job_from_env({"SLURM_NTASKS": "8", "SLURM_PROCID": "3"}).mode == "slurm"
     assert job_from_env({"TPU_WORKER_HOSTNAMES": "a,b,c,d", "TPU_WORKER_ID": "1"}).num_processes == 4
     assert job_from_env({"TPU_WORKER_HOSTNAMES": "localhost"}).mode == "single"
+    # slices of one host each (xpk, 2 x v5e-8): each was a single process, and every slice trained alone
+    spec = job_from_env({"TPU_WORKER_HOSTNAMES": "h0", "TPU_WORKER_ID": "0", "MEGASCALE_NUM_SLICES": "2",
+                         "MEGASCALE_SLICE_ID": "1"})
+    assert (spec.mode, spec.num_processes, spec.process_id) == ("tpu", 2, 1)
+    spec = job_from_env({"TPU_WORKER_HOSTNAMES": "a,b,c,d", "TPU_WORKER_ID": "2", "MEGASCALE_NUM_SLICES": "3",
+                         "MEGASCALE_SLICE_ID": "2"})  # JAX's count and id: 4 hosts x 3 slices, 2 x 4 + 2
+    assert (spec.num_processes, spec.process_id) == (12, 10)
     with pytest.raises(DistributedError, match="NODE_RANK=2 must be in"):
         job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "2", "NODE_RANK": "2"})
     with pytest.raises(DistributedError, match=r"^NNODES=0 is the number of processes of the job: give 1 or more"):

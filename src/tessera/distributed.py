@@ -6,8 +6,9 @@ Which processes form one job is read from the environment, first match wins:
 1. `JAX_COORDINATOR_IP` [+ `JAX_COORDINATOR_PORT`, default 8476], `NNODES`, `NODE_RANK`
    (GPU clusters, the validation suite, CPU tests on localhost);
 2. Slurm under `srun` (`SLURM_NTASKS` > 1): JAX's own Slurm detection;
-3. a multi-host TPU slice (`TPU_WORKER_HOSTNAMES` lists several hosts, as on TPU VMs and GKE):
-   JAX's own TPU detection.
+3. a multi-host TPU slice (`TPU_WORKER_HOSTNAMES` lists several hosts, as on TPU VMs and GKE), or
+   several slices (`MEGASCALE_NUM_SLICES` > 1 beside `TPU_WORKER_HOSTNAMES`, as xpk sets them):
+   JAX's own TPU detection, which counts hosts per slice x slices.
 
 Anything else is a single process, which never initializes and never waits (`NNODES` > 1 without
 `JAX_COORDINATOR_IP` is refused). Timeouts come
@@ -97,8 +98,12 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
     if _int_env(env, "SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in env:
         return JobSpec("slurm", None, _int_env(env, "SLURM_NTASKS", 1), _int_env(env, "SLURM_PROCID", 0), **timeouts)
     hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
-    if len(hosts) > 1:
-        return JobSpec("tpu", None, len(hosts), _int_env(env, "TPU_WORKER_ID", 0), **timeouts)
+    # slices of a multi-slice job (xpk, queued resources): JAX counts hosts per slice x slices. One-host slices
+    # (2 x v5e-8) were a single process each, never joined: every slice trained alone, silently
+    slices = _int_env(env, "MEGASCALE_NUM_SLICES", 1) if hosts else 1
+    if len(hosts) > 1 or slices > 1:
+        worker = _int_env(env, "TPU_WORKER_ID", 0) + _int_env(env, "MEGASCALE_SLICE_ID", 0) * len(hosts)
+        return JobSpec("tpu", None, len(hosts) * slices, worker, **timeouts)
     nodes = _int_env(env, "NNODES", 1)
     if nodes > 1:  # each process trained alone, silently: NNODES=4 made four single-process runs of one name
         seen = " (JAX_COORDINATOR_ADDRESS, JAX's own name for it, is set but not read)" \
