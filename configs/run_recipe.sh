@@ -7,7 +7,8 @@
 #   RUN_NAME=name      the run's name (passed as M_RUN_NAME; default <folder>_<recipe>, e.g. v5p_128b:
 #                      the same on every worker, and a second run with it resumes the first); run_name=name
 #                      as an argument is taken as RUN_NAME=name (M_RUN_NAME=name is not: a warning says so)
-#   OUTPUT_PATH=dir    base_output_directory: a local folder or gs://bucket/path (default outputs)
+#   OUTPUT_PATH=dir    base_output_directory: a local folder or gs://bucket/path (default outputs; with
+#                      PLATFORM=gke a local folder is warned about: it is inside the container, lost with the pod)
 #   DATASET_PATH=path  a TFDS data directory: trains with dataset_type=tfds dataset_path=path (add
 #                      dataset_name=c4/en:3.1.0 tokenizer_path=... as overrides); without it the
 #                      recipe trains on the synthetic stream
@@ -91,6 +92,14 @@ if [ -n "${NUM_SLICES_GIVEN:-}" ] && [ "$EXECUTABLE" = train ]; then  # it was i
        "uses the slices it is started on (multihost_runner.py's <prefix>-0, -1, ..., multihost_job.py --NUM_SLICES," \
        "xpk --num-slices)" >&2
 fi
+output=$OUTPUT_PATH  # base_output_directory=... as an argument comes after OUTPUT_PATH's: the last one is used
+for arg in "${RECIPE_OVERRIDES[@]}"; do [[ "$arg" != base_output_directory=* ]] || output=${arg#*=}; done
+if [ "$PLATFORM" = gke ] && [ "$EXECUTABLE" = train ] && [[ "$output" != *://* ]]; then
+  # the default, outputs, is inside the container: the checkpoints went with the pod, and each worker kept its own
+  echo "$RECIPE_PATH: warning: the run's folder $output is not a gs:// URL: with PLATFORM=gke a local folder is" \
+       "inside the container, where checkpoints are lost when the pod ends and each worker keeps its own, unless" \
+       "every worker mounts it as a shared volume; give OUTPUT_PATH=gs://<bucket>/<folder>" >&2
+fi
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$REPO_DIR/.venv/bin/python" ]; then PYTHON=$REPO_DIR/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -160,8 +169,8 @@ run_recipe() {
     echo "# dry run of $RECIPE_PATH: nothing is executed; the commands below run from $REPO_DIR with" \
          "PYTHONPATH=$REPO_DIR/src${PYTHONPATH:+:$PYTHONPATH}"
     local name
-    for name in $(compgen -e | sort); do
-      if [[ "$name" =~ ^(LIBTPU_INIT_ARGS|XLA_FLAGS|XLA_PYTHON_CLIENT_.*|NCCL_.*|CUDA_.*|JAX_.*|NNODES|NODE_RANK|M_.*)$ ]]; then
+    for name in $(compgen -e | sort); do  # every family an argument may set (TPU_STDERR_LOG_LEVEL=0 was left out)
+      if [[ "$name" =~ ^(LIBTPU_INIT_ARGS|XLA_.*|TPU_.*|NCCL_.*|CUDA_.*|JAX_.*|NNODES|NODE_RANK|M_.*)$ ]]; then
         printf 'export %s=%q\n' "$name" "${!name}"
       fi
     done

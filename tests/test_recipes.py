@@ -395,6 +395,20 @@ def test_num_slices_for_a_training_run_is_warned_about():
     assert "NUM_SLICES" not in dry_run("tpu/v5p/llama2_70b_pp2").stderr  # the recipe's own default
 
 
+def test_a_gke_run_without_a_bucket_is_warned_about():
+    """PLATFORM=gke with the default OUTPUT_PATH (outputs, inside the container) ran without a word: each worker
+    kept its own checkpoints, and they went with its pod."""
+    warning = "is not a gs:// URL: with PLATFORM=gke a local folder is inside the container"
+    local = dry_run("tpu/v5p/128b", "PLATFORM=gke")
+    assert local.returncode == 0 and f"the run's folder outputs {warning}" in local.stderr
+    assert "base_output_directory=outputs" in local.stdout  # a warning: the run is as before
+    assert warning in dry_run("tpu/v5p/128b", "PLATFORM=gke", "OUTPUT_PATH=gs://b/r",
+                              "base_output_directory=/tmp/r").stderr  # the last one is used
+    for quiet in (["OUTPUT_PATH=gs://b/r"], ["base_output_directory=gs://b/r"], ["EXECUTABLE=train_compile"]):
+        assert warning not in dry_run("tpu/v5p/128b", "PLATFORM=gke", *quiet).stderr, quiet
+    assert warning not in dry_run("tpu/v5p/128b", "PLATFORM=gce").stderr
+
+
 def test_a_node_count_other_than_the_gpu_recipes_is_refused():
     """NNODES=2 given to a 4-VM recipe (as an argument or from the environment) was replaced by its 4 without a
     word: each process then waited for peers that were never started."""

@@ -67,3 +67,11 @@ def test_every_recipe_started_with_sh_runs_as_with_bash():
                                env=clean, cwd="/", timeout=60) for shell in ("sh", "bash")]
         assert runs[0].returncode == runs[1].returncode == 0, (recipe, runs[0].stderr)
         assert runs[0].stdout == runs[1].stdout and "train.py" in runs[0].stdout, recipe
+
+
+def test_a_dry_run_prints_every_variable_given_as_an_argument():
+    """TPU_STDERR_LOG_LEVEL=0 as an argument (or from the environment) was exported to the run but left out of
+    the environment a dry run prints: of the families an argument may set, TPU_* was not listed."""
+    got = dry_run("tpu/v5p/128b", "TPU_STDERR_LOG_LEVEL=0", "PLATFORM=gke")
+    assert got["TPU_STDERR_LOG_LEVEL"] == "0"
+    assert dry_run("tpu/v5p/128b", env={"TPU_MIN_LOG_LEVEL": "1"})["TPU_MIN_LOG_LEVEL"] == "1"
