@@ -75,3 +75,11 @@ def test_a_dry_run_prints_every_variable_given_as_an_argument():
     got = dry_run("tpu/v5p/128b", "TPU_STDERR_LOG_LEVEL=0", "PLATFORM=gke")
     assert got["TPU_STDERR_LOG_LEVEL"] == "0"
     assert dry_run("tpu/v5p/128b", env={"TPU_MIN_LOG_LEVEL": "1"})["TPU_MIN_LOG_LEVEL"] == "1"
+
+
+def test_a_run_name_with_spaces_keeps_the_hlo_dump_in_one_folder():
+    """RUN_NAME="my run" made XLA_FLAGS hold --xla_dump_to=/tmp/xla_dump/my run: XLA splits its flags at spaces,
+    dumped into /tmp/xla_dump/my (shared with every run named "my ...") and ignored the stray "run"."""
+    for recipe in ("gpu/a3/llama_2_7B/1vm", "gpu/a3/llama3.1_70b_tp8_4vm"):
+        flags = dry_run(recipe, "RUN_NAME=my run")["XLA_FLAGS"].split()
+        assert flags[0] == "--xla_dump_to=/tmp/xla_dump/my_run" and "run" not in flags, (recipe, flags)

@@ -26,7 +26,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/../../run_recipe.sh" "$@"
 #   - an HLO dump, to check that the matmuls were rewritten (getting_started/GPU_performance.md).
 export NNODES=4
 source "$(dirname "${BASH_SOURCE[0]}")/../shared_flags.inc"   # GPU_SHARED_XLA_FLAGS and the NCCL settings
-export XLA_FLAGS="--xla_dump_to=/tmp/xla_dump/$RUN_NAME \
+export XLA_FLAGS="--xla_dump_to=/tmp/xla_dump/${RUN_NAME//[[:space:]]/_} \
   --xla_gpu_multi_streamed_windowed_einsum=true \
   --xla_gpu_threshold_for_windowed_einsum_mib=0 \
   --xla_gpu_enable_nccl_user_buffers=true \
