@@ -87,6 +87,11 @@ case "$PLATFORM" in gce|gke) ;; *) echo "$RECIPE_PATH: PLATFORM=$PLATFORM is not
 case "$EXECUTABLE" in train|train_compile) ;;
   *) echo "$RECIPE_PATH: EXECUTABLE=$EXECUTABLE is not train or train_compile" >&2; exit 2 ;;
 esac
+if [ "$EXECUTABLE" = train_compile ] && [ "$NUM_SLICES" != -1 ] && [[ ! "$NUM_SLICES" =~ ^0*[1-9][0-9]*$ ]]; then
+  # train_compile's own error named compile_topology_num_slices, a key the caller never typed (-1: MaxText's 1)
+  echo "$RECIPE_PATH: NUM_SLICES=$NUM_SLICES is not a number of slices; give 1 or more, e.g. NUM_SLICES=2" >&2
+  exit 2
+fi
 if [ -n "${NUM_SLICES_GIVEN:-}" ] && [ "$EXECUTABLE" = train ]; then  # it was ignored without a word
   echo "$RECIPE_PATH: warning: NUM_SLICES=$NUM_SLICES is read with EXECUTABLE=train_compile only; a training run" \
        "uses the slices it is started on (multihost_runner.py's <prefix>-0, -1, ..., multihost_job.py --NUM_SLICES," \

@@ -395,6 +395,18 @@ def test_num_slices_for_a_training_run_is_warned_about():
     assert "NUM_SLICES" not in dry_run("tpu/v5p/llama2_70b_pp2").stderr  # the recipe's own default
 
 
+def test_a_slice_count_that_is_not_one_or_more_is_refused_by_name():
+    """NUM_SLICES=0 or abc with EXECUTABLE=train_compile reached train_compile, whose error named
+    compile_topology_num_slices, a key the caller never typed (a dry run printed the command, exit 0)."""
+    for bad in ("0", "abc", "2 3"):
+        out = dry_run("tpu/v5p/128b", "EXECUTABLE=train_compile", f"NUM_SLICES={bad}")
+        assert out.returncode == 2 and out.stdout == "", out
+        assert out.stderr.endswith(f"NUM_SLICES={bad} is not a number of slices; give 1 or more, e.g. NUM_SLICES=2\n")
+    for good, slices in (("2", "2"), ("-1", "-1")):  # -1: MaxText's one slice, which the config translates
+        _, commands = parse(dry_run("tpu/v5p/128b", "EXECUTABLE=train_compile", f"NUM_SLICES={good}").stdout)
+        assert commands[0][-1] == f"compile_topology_num_slices={slices}"
+
+
 def test_a_gke_run_without_a_bucket_is_warned_about():
     """PLATFORM=gke with the default OUTPUT_PATH (outputs, inside the container) ran without a word: each worker
     kept its own checkpoints, and they went with its pod."""
