@@ -170,6 +170,11 @@ run_recipe() {
     fi
   done
   cd "$REPO_DIR"
+  if [ "$DRY_RUN" != 1 ] && ! command -v "$PYTHON" >/dev/null 2>&1; then  # was bash's "No such file", exit 127
+    echo "$RECIPE_PATH: PYTHON=$PYTHON is not a program here (a relative path is taken from $REPO_DIR); run" \
+         "bash setup.sh for .venv/bin/python, or give PYTHON=<path of a Python with Tessera installed>" >&2
+    exit 2
+  fi
   if [ "${DRY_RUN:-0}" = 1 ]; then
     echo "# dry run of $RECIPE_PATH: nothing is executed; the commands below run from $REPO_DIR with" \
          "PYTHONPATH=$REPO_DIR/src${PYTHONPATH:+:$PYTHONPATH}"

@@ -407,6 +407,17 @@ def test_a_slice_count_that_is_not_one_or_more_is_refused_by_name():
         assert commands[0][-1] == f"compile_topology_num_slices={slices}"
 
 
+def test_a_python_that_is_not_there_is_named():
+    """PYTHON=<missing> ended the recipe with bash's "exec: ...: No such file or directory" from a line of
+    run_recipe.sh, exit 127, naming no setting."""
+    clean = {"PATH": os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    out = subprocess.run(["bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), "PYTHON=no/such/python",
+                          "PLATFORM=gke", "OUTPUT_PATH=gs://b/r"], capture_output=True, text=True, env=clean,
+                         cwd="/", timeout=60)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert f"PYTHON=no/such/python is not a program here (a relative path is taken from {REPO})" in out.stderr
+
+
 def test_a_gke_run_without_a_bucket_is_warned_about():
     """PLATFORM=gke with the default OUTPUT_PATH (outputs, inside the container) ran without a word: each worker
     kept its own checkpoints, and they went with its pod."""
