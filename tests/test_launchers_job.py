@@ -190,6 +190,9 @@ def test_job_without_gcloud_on_path_says_so(code_dir, tmp_path):
     ("--TIMEOUT_MINUTES=nan", "both finite"),
     ("--COMMAND= ", "--COMMAND is empty"),  # created the slices, ran nothing there and reported success
     ("--TPU_TYPE=", "--TPU_TYPE is empty; e.g. --TPU_TYPE=v5p-256"),
+    # bash on every worker refused these, once the slices had been made and had booted
+    ("--COMMAND=bash configs/tpu/v5p/128b.sh OUTPUT_PATH=<changeme>", "is not a bash command (line 1: syntax error"),
+    ("--COMMAND=bash setup.sh 'DEVICE=tpu", "is not a bash command (line 1: unexpected EOF"),
 ])
 def test_job_refuses_bad_flags_before_uploading(fake, code_dir, tmp_path, flag, message):
     proc = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", flag, cwd=tmp_path)
