@@ -165,7 +165,7 @@ run_recipe() {
       export "$var=${!var:-} ${!caller}"
     fi
     if [ -n "${!var:-}" ]; then
-      read -r -a words <<<"${!var}"
+      read -r -d '' -a words <<<"${!var}" || true  # every line: flags on lines of their own were dropped
       export "$var=${words[*]}"
     fi
   done

@@ -83,3 +83,14 @@ def test_a_run_name_with_spaces_keeps_the_hlo_dump_in_one_folder():
     for recipe in ("gpu/a3/llama_2_7B/1vm", "gpu/a3/llama3.1_70b_tp8_4vm"):
         flags = dry_run(recipe, "RUN_NAME=my run")["XLA_FLAGS"].split()
         assert flags[0] == "--xla_dump_to=/tmp/xla_dump/my_run" and "run" not in flags, (recipe, flags)
+
+
+def test_callers_flags_on_lines_of_their_own_all_reach_the_run():
+    """A multi-line LIBTPU_INIT_ARGS or XLA_FLAGS (`export XLA_FLAGS="` then one flag per line, or a YAML block)
+    kept only its first line: the flags after a newline were dropped without a word (all of them after a
+    leading newline)."""
+    own = dry_run("tpu/v5e/16b")["LIBTPU_INIT_ARGS"].split()
+    got = dry_run("tpu/v5e/16b", "LIBTPU_INIT_ARGS=\n  --xla_a=1\n  --xla_b=2\n")
+    assert got["LIBTPU_INIT_ARGS"].split() == [*own, "--xla_a=1", "--xla_b=2"]
+    got = dry_run("tpu/v5e/16b", env={"XLA_FLAGS": "--xla_dump_to=/tmp/d\n--xla_cpu_enable_fast_math=false"})
+    assert got["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_cpu_enable_fast_math=false"
