@@ -227,8 +227,9 @@ class MetricsWriter:
         from etils import epath
 
         steps = [r["step"] for r in self._pending]
-        target = epath.Path(self._upload_dir) / f"metrics_{min(steps):08d}_{max(steps):08d}.jsonl"
-        try:
+        target = f"{self._upload_dir}/metrics_{min(steps):08d}_{max(steps):08d}.jsonl"
+        try:  # epath.Path raises KeyError for a scheme it has no client for (file://)
+            target = epath.Path(target)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text("".join(to_json(r) + "\n" for r in self._pending))
         except Exception as e:  # noqa: BLE001 - any storage error: keep the records, retry with the next upload

@@ -41,6 +41,8 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
             check_writable(ckpt_dir, "checkpoint_dir")
         else:
             check_writable(ckpt_dir, "base_output_directory", "the checkpoint folder")
+    if cfg.run.gcs_metrics and remote_run_dir(cfg.run):  # else the first upload, after the last step, failed
+        _check_upload_scheme(cfg.run.base_output_directory)
     if "://" in cfg.run.metrics_file:  # Path() would make gs://b/m.jsonl the local file gs:/b/m.jsonl
         raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a URL; metrics_file is a local file, appended to "
                           "after every step, which an object store cannot do. For metrics in a bucket, set "
@@ -75,6 +77,20 @@ def _refuse_checkpoint_inside(ckpt_dir: str) -> None:
         raise ConfigError(f"checkpoint_dir={ckpt_dir} is a run folder, whose step folders are in {own}: this run "
                           f"would start from step 0 and save its steps there, beside checkpoints/; give checkpoint_dir={own} to "
                           f"train on from its newest step, or load_full_state_path=<one of its steps> for a new run")
+
+
+def _check_upload_scheme(base: str) -> None:
+    """ConfigError for a URL base_output_directory whose scheme etils (the file layer gcs_metrics
+    writes through) has no client for, such as file://."""
+    from etils import epath
+
+    try:
+        epath.Path(base)
+    except KeyError:
+        scheme = base.split("://", 1)[0]
+        raise ConfigError(f"gcs_metrics=true with base_output_directory={base}: no client writes to {scheme}:// "
+                          "URLs (gs://, s3://, az:// and hf:// have one); use one of those, or a local folder "
+                          "(without ://), where metrics.jsonl holds every record") from None
 
 
 def _check_kind(path: Path, kind: str, key: str) -> None:
