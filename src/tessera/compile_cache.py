@@ -9,7 +9,9 @@ of the same recipe, skips the compile. train.py and decode.py use it; `train_com
 
 JAX leaves out programs that compiled in under `jax_persistent_cache_min_compile_time_secs`
 (1 s by default; its environment variable JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS changes
-it). The folder is never pruned: delete it to start over. An empty key leaves JAX's own setting
+it). The folder is never pruned: delete it to start over. JAX never replaces an entry either, so
+one it cannot read (cut short by a kill while written) is compiled at every run: a warning names
+the files to delete. An empty key leaves JAX's own setting
 (JAX_COMPILATION_CACHE_DIR) as it is.
 
 `cache_hits()` counts the programs loaded from the cache in this process, so the trainer can say
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
+import warnings
 
 log = logging.getLogger("tessera")
 
@@ -35,6 +39,7 @@ def use_compilation_cache(path: str) -> None:
 
     if not _counted["listening"]:
         jax.monitoring.register_event_listener(_count)
+        warnings.showwarning = _explaining_unreadable_entries(warnings.showwarning)
         _counted["listening"] = True
     if path:
         jax.config.update("jax_compilation_cache_dir", path)
@@ -69,6 +74,24 @@ def unloadable_programs_unsaved(mesh):
         yield
     finally:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", before)
+
+
+def _explaining_unreadable_entries(show):
+    """`warnings.showwarning` that replaces JAX's "Error reading persistent compilation cache entry"
+    with a line that says what to do: JAX compiles the program again but never replaces an entry
+    (one cut short by a process killed while writing it, or a corrupt file), so without it every
+    later run compiled that program again, and only this warning said why."""
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        m = re.match(r"Error reading persistent compilation cache entry for '([^']+)': (.*)", str(message), re.S)
+        if not m:
+            return show(message, category, filename, lineno, file, line)
+        import jax
+
+        folder = jax.config.jax_compilation_cache_dir or "the compilation cache folder"
+        log.warning("compilation cache: the entry of %s in %s cannot be read (%s); it is compiled instead, and JAX "
+                    "never replaces an entry, so every run would compile it again: delete %s/%s-*-cache (or the "
+                    "folder, to start over)", m[1], folder, " ".join(m[2].split())[:200], folder, m[1])
+    return showwarning
 
 
 def cache_hits() -> int:
