@@ -194,6 +194,31 @@ def test_tensorboard_holds_each_record_as_soon_as_it_is_written(tmp_path):
     writer.close()
 
 
+def test_tensorboard_shows_the_steps_a_resumed_attempt_trains_again_once(tmp_path):
+    """An attempt killed after step 7 with its last checkpoint at 4: the next one (first_step=5)
+    trains 5-7 again. TensorBoard showed both attempts' 5-7, its curve going back from 7 to 5; a
+    restart marker at the first step makes it keep the later ones, as metrics.jsonl's readers do."""
+    import time
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = metrics.MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb", log_period=1000)
+    for step in range(2, 8):
+        first.write({**_record(step), "loss": 1.0})
+    first.write_eval({"step": 6, "eval_loss": 1.0, "eval_perplexity": 2.7, "eval_tokens": 10, "eval_batches": 1,
+                      "eval_seconds": 0.1})
+    time.sleep(1.1)  # event files are named by the second they were opened in
+    second = metrics.MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb", log_period=1000, first_step=5)
+    for step in range(5, 10):
+        second.write({**_record(step), "loss": 2.0})
+    second.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(s, 1.0) for s in (2, 3, 4)] + [
+        (s, 2.0) for s in range(5, 10)]
+    assert events.Scalars("eval/loss") == []  # step 6's evaluation was the lost attempt's
+
+
 def test_a_non_finite_value_goes_to_tensorboard_without_a_warning_per_step(tmp_path, caplog):
     """tensorboardX's `scalar` logged 'NaN or Inf found in input tensor.' for each non-finite value:
     a line per skipped step of on_nonfinite_loss=skip_step, which the run's own log already explains."""

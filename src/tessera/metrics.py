@@ -114,13 +114,20 @@ class _TensorBoardFile:
     logged "NaN or Inf found in input tensor." for every non-finite value, a line per skipped step
     (on_nonfinite_loss=skip_step) that the run's own log already explains; TensorBoard shows NaN."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, first_step: int = 1):
+        """A restart marker at `first_step` opens the file: TensorBoard then drops the events of
+        that step and later from the files before it (steps an earlier attempt logged, lost and
+        this one trains again), as metrics.jsonl's readers take its later record of a step; without
+        it TensorBoard drew both, its curves going back to `first_step` and forward again."""
         from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
         from tensorboardX.proto.summary_pb2 import Summary
 
         folder.mkdir(parents=True, exist_ok=True)
         self._writer, self._event, self._summary = EventsWriter(str(folder / "events")), Event, Summary
+        self._writer.write_event(Event(step=first_step, wall_time=time.time(),
+                                       session_log=SessionLog(status=SessionLog.START)))
+        self._writer.flush()
 
     def add_scalars(self, values: dict[str, float], step: int) -> None:
         now = time.time()
@@ -179,7 +186,7 @@ class MetricsWriter:
             _drop_cut_line(metrics_file)
             self._jsonl = metrics_file.open("a")
         if tensorboard_dir is not None and write_files:
-            self._tb = _TensorBoardFile(tensorboard_dir)
+            self._tb = _TensorBoardFile(tensorboard_dir, first_step)
         # the first step this attempt trains (a resumed run's too) and the run's last step are logged too
         self.log_period, self.first_step, self.last_step = log_period, first_step, last_step
         self.records: list[dict[str, Any]] = []
