@@ -705,6 +705,29 @@ def test_writing_the_trace_is_not_counted_in_the_next_step(tmp_path, monkeypatch
     assert seconds[4] < 0.5, seconds  # the trace held steps 2 and 3
 
 
+def test_a_trace_that_cannot_be_written_is_a_warning_and_a_profile_file_is_refused_first(tmp_path, caplog):
+    """`profile` a file in the run folder: stop_trace raised after the window's last step, and the
+    stop at the run's end raised "No profile started" on top of it: two tracebacks, exit 1, the
+    rest of the run lost. Now the start refuses it (exit 2), and a trace that still cannot be
+    written (a full disk) is a warning: the run trains on."""
+    from tessera.loop_records import Profiler
+    from tessera.run_folder import check_output_folders
+
+    cfg = tiny_config(tmp_path, steps=3, profiler="xplane", skip_first_n_steps_for_profiler=0, profiler_steps=1)
+    run_dir = tmp_path / "test"
+    run_dir.mkdir()
+    (run_dir / "profile").write_text("not a folder")
+    with pytest.raises(ConfigError, match=f"{run_dir / 'profile'} \\(in the run folder, from base_output_directory\\) "
+                                          "is a file, where the run writes a folder"):
+        check_output_folders(cfg, "")
+    profiler = Profiler(cfg, run_dir)
+    with caplog.at_level("WARNING", logger="tessera"):
+        profiler.before_step(1)
+        assert profiler.after_step(1)
+        profiler.stop()
+    assert f"profiler=xplane: the trace could not be written to {run_dir / 'profile'} (" in caplog.text
+
+
 def test_a_profile_window_after_the_last_step_is_said_at_the_start(tmp_path, caplog):
     """A window past the run's end writes no trace, and one the run's end cuts short holds fewer
     steps than asked: both are said at the start (the short one, before, was not)."""

@@ -86,7 +86,11 @@ class Profiler:
 
     def before_step(self, step: int) -> None:
         if self.enabled and step == self.first:
-            jax.profiler.start_trace(str(self.dir))
+            try:
+                jax.profiler.start_trace(str(self.dir))
+            except RuntimeError as e:  # another trace running (JAX allows one); JaxRuntimeError is one too
+                log.warning("profiler=xplane: the trace could not start (%s); training goes on without it", e)
+                return
             self.active = True
 
     def ends_before(self, step: int) -> bool:
@@ -103,9 +107,16 @@ class Profiler:
         return False
 
     def stop(self) -> None:
+        """Write the trace. One that cannot be written (a full disk, `profile` a file) is a warning:
+        it raised after the window's last step, a traceback, and again from the stop at the run's end."""
         if self.active:
-            jax.profiler.stop_trace()
             self.active = False
+            try:
+                jax.profiler.stop_trace()
+            except RuntimeError as e:
+                log.warning("profiler=xplane: the trace could not be written to %s (%s); training goes on "
+                            "without it", self.dir, " ".join(str(e).split())[:300])
+                return
             log.info("profile written to %s", self.dir)
 
 

@@ -56,6 +56,8 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
         _check_kind(run_dir(cfg.run) / "metrics.jsonl", "a file", "base_output_directory")
     if cfg.run.enable_tensorboard:
         _check_kind(run_dir(cfg.run) / "tensorboard", "a folder", "base_output_directory")
+    if cfg.profiler.profiler:
+        _check_kind(run_dir(cfg.run) / "profile", "a folder", "base_output_directory")
     for name in (LOCK_FILE, "config.yml", "report.json"):  # the lock, taken first; the others written after compiling
         _check_kind(run_dir(cfg.run) / name, "a file", "base_output_directory")
 
