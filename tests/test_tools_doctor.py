@@ -40,6 +40,8 @@ def test_a_lock_it_cannot_compare_with_is_a_problem(tmp_path, capsys, no_device_
     assert f"doctor: problem: lock file {lock} " in out and problem in out and "healthy" not in out
     assert doctor.main(["--lock", str(tmp_path), "--quiet"]) == 1
     assert f"lock file {tmp_path} is a folder, not a lock file" in capsys.readouterr().out
+    assert doctor.main(["--lock", "/dev/null", "--quiet"]) == 1  # it said "/dev/null does not exist"
+    assert "lock file /dev/null is not a regular file (a device or a pipe)" in capsys.readouterr().out
 
 
 def test_the_verdict_names_the_lock_it_compared_with(tmp_path, capsys, no_device_probe):

@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         problems.append(f"lock file {lock_name} has no package==version line for this interpreter; pass a lock "
                         "written by `bash setup.sh lock` (locks/<device>.txt)")
     elif not problems:
-        state = "is a folder, not a lock file" if lock_path.is_dir() else "does not exist"
+        state = ("is a folder, not a lock file" if lock_path.is_dir() else
+                 "is not a regular file (a device or a pipe)" if lock_path.exists() else "does not exist")
         problems.append(f"lock file {lock_path} {state}; run `bash setup.sh lock` or pass --lock FILE")
     problems += combination_problems(device, mode)
     rows, found = device_report(device)
