@@ -728,6 +728,27 @@ def test_a_trace_that_cannot_be_written_is_a_warning_and_a_profile_file_is_refus
     assert f"profiler=xplane: the trace could not be written to {run_dir / 'profile'} (" in caplog.text
 
 
+WATCHED_TRACE_SCRIPT = """
+import sys, time
+import jax.profiler
+stop_trace = jax.profiler.stop_trace
+jax.profiler.stop_trace = lambda: (time.sleep(4), stop_trace())  # a large run's trace takes this long to write
+from tessera.train import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_trace_that_outlasts_step_timeout_seconds_is_named_by_the_watchdog(tmp_path):
+    """The watchdog said "no training step finished in 1.x s" while the trace was being written."""
+    cmd = [sys.executable, "-c", WATCHED_TRACE_SCRIPT, str(REPO / "configs" / "base.yml"),
+           *[f"{k}={v}" for k, v in TINY.items()], "steps=4", f"base_output_directory={tmp_path}", "run_name=t",
+           "enable_checkpointing=false", "profiler=xplane", "profiler_steps=1", "step_timeout_seconds=1.5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 5, proc.stderr[-3000:]
+    assert ("hang watchdog: writing the trace of steps 2-2 (profiler=xplane, fewer profiler_steps write less) did "
+            "not finish in") in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_profile_window_after_the_last_step_is_said_at_the_start(tmp_path, caplog):
     """A window past the run's end writes no trace, and one the run's end cuts short holds fewer
     steps than asked: both are said at the start (the short one, before, was not)."""

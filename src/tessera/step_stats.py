@@ -51,7 +51,11 @@ class StatsReader:
             stats = jax.device_get(stats)  # waits for that step only
             self.watchdog.beat()
             self.writer.write(self.meter.record(step, stats))
-            if self.profiler.after_step(step):  # the trace was written with no step in flight (ends_before)
+            if self.profiler.active and step == self.profiler.last:  # the trace, written with no step in flight
+                # (ends_before): seconds to minutes, named if it outlasts step_timeout_seconds, not "no training step"
+                with self.watchdog.allowing(f"writing the trace of steps {self.profiler.first}-{step} "
+                                            "(profiler=xplane, fewer profiler_steps write less)", 0.0):
+                    self.profiler.after_step(step)
                 self.meter.restart_clock()  # its time is not the next step's
             finite = bool(stats["finite"])
             self.skipped_since = None if finite else self.skipped_since or step
