@@ -126,8 +126,7 @@ class _TensorBoardFile:
         folder.mkdir(parents=True, exist_ok=True)
         self._writer, self._event, self._summary = EventsWriter(str(folder / "events")), Event, Summary
         self._writer.write_event(Event(step=first_step, wall_time=time.time(),
-                                       session_log=SessionLog(status=SessionLog.START)))
-        self._writer.flush()
+                                       session_log=SessionLog(status=SessionLog.START)))  # flushed with step 1's
 
     def add_scalars(self, values: dict[str, float], step: int) -> None:
         now = time.time()
