@@ -86,6 +86,19 @@ def test_job_layout_from_environment():
     spec = job_from_env({"TPU_WORKER_HOSTNAMES": "a,b,c,d", "TPU_WORKER_ID": "2", "MEGASCALE_NUM_SLICES": "3",
                          "MEGASCALE_SLICE_ID": "2"})  # JAX's count and id: 4 hosts x 3 slices, 2 x 4 + 2
     assert (spec.num_processes, spec.process_id) == (12, 10)
+
+
+def test_tpu_hosts_are_read_where_jax_reads_them(tmp_path):
+    """Newer GKE gives a slice's hosts as TPU_PROCESS_ADDRESSES (or a file, TPU_PROCESS_ADDRESSES_PATH), which JAX's
+    TPU detection reads before TPU_WORKER_HOSTNAMES: with those alone a 4-host slice was 4 single processes."""
+    spec = job_from_env({"TPU_PROCESS_ADDRESSES": "a:8471,b:8471,c:8471,d:8471", "TPU_WORKER_ID": "3"})
+    assert (spec.mode, spec.num_processes, spec.process_id) == ("tpu", 4, 3)
+    (tmp_path / "hosts").write_text("a:8471,b:8471\n")
+    spec = job_from_env({"TPU_PROCESS_ADDRESSES_PATH": str(tmp_path / "hosts"), "TPU_WORKER_HOSTNAMES": "a",
+                         "TPU_WORKER_ID": "1"})
+    assert (spec.mode, spec.num_processes, spec.process_id) == ("tpu", 2, 1)
+    with pytest.raises(DistributedError, match=r"^TPU_PROCESS_ADDRESSES_PATH=\S+/none cannot be read \(No such file"):
+        job_from_env({"TPU_PROCESS_ADDRESSES_PATH": str(tmp_path / "none")})
     with pytest.raises(DistributedError, match="NODE_RANK=2 must be in"):
         job_from_env({"JAX_COORDINATOR_IP": "x", "NNODES": "2", "NODE_RANK": "2"})
     with pytest.raises(DistributedError, match=r"^NNODES=0 is the number of processes of the job: give 1 or more"):

@@ -6,7 +6,8 @@ Which processes form one job is read from the environment, first match wins:
 1. `JAX_COORDINATOR_IP` [+ `JAX_COORDINATOR_PORT`, default 8476], `NNODES`, `NODE_RANK`
    (GPU clusters, the validation suite, CPU tests on localhost);
 2. Slurm under `srun` (`SLURM_NTASKS` > 1): JAX's own Slurm detection;
-3. a multi-host TPU slice (`TPU_WORKER_HOSTNAMES` lists several hosts, as on TPU VMs and GKE), or
+3. a multi-host TPU slice (`TPU_WORKER_HOSTNAMES` lists several hosts, as on TPU VMs and GKE; newer GKE
+   gives them as `TPU_PROCESS_ADDRESSES` or a file named by `TPU_PROCESS_ADDRESSES_PATH`, read first), or
    several slices (`MEGASCALE_NUM_SLICES` > 1 beside `TPU_WORKER_HOSTNAMES`, as xpk sets them):
    JAX's own TPU detection, which counts hosts per slice x slices.
 
@@ -30,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Mapping
 
 import jax
@@ -97,7 +99,7 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
         return JobSpec("env", address, nodes, rank, **timeouts)
     if _int_env(env, "SLURM_NTASKS", 1) > 1 and "SLURM_PROCID" in env:
         return JobSpec("slurm", None, _int_env(env, "SLURM_NTASKS", 1), _int_env(env, "SLURM_PROCID", 0), **timeouts)
-    hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+    hosts = [h for h in _tpu_hosts(env).split(",") if h.strip()]
     # slices of a multi-slice job (xpk, queued resources): JAX counts hosts per slice x slices. One-host slices
     # (2 x v5e-8) were a single process each, never joined: every slice trained alone, silently
     slices = _int_env(env, "MEGASCALE_NUM_SLICES", 1) if hosts else 1
@@ -119,6 +121,21 @@ def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
                                "JAX_COORDINATOR_IP to the address of the host of NODE_RANK=0, or unset NODE_RANK for a "
                                "single process")
     return JobSpec("single", **timeouts)
+
+
+def _tpu_hosts(env: Mapping[str, str]) -> str:
+    """The hosts of this TPU slice, comma-separated, from where JAX's TPU detection reads them, first found:
+    the file named by TPU_PROCESS_ADDRESSES_PATH, TPU_PROCESS_ADDRESSES, TPU_WORKER_HOSTNAMES (newer GKE sets
+    the first two alone: read the last only, a multi-host slice was taken for a single process)."""
+    path = env.get("TPU_PROCESS_ADDRESSES_PATH")
+    if path:
+        try:
+            return Path(path).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            why = getattr(e, "strerror", None) or e
+            raise DistributedError(f"TPU_PROCESS_ADDRESSES_PATH={path} cannot be read ({why}): it names the file of "
+                                   "this slice's host addresses, which JAX reads too; fix the path or unset it") from None
+    return env.get("TPU_PROCESS_ADDRESSES") or env.get("TPU_WORKER_HOSTNAMES", "")
 
 
 def initialize(spec: JobSpec | None = None) -> JobSpec:
