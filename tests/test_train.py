@@ -1398,6 +1398,20 @@ def test_a_finished_run_without_its_report_says_so(tmp_path, caplog):
             "its last evaluation; neither is made again (raise steps to train on)") in caplog.text
 
 
+def test_a_resumed_attempt_sets_the_earlier_report_aside(tmp_path, caplog):
+    """A finished run trained on (steps raised) and stopped by SIGTERM before its own report left the earlier
+    attempt's report.json in place: the folder read as finished at step 2, with that attempt's figures."""
+    first = run(tiny_config(tmp_path, steps=2), jax.devices()[:1])
+    run(tiny_config(tmp_path, steps=3), jax.devices()[:1])
+    kept = tmp_path / "test" / "report.until_step_2.json"
+    assert json.loads(kept.read_text())["final_loss"] == first["final_loss"]
+    assert json.loads((tmp_path / "test" / "report.json").read_text())["start_step"] == 2
+    (tmp_path / "test" / "report.json").unlink()  # as a stop after the save of step 3 leaves the folder
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=3), jax.devices()[:1])
+    assert f"{tmp_path / 'test'} has no report.json: the run was stopped after saving step 3" in caplog.text
+
+
 def test_another_runs_records_in_a_shared_metrics_file_are_not_steps_trained_again(tmp_path, caplog):
     """Two runs given one metrics_file: the second (a new run, no earlier attempt of its own) found
     the first's 3 records and said it trained 3 steps again (report: steps_redone 3)."""

@@ -6,6 +6,7 @@ folder's lock (`RunFolderLock`) from the moment the folder exists."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import socket
@@ -130,9 +131,11 @@ def refuse_unread_checkpoints(cfg: Config, ckpt_dir: str) -> None:
                               f"(checkpoint_dir in its config.yml), which this start would not read ({why}): it would "
                               f"train again from step 0. To continue the run, give checkpoint_dir={before}; for a new "
                               "run, choose a new run_name")
-    report = run_dir(cfg.run) / "report.json"
-    if report.is_file():  # a run that ended (enable_checkpointing=false, or its checkpoints deleted since)
-        raise ConfigError(f"{report.parent} holds a run that finished (report.json) and no checkpoint this start "
+    folder = run_dir(cfg.run)
+    report = folder / "report.json" if (folder / "report.json").is_file() else next(
+        iter(sorted(folder.glob("report.until_*.json"))), None) if folder.is_dir() else None
+    if report is not None:  # a run that ended (enable_checkpointing=false, or its checkpoints deleted since)
+        raise ConfigError(f"{report.parent} holds a run that finished ({report.name}) and no checkpoint this start "
                           "could resume from: it would train again from step 0 and mix its metrics with the finished "
                           "run's. For a new run, choose a new run_name (or move that folder away)")
 
@@ -260,6 +263,7 @@ def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = No
         log.info("compile_topology=%s is read by train_compile; train.py trains on the devices it finds",
                  cfg.compile.compile_topology)
     if jax.process_index() == 0:
+        _set_aside_earlier_report(folder)
         try:
             (folder / "config.yml").write_text(RUN_CONFIG_HEADER + yaml.safe_dump(flat_dict(cfg), sort_keys=False))
         except OSError as e:  # the disk filled up since the folders were checked, before compiling
@@ -267,6 +271,27 @@ def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = No
                              folder, e) from None
     log.info("run %s -> %s (full config in config.yml, digest %s)", cfg.run.run_name, folder, config_digest(cfg))
     return folder
+
+
+def _set_aside_earlier_report(folder: Path) -> None:
+    """An earlier attempt's report.json, renamed report.until_step_<N>.json as this attempt starts its steps:
+    left in place, a resumed attempt stopped before its own report (SIGTERM, a crash) left the folder reading as
+    finished at the earlier attempt's last step, with its figures."""
+    report = folder / "report.json"
+    if not report.is_file():
+        return
+    try:
+        earlier = json.loads(report.read_text())
+        last = f"step_{int(earlier['start_step']) + int(earlier['steps'])}"
+    except (OSError, ValueError, TypeError, KeyError):
+        last = "an_earlier_step"  # cut short by a full disk, say: kept all the same
+    kept = folder / f"report.until_{last}.json"
+    try:
+        report.replace(kept)
+    except OSError as e:
+        raise unwritable(f"the run folder {folder} (from base_output_directory)", "base_output_directory", folder,
+                         e) from None
+    log.info("the earlier attempt's report.json is kept as %s; this attempt writes its own at its end", kept.name)
 
 
 def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: StepMeter, folder: Path,
