@@ -34,6 +34,18 @@ def test_reuse_example_batch_repeats_the_first_batch():
     np.testing.assert_array_equal(next(data)["tokens"], next(data)["tokens"])
 
 
+def test_synthetic_data_refuses_a_vocabulary_its_graph_cannot_hold():
+    """vocab_size=2**31 (allowed: token ids fit int32) ended in numpy's MemoryError traceback building the
+    32 GiB successor table, before the memory checks of the model could say anything."""
+    from tessera.data import DataError
+
+    with pytest.raises(DataError) as e:
+        make_input(tiny_config().data, 2**31, 4)
+    assert str(e.value) == ("dataset_type=synthetic with vocab_size=2,147,483,648: its graph holds 4 successors per "
+                            "token, 32 GiB of host memory; synthetic data takes vocab_size up to 67,108,864 (1 GiB). "
+                            "Lower vocab_size, or train on a dataset (dataset_type, Data.md)")
+
+
 def test_synthetic_data_refuses_the_position_of_file_data():
     """A run on file data resumed with dataset_type=synthetic stopped with a KeyError traceback;
     now with the config error the file pipelines give the other way round. A full-state load's

@@ -12,14 +12,21 @@ from __future__ import annotations
 import numpy as np
 
 from tessera.config import ConfigError, DataConfig
+from tessera.data.errors import DataError
 
 BRANCHING = 4
+MAX_VOCAB = 2**26  # the successor table then takes 1 GiB of host memory (vocab_size x BRANCHING int32)
 
 
 class SyntheticData:
     def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
         self.cfg, self.vocab_size, self.global_batch = cfg, vocab_size, global_batch
         self.stream = 1 if split == "train" else 2  # eval walks are drawn apart from training walks
+        if vocab_size > MAX_VOCAB:  # numpy's MemoryError traceback, or the host's memory taken by the table
+            raise DataError(f"dataset_type=synthetic with vocab_size={vocab_size:,}: its graph holds {BRANCHING} "
+                            f"successors per token, {vocab_size * BRANCHING * 4 / 2**30:,.0f} GiB of host memory; "
+                            f"synthetic data takes vocab_size up to {MAX_VOCAB:,} (1 GiB). Lower vocab_size, or "
+                            "train on a dataset (dataset_type, Data.md)")
         graph_rng = np.random.default_rng([cfg.data_shuffle_seed, 0])
         self.successors = graph_rng.integers(0, vocab_size, size=(vocab_size, BRANCHING), dtype=np.int32)
         self.step = 0  # batches handed out so far: the whole iterator state
