@@ -87,9 +87,9 @@ def _model_file(model_name: Any, folders: list[Path], layers: list, errors: list
     """The file of `model_name` in `folders`; else every error so far and one for the name, which says what
     to give instead (a close name, the name of a path given as one, an example for an empty name)."""
     if model_name is None or not str(model_name).strip():  # model_name= (or `model_name:` in a file): "no file .yml"
-        _raise_all(errors + [_name_sources(f"model_name={model_name!r} is empty: it names a model file of "
-                                           f"{folders[-1]} without its .yml, e.g. model_name=default (the tiny "
-                                           "model) or model_name=llama2-7b", layers)])
+        raise _all_of(errors + [_name_sources(f"model_name={model_name!r} is empty: it names a model file of "
+                                              f"{folders[-1]} without its .yml, e.g. model_name=default (the "
+                                              "tiny model) or model_name=llama2-7b", layers)])
     model_file = next((d / f"{model_name}.yml" for d in folders if is_file(d / f"{model_name}.yml")), None)
     if model_file is not None:
         return model_file
@@ -103,10 +103,9 @@ def _model_file(model_name: Any, folders: list[Path], layers: list, errors: list
         hint = (f"model_name is a model's name, its file's without the folder and .yml: model_name={stem}"
                 if stem in known else hint) + (f"; a model file of your own goes in a models/ folder beside the "
                                                f"config file, and model_name={stem} names it")
-    _raise_all(errors + [_name_sources(
+    raise _all_of(errors + [_name_sources(
         f"model_name={model_name!r}: no file {model_name}.yml in {' or '.join(str(d) for d in folders)}. {hint}",
         layers)])
-    raise AssertionError("unreachable: _raise_all raises")  # for the type checker
 
 
 def _built(layers: list, errors: list[str]) -> Config:
@@ -157,14 +156,20 @@ def _warn_model_file_wins(files: list[tuple[str, dict[str, Any]]], model: tuple[
 
 def _raise_all(errors: list[str]) -> None:
     """One ConfigError listing every problem (each on its own line), if there is any."""
+    if errors:
+        raise _all_of(errors)
+
+
+def _all_of(errors: list[str]) -> ConfigError:
+    """One ConfigError for the (one or more) `errors`: the one, or their count and each on its own line."""
     errors = list(dict.fromkeys(errors))
     if len(errors) == 1:
-        raise ConfigError(errors[0])
-    if errors:  # a line "... and N more unknown keys" stands for N problems; it goes last, with its advice
-        more = {line: int(m[1]) for line in errors if (m := re.match(r"\.\.\. and (\d+) more ", line))}
-        errors = [line for line in errors if line not in more] + list(more)
-        count = len(errors) - len(more) + sum(more.values())
-        raise ConfigError(f"{count} problems in the config:\n  " + "\n  ".join(errors))
+        return ConfigError(errors[0])
+    # a line "... and N more unknown keys" stands for N problems; it goes last, with its advice
+    more = {line: int(m[1]) for line in errors if (m := re.match(r"\.\.\. and (\d+) more ", line))}
+    errors = [line for line in errors if line not in more] + list(more)
+    count = len(errors) - len(more) + sum(more.values())
+    return ConfigError(f"{count} problems in the config:\n  " + "\n  ".join(errors))
 
 
 def _env_layers(env: Mapping[str, str], errors: list[str]) -> list[tuple[str, dict[str, Any]]]:
