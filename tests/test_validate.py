@@ -686,6 +686,24 @@ def test_a_run_name_in_the_entry_is_reported_as_replaced(tmp_path, capsys):
     assert "ignored run_name: the suite names the run validate_<file>" in out and "run_name=mine" not in out
 
 
+def test_a_maxtext_feature_tessera_refuses_is_refused_in_an_entry_too(tmp_path, capsys):
+    """An entry with ici_tensor_sequence_parallelism=4 (which train.py refuses) listed it as ignored and ran the
+    entry without it, measured against MaxText's figures with it; set to its off value it stays listed."""
+    path = tmp_path / "v.json"
+    for value, code in ((4, 2), (1, 0)):
+        path.write_text(json.dumps({"config": {"training_steps": "10"}, "model_params": {
+            "single_node": {"m": {"g": {"ici_tensor_sequence_parallelism": value}}}}}))
+        assert main([str(path), "--dry-run"]) == code
+        out, err = capsys.readouterr()
+        said = "ignored ici_tensor_sequence_parallelism: MaxText key (off here, as in Tessera)" in out
+        assert said == (code == 0)
+        refused = err if code else refused
+    assert ("model_params.single_node.m.g.ici_tensor_sequence_parallelism=4 is a MaxText key Tessera does not implement: a mesh "
+            "axis sharding both tensor and sequence dimensions; use ici_tensor_parallelism and "
+            "ici_sequence_parallelism. train.py refuses it, and the suite would measure the entry without it; remove "
+            "it from the entry (or set it to 1)") in refused
+
+
 def test_a_train_key_in_config_is_told_to_move_to_the_entry(tmp_path, capsys):
     """config.model_name was listed as "not a setting Tessera has", which it is (in the model entry)."""
     path = tmp_path / "v.json"

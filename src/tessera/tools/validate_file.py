@@ -191,8 +191,13 @@ def _read_entry_key(r: _Reading, key: str, value: Any, entry: dict, from_config:
     elif close := difflib.get_close_matches(key, ("result_dict", "xla_flags"), n=1, cutoff=0.8):
         raise ValidationInputError(f"model_params.{name}.{key} is not a key of a model entry; did you mean "
                                    f"{close[0]}? (as it is, its settings would be dropped)")
+    elif key in REFUSED and not is_off(REFUSED[key], value):  # listed as ignored: the run measured without it
+        raise ValidationInputError(f"model_params.{name}.{key}={text} is a MaxText key Tessera does not implement: "
+                                   f"{REFUSED[key].why}. train.py refuses it, and the suite would measure the entry "
+                                   f"without it; remove it from the entry" + (f" (or set it to {REFUSED[key].off[0]})"
+                                                                               if REFUSED[key].off else ""))
     else:
-        r.ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key, value)
+        r.ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key)
 
 
 def _container_settings(container: dict) -> dict[str, str]:
@@ -254,13 +259,12 @@ def _node_count(value: Any) -> int:
     return int(text)
 
 
-def _maxtext_why(key: str, value: Any) -> str:
+def _maxtext_why(key: str) -> str:
     """Why a model-param key that is not a Tessera train key is left out (MaxText keys: the loader's reason)."""
     if key in ACCEPTED:
         return ACCEPTED[key][1]
-    if key in REFUSED:
-        off = " (off here, as in Tessera)" if is_off(REFUSED[key], value) else ""
-        return f"MaxText key{off}: {REFUSED[key].why}"
+    if key in REFUSED:  # with the feature off (on, it is refused)
+        return f"MaxText key (off here, as in Tessera): {REFUSED[key].why}"
     close = difflib.get_close_matches(key, all_fields(), n=1, cutoff=0.8)  # a misspelt train key: its default runs
     return "not a Tessera train key" + (f"; did you mean {close[0]}?" if close else "")
 
