@@ -40,22 +40,35 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         "rope_theta": float(m.rope_max_timescale), "tie_word_embeddings": m.logits_via_embedding, "torch_dtype": dtype,
         "max_position_embeddings": max(8192, m.rope_original_max_position), "hidden_act": act,
     }
-    if m.rope_scaling == "llama3":
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
-                                  "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
-                                  "original_max_position_embeddings": m.rope_original_max_position}
-    elif m.rope_scaling == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": m.rope_scaling_factor}
-    elif m.rope_scaling == "yarn":  # attention_factor: the square root of Attention's score multiplier
-        config["rope_scaling"] = {"rope_type": "yarn", "factor": m.rope_scaling_factor,
-                                  "original_max_position_embeddings": m.rope_original_max_position,
-                                  "beta_fast": m.beta_fast, "beta_slow": m.beta_slow, "truncate": m.rope_truncate,
-                                  "attention_factor": yarn_score_scale(m.rope_scaling_factor, m.mscale) ** 0.5}
-        config["max_position_embeddings"] = max(8192, int(m.rope_original_max_position * m.rope_scaling_factor))
+    config.update(_rope_scaling_keys(m))
     if model_type in HF_ATTENTION_BIAS:
         config["attention_bias"] = m.attention_bias
     if model_type in HF_MLP_BIAS:
         config["mlp_bias"] = m.mlp_bias
+    _add_family_keys(config, m, model_type)
+    return config
+
+
+def _rope_scaling_keys(m: ModelConfig) -> dict[str, Any]:
+    """`rope_scaling` for a scaled RoPE (and YaRN's longer `max_position_embeddings`); nothing for plain RoPE."""
+    keys: dict[str, Any] = {}
+    if m.rope_scaling == "llama3":
+        keys["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
+                                "low_freq_factor": m.rope_low_freq_factor, "high_freq_factor": m.rope_high_freq_factor,
+                                "original_max_position_embeddings": m.rope_original_max_position}
+    elif m.rope_scaling == "linear":
+        keys["rope_scaling"] = {"rope_type": "linear", "factor": m.rope_scaling_factor}
+    elif m.rope_scaling == "yarn":  # attention_factor: the square root of Attention's score multiplier
+        keys["rope_scaling"] = {"rope_type": "yarn", "factor": m.rope_scaling_factor,
+                                "original_max_position_embeddings": m.rope_original_max_position,
+                                "beta_fast": m.beta_fast, "beta_slow": m.beta_slow, "truncate": m.rope_truncate,
+                                "attention_factor": yarn_score_scale(m.rope_scaling_factor, m.mscale) ** 0.5}
+        keys["max_position_embeddings"] = max(8192, int(m.rope_original_max_position * m.rope_scaling_factor))
+    return keys
+
+
+def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) -> None:
+    """The keys (and the changes to the common ones) of each family's config.json, into `config`."""
     if model_type == "gpt_oss":
         config.update(hidden_act="silu", intermediate_size=m.expert_mlp_dim, num_local_experts=m.num_experts,
                       num_experts_per_tok=m.num_experts_per_tok, sliding_window=m.sliding_window_size or None,
@@ -91,7 +104,6 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
             "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
         config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
                                  for i in range(m.num_decoder_layers)]
-    return config
 
 
 def _llama4_config(m: ModelConfig) -> dict[str, Any]:
