@@ -53,6 +53,7 @@ NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biase
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
 FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3",
             "deepseek", "gpt_oss", "llama_bias_yarn", "llama4")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss", "llama4")  # built by _moe_config
 
 
 def _yarn(truncate: bool) -> dict:
@@ -86,6 +87,8 @@ def _llama3_rope() -> dict:
 
 def _config(family: str):
     """Returns (model class, config) of one tiny family."""
+    if family in MOE_FAMILIES:
+        return _moe_config(family)
     t = transformers
     if family == "llama2":
         return t.LlamaForCausalLM, t.LlamaConfig(**_decoder_kwargs())
@@ -95,9 +98,6 @@ def _config(family: str):
             **_decoder_kwargs(rope_parameters=_llama3_rope(), max_position_embeddings=512))
     if family == "mistral":
         return t.MistralForCausalLM, t.MistralConfig(**_decoder_kwargs(sliding_window=SLIDING_WINDOW))
-    if family == "mixtral":
-        return t.MixtralForCausalLM, t.MixtralConfig(**_decoder_kwargs(
-            sliding_window=None, num_local_experts=4, num_experts_per_tok=2))
     if family == "gemma":
         # Gemma reads `hidden_act`, Gemma 2 `hidden_activation` (transformers 5.23)
         return t.GemmaForCausalLM, t.GemmaConfig(**_decoder_kwargs(
@@ -109,10 +109,6 @@ def _config(family: str):
             attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
     if family == "qwen3":
         return t.Qwen3ForCausalLM, t.Qwen3Config(**_decoder_kwargs(rms_norm_eps=1e-6))
-    if family == "qwen3_moe":
-        # fine-grained: 8 experts narrower (16) than the dense width (40, unused), 3 chosen per token
-        return t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**_decoder_kwargs(
-            rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True))
     if family == "gemma3":
         # 8 layers: one 5-local/1-global pattern and 2 more local layers; global rotary with linear scaling
         return t.Gemma3ForCausalLM, t.Gemma3TextConfig(**_decoder_kwargs(
@@ -120,6 +116,28 @@ def _config(family: str):
             sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
+    if family == "llama_bias_yarn":
+        # Llama with biases on its attention and MLP projections, and YaRN rounded outwards
+        return t.LlamaForCausalLM, t.LlamaConfig(**_decoder_kwargs(
+            attention_bias=True, mlp_bias=True, max_position_embeddings=4096, rope_parameters=_yarn(True)))
+    if family == "gpt2":
+        return t.GPT2LMHeadModel, t.GPT2Config(
+            vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
+            n_inner=MLP, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+            initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+    raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+
+
+def _moe_config(family: str):
+    """Returns (model class, config) of one tiny family with experts."""
+    t = transformers
+    if family == "mixtral":
+        return t.MixtralForCausalLM, t.MixtralConfig(**_decoder_kwargs(
+            sliding_window=None, num_local_experts=4, num_experts_per_tok=2))
+    if family == "qwen3_moe":
+        # fine-grained: 8 experts narrower (16) than the dense width (40, unused), 3 chosen per token
+        return t.Qwen3MoeForCausalLM, t.Qwen3MoeConfig(**_decoder_kwargs(
+            rms_norm_eps=1e-6, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=True))
     if family == "deepseek":
         # MLA (query rank 20, latent 12, per head 6 + 16 rotary query/key and 10 value dims); YaRN x4 over an
         # original context of 1024, where the 8 rotary frequencies fall in all three of YaRN's regimes (index 0
@@ -141,10 +159,6 @@ def _config(family: str):
         return t.GptOssForCausalLM, t.GptOssConfig(**_decoder_kwargs(
             num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2, sliding_window=SLIDING_WINDOW,
             swiglu_limit=0.5, attention_bias=True, max_position_embeddings=4096, rope_parameters=_yarn(False)))
-    if family == "llama_bias_yarn":
-        # Llama with biases on its attention and MLP projections, and YaRN rounded outwards
-        return t.LlamaForCausalLM, t.LlamaConfig(**_decoder_kwargs(
-            attention_bias=True, mlp_bias=True, max_position_embeddings=4096, rope_parameters=_yarn(True)))
     if family == "llama4":
         # 8 layers, two of each 4-layer pattern (three rotary layers in chunks of 5, then a NoPE layer with the
         # temperature, which a floor scale of 3 turns on from the third token), experts (4, one chosen, a shared
@@ -157,12 +171,7 @@ def _config(family: str):
             max_position_embeddings=4096,
             rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
                              "high_freq_factor": 1.0, "original_max_position_embeddings": 256}))
-    if family == "gpt2":
-        return t.GPT2LMHeadModel, t.GPT2Config(
-            vocab_size=VOCAB, n_positions=MAX_POS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS,
-            n_inner=MLP, activation_function="gelu_new", layer_norm_epsilon=1e-5,
-            initializer_range=INIT_STD, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
-    raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+    raise ValueError(f"unknown family {family!r}; use one of {', '.join(MOE_FAMILIES)}")
 
 
 def _shard_index(out_dir: Path) -> Path:
