@@ -109,6 +109,47 @@ def check_settings(parser: argparse.ArgumentParser, settings: dict, dtypes: list
     return check
 
 
+def _result(reports: dict[str, dict], settings: dict, steps: int, peaks: tuple[float, float],
+            bf16_peak: float | None) -> dict:
+    """The results file's record: each dtype's run (`reports`: the trainer's) against the measured matmul peaks
+    (float32 before and after the runs; bfloat16's best, or None when no bfloat16 run)."""
+    from tessera import cpu_matmul, host_malloc  # imported by main, after JAX_PLATFORMS is set
+
+    peak = max(peaks)
+    own_peak = {"float32": peak, "bfloat16": bf16_peak}
+    runs = {dtype: {
+        "step_seconds": r["step_seconds"],
+        "tokens_per_sec": r["tokens_per_sec_per_device"],
+        "train_tflops_per_sec": r["tflops_per_sec_per_device"],
+        "compile_seconds": r["compile_seconds"],
+        "fraction_of_matmul_peak": r["tflops_per_sec_per_device"] / peak,
+        # against the matmul of the run's own compute dtype (bfloat16's is two to five times float32's on a CPU
+        # with a bfloat16 dot product)
+        "fraction_of_own_dtype_matmul_peak": r["tflops_per_sec_per_device"] / own_peak[dtype],
+        "final_loss": r["final_loss"],
+    } for dtype, r in reports.items()}
+    result = {
+        "benchmark": "cpu_llama",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "workload": WORKLOAD,
+        "settings": settings,
+        "steps": steps,
+        "host_malloc": host_malloc.in_use(),
+        "cpu_bf16_matmul": cpu_matmul.bf16_matmul(),  # how the trainer multiplies bfloat16 operands here
+        "flops_per_step": next(iter(reports.values()))["flops_per_step"],
+        "matmul_tflops_per_sec": peak,
+        "matmul_tflops_per_sec_before_after": list(peaks),
+        "runs": runs,
+    }
+    if bf16_peak is not None:
+        result["bfloat16_matmul_tflops_per_sec"] = bf16_peak
+        result["bfloat16_matmul_over_float32_matmul"] = bf16_peak / peak
+    if len(runs) == 2:
+        result["bfloat16_speed_over_float32"] = runs["float32"]["step_seconds"] / runs["bfloat16"]["step_seconds"]
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=at_least(1), default=12)
@@ -147,38 +188,8 @@ def main() -> None:
     peak_after = measured_peak("after")
     peak = max(peak_before, peak_after)
     bf16_peak = max(bf16_before, measured_peak("after", "bfloat16")) if bf16_before is not None else None
-    own_peak = {"float32": peak, "bfloat16": bf16_peak}
-    runs = {dtype: {
-        "step_seconds": r["step_seconds"],
-        "tokens_per_sec": r["tokens_per_sec_per_device"],
-        "train_tflops_per_sec": r["tflops_per_sec_per_device"],
-        "compile_seconds": r["compile_seconds"],
-        "fraction_of_matmul_peak": r["tflops_per_sec_per_device"] / peak,
-        # against the matmul of the run's own compute dtype (bfloat16's is two to five times float32's on a CPU
-        # with a bfloat16 dot product)
-        "fraction_of_own_dtype_matmul_peak": r["tflops_per_sec_per_device"] / own_peak[dtype],
-        "final_loss": r["final_loss"],
-    } for dtype, r in reports.items()}
-    result = {
-        "benchmark": "cpu_llama",
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-        "workload": WORKLOAD,
-        "settings": settings,
-        "steps": args.steps,
-        "host_malloc": host_malloc.in_use(),
-        "cpu_bf16_matmul": cpu_matmul.bf16_matmul(),  # how the trainer multiplies bfloat16 operands here
-        "flops_per_step": next(iter(reports.values()))["flops_per_step"],
-        "matmul_tflops_per_sec": peak,
-        "matmul_tflops_per_sec_before_after": [peak_before, peak_after],
-        "runs": runs,
-    }
-    if bf16_peak is not None:
-        result["bfloat16_matmul_tflops_per_sec"] = bf16_peak
-        result["bfloat16_matmul_over_float32_matmul"] = bf16_peak / peak
-    if len(runs) == 2:
-        result["bfloat16_speed_over_float32"] = runs["float32"]["step_seconds"] / runs["bfloat16"]["step_seconds"]
-    for dtype, r in runs.items():
+    result = _result(reports, settings, args.steps, (peak_before, peak_after), bf16_peak)
+    for dtype, r in result["runs"].items():
         own = "" if dtype == "float32" else f", {r['fraction_of_own_dtype_matmul_peak']:.2f} of the {dtype} matmul's"
         phase(f"{dtype}: {r['step_seconds']:.2f} s/step, {r['fraction_of_matmul_peak']:.2f} of the (float32) "
               f"matmul peak{own}")
