@@ -115,17 +115,43 @@ def time_alone(key, repeats: int) -> float:
                                     repeats=repeats)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_llama_ceiling.json"))
-    parser.add_argument("--repeats", type=at_least(1), default=10)
-    args, extra = parser.parse_known_args()
+def _settings(parser: argparse.ArgumentParser, extra: list[str]) -> dict:
+    """cpu_llama's tuned settings with the command line's `key=value`s (dtype float32 unless given); the fixed
+    workload's keys and other dtypes are refused."""
     settings = {**cpu_llama.TUNED, "dtype": "float32", **key_values(parser, extra)}
     clash = set(settings) & set(cpu_llama.WORKLOAD)
     if clash:
         parser.error(f"these keys define the fixed workload and cannot be overridden: {sorted(clash)}")
     if settings["dtype"] not in ("float32", "bfloat16"):
         parser.error(f"dtype={settings['dtype']}: this benchmark times float32 or bfloat16 dots")
+    return settings
+
+
+def _timed_dots(dots: dict, repeats: int) -> list[dict]:
+    """A row per distinct dot of the step (the costliest in all first), each timed alone."""
+    rows = []
+    for key, n in sorted(dots.items(), key=lambda kv: -dot_flops(kv[0]) * kv[1]):
+        seconds = time_alone(key, repeats)
+        rows.append({"dtype": key[0], "lhs": key[1], "rhs": key[2], "contracting": [key[3], key[4]],
+                     "batch": [key[5], key[6]], "count": n, "gflop_each": dot_flops(key) / 1e9,
+                     "seconds_each": seconds, "tflops_per_sec": dot_flops(key) / seconds / 1e12})
+    return rows
+
+
+def _print_rows(rows: list[dict], peak: float) -> None:
+    """Each row's fraction of the matmul `peak` (kept in the row too), a line per row."""
+    for r in rows:
+        r["fraction_of_peak"] = r["tflops_per_sec"] / peak
+        print(f"  {r['count']:3d} x {r['dtype']}{list(r['lhs'])} . {list(r['rhs'])}: {r['gflop_each']:7.2f} GFLOP, "
+              f"{r['fraction_of_peak']:.2f} of peak")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "cpu_llama_ceiling.json"))
+    parser.add_argument("--repeats", type=at_least(1), default=10)
+    args, extra = parser.parse_known_args()
+    settings = _settings(parser, extra)
     results_file = checked_out(parser, args.out)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from tessera import host_malloc
@@ -146,22 +172,14 @@ def main() -> None:
     dots = step_dots(compiled.as_text())
     model_flops = training_flops_per_step(cfg.model, trainer.plan.global_batch, trainer.plan.max_target_length)
     cpu_llama.phase(f"{sum(dots.values())} dots a step, {len(dots)} distinct; timing each alone")
-    rows = []
-    for key, n in sorted(dots.items(), key=lambda kv: -dot_flops(kv[0]) * kv[1]):
-        seconds = time_alone(key, args.repeats)
-        rows.append({"dtype": key[0], "lhs": key[1], "rhs": key[2], "contracting": [key[3], key[4]],
-                     "batch": [key[5], key[6]], "count": n, "gflop_each": dot_flops(key) / 1e9,
-                     "seconds_each": seconds, "tflops_per_sec": dot_flops(key) / seconds / 1e12})
+    rows = _timed_dots(dots, args.repeats)
     peak = max(peak_before, cpu_llama.measured_peak("after"))
     matmul_seconds = sum(r["count"] * r["seconds_each"] for r in rows)
     executed = sum(r["count"] * r["gflop_each"] for r in rows) * 1e9
     analysis = compiled.cost_analysis()
     xla_flops = float((analysis[0] if isinstance(analysis, list) else analysis)["flops"])
     once = sum(dot_flops(key) * n for key, n in step_dots(compiled.as_text(), trips=False).items())
-    for r in rows:
-        r["fraction_of_peak"] = r["tflops_per_sec"] / peak
-        print(f"  {r['count']:3d} x {r['dtype']}{list(r['lhs'])} . {list(r['rhs'])}: {r['gflop_each']:7.2f} GFLOP, "
-              f"{r['fraction_of_peak']:.2f} of peak")
+    _print_rows(rows, peak)
     result = {
         "benchmark": "cpu_llama_ceiling",
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
