@@ -36,6 +36,34 @@ class _OneLineErrors(argparse.ArgumentParser):
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """(decoding flags, config arguments): `--flag value` pairs are ours, the rest (the config
     file and key=value overrides) go to `load_config`."""
+    parser = _parser()
+    flags, rest = parser.parse_known_args(_joined_token_lists(argv))
+    stray = _stray_words(_joined_token_lists(argv))
+    if stray:  # the config said "argument 'upon' is not of the form key=value"
+        flag, value, words = stray
+        fix = (f'quote a prompt of several words: --prompt "{" ".join([value, *words])}"' if flag == "--prompt" else
+               f"token ids are separated by commas: --tokens {','.join([value, *words])}")
+        parser.error(f"{' '.join(words)} after {flag} {value} is neither a flag nor a key=value; {fix}")
+    unknown = [a for a in rest if a.startswith("--")]
+    if unknown:
+        name = unknown[0].split("=")[0][2:].replace("-", "_")
+        meant = f"did you mean --{name}? " if name in vars(flags) else ""
+        parser.error(f"unknown flag {unknown[0]}; {meant}config keys are given as key=value")
+    as_keys = [a for a in rest if a.split("=")[0] in vars(flags) and "=" in a]
+    if as_keys:  # the config's error named the closest config key (max_new_tokens=5: max_num_checkpoints_to_keep)
+        name, value = as_keys[0].split("=", 1)
+        parser.error(f"{as_keys[0]} is a decoding flag, not a config key: give it as --{name} {value}")
+    as_env = sorted(name for name in os.environ if name.startswith("M_") and name[2:].lower() in vars(flags))
+    if as_env:  # the config ignored it, with "did you mean M_TEMPERATURE_TUNING?" (a llama4 model key) for M_TEMPERATURE
+        name = as_env[0]
+        parser.error(f"environment variable {name}={os.environ[name]} is a decoding flag, not a config key: give it "
+                     f"as --{name[2:].lower()} {os.environ[name]} (and unset {name})")
+    _check_values(parser, flags)
+    return flags, rest
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The decoding flags' parser (its usage, help and one-line errors)."""
     parser = _OneLineErrors(
         prog=".venv/bin/python -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
@@ -58,27 +86,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
     parser.add_argument("--eos_id", type=int, default=None, help="stop a row at this token (default: the "
                         "tokenizer's end-of-sequence token; none with --tokens)")
-    flags, rest = parser.parse_known_args(_joined_token_lists(argv))
-    stray = _stray_words(_joined_token_lists(argv))
-    if stray:  # the config said "argument 'upon' is not of the form key=value"
-        flag, value, words = stray
-        fix = (f'quote a prompt of several words: --prompt "{" ".join([value, *words])}"' if flag == "--prompt" else
-               f"token ids are separated by commas: --tokens {','.join([value, *words])}")
-        parser.error(f"{' '.join(words)} after {flag} {value} is neither a flag nor a key=value; {fix}")
-    unknown = [a for a in rest if a.startswith("--")]
-    if unknown:
-        name = unknown[0].split("=")[0][2:].replace("-", "_")
-        meant = f"did you mean --{name}? " if name in vars(flags) else ""
-        parser.error(f"unknown flag {unknown[0]}; {meant}config keys are given as key=value")
-    as_keys = [a for a in rest if a.split("=")[0] in vars(flags) and "=" in a]
-    if as_keys:  # the config's error named the closest config key (max_new_tokens=5: max_num_checkpoints_to_keep)
-        name, value = as_keys[0].split("=", 1)
-        parser.error(f"{as_keys[0]} is a decoding flag, not a config key: give it as --{name} {value}")
-    as_env = sorted(name for name in os.environ if name.startswith("M_") and name[2:].lower() in vars(flags))
-    if as_env:  # the config ignored it, with "did you mean M_TEMPERATURE_TUNING?" (a llama4 model key) for M_TEMPERATURE
-        name = as_env[0]
-        parser.error(f"environment variable {name}={os.environ[name]} is a decoding flag, not a config key: give it "
-                     f"as --{name[2:].lower()} {os.environ[name]} (and unset {name})")
+    return parser
+
+
+def _check_values(parser: argparse.ArgumentParser, flags: argparse.Namespace) -> None:
+    """parser.error (exit 2) for a flag's value out of its range."""
     # each written so that nan fails it: every comparison with nan is false
     wrong = [f"--{name} {getattr(flags, name)} {rule}" for name, ok, rule in (
         ("max_new_tokens", flags.max_new_tokens >= 1, "must be at least 1"),
@@ -94,7 +106,6 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     if flags.eos_id is not None and flags.eos_id < 0:
         parser.error(f"--eos_id {flags.eos_id} is not a token id (ids are >= 0); leave it out to stop at the "
                      "tokenizer's end-of-sequence token")
-    return flags, rest
 
 
 def _warn_other_tokenizer(path: str, tokenizer_path: str) -> None:
