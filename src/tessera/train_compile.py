@@ -165,17 +165,7 @@ def compile_for_topology(cfg: Config) -> CompileReport:
         first_line, temp = _compiler_oom(e, "the train step")
         return _report_compiler_oom(report, trainer, first_line, temp, time.perf_counter() - start)
     mem = compiled.memory_analysis()
-    hlo = compiled.as_text()
-    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
-    report.custom_calls = {t: targets.count(t) for t in sorted(set(targets))}
-    report.tpu_kernels = tpu_kernels(hlo)
-    ops = COLLECTIVE_OP.findall(hlo)
-    report.collectives = {op: ops.count(op) for op in sorted(set(ops))}
-    report.low_precision_dots = low_precision_dots(hlo)
-    if report.pipeline:
-        transfers, overlapped = stage_transfers(hlo)
-        report.pipeline = {**report.pipeline, "stage_transfers": transfers, "overlapped_transfers": overlapped,
-                           "collectives_in_loops": collectives_in_loops(hlo)}
+    _read_program(report, compiled.as_text())
     live = mem.argument_size_in_bytes + mem.output_size_in_bytes - mem.alias_size_in_bytes + mem.temp_size_in_bytes
     peak = max(getattr(mem, "peak_memory_in_bytes", 0), live)
     report = dataclasses.replace(
@@ -187,6 +177,21 @@ def compile_for_topology(cfg: Config) -> CompileReport:
     if cfg.data.eval_interval:
         report.eval_step = _compile_eval(trainer, report)
     return report
+
+
+def _read_program(report: CompileReport, hlo: str) -> None:
+    """What the compiled program `hlo` holds, into `report`: its custom calls and TPU kernels, collectives,
+    low-precision dots and, when pipelined, the stages' transfers."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    report.custom_calls = {t: targets.count(t) for t in sorted(set(targets))}
+    report.tpu_kernels = tpu_kernels(hlo)
+    ops = COLLECTIVE_OP.findall(hlo)
+    report.collectives = {op: ops.count(op) for op in sorted(set(ops))}
+    report.low_precision_dots = low_precision_dots(hlo)
+    if report.pipeline:
+        transfers, overlapped = stage_transfers(hlo)
+        report.pipeline = {**report.pipeline, "stage_transfers": transfers, "overlapped_transfers": overlapped,
+                           "collectives_in_loops": collectives_in_loops(hlo)}
 
 
 def _compile_eval(trainer, report: CompileReport) -> dict:
