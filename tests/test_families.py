@@ -378,6 +378,9 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     # routed as -1 (no groups) without a word
     (dict(FAMILIES["deepseek"], n_routing_groups=0), "n_routing_groups=0 is not a number of expert groups"),
     (dict(FAMILIES["mixtral"], n_routing_groups=-4), "n_routing_groups=-4 is not a number of expert groups"),
+    # a group scores the sum of its two best experts: a top_k traceback in the first step
+    (dict(FAMILIES["mixtral"], n_routing_groups=4, topk_routing_group=2),
+     "n_routing_groups=4 leaves groups of one expert"),
 ])
 def test_family_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message):

@@ -280,6 +280,10 @@ def _validate_family(m) -> None:
         if m.num_experts % m.n_routing_groups or not 1 <= m.topk_routing_group <= m.n_routing_groups:
             raise ConfigError(f"n_routing_groups={m.n_routing_groups} must divide num_experts={m.num_experts}, and "
                               f"topk_routing_group={m.topk_routing_group} must be between 1 and it")
+        if m.num_experts // m.n_routing_groups < 2:  # a group scores the sum of its two best (a top_k traceback)
+            raise ConfigError(f"n_routing_groups={m.n_routing_groups} leaves groups of one expert (num_experts="
+                              f"{m.num_experts}), but a group is scored by its two best experts; use at most "
+                              f"{m.num_experts // 2} groups, or n_routing_groups=-1 for no groups")
         if m.num_experts_per_tok > m.topk_routing_group * m.num_experts // m.n_routing_groups:
             raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more experts than the "
                               f"topk_routing_group={m.topk_routing_group} groups a token may use hold")
