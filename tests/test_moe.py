@@ -1,0 +1,130 @@
+"""The MoE layer (models/moe.py) against a reference written here, one token at a time in NumPy:
+every token through its top-k experts with its weights, for capacity routing with room for every
+token, dropless routing (ragged_dot and the megablox key) and each routing variant; the copies
+capacity routing drops; the load-balancing loss."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import tiny_config
+from tessera.models.moe import MoeMlp, expert_capacity, finish_aux
+
+ACTS = {"silu": lambda a: a / (1 + np.exp(-a)), "linear": lambda a: a}
+
+
+def _layer(keys, router_bias=False, scale_inputs=False, seed=0):
+    """(MoeMlp in float32 with 4 experts, 2 per token unless `keys` say otherwise, its config, x [2, 8, D])."""
+    cfg = tiny_config(**{"decoder_block": "mixtral", "num_experts": 4, "num_experts_per_tok": 2, "dtype": "float32",
+                         **keys}).model
+    layer = MoeMlp(cfg, nnx.Rngs(seed), router_bias=router_bias, scale_inputs=scale_inputs)
+    rng = np.random.default_rng(seed + 1)
+    if router_bias:
+        layer.router_bias_e[...] = jnp.asarray(rng.normal(size=cfg.num_experts), jnp.float32)
+    if cfg.routed_bias:  # as the train step would have moved it: changes the choice, not the weights
+        layer.routed_bias_e[...] = jnp.asarray(0.3 * rng.normal(size=cfg.num_experts), jnp.float32)
+    return layer, cfg, jnp.asarray(rng.normal(size=(2, 8, cfg.emb_dim)), jnp.float32)
+
+
+def _reference(layer, cfg, x, capacity=None, scale_inputs=False):
+    """(output [B, T, D], load-balancing loss, dropped share) of routing `x` token by token; with
+    `capacity`, an expert takes the first `capacity` copies of each sequence, first choices of every
+    token before second choices, earlier tokens first."""
+    x = np.asarray(x, np.float64)
+    logits = x @ np.asarray(layer.router_de[...], np.float64)
+    if hasattr(layer, "router_bias_e"):
+        logits = logits + np.asarray(layer.router_bias_e[...], np.float64)
+    if cfg.routed_score_func == "sigmoid":
+        scores = 1 / (1 + np.exp(-logits))
+    else:
+        scores = np.exp(logits - logits.max(-1, keepdims=True))
+        scores = scores / scores.sum(-1, keepdims=True)
+    choice = scores + (np.asarray(layer.routed_bias_e[...], np.float64) if cfg.routed_bias else 0.0)
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    wis = [np.asarray(getattr(layer, f"wi_{i}")[...], np.float64) for i in range(len(cfg.mlp_activations))]
+    wo = np.asarray(layer.wo_efd[...], np.float64)
+    out, copies, dropped = np.zeros_like(x), np.zeros(e), 0
+    b_size, t_size, _ = x.shape
+    for b in range(b_size):
+        chosen = []
+        for t in range(t_size):
+            c = choice[b, t]
+            if cfg.n_routing_groups > 1:  # the best topk_routing_group groups by the sum of their two best
+                groups = c.reshape(cfg.n_routing_groups, -1)
+                best = np.argsort(-np.sort(groups, axis=1)[:, -2:].sum(1), kind="stable")[:cfg.topk_routing_group]
+                allowed = np.isin(np.arange(e) // groups.shape[1], best)
+                c = np.where(allowed, c, -np.inf)
+            top = np.argsort(-c, kind="stable")[:k]
+            w = scores[b, t, top] / (scores[b, t, top].sum() if cfg.norm_topk_prob else 1.0)
+            chosen.append((top, w * cfg.routed_scaling_factor))
+            copies[top] += 1
+        fill = np.zeros(e, int)
+        for j in range(k):
+            for t, (top, w) in enumerate(chosen):
+                expert = top[j]
+                if capacity is not None and fill[expert] >= capacity:
+                    dropped += 1
+                    continue
+                fill[expert] += 1
+                h = x[b, t] * (w[j] if scale_inputs else 1.0)
+                act = np.prod([ACTS[a](h @ wi[expert]) for a, wi in zip(cfg.mlp_activations, wis)], axis=0)
+                out[b, t] += (act @ wo[expert]) * (1.0 if scale_inputs else w[j])
+    copies_per_token = copies / (b_size * t_size)
+    probs = scores / scores.sum(-1, keepdims=True)  # sigmoid scores normalized, as the router loss takes them
+    loss = e * np.sum(copies_per_token * probs.mean((0, 1)))
+    return out, loss, dropped / (b_size * t_size * k)
+
+
+DEEPSEEK = dict(decoder_block="deepseek", head_dim=24, q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=8,
+                qk_rope_head_dim=16, v_head_dim=10, num_experts=8, num_experts_per_tok=3, n_routing_groups=4,
+                topk_routing_group=2, routed_score_func="sigmoid", routed_bias=True, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("keys,layer_keys", [
+    (dict(capacity_factor=-1), {}),
+    (dict(capacity_factor=2.0), {}),  # 2 x the fair share of 8 tokens: 8 slots, room for all
+    (dict(sparse_matmul=True), {}),
+    (dict(megablox=True), {}),  # jax.lax.ragged_dot off TPUs
+    (dict(norm_topk_prob=False), {}),
+    (dict(routed_score_func="sigmoid"), {}),
+    (dict(routed_score_func="sigmoid", norm_topk_prob=False, routed_scaling_factor=2.5), {}),
+    (dict(num_experts_per_tok=4), {}),  # every expert: the router loss is k, whatever the probabilities
+    (DEEPSEEK, {}),
+    (dict(DEEPSEEK, sparse_matmul=True), {}),
+    # Llama 4: one expert by sigmoid score, the token multiplied by it on the way in
+    (dict(num_experts_per_tok=1, routed_score_func="sigmoid", norm_topk_prob=False), dict(scale_inputs=True)),
+    (dict(num_experts_per_tok=1, routed_score_func="sigmoid", norm_topk_prob=False, sparse_matmul=True),
+     dict(scale_inputs=True)),
+    (dict(routed_bias=False), dict(router_bias=True)),  # gpt-oss's learned router bias (softmax of the chosen)
+])
+def test_routing_equals_every_token_through_its_experts(keys, layer_keys):
+    layer, cfg, x = _layer(keys, **layer_keys)
+    out, aux = layer(x)
+    aux = finish_aux(aux, cfg)
+    want, loss, _ = _reference(layer, cfg, x, scale_inputs=layer_keys.get("scale_inputs", False))
+    np.testing.assert_allclose(out, want, atol=2e-6)
+    np.testing.assert_allclose(aux["moe_load_balance_loss"], loss, rtol=1e-6)
+    assert float(aux["moe_dropped_fraction"]) == 0.0
+
+
+def test_shared_experts_add_a_dense_mlp_of_their_width():
+    layer, cfg, x = _layer(dict(shared_experts=2))
+    out, _ = layer(x)
+    want, _, _ = _reference(layer, cfg, x)
+    assert layer.shared.wi_0.shape[-1] == 2 * cfg.expert_mlp_dim
+    np.testing.assert_allclose(out, want + np.asarray(layer.shared(x), np.float64), atol=2e-6)
+
+
+@pytest.mark.parametrize("capacity_factor,length,slots", [(0.25, 8, 1), (0.5, 8, 2), (1.0, 8, 4), (0.75, 7, 3)])
+def test_capacity_drops_the_copies_past_each_expert_s_slots(capacity_factor, length, slots):
+    """C = ceil(capacity_factor x k x T / E) slots per expert and sequence; first choices fill them
+    before second choices, earlier tokens before later ones; a dropped copy adds nothing."""
+    layer, cfg, x = _layer(dict(capacity_factor=capacity_factor))
+    x = x[:, :length]
+    assert expert_capacity(length, cfg) == slots
+    out, aux = layer(x)
+    want, _, dropped = _reference(layer, cfg, x, capacity=slots)
+    assert dropped > 0
+    np.testing.assert_allclose(out, want, atol=2e-6)
+    np.testing.assert_allclose(aux["moe_dropped_fraction"], dropped, rtol=1e-6)
