@@ -3,6 +3,9 @@ every token through its top-k experts with its weights, for capacity routing wit
 token, dropless routing (ragged_dot and the megablox key) and each routing variant; the copies
 capacity routing drops; the load-balancing loss."""
 
+import math
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -27,23 +30,31 @@ def _layer(keys, router_bias=False, scale_inputs=False, seed=0):
     return layer, cfg, jnp.asarray(rng.normal(size=(2, 8, cfg.emb_dim)), jnp.float32)
 
 
+def _scores(layer, cfg, x):
+    """The router's scores [B, T, E] of `x`: softmax or sigmoid of its logits."""
+    logits = np.asarray(x, np.float64) @ np.asarray(layer.router_de[...], np.float64)
+    if hasattr(layer, "router_bias_e"):
+        logits = logits + np.asarray(layer.router_bias_e[...], np.float64)
+    if cfg.routed_score_func == "sigmoid":
+        return 1 / (1 + np.exp(-logits))
+    scores = np.exp(logits - logits.max(-1, keepdims=True))
+    return scores / scores.sum(-1, keepdims=True)
+
+
+def _expert(layer, cfg, expert, h):
+    """Expert `expert`'s gated MLP of one token h [D]."""
+    wis = [np.asarray(getattr(layer, f"wi_{i}")[...], np.float64)[expert] for i in range(len(cfg.mlp_activations))]
+    act = np.prod([ACTS[a](h @ wi) for a, wi in zip(cfg.mlp_activations, wis)], axis=0)
+    return act @ np.asarray(layer.wo_efd[...], np.float64)[expert]
+
+
 def _reference(layer, cfg, x, capacity=None, scale_inputs=False):
     """(output [B, T, D], load-balancing loss, dropped share) of routing `x` token by token; with
     `capacity`, an expert takes the first `capacity` copies of each sequence, first choices of every
     token before second choices, earlier tokens first."""
-    x = np.asarray(x, np.float64)
-    logits = x @ np.asarray(layer.router_de[...], np.float64)
-    if hasattr(layer, "router_bias_e"):
-        logits = logits + np.asarray(layer.router_bias_e[...], np.float64)
-    if cfg.routed_score_func == "sigmoid":
-        scores = 1 / (1 + np.exp(-logits))
-    else:
-        scores = np.exp(logits - logits.max(-1, keepdims=True))
-        scores = scores / scores.sum(-1, keepdims=True)
+    x, scores = np.asarray(x, np.float64), _scores(layer, cfg, x)
     choice = scores + (np.asarray(layer.routed_bias_e[...], np.float64) if cfg.routed_bias else 0.0)
     e, k = cfg.num_experts, cfg.num_experts_per_tok
-    wis = [np.asarray(getattr(layer, f"wi_{i}")[...], np.float64) for i in range(len(cfg.mlp_activations))]
-    wo = np.asarray(layer.wo_efd[...], np.float64)
     out, copies, dropped = np.zeros_like(x), np.zeros(e), 0
     b_size, t_size, _ = x.shape
     for b in range(b_size):
@@ -67,9 +78,8 @@ def _reference(layer, cfg, x, capacity=None, scale_inputs=False):
                     dropped += 1
                     continue
                 fill[expert] += 1
-                h = x[b, t] * (w[j] if scale_inputs else 1.0)
-                act = np.prod([ACTS[a](h @ wi[expert]) for a, wi in zip(cfg.mlp_activations, wis)], axis=0)
-                out[b, t] += (act @ wo[expert]) * (1.0 if scale_inputs else w[j])
+                y = _expert(layer, cfg, expert, x[b, t] * (w[j] if scale_inputs else 1.0))
+                out[b, t] += y * (1.0 if scale_inputs else w[j])
     copies_per_token = copies / (b_size * t_size)
     probs = scores / scores.sum(-1, keepdims=True)  # sigmoid scores normalized, as the router loss takes them
     loss = e * np.sum(copies_per_token * probs.mean((0, 1)))
@@ -126,5 +136,52 @@ def test_capacity_drops_the_copies_past_each_expert_s_slots(capacity_factor, len
     out, aux = layer(x)
     want, _, dropped = _reference(layer, cfg, x, capacity=slots)
     assert dropped > 0
+    np.testing.assert_allclose(out, want, atol=2e-6)
+    np.testing.assert_allclose(aux["moe_dropped_fraction"], dropped, rtol=1e-6)
+
+
+
+def _received_reference(layer, cfg, x, ep, factor):
+    """(output, dropped share) of dropless routing over an expert axis of `ep` devices, a sequence of
+    `x` per device and `ep` consecutive sequences per expert group: each device sends every expert
+    shard its copies sorted by expert (token order within one); a shard's buffer of
+    ceil(factor x T x k) rows takes the runs source by source, and drops the copies past its end."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    b_size, t_size, _ = x.shape
+    rows = min(ep * t_size * k, math.ceil(factor * t_size * k))
+    x, scores = np.asarray(x, np.float64), _scores(layer, cfg, x)
+    out, dropped = np.zeros_like(x), 0
+    for first in range(0, b_size, ep):
+        sent = []
+        for b in range(first, first + ep):
+            copies = []
+            for t in range(t_size):
+                top = np.argsort(-scores[b, t], kind="stable")[:k]
+                copies += [(expert, t, w) for expert, w in zip(top, scores[b, t, top] / scores[b, t, top].sum())]
+            sent.append(sorted(copies, key=lambda c: c[0]))  # a stable sort
+        for shard in range(ep):
+            taken = 0
+            for source, copies in enumerate(sent):
+                run = [c for c in copies if c[0] // (e // ep) == shard]
+                kept = max(0, min(len(run), rows - taken))
+                taken, dropped = taken + len(run), dropped + len(run) - kept
+                for expert, t, w in run[:kept]:
+                    out[first + source, t] += w * _expert(layer, cfg, expert, x[first + source, t])
+    return out, dropped / (b_size * t_size * k)
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0, 4.0])
+def test_a_bounded_receive_buffer_drops_the_copies_past_its_end(factor):
+    """Dropless routing over expert 4 x fsdp 2 with ragged_buffer_factor: the copies each expert shard
+    keeps, the output and the dropped share are the reference's (4.0: the worst case, nothing dropped)."""
+    layer, cfg, _ = _layer(dict(sparse_matmul=True, num_experts=8, ragged_buffer_factor=factor))
+    x = jnp.asarray(np.random.default_rng(7).normal(size=(8, 8, cfg.emb_dim)), jnp.float32)
+    names = ("data", "stage", "fsdp", "sequence", "tensor", "expert")
+    mesh = jax.make_mesh((1, 1, 2, 1, 1, 4), names, axis_types=(jax.sharding.AxisType.Auto,) * 6)
+    graph, state = nnx.split(layer)
+    with jax.set_mesh(mesh):
+        out, aux = jax.jit(lambda s, x: nnx.merge(graph, s)(x))(state, x)
+    want, dropped = _received_reference(layer, cfg, x, 4, factor)
+    assert (dropped > 0) == (factor < 4)
     np.testing.assert_allclose(out, want, atol=2e-6)
     np.testing.assert_allclose(aux["moe_dropped_fraction"], dropped, rtol=1e-6)
