@@ -960,6 +960,13 @@ def test_keys_a_run_does_not_read_are_named():
         "the expert axis (4 ways) does not divide num_experts=6: the experts are not split over it (it splits their "
         "weights like fsdp instead); choose an expert parallelism that divides num_experts"]
     assert keys_without_effect(moe, {"sequence": 4, "expert": 2}) == []
+    # dropless routing's receive buffer exists only with an expert axis (it was taken without a word)
+    buffer = load_config([BASE, "model_name=mixtral-8x7b", "ragged_buffer_factor=2"], env={})
+    assert keys_without_effect(buffer, {"fsdp": 8}) == [
+        "ragged_buffer_factor=2.0: no effect without an expert axis (ici_expert_parallelism x "
+        "dcn_expert_parallelism is 1); it sizes the buffer an expert shard receives token copies into, and here "
+        "every device runs all the experts on its own copies"]
+    assert keys_without_effect(buffer, {"fsdp": 2, "expert": 4}) == []
     used = load_config([BASE, "eval_interval=5", "eval_steps=10", "profiler=xplane", "profiler_steps=3",
                         "base_output_directory=gs://b/runs", "gcs_metrics=true"], env={})
     assert keys_without_effect(used, {"fsdp": 8}) == []

@@ -79,6 +79,11 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
         lines.append(f"the expert axis ({ways} ways) does not divide num_experts={experts}: the experts are not "
                      "split over it (it splits their weights like fsdp instead); choose an expert parallelism that "
                      "divides num_experts")
+    dropless = cfg.model.sparse_matmul or cfg.model.megablox
+    if experts > 1 and dropless and ways == 1 and "ragged_buffer_factor" in changed:  # no exchange, no buffer
+        lines.append(f"{_listed(['ragged_buffer_factor'], changed)}: no effect without an expert axis "
+                     "(ici_expert_parallelism x dcn_expert_parallelism is 1); it sizes the buffer an expert shard "
+                     "receives token copies into, and here every device runs all the experts on its own copies")
     if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
                      "experts")
