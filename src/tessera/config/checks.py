@@ -284,9 +284,12 @@ def _validate_family(m) -> None:
             raise ConfigError(f"n_routing_groups={m.n_routing_groups} leaves groups of one expert (num_experts="
                               f"{m.num_experts}), but a group is scored by its two best experts; use at most "
                               f"{m.num_experts // 2} groups, or n_routing_groups=-1 for no groups")
-        if m.num_experts_per_tok > m.topk_routing_group * m.num_experts // m.n_routing_groups:
+        if m.num_experts_per_tok > (allowed := m.topk_routing_group * m.num_experts // m.n_routing_groups):
             raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more experts than the "
-                              f"topk_routing_group={m.topk_routing_group} groups a token may use hold")
+                              f"topk_routing_group={m.topk_routing_group} groups a token may use hold ("
+                              f"{m.topk_routing_group} x {m.num_experts // m.n_routing_groups} = {allowed}, "
+                              f"n_routing_groups={m.n_routing_groups} splitting num_experts={m.num_experts}); "
+                              "raise topk_routing_group or lower num_experts_per_tok")
     if m.fused_qkv and m.num_kv_heads != m.num_query_heads:
         raise ConfigError(f"fused_qkv=true needs multi-head attention (kv heads = query heads), but there are "
                           f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
