@@ -185,3 +185,18 @@ def test_a_bounded_receive_buffer_drops_the_copies_past_its_end(factor):
     assert (dropped > 0) == (factor < 4)
     np.testing.assert_allclose(out, want, atol=2e-6)
     np.testing.assert_allclose(aux["moe_dropped_fraction"], dropped, rtol=1e-6)
+
+
+def test_the_pallas_megablox_kernel_equals_every_token_through_its_experts(monkeypatch):
+    """megablox=true with the Pallas kernel in its interpreter (what TPUs run compiled), biases on."""
+    import tessera.models.moe as moe
+
+    monkeypatch.setattr(moe, "grouped_matmul_kernel", lambda cfg: "megablox_interpret")
+    layer, cfg, x = _layer(dict(megablox=True, mlp_bias=True))
+    rng = np.random.default_rng(3)
+    layer.bo_ed[...] = jnp.asarray(rng.normal(size=layer.bo_ed.shape), jnp.float32)
+    out, _ = layer(x)
+    want, _, _ = _reference(layer, cfg, x)
+    experts, weights, _ = layer.route(x)  # each copy adds its expert's output bias with its weight
+    bias = np.einsum("btk,btkd->btd", np.asarray(weights), np.asarray(layer.bo_ed[...])[np.asarray(experts)])
+    np.testing.assert_allclose(out, want + bias, atol=2e-6)
