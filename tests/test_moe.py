@@ -200,3 +200,32 @@ def test_the_pallas_megablox_kernel_equals_every_token_through_its_experts(monke
     experts, weights, _ = layer.route(x)  # each copy adds its expert's output bias with its weight
     bias = np.einsum("btk,btkd->btd", np.asarray(weights), np.asarray(layer.bo_ed[...])[np.asarray(experts)])
     np.testing.assert_allclose(out, want + bias, atol=2e-6)
+
+
+def test_the_train_step_adds_load_balance_loss_weight_times_the_router_loss():
+    """With plain SGD, no clipping and a constant rate, the update with load_balance_loss_weight=w
+    differs from the one with 0 by -rate x w x the gradient of moe_load_balance_loss, and the step
+    reports that loss unweighted, beside the next-token loss it leaves out."""
+    from tessera.step import create_state, make_train_step, setup
+
+    def one_step(weight):
+        cfg = tiny_config(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2, opt_type="sgd",
+                          gradient_clipping_threshold=0.0, learning_rate=0.5, cosine_learning_rate_final_fraction=1.0,
+                          load_balance_loss_weight=weight, capacity_factor=1.0)
+        trainer = setup(cfg, jax.devices()[:1])
+        state = create_state(trainer, 0)
+        tokens = jnp.asarray(np.random.default_rng(0).integers(0, 96, (trainer.plan.global_batch, 13)), jnp.int32)
+        batch = {"tokens": tokens, "segment_ids": jnp.ones_like(tokens),
+                 "positions": jnp.broadcast_to(jnp.arange(13), tokens.shape)}
+        new_state, stats = jax.jit(make_train_step(trainer, 0))(state, batch)
+        router_grad = jax.grad(lambda p: trainer.model.apply_with_aux(p, tokens[:, :-1])[1]["moe_load_balance_loss"])(
+            state["params"])
+        return state["params"], new_state["params"], stats, router_grad
+
+    _, without, stats_without, _ = one_step(0.0)
+    params, weighted, stats, router_grad = one_step(3.0)
+    assert float(stats["loss"]) == float(stats_without["loss"])  # the next-token loss alone
+    assert float(stats["moe_load_balance_loss"]) == float(stats_without["moe_load_balance_loss"]) > 1.0
+    jax.tree.map(lambda a, b, g: np.testing.assert_allclose(a - b, -0.5 * 3.0 * g, atol=2e-6),
+                 weighted, without, router_grad)
+    assert np.abs(np.asarray(router_grad["layers"]["mlp"]["router_de"])).max() > 1e-3
