@@ -658,6 +658,39 @@ def test_the_exported_activation_is_the_one_the_model_computes():
             hf_config(m)
 
 
+
+@pytest.mark.parametrize("model_name,keys,message", [
+    ("mixtral-8x7b", ["norm_topk_prob=false"], r"norm_topk_prob=false: .*mixtral .*computes norm_topk_prob=true"),
+    ("mixtral-8x7b", ["routed_score_func=sigmoid", "routed_scaling_factor=2.5"],
+     r"routed_score_func=sigmoid, routed_scaling_factor=2.5: .*computes routed_score_func=softmax, routed_scaling_"),
+    ("mixtral-8x7b", ["n_routing_groups=4", "topk_routing_group=2"], "n_routing_groups=4, topk_routing_group=2: "),
+    ("mixtral-8x7b", ["shared_experts=1"], "shared_experts=1: "),
+    ("qwen3-30b-a3b", ["routed_scaling_factor=2"], "routed_scaling_factor=2.0: Hugging Face's qwen3_moe"),
+    ("gpt-oss-20b", ["norm_topk_prob=false"], "norm_topk_prob=false: Hugging Face's gpt_oss"),
+    ("llama4-17b-16e", ["shared_experts=2"], "shared_experts=2: .*computes shared_experts=1"),
+    ("deepseek-v3", ["routed_score_func=softmax"], "routed_score_func=softmax: Hugging Face's deepseek_v3"),
+])
+def test_routing_a_family_has_no_setting_for_is_named_both_ways(model_name, keys, message):
+    """transformers' Mixtral always renormalizes the chosen experts' softmax weights, and has no scaling, groups,
+    shared expert or sigmoid scores (nor Qwen3-MoE but for norm_topk_prob, gpt-oss, Llama 4 their own, DeepSeek-V3
+    sigmoid scores alone): an export with another routing wrote a config.json transformers routes otherwise, and a
+    checkpoint converted with one set without a word (then computed other logits)."""
+    from tessera.config import ConfigError
+    from tessera.tools.convert import check_same_model
+    from tessera.tools.hf_config_out import hf_config
+
+    written = hf_config(load_model_config(model_name, []).model)
+    other = load_model_config(model_name, keys)
+    with pytest.raises(ConfigError, match=message + ".*it cannot be exported"):
+        hf_config(other.model)
+    with pytest.raises(ConfigError, match=f"describes another model .*\\n  {keys[0].split('=')[0]}: checkpoint"):
+        check_same_model(other, written)
+    # what the family's config.json holds, or routes as: exported as it is
+    for model_name, keys in (("qwen3-30b-a3b", ["norm_topk_prob=false"]), ("deepseek-v3", ["routed_bias=false"]),
+                             ("deepseek-v3", ["norm_topk_prob=false", "n_routing_groups=-1"]),
+                             ("mixtral-8x7b", ["n_routing_groups=1"])):
+        hf_config(load_model_config(model_name, keys).model)
+
 def test_a_global_parameter_scale_is_named_when_the_sizes_differ_by_it(checkpoints, tmp_path, capsys):
     """With global_parameter_scale=2 the refusal said "set base_mlp_dim=40" for a config that had base_mlp_dim=40
     (the scale doubles it): the line to set was missing."""

@@ -21,7 +21,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
                           "the exported model would compute other logits than this one; it cannot be exported")
     act = _activation_name(m, model_type)
     if model_type == "deepseek_v3":
-        return _deepseek_config(m, act)
+        return _refuse_other_routing(m, _deepseek_config(m, act))
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -46,7 +46,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
     if model_type in HF_MLP_BIAS:
         config["mlp_bias"] = m.mlp_bias
     _add_family_keys(config, m, model_type)
-    return config
+    return _refuse_other_routing(m, config)
 
 
 def _rope_scaling_keys(m: ModelConfig) -> dict[str, Any]:
@@ -146,6 +146,36 @@ def _deepseek_config(m: ModelConfig, act: str) -> dict[str, Any]:
         "topk_group": max(m.topk_routing_group, 1), "scoring_func": "sigmoid", "topk_method": "noaux_tc",
         "rope_interleave": True, "rope_parameters": rope, "num_nextn_predict_layers": m.mtp_num_layers,
     }
+
+
+def _refuse_other_routing(m: ModelConfig, written: dict[str, Any]) -> dict[str, Any]:
+    """`written`, the config.json of m, when transformers routes tokens with it as m does; ConfigError
+    naming the routing keys its family has no setting for (or reads otherwise) when m sets them."""
+    from tessera.config import build_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    if m.num_experts <= 1:
+        return written
+    hf = build_config(config_from_hf(written)).model
+
+    def groups(c: ModelConfig) -> int:  # 1 group and -1 both route without groups
+        return max(c.n_routing_groups, 1)
+
+    keys = ["routed_score_func", "norm_topk_prob", "routed_scaling_factor", "shared_experts"]
+    differ = [k for k in keys if getattr(m, k) != getattr(hf, k)]
+    if groups(m) != groups(hf) or (groups(m) > 1 and m.topk_routing_group != hf.topk_routing_group):
+        differ += ["n_routing_groups", "topk_routing_group"]
+    if m.routed_bias and not hf.routed_bias:  # deepseek_v3's bias of zeros routes as no bias
+        differ.append("routed_bias")
+    if differ:
+        def shown(c: ModelConfig) -> str:
+            return ", ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                             for k, v in ((k, getattr(c, k)) for k in differ))
+
+        raise ConfigError(f"{shown(m)}: Hugging Face's {written['model_type']} config.json has no such setting (its "
+                          f"router computes {shown(hf)}), so the exported model would compute other logits than this "
+                          "one; it cannot be exported")
+    return written
 
 
 def _whole(value: float, key: str) -> int:

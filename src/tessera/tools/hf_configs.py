@@ -32,6 +32,13 @@ TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3_text")
 # what a family without these settings computes (gemma2 and gemma3_text read theirs): a Tessera config that sets one
 # describes another model, so the converter names it (any family's attention reads them, and the decoder the last)
 NO_CAPS = {"query_pre_attn_scalar": 0, "attn_logits_soft_cap": 0.0, "final_logits_soft_cap": 0.0}
+# how the routers of transformers' MoE families choose and weight experts where their config.json has no setting
+# for it (qwen3_moe reads norm_topk_prob; gpt_oss and llama4_text set theirs below; deepseek_v3 reads its own): a
+# Tessera config routing otherwise describes another model, so the converter names it (it converted and then
+# computed other logits, and the export wrote a config.json transformers routes otherwise)
+HF_ROUTING = {"routed_score_func": "softmax", "norm_topk_prob": True, "routed_scaling_factor": 1.0,
+              "n_routing_groups": -1, "shared_experts": 0}
+HF_MOE = ("mixtral", "qwen3_moe", "gpt_oss", "llama4_text")
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -80,6 +87,8 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         "mlp_activations": [_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"), "linear"],
         "sliding_window_size": hf.get("sliding_window") or 0, **_rope_keys(hf), **NO_CAPS,
     }
+    if kind in HF_MOE:
+        keys.update(HF_ROUTING)
     if kind in HF_ATTENTION_BIAS:
         keys["attention_bias"] = bool(hf.get("attention_bias"))
     if kind in HF_MLP_BIAS:
