@@ -46,6 +46,17 @@ def test_synthetic_data_refuses_a_vocabulary_its_graph_cannot_hold():
                             "Lower vocab_size, or train on a dataset (dataset_type, Data.md)")
 
 
+def test_reuse_example_batch_leaves_the_synthetic_eval_batches_as_they_are():
+    """reuse_example_batch repeats the first training batch, as with file data, whose eval stream it
+    leaves alone: the synthetic eval stream repeated its first batch too, so eval_steps=4 scored one
+    batch four times (and a loss other than the run without the key)."""
+    cfg = tiny_config(reuse_example_batch=True, eval_interval=1, eval_steps=4).data
+    plain = make_input(replace(cfg, reuse_example_batch=False), 96, 4, split="eval")
+    reused = make_input(cfg, 96, 4, split="eval")
+    for _ in range(3):
+        np.testing.assert_array_equal(next(reused)["tokens"], next(plain)["tokens"])
+
+
 def test_synthetic_data_refuses_the_position_of_file_data():
     """A run on file data resumed with dataset_type=synthetic stopped with a KeyError traceback;
     now with the config error the file pipelines give the other way round. A full-state load's

@@ -80,6 +80,22 @@ def test_the_eval_batch_is_per_device_batch_size_unless_eval_per_device_batch_si
     assert plan_run(build_config({**evaluating, "eval_per_device_batch_size": 3}), MESH_8).eval_batch == 24
 
 
+def test_num_vocab_tiling_that_does_not_divide_the_eval_batch_is_refused_before_compiling():
+    """The eval batch's tokens are cut into num_vocab_tiling chunks too: a smaller
+    eval_per_device_batch_size that num_vocab_tiling does not divide stopped the run after the
+    train step had compiled, saying only 'change num_vocab_tiling'."""
+    one = dict.fromkeys(MESH_8, 1)
+    keys = {"per_device_batch_size": 2, "max_target_length": 16, "num_vocab_tiling": 32, "eval_interval": 2,
+            "eval_steps": 1}
+    assert plan_run(build_config(keys), one).eval_batch == 2  # 2 x 16 tokens: 32 divides them
+    with pytest.raises(ConfigError) as e:
+        plan_run(build_config({**keys, "eval_per_device_batch_size": 1}), one)
+    assert str(e.value) == ("num_vocab_tiling=32 must divide the tokens of an evaluation batch: 1 sequences "
+                            "(eval_per_device_batch_size=1 per device) x max_target_length=16 = 16; change "
+                            "eval_per_device_batch_size or num_vocab_tiling")
+    plan_run(build_config({**keys, "eval_per_device_batch_size": 1, "eval_interval": 0}), one)  # no evaluation
+
+
 def test_a_gpt3_training_sequence_longer_than_its_position_table_is_refused():
     """Positions past gpt3's learned table were gathered as NaN: the loss was NaN at step 1, with advice
     about the learning rate. Decoding checks its own lengths, so the config itself still loads."""

@@ -53,6 +53,7 @@ def plan_run(cfg: Config, mesh_shape: Mapping[str, int]) -> RunPlan:
     pipeline = pipeline_layout(cfg, mesh_shape, batch // cfg.optim.gradient_accumulation_steps)
     evaluated = eval_batch(cfg, mesh_shape, pipeline)
     _check_tokens(evaluated, length, "an evaluation batch", "eval_per_device_batch_size")
+    _check_eval_vocab_tiling(cfg, evaluated, length)
     return RunPlan(
         num_devices=math.prod(mesh_shape.values()), global_batch=batch, eval_batch=evaluated,
         micro_batches=cfg.optim.gradient_accumulation_steps, max_target_length=length,
@@ -82,6 +83,19 @@ def _check_tokens(batch: int, length: int, what: str, key: str) -> None:
         raise ConfigError(f"{what} of {batch:,} sequences of {length:,} tokens is {batch * length:,} tokens, more "
                           f"than the {MAX_TOKENS_PER_STEP:,} that 32-bit token indices reach (the largest trainings "
                           f"take about 16 million a step); lower {key}")
+
+
+def _check_eval_vocab_tiling(cfg: Config, batch: int, length: int) -> None:
+    """num_vocab_tiling splits an evaluation batch's tokens into equal chunks too (`losses.token_chunks`);
+    checks.py checks the training batch's, this the evaluation batch's, before anything is compiled (the
+    eval step's compile raised it after the train step's, naming num_vocab_tiling alone)."""
+    tiles, d = cfg.model.num_vocab_tiling, cfg.data
+    if tiles > 1 and batch and (batch * length) % tiles:
+        key = "eval_per_device_batch_size" if d.eval_per_device_batch_size else "per_device_batch_size"
+        raise ConfigError(f"num_vocab_tiling={tiles} must divide the tokens of an evaluation batch: {batch} sequences "
+                          f"({key}={d.eval_per_device_batch_size or d.per_device_batch_size:g} per device) x "
+                          f"max_target_length={length} = {batch * length}; change eval_per_device_batch_size or "
+                          "num_vocab_tiling")
 
 
 def global_batch(per_device_batch_size: float, accumulation_steps: int, mesh_shape: Mapping[str, int],

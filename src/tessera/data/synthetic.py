@@ -27,6 +27,8 @@ class SyntheticData:
                             f"successors per token, {vocab_size * BRANCHING * 4 / 2**30:,.0f} GiB of host memory; "
                             f"synthetic data takes vocab_size up to {MAX_VOCAB:,} (1 GiB). Lower vocab_size, or "
                             "train on a dataset (dataset_type, Data.md)")
+        # reuse_example_batch repeats the first training batch; an evaluation still reads its eval_steps batches
+        self.reuse = cfg.reuse_example_batch and split == "train"
         graph_rng = np.random.default_rng([cfg.data_shuffle_seed, 0])
         self.successors = graph_rng.integers(0, vocab_size, size=(vocab_size, BRANCHING), dtype=np.int32)
         self.step = 0  # batches handed out so far: the whole iterator state
@@ -49,7 +51,7 @@ class SyntheticData:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        batch = self.batch_for_step(0 if self.cfg.reuse_example_batch else self.step)
+        batch = self.batch_for_step(0 if self.reuse else self.step)
         self.step += 1
         return batch
 
