@@ -1360,6 +1360,37 @@ def test_the_last_steps_line_is_printed_whatever_the_log_period(tmp_path, caplog
     assert printed == [1, 4, 6]
 
 
+def test_a_run_that_ends_early_prints_its_last_steps_line(tmp_path, monkeypatch, caplog):
+    """A run that stops before `steps`, at target_eval_loss or after a stop signal, printed its last
+    step's line only when log_period divided the step: `done: final loss ...` quoted a loss the log
+    never showed."""
+    import signal
+
+    from tessera import train_loop
+    from tessera.stop_signals import TrainingStopped
+
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path / "target", steps=8, log_period=4, eval_interval=2, eval_steps=1,
+                        target_eval_loss=100.0, enable_checkpointing=False), jax.devices()[:1])
+    assert [int(m) for m in re.findall(r"\bstep +(\d+) \| loss", caplog.text)] == [1, 2]
+    caplog.clear()
+
+    calls, place_batch = [], train_loop.place_batch
+
+    def place(*args):  # SIGTERM while step 3's batch is taken: the run stops after a step before 8
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return place_batch(*args)
+
+    monkeypatch.setattr(train_loop, "place_batch", place)
+    with caplog.at_level("INFO", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
+        run(tiny_config(tmp_path / "signal", steps=8, log_period=4, enable_checkpointing=False), jax.devices()[:1])
+    after = int(re.search(r"after step (\d+)", str(stopped.value)).group(1))
+    assert after not in (4, 8)
+    assert [int(m) for m in re.findall(r"\bstep +(\d+) \| loss", caplog.text)] == [1, after]
+
+
 def test_a_resumed_run_prints_its_first_steps_line(tmp_path, caplog):
     """log_period=4, resumed at step 2 of 6: the first line came at step 4; step 3, the first this
     attempt trains (where a resume is checked), was printed only by a fresh run (step 1)."""

@@ -199,8 +199,19 @@ class MetricsWriter:
         step = record["step"]
         self._append(record, {f"train/{name}": value for name, value in record.items()
                               if name != "step" and isinstance(value, (int, float))})
-        if step % self.log_period == 0 or step in (self.first_step, self.last_step):
+        if self._printed(step):
             log.info(format_record(record))
+
+    def _printed(self, step: int) -> bool:
+        return step % self.log_period == 0 or step in (self.first_step, self.last_step)
+
+    def ends_at(self, step: int) -> None:
+        """The run ends after `step`, before `last_step` (target_eval_loss reached, a stop signal): its
+        line is printed if log_period left it out, as the last step's is."""
+        printed = self._printed(step)
+        self.last_step = step  # the run's last step now (a signal with the target reached: printed once)
+        if self.records and self.records[-1]["step"] == step and not printed:
+            log.info(format_record(self.records[-1]))
 
     def write_eval(self, record: dict[str, Any]) -> None:
         """An evaluation record (eval_loss, eval_perplexity, ...): JSONL, TensorBoard `eval/*`, stdout."""

@@ -97,6 +97,7 @@ class TrainLoop:
             self.writer.write_eval(record)
             reached = at_target(cfg.data, record["eval_loss"])
             if reached and not last:
+                self.writer.ends_at(step)
                 log.info("eval loss %.4f is at or below target_eval_loss=%g: stopping at step %d of %d%s",
                          record["eval_loss"], cfg.data.target_eval_loss, step, cfg.run.steps,
                          " (checkpoint saved)" if ckpt else "")
@@ -111,6 +112,7 @@ class TrainLoop:
         if evaluating or saving:  # every dispatched step was read above: the next one's time starts now
             self.meter.restart_clock()
         if stopping:
+            self.writer.ends_at(step)
             with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
                     self.clock.during("checkpoint"):
                 stop_after_signal(step, stop, ckpt)
