@@ -155,6 +155,23 @@ def test_synthetic_eval_goes_to_jsonl_and_tensorboard(tmp_path):
         run(tiny_config(tmp_path / "x", eval_interval=1, eval_steps=-1, enable_checkpointing=False))
 
 
+def test_an_eval_loss_past_the_float_range_has_an_infinite_perplexity(tmp_path):
+    """eval_perplexity was exp(min(loss, 700)): 1.01e304 for a loss of 800 and for an infinite one
+    alike, a finite number next to eval_loss null. It is inf now (null in metrics.jsonl)."""
+    from tessera import metrics
+    from tessera.evaluation import Evaluator
+    from tessera.step import setup
+
+    cfg = tiny_config(tmp_path, eval_interval=1, eval_steps=2)
+    evaluator = Evaluator(cfg.data, setup(cfg, jax.devices()[:1]))
+    for loss, expected in ((2.0, np.exp(2.0)), (800.0, np.inf), (np.inf, np.inf)):
+        evaluator.step_fn = lambda params, batch, loss=loss: {"loss_sum": np.float32(loss * 12), "count": np.float32(12),
+                                                              "rows": np.float32(1)}
+        record = evaluator.run(1, None)
+        assert record["eval_tokens"] == 24 and record["eval_perplexity"] == pytest.approx(expected), (loss, record)
+    assert json.loads(metrics.to_json(record))["eval_perplexity"] is None
+
+
 def test_a_run_stops_its_input_pipelines_workers(tmp_path, monkeypatch):
     """The trainer stops the training and eval pipelines' workers (grain_worker_count) when the run
     ends: left to the interpreter's exit, a resumed run's Grain workers printed tracebacks after it."""

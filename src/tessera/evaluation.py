@@ -73,6 +73,15 @@ NO_TARGETS = ("the eval data holds no target tokens (every document is shorter t
               "/ grain_eval_files / eval_split")
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss); inf past float64's range (a loss above about 709, written as null to metrics.jsonl), where
+    exp(min(loss, 700)) reported 1.01e304 for any such loss, an infinite one too."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
 def at_target(cfg: DataConfig, eval_loss: float) -> bool:
     """Whether an evaluation's loss ends the run: target_eval_loss is set and the loss is at or below it."""
     return bool(cfg.target_eval_loss) and eval_loss <= cfg.target_eval_loss
@@ -221,7 +230,7 @@ class Evaluator:
         if not batches or totals["count"] == 0:
             raise ConfigError(NO_TARGETS)
         loss = float(totals["loss_sum"] / totals["count"])
-        record = {"step": step, "eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
+        record = {"step": step, "eval_loss": loss, "eval_perplexity": perplexity(loss),
                   "eval_tokens": int(totals["count"]), "eval_batches": batches,
                   "eval_seconds": time.perf_counter() - start}
         if "mtp_loss_sums" in totals:
