@@ -148,7 +148,7 @@ def _check_hf_has(m: ModelConfig, family: str) -> None:
 
 
 def _llama_like(m: ModelConfig, family: str) -> Layout:
-    d, n, k, h, f = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+    d, n, k, h = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim
     _check_hf_has(m, family)
     model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
     if not m.logits_via_embedding:
@@ -165,15 +165,29 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
     if family in ("qwen3", "qwen3_moe", "gemma3"):
         layer += [same("attention/query_norm/scale", "self_attn.q_norm.weight"),
                   same("attention/key_norm/scale", "self_attn.k_norm.weight")]
+    layer += _llama_like_mlp(m, family)
+    if family in ("gemma2", "gemma3"):
+        layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
+                  same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"),
+                  same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
+    else:
+        layer.append(same("pre_mlp_norm/scale", "post_attention_layernorm.weight"))
+    return Layout(model, layer, "model.layers.{i}.", LAYERS_PER_BLOCK.get(family, 1), m.num_decoder_layers)
+
+
+def _llama_like_mlp(m: ModelConfig, family: str) -> list[Rule]:
+    """The rules of a llama-like layer's MLP: its experts and router, or its dense (or fused) projections."""
+    d, f = m.emb_dim, m.mlp_dim
+    mlp: list[Rule] = []
     if family == "qwen3_moe":
-        layer += [
+        mlp += [
             linear("mlp/router_de", "mlp.gate.weight", (d, m.num_experts)),
             experts("mlp/wi_0", "mlp.experts.{e}.gate_proj.weight", m, (d, f)),
             experts("mlp/wi_1", "mlp.experts.{e}.up_proj.weight", m, (d, f)),
             experts("mlp/wo_efd", "mlp.experts.{e}.down_proj.weight", m, (f, d)),
         ]
     elif family == "mixtral":
-        layer += [
+        mlp += [
             linear("mlp/router_de", "block_sparse_moe.gate.weight", (d, m.num_experts)),
             experts("mlp/wi_0", "block_sparse_moe.experts.{e}.w1.weight", m, (d, f)),
             experts("mlp/wi_1", "block_sparse_moe.experts.{e}.w3.weight", m, (d, f)),
@@ -181,7 +195,7 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
         ]
     elif family == "gpt_oss":
         fe, e = m.expert_mlp_dim, m.num_experts
-        layer += [
+        mlp += [
             linear("mlp/router_de", "mlp.router.weight", (d, e)), same("mlp/router_bias_e", "mlp.router.bias"),
             same("attention/sinks_n", "self_attn.sinks"),
             interleaved(("mlp/wi_0", "mlp/wi_1"), "mlp.experts.gate_up_proj"),
@@ -190,24 +204,18 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
             same("mlp/bo_ed", "mlp.experts.down_proj_bias"),
         ]
     elif m.fused_mlp:
-        layer += [fused_linear("mlp/wi_dcf", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+        mlp += [fused_linear("mlp/wi_dcf", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
                   linear("mlp/wo_fd", "mlp.down_proj.weight", (f, d))]
         if m.mlp_bias:
-            layer += [Rule(("mlp/bi_cf",), ("mlp.gate_proj.bias", "mlp.up_proj.bias"), lambda *bs: (np.stack(bs),),
+            mlp += [Rule(("mlp/bi_cf",), ("mlp.gate_proj.bias", "mlp.up_proj.bias"), lambda *bs: (np.stack(bs),),
                            lambda b: tuple(np.ascontiguousarray(x) for x in b)), same("mlp/bo_d", "mlp.down_proj.bias")]
     else:
-        layer += [linear("mlp/wi_0", "mlp.gate_proj.weight", (d, f)), linear("mlp/wi_1", "mlp.up_proj.weight", (d, f)),
+        mlp += [linear("mlp/wi_0", "mlp.gate_proj.weight", (d, f)), linear("mlp/wi_1", "mlp.up_proj.weight", (d, f)),
                   linear("mlp/wo_fd", "mlp.down_proj.weight", (f, d))]
         if m.mlp_bias:
-            layer += [same("mlp/bi_0", "mlp.gate_proj.bias"), same("mlp/bi_1", "mlp.up_proj.bias"),
+            mlp += [same("mlp/bi_0", "mlp.gate_proj.bias"), same("mlp/bi_1", "mlp.up_proj.bias"),
                       same("mlp/bo_d", "mlp.down_proj.bias")]
-    if family in ("gemma2", "gemma3"):
-        layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
-                  same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"),
-                  same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
-    else:
-        layer.append(same("pre_mlp_norm/scale", "post_attention_layernorm.weight"))
-    return Layout(model, layer, "model.layers.{i}.", LAYERS_PER_BLOCK.get(family, 1), m.num_decoder_layers)
+    return mlp
 
 
 def _gpt2(m: ModelConfig) -> Layout:
