@@ -6,8 +6,8 @@ import signal
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C waits for the imports (tessera.tools.cli.ctrl_c_held_while_starting)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+if __name__ == "__main__":  # Ctrl-C and SIGTERM wait for the imports (tessera.tools.cli.ctrl_c_held_while_starting)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # also works without `pip install -e .`
 

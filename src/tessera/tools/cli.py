@@ -99,29 +99,36 @@ def prepare_training_process(argv: Sequence[str]) -> None:
 
 
 EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130, as train.py's and decode.py's Ctrl-C
+HELD_WHILE_STARTING = {signal.SIGINT: "interrupted (Ctrl-C)", signal.SIGTERM: "stopped by SIGTERM"}
 
 
 @contextlib.contextmanager
 def ctrl_c_held_while_starting():
-    """Ctrl-C while an entry script imports JAX and Tessera waits for the imports to end, then exits
-    with one line and code 130. Raised inside an import, the KeyboardInterrupt was a traceback, or
-    jaxlib's extension turned it into an ImportError that an optional import caught: a Ctrl-C 1.5 s
-    after `train.py` started was lost and the run trained to the end.
+    """Ctrl-C or SIGTERM while an entry script imports JAX and Tessera waits for the imports to end,
+    then exits with one line and code 130 or 143. Raised inside an import, the KeyboardInterrupt was
+    a traceback, or jaxlib's extension turned it into an ImportError that an optional import caught:
+    a Ctrl-C 1.5 s after `train.py` started was lost and the run trained to the end. SIGTERM, which
+    no handler catches before the entry's `main`, ended the process by the signal itself, without a
+    word (a Python parent saw -15, not 143).
 
-    SIGINT is blocked, not caught: a blocked signal stays pending through the mimalloc restart
+    Both are blocked, not caught: a blocked signal stays pending through the mimalloc restart
     (`execve` keeps the mask and the pending set), where a Python handler's flag was lost. The entry
-    script blocks it first thing, before this block (which blocks it again); it is unblocked at the
-    end. Where SIGINT is ignored (a job a script started with `&`) a pending one is not a Ctrl-C."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    yield  # an exception leaves SIGINT blocked: the process is ending, and a pending one would be a traceback
+    script blocks them first thing, before this block (which blocks them again); they are unblocked at
+    the end. Where a signal is ignored (SIGINT in a job a script started with `&`) a pending one is
+    not a stop."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, set(HELD_WHILE_STARTING))
+    yield  # an exception leaves them blocked: the process is ending, and a pending one would be a traceback
     exit_if_ctrl_c_was_held()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(HELD_WHILE_STARTING))
 
 
 def exit_if_ctrl_c_was_held() -> None:
-    if signal.SIGINT in signal.sigpending() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        print(f"interrupted (Ctrl-C) while starting: nothing was run (exit code {EXIT_INTERRUPTED})", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+    """Exit with one line when a Ctrl-C or SIGTERM is pending (held by ctrl_c_held_while_starting)."""
+    pending = signal.sigpending()
+    for signum, what in HELD_WHILE_STARTING.items():
+        if signum in pending and signal.getsignal(signum) is not signal.SIG_IGN:
+            print(f"{what} while starting: nothing was run (exit code {128 + signum})", file=sys.stderr)
+            sys.exit(128 + signum)
 
 
 EXIT_NOT_INSTALLED = 1  # this Python lacks a package Tessera needs (Python's own code for an ImportError)
