@@ -418,3 +418,20 @@ def test_a_schedule_of_no_steps_is_a_config_error_also_with_steps_of_minus_one()
         assert str(e.value) == (f"learning_rate_schedule_steps={value} gives a learning-rate schedule of no steps (its "
                                 "rate would drop to the final value after step 0); set it to -1 (as long as steps) or "
                                 ">= 1 (from the command line)")
+
+
+def test_the_guides_unknown_maxtext_keys_are_reported_as_it_says():
+    """Coming_from_MaxText.md's examples of MaxText keys it does not name: unknown, with the closest
+    keys it quotes where some are close, else a pointer to base.yml (it promised three closest keys
+    for `matmul_precision`, which has none)."""
+    text = " ".join(GUIDE.read_text().split())
+    quoted = re.search(r"where some are close \(`save_checkpoint_on_completion`: (.+?)\), else with a pointer to "
+                       r"`configs/base.yml` \(`matmul_precision`\)", text)
+    assert quoted, "the guide no longer says how its unknown MaxText keys are reported: update this test"
+    closest = ", ".join(re.findall(r"`(\w+)`", quoted.group(1)))
+    with pytest.raises(ConfigError, match=re.escape(f"unknown config key 'save_checkpoint_on_completion' in the "
+                                                    f"command line; did you mean {closest}?")):
+        load_config([BASE, "save_checkpoint_on_completion=true"], env={})
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'matmul_precision' in the command line; see "
+                                                    "configs/base.yml for every key")):
+        load_config([BASE, "matmul_precision=high"], env={})
