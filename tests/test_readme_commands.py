@@ -78,6 +78,26 @@ def test_quick_start_trains_into_outputs_demo(demo):
     assert not (run_dir / "xla_dump").exists()  # dump_hlo is off by default (test_xla_dump turns it on)
 
 
+
+def test_quick_start_numbers_are_the_readmes(demo):
+    """The README's figures of the demo: its parameter count, the step line it prints (step 100's loss)
+    and the final loss; a change of the model, the data or the schedule that moves them fails here."""
+    import json
+
+    cwd, _ = demo
+    readme = " ".join((REPO / "README.md").read_text().split())
+    run_dir = cwd / "outputs" / "demo"
+    report = json.loads((run_dir / "report.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in records if "loss" in r}
+    millions = float(re.search(r"trains a ([\d.]+)M-parameter Llama", readme).group(1))
+    assert round(report["num_parameters"] / 1e6, 1) == millions
+    step, loss = re.search(r"step +(\d+) \| loss (\d+\.\d+) \|", readme).groups()
+    assert abs(losses[int(step)] - float(loss)) < 0.01, (step, losses[int(step)], loss)
+    final = float(re.search(r"final loss (\d+\.\d+)", readme).group(1))
+    assert abs(report["final_loss"] - final) < 0.01, (report["final_loss"], final)
+
+
 def test_quick_start_again_has_nothing_to_do(demo):
     cwd, _ = demo
     report = (cwd / "outputs" / "demo" / "report.json").read_text()
