@@ -995,8 +995,13 @@ def test_settings_changed_on_a_finished_run_are_named_as_not_used(tmp_path, capl
     with caplog.at_level("INFO", logger="tessera"):
         report = run(tiny_config(tmp_path, steps=1, learning_rate=0.5), jax.devices()[:1])
     assert report["start_step"] == 1
-    assert ("learning_rate=0.5 differ from the settings step 1 was saved with, and nothing is trained with them: the "
+    assert ("learning_rate=0.5 differs from the settings step 1 was saved with, and nothing is trained with them: the "
             "run is complete. For a run with these settings, choose a new run_name" in caplog.text), caplog.text
+    caplog.clear()  # an empty value is shown as one ("dump_hlo_module_name=, ..." read as a cut-off line)
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path, steps=1, learning_rate=0.5, dump_hlo_module_name=""), jax.devices()[:1])
+    assert ('dump_hlo_module_name="", learning_rate=0.5 differ from the settings step 1 was saved with'
+            in caplog.text), caplog.text
     caplog.clear()  # the same settings again: nothing to say
     with caplog.at_level("INFO", logger="tessera"):
         run(tiny_config(tmp_path, steps=1), jax.devices()[:1])

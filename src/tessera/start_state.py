@@ -134,7 +134,7 @@ def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: o
     changes = changes_since_save(saved, config)
     if not changes:
         return
-    listed = [f"{k} {_show(then)} -> {_show(now)}" for k, (then, now) in changes.items()]
+    listed = [f"{k} {show_setting(then)} -> {show_setting(now)}" for k, (then, now) in changes.items()]
     more = f", and {len(listed) - MAX_LISTED} more" if len(listed) > MAX_LISTED else ""
     log.info("settings changed since step %d was saved: %s%s", step, ", ".join(listed[:MAX_LISTED]), more)
     for key, path in unread_load_paths(changes):
@@ -208,5 +208,6 @@ DATA_SOURCE_KEYS = ("hf_path", "hf_train_files", "train_split", "dataset_name", 
                     "tokenizer_type", "add_bos", "add_eos")
 
 
-def _show(value: Any) -> str:
+def show_setting(value: Any) -> str:
+    """A setting's value as a log line shows it: an empty string as "", a list as JSON."""
     return json.dumps(value) if isinstance(value, (list, dict)) or value == "" else str(value)

@@ -42,7 +42,7 @@ from tessera.platforms import check_platforms_start
 from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
                                 refuse_unread_checkpoints, write_report)
 from tessera.stop_signals import TerminatedOutsideLoop, TrainingStopped
-from tessera.start_state import changes_since_save, initial_state, state_source, unread_load_paths
+from tessera.start_state import changes_since_save, initial_state, show_setting, state_source, unread_load_paths
 from tessera.step import Trainer, compile_step, init_program, setup
 from tessera.train_loop import TrainLoop, local_state_bytes
 
@@ -92,13 +92,13 @@ def _locked_run(cfg: Config, trainer: Trainer, ckpt_dir: str, clock: RunClock, l
                 log.warning("%s=%s is not read: the run is already at step %d of its own checkpoints (a load path is "
                             "read only when the run has no checkpoint). To start from %s, train in a new run_name",
                             key, path, latest, path)
-            unused = [f"{k}={now}" for k, (_, now) in changes.items()
+            unused = [f"{k}={show_setting(now)}" for k, (_, now) in changes.items()
                       if k not in ("steps", "load_parameters_path", "load_full_state_path")]
             if unused:  # `run_name=demo base_emb_dim=128` on the finished demo said only "nothing to do"
                 more = f" and {len(unused) - 5} more" if len(unused) > 5 else ""
-                log.warning("%s%s differ from the settings step %d was saved with, and nothing is trained with them: "
+                log.warning("%s%s %s from the settings step %d was saved with, and nothing is trained with them: "
                             "the run is complete. For a run with these settings, choose a new run_name",
-                            ", ".join(unused[:5]), more, latest)
+                            ", ".join(unused[:5]), more, "differs" if len(unused) == 1 else "differ", latest)
             if not (trainer.plan.run_dir / "report.json").is_file():  # e.g. a signal during the last evaluation
                 log.warning("%s has no report.json: the run was stopped after saving step %d, before its report%s; "
                             "neither is made again (raise steps to train on)", trainer.plan.run_dir, latest,
