@@ -181,3 +181,25 @@ def test_architecture_call_tree_names_functions_that_exist():
     named = set(re.findall(r"([A-Za-z_]\w*)\(", tree)) | set(re.findall(r"\b(_?[A-Z][a-z]\w*|_[a-z]\w+)\b", tree))
     unknown = sorted(named - NOT_OURS - _defined_names())
     assert not unknown, f"Architecture.md's call tree names what the code does not define: {unknown}"
+
+
+def _model_names(text: str) -> set[str]:
+    """The backticked model names of `text`, `llama2-7b/13b` standing for llama2-7b and llama2-13b."""
+    names = set()
+    for written in re.findall(r"`([a-z0-9][a-z0-9.-]*(?:/[a-z0-9.-]+)*)`", text):
+        first, *others = written.split("/")
+        names |= {first, *(f"{first.rsplit('-', 1)[0]}-{other}" for other in others)}
+    return names
+
+
+def test_the_model_lists_name_every_model_file():
+    """README's list of models and Coming_from_MaxText.md's "Model names" name exactly the files of configs/models."""
+    files = {p.stem for p in (REPO / "configs" / "models").glob("*.yml")}
+    readme = " ".join((REPO / "README.md").read_text().split())
+    listed = readme.split("Models (`configs/models/`;", 1)[1].split("what each family adds", 1)[0]
+    listed = listed.split("means `llama2-7b` and `llama2-13b`)", 1)[1]  # after the note on the shorthand
+    assert _model_names(listed) == files, ("README.md's model list", sorted(_model_names(listed) ^ files))
+    guide = (REPO / "getting_started" / "Coming_from_MaxText.md").read_text()
+    section = guide.split("## Model names", 1)[1].split("\n## ", 1)[0].split("The families\nMaxText has", 1)[0]
+    named = _model_names(section.split("the names are MaxText's:", 1)[1]) - {"deepseek3-671b"}  # MaxText's name
+    assert named == files, ("Coming_from_MaxText.md's model names", sorted(named ^ files))
