@@ -78,7 +78,6 @@ def test_quick_start_trains_into_outputs_demo(demo):
     assert not (run_dir / "xla_dump").exists()  # dump_hlo is off by default (test_xla_dump turns it on)
 
 
-
 def test_quick_start_numbers_are_the_readmes(demo):
     """The README's figures of the demo: its parameter count, the step line it prints (step 100's loss)
     and the final loss; a change of the model, the data or the schedule that moves them fails here."""
