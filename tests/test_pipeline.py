@@ -153,6 +153,7 @@ def test_routing_biases_move_as_without_pipelining(mesh):
     ({}, dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2)),
     (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2), {}),  # [R, L/R] saved, [L] restored
     ({}, dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_pipeline_repeats=2)),
+    (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=2), dict(ici_pipeline_parallelism=2, num_pipeline_repeats=4)),
 ])
 @pytest.mark.slow
 def test_checkpoints_move_between_pipeline_layouts(saved, restored, tmp_path, tmp_path_factory):
@@ -173,6 +174,33 @@ def test_checkpoints_move_between_pipeline_layouts(saved, restored, tmp_path, tm
     got = json.loads((tmp_path / "dst" / "test" / "metrics.jsonl").read_text().splitlines()[-1])
     assert got["step"] == 3
     np.testing.assert_allclose(got["loss"], expected["loss"], rtol=1e-5)
+
+
+def test_a_circular_checkpoint_is_restacked_for_another_repeat_count():
+    """[R, L/R] saved, [R', L/R'] wanted (num_pipeline_repeats or the stage count changed): read as
+    saved and reshaped, the blocks in the same order. It was refused as a model mismatch. Plain
+    [L, ...] arrays whose leading axes merely multiply out alike are left alone."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from tessera.checkpointing.trees import restacked
+
+    mesh = jax.make_mesh((2, 4), ("stage", "fsdp"))
+    f32 = np.float32
+    saved = {"layers": {"w": jax.ShapeDtypeStruct((2, 4, 3, 5), f32), "b": jax.ShapeDtypeStruct((2, 4, 3), f32)}}
+    want = {"layers": {k: jax.ShapeDtypeStruct((4, 2, *a.shape[2:]), f32,
+                                               sharding=NamedSharding(mesh, PartitionSpec(None, "stage")))
+                       for k, a in saved["layers"].items()}}
+    target, finish = restacked(saved, want)
+    assert {k: a.shape for k, a in target["layers"].items()} == {"w": (2, 4, 3, 5), "b": (2, 4, 3)}
+    values = {k: np.arange(np.prod(a.shape), dtype=f32).reshape(a.shape) for k, a in saved["layers"].items()}
+    got = finish({"layers": values})["layers"]
+    for k, v in values.items():  # flattened, both layouts give the blocks in the model's order
+        np.testing.assert_array_equal(np.asarray(got[k]).reshape(8, *v.shape[2:]), v.reshape(8, *v.shape[2:]))
+        assert got[k].shape == want["layers"][k].shape
+    plain = {"layers": {"w": jax.ShapeDtypeStruct((8, 3, 5), f32), "v": jax.ShapeDtypeStruct((8, 5, 3), f32)}}
+    other = {"layers": {"w": jax.ShapeDtypeStruct((4, 6, 5), f32, sharding=NamedSharding(mesh, PartitionSpec())),
+                        "v": jax.ShapeDtypeStruct((4, 10, 3), f32, sharding=NamedSharding(mesh, PartitionSpec()))}}
+    assert {k: a.shape for k, a in restacked(plain, other)[0]["layers"].items()} == {"w": (4, 6, 5), "v": (4, 10, 3)}
 
 
 @pytest.mark.slow

@@ -31,7 +31,8 @@ def _flat(tree) -> dict[str, Any]:
 def restacked(saved, expected):
     """(target, finish) for restoring `saved` into `expected` when they differ only in how the
     decoder's stacked blocks are laid out: [L, ...] (plain or GPipe) against [R, L/R, ...]
-    (circular pipelining, `tessera.models.pipeline`), the same layers in the same order. Such
+    (circular pipelining, `tessera.models.pipeline`), or [R, L/R] against [R', L/R'], the same
+    layers in the same order. Such
     arrays are read in their saved shape (split as `expected` splits the other axes) and
     `finish` reshapes them into `expected`'s shape and sharding; everything else is unchanged.
     An optimizer state saved with clipping on or off is read as saved (`_clip_slot`), and one
@@ -196,8 +197,18 @@ def _clip_slot(have: dict[str, Any], expected):
     return unchanged
 
 
+def _circular_lead(flat: dict[str, Any]) -> tuple[int, ...] | None:
+    """(R, L/R) when every stacked-layer array of `flat` starts with the same two axes (a circular
+    pipeline's layout; plain [L, ...] arrays differ in their second), else None."""
+    leads = {tuple(a.shape[:2]) for k, a in flat.items() if "layers" in k.split("/") and len(a.shape) >= 2}
+    return leads.pop() if len(leads) == 1 else None
+
+
 def _restacked(have: dict[str, Any], expected):
     moved = []
+    # [R, L/R] saved, [R', L/R'] wanted: another repeat count (or stage count), the same blocks in the same order
+    saved_lead, wanted_lead = _circular_lead(have), _circular_lead(_flat(expected))
+    both_circular = None not in (saved_lead, wanted_lead) and math.prod(saved_lead) == math.prod(wanted_lead)
 
     def adapt(path, want):
         key = _path_key(path)
@@ -205,7 +216,8 @@ def _restacked(have: dict[str, Any], expected):
         if h is None or not hasattr(want, "sharding") or "layers" not in key.split("/"):
             return want
         hs, ws = tuple(h.shape), tuple(want.shape)
-        for a, b in ((1, 2), (2, 1)):  # leading axes [L] saved, [R, L/R] wanted, or the other way round
+        # leading axes [L] saved, [R, L/R] wanted, or the other way round; or [R, L/R] both, with other R
+        for a, b in ((1, 2), (2, 1)) + (((2, 2),) if both_circular else ()):
             if hs != ws and len(hs) - a == len(ws) - b and hs[a:] == ws[b:] and math.prod(hs[:a]) == math.prod(ws[:b]):
                 spec = tuple(want.sharding.spec) + (None,) * (len(ws) - len(want.sharding.spec))
                 moved.append(f"{key} {hs} -> {ws}")
