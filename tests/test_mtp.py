@@ -5,6 +5,7 @@ depth's acceptance rate), counts and config errors."""
 
 import json
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -267,6 +268,19 @@ def test_counts_match_the_model_we_build_with_mtp(family):
 def test_mtp_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(**keys)
+
+
+def test_mtp_with_pipeline_stages_names_the_stage_key_the_user_set():
+    """The error said "ici/dcn_pipeline_parallelism=1", so its note of where the keys were set named
+    dcn_pipeline_parallelism from base.yml, not the ici_pipeline_parallelism=2 of the command line."""
+    from tessera.config import load_config
+
+    base = str(Path(__file__).resolve().parent.parent / "configs" / "base.yml")
+    with pytest.raises(ConfigError, match=r"^mtp_num_layers=1 is not supported with pipeline parallelism "
+                                          r"\(ici_pipeline_parallelism=2: .*; set mtp_num_layers=0 or "
+                                          r"ici_pipeline_parallelism=1 \(mtp_num_layers and ici_pipeline_parallelism "
+                                          r"from the command line\)$"):
+        load_config([base, "mtp_num_layers=1", "ici_pipeline_parallelism=2"], env={})
 
 
 @pytest.mark.parametrize("scan_layers", [True, False])

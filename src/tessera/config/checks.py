@@ -206,9 +206,12 @@ def _validate_mtp(cfg: Config) -> None:
         raise ConfigError(f"mtp_num_layers={depth}: multi-token prediction adds one decoder layer per depth, but "
                           f"decoder_block={m.decoder_block}'s blocks hold {LAYERS_PER_BLOCK[m.decoder_block]} layers "
                           f"({pattern[m.decoder_block]}); set mtp_num_layers=0")
-    if cfg.mesh.ici_pipeline_parallelism > 1 or cfg.mesh.dcn_pipeline_parallelism > 1:
-        raise ConfigError(f"mtp_num_layers={depth} is not supported with pipeline parallelism (its layers would "
-                          "run after the last stage); set mtp_num_layers=0 or ici/dcn_pipeline_parallelism=1")
+    staged = [f"{n}={getattr(cfg.mesh, n)}" for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism")
+              if getattr(cfg.mesh, n) > 1]
+    if staged:  # each key named in full, so that the error says where the one set was given
+        raise ConfigError(f"mtp_num_layers={depth} is not supported with pipeline parallelism ({' and '.join(staged)}: "
+                          f"its layers would run after the last stage); set mtp_num_layers=0 or "
+                          f"{' and '.join(s.split('=')[0] + '=1' for s in staged)}")
     if depth >= cfg.data.max_target_length:
         raise ConfigError(f"mtp_num_layers={depth} predicts {depth} tokens past the next one, which leaves nothing "
                           f"to predict in a sequence of max_target_length={cfg.data.max_target_length}; use fewer")
