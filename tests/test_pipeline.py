@@ -324,20 +324,24 @@ def test_layout_and_bubble_are_logged(caplog):
 
 @pytest.mark.parametrize("overrides, message", [
     (dict(base_num_decoder_layers=6, ici_pipeline_parallelism=4, ici_fsdp_parallelism=2),
-     r"num_decoder_layers=6 cannot be split evenly over 4 pipeline stages: every stage holds the same number of "
+     r"base_num_decoder_layers=6 cannot be split evenly over 4 pipeline stages: every stage holds the same number of "
      r"whole layers, and 6 is not a multiple of 4; num_pipeline_repeats and num_layers_per_pipeline_stage cannot "
      r"change that. Use a stage count \(ici_pipeline_parallelism x dcn_pipeline_parallelism\) that divides 6 "
      r"\(2, 3, 6\), or a layer count that is a multiple of 4$"),
     (dict(base_num_decoder_layers=2, ici_pipeline_parallelism=4, ici_fsdp_parallelism=2),  # more stages than layers
-     r"num_decoder_layers=2 cannot be split evenly over 4 pipeline stages.* that divides 2 \(2\)"),
+     r"base_num_decoder_layers=2 cannot be split evenly over 4 pipeline stages.* that divides 2 \(2\)"),
+    # the key is named (num_decoder_layers is none), and the scale that multiplies it
+    (dict(base_num_decoder_layers=3, global_parameter_scale=8, ici_pipeline_parallelism=4, ici_fsdp_parallelism=2),
+     r"^6 decoder layers \(base_num_decoder_layers=3 scaled by global_parameter_scale=8\) cannot be split evenly "
+     r"over 4 pipeline stages"),
     (dict(DEEPSEEK, base_num_decoder_layers=4, ici_pipeline_parallelism=2),
-     r"the 3 expert layers \(num_decoder_layers=4 less first_num_dense_layers=1, which run before the pipeline\) "
+     r"the 3 expert layers \(base_num_decoder_layers=4 less first_num_dense_layers=1, which run before the pipeline\) "
      r"cannot be split evenly over 2 pipeline stages.* that divides 3 \(3\)"),
     (dict(decoder_block="gemma3", sliding_window_size=4, base_num_decoder_layers=8, ici_pipeline_parallelism=2),
-     r"num_decoder_layers=8 does not split into pipeline stages: every stage holds whole blocks of 6 layers "
+     r"^base_num_decoder_layers=8 does not split into pipeline stages: every stage holds whole blocks of 6 layers "
      r"\(gemma3\), and 8 is not a multiple of 6; use a multiple of 12 layers, or no pipeline stages$"),
     (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=3),
-     r"num_decoder_layers=8 must equal pipeline stages 2 x num_pipeline_repeats 3"),
+     r"^base_num_decoder_layers=8 must equal pipeline stages 2 x num_pipeline_repeats 3"),
     (dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_pipeline_microbatches=2),
      r"num_pipeline_microbatches=2 is fewer than the 4 pipeline stages"),
     (dict(ici_pipeline_parallelism=2, num_pipeline_microbatches=4),
@@ -369,7 +373,7 @@ def test_a_stage_group_cutting_a_layer_pair_is_named_as_such():
     error said "6 must equal 2 x 1 x 3 = 6"; it names the pairs that cannot be split evenly and what fits instead."""
     gemma2 = dict(decoder_block="gemma2", sliding_window_size=4)
     mesh = {"data": 1, "stage": 2, "fsdp": 4, "sequence": 1, "tensor": 1, "expert": 1}
-    with pytest.raises(ConfigError, match=r"^num_decoder_layers=6 cannot be split evenly over 2 pipeline stages: "
+    with pytest.raises(ConfigError, match=r"^base_num_decoder_layers=6 cannot be split evenly over 2 pipeline stages: "
                                           r"every stage holds the same number of whole blocks of 2 layers \(gemma2\), "
                                           r"and 3 is not a multiple of 2; .* that divides 3 \(3\), or a layer count "
                                           r"that is a multiple of 4$"):

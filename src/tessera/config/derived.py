@@ -290,9 +290,12 @@ def _stage_groups(cfg: Config, stages: int) -> tuple[int, int, int]:
         repeats = max(1, layers // (stages * per_stage))
     if per_stage == -1:
         per_stage = max(1, layers // (stages * repeats))
-    what = f"num_decoder_layers={layers}" if not dense else (
-        f"the {layers} expert layers (num_decoder_layers={m.num_decoder_layers} less first_num_dense_layers="
-        f"{dense}, which run before the pipeline)")
+    # the key the user sets: base_num_decoder_layers (num_decoder_layers is no key), scaled by global_parameter_scale
+    count = f"base_num_decoder_layers={m.base_num_decoder_layers}" if m.num_decoder_layers == m.base_num_decoder_layers \
+        else (f"{m.num_decoder_layers} decoder layers (base_num_decoder_layers={m.base_num_decoder_layers} scaled by "
+              f"global_parameter_scale={m.global_parameter_scale})")
+    what = count if not dense else (
+        f"the {layers} expert layers ({count} less first_num_dense_layers={dense}, which run before the pipeline)")
     if (layers // per_block) % stages or layers % per_block:  # no repeats / group size can help
         raise ConfigError(_stages_do_not_divide_message(what, layers, stages, per_block, m.decoder_block))
     if stages * repeats * per_stage != layers:
