@@ -765,3 +765,23 @@ def test_a_quantized_checkpoint_is_refused_for_what_it_is(tmp_path, capsys):
     assert err == ("error: checkpoint_is_quantized=true: the converter reads float checkpoints only (a quantized one "
                    "is decode.py's); convert the float checkpoint it was written from, and leave the key out\n")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_circular_pipeline_checkpoint_exports_as_the_plain_one(tmp_path):
+    """A run with num_pipeline_repeats=R > 1 saves its stacked blocks [R, L/R, ...]: tessera-to-hf refused them
+    ("checkpoint has shape (2, 2, 24, 4, 6), this config expects (4, 24, 4, 6)") with a hint at scan_layers
+    that could not help. They are read as saved and flattened, the blocks in the model's order."""
+    from safetensors.numpy import load_file
+
+    keys = [k for k in KEYS if not k.startswith("base_num_decoder_layers")] + ["base_num_decoder_layers=4"]
+    targets = hf_checkpoint.param_targets(load_model_config(None, keys))
+    rng = np.random.default_rng(0)
+    plain = {k: rng.standard_normal(t.shape).astype(t.dtype) for k, t in targets.items()}
+    circular = {k: v.reshape(2, 2, *v.shape[1:]) if k.startswith("layers/") else v for k, v in plain.items()}
+    for name, params in (("plain", plain), ("circular", circular)):
+        hf_checkpoint.save_params(tmp_path / name, hf_checkpoint._nest(params))
+        assert main(["tessera-to-hf", str(tmp_path / name), str(tmp_path / f"hf_{name}"), *keys]) == 0
+    first, second = (load_file(str(tmp_path / f"hf_{n}" / "model.safetensors")) for n in ("plain", "circular"))
+    assert sorted(first) == sorted(second)
+    for name in first:
+        np.testing.assert_array_equal(first[name], second[name], err_msg=name)

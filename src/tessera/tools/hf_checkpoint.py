@@ -269,6 +269,21 @@ class _NoOcdbtMergeWarning(logging.Filter):
         return "Skipping merge of OCDBT checkpoints" not in str(record.msg)
 
 
+def _circular_stacks(saved, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
+    """{path: the saved shape} of the stacked blocks a circular pipeline saved [R, L/R, ...]
+    (`tessera.models.pipeline`) where `targets` has them [L, ...]."""
+    out = {}
+    for path, want in targets.items():
+        node = saved.get("params", {}) if isinstance(saved, dict) else {}
+        for key in path.split("/"):
+            node = node.get(key) if isinstance(node, dict) else None
+        shape = tuple(getattr(node, "shape", ()) or ())
+        if path.split("/")[0] == "layers" and len(shape) == len(want.shape) + 1 and shape[2:] == want.shape[1:] \
+                and shape[0] * shape[1] == want.shape[0]:
+            out[path] = jax.ShapeDtypeStruct(shape, want.dtype)
+    return out
+
+
 class ParamSource:
     """Parameters of a Tessera checkpoint, restored one at a time (the last few are kept)."""
 
@@ -280,7 +295,9 @@ class ParamSource:
         self.path, saved = saved_tree(checkpoint, key=None)
         self.targets, self.keep = targets, keep
         self.checkpointer = ocp.PyTreeCheckpointer()
-        expected = {"params": _nest(targets)}
+        # a circular pipeline's run saves its stacked blocks [R, L/R, ...]: read so, flattened to [L, ...] in `get`
+        self.restacked = _circular_stacks(saved, targets)
+        expected = {"params": _nest({**targets, **self.restacked})}
         # another floating weight_dtype is written as that dtype (float32 weights exported as bfloat16)
         raise_on_mismatch(self.path, saved, expected, only_prefix="params/", cast_floats=True)
         if casts := cast_summary({"params": saved["params"]}, expected):
@@ -302,7 +319,10 @@ class ParamSource:
             value = restored["params"]
             for key in path.split("/"):
                 value = value[key]
-            self.cache[path] = np.asarray(value).astype(self.targets[path].dtype, copy=False)
+            value = np.asarray(value)
+            if path in self.restacked:  # [R, L/R, ...] -> [L, ...]: the blocks in the model's order
+                value = value.reshape(self.targets[path].shape)
+            self.cache[path] = value.astype(self.targets[path].dtype, copy=False)
             while len(self.cache) > self.keep:
                 self.cache.popitem(last=False)
         value = self.cache[path]
