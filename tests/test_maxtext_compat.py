@@ -92,6 +92,18 @@ def test_missing_feature_is_refused_with_a_reason_unless_off():
     assert "Tessera's AdamW uses adam_eps only" in msg and "(from the environment variable M_ADAM_EPS_ROOT)" in msg
 
 
+def test_maxtexts_pipeline_subset_keys_are_refused_for_what_they_do():
+    """scan_pipeline_iterations=false was refused because "Tessera pipelines every decoder layer", which is
+    not what it asks; both reasons name whole keys (ici/dcn_pipeline_parallelism named neither)."""
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "scan_pipeline_iterations=false", "pipeline_parallel_layers=4"], env={})
+    msg = str(e.value)
+    assert "scan over pipeline iterations; Tessera's pipeline schedule is always a scan" in msg
+    assert ("layers run by the pipeline; Tessera pipelines every decoder layer (but DeepSeek's first_num_dense_layers, "
+            "which run before the pipeline), over ici_pipeline_parallelism x dcn_pipeline_parallelism stages") in msg
+    assert "ici/dcn" not in msg
+
+
 def test_maxtexts_optimizer_keys_choose_the_optimizer():
     """opt_type and the muon keys mean what they mean in MaxText (muon_consistent_rms: None, its default,
     is the width scaling, 0 here); adam_pax is not implemented and the error lists what is."""

@@ -71,7 +71,8 @@ class Refused:
 
 _QUANT = ("; Tessera quantizes the training matmuls (quantization), the KV cache (quantize_kvcache) and "
           "checkpoints for decoding (save_quantized_params_path, checkpoint_is_quantized), on qwix, without this setting")
-_PIPE = "; Tessera pipelines every decoder layer (ici/dcn_pipeline_parallelism, num_pipeline_repeats)"
+_PIPE = ("; Tessera pipelines every decoder layer (but DeepSeek's first_num_dense_layers, which run before the "
+         "pipeline), over ici_pipeline_parallelism x dcn_pipeline_parallelism stages")
 _INFER = ("; Tessera's decode.py takes its prompt and sampling as flags (--prompt, --max_new_tokens, "
           "--temperature, --top_k, --top_p, --seed) and has no such setting")
 _DECODE_FLAG = "; Tessera's decode.py takes it as a flag: "
@@ -105,7 +106,8 @@ REFUSED = {
     "custom_mesh": Refused("a hand-made device order for some TPU slices; Tessera uses JAX's device mesh", ("",)),
     # pipeline parallelism
     "pipeline_parallel_layers": Refused("layers run by the pipeline" + _PIPE, ("-1",)),
-    "scan_pipeline_iterations": Refused("scan over pipeline iterations" + _PIPE, ("true", "1")),
+    "scan_pipeline_iterations": Refused("scan over pipeline iterations; Tessera's pipeline schedule is always a "
+                                        "scan (scan_layers decides whether a stage scans its layers)", ("true", "1")),
     # optimizer
     "adam_eps_root": Refused("epsilon inside the square root of Adam's denominator; Tessera's AdamW uses "
                              "adam_eps only", ("0", "0.0")),
