@@ -16,6 +16,8 @@ from tessera.config import ConfigError
 from tessera.models import ModelDef
 from tessera.models.mtp import chain_weights, shift_left
 
+MTP_SUMS = "mtp_loss_sums"  # loss_terms' aux with mtp_num_layers: each depth's summed cross-entropy [D]
+
 
 def loss_sums(model: ModelDef, params, batch, dropout_key, packed: bool = False):
     """(sum of token losses, number of target tokens) for a batch (see `loss_terms`)."""
@@ -50,10 +52,17 @@ def target_weights(segments_bt):
 
 def mtp_terms(model: ModelDef, params, x_btd, batch, dropout_key, packed: bool = False) -> dict:
     """The multi-token-prediction depths' aux (`tessera.models.mtp`): "mtp_loss", the mean over
-    depths of each depth's mean cross-entropy (`mtp_depths`), and the depths' MoE statistics
+    depths of each depth's mean cross-entropy (`mtp_depths`), MTP_SUMS, each depth's summed
+    cross-entropy [D] (a train step's micro-batches add them up), and the depths' MoE statistics
     ("mtp_moe_...", MTP_LOAD)."""
     _, aux, sums, counts = mtp_depths(model, params, x_btd, batch, dropout_key, packed)
-    return {**aux, "mtp_loss": jnp.mean(sums / jnp.maximum(counts, 1.0))}
+    return {**aux, "mtp_loss": jnp.mean(sums / jnp.maximum(counts, 1.0)), MTP_SUMS: sums}
+
+
+def mtp_target_counts(segments_bt, depths: int):
+    """The targets each multi-token-prediction depth scores in a batch of segment ids [B, T+1]: [depths]."""
+    weights = target_weights(segments_bt)
+    return jnp.stack([jnp.sum(chain_weights(weights, k)) for k in range(1, depths + 1)]).astype(jnp.float32)
 
 
 def mtp_depths(model: ModelDef, params, x_btd, batch, dropout_key, packed: bool = False):

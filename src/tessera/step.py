@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tessera import cpu_matmul
 from tessera.compile_cache import unloadable_programs_unsaved
 from tessera.cpu_miscompile import check_cpu_mesh
-from tessera.losses import loss_terms
+from tessera.losses import MTP_SUMS, loss_terms, mtp_target_counts, target_weights
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.unread_keys import keys_without_effect
@@ -201,8 +201,9 @@ def summed_gradients(grad_fn, params, batch, key, accum: int):
     (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # rounded once, to the weights' type
     # the expert loads (per layer, per multi-token-prediction depth) over the microbatches, as the other outputs
-    # are averaged for the logs
-    auxes = {k: jnp.mean(v, axis=0) if k in (PER_LAYER_LOAD, MTP_LOAD) else v for k, v in auxes.items()}
+    # are averaged for the logs; the multi-token-prediction depths' loss sums add up
+    auxes = {k: jnp.mean(v, axis=0) if k in (PER_LAYER_LOAD, MTP_LOAD) else jnp.sum(v, axis=0) if k == MTP_SUMS
+             else v for k, v in auxes.items()}
     return grads, loss_sum, count, auxes
 
 
@@ -211,24 +212,32 @@ def make_train_step(trainer: Trainer, seed: int):
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     aux_weight, bias_rate = model.cfg.load_balance_loss_weight, model.cfg.routed_bias_update_rate
-    mtp_weight = model.cfg.mtp_loss_scaling_factor
+    mtp_weight, mtp_depths = model.cfg.mtp_loss_scaling_factor, model.cfg.mtp_num_layers
     mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
 
-    def summed_loss(p, b, k):
+    def summed_loss(p, b, k, mtp_scale):
         loss_sum, count, aux = loss_terms(model, p, b, k, packed)
-        # the routers' load-balancing losses and the multi-token-prediction loss, each weighted
-        # like one more per-token loss term
+        # the routers' load-balancing losses, weighted like one more per-token loss term
         router = aux.get("moe_load_balance_loss", 0.0) + aux.get("mtp_moe_load_balance_loss", 0.0)
-        objective = loss_sum + (aux_weight * router + mtp_weight * aux.get("mtp_loss", 0.0)) * count
+        objective = loss_sum + aux_weight * router * count
+        if mtp_depths:  # + mtp_weight x the mean over depths of each depth's mean loss over the whole step, x its
+            # target count: each micro-batch adds its sums, scaled by the step's counts (mtp_scale)
+            objective = objective + mtp_weight * jnp.sum(aux[MTP_SUMS] * mtp_scale)
         return objective, (loss_sum, count, aux)
-
-    grad_fn = jax.grad(summed_loss, has_aux=True)
 
     def train_step(state, batch):  # its programs are named jit_train_step (dump_hlo_module_name)
         params = state["params"]
         key = jax.random.fold_in(prng_key(seed + 1), state["step"]) if use_dropout else None
+        mtp_counts = mtp_scale = None
+        if mtp_depths:  # mtp_scale: the step's target count / (depths x each depth's target count)
+            mtp_counts = mtp_target_counts(batch["segment_ids"], mtp_depths)
+            step_count = jnp.sum(target_weights(batch["segment_ids"])).astype(jnp.float32)
+            mtp_scale = step_count / (mtp_depths * jnp.maximum(mtp_counts, 1.0))
+        grad_fn = jax.grad(lambda p, b, k: summed_loss(p, b, k, mtp_scale), has_aux=True)
         grads, loss_sum, count, auxes = summed_gradients(grad_fn, params, batch, key, accum)
         count = jnp.maximum(count, 1.0)
+        if mtp_depths:  # the logged multi-token-prediction loss: of the whole step, not a mean of micro-batches'
+            auxes["mtp_loss"] = jnp.mean(auxes.pop(MTP_SUMS) / jnp.maximum(mtp_counts, 1.0))
         loads = auxes.pop(PER_LAYER_LOAD, None)  # MoE expert loads per layer (routed_bias)
         mtp_loads = auxes.pop(MTP_LOAD, None)  # and per multi-token-prediction depth
         # Gradients are sums over the batch's tokens; the update takes their mean (x 1/count).
