@@ -266,9 +266,11 @@ class ModelConfig:
     interleave_moe_layer_step: int = key(1, "llama4: every this-many-th layer has experts, the others a dense MLP of "
                                          "base_mlp_dim (Llama 4 Maverick: 2; Scout: 1, experts everywhere)", minimum=1)
     fused_qkv: bool = key(False, "one fused query/key/value projection [emb, 3, heads, head_dim] (multi-head attention "
-                          "only: kv heads = query heads); same results as three")
+                          "only: kv heads = query heads); from the same weights, the same results as three (at the same "
+                          "seed it starts from other random weights)")
     fused_mlp: bool = key(False, "one fused gate/up projection [emb, 2, mlp] for gated MLPs (two mlp_activations; "
-                          "dense blocks only); same results as two")
+                          "dense blocks only); from the same weights, the same results as two (at the same seed it starts "
+                          "from other random weights)")
     mlp_bias: bool = key(False, "a learned bias after every projection of the MLPs, experts included (gpt-oss's "
                          "experts; gpt3 always has them)")
     mlp_activations_limit: float = key(-1.0, "gpt_oss experts: the gate is clipped above at this and the up projection "
