@@ -402,6 +402,17 @@ def test_sampling_keeps_exactly_top_k_and_the_most_likely_token_at_any_top_p_or_
         assert set(draws(tiny)[:, 0]) == {2, 3}
 
 
+def test_top_k_and_top_p_keep_the_most_likely_tokens_at_the_largest_temperature():
+    """At --temperature 3e38 (allowed: up to float32's largest) every logit difference divided by it
+    is a subnormal XLA flushes to 0, and top_k / top_p ranked the tokens after the division: the
+    'top 2' were token 0 and the most likely one, token 1 was in the top_p set."""
+    logits_bv = np.tile(np.arange(8, dtype=np.float32), (2, 1))
+    keys = jax.random.split(jax.random.key(0), 200)
+    for top_k, top_p, want in ((2, 1.0, {6, 7}), (0, 0.3, {5, 6, 7}), (3, 0.5, {6, 7})):
+        got = np.asarray(jax.vmap(lambda k: sample(logits_bv, k, 3e38, top_k, top_p))(keys))
+        assert set(got.ravel()) == want, (top_k, top_p)
+
+
 def test_a_rows_draw_does_not_depend_on_the_rows_after_it():
     """The first n rows draw the same tokens with or without more rows after them (JAX's random
     bits depend on the element's index, not on the array's size): the filler rows a mesh adds

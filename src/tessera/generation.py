@@ -37,12 +37,15 @@ def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
         return jnp.argmax(logits_bv, axis=-1).astype(jnp.int32)
     logits_bv = logits_bv.astype(jnp.float32)
     divisor = jnp.float32(max(temperature, float(np.finfo(np.float32).tiny)))  # 1e-46 is 0 in float32
-    logits_bv = (logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)) / divisor
+    logits_bv = logits_bv - jnp.max(logits_bv, axis=-1, keepdims=True)
     vocab = logits_bv.shape[-1]
     k = top_k if 0 < top_k < vocab else vocab
     if k == vocab and top_p >= 1.0:
-        return jax.random.categorical(key, logits_bv, axis=-1).astype(jnp.int32)
-    values_bk, ids_bk = jax.lax.top_k(logits_bv, k)  # most likely first
+        return jax.random.categorical(key, logits_bv / divisor, axis=-1).astype(jnp.int32)
+    # most likely first, ranked before the division: a temperature near 3.4e38 makes every difference a
+    # subnormal that is flushed to 0, and the top k were then the k lowest ids, not the k most likely
+    values_bk, ids_bk = jax.lax.top_k(logits_bv, k)
+    values_bk = values_bk / divisor
     if top_p < 1.0:
         probs_bk = jax.nn.softmax(values_bk, axis=-1)
         before_bk = jnp.cumsum(probs_bk, axis=-1) - probs_bk  # the probability of the tokens ahead
