@@ -945,6 +945,8 @@ def test_generate_refuses_token_ids_it_cannot_decode(llama):
         with pytest.raises(ValueError, match=re.escape(message)):
             generate(model, params, args, **dict(dict(max_new_tokens=2), **kwargs))
     assert generate(model, params, [np.array([1, 95])], np.int64(1), eos_id=np.int32(0))  # numpy integers are fine
+    # so is a 2-D array of prompts (it was a ValueError traceback: 'the truth value of an array ... is ambiguous')
+    assert generate(model, params, np.array([[1, 95], [3, 4]]), 2) == generate(model, params, [[1, 95], [3, 4]], 2)
 
 
 def test_logits_that_are_nan_are_an_error_not_token_0(llama, tmp_path, capsys):

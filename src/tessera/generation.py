@@ -248,6 +248,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     from tessera.models.kv_cache import KVCache
     from tessera.seeds import prng_key
 
+    prompts = [list(p) for p in prompts]  # a 2-D numpy array of prompts was a traceback ('truth value of an array')
     if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
         raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
     check_sampling(temperature, top_k, top_p)
