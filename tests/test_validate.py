@@ -689,7 +689,7 @@ def test_a_run_name_in_the_entry_is_reported_as_replaced(tmp_path, capsys):
 def test_a_maxtext_feature_tessera_refuses_is_refused_in_an_entry_too(tmp_path, capsys):
     """An entry with ici_tensor_sequence_parallelism=4 (which train.py refuses) listed it as ignored and ran the
     entry without it, measured against MaxText's figures with it; set to its off value it stays listed."""
-    path = tmp_path / "v.json"
+    path, refused = tmp_path / "v.json", ""
     for value, code in ((4, 2), (1, 0)):
         path.write_text(json.dumps({"config": {"training_steps": "10"}, "model_params": {
             "single_node": {"m": {"g": {"ici_tensor_sequence_parallelism": value}}}}}))

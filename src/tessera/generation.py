@@ -244,21 +244,13 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     NonFiniteLogits error: argmax and sampling gave token 0 for it without a word."""
     import jax
 
-    from tessera.models import BLOCKS
     from tessera.models.kv_cache import KVCache
     from tessera.seeds import prng_key
 
     prompts = [list(p) for p in prompts]  # a 2-D numpy array of prompts was a traceback ('truth value of an array')
-    if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
-        raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
+    _check_request(model, prompts, max_new_tokens, eos_id)
     check_sampling(temperature, top_k, top_p)
-    check_ids(prompts, max_new_tokens, eos_id, model.cfg.vocab_size)
     lengths = np.array([len(p) for p in prompts], np.int32)
-    table = model.cfg.trainable_position_size if BLOCKS[model.cfg.decoder_block].absolute_positions else 0
-    if table and lengths.max() + max_new_tokens > table:
-        raise ValueError(f"{lengths.max()} prompt tokens + {max_new_tokens} new tokens exceed the "
-                         f"trainable_position_size={table} positions this model has embeddings for")
-
     step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k, top_p=top_p)
     width = prompt_width(prompts, model.attention_kernel)
     rows, length = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()), width)
@@ -290,6 +282,21 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     if not return_logits:
         return out
     return out, [np.stack(new_logits, axis=1)[row, :len(toks)] for row, toks in enumerate(out)]
+
+
+def _check_request(model: ModelDef, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None) -> None:
+    """ValueError for prompts or a length `generate` cannot serve: none, an empty one, ids outside the
+    vocabulary, or more positions than a model with a position table has."""
+    from tessera.models import BLOCKS
+
+    if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
+        raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
+    check_ids(prompts, max_new_tokens, eos_id, model.cfg.vocab_size)
+    longest = max(len(p) for p in prompts)
+    table = model.cfg.trainable_position_size if BLOCKS[model.cfg.decoder_block].absolute_positions else 0
+    if table and longest + max_new_tokens > table:
+        raise ValueError(f"{longest} prompt tokens + {max_new_tokens} new tokens exceed the "
+                         f"trainable_position_size={table} positions this model has embeddings for")
 
 
 def cache_abstract(model: ModelDef, rows: int, tokens: int, mesh=None):

@@ -207,32 +207,46 @@ def summed_gradients(grad_fn, params, batch, key, accum: int):
     return grads, loss_sum, count, auxes
 
 
-def make_train_step(trainer: Trainer, seed: int):
-    """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
-    model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
-    accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
-    aux_weight, bias_rate = model.cfg.load_balance_loss_weight, model.cfg.routed_bias_update_rate
-    mtp_weight, mtp_depths = model.cfg.mtp_loss_scaling_factor, model.cfg.mtp_num_layers
-    mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
+def objective_fn(model, packed: bool):
+    """(params, batch, dropout key, MTP scale) -> (the summed objective a micro-batch differentiates, (its summed
+    token loss, its target count, its auxiliary outputs)); the MTP scale is `mtp_step_counts`'s (None without
+    multi-token prediction)."""
+    aux_weight, mtp_weight = model.cfg.load_balance_loss_weight, model.cfg.mtp_loss_scaling_factor
 
     def summed_loss(p, b, k, mtp_scale):
         loss_sum, count, aux = loss_terms(model, p, b, k, packed)
         # the routers' load-balancing losses, weighted like one more per-token loss term
         router = aux.get("moe_load_balance_loss", 0.0) + aux.get("mtp_moe_load_balance_loss", 0.0)
         objective = loss_sum + aux_weight * router * count
-        if mtp_depths:  # + mtp_weight x the mean over depths of each depth's mean loss over the whole step, x its
-            # target count: each micro-batch adds its sums, scaled by the step's counts (mtp_scale)
+        if mtp_scale is not None:  # + mtp_weight x the mean over depths of each depth's mean loss over the whole
+            # step, x its target count: each micro-batch adds its sums, scaled by the step's counts (mtp_scale)
             objective = objective + mtp_weight * jnp.sum(aux[MTP_SUMS] * mtp_scale)
         return objective, (loss_sum, count, aux)
 
+    return summed_loss
+
+
+def mtp_step_counts(segments_bt, depths: int):
+    """(each multi-token-prediction depth's target count in the step's batch [depths], the scale of each depth's
+    loss sum in the objective: the step's target count / (depths x that depth's count)), so that micro-batches
+    adding their depths' sums train as one batch."""
+    counts = mtp_target_counts(segments_bt, depths)
+    step_count = jnp.sum(target_weights(segments_bt)).astype(jnp.float32)
+    return counts, step_count / (depths * jnp.maximum(counts, 1.0))
+
+
+def make_train_step(trainer: Trainer, seed: int):
+    """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
+    model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
+    accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
+    bias_rate, mtp_depths = model.cfg.routed_bias_update_rate, model.cfg.mtp_num_layers
+    mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
+
+    summed_loss = objective_fn(model, packed)
     def train_step(state, batch):  # its programs are named jit_train_step (dump_hlo_module_name)
         params = state["params"]
         key = jax.random.fold_in(prng_key(seed + 1), state["step"]) if use_dropout else None
-        mtp_counts = mtp_scale = None
-        if mtp_depths:  # mtp_scale: the step's target count / (depths x each depth's target count)
-            mtp_counts = mtp_target_counts(batch["segment_ids"], mtp_depths)
-            step_count = jnp.sum(target_weights(batch["segment_ids"])).astype(jnp.float32)
-            mtp_scale = step_count / (mtp_depths * jnp.maximum(mtp_counts, 1.0))
+        mtp_counts, mtp_scale = mtp_step_counts(batch["segment_ids"], mtp_depths) if mtp_depths else (None, None)
         grad_fn = jax.grad(lambda p, b, k: summed_loss(p, b, k, mtp_scale), has_aux=True)
         grads, loss_sum, count, auxes = summed_gradients(grad_fn, params, batch, key, accum)
         count = jnp.maximum(count, 1.0)

@@ -276,6 +276,20 @@ def _validate_family(m) -> None:
         _validate_deepseek(m)
     elif m.first_num_dense_layers:
         raise ConfigError(f"first_num_dense_layers={m.first_num_dense_layers} applies to decoder_block=deepseek only")
+    _validate_routing(m)
+    if m.fused_qkv and m.num_kv_heads != m.num_query_heads:
+        raise ConfigError(f"fused_qkv=true needs multi-head attention (kv heads = query heads), but there are "
+                          f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
+    if m.fused_mlp and len(m.mlp_activations) != 2:
+        raise ConfigError(f"fused_mlp=true fuses the gate and up projections of a gated MLP, but mlp_activations="
+                          f"{m.mlp_activations} has one activation (no gate); set fused_mlp=false")
+    if m.fused_mlp and m.decoder_block in MOE_BLOCKS:
+        raise ConfigError(f"fused_mlp=true applies to dense MLPs; decoder_block={m.decoder_block}'s experts keep "
+                          "separate gate and up projections; set fused_mlp=false")
+
+
+def _validate_routing(m) -> None:
+    """Checks of the expert routing keys: groups, capacity and the dropless receive buffer."""
     if m.n_routing_groups == 0 or m.n_routing_groups < -1:  # the routing read it as -1 (no groups) without a word
         raise ConfigError(f"n_routing_groups={m.n_routing_groups} is not a number of expert groups; use 2 or more "
                           "(DeepSeek-V3: 8, with topk_routing_group=4), or -1 for no groups")
@@ -293,15 +307,6 @@ def _validate_family(m) -> None:
                               f"{m.topk_routing_group} x {m.num_experts // m.n_routing_groups} = {allowed}, "
                               f"n_routing_groups={m.n_routing_groups} splitting num_experts={m.num_experts}); "
                               "raise topk_routing_group or lower num_experts_per_tok")
-    if m.fused_qkv and m.num_kv_heads != m.num_query_heads:
-        raise ConfigError(f"fused_qkv=true needs multi-head attention (kv heads = query heads), but there are "
-                          f"{m.num_kv_heads} kv heads and {m.num_query_heads} query heads; set fused_qkv=false")
-    if m.fused_mlp and len(m.mlp_activations) != 2:
-        raise ConfigError(f"fused_mlp=true fuses the gate and up projections of a gated MLP, but mlp_activations="
-                          f"{m.mlp_activations} has one activation (no gate); set fused_mlp=false")
-    if m.fused_mlp and m.decoder_block in MOE_BLOCKS:
-        raise ConfigError(f"fused_mlp=true applies to dense MLPs; decoder_block={m.decoder_block}'s experts keep "
-                          "separate gate and up projections; set fused_mlp=false")
     if m.capacity_factor != -1 and m.capacity_factor <= 0:
         raise ConfigError(f"capacity_factor={m.capacity_factor} must be > 0, or -1 for no capacity limit")
     if m.ragged_buffer_factor != -1 and m.ragged_buffer_factor <= 0:

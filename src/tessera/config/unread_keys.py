@@ -58,6 +58,26 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if "gcs_metrics" in changed and cfg.run.gcs_metrics and "://" not in cfg.run.base_output_directory:
         lines.append("gcs_metrics=true: no effect with a local base_output_directory (metrics.jsonl in the run "
                      "folder holds every record)")
+    lines += _mesh_keys(cfg, mesh_shape, changed)
+    if cfg.model.remat_policy != "custom" and (keys := [k for k in REMAT_TENSORS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with remat_policy={cfg.model.remat_policy}; the per-tensor "
+                     "keys are read with remat_policy=custom")
+    if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
+                     "experts")
+    elif not cfg.model.megablox and (keys := [k for k in TILE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without megablox=true; they size the tiles of the Pallas "
+                     "megablox kernel's grouped matmuls (TPUs), which this run's experts do not use")
+    lines += _family_keys(cfg.model, changed)
+    lines += _quantized_logits(cfg.model)
+    lines += _optimizer_and_decoding_keys(cfg, changed)
+    return lines
+
+
+def _mesh_keys(cfg: Config, mesh_shape: dict[str, int], changed: dict) -> list[str]:
+    """Keys (and axes) this mesh leaves without effect: pipeline keys without stages, fsdp and data sharding
+    keys without those axes, sequence and expert axes that do not divide what they would split."""
+    lines = []
     if mesh_shape.get("stage", 1) == 1 and (keys := [k for k in PIPELINE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect, this mesh has no pipeline stages (ici_pipeline_parallelism "
                      "or dcn_pipeline_parallelism above 1 makes them)")
@@ -67,9 +87,6 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     if cfg.optim.shard_optimizer_over_data and mesh_shape.get("data", 1) == 1:
         lines.append("shard_optimizer_over_data=true: no effect, this mesh has no data axis (ici_data_parallelism x "
                      "dcn_data_parallelism is 1); the optimizer state is split with the weights already")
-    if cfg.model.remat_policy != "custom" and (keys := [k for k in REMAT_TENSORS if k in changed]):
-        lines.append(f"{_listed(keys, changed)}: no effect with remat_policy={cfg.model.remat_policy}; the per-tensor "
-                     "keys are read with remat_policy=custom")
     seq, length = mesh_shape.get("sequence", 1), cfg.data.max_target_length
     if seq > 1 and length % seq:  # mesh.logical_spec drops an axis that does not divide the dimension
         lines.append(f"the sequence axis ({seq} ways) does not divide max_target_length={length}: the tokens are not "
@@ -84,15 +101,6 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
         lines.append(f"{_listed(['ragged_buffer_factor'], changed)}: no effect without an expert axis "
                      "(ici_expert_parallelism x dcn_expert_parallelism is 1); it sizes the buffer an expert shard "
                      "receives token copies into, and here every device runs all the experts on its own copies")
-    if cfg.model.num_experts <= 1 and (keys := [k for k in MOE_KEYS if k in changed]):
-        lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1); they route a mixture of "
-                     "experts")
-    elif not cfg.model.megablox and (keys := [k for k in TILE_KEYS if k in changed]):
-        lines.append(f"{_listed(keys, changed)}: no effect without megablox=true; they size the tiles of the Pallas "
-                     "megablox kernel's grouped matmuls (TPUs), which this run's experts do not use")
-    lines += _family_keys(cfg.model, changed)
-    lines += _quantized_logits(cfg.model)
-    lines += _optimizer_and_decoding_keys(cfg, changed)
     return lines
 
 
