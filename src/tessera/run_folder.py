@@ -131,9 +131,9 @@ def refuse_unread_checkpoints(cfg: Config, ckpt_dir: str) -> None:
                               f"(checkpoint_dir in its config.yml), which this start would not read ({why}): it would "
                               f"train again from step 0. To continue the run, give checkpoint_dir={before}; for a new "
                               "run, choose a new run_name")
-    folder = run_dir(cfg.run)
-    report = folder / "report.json" if (folder / "report.json").is_file() else next(
-        iter(sorted(folder.glob("report.until_*.json"))), None) if folder.is_dir() else None
+    folder = run_dir(cfg.run)  # its report, or an earlier attempt's (`_set_aside_earlier_report`)
+    report = next((p for p in (folder / "report.json", *sorted(folder.glob("report.until_*.json"))) if p.is_file()),
+                  None)
     if report is not None:  # a run that ended (enable_checkpointing=false, or its checkpoints deleted since)
         raise ConfigError(f"{report.parent} holds a run that finished ({report.name}) and no checkpoint this start "
                           "could resume from: it would train again from step 0 and mix its metrics with the finished "

@@ -272,9 +272,9 @@ class _NoOcdbtMergeWarning(logging.Filter):
 def _circular_stacks(saved, targets: dict[str, jax.ShapeDtypeStruct]) -> dict[str, jax.ShapeDtypeStruct]:
     """{path: the saved shape} of the stacked blocks a circular pipeline saved [R, L/R, ...]
     (`tessera.models.pipeline`) where `targets` has them [L, ...]."""
-    out = {}
+    out, params = {}, saved.get("params", {}) if isinstance(saved, dict) else {}
     for path, want in targets.items():
-        node = saved.get("params", {}) if isinstance(saved, dict) else {}
+        node = params
         for key in path.split("/"):
             node = node.get(key) if isinstance(node, dict) else None
         shape = tuple(getattr(node, "shape", ()) or ())
