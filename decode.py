@@ -6,14 +6,15 @@ import signal
 import sys
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C and SIGTERM wait for the imports (tessera.tools.cli.ctrl_c_held_while_starting)
+if __name__ == "__main__":  # Ctrl-C and SIGTERM wait for the imports (tessera.tools.cli_signals.ctrl_c_held_while_starting)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # also works without `pip install -e .`
 
 if __name__ == "__main__":
     from tessera.platforms import use_cpu_on_hosts_without_accelerators
-    from tessera.tools.cli import ctrl_c_held_while_starting, packages_installed, run_printing
+    from tessera.tools.cli import packages_installed, run_printing
+    from tessera.tools.cli_signals import ctrl_c_held_while_starting
 
     # a Ctrl-C inside an import is one line, after the imports; so is a package this Python lacks
     with ctrl_c_held_while_starting(), packages_installed("decode.py"):

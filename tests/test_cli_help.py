@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import REPO, TINY
-from tessera.tools.cli import Heartbeat, UsageError, format_seconds, resolve_path, sigterm_raises, take_options
+from tessera.tools.cli import Heartbeat, UsageError, format_seconds, resolve_path, take_options
+from tessera.tools.cli_signals import sigterm_raises
 
 ENTRY_POINTS = {
     "train.py": ["train.py"],
@@ -259,7 +260,7 @@ def test_sigterm_raises_only_inside_its_block_and_restores_the_previous_handler(
 GC_CALLBACK_FIRST = (
     "import gc, time\n"
     "import tessera.tools.cli\n"
-    "tessera.tools.cli.RESEND_SECONDS = 1.0  # sent again once the main thread is surely in the computation\n"
+    "tessera.tools.cli_signals.RESEND_SECONDS = 1.0  # sent again once the main thread is surely in the computation\n"
     "armed = [True]\n"
     "def callback(phase, info):\n"
     "    if phase == 'start' and armed[0]:\n"
@@ -286,7 +287,7 @@ def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(
         # (`nohup ... &`) passes SIGINT on ignored, and a process that inherits it ignored keeps it so
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import jax\n"
-        "from tessera.tools.cli import sigterm_raises\n"
+        "from tessera.tools.cli_signals import sigterm_raises\n"
         f"READY = {str(ready)!r}\n"
         "class Stop(BaseException): pass\n"
         "spin = jax.jit(lambda step: jax.lax.while_loop(lambda c: c >= 0, lambda c: c + step, 0))\n"

@@ -44,7 +44,8 @@ from tessera.generation import (  # noqa: F401 - the library half, re-exported: 
     prefill_program, prompt_width, sample,
 )
 from tessera.decode_args import encode_prompts, parse_args
-from tessera.tools.cli import UsageError, resolve_config_file, sigterm_raises
+from tessera.tools.cli import UsageError, resolve_config_file
+from tessera.tools.cli_signals import sigterm_raises
 
 if TYPE_CHECKING:
     from tessera.models import ModelDef

@@ -225,7 +225,8 @@ def format_changed_keys(cfg: Config) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from tessera.tools.cli import exit_if_help, sigterm_raises, train_help
+    from tessera.tools.cli import exit_if_help, train_help
+    from tessera.tools.cli_signals import sigterm_raises
 
     exit_if_help(argv, train_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",

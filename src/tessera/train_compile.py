@@ -7,7 +7,7 @@ without the hardware being present; the trainer's own `setup` and `compile_step`
 the mesh, shardings and step for those devices and XLA's TPU compiler compiles it. The
 compiler's memory analysis, per device, is compared with the chip's HBM: the command exits 0
 when the step fits, 3 when it does not (naming the knobs that would make it fit), 2 on a
-config error and 130/143 when Ctrl-C/SIGTERM stops it (`tools.cli.sigterm_raises`). `LIBTPU_INIT_ARGS` flags are read by that compiler, so a recipe run with
+config error and 130/143 when Ctrl-C/SIGTERM stops it (`tools.cli_signals.sigterm_raises`). `LIBTPU_INIT_ARGS` flags are read by that compiler, so a recipe run with
 `EXECUTABLE=train_compile` also checks that libtpu accepts every flag it exports.
 
 A JSON report goes to base_output_directory/run_name/compile_report.json (to the local
@@ -35,7 +35,8 @@ from tessera.config.derived import run_dir
 from tessera.config.checks import validate_for_build
 from tessera.hardware import GIB, TpuSlice, tpu_slice
 from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops, low_precision_dots, tpu_kernels, stage_transfers
-from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file, sigterm_raises
+from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
+from tessera.tools.cli_signals import sigterm_raises
 
 log = logging.getLogger("tessera")
 

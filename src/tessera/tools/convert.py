@@ -37,8 +37,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tessera.config import Config, ConfigError
-from tessera.tools.cli import (UsageError, exit_if_help, help_text, resolve_path, sigterm_raises, split_overrides,
-                               take_options)
+from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_path, split_overrides, take_options
+from tessera.tools.cli_signals import sigterm_raises
 from tessera.tools.estimate import load_model_config
 from tessera.tools.hf_configs import as_overrides, config_from_hf
 from tessera.tools.hf_layouts import layout_for

@@ -255,7 +255,7 @@ def compile_top(cfg: Config, hw: Hardware, cands: list[Candidate], args) -> int:
     """--compile: one AOT compile at a time of each candidate, then the recipe and the JSON report
     (TPU hardware only: `plan.main` refuses --compile for GPUs before the search). Ctrl-C or SIGTERM
     while compiling stops the compiler and returns 130 or 143, with one line and nothing written."""
-    from tessera.tools.cli import sigterm_raises
+    from tessera.tools.cli_signals import sigterm_raises
 
     # the keys the plan chooses are its candidates' (a user's ici_tensor_parallelism=4 would change the compiled mesh)
     base = [o for o in model_overrides(args.model, args.overrides) if o.partition("=")[0].strip() not in CHOSEN_KEYS]

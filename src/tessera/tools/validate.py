@@ -38,7 +38,8 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from tessera.config.schema import all_fields
-from tessera.tools.cli import UsageError, resolve_path, sigterm_raises
+from tessera.tools.cli import UsageError, resolve_path
+from tessera.tools.cli_signals import sigterm_raises
 from tessera.tools.validate_file import METRICS, Plan, build_plan, check_train_keys, quantization_line, tuning_line
 from tessera.tools.validate_json import ValidationInputError, load, select
 from tessera.tools.validate_nodes import (KILL_AFTER_SECONDS, REPO, NodesStopped, NodesTimedOut, container_engine,
