@@ -923,6 +923,10 @@ def test_generate_refuses_sampling_arguments_it_cannot_honour(llama):
         (dict(top_k=-2), "top_k=-2 must be a whole number >= 0"),
         (dict(temperature=1.0, top_p=0.0), "top_p=0.0 must be in (0, 1]"),
         (dict(temperature=1.0, top_p=1.5), "top_p=1.5 must be in (0, 1]"),
+        (dict(temperature=True), "temperature=True must be a number"),  # a bool was taken as 1
+        (dict(temperature="0.7"), "temperature='0.7' must be a number"),  # a TypeError traceback
+        (dict(temperature=1.0, top_k=True), "top_k=True must be a whole number"),  # one token kept
+        (dict(temperature=1.0, top_p="0.9"), "top_p='0.9' must be in (0, 1]"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             generate(model, params, PROMPTS, 2, **kwargs)
@@ -933,7 +937,8 @@ def test_generate_refuses_sampling_arguments_it_cannot_honour(llama):
 def test_generate_refuses_token_ids_it_cannot_decode(llama):
     """From Python, token -1 was decoded as the table's last token (95) and token 96 gave nan logits
     (then token 0), an eos_id outside the vocabulary never stopped a row, and max_new_tokens=2.0
-    ended in a shape TypeError: the command line refused them, `generate` did not."""
+    ended in a shape TypeError: the command line refused them, `generate` did not. Bools were taken as
+    0 and 1, and a seed of 1.5 was a TypeError traceback."""
     model, params = llama
     for args, kwargs, message in (
         ([[1, 2, -1]], {}, "prompt 1 has token ids outside [0, vocab_size=96): [-1]"),
@@ -941,6 +946,11 @@ def test_generate_refuses_token_ids_it_cannot_decode(llama):
         ([[1, 2]], dict(eos_id=96), "eos_id=96 is not a token id in [0, vocab_size=96)"),
         ([[1, 2]], dict(eos_id=-1), "eos_id=-1 is not a token id"),
         ([[1, 2]], dict(max_new_tokens=2.0), "max_new_tokens=2.0 must be a whole number >= 1"),
+        ([[1, True]], {}, "prompt 1 has token ids outside [0, vocab_size=96): [True]"),  # was token 1
+        ([[1, 2]], dict(max_new_tokens=True), "max_new_tokens=True must be a whole number"),
+        ([[1, 2]], dict(eos_id=False), "eos_id=False is not a token id"),  # was token 0
+        ([[1, 2]], dict(seed=1.5), "seed=1.5 must be a whole number"),  # a TypeError traceback
+        ([[1, 2]], dict(seed=True), "seed=True must be a whole number"),  # was seed 1
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             generate(model, params, args, **dict(dict(max_new_tokens=2), **kwargs))

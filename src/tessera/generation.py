@@ -55,14 +55,24 @@ def sample(logits_bv, key, temperature: float, top_k: int, top_p: float = 1.0):
     return jnp.take_along_axis(ids_bk, choice_b1, axis=-1)[:, 0].astype(jnp.int32)
 
 
+def _whole(value) -> bool:
+    """An int (Python's or NumPy's), and not a bool: True was taken as 1 (top_k=True kept one token)."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _real(value) -> bool:
+    """A real number, and not a bool; a string was a TypeError traceback from a comparison."""
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
 def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
     """ValueError naming each sampling argument `sample` cannot honour (a negative or nan temperature
     sampled greedily, or token 0 every time, without a word; so did a top_p of 0 or nan)."""
     wrong = [f"{name}={value!r} {rule}" for name, value, ok, rule in (
-        ("temperature", temperature, 0 <= temperature <= float(np.finfo(np.float32).max),
+        ("temperature", temperature, _real(temperature) and 0 <= temperature <= float(np.finfo(np.float32).max),
          "must be a number from 0 (greedy) to the largest float32"),
-        ("top_k", top_k, isinstance(top_k, (int, np.integer)) and top_k >= 0, "must be a whole number >= 0 (0: all)"),
-        ("top_p", top_p, 0 < top_p <= 1, "must be in (0, 1] (1: all tokens)"),
+        ("top_k", top_k, _whole(top_k) and top_k >= 0, "must be a whole number >= 0 (0: all)"),
+        ("top_p", top_p, _real(top_p) and 0 < top_p <= 1, "must be in (0, 1] (1: all tokens)"),
     ) if not ok]  # each written so that nan fails it
     if wrong:
         raise ValueError("; ".join(wrong))
@@ -73,12 +83,12 @@ def check_ids(prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
     as the last token of the table and vocab_size or more gave nan logits, then token 0, without a
     word), an eos_id no row can produce, a max_new_tokens that is not a whole number."""
     for i, prompt in enumerate(prompts):
-        bad = [t for t in prompt if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab_size)]
+        bad = [t for t in prompt if not (_whole(t) and 0 <= t < vocab_size)]
         if bad:
             raise ValueError(f"prompt {i + 1} has token ids outside [0, vocab_size={vocab_size}): {bad[:5]}")
-    if not isinstance(max_new_tokens, (int, np.integer)):
+    if not _whole(max_new_tokens):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
-    if eos_id is not None and not (isinstance(eos_id, (int, np.integer)) and 0 <= eos_id < vocab_size):
+    if eos_id is not None and not (_whole(eos_id) and 0 <= eos_id < vocab_size):
         raise ValueError(f"eos_id={eos_id!r} is not a token id in [0, vocab_size={vocab_size}): no row would stop "
                          "at it; give None to decode max_new_tokens tokens")
 
@@ -250,6 +260,8 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     prompts = [list(p) for p in prompts]  # a 2-D numpy array of prompts was a traceback ('truth value of an array')
     _check_request(model, prompts, max_new_tokens, eos_id)
     check_sampling(temperature, top_k, top_p)
+    if not _whole(seed):  # 1.5 was a TypeError traceback from the key's bit operations; True was seed 1
+        raise ValueError(f"seed={seed!r} must be a whole number (any int; taken modulo 2^64)")
     lengths = np.array([len(p) for p in prompts], np.int32)
     step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k, top_p=top_p)
     width = prompt_width(prompts, model.attention_kernel)
