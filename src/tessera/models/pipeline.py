@@ -168,12 +168,38 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
     `specs` and `gathered_specs` are `stage_specs` of `stacked` with and without the fsdp split:
     the weights take the gathered one once, before the iterations; their gradients go to the
     shares, split as `specs`."""
-    s_, r_, b_, m_, hop = layout.stages, layout.repeats, layout.blocks_per_stage, layout.microbatches, layout.hop
-    items, iterations = m_ * r_, layout.iterations
+    s_, r_, b_, m_ = layout.stages, layout.repeats, layout.blocks_per_stage, layout.microbatches
     # [R, S, B, ...] views whose stage axis is the one split over `stage`
     grouped = jax.tree.map(lambda a: a.reshape(r_, s_, b_, *a.shape[1 if r_ == 1 else 2:]), stacked)
     grouped_keys = keys.reshape(r_, s_, b_, *keys.shape[1:])
     xs, pos, seg = (_microbatches(a, m_) for a in (x, positions, segments))
+    stage_split = P(None, "stage")
+    outputs, aux, per_layer = jax.shard_map(
+        _stage_program(layout, run_group, use_keys, specs, gathered_specs),
+        in_specs=(jax.tree.map(lambda _: stage_split, grouped), stage_split, P(), P(), P()),
+        out_specs=(P("stage"), P(), P(None, "stage")), axis_names={"stage"}, check_vma=False,
+    )(grouped, grouped_keys, xs, pos, seg)
+    # [R, S, B, ...]: group r of stage s is chunk r*S + s, so the flat order is the blocks' order
+    aux.update({k: v.reshape(r_ * s_ * b_, *v.shape[3:]) for k, v in per_layer.items()})
+    return _whole_batch(outputs[s_ - 1]), aux
+
+
+def _add_aux(total: dict, aux: dict, valid, repeat) -> dict:
+    """`total` plus one iteration's `aux` where `valid`: scalars summed, `PER_LAYER` entries into row `repeat`."""
+    out = {}
+    for k, v in aux.items():
+        v = jnp.where(valid, v, 0.0)
+        out[k] = total[k].at[repeat].add(v) if k.startswith(PER_LAYER) else total[k] + v
+    return out
+
+
+def _stage_program(layout: PipelineLayout, run_group, use_keys: bool, specs, gathered_specs):
+    """run_pipeline's program for one stage, run under `shard_map` over `stage`: (this stage's groups
+    [R, 1, B, ...], their keys [R, 1, B, ...], the microbatches xs, pos, seg [M, B/M, ...]) ->
+    (outputs [1, M, B/M, ...], aux scalars averaged over every block and microbatch, per-layer aux
+    [R, 1, B, ...] averaged over microbatches)."""
+    s_, r_, m_, hop = layout.stages, layout.repeats, layout.microbatches, layout.hop
+    items, iterations = m_ * r_, layout.iterations
     # each stage hands its output to the next; only a circular pipeline sends the last stage's back to stage 0
     ring = [(i, (i + 1) % s_) for i in range(s_ if r_ > 1 else s_ - 1)]
 
@@ -189,13 +215,6 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
         # per-layer rows are summed into this stage's slot of each repeat: [R, B, ...]
         zeros_aux = {k: jnp.zeros((r_, *a.shape) if k.startswith(PER_LAYER) else a.shape, jnp.float32)
                      for k, a in aux_shape.items()}
-
-        def add_aux(total, aux, valid, repeat):
-            out = {}
-            for k, v in aux.items():
-                v = jnp.where(valid, v, 0.0)
-                out[k] = total[k].at[repeat].add(v) if k.startswith(PER_LAYER) else total[k] + v
-            return out
 
         def iteration(carry, t):
             previous, in_flight, loop_back, outputs, aux_sum = carry
@@ -220,7 +239,7 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
             h, aux = run_group(params, repeat, h, pos[mb], seg[mb], step_keys)
             last = valid & (stage == s_ - 1) & (repeat == r_ - 1)
             outputs = outputs.at[mb].set(jnp.where(last, h, outputs[mb]))
-            aux_sum = add_aux(aux_sum, aux, valid, repeat)
+            aux_sum = _add_aux(aux_sum, aux, valid, repeat)
             return (h, received if hop > 1 else in_flight, loop_back, outputs, aux_sum), None
 
         placeholder = jnp.zeros((), xs.dtype)
@@ -233,11 +252,4 @@ def run_pipeline(layout: PipelineLayout, run_group, stacked, keys, use_keys: boo
         per_layer = {k: (v / m_)[:, None] for k, v in aux_sum.items() if k.startswith(PER_LAYER)}
         return outputs[None], aux, per_layer
 
-    stage_split = P(None, "stage")
-    outputs, aux, per_layer = jax.shard_map(
-        local, in_specs=(jax.tree.map(lambda _: stage_split, grouped), stage_split, P(), P(), P()),
-        out_specs=(P("stage"), P(), P(None, "stage")), axis_names={"stage"}, check_vma=False,
-    )(grouped, grouped_keys, xs, pos, seg)
-    # [R, S, B, ...]: group r of stage s is chunk r*S + s, so the flat order is the blocks' order
-    aux.update({k: v.reshape(r_ * s_ * b_, *v.shape[3:]) for k, v in per_layer.items()})
-    return _whole_batch(outputs[s_ - 1]), aux
+    return local
