@@ -1,6 +1,6 @@
 """Pipeline parallelism over the `stage` mesh axis: same losses as no pipelining on the same
 weights (GPipe and circular, with fsdp, tensor and expert splits inside a stage, scanned or
-unrolled stages, remat, gradient accumulation, Gemma 2 and MoE blocks), DeepSeek's routing biases
+unrolled stages, remat, gradient accumulation, Gemma 2 and 3 and MoE blocks), DeepSeek's routing biases
 moved as without a pipeline, checkpoints that move
 between pipeline layouts, and the configurations that are refused before anything compiles."""
 
@@ -84,6 +84,16 @@ def test_gemma2_pairs_pipeline_whole(tmp_path):
                  _reference(tmp_path / "ref", **model))
     with pytest.raises(ConfigError, match=r"whole blocks of 2 layers \(gemma2\)"):
         setup(tiny_config(**LAYERS, **model, ici_pipeline_parallelism=2, num_layers_per_pipeline_stage=1))
+
+
+@pytest.mark.slow
+def test_gemma3_pipelines_its_patterns_and_runs_the_tail_after(tmp_path):
+    """Gemma 3's block is a 6-layer pattern; 14 layers are 2 patterns, one per stage, and a tail of 2
+    local layers that runs after the pipeline (as deepseek's dense layers run before it). Such a
+    count was refused: only multiples of 6 x stages pipelined (gemma3-4b's 34 and 27b's 62 did not)."""
+    model = dict(decoder_block="gemma3", sliding_window_size=4, base_num_decoder_layers=14)
+    _assert_same(_records(tmp_path, "gemma3", ici_pipeline_parallelism=2, **model),
+                 _reference(tmp_path / "ref", **model))
 
 
 @pytest.mark.slow
@@ -337,9 +347,11 @@ def test_layout_and_bubble_are_logged(caplog):
     (dict(DEEPSEEK, base_num_decoder_layers=4, ici_pipeline_parallelism=2),
      r"the 3 expert layers \(base_num_decoder_layers=4 less first_num_dense_layers=1, which run before the pipeline\) "
      r"cannot be split evenly over 2 pipeline stages.* that divides 3 \(3\)"),
+    # gemma3's layers after its last whole pattern run after the pipeline: 8 layers leave one pattern for 2 stages
     (dict(decoder_block="gemma3", sliding_window_size=4, base_num_decoder_layers=8, ici_pipeline_parallelism=2),
-     r"^base_num_decoder_layers=8 does not split into pipeline stages: every stage holds whole blocks of 6 layers "
-     r"\(gemma3\), and 8 is not a multiple of 6; use a multiple of 12 layers, or no pipeline stages$"),
+     r"^the 6 layers of whole patterns \(base_num_decoder_layers=8 less the 2 local layers after the last whole "
+     r"pattern, which run after the pipeline\) cannot be split evenly over 2 pipeline stages: every stage holds the "
+     r"same number of whole blocks of 6 layers \(gemma3\), and 1 is not a multiple of 2"),
     (dict(ici_pipeline_parallelism=2, num_pipeline_repeats=3),
      r"^base_num_decoder_layers=8 must equal pipeline stages 2 x num_pipeline_repeats 3"),
     (dict(ici_pipeline_parallelism=4, ici_fsdp_parallelism=2, num_pipeline_microbatches=2),

@@ -281,9 +281,12 @@ def _stage_groups(cfg: Config, stages: int) -> tuple[int, int, int]:
     -1 keys filled in; ConfigError when the layers do not split into stages x repeats groups of whole blocks."""
     mesh, m = cfg.mesh, cfg.model
     per_block = LAYERS_PER_BLOCK.get(m.decoder_block, 1)
-    # deepseek's dense layers run below the pipeline; only the expert layers are split over stages
+    # deepseek's dense layers run below the pipeline, gemma3's local layers after its last whole pattern (the
+    # decoder's tail) above it; only the layers between are split over stages
     dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
-    layers, repeats, per_stage = m.num_decoder_layers - dense, mesh.num_pipeline_repeats, mesh.num_layers_per_pipeline_stage
+    tail = m.num_decoder_layers % per_block if m.decoder_block == "gemma3" else 0
+    layers, repeats, per_stage = (m.num_decoder_layers - dense - tail, mesh.num_pipeline_repeats,
+                                  mesh.num_layers_per_pipeline_stage)
     if repeats == -1 and per_stage == -1:
         repeats = 1
     if repeats == -1:
@@ -294,8 +297,12 @@ def _stage_groups(cfg: Config, stages: int) -> tuple[int, int, int]:
     count = f"base_num_decoder_layers={m.base_num_decoder_layers}" if m.num_decoder_layers == m.base_num_decoder_layers \
         else (f"{m.num_decoder_layers} decoder layers (base_num_decoder_layers={m.base_num_decoder_layers} scaled by "
               f"global_parameter_scale={m.global_parameter_scale})")
-    what = count if not dense else (
-        f"the {layers} expert layers ({count} less first_num_dense_layers={dense}, which run before the pipeline)")
+    what = count
+    if dense:
+        what = f"the {layers} expert layers ({count} less first_num_dense_layers={dense}, which run before the pipeline)"
+    if tail:
+        what = (f"the {layers} layers of whole patterns ({count} less the {tail} local layers after the last whole "
+                "pattern, which run after the pipeline)")
     if (layers // per_block) % stages or layers % per_block:  # no repeats / group size can help
         raise ConfigError(_stages_do_not_divide_message(what, layers, stages, per_block, m.decoder_block))
     if stages * repeats * per_stage != layers:
