@@ -11,7 +11,8 @@ import yaml
 
 from conftest import REPO
 from tessera.config import ConfigError, build_config, flat_dict, load_config
-from tessera.config.schema import DECODER_BLOCKS, REMAT_POLICIES, all_fields, path_keys, render_base_yml
+from tessera.config.fields import DECODER_BLOCKS, REMAT_POLICIES
+from tessera.config.schema import all_fields, path_keys, render_base_yml
 from tessera.models import BLOCKS
 from tessera.models import REMAT_POLICIES as MODEL_REMAT_POLICIES
 

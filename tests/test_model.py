@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, tiny_config
 from tessera.config import ConfigError, load_config
-from tessera.config.schema import REMAT_POLICIES
+from tessera.config.fields import REMAT_POLICIES
 from tessera.models import build_model
 from tessera.models.attention import dot_product_attention
 from tessera.models.attention_choice import select_attention

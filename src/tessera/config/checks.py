@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 
-from tessera.config.schema import MOE_BLOCKS, Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
+from tessera.config.fields import MOE_BLOCKS
+from tessera.config.schema import Config, ConfigError, MeshConfig, ModelConfig, OptimConfig
 
 
 def validate(cfg: Config) -> None:
     """Checks that involve more than one key (single-key checks happen in `values.coerce`)."""
-    from tessera.config.schema import ACTIVATIONS
+    from tessera.config.fields import ACTIVATIONS
 
     m = cfg.model
     scale = m.global_parameter_scale
@@ -116,7 +117,7 @@ def _validate_scaled_sizes(m: ModelConfig) -> None:
     count within MAX_LAYERS (the scale took 4 layers to 4 million, and listing the layers' windows
     exhausted the host's memory), and each weight within MAX_WEIGHT_ELEMENTS (beyond, compiling the
     initialization raised a traceback, "overflow in static extent product", or aborted in XLA)."""
-    from tessera.config.schema import MAX_LAYERS, MAX_WEIGHT_ELEMENTS
+    from tessera.config.fields import MAX_LAYERS, MAX_WEIGHT_ELEMENTS
 
     sizes = (f"base_num_decoder_layers={m.base_num_decoder_layers} and global_parameter_scale="
              f"{m.global_parameter_scale}")

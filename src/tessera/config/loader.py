@@ -28,7 +28,8 @@ from typing import Any, Mapping
 
 from tessera.config.checks import validate
 from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
-from tessera.config.schema import HF_FILE_FORMATS, SECTIONS, Config, ConfigError, all_fields, path_keys
+from tessera.config.fields import HF_FILE_FORMATS
+from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields, path_keys
 from tessera.config.values import coerce, unquoted
 from tessera.config.yaml_file import (config_files, is_file, is_run_config, model_folders,
                                       read_yaml)  # read_yaml: also imported from here by tools/estimate.py
@@ -282,7 +283,7 @@ def _is_local(text: str) -> bool:
 
 
 def resolve_paths(cfg: Config) -> None:
-    """Make every path key of `cfg` absolute, in place (see `PATH_KINDS` in schema.py): the one
+    """Make every path key of `cfg` absolute, in place (see `PATH_KINDS` in fields.py): the one
     place where relative paths are resolved, against the working directory of this process."""
     fields = all_fields()
     if not cfg.run.base_output_directory:  # MaxText's default, "": the working directory (checkpoints went to

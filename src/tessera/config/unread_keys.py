@@ -38,7 +38,7 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     split, another input pipeline's data keys, checkpoint keys without checkpoints, HLO dump keys
     without the dump), for a warning at set-up; they were accepted without a word."""
     from tessera.config.loader import changed_keys
-    from tessera.config.schema import REMAT_TENSORS
+    from tessera.config.fields import REMAT_TENSORS
 
     changed = changed_keys(cfg)
     lines = []

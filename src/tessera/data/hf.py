@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.config import ConfigError, DataConfig
-from tessera.config.schema import HF_FILE_FORMATS as FILE_FORMATS
+from tessera.config.fields import HF_FILE_FORMATS as FILE_FORMATS
 from tessera.data import rows_per_process
 from tessera.data.documents import column_values, document_ids
 from tessera.data.errors import (REMOTE_PREFIXES, DataError, check_reachable, no_records, no_tokens, open_local,

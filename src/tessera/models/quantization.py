@@ -30,7 +30,7 @@ import re
 import jax.numpy as jnp
 
 from tessera.config import ConfigError
-from tessera.config.schema import QUANTIZATION_MODES
+from tessera.config.fields import QUANTIZATION_MODES
 
 log = logging.getLogger("tessera")
 

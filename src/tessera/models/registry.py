@@ -1,5 +1,5 @@
 """`decoder_block` -> block family. Adding a family: a module with its block class (see
-`tessera.models.blocks.Block`), an entry here and in `tessera.config.schema.DECODER_BLOCKS`,
+`tessera.models.blocks.Block`), an entry here and in `tessera.config.fields.DECODER_BLOCKS`,
 and model files under configs/models/."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 
 from tessera.config import ModelConfig
-from tessera.config.schema import REMAT_TENSORS
+from tessera.config.fields import REMAT_TENSORS
 
 _cp = jax.checkpoint_policies
 _OFFLOADABLE = ["query_proj", "key_proj", "value_proj", "context", "out_proj", "mlpwi", "mlpwo"]
