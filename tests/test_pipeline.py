@@ -15,7 +15,8 @@ from conftest import tiny_config
 from jax.extend.core import jaxprs_in_params
 
 from tessera.config import ConfigError
-from tessera.config.derived import LAYERS_PER_BLOCK, PipelineLayout, plan_run
+from tessera.config.derived import PipelineLayout, plan_run
+from tessera.config.layers import LAYERS_PER_BLOCK
 from tessera.models import BLOCKS
 from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops
 from tessera.step import abstract_state, batch_shapes, compile_step, make_train_step, setup

@@ -288,7 +288,7 @@ def test_flops_count_the_scores_inside_each_layers_window(keys):
     one of chunks of C, T*C/2 (each chunk's square halved)."""
     from flax import nnx
 
-    from tessera.config.derived import layer_chunks, layer_windows
+    from tessera.config.layers import layer_chunks, layer_windows
     from tessera.metrics import keys_per_query
     from tessera.models.decoder import Decoder
 

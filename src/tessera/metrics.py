@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.config.derived import dense_layers, layer_attention
+from tessera.config.layers import dense_layers, layer_attention
 
 log = logging.getLogger(__name__)
 

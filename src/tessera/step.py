@@ -27,7 +27,8 @@ from tessera.losses import MTP_SUMS, loss_terms, mtp_target_counts, target_weigh
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.unread_keys import keys_without_effect
-from tessera.config.derived import LAYERS_PER_BLOCK, RunPlan, plan_run
+from tessera.config.derived import RunPlan, plan_run
+from tessera.config.layers import LAYERS_PER_BLOCK
 from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention_choice import select_attention

@@ -190,7 +190,7 @@ def _validate_run_name(name: str) -> None:
 
 def _validate_mtp(cfg: Config) -> None:
     """Multi-token prediction: a family of one layer per block, no pipeline, room in the sequence."""
-    from tessera.config.derived import LAYERS_PER_BLOCK
+    from tessera.config.layers import LAYERS_PER_BLOCK
     pattern = {"gemma2": "local and global", "gemma3": "5 local and 1 global", "gpt_oss": "local and global",
                      "llama4": "3 chunked rotary and 1 NoPE"}
 

@@ -4,7 +4,7 @@ errors: the value is valid, only this run's other keys leave it unused."""
 
 from __future__ import annotations
 
-from tessera.config.derived import llama4_nope
+from tessera.config.layers import llama4_nope
 from tessera.config.schema import Config
 
 

@@ -32,7 +32,8 @@ from __future__ import annotations
 from flax import nnx
 
 from tessera.config import ModelConfig
-from tessera.config.derived import dropout_rate, llama4_moe, llama4_nope
+from tessera.config.derived import dropout_rate
+from tessera.config.layers import llama4_moe, llama4_nope
 from tessera.models.attention import Attention
 from tessera.models.blocks import Block, dropout_keys, make_norm, residual, stacked_aux
 from tessera.models.layers import Mlp

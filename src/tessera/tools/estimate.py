@@ -42,7 +42,8 @@ from pathlib import Path
 
 from tessera.config import Config, ConfigError, build_config, load_config
 from tessera.config.checks import check_trainable_dtypes
-from tessera.config.derived import LAYERS_PER_BLOCK, plan_run
+from tessera.config.derived import plan_run
+from tessera.config.layers import LAYERS_PER_BLOCK
 from tessera.config.loader import read_yaml
 from tessera.config.maxtext import ALIASES, translate
 from tessera.config.schema import all_fields

@@ -108,7 +108,7 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
 
 def _llama4_config(m: ModelConfig) -> dict[str, Any]:
     """Llama 4's keys of a Llama4ForCausalLM config.json (its layer pattern written out per layer)."""
-    from tessera.config.derived import llama4_moe, llama4_nope
+    from tessera.config.layers import llama4_moe, llama4_nope
 
     layers = range(m.num_decoder_layers)
     return {"intermediate_size": m.expert_mlp_dim, "intermediate_size_mlp": m.mlp_dim,

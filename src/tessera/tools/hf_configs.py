@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from tessera.config import ConfigError
-from tessera.config.derived import LAYERS_PER_BLOCK
+from tessera.config.layers import LAYERS_PER_BLOCK
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",

@@ -18,7 +18,7 @@ from typing import Callable
 import numpy as np
 
 from tessera.config import ConfigError, ModelConfig
-from tessera.config.derived import LAYERS_PER_BLOCK
+from tessera.config.layers import LAYERS_PER_BLOCK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +338,7 @@ def _llama4(m: ModelConfig) -> Layout:
     (in every layer: a NoPE layer's scores do not change when queries and keys are reordered alike),
     and per layer either experts (router, gate_up_proj [E, D, 2F] gate first, a shared expert) or a
     dense MLP."""
-    from tessera.config.derived import llama4_moe
+    from tessera.config.layers import llama4_moe
 
     _check_hf_has(m, "llama4")
     d, n, k, h, e, f, fd = (m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim, m.num_experts,

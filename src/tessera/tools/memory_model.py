@@ -23,7 +23,8 @@ import dataclasses
 import math
 
 from tessera.config import Config, ConfigError, ModelConfig
-from tessera.config.derived import dense_layers, pipeline_layout
+from tessera.config.derived import pipeline_layout
+from tessera.config.layers import dense_layers
 from tessera.metrics import mla_matmul_params
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
