@@ -3,6 +3,7 @@
 import base64
 import glob
 import json
+import os
 import re
 import subprocess
 import sys
@@ -91,6 +92,25 @@ def test_every_file_format_gives_the_json_batches(fmt, tmp_path, sp_model, corpu
     for w, g in zip(want, got):
         for k in w:
             np.testing.assert_array_equal(g[k], w[k])
+
+
+def test_the_libraries_warnings_are_printed_once_in_the_run_s_format(sp_model, corpus):
+    """`datasets` and `huggingface_hub` print with a stderr handler of their own and pass records on to
+    the root logger: a Hub retry was printed twice, bare and then timestamped by train.py's handler.
+    In a process of its own: pytest's capture holds the libraries' handlers' stream."""
+    fmt, files = corpus
+    script = (f"import logging, sys; sys.path.insert(0, {str(REPO / 'src')!r})\n"
+              "logging.basicConfig(format='RUN %(message)s')\n"
+              "from tessera.config import DataConfig\n"
+              "from tessera.data.hf import load_stream\n"
+              f"load_stream(DataConfig(dataset_type='hf', hf_path={fmt!r}, hf_train_files={files!r}, "
+              f"tokenizer_path={sp_model!r}), 'train')\n"
+              "for name in ('huggingface_hub.utils._http', 'datasets.load'):\n"
+              "    logging.getLogger(name).warning('Retrying in 1s [Retry 1/5].')\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-2:] == ["RUN Retrying in 1s [Retry 1/5]."] * 2, proc.stderr[-3000:]
 
 
 def test_saved_dataset_folder_and_non_streaming(tmp_path, sp_model, corpus):

@@ -112,11 +112,30 @@ def files_setting(cfg: DataConfig, split: str) -> tuple[str, str]:
     return ("hf_train_files", cfg.hf_train_files) if split == "train" else ("hf_eval_files", cfg.hf_eval_files)
 
 
+LIBRARY_LOGGERS = ("datasets", "huggingface_hub")  # each adds a stderr handler of its own when imported
+
+
+def _log_through_the_run() -> None:
+    """`datasets` and `huggingface_hub` print their records with a stderr handler of their own and also
+    pass them on to the root logger: under train.py's and decode.py's root handler each of their
+    warnings was printed twice (a Hub retry as a bare line, then again timestamped). With a root
+    handler, their stream handlers are removed, so each line comes once, in the run's format."""
+    if not logging.getLogger().handlers:
+        return
+    for name in LIBRARY_LOGGERS:
+        library = logging.getLogger(name)
+        if library.propagate:
+            for handler in [h for h in library.handlers if type(h) is logging.StreamHandler]:
+                library.removeHandler(handler)
+
+
 def load_stream(cfg: DataConfig, split: str):
     """The `datasets.IterableDataset` for `split` ('train' or 'eval'), split across processes."""
     import datasets
     import jax
     from datasets.distributed import split_dataset_by_node
+
+    _log_through_the_run()
 
     files_key, files_value = files_setting(cfg, split)
     split_name = cfg.train_split if split == "train" else cfg.eval_split
