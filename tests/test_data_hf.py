@@ -291,6 +291,22 @@ def test_bad_inputs_name_the_key_and_the_path(tmp_path, sp_model, corpus):
             make_input(tiny_config(dataset_type="hf", **values).data, 96, 4)
 
 
+def test_the_tokenizer_is_checked_before_the_dataset_is_read(tmp_path, sp_model, monkeypatch):
+    """A missing tokenizer_path was named only after the dataset's first record: with a Hub name and
+    no network, that name failed first, after 40 s of retries, and the tokenizer only in the next run."""
+    import tessera.data.hf
+
+    def read(*args):
+        raise AssertionError("the dataset was read before the tokenizer was checked")
+
+    monkeypatch.setattr(tessera.data.hf, "load_stream", read)
+    for tok, message in ((str(tmp_path / "nope.model"), r"tokenizer_path=.*nope\.model.* does not exist"),
+                         (sp_model, r"vocab_size=64 is smaller than the 80 tokens of tokenizer_path")):
+        cfg = tiny_config(dataset_type="hf", hf_path="someone/some_dataset", tokenizer_path=tok, vocab_size=64)
+        with pytest.raises(ConfigError, match=message):
+            make_input(cfg.data, 64, 4)
+
+
 def test_an_hf_path_that_is_no_format_for_local_files_names_the_format(tmp_path, sp_model):
     """hf_path=jsonl for .jsonl files (First_run.md's corpus) was looked for on the Hugging Face Hub, and the
     error said only that; a missing folder stands in for it here (no network)."""

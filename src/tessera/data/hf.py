@@ -182,6 +182,9 @@ class HfData:
     def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
         self.cfg, self.split, self.length = cfg, split, cfg.max_target_length + 1
         self.rows = rows_per_process(global_batch, split)
+        self.tokenizer = None
+        if cfg.tokenizer_path:  # first: a missing tokenizer is named at once, not after a Hub dataset's retries
+            self.tokenizer = self._load_tokenizer(vocab_size)
         self.ds = load_stream(cfg, split)
         self.files_key, files_value = files_setting(cfg, split)
         self.files = expand_files(files_value, self.files_key) if cfg.hf_path in FILE_FORMATS else []
@@ -194,10 +197,8 @@ class HfData:
         self._check_columns(first)
         # the first record's values, checked before anything is compiled (text columns may need a tokenizer)
         first_values = column_values(first, self.columns, self.setting, vocab_size, tokenized=True)
-        self.tokenizer = None
-        if cfg.tokenizer_path or not all(isinstance(v, list) for v in first_values):
-            self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
-            check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
+        if self.tokenizer is None and not all(isinstance(v, list) for v in first_values):
+            self.tokenizer = self._load_tokenizer(vocab_size)  # text without tokenizer_path: its error says so
         self.vocab_size = vocab_size
         self.bos = [self.tokenizer.bos_id] if self.tokenizer and cfg.add_bos else []
         self.eos = [self.tokenizer.eos_id] if self.tokenizer and cfg.add_eos else []
@@ -210,6 +211,12 @@ class HfData:
         self.cursor = DocumentCursor(self._next_document, self._source_state,
                                      f"{self.setting}, train_data_columns={self.columns}",
                                      framing=len(self.bos) + len(self.eos))
+
+    def _load_tokenizer(self, vocab_size: int):
+        """tokenizer_path's tokenizer, checked against the model's vocabulary and add_bos / add_eos."""
+        tok = load_tokenizer(self.cfg.tokenizer_path, self.cfg.tokenizer_type)
+        check_tokenizer(tok, self.cfg.tokenizer_path, vocab_size, self.cfg.add_bos, self.cfg.add_eos)
+        return tok
 
     def _check_columns(self, first: dict) -> None:
         names = self.ds.column_names
