@@ -214,6 +214,33 @@ def test_a_circular_checkpoint_is_restacked_for_another_repeat_count():
     assert {k: a.shape for k, a in restacked(plain, other)[0]["layers"].items()} == {"w": (4, 6, 5), "v": (4, 10, 3)}
 
 
+@pytest.mark.parametrize("pipelined_side", ["saved", "restored"])
+def test_a_layout_change_to_or_from_a_pipeline_is_logged_as_it_is(pipelined_side, caplog):
+    """A pipeline stacks the blocks whatever scan_layers says: a pipelined run saved with
+    scan_layers=false and resumed without a pipeline was logged 'saved with scan_layers=true'.
+    The saved side is read from Orbax's metadata (its shardings), the restored one from the config's."""
+    from orbax.checkpoint._src.metadata.sharding import NamedShardingMetadata
+    from orbax.checkpoint._src.metadata.value import ArrayMetadata
+
+    from tessera.checkpointing.trees import restacked
+
+    def params(**keys):
+        return abstract_state(setup(tiny_config(base_num_decoder_layers=4, scan_layers=False, **keys)))["params"]
+
+    pipelined, looped = params(ici_pipeline_parallelism=2), params()
+    saved, wanted = (pipelined, looped) if pipelined_side == "saved" else (looped, pipelined)
+    as_saved = jax.tree.map(lambda s: ArrayMetadata(name="", directory=None, shape=s.shape, dtype=s.dtype,
+                                                    sharding=NamedShardingMetadata.from_jax_sharding(s.sharding)),
+                            saved)
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        target, _ = restacked({"params": as_saved}, {"params": wanted})
+    assert jax.tree.map(lambda s: s.shape, target) == {"params": jax.tree.map(lambda s: s.shape, saved)}
+    layouts = ("pipelined (the blocks stacked over the stages, whatever scan_layers)", "with scan_layers=false")
+    then, now = layouts if pipelined_side == "saved" else layouts[::-1]
+    assert f"checkpoint: saved {then}, restored {now}: the blocks' arrays are " in caplog.text
+    assert "scan_layers=true" not in caplog.text
+
+
 @pytest.mark.slow
 def test_fsdp_weights_are_gathered_once_per_step_with_pipeline_fsdp_ag_once():
     """2 stages x fsdp 4: without the key every fsdp-split weight is gathered inside the

@@ -73,14 +73,41 @@ def _rescanned(have: dict[str, Any], expected):
         return unchanged
     if {k for k in _flat(target)} - set(have):
         return unchanged
-    log.info("checkpoint: saved with scan_layers=%s, restored with scan_layers=%s: the blocks' arrays are %s",
-             str(saved_stacked).lower(), str(not saved_stacked).lower(),
+    log.info("checkpoint: saved %s, restored %s: the blocks' arrays are %s",
+             _stacking(saved_stacked, _pipelined(have)), _stacking(not saved_stacked, _pipelined(want)),
              "split per block" if saved_stacked else "stacked")
 
     def finish(restored):
         return _from_saved(expected, restored, saved_stacked)
 
     return target, finish
+
+
+def _stacking(stacked: bool, pipelined: bool) -> str:
+    """How a layout of the decoder's blocks came about, for the log: a pipeline stacks them whatever
+    scan_layers says (a pipelined run saved with scan_layers=false was logged as scan_layers=true)."""
+    if stacked and pipelined:
+        return "pipelined (the blocks stacked over the stages, whatever scan_layers)"
+    return f"with scan_layers={str(stacked).lower()}"
+
+
+def _pipelined(flat: dict[str, Any]) -> bool:
+    """Whether the decoder's stacked blocks of `flat` (arrays, ShapeDtypeStructs or Orbax metadata)
+    are split over a pipeline's stages: a `stage` mesh axis of more than one device in their sharding."""
+    for key, leaf in flat.items():
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is None or not {"layers", "dense_layers"} & set(key.split("/")):
+            continue
+        if isinstance(sharding, NamedSharding):
+            names, sizes, spec = sharding.mesh.axis_names, tuple(sharding.mesh.devices.shape), sharding.spec
+        elif hasattr(sharding, "axis_names") and hasattr(sharding, "partition_spec"):  # Orbax's saved metadata
+            names, sizes, spec = sharding.axis_names, tuple(sharding.shape), sharding.partition_spec
+        else:
+            continue
+        used = {a for entry in spec for a in (entry if isinstance(entry, (tuple, list)) else (entry,))}
+        if "stage" in used and "stage" in names and sizes[list(names).index("stage")] > 1:
+            return True
+    return False
 
 
 def _map_dicts(node, fn):
