@@ -305,6 +305,31 @@ def test_a_background_save_that_failed_is_reported_by_the_next_check(small_disk)
     ckpt.close()  # the error was reported once; closing does not raise it again
 
 
+@pytest.mark.parametrize("keep", [1, -1])
+def test_a_full_disk_says_what_a_checkpoint_takes_and_that_keeping_fewer_deletes_only_after_a_save(small_disk, keep):
+    """max_num_checkpoints_to_keep deletes the older checkpoints only once a new save is complete (the
+    newest complete one is never deleted first), so a disk that holds N of them fills up at the
+    N+1th save: the message said to free some space, not that N+1 must fit nor how much one takes."""
+    import jax
+    import jax.numpy as jnp
+    from conftest import tiny_config
+
+    from tessera.checkpointing import Checkpointer, CheckpointSaveError
+
+    cfg = tiny_config(async_checkpointing=False, max_num_checkpoints_to_keep=keep).checkpoint
+    ckpt = Checkpointer(cfg, str(small_disk / "ckpts"))
+    state = {"w": jax.random.normal(jax.random.key(0), (5 * 2**20,), jnp.float32)}  # 20 MiB: one fits, two do not
+    ckpt.save(1, state, {}, {})
+    with pytest.raises(CheckpointSaveError) as e:
+        ckpt.save(2, state, {}, {})
+    assert _steps(small_disk / "ckpts") == [1]
+    rule = ("max_num_checkpoints_to_keep=1 deletes older checkpoints only after a new one is complete, so the disk "
+            "needs room for 2 of them" if keep == 1 else "every checkpoint is kept (max_num_checkpoints_to_keep=-1)")
+    assert re.search(rf"run the same command again to resume\. Step 1 takes \d+\.\d MiB and {re.escape(rule)}$",
+                     str(e.value)), str(e.value)
+    ckpt.close()
+
+
 def _start_and_wait_for_steps(out: Path, *args, steps=3):
     proc = subprocess.Popen([*TRAIN, "run_name=sub", f"base_output_directory={out}", "per_device_batch_size=1",
                              "max_target_length=16", "base_num_decoder_layers=2", "steps=100000", *args],

@@ -180,15 +180,36 @@ class Checkpointer:
         last = self.manager.reload() or self.latest_step()
         code = e.errno if isinstance(e, OSError) and e.errno else re.search(r"os_error_code='(\d+)'", str(e))
         detail = " ".join(str(e).split())
-        detail = os.strerror(int(code if isinstance(code, int) else code[1])) if code else \
-            f"{type(e).__name__}: {detail[:300]}"
+        code = int(code if isinstance(code, int) else code[1]) if code else None
+        detail = os.strerror(code) if code else f"{type(e).__name__}: {detail[:300]}"
         return CheckpointSaveError(
             f"saving checkpoint step {step} to {self.directory} failed: {detail} (free space there: "
             f"{free_space(self.directory)}). "
             + (f"The partial save was moved to {moved[0]}. " if moved else "")
             + (f"The last complete checkpoint is step {last} ({self.step_path(last)}); " if last is not None
                else "No complete checkpoint was saved; ")
-            + "free some space (or fix the folder's permissions) and run the same command again to resume")
+            + "free some space (or fix the folder's permissions) and run the same command again to resume"
+            + (self._room_hint(last) if code == errno.ENOSPC else ""))
+
+    def _room_hint(self, last: int | None) -> str:
+        """For a save that found the disk full: what a checkpoint takes, that max_num_checkpoints_to_keep
+        deletes older ones only after a new save is complete (so a full disk is not emptied by it: the
+        newest complete checkpoint is never deleted before the next one is), and the older steps to delete."""
+        steps = sorted(s for s in self.manager.all_steps() if last is not None and s <= last)
+        if not steps or not checksums.is_local(self.directory):
+            return ""
+        try:
+            size = {s: _folder_bytes(self.step_path(s)) for s in steps}
+        except OSError:
+            return ""
+        keep = self.cfg.max_num_checkpoints_to_keep
+        rule = (f"max_num_checkpoints_to_keep={keep} deletes older checkpoints only after a new one is complete, so "
+                f"the disk needs room for {keep + 1} of them" if keep >= 1 else
+                "every checkpoint is kept (max_num_checkpoints_to_keep=-1)")
+        older = steps[:-1]
+        delete = (f"; steps {', '.join(map(str, older))} ({_mib(sum(size[s] for s in older))}) are older than step "
+                  f"{last} and may be deleted to make room" if older else "")
+        return f". Step {last} takes {_mib(size[last])} and {rule}{delete}"
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
         """(state, data_state) of `step`, placed with the shardings in `abstract_state`."""
@@ -230,6 +251,11 @@ class Checkpointer:
         earlier = [s for s in self.manager.all_steps() if s < step]
         then = f"to resume from step {max(earlier)}" if earlier else "to start this run from step 0"
         return CheckpointError(f"checkpoint {path} {what}. Move it away (e.g. mv {path} {path}.damaged) {then}")
+
+
+def _folder_bytes(folder: epath.Path) -> int:
+    """The bytes of the files under a local `folder`."""
+    return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(folder) for n in names)
 
 
 def _mib(nbytes: int) -> str:
