@@ -671,6 +671,34 @@ def test_load_paths_verify_the_checksums(tmp_path, caplog):
     assert f"{step / 'state'} has no checksum list ({MANIFEST}): read without verifying its files" in caplog.text
 
 
+@pytest.mark.parametrize("saved_with", ["checksums", "no checksums", "a bucket", "no config"])
+def test_a_missing_checksum_list_is_a_warning_when_the_run_that_saved_it_recorded_one(tmp_path, caplog, saved_with):
+    """A step whose config says it was saved with checkpoint_checksums=true into a local folder had a list:
+    without it (deleted, or the process ended between a sync save and its list) its files were read
+    unverified after an INFO line, as for checkpoints that never had one."""
+    from tessera.checkpointing.checksums import MANIFEST, check
+
+    step = tmp_path / "checkpoints" / "3"
+    (step / "config").mkdir(parents=True)
+    (step / "state").mkdir()
+    saved = {"checksums": dict(checkpoint_checksums=True, checkpoint_dir="", base_output_directory=str(tmp_path)),
+             "no checksums": dict(checkpoint_checksums=False, checkpoint_dir="", base_output_directory=str(tmp_path)),
+             "a bucket": dict(checkpoint_checksums=True, checkpoint_dir="gs://b/c", base_output_directory=str(tmp_path)),
+             "no config": None}[saved_with]
+    if saved is not None:
+        (step / "config" / "metadata").write_text(json.dumps(saved))
+    for target in (step, step / "state"):  # a resume, a load path
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="tessera"):
+            assert check(target) is None
+        [record] = [r for r in caplog.records if "checksum list" in r.getMessage()]
+        assert record.getMessage().startswith(f"{target} has no checksum list ({MANIFEST}): read without verifying "
+                                              "its files")
+        expected = saved_with == "checksums"
+        assert (record.levelno == logging.WARNING) == expected
+        assert ("though the run that saved it recorded one (checkpoint_checksums=true)" in record.getMessage()) == expected
+
+
 def test_a_slow_checksum_list_says_what_it_cost(tmp_path, monkeypatch, caplog):
     from tessera.checkpointing import checksums
 

@@ -15,7 +15,8 @@ read of that checkpoint first compares the files with it.
   checkpoint back from a bucket would cost as much as writing it, and Cloud Storage checks each
   object's CRC32C itself on upload and download.
 - A checkpoint without the list (saved before Tessera wrote one, with checkpoint_checksums=false,
-  or to a bucket) is read unverified, with one log line saying so.
+  or to a bucket) is read unverified, with one log line saying so: a warning when the config saved
+  with a step says its run recorded a list.
 
 In a multi-process job each process lists the files it wrote itself (Orbax's OCDBT format puts
 them under `ocdbt.process_<i>/`), once they are complete and before the save's processes meet
@@ -149,10 +150,29 @@ def check(target) -> str | None:
     it is read unverified, with a log line. Collective in a multi-process job (`problem`)."""
     found = _find(target)
     if found is None:
-        if is_local(target):
+        if is_local(target) and _saved_with_list(Path(target)):
+            log.warning("%s has no checksum list (%s): read without verifying its files, though the run that saved "
+                        "it recorded one (checkpoint_checksums=true); the list was removed, or the process ended "
+                        "between a synchronous save and its list", target, MANIFEST)
+        elif is_local(target):
             log.info("%s has no checksum list (%s): read without verifying its files", target, MANIFEST)
         return None
     return problem(*found)
+
+
+def _saved_with_list(target: Path) -> bool:
+    """Whether the training run that saved step folder (or its item) `target` recorded checksums, as the
+    config saved with it says: checkpoint_checksums on, its checkpoints in a local folder."""
+    from tessera.checkpointing.storage import CONFIG_FILE
+
+    folder = target.parent if target.name == "state" else target
+    try:
+        saved = json.loads((folder / "config" / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(saved, dict) or saved.get("checkpoint_checksums") is not True:
+        return False
+    return is_local(saved.get("checkpoint_dir") or saved.get("base_output_directory") or "")
 
 
 def _find(item) -> tuple[Path, str] | None:
