@@ -699,6 +699,21 @@ def test_a_missing_checksum_list_is_a_warning_when_the_run_that_saved_it_recorde
         assert ("though the run that saved it recorded one (checkpoint_checksums=true)" in record.getMessage()) == expected
 
 
+def test_a_resume_from_a_step_without_its_config_says_its_settings_are_not_compared(tmp_path, caplog):
+    """With checkpoint_checksums=false a step whose config item was deleted or damaged resumed without a
+    word, and so without naming the settings changed since (here the learning-rate schedule's length)."""
+    keys = dict(checkpoint_checksums=False, learning_rate_schedule_steps=2)
+    run(tiny_config(tmp_path, steps=1, **keys))
+    folder = tmp_path / "test" / "checkpoints" / "1"
+    (folder / "config" / "metadata").write_text("{damaged")
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        report = run(tiny_config(tmp_path, steps=2, **{**keys, "learning_rate_schedule_steps": 4}))
+    assert report["start_step"] == 1
+    assert (f"checkpoint {folder} keeps no readable config (config/metadata): the settings step 1 was saved with are "
+            "not compared with this run's") in caplog.text
+    assert "settings changed since" not in caplog.text
+
+
 def test_a_slow_checksum_list_says_what_it_cost(tmp_path, monkeypatch, caplog):
     from tessera.checkpointing import checksums
 

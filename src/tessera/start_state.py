@@ -22,6 +22,7 @@ import optax
 
 from tessera.checkpointing import (Checkpointer, load_full_state, load_parameters, mismatch_explained,
                                    quantized_explained, saved_config, warn_model_changes)
+from tessera.checkpointing.storage import CONFIG_FILE
 from tessera.config import CheckpointConfig, Config, ConfigError, ModelConfig, OptimConfig, flat_dict
 from tessera.data import restore_state
 from tessera.optim import learning_rate_schedule, schedule_step
@@ -63,6 +64,10 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         if saved:
             log_changes_since_save(saved, config, trainer.schedule, latest, folder, applied_updates(state))
             _warn_global_batch_change(saved, config, trainer.plan.global_batch, trainer.plan.num_devices, latest)
+        else:  # its config item deleted or damaged (with checkpoint_checksums=false; else the checksums refuse it)
+            log.warning("checkpoint %s keeps no readable config (config/%s): the settings step %d was saved with are "
+                        "not compared with this run's (a changed learning-rate schedule, training data or global "
+                        "batch is not named)", folder, CONFIG_FILE, latest)
         warn_model_changes(folder, model_keys)  # e.g. another rope base: the shapes fit, the model is another
         return state
     if cfg.load_full_state_path:
