@@ -170,6 +170,23 @@ def test_load_parameters_only(tmp_path, caplog):
     assert "scan_layers" not in str(e.value)
 
 
+def test_a_checkpoint_of_another_depth_in_the_other_layout_names_both_block_counts():
+    """2 blocks saved one entry per block, 3 expected stacked: the report's last line said 'set
+    scan_layers=false', after which the load mismatched again (2 layers against 3); scan_layers may
+    change at any load now, so the line names the two depths."""
+    from tessera.checkpointing.trees import raise_on_mismatch, restacked
+
+    single = abstract_state(setup(tiny_config(base_num_decoder_layers=2, scan_layers=False)))["params"]
+    stacked = abstract_state(setup(tiny_config(base_num_decoder_layers=3)))["params"]
+    target, _ = restacked({"params": single}, {"params": stacked})
+    with pytest.raises(CheckpointError) as e:
+        raise_on_mismatch("ckpt", {"params": single}, target)
+    assert ("\nThe checkpoint holds decoder blocks 2, one entry per block (scan_layers=false); this config has 3, "
+            "stacked (scan_layers=true or a pipeline): scan_layers may change at a load, the number of layers may "
+            "not.\nUse the model settings") in str(e.value)
+    assert "set scan_layers" not in str(e.value)
+
+
 def test_restored_arrays_are_donated_in_place(tmp_path):
     """A restored array's buffer must be one the runtime owns: on CPU, Orbax left large arrays in
     the host buffers they were read into, which a donating step could not write over (13 of the

@@ -341,13 +341,35 @@ _ONE_LAYER = re.compile(r"(^|/)layers_\d+/")
 _STACKED = re.compile(r"(^|/)layers/")
 
 
+def _block_count(flat: dict[str, Any]) -> int | None:
+    """The decoder blocks (`layers`) whose parameters `flat` holds: the leading axis of the stacked arrays
+    (both leading axes of a circular pipeline's [R, L/R]), or the number of `layers_i` entries."""
+    params = {k: v for k, v in flat.items() if k.startswith("params/")} or flat
+    single = {int(m[1]) for k in params if (m := re.search(r"(?:^|/)layers_(\d+)/", k))}
+    if single:
+        return max(single) + 1
+    lead = _circular_lead(params)
+    stacked = [a.shape[0] for k, a in params.items() if _STACKED.search(k) and len(a.shape)]
+    return math.prod(lead) if lead is not None else (stacked[0] if stacked else None)
+
+
 def _layer_layout_hint(have: dict, want: dict) -> str:
-    """A line naming scan_layers when the checkpoint holds the decoder's layers stacked ([layers, ...]
-    arrays under `layers`) and the config expects one entry per layer (`layers_0`, ...), or the reverse."""
+    """A line for a checkpoint that holds the decoder's blocks in the other layout (stacked [layers, ...]
+    arrays under `layers`, or one entry per block, `layers_0`, ...): with another number of them it names
+    both counts (scan_layers may change at a load, `_rescanned`, the depth may not; the line said to set
+    scan_layers, which then mismatched again), else it names the scan_layers that reads it as it is."""
     def layout(keys):
         return (any(_STACKED.search(k) for k in keys), any(_ONE_LAYER.search(k) for k in keys))
 
+    def described(stacked: bool, count: int | None) -> str:
+        return f"{count}, " + ("stacked (scan_layers=true or a pipeline)" if stacked else
+                               "one entry per block (scan_layers=false)")
+
     (saved_stacked, saved_single), (want_stacked, want_single) = layout(have), layout(want)
+    saved, wanted = _block_count(have), _block_count(want)
+    if saved_stacked != want_stacked and saved_single != want_single and saved != wanted:
+        return (f"The checkpoint holds decoder blocks {described(saved_stacked, saved)}; this config has "
+                f"{described(want_stacked, wanted)}: scan_layers may change at a load, the number of layers may not.\n")
     if saved_stacked and want_single and not saved_single and not want_stacked:
         return "The checkpoint holds its layers stacked (saved with scan_layers=true): set scan_layers=true.\n"
     if saved_single and want_stacked and not saved_stacked and not want_single:
