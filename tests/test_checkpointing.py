@@ -170,7 +170,7 @@ def test_load_parameters_only(tmp_path, caplog):
     assert "scan_layers" not in str(e.value)
 
 
-def test_a_checkpoint_of_another_depth_in_the_other_layout_names_both_block_counts():
+def test_a_checkpoint_of_another_depth_in_the_other_layout_names_both_block_counts(caplog):
     """2 blocks saved one entry per block, 3 expected stacked: the report's last line said 'set
     scan_layers=false', after which the load mismatched again (2 layers against 3); scan_layers may
     change at any load now, so the line names the two depths."""
@@ -185,6 +185,13 @@ def test_a_checkpoint_of_another_depth_in_the_other_layout_names_both_block_coun
             "stacked (scan_layers=true or a pipeline): scan_layers may change at a load, the number of layers may "
             "not.\nUse the model settings") in str(e.value)
     assert "set scan_layers" not in str(e.value)
+    # 2 stacked, 3 expected one entry each: compared stacked; no line says the blocks are split before the refusal
+    stacked, single = (abstract_state(setup(tiny_config(base_num_decoder_layers=n, scan_layers=n == 2)))["params"]
+                       for n in (2, 3))
+    with caplog.at_level(logging.INFO, logger="tessera"), pytest.raises(CheckpointError, match=re.escape(
+            "params/layers/mlp/wi_0: checkpoint has shape (2, 24, 40), this config expects (3, 24, 40)")):
+        raise_on_mismatch("ckpt", {"params": stacked}, restacked({"params": stacked}, {"params": single})[0])
+    assert "split per block" not in caplog.text
 
 
 def test_restored_arrays_are_donated_in_place(tmp_path):

@@ -73,9 +73,10 @@ def _rescanned(have: dict[str, Any], expected):
         return unchanged
     if {k for k in _flat(target)} - set(have):
         return unchanged
-    log.info("checkpoint: saved %s, restored %s: the blocks' arrays are %s",
-             _stacking(saved_stacked, _pipelined(have)), _stacking(not saved_stacked, _pipelined(want)),
-             "split per block" if saved_stacked else "stacked")
+    if _block_count(have) == _block_count(want):  # another depth is refused (the mismatch, in the saved layout)
+        log.info("checkpoint: saved %s, restored %s: the blocks' arrays are %s",
+                 _stacking(saved_stacked, _pipelined(have)), _stacking(not saved_stacked, _pipelined(want)),
+                 "split per block" if saved_stacked else "stacked")
 
     def finish(restored):
         return _from_saved(expected, restored, saved_stacked)
