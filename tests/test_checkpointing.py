@@ -738,6 +738,19 @@ def test_a_resume_from_a_step_without_its_config_says_its_settings_are_not_compa
     assert "settings changed since" not in caplog.text
 
 
+def test_an_unreadable_checksum_list_says_that_deleting_it_reads_the_files_unverified(tmp_path):
+    """A damaged list was refused with only 'move the step away', which gives up a step whose arrays may be
+    intact; deleting the list (what a missing list means: read unverified, with a line) is the other way."""
+    from tessera.checkpointing.checksums import MANIFEST, check
+
+    (tmp_path / "state").mkdir()
+    (tmp_path / MANIFEST).write_text('{"format": 1, "files": {')
+    why = check(tmp_path)
+    assert why.startswith(f"its checksum list {MANIFEST} cannot be read (JSONDecodeError: ")
+    assert why.endswith(f"); if the list alone is damaged, deleting it ({tmp_path / MANIFEST}) reads the files "
+                        "without verifying them")
+
+
 def test_a_slow_checksum_list_says_what_it_cost(tmp_path, monkeypatch, caplog):
     from tessera.checkpointing import checksums
 

@@ -201,7 +201,8 @@ def problem(folder, prefix: str = "") -> str | None:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        return f"its checksum list {MANIFEST} cannot be read ({type(e).__name__}: {str(e)[:200]})"
+        return (f"its checksum list {MANIFEST} cannot be read ({type(e).__name__}: {str(e)[:200]}); if the list alone "
+                f"is damaged, deleting it ({folder / MANIFEST}) reads the files without verifying them")
     names = sorted(entries)
     n, i = jax.process_count(), jax.process_index()
     start = time.perf_counter()
