@@ -330,6 +330,28 @@ def test_a_full_disk_says_what_a_checkpoint_takes_and_that_keeping_fewer_deletes
     ckpt.close()
 
 
+def test_a_full_disk_names_the_older_checkpoints_that_may_be_deleted(small_disk):
+    """Every checkpoint kept (the default): the disk fills up at some save, and the message names the
+    steps before the last complete one, which the user may delete to make room."""
+    import jax
+    import jax.numpy as jnp
+    from conftest import tiny_config
+
+    from tessera.checkpointing import Checkpointer, CheckpointSaveError
+
+    ckpt = Checkpointer(tiny_config(async_checkpointing=False).checkpoint, str(small_disk / "ckpts"))
+    state = {"w": jax.random.normal(jax.random.key(0), (12 * 2**18,), jnp.float32)}  # 12 MiB: 2 fit, 3 do not
+    with pytest.raises(CheckpointSaveError) as e:
+        for step in range(1, 10):
+            ckpt.save(step, state, {}, {})
+    last = _steps(small_disk / "ckpts")[-1]
+    assert last >= 2
+    older = (f"steps {', '.join(map(str, range(1, last)))}", "are") if last > 2 else ("step 1", "is")
+    assert re.search(rf"every checkpoint is kept \(max_num_checkpoints_to_keep=-1\); {older[0]} \(\d+\.\d MiB\) "
+                     rf"{older[1]} older than step {last} and may be deleted to make room$", str(e.value)), str(e.value)
+    ckpt.close()
+
+
 def _start_and_wait_for_steps(out: Path, *args, steps=3):
     proc = subprocess.Popen([*TRAIN, "run_name=sub", f"base_output_directory={out}", "per_device_batch_size=1",
                              "max_target_length=16", "base_num_decoder_layers=2", "steps=100000", *args],

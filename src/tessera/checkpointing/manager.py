@@ -207,8 +207,9 @@ class Checkpointer:
                 f"the disk needs room for {keep + 1} of them" if keep >= 1 else
                 "every checkpoint is kept (max_num_checkpoints_to_keep=-1)")
         older = steps[:-1]
-        delete = (f"; steps {', '.join(map(str, older))} ({_mib(sum(size[s] for s in older))}) are older than step "
-                  f"{last} and may be deleted to make room" if older else "")
+        delete = (f"; step{'s' * (len(older) > 1)} {', '.join(map(str, older))} ({_mib(sum(size[s] for s in older))}) "
+                  f"{'are' if len(older) > 1 else 'is'} older than step {last} and may be deleted to make room"
+                  if older else "")
         return f". Step {last} takes {_mib(size[last])} and {rule}{delete}"
 
     def restore(self, step: int, abstract_state) -> tuple[Any, dict]:
