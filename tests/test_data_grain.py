@@ -89,6 +89,37 @@ def test_worker_processes_give_the_same_batches(tmp_path, sp_model):  # noqa: F8
     np.testing.assert_array_equal(np.stack(got), np.stack(want))
 
 
+def test_evaluations_reading_the_eval_stream_whole_keep_its_workers(tmp_path, sp_model, monkeypatch):  # noqa: F811
+    """Each evaluation sets the eval stream back to its start; one that read it to its end (eval_steps=-1, or fewer
+    batches than eval_steps) stopped Grain's workers there, so that every evaluation started them again (2 more
+    worker processes per evaluation, seconds each). They now start once, give the same batches as reading in this
+    process, and stop with stop_workers."""
+    import multiprocessing
+
+    import grain._src.python.dataset.transformations.process_prefetch as prefetch
+
+    starts = []
+    start_prefetch = prefetch.ProcessPrefetchDatasetIterator.start_prefetch
+
+    def counted(it):
+        starts.append(it._prefetch_process is None)
+        start_prefetch(it)
+
+    monkeypatch.setattr(prefetch.ProcessPrefetchDatasetIterator, "start_prefetch", counted)
+    files = write_records(tmp_path, make_docs(12))
+    plain = make_input(grain_config("", sp_model, grain_eval_files=files).data, 96, 4, split="eval")
+    want = [b["tokens"] for b in plain]
+    data = make_input(grain_config("", sp_model, grain_eval_files=files, grain_worker_count=2).data, 96, 4,
+                      split="eval")
+    start = data.get_state()
+    for _ in range(3):  # as Evaluator.run: back to the start, then every batch
+        data.set_state(start)
+        np.testing.assert_array_equal(np.stack([b["tokens"] for b in data]), np.stack(want))
+    assert sum(starts) == 2  # once per worker
+    data.stop_workers()
+    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
 def test_a_resume_may_change_grain_worker_count(tmp_path, sp_model):  # noqa: F811
     """The position saved with one grain_worker_count (here past an epoch: 5 records, 10 batches of 4
     rows) continues exactly with another, both ways (it raised a KeyError)."""

@@ -345,6 +345,8 @@ class GrainData:
                 flags.FLAGS.mark_as_parsed()
             iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.grain_worker_count))
         self._it = iter(iter_ds)
+        # the eval stream ends at every evaluation that reads it whole: its workers are kept for the next one
+        self._workers_kept = cfg.grain_worker_count if split == "train" else 0
         self.cursor = DocumentCursor(lambda: next(self._it), self._it.get_state, described,
                                      whole_pass if split == "train" else 0, len(tokenize.bos) + len(tokenize.eos))
 
@@ -352,7 +354,11 @@ class GrainData:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return next_batch(self.cursor, self.rows, self.length, self.cfg.packing)
+        try:
+            return next_batch(self.cursor, self.rows, self.length, self.cfg.packing)
+        finally:
+            if self._workers_kept < self.cfg.grain_worker_count:  # the workers' iterators start with the first reads
+                self._workers_kept = _keep_workers_at_end(self._it)
 
     def get_state(self) -> dict:
         return {"type": self.cfg.dataset_type, **self.cursor.get_state()}
@@ -370,7 +376,42 @@ class GrainData:
         """Stop the worker processes (grain_worker_count): left to the interpreter's exit, a resumed
         iterator's clean-up printed tracebacks after the run had ended. (Not `close`: `yield from`
         calls a `close` when the generator around it is left, as each evaluation leaves its batches.)"""
+        for ended in _ended_iterators(self._it):  # kept by _keep_workers_at_end: Grain's close leaves them running
+            ended.close()
         self._it.close()
+
+
+def _iterator_tree(it) -> list:
+    """`it` and the Grain iterators it reads from (an interleave's current and ended shard iterators included)."""
+    found, todo = [], [it]
+    while todo:
+        node = todo.pop()
+        found.append(node)
+        todo += getattr(node, "_parents", [])
+        todo += [n for n in getattr(node, "_iterators_in_use", []) if n is not None]
+        todo += _ended_iterators(node)
+    return found
+
+
+def _ended_iterators(node) -> list:
+    """An interleave's shard iterators that reached their end and were kept for a `set_state` back."""
+    return [kept[1] for kept in getattr(node, "_exhausted_iterators", []) if kept is not None]
+
+
+def _keep_workers_at_end(it) -> int:
+    """Keep the worker processes (grain_worker_count) of the iterator `it` running when the eval
+    stream ends: Grain stops a worker at the end of its shard, and the next evaluation's
+    `set_state` back to the start started every worker again (as Grain's `repeat` does, the
+    interleave keeps its ended shards for a set_state back, and each shard its process). Returns
+    the number of worker iterators found so far (they are made as the first records are read)."""
+    workers = 0
+    for node in _iterator_tree(it):
+        if hasattr(node, "set_keep_iterators_after_stop_iteration"):
+            node.set_keep_iterators_after_stop_iteration(True)
+        if hasattr(node, "set_keep_workers_after_stop_iteration"):
+            node.set_keep_workers_after_stop_iteration(True)
+            workers += 1
+    return workers
 
 
 def _workers_in(state: dict) -> int | None:
