@@ -573,6 +573,31 @@ def test_the_gradient_norm_of_bfloat16_weights_is_taken_in_float32(mean_in_updat
     np.testing.assert_allclose(float(stats["grad_norm"]), want, rtol=2e-5)
 
 
+def test_a_huge_finite_gradient_norm_is_finite_on_cpu(monkeypatch):
+    """On CPU the step takes the norm of the gradients' token sums and then x 1/count: their squares overflowed
+    float32 count times sooner than the mean's, so that a mean gradient of norm 1e19 (its squares 1e38, below
+    float32's 3.4e38) reported grad_norm inf, and the step was taken for a non-finite one (its update skipped, the
+    run stopped with exit 3). The norm is that of the mean, as on other platforms, and the clipped update is made."""
+    from tessera import step as step_module
+
+    summed = step_module.summed_gradients
+
+    def huge(*args):
+        grads, loss_sum, count, auxes = summed(*args)
+        factor = 1e19 / step_module.gradient_norm(grads, 1.0 / count)  # a mean gradient of norm 1e19
+        return jax.tree.map(lambda g: g * factor, grads), loss_sum, count, auxes
+
+    monkeypatch.setattr(step_module, "summed_gradients", huge)
+    assert step_module.gradient_mean_in_update(jax.devices()[0].platform)
+    _, trainer, state, batch = _one_step_inputs(gradient_clipping_threshold=1.0)
+    before = jax.tree.map(np.asarray, state["params"])
+    new_state, stats = jax.jit(step_module.make_train_step(trainer, 0))(state, batch)
+    assert bool(stats["finite"]) and float(stats["tokens"]) >= 4  # the sums' norm: >= 4e19, its square past 3.4e38
+    np.testing.assert_allclose(float(stats["grad_norm"]), 1e19, rtol=1e-4)
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new_state["params"]))]
+    assert any(moved)
+
+
 @pytest.mark.parametrize("clip", [0.0, 2.0])  # no clipping; clipped (the first gradient norm is about 10)
 @pytest.mark.slow
 def test_train_step_equals_the_textbook_update(clip):
