@@ -286,6 +286,29 @@ def test_the_learning_rate_reported_after_a_skipped_step_is_the_one_applied():
     assert int(skipped["step"]) == 3
 
 
+def test_a_batch_without_targets_makes_no_update():
+    """A batch with no target token (all padding here) has loss 0 and gradient 0, and AdamW still stepped on it: its
+    weight decay (and any momentum) moved the weights, and the schedule advanced. The step now leaves parameters and
+    optimizer state as they were, reports 0 tokens, and the metrics record says "no_targets"."""
+    import jax.numpy as jnp
+
+    from tessera.loop_records import StepMeter
+    from tessera.step import make_train_step
+
+    trainer = setup(tiny_config(adam_weight_decay=0.1), jax.devices()[:1])
+    b, t = trainer.plan.global_batch, trainer.plan.max_target_length + 1
+    empty = {"tokens": jnp.zeros((b, t), jnp.int32), "segment_ids": jnp.zeros((b, t), jnp.int32),
+             "positions": jnp.zeros((b, t), jnp.int32)}
+    state = create_state(trainer, 0)
+    before = jax.tree.map(np.asarray, state)
+    after, stats = jax.jit(make_train_step(trainer, 0))(state, empty)
+    jax.tree.map(np.testing.assert_array_equal, after["params"], before["params"])
+    jax.tree.map(np.testing.assert_array_equal, after["opt_state"], before["opt_state"])
+    assert float(stats["tokens"]) == 0 and bool(stats["finite"])
+    assert int(after["step"]) == 1
+    assert StepMeter(trainer).record(1, jax.device_get(stats))["no_targets"] is True
+
+
 def test_bfloat16_gradients_of_microbatches_add_up_in_float32():
     """gradient_accumulation_steps with weight_dtype=bfloat16: the microbatches' gradients were summed in
     bfloat16 (8 bits, one rounding per addition); the scan's running sums are float32, the result is

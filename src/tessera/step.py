@@ -258,8 +258,8 @@ def make_train_step(trainer: Trainer, seed: int):
         key = jax.random.fold_in(prng_key(seed + 1), state["step"]) if use_dropout else None
         mtp_counts, mtp_scale = mtp_step_counts(batch["segment_ids"], mtp_depths) if mtp_depths else (None, None)
         grad_fn = jax.grad(lambda p, b, k: summed_loss(p, b, k, mtp_scale), has_aux=True)
-        grads, loss_sum, count, auxes = summed_gradients(grad_fn, params, batch, key, accum)
-        count = jnp.maximum(count, 1.0)
+        grads, loss_sum, targets, auxes = summed_gradients(grad_fn, params, batch, key, accum)
+        count = jnp.maximum(targets, 1.0)
         if mtp_depths:  # the logged multi-token-prediction loss: of the whole step, not a mean of micro-batches'
             auxes["mtp_loss"] = jnp.mean(auxes.pop(MTP_SUMS) / jnp.maximum(mtp_counts, 1.0))
         loads = auxes.pop(PER_LAYER_LOAD, None)  # MoE expert loads per layer (routed_bias)
@@ -278,6 +278,9 @@ def make_train_step(trainer: Trainer, seed: int):
         # a NaN never reaches the state (or a checkpoint); the host decides to stop or go on.
         # The update runs under a cond: no second pass over the state to select old or new.
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        # A batch without a target token (all padding, documents of one token) has nothing to learn from, and its
+        # zero gradient would still move the weights (AdamW's momentum and weight decay): no update either.
+        learns = finite & (targets > 0)
 
         def update(operands):
             p, opt = operands
@@ -288,10 +291,10 @@ def make_train_step(trainer: Trainer, seed: int):
                 p = update_routed_bias(p, loads, bias_rate, mtp_loads)
             return p, opt
 
-        new_params, new_opt = jax.lax.cond(finite, update, lambda operands: operands, (params, state["opt_state"]))
+        new_params, new_opt = jax.lax.cond(learns, update, lambda operands: operands, (params, state["opt_state"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
         rate = schedule(schedule_step(state["opt_state"]))  # the update's (skipped steps do not advance it)
-        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": rate, "tokens": count,
+        stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": rate, "tokens": targets,
                  "finite": finite, **jax.tree.map(jnp.mean, auxes)}
         if loads is not None:  # how far the most loaded expert is above its fair share (1: balanced), layer mean
             stats["moe_max_expert_load"] = jnp.mean(jnp.max(loads, axis=-1))

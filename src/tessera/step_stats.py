@@ -57,6 +57,9 @@ class StatsReader:
                                             "(profiler=xplane, fewer profiler_steps write less)", 0.0):
                     self.profiler.after_step(step)
                 self.meter.restart_clock()  # its time is not the next step's
+            if float(stats.get("tokens", 1)) == 0:
+                log.warning("step %d: its batch holds no target token (every row padding, or documents of one token): "
+                            "no update (loss and gradient norm 0 mean nothing here)", step)
             finite = bool(stats["finite"])
             self.skipped_since = None if finite else self.skipped_since or step
             check_finite(self.cfg, step, stats, self.ckpt, self.skipped_since)
