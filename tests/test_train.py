@@ -969,7 +969,7 @@ def test_a_resume_on_fewer_devices_warns_that_the_global_batch_changed(tmp_path,
     run(tiny_config(tmp_path, steps=2))
     with caplog.at_level("INFO", logger="tessera"):
         run(tiny_config(tmp_path, steps=3), jax.devices()[:1])
-    assert ("the global batch changes at this resume: 1 sequences per step now (per_device_batch_size=1 x 1 devices), "
+    assert ("the global batch changes at this resume: 1 sequence per step now (per_device_batch_size=1 x 1 device), "
             "8 when step 2 was saved; the learning rate and the other optimizer settings were chosen for that batch. "
             "To train on with it, set per_device_batch_size=8") in caplog.text
     caplog.clear()

@@ -196,10 +196,11 @@ def _warn_global_batch_change(saved: Mapping[str, Any], config: Config, global_b
     if not isinstance(then, int) or then == global_batch or \
             saved.get("per_device_batch_size") != config.data.per_device_batch_size:
         return
-    log.warning("the global batch changes %s: %d sequences per step now (per_device_batch_size=%g x %d devices), "
+    log.warning("the global batch changes %s: %d sequence%s per step now (per_device_batch_size=%g x %d device%s), "
                 "%d when step %d was saved; the learning rate and the other optimizer settings were chosen for "
                 "that batch. To train on with it, set per_device_batch_size=%g", where, global_batch,
-                config.data.per_device_batch_size, devices, then, step, then / devices)
+                "" if global_batch == 1 else "s", config.data.per_device_batch_size, devices,
+                "" if devices == 1 else "s", then, step, then / devices)
 
 
 SAVED_GLOBAL_BATCH = "global_batch"  # not a config key: the sequences per step of the run that saved a checkpoint
