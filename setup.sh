@@ -24,6 +24,7 @@
 #                       through TESSERA_HF_PYTHON=$HF_VENV/bin/python)
 #   TORCH_INDEX_URL=url with HF_REFERENCE=1: install torch from this index (a CPU wheel index
 #                       avoids a multi-GB CUDA build)
+[ -n "$BASH_VERSION" ] || exec bash "$0" "$@"   # `sh setup.sh` starts a POSIX shell: run under bash
 set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")"
@@ -33,7 +34,7 @@ for arg in "$@"; do
   case "$arg" in
     DEVICE=*|MODE=*|VENV=*|PYTHON=*|HF_REFERENCE=*|HF_VENV=*|TORCH_INDEX_URL=*) export "$arg" ;;
     lock) COMMAND=lock ;;
-    -h|--help) sed -n '2,/^set -euo/p' "$(basename "${BASH_SOURCE[0]}")" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,/^[^#]/p' "$(basename "${BASH_SOURCE[0]}")" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (expected DEVICE=cpu|gpu|tpu, MODE=locked|latest, VENV=dir, PYTHON=path, HF_REFERENCE=0|1, HF_VENV=dir, TORCH_INDEX_URL=url, or 'lock'; see bash setup.sh --help)" >&2; exit 2 ;;
   esac
 done

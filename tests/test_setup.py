@@ -298,3 +298,15 @@ def test_every_documented_setup_command_is_accepted_and_does_what_it_says(tmp_pa
             assert f"install -q --upgrade -r requirements{'' if device == 'cpu' else '-' + device}.txt" in log
         assert (venv / "tessera-setup.txt").read_text() == f"DEVICE={device}\nMODE={mode}\n"
         assert (hf_venv / "pip.log").exists() == (settings.get("HF_REFERENCE") == "1")
+
+
+def test_started_with_sh_it_runs_under_bash(tmp_path):
+    """`sh setup.sh` stopped at once under dash with "set: Illegal option -o pipefail" (exit 2)."""
+    proc = subprocess.run(["sh", str(REPO / "setup.sh"), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "MODE=locked|latest" in proc.stdout and proc.stderr == "", proc.stderr
+    assert "BASH_VERSION" not in proc.stdout  # the help ends with the settings
+    py = stub_python(tmp_path / "py", "3.12")
+    proc = subprocess.run(["sh", str(REPO / "setup.sh"), f"PYTHON={py}", f"VENV={tmp_path / 'venv'}"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "install -q -r locks/cpu.txt" in (tmp_path / "venv" / "pip.log").read_text()
