@@ -13,8 +13,8 @@ Steps, all through `gcloud`:
 4. delete the queued resource (also on failure, timeout, Ctrl-C, SIGTERM or SIGHUP) and exit 1 if
    any worker failed, naming it. `--CQR_EXTRA_ARGS` is appended to the create command (e.g. `--network=mtu9k`).
 
---COMMAND is checked with `bash -n` first: one that bash cannot parse (an unclosed quote, most
-<placeholder>s left in) is refused before anything is uploaded; every worker would fail to start it.
+--COMMAND is checked first: one that bash cannot parse (`bash -n`: an unclosed quote) or that still holds a
+<placeholder> (gs://<bucket>/runs) is refused before anything is uploaded; every worker would fail on it.
 A run folder that already holds status/ or logs/ (an earlier run with the same --RUN_NAME) is
 refused before anything is uploaded or created: its old exit codes would be counted as this run's.
 While waiting for the workers the queued resource is described every poll: if it leaves ACTIVE
@@ -39,7 +39,6 @@ import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
-from tessera.tpu_vm import GcloudError, describe_slice, gcloud, out, pack_code, scope_flags  # noqa: E402
+from tessera.tpu_vm import (GcloudError, command_problem, describe_slice, gcloud, out, pack_code,  # noqa: E402
+                            scope_flags)
 
 FAILED_STATES = {"FAILED", "SUSPENDED", "SUSPENDING"}
 # once ACTIVE, these mean the slices are gone (preempted, failed or deleted) and no more workers will report
@@ -104,10 +104,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"--{flag} is empty; e.g. --{flag}={example}")
     if args.NUM_SLICES < 1:
         p.error(f"--NUM_SLICES={args.NUM_SLICES} must be at least 1")
-    syntax = bash_syntax_error(args.COMMAND)
-    if syntax:  # every worker's `bash -c` failed on it, once the slices had been made and started
-        p.error(f"--COMMAND={args.COMMAND!r} is not a bash command ({syntax}): every worker would fail to start it; "
-                "check its quotes and fill in any <placeholder>")
+    problem = command_problem(args.COMMAND)
+    if problem:  # every worker's `bash -c` failed on it, once the slices had been made and started
+        p.error(f"--COMMAND={args.COMMAND!r} {problem}")
     if args.BUCKET_NAME.startswith("gs://"):
         p.error(f"--BUCKET_NAME={args.BUCKET_NAME}: give the bucket name without gs://")
     if not BUCKET_NAME.fullmatch(args.BUCKET_NAME):
@@ -130,15 +129,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--POLL_SECONDS={args.POLL_SECONDS:g} must be above 0 and --TIMEOUT_MINUTES={args.TIMEOUT_MINUTES:g} "
                 "at least 0 (0: no time limit), both finite")
     return args
-
-
-def bash_syntax_error(command: str) -> str:
-    """bash's complaint about `command`'s syntax (`bash -n`), "" when it has none or this host has no bash."""
-    if shutil.which("bash") is None:
-        return ""
-    proc = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
-    first = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[0]  # the next echoes the line
-    return first.removeprefix("bash: -c: ") if proc.returncode else ""
 
 
 def run_url(args: argparse.Namespace) -> str:

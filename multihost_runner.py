@@ -15,6 +15,9 @@ logs, and the exit code is 1. Stopping the local `gcloud ssh` may leave a remote
 running; clean up with e.g. `--USE_EXISTING_FOLDER=true --RUN_NAME=r1 --COMMAND="pkill -f '[t]rain.py' || true"`
 (the brackets keep the pattern from matching the remote shell that runs it, whose command line holds it).
 
+--COMMAND is checked first: one that bash cannot parse (`bash -n`) or that still holds a <placeholder>
+(gs://<bucket>/runs) is refused before any gcloud call; every worker would fail on it.
+
 Exit codes: 0 every worker finished; 1 a gcloud call or a worker failed (or `gcloud` is not on PATH);
 2 bad arguments; 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP (the local `gcloud` processes are
 stopped first). A signal ignored when the runner starts stays ignored: `nohup python3 multihost_runner.py ... &`
@@ -40,8 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
-from tessera.tpu_vm import (GcloudError, Slice, find_slices, gcloud, out, pack_code,  # noqa: E402
-                            parse_bool, scope_flags)
+from tessera.tpu_vm import (GcloudError, Slice, command_problem, find_slices, gcloud, out,  # noqa: E402
+                            pack_code, parse_bool, scope_flags)
 
 MEGASCALE_PORT = 8080
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -75,6 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.COMMAND.strip():
         p.error("--COMMAND is empty: give the shell command to run on every worker, e.g. --COMMAND='bash setup.sh'")
+    problem = command_problem(args.COMMAND)
+    if problem:  # found before the code is copied, not by every worker's bash
+        p.error(f"--COMMAND={args.COMMAND!r} {problem}")
     try:
         args.INTERNAL_IP = parse_bool(args.INTERNAL_IP)
         args.USE_EXISTING_FOLDER = parse_bool(args.USE_EXISTING_FOLDER)

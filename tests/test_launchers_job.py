@@ -193,6 +193,10 @@ def test_job_without_gcloud_on_path_says_so(code_dir, tmp_path):
     # bash on every worker refused these, once the slices had been made and had booted
     ("--COMMAND=bash configs/tpu/v5p/128b.sh OUTPUT_PATH=<changeme>", "is not a bash command (line 1: syntax error"),
     ("--COMMAND=bash setup.sh 'DEVICE=tpu", "is not a bash command (line 1: unexpected EOF"),
+    # bash -n passed these (redirections from the file `bucket`, to the file `/runs`); every worker failed on them
+    ("--COMMAND=bash configs/tpu/v5p/128b.sh RUN_NAME=r1 OUTPUT_PATH=gs://<bucket>/runs PLATFORM=gce",
+     "still holds <bucket>, a placeholder to fill in"),
+    ('--COMMAND=bash configs/tpu/v5p/128b.sh OUTPUT_PATH="gs://<changeme>/runs"', "still holds <changeme>"),
 ])
 def test_job_refuses_bad_flags_before_uploading(fake, code_dir, tmp_path, flag, message):
     proc = run("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}", flag, cwd=tmp_path)

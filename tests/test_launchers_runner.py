@@ -176,6 +176,33 @@ def test_runner_refuses_an_empty_command(fake, tmp_path, command):
     assert not (fake / "calls.jsonl").exists()
 
 
+DOCS_COMMAND = "bash setup.sh DEVICE=tpu && bash configs/tpu/v5p/128b.sh RUN_NAME=r1 OUTPUT_PATH=gs://{}/runs"
+
+
+@pytest.mark.parametrize("command, message", [
+    # bash -n passed these (`<bucket` and `>/runs` are redirections): the code was copied, then every worker
+    # failed with "bucket: No such file or directory"
+    (DOCS_COMMAND.format("<bucket>"), "still holds <bucket>, a placeholder to fill in"),
+    ("bash train.sh RUN_NAME=<name> STEPS=5", "still holds <name>, a placeholder to fill in"),
+    ("bash setup.sh 'DEVICE=tpu", "is not a bash command (line 1: unexpected EOF"),
+])
+def test_runner_refuses_a_command_every_worker_would_fail_on(fake, tmp_path, command, message):
+    add_nodes(fake, ["solo"])
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", cwd=tmp_path)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not (fake / "calls.jsonl").exists()
+
+
+def test_runner_runs_angle_brackets_that_are_no_placeholder(fake, tmp_path):
+    add_nodes(fake, ["solo"])
+    (tmp_path / "in").write_text("from a file\n")
+    command = f"echo '<b>' \\<i\\> && cat < {tmp_path / 'in'}"  # quoted, escaped, a redirection with spaces
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", "--RUN_NAME=r1", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    log = (tmp_path / "logs" / "r1" / "slice0_worker0.log").read_text()
+    assert "<b> <i>" in log and "from a file" in log
+
+
 def test_runner_refuses_a_missing_script_dir_before_any_gcloud_call(fake, tmp_path):
     """It listed the slices first, then stopped with exit code 1 (not the documented 2 for bad arguments)."""
     add_nodes(fake, ["solo"])

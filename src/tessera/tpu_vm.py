@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -20,6 +21,9 @@ from pathlib import Path
 # Never shipped to the workers: version control, local environments (.venv-hf: the reference
 # environment of `setup.sh HF_REFERENCE=1`, over a gigabyte) and run outputs.
 EXCLUDED_FROM_CODE = {".git", ".venv", ".venv-hf", "outputs", "__pycache__", ".pytest_cache", "logs"}
+# A value the docs leave to fill in: gs://<bucket>/runs, <changeme>. Unquoted, bash reads `<bucket` and `>/runs`
+# as redirections, so `bash -n` passed it and every worker then failed with "bucket: No such file or directory".
+PLACEHOLDER = re.compile(r"<[A-Za-z][-\w.]*>")
 
 
 class GcloudError(RuntimeError):
@@ -49,6 +53,41 @@ def parse_bool(text: str | bool) -> bool:
     if value in ("false", "0", "no"):
         return False
     raise ValueError(f"{text!r} is not true or false")
+
+
+def command_problem(command: str) -> str:
+    """Why `command` would fail on every worker before doing anything ("" when it looks runnable): bash cannot
+    parse it (`bash -n`, skipped on a host without bash), or it still holds a <placeholder>."""
+    if shutil.which("bash") is not None:
+        proc = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
+        if proc.returncode:
+            first = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[0]  # the next echoes it
+            return (f"is not a bash command ({first.removeprefix('bash: -c: ')}): every worker would fail to start "
+                    "it; check its quotes and fill in any <placeholder>")
+    left = PLACEHOLDER.findall(_outside_single_quotes(command))
+    if left:
+        return (f"still holds {', '.join(dict.fromkeys(left))}, a placeholder to fill in (unquoted, bash reads <name> "
+                "as a redirection and every worker fails on it); put in the real value (a redirection: spaces "
+                "around < and >; literal text: single quotes)")
+    return ""
+
+
+def _outside_single_quotes(command: str) -> str:
+    """`command` with what bash takes literally blanked out: single-quoted text and backslash-escaped characters."""
+    kept, quote, i = [], "", 0
+    while i < len(command):
+        c = command[i]
+        if quote == "'" or (c == "'" and not quote):
+            quote = "" if quote == "'" and c == "'" else "'"
+            kept.append(" ")
+        elif c == "\\":
+            kept.append("  ")
+            i += 1
+        else:
+            quote = ('"' if not quote else "") if c == '"' else quote
+            kept.append(c)
+        i += 1
+    return "".join(kept)
 
 
 def scope_flags(project: str, zone: str) -> list[str]:
