@@ -58,6 +58,10 @@ BUCKET_NAME = re.compile(r"[a-z0-9][-_.a-z0-9]{1,61}[a-z0-9]")
 # Google Cloud's resource names (RFC 1035 labels): the queued resource and its slices are named after --RUN_NAME,
 # which the start-up script also uses, unquoted, as a folder name
 RESOURCE_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+# what `queued-resources create` takes: an accelerator type is a generation and a size (v5p-256, v5litepod-16,
+# v6e-8, tpu7x-16); a runtime version lowercase words (v2-alpha-tpuv5, tpu-ubuntu2204-base, tpu-vm-tf-2.16.1-pjrt)
+TPU_TYPE = re.compile(r"[a-z][a-z0-9]*-[1-9][0-9]*")
+RUNTIME_VERSION = re.compile(r"[a-z0-9][-a-z0-9._]*")
 
 STARTUP_SCRIPT = """#!/bin/bash
 # Start-up script of Tessera job {run}: runs on every worker of every slice at boot.
@@ -102,6 +106,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for flag, example in (("TPU_TYPE", "v5p-256"), ("VERSION", "v2-alpha-tpuv5"), ("COMMAND", "'bash setup.sh'")):
         if not getattr(args, flag).strip():  # an empty command made fresh slices, ran nothing and reported success
             p.error(f"--{flag} is empty; e.g. --{flag}={example}")
+    if not TPU_TYPE.fullmatch(args.TPU_TYPE.strip()):  # gcloud refused it only after the code was uploaded
+        p.error(f"--TPU_TYPE={args.TPU_TYPE!r} is not an accelerator type: a TPU generation and a size, lowercase, "
+                "e.g. --TPU_TYPE=v5p-256, v5litepod-256, v6e-256 or v4-128 (`gcloud compute tpus accelerator-types "
+                "list` lists a zone's)")
+    if not RUNTIME_VERSION.fullmatch(args.VERSION.strip()):
+        p.error(f"--VERSION={args.VERSION!r} is not a TPU VM runtime version: lowercase letters, digits, '-' and "
+                "'.', e.g. --VERSION=v2-alpha-tpuv5 (`gcloud compute tpus versions list` lists a zone's)")
+    args.TPU_TYPE, args.VERSION = args.TPU_TYPE.strip(), args.VERSION.strip()
     if args.NUM_SLICES < 1:
         p.error(f"--NUM_SLICES={args.NUM_SLICES} must be at least 1")
     problem = command_problem(args.COMMAND)

@@ -190,6 +190,13 @@ def test_job_without_gcloud_on_path_says_so(code_dir, tmp_path):
     ("--TIMEOUT_MINUTES=nan", "both finite"),
     ("--COMMAND= ", "--COMMAND is empty"),  # created the slices, ran nothing there and reported success
     ("--TPU_TYPE=", "--TPU_TYPE is empty; e.g. --TPU_TYPE=v5p-256"),
+    # gcloud refused these only after the code had been uploaded (exit 1)
+    ("--TPU_TYPE=v5p", "--TPU_TYPE='v5p' is not an accelerator type"),
+    ("--TPU_TYPE=V5P_256", "--TPU_TYPE='V5P_256' is not an accelerator type"),
+    ("--TPU_TYPE=v2-alpha-tpuv5", "is not an accelerator type"),  # the runtime version in its place
+    ("--TPU_TYPE=<changeme>", "is not an accelerator type"),
+    ("--VERSION=<changeme>", "--VERSION='<changeme>' is not a TPU VM runtime version"),
+    ("--VERSION=v2 alpha", "is not a TPU VM runtime version"),
     # bash on every worker refused these, once the slices had been made and had booted
     ("--COMMAND=bash configs/tpu/v5p/128b.sh OUTPUT_PATH=<changeme>", "is not a bash command (line 1: syntax error"),
     ("--COMMAND=bash setup.sh 'DEVICE=tpu", "is not a bash command (line 1: unexpected EOF"),
@@ -257,3 +264,12 @@ def test_job_under_nohup_survives_the_logout(fake, code_dir, tmp_path):
     code, out, err = finish(proc)
     assert code == 1 and "SIGHUP" not in err, err
     assert "--TIMEOUT_MINUTES=0.1 passed before the job finished" in err  # it waited on, as asked
+
+
+@pytest.mark.parametrize("tpu_type, version", [("tpu7x-16", "tpu-vm-tf-2.16.1-pjrt"), ("v5litepod-256 ", " v2-alpha-tpuv5-lite")])
+def test_job_takes_the_accelerator_types_and_runtime_versions_gcloud_takes(fake, code_dir, tmp_path, tpu_type, version):
+    proc = run("multihost_job.py", *JOB_ARGS, f"--TPU_TYPE={tpu_type}", f"--VERSION={version}", "--COMMAND=true",
+               f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    create = next(c for c in calls(fake) if c[4:5] == ["create"])
+    assert f"--accelerator-type={tpu_type.strip()}" in create and f"--runtime-version={version.strip()}" in create
