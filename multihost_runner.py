@@ -175,6 +175,18 @@ class Worker:
     def label(self) -> str:
         return f"slice {self.slice_id} worker {self.worker}"
 
+    @property
+    def ending(self) -> str:
+        """How the worker's `gcloud ssh` ended, in words: a signal here read "exited with code -9"."""
+        code = self.proc.returncode
+        if code < 0:
+            return (f"ended when its `gcloud ssh` on this machine was killed by {signal.Signals(-code).name} (the "
+                    "command on the worker may run on)")
+        if code == 255:  # ssh's own code
+            return ("exited with code 255, ssh's code for a connection that failed or dropped (the worker restarted "
+                    "or cannot be reached), unless the command itself exited with 255")
+        return f"exited with code {code}"
+
     def tail(self, lines: int = 5) -> str:
         text = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines() \
             if self.log_path.exists() else []
@@ -315,7 +327,7 @@ def launch(args: argparse.Namespace) -> int:
     if failed:
         print(f"multihost_runner: {len(failed)} worker(s) failed:", file=sys.stderr)
         for w in failed:
-            print(f"  {w.label} exited with code {w.proc.returncode} (log {w.log_path}):\n{w.tail()}", file=sys.stderr)
+            print(f"  {w.label} {w.ending} (log {w.log_path}):\n{w.tail()}", file=sys.stderr)
         return 1
     out(f"multihost_runner: all workers finished; logs in {Path(args.LOG_DIR) / args.RUN_NAME}/")
     return 0

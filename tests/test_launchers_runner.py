@@ -388,3 +388,17 @@ def test_runner_under_nohup_survives_the_logout(fake, tmp_path):
             proc.communicate()
     assert proc.returncode == 0 and "SIGHUP" not in stderr, stderr
     assert "finished" in stdout
+
+
+@pytest.mark.parametrize("command, ending", [
+    # it read "slice 0 worker 1 exited with code -9"
+    ('if [ "$FAKE_WORKER" = 1 ]; then kill -9 $PPID; exit; fi; sleep 30',
+     "slice 0 worker 1 ended when its `gcloud ssh` on this machine was killed by SIGKILL"),
+    ('if [ "$FAKE_WORKER" = 1 ]; then exit 255; fi; sleep 30',
+     "slice 0 worker 1 exited with code 255, ssh's code for a connection that failed or dropped"),
+])
+def test_runner_says_how_a_worker_ended(fake, tmp_path, command, ending):
+    add_nodes(fake, ["solo"])
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", "--RUN_NAME=r1", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "multihost_runner: 1 worker(s) failed:" in proc.stderr and ending in proc.stderr
