@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
 from tessera.tpu_vm import (GcloudError, command_problem, describe_slice, gcloud, out, pack_code,  # noqa: E402
-                            scope_flags)
+                            placeholder_flag, scope_flags)
 
 FAILED_STATES = {"FAILED", "SUSPENDED", "SUSPENDING"}
 # once ACTIVE, these mean the slices are gone (preempted, failed or deleted) and no more workers will report
@@ -103,6 +103,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--POLL_SECONDS", type=float, default=60.0, help="seconds between status checks (default 60)")
     p.add_argument("--TIMEOUT_MINUTES", type=float, default=0.0, help="give up and clean up after this (0: never)")
     args = p.parse_args(argv)
+    left = placeholder_flag(args, ("TPU_TYPE", "VERSION", "RUN_NAME", "BUCKET_NAME", "BUCKET_DIR", "CQR_EXTRA_ARGS",
+                                   "SCRIPT_DIR", "PROJECT", "ZONE"))
+    if left:  # --BUCKET_DIR=<folder> made a folder named so; the others failed in gcloud once the code was uploaded
+        p.error(left)
     for flag, example in (("TPU_TYPE", "v5p-256"), ("VERSION", "v2-alpha-tpuv5"), ("COMMAND", "'bash setup.sh'")):
         if not getattr(args, flag).strip():  # an empty command made fresh slices, ran nothing and reported success
             p.error(f"--{flag} is empty; e.g. --{flag}={example}")

@@ -44,7 +44,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
 from tessera.tpu_vm import (GcloudError, Slice, command_problem, find_slices, gcloud, out,  # noqa: E402
-                            pack_code, parse_bool, scope_flags)
+                            pack_code, parse_bool, placeholder_flag, scope_flags)
 
 MEGASCALE_PORT = 8080
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -76,6 +76,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--ZONE", default="", help="zone (default: gcloud's configured one)")
     p.add_argument("--LOG_DIR", default="logs", help="local folder for the per-worker logs (default: logs)")
     args = p.parse_args(argv)
+    left = placeholder_flag(args, ("TPU_PREFIX", "SCRIPT_DIR", "RUN_NAME", "PROJECT", "ZONE", "LOG_DIR"))
+    if left:  # --RUN_NAME=<name> made folders named so on every worker and here
+        p.error(left)
     if not args.COMMAND.strip():
         p.error("--COMMAND is empty: give the shell command to run on every worker, e.g. --COMMAND='bash setup.sh'")
     problem = command_problem(args.COMMAND)

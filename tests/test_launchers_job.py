@@ -194,8 +194,10 @@ def test_job_without_gcloud_on_path_says_so(code_dir, tmp_path):
     ("--TPU_TYPE=v5p", "--TPU_TYPE='v5p' is not an accelerator type"),
     ("--TPU_TYPE=V5P_256", "--TPU_TYPE='V5P_256' is not an accelerator type"),
     ("--TPU_TYPE=v2-alpha-tpuv5", "is not an accelerator type"),  # the runtime version in its place
-    ("--TPU_TYPE=<changeme>", "is not an accelerator type"),
-    ("--VERSION=<changeme>", "--VERSION='<changeme>' is not a TPU VM runtime version"),
+    ("--TPU_TYPE=<changeme>", "--TPU_TYPE='<changeme>' still holds <changeme>, a placeholder to fill in"),
+    ("--VERSION=V2-ALPHA-TPUV5", "--VERSION='V2-ALPHA-TPUV5' is not a TPU VM runtime version"),
+    ("--BUCKET_DIR=<folder>/jobs", "--BUCKET_DIR='<folder>/jobs' still holds <folder>"),  # was made, so named
+    ("--CQR_EXTRA_ARGS=--network=<network>", "still holds <network>, a placeholder"),
     ("--VERSION=v2 alpha", "is not a TPU VM runtime version"),
     # bash on every worker refused these, once the slices had been made and had booted
     ("--COMMAND=bash configs/tpu/v5p/128b.sh OUTPUT_PATH=<changeme>", "is not a bash command (line 1: syntax error"),

@@ -179,16 +179,18 @@ def test_runner_refuses_an_empty_command(fake, tmp_path, command):
 DOCS_COMMAND = "bash setup.sh DEVICE=tpu && bash configs/tpu/v5p/128b.sh RUN_NAME=r1 OUTPUT_PATH=gs://{}/runs"
 
 
-@pytest.mark.parametrize("command, message", [
+@pytest.mark.parametrize("flags, message", [
     # bash -n passed these (`<bucket` and `>/runs` are redirections): the code was copied, then every worker
     # failed with "bucket: No such file or directory"
-    (DOCS_COMMAND.format("<bucket>"), "still holds <bucket>, a placeholder to fill in"),
-    ("bash train.sh RUN_NAME=<name> STEPS=5", "still holds <name>, a placeholder to fill in"),
-    ("bash setup.sh 'DEVICE=tpu", "is not a bash command (line 1: unexpected EOF"),
+    ([f"--COMMAND={DOCS_COMMAND.format('<bucket>')}"], "still holds <bucket>, a placeholder to fill in"),
+    (["--COMMAND=bash train.sh RUN_NAME=<name> STEPS=5"], "still holds <name>, a placeholder to fill in"),
+    (["--COMMAND=bash setup.sh 'DEVICE=tpu"], "is not a bash command (line 1: unexpected EOF"),
+    (["--COMMAND=true", "--RUN_NAME=<name>"], "--RUN_NAME='<name>' still holds <name>, a placeholder"),  # so named
+    (["--COMMAND=true", "--ZONE=<zone>"], "--ZONE='<zone>' still holds <zone>"),
 ])
-def test_runner_refuses_a_command_every_worker_would_fail_on(fake, tmp_path, command, message):
+def test_runner_refuses_a_command_every_worker_would_fail_on(fake, tmp_path, flags, message):
     add_nodes(fake, ["solo"])
-    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", cwd=tmp_path)
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", *flags, cwd=tmp_path)
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (fake / "calls.jsonl").exists()
 

@@ -72,6 +72,16 @@ def command_problem(command: str) -> str:
     return ""
 
 
+def placeholder_flag(args, names: tuple[str, ...]) -> str:
+    """The first of the flags `names` of `args` whose value still holds a <placeholder>, as an error line ("" if none)."""
+    for name in names:
+        value = getattr(args, name)
+        found = PLACEHOLDER.search(value) if isinstance(value, str) else None
+        if found:
+            return f"--{name}={value!r} still holds {found.group()}, a placeholder to fill in; put in the real value"
+    return ""
+
+
 def _outside_single_quotes(command: str) -> str:
     """`command` with what bash takes literally blanked out: single-quoted text and backslash-escaped characters."""
     kept, quote, i = [], "", 0
