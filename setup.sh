@@ -8,7 +8,8 @@
 #   bash setup.sh MODE=latest      # newest releases within requirements*.txt instead of the lock
 #   bash setup.sh lock             # refresh locks/*.txt from requirements*.txt (maintainers), then exit
 #
-# Settings (as KEY=VALUE arguments or environment variables):
+# Settings (as KEY=VALUE arguments or environment variables; an argument wins, and an error says when a
+# value came from the environment):
 #   DEVICE=cpu|gpu|tpu  which JAX build to install (default cpu)
 #   MODE=locked|latest  locked (default; 'stable' is the same): the exact versions CI tested, from
 #                       locks/<DEVICE>.txt. latest: resolve the ranges in requirements*.txt anew
@@ -29,10 +30,22 @@ set -euo pipefail
 CALLER_DIR=$PWD
 cd "$(dirname "${BASH_SOURCE[0]}")"
 
+# The settings set in the caller's environment (node-gyp's users export PYTHON, for one): an error names them.
+FROM_ENV=" "
+for name in DEVICE MODE VENV PYTHON HF_REFERENCE HF_VENV TORCH_INDEX_URL; do
+  if [ -n "${!name:-}" ]; then FROM_ENV="$FROM_ENV$name "; fi
+done
+# from_env NAME: " (set in your environment: ...)" when the setting came from there, else nothing.
+from_env() {
+  case "$FROM_ENV" in *" $1 "*) echo " (set in your environment, not on the command line: unset $1 for the default)" ;; esac
+}
+
 COMMAND=install
 for arg in "$@"; do
   case "$arg" in
-    DEVICE=*|MODE=*|VENV=*|PYTHON=*|HF_REFERENCE=*|HF_VENV=*|TORCH_INDEX_URL=*) export "$arg" ;;
+    DEVICE=*|MODE=*|VENV=*|PYTHON=*|HF_REFERENCE=*|HF_VENV=*|TORCH_INDEX_URL=*)
+      export "$arg"
+      FROM_ENV=${FROM_ENV/ ${arg%%=*} / } ;;
     lock) COMMAND=lock ;;
     -h|--help) sed -n '2,/^[^#]/p' "$(basename "${BASH_SOURCE[0]}")" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "setup.sh: unknown argument '$arg' (expected DEVICE=cpu|gpu|tpu, MODE=locked|latest, VENV=dir, PYTHON=path, HF_REFERENCE=0|1, HF_VENV=dir, TORCH_INDEX_URL=url, or 'lock'; see bash setup.sh --help)" >&2; exit 2 ;;
@@ -44,11 +57,11 @@ MODE=${MODE:-locked}
 VENV=${VENV:-.venv}
 HF_REFERENCE=${HF_REFERENCE:-0}
 HF_VENV=${HF_VENV:-.venv-hf}
-case "$DEVICE" in cpu|gpu|tpu) ;; *) echo "setup.sh: DEVICE=$DEVICE is not one of cpu, gpu, tpu" >&2; exit 2 ;; esac
-case "$MODE" in locked|latest) ;; *) echo "setup.sh: MODE=$MODE is not one of locked, latest" >&2; exit 2 ;; esac
+case "$DEVICE" in cpu|gpu|tpu) ;; *) echo "setup.sh: DEVICE=$DEVICE is not one of cpu, gpu, tpu$(from_env DEVICE)" >&2; exit 2 ;; esac
+case "$MODE" in locked|latest) ;; *) echo "setup.sh: MODE=$MODE is not one of locked, latest$(from_env MODE)" >&2; exit 2 ;; esac
 UV_VERSION=0.13.9   # the resolver that writes locks/*.txt (bash setup.sh lock)
 START=$SECONDS
-case "$HF_REFERENCE" in 0|1) ;; *) echo "setup.sh: HF_REFERENCE=$HF_REFERENCE is not one of 0, 1" >&2; exit 2 ;; esac
+case "$HF_REFERENCE" in 0|1) ;; *) echo "setup.sh: HF_REFERENCE=$HF_REFERENCE is not one of 0, 1$(from_env HF_REFERENCE)" >&2; exit 2 ;; esac
 # PYTHON=some/dir/python names a file from where setup.sh was started (a bare name is looked up on PATH).
 case "${PYTHON:-}" in /*|"") ;; */*) PYTHON=$CALLER_DIR/$PYTHON ;; esac
 # The editable install writes src/tessera.egg-info here (and runs write outputs/ here).
@@ -210,7 +223,7 @@ PY=${PYTHON:-}
 if [ -n "$PY" ]; then
   v=$(py_version "$PY")
   if ! at_least_3_11 "$v"; then
-    echo "setup.sh: $PY is not a usable Python >= 3.11 with venv (version: ${v:-unknown})" >&2
+    echo "setup.sh: PYTHON=$PY is not a usable Python >= 3.11 with venv (version: ${v:-unknown})$(from_env PYTHON)" >&2
     exit 1
   fi
 fi
@@ -226,7 +239,7 @@ if [ -n "$venv_v" ] && ! at_least_3_11 "$venv_v"; then
   exit 1
 fi
 if [ -n "$venv_v" ] && [ -n "$PY" ] && [ "$venv_v" != "$v" ]; then
-  echo "setup.sh: $VENV has Python $venv_v, not the $v of PYTHON=$PY; to switch, delete it" \
+  echo "setup.sh: $VENV has Python $venv_v, not the $v of PYTHON=$PY$(from_env PYTHON); to switch, delete it" \
     "(rm -rf $VENV) and re-run, or leave PYTHON unset to keep it" >&2
   exit 1
 fi

@@ -310,3 +310,20 @@ def test_started_with_sh_it_runs_under_bash(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "install -q -r locks/cpu.txt" in (tmp_path / "venv" / "pip.log").read_text()
+
+
+def test_a_setting_from_the_environment_is_named_as_such(tmp_path):
+    """node-gyp's users export PYTHON=python3: setup.sh took it, and refused a 3.10 there without saying where
+    'python3' came from (the user had typed only `bash setup.sh`)."""
+    old = stub_python(tmp_path / "py", "3.10", "python3")
+    proc = run_setup(f"VENV={tmp_path / 'venv'}", env={"PYTHON": str(old)})
+    assert proc.returncode == 1
+    assert (f"PYTHON={old} is not a usable Python >= 3.11 with venv (version: 3.10) (set in your environment, not on "
+            "the command line: unset PYTHON for the default)") in proc.stderr
+    proc = run_setup(f"VENV={tmp_path / 'venv'}", f"PYTHON={old}")  # typed: nothing to explain
+    assert proc.returncode == 1 and "is not a usable Python" in proc.stderr and "environment" not in proc.stderr
+    proc = run_setup(env={"DEVICE": "/dev/sda1"})
+    assert proc.returncode == 2
+    assert "DEVICE=/dev/sda1 is not one of cpu, gpu, tpu (set in your environment" in proc.stderr
+    assert run_setup("DEVICE=fpga", env={"DEVICE": "gpu"}).stderr.strip() == \
+        "setup.sh: DEVICE=fpga is not one of cpu, gpu, tpu"
