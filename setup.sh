@@ -14,7 +14,8 @@
 #   MODE=locked|latest  locked (default; 'stable' is the same): the exact versions CI tested, from
 #                       locks/<DEVICE>.txt. latest: resolve the ranges in requirements*.txt anew
 #   VENV=.venv          where the virtual environment lives (relative to setup.sh's folder; a folder
-#                       that exists and is not a virtual environment is refused, never deleted)
+#                       that exists and is not a virtual environment is refused, never deleted; one
+#                       installed for DEVICE=gpu is refused for another DEVICE: pip would leave CUDA in it)
 #   PYTHON=/path/python use this interpreter instead of searching for one (needs >= 3.11); an
 #                       existing VENV of another Python version is refused, not replaced
 #   HF_REFERENCE=0|1    1 also installs locks/hf.txt (transformers) and torch (requirements-hf.txt)
@@ -241,6 +242,14 @@ fi
 if [ -n "$venv_v" ] && [ -n "$PY" ] && [ "$venv_v" != "$v" ]; then
   echo "setup.sh: $VENV has Python $venv_v, not the $v of PYTHON=$PY$(from_env PYTHON); to switch, delete it" \
     "(rm -rf $VENV) and re-run, or leave PYTHON unset to keep it" >&2
+  exit 1
+fi
+# pip adds packages and removes none: the CUDA build's (6 GB) stayed in an environment re-installed for cpu or
+# tpu, where JAX went on using the GPU, and the doctor found nothing wrong.
+installed_for=$(sed -n 's/^DEVICE=//p' "$VENV/tessera-setup.txt" 2>/dev/null || true)
+if [ -n "$venv_v" ] && [ "$installed_for" = gpu ] && [ "$DEVICE" != gpu ]; then
+  echo "setup.sh: $VENV was installed for DEVICE=gpu, and its CUDA packages would stay in a DEVICE=$DEVICE" \
+    "environment$(from_env DEVICE); delete it (rm -rf $VENV) and re-run, or choose another folder (VENV=dir)" >&2
   exit 1
 fi
 

@@ -284,6 +284,7 @@ def test_every_documented_setup_command_is_accepted_and_does_what_it_says(tmp_pa
         shutil.rmtree(hf_venv, ignore_errors=True)
         stub_venv(venv, "3.12")
         (venv / "pip.log").unlink(missing_ok=True)
+        (venv / "tessera-setup.txt").unlink(missing_ok=True)  # DEVICE=gpu's, which another DEVICE refuses to reuse
         proc = run_setup(*args, env={"PATH": str(tools), "HOME": str(tmp_path), "VENV": str(venv),
                                      "HF_VENV": str(hf_venv)})
         assert proc.returncode == 0, f"bash setup.sh {' '.join(args)}: {proc.stderr}"
@@ -327,3 +328,19 @@ def test_a_setting_from_the_environment_is_named_as_such(tmp_path):
     assert "DEVICE=/dev/sda1 is not one of cpu, gpu, tpu (set in your environment" in proc.stderr
     assert run_setup("DEVICE=fpga", env={"DEVICE": "gpu"}).stderr.strip() == \
         "setup.sh: DEVICE=fpga is not one of cpu, gpu, tpu"
+
+
+def test_an_environment_installed_for_gpu_is_not_reinstalled_for_another_device(tmp_path):
+    """pip removes nothing: the CUDA plugin and libraries stayed in the environment re-installed for cpu."""
+    venv = tmp_path / "venv"
+    stub_venv(venv, "3.12")
+    assert run_setup(f"VENV={venv}", "DEVICE=gpu").returncode == 0
+    for device in ("cpu", "tpu"):
+        proc = run_setup(f"VENV={venv}", f"DEVICE={device}")
+        assert proc.returncode == 1
+        assert (f"{venv} was installed for DEVICE=gpu, and its CUDA packages would stay in a DEVICE={device} "
+                f"environment; delete it (rm -rf {venv})") in proc.stderr
+    assert (venv / "tessera-setup.txt").read_text() == "DEVICE=gpu\nMODE=locked\n"
+    assert run_setup(f"VENV={venv}", "DEVICE=gpu", "MODE=latest").returncode == 0  # the same build: reused
+    (venv / "tessera-setup.txt").write_text("DEVICE=cpu\nMODE=locked\n")
+    assert run_setup(f"VENV={venv}", "DEVICE=gpu").returncode == 0  # cpu to gpu adds the CUDA build
