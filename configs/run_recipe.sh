@@ -3,7 +3,8 @@
 #
 # Arguments are KEY=VALUE. Upper-case keys are exported as environment variables; lower-case
 # keys are config overrides appended after the recipe's own (so they win), e.g. steps=20 (and after
-# compile_topology, so compile_topology=v5p-512 compiles the recipe for another slice).
+# compile_topology, so compile_topology=v5p-512 compiles the recipe for another slice). A config key
+# in upper case (STEPS=20) is refused, naming the lower-case one.
 #   RUN_NAME=name      the run's name (passed as M_RUN_NAME; default <folder>_<recipe>, e.g. v5p_128b:
 #                      the same on every worker, and a second run with it resumes the first); run_name=name
 #                      as an argument is taken as RUN_NAME=name (M_RUN_NAME=name is not: a warning says so)
@@ -59,7 +60,13 @@ for arg in "$@"; do
       LIBTPU_INIT_ARGS|XLA_FLAGS) ;;
       XLA_*|JAX_*|TPU_*|NCCL_*|CUDA_*) RECIPE_VARIABLES+=("$arg") ;;
       TF_*|M_*|GOOGLE_*|GCS_*|HF_*|TESSERA_*|PYTHONPATH|PATH) ;;
-      *) echo "$RECIPE_PATH: warning: $name is not a recipe setting (RUN_NAME, OUTPUT_PATH, DATASET_PATH, PLATFORM," \
+      *) lower=$(printf '%s' "$name" | tr '[:upper:]' '[:lower:]')
+         if grep -q "^$lower:" "$REPO_DIR/configs/base.yml"; then  # STEPS=20 was exported, and the run took 100 steps
+           echo "$RECIPE_PATH: $name is not a recipe setting but a config key, which is lower case: give" \
+                "$lower=${arg#*=} (an upper-case argument is only exported to the environment, which the run ignores)" >&2
+           exit 2
+         fi
+         echo "$RECIPE_PATH: warning: $name is not a recipe setting (RUN_NAME, OUTPUT_PATH, DATASET_PATH, PLATFORM," \
               "EXECUTABLE, NUM_SLICES, DRY_RUN, PYTHON, NNODES, NODE_RANK) nor a JAX/XLA/TPU/NCCL variable; it is" \
               "only exported to the environment" >&2 ;;
     esac

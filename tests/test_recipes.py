@@ -387,6 +387,16 @@ def test_a_mistyped_recipe_setting_is_warned_about():
 
 
 
+def test_a_config_key_in_upper_case_is_refused():
+    """STEPS=20 was exported with a warning, and the run trained the recipe's 100 steps."""
+    out = dry_run("tpu/v5p/128b", "STEPS=20")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip() == (f"{REPO}/configs/tpu/v5p/128b.sh: STEPS is not a recipe setting but a config key, which is "
+                                  "lower case: give steps=20 (an upper-case argument is only exported to the "
+                                  "environment, which the run ignores)")
+    assert dry_run("tpu/v5p/128b", "steps=20").returncode == 0
+
+
 def test_num_slices_for_a_training_run_is_warned_about():
     """NUM_SLICES=2 is read by the AOT compile only; a training run ignored it without a word."""
     train = dry_run("tpu/v5p/128b", "NUM_SLICES=2")
