@@ -47,6 +47,7 @@ from tessera.tpu_vm import (GcloudError, Slice, command_problem, find_slices, gc
                             pack_code, parse_bool, placeholder_flag, scope_flags)
 
 MEGASCALE_PORT = 8080
+TPU_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Google Cloud's resource names (RFC 1035 labels)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -79,6 +80,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     left = placeholder_flag(args, ("TPU_PREFIX", "SCRIPT_DIR", "RUN_NAME", "PROJECT", "ZONE", "LOG_DIR"))
     if left:  # --RUN_NAME=<name> made folders named so on every worker and here
         p.error(left)
+    if not TPU_NAME.fullmatch(args.TPU_PREFIX):  # '' or ' my-tpu' were looked up among the zone's TPU VMs
+        p.error(f"--TPU_PREFIX={args.TPU_PREFIX!r} cannot name a TPU VM: Google Cloud names are lowercase letters, digits "
+                "and hyphens, starting with a letter; e.g. --TPU_PREFIX=my-tpu (for my-tpu, or my-tpu-0, my-tpu-1, ...)")
     if not args.COMMAND.strip():
         p.error("--COMMAND is empty: give the shell command to run on every worker, e.g. --COMMAND='bash setup.sh'")
     problem = command_problem(args.COMMAND)

@@ -187,6 +187,10 @@ DOCS_COMMAND = "bash setup.sh DEVICE=tpu && bash configs/tpu/v5p/128b.sh RUN_NAM
     (["--COMMAND=bash setup.sh 'DEVICE=tpu"], "is not a bash command (line 1: unexpected EOF"),
     (["--COMMAND=true", "--RUN_NAME=<name>"], "--RUN_NAME='<name>' still holds <name>, a placeholder"),  # so named
     (["--COMMAND=true", "--ZONE=<zone>"], "--ZONE='<zone>' still holds <zone>"),
+    # looked up among the zone's TPU VMs, then exit 1 ("no TPU VM named ''")
+    (["--COMMAND=true", "--TPU_PREFIX="], "--TPU_PREFIX='' cannot name a TPU VM"),
+    (["--COMMAND=true", "--TPU_PREFIX= solo"], "--TPU_PREFIX=' solo' cannot name a TPU VM"),
+    (["--COMMAND=true", "--TPU_PREFIX=My_TPU"], "--TPU_PREFIX='My_TPU' cannot name a TPU VM"),
 ])
 def test_runner_refuses_a_command_every_worker_would_fail_on(fake, tmp_path, flags, message):
     add_nodes(fake, ["solo"])
