@@ -42,10 +42,12 @@ from_env() {
 }
 
 COMMAND=install
+GIVEN=" "  # the settings given as arguments
 for arg in "$@"; do
   case "$arg" in
     DEVICE=*|MODE=*|VENV=*|PYTHON=*|HF_REFERENCE=*|HF_VENV=*|TORCH_INDEX_URL=*)
       export "$arg"
+      GIVEN="$GIVEN${arg%%=*} "
       FROM_ENV=${FROM_ENV/ ${arg%%=*} / } ;;
     lock) COMMAND=lock ;;
     -h|--help) sed -n '2,/^[^#]/p' "$(basename "${BASH_SOURCE[0]}")" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -63,6 +65,12 @@ case "$MODE" in locked|latest) ;; *) echo "setup.sh: MODE=$MODE is not one of lo
 UV_VERSION=0.13.9   # the resolver that writes locks/*.txt (bash setup.sh lock)
 START=$SECONDS
 case "$HF_REFERENCE" in 0|1) ;; *) echo "setup.sh: HF_REFERENCE=$HF_REFERENCE is not one of 0, 1$(from_env HF_REFERENCE)" >&2; exit 2 ;; esac
+for name in TORCH_INDEX_URL HF_VENV; do  # typed for the reference environment, which was then not installed
+  if [ "$HF_REFERENCE" = 0 ] && [[ "$GIVEN" == *" $name "* ]]; then
+    echo "setup.sh: warning: $name is read with HF_REFERENCE=1 only (the reference environment); add HF_REFERENCE=1" \
+      "to install it" >&2
+  fi
+done
 # PYTHON=some/dir/python names a file from where setup.sh was started (a bare name is looked up on PATH).
 case "${PYTHON:-}" in /*|"") ;; */*) PYTHON=$CALLER_DIR/$PYTHON ;; esac
 # The editable install writes src/tessera.egg-info here (and runs write outputs/ here).

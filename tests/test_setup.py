@@ -344,3 +344,15 @@ def test_an_environment_installed_for_gpu_is_not_reinstalled_for_another_device(
     assert run_setup(f"VENV={venv}", "DEVICE=gpu", "MODE=latest").returncode == 0  # the same build: reused
     (venv / "tessera-setup.txt").write_text("DEVICE=cpu\nMODE=locked\n")
     assert run_setup(f"VENV={venv}", "DEVICE=gpu").returncode == 0  # cpu to gpu adds the CUDA build
+
+
+def test_a_reference_setting_without_hf_reference_is_warned_about(tmp_path):
+    """TORCH_INDEX_URL=... without HF_REFERENCE=1 installed no reference environment, without a word."""
+    venv = tmp_path / "venv"
+    stub_venv(venv, "3.12")
+    proc = run_setup(f"VENV={venv}", "TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert ("setup.sh: warning: TORCH_INDEX_URL is read with HF_REFERENCE=1 only (the reference environment); add "
+            "HF_REFERENCE=1 to install it") in proc.stderr
+    quiet = run_setup(f"VENV={venv}", env={"TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu"})  # exported
+    assert quiet.returncode == 0 and "warning" not in quiet.stderr
