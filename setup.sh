@@ -84,8 +84,11 @@ fi
 # reference environment (HF_REFERENCE=1) 1.5 GB: stop before a half-written one on a short disk.
 # check_free_space DIR GB WHAT
 check_free_space() {
-  local free_kb
-  free_kb=$(df -Pk "$1" 2>/dev/null | awk 'NR == 2 {print $4}')
+  local free_kb dir=$1
+  # a folder still to be made (VENV=/new/place/venv): its nearest existing parent's disk. df failed on it, and
+  # with pipefail the assignment ended setup.sh silently, exit 1
+  while [ ! -d "$dir" ] && [ "$dir" != "$(dirname "$dir")" ]; do dir=$(dirname "$dir"); done
+  free_kb=$(df -Pk "$dir" 2>/dev/null | awk 'NR == 2 {print $4}') || free_kb=""
   if [ -n "$free_kb" ] && [ "$free_kb" -lt $(($2 * 1024 * 1024)) ]; then
     echo "setup.sh: only $((free_kb / 1024)) MB free on the disk of $1; $3 needs about $2 GB." >&2
     echo "  Free some space, or put it on another disk (VENV=/path or HF_VENV=/path), and re-run." >&2

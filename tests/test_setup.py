@@ -356,3 +356,23 @@ def test_a_reference_setting_without_hf_reference_is_warned_about(tmp_path):
             "HF_REFERENCE=1 to install it") in proc.stderr
     quiet = run_setup(f"VENV={venv}", env={"TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu"})  # exported
     assert quiet.returncode == 0 and "warning" not in quiet.stderr
+
+
+def test_an_environment_in_a_folder_still_to_be_made_is_checked_and_made(tmp_path):
+    """VENV=/new/place/venv: df failed on the missing folder, and setup.sh stopped there, exit 1 and not a word."""
+    py = stub_python(tmp_path / "py", "3.12")
+    venv = tmp_path / "new" / "place" / "venv"
+    proc = run_setup(f"PYTHON={py}", f"VENV={venv}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "install -q -r locks/cpu.txt" in (venv / "pip.log").read_text()
+    # the disk is still checked: that of the nearest folder that exists (df, like the real one, fails on the others)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "df").write_text("#!/bin/sh\n[ -d \"$2\" ] || exit 1\n"
+                                "echo 'Filesystem 1024-blocks Used Available Capacity Mounted on'\n"
+                                "echo '/dev/x 1000000 900000 102400 90% /'\n")
+    (bin_dir / "df").chmod(0o755)
+    other = tmp_path / "other" / "venv"
+    proc = run_setup(f"PYTHON={py}", f"VENV={other}", env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert proc.returncode == 1 and f"only 100 MB free on the disk of {tmp_path / 'other'}" in proc.stderr
+    assert not other.exists()
