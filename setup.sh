@@ -71,6 +71,11 @@ for name in TORCH_INDEX_URL HF_VENV; do  # typed for the reference environment, 
       "to install it" >&2
   fi
 done
+# A leading ~ that reached us unexpanded (zsh, macOS's shell, leaves VENV=~/envs/t alone; so do quotes) is the
+# home folder: VENV=~/envs/t was a folder named '~' inside the repository, PYTHON=~/bin/python3 a missing file.
+for name in VENV HF_VENV PYTHON; do
+  case "${!name:-}" in "~"|"~/"*) printf -v "$name" '%s' "$HOME${!name#\~}" ;; esac
+done
 # PYTHON=some/dir/python names a file from where setup.sh was started (a bare name is looked up on PATH).
 case "${PYTHON:-}" in /*|"") ;; */*) PYTHON=$CALLER_DIR/$PYTHON ;; esac
 # The editable install writes src/tessera.egg-info here (and runs write outputs/ here).

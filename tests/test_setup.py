@@ -358,6 +358,20 @@ def test_a_reference_setting_without_hf_reference_is_warned_about(tmp_path):
     assert quiet.returncode == 0 and "warning" not in quiet.stderr
 
 
+def test_a_home_folder_tilde_that_reached_setup_unexpanded_is_the_home_folder(tmp_path):
+    """zsh (macOS's shell) passes VENV=~/envs/t as it is: setup.sh made a folder named '~' in the repository."""
+    repo, home = tmp_path / "repo", tmp_path / "home"
+    repo.mkdir()
+    home.mkdir()
+    shutil.copy(REPO / "setup.sh", repo / "setup.sh")
+    stub_python(home / "py", "3.12", "python3")
+    proc = run_setup("VENV=~/envs/t", "PYTHON=~/py/python3", setup_sh=repo / "setup.sh", cwd=tmp_path,
+                     env={"HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    assert f"creating {home}/envs/t with {home}/py/python3 (Python 3.12)" in proc.stdout
+    assert (home / "envs" / "t" / "pip.log").is_file() and not (repo / "~").exists()
+
+
 def test_an_environment_in_a_folder_still_to_be_made_is_checked_and_made(tmp_path):
     """VENV=/new/place/venv: df failed on the missing folder, and setup.sh stopped there, exit 1 and not a word."""
     py = stub_python(tmp_path / "py", "3.12")
