@@ -38,7 +38,9 @@ for name in DEVICE MODE VENV PYTHON HF_REFERENCE HF_VENV TORCH_INDEX_URL; do
 done
 # from_env NAME: " (set in your environment: ...)" when the setting came from there, else nothing.
 from_env() {
-  case "$FROM_ENV" in *" $1 "*) echo " (set in your environment, not on the command line: unset $1 for the default)" ;; esac
+  case "$FROM_ENV" in
+    *" $1 "*) echo " (set in your environment, not on the command line: unset $1 for the default)" ;;
+  esac
 }
 
 COMMAND=install
