@@ -21,7 +21,8 @@
 #   NUM_SLICES=n       slices to compile for with EXECUTABLE=train_compile (default 1; a training run
 #                      warns that it does not read it: it uses the slices it is started on)
 #   DRY_RUN=1          print the environment and the commands instead of running them
-#   PYTHON=path        interpreter (default .venv/bin/python when present, else python3)
+#   PYTHON=path        interpreter (default .venv/bin/python when present, else python3; a leading ~ is
+#                      the home folder, also when zsh passed it unexpanded)
 # The command runs in the repository's folder, wherever the recipe is started from: relative paths
 # (OUTPUT_PATH, DATASET_PATH, PYTHON, path keys such as load_parameters_path) are taken from there.
 #
@@ -115,6 +116,7 @@ fi
 if [ -z "${PYTHON:-}" ]; then
   if [ -x "$REPO_DIR/.venv/bin/python" ]; then PYTHON=$REPO_DIR/.venv/bin/python; else PYTHON=python3; fi
 fi
+case "$PYTHON" in "~/"*) PYTHON=$HOME/${PYTHON#\~/} ;; esac  # as zsh (macOS's shell) passes PYTHON=~/... : unexpanded
 
 # Print (DRY_RUN=1) or run one command.
 recipe_exec() {

@@ -387,6 +387,19 @@ def test_a_mistyped_recipe_setting_is_warned_about():
 
 
 
+def test_a_python_under_the_home_folder_given_unexpanded_is_found(tmp_path):
+    """zsh passes PYTHON=~/venvs/t/bin/python as typed: the recipe said it "is not a program here" (exit 2)."""
+    python = tmp_path / "venvs" / "t" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text("#!/bin/sh\necho \"ran $*\"\n")
+    python.chmod(0o755)
+    proc = subprocess.run(["bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), "PLATFORM=gke",
+                           "PYTHON=~/venvs/t/bin/python", "OUTPUT_PATH=gs://b/runs"], capture_output=True, text=True,
+                          env={"PATH": os.environ["PATH"], "HOME": str(tmp_path)}, cwd="/", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("ran train.py configs/base.yml model_name=1b")
+
+
 def test_a_config_key_in_upper_case_is_refused():
     """STEPS=20 was exported with a warning, and the run trained the recipe's 100 steps."""
     out = dry_run("tpu/v5p/128b", "STEPS=20")
