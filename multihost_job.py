@@ -128,6 +128,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if not BUCKET_NAME.fullmatch(args.BUCKET_NAME):
         p.error(f"--BUCKET_NAME={args.BUCKET_NAME!r} is not a GCS bucket name: 3-63 lowercase letters, digits, "
                 "'-', '_' or '.', starting and ending with a letter or digit (put folders in --BUCKET_DIR)")
+    args.SCRIPT_DIR = os.path.expanduser(args.SCRIPT_DIR)  # --SCRIPT_DIR=~/code reaches us as typed (see the runner)
     if not os.path.isdir(args.SCRIPT_DIR):  # before any gcloud call
         p.error(f"--SCRIPT_DIR={args.SCRIPT_DIR} is not a folder; give the folder to ship to the workers "
                 "(default: the current one)")

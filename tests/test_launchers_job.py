@@ -275,3 +275,11 @@ def test_job_takes_the_accelerator_types_and_runtime_versions_gcloud_takes(fake,
     assert proc.returncode == 0, proc.stderr
     create = next(c for c in calls(fake) if c[4:5] == ["create"])
     assert f"--accelerator-type={tpu_type.strip()}" in create and f"--runtime-version={version.strip()}" in create
+
+
+def test_job_script_dir_under_the_home_folder_as_typed(fake, code_dir, tmp_path):
+    """`--SCRIPT_DIR=~/code` reaches the launcher as typed: it was refused as "not a folder"."""
+    proc = run("multihost_job.py", *JOB_ARGS, "--COMMAND=bash hello.sh", "--SCRIPT_DIR=~/code", cwd=tmp_path,
+               env={"HOME": str(code_dir.parent)})
+    assert proc.returncode == 0, proc.stderr
+    assert "hello from" in (fake / "gcs" / "bkt" / "tessera-jobs" / "job1" / "logs" / "job1-w0.log").read_text()

@@ -411,3 +411,19 @@ def test_runner_says_how_a_worker_ended(fake, tmp_path, command, ending):
     proc = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND={command}", "--RUN_NAME=r1", cwd=tmp_path)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "multihost_runner: 1 worker(s) failed:" in proc.stderr and ending in proc.stderr
+
+
+def test_runner_folders_under_the_home_folder_as_typed(fake, code_dir, tmp_path):
+    """`--LOG_DIR=~/logs` is passed as typed (bash expands ~ after `NAME=`, not after `--NAME=`): the logs went to
+    a folder named '~' in the current one, and `--SCRIPT_DIR=~/code` was refused as "not a folder"."""
+    add_nodes(fake, ["solo"])
+    home = tmp_path / "home"
+    (home / "code").mkdir(parents=True)
+    (home / "code" / "hi.sh").write_text("echo hi from $FAKE_WORKER\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    proc = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=bash hi.sh", "--SCRIPT_DIR=~/code",
+               "--LOG_DIR=~/logs", "--RUN_NAME=r1", cwd=work, env={"HOME": str(home)})
+    assert proc.returncode == 0, proc.stderr
+    assert (home / "logs" / "r1" / "slice0_worker1.log").read_text() == "hi from 1\n"
+    assert not (work / "~").exists()
