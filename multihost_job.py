@@ -46,8 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
-from tessera.tpu_vm import (GcloudError, command_problem, describe_slice, gcloud, out, pack_code,  # noqa: E402
-                            placeholder_flag, scope_flags)
+from tessera.tpu_vm import (GcloudError, command_problem, describe_slice, exit_description, gcloud, out,  # noqa: E402
+                            pack_code, placeholder_flag, scope_flags)
 
 FAILED_STATES = {"FAILED", "SUSPENDED", "SUSPENDING"}
 # once ACTIVE, these mean the slices are gone (preempted, failed or deleted) and no more workers will report
@@ -308,7 +308,7 @@ def main(argv: list[str]) -> int:
 def report(args: argparse.Namespace, codes: dict[str, int]) -> int:
     failed = {host: code for host, code in sorted(codes.items()) if code}
     for host, code in failed.items():
-        print(f"multihost_job: worker {host} exited with code {code}; log {run_url(args)}/logs/{host}.log",
+        print(f"multihost_job: worker {host} {exit_description(code)}; log {run_url(args)}/logs/{host}.log",
               file=sys.stderr)
     out(f"multihost_job: {len(codes) - len(failed)} of {len(codes)} worker(s) succeeded; logs in {run_url(args)}/logs/")
     return 1 if failed else 0

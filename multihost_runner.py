@@ -43,8 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
-from tessera.tpu_vm import (GcloudError, Slice, command_problem, find_slices, gcloud, out,  # noqa: E402
-                            pack_code, parse_bool, placeholder_flag, scope_flags)
+from tessera.tpu_vm import (GcloudError, Slice, command_problem, exit_description, find_slices,  # noqa: E402
+                            gcloud, out, pack_code, parse_bool, placeholder_flag, scope_flags)
 
 MEGASCALE_PORT = 8080
 TPU_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Google Cloud's resource names (RFC 1035 labels)
@@ -195,7 +195,7 @@ class Worker:
         if code == 255:  # ssh's own code
             return ("exited with code 255, ssh's code for a connection that failed or dropped (the worker restarted "
                     "or cannot be reached), unless the command itself exited with 255")
-        return f"exited with code {code}"
+        return exit_description(code)
 
     def tail(self, lines: int = 5) -> str:
         text = self.log_path.read_text(encoding="utf-8", errors="replace").strip().splitlines() \

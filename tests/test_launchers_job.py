@@ -283,3 +283,12 @@ def test_job_script_dir_under_the_home_folder_as_typed(fake, code_dir, tmp_path)
                env={"HOME": str(code_dir.parent)})
     assert proc.returncode == 0, proc.stderr
     assert "hello from" in (fake / "gcs" / "bkt" / "tessera-jobs" / "job1" / "logs" / "job1-w0.log").read_text()
+
+
+def test_job_names_the_signal_that_stopped_a_worker(fake, code_dir, tmp_path):
+    """It read "worker job1-w1 exited with code 137", the code of a command the OOM killer ended."""
+    command = 'if [ "$TESSERA_HOST" = job1-w1 ]; then sh -c \'kill -KILL $$\'; fi'
+    proc = run("multihost_job.py", *JOB_ARGS, f"--COMMAND={command}", f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("multihost_job: worker job1-w1 exited with code 137 (128 + 9: stopped by SIGKILL; the kernel's "
+            "out-of-memory killer, or kill -9); log gs://bkt/tessera-jobs/job1/logs/job1-w1.log") in proc.stderr

@@ -405,6 +405,10 @@ def test_runner_under_nohup_survives_the_logout(fake, tmp_path):
      "slice 0 worker 1 ended when its `gcloud ssh` on this machine was killed by SIGKILL"),
     ('if [ "$FAKE_WORKER" = 1 ]; then exit 255; fi; sleep 30',
      "slice 0 worker 1 exited with code 255, ssh's code for a connection that failed or dropped"),
+    # a peer's death ends a JAX job with SIGABRT (getting_started/Multi_process.md); it read "exited with code 134"
+    ('if [ "$FAKE_WORKER" = 1 ]; then sh -c \'kill -ABRT $$\'; exit $?; fi; sleep 30',
+     "slice 0 worker 1 exited with code 134 (128 + 6: stopped by SIGABRT; JAX's runtime after a peer process died"),
+    ('if [ "$FAKE_WORKER" = 1 ]; then exit 7; fi; sleep 30', "slice 0 worker 1 exited with code 7 (log"),
 ])
 def test_runner_says_how_a_worker_ended(fake, tmp_path, command, ending):
     add_nodes(fake, ["solo"])

@@ -13,6 +13,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -53,6 +54,25 @@ def parse_bool(text: str | bool) -> bool:
     if value in ("false", "0", "no"):
         return False
     raise ValueError(f"{text!r} is not true or false")
+
+
+# what ended a command that exited with 128 + a signal's number, where it is not plain
+SIGNAL_HINTS = {"SIGKILL": "the kernel's out-of-memory killer, or kill -9",
+                "SIGABRT": "JAX's runtime after a peer process died (getting_started/Multi_process.md)",
+                "SIGTERM": "Tessera saves and exits so after a SIGTERM"}
+
+
+def exit_description(code: int) -> str:
+    """`exited with code N`, naming the signal when N is 128 + its number (137 is SIGKILL's)."""
+    text = f"exited with code {code}"
+    try:
+        name = signal.Signals(code - 128).name if 128 < code < 192 else ""
+    except ValueError:
+        name = ""
+    if name:
+        hint = SIGNAL_HINTS.get(name)
+        text += f" (128 + {code - 128}: stopped by {name}{'; ' + hint if hint else ''})"
+    return text
 
 
 def command_problem(command: str) -> str:
