@@ -81,8 +81,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if left:  # --RUN_NAME=<name> made folders named so on every worker and here
         p.error(left)
     if not TPU_NAME.fullmatch(args.TPU_PREFIX):  # '' or ' my-tpu' were looked up among the zone's TPU VMs
-        p.error(f"--TPU_PREFIX={args.TPU_PREFIX!r} cannot name a TPU VM: Google Cloud names are lowercase letters, digits "
-                "and hyphens, starting with a letter; e.g. --TPU_PREFIX=my-tpu (for my-tpu, or my-tpu-0, my-tpu-1, ...)")
+        p.error(f"--TPU_PREFIX={args.TPU_PREFIX!r} cannot name a TPU VM: Google Cloud names are lowercase letters, "
+                "digits and hyphens, starting with a letter; e.g. --TPU_PREFIX=my-tpu (for my-tpu, or my-tpu-0, "
+                "my-tpu-1, ...)")
     # `--LOG_DIR=~/logs` reaches us as typed (a shell expands ~ at the start of a word or after `NAME=`, not after
     # `--NAME=`): the logs went to a folder named '~' here, and --SCRIPT_DIR=~/code was "not a folder"
     args.SCRIPT_DIR, args.LOG_DIR = os.path.expanduser(args.SCRIPT_DIR), os.path.expanduser(args.LOG_DIR)

@@ -268,7 +268,8 @@ def test_job_under_nohup_survives_the_logout(fake, code_dir, tmp_path):
     assert "--TIMEOUT_MINUTES=0.1 passed before the job finished" in err  # it waited on, as asked
 
 
-@pytest.mark.parametrize("tpu_type, version", [("tpu7x-16", "tpu-vm-tf-2.16.1-pjrt"), ("v5litepod-256 ", " v2-alpha-tpuv5-lite")])
+@pytest.mark.parametrize("tpu_type, version", [("tpu7x-16", "tpu-vm-tf-2.16.1-pjrt"),
+                                               ("v5litepod-256 ", " v2-alpha-tpuv5-lite")])
 def test_job_takes_the_accelerator_types_and_runtime_versions_gcloud_takes(fake, code_dir, tmp_path, tpu_type, version):
     proc = run("multihost_job.py", *JOB_ARGS, f"--TPU_TYPE={tpu_type}", f"--VERSION={version}", "--COMMAND=true",
                f"--SCRIPT_DIR={code_dir}", cwd=tmp_path)

@@ -341,8 +341,9 @@ def test_runner_keeps_the_logs_of_an_earlier_launch_with_the_same_run_name(fake,
     # each worker fails once both have written their line: the first failure stops the others, and a worker
     # stopped before its echo left an empty log (the test failed now and then on a busy machine)
     both_wrote = "touch ../../wrote$FAKE_WORKER; until [ -e ../../wrote0 ] && [ -e ../../wrote1 ]; do sleep 0.05; done"
-    failed = run("multihost_runner.py", "--TPU_PREFIX=solo", f"--COMMAND=echo why it failed $FAKE_WORKER; {both_wrote}; "
-                 "exit 3", f"--SCRIPT_DIR={code_dir}", "--RUN_NAME=r1", cwd=tmp_path)
+    failed = run("multihost_runner.py", "--TPU_PREFIX=solo",
+                 f"--COMMAND=echo why it failed $FAKE_WORKER; {both_wrote}; exit 3", f"--SCRIPT_DIR={code_dir}",
+                 "--RUN_NAME=r1", cwd=tmp_path)
     assert failed.returncode == 1
     cleanup = run("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=echo cleaned $FAKE_WORKER",
                   "--USE_EXISTING_FOLDER=true", "--RUN_NAME=r1", cwd=tmp_path)

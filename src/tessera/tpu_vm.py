@@ -93,7 +93,8 @@ def command_problem(command: str) -> str:
 
 
 def placeholder_flag(args, names: tuple[str, ...]) -> str:
-    """The first of the flags `names` of `args` whose value still holds a <placeholder>, as an error line ("" if none)."""
+    """The first of the flags `names` of `args` whose value still holds a <placeholder>, as an error line ("" if
+    none)."""
     for name in names:
         value = getattr(args, name)
         found = PLACEHOLDER.search(value) if isinstance(value, str) else None
