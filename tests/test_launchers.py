@@ -7,6 +7,8 @@ worker runs the command, and that failures are reported with the failing worker 
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +192,20 @@ def test_runner_refuses_a_run_name_that_is_not_one_folder_name(fake, code_dir, t
                f"--RUN_NAME={name}", cwd=tmp_path)
     assert proc.returncode == 2 and f"--RUN_NAME={name!r} must be one folder name" in proc.stderr
     assert not (fake / "calls.jsonl").exists()
+
+
+def test_the_guides_launcher_commands_pass_the_launchers_checks():
+    """The checks made before any gcloud call (placeholders, names, types) accept the commands the guide prints."""
+    text = (REPO / "getting_started" / "Run_on_TPU_VMs.md").read_text()
+    blocks = "\n".join(re.findall(r"```bash\n(.*?)```", text, flags=re.S)).replace("\\\n", " ")
+    commands = [shlex.split(line) for line in blocks.splitlines() if line.startswith("python3 multihost_")]
+    assert [argv[1] for argv in commands] == ["multihost_runner.py", "multihost_job.py"]
+    # and the clean-up command of the runner's section
+    cleanup = re.search(r"`(--USE_EXISTING_FOLDER=true --RUN_NAME=r1 --COMMAND=.*?)`\n", text).group(1)
+    commands.append(["python3", "multihost_runner.py", "--TPU_PREFIX=my-tpu", *shlex.split(cleanup)])
+    for argv in commands:
+        check = ("import sys; sys.path.insert(0, '.'); import importlib; "
+                 f"print(importlib.import_module({argv[1][:-3]!r}).parse_args(sys.argv[1:]))")
+        proc = subprocess.run([sys.executable, "-c", check, *argv[2:]], cwd=REPO, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, f"{shlex.join(argv)}: {proc.stderr}"
