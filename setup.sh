@@ -248,6 +248,10 @@ if [ -n "$PY" ]; then
 fi
 venv_v=
 [ -x "$VENV/bin/python" ] && venv_v=$(py_version "$VENV/bin/python")
+if [ -z "$venv_v" ] && [ -f "$VENV/pyvenv.cfg" ]; then  # it was deleted and made anew without a word
+  echo "setup.sh: $VENV's Python does not run (its interpreter removed or upgraded since, e.g. by brew or" \
+    "pyenv?); making it anew"
+fi
 if [ -n "$venv_v" ] && ! has_pip "$VENV/bin/python"; then
   echo "setup.sh: $VENV has no pip (a setup interrupted while it was being made?); making it anew"
   venv_v=

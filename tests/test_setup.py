@@ -390,3 +390,17 @@ def test_an_environment_in_a_folder_still_to_be_made_is_checked_and_made(tmp_pat
     proc = run_setup(f"PYTHON={py}", f"VENV={other}", env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
     assert proc.returncode == 1 and f"only 100 MB free on the disk of {tmp_path / 'other'}" in proc.stderr
     assert not other.exists()
+
+
+def test_an_environment_whose_python_is_gone_is_made_anew_with_a_word(tmp_path):
+    """Its interpreter removed (brew upgraded python@3.12, pyenv uninstall): the environment was deleted and made
+    again without a line saying why."""
+    venv = tmp_path / "venv"
+    stub_venv(venv, "3.12")
+    (venv / "bin" / "python").unlink()
+    (venv / "bin" / "python").symlink_to(tmp_path / "uninstalled" / "python3.12")
+    py = stub_python(tmp_path / "py", "3.12")
+    proc = run_setup(f"PYTHON={py}", f"VENV={venv}")
+    assert proc.returncode == 0, proc.stderr
+    assert f"setup.sh: {venv}'s Python does not run" in proc.stdout and "making it anew" in proc.stdout
+    assert f"creating {venv} with {py}" in proc.stdout and (venv / "pip.log").is_file()
