@@ -46,8 +46,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
-from tessera.tpu_vm import (GcloudError, command_problem, describe_slice, exit_description, gcloud, out,  # noqa: E402
-                            pack_code, placeholder_flag, scope_flags)
+from tessera.tpu_vm import (MIN_PYTHON, GcloudError, command_problem, describe_slice,  # noqa: E402
+                            exit_description, gcloud, out, pack_code, placeholder_flag, scope_flags)
 
 FAILED_STATES = {"FAILED", "SUSPENDED", "SUSPENDING"}
 # once ACTIVE, these mean the slices are gone (preempted, failed or deleted) and no more workers will report
@@ -269,6 +269,11 @@ def clean_up(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if sys.version_info < MIN_PYTHON:  # 3.7 ended in an AttributeError (shlex.join) at the first failed gcloud call
+        print(f"multihost_job: needs Python {'.'.join(map(str, MIN_PYTHON))} or newer, this is "
+              f"{sys.version.split()[0]}; run it with python3.8 or a newer python3 (any, without Tessera's packages)",
+              file=sys.stderr)
+        return 1
     args = parse_args(argv)
     if shutil.which("gcloud") is None:
         print("multihost_job: no `gcloud` on PATH; install the Google Cloud CLI "

@@ -43,8 +43,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "src"))  # works without `pip install -e .`
 
-from tessera.tpu_vm import (GcloudError, Slice, command_problem, exit_description, find_slices,  # noqa: E402
-                            gcloud, out, pack_code, parse_bool, placeholder_flag, scope_flags)
+from tessera.tpu_vm import (MIN_PYTHON, GcloudError, Slice, command_problem, exit_description,  # noqa: E402
+                            find_slices, gcloud, out, pack_code, parse_bool, placeholder_flag, scope_flags)
 
 MEGASCALE_PORT = 8080
 TPU_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")  # Google Cloud's resource names (RFC 1035 labels)
@@ -278,6 +278,11 @@ def wait_all(workers: list[Worker]) -> list[Worker]:
 
 
 def main(argv: list[str]) -> int:
+    if sys.version_info < MIN_PYTHON:  # 3.7 ended in an AttributeError (shlex.join) at the first failed gcloud call
+        print(f"multihost_runner: needs Python {'.'.join(map(str, MIN_PYTHON))} or newer, this is "
+              f"{sys.version.split()[0]}; run it with python3.8 or a newer python3 (any, without Tessera's packages)",
+              file=sys.stderr)
+        return 1
     args = parse_args(argv)
     if shutil.which("gcloud") is None:
         print("multihost_runner: `gcloud` is not on PATH; install the Google Cloud CLI "

@@ -19,7 +19,7 @@ DOCS = sorted({REPO / "README.md", *(REPO / "getting_started").glob("*.md"), *(R
 # inside --COMMAND="..." / --command "..." strings, never at the start of a line, and recipes
 # run as `bash configs/...sh`, which picks .venv/bin/python itself: neither needs an entry.)
 EXCEPTIONS = (
-    "python3 multihost_runner.py",  # standard library only (checked below): any Python 3 on a workstation
+    "python3 multihost_runner.py",  # standard library only (checked below): any Python 3.8+ on a workstation
     "python3 multihost_job.py",  # the same
     "python3 -m MaxText.train",  # MaxText's own commands, quoted for comparison in Coming_from_MaxText.md
     "python3 -m MaxText.train_compile",

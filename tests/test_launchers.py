@@ -5,10 +5,12 @@ tests check the exact gcloud commands, that the code arrives on every worker, th
 worker runs the command, and that failures are reported with the failing worker named.
 """
 
+import glob
 import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -209,3 +211,38 @@ def test_the_guides_launcher_commands_pass_the_launchers_checks():
         proc = subprocess.run([sys.executable, "-c", check, *argv[2:]], cwd=REPO, capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 0, f"{shlex.join(argv)}: {proc.stderr}"
+
+
+def old_python(version: str) -> str | None:
+    """A working interpreter of `version` ("3.8"): on PATH, or in pyenv's folder (where this repo's machines keep
+    them); None when this machine has none."""
+    found = [shutil.which(f"python{version}") or ""]
+    found += sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{version}.*/bin/python{version}")))
+    for path in filter(None, found):
+        if subprocess.run([path, "-c", "pass"], capture_output=True).returncode == 0:
+            return path
+    return None
+
+
+def test_launchers_run_on_the_oldest_python_they_promise(fake, code_dir, tmp_path):
+    """The guides run them with a workstation's python3. On 3.8 a --COMMAND that bash cannot parse ended in an
+    AttributeError (str.removeprefix is 3.9's); on 3.7 a failed gcloud call did (shlex.join is 3.8's)."""
+    python = old_python("3.8")
+    if python is None:
+        pytest.skip("no Python 3.8 on this machine (PATH or ~/.pyenv/versions)")
+    add_nodes(fake, ["solo"])
+    launch = lambda script, *args: subprocess.run(  # noqa: E731
+        [python, str(REPO / script), *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = launch("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=bash hello.sh", f"--SCRIPT_DIR={code_dir}",
+                  "--RUN_NAME=r1")
+    assert proc.returncode == 0 and "hello from solo/0" in proc.stdout, proc.stderr
+    proc = launch("multihost_runner.py", "--TPU_PREFIX=solo", "--COMMAND=bash 'hello.sh")
+    assert proc.returncode == 2 and "is not a bash command" in proc.stderr and "Traceback" not in proc.stderr
+    proc = launch("multihost_job.py", *JOB_ARGS, "--COMMAND=true", f"--SCRIPT_DIR={code_dir}")
+    assert proc.returncode == 0, proc.stderr
+    older = old_python("3.7")
+    if older:
+        proc = subprocess.run([older, str(REPO / "multihost_job.py"), *JOB_ARGS, "--RUN_NAME=j2", "--COMMAND=true"],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and "Traceback" not in proc.stderr
+        assert proc.stderr.startswith("multihost_job: needs Python 3.8 or newer, this is 3.7.")

@@ -1,8 +1,9 @@
 """gcloud commands for Cloud TPU VMs, shared by `multihost_runner.py` and `multihost_job.py`.
 
-Standard library only: the launchers run on a workstation that may not have Tessera's
-dependencies installed. Every call goes through the `gcloud` found on PATH (the tests put a
-fake one first), and a failed call raises `GcloudError` with the command and its output.
+Standard library only, and Python 3.8's (MIN_PYTHON): the launchers run on a workstation that may
+not have Tessera's dependencies installed, with its own python3. Every call goes through the
+`gcloud` found on PATH (the tests put a fake one first), and a failed call raises `GcloudError`
+with the command and its output.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ EXCLUDED_FROM_CODE = {".git", ".venv", ".venv-hf", "outputs", "__pycache__", ".p
 # A value the docs leave to fill in: gs://<bucket>/runs, <changeme>. Unquoted, bash reads `<bucket` and `>/runs`
 # as redirections, so `bash -n` passed it and every worker then failed with "bucket: No such file or directory".
 PLACEHOLDER = re.compile(r"<[A-Za-z][-\w.]*>")
+
+
+MIN_PYTHON = (3, 8)  # of the launchers, run by a workstation's python3: this file and theirs are tested with it
 
 
 class GcloudError(RuntimeError):
@@ -82,7 +86,8 @@ def command_problem(command: str) -> str:
         proc = subprocess.run(["bash", "-n", "-c", command], capture_output=True, text=True)
         if proc.returncode:
             first = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[0]  # the next echoes it
-            return (f"is not a bash command ({first.removeprefix('bash: -c: ')}): every worker would fail to start "
+            first = first[len("bash: -c: "):] if first.startswith("bash: -c: ") else first  # no removeprefix in 3.8
+            return (f"is not a bash command ({first}): every worker would fail to start "
                     "it; check its quotes and fill in any <placeholder>")
     left = PLACEHOLDER.findall(_outside_single_quotes(command))
     if left:
