@@ -24,8 +24,8 @@ its start-up script reports exit code 1, with a line at the end of its log. A wo
 without uploading its status while its slice stays ACTIVE is not noticed: set --TIMEOUT_MINUTES for that.
 
 Exit codes: 0 every worker succeeded; 1 a worker failed, a gcloud command failed, the queued resource
-failed or was suspended, the run folder already exists, --TIMEOUT_MINUTES passed or gcloud is not
-on PATH; 2 bad arguments; 128 + the signal's number when stopped by a signal (Ctrl-C 130, SIGTERM
+failed or was suspended, the run folder already exists, --TIMEOUT_MINUTES passed, gcloud is not
+on PATH or this Python is older than 3.8; 2 bad arguments; 128 + the signal's number when stopped by a signal (Ctrl-C 130, SIGTERM
 143, SIGHUP 129), after deleting the queued resource if it may have been created. A signal ignored when
 the launcher starts stays ignored: `nohup python3 multihost_job.py ... &` outlives the terminal.
 """

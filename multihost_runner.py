@@ -18,7 +18,8 @@ running; clean up with e.g. `--USE_EXISTING_FOLDER=true --RUN_NAME=r1 --COMMAND=
 --COMMAND is checked first: one that bash cannot parse (`bash -n`) or that still holds a <placeholder>
 (gs://<bucket>/runs) is refused before any gcloud call; every worker would fail on it.
 
-Exit codes: 0 every worker finished; 1 a gcloud call or a worker failed (or `gcloud` is not on PATH);
+Exit codes: 0 every worker finished; 1 a gcloud call or a worker failed (or `gcloud` is not on PATH, or
+this Python is older than 3.8);
 2 bad arguments; 130 / 143 / 129 stopped by Ctrl-C / SIGTERM / SIGHUP (the local `gcloud` processes are
 stopped first). A signal ignored when the runner starts stays ignored: `nohup python3 multihost_runner.py ... &`
 outlives the terminal.
