@@ -26,6 +26,21 @@ def test_drift_on_a_gpu_install_says_to_reinstall_the_gpu_flavour(tmp_path, caps
     assert doctor.setup_command("tpu", "latest") == "bash setup.sh DEVICE=tpu MODE=latest"
 
 
+def test_an_environment_made_elsewhere_is_named_in_the_fix(tmp_path, monkeypatch, capsys, no_device_probe):
+    """For an environment made with `bash setup.sh VENV=dir`, the fix said `bash setup.sh DEVICE=gpu`, which made
+    a second environment in .venv and left this one as it was."""
+    venv = tmp_path / "my envs" / "t"
+    venv.mkdir(parents=True)
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    assert doctor.setup_command("gpu", prefix=str(venv)) == f"bash setup.sh DEVICE=gpu VENV='{venv}'"
+    assert doctor.setup_command("cpu", "latest", prefix=str(tmp_path)) == "bash setup.sh MODE=latest"  # no venv
+    monkeypatch.setattr(doctor.sys, "prefix", str(venv))
+    lock = tmp_path / "gpu.txt"
+    lock.write_text("jax==0.0.1\n")
+    assert doctor.main(["--device", "gpu", "--lock", str(lock), "--quiet"]) == 1
+    assert f"run `bash setup.sh DEVICE=gpu VENV='{venv}'` to install the locked versions" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("text, problem", [
     ("not a lock\n", "has no package==version line for this interpreter"),
     ('jax==0.4 ; python_version >= "3" and\n', "line 1 has an environment marker that does not parse"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 from importlib import metadata
@@ -58,10 +59,15 @@ def read_lock(path: Path) -> dict[str, str]:
     return pins
 
 
-def setup_command(device: str, mode: str = "locked") -> str:
-    """The setup.sh command that reinstalls this flavour (a bare `bash setup.sh` installs the CPU one)."""
+def setup_command(device: str, mode: str = "locked", prefix: str | None = None) -> str:
+    """The setup.sh command that reinstalls this flavour (a bare `bash setup.sh` installs the CPU one) into this
+    environment (`prefix`, default sys.prefix): one made elsewhere (setup.sh VENV=dir) is named, or the command
+    made a second one in .venv."""
+    prefix = sys.prefix if prefix is None else prefix
+    elsewhere = (Path(prefix) / "pyvenv.cfg").is_file() and Path(prefix).resolve() != (REPO / ".venv").resolve()
     return " ".join(["bash setup.sh", *([f"DEVICE={device}"] if device != "cpu" else []),
-                     *(["MODE=latest"] if mode == "latest" else [])])
+                     *(["MODE=latest"] if mode == "latest" else []),
+                     *([f"VENV={shlex.quote(str(Path(prefix).resolve()))}"] if elsewhere else [])])
 
 
 def setup_record(prefix: str = sys.prefix) -> dict[str, str]:
