@@ -10,7 +10,7 @@
 #
 # Settings (as KEY=VALUE arguments or environment variables; an argument wins, and an error says when a
 # value came from the environment):
-#   DEVICE=cpu|gpu|tpu  which JAX build to install (default cpu)
+#   DEVICE=cpu|gpu|tpu  which JAX build to install (default cpu; gpu and tpu on Linux only)
 #   MODE=locked|latest  locked (default; 'stable' is the same): the exact versions CI tested, from
 #                       locks/<DEVICE>.txt. latest: resolve the ranges in requirements*.txt anew
 #   VENV=.venv          where the virtual environment lives (relative to setup.sh's folder; a folder
@@ -63,6 +63,12 @@ VENV=${VENV:-.venv}
 HF_REFERENCE=${HF_REFERENCE:-0}
 HF_VENV=${HF_VENV:-.venv-hf}
 case "$DEVICE" in cpu|gpu|tpu) ;; *) echo "setup.sh: DEVICE=$DEVICE is not one of cpu, gpu, tpu$(from_env DEVICE)" >&2; exit 2 ;; esac
+if [ "$DEVICE" != cpu ] && [ "$(uname -s 2>/dev/null || true)" != Linux ]; then
+  # pip failed half-way with "No matching distribution found for jax-cuda12-plugin" (or libtpu)
+  echo "setup.sh: DEVICE=$DEVICE$(from_env DEVICE) needs Linux: JAX's CUDA and TPU builds are made for Linux only," \
+    "and this is $(uname -s 2>/dev/null || echo 'an unknown system'); use DEVICE=cpu here" >&2
+  exit 2
+fi
 case "$MODE" in locked|latest) ;; *) echo "setup.sh: MODE=$MODE is not one of locked, latest$(from_env MODE)" >&2; exit 2 ;; esac
 UV_VERSION=0.13.9   # the resolver that writes locks/*.txt (bash setup.sh lock)
 START=$SECONDS

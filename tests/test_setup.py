@@ -83,7 +83,7 @@ echo "stub python: unexpected arguments: $*" >&2
 exit 9
 '''
 TOOLS = ("bash", "dirname", "basename", "sort", "head", "rm", "ls", "mkdir", "cp", "cat", "sed", "awk", "df",
-         "touch", "grep", "tr")
+         "touch", "grep", "tr", "uname")
 
 
 def stub_python(bin_dir: Path, version: str, name: str = "python") -> Path:
@@ -404,3 +404,22 @@ def test_an_environment_whose_python_is_gone_is_made_anew_with_a_word(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert f"setup.sh: {venv}'s Python does not run" in proc.stdout and "making it anew" in proc.stdout
     assert f"creating {venv} with {py}" in proc.stdout and (venv / "pip.log").is_file()
+
+
+@pytest.mark.parametrize("system", ["Darwin", "MINGW64_NT-10.0"])
+def test_an_accelerator_build_on_a_system_without_it_is_refused(tmp_path, system):
+    """On macOS, DEVICE=gpu made the environment, then pip failed: "No matching distribution found for
+    jax-cuda12-plugin" (libtpu likewise for DEVICE=tpu)."""
+    tools = tools_dir(tmp_path)
+    (tools / "uname").unlink()
+    (tools / "uname").write_text(f"#!/bin/sh\necho {system}\n")
+    (tools / "uname").chmod(0o755)
+    stub_python(tools, "3.12", "python3.12")
+    env = {"PATH": str(tools), "HOME": str(tmp_path)}
+    for device in ("gpu", "tpu"):
+        proc = run_setup(f"VENV={tmp_path / 'venv'}", f"DEVICE={device}", env=env)
+        assert proc.returncode == 2 and proc.stdout == ""
+        assert proc.stderr.strip() == (f"setup.sh: DEVICE={device} needs Linux: JAX's CUDA and TPU builds are made "
+                                       f"for Linux only, and this is {system}; use DEVICE=cpu here")
+        assert not (tmp_path / "venv").exists()
+    assert run_setup(f"VENV={tmp_path / 'venv'}", env=env).returncode == 0  # the CPU build
