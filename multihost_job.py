@@ -110,14 +110,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for flag, example in (("TPU_TYPE", "v5p-256"), ("VERSION", "v2-alpha-tpuv5"), ("COMMAND", "'bash setup.sh'")):
         if not getattr(args, flag).strip():  # an empty command made fresh slices, ran nothing and reported success
             p.error(f"--{flag} is empty; e.g. --{flag}={example}")
-    if not TPU_TYPE.fullmatch(args.TPU_TYPE.strip()):  # gcloud refused it only after the code was uploaded
-        p.error(f"--TPU_TYPE={args.TPU_TYPE!r} is not an accelerator type: a TPU generation and a size, lowercase, "
-                "e.g. --TPU_TYPE=v5p-256, v5litepod-256, v6e-256 or v4-128 (`gcloud compute tpus accelerator-types "
-                "list` lists a zone's)")
-    if not RUNTIME_VERSION.fullmatch(args.VERSION.strip()):
-        p.error(f"--VERSION={args.VERSION!r} is not a TPU VM runtime version: lowercase letters, digits, '-' and "
-                "'.', e.g. --VERSION=v2-alpha-tpuv5 (`gcloud compute tpus versions list` lists a zone's)")
-    args.TPU_TYPE, args.VERSION = args.TPU_TYPE.strip(), args.VERSION.strip()
+    _check_slice_type(p, args)
     if args.NUM_SLICES < 1:
         p.error(f"--NUM_SLICES={args.NUM_SLICES} must be at least 1")
     problem = command_problem(args.COMMAND)
@@ -146,6 +139,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--POLL_SECONDS={args.POLL_SECONDS:g} must be above 0 and --TIMEOUT_MINUTES={args.TIMEOUT_MINUTES:g} "
                 "at least 0 (0: no time limit), both finite")
     return args
+
+
+def _check_slice_type(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--TPU_TYPE and --VERSION in the form gcloud takes (gcloud refused them only after the code was uploaded)."""
+    if not TPU_TYPE.fullmatch(args.TPU_TYPE.strip()):
+        p.error(f"--TPU_TYPE={args.TPU_TYPE!r} is not an accelerator type: a TPU generation and a size, lowercase, "
+                "e.g. --TPU_TYPE=v5p-256, v5litepod-256, v6e-256 or v4-128 (`gcloud compute tpus accelerator-types "
+                "list` lists a zone's)")
+    if not RUNTIME_VERSION.fullmatch(args.VERSION.strip()):
+        p.error(f"--VERSION={args.VERSION!r} is not a TPU VM runtime version: lowercase letters, digits, '-' and "
+                "'.', e.g. --VERSION=v2-alpha-tpuv5 (`gcloud compute tpus versions list` lists a zone's)")
+    args.TPU_TYPE, args.VERSION = args.TPU_TYPE.strip(), args.VERSION.strip()
 
 
 def run_url(args: argparse.Namespace) -> str:
