@@ -909,6 +909,23 @@ def test_a_file_named_as_a_step_is_refused_not_deleted_by_that_step_s_save(tmp_p
     assert (tmp_path / "ckpt" / "6").read_text() == "notes"
 
 
+def test_a_parameters_only_checkpoint_named_as_a_step_is_refused_not_called_damaged(tmp_path):
+    """decode.py save_quantized_params_path=<run>/checkpoints/999 wrote a {"params": ...} checkpoint where the run
+    keeps its steps: the resume took it for step 999 and called it damaged (its state/_METADATA missing), and
+    max_num_checkpoints_to_keep would have deleted one with an older number. It is named for what it is."""
+    import orbax.checkpoint as ocp
+
+    directory = tmp_path / "checkpoints"
+    ocp.PyTreeCheckpointer().save(directory / "999", {"params": {"w": np.ones((2, 3), np.float32)}})
+    with pytest.raises(CheckpointError) as e:
+        Checkpointer(tiny_config(tmp_path).checkpoint, str(directory))
+    assert str(e.value) == (f"{directory}/999 is a parameters-only checkpoint (decode.py save_quantized_params_path "
+                            "or the converter wrote it), not a training step: its name makes it step 999 of this "
+                            f"run, to resume from or to delete. Move it out of {directory} (e.g. mv {directory}/999 "
+                            f"{tmp_path}/params-999) and run the same command again")
+    assert (directory / "999" / "_METADATA").exists()
+
+
 def test_processes_setting_aside_the_same_interrupted_saves_do_not_trip_over_each_other(tmp_path):
     """Every process of a job sets interrupted saves aside at start-up; on a shared folder the second
     one's rename found the folder gone (FileNotFoundError, a traceback and exit 1 on every restart

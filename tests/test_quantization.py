@@ -382,6 +382,23 @@ def test_quantized_checkpoint_keys_are_checked():
         tiny_config(checkpoint_is_quantized=True, quantization="int8")
 
 
+def test_a_quantized_checkpoint_is_not_written_where_a_run_keeps_its_steps(tmp_path):
+    """save_quantized_params_path=<run>/checkpoints/999 was written: the run's resume then took it for its step 999
+    and reported it as damaged. Such a folder is refused before anything is loaded; other numbered folders are not."""
+    from tessera.checkpointing.quantized import check_new_folder
+
+    (tmp_path / "run" / "ckpt" / "4" / "state").mkdir(parents=True)
+    for run_steps in (tmp_path / "run" / "checkpoints", tmp_path / "run" / "ckpt"):
+        with pytest.raises(ConfigError) as e:
+            check_new_folder(str(run_steps / "999"), "save_quantized_params_path")
+        assert str(e.value) == (f"save_quantized_params_path={run_steps}/999 would be taken for step 999 of the run "
+                                f"whose checkpoints are in {run_steps}; choose a folder outside it (e.g. "
+                                f"{tmp_path}/run/quantized) (nothing was written)")
+    check_new_folder(str(tmp_path / "quantized" / "999"), "save_quantized_params_path")  # no steps there
+    check_new_folder(str(tmp_path / "run" / "ckpt" / "q999"), "save_quantized_params_path")
+    assert not (tmp_path / "quantized").exists()
+
+
 def test_a_float8_checkpoint_is_not_cast_into_another_float8_format():
     """A checkpoint saved with quantization=fp8 (float8_e4m3fn values) loaded with nanoo_fp8 (e4m3fnuz)
     was cast as a weight_dtype change is: every value above 240 became NaN and decode gave token 0.

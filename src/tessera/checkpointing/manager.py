@@ -314,14 +314,24 @@ class _WholeReplicas(ocp.type_handlers.TypeHandlerRegistry):
 
 def refuse_files_named_as_steps(directory: epath.Path) -> None:
     """CheckpointError for a file in `directory` named as a step (`6`): Orbax does not take it for a checkpoint,
-    and deleted it without a word when the run saved that step."""
+    and deleted it without a word when the run saved that step. Likewise for a parameters-only checkpoint
+    there (decode.py's save_quantized_params_path, a converted one): the newest was resumed from and reported
+    as damaged, an older one deleted by max_num_checkpoints_to_keep."""
     if not directory.is_dir():
         return
-    files = sorted((p for p in directory.iterdir() if p.name.isdigit() and not p.is_dir()), key=lambda p: int(p.name))
+    named = sorted((p for p in directory.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    files = [p for p in named if not p.is_dir()]
     if files:
         raise CheckpointError(f"{files[0]} is a file, where the checkpoint of step {files[0].name} would be saved (the "
                               f"save would delete it); move it away (e.g. mv {files[0]} {files[0]}.file) and run the "
                               "same command again")
+    params_only = [p for p in named if (p / PYTREE_METADATA_FILE).exists() and not (p / "state").exists()]
+    if params_only:
+        p = params_only[0]
+        raise CheckpointError(f"{p} is a parameters-only checkpoint (decode.py save_quantized_params_path or the "
+                              f"converter wrote it), not a training step: its name makes it step {p.name} of this run, "
+                              f"to resume from or to delete. Move it out of {directory} (e.g. mv {p} "
+                              f"{directory.parent / f'params-{p.name}'}) and run the same command again")
 
 
 def set_aside_incomplete(directory: epath.Path) -> list[epath.Path]:

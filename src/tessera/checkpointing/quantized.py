@@ -19,9 +19,20 @@ def check_new_folder(path: str, key: str) -> None:
 
     from tessera.checkpointing import check_writable
 
-    if epath.Path(path).exists():
+    target = epath.Path(path)
+    if target.exists():
         raise ConfigError(f"{key}={path} exists already; choose a new folder (nothing was written)")
+    if target.name.isdigit() and (target.parent.name == "checkpoints" or _beside_training_steps(target)):
+        raise ConfigError(f"{key}={path} would be taken for step {target.name} of the run whose checkpoints are in "
+                          f"{target.parent}; choose a folder outside it (e.g. {target.parent.parent / 'quantized'}) "
+                          "(nothing was written)")
     check_writable(path, key)
+
+
+def _beside_training_steps(target) -> bool:
+    """Whether the folder of `target` holds a training step (a folder named by its number, with a state item)."""
+    parent = target.parent
+    return parent.is_dir() and any(p.name.isdigit() and (p / "state").is_dir() for p in parent.iterdir())
 
 
 def source_config(cfg: Config) -> dict:
