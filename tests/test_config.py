@@ -986,9 +986,19 @@ def test_other_optimizers_and_decodings_keys_are_named_in_training():
         "kv_quant_dtype=int4: no effect without quantize_kvcache=true (and only in decoding)",
         "save_quantized_params_path: no effect on training; decode.py writes the loaded weights quantized there "
         "(checkpoints of a run with `quantization` hold them in weight_dtype)"]
-    muon = load_config([BASE, "opt_type=muon", "adam_b2=0.99", "muon_beta=0.9", "quantize_kvcache=true",
-                        "kv_quant_dtype=int4"], env={})
+    muon = load_config([BASE, "opt_type=muon", "adam_b2=0.99", "muon_beta=0.9"], env={})
     assert keys_without_effect(muon, {"fsdp": 8}) == []  # muon's AdamW part reads adam_*
+
+
+def test_a_quantized_kv_cache_is_named_in_training():
+    """quantize_kvcache=true (with kv_quant_dtype=int4) given to train.py was accepted without a word, as if the
+    run stored something quantized: training keeps no KV cache."""
+    from tessera.config.unread_keys import keys_without_effect
+
+    kv = load_config([BASE, "quantize_kvcache=true", "kv_quant_dtype=int4"], env={})
+    assert keys_without_effect(kv, {"fsdp": 8}) == [
+        "quantize_kvcache=true, kv_quant_dtype=int4: no effect on training, which keeps no KV cache; decode.py "
+        "stores its cache quantized (`quantization` quantizes the training matmuls)"]
 
 
 def test_keys_of_another_input_pipeline_checkpoints_off_or_no_hlo_dump_are_named():

@@ -268,6 +268,10 @@ def _optimizer_and_decoding_keys(cfg: Config, changed: dict) -> list[str]:
         lines.append(f"{_listed(keys, changed)}: no effect with opt_type={opt}; they are read with opt_type=muon")
     if not cfg.model.quantize_kvcache and (keys := [k for k in ("kv_quant_dtype", "kv_quant_axis") if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without quantize_kvcache=true (and only in decoding)")
+    elif cfg.model.quantize_kvcache and "quantize_kvcache" in changed:
+        more = "".join(f", {_listed([k], changed)}" for k in ("kv_quant_dtype", "kv_quant_axis") if k in changed)
+        lines.append(f"quantize_kvcache=true{more}: no effect on training, which keeps no KV cache; decode.py stores "
+                     "its cache quantized (`quantization` quantizes the training matmuls)")
     if "save_quantized_params_path" in changed:
         lines.append("save_quantized_params_path: no effect on training; decode.py writes the loaded weights quantized "
                      "there (checkpoints of a run with `quantization` hold them in weight_dtype)")
