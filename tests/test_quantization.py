@@ -399,6 +399,25 @@ def test_a_quantized_checkpoint_is_not_written_where_a_run_keeps_its_steps(tmp_p
     assert not (tmp_path / "quantized").exists()
 
 
+def test_a_mismatch_is_not_put_on_the_quantization_keys(tmp_path):
+    """A checkpoint that did not fit was explained by every model key its saved config differs in, the quantization
+    keys too: train.py load_parameters_path=<quantized checkpoint> said `quantization="int8" (here "")`, and a
+    quantized run's float checkpoint read with another width named quantization next to base_emb_dim. Those keys
+    never change the parameters saved; the keys that do are still named."""
+    from tessera.checkpointing import CheckpointMismatch, mismatch_explained
+
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "metadata").write_text(json.dumps(
+        {"quantization": "int8", "quantize_kvcache": True, "kv_quant_dtype": "int4", "base_emb_dim": 24}))
+    now = {"quantization": "", "quantize_kvcache": False, "kv_quant_dtype": "int8"}
+    with pytest.raises(CheckpointMismatch) as e, mismatch_explained(str(tmp_path), {**now, "base_emb_dim": 32}):
+        raise CheckpointMismatch("the arrays differ")
+    assert str(e.value) == "the arrays differ\nThe config saved with it differs in its model keys: base_emb_dim=24 (here 32)"
+    with pytest.raises(CheckpointMismatch) as e, mismatch_explained(str(tmp_path), {**now, "base_emb_dim": 24}):
+        raise CheckpointMismatch("the arrays differ")
+    assert str(e.value) == "the arrays differ"
+
+
 def test_a_float8_checkpoint_is_not_cast_into_another_float8_format():
     """A checkpoint saved with quantization=fp8 (float8_e4m3fn values) loaded with nanoo_fp8 (e4m3fnuz)
     was cast as a weight_dtype change is: every value above 240 became NaN and decode gave token 0.

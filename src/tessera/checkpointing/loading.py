@@ -157,6 +157,11 @@ def saved_config(path: str) -> dict:
     return saved if isinstance(saved, dict) else {}
 
 
+# Model keys that change how the projections or the KV cache compute, never the parameters saved: a mismatch is
+# not theirs to explain (a quantized training run's float checkpoint has the same arrays as any other)
+QUANTIZATION_KEYS = frozenset({"quantization", "quantize_kvcache", "kv_quant_axis", "kv_quant_dtype"})
+
+
 @contextlib.contextmanager
 def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str = "") -> Iterator[None]:
     """Around a load from `path`: a CheckpointMismatch gets a last line naming the `model_keys`
@@ -168,7 +173,7 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str =
         saved = saved_config(path)
         now = json.loads(json.dumps(dict(model_keys)))  # as saved: lists, not tuples
         differ = [f"{k}={json.dumps(saved[k])} (here {json.dumps(v)})" for k, v in now.items()
-                  if k in saved and saved[k] != v]
+                  if k in saved and saved[k] != v and k not in QUANTIZATION_KEYS]
         lines = [f"The config saved with it differs in its model keys: {', '.join(differ)}"] if differ else []
         saved_opt = saved.get("opt_type", "adamw")  # checkpoints from before opt_type were AdamW's
         if opt_type and saved and saved_opt != opt_type:
