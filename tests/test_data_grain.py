@@ -106,6 +106,7 @@ def test_evaluations_reading_the_eval_stream_whole_keep_its_workers(tmp_path, sp
         start_prefetch(it)
 
     monkeypatch.setattr(prefetch.ProcessPrefetchDatasetIterator, "start_prefetch", counted)
+    earlier = set(multiprocessing.active_children())  # an earlier test's streams may still hold theirs
     files = write_records(tmp_path, make_docs(12))
     plain = make_input(grain_config("", sp_model, grain_eval_files=files).data, 96, 4, split="eval")
     want = [b["tokens"] for b in plain]
@@ -116,8 +117,12 @@ def test_evaluations_reading_the_eval_stream_whole_keep_its_workers(tmp_path, sp
         data.set_state(start)
         np.testing.assert_array_equal(np.stack([b["tokens"] for b in data]), np.stack(want))
     assert sum(starts) == 2  # once per worker
+    ours = [p for p in multiprocessing.active_children() if p not in earlier]
+    assert len(ours) == 2, ours
     data.stop_workers()
-    assert not [p for p in multiprocessing.active_children() if p.is_alive()]
+    for p in ours:
+        p.join(timeout=30)
+    assert not [p for p in ours if p.is_alive()]
 
 
 def test_a_resume_may_change_grain_worker_count(tmp_path, sp_model):  # noqa: F811
