@@ -76,6 +76,23 @@ def test_roofline_thresholds_of_seed_004():
     assert not verdicts({})["expert"].size > 1 and verdicts({})["expert"].verdict == "not used"
 
 
+def test_moe_rooflines_use_the_experts_width_not_the_dense_layers():
+    """DeepSeek-V3's experts are base_moe_mlp_dim=2048 wide, its 3 dense layers base_mlp_dim=18432: the expert and
+    tensor axes were scored with mlp_dim (expert 8 ways: 4 x 18,432 / 8 = 9,216, compute-bound; tensor 8 ways:
+    2,304), 9 times what the routed rows leave (1,024 and 256: both under the v5p's 1,275)."""
+    def scored(model, hardware):
+        cfg = load_model_config(model, ["ici_expert_parallelism=8", "ici_tensor_parallelism=8"])
+        hw = parse_hardware(hardware)
+        return {r.axis: r for r in rooflines(cfg, mesh_sizes(cfg, hw), hw)}
+
+    r = scored("deepseek-v3", "v5p-1024")
+    assert (r["expert"].intensity, r["tensor"].intensity) == (pytest.approx(1024), pytest.approx(256))
+    assert r["expert"].verdict.startswith("communication-bound") and r["tensor"].verdict.startswith("communication")
+    # a model whose experts are base_mlp_dim wide (Mixtral's layout) is scored as before
+    r = scored("mixtral-8x7b", "v5p-512")
+    assert (r["expert"].intensity, r["tensor"].intensity) == (pytest.approx(4 * 14336 / 8), pytest.approx(14336 / 8))
+
+
 def test_on_a_dense_model_the_expert_axis_is_scored_as_the_fsdp_split_it_is():
     """The expert axis splits a dense model's batch and weights as fsdp does (same memory in the report); it was
     scored by the experts' all-to-all (4 x mlp_dim / expert: 768 for the default model on 4 ways, communication-
@@ -298,6 +315,27 @@ def test_moe_activations_follow_the_rows_the_experts_compute():
         return estimate_memory(c, count_params(c.model), mesh_sizes(c, hw), True).activations["minimal"]
 
     assert acts("ici_expert_parallelism=4") > acts("ici_expert_parallelism=4", "ragged_buffer_factor=2") > acts()
+
+
+def test_mla_activations_follow_its_own_key_and_value_shapes():
+    """MLA (deepseek) expands a key [Hn + Hr] and a value [Hv] for every query head and never reads num_kv_heads
+    (the config says so); the estimate sized its keys and values as 2 x num_kv_heads x head_dim and its context
+    as query heads x head_dim: deepseek-small's query, key and value projections were 1,152 elements a token
+    (they are 384 + 384 + 256 = 1,024), and base_num_kv_heads=1, which builds the same model, made them 480."""
+    from tessera.tools.memory_model import _saved_per_token
+
+    def model(*keys):
+        return load_model_config("deepseek-small", list(keys)).model
+
+    assert _saved_per_token(model(), "save_qkv_proj", 1) == 8 * 48 + 8 * 48 + 8 * 32
+    assert _saved_per_token(model(), "save_dot_except_mlp", 2) == (8 * 48 * 2 + 8 * 32 * 2) / 2 + 256
+    hw = parse_hardware("v5p-8")
+    keys = ["per_device_batch_size=2", "max_target_length=256", "ici_sequence_parallelism=2"]
+    same = [load_model_config("deepseek-small", [*keys, *k]) for k in ([], ["base_num_kv_heads=1"])]
+    mems = [estimate_memory(c, count_params(c.model), mesh_sizes(c, hw), False) for c in same]
+    assert mems[0] == mems[1]
+    assert [r.intensity for r in rooflines(same[0], mesh_sizes(same[0], hw), hw)] == \
+        [r.intensity for r in rooflines(same[1], mesh_sizes(same[1], hw), hw)]
 
 
 def test_activation_estimates_shrink_with_remat():

@@ -18,8 +18,8 @@ hardware's, peak FLOP/s divided by the ICI bandwidth the collective can use:
 
     FSDP      tokens per device (per micro-batch) x tensor x expert / sparsity     (sparsity = experts / experts
               per token)
-    expert    4 x mlp_dim / expert (on a dense model, which it splits as fsdp: the FSDP figure, without x expert)
-    tensor    mlp_dim / tensor
+    expert    4 x F / expert (on a dense model, which it splits as fsdp: the FSDP figure, without x expert)
+    tensor    F / tensor       (F: mlp_dim, or a MoE model's expert width, base_moe_mlp_dim when set)
     sequence  the FSDP figure (weights are split over the sequence axis too) combined with a layer's
               FLOPs per token over the key/value and query bytes it moves (`sequence_intensity`)
 

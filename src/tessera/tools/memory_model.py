@@ -85,6 +85,18 @@ def token_mlp_width(m: ModelConfig) -> int:
     return m.mlp_dim
 
 
+def attention_widths(m: ModelConfig) -> tuple[int, int, int, int]:
+    """Elements per token of a layer's queries, keys, values and attention output, all heads. MLA
+    (decoder_block=deepseek) expands every query head's own key [Hn + Hr] and value [Hv] from its
+    latent, whatever num_kv_heads says, and its output is v_head_dim wide (tessera.models.mla)."""
+    n = m.num_query_heads
+    if m.decoder_block == "deepseek":
+        qk = n * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+        return qk, qk, n * m.v_head_dim, n * m.v_head_dim
+    q, kv = n * m.head_dim, m.num_kv_heads * m.head_dim
+    return q, kv, kv, q
+
+
 def mla_params(m: ModelConfig) -> int:
     """Multi-head latent attention's weights (tessera.models.mla), its latent norms included."""
     return mla_matmul_params(m) + m.kv_lora_rank + m.q_lora_rank
@@ -117,19 +129,24 @@ def _saved_per_token_by_policy(m: ModelConfig, tp: int, ep: int = 1) -> dict[str
     else:  # the experts' rows: their hidden units, the token copies they read and the outputs they write
         rows = expert_rows_per_token(m, ep)
         f, routed, out = m.expert_mlp_dim * (rows + m.shared_experts) / tp, d * rows, d * (rows + m.shared_experts)
-    q, kv = m.num_query_heads * m.head_dim / tp, 2 * m.num_kv_heads * m.head_dim / tp
+    q, k, v, ctx = (width / tp for width in attention_widths(m))
+    kv = k + v
+    # MLA's other matmul outputs: the query and key/value latents (replicated over tensor), and its keys are
+    # a matmul's [N, Hn] and the shared rotary part broadcast ([Hr] of one head, not a matmul output)
+    latents = (m.q_lora_rank + m.kv_lora_rank + m.qk_rope_head_dim) if m.decoder_block == "deepseek" else 0
+    kv_dots = kv - (m.num_query_heads * m.qk_rope_head_dim / tp if latents else 0)
     acts = len(m.mlp_activations)
     kept = {
         # norms, q, k, v, context, out, (routed copies,) mlp in/act, mlp out
-        "none": 2 * d + q + kv + q + d + routed + acts * f + f + out,
-        "minimal": q + kv + d + acts * f + out,
-        "save_dot_except_mlp": q + kv + q + d,
-        "save_dot_except_mlpwi": q + kv + q + d + d,
+        "none": 2 * d + latents + q + kv + ctx + d + routed + acts * f + f + out,
+        "minimal": latents + q + kv_dots + d + acts * f + out,
+        "save_dot_except_mlp": q + kv + ctx + d,
+        "save_dot_except_mlpwi": q + kv + ctx + d + d,
         "save_qkv_proj": q + kv,
         "save_out_proj": d,
     }
     # custom: the named tensors set to `device` (the block input is counted by the caller)
-    named = {"query_proj": q, "key_proj": kv / 2, "value_proj": kv / 2, "context": q, "out_proj": d,
+    named = {"query_proj": q, "key_proj": k, "value_proj": v, "context": ctx, "out_proj": d,
              "mlpwi": f, "mlpwi_0": f, "mlpwi_1": f, "mlpwo": out}
     kept["custom"] = sum(size for name, size in named.items() if getattr(m, name) == "device")
     return kept
@@ -163,7 +180,7 @@ def activation_bytes_by_policy(cfg: Config, mesh: dict[str, int], policies: tupl
     scores = 0.0 if fused_attention else m.num_query_heads / tp * cfg.data.max_target_length * 6  # f32 + bf16
     # a sequence split gathers the other shares' keys and values for attention, per own token the
     # sequence axis' other ways' (attention's residuals: remat_policy=none keeps them per layer)
-    gathered_kv = (mesh["sequence"] - 1) * 2 * m.num_kv_heads * m.head_dim / tp * a
+    gathered_kv = (mesh["sequence"] - 1) * sum(attention_widths(m)[1:3]) / tp * a
     ep = mesh["expert"]
     saved = _saved_per_token_by_policy(m, tp, ep)
     # a pipeline stage keeps its own layers' activations (of every microbatch) and three

@@ -5,8 +5,8 @@ Each parallel axis is scored with the public TPU sizing guide's arithmetic inten
 byte it makes a chip communicate), tokens T per device, sparsity s = experts / experts per token:
 
     fsdp    T x tensor x expert x stages / s       (the estimator's rooflines)
-    expert  4 x mlp_dim / expert
-    tensor  mlp_dim / tensor
+    expert  4 x F / expert                         (F: mlp_dim, or a MoE model's expert width,
+    tensor  F / tensor                              base_moe_mlp_dim when set)
     stage   a stage's FLOPs per token / the activation bytes it passes on per token
     data    3 x T x fsdp x tensor x expert x stages / (s x bytes per gradient)   (one all-reduce of the
             gradient shard per step: 2 x its bytes, against 6 x active parameters x T FLOPs)
@@ -52,7 +52,8 @@ from tessera.config import Config, ConfigError
 from tessera.hardware import DCN_BYTES_PER_S, tpu_slice
 from tessera.tools.estimate import Hardware, param_layout
 from tessera.tools.rooflines import rooflines
-from tessera.tools.memory_model import DTYPE_BYTES, count_params, token_mlp_width
+from tessera.metrics import mla_matmul_params
+from tessera.tools.memory_model import DTYPE_BYTES, attention_widths, count_params, token_mlp_width
 
 if TYPE_CHECKING:
     from tessera.tools.plan_meshes import Mesh
@@ -151,8 +152,9 @@ def recomputed_share(cfg: Config, policy: str) -> float:
     """Share of a layer's forward matmul FLOPs that `policy` computes again in the backward pass."""
     m = cfg.model
     d, h, length = m.emb_dim, m.head_dim, cfg.data.max_target_length
-    qkv = d * (m.num_query_heads + 2 * m.num_kv_heads) * h
-    out = m.num_query_heads * h * d
+    q, k, v, ctx = attention_widths(m)
+    out = ctx * d
+    qkv = mla_matmul_params(m) - out if m.decoder_block == "deepseek" else d * (q + k + v)  # MLA: its latents'
     scores = m.num_query_heads * h * length  # causal: half of 2 x T x heads x head_dim per token
     mlp = d * token_mlp_width(m) * (len(m.mlp_activations) + 1)
     total = qkv + out + scores + mlp

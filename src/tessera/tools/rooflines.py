@@ -12,7 +12,7 @@ from tessera.config import Config
 from tessera.config.derived import pipeline_layout
 from tessera.hardware import DCN_BYTES_PER_S
 from tessera.metrics import training_flops_per_step
-from tessera.tools.memory_model import DTYPE_BYTES
+from tessera.tools.memory_model import DTYPE_BYTES, attention_widths
 
 if TYPE_CHECKING:
     from tessera.tools.estimate import Hardware
@@ -43,10 +43,12 @@ def rooflines(cfg: Config, mesh: dict[str, int], hw: Hardware) -> list[Roofline]
     # collectives are fsdp's gathers, at fsdp's intensity, with no all-to-all of routed tokens
     dense = m.num_experts <= 1
     fsdp = tokens * mesh["tensor"] * (1 if dense else mesh["expert"]) * mesh["stage"] / sparsity
+    # a MoE layer's rows pass through experts of expert_mlp_dim (base_moe_mlp_dim), not the dense layers' mlp_dim
+    width = m.mlp_dim if dense else m.expert_mlp_dim
     lines = [
         Roofline("fsdp", mesh["fsdp"], fsdp, hw.intensity),
-        Roofline("expert", mesh["expert"], fsdp if dense else 4 * m.mlp_dim / mesh["expert"], hw.intensity),
-        Roofline("tensor", mesh["tensor"], m.mlp_dim / mesh["tensor"], hw.intensity),
+        Roofline("expert", mesh["expert"], fsdp if dense else 4 * width / mesh["expert"], hw.intensity),
+        Roofline("tensor", mesh["tensor"], width / mesh["tensor"], hw.intensity),
     ]
     if mesh["sequence"] > 1:
         from tessera.models.splash import load_balanced  # imported here: `--help` runs without jax
@@ -69,14 +71,17 @@ def sequence_intensity(cfg: Config, mesh: dict[str, int], weights: float, balanc
     Per token of its share and per layer, a device receives the keys and values of the other
     `sequence - 1` shares (an all-gather), sends their gradients back (a reduce-scatter) and gathers
     them again when the remat policy recomputes attention: 3 x (sequence - 1) x 2 x kv heads x
-    head_dim elements. The load balance (`balanced`: splash attention's, on TPU) moves its queries
-    and outputs out and back, forward, backward and recomputed: 6 x query heads x head_dim more.
-    Heads are split over tensor, like the layer's FLOPs."""
+    head_dim elements (MLA: a key and a value per query head, Hn + Hr + Hv wide). The load balance
+    (`balanced`: splash attention's, on TPU) moves its queries and outputs out and back, forward,
+    backward and recomputed: 6 x query heads x head_dim more. Heads are split over tensor, like the layer's FLOPs."""
     m = cfg.model
     length, tensor = cfg.data.max_target_length, mesh["tensor"]
     flops = training_flops_per_step(m, 1, length) / length / m.num_decoder_layers / tensor
-    kv_heads, q_heads = max(m.num_kv_heads // tensor, 1), max(m.num_query_heads // tensor, 1)
-    moved = (6 * (mesh["sequence"] - 1) * kv_heads + (6 * q_heads if balanced else 0)) * m.head_dim
+    # MLA (deepseek) expands a key [Hn + Hr] and a value [Hv] for every query head, whatever num_kv_heads says
+    heads = m.num_query_heads if m.decoder_block == "deepseek" else m.num_kv_heads
+    kv_width = sum(attention_widths(m)[1:3]) / heads  # one head's key and value
+    kv_heads, q_heads = max(heads // tensor, 1), max(m.num_query_heads // tensor, 1)
+    moved = 3 * (mesh["sequence"] - 1) * kv_heads * kv_width + (6 * q_heads * m.head_dim if balanced else 0)
     moved *= DTYPE_BYTES[m.dtype]
     return 1.0 / (1.0 / weights + moved / flops)
 
