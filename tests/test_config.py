@@ -947,6 +947,13 @@ def test_keys_a_run_does_not_read_are_named():
         "temperature_tuning_scale=0.2: no effect without temperature_tuning=true (decoder_block=llama4)",
         "mtp_loss_scaling_factor=0.3: no effect without mtp_num_layers (above 0)",
         "rope_scaling_factor=4.0: no effect with rope_scaling=none"]
+    # experts of base_moe_mlp_dim and no dense layer: base_mlp_dim sized nothing, without a word
+    wide = load_config([BASE, "model_name=mixtral-8x7b", "base_moe_mlp_dim=4096"], env={})
+    assert keys_without_effect(wide, {"fsdp": 8}) == [
+        "base_mlp_dim=14336: no effect, every layer's MLP is experts of base_moe_mlp_dim=4096; base_mlp_dim sizes "
+        "only dense layers (deepseek's first_num_dense_layers, llama4's between its expert layers)"]
+    assert keys_without_effect(load_config([BASE, "model_name=deepseek-small", "base_mlp_dim=512"], env={}),
+                               {"fsdp": 8}) == []  # its first layer is dense
     gpt3 = load_config([BASE, "model_name=gpt3-52k", "rope_scaling=linear", "rope_max_timescale=500000"], env={})
     assert keys_without_effect(gpt3, {"fsdp": 8}) == [
         "rope_max_timescale=500000, rope_scaling=linear: no effect, decoder_block=gpt3 adds position embeddings and "

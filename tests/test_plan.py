@@ -210,6 +210,19 @@ def test_every_mesh_splits_the_model_evenly():
         assert (c.per_device_batch * 64) % (s["data"] * s["fsdp"] * s["expert"]) == 0
 
 
+def test_a_tensor_axis_need_not_divide_a_width_no_layer_has(capsys):
+    """Experts of base_moe_mlp_dim and no dense layer: base_mlp_dim sizes no weight (the trainer's mesh checks
+    never see it), yet an odd base_mlp_dim kept every tensor axis out of the plan, and the header named it as the
+    model's MLP."""
+    keys = ["base_emb_dim=768", "base_num_query_heads=12", "base_num_kv_heads=4", "head_dim=64", "base_mlp_dim=999",
+            "base_moe_mlp_dim=1536", "num_experts=6", "num_experts_per_tok=2", "base_num_decoder_layers=6",
+            "max_target_length=1024"]
+    found = search(load_model_config("1b", keys), parse_hardware("v5e-64"))
+    assert {c.mesh.sizes["tensor"] for c in found} == {1, 2, 4}
+    assert main(["1b", *keys, "--hardware", "v5e-64", "--top", "1"]) == 0
+    assert "emb 768, expert mlp 1536, heads 12/4" in capsys.readouterr().out
+
+
 def test_explains_the_winner(capsys):
     assert main(["llama3.1-8b", *RUN, "--hardware", "v6e-256", "--top", "3"]) == 0
     out = capsys.readouterr().out

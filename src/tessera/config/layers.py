@@ -36,6 +36,23 @@ def dense_layers(m) -> int:
     return 0
 
 
+def mlp_dim_unused(m) -> bool:
+    """Whether no layer is built with base_mlp_dim: a mixture of experts whose experts are base_moe_mlp_dim wide
+    and which has no dense layers (every family but deepseek's first_num_dense_layers and llama4's interleaved
+    dense layers)."""
+    return m.num_experts > 1 and m.base_moe_mlp_dim > 0 and not dense_layers(m)
+
+
+def mlp_widths(m) -> str:
+    """The MLP widths a model is built with, for a report's header: `mlp F`, or with base_moe_mlp_dim the
+    dense layers' and the experts'."""
+    if m.num_experts <= 1 or not m.base_moe_mlp_dim:
+        return f"mlp {m.mlp_dim}"
+    if mlp_dim_unused(m):
+        return f"expert mlp {m.expert_mlp_dim}"
+    return f"mlp {m.mlp_dim} ({dense_layers(m)} dense layers), expert mlp {m.expert_mlp_dim}"
+
+
 def layer_windows(m) -> list[int]:
     """The sliding window of each decoder layer's attention, bottom to top (0: the whole causal
     past): gemma2 and gpt_oss alternate local and global layers, the local first; gemma3 has one

@@ -163,8 +163,9 @@ class ModelConfig:
                            "gpt_oss; 1: dense MLP)",
                            minimum=1)
     num_experts_per_tok: int = key(1, "experts each token is routed to (top-k) when num_experts > 1", minimum=1)
-    base_moe_mlp_dim: int = key(0, "hidden width of one expert before scaling (0: base_mlp_dim); deepseek's dense "
-                                "layers use base_mlp_dim", minimum=0)
+    base_moe_mlp_dim: int = key(0, "hidden width of one expert before scaling (0: base_mlp_dim); when set, "
+                                "base_mlp_dim sizes only dense layers (deepseek's first ones, llama4's between "
+                                "expert layers)", minimum=0)
     first_num_dense_layers: int = key(0, "deepseek: this many layers at the bottom have a dense MLP (base_mlp_dim) "
                                       "instead of experts", minimum=0)
     shared_experts: int = key(0, "deepseek: experts every token goes through (one dense MLP shared_experts x the "

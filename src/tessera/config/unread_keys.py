@@ -4,7 +4,7 @@ errors: the value is valid, only this run's other keys leave it unused."""
 
 from __future__ import annotations
 
-from tessera.config.layers import llama4_nope
+from tessera.config.layers import llama4_nope, mlp_dim_unused
 from tessera.config.schema import Config
 
 
@@ -167,6 +167,11 @@ def _family_keys(m, changed: dict) -> list[str]:
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1), whose MLP is "
                      "base_mlp_dim wide; they size or route a mixture of experts")
     elif m.num_experts > 1:
+        # (llama4's files keep base_mlp_dim for the Hugging Face config's intermediate_size_mlp)
+        if mlp_dim_unused(m) and "base_mlp_dim" in changed and m.decoder_block != "llama4":
+            lines.append(f"{_listed(['base_mlp_dim'], changed)}: no effect, every layer's MLP is experts of "
+                         f"base_moe_mlp_dim={m.base_moe_mlp_dim}; base_mlp_dim sizes only dense layers "
+                         "(deepseek's first_num_dense_layers, llama4's between its expert layers)")
         if not m.routed_bias and "routed_bias_update_rate" in changed:
             lines.append(f"{_listed(['routed_bias_update_rate'], changed)}: no effect without routed_bias=true")
         if m.n_routing_groups <= 1 and "topk_routing_group" in changed:

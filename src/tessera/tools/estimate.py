@@ -43,7 +43,7 @@ from pathlib import Path
 from tessera.config import Config, ConfigError, build_config, load_config
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.derived import plan_run
-from tessera.config.layers import LAYERS_PER_BLOCK
+from tessera.config.layers import LAYERS_PER_BLOCK, mlp_widths
 from tessera.config.loader import read_yaml
 from tessera.config.maxtext import ALIASES, translate
 from tessera.config.schema import all_fields
@@ -200,7 +200,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     hbm = hw.accelerator.hbm_bytes
     lines = [
         sequence or f"sequence length {tokens} tokens (max_target_length)",
-        f"model {m.model_name}: {m.num_decoder_layers} layers, emb {m.emb_dim}, mlp {m.mlp_dim}, heads "
+        f"model {m.model_name}: {m.num_decoder_layers} layers, emb {m.emb_dim}, {mlp_widths(m)}, heads "
         f"{m.num_query_heads}/{m.num_kv_heads} x {m.head_dim}, vocab {m.vocab_size}"
         + (f", {m.num_experts} experts (top {m.num_experts_per_tok})" if m.num_experts > 1 else ""),
         f"parameters: total {counts.total:.3e}, active {counts.active:.3e}",

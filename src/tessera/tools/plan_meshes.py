@@ -12,6 +12,7 @@ import math
 from typing import Iterator, Sequence
 
 from tessera.config import Config, ConfigError
+from tessera.config.layers import mlp_dim_unused
 from tessera.hardware import GPUS_PER_NODE
 from tessera.tools.estimate import Hardware
 
@@ -53,7 +54,8 @@ def divisors(n: int) -> list[int]:
 
 
 def tensor_ok(m, t: int) -> bool:
-    return m.num_query_heads % t == 0 and m.num_kv_heads % t == 0 and m.mlp_dim % t == 0 and m.expert_mlp_dim % t == 0
+    mlp = m.expert_mlp_dim % t == 0 and (mlp_dim_unused(m) or m.mlp_dim % t == 0)  # as tessera.mesh checks the weights
+    return m.num_query_heads % t == 0 and m.num_kv_heads % t == 0 and mlp
 
 
 def sequence_ways(cfg: Config, hw: Hardware, devices: int) -> list[int]:

@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 from tessera.config import Config
+from tessera.config.layers import mlp_widths
 from tessera.hardware import GIB, GPUS_PER_NODE
 from tessera.tools.estimate import Hardware, fused_attention, memory_budget
 from tessera.tools.memory_model import count_params, estimate_memory, unmodelled_notes
@@ -128,7 +129,7 @@ def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
     return "\n".join([
         sequence,
         f"model {m.model_name}: {counts.total:.3e} parameters ({counts.active:.3e} active), {m.num_decoder_layers} "
-        f"layers, emb {m.emb_dim}, mlp {m.mlp_dim}, heads {m.num_query_heads}/{m.num_kv_heads}"
+        f"layers, emb {m.emb_dim}, {mlp_widths(m)}, heads {m.num_query_heads}/{m.num_kv_heads}"
         + (f", {m.num_experts} experts (top {m.num_experts_per_tok})" if m.num_experts > 1 else ""),
         f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
         f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM; {links}",
