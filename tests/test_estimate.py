@@ -591,6 +591,26 @@ def test_the_estimate_keeps_scores_exactly_where_the_trainer_runs_the_reference(
     assert mem[1].total("none") > mem[0].total("none")  # without remat the reference keeps its scores
 
 
+@pytest.mark.parametrize("tool", ["estimate", "plan"])
+@pytest.mark.parametrize("args, key", [(["--steps=5"], "steps=5"), (["--max_target_length", "2048"],
+                                                                    "max_target_length=2048"),
+                                       (["--remat_policy"], "remat_policy=<value>")])
+def test_a_config_key_written_as_an_option_says_how_to_write_it(tool, args, key, capsys):
+    """`--steps=5` was argparse's usage and "unrecognized arguments: --steps=5", not what to write instead."""
+    from tessera.tools import plan
+
+    run = main if tool == "estimate" else plan.main
+    with pytest.raises(SystemExit) as exit_:
+        run(["default", "--hardware", "v6e-8", *args])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err == (f"config error: {args[0]!r} is the config key {key.partition('=')[0]} written as an option; config "
+                   f"keys are key=value arguments without dashes: {key}\n")
+    with pytest.raises(SystemExit):  # an unknown option is still argparse's
+        run(["default", "--hardware", "v6e-8", "--bogus=1"])
+    assert "unrecognized arguments: --bogus=1" in capsys.readouterr().err
+
+
 def test_a_folder_given_as_the_model_file_is_called_a_folder(tmp_path, capsys):
     """A folder named like a model file was said not to exist."""
     (tmp_path / "mine.yml").mkdir()

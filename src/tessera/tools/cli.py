@@ -75,6 +75,26 @@ def config_epilog(keys: Sequence[str], docs: Sequence[str]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def parse_with_keys(parser, argv: Sequence[str]):
+    """`parser.parse_intermixed_args(argv)`, where an argument argparse does not know that names a config key
+    as an option (`--steps=5`, `--max_target_length 2048`) is refused with the key=value form to write
+    (argparse printed its usage and "unrecognized arguments: --steps=5"). Exit code 2, as argparse's."""
+    from tessera.config.schema import all_fields
+
+    args, unknown = parser.parse_known_intermixed_args(argv)
+    keys = all_fields()
+    for arg in unknown:
+        name, sep, value = arg.lstrip("-").partition("=")
+        if arg.startswith("-") and name in keys:
+            after = [*argv[list(argv).index(arg) + 1:], "-"][0]  # `--key value`: argparse took the value as an override
+            value = value if sep else (after if "=" not in after and after[:1] != "-" else "<value>")
+            parser.exit(2, f"config error: {arg!r} is the config key {name} written as an option; config keys are "
+                           f"key=value arguments without dashes: {name}={value}\n")
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 def train_help() -> str:
     """--help of `train.py` and `tessera.train.main` (here, so that it needs no JAX)."""
     return help_text(

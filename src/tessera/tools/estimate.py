@@ -50,7 +50,7 @@ from tessera.config.schema import all_fields
 from tessera.gpu_tuning import gpu_memory_fraction
 from tessera.hardware import GIB, GPUS, TPUS, Accelerator, tpu_slice
 from tessera.metrics import training_flops_per_step
-from tessera.tools.cli import config_epilog
+from tessera.tools.cli import config_epilog, parse_with_keys
 from tessera.tools.memory_model import DTYPE_BYTES, Memory, count_params, estimate_memory, unmodelled_notes
 from tessera.tools.rooflines import roofline_lines
 
@@ -370,7 +370,7 @@ def main(argv: list[str]) -> int:
                    "slices with wraparound, else 2; 1 on GPUs)")
     p.add_argument("--mfu", type=float, default=None, help="also print the throughput at this MFU, above 0 and at "
                    "most 1 (e.g. 0.4)")
-    args = p.parse_intermixed_args(argv)  # key=value may come before or after the options
+    args = parse_with_keys(p, argv)  # key=value may come before or after the options
     model, overrides = args.model, args.overrides
     if model is not None and "=" in model:  # only key=value arguments: no model named
         model, overrides = None, [model, *overrides]

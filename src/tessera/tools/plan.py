@@ -41,7 +41,7 @@ from tessera.config.checks import check_trainable_dtypes, validate_for_build
 from tessera.config.derived import global_batch, pipeline_layout
 from tessera.config.maxtext import ALIASES
 from tessera.config.schema import all_fields
-from tessera.tools.cli import config_epilog
+from tessera.tools.cli import config_epilog, parse_with_keys
 from tessera.tools.estimate import (Hardware, check_mesh_divides, check_topology_keys, fused_attention,
                                    load_model_config, memory_budget, mesh_sizes, parse_hardware, sequence_note,
                                    with_copies)
@@ -267,7 +267,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "fit the batch to the compiler's memory, write a recipe and a JSON report")
     p.add_argument("--output", default="", help="with --compile: the recipe to write (default configs/tpu/<gen>/"
                    "plan_<model>.sh); the JSON report goes next to it")
-    args = p.parse_intermixed_args(argv)
+    args = parse_with_keys(p, argv)
     if args.model is not None and "=" in args.model:  # only key=value arguments: no model named
         args.model, args.overrides = None, [args.model, *args.overrides]
     return args
