@@ -7,8 +7,9 @@ shares), plus the logits (float32 and a compute-dtype copy); FSDP keeps two laye
 (the next one is gathered ahead) and the logits' matrix, each with its gradient. Against the
 compiler's figures for our 31 TPU recipes (benchmarks/results/aot_recipes.json, 2026-11-28) the
 total ranges from 16% below (v5p/gpt_oss_120b: its expert layers' 32-bit copies of routed rows
-are not modelled) to 27% above (v6e/qwen3_30b_a3b), 28 of them within 15% and 22 within 10%
-(benchmarks/plan_recipes.py prints the comparison); `EXECUTABLE=train_compile` gives the exact
+are not modelled) to 27% above (v6e/qwen3_30b_a3b), 28 of them within 15% and 23 within 10%
+(v5p/deepseek_v3 +7.0% since MLA's own key, value and latent shapes are modelled, +10.3% before;
+benchmarks/plan_recipes.py prints the comparison); `EXECUTABLE=train_compile` gives the exact
 figure for a TPU topology.
 
 Active parameters count what a token multiplies through: attention, the experts it is routed
