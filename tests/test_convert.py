@@ -497,6 +497,20 @@ def test_config_json_options_that_change_the_numbers_are_refused(model_name, cha
         config_from_hf({**written, **change})
 
 
+@pytest.mark.parametrize("model_name", ["mixtral-8x7b", "qwen3-30b-a3b"])
+def test_a_config_json_gives_the_experts_width_when_base_moe_mlp_dim_sets_it(model_name):
+    """With base_moe_mlp_dim the experts are that wide and base_mlp_dim sizes nothing; config.json gave
+    base_mlp_dim as the experts' width (Mixtral's intermediate_size 14,336 and Qwen3's moe_intermediate_size 768
+    for experts of 512), so the exported checkpoint's tensors did not match its config."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    m = load_model_config(model_name, ["base_moe_mlp_dim=512"]).model
+    back = load_model_config(None, [f"{k}={v}" for k, v in config_from_hf(hf_config(m)).items()
+                                    if not isinstance(v, (list, dict))]).model
+    assert back.expert_mlp_dim == m.expert_mlp_dim == 512
+
+
 def test_an_untied_gpt2_output_layer_converts_both_ways(tmp_path):
     """GPT-2 with tie_word_embeddings=false has an lm_head.weight of its own: import dropped it (the logits
     came from the embedding, silently) and export of logits_via_embedding=false wrote neither it nor the flag."""

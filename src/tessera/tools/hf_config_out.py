@@ -83,13 +83,14 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
         config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
     if model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
         config["sliding_window"] = m.sliding_window_size or None
-    if model_type == "mixtral":
-        config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok)
+    if model_type == "mixtral":  # its experts' width (base_moe_mlp_dim when set: then no layer is base_mlp_dim wide)
+        config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
+                      intermediate_size=m.expert_mlp_dim)
     if model_type in ("qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
     if model_type == "qwen3_moe":  # every layer is an expert layer; intermediate_size (dense layers) is unused
         config.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
-                      moe_intermediate_size=m.mlp_dim, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1,
+                      moe_intermediate_size=m.expert_mlp_dim, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1,
                       mlp_only_layers=[])
     if model_type in ("gemma2", "gemma3_text"):
         config.update(query_pre_attn_scalar=int(m.query_pre_attn_scalar or m.head_dim),
