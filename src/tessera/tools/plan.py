@@ -14,9 +14,9 @@ time, moves each one's batch to the largest the compiler fits, and writes a reci
 JSON report (TPU only).
 
 Enumeration keeps only sizes that split the model evenly: tensor ways divide the query heads,
-the kv heads, mlp_dim and the expert width; expert ways divide num_experts; fsdp x sequence x
-expert ways divide emb_dim; pipeline stages satisfy the trainer's own pipeline layout
-(`derived.pipeline_layout`), and the global batch splits over data x fsdp x expert
+the kv heads, mlp_dim (when a layer has it) and the expert width; expert ways divide
+num_experts; fsdp x sequence x expert ways divide emb_dim; pipeline stages satisfy the
+trainer's own pipeline layout (`derived.pipeline_layout`), and the global batch splits over data x fsdp x expert
 (`derived.global_batch`). Tensor, expert and sequence ways stay inside a slice (their
 collectives run at every layer). Sequence ways are tried on TPUs where splash attention serves
 the split load-balanced (`sequence_ways`): they let a long sequence spread over devices without
