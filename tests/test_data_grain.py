@@ -185,7 +185,7 @@ def test_large_parquet_row_groups_are_said_to_slow_shuffled_reading(tmp_path, sp
     one of 100,000 documents), silently."""
     import logging
 
-    from tessera.data import grain_pipeline
+    from tessera.data import grain_sources
 
     docs = make_docs(30)
     pq.write_table(pa.table({"text": docs}), tmp_path / "one_group.parquet")  # one row group of 30 documents
@@ -194,7 +194,7 @@ def test_large_parquet_row_groups_are_said_to_slow_shuffled_reading(tmp_path, sp
     small = max(pq.ParquetFile(f).metadata.row_group(i).total_byte_size for f in (tmp_path / "small").glob("*")
                 for i in range(pq.ParquetFile(f).num_row_groups))
     assert small < size
-    monkeypatch.setattr(grain_pipeline, "LARGE_ROW_GROUP_BYTES", small)  # the limit between the two files' groups
+    monkeypatch.setattr(grain_sources, "LARGE_ROW_GROUP_BYTES", small)  # the limit between the two files' groups
     large = str(tmp_path / "one_group.parquet")
     with caplog.at_level(logging.WARNING, "tessera"):
         make_input(grain_config(files, sp_model, grain_file_type="parquet").data, 96, 4)
