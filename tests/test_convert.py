@@ -799,3 +799,18 @@ def test_a_circular_pipeline_checkpoint_exports_as_the_plain_one(tmp_path):
     assert sorted(first) == sorted(second)
     for name in first:
         np.testing.assert_array_equal(first[name], second[name], err_msg=name)
+
+
+def test_a_gpt3_with_sinusoidal_positions_is_refused_before_writing(tmp_path, capsys):
+    """trainable_position_size=0 (fixed sinusoidal positions) exported as n_positions=0 without a wpe tensor,
+    exit 0: transformers loaded the folder and failed on its first token (its GPT-2 learns a position table)."""
+    keys = ["model_name=gpt3-52k", "base_emb_dim=24", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=6",
+            "base_mlp_dim=40", "base_num_decoder_layers=2", "vocab_size=96", "trainable_position_size=0"]
+    targets = hf_checkpoint.param_targets(load_model_config(None, keys))
+    hf_checkpoint.save_params(tmp_path / "tessera", hf_checkpoint._nest(
+        {k: np.zeros(t.shape, t.dtype) for k, t in targets.items()}))
+    capsys.readouterr()
+    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys]) == 2
+    err = capsys.readouterr().err
+    assert "trainable_position_size=0 (fixed sinusoidal positions)" in err and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists()

@@ -223,10 +223,13 @@ def _gpt2(m: ModelConfig) -> Layout:
     if m.attention_sink:
         raise ConfigError("attention_sink=true: Hugging Face's gpt2 model has no sink logits, so this "
                           "decoder_block=gpt3 model cannot be converted")
+    if not m.trainable_position_size:  # it wrote n_positions=0 and no wpe: transformers loaded it and failed to run
+        raise ConfigError("trainable_position_size=0 (fixed sinusoidal positions): Hugging Face's gpt2 model adds a "
+                          "learned position table (transformer.wpe), so this decoder_block=gpt3 model cannot be "
+                          "converted")
     model = [same("token_embedder/table_vd", "transformer.wte.weight"),
-             same("final_norm/scale", "transformer.ln_f.weight"), same("final_norm/bias", "transformer.ln_f.bias")]
-    if m.trainable_position_size:
-        model.append(same("position_embedder_pd", "transformer.wpe.weight"))
+             same("final_norm/scale", "transformer.ln_f.weight"), same("final_norm/bias", "transformer.ln_f.bias"),
+             same("position_embedder_pd", "transformer.wpe.weight")]
     if not m.logits_via_embedding:
         model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
     if m.fused_qkv:
