@@ -491,7 +491,7 @@ def test_config_json_options_that_change_the_numbers_are_refused(model_name, cha
     from tessera.tools.hf_config_out import hf_config
     from tessera.tools.hf_configs import config_from_hf
 
-    written = hf_config(load_model_config(model_name, []).model)
+    written = hf_config(load_model_config(model_name, []).model, 4096)
     config_from_hf(written)  # as tessera-to-hf writes it: converts
     with pytest.raises(ConfigError, match=message):
         config_from_hf({**written, **change})
@@ -543,10 +543,10 @@ def test_a_llama4_config_json_stores_floor_scale_as_transformers_reads_it():
     from tessera.config import ConfigError
     from tessera.tools.hf_config_out import hf_config
 
-    written = hf_config(load_model_config("llama4-17b-16e", []).model)
+    written = hf_config(load_model_config("llama4-17b-16e", []).model, 4096)
     assert written["floor_scale"] == 8192 and type(written["floor_scale"]) is int
     with pytest.raises(ConfigError, match="temperature_tuning_floor_scale=8192.5"):
-        hf_config(load_model_config("llama4-17b-16e", ["temperature_tuning_floor_scale=8192.5"]).model)
+        hf_config(load_model_config("llama4-17b-16e", ["temperature_tuning_floor_scale=8192.5"]).model, 4096)
 
 
 def test_fused_qkv_converts_both_ways_with_the_same_logits(tmp_path):
@@ -662,14 +662,14 @@ def test_the_exported_activation_is_the_one_the_model_computes():
     from tessera.tools.hf_configs import config_from_hf
 
     gelu = load_model_config(None, [*KEYS, 'mlp_activations=["gelu","linear"]']).model
-    assert hf_config(gelu)["hidden_act"] == "gelu_pytorch_tanh"
-    assert config_from_hf(hf_config(gelu))["mlp_activations"] == ["gelu", "linear"]
+    assert hf_config(gelu, 4096)["hidden_act"] == "gelu_pytorch_tanh"
+    assert config_from_hf(hf_config(gelu, 4096))["mlp_activations"] == ["gelu", "linear"]
     relu = load_model_config("gpt3-52k", ['mlp_activations=["relu"]']).model
-    assert hf_config(relu)["activation_function"] == "relu"
+    assert hf_config(relu, 4096)["activation_function"] == "relu"
     for model, acts in ((None, '["silu"]'), (None, '["silu","silu"]'), ("gpt3-52k", '["gelu","linear"]')):
         m = load_model_config(model, [*(KEYS if model is None else []), f"mlp_activations={acts}"]).model
         with pytest.raises(ConfigError, match=r"mlp_activations=\[.*MLP is .*so this model cannot be exported"):
-            hf_config(m)
+            hf_config(m, 4096)
 
 
 
@@ -693,17 +693,17 @@ def test_routing_a_family_has_no_setting_for_is_named_both_ways(model_name, keys
     from tessera.tools.convert import check_same_model
     from tessera.tools.hf_config_out import hf_config
 
-    written = hf_config(load_model_config(model_name, []).model)
+    written = hf_config(load_model_config(model_name, []).model, 4096)
     other = load_model_config(model_name, keys)
     with pytest.raises(ConfigError, match=message + ".*it cannot be exported"):
-        hf_config(other.model)
+        hf_config(other.model, 4096)
     with pytest.raises(ConfigError, match=f"describes another model .*\\n  {keys[0].split('=')[0]}: checkpoint"):
         check_same_model(other, written)
     # what the family's config.json holds, or routes as: exported as it is
     for model_name, keys in (("qwen3-30b-a3b", ["norm_topk_prob=false"]), ("deepseek-v3", ["routed_bias=false"]),
                              ("deepseek-v3", ["norm_topk_prob=false", "n_routing_groups=-1"]),
                              ("mixtral-8x7b", ["n_routing_groups=1"])):
-        hf_config(load_model_config(model_name, keys).model)
+        hf_config(load_model_config(model_name, keys).model, 4096)
 
 def test_a_global_parameter_scale_is_named_when_the_sizes_differ_by_it(checkpoints, tmp_path, capsys):
     """With global_parameter_scale=2 the refusal said "set base_mlp_dim=40" for a config that had base_mlp_dim=40
@@ -814,3 +814,44 @@ def test_a_gpt3_with_sinusoidal_positions_is_refused_before_writing(tmp_path, ca
     err = capsys.readouterr().err
     assert "trainable_position_size=0 (fixed sinusoidal positions)" in err and "Traceback" not in err, err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("model_name,keys,trained,written", [
+    ("llama2-7b", [], 4096, 4096), ("llama2-7b", [], 16384, 16384),  # were 8192 whatever the run trained on
+    ("llama3.1-8b", [], 4096, 65536),  # was 8192 = original_max_position_embeddings: transformers warned
+    ("llama3.1-8b", [], 131072, 131072),
+    ("default", ["rope_scaling=yarn", "rope_original_max_position=1024", "rope_scaling_factor=4"], 128, 4096),
+    ("gpt-oss-20b", [], 4096, 131072), ("deepseek-v3", [], 4096, 163840),
+    ("deepseek-v3", ["rope_scaling_factor=2.5"], 4096, 10240),  # was 4096 * int(2.5)
+])
+def test_max_position_embeddings_is_the_trained_length_or_the_scaled_context(model_name, keys, trained, written):
+    """config.json's max_position_embeddings was max(8192, rope_original_max_position) (YaRN: x the factor):
+    a Llama 2 trained on 16384 tokens said 8192, every Llama 3.x said 8192, its own original context (transformers
+    warns: it must be longer), and a YaRN model's context differed from original x factor (transformers warns)."""
+    from tessera.tools.hf_config_out import hf_config
+
+    assert hf_config(load_model_config(model_name, keys).model, trained)["max_position_embeddings"] == written
+
+
+def test_export_writes_the_length_the_checkpoint_was_trained_on(checkpoints, tmp_path, capsys):
+    """tessera-to-hf reads max_target_length from the command line, else from the training checkpoint's saved
+    config; with neither (converted parameters) it writes base.yml's default and says so."""
+    import json
+    import shutil
+
+    from tessera.checkpointing.storage import CONFIG_FILE
+
+    ckpt, _ = checkpoints
+    step = tmp_path / "step"
+    shutil.copytree(ckpt, step)
+    (step / "config").mkdir()
+    (step / "config" / CONFIG_FILE).write_text(json.dumps({"max_target_length": 2048}))
+    capsys.readouterr()
+    for source, out, extra, want in ((step, "saved", [], 2048), (step, "given", ["max_target_length=3000"], 3000),
+                                     (ckpt, "converted", [], 128)):
+        assert main(["tessera-to-hf", str(source), str(tmp_path / out), *KEYS, *extra]) == 0
+        assert json.loads((tmp_path / out / "config.json").read_text())["max_position_embeddings"] == want, out
+        err = capsys.readouterr().err
+        assert f"I config.json: max_position_embeddings={want} (" in err, err
+        assert ("W max_position_embeddings=128 is configs/base.yml's max_target_length default" in err) == \
+            (out == "converted"), err

@@ -188,7 +188,7 @@ def test_hf_config_round_trips_every_model_file():
                  "qwen3-8b", "qwen3-30b-a3b", "gemma3-4b", "gemma3-27b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b",
                  "llama4-17b-16e", "llama4-17b-128e"):
         m = load_model_config(name, []).model
-        keys = config_from_hf(hf_config(m))
+        keys = config_from_hf(hf_config(m, 4096))
         rebuilt = load_model_config("default", as_overrides(keys)).model
         for key in keys:
             if key != "global_parameter_scale" and not key.startswith("base_"):

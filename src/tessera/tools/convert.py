@@ -15,7 +15,8 @@ peak, never two (measured on a 1.35 GB float32 Llama: 1.9 GB peak anonymous memo
 
 tessera-to-hf restores one parameter at a time from a Tessera checkpoint (a training step
 folder or a converted one) and writes safetensors shards of at most `--max-shard-size` bytes
-plus `config.json`; RAM holds one shard being assembled plus one restored parameter. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
+plus `config.json` (whose max_position_embeddings is the length the parameters were trained on:
+_trained_length); RAM holds one shard being assembled plus one restored parameter. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
 bit, when weight_dtype is the checkpoint's dtype. Relative paths are read from the working
 directory; tessera-to-hf's checkpoint may also be a gs:// URL (the other folders are local).
 """
@@ -271,7 +272,9 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
             mismatch_explained(checkpoint, model_keys):
         source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
     warn_model_changes(checkpoint, model_keys)
-    config = hf_config_out.hf_config(m)  # a model its config.json cannot describe is refused before any write
+    # a model its config.json cannot describe is refused before any write
+    trained, notes = _trained_length(checkpoint, cfg)
+    config = hf_config_out.hf_config(m, trained)
     made = not out_dir.exists()
     writer = hf_checkpoint.ShardWriter(out_dir, max_shard_size)
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
@@ -283,12 +286,43 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
                 writer.add(fmt(name), value)
         writer.close()
         (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        for level, note in notes:  # after the write: a failed export's error line stays its only output
+            log.log(level, note)
     except BaseException:  # a damaged checkpoint, a full disk, Ctrl-C: leave no half-written output behind
         with _interrupts_held():
             for path in [out_dir] if made else list(out_dir.iterdir()):  # an empty folder given: its contents
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         raise
     return out_dir
+
+
+def _trained_length(checkpoint: str, cfg: Config) -> tuple[int, list[tuple[int, str]]]:
+    """The sequence length the checkpoint's parameters were trained on, for config.json's
+    max_position_embeddings: max_target_length from the command line, else the one saved with a training
+    checkpoint; and the log records (level, text) saying what is written and where it comes from, with a
+    warning when neither says (converted parameters)."""
+    from tessera.checkpointing import saved_config
+    from tessera.config.schema import all_fields
+    from tessera.tools.hf_config_out import max_positions
+
+    length, default = cfg.data.max_target_length, all_fields()["max_target_length"][1].default
+    saved = saved_config(checkpoint).get("max_target_length")
+    known = length != default or isinstance(saved, int)
+    if length != default:  # model files leave it to base.yml: another value was given on the command line
+        source = f"max_target_length={length} given"
+    elif known:
+        length, source = saved, f"the checkpoint's training run used max_target_length={saved}"
+    else:
+        source = "no max_target_length given, and the checkpoint keeps no training config"
+    written = max_positions(cfg.model, length)
+    if written > length:
+        source += f"; rope_scaling={cfg.model.rope_scaling} stretches the model's context to {written}"
+    notes = [(logging.INFO, f"config.json: max_position_embeddings={written} ({source})")]
+    if written == length and not known:
+        notes.append((logging.WARNING, f"max_position_embeddings={written} is configs/base.yml's max_target_length "
+                                       "default, not a length this model was trained on; give max_target_length=<the "
+                                       "context it handles> (e.g. 4096) to write that"))
+    return length, notes
 
 
 def convert_help() -> str:

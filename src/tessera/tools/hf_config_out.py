@@ -12,8 +12,9 @@ from tessera.models.layers import yarn_score_scale
 from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES, NO_CAPS
 
 
-def hf_config(m: ModelConfig) -> dict[str, Any]:
-    """A transformers `config.json` for the model `m` describes (inverse of config_from_hf)."""
+def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
+    """A transformers `config.json` for the model `m` describes (inverse of config_from_hf), whose
+    parameters were trained on sequences of `trained_length` tokens (see max_positions)."""
     model_type = {v: k for k, v in HF_MODEL_TYPES.items()}[m.decoder_block]
     unwritten = [f"{key}={getattr(m, key):g}" for key in NO_CAPS if getattr(m, key)]
     if unwritten and model_type not in ("gemma2", "gemma3_text"):
@@ -21,7 +22,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
                           "the exported model would compute other logits than this one; it cannot be exported")
     act = _activation_name(m, model_type)
     if model_type == "deepseek_v3":
-        return _refuse_other_routing(m, _deepseek_config(m, act))
+        return _refuse_other_routing(m, _deepseek_config(m, act, max_positions(m, trained_length)))
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -38,7 +39,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
         "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
         "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
         "rope_theta": float(m.rope_max_timescale), "tie_word_embeddings": m.logits_via_embedding, "torch_dtype": dtype,
-        "max_position_embeddings": max(8192, m.rope_original_max_position), "hidden_act": act,
+        "max_position_embeddings": max_positions(m, trained_length), "hidden_act": act,
     }
     config.update(_rope_scaling_keys(m))
     if model_type in HF_ATTENTION_BIAS:
@@ -50,7 +51,7 @@ def hf_config(m: ModelConfig) -> dict[str, Any]:
 
 
 def _rope_scaling_keys(m: ModelConfig) -> dict[str, Any]:
-    """`rope_scaling` for a scaled RoPE (and YaRN's longer `max_position_embeddings`); nothing for plain RoPE."""
+    """`rope_scaling` for a scaled RoPE; nothing for plain RoPE."""
     keys: dict[str, Any] = {}
     if m.rope_scaling == "llama3":
         keys["rope_scaling"] = {"rope_type": "llama3", "factor": m.rope_scaling_factor,
@@ -63,8 +64,17 @@ def _rope_scaling_keys(m: ModelConfig) -> dict[str, Any]:
                                 "original_max_position_embeddings": m.rope_original_max_position,
                                 "beta_fast": m.beta_fast, "beta_slow": m.beta_slow, "truncate": m.rope_truncate,
                                 "attention_factor": yarn_score_scale(m.rope_scaling_factor, m.mscale) ** 0.5}
-        keys["max_position_embeddings"] = max(8192, int(m.rope_original_max_position * m.rope_scaling_factor))
     return keys
+
+
+def max_positions(m: ModelConfig, trained_length: int) -> int:
+    """config.json's `max_position_embeddings`, the longest sequence the model handles: the longer of
+    `trained_length` (the sequences its parameters were trained on) and the context a llama3 or YaRN
+    RoPE scaling stretches rope_original_max_position to (x rope_scaling_factor). transformers warns
+    when a llama3 context is not past the original one, or a YaRN one not the original times the factor
+    (it was max(8192, rope_original_max_position), whatever the model was trained on)."""
+    stretched = m.rope_original_max_position * m.rope_scaling_factor if m.rope_scaling in ("llama3", "yarn") else 0
+    return max(trained_length, int(stretched))
 
 
 def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) -> None:
@@ -124,7 +134,7 @@ def _llama4_config(m: ModelConfig) -> dict[str, Any]:
             "attn_scale": m.temperature_tuning_scale, "router_aux_loss_coef": m.load_balance_loss_weight}
 
 
-def _deepseek_config(m: ModelConfig, act: str) -> dict[str, Any]:
+def _deepseek_config(m: ModelConfig, act: str, max_position_embeddings: int) -> dict[str, Any]:
     """config.json of a deepseek model (DeepSeek-V3's keys; rotary dimensions interleaved, as its checkpoints)."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
     if m.rope_scaling == "yarn":
@@ -138,7 +148,7 @@ def _deepseek_config(m: ModelConfig, act: str) -> dict[str, Any]:
         "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
         "tie_word_embeddings": m.logits_via_embedding, "hidden_act": act,
         "torch_dtype": "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype,
-        "max_position_embeddings": max(8192, m.rope_original_max_position * int(m.rope_scaling_factor)),
+        "max_position_embeddings": max_position_embeddings,
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "n_routed_experts": m.num_experts,
         "num_experts_per_tok": m.num_experts_per_tok, "n_shared_experts": m.shared_experts,
