@@ -855,3 +855,22 @@ def test_export_writes_the_length_the_checkpoint_was_trained_on(checkpoints, tmp
         assert f"I config.json: max_position_embeddings={want} (" in err, err
         assert ("W max_position_embeddings=128 is configs/base.yml's max_target_length default" in err) == \
             (out == "converted"), err
+
+
+def test_a_gemma3_config_json_as_released_keeps_its_global_rope_scaling():
+    """The released Gemma 3 config.json (transformers 4) says rope_scaling (linear x8, the global layers'),
+    rope_theta and rope_local_base_freq; transformers 5 reads them as rope_parameters. The converter read only
+    rope_parameters: rope_scaling=none, and told a gemma3-4b user to set rope_scaling=none (other logits)."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    m = load_model_config("gemma3-4b", []).model
+    written = hf_config(m, 4096)  # transformers 5's form
+    released = {k: v for k, v in written.items() if k != "rope_parameters"}
+    released.update(rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_theta=1_000_000.0,
+                    rope_local_base_freq=10_000.0)
+    keys = config_from_hf(released)
+    assert keys == config_from_hf(written)
+    assert (keys["rope_scaling"], keys["rope_scaling_factor"]) == ("linear", 8.0) == (m.rope_scaling,
+                                                                                      m.rope_scaling_factor)
+    assert config_from_hf({**released, "rope_scaling": {"type": "linear", "factor": 8.0}}) == keys  # older spelling

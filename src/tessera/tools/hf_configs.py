@@ -210,14 +210,16 @@ def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
                        "builds")
     params = hf.get("rope_parameters") or {}
     local = params.get("sliding_attention", {})
-    glob = params.get("full_attention", {})
+    # the released checkpoints' config.json (transformers 4) has the global layers' rope_scaling beside rope_theta
+    # and rope_local_base_freq, which transformers 5 reads as rope_parameters; it was read as no scaling
+    glob = params.get("full_attention") or hf.get("rope_scaling") or {}
     if local.get("rope_type", "default") != "default":
         raise ConfigError(f"Gemma 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
     keys: dict[str, Any] = {"local_rope_max_timescale": int(local.get("rope_theta", hf.get("rope_local_base_freq",
                                                                                           10000.0))),
                             "rope_max_timescale": int(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
                             "rope_scaling": "none"}
-    kind = glob.get("rope_type", "default")
+    kind = glob.get("rope_type", glob.get("type", "default"))
     if kind == "linear":
         keys.update(rope_scaling="linear", rope_scaling_factor=float(glob["factor"]))
     elif kind != "default":
