@@ -874,3 +874,25 @@ def test_a_gemma3_config_json_as_released_keeps_its_global_rope_scaling():
     assert (keys["rope_scaling"], keys["rope_scaling_factor"]) == ("linear", 8.0) == (m.rope_scaling,
                                                                                       m.rope_scaling_factor)
     assert config_from_hf({**released, "rope_scaling": {"type": "linear", "factor": 8.0}}) == keys  # older spelling
+
+
+def test_a_gpt3_sliding_window_is_named_both_ways(checkpoints, tmp_path, capsys):
+    """Tessera's gpt3 reads sliding_window_size, GPT-2's config.json has no window: a gpt3 with a window was
+    exported without a word (transformers then attended to every earlier position), and a GPT-2 checkpoint
+    converted into one."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+
+    keys = ["model_name=gpt3-52k", "base_emb_dim=24", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=6",
+            "base_mlp_dim=40", "base_num_decoder_layers=2", "vocab_size=96", "trainable_position_size=16"]
+    with pytest.raises(ConfigError, match="sliding_window_size=5: Hugging Face's gpt2 config.json has no such"):
+        hf_config(load_model_config(None, [*keys, "sliding_window_size=5"]).model, 16)
+    targets = hf_checkpoint.param_targets(load_model_config(None, keys))
+    hf_checkpoint.save_params(tmp_path / "tessera", hf_checkpoint._nest(
+        {k: np.zeros(t.shape, t.dtype) for k, t in targets.items()}))
+    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys]) == 0
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "back"), *keys, "sliding_window_size=5"]) == 2
+    err = capsys.readouterr().err
+    assert "sliding_window_size: checkpoint 0, config 5  (set sliding_window_size=0)" in err, err
+    assert not (tmp_path / "back").exists()

@@ -29,6 +29,10 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
             "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
+        if m.sliding_window_size:  # it was exported without a word, and transformers attended to every position
+            raise ConfigError(f"sliding_window_size={m.sliding_window_size}: Hugging Face's gpt2 config.json has no "
+                              "such setting (its attention sees every earlier position), so the exported model would "
+                              "compute other logits than this one; it cannot be exported")
         return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
                 "n_layer": m.num_decoder_layers, "n_inner": m.mlp_dim, "n_positions": m.trainable_position_size,
                 "vocab_size": m.vocab_size, "layer_norm_epsilon": m.normalization_layer_epsilon,

@@ -286,7 +286,7 @@ def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "normalization_layer_epsilon": hf["layer_norm_epsilon"],
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", True)),  # untied: an lm_head.weight of its own
         "mlp_activations": [_activation(hf.get("activation_function", "gelu_new"))],
-        "trainable_position_size": hf["n_positions"], **NO_CAPS,
+        "trainable_position_size": hf["n_positions"], "sliding_window_size": 0, **NO_CAPS,  # GPT-2 has no window
     }
 
 
