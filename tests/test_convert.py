@@ -885,7 +885,7 @@ def test_a_gpt3_sliding_window_is_named_both_ways(checkpoints, tmp_path, capsys)
 
     keys = ["model_name=gpt3-52k", "base_emb_dim=24", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=6",
             "base_mlp_dim=40", "base_num_decoder_layers=2", "vocab_size=96", "trainable_position_size=16"]
-    with pytest.raises(ConfigError, match="sliding_window_size=5: Hugging Face's gpt2 config.json has no such"):
+    with pytest.raises(ConfigError, match="sliding_window_size=5: Hugging Face's gpt2 config.json has no sliding"):
         hf_config(load_model_config(None, [*keys, "sliding_window_size=5"]).model, 16)
     targets = hf_checkpoint.param_targets(load_model_config(None, keys))
     hf_checkpoint.save_params(tmp_path / "tessera", hf_checkpoint._nest(
@@ -896,3 +896,19 @@ def test_a_gpt3_sliding_window_is_named_both_ways(checkpoints, tmp_path, capsys)
     err = capsys.readouterr().err
     assert "sliding_window_size: checkpoint 0, config 5  (set sliding_window_size=0)" in err, err
     assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("model_name,model_type", [("llama2-7b", "llama"), ("llama3.1-8b", "llama"),
+                                                   ("gemma-7b", "gemma"), ("qwen3-8b", "qwen3"),
+                                                   ("qwen3-30b-a3b", "qwen3_moe")])
+def test_a_sliding_window_the_family_has_no_setting_for_is_not_exported(model_name, model_type):
+    """Tessera's llama, gemma and qwen3 blocks attend within sliding_window_size; transformers' have no window
+    (qwen3's is refused on import): such a model was exported without a word, as a model without it."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+
+    with pytest.raises(ConfigError, match=f"sliding_window_size=64: Hugging Face's {model_type} config.json has no "
+                                          "sliding window here"):
+        hf_config(load_model_config(model_name, ["sliding_window_size=64"]).model, 4096)
+    for name in ("mistral-7b", "gemma2-9b", "gemma3-4b", "gpt-oss-20b"):  # these write theirs
+        assert hf_config(load_model_config(name, ["sliding_window_size=64"]).model, 4096)["sliding_window"] == 64

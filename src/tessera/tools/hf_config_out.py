@@ -29,15 +29,11 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
             "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
-        if m.sliding_window_size:  # it was exported without a word, and transformers attended to every position
-            raise ConfigError(f"sliding_window_size={m.sliding_window_size}: Hugging Face's gpt2 config.json has no "
-                              "such setting (its attention sees every earlier position), so the exported model would "
-                              "compute other logits than this one; it cannot be exported")
-        return {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
+        return _refuse_no_window(m, {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
                 "n_layer": m.num_decoder_layers, "n_inner": m.mlp_dim, "n_positions": m.trainable_position_size,
                 "vocab_size": m.vocab_size, "layer_norm_epsilon": m.normalization_layer_epsilon,
                 "activation_function": act, "tie_word_embeddings": m.logits_via_embedding,
-                "torch_dtype": dtype}
+                "torch_dtype": dtype})
     config = {
         "architectures": [arch], "model_type": model_type, "hidden_size": m.emb_dim, "intermediate_size": m.mlp_dim,
         "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads, "head_dim": m.head_dim,
@@ -51,7 +47,18 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
     if model_type in HF_MLP_BIAS:
         config["mlp_bias"] = m.mlp_bias
     _add_family_keys(config, m, model_type)
-    return _refuse_other_routing(m, config)
+    return _refuse_other_routing(m, _refuse_no_window(m, config))
+
+
+def _refuse_no_window(m: ModelConfig, written: dict[str, Any]) -> dict[str, Any]:
+    """`written`, unless m attends within a sliding window its config.json does not hold (llama, gemma, gpt2,
+    qwen3 have no window in transformers): such a model was exported without a word, and transformers then
+    attended to every earlier position."""
+    if m.sliding_window_size and not written.get("sliding_window"):
+        raise ConfigError(f"sliding_window_size={m.sliding_window_size}: Hugging Face's {written['model_type']} "
+                          "config.json has no sliding window here (its attention sees every earlier position), so the "
+                          "exported model would compute other logits than this one; it cannot be exported")
+    return written
 
 
 def _rope_scaling_keys(m: ModelConfig) -> dict[str, Any]:
