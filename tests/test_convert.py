@@ -912,3 +912,23 @@ def test_a_sliding_window_the_family_has_no_setting_for_is_not_exported(model_na
         hf_config(load_model_config(model_name, ["sliding_window_size=64"]).model, 4096)
     for name in ("mistral-7b", "gemma2-9b", "gemma3-4b", "gpt-oss-20b"):  # these write theirs
         assert hf_config(load_model_config(name, ["sliding_window_size=64"]).model, 4096)["sliding_window"] == 64
+
+
+def test_settings_a_config_json_leaves_out_are_transformers_defaults():
+    """A config.json without a Gemma 2 soft cap, query_pre_attn_scalar or window (or a Mistral, Gemma 3 or
+    gpt-oss window) is built by transformers with its config class's defaults (50 and 30, 256, 4096; gpt-oss
+    128); the converter read no cap, head_dim**-0.5 and no window: another model (the tiny Gemma 2's logits
+    3.6 off)."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    left_out = ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window")
+    for name, want in (("gemma2-9b", dict(query_pre_attn_scalar=256, attn_logits_soft_cap=50.0,
+                                          final_logits_soft_cap=30.0, sliding_window_size=4096)),
+                       ("gemma3-4b", dict(query_pre_attn_scalar=256, attn_logits_soft_cap=0.0,
+                                          final_logits_soft_cap=0.0, sliding_window_size=4096)),
+                       ("mistral-7b", dict(sliding_window_size=4096)), ("gpt-oss-20b", dict(sliding_window_size=128))):
+        written = hf_config(load_model_config(name, ["sliding_window_size=7"]).model, 4096)
+        keys = config_from_hf({k: v for k, v in written.items() if k not in left_out})
+        assert {k: keys[k] for k in want} == want, name
+        assert config_from_hf({**written, "sliding_window": None})["sliding_window_size"] == 0, name  # null: none

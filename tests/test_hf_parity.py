@@ -193,6 +193,27 @@ def test_a_gemma3_config_json_as_released_converts_to_the_same_logits(hf_model, 
     np.testing.assert_allclose(ours[real], ref[real], rtol=0, atol=ATOL)
 
 
+@pytest.mark.slow
+def test_a_gemma2_config_json_without_its_caps_and_window_converts_to_the_same_logits(hf_model, tmp_path):
+    """transformers builds the settings a config.json leaves out with its config class's defaults (Gemma 2: soft
+    caps 50 and 30, query_pre_attn_scalar 256, window 4096); the converter read no caps, head_dim**-0.5 and no
+    window (logits 3.6 off on the tiny model)."""
+    hf_dir = tmp_path / "trimmed"
+    shutil.copytree(hf_model("gemma2"), hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    for key in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window"):
+        del config[key]
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    cfg = _config(hf_dir)
+    hf_to_tessera(hf_dir, tmp_path / "converted", cfg)
+    model, params = _restore(cfg, tmp_path / "converted")
+    tokens, mask = _padded_batch(cfg.model.vocab_size)
+    ours = np.asarray(model.apply(params, tokens, None, mask))
+    ref = hf_env.reference_logits(hf_dir, tokens, mask)
+    real = mask.astype(bool)
+    np.testing.assert_allclose(ours[real], ref[real], rtol=0, atol=ATOL)
+
+
 def test_mxfp4_values_equal_transformers(tmp_path):
     """gpt-oss's MXFP4 experts, read by us and dequantized by transformers: the same values, layout included."""
     _require_reference()

@@ -39,6 +39,13 @@ NO_CAPS = {"query_pre_attn_scalar": 0, "attn_logits_soft_cap": 0.0, "final_logit
 HF_ROUTING = {"routed_score_func": "softmax", "norm_topk_prob": True, "routed_scaling_factor": 1.0,
               "n_routing_groups": -1, "shared_experts": 0}
 HF_MOE = ("mixtral", "qwen3_moe", "gpt_oss", "llama4_text")
+# what transformers' config classes use for a setting a config.json leaves out, where it changes the numbers and
+# Tessera's reading of no value would differ (a window of 0, no soft cap): such a config.json converted into
+# another model than transformers builds from it (transformers writes them all; hand-written files may not)
+HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                          "sliding_window": 4096},
+               "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096},
+               "mistral": {"sliding_window": 4096}, "gpt_oss": {"sliding_window": 128}}
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -72,6 +79,7 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
     kind = hf.get("model_type")
     if kind not in HF_MODEL_TYPES:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+    hf = {**HF_DEFAULTS.get(kind, {}), **hf}  # a key given as null stays null (no window, no cap), as in transformers
     if kind == "gpt2":
         return _gpt2_keys(hf)
     if kind == "deepseek_v3":
