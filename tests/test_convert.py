@@ -932,3 +932,22 @@ def test_settings_a_config_json_leaves_out_are_transformers_defaults():
         keys = config_from_hf({k: v for k, v in written.items() if k not in left_out})
         assert {k: keys[k] for k in want} == want, name
         assert config_from_hf({**written, "sliding_window": None})["sliding_window_size"] == 0, name  # null: none
+
+
+def test_routing_and_attention_settings_a_config_json_leaves_out_are_transformers_defaults():
+    """DeepSeek-V3's and Llama 4's config classes default to their released models' routing and attention
+    (routed_scaling_factor 2.5, norm_topk_prob, 8 groups choosing 4; q/k norms, the temperature, chunks of 8192);
+    the converter read 1.0, false, no groups, no norms, no temperature, no chunks (the tiny models' logits 1.9
+    and 3.5 off)."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    written = hf_config(load_model_config("deepseek-v3", []).model, 4096)
+    left_out = ("routed_scaling_factor", "norm_topk_prob", "n_group", "topk_group")
+    keys = config_from_hf({k: v for k, v in written.items() if k not in left_out})
+    assert (keys["routed_scaling_factor"], keys["norm_topk_prob"], keys["n_routing_groups"],
+            keys["topk_routing_group"]) == (2.5, True, 8, 4)
+    written = hf_config(load_model_config("llama4-17b-16e", []).model, 4096)
+    left_out = ("use_qk_norm", "attn_temperature_tuning", "attention_chunk_size")
+    keys = config_from_hf({k: v for k, v in written.items() if k not in left_out})
+    assert (keys["use_qk_norm"], keys["temperature_tuning"], keys["chunk_attn_window_size"]) == (True, True, 8192)

@@ -45,7 +45,10 @@ HF_MOE = ("mixtral", "qwen3_moe", "gpt_oss", "llama4_text")
 HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                           "sliding_window": 4096},
                "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096},
-               "mistral": {"sliding_window": 4096}, "gpt_oss": {"sliding_window": 128}}
+               "mistral": {"sliding_window": 4096}, "gpt_oss": {"sliding_window": 128, "attention_bias": True},
+               "deepseek_v3": {"routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+                               "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536},
+               "llama4_text": {"use_qk_norm": True, "attn_temperature_tuning": True, "attention_chunk_size": 8192}}
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
