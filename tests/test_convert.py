@@ -951,3 +951,17 @@ def test_routing_and_attention_settings_a_config_json_leaves_out_are_transformer
     left_out = ("use_qk_norm", "attn_temperature_tuning", "attention_chunk_size")
     keys = config_from_hf({k: v for k, v in written.items() if k not in left_out})
     assert (keys["use_qk_norm"], keys["temperature_tuning"], keys["chunk_attn_window_size"]) == (True, True, 8192)
+
+
+def test_a_gpt_oss_config_json_without_rope_settings_gets_its_default_yarn():
+    """transformers' GptOssConfig defaults to YaRN x32 over 4096 tokens (theta 150000, untruncated); a
+    config.json with neither rope_parameters nor rope_scaling was read as plain RoPE (logits 2.5 off)."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    m = load_model_config("gpt-oss-20b", []).model
+    written = hf_config(m, 4096)
+    bare = {k: v for k, v in written.items() if k not in ("rope_scaling", "rope_theta")}
+    assert config_from_hf(bare) == config_from_hf(written)
+    keys = config_from_hf({**bare, "rope_theta": 5e5})
+    assert (keys["rope_scaling"], keys["rope_scaling_factor"], keys["rope_max_timescale"]) == ("yarn", 32.0, 500000)

@@ -49,6 +49,9 @@ HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping"
                "deepseek_v3": {"routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
                                "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536},
                "llama4_text": {"use_qk_norm": True, "attn_temperature_tuning": True, "attention_chunk_size": 8192}}
+# gpt-oss's rotary default (transformers' GptOssConfig), for a config.json with neither rope_parameters nor rope_scaling
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +86,8 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
     if kind not in HF_MODEL_TYPES:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
     hf = {**HF_DEFAULTS.get(kind, {}), **hf}  # a key given as null stays null (no window, no cap), as in transformers
+    if kind == "gpt_oss" and not hf.get("rope_parameters") and not hf.get("rope_scaling"):  # its class's default
+        hf["rope_parameters"] = {**GPT_OSS_ROPE, "rope_theta": hf.get("rope_theta", GPT_OSS_ROPE["rope_theta"])}
     if kind == "gpt2":
         return _gpt2_keys(hf)
     if kind == "deepseek_v3":
