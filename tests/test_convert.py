@@ -527,6 +527,7 @@ def test_an_untied_gpt2_output_layer_converts_both_ways(tmp_path):
     hf_checkpoint.save_params(tmp_path / "tessera", hf_checkpoint._nest(params))
     assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys]) == 0
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["n_positions"] == 16  # the table's rows
     np.testing.assert_array_equal(load_file(str(tmp_path / "hf" / "model.safetensors"))["lm_head.weight"],
                                   params["logits_dense_dv"].T)
     assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "back"), *keys]) == 0
@@ -890,8 +891,9 @@ def test_a_gpt3_sliding_window_is_named_both_ways(checkpoints, tmp_path, capsys)
     targets = hf_checkpoint.param_targets(load_model_config(None, keys))
     hf_checkpoint.save_params(tmp_path / "tessera", hf_checkpoint._nest(
         {k: np.zeros(t.shape, t.dtype) for k, t in targets.items()}))
-    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys]) == 0
     capsys.readouterr()
+    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys]) == 0
+    assert "max_position_embeddings" not in capsys.readouterr().err  # GPT-2 writes n_positions, the table's size
     assert main(["hf-to-tessera", str(tmp_path / "hf"), str(tmp_path / "back"), *keys, "sliding_window_size=5"]) == 2
     err = capsys.readouterr().err
     assert "sliding_window_size: checkpoint 0, config 5  (set sliding_window_size=0)" in err, err

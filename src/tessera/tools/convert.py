@@ -272,9 +272,9 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
             mismatch_explained(checkpoint, model_keys):
         source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
     warn_model_changes(checkpoint, model_keys)
-    # a model its config.json cannot describe is refused before any write
     trained, notes = _trained_length(checkpoint, cfg)
-    config = hf_config_out.hf_config(m, trained)
+    config = hf_config_out.hf_config(m, trained)  # a model its config.json cannot describe is refused before any write
+    notes = notes if "max_position_embeddings" in config else []  # GPT-2's n_positions is its position table's size
     made = not out_dir.exists()
     writer = hf_checkpoint.ShardWriter(out_dir, max_shard_size)
     jobs = hf_checkpoint.expand(layout, m.num_decoder_layers, m.scan_layers)
