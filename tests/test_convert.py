@@ -858,6 +858,38 @@ def test_export_writes_the_length_the_checkpoint_was_trained_on(checkpoints, tmp
             (out == "converted"), err
 
 
+def test_export_writes_the_length_of_the_model_the_parameters_were_converted_from(checkpoints, tmp_path, capsys):
+    """hf-to-tessera keeps the config.json it read beside the parameters: exported again without a
+    max_target_length, they wrote base.yml's 128 (a Llama 2 round trip said 128, not 4096), and a fine-tune
+    on shorter sequences its own length. Now the source's 4,096 is written, the longer of the two for a
+    fine-tune, and a given max_target_length still decides."""
+    import json
+    import shutil
+
+    from tessera.checkpointing.storage import CONFIG_FILE
+
+    _, hf = checkpoints
+    source = tmp_path / "hf"
+    shutil.copytree(hf, source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    assert main(["hf-to-tessera", str(source), str(tmp_path / "converted"), *KEYS]) == 0
+    step = tmp_path / "step"  # a fine-tune's step: its run started from the converted parameters
+    shutil.copytree(tmp_path / "converted", step)
+    (step / "config").mkdir()
+    (step / "config" / CONFIG_FILE).write_text(json.dumps({
+        "max_target_length": 2048, "load_parameters_path": str(tmp_path / "converted")}))
+    capsys.readouterr()
+    for folder, out, extra, want in ((tmp_path / "converted", "again", [], 4096), (step, "tuned", [], 4096),
+                                     (step, "given", ["max_target_length=1024"], 1024)):
+        assert main(["tessera-to-hf", str(folder), str(tmp_path / out), *KEYS, *extra]) == 0
+        assert json.loads((tmp_path / out / "config.json").read_text())["max_position_embeddings"] == want, out
+        err = capsys.readouterr().err
+        assert f"I config.json: max_position_embeddings={want} (" in err, err
+        assert "converted from a Hugging Face model of max_position_embeddings=4096" in err or out == "given", err
+        assert "base.yml's max_target_length default" not in err, err
+
+
 def test_a_gemma3_config_json_as_released_keeps_its_global_rope_scaling():
     """The released Gemma 3 config.json (transformers 4) says rope_scaling (linear x8, the global layers'),
     rope_theta and rope_local_base_freq; transformers 5 reads them as rope_parameters. The converter read only

@@ -236,8 +236,14 @@ def _allocated(path: Path, nbytes: int) -> Path:
     return path
 
 
-def save_params(out_dir: Path, params: dict) -> None:
-    """An Orbax checkpoint holding {"params": ...}: what load_parameters_path accepts.
+# beside the parameters hf-to-tessera writes: the config.json they were converted from (tessera-to-hf reads its
+# max_position_embeddings back; the loaders ignore the file, and the checksum list covers it)
+SOURCE_CONFIG = "hf_source_config.json"
+
+
+def save_params(out_dir: Path, params: dict, source_config: dict | None = None) -> None:
+    """An Orbax checkpoint holding {"params": ...}: what load_parameters_path accepts; with
+    `source_config`, the Hugging Face config.json they come from beside it (SOURCE_CONFIG).
 
     Orbax copies the arrays while it writes them. Without OCDBT (one folder per array) that is
     about one model's worth of RAM at peak; with OCDBT it measured 1.6 models' worth."""
@@ -256,6 +262,8 @@ def save_params(out_dir: Path, params: dict) -> None:
         raise OSError(int(code[1]), os.strerror(int(code[1]))) from None
     finally:
         absl_logger.removeFilter(quiet)
+    if source_config is not None:
+        (out_dir / SOURCE_CONFIG).write_text(json.dumps(source_config, indent=2) + "\n")
     from tessera.checkpointing import record_checksums
 
     record_checksums(out_dir.absolute())  # every load verifies the files against them
