@@ -397,7 +397,7 @@ def test_ctrl_c_during_the_write_leaves_nothing_behind(checkpoints, tmp_path, mo
 
     _, hf = checkpoints
 
-    def save_params(out_dir, params):  # Orbax's order: a temporary folder, renamed once complete
+    def save_params(out_dir, params, source_config=None):  # Orbax's order: a temporary folder, renamed once complete
         tmp = out_dir.parent / f"{out_dir.name}.orbax-checkpoint-tmp"
         tmp.mkdir()
         os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C in the middle of the write
@@ -506,7 +506,7 @@ def test_a_config_json_gives_the_experts_width_when_base_moe_mlp_dim_sets_it(mod
     from tessera.tools.hf_configs import config_from_hf
 
     m = load_model_config(model_name, ["base_moe_mlp_dim=512"]).model
-    back = load_model_config(None, [f"{k}={v}" for k, v in config_from_hf(hf_config(m)).items()
+    back = load_model_config(None, [f"{k}={v}" for k, v in config_from_hf(hf_config(m, 4096)).items()
                                     if not isinstance(v, (list, dict))]).model
     assert back.expert_mlp_dim == m.expert_mlp_dim == 512
 

@@ -15,8 +15,8 @@ peak, never two (measured on a 1.35 GB float32 Llama: 1.9 GB peak anonymous memo
 
 tessera-to-hf restores one parameter at a time from a Tessera checkpoint (a training step
 folder or a converted one) and writes safetensors shards of at most `--max-shard-size` bytes
-plus `config.json` (whose max_position_embeddings is the length the parameters were trained on:
-_trained_length); RAM holds one shard being assembled plus one restored parameter. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
+plus `config.json` (whose max_position_embeddings is the length the parameters handle:
+hf_config_out.trained_length); RAM holds one shard being assembled plus one restored parameter. hf-to-tessera followed by tessera-to-hf gives back the same tensors, bit for
 bit, when weight_dtype is the checkpoint's dtype. Relative paths are read from the working
 directory; tessera-to-hf's checkpoint may also be a gs:// URL (the other folders are local).
 """
@@ -272,7 +272,7 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
             mismatch_explained(checkpoint, model_keys):
         source = hf_checkpoint.ParamSource(checkpoint, hf_checkpoint.param_targets(cfg))
     warn_model_changes(checkpoint, model_keys)
-    trained, notes = _trained_length(checkpoint, cfg)
+    trained, notes = hf_config_out.trained_length(checkpoint, cfg)
     config = hf_config_out.hf_config(m, trained)  # a model its config.json cannot describe is refused before any write
     notes = notes if "max_position_embeddings" in config else []  # GPT-2's n_positions is its position table's size
     made = not out_dir.exists()
@@ -294,61 +294,6 @@ def tessera_to_hf(checkpoint: str, out_dir: Path, cfg: Config, max_shard_size: i
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
         raise
     return out_dir
-
-
-def _trained_length(checkpoint: str, cfg: Config) -> tuple[int, list[tuple[int, str]]]:
-    """The sequence length the checkpoint's parameters handle, for config.json's max_position_embeddings:
-    max_target_length from the command line; else the longer of the one saved with a training checkpoint
-    and the max_position_embeddings of the Hugging Face model the parameters were converted from (kept by
-    hf-to-tessera beside them, found through the training run's load_parameters_path): a fine-tune of a
-    4,096-token model on 2,048-token sequences still handles 4,096. With the log records (level, text)
-    saying what is written and where it comes from, and a warning when nothing says."""
-    from tessera.checkpointing import saved_config
-    from tessera.config.schema import all_fields
-    from tessera.tools.hf_config_out import max_positions
-
-    length, default = cfg.data.max_target_length, all_fields()["max_target_length"][1].default
-    saved_run = saved_config(checkpoint)
-    saved = saved_run.get("max_target_length")
-    converted = _converted_from(checkpoint, saved_run.get("load_parameters_path"))
-    sources = []
-    if length != default:  # model files leave it to base.yml: another value was given on the command line
-        sources.append(f"max_target_length={length} given")
-    else:
-        if isinstance(saved, int):
-            sources.append(f"the checkpoint's training run used max_target_length={saved}")
-        if converted:
-            sources.append(f"its parameters were converted from a Hugging Face model of max_position_embeddings="
-                           f"{converted}")
-        length = max([n for n in (saved, converted) if isinstance(n, int)], default=length)
-    source = "; ".join(sources) or "no max_target_length given, and the checkpoint keeps no training config"
-    written = max_positions(cfg.model, length)
-    if written > length:
-        source += f"; rope_scaling={cfg.model.rope_scaling} stretches the model's context to {written}"
-    notes = [(logging.INFO, f"config.json: max_position_embeddings={written} ({source})")]
-    if written == length and not sources:
-        notes.append((logging.WARNING, f"max_position_embeddings={written} is configs/base.yml's max_target_length "
-                                       "default, not a length this model was trained on; give max_target_length=<the "
-                                       "context it handles> (e.g. 4096) to write that"))
-    return length, notes
-
-
-def _converted_from(*folders: str | None) -> int | None:
-    """max_position_embeddings of the Hugging Face config.json that hf-to-tessera kept beside the parameters it
-    wrote (hf_checkpoint.SOURCE_CONFIG), in the first of `folders` that has one; None when none has."""
-    from etils import epath
-
-    from tessera.tools.hf_checkpoint import SOURCE_CONFIG
-
-    for folder in filter(None, folders):
-        try:
-            hf = json.loads((epath.Path(folder) / SOURCE_CONFIG).read_text())
-        except Exception:  # noqa: BLE001 - no such file (a training step, older conversions), or unreadable: unknown
-            continue
-        value = hf.get("max_position_embeddings", (hf.get("text_config") or {}).get("max_position_embeddings"))
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
 
 
 def convert_help() -> str:

@@ -1,13 +1,15 @@
 """The `config.json` that tessera-to-hf writes: a Tessera model config as Hugging Face
 `transformers` spells it, per family (the inverse of `tessera.tools.hf_configs.config_from_hf`;
-a test converts each family both ways and compares)."""
+a test converts each family both ways and compares), and the sequence length it declares
+(`trained_length`: given, trained on, or of the model the parameters were converted from)."""
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any
 
-from tessera.config import ConfigError, ModelConfig
+from tessera.config import Config, ConfigError, ModelConfig
 from tessera.models.layers import yarn_score_scale
 from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES, NO_CAPS
 
@@ -229,3 +231,57 @@ def _activation_name(m: ModelConfig, model_type: str) -> str:
         raise ConfigError(f"mlp_activations={json.dumps(acts)}: Hugging Face's {model_type} MLP is {built}, so this "
                           "model cannot be exported")
     return "gelu_new" if model_type == "gpt2" and acts[0] == "gelu" else HF_ACTIVATIONS.get(acts[0], "silu")
+
+
+def trained_length(checkpoint: str, cfg: Config) -> tuple[int, list[tuple[int, str]]]:
+    """The sequence length the checkpoint's parameters handle, for config.json's max_position_embeddings:
+    max_target_length from the command line; else the longer of the one saved with a training checkpoint
+    and the max_position_embeddings of the Hugging Face model the parameters were converted from (kept by
+    hf-to-tessera beside them, found through the training run's load_parameters_path): a fine-tune of a
+    4,096-token model on 2,048-token sequences still handles 4,096. With the log records (level, text)
+    saying what is written and where it comes from, and a warning when nothing says."""
+    from tessera.checkpointing import saved_config
+    from tessera.config.schema import all_fields
+
+    length, default = cfg.data.max_target_length, all_fields()["max_target_length"][1].default
+    saved_run = saved_config(checkpoint)
+    saved = saved_run.get("max_target_length")
+    converted = converted_from_length(checkpoint, saved_run.get("load_parameters_path"))
+    sources = []
+    if length != default:  # model files leave it to base.yml: another value was given on the command line
+        sources.append(f"max_target_length={length} given")
+    else:
+        if isinstance(saved, int):
+            sources.append(f"the checkpoint's training run used max_target_length={saved}")
+        if converted:
+            sources.append(f"its parameters were converted from a Hugging Face model of max_position_embeddings="
+                           f"{converted}")
+        length = max([n for n in (saved, converted) if isinstance(n, int)], default=length)
+    source = "; ".join(sources) or "no max_target_length given, and the checkpoint keeps no training config"
+    written = max_positions(cfg.model, length)
+    if written > length:
+        source += f"; rope_scaling={cfg.model.rope_scaling} stretches the model's context to {written}"
+    notes = [(logging.INFO, f"config.json: max_position_embeddings={written} ({source})")]
+    if written == length and not sources:
+        notes.append((logging.WARNING, f"max_position_embeddings={written} is configs/base.yml's max_target_length "
+                                       "default, not a length this model was trained on; give max_target_length=<the "
+                                       "context it handles> (e.g. 4096) to write that"))
+    return length, notes
+
+
+def converted_from_length(*folders: str | None) -> int | None:
+    """max_position_embeddings of the Hugging Face config.json that hf-to-tessera kept beside the parameters it
+    wrote (hf_checkpoint.SOURCE_CONFIG), in the first of `folders` that has one; None when none has."""
+    from etils import epath
+
+    from tessera.tools.hf_checkpoint import SOURCE_CONFIG
+
+    for folder in filter(None, folders):
+        try:
+            hf = json.loads((epath.Path(folder) / SOURCE_CONFIG).read_text())
+        except Exception:  # noqa: BLE001 - no such file (a training step, older conversions), or unreadable: unknown
+            continue
+        value = hf.get("max_position_embeddings", (hf.get("text_config") or {}).get("max_position_embeddings"))
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
