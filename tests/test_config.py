@@ -251,6 +251,10 @@ def test_an_error_about_several_keys_names_each_source():
     (["steps=<changeme>"], {}, "steps='<changeme>' is a placeholder"),  # before its type is checked
     (["model_name=<changeme>"], {}, "model_name='<changeme>' is a placeholder"),  # before a model file is looked for
     (["mlp_activations=[\"<changeme>\"]"], {}, "mlp_activations='[\"<changeme>\"]' is a placeholder"),
+    # any <word> in a path key: a guide's placeholder made a folder of that name (or a bucket path)
+    (["base_output_directory=gs://<bucket>/runs"], {}, "base_output_directory='gs://<bucket>/runs' holds the "
+     "placeholder <bucket>; put the real path or URL in its place (from the command line)"),
+    ([], {"M_TOKENIZER_PATH": "<tokenizer>"}, "tokenizer_path='<tokenizer>' holds the placeholder <tokenizer>"),
 ])
 def test_placeholders_are_refused_from_every_source(argv, env, message):
     with pytest.raises(ConfigError) as e:

@@ -4,7 +4,8 @@ Precedence, lowest first: `configs/base.yml` < `configs/models/<model_name>.yml`
 `key=value` on the command line < `M_<KEY>` environment variables. Every value is coerced to
 the type the schema declares; anything wrong raises `ConfigError` with a message that names
 the key, the value, where the value was set and what would be accepted. A value holding the
-`<changeme>` placeholder (left in recipes and validation files for the user) is refused.
+`<changeme>` placeholder (left in recipes and validation files for the user) is refused, as is
+any `<word>` in a path key (a guide's `gs://<bucket>/runs` copied as it is).
 The model file is looked for in the `models/` folder beside the config file, then in the
 repository's own `configs/models/` (so a copy of base.yml anywhere still finds every model).
 A config file may inherit from another with MaxText's `base_config: <file>` line (beside it,
@@ -27,8 +28,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tessera.config.checks import validate
-from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
 from tessera.config.fields import HF_FILE_FORMATS
+from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
 from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields, path_keys
 from tessera.config.values import coerce, unquoted
 from tessera.config.yaml_file import (config_files, is_file, is_run_config, model_folders,
@@ -215,13 +216,22 @@ def _name_sources(message: str, layers: list[tuple[str, dict[str, Any]]]) -> str
     return f"{message} ({'; '.join(parts)})"
 
 
+# a <word> in a path or URL: a placeholder copied from a guide (gs://<bucket>/runs), not a folder to make
+PATH_PLACEHOLDER = re.compile(r"<[A-Za-z][\w-]*>")
+
+
 def _refuse_placeholders(layers: list[tuple[str, dict[str, Any]]], errors: list[str]) -> None:
-    """No value (a string, or a list of strings) may still hold the `<changeme>` placeholder."""
+    """No value (a string, or a list of strings) may still hold the `<changeme>` placeholder, nor a
+    path key any `<word>` (base_output_directory=gs://<bucket>/runs made a folder named `<bucket>`)."""
+    paths = path_keys()
     for key, value in _merge(layers).items():
         if _is_placeholder(value):
             fix = "set it, e.g. run_name=my_run" if key == "run_name" else \
                 f"set it to a real value (configs/base.yml describes {key})"
             errors.append(_name_sources(f"{key}={value!r} is a placeholder; {fix}", layers))
+        elif key in paths and (found := PATH_PLACEHOLDER.search(str(value))):
+            errors.append(_name_sources(f"{key}={value!r} holds the placeholder {found.group()}; put the real path "
+                                        "or URL in its place", layers))
 
 
 def _is_placeholder(value: Any) -> bool:
