@@ -184,6 +184,11 @@ def test_a_gemma3_config_json_as_released_converts_to_the_same_logits(hf_model, 
     (hf_dir / "config.json").write_text(json.dumps(config))
     cfg = _config(hf_dir)
     assert (cfg.model.rope_scaling, cfg.model.rope_scaling_factor) == ("linear", 8.0)
+    _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path)
+
+
+def _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path):
+    """hf_dir converted with `cfg` gives transformers' logits of hf_dir (its own config.json) on a padded batch."""
     hf_to_tessera(hf_dir, tmp_path / "converted", cfg)
     model, params = _restore(cfg, tmp_path / "converted")
     tokens, mask = _padded_batch(cfg.model.vocab_size)
@@ -205,13 +210,7 @@ def test_a_gemma2_config_json_without_its_caps_and_window_converts_to_the_same_l
         del config[key]
     (hf_dir / "config.json").write_text(json.dumps(config))
     cfg = _config(hf_dir)
-    hf_to_tessera(hf_dir, tmp_path / "converted", cfg)
-    model, params = _restore(cfg, tmp_path / "converted")
-    tokens, mask = _padded_batch(cfg.model.vocab_size)
-    ours = np.asarray(model.apply(params, tokens, None, mask))
-    ref = hf_env.reference_logits(hf_dir, tokens, mask)
-    real = mask.astype(bool)
-    np.testing.assert_allclose(ours[real], ref[real], rtol=0, atol=ATOL)
+    _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path)
 
 
 def test_mxfp4_values_equal_transformers(tmp_path):
