@@ -23,6 +23,7 @@ from tessera.hardware import peak_tflops
 from tessera.loop_records import RunClock, time_line
 from tessera.memory_fit import state_bytes
 from tessera.metrics import run_report, training_flops_per_step
+from tessera.run_folder import loss_text
 from tessera.step import abstract_state, compile_step, setup
 from tessera.train import format_changed_keys, run
 
@@ -372,6 +373,17 @@ def test_run_report_uses_medians_after_warmup():
     report = run_report(records, warmup_steps=1)
     assert report["step_seconds"] == 2.0 and report["final_loss"] == 2.0 and report["mfu"] is None
     assert report["steps_in_medians"] == 3
+
+
+def test_the_final_loss_is_the_last_step_with_target_tokens():
+    """A last step without target tokens reports loss 0 and makes no update: the report's final loss
+    is the step before it (it was 0, which read as a perfectly trained model); none if no step had any."""
+    records = [{"loss": 3.0, "step_seconds": 1.0, "tflops_per_sec_per_device": 1.0, "tokens_per_sec_per_device": 1.0,
+                "mfu": None}, {"loss": 0.0, "step_seconds": 1.0, "tflops_per_sec_per_device": 1.0,
+                               "tokens_per_sec_per_device": 1.0, "mfu": None, "no_targets": True}]
+    assert run_report(records, warmup_steps=0)["final_loss"] == 3.0
+    assert run_report(records[1:], warmup_steps=0)["final_loss"] is None
+    assert loss_text(None) == "none (no step had target tokens)" and loss_text(2.0) == "2.0000"
 
 
 def test_metrics_and_the_report_are_strict_json_with_a_non_finite_loss(tmp_path):

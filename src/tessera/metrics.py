@@ -295,7 +295,9 @@ def format_record(r: dict[str, Any]) -> str:
 
 def run_report(records: list[dict[str, Any]], warmup_steps: int, **extra: Any) -> dict[str, Any]:
     """Medians over the steps after warm-up (all steps if the run was shorter), and how many steps'
-    updates were dropped for a non-finite loss or gradient (`steps_skipped`)."""
+    updates were dropped for a non-finite loss or gradient (`steps_skipped`). `final_loss` is the
+    last step with target tokens' (a step without any reports loss 0 and makes no update; None if
+    no step had any)."""
     steady = records[warmup_steps:] or records
     median = lambda name: statistics.median(r[name] for r in steady) if steady else None  # noqa: E731
     mfus = [r["mfu"] for r in steady if r.get("mfu") is not None]
@@ -303,7 +305,7 @@ def run_report(records: list[dict[str, Any]], warmup_steps: int, **extra: Any) -
         "steps": len(records),
         "steps_in_medians": len(steady),
         "steps_skipped": sum(1 for r in records if r.get("skipped")),
-        "final_loss": records[-1]["loss"] if records else None,
+        "final_loss": next((r["loss"] for r in reversed(records) if not r.get("no_targets")), None),
         "step_seconds": median("step_seconds"),
         "tflops_per_sec_per_device": median("tflops_per_sec_per_device"),
         "tokens_per_sec_per_device": median("tokens_per_sec_per_device"),

@@ -294,6 +294,11 @@ def _set_aside_earlier_report(folder: Path) -> None:
     log.info("the earlier attempt's report.json is kept as %s; this attempt writes its own at its end", kept.name)
 
 
+def loss_text(loss: float | None) -> str:
+    """The final loss for a log line: 'none' when no step had target tokens (`run_report`)."""
+    return "none (no step had target tokens)" if loss is None else f"{loss:.4f}"
+
+
 def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, meter: StepMeter, folder: Path,
                  n_params: int, compile_seconds: float, start_step: int, clock: RunClock) -> dict[str, Any]:
     """The run report: logged, written as report.json (process 0) and returned. Its `time` is
@@ -318,7 +323,7 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
         except OSError as e:  # a full disk at the end: one line (exit code 6), as for metrics.jsonl
             raise metrics.MetricsWriteError(
                 f"the run's report could not be written to {folder / 'report.json'} ({e.strerror or e}); its steps "
-                f"are trained (final loss {report['final_loss']:.4f}, median {report['step_seconds']:.3f} s/step) and "
+                f"are trained (final loss {loss_text(report['final_loss'])}, median {report['step_seconds']:.3f} s/step) and "
                 "in the metrics file. Free some space (or fix the folder's permissions)") from None
     if report["steps_skipped"]:
         log.warning("%d of the %d steps trained were skipped (a non-finite loss or gradient, on_nonfinite_loss="
@@ -327,6 +332,6 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
     slow_input = input_bound_warning(report["time"], cfg.data.dataset_type)
     if slow_input:
         log.warning(slow_input)
-    log.info("done: final loss %.4f, median %.3f s/step; report %s", report["final_loss"], report["step_seconds"],
+    log.info("done: final loss %s, median %.3f s/step; report %s", loss_text(report["final_loss"]), report["step_seconds"],
              folder / "report.json" if jax.process_index() == 0 else "written by process 0")
     return report
