@@ -2,6 +2,7 @@
 AdamW, plain SGD, and training with each on one device and on a mesh."""
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from tessera.models import build_model
 from tessera import optim
 from tessera.muon_layout import MatrixGroups
 from tessera.optim import MUON_NAMED, learning_rate_schedule, make_optimizer, muon_dimension_numbers
+from tessera.start_state import warn_if_no_step_learns
 from tessera.step import create_state, setup
 from tessera.train import run
 
@@ -237,6 +239,31 @@ def test_the_schedule_warms_up_decays_and_keeps_its_end_and_a_schedule_of_no_ste
     for steps in (0, -2, -5):
         with pytest.raises(ConfigError, match=rf"learning_rate_schedule_steps={steps} .*set it to -1 .* or >= 1"):
             setup(tiny_config(learning_rate_schedule_steps=steps), jax.devices()[:1])
+
+
+@pytest.mark.parametrize("keys, start, said", [
+    (dict(steps=1, warmup_steps_fraction=1.0), 0, r"\(step 1\) .*warm-up \(warmup_steps_fraction=1\) starts from 0"),
+    (dict(steps=3, learning_rate=0.0), 0, r"\(steps 1-3\) .*learning_rate=0\. Set it above 0"),
+    (dict(steps=6, learning_rate_schedule_steps=4, cosine_learning_rate_final_fraction=0.0), 4,
+     r"\(steps 5-6\) .*schedule's 4 steps are over .*final_fraction=0\. Raise learning_rate_schedule_steps"),
+    (dict(steps=2, warmup_steps_fraction=0.5), 0, None),  # step 2 learns at 0.5 x the rate
+    (dict(steps=6, learning_rate_schedule_steps=4), 4, None),  # the final fraction (0.1) of the rate
+])
+def test_a_run_none_of_whose_steps_learns_is_warned_of(keys, start, said, caplog):
+    """Every step this run trains at learning rate 0 moves no weight: one step at the start of a warm-up
+    (which starts from 0; warmup_steps_fraction=1 with steps=1), learning_rate=0, or the steps after a
+    schedule that ends at 0. Each gets one warning naming the steps and the key to change."""
+    cfg = tiny_config(**keys)
+    length = cfg.total_steps_in_schedule
+    opt_state = make_optimizer(cfg.optim, length).init({"w": np.zeros(2, np.float32)})
+    state = {"opt_state": optax.tree_utils.tree_set(opt_state, count=np.int32(start))}
+    caplog.clear()
+    warn_if_no_step_learns(cfg, learning_rate_schedule(cfg.optim, length), state, start)
+    got = [r.getMessage() for r in caplog.records if "applies learning rate 0" in r.getMessage()]
+    if said is None:
+        assert got == []
+    else:
+        assert len(got) == 1 and re.search(said, got[0]), got
 
 
 def test_the_warm_up_is_the_fraction_of_the_schedule_and_an_all_warm_up_schedule_ends_at_the_final_rate():

@@ -132,6 +132,29 @@ def applied_updates(state: dict) -> int:
     return int(jax.device_get(schedule_step(state["opt_state"])))
 
 
+def warn_if_no_step_learns(config: Config, schedule: optax.Schedule, state: dict, start_step: int) -> None:
+    """Warn when every step this run trains applies learning rate 0, so no weight moves (AdamW's decay
+    is scaled by the rate too): one step at the start of a warm-up (which starts from 0), or steps past
+    the schedule's end with cosine_learning_rate_final_fraction=0, or learning_rate=0."""
+    steps = config.run.steps - start_step
+    if steps < 1:
+        return
+    at = applied_updates(state)
+    if float(jax.numpy.max(jax.numpy.abs(schedule(jax.numpy.arange(at, at + steps))))) > 0.0:
+        return
+    o, length = config.optim, config.total_steps_in_schedule
+    if o.learning_rate == 0:
+        why = "learning_rate=0. Set it above 0"
+    elif at >= length:
+        why = (f"the schedule's {length} steps are over and cosine_learning_rate_final_fraction="
+               f"{o.cosine_learning_rate_final_fraction:g}. Raise learning_rate_schedule_steps, or that fraction")
+    else:
+        why = (f"the warm-up (warmup_steps_fraction={o.warmup_steps_fraction:g}) starts from 0. Train more steps, or "
+               "lower warmup_steps_fraction")
+    log.warning("every step this run trains (%s) applies learning rate 0, so the weights do not change: %s",
+                f"step {start_step + 1}" if steps == 1 else f"steps {start_step + 1}-{config.run.steps}", why)
+
+
 def log_changes_since_save(saved: Mapping[str, Any], config: Config, schedule: optax.Schedule, step: int,
                            step_folder: str, applied: int | None = None) -> None:
     """Log the settings that differ from those `step` (saved in `step_folder`) was saved with, and

@@ -42,7 +42,8 @@ from tessera.platforms import check_platforms_start
 from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
                                 refuse_unread_checkpoints, write_report)
 from tessera.stop_signals import TerminatedOutsideLoop, TrainingStopped
-from tessera.start_state import changes_since_save, initial_state, show_setting, state_source, unread_load_paths
+from tessera.start_state import (changes_since_save, initial_state, show_setting, state_source, unread_load_paths,
+                                  warn_if_no_step_learns)
 from tessera.step import Trainer, compile_step, init_program, setup
 from tessera.train_loop import TrainLoop, local_state_bytes
 
@@ -145,6 +146,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
     done = _nothing_to_do(cfg, start_step)  # e.g. load_full_state_path at or past `steps`
     if done is not None:
         return done
+    warn_if_no_step_learns(cfg, trainer.schedule, state, start_step)
     if evaluator:
         with clock.during("evaluation"):
             reached = evaluator.at_target_already(start_step, state["params"])
