@@ -38,7 +38,12 @@ def test_an_environment_made_elsewhere_is_named_in_the_fix(tmp_path, monkeypatch
     lock = tmp_path / "gpu.txt"
     lock.write_text("jax==0.0.1\n")
     assert doctor.main(["--device", "gpu", "--lock", str(lock), "--quiet"]) == 1
-    assert f"run `bash setup.sh DEVICE=gpu VENV='{venv}'` to install the locked versions" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"run `bash setup.sh DEVICE=gpu VENV='{venv}'` to install the locked versions" in out
+    # the summary named .venv/bin/python, which is not this environment's interpreter
+    monkeypatch.setattr(doctor.sys, "executable", str(venv / "bin" / "python"))
+    assert doctor.main(["--device", "gpu", "--lock", str(lock), "--quiet"]) == 1
+    assert f"problem(s) found (details: '{venv}/bin/python' -m tessera.doctor)" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("text, problem", [

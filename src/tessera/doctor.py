@@ -167,9 +167,16 @@ def device_report(device: str, timeout: float = 120.0) -> tuple[list[str], list[
     return rows, problems
 
 
+def doctor_command() -> str:
+    """How to run the doctor with this interpreter: `.venv/bin/python -m tessera.doctor` for the
+    repository's own venv, else this venv's python by its path (setup.sh VENV=dir)."""
+    ours = Path(sys.prefix).resolve() == (REPO / ".venv").resolve()
+    return f"{'.venv/bin/python' if ours else shlex.quote(sys.executable)} -m tessera.doctor"
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog=".venv/bin/python -m tessera.doctor",
+        prog=doctor_command(),
         description="Check this installation: versions against the lock, devices, known-bad combinations. "
                     "Exit 0 healthy, 1 problems found (each with the command that fixes it).",
         epilog="The install and the locks are described in README.md (Install); setup.sh runs this last.")
@@ -217,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"doctor: problem: {p}")
     jax_v = installed_version("jax")
     if problems:
-        print(f"doctor: {len(problems)} problem(s) found (details: .venv/bin/python -m tessera.doctor)")
+        print(f"doctor: {len(problems)} problem(s) found (details: {doctor_command()})")
         return EXIT_PROBLEMS
     print(f"doctor: healthy (jax {jax_v}, {'; '.join(r.strip() for r in rows)}, versions as locked in "
           f"{lock_name})" if mode == "locked" else f"doctor: healthy (jax {jax_v}, MODE=latest)")
