@@ -507,6 +507,25 @@ def test_dockerfile_copies_files_that_exist():
     assert any("bash setup.sh DEVICE=" in line for line in lines)
 
 
+@pytest.mark.parametrize("device, code", [("tpu", 0), ("gpu", 0), ("cpu", 0), ("xpu", 2), ("TPU", 2)])
+def test_the_dockerfile_refuses_a_device_without_a_lock(device, code):
+    """A --build-arg DEVICE other than cpu, gpu or tpu failed later as a missing locks/<device>.txt. The
+    image's check runs first (the RUN line, as Docker's /bin/sh -c runs it)."""
+    lines = (REPO / "getting_started" / "Dockerfile").read_text().splitlines()
+    check = next(line[len("RUN "):] for line in lines if line.startswith("RUN case"))
+    done = subprocess.run(["sh", "-c", check], env={"DEVICE": device, "PATH": "/usr/bin:/bin"}, capture_output=True,
+                          text=True)
+    assert done.returncode == code and (done.stderr == "" if code == 0 else f"DEVICE={device} is not one of" in
+                                        done.stderr), done.stderr
+    assert all((REPO / f"locks/{d}.txt").is_file() for d in ("cpu", "gpu", "tpu"))
+
+
+def test_the_docker_build_context_leaves_out_environments_and_runs():
+    """The whole context goes to the daemon at each build: .venv (gigabytes of wheels) and outputs/ did."""
+    ignored = (REPO / ".dockerignore").read_text().split()
+    assert {".git", ".venv*", "outputs"} <= set(ignored)
+
+
 # ---------------------------------------------------------------------------- expected performance
 
 GENERATIONS = sorted({r.split("/")[1] for r in TPU})
