@@ -194,6 +194,20 @@ def test_a_checkpoint_of_another_depth_in_the_other_layout_names_both_block_coun
     assert "split per block" not in caplog.text
 
 
+def test_a_whole_state_mismatch_lists_the_parameters_before_the_optimizer_state():
+    """A wider model read as a whole state: the optimizer state's paths (mu and nu of each parameter)
+    sorted before `params/` and filled the 20 lines shown, so no parameter was named."""
+    from tessera.checkpointing.trees import raise_on_mismatch
+
+    saved, wide = (abstract_state(setup(tiny_config(base_emb_dim=d))) for d in (24, 32))
+    with pytest.raises(CheckpointError) as e:
+        raise_on_mismatch("ckpt", saved, wide)
+    shown = [line.strip().split(":")[0] for line in str(e.value).splitlines()[1:21]]
+    params = [k for k in shown if k.startswith("params/")]
+    assert len(params) >= 8 and shown[:len(params)] == params, shown
+    assert all(k.startswith("opt_state/") for k in shown[len(params):]) and "\n  ... and " in str(e.value)
+
+
 def test_restored_arrays_are_donated_in_place(tmp_path):
     """A restored array's buffer must be one the runtime owns: on CPU, Orbax left large arrays in
     the host buffers they were read into, which a donating step could not write over (13 of the

@@ -288,13 +288,16 @@ def runtime_owned(tree):
 
 
 def describe_mismatch(saved, expected, only_prefix: str = "", cast_floats: bool = False) -> list[str]:
-    """Human-readable differences between saved metadata and the expected abstract tree
-    (`cast_floats`: a floating dtype that differs from the expected floating dtype is not one)."""
+    """Human-readable differences between saved metadata and the expected abstract tree, the
+    parameters' first (the optimizer state's paths repeat them, two or three times over:
+    listed first, they filled the 20 lines shown). `cast_floats`: a floating dtype that differs from
+    the expected floating dtype is not a difference."""
     have, want = _flat(saved), _flat(expected)
     have = {k: v for k, v in have.items() if k.startswith(only_prefix)}
-    problems = [f"missing in checkpoint: {k} {tuple(want[k].shape)}" for k in sorted(set(want) - set(have))]
-    problems += [f"not expected by this config: {k} {tuple(have[k].shape)}" for k in sorted(set(have) - set(want))]
-    for k in sorted(set(have) & set(want)):
+    order = lambda keys: sorted(keys, key=lambda k: (not k.startswith("params/"), k))  # noqa: E731
+    problems = [f"missing in checkpoint: {k} {tuple(want[k].shape)}" for k in order(set(want) - set(have))]
+    problems += [f"not expected by this config: {k} {tuple(have[k].shape)}" for k in order(set(have) - set(want))]
+    for k in order(set(have) & set(want)):
         h, w = have[k], want[k]
         if tuple(h.shape) != tuple(w.shape):
             problems.append(f"{k}: checkpoint has shape {tuple(h.shape)}, this config expects {tuple(w.shape)}")
