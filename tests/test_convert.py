@@ -482,6 +482,10 @@ def test_a_hugging_face_folder_given_as_a_load_path_says_to_convert_it(checkpoin
                                                     "transformers writes a JSON boolean; write it as false without "
                                                     "quotes$"),
     ("gemma3-4b", {"use_bidirectional_attention": " True"}, "use_bidirectional_attention=' True', text"),
+    # rotary embedding over part of each head: read as if it covered the whole head
+    ("llama2-7b", {"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0\.5\); Tessera's llama rotates the whole"),
+    ("qwen3-32b", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.25}},
+     r"partial_rotary_factor=0\.25"),
 ])
 def test_config_json_options_that_change_the_numbers_are_refused(model_name, change, message):
     """transformers computes another model with these (each moved the tiny models' logits by 0.5 to 4), and

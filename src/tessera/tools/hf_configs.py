@@ -322,6 +322,10 @@ def _rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if "full_attention" in params:  # per-layer-type parameters; all layer types share them in these families
         params = params["full_attention"]
     scaling = hf.get("rope_scaling") or params
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial is not None and float(partial) != 1.0:
+        raise ConfigError(f"this checkpoint rotates part of each head (partial_rotary_factor={partial}); Tessera's "
+                          f"{hf.get('model_type')} rotates the whole head, so its logits would differ: not converted")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     keys: dict[str, Any] = {"rope_max_timescale": int(theta), "rope_scaling": "none"}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
