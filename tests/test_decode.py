@@ -881,6 +881,33 @@ def test_a_quantized_checkpoint_read_as_float_names_checkpoint_is_quantized(llam
         "(quantization=fp8): read them with quantization=int8"), err
 
 
+@pytest.mark.parametrize("stage", ["orbax", "checksums"])
+def test_a_quantized_save_interrupted_leaves_no_folder_behind(llama, tmp_path, monkeypatch, stage):
+    """Ctrl-C after Orbax's rename left a quantized folder without its config or checksums, which the next
+    decode read as a whole checkpoint (and the next save refused as existing); one during Orbax's write left
+    its temporary folder. Either is removed now, and the interrupt goes on to decode.py's exit 130."""
+    import orbax.checkpoint as ocp
+
+    from tessera.checkpointing import quantized
+
+    model, params = llama
+    target = tmp_path / "q8"
+    if stage == "orbax":
+        def interrupted(self, path, tree, *a, **k):
+            (tmp_path / "q8.orbax-checkpoint-tmp-123").mkdir()
+            raise KeyboardInterrupt
+        monkeypatch.setattr(ocp.PyTreeCheckpointer, "save", interrupted)
+    else:
+        monkeypatch.setattr("tessera.checkpointing.record_checksums",
+                            lambda path: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        quantized.save_quantized(params, model.logical_axes(), "int8", str(target), config={"model_name": "x"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    quantized.save_quantized(params, model.logical_axes(), "int8", str(target), config={"model_name": "x"})
+    assert (target / "config").is_dir() and target.is_dir()
+
+
 def test_a_cache_that_does_not_fit_is_not_told_to_quantize_again(tmp_path, capsys):
     """The memory error advised quantize_kvcache=true to a run that had set it: int8 is told int4,
     int4 neither (checked before the checkpoint is read: none is needed). On CPU, where int4 takes a

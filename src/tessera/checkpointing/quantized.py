@@ -69,9 +69,23 @@ def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool =
         if config is not None and jax.process_index() == 0:
             (target / "config").mkdir()
             (target / "config" / CONFIG_FILE).write_text(json.dumps(config))
-    except OSError as e:  # a folder that could not be made (/proc), a full disk
-        raise ConfigError(f"save_quantized_params_path={path} could not be written ({e.strerror or e}); choose "
-                          "another path") from None
-    if checksums:
-        record_checksums(path)
+        if checksums:
+            record_checksums(path)
+    except BaseException as e:  # a full disk, Ctrl-C: a folder without its config or checksums would read as whole
+        _remove_partial(target)
+        if isinstance(e, OSError):  # a folder that could not be made (/proc), a full disk
+            raise ConfigError(f"save_quantized_params_path={path} could not be written ({e.strerror or e}); choose "
+                              "another path (the partial folder was removed)") from None
+        raise
     log.info("wrote the parameters quantized (%s) to %s", mode, path)
+
+
+def _remove_partial(target) -> None:
+    """Remove what a save interrupted at `target` left: the folder, or Orbax's temporary one beside it."""
+    import jax
+
+    if jax.process_index() != 0:
+        return
+    for folder in [target, *target.parent.glob(f"{target.name}.orbax-checkpoint-tmp-*")]:
+        if folder.exists():
+            folder.rmtree(missing_ok=True)
