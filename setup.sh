@@ -71,6 +71,7 @@ if [ "$DEVICE" != cpu ] && [ "$(uname -s 2>/dev/null || true)" != Linux ]; then
 fi
 case "$MODE" in locked|latest) ;; *) echo "setup.sh: MODE=$MODE is not one of locked, latest$(from_env MODE)" >&2; exit 2 ;; esac
 UV_VERSION=0.13.9   # the resolver that writes locks/*.txt (bash setup.sh lock)
+PIP_VERSION=26.3    # the pip every environment is brought to: a new pip release cannot change an install
 START=$SECONDS
 case "$HF_REFERENCE" in 0|1) ;; *) echo "setup.sh: HF_REFERENCE=$HF_REFERENCE is not one of 0, 1$(from_env HF_REFERENCE)" >&2; exit 2 ;; esac
 for name in TORCH_INDEX_URL HF_VENV; do  # typed for the reference environment, which was then not installed
@@ -181,7 +182,7 @@ install_hf_reference() {
       "stop it and set TORCH_INDEX_URL to a CPU wheel index"
   fi
   hfpip=("$HF_VENV/bin/python" -m pip --disable-pip-version-check)
-  "${hfpip[@]}" install -q --upgrade pip
+  "${hfpip[@]}" install -q "pip==$PIP_VERSION"
   torch_req=$(sed -n 's/^\(torch[=<>!~][^ #]*\).*/\1/p' requirements-hf.txt)
   if [ -n "${TORCH_INDEX_URL:-}" ]; then
     "${hfpip[@]}" install -q --index-url "$TORCH_INDEX_URL" "$torch_req"
@@ -302,7 +303,7 @@ else
 fi
 
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
-"${PIP[@]}" install -q --upgrade pip
+"${PIP[@]}" install -q "pip==$PIP_VERSION"
 if [ "$MODE" = locked ]; then
   echo "setup.sh: installing the locked versions from locks/$DEVICE.txt (MODE=latest resolves the ranges instead)"
   "${PIP[@]}" install -q -r "locks/$DEVICE.txt"
@@ -312,7 +313,8 @@ else
   echo "setup.sh: MODE=latest: resolving the newest releases within $ranges (not what CI tested)"
   "${PIP[@]}" install -q --upgrade -r "$ranges"
 fi
-"${PIP[@]}" install -q --no-deps -e .
+# built with the setuptools the lock installed (requirements.txt), not the newest one on PyPI
+"${PIP[@]}" install -q --no-deps -e . --no-build-isolation
 printf 'DEVICE=%s\nMODE=%s\n' "$DEVICE" "$MODE" > "$VENV/tessera-setup.txt"   # read by tessera.doctor
 JAX_VERSION=$("$VENV/bin/python" -c 'import jax; print(jax.__version__)')
 echo "setup.sh: installed (DEVICE=$DEVICE, MODE=$MODE, jax $JAX_VERSION, $("$VENV/bin/python" --version)); took $((SECONDS - START)) s."

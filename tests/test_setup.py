@@ -230,6 +230,27 @@ def test_reference_environment_elsewhere_names_the_variable_that_finds_it(tmp_pa
     assert "torch==" in (hf_venv / "pip.log").read_text()
 
 
+def test_pip_and_the_build_of_tessera_itself_are_pinned_not_the_newest_on_pypi(tmp_path):
+    """`pip install --upgrade pip` took whatever pip PyPI had that day, and the editable install built
+    Tessera with the newest setuptools (build isolation): two releases outside the lock that every fresh
+    install ran, and the reason a re-run needed the network. Both environments now take the pinned pip,
+    and Tessera is built with the locked setuptools (requirements.txt has it)."""
+    tools = tools_dir(tmp_path)
+    stub_python(tools, "3.11", "python3.11")
+    venv, hf_venv = tmp_path / "venv", tmp_path / "hf"
+    stub_venv(venv, "3.12")
+    proc = run_setup(f"VENV={venv}", "HF_REFERENCE=1", f"HF_VENV={hf_venv}", env={"PATH": str(tools)})
+    assert proc.returncode == 0, proc.stderr
+    pinned = re.search(r"^PIP_VERSION=(\d+\.\d+(\.\d+)?) ", (REPO / "setup.sh").read_text(), re.M)[1]
+    for log in ((venv / "pip.log").read_text(), (hf_venv / "pip.log").read_text()):
+        assert f"install -q pip=={pinned}\n" in log and "--upgrade pip" not in log, log
+    assert "install -q --no-deps -e . --no-build-isolation\n" in (venv / "pip.log").read_text()
+    build = re.search(r'requires = \["setuptools>=(\d+)"\]', (REPO / "pyproject.toml").read_text())[1]
+    for lock in ("cpu", "gpu", "tpu"):
+        locked = re.search(r"^setuptools==(\d+)\.", (REPO / "locks" / f"{lock}.txt").read_text(), re.M)
+        assert locked and int(locked[1]) >= int(build), lock
+
+
 def test_read_only_checkout_is_refused_before_anything_is_installed(tmp_path):
     repo = Path(tempfile.mkdtemp(prefix="tessera-ro-"))  # not under tmp_path: another user must reach it
     try:
