@@ -244,6 +244,8 @@ def test_pip_and_the_build_of_tessera_itself_are_pinned_not_the_newest_on_pypi(t
     pinned = re.search(r"^PIP_VERSION=(\d+\.\d+(\.\d+)?) ", (REPO / "setup.sh").read_text(), re.M)[1]
     for log in ((venv / "pip.log").read_text(), (hf_venv / "pip.log").read_text()):
         assert f"install -q pip=={pinned}\n" in log and "--upgrade pip" not in log, log
+    docker = (REPO / "getting_started" / "Dockerfile").read_text()
+    assert f"pip install -q pip=={pinned} " in docker and "--upgrade pip" not in docker
     assert "install -q --no-deps -e . --no-build-isolation\n" in (venv / "pip.log").read_text()
     build = re.search(r'requires = \["setuptools>=(\d+)"\]', (REPO / "pyproject.toml").read_text())[1]
     for lock in ("cpu", "gpu", "tpu"):
