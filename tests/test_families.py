@@ -252,7 +252,7 @@ def test_routed_bias_moves_towards_balance_after_each_step():
     """After a step every expert layer's bias moved by exactly routed_bias_update_rate towards balance
     (down for an expert that took more than its share of the token copies, up for one that took less),
     untouched by AdamW's update and weight decay; without routed_bias there is no bias."""
-    from tessera.models.moe import PER_LAYER_LOAD
+    from tessera.models.moe_balance import PER_LAYER_LOAD
     from tessera.losses import loss_terms
     from tessera.step import create_state, make_train_step, setup
 

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 from conftest import tiny_config
-from tessera.models.moe import MoeMlp, expert_capacity, finish_aux
+from tessera.models.moe import MoeMlp, expert_capacity
+from tessera.models.moe_balance import finish_aux
 
 ACTS = {"silu": lambda a: a / (1 + np.exp(-a)), "linear": lambda a: a}
 

@@ -33,7 +33,8 @@ from tessera.mesh import create_mesh, logical_spec, named_shardings
 from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention_choice import select_attention
 from tessera.models.decoder import MTP_LOAD
-from tessera.models.moe import PER_LAYER_LOAD, describe_routing, update_routed_bias
+from tessera.models.moe import describe_routing
+from tessera.models.moe_balance import PER_LAYER_LOAD, update_routed_bias
 from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer, schedule_step
 from tessera.seeds import prng_key

@@ -39,7 +39,7 @@ from tessera.mesh import shard_logically
 from tessera.models.blocks import make_norm
 from tessera.models.kv_cache import KVCache
 from tessera.models.layers import Embed, dropout, fan_in_std, param, project, sinusoidal_positions, soft_cap
-from tessera.models.moe import PER_LAYER_LOAD, finish_aux
+from tessera.models.moe_balance import PER_LAYER_LOAD, finish_aux
 from tessera.models.mtp import MtpLayer, dropout_key_for, shift_left
 from tessera.models.pipeline import PER_LAYER, block_weights, group_weights, run_pipeline, stacked_shape, stage_specs
 from tessera.models.registry import BLOCKS

@@ -18,14 +18,8 @@ Two ways to run the experts, with the same result when nothing is dropped (teste
   shard its copies and gets the results back (see `dropless_experts`), into a buffer that
   `ragged_buffer_factor` may bound (then copies past its end are dropped and counted).
 
-The router adds a load-balancing loss, E * sum_e c_e * p_e (c_e: token copies routed to
-expert e per token, p_e: mean router probability of e), as in Switch Transformer and with
-Hugging Face Mixtral's scale (num_experts_per_tok when perfectly balanced), so Mixtral's
-router_aux_loss_coef carries over as `load_balance_loss_weight`. Each layer reports c and p
-(per-layer aux entries, see `layer_statistics`); after the blocks the decoder forms the loss per
-layer and averages it over layers (`finish_aux`), and the train step adds
-`load_balance_loss_weight` times it to the loss. A pipeline averages c and p over its
-microbatches before the product, so the loss is the whole batch's there too.
+The router's statistics, the load-balancing loss made of them and auxiliary-loss-free balancing
+(`routed_bias`) are in `tessera.models.moe_balance`.
 """
 
 from __future__ import annotations
@@ -44,53 +38,8 @@ from tessera.config import ModelConfig
 from tessera.mesh import shard_logically, traced_platform
 from tessera.models.grouped import grouped_matmul, grouped_matmul_kernel, padded_exchange, ragged_exchange, row_bias
 from tessera.models.layers import ACTIVATIONS, Mlp, fan_in_std, param
+from tessera.models.moe_balance import layer_statistics
 from tessera.models.quantization import einsum as quantized_einsum
-
-# aux key of each MoE layer's expert loads [E] (copies per expert / fair share), stacked over
-# layers [L, E] (with routed_bias): the train step moves routed_bias with it
-PER_LAYER_LOAD = "per_layer/moe_expert_load"
-# what each MoE layer reports (stacked over layers, like every "per_layer/" aux entry, and
-# averaged over a pipeline's microbatches): token copies routed to each expert per token, and
-# each expert's mean router probability, both [E]; `finish_aux` turns them into the loss
-_COPIES, _MEAN_PROB = "per_layer/moe_copies_per_token", "per_layer/moe_mean_router_prob"
-
-
-def finish_aux(aux: dict, cfg: ModelConfig) -> dict:
-    """The blocks' aux (scalars averaged over layers, "per_layer/" entries stacked [L, ...]) with
-    the MoE layers' statistics replaced by the load-balancing loss, E * sum_e c_e * p_e averaged
-    over layers, and (routed_bias) by the expert loads PER_LAYER_LOAD [L, E]."""
-    if _COPIES not in aux:
-        return aux
-    aux, e = dict(aux), cfg.num_experts
-    copies_le, prob_le = aux.pop(_COPIES), aux.pop(_MEAN_PROB)
-    aux["moe_load_balance_loss"] = jnp.mean(e * jnp.sum(copies_le * prob_le, axis=-1))
-    if cfg.routed_bias:  # each expert's share of the token copies (1: its fair share)
-        aux[PER_LAYER_LOAD] = copies_le * (e / cfg.num_experts_per_tok)
-    return aux
-
-
-def update_routed_bias(params: dict, loads_le, rate: float, mtp_loads_de=None) -> dict:
-    """`params` with every MoE layer's routed_bias moved by `rate` towards balance: down where
-    the layer's expert took more than its fair share of the token copies (load > 1), up where
-    less. `loads_le` [L, E]: the layers' loads (PER_LAYER_LOAD), in the order of the stacked
-    `layers` (scan_layers=true; a circular pipeline stores them [R, L/R], the same order) or of
-    `layers_0 ... layers_{L-1}`. `mtp_loads_de` [D, E]: those of the multi-token-prediction
-    depths' blocks `mtp_1 ... mtp_D` (tessera.models.mtp), when there are any."""
-    def step(bias, load):
-        return bias + rate * jnp.sign(1.0 - load.reshape(bias.shape)).astype(bias.dtype)
-
-    def moved(layer, load):
-        return {**layer, "mlp": {**layer["mlp"], "routed_bias_e": step(layer["mlp"]["routed_bias_e"], load)}}
-
-    out = dict(params)
-    for k in range(0 if mtp_loads_de is None else mtp_loads_de.shape[0]):
-        out[f"mtp_{k + 1}"] = {**params[f"mtp_{k + 1}"], "block": moved(params[f"mtp_{k + 1}"]["block"],
-                                                                         mtp_loads_de[k])}
-    if "layers" in params:
-        return {**out, "layers": moved(params["layers"], loads_le)}
-    for i in range(loads_le.shape[0]):
-        out[f"layers_{i}"] = moved(params[f"layers_{i}"], loads_le[i])
-    return out
 
 
 def describe_routing(m: ModelConfig, platform: str) -> tuple[str, str]:
@@ -209,14 +158,7 @@ class MoeMlp(nnx.Module):
             weights_btk = weights_btk / (jnp.sum(weights_btk, axis=-1, keepdims=True) + (1e-20 if sigmoid else 0.0))
         weights_btk = weights_btk * cfg.routed_scaling_factor
         probs_bte = scores_bte / jnp.sum(scores_bte, axis=-1, keepdims=True) if sigmoid else scores_bte
-        return experts_btk, weights_btk, self.layer_statistics(probs_bte, experts_btk)
-
-    def layer_statistics(self, probs_bte, experts_btk) -> dict:
-        """This layer's per-layer aux: token copies per token routed to each expert and the mean
-        router probability of each, [E] each (`finish_aux` makes the loss and loads of them)."""
-        e = self.cfg.num_experts
-        copies_e = jnp.sum(jnp.mean(jax.nn.one_hot(experts_btk, e, dtype=jnp.float32), axis=(0, 1)), axis=0)
-        return {_COPIES: copies_e, _MEAN_PROB: jnp.mean(probs_bte, axis=(0, 1))}
+        return experts_btk, weights_btk, layer_statistics(probs_bte, experts_btk, e)
 
     def expert_mlp(self, h, contract: str, weights: ExpertWeights):
         """The gated MLP of every expert on `h`, a [B, E, C, D] buffer (einsum spec `contract`), with the
