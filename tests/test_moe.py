@@ -141,6 +141,15 @@ def test_capacity_drops_the_copies_past_each_expert_s_slots(capacity_factor, len
     np.testing.assert_allclose(aux["moe_dropped_fraction"], dropped, rtol=1e-6)
 
 
+@pytest.mark.parametrize("capacity_factor,tokens,experts,slots", [(1.1, 3000, 8, 825), (2.2, 100, 8, 55),
+                                                                  (1.35, 3000, 4, 2025), (1.1, 3001, 8, 826)])
+def test_capacity_is_the_ceiling_of_the_exact_product(capacity_factor, tokens, experts, slots):
+    """C = ceil(capacity_factor x k x T / E) with capacity_factor as written: in floats 1.1 x 2 x 3000 / 8
+    is 825.0000000000001, and its ceiling gave Mixtral's experts 826 slots of a 3,000-token sequence."""
+    cfg = tiny_config(decoder_block="mixtral", num_experts=experts, num_experts_per_tok=2,
+                      capacity_factor=capacity_factor).model
+    assert expert_capacity(tokens, cfg) == slots
+
 
 def _received_reference(layer, cfg, x, ep, factor):
     """(output, dropped share) of dropless routing over an expert axis of `ep` devices, a sequence of

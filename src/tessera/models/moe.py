@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from fractions import Fraction
 from typing import NamedTuple
 
 import jax
@@ -66,11 +67,13 @@ def describe_routing(m: ModelConfig, platform: str) -> tuple[str, str]:
 
 
 def expert_capacity(tokens: int, cfg: ModelConfig) -> int:
-    """Slots per expert for a group of `tokens` tokens (see the module docstring)."""
+    """Slots per expert for a group of `tokens` tokens (see the module docstring), in exact
+    arithmetic on capacity_factor as written: in floats, 1.1 x 2 x 3000 / 8 is 825.0000000000001,
+    whose ceiling gave 826 slots."""
     if cfg.capacity_factor <= 0:
         return tokens
-    fair_share = tokens * cfg.num_experts_per_tok / cfg.num_experts
-    return max(1, min(tokens, math.ceil(cfg.capacity_factor * fair_share)))
+    slots = Fraction(repr(cfg.capacity_factor)) * tokens * cfg.num_experts_per_tok / cfg.num_experts
+    return max(1, min(tokens, math.ceil(slots)))
 
 
 SWIGLU_ALPHA = 1.702  # gpt-oss: the gate's gain inside its activation, gate * act0(1.702 * gate) * (up + 1)
