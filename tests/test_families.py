@@ -383,6 +383,11 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
      "n_routing_groups=4 leaves groups of one expert"),
     (dict(FAMILIES["deepseek"], num_experts_per_tok=5),
      r"num_experts_per_tok=5 .* hold \(2 x 2 = 4, n_routing_groups=4 splitting num_experts=8\); raise"),
+    # one message named both keys, saying "must divide" of groups that did divide
+    (dict(FAMILIES["deepseek"], topk_routing_group=-1), r"^topk_routing_group=-1 must be between 1 and n_routing_groups=4"),
+    (dict(FAMILIES["deepseek"], n_routing_groups=3), r"^n_routing_groups=3 does not divide num_experts=8 into groups"),
+    # the routed experts' outputs all multiplied by zero, without a word
+    (dict(FAMILIES["mixtral"], routed_scaling_factor=0.0), "routed_scaling_factor=0 multiplies the routed experts'"),
 ])
 def test_family_config_errors(keys, message):
     with pytest.raises(ConfigError, match=message):

@@ -295,9 +295,14 @@ def _validate_routing(m) -> None:
         raise ConfigError(f"n_routing_groups={m.n_routing_groups} is not a number of expert groups; use 2 or more "
                           "(DeepSeek-V3: 8, with topk_routing_group=4), or -1 for no groups")
     if m.n_routing_groups > 1:
-        if m.num_experts % m.n_routing_groups or not 1 <= m.topk_routing_group <= m.n_routing_groups:
-            raise ConfigError(f"n_routing_groups={m.n_routing_groups} must divide num_experts={m.num_experts}, and "
-                              f"topk_routing_group={m.topk_routing_group} must be between 1 and it")
+        if m.num_experts % m.n_routing_groups:
+            raise ConfigError(f"n_routing_groups={m.n_routing_groups} does not divide num_experts={m.num_experts} "
+                              "into groups of equal size; use a divisor of it (DeepSeek-V3: 8 groups of 256 "
+                              "experts), or -1 for no groups")
+        if not 1 <= m.topk_routing_group <= m.n_routing_groups:
+            raise ConfigError(f"topk_routing_group={m.topk_routing_group} must be between 1 and n_routing_groups="
+                              f"{m.n_routing_groups}: the groups a token may take its experts from (DeepSeek-V3: 4 "
+                              "of 8)")
         if m.num_experts // m.n_routing_groups < 2:  # a group scores the sum of its two best (a top_k traceback)
             raise ConfigError(f"n_routing_groups={m.n_routing_groups} leaves groups of one expert (num_experts="
                               f"{m.num_experts}), but a group is scored by its two best experts; use at most "
@@ -308,6 +313,10 @@ def _validate_routing(m) -> None:
                               f"{m.topk_routing_group} x {m.num_experts // m.n_routing_groups} = {allowed}, "
                               f"n_routing_groups={m.n_routing_groups} splitting num_experts={m.num_experts}); "
                               "raise topk_routing_group or lower num_experts_per_tok")
+    if m.num_experts > 1 and m.routed_scaling_factor == 0:
+        raise ConfigError("routed_scaling_factor=0 multiplies the routed experts' weights by zero: they would add "
+                          "nothing to a token and their router would learn nothing; use 1 (no scaling) or a positive "
+                          "factor (DeepSeek-V3: 2.5)")
     if m.capacity_factor != -1 and m.capacity_factor <= 0:
         raise ConfigError(f"capacity_factor={m.capacity_factor} must be > 0, or -1 for no capacity limit")
     if m.ragged_buffer_factor != -1 and m.ragged_buffer_factor <= 0:
