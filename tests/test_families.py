@@ -140,6 +140,13 @@ MOE = FAMILIES["mixtral"]
                                  "megablox kernel)"),
     (dict(megablox=True), "gpu", "MoE routing: dropless (megablox=true; token copies grouped by expert, "
                                  "jax.lax.ragged_dot)"),
+    # quantized: qwix's ragged dot whatever the kernel (the line named the Pallas kernel, and a second line said not)
+    (dict(megablox=True, quantization="int8"), "tpu", "MoE routing: dropless (megablox=true; token copies grouped by "
+                                                      "expert, qwix's quantized ragged dot (quantization=int8), not the "
+                                                      "Pallas megablox kernel)"),
+    (dict(sparse_matmul=True, quantization="fp8"), "gpu", "MoE routing: dropless (sparse_matmul=true; token copies "
+                                                          "grouped by expert, qwix's quantized ragged dot (quantization="
+                                                          "fp8))"),
     (dict(capacity_factor=-1.0), "cpu", "MoE routing: capacity without a limit (capacity_factor=-1: each expert"),
     (dict(capacity_factor=1.25), "cpu", "MoE routing: capacity_factor=1.25 (an expert takes at most 1.25 x"),
 ])
@@ -432,6 +439,10 @@ def test_megablox_tiles_without_megablox_are_named():
     for routing in (dict(), dict(sparse_matmul=True)):
         assert line in keys_without_effect(tiny_config(**tiles, **routing), {"fsdp": 8}), routing
     assert not [x for x in keys_without_effect(tiny_config(**tiles, megablox=True), {"fsdp": 8}) if "tile_" in x]
+    # quantized, the experts run qwix's ragged dot, not the kernel: the tiles were accepted without a word
+    assert ("tile_batch_seq=256, tile_weight_dim=512: no effect with quantization=int8, whose experts run qwix's "
+            "quantized ragged dot instead of the Pallas megablox kernel these tiles size"
+            ) in keys_without_effect(tiny_config(**tiles, megablox=True, quantization="int8"), {"fsdp": 8})
 
 
 def test_the_estimator_counts_a_dense_model_s_mlp_whatever_the_expert_keys_say():

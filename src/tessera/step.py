@@ -83,9 +83,6 @@ def setup(cfg: Config, devices=None) -> Trainer:
     check_quantization(cfg.model.quantization, device.device_kind, device_platform(mesh), str(getattr(
         device, "compute_capability", "")), tied_logits=cfg.model.logits_via_embedding)
     _log_moe_routing(cfg.model, device_platform(mesh))
-    if cfg.model.quantization and cfg.model.megablox and cfg.model.num_experts > 1:
-        log.info("quantization=%s: the experts' grouped matmuls run qwix's quantized ragged dot, not the Pallas "
-                 "megablox kernel", cfg.model.quantization)
     if plan.pipeline is not None:
         log.info("pipeline: %s", plan.pipeline.describe(LAYERS_PER_BLOCK.get(cfg.model.decoder_block, 1)))
     model = build_model(cfg.model, choice.kernel, plan.pipeline)

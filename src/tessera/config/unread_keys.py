@@ -68,6 +68,9 @@ def keys_without_effect(cfg: Config, mesh_shape: dict[str, int]) -> list[str]:
     elif not cfg.model.megablox and (keys := [k for k in TILE_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without megablox=true; they size the tiles of the Pallas "
                      "megablox kernel's grouped matmuls (TPUs), which this run's experts do not use")
+    elif cfg.model.quantization and (keys := [k for k in TILE_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with quantization={cfg.model.quantization}, whose experts "
+                     "run qwix's quantized ragged dot instead of the Pallas megablox kernel these tiles size")
     lines += _family_keys(cfg.model, changed)
     lines += _quantized_logits(cfg.model)
     lines += _optimizer_and_decoding_keys(cfg, changed)

@@ -52,6 +52,9 @@ def describe_routing(m: ModelConfig, platform: str) -> tuple[str, str]:
     if m.sparse_matmul or m.megablox:
         key = "megablox=true" if m.megablox else "sparse_matmul=true"
         how = "the Pallas megablox kernel" if m.megablox and platform == "tpu" else "jax.lax.ragged_dot"
+        if m.quantization:  # grouped_matmul: qwix's ragged dot whatever the kernel
+            how = f"qwix's quantized ragged dot (quantization={m.quantization})" + (
+                ", not the Pallas megablox kernel" if m.megablox and platform == "tpu" else "")
         warning = ""
         if m.capacity_factor > 0:
             warning = (f"capacity_factor={m.capacity_factor:g} is not used: dropless routing ({key}) never drops a "
