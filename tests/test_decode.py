@@ -828,6 +828,31 @@ def test_keys_decoding_does_not_read_are_named(checkpoint, capsys):
     assert decoding_keys_without_effect(tiny_config(load_parameters_path=path, load_full_state_path=path)) == []
 
 
+def test_decoding_routes_every_token_copy_whatever_ragged_buffer_factor_says(tmp_path):
+    """A bounded receive buffer (ragged_buffer_factor, training's memory saving; the v5p DeepSeek-V3 recipe
+    sets it) dropped token copies while decoding over an expert axis, without a word: other tokens than the
+    model gives. decode.py builds the model with room for every copy, and names the key."""
+    from tessera.config.unread_keys import decoding_keys_without_effect
+    from tessera.decode import load_model
+    from tessera.mesh import create_mesh
+
+    moe = dict(decoder_block="mixtral", num_experts=8, num_experts_per_tok=2, sparse_matmul=True)
+    model, params = _model(**moe)
+    prompts = [*PROMPTS, [7, 1], [9, 4, 5]]
+    want = generate(model, params, prompts, NEW_TOKENS)
+    saver = Checkpointer(tiny_config().checkpoint, str(tmp_path / "checkpoints"))
+    saver.save(1, {"params": params}, {}, {})
+    saver.close()
+    cfg = tiny_config(**moe, dtype="float32", ragged_buffer_factor=1.0, ici_expert_parallelism=4,
+                      ici_fsdp_parallelism=2, load_parameters_path=str(tmp_path / "checkpoints" / "1"))
+    mesh = create_mesh(cfg.mesh)
+    decoding, loaded, _ = load_model(cfg, mesh)
+    with jax.set_mesh(mesh):
+        assert generate(decoding, loaded, prompts, NEW_TOKENS) == want
+    assert ("ragged_buffer_factor=1: no effect, decoding gives each expert shard room for every token copy, so that "
+            "none is dropped (a bounded buffer saves training memory)") in decoding_keys_without_effect(cfg)
+
+
 def test_a_prompt_the_tokenizer_encodes_to_nothing_is_refused(checkpoint, tmp_path, capsys):
     """A Hugging Face BPE without an unknown token drops characters it lacks: "日本語" became no
     tokens, so decoding continued the begin token alone (the prompt silently gone), or, with

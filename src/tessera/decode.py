@@ -76,7 +76,7 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
                        str(getattr(device, "compute_capability", "")), tied_logits=cfg.model.logits_via_embedding)
     if cfg.checkpoint.save_quantized_params_path:  # before the load: a folder that cannot be made is found at once
         check_new_folder(cfg.checkpoint.save_quantized_params_path, "save_quantized_params_path")
-    model = build_model(cfg.model, _prefill_kernel(cfg, mesh, decoding))
+    model = build_model(decoding_model(cfg.model), _prefill_kernel(cfg, mesh, decoding))
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
@@ -88,6 +88,14 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
                        cfg.checkpoint.save_quantized_params_path, cfg.checkpoint.checkpoint_checksums,
                        config=source_config(cfg))
     return model, params, program
+
+
+def decoding_model(m):
+    """The model section decoding builds from `m`: dropless routing with a receive buffer that has room
+    for every token copy (ragged_buffer_factor=-1). A bounded buffer, training's memory saving, dropped
+    the copies past its end while decoding without a word (decoding reports no dropped share): other
+    tokens than the model gives (decoding_keys_without_effect names the key)."""
+    return dataclasses.replace(m, ragged_buffer_factor=-1.0) if m.ragged_buffer_factor > 0 else m
 
 
 def _load(cfg: Config, model: ModelDef, abstract, shardings):

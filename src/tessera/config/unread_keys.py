@@ -233,7 +233,8 @@ def decoding_keys_without_effect(cfg: Config) -> list[str]:
     not read, the KV cache's quantization keys without quantize_kvcache=true (`kv_quant_dtype=int4`
     alone decoded with a float cache) and kv_quant_axis where a slot holds one kv head,
     logits_dot_in_fp32 under fp8_full, compile_topology (train_compile's: decode.py runs on the
-    devices it finds), capacity routing, whose decoding steps drop no token, and load_full_state_path
+    devices it finds), capacity routing, whose decoding steps drop no token, ragged_buffer_factor, whose
+    bound decoding lifts (decode.decoding_model), and load_full_state_path
     beside load_parameters_path (training refuses the pair)."""
     from tessera.config.loader import changed_keys
 
@@ -246,6 +247,9 @@ def decoding_keys_without_effect(cfg: Config) -> list[str]:
         lines.append(f"capacity_factor={m.capacity_factor:g}: a decoding step routes one token per prompt, so none is "
                      "dropped and the tokens can differ from a forward pass over the whole sequence (Decode.md, "
                      "Limitations); capacity_factor=-1 or sparse_matmul=true route without dropping")
+    if m.num_experts > 1 and (m.sparse_matmul or m.megablox) and m.ragged_buffer_factor > 0:
+        lines.append(f"ragged_buffer_factor={m.ragged_buffer_factor:g}: no effect, decoding gives each expert shard "
+                     "room for every token copy, so that none is dropped (a bounded buffer saves training memory)")
     if not m.quantize_kvcache and (keys := [k for k in ("kv_quant_dtype", "kv_quant_axis") if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect without quantize_kvcache=true; the KV cache is stored in "
                      f"dtype={m.dtype}")
