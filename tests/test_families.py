@@ -365,6 +365,8 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     (dict(FAMILIES["gpt_oss"], base_num_decoder_layers=3), "gpt_oss needs an even number of layers"),
     (dict(FAMILIES["gpt_oss"], mlp_activations=["silu"]), r"must be two, the second \"linear\""),
     (dict(FAMILIES["gpt_oss"], routed_bias=True), "routed_bias=true .* is not built for decoder_block=gpt_oss"),
+    # a plain gated MLP beside clamped-gate experts, without a word
+    (dict(FAMILIES["gpt_oss"], shared_experts=1), "shared_experts=1 is not built for decoder_block=gpt_oss"),
     (dict(mlp_activations_limit=7.0), "applies to decoder_block=gpt_oss only"),
     (dict(FAMILIES["deepseek"], attention_sink=True), "attention_sink=true: decoder_block=deepseek's latent"),
     # keys MLA would ignore (it trained the same numbers with them set)

@@ -363,6 +363,10 @@ def _validate_gpt_oss(m) -> None:
     if m.routed_bias:
         raise ConfigError("routed_bias=true (DeepSeek's auxiliary-loss-free balancing) is not built for "
                           "decoder_block=gpt_oss, whose router has a learned bias of its own; set routed_bias=false")
+    if m.shared_experts:  # the shared MLP is a plain gated one: act0(gate) * up, not the experts' clamped gate
+        raise ConfigError(f"shared_experts={m.shared_experts} is not built for decoder_block=gpt_oss: a shared expert "
+                          f"would be a plain gated MLP ({m.mlp_activations[0]}(gate) * up), not an expert with gpt-oss's "
+                          f"clamped gate (gate * {m.mlp_activations[0]}(1.702 * gate) * (up + 1)); set shared_experts=0")
     if m.mlp_activations_limit == 0 or m.mlp_activations_limit < -1:
         raise ConfigError(f"mlp_activations_limit={m.mlp_activations_limit:g} must be > 0, or -1 for no clipping")
 
