@@ -9,6 +9,8 @@ router_aux_loss_coef carries over as `load_balance_loss_weight`. Each layer repo
 layer and averages it over layers (`finish_aux`), and the train step adds
 `load_balance_loss_weight` times it to the loss. A pipeline averages c and p over its
 microbatches before the product, so the loss is the whole batch's there too.
+Gradient accumulation does not: each micro-batch's loss is its own (the train step weights them
+by their target counts and reports their mean).
 
 Auxiliary-loss-free balancing (`routed_bias`, DeepSeek-V3): `finish_aux` also turns c into each
 expert's load (PER_LAYER_LOAD), and after every optimizer step the train step moves each layer's
