@@ -447,3 +447,71 @@ def test_the_guides_unknown_maxtext_keys_are_reported_as_it_says():
     with pytest.raises(ConfigError, match=re.escape("unknown config key 'matmul_precision' in the command line; see "
                                                     "configs/base.yml for every key")):
         load_config([BASE, "matmul_precision=high"], env={})
+
+
+def test_maxtexts_qwen3_model_file_loads_as_a_model_file_of_ones_own(tmp_path):
+    """The guide says to write models/<name>.yml for MaxText's other Qwen3 sizes; MaxText's own qwen3-4b.yml, so
+    written, was refused twice: use_qk_norm=True as "Llama 4's settings, which decoder_block=qwen3 does not have"
+    (Tessera's qwen3 always norms queries and keys, as MaxText's does with true), and
+    normalize_embedding_logits=False, which is what Tessera's tied qwen3 does (MaxText's true divides the logits)."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "qwen3-4b.yml").write_text("""base_emb_dim: 2560
+base_num_query_heads: 32
+base_num_kv_heads: 8
+base_mlp_dim: 9728
+base_num_decoder_layers: 36
+head_dim: 128
+mlp_activations: ["silu", "linear"]
+vocab_size: 151936
+decoder_block: "qwen3"
+normalization_layer_epsilon: 1.0e-6
+rope_max_timescale: 1000000
+use_qk_norm: true
+logits_via_embedding: true
+normalize_embedding_logits: false
+enable_dropout: false
+tokenizer_type: "huggingface"
+""")
+    (tmp_path / "mine.yml").write_text("base_config: base.yml\n")
+    m = load_config([str(tmp_path / "mine.yml"), "model_name=qwen3-4b"], env={}).model
+    assert (m.decoder_block, m.use_qk_norm, m.logits_via_embedding, m.emb_dim) == ("qwen3", True, True, 2560)
+    assert load_config([BASE, "model_name=qwen3-30b-a3b", "use_qk_norm=true"], env={}).model.use_qk_norm
+    with pytest.raises(ConfigError, match="use_qk_norm=True: Llama 4's settings, which decoder_block=llama2"):
+        load_config([BASE, "use_qk_norm=true"], env={})
+
+
+@pytest.mark.parametrize("args, error", [
+    (["model_name=gpt3-52k", "normalize_embedding_logits=false"], ""),
+    (["model_name=gemma-2b", "normalize_embedding_logits=true"], ""),
+    (["normalize_embedding_logits=true"], ""),  # untied logits: MaxText does not read it either
+    (["model_name=gpt3-52k", "normalize_embedding_logits=true"],
+     "normalize_embedding_logits=true divides the tied logits (logits_via_embedding=true) by sqrt(emb_dim) in "
+     "MaxText; Tessera's decoder_block=gpt3 does not"),
+    (["model_name=gemma-2b", "normalize_embedding_logits=false"],
+     "normalize_embedding_logits=false: MaxText's Gemma stores its token table times sqrt(emb_dim)"),
+    (["model_name=gemma2-2b", "use_post_attn_norm=true", "use_post_ffw_norm=True"], ""),
+    (["model_name=gemma3-4b", "use_post_ffw_norm=false"],
+     "use_post_ffw_norm=false: Tessera's decoder_block=gemma3 always has a norm after the MLP"),
+    (["use_post_attn_norm=false"], ""),
+    (["use_post_attn_norm=true"], "use_post_attn_norm=true adds a norm after attention in MaxText's gemma2 and gemma3 "
+                                  "blocks; decoder_block=llama2 has none"),
+    (["model_name=llama4-17b-16e", "inhomogeneous_layer_cycle_interval=4"], ""),
+    (["model_name=gpt-oss-20b", "inhomogeneous_layer_cycle_interval=2"], ""),
+    (["inhomogeneous_layer_cycle_interval=1"], ""),
+    (["model_name=gpt-oss-20b", "inhomogeneous_layer_cycle_interval=4"],
+     "inhomogeneous_layer_cycle_interval=4: MaxText scans the layers in groups of this many, for families whose "
+     "kinds of layer repeat; Tessera's decoder_block=gpt_oss repeats its kinds of layer every 2 layers"),
+    (["normalize_embedding_logits=maybe"], "normalize_embedding_logits='maybe' is not a valid bool"),
+])
+def test_maxtext_keys_that_depend_on_the_model_are_checked_against_it(args, error):
+    """MaxText's gemma2/gemma3 files set use_post_attn_norm and use_post_ffw_norm true, its llama4 files
+    inhomogeneous_layer_cycle_interval 4 and gpt-oss's 2, its gpt3 files normalize_embedding_logits false: each
+    is what Tessera's block does, and each was refused as a feature Tessera lacks; the values that ask for
+    something else (normalize_embedding_logits=true on a tied gpt3 divides its logits in MaxText) are refused."""
+    if not error:
+        load_config([BASE, *args], env={})
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, *args], env={})
+    assert str(e.value).startswith(error), str(e.value)
+    assert "from the command line" in str(e.value)

@@ -326,12 +326,16 @@ def _validate_routing(m) -> None:
 
 _LLAMA4_KEYS = {"use_qk_norm": False, "chunk_attn_window_size": 0, "nope_layer_interval": 0, "temperature_tuning": False,
                 "interleave_moe_layer_step": 1}
+# blocks that always norm each query and key head, with a learned scale: use_qk_norm=true (what MaxText's qwen3 model
+# files set, and its gemma3 always does) is what they do
+QK_NORM_BLOCKS = ("qwen3", "qwen3_moe", "gemma3")
 
 
 def _validate_llama4(m) -> None:
     """Llama 4's keys: only its family reads them, and its 4-layer pattern must hold them."""
     if m.decoder_block != "llama4":
-        used = [f"{k}={getattr(m, k)}" for k, off in _LLAMA4_KEYS.items() if getattr(m, k) != off]
+        used = [f"{k}={getattr(m, k)}" for k, off in _LLAMA4_KEYS.items() if getattr(m, k) != off
+                and not (k == "use_qk_norm" and m.decoder_block in QK_NORM_BLOCKS)]
         if used:
             raise ConfigError(f"{', '.join(used)}: Llama 4's settings, which decoder_block={m.decoder_block} does not "
                               "have; use decoder_block=llama4, or leave them at their defaults")

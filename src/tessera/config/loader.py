@@ -29,7 +29,8 @@ from typing import Any, Mapping
 
 from tessera.config.checks import validate
 from tessera.config.fields import HF_FILE_FORMATS
-from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
+from tessera.config.maxtext import (ALIASES, IN_CONTEXT, check_in_context, maxtext_keys, spelled_as,
+                                     steps_from_schedule, translate)
 from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields, path_keys
 from tessera.config.values import coerce, unquoted
 from tessera.config.yaml_file import (config_files, is_file, is_run_config, model_folders,
@@ -139,7 +140,7 @@ def _warn_model_file_wins(files: list[tuple[str, dict[str, Any]]], model: tuple[
     for source, values in files:
         full = len(values) > len(fields) // 2
         for name, raw in values.items():
-            if name not in model_values or name in later or name == "model_name":
+            if name not in model_values or name in later or name == "model_name" or name not in fields:
                 continue
             f = fields[name][1]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
@@ -249,10 +250,14 @@ def build_config(flat: Mapping[str, Any]) -> Config:
 
 def _build(flat: Mapping[str, Any], errors: list[str]) -> Config | None:
     """The config from known keys, or None with a line in `errors` per bad value (the checks of
-    several keys, `validate`, run only once every value is good)."""
+    several keys, `validate`, run only once every value is good; then MaxText's keys that depend on
+    the model, maxtext.IN_CONTEXT)."""
     fields = all_fields()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    in_context = {name: raw for name, raw in flat.items() if name in IN_CONTEXT}
     for name, raw in flat.items():
+        if name in in_context:
+            continue
         section, f = fields[name]
         try:
             per_section[section][name] = coerce(name, raw, f)
@@ -267,7 +272,8 @@ def _build(flat: Mapping[str, Any], errors: list[str]) -> Config | None:
     except ConfigError as e:
         errors.append(str(e))
         return None
-    return cfg
+    errors.extend(check_in_context(in_context, cfg.model))
+    return None if errors else cfg
 
 
 # --------------------------------------------------------------------------- paths

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -127,9 +128,6 @@ REFUSED = {
     "wsd_decay_style": Refused("the decay's shape in lr_schedule_type=wsd's schedule; Tessera's schedule is the "
                                "cosine one", ("linear",)),
     # model variants
-    "normalize_embedding_logits": Refused(
-        "divide logits by sqrt(emb_dim) when logits_via_embedding=true; Tessera's families fix this themselves",
-        ("true", "1")),
     "rope_type": Refused("the kind of rotary scaling (default, llama3.1, yarn); Tessera's key is rope_scaling: "
                          "rope_scaling=llama3 or rope_scaling=yarn (rope_scaling=none: MaxText's default)",
                          ("default",)),
@@ -141,10 +139,6 @@ REFUSED = {
     "float32_qk_product": Refused("compute query-key scores in float32; Tessera's attention kernels choose",
                                   ("false", "0")),
     "float32_logits": Refused("attention logits in float32; Tessera's attention kernels choose", ("false", "0")),
-    "use_post_attn_norm": Refused("a norm after attention; use decoder_block=gemma2 or gemma3", ("false", "0")),
-    "use_post_ffw_norm": Refused("a norm after the MLP; use decoder_block=gemma2 or gemma3", ("false", "0")),
-    "inhomogeneous_layer_cycle_interval": Refused(
-        "repeat pattern of layer kinds (Llama 4); not in Tessera", ("1",)),
     "record_internal_nn_metrics": Refused("log activation statistics from inside the model; not in Tessera",
                                           ("0", "false")),
     # input pipeline
@@ -228,6 +222,77 @@ REFUSED = {
 }
 
 
+# MaxText keys whose meaning depends on the model they come with (its model files set them: gemma2's post norms,
+# the tied Qwen3's and gpt3's normalize_embedding_logits=false, llama4's cycle of 4): `translate` keeps them, and
+# `check_in_context` holds each against the built model: a value that asks for what Tessera's block does is
+# accepted, any other refused with what the block does. Tessera's Gemma blocks scale the token embeddings by
+# sqrt(emb_dim) on the way in, where MaxText's store the table times sqrt(emb_dim) and divide the tied logits by
+# it (normalize_embedding_logits=true, its default): the same model.
+GEMMA_BLOCKS = ("gemma", "gemma2", "gemma3")
+POST_NORM_BLOCKS = ("gemma2", "gemma3")  # a norm after attention and after the MLP, always
+LAYER_CYCLES = {"llama4": 4, "gpt_oss": 2}  # layers after which a block's pattern of layer kinds repeats
+
+
+def _embedding_logits(on: bool, m) -> str:
+    if not m.logits_via_embedding or on == (m.decoder_block in GEMMA_BLOCKS):
+        return ""  # MaxText reads it with tied logits only
+    if on:
+        return (f"normalize_embedding_logits=true divides the tied logits (logits_via_embedding=true) by sqrt(emb_dim) "
+                f"in MaxText; Tessera's decoder_block={m.decoder_block} does not, as its Hugging Face reference: set "
+                "normalize_embedding_logits=false (as MaxText's gpt3 and tied Qwen3 files do) or leave it out")
+    return (f"normalize_embedding_logits=false: MaxText's Gemma stores its token table times sqrt(emb_dim), and "
+            f"false leaves the tied logits that much larger; Tessera's decoder_block={m.decoder_block} scales the "
+            "embeddings by sqrt(emb_dim) on the way in instead, the same model as MaxText's true: set "
+            "normalize_embedding_logits=true or leave it out")
+
+
+def _post_norm(name: str, where: str) -> Callable[[bool, Any], str]:
+    def check(on: bool, m) -> str:
+        if on == (m.decoder_block in POST_NORM_BLOCKS):
+            return ""
+        if on:
+            return (f"{name}=true adds a norm after {where} in MaxText's gemma2 and gemma3 blocks; "
+                    f"decoder_block={m.decoder_block} has none: use decoder_block=gemma2 or gemma3, or {name}=false")
+        return (f"{name}=false: Tessera's decoder_block={m.decoder_block} always has a norm after {where} (as Gemma "
+                f"2 and 3); set {name}=true (MaxText's gemma2 and gemma3 files do) or leave it out")
+    return check
+
+
+def _layer_cycle(value: int, m) -> str:
+    cycle = LAYER_CYCLES.get(m.decoder_block, 1)
+    if value in (1, cycle):
+        return ""
+    pattern = f"repeats its kinds of layer every {cycle} layers" if cycle > 1 else "has one kind of layer"
+    return (f"inhomogeneous_layer_cycle_interval={value}: MaxText scans the layers in groups of this many, for "
+            f"families whose kinds of layer repeat; Tessera's decoder_block={m.decoder_block} {pattern} and scans "
+            f"them itself: give {cycle} or leave it out")
+
+
+# key -> (type of its value, check)
+IN_CONTEXT = {
+    "normalize_embedding_logits": (bool, _embedding_logits),
+    "use_post_attn_norm": (bool, _post_norm("use_post_attn_norm", "attention")),
+    "use_post_ffw_norm": (bool, _post_norm("use_post_ffw_norm", "the MLP")),
+    "inhomogeneous_layer_cycle_interval": (int, _layer_cycle),
+}
+
+
+def check_in_context(values: Mapping[str, Any], m) -> list[str]:
+    """One error line per IN_CONTEXT key in `values` (their last layer's values) that asks for something model
+    config `m` does not do, or whose value is not of its type."""
+    lines = []
+    for name, raw in values.items():
+        kind, check = IN_CONTEXT[name]
+        text = "" if raw is None else str(raw).strip().lower()
+        if kind is bool and text in ("true", "1", "false", "0"):
+            lines.append(check(text in ("true", "1"), m))
+        elif kind is int and re.fullmatch(r"[+-]?\d+", text):
+            lines.append(check(int(text), m))
+        else:
+            lines.append(f"{name}={raw!r} is not a valid {kind.__name__}; use " +
+                         ("true or false" if kind is bool else "a whole number"))
+    return [line for line in lines if line]
+
 # Values of a key Tessera shares with MaxText that MaxText spells otherwise: {key: {MaxText's value: ours}}.
 # Tessera's save_dot_except_mlp keeps attention's output (context) with the projections, which MaxText's value
 # of that name recomputes and its save_dot_with_context_except_mlp keeps.
@@ -292,6 +357,8 @@ def render_aliases() -> list[str]:
               for name, (spelled, ours, meaning) in UNSET.items()]
     lines += [f"# {name}={theirs} (MaxText's name) -> {name}={ours}"
               for name, values in VALUE_ALIASES.items() for theirs, ours in values.items()]
+    lines += [f"# {', '.join(IN_CONTEXT)}: MaxText's, accepted where the model does what they ask in MaxText "
+              "(gemma2's post norms, ...), else refused with what it does"]
     lines += ["# MaxText keys Tessera does not implement are refused with a reason (left at MaxText's default, off,",
               "# they are ignored): see src/tessera/config/maxtext.py and getting_started/Coming_from_MaxText.md"]
     return lines
@@ -318,7 +385,7 @@ def _same_number(text: str, off: str) -> bool:
 
 def maxtext_keys() -> set[str]:
     """Every non-schema key the loader knows (aliased, accepted or refused)."""
-    return set(ALIASES) | set(ACCEPTED) | set(REFUSED)
+    return set(ALIASES) | set(ACCEPTED) | set(REFUSED) | set(IN_CONTEXT)
 
 
 def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any], errors: list[str]) -> dict:
@@ -353,6 +420,8 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
             else:
                 errors.append(f"{name}={value!r} is not allowed; choose one of: {', '.join(map(repr, choices))} "
                               f"(from {source})")
+        elif name in IN_CONTEXT:
+            out[name] = value  # checked against the model once it is built
         elif name in REFUSED:
             if is_off(REFUSED[name], value):
                 _log_once(f"{name}={value!r} is MaxText's setting with the feature off, as in Tessera; ignored")

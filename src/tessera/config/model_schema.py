@@ -134,7 +134,8 @@ class ModelConfig:
                                "with a zero value: attention can go nowhere (gpt-oss; not with deepseek's latent "
                                "attention, nor with cuDNN, which has no such input)")
     use_qk_norm: bool = key(False, "llama4: an RMS norm without a scale over each query and key head of the rotary "
-                            "layers (Llama 4 Scout; qwen3 and gemma3 have norms with scales of their own)")
+                            "layers (Llama 4 Scout); qwen3, qwen3_moe and gemma3 always norm them, with scales of their own, "
+                            "and take true (MaxText's qwen3 model files) as that")
     chunk_attn_window_size: int = key(0, "llama4: the rotary layers attend within chunks of this many tokens (a query "
                                       "sees the earlier tokens of its own chunk; Llama 4: 8192; 0: no chunks)",
                                       minimum=0)

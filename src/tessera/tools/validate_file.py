@@ -14,7 +14,7 @@ from typing import Any
 
 from tessera.config.loader import build_config, load_config
 from tessera.config.values import parse_bool
-from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
+from tessera.config.maxtext import ACCEPTED, IN_CONTEXT, REFUSED, is_off
 from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings
@@ -183,7 +183,7 @@ def _read_entry_key(r: _Reading, key: str, value: Any, entry: dict, from_config:
     elif target == "run_name":  # replaced by the suite's own name without a word
         r.ignored[key] = ("the suite names the run validate_<file>_<date>_<time>_<pid> (its folder, where node 0's "
                           "report.json is read, is new for each run)")
-    elif target in all_fields():
+    elif target in all_fields() or target in IN_CONTEXT:  # the second: train.py checks them against the model
         text = _text(value, f"model_params.{name}.{key}")
         if target in from_config and r.overrides[target] != text:
             r.ignored[f"config.{from_config[target]}"] = f"model_params.{name}.{key}={text} is used instead"
