@@ -515,3 +515,16 @@ def test_maxtext_keys_that_depend_on_the_model_are_checked_against_it(args, erro
         load_config([BASE, *args], env={})
     assert str(e.value).startswith(error), str(e.value)
     assert "from the command line" in str(e.value)
+
+
+def test_a_yaml_style_key_on_the_command_line_is_told_its_key_value_form():
+    """MaxText's llama3.1 405B GPU recipe passes `enable_checkpointing: False` (two arguments): the error said only
+    that 'enable_checkpointing:' is not of the form key=value, without the key=value to give."""
+    for args, want in ((["enable_checkpointing:", "False"], "enable_checkpointing=False"), (["steps:5"], "steps=5"),
+                       (["--steps:", "steps=5"], "steps=<value>")):
+        with pytest.raises(ConfigError) as e:
+            load_config([BASE, *args], env={})
+        assert str(e.value) == (f"argument {args[0]!r} is YAML's `key: value` form, which config files take; on the "
+                                f"command line give key=value: {want}")
+    with pytest.raises(ConfigError, match=r"argument 'foo:' is not of the form key=value \(e.g. steps=100\)"):
+        load_config([BASE, "foo:", "3"], env={})
