@@ -528,3 +528,23 @@ def test_a_yaml_style_key_on_the_command_line_is_told_its_key_value_form():
                                 f"command line give key=value: {want}")
     with pytest.raises(ConfigError, match=r"argument 'foo:' is not of the form key=value \(e.g. steps=100\)"):
         load_config([BASE, "foo:", "3"], env={})
+
+
+def test_maxtexts_segment_cap_of_its_gpu_configs_is_accepted_without_effect(caplog):
+    """Every MaxText GPU config (gpu_smoke_test.yml, its gpu model files, the llama3.1 405B recipe) sets
+    max_segments_per_seq=32 for TransformerEngine's packed attention: it was an unknown key whose closest key was
+    max_num_checkpoints_to_keep. Tessera's cuDNN path hands packed batches to the reference attention."""
+    from tessera.models.attention_choice import select_attention
+
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        m = load_config([BASE, "max_segments_per_seq=32", "dtype=bfloat16", "attention=cudnn_flash_te"], env={}).model
+        load_config([BASE, "max_segments_per_seq=-1"], env={})
+    assert "max_segments_per_seq=32 has no effect: Tessera's cuDNN attention runs packed batches" in caplog.text
+    choice = select_attention(m, "gpu", 128, {}, device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0",
+                              packed=True)
+    assert choice.kernel == "dot_product" and "packing=true" in choice.reason
+    for bad in ("0", "-2", "many"):
+        with pytest.raises(ConfigError, match=f"max_segments_per_seq='{bad}' is not allowed; choose one of: '-1', "
+                                              "'a whole number >= 1'"):
+            load_config([BASE, f"max_segments_per_seq={bad}"], env={})

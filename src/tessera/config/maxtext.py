@@ -43,6 +43,16 @@ ALIASES = {
     "pipeline_parallelism": ("ici_pipeline_parallelism", "the GPU validation files'"),
 }
 
+COUNT = ("-1", "a whole number >= 1")  # allowed values of a count that is -1 (none) or positive
+
+
+def _allowed(choices: tuple[str, ...], text: str) -> bool:
+    """`text` (lower-case) is one of `choices`, or a count when `choices` is COUNT."""
+    if choices is COUNT:
+        return text == "-1" or (text.isdigit() and int(text) >= 1)
+    return text in choices
+
+
 # key -> (allowed values, why it has no effect)
 ACCEPTED = {
     "hardware": (("tpu", "gpu", "cpu", "gpu_multiprocess"),
@@ -58,6 +68,11 @@ ACCEPTED = {
     "allow_split_physical_axes": (("true", "false", "1", "0"),
                                   "Tessera always lets a mesh axis span part of a physical axis of the slice when "
                                   "the mesh needs it (as MaxText with true)"),
+    # every MaxText GPU config sets 32: TransformerEngine's packed attention, and MaxText's grain packing, take at most
+    # this many documents in a sequence; Tessera's cuDNN path hands packed batches to the reference attention
+    "max_segments_per_seq": (COUNT, "Tessera's cuDNN attention runs packed batches (several documents in a sequence) "
+                                    "with the reference attention, which needs no cap, and its packing puts no cap on "
+                                    "the documents in a sequence"),
 }
 
 
@@ -415,7 +430,7 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
             out[target] = value
         elif name in ACCEPTED:
             choices, why = ACCEPTED[name]
-            if str(value).strip().lower() in choices:
+            if _allowed(choices, str(value).strip().lower()):
                 _log_once(f"{name}={value} has no effect: {why}")
             else:
                 errors.append(f"{name}={value!r} is not allowed; choose one of: {', '.join(map(repr, choices))} "
