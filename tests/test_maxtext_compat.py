@@ -548,3 +548,20 @@ def test_maxtexts_segment_cap_of_its_gpu_configs_is_accepted_without_effect(capl
         with pytest.raises(ConfigError, match=f"max_segments_per_seq='{bad}' is not allowed; choose one of: '-1', "
                                               "'a whole number >= 1'"):
             load_config([BASE, f"max_segments_per_seq={bad}"], env={})
+
+
+def test_maxtexts_rotary_and_attention_kind_keys_point_to_tesseras():
+    """MaxText's rope_use_scale, rope_linear_scaling_factor, rope_min_timescale, attention_type and use_multimodal
+    (in its llama4, gemma3 and deepseek model files) were unknown keys, with closest keys such as rope_truncate and
+    attention_sink; at MaxText's defaults they load, otherwise the error names Tessera's keys."""
+    load_config([BASE, "rope_use_scale=true", "rope_linear_scaling_factor=1.0", "rope_min_timescale=1",
+                 "attention_type=global", "use_multimodal=false"], env={})
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "rope_use_scale=false", "rope_linear_scaling_factor=8.0", "rope_min_timescale=2",
+                     "attention_type=mla", "use_multimodal=true"], env={})
+    msg = str(e.value)
+    assert msg.startswith("5 problems in the config:") and "unknown" not in msg
+    assert "rope_scaling=none does not" in msg and "rope_scaling=linear rope_scaling_factor=<it>" in msg
+    assert "in Tessera decoder_block decides it" in msg and "Tessera trains and decodes text only" in msg
+    gemma3 = load_config([BASE, "model_name=gemma3-4b"], env={}).model
+    assert (gemma3.rope_scaling, gemma3.rope_scaling_factor) == ("linear", 8.0)  # what the message says

@@ -146,6 +146,20 @@ REFUSED = {
     "rope_type": Refused("the kind of rotary scaling (default, llama3.1, yarn); Tessera's key is rope_scaling: "
                          "rope_scaling=llama3 or rope_scaling=yarn (rope_scaling=none: MaxText's default)",
                          ("default",)),
+    "rope_use_scale": Refused("whether MaxText's llama3.1 rotary scaling (rope_type=llama3.1, or a llama3.1 "
+                              "model_name) stretches the low frequencies; Tessera's key is rope_scaling: "
+                              "rope_scaling=llama3 stretches them (its llama3.1, llama3.3 and llama4-17b-16e model "
+                              "files set it), rope_scaling=none does not", ("true", "1")),
+    "rope_linear_scaling_factor": Refused("divide every rotary frequency by this (MaxText's gemma3 files: 8, in the "
+                                          "global layers); Tessera's keys: rope_scaling=linear rope_scaling_factor=<it>, "
+                                          "which its gemma3 model files set", ("1",)),
+    "rope_min_timescale": Refused("the shortest rotary wavelength; Tessera's is 1 (MaxText's default): the "
+                                  "frequencies are rope_max_timescale^(-2i/head_dim)", ("1",)),
+    "attention_type": Refused("the kind of attention of MaxText's blocks (global, local_sliding, chunk, mla, ...); in "
+                              "Tessera decoder_block decides it (deepseek: latent attention), with sliding_window_size "
+                              "and chunk_attn_window_size", ("global",)),
+    "use_multimodal": Refused("a vision encoder before the decoder (MaxText's gemma3 and llama4); Tessera trains and "
+                              "decodes text only", ("false", "0")),
     "use_untrainable_positional_embedding": Refused(
         "add fixed sinusoidal positions to the embeddings; Tessera's gpt3 family uses them when "
         "trainable_position_size=0", ("false", "0")),
