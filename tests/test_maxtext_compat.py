@@ -565,3 +565,27 @@ def test_maxtexts_rotary_and_attention_kind_keys_point_to_tesseras():
     assert "in Tessera decoder_block decides it" in msg and "Tessera trains and decodes text only" in msg
     gemma3 = load_config([BASE, "model_name=gemma3-4b"], env={}).model
     assert (gemma3.rope_scaling, gemma3.rope_scaling_factor) == ("linear", 8.0)  # what the message says
+
+
+def test_maxtexts_yarn_keys_do_not_change_the_llama3_or_linear_scaling(tmp_path):
+    """MaxText reads rope_factor and original_max_position_embeddings with rope_type=yarn only (its llama3.1 scaling
+    keeps 8 and 8192, and its base.yml holds 40 and 4096): as aliases of rope_scaling_factor and
+    rope_original_max_position they changed the llama3 scaling of llama3.1-8b to a factor of 40 over 4096 tokens
+    without a word. YaRN models take them as before."""
+    mine = tmp_path / "mine.yml"
+    mine.write_text("base_config: base.yml\nrope_factor: 40\noriginal_max_position_embeddings: 4096\n")
+    with pytest.raises(ConfigError) as e:
+        load_config([str(mine), "model_name=llama3.1-8b"], env={})
+    assert str(e.value).startswith("2 problems in the config:")
+    assert ("rope_factor=40 is MaxText's YaRN setting (read with rope_type=yarn only; its llama3.1 scaling keeps its "
+            "own factor 8 and context 8192), but here it sets rope_scaling_factor, which rope_scaling=llama3 reads: "
+            "give rope_scaling_factor=40 to mean that, or leave rope_factor out") in str(e.value)
+    assert "give rope_original_max_position=4096 to mean that" in str(e.value)
+    with pytest.raises(ConfigError, match="rope_factor=8 is MaxText's YaRN setting .* rope_scaling=linear reads"):
+        load_config([BASE, "model_name=gemma3-4b", "rope_factor=8"], env={})
+    m = load_config([BASE, "model_name=gemma3-4b", "original_max_position_embeddings=4096"], env={}).model
+    assert m.rope_scaling == "linear"  # which does not read it
+    m = load_config([BASE, "model_name=gpt-oss-20b", "rope_factor=16", "original_max_position_embeddings=2048"],
+                    env={}).model
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_position) == ("yarn", 16.0, 2048)
+    assert load_config([BASE, "model_name=llama3.1-8b"], env={}).model.rope_scaling_factor == 8.0

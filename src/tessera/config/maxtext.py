@@ -297,12 +297,28 @@ def _layer_cycle(value: int, m) -> str:
             f"them itself: give {cycle} or leave it out")
 
 
-# key -> (type of its value, check)
+def _yarn_only(alias: str, readers: tuple[str, ...]) -> Callable[[Any, Any], str]:
+    """MaxText reads rope_factor and original_max_position_embeddings with rope_type=yarn only (its llama3.1 scaling
+    has its own 8 and 8192); their keys here are read by the rope_scaling values in `readers` too."""
+    target = ALIASES[alias][0]
+
+    def check(value, m) -> str:
+        if m.rope_scaling not in readers:
+            return ""
+        return (f"{alias}={value} is MaxText's YaRN setting (read with rope_type=yarn only; its llama3.1 scaling "
+                f"keeps its own factor 8 and context 8192), but here it sets {target}, which rope_scaling="
+                f"{m.rope_scaling} reads: give {target}={value} to mean that, or leave {alias} out")
+    return check
+
+
+# key -> (type of its value, check); None: an alias's value, which its key's type reads
 IN_CONTEXT = {
     "normalize_embedding_logits": (bool, _embedding_logits),
     "use_post_attn_norm": (bool, _post_norm("use_post_attn_norm", "attention")),
     "use_post_ffw_norm": (bool, _post_norm("use_post_ffw_norm", "the MLP")),
     "inhomogeneous_layer_cycle_interval": (int, _layer_cycle),
+    "rope_factor": (None, _yarn_only("rope_factor", ("llama3", "linear"))),
+    "original_max_position_embeddings": (None, _yarn_only("original_max_position_embeddings", ("llama3",))),
 }
 
 
@@ -313,7 +329,9 @@ def check_in_context(values: Mapping[str, Any], m) -> list[str]:
     for name, raw in values.items():
         kind, check = IN_CONTEXT[name]
         text = "" if raw is None else str(raw).strip().lower()
-        if kind is bool and text in ("true", "1", "false", "0"):
+        if kind is None:
+            lines.append(check(raw, m))
+        elif kind is bool and text in ("true", "1", "false", "0"):
             lines.append(check(text in ("true", "1"), m))
         elif kind is int and re.fullmatch(r"[+-]?\d+", text):
             lines.append(check(int(text), m))
@@ -321,6 +339,7 @@ def check_in_context(values: Mapping[str, Any], m) -> list[str]:
             lines.append(f"{name}={raw!r} is not a valid {kind.__name__}; use " +
                          ("true or false" if kind is bool else "a whole number"))
     return [line for line in lines if line]
+
 
 # Values of a key Tessera shares with MaxText that MaxText spells otherwise: {key: {MaxText's value: ours}}.
 # Tessera's save_dot_except_mlp keeps attention's output (context) with the projections, which MaxText's value
@@ -442,6 +461,8 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
                 continue
             _log_once(f"{name}={value} is {whose} name for {target}; using that")
             out[target] = value
+            if name in IN_CONTEXT:  # and checked against the model once it is built
+                out[name] = value
         elif name in ACCEPTED:
             choices, why = ACCEPTED[name]
             if _allowed(choices, str(value).strip().lower()):
