@@ -589,3 +589,23 @@ def test_maxtexts_yarn_keys_do_not_change_the_llama3_or_linear_scaling(tmp_path)
                     env={}).model
     assert (m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_position) == ("yarn", 16.0, 2048)
     assert load_config([BASE, "model_name=llama3.1-8b"], env={}).model.rope_scaling_factor == 8.0
+
+
+def test_the_vision_keys_of_maxtexts_gemma3_and_llama4_files_have_no_effect_as_in_maxtext_without_images(caplog):
+    """MaxText's gemma3 and llama4 model files (the estimator's and a models/ folder's input) hold ten vision encoder
+    keys, which it reads with use_multimodal=true only: each was an unknown key (11 problems for gemma3-4b.yml)."""
+    maxtext._logged.clear()
+    vision = ["vision_encoder_block=gemma3", "image_size_for_vit=896", "num_channels_for_vit=3",
+              "patch_size_for_vit=14", "conv_stride_for_vit=14", "hidden_size_for_vit=1152",
+              "intermediate_size_for_vit=4304", "num_hidden_layers_for_vit=27", "num_attention_heads_for_vit=16",
+              "image_placeholder=<start_of_image>"]
+    assert {a.split("=")[0] for a in vision} == set(maxtext.VISION_KEYS)
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        load_config([BASE, "model_name=gemma3-4b", *vision], env={})
+    assert ("hidden_size_for_vit=1152 has no effect: MaxText reads it with use_multimodal=true only (a vision encoder "
+            "before the decoder); Tessera trains and decodes text only") in caplog.text
+    with pytest.raises(ConfigError, match="use_multimodal='true' is a MaxText key Tessera does not implement"):
+        load_config([BASE, "use_multimodal=true", *vision], env={})
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "hiden_size_for_vit=3"], env={})  # the vision keys are not offered as close keys
+    assert str(e.value).startswith("unknown config key 'hiden_size_for_vit'") and "_vit" not in str(e.value)[40:]

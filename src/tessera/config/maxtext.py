@@ -44,13 +44,20 @@ ALIASES = {
 }
 
 COUNT = ("-1", "a whole number >= 1")  # allowed values of a count that is -1 (none) or positive
+ANY = ("any value",)
 
 
 def _allowed(choices: tuple[str, ...], text: str) -> bool:
-    """`text` (lower-case) is one of `choices`, or a count when `choices` is COUNT."""
+    """`text` (lower-case) is one of `choices`, or a count when `choices` is COUNT, or anything for ANY."""
     if choices is COUNT:
         return text == "-1" or (text.isdigit() and int(text) >= 1)
-    return text in choices
+    return choices is ANY or text in choices
+
+
+# the vision encoder's keys in MaxText's gemma3 and llama4 model files, which it reads with use_multimodal=true only
+VISION_KEYS = ("vision_encoder_block", "image_size_for_vit", "num_channels_for_vit", "patch_size_for_vit",
+               "conv_stride_for_vit", "hidden_size_for_vit", "intermediate_size_for_vit", "num_hidden_layers_for_vit",
+               "num_attention_heads_for_vit", "image_placeholder")
 
 
 # key -> (allowed values, why it has no effect)
@@ -73,6 +80,8 @@ ACCEPTED = {
     "max_segments_per_seq": (COUNT, "Tessera's cuDNN attention runs packed batches (several documents in a sequence) "
                                     "with the reference attention, which needs no cap, and its packing puts no cap on "
                                     "the documents in a sequence"),
+    **{name: (ANY, "MaxText reads it with use_multimodal=true only (a vision encoder before the decoder); Tessera "
+                   "trains and decodes text only, as MaxText with use_multimodal=false") for name in VISION_KEYS},
 }
 
 
@@ -400,7 +409,9 @@ def render_aliases() -> list[str]:
     """The comment block base.yml ends with: every other key name the loader accepts."""
     lines = ["", "# --- Aliases: other trainers' names for the keys above, accepted and logged when used"]
     lines += [f"# {alias} -> {target}  ({whose} name)" for alias, (target, whose) in ALIASES.items()]
-    lines += [f"# {name} [one of: {', '.join(choices)}]: accepted; {why}" for name, (choices, why) in ACCEPTED.items()]
+    lines += [f"# {name} [one of: {', '.join(choices)}]: accepted; {why}" for name, (choices, why) in ACCEPTED.items()
+              if choices is not ANY]
+    lines += [f"# {', '.join(VISION_KEYS)}: accepted; {ACCEPTED[VISION_KEYS[0]][1]}"]
     lines += [f"# {name}={spelled[0] or '(empty)'} (MaxText's spelling of {meaning}) -> {name}={ours}"
               for name, (spelled, ours, meaning) in UNSET.items()]
     lines += [f"# {name}={theirs} (MaxText's name) -> {name}={ours}"
@@ -493,7 +504,8 @@ def _shown(value: Any) -> str:
 
 def unknown_key(name: str, source: str, fields: Mapping[str, Any]) -> str:
     """The error line for an unknown key: its 3 closest keys (an alias shows the key it stands for)."""
-    close = difflib.get_close_matches(name.lower().lstrip("-"), [*fields, *ALIASES, *ACCEPTED], n=3, cutoff=0.5)
+    named = [*fields, *ALIASES, *(k for k, (choices, _) in ACCEPTED.items() if choices is not ANY)]
+    close = difflib.get_close_matches(name.lower().lstrip("-"), named, n=3, cutoff=0.5)
     shown = [f"{c} (= {ALIASES[c][0]})" if c in ALIASES else c for c in close]
     hint = f"; did you mean {', '.join(shown)}?" if close else "; see configs/base.yml for every key"
     return f"unknown config key {name!r} in {source}{hint}"
