@@ -29,8 +29,8 @@ from typing import Any, Mapping
 
 from tessera.config.checks import validate
 from tessera.config.fields import HF_FILE_FORMATS
-from tessera.config.maxtext import (ALIASES, IN_CONTEXT, check_in_context, maxtext_keys, spelled_as,
-                                     steps_from_schedule, translate)
+from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
+from tessera.config.maxtext_model import IN_CONTEXT, check_in_context
 from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields, path_keys
 from tessera.config.values import coerce, unquoted
 from tessera.config.yaml_file import (config_files, is_file, is_run_config, model_folders,

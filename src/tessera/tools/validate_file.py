@@ -14,7 +14,8 @@ from typing import Any
 
 from tessera.config.loader import build_config, load_config
 from tessera.config.values import parse_bool
-from tessera.config.maxtext import ACCEPTED, IN_CONTEXT, REFUSED, is_off
+from tessera.config.maxtext import ACCEPTED, REFUSED, is_off
+from tessera.config.maxtext_model import IN_CONTEXT
 from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings

@@ -1,0 +1,100 @@
+"""MaxText keys whose meaning depends on the model they come with: `maxtext.translate` keeps them, and
+the loader holds each against the built model config (`check_in_context`). A value that asks for
+what Tessera's block does is accepted; any other is refused with what the block does.
+
+MaxText's model files set them: gemma2's post norms, the tied Qwen3's and gpt3's
+normalize_embedding_logits=false, llama4's layer cycle of 4, the YaRN factor. This module imports
+nothing from JAX.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable, Mapping
+
+
+# Tessera's Gemma blocks scale the token embeddings by sqrt(emb_dim) on the way in, where MaxText's store the table
+# times sqrt(emb_dim) and divide the tied logits by it (normalize_embedding_logits=true, its default): the same model.
+GEMMA_BLOCKS = ("gemma", "gemma2", "gemma3")
+POST_NORM_BLOCKS = ("gemma2", "gemma3")  # a norm after attention and after the MLP, always
+LAYER_CYCLES = {"llama4": 4, "gpt_oss": 2}  # layers after which a block's pattern of layer kinds repeats
+
+
+def _embedding_logits(on: bool, m) -> str:
+    if not m.logits_via_embedding or on == (m.decoder_block in GEMMA_BLOCKS):
+        return ""  # MaxText reads it with tied logits only
+    if on:
+        return (f"normalize_embedding_logits=true divides the tied logits (logits_via_embedding=true) by sqrt(emb_dim) "
+                f"in MaxText; Tessera's decoder_block={m.decoder_block} does not, as its Hugging Face reference: set "
+                "normalize_embedding_logits=false (as MaxText's gpt3 and tied Qwen3 files do) or leave it out")
+    return (f"normalize_embedding_logits=false: MaxText's Gemma stores its token table times sqrt(emb_dim), and "
+            f"false leaves the tied logits that much larger; Tessera's decoder_block={m.decoder_block} scales the "
+            "embeddings by sqrt(emb_dim) on the way in instead, the same model as MaxText's true: set "
+            "normalize_embedding_logits=true or leave it out")
+
+
+def _post_norm(name: str, where: str) -> Callable[[bool, Any], str]:
+    def check(on: bool, m) -> str:
+        if on == (m.decoder_block in POST_NORM_BLOCKS):
+            return ""
+        if on:
+            return (f"{name}=true adds a norm after {where} in MaxText's gemma2 and gemma3 blocks; "
+                    f"decoder_block={m.decoder_block} has none: use decoder_block=gemma2 or gemma3, or {name}=false")
+        return (f"{name}=false: Tessera's decoder_block={m.decoder_block} always has a norm after {where} (as Gemma "
+                f"2 and 3); set {name}=true (MaxText's gemma2 and gemma3 files do) or leave it out")
+    return check
+
+
+def _layer_cycle(value: int, m) -> str:
+    cycle = LAYER_CYCLES.get(m.decoder_block, 1)
+    if value in (1, cycle):
+        return ""
+    pattern = f"repeats its kinds of layer every {cycle} layers" if cycle > 1 else "has one kind of layer"
+    return (f"inhomogeneous_layer_cycle_interval={value}: MaxText scans the layers in groups of this many, for "
+            f"families whose kinds of layer repeat; Tessera's decoder_block={m.decoder_block} {pattern} and scans "
+            f"them itself: give {cycle} or leave it out")
+
+
+def _yarn_only(alias: str, target: str, readers: tuple[str, ...]) -> Callable[[Any, Any], str]:
+    """MaxText reads rope_factor and original_max_position_embeddings with rope_type=yarn only (its llama3.1 scaling
+    has its own 8 and 8192); the keys here they stand for (`target`, maxtext.ALIASES) are read by the rope_scaling
+    values in `readers` too."""
+
+    def check(value, m) -> str:
+        if m.rope_scaling not in readers:
+            return ""
+        return (f"{alias}={value} is MaxText's YaRN setting (read with rope_type=yarn only; its llama3.1 scaling "
+                f"keeps its own factor 8 and context 8192), but here it sets {target}, which rope_scaling="
+                f"{m.rope_scaling} reads: give {target}={value} to mean that, or leave {alias} out")
+    return check
+
+
+# key -> (type of its value, check); None: an alias's value, which its key's type reads
+IN_CONTEXT = {
+    "normalize_embedding_logits": (bool, _embedding_logits),
+    "use_post_attn_norm": (bool, _post_norm("use_post_attn_norm", "attention")),
+    "use_post_ffw_norm": (bool, _post_norm("use_post_ffw_norm", "the MLP")),
+    "inhomogeneous_layer_cycle_interval": (int, _layer_cycle),
+    "rope_factor": (None, _yarn_only("rope_factor", "rope_scaling_factor", ("llama3", "linear"))),
+    "original_max_position_embeddings": (None, _yarn_only("original_max_position_embeddings", "rope_original_max_position",
+                                                   ("llama3",))),
+}
+
+
+def check_in_context(values: Mapping[str, Any], m) -> list[str]:
+    """One error line per IN_CONTEXT key in `values` (their last layer's values) that asks for something model
+    config `m` does not do, or whose value is not of its type."""
+    lines = []
+    for name, raw in values.items():
+        kind, check = IN_CONTEXT[name]
+        text = "" if raw is None else str(raw).strip().lower()
+        if kind is None:
+            lines.append(check(raw, m))
+        elif kind is bool and text in ("true", "1", "false", "0"):
+            lines.append(check(text in ("true", "1"), m))
+        elif kind is int and re.fullmatch(r"[+-]?\d+", text):
+            lines.append(check(int(text), m))
+        else:
+            lines.append(f"{name}={raw!r} is not a valid {kind.__name__}; use " +
+                         ("true or false" if kind is bool else "a whole number"))
+    return [line for line in lines if line]
