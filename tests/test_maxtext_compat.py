@@ -502,6 +502,13 @@ tokenizer_type: "huggingface"
      "inhomogeneous_layer_cycle_interval=4: MaxText scans the layers in groups of this many, for families whose "
      "kinds of layer repeat; Tessera's decoder_block=gpt_oss repeats its kinds of layer every 2 layers"),
     (["normalize_embedding_logits=maybe"], "normalize_embedding_logits='maybe' is not a valid bool"),
+    (["model_name=deepseek-small", "attention_type=mla"], ""),  # MaxText's deepseek files
+    (["attention_type=global"], ""),
+    (["model_name=deepseek-small", "attention_type=global"],
+     "attention_type=global: Tessera's decoder_block=deepseek always attends with latent attention"),
+    (["attention_type=mla"], "attention_type=mla: Tessera's decoder_block=llama2 has no latent attention"),
+    (["attention_type=local_sliding"], "attention_type='local_sliding' is MaxText's; in Tessera decoder_block "
+                                       "decides the kind of attention, with sliding_window_size"),
 ])
 def test_maxtext_keys_that_depend_on_the_model_are_checked_against_it(args, error):
     """MaxText's gemma2/gemma3 files set use_post_attn_norm and use_post_ffw_norm true, its llama4 files
@@ -550,19 +557,19 @@ def test_maxtexts_segment_cap_of_its_gpu_configs_is_accepted_without_effect(capl
             load_config([BASE, f"max_segments_per_seq={bad}"], env={})
 
 
-def test_maxtexts_rotary_and_attention_kind_keys_point_to_tesseras():
-    """MaxText's rope_use_scale, rope_linear_scaling_factor, rope_min_timescale, attention_type and use_multimodal
-    (in its llama4, gemma3 and deepseek model files) were unknown keys, with closest keys such as rope_truncate and
-    attention_sink; at MaxText's defaults they load, otherwise the error names Tessera's keys."""
+def test_maxtexts_rotary_and_multimodal_keys_point_to_tesseras():
+    """MaxText's rope_use_scale, rope_linear_scaling_factor, rope_min_timescale and use_multimodal (in its llama4
+    and gemma3 model files) were unknown keys, with closest keys such as rope_truncate and attention_sink; at
+    MaxText's defaults they load, otherwise the error names Tessera's keys."""
     load_config([BASE, "rope_use_scale=true", "rope_linear_scaling_factor=1.0", "rope_min_timescale=1",
-                 "attention_type=global", "use_multimodal=false"], env={})
+                 "use_multimodal=false"], env={})
     with pytest.raises(ConfigError) as e:
         load_config([BASE, "rope_use_scale=false", "rope_linear_scaling_factor=8.0", "rope_min_timescale=2",
-                     "attention_type=mla", "use_multimodal=true"], env={})
+                     "use_multimodal=true"], env={})
     msg = str(e.value)
-    assert msg.startswith("5 problems in the config:") and "unknown" not in msg
+    assert msg.startswith("4 problems in the config:") and "unknown" not in msg
     assert "rope_scaling=none does not" in msg and "rope_scaling=linear rope_scaling_factor=<it>" in msg
-    assert "in Tessera decoder_block decides it" in msg and "Tessera trains and decodes text only" in msg
+    assert "Tessera trains and decodes text only" in msg
     gemma3 = load_config([BASE, "model_name=gemma3-4b"], env={}).model
     assert (gemma3.rope_scaling, gemma3.rope_scaling_factor) == ("linear", 8.0)  # what the message says
 

@@ -164,9 +164,6 @@ REFUSED = {
                                           "which its gemma3 model files set", ("1",)),
     "rope_min_timescale": Refused("the shortest rotary wavelength; Tessera's is 1 (MaxText's default): the "
                                   "frequencies are rope_max_timescale^(-2i/head_dim)", ("1",)),
-    "attention_type": Refused("the kind of attention of MaxText's blocks (global, local_sliding, chunk, mla, ...); in "
-                              "Tessera decoder_block decides it (deepseek: latent attention), with sliding_window_size "
-                              "and chunk_attn_window_size", ("global",)),
     "use_multimodal": Refused("a vision encoder before the decoder (MaxText's gemma3 and llama4); Tessera trains and "
                               "decodes text only", ("false", "0")),
     "use_untrainable_positional_embedding": Refused(

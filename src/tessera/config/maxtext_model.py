@@ -69,12 +69,28 @@ def _yarn_only(alias: str, target: str, readers: tuple[str, ...]) -> Callable[[A
     return check
 
 
+def _attention_type(value, m) -> str:
+    """MaxText's deepseek files set mla (latent attention), its others leave global; local_sliding and chunk are
+    sliding_window_size and chunk_attn_window_size here."""
+    kind = str(value).strip().lower()
+    if kind == ("mla" if m.decoder_block == "deepseek" else "global"):
+        return ""
+    if kind in ("mla", "global"):
+        does = ("always attends with latent attention (MaxText's mla)" if m.decoder_block == "deepseek" else
+                "has no latent attention (decoder_block=deepseek has)")
+        return f"attention_type={value}: Tessera's decoder_block={m.decoder_block} {does}; leave attention_type out"
+    return (f"attention_type={value!r} is MaxText's; in Tessera decoder_block decides the kind of attention, with "
+            "sliding_window_size (MaxText's local_sliding) and chunk_attn_window_size (chunk, llama4): give those "
+            "and leave attention_type out")
+
+
 # key -> (type of its value, check); None: an alias's value, which its key's type reads
 IN_CONTEXT = {
     "normalize_embedding_logits": (bool, _embedding_logits),
     "use_post_attn_norm": (bool, _post_norm("use_post_attn_norm", "attention")),
     "use_post_ffw_norm": (bool, _post_norm("use_post_ffw_norm", "the MLP")),
     "inhomogeneous_layer_cycle_interval": (int, _layer_cycle),
+    "attention_type": (None, _attention_type),
     "rope_factor": (None, _yarn_only("rope_factor", "rope_scaling_factor", ("llama3", "linear"))),
     "original_max_position_embeddings": (None, _yarn_only("original_max_position_embeddings", "rope_original_max_position",
                                                    ("llama3",))),
