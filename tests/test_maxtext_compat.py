@@ -616,3 +616,24 @@ def test_the_vision_keys_of_maxtexts_gemma3_and_llama4_files_have_no_effect_as_i
     with pytest.raises(ConfigError) as e:
         load_config([BASE, "hiden_size_for_vit=3"], env={})  # the vision keys are not offered as close keys
     assert str(e.value).startswith("unknown config key 'hiden_size_for_vit'") and "_vit" not in str(e.value)[40:]
+
+
+def test_gradient_accumulation_says_at_start_up_that_it_splits_the_batch_where_maxtexts_multiplies_it(caplog):
+    """The shared key whose meaning differs most (the guide's first difference): a MaxText command with
+    per_device_batch_size=2 gradient_accumulation_steps=4 trains a quarter of MaxText's batch here, and the run said
+    only "global batch 16 x T tokens in 4 micro-batches of 4"."""
+    import jax
+
+    from conftest import tiny_config
+    from tessera.step import setup
+
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        setup(tiny_config(None, per_device_batch_size=2, gradient_accumulation_steps=4, ici_tensor_parallelism=4),
+              jax.devices())
+    assert ("gradient_accumulation_steps=4 splits the global batch of 16 sequences (per_device_batch_size=2 x devices) "
+            "into 4 micro-batches of 4; MaxText's multiplies it (64 sequences in micro-batches of 16): "
+            "per_device_batch_size=8 trains MaxText's batch here") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        setup(tiny_config(None, per_device_batch_size=2), jax.devices())
+    assert "gradient_accumulation_steps" not in caplog.text

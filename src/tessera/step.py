@@ -26,6 +26,7 @@ from tessera.cpu_miscompile import check_cpu_mesh
 from tessera.losses import MTP_SUMS, loss_terms, mtp_target_counts, target_weights
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
+from tessera.config.maxtext_model import accumulation_note
 from tessera.config.unread_keys import keys_without_effect
 from tessera.config.derived import RunPlan, plan_run
 from tessera.config.layers import LAYERS_PER_BLOCK
@@ -72,6 +73,8 @@ def setup(cfg: Config, devices=None) -> Trainer:
     check_trainable_dtypes(cfg.model, device_platform(mesh))
     for line in keys_without_effect(cfg, dict(mesh.shape)):
         log.warning("%s", line)
+    if note := accumulation_note(cfg.data.per_device_batch_size, plan.micro_batches, plan.global_batch):
+        log.info("%s", note)
     device = mesh.devices.flat[0]
     choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape),
                               device.device_kind, str(getattr(device, "compute_capability", "")), plan.packed)

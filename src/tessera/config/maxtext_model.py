@@ -114,3 +114,15 @@ def check_in_context(values: Mapping[str, Any], m) -> list[str]:
             lines.append(f"{name}={raw!r} is not a valid {kind.__name__}; use " +
                          ("true or false" if kind is bool else "a whole number"))
     return [line for line in lines if line]
+
+
+def accumulation_note(per_device_batch_size: float, accumulation_steps: int, batch: int) -> str:
+    """The start-up line for gradient_accumulation_steps > 1, the shared key whose meaning differs most: Tessera's
+    splits the global `batch` (per_device_batch_size x devices) into micro-batches, MaxText's multiplies it."""
+    if accumulation_steps <= 1:
+        return ""
+    return (f"gradient_accumulation_steps={accumulation_steps} splits the global batch of {batch} sequences "
+            f"(per_device_batch_size={per_device_batch_size:g} x devices) into {accumulation_steps} micro-batches of "
+            f"{batch // accumulation_steps}; MaxText's multiplies it ({batch * accumulation_steps} sequences in "
+            f"micro-batches of {batch}): per_device_batch_size={per_device_batch_size * accumulation_steps:g} trains "
+            "MaxText's batch here")
