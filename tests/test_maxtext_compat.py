@@ -630,8 +630,8 @@ def test_gradient_accumulation_says_at_start_up_that_it_splits_the_batch_where_m
     with caplog.at_level(logging.INFO, logger="tessera"):
         setup(tiny_config(None, per_device_batch_size=2, gradient_accumulation_steps=4, ici_tensor_parallelism=4),
               jax.devices())
-    assert ("gradient_accumulation_steps=4 splits the global batch of 16 sequences (per_device_batch_size=2 x devices) "
-            "into 4 micro-batches of 4; MaxText's multiplies it (64 sequences in micro-batches of 16): "
+    assert ("gradient_accumulation_steps=4 splits the global batch of 16 sequences (per_device_batch_size=2 x 8 "
+            "devices) into 4 micro-batches of 4; MaxText's multiplies it (64 sequences in micro-batches of 16): "
             "per_device_batch_size=8 trains MaxText's batch here") in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tessera"):

@@ -330,7 +330,7 @@ def _parse_overrides(args: list[str]) -> dict[str, str]:
             raise ConfigError(f"argument {arg!r} is not of the form key=value: it is the config key {key} without its "
                               f"value; give the two as one argument: {key}={given}")
         colon = None if sep else re.fullmatch(r"-*([A-Za-z_]\w*):(.*)", arg.strip(), re.S)
-        if colon and colon[1] in keys:  # `enable_checkpointing: False` (MaxText's llama3.1 405B GPU recipe): YAML's form
+        if colon and colon[1] in keys:  # YAML's form: `enable_checkpointing: False` (MaxText's 405B GPU recipe)
             given = colon[2].strip() or (args[i + 1] if i + 1 < len(args) and "=" not in args[i + 1] else "<value>")
             raise ConfigError(f"argument {arg!r} is YAML's `key: value` form, which config files take; on the command "
                               f"line give key=value: {colon[1]}={given}")

@@ -92,8 +92,8 @@ IN_CONTEXT = {
     "inhomogeneous_layer_cycle_interval": (int, _layer_cycle),
     "attention_type": (None, _attention_type),
     "rope_factor": (None, _yarn_only("rope_factor", "rope_scaling_factor", ("llama3", "linear"))),
-    "original_max_position_embeddings": (None, _yarn_only("original_max_position_embeddings", "rope_original_max_position",
-                                                   ("llama3",))),
+    "original_max_position_embeddings": (None, _yarn_only("original_max_position_embeddings",
+                                                          "rope_original_max_position", ("llama3",))),
 }
 
 
@@ -121,8 +121,8 @@ def accumulation_note(per_device_batch_size: float, accumulation_steps: int, bat
     splits the global `batch` (per_device_batch_size x devices) into micro-batches, MaxText's multiplies it."""
     if accumulation_steps <= 1:
         return ""
-    return (f"gradient_accumulation_steps={accumulation_steps} splits the global batch of {batch} sequences "
-            f"(per_device_batch_size={per_device_batch_size:g} x devices) into {accumulation_steps} micro-batches of "
-            f"{batch // accumulation_steps}; MaxText's multiplies it ({batch * accumulation_steps} sequences in "
-            f"micro-batches of {batch}): per_device_batch_size={per_device_batch_size * accumulation_steps:g} trains "
-            "MaxText's batch here")
+    steps, devices = accumulation_steps, round(batch / per_device_batch_size)
+    return (f"gradient_accumulation_steps={steps} splits the global batch of {batch} sequences (per_device_batch_size="
+            f"{per_device_batch_size:g} x {devices} devices) into {steps} micro-batches of {batch // steps}; MaxText's "
+            f"multiplies it ({batch * steps} sequences in micro-batches of {batch}): per_device_batch_size="
+            f"{per_device_batch_size * steps:g} trains MaxText's batch here")
