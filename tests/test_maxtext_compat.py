@@ -637,3 +637,38 @@ def test_gradient_accumulation_says_at_start_up_that_it_splits_the_batch_where_m
     with caplog.at_level(logging.INFO, logger="tessera"):
         setup(tiny_config(None, per_device_batch_size=2), jax.devices())
     assert "gradient_accumulation_steps" not in caplog.text
+
+
+@pytest.mark.parametrize("args, error", [
+    (["model_name=gpt-oss-20b", "rope_attention_scaling=true", "max_position_embeddings=131072",
+      "rope_interleave=false"], ""),  # MaxText's gpt-oss files
+    (["model_name=deepseek-small", "rope_attention_scaling=false", "max_position_embeddings=163840",
+      "rope_interleave=true"], ""),  # MaxText's deepseek files
+    (["rope_attention_scaling=false", "max_position_embeddings=16"], ""),  # no YaRN: MaxText does not read them
+    (["model_name=gpt-oss-20b", "rope_attention_scaling=false"],
+     "rope_attention_scaling=false leaves the attention scores of MaxText's YaRN unscaled; Tessera's "
+     "decoder_block=gpt_oss with rope_scaling=yarn always multiplies them"),
+    (["model_name=deepseek-small", "rope_attention_scaling=true"],
+     "rope_attention_scaling=true would scale YaRN's attention scores a second time in MaxText's deepseek"),
+    (["model_name=deepseek-small", "max_position_embeddings=1024"],
+     "max_position_embeddings=1024 is not above rope_original_max_position="),
+    (["rope_interleave=sometimes"], "rope_interleave='sometimes' is not allowed; choose one of: 'true', 'false'"),
+])
+def test_maxtexts_yarn_keys_of_its_deepseek_and_gpt_oss_files(args, error):
+    """rope_attention_scaling, max_position_embeddings and rope_interleave (MaxText's deepseek and gpt-oss files) were
+    unknown keys; the values that ask for what Tessera's YaRN does load, the others say what it does."""
+    if not error:
+        load_config([BASE, *args], env={})
+        return
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, *args], env={})
+    assert str(e.value).startswith(error), str(e.value)
+
+
+def test_rope_type_yarn_says_maxtexts_yarn_defaults_are_not_tesseras():
+    """MaxText's rope_type=yarn alone is a factor of 40 over 4096 tokens; rope_scaling=yarn alone is 8 over 8192."""
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "rope_type=yarn"], env={})
+    assert "MaxText's defaults, 40 and 4096, are not Tessera's 8 and 8192" in str(e.value)
+    m = load_config([BASE, "rope_scaling=yarn"], env={}).model
+    assert (m.rope_scaling_factor, m.rope_original_max_position) == (8.0, 8192)

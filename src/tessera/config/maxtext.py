@@ -80,6 +80,12 @@ ACCEPTED = {
     "max_segments_per_seq": (COUNT, "Tessera's cuDNN attention runs packed batches (several documents in a sequence) "
                                     "with the reference attention, which needs no cap, and its packing puts no cap on "
                                     "the documents in a sequence"),
+    # Tessera rotates the two halves of each head (MaxText's false, Hugging Face's layout); interleaved pairs are
+    # the same model with the head's dimensions in another order
+    "rope_interleave": (("true", "false", "1", "0"),
+                        "Tessera's rotary embedding turns the two halves of each head (MaxText's false, the Hugging "
+                        "Face layout); MaxText's true turns adjacent pairs: the same model with the dimensions of each "
+                        "query and key head in another order, which training from scratch cannot tell apart"),
     **{name: (ANY, "MaxText reads it with use_multimodal=true only (a vision encoder before the decoder); Tessera "
                    "trains and decodes text only, as MaxText with use_multimodal=false") for name in VISION_KEYS},
 }
@@ -153,8 +159,10 @@ REFUSED = {
                                "cosine one", ("linear",)),
     # model variants
     "rope_type": Refused("the kind of rotary scaling (default, llama3.1, yarn); Tessera's key is rope_scaling: "
-                         "rope_scaling=llama3 or rope_scaling=yarn (rope_scaling=none: MaxText's default)",
-                         ("default",)),
+                         "rope_scaling=llama3 or rope_scaling=yarn (rope_scaling=none: MaxText's default). llama3 "
+                         "stretches by 8 over 8192 tokens, as MaxText's llama3.1; with yarn give rope_factor and "
+                         "original_max_position_embeddings too: MaxText's defaults, 40 and 4096, are not Tessera's 8 "
+                         "and 8192", ("default",)),
     "rope_use_scale": Refused("whether MaxText's llama3.1 rotary scaling (rope_type=llama3.1, or a llama3.1 "
                               "model_name) stretches the low frequencies; Tessera's key is rope_scaling: "
                               "rope_scaling=llama3 stretches them (its llama3.1, llama3.3 and llama4-17b-16e model "

@@ -84,6 +84,29 @@ def _attention_type(value, m) -> str:
             "and leave attention_type out")
 
 
+def _yarn_score_scale(on: bool, m) -> str:
+    """MaxText's rope_attention_scaling scales the rotary output by YaRN's mscale (the scores by its square), as
+    Tessera's YaRN always does; its deepseek (MLA) scales the scores itself, with false (its deepseek files)."""
+    if m.rope_scaling != "yarn" or on == (m.decoder_block != "deepseek"):
+        return ""
+    if on:
+        return ("rope_attention_scaling=true would scale YaRN's attention scores a second time in MaxText's deepseek "
+                "(its latent attention scales them itself, as Tessera's does once); set it to false or leave it out")
+    return (f"rope_attention_scaling=false leaves the attention scores of MaxText's YaRN unscaled; Tessera's "
+            f"decoder_block={m.decoder_block} with rope_scaling=yarn always multiplies them by (0.1 mscale "
+            "ln(rope_scaling_factor) + 1)^2 (MaxText's true, as its gpt-oss files set); set it to true or leave it out")
+
+
+def _yarn_length(value: int, m) -> str:
+    """MaxText's YaRN reads max_position_embeddings for its position table, and its deepseek scales the scores only
+    when it exceeds original_max_position_embeddings; Tessera's has no table and always scales."""
+    if m.rope_scaling != "yarn" or m.decoder_block != "deepseek" or value > m.rope_original_max_position:
+        return ""
+    return (f"max_position_embeddings={value} is not above rope_original_max_position={m.rope_original_max_position} "
+            f"(MaxText's original_max_position_embeddings), so MaxText's deepseek would leave YaRN's attention scores "
+            "unscaled; Tessera's always scales them: give a longer max_position_embeddings or leave it out")
+
+
 # key -> (type of its value, check); None: an alias's value, which its key's type reads
 IN_CONTEXT = {
     "normalize_embedding_logits": (bool, _embedding_logits),
@@ -91,6 +114,8 @@ IN_CONTEXT = {
     "use_post_ffw_norm": (bool, _post_norm("use_post_ffw_norm", "the MLP")),
     "inhomogeneous_layer_cycle_interval": (int, _layer_cycle),
     "attention_type": (None, _attention_type),
+    "rope_attention_scaling": (bool, _yarn_score_scale),
+    "max_position_embeddings": (int, _yarn_length),
     "rope_factor": (None, _yarn_only("rope_factor", "rope_scaling_factor", ("llama3", "linear"))),
     "original_max_position_embeddings": (None, _yarn_only("original_max_position_embeddings",
                                                           "rope_original_max_position", ("llama3",))),
