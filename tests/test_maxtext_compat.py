@@ -672,3 +672,17 @@ def test_rope_type_yarn_says_maxtexts_yarn_defaults_are_not_tesseras():
     assert "MaxText's defaults, 40 and 4096, are not Tessera's 8 and 8192" in str(e.value)
     m = load_config([BASE, "rope_scaling=yarn"], env={}).model
     assert (m.rope_scaling_factor, m.rope_original_max_position) == (8.0, 8192)
+
+
+def test_the_guide_says_tesseras_model_files_keep_dropout_on_where_maxtexts_turn_it_off():
+    """MaxText's llama2-7b (and most of its model files) set enable_dropout: false, so its dropout_rate=0.1 has no
+    effect with them; here it applies, which the guide now says (a MaxText command's dropout changed silently)."""
+    from tessera.config.derived import dropout_rate
+
+    text = " ".join(GUIDE.read_text().split())
+    assert "Add `enable_dropout=false` for MaxText's run." in text
+    for name in ("llama2-7b", "mistral-7b", "qwen3-8b", "gpt3-6b"):
+        m = load_config([BASE, f"model_name={name}", "dropout_rate=0.1"], env={}).model
+        assert m.enable_dropout and dropout_rate(m) == 0.1, name
+        assert dropout_rate(load_config([BASE, f"model_name={name}", "dropout_rate=0.1", "enable_dropout=false"],
+                                        env={}).model) == 0
