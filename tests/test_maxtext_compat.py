@@ -686,3 +686,21 @@ def test_the_guide_says_tesseras_model_files_keep_dropout_on_where_maxtexts_turn
         assert m.enable_dropout and dropout_rate(m) == 0.1, name
         assert dropout_rate(load_config([BASE, f"model_name={name}", "dropout_rate=0.1", "enable_dropout=false"],
                                         env={}).model) == 0
+
+
+def test_a_yarn_alias_a_later_layer_overrides_is_not_held_against_the_model(tmp_path):
+    """rope_factor in a config file with rope_scaling_factor on the command line: the command line's value is the
+    one in effect, so nothing of MaxText's YaRN setting reaches the llama3 scaling; and the estimator, which merges
+    the layers before building, read the kept alias as a second spelling that disagreed with its key."""
+    from tessera.tools.estimate import load_model_config
+
+    mine = tmp_path / "mine.yml"
+    mine.write_text("base_config: base.yml\nrope_factor: 40\n")
+    m = load_config([str(mine), "model_name=llama3.1-8b", "rope_scaling_factor=8"], env={}).model
+    assert (m.rope_scaling, m.rope_scaling_factor) == ("llama3", 8.0)
+    model = tmp_path / "yarn.yml"
+    lines = (REPO / "configs" / "models" / "deepseek-small.yml").read_text().splitlines()
+    model.write_text("\n".join(line for line in lines if not line.startswith("rope_scaling_factor:")) +
+                     "\nrope_factor: 40\n")
+    assert load_model_config(str(model), ["rope_scaling_factor=8"]).model.rope_scaling_factor == 8.0
+    assert load_model_config(str(model), []).model.rope_scaling_factor == 40.0

@@ -55,14 +55,21 @@ def _layer_cycle(value: int, m) -> str:
             f"them itself: give {cycle} or leave it out")
 
 
+def _in_effect(value, final) -> bool:
+    try:
+        return float(str(value).replace("_", "")) == float(final)
+    except ValueError:
+        return False
+
+
 def _yarn_only(alias: str, target: str, readers: tuple[str, ...]) -> Callable[[Any, Any], str]:
     """MaxText reads rope_factor and original_max_position_embeddings with rope_type=yarn only (its llama3.1 scaling
     has its own 8 and 8192); the keys here they stand for (`target`, maxtext.ALIASES) are read by the rope_scaling
     values in `readers` too."""
 
     def check(value, m) -> str:
-        if m.rope_scaling not in readers:
-            return ""
+        if m.rope_scaling not in readers or not _in_effect(value, getattr(m, target)):
+            return ""  # not read, or a later layer (the command line) gave the key itself
         return (f"{alias}={value} is MaxText's YaRN setting (read with rope_type=yarn only; its llama3.1 scaling "
                 f"keeps its own factor 8 and context 8192), but here it sets {target}, which rope_scaling="
                 f"{m.rope_scaling} reads: give {target}={value} to mean that, or leave {alias} out")

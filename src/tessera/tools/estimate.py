@@ -163,7 +163,8 @@ def load_model_config(model: str | None, overrides: list[str]) -> Config:
             raise ConfigError(f"argument {item!r} is not of the form key=value")
         layers[-1][1][name] = value
     errors: list[str] = []  # unknown keys, named with the file (or command line) that has them
-    flat = {k: v for source, values in layers for k, v in translate(values, source, all_fields(), errors).items()}
+    flat = {k: v for source, values in layers for k, v in translate(values, source, all_fields(), errors).items()
+            if k not in ALIASES}  # renamed already; an alias translate keeps to check the model with is the trainer's
     if errors:
         raise ConfigError(errors[0] if len(errors) == 1 else f"{len(errors)} problems:\n  " + "\n  ".join(errors))
     named = layers[1][1].get("model_name")
