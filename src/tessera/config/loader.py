@@ -251,7 +251,7 @@ def build_config(flat: Mapping[str, Any]) -> Config:
 def _build(flat: Mapping[str, Any], errors: list[str]) -> Config | None:
     """The config from known keys, or None with a line in `errors` per bad value (the checks of
     several keys, `validate`, run only once every value is good; then MaxText's keys that depend on
-    the model, maxtext.IN_CONTEXT)."""
+    the model, maxtext_model.IN_CONTEXT)."""
     fields = all_fields()
     per_section: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     in_context = {name: raw for name, raw in flat.items() if name in IN_CONTEXT}

@@ -1,7 +1,7 @@
 """MaxText's config keys that are not Tessera keys: what the loader does with each.
 
 MaxText users' commands should run unchanged where Tessera has the feature, and fail with a
-reason where it does not. Every MaxText key falls in one of four groups:
+reason where it does not. Every MaxText key falls in one of five groups:
 
 - the same name (most keys: `steps`, `per_device_batch_size`, `ici_fsdp_parallelism`, ...):
   nothing to do, they are schema keys;
@@ -10,7 +10,9 @@ reason where it does not. Every MaxText key falls in one of four groups:
   value is checked, logged and has no effect;
 - `REFUSED`: a feature Tessera does not implement. A value that leaves the feature off (the
   `off` values, MaxText's defaults) is accepted and logged; any other value is refused with
-  what the key does in MaxText and what to use in Tessera.
+  what the key does in MaxText and what to use in Tessera;
+- `IN_CONTEXT` (maxtext_model.py): a key whose meaning depends on the model (gemma2's post norms,
+  the YaRN factor); kept, and checked against the built model by the loader.
 
 getting_started/Coming_from_MaxText.md explains the same groups in prose (a test keeps it
 mentioning every refused key). This module imports nothing from JAX.
