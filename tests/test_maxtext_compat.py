@@ -704,3 +704,17 @@ def test_a_yarn_alias_a_later_layer_overrides_is_not_held_against_the_model(tmp_
                      "\nrope_factor: 40\n")
     assert load_model_config(str(model), ["rope_scaling_factor=8"]).model.rope_scaling_factor == 8.0
     assert load_model_config(str(model), []).model.rope_scaling_factor == 40.0
+
+
+def test_maxtexts_cudnn_through_jax_is_tesseras_cudnn_attention(caplog):
+    """MaxText's attention=cudnn_flash_jax calls cuDNN's fused attention through JAX, the kernel Tessera's
+    cudnn_flash_te selects on NVIDIA GPUs; it was refused with the list of Tessera's values."""
+    from tessera.models.attention_choice import select_attention
+
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        m = load_config([BASE, "attention=cudnn_flash_jax", "dtype=bfloat16", "packing=false"], env={}).model
+    assert m.attention == "cudnn_flash_te"
+    assert "attention=cudnn_flash_jax is MaxText's name for attention=cudnn_flash_te; using that" in caplog.text
+    choice = select_attention(m, "gpu", 128, {}, device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    assert choice.kernel == "cudnn"

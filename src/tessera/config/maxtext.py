@@ -270,7 +270,10 @@ REFUSED = {
 # Values of a key Tessera shares with MaxText that MaxText spells otherwise: {key: {MaxText's value: ours}}.
 # Tessera's save_dot_except_mlp keeps attention's output (context) with the projections, which MaxText's value
 # of that name recomputes and its save_dot_with_context_except_mlp keeps.
-VALUE_ALIASES = {"remat_policy": {"save_dot_with_context_except_mlp": "save_dot_except_mlp"}}
+# MaxText's cudnn_flash_jax is cuDNN's fused attention through JAX, which is what Tessera's cudnn_flash_te runs on
+# NVIDIA GPUs (Tessera has no Transformer Engine path).
+VALUE_ALIASES = {"remat_policy": {"save_dot_with_context_except_mlp": "save_dot_except_mlp"},
+                 "attention": {"cudnn_flash_jax": "cudnn_flash_te"}}
 _MINIMAL_WITH_CONTEXT = ("keep every projection's output and attention's output (context); Tessera's minimal keeps the "
                          "projections' outputs only: remat_policy=custom query_proj=device key_proj=device "
                          "value_proj=device context=device out_proj=device mlpwi_0=device mlpwi_1=device mlpwi=device "
