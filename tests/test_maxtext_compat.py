@@ -718,3 +718,16 @@ def test_maxtexts_cudnn_through_jax_is_tesseras_cudnn_attention(caplog):
     assert "attention=cudnn_flash_jax is MaxText's name for attention=cudnn_flash_te; using that" in caplog.text
     choice = select_attention(m, "gpu", 128, {}, device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
     assert choice.kernel == "cudnn"
+
+
+def test_maxtexts_implementation_switches_and_print_outs_are_accepted_without_effect(caplog):
+    """pure_nnx, enable_nnx, pure_nnx_decoder, log_config and debug_sharding are among the MaxText keys its docs and
+    test commands pass most (74 times for pure_nnx): each was an unknown key."""
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        load_config([BASE, "pure_nnx=true", "enable_nnx=False", "pure_nnx_decoder=1", "log_config=false",
+                     "debug_sharding=true"], env={})
+    assert "pure_nnx=true has no effect: MaxText builds its model in Flax Linen or NNX" in caplog.text
+    assert "debug_sharding=true has no effect: Tessera logs every parameter's shape and sharding" in caplog.text
+    with pytest.raises(ConfigError, match="log_config='yes please' is not allowed"):
+        load_config([BASE, "log_config=yes please"], env={})

@@ -77,6 +77,12 @@ ACCEPTED = {
     "allow_split_physical_axes": (("true", "false", "1", "0"),
                                   "Tessera always lets a mesh axis span part of a physical axis of the slice when "
                                   "the mesh needs it (as MaxText with true)"),
+    # MaxText's implementation switches and print-outs (its test commands pass them): the same model and run here
+    **{name: (("true", "false", "1", "0"), "MaxText builds its model in Flax Linen or NNX by these switches; Tessera's "
+              "one implementation is NNX") for name in ("enable_nnx", "pure_nnx", "pure_nnx_decoder")},
+    "log_config": (("true", "false", "1", "0"), "Tessera logs the keys that differ from base.yml at start-up and saves "
+                                                "the whole config in the run folder (config.yml)"),
+    "debug_sharding": (("true", "false", "1", "0"), "Tessera logs every parameter's shape and sharding at start-up"),
     # every MaxText GPU config sets 32: TransformerEngine's packed attention, and MaxText's grain packing, take at most
     # this many documents in a sequence; Tessera's cuDNN path hands packed batches to the reference attention
     "max_segments_per_seq": (COUNT, "Tessera's cuDNN attention runs packed batches (several documents in a sequence) "
