@@ -731,3 +731,18 @@ def test_maxtexts_implementation_switches_and_print_outs_are_accepted_without_ef
     assert "debug_sharding=true has no effect: Tessera logs every parameter's shape and sharding" in caplog.text
     with pytest.raises(ConfigError, match="log_config='yes please' is not allowed"):
         load_config([BASE, "log_config=yes please"], env={})
+
+
+def test_base_config_repeated_on_the_command_line_is_told_apart(tmp_path, caplog):
+    """MaxText's llama3.1 405B GPU recipe passes base_config=base.yml after its config file, which MaxText ignores:
+    it was an unknown key whose closest keys were base_mlp_dim and base_emb_dim."""
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        load_config([BASE, "base_config=base.yml"], env={})
+    assert "base_config=base.yml on the command line has no effect: base.yml is read already" in caplog.text
+    (tmp_path / "mine.yml").write_text("base_config: base.yml\nsteps: 7\n")
+    assert load_config([str(tmp_path / "mine.yml"), "base_config=base.yml"], env={}).run.steps == 7
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "base_config=mine.yml"], env={})
+    assert str(e.value) == ("base_config=mine.yml on the command line has no effect: a config file names its parent "
+                            "with a `base_config: <file>` line in it; give mine.yml as the first argument instead (the "
+                            "config file comes first)")

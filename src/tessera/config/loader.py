@@ -50,8 +50,10 @@ def load_config(argv: list[str], env: Mapping[str, str] | None = None) -> Config
     # (source, values), lowest precedence first; the model file goes second once model_name is known
     errors: list[str] = []  # every problem found, reported together (unknown keys, bad values, ...)
     files = config_files(base_path)  # the file and the files it inherits from (base_config), parents first
+    overrides = _parse_overrides(argv[1:])
+    _base_config_argument(overrides, [Path(source) for source, _ in files])
     layers = [(source, _check_known(values, source, errors)) for source, values in (
-        *files, ("the command line", _parse_overrides(argv[1:])), *_env_layers(env, errors))]
+        *files, ("the command line", overrides), *_env_layers(env, errors))]
     _refuse_placeholders(layers, errors)  # before model_name chooses a file
     model_name = _merge(layers).get("model_name", "default")
     if _is_placeholder(model_name):
@@ -84,6 +86,20 @@ def _check_first_argument(argv: list[str]) -> None:
     if re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]) and not is_file(Path(argv[0])):  # MaxText infers its file
         raise ConfigError(f"no config file given: the first argument, {argv[0]!r}, is a key=value; the config file "
                           f"comes first, e.g. `.venv/bin/python {program} configs/base.yml {' '.join(argv)}`")
+
+
+def _base_config_argument(overrides: dict[str, str], files: list[Path]) -> None:
+    """MaxText's llama3.1 405B GPU recipe repeats base_config=base.yml on the command line, where MaxText ignores
+    it: taken out of `overrides` (logged) when it names a file already read, `files`; a ConfigError otherwise."""
+    if "base_config" not in overrides:
+        return
+    named = overrides.pop("base_config")
+    if any(Path(named).name == f.name for f in files):
+        log.info("base_config=%s on the command line has no effect: %s is read already", named, named)
+        return
+    raise ConfigError(f"base_config={named} on the command line has no effect: a config file names its parent with "
+                      f"a `base_config: <file>` line in it; give {named} as the first argument instead (the config "
+                      "file comes first)")
 
 
 def _model_file(model_name: Any, folders: list[Path], layers: list, errors: list[str]) -> Path:
