@@ -11,7 +11,7 @@ repository's own `configs/models/` (so a copy of base.yml anywhere still finds e
 A config file may inherit from another with MaxText's `base_config: <file>` line (beside it,
 else in the repository's configs/): the parent's keys come first, the child's win.
 Path keys (marked `path=` in the schema) are made absolute against the working directory here,
-once (`resolve_paths`); URLs such as gs://... are kept.
+once (`paths.resolve_paths`); URLs such as gs://... are kept.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tessera.config.checks import validate
-from tessera.config.fields import HF_FILE_FORMATS
 from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
 from tessera.config.maxtext_model import IN_CONTEXT, check_in_context
+from tessera.config.paths import resolve_paths
 from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields, path_keys
 from tessera.config.values import coerce, unquoted
 from tessera.config.yaml_file import (config_files, is_file, is_run_config, model_folders,
@@ -290,50 +290,6 @@ def _build(flat: Mapping[str, Any], errors: list[str]) -> Config | None:
         return None
     errors.extend(check_in_context(in_context, cfg.model))
     return None if errors else cfg
-
-
-# --------------------------------------------------------------------------- paths
-
-
-def absolute_path(text: str) -> str:
-    """`text` made absolute against the working directory (`~` expanded, `..` folded); a URL
-    (anything with "://", e.g. gs://bucket/runs) and an empty value are kept as they are."""
-    if not text or "://" in text:
-        return text
-    return os.path.abspath(os.path.expanduser(text))
-
-
-# "gs:/bucket/x": a URL that lost a slash (two or more letters before the colon, so not a drive letter)
-_LOST_SLASH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/(?!/)")
-
-
-def _is_local(text: str) -> bool:
-    """hf_path names a local file or folder (not a format such as parquet, nor a Hub dataset)."""
-    if text in HF_FILE_FORMATS or "://" in text:
-        return False
-    return text.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(text))
-
-
-def resolve_paths(cfg: Config) -> None:
-    """Make every path key of `cfg` absolute, in place (see `PATH_KINDS` in fields.py): the one
-    place where relative paths are resolved, against the working directory of this process."""
-    fields = all_fields()
-    if not cfg.run.base_output_directory:  # MaxText's default, "": the working directory (checkpoints went to
-        cfg.run.base_output_directory = os.getcwd()  # /run_name/checkpoints, the other files to ./run_name)
-    for name, kind in path_keys().items():
-        section = getattr(cfg, fields[name][0])
-        value = getattr(section, name)
-        for text in value.split(",") if kind == "globs" else [value]:
-            if _LOST_SLASH.match(text.strip()):  # gs:/b/x would be the local folder ./gs:/b/x, written without a word
-                url = re.sub(r"^([^:]+):/+", r"\1://", text.strip())
-                raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "
-                                  f"the local folder {absolute_path(text.strip())}; write {url} (pathlib's "
-                                  "Path('gs://b/x') drops one slash)")
-        if kind == "globs":
-            value = ",".join(absolute_path(p.strip()) for p in value.split(",") if p.strip())
-        elif kind == "path" or _is_local(value):
-            value = absolute_path(value)
-        setattr(section, name, value)
 
 
 def _parse_overrides(args: list[str]) -> dict[str, str]:

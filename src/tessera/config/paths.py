@@ -1,0 +1,52 @@
+"""Path keys (marked `path=` in the schema, `PATH_KINDS` in fields.py): made absolute against the
+working directory once, when a config is built (`resolve_paths`); URLs such as gs://... are kept,
+and one that lost a slash after its scheme is refused."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from tessera.config.fields import HF_FILE_FORMATS
+from tessera.config.schema import Config, ConfigError, all_fields, path_keys
+
+
+def absolute_path(text: str) -> str:
+    """`text` made absolute against the working directory (`~` expanded, `..` folded); a URL
+    (anything with "://", e.g. gs://bucket/runs) and an empty value are kept as they are."""
+    if not text or "://" in text:
+        return text
+    return os.path.abspath(os.path.expanduser(text))
+
+
+# "gs:/bucket/x": a URL that lost a slash (two or more letters before the colon, so not a drive letter)
+_LOST_SLASH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/(?!/)")
+
+
+def _is_local(text: str) -> bool:
+    """hf_path names a local file or folder (not a format such as parquet, nor a Hub dataset)."""
+    if text in HF_FILE_FORMATS or "://" in text:
+        return False
+    return text.startswith(("/", "./", "../", "~")) or os.path.exists(os.path.expanduser(text))
+
+
+def resolve_paths(cfg: Config) -> None:
+    """Make every path key of `cfg` absolute, in place (see `PATH_KINDS` in fields.py): the one
+    place where relative paths are resolved, against the working directory of this process."""
+    fields = all_fields()
+    if not cfg.run.base_output_directory:  # MaxText's default, "": the working directory (checkpoints went to
+        cfg.run.base_output_directory = os.getcwd()  # /run_name/checkpoints, the other files to ./run_name)
+    for name, kind in path_keys().items():
+        section = getattr(cfg, fields[name][0])
+        value = getattr(section, name)
+        for text in value.split(",") if kind == "globs" else [value]:
+            if _LOST_SLASH.match(text.strip()):  # gs:/b/x would be the local folder ./gs:/b/x, written without a word
+                url = re.sub(r"^([^:]+):/+", r"\1://", text.strip())
+                raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "
+                                  f"the local folder {absolute_path(text.strip())}; write {url} (pathlib's "
+                                  "Path('gs://b/x') drops one slash)")
+        if kind == "globs":
+            value = ",".join(absolute_path(p.strip()) for p in value.split(",") if p.strip())
+        elif kind == "path" or _is_local(value):
+            value = absolute_path(value)
+        setattr(section, name, value)
