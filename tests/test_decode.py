@@ -633,6 +633,29 @@ def test_a_checkpoint_trained_with_other_model_keys_that_fit_is_loaded_with_a_wa
     assert "remat_policy" not in warning[0] and "use_iota_embed" not in warning[0], warning  # it warned of the latter
 
 
+def test_converted_parameters_read_with_other_model_keys_are_named(llama, tmp_path, capsys):
+    """Parameters hf-to-tessera wrote keep the config.json they came from (hf_source_config.json), and
+    no config item: decoding them with another rotary base (a converted Llama 3.1 read as llama3-8b,
+    the same shapes) ran silently as another model, and a width that does not fit was listed by
+    parameter path without the key. Both now name the key with the config.json's value."""
+    from tessera.tools.hf_checkpoint import save_params
+    from tessera.tools.hf_config_out import hf_config
+
+    _, params = llama
+    folder = tmp_path / "converted"
+    save_params(folder, params, source_config=hf_config(tiny_config(dtype="float32").model, 12))
+    args = [*CONFIG_ARGS, f"load_parameters_path={folder}", "--tokens", "1,2", "--max_new_tokens", "2"]
+    assert main(args) == 0
+    assert "other model keys" not in capsys.readouterr().err  # the keys it was converted with
+    assert main([*args, "rope_max_timescale=500000", "scan_layers=false"]) == 0
+    warning = [line for line in capsys.readouterr().err.splitlines() if "other model keys" in line]
+    assert len(warning) == 1 and ("converted from a config.json with other model keys: rope_max_timescale=10000 (here "
+                                  "500000). They fit, so they were loaded") in warning[0], warning
+    assert main([*args, "base_emb_dim=36"]) == 2
+    assert ("The config.json it was converted from (hf_source_config.json) differs in its model keys: base_emb_dim=24 "
+            "(here 36)") in capsys.readouterr().err
+
+
 def test_generated_ids_past_the_tokenizer_are_left_out_of_the_text(checkpoint, tmp_path, capsys):
     """vocab_size may pad the tokenizer's vocabulary (96 here, 32 tokens): a generated id past the
     tokenizer ended the run with a traceback from the tokenizer after all the work (SentencePiece

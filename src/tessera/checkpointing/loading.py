@@ -14,8 +14,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from tessera.checkpointing import checksums
-from tessera.checkpointing.storage import (CONFIG_FILE, INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError,
-                                           read_error, remote_exists, use_tidy_event_loops)
+from tessera.checkpointing.storage import (CONFIG_FILE, INCOMPLETE_MARKER, PYTREE_METADATA_FILE, SOURCE_CONFIG,
+                                           CheckpointError, read_error, remote_exists, use_tidy_event_loops)
 from tessera.checkpointing.trees import CheckpointMismatch, cast_summary, raise_on_mismatch, restacked
 
 log = logging.getLogger("tessera")
@@ -157,6 +157,38 @@ def saved_config(path: str) -> dict:
     return saved if isinstance(saved, dict) else {}
 
 
+# the model keys that set the parameters' sizes (check_same_model's); with global_parameter_scale they are multiplied
+_SIZE_KEYS = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers")
+
+
+def converted_model_keys(path: str, model_keys: Mapping[str, Any]) -> dict:
+    """For parameters hf-to-tessera wrote (no config item; the config.json they came from beside them,
+    SOURCE_CONFIG): the model keys that config.json describes, as the converter built and checked them
+    (`config_from_hf`), as a saved config holds them; {} for other checkpoints or an unreadable file. The
+    sizes are left out when `model_keys` scale them (global_parameter_scale): the shapes tell those apart."""
+    from tessera.config import build_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    p = epath.Path(path)
+    try:
+        keys = config_from_hf(json.loads((p / SOURCE_CONFIG).read_text()))
+        model = build_config(keys).model
+    except Exception:  # noqa: BLE001 - only a hint: a file written by hand, or one this version reads otherwise
+        return {}
+    skip = {"global_parameter_scale", *(_SIZE_KEYS if model_keys.get("global_parameter_scale", 1) != 1 else ())}
+    return json.loads(json.dumps({k: getattr(model, k) for k in keys if k not in skip}))
+
+
+def _described(path: str, model_keys: Mapping[str, Any]) -> tuple[dict, str]:
+    """(the model keys the checkpoint at `path` was made with, what says so): the config saved with a
+    training checkpoint, else the config.json a converted one came from; ({}, "") for neither."""
+    saved = saved_config(path)
+    if saved:
+        return saved, "the config saved with it"
+    converted = converted_model_keys(path, model_keys)
+    return converted, f"the config.json it was converted from ({SOURCE_CONFIG})" if converted else ""
+
+
 # Model keys that change how the projections or the KV cache compute, never the parameters saved: a mismatch is
 # not theirs to explain (a quantized training run's float checkpoint has the same arrays as any other)
 QUANTIZATION_KEYS = frozenset({"quantization", "quantize_kvcache", "kv_quant_axis", "kv_quant_dtype"})
@@ -171,10 +203,11 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str =
         yield
     except CheckpointMismatch as e:
         saved = saved_config(path)
+        described, source = _described(path, model_keys)
         now = json.loads(json.dumps(dict(model_keys)))  # as saved: lists, not tuples
-        differ = [f"{k}={json.dumps(saved[k])} (here {json.dumps(v)})" for k, v in now.items()
-                  if k in saved and saved[k] != v and k not in QUANTIZATION_KEYS]
-        lines = [f"The config saved with it differs in its model keys: {', '.join(differ)}"] if differ else []
+        differ = [f"{k}={json.dumps(described[k])} (here {json.dumps(v)})" for k, v in now.items()
+                  if k in described and described[k] != v and k not in QUANTIZATION_KEYS]
+        lines = [f"{source[0].upper()}{source[1:]} differs in its model keys: {', '.join(differ)}"] if differ else []
         saved_opt = saved.get("opt_type", "adamw")  # checkpoints from before opt_type were AdamW's
         if opt_type and saved and saved_opt != opt_type:
             switch = (f"checkpoint {path} was saved by opt_type={saved_opt} (here {opt_type}), whose state this "
@@ -231,13 +264,17 @@ IMPLEMENTATION_KEYS = frozenset({
 
 
 def warn_model_changes(path: str, model_keys: Mapping[str, Any]) -> None:
-    """After parameters were loaded from `path`: warn when the config saved with them differs in a
-    model key that changes what the model computes (not in IMPLEMENTATION_KEYS)."""
-    saved = saved_config(path)
+    """After parameters were loaded from `path`: warn when the config saved with them (or, for converted
+    parameters, the config.json they came from) differs in a model key that changes what the model
+    computes (not in IMPLEMENTATION_KEYS). A converted Llama 3.1 read with model_name=llama3-8b (the same
+    shapes, no rope scaling) or another rope_max_timescale was loaded without a word."""
+    saved, source = _described(path, model_keys)
     now = json.loads(json.dumps(dict(model_keys)))  # as saved: lists, not tuples
     differ = [f"{k}={json.dumps(saved[k])} (here {json.dumps(v)})" for k, v in now.items()
               if k in saved and saved[k] != v and k not in IMPLEMENTATION_KEYS]
     if differ:
-        log.warning("the parameters of %s were trained with other model keys: %s. They fit, so they were loaded, "
-                    "but the model computes something else than it was trained to; give the saved values unless "
-                    "the change is meant", path, ", ".join(differ))
+        made = "trained with" if source.startswith("the config saved") else "converted from a config.json with"
+        log.warning("the parameters of %s were %s other model keys: %s. They fit, so they were loaded, "
+                    "but the model computes something else than it was trained to; give the %s values unless "
+                    "the change is meant", path, made, ", ".join(differ),
+                    "saved" if made == "trained with" else "converted")

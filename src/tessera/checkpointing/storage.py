@@ -25,6 +25,9 @@ INCOMPLETE_MARKER = ".orbax-checkpoint-tmp"
 
 PYTREE_METADATA_FILE = "_METADATA"  # what Orbax writes in every complete PyTree item (the tree and its arrays)
 CONFIG_FILE = "metadata"  # the file of a step's `config` item (the run's flat config, JSON)
+# beside the parameters hf-to-tessera writes: the config.json they were converted from (tessera-to-hf reads its
+# max_position_embeddings back, the loads compare the model keys it describes; the checksum list covers it)
+SOURCE_CONFIG = "hf_source_config.json"
 
 
 class CheckpointError(Exception):

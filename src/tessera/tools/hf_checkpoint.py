@@ -19,6 +19,7 @@ import orbax.checkpoint as ocp
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from tessera.checkpointing.storage import SOURCE_CONFIG
 from tessera.config import Config, ConfigError
 from tessera.tools.hf_configs import HF_MULTIMODAL
 from tessera.tools.hf_layouts import Layout, Rule
@@ -236,9 +237,6 @@ def _allocated(path: Path, nbytes: int) -> Path:
     return path
 
 
-# beside the parameters hf-to-tessera writes: the config.json they were converted from (tessera-to-hf reads its
-# max_position_embeddings back; the loaders ignore the file, and the checksum list covers it)
-SOURCE_CONFIG = "hf_source_config.json"
 
 
 def save_params(out_dir: Path, params: dict, source_config: dict | None = None) -> None:
