@@ -317,6 +317,38 @@ def test_generation_stops_rows_at_eos(llama):
     assert stopped[0] == first
 
 
+def _stopped_at_first(tokens, stops):
+    """`tokens` cut after the first of `stops` among them."""
+    at = next((i for i, t in enumerate(tokens) if t in stops), len(tokens) - 1)
+    return tokens[:at + 1]
+
+
+def test_several_stop_tokens_stop_a_row_at_the_first_it_generates(checkpoint, capsys):
+    """A Llama 3 instruct model ends a turn with <|eot_id|> and a text with <|end_of_text|>: `generate`
+    takes a list of stop ids, and decode.py a repeated --eos_id. The second --eos_id replaced the first
+    without a word (only it stopped a row)."""
+    path, free = checkpoint
+    model_stops = [free[0][1], free[1][2]]  # the first row's second token, the second row's third
+    want = [_stopped_at_first(row, model_stops) for row in free]
+    assert want != [_stopped_at_first(row, model_stops[1:]) for row in free]  # the last one alone stops otherwise
+    from tessera.config import load_config
+    from tessera.decode import load_model
+    from tessera.mesh import create_mesh
+
+    cfg = load_config([*CONFIG_ARGS, f"load_parameters_path={path}"], env={})
+    mesh = create_mesh(cfg.mesh)
+    model, params, _ = load_model(cfg, mesh)
+    with jax.set_mesh(mesh):
+        assert generate(model, params, PROMPTS, NEW_TOKENS, eos_id=model_stops) == want
+        assert generate(model, params, PROMPTS, NEW_TOKENS, eos_id=np.array(model_stops)) == want
+    assert main([*CONFIG_ARGS, f"load_parameters_path={path}", *(f"--tokens={','.join(map(str, p))}" for p in PROMPTS),
+                 "--max_new_tokens", str(NEW_TOKENS), "--eos_id", str(model_stops[0]), "--eos_id",
+                 str(model_stops[1])]) == 0
+    assert [[int(t) for t in line.split()] for line in capsys.readouterr().out.splitlines()] == want
+    with pytest.raises(ValueError, match=re.escape("eos_id=96 is not a token id in [0, vocab_size=96)")):
+        generate(model, params, PROMPTS, NEW_TOKENS, eos_id=[1, 96])
+
+
 def test_generating_again_with_the_same_shapes_compiles_nothing(llama):
     """Programs are kept per model, prompt width, cache length and sampling settings (Decode.md): the
     empty KV cache was made by a new jitted lambda per call, compiled again at every `generate`."""

@@ -9,7 +9,7 @@ of different lengths are decoded together, left-padded: one call writes the prom
 KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 --temperature 0 (the default), else from softmax(logits / temperature) over the --top_k most
 likely tokens (0: all) and the fewest of them whose probabilities add up to --top_p (1: all). A
-row stops at the tokenizer's end-of-sequence token (or --eos_id).
+row stops at the tokenizer's end-of-sequence token (or at any --eos_id, a repeatable flag).
 
 Several processes (a TPU slice's hosts, a Slurm job, or NNODES / NODE_RANK / JAX_COORDINATOR_IP
 as for train.py) decode together: each loads its part of the parameters, all sample the same
@@ -246,9 +246,10 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
         raise ConfigError("decoding needs load_parameters_path=<checkpoint step folder> (e.g. "
                           "outputs/demo/checkpoints/100) and the model keys it was trained with")
     tokenizer, prompts = encode_prompts(cfg, flags)
-    if flags.eos_id is not None and flags.eos_id >= cfg.model.vocab_size:
-        raise ConfigError(f"--eos_id {flags.eos_id} is outside the model's vocabulary [0, vocab_size="
-                          f"{cfg.model.vocab_size}): no row would ever stop at it")
+    for stop in flags.eos_id or []:  # a second --eos_id replaced the first without a word: now both stop a row
+        if stop >= cfg.model.vocab_size:
+            raise ConfigError(f"--eos_id {stop} is outside the model's vocabulary [0, vocab_size="
+                              f"{cfg.model.vocab_size}): no row would ever stop at it")
     unused = [f"--{name} {value}" for name, value, default in (("top_k", flags.top_k, 0), ("top_p", flags.top_p, 1.0),
                                                                ("seed", flags.seed, 0)) if value != default]
     if flags.temperature == 0 and unused:  # they were ignored without a word
@@ -265,11 +266,11 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     if rows > len(prompts):
         log.info("decoding %d prompt(s) in %d rows: the mesh splits the batch and the KV cache %d ways over its "
                  "data, fsdp and expert axes", len(prompts), rows, batch_ways(mesh))
-    eos_id = flags.eos_id if flags.eos_id is not None else tokenizer.eos_id if tokenizer else None
+    eos_ids = flags.eos_id or ([tokenizer.eos_id] if tokenizer and tokenizer.eos_id is not None else [])
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         outputs = generate(model, params, prompts, flags.max_new_tokens, flags.temperature, flags.top_k,
-                           flags.seed, eos_id, prefill=program, top_p=flags.top_p)
+                           flags.seed, eos_ids or None, prefill=program, top_p=flags.top_p)
     seconds = time.perf_counter() - start
     count = sum(len(o) for o in outputs)
     log.info("generated %d tokens for %d prompt(s) in %.2f s (compilation included)", count, len(prompts), seconds)
@@ -284,7 +285,7 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
         if tokenizer is None:
             print(" ".join(map(str, new)), file=out or sys.stdout)
         else:  # prompt and continuation decoded together, so that the spacing between them is right
-            stop = 1 if new and new[-1] == eos_id else 0  # the token the row stopped at; an --eos_id such as "="
+            stop = 1 if new and new[-1] in eos_ids else 0  # the token the row stopped at; an --eos_id such as "="
             text = tokenizer.decode([t for t in prompt + new[:len(new) - stop]  # was also cut out of the prompt
                                      if t not in (tokenizer.bos_id, tokenizer.eos_id) and t < tokenizer.vocab_size])
             print(("\n" if i else "") + text, file=out or sys.stdout)

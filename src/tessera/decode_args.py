@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=".venv/bin/python -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
               "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S] "
-              "[--eos_id ID]\n"
+              "[--eos_id ID ...]\n"
               "       .venv/bin/python decode.py ... (the same)",
         description="Generate text from a checkpoint. key=value arguments build the config as for training: "
                     "give the model keys the checkpoint was trained with.",
@@ -84,8 +84,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens whose "
                         "probabilities add up to P (nucleus sampling; 1: all)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
-    parser.add_argument("--eos_id", type=int, default=None, help="stop a row at this token (default: the "
-                        "tokenizer's end-of-sequence token; none with --tokens)")
+    parser.add_argument("--eos_id", type=int, action="append", default=None, help="stop a row at this token; "
+                        "repeat for several stop tokens (default: the tokenizer's end-of-sequence token; none with "
+                        "--tokens)")
     return parser
 
 
@@ -103,9 +104,10 @@ def _check_values(parser: argparse.ArgumentParser, flags: argparse.Namespace) ->
     ) if not ok]
     if wrong:
         parser.error("; ".join(wrong))
-    if flags.eos_id is not None and flags.eos_id < 0:
-        parser.error(f"--eos_id {flags.eos_id} is not a token id (ids are >= 0); leave it out to stop at the "
-                     "tokenizer's end-of-sequence token")
+    for stop in flags.eos_id or []:
+        if stop < 0:
+            parser.error(f"--eos_id {stop} is not a token id (ids are >= 0); leave it out to stop at the "
+                         "tokenizer's end-of-sequence token")
 
 
 def _warn_other_tokenizer(path: str, tokenizer_path: str) -> None:

@@ -78,19 +78,30 @@ def check_sampling(temperature: float, top_k: int, top_p: float) -> None:
         raise ValueError("; ".join(wrong))
 
 
-def check_ids(prompts: list[list[int]], max_new_tokens: int, eos_id: int | None, vocab_size: int) -> None:
+def stop_ids(eos_id) -> list:
+    """`generate`'s eos_id as a list of stop tokens: None -> [], one id -> [it], several (a list, tuple or
+    1-D array: Llama 3's instruct models end a turn with <|eot_id|> and a text with <|end_of_text|>) -> them."""
+    if eos_id is None:
+        return []
+    if isinstance(eos_id, (list, tuple)) or (isinstance(eos_id, np.ndarray) and eos_id.ndim == 1):
+        return list(eos_id)
+    return [eos_id]
+
+
+def check_ids(prompts: list[list[int]], max_new_tokens: int, eos_id, vocab_size: int) -> None:
     """ValueError for what `generate` cannot decode: a token id outside [0, vocab_size) (-1 was read
     as the last token of the table and vocab_size or more gave nan logits, then token 0, without a
-    word), an eos_id no row can produce, a max_new_tokens that is not a whole number."""
+    word), an eos_id (or one of several) no row can produce, a max_new_tokens that is not a whole number."""
     for i, prompt in enumerate(prompts):
         bad = [t for t in prompt if not (_whole(t) and 0 <= t < vocab_size)]
         if bad:
             raise ValueError(f"prompt {i + 1} has token ids outside [0, vocab_size={vocab_size}): {bad[:5]}")
     if not _whole(max_new_tokens):
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
-    if eos_id is not None and not (_whole(eos_id) and 0 <= eos_id < vocab_size):
-        raise ValueError(f"eos_id={eos_id!r} is not a token id in [0, vocab_size={vocab_size}): no row would stop "
-                         "at it; give None to decode max_new_tokens tokens")
+    for stop in stop_ids(eos_id):
+        if not (_whole(stop) and 0 <= stop < vocab_size):
+            raise ValueError(f"eos_id={stop!r} is not a token id in [0, vocab_size={vocab_size}): no row would stop "
+                             "at it; give None to decode max_new_tokens tokens")
 
 
 def left_padded(prompts: list[list[int]], width: int = 0):
@@ -240,10 +251,10 @@ def prefill_program(model: ModelDef, params, prompts: list[list[int]], max_new_t
 
 
 def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None, return_logits: bool = False, prefill=None,
-             top_p: float = 1.0):
+             top_k: int = 0, seed: int = 0, eos_id: int | list[int] | None = None, return_logits: bool = False,
+             prefill=None, top_p: float = 1.0):
     """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
-    produces it. With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
+    produces it (eos_id may be a list of stop tokens: a row ends at the first it produces). With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
     row being the distribution the i-th new token was drawn from. `prefill`: the first call
     compiled already for these arguments (`prefill_program`).
 
@@ -262,7 +273,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     check_sampling(temperature, top_k, top_p)
     if not _whole(seed):  # 1.5 was a TypeError traceback from the key's bit operations; True was seed 1
         raise ValueError(f"seed={seed!r} must be a whole number (any int; taken modulo 2^64)")
-    lengths = np.array([len(p) for p in prompts], np.int32)
+    lengths, stops = np.array([len(p) for p in prompts], np.int32), stop_ids(eos_id)
     step = functools.partial(_jitted_decode_step(), model=model, temperature=temperature, top_k=top_k, top_p=top_p)
     width = prompt_width(prompts, model.attention_kernel)
     rows, length = cache_shape(prompts, max_new_tokens, batch_ways(jax.sharding.get_abstract_mesh()), width)
@@ -284,8 +295,8 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
         new_tokens.append(np.where(done, -1, token_b))  # -1: the row had already stopped
         if return_logits:
             new_logits.append(np.asarray(logits_bv))
-        if eos_id is not None:
-            done |= token_b == eos_id
+        if stops:
+            done |= np.isin(token_b, stops)
             if done.all():
                 break
         tokens_bt, positions_bt = token_b[:, None], (lengths + i)[:, None]
@@ -296,7 +307,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     return out, [np.stack(new_logits, axis=1)[row, :len(toks)] for row, toks in enumerate(out)]
 
 
-def _check_request(model: ModelDef, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None) -> None:
+def _check_request(model: ModelDef, prompts: list[list[int]], max_new_tokens: int, eos_id) -> None:
     """ValueError for prompts or a length `generate` cannot serve: none, an empty one, ids outside the
     vocabulary, or more positions than a model with a position table has."""
     from tessera.models import BLOCKS
