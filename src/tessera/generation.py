@@ -254,8 +254,8 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
              top_k: int = 0, seed: int = 0, eos_id: int | list[int] | None = None, return_logits: bool = False,
              prefill=None, top_p: float = 1.0):
     """The tokens generated for each prompt (prompt not included), ending at eos_id when a row
-    produces it (eos_id may be a list of stop tokens: a row ends at the first it produces). With `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th
-    row being the distribution the i-th new token was drawn from. `prefill`: the first call
+    produces it (eos_id may be a list of stop tokens: a row ends at the first it produces). With
+    `return_logits`, also each row's logits [n, V] (float32 numpy), the i-th row being the distribution the i-th new token was drawn from. `prefill`: the first call
     compiled already for these arguments (`prefill_program`).
 
     Under a mesh (`jax.set_mesh`) the batch of prompts is split over its batch axes (`batch_ways`),
