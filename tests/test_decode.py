@@ -1066,6 +1066,23 @@ def test_generate_refuses_token_ids_it_cannot_decode(llama):
     assert generate(model, params, np.array([[1, 95], [3, 4]]), 2) == generate(model, params, [[1, 95], [3, 4]], 2)
 
 
+def test_generate_names_prompts_and_lengths_of_the_wrong_type(llama):
+    """One prompt given as a flat list ([1, 2]), prompts=None, and a max_new_tokens of "5" or None were
+    TypeError tracebacks from deep inside `generate` ("'int' object is not iterable", "'<' not supported"),
+    where Decode.md promises a ValueError naming the argument."""
+    model, params = llama
+    for prompts, new, message in (
+        ([1, 2], 2, "prompts=[1, 2] is not a list of prompts, each a list of token ids: give one prompt as "
+                    "[[1, 2, 3]]"),
+        (np.array([1, 2]), 2, "is not a list of prompts"),
+        (None, 2, "prompts=None is not a list of prompts"),
+        ([[1, 2]], "5", "max_new_tokens='5' must be a whole number >= 1"),
+        ([[1, 2]], None, "max_new_tokens=None must be a whole number >= 1"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            generate(model, params, prompts, new)
+
+
 def test_logits_that_are_nan_are_an_error_not_token_0(llama, tmp_path, capsys):
     """Parameters holding NaN (or float16 activations past 65504) give NaN logits, from which greedy
     decoding and sampling gave token 0 at every step, printed with exit code 0."""

@@ -268,7 +268,7 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     from tessera.models.kv_cache import KVCache
     from tessera.seeds import prng_key
 
-    prompts = [list(p) for p in prompts]  # a 2-D numpy array of prompts was a traceback ('truth value of an array')
+    prompts = _as_prompts(prompts)  # a 2-D numpy array of prompts was a traceback ('truth value of an array')
     _check_request(model, prompts, max_new_tokens, eos_id)
     check_sampling(temperature, top_k, top_p)
     if not _whole(seed):  # 1.5 was a TypeError traceback from the key's bit operations; True was seed 1
@@ -307,11 +307,24 @@ def generate(model: ModelDef, params, prompts: list[list[int]], max_new_tokens: 
     return out, [np.stack(new_logits, axis=1)[row, :len(toks)] for row, toks in enumerate(out)]
 
 
+def _as_prompts(prompts) -> list[list]:
+    """`generate`'s prompts as a list of lists; ValueError for what is not a list of prompts (one prompt
+    given as [1, 2, 3], or None, was a TypeError traceback: "'int' object is not iterable")."""
+    try:
+        return [list(p) for p in prompts]
+    except TypeError:
+        raise ValueError(f"prompts={prompts!r:.60} is not a list of prompts, each a list of token ids: give one "
+                         "prompt as [[1, 2, 3]]") from None
+
+
 def _check_request(model: ModelDef, prompts: list[list[int]], max_new_tokens: int, eos_id) -> None:
     """ValueError for prompts or a length `generate` cannot serve: none, an empty one, ids outside the
-    vocabulary, or more positions than a model with a position table has."""
+    vocabulary, a max_new_tokens that is not a whole number >= 1 (a string or None was a TypeError
+    traceback), or more positions than a model with a position table has."""
     from tessera.models import BLOCKS
 
+    if not _whole(max_new_tokens):
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a whole number >= 1")
     if not prompts or any(len(p) == 0 for p in prompts) or max_new_tokens < 1:
         raise ValueError("give at least one prompt, each of at least one token, and max_new_tokens >= 1")
     check_ids(prompts, max_new_tokens, eos_id, model.cfg.vocab_size)
