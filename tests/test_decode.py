@@ -349,6 +349,19 @@ def test_several_stop_tokens_stop_a_row_at_the_first_it_generates(checkpoint, ca
         generate(model, params, PROMPTS, NEW_TOKENS, eos_id=[1, 96])
 
 
+def test_stop_tokens_given_as_one_list_are_told_to_repeat_the_flag(capsys):
+    """--eos_id 3,4 (as --tokens takes its ids) said only "invalid int value: '3,4'"."""
+    from tessera.decode_args import parse_args
+
+    for value, message in (("3,4", "argument --eos_id: '3,4': give each stop token as its own flag: --eos_id 3 "
+                                    "--eos_id 4"),
+                           ("x", "argument --eos_id: 'x' is not a token id (a whole number)")):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(["--tokens", "1", "--eos_id", value])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert parse_args(["--tokens", "1", "--eos_id", "3", "--eos_id", " 4"])[0].eos_id == [3, 4]
+
+
 def test_generating_again_with_the_same_shapes_compiles_nothing(llama):
     """Programs are kept per model, prompt width, cache length and sampling settings (Decode.md): the
     empty KV cache was made by a new jitted lambda per call, compiled again at every `generate`."""

@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--top_p", type=float, default=1.0, help="sample among the most likely tokens whose "
                         "probabilities add up to P (nucleus sampling; 1: all)")
     parser.add_argument("--seed", type=int, default=0, help="random seed of the sampling")
-    parser.add_argument("--eos_id", type=int, action="append", default=None, help="stop a row at this token; "
+    parser.add_argument("--eos_id", type=_stop_id, action="append", default=None, help="stop a row at this token; "
                         "repeat for several stop tokens (default: the tokenizer's end-of-sequence token; none with "
                         "--tokens)")
     return parser
@@ -159,6 +159,17 @@ def _joined_token_lists(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def _stop_id(text: str) -> int:
+    """One --eos_id; several given as `3,4` are named (argparse said only "invalid int value")."""
+    if re.fullmatch(r"[+-]?\d+", text.strip()):
+        return int(text)
+    ids = [t.strip() for t in text.split(",")]
+    if len(ids) > 1 and all(re.fullmatch(r"[+-]?\d+", t) for t in ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: give each stop token as its own flag: "
+                                          + " ".join(f"--eos_id {t}" for t in ids))
+    raise argparse.ArgumentTypeError(f"{text!r} is not a token id (a whole number)")
 
 
 def _token_ids(text: str) -> list[int]:
