@@ -123,6 +123,23 @@ def test_a_splash_prefill_decodes_as_full_recomputation(family):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_the_prefill_on_a_gpu_is_logged_as_the_reference_math_it_runs(caplog):
+    """On a GPU training picks cuDNN's fused attention, and decode.py logged "prefill attention:
+    attention=autoselected: cuDNN fused attention on gpu", while the prefill runs the reference math
+    (`Attention.attend_prompt` takes a fused kernel only for splash). The log now says what runs."""
+    from types import SimpleNamespace
+
+    from tessera.decode import _prefill_kernel
+
+    h100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3", compute_capability="9.0")
+    mesh = SimpleNamespace(devices=np.array([h100], dtype=object), shape={"data": 1, "fsdp": 1, "tensor": 1})
+    cfg = tiny_config(dtype="bfloat16", head_dim=64, base_emb_dim=256)
+    with caplog.at_level("INFO", logger="tessera"):
+        assert _prefill_kernel(cfg, mesh, dict(prompts=[[1, 2, 3]], max_new_tokens=2)) == "dot_product"
+    assert "prefill attention: the reference math, its queries in chunks (training's choice, attention=autoselected: " \
+           "cuDNN fused attention on gpu, is not used for the prefill" in caplog.text, caplog.text
+
+
 def test_mla_caches_the_compressed_latent():
     """MLA's cache holds, per token and layer, the latent (kv_lora_rank) and the shared rotary key
     (qk_rope_head_dim): 12 + 16 numbers here, not 2 x heads x head_dim of expanded keys and values."""

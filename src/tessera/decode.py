@@ -172,8 +172,15 @@ def _prefill_kernel(cfg: Config, mesh, decoding: dict | None) -> str:
     width = prompt_width(decoding["prompts"], "splash" if platform == "tpu" else "") if decoding else 0
     choice = select_attention(cfg.model, platform, width, dict(mesh.shape), device.device_kind,
                               str(getattr(device, "compute_capability", "")))
-    log.info("prefill attention: %s", choice.reason)
-    return choice.kernel
+    if choice.kernel.startswith("splash") or choice.kernel == "dot_product":
+        log.info("prefill attention: %s", choice.reason)
+        return choice.kernel
+    # cuDNN (a GPU's pick for training): the prefill runs the reference math (Attention.attend_prompt), and the log
+    # said "cuDNN fused attention on gpu"
+    log.info("prefill attention: the reference math, its queries in chunks (training's choice, %s, is not used for "
+             "the prefill: the prompts are left-padded, and JAX's cuDNN call has no segment ids to mask the padding)",
+             choice.reason)
+    return "dot_product"
 
 
 def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight_dtype: str):
