@@ -140,6 +140,24 @@ def test_the_prefill_on_a_gpu_is_logged_as_the_reference_math_it_runs(caplog):
            "cuDNN fused attention on gpu, is not used for the prefill" in caplog.text, caplog.text
 
 
+def test_the_prefill_of_llama4_chunked_layers_on_a_tpu_is_logged_as_the_reference_math(caplog):
+    """On a TPU the prefill runs splash attention, except in Llama 4's chunked layers (splash counts
+    chunks by index, and the prompts are left-padded): the log said splash for every layer."""
+    from types import SimpleNamespace
+
+    from tessera.decode import _prefill_kernel
+
+    v5e = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+    mesh = SimpleNamespace(devices=np.array([v5e], dtype=object), shape={"data": 1, "fsdp": 1, "tensor": 1})
+    for family, note in (("llama4", True), ("llama2 scanned", False)):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="tessera"):
+            assert _prefill_kernel(tiny_config(**FAMILIES[family], head_dim=128, base_emb_dim=256), mesh,
+                                   dict(prompts=[[1, 2, 3]], max_new_tokens=2)) == "splash"
+        assert "Pallas splash attention on TPU" in caplog.text
+        assert ("; Llama 4's chunked layers: the reference math, its queries in chunks" in caplog.text) == note
+
+
 def test_mla_caches_the_compressed_latent():
     """MLA's cache holds, per token and layer, the latent (kv_lora_rank) and the shared rotary key
     (qk_rope_head_dim): 12 + 16 numbers here, not 2 x heads x head_dim of expanded keys and values."""

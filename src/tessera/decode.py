@@ -173,7 +173,10 @@ def _prefill_kernel(cfg: Config, mesh, decoding: dict | None) -> str:
     choice = select_attention(cfg.model, platform, width, dict(mesh.shape), device.device_kind,
                               str(getattr(device, "compute_capability", "")))
     if choice.kernel.startswith("splash") or choice.kernel == "dot_product":
-        log.info("prefill attention: %s", choice.reason)
+        chunked = choice.kernel.startswith("splash") and cfg.model.chunk_attn_window_size and \
+            cfg.model.decoder_block == "llama4"  # (splash counts chunks by index; the prompts are left-padded)
+        log.info("prefill attention: %s%s", choice.reason, "; Llama 4's chunked layers: the reference math, its "
+                 "queries in chunks" if chunked else "")
         return choice.kernel
     # cuDNN (a GPU's pick for training): the prefill runs the reference math (Attention.attend_prompt), and the log
     # said "cuDNN fused attention on gpu"
