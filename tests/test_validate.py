@@ -6,6 +6,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -956,6 +957,49 @@ def test_a_signal_before_the_nodes_start_is_one_line(signum, monkeypatch, capsys
     monkeypatch.setattr(validate, "check_train_keys", signalled)
     assert main([CPU, "--gpu", "cpu", "--dry-run"]) == 128 + signum
     assert capsys.readouterr().err.strip() == f"stopped by {signal.Signals(signum).name} (no node was running)"
+
+
+def _hang_up_when_ready(log: Path, ignore: bool, monkeypatch):
+    """A node that says `ready`, then sleeps (20 s, or 1 s with `ignore`; SIGTERM: exit 143), and SIGHUP to this
+    process once it is ready. The SIGHUP handler it sets, a list of the signals it heard (SIG_IGN with `ignore`,
+    as under nohup), stands where the suite sets none. Returns that list and the handler it replaced."""
+    node = [sys.executable, "-c", "import signal, sys, time\nsignal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+            "print('ready', flush=True)\ntime.sleep(20 if len(sys.argv) < 2 else 1)", *(["short"] if ignore else [])]
+    monkeypatch.setattr(validate, "node_commands", lambda *a: [("local", node, {})])
+    heard: list[int] = []
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN if ignore else lambda s, f: heard.append(s))
+
+    def hang_up():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (log.exists() and "ready" in log.read_text()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGHUP)
+
+    threading.Thread(target=hang_up, daemon=True).start()
+    return heard, previous
+
+
+@pytest.mark.parametrize("ignored", [False, True], ids=["terminal_closed", "nohup"])
+def test_sighup_to_the_suite_stops_its_nodes_unless_ignored(ignored, tmp_path, monkeypatch, capsys):
+    """SIGHUP (the terminal or the ssh session the suite ran in closed) ended the suite alone (129) and left every
+    local trainer running without a parent, holding its devices, with no validation.json. It is passed on as
+    SIGTERM (the trainers save and stop) and the suite exits 129 with a failed result; under nohup, which
+    ignores SIGHUP, the run goes on."""
+    heard, previous = _hang_up_when_ready(tmp_path / "logs" / "node0.log", ignored, monkeypatch)
+    try:
+        code = main([CPU, "--gpu", "cpu", "--out", str(tmp_path)])
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+    out, err = capsys.readouterr()
+    result = json.loads((tmp_path / "validation.json").read_text())
+    if ignored:  # the node slept its second and exited 0; no report.json, so the run fails, but not by the signal
+        assert code == 1 and "SIGHUP" not in err and "training finished" in out
+        assert result["checks"][0]["measured"] == "[0]"
+        return
+    assert code == 129 and not heard, err
+    assert "SIGHUP received: passed on as SIGTERM to the 1 running node(s)" in err
+    assert err.rstrip().endswith(f"stopped by SIGHUP: every node has exited; node logs in {tmp_path / 'logs'}")
+    assert result["passed"] is False and result["checks"][0]["measured"] == "stopped by SIGHUP"
 
 
 def test_a_log_dir_under_the_home_is_not_a_folder_named_tilde(tmp_path, monkeypatch, capsys):

@@ -22,7 +22,8 @@ unusable (placeholders left, bad structure) or the output folder cannot be writt
 of stdout went away (`| head`; the nodes are stopped first), 124 the
 nodes ran longer than --timeout (they were stopped: SIGTERM, then SIGKILL), 130 Ctrl-C
 and 143 SIGTERM (passed on to every node, which saves a checkpoint and stops; their logs say
-where; the suite returns once they have exited, its validation.json/.xml saying the run was stopped).
+where; the suite returns once they have exited, its validation.json/.xml saying the run was stopped),
+129 SIGHUP (the terminal or ssh session closed; passed on as SIGTERM; under `nohup` it is ignored).
 """
 
 from __future__ import annotations
@@ -225,11 +226,14 @@ def _run(args: argparse.Namespace) -> int:
         fix = "choose another --out" if out else "set config.log_dir in the file, or give --out"
         print(f"error: cannot write node logs under {out_dir}: {e.strerror or e}; {fix}", file=sys.stderr)
         return 2
-    except NodesStopped as stopped:  # SIGTERM or Ctrl-C: the nodes were given it and have exited
+    except NodesStopped as stopped:  # SIGTERM, Ctrl-C or SIGHUP: the nodes were given it and have exited
         rows = check(plan, None, [])  # validation.json/.xml say the run did not finish, for CI dashboards
         rows[0]["measured"] = f"stopped by {stopped}"
         save_results(rows, plan, out_dir, time.time() - start)
-        print(f"stopped by {stopped}: every node has exited; node logs in {out_dir / 'logs'}", file=sys.stderr)
+        try:
+            print(f"stopped by {stopped}: every node has exited; node logs in {out_dir / 'logs'}", file=sys.stderr)
+        except OSError:  # SIGHUP: the terminal is gone
+            pass
         return 128 + stopped.signum
     except NodesTimedOut as e:  # the nodes were stopped: whatever they measured is not the whole run's
         timed_out, codes = e, e.codes

@@ -154,7 +154,7 @@ def node_commands(plan: Plan, nodes: list[str], run_name: str, engine: str | Non
 
 
 class NodesStopped(Exception):
-    """SIGTERM or SIGINT reached the suite: every node was given it and has exited."""
+    """SIGTERM, SIGINT or SIGHUP reached the suite: every node was given it (SIGHUP as SIGTERM) and has exited."""
 
     def __init__(self, signum: int):
         super().__init__(signal.Signals(signum).name)
@@ -170,8 +170,8 @@ class NodesTimedOut(Exception):
 
 
 class _RunningNodes:
-    """The nodes' processes and logs, and the signals passed on to them: by `forward` (SIGTERM or
-    SIGINT to the suite) and by the `--timeout` watcher, which may both write to an ssh relay."""
+    """The nodes' processes and logs, and the signals passed on to them: by `forward` (SIGTERM, SIGINT
+    or SIGHUP to the suite) and by the `--timeout` watcher, which may both write to an ssh relay."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
@@ -214,11 +214,19 @@ class _RunningNodes:
         return len(running)
 
     def forward(self, signum, frame) -> None:
+        """SIGTERM or SIGINT to the suite, passed on to every node; SIGHUP (the terminal or the ssh session of
+        the suite closed) as SIGTERM, which a trainer saves and stops on. Sent before anything is printed: after
+        a hang-up, writing to the terminal fails."""
         self.received.append(signum)
-        print(f"{signal.Signals(signum).name} received: passed on to the {len(self.running())} running node(s), "
-              "which save and stop (a second signal stops them at once); waiting for them",
-              file=sys.stderr, flush=True)
-        self.send(signum)
+        passed = signal.SIGTERM if signum == signal.SIGHUP else signum
+        count = self.send(passed)
+        as_what = "" if passed == signum else f" as {signal.Signals(passed).name}"
+        try:
+            print(f"{signal.Signals(signum).name} received: passed on{as_what} to the {count} running node(s), "
+                  "which save and stop (a second signal stops them at once); waiting for them",
+                  file=sys.stderr, flush=True)
+        except OSError:  # a terminal that hung up
+            pass
 
     def stop_at_timeout(self) -> None:
         if self.done.wait(self.timeout):
@@ -266,14 +274,18 @@ class _RunningNodes:
 def run_nodes(commands, log_dir: Path, steps: str, timeout: float = 0.0) -> list[int]:
     """Start every node's command, stream each to its own log file, wait for all. The nodes run in
     sessions of their own, and SIGTERM or SIGINT (Ctrl-C) to the suite is passed on to each of them
-    once (a trainer saves and stops; a second signal stops it at once): a scheduler's SIGTERM to the
+    once, SIGHUP as SIGTERM unless it is ignored (a trainer saves and stops; a second signal stops it at
+    once): a scheduler's SIGTERM to the
     suite alone left its trainers running without a parent, and a signal to the whole process group
     reached every trainer twice. Once they have exited, NodesStopped. With `timeout` > 0, nodes still
     running that many seconds after the start get SIGTERM, then SIGKILL KILL_AFTER_SECONDS later
     (a hung node blocked the suite forever); once they have exited, NodesTimedOut."""
     log_dir.mkdir(parents=True, exist_ok=True)
     nodes = _RunningNodes(timeout)
-    previous = {s: signal.signal(s, nodes.forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    # SIGHUP too (a closed terminal or ssh session): it ended the suite alone and left every local trainer
+    # running without it; one ignored (`nohup`) stays ignored, so that the run outlives the session
+    stops = [signal.SIGTERM, signal.SIGINT] + [signal.SIGHUP] * (signal.getsignal(signal.SIGHUP) != signal.SIG_IGN)
+    previous = {s: signal.signal(s, nodes.forward) for s in stops}
     try:
         for rank, (host, argv, env) in enumerate(commands):
             nodes.start(rank, host, argv, env, log_dir / f"node{rank}.log")
