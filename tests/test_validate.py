@@ -331,6 +331,36 @@ def test_optimization_level_and_pgle_are_reported(tmp_path, capsys):
     assert "optimization_level=O1" in out.splitlines()[-1]  # passed to train.py as a key
 
 
+def test_nodes_run_here_keep_this_environments_xla_flags_and_its_tuning_is_reported(tmp_path, monkeypatch, capsys):
+    """A node started here runs with the suite's environment under the file's. Any xla_flags in the file replaced
+    this environment's XLA_FLAGS whole (--xla_force_host_platform_device_count=4: the run had 1 device, not 4),
+    where a file without one kept them all; and the gpu tuning line (validation.json's gpu_tuning) said
+    "xla_python_client_mem_fraction=default (0.75)" for a run that used XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 from
+    here. Over ssh and in a container only the file's environment is passed on, as before."""
+    data = json.loads(Path(CPU).read_text())
+    del data["config"]["xla_python_client_mem_fraction"]
+    data["model_params"]["single_node"]["default"]["cpu"]["xla_flags"] = {"xla_cpu_enable_fast_math": "false"}
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    plan = build_plan(load(str(path)), *select(load(str(path)), False, None, "cpu"))
+    both = "--xla_force_host_platform_device_count=4 --xla_cpu_enable_fast_math=false"  # the file's last: it wins
+    assert node_commands(plan, [], "r", engine=None)[0][2]["XLA_FLAGS"] == both
+    assert node_commands(plan, ["h1"], "r", engine=None)[0][2]["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
+    plan.container["container_image"] = "img"
+    assert node_commands(plan, [], "r", engine="docker")[0][2]["XLA_FLAGS"] == "--xla_cpu_enable_fast_math=false"
+    seen = []
+    monkeypatch.setattr(validate, "run_nodes", lambda commands, *a, **k: seen.append(commands[0][2]) or [0])
+    assert main([str(path), "--gpu", "cpu", "--out", str(tmp_path / "out")]) == 1  # no report.json: no measurements
+    assert seen[0]["XLA_FLAGS"] == both
+    assert json.loads((tmp_path / "out" / "validation.json").read_text())["gpu_tuning"][
+        "xla_python_client_mem_fraction"] == "0.9"
+    assert capsys.readouterr().out.count("xla_python_client_mem_fraction=0.9") == 2  # before the run and with the table
+    assert main([str(path), "--gpu", "cpu", "--nodes", "h1", "--dry-run"]) == 0  # a remote host's is not this one's
+    assert "xla_python_client_mem_fraction=default (0.75)" in capsys.readouterr().out
+
+
 def test_a_bad_gpu_setting_stops_the_suite(tmp_path, capsys):
     assert main([_tuned(tmp_path, xla_python_client_mem_fraction="1.5"), "--gpu", "cpu", "--dry-run"]) == 2
     assert "xla_python_client_mem_fraction=1.5 must be in (0, 1]" in capsys.readouterr().err

@@ -41,10 +41,11 @@ from xml.sax.saxutils import escape
 from tessera.config.schema import all_fields
 from tessera.tools.cli import UsageError, resolve_path
 from tessera.tools.cli_signals import sigterm_raises
-from tessera.tools.validate_file import METRICS, Plan, build_plan, check_train_keys, quantization_line, tuning_line
+from tessera.tools.validate_file import (METRICS, Plan, build_plan, check_train_keys, gpu_tuning, quantization_line,
+                                         tuning_line)
 from tessera.tools.validate_json import ValidationInputError, load, select
 from tessera.tools.validate_nodes import (KILL_AFTER_SECONDS, REPO, NodesStopped, NodesTimedOut, container_engine,
-                                          node_commands, node_setting_lines, run_nodes)
+                                          node_commands, node_setting_lines, run_nodes, with_local_xla_flags)
 
 EXIT_TIMEOUT = 124  # --timeout stopped the nodes (as GNU timeout's)
 
@@ -184,22 +185,32 @@ def _plan_run(args: argparse.Namespace):
     return nodes, out, plan, run_name
 
 
+def _announce(plan: Plan, nodes: list[str]) -> str | None:
+    """Prints the keys left out, the node settings replaced, the container engine used and the GPU tuning the run
+    uses; returns the engine (None: the nodes run directly)."""
+    for key, why in sorted(plan.ignored.items()):
+        print(f"ignored {key}: {why}")
+    for line in node_setting_lines(plan, nodes):
+        print(line)
+    engine = container_engine() if plan.container.get("container_image") else None  # no image: none is asked
+    if plan.container.get("container_image") and not engine:
+        print(f"no container engine answers here: running directly, not in {plan.container['container_image']}")
+    if not nodes and not engine:  # the nodes run with this environment under the file's: the tuning line said
+        # "xla_python_client_mem_fraction=default (0.75)" where XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 here was used
+        plan.tuning = gpu_tuning(plan.overrides, {**os.environ, **with_local_xla_flags(plan.env)})
+    print(tuning_line(plan))
+    if quantization_line(plan):
+        print(quantization_line(plan))
+    return engine
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         nodes, out, plan, run_name = _plan_run(args)
     except (ValidationInputError, UsageError) as e:
         print(f"{'validation file ' if isinstance(e, ValidationInputError) else ''}error: {e}", file=sys.stderr)
         return 2
-    for key, why in sorted(plan.ignored.items()):
-        print(f"ignored {key}: {why}")
-    for line in node_setting_lines(plan, nodes):
-        print(line)
-    print(tuning_line(plan))
-    if quantization_line(plan):
-        print(quantization_line(plan))
-    engine = container_engine() if plan.container.get("container_image") else None  # no image: none is asked
-    if plan.container.get("container_image") and not engine:
-        print(f"no container engine answers here: running directly, not in {plan.container['container_image']}")
+    engine = _announce(plan, nodes)
     commands = node_commands(plan, nodes, run_name, engine)
     if args.dry_run:
         for rank, (host, cmd, env) in enumerate(commands):

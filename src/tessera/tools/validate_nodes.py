@@ -41,6 +41,18 @@ def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str) -> dict[str, 
     return env
 
 
+def with_local_xla_flags(env: dict[str, str]) -> dict[str, str]:
+    """`env` for a node started here, not in a container, which runs with this process's environment under the
+    file's: this process's XLA_FLAGS (fake CPU devices, an operator's flag) go before the file's, which win
+    where a flag repeats (XLA reads the last). The file's replaced them whole, so any xla_flags in the file
+    took away, say, --xla_force_host_platform_device_count=4 (the run had 1 device, not 4); without one,
+    every flag here applied."""
+    here = os.environ.get("XLA_FLAGS", "").strip()
+    if not here or "XLA_FLAGS" not in env or env["XLA_FLAGS"].strip() == here:
+        return env
+    return {**env, "XLA_FLAGS": f"{here} {env['XLA_FLAGS']}".strip()}
+
+
 def node_setting_lines(plan: Plan, nodes: list[str]) -> list[str]:
     """What the suite prints about the file's node settings it does not use as written: those `--nodes`
     replaces, and the env_dict's job layout a one-node run leaves out (see node_env)."""
@@ -141,12 +153,15 @@ def node_commands(plan: Plan, nodes: list[str], run_name: str, engine: str | Non
     """(host, argv, env) per node; host 'local' runs here. Every node runs this interpreter (sys.executable)."""
     hosts = nodes or ["local"] * max(plan.nnodes, 1)
     coordinator = coordinator_host(nodes) if nodes else plan.coordinator
+    in_container = bool(engine and plan.container.get("container_image"))
     out = []
     for rank, host in enumerate(hosts):
         env = node_env(plan, rank, len(hosts), coordinator)
         argv = train_argv(plan, run_name)
-        if engine and plan.container.get("container_image"):
+        if in_container:
             argv = wrap_in_container(engine, plan, env, argv)
+        elif host == "local":
+            env = with_local_xla_flags(env)
         if host != "local":
             argv = over_ssh(host, env, argv)
         out.append((host, argv, env))
