@@ -480,6 +480,26 @@ def test_nodes_says_which_settings_of_the_file_it_replaces(tmp_path, capsys):
         out.split("one node:")[1].split("\n", 1)[1]
 
 
+def test_without_nodes_the_files_own_node_settings_that_replace_env_dicts_are_said(tmp_path, capsys):
+    """Run here with config.nnodes=2, the env_dict's NNODES=1 and JAX_COORDINATOR_IP=10.1.1.1 were replaced by
+    config's 2 and localhost without a word (every key is used or said not to be)."""
+    data = json.loads(open(CPU).read())
+    data["config"]["nnodes"] = "2"
+    data["config"]["container_config"]["env_dict"].update(NNODES="1", JAX_COORDINATOR_IP="10.1.1.1")
+    path = tmp_path / "nodes.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "config.nnodes=2 replaces config.container_config.env_dict.NNODES=1\n" in out
+    assert "config.coordinator_ip=localhost replaces config.container_config.env_dict.JAX_COORDINATOR_IP=10.1.1.1\n" \
+        in out
+    assert "export NNODES=2" in out and "export JAX_COORDINATOR_IP=localhost" in out
+    data["config"]["container_config"]["env_dict"].update(NNODES="2", JAX_COORDINATOR_IP="localhost")  # the same
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
+    assert " replaces " not in capsys.readouterr().out
+
+
 def test_nodes_with_spaces_name_the_hosts_without_them(capsys):
     """`--nodes "n1, n2"` made the second host ' n2' (ssh could not resolve it); `--nodes "n1 n2"` one host."""
     assert main([CPU, "--gpu", "cpu", "--dry-run", "--nodes", "n1, n2"]) == 0

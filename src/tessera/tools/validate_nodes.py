@@ -55,12 +55,20 @@ def with_local_xla_flags(env: dict[str, str]) -> dict[str, str]:
 
 def node_setting_lines(plan: Plan, nodes: list[str]) -> list[str]:
     """What the suite prints about the file's node settings it does not use as written: those `--nodes`
-    replaces, and the env_dict's job layout a one-node run leaves out (see node_env)."""
+    replaces, the env_dict's job layout a one-node run leaves out (see node_env), and without --nodes the
+    env_dict's NNODES and JAX_COORDINATOR_IP that config.nnodes and coordinator_ip replace (without a word
+    before)."""
     lines = replaced_by_nodes(plan, nodes)
     if len(nodes or ["local"] * max(plan.nnodes, 1)) == 1 and (unused := [f"{k}={plan.env[k]}" for k in JOB_KEYS
                                                                           if k in plan.env]):
         lines.append(f"one node: config.container_config.env_dict {', '.join(unused)} not passed on (a one-node "
                      "run joins no job)")
+    elif not nodes:  # config's node count and coordinator set every node's variables, over env_dict's
+        for variable, key, used in (("NNODES", "nnodes", str(plan.nnodes)),
+                                    ("JAX_COORDINATOR_IP", "coordinator_ip", plan.coordinator)):
+            if variable in plan.env and plan.env[variable].strip() != used:
+                lines.append(f"config.{key}={used} replaces config.container_config.env_dict.{variable}="
+                             f"{plan.env[variable]}")
     return lines
 
 
