@@ -361,6 +361,47 @@ def test_nodes_run_here_keep_this_environments_xla_flags_and_its_tuning_is_repor
     assert "xla_python_client_mem_fraction=default (0.75)" in capsys.readouterr().out
 
 
+def test_train_variables_of_this_environment_do_not_reach_the_nodes_run_here(tmp_path, monkeypatch, capsys):
+    """train.py reads M_<KEY> over its command line: an M_STEPS=5 left in the shell ran 5 steps where the file
+    said 8, without a word, and an M_RUN_NAME put report.json where the suite did not look (the run failed with
+    "run the suite on the first host of --nodes", with no --nodes). They are not passed on to a node started here
+    (the file's env_dict may set one), and a line says so."""
+    data = json.loads(Path(CPU).read_text())
+    data["config"]["container_config"]["env_dict"]["M_LOG_PERIOD"] = "2"  # the file's own: passed on
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    monkeypatch.setenv("M_STEPS", "5")
+    monkeypatch.setenv("M_RUN_NAME", "elsewhere")
+    monkeypatch.setenv("M_LOG_PERIOD", "3")
+    monkeypatch.setenv("M_NOT_A_KEY", "x")  # not train.py's
+    node = [sys.executable, "-c", "import json, os; print(json.dumps({k: v for k, v in os.environ.items() "
+            "if k.startswith('M_')}))"]
+    monkeypatch.setattr(validate, "node_commands", lambda *a: [("local", node, a[0].env)])
+    assert main([str(path), "--gpu", "cpu", "--out", str(tmp_path / "out")]) == 1  # no report.json: no measurements
+    assert json.loads((tmp_path / "out" / "logs" / "node0.log").read_text()) == {"M_LOG_PERIOD": "2",
+                                                                                 "M_NOT_A_KEY": "x"}
+    assert ("not passed on from this environment: M_RUN_NAME=elsewhere, M_STEPS=5 (train.py would read them over "
+            "the file's train keys; set train keys in model_params.single_node.default.cpu)") in capsys.readouterr().out
+
+
+def test_a_run_folder_variable_in_env_dict_is_refused_and_a_local_missing_report_says_where_to_look(
+        tmp_path, monkeypatch, capsys):
+    """env_dict's M_RUN_NAME (or M_BASE_OUTPUT_DIRECTORY) moved node 0's report.json away from the folder the suite
+    reads; the run failed telling a run without --nodes to "run the suite on the first host of --nodes"."""
+    data = json.loads(Path(CPU).read_text())
+    data["config"]["container_config"]["env_dict"]["M_RUN_NAME"] = "mine"
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 2
+    assert ("validation file error: config.container_config.env_dict.M_RUN_NAME=mine would move the run's folder, "
+            "where the suite reads node 0's report.json") in capsys.readouterr().err
+    monkeypatch.setattr(validate, "run_nodes", lambda commands, log_dir, steps, timeout=0.0: [0])
+    assert main([CPU, "--gpu", "cpu", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert f"the line 'run <name> -> <folder>' of {tmp_path / 'out' / 'logs' / 'node0.log'} says where node 0" in err
+    assert "--nodes" not in err
+
+
 def test_a_bad_gpu_setting_stops_the_suite(tmp_path, capsys):
     assert main([_tuned(tmp_path, xla_python_client_mem_fraction="1.5"), "--gpu", "cpu", "--dry-run"]) == 2
     assert "xla_python_client_mem_fraction=1.5 must be in (0, 1]" in capsys.readouterr().err

@@ -45,7 +45,8 @@ from tessera.tools.validate_file import (METRICS, Plan, build_plan, check_train_
                                          tuning_line)
 from tessera.tools.validate_json import ValidationInputError, load, select
 from tessera.tools.validate_nodes import (KILL_AFTER_SECONDS, REPO, NodesStopped, NodesTimedOut, container_engine,
-                                          node_commands, node_setting_lines, run_nodes, with_local_xla_flags)
+                                          environment_here, node_commands, node_setting_lines, run_nodes,
+                                          with_local_xla_flags)
 
 EXIT_TIMEOUT = 124  # --timeout stopped the nodes (as GNU timeout's)
 
@@ -181,7 +182,7 @@ def _plan_run(args: argparse.Namespace):
     # the pid: two suites started in the same second (a CI matrix) shared one run folder; one trainer was
     # refused and its suite reported the other's measurements
     run_name = f"validate_{Path(path).stem}_{time.strftime('%Y%m%d_%H%M%S')}_{os.getpid()}"
-    check_train_keys(plan, run_name, plan.env if nodes else {**os.environ, **plan.env})
+    check_train_keys(plan, run_name, plan.env if nodes else {**environment_here(), **plan.env})
     return nodes, out, plan, run_name
 
 
@@ -266,10 +267,14 @@ def _report(plan, nodes, codes, timed_out, run_dir: Path, out_dir: Path, seconds
     print(tuning_line(plan))
     print_table(rows)
     if report is None and codes and all(c == 0 for c in codes) and not timed_out:
-        remote = f" on {nodes[0]}, where node 0 ran" if nodes else ""
-        print(f"every node exited with code 0 but there is no {report_path} here: node 0 writes it{remote}; run "
-              "the suite on the first host of --nodes, or set config.log_dir to a folder all hosts share",
-              file=sys.stderr)
+        if nodes:
+            fix = (f"node 0 writes it on {nodes[0]}, where node 0 ran; run the suite on the first host of --nodes, or "
+                   "set config.log_dir to a folder all hosts share")
+        else:  # "run the suite on the first host of --nodes" for a run without --nodes
+            fix = (f"the line 'run <name> -> <folder>' of {out_dir / 'logs' / 'node0.log'} says where node 0 wrote its "
+                   "run" + ("; a container must mount config.log_dir at the same path (volume_dict)"
+                            if plan.container.get("container_image") else ""))
+        print(f"every node exited with code 0 but there is no {report_path} here: {fix}", file=sys.stderr)
     for rank, code in enumerate(codes):
         if code != 0:  # the trainer's last words say why (a config error, a crash, a signal)
             log_file = out_dir / "logs" / f"node{rank}.log"

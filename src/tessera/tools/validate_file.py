@@ -95,6 +95,7 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     container = dict(section(config.pop("container_config", {}), "config.container_config"))
     env = {k: _text(v, f"config.container_config.env_dict.{k}")
            for k, v in section(container.pop("env_dict", {}), "config.container_config.env_dict").items()}
+    _refuse_run_folder_variables(env)
     ignored = _container_settings(container)
     flags = section(entry.get("xla_flags", {}), f"model_params.{name}.xla_flags")
     xla_flags = [f"--{k}={_text(v, f'model_params.{name}.xla_flags.{k}')}" for k, v in flags.items()]
@@ -199,6 +200,17 @@ def _read_entry_key(r: _Reading, key: str, value: Any, entry: dict, from_config:
                                                                                if REFUSED[key].off else ""))
     else:
         r.ignored[key] = IGNORED_WHY.get(key) or _maxtext_why(key)
+
+
+def _refuse_run_folder_variables(env: dict[str, str]) -> None:
+    """env_dict's M_RUN_NAME or M_BASE_OUTPUT_DIRECTORY, which train.py reads over the run folder the suite gives
+    it: node 0's report.json went elsewhere, and the run failed saying every node exited with code 0."""
+    for variable in ("M_RUN_NAME", "M_BASE_OUTPUT_DIRECTORY"):
+        if variable in env:
+            raise ValidationInputError(
+                f"config.container_config.env_dict.{variable}={env[variable]} would move the run's folder, where the "
+                "suite reads node 0's report.json (config.log_dir/validate_<file>_<date>_<time>_<pid>); remove it "
+                "(set config.log_dir for the folder's place)")
 
 
 def _container_settings(container: dict) -> dict[str, str]:

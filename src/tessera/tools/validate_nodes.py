@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tessera.config.maxtext import maxtext_keys
+from tessera.config.schema import all_fields
 from tessera.tools.cli import Heartbeat
 
 if TYPE_CHECKING:
@@ -41,6 +43,21 @@ def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str) -> dict[str, 
     return env
 
 
+def train_variables(environ) -> dict[str, str]:
+    """The M_<KEY> variables of `environ` that train.py reads as train keys, over its command line."""
+    fields = {*all_fields(), *maxtext_keys()}
+    return {k: v for k, v in environ.items() if k.startswith("M_") and k[2:].lower() in fields}
+
+
+def environment_here() -> dict[str, str]:
+    """This process's environment as a node started here gets it, under the file's: without its M_<KEY> train
+    variables, which train.py reads over its command line, so an M_STEPS=5 or M_RUN_NAME=x left in the shell
+    ran another job than the file's (5 steps, without a word) or put its report.json where the suite did not
+    look. The file's env_dict may still set them."""
+    skipped = train_variables(os.environ)
+    return {k: v for k, v in os.environ.items() if k not in skipped}
+
+
 def with_local_xla_flags(env: dict[str, str]) -> dict[str, str]:
     """`env` for a node started here, not in a container, which runs with this process's environment under the
     file's: this process's XLA_FLAGS (fake CPU devices, an operator's flag) go before the file's, which win
@@ -57,18 +74,21 @@ def node_setting_lines(plan: Plan, nodes: list[str]) -> list[str]:
     """What the suite prints about the file's node settings it does not use as written: those `--nodes`
     replaces, the env_dict's job layout a one-node run leaves out (see node_env), and without --nodes the
     env_dict's NNODES and JAX_COORDINATOR_IP that config.nnodes and coordinator_ip replace (without a word
-    before)."""
-    lines = replaced_by_nodes(plan, nodes)
-    if len(nodes or ["local"] * max(plan.nnodes, 1)) == 1 and (unused := [f"{k}={plan.env[k]}" for k in JOB_KEYS
-                                                                          if k in plan.env]):
+    before) and this environment's M_<KEY> train variables, which are not passed on (environment_here)."""
+    lines, count = replaced_by_nodes(plan, nodes), len(nodes or ["local"] * max(plan.nnodes, 1))
+    if count == 1 and (unused := [f"{k}={plan.env[k]}" for k in JOB_KEYS if k in plan.env]):
         lines.append(f"one node: config.container_config.env_dict {', '.join(unused)} not passed on (a one-node "
                      "run joins no job)")
-    elif not nodes:  # config's node count and coordinator set every node's variables, over env_dict's
+    if not nodes and count > 1:  # config's node count and coordinator set every node's variables, over env_dict's
         for variable, key, used in (("NNODES", "nnodes", str(plan.nnodes)),
                                     ("JAX_COORDINATOR_IP", "coordinator_ip", plan.coordinator)):
             if variable in plan.env and plan.env[variable].strip() != used:
                 lines.append(f"config.{key}={used} replaces config.container_config.env_dict.{variable}="
                              f"{plan.env[variable]}")
+    if not nodes and (skipped := sorted(f"{k}={v}" for k, v in train_variables(os.environ).items()
+                                        if k not in plan.env)):
+        lines.append(f"not passed on from this environment: {', '.join(skipped)} (train.py would read them over the "
+                     f"file's train keys; set train keys in model_params.{plan.name})")
     return lines
 
 
@@ -208,7 +228,7 @@ class _RunningNodes:
 
     def start(self, rank: int, host: str, argv, env, log_path: Path) -> None:
         self.logs.append(log_path.open("w"))
-        full_env = dict(os.environ, **env) if host == "local" else dict(os.environ)
+        full_env = {**environment_here(), **env} if host == "local" else dict(os.environ)
         self.procs.append(subprocess.Popen(argv, env=full_env, stdout=self.logs[-1], stderr=subprocess.STDOUT,
                                            stdin=None if host == "local" else subprocess.PIPE, start_new_session=True))
         print(f"node {rank} ({host}) started; log {log_path}", flush=True)
