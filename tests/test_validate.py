@@ -908,6 +908,27 @@ def test_nodes_that_outlast_the_timeout_are_stopped_then_killed(tmp_path, monkey
     assert "timeout: SIGKILL to the 1 node(s) still running" in err
 
 
+def test_a_signal_while_the_nodes_start_starts_no_more_of_them(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM) between two nodes' starts went to the nodes started so far, and the suite then started
+    the rest, which never got it: they waited for the stopped ones (a job's initialization timeout), and so did
+    the suite."""
+    started = []
+    real_start = validate_nodes._RunningNodes.start
+
+    def start(self, rank, *args):
+        real_start(self, rank, *args)
+        started.append(rank)
+        if rank == 0:
+            os.kill(os.getpid(), signal.SIGTERM)  # the suite's handler passes it on to node 0
+            time.sleep(0.2)
+
+    monkeypatch.setattr(validate_nodes._RunningNodes, "start", start)
+    commands = [("local", ["sleep", "100"], {}), ("local", ["sleep", "3"], {})]
+    with pytest.raises(validate_nodes.NodesStopped):
+        validate_nodes.run_nodes(commands, tmp_path / "logs", "8")
+    assert started == [0]
+
+
 def test_a_closed_stdout_stops_the_nodes_and_exits_141(tmp_path, monkeypatch):
     """`validate ... | head -2`: "node 0 started" met the closed pipe, the suite said "cannot write node logs ...:
     Broken pipe" (exit code 2, false) and left its trainer running without it."""

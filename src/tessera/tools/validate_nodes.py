@@ -331,6 +331,8 @@ def run_nodes(commands, log_dir: Path, steps: str, timeout: float = 0.0) -> list
     previous = {s: signal.signal(s, nodes.forward) for s in stops}
     try:
         for rank, (host, argv, env) in enumerate(commands):
+            if nodes.received:  # a signal while the nodes start: the ones started after it never got it and waited
+                break  # for the stopped ones (a multi-node job's initialization timeout, 30 min in AMD's files)
             nodes.start(rank, host, argv, env, log_dir / f"node{rank}.log")
         if timeout > 0:
             nodes.watcher.start()
