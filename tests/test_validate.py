@@ -418,6 +418,20 @@ def test_a_file_that_is_not_a_json_object_is_one_line(content, message, tmp_path
     assert capsys.readouterr().err.startswith(f"validation file error: {path} {message}")
 
 
+def test_a_file_with_a_byte_order_mark_is_read_and_an_empty_one_is_named(tmp_path, capsys):
+    """A file saved with a UTF-8 byte-order mark (Windows editors) was refused as "Unexpected UTF-8 BOM (decode
+    using utf-8-sig)"; an empty one was "Expecting value: line 1 column 1 (char 0)"."""
+    path = tmp_path / "v.json"
+    path.write_bytes(b"\xef\xbb\xbf" + Path(CPU).read_bytes())
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
+    capsys.readouterr()
+    path.write_text(" \n")
+    assert main([str(path), "--dry-run"]) == 2
+    assert capsys.readouterr().err == (f"validation file error: {path} is empty; a validation file is a JSON object "
+                                       "with config and model_params sections (configs/cpu/validate_tiny.json is "
+                                       "one)\n")
+
+
 def test_a_folder_given_as_the_file_is_one_line(tmp_path, capsys):
     assert main([str(tmp_path), "--dry-run"]) == 2
     captured = capsys.readouterr()

@@ -22,7 +22,13 @@ class ValidationInputError(Exception):
 def load(path: str) -> dict:
     """The JSON without comment keys, with {user-id} resolved; refuses any <changeme> left."""
     try:
-        data = json.loads(Path(path).read_text(), object_pairs_hook=_no_repeated_keys)
+        # utf-8-sig: a file saved with a byte-order mark (Windows editors) was "Unexpected UTF-8 BOM (decode using
+        # utf-8-sig)", a fix the user cannot apply
+        text = Path(path).read_text(encoding="utf-8-sig")
+        if not text.strip():  # was "not valid JSON: Expecting value: line 1 column 1 (char 0)"
+            raise ValidationInputError(f"{path} is empty; a validation file is a JSON object with config and "
+                                       "model_params sections (configs/cpu/validate_tiny.json is one)")
+        data = json.loads(text, object_pairs_hook=_no_repeated_keys)
     except FileNotFoundError:
         raise ValidationInputError(f"{path} does not exist") from None
     except IsADirectoryError:
