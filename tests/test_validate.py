@@ -604,6 +604,18 @@ def test_a_stopped_run_replaces_earlier_results_with_a_failure(tmp_path, monkeyp
     assert err.rstrip().endswith(f"stopped by SIGINT: every node has exited; node logs in {out / 'logs'}")
 
 
+def test_a_bucket_as_out_is_refused(tmp_path, monkeypatch, capsys):
+    """--out gs://bucket/results wrote the results into the local folder ./gs:/bucket/results, and said so as
+    "results in gs:/bucket/results/validation.json"."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(validate, "run_nodes", lambda *a, **k: [0])
+    assert main([CPU, "--gpu", "cpu", "--out", "gs://bucket/results"]) == 2
+    assert capsys.readouterr().err == ("error: --out gs://bucket/results: the suite writes validation.json/.xml and the "
+                                       "node logs as local files; give a local folder (and copy it to the bucket "
+                                       "afterwards)\n")
+    assert not (tmp_path / "gs:").exists()
+
+
 def test_a_log_dir_that_cannot_be_written_names_the_key(tmp_path, capsys):
     data = json.loads(Path(CPU).read_text())
     (tmp_path / "a_file").write_text("")

@@ -170,6 +170,9 @@ def _plan_run(args: argparse.Namespace):
         raise UsageError(f"--nodes {args.nodes!r} names no host; give host names (or user@host) separated by "
                          "commas, e.g. --nodes h1,h2, or leave --nodes out to run here")
     path = resolve_path(args.file, "validation file")
+    if args.out and "://" in args.out:  # it became the local folder ./gs:/bucket/..., and the results went there
+        raise UsageError(f"--out {args.out}: the suite writes validation.json/.xml and the node logs as local files; "
+                         "give a local folder (and copy it to the bucket afterwards)")
     out = resolve_path(args.out, "--out folder", must_exist=False) if args.out else None
     data = load(path)
     name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
