@@ -982,6 +982,32 @@ def test_a_closed_stdout_stops_the_nodes_and_exits_141(tmp_path, monkeypatch):
     assert [p.poll() for p in started] == [-signal.SIGTERM, -signal.SIGKILL]
 
 
+def test_a_stdout_closed_while_the_nodes_train_stops_them(tmp_path, monkeypatch):
+    """`validate ... | head -7`: the reader went away at a progress line, written by the heartbeat's thread, which
+    died with a BrokenPipeError traceback while the nodes trained on to the end without anyone reading."""
+    monkeypatch.setattr(validate_nodes, "PROGRESS_SECONDS", 0.1)
+    started = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        started.append(real_popen(*args, **kwargs))
+        return started[-1]
+
+    real_print = print
+
+    def closed_at_progress(*args, **kwargs):
+        if str(args[0]).startswith("training:"):
+            raise BrokenPipeError(32, "Broken pipe")
+        real_print(*args, **kwargs)
+
+    monkeypatch.setattr(validate_nodes.subprocess, "Popen", popen)
+    monkeypatch.setattr("builtins.print", closed_at_progress)
+    start = time.monotonic()
+    with pytest.raises(BrokenPipeError):  # run_printing turns it into exit code 141
+        validate_nodes.run_nodes([("local", ["sleep", "30"], {})], tmp_path / "logs", "8")
+    assert time.monotonic() - start < 20 and started[0].poll() == -signal.SIGTERM
+
+
 def test_a_run_that_times_out_fails_with_its_own_exit_code(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(validate, "node_commands", lambda *a: [("local", ["sleep", "100"], {})])
     assert main([CPU, "--gpu", "cpu", "--out", str(tmp_path), "--timeout", "0.5"]) == validate.EXIT_TIMEOUT == 124

@@ -368,9 +368,19 @@ def wait_for_nodes(procs: list[subprocess.Popen], node0_log: Path, steps: str) -
             running = sum(p.poll() is None for p in procs)
             return f"step {last_step_logged(node0_log)}/{steps} on node 0, {running} of {len(procs)} node(s) running"
 
-        with Heartbeat("training", PROGRESS_SECONDS, detail):
-            for p in procs:
-                p.wait()
+        closed: list[BrokenPipeError] = []
+
+        def emit(line: str) -> None:  # in the heartbeat's thread, where a closed stdout (`| head`) was a traceback
+            try:  # and the nodes trained on to the end: the main thread raises it, and run_nodes stops them
+                print(line, flush=True)
+            except BrokenPipeError as e:
+                closed.append(e)
+
+        with Heartbeat("training", PROGRESS_SECONDS, detail, emit=emit):
+            while any(p.poll() is None for p in procs) and not closed:
+                time.sleep(0.2)
+        if closed:
+            raise closed[0]
     return [p.wait() for p in procs]
 
 
