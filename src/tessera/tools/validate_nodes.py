@@ -318,9 +318,8 @@ def run_nodes(commands, log_dir: Path, steps: str, timeout: float = 0.0) -> list
     """Start every node's command, stream each to its own log file, wait for all. The nodes run in
     sessions of their own, and SIGTERM or SIGINT (Ctrl-C) to the suite is passed on to each of them
     once, SIGHUP as SIGTERM unless it is ignored (a trainer saves and stops; a second signal stops it at
-    once): a scheduler's SIGTERM to the
-    suite alone left its trainers running without a parent, and a signal to the whole process group
-    reached every trainer twice. Once they have exited, NodesStopped. With `timeout` > 0, nodes still
+    once): a scheduler's SIGTERM to the suite alone left its trainers running without a parent, and a
+    signal to the whole process group reached every trainer twice. Once they have exited, NodesStopped. With `timeout` > 0, nodes still
     running that many seconds after the start get SIGTERM, then SIGKILL KILL_AFTER_SECONDS later
     (a hung node blocked the suite forever); once they have exited, NodesTimedOut."""
     log_dir.mkdir(parents=True, exist_ok=True)
