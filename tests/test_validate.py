@@ -4,6 +4,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -553,6 +554,30 @@ def test_without_nodes_the_files_own_node_settings_that_replace_env_dicts_are_sa
     path.write_text(json.dumps(data))
     assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
     assert " replaces " not in capsys.readouterr().out
+
+
+def test_nodes_run_here_use_a_free_coordinator_port_unless_the_file_sets_one(tmp_path):
+    """Every suite running a several-node job here used port 8476: a second one on this host failed (exit 4) and its
+    node 1 joined the first suite's job, whose node 0 then aborted (SIGABRT) and whose node 1 waited 300 s."""
+    data = json.loads(Path(CPU).read_text())
+    data["config"]["nnodes"] = "2"
+    path = tmp_path / "v.json"
+
+    def planned():
+        path.write_text(json.dumps(data))
+        return build_plan(load(str(path)), *select(load(str(path)), False, None, "cpu"))
+
+    plan = planned()
+    ports = {c[2]["JAX_COORDINATOR_PORT"] for c in node_commands(plan, [], "r", engine=None)}
+    assert len(ports) == 1 and ports != {"8476"}  # the same for both nodes
+    other = {c[2]["JAX_COORDINATOR_PORT"] for c in node_commands(plan, [], "r2", engine=None)}
+    assert other != ports  # a second suite's job
+    with socket.socket() as s:  # free: the coordinator can take it
+        s.bind(("", int(ports.pop())))
+    assert {c[2]["JAX_COORDINATOR_PORT"] for c in node_commands(plan, ["h1", "h2"], "r", engine=None)} == {"8476"}
+    data["config"]["container_config"]["env_dict"]["JAX_COORDINATOR_PORT"] = "1234"  # the file's: kept
+    plan = planned()
+    assert {c[2]["JAX_COORDINATOR_PORT"] for c in node_commands(plan, [], "r", engine=None)} == {"1234"}
 
 
 def test_nodes_with_spaces_name_the_hosts_without_them(capsys):

@@ -10,6 +10,7 @@ import re
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -33,14 +34,20 @@ KILL_AFTER_SECONDS = 60.0  # after --timeout's SIGTERM, how long the nodes may t
 JOB_KEYS = ("JAX_COORDINATOR_IP", "JAX_COORDINATOR_PORT", "NNODES", "NODE_RANK")  # a multi-node job's layout
 
 
-def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str) -> dict[str, str]:
+def node_env(plan: Plan, rank: int, nnodes: int, coordinator: str, port: str) -> dict[str, str]:
     """The environment of node `rank`: the file's env_dict with the job's layout; a one-node run gets
     none (an env_dict NNODES=2 made it wait for a second node that never came)."""
     env = {k: v for k, v in plan.env.items() if nnodes > 1 or k not in JOB_KEYS}
     if nnodes > 1:
-        env.update(JAX_COORDINATOR_IP=coordinator, JAX_COORDINATOR_PORT=plan.port, NNODES=str(nnodes),
-                   NODE_RANK=str(rank))
+        env.update(JAX_COORDINATOR_IP=coordinator, JAX_COORDINATOR_PORT=port, NNODES=str(nnodes), NODE_RANK=str(rank))
     return env
+
+
+def free_port() -> str:
+    """A TCP port no program listens on here now, for the coordinator of a job whose nodes all run here."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return str(s.getsockname()[1])
 
 
 def train_variables(environ) -> dict[str, str]:
@@ -181,10 +188,13 @@ def node_commands(plan: Plan, nodes: list[str], run_name: str, engine: str | Non
     """(host, argv, env) per node; host 'local' runs here. Every node runs this interpreter (sys.executable)."""
     hosts = nodes or ["local"] * max(plan.nnodes, 1)
     coordinator = coordinator_host(nodes) if nodes else plan.coordinator
+    # nodes all run here, with no port in the file: 8476 was every such suite's, so a second suite on this host
+    # failed, and its node 1 joined the first suite's job, which aborted
+    port = free_port() if not nodes and len(hosts) > 1 and "JAX_COORDINATOR_PORT" not in plan.env else plan.port
     in_container = bool(engine and plan.container.get("container_image"))
     out = []
     for rank, host in enumerate(hosts):
-        env = node_env(plan, rank, len(hosts), coordinator)
+        env = node_env(plan, rank, len(hosts), coordinator, port)
         argv = train_argv(plan, run_name)
         if in_container:
             argv = wrap_in_container(engine, plan, env, argv)
