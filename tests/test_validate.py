@@ -980,6 +980,25 @@ def test_a_signal_while_the_nodes_start_starts_no_more_of_them(tmp_path, monkeyp
     assert started == [0]
 
 
+def test_a_closed_stderr_does_not_keep_the_timeout_from_killing_a_node(tmp_path, monkeypatch, capsys):
+    """The --timeout watcher's thread wrote its SIGTERM line to a closed stderr and died with a BrokenPipeError
+    traceback before its SIGKILL: a node that ignored SIGTERM kept the suite waiting, the --timeout undone."""
+    monkeypatch.setattr(validate_nodes, "KILL_AFTER_SECONDS", 0.5)
+    real_print = print
+
+    def closed_stderr(*args, **kwargs):
+        if kwargs.get("file") is sys.stderr:
+            raise BrokenPipeError(32, "Broken pipe")
+        real_print(*args, **kwargs)
+
+    monkeypatch.setattr("builtins.print", closed_stderr)
+    commands = [("local", ["sh", "-c", "trap '' TERM; sleep 8"], {})]
+    start = time.monotonic()
+    with pytest.raises(validate_nodes.NodesTimedOut) as stopped:
+        validate_nodes.run_nodes(commands, tmp_path / "logs", "8", timeout=0.5)
+    assert stopped.value.codes == [-signal.SIGKILL] and time.monotonic() - start < 7
+
+
 def test_a_closed_stdout_stops_the_nodes_and_exits_141(tmp_path, monkeypatch):
     """`validate ... | head -2`: "node 0 started" met the closed pipe, the suite said "cannot write node logs ...:
     Broken pipe" (exit code 2, false) and left its trainer running without it."""

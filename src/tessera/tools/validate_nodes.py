@@ -222,6 +222,15 @@ class NodesTimedOut(Exception):
         self.seconds, self.codes = seconds, codes
 
 
+def _say(line: str) -> None:
+    """`line` on stderr from the --timeout watcher's thread: a closed stderr (`2>&1 | head`) ended the thread with
+    a traceback before its SIGKILL, and a node that ignored SIGTERM (hung in a collective) kept the suite waiting."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
+
+
 class _RunningNodes:
     """The nodes' processes and logs, and the signals passed on to them: by `forward` (SIGTERM, SIGINT
     or SIGHUP to the suite) and by the `--timeout` watcher, which may both write to an ssh relay."""
@@ -285,12 +294,11 @@ class _RunningNodes:
         if self.done.wait(self.timeout):
             return
         self.timed_out = True
-        print(f"timeout: the nodes have run for {self.timeout:g} s (--timeout); SIGTERM passed on to the "
-              f"{self.send(signal.SIGTERM)} running node(s), which save and stop; SIGKILL in {KILL_AFTER_SECONDS:g} s",
-              file=sys.stderr, flush=True)
+        _say(f"timeout: the nodes have run for {self.timeout:g} s (--timeout); SIGTERM passed on to the "
+             f"{self.send(signal.SIGTERM)} running node(s), which save and stop; SIGKILL in {KILL_AFTER_SECONDS:g} s")
         if self.done.wait(KILL_AFTER_SECONDS):
             return
-        print(f"timeout: SIGKILL to the {self.send(signal.SIGKILL)} node(s) still running", file=sys.stderr, flush=True)
+        _say(f"timeout: SIGKILL to the {self.send(signal.SIGKILL)} node(s) still running")
         if not self.done.wait(10.0):  # an ssh whose connection hangs cannot pass the signal on: end it here
             for p in self.running():
                 p.kill()
