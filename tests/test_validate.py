@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from tessera.tools import validate, validate_file, validate_json, validate_nodes
+from tessera.tools import validate, validate_commands, validate_file, validate_json, validate_nodes
 from tessera.tools.validate import main
 from tessera.tools.validate_file import build_plan
 from tessera.tools.validate_json import ValidationInputError, load, select
-from tessera.tools.validate_nodes import node_commands, over_ssh
+from tessera.tools.validate_commands import node_commands, over_ssh
 
 AMD = sorted((REPO / "configs" / "gpu" / "amd").glob("*.json"))
 CPU = str(REPO / "configs" / "cpu" / "validate_tiny.json")
@@ -1078,7 +1078,7 @@ def test_a_container_engine_that_hangs_does_not_hang_the_suite(tmp_path, monkeyp
     (tmp_path / "docker").write_text("#!/bin/sh\nexec sleep 100\n")
     (tmp_path / "docker").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    monkeypatch.setattr(validate_nodes, "ENGINE_SECONDS", 0.5)
+    monkeypatch.setattr(validate_commands, "ENGINE_SECONDS", 0.5)
     start = time.monotonic()
     assert main([CPU, "--gpu", "cpu", "--dry-run"]) == 0  # no container_image: docker is not asked
     data = json.loads(Path(CPU).read_text())

@@ -14,8 +14,8 @@ variable, a mapped meaning) or is listed as ignored, with the reason.
 Every node runs train.py with the interpreter that runs this suite (sys.executable): over ssh,
 the same path in the same repository folder, so every host needs the repository at the same
 path, set up the same way (`bash setup.sh`). While training runs, node 0's progress shows as
-a bar on a terminal, else as a line every PROGRESS_SECONDS (`validate_nodes`, which starts the
-nodes). See getting_started/Validation.md.
+a bar on a terminal, else as a line every PROGRESS_SECONDS (`validate_commands` builds the
+nodes' commands, `validate_nodes` starts and follows them). See getting_started/Validation.md.
 
 Exit codes: 0 every check passed, 1 a check failed or the training failed, 2 the file is
 unusable (placeholders left, bad structure) or the output folder cannot be written, 141 the reader
@@ -44,9 +44,9 @@ from tessera.tools.cli_signals import sigterm_raises
 from tessera.tools.validate_file import (METRICS, Plan, build_plan, check_train_keys, gpu_tuning, quantization_line,
                                          tuning_line)
 from tessera.tools.validate_json import ValidationInputError, load, select
-from tessera.tools.validate_nodes import (KILL_AFTER_SECONDS, REPO, NodesStopped, NodesTimedOut, container_engine,
-                                          environment_here, node_commands, node_setting_lines, run_nodes,
-                                          with_local_xla_flags)
+from tessera.tools.validate_commands import (REPO, container_engine, environment_here, node_commands,
+                                             node_setting_lines, with_local_xla_flags)
+from tessera.tools.validate_nodes import KILL_AFTER_SECONDS, NodesStopped, NodesTimedOut, run_nodes
 
 EXIT_TIMEOUT = 124  # --timeout stopped the nodes (as GNU timeout's)
 

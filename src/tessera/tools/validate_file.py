@@ -20,7 +20,7 @@ from tessera.config.maxtext import ALIASES as KEY_ALIASES
 from tessera.config.schema import ConfigError, GpuConfig, all_fields
 from tessera.gpu_tuning import effective_settings
 from tessera.tools.validate_json import ValidationInputError, json_type, section
-from tessera.tools.validate_nodes import train_argv
+from tessera.tools.validate_commands import train_argv
 
 # config keys turned into environment variables by prefix (NCCL/RCCL/gloo/TE/ROCm settings)
 ENV_PREFIXES = ("nccl_", "rccl_", "gloo_", "nvte_", "hsa_", "ucx_", "gpu_max_hw_queues", "cuda_", "hip_")
