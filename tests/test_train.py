@@ -742,6 +742,26 @@ def test_writing_the_trace_is_not_counted_in_the_next_step(tmp_path, monkeypatch
     assert seconds[4] < 0.5, seconds  # the trace held steps 2 and 3
 
 
+def test_the_trace_starts_after_the_step_before_it_and_its_start_is_no_steps_time(tmp_path, monkeypatch):
+    """The trace started while the step before its window still ran (its stats are read one step late):
+    the trace held a part of that step too, and start_trace's time (a second or more on a large run)
+    went into that step's step_seconds, a slow untraced step the devices never took."""
+    metrics_file, logged_at_start = tmp_path / "test" / "metrics.jsonl", []
+    start_trace = jax.profiler.start_trace
+
+    def slow_start(folder):
+        logged_at_start.append(len(metrics_file.read_text().splitlines()))
+        time.sleep(1.0)
+        start_trace(folder)
+
+    monkeypatch.setattr(jax.profiler, "start_trace", slow_start)
+    run(tiny_config(tmp_path, steps=5, profiler="xplane", skip_first_n_steps_for_profiler=2, profiler_steps=2),
+        jax.devices()[:1])
+    assert logged_at_start == [2]  # steps 1 and 2 done and read before the trace of steps 3-4 starts
+    seconds = {r["step"]: r["step_seconds"] for r in map(json.loads, metrics_file.open())}
+    assert seconds[2] < 0.5 and seconds[3] < 0.5, seconds
+
+
 def test_a_trace_that_cannot_be_written_is_a_warning_and_a_profile_file_is_refused_first(tmp_path, caplog):
     """`profile` a file in the run folder: stop_trace raised after the window's last step, and the
     stop at the run's end raised "No profile started" on top of it: two tracebacks, exit 1, the

@@ -86,20 +86,23 @@ class Profiler:
                         "at step %d; raise steps or lower skip_first_n_steps_for_profiler for all of them",
                         cfg.run.steps - self.first + 1, p.profiler_steps, self.first, cfg.run.steps, cfg.run.steps)
 
-    def before_step(self, step: int) -> None:
+    def before_step(self, step: int) -> bool:
+        """Start the trace before its first step; True when it started (starting took time that is no step's)."""
         if self.enabled and step == self.first:
             try:
                 jax.profiler.start_trace(str(self.dir))
             except RuntimeError as e:  # another trace running (JAX allows one); JaxRuntimeError is one too
                 log.warning("profiler=xplane: the trace could not start (%s); training goes on without it", e)
-                return
+                return False
             self.active = True
+            return True
+        return False
 
-    def ends_before(self, step: int) -> bool:
-        """Whether the trace ends before `step` is dispatched: the loop then reads the steps before
-        it first (their stats arrive one step late), so that the trace holds exactly
-        `profiler_steps` steps, not a part of the next one too."""
-        return self.active and step == self.last + 1
+    def bounds_before(self, step: int) -> bool:
+        """Whether the trace starts or ends before `step` is dispatched: the loop then reads the steps
+        before it first (their stats arrive one step late), so that the trace holds exactly
+        `profiler_steps` steps, not a part of the step before or after them too."""
+        return (self.enabled and step == self.first) or (self.active and step == self.last + 1)
 
     def after_step(self, step: int) -> bool:
         """Stop the trace after its last step; True when it stopped (writing it took time that is no step's)."""

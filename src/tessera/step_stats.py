@@ -52,7 +52,7 @@ class StatsReader:
             self.watchdog.beat()
             self.writer.write(self.meter.record(step, stats))
             if self.profiler.active and step == self.profiler.last:  # the trace, written with no step in flight
-                # (ends_before): seconds to minutes, named if it outlasts step_timeout_seconds, not "no training step"
+                # (bounds_before): seconds to minutes, named if it outlasts step_timeout_seconds, not "no training step"
                 with self.watchdog.allowing(f"writing the trace of steps {self.profiler.first}-{step} "
                                             "(profiler=xplane, fewer profiler_steps write less)", 0.0):
                     self.profiler.after_step(step)

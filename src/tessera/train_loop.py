@@ -47,9 +47,10 @@ class TrainLoop:
             with StopSignal() as stop, HangWatchdog(cfg.run.step_timeout_seconds) as watchdog:
                 stats = StatsReader(cfg, self.writer, self.meter, self.profiler, watchdog, self.ckpt)
                 for step in range(start_step + 1, cfg.run.steps + 1):
-                    if self.profiler.ends_before(step):  # the trace's last step is read (and so done) first
+                    if self.profiler.bounds_before(step):  # the steps before the trace starts or ends are done
                         stats.finish()
-                    self.profiler.before_step(step)
+                    if self.profiler.before_step(step):
+                        self.meter.restart_clock()  # starting the trace is no step's time
                     with self.clock.taking_input():
                         batch = place_batch(self.data, next(self.data), trainer.batch_sharding,
                                             trainer.plan.global_batch)
