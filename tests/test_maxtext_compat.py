@@ -282,6 +282,17 @@ def test_maxtexts_defaults_of_stack_traces_and_cache_axis_orders_load():
     assert "stack_trace_interval_seconds='60' is a MaxText key Tessera does not implement" in str(e.value)
 
 
+def test_upload_all_profiler_results_says_every_process_is_traced_already():
+    """The refusal said "Tessera's profiler writes host 0's", but every process of a job writes its own
+    trace (profile/process_<i>/ in its local run folder): what Tessera lacks is the upload alone."""
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "upload_all_profiler_results=true"], env={})
+    assert "writes host 0's" not in str(e.value)
+    assert "Tessera's profiler traces every process, each into profile/process_<i>/ of its local run folder" \
+        in str(e.value)
+    load_config([BASE, "upload_all_profiler_results=false"], env={})
+
+
 def test_an_alias_and_its_key_with_the_same_number_agree():
     cfg = load_config([BASE, "ici_context_parallelism=2", "ici_sequence_parallelism=02"], env={})
     assert cfg.mesh.ici_sequence_parallelism == 2

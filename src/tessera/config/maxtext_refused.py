@@ -136,8 +136,10 @@ REFUSED = {
     # metrics, profiling and cloud services
     "save_config_to_gcs": Refused("write the config to GCS; Tessera logs the changed keys at start-up",
                                   ("false", "0")),
-    "upload_all_profiler_results": Refused("upload every host's trace; Tessera's profiler writes host 0's",
-                                           ("false", "0")),
+    "upload_all_profiler_results": Refused(
+        "trace every host, not host 0 alone, and upload the traces; Tessera's profiler traces every process, each "
+        "into profile/process_<i>/ of its local run folder, and uploads none: leave the key out and copy the "
+        "traces from each host", ("false", "0")),
     "use_vertex_tensorboard": Refused("Vertex AI TensorBoard" + _GCP, ("false", "0")),
     "vertex_tensorboard_project": Refused("Vertex AI TensorBoard project" + _GCP, ("",)),
     "vertex_tensorboard_region": Refused("Vertex AI TensorBoard region" + _GCP, ("",)),
