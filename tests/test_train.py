@@ -1505,6 +1505,20 @@ def test_a_resumed_attempt_sets_the_earlier_report_aside(tmp_path, caplog):
     assert f"{tmp_path / 'test'} has no report.json: the run was stopped after saving step 3" in caplog.text
 
 
+@pytest.mark.parametrize("name", ["report.json", ".tessera.lock", "config.yml", "report.until_step_3.json"])
+def test_a_metrics_file_that_is_a_file_the_run_writes_itself_is_refused(tmp_path, name):
+    """metrics_file=<run folder>/report.json: the report replaced the records at the end; the lock file was
+    removed with them; config.yml got them after the config. Each run ended with exit code 0 and no word."""
+    from tessera.run_folder import check_output_folders
+
+    given = tmp_path / "test" / "." / name  # the same file by another spelling
+    cfg = tiny_config(tmp_path, metrics_file=str(given), enable_checkpointing=False)
+    with pytest.raises(ConfigError, match=f"metrics_file={re.escape(str(given))} is .*: its records would be lost or "
+                                          f"mixed with it; give a file of its own, or leave metrics_file out"):
+        check_output_folders(cfg, "")
+    check_output_folders(tiny_config(tmp_path, metrics_file=str(tmp_path / "test" / "steps.jsonl")), "")
+
+
 def test_another_runs_records_in_a_shared_metrics_file_are_not_steps_trained_again(tmp_path, caplog):
     """Two runs given one metrics_file: the second (a new run, no earlier attempt of its own) found
     the first's 3 records and said it trained 3 steps again (report: steps_redone 3)."""

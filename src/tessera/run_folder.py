@@ -53,6 +53,7 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
             raise ConfigError(f"metrics_file={cfg.run.metrics_file} is a folder; give the path of a file, e.g. "
                               f"{Path(cfg.run.metrics_file) / 'metrics.jsonl'}")
         check_writable(str(Path(cfg.run.metrics_file).parent), "metrics_file", "the metrics file's folder")
+        _refuse_run_file_as_metrics(Path(cfg.run.metrics_file), run_dir(cfg.run))
     else:  # the run folder's own files, where something else may sit under their names
         _check_kind(run_dir(cfg.run) / "metrics.jsonl", "a file", "base_output_directory")
     if cfg.run.enable_tensorboard:
@@ -61,6 +62,23 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
         _check_kind(run_dir(cfg.run) / "profile", "a folder", "base_output_directory")
     for name in (LOCK_FILE, "config.yml", "report.json"):  # the lock, taken first; the others written after compiling
         _check_kind(run_dir(cfg.run) / name, "a file", "base_output_directory")
+
+
+def _refuse_run_file_as_metrics(metrics_file: Path, folder: Path) -> None:
+    """ConfigError for a metrics_file that is a file the run writes itself in its folder: report.json
+    replaced the records with the report at the end, the lock's removal deleted them, config.yml (and an
+    earlier attempt's report, renamed at a resume) mixed them with other contents; exit code 0 each time."""
+    path = metrics_file.resolve()
+    if path.parent != folder.resolve():
+        return
+    what = {LOCK_FILE: "the run folder's lock, removed when the run ends",
+            "config.yml": "the run's config, written at its start (and read at a resume)",
+            "report.json": "the run's report, which replaces it when the run ends"}.get(path.name)
+    if what is None and path.name.startswith("report.until_"):
+        what = "an earlier attempt's report"
+    if what is not None:
+        raise ConfigError(f"metrics_file={metrics_file} is {what}: its records would be lost or mixed with it; "
+                          f"give a file of its own, or leave metrics_file out ({folder / 'metrics.jsonl'})")
 
 
 def _refuse_checkpoint_inside(ckpt_dir: str) -> None:
