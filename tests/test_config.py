@@ -527,6 +527,10 @@ def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
     ("run_name=gs://b/x", "run_name='gs://b/x' is a path, not a name"),
     ("run_name= ", "run_name=' ' starts or ends with white space"),
     ("run_name=demo ", "run_name='demo ' starts or ends with white space"),
+    # the run folder's check said "File name too long; choose another base_output_directory"
+    ("run_name=sweep/" + "é" * 128, "run_name='sweep/" + "é" * 34 + "'... has a folder name of 256 bytes, and file "
+                                   "systems take names of at most 255 bytes (its folder is base_output_directory/"
+                                   "run_name); use a shorter run_name"),
 ])
 def test_integer_keys_are_exact_and_within_range(arg, message):
     assert _config_error([BASE, arg]).startswith(message)

@@ -171,6 +171,9 @@ def _validate_yarn(m: ModelConfig) -> None:
                           "(DeepSeek-V3: 10000, gpt-oss: 150000), or rope_scaling=none")
 
 
+NAME_MAX_BYTES = 255  # the longest file or folder name Linux's and macOS's file systems take (NAME_MAX)
+
+
 def _validate_run_name(name: str) -> None:
     """The run's folder is base_output_directory/run_name, and the run writes its checkpoints,
     config.yml, metrics and report there: `run_name=..` spread them over the folder above the base
@@ -187,6 +190,11 @@ def _validate_run_name(name: str) -> None:
         raise ConfigError(f"run_name={name!r} has a '.' or '..' part, which would put the run's checkpoints and "
                           f"files outside a folder of its own ({where}); use a plain name, e.g. run_name=my_run "
                           "(sub-folders such as sweep1/lr_3e-4 are fine)")
+    longest = max(name.split("/"), key=lambda part: len(part.encode()))
+    if len(longest.encode()) > NAME_MAX_BYTES:  # the run folder's check said "choose another base_output_directory"
+        raise ConfigError(f"run_name={name[:40]!r}... has a folder name of {len(longest.encode())} bytes, and file "
+                          f"systems take names of at most {NAME_MAX_BYTES} bytes ({where}); use a shorter run_name "
+                          "(sub-folders such as sweep1/lr_3e-4 split a long one)")
 
 
 def _validate_mtp(cfg: Config) -> None:
