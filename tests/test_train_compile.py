@@ -301,6 +301,18 @@ def test_compiled_trainstep_file_under_a_file_is_refused_before_compiling(tmp_pa
     assert not (tmp_path / "aot").exists()
 
 
+def test_a_folder_named_compile_report_json_is_refused_before_compiling(tmp_path, capsys, caplog):
+    """It was found after the compile (minutes on a large topology), with 'Is a directory; free some space
+    there and compile again'."""
+    caplog.set_level(logging.INFO, logger="tessera")
+    report = tmp_path / "aot" / "compile_report.json"
+    report.mkdir(parents=True)
+    assert main(overrides(tmp_path, compile_topology="v5e-4")) == 2
+    assert capsys.readouterr().err == (f"config error: the report {report} cannot be written: {report} is a folder; "
+                                       "move it away, or choose another run_name\n")
+    assert not any("compiling" in r.getMessage() for r in caplog.records)
+
+
 def test_a_compiled_trainstep_file_url_is_refused_before_compiling(tmp_path, capsys):
     """gs://bucket/x.pkl was written to a local folder named gs: (Path() merges the slashes) and the
     compile reported it saved there."""

@@ -109,6 +109,14 @@ def check_compiled_file(path: str) -> None:
         raise ConfigError(f"compiled_trainstep_file={path} cannot be written: {why}; choose another path")
 
 
+def check_report_file(path: Path) -> None:
+    """Before compiling: ConfigError when compile_report.json cannot be written (a folder of that name); it was
+    found after the compile, minutes on a large topology, and told to free some space."""
+    why = unwritable_file(str(path))
+    if why:
+        raise ConfigError(f"the report {path} cannot be written: {why}; move it away, or choose another run_name")
+
+
 def save_compiled(compiled, path: str) -> None:
     """The compiled step as MaxText's compiled_trainstep_file holds it: a pickle of
     jax.experimental.serialize_executable.serialize's (payload, in_tree, out_tree), which
@@ -277,6 +285,7 @@ def main(argv: list[str]) -> int:
         from tessera.checkpointing import check_writable  # the report's folder: checked before compiling
 
         check_writable(str(run_dir(cfg.run)), "base_output_directory", "the run folder")
+        check_report_file(run_dir(cfg.run) / "compile_report.json")
         check_compiled_file(cfg.compile.compiled_trainstep_file)
         with sigterm_raises(CompileStopped):
             report = compile_for_topology(cfg)
