@@ -1519,6 +1519,60 @@ def test_a_metrics_file_that_is_a_file_the_run_writes_itself_is_refused(tmp_path
     check_output_folders(tiny_config(tmp_path, metrics_file=str(tmp_path / "test" / "steps.jsonl")), "")
 
 
+def _refusing_to_open_for_writing(module, monkeypatch, path):
+    """`module`'s open() refuses to write `path` (chmod does not stop root, so refuse the open itself)."""
+    def refuse(file, mode="r", *args, **kwargs):
+        if str(file) == str(path) and mode != "rb":
+            raise PermissionError(13, "Permission denied", str(file))
+        return open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(module, "open", refuse, raising=False)
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_an_existing_metrics_file_that_cannot_be_written_is_refused_before_compiling(tmp_path, monkeypatch, given):
+    """A read-only metrics file (another user's, a resumed run's own after a chmod): the writer opened it
+    after compiling, a PermissionError traceback (exit code 1)."""
+    from tessera import run_folder
+
+    path = tmp_path / ("mine.jsonl" if given else "test/metrics.jsonl")
+    path.parent.mkdir(exist_ok=True)
+    path.write_text('{"step": 1, "loss": 2.0}\n')
+    cfg = tiny_config(tmp_path, enable_checkpointing=False, **({"metrics_file": str(path)} if given else {}))
+    _refusing_to_open_for_writing(run_folder, monkeypatch, path)
+    key, other = ("metrics_file", "metrics_file") if given else ("base_output_directory", "run_name")
+    with pytest.raises(ConfigError) as e:
+        run_folder.check_output_folders(cfg, "")
+    assert str(e.value) == (f"the metrics file {path} (from {key}) cannot be written (Permission denied): the run "
+                            f"appends each step's record to it; make it writable, or choose another {other}")
+    _refusing_to_open_for_writing(metrics, monkeypatch, path)  # made read-only after the check: one line, exit 6
+    with pytest.raises(metrics.MetricsWriteError, match=f"the metrics file {re.escape(str(path))} could not be "
+                                                        "opened for writing \\(Permission denied\\); make it"):
+        metrics.MetricsWriter(path, None, 1)
+
+
+def test_an_existing_tensorboard_folder_that_cannot_be_written_is_refused_before_compiling(tmp_path):
+    """A resumed run's tensorboard/ that cannot be written: the writer's PermissionError traceback came
+    after compiling (exit code 1)."""
+    from tessera.run_folder import check_output_folders
+
+    folder = tmp_path / "test" / "tensorboard"
+    folder.mkdir(parents=True)
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+    elif subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode:  # root: chmod is no bar
+        pytest.skip("root, on a file system without the immutable attribute: nothing makes a folder read-only")
+    try:
+        with pytest.raises(ConfigError, match=f"the TensorBoard folder {re.escape(str(folder))} \\(from "
+                                              "base_output_directory\\) cannot be written"):
+            check_output_folders(tiny_config(tmp_path, enable_tensorboard=True, enable_checkpointing=False), "")
+        with pytest.raises(metrics.MetricsWriteError, match=f"the TensorBoard folder {re.escape(str(folder))} "
+                                                            "could not be opened for writing"):
+            metrics.MetricsWriter(tmp_path / "m.jsonl", folder, 1)
+    finally:
+        folder.chmod(0o755) if os.geteuid() != 0 else subprocess.run(["chattr", "-i", str(folder)])
+
+
 def test_another_runs_records_in_a_shared_metrics_file_are_not_steps_trained_again(tmp_path, caplog):
     """Two runs given one metrics_file: the second (a new run, no earlier attempt of its own) found
     the first's 3 records and said it trained 3 steps again (report: steps_redone 3)."""

@@ -180,12 +180,18 @@ class MetricsWriter:
         self._pending: list[dict[str, Any]] = []
         self._jsonl, self._tb = None, None
         self._metrics_file, self._tensorboard_dir = metrics_file, tensorboard_dir
-        if write_files:
-            metrics_file.parent.mkdir(parents=True, exist_ok=True)
-            _drop_cut_line(metrics_file)
-            self._jsonl = metrics_file.open("a")
-        if tensorboard_dir is not None and write_files:
-            self._tb = _TensorBoardFile(tensorboard_dir, first_step)
+        what = f"the metrics file {metrics_file}"
+        try:  # checked before compiling (run_folder.check_output_folders); a change since is one line too
+            if write_files:
+                metrics_file.parent.mkdir(parents=True, exist_ok=True)
+                _drop_cut_line(metrics_file)
+                self._jsonl = metrics_file.open("a")
+            if tensorboard_dir is not None and write_files:
+                what = f"the TensorBoard folder {tensorboard_dir}"
+                self._tb = _TensorBoardFile(tensorboard_dir, first_step)
+        except OSError as e:
+            raise MetricsWriteError(f"{what} could not be opened for writing ({e.strerror or e}); make it writable "
+                                    "(or free some space) and run the same command again") from None
         # the first step this attempt trains (a resumed run's too) and the run's last step are logged too
         self.log_period, self.first_step, self.last_step = log_period, first_step, last_step
         self.records: list[dict[str, Any]] = []

@@ -56,12 +56,31 @@ def check_output_folders(cfg: Config, ckpt_dir: str) -> None:
         _refuse_run_file_as_metrics(Path(cfg.run.metrics_file), run_dir(cfg.run))
     else:  # the run folder's own files, where something else may sit under their names
         _check_kind(run_dir(cfg.run) / "metrics.jsonl", "a file", "base_output_directory")
+    _check_appendable(Path(cfg.run.metrics_file) if cfg.run.metrics_file else run_dir(cfg.run) / "metrics.jsonl",
+                      "metrics_file" if cfg.run.metrics_file else "base_output_directory")
     if cfg.run.enable_tensorboard:
         _check_kind(run_dir(cfg.run) / "tensorboard", "a folder", "base_output_directory")
+        if (run_dir(cfg.run) / "tensorboard").is_dir():  # a resumed run's (a new one's is made in the checked folder)
+            check_writable(str(run_dir(cfg.run) / "tensorboard"), "base_output_directory", "the TensorBoard folder")
     if cfg.profiler.profiler:
         _check_kind(run_dir(cfg.run) / "profile", "a folder", "base_output_directory")
     for name in (LOCK_FILE, "config.yml", "report.json"):  # the lock, taken first; the others written after compiling
         _check_kind(run_dir(cfg.run) / name, "a file", "base_output_directory")
+
+
+def _check_appendable(path: Path, key: str) -> None:
+    """ConfigError for an existing metrics file the run cannot append to (read-only, another user's): the
+    writer opened it after compiling, a PermissionError traceback (exit code 1). A pipe or device is
+    not opened here (a named pipe would block until it has a reader)."""
+    if jax.process_index() != 0 or not path.is_file():
+        return
+    try:
+        with open(path, "rb+"):  # as the writer opens it (a record cut off at the end is removed); nothing changes
+            pass
+    except OSError as e:
+        raise ConfigError(f"the metrics file {path} (from {key}) cannot be written ({e.strerror or e}): the run "
+                          "appends each step's record to it; make it writable, or choose another "
+                          f"{'metrics_file' if key == 'metrics_file' else 'run_name'}") from None
 
 
 def _refuse_run_file_as_metrics(metrics_file: Path, folder: Path) -> None:
