@@ -1453,6 +1453,31 @@ def test_a_run_that_ends_early_prints_its_last_steps_line(tmp_path, monkeypatch,
     assert [int(m) for m in re.findall(r"\bstep +(\d+) \| loss", caplog.text)] == [1, after]
 
 
+def test_a_signals_last_step_line_comes_before_its_checkpoint(tmp_path, caplog, monkeypatch):
+    """SIGTERM with log_period leaving the step out: its line was printed after its checkpoint's lines, the
+    log reading as if the step came after its own save."""
+    import signal
+
+    from tessera import train_loop
+    from tessera.stop_signals import TrainingStopped
+
+    calls, place_batch = [], train_loop.place_batch
+
+    def place(*args):  # SIGTERM while step 2's batch is taken
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return place_batch(*args)
+
+    monkeypatch.setattr(train_loop, "place_batch", place)
+    with caplog.at_level("INFO", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
+        run(tiny_config(tmp_path, steps=8, log_period=4, checkpoint_period=100), jax.devices()[:1])
+    after = int(re.search(r"after step (\d+)", str(stopped.value)).group(1))
+    lines = [r.getMessage() for r in caplog.records]
+    line = next(i for i, m in enumerate(lines) if re.match(rf"step +{after} \| loss", m))
+    assert line < next(i for i, m in enumerate(lines) if m.startswith(f"checkpoint {after}")), lines
+
+
 def test_a_resumed_run_prints_its_first_steps_line(tmp_path, caplog):
     """log_period=4, resumed at step 2 of 6: the first line came at step 4; step 3, the first this
     attempt trains (where a resume is checked), was printed only by a fresh run (step 1)."""

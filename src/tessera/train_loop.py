@@ -103,6 +103,8 @@ class TrainLoop:
                          record["eval_loss"], cfg.data.target_eval_loss, step, cfg.run.steps,
                          " (checkpoint saved)" if ckpt else "")
             saving = saving or (ckpt and reached)
+        if stopping:  # its line (log_period may have left it out) before its checkpoint's
+            self.writer.ends_at(step)
         if saving:
             with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
                     self.clock.during("checkpoint"):
@@ -113,7 +115,6 @@ class TrainLoop:
         if evaluating or saving:  # every dispatched step was read above: the next one's time starts now
             self.meter.restart_clock()
         if stopping:
-            self.writer.ends_at(step)
             with watchdog.allowing(f"checkpoint save of step {step}", self.save_allowance), \
                     self.clock.during("checkpoint"):
                 stop_after_signal(step, stop, ckpt)
