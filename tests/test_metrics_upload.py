@@ -105,6 +105,22 @@ def test_a_url_base_keeps_run_files_local_and_uploads_metrics_only_when_asked(tm
     assert plan_run(local, shape).metrics_upload_dir == "" and remote_run_dir(local.run) == ""
 
 
+@pytest.mark.parametrize("name", ["r5/", "sweep//r5", "sweep/r5/"])
+def test_a_trailing_or_doubled_slash_in_run_name_is_the_same_bucket_folder(tmp_path, monkeypatch, name):
+    """run_name=r5/ (a shell's completion of a folder name) is the local folder r5, but in a bucket
+    gs://bucket/runs/r5//checkpoints is another folder than gs://bucket/runs/r5/checkpoints: a resume with
+    run_name=r5 found no checkpoint there, and trained again from step 0 beside the local files of the run."""
+    monkeypatch.chdir(tmp_path)
+    shape = {"data": 1, "fsdp": 1, "expert": 1}
+    clean = name.replace("//", "/").strip("/")
+    cfg = tiny_config(base_output_directory="gs://bucket/runs/", run_name=name, gcs_metrics=True)
+    plan = plan_run(cfg, shape)
+    assert remote_run_dir(cfg.run) == f"gs://bucket/runs/{clean}"
+    assert plan.checkpoint_dir == f"gs://bucket/runs/{clean}/checkpoints"
+    assert plan.metrics_upload_dir == f"gs://bucket/runs/{clean}/metrics"
+    assert plan.run_dir == tmp_path / "outputs" / clean
+
+
 def test_a_run_with_a_gs_base_writes_its_metrics_to_the_bucket(bucket, tmp_path, monkeypatch, caplog):
     monkeypatch.chdir(tmp_path)
     cfg = tiny_config(base_output_directory="gs://bucket/runs", run_name="r4", gcs_metrics=True, steps=3,

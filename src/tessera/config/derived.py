@@ -337,11 +337,17 @@ def run_dir(cfg: RunConfig) -> Path:
 def remote_run_dir(cfg: RunConfig) -> str:
     """base_output_directory/run_name when the base is a URL (gs://bucket/runs), else ""."""
     base = cfg.base_output_directory
-    return f"{base.rstrip('/')}/{cfg.run_name}" if "://" in base else ""
+    return f"{base.rstrip('/')}/{_name_path(cfg.run_name)}" if "://" in base else ""
 
 
 def checkpoint_directory(cfg: CheckpointConfig, base_output_directory: str, run_name: str) -> str:
     """`checkpoint_dir`, or base_output_directory/run_name/checkpoints; `gs://` paths stay URLs."""
     if cfg.checkpoint_dir:
         return cfg.checkpoint_dir
-    return f"{base_output_directory.rstrip('/')}/{run_name}/checkpoints"
+    return f"{base_output_directory.rstrip('/')}/{_name_path(run_name)}/checkpoints"
+
+
+def _name_path(run_name: str) -> str:
+    """run_name without a trailing or doubled '/' (`sweep1/`, `a//b`), as a local path reads it: in a bucket,
+    gs://b/runs/sweep1//checkpoints is another folder than gs://b/runs/sweep1/checkpoints."""
+    return "/".join(part for part in run_name.split("/") if part)
