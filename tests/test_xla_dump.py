@@ -90,6 +90,14 @@ def test_a_dump_folder_that_cannot_be_written_is_refused_at_once(tmp_path):
     assert "set dump_hlo_local_dir to a writable folder" in proc.stderr
 
 
+def test_a_run_that_stops_before_compiling_leaves_no_dump_folder(tmp_path):
+    """The dump folder's write probe made outputs/r/xla_dump and left it: a run refused at set-up (a mesh that
+    does not fit the devices) left an empty run folder, which a run that fails before its first step never does."""
+    proc = _run([str(REPO / "train.py")], "run_name=r", "dump_hlo=true", "ici_tensor_parallelism=3", cwd=tmp_path)
+    assert proc.returncode == 2 and "config error: ici_data_parallelism=1" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "outputs").exists()
+
+
 def test_own_dump_flags_without_a_folder_are_said_to_print_to_stdout():
     """dump_hlo_xla_flags without --xla_dump_to: XLA prints the whole dump to stdout, and the log said it
     went "to the folder in dump_hlo_xla_flags", and to "programs matching 'jit_train_step'", a filter those

@@ -16,6 +16,7 @@ same names.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -75,6 +76,25 @@ def _module_pattern(name: str) -> str:
                       "jit_train_step or 'jit_train_step|jit_eval_step'")
 
 
+def _probe(folder: Path) -> None:
+    """ConfigError unless a file can be created in `folder`: XLA itself only logs each file it cannot write
+    (hundreds of lines) and the run goes on. The folders made for the probe are removed again (XLA makes
+    them as it dumps): a run that stops before compiling (a mesh that does not fit) left an empty run folder."""
+    made = [p for p in (folder, *folder.parents) if not p.exists()]  # the deepest first
+    probe = folder / f".tessera-write-probe-{os.getpid()}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"the HLO dump folder {folder} cannot be written ({e.strerror}); set "
+                          "dump_hlo_local_dir to a writable folder") from None
+    finally:
+        for p in made:
+            with contextlib.suppress(OSError):
+                p.rmdir()
+
+
 def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None) -> Path | None:
     """Add the dump flags to XLA_FLAGS (nothing without dump_hlo, but for turning the cache off when
     XLA_FLAGS has a dump folder of its own, as the A3 recipes do); the dump folder, created, or None.
@@ -94,14 +114,7 @@ def apply_hlo_dump(cfg: Config, environ: MutableMapping[str, str] | None = None)
     check_backends_not_started("apply_hlo_dump sets XLA_FLAGS")
     folder = Path(ours[0].partition("=")[2]) if ours else None
     if folder is not None:
-        probe = folder / f".tessera-write-probe-{os.getpid()}"
-        try:  # XLA itself only logs each file it cannot write (hundreds of lines) and the run goes on
-            folder.mkdir(parents=True, exist_ok=True)
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
-            raise ConfigError(f"the HLO dump folder {folder} cannot be written ({e.strerror}); set "
-                              "dump_hlo_local_dir to a writable folder") from None
+        _probe(folder)
     environ["XLA_FLAGS"] = " ".join([*current, *flags])
     _cache_off_for_the_dump(cfg, environ, "HLO dump")
     if folder is None and not theirs:  # XLA then prints every dumped file to stdout, megabytes of it
