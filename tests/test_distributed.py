@@ -411,6 +411,9 @@ def test_watchdog_dumps_stacks_and_exits(tmp_path):
     waited = float(re.search(r"no training step finished in ([0-9.]+) s \(step_timeout_seconds=0.2\)", first)[1])
     assert 0.2 <= waited < 5, first
     assert "File" in proc.stderr  # the Python stack dump
+    # a timeout shorter than the steps (step_timeout_seconds=0.05 on the CPU demo) is named with its fix
+    assert "(step_timeout_seconds=0.2): raise step_timeout_seconds if a step, or a batch of the input pipeline, " \
+        "takes that long; Python stacks of every thread follow, then exit code 5" in first
     with HangWatchdog(0):  # 0 disables it
         time.sleep(0.1)
 

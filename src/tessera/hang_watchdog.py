@@ -61,7 +61,8 @@ class HangWatchdog:
                     reason = (f"{allowance[0]} did not finish in {_seconds(idle)} s (step_timeout_seconds="
                               f"{self.timeout:g} plus {_seconds(allowance[1])} s allowed for it)")
                 else:
-                    reason = f"no training step finished in {_seconds(idle)} s (step_timeout_seconds={self.timeout:g})"
+                    reason = (f"no training step finished in {_seconds(idle)} s (step_timeout_seconds={self.timeout:g}): "
+                              "raise step_timeout_seconds if a step, or a batch of the input pipeline, takes that long")
                 self._end(f"{reason}; Python stacks of every thread follow", stacks=True)
 
     def fail(self, reason: str, exit_code: int = EXIT_HANG, kind: str = "hang watchdog") -> NoReturn:
