@@ -246,6 +246,58 @@ def test_each_process_builds_only_its_rows(monkeypatch, sp_model, corpus):
     assert next(data)["tokens"].shape == (4, 13) and data.process_local
 
 
+class _Sharding:
+    """A batch sharding's rows per device over `processes` processes of 2 devices each: `rows[d]` is
+    device d's (start, stop), None for every row (the batch not split on that device's axis)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def devices_indices_map(self, shape):
+        class Device:
+            def __init__(self, process):
+                self.process_index = process
+
+        return {Device(d // 2): (slice(*r) if r else slice(None), slice(None)) for d, r in enumerate(self.rows)}
+
+
+def test_processes_holding_the_same_rows_of_the_batch_read_the_same_share(monkeypatch, caplog, sp_model, corpus):
+    """With the batch split fewer ways across the processes than there are processes (sequence, tensor
+    or pipeline ways across them) each process's devices hold more rows than global_batch / processes:
+    each read half of the batch, and the first step failed in make_array_from_process_local_data with a
+    traceback ("the process data has 4 elements. Process addresses 8 elements", exit 1). Processes holding
+    the same rows now read the same share, all of its rows."""
+    from tessera.data import process_shares, restore_state, state_to_save
+
+    single = take(make_input(hf_config(corpus, sp_model).data, 96, 8), 2)  # one process: every row
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    split = _Sharding([(0, 2), (2, 4), (4, 6), (6, 8)])  # process 0 holds rows 0-3, process 1 rows 4-7
+    whole = _Sharding([None] * 4)  # every device holds every row (sequence ways across the processes)
+    assert process_shares(split, 8) == process_shares(None, 8) == [(0, 2), (1, 2)]
+    assert process_shares(whole, 8) == [(0, 1), (0, 1)]
+    monkeypatch.setattr(jax, "process_count", lambda: 4)  # stage 0 on processes 0-1, stage 1 on 2-3
+    assert process_shares(_Sharding([(0, 2), (2, 4), (4, 6), (6, 8)] * 2), 8) == [(0, 2), (1, 2), (0, 2), (1, 2)]
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for rank in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda r=rank: r)
+        data = make_input(hf_config(corpus, sp_model).data, 96, 8, sharding=whole)
+        assert data.rows == 8 and data.shares == [(0, 1), (0, 1)]
+        for got, want in zip(take(data, 2), single):  # both read everything, as one process does
+            np.testing.assert_array_equal(got["tokens"], want["tokens"])
+    monkeypatch.setattr("tessera.distributed.gather_json", lambda name, value, timeout: [value, value])
+    saved = state_to_save(data, 2, 10)
+    assert saved["shares"] == [[0, 1], [0, 1]] and len(saved["processes"]) == 2
+    # resumed with a mesh that splits the batch over the processes: process 1's position is in another share
+    other_mesh = make_input(hf_config(corpus, sp_model).data, 96, 8, sharding=split)
+    start = other_mesh.get_state()
+    with caplog.at_level("WARNING", logger="tessera"):
+        restore_state(other_mesh, saved)
+    assert other_mesh.get_state() == start and "with this mesh they read one each" in caplog.text
+    resumed = make_input(hf_config(corpus, sp_model).data, 96, 8, sharding=whole)
+    restore_state(resumed, saved)
+    assert resumed.get_state() == data.get_state()
+
+
 # ---------------------------------------------------------------- resume
 
 

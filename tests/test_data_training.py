@@ -181,8 +181,8 @@ def test_a_run_stops_its_input_pipelines_workers(tmp_path, monkeypatch):
 
     closed = []
 
-    def tracked(cfg, vocab_size, global_batch, split="train"):
-        data = make_input(cfg, vocab_size, global_batch, split)
+    def tracked(cfg, vocab_size, global_batch, split="train", sharding=None):
+        data = make_input(cfg, vocab_size, global_batch, split, sharding)
         data.stop_workers = lambda: closed.append(split)
         return data
 

@@ -269,6 +269,26 @@ def test_each_process_resumes_its_own_share_of_the_files(tmp_path):
 
 
 @pytest.mark.slow
+def test_processes_whose_devices_hold_the_whole_batch_each_read_all_of_it(tmp_path):
+    """ici_sequence_parallelism=8 over two processes: each process's devices hold every row of the batch
+    (split along the sequence), but each process read half of the rows from the files, and the first step
+    failed in make_array_from_process_local_data with a traceback, exit 1 on both. Both now read the whole
+    batch, and the losses are those of one process with the same mesh."""
+    data = ["dataset_type=hf", "hf_path=json", f"hf_train_files={_token_docs(tmp_path / 't.jsonl', 30, 25, 3)}",
+            "max_target_length=16", "ici_fsdp_parallelism=1", "ici_sequence_parallelism=8", "steps=2"]
+    reference = run(tiny_config(tmp_path / "one", per_device_batch_size=1, **dict(a.split("=", 1) for a in data)))
+    assert reference["steps"] == 2
+    one = [json.loads(line)["loss"] for line in (tmp_path / "one" / "test" / "metrics.jsonl").read_text().splitlines()]
+    port = _free_port()
+    for code, err in _finish([_start(rank, port, tmp_path / "mp", *data) for rank in (0, 1)]):
+        assert code == 0 and "Traceback" not in err, err[-3000:]
+    two = [json.loads(line)["loss"] for line in (tmp_path / "mp" / "mp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(two) == 2 and two == pytest.approx(one, rel=1e-4)
+    saved = json.loads((tmp_path / "mp" / "mp" / "checkpoints" / "2" / "data" / "metadata").read_text())
+    assert saved["shares"] == [[0, 1], [0, 1]] and saved["processes"][0] == saved["processes"][1]
+
+
+@pytest.mark.slow
 def test_eval_shares_of_different_lengths_end_together_with_the_one_process_loss(tmp_path):
     """Each process reads its own share of the eval files; 5 documents split 3 + 2, 12 and 8 rows of
     13 tokens, 3 batches of 4 rows on process 0 and 2 on process 1. Process 1 used to leave the eval

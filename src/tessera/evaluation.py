@@ -115,7 +115,8 @@ class Evaluator:
 
     def __init__(self, cfg: DataConfig, trainer: Trainer):
         self.trainer, self.cfg, self.steps = trainer, cfg, cfg.eval_steps
-        self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.eval_batch, split="eval")
+        self.data = make_input(cfg, trainer.model.cfg.vocab_size, trainer.plan.eval_batch, split="eval",
+                               sharding=trainer.batch_sharding)
         self.start = self.data.get_state()
         self._check_targets()
         self.step_fn = eval_step(trainer)

@@ -133,7 +133,7 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
            lock: RunFolderLock) -> dict[str, Any]:
     # ---- input and state (fresh, loaded or resumed): their errors come before anything is written
     plan = trainer.plan
-    data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch)
+    data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch, sharding=trainer.batch_sharding)
     evaluator = Evaluator(cfg.data, trainer) if cfg.data.eval_interval else None
     clock.switch("state")
     source = state_source(ckpt, cfg.checkpoint)

@@ -2,7 +2,8 @@
 batches: dicts of numpy arrays with keys `tokens` [B, T+1] (inputs and shifted targets come
 from it), `segment_ids` [B, T+1] (0 marks padding) and `positions` [B, T+1]. B is the global
 batch, or this process's share of it when the iterator has `process_local = True` (file-backed
-pipelines read only their share); `place_batch` puts either kind on the mesh. Each iterator has
+pipelines read only their share: the rows its devices hold, `process_shares`); `place_batch` puts
+either kind on the mesh. Each iterator has
 `get_state()` (JSON-able, saved in checkpoints) and `set_state(state)`, so a resumed run
 continues with the next unseen batch. `split="eval"` gives the evaluation stream, which ends.
 Data that cannot be used (a damaged file, no records), found when opening or in the middle of
@@ -25,7 +26,9 @@ __all__ = ["DataError", "SyntheticData", "close_input", "make_input", "place_bat
 log = logging.getLogger("tessera")
 
 
-def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
+def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train", sharding=None):
+    """The input pipeline of `split`; `sharding` (the batch's, as `place_batch` gets it) decides which rows each
+    process reads where each reads its own (`process_shares`; without it, process p reads share p of n)."""
     if split == "train":
         _warn_unread_eval_files(cfg)
     if cfg.dataset_type == "synthetic":
@@ -42,11 +45,11 @@ def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str =
     if cfg.dataset_type == "hf":
         from tessera.data.hf import HfData  # imports `datasets` only when used
 
-        data = HfData(cfg, vocab_size, global_batch, split)
+        data = HfData(cfg, vocab_size, global_batch, split, process_shares(sharding, global_batch))
     elif cfg.dataset_type in ("grain", "tfds"):
         from tessera.data.grain_pipeline import GrainData
 
-        data = GrainData(cfg, vocab_size, global_batch, split)
+        data = GrainData(cfg, vocab_size, global_batch, split, process_shares(sharding, global_batch))
     else:
         raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available; use synthetic, hf, tfds or grain")
     return FirstBatchAgain(data) if cfg.reuse_example_batch and split == "train" else data
@@ -59,6 +62,7 @@ class FirstBatchAgain:
 
     def __init__(self, data):
         self.data, self.process_local = data, getattr(data, "process_local", False)
+        self.shares = getattr(data, "shares", None)
         self.start = data.get_state()
         self.batch = next(data)
 
@@ -107,17 +111,38 @@ def state_to_save(data, step: int, timeout: float) -> dict:
     from tessera.distributed import gather_json
 
     states = gather_json(f"data_state/{step}", state, timeout)
-    return {"processes": states} if states is not None else {}  # only process 0's is written
+    if states is None:
+        return {}  # only process 0's is written
+    shares = _shares_of(data, len(states))
+    return {"processes": states} if shares == _each_its_own(len(states)) else {"processes": states, "shares": shares}
+
+
+def _each_its_own(processes: int) -> list[list[int]]:
+    """The shares when every process reads one of its own (process p, share p of n): saved without "shares"."""
+    return [[p, processes] for p in range(processes)]
+
+
+def _shares_of(data, processes: int) -> list[list[int]]:
+    """[share, shares] of every process, as `data` reads them (`process_shares`)."""
+    return [list(s) for s in getattr(data, "shares", None) or _each_its_own(processes)]
 
 
 def restore_state(data, saved: dict) -> None:
     """Put `data` at a checkpoint's saved position (`state_to_save`). Per-process positions need
-    as many processes as saved them: with another count, each process's share of the files is a
+    as many processes as saved them, reading the same shares of the batch (`process_shares`, saved
+    as "shares" unless each process read its own): otherwise each process's share of the files is a
     different one, so it starts at its beginning (a warning says so)."""
     if "processes" in saved:
         states, count = saved["processes"], jax.process_count()
-        if len(states) == count:
+        shares = _shares_of(data, count)
+        if saved.get("shares", _each_its_own(len(states))) == shares:
             data.set_state(states[jax.process_index()])
+            return
+        if len(states) == count:  # another mesh: the processes hold other rows of the batch than when saved
+            log.warning("the checkpoint's data positions are those of processes reading the shares %s of the batch; "
+                        "with this mesh they read %s, each a different part of the files, so every process reads "
+                        "its share from the start (documents already trained on come again)",
+                        saved.get("shares", "one each"), "one each" if shares == _each_its_own(count) else shares)
             return
         log.warning("the checkpoint's data positions are those of %d processes, each in its own share of the "
                     "files; with %d process(es) the shares differ, so every process reads its share of the files from "
@@ -131,10 +156,30 @@ def restore_state(data, saved: dict) -> None:
     data.set_state(saved)
 
 
-def rows_per_process(global_batch: int, split: str = "train") -> int:
-    """The rows of a global batch each process reads (pipelines that read only their own rows);
-    ConfigError when the processes do not divide the batch."""
-    processes = jax.process_count()
+def process_shares(sharding, global_batch: int) -> list[tuple[int, int]]:
+    """(share, shares) for every process, in process order: which share of the global batch's rows each
+    process reads (pipelines that read only their own rows), of how many. A process's share is the rows
+    its devices hold under the batch `sharding`: where the batch is split fewer ways across the processes
+    than there are processes (pipeline stages, or sequence or tensor ways, across them), several processes
+    hold the same rows and read the same share, since each gives all of them to
+    `make_array_from_process_local_data` (each read half of them: a ValueError at the first step). Shares
+    are numbered in the order of their first process: with the batch split over every process, process p
+    reads share p of n, as without `sharding`."""
+    n = jax.process_count()
+    if sharding is None or n == 1:
+        return [(p, n) for p in range(n)]
+    held: dict[int, set] = {}
+    for device, index in sharding.devices_indices_map((global_batch, 1)).items():
+        held.setdefault(device.process_index, set()).add(index[0].indices(global_batch)[:2])
+    rows = [tuple(sorted(held[p])) for p in range(n)]
+    distinct = list(dict.fromkeys(rows))
+    return [(distinct.index(r), len(distinct)) for r in rows]
+
+
+def rows_per_process(global_batch: int, split: str = "train", shares: int | None = None) -> int:
+    """The rows of a global batch each process reads (pipelines that read only their own rows), from
+    `shares` of it (default: one per process); ConfigError when the processes do not divide the batch."""
+    processes = jax.process_count() if shares is None else shares
     if global_batch % processes:
         what, key = ("evaluation batch", "eval_per_device_batch_size") if split == "eval" else \
             ("global batch", "per_device_batch_size")

@@ -3,7 +3,8 @@ through Grain, deterministic and resumable.
 
 Records are read by index (`grain.MapDataset`), so the order is a pure function of the files and
 `data_shuffle_seed`: process p of n takes records p, p+n, p+2n, ... of the (shuffled) list, so
-a file count that does not divide across processes loses nothing. The training stream repeats
+a file count that does not divide across processes loses nothing (p and n count shares of the batch,
+`tessera.data.process_shares`: processes whose devices hold the same rows read the same records). The training stream repeats
 (reshuffled each epoch); the eval stream is read in file order and ends. Tokenizing runs in
 `grain_worker_count` worker processes (0: in this process). The iterator state is Grain's own
 iterator state plus the tokens already used of the current document (JSON, saved in checkpoints).
@@ -75,11 +76,14 @@ class GrainData:
 
     process_local = True
 
-    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
+    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train",
+                 shares: list[tuple[int, int]] | None = None):
         import grain
         import jax
 
-        self.cfg, self.rows, self.length = cfg, rows_per_process(global_batch, split), cfg.max_target_length + 1
+        self.shares = shares or [(p, jax.process_count()) for p in range(jax.process_count())]  # process_shares
+        index, processes = self.shares[jax.process_index()]  # processes holding the same rows read the same share
+        self.cfg, self.rows, self.length = cfg, rows_per_process(global_batch, split, processes), cfg.max_target_length + 1
         if cfg.dataset_type == "tfds":
             described = f"dataset_name={cfg.dataset_name!r}"
             source = tfds_source(cfg, split)
@@ -100,14 +104,13 @@ class GrainData:
             self.tokenizer = load_tokenizer(cfg.tokenizer_path, cfg.tokenizer_type)
             check_tokenizer(self.tokenizer, cfg.tokenizer_path, vocab_size, cfg.add_bos, cfg.add_eos)
         checked.tokenized = self.tokenizer is not None
-        processes = jax.process_count()
         if split == "train" and len(source) < processes:  # every process knows it: all stop alike
             raise DataError(f"{described}: {len(source)} record(s) for {processes} processes, each of which "
                             "trains on its own records: add records (or split the documents into more records)")
         ds = grain.MapDataset.source(checked)
         if split == "train":
             ds = ds.shuffle(seed=cfg.data_shuffle_seed)
-        ds = ds[jax.process_index()::processes]
+        ds = ds[index::processes]
         # a run of this many documents holds a whole (reshuffled) pass: all empty, the data holds no tokens
         whole_pass = 2 * len(ds) - 1
         if split == "train":

@@ -4,11 +4,12 @@
 `hf_train_files` / `hf_eval_files`, a local dataset folder (`load_dataset` layout or one written
 by `save_to_disk`), or a Hub dataset name. Every source becomes an `IterableDataset` (streamed
 with `hf_streaming=true`, else converted to an Arrow cache first), split across processes with
-`split_dataset_by_node`: whole files per process when the file count divides evenly, else every
+`split_dataset_by_node`: whole files per share when the file count divides evenly, else every
 process reads all files and keeps every n-th document, so no document is dropped or read twice.
 
-Each process builds only its rows of the global batch (`global_batch / process_count` of them,
-placed on the mesh by `tessera.data.place_batch`). The training stream restarts at its end
+Each process builds only its rows of the global batch: those its devices hold, `global_batch / n`
+of them for n shares (`tessera.data.process_shares`: one per process unless several processes hold
+the same rows, which then read the same share), placed on the mesh by `tessera.data.place_batch`. The training stream restarts at its end
 (a new epoch); the eval stream ends. The iterator state (epoch, the `datasets` stream state and
 the token offset in the current document) is JSON and resumes exactly.
 """
@@ -129,8 +130,9 @@ def _log_through_the_run() -> None:
                 library.removeHandler(handler)
 
 
-def load_stream(cfg: DataConfig, split: str):
-    """The `datasets.IterableDataset` for `split` ('train' or 'eval'), split across processes."""
+def load_stream(cfg: DataConfig, split: str, share: tuple[int, int] | None = None):
+    """The `datasets.IterableDataset` for `split` ('train' or 'eval'): its `share` (index, count; default:
+    this process's of one per process)."""
     import datasets
     import jax
     from datasets.distributed import split_dataset_by_node
@@ -169,8 +171,9 @@ def load_stream(cfg: DataConfig, split: str):
                           f"loaded: {type(e).__name__}: {e}{_format_hint(files_value)}") from e
     if isinstance(ds, datasets.Dataset):
         ds = ds.to_iterable_dataset(num_shards=max(1, min(len(ds), 64)))
-    if jax.process_count() > 1:
-        ds = split_dataset_by_node(ds, jax.process_index(), jax.process_count())
+    index, count = share or (jax.process_index(), jax.process_count())
+    if count > 1:
+        ds = split_dataset_by_node(ds, index, count)
     return ds
 
 
@@ -179,13 +182,18 @@ class HfData:
 
     process_local = True  # batches hold this process's rows only
 
-    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train"):
+    def __init__(self, cfg: DataConfig, vocab_size: int, global_batch: int, split: str = "train",
+                 shares: list[tuple[int, int]] | None = None):
+        import jax
+
         self.cfg, self.split, self.length = cfg, split, cfg.max_target_length + 1
-        self.rows = rows_per_process(global_batch, split)
+        self.shares = shares or [(p, jax.process_count()) for p in range(jax.process_count())]  # process_shares
+        self.share = self.shares[jax.process_index()]
+        self.rows = rows_per_process(global_batch, split, self.share[1])
         self.tokenizer = None
         if cfg.tokenizer_path:  # first: a missing tokenizer is named at once, not after a Hub dataset's retries
             self.tokenizer = self._load_tokenizer(vocab_size)
-        self.ds = load_stream(cfg, split)
+        self.ds = load_stream(cfg, split, self.share)
         self.files_key, files_value = files_setting(cfg, split)
         self.files = expand_files(files_value, self.files_key) if cfg.hf_path in FILE_FORMATS else []
         self.setting = f"{self.files_key}={files_value!r}" if self.files else f"hf_path={cfg.hf_path!r}"
@@ -230,14 +238,15 @@ class HfData:
     def _no_records(self) -> DataError:
         import jax
 
-        share = ""
-        if jax.process_count() > 1:
-            n = jax.process_count()
+        share, (index, n) = "", self.share
+        if n > 1:
+            who = (f"process {jax.process_index()} of {n}" if n == jax.process_count() else
+                   f"process {jax.process_index()} of {jax.process_count()} (share {index} of {n})")
             if self.files:  # the files together may hold records: this process's share holds none
-                return DataError(f"{self.setting}: process {jax.process_index()} of {n} gets no records from these "
-                                 f"files (each process reads its own share: whole files when {n} divides their "
-                                 f"count, else every {n}th document); add documents, or run fewer processes")
-            share = f" (the share of process {jax.process_index()} of {n})"
+                return DataError(f"{self.setting}: {who} gets no records from these files (each process reads its "
+                                 f"own share: whole files when {n} divides their count, else every {n}th document); "
+                                 "add documents, or run fewer processes")
+            share = f" (the share of {who})"
         if self.files:
             one_per_line = " (hf_path=text: one document per line)" if self.cfg.hf_path == "text" else ""
             return no_records(self.setting, self.files, one_per_line)
