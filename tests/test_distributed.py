@@ -405,6 +405,48 @@ def test_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
     assert "hang watchdog" in err and seconds < 60
 
 
+_DIES_IN_ITS_SAVE = """
+import os, runpy, signal, sys, time
+sys.path.insert(0, {src!r})
+import jax
+from tessera.checkpointing import manager
+save = manager.Checkpointer.save
+def dies(self, step, state, *args, **kwargs):  # process 1 is killed inside the save of step 2
+    if step == 2:
+        jax.block_until_ready(state)
+        time.sleep(1)  # process 0 is in the save's collectives by now
+        os.kill(os.getpid(), signal.SIGKILL)
+    return save(self, step, state, *args, **kwargs)
+manager.Checkpointer.save = dies
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_peer_killed_during_a_save_ends_the_survivor_with_the_watchdog_code(tmp_path):
+    """Process 1 killed (kill -9, the OOM killer) while the job saved a checkpoint: process 0's save failed in
+    a collective ("Gloo AllGather failed: Connection closed by peer"), which was reported as a save error
+    ("free some space", exit 6); the partial save was then moved aside under Orbax's writer threads, whose
+    errors came out of the checkpoint manager's close: a traceback, exit 1. It ends as a failed step of a job
+    does now: one hang watchdog line, exit 5; the job resumes from the last complete checkpoint."""
+    port = _free_port()
+    flags = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=5 {FAST_COMPILE}"}
+    args = ("steps=100000", "checkpoint_period=1", "step_timeout_seconds=90")
+    dying = subprocess.Popen([sys.executable, "-c", _DIES_IN_ITS_SAVE.format(src=str(REPO / "src")),
+                              *_start_command(tmp_path, *args)[1:]], env=_start_env(1, port, extra_env=flags),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    (code, err), (dead, _) = _finish([_start(0, port, tmp_path, *args, extra_env=flags), dying], timeout=200)
+    assert dead == -signal.SIGKILL
+    assert code == 5 and "Traceback" not in err and "free some space" not in err, err[-3000:]
+    line = next(line for line in err.splitlines() if line.startswith("hang watchdog:"))
+    assert re.search(r"step 2 of this 2-process job failed on the device or in a collective \(JAX said: .+\)", line)
+    assert sorted(p.name for p in (tmp_path / "mp" / "checkpoints").iterdir() if p.name.isdigit()) == ["1"]
+    port = _free_port()
+    for code, err in _finish([_start(rank, port, tmp_path, "steps=3") for rank in (0, 1)]):
+        assert code == 0 and "resuming from step 1" in err, err[-3000:]
+
+
 @pytest.mark.slow
 def test_a_collective_that_raises_after_a_lost_peer_ends_the_survivor_with_the_watchdog_code(tmp_path):
     # A collective whose peer is killed blocks on most runs (the test above) and raises on others

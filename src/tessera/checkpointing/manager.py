@@ -173,6 +173,11 @@ class Checkpointer:
             yield
         except Exception as e:  # noqa: BLE001 - any failed write loses the step: report it as one error
             self._saving, self._failed, self._writing_since = None, True, None
+            if isinstance(e, jax.errors.JaxRuntimeError) and jax.process_count() > 1:
+                # a collective of the save whose peer is gone (killed, lost its network): the loop ends this process
+                # as for a failed step (exit 5). Reported as a save error it said "free some space" (exit 6), and the
+                # partial save, moved aside under Orbax's writer threads, made their errors a traceback (exit 1)
+                raise
             raise self._save_error(step, e) from None
 
     def _save_error(self, step: int | None, e: Exception) -> CheckpointSaveError:
