@@ -88,6 +88,23 @@ def test_job_layout_from_environment():
     assert (spec.num_processes, spec.process_id) == (12, 10)
 
 
+def test_a_job_timeout_below_one_second_is_refused():
+    """JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS=0 formed the job, and JAX's runtime called every process dead
+    ("stopped sending heartbeats") and aborted both in C++ 3 s later (SIGABRT, exit 134); a start-up timeout of 0
+    gave up before joining and blamed the coordinator. Both are refused at once (exit 4); one process reads neither."""
+    job = {"JAX_COORDINATOR_IP": "127.0.0.1", "NNODES": "2", "NODE_RANK": "1"}
+    for name, what, default in (("JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS", "how long a silent process is waited "
+                                 "for before JAX's runtime ends the job", 100),
+                                ("JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS", "how long a process waits for "
+                                 "the job to form", 300)):
+        for value in ("0", "-5"):
+            with pytest.raises(DistributedError, match=rf"^{name}={value} is {re.escape(what)}, in seconds: give 1 or "
+                                                       rf"more \(default {default}\), or unset it$"):
+                job_from_env({**job, name: value})
+        assert job_from_env({name: "0"}).mode == "single"
+    assert job_from_env({**job, "JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS": "1"}).heartbeat_timeout == 1
+
+
 def test_tpu_hosts_are_read_where_jax_reads_them(tmp_path):
     """Newer GKE gives a slice's hosts as TPU_PROCESS_ADDRESSES (or a file, TPU_PROCESS_ADDRESSES_PATH), which JAX's
     TPU detection reads before TPU_WORKER_HOSTNAMES: with those alone a 4-host slice was 4 single processes."""

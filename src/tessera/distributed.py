@@ -68,11 +68,30 @@ def _int_env(env: Mapping[str, str], name: str, default: int) -> int:
         raise DistributedError(f"{name}={value!r} must be a whole number") from None
 
 
+# what a timeout below 1 s did: the heartbeat's made JAX's runtime call every process dead ("stopped sending
+# heartbeats") and abort the job in C++ seconds after it formed (SIGABRT, 134); start-up's gave up before joining
+# and blamed the coordinator
+TIMEOUTS = {"JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS": ("how long a process waits for the job to form", 300),
+            "JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS": ("how long a silent process is waited for before JAX's "
+                                                          "runtime ends the job", 100)}
+
+
 def job_from_env(env: Mapping[str, str] | None = None) -> JobSpec:
     """Read the job layout from environment variables (see the module docstring)."""
     env = os.environ if env is None else env
-    timeouts = dict(init_timeout=_int_env(env, "JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS", 300),
-                    heartbeat_timeout=_int_env(env, "JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS", 100))
+    spec = _job_layout(env)
+    if spec.mode != "single":  # a single process never joins: its timeouts are not read
+        for name, seconds in zip(TIMEOUTS, (spec.init_timeout, spec.heartbeat_timeout)):
+            if seconds < 1:
+                what, default = TIMEOUTS[name]
+                raise DistributedError(f"{name}={seconds} is {what}, in seconds: give 1 or more (default {default}), "
+                                       "or unset it")
+    return spec
+
+
+def _job_layout(env: Mapping[str, str]) -> JobSpec:
+    init, heartbeat = (_int_env(env, name, default) for name, (_, default) in TIMEOUTS.items())
+    timeouts = dict(init_timeout=init, heartbeat_timeout=heartbeat)
     if env.get("JAX_COORDINATOR_IP"):
         ip = env["JAX_COORDINATOR_IP"].strip()
         if re.fullmatch(r"[^:\[\]]+:\d+|\[[^\]]+\]:\d+", ip):  # host:port or [v6]:port (an IPv6 address has more colons)
