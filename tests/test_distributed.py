@@ -305,6 +305,41 @@ def test_processes_whose_devices_hold_the_whole_batch_each_read_all_of_it(tmp_pa
     assert saved["shares"] == [[0, 1], [0, 1]] and saved["processes"][0] == saved["processes"][1]
 
 
+_MISSES_A_FILE = """
+import runpy, sys
+sys.path.insert(0, {src!r})
+from tessera.data import hf
+expand = hf.expand_files
+hf.expand_files = lambda *args: expand(*args)[:-1]  # this host lacks the last file (a copy not finished)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_processes_that_see_other_files_stop_naming_them(tmp_path):
+    """Each process reads its share of the files it sees: with a file missing on one host (a copy not finished),
+    process 0 kept whole files 0 and 2 of 3 and process 1 every other document of files 0 and 1, so records
+    were read twice and others never, and both trained on (exit 0) without a word. Both now stop, exit 2,
+    naming the file."""
+    files = [_token_docs(tmp_path / f"{name}.jsonl", 6, 20, seed) for seed, name in enumerate("abc")]
+    data = ["dataset_type=hf", "hf_path=json", f"hf_train_files={tmp_path / '*.jsonl'}", "steps=2"]
+    port = _free_port()
+    missing = subprocess.Popen([sys.executable, "-c", _MISSES_A_FILE.format(src=str(REPO / "src")),
+                                *_start_command(tmp_path / "mp", *data)[1:]], env=_start_env(1, port),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = _finish([_start(0, port, tmp_path / "mp", *data), missing])
+    size = f"{os.path.getsize(files[2]):,} bytes"
+    said = {0: f"process 0 sees other data than process 1: {files[2]} ({size} here, missing on process 1)",
+            1: f"process 1 sees other data than process 0: {files[2]} (missing here, {size} on process 0)"}
+    for code, err in results:  # each says its own line, or follows the other's ("job error: process 1 stopped ...")
+        assert code == 2 and "Traceback" not in err, err[-3000:]
+        assert any(s in err.strip().splitlines()[-1] for s in said.values()), err[-3000:]
+    assert any(line.startswith(f"data error: hf_train_files='{tmp_path / '*.jsonl'}': {said[rank]}")
+               for rank, (_, err) in enumerate(results) for line in err.splitlines()), results
+    assert not (tmp_path / "mp" / "mp").exists()  # nothing trained
+
+
 @pytest.mark.slow
 def test_eval_shares_of_different_lengths_end_together_with_the_one_process_loss(tmp_path):
     """Each process reads its own share of the eval files; 5 documents split 3 + 2, 12 and 8 rows of

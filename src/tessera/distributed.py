@@ -311,6 +311,29 @@ def gather_json(name: str, value: Any, timeout: float) -> list[Any] | None:
     return values
 
 
+def compared_values(name: str, value: Any, timeout: float, point: str):
+    """Publish this process's JSON-able `value` (under tessera/<name>/<process>), then yield (process, value)
+    for each process it is compared with: every other one on process 0, process 0 on the others, so that
+    each process that differs from process 0 finds it, and process 0 too. Nothing in a single process.
+    DistributedError when one has not published within `timeout` seconds (0: an hour), having not reached
+    `point` (the place of the comparison in the run)."""
+    from jax._src.distributed import global_state
+
+    client = global_state.client
+    if client is None:
+        return
+    me, count = global_state.process_id, global_state.num_processes
+    wait_ms = int((timeout if timeout > 0 else 3600.0) * 1000)
+    client.key_value_set(f"tessera/{name}/{me}", json.dumps(value, sort_keys=True))
+    for other in range(1, count) if me == 0 else [0]:
+        try:
+            theirs = json.loads(client.blocking_key_value_get(f"tessera/{name}/{other}", wait_ms))
+        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: that process never got this far
+            raise DistributedError(f"process {me} waited for the {name} of process {other}, which did not {point} "
+                                   f"(look at its log). JAX said: {' '.join(str(e).split())[:300]}") from None
+        yield other, theirs
+
+
 LOCAL_DEVICES = "devices of the process"  # compared with the config: every process of a job has as many
 
 
@@ -322,23 +345,14 @@ def check_same_config(config: Mapping[str, Any], timeout: float) -> None:
     other processes blamed a lost network."""
     from jax._src.distributed import global_state
 
-    client = global_state.client
-    if client is None:
+    if global_state.client is None:
         return
     me, count = global_state.process_id, global_state.num_processes
-    wait_ms = int((timeout if timeout > 0 else 3600.0) * 1000)
     # with the process count each was started with: the coordinator's is the job's, so a process given another
     # NNODES joined a job of another size than it was told, and trained on; and with the devices each sees
     # (a GPU missing on one VM, another CUDA_VISIBLE_DEVICES), which failed with a traceback in Orbax's first save
     mine = json.loads(json.dumps({**config, "NNODES": count, LOCAL_DEVICES: jax.local_device_count()}, default=str))
-    client.key_value_set(f"tessera/config/{me}", json.dumps(mine, sort_keys=True))
-    others = range(1, count) if me == 0 else [0]
-    for other in others:
-        try:
-            theirs = json.loads(client.blocking_key_value_get(f"tessera/config/{other}", wait_ms))
-        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED: that process never got this far
-            raise DistributedError(f"process {me} waited for the config of process {other}, which did not start "
-                                   f"training (look at its log). JAX said: {' '.join(str(e).split())[:300]}") from None
+    for other, theirs in compared_values("config", mine, timeout, "start training"):
         differ = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
         if differ:
             shown = ", ".join(f"{k}={json.dumps(mine.get(k))} (process {other}: {json.dumps(theirs.get(k))})"

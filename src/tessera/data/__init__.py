@@ -11,6 +11,7 @@ a run, raises `DataError` (a `ConfigError`: exit code 2) naming the file and wha
 
 from __future__ import annotations
 
+import json
 import logging
 
 import jax
@@ -52,6 +53,7 @@ def make_input(cfg: DataConfig, vocab_size: int, global_batch: int, split: str =
         data = GrainData(cfg, vocab_size, global_batch, split, process_shares(sharding, global_batch))
     else:
         raise ConfigError(f"dataset_type={cfg.dataset_type!r} is not available; use synthetic, hf, tfds or grain")
+    _check_same_data(data, cfg, split)
     return FirstBatchAgain(data) if cfg.reuse_example_batch and split == "train" else data
 
 
@@ -80,6 +82,36 @@ class FirstBatchAgain:
 
     def stop_workers(self) -> None:
         close_input(self.data)
+
+
+def _check_same_data(data, cfg: DataConfig, split: str) -> None:
+    """DataError when another process of the job sees other files for `split` (a file missing on one host, or
+    still being copied there: another size), or another number of records: each process reads its share of
+    what it sees, so the shares overlapped and left records out, without a word. Compared with process 0."""
+    if jax.process_count() == 1:
+        return
+    from tessera.distributed import compared_values
+
+    mine, me = json.loads(json.dumps(data.seen)), jax.process_index()
+    setting = {"hf": "hf_train_files" if split == "train" else "hf_eval_files", "tfds": "dataset_name",
+               "grain": "grain_train_files" if split == "train" else "grain_eval_files"}[cfg.dataset_type]
+    for other, theirs in compared_values(f"{split} data", mine, 0, "open it"):
+        if theirs == mine:
+            continue
+        files, their_files = (dict(map(tuple, x.get("files", []))) for x in (mine, theirs))
+        differ = [f"{f} ({_size(files.get(f))} here, {_size(their_files.get(f))} on process {other})"
+                  for f in sorted(set(files) | set(their_files)) if files.get(f) != their_files.get(f)]
+        if not differ:
+            differ = [f"{mine.get('records')} records here, {theirs.get('records')} on process {other}"]
+        raise DataError(f"{setting}={getattr(cfg, setting)!r}: process {me} sees other data than process {other}: "
+                        f"{'; '.join(differ[:3])}{f'; and {len(differ) - 3} more' if len(differ) > 3 else ''}. "
+                        "Each process reads its share of the records it sees, so the shares would overlap and leave "
+                        "records out: give every process the same files (a copy finished on every host, or a shared "
+                        "file system)")
+
+
+def _size(size) -> str:
+    return "missing" if size is None else f"{size:,} bytes"
 
 
 def close_input(data) -> None:

@@ -29,7 +29,7 @@ from tessera.data import rows_per_process
 from tessera.data.documents import column_values, document_ids
 from tessera.data.errors import DataError, no_records
 from tessera.data.grain_sources import open_source, tfds_source
-from tessera.data.hf import expand_files
+from tessera.data.hf import expand_files, files_with_sizes
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
 
@@ -96,6 +96,9 @@ class GrainData:
             source = open_source(cfg, files_key, cfg.grain_train_files if split == "train" else cfg.grain_eval_files)
             if len(source) == 0:
                 raise no_records(files_key, expand_files(getattr(cfg, files_key), files_key))
+        # what the processes of a job compare (make_input): each reads every n-th of the records they count
+        self.seen = {"records": len(source), "files": [] if cfg.dataset_type == "tfds" else
+                     files_with_sizes(expand_files(getattr(cfg, files_key), files_key))}
         described += f", train_data_columns={list(cfg.train_data_columns)}"
         checked = _Checked(source, list(cfg.train_data_columns), described, vocab_size)
         self.tokenizer = None  # records of token ids need none (as with dataset_type=hf)

@@ -77,6 +77,11 @@ def expand_files(pattern_list: str, key: str) -> list[str]:
     return files
 
 
+def files_with_sizes(files: list[str]) -> list[list]:
+    """[file, bytes] of each of `files` (bytes None for a URL), as the processes of a job compare them."""
+    return [[f, None if f.startswith(REMOTE_PREFIXES) else os.path.getsize(f)] for f in files]
+
+
 def _once(file: str, same: str, pattern: str, matched_by: dict, key: str) -> None:
     """Note that glob `pattern` matched `file` (`same`: what is equal for one file, e.g. its real
     path); ConfigError when an earlier glob matched it too."""
@@ -197,6 +202,7 @@ class HfData:
         self.files_key, files_value = files_setting(cfg, split)
         self.files = expand_files(files_value, self.files_key) if cfg.hf_path in FILE_FORMATS else []
         self.setting = f"{self.files_key}={files_value!r}" if self.files else f"hf_path={cfg.hf_path!r}"
+        self.seen = {"files": files_with_sizes(self.files)}  # what the processes of a job compare (make_input)
         self.columns = list(cfg.train_data_columns)
         try:
             first = self._next_record(iter(self.ds))
