@@ -483,7 +483,8 @@ def test_a_peer_killed_during_a_save_ends_the_survivor_with_the_watchdog_code(tm
     errors came out of the checkpoint manager's close: a traceback, exit 1. It ends as a failed step of a job
     does now: one hang watchdog line, exit 5; the job resumes from the last complete checkpoint."""
     port = _free_port()
-    flags = {"XLA_FLAGS": f"--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=5 {FAST_COMPILE}"}
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4 --xla_cpu_collective_timeout_seconds=5 "
+                          f"{FAST_COMPILE}"}
     args = ("steps=100000", "checkpoint_period=1", "step_timeout_seconds=90")
     dying = subprocess.Popen([sys.executable, "-c", _DIES_IN_ITS_SAVE.format(src=str(REPO / "src")),
                               *_start_command(tmp_path, *args)[1:]], env=_start_env(1, port, extra_env=flags),

@@ -4,8 +4,8 @@ through Grain, deterministic and resumable.
 Records are read by index (`grain.MapDataset`), so the order is a pure function of the files and
 `data_shuffle_seed`: process p of n takes records p, p+n, p+2n, ... of the (shuffled) list, so
 a file count that does not divide across processes loses nothing (p and n count shares of the batch,
-`tessera.data.process_shares`: processes whose devices hold the same rows read the same records). The training stream repeats
-(reshuffled each epoch); the eval stream is read in file order and ends. Tokenizing runs in
+`tessera.data.process_shares`: processes whose devices hold the same rows read the same records). The
+training stream repeats (reshuffled each epoch); the eval stream is read in file order and ends. Tokenizing runs in
 `grain_worker_count` worker processes (0: in this process). The iterator state is Grain's own
 iterator state plus the tokens already used of the current document (JSON, saved in checkpoints).
 
@@ -83,7 +83,8 @@ class GrainData:
 
         self.shares = shares or [(p, jax.process_count()) for p in range(jax.process_count())]  # process_shares
         index, processes = self.shares[jax.process_index()]  # processes holding the same rows read the same share
-        self.cfg, self.rows, self.length = cfg, rows_per_process(global_batch, split, processes), cfg.max_target_length + 1
+        self.cfg, self.rows = cfg, rows_per_process(global_batch, split, processes)
+        self.length = cfg.max_target_length + 1
         if cfg.dataset_type == "tfds":
             described = f"dataset_name={cfg.dataset_name!r}"
             source = tfds_source(cfg, split)

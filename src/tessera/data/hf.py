@@ -9,9 +9,10 @@ process reads all files and keeps every n-th document, so no document is dropped
 
 Each process builds only its rows of the global batch: those its devices hold, `global_batch / n`
 of them for n shares (`tessera.data.process_shares`: one per process unless several processes hold
-the same rows, which then read the same share), placed on the mesh by `tessera.data.place_batch`. The training stream restarts at its end
-(a new epoch); the eval stream ends. The iterator state (epoch, the `datasets` stream state and
-the token offset in the current document) is JSON and resumes exactly.
+the same rows, which then read the same share), placed on the mesh by `tessera.data.place_batch`.
+The training stream restarts at its end (a new epoch); the eval stream ends. The iterator state
+(epoch, the `datasets` stream state and the token offset in the current document) is JSON and
+resumes exactly.
 """
 
 from __future__ import annotations
