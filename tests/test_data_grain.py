@@ -222,3 +222,20 @@ def test_trainer_checkpoint_resumes_grain_at_the_next_unseen_batch(tmp_path, sp_
     resumed.set_state(saved)
     for want in expected:
         np.testing.assert_array_equal(next(resumed)["tokens"], want)
+
+
+def test_processes_holding_the_same_rows_read_the_same_records(tmp_path, sp_model, monkeypatch):  # noqa: F811
+    """Two processes whose devices hold every row of the batch (sequence ways across them) each took every
+    other record and half of the rows, and the first step failed (make_array_from_process_local_data). Both
+    now read all the records, every row, as one process does; split over the processes, each its half."""
+    from test_data_hf import _Sharding
+
+    cfg = grain_config(write_records(tmp_path, make_docs(12)), sp_model)
+    single = batches(cfg, 2, rows=8)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    for rank in (0, 1):
+        monkeypatch.setattr(jax, "process_index", lambda r=rank: r)
+        data = make_input(cfg.data, 96, 8, sharding=_Sharding([None] * 4))
+        assert data.rows == 8 and data.seen["records"] == 12
+        np.testing.assert_array_equal(np.stack([next(data)["tokens"] for _ in range(2)]), np.stack(single))
+        assert make_input(cfg.data, 96, 8, sharding=_Sharding([(0, 2), (2, 4), (4, 6), (6, 8)])).rows == 4
