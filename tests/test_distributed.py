@@ -88,6 +88,21 @@ def test_job_layout_from_environment():
     assert (spec.num_processes, spec.process_id) == (12, 10)
 
 
+def test_a_coordinator_address_that_is_no_host_is_refused():
+    """A JAX_COORDINATOR_IP that no process could ever reach (a URL, a network, a list, spaces) made every
+    process wait out the start-up timeout, 300 s by default, and then call the coordinator unreachable; it
+    is refused at once now (exit 4). Host names and IPv4/IPv6 addresses (with a zone, in brackets) pass."""
+    job = {"NNODES": "2", "NODE_RANK": "1"}
+    for ip in (" ", "http://10.0.0.2", "10.0.0.0/24", "10.0.0.2,10.0.0.3", "host 0", "[host-0]", "a..b"):
+        with pytest.raises(DistributedError, match=rf"^JAX_COORDINATOR_IP={re.escape(repr(ip))} is not a host name or "
+                                                   r"an IP address: give the address of the host of NODE_RANK=0 alone"):
+            job_from_env({**job, "JAX_COORDINATOR_IP": ip})
+    for ip, address in (("10.0.0.2", "10.0.0.2:8476"), ("tpu-vm-0.us-central2-b.c.my-project.internal", None),
+                        ("localhost", None), ("my_host", None), ("fe80::1%eth0", "[fe80::1%eth0]:8476"),
+                        ("[fd00::1]", "[fd00::1]:8476"), (" 10.0.0.2 ", "10.0.0.2:8476")):
+        assert job_from_env({**job, "JAX_COORDINATOR_IP": ip}).coordinator == (address or f"{ip}:8476")
+
+
 def test_a_job_timeout_below_one_second_is_refused():
     """JAX_DISTRIBUTED_HEARTBEAT_TIMEOUT_SECONDS=0 formed the job, and JAX's runtime called every process dead
     ("stopped sending heartbeats") and aborted both in C++ 3 s later (SIGABRT, exit 134); a start-up timeout of 0

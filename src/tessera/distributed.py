@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import ipaddress
 import json
 import logging
 import os
@@ -98,6 +99,7 @@ def _job_layout(env: Mapping[str, str]) -> JobSpec:
             host, port = ip.rsplit(":", 1)
             raise DistributedError(f"JAX_COORDINATOR_IP={env['JAX_COORDINATOR_IP']} holds a port: give the address "
                                    f"alone, JAX_COORDINATOR_IP={host}, and the port as JAX_COORDINATOR_PORT={port}")
+        _check_address(ip, env["JAX_COORDINATOR_IP"])
         nodes, rank = _int_env(env, "NNODES", 1), _int_env(env, "NODE_RANK", 0)
         if not env.get("NNODES") and env.get("NODE_RANK"):  # NODE_RANK=0 trained alone, NODE_RANK=1 was "out of range"
             raise DistributedError(f"JAX_COORDINATOR_IP and NODE_RANK={rank} are set but NNODES is not: set NNODES to "
@@ -140,6 +142,25 @@ def _job_layout(env: Mapping[str, str]) -> JobSpec:
                                "JAX_COORDINATOR_IP to the address of the host of NODE_RANK=0, or unset NODE_RANK for a "
                                "single process")
     return JobSpec("single", **timeouts)
+
+
+HOST_NAME = re.compile(r"[A-Za-z0-9_]([-A-Za-z0-9_]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([-A-Za-z0-9_]*[A-Za-z0-9_])?)*\.?")
+
+
+def _check_address(ip: str, given: str) -> None:
+    """DistributedError unless JAX_COORDINATOR_IP (`given`; `ip` stripped) is a host name or an IP address (IPv6 in
+    brackets or not). Anything else (empty, a URL, a list, a network) could never be joined: each process
+    waited out the start-up timeout (300 s) and then named the address as unreachable."""
+    bare = ip[1:-1] if ip.startswith("[") and ip.endswith("]") else ip
+    try:
+        ipaddress.ip_address(bare.split("%", 1)[0])  # an IPv6 address may carry its zone (fe80::1%eth0)
+        return
+    except ValueError:
+        if bare == ip and HOST_NAME.fullmatch(ip):
+            return
+    raise DistributedError(f"JAX_COORDINATOR_IP={given!r} is not a host name or an IP address: give the address of the "
+                           "host of NODE_RANK=0 alone, e.g. JAX_COORDINATOR_IP=10.0.0.2 or a host name (the port as "
+                           "JAX_COORDINATOR_PORT)")
 
 
 def _tpu_hosts(env: Mapping[str, str]) -> str:
