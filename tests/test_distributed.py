@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
@@ -235,6 +236,18 @@ def test_a_job_with_jax_cache_dir_joins_before_its_cache_folder_is_checked(tmp_p
     assert "Warning" not in results[0][1] and "job error: process 0 stopped with: config error" in results[1][1]
 
 
+def _saved_arrays(folder) -> dict:
+    """Every array of a checkpoint's saved train state, read back whole as numpy, by its path in the tree."""
+    import orbax.checkpoint as ocp
+
+    with ocp.PyTreeCheckpointer() as reader:
+        tree = reader.metadata(folder)
+        tree = getattr(getattr(tree, "item_metadata", tree), "tree", tree)
+        state = reader.restore(folder, restore_args=jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray),
+                                                                  tree))
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_flatten_with_path(state)[0]}
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_process_and_resume(tmp_path):
     reference = run(tiny_config(tmp_path / "one", steps=3, per_device_batch_size=1))
@@ -247,6 +260,10 @@ def test_two_processes_match_one_process_and_resume(tmp_path):
     assert len(got) == 3 and reference["steps"] == 3
     # same weights, batch and math; only where the cross-process sums happen differs
     assert got == pytest.approx(ref, rel=1e-4)
+    one, two = (_saved_arrays(tmp_path / d / "checkpoints" / "3" / "state") for d in ("one/test", "mp/mp"))
+    assert sorted(one) == sorted(two) and len(one) > 20  # parameters, both Adam moments, the step
+    for path, value in one.items():  # each process wrote its shards; together they are the one process's state
+        np.testing.assert_allclose(two[path], value, rtol=1e-4, atol=1e-6, err_msg=path)
     port = _free_port()
     results = _finish([_start(rank, port, tmp_path / "mp", "steps=5") for rank in (0, 1)])
     for code, err in results:
