@@ -102,6 +102,7 @@ def test_a_coordinator_address_that_is_no_host_is_refused():
                         ("localhost", None), ("my_host", None), ("fe80::1%eth0", "[fe80::1%eth0]:8476"),
                         ("[fd00::1]", "[fd00::1]:8476"), (" 10.0.0.2 ", "10.0.0.2:8476")):
         assert job_from_env({**job, "JAX_COORDINATOR_IP": ip}).coordinator == (address or f"{ip}:8476")
+    assert job_from_env({"JAX_COORDINATOR_IP": "<changeme>", "NNODES": "1"}).mode == "single"  # never read
 
 
 def test_a_job_timeout_below_one_second_is_refused():
