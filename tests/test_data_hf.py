@@ -284,7 +284,7 @@ def test_processes_holding_the_same_rows_of_the_batch_read_the_same_share(monkey
         assert data.rows == 8 and data.shares == [(0, 1), (0, 1)]
         for got, want in zip(take(data, 2), single):  # both read everything, as one process does
             np.testing.assert_array_equal(got["tokens"], want["tokens"])
-    monkeypatch.setattr("tessera.distributed.gather_json", lambda name, value, timeout: [value, value])
+    monkeypatch.setattr("tessera.job_sync.gather_json", lambda name, value, timeout: [value, value])
     saved = state_to_save(data, 2, 10)
     assert saved["shares"] == [[0, 1], [0, 1]] and len(saved["processes"]) == 2
     # resumed with a mesh that splits the batch over the processes: process 1's position is in another share

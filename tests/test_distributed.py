@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from conftest import FAST_COMPILE, REPO, TINY, tiny_config
-from tessera.distributed import DistributedError, job_from_env, wait_for_all
+from tessera.distributed import DistributedError, job_from_env
+from tessera.job_sync import wait_for_all
 from tessera.hang_watchdog import HangWatchdog
 from tessera.train import run
 
@@ -805,7 +806,8 @@ _MEET = """
 import os, sys, time
 sys.path.insert(0, {src!r})
 import jax
-from tessera.distributed import DistributedError, wait_for_all
+from tessera.distributed import DistributedError
+from tessera.job_sync import wait_for_all
 jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id={rank}, initialization_timeout=60)
 if {rank} == 1:
     time.sleep(8)  # does not reach the barrier in time

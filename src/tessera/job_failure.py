@@ -1,7 +1,7 @@
 """One process's error ends every process of a multi-process job, promptly and with its exit code.
 
 Most errors reach every process alike (the config is the same everywhere, checked by
-`distributed.check_same_config`; a damaged checkpoint is verified collectively). Some reach one
+`job_sync.check_same_config`; a damaged checkpoint is verified collectively). Some reach one
 process only: its share of the data files is empty or damaged, a file is missing on its host, its
 disk is full, its devices run out of memory. Before, that process printed its error and then
 waited in JAX's shutdown barrier for the others, while they waited for it in a barrier or a

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 import jax
 
-from tessera.distributed import eval_stop_requested, request_eval_stop, request_stop, stop_requested
+from tessera.job_sync import eval_stop_requested, request_eval_stop, request_stop, stop_requested
 from tessera.job_failure import end_job
 
 log = logging.getLogger("tessera")
@@ -36,7 +36,7 @@ class StopSignal:
     as a temporary folder, which the next start sets aside and never loads.
 
     In a multi-process job the signalled process publishes the step to stop after, and every
-    process checks for it after each step (distributed.request_stop / stop_requested), so all of
+    process checks for it after each step (job_sync.request_stop / stop_requested), so all of
     them save the same step together even when only one was signalled. A second signal ends the
     job as an error of this process does (job_failure.end_job): the others follow with the same
     exit code within about a second, instead of failing in a collective without it (a save then

@@ -31,7 +31,8 @@ from tessera.compile_cache import cache_hits, check_cache_folder, loaded_note, u
 from tessera.config import Config, ConfigError, changed_keys, flat_dict, load_config
 from tessera.config.derived import RunPlan
 from tessera.data import DataError, close_input, make_input
-from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, check_same_config, initialize, wait_for_all
+from tessera.distributed import EXIT_DISTRIBUTED, DistributedError, initialize
+from tessera.job_sync import check_same_config, wait_for_all
 from tessera.evaluation import Evaluator
 from tessera.job_failure import FailureWatch, end_job, follow_earlier_failure, in_job
 from tessera.loop_records import Profiler, RunClock, StepMeter, steps_logged_after

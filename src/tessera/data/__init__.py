@@ -90,7 +90,7 @@ def _check_same_data(data, cfg: DataConfig, split: str) -> None:
     what it sees, so the shares overlapped and left records out, without a word. Compared with process 0."""
     if jax.process_count() == 1:
         return
-    from tessera.distributed import compared_values
+    from tessera.job_sync import compared_values
 
     mine, me = json.loads(json.dumps(data.seen)), jax.process_index()
     setting = {"hf": "hf_train_files" if split == "train" else "hf_eval_files", "tfds": "dataset_name",
@@ -140,7 +140,7 @@ def state_to_save(data, step: int, timeout: float) -> dict:
     state = data.get_state()
     if not getattr(data, "process_local", False) or jax.process_count() == 1:
         return state
-    from tessera.distributed import gather_json
+    from tessera.job_sync import gather_json
 
     states = gather_json(f"data_state/{step}", state, timeout)
     if states is None:
