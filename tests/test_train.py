@@ -1422,13 +1422,27 @@ def test_the_last_steps_line_is_printed_whatever_the_log_period(tmp_path, caplog
     assert printed == [1, 4, 6]
 
 
+def _sigterm_while_taking_batch(n: int, monkeypatch) -> None:
+    """SIGTERM to this process while the loop takes its n-th batch (train_loop.place_batch)."""
+    import signal
+
+    from tessera import train_loop
+
+    calls, place_batch = [], train_loop.place_batch
+
+    def place(*args):
+        calls.append(1)
+        if len(calls) == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return place_batch(*args)
+
+    monkeypatch.setattr(train_loop, "place_batch", place)
+
+
 def test_a_run_that_ends_early_prints_its_last_steps_line(tmp_path, monkeypatch, caplog):
     """A run that stops before `steps`, at target_eval_loss or after a stop signal, printed its last
     step's line only when log_period divided the step: `done: final loss ...` quoted a loss the log
     never showed."""
-    import signal
-
-    from tessera import train_loop
     from tessera.stop_signals import TrainingStopped
 
     with caplog.at_level("INFO", logger="tessera"):
@@ -1437,15 +1451,7 @@ def test_a_run_that_ends_early_prints_its_last_steps_line(tmp_path, monkeypatch,
     assert [int(m) for m in re.findall(r"\bstep +(\d+) \| loss", caplog.text)] == [1, 2]
     caplog.clear()
 
-    calls, place_batch = [], train_loop.place_batch
-
-    def place(*args):  # SIGTERM while step 3's batch is taken: the run stops after a step before 8
-        calls.append(1)
-        if len(calls) == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return place_batch(*args)
-
-    monkeypatch.setattr(train_loop, "place_batch", place)
+    _sigterm_while_taking_batch(3, monkeypatch)  # the run stops after a step before 8
     with caplog.at_level("INFO", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
         run(tiny_config(tmp_path / "signal", steps=8, log_period=4, enable_checkpointing=False), jax.devices()[:1])
     after = int(re.search(r"after step (\d+)", str(stopped.value)).group(1))
@@ -1456,20 +1462,9 @@ def test_a_run_that_ends_early_prints_its_last_steps_line(tmp_path, monkeypatch,
 def test_a_signals_last_step_line_comes_before_its_checkpoint(tmp_path, caplog, monkeypatch):
     """SIGTERM with log_period leaving the step out: its line was printed after its checkpoint's lines, the
     log reading as if the step came after its own save."""
-    import signal
-
-    from tessera import train_loop
     from tessera.stop_signals import TrainingStopped
 
-    calls, place_batch = [], train_loop.place_batch
-
-    def place(*args):  # SIGTERM while step 2's batch is taken
-        calls.append(1)
-        if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return place_batch(*args)
-
-    monkeypatch.setattr(train_loop, "place_batch", place)
+    _sigterm_while_taking_batch(2, monkeypatch)
     with caplog.at_level("INFO", logger="tessera"), pytest.raises(TrainingStopped) as stopped:
         run(tiny_config(tmp_path, steps=8, log_period=4, checkpoint_period=100), jax.devices()[:1])
     after = int(re.search(r"after step (\d+)", str(stopped.value)).group(1))
