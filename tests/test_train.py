@@ -230,10 +230,10 @@ def test_a_second_run_loads_its_steps_from_jax_cache_dir(tmp_path):
     assert len(second) == 2 and all(line.endswith("(loaded from the compilation cache)") for line in second), second
 
 
-def test_an_unreadable_jax_cache_entry_gets_a_line_that_says_to_delete_it(caplog):
+def test_an_unreadable_jax_cache_entry_gets_a_line_that_says_to_delete_it(caplog, tmp_path):
     """JAX compiles again when an entry of the cache cannot be read (cut short by a kill while it was
     written), but never replaces it: every later run compiled it again, and JAX's UserWarning, with
-    its own file and line, did not say to delete it. (The tests' own cache folder, from conftest.)"""
+    its own file and line, did not say to delete it."""
     import warnings
 
     from tessera import compile_cache
@@ -241,16 +241,25 @@ def test_an_unreadable_jax_cache_entry_gets_a_line_that_says_to_delete_it(caplog
     def cache_probe_1729(x):
         return x * 3 + 1
 
-    folder = jax.config.jax_compilation_cache_dir
-    assert int(jax.jit(cache_probe_1729)(1)) == 4
-    entry, = [p for p in os.listdir(folder) if p.startswith("jit_cache_probe_1729-")]
-    with open(os.path.join(folder, entry), "r+b") as f:
-        f.truncate(f.seek(0, 2) // 2)
-    jax.clear_caches()
-    with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="tessera"):
-        warnings.simplefilter("always")
-        warnings.showwarning = compile_cache._explaining_unreadable_entries(warnings.showwarning)
-        assert int(jax.jit(cache_probe_1729)(2)) == 7
+    from jax._src import compilation_cache as jax_cache
+
+    folder = str(tmp_path / "cache")  # the suite compiles without a persistent cache (conftest.py): one of its own
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    try:
+        assert int(jax.jit(cache_probe_1729)(1)) == 4
+        entry, = [p for p in os.listdir(folder) if p.startswith("jit_cache_probe_1729-")]
+        with open(os.path.join(folder, entry), "r+b") as f:
+            f.truncate(f.seek(0, 2) // 2)
+        jax.clear_caches()
+        with warnings.catch_warnings(), caplog.at_level(logging.WARNING, logger="tessera"):
+            warnings.simplefilter("always")
+            warnings.showwarning = compile_cache._explaining_unreadable_entries(warnings.showwarning)
+            assert int(jax.jit(cache_probe_1729)(2)) == 7
+    finally:  # the later tests of this process compile without it again
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax_cache.reset_cache()
     assert (f"compilation cache: the entry of jit_cache_probe_1729 in {folder} cannot be read (" in caplog.text
             and f"delete {folder}/jit_cache_probe_1729-*-cache" in caplog.text), caplog.text
 
