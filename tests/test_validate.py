@@ -536,6 +536,31 @@ def test_nodes_says_which_settings_of_the_file_it_replaces(tmp_path, capsys):
         out.split("one node:")[1].split("\n", 1)[1]
 
 
+@pytest.mark.parametrize("where", ["coordinator_ip", "JAX_COORDINATOR_IP"])
+def test_a_coordinator_address_with_a_port_is_refused_by_the_dry_run(tmp_path, capsys, where):
+    """"10.0.0.2:1234" as the coordinator: the dry run printed the commands and every trainer then refused the
+    address (exit 4 on each node); the file is wrong, and the dry run is where to say so."""
+    data = json.loads(open(CPU).read())
+    data["config"]["nnodes"] = "2"
+    if where == "coordinator_ip":
+        data["config"]["coordinator_ip"] = "10.0.0.2:1234"
+    else:
+        data["config"]["container_config"]["env_dict"]["JAX_COORDINATOR_IP"] = "[fd00::1]:1234"
+    path = tmp_path / "port.json"
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    field = "config.coordinator_ip=10.0.0.2:1234" if where == "coordinator_ip" else \
+        "config.container_config.env_dict.JAX_COORDINATOR_IP=[fd00::1]:1234"
+    host = "10.0.0.2" if where == "coordinator_ip" else "[fd00::1]"
+    assert err == (f"validation file error: {field} holds a port: give the address alone, {host}, and the port as "
+                   "config.container_config.env_dict.JAX_COORDINATOR_PORT=1234\n")
+    data["config"]["coordinator_ip"] = "fd00::1"  # a bare IPv6 address has colons and no port: accepted
+    data["config"]["container_config"]["env_dict"].pop("JAX_COORDINATOR_IP", None)
+    path.write_text(json.dumps(data))
+    assert main([str(path), "--gpu", "cpu", "--dry-run"]) == 0
+
+
 def test_without_nodes_the_files_own_node_settings_that_replace_env_dicts_are_said(tmp_path, capsys):
     """Run here with config.nnodes=2, the env_dict's NNODES=1 and JAX_COORDINATOR_IP=10.1.1.1 were replaced by
     config's 2 and localhost without a word (every key is used or said not to be)."""

@@ -119,6 +119,8 @@ def build_plan(data: dict, name: str, entry: dict) -> Plan:
     targets = _targets(section(entry.get("result_dict", {}), f"model_params.{name}.result_dict"))
     nnodes = _node_count(container.get("nnodes", env.get("NNODES", 1)))
     coordinator = str(container.get("coordinator_ip") or env.get("JAX_COORDINATOR_IP") or "localhost")
+    _refuse_port_in_address(container.get("coordinator_ip"), "config.coordinator_ip")
+    _refuse_port_in_address(env.get("JAX_COORDINATOR_IP"), "config.container_config.env_dict.JAX_COORDINATOR_IP")
     return Plan(name, env, r.overrides, targets, container, ignored, nnodes, coordinator,
                 env.get("JAX_COORDINATOR_PORT", "8476"), gpu_tuning(r.overrides, env), r.sources)
 
@@ -259,6 +261,16 @@ def _flag(value: Any, where: str) -> bool:
     except ConfigError:
         raise ValidationInputError(f"{where}={value!r} is not true or false; give \"True\" (synthetic data) or "
                                    "\"False\" (the model entry's dataset_type)") from None
+
+
+def _refuse_port_in_address(value: Any, where: str) -> None:
+    """A coordinator address with its port ("10.0.0.2:1234"): the dry run printed it and every trainer then
+    refused it (`distributed._job_layout`); the port is JAX_COORDINATOR_PORT."""
+    text = str(value or "").strip()
+    if re.fullmatch(r"[^:\[\]]+:\d+|\[[^\]]+\]:\d+", text):  # host:port or [v6]:port; a bare IPv6 has more colons
+        host, port = text.rsplit(":", 1)
+        raise ValidationInputError(f"{where}={text} holds a port: give the address alone, {host}, and the port as "
+                                   f"config.container_config.env_dict.JAX_COORDINATOR_PORT={port}")
 
 
 def _node_count(value: Any) -> int:
