@@ -138,7 +138,10 @@ def _step_failed(step: int, error: jax.errors.JaxRuntimeError, watchdog: HangWat
 def _failed_step_message(step: int, error: Exception) -> str:
     """What the survivors of a multi-process job say when a step raises instead of hanging."""
     said = " ".join(str(error).split())[:400]
-    return (f"step {step} of this {jax.process_count()}-process job failed on the device or in a collective "
+    saved = getattr(error, "tessera_save_step", None)  # set by the checkpointer: its save's collective raised
+    what = f"step {step}" if saved is None else f"the checkpoint save of step {saved}"
+    where = "on the device or in a collective" if saved is None else "in a collective"
+    return (f"{what} of this {jax.process_count()}-process job failed {where} "
             f"(JAX said: {said}). Most often another process of the job died or lost its network: its log says "
             "why. Ending this process now rather than in JAX's shutdown barrier, which would wait for the lost "
             "process and then abort")

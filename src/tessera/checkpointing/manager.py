@@ -177,6 +177,7 @@ class Checkpointer:
                 # a collective of the save whose peer is gone (killed, lost its network): the loop ends this process
                 # as for a failed step (exit 5). Reported as a save error it said "free some space" (exit 6), and the
                 # partial save, moved aside under Orbax's writer threads, made their errors a traceback (exit 1)
+                e.tessera_save_step = step  # the loop's line names the save, not "step N failed"
                 raise
             raise self._save_error(step, e) from None
 
