@@ -1534,6 +1534,19 @@ def test_a_resumed_attempt_sets_the_earlier_report_aside(tmp_path, caplog):
     assert f"{tmp_path / 'test'} has no report.json: the run was stopped after saving step 3" in caplog.text
 
 
+def test_a_report_set_aside_at_a_step_already_set_aside_keeps_both(tmp_path):
+    """Attempts that ended at the same step (its checkpoint deleted and trained again) each had their report
+    renamed report.until_step_3.json: the second replaced the first, whose figures were lost."""
+    from tessera.run_folder import _set_aside_earlier_report
+
+    for final_loss in (1.5, 1.25, 1.0):
+        (tmp_path / "report.json").write_text(json.dumps({"start_step": 1, "steps": 2, "final_loss": final_loss}))
+        _set_aside_earlier_report(tmp_path)
+    kept = {p.name: json.loads(p.read_text())["final_loss"] for p in tmp_path.iterdir()}
+    assert kept == {"report.until_step_3.json": 1.5, "report.until_step_3.2.json": 1.25,
+                    "report.until_step_3.3.json": 1.0}
+
+
 @pytest.mark.parametrize("name", ["report.json", ".tessera.lock", "config.yml", "report.until_step_3.json"])
 def test_a_metrics_file_that_is_a_file_the_run_writes_itself_is_refused(tmp_path, name):
     """metrics_file=<run folder>/report.json: the report replaced the records at the end; the lock file was

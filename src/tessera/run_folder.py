@@ -311,9 +311,9 @@ def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = No
 
 
 def _set_aside_earlier_report(folder: Path) -> None:
-    """An earlier attempt's report.json, renamed report.until_step_<N>.json as this attempt starts its steps:
-    left in place, a resumed attempt stopped before its own report (SIGTERM, a crash) left the folder reading as
-    finished at the earlier attempt's last step, with its figures."""
+    """An earlier attempt's report.json, renamed report.until_step_<N>.json (.2.json, ... when that name is taken)
+    as this attempt starts its steps: left in place, a resumed attempt stopped before its own report (SIGTERM, a
+    crash) left the folder reading as finished at the earlier attempt's last step, with its figures."""
     report = folder / "report.json"
     if not report.is_file():
         return
@@ -322,7 +322,9 @@ def _set_aside_earlier_report(folder: Path) -> None:
         last = f"step_{int(earlier['start_step']) + int(earlier['steps'])}"
     except (OSError, ValueError, TypeError, KeyError):
         last = "an_earlier_step"  # cut short by a full disk, say: kept all the same
-    kept = folder / f"report.until_{last}.json"
+    kept, attempt = folder / f"report.until_{last}.json", 2
+    while kept.exists():  # the same step again (checkpoints deleted, the run started over): both reports are kept
+        kept, attempt = folder / f"report.until_{last}.{attempt}.json", attempt + 1
     try:
         report.replace(kept)
     except OSError as e:
