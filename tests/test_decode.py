@@ -778,6 +778,44 @@ def test_an_eos_id_in_the_prompt_stays_in_the_printed_text(checkpoint, tmp_path,
     assert out.startswith("the cat sat on the mat"), out
 
 
+def test_a_generation_config_beside_the_tokenizer_adds_its_stop_tokens(checkpoint, tmp_path, capsys, monkeypatch):
+    """A Hugging Face model folder's generation_config.json lists the tokens its rows end at (Llama 3 instruct:
+    128001, 128008, 128009); only the tokenizer's end token stopped a row, and answers ran on past their end.
+    Its eos_token_id now stops rows too, unless --eos_id is given; a broken file is one line, exit code 2."""
+    import tessera.decode as decoding
+
+    stops, outputs = [], []  # what decode.py asked generate() for, and what it returned
+
+    def spy(*args, **kwargs):
+        stops.append(args[7])
+        outputs.append(generate(*args, **kwargs)[0])
+        return [outputs[-1]]
+
+    monkeypatch.setattr(decoding, "generate", spy)
+    path, _ = checkpoint
+    tokenizer = _hf_tokenizer(tmp_path / "tok")
+    args = [*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={tokenizer}", "--prompt", "the cat sat",
+            "--max_new_tokens", "6"]
+    assert main(args) == 0
+    assert stops[-1] == [1] and len(outputs[-1]) == 6 and 1 not in outputs[-1]  # the tokenizer's "</s>" only
+    third = outputs[0][2]
+    (tmp_path / "tok" / "generation_config.json").write_text(json.dumps({"eos_token_id": [third, 1]}))
+    capsys.readouterr()
+    assert main(args) == 0
+    assert stops[-1] == [1, third] and outputs[-1] == outputs[0][:outputs[0].index(third) + 1]
+    assert (f"a row stops at token(s) 1, {third}: the tokenizer's end token and eos_token_id of "
+            f"{tmp_path / 'tok' / 'generation_config.json'} (--eos_id replaces them)") in capsys.readouterr().err
+    assert main([*args, "--eos_id", "5"]) == 0 and stops[-1] == [5]
+    for text, message in (("{", "cannot be read"), ("[1]", "is not a JSON object"),
+                          ('{"eos_token_id": 96}', "eos_token_id 96 is not a token id in [0, vocab_size=96)"),
+                          ('{"eos_token_id": ["2"]}', "eos_token_id '2' is not a token id")):
+        (tmp_path / "tok" / "generation_config.json").write_text(text)
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert f"generation_config.json {message}" in err or f"generation_config.json: {message}" in err, err
+        assert "fix it, or give the stop tokens as --eos_id (which replaces it)" in err and "Traceback" not in err
+
+
 def test_a_tokenizer_other_than_the_checkpoints_is_named(llama, tmp_path, capsys):
     """--prompt with a tokenizer other than the one the run trained with (its saved tokenizer_path)
     encoded the prompt into ids that mean other text to the model and printed garbage without a word.

@@ -9,7 +9,8 @@ of different lengths are decoded together, left-padded: one call writes the prom
 KV cache (prefill), then each call adds one token per row. Sampling is greedy at
 --temperature 0 (the default), else from softmax(logits / temperature) over the --top_k most
 likely tokens (0: all) and the fewest of them whose probabilities add up to --top_p (1: all). A
-row stops at the tokenizer's end-of-sequence token (or at any --eos_id, a repeatable flag).
+row stops at the tokenizer's end-of-sequence token and the eos_token_id of a generation_config.json
+beside it (or at any --eos_id instead, a repeatable flag).
 
 Several processes (a TPU slice's hosts, a Slurm job, or NNODES / NODE_RANK / JAX_COORDINATOR_IP
 as for train.py) decode together: each loads its part of the parameters, all sample the same
@@ -43,7 +44,7 @@ from tessera.generation import (  # noqa: F401 - the library half, re-exported: 
     NonFiniteLogits, batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes,
     prefill_program, prompt_width, sample,
 )
-from tessera.decode_args import encode_prompts, parse_args
+from tessera.decode_args import encode_prompts, parse_args, stop_tokens
 from tessera.tools.cli import UsageError, resolve_config_file
 from tessera.tools.cli_signals import sigterm_raises
 
@@ -260,6 +261,7 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
         if stop >= cfg.model.vocab_size:
             raise ConfigError(f"--eos_id {stop} is outside the model's vocabulary [0, vocab_size="
                               f"{cfg.model.vocab_size}): no row would ever stop at it")
+    eos_ids = stop_tokens(cfg, flags, tokenizer)
     unused = [f"--{name} {value}" for name, value, default in (("top_k", flags.top_k, 0), ("top_p", flags.top_p, 1.0),
                                                                ("seed", flags.seed, 0)) if value != default]
     if flags.temperature == 0 and unused:  # they were ignored without a word
@@ -276,7 +278,6 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     if rows > len(prompts):
         log.info("decoding %d prompt(s) in %d rows: the mesh splits the batch and the KV cache %d ways over its "
                  "data, fsdp and expert axes", len(prompts), rows, batch_ways(mesh))
-    eos_ids = flags.eos_id or ([tokenizer.eos_id] if tokenizer and tokenizer.eos_id is not None else [])
     start = time.perf_counter()
     with jax.set_mesh(mesh):
         outputs = generate(model, params, prompts, flags.max_new_tokens, flags.temperature, flags.top_k,

@@ -227,3 +227,43 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
                           f"{longest + flags.max_new_tokens}, more than the trainable_position_size={table} positions "
                           "this model has learned embeddings for; shorten the prompt or lower --max_new_tokens")
     return tokenizer, prompts
+
+
+def stop_tokens(cfg: Config, flags: argparse.Namespace, tokenizer: Tokenizer | None) -> list[int]:
+    """The tokens a row stops at: every --eos_id; else the tokenizer's end token and the `eos_token_id` of a
+    Hugging Face `generation_config.json` beside the tokenizer (Llama 3 instruct ends a turn with 128009,
+    which its tokenizer.json does not name as its end token: rows ran on past their answers)."""
+    if flags.eos_id:
+        return list(flags.eos_id)
+    stops = [tokenizer.eos_id] if tokenizer and tokenizer.eos_id is not None else []
+    if tokenizer is None:
+        return stops
+    found = _generation_config_stops(cfg.data.tokenizer_path, cfg.model.vocab_size)
+    if found:
+        path, ids = found
+        stops += [t for t in ids if t not in stops]
+        log.info("a row stops at token(s) %s: the tokenizer's end token and eos_token_id of %s (--eos_id replaces "
+                 "them)", ", ".join(map(str, stops)), path)
+    return stops
+
+
+def _generation_config_stops(tokenizer_path: str, vocab_size: int) -> tuple[str, list[int]] | None:
+    """(path, eos_token_id as a list) of the generation_config.json in the tokenizer's folder, or None."""
+    import json
+
+    given = Path(tokenizer_path).expanduser()
+    path = (given if given.is_dir() else given.parent) / "generation_config.json"
+    if not path.is_file():
+        return None
+    fix = "fix it, or give the stop tokens as --eos_id (which replaces it)"
+    try:
+        ids = json.loads(path.read_text(encoding="utf-8-sig")).get("eos_token_id")
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:  # AttributeError: not a JSON object
+        what = "is not a JSON object" if isinstance(e, AttributeError) else f"cannot be read ({e})"
+        raise ConfigError(f"{path} {what}: {fix}") from None
+    ids = [] if ids is None else ids if isinstance(ids, list) else [ids]
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < vocab_size:
+            raise ConfigError(f"{path}: eos_token_id {token!r} is not a token id in [0, vocab_size={vocab_size}); "
+                              f"{fix}")
+    return str(path), ids
