@@ -816,10 +816,11 @@ def test_a_generation_config_beside_the_tokenizer_adds_its_stop_tokens(checkpoin
         assert "fix it, or give the stop tokens as --eos_id (which replaces it)" in err and "Traceback" not in err
 
 
-def test_a_tokenizer_other_than_the_checkpoints_is_named(llama, tmp_path, capsys):
+def test_a_tokenizer_or_add_bos_other_than_the_checkpoints_is_named(llama, tmp_path, capsys):
     """--prompt with a tokenizer other than the one the run trained with (its saved tokenizer_path)
     encoded the prompt into ids that mean other text to the model and printed garbage without a word.
-    The same file at another path (a copy) is no reason to warn."""
+    The same file at another path (a copy) is no reason to warn. add_bos other than the training's
+    encoded the prompts without the BOS token every training document began with, silently too."""
     import shutil
 
     _, params = llama
@@ -841,6 +842,12 @@ def test_a_tokenizer_other_than_the_checkpoints_is_named(llama, tmp_path, capsys
         err = capsys.readouterr().err
         assert (f"was trained with tokenizer_path={trained}, which differs from tokenizer_path={tokenizer}" in err
                 ) == warned, err
+        assert "trained with add_bos" not in err
+    assert main([*CONFIG_ARGS, f"load_parameters_path={path}", f"tokenizer_path={trained}", "add_bos=false",
+                 "--prompt", "the cat", "--max_new_tokens", "1"]) == 0
+    assert (f"load_parameters_path={path} was trained with add_bos=true, and the prompts are encoded with "
+            "add_bos=false (without the BOS token that began every document it learned): give add_bos=true"
+            ) in capsys.readouterr().err
 
 
 def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys, monkeypatch):

@@ -110,15 +110,24 @@ def _check_values(parser: argparse.ArgumentParser, flags: argparse.Namespace) ->
                          "tokenizer's end-of-sequence token")
 
 
-def _warn_other_tokenizer(path: str, tokenizer_path: str) -> None:
-    """A warning when the checkpoint at `path` was trained with another tokenizer than `tokenizer_path`
-    (its saved tokenizer_path holds other bytes): the prompts' ids then mean other text to the model,
-    and the printed text was garbage without a word. A saved path missing here is not compared."""
+def _warn_other_text_keys(path: str, tokenizer_path: str, add_bos: bool) -> None:
+    """Warnings when the checkpoint at `path` was trained with another tokenizer than `tokenizer_path` (its
+    saved tokenizer_path holds other bytes): the prompts' ids then mean other text to the model, and the
+    printed text was garbage without a word; or with another add_bos: every training document began with the
+    BOS token, and prompts without it (or the other way round) were decoded silently. A saved path missing here
+    is not compared."""
     import filecmp
 
     from tessera.checkpointing import saved_config
 
-    saved = saved_config(path).get("tokenizer_path") if path else None
+    saved = saved_config(path) if path else {}
+    if isinstance(saved.get("add_bos"), bool) and saved["add_bos"] != add_bos:
+        given = str(saved["add_bos"]).lower()
+        log.warning("load_parameters_path=%s was trained with add_bos=%s, and the prompts are encoded with add_bos=%s "
+                    "(%s): give add_bos=%s", path, given, str(add_bos).lower(),
+                    "a BOS token the model never saw before its text" if add_bos else
+                    "without the BOS token that began every document it learned", given)
+    saved = saved.get("tokenizer_path")
     if not saved or not isinstance(saved, str) or saved == tokenizer_path:
         return
     files = []
@@ -197,7 +206,7 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
                                   f"at character {e.start}; give the prompt in UTF-8 (e.g. `iconv -f latin1 -t utf-8`), "
                                   "or token ids with --tokens") from None
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
-        _warn_other_tokenizer(cfg.checkpoint.load_parameters_path, cfg.data.tokenizer_path)
+        _warn_other_text_keys(cfg.checkpoint.load_parameters_path, cfg.data.tokenizer_path, cfg.data.add_bos)
         check_tokenizer(tokenizer, cfg.data.tokenizer_path, cfg.model.vocab_size, cfg.data.add_bos, False)
         bos = [tokenizer.bos_id] if cfg.data.add_bos else []
         encoded = tokenizer.encode_batch(flags.prompt)
