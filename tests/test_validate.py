@@ -649,7 +649,8 @@ def test_a_stopped_run_replaces_earlier_results_with_a_failure(tmp_path, monkeyp
     result = json.loads((out / "validation.json").read_text())
     assert result["passed"] is False and result["name"] == "single_node.default.cpu"
     assert result["checks"][0]["measured"] == "stopped by SIGINT" and not result["checks"][0]["passed"]
-    assert 'failures="3"' in (out / "validation.xml").read_text()
+    # training finished, no step skipped and the two targets: none measured
+    assert 'failures="4"' in (out / "validation.xml").read_text()
     err = capsys.readouterr().err
     assert err.rstrip().endswith(f"stopped by SIGINT: every node has exited; node logs in {out / 'logs'}")
 
@@ -934,7 +935,8 @@ def test_a_bucket_as_log_dir_is_kept_and_the_report_read_from_the_local_run_fold
         run_name = next(a for a in commands[0][1] if a.startswith("run_name=")).split("=", 1)[1]
         (tmp_path / "outputs" / run_name).mkdir(parents=True)
         (tmp_path / "outputs" / run_name / "report.json").write_text(
-            json.dumps({"tflops_per_sec_per_device": 1.0, "tokens_per_sec_per_device": 100.0}))
+            json.dumps({"tflops_per_sec_per_device": 1.0, "tokens_per_sec_per_device": 100.0,
+                        "steps_skipped": 0}))
         return [0]
 
     monkeypatch.setattr(validate, "run_nodes", trained)
@@ -1309,3 +1311,20 @@ def test_the_junit_file_is_well_formed_for_any_entry_name(tmp_path):
     validate.write_results(rows, plan, tmp_path, 1.0)
     case = xml.dom.minidom.parse(str(tmp_path / "validation.xml")).getElementsByTagName("testcase")[0]
     assert case.getAttribute("classname") == 'single_node.m.h100 "fast" & <co>'
+
+
+def test_a_run_whose_steps_were_skipped_fails(tmp_path, capsys):
+    """on_nonfinite_loss=skip_step: a run whose updates were dropped for non-finite values (report.json's
+    steps_skipped) passed on its speed alone; its figures are not those of a run that trains."""
+    plan = validate_file.Plan("single_node.m.cpu", {}, {}, {"tokens_per_sec_per_gpu": 10.0}, {}, {}, 1, "localhost",
+                              "8476", {"optimization_level": "O1"})
+    for skipped, code in ((2, 1), (0, 0)):
+        (tmp_path / "report.json").write_text(json.dumps({"tokens_per_sec_per_device": 50.0,
+                                                          "steps_skipped": skipped}))
+        assert validate._report(plan, [], [0], None, tmp_path, tmp_path, 1.0) == code
+        result = json.loads((tmp_path / "validation.json").read_text())
+        row = next(r for r in result["checks"] if r["check"] == "no step skipped")
+        assert row["measured"] == skipped and row["passed"] is (skipped == 0) and result["passed"] is (skipped == 0)
+        assert capsys.readouterr().out.rstrip().endswith(("PASS" if code == 0 else "FAIL")
+                                                         + f": single_node.m.cpu; results in {tmp_path / 'validation.json'}"
+                                                         " and validation.xml")

@@ -54,9 +54,13 @@ EXIT_TIMEOUT = 124  # --timeout stopped the nodes (as GNU timeout's)
 
 
 def check(plan: Plan, report: dict | None, codes: list[int]) -> list[dict]:
-    """One row per check: training exit codes, then each target in result_dict."""
+    """One row per check: training exit codes, no skipped step, then each target in result_dict."""
     rows = [{"check": "training finished", "target": "exit code 0 on every node", "measured": str(codes),
              "passed": all(c == 0 for c in codes) and report is not None}]
+    skipped = None if report is None else report.get("steps_skipped")
+    # on_nonfinite_loss=skip_step: a run whose updates were dropped (non-finite loss or gradient) passed on its speed
+    rows.append({"check": "no step skipped", "target": "0 steps skipped",
+                 "measured": skipped, "passed": skipped == 0})
     for metric, target in plan.targets.items():
         value = None if report is None else report.get(METRICS[metric])
         rows.append({"check": metric, "target": target, "measured": value,
