@@ -781,7 +781,8 @@ def test_an_eos_id_in_the_prompt_stays_in_the_printed_text(checkpoint, tmp_path,
 def test_a_generation_config_beside_the_tokenizer_adds_its_stop_tokens(checkpoint, tmp_path, capsys, monkeypatch):
     """A Hugging Face model folder's generation_config.json lists the tokens its rows end at (Llama 3 instruct:
     128001, 128008, 128009); only the tokenizer's end token stopped a row, and answers ran on past their end.
-    Its eos_token_id now stops rows too, unless --eos_id is given; a broken file is one line, exit code 2."""
+    Its eos_token_id now stops rows too, unless --eos_id is given; a broken file is one line, exit code 2.
+    --ignore_eos stops at none (a fixed length)."""
     import tessera.decode as decoding
 
     stops, outputs = [], []  # what decode.py asked generate() for, and what it returned
@@ -806,6 +807,11 @@ def test_a_generation_config_beside_the_tokenizer_adds_its_stop_tokens(checkpoin
     assert (f"a row stops at token(s) 1, {third}: the tokenizer's end token and eos_token_id of "
             f"{tmp_path / 'tok' / 'generation_config.json'} (--eos_id replaces them)") in capsys.readouterr().err
     assert main([*args, "--eos_id", "5"]) == 0 and stops[-1] == [5]
+    assert main([*args, "--ignore_eos"]) == 0 and stops[-1] is None and outputs[-1] == outputs[0]  # all 6 tokens
+    with pytest.raises(SystemExit) as stopped:
+        main([*args, "--ignore_eos", "--eos_id", "5"])
+    assert stopped.value.code == 2
+    assert "--ignore_eos and --eos_id: give stop tokens or none, not both" in capsys.readouterr().err
     for text, message in (("{", "cannot be read"), ("[1]", "is not a JSON object"),
                           ('{"eos_token_id": 96}', "eos_token_id 96 is not a token id in [0, vocab_size=96)"),
                           ('{"eos_token_id": ["2"]}', "eos_token_id '2' is not a token id")):

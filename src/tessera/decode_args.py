@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         prog=".venv/bin/python -m tessera.decode", allow_abbrev=False, formatter_class=argparse.RawDescriptionHelpFormatter,
         usage="%(prog)s configs/base.yml load_parameters_path=PATH [tokenizer_path=PATH] [key=value ...] "
               "(--prompt TEXT | --tokens 1,2,3) [--max_new_tokens N] [--temperature T] [--top_k K] [--top_p P] [--seed S] "
-              "[--eos_id ID ...]\n"
+              "[--eos_id ID ... | --ignore_eos]\n"
               "       .venv/bin/python decode.py ... (the same)",
         description="Generate text from a checkpoint. key=value arguments build the config as for training: "
                     "give the model keys the checkpoint was trained with.",
@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--eos_id", type=_stop_id, action="append", default=None, help="stop a row at this token; "
                         "repeat for several stop tokens (default: the tokenizer's end-of-sequence token; none with "
                         "--tokens)")
+    parser.add_argument("--ignore_eos", action="store_true", help="no stop token: every row generates "
+                        "--max_new_tokens tokens (a fixed length, e.g. to time decoding)")
     return parser
 
 
@@ -104,6 +106,8 @@ def _check_values(parser: argparse.ArgumentParser, flags: argparse.Namespace) ->
     ) if not ok]
     if wrong:
         parser.error("; ".join(wrong))
+    if flags.ignore_eos and flags.eos_id:
+        parser.error("--ignore_eos and --eos_id: give stop tokens or none, not both")
     for stop in flags.eos_id or []:
         if stop < 0:
             parser.error(f"--eos_id {stop} is not a token id (ids are >= 0); leave it out to stop at the "
@@ -239,11 +243,11 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
 
 
 def stop_tokens(cfg: Config, flags: argparse.Namespace, tokenizer: Tokenizer | None) -> list[int]:
-    """The tokens a row stops at: every --eos_id; else the tokenizer's end token and the `eos_token_id` of a
-    Hugging Face `generation_config.json` beside the tokenizer (Llama 3 instruct ends a turn with 128009,
-    which its tokenizer.json does not name as its end token: rows ran on past their answers)."""
-    if flags.eos_id:
-        return list(flags.eos_id)
+    """The tokens a row stops at: every --eos_id (none with --ignore_eos); else the tokenizer's end token and the
+    `eos_token_id` of a Hugging Face `generation_config.json` beside the tokenizer (Llama 3 instruct ends a turn
+    with 128009, which its tokenizer.json does not name as its end token: rows ran on past their answers)."""
+    if flags.eos_id or flags.ignore_eos:
+        return list(flags.eos_id or [])
     stops = [tokenizer.eos_id] if tokenizer and tokenizer.eos_id is not None else []
     if tokenizer is None:
         return stops
