@@ -464,7 +464,26 @@ def test_unreachable_coordinator_fails_clearly(tmp_path):
     (code, err), = _finish([proc], timeout=120)
     assert code == 4, err[-3000:]
     assert "could not join the job" in err and "process 1 of 2" in err and "Traceback" not in err
+    assert "the same NNODES (a process given NNODES=1 trains alone and never joins)" in err
     assert time.time() - start < 90
+
+
+def test_a_process_given_nnodes_1_with_a_coordinator_says_it_trains_alone(monkeypatch, caplog):
+    """NNODES=1 on one host and 2 on the other: the first trained alone without a word, while the second waited
+    out its start-up timeout for it; the first now says it joins no job."""
+    from tessera.distributed import initialize
+
+    monkeypatch.setenv("JAX_COORDINATOR_IP", "10.0.0.1")
+    monkeypatch.setenv("NNODES", "1")
+    with caplog.at_level("INFO", logger="tessera"):
+        assert initialize().mode == "single"
+    assert ("NNODES=1: this process trains alone and joins no job (JAX_COORDINATOR_IP=10.0.0.1 is not used); for a "
+            "job of several processes set NNODES to their count on every one") in caplog.text
+    caplog.clear()
+    monkeypatch.delenv("JAX_COORDINATOR_IP")
+    with caplog.at_level("INFO", logger="tessera"):
+        assert initialize().mode == "single"
+    assert "NNODES" not in caplog.text  # no coordinator: a plain one-process run
 
 
 def _kill_process_1_after_two_steps(tmp_path, step_timeout: int, extra_env=None) -> tuple[int, str, float]:

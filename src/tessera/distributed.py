@@ -179,8 +179,15 @@ def _tpu_hosts(env: Mapping[str, str]) -> str:
 
 def initialize(spec: JobSpec | None = None) -> JobSpec:
     """Join the job described by `spec` (default: from the environment); a no-op for one process."""
-    spec = job_from_env() if spec is None else spec
+    from_env = spec is None
+    spec = job_from_env() if from_env else spec
     if spec.mode == "single":
+        if from_env and os.environ.get("JAX_COORDINATOR_IP") and os.environ.get("NNODES", "").strip() == "1":
+            # NNODES=1 here and 2 on the other hosts: this process trained alone, and the others waited out their
+            # start-up timeout for it with no word here
+            log.info("NNODES=1: this process trains alone and joins no job (JAX_COORDINATOR_IP=%s is not used); for "
+                     "a job of several processes set NNODES to their count on every one",
+                     os.environ["JAX_COORDINATOR_IP"])
         return spec
     log.info("joining a %d-process job (%s) as process %d, coordinator %s; waiting up to %d s",
              spec.num_processes, spec.mode, spec.process_id, spec.coordinator or "auto-detected", spec.init_timeout)
@@ -243,7 +250,8 @@ def _startup_message(spec: JobSpec, detail: str) -> str:
         f"{spec.coordinator or '(auto-detected)'} within {spec.init_timeout} s "
         f"(JAX_DISTRIBUTED_INITIALIZATION_TIMEOUT_SECONDS). Expected processes 0..{spec.num_processes - 1} "
         f"({spec.mode} launch); coordinator port reachable from here: {_coordinator_reachable(spec.coordinator)}. "
-        "Check that every node started the same command, that NODE_RANKs are distinct, and that process 0 "
+        "Check that every node started the same command with the same NNODES (a process given NNODES=1 trains "
+        "alone and never joins), that NODE_RANKs are distinct, and that process 0 "
         f"runs on the coordinator host. {detail}"
     )
 
