@@ -752,6 +752,17 @@ def test_a_resume_from_a_step_without_its_config_says_its_settings_are_not_compa
     assert "settings changed since" not in caplog.text
 
 
+def test_a_step_without_orbaxs_metadata_file_resumes_with_its_warning_once(tmp_path, caplog):
+    """A step folder whose _CHECKPOINT_METADATA (Orbax's step metadata) was lost resumes; Orbax's warning that
+    it is missing was printed twice, once as the steps were listed and once as the step was read."""
+    run(tiny_config(tmp_path, steps=1))
+    missing = tmp_path / "test" / "checkpoints" / "1" / "_CHECKPOINT_METADATA"
+    missing.unlink()
+    with caplog.at_level(logging.WARNING):
+        assert run(tiny_config(tmp_path, steps=2))["start_step"] == 1
+    assert caplog.text.count(f"Metadata file does not exist: {missing}") == 1, caplog.text
+
+
 def test_an_unreadable_checksum_list_says_that_deleting_it_reads_the_files_unverified(tmp_path):
     """A damaged list was refused with only 'move the step away', which gives up a step whose arrays may be
     intact; deleting the list (what a missing list means: read unverified, with a line) is the other way."""

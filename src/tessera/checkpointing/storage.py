@@ -118,13 +118,26 @@ def free_space(directory: epath.Path) -> str:
 class _OrbaxLogsWeReport(logging.Filter):
     """Drops Orbax's own log records of what Checkpointer reports once itself: the ERROR records
     (each with a traceback) about a failed save or read, which also reach it as exceptions, and
-    the warning that a save waited for the previous one, which its save line states."""
+    the warning that a save waited for the previous one, which its save line states. A warning
+    Orbax repeats for the same step (a step folder without its _CHECKPOINT_METADATA, read once for
+    the step list and once for the restore) passes once."""
+
+    def __init__(self):
+        super().__init__()
+        self.said: set[str] = set()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if f"{os.sep}orbax{os.sep}" not in record.pathname:
             return True
         waited = str(record.msg).startswith("Waiting for previous save to complete took")
-        return not (record.levelno >= logging.ERROR or waited)
+        if record.levelno >= logging.ERROR or waited:
+            return False
+        if record.levelno == logging.WARNING:
+            text = record.getMessage()
+            if text in self.said:
+                return False
+            self.said.add(text)
+        return True
 
 
 def quiet_orbax_logs() -> None:
