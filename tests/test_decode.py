@@ -1117,6 +1117,10 @@ def test_a_cache_that_does_not_fit_is_not_told_to_quantize_again(tmp_path, capsy
         assert "memory error: not enough memory for the parameters and the KV cache" in err and advice in err, err
     assert "lower --max_new_tokens or set kv_quant_dtype=int4;" in _memory_advice(False, cache=True, kv_quant="int8")
     assert "int4" not in _memory_advice(False, cache=True, kv_quant="int4")
+    # the prefill's temporaries (a MoE over an expert axis holds room for every token copy) are told to the prompts
+    assert _memory_advice(False, prefill=True).startswith("decode fewer or shorter prompts at once (the prefill's "
+                                                          "temporaries grow with the prompts' tokens; over an expert")
+    assert "shorter prompts" not in _memory_advice(False, cache=True)
 
 
 def test_float32_parameters_that_do_not_fit_are_told_weight_dtype_bfloat16(tmp_path, capsys):

@@ -218,21 +218,26 @@ def _check_memory(model: ModelDef, abstract, mesh, decoding: dict | None, weight
             program = prefill_program(model, abstract, **decoding)
         analysis = program.memory_analysis()
         temporaries = analysis.temp_size_in_bytes if analysis is not None else 0
+        prefill_advice = functools.partial(advice, prefill=10 * temporaries >= need + temporaries)
         check_fits(local_devices(mesh), need + temporaries, f"{what} with the prompts' prefill",
-                   f"{parts}, prefill temporaries {format_bytes(temporaries)}", advice,
+                   f"{parts}, prefill temporaries {format_bytes(temporaries)}", prefill_advice,
                    host_buffers=read_buffers(model.param_shapes()))
         log.info("memory: %s, prefill temporaries %s", parts, format_bytes(temporaries))
     return program
 
 
-def _memory_advice(shared: bool, cache: bool = False, kv_quant: str = "", float32_weights: bool = False) -> str:
+def _memory_advice(shared: bool, cache: bool = False, kv_quant: str = "", float32_weights: bool = False,
+                   prefill: bool = False) -> str:
     """What makes decoding fit; `cache`: the KV cache is a tenth of the need or more; `kv_quant`: the
     type it is quantized to already ("": not quantized); `float32_weights`: float32 parameters are a
-    tenth of the need or more. XLA:CPU (`shared`) stores int4 in a byte per value, as int8: int4 is
-    not offered there."""
+    tenth of the need or more; `prefill`: the prefill's temporaries are. XLA:CPU (`shared`) stores int4
+    in a byte per value, as int8: int4 is not offered there."""
     smaller = {"": " or set quantize_kvcache=true", "int8": "" if shared else " or set kv_quant_dtype=int4"}
     smaller = smaller.get(kv_quant, "")
     ways = [f"decode fewer prompts at once, lower --max_new_tokens{smaller}"] if cache else []
+    if prefill:  # a MoE over an expert axis: every shard makes room for all the prompts' token copies (moe.py)
+        ways.append("decode fewer or shorter prompts at once (the prefill's temporaries grow with the prompts' "
+                    "tokens; over an expert axis each expert shard holds room for every token's copies)")
     if float32_weights:  # Decode.md: float32 weights decode as bfloat16 (it was not offered)
         ways.append("set weight_dtype=bfloat16 (float32 parameters are read as bfloat16, half the memory)")
     if not shared:  # CPU devices share the host's memory: more of them do not help
