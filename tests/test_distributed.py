@@ -468,6 +468,21 @@ def test_unreachable_coordinator_fails_clearly(tmp_path):
     assert time.time() - start < 90
 
 
+def test_a_coordinator_name_that_does_not_resolve_is_said_at_once(caplog):
+    """A misspelled JAX_COORDINATOR_IP host name was named only after the start-up timeout (300 s); it is still
+    waited for (a Kubernetes service's name can appear late) but a warning says so at once."""
+    from tessera.distributed import _warn_if_unresolved
+
+    with caplog.at_level("WARNING", logger="tessera"):
+        _warn_if_unresolved("coordinator.invalid:8476", 300)  # .invalid never resolves (RFC 6761)
+        assert "the coordinator's host coordinator.invalid does not resolve here (" in caplog.text
+        assert "waiting up to 300 s for it" in caplog.text
+        caplog.clear()
+        _warn_if_unresolved("127.0.0.1:8476", 300)
+        _warn_if_unresolved("[::1]:8476", 300)
+    assert caplog.text == ""
+
+
 def test_a_process_given_nnodes_1_with_a_coordinator_says_it_trains_alone(monkeypatch, caplog):
     """NNODES=1 on one host and 2 on the other: the first trained alone without a word, while the second waited
     out its start-up timeout for it; the first now says it joins no job."""

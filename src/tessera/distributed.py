@@ -201,6 +201,7 @@ def initialize(spec: JobSpec | None = None) -> JobSpec:
                       process_id=spec.process_id)
         if spec.process_id == 0:
             _check_port_free(spec.coordinator)
+        _warn_if_unresolved(spec.coordinator, spec.init_timeout)
     timer.start()
     # JAX's preemption service would take SIGTERM over (a "SIGTERM caught" log line, and training went
     # on to the end, exit 0); stop_signals already stops every process after the same step
@@ -214,6 +215,19 @@ def initialize(spec: JobSpec | None = None) -> JobSpec:
     log.info("joined: process %d of %d, %d local / %d global devices", jax.process_index(), jax.process_count(),
              jax.local_device_count(), jax.device_count())
     return spec
+
+
+def _warn_if_unresolved(address: str, timeout: int) -> None:
+    """A warning at once when the coordinator's host name does not resolve here: a misspelled one was said only
+    after the whole start-up timeout. It is waited for all the same (a Kubernetes service's name can appear
+    after the pods start)."""
+    host = address.rpartition(":")[0].strip("[]")
+    try:
+        socket.getaddrinfo(host, None)
+    except OSError as e:
+        log.warning("the coordinator's host %s does not resolve here (%s): waiting up to %d s for it, as a Kubernetes "
+                    "service's name can appear late; if JAX_COORDINATOR_IP is misspelled, stop and fix it", host,
+                    e.strerror or e, timeout)
 
 
 def _check_port_free(address: str) -> None:
