@@ -337,6 +337,30 @@ def test_block_sizes_are_checked_against_the_sequence():
     assert block_sizes(tiny_config().model, 4096).block_q == 512
 
 
+def test_a_compute_block_defaults_to_its_key_block_and_must_divide_it():
+    """sa_block_kv=256 alone (2,048 tokens) left its compute block at the automatic 512, larger than the
+    block it steps through: splash raised 'ValueError: bkv=256 must be a multiple of bkv_compute=512' as
+    the step was traced (a traceback from train_compile, exit 1); so did sa_block_kv_dkv=128 ('bkv_compute=512
+    should not be greater than bkv=128'). A compute block of 0 now takes its key block's size, and one that
+    does not divide it is a config error naming both."""
+    blocks = block_sizes(tiny_config(sa_block_kv=256, sa_block_kv_dkv=128).model, 2048)
+    assert (blocks.block_kv, blocks.block_kv_compute, blocks.block_kv_dkv, blocks.block_kv_dkv_compute) == (
+        256, 256, 128, 128)
+    assert block_sizes(tiny_config(sa_block_kv=256, sa_block_kv_compute=128).model, 2048).block_kv_compute == 128
+    auto = block_sizes(tiny_config().model, 2048)
+    assert (auto.block_kv, auto.block_kv_compute, auto.block_kv_dkv, auto.block_kv_dkv_compute) == (512,) * 4
+    for keys, message in ((dict(sa_block_kv=384, sa_block_kv_compute=256), "sa_block_kv_compute=256: .* "
+                           "sa_block_kv=384 in steps of it, so it must divide 384 .* e\\.g\\. 384"),
+                          (dict(sa_block_kv_dkv=256, sa_block_kv_dkv_compute=512), "sa_block_kv_dkv_compute=512: .* "
+                           "sa_block_kv_dkv=256 in steps of it, so it must divide 256")):
+        with pytest.raises(ConfigError, match=message):
+            block_sizes(tiny_config(**keys).model, 1536)
+    q, kk, v, seg = _inputs(2, 1, True, length=512)  # the kernels accept the blocks (traced, not run)
+    small = block_sizes(tiny_config(sa_block_kv=128, sa_block_kv_dkv=256).model, 512)
+    loss = lambda q: jnp.sum(splash_attention(q, kk, v, seg, scale=H**-0.5, blocks=small, interpret=True))  # noqa: E731
+    assert jax.eval_shape(jax.grad(loss), q).shape == q.shape
+
+
 @pytest.mark.parametrize("sequence", [1, 2])
 def test_aot_compile_for_tpu_runs_the_splash_kernel(sequence):
     """Also with the sequence axis splitting the queries (context parallelism): the keys and

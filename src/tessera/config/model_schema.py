@@ -108,11 +108,12 @@ class ModelConfig:
     sa_block_q: int = key(0, "splash attention (TPU flash kernel) query block; 0: the largest of 512, 256, 128 that "
                           "divides max_target_length", minimum=0)
     sa_block_kv: int = key(0, "splash attention key/value block (0: auto, as sa_block_q)", minimum=0)
-    sa_block_kv_compute: int = key(0, "splash attention key/value compute block (0: auto, as sa_block_q)", minimum=0)
+    sa_block_kv_compute: int = key(0, "splash attention key/value compute block, dividing sa_block_kv (0: "
+                                   "sa_block_kv's)", minimum=0)
     sa_block_q_dkv: int = key(0, "splash attention query block of the dK/dV backward kernel (0: auto)", minimum=0)
     sa_block_kv_dkv: int = key(0, "splash attention key/value block of the dK/dV backward kernel (0: auto)", minimum=0)
-    sa_block_kv_dkv_compute: int = key(0, "splash attention key/value compute block of the dK/dV kernel (0: auto)",
-                                       minimum=0)
+    sa_block_kv_dkv_compute: int = key(0, "splash attention key/value compute block of the dK/dV kernel, dividing "
+                                          "sa_block_kv_dkv (0: sa_block_kv_dkv's)", minimum=0)
     sa_block_q_dq: int = key(0, "splash attention query block of the dQ backward kernel (0: auto)", minimum=0)
     sa_block_kv_dq: int = key(0, "splash attention key/value block of the dQ backward kernel (0: auto)", minimum=0)
     sa_use_fused_bwd_kernel: bool = key(False, "splash attention: one fused backward kernel for dQ, dK and dV")

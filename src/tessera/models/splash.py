@@ -47,6 +47,8 @@ from tessera.config import ConfigError, ModelConfig
 BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
               "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
 Q_BLOCK_KEYS = ("sa_block_q", "sa_block_q_dkv", "sa_block_q_dq")  # tiles of one device's queries
+# the kernels walk each key/value block in steps of its compute block, which must divide it
+COMPUTE_BLOCK_OF = {"sa_block_kv_compute": "sa_block_kv", "sa_block_kv_dkv_compute": "sa_block_kv_dkv"}
 LANE = 128  # the kernel tiles the sequence in multiples of this
 
 
@@ -88,7 +90,8 @@ def sequence_shards() -> int:
 
 def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes:
     """The kernel's tiles from the sa_block_* keys; ConfigError for any that does not divide `length`
-    (the query blocks: `length / q_shards`, one device's queries when the sequence axis splits them)."""
+    (the query blocks: `length / q_shards`, one device's queries when the sequence axis splits them),
+    and for a compute block that does not divide its key/value block (0 takes that whole block)."""
     if length % LANE or (length // q_shards) % LANE:
         raise ConfigError(unsupported(m, length, {"sequence": q_shards}))
     balanced = load_balanced(m, length, q_shards)
@@ -98,7 +101,7 @@ def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes
     chosen, bad, bad_q = {}, [], []
     for name in BLOCK_KEYS:
         queries = name in Q_BLOCK_KEYS
-        span, auto = (local, auto_q) if queries else (length, auto_kv)
+        span, auto = (local, auto_q) if queries else (length, chosen.get(COMPUTE_BLOCK_OF.get(name), auto_kv))
         value = min(getattr(m, name) or auto, span)
         if span % value or value % LANE:
             (bad_q if queries and q_shards > 1 else bad).append(f"{name}={getattr(m, name)}")
@@ -115,6 +118,11 @@ def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes
         raise ConfigError(f"{', '.join(bad_q)}: with the sequence axis splitting the queries {q_shards} ways each "
                           f"device holds {whole} of them{parts}, and splash attention query blocks must "
                           f"be multiples of {LANE} that divide {local} (0 picks one); e.g. {auto_q}{alternative}")
+    for name, block in COMPUTE_BLOCK_OF.items():
+        if chosen[block] % chosen[name]:
+            raise ConfigError(f"{name}={getattr(m, name)}: splash attention computes each key/value block of "
+                              f"{block}={chosen[block]} in steps of it, so it must divide {chosen[block]} (0 takes "
+                              f"the whole block); e.g. {chosen[block]}")
     fused = m.sa_use_fused_bwd_kernel
     layout = {name: getattr(sa.QKVLayout, getattr(m, f"sa_{name}_layout").upper())
               for name in ("q", "k", "v")}
