@@ -988,6 +988,40 @@ def test_keys_a_run_does_not_read_are_named():
     assert keys_without_effect(used, {"fsdp": 8}) == []
 
 
+def test_splash_attention_keys_the_run_does_not_read_are_named(caplog):
+    """A TPU recipe's sa_block_* tiles on a CPU or GPU run (another kernel than splash), the dQ kernel's
+    blocks beside sa_use_fused_bwd_kernel=true (the fused backward kernel has no dQ blocks: block_sizes
+    sets them to None) and context_parallel_load_balance without a sequence axis were accepted without
+    a word. The trainer's set-up logs the line after the kernel's."""
+    import logging
+
+    import jax
+
+    from tessera.config.unread_keys import attention_keys_without_effect
+    from tessera.step import setup
+
+    tiles = load_config([BASE, "sa_block_q=1024", "sa_block_kv=512", "sa_q_layout=SEQ_MINOR"], env={})
+    line = ("sa_block_q=1024, sa_block_kv=512, sa_q_layout=SEQ_MINOR: no effect, this run's attention kernel is "
+            "dot_product; they tune Pallas splash attention, the TPU kernel of attention=flash or autoselected")
+    assert attention_keys_without_effect(tiles, "dot_product", {"fsdp": 8}) == [line]
+    assert attention_keys_without_effect(tiles, "cudnn", {"fsdp": 8}) == [line.replace("is dot_product", "is cudnn")]
+    assert attention_keys_without_effect(tiles, "splash", {"fsdp": 8}) == []
+    fused = load_config([BASE, "sa_use_fused_bwd_kernel=true", "sa_block_q_dq=256", "sa_block_q_dkv=256",
+                         "context_parallel_load_balance=false"], env={})
+    assert attention_keys_without_effect(fused, "splash", {"fsdp": 4, "sequence": 2}) == [
+        "sa_block_q_dq=256: no effect with sa_use_fused_bwd_kernel=true, whose one backward kernel computes dQ with "
+        "dK and dV in the dK/dV kernel's blocks (sa_block_q_dkv, sa_block_kv_dkv)"]
+    assert attention_keys_without_effect(fused, "splash_interpret", {"fsdp": 8})[1] == (
+        "context_parallel_load_balance=false: no effect without a sequence axis (ici_sequence_parallelism x "
+        "dcn_sequence_parallelism is 1), whose parts it balances")
+    assert attention_keys_without_effect(load_config([BASE], env={}), "dot_product", {"fsdp": 8}) == []
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        setup(load_config([BASE, "sa_block_q=256", "steps=1"], env={}), jax.devices()[:1])
+    assert [r.getMessage() for r in caplog.records if "sa_block_q" in r.getMessage()] == [
+        "sa_block_q=256: no effect, this run's attention kernel is dot_product; they tune Pallas splash attention, "
+        "the TPU kernel of attention=flash or autoselected"]
+
+
 def test_other_optimizers_and_decodings_keys_are_named_in_training():
     """adam_* with opt_type=sgd, muon_* without muon, kv_quant_* without quantize_kvcache and
     save_quantized_params_path given to train.py were accepted without a word."""

@@ -27,7 +27,7 @@ from tessera.losses import MTP_SUMS, loss_terms, mtp_target_counts, target_weigh
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.maxtext_model import accumulation_note
-from tessera.config.unread_keys import keys_without_effect
+from tessera.config.unread_keys import attention_keys_without_effect, keys_without_effect
 from tessera.config.derived import RunPlan, plan_run
 from tessera.config.layers import LAYERS_PER_BLOCK
 from tessera.mesh import create_mesh, logical_spec, named_shardings
@@ -79,6 +79,8 @@ def setup(cfg: Config, devices=None) -> Trainer:
     choice = select_attention(cfg.model, device_platform(mesh), cfg.data.max_target_length, dict(mesh.shape),
                               device.device_kind, str(getattr(device, "compute_capability", "")), plan.packed)
     log.info("attention kernel: %s (%s)", choice.kernel, choice.reason)
+    for line in attention_keys_without_effect(cfg, choice.kernel, dict(mesh.shape)):
+        log.warning("%s", line)
     bf16_matmul = cpu_matmul.decision()  # checks TESSERA_CPU_BF16_MATMUL on every platform
     if device_platform(mesh) == "cpu" and cfg.model.dtype == "bfloat16":
         log.info("bfloat16 matmuls on CPU: %s (%s)", *bf16_matmul)

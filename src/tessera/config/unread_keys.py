@@ -290,6 +290,29 @@ def _optimizer_and_decoding_keys(cfg: Config, changed: dict) -> list[str]:
     return lines
 
 
+def attention_keys_without_effect(cfg: Config, kernel: str, mesh_shape: dict[str, int]) -> list[str]:
+    """Lines for splash attention's keys (sa_*, context_parallel_load_balance) that the run's
+    attention kernel (`select_attention`'s pick) does not read: all of them with another kernel than
+    splash (a TPU recipe's tiles on a GPU), the dQ kernel's blocks with sa_use_fused_bwd_kernel=true
+    (one backward kernel, whose blocks are the dK/dV ones), and the load balance without a sequence
+    axis. They were accepted without a word."""
+    from tessera.config.loader import changed_keys
+
+    changed = changed_keys(cfg)
+    names = [k for k in changed if k.startswith("sa_") or k == "context_parallel_load_balance"]
+    if not kernel.startswith("splash"):
+        return [f"{_listed(names, changed)}: no effect, this run's attention kernel is {kernel}; they tune Pallas "
+                "splash attention, the TPU kernel of attention=flash or autoselected"] if names else []
+    lines = []
+    if cfg.model.sa_use_fused_bwd_kernel and (dq := [k for k in ("sa_block_q_dq", "sa_block_kv_dq") if k in names]):
+        lines.append(f"{_listed(dq, changed)}: no effect with sa_use_fused_bwd_kernel=true, whose one backward kernel "
+                     "computes dQ with dK and dV in the dK/dV kernel's blocks (sa_block_q_dkv, sa_block_kv_dkv)")
+    if "context_parallel_load_balance" in names and mesh_shape.get("sequence", 1) == 1:
+        lines.append("context_parallel_load_balance=false: no effect without a sequence axis (ici_sequence_parallelism "
+                     "x dcn_sequence_parallelism is 1), whose parts it balances")
+    return lines
+
+
 def _listed(keys: list[str], values: dict) -> str:
     return ", ".join(f"{k}={values[k]}" for k in keys)
 
