@@ -187,6 +187,19 @@ def test_attention_selection_falls_back_with_a_reason(requested, platform, dtype
     assert choice.kernel == kernel and why in choice.reason
 
 
+@pytest.mark.parametrize("family", [dict(attn_logits_soft_cap=50.0), dict(attention_sink=True),
+                                    dict(decoder_block="llama4", chunk_attn_window_size=64,
+                                                                 base_num_decoder_layers=4)])
+def test_a_cpu_run_is_told_that_the_cpu_has_no_fused_kernel(family):
+    """A family feature cuDNN lacks (Gemma 2's soft cap, gpt-oss's sinks, Llama 4's chunks) was named as
+    the reason on a CPU too ('attn_logits_soft_cap=50 needs the reference kernel (no fused kernel here caps
+    scores)'), as if that model without it would get a fused kernel there."""
+    cfg = tiny_config(attention="flash", dtype="bfloat16", max_target_length=256, **family)
+    assert select_attention(cfg.model, "cpu", 256) == ("dot_product",
+                                                       "no fused attention kernel is wired for platform 'cpu'")
+    assert select_attention(cfg.model, "gpu", 256, {}, "NVIDIA H100 80GB HBM3", "9.0").kernel == "dot_product"
+
+
 @pytest.mark.parametrize("overrides, mesh, kind, cc, kernel, why", [
     # jax's cuDNN path refuses ("Sharding on sequence dim is not allowed") queries split over the sequence
     ({}, {"sequence": 2}, "NVIDIA H100 80GB HBM3", "9.0", "dot_product", "sequence=2"),

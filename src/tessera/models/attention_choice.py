@@ -65,6 +65,8 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
             split = f", queries split {shards} ways over the sequence axis, {how}"
         return AttentionChoice("splash", f"attention={requested}: Pallas splash attention on TPU "
                                          f"(blocks q {blocks.block_q}, kv {blocks.block_kv}{split})")
+    if platform not in ("gpu", "cuda"):  # (before the features: no fused kernel at all is the reason here)
+        return AttentionChoice("dot_product", f"no fused attention kernel is wired for platform {platform!r}")
     if logits_soft_cap:
         return AttentionChoice("dot_product", f"attn_logits_soft_cap={logits_soft_cap:g} needs the reference kernel "
                                               "(no fused kernel here caps scores)")
@@ -75,8 +77,6 @@ def select_attention(m: ModelConfig, platform: str, length: int | None = None,
         return AttentionChoice("dot_product", f"chunk_attn_window_size={m.chunk_attn_window_size} is shorter than the "
                                               f"sequences ({length} tokens): Llama 4's chunked layers need the "
                                               "reference kernel (cuDNN's fused attention has no chunk mask)")
-    if platform not in ("gpu", "cuda"):
-        return AttentionChoice("dot_product", f"no fused attention kernel is wired for platform {platform!r}")
     if dtype not in ("bfloat16", "float16"):
         return AttentionChoice("dot_product", f"cuDNN fused attention needs bfloat16/float16 compute, not dtype={dtype}")
     why = _cudnn_unsupported(m, mesh_shape or {}, device_kind, compute_capability)
