@@ -77,6 +77,24 @@ def test_splash_matches_the_reference_in_outputs_and_gradients(case):
         np.testing.assert_allclose(g_ours, g_ref, err_msg=f"d{name}", **TOL)
 
 
+@pytest.mark.parametrize("scale", [12**-0.5, 0.135234], ids=["gemma2-27b (1/12)", "deepseek-v3 (yarn)"])
+def test_splash_scales_bfloat16_queries_without_rounding_the_scale(scale):
+    """The kernel does not scale, so the queries are scaled before it: multiplied by the scale cast
+    to bfloat16, which is 1/12 + 0.2% (Gemma 2 27B's query_pre_attn_scalar=144) and DeepSeek-V3's
+    0.135234 - 0.35%, every score's temperature off by that under splash alone (the reference and cuDNN
+    scale in float32). The queries the kernel gets are now each exact product rounded once: no bias."""
+    from tessera.models.splash import _attend
+
+    q = jax.random.normal(jax.random.key(0), (2, 128, 4, 16), jnp.float32).astype(jnp.bfloat16)
+    kv = jnp.zeros((2, 128, 2, 16), jnp.bfloat16)
+    seg = jnp.ones((2, 128), jnp.int32)
+    given = _attend(lambda q_gth, *_, **__: q_gth, q, kv, kv, seg, seg, scale=scale)  # the kernel's queries
+    exact = np.asarray(q, np.float32) * scale
+    np.testing.assert_array_equal(np.asarray(given, np.float32), np.asarray(jnp.asarray(exact, jnp.bfloat16),
+                                                                           np.float32))
+    assert abs(np.mean(np.asarray(given, np.float32) / exact) - 1) < 2e-4  # was +1.3e-3 and -3.6e-3
+
+
 def test_splash_under_a_mesh_splits_batch_and_heads():
     q, kk, v, seg = _inputs(4, 2, True, batch=4)
     mesh = jax.make_mesh((2, 1, 2, 1, 2, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
