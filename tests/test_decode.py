@@ -172,6 +172,35 @@ def test_the_prefill_of_llama4_chunked_layers_on_a_tpu_is_logged_as_the_referenc
         assert ("; Llama 4's chunked layers: the reference math, its queries in chunks" in caplog.text) == note
 
 
+def test_the_prefill_on_a_tpu_picks_its_own_splash_tiles_where_the_trained_ones_do_not_fit(caplog):
+    """sa_block_q=384 fits training's 1,536 tokens, not prompts padded to 512: decode.py stopped with
+    'config error: sa_block_q=384: splash attention block sizes must be multiples of 128 that divide the
+    sequence length 512', a length no key sets. The prefill now leaves such tiles to splash's own pick,
+    with one line; tiles that fit the prompts are kept."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from tessera.config import ConfigError
+    from tessera.decode import _prefill_kernel, _prefill_tiles
+    from tessera.models.splash import block_sizes
+
+    v5e = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+    mesh = SimpleNamespace(devices=np.array([v5e], dtype=object), shape={"data": 1, "fsdp": 1, "tensor": 1})
+    cfg = tiny_config(max_target_length=1536, sa_block_q=384, sa_block_kv=768)
+    long, short = dict(prompts=[[1] * 400], max_new_tokens=2), dict(prompts=[[1] * 200], max_new_tokens=2)
+    with pytest.raises(ConfigError, match="sa_block_q=384"):
+        _prefill_kernel(cfg, mesh, long)  # (as load_model asked before)
+    with caplog.at_level("INFO", logger="tessera"):
+        m = _prefill_tiles(cfg.model, mesh, long)
+    assert (m.sa_block_q, m.sa_block_kv) == (0, 0) and block_sizes(m, 512).block_q == 512
+    assert "prefill attention: the prompts are padded to 512 tokens, which the tiles do not fit (sa_block_q=384" \
+        in caplog.text
+    assert _prefill_kernel(dataclasses.replace(cfg, model=m), mesh, long) == "splash"
+    assert _prefill_tiles(cfg.model, mesh, short) is cfg.model  # 256 tokens: tiles of 256 (384 and 768 cut to it)
+    gpu = SimpleNamespace(devices=np.array([SimpleNamespace(platform="gpu")], dtype=object), shape={})
+    assert _prefill_tiles(cfg.model, gpu, long) is cfg.model
+
+
 def test_mla_caches_the_compressed_latent():
     """MLA's cache holds, per token and layer, the latent (kv_lora_rank) and the shared rotary key
     (qk_rope_head_dim): 12 + 16 numbers here, not 2 x heads x head_dim of expanded keys and values."""

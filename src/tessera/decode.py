@@ -77,7 +77,8 @@ def load_model(cfg: Config, mesh, decoding: dict | None = None):
                        str(getattr(device, "compute_capability", "")), tied_logits=cfg.model.logits_via_embedding)
     if cfg.checkpoint.save_quantized_params_path:  # before the load: a folder that cannot be made is found at once
         check_new_folder(cfg.checkpoint.save_quantized_params_path, "save_quantized_params_path")
-    model = build_model(decoding_model(cfg.model), _prefill_kernel(cfg, mesh, decoding))
+    model_cfg = _prefill_tiles(decoding_model(cfg.model), mesh, decoding)
+    model = build_model(model_cfg, _prefill_kernel(dataclasses.replace(cfg, model=model_cfg), mesh, decoding))
     shardings = named_shardings(mesh, model.logical_axes(), model.param_shapes())
     abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                             model.param_shapes(), shardings)
@@ -160,6 +161,27 @@ def _quantization_explained(path: str, is_quantized: bool, mode: str = ""):
         else:
             raise
         raise CheckpointMismatch(f"{e}\n{hint}") from None
+
+
+def _prefill_tiles(m, mesh, decoding: dict | None):
+    """The model section `m` with splash attention tiles for the prompts' prefill on a TPU: sa_block_*
+    keys (tuned for training's max_target_length) that do not fit the prompts' padded width are left
+    to splash's own pick (0), said in one line. They were a config error about a "sequence length"
+    that no key sets (sa_block_q=384 for 1,536 tokens, prompts of 400 tokens padded to 512)."""
+    from tessera.models.splash import BLOCK_KEYS, block_sizes, unsupported
+
+    if not decoding or mesh.devices.flat[0].platform != "tpu" or not any(getattr(m, k) for k in BLOCK_KEYS):
+        return m
+    width, shape = prompt_width(decoding["prompts"], "splash"), dict(mesh.shape)
+    if unsupported(m, width, shape):
+        return m  # the reference runs the prefill (`_prefill_kernel` says why)
+    try:
+        block_sizes(m, width, shape.get("sequence", 1))
+        return m
+    except ConfigError as e:
+        log.info("prefill attention: the prompts are padded to %d tokens, which the tiles do not fit (%s); the "
+                 "prefill's splash attention picks its own", width, e)
+        return dataclasses.replace(m, **dict.fromkeys(BLOCK_KEYS, 0))
 
 
 def _prefill_kernel(cfg: Config, mesh, decoding: dict | None) -> str:
