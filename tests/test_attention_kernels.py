@@ -373,6 +373,8 @@ def test_a_compute_block_defaults_to_its_key_block_and_must_divide_it():
                            "sa_block_kv_dkv=256 in steps of it, so it must divide 256")):
         with pytest.raises(ConfigError, match=message):
             block_sizes(tiny_config(**keys).model, 1536)
+    with pytest.raises(ConfigError, match=r"^sa_block_kv=384: .* divide the sequence length 1024"):
+        block_sizes(tiny_config(sa_block_kv=384).model, 1024)  # (its compute block of 0 follows it, unnamed)
     q, kk, v, seg = _inputs(2, 1, True, length=512)  # the kernels accept the blocks (traced, not run)
     small = block_sizes(tiny_config(sa_block_kv=128, sa_block_kv_dkv=256).model, 512)
     loss = lambda q: jnp.sum(splash_attention(q, kk, v, seg, scale=H**-0.5, blocks=small, interpret=True))  # noqa: E731

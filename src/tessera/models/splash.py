@@ -103,7 +103,8 @@ def block_sizes(m: ModelConfig, length: int, q_shards: int = 1) -> sa.BlockSizes
         queries = name in Q_BLOCK_KEYS
         span, auto = (local, auto_q) if queries else (length, chosen.get(COMPUTE_BLOCK_OF.get(name), auto_kv))
         value = min(getattr(m, name) or auto, span)
-        if span % value or value % LANE:
+        inherited = name in COMPUTE_BLOCK_OF and not getattr(m, name)  # (its key/value block is named if bad)
+        if (span % value or value % LANE) and not inherited:
             (bad_q if queries and q_shards > 1 else bad).append(f"{name}={getattr(m, name)}")
         chosen[name] = value
     if bad:
