@@ -319,6 +319,23 @@ def test_resume_from_any_batch_continues_exactly(sp_model, tmp_path):
                 np.testing.assert_array_equal(next(resumed)["tokens"], want["tokens"])
 
 
+@pytest.mark.parametrize("streaming", [True, False])
+def test_every_pass_reads_the_files_in_order(tmp_path, streaming):
+    # datasets 5.x reordered the files from the third pass on (its epoch 2), unshuffled data too, where Data.md
+    # promises the files in order and the log 'starting again from the first file'; a resume keeps the order
+    for i in range(4):  # a document of 13 tokens (a whole row) per file, each of its own tokens
+        (tmp_path / f"part{i}.jsonl").write_text(json.dumps({"text": list(range(13 * i + 1, 13 * i + 14))}) + "\n")
+    cfg = tiny_config(dataset_type="hf", hf_path="json", hf_train_files=str(tmp_path / "part*.jsonl"),
+                      hf_streaming=streaming).data
+    data = make_input(cfg, 96, 8)
+    firsts = [int(t) for _ in range(4) for t in next(data)["tokens"][:, 0]]
+    assert firsts == [1, 14, 27, 40] * 8
+    state = json.loads(json.dumps(data.get_state()))
+    resumed = make_input(cfg, 96, 8)
+    resumed.set_state(state)
+    np.testing.assert_array_equal(next(resumed)["tokens"], next(data)["tokens"])
+
+
 # ---------------------------------------------------------------- bad input
 
 

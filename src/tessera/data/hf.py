@@ -200,6 +200,7 @@ class HfData:
         if cfg.tokenizer_path:  # first: a missing tokenizer is named at once, not after a Hub dataset's retries
             self.tokenizer = self._load_tokenizer(vocab_size)
         self.ds = load_stream(cfg, split, self.share)
+        self._pass_start = self.ds.state_dict()  # the start of a pass: epoch 0, the first file (see _restart)
         self.files_key, files_value = files_setting(cfg, split)
         self.files = expand_files(files_value, self.files_key) if cfg.hf_path in FILE_FORMATS else []
         self.setting = f"{self.files_key}={files_value!r}" if self.files else f"hf_path={cfg.hf_path!r}"
@@ -278,8 +279,12 @@ class HfData:
         return {"epoch": self.epoch, "stream": stream}
 
     def _restart(self, stream: dict | None) -> None:
-        if stream is not None:
-            self.ds.load_state_dict(stream)
+        """Iterate from `stream` (a saved `datasets` state), or from the start of a pass (None). Every pass is
+        `datasets`' epoch 0: for any other epoch it reorders the files (5.x), unshuffled data too, where the files
+        are read in order. A loaded state stays with the dataset and is loaded again by every iterator of its
+        epoch, so a new pass loads the start."""
+        self.ds.set_epoch(int(stream.get("epoch", 0)) if stream else 0)  # a position saved in a reordered pass
+        self.ds.load_state_dict(stream if stream is not None else self._pass_start)  # (before 2026-12-01) ends it
         self._it, self._start_stream, self._fresh = iter(self.ds), stream, True
 
     def _next_document(self) -> list[int]:
@@ -289,7 +294,6 @@ class HfData:
             if self.split != "train":
                 raise
             self._end_pass()
-            self.ds.set_epoch(self.epoch)
             self._restart(None)
             try:
                 example = self._next_record(self._it)
@@ -348,6 +352,5 @@ class HfData:
         self.epoch = int(source["epoch"])
         self._pass_tokens = self._pass_rows = None if source["stream"] is not None else 0  # None: mid-pass
         self._predicts = False
-        self.ds.set_epoch(self.epoch)
         self._restart(source["stream"])
         self.cursor.resume(int(state["offset"]))
