@@ -161,6 +161,16 @@ def test_each_tokenizer_kind(tmp_path, sp_model):
         load_tokenizer(str(tmp_path / "holes.tiktoken"))
 
 
+def test_a_tiktoken_file_cut_inside_its_last_number_is_refused_not_a_panic(tmp_path):
+    # 'IGNhdA== 260' cut to 'IGNhdA== 2': two tokens of rank 2, on which tiktoken panicked (a Rust panic, past any
+    # `except Exception`, with its stack backtrace) instead of a config error
+    whole = open(_tiktoken_file(tmp_path / "bpe.tiktoken")).read()
+    (tmp_path / "cut.tiktoken").write_text(whole.rstrip("\n")[:-2])
+    with pytest.raises(ConfigError, match=r"gives rank 2 to two tokens \(b'\\x02' and b' cat'\): the file is cut "
+                                          "short"):
+        load_tokenizer(str(tmp_path / "cut.tiktoken"))
+
+
 def test_text_spelling_a_special_token_is_text_in_every_pipeline(tmp_path):
     """With a Hugging Face tokenizer, a document holding the text `</s>` (web pages and code do) got
     the end token in its middle, and `<s>` a begin token: a document boundary the data does not have.

@@ -123,11 +123,25 @@ def _tiktoken(p: Path) -> Tokenizer:
         raise ConfigError(f"tokenizer_path={str(p)!r} has no token for {len(missing)} of the 256 single bytes (e.g. "
                           f"{', '.join(f'0x{b:02x}' for b in missing[:4])}): a byte-level BPE file needs all of "
                           "them to encode any text; use the complete file")
+    _check_unique_ranks(ranks, p)
     n = max(ranks.values()) + 1
     specials = {"<|begin_of_text|>": n, "<|end_of_text|>": n + 1}
     enc = tiktoken.Encoding(p.stem, pat_str=TIKTOKEN_SPLIT, mergeable_ranks=ranks, special_tokens=specials)
     return Tokenizer("tiktoken", n + 2, n, n + 1, lambda texts: enc.encode_ordinary_batch(texts, num_threads=1),
                      enc.decode)
+
+
+def _check_unique_ranks(ranks: dict[bytes, int], p: Path) -> None:
+    """ConfigError when two tokens of a tiktoken file share a rank, as the last one does in a file cut short
+    inside its last number ('Y2F0 260' cut to 'Y2F0 2'): tiktoken then panics (a Rust panic, past any
+    `except Exception`), printing its stack backtrace."""
+    owners: dict[int, bytes] = {}
+    for token, rank in ranks.items():
+        if rank in owners:
+            raise ConfigError(f"tokenizer_path={str(p)!r} gives rank {rank} to two tokens ({owners[rank]!r} and "
+                              f"{token!r}): the file is cut short (its last line ends inside the number) or "
+                              "damaged; use the complete file")
+        owners[rank] = token
 
 
 def _huggingface(p: Path) -> Tokenizer:
