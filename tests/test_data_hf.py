@@ -171,6 +171,22 @@ def test_a_tiktoken_file_cut_inside_its_last_number_is_refused_not_a_panic(tmp_p
         load_tokenizer(str(tmp_path / "cut.tiktoken"))
 
 
+def test_a_damaged_tokenizer_config_json_is_named_not_the_tokenizer(tmp_path):
+    # the message blamed tokenizer_path ('could not be read as tokenizer_type=huggingface: Expecting property name
+    # ...; check the file'), whose tokenizer.json is fine; a list for eos_token said "unhashable type: 'list'"
+    folder = _hf_tokenizer_dir(tmp_path / "hf")
+    config = tmp_path / "hf" / "tokenizer_config.json"
+    for text, held in [("{bad", r"cannot be read as JSON \(JSONDecodeError: "), ("[]", "holds a JSON list, not an object"),
+                       ('{"eos_token": ["</s>"]}', r"holds eos_token=\['</s>'\], neither a token's text")]:
+        config.write_text(text)
+        with pytest.raises(ConfigError, match=rf"tokenizer_path: file '.*tokenizer_config.json' \(read for the "
+                                              rf"begin/end tokens beside tokenizer.json\) {held}"):
+            load_tokenizer(folder)
+    config.write_text('{"bos_token": {"content": "</s>"}, "eos_token": "<s>"}')  # as it names them
+    tok = load_tokenizer(folder)
+    assert (tok.bos_id, tok.eos_id) == (tok.encode("</s>")[0], tok.encode("<s>")[0]) == (1, 0)
+
+
 def test_text_spelling_a_special_token_is_text_in_every_pipeline(tmp_path):
     """With a Hugging Face tokenizer, a document holding the text `</s>` (web pages and code do) got
     the end token in its middle, and `<s>` a begin token: a document boundary the data does not have.

@@ -150,19 +150,36 @@ def _huggingface(p: Path) -> Tokenizer:
     file = p / "tokenizer.json" if p.is_dir() else p
     tok = HfTokenizer.from_file(str(file))
     vocab = tok.get_vocab(with_added_tokens=True)
-    named = {}
-    config_file = file.parent / "tokenizer_config.json"
-    if config_file.is_file():
-        config = json.loads(config_file.read_text())
-        for which in ("bos_token", "eos_token"):
-            token = config.get(which)
-            named[which] = token.get("content") if isinstance(token, dict) else token
+    named = _named_specials(file.parent / "tokenizer_config.json")
     bos = _first_in(vocab, [named.get("bos_token"), *_BOS_NAMES])
     eos = _first_in(vocab, [named.get("eos_token"), *_EOS_NAMES])
     size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
     return Tokenizer("huggingface", size, bos, eos,
                      lambda texts: [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)], tok.decode,
                      _SpecialsAsText(tok.to_str()))
+
+
+def _named_specials(config_file: Path) -> dict[str, str | None]:
+    """bos_token and eos_token as the folder's tokenizer_config.json names them (none without the file).
+    ConfigError naming that file when it is no JSON object or names them by other than a string or
+    {"content": ...}: the message blamed tokenizer_path, whose tokenizer.json is fine."""
+    if not config_file.is_file():
+        return {}
+    where = f"tokenizer_path: file {str(config_file)!r} (read for the begin/end tokens beside tokenizer.json)"
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ConfigError(f"{where} cannot be read as JSON ({type(e).__name__}: {e}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{where} holds a JSON {type(config).__name__}, not an object; fix or remove it")
+    named = {}
+    for which in ("bos_token", "eos_token"):
+        token = config.get(which)
+        named[which] = token.get("content") if isinstance(token, dict) else token
+        if not (named[which] is None or isinstance(named[which], str)):
+            raise ConfigError(f"{where} holds {which}={token!r}, neither a token's text nor {{\"content\": text}}; "
+                              "fix or remove it")
+    return named
 
 
 class _SpecialsAsText:
