@@ -435,6 +435,16 @@ def test_a_glob_matching_only_folders_is_refused_naming_the_folder(tmp_path, sp_
     assert next(data)["segment_ids"].any()
 
 
+def test_a_pipe_or_device_is_refused_as_no_regular_file_not_called_a_folder(tmp_path, sp_model, corpus):
+    # /dev/null, or a pipe (hf_train_files=<(zcat docs.jsonl.gz) gives /dev/fd/63), was 'folder ...' with 'name the
+    # files in it'
+    os.mkfifo(tmp_path / "docs.jsonl")
+    for path in (str(tmp_path / "docs.jsonl"), "/dev/null"):
+        with pytest.raises(ConfigError, match=rf"hf_train_files='{path}' matches '{path}', which is no regular file "
+                                              r"\(a device, a pipe or a socket"):
+            make_input(hf_config((corpus[0], path), sp_model).data, 96, 4)
+
+
 def test_a_file_two_globs_match_is_refused_not_read_twice(tmp_path, sp_model, corpus):
     """hf_train_files='a.json,*.json' read a.json twice in every pass (grain too), without a word."""
     fmt, files = corpus

@@ -68,6 +68,11 @@ def expand_files(pattern_list: str, key: str) -> list[str]:
             raise ConfigError(f"{key}={pattern!r} matches no files; check the path (globs like /data/c4/000*.parquet "
                               "are allowed)")
         found = [f for f in matched if os.path.isfile(f)]
+        if not found and not all(map(os.path.isdir, matched)):  # /dev/null, a pipe (<(zcat ...)), a socket
+            other = next(f for f in matched if not os.path.isdir(f))
+            raise ConfigError(f"{key}={pattern!r} matches {other!r}, which is no regular file (a device, a pipe or a "
+                              "socket; the readers need a file they can open again and seek in); write the data to a "
+                              "file and name that")
         if not found:  # only folders: a folder is not read as its files
             folders = f"folder {matched[0]!r}" if len(matched) == 1 else f"{len(matched)} folders"
             raise ConfigError(f"{key}={pattern!r} matches {folders} and no file; name the files in it, e.g. "
