@@ -171,6 +171,17 @@ def test_a_tiktoken_file_cut_inside_its_last_number_is_refused_not_a_panic(tmp_p
         load_tokenizer(str(tmp_path / "cut.tiktoken"))
 
 
+def test_a_sentencepiece_vocab_file_points_to_the_model_beside_it(sp_model):
+    # first_run_corpus and SentencePiece write tokenizer.vocab beside tokenizer.model: given the .vocab, the message
+    # said 'cannot tell the tokenizer kind from the file; set tokenizer_type=...', and with
+    # tokenizer_type=sentencepiece, 'could not parse ModelProto'
+    vocab = sp_model.removesuffix(".model") + ".vocab"
+    with pytest.raises(ConfigError, match=rf"tokenizer_path='{re.escape(vocab)}' is SentencePiece's list of pieces, "
+                                          rf"which cannot tokenize; give the model beside it: "
+                                          rf"tokenizer_path='{re.escape(sp_model)}'"):
+        load_tokenizer(vocab)
+
+
 def test_a_damaged_tokenizer_config_json_is_named_not_the_tokenizer(tmp_path):
     # the message blamed tokenizer_path ('could not be read as tokenizer_type=huggingface: Expecting property name
     # ...; check the file'), whose tokenizer.json is fine; a list for eos_token said "unhashable type: 'list'"

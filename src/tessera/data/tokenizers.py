@@ -100,6 +100,9 @@ def _detect(p: Path) -> str:
         return "tiktoken"
     if p.suffix == ".model":
         return "sentencepiece"
+    if p.suffix == ".vocab" and p.with_suffix(".model").is_file():  # SentencePiece writes both; the .vocab lists pieces
+        raise ConfigError(f"tokenizer_path={str(p)!r} is SentencePiece's list of pieces, which cannot tokenize; give "
+                          f"the model beside it: tokenizer_path={str(p.with_suffix('.model'))!r}")
     raise ConfigError(f"tokenizer_path={str(p)!r}: cannot tell the tokenizer kind from the file; set "
                       "tokenizer_type=sentencepiece, tiktoken or huggingface")
 
