@@ -65,6 +65,18 @@ def test_resume_from_any_batch_continues_exactly(tmp_path, sp_model):  # noqa: F
             np.testing.assert_array_equal(next(resumed)["tokens"], want)
 
 
+def test_a_full_state_load_says_the_data_starts_from_its_first_record(tmp_path, sp_model, caplog):  # noqa: F811
+    # load_full_state_path hands the pipeline {"step": n}: hf said it starts from its first document, grain and tfds
+    # started from their first record without a word
+    cfg = grain_config(write_records(tmp_path, make_docs(5, seed=3)), sp_model)
+    first = batches(cfg, 1)[0]
+    data = make_input(cfg.data, 96, 4)
+    with caplog.at_level("WARNING", logger="tessera"):
+        data.set_state({"step": 7})
+    assert "grain data starts from its first record (the loaded state holds no grain data position)" in caplog.text
+    np.testing.assert_array_equal(next(data)["tokens"], first)
+
+
 def test_eval_stream_ends_and_processes_split_records(tmp_path, sp_model, monkeypatch):  # noqa: F811
     docs = [f"the cat {i}" for i in range(7)]
     files = write_records(tmp_path, docs, files=3)

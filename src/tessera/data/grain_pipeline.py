@@ -148,7 +148,9 @@ class GrainData:
         return {"type": self.cfg.dataset_type, **self.cursor.get_state()}
 
     def set_state(self, state: dict) -> None:
-        if set(state) == {"step"}:  # a full-state load from another run: start at the first record
+        if set(state) == {"step"}:  # a full-state load from another run: start at the first record, as hf says
+            log.warning("%s data starts from its first record (the loaded state holds no %s data position)",
+                        self.cfg.dataset_type, self.cfg.dataset_type)
             return
         if state.get("type") != self.cfg.dataset_type:
             raise ConfigError(f"the checkpoint's data state is for dataset_type={state.get('type')!r}, not "
