@@ -182,6 +182,17 @@ def test_a_sentencepiece_vocab_file_points_to_the_model_beside_it(sp_model):
         load_tokenizer(vocab)
 
 
+def test_a_json_file_beside_tokenizer_json_points_to_the_folder(tmp_path):
+    # tokenizer_path=<folder>/tokenizer_config.json said 'could not be read as tokenizer_type=huggingface: expected
+    # `,` or `}` ...; check the file or set tokenizer_type'
+    folder = _hf_tokenizer_dir(tmp_path / "hf")
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        (tmp_path / "hf" / name).write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+        with pytest.raises(ConfigError, match=rf"tokenizer_path='.*{name}' is no tokenizer \(.*\); give the "
+                                              rf"tokenizer.json beside it, or their folder: tokenizer_path='{folder}'"):
+            load_tokenizer(os.path.join(folder, name))
+
+
 def test_a_damaged_tokenizer_config_json_is_named_not_the_tokenizer(tmp_path):
     # the message blamed tokenizer_path ('could not be read as tokenizer_type=huggingface: Expecting property name
     # ...; check the file'), whose tokenizer.json is fine; a list for eos_token said "unhashable type: 'list'"

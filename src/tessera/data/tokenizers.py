@@ -79,6 +79,10 @@ def load_tokenizer(path: str, kind: str = "auto") -> Tokenizer:
     except ConfigError:
         raise
     except Exception as e:  # the libraries raise many kinds; all mean "not this format"
+        beside = p.parent / "tokenizer.json" if p.is_file() else None
+        if beside and beside.is_file() and p.suffix == ".json" and p.name != beside.name:  # tokenizer_config.json, ...
+            raise ConfigError(f"tokenizer_path={path!r} is no tokenizer ({e}); give the tokenizer.json beside it, or "
+                              f"their folder: tokenizer_path={str(p.parent)!r}") from None
         raise ConfigError(f"tokenizer_path={path!r} could not be read as tokenizer_type={kind}: {e}; "
                           "check the file or set tokenizer_type") from e
 
