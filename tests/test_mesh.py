@@ -166,3 +166,46 @@ def test_the_cpu_miscompile_refusal_names_the_axes_not_only_their_ici_keys(monke
                                           r"axes above 1 on CPU \(an axis is ici_<axis>_parallelism x "
                                           r"dcn_<axis>_parallelism"):
         cpu_miscompile.check_cpu_mesh(mesh)
+
+
+def test_a_data_expert_tensor_mesh_is_refused_on_cpu_or_trains_one_devices_losses(tmp_path):
+    """data 2 x expert 2 x tensor 2 (a dense model: the expert axis splits the batch and the weights as fsdp does)
+    trained 5.1314 at the first step where one device trains 5.1034 (half a sequence per device), the wrong loss
+    of data 2 x fsdp 2 x tensor 2, and only that mesh was refused (tessera.cpu_miscompile). Never silently
+    wrong: either the mesh is refused, naming its axes, or its losses are one device's."""
+    import json
+
+    from tessera.cpu_miscompile import einsum_is_right
+    from tessera.train import run
+
+    mesh_keys = dict(ici_data_parallelism=2, ici_fsdp_parallelism=1, ici_expert_parallelism=2, ici_tensor_parallelism=2)
+
+    def losses(name, devices, **keys):
+        run(tiny_config(tmp_path / name, steps=2, **keys), jax.devices()[:devices])
+        return np.array([json.loads(line)["loss"] for line in
+                         (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()])
+
+    if not einsum_is_right(create_mesh(tiny_config(**mesh_keys).mesh)):
+        with pytest.raises(ConfigError, match=r"on CPU, this jax \(.*\) computes wrong results on a mesh with data 2, "
+                                              r"tensor 2, expert 2: .* at most two of the data, tensor and expert axes"):
+            run(tiny_config(tmp_path / "mesh", per_device_batch_size=0.5, **mesh_keys))
+        return
+    reference = losses("one", 1, per_device_batch_size=4)
+    np.testing.assert_allclose(losses("mesh", 8, per_device_batch_size=0.5, **mesh_keys), reference, rtol=1e-4)
+
+
+def test_the_cpu_miscompile_check_runs_on_every_mesh_its_projection_splits_three_ways():
+    """The check compiles the output projection with the shardings LOGICAL_RULES give it on the run's mesh, and only
+    where they use three mesh axes or more (one, two: nothing to check)."""
+    from tessera.cpu_miscompile import axes_used
+
+    def used(**keys):
+        return axes_used(dict(create_mesh(tiny_config(**keys).mesh).shape))
+
+    assert used(ici_fsdp_parallelism=8) == ["fsdp"]
+    assert used(ici_fsdp_parallelism=4, ici_tensor_parallelism=2) == ["fsdp", "tensor"]
+    assert used(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2) == ["data", "fsdp", "tensor"]
+    assert used(ici_data_parallelism=2, ici_fsdp_parallelism=1, ici_expert_parallelism=2,
+                ici_tensor_parallelism=2) == ["data", "tensor", "expert"]
+    assert used(ici_fsdp_parallelism=2, ici_sequence_parallelism=2, ici_tensor_parallelism=2) == \
+        ["fsdp", "sequence", "tensor"]
