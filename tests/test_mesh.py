@@ -209,3 +209,22 @@ def test_the_cpu_miscompile_check_runs_on_every_mesh_its_projection_splits_three
                 ici_tensor_parallelism=2) == ["data", "tensor", "expert"]
     assert used(ici_fsdp_parallelism=2, ici_sequence_parallelism=2, ici_tensor_parallelism=2) == \
         ["fsdp", "sequence", "tensor"]
+
+
+def test_dcn_keys_on_undeclared_slices_and_an_uneven_slice_count_say_what_to_do():
+    """dcn_fsdp_parallelism=2 on CPU (num_slices=-1 finds one slice there) said only "change them so their product
+    divides 1", and num_slices=3 over 8 devices "8 devices cannot be split evenly into num_slices=3"; both now name
+    num_slices and the values it may take."""
+    with pytest.raises(ConfigError, match=r"which does not divide the 1 slice; change them so their product divides 1; "
+                                          r"or declare the slices: num_slices=-1 found 1 from the CPU devices, which "
+                                          r"report no slice, and num_slices=N makes N slices"):
+        create_mesh(build_config({"dcn_fsdp_parallelism": 2}).mesh)
+    with pytest.raises(ConfigError, match=r"= 2, but there is 1 slice; make the product 1 or set one of them to -1; or "
+                                          r"declare the slices: num_slices=-1 found 1"):
+        create_mesh(build_config({"dcn_data_parallelism": 2}).mesh)
+    with pytest.raises(ConfigError, match=r"^dcn_data_parallelism=4 .* = 4, but there are 2 slices; make the product 2 "
+                                          r"or set one of them to -1$"):  # declared: nothing to add
+        create_mesh(build_config({"num_slices": 2, "dcn_data_parallelism": 4}).mesh)
+    with pytest.raises(ConfigError, match=r"^8 devices cannot be split evenly into num_slices=3; set num_slices to a "
+                                          r"divisor of 8, or -1 \(found from the devices\)$"):
+        create_mesh(build_config({"num_slices": 3}).mesh)

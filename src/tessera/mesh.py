@@ -75,8 +75,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 MUST_DIVIDE = {"heads": "attention query heads (num_query_heads)", "mlp": "MLP width (mlp_dim)"}
 
 
-def _resolve(kind: str, sizes: dict[str, int], total: int, units: tuple[str, str]) -> dict[str, int]:
-    """Fill a -1 entry and check that the product equals `total`."""
+def _resolve(kind: str, sizes: dict[str, int], total: int, units: tuple[str, str], note: str = "") -> dict[str, int]:
+    """Fill a -1 entry and check that the product equals `total`; `note` ends an error (how `total` was found)."""
     counted = f"{total} {units[total != 1]}"  # "1 device in a slice", "8 devices in a slice"
     fixed = math.prod(v for v in sizes.values() if v != -1)
     fill = [axis for axis, v in sizes.items() if v == -1]
@@ -84,13 +84,13 @@ def _resolve(kind: str, sizes: dict[str, int], total: int, units: tuple[str, str
         if total % fixed:
             raise ConfigError(
                 f"{_describe(kind, sizes)}: the fixed factors multiply to {fixed}, which does not divide "
-                f"the {counted}; change them so their product divides {total}"
+                f"the {counted}; change them so their product divides {total}{note}"
             )
         sizes = {**sizes, fill[0]: total // fixed}
     if math.prod(sizes.values()) != total:
         raise ConfigError(
             f"{_describe(kind, sizes)} = {math.prod(sizes.values())}, but there {('is', 'are')[total != 1]} {counted}; "
-            f"make the product {total} or set one of them to -1"
+            f"make the product {total} or set one of them to -1{note}"
         )
     return sizes
 
@@ -99,14 +99,17 @@ def _describe(kind: str, sizes: dict[str, int]) -> str:
     return " * ".join(f"{kind}_{_KEY_NAME[a]}_parallelism={v}" for a, v in sizes.items())
 
 
-def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int) -> tuple[dict[str, int], dict[str, int]]:
-    """(ici sizes, dcn sizes) per mesh axis after filling -1 and checking the products."""
+def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int,
+               slices_note: str = "") -> tuple[dict[str, int], dict[str, int]]:
+    """(ici sizes, dcn sizes) per mesh axis after filling -1 and checking the products; `slices_note`
+    ends an error of the dcn keys (where `num_slices` came from)."""
     if num_devices % num_slices:
-        raise ConfigError(f"{num_devices} devices cannot be split evenly into num_slices={num_slices}")
+        raise ConfigError(f"{num_devices} devices cannot be split evenly into num_slices={num_slices}; set num_slices "
+                          f"to a divisor of {num_devices}, or -1 (found from the devices)")
     ici = {a: getattr(cfg, f"ici_{_KEY_NAME[a]}_parallelism") for a in (*MESH_AXES, "fsdp_transpose")}
     dcn = {a: getattr(cfg, f"dcn_{_KEY_NAME[a]}_parallelism") for a in (*MESH_AXES, "fsdp_transpose")}
     ici = _resolve("ici", ici, num_devices // num_slices, ("device in a slice", "devices in a slice"))
-    dcn = _resolve("dcn", dcn, num_slices, ("slice", "slices"))
+    dcn = _resolve("dcn", dcn, num_slices, ("slice", "slices"), slices_note)
     return _fold_fsdp_transpose("ici", ici), _fold_fsdp_transpose("dcn", dcn)
 
 
@@ -131,7 +134,11 @@ def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) ->
                           f"a slice is not split or joined by this key. Set num_slices=-1 (found from the devices) "
                           f"or {detected}; an AOT compile takes its slice count from compile_topology_num_slices")
     num_slices = detected if cfg.num_slices == -1 else cfg.num_slices
-    ici, dcn = mesh_shape(cfg, len(devices), num_slices)
+    note = "" if cfg.num_slices != -1 or devices[0].platform == "tpu" else (
+        f"; or declare the slices: num_slices=-1 found {detected} from the {devices[0].platform.upper()} devices, which "
+        "report no slice, and num_slices=N makes N slices of their consecutive devices (one per process when N is "
+        "the process count)")
+    ici, dcn = mesh_shape(cfg, len(devices), num_slices, note)
     ici_shape, dcn_shape = tuple(ici.values()), tuple(dcn.values())
     grid = _hybrid_grid(devices, ici_shape, dcn_shape, num_slices)
     mesh = Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
