@@ -228,3 +228,16 @@ def test_dcn_keys_on_undeclared_slices_and_an_uneven_slice_count_say_what_to_do(
     with pytest.raises(ConfigError, match=r"^8 devices cannot be split evenly into num_slices=3; set num_slices to a "
                                           r"divisor of 8, or -1 \(found from the devices\)$"):
         create_mesh(build_config({"num_slices": 3}).mesh)
+
+
+def test_a_tensor_axis_split_across_slices_is_not_told_to_set_its_ici_part_to_what_it_is():
+    """ici_tensor_parallelism=4 x dcn_tensor_parallelism=2 over 4 query heads: the error said "Make it a divisor of 4,
+    e.g. ici_tensor_parallelism=4", which it was already; the example now gives the whole product."""
+    cfg = build_config({"num_slices": 2, "dcn_data_parallelism": 1, "dcn_tensor_parallelism": 2,
+                        "ici_fsdp_parallelism": 1, "ici_tensor_parallelism": 4, "base_num_query_heads": 4,
+                        "base_num_kv_heads": 4})
+    model = build_model(cfg.model)
+    with pytest.raises(ConfigError, match=r"tensor axis \(ici_tensor_parallelism \* dcn_tensor_parallelism\) is 8, which "
+                                          r"does not divide the 4 attention query heads .* Make it a divisor of 4, e\.g\. "
+                                          r"ici_tensor_parallelism=4 with dcn_tensor_parallelism=1, or change the model"):
+        named_shardings(create_mesh(cfg.mesh), model.logical_axes(), model.param_shapes())

@@ -234,7 +234,8 @@ def check_divides(names: Sequence[str | None], shape: Sequence[int], mesh_sizes:
                 raise ConfigError(
                     f"the mesh's {axis} axis (ici_{key}_parallelism * dcn_{key}_parallelism) is {ways}, which does "
                     f"not divide the {dim} {what}: their weights would be copied whole to every device "
-                    f"of that axis. Make it a divisor of {dim}, e.g. ici_{key}_parallelism={best}, or change the model")
+                    f"of that axis. Make it a divisor of {dim}, e.g. ici_{key}_parallelism={best} with "
+                    f"dcn_{key}_parallelism=1, or change the model")
 
 
 def sharding_report(mesh: Mesh, shardings, shapes, warn_mib: float, logical_axes=None) -> tuple[list[str], list[str]]:
