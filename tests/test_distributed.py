@@ -183,6 +183,21 @@ def test_processes_started_with_different_configs_stop_naming_the_keys(tmp_path)
     assert not (tmp_path / "mp").exists()  # stopped before the run folder was made
 
 
+def test_a_job_on_a_mesh_xla_cpu_miscompiles_is_refused_on_every_process(tmp_path):
+    """data 2 x fsdp 2 x tensor 2 over two processes: the CPU miscompile check read its result whole on each process,
+    which a process cannot (the other's shards), and both stopped with JAX's RuntimeError traceback (exit 1) instead
+    of the refusal one process gives; the check gathers the result first now. Either both refuse it (exit 2), or, on
+    a jax that computes it right, both train."""
+    port = _free_port()
+    mesh = ("ici_data_parallelism=2", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2", "per_device_batch_size=0.5")
+    results = _finish([_start(rank, port, tmp_path, *mesh) for rank in (0, 1)])
+    for code, err in results:
+        assert "Traceback" not in err, err[-3000:]
+        assert code == 0 or (code == 2 and re.search(r"config error: on CPU, this jax \(.*\) computes wrong results on a "
+                                                     r"mesh with data 2, fsdp 2, tensor 2", err)), err[-3000:]
+    assert len({code for code, _ in results}) == 1
+
+
 @pytest.mark.parametrize("key, values, start_1", [
     ("NNODES", (2, 3), dict(nodes=3)),
     ("devices of the process", (4, 2), dict(extra_env={

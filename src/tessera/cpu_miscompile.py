@@ -59,7 +59,7 @@ def einsum_is_right(mesh) -> bool:
     """Whether the output projection's einsum, with its shardings on `mesh`, computes the right rows."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
+    from jax.sharding import NamedSharding, PartitionSpec
 
     sizes = dict(mesh.shape)
     (context_shape, weight_shape), (context_spec, weight_spec, out_spec) = _operands(sizes), _specs(sizes)
@@ -73,6 +73,9 @@ def einsum_is_right(mesh) -> bool:
 
     got = jax.jit(project)(jax.device_put(context, NamedSharding(mesh, context_spec)),
                            jax.device_put(weight, NamedSharding(mesh, weight_spec)))
+    # gathered whole onto every device by a program of its own, so that every process of a job reads all of it
+    # (a process cannot read another's shards) and they all reach the same verdict
+    got = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, PartitionSpec()))(got)
     return bool(np.allclose(np.asarray(got), np.einsum("btnh,nhd->btd", context, weight), rtol=1e-4, atol=1e-4))
 
 
