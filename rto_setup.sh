@@ -25,7 +25,8 @@ done
 case "${DRY_RUN:-0}" in  # true/yes used to change the routes: only 1/0 and their words
   1|true|yes|TRUE|True|YES|Yes) DRY_RUN=1 ;;
   0|false|no|FALSE|False|NO|No|"") DRY_RUN=0 ;;
-  *) echo "rto_setup.sh: DRY_RUN=$DRY_RUN is not 1 or 0 (DRY_RUN=1 prints what would change)" >&2; exit 2 ;;
+  *) echo "rto_setup.sh: DRY_RUN=$DRY_RUN is not 1 or 0 (nor true, yes, false or no; DRY_RUN=1 prints what" \
+       "would change)" >&2; exit 2 ;;
 esac
 RTO_MIN=${RTO_MIN:-5ms}
 if ! [[ "$RTO_MIN" =~ ^[0-9]+(ms|s)$ ]]; then

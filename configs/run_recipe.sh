@@ -68,7 +68,7 @@ for arg in "$@"; do
            exit 2
          fi
          echo "$RECIPE_PATH: warning: $name is not a recipe setting (RUN_NAME, OUTPUT_PATH, DATASET_PATH, PLATFORM," \
-              "EXECUTABLE, NUM_SLICES, DRY_RUN, PYTHON, NNODES, NODE_RANK) nor a JAX/XLA/TPU/NCCL variable; it is" \
+              "EXECUTABLE, NUM_SLICES, DRY_RUN, PYTHON, NNODES, NODE_RANK, RTO_MIN) nor a JAX/XLA/TPU/NCCL variable; it is" \
               "only exported to the environment" >&2 ;;
     esac
     export "$arg"
@@ -82,7 +82,8 @@ CALLER_LIBTPU_INIT_ARGS=${LIBTPU_INIT_ARGS:-}
 case "${DRY_RUN:-0}" in  # true/yes used to run for real (route changes included): only 1/0 and their words
   1|true|yes|TRUE|True|YES|Yes) DRY_RUN=1 ;;
   0|false|no|FALSE|False|NO|No|"") DRY_RUN=0 ;;
-  *) echo "$RECIPE_PATH: DRY_RUN=$DRY_RUN is not 1 or 0 (DRY_RUN=1 prints the commands instead of running them)" >&2
+  *) echo "$RECIPE_PATH: DRY_RUN=$DRY_RUN is not 1 or 0 (nor true, yes, false or no; DRY_RUN=1 prints the commands" \
+          "instead of running them)" >&2
      exit 2 ;;
 esac
 export RUN_NAME=${RUN_NAME:-$RECIPE_NAME}

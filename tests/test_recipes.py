@@ -387,6 +387,21 @@ def test_a_mistyped_recipe_setting_is_warned_about():
 
 
 
+def test_the_messages_name_every_setting_and_value_they_accept(fake_net, tmp_path):
+    """The mistyped-setting warning listed the recipe settings without RTO_MIN, which --help documents and the
+    recipe accepts; DRY_RUN's refusal named 1 and 0 alone, where true, yes, false and no are taken too."""
+    out = dry_run("tpu/v5p/128b", "OUTPUT_DIR=gs://b/runs")
+    listed = out.stderr.split("is not a recipe setting (", 1)[1].split(")", 1)[0].split(", ")
+    helped = re.findall(r"^  ([A-Z_]+)=", dry_run("tpu/v5p/128b", "--help").stdout, flags=re.M)
+    assert "RTO_MIN" in helped and set(helped) <= set(listed), (helped, listed)
+    _, env = fake_net
+    env = {**env, "HOME": str(tmp_path), "PYTHON": "/bin/echo"}
+    maybe = subprocess.run(["bash", str(REPO / "configs" / "tpu" / "v5p" / "128b.sh"), "DRY_RUN=maybe"],
+                           capture_output=True, text=True, env=env, timeout=60)
+    for refused in (maybe, rto(env, "DRY_RUN=maybe")):
+        assert refused.returncode == 2 and "nor true, yes, false or no" in refused.stderr, refused.stderr
+
+
 def test_a_python_under_the_home_folder_given_unexpanded_is_found(tmp_path):
     """zsh passes PYTHON=~/venvs/t/bin/python as typed: the recipe said it "is not a program here" (exit 2)."""
     python = tmp_path / "venvs" / "t" / "bin" / "python"
