@@ -203,3 +203,19 @@ def test_the_model_lists_name_every_model_file():
     section = guide.split("## Model names", 1)[1].split("\n## ", 1)[0].split("The families\nMaxText has", 1)[0]
     named = _model_names(section.split("the names are MaxText's:", 1)[1]) - {"deepseek3-671b"}  # MaxText's name
     assert named == files, ("Coming_from_MaxText.md's model names", sorted(named ^ files))
+
+
+def test_every_base_yml_key_is_named_in_a_guide():
+    """configs/base.yml comments every key; the README and the guides also name each where it is used, so that a
+    reader of a guide learns every key there is (enable_tensorboard, param_replication_warn_mib,
+    normalization_layer_epsilon and use_iota_embed were named in base.yml alone). A pattern such as
+    `dcn_<axis>_parallelism` names the keys it matches."""
+    import yaml
+
+    text = "\n".join(doc.read_text() for doc in DOCS)
+    patterns = [re.sub(r"<[a-z]+>|\\\*", "[a-z_]+", re.escape(p))
+                for p in re.findall(r"`([a-z][a-z_]*_(?:<[a-z]+>|\*)[a-z_]*)`", text)]
+    keys = yaml.safe_load((REPO / "configs" / "base.yml").read_text())
+    unnamed = [k for k in keys if not re.search(rf"(?<!\w){re.escape(k)}(?!\w)", text)
+               and not any(re.fullmatch(p, k) for p in patterns)]
+    assert not unnamed, f"keys of configs/base.yml that no guide names (say where each is used): {unnamed}"
