@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import re
 import time
@@ -97,8 +98,7 @@ class Checkpointer:
                 except OSError:  # committed without its list (a full disk): set aside like a save cut short
                     self.step_path(step).rename(self.directory / f"{step}{INCOMPLETE_MARKER}")
                     raise
-        size = _mib(sum(shard.data.nbytes for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
-                        for shard in leaf.addressable_shards))
+        size = _mib(copied_bytes(state))
         if self.cfg.async_checkpointing:
             self._writing_since = start + waited
             previous = f"{waited:.2f} s for the previous save to finish, then " if waited >= 0.01 else ""
@@ -263,6 +263,21 @@ class Checkpointer:
 def _folder_bytes(folder: epath.Path) -> int:
     """The bytes of the files under a local `folder`."""
     return sum(os.path.getsize(os.path.join(root, n)) for root, _, names in os.walk(folder) for n in names)
+
+
+def copied_bytes(state) -> int:
+    """The bytes of `state` a save copies from this process's devices to host: every shard once. A
+    shard replicated over devices (data parallelism) is copied from one replica (`_WholeReplicas`), or
+    in slices, one per replica (Orbax's default, with several processes): its copies are not added up
+    (a data=2 x fsdp=4 mesh was said to copy 84.2 MiB of the demo's 42.0)."""
+    total = 0.0
+    for leaf in jax.tree.leaves(state):
+        if isinstance(leaf, jax.Array):
+            shard_shape = leaf.sharding.shard_shape(leaf.shape)
+            shards = math.prod(-(-dim // part) for dim, part in zip(leaf.shape, shard_shape) if part)
+            replicas = max(1, leaf.sharding.num_devices // max(1, shards))
+            total += sum(shard.data.nbytes for shard in leaf.addressable_shards) / replicas
+    return round(total)
 
 
 def _mib(nbytes: int) -> str:
