@@ -885,6 +885,15 @@ def test_a_tokenizer_or_add_bos_other_than_the_checkpoints_is_named(llama, tmp_p
             ) in capsys.readouterr().err
 
 
+def test_a_prompt_without_a_tokenizer_is_told_of_tokens(checkpoint, capsys):
+    """--prompt without tokenizer_path got the data pipeline's line, "unless the text columns are already token ids",
+    which names no flag of decode.py; it names --tokens, the way to decode without a tokenizer."""
+    path, _ = checkpoint
+    assert main([*CONFIG_ARGS, f"load_parameters_path={path}", "--prompt", "the cat"]) == 2
+    err = capsys.readouterr().err
+    assert "to encode --prompt; without one, give token ids with --tokens 1,2,3" in err and "columns" not in err, err
+
+
 def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys, monkeypatch):
     path, _ = checkpoint
     tokenizer = _hf_tokenizer(tmp_path / "tok")

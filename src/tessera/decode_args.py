@@ -209,6 +209,10 @@ def encode_prompts(cfg: Config, flags: argparse.Namespace) -> tuple[Tokenizer | 
                 raise ConfigError(f"prompt {i + 1} ({text!r}) is not UTF-8 text: byte 0x{ord(text[e.start]) & 0xFF:02x} "
                                   f"at character {e.start}; give the prompt in UTF-8 (e.g. `iconv -f latin1 -t utf-8`), "
                                   "or token ids with --tokens") from None
+        if not cfg.data.tokenizer_path:  # load_tokenizer's own line spoke of a data pipeline's text columns
+            raise ConfigError("reading text needs tokenizer_path (a SentencePiece .model, a tiktoken BPE file or a "
+                              "folder with tokenizer.json: the one the model was trained with) to encode --prompt; "
+                              "without one, give token ids with --tokens 1,2,3")
         tokenizer = load_tokenizer(cfg.data.tokenizer_path, cfg.data.tokenizer_type)
         _warn_other_text_keys(cfg.checkpoint.load_parameters_path, cfg.data.tokenizer_path, cfg.data.add_bos)
         check_tokenizer(tokenizer, cfg.data.tokenizer_path, cfg.model.vocab_size, cfg.data.add_bos, False)
