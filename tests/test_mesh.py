@@ -216,8 +216,9 @@ def test_dcn_keys_on_undeclared_slices_and_an_uneven_slice_count_say_what_to_do(
     divides 1", and num_slices=3 over 8 devices "8 devices cannot be split evenly into num_slices=3"; both now name
     num_slices and the values it may take."""
     with pytest.raises(ConfigError, match=r"which does not divide the 1 slice; change them so their product divides 1; "
-                                          r"or declare the slices: num_slices=-1 found 1 from the CPU devices, which "
-                                          r"report no slice, and num_slices=N makes N slices"):
+                                          r"or declare the slices: num_slices=-1 found 1 among the CPU devices \(from "
+                                          r"their slice_index: CPU devices report none, GPU ones one per host\), and "
+                                          r"num_slices=N makes N slices"):
         create_mesh(build_config({"dcn_fsdp_parallelism": 2}).mesh)
     with pytest.raises(ConfigError, match=r"= 2, but there is 1 slice; make the product 1 or set one of them to -1; or "
                                           r"declare the slices: num_slices=-1 found 1"):

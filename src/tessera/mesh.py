@@ -135,9 +135,9 @@ def create_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) ->
                           f"or {detected}; an AOT compile takes its slice count from compile_topology_num_slices")
     num_slices = detected if cfg.num_slices == -1 else cfg.num_slices
     note = "" if cfg.num_slices != -1 or devices[0].platform == "tpu" else (
-        f"; or declare the slices: num_slices=-1 found {detected} from the {devices[0].platform.upper()} devices, which "
-        "report no slice, and num_slices=N makes N slices of their consecutive devices (one per process when N is "
-        "the process count)")
+        f"; or declare the slices: num_slices=-1 found {detected} among the {devices[0].platform.upper()} devices (from "
+        "their slice_index: CPU devices report none, GPU ones one per host), and num_slices=N makes N slices of their "
+        "consecutive devices (one per process when N is the process count)")
     ici, dcn = mesh_shape(cfg, len(devices), num_slices, note)
     ici_shape, dcn_shape = tuple(ici.values()), tuple(dcn.values())
     grid = _hybrid_grid(devices, ici_shape, dcn_shape, num_slices)
