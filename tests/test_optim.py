@@ -359,3 +359,22 @@ def test_bfloat16_gradients_of_microbatches_add_up_in_float32():
     assert carried[:n_params] == [jnp.dtype(jnp.float32)] * n_params
     new_state, _ = jax.jit(make_train_step(trainer, 0))(state, batch)
     assert jax.tree.map(lambda p: p.dtype, new_state) == jax.tree.map(lambda p: p.dtype, state)
+
+
+def test_adamw_decays_every_weight_but_the_norm_scales_and_the_routing_biases():
+    """make_optimizer's docstring: AdamW's weight decay applies to every parameter but the norms' scales and
+    DeepSeek's routing biases (NO_DECAY). With a zero gradient AdamW's own step is 0, so one update at the peak
+    rate moves each decayed weight by exactly -learning_rate x adam_weight_decay x weight, and the others not
+    at all. (The other AdamW tests compare with make_optimizer's own mask, which cannot catch a wrong one.)"""
+    from test_families import FAMILIES
+
+    cfg, trainer, params, _ = _update_inputs(**FAMILIES["deepseek"], adam_weight_decay=0.5, learning_rate=0.1,
+                                             warmup_steps_fraction=0.0)
+    params = jax.tree.map(lambda p: p + 1.0, params)  # no zero weights (the routing biases start at 0)
+    zeros = jax.tree.map(lambda p: p * 0.0, params)
+    after = _flat(_run_updates(trainer.optimizer, params, [zeros])[0])
+    kept = [k for k in after if "['scale']" in k or "['routed_bias_e']" in k]
+    assert any("scale" in k for k in kept) and any("routed_bias_e" in k for k in kept), kept
+    for k, p in _flat(params).items():
+        want = p if k in kept else p * (1 - 0.1 * 0.5)
+        np.testing.assert_allclose(after[k], want, rtol=1e-6, err_msg=k)
