@@ -1422,6 +1422,41 @@ def test_the_largest_seed_trains_with_dropout(tmp_path):
     assert report["steps"] == 2 and np.isfinite(report["final_loss"])
 
 
+def test_dropout_draws_new_masks_at_each_step_and_in_each_micro_batch():
+    """summed_gradients: each micro-batch's dropout key is folded from the step's key with its index, and the
+    step's key from the step number. Two identical rows in two micro-batches of one row: their losses differ
+    (with one key for both, the step's loss sum was twice the first's); the same state and batch at the next
+    step: a different loss (the step number reaches the loss only through the dropout key)."""
+    import jax.numpy as jnp
+
+    from tessera.losses import loss_sums
+    from tessera.step import create_state, make_train_step, objective_fn, summed_gradients
+
+    cfg = tiny_config(dropout_rate=0.5, gradient_accumulation_steps=2, per_device_batch_size=2)
+    trainer = setup(cfg, jax.devices()[:1])
+    state = create_state(trainer, 0)
+    row = jax.random.randint(jax.random.key(1), (1, 13), 0, 96)
+    batch = {"tokens": jnp.tile(row, (2, 1)), "segment_ids": jnp.ones((2, 13), jnp.int32),
+             "positions": jnp.tile(jnp.arange(13), (2, 1))}
+    key, model = jax.random.key(7), trainer.model
+    summed = objective_fn(model, False)
+    grad_fn = jax.grad(lambda p, b, k: summed(p, b, k, None), has_aux=True)
+    total = jax.jit(lambda p: summed_gradients(grad_fn, p, batch, key, 2)[1])(state["params"])
+    one = jax.jit(lambda p, k: loss_sums(model, p, {n: a[:1] for n, a in batch.items()}, k)[0])
+    first, second = (float(one(state["params"], jax.random.fold_in(key, i))) for i in (0, 1))
+    assert abs(first - second) > 1e-3, (first, second)
+    np.testing.assert_allclose(float(total), first + second, rtol=1e-5)
+
+    def losses(trainer):
+        step = jax.jit(make_train_step(trainer, 0))
+        fresh = create_state(trainer, 0)
+        at_1 = step(create_state(trainer, 0), batch)[0]
+        return [float(step(s, batch)[1]["loss"]) for s in (fresh, dict(fresh, step=at_1["step"]))]
+
+    at_0, at_1 = losses(trainer)
+    assert abs(at_0 - at_1) > 1e-3, (at_0, at_1)
+
+
 def test_the_last_steps_line_is_printed_whatever_the_log_period(tmp_path, caplog):
     """log_period=4 with steps=6 printed steps 1 and 4: the last step's line, which the run ends on, was
     only in metrics.jsonl."""
