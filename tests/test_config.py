@@ -102,6 +102,7 @@ def test_unknown_key_names_closest_keys():
     ("model_name=llama9", "Did you mean llama3-8b, llama2-7b, llama3-70b?"),
     ("num_pipeline_repeats=0", "num_pipeline_repeats=0 must be a positive integer or -1"),
     ("mlp_activations=[\"swish\"]", "must be one or two of"),
+    ("head_dim=7", "head_dim=7 must be even .rotary embeddings rotate pairs."),
     ("steps", "not of the form key=value"),
 ])
 def test_bad_values_are_explained(arg, expect):
