@@ -348,3 +348,24 @@ def test_mtp_with_micro_batches_trains_as_one_batch_when_their_padding_differs()
     for key in ("loss", "mtp_loss", "grad_norm"):
         np.testing.assert_allclose(two_stats[key], one_stats[key], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), two["params"], one["params"])
+
+
+def test_the_training_objective_adds_the_scaling_factor_times_the_mean_over_depths():
+    """base.yml: mtp_loss_scaling_factor weighs the multi-token-prediction loss, "the mean over its blocks", in
+    the training loss. The step's objective (a sum over target tokens) is the token losses' sum plus factor x
+    count x the mean over the two depths of each depth's mean loss; the depths' counts differ (a row ends in
+    padding), so a mean over all their tokens, or their sum, would differ too."""
+    from tessera.step import mtp_step_counts, objective_fn
+
+    model = build_model(tiny_config(mtp_num_layers=2, mtp_loss_scaling_factor=0.3).model)
+    params = model.init(jax.random.key(2))
+    batch = _batch(rows=2, seed=6)
+    batch["segment_ids"] = batch["segment_ids"].at[1, 7:].set(0)
+    counts, scale = mtp_step_counts(batch["segment_ids"], 2)
+    objective, (loss_sum, count, aux) = jax.jit(
+        lambda p: objective_fn(model, False)(p, batch, None, scale))(params)
+    assert counts.tolist() == [2 * (T - 1) - 6, 2 * (T - 2) - 6] and float(count) == 2 * T - 6
+    depth_means = np.asarray(aux["mtp_loss_sums"]) / np.asarray(counts)
+    want = float(loss_sum) + 0.3 * float(count) * np.mean(depth_means)
+    np.testing.assert_allclose(float(objective), want, rtol=1e-6)
+    assert float(objective) - float(loss_sum) > 1.0  # the MTP term is there to be weighed
