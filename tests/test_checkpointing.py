@@ -134,6 +134,11 @@ def test_load_parameters_only(tmp_path, caplog):
     assert run(fresh)["start_step"] == 0  # a fresh optimizer and step counter
     with pytest.raises(CheckpointError, match="does not exist"):
         load_parameters(str(tmp_path / "nowhere"), abstract_state(setup(fresh))["params"])
+    # a save that was interrupted (Orbax's temporary name) is refused, even one that holds every file of its step
+    interrupted = tmp_path / "2.orbax-checkpoint-tmp-17"
+    shutil.copytree(path, interrupted)
+    with pytest.raises(CheckpointError, match=r"2.orbax-checkpoint-tmp-17 is an incomplete \(interrupted\) save"):
+        load_parameters(str(interrupted), abstract_state(setup(fresh))["params"])
     # parameters alone are read into another weight_dtype (MaxText's load_parameters_path does the same):
     # each the saved float32 value rounded to bfloat16, and the log says so; a full state is not (it is refused)
     half = tiny_config(tmp_path / "half", steps=1, load_parameters_path=str(path), weight_dtype="bfloat16")
