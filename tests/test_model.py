@@ -96,6 +96,23 @@ def test_chunked_causal_attention_equals_one_block():
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("t, window, chunk", [(7, 3, 0), (7, 0, 3), (384, 200, 0), (384, 0, 96)])
+def test_a_window_or_chunk_of_attention_sees_the_documented_keys(t, window, chunk):
+    """dot_product_attention's docstring: with `window` a query sees the `window` most recent positions, itself
+    included; with `chunk` the earlier keys of its own chunk (index // chunk). Against an explicit mask, in one
+    block (7 tokens) and in query chunks of 128 (384 tokens, whose first keys each chunk leaves out).
+    (The tests of the kernels and of decoding that also check it are slow.)"""
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, t, n, 8)), jnp.float32) for n in (4, 2, 2))
+    seg = jnp.ones((1, t), jnp.int32)
+    got = dot_product_attention(q, k, v, seg, seg, window=window, chunk=chunk)
+    i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+    visible = (i - j < window) if window else (i // chunk == j // chunk)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla",
+                                       mask=jnp.asarray(visible)[None, None])
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_bfloat16_chunked_attention_adds_key_and_value_gradients_over_chunks_in_float32():
     """The keys' and values' gradients are sums over the query chunks (4 here); added in float32
     and rounded once, they are as close to the float32 gradients as the queries' gradient, which
