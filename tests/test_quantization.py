@@ -397,6 +397,13 @@ def test_a_quantized_checkpoint_is_not_written_where_a_run_keeps_its_steps(tmp_p
     check_new_folder(str(tmp_path / "quantized" / "999"), "save_quantized_params_path")  # no steps there
     check_new_folder(str(tmp_path / "run" / "ckpt" / "q999"), "save_quantized_params_path")
     assert not (tmp_path / "quantized").exists()
+    # a folder that exists (an earlier quantized checkpoint) is refused too, before the load (save_quantized would
+    # refuse it only after the parameters were read)
+    (tmp_path / "q8").mkdir()
+    with pytest.raises(ConfigError) as e:
+        check_new_folder(str(tmp_path / "q8"), "save_quantized_params_path")
+    assert str(e.value) == (f"save_quantized_params_path={tmp_path / 'q8'} exists already; choose a new folder (nothing "
+                            "was written)")
 
 
 def test_a_mismatch_is_not_put_on_the_quantization_keys(tmp_path):
