@@ -101,6 +101,8 @@ def test_unknown_key_names_closest_keys():
     ("dcn_fsdp_parallelism=-1", "only one dcn_*_parallelism may be -1 .the axis that takes the slices left"),
     ("model_name=llama9", "Did you mean llama3-8b, llama2-7b, llama3-70b?"),
     ("num_pipeline_repeats=0", "num_pipeline_repeats=0 must be a positive integer or -1"),
+    ("ici_fsdp_parallelism=0", "ici_fsdp_parallelism=0 must be a positive integer or -1 .fill from device count."),
+    ("dcn_data_parallelism=-3", "dcn_data_parallelism=-3 must be a positive integer or -1 .fill from device count."),
     ("mlp_activations=[\"swish\"]", "must be one or two of"),
     ("head_dim=7", "head_dim=7 must be even .rotary embeddings rotate pairs."),
     ("dropout_rate=1", "dropout_rate=1.0 must be in .0, 1.: the probability that a value is dropped"),
