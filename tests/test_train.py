@@ -103,6 +103,23 @@ def _state_bytes_per_device(trainer, part):
     return state_bytes(trainer)[part]
 
 
+def test_zero1_adds_data_to_the_first_dimension_that_all_its_axes_divide():
+    """over_data: the data axis goes in front of a dimension's axes only where the product of all of them
+    divides the dimension (6 over tensor 2 x data 2 does not: the next dimension, or none)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from tessera.step import over_data
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "tensor"))
+    cases = [(("fsdp", None), (4, 6), P(("data", "fsdp"), None)),
+             (("tensor",), (6,), P("tensor")),  # 6 % (2 x 2): left as it was
+             (("tensor", None), (6, 8), P("tensor", "data")),
+             ((None, None), (3, 4), P(None, "data")),
+             ((("data", "fsdp"),), (8,), P(("data", "fsdp")))]  # already split over data
+    for spec, shape, want in cases:
+        assert over_data(NamedSharding(mesh, P(*spec)), shape).spec == want, (spec, shape)
+
+
 def test_zero1_splits_the_optimizer_state_over_data_and_not_the_parameters():
     mesh = dict(ici_data_parallelism=4, ici_fsdp_parallelism=2)
     plain = setup(tiny_config(**mesh), jax.devices())
