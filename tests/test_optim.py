@@ -2,6 +2,7 @@
 AdamW, plain SGD, and training with each on one device and on a mesh."""
 
 import json
+import logging
 import re
 
 import jax
@@ -334,6 +335,27 @@ def test_a_batch_without_targets_makes_no_update():
     assert float(stats["tokens"]) == 0 and bool(stats["finite"])
     assert int(after["step"]) == 1
     assert StepMeter(trainer).record(1, jax.device_get(stats))["no_targets"] is True
+
+
+def test_a_step_without_targets_is_warned_of_by_its_step_number(caplog):
+    """First_run.md: a step whose batch held no target token makes no update, "and a warning names it". The
+    loop's reader of the step stats warns for that step only (stubs for the writer, meter, profiler and watchdog)."""
+    from types import SimpleNamespace
+
+    from tessera.step_stats import StatsReader
+
+    records = []
+    reader = StatsReader(tiny_config(), SimpleNamespace(write=records.append),
+                         SimpleNamespace(record=lambda step, stats: {"step": step}), SimpleNamespace(active=False),
+                         SimpleNamespace(beat=lambda: None), None)
+    for step, tokens in ((1, 0.0), (2, 40.0)):
+        reader.add(step, {"tokens": np.float32(tokens), "finite": np.bool_(True), "loss": np.float32(0.0),
+                          "grad_norm": np.float32(0.0)})
+    with caplog.at_level(logging.WARNING, logger="tessera"):
+        reader.finish()
+    warned = [r.getMessage() for r in caplog.records if "no target token" in r.getMessage()]
+    assert records == [{"step": 1}, {"step": 2}]
+    assert len(warned) == 1 and warned[0].startswith("step 1: its batch holds no target token"), warned
 
 
 def test_bfloat16_gradients_of_microbatches_add_up_in_float32():
