@@ -148,7 +148,7 @@ class DataConfig:
     add_eos: bool = key(True, "end every document with the tokenizer's end-of-sequence token")
     packing: bool = key(True, "pack several documents into each sequence (segment ids keep attention and loss "
                         "inside a document); false: one document piece per sequence, padding masked")
-    eval_interval: int = key(0, "evaluate every this many steps (0: never)", minimum=0)
+    eval_interval: int = key(0, "evaluate every this many steps, and at the last step (0: never)", minimum=0)
     eval_steps: int = key(-1, "batches per evaluation (-1: until the eval data ends)")
     eval_per_device_batch_size: float = key(0.0, "sequences per device in an evaluation batch (0: "
                                             "per_device_batch_size; an evaluation keeps no activations for a "
