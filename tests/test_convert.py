@@ -1003,3 +1003,57 @@ def test_a_gpt_oss_config_json_without_rope_settings_gets_its_default_yarn():
     assert config_from_hf(bare) == config_from_hf(written)
     keys = config_from_hf({**bare, "rope_theta": 5e5})
     assert (keys["rope_scaling"], keys["rope_scaling_factor"], keys["rope_max_timescale"]) == ("yarn", 32.0, 500000)
+
+
+def test_a_sliding_window_the_family_ignores_is_not_read():
+    """transformers' llama, gemma and llama4_text attend to every earlier position whatever sliding_window their
+    config.json holds (a tiny Llama's logits equal with and without one); the converter read it as a window, and
+    told a llama2-7b user to set sliding_window_size=4096 (then computed other logits than the checkpoint's)."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    for name in ("llama2-7b", "llama3.1-8b", "gemma-7b", "llama4-17b-16e"):
+        written = hf_config(load_model_config(name, []).model, 4096)
+        assert config_from_hf({**written, "sliding_window": 4096})["sliding_window_size"] == 0, name
+    for name in ("mistral-7b", "mixtral-8x7b", "gemma2-9b", "gemma3-4b", "gpt-oss-20b"):  # these read theirs
+        written = hf_config(load_model_config(name, []).model, 4096)
+        assert config_from_hf({**written, "sliding_window": 77})["sliding_window_size"] == 77, name
+
+
+def test_a_head_dim_a_config_json_leaves_out_is_transformers_default():
+    """transformers' Gemma (1, 2, 3), Qwen3, gpt-oss and Llama 4 config classes default head_dim to a number
+    (256, 128, 64, 128), not to hidden_size // num_attention_heads: without head_dim, gpt-oss-20b's config.json was
+    read as head_dim 45 and gemma3-4b's as 320, and the converter told the user to set that."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    for name, head_dim in (("gemma-7b", 256), ("gemma2-2b", 256), ("gemma3-4b", 256), ("qwen3-8b", 128),
+                           ("gpt-oss-20b", 64), ("llama4-17b-16e", 128), ("llama2-7b", 128), ("mistral-7b", 128)):
+        written = hf_config(load_model_config(name, []).model, 4096)
+        assert written["head_dim"] == head_dim, name
+        bare = {k: v for k, v in written.items() if k != "head_dim"}
+        assert config_from_hf(bare) == config_from_hf(written), name
+
+
+def test_the_activation_is_read_from_the_key_the_family_reads():
+    """transformers' Gemma runs config.json's hidden_act (its legacy "gelu" as the tanh GELU), Gemma 2 and 3 their
+    hidden_activation alone: a Gemma with hidden_act=silu was converted as a GeGLU, a Gemma 2 whose hidden_act
+    said silu (hidden_activation left out) as a SiLU; and a Gemma with another gated activation was refused on
+    export."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    gemma = hf_config(load_model_config("gemma-2b", []).model, 4096)
+    for hidden_act, acts in (("silu", ["silu", "linear"]), ("relu", ["relu", "linear"]), ("gelu", ["gelu", "linear"]),
+                             ("gelu_pytorch_tanh", ["gelu", "linear"])):
+        assert config_from_hf({**gemma, "hidden_act": hidden_act})["mlp_activations"] == acts, hidden_act
+    for name in ("gemma2-2b", "gemma3-4b"):
+        written = {k: v for k, v in hf_config(load_model_config(name, []).model, 4096).items()
+                   if k != "hidden_activation"}
+        assert config_from_hf({**written, "hidden_act": "silu"})["mlp_activations"] == ["gelu", "linear"], name
+        assert config_from_hf({**written, "hidden_activation": "silu"})["mlp_activations"] == ["silu", "linear"]
+    for name in ("gemma-2b", "gemma2-2b", "gemma3-4b"):  # a gated SiLU Gemma exports as one, and reads back so
+        m = load_model_config(name, ['mlp_activations=["silu","linear"]']).model
+        written = hf_config(m, 4096)
+        assert (written["hidden_act"], written["hidden_activation"]) == ("silu", "silu"), name
+        assert config_from_hf(written)["mlp_activations"] == ["silu", "linear"], name

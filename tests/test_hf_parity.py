@@ -213,6 +213,20 @@ def test_a_gemma2_config_json_without_its_caps_and_window_converts_to_the_same_l
     _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("family,change", [("gemma", {"hidden_act": "silu", "sliding_window": 3}),
+                                           ("llama2", {"sliding_window": 3})])
+def test_config_json_keys_read_as_transformers_reads_them_convert_to_the_same_logits(family, change, hf_model,
+                                                                                     tmp_path):
+    """transformers' Gemma runs the hidden_act of its config.json (the converter built a GeGLU whatever it said), and
+    its Gemma and Llama attend to every earlier position whatever sliding_window says (the converter read a window)."""
+    hf_dir = tmp_path / "changed"
+    shutil.copytree(hf_model(family), hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, **change}))
+    _assert_converts_to_the_reference_logits(hf_dir, _config(hf_dir), tmp_path)
+
+
 def test_mxfp4_values_equal_transformers(tmp_path):
     """gpt-oss's MXFP4 experts, read by us and dequantized by transformers: the same values, layout included."""
     _require_reference()

@@ -102,8 +102,8 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
                                    for i in range(m.num_decoder_layers)])
     if model_type == "llama4_text":
         config.update(_llama4_config(m))
-    if model_type in ("gemma", "gemma2", "gemma3_text"):
-        config.update(hidden_act="gelu_pytorch_tanh", hidden_activation="gelu_pytorch_tanh")
+    if model_type in ("gemma", "gemma2", "gemma3_text"):  # Gemma reads hidden_act, Gemma 2 and 3 hidden_activation
+        config["hidden_activation"] = config["hidden_act"]
     if model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
         config["sliding_window"] = m.sliding_window_size or None
     if model_type == "mixtral":  # its experts' width (base_moe_mlp_dim when set: then no layer is base_mlp_dim wide)
@@ -222,8 +222,6 @@ def _activation_name(m: ModelConfig, model_type: str) -> str:
         ok, built = len(acts) == 1 and acts[0] in HF_ACTIVATIONS, "one activation (gelu, silu or relu), not gated"
     elif model_type == "gpt_oss":
         ok, built = acts == ["sigmoid", "linear"], 'its clamped SwiGLU (["sigmoid", "linear"])'
-    elif model_type in ("gemma", "gemma2", "gemma3_text"):
-        ok, built = acts == ["gelu", "linear"], 'a GeGLU (["gelu", "linear"])'
     else:
         ok, built = len(acts) == 2 and acts[0] in HF_ACTIVATIONS and acts[1] == "linear", \
             'gated: [gelu, silu or relu, then "linear"]'

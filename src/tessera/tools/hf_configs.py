@@ -25,6 +25,9 @@ HF_MULTIMODAL = {"llama4": "llama4_text"}
 # Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
 HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 HF_MLP_BIAS = ("llama",)
+# Hugging Face families whose attention reads config.json's sliding_window (qwen3's use_sliding_window is refused):
+# transformers' llama, gemma and llama4_text ignore a sliding_window their config.json holds
+HF_SLIDING_WINDOW = ("mistral", "mixtral", "gemma2", "gemma3_text", "gpt_oss")
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 # families whose transformers config ties the output layer to the embedding unless it says otherwise: Google's
 # released Gemma and Gemma 2 config.json files leave tie_word_embeddings out (transformers wrote only non-defaults)
@@ -49,6 +52,9 @@ HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping"
                "deepseek_v3": {"routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
                                "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536},
                "llama4_text": {"use_qk_norm": True, "attn_temperature_tuning": True, "attention_chunk_size": 8192}}
+# head_dim where transformers' config class has a fixed default instead of hidden_size // num_attention_heads
+# (the other families): a config.json without head_dim was read as that quotient (gpt-oss-20b 45, gemma3-4b 320)
+HF_HEAD_DIMS = {"gemma": 256, "gemma2": 256, "gemma3_text": 256, "qwen3": 128, "gpt_oss": 64, "llama4_text": 128}
 # gpt-oss's rotary default (transformers' GptOssConfig), for a config.json with neither rope_parameters nor rope_scaling
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
@@ -86,6 +92,8 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
     if kind not in HF_MODEL_TYPES:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
     hf = {**HF_DEFAULTS.get(kind, {}), **hf}  # a key given as null stays null (no window, no cap), as in transformers
+    if kind in HF_HEAD_DIMS and hf.get("head_dim") is None:
+        hf["head_dim"] = HF_HEAD_DIMS[kind]
     if kind == "gpt_oss" and not hf.get("rope_parameters") and not hf.get("rope_scaling"):  # its class's default
         hf["rope_parameters"] = {**GPT_OSS_ROPE, "rope_theta": hf.get("rope_theta", GPT_OSS_ROPE["rope_theta"])}
     if kind == "gpt2":
@@ -100,8 +108,9 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         "base_num_decoder_layers": hf["num_hidden_layers"], "vocab_size": hf["vocab_size"],
         "normalization_layer_epsilon": hf["rms_norm_eps"],
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", kind in TIED_BY_DEFAULT)),
-        "mlp_activations": [_activation(hf.get("hidden_activation") or hf.get("hidden_act") or "silu"), "linear"],
-        "sliding_window_size": hf.get("sliding_window") or 0, **_rope_keys(hf), **NO_CAPS,
+        "mlp_activations": [_activation(_hidden_act(hf)), "linear"],
+        "sliding_window_size": (hf.get("sliding_window") or 0) if kind in HF_SLIDING_WINDOW else 0,
+        **_rope_keys(hf), **NO_CAPS,
     }
     if kind in HF_MOE:
         keys.update(HF_ROUTING)
@@ -113,8 +122,6 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(_gpt_oss_keys(hf))
     if kind == "llama4_text":
         keys.update(_llama4_keys(hf))
-    if kind == "gemma":
-        keys["mlp_activations"] = ["gelu", "linear"]  # transformers' Gemma always uses the tanh GELU
     if kind == "mixtral":
         keys.update(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"])
     if kind in ("qwen3", "qwen3_moe"):
@@ -304,6 +311,19 @@ def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "mlp_activations": [_activation(hf.get("activation_function", "gelu_new"))],
         "trainable_position_size": hf["n_positions"], "sliding_window_size": 0, **NO_CAPS,  # GPT-2 has no window
     }
+
+
+def _hidden_act(hf: dict[str, Any]) -> str:
+    """The activation transformers' MLP of this family computes: Gemma 2 and 3 read hidden_activation alone,
+    the others hidden_act alone (Gemma's legacy "gelu" is its tanh approximation). A config.json carrying both
+    (Google's do) has the other one ignored: read, it gave a GeGLU MLP a SiLU or the reverse."""
+    kind = hf.get("model_type")
+    if kind in ("gemma2", "gemma3_text"):
+        return hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if kind == "gemma":
+        act = hf.get("hidden_act") or "gelu_pytorch_tanh"
+        return "gelu_pytorch_tanh" if act == "gelu" else act
+    return hf.get("hidden_act") or "silu"
 
 
 def _activation(name: str) -> str:
