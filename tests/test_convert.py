@@ -1057,3 +1057,19 @@ def test_the_activation_is_read_from_the_key_the_family_reads():
         written = hf_config(m, 4096)
         assert (written["hidden_act"], written["hidden_activation"]) == ("silu", "silu"), name
         assert config_from_hf(written)["mlp_activations"] == ["silu", "linear"], name
+
+
+def test_the_released_multimodal_gemma3_4b_config_json_describes_gemma3_4b():
+    """google/gemma-3-4b-pt's config.json (Gemma3ForConditionalGeneration, transformers 4.50's keys) keeps in its
+    text_config only what differs from Gemma3TextConfig's defaults: no heads, head_dim, vocabulary, norm epsilon
+    or rotary thetas. It was refused (model_type gemma3 unsupported); read with those defaults it is gemma3-4b."""
+    from tessera.tools.convert import check_same_model
+
+    released = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+                "mm_tokens_per_image": 256, "torch_dtype": "bfloat16",
+                "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                                "sliding_window": 1024},
+                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896}}
+    check_same_model(load_model_config("gemma3-4b", []), released)

@@ -366,6 +366,20 @@ def test_a_multimodal_llama4_checkpoint_converts_its_language_model(hf_model, tm
     jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
+@pytest.mark.slow
+def test_a_multimodal_gemma3_checkpoint_converts_to_the_logits_transformers_computes(hf_model, tmp_path):
+    """Gemma 3 4B, 12B and 27B are released only as Gemma3ForConditionalGeneration (model_type gemma3: the
+    language model described by text_config, its tensors under language_model., a vision tower beside): the
+    converter refused them as an unsupported model_type. Now their language model converts, to the logits
+    transformers' multimodal model computes on text."""
+    hf_dir = hf_model("gemma3_multimodal")
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["model_type"] == "gemma3" and config["text_config"]["model_type"] == "gemma3_text"
+    cfg = _config(hf_dir)
+    assert cfg.model == _config(hf_model("gemma3")).model
+    _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path)
+
+
 def test_compare_reports_kl_and_difference():
     ref = np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.1, 0.8]]))
     diff, kl = compare(ref, ref)

@@ -55,7 +55,7 @@ OPTIONS = {"--max-shard-size": str(5 * 2**30)}
 # Hugging Face tensors that are buffers or duplicates, never parameters.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
 # the other parts of a multimodal checkpoint (hf_configs.HF_MULTIMODAL), left out of the conversion
-OTHER_MODALITIES = ("vision_model.", "multi_modal_projector.")
+OTHER_MODALITIES = ("vision_model.", "vision_tower.", "multi_modal_projector.")  # Llama 4's, Gemma 3's, both
 
 
 def check_same_model(cfg: Config, hf_config: dict) -> None:

@@ -20,8 +20,9 @@ HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral",
                   "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
                   "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
 # multimodal checkpoints whose language model Tessera converts: model_type -> its text model's model_type
-# (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix)
-HF_MULTIMODAL = {"llama4": "llama4_text"}
+# (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix). Gemma 3
+# 4B, 12B and 27B are released only as such (Gemma3ForConditionalGeneration), and were refused as unsupported
+HF_MULTIMODAL = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 # Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
 HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
 HF_MLP_BIAS = ("llama",)
@@ -47,7 +48,9 @@ HF_MOE = ("mixtral", "qwen3_moe", "gpt_oss", "llama4_text")
 # another model than transformers builds from it (transformers writes them all; hand-written files may not)
 HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
                           "sliding_window": 4096},
-               "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096},
+               # the released multimodal Gemma 3 4B's text_config leaves out its heads, vocabulary and norm epsilon
+               "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096, "num_attention_heads": 8,
+                               "num_key_value_heads": 4, "vocab_size": 262208, "rms_norm_eps": 1e-6},
                "mistral": {"sliding_window": 4096}, "gpt_oss": {"sliding_window": 128, "attention_bias": True},
                "deepseek_v3": {"routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
                                "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536},
@@ -90,7 +93,8 @@ def _refuse_quoted_booleans(hf: dict[str, Any]) -> None:
 def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
     kind = hf.get("model_type")
     if kind not in HF_MODEL_TYPES:
-        raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: {', '.join(HF_MODEL_TYPES)}")
+        raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: "
+                          f"{', '.join([*HF_MODEL_TYPES, *HF_MULTIMODAL])}")
     hf = {**HF_DEFAULTS.get(kind, {}), **hf}  # a key given as null stays null (no window, no cap), as in transformers
     if kind in HF_HEAD_DIMS and hf.get("head_dim") is None:
         hf["head_dim"] = HF_HEAD_DIMS[kind]

@@ -52,7 +52,7 @@ INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
 FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3",
-            "deepseek", "gpt_oss", "llama_bias_yarn", "llama4")
+            "deepseek", "gpt_oss", "llama_bias_yarn", "llama4", "gemma3_multimodal")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss", "llama4")  # built by _moe_config
 
 
@@ -116,6 +116,12 @@ def _config(family: str):
             sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
+    if family == "gemma3_multimodal":
+        # the tiny Gemma 3 as the language model of a Gemma3ForConditionalGeneration, beside a one-layer vision tower
+        vision = t.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                      image_size=28, patch_size=14)
+        return t.Gemma3ForConditionalGeneration, t.Gemma3Config(
+            text_config=_config("gemma3")[1], vision_config=vision, mm_tokens_per_image=4, initializer_range=INIT_STD)
     if family == "llama_bias_yarn":
         # Llama with biases on its attention and MLP projections, and YaRN rounded outwards
         return t.LlamaForCausalLM, t.LlamaConfig(**_decoder_kwargs(
