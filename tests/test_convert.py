@@ -1073,3 +1073,24 @@ def test_the_released_multimodal_gemma3_4b_config_json_describes_gemma3_4b():
                                 "sliding_window": 1024},
                 "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "image_size": 896}}
     check_same_model(load_model_config("gemma3-4b", []), released)
+
+
+def test_a_rope_scaling_the_family_config_json_is_not_written_with_is_refused_on_export():
+    """A deepseek model with linear or llama3 rope scaling, or a gemma3 one with yarn or llama3, was exported with
+    plain RoPE (deepseek) or plain global RoPE (gemma3) in its config.json, without a word; and DeepSeek's YaRN
+    without truncation was written and read back truncated (transformers rounds the ramp unless told not to)."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    yarn = ["rope_scaling=yarn", "rope_scaling_factor=4", "rope_original_max_position=1024"]
+    for name, keys in (("deepseek-small", ["rope_scaling=linear", "rope_scaling_factor=4"]),
+                       ("deepseek-small", ["rope_scaling=llama3", "rope_original_max_position=1024"]),
+                       ("gemma3-4b", yarn), ("gemma3-4b", ["rope_scaling=llama3", "rope_original_max_position=1024"])):
+        with pytest.raises(ConfigError, match=f"^{keys[0]}: the .* config.json is written with rope_scaling .* it "
+                                              "cannot be exported$"):
+            hf_config(load_model_config(name, keys).model, 4096)
+    for truncate in (True, False):
+        written = hf_config(load_model_config("deepseek-small", [*yarn, f"rope_truncate={truncate}"]).model, 4096)
+        assert written["rope_parameters"]["truncate"] is truncate
+        assert config_from_hf(written)["rope_truncate"] is truncate

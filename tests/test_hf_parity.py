@@ -227,6 +227,20 @@ def test_config_json_keys_read_as_transformers_reads_them_convert_to_the_same_lo
     _assert_converts_to_the_reference_logits(hf_dir, _config(hf_dir), tmp_path)
 
 
+@pytest.mark.slow
+def test_a_deepseek_yarn_without_truncation_converts_to_the_same_logits(hf_model, tmp_path):
+    """transformers reads YaRN's `truncate` for DeepSeek-V3 as for every family; the converter read DeepSeek's YaRN
+    as truncated whatever it said (the tiny model's mixed frequencies moved, logits off)."""
+    hf_dir = tmp_path / "untruncated"
+    shutil.copytree(hf_model("deepseek"), hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["rope_parameters"] = {**config["rope_parameters"], "truncate": False}
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    cfg = _config(hf_dir)
+    assert cfg.model.rope_truncate is False
+    _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path)
+
+
 def test_mxfp4_values_equal_transformers(tmp_path):
     """gpt-oss's MXFP4 experts, read by us and dequantized by transformers: the same values, layout included."""
     _require_reference()

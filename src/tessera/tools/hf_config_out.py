@@ -120,6 +120,7 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
                       attn_logit_softcapping=m.attn_logits_soft_cap or None,
                       final_logit_softcapping=m.final_logits_soft_cap or None)
     if model_type == "gemma3_text":
+        _refuse_rope_scaling(m, model_type, ("none", "linear"))
         del config["rope_theta"]
         glob = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
         if m.rope_scaling == "linear":
@@ -149,10 +150,11 @@ def _llama4_config(m: ModelConfig) -> dict[str, Any]:
 
 def _deepseek_config(m: ModelConfig, act: str, max_position_embeddings: int) -> dict[str, Any]:
     """config.json of a deepseek model (DeepSeek-V3's keys; rotary dimensions interleaved, as its checkpoints)."""
+    _refuse_rope_scaling(m, "deepseek_v3", ("none", "yarn"))
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
     if m.rope_scaling == "yarn":
         rope.update(rope_type="yarn", factor=m.rope_scaling_factor, beta_fast=m.beta_fast, beta_slow=m.beta_slow,
-                    mscale=m.mscale, mscale_all_dim=m.mscale,
+                    mscale=m.mscale, mscale_all_dim=m.mscale, truncate=m.rope_truncate,
                     original_max_position_embeddings=m.rope_original_max_position)
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": m.emb_dim,
@@ -200,6 +202,15 @@ def _refuse_other_routing(m: ModelConfig, written: dict[str, Any]) -> dict[str, 
                           f"router computes {shown(hf)}), so the exported model would compute other logits than this "
                           "one; it cannot be exported")
     return written
+
+
+def _refuse_rope_scaling(m: ModelConfig, model_type: str, written: tuple[str, ...]) -> None:
+    """ConfigError for a rope_scaling that the family's config.json is not written with here (it was written as
+    plain RoPE: transformers then rotated with other frequencies than the model was trained with)."""
+    if m.rope_scaling not in written:
+        raise ConfigError(f"rope_scaling={m.rope_scaling}: the {model_type} config.json is written with rope_scaling "
+                          f"{' or '.join(written)} only (what hf-to-tessera reads back), so the exported model would "
+                          "compute other logits than this one; it cannot be exported")
 
 
 def _whole(value: float, key: str) -> int:

@@ -291,7 +291,7 @@ def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(rope_scaling="yarn", rope_scaling_factor=float(params["factor"]),
                     rope_original_max_position=int(params["original_max_position_embeddings"]),
                     beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                    mscale=float(mscale))
+                    mscale=float(mscale), rope_truncate=bool(params.get("truncate", True)))
     elif kind == "default":
         keys["rope_scaling"] = "none"
     else:
