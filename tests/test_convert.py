@@ -1094,3 +1094,19 @@ def test_a_rope_scaling_the_family_config_json_is_not_written_with_is_refused_on
         written = hf_config(load_model_config("deepseek-small", [*yarn, f"rope_truncate={truncate}"]).model, 4096)
         assert written["rope_parameters"]["truncate"] is truncate
         assert config_from_hf(written)["rope_truncate"] is truncate
+
+
+def test_a_gemma3_sliding_window_pattern_other_than_6_is_refused():
+    """A Gemma 3 config.json without layer_types (transformers 4's files) has transformers build them from
+    sliding_window_pattern (a global layer every that many); the converter checked only layer_types, so a pattern of
+    4 converted into Tessera's 5 local : 1 global layers without a word."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    written = hf_config(load_model_config("gemma3-4b", []).model, 4096)
+    bare = {k: v for k, v in written.items() if k != "layer_types"}
+    assert config_from_hf({**bare, "sliding_window_pattern": 6}) == config_from_hf(bare) == config_from_hf(written)
+    with pytest.raises(ConfigError, match=r"layer_types \(or sliding_window_pattern\) are not the 5 local : 1 global"):
+        config_from_hf({**bare, "sliding_window_pattern": 4})
+    config_from_hf({**written, "sliding_window_pattern": 4})  # layer_types, when given, are what transformers reads

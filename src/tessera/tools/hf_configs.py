@@ -231,10 +231,13 @@ def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("use_bidirectional_attention"):
         raise ConfigError("this Gemma 3 checkpoint sets use_bidirectional_attention=true (every token attends to the "
                           "whole sequence, an encoder such as EmbeddingGemma); Tessera's gemma3 is a causal decoder")
+    pattern = hf.get("sliding_window_pattern") or 6  # transformers' layer_types when the file has none
+    hf = {**hf, "layer_types": hf.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0
+                                                         else "sliding_attention" for i in range(layers)]}
     _check_layer_types(hf, ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["gemma3"] == 0 else "sliding_attention"
                             for i in range(layers)],
-                       "this Gemma 3 checkpoint's layer_types are not the 5 local : 1 global pattern Tessera's gemma3 "
-                       "builds")
+                       "this Gemma 3 checkpoint's layer_types (or sliding_window_pattern) are not the 5 local : 1 "
+                       "global pattern Tessera's gemma3 builds")
     params = hf.get("rope_parameters") or {}
     local = params.get("sliding_attention", {})
     # the released checkpoints' config.json (transformers 4) has the global layers' rope_scaling beside rope_theta
