@@ -1110,3 +1110,28 @@ def test_a_gemma3_sliding_window_pattern_other_than_6_is_refused():
     with pytest.raises(ConfigError, match=r"layer_types \(or sliding_window_pattern\) are not the 5 local : 1 global"):
         config_from_hf({**bare, "sliding_window_pattern": 4})
     config_from_hf({**written, "sliding_window_pattern": 4})  # layer_types, when given, are what transformers reads
+
+
+def test_numbers_that_are_not_whole_are_refused_where_the_other_side_holds_whole_ones():
+    """Tessera's rope_max_timescale is a whole number and transformers' query_pre_attn_scalar too: a config.json's
+    rope_theta of 10000.5 converted into a model rotating with 10000, and a gemma2 model's query_pre_attn_scalar of
+    144.5 exported as 144 (other scores), both without a word."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    for name in ("llama2-7b", "deepseek-v3", "gemma3-4b"):
+        written = hf_config(load_model_config(name, []).model, 4096)
+        if name == "llama2-7b":
+            written["rope_theta"] = 10000.5
+        elif name == "deepseek-v3":
+            written["rope_parameters"]["rope_theta"] = 10000.5
+        else:
+            written["rope_parameters"]["sliding_attention"]["rope_theta"] = 10000.5
+        with pytest.raises(ConfigError, match=r"rope_theta=10000\.5 is not a whole number"):
+            config_from_hf(written)
+    assert config_from_hf({**hf_config(load_model_config("llama2-7b", []).model, 4096),
+                           "rope_theta": 5e5})["rope_max_timescale"] == 500000
+    with pytest.raises(ConfigError, match=r"query_pre_attn_scalar=144\.5: Hugging Face's config stores a whole number"):
+        hf_config(load_model_config("gemma2-27b", ["query_pre_attn_scalar=144.5"]).model, 4096)
+    assert hf_config(load_model_config("gemma2-27b", []).model, 4096)["query_pre_attn_scalar"] == 144

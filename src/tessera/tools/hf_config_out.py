@@ -116,7 +116,7 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
                       moe_intermediate_size=m.expert_mlp_dim, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1,
                       mlp_only_layers=[])
     if model_type in ("gemma2", "gemma3_text"):
-        config.update(query_pre_attn_scalar=int(m.query_pre_attn_scalar or m.head_dim),
+        config.update(query_pre_attn_scalar=_whole(m.query_pre_attn_scalar or m.head_dim, "query_pre_attn_scalar"),
                       attn_logit_softcapping=m.attn_logits_soft_cap or None,
                       final_logit_softcapping=m.final_logits_soft_cap or None)
     if model_type == "gemma3_text":

@@ -245,9 +245,9 @@ def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
     glob = params.get("full_attention") or hf.get("rope_scaling") or {}
     if local.get("rope_type", "default") != "default":
         raise ConfigError(f"Gemma 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
-    keys: dict[str, Any] = {"local_rope_max_timescale": int(local.get("rope_theta", hf.get("rope_local_base_freq",
-                                                                                          10000.0))),
-                            "rope_max_timescale": int(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+    keys: dict[str, Any] = {"local_rope_max_timescale": _theta(local.get("rope_theta", hf.get("rope_local_base_freq",
+                                                                                             10000.0))),
+                            "rope_max_timescale": _theta(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
                             "rope_scaling": "none"}
     kind = glob.get("rope_type", glob.get("type", "default"))
     if kind == "linear":
@@ -284,7 +284,7 @@ def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "topk_routing_group": hf["topk_group"] if (hf.get("n_group") or 1) > 1 else -1, "final_logits_soft_cap": 0.0,
     }
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    keys["rope_max_timescale"] = int(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    keys["rope_max_timescale"] = _theta(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "yarn":
         mscale, all_dims = params.get("mscale") or 0, params.get("mscale_all_dim") or 0
@@ -318,6 +318,15 @@ def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "mlp_activations": [_activation(hf.get("activation_function", "gelu_new"))],
         "trainable_position_size": hf["n_positions"], "sliding_window_size": 0, **NO_CAPS,  # GPT-2 has no window
     }
+
+
+def _theta(value: float) -> int:
+    """A rotary theta as Tessera's rope_max_timescale holds it, a whole number; ConfigError for another one (it was
+    truncated: a theta of 10000.5 converted into a model rotating with 10000)."""
+    if float(value) != int(value):
+        raise ConfigError(f"this checkpoint's rope_theta={value} is not a whole number; Tessera's rope_max_timescale "
+                          "(and local_rope_max_timescale) holds whole numbers only, so it is not converted")
+    return int(value)
 
 
 def _hidden_act(hf: dict[str, Any]) -> str:
@@ -354,7 +363,7 @@ def _rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"this checkpoint rotates part of each head (partial_rotary_factor={partial}); Tessera's "
                           f"{hf.get('model_type')} rotates the whole head, so its logits would differ: not converted")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    keys: dict[str, Any] = {"rope_max_timescale": int(theta), "rope_scaling": "none"}
+    keys: dict[str, Any] = {"rope_max_timescale": _theta(theta), "rope_scaling": "none"}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "llama3":
         keys.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
