@@ -1135,3 +1135,17 @@ def test_numbers_that_are_not_whole_are_refused_where_the_other_side_holds_whole
     with pytest.raises(ConfigError, match=r"query_pre_attn_scalar=144\.5: Hugging Face's config stores a whole number"):
         hf_config(load_model_config("gemma2-27b", ["query_pre_attn_scalar=144.5"]).model, 4096)
     assert hf_config(load_model_config("gemma2-27b", []).model, 4096)["query_pre_attn_scalar"] == 144
+
+
+def test_gemma_attention_biases_are_written_and_read_back():
+    """transformers' Gemma, Gemma 2 and Gemma 3 have attention_bias; tessera-to-hf refused a gemma model with
+    attention biases ("Hugging Face's gemma model has no such tensors")."""
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+    from tessera.tools.hf_layouts import layout_for
+
+    for name in ("gemma-7b", "gemma2-9b", "gemma3-4b"):
+        m = load_model_config(name, ["attention_bias=true"]).model
+        layout_for(m)
+        assert config_from_hf(hf_config(m, 4096))["attention_bias"] is True, name
+        assert config_from_hf(hf_config(load_model_config(name, []).model, 4096))["attention_bias"] is False, name

@@ -241,6 +241,33 @@ def test_a_deepseek_yarn_without_truncation_converts_to_the_same_logits(hf_model
     _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path)
 
 
+@pytest.mark.slow
+def test_a_gemma3_with_attention_biases_converts_to_the_same_logits(hf_model, tmp_path):
+    """transformers' Gemma, Gemma 2 and Gemma 3 read attention_bias (biases on q/k/v/o_proj, before the q/k norms);
+    the converter refused such a checkpoint as having tensors with no place in the model ("is model_name the right
+    family?"), and tessera-to-hf refused a gemma model with attention_bias=true."""
+    from safetensors.numpy import save_file
+
+    hf_dir = tmp_path / "biased"
+    shutil.copytree(hf_model("gemma3"), hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    (hf_dir / "config.json").write_text(json.dumps({**config, "attention_bias": True}))
+    rng, h = np.random.default_rng(1), config["head_dim"]
+    sizes = {"q_proj": config["num_attention_heads"] * h, "k_proj": config["num_key_value_heads"] * h,
+             "v_proj": config["num_key_value_heads"] * h, "o_proj": config["hidden_size"]}
+    biases = {f"model.layers.{i}.self_attn.{name}.bias": rng.normal(0, 0.3, (n,)).astype(np.float32)
+              for i in range(config["num_hidden_layers"]) for name, n in sizes.items()}
+    save_file(biases, str(hf_dir / "biases.safetensors"))
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    index["weight_map"].update(dict.fromkeys(biases, "biases.safetensors"))
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    cfg = _config(hf_dir)
+    assert cfg.model.attention_bias
+    _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path)
+    tessera_to_hf(str(tmp_path / "converted"), tmp_path / "back", cfg, max_shard_size=10**9)
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["attention_bias"] is True
+
+
 def test_mxfp4_values_equal_transformers(tmp_path):
     """gpt-oss's MXFP4 experts, read by us and dequantized by transformers: the same values, layout included."""
     _require_reference()

@@ -24,7 +24,7 @@ HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral",
 # 4B, 12B and 27B are released only as such (Gemma3ForConditionalGeneration), and were refused as unsupported
 HF_MULTIMODAL = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 # Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
-HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss")
+HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma", "gemma2", "gemma3_text")
 HF_MLP_BIAS = ("llama",)
 # Hugging Face families whose attention reads config.json's sliding_window (qwen3's use_sliding_window is refused):
 # transformers' llama, gemma and llama4_text ignore a sliding_window their config.json holds
