@@ -330,9 +330,9 @@ def _theta(value: float) -> int:
 
 
 def _hidden_act(hf: dict[str, Any]) -> str:
-    """The activation transformers' MLP of this family computes: Gemma 2 and 3 read hidden_activation alone,
-    the others hidden_act alone (Gemma's legacy "gelu" is its tanh approximation). A config.json carrying both
-    (Google's do) has the other one ignored: read, it gave a GeGLU MLP a SiLU or the reverse."""
+    """The activation of the family's transformers MLP: Gemma 2 and 3 read hidden_activation only, the others
+    hidden_act only (Gemma's legacy "gelu" meaning its tanh GELU). Google's files carry both keys; reading the
+    one transformers ignores gave a GeGLU model a SiLU MLP, or the reverse."""
     kind = hf.get("model_type")
     if kind in ("gemma2", "gemma3_text"):
         return hf.get("hidden_activation") or "gelu_pytorch_tanh"
