@@ -1149,3 +1149,21 @@ def test_gemma_attention_biases_are_written_and_read_back():
         layout_for(m)
         assert config_from_hf(hf_config(m, 4096))["attention_bias"] is True, name
         assert config_from_hf(hf_config(load_model_config(name, []).model, 4096))["attention_bias"] is False, name
+
+
+def test_attention_biases_the_converter_does_not_place_are_named():
+    """A DeepSeek-V3 or Llama 4 config.json with attention_bias=true (transformers builds the biases) was refused
+    only when its tensors were found to have "no place in this Tessera model", with the question whether
+    model_name was the right family; the setting is named now."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    for name, model_type in (("deepseek-v3", "deepseek_v3"), ("llama4-17b-16e", "llama4_text")):
+        written = hf_config(load_model_config(name, []).model, 4096)
+        config_from_hf({**written, "attention_bias": False})
+        with pytest.raises(ConfigError, match=f"^this {model_type} checkpoint sets attention_bias=true"):
+            config_from_hf({**written, "attention_bias": True})
+    multimodal = {"model_type": "llama4", "text_config": {**written, "attention_bias": True}}
+    with pytest.raises(ConfigError, match="llama4_text checkpoint sets attention_bias=true"):
+        config_from_hf(multimodal)

@@ -69,6 +69,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     try:
         text = text_model_config(hf)
         _refuse_quoted_booleans(text)
+        _refuse_unread_biases(text)
         return _keys_of(text)
     except ConfigError:
         raise
@@ -88,6 +89,15 @@ def _refuse_quoted_booleans(hf: dict[str, Any]) -> None:
         if isinstance(value, str) and value.strip().lower() in ("true", "false"):
             raise ConfigError(f"config.json has {key}={value!r}, text where transformers writes a JSON boolean; "
                               f"write it as {value.strip().lower()} without quotes")
+
+
+def _refuse_unread_biases(hf: dict[str, Any]) -> None:
+    """DeepSeek-V3's and Llama 4's attention take biases with attention_bias=true (transformers reads it), which
+    the converter does not place: it refused their tensors as having "no place" in the model, asking whether the
+    family was right."""
+    if hf.get("attention_bias") and hf.get("model_type") in ("deepseek_v3", "llama4_text"):
+        raise ConfigError(f"this {hf['model_type']} checkpoint sets attention_bias=true (biases on its attention "
+                          "projections), which Tessera's converter does not read for this family; it is not converted")
 
 
 def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
