@@ -50,6 +50,32 @@ def tiny_config(tmp_path=None, **overrides):
     return build_config(values)
 
 
+def refused_or_one_devices_losses(tmp_path, mesh_keys: dict, refusal: str, **keys) -> None:
+    """A mesh XLA:CPU may compute wrong results on (tessera.cpu_miscompile) is never silently wrong: either
+    training on it is refused (a ConfigError matching the regex `refusal`), because the check found the
+    output projection wrong on it here, or its losses over the 8 devices are one device's."""
+    import json
+
+    import numpy as np
+
+    from tessera.config import ConfigError
+    from tessera.cpu_miscompile import einsum_is_right
+    from tessera.mesh import create_mesh
+    from tessera.train import run
+
+    def losses(name, devices, **more):
+        run(tiny_config(tmp_path / name, **keys, **more), jax.devices()[:devices])
+        return np.array([json.loads(line)["loss"] for line in
+                         (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()])
+
+    if not einsum_is_right(create_mesh(tiny_config(**mesh_keys).mesh)):
+        with pytest.raises(ConfigError, match=refusal):
+            run(tiny_config(tmp_path / "mesh", per_device_batch_size=0.5, **keys, **mesh_keys))
+        return
+    reference = losses("one", 1, per_device_batch_size=4)
+    np.testing.assert_allclose(losses("mesh", 8, per_device_batch_size=0.5, **mesh_keys), reference, rtol=1e-4)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _eight_devices():
     assert jax.device_count() == 8, "tests need 8 fake CPU devices (XLA_FLAGS set in conftest.py)"

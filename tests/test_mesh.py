@@ -9,7 +9,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO, tiny_config
+from conftest import REPO, refused_or_one_devices_losses, tiny_config
 from tessera.config import ConfigError, build_config, load_config
 from tessera.mesh import (
     LOGICAL_RULES, MESH_AXES, check_divides, create_mesh, logical_spec, named_shardings, sharding_report,
@@ -173,25 +173,11 @@ def test_a_data_expert_tensor_mesh_is_refused_on_cpu_or_trains_one_devices_losse
     trained 5.1314 at the first step where one device trains 5.1034 (half a sequence per device), the wrong loss
     of data 2 x fsdp 2 x tensor 2, and only that mesh was refused (tessera.cpu_miscompile). Never silently
     wrong: either the mesh is refused, naming its axes, or its losses are one device's."""
-    import json
-
-    from tessera.cpu_miscompile import einsum_is_right
-    from tessera.train import run
-
-    mesh_keys = dict(ici_data_parallelism=2, ici_fsdp_parallelism=1, ici_expert_parallelism=2, ici_tensor_parallelism=2)
-
-    def losses(name, devices, **keys):
-        run(tiny_config(tmp_path / name, steps=2, **keys), jax.devices()[:devices])
-        return np.array([json.loads(line)["loss"] for line in
-                         (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()])
-
-    if not einsum_is_right(create_mesh(tiny_config(**mesh_keys).mesh)):
-        with pytest.raises(ConfigError, match=r"on CPU, this jax \(.*\) computes wrong results on a mesh with data 2, "
-                                              r"tensor 2, expert 2: .* at most two of the data, tensor and expert axes"):
-            run(tiny_config(tmp_path / "mesh", per_device_batch_size=0.5, **mesh_keys))
-        return
-    reference = losses("one", 1, per_device_batch_size=4)
-    np.testing.assert_allclose(losses("mesh", 8, per_device_batch_size=0.5, **mesh_keys), reference, rtol=1e-4)
+    refused_or_one_devices_losses(
+        tmp_path, dict(ici_data_parallelism=2, ici_fsdp_parallelism=1, ici_expert_parallelism=2,
+                       ici_tensor_parallelism=2),
+        r"on CPU, this jax \(.*\) computes wrong results on a mesh with data 2, tensor 2, expert 2: .* at most two of "
+        r"the data, tensor and expert axes", steps=2)
 
 
 def test_the_cpu_miscompile_check_runs_on_every_mesh_its_projection_splits_three_ways():

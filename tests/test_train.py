@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import tessera.train
-from conftest import REPO, TINY, tiny_config
+from conftest import REPO, TINY, refused_or_one_devices_losses, tiny_config
 from tessera.checkpointing import CheckpointError, Checkpointer
 from tessera.config import ConfigError, load_config
 from tessera.evaluation import Evaluator
@@ -72,23 +72,9 @@ def test_a_mesh_xla_cpu_miscompiles_is_refused_or_computes_one_devices_losses(tm
     sequence per batch shard): XLA:CPU exchanges rows in the attention's output projection
     (tessera.cpu_miscompile). Never silently wrong: either the mesh is refused, because the
     einsum is wrong on it here, or its losses are one device's."""
-    from tessera.cpu_miscompile import einsum_is_right
-    from tessera.mesh import create_mesh
-
-    mesh_keys = dict(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2)
-
-    def losses(name, devices, **keys):
-        run(tiny_config(tmp_path / name, **keys), jax.devices()[:devices])
-        return np.array([json.loads(line)["loss"] for line in
-                         (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()])
-
-    if not einsum_is_right(create_mesh(tiny_config(**mesh_keys).mesh)):
-        with pytest.raises(ConfigError, match=r"on CPU, this jax \(.*\) computes wrong results on a mesh with data 2, "
-                                              r"fsdp 2, tensor 2"):
-            run(tiny_config(tmp_path / "mesh", per_device_batch_size=0.5, **mesh_keys))
-        return
-    reference = losses("one", 1, per_device_batch_size=4)
-    np.testing.assert_allclose(losses("mesh", 8, per_device_batch_size=0.5, **mesh_keys), reference, rtol=1e-4)
+    refused_or_one_devices_losses(
+        tmp_path, dict(ici_data_parallelism=2, ici_fsdp_parallelism=2, ici_tensor_parallelism=2),
+        r"on CPU, this jax \(.*\) computes wrong results on a mesh with data 2, fsdp 2, tensor 2")
 
 
 def test_gradient_accumulation_equals_one_big_batch(reference_losses, tmp_path, caplog):
