@@ -1143,7 +1143,7 @@ def test_a_cache_that_does_not_fit_is_not_told_to_quantize_again(tmp_path, capsy
     """The memory error advised quantize_kvcache=true to a run that had set it: int8 is told int4,
     int4 neither (checked before the checkpoint is read: none is needed). On CPU, where int4 takes a
     byte per value as int8 does (Quantization.md), int8 was told int4 too, which fits no better."""
-    from tessera.decode import _memory_advice
+    from tessera.decode_memory import memory_advice
 
     long = [a for a in CONFIG_ARGS if not a.startswith("max_target_length=")] + ["max_target_length=1000000002"]
     args = [*long, f"load_parameters_path={tmp_path / 'none'}", "--tokens", "1,2", "--max_new_tokens", "1000000000"]
@@ -1153,12 +1153,12 @@ def test_a_cache_that_does_not_fit_is_not_told_to_quantize_again(tmp_path, capsy
         assert main([*args, *extra]) == 7
         err = capsys.readouterr().err
         assert "memory error: not enough memory for the parameters and the KV cache" in err and advice in err, err
-    assert "lower --max_new_tokens or set kv_quant_dtype=int4;" in _memory_advice(False, cache=True, kv_quant="int8")
-    assert "int4" not in _memory_advice(False, cache=True, kv_quant="int4")
+    assert "lower --max_new_tokens or set kv_quant_dtype=int4;" in memory_advice(False, cache=True, kv_quant="int8")
+    assert "int4" not in memory_advice(False, cache=True, kv_quant="int4")
     # the prefill's temporaries (a MoE over an expert axis holds room for every token copy) are told to the prompts
-    assert _memory_advice(False, prefill=True).startswith("decode fewer or shorter prompts at once (the prefill's "
+    assert memory_advice(False, prefill=True).startswith("decode fewer or shorter prompts at once (the prefill's "
                                                           "temporaries grow with the prompts' tokens; over an expert")
-    assert "shorter prompts" not in _memory_advice(False, cache=True)
+    assert "shorter prompts" not in memory_advice(False, cache=True)
 
 
 def test_float32_parameters_that_do_not_fit_are_told_weight_dtype_bfloat16(tmp_path, capsys):
