@@ -10,11 +10,11 @@ Hugging Face tensor is which Tessera parameter, is `tessera.tools.hf_layouts`.
 from __future__ import annotations
 
 import json
-import math
 from typing import Any
 
 from tessera.config import ConfigError
 from tessera.config.layers import LAYERS_PER_BLOCK
+from tessera.tools.hf_rope import rope_keys, rope_theta
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
@@ -124,7 +124,7 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         "logits_via_embedding": bool(hf.get("tie_word_embeddings", kind in TIED_BY_DEFAULT)),
         "mlp_activations": [_activation(_hidden_act(hf)), "linear"],
         "sliding_window_size": (hf.get("sliding_window") or 0) if kind in HF_SLIDING_WINDOW else 0,
-        **_rope_keys(hf), **NO_CAPS,
+        **rope_keys(hf), **NO_CAPS,
     }
     if kind in HF_MOE:
         keys.update(HF_ROUTING)
@@ -255,9 +255,9 @@ def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
     glob = params.get("full_attention") or hf.get("rope_scaling") or {}
     if local.get("rope_type", "default") != "default":
         raise ConfigError(f"Gemma 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
-    keys: dict[str, Any] = {"local_rope_max_timescale": _theta(local.get("rope_theta", hf.get("rope_local_base_freq",
+    keys: dict[str, Any] = {"local_rope_max_timescale": rope_theta(local.get("rope_theta", hf.get("rope_local_base_freq",
                                                                                              10000.0))),
-                            "rope_max_timescale": _theta(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+                            "rope_max_timescale": rope_theta(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
                             "rope_scaling": "none"}
     kind = glob.get("rope_type", glob.get("type", "default"))
     if kind == "linear":
@@ -294,7 +294,7 @@ def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "topk_routing_group": hf["topk_group"] if (hf.get("n_group") or 1) > 1 else -1, "final_logits_soft_cap": 0.0,
     }
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    keys["rope_max_timescale"] = _theta(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    keys["rope_max_timescale"] = rope_theta(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
     kind = params.get("rope_type", params.get("type", "default"))
     if kind == "yarn":
         mscale, all_dims = params.get("mscale") or 0, params.get("mscale_all_dim") or 0
@@ -330,15 +330,6 @@ def _gpt2_keys(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _theta(value: float) -> int:
-    """A rotary theta as Tessera's rope_max_timescale holds it, a whole number; ConfigError for another one (it was
-    truncated: a theta of 10000.5 converted into a model rotating with 10000)."""
-    if float(value) != int(value):
-        raise ConfigError(f"this checkpoint's rope_theta={value} is not a whole number; Tessera's rope_max_timescale "
-                          "(and local_rope_max_timescale) holds whole numbers only, so it is not converted")
-    return int(value)
-
-
 def _hidden_act(hf: dict[str, Any]) -> str:
     """The activation of the family's transformers MLP: Gemma 2 and 3 read hidden_activation only, the others
     hidden_act only (Gemma's legacy "gelu" meaning its tanh GELU). Google's files carry both keys; reading the
@@ -359,58 +350,6 @@ def _activation(name: str) -> str:
         return "relu" if name == "relu" else "silu"
     raise ConfigError(f"activation {name!r} of this checkpoint has no Tessera equivalent (we have silu, relu and the "
                       "tanh-approximated gelu)")
-
-
-def _rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
-    params = hf.get("rope_parameters") or {}
-    if hf.get("model_type") == "gemma3_text":  # per layer type: see _gemma3_keys
-        return {}
-    if "full_attention" in params:  # per-layer-type parameters; all layer types share them in these families
-        params = params["full_attention"]
-    scaling = hf.get("rope_scaling") or params
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise ConfigError(f"this checkpoint rotates part of each head (partial_rotary_factor={partial}); Tessera's "
-                          f"{hf.get('model_type')} rotates the whole head, so its logits would differ: not converted")
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    keys: dict[str, Any] = {"rope_max_timescale": _theta(theta), "rope_scaling": "none"}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "llama3":
-        keys.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),
-                    rope_low_freq_factor=float(scaling["low_freq_factor"]),
-                    rope_high_freq_factor=float(scaling["high_freq_factor"]),
-                    rope_original_max_position=int(scaling["original_max_position_embeddings"]))
-    elif rope_type == "linear":
-        keys.update(rope_scaling="linear", rope_scaling_factor=float(scaling["factor"]))
-    elif rope_type == "yarn":
-        keys.update(_yarn_keys(hf, scaling))
-    elif rope_type != "default":
-        raise ConfigError(f"rope scaling type {rope_type!r} of this checkpoint is not supported (default, linear, "
-                          "llama3 and yarn are)")
-    return keys
-
-
-def _yarn_keys(hf: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """YaRN for the families built on `Attention`, which multiplies the scores by
-    (0.1 * mscale * ln(factor) + 1)^2: transformers scales the rotary sines and cosines by
-    attention_factor (given, or from factor, mscale and mscale_all_dim), the square root of that."""
-    factor = float(params.get("factor") or hf["max_position_embeddings"] / params["original_max_position_embeddings"])
-
-    def gain(m: float) -> float:
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    attention_factor = params.get("attention_factor")
-    if attention_factor is None:
-        mscale, all_dims = params.get("mscale"), params.get("mscale_all_dim")
-        attention_factor = gain(mscale) / gain(all_dims) if mscale and all_dims else gain(1.0)
-    mscale = (attention_factor - 1.0) / (0.1 * math.log(factor)) if factor > 1 else 1.0
-    if mscale < 0:
-        raise ConfigError(f"this checkpoint's YaRN attention_factor={attention_factor:g} shrinks the scores; "
-                          "Tessera's mscale cannot express that")
-    return {"rope_scaling": "yarn", "rope_scaling_factor": factor,
-            "rope_original_max_position": int(params["original_max_position_embeddings"]),
-            "beta_fast": float(params.get("beta_fast") or 32), "beta_slow": float(params.get("beta_slow") or 1),
-            "mscale": round(mscale, 12), "rope_truncate": bool(params.get("truncate", True))}
 
 
 def as_overrides(keys: dict[str, Any]) -> list[str]:
