@@ -1,7 +1,7 @@
 """The record sources `dataset_type=grain` and `tfds` read by index (`grain.MapDataset.source`):
 Parquet files a row group at a time (`ParquetSource`), ArrayRecord files (`ArrayRecordSource`),
 and a prepared TFDS dataset through `tfds.data_source` (`TfdsSource`), with `open_source`
-choosing the file reader from the files' suffix. Each names the file and the record when one
+choosing the file reader from `grain_file_type`. Each names the file and the record when one
 cannot be read. The pipeline around them is `grain_pipeline.py`.
 """
 
