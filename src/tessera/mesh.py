@@ -104,8 +104,9 @@ def mesh_shape(cfg: MeshConfig, num_devices: int, num_slices: int,
     """(ici sizes, dcn sizes) per mesh axis after filling -1 and checking the products; `slices_note`
     ends an error of the dcn keys (where `num_slices` came from)."""
     if num_devices % num_slices:
-        raise ConfigError(f"{num_devices} devices cannot be split evenly into num_slices={num_slices}; set num_slices "
-                          f"to a divisor of {num_devices}, or -1 (found from the devices)")
+        raise ConfigError(f"{num_devices} device{'s' if num_devices != 1 else ''} cannot be split evenly into "
+                          f"num_slices={num_slices}; set num_slices to a divisor of {num_devices}, or -1 (found from "
+                          "the devices)")
     ici = {a: getattr(cfg, f"ici_{_KEY_NAME[a]}_parallelism") for a in (*MESH_AXES, "fsdp_transpose")}
     dcn = {a: getattr(cfg, f"dcn_{_KEY_NAME[a]}_parallelism") for a in (*MESH_AXES, "fsdp_transpose")}
     ici = _resolve("ici", ici, num_devices // num_slices, ("device in a slice", "devices in a slice"))
