@@ -5,6 +5,7 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 # The suite's programs are tiny: XLA's compile of them, not their run, is most of its time, and
@@ -74,6 +75,25 @@ def refused_or_one_devices_losses(tmp_path, mesh_keys: dict, refusal: str, **key
         return
     reference = losses("one", 1, per_device_batch_size=4)
     np.testing.assert_allclose(losses("mesh", 8, per_device_batch_size=0.5, **mesh_keys), reference, rtol=1e-4)
+
+
+@pytest.fixture(autouse=True)
+def _no_persistent_compilation_cache_after(request):
+    """The suite compiles without JAX's persistent compilation cache (see above). In a full CI run of
+    2026-12-01 a worker still crashed (SIGSEGV) serializing a test_mtp.py program into one: a test of the
+    same process had left JAX's cache on. After every test the cache is turned off again (JAX keeps an
+    initialized cache even once its folder setting is cleared, so it is reset too), and the test that left
+    it on is named in the warnings summary."""
+    yield
+    from jax._src import compilation_cache
+
+    folder = jax.config.jax_compilation_cache_dir
+    if folder or compilation_cache._cache is not None:
+        where = folder or "its folder cleared, the cache still initialized"
+        warnings.warn(f"{request.node.nodeid} left JAX's persistent compilation cache on ({where}); turned off "
+                      "for the tests after it")
+        jax.config.update("jax_compilation_cache_dir", None)
+        compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="session", autouse=True)
