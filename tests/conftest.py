@@ -77,6 +77,20 @@ def refused_or_one_devices_losses(tmp_path, mesh_keys: dict, refusal: str, **key
     np.testing.assert_allclose(losses("mesh", 8, per_device_batch_size=0.5, **mesh_keys), reference, rtol=1e-4)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_programs_freed_after_each_file():
+    """Each test process (an xdist worker) runs many files and compiles thousands of programs; JAX keeps
+    every one it compiled. Four full runs of 2026-12-01 crashed a worker (SIGSEGV) in test_mtp.py, late in
+    its process, inside XLA:CPU: compiling, serializing or deserializing a program; test_mtp.py passes
+    alone. Dropping the compiled programs after each file keeps a worker's state that of a short run (a
+    file's own fixtures still share theirs)."""
+    yield
+    import gc
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(autouse=True)
 def _no_persistent_compilation_cache_after(request):
     """The suite compiles without JAX's persistent compilation cache (see above). In a full CI run of
