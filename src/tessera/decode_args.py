@@ -252,9 +252,9 @@ def stop_tokens(cfg: Config, flags: argparse.Namespace, tokenizer: Tokenizer | N
     with 128009, which its tokenizer.json does not name as its end token: rows ran on past their answers)."""
     if flags.eos_id or flags.ignore_eos:
         return list(flags.eos_id or [])
-    stops = [tokenizer.eos_id] if tokenizer and tokenizer.eos_id is not None else []
-    if tokenizer is None:
-        return stops
+    if tokenizer is None:  # --tokens: no end token is known
+        return []
+    stops = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
     found = _generation_config_stops(cfg.data.tokenizer_path, cfg.model.vocab_size)
     if found:
         path, ids = found
