@@ -934,6 +934,8 @@ def test_text_prompts_and_user_errors(checkpoint, tmp_path, capsys, monkeypatch)
         assert main(argv) == 2, name
         err = capsys.readouterr().err
         assert message in err, (name, err)
+        # a refused cache folder is not left as JAX's setting for what this process compiles next
+        assert jax.config.jax_compilation_cache_dir != str(cache_file), name
     for top_p in ("0", "1.5", "-0.1", "nan"):  # refused by the flag parser: usage, the error, exit code 2
         with pytest.raises(SystemExit) as exit_:
             main([*args, "--tokens", "1,2", "--temperature", "1", "--top_p", top_p])

@@ -29,6 +29,7 @@ log = logging.getLogger("tessera")
 
 _HIT_EVENT = "/jax/compilation_cache/cache_hits"
 _counted = {"hits": 0, "listening": False}
+_before: dict[str, str | None] = {}  # JAX's cache folder before use_compilation_cache set ours
 
 
 def use_compilation_cache(path: str) -> None:
@@ -42,6 +43,7 @@ def use_compilation_cache(path: str) -> None:
         warnings.showwarning = _explaining_unreadable_entries(warnings.showwarning)
         _counted["listening"] = True
     if path:
+        _before.setdefault("dir", jax.config.jax_compilation_cache_dir)
         jax.config.update("jax_compilation_cache_dir", path)
 
 
@@ -49,11 +51,19 @@ def check_cache_folder(path: str) -> None:
     """ConfigError when the cache folder `path` cannot be written: JAX itself only warns, once, at its
     first compile, and compiles every program again at each start (minutes on a TPU host, where the
     cache matters). Called after the job is joined (the probe asks for the process index, which starts
-    JAX's backends) and before the first compile, so JAX's warning never comes first."""
+    JAX's backends) and before the first compile, so JAX's warning never comes first. A refused folder
+    is then no longer JAX's setting (the one before `use_compilation_cache` is again), so a caller that
+    goes on in this process, such as a notebook calling `decode.main`, compiles without it."""
     if path:
+        import jax
+
         from tessera.checkpointing.storage import check_writable
 
-        check_writable(path, "jax_cache_dir")
+        try:
+            check_writable(path, "jax_cache_dir")
+        except Exception:
+            jax.config.update("jax_compilation_cache_dir", _before.pop("dir", None))
+            raise
         log.info("compilation cache: %s", path)
 
 
