@@ -3,6 +3,7 @@ in int8 / float8 in the compiled step, close to float32 in value and in training
 master weights; bad modes and devices are refused before compiling."""
 
 import json
+import os
 import re
 from collections import Counter
 
@@ -369,6 +370,28 @@ def test_quantized_checkpoint_round_trip_decodes_like_the_float_one(mode, stored
     assert clear.mean() > 0.4 and np.all(got.argmax(-1)[clear] == want.argmax(-1)[clear])
     assert np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9
     assert len(generate(model, restored, KV_PROMPTS, 6)) == len(KV_PROMPTS)  # and it decodes
+
+
+def test_a_full_disk_during_the_quantized_save_is_one_line_and_leaves_no_folder(tmp_path, monkeypatch):
+    """TensorStore reports a full disk as a ValueError naming the OSError's code: the quantized save let it
+    through as a traceback (exit 1), with the partial folder removed but nothing said."""
+    import orbax.checkpoint as ocp
+
+    from tessera.checkpointing.quantized import save_quantized
+
+    def full(self, directory, *args, **kwargs):
+        os.makedirs(directory)
+        raise ValueError('RESOURCE_EXHAUSTED: Error writing local file "q/params.wi_0/0": Failed to write 105 bytes: '
+                         "No space left on device [tensorstore_spec='{}'] [os_error_code='28']")
+
+    model, params = _random_model()
+    monkeypatch.setattr(ocp.PyTreeCheckpointer, "save", full)
+    target = tmp_path / "q"
+    with pytest.raises(ConfigError) as e:
+        save_quantized(params, model.logical_axes(), "int8", str(target))
+    assert str(e.value) == (f"save_quantized_params_path={target} could not be written (No space left on device); "
+                            "choose another path (the partial folder was removed)")
+    assert not target.exists()
 
 
 def test_quantized_checkpoint_keys_are_checked():

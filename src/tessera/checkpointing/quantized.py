@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 
 from tessera.config import Config, ConfigError
 
@@ -73,8 +75,11 @@ def save_quantized(params, logical_axes, mode: str, path: str, checksums: bool =
             record_checksums(path)
     except BaseException as e:  # a full disk, Ctrl-C: a folder without its config or checksums would read as whole
         _remove_partial(target)
-        if isinstance(e, OSError):  # a folder that could not be made (/proc), a full disk
-            raise ConfigError(f"save_quantized_params_path={path} could not be written ({e.strerror or e}); choose "
+        code = re.search(r"os_error_code='(\d+)'", str(e)) if isinstance(e, ValueError) else None
+        if isinstance(e, OSError) or code:  # a folder that could not be made (/proc), a full disk (TensorStore's
+            # failed write is a ValueError naming its OSError's code)
+            why = os.strerror(int(code[1])) if code else e.strerror or e
+            raise ConfigError(f"save_quantized_params_path={path} could not be written ({why}); choose "
                               "another path (the partial folder was removed)") from None
         raise
     log.info("wrote the parameters quantized (%s) to %s", mode, path)
