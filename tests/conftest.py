@@ -83,16 +83,58 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.path.name != "test_mtp.py")
 
 
+# Programs compiled by this test file, by JAX's own cache key (the module, the compile options with the
+# device assignment, the XLA flags, the platform and JAX's version): `_same_program_compiled_once`.
+_PROGRAMS: dict[str, object] = {}
+
+
+def _same_program_compiled_once(compile_or_get_cached):
+    """JAX's compile step (`jax._src.compiler.compile_or_get_cached`), made to compile a program only once
+    per test file. Most of the suite's time is XLA's compile (73% of test_train.py's, 480 programs), and
+    many tests of a file compile the very same program again: each `train.run` traces its step anew,
+    and JAX keeps no program across traces (only its persistent compilation cache did, which the suite
+    no longer uses, see above). XLA's compile is deterministic, so the program a test gets is the one it
+    would have compiled. Left to XLA: programs with host callbacks, with an XLA dump asked for (a dump is
+    the compile's side effect) and while a test has JAX's own persistent cache on (the loads it counts).
+    JAX still records a compile event for every request, so the tests that count compiles see them."""
+    from jax._src import cache_key
+
+    def compiled(backend, computation, devices, compile_options, host_callbacks, executable_devices,
+                 pgle_profiler=None):
+        def compile_now():
+            return compile_or_get_cached(backend, computation, devices, compile_options, host_callbacks,
+                                         executable_devices, pgle_profiler)
+
+        if (host_callbacks or pgle_profiler is not None or jax.config.jax_compilation_cache_dir
+                or "xla_dump_to" in os.environ.get("XLA_FLAGS", "")):
+            return compile_now()
+        try:
+            key = cache_key.get(computation, devices, compile_options, backend)
+        except Exception:  # a module JAX cannot key (it then compiles without its cache too)
+            return compile_now()
+        if key not in _PROGRAMS:
+            _PROGRAMS[key] = compile_now()
+        return _PROGRAMS[key]
+
+    return compiled
+
+
+from jax._src import compiler as _jax_compiler  # noqa: E402
+
+_jax_compiler.compile_or_get_cached = _same_program_compiled_once(_jax_compiler.compile_or_get_cached)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _compiled_programs_freed_after_each_file():
     """Each test process (an xdist worker) runs many files and compiles thousands of programs; JAX keeps
     every one it compiled. Four full runs of 2026-12-01 crashed a worker (SIGSEGV) in test_mtp.py, late in
     its process, inside XLA:CPU: compiling, serializing or deserializing a program; test_mtp.py passes
-    alone. Dropping the compiled programs after each file keeps a worker's state that of a short run (a
-    file's own fixtures still share theirs)."""
+    alone. Dropping the compiled programs after each file (JAX's and `_PROGRAMS`) keeps a worker's state
+    that of a short run (a file's own fixtures still share theirs)."""
     yield
     import gc
 
+    _PROGRAMS.clear()
     jax.clear_caches()
     gc.collect()
 
