@@ -446,18 +446,19 @@ def test_a_schedule_of_no_steps_is_a_config_error_also_with_steps_of_minus_one()
 def test_the_guides_unknown_maxtext_keys_are_reported_as_it_says():
     """Coming_from_MaxText.md's examples of MaxText keys it does not name: unknown, with the closest
     keys it quotes where some are close, else a pointer to base.yml (it promised three closest keys
-    for `matmul_precision`, which has none)."""
+    for `matmul_precision`, which had none). Its former examples, `matmul_precision` and
+    `save_checkpoint_on_completion`, are refused MaxText keys now (their recipes set them)."""
     text = " ".join(GUIDE.read_text().split())
-    quoted = re.search(r"where some are close \(`save_checkpoint_on_completion`: (.+?)\), else with a pointer to "
-                       r"`configs/base.yml` \(`matmul_precision`\)", text)
+    quoted = re.search(r"where some are close \(`save_checkpoint_on_start`: (.+?)\), else with a pointer to "
+                       r"`configs/base.yml` \(`vllm_hf_overrides`\)", text)
     assert quoted, "the guide no longer says how its unknown MaxText keys are reported: update this test"
     closest = ", ".join(re.findall(r"`(\w+)`", quoted.group(1)))
-    with pytest.raises(ConfigError, match=re.escape(f"unknown config key 'save_checkpoint_on_completion' in the "
+    with pytest.raises(ConfigError, match=re.escape(f"unknown config key 'save_checkpoint_on_start' in the "
                                                     f"command line; did you mean {closest}?")):
-        load_config([BASE, "save_checkpoint_on_completion=true"], env={})
-    with pytest.raises(ConfigError, match=re.escape("unknown config key 'matmul_precision' in the command line; see "
+        load_config([BASE, "save_checkpoint_on_start=true"], env={})
+    with pytest.raises(ConfigError, match=re.escape("unknown config key 'vllm_hf_overrides' in the command line; see "
                                                     "configs/base.yml for every key")):
-        load_config([BASE, "matmul_precision=high"], env={})
+        load_config([BASE, "vllm_hf_overrides={}"], env={})
 
 
 def test_maxtexts_qwen3_model_file_loads_as_a_model_file_of_ones_own(tmp_path):
@@ -759,3 +760,49 @@ def test_base_config_repeated_on_the_command_line_is_told_apart(tmp_path, caplog
     assert str(e.value) == ("base_config=mine.yml on the command line has no effect: a config file names its parent "
                             "with a `base_config: <file>` line in it; give mine.yml as the first argument instead (the "
                             "config file comes first)")
+
+
+# MaxText keys its recipes, benchmark configs and documented commands set (its tree of 2026-08-22), each an
+# unknown key before: the value of each recipe, then a value that asks for what Tessera lacks
+RECIPE_KEYS_REFUSED_UNLESS_OFF = [
+    ("matmul_precision", "default", "highest", "JAX_DEFAULT_MATMUL_PRECISION=highest"),  # 21 commands
+    ("checkpoint_storage_concurrent_gb", "96", "1024", "Tessera's is 96"),  # the DeepSeek scripts
+    ("activations_in_float32", "false", "true", "dtype=float32"),
+    ("shard_mode", "auto", "explicit", "auto mode"),
+    ("context_parallel_strategy", "all_gather", "ring", "gathers them along the axis"),
+    ("save_checkpoint_on_completion", "true", "false", "enable_checkpointing=false to save none"),
+    ("use_tokamax_gmm", "false", "true", "megablox=true"),
+    ("use_tokamax_splash", "false", "true", "attention=flash"),
+    ("enable_pathways_goodput", "false", "true", "report"),  # the trillium benchmarks' base
+    ("subslice_shape", "", "8,8", "every device JAX sees"),
+    ("z_loss_multiplier", "0.0", "1e-4", "not in Tessera"),
+    ("skip_step_on_spikes", "false", "true", "gradient_clipping_threshold"),
+]
+
+
+@pytest.mark.parametrize("key,off,on,advice", RECIPE_KEYS_REFUSED_UNLESS_OFF)
+def test_maxtext_recipe_keys_load_at_their_default_and_are_refused_with_what_to_use(key, off, on, advice):
+    """Each was 'unknown config key' (shard_mode's closest keys were shared_experts, head_dim, hardware)."""
+    load_config([BASE, f"{key}={off}"], env={})
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, f"{key}={on}"], env={})
+    assert str(e.value).startswith(f"{key}={on!r} is a MaxText key Tessera does not implement: ")
+    assert advice in str(e.value) and "unknown" not in str(e.value)
+
+
+def test_maxtext_recipe_keys_without_effect_are_accepted_checked_and_logged(caplog):
+    """profile_cleanly (trillium benchmarks), use_custom_sort_vjp (v5p benchmarks), sharding_tolerance (qwen2.5
+    test) and goodput_upload_interval_seconds (trillium benchmarks' base) were unknown keys."""
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        load_config([BASE, "profile_cleanly=False", "use_custom_sort_vjp=True", "sharding_tolerance=0.03",
+                     "goodput_upload_interval_seconds=30"], env={})
+    assert "profile_cleanly=False has no effect: Tessera's trace always starts and ends between" in caplog.text
+    assert "sharding_tolerance=0.03 has no effect: Tessera does not check" in caplog.text
+    assert "goodput_upload_interval_seconds=30 has no effect" in caplog.text
+    with pytest.raises(ConfigError) as e:
+        load_config([BASE, "sharding_tolerance=5", "goodput_upload_interval_seconds=-3", "use_custom_sort_vjp=x"],
+                    env={})
+    assert "sharding_tolerance='5' is not allowed; choose one of: 'a number from 0 to 1'" in str(e.value)
+    assert "goodput_upload_interval_seconds='-3' is not allowed; choose one of: 'a whole number >= 0'" in str(e.value)
+    assert "use_custom_sort_vjp='x' is not allowed" in str(e.value)

@@ -46,13 +46,23 @@ ALIASES = {
 }
 
 COUNT = ("-1", "a whole number >= 1")  # allowed values of a count that is -1 (none) or positive
+WHOLE = ("a whole number >= 0",)
+FRACTION = ("a number from 0 to 1",)
 ANY = ("any value",)
 
 
 def _allowed(choices: tuple[str, ...], text: str) -> bool:
-    """`text` (lower-case) is one of `choices`, or a count when `choices` is COUNT, or anything for ANY."""
+    """`text` (lower-case) is one of `choices`, or a count when `choices` is COUNT (WHOLE, FRACTION: a
+    number of that kind), or anything for ANY."""
     if choices is COUNT:
         return text == "-1" or (text.isdigit() and int(text) >= 1)
+    if choices is WHOLE:
+        return text.isdigit()
+    if choices is FRACTION:
+        try:
+            return 0 <= float(text) <= 1
+        except ValueError:
+            return False
     return choices is ANY or text in choices
 
 
@@ -94,6 +104,20 @@ ACCEPTED = {
                         "Tessera's rotary embedding turns the two halves of each head (MaxText's false, the Hugging "
                         "Face layout); MaxText's true turns adjacent pairs: the same model with the dimensions of each "
                         "query and key head in another order, which training from scratch cannot tell apart"),
+    # MaxText's profile_cleanly=true waits for the step before the trace starts and ends, so that the trace holds
+    # whole steps; Tessera's profiler always does (loop_records.Profiler.bounds_before)
+    "profile_cleanly": (("true", "false", "1", "0"), "Tessera's trace always starts and ends between finished steps "
+                                                     "(as MaxText with true), so that it holds exactly profiler_steps "
+                                                     "steps"),
+    # how MaxText's sparse matmul differentiates its sort of the tokens by expert: the same gradients either way
+    "use_custom_sort_vjp": (("true", "false", "1", "0"),
+                            "it chooses how MaxText's sparse matmul computes the gradient of its sort of the tokens by "
+                            "expert, the same gradient either way; Tessera's routing has its own"),
+    # MaxText stops at start-up when more than this share of the parameters' bytes is not sharded
+    "sharding_tolerance": (FRACTION, "Tessera does not check how much of the parameters is replicated; the start-up "
+                                     "log gives every parameter's shape and sharding"),
+    "goodput_upload_interval_seconds": (WHOLE, "Tessera uploads no goodput (monitor_goodput=true is refused); the run's "
+                                               "goodput is in report.json"),
     **{name: (ANY, "MaxText reads it with use_multimodal=true only (a vision encoder before the decoder); Tessera "
                    "trains and decodes text only, as MaxText with use_multimodal=false") for name in VISION_KEYS},
 }

@@ -52,6 +52,14 @@ REFUSED = {
     "mesh_axes": Refused("the names and order of the mesh axes; Tessera's mesh is fixed (see mesh.py)"),
     "logical_axis_rules": Refused("the table from logical to mesh axes; Tessera's is LOGICAL_RULES in mesh.py"),
     "data_sharding": Refused("mesh axes the batch is split over; Tessera splits it over data, fsdp and expert"),
+    "shard_mode": Refused("JAX's sharding mode; MaxText's explicit types every array with its sharding (jax's "
+                          "explicit mode); Tessera's model runs in auto mode, MaxText's default, where the compiler "
+                          "places what the annotations leave open", ("auto",)),
+    "context_parallel_strategy": Refused(
+        "how the sequence (context) axis shares keys and values: ring passes them from device to device, ulysses "
+        "and usp split the heads instead; Tessera's ici_sequence_parallelism gathers them along the axis (MaxText's "
+        "all_gather, its default)", ("all_gather",)),
+    "subslice_shape": Refused("a part of a TPU slice under Pathways; Tessera uses every device JAX sees", ("",)),
     "custom_mesh": Refused("a hand-made device order for some TPU slices; Tessera uses JAX's device mesh", ("",)),
     # pipeline parallelism
     "pipeline_parallel_layers": Refused("layers run by the pipeline" + _PIPE, ("-1",)),
@@ -76,6 +84,20 @@ REFUSED = {
     "wsd_decay_style": Refused("the decay's shape in lr_schedule_type=wsd's schedule; Tessera's schedule is the "
                                "cosine one", ("linear",)),
     # model variants
+    "matmul_precision": Refused(
+        "the precision of float32 matmuls (high, highest: more bfloat16 passes on TPUs); Tessera's matmuls use "
+        "JAX's default: set the environment variable JAX_DEFAULT_MATMUL_PRECISION=highest (or high) for the same "
+        "effect on XLA's matmuls", ("default",)),
+    "activations_in_float32": Refused("cast the activations to float32 before each nonlinearity; Tessera computes "
+                                      "them in dtype: dtype=float32 computes everything in float32", ("false", "0")),
+    "z_loss_multiplier": Refused("add z_loss_multiplier x log(Z)^2 of the output softmax's normalizer Z to the loss; "
+                                 "not in Tessera", ("0",)),
+    "skip_step_on_spikes": Refused("skip an update whose loss or gradient norm spikes; not in Tessera: lower "
+                                   "gradient_clipping_threshold to bound each update", ("false", "0")),
+    "use_tokamax_gmm": Refused("the experts' grouped matmul from the Tokamax library; Tessera's is megablox's Pallas "
+                               "kernel (megablox=true, on TPUs) or jax.lax.ragged_dot", ("false", "0")),
+    "use_tokamax_splash": Refused("splash attention from the Tokamax library; Tessera's attention=flash runs JAX's "
+                                  "Pallas splash attention", ("false", "0")),
     "rope_type": Refused("the kind of rotary scaling (default, llama3.1, yarn); Tessera's key is rope_scaling: "
                          "rope_scaling=llama3 or rope_scaling=yarn (rope_scaling=none: MaxText's default). llama3 "
                          "stretches by 8 over 8192 tokens, as MaxText's llama3.1; with yarn give rope_factor and "
@@ -128,6 +150,12 @@ REFUSED = {
                                            "use checkpoint_period", ("false", "0")),
     "local_checkpoint_directory": Refused("folder of emergency checkpoints; not in Tessera", ("",)),
     "local_checkpoint_period": Refused("steps between emergency checkpoints; not in Tessera", ("0",)),
+    "save_checkpoint_on_completion": Refused(
+        "false skips the save after the last step; Tessera saves after the last step whenever enable_checkpointing "
+        "is true: give enable_checkpointing=false to save none", ("true", "1")),
+    "checkpoint_storage_concurrent_gb": Refused(
+        "how many GB Orbax reads or writes at once (more: faster for large models, more host memory); Tessera's is "
+        "96, MaxText's default", ("96",)),
     "checkpoint_storage_use_ocdbt": Refused("Orbax's OCDBT storage; Tessera uses Orbax's defaults", ("true", "1")),
     "checkpoint_storage_use_zarr3": Refused("Orbax's zarr3 storage; Tessera uses Orbax's defaults", ("true", "1")),
     "enable_checkpoint_cloud_logger": Refused("log checkpoint events to Cloud Logging" + _GCP, ("false", "0")),
@@ -146,6 +174,7 @@ REFUSED = {
     "enable_goodput_recording": Refused("record goodput with Google's ml-goodput library; Tessera's report.json "
                                         "has the run's goodput and where its time went (`time`), and the last "
                                         "log line before `done:` says it" + _GCP, ("false", "0")),
+    "enable_pathways_goodput": Refused("goodput of a Pathways run" + _GCP, ("false", "0")),
     "monitor_goodput": Refused("upload goodput to Cloud Monitoring; Tessera's report.json has the run's goodput "
                                "(`time`)" + _GCP, ("false", "0")),
     "collect_stack_trace": Refused("dump stacks periodically; Tessera dumps them when a step exceeds "
