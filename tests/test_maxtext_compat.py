@@ -766,6 +766,7 @@ def test_base_config_repeated_on_the_command_line_is_told_apart(tmp_path, caplog
 # unknown key before: the value of each recipe, then a value that asks for what Tessera lacks
 RECIPE_KEYS_REFUSED_UNLESS_OFF = [
     ("matmul_precision", "default", "highest", "JAX_DEFAULT_MATMUL_PRECISION=highest"),  # 21 commands
+    ("matmul_precision", "default", "float32", "JAX_DEFAULT_MATMUL_PRECISION set to the same value"),  # older ones
     ("checkpoint_storage_concurrent_gb", "96", "1024", "Tessera's is 96"),  # the DeepSeek scripts
     ("activations_in_float32", "false", "true", "dtype=float32"),
     ("shard_mode", "auto", "explicit", "auto mode"),

@@ -85,9 +85,9 @@ REFUSED = {
                                "cosine one", ("linear",)),
     # model variants
     "matmul_precision": Refused(
-        "the precision of float32 matmuls (high, highest: more bfloat16 passes on TPUs); Tessera's matmuls use "
-        "JAX's default: set the environment variable JAX_DEFAULT_MATMUL_PRECISION=highest (or high) for the same "
-        "effect on XLA's matmuls", ("default",)),
+        "the precision of float32 matmuls (high, highest or older MaxText's float32: more bfloat16 passes on "
+        "TPUs); Tessera's matmuls use JAX's default: the environment variable JAX_DEFAULT_MATMUL_PRECISION set to the "
+        "same value (e.g. JAX_DEFAULT_MATMUL_PRECISION=highest) has that effect on XLA's matmuls", ("default",)),
     "activations_in_float32": Refused("cast the activations to float32 before each nonlinearity; Tessera computes "
                                       "them in dtype: dtype=float32 computes everything in float32", ("false", "0")),
     "z_loss_multiplier": Refused("add z_loss_multiplier x log(Z)^2 of the output softmax's normalizer Z to the loss; "
