@@ -329,3 +329,30 @@ def test_a_platform_jax_cannot_start_is_one_config_error(platforms, said, tmp_pa
     assert line.startswith(f"config error: JAX_PLATFORMS={platforms}: JAX cannot start that platform here") \
         and said in line and "tessera.doctor" in line, line
     assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.parametrize("entry", ["train", "decode"])
+def test_a_runs_settings_end_with_it(tmp_path, monkeypatch, entry):
+    """In one Python process (a notebook, a sweep) a run with optimization_level=O1 enable_pgle=true left
+    JAX_OPTIMIZATION_LEVEL/JAX_ENABLE_PGLE and JAX's options set: every later run compiled with them, and its
+    start-up line named them as its own. With a dump folder in XLA_FLAGS (the A3 recipes') the persistent
+    compilation cache stayed off for every later run too. Here the run stops with a config error, after the
+    keys were applied; each setting is again what it was before."""
+    import tessera.decode
+    import tessera.train
+    from tessera.platforms import RUN_JAX_OPTIONS
+
+    for name in ("JAX_OPTIMIZATION_LEVEL", "JAX_ENABLE_PGLE", "JAX_PGLE_PROFILING_RUNS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ['XLA_FLAGS']} --xla_dump_to={tmp_path / 'dump'}")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))  # read by JAX at import only
+    before = {name: getattr(jax.config, name) for name in RUN_JAX_OPTIONS}
+    keys = ["optimization_level=O1", "enable_pgle=true", "pgle_profiling_runs=2", f"base_output_directory={tmp_path}",
+            "run_name=x"]
+    if entry == "train":  # a mesh that does not fit the 8 devices
+        assert tessera.train.main([BASE, *keys, "ici_fsdp_parallelism=3"]) == 2
+    else:
+        assert tessera.decode.main([BASE, *keys, f"load_parameters_path={tmp_path / 'none'}", "--tokens", "1,2"]) == 2
+    assert {name: getattr(jax.config, name) for name in RUN_JAX_OPTIONS} == before
+    assert not {"JAX_OPTIMIZATION_LEVEL", "JAX_ENABLE_PGLE", "JAX_PGLE_PROFILING_RUNS"} & set(os.environ)
+    assert os.environ["XLA_FLAGS"].endswith(f"--xla_dump_to={tmp_path / 'dump'}")

@@ -130,3 +130,19 @@ def test_a_dump_folder_of_xla_flags_own_turns_the_cache_off_too(tmp_path):
         assert jax.config.jax_enable_compilation_cache is False
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
+
+
+def test_a_later_run_in_the_same_process_neither_dumps_nor_loses_the_cache(tmp_path):
+    """In one Python process (a notebook, a sweep), a run with dump_hlo=true left its dump folder in XLA_FLAGS
+    and the persistent compilation cache off: the next run, without dump_hlo but with jax_cache_dir, said "XLA_FLAGS
+    has --xla_dump_to=...: the persistent compilation cache is off" and then "compilation cache: ...", and wrote
+    nothing there. Here the first run stops at a mesh that does not fit (after the dump flags were added)."""
+    code = ("import json, os, sys, jax\nfrom tessera.train import main\n"
+            "before = (os.environ['XLA_FLAGS'], jax.config.jax_enable_compilation_cache)\n"
+            "code = main(sys.argv[1:])\n"
+            "print(json.dumps([code, before == (os.environ['XLA_FLAGS'], jax.config.jax_enable_compilation_cache)]))")
+    proc = subprocess.run([sys.executable, "-c", code, BASE, "run_name=r", "dump_hlo=true", "ici_tensor_parallelism=3",
+                           f"jax_cache_dir={tmp_path / 'cache'}"], capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+    assert proc.stdout.splitlines()[-1:] == ["[2, true]"], proc.stderr[-2000:]
+    assert "HLO dump: programs matching 'jit_train_step'" in proc.stderr  # the keys were applied

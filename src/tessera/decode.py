@@ -45,6 +45,7 @@ from tessera.generation import (  # noqa: F401 - the library half, re-exported: 
 )
 from tessera.decode_args import encode_prompts, parse_args, stop_tokens
 from tessera.decode_memory import check_memory
+from tessera.platforms import run_settings_restored
 from tessera.tools.cli import UsageError, resolve_config_file
 from tessera.tools.cli_signals import sigterm_raises
 
@@ -299,7 +300,8 @@ def _main(flags: argparse.Namespace, config_args: list[str]) -> int:
     logging.getLogger("jax").setLevel(logging.WARNING)
     logging.getLogger("absl").setLevel(logging.WARNING)
     try:  # a signal while JAX is still being imported is one line too
-        return _decode_main(flags, config_args)
+        with run_settings_restored():  # the GPU keys' settings end with the decoding (a notebook decodes on)
+            return _decode_main(flags, config_args)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C)", file=sys.stderr)
         return EXIT_INTERRUPTED

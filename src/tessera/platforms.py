@@ -1,8 +1,9 @@
-"""Device choice before JAX starts its backends, and the check that the chosen platform starts
-(this module imports nothing heavy)."""
+"""Device choice before JAX starts its backends, the check that the chosen platform starts, and
+the settings a run makes for itself undone when it ends (this module imports nothing heavy)."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import os
@@ -20,6 +21,39 @@ def check_backends_not_started(what: str) -> None:
     if xla_bridge.backends_are_initialized():
         raise RuntimeError(f"{what} after JAX started its backends, where they have no effect; call it before any "
                            "device use")
+
+
+# What a run's keys set for the whole process (gpu_tuning.py's keys, xla_dump.py's dump_hlo): the environment
+# variables, and JAX's options of the same settings, which JAX reads at each compile
+RUN_VARIABLES = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_OPTIMIZATION_LEVEL", "JAX_ENABLE_PGLE",
+                 "JAX_PGLE_PROFILING_RUNS")
+RUN_JAX_OPTIONS = ("jax_optimization_level", "jax_enable_pgle", "jax_pgle_profiling_runs",
+                   "jax_enable_compilation_cache")
+
+
+@contextlib.contextmanager
+def run_settings_restored():
+    """The environment variables and JAX options a run's keys set (RUN_VARIABLES, RUN_JAX_OPTIONS) as
+    they were before it, once it ends, however it ends. In one Python process (a notebook, a sweep,
+    the tests) a run with optimization_level=O1 enable_pgle=true left them on for every later run, whose
+    start-up line named them as its own, and dump_hlo=true left the persistent compilation cache off
+    (with its dump folder in XLA_FLAGS): a later run with jax_cache_dir said "compilation cache: ..." and
+    wrote nothing there. Flags XLA read when its backends started stay in force for the process."""
+    import jax
+
+    variables = {name: os.environ.get(name) for name in RUN_VARIABLES}
+    options = {name: getattr(jax.config, name) for name in RUN_JAX_OPTIONS}
+    try:
+        yield
+    finally:
+        for name, value in variables.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        for name, value in options.items():
+            if getattr(jax.config, name) != value:
+                jax.config.update(name, value)
 
 
 def use_cpu_on_hosts_without_accelerators() -> None:

@@ -39,7 +39,7 @@ from tessera.loop_records import Profiler, RunClock, StepMeter, steps_logged_aft
 from tessera.memory_fit import (EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, check_state_fits, check_step_fits,
                                 out_of_memory, save_buffers, state_advice, state_shapes, step_advice)
 from tessera.mesh import sharding_report
-from tessera.platforms import check_platforms_start
+from tessera.platforms import check_platforms_start, run_settings_restored
 from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
                                 refuse_unread_checkpoints, write_report)
 from tessera.stop_signals import TerminatedOutsideLoop, TrainingStopped
@@ -238,7 +238,8 @@ def main(argv: list[str]) -> int:
     logging.getLogger("absl").setLevel(logging.WARNING)
     watch = FailureWatch()
     try:
-        with sigterm_raises(TerminatedOutsideLoop):  # the loop's StopSignal takes over while it runs
+        # the loop's StopSignal takes over while it runs; the GPU and dump keys' settings end with the run
+        with sigterm_raises(TerminatedOutsideLoop), run_settings_restored():
             code, line = _main(argv, watch)
     except Exception as e:  # a bug of ours: its traceback; in a job, the other processes stop too
         watch.stop()
