@@ -1688,3 +1688,36 @@ def test_a_report_that_cannot_be_written_is_one_error_line_exit_6(tmp_path, monk
     assert (f"metrics write error: the run's report could not be written to {tmp_path / 'test' / 'report.json'} (No "
             "space left on device); its steps are trained (final loss ") in err
     assert "(exit code 6)" in err
+
+
+@pytest.mark.parametrize("entry", ["train", "decode"])
+def test_main_leaves_the_callers_logging_as_it_was(tmp_path, capsys, entry):
+    """Called from a notebook or a sweep, main() used logging.basicConfig(force=True): it closed the caller's own
+    handlers (here a log file, which then took no more lines), left its own on that call's stderr and the root
+    logger at INFO, for the rest of the process. While it runs its lines still go to stderr, one per line."""
+    import tessera.decode
+
+    root, jax_logger = logging.getLogger(), logging.getLogger("jax")
+    theirs = logging.FileHandler(tmp_path / "mine.log")
+    handlers, levels = list(root.handlers), (root.level, jax_logger.level)
+    root.addHandler(theirs)
+    try:
+        root.setLevel(logging.WARNING)
+        jax_logger.setLevel(logging.DEBUG)
+        keys = [str(REPO / "configs" / "base.yml"), f"base_output_directory={tmp_path}", "run_name=x"]
+        if entry == "train":  # a mesh that does not fit the 8 devices: stops after its first log lines
+            assert tessera.train.main([*keys, "ici_fsdp_parallelism=3"]) == 2
+        else:
+            assert tessera.decode.main([*keys, f"load_parameters_path={tmp_path / 'none'}", "--tokens", "1,2"]) == 2
+        assert root.handlers == [*handlers, theirs] and not theirs.stream.closed
+        assert (root.level, jax_logger.level) == (logging.WARNING, logging.DEBUG)
+        assert re.search(r"^\d\d:\d\d:\d\d I ", capsys.readouterr().err, re.M)  # its own lines, while it ran
+        logging.getLogger("tessera").warning("the caller's line")
+        theirs.flush()
+        assert "the caller's line" in (tmp_path / "mine.log").read_text()
+    finally:
+        root.removeHandler(theirs)
+        theirs.close()
+        root.setLevel(levels[0])
+        jax_logger.setLevel(levels[1])
+

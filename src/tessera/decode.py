@@ -46,7 +46,7 @@ from tessera.generation import (  # noqa: F401 - the library half, re-exported: 
 from tessera.decode_args import encode_prompts, parse_args, stop_tokens
 from tessera.decode_memory import check_memory
 from tessera.platforms import run_settings_restored
-from tessera.tools.cli import UsageError, resolve_config_file
+from tessera.tools.cli import UsageError, command_logging, resolve_config_file
 from tessera.tools.cli_signals import sigterm_raises
 
 if TYPE_CHECKING:
@@ -295,12 +295,9 @@ def main(argv: list[str]) -> int:
 
 
 def _main(flags: argparse.Namespace, config_args: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr, force=True)
-    logging.getLogger("jax").setLevel(logging.WARNING)
-    logging.getLogger("absl").setLevel(logging.WARNING)
     try:  # a signal while JAX is still being imported is one line too
-        with run_settings_restored():  # the GPU keys' settings end with the decoding (a notebook decodes on)
+        # the GPU keys' settings and the log set-up end with the decoding (a notebook decodes on)
+        with command_logging(), run_settings_restored():
             return _decode_main(flags, config_args)
     except KeyboardInterrupt:
         print("interrupted (Ctrl-C)", file=sys.stderr)

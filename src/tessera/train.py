@@ -228,14 +228,16 @@ def format_changed_keys(cfg: Config) -> str:
 
 
 def main(argv: list[str]) -> int:
-    from tessera.tools.cli import exit_if_help, train_help
-    from tessera.tools.cli_signals import sigterm_raises
+    from tessera.tools.cli import command_logging, exit_if_help, train_help
 
     exit_if_help(argv, train_help)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
-                        force=True)
-    logging.getLogger("jax").setLevel(logging.WARNING)
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    with command_logging():  # the caller's logging again afterwards (a notebook trains on)
+        return _main_logged(argv)
+
+
+def _main_logged(argv: list[str]) -> int:
+    from tessera.tools.cli_signals import sigterm_raises
+
     watch = FailureWatch()
     try:
         # the loop's StopSignal takes over while it runs; the GPU and dump keys' settings end with the run

@@ -166,6 +166,35 @@ def packages_installed(script: str):
         sys.exit(EXIT_NOT_INSTALLED)
 
 
+@contextlib.contextmanager
+def command_logging(quiet: Sequence[str] = ("jax", "absl")):
+    """The command's log lines (INFO and up, one timed line each) on the stderr of this moment while the
+    block runs, the loggers in `quiet` at WARNING; afterwards the root logger's handlers and level, and
+    those loggers' levels, are the caller's again. Called from a notebook or a sweep, `main` used
+    logging.basicConfig(force=True): it closed the caller's own handlers (a log file) and left its own,
+    on the stderr of that call, and INFO, for the rest of the process."""
+    import logging
+
+    root = logging.getLogger()
+    theirs, levels = list(root.handlers), [(lg, lg.level) for lg in (root, *map(logging.getLogger, quiet))]
+    ours = logging.StreamHandler(sys.stderr)
+    ours.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S"))
+    for handler in theirs:
+        root.removeHandler(handler)
+    root.addHandler(ours)
+    root.setLevel(logging.INFO)
+    for name in quiet:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        root.removeHandler(ours)
+        for handler in theirs:
+            root.addHandler(handler)
+        for logger, level in levels:
+            logger.setLevel(level)
+
+
 def exit_if_help(argv: Sequence[str], text: Callable[[], str]) -> None:
     """Print `text()` and exit 0 when argv asks for help."""
     if wants_help(argv):
