@@ -1721,3 +1721,24 @@ def test_main_leaves_the_callers_logging_as_it_was(tmp_path, capsys, entry):
         root.setLevel(levels[0])
         jax_logger.setLevel(levels[1])
 
+
+def test_the_input_pipelines_workers_end_with_a_run_stopped_before_its_loop(tmp_path, monkeypatch):
+    """The input pipeline's worker processes (grain_worker_count, started by the first read: reuse_example_batch
+    reads at start-up) were stopped only once the loop had started: a run stopped by Ctrl-C while compiling, or by a
+    step that does not fit (exit 7, a sweep's next batch size goes on), left them running in the process."""
+    stopped = []
+    make_input = tessera.train.make_input
+
+    def watched_input(*args, **kwargs):
+        data = make_input(*args, **kwargs)
+        data.stop_workers = lambda: stopped.append("train")
+        return data
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tessera.train, "make_input", watched_input)
+    monkeypatch.setattr(tessera.train, "compile_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run(tiny_config(tmp_path))
+    assert stopped == ["train"]

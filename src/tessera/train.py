@@ -133,9 +133,20 @@ def _nothing_to_do(cfg: Config, step: int | None) -> dict[str, Any] | None:
 def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunClock,
            lock: RunFolderLock) -> dict[str, Any]:
     # ---- input and state (fresh, loaded or resumed): their errors come before anything is written
+    data = make_input(cfg.data, cfg.model.vocab_size, trainer.plan.global_batch, sharding=trainer.batch_sharding)
+    evaluator = None
+    try:  # the pipelines' worker processes end with the run, however it ends (a notebook or a sweep goes on)
+        evaluator = Evaluator(cfg.data, trainer) if cfg.data.eval_interval else None
+        return _train_on(cfg, trainer, ckpt, clock, lock, data, evaluator)
+    finally:
+        close_input(data)
+        if evaluator:
+            close_input(evaluator.data)
+
+
+def _train_on(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunClock, lock: RunFolderLock,
+              data, evaluator: Evaluator | None) -> dict[str, Any]:
     plan = trainer.plan
-    data = make_input(cfg.data, cfg.model.vocab_size, plan.global_batch, sharding=trainer.batch_sharding)
-    evaluator = Evaluator(cfg.data, trainer) if cfg.data.eval_interval else None
     clock.switch("state")
     source = state_source(ckpt, cfg.checkpoint)
     with host_malloc.returning_freed_memory():  # the init's and the read's buffers are not the steps' to reuse
@@ -183,9 +194,6 @@ def _train(cfg: Config, trainer: Trainer, ckpt: Checkpointer | None, clock: RunC
     finally:
         profiler.stop()
         writer.close()
-        close_input(data)
-        if evaluator:
-            close_input(evaluator.data)
     return write_report(cfg, trainer, writer, meter, run_dir, n_params, compile_seconds, start_step, clock)
 
 
