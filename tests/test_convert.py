@@ -1167,3 +1167,21 @@ def test_attention_biases_the_converter_does_not_place_are_named():
     multimodal = {"model_type": "llama4", "text_config": {**written, "attention_bias": True}}
     with pytest.raises(ConfigError, match="llama4_text checkpoint sets attention_bias=true"):
         config_from_hf(multimodal)
+
+
+def test_main_leaves_the_callers_logging_as_it_was(tmp_path):
+    """main() used logging.basicConfig(force=True): called from a notebook it closed the caller's own handlers (a
+    log file) and left its own, and INFO, for the rest of the process."""
+    import logging
+
+    root = logging.getLogger()
+    theirs, level = logging.FileHandler(tmp_path / "mine.log"), root.level
+    root.addHandler(theirs)
+    try:
+        root.setLevel(logging.WARNING)
+        assert main(["tessera-to-hf", str(tmp_path / "none"), str(tmp_path / "out"), *KEYS]) == 2
+        assert theirs in root.handlers and not theirs.stream.closed and root.level == logging.WARNING
+    finally:
+        root.removeHandler(theirs)
+        theirs.close()
+        root.setLevel(level)

@@ -38,7 +38,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tessera.config import Config, ConfigError
-from tessera.tools.cli import UsageError, exit_if_help, help_text, resolve_path, split_overrides, take_options
+from tessera.tools.cli import UsageError, command_logging, exit_if_help, help_text, resolve_path, split_overrides, take_options
 from tessera.tools.cli_signals import sigterm_raises
 from tessera.tools.estimate import load_model_config
 from tessera.tools.hf_configs import as_overrides, config_from_hf
@@ -308,18 +308,20 @@ def convert_help() -> str:
 def main(argv: list[str]) -> int:
     exit_if_help(argv, convert_help)
     # imported first: it imports absl.logging, which makes the "absl" logger an ABSLLogger. Created before as a
-    # plain Logger by getLogger below, its records name absl's file, not Orbax's, and quiet_orbax_logs let
-    # Orbax's ERROR records through (two tracebacks before the one-line error of a full disk)
-    from tessera.checkpointing import CheckpointError
+    # plain Logger by command_logging's getLogger, its records name absl's file, not Orbax's, and quiet_orbax_logs
+    # let Orbax's ERROR records through (two tracebacks before the one-line error of a full disk)
     from tessera.checkpointing.storage import quiet_orbax_logs
 
-    # the log lines on stderr: dtype casts, checksums, tensors left out (as train.py and decode.py)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S",
-                        stream=sys.stderr, force=True)
-    logging.getLogger("jax").setLevel(logging.WARNING)
-    logging.getLogger("absl").setLevel(logging.WARNING)
-
     quiet_orbax_logs()  # Orbax's own ERROR records (with tracebacks) of what is reported here in one line
+    # the log lines on stderr: dtype casts, checksums, tensors left out (as train.py and decode.py); the caller's
+    # logging again afterwards
+    with command_logging():
+        return _main_logged(argv)
+
+
+def _main_logged(argv: list[str]) -> int:
+    from tessera.checkpointing import CheckpointError
+
     try:
         with sigterm_raises(Terminated):
             return _run(argv)
