@@ -451,3 +451,24 @@ def test_a_platform_this_host_does_not_have_is_one_line(tmp_path, platform):
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"config error: JAX_PLATFORMS={platform}: JAX cannot start that platform here" in proc.stderr
 
+
+
+def test_main_leaves_the_processes_environment_as_it_was(tmp_path, monkeypatch):
+    """train_compile described the TPU slice to libtpu through ALLOW_MULTIPLE_LIBTPU_LOAD, TPU_WORKER_HOSTNAMES and
+    TPU_ACCELERATOR_TYPE and left them set: in a notebook, a later compile for another slice kept the first one's
+    accelerator type (setdefault), and a later run or a process it starts saw a slice of `localhost` of the
+    compiled-for type, not this host's. With dump_hlo, the dump flags stayed in XLA_FLAGS and the persistent
+    compilation cache off."""
+    import jax
+
+    from tessera.platforms import RUN_JAX_OPTIONS, RUN_VARIABLES
+
+    for name in ("ALLOW_MULTIPLE_LIBTPU_LOAD", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("XLA_FLAGS", f"{os.environ['XLA_FLAGS']} --xla_dump_to={tmp_path / 'dump'}")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "cache"))  # read by JAX at import only
+    before = {name: os.environ.get(name) for name in RUN_VARIABLES}, {o: getattr(jax.config, o) for o in RUN_JAX_OPTIONS}
+    assert main(overrides(tmp_path, compile_topology="v5e-4", compile_hbm_budget_fraction=1e-6)) == EXIT_DOES_NOT_FIT
+    after = {name: os.environ.get(name) for name in RUN_VARIABLES}, {o: getattr(jax.config, o) for o in RUN_JAX_OPTIONS}
+    assert after == before
+    assert not {"ALLOW_MULTIPLE_LIBTPU_LOAD", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE"} & set(os.environ)

@@ -23,10 +23,11 @@ def check_backends_not_started(what: str) -> None:
                            "device use")
 
 
-# What a run's keys set for the whole process (gpu_tuning.py's keys, xla_dump.py's dump_hlo): the environment
-# variables, and JAX's options of the same settings, which JAX reads at each compile
+# What a run's keys set for the whole process (gpu_tuning.py's keys, xla_dump.py's dump_hlo, and train_compile's
+# description of a TPU slice for libtpu): the environment variables, and JAX's options of the same settings,
+# which JAX reads at each compile
 RUN_VARIABLES = ("XLA_FLAGS", "XLA_PYTHON_CLIENT_MEM_FRACTION", "JAX_OPTIMIZATION_LEVEL", "JAX_ENABLE_PGLE",
-                 "JAX_PGLE_PROFILING_RUNS")
+                 "JAX_PGLE_PROFILING_RUNS", "ALLOW_MULTIPLE_LIBTPU_LOAD", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE")
 RUN_JAX_OPTIONS = ("jax_optimization_level", "jax_enable_pgle", "jax_pgle_profiling_runs",
                    "jax_enable_compilation_cache")
 

@@ -269,6 +269,13 @@ def main(argv: list[str]) -> int:
     exit_if_help(argv, compile_help)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("jax").setLevel(logging.WARNING)
+    from tessera.platforms import run_settings_restored
+
+    with run_settings_restored():  # dump_hlo's and libtpu's settings end with the compile (a notebook goes on)
+        return _main(argv)
+
+
+def _main(argv: list[str]) -> int:
     try:
         cfg = load_config(resolve_config_file(argv))
         if not cfg.run.run_name:
