@@ -344,7 +344,7 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
     `clock`'s account of the run's wall time by phase, with the goodput (`loop_records.RunClock`)."""
     reached = [r["step"] for r in writer.eval_records if at_target(cfg.data, r["eval_loss"])]
     report = metrics.run_report(
-        writer.records, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
+        writer.steps, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
         device_kind=meter.device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),
         peak_tflops_per_device=meter.peak, flops_per_step=meter.flops, num_parameters=n_params,
         compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
