@@ -1025,3 +1025,26 @@ def test_a_save_counts_a_replicated_shard_once_in_what_it_copies_to_host(tmp_pat
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("checkpoint 1 saved")]
     assert len(said) == 1 and "(6.0 MiB on this process's devices)" in said[0], said  # 3 x 2 MiB and 4 bytes
     checkpointer.close()
+
+
+def test_saves_do_not_ask_tensorstore_for_its_byte_counts(tmp_path, monkeypatch):
+    """A long run's host memory: Orbax asked TensorStore for its bytes written before and after every
+    array save (a throughput line it logs at INFO), and each answer of experimental_collect_matching_metrics
+    is never freed (about 3 KB a call with tensorstore 0.1.86): 18 KB of host memory per checkpoint held
+    for good, 180 MB over 10,000 saves. The Checkpointer turns the count off; its saves still restore."""
+    import tensorstore
+
+    calls = []
+    collect = tensorstore.experimental_collect_matching_metrics
+    monkeypatch.setattr(tensorstore, "experimental_collect_matching_metrics",
+                        lambda *a, **k: calls.append(a) or collect(*a, **k))
+    ckpt = Checkpointer(tiny_config(tmp_path, max_num_checkpoints_to_keep=2).checkpoint, str(tmp_path / "ckpt"))
+    state = {"w": jnp.arange(12.0).reshape(3, 4), "step": jnp.array(7)}
+    for step in range(1, 5):
+        ckpt.save(step, state, {"step": step}, {})
+    ckpt.wait()
+    assert calls == []
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state)
+    restored = ckpt.restore(4, abstract)[0]
+    ckpt.close()
+    assert ckpt.manager.all_steps() == [3, 4] and np.array_equal(restored["w"], state["w"])

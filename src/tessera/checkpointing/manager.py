@@ -18,7 +18,8 @@ from etils import epath
 
 from tessera.checkpointing import checksums
 from tessera.checkpointing.storage import (CONFIG_FILE, INCOMPLETE_MARKER, PYTREE_METADATA_FILE, CheckpointError,
-                                           free_space, quiet_orbax_logs, read_error, use_tidy_event_loops)
+                                           free_space, quiet_orbax_logs, read_error, skip_tensorstore_byte_counts,
+                                           use_tidy_event_loops)
 from tessera.checkpointing.trees import raise_on_mismatch, restacked
 from tessera.config import CheckpointConfig
 
@@ -54,6 +55,7 @@ class Checkpointer:
         self.incomplete = set_aside_incomplete(self.directory)
         refuse_files_named_as_steps(self.directory)
         quiet_orbax_logs()
+        skip_tensorstore_byte_counts()
         self._saving: int | None = None  # the step whose (async) save was started last
         self._writing_since: float | None = None  # when that async save started, until its end is logged
         self._failed = False  # a save failed (its partial folder is set aside again at close)
