@@ -414,6 +414,26 @@ def test_the_metrics_writer_does_not_keep_each_steps_record(tmp_path):
     assert report["step_seconds"] == statistics.median(r["step_seconds"] for r in records[3:])
 
 
+def test_the_metrics_writer_does_not_keep_each_evaluations_record(tmp_path):
+    """eval_interval=1 over a long run: the writer kept every evaluation's record (about 400 bytes each)
+    where the report needs the last one (an evaluation at target_eval_loss ends the loop)."""
+    writer = metrics.MetricsWriter(tmp_path / "metrics.jsonl", None, log_period=1, write_files=False)
+    records = [{"step": step, "eval_loss": 2.0 + 1 / step, "eval_perplexity": 7.0 + 1 / step, "eval_tokens": 96,
+                "eval_batches": 2, "eval_seconds": 0.01 * step} for step in range(1, 5_001)]
+    logging.getLogger("tessera.metrics").disabled = True  # a line per evaluation is not what is measured
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for record in records:
+            writer.write_eval(dict(record))
+        per_eval = (tracemalloc.get_traced_memory()[0] - before) / len(records)
+    finally:
+        tracemalloc.stop()
+        logging.getLogger("tessera.metrics").disabled = False
+    assert per_eval < 64, f"{per_eval:.0f} bytes of host memory kept per evaluation"
+    assert writer.last_eval == records[-1]
+
+
 def test_the_final_loss_is_the_last_step_with_target_tokens():
     """A last step without target tokens reports loss 0 and makes no update: the report's final loss
     is the step before it (it was 0, which read as a perfectly trained model); none if no step had any."""

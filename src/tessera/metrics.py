@@ -198,7 +198,7 @@ class MetricsWriter:
         self.log_period, self.first_step, self.last_step = log_period, first_step, last_step
         self.steps = StepTotals()  # what the report needs of the steps; their records are not kept
         self.last_record: dict[str, Any] | None = None
-        self.eval_records: list[dict[str, Any]] = []
+        self.last_eval: dict[str, Any] | None = None  # the report's final eval figures (the records are not kept)
 
     def write(self, record: dict[str, Any]) -> None:
         """A training step's record: JSONL, TensorBoard `train/*`, stdout every log_period steps (and
@@ -225,7 +225,7 @@ class MetricsWriter:
 
     def write_eval(self, record: dict[str, Any]) -> None:
         """An evaluation record (eval_loss, eval_perplexity, ...): JSONL, TensorBoard `eval/*`, stdout."""
-        self.eval_records.append(record)
+        self.last_eval = record
         self._append(record, {f"eval/{name.removeprefix('eval_')}": value for name, value in record.items()
                               if name != "step" and isinstance(value, (int, float))})
         log.info(format_eval(record))

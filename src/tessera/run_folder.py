@@ -342,17 +342,19 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
                  n_params: int, compile_seconds: float, start_step: int, clock: RunClock) -> dict[str, Any]:
     """The run report: logged, written as report.json (process 0) and returned. Its `time` is
     `clock`'s account of the run's wall time by phase, with the goodput (`loop_records.RunClock`)."""
-    reached = [r["step"] for r in writer.eval_records if at_target(cfg.data, r["eval_loss"])]
+    # an evaluation at target_eval_loss ends the loop, so only the last one can be
+    last_eval = writer.last_eval or {}
+    reached = last_eval["step"] if last_eval and at_target(cfg.data, last_eval["eval_loss"]) else None
     report = metrics.run_report(
         writer.steps, cfg.run.report_warmup_steps, run_name=cfg.run.run_name, config_digest=config_digest(cfg),
         device_kind=meter.device_kind, num_devices=trainer.mesh.size, mesh=dict(trainer.mesh.shape),
         peak_tflops_per_device=meter.peak, flops_per_step=meter.flops, num_parameters=n_params,
         compile_seconds=compile_seconds, attention_kernel=trainer.model.attention_kernel,
         global_batch=trainer.plan.global_batch, max_target_length=trainer.plan.max_target_length, start_step=start_step,
-        final_eval_loss=writer.eval_records[-1]["eval_loss"] if writer.eval_records else None,
-        **{f"final_{k}": v for k, v in (writer.eval_records[-1] if writer.eval_records else {}).items()
+        final_eval_loss=last_eval.get("eval_loss"),
+        **{f"final_{k}": v for k, v in last_eval.items()
            if k.startswith("eval_mtp_")},  # multi-token prediction's eval loss and acceptance rate
-        target_eval_loss_reached_at=reached[0] if reached else None,
+        target_eval_loss_reached_at=reached,
         time=clock.summary(),
     )
     log.info(time_line(report["time"]))
