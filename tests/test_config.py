@@ -656,6 +656,21 @@ def test_a_url_that_lost_a_slash_is_refused_not_made_a_local_folder(tmp_path, mo
     assert (cfg.checkpoint.checkpoint_dir, cfg.checkpoint.load_parameters_path) == ("gs://b/ck", str(tmp_path / "ck/4"))
 
 
+
+def test_a_file_url_is_refused_with_the_local_path_to_write(tmp_path, monkeypatch):
+    """load_parameters_path=file:///x ended in etils' KeyError: 'file://' traceback (exit code 1), and
+    base_output_directory=file:///x in "cannot be reached (KeyError: 'file://'); check the network"."""
+    monkeypatch.chdir(tmp_path)
+    assert _config_error([BASE, "load_parameters_path=file:///data/my%20run/4"]) == (
+        "load_parameters_path=file:///data/my%20run/4 is a file: URL, which is not read as a local path; write the "
+        "path itself, /data/my run/4 (from the command line)")
+    assert _config_error([BASE, "base_output_directory=FILE:runs"]).endswith(f"write the path itself, {tmp_path}/runs "
+                                                                            "(from the command line)")
+    assert _config_error([BASE, "dataset_type=hf", "hf_path=json", "hf_train_files=/d/a.json,file:///d/b.json"]) \
+        .startswith("hf_train_files=/d/a.json,file:///d/b.json is a file: URL")
+    assert _config_error([BASE, "jax_cache_dir=file://"]).endswith(f"write the path itself, {tmp_path} "
+                                                                   "(from the command line)")
+
 @pytest.mark.parametrize("value, ok", [("0", False), ("-2", False), ("-1", True), ("1", True), ("5", True)])
 def test_max_num_checkpoints_to_keep_is_minus_1_or_positive(value, ok):
     if ok:

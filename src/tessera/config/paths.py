@@ -1,11 +1,12 @@
 """Path keys (marked `path=` in the schema, `PATH_KINDS` in fields.py): made absolute against the
-working directory once, when a config is built (`resolve_paths`); URLs such as gs://... are kept,
-and one that lost a slash after its scheme is refused."""
+working directory once, when a config is built (`resolve_paths`); URLs such as gs://... are kept;
+one that lost a slash after its scheme, and a file: URL (no client reads one), are refused."""
 
 from __future__ import annotations
 
 import os
 import re
+from urllib.parse import unquote, urlsplit
 
 from tessera.config.fields import HF_FILE_FORMATS
 from tessera.config.schema import Config, ConfigError, all_fields, path_keys
@@ -40,13 +41,25 @@ def resolve_paths(cfg: Config) -> None:
         section = getattr(cfg, fields[name][0])
         value = getattr(section, name)
         for text in value.split(",") if kind == "globs" else [value]:
-            if _LOST_SLASH.match(text.strip()):  # gs:/b/x would be the local folder ./gs:/b/x, written without a word
-                url = re.sub(r"^([^:]+):/+", r"\1://", text.strip())
-                raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "
-                                  f"the local folder {absolute_path(text.strip())}; write {url} (pathlib's "
-                                  "Path('gs://b/x') drops one slash)")
+            _refuse_url_lookalike(name, value, text.strip())
         if kind == "globs":
             value = ",".join(absolute_path(p.strip()) for p in value.split(",") if p.strip())
         elif kind == "path" or _is_local(value):
             value = absolute_path(value)
         setattr(section, name, value)
+
+
+def _refuse_url_lookalike(name: str, value: str, text: str) -> None:
+    """ConfigError for `text` (key `name`, whole value `value`) that looks like a URL no client reads:
+    file:///data/x (etils and Orbax have no file:// client: a KeyError traceback, or "cannot be
+    reached ... check the network"), or gs:/b/x, which would be the local folder ./gs:/b/x, written
+    without a word."""
+    if text[:5].lower() == "file:":
+        local = absolute_path(unquote(urlsplit(text).path) or ".")
+        raise ConfigError(f"{name}={value} is a file: URL, which is not read as a local path; write the path "
+                          f"itself, {local}")
+    if _LOST_SLASH.match(text):
+        url = re.sub(r"^([^:]+):/+", r"\1://", text)
+        raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "
+                          f"the local folder {absolute_path(text)}; write {url} (pathlib's "
+                          "Path('gs://b/x') drops one slash)")
