@@ -127,6 +127,22 @@ def test_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
         resolve_path("nope", "checkpoint")
 
 
+
+def test_an_empty_path_and_a_file_url_are_refused(tmp_path, monkeypatch):
+    """convert tessera-to-hf <ckpt> "" wrote into the working directory (or said "/repo is not empty");
+    a file:///... checkpoint ended in etils' KeyError: 'file://' traceback, exit code 1."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=r"^the output folder is an empty string \(''\); give a path$"):
+        resolve_path("", "output folder", must_exist=False)
+    with pytest.raises(UsageError, match=r"^the checkpoint is an empty string"):
+        resolve_path(" ", "checkpoint")
+    with pytest.raises(UsageError) as e:
+        resolve_path("file:///ck%20pt/4", "checkpoint")
+    assert str(e.value) == ("checkpoint file:///ck%20pt/4 is a file: URL, which is not read as a local path; write "
+                            "the path itself, /ck pt/4")
+    with pytest.raises(UsageError, match=f"write the path itself, {tmp_path}/out$"):
+        resolve_path("file:out", "output folder", must_exist=False)
+
 def test_convert_with_relative_paths(tmp_path):
     """Orbax needs absolute paths: relative ones typed by a user are resolved first."""
     from tessera.config import build_config

@@ -20,6 +20,16 @@ def absolute_path(text: str) -> str:
     return os.path.abspath(os.path.expanduser(text))
 
 
+def is_file_url(text: str) -> bool:
+    """file:///data/x, FILE:x: a URL that neither etils nor Orbax has a client for."""
+    return text[:5].lower() == "file:"
+
+
+def file_url_path(text: str) -> str:
+    """The absolute local path file: URL `text` names (file:///data/my%20run -> /data/my run)."""
+    return absolute_path(unquote(urlsplit(text).path) or ".")
+
+
 # "gs:/bucket/x": a URL that lost a slash (two or more letters before the colon, so not a drive letter)
 _LOST_SLASH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:/(?!/)")
 
@@ -54,10 +64,9 @@ def _refuse_url_lookalike(name: str, value: str, text: str) -> None:
     file:///data/x (etils and Orbax have no file:// client: a KeyError traceback, or "cannot be
     reached ... check the network"), or gs:/b/x, which would be the local folder ./gs:/b/x, written
     without a word."""
-    if text[:5].lower() == "file:":
-        local = absolute_path(unquote(urlsplit(text).path) or ".")
+    if is_file_url(text):
         raise ConfigError(f"{name}={value} is a file: URL, which is not read as a local path; write the path "
-                          f"itself, {local}")
+                          f"itself, {file_url_path(text)}")
     if _LOST_SLASH.match(text):
         url = re.sub(r"^([^:]+):/+", r"\1://", text)
         raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "

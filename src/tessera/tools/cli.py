@@ -269,7 +269,15 @@ def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
 
 def resolve_path(text: str, what: str, must_exist: bool = True) -> str:
     """`text` as typed, made absolute against the working directory (URLs such as gs://... are
-    kept as they are). UsageError naming the resolved path when `must_exist` and nothing is there."""
+    kept as they are). UsageError naming the resolved path when `must_exist` and nothing is there,
+    and for an empty `text` or a file: URL (no client reads one)."""
+    from tessera.config.paths import file_url_path, is_file_url
+
+    if not text.strip():
+        raise UsageError(f"the {what} is an empty string ({text!r}); give a path")
+    if is_file_url(text):
+        raise UsageError(f"{what} {text} is a file: URL, which is not read as a local path; write the path "
+                         f"itself, {file_url_path(text)}")
     if "://" in text:
         return text
     path = Path(os.path.abspath(Path(text).expanduser()))
