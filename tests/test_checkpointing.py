@@ -290,6 +290,18 @@ def test_a_checkpoint_dir_that_is_a_step_or_run_folder_is_refused(tmp_path, give
     assert sorted(p.name for p in step.iterdir()) == ["state"] and not (tmp_path / "test").exists()
 
 
+@pytest.mark.parametrize("key", ["base_output_directory", "checkpoint_dir"])
+def test_an_output_folder_that_is_a_dangling_link_names_the_link(tmp_path, key):
+    """A dangling symbolic link as the output folder (a mount not there, a moved disk) was refused with
+    "cannot be written: No such file or directory", naming neither the link nor where it points."""
+    (tmp_path / "runs").symlink_to(tmp_path / "gone")
+    keys = {key: str(tmp_path / "runs")} if key == "base_output_directory" else {key: str(tmp_path / "runs" / "ck")}
+    with pytest.raises(ConfigError) as e:
+        run(tiny_config(tmp_path, steps=1, **keys), jax.devices()[:1])
+    assert f"cannot be written: {tmp_path / 'runs'} is a symbolic link to {tmp_path / 'gone'}, which does not " \
+           "exist; choose another" in str(e.value), str(e.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+
 def test_training_from_quantized_parameters_says_why_they_do_not_fit(tmp_path):
     """load_parameters_path at decode.py's save_quantized_params_path output listed every matrix as missing and
     unexpected (qvalue, scale) and told the user to fix the model settings, which were right."""

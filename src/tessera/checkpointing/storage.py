@@ -189,7 +189,10 @@ def remote_exists(path: str, key: str, error=ConfigError, subject: str | None = 
 def unwritable(subject: str, key: str, folder: epath.Path, e: OSError) -> ConfigError:
     """'<subject> cannot be written: <why>; <what to do> (free space there: ...)' for output folder `folder`."""
     blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-    why = f"{blocker} is a file, not a folder" if blocker else f"{e.strerror or e}"
+    dangling = next((p for p in (folder, *folder.parents) if os.path.islink(p) and not p.exists()), None)
+    why = (f"{blocker} is a file, not a folder" if blocker else
+           f"{dangling} is a symbolic link to {os.readlink(dangling)}, which does not exist" if dangling else
+           f"{e.strerror or e}")
     fix = (f"free some space there or choose another {key}" if e.errno == errno.ENOSPC and not blocker else
            f"choose another {key} or fix the folder's permissions")
     return ConfigError(f"{subject} cannot be written: {why}; {fix} (free space there: {free_space(folder)})")
