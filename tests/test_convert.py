@@ -894,6 +894,32 @@ def test_export_writes_the_length_of_the_model_the_parameters_were_converted_fro
         assert "base.yml's max_target_length default" not in err, err
 
 
+def test_export_says_so_when_the_converted_parameters_a_run_started_from_were_moved(checkpoints, tmp_path, capsys):
+    """The fine-tune's step finds the Hugging Face config.json through the absolute load_parameters_path saved
+    with it: once that folder was moved or renamed, the export wrote the run's own 2,048 instead of the
+    source's 4,096, without a word. Now a warning names the missing folder and what to give."""
+    import json
+    import shutil
+
+    from tessera.checkpointing.storage import CONFIG_FILE
+
+    ckpt, _ = checkpoints
+    step = tmp_path / "step"
+    shutil.copytree(ckpt, step)
+    (step / "config").mkdir()
+    gone = tmp_path / "converted renamed"
+    (step / "config" / CONFIG_FILE).write_text(json.dumps({"max_target_length": 2048,
+                                                           "load_parameters_path": str(gone)}))
+    capsys.readouterr()
+    for out, extra, warned in (("moved", [], True), ("given", ["max_target_length=4096"], False)):
+        assert main(["tessera-to-hf", str(step), str(tmp_path / out), *KEYS, *extra]) == 0
+        err = capsys.readouterr().err
+        assert (f"W the checkpoint's run started from load_parameters_path={gone}, which is not there any more (moved "
+                "or renamed?)" in err) == warned, err
+    gone.mkdir()  # there (a training run's start that was no conversion): nothing to say
+    assert main(["tessera-to-hf", str(step), str(tmp_path / "there"), *KEYS]) == 0
+    assert "not there any more" not in capsys.readouterr().err
+
 def test_a_gemma3_config_json_as_released_keeps_its_global_rope_scaling():
     """The released Gemma 3 config.json (transformers 4) says rope_scaling (linear x8, the global layers'),
     rope_theta and rope_local_base_freq; transformers 5 reads them as rope_parameters. The converter read only

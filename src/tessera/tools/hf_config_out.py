@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 from typing import Any
 
 from tessera.config import Config, ConfigError, ModelConfig
@@ -271,11 +272,25 @@ def trained_length(checkpoint: str, cfg: Config) -> tuple[int, list[tuple[int, s
     if written > length:
         source += f"; rope_scaling={cfg.model.rope_scaling} stretches the model's context to {written}"
     notes = [(logging.INFO, f"config.json: max_position_embeddings={written} ({source})")]
+    notes += _start_gone(saved_run.get("load_parameters_path"), converted, given=cfg.data.max_target_length != default)
     if written == length and not sources:
         notes.append((logging.WARNING, f"max_position_embeddings={written} is configs/base.yml's max_target_length "
                                        "default, not a length this model was trained on; give max_target_length=<the "
                                        "context it handles> (e.g. 4096) to write that"))
     return length, notes
+
+
+def _start_gone(start, converted: int | None, given: bool) -> list[tuple[int, str]]:
+    """A warning when the training run's load_parameters_path (`start`, saved absolute) is a local
+    folder that is not there any more (moved or renamed since): the Hugging Face config.json kept
+    beside converted parameters cannot be read, and max_position_embeddings fell back to the training
+    length (a Llama 2 fine-tuned on 2,048 tokens said 2,048, not 4,096) without a word."""
+    if converted or given or not isinstance(start, str) or not start or "://" in start or Path(start).exists():
+        return []
+    return [(logging.WARNING, f"the checkpoint's run started from load_parameters_path={start}, which is not there any "
+                              "more (moved or renamed?): if those parameters were converted from a Hugging Face model, "
+                              "its max_position_embeddings is not known here; give max_target_length=<its context> "
+                              "(e.g. 4096) to write that")]
 
 
 def converted_from_length(*folders: str | None) -> int | None:
