@@ -330,6 +330,14 @@ def test_unwritable_file_names_what_is_in_the_way(tmp_path):
     assert train_compile.unwritable_file(str(tmp_path / "new" / "deeper" / "c.pickle")) == ""
     assert not (tmp_path / "new").exists()  # nothing is created by the check
     assert train_compile.unwritable_file("gs://bucket/c.pickle") == ""
+    # a dangling link as a folder failed after the compile ("File exists; ... free some space there")
+    (tmp_path / "mnt").symlink_to(tmp_path / "gone")
+    assert train_compile.unwritable_file(str(tmp_path / "mnt" / "c.pickle")) == (
+        f"{tmp_path / 'mnt'} is a symbolic link to {tmp_path / 'gone'}, which does not exist")
+    (tmp_path / "c.pickle").symlink_to(tmp_path / "gone" / "c.pickle")  # as the file, into a folder not there
+    assert train_compile.unwritable_file(str(tmp_path / "c.pickle")).endswith("gone/c.pickle, which does not exist")
+    (tmp_path / "d.pickle").symlink_to(tmp_path / "d.real")  # as the file, where it can be written: fine
+    assert train_compile.unwritable_file(str(tmp_path / "d.pickle")) == ""
 
 
 def test_pipeline_fsdp_ag_once_takes_the_weight_gathers_out_of_the_loops_on_tpu():

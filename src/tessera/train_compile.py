@@ -82,13 +82,17 @@ def topology_devices(topology: TpuSlice, num_slices: int) -> list:
 
 def unwritable_file(path: str) -> str:
     """Why a file could not be written at `path` (its missing folders made on the way), or "" when nothing
-    in the way shows before writing: a folder at `path`, a file where a folder should be, no write permission.
+    in the way shows before writing: a folder at `path`, a file where a folder should be, a symbolic link to
+    nothing (as a folder, or as the file when where it points cannot be made), no write permission.
     Nothing is created. Bucket URLs are not checked."""
     if "://" in path:
         return ""
     target = Path(os.path.abspath(path))
     if target.is_dir():
         return f"{target} is a folder"
+    dangling = next((p for p in (target, *target.parents) if p.is_symlink() and not p.exists()), None)
+    if dangling is not None and (dangling != target or not Path(os.path.realpath(target)).parent.is_dir()):
+        return f"{dangling} is a symbolic link to {os.readlink(dangling)}, which does not exist"  # else after compiling
     existing = next(p for p in target.parents if p.exists())
     if not existing.is_dir():
         return f"{existing} is a file, not a folder"
