@@ -90,6 +90,23 @@ def test_a_dump_folder_that_cannot_be_written_is_refused_at_once(tmp_path):
     assert "set dump_hlo_local_dir to a writable folder" in proc.stderr
 
 
+def test_a_dump_folder_refused_names_what_is_in_the_way(tmp_path):
+    """dump_hlo_local_dir=<a file> said "cannot be written (File exists)", and a dangling link "(No such file or
+    directory)", naming neither the file nor the link."""
+    from tessera.xla_dump import _probe
+
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "mnt").symlink_to(tmp_path / "gone")
+    for folder, why in ((tmp_path / "afile", f"{tmp_path / 'afile'} is a file, not a folder"),
+                        (tmp_path / "afile" / "d", f"{tmp_path / 'afile'} is a file, not a folder"),
+                        (tmp_path / "mnt" / "d", f"{tmp_path / 'mnt'} is a symbolic link to {tmp_path / 'gone'}, "
+                                                 "which does not exist")):
+        with pytest.raises(ConfigError) as e:
+            _probe(folder)
+        assert str(e.value) == (f"the HLO dump folder {folder} cannot be written ({why}); set dump_hlo_local_dir to "
+                                "a writable folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "mnt"]
+
 def test_a_run_that_stops_before_compiling_leaves_no_dump_folder(tmp_path):
     """The dump folder's write probe made outputs/r/xla_dump and left it: a run refused at set-up (a mesh that
     does not fit the devices) left an empty run folder, which a run that fails before its first step never does."""

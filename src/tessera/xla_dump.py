@@ -87,7 +87,9 @@ def _probe(folder: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise ConfigError(f"the HLO dump folder {folder} cannot be written ({e.strerror}); set "
+        from tessera.checkpointing.storage import in_the_way
+
+        raise ConfigError(f"the HLO dump folder {folder} cannot be written ({in_the_way(folder) or e.strerror}); set "
                           "dump_hlo_local_dir to a writable folder") from None
     finally:
         for p in made:

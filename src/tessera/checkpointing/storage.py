@@ -186,13 +186,20 @@ def remote_exists(path: str, key: str, error=ConfigError, subject: str | None = 
             lg.setLevel(level)
 
 
+def in_the_way(folder) -> str:
+    """What keeps local folder `folder` (a Path or epath.Path) from being made: "<p> is a file, not a folder",
+    "<p> is a symbolic link to <q>, which does not exist" for it or a parent; "" for neither."""
+    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        return f"{blocker} is a file, not a folder"
+    dangling = next((p for p in (folder, *folder.parents) if os.path.islink(p) and not p.exists()), None)
+    return f"{dangling} is a symbolic link to {os.readlink(dangling)}, which does not exist" if dangling else ""
+
+
 def unwritable(subject: str, key: str, folder: epath.Path, e: OSError) -> ConfigError:
     """'<subject> cannot be written: <why>; <what to do> (free space there: ...)' for output folder `folder`."""
-    blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
-    dangling = next((p for p in (folder, *folder.parents) if os.path.islink(p) and not p.exists()), None)
-    why = (f"{blocker} is a file, not a folder" if blocker else
-           f"{dangling} is a symbolic link to {os.readlink(dangling)}, which does not exist" if dangling else
-           f"{e.strerror or e}")
+    blocker = in_the_way(folder)
+    why = blocker or f"{e.strerror or e}"
     fix = (f"free some space there or choose another {key}" if e.errno == errno.ENOSPC and not blocker else
            f"choose another {key} or fix the folder's permissions")
     return ConfigError(f"{subject} cannot be written: {why}; {fix} (free space there: {free_space(folder)})")
