@@ -671,6 +671,18 @@ def test_a_file_url_is_refused_with_the_local_path_to_write(tmp_path, monkeypatc
     assert _config_error([BASE, "jax_cache_dir=file://"]).endswith(f"write the path itself, {tmp_path} "
                                                                    "(from the command line)")
 
+
+@pytest.mark.parametrize("key", ["metrics_file", "base_output_directory", "load_parameters_path", "tokenizer_path",
+                                 "hf_train_files"])
+def test_a_path_with_a_name_too_long_for_file_systems_is_refused(tmp_path, key):
+    """metrics_file=/tmp/<300 letters>.jsonl ended in OSError "File name too long", a traceback from the run
+    folder's checks (Path.is_dir)."""
+    long = "b" * 300
+    message = _config_error([BASE, f"{key}={tmp_path}/{long}/x.json"])
+    assert message == (f"{key}={tmp_path}/{'b' * 20}.../x.json has a file or folder name of 300 bytes, and file "
+                       "systems take names of at most 255 bytes; use a shorter name (from the command line)")
+    assert load_config([BASE, f"{key}={tmp_path}/{'b' * 255}"], env={})
+
 @pytest.mark.parametrize("value, ok", [("0", False), ("-2", False), ("-1", True), ("1", True), ("5", True)])
 def test_max_num_checkpoints_to_keep_is_minus_1_or_positive(value, ok):
     if ok:

@@ -8,6 +8,7 @@ import os
 import re
 from urllib.parse import unquote, urlsplit
 
+from tessera.config.checks import NAME_MAX_BYTES
 from tessera.config.fields import HF_FILE_FORMATS
 from tessera.config.schema import Config, ConfigError, all_fields, path_keys
 
@@ -56,6 +57,8 @@ def resolve_paths(cfg: Config) -> None:
             value = ",".join(absolute_path(p.strip()) for p in value.split(",") if p.strip())
         elif kind == "path" or _is_local(value):
             value = absolute_path(value)
+        for text in value.split(",") if kind == "globs" else [value] if value.startswith("/") else []:
+            _refuse_long_name(name, text)
         setattr(section, name, value)
 
 
@@ -72,3 +75,13 @@ def _refuse_url_lookalike(name: str, value: str, text: str) -> None:
         raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "
                           f"the local folder {absolute_path(text)}; write {url} (pathlib's "
                           "Path('gs://b/x') drops one slash)")
+
+
+def _refuse_long_name(name: str, path: str) -> None:
+    """ConfigError for local path `path` (key `name`) with a part longer than file systems take: the
+    first look at it (Path.is_dir, os.stat) raised OSError "File name too long", a traceback."""
+    longest = max(path.split("/"), key=lambda part: len(part.encode()))
+    if len(longest.encode()) > NAME_MAX_BYTES:
+        raise ConfigError(f"{name}={path.replace(longest, longest[:20] + '...')} has a file or folder name of "
+                          f"{len(longest.encode())} bytes, and file systems take names of at most {NAME_MAX_BYTES} "
+                          "bytes; use a shorter name")
