@@ -128,7 +128,7 @@ def test_paths_resolve_against_the_working_directory(tmp_path, monkeypatch):
 
 
 
-def test_an_empty_path_and_a_file_url_are_refused(tmp_path, monkeypatch):
+def test_an_empty_path_a_file_url_and_a_too_long_name_are_refused(tmp_path, monkeypatch):
     """convert tessera-to-hf <ckpt> "" wrote into the working directory (or said "/repo is not empty");
     a file:///... checkpoint ended in etils' KeyError: 'file://' traceback, exit code 1."""
     monkeypatch.chdir(tmp_path)
@@ -142,6 +142,10 @@ def test_an_empty_path_and_a_file_url_are_refused(tmp_path, monkeypatch):
                             "the path itself, /ck pt/4")
     with pytest.raises(UsageError, match=f"write the path itself, {tmp_path}/out$"):
         resolve_path("file:out", "output folder", must_exist=False)
+    with pytest.raises(UsageError) as e:  # was an OSError traceback, or "writing failed: File name too long"
+        resolve_path("c" * 300, "checkpoint")
+    assert str(e.value) == (f"the checkpoint {tmp_path}/{'c' * 20}... has a file or folder name of 300 bytes, and "
+                            "file systems take names of at most 255 bytes; use a shorter name")
 
 def test_convert_with_relative_paths(tmp_path):
     """Orbax needs absolute paths: relative ones typed by a user are resolved first."""

@@ -80,8 +80,16 @@ def _refuse_url_lookalike(name: str, value: str, text: str) -> None:
 def _refuse_long_name(name: str, path: str) -> None:
     """ConfigError for local path `path` (key `name`) with a part longer than file systems take: the
     first look at it (Path.is_dir, os.stat) raised OSError "File name too long", a traceback."""
+    why = too_long_name(path)
+    if why:
+        raise ConfigError(f"{name}={why}; use a shorter name")
+
+
+def too_long_name(path: str) -> str:
+    """"<path, its long part cut> has a file or folder name of N bytes, ..." when a part of `path` is
+    longer than file systems take (NAME_MAX); "" when none is."""
     longest = max(path.split("/"), key=lambda part: len(part.encode()))
-    if len(longest.encode()) > NAME_MAX_BYTES:
-        raise ConfigError(f"{name}={path.replace(longest, longest[:20] + '...')} has a file or folder name of "
-                          f"{len(longest.encode())} bytes, and file systems take names of at most {NAME_MAX_BYTES} "
-                          "bytes; use a shorter name")
+    if len(longest.encode()) <= NAME_MAX_BYTES:
+        return ""
+    return (f"{path.replace(longest, longest[:20] + '...')} has a file or folder name of {len(longest.encode())} "
+            f"bytes, and file systems take names of at most {NAME_MAX_BYTES} bytes")

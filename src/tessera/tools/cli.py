@@ -270,8 +270,8 @@ def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
 def resolve_path(text: str, what: str, must_exist: bool = True) -> str:
     """`text` as typed, made absolute against the working directory (URLs such as gs://... are
     kept as they are). UsageError naming the resolved path when `must_exist` and nothing is there,
-    and for an empty `text` or a file: URL (no client reads one)."""
-    from tessera.config.paths import file_url_path, is_file_url
+    and for an empty `text`, a file: URL (no client reads one) or a name too long for file systems."""
+    from tessera.config.paths import file_url_path, is_file_url, too_long_name
 
     if not text.strip():
         raise UsageError(f"the {what} is an empty string ({text!r}); give a path")
@@ -281,6 +281,8 @@ def resolve_path(text: str, what: str, must_exist: bool = True) -> str:
     if "://" in text:
         return text
     path = Path(os.path.abspath(Path(text).expanduser()))
+    if too_long_name(str(path)):  # path.exists() raised OSError "File name too long"
+        raise UsageError(f"the {what} {too_long_name(str(path))}; use a shorter name")
     if must_exist and not path.exists():
         typed = "" if Path(text).is_absolute() else f" ({text!r} from the working directory {Path.cwd()})"
         repo = REPO_VENV.parent  # the docs' commands run from the repository root
