@@ -672,6 +672,19 @@ def test_a_file_url_is_refused_with_the_local_path_to_write(tmp_path, monkeypatc
                                                                    "(from the command line)")
 
 
+def test_a_url_without_a_bucket_is_refused():
+    """base_output_directory=gs:// ended in Orbax's ValueError traceback ("The GCS path should contain the bucket
+    name"), exit code 1, after the model was built."""
+    assert _config_error([BASE, "base_output_directory=gs://"]) == (
+        "base_output_directory=gs:// names no bucket after gs://; write gs://<bucket>/<folder>, e.g. "
+        "gs://my-bucket/runs (from the command line)")
+    assert _config_error([BASE, "checkpoint_dir=gs:///ck/"]).startswith("checkpoint_dir=gs:///ck/ names no bucket "
+                                                                         "after gs://; write gs://<bucket>/<folder>, "
+                                                                         "e.g. gs://my-bucket/ck (")
+    cfg = load_config([BASE, "base_output_directory=gs://bucket", "hf_path=hf://datasets/x/y"], env={})
+    assert (cfg.run.base_output_directory, cfg.data.hf_path) == ("gs://bucket", "hf://datasets/x/y")
+
+
 @pytest.mark.parametrize("key", ["metrics_file", "base_output_directory", "load_parameters_path", "tokenizer_path",
                                  "hf_train_files"])
 def test_a_path_with_a_name_too_long_for_file_systems_is_refused(tmp_path, key):

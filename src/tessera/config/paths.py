@@ -65,11 +65,15 @@ def resolve_paths(cfg: Config) -> None:
 def _refuse_url_lookalike(name: str, value: str, text: str) -> None:
     """ConfigError for `text` (key `name`, whole value `value`) that looks like a URL no client reads:
     file:///data/x (etils and Orbax have no file:// client: a KeyError traceback, or "cannot be
-    reached ... check the network"), or gs:/b/x, which would be the local folder ./gs:/b/x, written
-    without a word."""
+    reached ... check the network"), a URL without a bucket (gs://, gs:///x: Orbax's ValueError), or
+    gs:/b/x, which would be the local folder ./gs:/b/x, written without a word."""
     if is_file_url(text):
         raise ConfigError(f"{name}={value} is a file: URL, which is not read as a local path; write the path "
                           f"itself, {file_url_path(text)}")
+    if "://" in text and not urlsplit(text).netloc:  # Orbax: a ValueError traceback after the model was built
+        scheme, rest = text.split("://", 1)
+        raise ConfigError(f"{name}={value} names no bucket after {scheme}://; write {scheme}://<bucket>/<folder>, "
+                          f"e.g. {scheme}://my-bucket/{rest.strip('/') or 'runs'}")
     if _LOST_SLASH.match(text):
         url = re.sub(r"^([^:]+):/+", r"\1://", text)
         raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "
