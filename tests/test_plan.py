@@ -544,6 +544,25 @@ def test_compile_output_that_cannot_be_written_is_refused_before_compiling(tmp_p
         tmp_path / "d" / "x.json"]
 
 
+
+def test_compile_output_that_is_a_url_or_too_long_a_name_is_refused_before_compiling(tmp_path, capsys, monkeypatch):
+    """--output gs://b/plans/x.sh compiled, then wrote the recipe to the local file ./gs:/b/plans/x.sh (pathlib
+    drops a slash); a name over 255 bytes was an OSError "File name too long" traceback."""
+    monkeypatch.chdir(tmp_path)
+    compile_to = ["default", "--hardware", "v5p-8", "--top", "1", "--compile", "--output"]
+    for output in ("gs://b/plans/x.sh", "file:///tmp/x.sh"):
+        assert main([*compile_to, output]) == 2
+        captured = capsys.readouterr()
+        assert captured.err == (f"config error: --output={output} is a URL: the recipe and its JSON report are written "
+                                "to local files; give a local path, e.g. --output x.sh, and copy them where they "
+                                "should go\n") and captured.out == ""
+    assert main([*compile_to, "p" * 300 + ".sh"]) == 2
+    assert capsys.readouterr().err == (f"config error: --output={tmp_path}/{'p' * 20}... has a file or folder name of "
+                                       "303 bytes, and file systems take names of at most 255 bytes; use a shorter "
+                                       "name\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_compile_never_replaces_a_file(tmp_path, capsys, monkeypatch):
     """--output naming a shipped recipe (or any file) rewrote it after the compiles, without a word; an
     --output ending in .json was replaced by the JSON report, so the recipe was lost."""

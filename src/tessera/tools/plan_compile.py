@@ -232,8 +232,15 @@ def recipe_path(cfg: Config, hw: Hardware, output: str) -> Path:
 
 def check_output(cfg: Config, hw: Hardware, output: str) -> None:
     """Before any compile: ConfigError when the recipe or its JSON report could not be written."""
+    from tessera.config.paths import too_long_name
     from tessera.train_compile import unwritable_file
 
+    if "://" in output or output[:5].lower() == "file:":  # Path() made gs://b/x.sh the local file ./gs:/b/x.sh
+        raise ConfigError(f"--output={output} is a URL: the recipe and its JSON report are written to local files; "
+                          f"give a local path, e.g. --output {output.rstrip('/').rsplit('/', 1)[-1] or 'plan.sh'}, "
+                          "and copy them where they should go")
+    if too_long_name(os.path.abspath(output)):  # Path.exists raised OSError "File name too long"
+        raise ConfigError(f"--output={too_long_name(os.path.abspath(output))}; use a shorter name")
     recipe = recipe_path(cfg, hw, output)
     if recipe.suffix == ".json":  # the report goes to <recipe>.json: it would replace the recipe
         raise ConfigError(f"--output={recipe} names the recipe, a bash script, and its JSON report goes beside "
