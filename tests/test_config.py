@@ -672,6 +672,18 @@ def test_a_file_url_is_refused_with_the_local_path_to_write(tmp_path, monkeypatc
                                                                    "(from the command line)")
 
 
+def test_a_home_of_a_user_that_does_not_exist_is_refused(tmp_path, monkeypatch):
+    """base_output_directory=~nosuchuser/runs: expanduser keeps it, and the run wrote into ./~nosuchuser/runs."""
+    monkeypatch.chdir(tmp_path)
+    assert _config_error([BASE, "base_output_directory=~nosuchuser_tessera/runs"]) == (
+        "base_output_directory=~nosuchuser_tessera/runs: ~nosuchuser_tessera is the home folder of a user "
+        "'nosuchuser_tessera', and there is none here; write the folder's full path (from the command line)")
+    assert _config_error([BASE, "hf_path=json", "hf_train_files=~nosuchuser_tessera/*.json"]).startswith(
+        "hf_train_files=~nosuchuser_tessera/*.json: ~nosuchuser_tessera is the home folder")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert load_config([BASE, "base_output_directory=~/runs"], env={}).run.base_output_directory == \
+        str(tmp_path / "home" / "runs")
+
 def test_a_url_without_a_bucket_is_refused():
     """base_output_directory=gs:// ended in Orbax's ValueError traceback ("The GCS path should contain the bucket
     name"), exit code 1, after the model was built."""

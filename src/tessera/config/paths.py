@@ -53,6 +53,7 @@ def resolve_paths(cfg: Config) -> None:
         value = getattr(section, name)
         for text in value.split(",") if kind == "globs" else [value]:
             _refuse_url_lookalike(name, value, text.strip())
+            _refuse_unknown_home(name, value, text.strip())
         if kind == "globs":
             value = ",".join(absolute_path(p.strip()) for p in value.split(",") if p.strip())
         elif kind == "path" or _is_local(value):
@@ -79,6 +80,15 @@ def _refuse_url_lookalike(name: str, value: str, text: str) -> None:
         raise ConfigError(f"{name}={value} is a URL with one slash after its scheme, which would be read as "
                           f"the local folder {absolute_path(text)}; write {url} (pathlib's "
                           "Path('gs://b/x') drops one slash)")
+
+
+def _refuse_unknown_home(name: str, value: str, text: str) -> None:
+    """ConfigError for ~someone/x where no user someone exists: expanduser keeps it, and the run wrote
+    into a folder named ~someone under the working directory."""
+    if text.startswith("~") and os.path.expanduser(text) == text:
+        user = text[1:].split("/", 1)[0]
+        raise ConfigError(f"{name}={value}: {'~' + user} is the home folder of a user {user!r}, and there is none "
+                          f"here{'' if user else ' (HOME is not set)'}; write the folder's full path")
 
 
 def _refuse_long_name(name: str, path: str) -> None:
