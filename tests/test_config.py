@@ -684,6 +684,11 @@ def test_a_home_of_a_user_that_does_not_exist_is_refused(tmp_path, monkeypatch):
     assert load_config([BASE, "base_output_directory=~/runs"], env={}).run.base_output_directory == \
         str(tmp_path / "home" / "runs")
 
+def test_a_config_file_given_as_a_file_url_names_the_path_to_write():
+    """train.py file:///repo/configs/base.yml said "config file file:/repo/configs/base.yml does not exist"."""
+    assert _config_error([f"file://{BASE}"]) == (f"config file file://{BASE} is a file: URL, which is not read as a "
+                                                 f"local path; write the path itself, {BASE}")
+
 def test_a_url_without_a_bucket_is_refused():
     """base_output_directory=gs:// ended in Orbax's ValueError traceback ("The GCS path should contain the bucket
     name"), exit code 1, after the model was built."""

@@ -30,7 +30,7 @@ from typing import Any, Mapping
 from tessera.config.checks import validate
 from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
 from tessera.config.maxtext_model import IN_CONTEXT, check_in_context
-from tessera.config.paths import resolve_paths
+from tessera.config.paths import file_url_path, is_file_url, resolve_paths
 from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields, path_keys
 from tessera.config.values import coerce, unquoted
 from tessera.config.yaml_file import (config_files, is_file, is_run_config, model_folders,
@@ -83,6 +83,9 @@ def _check_first_argument(argv: list[str]) -> None:
     if not argv[0].strip():  # `train.py "$CONFIG" ...` with CONFIG unset: Path("") is the working directory
         raise ConfigError(f"no config file given: the first argument is empty ({argv[0]!r}); it is a config file, "
                           f"e.g. `.venv/bin/python {program} configs/base.yml ...`")
+    if is_file_url(argv[0]):  # Path() made file:///x/base.yml "file:/x/base.yml", which "does not exist"
+        raise ConfigError(f"config file {argv[0]} is a file: URL, which is not read as a local path; write the path "
+                          f"itself, {file_url_path(argv[0])}")
     if re.match(r"[A-Za-z_][A-Za-z0-9_]*=", argv[0]) and not is_file(Path(argv[0])):  # MaxText infers its file
         raise ConfigError(f"no config file given: the first argument, {argv[0]!r}, is a key=value; the config file "
                           f"comes first, e.g. `.venv/bin/python {program} configs/base.yml {' '.join(argv)}`")
