@@ -65,6 +65,9 @@ def test_flags_and_errors():
         apply_hlo_dump(cfg, {"XLA_FLAGS": "--xla_dump_to=/mine"})
     with pytest.raises(ConfigError, match="contains white space"):
         dump_flags(tiny_config(dump_hlo=True, dump_hlo_local_dir="/a b"))
+    with pytest.raises(ConfigError, match=r"^dump_hlo_local_dir=gs://b/dump is a URL: XLA writes the dump to a local "
+                                          "folder"):  # it dumped into the local folder ./gs:/b/dump
+        dump_flags(tiny_config(dump_hlo=True, dump_hlo_local_dir="gs://b/dump"))
     # the program filter is checked as XLA would read it (unchecked, XLA logs an error per program, dumps nothing)
     assert dump_flags(tiny_config(dump_hlo=True, dump_hlo_module_name="jit_train_step|jit_eval.*"))[1] == (
         "--xla_dump_hlo_module_re=jit_train_step|jit_eval.*")

@@ -41,6 +41,10 @@ def dump_flags(cfg: Config) -> list[str]:
     p = cfg.profiler
     if p.dump_hlo_xla_flags:
         return p.dump_hlo_xla_flags.split()
+    if "://" in p.dump_hlo_local_dir:  # Path() made gs://b/dump the local folder ./gs:/b/dump, without a word
+        raise ConfigError(f"dump_hlo_local_dir={p.dump_hlo_local_dir} is a URL: XLA writes the dump to a local "
+                          "folder; give a local path (or leave it empty for the run folder's xla_dump/), and copy "
+                          "the dump where it should go (gcloud storage cp -r)")
     folder = str(dump_folder(cfg))
     if any(c.isspace() for c in folder):
         raise ConfigError(f"the HLO dump folder {folder!r} contains white space, which XLA_FLAGS cannot carry; "
