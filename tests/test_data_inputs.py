@@ -319,3 +319,12 @@ def test_eval_files_without_eval_interval_are_said_to_be_unread(tmp_path, sp_mod
     assert [r.getMessage() for r in caplog.records] == [
         f"hf_eval_files={missing!r}: not read, because eval_interval=0 never evaluates; set eval_interval=N to "
         "evaluate every N steps"]
+
+
+def test_a_tokenizer_path_that_is_a_url_says_the_tokenizer_is_read_from_a_local_file():
+    """tokenizer_path=gs://b/t.model said "does not exist" (pathlib read it as the local gs:/b/t.model), though the
+    file may well be in the bucket: the tokenizer is read from a local path only."""
+    with pytest.raises(ConfigError) as e:
+        load_tokenizer("gs://b/t.model")
+    assert str(e.value) == ("tokenizer_path='gs://b/t.model' is a URL: the tokenizer is read from a local file or "
+                            "folder; copy it to this machine (gcloud storage cp) and give that path")

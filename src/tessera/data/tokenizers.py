@@ -69,6 +69,9 @@ def load_tokenizer(path: str, kind: str = "auto") -> Tokenizer:
     if not path:
         raise ConfigError("reading text needs tokenizer_path (a SentencePiece .model, a tiktoken BPE file or a "
                           "folder with tokenizer.json), unless the text columns are already token ids")
+    if "://" in path:  # Path() made gs://b/t.model the local gs:/b/t.model, which "does not exist"
+        raise ConfigError(f"tokenizer_path={path!r} is a URL: the tokenizer is read from a local file or folder; "
+                          "copy it to this machine (gcloud storage cp) and give that path")
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"tokenizer_path={path!r} does not exist; give the path of a tokenizer file or "
