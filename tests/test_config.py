@@ -712,6 +712,7 @@ def test_a_path_with_a_name_too_long_for_file_systems_is_refused(tmp_path, key):
     assert message == (f"{key}={tmp_path}/{'b' * 20}.../x.json has a file or folder name of 300 bytes, and file "
                        "systems take names of at most 255 bytes; use a shorter name (from the command line)")
     assert load_config([BASE, f"{key}={tmp_path}/{'b' * 255}"], env={})
+    assert load_config([BASE, f"{key}=gs://bucket/{'b' * 300}"], env={})  # object names may be up to 1,024 bytes
 
 @pytest.mark.parametrize("value, ok", [("0", False), ("-2", False), ("-1", True), ("1", True), ("5", True)])
 def test_max_num_checkpoints_to_keep_is_minus_1_or_positive(value, ok):

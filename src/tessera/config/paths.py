@@ -58,8 +58,9 @@ def resolve_paths(cfg: Config) -> None:
             value = ",".join(absolute_path(p.strip()) for p in value.split(",") if p.strip())
         elif kind == "path" or _is_local(value):
             value = absolute_path(value)
-        for text in value.split(",") if kind == "globs" else [value] if value.startswith("/") else []:
-            _refuse_long_name(name, text)
+        for text in value.split(",") if kind == "globs" else [value]:
+            if text.startswith("/"):  # local (a bucket's object names may be longer)
+                _refuse_long_name(name, text)
         setattr(section, name, value)
 
 
