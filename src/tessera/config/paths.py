@@ -1,6 +1,7 @@
 """Path keys (marked `path=` in the schema, `PATH_KINDS` in fields.py): made absolute against the
-working directory once, when a config is built (`resolve_paths`); URLs such as gs://... are kept;
-one that lost a slash after its scheme, and a file: URL (no client reads one), are refused."""
+working directory once, when a config is built (`resolve_paths`); URLs such as gs://... are kept.
+Refused, each in one line: a URL that lost a slash after its scheme or names no bucket, a file: URL
+(no client reads one), ~user for a user that does not exist, a name longer than file systems take."""
 
 from __future__ import annotations
 
