@@ -286,15 +286,18 @@ def test_a_url_metrics_file_is_refused_instead_of_written_to_a_local_gs_folder(t
 
 
 def test_an_upload_folder_of_a_scheme_without_a_client_is_refused_before_training(tmp_path, caplog):
-    # file:// has no etils client: the first upload raised KeyError after the last step, a traceback
+    # file:// or hdfs:// has no etils client: the first upload raised KeyError after the last step, a traceback
     # (exit 1) in place of the report; now one line at start-up, and a warning if the writer meets one
+    # (a file: URL is refused earlier still, when the config is built: it names the local path to write)
     from tessera.config import ConfigError
     from tessera.run_folder import check_output_folders
 
-    cfg = tiny_config(base_output_directory=f"file://{tmp_path}/runs", run_name="r5", gcs_metrics=True,
+    with pytest.raises(ConfigError, match=r"base_output_directory=file://.*/runs is a file: URL"):
+        tiny_config(base_output_directory=f"file://{tmp_path}/runs", run_name="r5", gcs_metrics=True)
+    cfg = tiny_config(base_output_directory="hdfs://cluster/runs", run_name="r5", gcs_metrics=True,
                       enable_checkpointing=False)
-    with pytest.raises(ConfigError, match=r"gcs_metrics=true with base_output_directory=file://.*/runs: no "
-                                          r"client writes to file:// URLs"):
+    with pytest.raises(ConfigError, match=r"gcs_metrics=true with base_output_directory=hdfs://cluster/runs: no "
+                                          r"client writes to hdfs:// URLs"):
         check_output_folders(cfg, "")
     writer = metrics.MetricsWriter(tmp_path / "metrics.jsonl", None, log_period=1000,
                                    upload_dir=f"file://{tmp_path}/m")
