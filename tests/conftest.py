@@ -165,9 +165,11 @@ def _eight_devices():
 
 @pytest.fixture(autouse=True)
 def _root_log_handlers_restored():
-    """An in-process `main()` (train, decode) installs a root log handler on the stream of that test's
-    captured stderr, which pytest closes when the test ends: later tests' log lines would hit a closed
-    file ("--- Logging error ---" in their stderr). Each test ends with the root handlers it started with."""
+    """train, decode and convert `main` give the caller's logging back when they return (`command_logging`);
+    train_compile's `main` and tests that set up logging themselves still install a root log handler on the
+    stream of that test's captured stderr, which pytest closes when the test ends: later tests' log lines
+    would hit a closed file ("--- Logging error ---" in their stderr). Each test ends with the root handlers
+    it started with."""
     root = logging.getLogger()
     before, level = list(root.handlers), root.level
     yield

@@ -35,7 +35,7 @@ from tessera.config.derived import run_dir
 from tessera.config.checks import validate_for_build
 from tessera.hardware import GIB, TpuSlice, tpu_slice
 from tessera.hlo_text import COLLECTIVE_OP, collectives_in_loops, low_precision_dots, tpu_kernels, stage_transfers
-from tessera.tools.cli import Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
+from tessera.tools.cli import LOG_FORMAT, LOG_TIME, Heartbeat, UsageError, exit_if_help, help_text, resolve_config_file
 from tessera.tools.cli_signals import sigterm_raises
 
 log = logging.getLogger("tessera")
@@ -271,7 +271,7 @@ def compile_help() -> str:
 
 def main(argv: list[str]) -> int:
     exit_if_help(argv, compile_help)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_TIME)
     logging.getLogger("jax").setLevel(logging.WARNING)
     from tessera.platforms import run_settings_restored
 

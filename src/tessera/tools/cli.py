@@ -166,6 +166,9 @@ def packages_installed(script: str):
         sys.exit(EXIT_NOT_INSTALLED)
 
 
+LOG_FORMAT, LOG_TIME = "%(asctime)s %(levelname).1s %(message)s", "%H:%M:%S"  # a command's log lines
+
+
 @contextlib.contextmanager
 def command_logging(quiet: Sequence[str] = ("jax", "absl")):
     """The command's log lines (INFO and up, one timed line each) on the stderr of this moment while the
@@ -178,7 +181,7 @@ def command_logging(quiet: Sequence[str] = ("jax", "absl")):
     root = logging.getLogger()
     theirs, levels = list(root.handlers), [(lg, lg.level) for lg in (root, *map(logging.getLogger, quiet))]
     ours = logging.StreamHandler(sys.stderr)
-    ours.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(message)s", datefmt="%H:%M:%S"))
+    ours.setFormatter(logging.Formatter(LOG_FORMAT, datefmt=LOG_TIME))
     for handler in theirs:
         root.removeHandler(handler)
     root.addHandler(ours)
@@ -281,8 +284,9 @@ def resolve_path(text: str, what: str, must_exist: bool = True) -> str:
     if "://" in text:
         return text
     path = Path(os.path.abspath(Path(text).expanduser()))
-    if too_long_name(str(path)):  # path.exists() raised OSError "File name too long"
-        raise UsageError(f"the {what} {too_long_name(str(path))}; use a shorter name")
+    long_name = too_long_name(str(path))
+    if long_name:  # path.exists() raised OSError "File name too long"
+        raise UsageError(f"the {what} {long_name}; use a shorter name")
     if must_exist and not path.exists():
         typed = "" if Path(text).is_absolute() else f" ({text!r} from the working directory {Path.cwd()})"
         repo = REPO_VENV.parent  # the docs' commands run from the repository root
