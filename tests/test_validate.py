@@ -674,7 +674,20 @@ def test_a_log_dir_that_cannot_be_written_names_the_key(tmp_path, capsys):
     path = tmp_path / "v.json"
     path.write_text(json.dumps(data))
     assert main([str(path), "--gpu", "cpu"]) == 2
-    assert "Not a directory; set config.log_dir in the file, or give --out" in capsys.readouterr().err
+    assert (f"{tmp_path / 'a_file'} is a file, not a folder; set config.log_dir in the file, or give --out"
+            in capsys.readouterr().err)
+
+
+def test_an_out_folder_under_a_file_is_refused_naming_the_file_even_in_a_dry_run(tmp_path, monkeypatch, capsys):
+    """--out under a file said only "Not a directory" once the nodes' log folder was made, and --dry-run
+    printed the commands as if the folder could be written."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(validate, "run_nodes", lambda *a, **k: pytest.fail("no node may start"))
+    (tmp_path / "a_file").write_text("")
+    for dry_run in (["--dry-run"], []):
+        assert main([CPU, "--gpu", "cpu", "--out", "a_file/results", *dry_run]) == 2
+        assert capsys.readouterr().err == (f"error: --out a_file/results: the results cannot go there: "
+                                           f"{tmp_path / 'a_file'} is a file, not a folder; choose another --out\n")
 
 
 def test_without_nodes_a_file_with_both_modes_runs_its_single_node_entry(tmp_path, capsys):

@@ -178,6 +178,9 @@ def _plan_run(args: argparse.Namespace):
         raise UsageError(f"--out {args.out}: the suite writes validation.json/.xml and the node logs as local files; "
                          "give a local folder (and copy it to the bucket afterwards)")
     out = resolve_path(args.out, "--out folder", must_exist=False) if args.out else None
+    blocker = _in_the_way(out) if out else ""
+    if blocker:  # found only when the nodes' log folder was made ("Not a directory"), and never by --dry-run
+        raise UsageError(f"--out {args.out}: the results cannot go there: {blocker}; choose another --out")
     data = load(path)
     name, entry = select(data, len(nodes) > 1, args.model, args.gpu)
     plan = build_plan(data, name, entry)
@@ -212,6 +215,13 @@ def _announce(plan: Plan, nodes: list[str]) -> str | None:
     return engine
 
 
+def _in_the_way(folder: str) -> str:
+    """What keeps local folder `folder` from being made ("<p> is a file, not a folder", a dangling link), or ""."""
+    from tessera.checkpointing.storage import in_the_way
+
+    return in_the_way(Path(folder))
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
         nodes, out, plan, run_name = _plan_run(args)
@@ -241,9 +251,10 @@ def _run(args: argparse.Namespace) -> int:
                           plan.overrides.get("steps", str(all_fields()["steps"][1].default)), args.timeout)
     except BrokenPipeError:  # the reader of stdout went away (`| head`): the nodes were stopped; exit code 141
         raise
-    except OSError as e:  # e.g. --out under a file: found when the log folder is made, before any node starts
+    except OSError as e:  # e.g. config.log_dir under a file: found when the log folder is made, before any node starts
         fix = "choose another --out" if out else "set config.log_dir in the file, or give --out"
-        print(f"error: cannot write node logs under {out_dir}: {e.strerror or e}; {fix}", file=sys.stderr)
+        why = _in_the_way(str(out_dir / "logs")) or e.strerror or e
+        print(f"error: cannot write node logs under {out_dir}: {why}; {fix}", file=sys.stderr)
         return 2
     except NodesStopped as stopped:  # SIGTERM, Ctrl-C or SIGHUP: the nodes were given it and have exited
         rows = check(plan, None, [])  # validation.json/.xml say the run did not finish, for CI dashboards
