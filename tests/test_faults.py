@@ -3,6 +3,7 @@ damaged checkpoints, an unwritable output folder, a full disk, Ctrl-C once and t
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -26,9 +27,24 @@ def _steps(ckpt: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> Path:
+    """The run folder of one `_train(..., "steps=2")` (its checkpoint of step 2), trained once for this file:
+    each test that damages it takes a copy of its own (`_copy_run`)."""
+    out = tmp_path_factory.mktemp("two_steps")
+    proc = _train(out, "steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "sub"
+
+
+def _copy_run(run: Path, tmp_path: Path) -> None:
+    """`run` copied to tmp_path/sub, where `_train(tmp_path, ...)` resumes it."""
+    shutil.copytree(run, tmp_path / "sub")
+
+
 @pytest.mark.slow
-def test_truncated_array_file_is_one_message_every_time(tmp_path):
-    assert _train(tmp_path, "steps=2").returncode == 0
+def test_truncated_array_file_is_one_message_every_time(tmp_path, two_steps):
+    _copy_run(two_steps, tmp_path)
     step = tmp_path / "sub" / "checkpoints" / "2"
     data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     size = data.stat().st_size
@@ -69,8 +85,8 @@ def test_deleted_metadata_is_a_damaged_checkpoint_not_a_config_mismatch(tmp_path
     assert again.returncode == 0 and "resuming from step 1" in again.stderr, again.stderr[-3000:]
 
 
-def test_an_empty_step_folder_past_the_last_step_is_not_a_finished_run(tmp_path):
-    assert _train(tmp_path, "steps=2").returncode == 0
+def test_an_empty_step_folder_past_the_last_step_is_not_a_finished_run(tmp_path, two_steps):
+    _copy_run(two_steps, tmp_path)
     empty = tmp_path / "sub" / "checkpoints" / "8"
     empty.mkdir()  # e.g. a copy that was cut short
     proc = _train(tmp_path, "steps=6")  # 8 >= 6: without the check this said "nothing to do" and exited 0
