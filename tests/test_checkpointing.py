@@ -431,9 +431,19 @@ def test_orbax_logs_what_the_checkpointer_reports_itself_only_once(caplog):
                                                          "Waiting for previous save to complete took 1 s"]
 
 
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory) -> Path:
+    """The run folder of one `_train(..., "steps=2")` (its checkpoint of step 2), trained once for this file:
+    each test that changes it or resumes it takes a copy of its own, at tmp_path/sub."""
+    out = tmp_path_factory.mktemp("two_steps")
+    proc = _train(out, "steps=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "sub"
+
+
 @pytest.mark.slow
-def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path):
-    assert _train(tmp_path, "steps=2").returncode == 0
+def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path, two_steps):
+    shutil.copytree(two_steps, tmp_path / "sub")
     ckpt = tmp_path / "sub" / "checkpoints"
     before = _tree_digest(ckpt)
     proc = _train(tmp_path, "steps=4", "base_emb_dim=128")
@@ -448,8 +458,8 @@ def test_incompatible_checkpoint_is_explained_and_left_untouched(tmp_path):
     assert _tree_digest(ckpt) == before
 
 
-def test_missing_checkpoint_files_are_reported(tmp_path):
-    assert _train(tmp_path, "steps=2").returncode == 0
+def test_missing_checkpoint_files_are_reported(tmp_path, two_steps):
+    shutil.copytree(two_steps, tmp_path / "sub")
     state_dir = tmp_path / "sub" / "checkpoints" / "2" / "state"
     victims = [p for p in state_dir.rglob("*") if p.is_file() and "manifest" in p.name or p.suffix == ".ocdbt"]
     victims = victims or [p for p in state_dir.rglob("*") if p.is_file() and p.stat().st_size > 1000]
