@@ -595,6 +595,23 @@ def test_sizes_global_parameter_scale_makes_are_bounded_as_the_base_sizes_are():
     assert load_config([BASE, "model_name=1b", "global_parameter_scale=128"], env={}).model.emb_dim == 8192
 
 
+
+@pytest.mark.parametrize("model, key, weight", [
+    ("gpt3-52k", "trainable_position_size", "the position embedding [positions"),
+    ("deepseek-small", "q_lora_rank", "the query's up-projection [layers 4, rank"),
+    ("deepseek-small", "kv_lora_rank", "the key/value up-projection [layers 4, rank"),
+    ("deepseek-small", "shared_experts", "the shared experts' first projection [layers 4, emb 256, mlp"),
+])
+def test_sizes_of_the_families_own_weights_are_bounded(model, key, weight):
+    """A weight only some families build was not counted against MAX_WEIGHT_ELEMENTS: model_name=gpt3-52k
+    trainable_position_size=9e18 (or deepseek-small's q_lora_rank, kv_lora_rank, shared_experts) passed the
+    config and stopped train.py with a traceback while the model was initialized ("random bits array of size
+    exceeding 2 ** 64"). It is a config error naming the weight and the key; the model files still load."""
+    message = _config_error([BASE, f"model_name={model}", f"{key}={9 * 10**18}"])
+    assert message.startswith(weight) and f"lower {key}, " in message, message
+    assert f"{key} from the command line" in message
+    assert getattr(load_config([BASE, f"model_name={model}"], env={}).model, key) > 0
+
 FLOAT_KEYS = sorted(n for n, (_, f) in all_fields().items() if f.type in ("float", float))
 
 

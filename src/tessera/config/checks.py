@@ -126,23 +126,45 @@ def _validate_scaled_sizes(m: ModelConfig) -> None:
         raise ConfigError(f"{sizes} make {m.num_decoder_layers:,} decoder layers, more than the {MAX_LAYERS:,} a "
                           "model may have (the deepest model file has 126); lower global_parameter_scale or "
                           "base_num_decoder_layers")
-    layers, d = ("layers", m.num_decoder_layers, "base_num_decoder_layers"), ("emb", m.emb_dim, "base_emb_dim")
-    expert_key = "base_moe_mlp_dim" if m.base_moe_mlp_dim else "base_mlp_dim"
-    weights = {"the query projection": (layers, d, ("heads", m.num_query_heads, "base_num_query_heads"),
-                                        ("head_dim", m.head_dim, "head_dim")),
-               "the MLP's first projection": (layers, d, ("mlp", m.mlp_dim, "base_mlp_dim")),
-               "the experts' first projection": (layers, ("experts", m.num_experts, "num_experts"), d,
-                                                 ("mlp", m.expert_mlp_dim, expert_key)),
-               "the token embedding": (("vocab", m.vocab_size, "vocab_size"), d)}
+    weights = _largest_weights(m)
     elements = {what: math.prod(size for _, size, _ in dims) for what, dims in weights.items()}
     what = max(elements, key=elements.get)
     if elements[what] > MAX_WEIGHT_ELEMENTS:
         dims = weights[what]
-        keys = sorted((k for _, size, k in dims if size > 1), key=lambda k: -getattr(m, k))
+        keys = sorted({k for _, size, k in dims if size > 1}, key=lambda k: -getattr(m, k))
         raise ConfigError(f"{what} [{', '.join(f'{label} {size}' for label, size, _ in dims)}] would hold "
                           f"{elements[what]:.3g} elements, more than the {MAX_WEIGHT_ELEMENTS:.3g} a weight may hold "
                           f"(beyond, compiling overflows XLA's 64-bit byte counts); lower {', '.join(keys)} or "
                           f"global_parameter_scale={m.global_parameter_scale}")
+
+
+def _largest_weights(m: ModelConfig) -> dict[str, tuple[tuple[str, int, str], ...]]:
+    """The weights whose sizes the keys set, each as its dimensions (label, size, the key that sets it):
+    the projections of every family, and those only some families build (GPT-3's position table, DeepSeek's
+    latent attention, the shared experts), whose keys took a run to a traceback while the model was
+    initialized ("random bits array of size exceeding 2 ** 64") when set to 10^19."""
+    layers, d = ("layers", m.num_decoder_layers, "base_num_decoder_layers"), ("emb", m.emb_dim, "base_emb_dim")
+    heads = ("heads", m.num_query_heads, "base_num_query_heads")
+    expert_key = "base_moe_mlp_dim" if m.base_moe_mlp_dim else "base_mlp_dim"
+    weights = {"the query projection": (layers, d, heads, ("head_dim", m.head_dim, "head_dim")),
+               "the MLP's first projection": (layers, d, ("mlp", m.mlp_dim, "base_mlp_dim")),
+               "the experts' first projection": (layers, ("experts", m.num_experts, "num_experts"), d,
+                                                 ("mlp", m.expert_mlp_dim, expert_key)),
+               "the token embedding": (("vocab", m.vocab_size, "vocab_size"), d)}
+    if m.decoder_block == "gpt3":
+        weights["the position embedding"] = (("positions", m.trainable_position_size, "trainable_position_size"), d)
+    if m.shared_experts:
+        weights["the shared experts' first projection"] = (
+            layers, d, ("mlp", m.shared_experts * m.expert_mlp_dim, "shared_experts"))
+    if m.decoder_block == "deepseek":
+        rank, q_rank = ("rank", m.kv_lora_rank, "kv_lora_rank"), ("rank", m.q_lora_rank, "q_lora_rank")
+        qk = ("head", m.qk_nope_head_dim + m.qk_rope_head_dim, "qk_nope_head_dim")
+        weights |= {"the key/value latent projection": (layers, d, rank),
+                    "the key/value up-projection": (layers, rank, heads, ("head", m.qk_nope_head_dim + m.v_head_dim,
+                                                                            "v_head_dim")),
+                    "the query's low-rank projection": (layers, d, q_rank),
+                    "the query's up-projection": (layers, q_rank, heads, qk)}
+    return weights
 
 
 def _validate_rope_scaling(m: ModelConfig) -> None:
