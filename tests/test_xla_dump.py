@@ -64,6 +64,11 @@ def test_flags_and_errors():
     assert dump_flags(cfg) == [f"--xla_dump_to={folder}", "--xla_dump_hlo_module_re=jit_train_step"]
     own = tiny_config(dump_hlo=True, dump_hlo_xla_flags="--xla_dump_to=/x --xla_dump_hlo_as_proto")
     assert dump_flags(own) == ["--xla_dump_to=/x", "--xla_dump_hlo_as_proto"]
+    for given, bad in (("xla_dump_to=/x", "'xla_dump_to=/x' is not"), ("abc", "'abc' is not"),
+                       ("--xla_dump_to=/x  dump", "'dump' is not"), ("-- -x", "'--', '-x' are not")):
+        # XLA aborted the process on the first two (a file of flags named so) and dropped the third's word
+        with pytest.raises(ConfigError, match=f"^dump_hlo_xla_flags={re.escape(repr(given))}: {bad}"):
+            dump_flags(tiny_config(dump_hlo=True, dump_hlo_xla_flags=given))
     assert apply_hlo_dump(tiny_config(), env := {}) is None and env == {}  # off: XLA_FLAGS untouched
     with pytest.raises(ConfigError, match=r"XLA_FLAGS already has --xla_dump_to=/mine, and dump_hlo=true adds"):
         apply_hlo_dump(cfg, {"XLA_FLAGS": "--xla_dump_to=/mine"})

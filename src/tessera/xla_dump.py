@@ -40,7 +40,7 @@ def dump_flags(cfg: Config) -> list[str]:
     """The XLA flags dump_hlo adds: dump_hlo_xla_flags when set, else the folder and the program filter."""
     p = cfg.profiler
     if p.dump_hlo_xla_flags:
-        return p.dump_hlo_xla_flags.split()
+        return _own_flags(p.dump_hlo_xla_flags)
     if "://" in p.dump_hlo_local_dir:  # Path() made gs://b/dump the local folder ./gs:/b/dump, without a word
         raise ConfigError(f"dump_hlo_local_dir={p.dump_hlo_local_dir} is a URL: XLA writes the dump to a local "
                           "folder; give a local path (or leave it empty for the run folder's xla_dump/), and copy "
@@ -52,6 +52,21 @@ def dump_flags(cfg: Config) -> list[str]:
     return [f"{DUMP_FLAG}={folder}", *([f"--xla_dump_hlo_module_re={_module_pattern(p.dump_hlo_module_name)}"]
                                       if p.dump_hlo_module_name else [])]
 
+
+
+def _own_flags(text: str) -> list[str]:
+    """dump_hlo_xla_flags as flags, each --name or --name=value: XLA reads an XLA_FLAGS that does not start with
+    "--" as the name of a file of flags and aborts the process when there is none (`xla_dump_to=/d`, the
+    dashes left out, was a fatal "Could not open file" line from XLA), and a word after the first flag was
+    dropped without a word."""
+    flags = text.split()
+    bad = [f for f in flags if not f.startswith("--") or len(f) < 3]
+    if bad:
+        raise ConfigError(f"dump_hlo_xla_flags={text!r}: {', '.join(repr(f) for f in bad)} "
+                          f"{'is not an XLA flag' if len(bad) == 1 else 'are not XLA flags'}; give flags as "
+                          "--name or --name=value separated by spaces, e.g. dump_hlo_xla_flags='--xla_dump_to=/tmp/"
+                          "dump --xla_dump_hlo_as_text'")
+    return flags
 
 def _cache_off_for_the_dump(cfg: Config, environ: MutableMapping[str, str], why: str) -> None:
     """Turn JAX's persistent compilation cache off when one is set: the dump flags are not part of
