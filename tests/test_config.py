@@ -497,6 +497,10 @@ def test_train_py_turns_bad_input_into_one_line_and_exit_2(tmp_path, args, messa
                                  "train_data_columns=a,b (from the command line)"),
     ("mlp_activations=[silu, [linear", "mlp_activations='[silu, [linear' is not a valid list"),
     ("mlp_activations=[a: b, c: d", "mlp_activations='[a: b, c: d' is not a valid list"),
+    # the example is the key's own default: train_data_columns was shown mlp_activations' ["silu","linear"]
+    ("train_data_columns=[1,2]", "train_data_columns='[1,2]' must be a list of strings, e.g. "
+                                 "train_data_columns=[\"text\"] (from the command line)"),
+    ("mlp_activations=[1]", "mlp_activations='[1]' must be a list of strings, e.g. mlp_activations=[\"silu\",\"linear\"]"),
 ])
 def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
     assert _config_error([BASE, arg]).startswith(message)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import json
 import math
 from typing import Any
 
@@ -31,7 +32,7 @@ def unquoted(value: str) -> str:
 def coerce(name: str, raw: Any, f: dataclasses.Field) -> Any:
     """Convert `raw` (YAML value or command-line string) to the field's declared type."""
     kind = f.type if isinstance(f.type, str) else f.type.__name__
-    value = _convert(name, raw, kind)
+    value = _convert(name, raw, kind, f)
     choices, minimum = f.metadata["choices"], f.metadata["minimum"]
     if choices and value not in choices:
         raise ConfigError(f"{name}={raw!r} is not allowed; choose one of: {', '.join(repr(c) for c in choices)}")
@@ -54,7 +55,13 @@ def parse_bool(name: str, raw: Any) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a valid bool; use true or false")
 
 
-def _convert(name: str, raw: Any, kind: str) -> Any:
+def _example(f: dataclasses.Field) -> str:
+    """A list key's default as a command-line value, for its errors' example (its own default: train_data_columns
+    was shown mlp_activations' ["silu","linear"])."""
+    return json.dumps(f.default_factory(), separators=(",", ":"))
+
+
+def _convert(name: str, raw: Any, kind: str, f: dataclasses.Field) -> Any:
     bad = ConfigError(f"{name}={raw!r} is not a valid {kind}")
     if kind == "str":
         if isinstance(raw, (dict, list)):
@@ -98,6 +105,6 @@ def _convert(name: str, raw: Any, kind: str) -> Any:
         elif isinstance(raw, str):
             value = [s for s in raw.split(",") if s]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ConfigError(f"{name}={raw!r} must be a list of strings, e.g. {name}=[\"silu\",\"linear\"]")
+            raise ConfigError(f"{name}={raw!r} must be a list of strings, e.g. {name}={_example(f)}")
         return [v.strip() for v in value]
     raise TypeError(f"schema field {name} has unsupported type {kind}")
