@@ -67,6 +67,9 @@ def test_dropout_rate_alone_turns_dropout_on_as_in_maxtext():
                                                                  r"is 2,147,483,648 tokens"),
     ({"eval_interval": 1, "eval_steps": 1, "eval_per_device_batch_size": 2**21},
      r"an evaluation batch of 16,777,216 sequences .*; lower eval_per_device_batch_size$"),
+    # one sequence past the limit by itself: the fix is the length (it said "lower per_device_batch_size")
+    ({"max_target_length": 99999999999999}, r"a global batch of 64 sequences of 99,999,999,999,999 tokens is .*; lower "
+                                             r"max_target_length$"),
 ])
 def test_plan_errors_quote_the_numbers(keys, message):
     with pytest.raises(ConfigError, match=message):

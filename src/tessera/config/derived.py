@@ -77,10 +77,13 @@ def _check_positions(m: ModelConfig, length: int) -> None:
 
 
 def _check_tokens(batch: int, length: int, what: str, key: str) -> None:
+    """ConfigError past MAX_TOKENS_PER_STEP, naming the key to lower: max_target_length when one sequence is too
+    long by itself (max_target_length=99999999999999 said "lower per_device_batch_size"), else `key`."""
     if batch * length > MAX_TOKENS_PER_STEP:
+        fix = "max_target_length" if length > MAX_TOKENS_PER_STEP else key
         raise ConfigError(f"{what} of {batch:,} sequences of {length:,} tokens is {batch * length:,} tokens, more "
                           f"than the {MAX_TOKENS_PER_STEP:,} that 32-bit token indices reach (the largest trainings "
-                          f"take about 16 million a step); lower {key}")
+                          f"take about 16 million a step); lower {fix}")
 
 
 def _check_eval_vocab_tiling(cfg: Config, batch: int, length: int) -> None:
