@@ -521,6 +521,10 @@ def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
     ("head_dim=1000000000", "head_dim='1000000000' is too large; it must be <= 65536"),
     ("qk_rope_head_dim=1000000000", "qk_rope_head_dim='1000000000' is too large; it must be <= 65536"),
     ("base_num_decoder_layers=1000000000", "base_num_decoder_layers='1000000000' is too large; it must be <= 65536"),
+    # attention windows past int32 positions stopped the first step with an OverflowError traceback in the mask
+    ("sliding_window_size=9000000000000000000", "sliding_window_size='9000000000000000000' is too large; it must be "
+                                                "<= 2147483647"),
+    ("chunk_attn_window_size=2147483648", "chunk_attn_window_size='2147483648' is too large; it must be <= 2147483647"),
     ("num_slices=-2", "num_slices='-2' is too small; it must be >= -1"),
     # libtpu aborted with a core dump at 512 slices, and hung at 100000
     ("compile_topology_num_slices=512", "compile_topology_num_slices='512' is too large; it must be <= 511"),

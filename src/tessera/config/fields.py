@@ -56,6 +56,9 @@ MAX_HEAD_DIM = 65536
 # Deepest model accepted (the deepest model file: 126 layers); the planner and the FLOPs count go
 # through the layers one by one: a typo of 10^9 exhausted the host's memory there.
 MAX_LAYERS = 65536
+# Token positions are int32 (JAX's default integer): a window of attention past 2^31 - 1 tokens reached the attention
+# mask as a Python int and stopped the first step with an OverflowError traceback.
+MAX_WINDOW = 2**31 - 1
 # Token ids are int32 (JAX's default integer), 0..V-1: a vocabulary of 3e9 was a traceback in the synthetic data.
 MAX_VOCAB = 2**31
 # Most elements one weight may hold once global_parameter_scale has scaled it (256 PiB in float32; the largest

@@ -9,7 +9,7 @@ import functools
 from dataclasses import dataclass
 
 from tessera.config.fields import (ATTENTION_KINDS, DECODER_BLOCKS, DTYPES, MAX_HEAD_DIM, MAX_LAYERS, MAX_VOCAB,
-                                   QUANTIZATION_MODES, REMAT_CHOICES, REMAT_POLICIES, SA_LAYOUTS, key)
+                                   MAX_WINDOW, QUANTIZATION_MODES, REMAT_CHOICES, REMAT_POLICIES, SA_LAYOUTS, key)
 
 
 @functools.cache
@@ -125,7 +125,8 @@ class ModelConfig:
               "part of the sequence, so causal attention's work is even across the axis (needs a length that is a "
               "multiple of 256 times the axis; else the parts stay contiguous)")
     sliding_window_size: int = key(0, "sliding-window attention: a query sees its own and the W-1 previous positions "
-                                   "(0: all previous; mistral, and gemma2's local layers)", minimum=0)
+                                   "(0: all previous; mistral, and gemma2's local layers)", minimum=0,
+                                   maximum=MAX_WINDOW)
     query_pre_attn_scalar: float = key(0.0, "attention scores are scaled by this**-0.5 (0: head_dim**-0.5)", minimum=0.0)
     attn_logits_soft_cap: float = key(0.0, "squash attention scores with c*tanh(s/c) (0: off; gemma2: 50)", minimum=0.0)
     final_logits_soft_cap: float = key(0.0, "squash output logits with c*tanh(l/c) (0: off; gemma2: 30)", minimum=0.0)
@@ -139,7 +140,7 @@ class ModelConfig:
                             "and take true (MaxText's qwen3 model files) as that")
     chunk_attn_window_size: int = key(0, "llama4: the rotary layers attend within chunks of this many tokens (a query "
                                       "sees the earlier tokens of its own chunk; Llama 4: 8192; 0: no chunks)",
-                                      minimum=0)
+                                      minimum=0, maximum=MAX_WINDOW)
     nope_layer_interval: int = key(0, "llama4: every this-many-th layer has no rotary positions and attends to the "
                                    "whole causal past (Llama 4: 4; 0: every layer rotates)", minimum=0)
     temperature_tuning: bool = key(False, "llama4: the layers without rotary positions scale a query at position p by "
