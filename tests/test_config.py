@@ -450,6 +450,14 @@ def test_a_config_file_key_the_model_file_overrides_gets_a_warning(tmp_path, cap
         assert not caplog.records  # the command line wins over the model file: nothing lost
         load_config([str(saved)], env={})
     assert len(caplog.records) == 1 and "sets base_num_decoder_layers=2; the model file" in caplog.text
+    caplog.clear()  # a value that is not even valid, which the model file's replaces, is warned of too (it was not)
+    (tmp_path / "exp.yml").write_text("base_config: base.yml\nmodel_name: llama2-7b\ndecoder_block: mixtrl\n"
+                                      "head_dim: {}\n")
+    with caplog.at_level("WARNING", logger="tessera"):
+        assert load_config([str(tmp_path / "exp.yml")], env={}).model.decoder_block == "llama2"
+    assert caplog.records[0].getMessage().startswith(
+        f"{tmp_path / 'exp.yml'} sets decoder_block=mixtrl; {tmp_path / 'exp.yml'} sets head_dim={{}}; the model file "
+        f"{REPO}/configs/models/llama2-7b.yml sets decoder_block=llama2, head_dim=128, and a model file's values win")
 
 
 def test_an_unreadable_config_file_is_a_config_error(tmp_path, monkeypatch):

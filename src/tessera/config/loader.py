@@ -164,9 +164,13 @@ def _warn_model_file_wins(files: list[tuple[str, dict[str, Any]]], model: tuple[
             f = fields[name][1]
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default
             try:
-                mine, theirs = coerce(name, raw, f), coerce(name, model_values[name], f)
+                theirs = coerce(name, model_values[name], f)
             except ConfigError:
-                continue  # reported with the other errors
+                continue  # the model file's value: reported with the other errors
+            try:
+                mine = coerce(name, raw, f)
+            except ConfigError:  # never coerced, as the model file's value replaces it: `decoder_block: {}` was
+                mine = raw  # dropped without a word, where a valid value gets this warning
             if mine != theirs and (mine != default or not full):
                 lost[name] = (source, mine, theirs)
     if lost:
