@@ -628,6 +628,24 @@ def test_sizes_of_the_families_own_weights_are_bounded(model, key, weight):
     assert f"{key} from the command line" in message
     assert getattr(load_config([BASE, f"model_name={model}"], env={}).model, key) > 0
 
+
+@pytest.mark.parametrize("line, key", [('run_name: "a\\0b"', "run_name"),
+                                       ('base_output_directory: "out\\0put"', "base_output_directory"),
+                                       ('train_data_columns: ["te\\0xt"]', "train_data_columns")])
+def test_a_nul_character_in_a_text_value_is_a_config_error(tmp_path, line, key):
+    """A YAML file's "\\0" escape put a NUL in a name or path: train.py stopped with a ValueError traceback
+    ("embedded null byte", when Orbax removed a file of the run folder); now one config error, exit code 2."""
+    (tmp_path / "exp.yml").write_text(f"base_config: base.yml\nsteps: 1\n{line}\n")
+    message = _config_error([str(tmp_path / "exp.yml")])
+    assert message.startswith(f"{key}=") and "contains a NUL character (\\0), which no path, name or flag can hold; " \
+        "remove it (from " in message, message
+    if key == "run_name":
+        proc = subprocess.run([sys.executable, str(REPO / "train.py"), str(tmp_path / "exp.yml")], capture_output=True,
+                              text=True, cwd=tmp_path, timeout=120)
+        assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert proc.stderr.splitlines()[-1].startswith("config error: run_name='a\\x00b' contains a NUL"), \
+            proc.stderr[-3000:]
+
 FLOAT_KEYS = sorted(n for n, (_, f) in all_fields().items() if f.type in ("float", float))
 
 

@@ -55,6 +55,15 @@ def parse_bool(name: str, raw: Any) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a valid bool; use true or false")
 
 
+
+def _no_nul(name: str, raw: Any, text: str) -> str:
+    """`text`, unless it holds a NUL character, which no file name, name or flag can hold (a YAML file's
+    `run_name: "a\\0b"` stopped train.py with a ValueError traceback, "embedded null byte", in Orbax)."""
+    if "\0" in text:
+        raise ConfigError(f"{name}={raw!r} contains a NUL character (\\0), which no path, name or flag can hold; "
+                          "remove it")
+    return text
+
 def _example(f: dataclasses.Field) -> str:
     """A list key's default as a command-line value, for its errors' example (its own default: train_data_columns
     was shown mlp_activations' ["silu","linear"])."""
@@ -66,7 +75,7 @@ def _convert(name: str, raw: Any, kind: str, f: dataclasses.Field) -> Any:
     if kind == "str":
         if isinstance(raw, (dict, list)):
             raise bad
-        return "" if raw is None else str(raw)
+        return _no_nul(name, raw, "" if raw is None else str(raw))
     if kind == "bool":
         return parse_bool(name, raw)
     if kind == "int":  # exact (decimal, never float): 1e3 is 1000, 99999999999999999999999 is refused
@@ -106,5 +115,5 @@ def _convert(name: str, raw: Any, kind: str, f: dataclasses.Field) -> Any:
             value = [s for s in raw.split(",") if s]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{name}={raw!r} must be a list of strings, e.g. {name}={_example(f)}")
-        return [v.strip() for v in value]
+        return [_no_nul(name, raw, v.strip()) for v in value]
     raise TypeError(f"schema field {name} has unsupported type {kind}")
