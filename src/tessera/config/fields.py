@@ -56,6 +56,10 @@ MAX_HEAD_DIM = 65536
 # Deepest model accepted (the deepest model file: 126 layers); the planner and the FLOPs count go
 # through the layers one by one: a typo of 10^9 exhausted the host's memory there.
 MAX_LAYERS = 65536
+# Most multi-token-prediction blocks accepted (DeepSeek-V3 has 1): each is a block of its own, built and compiled
+# one after the other (not scanned), 27 ms apiece to build on a CPU host before any compile: a typo of 10^6 ran
+# for hours without a line.
+MAX_MTP_LAYERS = 1024
 # Token positions are int32 (JAX's default integer): a window of attention past 2^31 - 1 tokens reached the attention
 # mask as a Python int and stopped the first step with an OverflowError traceback.
 MAX_WINDOW = 2**31 - 1

@@ -8,8 +8,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tessera.config.fields import (ATTENTION_KINDS, DECODER_BLOCKS, DTYPES, MAX_HEAD_DIM, MAX_LAYERS, MAX_VOCAB,
-                                   MAX_WINDOW, QUANTIZATION_MODES, REMAT_CHOICES, REMAT_POLICIES, SA_LAYOUTS, key)
+from tessera.config.fields import (ATTENTION_KINDS, DECODER_BLOCKS, DTYPES, MAX_HEAD_DIM, MAX_LAYERS,
+                                   MAX_MTP_LAYERS, MAX_VOCAB, MAX_WINDOW, QUANTIZATION_MODES, REMAT_CHOICES,
+                                   REMAT_POLICIES, SA_LAYOUTS, key)
 
 
 @functools.cache
@@ -215,7 +216,7 @@ class ModelConfig:
                                           "(Mixtral: 0.02)", minimum=0.0)
     mtp_num_layers: int = key(0, "multi-token prediction (DeepSeek-V3): this many extra blocks after the decoder, "
                               "block k predicting the token k+1 places after the next; trained, and measured by evaluation, "
-                              "not used in decoding (0: none)", minimum=0)
+                              "not used in decoding (0: none)", minimum=0, maximum=MAX_MTP_LAYERS)
     mtp_loss_scaling_factor: float = key(0.1, "mtp_num_layers > 0: weight of the multi-token-prediction loss (the "
                                          "mean over its blocks) in the training loss (DeepSeek-V3: 0.3, then 0.1)",
                                          minimum=0.0)
