@@ -613,7 +613,6 @@ def test_sizes_global_parameter_scale_makes_are_bounded_as_the_base_sizes_are():
     assert load_config([BASE, "model_name=1b", "global_parameter_scale=128"], env={}).model.emb_dim == 8192
 
 
-
 @pytest.mark.parametrize("model, key, weight", [
     ("gpt3-52k", "trainable_position_size", "the position embedding [positions"),
     ("deepseek-small", "q_lora_rank", "the query's up-projection [layers 4, rank"),
@@ -707,7 +706,6 @@ def test_a_url_that_lost_a_slash_is_refused_not_made_a_local_folder(tmp_path, mo
     assert _config_error([BASE, "load_parameters_path=gs:/b/ck/4"]).startswith("load_parameters_path=gs:/b/ck/4 is a URL")
     cfg = load_config([BASE, "checkpoint_dir=gs://b/ck", "load_parameters_path=ck/4"], env={})
     assert (cfg.checkpoint.checkpoint_dir, cfg.checkpoint.load_parameters_path) == ("gs://b/ck", str(tmp_path / "ck/4"))
-
 
 
 def test_a_file_url_is_refused_with_the_local_path_to_write(tmp_path, monkeypatch):
@@ -1254,7 +1252,6 @@ def test_deepseek_refuses_a_sliding_window_its_attention_would_ignore():
     with pytest.raises(ConfigError, match=r"sliding_window_size=4: decoder_block=deepseek's latent attention \(MLA\) "
                                           "attends over the whole sequence and would ignore it"):
         load_config([BASE, "model_name=deepseek-small", "sliding_window_size=4"], env={})
-
 
 
 def test_no_config_file_names_the_program_that_was_run(tmp_path):

@@ -53,7 +53,6 @@ def dump_flags(cfg: Config) -> list[str]:
                                       if p.dump_hlo_module_name else [])]
 
 
-
 def _own_flags(text: str) -> list[str]:
     """dump_hlo_xla_flags as flags, each --name or --name=value: XLA reads an XLA_FLAGS that does not start with
     "--" as the name of a file of flags and aborts the process when there is none (`xla_dump_to=/d`, the
@@ -67,6 +66,7 @@ def _own_flags(text: str) -> list[str]:
                           "--name or --name=value separated by spaces, e.g. dump_hlo_xla_flags='--xla_dump_to=/tmp/"
                           "dump --xla_dump_hlo_as_text'")
     return flags
+
 
 def _cache_off_for_the_dump(cfg: Config, environ: MutableMapping[str, str], why: str) -> None:
     """Turn JAX's persistent compilation cache off when one is set: the dump flags are not part of

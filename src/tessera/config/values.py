@@ -55,7 +55,6 @@ def parse_bool(name: str, raw: Any) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a valid bool; use true or false")
 
 
-
 def _no_nul(name: str, raw: Any, text: str) -> str:
     """`text`, unless it holds a NUL character, which no file name, name or flag can hold (a YAML file's
     `run_name: "a\\0b"` stopped train.py with a ValueError traceback, "embedded null byte", in Orbax)."""
@@ -63,6 +62,7 @@ def _no_nul(name: str, raw: Any, text: str) -> str:
         raise ConfigError(f"{name}={raw!r} contains a NUL character (\\0), which no path, name or flag can hold; "
                           "remove it")
     return text
+
 
 def _example(f: dataclasses.Field) -> str:
     """A list key's default as a command-line value, for its errors' example (its own default: train_data_columns
