@@ -48,22 +48,26 @@ def test_mtp_loss_equals_a_direct_computation_on_shortened_sequences(family):
     directly on sequences cut to T - k tokens (no shifting or masking), the losses agree."""
     cfg = tiny_config(**FAMILIES.get(family, {}), mtp_num_layers=2).model
     model = build_model(cfg)
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))  # each side jitted: one compile, not one per operation
     batch = _batch()
-    got = mtp_terms(model, params, model.hidden_with_aux(params, batch["tokens"][:, :-1])[0], batch, None)
+    got = jax.jit(lambda p, b: mtp_terms(model, p, model.hidden_with_aux(p, b["tokens"][:, :-1])[0], b, None))(
+        params, batch)
 
-    module = model._module(params)
-    tokens = batch["tokens"]
-    h = module.hidden(tokens[:, :-1])[0]
-    losses = []
-    for k in (1, 2):
-        n = T - k  # positions whose chain of k + 1 targets lies inside the sequence
-        positions = jnp.broadcast_to(jnp.arange(n), (2, n))
-        h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
-                                           jnp.ones_like(positions), None, False)
-        logits = module.logits(h, mtp_depth=k)
-        losses.append(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, k + 1:k + 1 + n]).mean())
-    np.testing.assert_allclose(got["mtp_loss"], np.mean(losses), rtol=1e-5)
+    @jax.jit
+    def direct(params, tokens):
+        module = model._module(params)
+        h = module.hidden(tokens[:, :-1])[0]
+        losses = []
+        for k in (1, 2):
+            n = T - k  # positions whose chain of k + 1 targets lies inside the sequence
+            positions = jnp.broadcast_to(jnp.arange(n), (2, n))
+            h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
+                                               jnp.ones_like(positions), None, False)
+            logits = module.logits(h, mtp_depth=k)
+            losses.append(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, k + 1:k + 1 + n]).mean())
+        return jnp.stack(losses)
+
+    np.testing.assert_allclose(got["mtp_loss"], np.mean(direct(params, batch["tokens"])), rtol=1e-5)
     assert np.isfinite(got["mtp_loss"]) and float(got["mtp_loss"]) > 1.0
     if family == "deepseek":  # the depths' routers: their loss and their loads per depth
         assert got[MTP_LOAD].shape == (2, 8) and float(got["mtp_moe_load_balance_loss"]) > 0
@@ -75,9 +79,10 @@ def test_a_depth_sees_no_token_past_its_target_and_no_other_document():
     documents each in a row of its own, padded: nothing crosses the boundary, neither attention
     nor a chain of targets."""
     model = build_model(tiny_config(mtp_num_layers=2).model)
-    params = model.init(jax.random.key(1))
+    params = jax.jit(model.init)(jax.random.key(1))  # jitted here and below: one compile, not one per operation
     tokens = _batch(rows=1)["tokens"][:, :-1]
 
+    @jax.jit
     def depths(t):
         x = model.hidden_with_aux(params, t)[0]
         return model.mtp_hidden(params, x, t)[0]
@@ -88,7 +93,7 @@ def test_a_depth_sees_no_token_past_its_target_and_no_other_document():
         assert (moved[:7 - k] == 0).all() and (moved[7 - k:] > 1e-6).all(), (k, moved)
 
     one = build_model(tiny_config(mtp_num_layers=1).model)  # one depth: its loss is a sum over a count
-    params = one.init(jax.random.key(1))
+    params = jax.jit(one.init)(jax.random.key(1))
     ids = np.random.default_rng(7).integers(1, 96, T + 1)
     n = 7  # document 1: ids[:7], document 2: ids[7:]
     packed = {"tokens": jnp.asarray([ids], jnp.int32), "segment_ids": jnp.asarray([[1] * n + [2] * (T + 1 - n)]),
@@ -97,6 +102,7 @@ def test_a_depth_sees_no_token_past_its_target_and_no_other_document():
              "segment_ids": jnp.asarray([[1] * n + [0] * (T + 1 - n), [1] * (T + 1 - n) + [0] * n]),
              "positions": jnp.asarray([list(range(T + 1))] * 2)}
 
+    @jax.jit
     def mtp_loss(batch):
         x = one.hidden_with_aux(params, batch["tokens"][:, :-1], batch["positions"][:, :-1],
                                 batch["segment_ids"][:, :-1], packed=True)[0]
@@ -115,24 +121,29 @@ def test_eval_reports_the_mtp_loss_and_a_depth_s_acceptance_rate():
     targets is real. With num_vocab_tiling=4 every sum is the same."""
     def sums(tiles):
         model = build_model(tiny_config(mtp_num_layers=2, mtp_eval_target_module=2, num_vocab_tiling=tiles).model)
-        params = model.init(jax.random.key(4))
+        params = jax.jit(model.init)(jax.random.key(4))
         params["logits_dense_dv"] = params["logits_dense_dv"].at[:, 3:].set(0.0)
-        return model, params, eval_sums(model, params, batch)
+        return model, params, jax.jit(lambda p, b: eval_sums(model, p, b))(params, batch)
 
     batch = _batch(rows=4, seed=5)
     batch["segment_ids"] = batch["segment_ids"].at[3, 9:].set(0)  # row 3: tokens 9.. are padding
     model, params, got = sums(1)
 
-    module, tokens = model._module(params), batch["tokens"]
-    x = module.hidden(tokens[:, :-1])[0]
-    main = jnp.argmax(module.logits(x), axis=-1)
-    h = x
-    for k in (1, 2):
-        n = T - k
-        positions = jnp.broadcast_to(jnp.arange(n), (4, n))
-        h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
-                                           jnp.ones_like(positions), None, False)
-    draft = jnp.argmax(module.logits(h, mtp_depth=2), axis=-1)  # [4, T - 2]: guesses of tokens i + 3
+    @jax.jit  # one compile, not one per operation
+    def greedy(params, tokens):
+        """The main model's greedy tokens [4, T] and depth 2's [4, T - 2] (guesses of tokens i + 3)."""
+        module = model._module(params)
+        x = module.hidden(tokens[:, :-1])[0]
+        h = x
+        for k in (1, 2):
+            n = T - k
+            positions = jnp.broadcast_to(jnp.arange(n), (4, n))
+            h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
+                                               jnp.ones_like(positions), None, False)
+        return jnp.argmax(module.logits(x), axis=-1), jnp.argmax(module.logits(h, mtp_depth=2), axis=-1)
+
+    tokens = batch["tokens"]
+    main, draft = greedy(params, tokens)
     offered = np.ones((4, T - 2), bool)
     offered[3, 9 - 3:] = False  # token 9 is padding: positions 6.. of row 3 have a target chain reaching it
     accepted = int(np.sum((np.asarray(draft) == np.asarray(main[:, 2:])) & offered))
@@ -140,9 +151,15 @@ def test_eval_reports_the_mtp_loss_and_a_depth_s_acceptance_rate():
     assert got["mtp_accepted"] == accepted and 0 < accepted < offered.sum(), (accepted, offered.sum())
     assert got["mtp_counts"].tolist() == [np.sum(chain_weights(target_weights(batch["segment_ids"]), k))
                                           for k in (1, 2)]
-    x = model.hidden_with_aux(params, tokens[:, :-1], batch["positions"][:, :-1], batch["segment_ids"][:, :-1])[0]
+
+    @jax.jit
+    def training_mtp_loss(params, batch):
+        x = model.hidden_with_aux(params, batch["tokens"][:, :-1], batch["positions"][:, :-1],
+                                  batch["segment_ids"][:, :-1])[0]
+        return mtp_terms(model, params, x, batch, None)["mtp_loss"]
+
     np.testing.assert_allclose(np.mean(got["mtp_loss_sums"] / got["mtp_counts"]),  # training's MTP loss
-                               mtp_terms(model, params, x, batch, None)["mtp_loss"], rtol=1e-6)
+                               training_mtp_loss(params, batch), rtol=1e-6)
 
     tiled = sums(4)[2]
     for key in got:
@@ -172,11 +189,12 @@ def test_the_main_model_is_the_same_with_or_without_mtp():
     run without MTP step for step."""
     plain = build_model(tiny_config().model)
     with_mtp = build_model(tiny_config(mtp_num_layers=1).model)
-    p0, p1 = plain.init(jax.random.key(3)), with_mtp.init(jax.random.key(3))
+    p0, p1 = jax.jit(plain.init)(jax.random.key(3)), jax.jit(with_mtp.init)(jax.random.key(3))
     assert set(p1) - set(p0) == {"mtp_1"}
     jax.tree.map(np.testing.assert_array_equal, p0, {k: v for k, v in p1.items() if k != "mtp_1"})
     batch = _batch()
-    np.testing.assert_array_equal(loss_terms(plain, p0, batch, None)[0], loss_terms(with_mtp, p1, batch, None)[0])
+    loss = lambda model, params: jax.jit(lambda p: loss_terms(model, p, batch, None)[0])(params)  # noqa: E731
+    np.testing.assert_array_equal(loss(plain, p0), loss(with_mtp, p1))
 
 
 @pytest.mark.slow
