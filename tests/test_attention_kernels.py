@@ -69,10 +69,12 @@ def test_splash_matches_the_reference_in_outputs_and_gradients(case):
     ours = lambda q, kk, v, s: splash_attention(q, kk, v, seg, scale=scale, logits_soft_cap=cap,  # noqa: E731
                                                 window=window, blocks=_blocks(), interpret=True, sinks_n=s,
                                                 chunk=chunk)
-    np.testing.assert_allclose(ours(q, kk, v, sinks), ref(q, kk, v, sinks), **TOL)
+    # each side jitted: one compile, not one per operation
+    np.testing.assert_allclose(jax.jit(ours)(q, kk, v, sinks), jax.jit(ref)(q, kk, v, sinks), **TOL)
     weights = jax.random.normal(jax.random.key(1), q.shape)  # a loss that weighs every output
     argnums = (0, 1, 2, 3) if use_sinks else (0, 1, 2)
-    grads = [jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=argnums)(q, kk, v, sinks) for f in (ours, ref)]
+    grads = [jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * weights), argnums=argnums))(q, kk, v, sinks)
+             for f in (ours, ref)]
     for g_ours, g_ref, name in zip(*grads, ("q", "k", "v", "sinks")):
         np.testing.assert_allclose(g_ours, g_ref, err_msg=f"d{name}", **TOL)
 
