@@ -126,23 +126,23 @@ def test_a_model_with_splash_attention_equals_the_reference(family):
                                                    **overrides})
     tokens = jax.random.randint(jax.random.key(2), (2, length), 0, cfg.model.vocab_size)
     ref_model, splash_model = (build_model(cfg.model, kernel) for kernel in ("dot_product", "splash_interpret"))
-    params = ref_model.init(jax.random.key(0))
+    params = jax.jit(ref_model.init)(jax.random.key(0))  # jitted here and below: one compile, not one per operation
 
     def loss(model, p):
         return jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])
 
-    def splash_loss_and_grads():
-        return loss(splash_model, params), jax.grad(lambda p: loss(splash_model, p))(params)
+    def loss_and_grads(model):
+        return jax.jit(lambda p: (loss(model, p), jax.grad(lambda p: loss(model, p))(p)))(params)
 
     if family.endswith("sequence-split"):
         mesh = jax.make_mesh((1, 1, 2, 2, 2, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
                              axis_types=(jax.sharding.AxisType.Auto,) * 6)
         with jax.set_mesh(mesh):
-            splash_value, g_splash = jax.jit(splash_loss_and_grads)()
+            splash_value, g_splash = loss_and_grads(splash_model)
     else:
-        splash_value, g_splash = splash_loss_and_grads()
-    np.testing.assert_allclose(splash_value, loss(ref_model, params), rtol=1e-5)
-    g_ref = jax.grad(lambda p: loss(ref_model, p))(params)
+        splash_value, g_splash = loss_and_grads(splash_model)
+    ref_value, g_ref = loss_and_grads(ref_model)
+    np.testing.assert_allclose(splash_value, ref_value, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_splash), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
@@ -158,13 +158,14 @@ def test_latent_attention_with_values_wider_than_its_keys_runs_splash_as_the_ref
                                                     v_head_dim=32))
     tokens = jax.random.randint(jax.random.key(2), (1, 128), 0, cfg.model.vocab_size)
     ref_model, splash_model = (build_model(cfg.model, kernel) for kernel in ("dot_product", "splash_interpret"))
-    params = ref_model.init(jax.random.key(0))
+    params = jax.jit(ref_model.init)(jax.random.key(0))  # jitted here and below: one compile, not one per operation
 
-    def loss(model, p):
-        return jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])
+    def loss_and_grads(model):
+        loss = lambda p: jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])  # noqa: E731
+        return jax.jit(lambda p: (loss(p), jax.grad(loss)(p)))(params)
 
-    np.testing.assert_allclose(loss(splash_model, params), loss(ref_model, params), rtol=1e-5)
-    g_splash, g_ref = (jax.grad(lambda p, m=m: loss(m, p))(params) for m in (splash_model, ref_model))
+    (splash_value, g_splash), (ref_value, g_ref) = (loss_and_grads(m) for m in (splash_model, ref_model))
+    np.testing.assert_allclose(splash_value, ref_value, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_splash), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
@@ -209,8 +210,8 @@ def test_splash_with_the_sequence_split_matches_the_reference(case):
     with jax.set_mesh(mesh):
         out = jax.jit(ours)(q, kk, v, sinks)
         grads = jax.jit(jax.grad(lambda *a: jnp.sum(ours(*a) * weights), argnums=argnums))(q, kk, v, sinks)
-    np.testing.assert_allclose(out, ref(q, kk, v, sinks), **TOL)
-    ref_grads = jax.grad(lambda *a: jnp.sum(ref(*a) * weights), argnums=argnums)(q, kk, v, sinks)
+    np.testing.assert_allclose(out, jax.jit(ref)(q, kk, v, sinks), **TOL)  # jitted: one compile, not one per operation
+    ref_grads = jax.jit(jax.grad(lambda *a: jnp.sum(ref(*a) * weights), argnums=argnums))(q, kk, v, sinks)
     for g_ours, g_ref, name in zip(grads, ref_grads, ("q", "k", "v", "sinks")):
         np.testing.assert_allclose(g_ours, g_ref, err_msg=f"d{name}", **TOL)
 
