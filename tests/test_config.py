@@ -1,5 +1,6 @@
 """Config: every shipped YAML validates; precedence; clear errors for bad input."""
 
+import logging
 import math
 import os
 import re
@@ -1298,3 +1299,22 @@ def test_a_runs_config_yml_given_back_is_read_as_it_stands(tmp_path):
     assert again.run.steps == 7 and again.model.emb_dim == 64
     other = load_config([str(saved), "model_name=gemma-2b"], env={}).model
     assert other.emb_dim == 2048 and other.decoder_block == "gemma"
+
+
+def test_train_compiles_keys_given_to_train_are_each_said_to_be_read_by_train_compile(tmp_path, caplog):
+    """train.py reads none of the compile section's keys; compile_topology and compiled_trainstep_file were
+    said so in the log, while compile_topology_num_slices=2 and compile_hbm_budget_fraction=0.8 went without
+    a word. At their defaults no line is logged."""
+    from tessera.run_folder import create_run_folder
+
+    keys = {"compile_topology": "v5e-8", "compile_topology_num_slices": "2", "compile_hbm_budget_fraction": "0.8",
+            "compiled_trainstep_file": str(tmp_path / "step.pkl")}
+    for run, given in (("a", keys), ("b", {})):
+        caplog.clear()
+        cfg = load_config([BASE, f"run_name={run}", f"base_output_directory={tmp_path}",
+                           *[f"{k}={v}" for k, v in given.items()]], env={})
+        with caplog.at_level(logging.INFO, logger="tessera"):
+            create_run_folder(cfg, tmp_path / run)
+        said = [r.getMessage() for r in caplog.records if " by train_compile" in r.getMessage()]
+        assert len(said) == len(given) and all(f"{k}={cfg.compile.__dict__[k]} is " in line
+                                               for k, line in zip(given, said)), said

@@ -20,6 +20,7 @@ import yaml
 from tessera import metrics
 from tessera.checkpointing import PYTREE_METADATA_FILE, check_writable, unwritable
 from tessera.config import Config, ConfigError, config_digest, flat_dict
+from tessera.config.schema import all_fields
 from tessera.config.yaml_file import RUN_CONFIG_HEADER
 from tessera.config.derived import checkpoint_directory, remote_run_dir, run_dir
 from tessera.evaluation import at_target
@@ -293,12 +294,7 @@ def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = No
                  "are kept locally in %s; %s", remote_run_dir(cfg.run), folder,
                  "the metrics also go to the run folder's metrics/ (gcs_metrics=true)" if cfg.run.gcs_metrics
                  else "set gcs_metrics=true to write the metrics to the run folder too")
-    if cfg.compile.compiled_trainstep_file:
-        log.info("compiled_trainstep_file=%s is written by train_compile; train.py compiles its own step",
-                 cfg.compile.compiled_trainstep_file)
-    if cfg.compile.compile_topology:
-        log.info("compile_topology=%s is read by train_compile; train.py trains on the devices it finds",
-                 cfg.compile.compile_topology)
+    _say_train_compile_keys(cfg)
     if jax.process_index() == 0:
         _set_aside_earlier_report(folder)
         try:
@@ -308,6 +304,25 @@ def create_run_folder(cfg: Config, folder: Path, lock: RunFolderLock | None = No
                              folder, e) from None
     log.info("run %s -> %s (full config in config.yml, digest %s)", cfg.run.run_name, folder, config_digest(cfg))
     return folder
+
+
+# The compile section's keys, which only train_compile reads, and what train.py does instead.
+_TRAIN_COMPILE_ONLY = {
+    "compile_topology": "is read by train_compile; train.py trains on the devices it finds",
+    "compile_topology_num_slices": "is read by train_compile; train.py trains on the devices it finds",
+    "compile_hbm_budget_fraction": "is read by train_compile (and the plan and estimate tools); train.py uses "
+                                   "the memory its devices have",
+    "compiled_trainstep_file": "is written by train_compile; train.py compiles its own step",
+}
+
+
+def _say_train_compile_keys(cfg: Config) -> None:
+    """One line for each of train_compile's keys set away from its default: train.py does not read them
+    (compile_hbm_budget_fraction=0.8 and compile_topology_num_slices=2 went without a word)."""
+    for name, what in _TRAIN_COMPILE_ONLY.items():
+        value = getattr(cfg.compile, name)
+        if value != all_fields()[name][1].default:
+            log.info("%s=%s %s", name, value, what)
 
 
 def _set_aside_earlier_report(folder: Path) -> None:
