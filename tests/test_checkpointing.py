@@ -433,8 +433,9 @@ def test_orbax_logs_what_the_checkpointer_reports_itself_only_once(caplog):
 
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory) -> Path:
-    """The run folder of one `_train(..., "steps=2")` (its checkpoint of step 2), trained once for this file:
-    each test that changes it or resumes it takes a copy of its own, at tmp_path/sub."""
+    """The run folder of one `_train(..., "steps=2")` (its checkpoint of step 2), trained once per test file that
+    uses it (test_faults.py too): each test that damages, changes or resumes it takes a copy of its own, at
+    tmp_path/sub."""
     out = tmp_path_factory.mktemp("two_steps")
     proc = _train(out, "steps=2")
     assert proc.returncode == 0, proc.stderr[-3000:]

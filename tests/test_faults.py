@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from conftest import sigterm_after_line
-from test_checkpointing import TRAIN, _losses, _train, _wait_for
+from test_checkpointing import TRAIN, _losses, _train, _wait_for, two_steps  # noqa: F401 (a fixture)
 
 ECHOES = ("Traceback", "Exception ignored", "never retrieved", "Task was destroyed")
 BIG = ["base_emb_dim=512", "base_mlp_dim=2048", "vocab_size=8192"]  # ~170 MB saves: slow enough to catch
@@ -27,24 +27,9 @@ def _steps(ckpt: Path) -> list[int]:
     return sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) if ckpt.exists() else []
 
 
-@pytest.fixture(scope="module")
-def two_steps(tmp_path_factory) -> Path:
-    """The run folder of one `_train(..., "steps=2")` (its checkpoint of step 2), trained once for this file:
-    each test that damages it takes a copy of its own (`_copy_run`)."""
-    out = tmp_path_factory.mktemp("two_steps")
-    proc = _train(out, "steps=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out / "sub"
-
-
-def _copy_run(run: Path, tmp_path: Path) -> None:
-    """`run` copied to tmp_path/sub, where `_train(tmp_path, ...)` resumes it."""
-    shutil.copytree(run, tmp_path / "sub")
-
-
 @pytest.mark.slow
 def test_truncated_array_file_is_one_message_every_time(tmp_path, two_steps):
-    _copy_run(two_steps, tmp_path)
+    shutil.copytree(two_steps, tmp_path / "sub")
     step = tmp_path / "sub" / "checkpoints" / "2"
     data = max((p for p in (step / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
     size = data.stat().st_size
@@ -86,7 +71,7 @@ def test_deleted_metadata_is_a_damaged_checkpoint_not_a_config_mismatch(tmp_path
 
 
 def test_an_empty_step_folder_past_the_last_step_is_not_a_finished_run(tmp_path, two_steps):
-    _copy_run(two_steps, tmp_path)
+    shutil.copytree(two_steps, tmp_path / "sub")
     empty = tmp_path / "sub" / "checkpoints" / "8"
     empty.mkdir()  # e.g. a copy that was cut short
     proc = _train(tmp_path, "steps=6")  # 8 >= 6: without the check this said "nothing to do" and exited 0
