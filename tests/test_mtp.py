@@ -42,6 +42,20 @@ def test_chain_weights_need_every_target_up_to_the_depth_in_the_document():
     np.testing.assert_array_equal(chain_weights(w, 2), [[1, 0, 0, 0, 0, 0, 0]])
 
 
+def _depth_states(module, x, tokens) -> list:
+    """(k, depth k's hidden state) for depths 1 and 2, computed directly from the main model's hidden states `x` on
+    sequences cut to the T - k positions whose chain of k + 1 targets lies inside the sequence (no shifting or
+    masking)."""
+    states, h = [], x
+    for k in (1, 2):
+        n = T - k
+        positions = jnp.broadcast_to(jnp.arange(n), (tokens.shape[0], n))
+        h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
+                                           jnp.ones_like(positions), None, False)
+        states.append((k, h))
+    return states
+
+
 @pytest.mark.parametrize("family", ["llama2", "deepseek"])
 def test_mtp_loss_equals_a_direct_computation_on_shortened_sequences(family):
     """Depth k on position i sees the tokens up to i + k and predicts token i + k + 1: computed
@@ -56,16 +70,9 @@ def test_mtp_loss_equals_a_direct_computation_on_shortened_sequences(family):
     @jax.jit
     def direct(params, tokens):
         module = model._module(params)
-        h = module.hidden(tokens[:, :-1])[0]
-        losses = []
-        for k in (1, 2):
-            n = T - k  # positions whose chain of k + 1 targets lies inside the sequence
-            positions = jnp.broadcast_to(jnp.arange(n), (2, n))
-            h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
-                                               jnp.ones_like(positions), None, False)
-            logits = module.logits(h, mtp_depth=k)
-            losses.append(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, k + 1:k + 1 + n]).mean())
-        return jnp.stack(losses)
+        return jnp.stack([optax.softmax_cross_entropy_with_integer_labels(
+            module.logits(h, mtp_depth=k), tokens[:, k + 1:k + 1 + h.shape[1]]).mean()
+            for k, h in _depth_states(module, module.hidden(tokens[:, :-1])[0], tokens)])
 
     np.testing.assert_allclose(got["mtp_loss"], np.mean(direct(params, batch["tokens"])), rtol=1e-5)
     assert np.isfinite(got["mtp_loss"]) and float(got["mtp_loss"]) > 1.0
@@ -134,12 +141,7 @@ def test_eval_reports_the_mtp_loss_and_a_depth_s_acceptance_rate():
         """The main model's greedy tokens [4, T] and depth 2's [4, T - 2] (guesses of tokens i + 3)."""
         module = model._module(params)
         x = module.hidden(tokens[:, :-1])[0]
-        h = x
-        for k in (1, 2):
-            n = T - k
-            positions = jnp.broadcast_to(jnp.arange(n), (4, n))
-            h, _ = getattr(module, f"mtp_{k}")(h[:, :n], module.embed(tokens[:, k:k + n], positions + k), positions,
-                                               jnp.ones_like(positions), None, False)
+        h = _depth_states(module, x, tokens)[-1][1]
         return jnp.argmax(module.logits(x), axis=-1), jnp.argmax(module.logits(h, mtp_depth=2), axis=-1)
 
     tokens = batch["tokens"]
