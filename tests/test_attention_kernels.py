@@ -132,7 +132,7 @@ def test_a_model_with_splash_attention_equals_the_reference(family):
         return jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])
 
     def loss_and_grads(model):
-        return jax.jit(lambda p: (loss(model, p), jax.grad(lambda p: loss(model, p))(p)))(params)
+        return jax.jit(jax.value_and_grad(lambda p: loss(model, p)))(params)
 
     if family.endswith("sequence-split"):
         mesh = jax.make_mesh((1, 1, 2, 2, 2, 1), ("data", "stage", "fsdp", "sequence", "tensor", "expert"),
@@ -161,8 +161,8 @@ def test_latent_attention_with_values_wider_than_its_keys_runs_splash_as_the_ref
     params = jax.jit(ref_model.init)(jax.random.key(0))  # jitted here and below: one compile, not one per operation
 
     def loss_and_grads(model):
-        loss = lambda p: jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])  # noqa: E731
-        return jax.jit(lambda p: (loss(p), jax.grad(loss)(p)))(params)
+        return jax.jit(jax.value_and_grad(lambda p: jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])))(
+            params)
 
     (splash_value, g_splash), (ref_value, g_ref) = (loss_and_grads(m) for m in (splash_model, ref_model))
     np.testing.assert_allclose(splash_value, ref_value, rtol=1e-5)
