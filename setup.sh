@@ -157,12 +157,14 @@ has_pip() {
 }
 
 # The Hugging Face reference environment (HF_REFERENCE=1): PyTorch + transformers in $HF_VENV,
-# its own interpreter, so that torch never has to match the main venv's Python.
-install_hf_reference() {
-  local start=$SECONDS py v hfpip torch_req versions
-  v=$(py_version "$HF_VENV/bin/python")
-  has_pip "$HF_VENV/bin/python" || v=
-  case "$v" in
+# its own interpreter, so that torch never has to match the main venv's Python. Made in two parts: the
+# checks and the empty environment first (an error stops setup.sh before anything is installed), then
+# the packages, which install_hf_packages puts in alongside the main environment's.
+prepare_hf_venv() {
+  local py
+  HF_V=$(py_version "$HF_VENV/bin/python")
+  has_pip "$HF_VENV/bin/python" || HF_V=
+  case "$HF_V" in
     3.11|3.12|3.13) echo "setup.sh: reusing $HF_VENV ($("$HF_VENV/bin/python" --version))" ;;
     *)
       # Prefer 3.11: on our dev/CI machines PyTorch's CPU build lies on disk for it.
@@ -173,14 +175,18 @@ install_hf_reference() {
         echo "  Install one (e.g. 'pyenv install 3.11' or 'apt install python3.11-venv') and re-run." >&2
         exit 1
       fi
-      v=$(py_version "$py")
-      make_venv "$py" "$HF_VENV" "$v"
+      HF_V=$(py_version "$py")
+      make_venv "$py" "$HF_VENV" "$HF_V"
       ;;
   esac
-  if [ "$v" != 3.11 ] && [ -z "${TORCH_INDEX_URL:-}" ]; then
-    echo "setup.sh: note: $HF_VENV uses Python $v; if pip starts downloading a multi-GB CUDA build of torch," \
+  if [ "$HF_V" != 3.11 ] && [ -z "${TORCH_INDEX_URL:-}" ]; then
+    echo "setup.sh: note: $HF_VENV uses Python $HF_V; if pip starts downloading a multi-GB CUDA build of torch," \
       "stop it and set TORCH_INDEX_URL to a CPU wheel index"
   fi
+}
+
+install_hf_packages() {
+  local start=$SECONDS hfpip torch_req versions
   hfpip=("$HF_VENV/bin/python" -m pip --disable-pip-version-check)
   "${hfpip[@]}" install -q "pip==$PIP_VERSION"
   torch_req=$(sed -n 's/^\(torch[=<>!~][^ #]*\).*/\1/p' requirements-hf.txt)
@@ -204,6 +210,45 @@ install_hf_reference() {
   echo "setup.sh: Hugging Face reference ready in $HF_VENV ($versions, $("$HF_VENV/bin/python" --version)); took $((SECONDS - start)) s."
   if [ "$(cd "$HF_VENV" && pwd -P)" != "$(pwd -P)/.venv-hf" ]; then
     echo "  The parity tests and check_logits look in .venv-hf: export TESSERA_HF_PYTHON=$(cd "$HF_VENV" && pwd -P)/bin/python"
+  fi
+}
+
+# The reference environment's packages install in a background job while the main environment's do (most of
+# either is unpacking wheels: together they take about the time of the longer one). Its output is kept in a
+# file and shown when it is done, not interleaved with the main install's.
+HF_PID=
+HF_LOG=
+start_hf_packages() {
+  HF_LOG=$(mktemp "${TMPDIR:-/tmp}/tessera-setup-hf.XXXXXX")
+  set -m   # the job gets a process group of its own, which stop_hf_packages ends whole (pip with it)
+  install_hf_packages < /dev/null > "$HF_LOG" 2>&1 &
+  HF_PID=$!
+  set +m
+  trap stop_hf_packages EXIT   # setup.sh stopped by an error or Ctrl-C: no pip left running on its own
+}
+
+stop_hf_packages() {
+  if [ -n "$HF_PID" ]; then
+    kill -TERM -- "-$HF_PID" 2>/dev/null || true
+    wait "$HF_PID" 2>/dev/null || true
+    echo "setup.sh: stopped the install of the reference environment in $HF_VENV too; re-run to finish it" >&2
+  fi
+  [ -n "$HF_LOG" ] && rm -f "$HF_LOG"
+  return 0
+}
+
+# Wait for the reference environment's packages, show what they printed, and stop with their exit code if
+# they failed.
+finish_hf_packages() {
+  local status=0
+  [ -n "$HF_PID" ] || return 0
+  wait "$HF_PID" || status=$?
+  HF_PID=
+  cat "$HF_LOG"
+  if [ "$status" != 0 ]; then
+    echo "setup.sh: installing the reference environment in $HF_VENV failed (exit $status, see above);" \
+      "the main environment in $VENV is installed. Fix the cause and re-run 'bash setup.sh HF_REFERENCE=1'" >&2
+    exit "$status"
   fi
 }
 
@@ -302,6 +347,8 @@ else
   make_venv "$PY" "$VENV" "$v"
 fi
 
+if [ "$HF_REFERENCE" = 1 ]; then prepare_hf_venv; start_hf_packages; fi
+
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q "pip==$PIP_VERSION"
 if [ "$MODE" = locked ]; then
@@ -318,7 +365,7 @@ fi
 printf 'DEVICE=%s\nMODE=%s\n' "$DEVICE" "$MODE" > "$VENV/tessera-setup.txt"   # read by tessera.doctor
 JAX_VERSION=$("$VENV/bin/python" -c 'import jax; print(jax.__version__)')
 echo "setup.sh: installed (DEVICE=$DEVICE, MODE=$MODE, jax $JAX_VERSION, $("$VENV/bin/python" --version)); took $((SECONDS - START)) s."
-if [ "$HF_REFERENCE" = 1 ]; then install_hf_reference; fi
+finish_hf_packages
 
 # The doctor checks versions against the lock, the devices JAX sees and known-bad combinations.
 status=0
