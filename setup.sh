@@ -214,14 +214,12 @@ install_hf_packages() {
 }
 
 # The reference environment's packages install in a background job while the main environment's do (most of
-# either is unpacking wheels: together they take about the time of the longer one). Its output is kept in a
-# file and shown when it is done, not interleaved with the main install's.
+# either is unpacking wheels: together they take about the time of the longer one). Its output goes to
+# $HF_VENV/setup.log, shown when it is done, not interleaved with the main install's.
 HF_PID=
-HF_LOG=
 start_hf_packages() {
-  HF_LOG=$(mktemp "${TMPDIR:-/tmp}/tessera-setup-hf.XXXXXX")
   set -m   # the job gets a process group of its own, which stop_hf_packages ends whole (pip with it)
-  install_hf_packages < /dev/null > "$HF_LOG" 2>&1 &
+  install_hf_packages < /dev/null > "$HF_VENV/setup.log" 2>&1 &
   HF_PID=$!
   set +m
   trap stop_hf_packages EXIT   # setup.sh stopped by an error or Ctrl-C: no pip left running on its own
@@ -233,8 +231,6 @@ stop_hf_packages() {
     wait "$HF_PID" 2>/dev/null || true
     echo "setup.sh: stopped the install of the reference environment in $HF_VENV too; re-run to finish it" >&2
   fi
-  [ -n "$HF_LOG" ] && rm -f "$HF_LOG"
-  return 0
 }
 
 # Wait for the reference environment's packages, show what they printed, and stop with their exit code if
@@ -244,7 +240,7 @@ finish_hf_packages() {
   [ -n "$HF_PID" ] || return 0
   wait "$HF_PID" || status=$?
   HF_PID=
-  cat "$HF_LOG"
+  cat "$HF_VENV/setup.log"
   if [ "$status" != 0 ]; then
     echo "setup.sh: installing the reference environment in $HF_VENV failed (exit $status, see above);" \
       "the main environment in $VENV is installed. Fix the cause and re-run 'bash setup.sh HF_REFERENCE=1'" >&2

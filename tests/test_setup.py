@@ -5,6 +5,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -57,8 +58,9 @@ def test_short_disk_stops_before_creating_the_environment(tmp_path):
 
 # ---- A stand-in Python: enough of an interpreter for setup.sh to run end to end in a second, without
 # installing anything. `-m venv DIR` makes a stub environment (with pip unless told otherwise), `-m pip`
-# logs its arguments to <venv>/pip.log (and fails like Python does when the environment has no pip),
-# the doctor exits with $STUB_DOCTOR_RC.
+# logs its arguments to <venv>/pip.log (and fails like Python does when the environment has no pip), then
+# runs <venv>/stub-pip.sh if there is one (an environment it makes gets its own folder's); the doctor exits
+# with $STUB_DOCTOR_RC.
 STUB = r'''#!BASH
 here=$(cd "$(dirname "$0")" && pwd)
 version=$(cat "$here/stub-version")
@@ -73,9 +75,10 @@ case "$1" in
   -m) case "$2" in
         venv) mkdir -p "$3/bin"; cp "$0" "$3/bin/python"; cp "$here/stub-version" "$3/bin/"
               echo "home = $here" > "$3/pyvenv.cfg"
-              touch "$3/stub-pip"; exit 0 ;;
+              touch "$3/stub-pip"; [ ! -f "$here/stub-pip.sh" ] || cp "$here/stub-pip.sh" "$3/"; exit 0 ;;
         pip) [ -f "$here/../stub-pip" ] || { echo "$0: No module named pip" >&2; exit 1; }
-             echo "${*:3}" >> "$here/../pip.log"; exit 0 ;;
+             echo "${*:3}" >> "$here/../pip.log"
+             [ -f "$here/../stub-pip.sh" ] && . "$here/../stub-pip.sh"; exit 0 ;;
         tessera.doctor) echo "doctor: stub verdict"; exit "${STUB_DOCTOR_RC:-0}" ;;
       esac ;;
 esac
@@ -228,6 +231,56 @@ def test_reference_environment_elsewhere_names_the_variable_that_finds_it(tmp_pa
     assert proc.returncode == 0, proc.stderr
     assert f"export TESSERA_HF_PYTHON={hf_venv}/bin/python" in proc.stdout
     assert "torch==" in (hf_venv / "pip.log").read_text()
+
+
+def _two_stub_environments(tmp_path, main_pip: str, hf_pip: str):
+    """A stub main environment and a stub Python 3.11 for the reference one, whose pips run these scripts."""
+    tools = tools_dir(tmp_path)
+    for tool in ("seq", "sleep"):
+        os.symlink(shutil.which(tool), tools / tool)
+    stub_python(tools, "3.11", "python3.11")
+    venv, hf_venv = tmp_path / "venv", tmp_path / "hf"
+    stub_venv(venv, "3.12")
+    (venv / "stub-pip.sh").write_text(main_pip)
+    (tools / "stub-pip.sh").write_text(hf_pip)  # copied into the reference environment its `-m venv` makes
+    return tools, venv, hf_venv
+
+
+def test_the_reference_environment_installs_alongside_the_main_one(tmp_path):
+    """HF_REFERENCE=1 installed the reference environment after the main one (72 s of CI's 174 s of setup).
+    Its packages now install while the main environment's do: here the main pip waits for the reference
+    pip to have started (setup.sh in sequence failed it), and the reference pip's output comes after."""
+    started = tmp_path / "hf-started"
+    wait = f'for i in $(seq 100); do [ -f {started} ] && return 0; sleep 0.1; done; echo never >&2; exit 7\n'
+    tools, venv, hf_venv = _two_stub_environments(tmp_path, wait, f"echo 'hf pip says hello'; touch {started}\n")
+    proc = run_setup(f"VENV={venv}", "HF_REFERENCE=1", f"HF_VENV={hf_venv}",
+                     env={"PATH": f"{tools}", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.index("setup.sh: installed (DEVICE=cpu") < proc.stdout.index("hf pip says hello") \
+        < proc.stdout.index("Hugging Face reference ready")
+    assert "hf pip says hello" in (hf_venv / "setup.log").read_text()
+
+
+def test_a_failed_reference_install_is_reported_and_a_failed_main_one_stops_it(tmp_path):
+    """The background install's failure ends setup.sh with its exit code and its output, after the main
+    environment is installed; a failure of the main install stops the reference one at once (no pip left
+    running on its own)."""
+    tools, venv, hf_venv = _two_stub_environments(tmp_path, "", "echo 'ERROR: no torch for you' >&2; exit 3\n")
+    proc = run_setup(f"VENV={venv}", "HF_REFERENCE=1", f"HF_VENV={hf_venv}", env={"PATH": str(tools)})
+    assert proc.returncode == 3, proc.stderr
+    assert "ERROR: no torch for you" in proc.stdout and "setup.sh: installed (DEVICE=cpu" in proc.stdout
+    assert (f"installing the reference environment in {hf_venv} failed (exit 3, see above); the main environment "
+            f"in {venv} is installed") in proc.stderr
+
+    finished = tmp_path / "hf-finished"
+    (tmp_path / "2").mkdir()
+    tools_2, venv, hf_venv = _two_stub_environments(tmp_path / "2", "echo 'ERROR: no jax' >&2; exit 4\n",
+                                                    f"sleep 3; touch {finished}\n")
+    proc = run_setup(f"VENV={venv}", "HF_REFERENCE=1", f"HF_VENV={hf_venv}", env={"PATH": str(tools_2)})
+    assert proc.returncode == 4 and "ERROR: no jax" in proc.stderr, proc.stderr
+    assert f"stopped the install of the reference environment in {hf_venv} too" in proc.stderr
+    time.sleep(4)
+    assert not finished.exists()
 
 
 def test_pip_and_the_build_of_tessera_itself_are_pinned_not_the_newest_on_pypi(tmp_path):
