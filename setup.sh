@@ -21,7 +21,8 @@
 #   HF_REFERENCE=0|1    1 also installs locks/hf.txt (transformers) and torch (requirements-hf.txt)
 #                       into HF_VENV, a second venv that the parity tests and check_logits call as
 #                       a subprocess (default 0). Prefers Python 3.11, whose PyTorch CPU build is
-#                       on disk on our dev/CI machines; elsewhere set TORCH_INDEX_URL too.
+#                       on disk on our dev/CI machines; elsewhere set TORCH_INDEX_URL too. Installed
+#                       while the main environment is (its output, shown after: $HF_VENV/setup.log)
 #   HF_VENV=.venv-hf    where the reference environment lives (elsewhere, the parity tests find it
 #                       through TESSERA_HF_PYTHON=$HF_VENV/bin/python)
 #   TORCH_INDEX_URL=url with HF_REFERENCE=1: install torch from this index (a CPU wheel index
