@@ -536,6 +536,8 @@ def test_a_list_value_that_is_not_yaml_names_the_key_and_value(arg, message):
     ("chunk_attn_window_size=2147483648", "chunk_attn_window_size='2147483648' is too large; it must be <= 2147483647"),
     # each block of multi-token prediction is built on its own: 10^6 of them ran for hours without a line
     ("mtp_num_layers=1000000", "mtp_num_layers='1000000' is too large; it must be <= 1024"),
+    # each data worker is a process of its own
+    ("grain_worker_count=100000000000000", "grain_worker_count='100000000000000' is too large; it must be <= 1024"),
     ("num_slices=-2", "num_slices='-2' is too small; it must be >= -1"),
     # libtpu aborted with a core dump at 512 slices, and hung at 100000
     ("compile_topology_num_slices=512", "compile_topology_num_slices='512' is too large; it must be <= 511"),

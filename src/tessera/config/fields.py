@@ -60,6 +60,9 @@ MAX_LAYERS = 65536
 # one after the other (not scanned), 27 ms apiece to build on a CPU host before any compile: a typo of 10^6 ran
 # for hours without a line.
 MAX_MTP_LAYERS = 1024
+# Most data-loading worker processes accepted (grain_worker_count): Grain starts each as a Python process of its own
+# (mp_prefetch), and a typo of 10^14 was accepted as it stood.
+MAX_DATA_WORKERS = 1024
 # Token positions are int32 (JAX's default integer): a window of attention past 2^31 - 1 tokens reached the attention
 # mask as a Python int and stopped the first step with an OverflowError traceback.
 MAX_WINDOW = 2**31 - 1

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tessera.config.fields import DATASET_TYPES, MAX_STEPS, OPTIMIZERS, PROFILERS, TOKENIZER_TYPES, key
+from tessera.config.fields import DATASET_TYPES, MAX_DATA_WORKERS, MAX_STEPS, OPTIMIZERS, PROFILERS, TOKENIZER_TYPES, key
 from tessera.config.model_schema import ModelConfig
 
 
@@ -140,7 +140,7 @@ class DataConfig:
                                "object holding train_data_columns)", ("arrayrecord", "parquet"))
     grain_worker_count: int = key(0, "grain and tfds: processes that read and tokenize records (0: in the training "
                                   "process)",
-                                  minimum=0)
+                                  minimum=0, maximum=MAX_DATA_WORKERS)
     tokenizer_path: str = key("", "SentencePiece .model, tiktoken BPE file, or a folder/file with tokenizer.json",
                                path="path")
     tokenizer_type: str = key("auto", "tokenizer kind when the path does not make it clear", TOKENIZER_TYPES)
