@@ -254,7 +254,7 @@ def test_the_reference_environment_installs_alongside_the_main_one(tmp_path):
     wait = f'for i in $(seq 100); do [ -f {started} ] && return 0; sleep 0.1; done; echo never >&2; exit 7\n'
     tools, venv, hf_venv = _two_stub_environments(tmp_path, wait, f"echo 'hf pip says hello'; touch {started}\n")
     proc = run_setup(f"VENV={venv}", "HF_REFERENCE=1", f"HF_VENV={hf_venv}",
-                     env={"PATH": f"{tools}", "HOME": str(tmp_path)})
+                     env={"PATH": str(tools), "HOME": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.index("setup.sh: installed (DEVICE=cpu") < proc.stdout.index("hf pip says hello") \
         < proc.stdout.index("Hugging Face reference ready")
