@@ -108,20 +108,25 @@ def _update_inputs(devices=1, **keys):
 
 
 def _run_updates(opt, params, grads, mesh=None):
-    """Three updates; under `mesh` (as the train step runs them) jitted with the params' shardings."""
+    """Three updates, jitted (one compile, not one per operation); under `mesh` (as the train step runs them)
+    with the params' shardings."""
     def step(g, state, params):
         updates, state = opt.update(g, state, params)
         return optax.apply_updates(params, updates), state
 
-    state, out = opt.init(params), []
     if mesh is not None:
         shardings = jax.tree.map(lambda p: p.sharding, params)
         with jax.set_mesh(mesh):
+            state, out = jax.jit(opt.init)(params), []
             step = jax.jit(step, out_shardings=(shardings, None))
             for g in grads:
                 params, state = step(g, state, params)
                 out.append(params)
         return out
+    # the params on the device alone, not on the trainer's 1-device mesh: the state opt.init makes (its zeros
+    # depend on no input) and the state a step returns then have the same types, and the step compiles once
+    params, step = jax.device_put(params, jax.devices()[0]), jax.jit(step)
+    state, out = jax.jit(opt.init)(params), []
     for g in grads:
         params, state = step(g, state, params)
         out.append(params)
@@ -392,8 +397,8 @@ def test_adamw_decays_every_weight_but_the_norm_scales_and_the_routing_biases():
 
     cfg, trainer, params, _ = _update_inputs(**FAMILIES["deepseek"], adam_weight_decay=0.5, learning_rate=0.1,
                                              warmup_steps_fraction=0.0)
-    params = jax.tree.map(lambda p: p + 1.0, params)  # no zero weights (the routing biases start at 0)
-    zeros = jax.tree.map(lambda p: p * 0.0, params)
+    params = jax.jit(lambda ps: jax.tree.map(lambda p: p + 1.0, ps))(params)  # no zero weights (biases start at 0)
+    zeros = jax.jit(lambda ps: jax.tree.map(lambda p: p * 0.0, ps))(params)
     after = _flat(_run_updates(trainer.optimizer, params, [zeros])[0])
     kept = [k for k in after if "['scale']" in k or "['routed_bias_e']" in k]
     assert any("scale" in k for k in kept) and any("routed_bias_e" in k for k in kept), kept
