@@ -40,8 +40,9 @@ def test_scan_and_loop_compute_the_same_function():
     looped = build_model(tiny_config(scan_layers=False).model)
     params = scanned.init(jax.random.key(1))
     tokens = _batch(tiny_config())["tokens"][:, :-1]
-    a = scanned.apply(params, tokens)
-    b = looped.apply(_unstack(params, 3), tokens)
+    # jitted: one compile each instead of the unrolled layers' many op-by-op dispatches
+    a = jax.jit(scanned.apply)(params, tokens)
+    b = jax.jit(looped.apply)(_unstack(params, 3), tokens)
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     # and they start from the same weights: a run may switch scan_layers and keep its seed's model
     jax.tree.map(np.testing.assert_array_equal, looped.init(jax.random.key(1)), _unstack(params, 3))
@@ -377,9 +378,11 @@ def test_fused_mlp_equals_two_projections():
     fused_params = dict(params, layers=dict(params["layers"], mlp=fused_mlp))
     assert jax.tree.map(jnp.shape, fused.param_shapes()) == jax.tree.map(jnp.shape, fused_params)
     tokens = batch["tokens"][:, :-1]
-    np.testing.assert_allclose(fused.apply(fused_params, tokens), unfused.apply(params, tokens), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(fused.apply)(fused_params, tokens), jax.jit(unfused.apply)(params, tokens),
+                               rtol=1e-6, atol=1e-6)
     mean_loss = lambda model, p: jnp.divide(*loss_sums(model, p, batch, None))  # noqa: E731  (as the train step)
-    grad = lambda model, p: jax.grad(lambda q: mean_loss(model, q))(p)  # noqa: E731
+    # jitted: one compile, not op by op
+    grad = lambda model, p: jax.jit(jax.grad(lambda q: mean_loss(model, q)))(p)  # noqa: E731
     got, want = grad(fused, fused_params), grad(unfused, params)
     want_mlp = want["layers"]["mlp"]
     want["layers"]["mlp"] = {"wi_dcf": jnp.stack([want_mlp["wi_0"], want_mlp["wi_1"]], axis=-2),
