@@ -77,17 +77,18 @@ def refused_or_one_devices_losses(tmp_path, mesh_keys: dict, refusal: str, **key
     np.testing.assert_allclose(losses("mesh", 8, per_device_batch_size=0.5, **mesh_keys), reference, rtol=1e-4)
 
 
-# The test files that take longest, with their seconds in a full run (2 workers, 2026-12-01). With `-n` the
-# files go to the workers in this order, longest first (pyproject.toml turns off pytest-xdist's own order,
-# by number of tests): a long file started last would leave the other worker idle while it runs. Figures
-# gone stale cost only balance; the files not listed follow in their collection order.
+# The test files that take longest, with their seconds in a full run (2 workers, 2026-12-01; those trimmed
+# since, estimated). With `-n` the files go to the workers in this order, longest first (pyproject.toml
+# turns off pytest-xdist's own order, by number of tests): a long file started last would leave the other
+# worker idle while it runs. Figures gone stale cost only balance; the files not listed follow in their
+# collection order.
 FILE_SECONDS = {
-    "test_train.py": 400, "test_pipeline.py": 395, "test_distributed.py": 370, "test_checkpointing.py": 305,
-    "test_families.py": 300, "test_decode.py": 265, "test_train_compile.py": 245, "test_attention_kernels.py": 235,
-    "test_faults.py": 210, "test_hf_parity.py": 195, "test_mtp.py": 175, "test_optim.py": 140, "test_model.py": 135,
-    "test_quantization.py": 110, "test_validate.py": 100, "test_data_training.py": 95, "test_plan.py": 80,
-    "test_readme_commands.py": 65, "test_memory_fit.py": 60, "test_xla_dump.py": 55, "test_moe.py": 50,
-    "test_estimate.py": 50, "test_data_grain.py": 45, "test_cli_help.py": 40,
+    "test_train.py": 395, "test_distributed.py": 370, "test_pipeline.py": 340, "test_checkpointing.py": 300,
+    "test_decode.py": 265, "test_train_compile.py": 245, "test_families.py": 240, "test_faults.py": 210,
+    "test_attention_kernels.py": 195, "test_hf_parity.py": 195, "test_mtp.py": 145, "test_model.py": 130,
+    "test_quantization.py": 110, "test_optim.py": 105, "test_validate.py": 100, "test_data_training.py": 95,
+    "test_readme_commands.py": 65, "test_plan.py": 60, "test_memory_fit.py": 60, "test_xla_dump.py": 55,
+    "test_moe.py": 50, "test_estimate.py": 50, "test_data_grain.py": 45, "test_cli_help.py": 40,
 }
 
 
