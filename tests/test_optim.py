@@ -1,6 +1,7 @@
 """Optimizers (opt_type): which axes Muon orthogonalizes, its update against optax's own Muon and
 AdamW, plain SGD, and training with each on one device and on a mesh."""
 
+import contextlib
 import json
 import logging
 import re
@@ -114,22 +115,17 @@ def _run_updates(opt, params, grads, mesh=None):
         updates, state = opt.update(g, state, params)
         return optax.apply_updates(params, updates), state
 
-    if mesh is not None:
-        shardings = jax.tree.map(lambda p: p.sharding, params)
-        with jax.set_mesh(mesh):
-            state, out = jax.jit(opt.init)(params), []
-            step = jax.jit(step, out_shardings=(shardings, None))
-            for g in grads:
-                params, state = step(g, state, params)
-                out.append(params)
-        return out
-    # the params on the device alone, not on the trainer's 1-device mesh: the state opt.init makes (its zeros
-    # depend on no input) and the state a step returns then have the same types, and the step compiles once
-    params, step = jax.device_put(params, jax.devices()[0]), jax.jit(step)
-    state, out = jax.jit(opt.init)(params), []
-    for g in grads:
-        params, state = step(g, state, params)
-        out.append(params)
+    if mesh is None:
+        # the params on the device alone, not on the trainer's 1-device mesh: the state opt.init makes (its zeros
+        # depend on no input) and the state a step returns then have the same types, and the step compiles once
+        params, where, placed = jax.device_put(params, jax.devices()[0]), contextlib.nullcontext(), {}
+    else:
+        where, placed = jax.set_mesh(mesh), {"out_shardings": (jax.tree.map(lambda p: p.sharding, params), None)}
+    with where:
+        state, out, step = jax.jit(opt.init)(params), [], jax.jit(step, **placed)
+        for g in grads:
+            params, state = step(g, state, params)
+            out.append(params)
     return out
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tessera.config.fields import DATASET_TYPES, MAX_DATA_WORKERS, MAX_STEPS, OPTIMIZERS, PROFILERS, TOKENIZER_TYPES, key
+from tessera.config.fields import (DATASET_TYPES, MAX_DATA_WORKERS, MAX_STEPS, OPTIMIZERS, PROFILERS, TOKENIZER_TYPES,
+                                   key)
 from tessera.config.model_schema import ModelConfig
 
 
