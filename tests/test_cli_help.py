@@ -54,6 +54,27 @@ def test_help_without_jax(name, flag):
     assert "jax" not in imported, f"{name} {flag} imported JAX"
 
 
+def _untimed(lines):
+    return [re.sub(r"^\d\d:\d\d:\d\d ", "", line) for line in lines]  # the log lines' time of day
+
+
+def test_a_config_error_ends_train_py_before_jax_is_imported(capsys):
+    """The same lines as main's (a note, then the error; exit code 2), without the seconds JAX, Flax
+    and Orbax take to import."""
+    from tessera.train import main
+
+    argv = ["configs/base.yml", "steps=5", "steps=6", "learning_rat=0.1"]
+    proc = _run(["-X", "importtime", "train.py", *argv])
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert proc.returncode == 2 and "jax" not in imported and "tessera.train" not in imported
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
+    assert main(argv) == 2
+    in_process = capsys.readouterr().err.splitlines()
+    assert _untimed(said) == _untimed(in_process) and len(said) == 2
+    assert said[0].endswith(" I steps is given twice on the command line (steps=5, then steps=6); the last is used")
+    assert said[1].startswith("config error: unknown config key 'learning_rat' in the command line; did you mean")
+
+
 def test_train_main_answers_help_first(capsys):
     from tessera.train import main
 

@@ -468,7 +468,7 @@ def test_metrics_and_the_report_are_strict_json_with_a_non_finite_loss(tmp_path)
 
 def test_train_py_end_to_end(tmp_path):
     cmd = [sys.executable, str(REPO / "train.py"), str(REPO / "configs" / "base.yml"), "run_name=e2e",
-           f"base_output_directory={tmp_path}", "steps=4", "per_device_batch_size=1", "max_target_length=32",
+           f"base_output_directory={tmp_path}", "steps=3", "steps=4", "per_device_batch_size=1", "max_target_length=32",
            "base_num_decoder_layers=2", "profiler=xplane", "skip_first_n_steps_for_profiler=1", "profiler_steps=2",
            "report_warmup_steps=1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -491,6 +491,8 @@ def test_train_py_end_to_end(tmp_path):
     assert list((run_dir / "profile").rglob("*.xplane.pb"))
     assert (run_dir / "config.yml").is_file()
     assert "step     4 | loss" in proc.stderr
+    # the config is read before JAX's import (a config error ends there) and again by main: its notes once
+    assert proc.stderr.count("steps is given twice on the command line (steps=3, then steps=4)") == 1
     # a CPU run restarts itself with mimalloc preloaded (Linux; the lock installs cmeel-mimalloc there)
     assert f"host malloc: {'mimalloc' if sys.platform == 'linux' else 'system'}" in proc.stderr
 

@@ -46,11 +46,12 @@ from tessera.stop_signals import TerminatedOutsideLoop, TrainingStopped
 from tessera.start_state import (changes_since_save, initial_state, show_setting, state_source, unread_load_paths,
                                   warn_if_no_step_learns)
 from tessera.step import Trainer, compile_step, init_program, setup
+from tessera.tools.cli import EXIT_USER_ERROR  # 2, also when train.py finds the config error before these imports
 from tessera.train_loop import TrainLoop, local_state_bytes
 
 log = logging.getLogger("tessera")
 
-EXIT_OK, EXIT_USER_ERROR, EXIT_SAVE_FAILED = 0, 2, 6
+EXIT_OK, EXIT_SAVE_FAILED = 0, 6
 EXIT_INTERRUPTED, EXIT_PREEMPTED = 128 + signal.SIGINT, 128 + signal.SIGTERM  # 130, 143
 
 
