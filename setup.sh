@@ -134,6 +134,21 @@ find_python() {
   return 0
 }
 
+# "PATH (Python X.Y)" for each version 3.14 or newer with the venv module (the first found of each: PATH, then
+# pyenv's folder), one a line: find_python leaves them out (the lock is tested on 3.11 to 3.13); PYTHON= may name one.
+newer_pythons() {
+  local c v root=${PYENV_ROOT:-$HOME/.pyenv} seen=" "
+  command -v pyenv >/dev/null 2>&1 && root=$(pyenv root)
+  for c in $(compgen -c python3 | grep -E '^python3(\.[0-9]+)?$' | sort -u) "$root"/versions/3.*/bin/python3; do
+    c=$(command -v "$c" 2>/dev/null) || continue
+    v=$(py_version "$c")
+    case "$seen" in *" $v "*) continue ;; esac
+    seen="$seen$v "
+    [ -n "$v" ] && [ "$(printf '%s\n3.14\n' "$v" | sort -V | head -1)" = 3.14 ] && echo "$c (Python $v)"
+  done
+  return 0
+}
+
 # make_venv PYTHON DIR VERSION: a new virtual environment in DIR. An old environment there is
 # replaced; anything else that is not empty is refused (no pyvenv.cfg): never delete someone's files.
 make_venv() {
@@ -332,6 +347,13 @@ else
     PY=$(find_python 3.12 3.13 3.11)
     if [ -z "$PY" ]; then
       echo "setup.sh: no Python 3.11, 3.12 or 3.13 with the venv module was found." >&2
+      newer=$(newer_pythons)
+      if [ -n "$newer" ]; then
+        echo "  Newer than Tessera is tested with (its lock is tested on 3.11 to 3.13), found:" >&2
+        echo "$newer" | sed 's/^/    /' >&2
+        first=${newer%%$'\n'*}
+        echo "  To try one anyway: bash setup.sh PYTHON=${first% (Python *}" >&2
+      fi
       echo "  Install Python 3.12 (e.g. 'pyenv install 3.12', 'apt install python3.12-venv' or python.org)" >&2
       echo "  and re-run, or point to one: bash setup.sh PYTHON=/path/to/python3.12" >&2
       exit 1

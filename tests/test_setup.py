@@ -134,6 +134,23 @@ def test_a_python_without_venv_on_path_gets_the_message_not_a_silent_exit(tmp_pa
     assert not (tmp_path / "venv").exists()
 
 
+def test_only_newer_pythons_are_named_with_the_command_that_uses_one_anyway(tmp_path):
+    """A machine with only a Python newer than the lock is tested on was told that it had none."""
+    tools = tools_dir(tmp_path)
+    py314 = stub_python(tools, "3.14", "python3")
+    (tools / "python3.14").symlink_to(py314)  # the same version under two names: named once
+    py315 = stub_python(tmp_path / ".pyenv" / "versions" / "3.15.0" / "bin", "3.15", "python3")
+    stub_python(tmp_path / ".pyenv" / "versions" / "3.10.4" / "bin", "3.10", "python3")  # too old for PYTHON=
+    proc = run_setup(f"VENV={tmp_path / 'venv'}", env={"PATH": str(tools), "HOME": str(tmp_path)})
+    assert proc.returncode == 1 and not (tmp_path / "venv").exists()
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "setup.sh: no Python 3.11, 3.12 or 3.13 with the venv module was found."
+    assert lines[1:5] == ["  Newer than Tessera is tested with (its lock is tested on 3.11 to 3.13), found:",
+                          f"    {tools / 'python3'} (Python 3.14)", f"    {py315} (Python 3.15)",
+                          f"  To try one anyway: bash setup.sh PYTHON={tools / 'python3'}"]
+    assert "3.10" not in proc.stderr and "PYTHON=/path/to/python3.12" in lines[-1]
+
+
 def test_pyenv_pythons_are_found_without_pyenv_on_path(tmp_path):
     tools = tools_dir(tmp_path)
     stub_python(tools, "3.11", "python3")
@@ -353,7 +370,8 @@ def test_every_documented_setup_command_is_accepted_and_does_what_it_says(tmp_pa
     for args in sorted(commands):
         if "lock" in args:
             continue  # rewrites locks/ with uv from PyPI: a maintainer's command
-        if "PYTHON=/path/to/python3.12" in args:  # the placeholder of the no-Python message
+        # the placeholder of the no-Python message, or the newer Python it found (a shell variable in setup.sh)
+        if "PYTHON=/path/to/python3.12" in args or any(a.startswith("PYTHON=$") for a in args):
             args = tuple(f"PYTHON={stub_python(tmp_path / 'py', '3.12')}" if a.startswith("PYTHON=") else a
                          for a in args)
         venv, hf_venv = tmp_path / "venv", tmp_path / "hf"
