@@ -297,6 +297,33 @@ def test_a_checkpoint_dir_that_is_a_step_or_run_folder_is_refused(tmp_path, give
     assert sorted(p.name for p in step.iterdir()) == ["state"] and not (tmp_path / "test").exists()
 
 
+@pytest.mark.parametrize("given", ["other/checkpoints/4", "other/checkpoints/4/state/runs", "other/checkpoints"])
+def test_a_run_inside_another_runs_step_folder_is_refused(tmp_path, monkeypatch, given):
+    """base_output_directory at a step folder (meant as a load path) or inside one trained there: the other
+    run's max_num_checkpoints_to_keep then deleted that step folder, and this run's folder with it."""
+    monkeypatch.chdir(tmp_path)  # a relative path, as typed
+    step = tmp_path / "other" / "checkpoints" / "4"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "_METADATA").write_text("{}")
+    cfg = tiny_config(steps=1, enable_checkpointing=False, enable_tensorboard=False, base_output_directory=given,
+                      run_name="test")
+    if given == "other/checkpoints":  # beside the step folders, not in one: their run's cleanup leaves such a folder be
+        run(cfg, jax.devices()[:1])
+        assert (step.parent / "test" / "report.json").is_file() and sorted(p.name for p in step.iterdir()) == ["state"]
+        return
+    with pytest.raises(ConfigError) as e:
+        run(cfg, jax.devices()[:1])
+    where = "a step folder" if given.endswith("4") else f"in the step folder {step}"
+    assert str(e.value) == (
+        f"base_output_directory={tmp_path / given} is {where}, another run's checkpoint: when that run keeps only its "
+        "newest checkpoints (max_num_checkpoints_to_keep) it deletes "
+        f"the folder, and this run's files with it. To start from that step, use load_full_state_path={step} (or "
+        f"load_parameters_path={step} for its parameters alone); give base_output_directory a folder outside it "
+        f"(such as {tmp_path})")
+    assert sorted(p.name for p in step.iterdir()) == ["state"] and sorted(p.name for p in (step / "state").iterdir()) \
+        == ["_METADATA"]
+
+
 @pytest.mark.parametrize("key", ["base_output_directory", "checkpoint_dir"])
 def test_an_output_folder_that_is_a_dangling_link_names_the_link(tmp_path, key):
     """A dangling symbolic link as the output folder (a mount not there, a moved disk) was refused with

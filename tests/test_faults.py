@@ -258,7 +258,8 @@ def test_a_full_disk_at_the_start_is_one_line_before_compiling(small_disk):
     a disk that fills up between the check and config.yml gets the same message, not a traceback."""
     from conftest import tiny_config
     from tessera.config import ConfigError
-    from tessera.run_folder import LOCK_FILE, RunFolderLock, check_output_folders, create_run_folder
+    from tessera.output_folders import check_output_folders
+    from tessera.run_folder import LOCK_FILE, RunFolderLock, create_run_folder
 
     with open(small_disk / "filler", "wb") as f, pytest.raises(OSError):
         while True:

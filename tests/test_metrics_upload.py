@@ -290,7 +290,7 @@ def test_an_upload_folder_of_a_scheme_without_a_client_is_refused_before_trainin
     # (exit 1) in place of the report; now one line at start-up, and a warning if the writer meets one
     # (a file: URL is refused earlier still, when the config is built: it names the local path to write)
     from tessera.config import ConfigError
-    from tessera.run_folder import check_output_folders
+    from tessera.output_folders import check_output_folders
 
     with pytest.raises(ConfigError, match=r"base_output_directory=file://.*/runs is a file: URL"):
         tiny_config(base_output_directory=f"file://{tmp_path}/runs", run_name="r5", gcs_metrics=True)

@@ -832,7 +832,7 @@ def test_a_trace_that_cannot_be_written_is_a_warning_and_a_profile_file_is_refus
     rest of the run lost. Now the start refuses it (exit 2), and a trace that still cannot be
     written (a full disk) is a warning: the run trains on."""
     from tessera.loop_records import Profiler
-    from tessera.run_folder import check_output_folders
+    from tessera.output_folders import check_output_folders
 
     cfg = tiny_config(tmp_path, steps=3, profiler="xplane", skip_first_n_steps_for_profiler=0, profiler_steps=1)
     run_dir = tmp_path / "test"
@@ -1641,7 +1641,7 @@ def test_a_report_set_aside_at_a_step_already_set_aside_keeps_both(tmp_path):
 def test_a_metrics_file_that_is_a_file_the_run_writes_itself_is_refused(tmp_path, name):
     """metrics_file=<run folder>/report.json: the report replaced the records at the end; the lock file was
     removed with them; config.yml got them after the config. Each run ended with exit code 0 and no word."""
-    from tessera.run_folder import check_output_folders
+    from tessera.output_folders import check_output_folders
 
     given = tmp_path / "test" / "." / name  # the same file by another spelling
     cfg = tiny_config(tmp_path, metrics_file=str(given), enable_checkpointing=False)
@@ -1665,16 +1665,16 @@ def _refusing_to_open_for_writing(module, monkeypatch, path):
 def test_an_existing_metrics_file_that_cannot_be_written_is_refused_before_compiling(tmp_path, monkeypatch, given):
     """A read-only metrics file (another user's, a resumed run's own after a chmod): the writer opened it
     after compiling, a PermissionError traceback (exit code 1)."""
-    from tessera import run_folder
+    from tessera import output_folders
 
     path = tmp_path / ("mine.jsonl" if given else "test/metrics.jsonl")
     path.parent.mkdir(exist_ok=True)
     path.write_text('{"step": 1, "loss": 2.0}\n')
     cfg = tiny_config(tmp_path, enable_checkpointing=False, **({"metrics_file": str(path)} if given else {}))
-    _refusing_to_open_for_writing(run_folder, monkeypatch, path)
+    _refusing_to_open_for_writing(output_folders, monkeypatch, path)
     key, other = ("metrics_file", "metrics_file") if given else ("base_output_directory", "run_name")
     with pytest.raises(ConfigError) as e:
-        run_folder.check_output_folders(cfg, "")
+        output_folders.check_output_folders(cfg, "")
     assert str(e.value) == (f"the metrics file {path} (from {key}) cannot be written (Permission denied): the run "
                             f"appends each step's record to it; make it writable, or choose another {other}")
     _refusing_to_open_for_writing(metrics, monkeypatch, path)  # made read-only after the check: one line, exit 6
@@ -1686,7 +1686,7 @@ def test_an_existing_metrics_file_that_cannot_be_written_is_refused_before_compi
 def test_an_existing_tensorboard_folder_that_cannot_be_written_is_refused_before_compiling(tmp_path):
     """A resumed run's tensorboard/ that cannot be written: the writer's PermissionError traceback came
     after compiling (exit code 1)."""
-    from tessera.run_folder import check_output_folders
+    from tessera.output_folders import check_output_folders
 
     folder = tmp_path / "test" / "tensorboard"
     folder.mkdir(parents=True)

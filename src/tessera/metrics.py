@@ -183,7 +183,7 @@ class MetricsWriter:
         self._jsonl, self._tb = None, None
         self._metrics_file, self._tensorboard_dir = metrics_file, tensorboard_dir
         what = f"the metrics file {metrics_file}"
-        try:  # checked before compiling (run_folder.check_output_folders); a change since is one line too
+        try:  # checked before compiling (output_folders.check_output_folders); a change since is one line too
             if write_files:
                 metrics_file.parent.mkdir(parents=True, exist_ok=True)
                 _drop_cut_line(metrics_file)

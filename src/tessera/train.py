@@ -40,8 +40,8 @@ from tessera.memory_fit import (EXIT_OUT_OF_MEMORY, HostBuffers, OutOfMemory, ch
                                 out_of_memory, save_buffers, state_advice, state_shapes, step_advice)
 from tessera.mesh import sharding_report
 from tessera.platforms import check_platforms_start, run_settings_restored
-from tessera.run_folder import (RunFolderLock, check_output_folders, create_run_folder,
-                                refuse_unread_checkpoints, write_report)
+from tessera.output_folders import check_output_folders, refuse_unread_checkpoints
+from tessera.run_folder import RunFolderLock, create_run_folder, write_report
 from tessera.stop_signals import TerminatedOutsideLoop, TrainingStopped
 from tessera.start_state import (changes_since_save, initial_state, show_setting, state_source, unread_load_paths,
                                   warn_if_no_step_learns)
