@@ -118,11 +118,12 @@ def _refuse_run_inside_step(base: str) -> None:
     """ConfigError for a base_output_directory that is another run's step folder or lies in one (meant as
     a load path, most often): when that run keeps only its newest checkpoints (max_num_checkpoints_to_keep),
     or sets a damaged one aside, this run's folder goes with the step folder, checkpoints and all."""
-    step = _step_folder_holding(Path(base).absolute())
+    folder = Path(base).absolute()
+    step = _step_folder_holding(folder)
     if step is None:
         return
     outside = f" (such as {step.parents[2]})" if step.parent.name == "checkpoints" and len(step.parents) > 2 else ""
-    where = "a step folder" if step == Path(base).absolute() else f"in the step folder {step}"
+    where = "a step folder" if step == folder else f"in the step folder {step}"
     raise ConfigError(f"base_output_directory={base} is {where}, another run's checkpoint: when that run keeps only "
                       "its newest checkpoints (max_num_checkpoints_to_keep) it deletes the folder, and this run's files "
                       f"with it. To start from that step, use load_full_state_path={step} (or load_parameters_path="
