@@ -22,20 +22,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "src"))
 
-# The test workers (pytest-xdist's processes) run with mimalloc preloaded, as train.py's CPU runs do
-# (tessera.host_malloc; here with mimalloc's own settings). A fifth of the CPU time of XLA:CPU's
-# compiles went to glibc's malloc and free; under mimalloc test_model.py took 0.91x the time in one
-# process, test_optim.py 0.96x the CPU time. The main process puts it in the workers' LD_PRELOAD (`pytest_xdist_setupnodes`); each worker
-# gives the programs it starts (train.py and the others under test) the LD_PRELOAD the suite was started
-# with. TESSERA_HOST_MALLOC=system leaves the workers on glibc's allocator.
-_WORKERS_PRELOAD_VAR = "_TESSERA_TEST_WORKERS_PREVIOUS_LD_PRELOAD"
-if os.environ.get("PYTEST_XDIST_WORKER") and _WORKERS_PRELOAD_VAR in os.environ:
-    _previous_preload = os.environ.pop(_WORKERS_PRELOAD_VAR)
-    if _previous_preload:
-        os.environ["LD_PRELOAD"] = _previous_preload
-    else:
-        os.environ.pop("LD_PRELOAD", None)
-
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
@@ -235,23 +221,6 @@ def pytest_sessionstart(session):
         pytest.exit(f"only {free >> 20} MB free on the disk of {tmp}; the tests need about {NEEDS_FREE_BYTES >> 30} GB "
                     "there. Free some space (old pytest-of-* folders, for one) or set TMPDIR to another disk.",
                     returncode=4)
-
-
-def pytest_xdist_setupnodes(config, specs):
-    """Before pytest-xdist starts its workers (the main process runs no test then): mimalloc in their
-    LD_PRELOAD, on Linux with the cmeel-mimalloc wheel installed (see `_WORKERS_PRELOAD_VAR`)."""
-    from tessera import host_malloc
-
-    if sys.platform != "linux" or os.environ.get(host_malloc.CHOICE_VAR) == "system":
-        return
-    lib = host_malloc.library()
-    if lib is not None and not host_malloc._preloadable(lib):
-        lib = host_malloc._link_for_preload(lib)  # a clone under a path with a space
-    if lib is None:
-        return
-    previous = os.environ.get("LD_PRELOAD", "")
-    os.environ[_WORKERS_PRELOAD_VAR] = previous
-    os.environ["LD_PRELOAD"] = f"{lib}:{previous}" if previous else str(lib)
 
 
 # What one test worker may hold at its peak (8 fake devices, plus the runs some tests start).

@@ -183,18 +183,3 @@ def test_a_library_path_with_a_space_is_preloaded_through_a_link(tmp_path, monke
     assert " " not in link and Path(link).resolve() == lib.resolve() and why == f"preloading {link}"
     assert env["LD_PRELOAD"] == f"{link}:/opt/mine.so"
     assert plan({"JAX_PLATFORMS": "cpu"}, "linux")[0]["LD_PRELOAD"] == link  # the same link again
-
-
-@linux_only
-def test_the_test_workers_run_with_mimalloc_and_start_programs_with_the_suites_ld_preload():
-    """tests/conftest.py preloads mimalloc into pytest-xdist's workers (their compiles spent a fifth of
-    their CPU time in glibc's malloc and free); a program a test starts gets the LD_PRELOAD the suite was
-    started with, so train.py still restarts itself with mimalloc, and other programs run as for a user."""
-    probe = "import os; print(os.environ.get('LD_PRELOAD', '')); print('libmimalloc' in open('/proc/self/maps').read())"
-    preload, mapped = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                                     check=True).stdout.splitlines()
-    assert preload == os.environ.get("LD_PRELOAD", "") and "_TESSERA_TEST_WORKERS_PREVIOUS_LD_PRELOAD" not in os.environ
-    assert mapped == str("libmimalloc" in preload)
-    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("TESSERA_HOST_MALLOC") != "system" \
-            and host_malloc.library() is not None:
-        assert host_malloc.in_use() == "mimalloc"
