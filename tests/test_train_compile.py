@@ -424,7 +424,11 @@ def test_a_signal_while_compiling_stops_it_in_one_line(tmp_path, signum, code, t
 
     from conftest import REPO
 
-    args = [f"{k}={v}" for k, v in {**TINY, "base_output_directory": tmp_path, "run_name": "s"}.items()]
+    # 32 unrolled layers: a compile of about 30 s, not 2, so that the signal, sent when the line is read, finds
+    # it still running on a busy host (a CI run on a fast one read the line after the compile had ended)
+    keys = {**TINY, "base_num_decoder_layers": 32, "scan_layers": False, "base_output_directory": tmp_path,
+            "run_name": "s"}
+    args = [f"{k}={v}" for k, v in keys.items()]
     proc = subprocess.Popen([sys.executable, "-m", "tessera.train_compile", "configs/base.yml", "compile_topology=v5e-4",
                              *args], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(REPO / "src")})
