@@ -139,3 +139,23 @@ def test_convert_round_trip_with_relative_folders(demo, demo_tokens):
         assert subcommand == "hf-to-tessera" or "checksums of " in proc.stderr  # the checksums it verified
     assert (cwd / "demo-hf" / "config.json").is_file()
     assert _decode(cwd, "demo-tessera") == demo_tokens
+
+
+def test_the_test_command_ends_with_a_failure_when_a_worker_dies(tmp_path):
+    """The README's test command, with the project's pytest settings, over two files whose first test kills
+    its worker: the run ends, failed, naming that test, and that file is not run again by a replacement
+    worker (xdist's default replaced it; in full runs where XLA:CPU crashed a worker, the run then hung)."""
+    argv = doc_command("README.md", f"{PYTHON} -m pytest -q -n auto tests")
+    assert argv[-1] == "tests"
+    (tmp_path / "test_dies.py").write_text("import os, signal\n\ndef test_dies():\n"
+                                           "    os.kill(os.getpid(), signal.SIGKILL)\n\ndef test_after():\n    pass\n")
+    (tmp_path / "test_lives.py").write_text("def test_lives():\n    pass\n")
+    argv = [sys.executable if a == PYTHON else a for a in argv[:-1]]
+    proc = subprocess.run([*argv, "-n", "2", "-p", "no:cacheprovider", "-c", str(REPO / "pyproject.toml"),
+                           "--rootdir", str(tmp_path), str(tmp_path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    out = proc.stdout
+    assert proc.returncode == 1, out[-3000:]
+    assert out.count("crashed while running 'test_dies.py::test_dies'") == 1, out[-3000:]
+    assert "replacing crashed worker" not in out, out[-3000:]
+    assert "1 failed, 1 passed" in out, out[-3000:]
