@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import FAST_COMPILE, REPO, TINY, tiny_config
+from conftest import FAST_COMPILE, HELD_LINE, REPO, TINY, held_before, tiny_config
 from tessera.distributed import DistributedError, job_from_env
 from tessera.job_sync import wait_for_all
 from tessera.hang_watchdog import HangWatchdog
@@ -455,12 +455,12 @@ def test_sigterm_to_one_process_while_it_compiles_stops_the_job(tmp_path):
     end (exit 0 on both). Now the signalled process stops (143) and the other follows at once."""
     port = _free_port()
     other = _start(0, port, tmp_path)
-    proc = subprocess.Popen(_start_command(tmp_path), env=_start_env(1, port), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(held_before(_start_command(tmp_path), "compile_step"), env=_start_env(1, port),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stderr:
         seen.append(line)
-        if "parameters, global batch" in line:  # set up, about to compile
+        if HELD_LINE in line:  # set up, about to compile (held there)
             break
     proc.send_signal(signal.SIGTERM)
     _, rest = proc.communicate(timeout=120)
