@@ -239,35 +239,38 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(cores, room[0] // WORKER_BYTES if room else cores))
 
 
-# train.py held for up to a minute just before it calls a function of tessera.step (`setup`, which builds the
-# mesh, or `compile_step`), in a Python sleep, where a signal's handler runs at once. A test of a signal during
-# start-up sends it once HELD_LINE is out: from the config line to the first step took under 2 s on a fast
-# host, and a test process that read its line 2.5 s late (a CI run: train_compile's own test) signalled a
-# process that had finished. Run as `python -c HOLD ...`, then train.py's arguments; train.py's restart with
-# mimalloc runs it again (sys.orig_argv).
-HELD_LINE = "held by a test before tessera.step."
+# An entry script (train.py, decode.py) held for up to a minute just before it calls a function of Tessera's
+# (tessera.step.setup, which builds the mesh; tessera.step.compile_step; tessera.generation.generate), in a
+# Python sleep, where a signal's handler runs at once. A test of a signal during start-up sends it once
+# HELD_LINE is out: from the config line to the first step took under 2 s on a fast host, and a test process
+# that read its line 2.5 s late (a CI run: train_compile's own test) signalled a process that had finished.
+# Run as `python -c HOLD ...`, then the script and its arguments; train.py's restart with mimalloc runs it
+# again (sys.orig_argv). The function is replaced before the script imports it by name.
+HELD_LINE = "held by a test before "
 _HOLD = """
-import runpy, sys, time
+import importlib, runpy, sys, time
 sys.path.insert(0, {src!r})
-import tessera.step
-function = getattr(tessera.step, {at!r})
+module = importlib.import_module({module!r})
+function = getattr(module, {name!r})
 def held(*args, **kwargs):
     print({line!r}, file=sys.stderr, flush=True)
     time.sleep(60)
     return function(*args, **kwargs)
-setattr(tessera.step, {at!r}, held)
+setattr(module, {name!r}, held)
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
 def held_before(cmd: list[str], at: str) -> list[str]:
-    """`cmd` (Python, then train.py and its arguments) held before it calls tessera.step's function `at`:
-    it prints HELD_LINE and the function's name, then waits."""
-    import tessera.step
+    """`cmd` (Python, then an entry script and its arguments) held before it calls the function `at`
+    ("tessera.step.setup"): it prints HELD_LINE and `at`, then waits."""
+    import importlib
 
-    assert callable(getattr(tessera.step, at))
-    return [cmd[0], "-c", _HOLD.format(src=str(REPO / "src"), at=at, line=HELD_LINE + at), *cmd[1:]]
+    module, name = at.rsplit(".", 1)
+    assert callable(getattr(importlib.import_module(module), name)), at
+    return [cmd[0], "-c", _HOLD.format(src=str(REPO / "src"), module=module, name=name, line=HELD_LINE + at),
+            *cmd[1:]]
 
 
 def sigterm_after_line(cmd, marker: str, **popen) -> tuple[int, str]:

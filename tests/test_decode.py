@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import FAST_COMPILE, REPO, TINY, sigterm_after_line, tiny_config
+from conftest import FAST_COMPILE, HELD_LINE, REPO, TINY, held_before, sigterm_after_line, tiny_config
 from tessera.checkpointing import Checkpointer
 from tessera.config import build_config, flat_dict
 from tessera.decode import generate, main, sample
@@ -680,11 +680,11 @@ def test_two_processes_decode_what_one_does_and_print_it_once(llama, checkpoint)
 
 def test_sigterm_stops_decoding_with_one_line_and_exit_143(checkpoint):
     path, _ = checkpoint
-    long = [a for a in CONFIG_ARGS if not a.startswith("max_target_length=")] + ["max_target_length=2048"]
-    cmd = [sys.executable, str(REPO / "decode.py"), *long, f"load_parameters_path={path}",
-           "--tokens", ",".join(map(str, PROMPTS[0])), "--max_new_tokens", "2000"]
-    # parameters loaded: the handler is in place, generation has not finished
-    code, err = sigterm_after_line(cmd, "loaded parameters from")
+    cmd = [sys.executable, str(REPO / "decode.py"), *CONFIG_ARGS, f"load_parameters_path={path}",
+           "--tokens", ",".join(map(str, PROMPTS[0])), "--max_new_tokens", "4"]
+    # parameters loaded, the handler in place; held before generating (2,000 tokens were once the margin)
+    code, err = sigterm_after_line(held_before(cmd, "tessera.generation.generate"), HELD_LINE)
+    assert "loaded parameters from" in err
     assert code == 143, err[-3000:]
     assert "stopped by SIGTERM (exit code 143)" in err and "Traceback" not in err
 

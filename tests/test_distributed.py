@@ -455,7 +455,7 @@ def test_sigterm_to_one_process_while_it_compiles_stops_the_job(tmp_path):
     end (exit 0 on both). Now the signalled process stops (143) and the other follows at once."""
     port = _free_port()
     other = _start(0, port, tmp_path)
-    proc = subprocess.Popen(held_before(_start_command(tmp_path), "compile_step"), env=_start_env(1, port),
+    proc = subprocess.Popen(held_before(_start_command(tmp_path), "tessera.step.compile_step"), env=_start_env(1, port),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     for line in proc.stderr:

@@ -380,7 +380,7 @@ def test_ctrl_c_saves_the_step_and_exits_130(tmp_path):
 def test_sigterm_before_the_first_step_is_one_line_and_exit_143(tmp_path):
     # after the config line, before the mesh, the state and the compile (held there: HELD_LINE)
     code, err = sigterm_after_line(held_before([*TRAIN, "run_name=sub", f"base_output_directory={tmp_path}", "steps=3"],
-                                               "setup"), HELD_LINE)
+                                               "tessera.step.setup"), HELD_LINE)
     assert code == 143, err[-3000:]
     _no_echoes(err)
     assert "stopped by SIGTERM outside the training loop: no new checkpoint (exit code 143)" in err
