@@ -19,6 +19,9 @@ if __name__ == "__main__":
     # a Ctrl-C inside an import is one line, after the imports; so is a package this Python lacks
     with ctrl_c_held_while_starting(), packages_installed("decode.py"):
         use_cpu_on_hosts_without_accelerators()
+        from tessera.decode_args import exit_if_arguments_fail
+
+        exit_if_arguments_fail(sys.argv[1:])  # --help, a bad flag or config: one line, before JAX's import
         importlib.import_module("jax")  # here, where a Ctrl-C waits for the import (decode imports it later)
         from tessera.decode import main
 

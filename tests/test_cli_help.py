@@ -75,6 +75,30 @@ def test_a_config_error_ends_train_py_before_jax_is_imported(capsys):
     assert said[1].startswith("config error: unknown config key 'learning_rat' in the command line; did you mean")
 
 
+@pytest.mark.parametrize("args", [
+    ["configs/base.yml", "steps=5", "steps=6", "learnin_rate=0.1", "--tokens", "1,2"],  # a config key: a note, then it
+    ["configs/base.yml", "--tokens", "1,2", "--max-new-tokens", "5"],  # a flag
+    ["nowhere.yml", "--tokens", "1,2"],  # the config file
+])
+def test_an_argument_error_ends_decode_py_before_jax_is_imported(capsys, args):
+    """The same lines and exit code as decode's main, without the 2 s that importing JAX and Tessera's
+    model code took first."""
+    from tessera.decode import main
+
+    proc = _run(["-X", "importtime", "decode.py", *args])
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert proc.returncode == 2 and "jax" not in imported and "tessera.decode" not in imported, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
+    if "--max-new-tokens" in args:  # argparse's exit
+        with pytest.raises(SystemExit) as exit_:
+            main(args)
+        assert exit_.value.code == 2
+    else:
+        assert main(args) == 2
+    assert _untimed(said) == _untimed(capsys.readouterr().err.splitlines()) and said, said
+    assert "error: " in said[-1] and "Traceback" not in proc.stderr
+
+
 def test_train_main_answers_help_first(capsys):
     from tessera.train import main
 
