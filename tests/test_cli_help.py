@@ -99,6 +99,24 @@ def test_an_argument_error_ends_decode_py_before_jax_is_imported(capsys, args):
     assert "error: " in said[-1] and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("args, error", [
+    (["configs/base.yml", "compile_topology=v5e-4", "learnin_rate=1"], "config error: unknown config key"),
+    (["configs/base.yml", "compile_topology=v9-4"], "config error: compile_topology='v9-4' is not a TPU slice type"),
+    (["configs/base.yml"], "config error: compile_topology is empty"),  # 5 s, after JAX had started, for these two
+    (["nowhere.yml", "compile_topology=v5e-4"], "error: config file "),
+])
+def test_a_config_error_ends_train_compile_before_jax_is_imported(capsys, args, error):
+    from tessera.train_compile import main
+
+    proc = _run(["-X", "importtime", "-m", "tessera.train_compile", *args])
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    assert proc.returncode == 2 and "jax" not in imported, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
+    assert said[-1].startswith(error) and "Traceback" not in proc.stderr, said
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == said[-1]
+
+
 def test_train_main_answers_help_first(capsys):
     from tessera.train import main
 

@@ -139,15 +139,20 @@ def save_compiled(compiled, path: str) -> None:
     log.info("compiled step saved to %s (%.1f MiB)", target, target.stat().st_size / 2**20)
 
 
+def compile_slice(cfg: Config) -> TpuSlice:
+    """The TPU slice compile_topology names; ConfigError when it is empty or names none."""
+    if not cfg.compile.compile_topology:
+        raise ConfigError("compile_topology is empty; name the TPU slice to compile for, e.g. compile_topology=v5p-256")
+    return tpu_slice(cfg.compile.compile_topology)
+
+
 def compile_for_topology(cfg: Config) -> CompileReport:
     """AOT-compile the train step of `cfg` for cfg.compile.compile_topology; nothing is allocated."""
     from tessera.mesh import sharding_report
     from tessera.step import compile_step, setup
 
     c = cfg.compile
-    if not c.compile_topology:
-        raise ConfigError("compile_topology is empty; name the TPU slice to compile for, e.g. compile_topology=v5p-256")
-    topology = tpu_slice(c.compile_topology)
+    topology = compile_slice(cfg)
     devices = topology_devices(topology, c.compile_topology_num_slices)
     trainer = setup(cfg, devices)
     _, warnings = sharding_report(trainer.mesh, trainer.state_shardings["params"], trainer.model.param_shapes(),
@@ -274,7 +279,14 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, datefmt=LOG_TIME)
     logging.getLogger("jax").setLevel(logging.WARNING)
     from tessera.platforms import run_settings_restored
+    from tessera.tools.cli import config_loads
 
+    try:
+        loads = config_loads(resolve_config_file(argv), check=compile_slice)
+    except UsageError:  # a config file that is not there: said by _main
+        loads = False
+    if not loads:  # said before JAX is imported (run_settings_restored imports it: about a second)
+        return _main(argv)
     with run_settings_restored():  # dump_hlo's and libtpu's settings end with the compile (a notebook goes on)
         return _main(argv)
 
@@ -282,6 +294,7 @@ def main(argv: list[str]) -> int:
 def _main(argv: list[str]) -> int:
     try:
         cfg = load_config(resolve_config_file(argv))
+        compile_slice(cfg)  # a mistyped slice is said before JAX starts (it took 5 s to get here)
         if not cfg.run.run_name:
             cfg.run.run_name = time.strftime("compile_%Y%m%d_%H%M%S")
         from tessera.xla_dump import apply_hlo_dump  # before the backends start: they read XLA_FLAGS then

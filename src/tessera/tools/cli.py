@@ -130,21 +130,10 @@ def exit_if_config_error(argv: Sequence[str]) -> None:
     fraction of a second instead of the seconds those imports take. The config is read quietly first;
     only when it fails is it read again with the command's logging (its notes, then the error). A config
     that loads is read again by `main`, which logs its notes once."""
-    import logging
-
     from tessera.config import ConfigError, load_config
 
-    before = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        load_config(list(argv))
+    if config_loads(argv):
         return
-    except ConfigError:
-        pass
-    except Exception:  # noqa: BLE001 - a bug of ours: `main` reports it as it reports every other
-        return
-    finally:
-        logging.disable(before)
     exit_if_ctrl_c_was_held()  # a Ctrl-C held while starting wins, as it did before the config was read
     with command_logging():
         try:
@@ -152,6 +141,29 @@ def exit_if_config_error(argv: Sequence[str]) -> None:
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
+
+
+def config_loads(argv: Sequence[str], check=None) -> bool:
+    """False when `load_config(argv)`, or `check` of the config it returns, raises a ConfigError; read
+    with logging off (a config that loads is read again for use, and logs its notes then). Another
+    exception is a bug of ours, which the command reports where it reads the config for use: True here."""
+    import logging
+
+    from tessera.config import ConfigError, load_config
+
+    before = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        cfg = load_config(list(argv))
+        if check is not None:
+            check(cfg)
+    except ConfigError:
+        return False
+    except Exception:  # noqa: BLE001
+        return True
+    finally:
+        logging.disable(before)
+    return True
 
 
 EXIT_NOT_INSTALLED = 1  # this Python lacks a package Tessera needs (Python's own code for an ImportError)
