@@ -79,6 +79,7 @@ def test_a_config_error_ends_train_py_before_jax_is_imported(capsys):
     ["configs/base.yml", "steps=5", "steps=6", "learnin_rate=0.1", "--tokens", "1,2"],  # a config key: a note, then it
     ["configs/base.yml", "--tokens", "1,2", "--max-new-tokens", "5"],  # a flag
     ["nowhere.yml", "--tokens", "1,2"],  # the config file
+    ["configs/base.yml", "--tokens", "1,2"],  # no load_parameters_path
 ])
 def test_an_argument_error_ends_decode_py_before_jax_is_imported(capsys, args):
     """The same lines and exit code as decode's main, without the 2 s that importing JAX and Tessera's

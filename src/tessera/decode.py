@@ -43,7 +43,7 @@ from tessera.generation import (  # noqa: F401 - the library half, re-exported: 
     NonFiniteLogits, batch_rows, batch_ways, cache_abstract, cache_shape, empty_cache, generate, kv_cache_bytes,
     prefill_program, prompt_width, sample,
 )
-from tessera.decode_args import encode_prompts, parse_args, stop_tokens
+from tessera.decode_args import check_parameters_named, encode_prompts, parse_args, stop_tokens
 from tessera.decode_memory import check_memory
 from tessera.platforms import run_settings_restored
 from tessera.tools.cli import UsageError, command_logging, resolve_config_file
@@ -219,12 +219,7 @@ def decode(cfg: Config, flags: argparse.Namespace, out=None) -> list[list[int]]:
     from tessera.cpu_miscompile import check_cpu_mesh
     from tessera.mesh import create_mesh
 
-    if not cfg.checkpoint.load_parameters_path and cfg.checkpoint.load_full_state_path:
-        raise ConfigError(f"decoding reads parameters from load_parameters_path, not load_full_state_path (training's "
-                          f"resume): give load_parameters_path={cfg.checkpoint.load_full_state_path}")
-    if not cfg.checkpoint.load_parameters_path:
-        raise ConfigError("decoding needs load_parameters_path=<checkpoint step folder> (e.g. "
-                          "outputs/demo/checkpoints/100) and the model keys it was trained with")
+    check_parameters_named(cfg)
     tokenizer, prompts = encode_prompts(cfg, flags)
     for stop in flags.eos_id or []:  # a second --eos_id replaced the first without a word: now both stop a row
         if stop >= cfg.model.vocab_size:

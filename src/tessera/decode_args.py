@@ -62,11 +62,21 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return flags, rest
 
 
+def check_parameters_named(cfg: Config) -> None:
+    """ConfigError unless load_parameters_path names the parameters to decode with."""
+    if not cfg.checkpoint.load_parameters_path and cfg.checkpoint.load_full_state_path:
+        raise ConfigError(f"decoding reads parameters from load_parameters_path, not load_full_state_path (training's "
+                          f"resume): give load_parameters_path={cfg.checkpoint.load_full_state_path}")
+    if not cfg.checkpoint.load_parameters_path:
+        raise ConfigError("decoding needs load_parameters_path=<checkpoint step folder> (e.g. "
+                          "outputs/demo/checkpoints/100) and the model keys it was trained with")
+
+
 def exit_if_arguments_fail(argv: list[str]) -> None:
-    """What decode.py checks before it imports JAX (about 2 s): --help, a bad flag and a config that
-    does not load end there, with the same lines and exit codes as when `tessera.decode.main` finds
-    them (argparse's one line, `error: ...` for a missing config file, `config error: ...`; exit code 2),
-    in a fraction of a second."""
+    """What decode.py checks before it imports JAX (about 2 s): --help, a bad flag, a missing config
+    file, a config that does not load and one without load_parameters_path end there, with the lines
+    and exit code `tessera.decode.main` gives them (argparse's one line, `error: ...`, `config error:
+    ...`; exit code 2), in a fraction of a second."""
     import sys
 
     from tessera.tools.cli import EXIT_USER_ERROR, UsageError, exit_if_config_error, resolve_config_file
@@ -77,7 +87,7 @@ def exit_if_arguments_fail(argv: list[str]) -> None:
     except UsageError as e:  # a config file that is not there
         print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)
-    exit_if_config_error(resolved)
+    exit_if_config_error(resolved, check=check_parameters_named)
 
 
 def _parser() -> argparse.ArgumentParser:

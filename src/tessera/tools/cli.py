@@ -124,20 +124,23 @@ def prepare_training_process(argv: Sequence[str]) -> None:
 EXIT_USER_ERROR = 2  # train.py's exit code for a bad input (a config, data or checkpoint error)
 
 
-def exit_if_config_error(argv: Sequence[str]) -> None:
+def exit_if_config_error(argv: Sequence[str], check=None) -> None:
     """A config that does not load ends `train.py` before it imports JAX, Flax and Orbax: the same log
     lines, the same `config error: ...` line and exit code as when `tessera.train.main` reads it, in a
     fraction of a second instead of the seconds those imports take. The config is read quietly first;
     only when it fails is it read again with the command's logging (its notes, then the error). A config
-    that loads is read again by `main`, which logs its notes once."""
+    that loads is read again by `main`, which logs its notes once. `check` (of the loaded config, raising
+    a ConfigError) is a command's own condition on it, checked the same way."""
     from tessera.config import ConfigError, load_config
 
-    if config_loads(argv):
+    if config_loads(argv, check):
         return
     exit_if_ctrl_c_was_held()  # a Ctrl-C held while starting wins, as it did before the config was read
     with command_logging():
         try:
-            load_config(list(argv))
+            cfg = load_config(list(argv))
+            if check is not None:
+                check(cfg)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
