@@ -50,7 +50,7 @@ def test_ctrl_c_while_starting_is_one_line_and_exit_130(tmp_path, script, when, 
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(WRAPPER)
     args = ([str(REPO / "configs" / "base.yml"), "run_name=r", "steps=1"] if script == "train.py" else
-            [str(REPO / "configs" / "base.yml"), "--tokens", "1,2"])
+            [str(REPO / "configs" / "base.yml"), "load_parameters_path=outputs/r/checkpoints/1", "--tokens", "1,2"])
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     env.update(CTRL_C_AT=when, TESSERA_HOST_MALLOC=malloc, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(wrapper), str(REPO / script), *args], capture_output=True,
@@ -71,7 +71,7 @@ def test_sigterm_while_starting_is_one_line_and_exit_143(tmp_path, script, when,
     wrapper = tmp_path / "wrapper.py"
     wrapper.write_text(WRAPPER)
     args = ([str(REPO / "configs" / "base.yml"), "run_name=r", "steps=1"] if script == "train.py" else
-            [str(REPO / "configs" / "base.yml"), "--tokens", "1,2"])
+            [str(REPO / "configs" / "base.yml"), "load_parameters_path=outputs/r/checkpoints/1", "--tokens", "1,2"])
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
     env.update(CTRL_C_AT=when, SIGNAL="SIGTERM", TESSERA_HOST_MALLOC=malloc, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, str(wrapper), str(REPO / script), *args], capture_output=True,
