@@ -35,6 +35,13 @@ ENTRY_POINTS = {
 DOCUMENTS = re.compile(r"(?:getting_started/[\w.-]+\.md|configs/base\.yml|README\.md)")
 
 
+def _imports_and_lines(stderr: str) -> tuple[set[str], list[str]]:
+    """A `python -X importtime` run's stderr: (the modules it imported, its other lines)."""
+    lines = stderr.splitlines()
+    return ({line.rsplit("|", 1)[-1].strip() for line in lines if line.startswith("import time")},
+            [line for line in lines if not line.startswith("import time")])
+
+
 def _run(args, cwd=REPO, **env):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), **env}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=120)
@@ -50,7 +57,7 @@ def test_help_without_jax(name, flag):
     assert named, f"{name} --help names no guide or configs/base.yml"
     for document in named:
         assert (REPO / document).is_file(), document
-    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    imported, _ = _imports_and_lines(proc.stderr)
     assert "jax" not in imported, f"{name} {flag} imported JAX"
 
 
@@ -65,9 +72,8 @@ def test_a_config_error_ends_train_py_before_jax_is_imported(capsys):
 
     argv = ["configs/base.yml", "steps=5", "steps=6", "learning_rat=0.1"]
     proc = _run(["-X", "importtime", "train.py", *argv])
-    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    imported, said = _imports_and_lines(proc.stderr)
     assert proc.returncode == 2 and "jax" not in imported and "tessera.train" not in imported
-    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
     assert main(argv) == 2
     in_process = capsys.readouterr().err.splitlines()
     assert _untimed(said) == _untimed(in_process) and len(said) == 2
@@ -87,9 +93,8 @@ def test_an_argument_error_ends_decode_py_before_jax_is_imported(capsys, args):
     from tessera.decode import main
 
     proc = _run(["-X", "importtime", "decode.py", *args])
-    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    imported, said = _imports_and_lines(proc.stderr)
     assert proc.returncode == 2 and "jax" not in imported and "tessera.decode" not in imported, proc.stderr[-2000:]
-    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
     if "--max-new-tokens" in args:  # argparse's exit
         with pytest.raises(SystemExit) as exit_:
             main(args)
@@ -110,9 +115,8 @@ def test_a_config_error_ends_train_compile_before_jax_is_imported(capsys, args, 
     from tessera.train_compile import main
 
     proc = _run(["-X", "importtime", "-m", "tessera.train_compile", *args])
-    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time")}
+    imported, said = _imports_and_lines(proc.stderr)
     assert proc.returncode == 2 and "jax" not in imported, proc.stderr[-2000:]
-    said = [line for line in proc.stderr.splitlines() if not line.startswith("import time")]
     assert said[-1].startswith(error) and "Traceback" not in proc.stderr, said
     assert main(args) == 2
     assert capsys.readouterr().err.splitlines()[-1] == said[-1]

@@ -142,8 +142,8 @@ def test_convert_round_trip_with_relative_folders(demo, demo_tokens):
 
 
 def test_the_test_command_ends_with_a_failure_when_a_worker_dies(tmp_path):
-    """The README's test command, with the project's pytest settings, over two files whose first test kills
-    its worker: the run ends, failed, naming that test, and that file is not run again by a replacement
+    """The README's test command, with the project's pytest settings, over two files, the first test of one
+    killing its worker: the run ends, failed, naming that test, and that file is not run again by a replacement
     worker (xdist's default replaced it; in full runs where XLA:CPU crashed a worker, the run then hung)."""
     argv = doc_command("README.md", f"{PYTHON} -m pytest -q -n auto tests")
     assert argv[-1] == "tests"

@@ -131,16 +131,14 @@ def exit_if_config_error(argv: Sequence[str], check=None) -> None:
     only when it fails is it read again with the command's logging (its notes, then the error). A config
     that loads is read again by `main`, which logs its notes once. `check` (of the loaded config, raising
     a ConfigError) is a command's own condition on it, checked the same way."""
-    from tessera.config import ConfigError, load_config
+    from tessera.config import ConfigError
 
     if config_loads(argv, check):
         return
     exit_if_ctrl_c_was_held()  # a Ctrl-C held while starting wins, as it did before the config was read
     with command_logging():
         try:
-            cfg = load_config(list(argv))
-            if check is not None:
-                check(cfg)
+            _load_and_check(argv, check)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
@@ -152,14 +150,12 @@ def config_loads(argv: Sequence[str], check=None) -> bool:
     exception is a bug of ours, which the command reports where it reads the config for use: True here."""
     import logging
 
-    from tessera.config import ConfigError, load_config
+    from tessera.config import ConfigError
 
     before = logging.root.manager.disable
     logging.disable(logging.CRITICAL)
     try:
-        cfg = load_config(list(argv))
-        if check is not None:
-            check(cfg)
+        _load_and_check(argv, check)
     except ConfigError:
         return False
     except Exception:  # noqa: BLE001
@@ -167,6 +163,14 @@ def config_loads(argv: Sequence[str], check=None) -> bool:
     finally:
         logging.disable(before)
     return True
+
+
+def _load_and_check(argv: Sequence[str], check) -> None:
+    from tessera.config import load_config
+
+    cfg = load_config(list(argv))
+    if check is not None:
+        check(cfg)
 
 
 EXIT_NOT_INSTALLED = 1  # this Python lacks a package Tessera needs (Python's own code for an ImportError)
