@@ -245,16 +245,18 @@ def pytest_xdist_auto_num_workers(config):
 # HELD_LINE is out: from the config line to the first step took under 2 s on a fast host, and a test process
 # that read its line 2.5 s late (a CI run: train_compile's own test) signalled a process that had finished.
 # Run as `python -c HOLD ...`, then the script and its arguments; train.py's restart with mimalloc runs it
-# again (sys.orig_argv). The function is replaced before the script imports it by name.
+# again (sys.orig_argv). The function is replaced before the script imports it by name. With `when`, only
+# the calls made while that file exists are held (a test creates it at the moment it wants the next one held).
 HELD_LINE = "held by a test before "
 _HOLD = """
-import importlib, runpy, sys, time
+import importlib, os, runpy, sys, time
 sys.path.insert(0, {src!r})
 module = importlib.import_module({module!r})
 function = getattr(module, {name!r})
 def held(*args, **kwargs):
-    print({line!r}, file=sys.stderr, flush=True)
-    time.sleep(60)
+    if {when!r} is None or os.path.exists({when!r}):
+        print({line!r}, file=sys.stderr, flush=True)
+        time.sleep(60)
     return function(*args, **kwargs)
 setattr(module, {name!r}, held)
 sys.argv = sys.argv[1:]
@@ -262,15 +264,16 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def held_before(cmd: list[str], at: str) -> list[str]:
+def held_before(cmd: list[str], at: str, when: Path | None = None) -> list[str]:
     """`cmd` (Python, then an entry script and its arguments) held before it calls the function `at`
-    ("tessera.step.setup"): it prints HELD_LINE and `at`, then waits."""
+    ("tessera.step.setup"): it prints HELD_LINE and `at`, then waits. With `when`, only calls made
+    while that file exists are held (on whichever thread makes them)."""
     import importlib
 
     module, name = at.rsplit(".", 1)
     assert callable(getattr(importlib.import_module(module), name)), at
-    return [cmd[0], "-c", _HOLD.format(src=str(REPO / "src"), module=module, name=name, line=HELD_LINE + at),
-            *cmd[1:]]
+    return [cmd[0], "-c", _HOLD.format(src=str(REPO / "src"), module=module, name=name, line=HELD_LINE + at,
+                                       when=None if when is None else str(Path(when).resolve())), *cmd[1:]]
 
 
 def sigterm_after_line(cmd, marker: str, **popen) -> tuple[int, str]:

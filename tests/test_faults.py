@@ -15,7 +15,6 @@ from conftest import HELD_LINE, held_before, sigterm_after_line
 from test_checkpointing import TRAIN, _losses, _train, _wait_for, two_steps  # noqa: F401 (a fixture)
 
 ECHOES = ("Traceback", "Exception ignored", "never retrieved", "Task was destroyed")
-BIG = ["base_emb_dim=512", "base_mlp_dim=2048", "vocab_size=8192"]  # ~170 MB saves: slow enough to catch
 
 
 def _no_echoes(stderr: str) -> None:
@@ -354,9 +353,11 @@ def test_a_full_disk_names_the_older_checkpoints_that_may_be_deleted(small_disk)
     ckpt.close()
 
 
-def _start_and_wait_for_steps(out: Path, *args, steps=3):
-    proc = subprocess.Popen([*TRAIN, "run_name=sub", f"base_output_directory={out}", "per_device_batch_size=1",
-                             "max_target_length=16", "base_num_decoder_layers=2", "steps=100000", *args],
+def _start_and_wait_for_steps(out: Path, *args, steps=3, hold: tuple[str, Path] | None = None):
+    """train.py saving to `out`/sub, once `steps` steps are in its metrics; `hold`: (function, file), held_before's."""
+    cmd = [*TRAIN, "run_name=sub", f"base_output_directory={out}", "per_device_batch_size=1",
+           "max_target_length=16", "base_num_decoder_layers=2", "steps=100000", *args]
+    proc = subprocess.Popen(held_before(cmd, hold[0], when=hold[1]) if hold else cmd,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = out / "sub" / "metrics.jsonl"
     assert _wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= steps, 240, 0.05)
@@ -389,22 +390,33 @@ def test_sigterm_before_the_first_step_is_one_line_and_exit_143(tmp_path):
 
 @pytest.mark.slow
 def test_second_ctrl_c_stops_now_and_never_loads_a_half_written_save(tmp_path):
-    proc = _start_and_wait_for_steps(tmp_path, "checkpoint_period=1", *BIG)
-    proc.send_signal(signal.SIGINT)
-    time.sleep(0.3)  # the first one starts the final save; the second one cuts it short
-    proc.send_signal(signal.SIGINT)
+    """The second Ctrl-C comes while a save is in flight: its array files written, its folder still
+    Orbax's temporary one, held just before its checksums are listed and it is committed (held_before,
+    once the test has created the `hold` file; before, the test gave a 170 MB save 0.3 s and hoped)."""
+    hold = tmp_path / "hold"
+    proc = _start_and_wait_for_steps(tmp_path, "checkpoint_period=1", hold=("tessera.checkpointing.checksums.record", hold))
+    hold.touch()  # the next save to finish writing is held before its commit
+    proc.send_signal(signal.SIGINT)  # finish this step, save it and stop
+    seen = []
+    for line in proc.stderr:
+        seen.append(line)
+        if HELD_LINE in line:
+            break
+    assert seen and HELD_LINE in seen[-1], "".join(seen)[-3000:]
+    proc.send_signal(signal.SIGINT)  # stop now
     start = time.time()
-    _, err = proc.communicate(timeout=120)
+    _, rest = proc.communicate(timeout=120)
+    err = "".join(seen) + rest
     assert proc.returncode == 130 and time.time() - start < 30, err[-3000:]
     _no_echoes(err)
     assert "SIGINT received again: stopping now" in err
     ckpt = tmp_path / "sub" / "checkpoints"
     complete = _steps(ckpt)
     partial = [p.name for p in ckpt.iterdir() if "orbax-checkpoint-tmp" in p.name]
-    again = _train(tmp_path, f"steps={complete[-1] + 1}", *BIG)
+    assert len(partial) == 1 and complete, (partial, complete)  # the held save, after at least one whole one
+    again = _train(tmp_path, f"steps={complete[-1] + 1}")
     assert again.returncode == 0 and f"resuming from step {complete[-1]}" in again.stderr, again.stderr[-3000:]
-    for name in partial:  # set aside, never loaded
-        assert re.search(rf"incomplete checkpoint \S*{re.escape(name)}", again.stderr)
+    assert re.search(rf"incomplete checkpoint \S*{re.escape(partial[0])}", again.stderr), again.stderr[-3000:]
 
 
 def test_train_compile_refuses_an_unwritable_report_folder_before_compiling(tmp_path, capsys):
