@@ -394,7 +394,8 @@ def test_second_ctrl_c_stops_now_and_never_loads_a_half_written_save(tmp_path):
     Orbax's temporary one, held just before its checksums are listed and it is committed (held_before,
     once the test has created the `hold` file; before, the test gave a 170 MB save 0.3 s and hoped)."""
     hold = tmp_path / "hold"
-    proc = _start_and_wait_for_steps(tmp_path, "checkpoint_period=1", hold=("tessera.checkpointing.checksums.record", hold))
+    proc = _start_and_wait_for_steps(tmp_path, "checkpoint_period=1",
+                                     hold=("tessera.checkpointing.checksums.record", hold))
     hold.touch()  # the next save to finish writing is held before its commit
     proc.send_signal(signal.SIGINT)  # finish this step, save it and stop
     seen, waiting_for = [], {"SIGINT received: finishing", HELD_LINE}
