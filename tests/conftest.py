@@ -255,8 +255,9 @@ import importlib, os, runpy, sys, time
 sys.path.insert(0, {src!r})
 module = importlib.import_module({module!r})
 function = getattr(module, {name!r})
+when = {when!r}
 def held(*args, **kwargs):
-    if {when!r} is None or os.path.exists({when!r}):
+    if when is None or os.path.exists(when):
         print({line!r}, file=sys.stderr, flush=True)
         time.sleep(60)
     return function(*args, **kwargs)
