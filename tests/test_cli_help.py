@@ -408,6 +408,76 @@ def test_a_signal_stops_a_process_whose_main_thread_is_blocked_in_compiled_code(
     assert "the handler ran" not in err
 
 
+# A signal taken by a thread other than the main one (the kernel may hand a signal sent to the process to
+# any thread that does not block it; here that thread sends it to itself, to be sure), while the main
+# thread sleeps in a wait that the signal would have cut short had the main thread taken it.
+TAKEN_BY_ANOTHER_THREAD = (
+    "import signal, sys, threading, time\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)  # as from a terminal (see the test above)\n"
+    "{imports}"
+    "def another_thread():\n"
+    "    time.sleep(0.5)  # the main thread is in its wait by then\n"
+    "    signal.pthread_kill(threading.get_ident(), {signum})\n"
+    "{setup}"
+    "start = time.monotonic()\n"
+    "threading.Thread(target=another_thread, daemon=True).start()\n"
+    "{wait}")
+WAITS = {"time.sleep": "time.sleep(60)\n", "Event.wait": "threading.Event().wait(60)\n"}
+
+
+@pytest.mark.parametrize("wait", sorted(WAITS))
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_another_thread_took_still_raises_at_once_in_the_waiting_main_thread(tmp_path, wait, signum):
+    """A CI run saw SIGTERM sent to train.py while its main thread slept (held by a test): the kernel gave
+    it to one of XLA's threads, Python's handler waited for the main thread's sleep to end, and the
+    watcher ended the process 10 s later with 'busy in compiled code'. The watcher now wakes the main
+    thread (cli_signals.NUDGE_SIGNAL), whose wait is cut short by the pending handler's exception."""
+    script = TAKEN_BY_ANOTHER_THREAD.format(
+        imports="from tessera.tools.cli_signals import sigterm_raises\nclass Stop(BaseException): pass\n",
+        setup="", signum=int(signum),
+        wait="with sigterm_raises(Stop, grace=30):\n"
+             "    try:\n"
+             + textwrap.indent(WAITS[wait], " " * 8) +
+             "    except (Stop, KeyboardInterrupt) as e:\n"
+             "        print(f'{type(e).__name__} raised after {time.monotonic() - start:.1f} s', file=sys.stderr)\n"
+             "        sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    assert proc.returncode == 3, proc.stderr  # without the nudge: 143 or 130 after the 30 s grace
+    raised = re.search(r"(\w+) raised after ([\d.]+) s", proc.stderr)
+    assert raised[1] == ("Stop" if signum == signal.SIGTERM else "KeyboardInterrupt"), proc.stderr
+    assert float(raised[2]) < 10, proc.stderr  # 0.5 s and the start of a thread
+
+
+def test_a_second_ctrl_c_another_thread_took_stops_the_training_loop_at_once(tmp_path):
+    """The training loop's own handlers (StopSignal, inside sigterm_raises in train.py): its first Ctrl-C
+    asks for a stop after the step, its second stops at once, as when the loop waits for a save in
+    flight. Taken by another thread while the main thread waited, neither ran until the wait ended."""
+    script = TAKEN_BY_ANOTHER_THREAD.format(
+        imports="from tessera.stop_signals import StopSignal\nfrom tessera.tools.cli_signals import sigterm_raises\n"
+                "class Stop(BaseException): pass\n",
+        setup="", signum=int(signal.SIGINT),
+        wait="with sigterm_raises(Stop, grace=30), StopSignal() as stop:\n"
+             "    def twice():\n"
+             "        another_thread()\n"
+             "        while stop.signum is None: time.sleep(0.05)  # the first one's handler ran\n"
+             "        print(f'first handled after {time.monotonic() - start:.1f} s', file=sys.stderr, flush=True)\n"
+             "        signal.pthread_kill(threading.get_ident(), signal.SIGINT)\n"
+             "    threading.Thread(target=twice, daemon=True).start()\n"
+             "    threading.Event().wait(60)  # as for a save in flight\n"
+             "print('the wait ended by itself', file=sys.stderr)\n")
+    script = script.replace("threading.Thread(target=another_thread, daemon=True).start()\n", "", 1)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO / "src")))
+    took = time.monotonic() - start
+    assert proc.returncode == 130, proc.stderr
+    first = re.search(r"first handled after ([\d.]+) s", proc.stderr)
+    assert first and float(first[1]) < 10, proc.stderr
+    assert "SIGINT received again: stopping now" in proc.stderr and "ended by itself" not in proc.stderr
+    assert took < 40, proc.stderr  # the 60 s wait was cut short, not waited out (nor the 30 s grace)
+
+
 def test_a_folder_whose_path_holds_an_equals_sign_is_not_an_override():
     """convert and check_logits took every argument with '=' for key=value: a checkpoint under
     runs/lr=3e-4/ was read as an override and the command stopped with a usage error."""

@@ -68,7 +68,17 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
     start-up signalled so trained to the end and exited 0). The block's `sys.unraisablehook` has
     such a signal sent again, from another thread RESEND_SECONDS later, and the handler raises it
     at the next point where it can (outside the callback, or it is sent again); when the main thread
-    is blocked in compiled code by then, the thread above ends the process `grace` seconds later."""
+    is blocked in compiled code by then, the thread above ends the process `grace` seconds later.
+
+    The kernel may hand a signal sent to the process to any of its threads (XLA starts dozens).
+    Taken by another thread, it sets Python's flag, but a main thread asleep in a wait that a signal
+    would cut short (`time.sleep`, a lock, `Event.wait`, a pipe) sleeps on: the handler waited for
+    the wait's end, or the watcher ended the process `grace` seconds later with the line above (a CI
+    run saw that; on its host, about one signal in 30 sent to a train.py held at start-up). So the
+    watcher wakes the main thread itself with NUDGE_SIGNAL, whose handler does nothing: the wait is
+    cut short and the pending handler runs.
+    The nudge reaches the training loop's own handlers too (`tessera.stop_signals`): a second Ctrl-C
+    while the loop waits for a save stops it at once, as that handler promises."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -101,8 +111,8 @@ def sigterm_raises(exc_type: type[BaseException], grace: float = SIGTERM_GRACE_S
 
 def _sending_again(handlers: dict, kinds: dict, ran: dict, previous_hook):
     """sigterm_raises' `sys.unraisablehook`: an exception of kinds[signum] that Python swallowed while
-    handlers[signum] is installed has the signal sent again RESEND_SECONDS later, from another
-    thread (sent from the hook, the handler would run inside it at once, and be swallowed again);
+    handlers[signum] is installed has the signal sent again to the main thread RESEND_SECONDS later, from
+    another thread (sent from the hook, the handler would run inside it at once, and be swallowed again);
     anything else goes to `previous_hook`. The handler's run is forgotten (`ran`), so the watcher
     waits for the next one: if the main thread is blocked in compiled code by then, it cannot come,
     and the watcher ends the process `grace` seconds later."""
@@ -110,7 +120,8 @@ def _sending_again(handlers: dict, kinds: dict, ran: dict, previous_hook):
         for signum, handler in handlers.items():
             if isinstance(unraisable.exc_value, kinds[signum]) and signal.getsignal(signum) is handler:
                 ran[signum].clear()
-                resend = threading.Timer(RESEND_SECONDS, os.kill, args=(os.getpid(), signum))
+                resend = threading.Timer(RESEND_SECONDS, signal.pthread_kill,
+                                         args=(threading.main_thread().ident, signum))
                 resend.daemon = True
                 resend.start()
                 return
@@ -119,15 +130,30 @@ def _sending_again(handlers: dict, kinds: dict, ran: dict, previous_hook):
     return hook
 
 
+# Sent by the watcher to the main thread alone, to cut short a wait there (sigterm_raises). SIGURG's default
+# is to be ignored and programs seldom use it; Go's runtime sends it to its own threads for the same reason.
+NUDGE_SIGNAL = signal.SIGURG
+
+
+def _nothing(signum, frame) -> None:
+    """NUDGE_SIGNAL's handler: the signal's work is done by arriving (a wait cut short)."""
+
+
 class _BlockedSignalWatcher:
     """The thread behind sigterm_raises' `grace`: woken through the signal module's wake-up file
     descriptor, which the interpreter writes from its C-level handler even while the main thread
-    is blocked."""
+    is blocked. It wakes the main thread for a Ctrl-C or SIGTERM that another thread took, whoever's
+    handler is installed, when NUDGE_SIGNAL is free (its default, ignored)."""
 
     WHAT = {signal.SIGTERM: "stopped by SIGTERM", signal.SIGINT: "interrupted (Ctrl-C)"}
 
     def __init__(self, handlers: dict, ran: dict, grace: float):
         self.handlers, self.ran, self.grace = handlers, ran, grace
+        self.main = threading.main_thread().ident
+        self.previous_nudge = signal.getsignal(NUDGE_SIGNAL)
+        self.nudge = self.previous_nudge in (signal.SIG_DFL, _nothing)  # another program's use of it is left alone
+        if self.nudge:
+            signal.signal(NUDGE_SIGNAL, _nothing)
         self.read_fd, self.write_fd = os.pipe()
         os.set_blocking(self.write_fd, False)
         self.previous_fd = signal.set_wakeup_fd(self.write_fd, warn_on_full_buffer=False)
@@ -135,6 +161,8 @@ class _BlockedSignalWatcher:
 
     def _watch(self) -> None:
         while data := os.read(self.read_fd, 64):  # b"": stop() closed the pipe
+            if self.nudge and any(signum in data for signum in self.handlers):
+                signal.pthread_kill(self.main, NUDGE_SIGNAL)  # a no-op where the main thread took it itself
             for signum in self.handlers:
                 if signum in data and self._ours(signum) and not self.ran[signum].wait(self.grace) \
                         and self._ours(signum):
@@ -151,3 +179,5 @@ class _BlockedSignalWatcher:
     def stop(self) -> None:
         signal.set_wakeup_fd(self.previous_fd)
         os.close(self.write_fd)
+        if self.nudge:
+            signal.signal(NUDGE_SIGNAL, self.previous_nudge)
