@@ -408,6 +408,59 @@ def test_bad_inputs_name_the_key_and_the_path(tmp_path, sp_model, corpus):
             make_input(tiny_config(dataset_type="hf", **values).data, 96, 4)
 
 
+def _cached_as_if_from_the_hub(cache, name: str, records: list[dict], tmp_path) -> None:
+    """`records` in `datasets`' cache folder `cache` as a Hub dataset `name` ("org/name") leaves them
+    there once loaded: what a host that loaded it once has (nothing can be downloaded here)."""
+    source = tmp_path / "records.json"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    datasets.load_dataset("json", data_files=str(source), cache_dir=str(tmp_path / "built"), split="train")
+    (built,) = [p for p in glob.glob(str(tmp_path / "built" / "json" / "*" / "*" / "*")) if os.path.isdir(p)]
+    org, short = name.split("/")
+    target = cache / f"{org}___{short}" / "default" / "0.0.0" / os.path.basename(built)
+    target.parent.mkdir(parents=True)
+    os.rename(built, target)
+    for arrow in target.glob("json-*.arrow"):
+        arrow.rename(target / arrow.name.replace("json-", f"{short}-"))
+
+
+def test_a_hub_dataset_with_no_network_loads_from_the_cache_or_is_one_line_at_once(tmp_path, sp_model, monkeypatch):
+    """A Hub name with no network: the Hub client retried the host name five times (about 25 s, a warning
+    line each) before `datasets` fell back to its cache or gave up. Now the name is resolved first; when it
+    does not resolve, the load runs offline: a cached dataset loads with no request, an uncached one is one
+    error naming the cache and what to do. The offline switch is put back after."""
+    import socket
+
+    import huggingface_hub.constants
+
+    asked = []
+
+    def no_dns(host, *args, **kwargs):
+        asked.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    cache = tmp_path / "cache"
+    _cached_as_if_from_the_hub(cache, "someone/tiny_corpus", [{"text": "a b c"}, {"text": "d e f"}], tmp_path)
+    for variable in ("HF_ENDPOINT", "HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+
+    cfg = tiny_config(dataset_type="hf", hf_path="someone/tiny_corpus", tokenizer_path=sp_model)
+    assert [r["text"] for r in load_stream(cfg.data, "train")] == ["a b c", "d e f"]
+    assert asked == ["huggingface.co"]  # asked once, by Tessera: the clients sent nothing
+    cfg = tiny_config(dataset_type="hf", hf_path="someone/not_cached", tokenizer_path=sp_model)
+    with pytest.raises(ConfigError, match=re.escape(
+            f"hf_path='someone/not_cached' is not in this host's Hugging Face cache ({cache}) and the Hub cannot be "
+            "reached (the host name huggingface.co does not resolve: Name or service not known); check the network, "
+            "or load it once on a host that reaches the Hub and copy it here (save_to_disk, then hf_path=<that "
+            "folder>)")):
+        load_stream(cfg.data, "train")
+    assert asked == ["huggingface.co"] * 2
+    assert datasets.config.HF_HUB_OFFLINE is False and huggingface_hub.constants.HF_HUB_OFFLINE is False
+
+
 def test_the_tokenizer_is_checked_before_the_dataset_is_read(tmp_path, sp_model, monkeypatch):
     """A missing tokenizer_path was named only after the dataset's first record: with a Hub name and
     no network, that name failed first, after 40 s of retries, and the tokenizer only in the next run."""

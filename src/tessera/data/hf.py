@@ -18,6 +18,7 @@ resumes exactly.
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import logging
 import os
@@ -30,7 +31,7 @@ from tessera.config.fields import HF_FILE_FORMATS as FILE_FORMATS
 from tessera.data import rows_per_process
 from tessera.data.documents import column_values, document_ids
 from tessera.data.errors import (REMOTE_PREFIXES, DataError, check_reachable, no_records, no_tokens, open_local,
-                                  read_failure)
+                                  read_failure, unresolvable_host)
 from tessera.data.packing import DocumentCursor, next_batch
 from tessera.data.tokenizers import check_tokenizer, load_tokenizer
 
@@ -141,6 +142,29 @@ def _log_through_the_run() -> None:
                 library.removeHandler(handler)
 
 
+@contextlib.contextmanager
+def _offline_when_the_hub_is_unreachable(path: str):
+    """For a Hub dataset name `path`: when the Hub's host name does not resolve (no network; see
+    `errors.unresolvable_host`), `datasets` and `huggingface_hub` run in their offline mode for the
+    load, and the block gets the reason (else ""). A dataset in this host's cache then loads at once,
+    as with HF_HUB_OFFLINE=1; the Hub client used to retry the name five times first (about 25 s,
+    logging each retry) before `datasets` fell back to that cache or gave up."""
+    import datasets.config
+    import huggingface_hub.constants
+
+    unreachable = "" if Path(path).expanduser().exists() else unresolvable_host("hf://") or ""
+    if not unreachable or datasets.config.HF_HUB_OFFLINE:
+        yield unreachable
+        return
+    log.info("the Hugging Face Hub cannot be reached (%s): hf_path=%r from this host's cache only", unreachable, path)
+    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    try:
+        yield unreachable
+    finally:
+        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+
+
 def load_stream(cfg: DataConfig, split: str, share: tuple[int, int] | None = None):
     """The `datasets.IterableDataset` for `split` ('train' or 'eval'): its `share` (index, count; default:
     this process's of one per process)."""
@@ -169,7 +193,18 @@ def load_stream(cfg: DataConfig, split: str, share: tuple[int, int] | None = Non
             ds = datasets.load_from_disk(str(Path(path).expanduser()))
         elif path:
             data_files = expand_files(files_value, files_key) if files_value else None
-            ds = datasets.load_dataset(path, data_files=data_files, split=split_name, streaming=cfg.hf_streaming)
+            with _offline_when_the_hub_is_unreachable(path) as unreachable:
+                try:
+                    ds = datasets.load_dataset(path, data_files=data_files, split=split_name,
+                                               streaming=cfg.hf_streaming)
+                except ConnectionError as e:  # OfflineModeIsEnabled: not in this host's cache
+                    if not unreachable:
+                        raise
+                    raise ConfigError(
+                        f"hf_path={path!r} is not in this host's Hugging Face cache "
+                        f"({datasets.config.HF_DATASETS_CACHE}) and the Hub cannot be reached ({unreachable}); "
+                        "check the network, or load it once on a host that reaches the Hub and copy it here "
+                        "(save_to_disk, then hf_path=<that folder>)") from e
         else:
             raise ConfigError("dataset_type=hf needs hf_path: a file format (parquet, json, arrow, text, csv) with "
                               "hf_train_files, or a dataset folder")
