@@ -242,7 +242,8 @@ def pytest_xdist_auto_num_workers(config):
 # An entry script (train.py, decode.py) held for up to a minute just before it calls a function of Tessera's
 # (tessera.step.setup, which builds the mesh; tessera.step.compile_step; tessera.generation.generate;
 # tessera.checkpointing.checksums.record, on Orbax's thread before a save is committed), in a Python sleep,
-# where a signal's handler runs at once (a hold on another thread leaves the main thread free for it). A test
+# where a signal's handler runs at once (a hold on another thread leaves the main thread free for it; a signal
+# that one of XLA's threads took wakes the main thread through tools.cli_signals' nudge, as in a real run). A test
 # of a signal during start-up sends it once HELD_LINE is out: from the config line to the first step took
 # under 2 s on a fast host, and a test process that read its line 2.5 s late (a CI run: train_compile's own
 # test) signalled a process that had finished.

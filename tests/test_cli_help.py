@@ -418,24 +418,23 @@ TAKEN_BY_ANOTHER_THREAD = (
     "def another_thread():\n"
     "    time.sleep(0.5)  # the main thread is in its wait by then\n"
     "    signal.pthread_kill(threading.get_ident(), {signum})\n"
-    "{setup}"
     "start = time.monotonic()\n"
-    "threading.Thread(target=another_thread, daemon=True).start()\n"
     "{wait}")
 WAITS = {"time.sleep": "time.sleep(60)\n", "Event.wait": "threading.Event().wait(60)\n"}
 
 
 @pytest.mark.parametrize("wait", sorted(WAITS))
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_another_thread_took_still_raises_at_once_in_the_waiting_main_thread(tmp_path, wait, signum):
+def test_a_signal_another_thread_took_still_raises_at_once_in_the_waiting_main_thread(wait, signum):
     """A CI run saw SIGTERM sent to train.py while its main thread slept (held by a test): the kernel gave
     it to one of XLA's threads, Python's handler waited for the main thread's sleep to end, and the
     watcher ended the process 10 s later with 'busy in compiled code'. The watcher now wakes the main
     thread (cli_signals.NUDGE_SIGNAL), whose wait is cut short by the pending handler's exception."""
     script = TAKEN_BY_ANOTHER_THREAD.format(
         imports="from tessera.tools.cli_signals import sigterm_raises\nclass Stop(BaseException): pass\n",
-        setup="", signum=int(signum),
+        signum=int(signum),
         wait="with sigterm_raises(Stop, grace=30):\n"
+             "    threading.Thread(target=another_thread, daemon=True).start()\n"
              "    try:\n"
              + textwrap.indent(WAITS[wait], " " * 8) +
              "    except (Stop, KeyboardInterrupt) as e:\n"
@@ -449,14 +448,14 @@ def test_a_signal_another_thread_took_still_raises_at_once_in_the_waiting_main_t
     assert float(raised[2]) < 10, proc.stderr  # 0.5 s and the start of a thread
 
 
-def test_a_second_ctrl_c_another_thread_took_stops_the_training_loop_at_once(tmp_path):
+def test_a_second_ctrl_c_another_thread_took_stops_the_training_loop_at_once():
     """The training loop's own handlers (StopSignal, inside sigterm_raises in train.py): its first Ctrl-C
     asks for a stop after the step, its second stops at once, as when the loop waits for a save in
     flight. Taken by another thread while the main thread waited, neither ran until the wait ended."""
     script = TAKEN_BY_ANOTHER_THREAD.format(
         imports="from tessera.stop_signals import StopSignal\nfrom tessera.tools.cli_signals import sigterm_raises\n"
                 "class Stop(BaseException): pass\n",
-        setup="", signum=int(signal.SIGINT),
+        signum=int(signal.SIGINT),
         wait="with sigterm_raises(Stop, grace=30), StopSignal() as stop:\n"
              "    def twice():\n"
              "        another_thread()\n"
@@ -466,7 +465,6 @@ def test_a_second_ctrl_c_another_thread_took_stops_the_training_loop_at_once(tmp
              "    threading.Thread(target=twice, daemon=True).start()\n"
              "    threading.Event().wait(60)  # as for a save in flight\n"
              "print('the wait ended by itself', file=sys.stderr)\n")
-    script = script.replace("threading.Thread(target=another_thread, daemon=True).start()\n", "", 1)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(REPO / "src")))

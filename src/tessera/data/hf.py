@@ -152,7 +152,7 @@ def _offline_when_the_hub_is_unreachable(path: str):
     import datasets.config
     import huggingface_hub.constants
 
-    unreachable = "" if Path(path).expanduser().exists() else unresolvable_host("hf://") or ""
+    unreachable = "" if Path(path).expanduser().exists() else unresolvable_host(f"hf://datasets/{path}") or ""
     if not unreachable or datasets.config.HF_HUB_OFFLINE:
         yield unreachable
         return
