@@ -146,23 +146,32 @@ def _log_through_the_run() -> None:
 def _offline_when_the_hub_is_unreachable(path: str):
     """For a Hub dataset name `path`: when the Hub's host name does not resolve (no network; see
     `errors.unresolvable_host`), `datasets` and `huggingface_hub` run in their offline mode for the
-    load, and the block gets the reason (else ""). A dataset in this host's cache then loads at once,
-    as with HF_HUB_OFFLINE=1; the Hub client used to retry the name five times first (about 25 s,
-    logging each retry) before `datasets` fell back to that cache or gave up."""
+    load. A dataset in this host's cache then loads at once, as with HF_HUB_OFFLINE=1 (the Hub client
+    used to retry the name five times first, about 25 s, logging each retry, before `datasets` fell
+    back to that cache or gave up); one that is not there is a ConfigError naming the cache."""
     import datasets.config
     import huggingface_hub.constants
 
     unreachable = "" if Path(path).expanduser().exists() else unresolvable_host(f"hf://datasets/{path}") or ""
-    if not unreachable or datasets.config.HF_HUB_OFFLINE:
-        yield unreachable
+    if not unreachable:
+        yield
         return
-    log.info("the Hugging Face Hub cannot be reached (%s): hf_path=%r from this host's cache only", unreachable, path)
-    saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
+    switch = not datasets.config.HF_HUB_OFFLINE
+    if switch:
+        log.info("the Hugging Face Hub cannot be reached (%s): hf_path=%r from this host's cache only",
+                 unreachable, path)
+        saved = datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE
+        datasets.config.HF_HUB_OFFLINE = huggingface_hub.constants.HF_HUB_OFFLINE = True
     try:
-        yield unreachable
+        yield
+    except ConnectionError as e:  # OfflineModeIsEnabled: not in this host's cache
+        raise ConfigError(
+            f"hf_path={path!r} is not in this host's Hugging Face cache ({datasets.config.HF_DATASETS_CACHE}) and the "
+            f"Hub cannot be reached ({unreachable}); check the network, or load it once on a host that reaches the Hub "
+            "and copy it here (save_to_disk, then hf_path=<that folder>)") from e
     finally:
-        datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
+        if switch:
+            datasets.config.HF_HUB_OFFLINE, huggingface_hub.constants.HF_HUB_OFFLINE = saved
 
 
 def load_stream(cfg: DataConfig, split: str, share: tuple[int, int] | None = None):
@@ -193,18 +202,8 @@ def load_stream(cfg: DataConfig, split: str, share: tuple[int, int] | None = Non
             ds = datasets.load_from_disk(str(Path(path).expanduser()))
         elif path:
             data_files = expand_files(files_value, files_key) if files_value else None
-            with _offline_when_the_hub_is_unreachable(path) as unreachable:
-                try:
-                    ds = datasets.load_dataset(path, data_files=data_files, split=split_name,
-                                               streaming=cfg.hf_streaming)
-                except ConnectionError as e:  # OfflineModeIsEnabled: not in this host's cache
-                    if not unreachable:
-                        raise
-                    raise ConfigError(
-                        f"hf_path={path!r} is not in this host's Hugging Face cache "
-                        f"({datasets.config.HF_DATASETS_CACHE}) and the Hub cannot be reached ({unreachable}); "
-                        "check the network, or load it once on a host that reaches the Hub and copy it here "
-                        "(save_to_disk, then hf_path=<that folder>)") from e
+            with _offline_when_the_hub_is_unreachable(path):
+                ds = datasets.load_dataset(path, data_files=data_files, split=split_name, streaming=cfg.hf_streaming)
         else:
             raise ConfigError("dataset_type=hf needs hf_path: a file format (parquet, json, arrow, text, csv) with "
                               "hf_train_files, or a dataset folder")
