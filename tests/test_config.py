@@ -1,5 +1,6 @@
 """Config: every shipped YAML validates; precedence; clear errors for bad input."""
 
+import dataclasses
 import logging
 import math
 import os
@@ -859,6 +860,22 @@ def test_a_config_file_outside_configs_finds_the_repository_models(tmp_path):
     assert load_config([str(path), "model_name=mine"], env={}).model.base_emb_dim == 48
     (tmp_path / "models" / "1b.yml").write_text("base_emb_dim: 40\n")  # the file beside the config wins
     assert load_config([str(path), "model_name=1b"], env={}).model.base_emb_dim == 40
+
+
+def test_maxtexts_deepseek_v3_name_reads_our_file_unless_one_of_that_name_is_beside_the_config(tmp_path, caplog):
+    """MaxText's model_name=deepseek3-671b was refused ("Did you mean deepseek-v3?") on a command copied from it."""
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        cfg = load_config([BASE, "model_name=deepseek3-671b"], env={})
+    theirs = load_config([BASE, "model_name=deepseek-v3"], env={})
+    assert cfg.model.model_name == "deepseek3-671b"
+    assert dataclasses.replace(cfg.model, model_name="deepseek-v3") == theirs.model
+    assert f"model_name=deepseek3-671b is MaxText's name for deepseek-v3; reading {REPO / 'configs' / 'models'}" \
+        "/deepseek-v3.yml" in caplog.text
+    path = tmp_path / "my.yml"
+    path.write_text("steps: 3\n")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "deepseek3-671b.yml").write_text("base_emb_dim: 48\n")  # the user's own file of that name
+    assert load_config([str(path), "model_name=deepseek3-671b"], env={}).model.base_emb_dim == 48
 
 
 def test_an_unknown_model_lists_the_folders_searched_and_the_known_names(tmp_path):

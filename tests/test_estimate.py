@@ -471,10 +471,15 @@ PUBLISHED_TOTALS = {
     "gpt3-6b": (6e9, 0.1),                # MaxText's gpt3-6b: "6b" (5.6B; the name rounds up)
     "gpt3-22b": (22e9, 0.01),             # MaxText's gpt3-22b: "22b"
     # Qwen3 model cards (Hugging Face Qwen/<name>, "Number of Parameters"), rounded as the cards round them
+    "qwen3-0.6b": (0.6e9, 0.01),          # Qwen/Qwen3-0.6B: 0.6B (ours: 0.596B)
+    "qwen3-1.7b": (1.7e9, 0.02),          # Qwen/Qwen3-1.7B: 1.7B (ours: 1.72B)
+    "qwen3-4b": (4.0e9, 0.01),            # Qwen/Qwen3-4B: 4.0B
     "qwen3-8b": (8.2e9, 0.005),           # Qwen/Qwen3-8B: 8.2B
+    "qwen3-14b": (14.8e9, 0.005),         # Qwen/Qwen3-14B: 14.8B
     "qwen3-32b": (32.8e9, 0.005),         # Qwen/Qwen3-32B: 32.8B
     "qwen3-30b-a3b": (30.5e9, 0.005),     # Qwen/Qwen3-30B-A3B: 30.5B in total
     "qwen3-235b-a22b": (235e9, 0.005),    # Qwen/Qwen3-235B-A22B: 235B in total
+    "qwen3-480b-a35b": (480e9, 0.005),    # Qwen/Qwen3-Coder-480B-A35B-Instruct: 480B in total
     # Gemma 3 technical report (Gemma Team 2025), Table 1: embedding + non-embedding parameters of the
     # language model (the vision encoder, 417M in 4B-27B, is not part of the text model)
     "gemma3-4b": (675e6 + 3_209e6, 0.001),
@@ -494,12 +499,17 @@ PUBLISHED_TOTALS = {
 PUBLISHED_ACTIVE = {
     "qwen3-30b-a3b": (3.3e9, 0.02),      # 3.3B activated (ours: 3.34B)
     "qwen3-235b-a22b": (22e9, 0.01),     # 22B activated (ours: 22.14B)
+    "qwen3-480b-a35b": (35e9, 0.015),    # 35B activated (ours: 35.41B)
     "deepseek-v3": (37e9, 0.015),        # 37B activated for each token (ours: 37.45B)
     "llama4-17b-128e": (17e9, 0.015),    # 17B active (ours: 17.17B)
 }
 # The gpt-oss model card's active parameters leave out the token embedding table and count the routers (ours
 # count the embedding, not the routers: 4.19B and 5.70B).
 PUBLISHED_ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": (3.61e9, 0.002), "gpt-oss-120b": (5.13e9, 0.002)}
+# The dense Qwen3 model cards' "Number of Parameters (Non-Embedding)": the layers' sizes without the vocabulary, which
+# is most of the small models' totals (the input table, and the output one where it is not tied).
+PUBLISHED_NON_EMBEDDING = {"qwen3-0.6b": (0.44e9, 0.005), "qwen3-1.7b": (1.4e9, 0.01), "qwen3-4b": (3.6e9, 0.01),
+                           "qwen3-8b": (6.95e9, 0.001), "qwen3-14b": (13.2e9, 0.001), "qwen3-32b": (31.2e9, 0.001)}
 
 
 @pytest.mark.parametrize("model", PUBLISHED_TOTALS)
@@ -517,6 +527,11 @@ def test_model_files_have_their_published_parameter_counts(model):
         assert counts.active - m.vocab_size * m.emb_dim + routers == pytest.approx(active, rel=tolerance)
     else:
         assert counts.active == counts.total
+    if model in PUBLISHED_NON_EMBEDDING:
+        m = load_model_config(model, []).model
+        layers, tolerance = PUBLISHED_NON_EMBEDDING[model]
+        tables = 1 if m.logits_via_embedding else 2
+        assert counts.total - tables * m.vocab_size * m.emb_dim == pytest.approx(layers, rel=tolerance)
 
 
 @pytest.mark.parametrize("args, message", [

@@ -285,8 +285,8 @@ def test_mxfp4_values_equal_transformers(tmp_path):
 
 def test_hf_config_round_trips_every_model_file():
     for name in ("llama2-7b", "llama3.1-8b", "mistral-7b", "mixtral-8x7b", "gemma-7b", "gemma2-9b", "gemma2-27b",
-                 "qwen3-8b", "qwen3-30b-a3b", "gemma3-4b", "gemma3-27b", "deepseek-v3", "gpt-oss-20b", "gpt-oss-120b",
-                 "llama4-17b-16e", "llama4-17b-128e"):
+                 "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-480b-a35b", "gemma3-4b", "gemma3-27b", "deepseek-v3",
+                 "gpt-oss-20b", "gpt-oss-120b", "llama4-17b-16e", "llama4-17b-128e"):
         m = load_model_config(name, []).model
         keys = config_from_hf(hf_config(m, 4096))
         rebuilt = load_model_config("default", as_overrides(keys)).model

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from tessera.config.checks import validate
-from tessera.config.maxtext import ALIASES, maxtext_keys, spelled_as, steps_from_schedule, translate
+from tessera.config.maxtext import (ALIASES, MODEL_NAMES, log_once, maxtext_keys, spelled_as, steps_from_schedule,
+                                    translate)
 from tessera.config.maxtext_model import IN_CONTEXT, check_in_context
 from tessera.config.paths import file_url_path, is_file_url, resolve_paths
 from tessera.config.schema import SECTIONS, Config, ConfigError, all_fields, path_keys
@@ -114,6 +115,11 @@ def _model_file(model_name: Any, folders: list[Path], layers: list, errors: list
                                               "tiny model) or model_name=llama2-7b", layers)])
     model_file = next((d / f"{model_name}.yml" for d in folders if is_file(d / f"{model_name}.yml")), None)
     if model_file is not None:
+        return model_file
+    ours = MODEL_NAMES.get(str(model_name).strip().lower())
+    model_file = next((d / f"{ours}.yml" for d in folders if is_file(d / f"{ours}.yml")), None) if ours else None
+    if model_file is not None:
+        log_once(f"model_name={model_name} is MaxText's name for {ours}; reading {model_file}")
         return model_file
     known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
     # a path to a model file (configs/models/llama2-7b.yml): the name is its file's, without folder and .yml

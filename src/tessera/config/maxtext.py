@@ -14,6 +14,9 @@ reason where it does not. Every MaxText key falls in one of five groups:
 - `IN_CONTEXT` (maxtext_model.py): a key whose meaning depends on the model (gemma2's post norms,
   the YaRN factor); kept, and checked against the built model by the loader.
 
+Values are translated too: `VALUE_ALIASES` (MaxText's name for a value of a shared key) and
+`MODEL_NAMES` (MaxText's `model_name` where Tessera's file has another name).
+
 getting_started/Coming_from_MaxText.md explains the same groups in prose (a test keeps it
 mentioning every refused key). This module imports nothing from JAX.
 """
@@ -123,6 +126,10 @@ ACCEPTED = {
 }
 
 
+# MaxText's model names whose model file Tessera names otherwise: {MaxText's model_name: ours}. Read only when no
+# file of MaxText's name is found (a models/ folder beside the config file may hold one of the user's own).
+MODEL_NAMES = {"deepseek3-671b": "deepseek-v3"}
+
 # Values of a key Tessera shares with MaxText that MaxText spells otherwise: {key: {MaxText's value: ours}}.
 # Tessera's save_dot_except_mlp keeps attention's output (context) with the projections, which MaxText's value
 # of that name recomputes and its save_dot_with_context_except_mlp keeps.
@@ -171,8 +178,8 @@ def steps_from_schedule(merged: dict[str, Any], whole: Callable[[Any], int]) -> 
         if schedule < 1:  # a bad schedule value (abc, 0, -2) is reported once, under its own name
             del merged["steps"]
             return ""
-        _log_once(f"steps=-1 is MaxText's spelling of 'as many steps as learning_rate_schedule_steps'; "
-                  f"using steps={schedule}")
+        log_once(f"steps=-1 is MaxText's spelling of 'as many steps as learning_rate_schedule_steps'; "
+                 f"using steps={schedule}")
         merged["steps"] = schedule
         return ""
     del merged["steps"]  # one line about it, not a second "too small"
@@ -231,10 +238,10 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
     for name, value in values.items():
         if name in UNSET and spelled_as(value, UNSET[name][0]):
             _, ours, meaning = UNSET[name]
-            _log_once(f"{name}={value!r} is MaxText's spelling of {meaning}; using {name}={ours!r}")
+            log_once(f"{name}={value!r} is MaxText's spelling of {meaning}; using {name}={ours!r}")
             out[name] = ours
         elif name in fields and (ours := VALUE_ALIASES.get(name, {}).get(str(value).strip().lower())):
-            _log_once(f"{name}={value} is MaxText's name for {name}={ours}; using that")
+            log_once(f"{name}={value} is MaxText's name for {name}={ours}; using that")
             out[name] = ours
         elif name in fields and (why := REFUSED_VALUES.get(name, {}).get(str(value).strip().lower())):
             errors.append(f"{name}={value!r} is a MaxText value Tessera does not have: it would {why} (from {source})")
@@ -246,14 +253,14 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
                 errors.append(f"{name}={value!r} ({whose} name for {target}) disagrees with "
                               f"{target}={values[target]!r} in {source}; set only {target}")
                 continue
-            _log_once(f"{name}={value} is {whose} name for {target}; using that")
+            log_once(f"{name}={value} is {whose} name for {target}; using that")
             out[target] = value
             if name in IN_CONTEXT:  # and checked against the model once it is built
                 out[name] = value
         elif name in ACCEPTED:
             choices, why = ACCEPTED[name]
             if _allowed(choices, str(value).strip().lower()):
-                _log_once(f"{name}={value} has no effect: {why}")
+                log_once(f"{name}={value} has no effect: {why}")
             else:
                 errors.append(f"{name}={value!r} is not allowed; choose one of: {', '.join(map(repr, choices))} "
                               f"(from {source})")
@@ -261,7 +268,7 @@ def translate(values: Mapping[str, Any], source: str, fields: Mapping[str, Any],
             out[name] = value  # checked against the model once it is built
         elif name in REFUSED:
             if is_off(REFUSED[name], value):
-                _log_once(f"{name}={value!r} is MaxText's setting with the feature off, as in Tessera; ignored")
+                log_once(f"{name}={value!r} is MaxText's setting with the feature off, as in Tessera; ignored")
             else:
                 errors.append(f"{name}={_shown(value)} is a MaxText key Tessera does not implement: "
                               f"{REFUSED[name].why} (from {source})")
@@ -290,7 +297,7 @@ def unknown_key(name: str, source: str, fields: Mapping[str, Any]) -> str:
 _logged: set[str] = set()
 
 
-def _log_once(message: str) -> None:
+def log_once(message: str) -> None:
     if message not in _logged:
         _logged.add(message)
         log.info(message)
