@@ -107,8 +107,8 @@ def _config(family: str):
             num_hidden_layers=4, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
             tie_word_embeddings=True, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
             attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
-    if family == "qwen3":
-        return t.Qwen3ForCausalLM, t.Qwen3Config(**_decoder_kwargs(rms_norm_eps=1e-6))
+    if family == "qwen3":  # the output tied to the embedding, as in Qwen3 0.6B to 4B (qwen3_moe's is untied)
+        return t.Qwen3ForCausalLM, t.Qwen3Config(**_decoder_kwargs(rms_norm_eps=1e-6, tie_word_embeddings=True))
     if family == "gemma3":
         # 8 layers: one 5-local/1-global pattern and 2 more local layers; global rotary with linear scaling
         return t.Gemma3ForCausalLM, t.Gemma3TextConfig(**_decoder_kwargs(
