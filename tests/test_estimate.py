@@ -506,8 +506,8 @@ PUBLISHED_ACTIVE = {
 # The gpt-oss model card's active parameters leave out the token embedding table and count the routers (ours
 # count the embedding, not the routers: 4.19B and 5.70B).
 PUBLISHED_ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": (3.61e9, 0.002), "gpt-oss-120b": (5.13e9, 0.002)}
-# The dense Qwen3 model cards' "Number of Parameters (Non-Embedding)": the layers' sizes without the vocabulary, which
-# is most of the small models' totals (the input table, and the output one where it is not tied).
+# The dense Qwen3 model cards' "Number of Parameters (Non-Embedding)": the layers' sizes without the vocabulary's
+# tables (the input one, and the output one where it is not tied), a quarter of the 0.6B model's total.
 PUBLISHED_NON_EMBEDDING = {"qwen3-0.6b": (0.44e9, 0.005), "qwen3-1.7b": (1.4e9, 0.01), "qwen3-4b": (3.6e9, 0.01),
                            "qwen3-8b": (6.95e9, 0.001), "qwen3-14b": (13.2e9, 0.001), "qwen3-32b": (31.2e9, 0.001)}
 
