@@ -113,12 +113,14 @@ def _model_file(model_name: Any, folders: list[Path], layers: list, errors: list
         raise _all_of(errors + [_name_sources(f"model_name={model_name!r} is empty: it names a model file of "
                                               f"{folders[-1]} without its .yml, e.g. model_name=default (the "
                                               "tiny model) or model_name=llama2-7b", layers)])
-    model_file = next((d / f"{model_name}.yml" for d in folders if is_file(d / f"{model_name}.yml")), None)
+    def found(name: Any) -> Path | None:
+        return next((d / f"{name}.yml" for d in folders if is_file(d / f"{name}.yml")), None)
+
+    model_file = found(model_name)
     if model_file is not None:
         return model_file
     ours = MODEL_NAMES.get(str(model_name).strip().lower())
-    model_file = next((d / f"{ours}.yml" for d in folders if is_file(d / f"{ours}.yml")), None) if ours else None
-    if model_file is not None:
+    if ours and (model_file := found(ours)) is not None:
         log_once(f"model_name={model_name} is MaxText's name for {ours}; reading {model_file}")
         return model_file
     known = sorted({p.stem for d in folders for p in d.glob("*.yml") if p.is_file()})
