@@ -1079,11 +1079,12 @@ def test_keys_a_run_does_not_read_are_named():
         "shared_experts=1, base_moe_mlp_dim=512: no effect on a dense model (num_experts=1), whose MLP is base_mlp_dim "
         "wide; they size or route a mixture of experts"]
     moe_keys = load_config([BASE, "model_name=mixtral-8x7b", "routed_bias_update_rate=0.01", "topk_routing_group=2",
-                            "sparse_matmul=false", "megablox=false", "ragged_buffer_factor=2", "temperature_tuning_scale=0.2",
+                            "routing_group_score=max", "sparse_matmul=false", "megablox=false",
+                            "ragged_buffer_factor=2", "temperature_tuning_scale=0.2",
                             "mtp_loss_scaling_factor=0.3", "rope_scaling_factor=4"], env={})
     assert keys_without_effect(moe_keys, {"fsdp": 8}) == [
         "routed_bias_update_rate=0.01: no effect without routed_bias=true",
-        "topk_routing_group=2: no effect without n_routing_groups (above 1)",
+        "topk_routing_group=2, routing_group_score=max: no effect without n_routing_groups (above 1)",
         "ragged_buffer_factor=2.0: no effect with capacity routing; it sizes dropless routing's buffer "
         "(sparse_matmul=true or megablox=true)",
         "temperature_tuning_scale=0.2: no effect without temperature_tuning=true (decoder_block=llama4)",

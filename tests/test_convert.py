@@ -476,6 +476,13 @@ def test_a_hugging_face_folder_given_as_a_load_path_says_to_convert_it(checkpoin
     ("gemma2-2b", {"layer_types": ["full_attention", "sliding_attention"] * 13}, "layer_types do not alternate"),
     ("gemma3-4b", {"use_bidirectional_attention": True}, "use_bidirectional_attention=true"),
     ("deepseek-small", {"rope_interleave": False}, "rope_interleave=false"),
+    # transformers' deepseek_v2 router ignores norm_topk_prob (DeepSeek's own code renormalizes), and both families
+    # ignore moe_layer_freq (DeepSeek's puts experts in every n-th layer)
+    ("deepseek2-16b", {"norm_topk_prob": True}, "norm_topk_prob=true, which transformers' deepseek_v2 router ignores"),
+    ("deepseek-v3", {"moe_layer_freq": 2}, "sets moe_layer_freq=2 "),
+    ("deepseek2-236b", {"topk_method": "noaux_tc"}, "topk_method='noaux_tc'; Tessera's deepseek builds what "
+                                                     "transformers' deepseek_v2 computes: softmax with greedy or group_"),
+    ("deepseek-v3", {"scoring_func": "softmax"}, "scoring_func='softmax' .* deepseek_v3 computes: sigmoid with noaux_tc"),
     ("llama4-17b-16e", {"layer_types": ["full_attention"] * 48}, "layer_types are not chunked attention"),
     # a flag written as text was true whatever it said: an untied Llama read as tied took its logits from the embedding
     ("llama2-7b", {"tie_word_embeddings": "false"}, "^config.json has tie_word_embeddings='false', text where "
@@ -688,6 +695,8 @@ def test_the_exported_activation_is_the_one_the_model_computes():
     ("gpt-oss-20b", ["norm_topk_prob=false"], "norm_topk_prob=false: Hugging Face's gpt_oss"),
     ("llama4-17b-16e", ["shared_experts=2"], "shared_experts=2: .*computes shared_experts=1"),
     ("deepseek-v3", ["routed_score_func=softmax"], "routed_score_func=softmax: Hugging Face's deepseek_v3"),
+    ("deepseek2-16b", ["norm_topk_prob=true"], "norm_topk_prob=true: .*deepseek_v2 .*computes norm_topk_prob=false"),
+    ("deepseek2-236b", ["routing_group_score=top2_sum"], "routing_group_score=top2_sum: Hugging Face's deepseek_v2"),
 ])
 def test_routing_a_family_has_no_setting_for_is_named_both_ways(model_name, keys, message):
     """transformers' Mixtral always renormalizes the chosen experts' softmax weights, and has no scaling, groups,
@@ -1083,6 +1092,43 @@ def test_the_activation_is_read_from_the_key_the_family_reads():
         written = hf_config(m, 4096)
         assert (written["hidden_act"], written["hidden_activation"]) == ("silu", "silu"), name
         assert config_from_hf(written)["mlp_activations"] == ["silu", "linear"], name
+
+
+def test_the_released_deepseek_v2_config_jsons_describe_the_deepseek2_model_files():
+    """deepseek-ai/DeepSeek-V2-Lite's and DeepSeek-V2's config.json (transformers 4.33's keys: rope_theta beside a
+    rope_scaling of "type" yarn; V2-Lite's q_lora_rank null and greedy routing in one group, V2's groups ranked by
+    their best expert) are the model files deepseek2-16b and deepseek2-236b; transformers routes both as Tessera's
+    deepseek does with softmax scores, no balancing bias and no renormalization. Exported, each is written as
+    deepseek_v2 again."""
+    from tessera.config import ConfigError
+    from tessera.tools.convert import check_same_model
+    from tessera.tools.hf_config_out import hf_config
+
+    common = {"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "attention_bias": False,
+              "hidden_act": "silu", "kv_lora_rank": 512, "max_position_embeddings": 163840, "moe_layer_freq": 1,
+              "first_k_dense_replace": 1, "n_shared_experts": 2, "norm_topk_prob": False, "num_experts_per_tok": 6,
+              "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "rms_norm_eps": 1e-06,
+              "rope_theta": 10000, "scoring_func": "softmax", "seq_aux": True, "tie_word_embeddings": False,
+              "vocab_size": 102400, "torch_dtype": "bfloat16",
+              "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
+                               "original_max_position_embeddings": 4096, "type": "yarn"}}
+    lite = {**common, "aux_loss_alpha": 0.001, "hidden_size": 2048, "intermediate_size": 10944,
+            "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64, "num_attention_heads": 16,
+            "num_hidden_layers": 27, "num_key_value_heads": 16, "q_lora_rank": None, "routed_scaling_factor": 1.0,
+            "topk_group": 1, "topk_method": "greedy"}
+    full = {**common, "aux_loss_alpha": 0.003, "hidden_size": 5120, "intermediate_size": 12288,
+            "moe_intermediate_size": 1536, "n_group": 8, "n_routed_experts": 160, "num_attention_heads": 128,
+            "num_hidden_layers": 60, "num_key_value_heads": 128, "q_lora_rank": 1536, "routed_scaling_factor": 16.0,
+            "topk_group": 3, "topk_method": "group_limited_greedy"}
+    for name, released in (("deepseek2-16b", lite), ("deepseek2-236b", full)):
+        cfg = load_model_config(name, [])
+        check_same_model(cfg, released)
+        written = hf_config(cfg.model, 4096)
+        assert (written["model_type"], written["topk_method"], written["n_group"], written["q_lora_rank"]) == (
+            "deepseek_v2", released["topk_method"], released["n_group"], released["q_lora_rank"])
+    with pytest.raises(ConfigError, match=r"describes another model .*\n  routing_group_score: checkpoint 'max', "
+                                          r"config 'top2_sum'  \(set routing_group_score=max\)"):
+        check_same_model(load_model_config("deepseek2-236b", ["routing_group_score=top2_sum"]), full)
 
 
 def test_the_released_multimodal_gemma3_4b_config_json_describes_gemma3_4b():

@@ -488,6 +488,12 @@ PUBLISHED_TOTALS = {
     # DeepSeek-V3 technical report (DeepSeek-AI 2024), abstract: 671B total parameters (the main model;
     # the Hugging Face checkpoint's 685B adds the 14B multi-token-prediction module, not built here)
     "deepseek-v3": (671e9, 0.001),
+    # DeepSeek-V2 technical report (DeepSeek-AI 2024): 236B total parameters; appendix B: V2-Lite's 15.7B
+    "deepseek2-236b": (236e9, 0.002),
+    "deepseek2-16b": (15.7e9, 0.001),
+    # Kimi K2's model card (moonshotai/Kimi-K2-Base): 1T total (ours: 1.026T; its report's 1.04T is not broken
+    # down), 32B activated
+    "kimi-k2-1t": (1e12, 0.03),
     # gpt-oss model card (OpenAI 2025), Table 1: total parameters
     "gpt-oss-20b": (20.91e9, 0.0005),
     "gpt-oss-120b": (116.83e9, 0.0005),
@@ -501,11 +507,16 @@ PUBLISHED_ACTIVE = {
     "qwen3-235b-a22b": (22e9, 0.01),     # 22B activated (ours: 22.14B)
     "qwen3-480b-a35b": (35e9, 0.015),    # 35B activated (ours: 35.41B)
     "deepseek-v3": (37e9, 0.015),        # 37B activated for each token (ours: 37.45B)
+    "deepseek2-236b": (21e9, 0.02),      # 21B activated for each token (ours: 21.33B)
+    "kimi-k2-1t": (32e9, 0.025),         # 32B activated (ours: 32.70B)
     "llama4-17b-128e": (17e9, 0.015),    # 17B active (ours: 17.17B)
 }
 # The gpt-oss model card's active parameters leave out the token embedding table and count the routers (ours
 # count the embedding, not the routers: 4.19B and 5.70B).
-PUBLISHED_ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": (3.61e9, 0.002), "gpt-oss-120b": (5.13e9, 0.002)}
+PUBLISHED_ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": (3.61e9, 0.002), "gpt-oss-120b": (5.13e9, 0.002),
+                                      # V2-Lite's 2.4B activated (appendix B): 2.45B so counted, 2.66B with the
+                                      # embedding table, which is a larger share of this small model
+                                      "deepseek2-16b": (2.4e9, 0.025)}
 # The dense Qwen3 model cards' "Number of Parameters (Non-Embedding)": the layers' sizes without the vocabulary's
 # tables (the input one, and the output one where it is not tied), a quarter of the 0.6B model's total.
 PUBLISHED_NON_EMBEDDING = {"qwen3-0.6b": (0.44e9, 0.005), "qwen3-1.7b": (1.4e9, 0.01), "qwen3-4b": (3.6e9, 0.01),

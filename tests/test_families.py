@@ -393,7 +393,7 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     (dict(FAMILIES["mixtral"], n_routing_groups=-4), "n_routing_groups=-4 is not a number of expert groups"),
     # a group scores the sum of its two best experts: a top_k traceback in the first step
     (dict(FAMILIES["mixtral"], n_routing_groups=4, topk_routing_group=2),
-     "n_routing_groups=4 leaves groups of one expert"),
+     "n_routing_groups=4 leaves groups of one expert .* use at most 2 groups, routing_group_score=max, or"),
     (dict(FAMILIES["deepseek"], num_experts_per_tok=5),
      r"num_experts_per_tok=5 .* hold \(2 x 2 = 4, n_routing_groups=4 splitting num_experts=8\); raise"),
     # one message named both keys, saying "must divide" of groups that did divide

@@ -108,6 +108,8 @@ CASES = {
     "gemma3-unscanned": ("gemma3", ("scan_layers=false",)),
     "deepseek-dropless": ("deepseek", ("sparse_matmul=true",)),
     "deepseek-capacity-unscanned": ("deepseek", ("capacity_factor=-1", "scan_layers=false")),
+    "deepseek_v2-dropless": ("deepseek_v2", ("sparse_matmul=true",)),
+    "deepseek_v2-capacity-unscanned": ("deepseek_v2", ("capacity_factor=-1", "scan_layers=false")),
     "gpt_oss-dropless": ("gpt_oss", ("sparse_matmul=true",)),
     "gpt_oss-capacity-unscanned": ("gpt_oss", ("capacity_factor=-1", "scan_layers=false")),
     "llama-biases-yarn": ("llama_bias_yarn", ()),
@@ -142,7 +144,7 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
                                           ("gemma2", ("scan_layers=false",)),
                                           ("mixtral", ()), ("gpt2", ("fused_qkv=false",)), ("qwen3", ()),
                                           ("qwen3_moe", ()), ("gemma3", ()), ("gemma3", ("scan_layers=false",)),
-                                          ("deepseek", ()), ("deepseek", ("scan_layers=false",)),
+                                          ("deepseek", ()), ("deepseek", ("scan_layers=false",)), ("deepseek_v2", ()),
                                           ("gpt_oss", ()), ("gpt_oss", ("scan_layers=false",)),
                                           ("llama_bias_yarn", ("fused_mlp=true",)),
                                           ("llama4", ()), ("llama4", ("scan_layers=false",))])
@@ -160,7 +162,8 @@ def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
     # the written config.json describes the same model, and transformers loads what we wrote
     assert config_from_hf(json.loads((tmp_path / "back" / "config.json").read_text())) == config_from_hf(original.config)
-    if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek") or extra == ("scan_layers=false",) \
+    if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek", "deepseek_v2") \
+            or extra == ("scan_layers=false",) \
             and family in ("gemma3", "deepseek"):
         return  # the richest configs, once each (each check costs a reference run of two models)
     tokens, _ = _padded_batch(cfg.model.vocab_size)
@@ -286,6 +289,7 @@ def test_mxfp4_values_equal_transformers(tmp_path):
 def test_hf_config_round_trips_every_model_file():
     for name in ("llama2-7b", "llama3.1-8b", "mistral-7b", "mixtral-8x7b", "gemma-7b", "gemma2-9b", "gemma2-27b",
                  "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-480b-a35b", "gemma3-4b", "gemma3-27b", "deepseek-v3",
+                 "deepseek2-16b", "deepseek2-236b", "kimi-k2-1t",
                  "gpt-oss-20b", "gpt-oss-120b", "llama4-17b-16e", "llama4-17b-128e"):
         m = load_model_config(name, []).model
         keys = config_from_hf(hf_config(m, 4096))

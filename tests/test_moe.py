@@ -62,9 +62,11 @@ def _reference(layer, cfg, x, capacity=None, scale_inputs=False):
         chosen = []
         for t in range(t_size):
             c = choice[b, t]
-            if cfg.n_routing_groups > 1:  # the best topk_routing_group groups by the sum of their two best
+            if cfg.n_routing_groups > 1:  # the best topk_routing_group groups by the sum of their two best (or best)
                 groups = c.reshape(cfg.n_routing_groups, -1)
-                best = np.argsort(-np.sort(groups, axis=1)[:, -2:].sum(1), kind="stable")[:cfg.topk_routing_group]
+                best_two = np.sort(groups, axis=1)[:, -2:]
+                group_score = best_two[:, -1] if cfg.routing_group_score == "max" else best_two.sum(1)
+                best = np.argsort(-group_score, kind="stable")[:cfg.topk_routing_group]
                 allowed = np.isin(np.arange(e) // groups.shape[1], best)
                 c = np.where(allowed, c, -np.inf)
             top = np.argsort(-c, kind="stable")[:k]
@@ -90,6 +92,9 @@ def _reference(layer, cfg, x, capacity=None, scale_inputs=False):
 DEEPSEEK = dict(decoder_block="deepseek", head_dim=24, q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=8,
                 qk_rope_head_dim=16, v_head_dim=10, num_experts=8, num_experts_per_tok=3, n_routing_groups=4,
                 topk_routing_group=2, routed_score_func="sigmoid", routed_bias=True, routed_scaling_factor=2.5)
+# DeepSeek-V2: softmax scores, no bias, groups ranked by their best expert, weights not renormalized
+DEEPSEEK_V2 = dict(DEEPSEEK, q_lora_rank=0, routed_score_func="softmax", routed_bias=False, routing_group_score="max",
+                   norm_topk_prob=False, routed_scaling_factor=1.0)
 
 
 @pytest.mark.parametrize("keys,layer_keys", [
@@ -103,6 +108,9 @@ DEEPSEEK = dict(decoder_block="deepseek", head_dim=24, q_lora_rank=20, kv_lora_r
     (dict(num_experts_per_tok=4), {}),  # every expert: the router loss is k, whatever the probabilities
     (DEEPSEEK, {}),
     (dict(DEEPSEEK, sparse_matmul=True), {}),
+    (DEEPSEEK_V2, {}),
+    (dict(DEEPSEEK_V2, sparse_matmul=True), {}),
+    (dict(DEEPSEEK_V2, n_routing_groups=8, topk_routing_group=3), {}),  # groups of one expert: their scores
     # Llama 4: one expert by sigmoid score, the token multiplied by it on the way in
     (dict(num_experts_per_tok=1, routed_score_func="sigmoid", norm_topk_prob=False), dict(scale_inputs=True)),
     (dict(num_experts_per_tok=1, routed_score_func="sigmoid", norm_topk_prob=False, sparse_matmul=True),

@@ -68,10 +68,11 @@ def _validate_routing(m) -> None:
             raise ConfigError(f"topk_routing_group={m.topk_routing_group} must be between 1 and n_routing_groups="
                               f"{m.n_routing_groups}: the groups a token may take its experts from (DeepSeek-V3: 4 "
                               "of 8)")
-        if m.num_experts // m.n_routing_groups < 2:  # a group scores the sum of its two best (a top_k traceback)
+        if m.num_experts // m.n_routing_groups < 2 and m.routing_group_score == "top2_sum":  # (a top_k traceback)
             raise ConfigError(f"n_routing_groups={m.n_routing_groups} leaves groups of one expert (num_experts="
                               f"{m.num_experts}), but a group is scored by its two best experts; use at most "
-                              f"{m.num_experts // 2} groups, or n_routing_groups=-1 for no groups")
+                              f"{m.num_experts // 2} groups, routing_group_score=max, or n_routing_groups=-1 for no "
+                              "groups")
         if m.num_experts_per_tok > (allowed := m.topk_routing_group * m.num_experts // m.n_routing_groups):
             raise ConfigError(f"num_experts_per_tok={m.num_experts_per_tok} is more experts than the "
                               f"topk_routing_group={m.topk_routing_group} groups a token may use hold ("

@@ -184,8 +184,11 @@ class ModelConfig:
     routed_bias_update_rate: float = key(0.001, "routed_bias: how far each step moves an expert's bias: down when it "
                                          "took more than its share of the tokens, up when less", minimum=0.0)
     n_routing_groups: int = key(-1, "MoE: experts split into this many groups, and a token's experts come from its "
-                                "topk_routing_group best groups (scored by their two best experts); -1: no groups")
+                                "topk_routing_group best groups (scored as routing_group_score says); -1: no groups")
     topk_routing_group: int = key(-1, "MoE with n_routing_groups: groups a token may take experts from")
+    routing_group_score: str = key("top2_sum", "MoE with n_routing_groups: a group's score, by which a token's groups "
+                                   "are chosen: the sum of its two best experts' scores (DeepSeek-V3) or its best "
+                                   "expert's score (max: DeepSeek-V2)", ("top2_sum", "max"))
     q_lora_rank: int = key(0, "deepseek (multi-head latent attention): rank of the low-rank query projection "
                            "(0: a full-rank query projection)", minimum=0)
     kv_lora_rank: int = key(512, "deepseek: width of the compressed key/value latent (what the KV cache stores)",

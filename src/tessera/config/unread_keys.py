@@ -148,7 +148,8 @@ def _quantized_logits(m) -> list[str]:
 
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "rope_truncate")
 EXPERT_KEYS = ("shared_experts", "base_moe_mlp_dim", "routed_score_func", "routed_scaling_factor", "routed_bias",
-               "routed_bias_update_rate", "n_routing_groups", "topk_routing_group", "norm_topk_prob",
+               "routed_bias_update_rate", "n_routing_groups", "topk_routing_group", "routing_group_score",
+               "norm_topk_prob",
                "ragged_buffer_factor", "load_balance_loss_weight")
 TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor_scale")
 LLAMA3_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
@@ -177,8 +178,9 @@ def _family_keys(m, changed: dict) -> list[str]:
                          "(deepseek's first_num_dense_layers, llama4's between its expert layers)")
         if not m.routed_bias and "routed_bias_update_rate" in changed:
             lines.append(f"{_listed(['routed_bias_update_rate'], changed)}: no effect without routed_bias=true")
-        if m.n_routing_groups <= 1 and "topk_routing_group" in changed:
-            lines.append(f"{_listed(['topk_routing_group'], changed)}: no effect without n_routing_groups (above 1)")
+        if m.n_routing_groups <= 1 and (keys := [k for k in ("topk_routing_group", "routing_group_score")
+                                                 if k in changed]):
+            lines.append(f"{_listed(keys, changed)}: no effect without n_routing_groups (above 1)")
         if not (m.sparse_matmul or m.megablox) and "ragged_buffer_factor" in changed:
             lines.append(f"{_listed(['ragged_buffer_factor'], changed)}: no effect with capacity routing; it sizes "
                          "dropless routing's buffer (sparse_matmul=true or megablox=true)")

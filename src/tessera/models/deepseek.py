@@ -1,4 +1,4 @@
-"""DeepSeek-V3 decoder blocks (`decoder_block=deepseek`).
+"""DeepSeek-V3 and DeepSeek-V2 decoder blocks (`decoder_block=deepseek`).
 
 DeepSeek-V3 (DeepSeek-AI 2024) is a pre-RMSNorm decoder whose attention is multi-head latent
 attention (`tessera.models.mla`: low-rank query and compressed key/value projections, a
@@ -15,6 +15,14 @@ fine-grained experts (`tessera.models.moe`) with:
   (`load_balance_loss_weight`, 0.0001 in the model file);
 - the first `first_num_dense_layers` (3) layers with a dense MLP of `base_mlp_dim` instead of
   experts: the decoder stacks them separately (`dense_layers`) below the expert layers.
+
+DeepSeek-V2 (`deepseek2-236b`, and the Lite model `deepseek2-16b`) is the same block routed otherwise:
+softmax scores weighted as they are (`norm_topk_prob=false`) times `routed_scaling_factor` (16 in
+236B), no balancing bias, and in 236B groups ranked by their best expert's score
+(`routing_group_score=max`: DeepSeek's group-limited greedy choice; V3 ranks them by the sum of
+their two best); V2-Lite has a full-rank query projection (`q_lora_rank=0`) and no groups. Its
+report's device- and communication-level balancing losses are not built (they balance a particular
+device layout), only the expert-level one (`load_balance_loss_weight`).
 
 Where it differs from the reference (the Hugging Face `transformers` implementation, which the
 parity tests compare against, and DeepSeek's report): the multi-token-prediction module

@@ -140,8 +140,8 @@ class MoeMlp(nnx.Module):
         Scores are the softmax of the router logits, or their sigmoids (`routed_score_func`).
         Experts are chosen on the scores plus `routed_bias` (when on), only from the token's
         best `topk_routing_group` of `n_routing_groups` groups (a group scores the sum of its two
-        best); they are weighted by their scores, renormalized to sum to one (`norm_topk_prob`)
-        and multiplied by `routed_scaling_factor`."""
+        best, or with `routing_group_score=max` its best); they are weighted by their scores,
+        renormalized to sum to one (`norm_topk_prob`) and multiplied by `routed_scaling_factor`."""
         cfg, e = self.cfg, self.cfg.num_experts
         logits_bte = jnp.einsum("btd,de->bte", x_btd.astype(jnp.float32), self.router_de[...].astype(jnp.float32))
         if self.router_bias:
@@ -153,7 +153,10 @@ class MoeMlp(nnx.Module):
             choice_bte = choice_bte + jax.lax.stop_gradient(self.routed_bias_e[...])
         if cfg.n_routing_groups > 1:
             groups = choice_bte.reshape(*choice_bte.shape[:2], cfg.n_routing_groups, e // cfg.n_routing_groups)
-            group_score_btg = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)
+            if cfg.routing_group_score == "max":  # DeepSeek-V2's group-limited greedy choice
+                group_score_btg = jnp.max(groups, axis=-1)
+            else:
+                group_score_btg = jnp.sum(jax.lax.top_k(groups, 2)[0], axis=-1)
             _, best_btg = jax.lax.top_k(group_score_btg, cfg.topk_routing_group)
             allowed_btg = jnp.sum(jax.nn.one_hot(best_btg, cfg.n_routing_groups, dtype=jnp.bool_), axis=2) > 0
             allowed_bte = jnp.repeat(allowed_btg, e // cfg.n_routing_groups, axis=-1)

@@ -19,13 +19,15 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
     """A transformers `config.json` for the model `m` describes (inverse of config_from_hf), whose
     parameters were trained on sequences of `trained_length` tokens (see max_positions)."""
     model_type = {v: k for k, v in HF_MODEL_TYPES.items()}[m.decoder_block]
+    if m.decoder_block == "deepseek":  # DeepSeek-V2 routes by softmax without a bias, V3 by sigmoid with one
+        model_type = "deepseek_v2" if m.routed_score_func == "softmax" and not m.routed_bias else "deepseek_v3"
     unwritten = [f"{key}={getattr(m, key):g}" for key in NO_CAPS if getattr(m, key)]
     if unwritten and model_type not in ("gemma2", "gemma3_text"):
         raise ConfigError(f"{', '.join(unwritten)}: Hugging Face's {model_type} config.json has no such setting, so "
                           "the exported model would compute other logits than this one; it cannot be exported")
     act = _activation_name(m, model_type)
-    if model_type == "deepseek_v3":
-        return _refuse_other_routing(m, _deepseek_config(m, act, max_positions(m, trained_length)))
+    if m.decoder_block == "deepseek":
+        return _refuse_other_routing(m, _deepseek_config(m, model_type, act, max_positions(m, trained_length)))
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -149,16 +151,29 @@ def _llama4_config(m: ModelConfig) -> dict[str, Any]:
             "attn_scale": m.temperature_tuning_scale, "router_aux_loss_coef": m.load_balance_loss_weight}
 
 
-def _deepseek_config(m: ModelConfig, act: str, max_position_embeddings: int) -> dict[str, Any]:
-    """config.json of a deepseek model (DeepSeek-V3's keys; rotary dimensions interleaved, as its checkpoints)."""
-    _refuse_rope_scaling(m, "deepseek_v3", ("none", "yarn"))
+def _deepseek_config(m: ModelConfig, model_type: str, act: str, max_position_embeddings: int) -> dict[str, Any]:
+    """config.json of a deepseek model: DeepSeek-V3's keys, or DeepSeek-V2's (`model_type`) for a model that routes
+    as V2 does (rotary dimensions interleaved, as their checkpoints)."""
+    _refuse_rope_scaling(m, model_type, ("none", "yarn"))
+    v2 = model_type == "deepseek_v2"
+    if v2 and m.mtp_num_layers:
+        raise ConfigError(f"mtp_num_layers={m.mtp_num_layers}: Hugging Face's deepseek_v2 (the family of this model's "
+                          "softmax routing without a balancing bias) has no multi-token-prediction module; set "
+                          "mtp_num_layers=0 to export the main model")
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
     if m.rope_scaling == "yarn":
         rope.update(rope_type="yarn", factor=m.rope_scaling_factor, beta_fast=m.beta_fast, beta_slow=m.beta_slow,
                     mscale=m.mscale, mscale_all_dim=m.mscale, truncate=m.rope_truncate,
                     original_max_position_embeddings=m.rope_original_max_position)
+    groups = m.n_routing_groups > 1
+    # (transformers' deepseek_v2 router never renormalizes: a model that does is refused by name after)
+    routing = ({"scoring_func": "softmax", "topk_method": "group_limited_greedy" if groups else "greedy",
+                "norm_topk_prob": False} if v2 else
+               {"scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": m.norm_topk_prob,
+                "rope_interleave": True, "num_nextn_predict_layers": m.mtp_num_layers})
     return {
-        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": m.emb_dim,
+        "architectures": ["DeepseekV2ForCausalLM" if v2 else "DeepseekV3ForCausalLM"], "model_type": model_type,
+        "hidden_size": m.emb_dim,
         "intermediate_size": m.mlp_dim, "moe_intermediate_size": m.expert_mlp_dim,
         "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads,
         "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
@@ -168,10 +183,8 @@ def _deepseek_config(m: ModelConfig, act: str, max_position_embeddings: int) -> 
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "n_routed_experts": m.num_experts,
         "num_experts_per_tok": m.num_experts_per_tok, "n_shared_experts": m.shared_experts,
-        "first_k_dense_replace": m.first_num_dense_layers, "norm_topk_prob": m.norm_topk_prob,
-        "routed_scaling_factor": m.routed_scaling_factor, "n_group": max(m.n_routing_groups, 1),
-        "topk_group": max(m.topk_routing_group, 1), "scoring_func": "sigmoid", "topk_method": "noaux_tc",
-        "rope_interleave": True, "rope_parameters": rope, "num_nextn_predict_layers": m.mtp_num_layers,
+        "first_k_dense_replace": m.first_num_dense_layers, "routed_scaling_factor": m.routed_scaling_factor, "n_group": max(m.n_routing_groups, 1),
+        "topk_group": max(m.topk_routing_group, 1), "rope_parameters": rope, **routing,
     }
 
 
@@ -192,6 +205,8 @@ def _refuse_other_routing(m: ModelConfig, written: dict[str, Any]) -> dict[str, 
     differ = [k for k in keys if getattr(m, k) != getattr(hf, k)]
     if groups(m) != groups(hf) or (groups(m) > 1 and m.topk_routing_group != hf.topk_routing_group):
         differ += ["n_routing_groups", "topk_routing_group"]
+    if groups(m) > 1 and m.routing_group_score != hf.routing_group_score:
+        differ.append("routing_group_score")
     if m.routed_bias and not hf.routed_bias:  # deepseek_v3's bias of zeros routes as no bias
         differ.append("routed_bias")
     if differ:

@@ -18,7 +18,7 @@ from tessera.tools.hf_rope import rope_keys, rope_theta
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
-                  "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
+                  "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
 # multimodal checkpoints whose language model Tessera converts: model_type -> its text model's model_type
 # (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix). Gemma 3
 # 4B, 12B and 27B are released only as such (Gemma3ForConditionalGeneration), and were refused as unsupported
@@ -52,6 +52,9 @@ HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping"
                "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096, "num_attention_heads": 8,
                                "num_key_value_heads": 4, "vocab_size": 262208, "rms_norm_eps": 1e-6},
                "mistral": {"sliding_window": 4096}, "gpt_oss": {"sliding_window": 128, "attention_bias": True},
+               # transformers' DeepseekV2Config: greedy (no groups); its router ignores norm_topk_prob
+               "deepseek_v2": {"routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy",
+                               "first_k_dense_replace": 0, "n_shared_experts": 2, "q_lora_rank": 1536},
                "deepseek_v3": {"routed_scaling_factor": 2.5, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
                                "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536},
                "llama4_text": {"use_qk_norm": True, "attn_temperature_tuning": True, "attention_chunk_size": 8192}}
@@ -112,7 +115,7 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         hf["rope_parameters"] = {**GPT_OSS_ROPE, "rope_theta": hf.get("rope_theta", GPT_OSS_ROPE["rope_theta"])}
     if kind == "gpt2":
         return _gpt2_keys(hf)
-    if kind == "deepseek_v3":
+    if kind in ("deepseek_v2", "deepseek_v3"):
         return _deepseek_keys(hf)
     heads = hf["num_attention_heads"]
     keys = {
@@ -267,11 +270,37 @@ def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
     return keys
 
 
+def _deepseek_routing(hf: dict[str, Any]) -> dict[str, Any]:
+    """The routing keys of a DeepSeek config.json as transformers routes it: DeepSeek-V3's sigmoid scores with a
+    balancing bias and groups ranked by their two best experts (noaux_tc), or DeepSeek-V2's softmax scores, in
+    groups ranked by their best expert (group_limited_greedy) or without groups (greedy), never renormalized."""
+    v2, method = hf["model_type"] == "deepseek_v2", hf.get("topk_method", "noaux_tc")
+    expected, scores = (("greedy", "group_limited_greedy"), "softmax") if v2 else (("noaux_tc",), "sigmoid")
+    if method not in expected or hf.get("scoring_func", scores) != scores:
+        raise ConfigError(f"this {hf['model_type']} checkpoint routes with scoring_func={hf.get('scoring_func')!r} and "
+                          f"topk_method={method!r}; Tessera's deepseek builds what transformers' {hf['model_type']} "
+                          f"computes: {'softmax with ' + ' or '.join(expected) if v2 else 'sigmoid with noaux_tc'}")
+    if v2 and hf.get("norm_topk_prob"):
+        raise ConfigError("this deepseek_v2 checkpoint sets norm_topk_prob=true, which transformers' deepseek_v2 "
+                          "router ignores (DeepSeek's own code renormalizes): which model it is, is unclear, so it "
+                          "is not converted; the released DeepSeek-V2 models set false")
+    groups = (hf.get("n_group") or 1) > 1 and method != "greedy"
+    keys = {"routed_score_func": "softmax" if v2 else "sigmoid", "routed_bias": not v2,
+            "norm_topk_prob": bool(hf.get("norm_topk_prob")) and not v2,
+            "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
+            "n_routing_groups": hf["n_group"] if groups else -1, "topk_routing_group": hf["topk_group"] if groups else -1}
+    if groups:  # (without groups it has no effect)
+        keys["routing_group_score"] = "max" if v2 else "top2_sum"
+    return keys
+
+
 def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
     heads = hf["num_attention_heads"]
-    if hf.get("scoring_func", "sigmoid") != "sigmoid" or hf.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise ConfigError("this DeepSeek checkpoint routes with scoring_func/topk_method other than DeepSeek-V3's "
-                          "sigmoid / noaux_tc, which is what Tessera's deepseek builds")
+    if (hf.get("moe_layer_freq") or 1) != 1:
+        raise ConfigError(f"this DeepSeek checkpoint sets moe_layer_freq={hf['moe_layer_freq']} (DeepSeek's code "
+                          "then has experts in fewer layers, transformers' in every one); Tessera's deepseek has them "
+                          "in every layer after the first dense ones, as the released models (1), so it is not "
+                          "converted")
     if not hf.get("rope_interleave", True):  # the converter reorders interleaved rotary dimensions (hf_layouts)
         raise ConfigError("this DeepSeek checkpoint sets rope_interleave=false (rotary dimensions in two halves); "
                           "the converter reads DeepSeek-V3's interleaved layout (rope_interleave=true)")
@@ -287,11 +316,8 @@ def _deepseek_keys(hf: dict[str, Any]) -> dict[str, Any]:
         "qk_nope_head_dim": hf["qk_nope_head_dim"], "qk_rope_head_dim": hf["qk_rope_head_dim"],
         "v_head_dim": hf["v_head_dim"], "num_experts": hf["n_routed_experts"],
         "num_experts_per_tok": hf["num_experts_per_tok"], "shared_experts": hf.get("n_shared_experts") or 0,
-        "first_num_dense_layers": hf.get("first_k_dense_replace", 0), "norm_topk_prob": bool(hf.get("norm_topk_prob")),
-        "routed_score_func": "sigmoid", "routed_bias": True,
-        "routed_scaling_factor": float(hf.get("routed_scaling_factor", 1.0)),
-        "n_routing_groups": hf["n_group"] if (hf.get("n_group") or 1) > 1 else -1,
-        "topk_routing_group": hf["topk_group"] if (hf.get("n_group") or 1) > 1 else -1, "final_logits_soft_cap": 0.0,
+        "first_num_dense_layers": hf.get("first_k_dense_replace", 0), "final_logits_soft_cap": 0.0,
+        **_deepseek_routing(hf),
     }
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     keys["rope_max_timescale"] = rope_theta(params.get("rope_theta", hf.get("rope_theta", 10000.0)))

@@ -52,8 +52,8 @@ INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
 FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3",
-            "deepseek", "gpt_oss", "llama_bias_yarn", "llama4", "gemma3_multimodal")
-MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss", "llama4")  # built by _moe_config
+            "deepseek", "deepseek_v2", "gpt_oss", "llama_bias_yarn", "llama4", "gemma3_multimodal")
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek", "deepseek_v2", "gpt_oss", "llama4")  # built by _moe_config
 
 
 def _yarn(truncate: bool) -> dict:
@@ -159,6 +159,21 @@ def _moe_config(family: str):
                              "mscale": 1.0, "mscale_all_dim": 1.0})
         del kwargs["head_dim"]
         return t.DeepseekV3ForCausalLM, t.DeepseekV3Config(**kwargs)
+    if family == "deepseek_v2":
+        # DeepSeek-V2: MLA without query compression (a full query projection), YaRN x4 with V2's mscale 0.707;
+        # 1 dense layer, then 2 layers of 8 experts in 4 groups ranked by their best expert's softmax score (2
+        # allowed per token, 3 experts chosen, weighted by their scores x 1.5, not renormalized) and 2 shared experts
+        kwargs = _decoder_kwargs(
+            num_hidden_layers=3, num_key_value_heads=HEADS, rms_norm_eps=1e-6, moe_intermediate_size=12,
+            n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+            n_shared_experts=2, routed_scaling_factor=1.5, first_k_dense_replace=1, norm_topk_prob=False,
+            q_lora_rank=None, kv_lora_rank=12, qk_nope_head_dim=6, qk_rope_head_dim=16, v_head_dim=10,
+            max_position_embeddings=4096,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 0.707, "mscale_all_dim": 0.707})
+        del kwargs["head_dim"]
+        return t.DeepseekV2ForCausalLM, t.DeepseekV2Config(**kwargs)
     if family == "gpt_oss":
         # 2 pairs of a sliding-window and a full-attention layer; 4 experts, 2 chosen; a clamp low enough
         # (0.5) to clip many gate and up values of these weights; YaRN without truncation
