@@ -149,8 +149,7 @@ def _quantized_logits(m) -> list[str]:
 YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "rope_truncate")
 EXPERT_KEYS = ("shared_experts", "base_moe_mlp_dim", "routed_score_func", "routed_scaling_factor", "routed_bias",
                "routed_bias_update_rate", "n_routing_groups", "topk_routing_group", "routing_group_score",
-               "norm_topk_prob",
-               "ragged_buffer_factor", "load_balance_loss_weight")
+               "norm_topk_prob", "ragged_buffer_factor", "load_balance_loss_weight")
 TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor_scale")
 LLAMA3_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
 ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS,

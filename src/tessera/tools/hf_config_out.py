@@ -173,8 +173,7 @@ def _deepseek_config(m: ModelConfig, model_type: str, act: str, max_position_emb
                 "rope_interleave": True, "num_nextn_predict_layers": m.mtp_num_layers})
     return {
         "architectures": ["DeepseekV2ForCausalLM" if v2 else "DeepseekV3ForCausalLM"], "model_type": model_type,
-        "hidden_size": m.emb_dim,
-        "intermediate_size": m.mlp_dim, "moe_intermediate_size": m.expert_mlp_dim,
+        "hidden_size": m.emb_dim, "intermediate_size": m.mlp_dim, "moe_intermediate_size": m.expert_mlp_dim,
         "num_attention_heads": m.num_query_heads, "num_key_value_heads": m.num_kv_heads,
         "num_hidden_layers": m.num_decoder_layers, "vocab_size": m.vocab_size, "rms_norm_eps": m.normalization_layer_epsilon,
         "tie_word_embeddings": m.logits_via_embedding, "hidden_act": act,
@@ -183,8 +182,9 @@ def _deepseek_config(m: ModelConfig, model_type: str, act: str, max_position_emb
         "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank, "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim, "v_head_dim": m.v_head_dim, "n_routed_experts": m.num_experts,
         "num_experts_per_tok": m.num_experts_per_tok, "n_shared_experts": m.shared_experts,
-        "first_k_dense_replace": m.first_num_dense_layers, "routed_scaling_factor": m.routed_scaling_factor, "n_group": max(m.n_routing_groups, 1),
-        "topk_group": max(m.topk_routing_group, 1), "rope_parameters": rope, **routing,
+        "first_k_dense_replace": m.first_num_dense_layers, "routed_scaling_factor": m.routed_scaling_factor,
+        "n_group": max(m.n_routing_groups, 1), "topk_group": max(m.topk_routing_group, 1), "rope_parameters": rope,
+        **routing,
     }
 
 
