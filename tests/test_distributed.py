@@ -853,6 +853,41 @@ def test_process_0_gives_the_others_time_to_leave_after_they_read_its_error(monk
         assert left == [4] and sleeps == slept and job_failure.LEAVE_GRACE_SECONDS >= 1.0
 
 
+
+def test_process_0_that_follows_another_process_failure_still_leaves_last(monkeypatch):
+    """Process 1 left on a second SIGTERM, waiting first for process 0 to read its line; process 0 read it
+    and left at once, which stopped the coordination service before process 1 was gone: process 1 was
+    aborted by JAX's error poll (exit -6, not 143; seen in a full CI run). Process 0 following another's
+    failure now waits for every other process's acknowledgement and LEAVE_GRACE_SECONDS, as when it fails
+    itself; any other process follows at once."""
+    from tessera import job_failure
+
+    class Store:  # the coordinator's key-value store: process 1's failure, acknowledged by 1 and 2
+        def __init__(self):
+            self.kv = {job_failure.FAILED_KEY: "143 1 SIGTERM received again: stopping now",
+                       job_failure.ACK_PREFIX + "1": "1", job_failure.ACK_PREFIX + "2": "1"}
+            self.waited = []
+
+        def key_value_set(self, key, value):
+            self.kv[key] = value
+
+        def key_value_try_get(self, key):
+            return self.kv[key]
+
+        def blocking_key_value_get(self, key, wait_ms):
+            self.waited.append(key)
+            return self.kv[key]
+
+    for me, waited, slept in ((0, ["1", "2"], [job_failure.LEAVE_GRACE_SECONDS]), (2, [], [])):
+        store, left, sleeps = Store(), [], []
+        monkeypatch.setattr(job_failure, "_client", lambda: (store, me, 3))
+        monkeypatch.setattr(job_failure, "_leave", left.append)
+        monkeypatch.setattr(job_failure.time, "sleep", sleeps.append)
+        job_failure.follow_earlier_failure()
+        assert left == [143] and store.kv[job_failure.ACK_PREFIX + str(me)] == "1"
+        assert store.waited == [job_failure.ACK_PREFIX + p for p in waited] and sleeps == slept
+
+
 _MEET = """
 import os, sys, time
 sys.path.insert(0, {src!r})

@@ -17,8 +17,9 @@ the processes found their configs equal; it polls the key once a second and, whe
 prints `job error: process 1 stopped with: data error: ...; this process stops too (exit code 2)`
 and leaves with the same exit code. A process whose own collective failed because the failing
 one left first reads the key before saying anything (`follow_earlier_failure`). Process 0 hosts
-the coordinator, so when it is the one that fails it first waits (up to ACK_SECONDS) for the
-others to say they read the key, then LEAVE_GRACE_SECONDS for them to be gone.
+the coordinator, so it leaves last: whether it failed or follows another's failure, it first waits
+(up to ACK_SECONDS) for the others to say they read the key, then LEAVE_GRACE_SECONDS for them to
+be gone.
 """
 
 from __future__ import annotations
@@ -75,18 +76,25 @@ def end_job(code: int, line: str, wait_for_others: bool = False) -> None:
             _say_following(*found)
     _acknowledge(client, me)  # (a process that fails too knows of it: process 0 need not wait for it)
     if me == 0 or wait_for_others:  # process 0, the coordinator, leaves with this process: the others read first
-        wait_ms, read = int(ACK_SECONDS * 1000), 0
-        for other in range(count):
-            if other == me:
-                continue
-            try:
-                client.blocking_key_value_get(f"{ACK_PREFIX}{other}", wait_ms)
-                read += 1
-            except Exception:  # noqa: BLE001 - that process is gone or stuck; it is not waited for again
-                wait_ms = 1
-        if me == 0 and read:  # they leave right after acknowledging; on a loaded host that can take a moment
-            time.sleep(LEAVE_GRACE_SECONDS)
+        _wait_for_the_others(client, me, count)
     _leave(code)
+
+
+def _wait_for_the_others(client, me: int, count: int) -> None:
+    """Wait (up to ACK_SECONDS in all) until every other process said it read the published failure;
+    process 0 then gives them LEAVE_GRACE_SECONDS more to be gone, since its exit stops the coordination
+    service."""
+    wait_ms, read = int(ACK_SECONDS * 1000), 0
+    for other in range(count):
+        if other == me:
+            continue
+        try:
+            client.blocking_key_value_get(f"{ACK_PREFIX}{other}", wait_ms)
+            read += 1
+        except Exception:  # noqa: BLE001 - that process is gone or stuck; it is not waited for again
+            wait_ms = 1
+    if me == 0 and read:  # they leave right after acknowledging; on a loaded host that can take a moment
+        time.sleep(LEAVE_GRACE_SECONDS)
 
 
 def _acknowledge(client, me: int) -> None:
@@ -112,8 +120,14 @@ def _say_following(code: int, process: int, line: str) -> None:
 
 
 def _follow(client, me: int, code: int, process: int, line: str) -> None:
+    """Leave with another process's published failure. Process 0 leaves last, as when it fails itself: the
+    failing process may still be waiting for the acknowledgements (a second stop signal), and a process
+    alive when the coordination service stops is aborted by JAX's error poll (SIGABRT, exit -6, not the
+    job's code; seen in CI when process 0 followed process 1's second SIGTERM at once)."""
     _acknowledge(client, me)
     _say_following(code, process, line)
+    if me == 0:
+        _wait_for_the_others(client, me, _client()[2])
     _leave(code)
 
 
