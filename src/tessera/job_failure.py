@@ -81,9 +81,9 @@ def end_job(code: int, line: str, wait_for_others: bool = False) -> None:
 
 
 def _wait_for_the_others(client, me: int, count: int) -> None:
-    """Wait (up to ACK_SECONDS in all) until every other process said it read the published failure;
-    process 0 then gives them LEAVE_GRACE_SECONDS more to be gone, since its exit stops the coordination
-    service."""
+    """Wait until every other process said it read the published failure (up to ACK_SECONDS for each; once
+    one does not answer in time, the rest are not waited for); process 0 then gives them LEAVE_GRACE_SECONDS
+    more to be gone, since its exit stops the coordination service."""
     wait_ms, read = int(ACK_SECONDS * 1000), 0
     for other in range(count):
         if other == me:
