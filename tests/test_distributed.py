@@ -858,14 +858,17 @@ def test_process_0_that_follows_another_process_failure_still_leaves_last(monkey
     """Process 1 left on a second SIGTERM, waiting first for process 0 to read its line; process 0 read it
     and left at once, which stopped the coordination service before process 1 was gone: process 1 was
     aborted by JAX's error poll (exit -6, not 143; seen in a full CI run). Process 0 following another's
-    failure now waits for every other process's acknowledgement and LEAVE_GRACE_SECONDS, as when it fails
-    itself; any other process follows at once."""
+    failure now waits for the acknowledgement of every process still alive, then LEAVE_GRACE_SECONDS, as when
+    it fails itself: the failing process only when it said it waits (a second signal; any other failing
+    process left at once), and every other follower. Any process but 0 follows at once."""
     from tessera import job_failure
 
-    class Store:  # the coordinator's key-value store: process 1's failure, acknowledged by 1 and 2
-        def __init__(self):
-            self.kv = {job_failure.FAILED_KEY: "143 1 SIGTERM received again: stopping now",
-                       job_failure.ACK_PREFIX + "1": "1", job_failure.ACK_PREFIX + "2": "1"}
+    class Store:  # the coordinator's key-value store: process 1's failure, acknowledged by the others
+        def __init__(self, count, waits):
+            self.kv = {job_failure.FAILED_KEY: "143 1 SIGTERM received again: stopping now"}
+            self.kv.update({job_failure.ACK_PREFIX + str(p): "1" for p in range(1, count)})
+            if waits:
+                self.kv[job_failure.WAITS_PREFIX + "1"] = "1"
             self.waited = []
 
         def key_value_set(self, key, value):
@@ -875,17 +878,42 @@ def test_process_0_that_follows_another_process_failure_still_leaves_last(monkey
             return self.kv[key]
 
         def blocking_key_value_get(self, key, wait_ms):
-            self.waited.append(key)
+            self.waited.append(key[len(job_failure.ACK_PREFIX):])
             return self.kv[key]
 
-    for me, waited, slept in ((0, ["1", "2"], [job_failure.LEAVE_GRACE_SECONDS]), (2, [], [])):
-        store, left, sleeps = Store(), [], []
-        monkeypatch.setattr(job_failure, "_client", lambda: (store, me, 3))
+    grace = [job_failure.LEAVE_GRACE_SECONDS]
+    for me, count, waits, waited, slept in ((0, 3, True, ["1", "2"], grace), (0, 3, False, ["2"], grace),
+                                            (0, 2, True, ["1"], grace), (0, 2, False, [], []), (2, 3, True, [], [])):
+        store, left, sleeps = Store(count, waits), [], []
+        monkeypatch.setattr(job_failure, "_client", lambda: (store, me, count))
         monkeypatch.setattr(job_failure, "_leave", left.append)
         monkeypatch.setattr(job_failure.time, "sleep", sleeps.append)
         job_failure.follow_earlier_failure()
         assert left == [143] and store.kv[job_failure.ACK_PREFIX + str(me)] == "1"
-        assert store.waited == [job_failure.ACK_PREFIX + p for p in waited] and sleeps == slept
+        assert (store.waited, sleeps) == (waited, slept), (me, count, waits)
+
+
+def test_a_process_that_waits_for_the_others_says_so_before_its_failure_is_public(monkeypatch):
+    """Process 0 reads whether the failing process waits (and is still alive) once the failure is public: the
+    mark must be in the store first."""
+    from tessera import job_failure
+
+    class Store:
+        def __init__(self):
+            self.order = []
+
+        def key_value_set(self, key, value):
+            self.order.append(key)
+
+        def blocking_key_value_get(self, key, wait_ms):
+            return "1"
+
+    for wait, marked in ((True, [job_failure.WAITS_PREFIX + "1"]), (False, [])):
+        store = Store()
+        monkeypatch.setattr(job_failure, "_client", lambda: (store, 1, 2))
+        monkeypatch.setattr(job_failure, "_leave", lambda code: None)
+        job_failure.end_job(143, "SIGTERM received again", wait_for_others=wait)
+        assert store.order == [*marked, job_failure.FAILED_KEY, job_failure.ACK_PREFIX + "1"]
 
 
 _MEET = """

@@ -31,6 +31,7 @@ import time
 
 FAILED_KEY = "tessera/failed"
 ACK_PREFIX = "tessera/failed_read/"
+WAITS_PREFIX = "tessera/failed_waits/"  # set by a failing process that waits for the others before it leaves
 POLL_SECONDS = 1.0
 ACK_SECONDS = 10.0
 # after the others acknowledged, process 0 gives them this long to leave: its exit stops the coordination
@@ -67,6 +68,8 @@ def end_job(code: int, line: str, wait_for_others: bool = False) -> None:
     client, me, count = _client()
     if client is None:
         return
+    if wait_for_others:  # before the failure is public: process 0, following it, then waits for this process
+        _set(client, f"{WAITS_PREFIX}{me}")
     try:
         client.key_value_set(FAILED_KEY, f"{code} {me} {line}")
     except Exception:  # noqa: BLE001 - ALREADY_EXISTS: another process failed first and the others follow it
@@ -80,13 +83,14 @@ def end_job(code: int, line: str, wait_for_others: bool = False) -> None:
     _leave(code)
 
 
-def _wait_for_the_others(client, me: int, count: int) -> None:
+def _wait_for_the_others(client, me: int, count: int, gone: int | None = None) -> None:
     """Wait until every other process said it read the published failure (up to ACK_SECONDS for each; once
     one does not answer in time, the rest are not waited for); process 0 then gives them LEAVE_GRACE_SECONDS
-    more to be gone, since its exit stops the coordination service."""
+    more to be gone, since its exit stops the coordination service. `gone`: a process that left already (the
+    failing one, when it did not wait), not waited for."""
     wait_ms, read = int(ACK_SECONDS * 1000), 0
     for other in range(count):
-        if other == me:
+        if other in (me, gone):
             continue
         try:
             client.blocking_key_value_get(f"{ACK_PREFIX}{other}", wait_ms)
@@ -98,9 +102,13 @@ def _wait_for_the_others(client, me: int, count: int) -> None:
 
 
 def _acknowledge(client, me: int) -> None:
+    _set(client, f"{ACK_PREFIX}{me}")  # (only process 0's wait is shortened by it)
+
+
+def _set(client, key: str) -> None:
     try:
-        client.key_value_set(f"{ACK_PREFIX}{me}", "1")
-    except Exception:  # noqa: BLE001 - only process 0's wait is shortened by it
+        client.key_value_set(key, "1")
+    except Exception:  # noqa: BLE001 - set already, or the coordinator is gone
         pass
 
 
@@ -126,9 +134,18 @@ def _follow(client, me: int, code: int, process: int, line: str) -> None:
     job's code; seen in CI when process 0 followed process 1's second SIGTERM at once)."""
     _acknowledge(client, me)
     _say_following(code, process, line)
-    if me == 0:
-        _wait_for_the_others(client, me, _client()[2])
+    if me == 0:  # the failing process itself left at once unless it said it waits
+        _wait_for_the_others(client, me, _client()[2], gone=None if _is_set(client, f"{WAITS_PREFIX}{process}")
+                             else process)
     _leave(code)
+
+
+def _is_set(client, key: str) -> bool:
+    try:
+        client.key_value_try_get(key)
+        return True
+    except Exception:  # noqa: BLE001 - NOT_FOUND
+        return False
 
 
 def follow_earlier_failure(seconds: float = 3.0) -> None:
