@@ -972,8 +972,8 @@ def test_a_gpt3_sliding_window_is_named_both_ways(checkpoints, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("model_name,model_type", [("llama2-7b", "llama"), ("llama3.1-8b", "llama"),
-                                                   ("gemma-7b", "gemma"), ("qwen3-8b", "qwen3"),
-                                                   ("qwen3-30b-a3b", "qwen3_moe")])
+                                                   ("gemma-7b", "gemma"), ("qwen2.5-7b", "qwen2"),
+                                                   ("qwen3-8b", "qwen3"), ("qwen3-30b-a3b", "qwen3_moe")])
 def test_a_sliding_window_the_family_has_no_setting_for_is_not_exported(model_name, model_type):
     """Tessera's llama, gemma and qwen3 blocks attend within sliding_window_size; transformers' have no window
     (qwen3's is refused on import): such a model was exported without a word, as a model without it."""
@@ -985,6 +985,43 @@ def test_a_sliding_window_the_family_has_no_setting_for_is_not_exported(model_na
         hf_config(load_model_config(model_name, ["sliding_window_size=64"]).model, 4096)
     for name in ("mistral-7b", "gemma2-9b", "gemma3-4b", "gpt-oss-20b"):  # these write theirs
         assert hf_config(load_model_config(name, ["sliding_window_size=64"]).model, 4096)["sliding_window"] == 64
+
+
+@pytest.mark.parametrize("model_name", ["qwen2.5-7b", "qwen3-8b"])
+@pytest.mark.parametrize("window", [{"use_sliding_window": True, "sliding_window": 4096},
+                                    {"layer_types": ["full_attention"] * 27 + ["sliding_attention"]}])
+def test_a_qwen_checkpoint_with_sliding_window_layers_is_refused(model_name, window):
+    """Qwen2's and Qwen3's optional sliding-window layers (off in every released model) are not built: a
+    config.json asking for them is refused by name, not converted into a model attending to every position."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    written = hf_config(load_model_config(model_name, []).model, 4096)
+    assert config_from_hf(written)["decoder_block"] == written["model_type"]  # as written, it converts
+    name = "Qwen2" if written["model_type"] == "qwen2" else "Qwen3"
+    with pytest.raises(ConfigError, match=f"this {name} checkpoint sets use_sliding_window=true"):
+        config_from_hf({**written, **window, "num_hidden_layers": 28})
+
+
+def test_qwen2_biases_are_its_query_key_and_value_ones():
+    """transformers' Qwen2 always has biases on the query, key and value projections and none on the output one:
+    its config.json has no attention_bias, the converter reads it as true, and a qwen2 model without them has no
+    Hugging Face counterpart (refused, as gpt-oss without its sinks is)."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+    from tessera.tools.hf_layouts import layout_for
+
+    m = load_model_config("qwen2.5-7b", []).model
+    written = hf_config(m, 32768)
+    assert "attention_bias" not in written and written["architectures"] == ["Qwen2ForCausalLM"]
+    assert config_from_hf({**written, "attention_bias": False})["attention_bias"] is True
+    names = {hf for rule in layout_for(m).layer_rules for hf in rule.hf}
+    assert {"self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"} <= names
+    assert "self_attn.o_proj.bias" not in names
+    with pytest.raises(ConfigError, match=r"attention_bias=false \(Qwen2 always has its query, key and value biases"):
+        layout_for(load_model_config("qwen2.5-7b", ["attention_bias=false"]).model)
 
 
 def test_settings_a_config_json_leaves_out_are_transformers_defaults():

@@ -480,6 +480,14 @@ PUBLISHED_TOTALS = {
     "qwen3-30b-a3b": (30.5e9, 0.005),     # Qwen/Qwen3-30B-A3B: 30.5B in total
     "qwen3-235b-a22b": (235e9, 0.005),    # Qwen/Qwen3-235B-A22B: 235B in total
     "qwen3-480b-a35b": (480e9, 0.005),    # Qwen/Qwen3-Coder-480B-A35B-Instruct: 480B in total
+    # Qwen2.5 model cards (Qwen/Qwen2.5-<size>, "Number of Parameters"), rounded as the cards round them
+    "qwen2.5-0.5b": (0.49e9, 0.01),       # Qwen/Qwen2.5-0.5B: 0.49B (ours: 0.494B)
+    "qwen2.5-1.5b": (1.54e9, 0.005),      # Qwen/Qwen2.5-1.5B: 1.54B
+    "qwen2.5-3b": (3.09e9, 0.005),        # Qwen/Qwen2.5-3B: 3.09B
+    "qwen2.5-7b": (7.61e9, 0.001),        # Qwen/Qwen2.5-7B: 7.61B
+    "qwen2.5-14b": (14.7e9, 0.005),       # Qwen/Qwen2.5-14B: 14.7B (ours: 14.77B)
+    "qwen2.5-32b": (32.5e9, 0.01),        # Qwen/Qwen2.5-32B: 32.5B (ours: 32.76B)
+    "qwen2.5-72b": (72.7e9, 0.001),       # Qwen/Qwen2.5-72B: 72.7B
     # Gemma 3 technical report (Gemma Team 2025), Table 1: embedding + non-embedding parameters of the
     # language model (the vision encoder, 417M in 4B-27B, is not part of the text model)
     "gemma3-4b": (675e6 + 3_209e6, 0.001),
@@ -520,7 +528,11 @@ PUBLISHED_ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": (3.61e9, 0.002), "gpt-oss-1
 # The dense Qwen3 model cards' "Number of Parameters (Non-Embedding)": the layers' sizes without the vocabulary's
 # tables (the input one, and the output one where it is not tied), a quarter of the 0.6B model's total.
 PUBLISHED_NON_EMBEDDING = {"qwen3-0.6b": (0.44e9, 0.005), "qwen3-1.7b": (1.4e9, 0.01), "qwen3-4b": (3.6e9, 0.01),
-                           "qwen3-8b": (6.95e9, 0.001), "qwen3-14b": (13.2e9, 0.001), "qwen3-32b": (31.2e9, 0.001)}
+                           "qwen3-8b": (6.95e9, 0.001), "qwen3-14b": (13.2e9, 0.001), "qwen3-32b": (31.2e9, 0.001),
+                           # Qwen2.5's cards the same way up to 7B (the cards' 13.1B, 31.0B and 70.0B for 14B, 32B
+                           # and 72B are 0.3-0.8% under this count of the same sizes, and are left out)
+                           "qwen2.5-0.5b": (0.36e9, 0.01), "qwen2.5-1.5b": (1.31e9, 0.001),
+                           "qwen2.5-3b": (2.77e9, 0.002), "qwen2.5-7b": (6.53e9, 0.001)}
 
 
 @pytest.mark.parametrize("model", PUBLISHED_TOTALS)

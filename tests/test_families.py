@@ -28,6 +28,7 @@ FAMILIES = {
     "gpt3": dict(decoder_block="gpt3", mlp_activations=["gelu"], base_num_kv_heads=4, trainable_position_size=16,
                  logits_via_embedding=True),
     "gpt3-sinusoidal": dict(decoder_block="gpt3", mlp_activations=["gelu"], base_num_kv_heads=4, fused_qkv=True),
+    "qwen2": dict(decoder_block="qwen2", attention_bias=True),  # query, key and value biases; none on the output
     "qwen3": dict(decoder_block="qwen3"),
     "qwen3_moe": dict(decoder_block="qwen3_moe", num_experts=8, num_experts_per_tok=3, norm_topk_prob=False),
     # 8 layers: one 6-layer pattern and a tail of 2 local layers

@@ -100,6 +100,7 @@ CASES = {
     "gemma2-unscanned": ("gemma2", ("scan_layers=false",)),
     "gpt2-fused-qkv": ("gpt2", ("fused_qkv=true",)),
     "gpt2-unfused-unscanned": ("gpt2", ("fused_qkv=false", "scan_layers=false")),
+    "qwen2": ("qwen2", ()),
     "qwen3": ("qwen3", ()),
     "qwen3-unscanned": ("qwen3", ("scan_layers=false",)),
     "qwen3_moe-dropless": ("qwen3_moe", ("sparse_matmul=true",)),
@@ -142,7 +143,7 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
 
 @pytest.mark.parametrize("family,extra", [("llama3", ("scan_layers=true",)), ("llama3", ("fused_mlp=true",)),
                                           ("gemma2", ("scan_layers=false",)),
-                                          ("mixtral", ()), ("gpt2", ("fused_qkv=false",)), ("qwen3", ()),
+                                          ("mixtral", ()), ("gpt2", ("fused_qkv=false",)), ("qwen2", ()), ("qwen3", ()),
                                           ("qwen3_moe", ()), ("gemma3", ()), ("gemma3", ("scan_layers=false",)),
                                           ("deepseek", ()), ("deepseek", ("scan_layers=false",)), ("deepseek_v2", ()),
                                           ("gpt_oss", ()), ("gpt_oss", ("scan_layers=false",)),
@@ -288,7 +289,7 @@ def test_mxfp4_values_equal_transformers(tmp_path):
 
 def test_hf_config_round_trips_every_model_file():
     for name in ("llama2-7b", "llama3.1-8b", "mistral-7b", "mixtral-8x7b", "gemma-7b", "gemma2-9b", "gemma2-27b",
-                 "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-480b-a35b", "gemma3-4b", "gemma3-27b", "deepseek-v3",
+                 "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-480b-a35b", "gemma3-4b", "gemma3-27b", "deepseek-v3",
                  "deepseek2-16b", "deepseek2-236b", "kimi-k2-1t",
                  "gpt-oss-20b", "gpt-oss-120b", "llama4-17b-16e", "llama4-17b-128e"):
         m = load_model_config(name, []).model

@@ -1,5 +1,6 @@
 """MaxText's keys: aliases are renamed and logged, `hardware` is accepted, missing features are refused with a reason."""
 
+import dataclasses
 import json
 import logging
 import re
@@ -490,6 +491,34 @@ tokenizer_type: "huggingface"
     assert load_config([BASE, "model_name=qwen3-30b-a3b", "use_qk_norm=true"], env={}).model.use_qk_norm
     with pytest.raises(ConfigError, match="use_qk_norm=True: Llama 4's settings, which decoder_block=llama2"):
         load_config([BASE, "use_qk_norm=true"], env={})
+
+
+def test_maxtexts_qwen2_5_model_file_describes_the_model_of_ours(tmp_path):
+    """MaxText's qwen2.5-7b.yml (decoder_block qwen2, attention_bias true, its keys without effect here) written
+    as a model file of one's own describes the model of Tessera's qwen2.5-7b: the same keys, so the same model."""
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "theirs.yml").write_text("""base_emb_dim: 3584
+base_num_query_heads: 28
+base_num_kv_heads: 4
+base_mlp_dim: 18944
+base_num_decoder_layers: 28
+head_dim: 128
+mlp_activations: ["silu", "linear"]
+vocab_size: 152064
+decoder_block: "qwen2"
+normalization_layer_epsilon: 1e-06
+rope_max_timescale: 1000000.0
+use_qk_norm: False
+attention_bias: True
+logits_via_embedding: False
+normalize_embedding_logits: False
+tokenizer_type: "huggingface"
+""")
+    (tmp_path / "mine.yml").write_text("base_config: base.yml\n")
+    theirs = load_config([str(tmp_path / "mine.yml"), "model_name=theirs"], env={}).model
+    ours = load_config([BASE, "model_name=qwen2.5-7b"], env={}).model
+    assert (theirs.decoder_block, theirs.attention_bias) == ("qwen2", True)
+    assert theirs == dataclasses.replace(ours, model_name="theirs")
 
 
 

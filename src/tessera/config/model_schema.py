@@ -132,7 +132,8 @@ class ModelConfig:
     attn_logits_soft_cap: float = key(0.0, "squash attention scores with c*tanh(s/c) (0: off; gemma2: 50)", minimum=0.0)
     final_logits_soft_cap: float = key(0.0, "squash output logits with c*tanh(l/c) (0: off; gemma2: 30)", minimum=0.0)
     attention_bias: bool = key(False, "a learned bias on the query, key, value and output projections of attention "
-                               "(gpt-oss; gpt3 always has them; not with deepseek's latent attention)")
+                               "(gpt-oss; gpt3 always has them; qwen2: on the query, key and value projections "
+                               "only, as Qwen2 and Qwen2.5 have; not with deepseek's latent attention)")
     attention_sink: bool = key(False, "a learned logit per query head that every query's softmax also sees, as a key "
                                "with a zero value: attention can go nowhere (gpt-oss; not with deepseek's latent "
                                "attention, nor with cuDNN, which has no such input)")

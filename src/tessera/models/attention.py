@@ -182,7 +182,8 @@ class Attention(nnx.Module):
     """Multi-head attention with K <= N kv heads (grouped-query).
 
     Options a block family picks: rotary positions (`use_rope`) or none (positions added to
-    the embeddings instead), biases on every projection (`use_bias`), a sliding window,
+    the embeddings instead), biases on every projection (`use_bias`; on the query, key and value
+    projections only with `output_bias=False`, as in Qwen2), a sliding window,
     an RMSNorm over each query and key head before the rotation (`qk_norm`: the norm kind,
     "rms" in Qwen3, "rms_zero_centered" in Gemma 3; "" none) and the rotary frequencies of
     gemma3's local layers (`local_rope`).
@@ -197,7 +198,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, kernel: str, rngs: nnx.Rngs, *, sliding_window: int = 0,
                  use_bias: bool = False, use_rope: bool = True, qk_norm: str = "", local_rope: bool = False,
-                 chunk: int = 0, temperature_tuning: bool = False):
+                 chunk: int = 0, temperature_tuning: bool = False, output_bias: bool = True):
         d, n, k, h, wdtype = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
         std = fan_in_std(d)
         use_bias = use_bias or cfg.attention_bias
@@ -215,7 +216,8 @@ class Attention(nnx.Module):
                 self.bq_nh = param(rngs, (n, h), ("heads", "head_dim"), wdtype, None, fill=0.0)
                 self.bk_kh = param(rngs, (k, h), ("kv_heads", "head_dim"), wdtype, None, fill=0.0)
                 self.bv_kh = param(rngs, (k, h), ("kv_heads", "head_dim"), wdtype, None, fill=0.0)
-            self.bo_d = param(rngs, (d,), ("norm",), wdtype, None, fill=0.0)
+            if output_bias:
+                self.bo_d = param(rngs, (d,), ("norm",), wdtype, None, fill=0.0)
         if cfg.attention_sink:
             self.sinks_n = param(rngs, (n,), ("heads",), wdtype, None, fill=0.0)
         if qk_norm in ("rms", "rms_zero_centered"):
@@ -228,17 +230,19 @@ class Attention(nnx.Module):
         self.set_static(cfg, kernel, scale=scale, rope_inv_freq=rope_frequencies_of(cfg, local_rope) if use_rope else (),
                         fused=cfg.fused_qkv, use_bias=use_bias, qk_norm=qk_norm, window=sliding_window, chunk=chunk,
                         logits_soft_cap=cfg.attn_logits_soft_cap, sinks=cfg.attention_sink,
-                        temperature_tuning=temperature_tuning)
+                        temperature_tuning=temperature_tuning, output_bias=output_bias)
 
     def set_static(self, cfg: ModelConfig, kernel: str, *, scale: float, rope_inv_freq, fused: bool = False,
                    use_bias: bool = False, qk_norm: str = "", window: int = 0, chunk: int = 0,
-                   logits_soft_cap: float = 0.0, sinks: bool = False, temperature_tuning: bool = False):
+                   logits_soft_cap: float = 0.0, sinks: bool = False, temperature_tuning: bool = False,
+                   output_bias: bool = True):
         """Every static setting the shared methods (`attend`, `attend_prompt`, `output`, `sink_logits`,
         `__call__`) read, set in one place: a subclass with weights of its own (`MlaAttention`) calls this
         rather than `Attention.__init__`, and cannot leave one of them unset."""
         # static: tuples are not nnx state leaves
         self.rope_inv_freq = tuple(float(f) for f in rope_inv_freq)
         self.kernel, self.dtype, self.fused, self.use_bias, self.qk_norm = kernel, cfg.dtype, fused, use_bias, qk_norm
+        self.output_bias = use_bias and output_bias
         self.scale, self.sinks, self.temperature_tuning = scale, sinks, temperature_tuning
         self.logits_soft_cap, self.window, self.chunk = logits_soft_cap, window, chunk
         self.cfg = cfg  # static: splash attention reads its block sizes from it
@@ -283,7 +287,7 @@ class Attention(nnx.Module):
         """The output projection of the attention context [B, T, N, H] -> [B, T, D]."""
         ctx = checkpoint_name(shard_logically(ctx_btnh, ("batch", "length", "act_heads", None)), "context")
         out = project("btnh,nhd->btd", ctx, self.wo_nhd[...].astype(self.dtype), quantization=self.cfg.quantization)
-        if self.use_bias:
+        if self.output_bias:
             out = out + self.bo_d[...].astype(self.dtype)
         return checkpoint_name(out, "out_proj")
 

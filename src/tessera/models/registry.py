@@ -12,6 +12,7 @@ from tessera.models.gpt_oss import GptOssBlock
 from tessera.models.llama import LlamaBlock, MistralBlock
 from tessera.models.llama4 import Llama4Block
 from tessera.models.mixtral import MixtralBlock
+from tessera.models.qwen2 import Qwen2Block
 from tessera.models.qwen3 import Qwen3Block, Qwen3MoeBlock
 
 BLOCKS: dict[str, type[Block]] = {
@@ -21,6 +22,7 @@ BLOCKS: dict[str, type[Block]] = {
     "gemma": GemmaBlock,
     "gemma2": Gemma2Block,
     "gpt3": Gpt3Block,
+    "qwen2": Qwen2Block,
     "qwen3": Qwen3Block,
     "qwen3_moe": Qwen3MoeBlock,
     "gemma3": Gemma3Block,

@@ -30,7 +30,7 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
         return _refuse_other_routing(m, _deepseek_config(m, model_type, act, max_positions(m, trained_length)))
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
-            "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+            "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
             "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
@@ -57,7 +57,7 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
 
 def _refuse_no_window(m: ModelConfig, written: dict[str, Any]) -> dict[str, Any]:
     """`written`, unless m attends within a sliding window its config.json does not hold (llama, gemma, gpt2,
-    qwen3 have no window in transformers): such a model was exported without a word, and transformers then
+    qwen2, qwen3 have no window in transformers): such a model was exported without a word, and transformers then
     attended to every earlier position."""
     if m.sliding_window_size and not written.get("sliding_window"):
         raise ConfigError(f"sliding_window_size={m.sliding_window_size}: Hugging Face's {written['model_type']} "
@@ -112,8 +112,10 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
     if model_type == "mixtral":  # its experts' width (base_moe_mlp_dim when set: then no layer is base_mlp_dim wide)
         config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                       intermediate_size=m.expert_mlp_dim)
-    if model_type in ("qwen3", "qwen3_moe"):
+    if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
+    if model_type == "qwen2":  # the layers from which a window would apply: none (Qwen2.5's files say the layer count)
+        config["max_window_layers"] = m.num_decoder_layers
     if model_type == "qwen3_moe":  # every layer is an expert layer; intermediate_size (dense layers) is unused
         config.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.expert_mlp_dim, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1,

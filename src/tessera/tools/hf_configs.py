@@ -17,7 +17,7 @@ from tessera.config.layers import LAYERS_PER_BLOCK
 from tessera.tools.hf_rope import rope_keys, rope_theta
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
-                  "gpt2": "gpt3", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
+                  "gpt2": "gpt3", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
 # multimodal checkpoints whose language model Tessera converts: model_type -> its text model's model_type
 # (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix). Gemma 3
@@ -26,7 +26,8 @@ HF_MULTIMODAL = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 # Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
 HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma", "gemma2", "gemma3_text")
 HF_MLP_BIAS = ("llama",)
-# Hugging Face families whose attention reads config.json's sliding_window (qwen3's use_sliding_window is refused):
+# Hugging Face families whose attention reads config.json's sliding_window (qwen2's and qwen3's use_sliding_window is
+# refused):
 # transformers' llama, gemma and llama4_text ignore a sliding_window their config.json holds
 HF_SLIDING_WINDOW = ("mistral", "mixtral", "gemma2", "gemma3_text", "gpt_oss")
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
@@ -141,9 +142,11 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(_llama4_keys(hf))
     if kind == "mixtral":
         keys.update(num_experts=hf["num_local_experts"], num_experts_per_tok=hf["num_experts_per_tok"])
-    if kind in ("qwen3", "qwen3_moe"):
-        _refuse_qwen3_variants(hf)
+    if kind in ("qwen2", "qwen3", "qwen3_moe"):
+        _refuse_qwen_variants(hf)
         keys["sliding_window_size"] = 0  # a window given with use_sliding_window=false is not used
+    if kind == "qwen2":  # transformers' Qwen2 always has the query, key and value biases (and no output bias)
+        keys["attention_bias"] = True
     if kind == "qwen3_moe":
         keys.update(num_experts=hf.get("num_experts") or hf["num_local_experts"],
                     num_experts_per_tok=hf["num_experts_per_tok"], base_mlp_dim=hf["moe_intermediate_size"],
@@ -170,11 +173,12 @@ def _check_layer_types(hf: dict[str, Any], expected: list[str], refusal: str) ->
         raise ConfigError(refusal)
 
 
-def _refuse_qwen3_variants(hf: dict[str, Any]) -> None:
-    """Qwen3 options no released model uses and Tessera does not build."""
-    if hf.get("use_sliding_window"):
-        raise ConfigError("this Qwen3 checkpoint sets use_sliding_window=true (sliding-window layers); Tessera's qwen3 "
-                          "families build full attention only, as every released Qwen3 model uses")
+def _refuse_qwen_variants(hf: dict[str, Any]) -> None:
+    """Qwen2 and Qwen3 options no released model uses and Tessera does not build."""
+    name = "Qwen2" if hf.get("model_type") == "qwen2" else "Qwen3"
+    if hf.get("use_sliding_window") or "sliding_attention" in (hf.get("layer_types") or []):
+        raise ConfigError(f"this {name} checkpoint sets use_sliding_window=true (sliding-window layers); Tessera's "
+                          f"{name.lower()} families build full attention only, as every released {name} model uses")
     if hf.get("model_type") == "qwen3_moe" and (hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1):
         raise ConfigError("this Qwen3-MoE checkpoint has dense MLP layers between expert layers (mlp_only_layers / "
                           "decoder_sparse_step); Tessera's qwen3_moe has experts in every layer")

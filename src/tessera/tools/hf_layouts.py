@@ -125,12 +125,13 @@ def interleaved(ours: tuple[str, str], hf: str) -> Rule:
 
 
 def _attention_biases(m: ModelConfig) -> list[Rule]:
-    """q/k/v/o projection biases (attention_bias) in torch Linear's flat [out] layout."""
+    """q/k/v/o projection biases (attention_bias) in torch Linear's flat [out] layout (Qwen2 has no o bias)."""
     n, k, h = m.num_query_heads, m.num_kv_heads, m.head_dim
     qkv = [reshaped("attention/bq_nh", "self_attn.q_proj.bias", (n, h), (n * h,)),
            reshaped("attention/bk_kh", "self_attn.k_proj.bias", (k, h), (k * h,)),
            reshaped("attention/bv_kh", "self_attn.v_proj.bias", (k, h), (k * h,))]
-    return qkv_rules(m, qkv, "attention/bqkv_cnh", 0) + [same("attention/bo_d", "self_attn.o_proj.bias")]
+    out = [] if m.decoder_block == "qwen2" else [same("attention/bo_d", "self_attn.o_proj.bias")]
+    return qkv_rules(m, qkv, "attention/bqkv_cnh", 0) + out
 
 
 def _check_hf_has(m: ModelConfig, family: str) -> None:
@@ -138,10 +139,12 @@ def _check_hf_has(m: ModelConfig, family: str) -> None:
     from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES
 
     kind = {v: k for k, v in HF_MODEL_TYPES.items()}[family]
-    missing = [key for key, ok in (("attention_bias", kind in HF_ATTENTION_BIAS), ("attention_sink", kind == "gpt_oss"),
+    missing = [key for key, ok in (("attention_bias", kind in HF_ATTENTION_BIAS or kind == "qwen2"), ("attention_sink", kind == "gpt_oss"),
                                    ("mlp_bias", kind in HF_MLP_BIAS or kind == "gpt_oss")) if getattr(m, key) and not ok]
     if kind == "gpt_oss" and not (m.attention_sink and m.mlp_bias):
         missing.append("attention_sink=false or mlp_bias=false (gpt-oss always has its sinks and expert biases)")
+    if kind == "qwen2" and not m.attention_bias:
+        missing.append("attention_bias=false (Qwen2 always has its query, key and value biases)")
     if missing:
         raise ConfigError(f"{', '.join(missing)}: Hugging Face's {kind} model has no such tensors, so this "
                           f"decoder_block={family} model cannot be converted")
@@ -376,7 +379,8 @@ def _llama4(m: ModelConfig) -> Layout:
 
 def layout_for(m: ModelConfig) -> Layout:
     """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
-    if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen3", "qwen3_moe", "gemma3", "gpt_oss"):
+    if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "qwen3_moe", "gemma3",
+                           "gpt_oss"):
         return _llama_like(m, m.decoder_block)
     if m.decoder_block == "gpt3":
         return _gpt2(m)

@@ -51,7 +51,7 @@ VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS, MAX_POS = 97, 24, 4, 2, 8
 INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
-FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen3", "qwen3_moe", "gemma3",
+FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen2", "qwen3", "qwen3_moe", "gemma3",
             "deepseek", "deepseek_v2", "gpt_oss", "llama_bias_yarn", "llama4", "gemma3_multimodal")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek", "deepseek_v2", "gpt_oss", "llama4")  # built by _moe_config
 
@@ -107,6 +107,8 @@ def _config(family: str):
             num_hidden_layers=4, hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6,
             tie_word_embeddings=True, sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
             attn_logit_softcapping=50.0, final_logit_softcapping=30.0))
+    if family == "qwen2":  # query, key and value biases, no output bias; untied, as in Qwen2.5 7B and larger
+        return t.Qwen2ForCausalLM, t.Qwen2Config(**_decoder_kwargs(rms_norm_eps=1e-6))
     if family == "qwen3":  # the output tied to the embedding, as in Qwen3 0.6B to 4B (qwen3_moe's is untied)
         return t.Qwen3ForCausalLM, t.Qwen3Config(**_decoder_kwargs(rms_norm_eps=1e-6, tie_word_embeddings=True))
     if family == "gemma3":

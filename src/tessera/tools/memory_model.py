@@ -48,7 +48,8 @@ def count_params(m: ModelConfig) -> ParamCounts:
     layer_norm = m.decoder_block == "gpt3"
     attention_bias, mlp_bias = (m.decoder_block == "gpt3" or m.attention_bias), (m.decoder_block == "gpt3" or m.mlp_bias)
     attention = mla_params(m) if m.decoder_block == "deepseek" else \
-        d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + d if attention_bias else 0) + (n if m.attention_sink else 0)
+        d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + (d if m.decoder_block != "qwen2" else 0) if attention_bias
+                                        else 0) + (n if m.attention_sink else 0)  # qwen2: no output bias
     gated = len(m.mlp_activations) + 1
 
     def mlp(f: int) -> int:  # one gated MLP of width f, with its biases
