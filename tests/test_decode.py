@@ -40,6 +40,7 @@ FAMILIES = {
                    final_logits_soft_cap=3.0, query_pre_attn_scalar=10.0, logits_via_embedding=True),
     "gpt3": dict(decoder_block="gpt3", fused_qkv=True, base_num_kv_heads=4, trainable_position_size=16,
                  mlp_activations=["gelu"], logits_via_embedding=True),
+    "qwen2": dict(decoder_block="qwen2", attention_bias=True),
     "qwen3": dict(decoder_block="qwen3"),
     "qwen3_moe dropless": dict(decoder_block="qwen3_moe", num_experts=8, num_experts_per_tok=3, sparse_matmul=True),
     # 7 layers: one 6-layer pattern (its sixth layer global) and a tail block of one local layer
