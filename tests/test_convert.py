@@ -251,8 +251,98 @@ def test_integer_and_float8_tensors_are_refused_with_one_line(checkpoints, tmp_p
     assert main(["hf-to-tessera", str(f8), str(tmp_path / "out"), *KEYS]) == 2
     err = capsys.readouterr().err
     assert err.endswith(f"error: tensor {UP} of {f8 / 'model.safetensors'} is stored as F8_E4M3, which the converter "
-                        "does not read (float32, bfloat16, float16 and gpt-oss's MXFP4 are read); convert the "
-                        "checkpoint to bfloat16 first\n") and "Traceback" not in err
+                        "does not read (float32, bfloat16, float16, gpt-oss's MXFP4 and float8 with a scale per block, "
+                        "<name>_scale_inv, as DeepSeek-V3 and Kimi K2 store theirs, are read); convert the checkpoint "
+                        "to bfloat16 first\n") and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def _block_quantized(w, rows, cols):
+    """(float8 e4m3 values, float32 scale per block) of w [R, C] as DeepSeek quantizes its weights: each block of
+    rows x cols (the last ones cut short) divided by its largest magnitude over 448, float8's largest value."""
+    import ml_dtypes
+
+    scale = np.zeros((-(-w.shape[0] // rows), -(-w.shape[1] // cols)), np.float32)
+    q = np.zeros(w.shape, ml_dtypes.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            block = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
+            scale[i, j] = np.abs(block).max() / 448
+            q[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols] = (block / scale[i, j]).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def test_float8_weights_with_block_scales_convert_to_the_values_they_hold(checkpoints, tmp_path):
+    """DeepSeek-V3's and Kimi K2's releases store their projections as float8 (e4m3) with a float32 scale per block
+    of 128 x 128 (<name>_scale_inv; config.json's quantization_config.weight_block_size): the converter refused
+    them ("convert the checkpoint to bfloat16 first"). It reads each value times its block's scale, in float32, as
+    DeepSeek's own conversion does; here with blocks of 16 x 16, so that the 40 x 24 and 24 x 24 weights end in
+    blocks cut short. Exported back, the weights are those values, every other tensor as it was."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    _, hf = checkpoints
+    dst = tmp_path / "fp8"
+    shutil.copytree(hf, dst)
+    original = load_file(str(dst / "model.safetensors"))
+    stored, want = dict(original), dict(original)
+    for name, w in original.items():
+        if w.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name:
+            q, scale = _block_quantized(w, 16, 16)
+            stored.update({name: q, name + "_scale_inv": scale})
+            rows, cols = np.indices(w.shape)  # each value's block, written out element by element
+            want[name] = q.astype(np.float32) * scale[rows // 16, cols // 16]
+            assert 0 < np.abs(want[name] - w).max() <= np.abs(w).max() / 8  # float8's rounding: 3 mantissa bits
+    save_file(stored, str(dst / "model.safetensors"))
+    config = json.loads((dst / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [16, 16]}
+    (dst / "config.json").write_text(json.dumps(config))
+    assert sorted(hf_checkpoint.Reader(dst).names) == sorted(original)  # a weight and its scales: one tensor
+    assert main(["hf-to-tessera", str(dst), str(tmp_path / "tessera"), *KEYS]) == 0
+    assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "back"), *KEYS]) == 0
+    back = load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert sorted(back) == sorted(want)
+    for name in want:
+        np.testing.assert_array_equal(back[name], want[name], err_msg=name)
+
+
+def test_a_kimi_k2_config_json_reads_as_deepseek_v3s():
+    """Kimi K2's config.json says model_type kimi_k2 (architectures DeepseekV3ForCausalLM) over DeepSeek-V3's keys:
+    it was refused as not supported. It describes the model of the kimi-k2-1t file."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    m = load_model_config("kimi-k2-1t", []).model
+    written = hf_config(m, 131072)
+    assert written["model_type"] == "deepseek_v3"
+    kimi = {**written, "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    assert config_from_hf(kimi) == config_from_hf(written)
+    with pytest.raises(ConfigError, match="model_type='kimi_k3' is not supported; supported: .*, kimi_k2$"):
+        config_from_hf({**kimi, "model_type": "kimi_k3"})
+
+
+def test_float8_block_scales_of_another_shape_are_one_line(checkpoints, tmp_path, capsys):
+    """Scales that do not tile the weight in blocks of weight_block_size (a wrong block size, a cut checkpoint)
+    name the tensor and the shape they need (a scale whose weight is missing: test_tensors_are_checked_by_name_...)."""
+    import ml_dtypes
+
+    _, hf = checkpoints
+
+    def scaled(blocks):
+        return lambda t: t.update({UP: t[UP].astype(ml_dtypes.float8_e4m3fn),
+                                   UP + "_scale_inv": np.ones(blocks, np.float32)})
+
+    bad = _edited_copy(hf, tmp_path / "bad", scaled((2, 1)))  # 128 x 128 blocks of [40, 24]: scales [1, 1]
+    capsys.readouterr()
+    assert main(["hf-to-tessera", str(bad), str(tmp_path / "out"), *KEYS]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"error: {UP}: a float8 weight [40, 24] with block scales [2, 1]; blocks of 128 x 128 "
+                        "(quantization_config.weight_block_size) need a 2-D weight and scales [1, 1]; is the "
+                        "checkpoint whole?\n") and "Traceback" not in err
     assert not (tmp_path / "out").exists()
 
 
@@ -275,7 +365,7 @@ def test_a_config_json_without_a_needed_key_is_one_line(checkpoints, tmp_path, c
 
 def test_tensors_are_checked_by_name_before_any_is_converted(checkpoints, tmp_path, capsys):
     """Every missing tensor is named at once, before a tensor is read (it stopped at the first, mid-conversion); a
-    float8 checkpoint's block scales say what they are; an index that places a tensor in the wrong file says so
+    float8 block scale without its weight says what it is; an index that places a tensor in the wrong file says so
     (it called that file damaged)."""
     import json
 
@@ -300,11 +390,13 @@ def test_tensors_are_checked_by_name_before_any_is_converted(checkpoints, tmp_pa
     assert main(["hf-to-tessera", str(tmp_path / "sharded"), str(tmp_path / "out"), *KEYS]) == 2
     assert capsys.readouterr().err == (f"error: the checkpoint has no tensor {gone[0]!r}, {gone[1]!r}; is model_name "
                                        "(or decoder_block) right?\n")
-    index_path.write_text(json.dumps(dict(index, weight_map={**index["weight_map"], **scales})))
+    orphan = "model.layers.0.mlp.extra_proj.weight_scale_inv"  # a weight's scales with it are read (float8 below)
+    index_path.write_text(json.dumps(dict(index, weight_map={**index["weight_map"], orphan: shards[0]})))
     assert main(["hf-to-tessera", str(tmp_path / "sharded"), str(tmp_path / "out"), *KEYS]) == 2
     assert capsys.readouterr().err == (f"error: 1 tensors of the checkpoint have no place in this Tessera model: "
-                                       f"{UP}_scale_inv; *_scale_inv tensors are the block scales of float8 weights, "
-                                       "which the converter does not read: convert the checkpoint to bfloat16 first\n")
+                                       f"{orphan}; a *_scale_inv tensor is the block scale of the float8 weight of the "
+                                       "same name without the suffix, which this checkpoint does not have: is it "
+                                       "whole?\n")
     assert not (tmp_path / "out").exists()
 
 

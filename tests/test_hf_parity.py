@@ -18,7 +18,7 @@ from conftest import REPO
 
 from tessera.checkpointing import load_parameters
 from tessera.models import build_model
-from tessera.tools import hf_env
+from tessera.tools import hf_checkpoint, hf_env
 from tessera.tools.check_logits import compare
 from tessera.tools.convert import hf_to_tessera, tessera_to_hf
 from tessera.tools.estimate import load_model_config
@@ -243,6 +243,46 @@ def test_a_deepseek_yarn_without_truncation_converts_to_the_same_logits(hf_model
     cfg = _config(hf_dir)
     assert cfg.model.rope_truncate is False
     _assert_converts_to_the_reference_logits(hf_dir, cfg, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_kimi_k2_checkpoint_in_float8_converts_to_the_logits_of_its_values(hf_model, reference_logits, tmp_path):
+    """Kimi K2's release (model_type kimi_k2, DeepSeek-V3's architecture, keys and tensor names) and DeepSeek-V3's
+    store their projections as float8 with a scale per block: the tiny DeepSeek-V3 so stored (blocks of 16 x 16,
+    the router, embedding and output layer unquantized, as in the releases) and named kimi_k2 converts to the
+    logits transformers computes from the values it holds (each float8 value times its block's scale)."""
+    from safetensors.numpy import save_file
+
+    from test_convert import _block_quantized
+
+    source = Reader(hf_model("deepseek"))
+    stored, values = {}, {}
+    for name in source.names:
+        w = stored[name] = values[name] = source.get(name)
+        if w.ndim == 2 and name.endswith("proj.weight"):  # attention's and the MLPs' projections, experts' too
+            q, scale = _block_quantized(w, 16, 16)
+            stored.update({name: q, name + "_scale_inv": scale})
+            values[name] = hf_checkpoint.block_dequantized(q, scale, (16, 16), name)
+    assert sum(n.endswith("_scale_inv") for n in stored) > 20
+    config = json.loads((hf_model("deepseek") / "config.json").read_text())
+    for folder, tensors, changes in (
+            ("values", values, {}),
+            ("kimi", stored, {"model_type": "kimi_k2", "quantization_config": {
+                "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [16, 16]}})):
+        (tmp_path / folder).mkdir()
+        save_file(tensors, str(tmp_path / folder / "model.safetensors"))
+        (tmp_path / folder / "config.json").write_text(json.dumps({**config, **changes}))
+    cfg = _config(tmp_path / "kimi")
+    assert cfg.model.decoder_block == "deepseek" and cfg.model == _config(tmp_path / "values").model
+    hf_to_tessera(tmp_path / "kimi", tmp_path / "converted", cfg)
+    model, params = _restore(cfg, tmp_path / "converted")
+    tokens, mask = _padded_batch(cfg.model.vocab_size)
+    ours = np.asarray(model.apply(params, tokens, None, mask))
+    ref = hf_env.reference_logits(tmp_path / "values", tokens, mask)
+    real = mask.astype(bool)
+    assert np.abs(ref[real]).max() > 1.0
+    np.testing.assert_allclose(ours[real], ref[real], rtol=0, atol=ATOL)
+    assert np.abs(ref[real] - reference_logits("deepseek")[real]).max() > 10 * ATOL  # float8 moved the logits
 
 
 @pytest.mark.slow

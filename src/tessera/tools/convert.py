@@ -244,10 +244,10 @@ def _check_all_used(names, used: set[str], tied: bool) -> None:
             and not (tied and n == "lm_head.weight") and n not in other]
     if left:
         shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
-        if any(n.endswith("_scale_inv") for n in left):  # DeepSeek's float8 release: a weight and its block scales
+        if any(n.endswith("_scale_inv") for n in left):  # a block scale whose float8 weight is not there
             raise ConfigError(f"{len(left)} tensors of the checkpoint have no place in this Tessera model: {shown}; "
-                              "*_scale_inv tensors are the block scales of float8 weights, which the converter "
-                              "does not read: convert the checkpoint to bfloat16 first")
+                              "a *_scale_inv tensor is the block scale of the float8 weight of the same name without "
+                              "the suffix, which this checkpoint does not have: is it whole?")
         raise ConfigError(f"{len(left)} tensors of the checkpoint have no place in this Tessera model: {shown}; "
                           "is model_name (or decoder_block) the right family?")
 

@@ -23,6 +23,9 @@ HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral",
 # (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix). Gemma 3
 # 4B, 12B and 27B are released only as such (Gemma3ForConditionalGeneration), and were refused as unsupported
 HF_MULTIMODAL = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
+# checkpoints of another model_type whose config.json and tensors are those of a family above: Kimi K2's
+# (model_type kimi_k2, architectures DeepseekV3ForCausalLM) are DeepSeek-V3's keys and names
+HF_SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
 HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma", "gemma2", "gemma3_text")
 HF_MLP_BIAS = ("llama",)
@@ -108,7 +111,7 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
     kind = hf.get("model_type")
     if kind not in HF_MODEL_TYPES:
         raise ConfigError(f"config.json model_type={kind!r} is not supported; supported: "
-                          f"{', '.join([*HF_MODEL_TYPES, *HF_MULTIMODAL])}")
+                          f"{', '.join([*HF_MODEL_TYPES, *HF_MULTIMODAL, *HF_SAME_AS])}")
     hf = {**HF_DEFAULTS.get(kind, {}), **hf}  # a key given as null stays null (no window, no cap), as in transformers
     if kind in HF_HEAD_DIMS and hf.get("head_dim") is None:
         hf["head_dim"] = HF_HEAD_DIMS[kind]
@@ -185,8 +188,11 @@ def _refuse_qwen_variants(hf: dict[str, Any]) -> None:
 
 
 def text_model_config(hf: dict[str, Any]) -> dict[str, Any]:
-    """The config of the model Tessera converts: a multimodal checkpoint's text_config (HF_MULTIMODAL)."""
+    """The config of the model Tessera converts: a multimodal checkpoint's text_config (HF_MULTIMODAL), or
+    the config.json as the family it is the same as (HF_SAME_AS)."""
     kind = hf.get("model_type")
+    if kind in HF_SAME_AS:
+        return {**hf, "model_type": HF_SAME_AS[kind]}
     if kind in HF_MULTIMODAL:
         if not isinstance(hf.get("text_config"), dict):
             raise ConfigError(f"this {kind} checkpoint's config.json has no text_config describing its language model")
