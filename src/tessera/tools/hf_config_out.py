@@ -114,7 +114,7 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
                       intermediate_size=m.expert_mlp_dim)
     if model_type in ("qwen2", "qwen3", "qwen3_moe"):
         config.update(use_sliding_window=False, sliding_window=None)
-    if model_type == "qwen2":  # the layers from which a window would apply: none (Qwen2.5's files say the layer count)
+    if model_type == "qwen2":  # the first layer a window would start from: none here (use_sliding_window is false)
         config["max_window_layers"] = m.num_decoder_layers
     if model_type == "qwen3_moe":  # every layer is an expert layer; intermediate_size (dense layers) is unused
         config.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,

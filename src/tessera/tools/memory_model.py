@@ -47,9 +47,9 @@ def count_params(m: ModelConfig) -> ParamCounts:
     d, n, k, h = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim
     layer_norm = m.decoder_block == "gpt3"
     attention_bias, mlp_bias = (m.decoder_block == "gpt3" or m.attention_bias), (m.decoder_block == "gpt3" or m.mlp_bias)
+    biases = (n + 2 * k) * h + (0 if m.decoder_block == "qwen2" else d)  # qwen2 has no output projection bias
     attention = mla_params(m) if m.decoder_block == "deepseek" else \
-        d * n * h * 2 + d * k * h * 2 + ((n + 2 * k) * h + (d if m.decoder_block != "qwen2" else 0) if attention_bias
-                                        else 0) + (n if m.attention_sink else 0)  # qwen2: no output bias
+        d * n * h * 2 + d * k * h * 2 + (biases if attention_bias else 0) + (n if m.attention_sink else 0)
     gated = len(m.mlp_activations) + 1
 
     def mlp(f: int) -> int:  # one gated MLP of width f, with its biases
