@@ -77,6 +77,48 @@ class LayerPair(Block):
         return x_btd, stacked_aux(auxes), None if kv_cache is None else caches
 
 
+class LayerPattern(Block):
+    """A repeating pattern of `layers_per_block` layers, all local (sliding-window) but the last
+    (Gemma 3: 5 + 1, OLMo 3: 3 + 1), each `make_layer(cfg, kernel, rngs, local)` named layer_0,
+    layer_1, ... and called as `layer(x, positions, segment_ids, keys, packed, kv_cache) -> (x,
+    aux, kv_cache)`. A model whose layer count is not a multiple of the pattern ends in a shorter
+    block of local layers (the decoder's `tail`, built with `num_layers`), as the first layers of
+    the pattern: Gemma 3 4B's 34 layers are 5 blocks and a tail of 4. When decoding, the block's
+    cache is a tuple with one cache per layer (the local layers' rings of sliding_window_size
+    slots)."""
+
+    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, num_layers: int = 0):
+        num_layers = num_layers or self.layers_per_block
+        for j in range(num_layers):
+            setattr(self, f"layer_{j}", self.make_layer(cfg, attention_kernel, rngs, self.is_local(j)))
+        self.num_layers = num_layers
+
+    def make_layer(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, local: bool) -> nnx.Module:
+        raise NotImplementedError
+
+    @classmethod
+    def is_local(cls, j: int) -> bool:
+        """Whether layer j of a block (or of its tail) has local, sliding-window attention."""
+        return j < cls.layers_per_block - 1
+
+    @classmethod
+    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = (),
+                    num_layers: int = 0):
+        one = super().empty_cache
+        return tuple(one(cfg, batch, length, layers, cfg.sliding_window_size if cls.is_local(j) else 0)
+                     for j in range(num_layers or cls.layers_per_block))
+
+    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
+        keys = dropout_keys(dropout_key, 2 * self.num_layers)
+        caches, auxes = [], []
+        for j in range(self.num_layers):
+            x_btd, aux, cache = getattr(self, f"layer_{j}")(x_btd, positions_bt, segment_ids_bt, keys[2 * j:2 * j + 2],
+                                                            packed, None if kv_cache is None else kv_cache[j])
+            caches.append(cache)
+            auxes.append(aux)
+        return x_btd, stacked_aux(auxes), None if kv_cache is None else tuple(caches)
+
+
 def stacked_aux(auxes: list[dict]) -> dict:
     """One aux of a block's layers (those without, such as dense layers, give {}): "per_layer/"
     entries stacked, a row per layer that has them, so the decoder's per-layer statistics cover

@@ -34,7 +34,7 @@ from flax import nnx
 from tessera.config import ModelConfig
 from tessera.config.derived import dropout_rate
 from tessera.models.attention import Attention
-from tessera.models.blocks import Block, LayerPair, dropout_keys, make_norm, residual
+from tessera.models.blocks import LayerPair, LayerPattern, make_norm, residual
 from tessera.models.layers import Mlp
 from tessera.models.llama import LlamaBlock
 
@@ -80,47 +80,16 @@ class Gemma2Block(LayerPair):
     scale_embeddings = True
 
 
-GEMMA3_PATTERN = 6  # Gemma 3: five local layers, then one global layer
+class Gemma3Block(LayerPattern):
+    """Gemma 3's repeating pattern (`LayerPattern`): layers layer_0 .. layer_4 local (sliding
+    window, rotary theta local_rope_max_timescale), layer_5 global (rope_max_timescale with
+    rope_scaling); Gemma 3 4B's 34 layers are 5 blocks and a tail of 4 local layers."""
 
-
-def gemma3_local(j: int) -> bool:
-    """Whether layer j of a Gemma 3 block (or of its tail) has local, sliding-window attention."""
-    return j < GEMMA3_PATTERN - 1
-
-
-class Gemma3Block(Block):
-    """Gemma 3's repeating pattern: layers layer_0 .. layer_4 local (sliding window, rotary theta
-    local_rope_max_timescale), layer_5 global (rope_max_timescale with rope_scaling). A model
-    whose layer count is not a multiple of 6 ends in a shorter block of local layers (the
-    decoder's `tail`), as the first layers of the pattern: Gemma 3 4B's 34 layers are 5 blocks
-    and a tail of 4."""
-
-    layers_per_block = GEMMA3_PATTERN
+    layers_per_block = 6
     norm = "rms_zero_centered"
     scale_embeddings = True
     qk_norm = "rms_zero_centered"
 
-    def __init__(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, num_layers: int = GEMMA3_PATTERN):
-        for j in range(num_layers):
-            local = gemma3_local(j)
-            setattr(self, f"layer_{j}", Gemma2Layer(cfg, attention_kernel, rngs, cfg.sliding_window_size if local else 0,
-                                                    qk_norm=self.qk_norm, local_rope=local))
-        self.num_layers = num_layers
-
-    @classmethod
-    def empty_cache(cls, cfg: ModelConfig, batch: int, length: int, layers: tuple[int, ...] = (),
-                    num_layers: int = GEMMA3_PATTERN):
-        """One cache per layer of the block, as a tuple (the local layers' ones rings of
-        sliding_window_size slots)."""
-        one = super().empty_cache
-        return tuple(one(cfg, batch, length, layers, cfg.sliding_window_size if gemma3_local(j) else 0)
-                     for j in range(num_layers))
-
-    def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
-        keys = dropout_keys(dropout_key, 2 * self.num_layers)
-        caches = []
-        for j in range(self.num_layers):
-            x_btd, _, cache = getattr(self, f"layer_{j}")(x_btd, positions_bt, segment_ids_bt, keys[2 * j:2 * j + 2],
-                                                          packed, None if kv_cache is None else kv_cache[j])
-            caches.append(cache)
-        return x_btd, {}, None if kv_cache is None else tuple(caches)
+    def make_layer(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, local: bool) -> nnx.Module:
+        return Gemma2Layer(cfg, attention_kernel, rngs, cfg.sliding_window_size if local else 0, qk_norm=self.qk_norm,
+                           local_rope=local)
