@@ -1071,8 +1071,8 @@ def test_keys_a_run_does_not_read_are_named():
     assert keys_without_effect(family, {"fsdp": 8}) == [
         "trainable_position_size=64: no effect, decoder_block=llama2 rotates its queries and keys; only "
         "decoder_block=gpt3 learns a position table",
-        "local_rope_max_timescale=100: no effect, it is the rotary theta of decoder_block=gemma3's local layers; "
-        "decoder_block=llama2 uses rope_max_timescale",
+        "local_rope_max_timescale=100: no effect, it is the rotary theta of the local layers of decoder_block=gemma3 "
+        "and olmo3; decoder_block=llama2 uses rope_max_timescale",
         "beta_fast=8.0, mscale=0.5: no effect with rope_scaling=none"]
     dense = load_config([BASE, "shared_experts=1", "base_moe_mlp_dim=512"], env={})
     assert keys_without_effect(dense, {"fsdp": 8}) == [

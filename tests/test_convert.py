@@ -3,6 +3,7 @@ checkpoint written here (and its Hugging Face form, converted by the tool) with 
 error line naming the file, exit 2, and no output left behind."""
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -1386,3 +1387,54 @@ def test_main_leaves_the_callers_logging_as_it_was(tmp_path):
         root.removeHandler(theirs)
         theirs.close()
         root.setLevel(level)
+
+
+def test_an_olmo3_config_json_as_released_describes_olmo3_7b():
+    """OLMo 3's released config.json (transformers 4's form: rope_theta and the global layers' YaRN as rope_scaling,
+    with its attention_factor) describes Tessera's olmo3-7b, whose file gives the local layers' theta as -1 (the
+    global one): the converter compares the theta the local layers are built with. transformers 5's form (the
+    exporter's: rope_parameters per layer type) reads the same."""
+    from tessera.config import ConfigError
+    from tessera.tools.convert import check_same_model
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    cfg = load_model_config("olmo3-7b", [])
+    released = {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 4096,
+                "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32,
+                "num_hidden_layers": 32, "vocab_size": 100278, "rms_norm_eps": 1e-6, "rope_theta": 500000,
+                "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                                 "attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1},
+                "sliding_window": 4096, "max_position_embeddings": 65536, "tie_word_embeddings": False,
+                "attention_bias": False, "hidden_act": "silu",
+                "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention" for i in range(32)]}
+    check_same_model(cfg, released)
+    written = hf_config(cfg.model, 4096)
+    assert written["rope_parameters"]["sliding_attention"] == {"rope_type": "default", "rope_theta": 500000.0}
+    assert written["rope_parameters"]["full_attention"]["rope_type"] == "yarn" and "rope_scaling" not in written
+    assert config_from_hf(written) == config_from_hf(released)
+    check_same_model(cfg, written)
+    other = {**written, "rope_parameters": {**written["rope_parameters"],
+                                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
+    with pytest.raises(ConfigError, match=r"local_rope_max_timescale: checkpoint 10000, config 500000  \(set "
+                                          r"local_rope_max_timescale=10000\)"):
+        check_same_model(cfg, other)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(32)]},
+     "this OLMo 3 checkpoint's layer_types are not the 3 local : 1 global pattern Tessera's olmo3 builds"),
+    ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 500000.0},
+                          "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}}},
+     "OLMo 3 local layers with rope_type='linear' are not supported"),
+])
+def test_olmo3_layer_patterns_and_local_scalings_tessera_does_not_build_are_refused(change, message):
+    """Layers other than 3 local : 1 global, or scaled local rotary frequencies, would convert into another model
+    than transformers builds from the config.json."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    written = hf_config(load_model_config("olmo3-7b", []).model, 4096)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        config_from_hf({**written, **change})

@@ -48,6 +48,10 @@ FAMILIES = {
                    logits_via_embedding=True, rope_scaling="linear", local_rope_max_timescale=100),
     "gemma3 loop": dict(decoder_block="gemma3", base_num_decoder_layers=7, sliding_window_size=3, scan_layers=False,
                         logits_via_embedding=True),
+    # 6 layers: one 4-layer pattern (its fourth layer global) and a tail block of two local layers; YaRN on the global
+    "olmo3": dict(decoder_block="olmo3", base_num_decoder_layers=6, sliding_window_size=3, rope_scaling="yarn",
+                  rope_scaling_factor=4.0, rope_original_max_position=8, local_rope_max_timescale=-1),
+    "olmo3 loop": dict(decoder_block="olmo3", base_num_decoder_layers=6, sliding_window_size=3, scan_layers=False),
     "deepseek": dict(DEEPSEEK),
     "deepseek loop": dict(DEEPSEEK, scan_layers=False, q_lora_rank=0),
     # sinks (a query's softmax over the cache includes them), biases, a window of 3 on the local layers
@@ -218,6 +222,8 @@ def test_mla_caches_the_compressed_latent():
     ("gemma2", [3, 0]),  # (local, global), each stacked over the blocks
     ("gemma3", [3, 3, 3, 3, 3, 0, 3]),  # five local and one global layer, then a tail of one local layer
     ("gemma3 loop", [3, 3, 3, 3, 3, 0, 3]),
+    ("olmo3", [3, 3, 3, 0, 3, 3]),  # three local and one global layer, then a tail of two local layers
+    ("olmo3 loop", [3, 3, 3, 0, 3, 3]),
     ("gpt_oss", [3, 0]),  # (local, global), as gemma2
     ("llama4", [3, 3, 3, 0]),  # three chunked layers (a ring of the chunk's 3 slots) and a NoPE layer
 ])

@@ -508,6 +508,10 @@ PUBLISHED_TOTALS = {
     # Llama 4 Maverick's model card (meta-llama/Llama-4-Maverick-17B-128E): 400B total (its vision encoder, not
     # built here, is under 1B of it); Scout's 109B counts its vision encoder too (ours, text only: 107.8B)
     "llama4-17b-128e": (400e9, 0.005),
+    # OLMo 3's model names (allenai/Olmo-3-1025-7B, Olmo-3.1-32B-Instruct; no finer count is published with
+    # them) round the totals: 7B (ours: 7.30B) and 32B (ours: 32.23B)
+    "olmo3-7b": (7e9, 0.05),
+    "olmo3-32b": (32e9, 0.01),
 }
 # Active parameters per token of the mixture-of-experts model files, from the same sources.
 PUBLISHED_ACTIVE = {

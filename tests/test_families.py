@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from conftest import tiny_config
 from tessera.config import ConfigError
@@ -57,6 +58,9 @@ FAMILIES = {
                    shared_experts=1, base_moe_mlp_dim=16, routed_score_func="sigmoid", norm_topk_prob=False,
                    use_qk_norm=True, chunk_attn_window_size=5, nope_layer_interval=4, temperature_tuning=True,
                    temperature_tuning_floor_scale=3.0, interleave_moe_layer_step=2),
+    # 6 layers: one 3-local/1-global pattern and a tail of 2 local layers; YaRN (global layers only) that bites
+    "olmo3": dict(decoder_block="olmo3", base_num_decoder_layers=6, sliding_window_size=4, rope_scaling="yarn",
+                  rope_scaling_factor=4.0, rope_original_max_position=16, local_rope_max_timescale=-1),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
 
@@ -379,6 +383,8 @@ def test_gpt_oss_under_expert_fsdp_and_tensor_axes_equals_one_device(routing):
     (dict(FAMILIES["deepseek"], attn_logits_soft_cap=50.0), r"attn_logits_soft_cap=50: .* set attn_logits_soft_cap=0"),
     (dict(FAMILIES["deepseek"], query_pre_attn_scalar=144.0), r"query_pre_attn_scalar=144: .*would ignore it"),
     (dict(FAMILIES["llama4"], base_num_decoder_layers=6), "llama4 needs a multiple of 4 layers"),
+    (dict(FAMILIES["olmo3"], base_num_decoder_layers=3), "olmo3 needs at least 4 layers .*3 local and 1 global"),
+    (dict(FAMILIES["olmo3"], mtp_num_layers=1), r"decoder_block=olmo3's blocks hold 4 layers \(3 local and 1 global\)"),
     (dict(FAMILIES["llama4"], interleave_moe_layer_step=3), "interleave_moe_layer_step=3 must divide"),
     (dict(FAMILIES["llama4"], sliding_window_size=4), "attends within chunks instead"),
     (dict(chunk_attn_window_size=8192, use_qk_norm=True), "use_qk_norm=True, chunk_attn_window_size=8192: Llama 4's"),
@@ -596,3 +602,44 @@ def test_latent_attention_has_every_static_setting_of_attention():
     latent = nnx.eval_shape(lambda: MlaAttention(cfg, "dot_product", nnx.Rngs(params=0)))
     assert settings(plain) and settings(plain) <= settings(latent)
     assert latent.qk_norm == "" and not latent.temperature_tuning and latent.dims == (8, 16, 10, 12)
+
+
+def test_olmo3_norms_after_attention_and_mlp_only_and_its_qk_norms_span_all_heads():
+    """OLMo 3's layer: x + norm(attention(x)), x + norm(mlp(x)), with no norm before either; its query and key
+    norms take one mean square over all of a token's heads (transformers' over the flat [N * H] projection),
+    unlike Qwen3's per head: scaling one head's queries changes every head's normalized queries."""
+    from tessera.models.attention import HeadsRMSNorm
+
+    params = build_model(tiny_config(**FAMILIES["olmo3"]).model).param_shapes()
+    layer = params["layers"]["layer_0"]
+    assert set(layer) == {"attention", "post_attention_norm", "mlp", "post_mlp_norm"}
+    assert (layer["attention"]["query_norm"]["scale"].shape, layer["attention"]["key_norm"]["scale"].shape) == (
+        (1, 4, 6), (1, 2, 6))  # [blocks, heads, head_dim]: one block; 4 query and 2 kv heads of 6 (TINY)
+    assert set(params["tail"]) == {"layer_0", "layer_1"}
+    norm = HeadsRMSNorm(3, 4, "heads", 1e-6, "float32", nnx.Rngs(0))
+    norm.scale[...] = jax.random.normal(jax.random.key(1), (3, 4))
+    x = jax.random.normal(jax.random.key(2), (2, 5, 3, 4))
+    flat = x.reshape(2, 5, 12)
+    want = flat / jnp.sqrt(jnp.mean(flat * flat, axis=-1, keepdims=True) + 1e-6) * norm.scale[...].reshape(12)
+    np.testing.assert_allclose(norm(x).reshape(2, 5, 12), want, rtol=1e-6, atol=1e-6)
+    scaled = norm(x.at[:, :, 0].multiply(3.0))
+    assert float(jnp.abs(scaled[:, :, 1:] - norm(x)[:, :, 1:]).min()) > 0  # the other heads moved too
+
+
+def test_olmo3_local_layers_see_their_window_and_the_global_layer_everything():
+    """The three local layers of a pattern attend within sliding_window_size, the fourth over the whole past: with
+    only the global layer's values left, a token changed at position 0 moves every later position."""
+    model = build_model(tiny_config(**dict(FAMILIES["olmo3"], base_num_decoder_layers=4)).model)
+    params = model.init(jax.random.key(3))
+    changed = TOKENS.at[:, 0].set((TOKENS[:, 0] + 1) % 96)
+
+    def moved(p):
+        return np.abs(np.asarray(model.apply(p, changed) - model.apply(p, TOKENS))).max(axis=(0, 2))
+
+    assert (moved(params)[1:] > 1e-4).all()
+    local_only = jax.tree.map(lambda a: a, params)
+    wv = local_only["layers"]["layer_3"]["attention"]["wv_dkh"]
+    local_only["layers"]["layer_3"]["attention"]["wv_dkh"] = jnp.zeros_like(wv)  # the global layer adds nothing
+    # three local layers of window 4 carry a change at most 3 x 3 positions on: to position 9, not past it
+    after = moved(local_only)
+    assert (after[:10] > 0).all() and (after[10:] == 0).all(), after

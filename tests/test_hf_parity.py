@@ -116,6 +116,8 @@ CASES = {
     "llama-biases-yarn": ("llama_bias_yarn", ()),
     "llama4-dropless": ("llama4", ("sparse_matmul=true",)),
     "llama4-capacity-unscanned": ("llama4", ("capacity_factor=-1", "scan_layers=false")),
+    "olmo3": ("olmo3", ()),
+    "olmo3-unscanned": ("olmo3", ("scan_layers=false",)),
 }
 
 
@@ -148,7 +150,8 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
                                           ("deepseek", ()), ("deepseek", ("scan_layers=false",)), ("deepseek_v2", ()),
                                           ("gpt_oss", ()), ("gpt_oss", ("scan_layers=false",)),
                                           ("llama_bias_yarn", ("fused_mlp=true",)),
-                                          ("llama4", ()), ("llama4", ("scan_layers=false",))])
+                                          ("llama4", ()), ("llama4", ("scan_layers=false",)), ("olmo3", ()),
+                                          ("olmo3", ("scan_layers=false",))])
 @pytest.mark.slow
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)
@@ -163,9 +166,9 @@ def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
     # the written config.json describes the same model, and transformers loads what we wrote
     assert config_from_hf(json.loads((tmp_path / "back" / "config.json").read_text())) == config_from_hf(original.config)
-    if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek", "deepseek_v2") \
+    if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek", "deepseek_v2", "olmo3") \
             or extra == ("scan_layers=false",) \
-            and family in ("gemma3", "deepseek"):
+            and family in ("gemma3", "deepseek", "olmo3"):
         return  # the richest configs, once each (each check costs a reference run of two models)
     tokens, _ = _padded_batch(cfg.model.vocab_size)
     back_logits, original_logits = hf_env.reference_outputs_many([(tmp_path / "back", tokens), (hf_dir, tokens)])
@@ -331,13 +334,15 @@ def test_hf_config_round_trips_every_model_file():
     for name in ("llama2-7b", "llama3.1-8b", "mistral-7b", "mixtral-8x7b", "gemma-7b", "gemma2-9b", "gemma2-27b",
                  "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-480b-a35b", "gemma3-4b", "gemma3-27b", "deepseek-v3",
                  "deepseek2-16b", "deepseek2-236b", "kimi-k2-1t",
-                 "gpt-oss-20b", "gpt-oss-120b", "llama4-17b-16e", "llama4-17b-128e"):
+                 "gpt-oss-20b", "gpt-oss-120b", "llama4-17b-16e", "llama4-17b-128e", "olmo3-7b", "olmo3-32b"):
         m = load_model_config(name, []).model
         keys = config_from_hf(hf_config(m, 4096))
         rebuilt = load_model_config("default", as_overrides(keys)).model
         for key in keys:
             if key != "global_parameter_scale" and not key.startswith("base_"):
-                assert getattr(rebuilt, key) == getattr(m, key), (name, key)
+                # (the local layers' theta as built: olmo3's files give -1, the global layers' theta)
+                attr = "local_rope_theta" if key == "local_rope_max_timescale" else key
+                assert getattr(rebuilt, attr) == getattr(m, attr), (name, key)
         assert (rebuilt.emb_dim, rebuilt.num_decoder_layers, rebuilt.mlp_dim) == (m.emb_dim, m.num_decoder_layers,
                                                                                   m.mlp_dim)
 

@@ -549,6 +549,12 @@ def _loads_or_is_refused(args: list[str], error: str) -> str | None:
     (["use_post_attn_norm=true"], "use_post_attn_norm=true adds a norm after attention in MaxText's gemma2 and gemma3 "
                                   "blocks; decoder_block=llama2 has none"),
     (["model_name=llama4-17b-16e", "inhomogeneous_layer_cycle_interval=4"], ""),
+    # MaxText's olmo3_32b file: its layer cycle, q/k norms; its olmo3 block has its post norms whatever these say
+    (["model_name=olmo3_32b", "inhomogeneous_layer_cycle_interval=4", "use_qk_norm=true"], ""),
+    (["model_name=olmo3-7b", "use_post_attn_norm=false", "use_post_ffw_norm=true"], ""),
+    (["model_name=olmo3-7b", "inhomogeneous_layer_cycle_interval=6"],
+     "inhomogeneous_layer_cycle_interval=6: MaxText scans the layers in groups of this many, for families whose "
+     "kinds of layer repeat; Tessera's decoder_block=olmo3 repeats its kinds of layer every 4 layers"),
     (["model_name=gpt-oss-20b", "inhomogeneous_layer_cycle_interval=2"], ""),
     (["inhomogeneous_layer_cycle_interval=1"], ""),
     (["model_name=gpt-oss-20b", "inhomogeneous_layer_cycle_interval=4"],
@@ -836,3 +842,16 @@ def test_maxtext_recipe_keys_without_effect_are_accepted_checked_and_logged(capl
     assert "sharding_tolerance='5' is not allowed; choose one of: 'a number from 0 to 1'" in str(e.value)
     assert "goodput_upload_interval_seconds='-3' is not allowed; choose one of: 'a whole number >= 0'" in str(e.value)
     assert "use_custom_sort_vjp='x' is not allowed" in str(e.value)
+
+
+def test_maxtexts_olmo3_32b_name_reads_our_olmo3_32b():
+    """MaxText's model_name=olmo3_32b (its OLMo 3 32B file) was refused as an unknown model; it reads Tessera's
+    olmo3-32b file, the same sizes as MaxText's (5120 wide, 40 query and 8 kv heads of 128, 64 layers, mlp 27648,
+    vocabulary 100278, window 4096, YaRN x8 over 8192 tokens at theta 500k)."""
+    m = load_config([BASE, "model_name=olmo3_32b"], env={}).model
+    assert dataclasses.replace(m, model_name="olmo3-32b") == load_config([BASE, "model_name=olmo3-32b"], env={}).model
+    assert (m.decoder_block, m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim, m.num_decoder_layers,
+            m.mlp_dim, m.vocab_size, m.sliding_window_size) == ("olmo3", 5120, 40, 8, 128, 64, 27648, 100278, 4096)
+    assert (m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_position, m.rope_max_timescale,
+            m.local_rope_theta, m.beta_fast, m.beta_slow, m.normalization_layer_epsilon) == (
+        "yarn", 8.0, 8192, 500000, 500000, 32.0, 1.0, 1e-6)

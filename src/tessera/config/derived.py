@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Mapping
 
-from tessera.config.layers import LAYERS_PER_BLOCK
+from tessera.config.layers import LAYERS_PER_BLOCK, tail_layers
 from tessera.config.schema import CheckpointConfig, Config, ConfigError, DataConfig, ModelConfig, RunConfig
 
 
@@ -218,10 +218,10 @@ def _stage_groups(cfg: Config, stages: int) -> tuple[int, int, int]:
     -1 keys filled in; ConfigError when the layers do not split into stages x repeats groups of whole blocks."""
     mesh, m = cfg.mesh, cfg.model
     per_block = LAYERS_PER_BLOCK.get(m.decoder_block, 1)
-    # deepseek's dense layers run below the pipeline, gemma3's local layers after its last whole pattern (the
-    # decoder's tail) above it; only the layers between are split over stages
+    # deepseek's dense layers run below the pipeline, the local layers of gemma3 and olmo3 after their last whole
+    # pattern (the decoder's tail) above it; only the layers between are split over stages
     dense = m.first_num_dense_layers if m.decoder_block == "deepseek" else 0
-    tail = m.num_decoder_layers % per_block if m.decoder_block == "gemma3" else 0
+    tail = tail_layers(m)
     layers, repeats, per_stage = (m.num_decoder_layers - dense - tail, mesh.num_pipeline_repeats,
                                   mesh.num_layers_per_pipeline_stage)
     if repeats == -1 and per_stage == -1:

@@ -35,9 +35,10 @@ def validate_family(m) -> None:
         raise ConfigError(f"{' and '.join(which)}: decoder_block=deepseek's latent attention (MLA) scales its scores "
                           "by (qk_nope_head_dim + qk_rope_head_dim)**-0.5 without a cap and would ignore "
                           f"{'them' if len(which) > 1 else 'it'}; set {' and '.join(w.split('=')[0] + '=0' for w in which)}")
-    if m.decoder_block == "gemma3" and m.num_decoder_layers < 6:
-        raise ConfigError(f"decoder_block=gemma3 needs at least 6 layers (one pattern of 5 local and 1 global layer), "
-                          f"not {m.num_decoder_layers}; change base_num_decoder_layers")
+    for block, local in (("gemma3", 5), ("olmo3", 3)):
+        if m.decoder_block == block and m.num_decoder_layers < local + 1:
+            raise ConfigError(f"decoder_block={block} needs at least {local + 1} layers (one pattern of {local} local "
+                              f"and 1 global layer), not {m.num_decoder_layers}; change base_num_decoder_layers")
     if m.decoder_block == "deepseek":
         _validate_deepseek(m)
     elif m.first_num_dense_layers:
@@ -93,8 +94,8 @@ def _validate_routing(m) -> None:
 _LLAMA4_KEYS = {"use_qk_norm": False, "chunk_attn_window_size": 0, "nope_layer_interval": 0, "temperature_tuning": False,
                 "interleave_moe_layer_step": 1}
 # blocks that always norm each query and key head, with a learned scale: use_qk_norm=true (what MaxText's qwen3 model
-# files set, and its gemma3 always does) is what they do
-QK_NORM_BLOCKS = ("qwen3", "qwen3_moe", "gemma3")
+# files set, and its gemma3 always does; olmo3's norm all heads at once, as MaxText's olmo3 with true) is what they do
+QK_NORM_BLOCKS = ("qwen3", "qwen3_moe", "gemma3", "olmo3")
 
 
 def _validate_llama4(m) -> None:

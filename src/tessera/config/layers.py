@@ -13,7 +13,15 @@ import types
 
 # decoder layers in one block of the families whose block is not one layer (a test keeps this
 # equal to the block classes' `layers_per_block`; the config side never imports the models)
-LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2, "llama4": 4}
+LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2, "llama4": 4, "olmo3": 4}
+# families whose pattern is local layers then one global layer, and whose layers after the last whole
+# pattern form a shorter block of local layers (the decoder's tail)
+TAIL_BLOCKS = ("gemma3", "olmo3")
+
+
+def tail_layers(m) -> int:
+    """The local layers after the last whole pattern of a TAIL_BLOCKS family (0 for the others)."""
+    return m.num_decoder_layers % LAYERS_PER_BLOCK[m.decoder_block] if m.decoder_block in TAIL_BLOCKS else 0
 
 
 def llama4_nope(m, layer: int) -> bool:
@@ -56,13 +64,15 @@ def mlp_widths(m) -> str:
 def layer_windows(m) -> list[int]:
     """The sliding window of each decoder layer's attention, bottom to top (0: the whole causal
     past): gemma2 and gpt_oss alternate local and global layers, the local first; gemma3 has one
-    global layer in each 6 (its tail layers are local); deepseek's latent attention has no
-    window; the other families apply sliding_window_size to every layer."""
+    global layer in each 6 and olmo3 one in each 4, the last (their tail layers are local);
+    deepseek's latent attention has no window; the other families apply sliding_window_size to
+    every layer."""
     w, layers = m.sliding_window_size, m.num_decoder_layers
     if m.decoder_block in ("gemma2", "gpt_oss"):
         return [w if i % 2 == 0 else 0 for i in range(layers)]
-    if m.decoder_block == "gemma3":
-        return [0 if i % 6 == 5 else w for i in range(layers)]
+    if m.decoder_block in TAIL_BLOCKS:
+        pattern = LAYERS_PER_BLOCK[m.decoder_block]
+        return [0 if i % pattern == pattern - 1 else w for i in range(layers)]
 
     return [0 if m.decoder_block == "deepseek" else w] * layers
 

@@ -128,7 +128,7 @@ ACCEPTED = {
 
 # MaxText's model names whose model file Tessera names otherwise: {MaxText's model_name: ours}. Read only when no
 # file of MaxText's name is found (a models/ folder beside the config file may hold one of the user's own).
-MODEL_NAMES = {"deepseek3-671b": "deepseek-v3"}
+MODEL_NAMES = {"deepseek3-671b": "deepseek-v3", "olmo3_32b": "olmo3-32b"}
 
 # Values of a key Tessera shares with MaxText that MaxText spells otherwise: {key: {MaxText's value: ours}}.
 # Tessera's save_dot_except_mlp keeps attention's output (context) with the projections, which MaxText's value

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 # times sqrt(emb_dim) and divide the tied logits by it (normalize_embedding_logits=true, its default): the same model.
 GEMMA_BLOCKS = ("gemma", "gemma2", "gemma3")
 POST_NORM_BLOCKS = ("gemma2", "gemma3")  # a norm after attention and after the MLP, always
-LAYER_CYCLES = {"llama4": 4, "gpt_oss": 2}  # layers after which a block's pattern of layer kinds repeats
+LAYER_CYCLES = {"llama4": 4, "gpt_oss": 2, "olmo3": 4}  # layers after which a block's pattern of layer kinds repeats
 
 
 def _embedding_logits(on: bool, m) -> str:
@@ -35,7 +35,8 @@ def _embedding_logits(on: bool, m) -> str:
 
 def _post_norm(name: str, where: str) -> Callable[[bool, Any], str]:
     def check(on: bool, m) -> str:
-        if on == (m.decoder_block in POST_NORM_BLOCKS):
+        # MaxText's olmo3 always has its post norms whatever these say (its olmo3 file leaves them at false), as here
+        if on == (m.decoder_block in POST_NORM_BLOCKS) or m.decoder_block == "olmo3":
             return ""
         if on:
             return (f"{name}=true adds a norm after {where} in MaxText's gemma2 and gemma3 blocks; "

@@ -64,9 +64,9 @@ class ModelConfig:
                         "ln(rope_scaling_factor) + 1)^2 (DeepSeek's mscale_all_dim)", minimum=0.0)
     rope_truncate: bool = key(True, "rope_scaling=yarn: round the dimensions where the kept and the divided "
                               "frequencies start outwards to whole dimensions (DeepSeek-V3; gpt-oss: false)")
-    local_rope_max_timescale: int = key(10000, "gemma3: rotary theta of the local (sliding-window) layers, which "
-                                        "rope_scaling leaves unscaled (the global layers use rope_max_timescale; -1: "
-                                        "the same theta as theirs, MaxText's default)", minimum=-1)
+    local_rope_max_timescale: int = key(10000, "gemma3 and olmo3: rotary theta of the local (sliding-window) "
+                                        "layers, which rope_scaling leaves unscaled (the global layers use "
+                                        "rope_max_timescale; -1: the same theta as theirs, MaxText's default)", minimum=-1)
     logits_via_embedding: bool = key(False, "tie the output projection to the token embedding")
     enable_dropout: bool = key(True, "apply dropout at dropout_rate during training (as MaxText; dropout_rate=0 "
                                "keeps it off)")
@@ -139,7 +139,8 @@ class ModelConfig:
                                "attention, nor with cuDNN, which has no such input)")
     use_qk_norm: bool = key(False, "llama4: an RMS norm without a scale over each query and key head of the rotary "
                             "layers (Llama 4 Scout); qwen3, qwen3_moe and gemma3 always norm them, with scales of their own, "
-                            "and take true (MaxText's qwen3 model files) as that")
+                            "olmo3 all heads of a token at once, and they take true (MaxText's qwen3 and olmo3 model "
+                            "files) as that")
     chunk_attn_window_size: int = key(0, "llama4: the rotary layers attend within chunks of this many tokens (a query "
                                       "sees the earlier tokens of its own chunk; Llama 4: 8192; 0: no chunks)",
                                       minimum=0, maximum=MAX_WINDOW)
@@ -248,7 +249,8 @@ class ModelConfig:
 
     @property
     def local_rope_theta(self) -> int:
-        """The rotary theta of gemma3's local layers: local_rope_max_timescale, or with -1 the global one."""
+        """The rotary theta of the local layers of gemma3 and olmo3: local_rope_max_timescale, or with -1 the
+        global one."""
         return self.local_rope_max_timescale if self.local_rope_max_timescale > 0 else self.rope_max_timescale
 
     @property

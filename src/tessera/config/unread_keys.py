@@ -4,7 +4,7 @@ errors: the value is valid, only this run's other keys leave it unused."""
 
 from __future__ import annotations
 
-from tessera.config.layers import llama4_nope, mlp_dim_unused
+from tessera.config.layers import TAIL_BLOCKS, llama4_nope, mlp_dim_unused
 from tessera.config.schema import Config
 
 
@@ -163,9 +163,10 @@ def _family_keys(m, changed: dict) -> list[str]:
     if "trainable_position_size" in changed and m.decoder_block != "gpt3":
         lines.append(f"{_listed(['trainable_position_size'], changed)}: no effect, decoder_block={m.decoder_block} "
                      "rotates its queries and keys; only decoder_block=gpt3 learns a position table")
-    if "local_rope_max_timescale" in changed and m.decoder_block != "gemma3":
-        lines.append(f"{_listed(['local_rope_max_timescale'], changed)}: no effect, it is the rotary theta of "
-                     f"decoder_block=gemma3's local layers; decoder_block={m.decoder_block} uses rope_max_timescale")
+    if "local_rope_max_timescale" in changed and m.decoder_block not in TAIL_BLOCKS:
+        lines.append(f"{_listed(['local_rope_max_timescale'], changed)}: no effect, it is the rotary theta of the "
+                     f"local layers of decoder_block=gemma3 and olmo3; decoder_block={m.decoder_block} uses "
+                     "rope_max_timescale")
     if m.num_experts <= 1 and (keys := [k for k in EXPERT_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1), whose MLP is "
                      "base_mlp_dim wide; they size or route a mixture of experts")

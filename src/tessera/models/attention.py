@@ -30,8 +30,8 @@ from tessera.mesh import shard_logically, traced_platform
 
 def rope_frequencies_of(cfg: ModelConfig, local: bool = False, rotary_dim: int = 0) -> np.ndarray:
     """The rotary inverse wavelengths a config asks for (rope_max_timescale, rope_scaling) for
-    heads of `rotary_dim` (default head_dim); `local`: those of gemma3's sliding-window layers
-    (local_rope_max_timescale, never scaled)."""
+    heads of `rotary_dim` (default head_dim); `local`: those of the sliding-window layers of gemma3
+    and olmo3 (local_rope_max_timescale, never scaled)."""
     dim = rotary_dim or cfg.head_dim
     if local:
         return rope_frequencies(dim, cfg.local_rope_theta)
@@ -42,6 +42,22 @@ def rope_frequencies_of(cfg: ModelConfig, local: bool = False, rotary_dim: int =
         cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
         cfg.rope_original_max_position) if cfg.rope_scaling == "llama3" else None)
     return inv_freq / np.float32(cfg.rope_scaling_factor) if cfg.rope_scaling == "linear" else inv_freq
+
+
+class HeadsRMSNorm(nnx.Module):
+    """RMSNorm of each token's heads together ([B, T, N, H]: one mean square over N and H) with a
+    learned scale [N, H], in float32, rounded once to the input's dtype: OLMo 3's query and key norms
+    (over the flat N * H projection in its checkpoints). With the heads sharded, the mean is a sum
+    over the shards."""
+
+    def __init__(self, heads: int, head_dim: int, heads_axis: str, eps: float, weight_dtype, rngs: nnx.Rngs):
+        self.scale = param(rngs, (heads, head_dim), (heads_axis, "head_dim"), weight_dtype, None, fill=1.0)
+        self.eps = eps
+
+    def __call__(self, x_btnh: jax.Array) -> jax.Array:
+        x = x_btnh.astype(jnp.float32)
+        x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=(-2, -1), keepdims=True) + self.eps)
+        return (x * self.scale[...].astype(jnp.float32)).astype(x_btnh.dtype)
 
 
 QUERY_CHUNK = 128  # causal attention skips key blocks entirely after a chunk of this many queries
@@ -185,8 +201,9 @@ class Attention(nnx.Module):
     the embeddings instead), biases on every projection (`use_bias`; on the query, key and value
     projections only with `output_bias=False`, as in Qwen2), a sliding window,
     an RMSNorm over each query and key head before the rotation (`qk_norm`: the norm kind,
-    "rms" in Qwen3, "rms_zero_centered" in Gemma 3; "" none) and the rotary frequencies of
-    gemma3's local layers (`local_rope`).
+    "rms" in Qwen3, "rms_zero_centered" in Gemma 3; "rms_all_heads" in OLMo 3: one RMSNorm over
+    all heads of a token's queries, and one over its keys, with a scale per head and dimension;
+    "" none) and the rotary frequencies of the local layers of gemma3 and olmo3 (`local_rope`).
     From the config: `fused_qkv` (one [D, 3, N, H] projection; needs K == N),
     `query_pre_attn_scalar` (scores scaled by its inverse square root instead of head_dim's),
     `attn_logits_soft_cap`, `attention_bias` (biases as `use_bias`, which gpt3 always sets),
@@ -224,6 +241,10 @@ class Attention(nnx.Module):
             norm_args = (h, cfg.normalization_layer_epsilon, cfg.dtype, wdtype, rngs)
             self.query_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
             self.key_norm = RMSNorm(*norm_args, zero_centered=qk_norm == "rms_zero_centered")
+        elif qk_norm == "rms_all_heads":
+            eps = cfg.normalization_layer_epsilon
+            self.query_norm = HeadsRMSNorm(n, h, "heads", eps, wdtype, rngs)
+            self.key_norm = HeadsRMSNorm(k, h, "kv_heads", eps, wdtype, rngs)
         scale = float(cfg.query_pre_attn_scalar or h) ** -0.5
         if use_rope and cfg.rope_scaling == "yarn" and not local_rope:
             scale *= yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale)

@@ -65,7 +65,7 @@ class Decoder(nnx.Module):
             else:
                 for i, block in enumerate(_unstacked_blocks(lambda r: prefix_cls(cfg, attention_kernel, r), prefix, rngs)):
                     setattr(self, f"dense_layers_{i}", block)
-        if tail:  # gemma3: the layers after the last whole pattern (validated: no other family has one)
+        if tail:  # gemma3, olmo3: the layers after the last whole pattern (validated: no other family has one)
             self.tail = block_cls(cfg, attention_kernel, rngs, num_layers=tail)
         self.prefix_blocks, self.tail_layers = prefix, tail
         self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype, wdtype, cfg.use_iota_embed, rngs)
@@ -127,7 +127,7 @@ class Decoder(nnx.Module):
         if not p and not self.tail_layers:
             x, aux, caches = blocks(x, positions_bt, segment_ids_bt, keys[:n], packed, kv_cache)
             return x, finish_aux(aux, cfg), caches
-        # a dense prefix (deepseek) or a tail block (gemma3): the cache is {segment: its caches};
+        # a dense prefix (deepseek) or a tail block (gemma3, olmo3): the cache is {segment: its caches};
         # both are dense (no aux)
         caches = {} if kv_cache is None else dict(kv_cache)
         if p:
@@ -318,7 +318,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int):
     """An empty KV cache for `Decoder(cfg)` decoding `batch` rows of up to `max_len` tokens: one
     cache per block (`Block.empty_cache`), laid out as the parameters are: stacked on a leading
     layers axis when scan_layers=true, else a tuple with one entry per block; with a dense prefix
-    (deepseek) or a tail block (gemma3), a dict of those per segment ("dense_layers", "layers",
+    (deepseek) or a tail block (gemma3, olmo3), a dict of those per segment ("dense_layers", "layers",
     "tail")."""
     block_cls = BLOCKS[cfg.decoder_block]
     prefix, prefix_cls = block_cls.prefix_blocks(cfg)
@@ -331,7 +331,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int):
 
     if not prefix and not tail:
         return stack(block_cls, num_blocks)
-    # a dense prefix (deepseek) or a tail block (gemma3's layers after the last whole pattern)
+    # a dense prefix (deepseek) or a tail block (the layers of gemma3 or olmo3 after the last whole pattern)
     caches = {"layers": stack(block_cls, num_blocks)}
     if prefix:
         caches["dense_layers"] = stack(prefix_cls, prefix)

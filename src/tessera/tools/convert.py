@@ -71,7 +71,9 @@ def check_same_model(cfg: Config, hf_config: dict) -> None:
         if name == "global_parameter_scale":
             continue
         attr = sized.get(name, name)
-        ours, theirs = getattr(cfg.model, attr), getattr(expected, attr)
+        # the local layers' theta as built: -1 in a model file is the global layers' theta, which a checkpoint gives
+        built = "local_rope_theta" if name == "local_rope_max_timescale" else attr
+        ours, theirs = getattr(cfg.model, built), getattr(expected, built)
         if ours != theirs:
             problems.append(f"  {attr}: checkpoint {theirs!r}, config {ours!r}  (set {as_overrides({name: wanted[name]})[0]})")
     scale = cfg.model.global_parameter_scale

@@ -31,7 +31,7 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-            "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM"}[model_type]
+            "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM", "olmo3": "Olmo3ForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
         return _refuse_no_window(m, {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
@@ -107,7 +107,7 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
         config.update(_llama4_config(m))
     if model_type in ("gemma", "gemma2", "gemma3_text"):  # Gemma reads hidden_act, Gemma 2 and 3 hidden_activation
         config["hidden_activation"] = config["hidden_act"]
-    if model_type in ("mistral", "mixtral", "gemma2", "gemma3_text"):
+    if model_type in ("mistral", "mixtral", "gemma2", "gemma3_text", "olmo3"):
         config["sliding_window"] = m.sliding_window_size or None
     if model_type == "mixtral":  # its experts' width (base_moe_mlp_dim when set: then no layer is base_mlp_dim wide)
         config.update(num_local_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
@@ -133,6 +133,12 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
         config["rope_parameters"] = {"full_attention": glob, "sliding_attention": {
             "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
         config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                                 for i in range(m.num_decoder_layers)]
+    if model_type == "olmo3":  # rope_scaling is the global layers' only; the local ones rotate unscaled
+        glob = {"rope_type": "default", **config.pop("rope_scaling", {}), "rope_theta": config.pop("rope_theta")}
+        config["rope_parameters"] = {"full_attention": glob, "sliding_attention": {
+            "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
+        config["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                                  for i in range(m.num_decoder_layers)]
 
 

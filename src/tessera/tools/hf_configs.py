@@ -18,7 +18,8 @@ from tessera.tools.hf_rope import rope_keys, rope_theta
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
-                  "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4"}
+                  "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4",
+                  "olmo3": "olmo3"}
 # multimodal checkpoints whose language model Tessera converts: model_type -> its text model's model_type
 # (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix). Gemma 3
 # 4B, 12B and 27B are released only as such (Gemma3ForConditionalGeneration), and were refused as unsupported
@@ -27,12 +28,12 @@ HF_MULTIMODAL = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 # (model_type kimi_k2, architectures DeepseekV3ForCausalLM) are DeepSeek-V3's keys and names
 HF_SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
-HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma", "gemma2", "gemma3_text")
+HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma", "gemma2", "gemma3_text", "olmo3")
 HF_MLP_BIAS = ("llama",)
 # Hugging Face families whose attention reads config.json's sliding_window (qwen2's and qwen3's use_sliding_window is
 # refused):
 # transformers' llama, gemma and llama4_text ignore a sliding_window their config.json holds
-HF_SLIDING_WINDOW = ("mistral", "mixtral", "gemma2", "gemma3_text", "gpt_oss")
+HF_SLIDING_WINDOW = ("mistral", "mixtral", "gemma2", "gemma3_text", "gpt_oss", "olmo3")
 GELU_TANH = ("gelu_pytorch_tanh", "gelu_new", "gelu_fast")
 # families whose transformers config ties the output layer to the embedding unless it says otherwise: Google's
 # released Gemma and Gemma 2 config.json files leave tie_word_embeddings out (transformers wrote only non-defaults)
@@ -55,7 +56,8 @@ HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping"
                # the released multimodal Gemma 3 4B's text_config leaves out its heads, vocabulary and norm epsilon
                "gemma3_text": {"query_pre_attn_scalar": 256, "sliding_window": 4096, "num_attention_heads": 8,
                                "num_key_value_heads": 4, "vocab_size": 262208, "rms_norm_eps": 1e-6},
-               "mistral": {"sliding_window": 4096}, "gpt_oss": {"sliding_window": 128, "attention_bias": True},
+               "mistral": {"sliding_window": 4096}, "olmo3": {"sliding_window": 4096, "rope_theta": 500000.0},
+               "gpt_oss": {"sliding_window": 128, "attention_bias": True},
                # transformers' DeepseekV2Config: greedy (no groups); its router ignores norm_topk_prob
                "deepseek_v2": {"routed_scaling_factor": 1.0, "norm_topk_prob": False, "topk_method": "greedy",
                                "first_k_dense_replace": 0, "n_shared_experts": 2, "q_lora_rank": 1536},
@@ -165,6 +167,8 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
                            "layers (the first sliding), the local/global pairs Tessera's gemma2 builds")
     if kind == "gemma3_text":
         keys.update(_gemma3_keys(hf))
+    if kind == "olmo3":
+        keys.update(_olmo3_keys(hf))
     return keys
 
 
@@ -278,6 +282,19 @@ def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
     elif kind != "default":
         raise ConfigError(f"Gemma 3 global layers with rope_type={kind!r} are not supported (default and linear are)")
     return keys
+
+
+def _olmo3_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's local layers' rotary theta (their rope_parameters are never scaled: a checkpoint's rope_scaling
+    is the global layers'), and a check of its 3 local : 1 global pattern."""
+    _check_layer_types(hf, ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["olmo3"] == 0 else "sliding_attention"
+                            for i in range(hf["num_hidden_layers"])],
+                       "this OLMo 3 checkpoint's layer_types are not the 3 local : 1 global pattern Tessera's olmo3 "
+                       "builds")
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"OLMo 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
+    return {"local_rope_max_timescale": rope_theta(local.get("rope_theta", hf["rope_theta"]))}
 
 
 def _deepseek_routing(hf: dict[str, Any]) -> dict[str, Any]:

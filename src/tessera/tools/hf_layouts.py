@@ -160,16 +160,22 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
            linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h)),
            linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))]
     layer = qkv_rules(m, qkv, "attention/wqkv_dcnh", 1) + [
-        linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
-        same("pre_attention_norm/scale", "input_layernorm.weight"),
-    ]
+        linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d))]
+    if family != "olmo3":  # (OLMo 3 has no norm before attention)
+        layer.append(same("pre_attention_norm/scale", "input_layernorm.weight"))
     if m.attention_bias:
         layer += _attention_biases(m)
     if family in ("qwen3", "qwen3_moe", "gemma3"):
         layer += [same("attention/query_norm/scale", "self_attn.q_norm.weight"),
                   same("attention/key_norm/scale", "self_attn.k_norm.weight")]
+    if family == "olmo3":  # one norm over all heads: a flat [heads * head_dim] scale there
+        layer += [reshaped("attention/query_norm/scale", "self_attn.q_norm.weight", (n, h), (n * h,)),
+                  reshaped("attention/key_norm/scale", "self_attn.k_norm.weight", (k, h), (k * h,))]
     layer += _llama_like_mlp(m, family)
-    if family in ("gemma2", "gemma3"):
+    if family == "olmo3":
+        layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
+                  same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
+    elif family in ("gemma2", "gemma3"):
         layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
                   same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"),
                   same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
@@ -380,7 +386,7 @@ def _llama4(m: ModelConfig) -> Layout:
 def layout_for(m: ModelConfig) -> Layout:
     """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
     if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "qwen3_moe", "gemma3",
-                           "gpt_oss"):
+                           "gpt_oss", "olmo3"):
         return _llama_like(m, m.decoder_block)
     if m.decoder_block == "gpt3":
         return _gpt2(m)

@@ -52,7 +52,7 @@ INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
 FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen2", "qwen3", "qwen3_moe", "gemma3",
-            "deepseek", "deepseek_v2", "gpt_oss", "llama_bias_yarn", "llama4", "gemma3_multimodal")
+            "deepseek", "deepseek_v2", "gpt_oss", "llama_bias_yarn", "llama4", "gemma3_multimodal", "olmo3")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek", "deepseek_v2", "gpt_oss", "llama4")  # built by _moe_config
 
 
@@ -118,6 +118,13 @@ def _config(family: str):
             sliding_window=SLIDING_WINDOW, query_pre_attn_scalar=12,
             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}))
+    if family == "olmo3":
+        # 6 layers: one 3-local/1-global pattern and 2 more local layers; YaRN on the global layers only, and the
+        # local layers at another theta, so that swapping them shows
+        return t.Olmo3ForCausalLM, t.Olmo3Config(**_decoder_kwargs(
+            num_hidden_layers=6, rms_norm_eps=1e-6, sliding_window=SLIDING_WINDOW, max_position_embeddings=4096,
+            rope_parameters={"full_attention": _yarn(True),
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}))
     if family == "gemma3_multimodal":
         # the tiny Gemma 3 as the language model of a Gemma3ForConditionalGeneration, beside a one-layer vision tower
         vision = t.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
