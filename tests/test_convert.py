@@ -1438,3 +1438,34 @@ def test_olmo3_layer_patterns_and_local_scalings_tessera_does_not_build_are_refu
     written = hf_config(load_model_config("olmo3-7b", []).model, 4096)
     with pytest.raises(ConfigError, match=re.escape(message)):
         config_from_hf({**written, **change})
+
+
+def test_olmo2_is_olmo3_without_windows_both_ways():
+    """OLMo 2 (model_type olmo2: OLMo 3's layer, every layer global, one rotary embedding) converts into Tessera's
+    olmo3 with sliding_window_size=0 and the local layers at the global theta, and such a model exports as olmo2:
+    transformers' olmo3 refused to run the config.json written before ("Could not find a `sliding_window`
+    argument"). A windowless olmo3 whose layers rotate differently has neither form, and a scaled OLMo 2 rotary
+    (every layer) is not olmo3's (the global layers only): both refused by name."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    olmo2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 4096,
+             "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32,
+             "vocab_size": 100352, "rms_norm_eps": 1e-6, "rope_theta": 500000, "tie_word_embeddings": False,
+             "attention_bias": False, "hidden_act": "silu", "max_position_embeddings": 4096}
+    keys = config_from_hf(olmo2)
+    assert (keys["decoder_block"], keys["sliding_window_size"], keys["local_rope_max_timescale"],
+            keys["rope_scaling"]) == ("olmo3", 0, 500000, "none")
+    m = load_model_config("olmo3-7b", ["sliding_window_size=0", "rope_scaling=none", "vocab_size=100352"]).model
+    written = hf_config(m, 4096)
+    assert (written["model_type"], written["architectures"]) == ("olmo2", ["Olmo2ForCausalLM"])
+    assert "sliding_window" not in written and "layer_types" not in written
+    assert config_from_hf(written) == keys
+    yarn = load_model_config("olmo3-7b", ["sliding_window_size=0"]).model
+    with pytest.raises(ConfigError, match="sliding_window_size=0 with rope_scaling=yarn and local_rope_max_timescale=-1: "
+                                          "transformers' olmo3 needs a window"):
+        hf_config(yarn, 4096)
+    with pytest.raises(ConfigError, match="this OLMo 2 checkpoint scales its rotary frequencies "
+                                          r"\(rope_scaling=linear\) in every layer"):
+        config_from_hf({**olmo2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})

@@ -118,6 +118,7 @@ CASES = {
     "llama4-capacity-unscanned": ("llama4", ("capacity_factor=-1", "scan_layers=false")),
     "olmo3": ("olmo3", ()),
     "olmo3-unscanned": ("olmo3", ("scan_layers=false",)),
+    "olmo2": ("olmo2", ()),  # Tessera's olmo3 without windows
 }
 
 
@@ -151,7 +152,7 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
                                           ("gpt_oss", ()), ("gpt_oss", ("scan_layers=false",)),
                                           ("llama_bias_yarn", ("fused_mlp=true",)),
                                           ("llama4", ()), ("llama4", ("scan_layers=false",)), ("olmo3", ()),
-                                          ("olmo3", ("scan_layers=false",))])
+                                          ("olmo3", ("scan_layers=false",)), ("olmo2", ())])
 @pytest.mark.slow
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)
@@ -166,7 +167,7 @@ def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
     # the written config.json describes the same model, and transformers loads what we wrote
     assert config_from_hf(json.loads((tmp_path / "back" / "config.json").read_text())) == config_from_hf(original.config)
-    if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek", "deepseek_v2", "olmo3") \
+    if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek", "deepseek_v2", "olmo3", "olmo2") \
             or extra == ("scan_layers=false",) \
             and family in ("gemma3", "deepseek", "olmo3"):
         return  # the richest configs, once each (each check costs a reference run of two models)

@@ -10,6 +10,9 @@ files: the same theta), the global ones with YaRN (factor 8 over 8192 tokens). O
 4-layer pattern (`LayerPattern`); a layer count that is not a multiple of 4 ends in a tail block of
 local layers, as Hugging Face's layer_types rule ((i + 1) % 4: full attention) builds it. The 7B
 model has as many key and value heads as query heads, the 32B 8 for 40; the embeddings are not tied.
+With sliding_window_size=0, no rotary scaling and local_rope_max_timescale=-1 every layer is the
+same global layer: OLMo 2 (Team OLMo 2024), whose checkpoints (model_type olmo2) convert into this
+block and which exports as one.
 
 Where it differs from the reference (the Hugging Face `transformers` implementation, which the
 parity tests compare against): the query and key norms multiply by their scales in float32 and round

@@ -21,6 +21,8 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
     model_type = {v: k for k, v in HF_MODEL_TYPES.items()}[m.decoder_block]
     if m.decoder_block == "deepseek":  # DeepSeek-V2 routes by softmax without a bias, V3 by sigmoid with one
         model_type = "deepseek_v2" if m.routed_score_func == "softmax" and not m.routed_bias else "deepseek_v3"
+    if m.decoder_block == "olmo3" and not m.sliding_window_size:
+        model_type = _olmo_without_windows(m)
     unwritten = [f"{key}={getattr(m, key):g}" for key in NO_CAPS if getattr(m, key)]
     if unwritten and model_type not in ("gemma2", "gemma3_text"):
         raise ConfigError(f"{', '.join(unwritten)}: Hugging Face's {model_type} config.json has no such setting, so "
@@ -31,7 +33,8 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
     arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM",
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-            "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM", "olmo3": "Olmo3ForCausalLM"}[model_type]
+            "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+            "olmo3": "Olmo3ForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
         return _refuse_no_window(m, {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
@@ -140,6 +143,18 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
             "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
         config["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
                                  for i in range(m.num_decoder_layers)]
+
+
+def _olmo_without_windows(m: ModelConfig) -> str:
+    """The model_type of an olmo3 model without sliding windows: olmo2 (OLMo 2: every layer global, one rotary embedding)
+    when its layers all rotate alike; transformers' olmo3 needs a window for its sliding layers, so another is
+    refused."""
+    if m.rope_scaling == "none" and m.local_rope_theta == m.rope_max_timescale:
+        return "olmo2"
+    raise ConfigError(f"sliding_window_size=0 with rope_scaling={m.rope_scaling} and local_rope_max_timescale="
+                      f"{m.local_rope_max_timescale}: transformers' olmo3 needs a window on its sliding-window layers, "
+                      "and its olmo2 (every layer global) rotates every layer alike, so this model cannot be exported; "
+                      "give sliding_window_size, or rope_scaling=none and local_rope_max_timescale=-1 (OLMo 2)")
 
 
 def _llama4_config(m: ModelConfig) -> dict[str, Any]:

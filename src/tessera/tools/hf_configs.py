@@ -19,7 +19,7 @@ from tessera.tools.hf_rope import rope_keys, rope_theta
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4",
-                  "olmo3": "olmo3"}
+                  "olmo2": "olmo3", "olmo3": "olmo3"}  # (olmo2 first: an olmo3 model exports as olmo3)
 # multimodal checkpoints whose language model Tessera converts: model_type -> its text model's model_type
 # (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix). Gemma 3
 # 4B, 12B and 27B are released only as such (Gemma3ForConditionalGeneration), and were refused as unsupported
@@ -28,7 +28,7 @@ HF_MULTIMODAL = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 # (model_type kimi_k2, architectures DeepseekV3ForCausalLM) are DeepSeek-V3's keys and names
 HF_SAME_AS = {"kimi_k2": "deepseek_v3"}
 # Hugging Face families whose config.json has attention_bias / mlp_bias (the biases Tessera builds with those keys)
-HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma", "gemma2", "gemma3_text", "olmo3")
+HF_ATTENTION_BIAS = ("llama", "qwen3", "qwen3_moe", "gpt_oss", "gemma", "gemma2", "gemma3_text", "olmo2", "olmo3")
 HF_MLP_BIAS = ("llama",)
 # Hugging Face families whose attention reads config.json's sliding_window (qwen2's and qwen3's use_sliding_window is
 # refused):
@@ -169,6 +169,8 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(_gemma3_keys(hf))
     if kind == "olmo3":
         keys.update(_olmo3_keys(hf))
+    if kind == "olmo2":
+        keys.update(_olmo2_keys(keys))
     return keys
 
 
@@ -295,6 +297,18 @@ def _olmo3_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if local.get("rope_type", "default") != "default":
         raise ConfigError(f"OLMo 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
     return {"local_rope_max_timescale": rope_theta(local.get("rope_theta", hf["rope_theta"]))}
+
+
+def _olmo2_keys(keys: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 2 is OLMo 3's layer without its sliding windows (every layer global) and with one rotary embedding: Tessera's
+    olmo3 with sliding_window_size=0 and the local layers' theta the global one's. Its rotary scaling, if a checkpoint
+    had one, would apply to every layer, where olmo3 scales the global layers' only: refused (no released model has
+    one)."""
+    if keys["rope_scaling"] != "none":
+        raise ConfigError(f"this OLMo 2 checkpoint scales its rotary frequencies (rope_scaling={keys['rope_scaling']}) "
+                          "in every layer; Tessera builds OLMo 2 as decoder_block=olmo3 without windows, whose scaling "
+                          "applies to every fourth layer only, so it is not converted")
+    return {"sliding_window_size": 0, "local_rope_max_timescale": keys["rope_max_timescale"]}
 
 
 def _deepseek_routing(hf: dict[str, Any]) -> dict[str, Any]:

@@ -102,8 +102,9 @@ def run_reference(*args: str, timeout: float = 600) -> subprocess.CompletedProce
 
 def tiny_command(family: str, out_dir: str | Path, seed: int = 0, max_shard_size: str | None = None) -> list[str]:
     """The hf_reference.py command that saves a tiny random float32 HF checkpoint of `family`
-    (hf_reference.FAMILIES: llama2, llama3, mistral, mixtral, gemma, gemma2, gpt2, qwen3, qwen3_moe,
-    gemma3, deepseek, gpt_oss, llama_bias_yarn, llama4, gemma3_multimodal) to `out_dir`; a small
+    (hf_reference.FAMILIES: llama2, llama3, mistral, mixtral, gemma, gemma2, gpt2, qwen2, qwen3, qwen3_moe,
+    gemma3, deepseek, deepseek_v2, gpt_oss, llama_bias_yarn, llama4, gemma3_multimodal, olmo3, olmo2) to
+    `out_dir`; a small
     `max_shard_size` ("20KB") shards it."""
     command = ["tiny", family, str(out_dir), "--seed", str(seed)]
     return command + ["--max-shard-size", max_shard_size] if max_shard_size else command

@@ -52,7 +52,7 @@ INIT_STD = 0.2  # initializer_range: 10x Hugging Face's default 0.02
 NOISE_STD = 0.1  # added to every parameter after init, so norm scales and biases are random too
 SLIDING_WINDOW = 5  # Mistral / Gemma 2: shorter than the 9-token test sequences
 FAMILIES = ("llama2", "llama3", "mistral", "mixtral", "gemma", "gemma2", "gpt2", "qwen2", "qwen3", "qwen3_moe", "gemma3",
-            "deepseek", "deepseek_v2", "gpt_oss", "llama_bias_yarn", "llama4", "gemma3_multimodal", "olmo3")
+            "deepseek", "deepseek_v2", "gpt_oss", "llama_bias_yarn", "llama4", "gemma3_multimodal", "olmo3", "olmo2")
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "deepseek", "deepseek_v2", "gpt_oss", "llama4")  # built by _moe_config
 
 
@@ -125,6 +125,13 @@ def _config(family: str):
             num_hidden_layers=6, rms_norm_eps=1e-6, sliding_window=SLIDING_WINDOW, max_position_embeddings=4096,
             rope_parameters={"full_attention": _yarn(True),
                              "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}))
+    if family == "olmo2":
+        # OLMo 3's layer with every layer global and one rotary embedding; 5 layers (Tessera's olmo3 needs a whole
+        # 4-layer pattern, then a tail); Olmo2Config has no head_dim (hidden_size / heads: 6)
+        kwargs = _decoder_kwargs(num_hidden_layers=5, rms_norm_eps=1e-6,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 20000.0})
+        del kwargs["head_dim"]
+        return t.Olmo2ForCausalLM, t.Olmo2Config(**kwargs)
     if family == "gemma3_multimodal":
         # the tiny Gemma 3 as the language model of a Gemma3ForConditionalGeneration, beside a one-layer vision tower
         vision = t.SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
