@@ -643,3 +643,17 @@ def test_olmo3_local_layers_see_their_window_and_the_global_layer_everything():
     # three local layers of window 4 carry a change at most 3 x 3 positions on: to position 9, not past it
     after = moved(local_only)
     assert (after[:10] > 0).all() and (after[10:] == 0).all(), after
+
+
+@pytest.mark.slow
+def test_olmo3_with_its_heads_split_over_tensor_gives_the_same_losses_as_one_device(tmp_path):
+    """OLMo 3's query and key norms take one mean square over all of a token's heads: with the heads split over
+    a tensor axis (fsdp 4 x tensor 2; 4 query and 2 kv heads) each device holds part of them, and the norm must
+    still span all (moved into per-shard code, such as splash attention's shard_map over the heads, it would see
+    one device's heads only). Same losses and gradient norms as one device, over one 3-local/1-global pattern."""
+    one = _moe_losses(tmp_path, "one", 1, FAMILIES["olmo3"], base_num_decoder_layers=4)
+    split = _moe_losses(tmp_path, "split", 8, FAMILIES["olmo3"], base_num_decoder_layers=4, ici_fsdp_parallelism=4,
+                        ici_tensor_parallelism=2)
+    for key in ("loss", "grad_norm"):
+        a, b = np.array([r[key] for r in one]), np.array([r[key] for r in split])
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7, err_msg=key)
