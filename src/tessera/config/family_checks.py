@@ -5,6 +5,7 @@ routing keys: part of `tessera.config.checks.validate`, which runs on every load
 from __future__ import annotations
 
 from tessera.config.fields import MOE_BLOCKS
+from tessera.config.layers import LAYERS_PER_BLOCK, TAIL_BLOCKS
 from tessera.config.schema import ConfigError
 
 
@@ -35,10 +36,11 @@ def validate_family(m) -> None:
         raise ConfigError(f"{' and '.join(which)}: decoder_block=deepseek's latent attention (MLA) scales its scores "
                           "by (qk_nope_head_dim + qk_rope_head_dim)**-0.5 without a cap and would ignore "
                           f"{'them' if len(which) > 1 else 'it'}; set {' and '.join(w.split('=')[0] + '=0' for w in which)}")
-    for block, local in (("gemma3", 5), ("olmo3", 3)):
-        if m.decoder_block == block and m.num_decoder_layers < local + 1:
-            raise ConfigError(f"decoder_block={block} needs at least {local + 1} layers (one pattern of {local} local "
-                              f"and 1 global layer), not {m.num_decoder_layers}; change base_num_decoder_layers")
+    if m.decoder_block in TAIL_BLOCKS and m.num_decoder_layers < LAYERS_PER_BLOCK[m.decoder_block]:
+        pattern = LAYERS_PER_BLOCK[m.decoder_block]
+        raise ConfigError(f"decoder_block={m.decoder_block} needs at least {pattern} layers (one pattern of "
+                          f"{pattern - 1} local and 1 global layer), not {m.num_decoder_layers}; change "
+                          "base_num_decoder_layers")
     if m.decoder_block == "deepseek":
         _validate_deepseek(m)
     elif m.first_num_dense_layers:

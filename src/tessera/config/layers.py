@@ -19,6 +19,12 @@ LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2, "llama4": 4, "olmo3"
 TAIL_BLOCKS = ("gemma3", "olmo3")
 
 
+def local_global_types(pattern: int, layers: int) -> list[str]:
+    """transformers' `layer_types` of `layers` layers with one full-attention layer in every `pattern`, the last
+    of each, and the others sliding-window: those of gemma3 (6) and olmo3 (4), whose tail layers are sliding."""
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+
+
 def tail_layers(m) -> int:
     """The local layers after the last whole pattern of a TAIL_BLOCKS family (0 for the others)."""
     return m.num_decoder_layers % LAYERS_PER_BLOCK[m.decoder_block] if m.decoder_block in TAIL_BLOCKS else 0

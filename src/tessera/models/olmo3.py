@@ -56,7 +56,6 @@ class Olmo3Block(LayerPattern):
     """OLMo 3's repeating pattern (`LayerPattern`): layer_0 .. layer_2 local, layer_3 global."""
 
     layers_per_block = 4
-    qk_norm = "rms_all_heads"
 
     def make_layer(self, cfg: ModelConfig, attention_kernel: str, rngs: nnx.Rngs, local: bool) -> nnx.Module:
         return Olmo3Layer(cfg, attention_kernel, rngs, local)

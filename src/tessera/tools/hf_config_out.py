@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import Config, ConfigError, ModelConfig
+from tessera.config.layers import LAYERS_PER_BLOCK, local_global_types
 from tessera.models.layers import yarn_score_scale
 from tessera.tools.hf_configs import HF_ATTENTION_BIAS, HF_MLP_BIAS, HF_MODEL_TYPES, NO_CAPS
 
@@ -127,22 +128,13 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
         config.update(query_pre_attn_scalar=_whole(m.query_pre_attn_scalar or m.head_dim, "query_pre_attn_scalar"),
                       attn_logit_softcapping=m.attn_logits_soft_cap or None,
                       final_logit_softcapping=m.final_logits_soft_cap or None)
-    if model_type == "gemma3_text":
-        _refuse_rope_scaling(m, model_type, ("none", "linear"))
-        del config["rope_theta"]
-        glob = {"rope_type": "default", "rope_theta": float(m.rope_max_timescale)}
-        if m.rope_scaling == "linear":
-            glob.update(rope_type="linear", factor=m.rope_scaling_factor)
-        config["rope_parameters"] = {"full_attention": glob, "sliding_attention": {
-            "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
-        config["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
-                                 for i in range(m.num_decoder_layers)]
-    if model_type == "olmo3":  # rope_scaling is the global layers' only; the local ones rotate unscaled
+    if model_type in ("gemma3_text", "olmo3"):  # rope_scaling is the global layers' only; the local ones rotate unscaled
+        if model_type == "gemma3_text":
+            _refuse_rope_scaling(m, model_type, ("none", "linear"))
         glob = {"rope_type": "default", **config.pop("rope_scaling", {}), "rope_theta": config.pop("rope_theta")}
         config["rope_parameters"] = {"full_attention": glob, "sliding_attention": {
             "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
-        config["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "sliding_attention"
-                                 for i in range(m.num_decoder_layers)]
+        config["layer_types"] = local_global_types(LAYERS_PER_BLOCK[m.decoder_block], m.num_decoder_layers)
 
 
 def _olmo_without_windows(m: ModelConfig) -> str:

@@ -13,7 +13,7 @@ import json
 from typing import Any
 
 from tessera.config import ConfigError
-from tessera.config.layers import LAYERS_PER_BLOCK
+from tessera.tools.hf_layer_kinds import check_layer_types, gemma3_keys, olmo2_keys, olmo3_keys
 from tessera.tools.hf_rope import rope_keys, rope_theta
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
@@ -161,25 +161,17 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
                     attn_logits_soft_cap=hf.get("attn_logit_softcapping") or 0.0,
                     final_logits_soft_cap=hf.get("final_logit_softcapping") or 0.0)
     if kind == "gemma2":  # local/global pairs, the first sliding
-        _check_layer_types(hf, ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                for i in range(hf["num_hidden_layers"])],
-                           "this Gemma 2 checkpoint's layer_types do not alternate sliding-window and full attention "
-                           "layers (the first sliding), the local/global pairs Tessera's gemma2 builds")
+        check_layer_types(hf, ["sliding_attention" if i % 2 == 0 else "full_attention"
+                               for i in range(hf["num_hidden_layers"])],
+                          "this Gemma 2 checkpoint's layer_types do not alternate sliding-window and full attention "
+                          "layers (the first sliding), the local/global pairs Tessera's gemma2 builds")
     if kind == "gemma3_text":
-        keys.update(_gemma3_keys(hf))
+        keys.update(gemma3_keys(hf))
     if kind == "olmo3":
-        keys.update(_olmo3_keys(hf))
+        keys.update(olmo3_keys(hf))
     if kind == "olmo2":
-        keys.update(_olmo2_keys(keys))
+        keys.update(olmo2_keys(keys))
     return keys
-
-
-def _check_layer_types(hf: dict[str, Any], expected: list[str], refusal: str) -> None:
-    """ConfigError(`refusal`) when the checkpoint's `layer_types` (transformers builds its attention
-    masks from them) are not the `expected` ones of the layers Tessera builds: the weights would be
-    converted into another model."""
-    if hf.get("layer_types") and list(hf["layer_types"]) != expected:
-        raise ConfigError(refusal)
 
 
 def _refuse_qwen_variants(hf: dict[str, Any]) -> None:
@@ -221,9 +213,9 @@ def _llama4_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if not rope:
         interval = hf.get("no_rope_layer_interval", 4)
     uses_rope = rope or [interval == 0 or bool((i + 1) % interval) for i in range(layers)]
-    _check_layer_types(hf, ["chunked_attention" if r else "full_attention" for r in uses_rope],
-                       "this Llama 4 checkpoint's layer_types are not chunked attention on its rotary layers and full "
-                       "attention on the others (no_rope_layers), the pattern Tessera's llama4 builds")
+    check_layer_types(hf, ["chunked_attention" if r else "full_attention" for r in uses_rope],
+                      "this Llama 4 checkpoint's layer_types are not chunked attention on its rotary layers and full "
+                      "attention on the others (no_rope_layers), the pattern Tessera's llama4 builds")
     return {"base_mlp_dim": hf.get("intermediate_size_mlp", 16384), "base_moe_mlp_dim": hf["intermediate_size"],
             "num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
             "shared_experts": 1, "routed_score_func": "sigmoid", "norm_topk_prob": False,
@@ -252,63 +244,6 @@ def _gpt_oss_keys(hf: dict[str, Any]) -> dict[str, Any]:
     return {"num_experts": hf["num_local_experts"], "num_experts_per_tok": hf["num_experts_per_tok"],
             "norm_topk_prob": True, "attention_sink": True, "mlp_bias": True,
             "mlp_activations": ["sigmoid", "linear"], "mlp_activations_limit": float(limit) if limit else -1.0}
-
-
-def _gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 3's per-layer-type rotary settings, and a check of its 5 local : 1 global pattern."""
-    layers = hf["num_hidden_layers"]
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError("this Gemma 3 checkpoint sets use_bidirectional_attention=true (every token attends to the "
-                          "whole sequence, an encoder such as EmbeddingGemma); Tessera's gemma3 is a causal decoder")
-    pattern = hf.get("sliding_window_pattern") or 6  # transformers' layer_types when the file has none
-    hf = {**hf, "layer_types": hf.get("layer_types") or ["full_attention" if (i + 1) % pattern == 0
-                                                         else "sliding_attention" for i in range(layers)]}
-    _check_layer_types(hf, ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["gemma3"] == 0 else "sliding_attention"
-                            for i in range(layers)],
-                       "this Gemma 3 checkpoint's layer_types (or sliding_window_pattern) are not the 5 local : 1 "
-                       "global pattern Tessera's gemma3 builds")
-    params = hf.get("rope_parameters") or {}
-    local = params.get("sliding_attention", {})
-    # the released checkpoints' config.json (transformers 4) has the global layers' rope_scaling beside rope_theta
-    # and rope_local_base_freq, which transformers 5 reads as rope_parameters; it was read as no scaling
-    glob = params.get("full_attention") or hf.get("rope_scaling") or {}
-    if local.get("rope_type", "default") != "default":
-        raise ConfigError(f"Gemma 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
-    keys: dict[str, Any] = {"local_rope_max_timescale": rope_theta(local.get("rope_theta", hf.get("rope_local_base_freq",
-                                                                                             10000.0))),
-                            "rope_max_timescale": rope_theta(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
-                            "rope_scaling": "none"}
-    kind = glob.get("rope_type", glob.get("type", "default"))
-    if kind == "linear":
-        keys.update(rope_scaling="linear", rope_scaling_factor=float(glob["factor"]))
-    elif kind != "default":
-        raise ConfigError(f"Gemma 3 global layers with rope_type={kind!r} are not supported (default and linear are)")
-    return keys
-
-
-def _olmo3_keys(hf: dict[str, Any]) -> dict[str, Any]:
-    """OLMo 3's local layers' rotary theta (their rope_parameters are never scaled: a checkpoint's rope_scaling
-    is the global layers'), and a check of its 3 local : 1 global pattern."""
-    _check_layer_types(hf, ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["olmo3"] == 0 else "sliding_attention"
-                            for i in range(hf["num_hidden_layers"])],
-                       "this OLMo 3 checkpoint's layer_types are not the 3 local : 1 global pattern Tessera's olmo3 "
-                       "builds")
-    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
-    if local.get("rope_type", "default") != "default":
-        raise ConfigError(f"OLMo 3 local layers with rope_type={local['rope_type']!r} are not supported (default is)")
-    return {"local_rope_max_timescale": rope_theta(local.get("rope_theta", hf["rope_theta"]))}
-
-
-def _olmo2_keys(keys: dict[str, Any]) -> dict[str, Any]:
-    """OLMo 2 is OLMo 3's layer without its sliding windows (every layer global) and with one rotary embedding: Tessera's
-    olmo3 with sliding_window_size=0 and the local layers' theta the global one's. Its rotary scaling, if a checkpoint
-    had one, would apply to every layer, where olmo3 scales the global layers' only: refused (no released model has
-    one)."""
-    if keys["rope_scaling"] != "none":
-        raise ConfigError(f"this OLMo 2 checkpoint scales its rotary frequencies (rope_scaling={keys['rope_scaling']}) "
-                          "in every layer; Tessera builds OLMo 2 as decoder_block=olmo3 without windows, whose scaling "
-                          "applies to every fourth layer only, so it is not converted")
-    return {"sliding_window_size": 0, "local_rope_max_timescale": keys["rope_max_timescale"]}
 
 
 def _deepseek_routing(hf: dict[str, Any]) -> dict[str, Any]:

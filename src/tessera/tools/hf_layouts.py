@@ -172,14 +172,12 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
         layer += [reshaped("attention/query_norm/scale", "self_attn.q_norm.weight", (n, h), (n * h,)),
                   reshaped("attention/key_norm/scale", "self_attn.k_norm.weight", (k, h), (k * h,))]
     layer += _llama_like_mlp(m, family)
-    if family == "olmo3":
+    if family in ("gemma2", "gemma3", "olmo3"):  # norms after attention and the MLP (Gemma's before them too)
         layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
                   same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
-    elif family in ("gemma2", "gemma3"):
-        layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
-                  same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"),
-                  same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
-    else:
+    if family in ("gemma2", "gemma3"):
+        layer.append(same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"))
+    elif family != "olmo3":
         layer.append(same("pre_mlp_norm/scale", "post_attention_layernorm.weight"))
     return Layout(model, layer, "model.layers.{i}.", LAYERS_PER_BLOCK.get(family, 1), m.num_decoder_layers)
 

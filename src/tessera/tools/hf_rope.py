@@ -20,7 +20,7 @@ def rope_theta(value: float) -> int:
 
 def rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
     params = hf.get("rope_parameters") or {}
-    if hf.get("model_type") == "gemma3_text":  # per layer type: see hf_configs._gemma3_keys
+    if hf.get("model_type") == "gemma3_text":  # per layer type: see hf_layer_kinds.gemma3_keys
         return {}
     if "full_attention" in params:  # per-layer-type parameters; all layer types share them in these families
         params = params["full_attention"]

@@ -1,0 +1,76 @@
+"""The config.json readers of the families whose layers come in kinds, for `hf_configs.config_from_hf`: the check
+of a checkpoint's `layer_types` against the pattern Tessera builds, and the rotary settings of Gemma 3 and OLMo 3,
+whose sliding-window (local) layers rotate otherwise than their global ones, and of OLMo 2 (OLMo 3 without
+windows)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tessera.config import ConfigError
+from tessera.config.layers import LAYERS_PER_BLOCK, local_global_types
+from tessera.tools.hf_rope import rope_theta
+
+
+def check_layer_types(hf: dict[str, Any], expected: list[str], refusal: str) -> None:
+    """ConfigError(`refusal`) when the checkpoint's `layer_types` (transformers builds its attention
+    masks from them) are not the `expected` ones of the layers Tessera builds: the weights would be
+    converted into another model."""
+    if hf.get("layer_types") and list(hf["layer_types"]) != expected:
+        raise ConfigError(refusal)
+
+
+def _local_theta(hf: dict[str, Any], name: str, fallback: float) -> int:
+    """The local layers' rotary theta from transformers 5's `rope_parameters` (else `fallback`); ConfigError when
+    they are scaled, which the local layers of Tessera's gemma3 and olmo3 never are."""
+    local = (hf.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise ConfigError(f"{name} local layers with rope_type={local['rope_type']!r} are not supported (default is)")
+    return rope_theta(local.get("rope_theta", fallback))
+
+
+def gemma3_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's per-layer-type rotary settings, and a check of its 5 local : 1 global pattern."""
+    layers = hf["num_hidden_layers"]
+    if hf.get("use_bidirectional_attention"):
+        raise ConfigError("this Gemma 3 checkpoint sets use_bidirectional_attention=true (every token attends to the "
+                          "whole sequence, an encoder such as EmbeddingGemma); Tessera's gemma3 is a causal decoder")
+    pattern = hf.get("sliding_window_pattern") or 6  # transformers' layer_types when the file has none
+    hf = {**hf, "layer_types": hf.get("layer_types") or local_global_types(pattern, layers)}
+    check_layer_types(hf, local_global_types(LAYERS_PER_BLOCK["gemma3"], layers),
+                      "this Gemma 3 checkpoint's layer_types (or sliding_window_pattern) are not the 5 local : 1 "
+                      "global pattern Tessera's gemma3 builds")
+    # the released checkpoints' config.json (transformers 4) has the global layers' rope_scaling beside rope_theta
+    # and rope_local_base_freq, which transformers 5 reads as rope_parameters; it was read as no scaling
+    glob = (hf.get("rope_parameters") or {}).get("full_attention") or hf.get("rope_scaling") or {}
+    keys: dict[str, Any] = {"local_rope_max_timescale": _local_theta(hf, "Gemma 3",
+                                                                     hf.get("rope_local_base_freq", 10000.0)),
+                            "rope_max_timescale": rope_theta(glob.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+                            "rope_scaling": "none"}
+    kind = glob.get("rope_type", glob.get("type", "default"))
+    if kind == "linear":
+        keys.update(rope_scaling="linear", rope_scaling_factor=float(glob["factor"]))
+    elif kind != "default":
+        raise ConfigError(f"Gemma 3 global layers with rope_type={kind!r} are not supported (default and linear are)")
+    return keys
+
+
+def olmo3_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 3's local layers' rotary theta (their rope_parameters are never scaled: a checkpoint's rope_scaling
+    is the global layers'), and a check of its 3 local : 1 global pattern."""
+    check_layer_types(hf, local_global_types(LAYERS_PER_BLOCK["olmo3"], hf["num_hidden_layers"]),
+                      "this OLMo 3 checkpoint's layer_types are not the 3 local : 1 global pattern Tessera's olmo3 "
+                      "builds")
+    return {"local_rope_max_timescale": _local_theta(hf, "OLMo 3", hf["rope_theta"])}
+
+
+def olmo2_keys(keys: dict[str, Any]) -> dict[str, Any]:
+    """OLMo 2 is OLMo 3's layer without its sliding windows (every layer global) and with one rotary embedding: Tessera's
+    olmo3 with sliding_window_size=0 and the local layers' theta the global one's. Its rotary scaling, if a checkpoint
+    had one, would apply to every layer, where olmo3 scales the global layers' only: refused (no released model has
+    one)."""
+    if keys["rope_scaling"] != "none":
+        raise ConfigError(f"this OLMo 2 checkpoint scales its rotary frequencies (rope_scaling={keys['rope_scaling']}) "
+                          "in every layer; Tessera builds OLMo 2 as decoder_block=olmo3 without windows, whose scaling "
+                          "applies to every fourth layer only, so it is not converted")
+    return {"sliding_window_size": 0, "local_rope_max_timescale": keys["rope_max_timescale"]}
