@@ -243,6 +243,96 @@ def test_the_schedule_warms_up_decays_and_keeps_its_end_and_a_schedule_of_no_ste
             setup(tiny_config(learning_rate_schedule_steps=steps), jax.devices()[:1])
 
 
+def _wsd_by_hand(step, peak, final, warmup, decay, total, style):
+    """The WSD rate of update `step` written out: up from 0 over `warmup` steps, the peak until `total - decay`,
+    then linear or cosine to `final` at `total`, which the steps after keep."""
+    if step < warmup:
+        return peak * step / warmup
+    if step < total - decay:
+        return peak
+    done = min(step - (total - decay), decay) / decay
+    shape = done if style == "linear" else (1 - np.cos(np.pi * done)) / 2
+    return peak + (final - peak) * shape
+
+
+@pytest.mark.parametrize("style", ["linear", "cosine"])
+def test_the_wsd_schedule_warms_up_holds_the_peak_and_decays_over_its_last_fraction(style):
+    """lr_schedule_type=wsd (MaxText's keys): 10 warm-up steps of 100, the peak until step 80, then a linear or
+    cosine decay over wsd_decay_steps_fraction=0.2 to the final fraction, reached at step 100 (where the cosine
+    schedule ends too) and kept after it; every step equals the schedule written out."""
+    cfg = tiny_config(learning_rate=0.5, warmup_steps_fraction=0.1, lr_schedule_type="wsd",
+                      wsd_decay_steps_fraction=0.2, wsd_decay_style=style, cosine_learning_rate_final_fraction=0.1)
+    schedule = learning_rate_schedule(cfg.optim, 100)
+    steps = np.arange(0, 131)
+    want = [_wsd_by_hand(s, 0.5, 0.05, 10, 20, 100, style) for s in steps]
+    np.testing.assert_allclose(np.asarray(schedule(steps)), want, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose([float(schedule(s)) for s in (0, 10, 80, 90, 100, 130)],
+                               [0.0, 0.5, 0.5, 0.275, 0.05, 0.05], rtol=1e-6, atol=1e-9)
+
+
+def test_a_wsd_schedule_without_warm_up_stable_phase_or_decay_is_each_of_its_other_parts():
+    """No warm-up starts at the peak; warm-up and decay covering the schedule leave no stable phase (the decay
+    starts where the warm-up ends); wsd_decay_steps_fraction=0 holds the peak to the end and after it (a run to
+    decay later from one of its checkpoints); each fraction is its whole steps of the schedule."""
+    def rates(steps, total, **keys):
+        cfg = tiny_config(learning_rate=1.0, lr_schedule_type="wsd", cosine_learning_rate_final_fraction=0.0, **keys)
+        return [float(learning_rate_schedule(cfg.optim, total)(s)) for s in steps]
+
+    np.testing.assert_allclose(rates((0, 5, 6, 8, 10), 10, warmup_steps_fraction=0.0, wsd_decay_steps_fraction=0.4),
+                               [1.0, 1.0, 1.0, 0.5, 0.0], atol=1e-7)
+    np.testing.assert_allclose(rates((0, 2, 4, 7, 10), 10, warmup_steps_fraction=0.4, wsd_decay_steps_fraction=0.6),
+                               [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-7)
+    np.testing.assert_allclose(rates((0, 1, 2, 9, 10, 50), 10, warmup_steps_fraction=0.2, wsd_decay_steps_fraction=0.0),
+                               [0.0, 0.5, 1.0, 1.0, 1.0, 1.0], atol=1e-7)
+    # whole steps of each fraction: 0.55 x 3 is 1 warm-up step and 0.45 x 3 one decay step, the peak between
+    np.testing.assert_allclose(rates((0, 1, 2, 3), 3, warmup_steps_fraction=0.55, wsd_decay_steps_fraction=0.45),
+                               [0.0, 1.0, 1.0, 0.0], atol=1e-7)
+
+
+def test_a_wsd_warm_up_and_decay_longer_than_the_schedule_are_refused():
+    with pytest.raises(ConfigError, match=r"warmup_steps_fraction=0\.6 \+ wsd_decay_steps_fraction=0\.5 is more than "
+                                          r"the whole schedule: .*add up to 1 at most"):
+        load_config([str(REPO / "configs" / "base.yml"), "lr_schedule_type=wsd", "warmup_steps_fraction=0.6",
+                     "wsd_decay_steps_fraction=0.5"], env={})
+    # the cosine schedule does not read the decay's fraction
+    load_config([str(REPO / "configs" / "base.yml"), "warmup_steps_fraction=0.6", "wsd_decay_steps_fraction=0.5"],
+                env={})
+
+
+def test_the_other_schedules_keys_are_named_as_unread():
+    from tessera.config.unread_keys import keys_without_effect
+
+    base = str(REPO / "configs" / "base.yml")
+    cosine = load_config([base, "wsd_decay_steps_fraction=0.2", "wsd_decay_style=cosine"], env={})
+    assert keys_without_effect(cosine, {"fsdp": 1}) == [
+        "wsd_decay_steps_fraction=0.2, wsd_decay_style=cosine: no effect with lr_schedule_type=cosine; they shape "
+        "lr_schedule_type=wsd's decay"]
+    never = load_config([base, "lr_schedule_type=wsd", "wsd_decay_steps_fraction=0", "learning_rate_final_fraction=0"],
+                        env={})
+    assert keys_without_effect(never, {"fsdp": 1}) == [
+        "cosine_learning_rate_final_fraction=0.0: no effect with wsd_decay_steps_fraction=0, whose schedule holds the "
+        "peak to its end and never decays"]
+    assert keys_without_effect(load_config([base, "lr_schedule_type=wsd", "wsd_decay_style=cosine"], env={}),
+                               {"fsdp": 1}) == []
+
+
+def test_a_checkpoint_from_before_wsd_is_read_as_the_cosine_schedule_it_was_saved_with():
+    """A checkpoint's config from before lr_schedule_type lacks the key: its schedule was the cosine one, whatever
+    this run's lr_schedule_type (the resume's learning-rate warning compares against it)."""
+    from tessera.config import flat_dict
+    from tessera.start_state import saved_schedule
+
+    now = tiny_config(steps=10, lr_schedule_type="wsd", learning_rate=1.0, warmup_steps_fraction=0.0)
+    saved = {k: v for k, v in flat_dict(now).items() if k not in ("lr_schedule_type", "wsd_decay_steps_fraction",
+                                                                   "wsd_decay_style")}
+    schedule, length = saved_schedule(saved, now)
+    cosine = learning_rate_schedule(tiny_config(learning_rate=1.0, warmup_steps_fraction=0.0).optim, 10)
+    assert length == 10 and [float(schedule(s)) for s in (0, 5, 10)] == [float(cosine(s)) for s in (0, 5, 10)]
+    assert float(schedule(5)) < 0.9  # decaying, where this run's wsd holds the peak
+    schedule, _ = saved_schedule(flat_dict(now), now)
+    assert float(schedule(5)) == 1.0
+
+
 @pytest.mark.parametrize("keys, start, said", [
     (dict(steps=1, warmup_steps_fraction=1.0), 0, r"\(step 1\) .*warm-up \(warmup_steps_fraction=1\) starts from 0"),
     (dict(steps=3, learning_rate=0.0), 0, r"\(steps 1-3\) .*learning_rate=0\. Set it above 0"),

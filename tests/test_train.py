@@ -1022,6 +1022,24 @@ def test_the_resume_warning_reads_the_schedule_where_the_skipped_steps_left_it(t
     assert "(its 2 skipped step(s) did not advance the schedule)" in caplog.text
 
 
+def test_a_wsd_run_decays_from_a_checkpoint_of_its_stable_phase_without_a_jump(tmp_path, caplog):
+    """The WSD workflow: a run held at the peak (its decay far off) is decayed from one of its checkpoints by a
+    run whose schedule ends where the decay should, its last wsd_decay_steps_fraction the decay. The branch starts
+    at the peak the checkpoint trained at (no jump warning) and its steps train at the decay's rates."""
+    keys = dict(learning_rate=0.01, warmup_steps_fraction=0.0, lr_schedule_type="wsd",
+                cosine_learning_rate_final_fraction=0.1)
+    run(tiny_config(tmp_path / "stable", steps=2, learning_rate_schedule_steps=1000, **keys), jax.devices()[:1])
+    path = str(tmp_path / "stable" / "test" / "checkpoints" / "2")
+    with caplog.at_level("INFO", logger="tessera"):
+        run(tiny_config(tmp_path / "decay", steps=6, learning_rate_schedule_steps=6, wsd_decay_steps_fraction=4 / 6,
+                        load_full_state_path=path, **keys), jax.devices()[:1])
+    assert "loaded full state at step 2" in caplog.text and "learning rate jumps" not in caplog.text
+    records = [json.loads(line) for line in (tmp_path / "decay" / "test" / "metrics.jsonl").read_text().splitlines()]
+    # step n trains at the schedule's rate n - 1: the decay's 4 steps from the peak, 0.01, toward 0.001 at step 6's end
+    assert [r["step"] for r in records] == [3, 4, 5, 6]
+    np.testing.assert_allclose([r["learning_rate"] for r in records], [0.01, 0.00775, 0.0055, 0.00325], rtol=1e-5)
+
+
 def test_a_full_state_load_warns_when_the_learning_rate_jumps_too(tmp_path, caplog):
     """load_full_state_path continues another run's state at its step: with a longer schedule the rate
     jumps there as on a resume, and the warning says so; with the saved schedule's length it does not."""

@@ -1,5 +1,5 @@
-"""Optimizer (`opt_type`: AdamW, SGD or Muon) with linear warm-up and cosine decay, global-norm
-clipping.
+"""Optimizer (`opt_type`: AdamW, SGD or Muon) with linear warm-up and a cosine decay or a WSD
+schedule (warm-up, stable, decay; `lr_schedule_type`), global-norm clipping.
 
 Muon (optax.contrib's `scale_by_muon`) updates the blocks' weight matrices with their momentum
 orthogonalized by Newton-Schulz iterations; the embeddings, the output layer, norms, biases and
@@ -30,14 +30,17 @@ from tessera.config import ConfigError, OptimConfig
 
 
 def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """Linear warm-up from 0 to `learning_rate`, then cosine decay to the final fraction, which
-    the steps after `total_steps` keep. ConfigError for a schedule of no steps."""
+    """Linear warm-up from 0 to `learning_rate`, then (`lr_schedule_type`) a cosine decay to the final
+    fraction over the rest of `total_steps`, or WSD: the peak held, then a linear or cosine decay to the
+    final fraction over the last `wsd_decay_steps_fraction` of them. Either reaches its final value at
+    `total_steps`, which the steps after keep. ConfigError for a schedule of no steps."""
     if total_steps < 1:
         raise ConfigError(f"learning_rate_schedule_steps={total_steps} gives a learning-rate schedule of no steps (its "
                           "rate would drop to the final value after step 0); set it to -1 (as long as steps) or >= 1")
-    # rounded first: 0.29 x 100 is 28.999999999999996 in floating point, which int() made 28 warm-up steps
-    warmup = int(round(cfg.warmup_steps_fraction * total_steps, 6))
+    warmup = _steps(cfg.warmup_steps_fraction, total_steps)
     end_value = cfg.learning_rate * cfg.cosine_learning_rate_final_fraction
+    if cfg.lr_schedule_type == "wsd":
+        return _wsd(cfg, total_steps, warmup, end_value)
     if warmup == 0:
         alpha = end_value / max(cfg.learning_rate, 1e-30)
         return optax.cosine_decay_schedule(cfg.learning_rate, total_steps, alpha=alpha)
@@ -51,6 +54,34 @@ def learning_rate_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule
         decay_steps=max(total_steps, warmup + 1),
         end_value=end_value,
     )
+
+
+def _steps(fraction: float, total_steps: int) -> int:
+    """The whole steps in `fraction` of `total_steps`, rounded to 6 decimals first: 0.29 x 100 is 28.999999999999996
+    in floating point, which int() alone made 28 warm-up steps."""
+    return int(round(fraction * total_steps, 6))
+
+
+def _wsd(cfg: OptimConfig, total_steps: int, warmup: int, end_value: float) -> optax.Schedule:
+    """Warm-up, stable, decay: `warmup` steps up to the peak, the peak until the decay's last
+    `wsd_decay_steps_fraction` x `total_steps` steps, which go to `end_value` (reached at `total_steps`).
+    The fractions' sum is at most 1 (config checks, to 1e-9): the decay takes no more than the warm-up leaves."""
+    peak = cfg.learning_rate
+    decay = min(_steps(cfg.wsd_decay_steps_fraction, total_steps), total_steps - warmup)
+    if decay == 0:  # all warm-up and stable phase: the final fraction is never reached
+        pieces = [optax.constant_schedule(peak)]
+    elif cfg.wsd_decay_style == "cosine":
+        pieces = [optax.cosine_decay_schedule(peak, decay, alpha=end_value / max(peak, 1e-30))]
+    else:
+        pieces = [optax.linear_schedule(peak, end_value, decay)]
+    boundaries = []
+    if total_steps - warmup - decay > 0 and decay > 0:  # a stable phase before the decay
+        pieces.insert(0, optax.constant_schedule(peak))
+        boundaries.insert(0, total_steps - decay)
+    if warmup > 0:
+        pieces.insert(0, optax.linear_schedule(0.0, peak, warmup))
+        boundaries.insert(0, warmup)
+    return optax.join_schedules(pieces, boundaries) if boundaries else pieces[0]
 
 
 def schedule_step(opt_state: Any) -> jax.Array:

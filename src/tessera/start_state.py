@@ -117,8 +117,12 @@ def saved_schedule(saved: Mapping[str, Any], config: Config) -> tuple[optax.Sche
     """The learning-rate schedule of the run that saved `saved` (its config) and its length in
     steps; None when that config lacks or garbles the keys it needs."""
     try:
-        optim = dataclasses.replace(config.optim, **{f.name: saved[f.name] for f in dataclasses.fields(OptimConfig)
-                                                     if f.name in saved})
+        # a checkpoint from before lr_schedule_type was saved by a cosine schedule: the new keys' defaults, not
+        # this run's values, are what it trained with
+        older = {name: OPTIM_DEFAULTS[name] for name in SCHEDULE_KEYS_SINCE_WSD}
+        optim = dataclasses.replace(config.optim, **{**older, **{f.name: saved[f.name]
+                                                                 for f in dataclasses.fields(OptimConfig)
+                                                                 if f.name in saved}})
         length = int(saved["steps"]) if optim.learning_rate_schedule_steps == -1 else optim.learning_rate_schedule_steps
         schedule = learning_rate_schedule(optim, length)
         float(schedule(0))
@@ -226,6 +230,8 @@ def _warn_global_batch_change(saved: Mapping[str, Any], config: Config, global_b
                 "" if devices == 1 else "s", then, step, then / devices)
 
 
+SCHEDULE_KEYS_SINCE_WSD = ("lr_schedule_type", "wsd_decay_steps_fraction", "wsd_decay_style")
+OPTIM_DEFAULTS = {f.name: f.default for f in dataclasses.fields(OptimConfig)}
 SAVED_GLOBAL_BATCH = "global_batch"  # not a config key: the sequences per step of the run that saved a checkpoint
 MAX_LISTED = 12  # changed settings named in the resume's line
 # The keys that say which records the training data holds, and in which order: the saved data

@@ -96,7 +96,8 @@ def _validate_mesh(mesh: MeshConfig) -> None:
 
 
 def _validate_optim(optim: OptimConfig) -> None:
-    """The optimizer's decays below 1, AdamW's epsilon above 0, a learning-rate schedule of at least one step."""
+    """The optimizer's decays below 1, AdamW's epsilon above 0, a WSD schedule's warm-up and decay within it, a
+    learning-rate schedule of at least one step."""
     for name in ("adam_b1", "adam_b2", "muon_beta"):
         beta = getattr(optim, name)
         if beta >= 1.0:
@@ -107,6 +108,11 @@ def _validate_optim(optim: OptimConfig) -> None:
         raise ConfigError(f"adam_eps={optim.adam_eps:g} must be above 0: AdamW divides each update by sqrt(v) + "
                           "adam_eps, and a parameter whose gradient is zero (the embedding rows of tokens not in the "
                           "batch) would get 0 / 0 = NaN at the first step; e.g. 1e-8")
+    if optim.lr_schedule_type == "wsd" and optim.warmup_steps_fraction + optim.wsd_decay_steps_fraction > 1 + 1e-9:
+        raise ConfigError(f"warmup_steps_fraction={optim.warmup_steps_fraction:g} + wsd_decay_steps_fraction="
+                          f"{optim.wsd_decay_steps_fraction:g} is more than the whole schedule: lr_schedule_type=wsd "
+                          "warms up over the first fraction of learning_rate_schedule_steps and decays over the last; "
+                          "lower one of them so that they add up to 1 at most")
     schedule = optim.learning_rate_schedule_steps  # optim.learning_rate_schedule refuses it too, at set-up
     if schedule == 0 or schedule < -1:
         raise ConfigError(f"learning_rate_schedule_steps={schedule} gives a learning-rate schedule of no steps (its "

@@ -77,12 +77,6 @@ REFUSED = {
     "adamw_mask": Refused("patterns of the parameters AdamW does not decay (MaxText's default, [], decays every "
                           "parameter); Tessera's AdamW leaves norm scales and DeepSeek's routing biases undecayed "
                           "and decays the rest", ("[]", "")),
-    "lr_schedule_type": Refused("the schedule's shape: cosine (warm-up, cosine decay) or wsd (warm-up, a stable "
-                                "rate, then a decay); Tessera's schedule is the cosine one", ("cosine",)),
-    "wsd_decay_steps_fraction": Refused("the decay's share of lr_schedule_type=wsd's schedule; Tessera's schedule "
-                                        "is the cosine one", ("0.1",)),
-    "wsd_decay_style": Refused("the decay's shape in lr_schedule_type=wsd's schedule; Tessera's schedule is the "
-                               "cosine one", ("linear",)),
     # model variants
     "matmul_precision": Refused(
         "the precision of float32 matmuls (high, highest or older MaxText's float32: more bfloat16 passes on "

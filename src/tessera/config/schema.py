@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tessera.config.fields import (DATASET_TYPES, MAX_DATA_WORKERS, MAX_STEPS, OPTIMIZERS, PROFILERS, TOKENIZER_TYPES,
-                                   key)
+from tessera.config.fields import (DATASET_TYPES, LR_SCHEDULES, MAX_DATA_WORKERS, MAX_STEPS, OPTIMIZERS, PROFILERS,
+                                   TOKENIZER_TYPES, WSD_DECAY_STYLES, key)
 from tessera.config.model_schema import ModelConfig
 
 
@@ -160,7 +160,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    """The optimizer (AdamW, SGD or Muon), warm-up + cosine schedule, clipping and gradient accumulation."""
+    """The optimizer (AdamW, SGD or Muon), warm-up + cosine or WSD schedule, clipping and gradient accumulation."""
 
     opt_type: str = key("adamw", "optimizer: adamw; sgd (plain, no momentum or weight decay); muon (the blocks' "
                         "weight matrices by orthogonalized momentum, embeddings, output layer, norms and biases by "
@@ -169,8 +169,15 @@ class OptimConfig:
     warmup_steps_fraction: float = key(0.1, "fraction of learning_rate_schedule_steps spent warming up linearly",
                                          minimum=0.0, maximum=1.0)
     learning_rate_schedule_steps: int = key(-1, "length of the schedule in steps (-1: steps)", maximum=MAX_STEPS)
-    cosine_learning_rate_final_fraction: float = key(0.1, "final learning rate as a fraction of the peak", minimum=0.0,
-                                                     maximum=1.0)
+    lr_schedule_type: str = key("cosine", "the schedule after the warm-up: cosine (decay from the peak over the rest "
+                                "of the schedule) or wsd (warm-up, stable, decay: the peak held, then a decay over its "
+                                "last wsd_decay_steps_fraction)", choices=LR_SCHEDULES)
+    cosine_learning_rate_final_fraction: float = key(0.1, "final learning rate as a fraction of the peak, where either "
+                                                     "schedule ends (MaxText's newer name, learning_rate_final_fraction, "
+                                                     "is read as this key)", minimum=0.0, maximum=1.0)
+    wsd_decay_steps_fraction: float = key(0.1, "wsd: fraction of learning_rate_schedule_steps spent decaying, at its "
+                                          "end (0: the peak to the end)", minimum=0.0, maximum=1.0)
+    wsd_decay_style: str = key("linear", "wsd: the decay's shape, linear or cosine", choices=WSD_DECAY_STYLES)
     adam_b1: float = key(0.9, "AdamW beta1", minimum=0.0)
     adam_b2: float = key(0.95, "AdamW beta2", minimum=0.0)
     adam_eps: float = key(1e-8, "AdamW epsilon", minimum=0.0)

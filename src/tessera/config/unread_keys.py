@@ -27,6 +27,7 @@ DATA_KEY_READERS = {
 }
 CHECKPOINT_KEYS = ("checkpoint_period", "max_num_checkpoints_to_keep", "async_checkpointing")
 TILE_KEYS = ("tile_batch_seq", "tile_activation_dim", "tile_weight_dim")
+WSD_KEYS = ("wsd_decay_steps_fraction", "wsd_decay_style")
 MOE_KEYS = ("sparse_matmul", "megablox", "capacity_factor", *TILE_KEYS)
 
 
@@ -274,8 +275,16 @@ MUON_KEYS = ("muon_beta", "muon_weight_decay", "muon_consistent_rms")
 
 
 def _optimizer_and_decoding_keys(cfg: Config, changed: dict) -> list[str]:
-    """keys_without_effect's lines for the other optimizers' keys, and for decoding keys in training."""
+    """keys_without_effect's lines for the other optimizers' keys, the other schedule's keys (and the final fraction
+    of a WSD schedule that never decays), and decoding keys in training."""
     lines, opt = [], cfg.optim.opt_type
+    if cfg.optim.lr_schedule_type != "wsd" and (keys := [k for k in WSD_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect with lr_schedule_type={cfg.optim.lr_schedule_type}; they "
+                     "shape lr_schedule_type=wsd's decay")
+    elif (cfg.optim.lr_schedule_type == "wsd" and cfg.optim.wsd_decay_steps_fraction == 0
+          and "cosine_learning_rate_final_fraction" in changed):
+        lines.append(f"{_listed(['cosine_learning_rate_final_fraction'], changed)}: no effect with "
+                     "wsd_decay_steps_fraction=0, whose schedule holds the peak to its end and never decays")
     if opt == "sgd" and (keys := [k for k in ADAM_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect with opt_type=sgd (plain SGD: no moments, no weight decay)")
     if opt != "muon" and (keys := [k for k in MUON_KEYS if k in changed]):
