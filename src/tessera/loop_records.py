@@ -57,8 +57,8 @@ class StepMeter:
             "learning_rate": float(stats["learning_rate"]), "step_seconds": seconds,
             "tflops_per_sec_per_device": tflops, "tokens_per_sec_per_device": self.tokens / seconds / self.devices,
             "mfu": None if self.peak is None else tflops / self.peak,
-            # router loss, dropped tokens; the multi-token-prediction loss and its MoE blocks' figures
-            **{k: float(v) for k, v in stats.items() if k.startswith(("moe_", "mtp_"))}, **skipped,
+            # router loss, dropped tokens; the multi-token-prediction loss and its MoE blocks' figures; the z-loss
+            **{k: float(v) for k, v in stats.items() if k.startswith(("moe_", "mtp_", "z_loss"))}, **skipped,
         }
 
 

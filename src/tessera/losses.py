@@ -17,6 +17,7 @@ from tessera.models import ModelDef
 from tessera.models.mtp import chain_weights, shift_left
 
 MTP_SUMS = "mtp_loss_sums"  # loss_terms' aux with mtp_num_layers: each depth's summed cross-entropy [D]
+Z_SUM = "z_loss_sum"  # loss_terms' aux with z_loss_multiplier > 0: the targets' summed log(Z)^2 (unweighted)
 
 
 def loss_sums(model: ModelDef, params, batch, dropout_key, packed: bool = False):
@@ -31,14 +32,19 @@ def loss_terms(model: ModelDef, params, batch, dropout_key, packed: bool = False
     padding (segment id 0) and belongs to the same segment as its input token. `packed`: rows
     hold several documents, so attention must use a kernel that honours segment ids. `aux`:
     the model's auxiliary scalars (MoE load-balancing loss and dropped-token fraction; with
-    mtp_num_layers, the multi-token-prediction loss and its depths' statistics, `mtp_terms`).
+    mtp_num_layers, the multi-token-prediction loss and its depths' statistics, `mtp_terms`; with
+    z_loss_multiplier, Z_SUM, the targets' summed log(Z)^2 of the main output).
     """
     tokens, segments = batch["tokens"], batch["segment_ids"]
     inputs, targets, weights = tokens[:, :-1], tokens[:, 1:], target_weights(segments)
     x_btd, aux = model.hidden_with_aux(params, inputs, batch["positions"][:, :-1], segments[:, :-1], dropout_key,
                                        packed=packed)
-    loss_sum = cross_entropy_sum(lambda x: model.logits(params, x), x_btd, targets, weights,
-                                 model.cfg.num_vocab_tiling)
+    logits_fn = lambda x: model.logits(params, x)  # noqa: E731
+    if model.cfg.z_loss_multiplier > 0:
+        loss_sum, aux[Z_SUM] = cross_entropy_and_log_z_sums(logits_fn, x_btd, targets, weights,
+                                                            model.cfg.num_vocab_tiling)
+    else:
+        loss_sum = cross_entropy_sum(logits_fn, x_btd, targets, weights, model.cfg.num_vocab_tiling)
     if model.cfg.mtp_num_layers:
         aux = {**aux, **mtp_terms(model, params, x_btd, batch, dropout_key, packed)}
     return loss_sum, jnp.sum(weights).astype(jnp.float32), aux
@@ -102,6 +108,29 @@ def cross_entropy_sum(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
 
     total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_btd), split(targets_bt), split(weights_bt)))
     return total
+
+
+def cross_entropy_and_log_z_sums(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
+    """(`cross_entropy_sum`, sum(weights * log(Z)^2)) of the same logits, log Z = logsumexp(logits) computed
+    once for both (the z-loss, z_loss_multiplier); chunked with tiles > 1 as `cross_entropy_sum`."""
+
+    def chunk(x, t, w):
+        logits = logits_fn(x)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
+        return jnp.sum((log_z - target) * w), jnp.sum(jnp.square(log_z) * w)
+
+    if tiles == 1:
+        return chunk(x_btd, targets_bt, weights_bt)
+    split, _ = token_chunks(x_btd.shape[:2], tiles)
+
+    def body(totals, xs):
+        loss, z = jax.checkpoint(chunk)(*xs)
+        return (totals[0] + loss, totals[1] + z), None
+
+    zero = jnp.zeros((), jnp.float32)
+    totals, _ = jax.lax.scan(body, (zero, zero), (split(x_btd), split(targets_bt), split(weights_bt)))
+    return totals
 
 
 def cross_entropy_sum_and_greedy(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):

@@ -296,6 +296,8 @@ def format_record(r: dict[str, Any]) -> str:
     if "moe_max_expert_load" in r:  # routed_bias: the balancing the bias updates aim at
         moe += f" | busiest expert {r['moe_max_expert_load']:.2f}x its share"
     mtp = f" (MTP {r['mtp_loss']:.4f})" if "mtp_loss" in r else ""  # multi-token prediction, unscaled
+    if "z_loss" in r:  # z_loss_multiplier x the mean log(Z)^2: what the objective adds to the loss
+        mtp += f" (z-loss {r['z_loss']:.3g})"
     return (
         f"step {r['step']:>5} | loss {r['loss']:.4f}{mtp} | {r['step_seconds']:.3f} s | "
         f"{r['tflops_per_sec_per_device']:.2f} TFLOP/s/dev | {r['tokens_per_sec_per_device']:,.0f} tok/s/dev | {mfu}"

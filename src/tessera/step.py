@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tessera import cpu_matmul
 from tessera.compile_cache import unloadable_programs_unsaved
 from tessera.cpu_miscompile import check_cpu_mesh
-from tessera.losses import MTP_SUMS, loss_terms, mtp_target_counts, target_weights
+from tessera.losses import MTP_SUMS, Z_SUM, loss_terms, mtp_target_counts, target_weights
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.maxtext_model import accumulation_note
@@ -214,9 +214,9 @@ def summed_gradients(grad_fn, params, batch, key, accum: int):
     (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
     grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # rounded once, to the weights' type
     # the expert loads (per layer, per multi-token-prediction depth) over the microbatches, as the other outputs
-    # are averaged for the logs; the multi-token-prediction depths' loss sums add up
-    auxes = {k: jnp.mean(v, axis=0) if k in (PER_LAYER_LOAD, MTP_LOAD) else jnp.sum(v, axis=0) if k == MTP_SUMS
-             else v for k, v in auxes.items()}
+    # are averaged for the logs; the multi-token-prediction depths' loss sums and the z-loss sums add up
+    auxes = {k: jnp.mean(v, axis=0) if k in (PER_LAYER_LOAD, MTP_LOAD) else jnp.sum(v, axis=0)
+             if k in (MTP_SUMS, Z_SUM) else v for k, v in auxes.items()}
     return grads, loss_sum, count, auxes
 
 
@@ -225,6 +225,7 @@ def objective_fn(model, packed: bool):
     token loss, its target count, its auxiliary outputs)); the MTP scale is `mtp_step_counts`'s (None without
     multi-token prediction)."""
     aux_weight, mtp_weight = model.cfg.load_balance_loss_weight, model.cfg.mtp_loss_scaling_factor
+    z_weight = model.cfg.z_loss_multiplier
 
     def summed_loss(p, b, k, mtp_scale):
         loss_sum, count, aux = loss_terms(model, p, b, k, packed)
@@ -234,6 +235,8 @@ def objective_fn(model, packed: bool):
         if mtp_scale is not None:  # + mtp_weight x the mean over depths of each depth's mean loss over the whole
             # step, x its target count: each micro-batch adds its sums, scaled by the step's counts (mtp_scale)
             objective = objective + mtp_weight * jnp.sum(aux[MTP_SUMS] * mtp_scale)
+        if z_weight > 0:  # the z-loss: z_loss_multiplier x log(Z)^2 per target token
+            objective = objective + z_weight * aux[Z_SUM]
         return objective, (loss_sum, count, aux)
 
     return summed_loss
@@ -265,6 +268,7 @@ def make_train_step(trainer: Trainer, seed: int):
         count = jnp.maximum(targets, 1.0)
         if mtp_depths:  # the logged multi-token-prediction loss: of the whole step, not a mean of micro-batches'
             auxes["mtp_loss"] = jnp.mean(auxes.pop(MTP_SUMS) / jnp.maximum(mtp_counts, 1.0))
+        z_loss = auxes.pop(Z_SUM, None)  # the z-loss term, logged per target token as the objective weighs it
         loads = auxes.pop(PER_LAYER_LOAD, None)  # MoE expert loads per layer (routed_bias)
         mtp_loads = auxes.pop(MTP_LOAD, None)  # and per multi-token-prediction depth
         # Gradients are sums over the batch's tokens; the update takes their mean (x 1/count).
@@ -299,6 +303,8 @@ def make_train_step(trainer: Trainer, seed: int):
         rate = schedule(schedule_step(state["opt_state"]))  # the update's (skipped steps do not advance it)
         stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": rate, "tokens": targets,
                  "finite": finite, **jax.tree.map(jnp.mean, auxes)}
+        if z_loss is not None:
+            stats["z_loss"] = model.cfg.z_loss_multiplier * z_loss / count
         if loads is not None:  # how far the most loaded expert is above its fair share (1: balanced), layer mean
             stats["moe_max_expert_load"] = jnp.mean(jnp.max(loads, axis=-1))
         return new_state, stats

@@ -229,6 +229,10 @@ class ModelConfig:
                                       "guess equals the main model's k tokens later (the acceptance rate of "
                                       "speculative decoding with it, eval_mtp_acceptance_rate_percent; 0: not measured)",
                                       minimum=0)
+    z_loss_multiplier: float = key(0.0, "weight of the z-loss in the training objective: z_loss_multiplier x log(Z)^2 "
+                                   "per target token, Z the output softmax's normalizer (it keeps log Z near 0; PaLM: "
+                                   "1e-4), of the main output (not the multi-token-prediction blocks'). The logged "
+                                   "loss stays the cross-entropy; the term is logged as z_loss (0: none)", minimum=0.0)
 
     # --- derived sizes: global_parameter_scale's rule (_scale_exponents, above) ---
     @property
