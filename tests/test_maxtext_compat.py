@@ -815,7 +815,6 @@ RECIPE_KEYS_REFUSED_UNLESS_OFF = [
     ("use_tokamax_splash", "false", "true", "attention=flash"),
     ("enable_pathways_goodput", "false", "true", "report"),  # the trillium benchmarks' base
     ("subslice_shape", "", "8,8", "every device JAX sees"),
-    ("skip_step_on_spikes", "false", "true", "gradient_clipping_threshold"),
 ]
 
 

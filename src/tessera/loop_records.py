@@ -50,6 +50,8 @@ class StepMeter:
         # a non-finite loss or gradient: the step's update was dropped (on_nonfinite_loss), which a finite
         # loss with an infinite gradient norm would not show
         skipped = {} if bool(stats.get("finite", True)) else {"skipped": True}
+        if bool(stats.get("spike", False)):  # skip_step_on_spikes dropped its update
+            skipped.update(skipped=True, spike=True)
         if float(stats.get("tokens", 1)) == 0:  # no target token: no update either (its loss and norm are 0)
             skipped["no_targets"] = True
         return {

@@ -314,7 +314,7 @@ class StepTotals:
     MEDIANS = ("step_seconds", "tflops_per_sec_per_device", "tokens_per_sec_per_device", "mfu")
 
     def __init__(self, records: Iterable[dict[str, Any]] = ()):
-        self.count, self.skipped, self.final_loss = 0, 0, None
+        self.count, self.skipped, self.spikes, self.final_loss = 0, 0, 0, None
         self.values = {name: array("d") for name in self.MEDIANS}  # mfu None (no peak) is kept as NaN
         for record in records:
             self.add(record)
@@ -322,6 +322,7 @@ class StepTotals:
     def add(self, record: dict[str, Any]) -> None:
         self.count += 1
         self.skipped += bool(record.get("skipped"))
+        self.spikes += bool(record.get("spike"))
         if not record.get("no_targets"):
             self.final_loss = record["loss"]
         for name, values in self.values.items():
@@ -340,7 +341,8 @@ class StepTotals:
 
 def run_report(steps: StepTotals | list[dict[str, Any]], warmup_steps: int, **extra: Any) -> dict[str, Any]:
     """Medians over the steps after warm-up (all steps if the run was shorter), and how many steps'
-    updates were dropped for a non-finite loss or gradient (`steps_skipped`). `final_loss` is the
+    updates were dropped for a non-finite loss or gradient or a spike (`steps_skipped`; the spikes,
+    skip_step_on_spikes, also in `steps_skipped_spikes`). `final_loss` is the
     last step with target tokens' (a step without any reports loss 0 and makes no update; None if
     no step had any). `steps`: the writer's `StepTotals`, or the step records."""
     if not isinstance(steps, StepTotals):
@@ -350,6 +352,7 @@ def run_report(steps: StepTotals | list[dict[str, Any]], warmup_steps: int, **ex
         "steps": steps.count,
         "steps_in_medians": in_medians,
         "steps_skipped": steps.skipped,
+        "steps_skipped_spikes": steps.spikes,
         "final_loss": steps.final_loss,
         **medians,
         **extra,

@@ -225,9 +225,13 @@ def write_report(cfg: Config, trainer: Trainer, writer: metrics.MetricsWriter, m
                 f"are trained (final loss {loss_text(report['final_loss'])}, median {report['step_seconds']:.3f} s/step) and "
                 "in the metrics file. Free some space (or fix the folder's permissions)") from None
     if report["steps_skipped"]:
-        log.warning("%d of the %d steps trained were skipped (a non-finite loss or gradient, on_nonfinite_loss="
-                    "skip_step): their updates were dropped; they are marked \"skipped\" in the metrics file",
-                    report["steps_skipped"], report["steps"])
+        spiked, nonfinite = report["steps_skipped_spikes"], report["steps_skipped"] - report["steps_skipped_spikes"]
+        why = {(True, False): "a non-finite loss or gradient, on_nonfinite_loss=skip_step",
+               (False, True): "a loss or gradient norm spike, skip_step_on_spikes; also marked \"spike\"",
+               (True, True): f"{nonfinite} for a non-finite loss or gradient, on_nonfinite_loss=skip_step; {spiked} for "
+                             "a spike, skip_step_on_spikes, also marked \"spike\""}[bool(nonfinite), bool(spiked)]
+        log.warning("%d of the %d steps trained were skipped (%s): their updates were dropped; they are marked "
+                    "\"skipped\" in the metrics file", report["steps_skipped"], report["steps"], why)
     slow_input = input_bound_warning(report["time"], cfg.data.dataset_type)
     if slow_input:
         log.warning(slow_input)

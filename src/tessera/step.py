@@ -39,6 +39,7 @@ from tessera.models.moe_balance import PER_LAYER_LOAD, update_routed_bias
 from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer, schedule_step
 from tessera.seeds import prng_key
+from tessera import spikes
 
 log = logging.getLogger("tessera")
 
@@ -54,6 +55,7 @@ class Trainer:
     state_shardings: Any
     batch_sharding: NamedSharding
     plan: RunPlan  # global batch, micro-batches, dropout, packing, paths
+    spikes: spikes.SpikeRule | None = None  # skip_step_on_spikes: the window's rule (its state: state["spikes"])
 
 
 def _log_moe_routing(m: ModelConfig, platform: str) -> None:
@@ -95,7 +97,8 @@ def setup(cfg: Config, devices=None) -> Trainer:
     optimizer = make_optimizer(cfg.optim, plan.schedule_steps, logical_axes)
 
     param_shardings = named_shardings(mesh, logical_axes, model.param_shapes())
-    abstract_state = jax.eval_shape(lambda p: init_state_from_params(optimizer, p), model.param_shapes())
+    rule = spikes.spike_rule(cfg.optim)
+    abstract_state = jax.eval_shape(lambda p: init_state_from_params(optimizer, p, rule), model.param_shapes())
     replicated = NamedSharding(mesh, PartitionSpec())
     state_param_shardings = param_shardings
     if cfg.optim.shard_optimizer_over_data:
@@ -107,10 +110,12 @@ def setup(cfg: Config, devices=None) -> Trainer:
         state_param_shardings, transform_non_params=lambda _: replicated,
         is_leaf=lambda v: isinstance(v, optax.MaskedNode))
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    if rule is not None:
+        state_shardings[spikes.WINDOW] = jax.tree.map(lambda _: replicated, abstract_state[spikes.WINDOW])
 
     batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (plan.global_batch, 1), dict(mesh.shape)))
     schedule = learning_rate_schedule(cfg.optim, plan.schedule_steps)
-    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan)
+    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule)
 
 
 def over_data(sharding: NamedSharding, shape) -> NamedSharding:
@@ -135,9 +140,13 @@ def device_platform(mesh: Mesh) -> str:
     return mesh.devices.flat[0].platform
 
 
-def init_state_from_params(optimizer, params) -> dict:
-    """A fresh train state (step 0, new optimizer state) around `params`."""
-    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+def init_state_from_params(optimizer, params, rule: spikes.SpikeRule | None = None) -> dict:
+    """A fresh train state (step 0, new optimizer state, with skip_step_on_spikes an empty window) around
+    `params`."""
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": optimizer.init(params)}
+    if rule is not None:
+        state[spikes.WINDOW] = spikes.new_window(rule.interval)
+    return state
 
 
 def init_program(trainer: Trainer, seed: int):
@@ -145,7 +154,7 @@ def init_program(trainer: Trainer, seed: int):
     its temporaries (the random draws of the initializers) can be checked before it runs."""
 
     def init(key):
-        return init_state_from_params(trainer.optimizer, trainer.model.init(key))
+        return init_state_from_params(trainer.optimizer, trainer.model.init(key), trainer.spikes)
 
     with jax.set_mesh(trainer.mesh):
         return jax.jit(init, out_shardings=trainer.state_shardings).lower(prng_key(seed)).compile()
@@ -254,6 +263,7 @@ def mtp_step_counts(segments_bt, depths: int):
 def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
+    rule = trainer.spikes
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     bias_rate, mtp_depths = model.cfg.routed_bias_update_rate, model.cfg.mtp_num_layers
     mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
@@ -288,6 +298,9 @@ def make_train_step(trainer: Trainer, seed: int):
         # A batch without a target token (all padding, documents of one token) has nothing to learn from, and its
         # zero gradient would still move the weights (AdamW's momentum and weight decay): no update either.
         learns = finite & (targets > 0)
+        if rule is not None:  # skip_step_on_spikes: a loss or gradient norm far above the recent ones drops it too
+            spike, window, thresholds = spikes.check(state[spikes.WINDOW], loss, grad_norm, learns, rule)
+            learns = learns & ~spike
 
         def update(operands):
             p, opt = operands
@@ -300,11 +313,15 @@ def make_train_step(trainer: Trainer, seed: int):
 
         new_params, new_opt = jax.lax.cond(learns, update, lambda operands: operands, (params, state["opt_state"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
+        if rule is not None:
+            new_state[spikes.WINDOW] = window
         rate = schedule(schedule_step(state["opt_state"]))  # the update's (skipped steps do not advance it)
         stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": rate, "tokens": targets,
                  "finite": finite, **jax.tree.map(jnp.mean, auxes)}
         if z_loss is not None:
             stats["z_loss"] = model.cfg.z_loss_multiplier * z_loss / count
+        if rule is not None:  # the log line of a skipped spike names the thresholds it crossed
+            stats.update(spike=spike, spike_loss_threshold=thresholds[0], spike_grad_norm_threshold=thresholds[1])
         if loads is not None:  # how far the most loaded expert is above its fair share (1: balanced), layer mean
             stats["moe_max_expert_load"] = jnp.mean(jnp.max(loads, axis=-1))
         return new_state, stats
@@ -336,7 +353,8 @@ def abstract_state(trainer: Trainer):
     """ShapeDtypeStructs with shardings for the whole train state (for restores and AOT)."""
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-        jax.eval_shape(lambda p: init_state_from_params(trainer.optimizer, p), trainer.model.param_shapes()),
+        jax.eval_shape(lambda p: init_state_from_params(trainer.optimizer, p, trainer.spikes),
+                       trainer.model.param_shapes()),
         trainer.state_shardings,
     )
 
@@ -344,5 +362,6 @@ def abstract_state(trainer: Trainer):
 def state_from_params(trainer: Trainer, params) -> dict:
     """A fresh train state around loaded parameters, created in its sharded layout."""
     with jax.set_mesh(trainer.mesh):
-        return jax.jit(lambda p: init_state_from_params(trainer.optimizer, p), out_shardings=trainer.state_shardings,
+        return jax.jit(lambda p: init_state_from_params(trainer.optimizer, p, trainer.spikes),
+                       out_shardings=trainer.state_shardings,
                        donate_argnums=0)(params)

@@ -60,9 +60,21 @@ class StatsReader:
             if float(stats.get("tokens", 1)) == 0:
                 log.warning("step %d: its batch holds no target token (every row padding, or documents of one token): "
                             "no update (loss and gradient norm 0 mean nothing here)", step)
+            if bool(stats.get("spike", False)):
+                warn_spike(self.cfg, step, stats)
             finite = bool(stats["finite"])
             self.skipped_since = None if finite else self.skipped_since or step
             check_finite(self.cfg, step, stats, self.ckpt, self.skipped_since)
+
+
+def warn_spike(cfg: Config, step: int, stats: dict) -> None:
+    """The line of a step whose update skip_step_on_spikes dropped: which value crossed which threshold."""
+    o = cfg.optim
+    crossed = [f"{name} {float(stats[key]):.4g} above {float(stats[limit]):.4g}" for name, key, limit in
+               (("loss", "loss", "spike_loss_threshold"), ("gradient norm", "grad_norm", "spike_grad_norm_threshold"))
+               if float(stats[key]) > float(stats[limit])]
+    log.warning("step %d: %s (the mean + %g standard deviations of the last %d steps' values): update skipped "
+                "(skip_step_on_spikes)", step, " and ".join(crossed), o.skip_step_scaling_factor, o.skip_step_interval)
 
 
 def check_finite(cfg: Config, step: int, stats: dict, ckpt: Checkpointer | None,

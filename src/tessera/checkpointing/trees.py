@@ -1,6 +1,6 @@
 """A saved tree against the one a config expects: differences by path; stacked layers saved in
 another pipeline layout, reshaped on restore; an optimizer state saved with gradient clipping
-turned on or off, read as saved."""
+turned on or off, read as saved; skip_step_on_spikes' window saved or not, or of another size."""
 
 from __future__ import annotations
 
@@ -38,10 +38,54 @@ def restacked(saved, expected):
     An optimizer state saved with clipping on or off is read as saved (`_clip_slot`), and one
     saved with the other scan_layers in its layout (`_rescanned`)."""
     have = _flat(saved)
-    scanned, rescan = _rescanned(have, expected)
+    windowed, rewindow = _spike_window(have, expected)
+    scanned, rescan = _rescanned(have, windowed)
     clipped, reslot = _clip_slot(have, scanned)
     target, finish = _restacked(have, clipped)
-    return target, lambda restored: rescan(reslot(finish(restored)))
+    return target, lambda restored: rewindow(rescan(reslot(finish(restored))))
+
+
+def _spike_window(have: dict[str, Any], expected):
+    """(expected, finish) for a train state saved without skip_step_on_spikes' window where `expected` has one,
+    with one where it has none, or with a window of another skip_step_interval: the state reads without the saved
+    window (or with it, to be dropped), and `finish` adds a new, empty window in `expected`'s sharding. So a run
+    may turn the spike check on or off at a resume, or change its interval."""
+    from tessera.spikes import WINDOW, new_window  # imported here: tessera.spikes imports nothing of this package
+
+    unchanged = (expected, lambda restored: restored)
+    if not isinstance(expected, dict) or "opt_state" not in expected:
+        return unchanged
+    saved = {k.split("/", 1)[1]: a for k, a in have.items() if k.split("/", 1)[0] == WINDOW}
+    want = expected.get(WINDOW)
+    if want is None and not saved:
+        return unchanged
+    if want is not None and saved and all(k in saved and tuple(saved[k].shape) == tuple(w.shape)
+                                          for k, w in want.items()):
+        return unchanged
+    rest = {k: v for k, v in expected.items() if k != WINDOW}
+    if want is None:  # the check is off now: read the saved window as saved, then drop it
+        log.info("checkpoint: saved with skip_step_on_spikes' window of recent losses, restored without the check")
+        replicated = NamedSharding(jax.tree.leaves(expected["opt_state"])[0].sharding.mesh, PartitionSpec())
+        target = {**rest, WINDOW: {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
+                                   for k, a in saved.items()}}
+        return target, lambda restored: {k: v for k, v in restored.items() if k != WINDOW}
+    interval = want["losses"].shape[0]
+    log.info("checkpoint: saved %s, restored with skip_step_on_spikes' window of %d steps: it starts empty, and no "
+             "step is skipped before it holds max(2, %d // 2) values",
+             f"with a window of {saved['losses'].shape[0]} steps" if saved else "without the spike check's window",
+             interval, interval)
+    if saved:  # read the old window, to be replaced
+        target = {**rest, WINDOW: {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=want[k].sharding)
+                                   for k, a in saved.items()}}
+    else:
+        target = rest
+
+    def finish(restored):
+        window = new_window(interval)
+        return {**{k: v for k, v in restored.items() if k != WINDOW},
+                WINDOW: {k: jax.device_put(window[k], want[k].sharding) for k in window}}
+
+    return target, finish
 
 
 _LAYER_KEY = re.compile(r"^(layers|dense_layers)_(\d+)$")  # the decoder's blocks with scan_layers=false

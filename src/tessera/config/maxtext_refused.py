@@ -84,8 +84,6 @@ REFUSED = {
         "same value (e.g. JAX_DEFAULT_MATMUL_PRECISION=highest) has that effect on XLA's matmuls", ("default",)),
     "activations_in_float32": Refused("cast the activations to float32 before each nonlinearity; Tessera computes "
                                       "them in dtype: dtype=float32 computes everything in float32", ("false", "0")),
-    "skip_step_on_spikes": Refused("skip an update whose loss or gradient norm spikes; not in Tessera: lower "
-                                   "gradient_clipping_threshold to bound each update", ("false", "0")),
     "use_tokamax_gmm": Refused("the experts' grouped matmul from the Tokamax library; Tessera's is megablox's Pallas "
                                "kernel (megablox=true, on TPUs) or jax.lax.ragged_dot", ("false", "0")),
     "use_tokamax_splash": Refused("splash attention from the Tokamax library; Tessera's attention=flash runs JAX's "

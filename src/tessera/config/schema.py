@@ -190,6 +190,15 @@ class OptimConfig:
                                      "fan_in)); > 0 by sqrt(max(fan_in, fan_out)) x this, an RMS like AdamW's at 0.2",
                                      minimum=0.0)
     gradient_clipping_threshold: float = key(1.0, "clip gradients to this global norm (0: no clipping)", minimum=0.0)
+    skip_step_on_spikes: bool = key(False, "drop the update of a step whose loss or gradient norm (before clipping) "
+                                    "is more than skip_step_scaling_factor standard deviations above its mean over "
+                                    "the last skip_step_interval steps (OLMo-core's and MaxText's rule; the window is "
+                                    "saved with the train state)")
+    skip_step_interval: int = key(128, "skip_step_on_spikes: steps in the window of recent losses and gradient norms; "
+                                  "no step is skipped before it holds max(2, skip_step_interval // 2)", minimum=2,
+                                  maximum=1 << 20)
+    skip_step_scaling_factor: float = key(6.0, "skip_step_on_spikes: standard deviations above the window's mean that "
+                                          "make a spike", minimum=0.0)
     gradient_accumulation_steps: int = key(1, "micro-batches accumulated per optimizer step", minimum=1)
     shard_optimizer_over_data: bool = key(False, "ZeRO-1: split the optimizer state over the data axis as well "
                                           "(parameters stay replicated there); less state memory per device")

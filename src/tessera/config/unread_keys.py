@@ -278,6 +278,9 @@ def _optimizer_and_decoding_keys(cfg: Config, changed: dict) -> list[str]:
     """keys_without_effect's lines for the other optimizers' keys, the other schedule's keys (and the final fraction
     of a WSD schedule that never decays), and decoding keys in training."""
     lines, opt = [], cfg.optim.opt_type
+    if not cfg.optim.skip_step_on_spikes and (keys := [k for k in ("skip_step_interval", "skip_step_scaling_factor")
+                                                       if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect without skip_step_on_spikes=true")
     if cfg.optim.lr_schedule_type != "wsd" and (keys := [k for k in WSD_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect with lr_schedule_type={cfg.optim.lr_schedule_type}; they "
                      "shape lr_schedule_type=wsd's decay")
