@@ -39,19 +39,19 @@ from tessera.mesh import logical_spec
 MAX_COPIES = 4
 
 
-def scale_by_muon_whole_matrices(beta: float, eps: float, masked_dims: Any, logical_axes: Any
+def scale_by_muon_whole_matrices(beta: float, eps: float, masked_dims: Any, logical_axes: Any, mu_dtype=None
                                  ) -> optax.GradientTransformation:
-    """optax's scale_by_muon (Nesterov momentum `beta`, Newton-Schulz iterations) for the leaves whose
-    dimension numbers `masked_dims` gives (MaskedNode for the others), run on regrouped matrices under
-    a mesh of more than one device (module docstring)."""
-    base = scale_by_muon(beta=beta, eps=eps, weight_dimension_numbers=lambda _: masked_dims)
+    """optax's scale_by_muon (Nesterov momentum `beta`, kept in `mu_dtype` (None: the parameters'),
+    Newton-Schulz iterations) for the leaves whose dimension numbers `masked_dims` gives (MaskedNode
+    for the others), run on regrouped matrices under a mesh of more than one device (module docstring)."""
+    base = scale_by_muon(beta=beta, eps=eps, mu_dtype=mu_dtype, weight_dimension_numbers=lambda _: masked_dims)
 
     def update(updates, state, params=None):
         del params
         groups = MatrixGroups(updates, masked_dims, logical_axes)
         if not groups.stacked:
             return base.update(updates, state)
-        inner = scale_by_muon(beta=beta, eps=eps, weight_dimension_numbers=groups.dims)
+        inner = scale_by_muon(beta=beta, eps=eps, mu_dtype=mu_dtype, weight_dimension_numbers=groups.dims)
         new_updates, new_state = inner.update(groups.stack(updates), state._replace(mu=groups.stack(state.mu)))
         return groups.unstack(new_updates), new_state._replace(mu=groups.unstack(new_state.mu))
 

@@ -118,7 +118,12 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes: Any = None)
 
 def _adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     return optax.adamw(learning_rate=schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                       weight_decay=cfg.adam_weight_decay, mask=_decay_mask)
+                       weight_decay=cfg.adam_weight_decay, mask=_decay_mask, mu_dtype=mu_dtype(cfg))
+
+
+def mu_dtype(cfg: OptimConfig):
+    """The first moment's dtype (`mu_dtype`), None for the parameters' own."""
+    return jnp.dtype(cfg.mu_dtype) if cfg.mu_dtype else None
 
 
 def muon(cfg: OptimConfig, schedule: optax.Schedule, logical_axes: Any) -> optax.GradientTransformation:
@@ -131,7 +136,7 @@ def muon(cfg: OptimConfig, schedule: optax.Schedule, logical_axes: Any) -> optax
     masked_dims = masked(dims)
     return optax.partition({
         "muon": optax.chain(
-            scale_by_muon_whole_matrices(cfg.muon_beta, cfg.adam_eps, masked_dims, logical_axes),
+            scale_by_muon_whole_matrices(cfg.muon_beta, cfg.adam_eps, masked_dims, logical_axes, mu_dtype(cfg)),
             _scale_by_shape(masked_dims, cfg.muon_consistent_rms),
             optax.add_decayed_weights(cfg.muon_weight_decay),
             optax.scale_by_learning_rate(schedule),

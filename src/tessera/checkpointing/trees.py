@@ -41,8 +41,45 @@ def restacked(saved, expected):
     windowed, rewindow = _spike_window(have, expected)
     scanned, rescan = _rescanned(have, windowed)
     clipped, reslot = _clip_slot(have, scanned)
-    target, finish = _restacked(have, clipped)
-    return target, lambda restored: rewindow(rescan(reslot(finish(restored))))
+    restacked_target, finish = _restacked(have, clipped)
+    target, recast = _recast_moments(have, restacked_target)
+    return target, lambda restored: rewindow(rescan(reslot(finish(recast(restored)))))
+
+
+def _recast_moments(have: dict[str, Any], expected):
+    """(expected, finish) for an optimizer state whose moments were saved in another floating dtype (mu_dtype
+    changed at a resume: float32 first moments read into bfloat16 ones, or back): they are read as saved and
+    `finish` casts them to `expected`'s dtype. Parameters are not cast here (weight_dtype stays a mismatch)."""
+    import numpy as np
+
+    def saved_dtype(path, leaf):
+        h = have.get("opt_state/" + _path_key(path))
+        if (h is None or getattr(h, "dtype", None) is None
+                or not hasattr(leaf, "dtype") or tuple(h.shape) != tuple(leaf.shape)):
+            return None
+        was, now = np.dtype(h.dtype), np.dtype(leaf.dtype)
+        return was if was != now and _weights(was) and _weights(now) else None
+
+    if not isinstance(expected, dict) or "opt_state" not in expected:
+        return expected, lambda restored: restored
+    dtypes = jax.tree_util.tree_map_with_path(saved_dtype, expected["opt_state"])
+    changed = [d for d in jax.tree.leaves(dtypes) if d is not None]
+    if not changed:
+        return expected, lambda restored: restored
+    log.info("checkpoint: %d optimizer-state arrays saved in %s, restored as %s (mu_dtype)", len(changed),
+             changed[0], next(leaf.dtype for leaf, d in zip(jax.tree.leaves(expected["opt_state"]),
+                                                            jax.tree.leaves(dtypes, is_leaf=lambda x: x is None))
+                              if d is not None))
+    read = jax.tree.map(lambda leaf, d: leaf if d is None else jax.ShapeDtypeStruct(leaf.shape, d,
+                                                                                     sharding=leaf.sharding),
+                        expected["opt_state"], dtypes, is_leaf=lambda x: x is None)
+    want = expected["opt_state"]
+
+    def finish(restored):
+        cast = jax.tree.map(lambda x, w: x if x.dtype == w.dtype else x.astype(w.dtype), restored["opt_state"], want)
+        return {**restored, "opt_state": cast}
+
+    return {**expected, "opt_state": read}, finish
 
 
 def _spike_window(have: dict[str, Any], expected):

@@ -50,6 +50,7 @@ PATH_KINDS = ("path", "globs", "local_or_name")
 # Step counts reach jitted code as int32 (JAX's default integer; the optimizer's step counter is one).
 MAX_STEPS = 2**31 - 1
 OPTIMIZERS = ("adamw", "sgd", "muon")  # opt_type: MaxText's names (its adam_pax is not here)
+MU_DTYPES = ("", "float32", "bfloat16")  # mu_dtype: MaxText's key ('': the parameters' dtype)
 LR_SCHEDULES = ("cosine", "wsd")  # lr_schedule_type: MaxText's names
 WSD_DECAY_STYLES = ("linear", "cosine")  # wsd_decay_style: MaxText's names
 # Widest attention head accepted (the widest of the model files: 256). Building a model keeps a

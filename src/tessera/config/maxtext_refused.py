@@ -68,7 +68,6 @@ REFUSED = {
     # optimizer
     "adam_eps_root": Refused("epsilon inside the square root of Adam's denominator; Tessera's AdamW uses "
                              "adam_eps only", ("0", "0.0")),
-    "mu_dtype": Refused("dtype of Adam's first moment; in Tessera the optimizer state follows weight_dtype", ("",)),
     "optimizer_memory_host_offload": Refused("keep optimizer state in host memory; not in Tessera",
                                              ("false", "0")),
     "param_memory_host_offload": Refused("keep parameters in host memory; not in Tessera", ("false", "0")),

@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tessera.config.fields import (DATASET_TYPES, LR_SCHEDULES, MAX_DATA_WORKERS, MAX_STEPS, OPTIMIZERS, PROFILERS,
-                                   TOKENIZER_TYPES, WSD_DECAY_STYLES, key)
+from tessera.config.fields import (DATASET_TYPES, LR_SCHEDULES, MAX_DATA_WORKERS, MAX_STEPS, MU_DTYPES, OPTIMIZERS,
+                                   PROFILERS, TOKENIZER_TYPES, WSD_DECAY_STYLES, key)
 from tessera.config.model_schema import ModelConfig
 
 
@@ -181,6 +181,9 @@ class OptimConfig:
     adam_b1: float = key(0.9, "AdamW beta1", minimum=0.0)
     adam_b2: float = key(0.95, "AdamW beta2", minimum=0.0)
     adam_eps: float = key(1e-8, "AdamW epsilon", minimum=0.0)
+    mu_dtype: str = key("", "dtype of AdamW's first moment and Muon's momentum: '' the parameters' (weight_dtype); "
+                        "bfloat16 halves it (MaxText's large recipes), the second moment stays as the parameters",
+                        choices=MU_DTYPES)
     adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay, times the learning rate; every parameter AdamW "
                                    "trains decays but the norms' scales and DeepSeek's routing biases", minimum=0.0)
     muon_beta: float = key(0.95, "muon: decay of the momentum the update orthogonalizes", minimum=0.0)

@@ -262,10 +262,11 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
     acts = activation_bytes_by_policy(cfg, act_mesh, tuple(dict.fromkeys((*policies, m.remat_policy))),
                                       fused_attention, micro)
     zero1 = mesh["data"] if cfg.optim.shard_optimizer_over_data else 1  # ZeRO-1 splits the moments over data
+    mu = params / w * DTYPE_BYTES[cfg.optim.mu_dtype or cfg.model.weight_dtype]  # the first moment (mu_dtype)
     if cfg.optim.opt_type == "adamw":  # two moments of every parameter
-        moments = 2 * params
+        moments = mu + params
     elif cfg.optim.opt_type == "muon":  # one momentum of every parameter, and AdamW's second of all but the blocks'
-        moments = params + (other / shards + layer_norms / stage + final_norm) * w  # matrices (biases left out)
+        moments = mu + (other / shards + layer_norms / stage + final_norm) * w  # matrices (biases left out)
     else:  # plain SGD keeps none
         moments = 0.0
     # gradient accumulation adds up the micro-batches' gradients in a second buffer, in float32 at least (1b on
