@@ -536,3 +536,25 @@ def test_mu_dtype_may_change_at_a_resume_and_the_estimate_counts_it(tmp_path, ca
     full, half = (tiny_config(mu_dtype=d) for d in ("", "bfloat16"))
     opt = [estimate_memory(c, count_params(c.model), mesh, True).optimizer for c in (full, half)]
     assert opt[1] == pytest.approx(0.75 * opt[0])
+
+
+def test_grad_dtype_rounds_the_gradients_the_update_reads_to_bfloat16(tmp_path):
+    """grad_dtype=bfloat16 (MaxText's key, beside mu_dtype in its large recipes): float32 gradients rounded once
+    before the norm and the update. The parameters stay float32, the first loss is the same, the next ones and the
+    gradient norms follow float32 gradients' within that rounding; the estimate counts 2 bytes a parameter."""
+    from tessera.tools.memory_model import count_params, estimate_memory
+
+    def records(name, **keys):
+        run(tiny_config(tmp_path / name, steps=4, **keys), jax.devices()[:1])
+        return [json.loads(line) for line in (tmp_path / name / "test" / "metrics.jsonl").read_text().splitlines()]
+
+    half, full = records("bf16", grad_dtype="bfloat16"), records("f32")
+    assert half[0]["loss"] == full[0]["loss"] and [r["loss"] for r in half] != [r["loss"] for r in full]
+    np.testing.assert_allclose([r["loss"] for r in half], [r["loss"] for r in full], rtol=1e-3)
+    np.testing.assert_allclose([r["grad_norm"] for r in half], [r["grad_norm"] for r in full], rtol=1e-2)
+    # float32, MaxText's default, keeps float32 gradients: the default's losses exactly
+    assert [r["loss"] for r in records("f32_named", grad_dtype="float32")] == [r["loss"] for r in full]
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1, "expert": 1, "sequence": 1, "stage": 1}
+    full_cfg, half_cfg = tiny_config(), tiny_config(grad_dtype="bfloat16")
+    grads = [estimate_memory(c, count_params(c.model), mesh, True).grads for c in (full_cfg, half_cfg)]
+    assert grads[1] == pytest.approx(0.5 * grads[0])

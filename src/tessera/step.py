@@ -56,6 +56,7 @@ class Trainer:
     batch_sharding: NamedSharding
     plan: RunPlan  # global batch, micro-batches, dropout, packing, paths
     spikes: spikes.SpikeRule | None = None  # skip_step_on_spikes: the window's rule (its state: state["spikes"])
+    grad_dtype: Any = None  # grad_dtype=bfloat16: the dtype float32 gradients are rounded to (None: kept)
 
 
 def _log_moe_routing(m: ModelConfig, platform: str) -> None:
@@ -115,7 +116,8 @@ def setup(cfg: Config, devices=None) -> Trainer:
 
     batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (plan.global_batch, 1), dict(mesh.shape)))
     schedule = learning_rate_schedule(cfg.optim, plan.schedule_steps)
-    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule)
+    grad_dtype = jnp.dtype(cfg.optim.grad_dtype) if cfg.optim.grad_dtype == "bfloat16" else None
+    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule, grad_dtype)
 
 
 def over_data(sharding: NamedSharding, shape) -> NamedSharding:
@@ -264,6 +266,7 @@ def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
     rule = trainer.spikes
+    grad_dtype = trainer.grad_dtype
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     bias_rate, mtp_depths = model.cfg.routed_bias_update_rate, model.cfg.mtp_num_layers
     mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
@@ -275,6 +278,8 @@ def make_train_step(trainer: Trainer, seed: int):
         mtp_counts, mtp_scale = mtp_step_counts(batch["segment_ids"], mtp_depths) if mtp_depths else (None, None)
         grad_fn = jax.grad(lambda p, b, k: summed_loss(p, b, k, mtp_scale), has_aux=True)
         grads, loss_sum, targets, auxes = summed_gradients(grad_fn, params, batch, key, accum)
+        if grad_dtype is not None:  # grad_dtype=bfloat16: float32 gradients rounded once, before norm and update
+            grads = jax.tree.map(lambda g: g.astype(grad_dtype) if g.dtype == jnp.float32 else g, grads)
         count = jnp.maximum(targets, 1.0)
         if mtp_depths:  # the logged multi-token-prediction loss: of the whole step, not a mean of micro-batches'
             auxes["mtp_loss"] = jnp.mean(auxes.pop(MTP_SUMS) / jnp.maximum(mtp_counts, 1.0))

@@ -184,6 +184,9 @@ class OptimConfig:
     mu_dtype: str = key("", "dtype of AdamW's first moment and Muon's momentum: '' the parameters' (weight_dtype); "
                         "bfloat16 halves it (MaxText's large recipes), the second moment stays as the parameters",
                         choices=MU_DTYPES)
+    grad_dtype: str = key("", "dtype float32 gradients are rounded to before clipping and the update: bfloat16 "
+                          "halves the gradients the update reads (their reductions run in the compute dtype "
+                          "already); '' or float32 (MaxText's default) keeps the parameters' dtype", choices=MU_DTYPES)
     adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay, times the learning rate; every parameter AdamW "
                                    "trains decays but the norms' scales and DeepSeek's routing biases", minimum=0.0)
     muon_beta: float = key(0.95, "muon: decay of the momentum the update orthogonalizes", minimum=0.0)

@@ -271,7 +271,8 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
         moments = 0.0
     # gradient accumulation adds up the micro-batches' gradients in a second buffer, in float32 at least (1b on
     # v5e-8, 2 steps of 1 sequence of 1024 tokens: the compiler's temporaries grew by 0.77 GiB, 0.51 of it this)
-    grads = params + (params / w * max(w, 4) if cfg.optim.gradient_accumulation_steps > 1 else 0)
+    g = 2 if cfg.optim.grad_dtype == "bfloat16" else w  # float32 gradients rounded to grad_dtype
+    grads = params / w * min(g, w) + (params / w * max(w, 4) if cfg.optim.gradient_accumulation_steps > 1 else 0)
     return Memory(params, grads, moments / zero1, gathered, acts)
 
 
