@@ -558,3 +558,38 @@ def test_grad_dtype_rounds_the_gradients_the_update_reads_to_bfloat16(tmp_path):
     full_cfg, half_cfg = tiny_config(), tiny_config(grad_dtype="bfloat16")
     grads = [estimate_memory(c, count_params(c.model), mesh, True).grads for c in (full_cfg, half_cfg)]
     assert grads[1] == pytest.approx(0.5 * grads[0])
+
+
+def test_adamw_mask_keeps_the_parameters_it_finds_from_decaying(caplog):
+    """adamw_mask (MaxText's key): regular expressions searched in Tessera's parameter paths; AdamW does not decay
+    what they find, beside the norm scales it never decays. With zero gradients the update is the decay alone:
+    -lr x adam_weight_decay x p for the others, 0 for those."""
+    from tessera.optim import decay_mask
+
+    params = {"token_embedder": {"table_vd": np.ones((4, 2), np.float32)},
+              "layers": {"mlp": {"wi_0": np.ones((2, 3), np.float32)}, "pre_mlp_norm": {"scale": np.ones(2, np.float32)}},
+              "logits_dense_dv": np.ones((2, 4), np.float32)}
+    # leaves in key order: layers/mlp/wi_0, layers/pre_mlp_norm/scale, logits_dense_dv, token_embedder/table_vd
+    assert jax.tree.leaves(decay_mask(["token_embedder", "^logits"])(params)) == [True, False, False, False]
+    cfg = tiny_config(learning_rate=1.0, warmup_steps_fraction=0.0, adam_weight_decay=0.1,
+                      gradient_clipping_threshold=0.0, adamw_mask=["token_embedder"])
+    opt = make_optimizer(cfg.optim, 10)
+    updates, _ = opt.update(jax.tree.map(np.zeros_like, params), opt.init(params), params)
+    got = {k: float(np.max(np.abs(v))) for k, v in zip(["layers/mlp/wi_0", "layers/pre_mlp_norm/scale",
+                                                        "logits_dense_dv", "token_embedder/table_vd"],
+                                                       jax.tree.leaves(updates))}
+    assert got == pytest.approx({"layers/mlp/wi_0": 0.1, "layers/pre_mlp_norm/scale": 0.0, "logits_dense_dv": 0.1,
+                                 "token_embedder/table_vd": 0.0})
+    with caplog.at_level("INFO", logger="tessera"):
+        setup(tiny_config(adamw_mask=["token_embedder", "wi_"]), jax.devices()[:1])
+    assert "adamw_mask: AdamW does not decay layers/mlp/wi_0, layers/mlp/wi_1, token_embedder/table_vd" in caplog.text
+
+
+def test_an_adamw_mask_that_finds_nothing_or_does_not_parse_is_refused():
+    """MaxText's parameter names are not Tessera's: a pattern found in no path is a config error that lists the
+    model's parameters, where it would have decayed them all without a word."""
+    with pytest.raises(ConfigError, match=r"adamw_mask: 'embedding' is found in no parameter's path; this model's "
+                                          r"parameters are final_norm/scale, layers/attention/wk_dkh, .*token_embedder"):
+        setup(tiny_config(adamw_mask=["embedding"]), jax.devices()[:1])
+    with pytest.raises(ConfigError, match=r"adamw_mask: '\(' is not a regular expression \(missing \), "):
+        tiny_config(adamw_mask=["("])

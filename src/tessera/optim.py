@@ -17,6 +17,7 @@ micro-batches are summed before one optimizer update), not here.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import jax
@@ -118,7 +119,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes: Any = None)
 
 def _adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     return optax.adamw(learning_rate=schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                       weight_decay=cfg.adam_weight_decay, mask=_decay_mask, mu_dtype=mu_dtype(cfg))
+                       weight_decay=cfg.adam_weight_decay, mask=decay_mask(cfg.adamw_mask), mu_dtype=mu_dtype(cfg))
 
 
 def mu_dtype(cfg: OptimConfig):
@@ -240,8 +241,26 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
 NO_DECAY = ("scale", "routed_bias_e")  # norm scales; MoE choice biases (moved by the train step, not by AdamW)
 
 
-def _decay_mask(params):
-    """True for weights that decay: everything except normalization scales and DeepSeek's routing biases
-    (`routed_bias_e`; gpt-oss's learned `router_bias_e` decays like the other biases)."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, _: not any(getattr(k, "key", None) in NO_DECAY for k in path), params)
+def decay_mask(patterns=()):
+    """params -> True for the weights AdamW decays: everything except normalization scales, DeepSeek's routing
+    biases (`routed_bias_e`; gpt-oss's learned `router_bias_e` decays like the other biases) and the parameters
+    whose path (`param_path`) one of the regular expressions `patterns` (adamw_mask) is found in."""
+    compiled = [re.compile(str(p)) for p in patterns]
+
+    def decays(path, _):
+        if any(getattr(k, "key", None) in NO_DECAY for k in path):
+            return False
+        return not any(p.search(param_path(path)) for p in compiled)
+
+    return lambda params: jax.tree_util.tree_map_with_path(decays, params)
+
+
+def param_path(path) -> str:
+    """A parameter's path as adamw_mask's patterns read it: its keys joined by "/" (layers/attention/wq_dnh)."""
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def masked_by_patterns(params, patterns) -> dict[str, list[str]]:
+    """{pattern: the parameter paths it is found in} for adamw_mask's `patterns` over a tree of parameters."""
+    paths = [param_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    return {p: [x for x in paths if re.search(str(p), x)] for p in patterns}

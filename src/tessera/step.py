@@ -37,7 +37,7 @@ from tessera.models.decoder import MTP_LOAD
 from tessera.models.moe import describe_routing
 from tessera.models.moe_balance import PER_LAYER_LOAD, update_routed_bias
 from tessera.models.quantization import check_platform as check_quantization
-from tessera.optim import learning_rate_schedule, make_optimizer, schedule_step
+from tessera.optim import learning_rate_schedule, make_optimizer, masked_by_patterns, param_path, schedule_step
 from tessera.seeds import prng_key
 from tessera import spikes
 
@@ -95,6 +95,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
         log.info("pipeline: %s", plan.pipeline.describe(LAYERS_PER_BLOCK.get(cfg.model.decoder_block, 1)))
     model = build_model(cfg.model, choice.kernel, plan.pipeline)
     logical_axes = model.logical_axes()
+    _check_adamw_mask(cfg, model)
     optimizer = make_optimizer(cfg.optim, plan.schedule_steps, logical_axes)
 
     param_shardings = named_shardings(mesh, logical_axes, model.param_shapes())
@@ -118,6 +119,20 @@ def setup(cfg: Config, devices=None) -> Trainer:
     schedule = learning_rate_schedule(cfg.optim, plan.schedule_steps)
     grad_dtype = jnp.dtype(cfg.optim.grad_dtype) if cfg.optim.grad_dtype == "bfloat16" else None
     return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule, grad_dtype)
+
+
+def _check_adamw_mask(cfg: Config, model: ModelDef) -> None:
+    """ConfigError for an adamw_mask pattern found in no parameter's path (a typo, or MaxText's names: Tessera's
+    differ); a line naming the parameters the patterns keep from decaying."""
+    if not cfg.optim.adamw_mask or cfg.optim.opt_type == "sgd":
+        return
+    found = masked_by_patterns(model.param_shapes(), cfg.optim.adamw_mask)
+    if missing := [p for p, paths in found.items() if not paths]:
+        names = sorted({param_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(model.param_shapes())[0]})
+        raise ConfigError(f"adamw_mask: {missing[0]!r} is found in no parameter's path; this model's parameters are "
+                          f"{', '.join(names)}")
+    masked = sorted({x for paths in found.values() for x in paths})
+    log.info("adamw_mask: AdamW does not decay %s (nor the norm scales)", ", ".join(masked))
 
 
 def over_data(sharding: NamedSharding, shape) -> NamedSharding:

@@ -9,6 +9,7 @@ but have no effect in a run are warned of by `tessera.config.unread_keys`.
 from __future__ import annotations
 
 import math
+import re
 
 from tessera.config.family_checks import validate_family
 from tessera.config.fields import MOE_BLOCKS
@@ -113,6 +114,12 @@ def _validate_optim(optim: OptimConfig) -> None:
                           f"{optim.wsd_decay_steps_fraction:g} is more than the whole schedule: lr_schedule_type=wsd "
                           "warms up over the first fraction of learning_rate_schedule_steps and decays over the last; "
                           "lower one of them so that they add up to 1 at most")
+    for pattern in optim.adamw_mask:
+        try:
+            re.compile(str(pattern))
+        except re.error as e:
+            raise ConfigError(f"adamw_mask: {pattern!r} is not a regular expression ({e}); e.g. adamw_mask="
+                              "\"['token_embedder', 'bias']\"") from None
     schedule = optim.learning_rate_schedule_steps  # optim.learning_rate_schedule refuses it too, at set-up
     if schedule == 0 or schedule < -1:
         raise ConfigError(f"learning_rate_schedule_steps={schedule} gives a learning-rate schedule of no steps (its "

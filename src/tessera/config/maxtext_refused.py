@@ -73,9 +73,6 @@ REFUSED = {
     "param_memory_host_offload": Refused("keep parameters in host memory; not in Tessera", ("false", "0")),
     "parameter_memory_host_offload": Refused("keep parameters in host memory (MaxText's newer name of "
                                              "param_memory_host_offload); not in Tessera", ("false", "0")),
-    "adamw_mask": Refused("patterns of the parameters AdamW does not decay (MaxText's default, [], decays every "
-                          "parameter); Tessera's AdamW leaves norm scales and DeepSeek's routing biases undecayed "
-                          "and decays the rest", ("[]", "")),
     # model variants
     "matmul_precision": Refused(
         "the precision of float32 matmuls (high, highest or older MaxText's float32: more bfloat16 passes on "

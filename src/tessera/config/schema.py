@@ -189,6 +189,9 @@ class OptimConfig:
                           "already); '' or float32 (MaxText's default) keeps the parameters' dtype", choices=MU_DTYPES)
     adam_weight_decay: float = key(0.1, "AdamW decoupled weight decay, times the learning rate; every parameter AdamW "
                                    "trains decays but the norms' scales and DeepSeek's routing biases", minimum=0.0)
+    adamw_mask: list = key([], "regular expressions (searched in Tessera's parameter paths, e.g. layers/attention/wq_dnh, "
+                           "token_embedder/table_vd) of parameters AdamW does not decay, beside the norm scales and "
+                           "routing biases it never decays (MaxText's key); each must match a parameter")
     muon_beta: float = key(0.95, "muon: decay of the momentum the update orthogonalizes", minimum=0.0)
     muon_weight_decay: float = key(0.0, "muon: weight decay of the Muon-trained matrices, times the learning rate",
                                    minimum=0.0)
