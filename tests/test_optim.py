@@ -593,3 +593,16 @@ def test_an_adamw_mask_that_finds_nothing_or_does_not_parse_is_refused():
         setup(tiny_config(adamw_mask=["embedding"]), jax.devices()[:1])
     with pytest.raises(ConfigError, match=r"adamw_mask: '\(' is not a regular expression \(missing \), "):
         tiny_config(adamw_mask=["("])
+
+
+def test_adam_eps_root_is_inside_the_square_root():
+    """adam_eps_root (MaxText's key): the first AdamW update of a gradient g is -lr x g / (sqrt(g^2 + eps_root) +
+    eps) (the bias-corrected moments of one step are g and g^2), no decay and no clipping here."""
+    g = np.array([1e-3, 0.5, -2.0], np.float32)
+    cfg = tiny_config(learning_rate=1.0, warmup_steps_fraction=0.0, adam_weight_decay=0.0, adam_eps=1e-8,
+                      gradient_clipping_threshold=0.0, adam_eps_root=1e-4)
+    opt = make_optimizer(cfg.optim, 10)
+    params = {"w": np.zeros(3, np.float32)}
+    updates, _ = opt.update({"w": g}, opt.init(params), params)
+    np.testing.assert_allclose(updates["w"], -g / (np.sqrt(g * g + 1e-4) + 1e-8), rtol=1e-5)
+    assert abs(float(updates["w"][0])) < 0.2  # without eps_root it would be about -1: sign(g)

@@ -119,7 +119,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes: Any = None)
 
 def _adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
     return optax.adamw(learning_rate=schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, eps=cfg.adam_eps,
-                       weight_decay=cfg.adam_weight_decay, mask=decay_mask(cfg.adamw_mask), mu_dtype=mu_dtype(cfg))
+                       eps_root=cfg.adam_eps_root, weight_decay=cfg.adam_weight_decay, mask=decay_mask(cfg.adamw_mask), mu_dtype=mu_dtype(cfg))
 
 
 def mu_dtype(cfg: OptimConfig):

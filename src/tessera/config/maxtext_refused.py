@@ -66,8 +66,6 @@ REFUSED = {
     "scan_pipeline_iterations": Refused("scan over pipeline iterations; Tessera's pipeline schedule is always a "
                                         "scan (scan_layers decides whether a stage scans its layers)", ("true", "1")),
     # optimizer
-    "adam_eps_root": Refused("epsilon inside the square root of Adam's denominator; Tessera's AdamW uses "
-                             "adam_eps only", ("0", "0.0")),
     "optimizer_memory_host_offload": Refused("keep optimizer state in host memory; not in Tessera",
                                              ("false", "0")),
     "param_memory_host_offload": Refused("keep parameters in host memory; not in Tessera", ("false", "0")),

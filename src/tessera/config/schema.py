@@ -181,6 +181,8 @@ class OptimConfig:
     adam_b1: float = key(0.9, "AdamW beta1", minimum=0.0)
     adam_b2: float = key(0.95, "AdamW beta2", minimum=0.0)
     adam_eps: float = key(1e-8, "AdamW epsilon", minimum=0.0)
+    adam_eps_root: float = key(0.0, "AdamW epsilon inside the square root of its denominator, sqrt(v + adam_eps_root) + "
+                               "adam_eps (MaxText's key)", minimum=0.0)
     mu_dtype: str = key("", "dtype of AdamW's first moment and Muon's momentum: '' the parameters' (weight_dtype); "
                         "bfloat16 halves it (MaxText's large recipes), the second moment stays as the parameters",
                         choices=MU_DTYPES)

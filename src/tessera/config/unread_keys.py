@@ -270,7 +270,7 @@ def decoding_keys_without_effect(cfg: Config) -> list[str]:
     return lines
 
 
-ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_weight_decay", "adamw_mask")  # muon's AdamW part reads them too
+ADAM_KEYS = ("adam_b1", "adam_b2", "adam_eps", "adam_eps_root", "adam_weight_decay", "adamw_mask")  # muon's AdamW part reads them too
 MUON_KEYS = ("muon_beta", "muon_weight_decay", "muon_consistent_rms")
 
 
