@@ -1812,3 +1812,57 @@ def test_the_input_pipelines_workers_end_with_a_run_stopped_before_its_loop(tmp_
     with pytest.raises(KeyboardInterrupt):
         run(tiny_config(tmp_path))
     assert stopped == ["train"]
+
+
+def test_trainable_parameters_mask_trains_only_what_it_finds():
+    """trainable_parameters_mask (MaxText's key): two steps move only the MLP's weights (the others bitwise as
+    they were), the optimizer keeps moments for those alone, the gradient norm is theirs (the step against the
+    same step without the mask: the MLP's part of its gradient), and XLA drops the other weights' gradient
+    products from the compiled step."""
+    import optax
+
+    from tessera.losses import loss_sums
+    from tessera.step import make_train_step
+
+    cfg, trainer, state, batch = _one_step_inputs(trainable_parameters_mask=["layers/mlp"])
+    step = jax.jit(make_train_step(trainer, 0))
+    new, stats = step(state, batch)
+    new, _ = step(new, batch)
+    flat = lambda tree: {jax.tree_util.keystr(p): np.asarray(v)  # noqa: E731
+                         for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    before, after = flat(state["params"]), flat(new["params"])
+    moved = sorted(k for k in before if not np.array_equal(before[k], after[k]))
+    assert moved == ["['layers']['mlp']['wi_0']", "['layers']['mlp']['wi_1']", "['layers']['mlp']['wo_fd']"]
+    moments = [leaf for leaf in jax.tree.leaves(new["opt_state"]) if np.ndim(leaf)]
+    assert len(moments) == 2 * 3  # mu and nu of the three MLP weights
+    (_, count), grads = jax.value_and_grad(lambda p: loss_sums(trainer.model, p, batch, None), has_aux=True)(
+        state["params"])
+    mlp_norm = float(optax.tree.norm(jax.tree.map(lambda g: g / count, grads["layers"]["mlp"])))
+    np.testing.assert_allclose(float(stats["grad_norm"]), mlp_norm, rtol=1e-5)
+    dots = lambda t: step.lower(state, batch).compile().as_text().count(" dot(")  # noqa: E731
+    _, whole, whole_state, _ = _one_step_inputs()
+    whole_dots = jax.jit(make_train_step(whole, 0)).lower(whole_state, batch).compile().as_text().count(" dot(")
+    assert dots(trainer) < whole_dots
+
+
+def test_a_trainable_parameters_mask_that_finds_nothing_or_with_muon_is_refused():
+    with pytest.raises(ConfigError, match=r"trainable_parameters_mask: 'decoder' is found in no parameter's path; "
+                                          r"this model's parameters are final_norm/scale, "):
+        setup(tiny_config(trainable_parameters_mask=["decoder"]), jax.devices()[:1])
+    with pytest.raises(ConfigError, match=r"trainable_parameters_mask with opt_type=muon is not supported"):
+        tiny_config(trainable_parameters_mask=["mlp"], opt_type="muon")
+
+
+def test_a_resume_with_another_trainable_parameters_mask_says_how_to_train_other_parameters(tmp_path):
+    """The mask shapes the optimizer state (moments for the trained parameters only): a resume with another one
+    cannot read it, and the error says so and how to go on, where it listed the state's paths."""
+    from tessera.checkpointing import CheckpointMismatch
+
+    run(tiny_config(tmp_path, steps=2), jax.devices()[:1])
+    with pytest.raises(CheckpointMismatch) as e:
+        run(tiny_config(tmp_path, steps=4, trainable_parameters_mask=["mlp"]), jax.devices()[:1])
+    assert str(e.value) == (
+        f"checkpoint {tmp_path / 'test' / 'checkpoints' / '2'} was saved with trainable_parameters_mask=[] (here "
+        "[\"mlp\"]), which shapes the optimizer state (moments for the trained parameters only); to train other "
+        f"parameters, start a new run_name with load_parameters_path={tmp_path / 'test' / 'checkpoints' / '2'} (its "
+        "parameters, with a fresh optimizer state). Nothing was loaded or overwritten.")

@@ -113,8 +113,21 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes: Any = None)
     else:
         update = _adamw(cfg, schedule)
     if cfg.gradient_clipping_threshold > 0:
-        return optax.chain(clip_by_global_norm(cfg.gradient_clipping_threshold), update)
+        update = optax.chain(clip_by_global_norm(cfg.gradient_clipping_threshold), update)
+    if cfg.trainable_parameters_mask:  # the others frozen: no update, and no optimizer state for them
+        patterns = cfg.trainable_parameters_mask
+        return optax.partition({"train": update, "frozen": optax.set_to_zero()},
+                               lambda params: jax.tree.map(lambda f: "frozen" if f else "train",
+                                                           frozen_mask(params, patterns)))
     return update
+
+
+def frozen_mask(params, patterns) -> Any:
+    """True for the parameters trainable_parameters_mask leaves frozen: those whose path (`param_path`) none of
+    the regular expressions `patterns` is found in."""
+    compiled = [re.compile(str(p)) for p in patterns]
+    return jax.tree_util.tree_map_with_path(lambda path, _: not any(p.search(param_path(path)) for p in compiled),
+                                            params)
 
 
 def _adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:

@@ -55,7 +55,7 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
     model_keys = {f.name: getattr(config.model, f.name) for f in dataclasses.fields(ModelConfig)}
     if latest is not None:
         folder = str(ckpt.step_path(latest))
-        with mismatch_explained(folder, model_keys, config.optim.opt_type):
+        with mismatch_explained(folder, model_keys, config.optim.opt_type, config.optim.trainable_parameters_mask):
             state, data_state = ckpt.restore(latest, abstract_state(trainer))
         if data_state:
             restore_state(data, data_state)
@@ -71,7 +71,8 @@ def initial_state(trainer: Trainer, ckpt: Checkpointer | None, data, config: Con
         warn_model_changes(folder, model_keys)  # e.g. another rope base: the shapes fit, the model is another
         return state
     if cfg.load_full_state_path:
-        with mismatch_explained(cfg.load_full_state_path, model_keys, config.optim.opt_type):
+        with mismatch_explained(cfg.load_full_state_path, model_keys, config.optim.opt_type,
+                                config.optim.trainable_parameters_mask):
             state = load_full_state(cfg.load_full_state_path, abstract_state(trainer), key="load_full_state_path",
                                     verify=cfg.checkpoint_checksums)
         step = int(jax.device_get(state["step"]))

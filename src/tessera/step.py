@@ -37,7 +37,8 @@ from tessera.models.decoder import MTP_LOAD
 from tessera.models.moe import describe_routing
 from tessera.models.moe_balance import PER_LAYER_LOAD, update_routed_bias
 from tessera.models.quantization import check_platform as check_quantization
-from tessera.optim import learning_rate_schedule, make_optimizer, masked_by_patterns, param_path, schedule_step
+from tessera.optim import (frozen_mask, learning_rate_schedule, make_optimizer, masked_by_patterns, param_path,
+                           schedule_step)
 from tessera.seeds import prng_key
 from tessera import spikes
 
@@ -57,6 +58,7 @@ class Trainer:
     plan: RunPlan  # global batch, micro-batches, dropout, packing, paths
     spikes: spikes.SpikeRule | None = None  # skip_step_on_spikes: the window's rule (its state: state["spikes"])
     grad_dtype: Any = None  # grad_dtype=bfloat16: the dtype float32 gradients are rounded to (None: kept)
+    frozen: Any = None  # trainable_parameters_mask: a tree of bools, True for the parameters that do not train
 
 
 def _log_moe_routing(m: ModelConfig, platform: str) -> None:
@@ -96,6 +98,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     model = build_model(cfg.model, choice.kernel, plan.pipeline)
     logical_axes = model.logical_axes()
     _check_adamw_mask(cfg, model)
+    frozen = _frozen(cfg, model)
     optimizer = make_optimizer(cfg.optim, plan.schedule_steps, logical_axes)
 
     param_shardings = named_shardings(mesh, logical_axes, model.param_shapes())
@@ -118,7 +121,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (plan.global_batch, 1), dict(mesh.shape)))
     schedule = learning_rate_schedule(cfg.optim, plan.schedule_steps)
     grad_dtype = jnp.dtype(cfg.optim.grad_dtype) if cfg.optim.grad_dtype == "bfloat16" else None
-    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule, grad_dtype)
+    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule, grad_dtype, frozen)
 
 
 def _check_adamw_mask(cfg: Config, model: ModelDef) -> None:
@@ -126,13 +129,29 @@ def _check_adamw_mask(cfg: Config, model: ModelDef) -> None:
     differ); a line naming the parameters the patterns keep from decaying."""
     if not cfg.optim.adamw_mask or cfg.optim.opt_type == "sgd":
         return
-    found = masked_by_patterns(model.param_shapes(), cfg.optim.adamw_mask)
+    masked = _found(model, "adamw_mask", cfg.optim.adamw_mask)
+    log.info("adamw_mask: AdamW does not decay %s (nor the norm scales)", ", ".join(masked))
+
+
+def _frozen(cfg: Config, model: ModelDef):
+    """trainable_parameters_mask's tree of frozen parameters (None without the key), after the same check as
+    adamw_mask's, and a line naming what trains."""
+    if not cfg.optim.trainable_parameters_mask:
+        return None
+    trained = _found(model, "trainable_parameters_mask", cfg.optim.trainable_parameters_mask)
+    log.info("trainable_parameters_mask: only %s train; the other parameters keep their values", ", ".join(trained))
+    return frozen_mask(model.param_shapes(), cfg.optim.trainable_parameters_mask)
+
+
+def _found(model: ModelDef, key: str, patterns) -> list[str]:
+    """The parameter paths `patterns` are found in; ConfigError for a pattern found in none (a typo, or MaxText's
+    names: Tessera's differ), listing the model's parameters."""
+    found = masked_by_patterns(model.param_shapes(), patterns)
     if missing := [p for p, paths in found.items() if not paths]:
         names = sorted({param_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(model.param_shapes())[0]})
-        raise ConfigError(f"adamw_mask: {missing[0]!r} is found in no parameter's path; this model's parameters are "
+        raise ConfigError(f"{key}: {missing[0]!r} is found in no parameter's path; this model's parameters are "
                           f"{', '.join(names)}")
-    masked = sorted({x for paths in found.values() for x in paths})
-    log.info("adamw_mask: AdamW does not decay %s (nor the norm scales)", ", ".join(masked))
+    return sorted({x for paths in found.values() for x in paths})
 
 
 def over_data(sharding: NamedSharding, shape) -> NamedSharding:
@@ -281,7 +300,7 @@ def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
     rule = trainer.spikes
-    grad_dtype = trainer.grad_dtype
+    grad_dtype, frozen = trainer.grad_dtype, trainer.frozen
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     bias_rate, mtp_depths = model.cfg.routed_bias_update_rate, model.cfg.mtp_num_layers
     mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
@@ -293,6 +312,8 @@ def make_train_step(trainer: Trainer, seed: int):
         mtp_counts, mtp_scale = mtp_step_counts(batch["segment_ids"], mtp_depths) if mtp_depths else (None, None)
         grad_fn = jax.grad(lambda p, b, k: summed_loss(p, b, k, mtp_scale), has_aux=True)
         grads, loss_sum, targets, auxes = summed_gradients(grad_fn, params, batch, key, accum)
+        if frozen is not None:  # trainable_parameters_mask: no gradient for the frozen ones (XLA drops their products)
+            grads = jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen)
         if grad_dtype is not None:  # grad_dtype=bfloat16: float32 gradients rounded once, before norm and update
             grads = jax.tree.map(lambda g: g.astype(grad_dtype) if g.dtype == jnp.float32 else g, grads)
         count = jnp.maximum(targets, 1.0)

@@ -195,10 +195,12 @@ QUANTIZATION_KEYS = frozenset({"quantization", "quantize_kvcache", "kv_quant_axi
 
 
 @contextlib.contextmanager
-def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str = "") -> Iterator[None]:
+def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str = "",
+                       trainable: list | None = None) -> Iterator[None]:
     """Around a load from `path`: a CheckpointMismatch gets a last line naming the `model_keys`
     (this config's model keys and values) whose saved values differ, when the checkpoint kept its config,
-    and, for a load of the whole state (`opt_type` given), the optimizer it was saved by if that differs."""
+    and, for a load of the whole state (`opt_type` given), the optimizer it was saved by if that differs, or the
+    trainable_parameters_mask (`trainable`, this run's) that shaped its state."""
     try:
         yield
     except CheckpointMismatch as e:
@@ -216,6 +218,15 @@ def mismatch_explained(path: str, model_keys: Mapping[str, Any], opt_type: str =
             if not differ:  # the optimizer alone: its state's paths would only bury the reason
                 raise CheckpointMismatch(switch) from None
             lines.append(switch)
+        elif opt_type and saved and list(saved.get("trainable_parameters_mask", [])) != list(trainable or []):
+            mask = (f"checkpoint {path} was saved with trainable_parameters_mask="
+                    f"{json.dumps(saved.get('trainable_parameters_mask', []))} (here {json.dumps(list(trainable or []))}),"
+                    " which shapes the optimizer state (moments for the trained parameters only); to train other "
+                    f"parameters, start a new run_name with load_parameters_path={path} (its parameters, with a fresh "
+                    "optimizer state). Nothing was loaded or overwritten.")
+            if not differ:
+                raise CheckpointMismatch(mask) from None
+            lines.append(mask)
         elif opt_type and saved.get("weight_dtype", now["weight_dtype"]) != now["weight_dtype"]:
             lines.append(f"The whole state (parameters and optimizer state) is read as saved; to train on in "
                          f"weight_dtype={now['weight_dtype']}, start a new run_name with load_parameters_path={path} "

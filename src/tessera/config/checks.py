@@ -114,12 +114,16 @@ def _validate_optim(optim: OptimConfig) -> None:
                           f"{optim.wsd_decay_steps_fraction:g} is more than the whole schedule: lr_schedule_type=wsd "
                           "warms up over the first fraction of learning_rate_schedule_steps and decays over the last; "
                           "lower one of them so that they add up to 1 at most")
-    for pattern in optim.adamw_mask:
-        try:
-            re.compile(str(pattern))
-        except re.error as e:
-            raise ConfigError(f"adamw_mask: {pattern!r} is not a regular expression ({e}); e.g. adamw_mask="
-                              "\"['token_embedder', 'bias']\"") from None
+    for name in ("adamw_mask", "trainable_parameters_mask"):
+        for pattern in getattr(optim, name):
+            try:
+                re.compile(str(pattern))
+            except re.error as e:
+                raise ConfigError(f"{name}: {pattern!r} is not a regular expression ({e}); e.g. {name}="
+                                  "\"['token_embedder', 'bias']\"") from None
+    if optim.trainable_parameters_mask and optim.opt_type == "muon":
+        raise ConfigError("trainable_parameters_mask with opt_type=muon is not supported (Muon splits the parameters "
+                          "between its two parts already); use opt_type=adamw or sgd to train part of the model")
     schedule = optim.learning_rate_schedule_steps  # optim.learning_rate_schedule refuses it too, at set-up
     if schedule == 0 or schedule < -1:
         raise ConfigError(f"learning_rate_schedule_steps={schedule} gives a learning-rate schedule of no steps (its "

@@ -194,6 +194,10 @@ class OptimConfig:
     adamw_mask: list = key([], "regular expressions (searched in Tessera's parameter paths, e.g. layers/attention/wq_dnh, "
                            "token_embedder/table_vd) of parameters AdamW does not decay, beside the norm scales and "
                            "routing biases it never decays (MaxText's key); each must match a parameter")
+    trainable_parameters_mask: list = key([], "regular expressions (searched in Tessera's parameter paths) of the only "
+                                          "parameters that train: the others keep their values and have no "
+                                          "optimizer state, and their gradients are not computed (MaxText's key; "
+                                          "[]: all train)")
     muon_beta: float = key(0.95, "muon: decay of the momentum the update orthogonalizes", minimum=0.0)
     muon_weight_decay: float = key(0.0, "muon: weight decay of the Muon-trained matrices, times the learning rate",
                                    minimum=0.0)
