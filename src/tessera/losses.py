@@ -99,15 +99,7 @@ def cross_entropy_sum(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
     def chunk(x, t, w):
         return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(logits_fn(x), t) * w)
 
-    if tiles == 1:
-        return chunk(x_btd, targets_bt, weights_bt)
-    split, _ = token_chunks(x_btd.shape[:2], tiles)
-
-    def body(total, xs):
-        return total + jax.checkpoint(chunk)(*xs), None
-
-    total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), (split(x_btd), split(targets_bt), split(weights_bt)))
-    return total
+    return _summed_over_tiles(chunk, x_btd, targets_bt, weights_bt, tiles)
 
 
 def cross_entropy_and_log_z_sums(logits_fn, x_btd, targets_bt, weights_bt, tiles: int = 1):
@@ -120,16 +112,22 @@ def cross_entropy_and_log_z_sums(logits_fn, x_btd, targets_bt, weights_bt, tiles
         target = jnp.take_along_axis(logits, t[..., None], axis=-1)[..., 0]
         return jnp.sum((log_z - target) * w), jnp.sum(jnp.square(log_z) * w)
 
+    return _summed_over_tiles(chunk, x_btd, targets_bt, weights_bt, tiles)
+
+
+def _summed_over_tiles(chunk, x_btd, targets_bt, weights_bt, tiles: int):
+    """`chunk`(x, targets, weights) (a float32 scalar, or a tuple of them) of the whole batch: with tiles > 1,
+    summed over `token_chunks`' chunks by a scan that recomputes each chunk's logits in the backward pass."""
     if tiles == 1:
         return chunk(x_btd, targets_bt, weights_bt)
     split, _ = token_chunks(x_btd.shape[:2], tiles)
+    xs = (split(x_btd), split(targets_bt), split(weights_bt))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(chunk, *(a[0] for a in xs)))
 
-    def body(totals, xs):
-        loss, z = jax.checkpoint(chunk)(*xs)
-        return (totals[0] + loss, totals[1] + z), None
+    def body(totals, parts):
+        return jax.tree.map(jnp.add, totals, jax.checkpoint(chunk)(*parts)), None
 
-    zero = jnp.zeros((), jnp.float32)
-    totals, _ = jax.lax.scan(body, (zero, zero), (split(x_btd), split(targets_bt), split(weights_bt)))
+    totals, _ = jax.lax.scan(body, zeros, xs)
     return totals
 
 

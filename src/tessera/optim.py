@@ -17,7 +17,6 @@ micro-batches are summed before one optimizer update), not here.
 from __future__ import annotations
 
 import math
-import re
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from tessera.muon_layout import scale_by_muon_whole_matrices
+from tessera.param_masks import frozen_mask, matcher
 
 from tessera.config import ConfigError, OptimConfig
 
@@ -120,14 +120,6 @@ def make_optimizer(cfg: OptimConfig, total_steps: int, logical_axes: Any = None)
                                lambda params: jax.tree.map(lambda f: "frozen" if f else "train",
                                                            frozen_mask(params, patterns)))
     return update
-
-
-def frozen_mask(params, patterns) -> Any:
-    """True for the parameters trainable_parameters_mask leaves frozen: those whose path (`param_path`) none of
-    the regular expressions `patterns` is found in."""
-    compiled = [re.compile(str(p)) for p in patterns]
-    return jax.tree_util.tree_map_with_path(lambda path, _: not any(p.search(param_path(path)) for p in compiled),
-                                            params)
 
 
 def _adamw(cfg: OptimConfig, schedule: optax.Schedule) -> optax.GradientTransformation:
@@ -257,23 +249,10 @@ NO_DECAY = ("scale", "routed_bias_e")  # norm scales; MoE choice biases (moved b
 def decay_mask(patterns=()):
     """params -> True for the weights AdamW decays: everything except normalization scales, DeepSeek's routing
     biases (`routed_bias_e`; gpt-oss's learned `router_bias_e` decays like the other biases) and the parameters
-    whose path (`param_path`) one of the regular expressions `patterns` (adamw_mask) is found in."""
-    compiled = [re.compile(str(p)) for p in patterns]
+    one of the regular expressions `patterns` (adamw_mask, `tessera.param_masks`) is found in."""
+    matches = matcher(patterns)
 
     def decays(path, _):
-        if any(getattr(k, "key", None) in NO_DECAY for k in path):
-            return False
-        return not any(p.search(param_path(path)) for p in compiled)
+        return not any(getattr(k, "key", None) in NO_DECAY for k in path) and not matches(path)
 
     return lambda params: jax.tree_util.tree_map_with_path(decays, params)
-
-
-def param_path(path) -> str:
-    """A parameter's path as adamw_mask's patterns read it: its keys joined by "/" (layers/attention/wq_dnh)."""
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def masked_by_patterns(params, patterns) -> dict[str, list[str]]:
-    """{pattern: the parameter paths it is found in} for adamw_mask's `patterns` over a tree of parameters."""
-    paths = [param_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    return {p: [x for x in paths if re.search(str(p), x)] for p in patterns}

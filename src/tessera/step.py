@@ -37,8 +37,8 @@ from tessera.models.decoder import MTP_LOAD
 from tessera.models.moe import describe_routing
 from tessera.models.moe_balance import PER_LAYER_LOAD, update_routed_bias
 from tessera.models.quantization import check_platform as check_quantization
-from tessera.optim import (frozen_mask, learning_rate_schedule, make_optimizer, masked_by_patterns, param_path,
-                           schedule_step)
+from tessera.optim import learning_rate_schedule, make_optimizer, schedule_step
+from tessera.param_masks import check_adamw_mask, frozen_params
 from tessera.seeds import prng_key
 from tessera import spikes
 
@@ -97,8 +97,8 @@ def setup(cfg: Config, devices=None) -> Trainer:
         log.info("pipeline: %s", plan.pipeline.describe(LAYERS_PER_BLOCK.get(cfg.model.decoder_block, 1)))
     model = build_model(cfg.model, choice.kernel, plan.pipeline)
     logical_axes = model.logical_axes()
-    _check_adamw_mask(cfg, model)
-    frozen = _frozen(cfg, model)
+    check_adamw_mask(cfg.optim, model.param_shapes())
+    frozen = frozen_params(cfg.optim, model.param_shapes())
     optimizer = make_optimizer(cfg.optim, plan.schedule_steps, logical_axes)
 
     param_shardings = named_shardings(mesh, logical_axes, model.param_shapes())
@@ -122,36 +122,6 @@ def setup(cfg: Config, devices=None) -> Trainer:
     schedule = learning_rate_schedule(cfg.optim, plan.schedule_steps)
     grad_dtype = jnp.dtype(cfg.optim.grad_dtype) if cfg.optim.grad_dtype == "bfloat16" else None
     return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule, grad_dtype, frozen)
-
-
-def _check_adamw_mask(cfg: Config, model: ModelDef) -> None:
-    """ConfigError for an adamw_mask pattern found in no parameter's path (a typo, or MaxText's names: Tessera's
-    differ); a line naming the parameters the patterns keep from decaying."""
-    if not cfg.optim.adamw_mask or cfg.optim.opt_type == "sgd":
-        return
-    masked = _found(model, "adamw_mask", cfg.optim.adamw_mask)
-    log.info("adamw_mask: AdamW does not decay %s (nor the norm scales)", ", ".join(masked))
-
-
-def _frozen(cfg: Config, model: ModelDef):
-    """trainable_parameters_mask's tree of frozen parameters (None without the key), after the same check as
-    adamw_mask's, and a line naming what trains."""
-    if not cfg.optim.trainable_parameters_mask:
-        return None
-    trained = _found(model, "trainable_parameters_mask", cfg.optim.trainable_parameters_mask)
-    log.info("trainable_parameters_mask: only %s train; the other parameters keep their values", ", ".join(trained))
-    return frozen_mask(model.param_shapes(), cfg.optim.trainable_parameters_mask)
-
-
-def _found(model: ModelDef, key: str, patterns) -> list[str]:
-    """The parameter paths `patterns` are found in; ConfigError for a pattern found in none (a typo, or MaxText's
-    names: Tessera's differ), listing the model's parameters."""
-    found = masked_by_patterns(model.param_shapes(), patterns)
-    if missing := [p for p, paths in found.items() if not paths]:
-        names = sorted({param_path(path) for path, _ in jax.tree_util.tree_flatten_with_path(model.param_shapes())[0]})
-        raise ConfigError(f"{key}: {missing[0]!r} is found in no parameter's path; this model's parameters are "
-                          f"{', '.join(names)}")
-    return sorted({x for paths in found.values() for x in paths})
 
 
 def over_data(sharding: NamedSharding, shape) -> NamedSharding:
@@ -296,11 +266,38 @@ def mtp_step_counts(segments_bt, depths: int):
     return counts, step_count / (depths * jnp.maximum(counts, 1.0))
 
 
+def gradients_to_apply(grads, frozen, grad_dtype):
+    """The step's gradient sums as the update reads them: zero for trainable_parameters_mask's frozen parameters
+    (`frozen`, None: none; XLA then drops their products), float32 ones rounded once to `grad_dtype` (None: kept)."""
+    if frozen is not None:
+        grads = jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen)
+    if grad_dtype is not None:
+        grads = jax.tree.map(lambda g: g.astype(grad_dtype) if g.dtype == jnp.float32 else g, grads)
+    return grads
+
+
+def update_decision(loss, grad_norm, targets, window, rule: spikes.SpikeRule | None):
+    """(finite, learns, the spike window after the step (None without one), the spike's stats) of a step.
+
+    A non-finite loss or gradient leaves parameters and optimizer state as they were, so a NaN never reaches the
+    state (or a checkpoint); the host decides to stop or go on. The update runs under a cond: no second pass over
+    the state to select old or new. A batch without a target token (all padding, documents of one token) has
+    nothing to learn from, and its zero gradient would still move the weights (AdamW's momentum and weight decay):
+    no update either. With skip_step_on_spikes (`rule`), neither has a loss or gradient norm far above the recent
+    ones; the stats name the thresholds, for the log line of a skipped spike."""
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    learns = finite & (targets > 0)
+    if rule is None:
+        return finite, learns, None, {}
+    spike, window, (loss_limit, norm_limit) = spikes.check(window, loss, grad_norm, learns, rule)
+    return finite, learns & ~spike, window, dict(spike=spike, spike_loss_threshold=loss_limit,
+                                                 spike_grad_norm_threshold=norm_limit)
+
+
 def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
-    rule = trainer.spikes
-    grad_dtype, frozen = trainer.grad_dtype, trainer.frozen
+    rule, grad_dtype, frozen = trainer.spikes, trainer.grad_dtype, trainer.frozen
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     bias_rate, mtp_depths = model.cfg.routed_bias_update_rate, model.cfg.mtp_num_layers
     mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
@@ -312,10 +309,7 @@ def make_train_step(trainer: Trainer, seed: int):
         mtp_counts, mtp_scale = mtp_step_counts(batch["segment_ids"], mtp_depths) if mtp_depths else (None, None)
         grad_fn = jax.grad(lambda p, b, k: summed_loss(p, b, k, mtp_scale), has_aux=True)
         grads, loss_sum, targets, auxes = summed_gradients(grad_fn, params, batch, key, accum)
-        if frozen is not None:  # trainable_parameters_mask: no gradient for the frozen ones (XLA drops their products)
-            grads = jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen)
-        if grad_dtype is not None:  # grad_dtype=bfloat16: float32 gradients rounded once, before norm and update
-            grads = jax.tree.map(lambda g: g.astype(grad_dtype) if g.dtype == jnp.float32 else g, grads)
+        grads = gradients_to_apply(grads, frozen, grad_dtype)
         count = jnp.maximum(targets, 1.0)
         if mtp_depths:  # the logged multi-token-prediction loss: of the whole step, not a mean of micro-batches'
             auxes["mtp_loss"] = jnp.mean(auxes.pop(MTP_SUMS) / jnp.maximum(mtp_counts, 1.0))
@@ -332,16 +326,8 @@ def make_train_step(trainer: Trainer, seed: int):
             grads = mean(grads)
         grad_norm = gradient_norm(grads, inv_count if mean_in_update else 1.0)
         loss = loss_sum / count
-        # A non-finite loss or gradient leaves parameters and optimizer state as they were, so
-        # a NaN never reaches the state (or a checkpoint); the host decides to stop or go on.
-        # The update runs under a cond: no second pass over the state to select old or new.
-        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-        # A batch without a target token (all padding, documents of one token) has nothing to learn from, and its
-        # zero gradient would still move the weights (AdamW's momentum and weight decay): no update either.
-        learns = finite & (targets > 0)
-        if rule is not None:  # skip_step_on_spikes: a loss or gradient norm far above the recent ones drops it too
-            spike, window, thresholds = spikes.check(state[spikes.WINDOW], loss, grad_norm, learns, rule)
-            learns = learns & ~spike
+        finite, learns, window, spike_stats = update_decision(loss, grad_norm, targets, state.get(spikes.WINDOW),
+                                                              rule)
 
         def update(operands):
             p, opt = operands
@@ -354,15 +340,13 @@ def make_train_step(trainer: Trainer, seed: int):
 
         new_params, new_opt = jax.lax.cond(learns, update, lambda operands: operands, (params, state["opt_state"]))
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
-        if rule is not None:
+        if window is not None:
             new_state[spikes.WINDOW] = window
         rate = schedule(schedule_step(state["opt_state"]))  # the update's (skipped steps do not advance it)
         stats = {"loss": loss, "grad_norm": grad_norm, "learning_rate": rate, "tokens": targets,
-                 "finite": finite, **jax.tree.map(jnp.mean, auxes)}
+                 "finite": finite, **jax.tree.map(jnp.mean, auxes), **spike_stats}
         if z_loss is not None:
             stats["z_loss"] = model.cfg.z_loss_multiplier * z_loss / count
-        if rule is not None:  # the log line of a skipped spike names the thresholds it crossed
-            stats.update(spike=spike, spike_loss_threshold=thresholds[0], spike_grad_norm_threshold=thresholds[1])
         if loads is not None:  # how far the most loaded expert is above its fair share (1: balanced), layer mean
             stats["moe_max_expert_load"] = jnp.mean(jnp.max(loads, axis=-1))
         return new_state, stats

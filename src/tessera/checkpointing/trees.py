@@ -1,6 +1,6 @@
 """A saved tree against the one a config expects: differences by path; stacked layers saved in
-another pipeline layout, reshaped on restore; an optimizer state saved with gradient clipping
-turned on or off, read as saved; skip_step_on_spikes' window saved or not, or of another size."""
+another pipeline layout or with the other scan_layers, reshaped on restore (the train state's other
+entries read in another form: `tessera.checkpointing.state_entries`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import re
 from typing import Any
 
 import jax
-import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from tessera.checkpointing.storage import CheckpointError
@@ -35,94 +34,19 @@ def restacked(saved, expected):
     layers in the same order. Such
     arrays are read in their saved shape (split as `expected` splits the other axes) and
     `finish` reshapes them into `expected`'s shape and sharding; everything else is unchanged.
-    An optimizer state saved with clipping on or off is read as saved (`_clip_slot`), and one
-    saved with the other scan_layers in its layout (`_rescanned`)."""
+    An optimizer state saved with clipping on or off is read as saved, as are a spike window saved or not
+    and moments in another dtype (`tessera.checkpointing.state_entries`), and one saved with the other
+    scan_layers in its layout (`_rescanned`)."""
+    # imported here: that module reads trees with this one's path helpers
+    from tessera.checkpointing.state_entries import clip_slot, recast_moments, spike_window
+
     have = _flat(saved)
-    windowed, rewindow = _spike_window(have, expected)
+    windowed, rewindow = spike_window(have, expected)
     scanned, rescan = _rescanned(have, windowed)
-    clipped, reslot = _clip_slot(have, scanned)
+    clipped, reslot = clip_slot(have, scanned)
     restacked_target, finish = _restacked(have, clipped)
-    target, recast = _recast_moments(have, restacked_target)
+    target, recast = recast_moments(have, restacked_target)
     return target, lambda restored: rewindow(rescan(reslot(finish(recast(restored)))))
-
-
-def _recast_moments(have: dict[str, Any], expected):
-    """(expected, finish) for an optimizer state whose moments were saved in another floating dtype (mu_dtype
-    changed at a resume: float32 first moments read into bfloat16 ones, or back): they are read as saved and
-    `finish` casts them to `expected`'s dtype. Parameters are not cast here (weight_dtype stays a mismatch)."""
-    import numpy as np
-
-    def saved_dtype(path, leaf):
-        h = have.get("opt_state/" + _path_key(path))
-        if (h is None or getattr(h, "dtype", None) is None
-                or not hasattr(leaf, "dtype") or tuple(h.shape) != tuple(leaf.shape)):
-            return None
-        was, now = np.dtype(h.dtype), np.dtype(leaf.dtype)
-        return was if was != now and _weights(was) and _weights(now) else None
-
-    if not isinstance(expected, dict) or "opt_state" not in expected:
-        return expected, lambda restored: restored
-    dtypes = jax.tree_util.tree_map_with_path(saved_dtype, expected["opt_state"])
-    changed = [d for d in jax.tree.leaves(dtypes) if d is not None]
-    if not changed:
-        return expected, lambda restored: restored
-    log.info("checkpoint: %d optimizer-state arrays saved in %s, restored as %s (mu_dtype)", len(changed),
-             changed[0], next(leaf.dtype for leaf, d in zip(jax.tree.leaves(expected["opt_state"]),
-                                                            jax.tree.leaves(dtypes, is_leaf=lambda x: x is None))
-                              if d is not None))
-    read = jax.tree.map(lambda leaf, d: leaf if d is None else jax.ShapeDtypeStruct(leaf.shape, d,
-                                                                                     sharding=leaf.sharding),
-                        expected["opt_state"], dtypes, is_leaf=lambda x: x is None)
-    want = expected["opt_state"]
-
-    def finish(restored):
-        cast = jax.tree.map(lambda x, w: x if x.dtype == w.dtype else x.astype(w.dtype), restored["opt_state"], want)
-        return {**restored, "opt_state": cast}
-
-    return {**expected, "opt_state": read}, finish
-
-
-def _spike_window(have: dict[str, Any], expected):
-    """(expected, finish) for a train state saved without skip_step_on_spikes' window where `expected` has one,
-    with one where it has none, or with a window of another skip_step_interval: the state reads without the saved
-    window (or with it, to be dropped), and `finish` adds a new, empty window in `expected`'s sharding. So a run
-    may turn the spike check on or off at a resume, or change its interval."""
-    from tessera.spikes import WINDOW, new_window  # imported here: tessera.spikes imports nothing of this package
-
-    unchanged = (expected, lambda restored: restored)
-    if not isinstance(expected, dict) or "opt_state" not in expected:
-        return unchanged
-    saved = {k.split("/", 1)[1]: a for k, a in have.items() if k.split("/", 1)[0] == WINDOW}
-    want = expected.get(WINDOW)
-    if want is None and not saved:
-        return unchanged
-    if want is not None and saved and all(k in saved and tuple(saved[k].shape) == tuple(w.shape)
-                                          for k, w in want.items()):
-        return unchanged
-    rest = {k: v for k, v in expected.items() if k != WINDOW}
-    if want is None:  # the check is off now: read the saved window as saved, then drop it
-        log.info("checkpoint: saved with skip_step_on_spikes' window of recent losses, restored without the check")
-        replicated = NamedSharding(jax.tree.leaves(expected["opt_state"])[0].sharding.mesh, PartitionSpec())
-        target = {**rest, WINDOW: {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated)
-                                   for k, a in saved.items()}}
-        return target, lambda restored: {k: v for k, v in restored.items() if k != WINDOW}
-    interval = want["losses"].shape[0]
-    log.info("checkpoint: saved %s, restored with skip_step_on_spikes' window of %d steps: it starts empty, and no "
-             "step is skipped before it holds max(2, %d // 2) values",
-             f"with a window of {saved['losses'].shape[0]} steps" if saved else "without the spike check's window",
-             interval, interval)
-    if saved:  # read the old window, to be replaced
-        target = {**rest, WINDOW: {k: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=want[k].sharding)
-                                   for k, a in saved.items()}}
-    else:
-        target = rest
-
-    def finish(restored):
-        window = new_window(interval)
-        return {**{k: v for k, v in restored.items() if k != WINDOW},
-                WINDOW: {k: jax.device_put(window[k], want[k].sharding) for k in window}}
-
-    return target, finish
 
 
 _LAYER_KEY = re.compile(r"^(layers|dense_layers)_(\d+)$")  # the decoder's blocks with scan_layers=false
@@ -279,31 +203,6 @@ def _split_blocks(stacked, wants: list) -> list:
         pieces.append(jax.jit(lambda a: tuple(jax.lax.index_in_dim(a, i, keepdims=False) for i in range(len(wants))),
                               out_shardings=shardings)(x))
     return [jax.tree.unflatten(treedef, [p[i] for p in pieces]) for i in range(len(wants))]
-
-
-def _clip_slot(have: dict[str, Any], expected):
-    """(expected, finish) for a train state whose optimizer state has gradient clipping's slot
-    where the saved one has none, or the other way round: `tessera.optim` chains the clip in front
-    when gradient_clipping_threshold > 0, and its state (optax's EmptyState) holds nothing, so the
-    state reads as saved and `finish` adds or drops the slot. Turning clipping on after a
-    non-finite stop, as the trainer's advice says, resumed into a mismatch before."""
-    unchanged = (expected, lambda restored: restored)
-    if not isinstance(expected, dict) or "opt_state" not in expected:
-        return unchanged
-    opt = expected["opt_state"]
-    if _flat(expected).keys() == have.keys():
-        return unchanged
-    options = [({**expected, "opt_state": (optax.EmptyState(), opt)},
-                lambda r: {**r, "opt_state": r["opt_state"][1]}, "on", "off")]
-    if isinstance(opt, tuple) and len(opt) == 2 and isinstance(opt[0], optax.EmptyState):
-        options.append(({**expected, "opt_state": opt[1]},
-                        lambda r: {**r, "opt_state": (optax.EmptyState(), r["opt_state"])}, "off", "on"))
-    for target, finish, then, now in options:
-        if _flat(target).keys() == have.keys():
-            log.info("checkpoint: saved with gradient clipping %s, restored with it %s (the clip keeps no state)",
-                     then, now)
-            return target, finish
-    return unchanged
 
 
 def _circular_lead(flat: dict[str, Any]) -> tuple[int, ...] | None:
