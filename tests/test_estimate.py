@@ -390,6 +390,28 @@ def test_zero1_state_estimate_equals_what_the_compiler_allocates():
     assert mem.params + mem.optimizer == pytest.approx(state, rel=0.01)
 
 
+def test_an_offloaded_optimizer_state_counts_what_the_update_holds_in_hbm_at_a_time(capsys):
+    """optimizer_memory_host_offload: in HBM, the moments of the parameters outside the layer stack (moved in
+    whole) and of one layer (streamed), from the trainer's own shapes and shardings; the report says so."""
+    from tessera.memory_fit import bytes_per_device
+    from tessera.step import setup
+
+    keys = dict(per_device_batch_size=2, base_emb_dim=32, base_mlp_dim=48, vocab_size=128, ici_fsdp_parallelism=8)
+    cfg = tiny_config(optimizer_memory_host_offload=True, **keys)
+    trainer = setup(cfg)
+    params, shardings = trainer.model.param_shapes(), trainer.state_shardings["params"]
+    layers = bytes_per_device(params["layers"], shardings["layers"])
+    outside = bytes_per_device(params, shardings) - layers
+    hw = parse_hardware("h100-8")
+    mem = estimate_memory(cfg, count_params(cfg.model), mesh_sizes(cfg, hw), fused_attention=False)
+    assert mem.optimizer == pytest.approx(2 * (outside + layers / cfg.model.num_decoder_layers), rel=0.01)
+    plain = estimate_memory(tiny_config(**keys), count_params(cfg.model), mesh_sizes(cfg, hw), fused_attention=False)
+    assert plain.optimizer == pytest.approx(2 * (outside + layers), rel=0.01)
+    main(["default", "--hardware", "h100-8", "optimizer_memory_host_offload=true"])
+    assert "(optimizer_memory_host_offload: the part in HBM while the update streams it; the rest in host memory)" in (
+        capsys.readouterr().out)
+
+
 def test_named_remat_policies_have_their_own_activation_estimates():
     cfg = load_model_config("llama2-7b", ["per_device_batch_size=2", "max_target_length=2048", "dtype=bfloat16"])
     mesh = mesh_sizes(cfg, parse_hardware("v5p-128"))

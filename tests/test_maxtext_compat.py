@@ -81,7 +81,7 @@ def test_missing_feature_is_refused_with_a_reason_unless_off():
     load_config([BASE, "quant_cfg_path=", "replicate_quant_scale=false", "opt_type=adamw"], env={})
     with pytest.raises(ConfigError) as e:
         load_config([BASE, "quant_cfg_path=layers.yml", "ici_autoregressive_parallelism=2"],
-                    env={"M_OPTIMIZER_MEMORY_HOST_OFFLOAD": "true"})
+                    env={"M_PARAM_MEMORY_HOST_OFFLOAD": "true"})
     msg = str(e.value)
     assert msg.startswith("3 problems in the config:") and "unknown" not in msg
     assert ("quant_cfg_path='layers.yml' is a MaxText key Tessera does not implement: file of per-layer "
@@ -90,10 +90,12 @@ def test_missing_feature_is_refused_with_a_reason_unless_off():
     cfg = load_config([BASE, "quantization=int8", "quantize_kvcache=true", "kv_quant_axis=dkv"], env={})
     assert (cfg.model.quantization, cfg.model.quantize_kvcache, cfg.model.kv_quant_axis) == ("int8", True, "dkv")
     assert "use ici_tensor_parallelism (from the command line)" in msg
-    assert ("keep optimizer state in host memory; not in Tessera" in msg
-            and "(from the environment variable M_OPTIMIZER_MEMORY_HOST_OFFLOAD)" in msg)
+    assert ("keep parameters in host memory; not in Tessera" in msg
+            and "(from the environment variable M_PARAM_MEMORY_HOST_OFFLOAD)" in msg)
     # adam_eps_root, refused here until Tessera had it, loads from MaxText's environment variable too
     assert load_config([BASE], env={"M_ADAM_EPS_ROOT": "1e-6"}).optim.adam_eps_root == 1e-6
+    # and optimizer_memory_host_offload likewise
+    assert load_config([BASE], env={"M_OPTIMIZER_MEMORY_HOST_OFFLOAD": "true"}).optim.optimizer_memory_host_offload
 
 
 def test_maxtexts_pipeline_subset_keys_are_refused_for_what_they_do():

@@ -84,6 +84,11 @@ def test_not_fits_message_names_the_knobs_for_the_larger_part(small_report):
     bf16_weights = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, weight_dtype="bfloat16"))
     text = not_fits_message(state_heavy, bf16_weights)  # a knob already turned is not offered again
     assert "weight_dtype=bfloat16 (already)" in text and "(now bfloat16) bfloat16" not in text
+    # the moments' offload is offered for AdamW, and not again once it is on
+    assert "optimizer_memory_host_offload=true: AdamW's moments in host memory between steps" in text
+    offloaded = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, optimizer_memory_host_offload=True))
+    muon = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, opt_type="muon"))
+    assert all("optimizer_memory_host_offload" not in not_fits_message(state_heavy, c) for c in (offloaded, muon))
 
 
 def test_not_fits_message_offers_vocab_tiling_where_the_logits_weigh(small_report):

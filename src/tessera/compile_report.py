@@ -31,6 +31,7 @@ class CompileReport:
     total_bytes: int  # peak + program: what must fit in HBM
     hbm_bytes: int
     budget_bytes: int  # hbm_bytes * compile_hbm_budget_fraction
+    host_bytes: int = 0  # kept in the host's memory, beside the HBM above (offloaded optimizer state, activations)
     compiler_error: str = ""  # the compiler's own out-of-memory message, when it refused to compile
     attention_kernel: str = ""  # the attention kernel compiled into the step (select_attention's choice)
     custom_calls: dict = dataclasses.field(default_factory=dict)  # custom-call target -> count in the program
@@ -65,6 +66,8 @@ def memory_table(r: CompileReport) -> str:
         (f"HBM of one {r.device_kind} device", r.hbm_bytes),
         ("budget (compile_hbm_budget_fraction)", r.budget_bytes),
     ]
+    if r.host_bytes:
+        rows.insert(5, ("in host memory (not in the total above)", r.host_bytes))
     if r.eval_step:
         rows.append((f"evaluation total (eval batch {r.eval_step['eval_batch']})", r.eval_step["total_bytes"]))
     kernels = ", ".join(f"{t} x{n}" for t, n in r.custom_calls.items()) or "none"
@@ -110,6 +113,9 @@ def not_fits_message(r: CompileReport, cfg: Config) -> str:
         f"weight_dtype (now {m.weight_dtype}) bfloat16, halving parameters and optimizer state"
         if m.weight_dtype != "bfloat16" else "weight_dtype=bfloat16 (already)",
     ]
+    if cfg.optim.opt_type == "adamw" and not cfg.optim.optimizer_memory_host_offload:
+        state.append("optimizer_memory_host_offload=true: AdamW's moments in host memory between steps, streamed "
+                     "through HBM a layer at a time (needs scan_layers=true and no pipeline stages)")
     temp_first = r.temp_bytes >= r.argument_bytes
     first, second = (activations, state) if temp_first else (state, activations)
     over = (r.total_bytes - r.budget_bytes) / GIB

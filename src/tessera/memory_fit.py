@@ -245,6 +245,16 @@ def state_bytes(trainer) -> dict[str, int]:
     return {part: bytes_per_device(tree, trainer.state_shardings[part]) for part, tree in state_shapes(trainer).items()}
 
 
+def device_state_bytes(trainer) -> int:
+    """Bytes of the train state in one accelerator's own memory: all of it but the optimizer state
+    when optimizer_memory_host_offload keeps that in host memory (on CPU devices, host memory is
+    theirs: all of it)."""
+    sizes = state_bytes(trainer)
+    if getattr(trainer, "offload", None) is not None and trainer.mesh.devices.flat[0].platform != "cpu":
+        sizes.pop("opt_state")
+    return sum(sizes.values())
+
+
 @dataclasses.dataclass(frozen=True)
 class HostBuffers:
     """Host memory that checkpoint reads and saves hold beside the arrays: `resident` bytes of
@@ -297,7 +307,10 @@ def check_state_fits(trainer, read: str = "", init_program=None) -> None:
     parts = (f"parameters {format_bytes(sizes['params'])}, optimizer state {format_bytes(sizes['opt_state'])}"
              + (f", and {format_bytes(temporaries)} of temporaries while it is initialized" if temporaries else "")
              + f", over a mesh of {trainer.mesh.size} device(s)")
-    check_fits(local_devices(trainer.mesh), sum(sizes.values()) + temporaries, "the train state", parts,
+    on_devices = device_state_bytes(trainer)
+    if on_devices < sum(sizes.values()):
+        parts += " (the optimizer state in host memory: optimizer_memory_host_offload)"
+    check_fits(local_devices(trainer.mesh), on_devices + temporaries, "the train state", parts,
                host_buffers=buffers)
 
 

@@ -38,6 +38,7 @@ from tessera.models.moe import describe_routing
 from tessera.models.moe_balance import PER_LAYER_LOAD, update_routed_bias
 from tessera.models.quantization import check_platform as check_quantization
 from tessera.optim import learning_rate_schedule, make_optimizer, schedule_step
+from tessera.optimizer_offload import Offload, check_offload, make_offload, streamed_update
 from tessera.param_masks import check_adamw_mask, frozen_params
 from tessera.seeds import prng_key
 from tessera import spikes
@@ -59,6 +60,7 @@ class Trainer:
     spikes: spikes.SpikeRule | None = None  # skip_step_on_spikes: the window's rule (its state: state["spikes"])
     grad_dtype: Any = None  # grad_dtype=bfloat16: the dtype float32 gradients are rounded to (None: kept)
     frozen: Any = None  # trainable_parameters_mask: a tree of bools, True for the parameters that do not train
+    offload: Offload | None = None  # optimizer_memory_host_offload: the moments in host memory, the update streamed
 
 
 def _log_moe_routing(m: ModelConfig, platform: str) -> None:
@@ -115,13 +117,25 @@ def setup(cfg: Config, devices=None) -> Trainer:
         state_param_shardings, transform_non_params=lambda _: replicated,
         is_leaf=lambda v: isinstance(v, optax.MaskedNode))
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
+    offload = None
+    if cfg.optim.optimizer_memory_host_offload:
+        check_offload(cfg, mesh)
+        offload = make_offload(optimizer, abstract_state["opt_state"], opt_shardings, logical_axes,
+                               model.param_shapes())
+        state_shardings["opt_state"] = offload.state_shardings
+        log.info("optimizer_memory_host_offload: the optimizer's moments live in pinned host memory; the update "
+                 "streams them through the devices one layer at a time")
+        if device_platform(mesh) == "cpu":
+            log.warning("optimizer_memory_host_offload=true saves no memory on CPU devices, whose memory is the "
+                        "host's; the update runs a layer at a time all the same (set it to false here)")
     if rule is not None:
         state_shardings[spikes.WINDOW] = jax.tree.map(lambda _: replicated, abstract_state[spikes.WINDOW])
 
     batch_sharding = NamedSharding(mesh, logical_spec(("batch", None), (plan.global_batch, 1), dict(mesh.shape)))
     schedule = learning_rate_schedule(cfg.optim, plan.schedule_steps)
     grad_dtype = jnp.dtype(cfg.optim.grad_dtype) if cfg.optim.grad_dtype == "bfloat16" else None
-    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule, grad_dtype, frozen)
+    return Trainer(mesh, model, optimizer, schedule, state_shardings, batch_sharding, plan, rule, grad_dtype, frozen,
+                   offload)
 
 
 def over_data(sharding: NamedSharding, shape) -> NamedSharding:
@@ -297,7 +311,7 @@ def update_decision(loss, grad_norm, targets, window, rule: spikes.SpikeRule | N
 def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
     model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
-    rule, grad_dtype, frozen = trainer.spikes, trainer.grad_dtype, trainer.frozen
+    rule, grad_dtype, frozen, offload = trainer.spikes, trainer.grad_dtype, trainer.frozen, trainer.offload
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     bias_rate, mtp_depths = model.cfg.routed_bias_update_rate, model.cfg.mtp_num_layers
     mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
@@ -338,7 +352,15 @@ def make_train_step(trainer: Trainer, seed: int):
                 p = update_routed_bias(p, loads, bias_rate, mtp_loads)
             return p, opt
 
-        new_params, new_opt = jax.lax.cond(learns, update, lambda operands: operands, (params, state["opt_state"]))
+        if offload is None:
+            new_params, new_opt = jax.lax.cond(learns, update, lambda operands: operands, (params, state["opt_state"]))
+        else:  # optimizer_memory_host_offload: the moments stream in from host memory, a layer at a time
+            new_params, new_opt = streamed_update(optimizer, offload, grads, state["opt_state"], params,
+                                                  learns=learns, global_norm=grad_norm,
+                                                  prepare=mean if mean_in_update else lambda g: g)
+            if loads is not None:
+                new_params = jax.lax.cond(learns, lambda p: update_routed_bias(p, loads, bias_rate, mtp_loads),
+                                          lambda p: p, new_params)
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
         if window is not None:
             new_state[spikes.WINDOW] = window

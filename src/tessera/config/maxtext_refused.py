@@ -66,8 +66,6 @@ REFUSED = {
     "scan_pipeline_iterations": Refused("scan over pipeline iterations; Tessera's pipeline schedule is always a "
                                         "scan (scan_layers decides whether a stage scans its layers)", ("true", "1")),
     # optimizer
-    "optimizer_memory_host_offload": Refused("keep optimizer state in host memory; not in Tessera",
-                                             ("false", "0")),
     "param_memory_host_offload": Refused("keep parameters in host memory; not in Tessera", ("false", "0")),
     "parameter_memory_host_offload": Refused("keep parameters in host memory (MaxText's newer name of "
                                              "param_memory_host_offload); not in Tessera", ("false", "0")),

@@ -186,6 +186,11 @@ class OptimConfig:
     mu_dtype: str = key("", "dtype of AdamW's first moment and Muon's momentum: '' the parameters' (weight_dtype); "
                         "bfloat16 halves it (MaxText's large recipes), the second moment stays as the parameters",
                         choices=MU_DTYPES)
+    optimizer_memory_host_offload: bool = key(
+        False, "keep AdamW's moments in the host's pinned memory between steps; the update streams them through the "
+        "devices one layer of the scanned stack at a time (MaxText's key): the forward and backward passes run "
+        "without them in device memory, for the time of their transfers; needs opt_type=adamw, scan_layers=true, "
+        "no pipeline stages")
     grad_dtype: str = key("", "dtype float32 gradients are rounded to before clipping and the update: bfloat16 "
                           "halves the gradients the update reads (their reductions run in the compute dtype "
                           "already); '' or float32 (MaxText's default) keeps the parameters' dtype", choices=MU_DTYPES)

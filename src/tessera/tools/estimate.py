@@ -216,7 +216,9 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
         f"  parameters ({m.weight_dtype})      {mem.params / GIB:8.2f}",
         f"  gradients                  {mem.grads / GIB:8.2f}"
         + ("   (and their sum over the accumulation steps)" if cfg.optim.gradient_accumulation_steps > 1 else ""),
-        f"  {OPTIMIZER_STATE[cfg.optim.opt_type]:<27}{mem.optimizer / GIB:8.2f}",
+        f"  {OPTIMIZER_STATE[cfg.optim.opt_type]:<27}{mem.optimizer / GIB:8.2f}"
+        + ("   (optimizer_memory_host_offload: the part in HBM while the update streams it; the rest in host memory)"
+           if cfg.optim.optimizer_memory_host_offload else ""),
         (f"  a stage gathered once      {mem.gathered / GIB:8.2f}   (pipeline_fsdp_ag_once; and the logits' "
          "matrix with its gradient)" if mesh["stage"] > 1 and mesh["fsdp"] > 1 and cfg.mesh.pipeline_fsdp_ag_once else
          f"  FSDP-gathered weights      {mem.gathered / GIB:8.2f}   (2 layers in flight and the logits' matrix, "

@@ -271,6 +271,11 @@ def estimate_memory(cfg: Config, counts: ParamCounts, mesh: dict[str, int], fuse
         moments = 0.0
     # gradient accumulation adds up the micro-batches' gradients in a second buffer, in float32 at least (1b on
     # v5e-8, 2 steps of 1 sequence of 1024 tokens: the compiler's temporaries grew by 0.77 GiB, 0.51 of it this)
+    if cfg.optim.optimizer_memory_host_offload:  # in device memory only while updated: the moments of the parameters
+        # outside the layer stack, moved in whole, then one layer's (tessera.optimizer_offload)
+        per_device = params / w
+        outside = other / shards + final_norm
+        moments *= (outside + (per_device - outside) / m.num_decoder_layers) / per_device
     g = 2 if cfg.optim.grad_dtype == "bfloat16" else w  # float32 gradients rounded to grad_dtype
     grads = params / w * min(g, w) + (params / w * max(w, 4) if cfg.optim.gradient_accumulation_steps > 1 else 0)
     return Memory(params, grads, moments / zero1, gathered, acts)

@@ -1,0 +1,166 @@
+"""optimizer_memory_host_offload: the moments in pinned host memory, the update streamed a layer at a
+time (tessera.optimizer_offload). The streamed steps equal the plain ones; the state stays where it
+belongs; checkpoints move between runs with and without it; what it cannot run with is refused; the
+TPU compile shows the moments in host memory and the rest in HBM."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import TINY, tiny_config
+from tessera.config import ConfigError
+from tessera.step import create_state, make_train_step, setup
+from tessera.train import run
+
+MOE = dict(decoder_block="mixtral", num_experts=4, num_experts_per_tok=2)
+# DeepSeek-V3's layout: one dense layer, then layers of experts (two stacks, two lengths); routing biases that move
+# after the update
+DEEPSEEK = dict(decoder_block="deepseek", base_num_decoder_layers=3, first_num_dense_layers=1, head_dim=24,
+                q_lora_rank=20, kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=16, v_head_dim=10, num_experts=8,
+                num_experts_per_tok=3, n_routing_groups=4, topk_routing_group=2, shared_experts=1,
+                routed_score_func="sigmoid", routed_bias=True, sparse_matmul=True)
+
+
+def _batch(trainer, vocab, seed=0):
+    t = trainer.plan.max_target_length + 1
+    rng = np.random.default_rng(seed)
+    segments = np.ones((trainer.plan.global_batch, t), np.int32)
+    segments[0, t // 2:] = 0  # padding: the mean is over fewer tokens than the batch holds
+    return {"tokens": jnp.asarray(rng.integers(0, vocab, segments.shape), jnp.int32),
+            "segment_ids": jnp.asarray(segments),
+            "positions": jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segments.shape)}
+
+
+def _steps(offload: bool, steps: int = 3, poison: int | None = None, **keys):
+    """(trainer, the state after `steps` steps on 4 devices, their stats); `poison`: the step whose batch
+    makes the loss non-finite (a NaN in the embedding table's gradient), so it is skipped."""
+    cfg = tiny_config(**{"per_device_batch_size": 1, "ici_fsdp_parallelism": 4,
+                         "optimizer_memory_host_offload": offload, **keys})
+    trainer = setup(cfg, jax.devices()[:4])
+    state = create_state(trainer, 0)
+    step = jax.jit(make_train_step(trainer, 0), out_shardings=(trainer.state_shardings, None), donate_argnums=0)
+    stats = []
+    with jax.set_mesh(trainer.mesh):
+        for i in range(steps):
+            if i == poison:
+                state["params"]["final_norm"]["scale"] = state["params"]["final_norm"]["scale"] * jnp.nan
+            state, s = step(state, _batch(trainer, cfg.model.vocab_size, i))
+            stats.append(jax.device_get(s))
+            if i == poison:  # put it back: the skipped step left the poisoned scale in place
+                state["params"]["final_norm"]["scale"] = jnp.ones_like(state["params"]["final_norm"]["scale"])
+    return trainer, state, stats
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("keys", [
+    {},
+    dict(gradient_clipping_threshold=0.05),  # every step clipped (the norm is about 1)
+    dict(mu_dtype="bfloat16", adamw_mask=["mlp/wo_fd"], adam_eps_root=1e-8),
+    dict(trainable_parameters_mask=["layers/attention"]),  # a partitioned state: the others' moments are MaskedNode
+    MOE,
+    DEEPSEEK,  # two stacks (one dense layer, two of experts): a scan for each length
+    # ZeRO-1: the moments split over data as well, unlike their parameters
+    dict(ici_data_parallelism=2, ici_fsdp_parallelism=2, shard_optimizer_over_data=True),
+], ids=["adamw", "clipped", "mu_bf16_masked", "trainable_mask", "moe", "deepseek_two_stacks", "zero1"])
+def test_the_streamed_update_equals_the_plain_one(keys):
+    """Three steps with the moments streamed from host memory leave the parameters and the optimizer state
+    bitwise as the plain update does (the same element-wise arithmetic, on slices), with equal losses. Moments
+    kept in bfloat16 (mu_dtype) may round one way or the other where the float32 value is a tie: within one
+    bfloat16 step (2 of 5,184 elements after three steps with adamw_mask and adam_eps_root; the parameters,
+    which read the float32 moment, bitwise)."""
+    _, plain, plain_stats = _steps(False, **keys)
+    _, streamed, stats = _steps(True, **keys)
+    assert [s["loss"] for s in stats] == [s["loss"] for s in plain_stats]
+    want, got = _flat(plain), _flat(streamed)
+    assert want.keys() == got.keys()
+    for k in want:
+        if want[k].dtype == jnp.bfloat16:
+            np.testing.assert_allclose(got[k].astype(np.float32), want[k].astype(np.float32), rtol=2 ** -7, atol=0,
+                                       err_msg=k)
+        else:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    # the moments stay in host memory from step to step, the counts and parameters on the devices
+    kinds = {k: v.sharding.memory_kind for k, v in
+             ((jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_flatten_with_path(streamed)[0])}
+    moments = {k for k, v in _flat(plain["opt_state"]).items() if np.ndim(v)}
+    assert moments and all(kinds[f"['opt_state']{k}"] == "pinned_host" for k in moments)
+    assert {kinds[k] for k in kinds if not k.startswith("['opt_state']") or k[len("['opt_state']"):] not in moments
+            } == {"device"}
+
+
+def test_a_skipped_step_keeps_every_slice():
+    """A non-finite step (skipped) leaves the streamed state as the plain update leaves it: unchanged, the
+    schedule's count included; the next step goes on equal."""
+    _, plain, plain_stats = _steps(False, steps=3, poison=1)
+    _, streamed, stats = _steps(True, steps=3, poison=1)
+    assert [bool(s["finite"]) for s in stats] == [True, False, True] == [bool(s["finite"]) for s in plain_stats]
+    want, got = _flat(plain), _flat(streamed)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def _losses(path):
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_checkpoints_move_between_runs_with_and_without_offload(tmp_path):
+    """A run with offload saves and resumes (the moments come back into host memory), and its checkpoint
+    resumes in a run without it, and back: every run's losses are the uninterrupted plain run's."""
+    devices = jax.devices()[:4]
+    keys = dict(per_device_batch_size=1, ici_fsdp_parallelism=4, checkpoint_period=2, learning_rate_schedule_steps=6)
+    run(tiny_config(tmp_path / "plain", steps=6, **keys), devices)
+    want = _losses(tmp_path / "plain" / "test" / "metrics.jsonl")
+    switched = tmp_path / "switched"
+    for steps, offload in ((2, True), (4, False), (6, True)):
+        run(tiny_config(switched, steps=steps, optimizer_memory_host_offload=offload, **keys), devices)
+    assert _losses(switched / "test" / "metrics.jsonl") == want
+
+
+@pytest.mark.parametrize("keys, problem", [
+    (dict(opt_type="muon"), r"opt_type=muon \(the streamed update slices the state by layer"),
+    (dict(scan_layers=False), r"scan_layers=false \(the update streams the state one layer"),
+    (dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, base_num_decoder_layers=4),
+     r"a pipeline mesh \(stages split the layer stack"),
+])
+def test_what_the_streamed_update_cannot_run_with_is_refused(keys, problem):
+    with pytest.raises(ConfigError, match=r"^optimizer_memory_host_offload=true cannot run with " + problem
+                       + r".*; or set optimizer_memory_host_offload=false$"):
+        setup(tiny_config(per_device_batch_size=1, optimizer_memory_host_offload=True, **keys), jax.devices()[:4])
+
+
+def test_the_tpu_compile_keeps_the_moments_in_host_memory(tmp_path):
+    """AOT for v5p-8: the moments (two float32 copies of the parameters) are host arguments, reported apart
+    from the HBM total; the device's arguments shrink by as much, and its temporaries do not take them back
+    (one layer of 8 at a time: 2.5 MB more temporaries here, for 15.2 MB of moments)."""
+    from tessera.config import load_config
+    from tessera.train_compile import compile_for_topology
+
+    def report(offload):
+        values = {**TINY, "base_emb_dim": 256, "base_mlp_dim": 512, "base_num_query_heads": 4, "base_num_kv_heads": 4,
+                  "head_dim": 64, "base_num_decoder_layers": 8, "vocab_size": 512, "max_target_length": 128,
+                  "base_output_directory": str(tmp_path), "run_name": f"aot_{offload}",
+                  "compile_topology": "v5p-8", "optimizer_memory_host_offload": offload}
+        return compile_for_topology(load_config(["configs/base.yml", *(f"{k}={v}" for k, v in values.items())],
+                                                env={}))
+
+    plain, offloaded = report(False), report(True)
+    params = plain.argument_bytes - 2 * plain.argument_bytes // 3  # parameters + two moments of their size
+    assert plain.host_bytes == 0 and offloaded.host_bytes == pytest.approx(2 * params, rel=0.01)
+    assert offloaded.argument_bytes == pytest.approx(plain.argument_bytes - offloaded.host_bytes, rel=0.01)
+    # what the update brings in at a time: the moments outside the stack and a layer's (the whole state moved in
+    # at once added twice the moments: old and new)
+    assert offloaded.temp_bytes - plain.temp_bytes < 2 * params / 4
+    assert offloaded.total_bytes < plain.total_bytes - params
+
+
+def test_on_cpu_devices_it_says_it_saves_nothing(caplog):
+    """CPU devices' memory is the host's: the offload runs (the tests above) but saves nothing, and says so."""
+    setup(tiny_config(optimizer_memory_host_offload=True), jax.devices()[:1])
+    assert ("optimizer_memory_host_offload=true saves no memory on CPU devices, whose memory is the host's; the "
+            "update runs a layer at a time all the same (set it to false here)") in caplog.text
