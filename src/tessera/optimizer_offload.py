@@ -7,18 +7,20 @@ update does not help: XLA fetches it all before the update starts, so the old co
 moments are on the device together, beside the gradients (llama2-7b on v5p-8, AOT: a peak of 42.67
 GiB per chip against 29.99 without offload). Here the update runs in two parts:
 
-- the parameters outside the scanned layer stack (embeddings, the final norm, the logits): their
-  moments move in whole, are updated, and move back;
 - each stack of layers (leaves whose first logical axis is `layers`, grouped by their length): a
   `lax.scan` over the layers reads layer i of every moment from host memory, runs the optimizer on
   that slice, writes it back into the host array (dynamic-update-slice into host memory, the pattern
-  XLA's host offloader streams) and updates layer i of the parameters in place.
+  XLA's host offloader streams) and updates layer i of the parameters in place;
+- then the parameters outside the stacks (embeddings, the final norm, the logits): their moments
+  move in whole, are updated, and move back.
 
 Each part calls the optimizer's own `update` on a tree in which the other part's leaves are empty
 (zero rows): AdamW's transformations are element-wise given the step's global gradient norm (passed
 in for the clip) and its count, so the slices update exactly as the whole tree would. Muon is not:
 it orthogonalizes whole matrices (refused with it). The non-parameter entries of the state (the
-counts) stay in device memory and advance once, in the first part.
+counts) stay in device memory; every part reads them as they were, and they advance once, in the
+last part. Llama2-7b, AOT for v5p-8 at 2 x 2048 tokens per chip: 32.05 GiB per chip without
+offload, 19.62 with it (12.55 GiB of moments in host memory).
 
 A skipped step (non-finite, or a spike) keeps every slice as it was (a select per slice, where the
 step without offload skips the update with `lax.cond`)."""
@@ -97,8 +99,8 @@ def _empty(x) -> jax.Array:
 def streamed_update(optimizer, offload: Offload, grads, opt_state, params, *, learns, global_norm,
                     prepare: Callable = lambda g: g):
     """(new parameters, new optimizer state) of one AdamW step with the moments in host memory:
-    `optimizer.update` over the non-stacked leaves (moments moved in whole), then over each layer
-    of each stack in a scan. `prepare` shapes a gradient tree before the update (the mean over
+    `optimizer.update` over each layer of each stack in a scan, then over the leaves outside the
+    stacks (moments moved in whole). `prepare` shapes a gradient tree before the update (the mean over
     tokens); `learns` False keeps everything as it was."""
     stacks, state_stacks, shardings = offload.stacks, offload.state_stacks, offload.state_shardings
 
