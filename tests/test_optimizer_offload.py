@@ -164,3 +164,27 @@ def test_on_cpu_devices_it_says_it_saves_nothing(caplog):
     setup(tiny_config(optimizer_memory_host_offload=True), jax.devices()[:1])
     assert ("optimizer_memory_host_offload=true saves no memory on CPU devices, whose memory is the host's; the "
             "update runs a layer at a time all the same (set it to false here)") in caplog.text
+
+
+def test_moments_the_host_cannot_hold_stop_the_run_before_anything_is_allocated(monkeypatch):
+    """On an accelerator the moments live in the host's memory, one share per local device: more than the host
+    has left is an OutOfMemory that says what to change (here the platform is made to read as a TPU's, and the
+    host's room as a byte short of the moments)."""
+    from tessera import memory_fit
+
+    trainer = setup(tiny_config(per_device_batch_size=1, ici_fsdp_parallelism=4, optimizer_memory_host_offload=True),
+                    jax.devices()[:4])
+    memory_fit.check_host_holds_offloaded_state(trainer)  # CPU devices: their memory is the host's, counted already
+    per_device = memory_fit.state_bytes(trainer)["opt_state"]
+    monkeypatch.setattr(memory_fit, "offloaded_to_host", lambda _: True)
+    monkeypatch.setattr(memory_fit, "host_bounds", lambda: [(4 * per_device, "ulimit -v", True),  # not resident
+                                                            (4 * per_device - 1, "available host memory", False)])
+    with pytest.raises(memory_fit.OutOfMemory) as e:
+        memory_fit.check_host_holds_offloaded_state(trainer)
+    assert str(e.value) == (
+        f"not enough host memory for the offloaded optimizer state: optimizer_memory_host_offload=true keeps "
+        f"{memory_fit.format_bytes(4 * per_device)} of AdamW's moments in this host's memory "
+        f"({memory_fit.format_bytes(per_device)} for each of its 4 device(s)), and it has "
+        f"{memory_fit.format_bytes(4 * per_device - 1)} left (available host memory). Nothing was allocated; set optimizer_memory_host_offload=false, or spread the state over more "
+        "chips (a larger slice, or more slices with dcn_fsdp_parallelism)")
+    assert memory_fit.device_state_bytes(trainer) == memory_fit.state_bytes(trainer)["params"]

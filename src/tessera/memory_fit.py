@@ -245,14 +245,37 @@ def state_bytes(trainer) -> dict[str, int]:
     return {part: bytes_per_device(tree, trainer.state_shardings[part]) for part, tree in state_shapes(trainer).items()}
 
 
+def offloaded_to_host(trainer) -> bool:
+    """Whether optimizer_memory_host_offload keeps the optimizer state in memory that is not the
+    devices' own (accelerators; a CPU device's memory is the host's)."""
+    return getattr(trainer, "offload", None) is not None and trainer.mesh.devices.flat[0].platform != "cpu"
+
+
 def device_state_bytes(trainer) -> int:
-    """Bytes of the train state in one accelerator's own memory: all of it but the optimizer state
-    when optimizer_memory_host_offload keeps that in host memory (on CPU devices, host memory is
-    theirs: all of it)."""
+    """Bytes of the train state in one device's own memory: all of it but the optimizer state when
+    optimizer_memory_host_offload keeps that in an accelerator's host memory."""
     sizes = state_bytes(trainer)
-    if getattr(trainer, "offload", None) is not None and trainer.mesh.devices.flat[0].platform != "cpu":
+    if offloaded_to_host(trainer):
         sizes.pop("opt_state")
     return sum(sizes.values())
+
+
+def check_host_holds_offloaded_state(trainer) -> None:
+    """OutOfMemory when the moments optimizer_memory_host_offload pins in this host's memory, for
+    each of its devices, exceed what the host has left (resident-memory bounds: available memory,
+    the memory cgroup)."""
+    if not offloaded_to_host(trainer):
+        return
+    per_device, devices = state_bytes(trainer)["opt_state"], len(local_devices(trainer.mesh))
+    need = per_device * devices
+    for available, source, address_space in host_bounds():
+        if not address_space and need > available:
+            raise OutOfMemory(
+                f"not enough host memory for the offloaded optimizer state: optimizer_memory_host_offload=true keeps "
+                f"{format_bytes(need)} of AdamW's moments in this host's memory ({format_bytes(per_device)} for each "
+                f"of its {devices} device(s)), and it has {format_bytes(available)} left ({source}). Nothing was "
+                "allocated; set optimizer_memory_host_offload=false, or spread the state over more chips (a larger "
+                "slice, or more slices with dcn_fsdp_parallelism)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,6 +333,7 @@ def check_state_fits(trainer, read: str = "", init_program=None) -> None:
     on_devices = device_state_bytes(trainer)
     if on_devices < sum(sizes.values()):
         parts += " (the optimizer state in host memory: optimizer_memory_host_offload)"
+        check_host_holds_offloaded_state(trainer)
     check_fits(local_devices(trainer.mesh), on_devices + temporaries, "the train state", parts,
                host_buffers=buffers)
 
