@@ -124,14 +124,40 @@ def test_checkpoints_move_between_runs_with_and_without_offload(tmp_path):
 
 @pytest.mark.parametrize("keys, problem", [
     (dict(opt_type="muon"), r"opt_type=muon \(the streamed update slices the state by layer"),
+    (dict(opt_type="sgd"), r"opt_type=sgd \(the streamed update slices the state by layer.*SGD keeps no state"),
     (dict(scan_layers=False), r"scan_layers=false \(the update streams the state one layer"),
-    (dict(ici_pipeline_parallelism=2, ici_fsdp_parallelism=2, base_num_decoder_layers=4),
-     r"a pipeline mesh \(stages split the layer stack"),
+    (dict(ici_pipeline_parallelism=2), r"pipeline parallelism \(ici_pipeline_parallelism=2: stages split the layer "
+                                       r"stack.*\): set ici_pipeline_parallelism=1"),
 ])
-def test_what_the_streamed_update_cannot_run_with_is_refused(keys, problem):
+def test_what_the_streamed_update_cannot_run_with_is_refused_as_the_config_loads(keys, problem):
+    """Refused as the config loads, so that the trainer, train_compile and the estimator agree."""
     with pytest.raises(ConfigError, match=r"^optimizer_memory_host_offload=true cannot run with " + problem
                        + r".*; or set optimizer_memory_host_offload=false$"):
-        setup(tiny_config(per_device_batch_size=1, optimizer_memory_host_offload=True, **keys), jax.devices()[:4])
+        tiny_config(optimizer_memory_host_offload=True, **keys)
+    with pytest.raises(ConfigError, match=r"with opt_type=muon .*; nor with scan_layers=false "):
+        tiny_config(optimizer_memory_host_offload=True, opt_type="muon", scan_layers=False)
+
+
+def test_devices_without_pinned_host_memory_are_refused(monkeypatch):
+    from tessera.optimizer_offload import check_offload
+
+    class Memory:
+        kind = "device"
+
+    class Device:
+        platform = "gpu"
+
+        def addressable_memories(self):
+            return [Memory()]
+
+    class Mesh:
+        devices = np.array([Device()])
+
+    with pytest.raises(ConfigError, match=r"^optimizer_memory_host_offload=true keeps the moments in pinned host "
+                                          r"memory, which gpu devices here do not have \(memories: \['device'\]\); "
+                                          r"set optimizer_memory_host_offload=false$"):
+        check_offload(Mesh())
+    check_offload(setup(tiny_config(), jax.devices()[:1]).mesh)  # CPU devices have it
 
 
 def test_the_tpu_compile_keeps_the_moments_in_host_memory(tmp_path):

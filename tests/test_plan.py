@@ -70,11 +70,16 @@ def test_900b_dense_picks_tensor_parallelism_16():
     """The guide: TP=16 needs mlp_dim > 16 x 5,100 = 81,600; the 900B model has 131,072. On one pod its
     bfloat16 weights, gradients and AdamW state alone take 26.6 of the 30.4 GiB budget per chip, and with two
     gathered layers in flight the smallest batch is about 0.5 GiB over it (the guide does not say how it fit
-    the state; optimizer offloading is not modelled): the closest candidates all split tensor 16 ways, and on
-    two pods (pipelined over DCN) the first choice fits with fsdp 16 x tensor 16 inside each pod."""
+    the state): the closest candidates all split tensor 16 ways, and on two pods (pipelined over DCN) the first
+    choice fits with fsdp 16 x tensor 16 inside each pod. With the AdamW moments in host memory
+    (optimizer_memory_host_offload) it fits one pod, fsdp 16 x tensor 16 and no pipeline (refused with it)."""
     cfg = guide_model("900B dense", "weight_dtype=bfloat16")
     closest = plan(cfg, parse_hardware("v6e-256"))[:5]
     assert not any(c.fits for c in closest) and all(c.mesh.sizes["tensor"] == 16 for c in closest)
+    offloaded = plan(guide_model("900B dense", "weight_dtype=bfloat16", "optimizer_memory_host_offload=true"),
+                     parse_hardware("v6e-256"))
+    assert offloaded[0].fits and (offloaded[0].mesh.sizes["fsdp"], offloaded[0].mesh.sizes["tensor"]) == (16, 16)
+    assert all(c.mesh.sizes["stage"] == 1 for c in offloaded)
     best = plan(cfg, parse_hardware("v6e-256", num_slices=2))[0]
     assert best.fits and best.mesh.ici["tensor"] == 16 and best.mesh.ici["fsdp"] == 16
     tensor = next(a for a in best.axes if a.axis == "tensor")
@@ -95,7 +100,9 @@ def test_900b_dense_in_float32_does_not_fit_one_pod(capsys):
     over = float(err.split("GiB per chip (")[0].rsplit("needs ", 1)[1])
     assert 50 < over < 60  # 55 GiB of float32 parameters, gradients and AdamW state per chip alone
     # 4 pods: on 2 the smallest candidate needs 30.90 GiB of 30.4 (the gathered layers are not split over pods)
-    assert "--slices 4" in err and "weight_dtype=bfloat16" in err and "offload" in err
+    assert "--slices 4" in err and "weight_dtype=bfloat16" in err and "decoder_layer_input=offload" in err
+    assert re.search(r"optimizer_memory_host_offload=true: AdamW's moments in host memory, streamed through HBM a "
+                     r"layer at a time in the update \(\d+\.\d GiB less per chip\)", err)
 
 
 def test_the_slices_the_no_fit_message_suggests_fit(capsys):

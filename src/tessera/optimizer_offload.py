@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tessera.config import Config, ConfigError
+from tessera.config import ConfigError
 
 HOST = "pinned_host"
 NOT_A_PARAMETER = -1  # in `state_stacks`: the state's counts and other non-parameter entries
@@ -50,26 +50,14 @@ class Offload:
     state_shardings: Any  # the optimizer state's shardings, parameter-shaped leaves in pinned host memory
 
 
-def check_offload(cfg: Config, mesh) -> None:
-    """ConfigError when optimizer_memory_host_offload cannot run with this config or these devices."""
-    problems = []
-    if cfg.optim.opt_type != "adamw":
-        problems.append(f"opt_type={cfg.optim.opt_type} (the streamed update slices the state by layer, which is "
-                        "exact for AdamW's element-wise update only; Muon orthogonalizes whole matrices): use "
-                        "opt_type=adamw")
-    if not cfg.model.scan_layers:
-        problems.append("scan_layers=false (the update streams the state one layer of the scanned stack at a time; "
-                        "unstacked, it would move in whole and raise the peak): set scan_layers=true")
-    if mesh.shape.get("stage", 1) > 1:
-        problems.append("a pipeline mesh (stages split the layer stack across devices, so one layer's slice is not "
-                        "on every device): set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+def check_offload(mesh) -> None:
+    """ConfigError when the devices have no pinned host memory for the moments (what the config must
+    be for the streamed update is checked as it loads: tessera.config.checks)."""
     kinds = {m.kind for m in mesh.devices.flat[0].addressable_memories()}
     if HOST not in kinds:
-        problems.append(f"{mesh.devices.flat[0].platform} devices here have no pinned host memory (memories: "
-                        f"{sorted(kinds)})")
-    if problems:
-        raise ConfigError("optimizer_memory_host_offload=true cannot run with " + "; nor with ".join(problems)
-                          + "; or set optimizer_memory_host_offload=false")
+        raise ConfigError(f"optimizer_memory_host_offload=true keeps the moments in pinned host memory, which "
+                          f"{mesh.devices.flat[0].platform} devices here do not have (memories: {sorted(kinds)}); "
+                          "set optimizer_memory_host_offload=false")
 
 
 def make_offload(optimizer, abstract_opt_state, opt_shardings, logical_axes, param_shapes) -> Offload:

@@ -119,7 +119,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     state_shardings = {"step": replicated, "params": param_shardings, "opt_state": opt_shardings}
     offload = None
     if cfg.optim.optimizer_memory_host_offload:
-        check_offload(cfg, mesh)
+        check_offload(mesh)
         offload = make_offload(optimizer, abstract_state["opt_state"], opt_shardings, logical_axes,
                                model.param_shapes())
         state_shardings["opt_state"] = offload.state_shardings

@@ -73,6 +73,7 @@ def validate(cfg: Config) -> None:
     _validate_eval(cfg.data)
     _validate_vocab_tiling(cfg)
     _validate_mtp(cfg)
+    _validate_offload(cfg)
 
 
 def _validate_mesh(mesh: MeshConfig) -> None:
@@ -234,6 +235,30 @@ def _validate_run_name(name: str) -> None:
         raise ConfigError(f"run_name={name[:40]!r}... has a folder name of {len(longest.encode())} bytes, and file "
                           f"systems take names of at most {NAME_MAX_BYTES} bytes ({where}); use a shorter run_name "
                           "(sub-folders such as sweep1/lr_3e-4 split a long one)")
+
+
+def _validate_offload(cfg: Config) -> None:
+    """optimizer_memory_host_offload: what its streamed update needs (tessera.optimizer_offload); every problem
+    in one message. Whether the devices have pinned host memory is checked at set-up."""
+    if not cfg.optim.optimizer_memory_host_offload:
+        return
+    problems = []
+    if cfg.optim.opt_type != "adamw":
+        problems.append(f"opt_type={cfg.optim.opt_type} (the streamed update slices the state by layer, which is "
+                        "exact for AdamW's element-wise update only; Muon orthogonalizes whole matrices, SGD keeps no "
+                        "state): use opt_type=adamw")
+    if not cfg.model.scan_layers:
+        problems.append("scan_layers=false (the update streams the state one layer of the scanned stack at a time; "
+                        "unstacked, it would move in whole and raise the peak): set scan_layers=true")
+    staged = [f"{n}={getattr(cfg.mesh, n)}" for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism")
+              if getattr(cfg.mesh, n) > 1]
+    if staged:
+        problems.append(f"pipeline parallelism ({' and '.join(staged)}: stages split the layer stack across devices, "
+                        f"so one layer's slice is not on every device): set "
+                        f"{' and '.join(s.split('=')[0] + '=1' for s in staged)}")
+    if problems:
+        raise ConfigError("optimizer_memory_host_offload=true cannot run with " + "; nor with ".join(problems)
+                          + "; or set optimizer_memory_host_offload=false")
 
 
 def _validate_mtp(cfg: Config) -> None:

@@ -233,7 +233,7 @@ def report(cfg: Config, hw: Hardware, mfu: float, sequence: str = "") -> str:
     lines += [
         f"  -> {'fits' if fits else 'does NOT fit'} in {fraction:g} x {hbm / GIB:.1f} GiB ({source}) with "
         f"remat_policy={m.remat_policy}",
-        *(f"  note: {note}" for note in unmodelled_notes(m)),
+        *(f"  note: {note}" for note in unmodelled_notes(cfg)),
         *([f"  note: {unsplit * DTYPE_BYTES[m.weight_dtype] / GIB:.2f} GiB of the parameters (and their gradients "
            f"and optimizer state) are copied whole over a mesh axis that does not divide them, e.g. {example}"]
           if unsplit else []),

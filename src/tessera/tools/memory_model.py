@@ -205,14 +205,18 @@ def activation_bytes_by_policy(cfg: Config, mesh: dict[str, int], policies: tupl
     return out
 
 
-def unmodelled_notes(m: ModelConfig) -> list[str]:
-    """Lines naming the keys that change the compiler's memory and are not in this model."""
-    if not m.quantization:
-        return []
-    return [f"quantization={m.quantization} is not modelled: with a remat policy that keeps matmul outputs the "
-            "compiler's activations are larger (int8, remat_policy=minimal, a 4-layer model of width 1,024 at "
-            "4 x 1,024 tokens per v5e chip: 1.42 GiB compiled against 0.89 without; with full, the same 0.42-0.44); "
-            "compile to check (EXECUTABLE=train_compile)"]
+def unmodelled_notes(cfg: Config) -> list[str]:
+    """Lines naming the keys that change the compiler's memory, or the step's time, and are not in these models."""
+    m, notes = cfg.model, []
+    if m.quantization:
+        notes.append(f"quantization={m.quantization} is not modelled: with a remat policy that keeps matmul outputs "
+                     "the compiler's activations are larger (int8, remat_policy=minimal, a 4-layer model of width "
+                     "1,024 at 4 x 1,024 tokens per v5e chip: 1.42 GiB compiled against 0.89 without; with full, the "
+                     "same 0.42-0.44); compile to check (EXECUTABLE=train_compile)")
+    if cfg.optim.optimizer_memory_host_offload:
+        notes.append("optimizer_memory_host_offload=true: the moments' moves between host memory and HBM (both "
+                     "ways, every step) are not in the time or MFU estimates, only their memory")
+    return notes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -153,6 +153,8 @@ def mesh_candidates(cfg: Config, counts: ParamCounts, hw: Hardware, mesh: Mesh, 
     """Per remat policy and pipeline schedule (`pipeline_repeats` unless given): the largest batch that fits (else
     the smallest tried). `terms`: ModelTerms.of(cfg), when the caller has it already."""
     terms = terms or ModelTerms.of(cfg)
+    if cfg.optim.optimizer_memory_host_offload and mesh.sizes["stage"] > 1:
+        return []  # the trainer refuses the moments' offload on a pipeline mesh
     fused, executed = fused_attention(cfg, hw, mesh.sizes), terms.executed
     try:  # a weight whose dimension the mesh does not divide is copied whole (a vocabulary of 32001 over tensor 4)
         unsplit = check_mesh_divides(cfg, mesh.sizes, terms.params)[0] if terms.params else 0.0

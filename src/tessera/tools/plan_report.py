@@ -100,7 +100,15 @@ def no_fit_message(cfg: Config, hw: Hardware, ranked: list[Candidate], tokens_pe
         hints.append(f"weight_dtype=bfloat16: halves parameters, gradients and optimizer state "
                      f"({saved / GIB:.1f} GiB less)")
     hints.append(f"offload: the {acts / GIB:.1f} GiB of activations to host memory (remat_policy=custom "
-                 "decoder_layer_input=offload), or the optimizer state (not modelled here)")
+                 "decoder_layer_input=offload)")
+    o = c.optim
+    if o.opt_type == "adamw" and c.model.scan_layers and small.mesh.sizes["stage"] == 1 and not (
+            o.optimizer_memory_host_offload):
+        offloaded = dataclasses.replace(c, optim=dataclasses.replace(o, optimizer_memory_host_offload=True))
+        saved = mem.optimizer - estimate_memory(offloaded, count_params(c.model), small.mesh.sizes,
+                                                fused_attention(c, hw, small.mesh.sizes)).optimizer
+        hints.append(f"optimizer_memory_host_offload=true: AdamW's moments in host memory, streamed through HBM a "
+                     f"layer at a time in the update ({saved / GIB:.1f} GiB less per chip)")
     m = c.model
     dropless = m.sparse_matmul or m.megablox
     if m.num_experts > 1 and dropless and m.ragged_buffer_factor <= 0 and small.mesh.sizes["expert"] > 2:
@@ -134,7 +142,7 @@ def report_header(cfg: Config, hw: Hardware, sequence: str) -> str:
         f"hardware: {hw.name} x{hw.num_slices} = {hw.num_devices} x {hw.accelerator.device_kind}, "
         f"{hw.accelerator.hbm_bytes / GIB:.1f} GiB HBM; {links}",
         *routing_note(cfg),
-        *(f"memory: {note}" for note in unmodelled_notes(m)),
+        *(f"memory: {note}" for note in unmodelled_notes(cfg)),
         *([f"memory: the eval step (eval_interval={cfg.data.eval_interval}) is not in these estimates; --compile "
            "compiles it too, and a candidate fits only when its evaluation does"] if cfg.data.eval_interval else []),
     ])
