@@ -4,6 +4,7 @@ belongs; checkpoints move between runs with and without it; what it cannot run w
 TPU compile shows the moments in host memory and the rest in HBM."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -85,10 +86,12 @@ def test_the_streamed_update_equals_the_plain_one(keys):
                                        err_msg=k)
         else:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
-    # the moments stay in host memory from step to step, the counts and parameters on the devices
+    # the moments stay in host memory from step to step; the counts, the parameters and the moments of stacked
+    # vectors (the norms' scales, [layers, embed]) on the devices
     kinds = {k: v.sharding.memory_kind for k, v in
              ((jax.tree_util.keystr(p), v) for p, v in jax.tree_util.tree_flatten_with_path(streamed)[0])}
-    moments = {k for k, v in _flat(plain["opt_state"]).items() if np.ndim(v)}
+    moments = {k for k, v in _flat(plain["opt_state"]).items() if np.ndim(v) and not (
+        np.ndim(v) == 2 and re.search(r"\['(dense_)?layers'\]", k))}
     assert moments and all(kinds[f"['opt_state']{k}"] == "pinned_host" for k in moments)
     assert {kinds[k] for k in kinds if not k.startswith("['opt_state']") or k[len("['opt_state']"):] not in moments
             } == {"device"}
@@ -161,9 +164,11 @@ def test_devices_without_pinned_host_memory_are_refused(monkeypatch):
 
 
 def test_the_tpu_compile_keeps_the_moments_in_host_memory(tmp_path):
-    """AOT for v5p-8: the moments (two float32 copies of the parameters) are host arguments, reported apart
-    from the HBM total; the device's arguments shrink by as much, and its temporaries do not take them back
-    (one layer of 8 at a time: 2.5 MB more temporaries here, for 15.2 MB of moments)."""
+    """AOT for v5p-8: the moments (two copies of the parameters) are host arguments, reported apart from the
+    HBM total; the device's arguments shrink by as much, and its temporaries do not take them back (one layer of
+    8 at a time). In bfloat16 (the weights here), moving one layer of the norms' scales from host memory did not
+    compile ("Strided Host<->HBM DMAs are not supported when slicing partial tiles along sublanes"): their
+    moments stay on the devices."""
     from tessera.config import load_config
     from tessera.train_compile import compile_for_topology
 
@@ -171,14 +176,15 @@ def test_the_tpu_compile_keeps_the_moments_in_host_memory(tmp_path):
         values = {**TINY, "base_emb_dim": 256, "base_mlp_dim": 512, "base_num_query_heads": 4, "base_num_kv_heads": 4,
                   "head_dim": 64, "base_num_decoder_layers": 8, "vocab_size": 512, "max_target_length": 128,
                   "base_output_directory": str(tmp_path), "run_name": f"aot_{offload}",
-                  "compile_topology": "v5p-8", "optimizer_memory_host_offload": offload}
+                  "weight_dtype": "bfloat16", "compile_topology": "v5p-8",
+                  "optimizer_memory_host_offload": offload}
         return compile_for_topology(load_config(["configs/base.yml", *(f"{k}={v}" for k, v in values.items())],
                                                 env={}))
 
     plain, offloaded = report(False), report(True)
     params = plain.argument_bytes - 2 * plain.argument_bytes // 3  # parameters + two moments of their size
-    assert plain.host_bytes == 0 and offloaded.host_bytes == pytest.approx(2 * params, rel=0.01)
-    assert offloaded.argument_bytes == pytest.approx(plain.argument_bytes - offloaded.host_bytes, rel=0.01)
+    assert plain.host_bytes == 0 and offloaded.host_bytes == pytest.approx(2 * params, rel=0.02)
+    assert offloaded.argument_bytes == pytest.approx(plain.argument_bytes - offloaded.host_bytes, rel=0.02)
     # what the update brings in at a time: the moments outside the stack and a layer's (the whole state moved in
     # at once added twice the moments: old and new)
     assert offloaded.temp_bytes - plain.temp_bytes < 2 * params / 4

@@ -10,7 +10,8 @@ GiB per chip against 29.99 without offload). Here the update runs in two parts:
 - each stack of layers (leaves whose first logical axis is `layers`, grouped by their length): a
   `lax.scan` over the layers reads layer i of every moment from host memory, runs the optimizer on
   that slice, writes it back into the host array (dynamic-update-slice into host memory, the pattern
-  XLA's host offloader streams) and updates layer i of the parameters in place;
+  XLA's host offloader streams) and updates layer i of the parameters in place (stacks of vectors,
+  the norms' scales, keep their small moments on the devices: `_place`);
 - then the parameters outside the stacks (embeddings, the final norm, the logits): their moments
   move in whole, are updated, and move back.
 
@@ -38,15 +39,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tessera.config import ConfigError
 
 HOST = "pinned_host"
-NOT_A_PARAMETER = -1  # in `state_stacks`: the state's counts and other non-parameter entries
+# in `state_stacks`, entries that stay in device memory: the counts and other non-parameter entries, and the
+# moments of stacked vectors
+COUNT, ON_DEVICE = -1, -2
 
 
 @dataclasses.dataclass(frozen=True)
 class Offload:
     """Where the optimizer state's parameter-shaped leaves live and how the update streams them."""
 
-    stacks: Any  # the parameters' tree: a stacked layer leaf's length (its leading axis), 0 for the others
-    state_stacks: Any  # the optimizer state's tree: the same for its parameter-shaped leaves, -1 for its counts
+    stacks: Any  # the parameters' tree: a streamed leaf's layer count (its leading axis), 0 for the others
+    state_stacks: Any  # the optimizer state's tree: the same for its moments; COUNT, ON_DEVICE: on the devices
     state_shardings: Any  # the optimizer state's shardings, parameter-shaped leaves in pinned host memory
 
 
@@ -63,15 +66,26 @@ def check_offload(mesh) -> None:
 def make_offload(optimizer, abstract_opt_state, opt_shardings, logical_axes, param_shapes) -> Offload:
     """The Offload of a trainer: its moments' shardings moved to pinned host memory, and which of
     their leaves the update streams by layer."""
-    stacks = jax.tree.map(lambda axes, shape: shape.shape[0] if axes and axes[0] == "layers" else 0, logical_axes,
-                          param_shapes, is_leaf=lambda x: isinstance(x, tuple))
+    places = jax.tree.map(_place, logical_axes, param_shapes, is_leaf=lambda x: isinstance(x, tuple))
+    stacks = jax.tree.map(lambda n: max(n, 0), places)
     masked = lambda v: isinstance(v, optax.MaskedNode)  # noqa: E731 - partitioned states hold these for others
     state_stacks = optax.tree_map_params(
-        optimizer, lambda v, n: v if masked(v) else n, abstract_opt_state, stacks,
-        transform_non_params=lambda _: NOT_A_PARAMETER, is_leaf=masked)
-    shardings = jax.tree.map(lambda s, n: s if n == NOT_A_PARAMETER else s.with_memory_kind(HOST),
+        optimizer, lambda v, n: v if masked(v) else n, abstract_opt_state, places,
+        transform_non_params=lambda _: COUNT, is_leaf=masked)
+    shardings = jax.tree.map(lambda s, n: s if n in (COUNT, ON_DEVICE) else s.with_memory_kind(HOST),
                              opt_shardings, state_stacks)
     return Offload(stacks, state_stacks, shardings)
+
+
+def _place(axes: tuple, shape) -> int:
+    """Where a parameter's moments live and how the update reads them: its layer count (streamed, a layer at a
+    time), 0 (host memory, moved in whole) or ON_DEVICE. A stack of vectors ([layers, embed]: the norms' scales)
+    stays on the devices: its layers are rows of the TPU's tiled layout, which host transfers cannot slice one
+    at a time in bfloat16 ("Strided Host<->HBM DMAs are not supported when slicing partial tiles along
+    sublanes"), and it is small (one vector per layer)."""
+    if not (axes and axes[0] == "layers"):
+        return 0
+    return shape.shape[0] if len(shape.shape) >= 3 else ON_DEVICE
 
 
 def _slice_sharding(sharding: NamedSharding, kind: str) -> NamedSharding:
@@ -108,13 +122,13 @@ def streamed_update(optimizer, offload: Offload, grads, opt_state, params, *, le
     outside = lambda tree: jax.tree.map(lambda x, n: x if n == 0 else _empty(x), tree, stacks)  # noqa: E731
     opt_state, grads = jax.lax.optimization_barrier((opt_state, grads))
     state_in = jax.tree.map(
-        lambda x, n, sh: x if n == NOT_A_PARAMETER else jax.device_put(x, sh.with_memory_kind("device")) if n == 0
+        lambda x, n, sh: x if n in (COUNT, ON_DEVICE) else jax.device_put(x, sh.with_memory_kind("device")) if n == 0
         else _empty(x), opt_state, state_stacks, shardings)
     p_in = outside(params)
     p_out, s_out = update(outside(grads), state_in, p_in)
     params = jax.tree.map(lambda x, new, old, n: x if n else keep(new, old), params, p_out, p_in, stacks)
     opt_state = jax.tree.map(
-        lambda x, new, old, n, sh: keep(new, old) if n == NOT_A_PARAMETER
+        lambda x, new, old, n, sh: keep(new, old) if n in (COUNT, ON_DEVICE)
         else jax.device_put(keep(new, old), sh) if n == 0 else x,
         opt_state, s_out, state_in, state_stacks, shardings)
     return params, opt_state
@@ -131,7 +145,7 @@ def _stream_layers(update, keep, length, stacks, state_stacks, shardings, grads,
         g_i = jax.tree.map(lambda x, n: at(x, i) if n == length else _empty(x), grads, stacks)
         s_i = jax.tree.map(
             lambda x, n, sh: jax.device_put(at(x, i), _slice_sharding(sh, "device")) if n == length
-            else x if n == NOT_A_PARAMETER else _empty(x), opt_state, state_stacks, shardings)
+            else x if n == COUNT else _empty(x), opt_state, state_stacks, shardings)
         p_new, s_new = update(g_i, s_i, p_i)
         params = jax.tree.map(
             lambda x, new, old, n: jax.lax.dynamic_update_index_in_dim(x, keep(new, old), i, 0) if n == length
