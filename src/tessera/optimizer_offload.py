@@ -21,7 +21,7 @@ in for the clip) and its count, so the slices update exactly as the whole tree w
 it orthogonalizes whole matrices (refused with it). The non-parameter entries of the state (the
 counts) stay in device memory; every part reads them as they were, and they advance once, in the
 last part. Llama2-7b, AOT for v5p-8 at 2 x 2048 tokens per chip: 32.05 GiB per chip without
-offload, 19.62 with it (12.55 GiB of moments in host memory).
+offload, 19.63 with it (12.55 GiB of moments in host memory).
 
 A skipped step (non-finite, or a spike) keeps every slice as it was (a select per slice, where the
 step without offload skips the update with `lax.cond`)."""
