@@ -185,9 +185,11 @@ def test_the_tpu_compile_keeps_the_moments_in_host_memory(tmp_path):
     params = plain.argument_bytes - 2 * plain.argument_bytes // 3  # parameters + two moments of their size
     assert plain.host_bytes == 0 and offloaded.host_bytes == pytest.approx(2 * params, rel=0.02)
     assert offloaded.argument_bytes == pytest.approx(plain.argument_bytes - offloaded.host_bytes, rel=0.02)
-    # what the update brings in at a time: the moments outside the stack and a layer's (the whole state moved in
-    # at once added twice the moments: old and new)
-    assert offloaded.temp_bytes - plain.temp_bytes < 2 * params / 4
+    # what the update brings in at a time: the moments outside the stack and a layer's, well under the moments
+    # (7.6 MB here); the whole state moved in at once added twice the moments, old and new. The figure varies with
+    # what the process compiled before (both steps' temporaries did): 0.9 MB more in a process of its own, 2.6 MB
+    # in a CI worker after its other TPU compiles
+    assert offloaded.temp_bytes - plain.temp_bytes < 2 * params / 2
     assert offloaded.total_bytes < plain.total_bytes - params
 
 
