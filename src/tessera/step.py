@@ -308,10 +308,30 @@ def update_decision(loss, grad_norm, targets, window, rule: spikes.SpikeRule | N
                                                  spike_grad_norm_threshold=norm_limit)
 
 
+def updated(trainer: Trainer, grads, opt_state, params, *, learns, grad_norm, prepare, rebalance):
+    """(new parameters, new optimizer state): the optimizer's update of `params` by `prepare(grads)` (the clip
+    takes `grad_norm`) when `learns`, else both as they were. `rebalance`: the MoE choice biases' move after the
+    update, or None. With optimizer_memory_host_offload the moments stream from host memory a layer at a time
+    (optimizer_offload.streamed_update)."""
+    optimizer, offload = trainer.optimizer, trainer.offload
+    if offload is not None:
+        params, opt_state = streamed_update(optimizer, offload, grads, opt_state, params, learns=learns,
+                                            global_norm=grad_norm, prepare=prepare)
+        return (params if rebalance is None else jax.lax.cond(learns, rebalance, lambda p: p, params)), opt_state
+
+    def update(operands):
+        p, opt = operands
+        updates, opt = optimizer.update(prepare(grads), opt, p, global_norm=grad_norm)
+        p = optax.apply_updates(p, updates)
+        return (p if rebalance is None else rebalance(p)), opt
+
+    return jax.lax.cond(learns, update, lambda operands: operands, (params, opt_state))
+
+
 def make_train_step(trainer: Trainer, seed: int):
     """The pure step function (state, batch) -> (state, metrics); the caller jits it."""
-    model, optimizer, schedule, plan = trainer.model, trainer.optimizer, trainer.schedule, trainer.plan
-    rule, grad_dtype, frozen, offload = trainer.spikes, trainer.grad_dtype, trainer.frozen, trainer.offload
+    model, schedule, plan = trainer.model, trainer.schedule, trainer.plan
+    rule, grad_dtype, frozen = trainer.spikes, trainer.grad_dtype, trainer.frozen
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     bias_rate, mtp_depths = model.cfg.routed_bias_update_rate, model.cfg.mtp_num_layers
     mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
@@ -343,24 +363,10 @@ def make_train_step(trainer: Trainer, seed: int):
         finite, learns, window, spike_stats = update_decision(loss, grad_norm, targets, state.get(spikes.WINDOW),
                                                               rule)
 
-        def update(operands):
-            p, opt = operands
-            grad_mean = mean(grads) if mean_in_update else grads
-            updates, opt = optimizer.update(grad_mean, opt, p, global_norm=grad_norm)  # the clip's norm
-            p = optax.apply_updates(p, updates)
-            if loads is not None:  # auxiliary-loss-free balancing: the choice biases move after the update
-                p = update_routed_bias(p, loads, bias_rate, mtp_loads)
-            return p, opt
-
-        if offload is None:
-            new_params, new_opt = jax.lax.cond(learns, update, lambda operands: operands, (params, state["opt_state"]))
-        else:  # optimizer_memory_host_offload: the moments stream in from host memory, a layer at a time
-            new_params, new_opt = streamed_update(optimizer, offload, grads, state["opt_state"], params,
-                                                  learns=learns, global_norm=grad_norm,
-                                                  prepare=mean if mean_in_update else lambda g: g)
-            if loads is not None:
-                new_params = jax.lax.cond(learns, lambda p: update_routed_bias(p, loads, bias_rate, mtp_loads),
-                                          lambda p: p, new_params)
+        # auxiliary-loss-free balancing: the choice biases move after the update
+        rebalance = None if loads is None else (lambda p: update_routed_bias(p, loads, bias_rate, mtp_loads))
+        new_params, new_opt = updated(trainer, grads, state["opt_state"], params, learns=learns, grad_norm=grad_norm,
+                                      prepare=mean if mean_in_update else (lambda g: g), rebalance=rebalance)
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": new_opt}
         if window is not None:
             new_state[spikes.WINDOW] = window
