@@ -330,8 +330,9 @@ def check_state_fits(trainer, read: str = "", init_program=None) -> None:
     parts = (f"parameters {format_bytes(sizes['params'])}, optimizer state {format_bytes(sizes['opt_state'])}"
              + (f", and {format_bytes(temporaries)} of temporaries while it is initialized" if temporaries else "")
              + f", over a mesh of {trainer.mesh.size} device(s)")
-    on_devices = device_state_bytes(trainer)
-    if on_devices < sum(sizes.values()):
+    on_devices = sum(sizes.values())
+    if offloaded_to_host(trainer):
+        on_devices -= sizes["opt_state"]
         parts += " (the optimizer state in host memory: optimizer_memory_host_offload)"
         check_host_holds_offloaded_state(trainer)
     check_fits(local_devices(trainer.mesh), on_devices + temporaries, "the train state", parts,

@@ -237,6 +237,12 @@ def _validate_run_name(name: str) -> None:
                           "(sub-folders such as sweep1/lr_3e-4 split a long one)")
 
 
+def _pipeline_keys(cfg: Config) -> list[str]:
+    """The pipeline-parallelism keys set above 1, as key=value (each named in full for the errors)."""
+    return [f"{n}={getattr(cfg.mesh, n)}" for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism")
+            if getattr(cfg.mesh, n) > 1]
+
+
 def _validate_offload(cfg: Config) -> None:
     """optimizer_memory_host_offload: what its streamed update needs (tessera.optimizer_offload); every problem
     in one message. Whether the devices have pinned host memory is checked at set-up."""
@@ -250,8 +256,7 @@ def _validate_offload(cfg: Config) -> None:
     if not cfg.model.scan_layers:
         problems.append("scan_layers=false (the update streams the state one layer of the scanned stack at a time; "
                         "unstacked, it would move in whole and raise the peak): set scan_layers=true")
-    staged = [f"{n}={getattr(cfg.mesh, n)}" for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism")
-              if getattr(cfg.mesh, n) > 1]
+    staged = _pipeline_keys(cfg)
     if staged:
         problems.append(f"pipeline parallelism ({' and '.join(staged)}: stages split the layer stack across devices, "
                         f"so one layer's slice is not on every device): set "
@@ -280,8 +285,7 @@ def _validate_mtp(cfg: Config) -> None:
         raise ConfigError(f"mtp_num_layers={depth}: multi-token prediction adds one decoder layer per depth, but "
                           f"decoder_block={m.decoder_block}'s blocks hold {LAYERS_PER_BLOCK[m.decoder_block]} layers "
                           f"({pattern[m.decoder_block]}); set mtp_num_layers=0")
-    staged = [f"{n}={getattr(cfg.mesh, n)}" for n in ("ici_pipeline_parallelism", "dcn_pipeline_parallelism")
-              if getattr(cfg.mesh, n) > 1]
+    staged = _pipeline_keys(cfg)
     if staged:  # each key named in full, so that the error says where the one set was given
         raise ConfigError(f"mtp_num_layers={depth} is not supported with pipeline parallelism ({' and '.join(staged)}: "
                           f"its layers would run after the last stage); set mtp_num_layers=0 or "
