@@ -222,3 +222,27 @@ def test_moments_the_host_cannot_hold_stop_the_run_before_anything_is_allocated(
         f"{memory_fit.format_bytes(4 * per_device - 1)} left (available host memory). Nothing was allocated; set optimizer_memory_host_offload=false, or spread the state over more "
         "chips (a larger slice, or more slices with dcn_fsdp_parallelism)")
     assert memory_fit.device_state_bytes(trainer) == memory_fit.state_bytes(trainer)["params"]
+
+
+def test_the_gradients_reach_the_streamed_update_sharded_as_their_parameters():
+    """AOT for v6e-256 at fsdp 16 x tensor 16 (splash attention, bf16): the gradients of the stacked query, key and
+    value weights are held at their share, [layers, embed / 16, heads / 16, head]. Read a layer at a time by the
+    streamed update, nothing told XLA their layout, and it kept them whole over `tensor`, 16 times their share (the
+    sizing guide's 900B dense model: 38.55 GiB per chip, 30.69 with them sharded)."""
+    from tessera.config import load_config
+    from tessera.step import compile_step
+    from tessera.train_compile import compile_slice, topology_devices
+
+    values = {"model_name": "1b", "base_emb_dim": 4096, "base_mlp_dim": 16384, "head_dim": 256,
+              "base_num_query_heads": 64, "base_num_kv_heads": 16, "base_num_decoder_layers": 2, "vocab_size": 32000,
+              "max_target_length": 2048, "per_device_batch_size": 0.0625, "dtype": "bfloat16",
+              "weight_dtype": "bfloat16", "attention": "flash", "remat_policy": "minimal",
+              "ici_fsdp_parallelism": 16, "ici_tensor_parallelism": 16, "compile_topology": "v6e-256",
+              "optimizer_memory_host_offload": True}
+    cfg = load_config(["configs/base.yml", *(f"{k}={v}" for k, v in values.items())], env={})
+    trainer = setup(cfg, topology_devices(compile_slice(cfg), 1))
+    hlo = compile_step(trainer, 0)[0].as_text()
+    shares = {"query": "bf16[2,256,4,256]", "key and value": "bf16[2,256,1,256]"}
+    whole = {"query": "bf16[2,256,64,256]", "key and value": "bf16[2,256,16,256]"}
+    assert all(shape in hlo for shape in shares.values())
+    assert [name for name, shape in whole.items() if shape in hlo] == []

@@ -634,7 +634,7 @@ def test_the_gradient_norm_of_bfloat16_weights_is_taken_in_float32(mean_in_updat
     from tessera import step as step_module
     from tessera.losses import loss_sums
 
-    monkeypatch.setattr(step_module, "gradient_mean_in_update", lambda platform: mean_in_update)
+    monkeypatch.setattr(step_module, "gradient_mean_in_update", lambda platform, streamed=False: mean_in_update)
     cfg, trainer, state, batch = _one_step_inputs(weight_dtype="bfloat16", per_device_batch_size=4)
     _, stats = jax.jit(step_module.make_train_step(trainer, 0))(state, batch)
     params = state["params"]
