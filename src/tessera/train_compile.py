@@ -194,10 +194,19 @@ def compile_for_topology(cfg: Config) -> CompileReport:
         output_bytes=mem.output_size_in_bytes, alias_bytes=mem.alias_size_in_bytes,
         temp_bytes=mem.temp_size_in_bytes, code_bytes=mem.generated_code_size_in_bytes, peak_bytes=peak,
         total_bytes=peak + mem.generated_code_size_in_bytes, host_bytes=host,
+        allocated_bytes=assigned_bytes(mem),
     )
     if cfg.data.eval_interval:
         report.eval_step = _compile_eval(trainer, report)
     return report
+
+
+def assigned_bytes(mem) -> int:
+    """XLA's buffer assignment in device memory plus the program (0 when the backend does not report it): the
+    arguments and the temporaries as the program allocates them, what the TPU compiler holds against HBM when it
+    refuses a program for memory."""
+    assigned = getattr(mem, "total_allocation_bytes", 0) or 0
+    return assigned + mem.generated_code_size_in_bytes if assigned else 0
 
 
 def host_bytes(mem) -> int:
