@@ -634,7 +634,7 @@ def test_the_gradient_norm_of_bfloat16_weights_is_taken_in_float32(mean_in_updat
     from tessera import step as step_module
     from tessera.losses import loss_sums
 
-    monkeypatch.setattr(step_module, "gradient_mean_in_update", lambda platform, streamed=False: mean_in_update)
+    monkeypatch.setattr(step_module, "gradient_mean_in_update", lambda platform: mean_in_update)
     cfg, trainer, state, batch = _one_step_inputs(weight_dtype="bfloat16", per_device_batch_size=4)
     _, stats = jax.jit(step_module.make_train_step(trainer, 0))(state, batch)
     params = state["params"]
@@ -1503,7 +1503,8 @@ def test_dropout_draws_new_masks_at_each_step_and_in_each_micro_batch():
     import jax.numpy as jnp
 
     from tessera.losses import loss_sums
-    from tessera.step import create_state, make_train_step, objective_fn, summed_gradients
+    from tessera.gradients import objective_fn, summed_gradients
+    from tessera.step import create_state, make_train_step
 
     cfg = tiny_config(dropout_rate=0.5, gradient_accumulation_steps=2, per_device_batch_size=2)
     trainer = setup(cfg, jax.devices()[:1])

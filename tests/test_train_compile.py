@@ -407,12 +407,11 @@ def test_tpu_step_forms_the_gradient_mean_before_the_update(monkeypatch):
     from tessera.train_compile import topology_devices
 
     assert step.gradient_mean_in_update("cpu") and not step.gradient_mean_in_update("tpu")
-    assert step.gradient_mean_in_update("tpu", streamed=True)  # optimizer_memory_host_offload: a layer at a time
     cfg = build_config({"per_device_batch_size": 4, "max_target_length": 1024, "dtype": "bfloat16",
                         "base_num_decoder_layers": 2})
     temp = {}
     for in_update in (False, True):
-        monkeypatch.setattr(step, "gradient_mean_in_update", lambda platform, streamed=False, v=in_update: v)
+        monkeypatch.setattr(step, "gradient_mean_in_update", lambda platform, v=in_update: v)
         temp[in_update] = compile_step(setup(cfg, topology_devices(tpu_slice("v6e-8"), 1)), 0)[0] \
             .memory_analysis().temp_size_in_bytes
     assert temp[False] < 0.8 * temp[True], temp  # 19.3 against 28.3 MiB (at a few sequences of 64 tokens the two are within 10%)

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tessera import cpu_matmul
 from tessera.compile_cache import unloadable_programs_unsaved
 from tessera.cpu_miscompile import check_cpu_mesh
-from tessera.losses import MTP_SUMS, Z_SUM, loss_terms, mtp_target_counts, target_weights
+from tessera.losses import MTP_SUMS, Z_SUM
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
 from tessera.config.maxtext_model import accumulation_note
@@ -31,6 +31,8 @@ from tessera.config.unread_keys import attention_keys_without_effect, keys_witho
 from tessera.config.derived import RunPlan, plan_run
 from tessera.config.layers import LAYERS_PER_BLOCK
 from tessera.mesh import create_mesh, logical_spec, named_shardings
+from tessera.gradients import (gradient_mean_in_update, gradient_norm, gradients_to_apply, mtp_step_counts,
+                               objective_fn, summed_gradients, update_decision)
 from tessera.models import ModelDef, build_model, offloads_to_host
 from tessera.models.attention_choice import select_attention
 from tessera.models.decoder import MTP_LOAD
@@ -203,114 +205,6 @@ def _check_remat(m, mesh: Mesh) -> None:
 # --------------------------------------------------------------------------- the step
 
 
-def gradient_mean_in_update(platform: str, streamed: bool = False) -> bool:
-    """Whether the step multiplies the summed gradients by 1/token count inside the optimizer
-    update (and takes the global norm of the sums, times 1/count) rather than before it. On
-    XLA:CPU inside: the multiply fuses into the moment updates, where before the update it is a
-    pass of its own over every gradient (XLA:CPU does not duplicate it into its consumers; about
-    1% of a step of benchmarks/cpu_llama.py). Elsewhere before: on TPUs the raw sums feeding both
-    the norm and the update made XLA hold more temporaries (MaxText's Mixtral 8x7B command on
-    v6e-256: 14.38 GiB per chip against 11.48; on dense models the two are within 0.5%, e.g.
-    MaxText's v5p 128B configuration 67.88 folded, 68.20 not). Inside everywhere when the update
-    is `streamed` (optimizer_memory_host_offload): it then scales one layer's gradients at a time,
-    where the mean taken before it is a second copy of every gradient, made beside the sums
-    (llama2-7b on v5p-8, AOT: 19.63 GiB per chip before, 19.50 inside)."""
-    return streamed or platform == "cpu"
-
-
-def gradient_norm(grads, scale=1.0) -> jax.Array:
-    """The global norm of `grads` x `scale` (the mean gradient's, from the token sums x 1/count), its
-    squares summed in float32 (bfloat16 weights have bfloat16 gradients: 8 bits). The scale is applied
-    before squaring (it fuses into the reduction): the sums' squares overflowed float32 `count` times
-    sooner than the mean's, so that on CPU (`gradient_mean_in_update`) a step of 4,096 tokens whose
-    mean gradient had a finite norm of 1e16 reported inf and was taken for a non-finite step."""
-    return optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32) * scale, grads))
-
-
-def summed_gradients(grad_fn, params, batch, key, accum: int):
-    """(gradients, loss sum, token count, auxiliary outputs) of `batch` in `accum` micro-batches, each with its
-    dropout key folded from `key` (None: no dropout); the auxiliary outputs are micro-batch means."""
-    if accum == 1:  # no accumulation loop: one pass, nothing to add up
-        grads, (loss_sum, count, auxes) = grad_fn(params, batch, None if key is None else jax.random.fold_in(key, 0))
-        return grads, loss_sum, count, auxes
-    micro = jax.tree.map(lambda x: x.reshape(accum, x.shape[0] // accum, *x.shape[1:]), batch)
-
-    def accumulate(carry, i):
-        grads, loss_sum, count = carry
-        mb = jax.tree.map(lambda x: x[i], micro)
-        g, (l, n, aux) = grad_fn(params, mb, None if key is None else jax.random.fold_in(key, i))
-        return (jax.tree.map(lambda a, b: a + b.astype(a.dtype), grads, g), loss_sum + l, count + n), aux
-
-    # the microbatches' gradients add up in float32 at least (bfloat16 sums lose a bit per addition)
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.promote_types(p.dtype, jnp.float32)), params)
-    (grads, loss_sum, count), auxes = jax.lax.scan(accumulate, (zeros, 0.0, 0.0), jnp.arange(accum))
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)  # rounded once, to the weights' type
-    # the expert loads (per layer, per multi-token-prediction depth) over the microbatches, as the other outputs
-    # are averaged for the logs; the multi-token-prediction depths' loss sums and the z-loss sums add up
-    auxes = {k: jnp.mean(v, axis=0) if k in (PER_LAYER_LOAD, MTP_LOAD) else jnp.sum(v, axis=0)
-             if k in (MTP_SUMS, Z_SUM) else v for k, v in auxes.items()}
-    return grads, loss_sum, count, auxes
-
-
-def objective_fn(model, packed: bool):
-    """(params, batch, dropout key, MTP scale) -> (the summed objective a micro-batch differentiates, (its summed
-    token loss, its target count, its auxiliary outputs)); the MTP scale is `mtp_step_counts`'s (None without
-    multi-token prediction)."""
-    aux_weight, mtp_weight = model.cfg.load_balance_loss_weight, model.cfg.mtp_loss_scaling_factor
-    z_weight = model.cfg.z_loss_multiplier
-
-    def summed_loss(p, b, k, mtp_scale):
-        loss_sum, count, aux = loss_terms(model, p, b, k, packed)
-        # the routers' load-balancing losses, weighted like one more per-token loss term
-        router = aux.get("moe_load_balance_loss", 0.0) + aux.get("mtp_moe_load_balance_loss", 0.0)
-        objective = loss_sum + aux_weight * router * count
-        if mtp_scale is not None:  # + mtp_weight x the mean over depths of each depth's mean loss over the whole
-            # step, x its target count: each micro-batch adds its sums, scaled by the step's counts (mtp_scale)
-            objective = objective + mtp_weight * jnp.sum(aux[MTP_SUMS] * mtp_scale)
-        if z_weight > 0:  # the z-loss: z_loss_multiplier x log(Z)^2 per target token
-            objective = objective + z_weight * aux[Z_SUM]
-        return objective, (loss_sum, count, aux)
-
-    return summed_loss
-
-
-def mtp_step_counts(segments_bt, depths: int):
-    """(each multi-token-prediction depth's target count in the step's batch [depths], the scale of each depth's
-    loss sum in the objective: the step's target count / (depths x that depth's count)), so that micro-batches
-    adding their depths' sums train as one batch."""
-    counts = mtp_target_counts(segments_bt, depths)
-    step_count = jnp.sum(target_weights(segments_bt)).astype(jnp.float32)
-    return counts, step_count / (depths * jnp.maximum(counts, 1.0))
-
-
-def gradients_to_apply(grads, frozen, grad_dtype):
-    """The step's gradient sums as the update reads them: zero for trainable_parameters_mask's frozen parameters
-    (`frozen`, None: none; XLA then drops their products), float32 ones rounded once to `grad_dtype` (None: kept)."""
-    if frozen is not None:
-        grads = jax.tree.map(lambda g, f: jnp.zeros_like(g) if f else g, grads, frozen)
-    if grad_dtype is not None:
-        grads = jax.tree.map(lambda g: g.astype(grad_dtype) if g.dtype == jnp.float32 else g, grads)
-    return grads
-
-
-def update_decision(loss, grad_norm, targets, window, rule: spikes.SpikeRule | None):
-    """(finite, learns, the spike window after the step (None without one), the spike's stats) of a step.
-
-    A non-finite loss or gradient leaves parameters and optimizer state as they were, so a NaN never reaches the
-    state (or a checkpoint); the host decides to stop or go on. The update runs under a cond: no second pass over
-    the state to select old or new. A batch without a target token (all padding, documents of one token) has
-    nothing to learn from, and its zero gradient would still move the weights (AdamW's momentum and weight decay):
-    no update either. With skip_step_on_spikes (`rule`), neither has a loss or gradient norm far above the recent
-    ones; the stats name the thresholds, for the log line of a skipped spike."""
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    learns = finite & (targets > 0)
-    if rule is None:
-        return finite, learns, None, {}
-    spike, window, (loss_limit, norm_limit) = spikes.check(window, loss, grad_norm, learns, rule)
-    return finite, learns & ~spike, window, dict(spike=spike, spike_loss_threshold=loss_limit,
-                                                 spike_grad_norm_threshold=norm_limit)
-
-
 def updated(trainer: Trainer, grads, opt_state, params, *, learns, grad_norm, prepare, rebalance):
     """(new parameters, new optimizer state): the optimizer's update of `params` by `prepare(grads)` (the clip
     takes `grad_norm`) when `learns`, else both as they were. `rebalance`: the MoE choice biases' move after the
@@ -337,7 +231,7 @@ def make_train_step(trainer: Trainer, seed: int):
     rule, grad_dtype, frozen = trainer.spikes, trainer.grad_dtype, trainer.frozen
     accum, use_dropout, packed = plan.micro_batches, plan.dropout_on, plan.packed
     bias_rate, mtp_depths = model.cfg.routed_bias_update_rate, model.cfg.mtp_num_layers
-    mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh), streamed=trainer.offload is not None)
+    mean_in_update = gradient_mean_in_update(device_platform(trainer.mesh))
 
     summed_loss = objective_fn(model, packed)
     def train_step(state, batch):  # its programs are named jit_train_step (dump_hlo_module_name)
