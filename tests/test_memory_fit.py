@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 from test_faults import _no_echoes
-from tessera import memory_fit
+from tessera import host_limits, memory_fit
 from tessera.memory_fit import EXIT_OUT_OF_MEMORY, host_room, out_of_memory
 
 LIMIT_GIB = 8  # the address space the runs below get (`ulimit -v`), whatever the host has
@@ -231,12 +231,12 @@ def _cgroup_tree(root, version: int, levels: dict[str, dict[str, str]]):
 
 
 def _point_at(monkeypatch, root, mount, version: int, cgroup_line: str) -> None:
-    files = dict(memory_fit._CGROUP_FILES)
+    files = dict(host_limits._CGROUP_FILES)
     files[version] = (str(mount), *files[version][1:])
     files[3 - version] = (str(root / "absent"), *files[3 - version][1:])
-    monkeypatch.setattr(memory_fit, "_CGROUP_FILES", files)
+    monkeypatch.setattr(host_limits, "_CGROUP_FILES", files)
     (root / "cgroup").write_text(cgroup_line + "\n")
-    monkeypatch.setattr(memory_fit, "PROC_SELF_CGROUP", root / "cgroup")
+    monkeypatch.setattr(host_limits, "PROC_SELF_CGROUP", root / "cgroup")
 
 
 def test_the_tightest_enclosing_cgroup_v2_limit_bounds_the_host(tmp_path, monkeypatch):
@@ -247,9 +247,9 @@ def test_the_tightest_enclosing_cgroup_v2_limit_bounds_the_host(tmp_path, monkey
         "job/step": {"memory.max": "max", "memory.current": str(3 * gib), "memory.stat": "inactive_file 0\n"},
     })
     _point_at(monkeypatch, tmp_path, mount, 2, "0::/job/step")
-    rooms = memory_fit._cgroup_rooms()
+    rooms = host_limits.cgroup_rooms()
     assert rooms == [(gib + gib // 2, f"memory cgroup limit 4.0 GiB of {mount / 'job'}")]
-    assert host_room() == min(rooms + [memory_fit._meminfo_room()])
+    assert host_room() == min(rooms + [host_limits.meminfo_room()])
 
 
 def test_a_cgroups_clean_file_cache_counts_as_room_active_or_not(tmp_path, monkeypatch):
@@ -262,7 +262,7 @@ def test_a_cgroups_clean_file_cache_counts_as_room_active_or_not(tmp_path, monke
         "memory.stat": f"anon 5\nactive_file {1100 * mib}\ninactive_file {600 * mib}\nfile_dirty {150 * mib}\n"
                        f"file_writeback {50 * mib}\n"}})
     _point_at(monkeypatch, tmp_path, mount, 2, "0::/job")
-    assert memory_fit._cgroup_rooms() == [((96 + 1100 + 600 - 150 - 50) * mib,
+    assert host_limits.cgroup_rooms() == [((96 + 1100 + 600 - 150 - 50) * mib,
                                            f"memory cgroup limit 4.0 GiB of {mount / 'job'}")]
 
 
@@ -272,10 +272,10 @@ def test_a_cgroup_v1_limit_inside_a_container_is_read_at_the_namespace_root(tmp_
     mount = _cgroup_tree(tmp_path, 1, {"": {"memory.limit_in_bytes": str(2 * gib), "memory.usage_in_bytes": str(gib),
                                             "memory.stat": "cache 5\ntotal_inactive_file 0\n"}})
     _point_at(monkeypatch, tmp_path, mount, 1, "4:memory:/kubepods/pod1/abc")
-    assert memory_fit._cgroup_rooms() == [(gib, f"memory cgroup limit 2.0 GiB of {mount}")]
+    assert host_limits.cgroup_rooms() == [(gib, f"memory cgroup limit 2.0 GiB of {mount}")]
     # no limit (the kernel's largest value) is no bound
     (mount / "memory.limit_in_bytes").write_text("9223372036854771712\n")
-    assert memory_fit._cgroup_rooms() == []
+    assert host_limits.cgroup_rooms() == []
 
 
 def test_an_allocation_xla_refuses_is_an_out_of_memory_error():
