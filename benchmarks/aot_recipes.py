@@ -48,6 +48,7 @@ def compile_recipe(recipe: Path, out_dir: Path) -> dict:
         "mesh": {k: v for k, v in r["mesh"].items() if v > 1}, "global_batch": r["global_batch"],
         "compile_seconds": r["compile_seconds"], "bytes_per_device": r["total_bytes"],
         "state_bytes": r["argument_bytes"], "temp_bytes": r["temp_bytes"], "hbm_bytes": r["hbm_bytes"],
+        "assigned_bytes": r.get("allocated_bytes", 0),  # XLA's buffer assignment + program (compile_report.py)
         "budget_bytes": r["budget_bytes"], "gib_per_device": round(r["total_bytes"] / GIB, 2),
         "hbm_gib": round(r["hbm_bytes"] / GIB, 2), "fits": r["fits"],
         "attention_kernel": r.get("attention_kernel", ""), "custom_calls": r.get("custom_calls", {}),
