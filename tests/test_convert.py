@@ -1469,3 +1469,24 @@ def test_olmo2_is_olmo3_without_windows_both_ways():
     with pytest.raises(ConfigError, match="this OLMo 2 checkpoint scales its rotary frequencies "
                                           r"\(rope_scaling=linear\) in every layer"):
         config_from_hf({**olmo2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+
+
+@pytest.mark.parametrize("name, official", [
+    # allenai/OLMo, configs/official-1124/OLMo2-7B-stage1.yaml and OLMo2-13B-stage1.yaml: d_model, n_heads (no
+    # grouped heads), n_layers, mlp_hidden_size (SwiGLU's two halves together), embedding_size, rope_theta,
+    # layer_norm_eps; attention_layer_norm and norm_after true, weight_tying false
+    ("olmo2-7b", (4096, 32, 32, 22016, 100352, 500000, 1e-6)),
+    ("olmo2-13b", (5120, 40, 40, 27648, 100352, 500000, 1e-6)),
+])
+def test_the_olmo2_model_files_are_the_official_configs_and_export_as_olmo2(name, official):
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import config_from_hf
+
+    m = load_model_config(name, []).model
+    assert (m.emb_dim, m.num_query_heads, m.num_decoder_layers, 2 * m.mlp_dim, m.vocab_size, m.rope_max_timescale,
+            m.normalization_layer_epsilon) == official
+    assert m.num_kv_heads == m.num_query_heads and not m.logits_via_embedding and m.sliding_window_size == 0
+    written = hf_config(m, 4096)
+    assert (written["model_type"], written["hidden_size"], written["intermediate_size"], written["vocab_size"]) == (
+        "olmo2", official[0], official[3] // 2, official[4])
+    assert config_from_hf(written)["local_rope_max_timescale"] == 500000

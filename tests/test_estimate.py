@@ -534,6 +534,10 @@ PUBLISHED_TOTALS = {
     # them) round the totals: 7B (ours: 7.30B) and 32B (ours: 32.23B)
     "olmo3-7b": (7e9, 0.05),
     "olmo3-32b": (32e9, 0.01),
+    # OLMo 2's names round the same way: 7B (ours: 7.30B) and 13B (ours: 13.72B; the shapes are checked against
+    # the official configs in test_convert.py)
+    "olmo2-7b": (7e9, 0.05),
+    "olmo2-13b": (13e9, 0.06),
 }
 # Active parameters per token of the mixture-of-experts model files, from the same sources.
 PUBLISHED_ACTIVE = {
