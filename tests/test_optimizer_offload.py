@@ -68,7 +68,8 @@ def _flat(tree):
     DEEPSEEK,  # two stacks (one dense layer, two of experts): a scan for each length
     # ZeRO-1: the moments split over data as well, unlike their parameters
     dict(ici_data_parallelism=2, ici_fsdp_parallelism=2, shard_optimizer_over_data=True),
-], ids=["adamw", "clipped", "mu_bf16_masked", "trainable_mask", "moe", "deepseek_two_stacks", "zero1"])
+    dict(per_device_batch_size=2, gradient_accumulation_steps=2),  # the micro-batches' sums, then the stream
+], ids=["adamw", "clipped", "mu_bf16_masked", "trainable_mask", "moe", "deepseek_two_stacks", "zero1", "accumulated"])
 def test_the_streamed_update_equals_the_plain_one(keys):
     """Three steps with the moments streamed from host memory leave the parameters and the optimizer state
     bitwise as the plain update does (the same element-wise arithmetic, on slices), with equal losses. Moments
@@ -95,6 +96,25 @@ def test_the_streamed_update_equals_the_plain_one(keys):
     assert moments and all(kinds[f"['opt_state']{k}"] == "pinned_host" for k in moments)
     assert {kinds[k] for k in kinds if not k.startswith("['opt_state']") or k[len("['opt_state']"):] not in moments
             } == {"device"}
+
+
+def test_bfloat16_weights_stream_to_the_plain_update_within_one_rounding():
+    """weight_dtype=bfloat16 (parameters, gradients and moments in bfloat16): one step streamed leaves the moments
+    bitwise as the plain update does, and the parameters too but for the last rounding of p + update, which XLA
+    fuses differently in a layer's slice than in the whole stack: 2 of 18,600 elements one bfloat16 step apart.
+    (Over more steps this tiny model at learning rate 1e-2 amplifies such a difference, as it would any.)"""
+    _, plain, _ = _steps(False, steps=1, weight_dtype="bfloat16")
+    _, streamed, _ = _steps(True, steps=1, weight_dtype="bfloat16")
+    want, got = _flat(plain), _flat(streamed)
+    differ = 0
+    for k in want:
+        w, g = np.asarray(want[k], np.float32), np.asarray(got[k], np.float32)
+        if k.startswith("['params']"):
+            np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=0, err_msg=k)
+            differ += int(np.sum(g != w))
+        else:
+            np.testing.assert_array_equal(g, w, err_msg=k)
+    assert differ <= 8
 
 
 def test_a_skipped_step_keeps_every_slice():
