@@ -1440,35 +1440,68 @@ def test_olmo3_layer_patterns_and_local_scalings_tessera_does_not_build_are_refu
         config_from_hf({**written, **change})
 
 
-def test_olmo2_is_olmo3_without_windows_both_ways():
+def test_olmo2_converts_into_olmo2_and_a_windowless_olmo3_exports_as_olmo2():
     """OLMo 2 (model_type olmo2: OLMo 3's layer, every layer global, one rotary embedding) converts into Tessera's
-    olmo3 with sliding_window_size=0 and the local layers at the global theta, and such a model exports as olmo2:
-    transformers' olmo3 refused to run the config.json written before ("Could not find a `sliding_window`
-    argument"). A windowless olmo3 whose layers rotate differently has neither form, and a scaled OLMo 2 rotary
-    (every layer) is not olmo3's (the global layers only): both refused by name."""
+    olmo2 (one layer per block), with a rotary scaling if it has one (olmo2 scales every layer, as transformers'
+    does; when OLMo 2 was built as olmo3 without windows such a checkpoint was refused). An olmo3 model without
+    windows whose layers rotate alike still exports as olmo2 (transformers' olmo3 needs a window); one whose
+    layers rotate differently has neither form and is refused by name."""
     from tessera.config import ConfigError
     from tessera.tools.hf_config_out import hf_config
-    from tessera.tools.hf_configs import config_from_hf
+    from tessera.tools.hf_configs import as_overrides, config_from_hf
 
     olmo2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "hidden_size": 4096,
              "intermediate_size": 11008, "num_attention_heads": 32, "num_key_value_heads": 32, "num_hidden_layers": 32,
              "vocab_size": 100352, "rms_norm_eps": 1e-6, "rope_theta": 500000, "tie_word_embeddings": False,
              "attention_bias": False, "hidden_act": "silu", "max_position_embeddings": 4096}
     keys = config_from_hf(olmo2)
-    assert (keys["decoder_block"], keys["sliding_window_size"], keys["local_rope_max_timescale"],
-            keys["rope_scaling"]) == ("olmo3", 0, 500000, "none")
-    m = load_model_config("olmo3-7b", ["sliding_window_size=0", "rope_scaling=none", "vocab_size=100352"]).model
-    written = hf_config(m, 4096)
+    assert (keys["decoder_block"], keys["rope_max_timescale"], keys["rope_scaling"]) == ("olmo2", 500000, "none")
+    assert "local_rope_max_timescale" not in keys and not keys.get("sliding_window_size")
+    m = load_model_config("olmo2-7b", []).model
+    assert config_from_hf(hf_config(m, 4096)) == keys
+    scaled = config_from_hf({**olmo2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    assert (scaled["decoder_block"], scaled["rope_scaling"], scaled["rope_scaling_factor"]) == ("olmo2", "linear", 2.0)
+    written = hf_config(load_model_config("default", as_overrides(scaled)).model, 4096)
+    assert (written["model_type"], written["rope_scaling"]["rope_type"], written["rope_scaling"]["factor"]) == (
+        "olmo2", "linear", 2.0)
+    assert config_from_hf(written) == scaled
+
+    windowless = load_model_config("olmo3-7b", ["sliding_window_size=0", "rope_scaling=none",
+                                                "vocab_size=100352"]).model
+    written = hf_config(windowless, 4096)
     assert (written["model_type"], written["architectures"]) == ("olmo2", ["Olmo2ForCausalLM"])
     assert "sliding_window" not in written and "layer_types" not in written
-    assert config_from_hf(written) == keys
+    assert config_from_hf(written) == keys  # read back as OLMo 2 is: decoder_block=olmo2
     yarn = load_model_config("olmo3-7b", ["sliding_window_size=0"]).model
     with pytest.raises(ConfigError, match="sliding_window_size=0 with rope_scaling=yarn and local_rope_max_timescale=-1: "
                                           "transformers' olmo3 needs a window"):
         hf_config(yarn, 4096)
-    with pytest.raises(ConfigError, match="this OLMo 2 checkpoint scales its rotary frequencies "
-                                          r"\(rope_scaling=linear\) in every layer"):
-        config_from_hf({**olmo2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="sliding_window_size=64: Hugging Face's olmo2 config.json has no sliding "
+                                          "window"):
+        hf_config(load_model_config("olmo2-7b", ["sliding_window_size=64"]).model, 4096)
+
+
+def test_an_olmo2_checkpoint_converts_into_olmo3_without_windows_and_into_nothing_else_of_olmo3():
+    """OLMo 2 is olmo3 without windows at one rotary theta (the same function in 4-layer blocks): an OLMo 2
+    checkpoint converts into that config too (as before decoder_block=olmo2 existed), and into an olmo3 with
+    windows, or with its rotary scaled (olmo3 scales its global layers only), it is refused as another model,
+    each difference named with the key that fixes it."""
+    from tessera.config import ConfigError
+    from tessera.tools.convert import check_same_model
+    from tessera.tools.hf_config_out import hf_config
+
+    olmo2 = hf_config(load_model_config("olmo2-7b", []).model, 4096)
+    check_same_model(load_model_config("olmo2-7b", []), olmo2)
+    windowless = ["decoder_block=olmo3", "sliding_window_size=0", "local_rope_max_timescale=-1"]
+    check_same_model(load_model_config("olmo2-7b", windowless), olmo2)
+    with pytest.raises(ConfigError, match=r"sliding_window_size: checkpoint 0, config 4096 +\(set sliding_window_size=0\)"):
+        check_same_model(load_model_config("olmo2-7b", ["decoder_block=olmo3", "sliding_window_size=4096",
+                                                        "local_rope_max_timescale=-1"]), olmo2)
+    scaled = {**olmo2, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    check_same_model(load_model_config("olmo2-7b", ["rope_scaling=linear", "rope_scaling_factor=2.0"]), scaled)
+    with pytest.raises(ConfigError, match=r"decoder_block: checkpoint 'olmo2', config 'olmo3' +\(set decoder_block=olmo2\)"):
+        check_same_model(load_model_config("olmo2-7b", [*windowless, "rope_scaling=linear", "rope_scaling_factor=2.0"]),
+                         scaled)
 
 
 @pytest.mark.parametrize("name, official", [
@@ -1486,7 +1519,8 @@ def test_the_olmo2_model_files_are_the_official_configs_and_export_as_olmo2(name
     assert (m.emb_dim, m.num_query_heads, m.num_decoder_layers, 2 * m.mlp_dim, m.vocab_size, m.rope_max_timescale,
             m.normalization_layer_epsilon) == official
     assert m.num_kv_heads == m.num_query_heads and not m.logits_via_embedding and m.sliding_window_size == 0
+    assert (m.decoder_block, m.rope_scaling) == ("olmo2", "none")
     written = hf_config(m, 4096)
     assert (written["model_type"], written["hidden_size"], written["intermediate_size"], written["vocab_size"]) == (
         "olmo2", official[0], official[3] // 2, official[4])
-    assert config_from_hf(written)["local_rope_max_timescale"] == 500000
+    assert config_from_hf(written)["decoder_block"] == "olmo2"

@@ -61,6 +61,9 @@ FAMILIES = {
     # 6 layers: one 3-local/1-global pattern and a tail of 2 local layers; YaRN (global layers only) that bites
     "olmo3": dict(decoder_block="olmo3", base_num_decoder_layers=6, sliding_window_size=4, rope_scaling="yarn",
                   rope_scaling_factor=4.0, rope_original_max_position=16, local_rope_max_timescale=-1),
+    # OLMo 3's layer, every layer global, one per block; YaRN on every layer
+    "olmo2": dict(decoder_block="olmo2", base_num_decoder_layers=3, rope_scaling="yarn", rope_scaling_factor=4.0,
+                  rope_original_max_position=16),
 }
 TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 12)), jnp.int32)
 
@@ -643,6 +646,27 @@ def test_olmo3_local_layers_see_their_window_and_the_global_layer_everything():
     # three local layers of window 4 carry a change at most 3 x 3 positions on: to position 9, not past it
     after = moved(local_only)
     assert (after[:10] > 0).all() and (after[10:] == 0).all(), after
+
+
+def test_olmo2_is_olmo3_without_windows_one_layer_a_block():
+    """OLMo 2's block is one of OLMo 3's layers (no window, the global rotary): a 5-layer olmo2 computes what an
+    olmo3 without windows whose local layers rotate at the global theta computes with the same weights in its
+    4-layer block and 1-layer tail (every layer's parameters the same tensors), and scans over single layers."""
+    keys = dict(base_num_decoder_layers=5, rope_max_timescale=20000)
+    olmo2 = build_model(tiny_config(decoder_block="olmo2", **keys).model)
+    olmo3 = build_model(tiny_config(decoder_block="olmo3", sliding_window_size=0, local_rope_max_timescale=-1,
+                                    **keys).model)
+    params = olmo2.init(jax.random.key(4))
+    assert jax.tree.leaves(params["layers"])[0].shape[0] == 5  # five scanned blocks of one layer
+    assert set(params["layers"]) == {"attention", "post_attention_norm", "mlp", "post_mlp_norm"}
+    layer = [jax.tree.map(lambda x, i=i: x[i], params["layers"]) for i in range(5)]
+    as_olmo3 = {k: v for k, v in params.items() if k != "layers"}
+    as_olmo3["layers"] = {f"layer_{j}": jax.tree.map(lambda x: x[None], layer[j]) for j in range(4)}
+    as_olmo3["tail"] = {"layer_0": layer[4]}
+    jax.tree.map(lambda a, b: np.testing.assert_equal(a.shape, b.shape), olmo3.param_shapes(), as_olmo3)
+    a, b = olmo2.apply(params, TOKENS), olmo3.apply(as_olmo3, TOKENS)
+    assert float(jnp.abs(a).max()) > 1.0
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

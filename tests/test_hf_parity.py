@@ -118,7 +118,10 @@ CASES = {
     "llama4-capacity-unscanned": ("llama4", ("capacity_factor=-1", "scan_layers=false")),
     "olmo3": ("olmo3", ()),
     "olmo3-unscanned": ("olmo3", ("scan_layers=false",)),
-    "olmo2": ("olmo2", ()),  # Tessera's olmo3 without windows
+    "olmo2": ("olmo2", ()),
+    "olmo2-unscanned": ("olmo2", ("scan_layers=false",)),
+    # the same checkpoint as Tessera's olmo3 without windows (4-layer blocks, the local layers at the global theta)
+    "olmo2-as-olmo3": ("olmo2", ("decoder_block=olmo3", "local_rope_max_timescale=-1")),
 }
 
 
@@ -152,7 +155,8 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
                                           ("gpt_oss", ()), ("gpt_oss", ("scan_layers=false",)),
                                           ("llama_bias_yarn", ("fused_mlp=true",)),
                                           ("llama4", ()), ("llama4", ("scan_layers=false",)), ("olmo3", ()),
-                                          ("olmo3", ("scan_layers=false",)), ("olmo2", ())])
+                                          ("olmo3", ("scan_layers=false",)), ("olmo2", ()),
+                                          ("olmo2", ("decoder_block=olmo3", "local_rope_max_timescale=-1"))])
 @pytest.mark.slow
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)

@@ -96,8 +96,9 @@ def _validate_routing(m) -> None:
 _LLAMA4_KEYS = {"use_qk_norm": False, "chunk_attn_window_size": 0, "nope_layer_interval": 0, "temperature_tuning": False,
                 "interleave_moe_layer_step": 1}
 # blocks that always norm each query and key head, with a learned scale: use_qk_norm=true (what MaxText's qwen3 model
-# files set, and its gemma3 always does; olmo3's norm all heads at once, as MaxText's olmo3 with true) is what they do
-QK_NORM_BLOCKS = ("qwen3", "qwen3_moe", "gemma3", "olmo3")
+# files set, and its gemma3 always does; olmo3's and olmo2's norm all heads at once, as MaxText's olmo3 with true) is
+# what they do
+QK_NORM_BLOCKS = ("qwen3", "qwen3_moe", "gemma3", "olmo3", "olmo2")
 
 
 def _validate_llama4(m) -> None:

@@ -36,7 +36,8 @@ def _embedding_logits(on: bool, m) -> str:
 def _post_norm(name: str, where: str) -> Callable[[bool, Any], str]:
     def check(on: bool, m) -> str:
         # MaxText's olmo3 always has its post norms whatever these say (its olmo3 file leaves them at false), as here
-        if on == (m.decoder_block in POST_NORM_BLOCKS) or m.decoder_block == "olmo3":
+        # (and olmo2, which MaxText does not have: the same layer)
+        if on == (m.decoder_block in POST_NORM_BLOCKS) or m.decoder_block in ("olmo3", "olmo2"):
             return ""
         if on:
             return (f"{name}=true adds a norm after {where} in MaxText's gemma2 and gemma3 blocks; "

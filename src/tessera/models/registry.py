@@ -12,7 +12,7 @@ from tessera.models.gpt_oss import GptOssBlock
 from tessera.models.llama import LlamaBlock, MistralBlock
 from tessera.models.llama4 import Llama4Block
 from tessera.models.mixtral import MixtralBlock
-from tessera.models.olmo3 import Olmo3Block
+from tessera.models.olmo3 import Olmo2Block, Olmo3Block
 from tessera.models.qwen2 import Qwen2Block
 from tessera.models.qwen3 import Qwen3Block, Qwen3MoeBlock
 
@@ -31,4 +31,5 @@ BLOCKS: dict[str, type[Block]] = {
     "gpt_oss": GptOssBlock,
     "llama4": Llama4Block,
     "olmo3": Olmo3Block,
+    "olmo2": Olmo2Block,
 }

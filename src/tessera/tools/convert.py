@@ -62,7 +62,7 @@ def check_same_model(cfg: Config, hf_config: dict) -> None:
     """ConfigError listing every model key where the config and the checkpoint disagree."""
     from tessera.config import build_config
 
-    wanted = config_from_hf(hf_config)
+    wanted = _as_olmo3(config_from_hf(hf_config), cfg.model)
     expected = build_config(wanted).model
     sized = {"base_emb_dim": "emb_dim", "base_num_query_heads": "num_query_heads", "base_num_kv_heads": "num_kv_heads",
              "base_mlp_dim": "mlp_dim", "base_num_decoder_layers": "num_decoder_layers"}
@@ -83,6 +83,16 @@ def check_same_model(cfg: Config, hf_config: dict) -> None:
     if problems:
         raise ConfigError("the checkpoint's config.json describes another model than the Tessera config:\n"
                           + "\n".join(problems))
+
+
+def _as_olmo3(wanted: dict, m) -> dict:
+    """An OLMo 2 checkpoint's keys as decoder_block=olmo3 keys when the config asks for olmo3: OLMo 2 is olmo3 without
+    windows whose local layers rotate at the global theta (the same function in 4-layer blocks), so it converts into
+    that (a scaled OLMo 2 rotary, every layer's, is not olmo3's, and is refused as another model)."""
+    if wanted["decoder_block"] != "olmo2" or m.decoder_block != "olmo3" or wanted.get("rope_scaling", "none") != "none":
+        return wanted
+    return {**wanted, "decoder_block": "olmo3", "sliding_window_size": 0,
+            "local_rope_max_timescale": wanted["rope_max_timescale"]}
 
 
 def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:

@@ -13,13 +13,13 @@ import json
 from typing import Any
 
 from tessera.config import ConfigError
-from tessera.tools.hf_layer_kinds import check_layer_types, gemma3_keys, olmo2_keys, olmo3_keys
+from tessera.tools.hf_layer_kinds import check_layer_types, gemma3_keys, olmo3_keys
 from tessera.tools.hf_rope import rope_keys, rope_theta
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4",
-                  "olmo2": "olmo3", "olmo3": "olmo3"}  # (olmo2 first: an olmo3 model exports as olmo3)
+                  "olmo2": "olmo2", "olmo3": "olmo3"}
 # multimodal checkpoints whose language model Tessera converts: model_type -> its text model's model_type
 # (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix). Gemma 3
 # 4B, 12B and 27B are released only as such (Gemma3ForConditionalGeneration), and were refused as unsupported
@@ -169,8 +169,6 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(gemma3_keys(hf))
     if kind == "olmo3":
         keys.update(olmo3_keys(hf))
-    if kind == "olmo2":
-        keys.update(olmo2_keys(keys))
     return keys
 
 

@@ -1,7 +1,6 @@
 """The config.json readers of the families whose layers come in kinds, for `hf_configs.config_from_hf`: the check
 of a checkpoint's `layer_types` against the pattern Tessera builds, and the rotary settings of Gemma 3 and OLMo 3,
-whose sliding-window (local) layers rotate otherwise than their global ones, and of OLMo 2 (OLMo 3 without
-windows)."""
+whose sliding-window (local) layers rotate otherwise than their global ones."""
 
 from __future__ import annotations
 
@@ -63,14 +62,3 @@ def olmo3_keys(hf: dict[str, Any]) -> dict[str, Any]:
                       "builds")
     return {"local_rope_max_timescale": _local_theta(hf, "OLMo 3", hf["rope_theta"])}
 
-
-def olmo2_keys(keys: dict[str, Any]) -> dict[str, Any]:
-    """OLMo 2 is OLMo 3's layer without its sliding windows (every layer global) and with one rotary embedding: Tessera's
-    olmo3 with sliding_window_size=0 and the local layers' theta the global one's. Its rotary scaling, if a checkpoint
-    had one, would apply to every layer, where olmo3 scales the global layers' only: refused (no released model has
-    one)."""
-    if keys["rope_scaling"] != "none":
-        raise ConfigError(f"this OLMo 2 checkpoint scales its rotary frequencies (rope_scaling={keys['rope_scaling']}) "
-                          "in every layer; Tessera builds OLMo 2 as decoder_block=olmo3 without windows, whose scaling "
-                          "applies to every fourth layer only, so it is not converted")
-    return {"sliding_window_size": 0, "local_rope_max_timescale": keys["rope_max_timescale"]}

@@ -161,23 +161,24 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
            linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))]
     layer = qkv_rules(m, qkv, "attention/wqkv_dcnh", 1) + [
         linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d))]
-    if family != "olmo3":  # (OLMo 3 has no norm before attention)
+    olmo = family in ("olmo3", "olmo2")
+    if not olmo:  # (OLMo 2 and 3 have no norm before attention)
         layer.append(same("pre_attention_norm/scale", "input_layernorm.weight"))
     if m.attention_bias:
         layer += _attention_biases(m)
     if family in ("qwen3", "qwen3_moe", "gemma3"):
         layer += [same("attention/query_norm/scale", "self_attn.q_norm.weight"),
                   same("attention/key_norm/scale", "self_attn.k_norm.weight")]
-    if family == "olmo3":  # one norm over all heads: a flat [heads * head_dim] scale there
+    if olmo:  # one norm over all heads: a flat [heads * head_dim] scale there
         layer += [reshaped("attention/query_norm/scale", "self_attn.q_norm.weight", (n, h), (n * h,)),
                   reshaped("attention/key_norm/scale", "self_attn.k_norm.weight", (k, h), (k * h,))]
     layer += _llama_like_mlp(m, family)
-    if family in ("gemma2", "gemma3", "olmo3"):  # norms after attention and the MLP (Gemma's before them too)
+    if family in ("gemma2", "gemma3") or olmo:  # norms after attention and the MLP (Gemma's before them too)
         layer += [same("post_attention_norm/scale", "post_attention_layernorm.weight"),
                   same("post_mlp_norm/scale", "post_feedforward_layernorm.weight")]
     if family in ("gemma2", "gemma3"):
         layer.append(same("pre_mlp_norm/scale", "pre_feedforward_layernorm.weight"))
-    elif family != "olmo3":
+    elif not olmo:
         layer.append(same("pre_mlp_norm/scale", "post_attention_layernorm.weight"))
     return Layout(model, layer, "model.layers.{i}.", LAYERS_PER_BLOCK.get(family, 1), m.num_decoder_layers)
 
@@ -384,7 +385,7 @@ def _llama4(m: ModelConfig) -> Layout:
 def layout_for(m: ModelConfig) -> Layout:
     """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
     if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "qwen3_moe", "gemma3",
-                           "gpt_oss", "olmo3"):
+                           "gpt_oss", "olmo3", "olmo2"):
         return _llama_like(m, m.decoder_block)
     if m.decoder_block == "gpt3":
         return _gpt2(m)

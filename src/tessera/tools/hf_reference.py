@@ -126,8 +126,9 @@ def _config(family: str):
             rope_parameters={"full_attention": _yarn(True),
                              "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}))
     if family == "olmo2":
-        # OLMo 3's layer with every layer global and one rotary embedding; 5 layers (Tessera's olmo3 needs a whole
-        # 4-layer pattern, then a tail); Olmo2Config has no head_dim (hidden_size / heads: 6)
+        # OLMo 3's layer with every layer global and one rotary embedding; 5 layers (converted into olmo2, and into
+        # olmo3 without windows: a whole 4-layer pattern, then a tail); Olmo2Config has no head_dim (hidden_size /
+        # heads: 6)
         kwargs = _decoder_kwargs(num_hidden_layers=5, rms_norm_eps=1e-6,
                                  rope_parameters={"rope_type": "default", "rope_theta": 20000.0})
         del kwargs["head_dim"]
