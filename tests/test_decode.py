@@ -52,6 +52,9 @@ FAMILIES = {
     "olmo3": dict(decoder_block="olmo3", base_num_decoder_layers=6, sliding_window_size=3, rope_scaling="yarn",
                   rope_scaling_factor=4.0, rope_original_max_position=8, local_rope_max_timescale=-1),
     "olmo3 loop": dict(decoder_block="olmo3", base_num_decoder_layers=6, sliding_window_size=3, scan_layers=False),
+    # one global OLMo 3 layer per block, YaRN in every layer
+    "olmo2": dict(decoder_block="olmo2", base_num_decoder_layers=3, rope_scaling="yarn", rope_scaling_factor=4.0,
+                  rope_original_max_position=8),
     "deepseek": dict(DEEPSEEK),
     "deepseek loop": dict(DEEPSEEK, scan_layers=False, q_lora_rank=0),
     # sinks (a query's softmax over the cache includes them), biases, a window of 3 on the local layers
