@@ -1505,22 +1505,26 @@ def test_an_olmo2_checkpoint_converts_into_olmo3_without_windows_and_into_nothin
 
 
 @pytest.mark.parametrize("name, official", [
-    # allenai/OLMo, configs/official-1124/OLMo2-7B-stage1.yaml and OLMo2-13B-stage1.yaml: d_model, n_heads (no
-    # grouped heads), n_layers, mlp_hidden_size (SwiGLU's two halves together), embedding_size, rope_theta,
-    # layer_norm_eps; attention_layer_norm and norm_after true, weight_tying false
-    ("olmo2-7b", (4096, 32, 32, 22016, 100352, 500000, 1e-6)),
-    ("olmo2-13b", (5120, 40, 40, 27648, 100352, 500000, 1e-6)),
+    # allenai/OLMo, configs/official-1124/OLMo2-7B-stage1.yaml and OLMo2-13B-stage1.yaml: d_model, n_heads and
+    # the kv heads (none grouped), n_layers, mlp_hidden_size (SwiGLU's two halves together), embedding_size,
+    # rope_theta, layer_norm_eps; attention_layer_norm and norm_after true, weight_tying false
+    ("olmo2-7b", (4096, 32, 32, 32, 22016, 100352, 500000, 1e-6)),
+    ("olmo2-13b", (5120, 40, 40, 40, 27648, 100352, 500000, 1e-6)),
+    # allenai/OLMo-core, TransformerConfig.olmo2_32B: d_model 5120, 40 heads, 8 kv heads, 64 layers, a feed-forward
+    # hidden_size (each half) of int(8/3 x 5120) = 13653 times 27648 / 13653.33, up to a multiple of 512: 27648;
+    # the tokenizer's 100,278 padded to 100,352; rope_theta 500k, eps 1e-6; qk_norm, reordered norms
+    ("olmo2-32b", (5120, 40, 8, 64, 2 * 27648, 100352, 500000, 1e-6)),
 ])
 def test_the_olmo2_model_files_are_the_official_configs_and_export_as_olmo2(name, official):
     from tessera.tools.hf_config_out import hf_config
     from tessera.tools.hf_configs import config_from_hf
 
     m = load_model_config(name, []).model
-    assert (m.emb_dim, m.num_query_heads, m.num_decoder_layers, 2 * m.mlp_dim, m.vocab_size, m.rope_max_timescale,
-            m.normalization_layer_epsilon) == official
-    assert m.num_kv_heads == m.num_query_heads and not m.logits_via_embedding and m.sliding_window_size == 0
+    assert (m.emb_dim, m.num_query_heads, m.num_kv_heads, m.num_decoder_layers, 2 * m.mlp_dim, m.vocab_size,
+            m.rope_max_timescale, m.normalization_layer_epsilon) == official
+    assert m.head_dim == 128 and not m.logits_via_embedding and m.sliding_window_size == 0
     assert (m.decoder_block, m.rope_scaling) == ("olmo2", "none")
     written = hf_config(m, 4096)
-    assert (written["model_type"], written["hidden_size"], written["intermediate_size"], written["vocab_size"]) == (
-        "olmo2", official[0], official[3] // 2, official[4])
+    assert (written["model_type"], written["hidden_size"], written["num_key_value_heads"], written["intermediate_size"],
+            written["vocab_size"]) == ("olmo2", official[0], official[2], official[4] // 2, official[5])
     assert config_from_hf(written)["decoder_block"] == "olmo2"

@@ -535,9 +535,10 @@ PUBLISHED_TOTALS = {
     "olmo3-7b": (7e9, 0.05),
     "olmo3-32b": (32e9, 0.01),
     # OLMo 2's names round the same way: 7B (ours: 7.30B) and 13B (ours: 13.72B; the shapes are checked against
-    # the official configs in test_convert.py)
+    # the official configs in test_convert.py) and 32B (ours: 32.23B, OLMo 3 32B's shapes)
     "olmo2-7b": (7e9, 0.05),
     "olmo2-13b": (13e9, 0.06),
+    "olmo2-32b": (32e9, 0.01),
 }
 # Active parameters per token of the mixture-of-experts model files, from the same sources.
 PUBLISHED_ACTIVE = {

@@ -340,7 +340,7 @@ def test_hf_config_round_trips_every_model_file():
                  "qwen2.5-0.5b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-0.6b", "qwen3-8b", "qwen3-30b-a3b", "qwen3-480b-a35b", "gemma3-4b", "gemma3-27b", "deepseek-v3",
                  "deepseek2-16b", "deepseek2-236b", "kimi-k2-1t",
                  "gpt-oss-20b", "gpt-oss-120b", "llama4-17b-16e", "llama4-17b-128e", "olmo3-7b", "olmo3-32b",
-                 "olmo2-7b", "olmo2-13b"):
+                 "olmo2-7b", "olmo2-13b", "olmo2-32b"):
         m = load_model_config(name, []).model
         keys = config_from_hf(hf_config(m, 4096))
         rebuilt = load_model_config("default", as_overrides(keys)).model
