@@ -861,3 +861,33 @@ def test_maxtexts_olmo3_32b_name_reads_our_olmo3_32b():
     assert (m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_position, m.rope_max_timescale,
             m.local_rope_theta, m.beta_fast, m.beta_slow, m.normalization_layer_epsilon) == (
         "yarn", 8.0, 8192, 500000, 500000, 32.0, 1.0, 1e-6)
+
+
+def test_maxtexts_float32_score_switches_are_accepted_as_what_tessera_always_does(caplog):
+    """float32_qk_product and float32_logits were refused when true (MaxText's files for accuracy runs set them).
+    Tessera's attention forms the scores with float32 accumulation; for bfloat16 queries and keys that is the
+    product of their float32 casts (each product of two bfloat16 numbers is exact in float32; the sums may run in
+    another order), which is what MaxText's true computes: checked here on the reference attention's score
+    product, against scores rounded to bfloat16 (MaxText's false), which are further off."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from tessera.models.layers import project
+
+    maxtext._logged.clear()
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        load_config([BASE, "float32_qk_product=true", "float32_logits=True"], env={})
+        load_config([BASE, "float32_qk_product=false"], env={})
+    assert "float32_qk_product=true has no effect: Tessera's attention (every kernel) forms" in caplog.text
+    assert "float32_logits=True has no effect" in caplog.text
+    with pytest.raises(ConfigError, match="float32_logits='yes' is not allowed"):
+        load_config([BASE, "float32_logits=yes"], env={})
+    q, k = (jax.random.normal(jax.random.key(i), (2, 3, 1, 16, 64), jnp.bfloat16) for i in (0, 1))
+    ours = project("bkgth,bkgsh->bkgts", q, k, preferred_element_type=jnp.float32)
+    exact = jnp.einsum("bkgth,bkgsh->bkgts", q.astype(jnp.float32), k.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    assert ours.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(exact), rtol=1e-6, atol=1e-5)
+    rounded = np.asarray(ours.astype(jnp.bfloat16).astype(jnp.float32))  # MaxText's false: the scores in dtype
+    assert np.abs(rounded - np.asarray(exact)).max() > 1e-3

@@ -119,6 +119,12 @@ ACCEPTED = {
     # MaxText stops at start-up when more than this share of the parameters' bytes is not sharded
     "sharding_tolerance": (FRACTION, "Tessera does not check how much of the parameters is replicated; the start-up "
                                      "log gives every parameter's shape and sharding"),
+    # MaxText's switches of its reference attention's score precision: Tessera's kernels all take its true
+    **{name: (("true", "false", "1", "0"), "Tessera's attention (every kernel) forms the query-key scores with "
+              "float32 accumulation, which for bfloat16 queries and keys is their float32 product exactly (the "
+              "product of two bfloat16 numbers is exact in float32), and soft-caps, masks and normalizes them in "
+              "float32: MaxText's true; its false (the default) rounds the scores to dtype, which Tessera never does")
+       for name in ("float32_qk_product", "float32_logits")},
     "goodput_upload_interval_seconds": (WHOLE, "Tessera uploads no goodput (monitor_goodput=true is refused); the run's "
                                                "goodput is in report.json"),
     **{name: (ANY, "MaxText reads it with use_multimodal=true only (a vision encoder before the decoder); Tessera "

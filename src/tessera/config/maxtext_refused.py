@@ -101,9 +101,6 @@ REFUSED = {
         "trainable_position_size=0", ("false", "0")),
     "param_scan_axis": Refused("which axis of the stacked parameters is the layer axis; Tessera's is fixed",
                                ("1",)),
-    "float32_qk_product": Refused("compute query-key scores in float32; Tessera's attention kernels choose",
-                                  ("false", "0")),
-    "float32_logits": Refused("attention logits in float32; Tessera's attention kernels choose", ("false", "0")),
     "record_internal_nn_metrics": Refused("log activation statistics from inside the model; not in Tessera",
                                           ("0", "false")),
     # input pipeline
