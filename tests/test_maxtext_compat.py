@@ -455,8 +455,8 @@ def test_a_schedule_of_no_steps_is_a_config_error_also_with_steps_of_minus_one()
 def test_the_guides_unknown_maxtext_keys_are_reported_as_it_says():
     """Coming_from_MaxText.md's examples of MaxText keys it does not name: unknown, with the closest
     keys it quotes where some are close, else a pointer to base.yml (it promised three closest keys
-    for `matmul_precision`, which had none). Its former examples, `matmul_precision` and
-    `save_checkpoint_on_completion`, are refused MaxText keys now (their recipes set them)."""
+    for `matmul_precision`, which had none). Its former examples are a key of Tessera's (`matmul_precision`) and
+    a refused MaxText key (`save_checkpoint_on_completion`) now (their recipes set them)."""
     text = " ".join(GUIDE.read_text().split())
     quoted = re.search(r"where some are close \(`save_checkpoint_on_start`: (.+?)\), else with a pointer to "
                        r"`configs/base.yml` \(`vllm_hf_overrides`\)", text)
@@ -808,8 +808,6 @@ def test_base_config_repeated_on_the_command_line_is_told_apart(tmp_path, caplog
 # MaxText keys its recipes, benchmark configs and documented commands set (its tree of 2026-08-22), each an
 # unknown key before: the value of each recipe, then a value that asks for what Tessera lacks
 RECIPE_KEYS_REFUSED_UNLESS_OFF = [
-    ("matmul_precision", "default", "highest", "JAX_DEFAULT_MATMUL_PRECISION=highest"),  # 21 commands
-    ("matmul_precision", "default", "float32", "JAX_DEFAULT_MATMUL_PRECISION set to the same value"),  # older ones
     ("checkpoint_storage_concurrent_gb", "96", "1024", "Tessera's is 96"),  # the DeepSeek scripts
     ("activations_in_float32", "false", "true", "dtype=float32"),
     ("shard_mode", "auto", "explicit", "auto mode"),
@@ -891,3 +889,14 @@ def test_maxtexts_float32_score_switches_are_accepted_as_what_tessera_always_doe
     np.testing.assert_allclose(np.asarray(ours), np.asarray(exact), rtol=1e-6, atol=1e-5)
     rounded = np.asarray(ours.astype(jnp.bfloat16).astype(jnp.float32))  # MaxText's false: the scores in dtype
     assert np.abs(rounded - np.asarray(exact)).max() > 1e-3
+
+
+@pytest.mark.parametrize("value", ["default", "highest", "float32", "high"])
+def test_maxtexts_matmul_precision_is_a_key_with_its_values(value):
+    """matmul_precision=highest (21 of MaxText's commands) and its older float32 were refused, with the environment
+    variable to set instead; they load now (what they do to the step: test_model.py), and a value JAX does not
+    name is refused with the choices."""
+    assert load_config([BASE, f"matmul_precision={value}"], env={}).model.matmul_precision == value
+    with pytest.raises(ConfigError, match="matmul_precision='fastest' is not allowed; choose one of: 'default', "
+                                          "'high', 'highest'"):
+        load_config([BASE, "matmul_precision=fastest"], env={})

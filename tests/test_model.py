@@ -266,6 +266,27 @@ def test_setup_gives_select_attention_the_device(monkeypatch):
     assert seen[0][4:] == (device.device_kind, str(getattr(device, "compute_capability", "")), False)
 
 
+@pytest.mark.parametrize("precision, dots", [("default", "DEFAULT"), ("highest", "HIGHEST"), ("float32", "HIGHEST"),
+                                              ("high", "HIGH")])
+def test_matmul_precision_reaches_every_product_of_the_train_step_and_decoding(precision, dots):
+    """MaxText's matmul_precision (its commands set highest; it was refused): every product of the train step, the
+    forward pass and the gradients JAX derives after it (which a context around the forward pass alone missed: 20
+    of the 29 products of a tiny model's gradient stayed DEFAULT), and of decoding, lowered with that precision;
+    "default" leaves JAX's."""
+    from tessera.step import abstract_state, batch_shapes, make_train_step, setup
+
+    trainer = setup(tiny_config(matmul_precision=precision, gradient_accumulation_steps=2, per_device_batch_size=2),
+                    jax.devices()[:1])
+    text = jax.jit(make_train_step(trainer, 0)).lower(abstract_state(trainer), batch_shapes(trainer)).as_text()
+    model = trainer.model
+    params = model.param_shapes()
+    decode = jax.jit(lambda p, t, c: model.next_logits(p, t, jnp.zeros_like(t), jnp.ones_like(t), c))
+    decoding = decode.lower(params, jax.ShapeDtypeStruct((2, 4), jnp.int32), model.init_cache(2, 8)).as_text()
+    for program, least in ((text, 25), (decoding, 5)):
+        found = re.findall(r"precision = \[(\w+), (\w+)\]", program)
+        assert len(found) >= least and set(found) == {(dots, dots)}, (len(found), set(found))
+
+
 def test_packed_batches_are_logged_as_the_reference_on_gpu():
     """Packed batches (packing=true, a real dataset: the default) always ran the reference on GPUs
     while the log said cuDNN; the choice now says so."""

@@ -20,20 +20,20 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from tessera import cpu_matmul
+from tessera import cpu_matmul, spikes
 from tessera.compile_cache import unloadable_programs_unsaved
-from tessera.cpu_miscompile import check_cpu_mesh
-from tessera.losses import MTP_SUMS, Z_SUM
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.checks import check_trainable_dtypes
-from tessera.config.maxtext_model import accumulation_note
-from tessera.config.unread_keys import attention_keys_without_effect, keys_without_effect
 from tessera.config.derived import RunPlan, plan_run
 from tessera.config.layers import LAYERS_PER_BLOCK
-from tessera.mesh import create_mesh, logical_spec, named_shardings
+from tessera.config.maxtext_model import accumulation_note
+from tessera.config.unread_keys import attention_keys_without_effect, keys_without_effect
+from tessera.cpu_miscompile import check_cpu_mesh
 from tessera.gradients import (gradient_mean_in_update, gradient_norm, gradients_to_apply, mtp_step_counts,
                                objective_fn, summed_gradients, update_decision)
-from tessera.models import ModelDef, build_model, offloads_to_host
+from tessera.losses import MTP_SUMS, Z_SUM
+from tessera.mesh import create_mesh, logical_spec, named_shardings
+from tessera.models import ModelDef, build_model, matmul_precision, offloads_to_host
 from tessera.models.attention_choice import select_attention
 from tessera.models.decoder import MTP_LOAD
 from tessera.models.moe import describe_routing
@@ -43,7 +43,6 @@ from tessera.optim import learning_rate_schedule, make_optimizer, schedule_step
 from tessera.optimizer_offload import Offload, check_offload, make_offload, streamed_update
 from tessera.param_masks import check_adamw_mask, frozen_params
 from tessera.seeds import prng_key
-from tessera import spikes
 
 log = logging.getLogger("tessera")
 
@@ -239,7 +238,8 @@ def make_train_step(trainer: Trainer, seed: int):
         key = jax.random.fold_in(prng_key(seed + 1), state["step"]) if use_dropout else None
         mtp_counts, mtp_scale = mtp_step_counts(batch["segment_ids"], mtp_depths) if mtp_depths else (None, None)
         grad_fn = jax.grad(lambda p, b, k: summed_loss(p, b, k, mtp_scale), has_aux=True)
-        grads, loss_sum, targets, auxes = summed_gradients(grad_fn, params, batch, key, accum)
+        with matmul_precision(model.cfg):  # the backward pass's products too
+            grads, loss_sum, targets, auxes = summed_gradients(grad_fn, params, batch, key, accum)
         grads = gradients_to_apply(grads, frozen, grad_dtype)
         count = jnp.maximum(targets, 1.0)
         if mtp_depths:  # the logged multi-token-prediction loss: of the whole step, not a mean of micro-batches'

@@ -34,6 +34,8 @@ REMAT_TENSORS = ("decoder_layer_input", "query_proj", "key_proj", "value_proj", 
                  "mlpwi_0", "mlpwi_1", "mlpwo")
 REMAT_CHOICES = ("remat", "device", "offload")
 DTYPES = ("float32", "bfloat16", "float16")
+# matmul_precision: jax.lax.Precision's names (MaxText's), then JAX's aliases of them (older MaxText wrote float32)
+MATMUL_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
 QUANTIZATION_MODES = ("", "int8", "fp8", "fp8_full", "nanoo_fp8")  # tessera.models.quantization.MODES
 ACTIVATIONS = ("silu", "gelu", "relu", "linear", "tanh", "sigmoid")
 DATASET_TYPES = ("synthetic", "hf", "tfds", "grain")

@@ -70,10 +70,6 @@ REFUSED = {
     "parameter_memory_host_offload": Refused("keep parameters in host memory (MaxText's newer name of "
                                              "param_memory_host_offload); not in Tessera", ("false", "0")),
     # model variants
-    "matmul_precision": Refused(
-        "the precision of float32 matmuls (high, highest or older MaxText's float32: more bfloat16 passes on "
-        "TPUs); Tessera's matmuls use JAX's default: the environment variable JAX_DEFAULT_MATMUL_PRECISION set to the "
-        "same value (e.g. JAX_DEFAULT_MATMUL_PRECISION=highest) has that effect on XLA's matmuls", ("default",)),
     "activations_in_float32": Refused("cast the activations to float32 before each nonlinearity; Tessera computes "
                                       "them in dtype: dtype=float32 computes everything in float32", ("false", "0")),
     "use_tokamax_gmm": Refused("the experts' grouped matmul from the Tokamax library; Tessera's is megablox's Pallas "

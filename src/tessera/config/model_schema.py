@@ -8,9 +8,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from tessera.config.fields import (ATTENTION_KINDS, DECODER_BLOCKS, DTYPES, MAX_HEAD_DIM, MAX_LAYERS,
-                                   MAX_MTP_LAYERS, MAX_VOCAB, MAX_WINDOW, QUANTIZATION_MODES, REMAT_CHOICES,
-                                   REMAT_POLICIES, SA_LAYOUTS, key)
+from tessera.config.fields import (ATTENTION_KINDS, DECODER_BLOCKS, DTYPES, MATMUL_PRECISIONS, MAX_HEAD_DIM,
+                                   MAX_LAYERS, MAX_MTP_LAYERS, MAX_VOCAB, MAX_WINDOW, QUANTIZATION_MODES,
+                                   REMAT_CHOICES, REMAT_POLICIES, SA_LAYOUTS, key)
 
 
 @functools.cache
@@ -76,6 +76,12 @@ class ModelConfig:
     dtype: str = key("float32", "activation (compute) dtype", DTYPES)
     weight_dtype: str = key("float32", "parameter storage dtype (optimizer state follows it; float16: decoding and "
                                         "conversion only, training refuses it)", DTYPES)
+    matmul_precision: str = key("default", "precision of the model's matmuls (MaxText's key; jax.lax.Precision): on TPUs "
+                                "float32 operands take one bfloat16 pass (default), three (high) or full float32 "
+                                "(highest); on GPUs high allows TF32; float32, tensorfloat32 and bfloat16 are JAX's "
+                                "names of highest, high and default; default leaves JAX's own "
+                                "(JAX_DEFAULT_MATMUL_PRECISION). CPUs multiply float32 in full whatever it says",
+                                MATMUL_PRECISIONS)
     num_vocab_tiling: int = key(1, "compute the output logits and cross-entropy in this many chunks of the tokens, "
                                 "recomputed in the backward pass: the [tokens, vocab] logits never exist at once",
                                 minimum=1)

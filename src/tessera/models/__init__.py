@@ -3,7 +3,9 @@ parameters are a plain nested dict of arrays, initialized and applied by pure fu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -16,7 +18,26 @@ from tessera.models.decoder import Decoder, init_cache  # noqa: F401
 from tessera.models.remat import OFFLOADING_POLICIES, REMAT_POLICIES, offloads_to_host  # noqa: F401
 from tessera.models.registry import BLOCKS
 
-__all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model", "offloads_to_host"]
+__all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model", "matmul_precision",
+           "offloads_to_host"]
+
+
+def matmul_precision(cfg: ModelConfig):
+    """A context in which JAX traces the model's products at cfg.matmul_precision ("default": JAX's own, which
+    JAX_DEFAULT_MATMUL_PRECISION sets). The model's methods enter it; a gradient must be taken inside it as well,
+    since JAX derives the backward products after the forward pass is traced (the optimizer's products are not the
+    model's and keep JAX's default)."""
+    precision = cfg.matmul_precision
+    return contextlib.nullcontext() if precision == "default" else jax.default_matmul_precision(precision)
+
+
+def _in_matmul_precision(method):
+    """`method` traced in `matmul_precision(self.cfg)`."""
+    @functools.wraps(method)
+    def traced(self, *args, **kwargs):
+        with matmul_precision(self.cfg):
+            return method(self, *args, **kwargs)
+    return traced
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: a static argument of jitted functions
@@ -34,6 +55,7 @@ class ModelDef:
         model = Decoder(self.cfg, self.attention_kernel, nnx.Rngs(params=key), self.pipeline)
         return nnx.to_pure_dict(nnx.state(model))
 
+    @_in_matmul_precision
     def apply(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
               packed: bool = False, kv_cache=None):
         """Logits [B, T, V] in float32 for `tokens_bt` [B, T]. Decoding passes `kv_cache` (from
@@ -43,6 +65,7 @@ class ModelDef:
             return self.apply_with_aux(params, tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)[0]
         return self._module(params)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed, kv_cache)
 
+    @_in_matmul_precision
     def next_logits(self, params: dict, tokens_bt, positions_bt, segment_ids_bt, kv_cache):
         """(logits [B, V] float32 of each row's last token, updated kv_cache): a decoding call that
         needs only the next token's distribution, so the output layer runs on the last position
@@ -52,21 +75,25 @@ class ModelDef:
         x, _, kv_cache = module.hidden(tokens_bt, positions_bt, segment_ids_bt, None, False, kv_cache)
         return module.logits(x[:, -1:])[:, 0], kv_cache
 
+    @_in_matmul_precision
     def apply_with_aux(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
                        packed: bool = False):
         """(logits, aux): aux holds the layer-averaged auxiliary scalars (MoE losses; {} for dense models)."""
         return self._module(params)(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)
 
+    @_in_matmul_precision
     def hidden_with_aux(self, params: dict, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
                         packed: bool = False):
         """(x [B, T, D], aux): the last block's output, before the final norm and `logits`."""
         return self._module(params).hidden(tokens_bt, positions_bt, segment_ids_bt, dropout_key, packed)[:2]
 
+    @_in_matmul_precision
     def logits(self, params: dict, x_btd, mtp_depth: int = 0):
         """Final norm and output projection of `hidden_with_aux`'s x: [B, T, D] -> [B, T, V] float32
         (`mtp_depth` k > 0: of `mtp_hidden`'s h^k, through that depth's own output norm)."""
         return self._module(params).logits(x_btd, mtp_depth)
 
+    @_in_matmul_precision
     def mtp_hidden(self, params: dict, x_btd, tokens_bt, positions_bt=None, segment_ids_bt=None, dropout_key=None,
                    packed: bool = False):
         """([h^1 .. h^D], aux): the multi-token-prediction depths on `hidden_with_aux`'s x for the
