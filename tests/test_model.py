@@ -287,6 +287,45 @@ def test_matmul_precision_reaches_every_product_of_the_train_step_and_decoding(p
         assert len(found) >= least and set(found) == {(dots, dots)}, (len(found), set(found))
 
 
+@pytest.mark.slow
+def test_pallas_kernels_keep_their_own_precision_under_matmul_precision():
+    """matmul_precision=highest reached splash attention's own products too, which Mosaic refuses to compile in
+    bfloat16 ("Bad lhs type", splash's forward on v5p, AOT). The kernels (splash, megablox) run at JAX's own precision
+    in both passes, the rest of the step at the key's: shown here in their interpreters, with the gradients through
+    the kernels unchanged."""
+    from tessera.models import matmul_precision
+    from tessera.models.grouped import grouped_matmul
+
+    def precisions(text):
+        return set(re.findall(r"precision = \[(\w+), \w+\]", text))
+
+    cfg = tiny_config(matmul_precision="highest", max_target_length=128, head_dim=128, base_emb_dim=256).model
+    model = build_model(cfg, "splash_interpret")
+    params = jax.jit(model.init)(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (1, 128), 0, cfg.vocab_size)
+
+    def grads():
+        return jax.jit(jax.grad(lambda p: jnp.mean(jax.nn.log_softmax(model.apply(p, tokens))[..., 0])))
+
+    with matmul_precision(cfg):
+        text, highest = grads().lower(params).as_text(), grads()(params)
+    assert "pallas" in text.lower() or "splash" in text  # the kernel, in its interpreter
+    assert precisions(text) == {"HIGHEST", "DEFAULT"}  # the projections and the output layer; the kernel
+    lhs, rhs = jax.random.normal(jax.random.key(2), (150, 128)), jax.random.normal(jax.random.key(3), (4, 128, 256))
+    sizes = jnp.array([50, 0, 61, 29], jnp.int32)
+
+    def gmm_grads(kernel):
+        return jax.jit(jax.grad(lambda l, r: jnp.sum(grouped_matmul(l, r, sizes, kernel) ** 2), (0, 1)))
+
+    with jax.default_matmul_precision("highest"):
+        assert precisions(gmm_grads("megablox_interpret").lower(lhs, rhs).as_text()) == {"DEFAULT"}
+        kept = gmm_grads("megablox_interpret")(lhs, rhs)
+    for a, b in zip(kept, gmm_grads("megablox_interpret")(lhs, rhs)):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(highest), jax.tree.leaves(grads()(params))):  # CPUs multiply float32 in full
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_packed_batches_are_logged_as_the_reference_on_gpu():
     """Packed batches (packing=true, a real dataset: the default) always ran the reference on GPUs
     while the log said cuDNN; the choice now says so."""

@@ -3,7 +3,6 @@ parameters are a plain nested dict of arrays, initialized and applied by pure fu
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -15,20 +14,12 @@ from tessera.config import ModelConfig
 from tessera.config.derived import PipelineLayout
 from tessera.config.checks import validate_for_build
 from tessera.models.decoder import Decoder, init_cache  # noqa: F401
+from tessera.models.precision import matmul_precision
 from tessera.models.remat import OFFLOADING_POLICIES, REMAT_POLICIES, offloads_to_host  # noqa: F401
 from tessera.models.registry import BLOCKS
 
 __all__ = ["BLOCKS", "ModelDef", "OFFLOADING_POLICIES", "REMAT_POLICIES", "build_model", "matmul_precision",
            "offloads_to_host"]
-
-
-def matmul_precision(cfg: ModelConfig):
-    """A context in which JAX traces the model's products at cfg.matmul_precision ("default": JAX's own, which
-    JAX_DEFAULT_MATMUL_PRECISION sets). The model's methods enter it; a gradient must be taken inside it as well,
-    since JAX derives the backward products after the forward pass is traced (the optimizer's products are not the
-    model's and keep JAX's default)."""
-    precision = cfg.matmul_precision
-    return contextlib.nullcontext() if precision == "default" else jax.default_matmul_precision(precision)
 
 
 def _in_matmul_precision(method):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from tessera.config import ModelConfig
 from tessera.mesh import traced_platform
+from tessera.models.precision import at_default_precision
 from tessera.models.quantization import ragged_dot as quantized_ragged_dot
 
 log = logging.getLogger(__name__)
@@ -110,8 +111,12 @@ def grouped_matmul(lhs_md, rhs_gdn, group_sizes, kernel: str, quantization: str 
     # the kernel leaves rows of no group unwritten, forward and backward: zero them both ways
     grouped = (jnp.arange(m) < jnp.sum(group_sizes))[:, None]
     lhs_md = jnp.where(grouped, lhs_md, 0)
-    out = megablox.gmm(jnp.pad(lhs_md, ((0, rows - m), (0, 0))), rhs_gdn, group_sizes.astype(jnp.int32),
-                       lhs_md.dtype, tiling, None, None, False, kernel == "megablox_interpret")[:m]
+    def gmm(lhs, rhs, sizes):
+        return megablox.gmm(lhs, rhs, sizes, lhs_md.dtype, tiling, None, None, False, kernel == "megablox_interpret")
+
+    # (matmul_precision does not reach the kernel's products)
+    out = at_default_precision(gmm, jnp.pad(lhs_md, ((0, rows - m), (0, 0))), rhs_gdn, group_sizes.astype(jnp.int32))
+    out = out[:m]
     return jnp.where(grouped, out, 0)
 
 

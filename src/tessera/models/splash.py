@@ -43,6 +43,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention.splash_attention_mask impo
 from jax.sharding import PartitionSpec as P
 
 from tessera.config import ConfigError, ModelConfig
+from tessera.models.precision import at_default_precision
 
 BLOCK_KEYS = ("sa_block_q", "sa_block_kv", "sa_block_kv_compute", "sa_block_q_dkv", "sa_block_kv_dkv",
               "sa_block_kv_dkv_compute", "sa_block_q_dq", "sa_block_kv_dq")
@@ -224,8 +225,11 @@ def _attend(kernel, q_btnh, k_bskh, v_bskh, segment_q_bt, segment_kv_bs, sinks_n
     k, v = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)  # [B, K, S, H]
     sinks_kg = None if sinks_n is None else sinks_n.reshape(kv, n // kv)
 
-    def one(q_gth, k_sh, v_sh, sinks_g, seg_q, seg_kv):
+    def run(kernel, q_gth, k_sh, v_sh, sinks_g, seg_q, seg_kv):
         return kernel(q_gth, k_sh, v_sh, segment_ids=sa.SegmentIds(q=seg_q, kv=seg_kv), sinks=sinks_g)
+
+    def one(*args):  # (matmul_precision does not reach the kernel's products; its masks are arguments, not closed over)
+        return at_default_precision(run, kernel, *args)
 
     per_head = jax.vmap(one, in_axes=(0, 0, 0, None if sinks_kg is None else 0, None, None))  # over kv heads
     out = jax.vmap(per_head, in_axes=(0, 0, 0, None, 0, 0))(q, k, v, sinks_kg, segment_q_bt, segment_kv_bs)
