@@ -809,7 +809,6 @@ def test_base_config_repeated_on_the_command_line_is_told_apart(tmp_path, caplog
 # unknown key before: the value of each recipe, then a value that asks for what Tessera lacks
 RECIPE_KEYS_REFUSED_UNLESS_OFF = [
     ("checkpoint_storage_concurrent_gb", "96", "1024", "Tessera's is 96"),  # the DeepSeek scripts
-    ("activations_in_float32", "false", "true", "dtype=float32"),
     ("shard_mode", "auto", "explicit", "auto mode"),
     ("context_parallel_strategy", "all_gather", "ring", "gathers them along the axis"),
     ("save_checkpoint_on_completion", "true", "false", "enable_checkpointing=false to save none"),

@@ -326,6 +326,43 @@ def test_pallas_kernels_keep_their_own_precision_under_matmul_precision():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_activations_in_float32_computes_the_mlps_nonlinearities_in_float32_and_rounds_once():
+    """MaxText's activations_in_float32 (refused before): the dense MLP's and the experts' activations and gated
+    product in float32 from bfloat16 projections, rounded once before the output projection; every family's MLPs
+    and experts take it (a block building its MLP by hand would not)."""
+    from flax import nnx
+
+    from tessera.models.layers import ACTIVATIONS, Mlp
+    from tessera.models.moe import MoeMlp
+    from tessera.models.registry import BLOCKS
+    from test_families import FAMILIES
+
+    cfg = tiny_config(dtype="bfloat16", activations_in_float32=True).model
+    mlp = Mlp.of(cfg, nnx.Rngs(params=0))
+    x = jax.random.normal(jax.random.key(1), (2, 5, cfg.emb_dim), jnp.bfloat16)
+    gate, up = (p.astype(jnp.float32) for p in mlp.project_in(x))
+    h = (ACTIVATIONS["silu"](gate) * up).astype(jnp.bfloat16)
+    want = jnp.einsum("btf,fd->btd", h, mlp.wo_fd[...].astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(mlp(x), np.float32), np.asarray(want.astype(jnp.bfloat16), np.float32),
+                               rtol=1e-2, atol=1e-2)
+    plain = Mlp.of(dataclasses.replace(cfg, activations_in_float32=False), nnx.Rngs(params=0))
+    silu = r"call @silu\(%\w+\) : \(tensor<[\dx]+x(\w+)>"  # jax.nn.silu's function in the lowered program
+    assert re.findall(silu, jax.jit(mlp).lower(x).as_text()) == ["f32"]
+    assert re.findall(silu, jax.jit(plain).lower(x).as_text()) == ["bf16"]  # bfloat16 without the key
+    moe = MoeMlp(dataclasses.replace(cfg, num_experts=4, num_experts_per_tok=2, decoder_block="mixtral"),
+                 nnx.Rngs(params=0))
+    projections = [jnp.ones((3, 7), jnp.bfloat16) * 0.3, jnp.ones((3, 7), jnp.bfloat16)]
+    assert re.findall(silu, jax.jit(moe.gated).lower(projections).as_text()) == ["f32"]
+    assert moe.gated(projections).dtype == jnp.bfloat16
+    for family, keys in FAMILIES.items():
+        model = nnx.eval_shape(lambda: BLOCKS[keys["decoder_block"]](
+            tiny_config(**keys, activations_in_float32=True).model, "dot_product", nnx.Rngs(params=0)))
+        mlps = [m for _, m in nnx.iter_graph(model) if isinstance(m, Mlp)]
+        experts = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoeMlp)]
+        assert mlps or experts, family
+        assert all(m.in_fp32 for m in mlps) and all(m.cfg.activations_in_float32 for m in experts), family
+
+
 def test_packed_batches_are_logged_as_the_reference_on_gpu():
     """Packed batches (packing=true, a real dataset: the default) always ran the reference on GPUs
     while the log said cuDNN; the choice now says so."""

@@ -70,8 +70,6 @@ REFUSED = {
     "parameter_memory_host_offload": Refused("keep parameters in host memory (MaxText's newer name of "
                                              "param_memory_host_offload); not in Tessera", ("false", "0")),
     # model variants
-    "activations_in_float32": Refused("cast the activations to float32 before each nonlinearity; Tessera computes "
-                                      "them in dtype: dtype=float32 computes everything in float32", ("false", "0")),
     "use_tokamax_gmm": Refused("the experts' grouped matmul from the Tokamax library; Tessera's is megablox's Pallas "
                                "kernel (megablox=true, on TPUs) or jax.lax.ragged_dot", ("false", "0")),
     "use_tokamax_splash": Refused("splash attention from the Tokamax library; Tessera's attention=flash runs JAX's "

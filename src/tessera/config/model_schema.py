@@ -76,6 +76,10 @@ class ModelConfig:
     dtype: str = key("float32", "activation (compute) dtype", DTYPES)
     weight_dtype: str = key("float32", "parameter storage dtype (optimizer state follows it; float16: decoding and "
                                         "conversion only, training refuses it)", DTYPES)
+    activations_in_float32: bool = key(False, "the MLPs' and experts' activation functions, and their gated product, in "
+                                       "float32 from projections in dtype, rounded to dtype once before the output "
+                                       "projection (MaxText's key; with dtype=bfloat16 the nonlinearities are then "
+                                       "exact to float32)")
     matmul_precision: str = key("default", "precision of the model's matmuls (MaxText's key; jax.lax.Precision): on TPUs "
                                 "float32 operands take one bfloat16 pass (default), three (high) or full float32 "
                                 "(highest); on GPUs high allows TF32; float32, tensorfloat32 and bfloat16 are JAX's "

@@ -59,8 +59,7 @@ class Gemma2Layer(nnx.Module):
                                    local_rope=local_rope)
         self.post_attention_norm = make_norm(norm, cfg, rngs)
         self.pre_mlp_norm = make_norm(norm, cfg, rngs)
-        self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
-                       use_bias=cfg.mlp_bias, fused=cfg.fused_mlp, quantization=cfg.quantization)
+        self.mlp = Mlp.of(cfg, rngs)
         self.post_mlp_norm = make_norm(norm, cfg, rngs)
         self.dropout_rate = dropout_rate(cfg)
 

@@ -34,8 +34,7 @@ class Gpt3Block(Block):
         self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=cfg.sliding_window_size,
                                    use_bias=True, use_rope=False)
         self.pre_mlp_norm = make_norm(self.norm, cfg, rngs)
-        self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
-                       use_bias=True, fused=cfg.fused_mlp, quantization=cfg.quantization)
+        self.mlp = Mlp.of(cfg, rngs, use_bias=True)
         self.dropout_rate = dropout_rate(cfg)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):

@@ -286,7 +286,7 @@ class Mlp(nnx.Module):
     gated product mlpwi and the output mlpwo."""
 
     def __init__(self, dim: int, hidden: int, activations: list[str], dtype, weight_dtype, rngs: nnx.Rngs,
-                 use_bias: bool = False, fused: bool = False, quantization: str = ""):
+                 use_bias: bool = False, fused: bool = False, quantization: str = "", in_fp32: bool = False):
         n = len(activations)
         if fused:
             self.wi_dcf = param(rngs, (dim, n, hidden), ("embed", None, "mlp"), weight_dtype, fan_in_std(dim))
@@ -301,7 +301,16 @@ class Mlp(nnx.Module):
         if use_bias:
             self.bo_d = param(rngs, (dim,), ("norm",), weight_dtype, None, fill=0.0)
         self.activations, self.dtype, self.use_bias, self.fused = tuple(activations), dtype, use_bias, fused
-        self.quantization = quantization
+        self.quantization, self.in_fp32 = quantization, in_fp32
+
+    @classmethod
+    def of(cls, cfg, rngs: nnx.Rngs, hidden: int = 0, *, use_bias: bool | None = None, fused: bool | None = None
+           ) -> Mlp:
+        """The model's MLP (a ModelConfig's sizes, activations, dtypes, biases, fusion, quantization and
+        activations_in_float32), `hidden` wide (default mlp_dim); `use_bias` and `fused` override the config's."""
+        return cls(cfg.emb_dim, hidden or cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs, use_bias=cfg.mlp_bias if use_bias is None else use_bias,
+                   fused=cfg.fused_mlp if fused is None else fused, quantization=cfg.quantization,
+                   in_fp32=cfg.activations_in_float32)
 
     def project_in(self, x_btd: jax.Array) -> list[jax.Array]:
         """The input projections x W_i (+ b_i), one [B, T, F] per activation."""
@@ -318,8 +327,10 @@ class Mlp(nnx.Module):
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         h_btf = None
         for i, (name, a) in enumerate(zip(self.activations, self.project_in(x_btd))):
-            a = ACTIVATIONS[name](checkpoint_name(a, f"mlpwi_{i}"))
+            a = checkpoint_name(a, f"mlpwi_{i}")
+            a = ACTIVATIONS[name](a.astype(jnp.float32) if self.in_fp32 else a)
             h_btf = a if h_btf is None else h_btf * a
+        h_btf = h_btf.astype(self.dtype)  # (activations_in_float32: rounded once, here)
         h_btf = checkpoint_name(shard_logically(h_btf, ("batch", "length", "act_mlp")), "mlpwi")
         out = project("btf,fd->btd", h_btf, self.wo_fd[...].astype(self.dtype), quantization=self.quantization)
         if self.use_bias:

@@ -38,8 +38,7 @@ class LlamaBlock(Block):
         return Attention(cfg, attention_kernel, rngs, sliding_window=cfg.sliding_window_size, qk_norm=self.qk_norm)
 
     def make_mlp(self, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Module:
-        return Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
-                   use_bias=cfg.mlp_bias, fused=cfg.fused_mlp, quantization=cfg.quantization)
+        return Mlp.of(cfg, rngs)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, dropout_key, packed: bool, kv_cache=None):
         keys = dropout_keys(dropout_key, 2)

@@ -56,8 +56,7 @@ class Llama4Layer(nnx.Module):
         if moe:
             self.mlp = MoeMlp(cfg, rngs, scale_inputs=True)
         else:
-            self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
-                           use_bias=cfg.mlp_bias, quantization=cfg.quantization)
+            self.mlp = Mlp.of(cfg, rngs, fused=False)
         self.moe, self.dropout_rate = moe, dropout_rate(cfg)
 
     def __call__(self, x_btd, positions_bt, segment_ids_bt, keys, packed: bool, kv_cache=None):

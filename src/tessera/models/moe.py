@@ -118,8 +118,7 @@ class MoeMlp(nnx.Module):
         if cfg.mlp_bias:
             self.bo_ed = param(rngs, (e, d), ("exp", "embed"), wdtype, None, fill=0.0)
         if cfg.shared_experts:
-            self.shared = Mlp(d, cfg.shared_experts * f, cfg.mlp_activations, cfg.dtype, wdtype, rngs,
-                              use_bias=cfg.mlp_bias, quantization=cfg.quantization)
+            self.shared = Mlp.of(cfg, rngs, cfg.shared_experts * f, fused=False)
         self.cfg, self.dtype = cfg, cfg.dtype
         self.dropless = cfg.sparse_matmul or cfg.megablox
         self.router_bias, self.clamped_glu, self.scale_inputs = router_bias, clamped_glu, scale_inputs
@@ -184,16 +183,19 @@ class MoeMlp(nnx.Module):
         """The experts' activation of their input projections: the product of mlp_activations applied
         to each, or gpt-oss's clamped gate (`clamped_glu`)."""
         acts = [ACTIVATIONS[name] for name in self.cfg.mlp_activations]
+        dtype = projections[0].dtype
+        if self.cfg.activations_in_float32:  # rounded to dtype once, at the end
+            projections = [a.astype(jnp.float32) for a in projections]
         if not self.clamped_glu:
             out = None
             for act, a in zip(acts, projections):
                 out = act(a) if out is None else out * act(a)
-            return out
+            return out.astype(dtype)
         gate, up = projections
         limit = self.cfg.mlp_activations_limit
         if limit > 0:
             gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-        return gate * acts[0](SWIGLU_ALPHA * gate) * (up + 1)
+        return (gate * acts[0](SWIGLU_ALPHA * gate) * (up + 1)).astype(dtype)
 
     def capacity_experts(self, x_btd, experts_btk, weights_btk):
         b, t, _ = x_btd.shape

@@ -42,8 +42,7 @@ class Olmo3Layer(nnx.Module):
         self.attention = Attention(cfg, attention_kernel, rngs, sliding_window=window, qk_norm="rms_all_heads",
                                    local_rope=local_rope)
         self.post_attention_norm = make_norm("rms", cfg, rngs)
-        self.mlp = Mlp(cfg.emb_dim, cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
-                       use_bias=cfg.mlp_bias, fused=cfg.fused_mlp, quantization=cfg.quantization)
+        self.mlp = Mlp.of(cfg, rngs)
         self.post_mlp_norm = make_norm("rms", cfg, rngs)
         self.dropout_rate = dropout_rate(cfg)
 
