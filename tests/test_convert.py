@@ -8,7 +8,7 @@ import re
 import numpy as np
 import pytest
 
-from tessera.tools import hf_checkpoint
+from tessera.tools import hf_checkpoint, hf_reader
 from tessera.tools.convert import main
 from tessera.tools.estimate import load_model_config
 
@@ -126,14 +126,14 @@ def test_mxfp4_tensors_are_read_as_the_values_they_hold(tmp_path):
     save_file({"x.gate_up_proj_blocks": blocks, "x.gate_up_proj_scales": scales, "x.other": np.ones(3, np.float32)},
               str(tmp_path / "model.safetensors"))
     (tmp_path / "config.json").write_text("{}")
-    reader = hf_checkpoint.Reader(tmp_path)
+    reader = hf_reader.Reader(tmp_path)
     assert sorted(reader.names) == ["x.gate_up_proj", "x.other"]
     values = reader.get("x.gate_up_proj")
     assert values.shape == (2, 64, 3) and values.dtype == ml_dtypes.bfloat16
     for e, c, r in [(0, 0, 0), (1, 37, 2), (1, 63, 1), (0, 32, 2)]:
         byte = blocks[e, r, c // 32, (c % 32) // 2]
         code = byte & 0x0F if c % 2 == 0 else byte >> 4
-        assert float(values[e, c, r]) == hf_checkpoint.FP4_E2M1[code] * 2.0 ** (int(scales[e, r, c // 32]) - 127)
+        assert float(values[e, c, r]) == hf_reader.FP4_E2M1[code] * 2.0 ** (int(scales[e, r, c // 32]) - 127)
     np.testing.assert_array_equal(reader.get("x.other"), np.ones(3, np.float32))
 
 
@@ -301,7 +301,7 @@ def test_float8_weights_with_block_scales_convert_to_the_values_they_hold(checkp
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [16, 16]}
     (dst / "config.json").write_text(json.dumps(config))
-    assert sorted(hf_checkpoint.Reader(dst).names) == sorted(original)  # a weight and its scales: one tensor
+    assert sorted(hf_reader.Reader(dst).names) == sorted(original)  # a weight and its scales: one tensor
     assert main(["hf-to-tessera", str(dst), str(tmp_path / "tessera"), *KEYS]) == 0
     assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "back"), *KEYS]) == 0
     back = load_file(str(tmp_path / "back" / "model.safetensors"))

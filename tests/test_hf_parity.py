@@ -18,11 +18,11 @@ from conftest import REPO
 
 from tessera.checkpointing import load_parameters
 from tessera.models import build_model
-from tessera.tools import hf_checkpoint, hf_env
+from tessera.tools import hf_env, hf_reader
 from tessera.tools.check_logits import compare
 from tessera.tools.convert import hf_to_tessera, tessera_to_hf
 from tessera.tools.estimate import load_model_config
-from tessera.tools.hf_checkpoint import Reader, mxfp4_values
+from tessera.tools.hf_reader import Reader, mxfp4_values
 from tessera.tools.hf_config_out import hf_config
 from tessera.tools.hf_configs import as_overrides, config_from_hf
 
@@ -270,7 +270,7 @@ def test_a_kimi_k2_checkpoint_in_float8_converts_to_the_logits_of_its_values(hf_
         if w.ndim == 2 and name.endswith("proj.weight"):  # attention's and the MLPs' projections, experts' too
             q, scale = _block_quantized(w, 16, 16)
             stored.update({name: q, name + "_scale_inv": scale})
-            values[name] = hf_checkpoint.block_dequantized(q, scale, (16, 16), name)
+            values[name] = hf_reader.block_dequantized(q, scale, (16, 16), name)
     assert sum(n.endswith("_scale_inv") for n in stored) > 20
     config = json.loads((hf_model("deepseek") / "config.json").read_text())
     for folder, tensors, changes in (

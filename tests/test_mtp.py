@@ -312,7 +312,7 @@ def test_deepseek_mtp_layers_convert_to_hugging_face_and_back(scan_layers, tmp_p
     hnorm, eh_proj [D, 2D] = [embedding | hidden] inputs, shared_head.norm, and copies of the
     embedding and output layer); the round trip is exact, and mtp_num_layers decides what is read."""
     from tessera.checkpointing import load_parameters
-    from tessera.tools import hf_checkpoint
+    from tessera.tools import hf_checkpoint, hf_reader
     from tessera.tools.convert import main
     from tessera.tools.estimate import load_model_config
     from tessera.tools.hf_configs import as_overrides
@@ -327,7 +327,7 @@ def test_deepseek_mtp_layers_convert_to_hugging_face_and_back(scan_layers, tmp_p
     hf_checkpoint.save_params(tmp_path / "tessera", params)
     assert main(["tessera-to-hf", str(tmp_path / "tessera"), str(tmp_path / "hf"), *keys, "mtp_num_layers=1"]) == 0
 
-    reader, layer, d = hf_checkpoint.Reader(tmp_path / "hf"), "model.layers.3.", cfg.model.emb_dim
+    reader, layer, d = hf_reader.Reader(tmp_path / "hf"), "model.layers.3.", cfg.model.emb_dim
     assert reader.config["num_nextn_predict_layers"] == 1
     mtp = params["mtp_1"]
     np.testing.assert_array_equal(reader.get(layer + "eh_proj.weight")[:, :d], mtp["projection_ced"][0].T)

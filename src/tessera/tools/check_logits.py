@@ -92,7 +92,7 @@ def run(argv: list[str]) -> int:
         raise UsageError(f"give a Hugging Face folder and a Tessera checkpoint (got {positional})\nusage: {USAGE}")
     hf_dir = Path(resolve_path(positional[0], "Hugging Face folder"))
     checkpoint = resolve_path(positional[1], "checkpoint")
-    from tessera.tools.hf_checkpoint import read_hf_config
+    from tessera.tools.hf_reader import read_hf_config
 
     hf_config = read_hf_config(hf_dir)
     cfg = load_model_config(None, overrides)

@@ -97,9 +97,9 @@ def _as_olmo3(wanted: dict, m) -> dict:
 
 def hf_to_tessera(hf_dir: Path, out_dir: Path, cfg: Config) -> Path:
     """Write the Hugging Face checkpoint in `hf_dir` as a Tessera params checkpoint in `out_dir`."""
-    from tessera.tools import hf_checkpoint  # JAX and Orbax: imported when converting, not for --help
+    from tessera.tools import hf_checkpoint, hf_reader  # JAX and Orbax: imported when converting, not for --help
 
-    reader = hf_checkpoint.Reader(hf_dir)
+    reader = hf_reader.Reader(hf_dir)
     check_same_model(cfg, reader.config)
     _check_mtp(cfg.model, reader.config)
     if out_dir.exists():
