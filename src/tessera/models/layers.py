@@ -283,7 +283,8 @@ class Mlp(nnx.Module):
     `use_bias` adds a bias after every projection (GPT-3 style). `fused` (gated only) stores
     W0 and W1 as one [D, 2, F] weight `wi_dcf` (wi_dcf[:, i] is wi_i) run as one matmul.
     The pre-activation projections are named mlpwi_0 and mlpwi_1 for rematerialization, their
-    gated product mlpwi and the output mlpwo."""
+    gated product mlpwi and the output mlpwo. `in_fp32` (activations_in_float32) computes the
+    activations and their product in float32, rounded to `dtype` once before W_out."""
 
     def __init__(self, dim: int, hidden: int, activations: list[str], dtype, weight_dtype, rngs: nnx.Rngs,
                  use_bias: bool = False, fused: bool = False, quantization: str = "", in_fp32: bool = False):
@@ -308,7 +309,8 @@ class Mlp(nnx.Module):
            ) -> Mlp:
         """The model's MLP (a ModelConfig's sizes, activations, dtypes, biases, fusion, quantization and
         activations_in_float32), `hidden` wide (default mlp_dim); `use_bias` and `fused` override the config's."""
-        return cls(cfg.emb_dim, hidden or cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs, use_bias=cfg.mlp_bias if use_bias is None else use_bias,
+        return cls(cfg.emb_dim, hidden or cfg.mlp_dim, cfg.mlp_activations, cfg.dtype, cfg.weight_dtype, rngs,
+                   use_bias=cfg.mlp_bias if use_bias is None else use_bias,
                    fused=cfg.fused_mlp if fused is None else fused, quantization=cfg.quantization,
                    in_fp32=cfg.activations_in_float32)
 
