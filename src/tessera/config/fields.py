@@ -12,6 +12,8 @@ from typing import Any
 # package) so that validating a config never imports JAX.
 DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen2", "qwen3", "qwen3_moe", "gemma3",
                   "deepseek", "gpt_oss", "llama4", "olmo3", "olmo2")
+# families of OLMo's layer: norms after attention and the MLP only, query and key norms over all heads
+OLMO_BLOCKS = ("olmo3", "olmo2")
 # families whose MLP is a mixture of experts (num_experts >= 2)
 MOE_BLOCKS = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss", "llama4")
 SA_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")

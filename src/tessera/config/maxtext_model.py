@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping
 
+from tessera.config.fields import OLMO_BLOCKS
+
 
 # Tessera's Gemma blocks scale the token embeddings by sqrt(emb_dim) on the way in, where MaxText's store the table
 # times sqrt(emb_dim) and divide the tied logits by it (normalize_embedding_logits=true, its default): the same model.
@@ -37,7 +39,7 @@ def _post_norm(name: str, where: str) -> Callable[[bool, Any], str]:
     def check(on: bool, m) -> str:
         # MaxText's olmo3 always has its post norms whatever these say (its olmo3 file leaves them at false), as here
         # (and olmo2, which MaxText does not have: the same layer)
-        if on == (m.decoder_block in POST_NORM_BLOCKS) or m.decoder_block in ("olmo3", "olmo2"):
+        if on == (m.decoder_block in POST_NORM_BLOCKS) or m.decoder_block in OLMO_BLOCKS:
             return ""
         if on:
             return (f"{name}=true adds a norm after {where} in MaxText's gemma2 and gemma3 blocks; "

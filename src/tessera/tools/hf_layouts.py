@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 
 from tessera.config import ConfigError, ModelConfig
+from tessera.config.fields import OLMO_BLOCKS
 from tessera.config.layers import LAYERS_PER_BLOCK
 
 
@@ -161,7 +162,7 @@ def _llama_like(m: ModelConfig, family: str) -> Layout:
            linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h))]
     layer = qkv_rules(m, qkv, "attention/wqkv_dcnh", 1) + [
         linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d))]
-    olmo = family in ("olmo3", "olmo2")
+    olmo = family in OLMO_BLOCKS
     if not olmo:  # (OLMo 2 and 3 have no norm before attention)
         layer.append(same("pre_attention_norm/scale", "input_layernorm.weight"))
     if m.attention_bias:

@@ -25,6 +25,7 @@ import math
 
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.derived import pipeline_layout
+from tessera.config.fields import OLMO_BLOCKS
 from tessera.config.layers import dense_layers
 from tessera.metrics import mla_matmul_params
 
@@ -64,7 +65,7 @@ def count_params(m: ModelConfig) -> ParamCounts:
     norm = 2 * d if layer_norm else d
     norms = norm * (4 if m.decoder_block in ("gemma2", "gemma3") else 2)
     norms += 2 * h if m.decoder_block in ("qwen3", "qwen3_moe", "gemma3") else 0  # per-head q and k norms
-    norms += (n + k) * h if m.decoder_block in ("olmo3", "olmo2") else 0  # q and k norms over all heads
+    norms += (n + k) * h if m.decoder_block in OLMO_BLOCKS else 0  # q and k norms over all heads
     positions = m.trainable_position_size * d if m.decoder_block == "gpt3" else 0
     embeddings = d * m.vocab_size * (1 if m.logits_via_embedding else 2) + norm + positions  # + final norm
     per_layer = attention + m.num_experts * expert_mlp + shared + router + norms
