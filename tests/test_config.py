@@ -1074,6 +1074,16 @@ def test_keys_a_run_does_not_read_are_named():
         "local_rope_max_timescale=100: no effect, it is the rotary theta of the local layers of decoder_block=gemma3 "
         "and olmo3; decoder_block=llama2 uses rope_max_timescale",
         "beta_fast=8.0, mscale=0.5: no effect with rope_scaling=none"]
+    # qwen3_next's Gated DeltaNet sizes on another family; its layers of a pattern have no local rotary theta
+    gdn = load_config([BASE, "gdn_num_value_heads=64", "gdn_chunk_size=128"], env={})
+    assert keys_without_effect(gdn, {"fsdp": 8}) == [
+        "gdn_num_value_heads=64, gdn_chunk_size=128: no effect, they size the Gated DeltaNet layers of "
+        "decoder_block=qwen3_next; decoder_block=llama2 has none"]
+    nxt = load_config([BASE, "decoder_block=qwen3_next", "num_experts=4", "num_experts_per_tok=2",
+                       "local_rope_max_timescale=100"], env={})
+    assert keys_without_effect(nxt, {"fsdp": 8}) == [
+        "local_rope_max_timescale=100: no effect, it is the rotary theta of the local layers of decoder_block=gemma3 "
+        "and olmo3; decoder_block=qwen3_next uses rope_max_timescale"]
     dense = load_config([BASE, "shared_experts=1", "base_moe_mlp_dim=512"], env={})
     assert keys_without_effect(dense, {"fsdp": 8}) == [
         "shared_experts=1, base_moe_mlp_dim=512: no effect on a dense model (num_experts=1), whose MLP is base_mlp_dim "

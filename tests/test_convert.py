@@ -1528,3 +1528,37 @@ def test_the_olmo2_model_files_are_the_official_configs_and_export_as_olmo2(name
     assert (written["model_type"], written["hidden_size"], written["num_key_value_heads"], written["intermediate_size"],
             written["vocab_size"]) == ("olmo2", official[0], official[2], official[4] // 2, official[5])
     assert config_from_hf(written)["decoder_block"] == "olmo2"
+
+
+QWEN3_NEXT = ["decoder_block=qwen3_next", "base_emb_dim=64", "base_num_decoder_layers=8", "base_num_query_heads=4",
+              "base_num_kv_heads=2", "head_dim=16", "partial_rotary_factor=0.25", "num_experts=8",
+              "num_experts_per_tok=2", "base_mlp_dim=32", "shared_experts=2", "gdn_num_key_heads=2",
+              "gdn_num_value_heads=4", "gdn_key_head_dim=16", "gdn_value_head_dim=8"]
+
+
+def test_a_qwen3_next_config_json_round_trips_and_its_other_variants_are_refused():
+    """Qwen3-Next's config.json as tessera-to-hf writes it reads back as the same model (partial rotary from
+    rope_parameters; without it transformers' default quarter); the variants Tessera does not build are refused:
+    another layer pattern, dense layers, attention biases, a shared expert that is not whole experts wide."""
+    from tessera.config import ConfigError
+    from tessera.tools.hf_config_out import hf_config
+    from tessera.tools.hf_configs import as_overrides, config_from_hf
+
+    m = load_model_config(None, QWEN3_NEXT).model
+    written = hf_config(m, 4096)
+    assert written["layer_types"] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + [
+        "full_attention"]
+    assert written["shared_expert_intermediate_size"] == 64 and written["rope_parameters"]["partial_rotary_factor"] == 0.25
+    assert load_model_config(None, as_overrides(config_from_hf(written))).model == m
+    released = {k: v for k, v in written.items() if k != "layer_types"}
+    released["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}  # as transformers 4 wrote it
+    assert config_from_hf(released)["partial_rotary_factor"] == 0.25
+    for change, message in [
+            ({"layer_types": ["full_attention", "linear_attention"] * 4}, "layer_types are not the 3 linear-attention"),
+            ({"full_attention_interval": 2, "layer_types": None}, "layer_types are not the 3 linear-attention"),
+            ({"decoder_sparse_step": 2}, "dense MLP layers between expert layers"),
+            ({"num_experts": 0}, r"dense MLPs \(num_experts < 2\)"),
+            ({"attention_bias": True}, "attention_bias=true"),
+            ({"shared_expert_intermediate_size": 48}, "shared expert is 48 wide, not a multiple of its experts' width 32")]:
+        with pytest.raises(ConfigError, match=message):
+            config_from_hf({**written, **change})

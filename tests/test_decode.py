@@ -67,6 +67,15 @@ FAMILIES = {
                    shared_experts=1, routed_score_func="sigmoid", norm_topk_prob=False, use_qk_norm=True,
                    chunk_attn_window_size=3, nope_layer_interval=4, temperature_tuning=True,
                    temperature_tuning_floor_scale=3.0, interleave_moe_layer_step=2, sparse_matmul=True),
+    # 6 layers: one 3-linear/1-full pattern and a tail of two Gated DeltaNets (memory and convolution carried in the
+    # cache; chunks of 4, so a prompt crosses chunks), a quarter of each head rotating, a gated shared expert
+    "qwen3_next": dict(decoder_block="qwen3_next", base_num_decoder_layers=6, head_dim=8, partial_rotary_factor=0.25,
+                       num_experts=4, num_experts_per_tok=2, shared_experts=1, gdn_num_key_heads=2,
+                       gdn_num_value_heads=4, gdn_key_head_dim=8, gdn_value_head_dim=6, gdn_chunk_size=4,
+                       sparse_matmul=True),
+    "qwen3_next loop": dict(decoder_block="qwen3_next", base_num_decoder_layers=5, num_experts=4, num_experts_per_tok=2,
+                            shared_experts=1, gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_head_dim=8,
+                            gdn_value_head_dim=6, scan_layers=False),
 }
 
 

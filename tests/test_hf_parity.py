@@ -122,6 +122,9 @@ CASES = {
     "olmo2-unscanned": ("olmo2", ("scan_layers=false",)),
     # the same checkpoint as Tessera's olmo3 without windows (4-layer blocks, the local layers at the global theta)
     "olmo2-as-olmo3": ("olmo2", ("decoder_block=olmo3", "local_rope_max_timescale=-1")),
+    # chunks of 4 tokens: the 9-token rows cross two chunk boundaries (one chunk would hold them whole)
+    "qwen3_next-dropless": ("qwen3_next", ("sparse_matmul=true", "gdn_chunk_size=4")),
+    "qwen3_next-capacity-unscanned": ("qwen3_next", ("capacity_factor=-1", "scan_layers=false")),
 }
 
 
@@ -156,7 +159,8 @@ def test_logits_match_transformers(case, hf_model, reference_logits, tmp_path):
                                           ("llama_bias_yarn", ("fused_mlp=true",)),
                                           ("llama4", ()), ("llama4", ("scan_layers=false",)), ("olmo3", ()),
                                           ("olmo3", ("scan_layers=false",)), ("olmo2", ()),
-                                          ("olmo2", ("decoder_block=olmo3", "local_rope_max_timescale=-1"))])
+                                          ("olmo2", ("decoder_block=olmo3", "local_rope_max_timescale=-1")),
+                                          ("qwen3_next", ()), ("qwen3_next", ("scan_layers=false",))])
 @pytest.mark.slow
 def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
     hf_dir = hf_model(family)
@@ -171,9 +175,10 @@ def test_round_trip_is_exact(family, extra, hf_model, tmp_path):
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), name
     # the written config.json describes the same model, and transformers loads what we wrote
     assert config_from_hf(json.loads((tmp_path / "back" / "config.json").read_text())) == config_from_hf(original.config)
-    if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek", "deepseek_v2", "olmo3", "olmo2") \
+    if family not in ("gemma2", "mixtral", "qwen3_moe", "gemma3", "deepseek", "deepseek_v2", "olmo3", "olmo2",
+                      "qwen3_next") \
             or extra == ("scan_layers=false",) \
-            and family in ("gemma3", "deepseek", "olmo3"):
+            and family in ("gemma3", "deepseek", "olmo3", "qwen3_next"):
         return  # the richest configs, once each (each check costs a reference run of two models)
     tokens, _ = _padded_batch(cfg.model.vocab_size)
     back_logits, original_logits = hf_env.reference_outputs_many([(tmp_path / "back", tokens), (hf_dir, tokens)])

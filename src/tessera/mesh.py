@@ -61,6 +61,7 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
     "embed_lookup": ("fsdp", "expert"),
     "vocab": ("tensor",),
     "heads": ("tensor",),
+    "linear_heads": ("tensor",),  # qwen3_next's Gated DeltaNet heads (query/key and value heads alike)
     "kv_heads": ("tensor",),
     "head_dim": (),
     "mlp": ("tensor",),
@@ -72,7 +73,8 @@ LOGICAL_RULES: dict[str, tuple[str, ...]] = {
 # weights and their compute would be copied to every device of the axis, which is never what a
 # tensor-parallel config means. kv_heads is not here: with grouped-query attention fewer kv heads
 # than tensor ways is normal (each is then replicated over a few devices).
-MUST_DIVIDE = {"heads": "attention query heads (num_query_heads)", "mlp": "MLP width (mlp_dim)"}
+MUST_DIVIDE = {"heads": "attention query heads (num_query_heads)", "mlp": "MLP width (mlp_dim)",
+               "linear_heads": "Gated DeltaNet heads (gdn_num_key_heads and gdn_num_value_heads)"}
 
 
 def _resolve(kind: str, sizes: dict[str, int], total: int, units: tuple[str, str], note: str = "") -> dict[str, int]:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tessera.config import ModelConfig
-from tessera.config.layers import dense_layers, layer_attention
+from tessera.config.layers import dense_layers, layer_attention, linear_attention_layers
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,11 @@ def matmul_params(cfg: ModelConfig) -> int:
     d, n, k, h, f = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim
     gated = len(cfg.mlp_activations) + 1
     attention = mla_matmul_params(cfg) if cfg.decoder_block == "deepseek" else d * n * h * 2 + d * k * h * 2
+    linear = linear_attention_layers(cfg)
+    if cfg.decoder_block == "qwen3_next":  # the output gate's projection; the Gated DeltaNets' (averaged per layer)
+        attention += d * n * h
+        layers = cfg.num_decoder_layers
+        attention = ((layers - linear) * attention + linear * gated_deltanet_matmul_params(cfg)) // layers
     dense_mlp = d * f * gated
     mlp = dense_mlp
     if cfg.num_experts > 1:
@@ -46,6 +51,21 @@ def matmul_params(cfg: ModelConfig) -> int:
     logits = d * cfg.vocab_size * (2 if cfg.use_iota_embed else 1)  # iota embedding is a matmul too
     mtp = cfg.mtp_num_layers * (attention + mlp + 2 * d * d + logits)
     return (cfg.num_decoder_layers - dense) * (attention + mlp) + dense * (attention + dense_mlp) + logits + mtp
+
+
+def gated_deltanet_matmul_params(cfg: ModelConfig) -> int:
+    """A Gated DeltaNet layer's projection weights (tessera.models.gated_deltanet): q, k, v, z, b, a in and out."""
+    d, kh, vh = cfg.emb_dim, cfg.gdn_num_key_heads, cfg.gdn_num_value_heads
+    return d * (2 * kh * cfg.gdn_key_head_dim + 2 * vh * cfg.gdn_value_head_dim + 2 * vh) + vh * cfg.gdn_value_head_dim * d
+
+
+def delta_rule_flops_per_token(cfg: ModelConfig, length: int) -> float:
+    """Forward FLOPs of the chunked gated delta rule per token and layer, all value heads (an estimate of the
+    chunked algorithm's matmuls): within its chunk of C tokens, the key-key and query-key products (2 C dk each),
+    the triangular solve (C (dk + dv)) and the scores times the corrected values (2 C dv); with the carried
+    state, the state's reach and read and the update (2 dk dv each)."""
+    c, dk, dv = min(cfg.gdn_chunk_size, length), cfg.gdn_key_head_dim, cfg.gdn_value_head_dim
+    return cfg.gdn_num_value_heads * (4 * c * dk + c * (dk + dv) + 2 * c * dv + 6 * dk * dv)
 
 
 def mla_matmul_params(cfg: ModelConfig) -> int:
@@ -81,6 +101,7 @@ def training_flops_per_step(cfg: ModelConfig, batch: int, length: int, causal: b
     keys = sum(layers * keys_per_query(length, window, causal, chunk) for window, chunk, layers in layer_attention(cfg))
     keys += cfg.mtp_num_layers * keys_per_query(length, cfg.sliding_window_size, causal)  # an MTP depth attends once more
     attention = 2 * cfg.num_query_heads * (cfg.head_dim + value_dim) * keys * tokens
+    attention += linear_attention_layers(cfg) * delta_rule_flops_per_token(cfg, length) * tokens
     return 3.0 * (dense + attention)
 
 

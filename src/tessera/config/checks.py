@@ -270,7 +270,8 @@ def _validate_mtp(cfg: Config) -> None:
     """Multi-token prediction: a family of one layer per block, no pipeline, room in the sequence."""
     from tessera.config.layers import LAYERS_PER_BLOCK
     pattern = {"gemma2": "local and global", "gemma3": "5 local and 1 global", "gpt_oss": "local and global",
-               "llama4": "3 chunked rotary and 1 NoPE", "olmo3": "3 local and 1 global"}
+               "llama4": "3 chunked rotary and 1 NoPE", "olmo3": "3 local and 1 global",
+               "qwen3_next": "3 linear-attention and 1 full-attention"}
 
     m, depth = cfg.model, cfg.model.mtp_num_layers
     target = m.mtp_eval_target_module

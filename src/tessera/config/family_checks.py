@@ -38,9 +38,13 @@ def validate_family(m) -> None:
                           f"{'them' if len(which) > 1 else 'it'}; set {' and '.join(w.split('=')[0] + '=0' for w in which)}")
     if m.decoder_block in TAIL_BLOCKS and m.num_decoder_layers < LAYERS_PER_BLOCK[m.decoder_block]:
         pattern = LAYERS_PER_BLOCK[m.decoder_block]
+        kinds = "linear-attention and 1 full-attention" if m.decoder_block == "qwen3_next" else "local and 1 global"
         raise ConfigError(f"decoder_block={m.decoder_block} needs at least {pattern} layers (one pattern of "
-                          f"{pattern - 1} local and 1 global layer), not {m.num_decoder_layers}; change "
+                          f"{pattern - 1} {kinds} layer), not {m.num_decoder_layers}; change "
                           "base_num_decoder_layers")
+    _validate_partial_rotary(m)
+    if m.decoder_block == "qwen3_next":
+        _validate_qwen3_next(m)
     if m.decoder_block == "deepseek":
         _validate_deepseek(m)
     elif m.first_num_dense_layers:
@@ -55,6 +59,35 @@ def validate_family(m) -> None:
     if m.fused_mlp and m.decoder_block in MOE_BLOCKS:
         raise ConfigError(f"fused_mlp=true applies to dense MLPs; decoder_block={m.decoder_block}'s experts keep "
                           "separate gate and up projections; set fused_mlp=false")
+
+
+def _validate_partial_rotary(m) -> None:
+    """partial_rotary_factor: a whole, even number of rotating dimensions, on a family that rotates its heads."""
+    if m.partial_rotary_factor == 1.0:
+        return
+    rotary = m.head_dim * m.partial_rotary_factor
+    if m.decoder_block in ("deepseek", "gpt3"):
+        why = "rotates qk_rope_head_dim dimensions of its own" if m.decoder_block == "deepseek" else "has no rotary positions"
+        raise ConfigError(f"partial_rotary_factor={m.partial_rotary_factor:g}: decoder_block={m.decoder_block} {why}; "
+                          "set partial_rotary_factor=1")
+    if abs(rotary - round(rotary)) > 1e-6 or round(rotary) % 2 or not round(rotary):
+        raise ConfigError(f"partial_rotary_factor={m.partial_rotary_factor:g} of head_dim {m.head_dim} rotates {rotary:g} "
+                          "dimensions; rotary pairs need a whole, even, non-zero number of them: give a factor of "
+                          f"2k / {m.head_dim} (k = 1 .. {m.head_dim // 2})")
+    if m.rope_scaling == "yarn":
+        raise ConfigError(f"partial_rotary_factor={m.partial_rotary_factor:g} with rope_scaling=yarn: YaRN's score "
+                          "multiplier assumes every dimension rotates; use rope_scaling none, linear or llama3, or "
+                          "partial_rotary_factor=1")
+
+
+def _validate_qwen3_next(m) -> None:
+    """Qwen3-Next's Gated DeltaNet heads and its attention layers, which have no window."""
+    if m.gdn_num_value_heads % m.gdn_num_key_heads:
+        raise ConfigError(f"gdn_num_value_heads={m.gdn_num_value_heads} is not a multiple of gdn_num_key_heads="
+                          f"{m.gdn_num_key_heads}: each key head serves a whole group of value heads; change either")
+    if m.sliding_window_size:
+        raise ConfigError(f"sliding_window_size={m.sliding_window_size}: decoder_block=qwen3_next's attention layers see "
+                          "the whole causal past (its Gated DeltaNets are the local memory); set sliding_window_size=0")
 
 
 def _validate_routing(m) -> None:

@@ -11,11 +11,11 @@ from typing import Any
 # The decoder blocks and attention kernels are listed here (not imported from the model
 # package) so that validating a config never imports JAX.
 DECODER_BLOCKS = ("llama2", "mistral", "mixtral", "gemma", "gemma2", "gpt3", "qwen2", "qwen3", "qwen3_moe", "gemma3",
-                  "deepseek", "gpt_oss", "llama4", "olmo3", "olmo2")
+                  "deepseek", "gpt_oss", "llama4", "olmo3", "olmo2", "qwen3_next")
 # families of OLMo's layer: norms after attention and the MLP only, query and key norms over all heads
 OLMO_BLOCKS = ("olmo3", "olmo2")
 # families whose MLP is a mixture of experts (num_experts >= 2)
-MOE_BLOCKS = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss", "llama4")
+MOE_BLOCKS = ("mixtral", "qwen3_moe", "deepseek", "gpt_oss", "llama4", "qwen3_next")
 SA_LAYOUTS = ("HEAD_DIM_MINOR", "SEQ_MINOR")
 ATTENTION_KINDS = ("dot_product", "flash", "cudnn_flash_te", "autoselected")
 REMAT_POLICIES = (

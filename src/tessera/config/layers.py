@@ -13,10 +13,10 @@ import types
 
 # decoder layers in one block of the families whose block is not one layer (a test keeps this
 # equal to the block classes' `layers_per_block`; the config side never imports the models)
-LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2, "llama4": 4, "olmo3": 4}
+LAYERS_PER_BLOCK = {"gemma2": 2, "gemma3": 6, "gpt_oss": 2, "llama4": 4, "olmo3": 4, "qwen3_next": 4}
 # families whose pattern is local layers then one global layer, and whose layers after the last whole
 # pattern form a shorter block of local layers (the decoder's tail)
-TAIL_BLOCKS = ("gemma3", "olmo3")
+TAIL_BLOCKS = ("gemma3", "olmo3", "qwen3_next")
 
 
 def local_global_types(pattern: int, layers: int) -> list[str]:
@@ -28,6 +28,14 @@ def local_global_types(pattern: int, layers: int) -> list[str]:
 def tail_layers(m) -> int:
     """The local layers after the last whole pattern of a TAIL_BLOCKS family (0 for the others)."""
     return m.num_decoder_layers % LAYERS_PER_BLOCK[m.decoder_block] if m.decoder_block in TAIL_BLOCKS else 0
+
+
+def linear_attention_layers(m) -> int:
+    """Decoder layers whose mixer is linear attention (qwen3_next's Gated DeltaNets: all but every 4th layer), not
+    softmax attention over the sequence (0 for the other families)."""
+    if m.decoder_block != "qwen3_next":
+        return 0
+    return m.num_decoder_layers - m.num_decoder_layers // LAYERS_PER_BLOCK["qwen3_next"]
 
 
 def llama4_nope(m, layer: int) -> bool:
@@ -91,7 +99,8 @@ def layer_chunks(m) -> list[int]:
 
 
 def layer_attention(m) -> tuple[tuple[int, int, int], ...]:
-    """(window, chunk, layers): how many decoder layers attend with each window and chunk of
+    """(window, chunk, layers): how many decoder layers attend (qwen3_next: its full-attention layers) with each
+    window and chunk of
     `layer_windows` and `layer_chunks` (remembered per family and sizes: the planner's FLOPs count
     asks for every candidate)."""
     return _layer_attention(m.decoder_block, m.num_decoder_layers, m.sliding_window_size,
@@ -104,5 +113,8 @@ def _layer_attention(decoder_block: str, num_decoder_layers: int, sliding_window
     m = types.SimpleNamespace(decoder_block=decoder_block, num_decoder_layers=num_decoder_layers,
                               sliding_window_size=sliding_window_size, chunk_attn_window_size=chunk_attn_window_size,
                               nope_layer_interval=nope_layer_interval)
-    counts = collections.Counter(zip(layer_windows(m), layer_chunks(m)))
+    attending = zip(layer_windows(m), layer_chunks(m))
+    if decoder_block == "qwen3_next":  # its Gated DeltaNet layers attend to nothing
+        attending = [pair for i, pair in enumerate(attending) if (i + 1) % LAYERS_PER_BLOCK["qwen3_next"] == 0]
+    counts = collections.Counter(attending)
     return tuple((window, chunk, layers) for (window, chunk), layers in counts.items())

@@ -19,7 +19,7 @@ from tessera.config.fields import OLMO_BLOCKS
 # times sqrt(emb_dim) and divide the tied logits by it (normalize_embedding_logits=true, its default): the same model.
 GEMMA_BLOCKS = ("gemma", "gemma2", "gemma3")
 POST_NORM_BLOCKS = ("gemma2", "gemma3")  # a norm after attention and after the MLP, always
-LAYER_CYCLES = {"llama4": 4, "gpt_oss": 2, "olmo3": 4}  # layers after which a block's pattern of layer kinds repeats
+LAYER_CYCLES = {"llama4": 4, "gpt_oss": 2, "olmo3": 4, "qwen3_next": 4}  # layers after which a block's pattern of layer kinds repeats
 
 
 def _embedding_logits(on: bool, m) -> str:

@@ -162,6 +162,20 @@ class ModelConfig:
     temperature_tuning_floor_scale: float = key(8192.0, "temperature_tuning: f, in tokens (Llama 4: 8192)", minimum=1.0)
     interleave_moe_layer_step: int = key(1, "llama4: every this-many-th layer has experts, the others a dense MLP of "
                                          "base_mlp_dim (Llama 4 Maverick: 2; Scout: 1, experts everywhere)", minimum=1)
+    partial_rotary_factor: float = key(1.0, "the fraction of each query and key head that rotates (its first "
+                                       "dimensions; the rest carry no position): qwen3_next's attention layers 0.25 "
+                                       "(64 of 256)", minimum=0.0, maximum=1.0)
+    gdn_num_key_heads: int = key(16, "qwen3_next: query and key heads of the Gated DeltaNet (linear attention) "
+                                 "layers (Qwen3-Next: 16)", minimum=1)
+    gdn_num_value_heads: int = key(32, "qwen3_next: value heads of the Gated DeltaNet layers, each with its own "
+                                   "memory; a multiple of gdn_num_key_heads (Qwen3-Next: 32)", minimum=1)
+    gdn_key_head_dim: int = key(128, "qwen3_next: dimension of a Gated DeltaNet query and key head", minimum=1)
+    gdn_value_head_dim: int = key(128, "qwen3_next: dimension of a Gated DeltaNet value head", minimum=1)
+    gdn_conv_kernel_dim: int = key(4, "qwen3_next: width of the causal depthwise convolution over the Gated "
+                                   "DeltaNet's queries, keys and values (Qwen3-Next: 4)", minimum=1)
+    gdn_chunk_size: int = key(64, "qwen3_next: the gated delta rule runs in chunks of this many tokens (matmuls "
+                              "within a chunk, a sequential step between chunks); the same result for any size",
+                              minimum=1)
     fused_qkv: bool = key(False, "one fused query/key/value projection [emb, 3, heads, head_dim] (multi-head attention "
                           "only: kv heads = query heads); from the same weights, the same results as three (at the same "
                           "seed it starts from other random weights)")
@@ -184,7 +198,7 @@ class ModelConfig:
                                 "expert layers)", minimum=0)
     first_num_dense_layers: int = key(0, "deepseek: this many layers at the bottom have a dense MLP (base_mlp_dim) "
                                       "instead of experts", minimum=0)
-    shared_experts: int = key(0, "deepseek: experts every token goes through (one dense MLP shared_experts x the "
+    shared_experts: int = key(0, "deepseek and qwen3_next (behind a sigmoid gate): experts every token goes through (one dense MLP shared_experts x the "
                               "expert width wide), added to the routed experts' output", minimum=0)
     routed_score_func: str = key("softmax", "MoE router scores: softmax over the experts (Mixtral, Qwen3) or an "
                                  "independent sigmoid per expert (DeepSeek-V3)", ("softmax", "sigmoid"))

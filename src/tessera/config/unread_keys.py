@@ -4,7 +4,7 @@ errors: the value is valid, only this run's other keys leave it unused."""
 
 from __future__ import annotations
 
-from tessera.config.layers import TAIL_BLOCKS, llama4_nope, mlp_dim_unused
+from tessera.config.layers import llama4_nope, mlp_dim_unused
 from tessera.config.schema import Config
 
 
@@ -155,6 +155,8 @@ TEMPERATURE_KEYS = ("temperature_tuning_scale", "temperature_tuning_floor_scale"
 LLAMA3_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
 ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS,
              *LLAMA3_ROPE_KEYS)
+GDN_KEYS = ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim",
+            "gdn_chunk_size")
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
@@ -164,10 +166,13 @@ def _family_keys(m, changed: dict) -> list[str]:
     if "trainable_position_size" in changed and m.decoder_block != "gpt3":
         lines.append(f"{_listed(['trainable_position_size'], changed)}: no effect, decoder_block={m.decoder_block} "
                      "rotates its queries and keys; only decoder_block=gpt3 learns a position table")
-    if "local_rope_max_timescale" in changed and m.decoder_block not in TAIL_BLOCKS:
+    if "local_rope_max_timescale" in changed and m.decoder_block not in ("gemma3", "olmo3"):
         lines.append(f"{_listed(['local_rope_max_timescale'], changed)}: no effect, it is the rotary theta of the "
                      f"local layers of decoder_block=gemma3 and olmo3; decoder_block={m.decoder_block} uses "
                      "rope_max_timescale")
+    if m.decoder_block != "qwen3_next" and (keys := [k for k in GDN_KEYS if k in changed]):
+        lines.append(f"{_listed(keys, changed)}: no effect, they size the Gated DeltaNet layers of "
+                     f"decoder_block=qwen3_next; decoder_block={m.decoder_block} has none")
     if m.num_experts <= 1 and (keys := [k for k in EXPERT_KEYS if k in changed]):
         lines.append(f"{_listed(keys, changed)}: no effect on a dense model (num_experts=1), whose MLP is "
                      "base_mlp_dim wide; they size or route a mixture of experts")

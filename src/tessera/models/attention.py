@@ -203,8 +203,9 @@ class Attention(nnx.Module):
     an RMSNorm over each query and key head before the rotation (`qk_norm`: the norm kind,
     "rms" in Qwen3, "rms_zero_centered" in Gemma 3; "rms_all_heads" in OLMo 3: one RMSNorm over
     all heads of a token's queries, and one over its keys, with a scale per head and dimension;
-    "" none) and the rotary frequencies of the local layers of gemma3 and olmo3 (`local_rope`).
-    From the config: `fused_qkv` (one [D, 3, N, H] projection; needs K == N),
+    "" none), the rotary frequencies of the local layers of gemma3 and olmo3 (`local_rope`) and an
+    output gate (`output_gate`, Qwen3-Next: the context times sigmoid(x W_gate) before the output
+    projection). From the config: `partial_rotary_factor` (only that fraction of each head rotates), `fused_qkv` (one [D, 3, N, H] projection; needs K == N),
     `query_pre_attn_scalar` (scores scaled by its inverse square root instead of head_dim's),
     `attn_logits_soft_cap`, `attention_bias` (biases as `use_bias`, which gpt3 always sets),
     `attention_sink` (a learned sink logit per query head, `sinks_n`, initialized to zero) and,
@@ -215,7 +216,8 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, kernel: str, rngs: nnx.Rngs, *, sliding_window: int = 0,
                  use_bias: bool = False, use_rope: bool = True, qk_norm: str = "", local_rope: bool = False,
-                 chunk: int = 0, temperature_tuning: bool = False, output_bias: bool = True):
+                 chunk: int = 0, temperature_tuning: bool = False, output_bias: bool = True,
+                 output_gate: bool = False):
         d, n, k, h, wdtype = cfg.emb_dim, cfg.num_query_heads, cfg.num_kv_heads, cfg.head_dim, cfg.weight_dtype
         std = fan_in_std(d)
         use_bias = use_bias or cfg.attention_bias
@@ -226,6 +228,8 @@ class Attention(nnx.Module):
             self.wk_dkh = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), wdtype, std)
             self.wv_dkh = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), wdtype, std)
         self.wo_nhd = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), wdtype, fan_in_std(n * h))
+        if output_gate:  # qwen3_next: the context times sigmoid(x W_gate), per head and dimension
+            self.wgate_dnh = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), wdtype, std)
         if use_bias:
             if cfg.fused_qkv:
                 self.bqkv_cnh = param(rngs, (3, n, h), (None, "heads", "head_dim"), wdtype, None, fill=0.0)
@@ -248,15 +252,17 @@ class Attention(nnx.Module):
         scale = float(cfg.query_pre_attn_scalar or h) ** -0.5
         if use_rope and cfg.rope_scaling == "yarn" and not local_rope:
             scale *= yarn_score_scale(cfg.rope_scaling_factor, cfg.mscale)
-        self.set_static(cfg, kernel, scale=scale, rope_inv_freq=rope_frequencies_of(cfg, local_rope) if use_rope else (),
+        rotary_dim = round(h * cfg.partial_rotary_factor)  # (a whole, even number: config.family_checks)
+        self.set_static(cfg, kernel, scale=scale,
+                        rope_inv_freq=rope_frequencies_of(cfg, local_rope, rotary_dim) if use_rope else (),
                         fused=cfg.fused_qkv, use_bias=use_bias, qk_norm=qk_norm, window=sliding_window, chunk=chunk,
                         logits_soft_cap=cfg.attn_logits_soft_cap, sinks=cfg.attention_sink,
-                        temperature_tuning=temperature_tuning, output_bias=output_bias)
+                        temperature_tuning=temperature_tuning, output_bias=output_bias, output_gate=output_gate)
 
     def set_static(self, cfg: ModelConfig, kernel: str, *, scale: float, rope_inv_freq, fused: bool = False,
                    use_bias: bool = False, qk_norm: str = "", window: int = 0, chunk: int = 0,
                    logits_soft_cap: float = 0.0, sinks: bool = False, temperature_tuning: bool = False,
-                   output_bias: bool = True):
+                   output_bias: bool = True, output_gate: bool = False):
         """Every static setting the shared methods (`attend`, `attend_prompt`, `output`, `sink_logits`,
         `__call__`) read, set in one place: a subclass with weights of its own (`MlaAttention`) calls this
         rather than `Attention.__init__`, and cannot leave one of them unset."""
@@ -265,7 +271,7 @@ class Attention(nnx.Module):
         self.kernel, self.dtype, self.fused, self.use_bias, self.qk_norm = kernel, cfg.dtype, fused, use_bias, qk_norm
         self.output_bias = use_bias and output_bias
         self.scale, self.sinks, self.temperature_tuning = scale, sinks, temperature_tuning
-        self.logits_soft_cap, self.window, self.chunk = logits_soft_cap, window, chunk
+        self.logits_soft_cap, self.window, self.chunk, self.output_gate = logits_soft_cap, window, chunk, output_gate
         self.cfg = cfg  # static: splash attention reads its block sizes from it
 
     def project_qkv(self, x_btd, positions_bt):
@@ -304,8 +310,11 @@ class Attention(nnx.Module):
         steps = jnp.floor((positions_bt.astype(jnp.float32) + 1.0) / cfg.temperature_tuning_floor_scale)
         return jnp.log1p(steps) * cfg.temperature_tuning_scale + 1.0
 
-    def output(self, ctx_btnh):
-        """The output projection of the attention context [B, T, N, H] -> [B, T, D]."""
+    def output(self, ctx_btnh, gate_btnh=None):
+        """The output projection of the attention context [B, T, N, H] -> [B, T, D], the context first
+        multiplied by sigmoid(gate) when the layer has an output gate."""
+        if gate_btnh is not None:
+            ctx_btnh = (ctx_btnh.astype(jnp.float32) * jax.nn.sigmoid(gate_btnh.astype(jnp.float32))).astype(self.dtype)
         ctx = checkpoint_name(shard_logically(ctx_btnh, ("batch", "length", "act_heads", None)), "context")
         out = project("btnh,nhd->btd", ctx, self.wo_nhd[...].astype(self.dtype), quantization=self.cfg.quantization)
         if self.output_bias:
@@ -318,14 +327,17 @@ class Attention(nnx.Module):
         are written into it at its index, the queries attend over the whole cache, masked by
         position, and the updated cache is returned."""
         q, k, v = self.project_qkv(x_btd, positions_bt)
+        gate = None
+        if self.output_gate:
+            gate = project("btd,dnh->btnh", x_btd, self.wgate_dnh[...].astype(self.dtype), quantization=self.cfg.quantization)
         if kv_cache is None:
-            return self.output(self.attend(q, k, v, segment_ids_bt, packed)), None
+            return self.output(self.attend(q, k, v, segment_ids_bt, packed), gate), None
         if not (self.window or self.chunk):  # (a window's or a chunk's cache is a ring of its length)
             kv_cache.check_room(q.shape[1])
         if isinstance(kv_cache, EmptyKVCache):  # the prompts' prefill: their tokens see only each other
             new = kv_cache.stored(k, v, positions_bt, segment_ids_bt)  # as later steps will read them back
             ctx = self.attend_prompt(q, new.keys(q.dtype), new.values(q.dtype), new, positions_bt, segment_ids_bt)
-            return self.output(ctx), kv_cache.add(new)
+            return self.output(ctx, gate), kv_cache.add(new)
         if (self.window or self.chunk) and q.shape[1] > 1:
             # a sliding-window cache is a ring of `window` slots: writing several tokens may
             # overwrite keys the first of them still see, so they read the cache as it was
@@ -342,7 +354,7 @@ class Attention(nnx.Module):
             visible = functools.partial(kv_cache.mask, window=self.window, chunk=self.chunk)
         ctx = masked_attention(q, keys, values, visible, positions_bt, segment_ids_bt, scale=self.scale,
                                logits_soft_cap=self.logits_soft_cap, sinks_n=self.sink_logits())
-        return self.output(ctx), kv_cache
+        return self.output(ctx, gate), kv_cache
 
     def attend_prompt(self, q, k, v, new: KVCache, positions_bt, segment_ids_bt):
         """The prefill's attention of the prompts' tokens among themselves: splash attention when

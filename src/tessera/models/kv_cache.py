@@ -157,9 +157,9 @@ class KVCache(NamedTuple):
         return kv, kv, ids, ids, lead, scale, scale
 
     @staticmethod
-    def caches_in(tree) -> list[KVCache]:
-        """The caches of a tree of caches, in `jax.tree.leaves` order."""
-        return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, KVCache))
+    def caches_in(tree) -> list:
+        """The caches of a tree of caches (`KVCache`s and `DeltaNetCache`s), in `jax.tree.leaves` order."""
+        return jax.tree.leaves(tree, is_leaf=_is_cache)
 
     @staticmethod
     def tree_logical_axes(caches) -> list[tuple[str | None, ...]]:
@@ -191,7 +191,7 @@ class KVCache(NamedTuple):
         """A tree of caches, each marked as holding nothing yet (`EmptyKVCache`): for the first call;
         with empty=False, without the mark (plain `KVCache`s)."""
         kind = EmptyKVCache if empty else KVCache
-        return jax.tree.map(lambda c: kind(*c), caches, is_leaf=lambda x: isinstance(x, KVCache))
+        return jax.tree.map(lambda c: kind(*c) if isinstance(c, KVCache) else c, caches, is_leaf=_is_cache)
 
     @staticmethod
     def is_empty(caches) -> bool:
@@ -208,6 +208,40 @@ class KVCache(NamedTuple):
         if chunk:
             visible &= (positions_bt[:, :, None] // chunk) == (self.positions_bs[:, None, :] // chunk)
         return visible & (segment_ids_bt[:, :, None] == self.segment_ids_bs[:, None, :])
+
+
+class DeltaNetCache(NamedTuple):
+    """One Gated DeltaNet layer's decoding state (qwen3_next's linear layers; `tessera.models.gated_deltanet`):
+    instead of keys and values, the memory of each value head and the last inputs of its causal convolution, so a
+    decoded token costs the same at any length. The memory belongs to segment `segment_b` (0: none yet), the
+    convolution inputs to `conv_segments_bw`; a token of another segment reads neither (a prompt's left padding
+    has segment 0, its tokens 1). Arrays may carry a leading layers axis."""
+
+    state_bhkv: jax.Array  # float32 [B, Hv, dk, dv]: the memory
+    conv_q_bwkh: jax.Array  # [B, W - 1, Kh, dk]: the last query projections, before the convolution
+    conv_k_bwkh: jax.Array  # [B, W - 1, Kh, dk]
+    conv_v_bwvh: jax.Array  # [B, W - 1, Hv, dv]
+    conv_segments_bw: jax.Array  # int32 [B, W - 1]: their segments (0: empty)
+    segment_b: jax.Array  # int32 [B]: the memory's segment
+
+    @classmethod
+    def empty(cls, cfg, batch: int, layers: tuple[int, ...] = ()) -> DeltaNetCache:
+        kh, vh, dk, dv, w = (cfg.gdn_num_key_heads, cfg.gdn_num_value_heads, cfg.gdn_key_head_dim,
+                             cfg.gdn_value_head_dim, cfg.gdn_conv_kernel_dim - 1)
+        lead = (*layers, batch)
+        return cls(jnp.zeros((*lead, vh, dk, dv), jnp.float32), jnp.zeros((*lead, w, kh, dk), cfg.dtype),
+                   jnp.zeros((*lead, w, kh, dk), cfg.dtype), jnp.zeros((*lead, w, vh, dv), cfg.dtype),
+                   jnp.zeros((*lead, w), jnp.int32), jnp.zeros(lead, jnp.int32))
+
+    def logical_axes(self) -> tuple[tuple[str | None, ...], ...]:
+        """Rows over the batch axes and heads over tensor, as the layer computes them; a layers axis whole."""
+        lead = (None,) * (self.segment_b.ndim - 1)
+        conv = (*lead, "batch", None, "act_heads", None)
+        return ((*lead, "batch", "act_heads", None, None), conv, conv, conv, (*lead, "batch", None), (*lead, "batch"))
+
+
+def _is_cache(x) -> bool:
+    return isinstance(x, (KVCache, DeltaNetCache))
 
 
 class EmptyKVCache(KVCache):

@@ -258,12 +258,13 @@ def rotary_tables(positions_bt: jax.Array, inv_freq_h: np.ndarray) -> tuple[jax.
 def rotate(x_btnh: jax.Array, tables: tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotary position embedding: rotates the two halves of the head dimension of `x_btnh` by
     `rotary_tables`' angles. The half-split layout (pairs (i, i + H/2)) is the one Hugging Face
-    checkpoints use, so converted weights need no permutation."""
+    checkpoints use, so converted weights need no permutation. Tables narrower than half the head
+    (partial_rotary_factor < 1) rotate its first 2 x their width dimensions and leave the rest."""
     sin, cos = tables
-    half = x_btnh.shape[-1] // 2
+    half = sin.shape[-1]
     x = x_btnh.astype(jnp.float32)
-    first, second = x[..., :half], x[..., half:]
-    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    first, second, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    out = jnp.concatenate([first * cos - second * sin, second * cos + first * sin, rest], axis=-1)
     return out.astype(x_btnh.dtype)
 
 

@@ -97,13 +97,13 @@ class MoeMlp(nnx.Module):
     dense gated MLP every token goes through; with `routed_bias`, a per-expert choice bias [E].
 
     A family may ask for a learned router bias [E] added to the logits (`router_bias`: gpt-oss),
-    for gpt-oss's clamped gate (`clamped_glu`: gate * act0(1.702 * gate) * (up + 1), the gate
+    for a sigmoid gate on the shared experts' output (`shared_gate`: Qwen3-Next), for gpt-oss's clamped gate (`clamped_glu`: gate * act0(1.702 * gate) * (up + 1), the gate
     clipped above at mlp_activations_limit and the up projection to +-limit), and for each token
     to enter an expert already multiplied by its weight, the outputs then added unweighted
     (`scale_inputs`: Llama 4). mlp_bias adds a bias after every expert projection."""
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, router_bias: bool = False, clamped_glu: bool = False,
-                 scale_inputs: bool = False):
+                 scale_inputs: bool = False, shared_gate: bool = False):
         d, f, e, wdtype = cfg.emb_dim, cfg.expert_mlp_dim, cfg.num_experts, cfg.weight_dtype
         self.router_de = param(rngs, (d, e), ("embed", None), wdtype, fan_in_std(d))
         if router_bias:
@@ -119,9 +119,12 @@ class MoeMlp(nnx.Module):
             self.bo_ed = param(rngs, (e, d), ("exp", "embed"), wdtype, None, fill=0.0)
         if cfg.shared_experts:
             self.shared = Mlp.of(cfg, rngs, cfg.shared_experts * f, fused=False)
+            if shared_gate:  # Qwen3-Next: the shared expert's output times sigmoid(x w), a scalar per token
+                self.shared_gate_d = param(rngs, (d,), ("embed",), wdtype, fan_in_std(d))
         self.cfg, self.dtype = cfg, cfg.dtype
         self.dropless = cfg.sparse_matmul or cfg.megablox
         self.router_bias, self.clamped_glu, self.scale_inputs = router_bias, clamped_glu, scale_inputs
+        self.shared_gate = shared_gate and bool(cfg.shared_experts)
 
     def __call__(self, x_btd):
         experts_btk, weights_btk, aux = self.route(x_btd)
@@ -130,7 +133,11 @@ class MoeMlp(nnx.Module):
         else:
             out_btd, aux["moe_dropped_fraction"] = self.capacity_experts(x_btd, experts_btk, weights_btk)
         if self.cfg.shared_experts:
-            out_btd = out_btd + self.shared(x_btd)
+            shared_btd = self.shared(x_btd)
+            if self.shared_gate:
+                gate_bt = jnp.einsum("btd,d->bt", x_btd, self.shared_gate_d[...].astype(self.dtype))
+                shared_btd = (shared_btd * jax.nn.sigmoid(gate_bt.astype(jnp.float32))[..., None]).astype(self.dtype)
+            out_btd = out_btd + shared_btd
         return checkpoint_name(out_btd, "mlpwo"), aux
 
     def route(self, x_btd):

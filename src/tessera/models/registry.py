@@ -15,6 +15,7 @@ from tessera.models.mixtral import MixtralBlock
 from tessera.models.olmo3 import Olmo2Block, Olmo3Block
 from tessera.models.qwen2 import Qwen2Block
 from tessera.models.qwen3 import Qwen3Block, Qwen3MoeBlock
+from tessera.models.qwen3_next import Qwen3NextBlock
 
 BLOCKS: dict[str, type[Block]] = {
     "llama2": LlamaBlock,
@@ -32,4 +33,5 @@ BLOCKS: dict[str, type[Block]] = {
     "llama4": Llama4Block,
     "olmo3": Olmo3Block,
     "olmo2": Olmo2Block,
+    "qwen3_next": Qwen3NextBlock,
 }

@@ -35,7 +35,7 @@ def hf_config(m: ModelConfig, trained_length: int) -> dict[str, Any]:
             "gemma": "GemmaForCausalLM", "gemma2": "Gemma2ForCausalLM", "gpt2": "GPT2LMHeadModel",
             "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
             "gpt_oss": "GptOssForCausalLM", "llama4_text": "Llama4ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-            "olmo3": "Olmo3ForCausalLM"}[model_type]
+            "olmo3": "Olmo3ForCausalLM", "qwen3_next": "Qwen3NextForCausalLM"}[model_type]
     dtype = "bfloat16" if m.weight_dtype == "bfloat16" else m.weight_dtype
     if model_type == "gpt2":
         return _refuse_no_window(m, {"architectures": [arch], "model_type": model_type, "n_embd": m.emb_dim, "n_head": m.num_query_heads,
@@ -124,6 +124,10 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
         config.update(num_experts=m.num_experts, num_experts_per_tok=m.num_experts_per_tok,
                       moe_intermediate_size=m.expert_mlp_dim, norm_topk_prob=m.norm_topk_prob, decoder_sparse_step=1,
                       mlp_only_layers=[])
+    if model_type == "qwen3_next":  # (its partial rotary factor read from rope_parameters, as transformers 5 writes it)
+        config.update(_qwen3_next_config(m))
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": config.pop("rope_theta"),
+                                     "partial_rotary_factor": config.pop("partial_rotary_factor")}
     if model_type in ("gemma2", "gemma3_text"):
         config.update(query_pre_attn_scalar=_whole(m.query_pre_attn_scalar or m.head_dim, "query_pre_attn_scalar"),
                       attn_logit_softcapping=m.attn_logits_soft_cap or None,
@@ -135,6 +139,20 @@ def _add_family_keys(config: dict[str, Any], m: ModelConfig, model_type: str) ->
         config["rope_parameters"] = {"full_attention": glob, "sliding_attention": {
             "rope_type": "default", "rope_theta": float(m.local_rope_theta)}}
         config["layer_types"] = local_global_types(LAYERS_PER_BLOCK[m.decoder_block], m.num_decoder_layers)
+
+
+def _qwen3_next_config(m: ModelConfig) -> dict[str, Any]:
+    """Qwen3-Next's keys: its Gated DeltaNet sizes, layer pattern, partial rotary and experts."""
+    _refuse_rope_scaling(m, "qwen3_next", ("none",))
+    return {"linear_num_key_heads": m.gdn_num_key_heads, "linear_num_value_heads": m.gdn_num_value_heads,
+            "linear_key_head_dim": m.gdn_key_head_dim, "linear_value_head_dim": m.gdn_value_head_dim,
+            "linear_conv_kernel_dim": m.gdn_conv_kernel_dim, "partial_rotary_factor": m.partial_rotary_factor,
+            "layer_types": ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["qwen3_next"] == 0 else "linear_attention"
+                            for i in range(m.num_decoder_layers)],
+            "num_experts": m.num_experts, "num_experts_per_tok": m.num_experts_per_tok,
+            "moe_intermediate_size": m.expert_mlp_dim, "shared_expert_intermediate_size": m.shared_experts * m.expert_mlp_dim,
+            "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": [],
+            "router_aux_loss_coef": m.load_balance_loss_weight}
 
 
 def _olmo_without_windows(m: ModelConfig) -> str:

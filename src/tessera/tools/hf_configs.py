@@ -13,13 +13,13 @@ import json
 from typing import Any
 
 from tessera.config import ConfigError
-from tessera.tools.hf_layer_kinds import check_layer_types, gemma3_keys, olmo3_keys
+from tessera.tools.hf_layer_kinds import check_layer_types, gemma3_keys, olmo3_keys, qwen3_next_keys
 from tessera.tools.hf_rope import rope_keys, rope_theta
 
 HF_MODEL_TYPES = {"llama": "llama2", "mistral": "mistral", "mixtral": "mixtral", "gemma": "gemma", "gemma2": "gemma2",
                   "gpt2": "gpt3", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe", "gemma3_text": "gemma3",
                   "deepseek_v2": "deepseek", "deepseek_v3": "deepseek", "gpt_oss": "gpt_oss", "llama4_text": "llama4",
-                  "olmo2": "olmo2", "olmo3": "olmo3"}
+                  "olmo2": "olmo2", "olmo3": "olmo3", "qwen3_next": "qwen3_next"}
 # multimodal checkpoints whose language model Tessera converts: model_type -> its text model's model_type
 # (the text model's config is the checkpoint's text_config; its tensors carry the language_model. prefix). Gemma 3
 # 4B, 12B and 27B are released only as such (Gemma3ForConditionalGeneration), and were refused as unsupported
@@ -47,7 +47,7 @@ NO_CAPS = {"query_pre_attn_scalar": 0, "attn_logits_soft_cap": 0.0, "final_logit
 # computed other logits, and the export wrote a config.json transformers routes otherwise)
 HF_ROUTING = {"routed_score_func": "softmax", "norm_topk_prob": True, "routed_scaling_factor": 1.0,
               "n_routing_groups": -1, "shared_experts": 0}
-HF_MOE = ("mixtral", "qwen3_moe", "gpt_oss", "llama4_text")
+HF_MOE = ("mixtral", "qwen3_moe", "gpt_oss", "llama4_text", "qwen3_next")
 # what transformers' config classes use for a setting a config.json leaves out, where it changes the numbers and
 # Tessera's reading of no value would differ (a window of 0, no soft cap): such a config.json converted into
 # another model than transformers builds from it (transformers writes them all; hand-written files may not)
@@ -66,7 +66,8 @@ HF_DEFAULTS = {"gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping"
                "llama4_text": {"use_qk_norm": True, "attn_temperature_tuning": True, "attention_chunk_size": 8192}}
 # head_dim where transformers' config class has a fixed default instead of hidden_size // num_attention_heads
 # (the other families): a config.json without head_dim was read as that quotient (gpt-oss-20b 45, gemma3-4b 320)
-HF_HEAD_DIMS = {"gemma": 256, "gemma2": 256, "gemma3_text": 256, "qwen3": 128, "gpt_oss": 64, "llama4_text": 128}
+HF_HEAD_DIMS = {"gemma": 256, "gemma2": 256, "gemma3_text": 256, "qwen3": 128, "gpt_oss": 64, "llama4_text": 128,
+                "qwen3_next": 256}
 # gpt-oss's rotary default (transformers' GptOssConfig), for a config.json with neither rope_parameters nor rope_scaling
 GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
@@ -169,6 +170,8 @@ def _keys_of(hf: dict[str, Any]) -> dict[str, Any]:
         keys.update(gemma3_keys(hf))
     if kind == "olmo3":
         keys.update(olmo3_keys(hf))
+    if kind == "qwen3_next":
+        keys.update(qwen3_next_keys(hf))
     return keys
 
 

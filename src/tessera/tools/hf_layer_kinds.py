@@ -62,3 +62,36 @@ def olmo3_keys(hf: dict[str, Any]) -> dict[str, Any]:
                       "builds")
     return {"local_rope_max_timescale": _local_theta(hf, "OLMo 3", hf["rope_theta"])}
 
+
+
+def qwen3_next_keys(hf: dict[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's Gated DeltaNet sizes, experts and shared expert, and a check of its 3 linear : 1 full attention
+    pattern (transformers' default layer_types, from full_attention_interval 4)."""
+    layers = hf["num_hidden_layers"]
+    interval = hf.get("full_attention_interval", 4)
+    types = hf.get("layer_types") or ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                      for i in range(layers)]
+    check_layer_types({"layer_types": types}, ["full_attention" if (i + 1) % LAYERS_PER_BLOCK["qwen3_next"] == 0
+                                               else "linear_attention" for i in range(layers)],
+                      "this Qwen3-Next checkpoint's layer_types are not the 3 linear-attention : 1 full-attention "
+                      "pattern Tessera's qwen3_next builds")
+    if hf.get("mlp_only_layers") or hf.get("decoder_sparse_step", 1) != 1:
+        raise ConfigError("this Qwen3-Next checkpoint has dense MLP layers between expert layers (mlp_only_layers / "
+                          "decoder_sparse_step); Tessera's qwen3_next has experts in every layer")
+    if hf.get("attention_bias"):
+        raise ConfigError("this Qwen3-Next checkpoint sets attention_bias=true; Tessera's qwen3_next builds its "
+                          "attention without biases, as the released models")
+    keys: dict[str, Any] = {
+        "gdn_num_key_heads": hf["linear_num_key_heads"], "gdn_num_value_heads": hf["linear_num_value_heads"],
+        "gdn_key_head_dim": hf["linear_key_head_dim"], "gdn_value_head_dim": hf["linear_value_head_dim"],
+        "gdn_conv_kernel_dim": hf["linear_conv_kernel_dim"], "sliding_window_size": 0}
+    if (hf.get("num_experts") or 0) < 2:
+        raise ConfigError("this Qwen3-Next checkpoint has dense MLPs (num_experts < 2); Tessera's qwen3_next has "
+                          "experts in every layer, as the released models")
+    width, shared = hf["moe_intermediate_size"], hf.get("shared_expert_intermediate_size") or 0
+    if shared % width:
+        raise ConfigError(f"this Qwen3-Next checkpoint's shared expert is {shared} wide, not a multiple of its "
+                          f"experts' width {width}; Tessera's shared experts are a whole number of experts wide")
+    keys.update(num_experts=hf["num_experts"], num_experts_per_tok=hf["num_experts_per_tok"], base_mlp_dim=width,
+                norm_topk_prob=bool(hf.get("norm_topk_prob")), shared_experts=shared // width)
+    return keys

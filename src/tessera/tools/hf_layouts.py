@@ -383,6 +383,89 @@ def _llama4(m: ModelConfig) -> Layout:
                   rules_of_layer=lambda i: moe if llama4_moe(m, i) else dense)
 
 
+def _grouped_split(ours: tuple[str, ...], hf: str, m: ModelConfig, shapes: tuple[tuple[int, ...], ...]) -> Rule:
+    """A torch Linear [out, D] whose outputs are grouped per key head (Qwen3-Next's in_proj_qkvz and
+    in_proj_ba: for each key head its part of each of ours in turn) <-> ours, [D, *shape] each, whose
+    heads are numbered key head first (key head i's value heads are i * r ... (i + 1) * r - 1)."""
+    d, kh = m.emb_dim, m.gdn_num_key_heads
+    bounds = np.cumsum([0] + [int(np.prod(shape)) // kh for shape in shapes])
+
+    def split(w):
+        grouped = np.ascontiguousarray(w.T).reshape(d, kh, -1)
+        return tuple(np.ascontiguousarray(grouped[:, :, a:b].reshape(d, *shape))
+                     for a, b, shape in zip(bounds[:-1], bounds[1:], shapes))
+
+    def join(*ps):
+        grouped = np.concatenate([p.reshape(d, kh, -1) for p in ps], axis=-1)
+        return (np.ascontiguousarray(grouped.reshape(d, -1).T),)
+
+    return Rule(ours, (hf,), split, join)
+
+
+def _qwen3_next(m: ModelConfig) -> Layout:
+    """Qwen3-Next: Gated DeltaNet layers (q, k, v and z projected together and b, a together, grouped per key
+    head; one depthwise convolution kernel over the q, k and v channels) and gated attention layers (the query
+    projection holds each head's query, then its gate), 3 : 1; experts with a gated shared expert in every layer."""
+    d, n, k, h, f = m.emb_dim, m.num_query_heads, m.num_kv_heads, m.head_dim, m.mlp_dim
+    kh, vh, dk, dv, width = (m.gdn_num_key_heads, m.gdn_num_value_heads, m.gdn_key_head_dim, m.gdn_value_head_dim,
+                             m.gdn_conv_kernel_dim)
+    _check_hf_has(m, "qwen3_next")
+    model = [same("token_embedder/table_vd", "model.embed_tokens.weight"), same("final_norm/scale", "model.norm.weight")]
+    if not m.logits_via_embedding:
+        model.append(linear("logits_dense_dv", "lm_head.weight", (d, m.vocab_size)))
+    channels = (kh * dk, kh * dk, vh * dv)
+    conv_shapes = ((kh, dk), (kh, dk), (vh, dv))
+
+    def conv_split(w):  # [channels, 1, W] -> three [W, heads, dim]
+        w = w[:, 0, :]
+        bounds = np.cumsum((0,) + channels)
+        return tuple(np.ascontiguousarray(w[a:b].T).reshape(width, *shape)
+                     for a, b, shape in zip(bounds[:-1], bounds[1:], conv_shapes))
+
+    def conv_join(*ws):
+        return (np.ascontiguousarray(np.concatenate([w.reshape(width, -1).T for w in ws])[:, None, :]),)
+
+    gdn = "linear_attention/"
+    linear_mixer = [
+        _grouped_split(tuple(gdn + p for p in ("wq_dkh", "wk_dkh", "wv_dvh", "wz_dvh")), "linear_attn.in_proj_qkvz.weight",
+                       m, ((kh, dk), (kh, dk), (vh, dv), (vh, dv))),
+        _grouped_split((gdn + "wb_dv", gdn + "wa_dv"), "linear_attn.in_proj_ba.weight", m, ((vh,), (vh,))),
+        Rule((gdn + "conv_q_wkh", gdn + "conv_k_wkh", gdn + "conv_v_wvh"), ("linear_attn.conv1d.weight",),
+             conv_split, conv_join),
+        same(gdn + "a_log_v", "linear_attn.A_log"), same(gdn + "dt_bias_v", "linear_attn.dt_bias"),
+        same(gdn + "norm_scale_h", "linear_attn.norm.weight"),
+        linear_out(gdn + "wo_vhd", "linear_attn.out_proj.weight", (vh, dv, d)),
+    ]
+
+    def query_and_gate(w):  # [N * 2H, D]: per head its query, then its gate
+        both = np.ascontiguousarray(w.T).reshape(d, n, 2, h)
+        return np.ascontiguousarray(both[:, :, 0]), np.ascontiguousarray(both[:, :, 1])
+
+    attention = [
+        Rule(("attention/wq_dnh", "attention/wgate_dnh"), ("self_attn.q_proj.weight",), query_and_gate,
+             lambda q, g: (np.ascontiguousarray(np.stack([q, g], axis=2).reshape(d, -1).T),)),
+        linear("attention/wk_dkh", "self_attn.k_proj.weight", (d, k, h)),
+        linear("attention/wv_dkh", "self_attn.v_proj.weight", (d, k, h)),
+        linear_out("attention/wo_nhd", "self_attn.o_proj.weight", (n, h, d)),
+        same("attention/query_norm/scale", "self_attn.q_norm.weight"),
+        same("attention/key_norm/scale", "self_attn.k_norm.weight"),
+    ]
+    fs = m.shared_experts * f
+    mlp = [linear("mlp/router_de", "mlp.gate.weight", (d, m.num_experts)),
+           experts("mlp/wi_0", "mlp.experts.{e}.gate_proj.weight", m, (d, f)),
+           experts("mlp/wi_1", "mlp.experts.{e}.up_proj.weight", m, (d, f)),
+           experts("mlp/wo_efd", "mlp.experts.{e}.down_proj.weight", m, (f, d)),
+           linear("mlp/shared/wi_0", "mlp.shared_expert.gate_proj.weight", (d, fs)),
+           linear("mlp/shared/wi_1", "mlp.shared_expert.up_proj.weight", (d, fs)),
+           linear("mlp/shared/wo_fd", "mlp.shared_expert.down_proj.weight", (fs, d)),
+           linear("mlp/shared_gate_d", "mlp.shared_expert_gate.weight", (d,))]
+    common = [same("pre_attention_norm/scale", "input_layernorm.weight"),
+              same("pre_mlp_norm/scale", "post_attention_layernorm.weight")] + mlp
+    pattern = LAYERS_PER_BLOCK["qwen3_next"]
+    return Layout(model, attention + common, "model.layers.{i}.", pattern, m.num_decoder_layers,
+                  rules_of_layer=lambda i: attention + common if (i + 1) % pattern == 0 else linear_mixer + common)
+
+
 def layout_for(m: ModelConfig) -> Layout:
     """The tensor rules of `m`'s family; ConfigError for a family with no Hugging Face counterpart."""
     if m.decoder_block in ("llama2", "mistral", "mixtral", "gemma", "gemma2", "qwen2", "qwen3", "qwen3_moe", "gemma3",
@@ -394,4 +477,6 @@ def layout_for(m: ModelConfig) -> Layout:
         return _deepseek(m)
     if m.decoder_block == "llama4":
         return _llama4(m)
+    if m.decoder_block == "qwen3_next":
+        return _qwen3_next(m)
     raise ConfigError(f"decoder_block={m.decoder_block} has no Hugging Face layout")

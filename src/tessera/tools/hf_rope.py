@@ -25,12 +25,17 @@ def rope_keys(hf: dict[str, Any]) -> dict[str, Any]:
     if "full_attention" in params:  # per-layer-type parameters; all layer types share them in these families
         params = params["full_attention"]
     scaling = hf.get("rope_scaling") or params
-    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial is not None and float(partial) != 1.0:
-        raise ConfigError(f"this checkpoint rotates part of each head (partial_rotary_factor={partial}); Tessera's "
+    # transformers' Qwen3NextConfig rotates a quarter of each head unless told otherwise
+    partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor",
+                                                        0.25 if hf.get("model_type") == "qwen3_next" else 1.0))
+    partial = 1.0 if partial is None else float(partial)
+    if partial != 1.0 and hf.get("model_type") != "qwen3_next":
+        raise ConfigError(f"this checkpoint rotates part of each head (partial_rotary_factor={partial:g}); Tessera's "
                           f"{hf.get('model_type')} rotates the whole head, so its logits would differ: not converted")
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     keys: dict[str, Any] = {"rope_max_timescale": rope_theta(theta), "rope_scaling": "none"}
+    if hf.get("model_type") == "qwen3_next":
+        keys["partial_rotary_factor"] = partial
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "llama3":
         keys.update(rope_scaling="llama3", rope_scaling_factor=float(scaling["factor"]),

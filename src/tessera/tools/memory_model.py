@@ -26,8 +26,8 @@ import math
 from tessera.config import Config, ConfigError, ModelConfig
 from tessera.config.derived import pipeline_layout
 from tessera.config.fields import OLMO_BLOCKS
-from tessera.config.layers import dense_layers
-from tessera.metrics import mla_matmul_params
+from tessera.config.layers import dense_layers, linear_attention_layers
+from tessera.metrics import gated_deltanet_matmul_params, mla_matmul_params
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -51,6 +51,14 @@ def count_params(m: ModelConfig) -> ParamCounts:
     biases = (n + 2 * k) * h + (0 if m.decoder_block == "qwen2" else d)  # qwen2 has no output projection bias
     attention = mla_params(m) if m.decoder_block == "deepseek" else \
         d * n * h * 2 + d * k * h * 2 + (biases if attention_bias else 0) + (n if m.attention_sink else 0)
+    remainder = 0  # qwen3_next: its mixers' parameters beyond `layers` times their per-layer mean
+    if m.decoder_block == "qwen3_next":  # gated attention (and q/k norms) in 1 layer of 4, Gated DeltaNets in the rest
+        linear = linear_attention_layers(m)
+        gdn = gated_deltanet_matmul_params(m) + m.gdn_conv_kernel_dim * (
+            2 * m.gdn_num_key_heads * m.gdn_key_head_dim + m.gdn_num_value_heads * m.gdn_value_head_dim) + \
+            2 * m.gdn_num_value_heads + m.gdn_value_head_dim
+        mixers = (m.num_decoder_layers - linear) * (attention + d * n * h + 2 * h) + linear * gdn
+        attention, remainder = divmod(mixers, m.num_decoder_layers)
     gated = len(m.mlp_activations) + 1
 
     def mlp(f: int) -> int:  # one gated MLP of width f, with its biases
@@ -62,6 +70,7 @@ def count_params(m: ModelConfig) -> ParamCounts:
     router_bias = (m.routed_bias, m.decoder_block == "gpt_oss").count(True)  # choice bias, learned logit bias
     router = d * m.num_experts + m.num_experts * router_bias if moe else 0
     shared = mlp(f * m.shared_experts) if m.shared_experts and moe else 0
+    shared += d if shared and m.decoder_block == "qwen3_next" else 0  # the shared experts' gate
     norm = 2 * d if layer_norm else d
     norms = norm * (4 if m.decoder_block in ("gemma2", "gemma3") else 2)
     norms += 2 * h if m.decoder_block in ("qwen3", "qwen3_moe", "gemma3") else 0  # per-head q and k norms
@@ -76,9 +85,10 @@ def count_params(m: ModelConfig) -> ParamCounts:
     # multi-token prediction: per depth a block of the family, its three norms and a [2, D, D] projection
     mtp_extra = 3 * norm + 2 * d * d
     mtp, mtp_active = m.mtp_num_layers * (per_layer + mtp_extra), m.mtp_num_layers * (active_layer + mtp_extra)
-    return ParamCounts(layers * per_layer + dense_total + embeddings + mtp,
-                       layers * active_layer + dense_total + embeddings + mtp_active,
-                       per_layer, expert_mlp, layers * per_layer + dense_total, layers if m.num_experts > 1 else 0)
+    return ParamCounts(layers * per_layer + dense_total + embeddings + mtp + remainder,
+                       layers * active_layer + dense_total + embeddings + mtp_active + remainder,
+                       per_layer, expert_mlp, layers * per_layer + dense_total + remainder,
+                       layers if m.num_experts > 1 else 0)
 
 
 def token_mlp_width(m: ModelConfig) -> int:
