@@ -1079,7 +1079,7 @@ def test_keys_a_run_does_not_read_are_named():
     assert keys_without_effect(gdn, {"fsdp": 8}) == [
         "gdn_num_value_heads=64, gdn_chunk_size=128: no effect, they size the Gated DeltaNet layers of "
         "decoder_block=qwen3_next; decoder_block=llama2 has none"]
-    nxt = load_config([BASE, "decoder_block=qwen3_next", "num_experts=4", "num_experts_per_tok=2",
+    nxt = load_config([BASE, "decoder_block=qwen3_next", "num_experts=4", "num_experts_per_tok=2", "shared_experts=1",
                        "local_rope_max_timescale=100"], env={})
     assert keys_without_effect(nxt, {"fsdp": 8}) == [
         "local_rope_max_timescale=100: no effect, it is the rotary theta of the local layers of decoder_block=gemma3 "

@@ -388,7 +388,7 @@ def test_training_holds_no_cache_state(llama):
         if name.startswith("tessera.models"):
             assert not [k for k, v in vars(module).items() if isinstance(v, threading.local)], name
     assert {k for k, v in vars(kv_cache).items()
-            if getattr(v, "__module__", None) == kv_cache.__name__} == {"KVCache", "EmptyKVCache"}
+            if getattr(v, "__module__", None) == kv_cache.__name__} == {"KVCache", "EmptyKVCache", "DeltaNetCache"}
 
     model, params = llama
     batch = {k: jax.ShapeDtypeStruct((2, 13), np.int32) for k in ("tokens", "segment_ids", "positions")}

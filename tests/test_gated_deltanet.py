@@ -140,6 +140,8 @@ def test_partial_rotary_rotates_the_first_dimensions_only():
     (dict(partial_rotary_factor=0.3), r"partial_rotary_factor=0\.3 of head_dim 8 rotates 2\.4 dimensions"),
     (dict(partial_rotary_factor=0.5, rope_scaling="yarn"), "partial_rotary_factor=0.5 with rope_scaling=yarn"),
     (dict(base_num_decoder_layers=3), "needs at least 4 layers .*3 linear-attention and 1 full-attention"),
+    # MaxText's qwen3_next file has no shared_experts key (its block always builds the shared expert)
+    (dict(shared_experts=0), "shared_experts=0: every decoder_block=qwen3_next layer has a shared expert"),
     (dict(decoder_block="gpt3", num_experts=1, num_experts_per_tok=1, shared_experts=0, partial_rotary_factor=0.5),
      "decoder_block=gpt3 has no rotary positions"),
 ])

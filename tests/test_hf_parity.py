@@ -493,3 +493,24 @@ def test_compare_reports_kl_and_difference():
     other = np.log(np.array([[0.25, 0.5, 0.25], [0.1, 0.1, 0.8]]))
     _, kl = compare(other, ref)
     np.testing.assert_allclose(kl[0], 0.5 * np.log(2) + 0.25 * np.log(0.5), rtol=1e-12)
+
+
+@pytest.mark.slow
+def test_a_qwen3_next_checkpoint_with_its_mtp_layer_converts_without_it(hf_model, tmp_path, caplog):
+    """The released Qwen3-Next checkpoints store a multi-token-prediction layer (mtp.*), which transformers does not
+    load: the converter refused them as tensors with "no place" in the model. Now they are left out with a log
+    line, and the rest converts to transformers' logits (transformers loads the same folder, ignoring them)."""
+    import logging
+
+    from safetensors.numpy import save_file
+
+    hf_dir = tmp_path / "with_mtp"
+    shutil.copytree(hf_model("qwen3_next"), hf_dir)  # (sharded: the layer goes into a shard of its own)
+    mtp = {"mtp.fc.weight": np.ones((24, 48), np.float32), "mtp.norm.weight": np.ones((24,), np.float32)}
+    save_file(mtp, hf_dir / "model-mtp.safetensors", metadata={"format": "pt"})
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    index["weight_map"].update({name: "model-mtp.safetensors" for name in mtp})
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps(index))
+    with caplog.at_level(logging.INFO, logger="tessera"):
+        _assert_converts_to_the_reference_logits(hf_dir, _config(hf_dir), tmp_path)
+    assert "left out 2 tensors of Qwen3-Next's multi-token-prediction layer" in caplog.text

@@ -383,9 +383,9 @@ def test_every_family_gets_a_kernel_that_has_its_features(model_file, monkeypatc
     from tessera.step import setup
 
     # gemma3: one whole 5-local/1-global pattern at least; deepseek-v3: its 3 dense layers and an expert layer;
-    # llama4: one 4-layer pattern; olmo3: one 3-local/1-global pattern
+    # llama4: one 4-layer pattern; olmo3: one 3-local/1-global pattern; qwen3-next: one 3-linear/1-full pattern
     layers = 6 if model_file.startswith("gemma3") else 4 if model_file in (
-        "deepseek-v3", "llama4-17b-16e", "llama4-17b-128e") or model_file.startswith("olmo3") else 2
+        "deepseek-v3", "llama4-17b-16e", "llama4-17b-128e") or model_file.startswith(("olmo3", "qwen3-next")) else 2
     cfg = load_config([str(REPO / "configs" / "base.yml"), f"model_name={model_file}", "dtype=bfloat16",
                        f"base_num_decoder_layers={layers}", "per_device_batch_size=1"], env={})
     monkeypatch.setattr("tessera.step.device_platform", lambda mesh: "gpu")

@@ -85,6 +85,10 @@ def _validate_qwen3_next(m) -> None:
     if m.gdn_num_value_heads % m.gdn_num_key_heads:
         raise ConfigError(f"gdn_num_value_heads={m.gdn_num_value_heads} is not a multiple of gdn_num_key_heads="
                           f"{m.gdn_num_key_heads}: each key head serves a whole group of value heads; change either")
+    if m.num_experts > 1 and not m.shared_experts:  # (transformers' Qwen3-Next and MaxText's build it too)
+        raise ConfigError("shared_experts=0: every decoder_block=qwen3_next layer has a shared expert behind its "
+                          "sigmoid gate, beside the routed ones; set shared_experts (Qwen3-Next: 1, as wide as an "
+                          "expert)")
     if m.sliding_window_size:
         raise ConfigError(f"sliding_window_size={m.sliding_window_size}: decoder_block=qwen3_next's attention layers see "
                           "the whole causal past (its Gated DeltaNets are the local memory); set sliding_window_size=0")
@@ -131,7 +135,7 @@ _LLAMA4_KEYS = {"use_qk_norm": False, "chunk_attn_window_size": 0, "nope_layer_i
 # blocks that always norm each query and key head, with a learned scale: use_qk_norm=true (what MaxText's qwen3 model
 # files set, and its gemma3 always does; olmo3's and olmo2's norm all heads at once, as MaxText's olmo3 with true) is
 # what they do
-QK_NORM_BLOCKS = ("qwen3", "qwen3_moe", "gemma3", "olmo3", "olmo2")
+QK_NORM_BLOCKS = ("qwen3", "qwen3_moe", "gemma3", "olmo3", "olmo2", "qwen3_next")
 
 
 def _validate_llama4(m) -> None:

@@ -157,9 +157,14 @@ class KVCache(NamedTuple):
         return kv, kv, ids, ids, lead, scale, scale
 
     @staticmethod
+    def is_cache(x) -> bool:
+        """Whether `x` is one layer's cache (a `KVCache` or a `DeltaNetCache`), a leaf of a tree of caches."""
+        return isinstance(x, (KVCache, DeltaNetCache))
+
+    @staticmethod
     def caches_in(tree) -> list:
         """The caches of a tree of caches (`KVCache`s and `DeltaNetCache`s), in `jax.tree.leaves` order."""
-        return jax.tree.leaves(tree, is_leaf=_is_cache)
+        return jax.tree.leaves(tree, is_leaf=KVCache.is_cache)
 
     @staticmethod
     def tree_logical_axes(caches) -> list[tuple[str | None, ...]]:
@@ -191,7 +196,7 @@ class KVCache(NamedTuple):
         """A tree of caches, each marked as holding nothing yet (`EmptyKVCache`): for the first call;
         with empty=False, without the mark (plain `KVCache`s)."""
         kind = EmptyKVCache if empty else KVCache
-        return jax.tree.map(lambda c: kind(*c) if isinstance(c, KVCache) else c, caches, is_leaf=_is_cache)
+        return jax.tree.map(lambda c: kind(*c) if isinstance(c, KVCache) else c, caches, is_leaf=KVCache.is_cache)
 
     @staticmethod
     def is_empty(caches) -> bool:
@@ -238,10 +243,6 @@ class DeltaNetCache(NamedTuple):
         lead = (None,) * (self.segment_b.ndim - 1)
         conv = (*lead, "batch", None, "act_heads", None)
         return ((*lead, "batch", "act_heads", None, None), conv, conv, conv, (*lead, "batch", None), (*lead, "batch"))
-
-
-def _is_cache(x) -> bool:
-    return isinstance(x, (KVCache, DeltaNetCache))
 
 
 class EmptyKVCache(KVCache):

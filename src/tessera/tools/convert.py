@@ -223,7 +223,14 @@ def _check_all_present(names, needed: set[str]) -> None:
 
 def _mtp_tensors(names, m) -> list[str]:
     """DeepSeek-V3's multi-token-prediction layers (stored after the last decoder layer) past the
-    config's mtp_num_layers: left out of the conversion, with a log line."""
+    config's mtp_num_layers, and Qwen3-Next's (mtp.*, which transformers does not load either): left
+    out of the conversion, with a log line."""
+    if m.decoder_block == "qwen3_next":
+        mtp = [n for n in names if n.startswith("mtp.")]
+        if mtp:
+            log.info("left out %d tensors of Qwen3-Next's multi-token-prediction layer (mtp.*; Tessera's qwen3_next "
+                     "does not build it, nor does transformers' Qwen3NextForCausalLM)", len(mtp))
+        return mtp
     if m.decoder_block != "deepseek":
         return []
     first = m.num_decoder_layers + m.mtp_num_layers
