@@ -15,7 +15,7 @@ from conftest import REPO
 BENCH = REPO / "benchmarks"
 SCRIPTS = sorted(p.name for p in BENCH.glob("*.py") if p.name != "bench_cli.py")
 WITH_OUT = ("checkpoint_blocking.py", "cpu_llama.py", "cpu_llama_ceiling.py", "data_pipeline.py", "decode_memory.py",
-            "host_memory.py", "host_overhead.py", "pipeline.py", "splash_mask_tables.py")
+            "delta_rule.py", "host_memory.py", "host_overhead.py", "pipeline.py", "splash_mask_tables.py")
 
 
 def _results() -> dict[str, str]:
@@ -55,6 +55,7 @@ BAD = [
     ("cpu_llama_ceiling.py", ["--repeats", "0"], "argument --repeats: 0 is too small"),
     ("cpu_llama_ceiling.py", ["learning_rat=0.1"], "unknown config key 'learning_rat'"),
     ("cpu_llama_ceiling.py", ["dtype=float16"], "dtype=float16"),
+    ("delta_rule.py", ["--rounds", "0"], "argument --rounds: 0 is too small"),
     ("host_overhead.py", ["--rounds", "0"], "argument --rounds: 0 is too small"),
     ("host_overhead.py", ["--steps", "10"], "argument --steps: 10 is too small; give at least 11"),
     ("host_overhead.py", ["--steps", "x"], "argument --steps: 'x' is not a whole number"),

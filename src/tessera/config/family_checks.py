@@ -67,7 +67,8 @@ def _validate_partial_rotary(m) -> None:
         return
     rotary = m.head_dim * m.partial_rotary_factor
     if m.decoder_block in ("deepseek", "gpt3"):
-        why = "rotates qk_rope_head_dim dimensions of its own" if m.decoder_block == "deepseek" else "has no rotary positions"
+        why = ("rotates qk_rope_head_dim dimensions of its own" if m.decoder_block == "deepseek"
+               else "has no rotary positions")
         raise ConfigError(f"partial_rotary_factor={m.partial_rotary_factor:g}: decoder_block={m.decoder_block} {why}; "
                           "set partial_rotary_factor=1")
     if abs(rotary - round(rotary)) > 1e-6 or round(rotary) % 2 or not round(rotary):

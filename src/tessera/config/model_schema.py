@@ -198,8 +198,9 @@ class ModelConfig:
                                 "expert layers)", minimum=0)
     first_num_dense_layers: int = key(0, "deepseek: this many layers at the bottom have a dense MLP (base_mlp_dim) "
                                       "instead of experts", minimum=0)
-    shared_experts: int = key(0, "deepseek and qwen3_next (behind a sigmoid gate): experts every token goes through (one dense MLP shared_experts x the "
-                              "expert width wide), added to the routed experts' output", minimum=0)
+    shared_experts: int = key(0, "deepseek and qwen3_next (behind a sigmoid gate): experts every token goes "
+                              "through (one dense MLP shared_experts x the expert width wide), added to the routed "
+                              "experts' output", minimum=0)
     routed_score_func: str = key("softmax", "MoE router scores: softmax over the experts (Mixtral, Qwen3) or an "
                                  "independent sigmoid per expert (DeepSeek-V3)", ("softmax", "sigmoid"))
     routed_scaling_factor: float = key(1.0, "MoE: the routed experts' weights are multiplied by this (DeepSeek-V3: 2.5)",

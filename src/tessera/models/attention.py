@@ -205,7 +205,8 @@ class Attention(nnx.Module):
     all heads of a token's queries, and one over its keys, with a scale per head and dimension;
     "" none), the rotary frequencies of the local layers of gemma3 and olmo3 (`local_rope`) and an
     output gate (`output_gate`, Qwen3-Next: the context times sigmoid(x W_gate) before the output
-    projection). From the config: `partial_rotary_factor` (only that fraction of each head rotates), `fused_qkv` (one [D, 3, N, H] projection; needs K == N),
+    projection). From the config: `partial_rotary_factor` (only that fraction of each head
+    rotates), `fused_qkv` (one [D, 3, N, H] projection; needs K == N),
     `query_pre_attn_scalar` (scores scaled by its inverse square root instead of head_dim's),
     `attn_logits_soft_cap`, `attention_bias` (biases as `use_bias`, which gpt3 always sets),
     `attention_sink` (a learned sink logit per query head, `sinks_n`, initialized to zero) and,

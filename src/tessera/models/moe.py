@@ -97,8 +97,9 @@ class MoeMlp(nnx.Module):
     dense gated MLP every token goes through; with `routed_bias`, a per-expert choice bias [E].
 
     A family may ask for a learned router bias [E] added to the logits (`router_bias`: gpt-oss),
-    for a sigmoid gate on the shared experts' output (`shared_gate`: Qwen3-Next), for gpt-oss's clamped gate (`clamped_glu`: gate * act0(1.702 * gate) * (up + 1), the gate
-    clipped above at mlp_activations_limit and the up projection to +-limit), and for each token
+    for a sigmoid gate on the shared experts' output (`shared_gate`: Qwen3-Next), for gpt-oss's
+    clamped gate (`clamped_glu`: gate * act0(1.702 * gate) * (up + 1), the gate clipped above at
+    mlp_activations_limit and the up projection to +-limit), and for each token
     to enter an expert already multiplied by its weight, the outputs then added unweighted
     (`scale_inputs`: Llama 4). mlp_bias adds a bias after every expert projection."""
 
