@@ -148,7 +148,7 @@ class ModelConfig:
                                "with a zero value: attention can go nowhere (gpt-oss; not with deepseek's latent "
                                "attention, nor with cuDNN, which has no such input)")
     use_qk_norm: bool = key(False, "llama4: an RMS norm without a scale over each query and key head of the rotary "
-                            "layers (Llama 4 Scout); qwen3, qwen3_moe and gemma3 always norm them, with scales of their own, "
+                            "layers (Llama 4 Scout); qwen3, qwen3_moe, qwen3_next and gemma3 always norm them, with scales of their own, "
                             "olmo3 and olmo2 all heads of a token at once, and they take true (MaxText's qwen3 and olmo3 model "
                             "files) as that")
     chunk_attn_window_size: int = key(0, "llama4: the rotary layers attend within chunks of this many tokens (a query "
