@@ -74,19 +74,30 @@ def test_the_streamed_update_equals_the_plain_one(keys):
     """Three steps with the moments streamed from host memory leave the parameters and the optimizer state
     bitwise as the plain update does (the same element-wise arithmetic, on slices), with equal losses. Moments
     kept in bfloat16 (mu_dtype) may round one way or the other where the float32 value is a tie: within one
-    bfloat16 step (2 of 5,184 elements after three steps with adamw_mask and adam_eps_root; the parameters,
-    which read the float32 moment, bitwise)."""
-    _, plain, plain_stats = _steps(False, **keys)
+    bfloat16 step (2 of 5,184 elements after three steps with adamw_mask and adam_eps_root on a Xeon host). A
+    step's parameters read its float32 moment, so they stay bitwise unless a moment stored by an earlier step
+    rounded the other way: then the elements that read it differ, by a bfloat16 step of their update (on an
+    AMD EPYC host one moment of wv_dkh rounded apart at step 2 and moved its parameter by 1.2e-6 at step 3); no
+    more elements than moments differ, each within the learning rate x 2**-7."""
+    trainer, plain, plain_stats = _steps(False, **keys)
     _, streamed, stats = _steps(True, **keys)
     assert [s["loss"] for s in stats] == [s["loss"] for s in plain_stats]
     want, got = _flat(plain), _flat(streamed)
     assert want.keys() == got.keys()
+    moments_apart = sum(int(np.sum(np.asarray(got[k]) != np.asarray(want[k]))) for k in want
+                        if want[k].dtype == jnp.bfloat16)
+    params_apart = 0
     for k in want:
         if want[k].dtype == jnp.bfloat16:
             np.testing.assert_allclose(got[k].astype(np.float32), want[k].astype(np.float32), rtol=2 ** -7, atol=0,
                                        err_msg=k)
+        elif moments_apart and k.startswith("['params']"):
+            params_apart += int(np.sum(np.asarray(got[k]) != np.asarray(want[k])))
+            rate = max(float(trainer.schedule(i)) for i in range(len(stats)))
+            np.testing.assert_allclose(got[k], want[k], rtol=0, atol=rate * 2 ** -7, err_msg=k)
         else:
             np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert params_apart <= moments_apart
     # the moments stay in host memory from step to step; the counts, the parameters and the moments of stacked
     # vectors (the norms' scales, [layers, embed]) on the devices
     kinds = {k: v.sharding.memory_kind for k, v in
