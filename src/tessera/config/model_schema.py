@@ -176,6 +176,10 @@ class ModelConfig:
     gdn_chunk_size: int = key(64, "qwen3_next: the gated delta rule runs in chunks of this many tokens (matmuls "
                               "within a chunk, a sequential step between chunks); the same result for any size",
                               minimum=1)
+    gdn_kernel: str = key("autoselected", "qwen3_next: what runs the gated delta rule's recurrence over the chunks in "
+                          "training: pallas (a Pallas TPU kernel holding each head's memory in VMEM; TPUs only, "
+                          "elsewhere xla with one logged line), xla (an XLA loop) or autoselected (pallas on TPUs, "
+                          "else xla); decoding always uses xla", ("autoselected", "pallas", "xla"))
     fused_qkv: bool = key(False, "one fused query/key/value projection [emb, 3, heads, head_dim] (multi-head attention "
                           "only: kv heads = query heads); from the same weights, the same results as three (at the same "
                           "seed it starts from other random weights)")

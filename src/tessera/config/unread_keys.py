@@ -156,7 +156,7 @@ LLAMA3_ROPE_KEYS = ("rope_low_freq_factor", "rope_high_freq_factor")
 ROPE_KEYS = ("rope_max_timescale", "rope_scaling", "rope_scaling_factor", "rope_original_max_position", *YARN_KEYS,
              *LLAMA3_ROPE_KEYS)
 GDN_KEYS = ("gdn_num_key_heads", "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim",
-            "gdn_chunk_size")
+            "gdn_chunk_size", "gdn_kernel")
 MLA_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 

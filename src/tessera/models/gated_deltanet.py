@@ -29,6 +29,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
 from tessera.mesh import shard_logically
+from tessera.models import delta_rule_kernel
+from tessera.models.delta_rule_kernel import chunk_recurrence
 from tessera.models.kv_cache import DeltaNetCache, KVCache
 from tessera.models.layers import fan_in_std, param, project, rms_normalized
 
@@ -55,13 +57,14 @@ def l2_normalized(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 
 
 def chunked_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, segment_ids_bt, chunk: int, state_bhkv=None,
-                       state_segment_b=None):
+                       state_segment_b=None, kernel: str = "xla"):
     """(outputs [B, T, H, dv], final memory [B, H, dk, dv]), both float32, of the gated delta rule (module
     docstring), from queries and keys [B, T, H, dk] (already L2-normed; the queries are scaled by dk**-0.5
     here), values [B, T, H, dv], log decays g [B, T, H] (<= 0) and steps beta [B, T, H], in chunks of
     `chunk` tokens, the memory never crossing a segment boundary. It starts empty, or as `state_bhkv`
     belonging to segment `state_segment_b` [B] (decoding: what the earlier tokens left); the final memory
-    is the last token's segment's."""
+    is the last token's segment's. `kernel`: the recurrence over the chunks as an XLA `lax.scan` ("xla"),
+    or the Pallas TPU kernel of `delta_rule_kernel` ("pallas"; "pallas_interpret": in Pallas' interpreter)."""
     b, t, h, dk = q_bthk.shape
     dv = v_bthv.shape[-1]
     n = -(-t // chunk)
@@ -110,7 +113,11 @@ def chunked_delta_rule(q_bthk, k_bthk, v_bthv, g_bth, beta_bth, segment_ids_bt, 
         return state_bhkv, out
 
     state = jnp.zeros((b, h, dk, dv), jnp.float32) if state_bhkv is None else state_bhkv.astype(jnp.float32)
-    state, out = jax.lax.scan(step, state, (u, w, scores, q_reads, k_writes, carried))  # [N, B, H, C, dv]
+    if kernel == "xla":
+        state, out = jax.lax.scan(step, state, (u, w, scores, q_reads, k_writes, carried))  # [N, B, H, C, dv]
+    else:
+        out, state = chunk_recurrence(u, w, scores, q_reads, k_writes, carried, state,
+                                      interpret=kernel == "pallas_interpret")
     return jnp.moveaxis(out, (0, 2), (1, 3)).reshape(b, n * chunk, h, dv)[:, :t], state
 
 
@@ -167,7 +174,7 @@ class GatedDeltaNet(nnx.Module):
         self.norm_scale_h = param(rngs, (dv,), (None,), wdtype, None, fill=1.0)
         self.wo_vhd = param(rngs, (vh, dv, d), ("linear_heads", "head_dim", "embed"), wdtype, fan_in_std(vh * dv))
         self.dtype, self.eps, self.chunk = cfg.dtype, cfg.normalization_layer_epsilon, cfg.gdn_chunk_size
-        self.quantization = cfg.quantization
+        self.quantization, self.kernel = cfg.quantization, cfg.gdn_kernel
 
     def __call__(self, x_btd, segment_ids_bt, cache: DeltaNetCache | None = None):
         """(output [B, T, D], the updated cache, or None without one). With a cache (decoding) the tokens
@@ -201,7 +208,8 @@ class GatedDeltaNet(nnx.Module):
         k = shard_logically(k, ("batch", "length", "act_heads", None))
         v = shard_logically(v, ("batch", "length", "act_heads", None))
         if cache is None:
-            out, _ = chunked_delta_rule(q, k, v, g_btv, beta_btv, segment_ids_bt, self.chunk)
+            out, _ = chunked_delta_rule(q, k, v, g_btv, beta_btv, segment_ids_bt, self.chunk,
+                                        kernel=delta_rule_kernel.select_delta_rule_kernel(self.kernel))
         else:  # (chunks no longer than the call: a decoded token is one chunk of 1)
             out, state = chunked_delta_rule(q, k, v, g_btv, beta_btv, segment_ids_bt, min(self.chunk, t),
                                             cache.state_bhkv, cache.segment_b)
