@@ -118,7 +118,8 @@ def test_gdn_kernel_picks_pallas_on_tpus_only_and_says_when_it_cannot(caplog):
 def test_the_tpu_program_runs_the_kernel_forward_and_backward():
     """AOT for v5e-8 (fsdp 4 x tensor 2), a pattern of three Gated DeltaNets and one attention layer: autoselected
     compiles the kernel once forward and once backward per Gated DeltaNet (Mosaic takes the small heads whole);
-    gdn_kernel=xla compiles none."""
+    gdn_kernel=xla compiles none; under two pipeline stages (stage 2 x fsdp 4, two patterns) each stage's
+    layers run it."""
     from tessera.hardware import tpu_slice
     from tessera.hlo_text import tpu_kernels
     from tessera.step import compile_step, setup
@@ -131,3 +132,7 @@ def test_the_tpu_program_runs_the_kernel_forward_and_backward():
         kernels[choice] = tpu_kernels(compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text())
     assert kernels["autoselected"] == {"delta_rule_chunks_bwd": 3, "delta_rule_chunks_fwd": 3}
     assert kernels["xla"] == {}
+    cfg = build_config({**TINY, **GDN, "dtype": "bfloat16", "base_num_decoder_layers": 8, "ici_fsdp_parallelism": 4,
+                        "ici_pipeline_parallelism": 2, "attention": "dot_product"})
+    program = compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text()
+    assert tpu_kernels(program) == {"delta_rule_chunks_bwd": 3, "delta_rule_chunks_fwd": 3}

@@ -219,6 +219,18 @@ def test_float16_compute_is_refused_for_tpus_before_compiling(tmp_path, capsys):
     assert "config error: dtype=float16 on TPU" in err and "use dtype=bfloat16" in err and "Traceback" not in err
 
 
+def test_qwen3_next_with_stages_and_tensor_is_refused_for_tpus_before_compiling(tmp_path, capsys):
+    """XLA's TPU compiler aborts the process (a CHECK in its partitioner, a core dump) on qwen3_next with pipeline
+    stages and tensor parallelism: one line at set-up instead."""
+    keys = dict(decoder_block="qwen3_next", base_num_decoder_layers=8, num_experts=4, num_experts_per_tok=2,
+                shared_experts=1, gdn_num_key_heads=2, gdn_num_value_heads=4, gdn_key_head_dim=8,
+                gdn_value_head_dim=6, ici_fsdp_parallelism=2, ici_tensor_parallelism=2, ici_pipeline_parallelism=2)
+    assert main(overrides(tmp_path, compile_topology="v5e-8", **keys)) == 2
+    err = capsys.readouterr().err
+    assert ("config error: decoder_block=qwen3_next with pipeline stages (2) and tensor parallelism (2) together: "
+            "XLA's TPU compiler aborts on it") in err and "ici_tensor_parallelism=1" in err and "Traceback" not in err
+
+
 def test_a_relative_config_file_that_is_missing_is_named(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["nope.yml", "compile_topology=v5e-4"]) == 2

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tessera import cpu_matmul, spikes
 from tessera.compile_cache import unloadable_programs_unsaved
 from tessera.config import Config, ConfigError, ModelConfig
-from tessera.config.checks import check_trainable_dtypes
+from tessera.config.checks import check_tpu_compiler_limits, check_trainable_dtypes
 from tessera.config.derived import RunPlan, plan_run
 from tessera.config.layers import LAYERS_PER_BLOCK
 from tessera.config.maxtext_model import accumulation_note
@@ -79,6 +79,7 @@ def setup(cfg: Config, devices=None) -> Trainer:
     plan = plan_run(cfg, dict(mesh.shape))
     check_cpu_mesh(mesh)  # a mesh XLA:CPU computes wrong results on (tessera.cpu_miscompile)
     check_trainable_dtypes(cfg.model, device_platform(mesh))
+    check_tpu_compiler_limits(cfg.model, device_platform(mesh), dict(mesh.shape))
     for line in keys_without_effect(cfg, dict(mesh.shape)):
         log.warning("%s", line)
     if note := accumulation_note(cfg.data.per_device_batch_size, plan.micro_batches, plan.global_batch):

@@ -335,6 +335,20 @@ def validate_for_build(m: ModelConfig) -> None:
                           "num_experts=8 num_experts_per_tok=2")
 
 
+def check_tpu_compiler_limits(m: ModelConfig, platform: str, mesh_shape: dict[str, int]) -> None:
+    """ConfigError for settings XLA's TPU compiler aborts on (libtpu 0.0.50.1): a CHECK in its SPMD
+    partitioner (`partition_group_list`) ends the process with a core dump. decoder_block=qwen3_next with
+    pipeline stages and tensor parallelism together: every size tried (2026-12-04, v5e-8, emb 24 to 256,
+    stages beside fsdp or data, scanned or not, either gdn_kernel); without the Gated DeltaNets' decay and
+    step gradients it compiles; stages with fsdp alone, and tensor without stages, compile."""
+    if (platform == "tpu" and m.decoder_block == "qwen3_next" and mesh_shape.get("stage", 1) > 1
+            and mesh_shape.get("tensor", 1) > 1):
+        raise ConfigError(f"decoder_block=qwen3_next with pipeline stages ({mesh_shape['stage']}) and tensor "
+                          f"parallelism ({mesh_shape['tensor']}) together: XLA's TPU compiler aborts on it (a CHECK "
+                          "in its partitioner, libtpu 0.0.50.1); with stages, use fsdp or data instead of tensor "
+                          "(ici_tensor_parallelism=1), or no stages")
+
+
 def check_trainable_dtypes(m: ModelConfig, platform: str) -> None:
     """ConfigError for dtypes training cannot run on `platform` ("cpu", "gpu", "tpu"). float16
     parameters: AdamW keeps its moments in the parameters' dtype, where epsilon (1e-8) and the
