@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY, tiny_config
 from tessera.config import build_config
 from tessera.models import delta_rule_kernel
-from tessera.models.delta_rule_kernel import select_delta_rule_kernel
+from tessera.models.delta_rule_kernel import chunk_recurrence, select_delta_rule_kernel
 from tessera.models.gated_deltanet import chunked_delta_rule, l2_normalized
 
 B, T, H, DK, DV = 2, 37, 3, 8, 5
@@ -60,6 +60,37 @@ def test_the_kernel_equals_the_xla_loop_with_gradients(chunk, carried):
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6, err_msg=name)
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: loss("pallas_interpret", *a)[0], argnums=range(5)))(*args))
     assert "delta_rule_chunks_fwd" in jaxpr and "delta_rule_chunks_bwd" in jaxpr
+
+
+def test_a_prompt_through_the_kernel_then_decoded_tokens_equal_one_pass(monkeypatch):
+    """Decoding: a left-padded prompt of 7 tokens runs the kernel (chunks of 4, from the empty cache's memory), each
+    later token XLA's loop (one chunk of one); their outputs equal one pass of the layer over the row."""
+    from flax import nnx
+
+    from tessera.models import gated_deltanet
+    from tessera.models.gated_deltanet import GatedDeltaNet
+    from tessera.models.kv_cache import DeltaNetCache
+
+    cfg = tiny_config(**GDN).model
+    layer = GatedDeltaNet(cfg, nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(6), (1, 12, cfg.emb_dim))
+    seg = jnp.array([[0, 0] + [1] * 10])
+    whole, _ = layer(x, seg)
+    calls = []
+
+    def recorded(*args, **kwargs):
+        calls.append(args[0].shape)
+        return chunk_recurrence(*args, **kwargs)
+
+    monkeypatch.setattr(delta_rule_kernel, "select_delta_rule_kernel", lambda choice: "pallas_interpret")
+    monkeypatch.setattr(gated_deltanet, "chunk_recurrence", recorded)
+    out, cache = layer(x[:, :7], seg[:, :7], DeltaNetCache.empty(cfg, 1))
+    outs = [out]
+    for t in range(7, 12):
+        out, cache = layer(x[:, t:t + 1], seg[:, t:t + 1], cache)
+        outs.append(out)
+    assert calls == [(2, 1, cfg.gdn_num_value_heads, 4, cfg.gdn_value_head_dim)]  # the prompt only: 2 chunks of 4
+    np.testing.assert_allclose(jnp.concatenate(outs, axis=1)[:, 2:], whole[:, 2:], rtol=0, atol=1e-5)
 
 
 def _train_step(monkeypatch, kernel: str, devices: int, **mesh):

@@ -177,9 +177,9 @@ class ModelConfig:
                               "within a chunk, a sequential step between chunks); the same result for any size",
                               minimum=1)
     gdn_kernel: str = key("autoselected", "qwen3_next: what runs the gated delta rule's recurrence over the chunks in "
-                          "training: pallas (a Pallas TPU kernel holding each head's memory in VMEM; TPUs only, "
-                          "elsewhere xla with one logged line), xla (an XLA loop) or autoselected (pallas on TPUs, "
-                          "else xla); decoding always uses xla", ("autoselected", "pallas", "xla"))
+                          "training and a decoded prompt: pallas (a Pallas TPU kernel holding each head's memory in "
+                          "VMEM; TPUs only, elsewhere xla with one logged line), xla (an XLA loop) or autoselected "
+                          "(pallas on TPUs, else xla); a decoded token always uses xla", ("autoselected", "pallas", "xla"))
     fused_qkv: bool = key(False, "one fused query/key/value projection [emb, 3, heads, head_dim] (multi-head attention "
                           "only: kv heads = query heads); from the same weights, the same results as three (at the same "
                           "seed it starts from other random weights)")

@@ -210,9 +210,11 @@ class GatedDeltaNet(nnx.Module):
         if cache is None:
             out, _ = chunked_delta_rule(q, k, v, g_btv, beta_btv, segment_ids_bt, self.chunk,
                                         kernel=delta_rule_kernel.select_delta_rule_kernel(self.kernel))
-        else:  # (chunks no longer than the call: a decoded token is one chunk of 1)
+        else:  # (chunks no longer than the call: a decoded token is one chunk of 1, left to XLA; a prompt may
+            # take the kernel)
+            kernel = delta_rule_kernel.select_delta_rule_kernel(self.kernel) if t > 1 else "xla"
             out, state = chunked_delta_rule(q, k, v, g_btv, beta_btv, segment_ids_bt, min(self.chunk, t),
-                                            cache.state_bhkv, cache.segment_b)
+                                            cache.state_bhkv, cache.segment_b, kernel=kernel)
             cache = KVCache.shard_tree(DeltaNetCache(state, q_in, k_in, v_in, segments[:, segments.shape[1] - past:],
                                                            segment_ids_bt[:, -1].astype(jnp.int32)))
         out = rms_normalized(out, self.eps).astype(self.dtype) * w(self.norm_scale_h)
