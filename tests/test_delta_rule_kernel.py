@@ -4,6 +4,7 @@ documents, a carried starting memory, chunk sizes from 1 to a padded one), throu
 too; gdn_kernel's choice per platform; and the TPU compiler builds it (AOT, the kernels in the program)."""
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -59,7 +60,9 @@ def test_the_kernel_equals_the_xla_loop_with_gradients(chunk, carried):
         assert float(jnp.abs(ref).max()) > 0 or (name == "state" and not carried), name
         np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6, err_msg=name)
     jaxpr = str(jax.make_jaxpr(jax.grad(lambda *a: loss("pallas_interpret", *a)[0], argnums=range(5)))(*args))
-    assert "delta_rule_chunks_fwd" in jaxpr and "delta_rule_chunks_bwd" in jaxpr
+    # forward without the memory at each chunk's start; backward: forward again keeping it, then the reverse walk
+    assert re.findall(r"name=(delta_rule_\w+)", jaxpr) == ["delta_rule_chunks", "delta_rule_chunks_states",
+                                                           "delta_rule_chunks_bwd"]
 
 
 def test_a_prompt_through_the_kernel_then_decoded_tokens_equal_one_pass(monkeypatch):
@@ -148,22 +151,26 @@ def test_gdn_kernel_picks_pallas_on_tpus_only_and_says_when_it_cannot(caplog):
 
 def test_the_tpu_program_runs_the_kernel_forward_and_backward():
     """AOT for v5e-8 (fsdp 4 x tensor 2), a pattern of three Gated DeltaNets and one attention layer: autoselected
-    compiles the kernel once forward and once backward per Gated DeltaNet (Mosaic takes the small heads whole);
-    gdn_kernel=xla compiles none; under two pipeline stages (stage 2 x fsdp 4, two patterns) each stage's
-    layers run it."""
+    compiles per Gated DeltaNet the forward kernel, and for the backward pass the forward kernel that keeps the
+    memory at each chunk's start and the reverse one (Mosaic takes the small heads whole); with
+    remat_policy=full the forward kernel once more (the backward pass repeats the forward pass); gdn_kernel=xla
+    compiles none; under two pipeline stages (stage 2 x fsdp 4, two patterns) each stage's layers run it."""
     from tessera.hardware import tpu_slice
     from tessera.hlo_text import tpu_kernels
     from tessera.step import compile_step, setup
     from tessera.train_compile import topology_devices
 
     kernels = {}
-    for choice in ("autoselected", "xla"):
+    for choice, remat in (("autoselected", "none"), ("autoselected", "full"), ("xla", "none")):
         cfg = build_config({**TINY, **GDN, "dtype": "bfloat16", "gdn_kernel": choice, "ici_fsdp_parallelism": 4,
-                            "ici_tensor_parallelism": 2, "attention": "dot_product"})
-        kernels[choice] = tpu_kernels(compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text())
-    assert kernels["autoselected"] == {"delta_rule_chunks_bwd": 3, "delta_rule_chunks_fwd": 3}
-    assert kernels["xla"] == {}
+                            "ici_tensor_parallelism": 2, "attention": "dot_product", "remat_policy": remat})
+        program = compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text()
+        kernels[choice, remat] = tpu_kernels(program)
+    backward = {"delta_rule_chunks_bwd": 3, "delta_rule_chunks_states": 3}
+    assert kernels["autoselected", "none"] == {"delta_rule_chunks": 3, **backward}
+    assert kernels["autoselected", "full"] == {"delta_rule_chunks": 6, **backward}
+    assert kernels["xla", "none"] == {}
     cfg = build_config({**TINY, **GDN, "dtype": "bfloat16", "base_num_decoder_layers": 8, "ici_fsdp_parallelism": 4,
                         "ici_pipeline_parallelism": 2, "attention": "dot_product"})
     program = compile_step(setup(cfg, topology_devices(tpu_slice("v5e-8"), 1)), 0)[0].as_text()
-    assert tpu_kernels(program) == {"delta_rule_chunks_bwd": 3, "delta_rule_chunks_fwd": 3}
+    assert tpu_kernels(program) == {"delta_rule_chunks": 3, **backward}

@@ -18,8 +18,14 @@ memory's gradient in VMEM:
     dU = dV                  dW = -dV S^T     dc = sum(S * dS')
     dS = Q^T dO + c dS' - W^T dV
 
-The forward pass saves S at each chunk's start ([N, dk, dv] per pair, as the `while` loop's
-residuals are) for the backward pass. Every product is float32 at the highest precision.
+The backward pass needs S at each chunk's start ([N, dk, dv] per pair: as many bytes as the
+chunks' own inputs). The forward pass does not keep it ("delta_rule_chunks" writes only the
+outputs and the final memory); the backward pass first walks the chunks forward again writing it
+("delta_rule_chunks_states", which forms no outputs), then walks them in reverse. The recurrence's
+products are a small part of the layer's, and this way no layer holds its chunks' memories from
+its forward pass to its backward pass (XLA's loop keeps them, as the residuals of its `while`),
+and under a remat policy, whose forward pass the backward pass repeats anyway, they are written
+once instead of twice. Every product is float32 at the highest precision.
 `interpret=True` runs both kernels in Pallas' interpreter (the tests, on a CPU).
 
 Under a mesh the kernels run inside `shard_map`: rows over the batch axes (data, fsdp, expert),
@@ -64,18 +70,25 @@ def _mm(a, b, contract_a: int = 1, contract_b: int = 0):
                                preferred_element_type=jnp.float32)
 
 
-def _forward_kernel(u_ref, w_ref, a_ref, q_ref, k_ref, c_ref, s0_ref, out_ref, states_ref, final_ref, s_vmem):
+def _start(s0_ref, s_vmem):
+    """The memory before the first chunk, into VMEM at a pair's first step."""
     @pl.when(pl.program_id(2) == 0)
     def _():
         s_vmem[...] = s0_ref[...]
 
+
+def _forward_kernel(u_ref, w_ref, a_ref, q_ref, k_ref, c_ref, s0_ref, out_ref, final_ref, s_vmem):
+    _start(s0_ref, s_vmem)
     s = s_vmem[...]
-    states_ref[...] = s
     v = u_ref[...] - _mm(w_ref[...], s)
     out_ref[...] = _mm(q_ref[...], s) + _mm(a_ref[...], v)
-    s = s * c_ref[...] + _mm(k_ref[...], v, 0, 0)
-    s_vmem[...] = s
-    final_ref[...] = s
+    s_vmem[...] = final_ref[...] = s * c_ref[...] + _mm(k_ref[...], v, 0, 0)
+
+
+def _states_kernel(u_ref, w_ref, k_ref, c_ref, s0_ref, states_ref, final_ref, s_vmem):
+    _start(s0_ref, s_vmem)
+    s = states_ref[...] = s_vmem[...]
+    s_vmem[...] = final_ref[...] = s * c_ref[...] + _mm(k_ref[...], u_ref[...] - _mm(w_ref[...], s), 0, 0)
 
 
 def _backward_kernel(u_ref, w_ref, a_ref, q_ref, k_ref, c_ref, states_ref, do_ref, dfinal_ref,
@@ -121,9 +134,15 @@ def _run(kernel, name: str, reverse: bool, ins: str, outs: str, *args, interpret
 
 
 def _forward(u, w, a, q, k, c, s0, interpret: bool):
-    """(outputs, the memory at each chunk's start, the final memory)."""
-    return _run(_forward_kernel, "delta_rule_chunks_fwd", False, "vkakkcp", "vsp", u, w, a, q, k, c, s0,
+    """(outputs, the final memory)."""
+    return _run(_forward_kernel, "delta_rule_chunks", False, "vkakkcp", "vp", u, w, a, q, k, c, s0,
                 interpret=interpret)
+
+
+def _states(u, w, k, c, s0, interpret: bool):
+    """The memory at each chunk's start (for the backward pass; no outputs formed)."""
+    return _run(_states_kernel, "delta_rule_chunks_states", False, "vkkcp", "sp", u, w, k, c, s0,
+                interpret=interpret)[0]  # (a second output, the final memory, keeps the kernel's name plain in HLO)
 
 
 def _backward(u, w, a, q, k, c, states, d_out, d_final, interpret: bool):
@@ -134,18 +153,19 @@ def _backward(u, w, a, q, k, c, states, d_out, d_final, interpret: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
 def _recurrence(u, w, a, q, k, c, s0, interpret):
-    out, _, final = _forward(u, w, a, q, k, c, s0, interpret)
-    return out, final
+    return tuple(_forward(u, w, a, q, k, c, s0, interpret))
 
 
 def _recurrence_fwd(u, w, a, q, k, c, s0, interpret):
-    out, states, final = _forward(u, w, a, q, k, c, s0, interpret)
-    return (out, final), (u, w, a, q, k, c, states)
+    return _recurrence(u, w, a, q, k, c, s0, interpret), (u, w, a, q, k, c, s0)
 
 
 def _recurrence_bwd(interpret, residuals, cotangents):
-    d_out, d_final = cotangents
-    return _backward(*residuals, d_out, d_final, interpret)
+    """The memory at each chunk's start, recomputed here rather than kept from the forward pass, then the
+    reverse walk."""
+    u, w, a, q, k, c, s0 = residuals
+    states = _states(u, w, k, c, s0, interpret)
+    return _backward(u, w, a, q, k, c, states, *cotangents, interpret)
 
 
 _recurrence.defvjp(_recurrence_fwd, _recurrence_bwd)
