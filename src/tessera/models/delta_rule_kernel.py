@@ -26,10 +26,10 @@ products are a small part of the layer's, and this way no layer holds its chunks
 its forward pass to its backward pass (XLA's loop keeps them, as the residuals of its `while`),
 and under a remat policy, whose forward pass the backward pass repeats anyway, they are written
 once instead of twice. Every product is float32 at the highest precision.
-`interpret=True` runs both kernels in Pallas' interpreter (the tests, on a CPU).
+`interpret=True` runs the kernels in Pallas' interpreter (the tests, on a CPU).
 
-Under a mesh the kernels run inside `shard_map`: rows over the batch axes (data, fsdp, expert),
-heads over tensor; a sequence split is gathered first (the recurrence needs the whole sequence).
+Under a mesh the kernels run inside `shard_map`: rows and heads split as the activations' logical
+`batch` and `act_heads` axes are (data, fsdp, expert; tensor); a sequence split is gathered first (the recurrence needs the whole sequence).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import PartitionSpec as P
 
-from tessera.mesh import traced_platform
+from tessera.mesh import logical_spec, traced_platform
 
 log = logging.getLogger(__name__)
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -182,11 +182,7 @@ def chunk_recurrence(u, w, a, q, k, carried, state, *, interpret: bool = False):
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or math.prod(mesh.shape.values()) == 1:
         return _recurrence(*args, interpret)
-    sizes = dict(mesh.shape)
-    rows = tuple(ax for ax in ("data", "fsdp", "expert") if sizes.get(ax, 1) > 1)
-    rows = rows if rows and b % math.prod(sizes[ax] for ax in rows) == 0 else ()
-    heads = "tensor" if sizes.get("tensor", 1) > 1 and h % sizes["tensor"] == 0 else None
-    row_spec = (rows if len(rows) > 1 else rows[0]) if rows else None
-    chunked, pair = P(None, row_spec, heads, None, None), P(row_spec, heads, None, None)
+    rows, heads = logical_spec(("batch", "act_heads"), (b, h), dict(mesh.shape))  # as the activations split
+    chunked, pair = P(None, rows, heads, None, None), P(rows, heads, None, None)
     return jax.shard_map(lambda *xs: _recurrence(*xs, interpret), in_specs=(chunked,) * 6 + (pair,),
                          out_specs=(chunked, pair), check_vma=False)(*args)

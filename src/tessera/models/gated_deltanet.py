@@ -207,12 +207,11 @@ class GatedDeltaNet(nnx.Module):
         q = shard_logically(q, ("batch", "length", "act_heads", None))
         k = shard_logically(k, ("batch", "length", "act_heads", None))
         v = shard_logically(v, ("batch", "length", "act_heads", None))
+        # (a decoded token is one chunk of one, left to XLA's loop)
+        kernel = delta_rule_kernel.select_delta_rule_kernel(self.kernel) if cache is None or t > 1 else "xla"
         if cache is None:
-            out, _ = chunked_delta_rule(q, k, v, g_btv, beta_btv, segment_ids_bt, self.chunk,
-                                        kernel=delta_rule_kernel.select_delta_rule_kernel(self.kernel))
-        else:  # (chunks no longer than the call: a decoded token is one chunk of 1, left to XLA; a prompt may
-            # take the kernel)
-            kernel = delta_rule_kernel.select_delta_rule_kernel(self.kernel) if t > 1 else "xla"
+            out, _ = chunked_delta_rule(q, k, v, g_btv, beta_btv, segment_ids_bt, self.chunk, kernel=kernel)
+        else:  # (chunks no longer than the call)
             out, state = chunked_delta_rule(q, k, v, g_btv, beta_btv, segment_ids_bt, min(self.chunk, t),
                                             cache.state_bhkv, cache.segment_b, kernel=kernel)
             cache = KVCache.shard_tree(DeltaNetCache(state, q_in, k_in, v_in, segments[:, segments.shape[1] - past:],
