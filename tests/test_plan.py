@@ -620,6 +620,17 @@ def test_long_sequences_plan_a_load_balanced_sequence_split():
     assert short.mesh.describe() == "fsdp 256" and short.per_device_batch == 2 and short.remat == "minimal"
 
 
+def test_no_tpu_mesh_set_up_refuses_is_a_candidate():
+    """qwen3_next with pipeline stages and tensor parallelism together is refused for TPUs (their compiler aborts):
+    the search never offers it there, and still offers stages and tensor apart."""
+    from tessera.tools.plan_meshes import meshes
+
+    cfg = load_model_config("qwen3-next-80b-a3b", ["max_target_length=4096"])
+    sizes = [m.sizes for m in meshes(cfg, parse_hardware("v5p-128"))]
+    assert not [s for s in sizes if s["stage"] > 1 and s["tensor"] > 1]
+    assert [s for s in sizes if s["stage"] > 1] and [s for s in sizes if s["tensor"] > 1]
+
+
 def test_sequence_splits_tried_are_those_splash_serves_balanced():
     """TPU: ways that leave each device >= 1,024 tokens in two whole 128-token parts, and whose query blocks divide a
     part; none without the load balance, none on GPUs."""

@@ -12,6 +12,7 @@ import math
 from typing import Iterator, Sequence
 
 from tessera.config import Config, ConfigError
+from tessera.config.checks import check_tpu_compiler_limits
 from tessera.config.layers import mlp_dim_unused
 from tessera.hardware import GPUS_PER_NODE
 from tessera.tools.estimate import Hardware
@@ -122,4 +123,9 @@ def meshes(cfg: Config, hw: Hardware) -> Iterator[Mesh]:
     per_slice = hw.num_devices // hw.num_slices
     for ici in ici_meshes(cfg, per_slice, sequence_ways(cfg, hw, per_slice)):
         for dcn in dcn_meshes(hw.num_slices):
-            yield Mesh(ici, dcn)
+            mesh = Mesh(ici, dcn)
+            try:  # (meshes set-up refuses for TPUs, as their compiler aborts on them)
+                check_tpu_compiler_limits(cfg.model, "tpu", mesh.sizes)
+            except ConfigError:
+                continue
+            yield mesh
