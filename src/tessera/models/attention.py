@@ -23,6 +23,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from tessera.config import ModelConfig
+from tessera.models import attention_cpu
 from tessera.models.kv_cache import EmptyKVCache, KVCache
 from tessera.models.layers import (RMSNorm, fan_in_std, param, project, rms_normalized, rope_frequencies, rotary_tables,
                                    rotate, soft_cap, yarn_frequencies, yarn_score_scale)
@@ -65,7 +66,8 @@ MAX_CHUNKS = 16  # longer sequences use larger chunks, so the compiled program s
 
 
 def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *, scale: float | None = None,
-                          logits_soft_cap: float = 0.0, window: int = 0, sinks_n=None, chunk: int = 0):
+                          logits_soft_cap: float = 0.0, window: int = 0, sinks_n=None, chunk: int = 0,
+                          packed: bool = True):
     """Reference causal attention with grouped kv heads; tokens attend only within their segment.
 
     `scale` multiplies the scores (default head_dim**-0.5); `logits_soft_cap` > 0 squashes them
@@ -74,7 +76,13 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     it see only the earlier keys of its own chunk of `chunk` positions (index // chunk; Llama 4's
     chunked attention); `sinks_n` [N]
     (attention_sink): a logit per query head that each softmax adds to its denominator, as a
-    key every query sees whose value is zero (gpt-oss).
+    key every query sees whose value is zero (gpt-oss). `packed` False: rows hold one document each, so
+    the segment ids may be left out where that is faster (XLA:CPU's form below; padding then sees the
+    tokens before it, as with cuDNN; the loss never counts padding).
+
+    On XLA:CPU, float32 self-attention without a cap, window, chunks or sinks runs as
+    `attention_cpu.causal_attention`: the same chunks and softmax with a backward pass of its own, in
+    the layouts XLA:CPU multiplies fastest (gradients equal to float32 rounding).
 
     Heads are moved in front of the sequence axes first, so both products are plain batched
     matmuls over (batch, kv head): measured 2x faster forward on CPU than contracting in the
@@ -102,12 +110,15 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     b, t, n, h = q_btnh.shape
     kv_heads = k_bskh.shape[2]
     dtype, attention_chunk = q_btnh.dtype, chunk
+    if traced_platform() == "cpu" and attention_cpu.applies(q_btnh, k_bskh, v_bskh, logits_soft_cap=logits_soft_cap,
+                                                            window=window, chunk=chunk, sinks_n=sinks_n):
+        return attention_cpu.causal_attention(q_btnh, k_bskh, v_bskh, segment_q_bt if packed else None,
+                                              scale=h**-0.5 if scale is None else scale, query_chunk=query_chunk(t))
     if dtype == jnp.bfloat16 and traced_platform() == "cpu":
         q_btnh, k_bskh, v_bskh = (a.astype(jnp.float32) for a in (q_btnh, k_bskh, v_bskh))
     q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
     k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
-    chunk = max(QUERY_CHUNK, t // MAX_CHUNKS)
-    chunk = chunk if t == k_bskh.shape[1] and t % chunk == 0 else t
+    chunk = query_chunk(t) if t == k_bskh.shape[1] else t
     sinks_kg = None if sinks_n is None else sinks_n.reshape(kv_heads, n // kv_heads)
     mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window, dtype, sinks_kg, attention_chunk)
     outs = []
@@ -123,6 +134,13 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
                             segment_k_bs[:, keys_start:keys_end], start - keys_start, *mask_args, k_first=keys_start))
     out_bkgth = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
     return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, t, n, -1)  # values may be narrower than q and k (MLA)
+
+
+def query_chunk(t: int) -> int:
+    """The queries per chunk of causal self-attention over T tokens: QUERY_CHUNK, more for sequences over
+    MAX_CHUNKS chunks, all T when those do not divide it."""
+    chunk = max(QUERY_CHUNK, t // MAX_CHUNKS)
+    return chunk if t % chunk == 0 else t
 
 
 def _attend(q_bkgth, k_bksh, v_bksh, segment_q_bt, segment_k_bs, q_offset: int, scale: float, cap: float,
@@ -390,7 +408,7 @@ class Attention(nnx.Module):
         else:
             ctx = dot_product_attention(q, k, v, segment_ids_bt, segment_ids_bt, scale=self.scale,
                                         logits_soft_cap=self.logits_soft_cap, window=self.window,
-                                        chunk=self.chunk, sinks_n=self.sink_logits())
+                                        chunk=self.chunk, sinks_n=self.sink_logits(), packed=packed)
         return ctx
 
     def sink_logits(self):
