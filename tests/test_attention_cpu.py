@@ -79,7 +79,7 @@ def test_unpacked_rows_leave_padding_out_only_where_it_is_never_read(monkeypatch
 
 @pytest.mark.parametrize("change", [
     dict(dtype=jnp.bfloat16), dict(logits_soft_cap=30.0), dict(window=64), dict(chunk=64), dict(sinks=True),
-    dict(cross=True),
+    dict(cross=True), dict(key_segments=True),
 ])
 def test_the_reference_keeps_what_the_cpu_form_does_not_serve(monkeypatch, change):
     q, k, v, _ = _inputs(1, 256, 4, 2, 8, 8)
@@ -92,7 +92,9 @@ def test_the_reference_keeps_what_the_cpu_form_does_not_serve(monkeypatch, chang
     if change.get("sinks"):
         kw["sinks_n"] = jnp.zeros((4,), jnp.float32)
     monkeypatch.setattr(attention_cpu, "causal_attention", lambda *a, **k: pytest.fail("CPU form used"))
-    seg_k = segments[:, :k.shape[1]]
+    seg_k = segments[:, :k.shape[1]] if change.get("cross") else segments
+    if change.get("key_segments"):  # keys with segment ids of their own: the CPU form reads the queries' only
+        seg_k = jnp.ones((1, 256), jnp.int32)
     jax.jit(lambda q, k, v: dot_product_attention(q, k, v, segments, seg_k, **kw))(q, k, v)
     assert attention_cpu.applies(*(a.astype(jnp.float32) for a in (q, k, v)), logits_soft_cap=0.0, window=0,
                                  chunk=0, sinks_n=None) == (not change.get("cross"))

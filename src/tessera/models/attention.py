@@ -109,18 +109,21 @@ def dot_product_attention(q_btnh, k_bskh, v_bskh, segment_q_bt, segment_k_bs, *,
     """
     b, t, n, h = q_btnh.shape
     kv_heads = k_bskh.shape[2]
-    dtype, attention_chunk = q_btnh.dtype, chunk
-    if traced_platform() == "cpu" and attention_cpu.applies(q_btnh, k_bskh, v_bskh, logits_soft_cap=logits_soft_cap,
-                                                            window=window, chunk=chunk, sinks_n=sinks_n):
+    dtype, attention_chunk, on_cpu = q_btnh.dtype, chunk, traced_platform() == "cpu"
+    scale = h**-0.5 if scale is None else scale
+    # the CPU form reads one set of segment ids for both sides: the queries' must be the keys' (self-attention)
+    same_segments = segment_q_bt is segment_k_bs or not packed
+    if on_cpu and same_segments and attention_cpu.applies(q_btnh, k_bskh, v_bskh, logits_soft_cap=logits_soft_cap,
+                                                           window=window, chunk=chunk, sinks_n=sinks_n):
         return attention_cpu.causal_attention(q_btnh, k_bskh, v_bskh, segment_q_bt if packed else None,
-                                              scale=h**-0.5 if scale is None else scale, query_chunk=query_chunk(t))
-    if dtype == jnp.bfloat16 and traced_platform() == "cpu":
+                                              scale=scale, query_chunk=query_chunk(t))
+    if dtype == jnp.bfloat16 and on_cpu:
         q_btnh, k_bskh, v_bskh = (a.astype(jnp.float32) for a in (q_btnh, k_bskh, v_bskh))
     q_bkgth = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h).transpose(0, 2, 3, 1, 4)
     k_bksh, v_bksh = k_bskh.transpose(0, 2, 1, 3), v_bskh.transpose(0, 2, 1, 3)
     chunk = query_chunk(t) if t == k_bskh.shape[1] else t
     sinks_kg = None if sinks_n is None else sinks_n.reshape(kv_heads, n // kv_heads)
-    mask_args = (h**-0.5 if scale is None else scale, logits_soft_cap, window, dtype, sinks_kg, attention_chunk)
+    mask_args = (scale, logits_soft_cap, window, dtype, sinks_kg, attention_chunk)
     outs = []
     # split, not sliced: the gradient of a split is one concatenation (of slices, a sum of padded copies)
     for start, q_chunk in zip(range(0, t, chunk), jnp.split(q_bkgth, t // chunk, axis=3)):
